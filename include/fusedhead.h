@@ -1,0 +1,193 @@
+/*
+ * fusedhead: language-model head losses computed straight from hidden states and the lm_head weight,
+ * without materializing the [N, V] logits.
+ *
+ * Conventions
+ *   - Every function returns fh_status (FH_OK == 0), except fh_status_string. Nothing aborts or exits.
+ *     On error no output buffer is modified; fh_context_message() tells what was wrong.
+ *   - Sizes and strides are int64_t. Matrices are (pointer, strides) views as in BLIS, so the lm_head
+ *     in [H, V] (flax) and [V, H] (torch nn.Linear.weight) layouts are the same data, zero copies.
+ *   - fp32 storage and GEMMs; per-token statistics and reductions in double.
+ *   - Gradients take an explicit beta: 0 overwrites (even NaN garbage), 1 accumulates.
+ *   - A context holds configuration and the workspace. Calls on one context must not run concurrently;
+ *     separate contexts may be used from separate threads.
+ */
+#ifndef FUSEDHEAD_H
+#define FUSEDHEAD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(FH_BUILDING_LIBRARY)
+#define FH_API __attribute__((visibility("default")))
+#else
+#define FH_API
+#endif
+
+/* ---------------------------------------------------------------------------------------------
+ * Status codes. Values are stable; they are grouped by tens.
+ * ------------------------------------------------------------------------------------------- */
+typedef enum fh_status {
+    FH_OK = 0,
+    /* 1..9: shapes, pointers and strides */
+    FH_ERR_NULL_POINTER = 1,          /* a required pointer is NULL */
+    FH_ERR_INVALID_SIZE = 2,          /* N, H or V is zero or negative */
+    FH_ERR_INVALID_STRIDE = 3,        /* a stride is < 1, or makes elements of a matrix overlap */
+    FH_ERR_SIZE_OVERFLOW = 4,         /* a size or offset product does not fit in 64 bits */
+    FH_ERR_TARGET_OUT_OF_RANGE = 5,   /* a target is outside [0, V) and is not ignore_index */
+    FH_ERR_MISSING_OUTPUT = 6,        /* an output the call needs is NULL (e.g. per-token loss for 'none') */
+    /* 10..19: option values */
+    FH_ERR_INVALID_REDUCTION = 10,
+    FH_ERR_INVALID_LABEL_SMOOTHING = 11, /* outside [0, 1] or not finite */
+    FH_ERR_INVALID_SOFTCAP = 12,         /* negative or not finite (0 disables) */
+    FH_ERR_INVALID_Z_LOSS = 13,          /* negative or not finite (0 disables) */
+    FH_ERR_INVALID_CLASS_WEIGHT = 14,    /* a class weight is negative or not finite */
+    FH_ERR_INVALID_BETA = 15,            /* a gradient beta other than 0 or 1 */
+    FH_ERR_INVALID_GRAD_OUTPUT = 16,     /* the upstream gradient is not finite */
+    /* 20..29: workspace and memory */
+    FH_ERR_WORKSPACE_TOO_SMALL = 20,  /* the caller's workspace is smaller than fh_workspace_size() */
+    FH_ERR_OUT_OF_MEMORY = 21,
+    FH_ERR_BUDGET_TOO_SMALL = 22,     /* the memory budget cannot hold the smallest tile */
+    /* 30..39: context and parameters */
+    FH_ERR_INVALID_PARAM = 30,        /* unknown fh_param */
+    FH_ERR_INVALID_PARAM_VALUE = 31   /* value outside fh_param_bounds() */
+} fh_status;
+
+/* A static, human-readable description of a status; never NULL (unknown values get a generic text). */
+FH_API const char *fh_status_string(fh_status status);
+
+/* ---------------------------------------------------------------------------------------------
+ * Context: configuration, workspace, last error message.
+ * ------------------------------------------------------------------------------------------- */
+typedef struct fh_context fh_context;
+
+typedef enum fh_param {
+    FH_PARAM_THREADS = 0,       /* threads for GEMMs and elementwise work; 0 = all available */
+    FH_PARAM_TILE_ROWS = 1,     /* tokens per tile; 0 = default */
+    FH_PARAM_TILE_VOCAB = 2,    /* vocabulary columns per tile; 0 = default */
+    FH_PARAM_MEMORY_BUDGET = 3  /* max workspace bytes; tiles shrink to fit; 0 = default (64 MiB) */
+} fh_param;
+
+FH_API fh_status fh_context_create(fh_context **ctx);
+/* Frees the context and the workspace it allocated (never a caller's workspace). NULL is accepted. */
+FH_API fh_status fh_context_destroy(fh_context *ctx);
+FH_API fh_status fh_context_set(fh_context *ctx, fh_param param, int64_t value);
+/* The value set (0 = default) for the parameter. */
+FH_API fh_status fh_context_get(const fh_context *ctx, fh_param param, int64_t *value);
+FH_API fh_status fh_param_bounds(fh_param param, int64_t *min_value, int64_t *max_value);
+/* Describes the last error returned by a call on this context ("" after success). Valid until the next
+ * call on the context. */
+FH_API fh_status fh_context_message(const fh_context *ctx, const char **message);
+/* Hands the context a caller-owned workspace; from then on the library never allocates for calls on
+ * this context. NULL/0 returns to library-managed workspace (allocated once, reused across calls). */
+FH_API fh_status fh_context_set_workspace(fh_context *ctx, void *workspace, size_t bytes);
+
+/* ---------------------------------------------------------------------------------------------
+ * BLIS kernel set. Debian's BLIS 0.9.0 does not recognise recent AMD CPUs and falls back to slow
+ * generic kernels. Before BLIS initialises, the library selects the best kernel set the CPU supports
+ * (skx on AVX-512 CPUs) unless the user set BLIS_ARCH_TYPE. Reports what BLIS is using.
+ * ------------------------------------------------------------------------------------------- */
+typedef struct fh_blis_info {
+    const char *kernel_set; /* BLIS's name for the configuration in use: "skx", "haswell", "generic", ... */
+    int selected_by_library; /* 1 if fusedhead chose it, 0 if BLIS did (or the user did) */
+    int user_override;       /* 1 if BLIS_ARCH_TYPE was set in the environment */
+} fh_blis_info;
+
+FH_API fh_status fh_blis_query(fh_blis_info *info);
+
+/* ---------------------------------------------------------------------------------------------
+ * The linear head: hidden states [N, H] times the lm_head weight viewed as [H, V], plus a bias.
+ * ------------------------------------------------------------------------------------------- */
+typedef enum fh_layout {
+    FH_LAYOUT_HV = 0, /* weight stored [H, V] row-major (flax/JAX kernel) */
+    FH_LAYOUT_VH = 1  /* weight stored [V, H] row-major (torch nn.Linear.weight) */
+} fh_layout;
+
+typedef struct fh_linear {
+    int64_t n;          /* tokens (B*T) */
+    int64_t hidden;     /* H */
+    int64_t vocab;      /* V */
+    const float *x;     /* hidden states; element (i, k) at x[i * x_row_stride + k] */
+    int64_t x_row_stride;
+    const float *weight; /* element (k, v) of the [H, V] view at weight[k * w_stride_hidden + v * w_stride_vocab] */
+    int64_t w_stride_hidden;
+    int64_t w_stride_vocab;
+    const float *bias;  /* [V] contiguous, or NULL */
+} fh_linear;
+
+/* Fills a fh_linear for contiguous storage in the given layout. */
+FH_API fh_status fh_linear_init(fh_linear *lin, int64_t n, int64_t hidden, int64_t vocab, const float *x,
+                                const float *weight, fh_layout layout, const float *bias);
+
+/* Gradient outputs. A NULL pointer skips that gradient. dweight uses the weight's strides. */
+typedef struct fh_linear_grads {
+    float *dx;            /* [N, H], element (i, k) at dx[i * dx_row_stride + k] */
+    int64_t dx_row_stride;
+    float dx_beta;        /* 0 overwrites, 1 accumulates */
+    float *dweight;
+    float dweight_beta;
+    float *dbias;         /* [V] */
+    float dbias_beta;
+} fh_linear_grads;
+
+/* ---------------------------------------------------------------------------------------------
+ * Cross-entropy (torch.nn.functional.cross_entropy semantics, plus softcap and z-loss).
+ *
+ *   z_j      = softcap > 0 ? softcap * tanh(u_j / softcap) : u_j,    u = x W + bias
+ *   lse      = log sum_j exp(z_j)
+ *   ce_i     = (1 - eps) w_y (lse - z_y) + (eps / V) sum_j w_j (lse - z_j)     (w = class weights or 1)
+ *   zl_i     = z_loss * lse^2
+ *   mean:    loss = sum_i ce_i / sum_i w_{y_i}  +  sum_i zl_i / count     (over non-ignored tokens)
+ *   sum:     loss = sum_i ce_i + sum_i zl_i
+ *   none:    per_token_loss_i = ce_i + zl_i (0 for ignored tokens)
+ * If every token is ignored the loss is 0 and every gradient is 0 (never NaN).
+ * ------------------------------------------------------------------------------------------- */
+typedef enum fh_reduction {
+    FH_REDUCTION_MEAN = 0,
+    FH_REDUCTION_SUM = 1,
+    FH_REDUCTION_NONE = 2
+} fh_reduction;
+
+typedef struct fh_ce_options {
+    int64_t ignore_index;        /* default -100 */
+    fh_reduction reduction;      /* default mean */
+    double label_smoothing;      /* in [0, 1]; default 0 */
+    const float *class_weights;  /* [V] non-negative, or NULL */
+    double softcap;              /* 0 = off */
+    double z_loss;               /* coefficient of lse^2; 0 = off */
+} fh_ce_options;
+
+FH_API fh_status fh_ce_options_init(fh_ce_options *options);
+
+typedef struct fh_ce_outputs {
+    double *loss;            /* scalar; for 'none' receives the sum of per-token losses. May be NULL. */
+    double *z_loss;          /* the z-loss part of loss, reduced like it. May be NULL. */
+    float *per_token_loss;   /* [N]; required for 'none' */
+    float *per_token_logp;   /* [N] log p(target); 0 for ignored tokens */
+    float *lse;              /* [N] log-sum-exp of the (softcapped) logits; needed by fh_ce_backward */
+    int64_t *argmax;         /* [N] index of the largest logit (lowest index on ties) */
+} fh_ce_outputs;
+
+/* Streaming forward: holds at most one tile of logits. Any output pointer may be NULL except as noted. */
+FH_API fh_status fh_ce_forward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
+                               const fh_ce_options *options, fh_ce_outputs *out);
+
+/* Streaming backward: recomputes each tile from lse (as written by fh_ce_forward).
+ * grad_output: one value for mean/sum, N values for 'none'. */
+FH_API fh_status fh_ce_backward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
+                                const fh_ce_options *options, const float *lse, const float *grad_output,
+                                fh_linear_grads *grads);
+
+/* Workspace bytes that fh_ce_forward/fh_ce_backward need for this shape under the context's settings.
+ * Pure: allocates nothing, changes nothing. */
+FH_API fh_status fh_ce_workspace_size(const fh_context *ctx, const fh_linear *lin,
+                                      const fh_ce_options *options, size_t *bytes);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

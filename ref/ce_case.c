@@ -1,0 +1,268 @@
+/* Inputs are drawn so that logits have a controlled typical magnitude (logit_scale), the regime where
+ * fp32 GEMM rounding is ~sqrt(H) * 2^-24 relative per logit. Tolerances:
+ *   loss: relative 1e-6. Per-token losses carry independent fp32 logit errors of about
+ *     sqrt(H) * 6e-8 * |z| (~1e-6 at H = 129, |z| = 3); the mean averages them down, and the double
+ *     accumulation adds nothing, so 1e-6 on the reduced loss leaves a margin of 10x or more.
+ *   gradients: normwise (Frobenius) relative 1e-5. dU = (p - onehot) scaled, with p = exp(z - lse)
+ *     evaluated in fp32 (relative error ~|z - lse| * 6e-8 plus the logit error), then two fp32 GEMMs
+ *     whose rounding is ~sqrt(K) * 6e-8 normwise; 1e-5 is ~10x above what these add up to. */
+#include "ce_case.h"
+
+#include "ref_ce.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+double ce_uniform(uint64_t *state)
+{
+    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return (double)(z >> 11) * 0x1.0p-53;
+}
+
+void ce_case_spec_default(ce_case_spec *spec)
+{
+    const ce_case_spec d = {.n = 7, .hidden = 5, .vocab = 11, .layout = FH_LAYOUT_HV, .seed = 1};
+    *spec = d;
+}
+
+static void *xcalloc(size_t count, size_t size)
+{
+    return calloc(count ? count : 1, size);
+}
+
+static double *to_double(const float *f, size_t count)
+{
+    double *d = xcalloc(count, sizeof *d);
+    for (size_t i = 0; i < count; i++)
+        d[i] = f[i];
+    return d;
+}
+
+/* Weight element (k, v) in the spec's layout. */
+static size_t widx(const ce_case_spec *s, int64_t k, int64_t v)
+{
+    return (size_t)(s->layout == FH_LAYOUT_HV ? k * s->vocab + v : v * s->hidden + k);
+}
+
+static void make_inputs(const ce_case_spec *s, ce_case *c)
+{
+    const size_t n = (size_t)s->n, h = (size_t)s->hidden, v = (size_t)s->vocab;
+    uint64_t rng = s->seed * 7919 + 17;
+    const double scale = s->logit_scale > 0.0 ? s->logit_scale : 3.0;
+    c->x = xcalloc(n * h, sizeof(float));
+    c->weight = xcalloc(h * v, sizeof(float));
+    c->targets = xcalloc(n, sizeof(int64_t));
+    c->grad_output = xcalloc(n, sizeof(float));
+    for (size_t i = 0; i < n * h; i++)
+        c->x[i] = (float)(2.0 * ce_uniform(&rng) - 1.0);
+    /* x_k ~ U(-1,1) has variance 1/3: scale W so that logits have standard deviation ~scale. */
+    const double wscale = scale * sqrt(3.0 / (double)h) * sqrt(3.0);
+    for (size_t i = 0; i < h * v; i++)
+        c->weight[i] = (float)((2.0 * ce_uniform(&rng) - 1.0) * wscale);
+    if (s->bias) {
+        c->bias = xcalloc(v, sizeof(float));
+        for (size_t j = 0; j < v; j++)
+            c->bias[j] = (float)(ce_uniform(&rng) - 0.5);
+    }
+    if (s->class_weights) {
+        c->class_weights = xcalloc(v, sizeof(float));
+        for (size_t j = 0; j < v; j++)
+            c->class_weights[j] = (float)(0.5 + ce_uniform(&rng));
+    }
+    for (size_t i = 0; i < n; i++) {
+        c->targets[i] = (int64_t)(ce_uniform(&rng) * (double)v);
+        if (ce_uniform(&rng) < s->ignore_frac)
+            c->targets[i] = -100;
+    }
+    for (size_t i = 0; i < n; i++)
+        c->grad_output[i] = (float)(s->reduction == FH_REDUCTION_NONE ? 2.0 * ce_uniform(&rng) - 1.0 : 0.75);
+}
+
+static fh_status run_fused(const ce_case_spec *s, ce_case *c)
+{
+    const size_t n = (size_t)s->n, h = (size_t)s->hidden, v = (size_t)s->vocab;
+    fh_context *ctx = NULL;
+    fh_status st = fh_context_create(&ctx);
+    if (st != FH_OK)
+        return st;
+    fh_context_set(ctx, FH_PARAM_THREADS, s->threads);
+    fh_context_set(ctx, FH_PARAM_TILE_ROWS, s->tile_rows);
+    fh_context_set(ctx, FH_PARAM_TILE_VOCAB, s->tile_vocab);
+    fh_linear lin;
+    fh_linear_init(&lin, s->n, s->hidden, s->vocab, c->x, c->weight, s->layout, c->bias);
+    fh_ce_options o;
+    fh_ce_options_init(&o);
+    o.reduction = s->reduction;
+    o.label_smoothing = s->label_smoothing;
+    o.class_weights = c->class_weights;
+    o.softcap = s->softcap;
+    o.z_loss = s->z_loss;
+    c->per_token_loss = xcalloc(n, sizeof(float));
+    c->logp = xcalloc(n, sizeof(float));
+    c->lse = xcalloc(n, sizeof(float));
+    c->argmax = xcalloc(n, sizeof(int64_t));
+    fh_ce_outputs out = {&c->loss, &c->z_loss, c->per_token_loss, c->logp, c->lse, c->argmax};
+    st = fh_ce_forward(ctx, &lin, c->targets, &o, &out);
+    if (st == FH_OK) {
+        c->dx = xcalloc(n * h, sizeof(float));
+        c->dweight = xcalloc(h * v, sizeof(float));
+        c->dbias = c->bias ? xcalloc(v, sizeof(float)) : NULL;
+        /* beta 0 must ignore NaN garbage; beta 1 must add onto what is there (1.0 everywhere). */
+        const float fill = s->grad_beta != 0.0f ? 1.0f : NAN;
+        for (size_t i = 0; i < n * h; i++)
+            c->dx[i] = fill;
+        for (size_t i = 0; i < h * v; i++)
+            c->dweight[i] = fill;
+        for (size_t j = 0; c->dbias && j < v; j++)
+            c->dbias[j] = fill;
+        fh_linear_grads g = {c->dx, s->hidden, s->grad_beta, c->dweight, s->grad_beta, c->dbias, s->grad_beta};
+        st = fh_ce_backward(ctx, &lin, c->targets, &o, c->lse, c->grad_output, &g);
+    }
+    fh_context_destroy(ctx);
+    return st;
+}
+
+static void run_reference(const ce_case_spec *s, ce_case *c)
+{
+    const size_t n = (size_t)s->n, h = (size_t)s->hidden, v = (size_t)s->vocab;
+    double *x = to_double(c->x, n * h), *w = xcalloc(h * v, sizeof(double));
+    for (int64_t k = 0; k < s->hidden; k++)
+        for (int64_t j = 0; j < s->vocab; j++)
+            w[k * s->vocab + j] = c->weight[widx(s, k, j)];
+    double *b = c->bias ? to_double(c->bias, v) : NULL;
+    double *cw = c->class_weights ? to_double(c->class_weights, v) : NULL;
+    double *g = to_double(c->grad_output, n);
+    const ref_linear lin = {s->n, s->hidden, s->vocab, x, w, b};
+    const ref_ce_options o = {-100, (int)s->reduction, s->label_smoothing, cw, s->softcap, s->z_loss};
+    c->ref_per_token_loss = xcalloc(n, sizeof(double));
+    c->ref_logp = xcalloc(n, sizeof(double));
+    c->ref_lse = xcalloc(n, sizeof(double));
+    c->ref_argmax = xcalloc(n, sizeof(int64_t));
+    ref_ce_result r = {0, 0, c->ref_per_token_loss, c->ref_logp, c->ref_lse, c->ref_argmax};
+    ref_ce_forward(&lin, c->targets, &o, &r);
+    c->ref_loss = r.loss;
+    c->ref_z_loss = r.z_loss;
+    c->ref_dx = xcalloc(n * h, sizeof(double));
+    double *dw_canonical = xcalloc(h * v, sizeof(double));
+    c->ref_dbias = b ? xcalloc(v, sizeof(double)) : NULL;
+    ref_ce_backward(&lin, c->targets, &o, g, c->ref_dx, dw_canonical, c->ref_dbias);
+    c->ref_dweight = xcalloc(h * v, sizeof(double));
+    for (int64_t k = 0; k < s->hidden; k++)
+        for (int64_t j = 0; j < s->vocab; j++)
+            c->ref_dweight[widx(s, k, j)] = dw_canonical[k * s->vocab + j];
+    /* beta 1 accumulated onto 1.0 everywhere. */
+    if (s->grad_beta != 0.0f) {
+        for (size_t i = 0; i < n * h; i++)
+            c->ref_dx[i] += 1.0;
+        for (size_t i = 0; i < h * v; i++)
+            c->ref_dweight[i] += 1.0;
+        for (size_t j = 0; c->ref_dbias && j < v; j++)
+            c->ref_dbias[j] += 1.0;
+    }
+    free(dw_canonical);
+    free(x);
+    free(w);
+    free(b);
+    free(cw);
+    free(g);
+}
+
+typedef struct diff {
+    double max_abs, max_ref, sq_diff, sq_ref;
+} diff;
+
+static diff compare(const float *f, const double *r, size_t count)
+{
+    diff d = {0, 0, 0, 0};
+    for (size_t i = 0; i < count; i++) {
+        const double e = fabs((double)f[i] - r[i]);
+        d.max_abs = e > d.max_abs || isnan(e) ? e : d.max_abs;
+        d.max_ref = fabs(r[i]) > d.max_ref ? fabs(r[i]) : d.max_ref;
+        d.sq_diff += e * e;
+        d.sq_ref += r[i] * r[i];
+    }
+    return d;
+}
+
+/* Relative error with a zero reference defined as the absolute error (all-ignored cases). */
+static double relative(double err, double ref)
+{
+    return ref > 0.0 ? err / ref : err;
+}
+
+/* The reference logit (i, j), for judging near-ties of the argmax. */
+static double logit_in_double(const ce_case_spec *s, const ce_case *c, int64_t i, int64_t j)
+{
+    double u = c->bias ? c->bias[j] : 0.0;
+    for (int64_t k = 0; k < s->hidden; k++)
+        u += (double)c->x[i * s->hidden + k] * c->weight[widx(s, k, j)];
+    return s->softcap > 0.0 ? s->softcap * tanh(u / s->softcap) : u;
+}
+
+static void measure(const ce_case_spec *s, const ce_case *c, ce_metrics *m)
+{
+    const size_t n = (size_t)s->n, h = (size_t)s->hidden, v = (size_t)s->vocab;
+    memset(m, 0, sizeof *m);
+    m->abs_diff_loss = fabs(c->loss - c->ref_loss);
+    m->rel_diff_loss = relative(m->abs_diff_loss, fabs(c->ref_loss));
+    m->abs_diff_z_loss = fabs(c->z_loss - c->ref_z_loss);
+    m->per_token_loss_max_abs = compare(c->per_token_loss, c->ref_per_token_loss, n).max_abs;
+    m->logp_max_abs = compare(c->logp, c->ref_logp, n).max_abs;
+    m->lse_max_abs = compare(c->lse, c->ref_lse, n).max_abs;
+    const diff dx = compare(c->dx, c->ref_dx, n * h), dw = compare(c->dweight, c->ref_dweight, h * v);
+    m->dhidden_max_abs = dx.max_abs;
+    m->dhidden_max_rel = relative(dx.max_abs, dx.max_ref);
+    m->dhidden_norm_rel = relative(sqrt(dx.sq_diff), sqrt(dx.sq_ref));
+    m->dweight_max_abs = dw.max_abs;
+    m->dweight_max_rel = relative(dw.max_abs, dw.max_ref);
+    m->dweight_norm_rel = relative(sqrt(dw.sq_diff), sqrt(dw.sq_ref));
+    if (c->dbias) {
+        const diff db = compare(c->dbias, c->ref_dbias, v);
+        m->dbias_norm_rel = relative(sqrt(db.sq_diff), sqrt(db.sq_ref));
+    }
+    /* The fused argmax must be a maximal logit up to fp32 rounding: near-ties may break either way. */
+    for (size_t i = 0; i < n; i++) {
+        const int64_t a = c->argmax[i];
+        if (a < 0 || a >= s->vocab)
+            m->argmax_mismatches++;
+        else if (a != c->ref_argmax[i]) {
+            const double za = logit_in_double(s, c, (int64_t)i, a), zr = logit_in_double(s, c, (int64_t)i, c->ref_argmax[i]);
+            if (za < zr - 1e-5 * (1.0 + fabs(zr)))
+                m->argmax_mismatches++;
+        }
+    }
+}
+
+int ce_metrics_pass(const ce_metrics *m)
+{
+    return m->rel_diff_loss <= CE_LOSS_REL_TOL && m->dhidden_norm_rel <= CE_GRAD_NORM_REL_TOL &&
+           m->dweight_norm_rel <= CE_GRAD_NORM_REL_TOL && m->dbias_norm_rel <= CE_GRAD_NORM_REL_TOL &&
+           m->argmax_mismatches == 0;
+}
+
+fh_status ce_case_run(const ce_case_spec *spec, ce_case *c, ce_metrics *m)
+{
+    memset(c, 0, sizeof *c);
+    c->spec = *spec;
+    make_inputs(spec, c);
+    const fh_status st = run_fused(spec, c);
+    if (st != FH_OK)
+        return st;
+    run_reference(spec, c);
+    measure(spec, c, m);
+    return FH_OK;
+}
+
+void ce_case_free(ce_case *c)
+{
+    void *p[] = {c->x, c->weight, c->bias, c->class_weights, c->grad_output, c->targets, c->per_token_loss,
+                 c->logp, c->lse, c->dx, c->dweight, c->dbias, c->argmax, c->ref_per_token_loss, c->ref_logp,
+                 c->ref_lse, c->ref_dx, c->ref_dweight, c->ref_dbias, c->ref_argmax};
+    for (size_t i = 0; i < sizeof p / sizeof p[0]; i++)
+        free(p[i]);
+    memset(c, 0, sizeof *c);
+}

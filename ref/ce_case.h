@@ -1,0 +1,67 @@
+/* One cross-entropy check: random inputs from a spec, the fused library's outputs, the reference's,
+ * and the differences between them. Shared by the CUnit suites and fh_gradcheck. */
+#ifndef FH_CE_CASE_H
+#define FH_CE_CASE_H
+
+#include "fusedhead.h"
+
+typedef struct ce_case_spec {
+    int64_t n, hidden, vocab;
+    fh_layout layout;
+    int bias;
+    double ignore_frac;
+    double label_smoothing;
+    int class_weights;
+    double softcap;
+    double z_loss;
+    fh_reduction reduction;
+    int threads;          /* 0 = library default */
+    uint64_t seed;
+    double logit_scale;   /* typical |logit|; 0 means 3 */
+    int64_t tile_rows, tile_vocab; /* 0 = library default */
+    float grad_beta;      /* 0: gradients overwrite NaN-filled buffers; 1: accumulate onto known values */
+} ce_case_spec;
+
+/* Sets every field to a small default case (mean reduction, no options). */
+void ce_case_spec_default(ce_case_spec *spec);
+
+typedef struct ce_case {
+    ce_case_spec spec;
+    /* inputs */
+    float *x, *weight, *bias, *class_weights, *grad_output;
+    int64_t *targets;
+    /* fused outputs */
+    double loss, z_loss;
+    float *per_token_loss, *logp, *lse, *dx, *dweight, *dbias;
+    int64_t *argmax;
+    /* reference outputs (dweight in the same layout as weight) */
+    double ref_loss, ref_z_loss;
+    double *ref_per_token_loss, *ref_logp, *ref_lse, *ref_dx, *ref_dweight, *ref_dbias;
+    int64_t *ref_argmax;
+} ce_case;
+
+typedef struct ce_metrics {
+    double abs_diff_loss, rel_diff_loss, abs_diff_z_loss;
+    double per_token_loss_max_abs, logp_max_abs, lse_max_abs;
+    double dhidden_max_abs, dhidden_max_rel, dhidden_norm_rel;
+    double dweight_max_abs, dweight_max_rel, dweight_norm_rel;
+    double dbias_norm_rel;
+    int64_t argmax_mismatches; /* rows whose fused argmax is not a (near-)maximal reference logit */
+} ce_metrics;
+
+/* Tolerances, justified in ce_case.c. */
+#define CE_LOSS_REL_TOL 1e-6
+#define CE_GRAD_NORM_REL_TOL 1e-5
+
+/* Runs the case. Returns FH_OK, or the library's status (then the case holds only its inputs). */
+fh_status ce_case_run(const ce_case_spec *spec, ce_case *c, ce_metrics *m);
+
+/* 1 when every metric is within tolerance. */
+int ce_metrics_pass(const ce_metrics *m);
+
+void ce_case_free(ce_case *c);
+
+/* Deterministic uniform random numbers in [0, 1) (splitmix64). */
+double ce_uniform(uint64_t *state);
+
+#endif

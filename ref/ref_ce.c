@@ -1,0 +1,174 @@
+/* The reference: logits = cap(x W + b), log-softmax, torch's formulas, all in double, all materialized. */
+#include "ref_ce.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+/* u[i][j] = x_i . W[:, j] + b_j, then z = cap(u). Also returns dz/du if dzdu != NULL. */
+static double *logits(const ref_linear *lin, const ref_ce_options *o, double **dzdu)
+{
+    const int64_t n = lin->n, h = lin->hidden, v = lin->vocab;
+    double *z = malloc(sizeof(double) * (size_t)(n * v));
+    double *d = dzdu ? malloc(sizeof(double) * (size_t)(n * v)) : NULL;
+    if (!z || (dzdu && !d)) {
+        free(z);
+        free(d);
+        return NULL;
+    }
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t j = 0; j < v; j++) {
+            double u = lin->bias ? lin->bias[j] : 0.0;
+            for (int64_t k = 0; k < h; k++)
+                u += lin->x[i * h + k] * lin->weight[k * v + j];
+            double zij = u, dij = 1.0;
+            if (o->softcap > 0.0) {
+                const double t = tanh(u / o->softcap);
+                zij = o->softcap * t;
+                dij = 1.0 - t * t;
+            }
+            z[i * v + j] = zij;
+            if (d)
+                d[i * v + j] = dij;
+        }
+    if (dzdu)
+        *dzdu = d;
+    return z;
+}
+
+static double row_lse(const double *z, int64_t v)
+{
+    double m = -INFINITY;
+    for (int64_t j = 0; j < v; j++)
+        if (z[j] > m)
+            m = z[j];
+    double s = 0.0;
+    for (int64_t j = 0; j < v; j++)
+        s += exp(z[j] - m);
+    return m + log(s);
+}
+
+static double weight_of(const ref_ce_options *o, int64_t j)
+{
+    return o->class_weights ? o->class_weights[j] : 1.0;
+}
+
+/* Mean denominators: sum of the targets' weights (CE part), count of non-ignored tokens (z-loss). */
+static void denominators(const ref_linear *lin, const int64_t *t, const ref_ce_options *o, double *wsum,
+                         double *count)
+{
+    *wsum = *count = 0.0;
+    for (int64_t i = 0; i < lin->n; i++)
+        if (t[i] != o->ignore_index) {
+            *wsum += weight_of(o, t[i]);
+            *count += 1.0;
+        }
+}
+
+int ref_ce_forward(const ref_linear *lin, const int64_t *t, const ref_ce_options *o, ref_ce_result *r)
+{
+    const int64_t n = lin->n, v = lin->vocab;
+    double *z = logits(lin, o, NULL);
+    if (!z)
+        return -1;
+    const double eps = o->label_smoothing;
+    double ce_sum = 0.0, zl_sum = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        const double *zi = z + i * v;
+        const double lse = row_lse(zi, v);
+        int64_t am = 0;
+        for (int64_t j = 1; j < v; j++)
+            if (zi[j] > zi[am])
+                am = j;
+        double ce = 0.0, zl = 0.0, logp = 0.0;
+        if (t[i] != o->ignore_index) {
+            logp = zi[t[i]] - lse;
+            ce = -(1.0 - eps) * weight_of(o, t[i]) * logp;
+            for (int64_t j = 0; j < v; j++)
+                ce -= eps / (double)v * weight_of(o, j) * (zi[j] - lse);
+            zl = o->z_loss * lse * lse;
+        }
+        ce_sum += ce;
+        zl_sum += zl;
+        if (r->per_token_loss)
+            r->per_token_loss[i] = ce + zl;
+        if (r->logp)
+            r->logp[i] = logp;
+        if (r->lse)
+            r->lse[i] = lse;
+        if (r->argmax)
+            r->argmax[i] = am;
+    }
+    if (o->reduction == 0) {
+        double wsum, count;
+        denominators(lin, t, o, &wsum, &count);
+        ce_sum = wsum > 0.0 ? ce_sum / wsum : 0.0;
+        zl_sum = count > 0.0 ? zl_sum / count : 0.0;
+    }
+    r->loss = ce_sum + zl_sum;
+    r->z_loss = zl_sum;
+    free(z);
+    return 0;
+}
+
+int ref_ce_backward(const ref_linear *lin, const int64_t *t, const ref_ce_options *o, const double *grad_output,
+                    double *dx, double *dweight, double *dbias)
+{
+    const int64_t n = lin->n, h = lin->hidden, v = lin->vocab;
+    double *dzdu = NULL;
+    double *z = logits(lin, o, &dzdu);
+    if (!z)
+        return -1;
+    double wsum, count;
+    denominators(lin, t, o, &wsum, &count);
+    const double eps = o->label_smoothing;
+    /* Overwrite z with du = d loss / d u, row by row. */
+    for (int64_t i = 0; i < n; i++) {
+        double *zi = z + i * v;
+        const double lse = row_lse(zi, v);
+        if (t[i] == o->ignore_index) {
+            for (int64_t j = 0; j < v; j++)
+                zi[j] = 0.0;
+            continue;
+        }
+        const double g = o->reduction == 2 ? grad_output[i] : grad_output[0];
+        const double g_ce = o->reduction == 0 ? (wsum > 0.0 ? g / wsum : 0.0) : g;
+        const double g_z = o->reduction == 0 ? (count > 0.0 ? g / count : 0.0) : g;
+        double wtotal = 0.0;
+        for (int64_t j = 0; j < v; j++)
+            wtotal += weight_of(o, j);
+        for (int64_t j = 0; j < v; j++) {
+            const double p = exp(zi[j] - lse);
+            const double onehot = j == t[i] ? 1.0 : 0.0;
+            const double dce = (1.0 - eps) * weight_of(o, t[i]) * (p - onehot) +
+                               eps / (double)v * (wtotal * p - weight_of(o, j));
+            const double dzl = 2.0 * o->z_loss * lse * p;
+            zi[j] = (g_ce * dce + g_z * dzl) * dzdu[i * v + j];
+        }
+    }
+    if (dx)
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t k = 0; k < h; k++) {
+                double s = 0.0;
+                for (int64_t j = 0; j < v; j++)
+                    s += z[i * v + j] * lin->weight[k * v + j];
+                dx[i * h + k] = s;
+            }
+    if (dweight)
+        for (int64_t k = 0; k < h; k++)
+            for (int64_t j = 0; j < v; j++) {
+                double s = 0.0;
+                for (int64_t i = 0; i < n; i++)
+                    s += lin->x[i * h + k] * z[i * v + j];
+                dweight[k * v + j] = s;
+            }
+    if (dbias)
+        for (int64_t j = 0; j < v; j++) {
+            double s = 0.0;
+            for (int64_t i = 0; i < n; i++)
+                s += z[i * v + j];
+            dbias[j] = s;
+        }
+    free(z);
+    free(dzdu);
+    return 0;
+}

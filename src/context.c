@@ -1,0 +1,147 @@
+/* Context: parameters, workspace ownership, last error message. */
+#include "context.h"
+
+#include <omp.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#define FH_PARAM_COUNT 4
+#define FH_DEFAULT_BUDGET ((int64_t)64 << 20)
+#define FH_WORKSPACE_ALIGN 64
+
+static const int64_t param_min[FH_PARAM_COUNT] = {0, 0, 0, 0};
+static const int64_t param_max[FH_PARAM_COUNT] = {1024, (int64_t)1 << 24, (int64_t)1 << 30,
+                                                  (int64_t)1 << 50};
+
+fh_status fh_fail(fh_context *ctx, fh_status status, const char *format, ...)
+{
+    if (ctx) {
+        va_list args;
+        va_start(args, format);
+        vsnprintf(ctx->message, sizeof ctx->message, format, args);
+        va_end(args);
+    }
+    return status;
+}
+
+void fh_clear_message(fh_context *ctx)
+{
+    if (ctx)
+        ctx->message[0] = '\0';
+}
+
+int fh_threads(const fh_context *ctx)
+{
+    const int64_t t = ctx->params[FH_PARAM_THREADS];
+    return t > 0 ? (int)t : omp_get_num_procs();
+}
+
+int64_t fh_budget_bytes(const fh_context *ctx)
+{
+    const int64_t b = ctx->params[FH_PARAM_MEMORY_BUDGET];
+    return b > 0 ? b : FH_DEFAULT_BUDGET;
+}
+
+FH_API fh_status fh_context_create(fh_context **ctx)
+{
+    if (!ctx)
+        return FH_ERR_NULL_POINTER;
+    fh_context *c = calloc(1, sizeof *c);
+    if (!c)
+        return FH_ERR_OUT_OF_MEMORY;
+    *ctx = c;
+    return FH_OK;
+}
+
+FH_API fh_status fh_context_destroy(fh_context *ctx)
+{
+    if (ctx) {
+        if (!ctx->workspace_is_callers)
+            free(ctx->workspace);
+        free(ctx);
+    }
+    return FH_OK;
+}
+
+FH_API fh_status fh_param_bounds(fh_param param, int64_t *min_value, int64_t *max_value)
+{
+    if (!min_value || !max_value)
+        return FH_ERR_NULL_POINTER;
+    if ((unsigned)param >= FH_PARAM_COUNT)
+        return FH_ERR_INVALID_PARAM;
+    *min_value = param_min[param];
+    *max_value = param_max[param];
+    return FH_OK;
+}
+
+FH_API fh_status fh_context_set(fh_context *ctx, fh_param param, int64_t value)
+{
+    if (!ctx)
+        return FH_ERR_NULL_POINTER;
+    fh_clear_message(ctx);
+    if ((unsigned)param >= FH_PARAM_COUNT)
+        return fh_fail(ctx, FH_ERR_INVALID_PARAM, "unknown parameter %d", (int)param);
+    if (value < param_min[param] || value > param_max[param])
+        return fh_fail(ctx, FH_ERR_INVALID_PARAM_VALUE, "parameter %d: %lld is outside [%lld, %lld]",
+                       (int)param, (long long)value, (long long)param_min[param],
+                       (long long)param_max[param]);
+    ctx->params[param] = value;
+    return FH_OK;
+}
+
+FH_API fh_status fh_context_get(const fh_context *ctx, fh_param param, int64_t *value)
+{
+    if (!ctx || !value)
+        return FH_ERR_NULL_POINTER;
+    if ((unsigned)param >= FH_PARAM_COUNT)
+        return FH_ERR_INVALID_PARAM;
+    *value = ctx->params[param];
+    return FH_OK;
+}
+
+FH_API fh_status fh_context_message(const fh_context *ctx, const char **message)
+{
+    if (!ctx || !message)
+        return FH_ERR_NULL_POINTER;
+    *message = ctx->message;
+    return FH_OK;
+}
+
+FH_API fh_status fh_context_set_workspace(fh_context *ctx, void *workspace, size_t bytes)
+{
+    if (!ctx)
+        return FH_ERR_NULL_POINTER;
+    fh_clear_message(ctx);
+    if (!workspace && bytes > 0)
+        return fh_fail(ctx, FH_ERR_NULL_POINTER, "workspace is NULL but bytes = %zu", bytes);
+    if (!ctx->workspace_is_callers)
+        free(ctx->workspace);
+    ctx->workspace = workspace;
+    ctx->workspace_bytes = workspace ? bytes : 0;
+    ctx->workspace_is_callers = workspace != NULL;
+    return FH_OK;
+}
+
+fh_status fh_acquire_workspace(fh_context *ctx, size_t bytes, void **workspace)
+{
+    if (ctx->workspace_is_callers) {
+        if (ctx->workspace_bytes < bytes)
+            return fh_fail(ctx, FH_ERR_WORKSPACE_TOO_SMALL,
+                           "the caller's workspace has %zu bytes; this call needs %zu",
+                           ctx->workspace_bytes, bytes);
+        *workspace = ctx->workspace;
+        return FH_OK;
+    }
+    if (ctx->workspace_bytes < bytes) {
+        const size_t rounded = (bytes + FH_WORKSPACE_ALIGN - 1) / FH_WORKSPACE_ALIGN * FH_WORKSPACE_ALIGN;
+        void *fresh = aligned_alloc(FH_WORKSPACE_ALIGN, rounded);
+        if (!fresh)
+            return fh_fail(ctx, FH_ERR_OUT_OF_MEMORY, "could not allocate %zu bytes of workspace", bytes);
+        free(ctx->workspace);
+        ctx->workspace = fresh;
+        ctx->workspace_bytes = rounded;
+    }
+    *workspace = ctx->workspace;
+    return FH_OK;
+}

@@ -1,0 +1,33 @@
+/* The context object and the helpers every entry point uses to report errors. */
+#ifndef FH_CONTEXT_H
+#define FH_CONTEXT_H
+
+#include "fusedhead.h"
+
+#define FH_MESSAGE_CAPACITY 256
+
+struct fh_context {
+    int64_t params[4];          /* indexed by fh_param; 0 = default */
+    void *workspace;            /* caller's or ours */
+    size_t workspace_bytes;
+    int workspace_is_callers;
+    char message[FH_MESSAGE_CAPACITY];
+};
+
+/* Records a formatted message on ctx (if not NULL) and returns status, so that checks read
+ * `return fh_fail(ctx, FH_ERR_..., "targets[%lld] = ...", ...)`. */
+fh_status fh_fail(fh_context *ctx, fh_status status, const char *format, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* Clears the message at the start of an entry point. */
+void fh_clear_message(fh_context *ctx);
+
+/* Effective values of the parameters (defaults resolved). */
+int fh_threads(const fh_context *ctx);
+int64_t fh_budget_bytes(const fh_context *ctx);
+
+/* Returns a workspace of at least `bytes`: the caller's (FH_ERR_WORKSPACE_TOO_SMALL if short) or the
+ * context's own, grown (and kept for reuse) when needed. */
+fh_status fh_acquire_workspace(fh_context *ctx, size_t bytes, void **workspace);
+
+#endif

@@ -1,0 +1,129 @@
+/* Tile loops. Both passes walk vocabulary tiles in the outer loop and token blocks in the inner one:
+ * a dweight tile (H x tile_vocab) is finished before moving on, so the H x V accumulator is written
+ * once per row block of its own tile and never revisited; dx (N x H, usually the smaller) is the one
+ * re-accumulated per vocabulary tile. */
+#include "engine.h"
+
+#include "blis_kernels.h"
+#include "tile_kernels.h"
+
+#include <math.h>
+
+static int64_t min64(int64_t a, int64_t b)
+{
+    return a < b ? a : b;
+}
+
+/* Column of row i's target within the tile starting at v0; -1 when there is none in [0, V). */
+static int64_t target_column(const int64_t *targets, int64_t i, int64_t vocab, int64_t v0)
+{
+    if (!targets || targets[i] < 0 || targets[i] >= vocab)
+        return -1;
+    return targets[i] - v0;
+}
+
+/* tile[nb x vb] = transform(X[i0:i0+nb, :] W[:, v0:v0+vb] + bias[v0:]) */
+static void compute_logits(const fh_context *ctx, const fh_linear *lin, const fh_transform *tf, float *tile,
+                           int64_t i0, int64_t nb, int64_t v0, int64_t vb)
+{
+    const int threads = fh_threads(ctx);
+    fh_sgemm(nb, vb, lin->hidden, lin->x + i0 * lin->x_row_stride, lin->x_row_stride, 1,
+             lin->weight + v0 * lin->w_stride_vocab, lin->w_stride_hidden, lin->w_stride_vocab, 0.0f, tile, vb,
+             1, threads);
+    const float *bias = lin->bias ? lin->bias + v0 : NULL;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < nb; r++)
+        fh_row_transform(tile + r * vb, vb, bias, tf);
+}
+
+void fh_engine_forward(const fh_context *ctx, const fh_plan *plan, const fh_workspace *ws,
+                       const fh_linear *lin, const fh_transform *tf, const int64_t *targets,
+                       const float *class_weights, const fh_row_stats *stats)
+{
+    const int64_t n = lin->n, vocab = lin->vocab;
+    const int threads = fh_threads(ctx);
+    const int want_weighted_sum = stats->sum_weighted_z != NULL;
+    /* lse holds the running max until the end. */
+    for (int64_t i = 0; i < n; i++) {
+        stats->lse[i] = -INFINITY;
+        stats->sum_exp_scratch[i] = 0.0;
+        stats->z_target[i] = 0.0;
+        if (want_weighted_sum)
+            stats->sum_weighted_z[i] = 0.0;
+        if (stats->argmax)
+            stats->argmax[i] = 0;
+    }
+    for (int64_t v0 = 0; v0 < vocab; v0 += plan->tile_vocab) {
+        const int64_t vb = min64(plan->tile_vocab, vocab - v0);
+        const float *weights = class_weights ? class_weights + v0 : NULL;
+        for (int64_t i0 = 0; i0 < n; i0 += plan->tile_rows) {
+            const int64_t nb = min64(plan->tile_rows, n - i0);
+            compute_logits(ctx, lin, tf, ws->tile, i0, nb, v0, vb);
+#pragma omp parallel for num_threads(threads) schedule(static)
+            for (int64_t r = 0; r < nb; r++) {
+                const int64_t i = i0 + r;
+                fh_row_state st = {stats->lse[i], stats->sum_exp_scratch[i], stats->z_target[i],
+                                   want_weighted_sum ? stats->sum_weighted_z[i] : 0.0,
+                                   stats->argmax ? stats->argmax[i] : 0};
+                fh_row_fold(ws->tile + r * vb, vb, v0, target_column(targets, i, vocab, v0), weights,
+                            want_weighted_sum, &st);
+                stats->lse[i] = st.max;
+                stats->sum_exp_scratch[i] = st.sum_exp;
+                stats->z_target[i] = st.z_target;
+                if (want_weighted_sum)
+                    stats->sum_weighted_z[i] = st.sum_weighted_z;
+                if (stats->argmax)
+                    stats->argmax[i] = st.argmax;
+            }
+        }
+    }
+    for (int64_t i = 0; i < n; i++)
+        stats->lse[i] += log(stats->sum_exp_scratch[i]);
+}
+
+void fh_engine_backward(const fh_context *ctx, const fh_plan *plan, const fh_workspace *ws,
+                        const fh_linear *lin, const fh_transform *tf, const int64_t *targets,
+                        const float *class_weights, const fh_row_coefs *coefs, const fh_linear_grads *grads)
+{
+    const int64_t n = lin->n, vocab = lin->vocab, hidden = lin->hidden;
+    const int threads = fh_threads(ctx);
+    for (int64_t v0 = 0; v0 < vocab; v0 += plan->tile_vocab) {
+        const int64_t vb = min64(plan->tile_vocab, vocab - v0);
+        const float *weights = class_weights ? class_weights + v0 : NULL;
+        if (grads->dbias)
+            for (int64_t j = 0; j < vb; j++)
+                ws->column[j] = 0.0;
+        for (int64_t i0 = 0; i0 < n; i0 += plan->tile_rows) {
+            const int64_t nb = min64(plan->tile_rows, n - i0);
+            float *tile = ws->tile;
+            compute_logits(ctx, lin, tf, tile, i0, nb, v0, vb);
+#pragma omp parallel for num_threads(threads) schedule(static)
+            for (int64_t r = 0; r < nb; r++) {
+                const int64_t i = i0 + r;
+                fh_row_gradient(tile + r * vb, vb, target_column(targets, i, vocab, v0), weights, coefs->lse[i],
+                                coefs->a[i], coefs->b[i], coefs->c[i], tf);
+            }
+            if (grads->dbias) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+                for (int64_t j = 0; j < vb; j++) {
+                    double s = 0.0;
+                    for (int64_t r = 0; r < nb; r++)
+                        s += tile[r * vb + j];
+                    ws->column[j] += s;
+                }
+            }
+            if (grads->dx)
+                fh_sgemm(nb, hidden, vb, tile, vb, 1, lin->weight + v0 * lin->w_stride_vocab, lin->w_stride_vocab,
+                         lin->w_stride_hidden, v0 == 0 ? grads->dx_beta : 1.0f,
+                         grads->dx + i0 * grads->dx_row_stride, grads->dx_row_stride, 1, threads);
+            if (grads->dweight)
+                fh_sgemm(hidden, vb, nb, lin->x + i0 * lin->x_row_stride, 1, lin->x_row_stride, tile, vb, 1,
+                         i0 == 0 ? grads->dweight_beta : 1.0f, grads->dweight + v0 * lin->w_stride_vocab,
+                         lin->w_stride_hidden, lin->w_stride_vocab, threads);
+        }
+        if (grads->dbias)
+            for (int64_t j = 0; j < vb; j++)
+                grads->dbias[v0 + j] = (float)(grads->dbias_beta != 0.0f ? grads->dbias[v0 + j] + ws->column[j]
+                                                                         : ws->column[j]);
+    }
+}

@@ -1,0 +1,42 @@
+/* The engine: streams vocabulary tiles of Z = transform(X W + bias) through BLIS and either folds them
+ * into per-token statistics (forward) or turns them into dZ from per-token coefficients and
+ * accumulates the gradient GEMMs (backward). Heads never touch tiles; the engine knows no loss. */
+#ifndef FH_ENGINE_H
+#define FH_ENGINE_H
+
+#include "plan.h"
+
+/* Elementwise transform of the raw logits u: z = cap(u) * inv_temperature, cap(u) = c tanh(u / c)
+ * when softcap c > 0, else u. */
+typedef struct fh_transform {
+    float softcap;
+    float inv_temperature;
+} fh_transform;
+
+/* Per-token statistics of the transformed logits row. Arrays of n; optional ones may be NULL. */
+typedef struct fh_row_stats {
+    double *lse;              /* log sum_j exp(z_j) */
+    double *z_target;         /* z at targets[i] when 0 <= targets[i] < V (else untouched) */
+    double *sum_weighted_z;   /* optional: sum_j w_j z_j (w = class_weights, or 1) */
+    double *sum_exp_scratch;  /* running sum of exps, needed while streaming */
+    int64_t *argmax;          /* optional: lowest index of the largest z */
+} fh_row_stats;
+
+/* Backward coefficients: dZ_ij = a_i p_ij + b_i [j = y_i] + c_i w_j, with p = softmax(z) from lse;
+ * then dU = dZ * dz/du. Arrays of n. */
+typedef struct fh_row_coefs {
+    const double *lse;
+    const double *a;
+    const double *b;
+    const double *c;
+} fh_row_coefs;
+
+void fh_engine_forward(const fh_context *ctx, const fh_plan *plan, const fh_workspace *ws,
+                       const fh_linear *lin, const fh_transform *tf, const int64_t *targets,
+                       const float *class_weights, const fh_row_stats *stats);
+
+void fh_engine_backward(const fh_context *ctx, const fh_plan *plan, const fh_workspace *ws,
+                        const fh_linear *lin, const fh_transform *tf, const int64_t *targets,
+                        const float *class_weights, const fh_row_coefs *coefs, const fh_linear_grads *grads);
+
+#endif

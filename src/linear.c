@@ -1,0 +1,93 @@
+/* The linear head's shape, strides and overflow checks. */
+#include "linear.h"
+
+FH_API fh_status fh_linear_init(fh_linear *lin, int64_t n, int64_t hidden, int64_t vocab, const float *x,
+                                const float *weight, fh_layout layout, const float *bias)
+{
+    if (!lin)
+        return FH_ERR_NULL_POINTER;
+    if (layout != FH_LAYOUT_HV && layout != FH_LAYOUT_VH)
+        return FH_ERR_INVALID_STRIDE;
+    fh_linear l = {n, hidden, vocab, x, hidden, weight, 0, 0, bias};
+    l.w_stride_hidden = layout == FH_LAYOUT_HV ? vocab : 1;
+    l.w_stride_vocab = layout == FH_LAYOUT_HV ? 1 : hidden;
+    *lin = l;
+    return FH_OK;
+}
+
+/* Offset of the last element of a rows x cols view, or -1 on overflow. */
+static int64_t last_offset(int64_t rows, int64_t cols, int64_t row_stride, int64_t col_stride)
+{
+    int64_t a, b, s;
+    if (__builtin_mul_overflow(rows - 1, row_stride, &a) || __builtin_mul_overflow(cols - 1, col_stride, &b) ||
+        __builtin_add_overflow(a, b, &s))
+        return -1;
+    return s;
+}
+
+/* Strides >= 1 whose elements do not overlap: the larger stride must step over the whole extent of
+ * the smaller one (a dimension of size 1 never steps). */
+static int strides_disjoint(int64_t rows, int64_t cols, int64_t row_stride, int64_t col_stride)
+{
+    if (row_stride < 1 || col_stride < 1)
+        return 0;
+    if (rows == 1 || cols == 1)
+        return 1;
+    const int row_outer = row_stride >= col_stride;
+    const int64_t inner_stride = row_outer ? col_stride : row_stride;
+    const int64_t inner_count = row_outer ? cols : rows;
+    const int64_t outer_stride = row_outer ? row_stride : col_stride;
+    return outer_stride / inner_count >= inner_stride;
+}
+
+static fh_status check_matrix(fh_context *ctx, const char *name, int64_t rows, int64_t cols,
+                              int64_t row_stride, int64_t col_stride)
+{
+    if (!strides_disjoint(rows, cols, row_stride, col_stride))
+        return fh_fail(ctx, FH_ERR_INVALID_STRIDE,
+                       "%s: strides (%lld, %lld) for a %lld x %lld view are < 1 or make elements overlap", name,
+                       (long long)row_stride, (long long)col_stride, (long long)rows, (long long)cols);
+    if (last_offset(rows, cols, row_stride, col_stride) < 0)
+        return fh_fail(ctx, FH_ERR_SIZE_OVERFLOW, "%s: the last element's offset overflows 64 bits", name);
+    return FH_OK;
+}
+
+fh_status fh_check_linear(fh_context *ctx, const fh_linear *lin)
+{
+    if (!lin)
+        return fh_fail(ctx, FH_ERR_NULL_POINTER, "the fh_linear description is NULL");
+    if (!lin->x || !lin->weight)
+        return fh_fail(ctx, FH_ERR_NULL_POINTER, "%s is NULL", !lin->x ? "x (hidden states)" : "weight");
+    if (lin->n < 1 || lin->hidden < 1 || lin->vocab < 1)
+        return fh_fail(ctx, FH_ERR_INVALID_SIZE, "sizes must be >= 1: n = %lld, hidden = %lld, vocab = %lld",
+                       (long long)lin->n, (long long)lin->hidden, (long long)lin->vocab);
+    int64_t product;
+    if (__builtin_mul_overflow(lin->n, lin->vocab, &product) ||
+        __builtin_mul_overflow(lin->hidden, lin->vocab, &product) ||
+        __builtin_mul_overflow(lin->n, lin->hidden, &product))
+        return fh_fail(ctx, FH_ERR_SIZE_OVERFLOW, "n, hidden and vocab products overflow 64 bits");
+    fh_status st = check_matrix(ctx, "x", lin->n, lin->hidden, lin->x_row_stride, 1);
+    if (st == FH_OK)
+        st = check_matrix(ctx, "weight", lin->hidden, lin->vocab, lin->w_stride_hidden, lin->w_stride_vocab);
+    return st;
+}
+
+fh_status fh_check_grads(fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads)
+{
+    if (!grads)
+        return fh_fail(ctx, FH_ERR_NULL_POINTER, "the fh_linear_grads description is NULL");
+    const float betas[3] = {grads->dx_beta, grads->dweight_beta, grads->dbias_beta};
+    const char *names[3] = {"dx_beta", "dweight_beta", "dbias_beta"};
+    for (int k = 0; k < 3; k++)
+        if (betas[k] != 0.0f && betas[k] != 1.0f)
+            return fh_fail(ctx, FH_ERR_INVALID_BETA, "%s = %g: must be 0 (overwrite) or 1 (accumulate)",
+                           names[k], (double)betas[k]);
+    if (grads->dx) {
+        const fh_status st = check_matrix(ctx, "dx", lin->n, lin->hidden, grads->dx_row_stride, 1);
+        if (st != FH_OK)
+            return st;
+    }
+    if (grads->dbias && !lin->bias)
+        return fh_fail(ctx, FH_ERR_NULL_POINTER, "dbias requested but the linear head has no bias");
+    return FH_OK;
+}

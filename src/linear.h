@@ -1,0 +1,10 @@
+/* Validation of the linear-head description and of gradient outputs, shared by every head. */
+#ifndef FH_LINEAR_H
+#define FH_LINEAR_H
+
+#include "context.h"
+
+fh_status fh_check_linear(fh_context *ctx, const fh_linear *lin);
+fh_status fh_check_grads(fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads);
+
+#endif

@@ -1,0 +1,71 @@
+/* Tile sizing under the memory budget and workspace layout. */
+#include "plan.h"
+
+#define ALIGN 64
+#define DEFAULT_TILE_ROWS 512
+#define DEFAULT_TILE_VOCAB 2048
+#define MIN_TILE_VOCAB 16
+
+static size_t align_up(size_t x)
+{
+    return (x + ALIGN - 1) / ALIGN * ALIGN;
+}
+
+static int64_t min64(int64_t a, int64_t b)
+{
+    return a < b ? a : b;
+}
+
+/* Returns 0 and the layout, or -1 if a size overflows. */
+static int layout(fh_plan *plan, int64_t n)
+{
+    size_t token_bytes, tile_elems, tile_bytes, column_bytes;
+    if (__builtin_mul_overflow((size_t)n, (size_t)FH_TOKEN_ARRAYS * sizeof(double), &token_bytes) ||
+        __builtin_mul_overflow((size_t)plan->tile_rows, (size_t)plan->tile_vocab, &tile_elems) ||
+        __builtin_mul_overflow(tile_elems, sizeof(float), &tile_bytes) ||
+        __builtin_mul_overflow((size_t)plan->tile_vocab, sizeof(double), &column_bytes) ||
+        token_bytes > SIZE_MAX / 4 || tile_bytes > SIZE_MAX / 4)
+        return -1;
+    plan->tokens_offset = 0;
+    plan->tile_offset = align_up(token_bytes);
+    plan->column_offset = plan->tile_offset + align_up(tile_bytes);
+    plan->bytes = plan->column_offset + align_up(column_bytes) + ALIGN; /* + slack for a caller's base */
+    return 0;
+}
+
+fh_status fh_plan_make(fh_context *ctx, int64_t n, int64_t vocab, fh_plan *plan)
+{
+    const int64_t rows_param = ctx->params[FH_PARAM_TILE_ROWS];
+    const int64_t vocab_param = ctx->params[FH_PARAM_TILE_VOCAB];
+    const int64_t budget = fh_budget_bytes(ctx);
+    plan->tile_rows = min64(n, rows_param > 0 ? rows_param : DEFAULT_TILE_ROWS);
+    plan->tile_vocab = min64(vocab, vocab_param > 0 ? vocab_param : DEFAULT_TILE_VOCAB);
+    for (;;) {
+        if (layout(plan, n) != 0)
+            return fh_fail(ctx, FH_ERR_SIZE_OVERFLOW, "workspace size for n = %lld overflows",
+                           (long long)n);
+        if ((int64_t)plan->bytes <= budget)
+            return FH_OK;
+        /* Shrink the vocabulary side first: rows keep the GEMMs' reuse of the weight tile. */
+        if (plan->tile_vocab > MIN_TILE_VOCAB)
+            plan->tile_vocab = plan->tile_vocab / 2 > MIN_TILE_VOCAB ? plan->tile_vocab / 2 : MIN_TILE_VOCAB;
+        else if (plan->tile_rows > 1)
+            plan->tile_rows /= 2;
+        else
+            return fh_fail(ctx, FH_ERR_BUDGET_TOO_SMALL,
+                           "memory budget of %lld bytes cannot hold %zu bytes (n = %lld, smallest tile)",
+                           (long long)budget, plan->bytes, (long long)n);
+    }
+}
+
+fh_workspace fh_workspace_carve(const fh_plan *plan, void *base, int64_t n)
+{
+    char *aligned = (char *)(((uintptr_t)base + ALIGN - 1) / ALIGN * ALIGN);
+    fh_workspace ws;
+    double *tokens = (double *)(aligned + plan->tokens_offset);
+    for (int a = 0; a < FH_TOKEN_ARRAYS; a++)
+        ws.token[a] = tokens + (size_t)a * (size_t)n;
+    ws.tile = (float *)(aligned + plan->tile_offset);
+    ws.column = (double *)(aligned + plan->column_offset);
+    return ws;
+}

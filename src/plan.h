@@ -1,0 +1,32 @@
+/* How a call is tiled and how its workspace is laid out. One plan serves every head. */
+#ifndef FH_PLAN_H
+#define FH_PLAN_H
+
+#include "context.h"
+
+/* Per-token double arrays reserved for the head and the engine (running max and sum, target logit,
+ * weighted logit sum, argmax, backward coefficients...). */
+#define FH_TOKEN_ARRAYS 6
+
+typedef struct fh_plan {
+    int64_t tile_rows;    /* tokens per tile */
+    int64_t tile_vocab;   /* vocabulary columns per tile */
+    size_t tokens_offset; /* FH_TOKEN_ARRAYS arrays of n doubles */
+    size_t tile_offset;   /* tile_rows * tile_vocab floats */
+    size_t column_offset; /* tile_vocab doubles (bias-gradient column sums) */
+    size_t bytes;         /* total, including slack to align any caller pointer */
+} fh_plan;
+
+/* Chooses tile sizes for (n, vocab) from the context's parameters, shrunk to fit the memory budget. */
+fh_status fh_plan_make(fh_context *ctx, int64_t n, int64_t vocab, fh_plan *plan);
+
+/* Pointers into an acquired workspace. */
+typedef struct fh_workspace {
+    double *token[FH_TOKEN_ARRAYS];
+    float *tile;
+    double *column;
+} fh_workspace;
+
+fh_workspace fh_workspace_carve(const fh_plan *plan, void *base, int64_t n);
+
+#endif

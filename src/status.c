@@ -1,0 +1,28 @@
+/* Human-readable texts for fh_status values. */
+#include "fusedhead.h"
+
+FH_API const char *fh_status_string(fh_status status)
+{
+    switch (status) {
+    case FH_OK: return "success";
+    case FH_ERR_NULL_POINTER: return "a required pointer is NULL";
+    case FH_ERR_INVALID_SIZE: return "a size (N, H or V) is zero or negative";
+    case FH_ERR_INVALID_STRIDE: return "a stride is smaller than 1 or makes matrix elements overlap";
+    case FH_ERR_SIZE_OVERFLOW: return "a size or offset does not fit in 64 bits";
+    case FH_ERR_TARGET_OUT_OF_RANGE: return "a target is outside [0, V) and is not ignore_index";
+    case FH_ERR_MISSING_OUTPUT: return "an output required by this call is NULL";
+    case FH_ERR_INVALID_REDUCTION: return "reduction is not mean, sum or none";
+    case FH_ERR_INVALID_LABEL_SMOOTHING: return "label_smoothing is outside [0, 1]";
+    case FH_ERR_INVALID_SOFTCAP: return "softcap is negative or not finite";
+    case FH_ERR_INVALID_Z_LOSS: return "z_loss is negative or not finite";
+    case FH_ERR_INVALID_CLASS_WEIGHT: return "a class weight is negative or not finite";
+    case FH_ERR_INVALID_BETA: return "a gradient beta is neither 0 nor 1";
+    case FH_ERR_INVALID_GRAD_OUTPUT: return "the upstream gradient is not finite";
+    case FH_ERR_WORKSPACE_TOO_SMALL: return "the workspace is smaller than the size query returned";
+    case FH_ERR_OUT_OF_MEMORY: return "out of memory";
+    case FH_ERR_BUDGET_TOO_SMALL: return "the memory budget cannot hold the smallest tile";
+    case FH_ERR_INVALID_PARAM: return "unknown parameter";
+    case FH_ERR_INVALID_PARAM_VALUE: return "parameter value out of bounds";
+    }
+    return "unknown status";
+}

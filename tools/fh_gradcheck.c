@@ -1,0 +1,139 @@
+/* fh_gradcheck: runs the fused cross-entropy and the double-precision reference on random inputs,
+ * prints the differences as JSON and exits non-zero past tolerance. --dump DIR writes every input and
+ * fused output as .npy so other tools can check them independently. */
+#include "ce_case.h"
+#include "npy.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+static void usage(void)
+{
+    fprintf(stderr,
+            "usage: fh_gradcheck --n N --hidden H --vocab V [--layout hv|vh] [--bias] [--ignore-frac F]\n"
+            "       [--label-smoothing E] [--class-weights] [--softcap C] [--z-loss S]\n"
+            "       [--reduction mean|sum|none] [--threads T] [--seed S] [--dump DIR]\n");
+}
+
+static int parse(int argc, char **argv, ce_case_spec *s, const char **dump)
+{
+    ce_case_spec_default(s);
+    s->n = 257;
+    s->hidden = 129;
+    s->vocab = 5003;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+#define VALUE_OPTION(name) (strcmp(a, name) == 0 && v && ++i)
+        if (VALUE_OPTION("--n"))
+            s->n = atoll(v);
+        else if (VALUE_OPTION("--hidden"))
+            s->hidden = atoll(v);
+        else if (VALUE_OPTION("--vocab"))
+            s->vocab = atoll(v);
+        else if (VALUE_OPTION("--layout")) {
+            if (strcmp(v, "hv") && strcmp(v, "vh"))
+                return -1;
+            s->layout = strcmp(v, "vh") == 0 ? FH_LAYOUT_VH : FH_LAYOUT_HV;
+        } else if (strcmp(a, "--bias") == 0)
+            s->bias = 1;
+        else if (VALUE_OPTION("--ignore-frac"))
+            s->ignore_frac = atof(v);
+        else if (VALUE_OPTION("--label-smoothing"))
+            s->label_smoothing = atof(v);
+        else if (strcmp(a, "--class-weights") == 0)
+            s->class_weights = 1;
+        else if (VALUE_OPTION("--softcap"))
+            s->softcap = atof(v);
+        else if (VALUE_OPTION("--z-loss"))
+            s->z_loss = atof(v);
+        else if (VALUE_OPTION("--reduction")) {
+            if (strcmp(v, "mean") == 0)
+                s->reduction = FH_REDUCTION_MEAN;
+            else if (strcmp(v, "sum") == 0)
+                s->reduction = FH_REDUCTION_SUM;
+            else if (strcmp(v, "none") == 0)
+                s->reduction = FH_REDUCTION_NONE;
+            else
+                return -1;
+        } else if (VALUE_OPTION("--threads"))
+            s->threads = atoi(v);
+        else if (VALUE_OPTION("--seed"))
+            s->seed = strtoull(v, NULL, 10);
+        else if (VALUE_OPTION("--dump"))
+            *dump = v;
+        else
+            return -1;
+#undef VALUE_OPTION
+    }
+    return 0;
+}
+
+static int dump_case(const char *dir, const ce_case *c)
+{
+    const ce_case_spec *s = &c->spec;
+    mkdir(dir, 0777);
+    const int64_t nh[2] = {s->n, s->hidden}, n1[1] = {s->n}, v1[1] = {s->vocab};
+    const int64_t w2[2] = {s->layout == FH_LAYOUT_HV ? s->hidden : s->vocab,
+                           s->layout == FH_LAYOUT_HV ? s->vocab : s->hidden};
+    const int64_t g1[1] = {s->reduction == FH_REDUCTION_NONE ? s->n : 1};
+    int bad = 0;
+    bad |= npy_write(dir, "hidden", "<f4", c->x, 2, nh);
+    bad |= npy_write(dir, "weight", "<f4", c->weight, 2, w2);
+    bad |= npy_write(dir, "targets", "<i8", c->targets, 1, n1);
+    bad |= npy_write(dir, "grad_output", "<f4", c->grad_output, 1, g1);
+    bad |= npy_write(dir, "loss", "<f8", &c->loss, 0, NULL);
+    bad |= npy_write(dir, "per_token_loss", "<f4", c->per_token_loss, 1, n1);
+    bad |= npy_write(dir, "per_token_logp", "<f4", c->logp, 1, n1);
+    bad |= npy_write(dir, "lse", "<f4", c->lse, 1, n1);
+    bad |= npy_write(dir, "dhidden", "<f4", c->dx, 2, nh);
+    bad |= npy_write(dir, "dweight", "<f4", c->dweight, 2, w2);
+    if (c->bias) {
+        bad |= npy_write(dir, "bias", "<f4", c->bias, 1, v1);
+        bad |= npy_write(dir, "dbias", "<f4", c->dbias, 1, v1);
+    }
+    if (c->class_weights)
+        bad |= npy_write(dir, "class_weights", "<f4", c->class_weights, 1, v1);
+    return bad;
+}
+
+int main(int argc, char **argv)
+{
+    ce_case_spec spec;
+    const char *dump = NULL;
+    if (parse(argc, argv, &spec, &dump) != 0) {
+        usage();
+        return 2;
+    }
+    ce_case c;
+    ce_metrics m;
+    const fh_status st = ce_case_run(&spec, &c, &m);
+    if (st != FH_OK) {
+        fprintf(stderr, "fh_gradcheck: the library returned %d (%s)\n", (int)st, fh_status_string(st));
+        ce_case_free(&c);
+        return 2;
+    }
+    const int pass = ce_metrics_pass(&m);
+    fh_blis_info blis;
+    fh_blis_query(&blis);
+    printf("{\n  \"loss\": %.17g,\n  \"ref_loss\": %.17g,\n  \"abs_diff_loss\": %.3e,\n  \"rel_diff_loss\": %.3e,\n"
+           "  \"abs_diff_z_loss\": %.3e,\n  \"per_token_loss_max_abs\": %.3e,\n  \"logp_max_abs\": %.3e,\n"
+           "  \"lse_max_abs\": %.3e,\n  \"dhidden_max_abs\": %.3e,\n  \"dhidden_max_rel\": %.3e,\n"
+           "  \"dhidden_norm_rel\": %.3e,\n  \"dweight_max_abs\": %.3e,\n  \"dweight_max_rel\": %.3e,\n"
+           "  \"dweight_norm_rel\": %.3e,\n  \"dbias_norm_rel\": %.3e,\n  \"argmax_mismatches\": %lld,\n"
+           "  \"tolerance\": {\"loss_rel\": %g, \"grad_norm_rel\": %g},\n  \"blis_kernel_set\": \"%s\",\n"
+           "  \"pass\": %s\n}\n",
+           c.loss, c.ref_loss, m.abs_diff_loss, m.rel_diff_loss, m.abs_diff_z_loss, m.per_token_loss_max_abs,
+           m.logp_max_abs, m.lse_max_abs, m.dhidden_max_abs, m.dhidden_max_rel, m.dhidden_norm_rel,
+           m.dweight_max_abs, m.dweight_max_rel, m.dweight_norm_rel, m.dbias_norm_rel,
+           (long long)m.argmax_mismatches, CE_LOSS_REL_TOL, CE_GRAD_NORM_REL_TOL, blis.kernel_set,
+           pass ? "true" : "false");
+    int rc = pass ? 0 : 1;
+    if (dump && dump_case(dump, &c) != 0) {
+        fprintf(stderr, "fh_gradcheck: could not write to %s\n", dump);
+        rc = 2;
+    }
+    ce_case_free(&c);
+    return rc;
+}
