@@ -92,6 +92,7 @@ static fh_status run_fused(const ce_case_spec *s, ce_case *c)
     fh_context_set(ctx, FH_PARAM_THREADS, s->threads);
     fh_context_set(ctx, FH_PARAM_TILE_ROWS, s->tile_rows);
     fh_context_set(ctx, FH_PARAM_TILE_VOCAB, s->tile_vocab);
+    fh_context_set(ctx, FH_PARAM_MEMORY_BUDGET, s->budget);
     fh_linear lin;
     fh_linear_init(&lin, s->n, s->hidden, s->vocab, c->x, c->weight, s->layout, c->bias);
     fh_ce_options o;
@@ -106,21 +107,24 @@ static fh_status run_fused(const ce_case_spec *s, ce_case *c)
     c->lse = xcalloc(n, sizeof(float));
     c->argmax = xcalloc(n, sizeof(int64_t));
     fh_ce_outputs out = {&c->loss, &c->z_loss, c->per_token_loss, c->logp, c->lse, c->argmax};
-    st = fh_ce_forward(ctx, &lin, c->targets, &o, &out);
-    if (st == FH_OK) {
-        c->dx = xcalloc(n * h, sizeof(float));
-        c->dweight = xcalloc(h * v, sizeof(float));
-        c->dbias = c->bias ? xcalloc(v, sizeof(float)) : NULL;
-        /* beta 0 must ignore NaN garbage; beta 1 must add onto what is there (1.0 everywhere). */
-        const float fill = s->grad_beta != 0.0f ? 1.0f : NAN;
-        for (size_t i = 0; i < n * h; i++)
-            c->dx[i] = fill;
-        for (size_t i = 0; i < h * v; i++)
-            c->dweight[i] = fill;
-        for (size_t j = 0; c->dbias && j < v; j++)
-            c->dbias[j] = fill;
-        fh_linear_grads g = {c->dx, s->hidden, s->grad_beta, c->dweight, s->grad_beta, c->dbias, s->grad_beta};
-        st = fh_ce_backward(ctx, &lin, c->targets, &o, c->lse, c->grad_output, &g);
+    c->dx = xcalloc(n * h, sizeof(float));
+    c->dweight = xcalloc(h * v, sizeof(float));
+    c->dbias = c->bias ? xcalloc(v, sizeof(float)) : NULL;
+    /* beta 0 must ignore NaN garbage; beta 1 must add onto what is there (1.0 everywhere). */
+    const float fill = s->grad_beta != 0.0f ? 1.0f : NAN;
+    for (size_t i = 0; i < n * h; i++)
+        c->dx[i] = fill;
+    for (size_t i = 0; i < h * v; i++)
+        c->dweight[i] = fill;
+    for (size_t j = 0; c->dbias && j < v; j++)
+        c->dbias[j] = fill;
+    fh_linear_grads g = {c->dx, s->hidden, s->grad_beta, c->dweight, s->grad_beta, c->dbias, s->grad_beta};
+    if (s->train_step) {
+        st = fh_ce_forward_backward(ctx, &lin, c->targets, &o, c->grad_output, &out, &g);
+    } else {
+        st = fh_ce_forward(ctx, &lin, c->targets, &o, &out);
+        if (st == FH_OK)
+            st = fh_ce_backward(ctx, &lin, c->targets, &o, c->lse, c->grad_output, &g);
     }
     fh_context_destroy(ctx);
     return st;

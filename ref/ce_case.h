@@ -20,6 +20,8 @@ typedef struct ce_case_spec {
     double logit_scale;   /* typical |logit|; 0 means 3 */
     int64_t tile_rows, tile_vocab; /* 0 = library default */
     float grad_beta;      /* 0: gradients overwrite NaN-filled buffers; 1: accumulate onto known values */
+    int train_step;       /* 1: one fh_ce_forward_backward call instead of fh_ce_forward + fh_ce_backward */
+    int64_t budget;       /* FH_PARAM_MEMORY_BUDGET; 0 = library default */
 } ce_case_spec;
 
 /* Sets every field to a small default case (mean reduction, no options). */

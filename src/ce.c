@@ -92,12 +92,10 @@ static double safe_inverse(double x)
     return x > 0.0 ? 1.0 / x : 0.0;
 }
 
-static fh_status prepare(fh_context *ctx, const fh_linear *lin, fh_plan *plan, fh_workspace *ws)
+static fh_status acquire(fh_context *ctx, const fh_linear *lin, const fh_plan *plan, fh_workspace *ws)
 {
-    fh_status st = fh_plan_make(ctx, lin->n, lin->vocab, plan);
     void *base = NULL;
-    if (st == FH_OK)
-        st = fh_acquire_workspace(ctx, plan->bytes, &base);
+    const fh_status st = fh_acquire_workspace(ctx, plan->bytes, &base);
     if (st == FH_OK) {
         *ws = fh_workspace_carve(plan, base, lin->n);
         fh_blis_ensure_selected();
@@ -105,55 +103,107 @@ static fh_status prepare(fh_context *ctx, const fh_linear *lin, fh_plan *plan, f
     return st;
 }
 
-FH_API fh_status fh_ce_workspace_size(const fh_context *ctx, const fh_linear *lin, const fh_ce_options *options,
-                                      size_t *bytes)
+
+/* The plan a call uses: row blocks for the train step when they fit the budget, else streaming. */
+static fh_status plan_call(fh_context *ctx, const fh_linear *lin, int train_step, fh_plan *plan, int *row_blocks)
+{
+    *row_blocks = train_step && fh_plan_make_row_blocks(ctx, lin->n, lin->vocab, plan) == 0;
+    return *row_blocks ? FH_OK : fh_plan_make(ctx, lin->n, lin->vocab, plan);
+}
+
+static fh_status workspace_query(const fh_context *ctx, const fh_linear *lin, const fh_ce_options *options,
+                                 int train_step, size_t *bytes)
 {
     if (!ctx || !bytes || !options)
         return FH_ERR_NULL_POINTER;
     fh_context scratch = *ctx; /* the query is pure: messages go to a copy */
     fh_status st = fh_check_linear(&scratch, lin);
     fh_plan plan;
+    int row_blocks;
     if (st == FH_OK)
-        st = fh_plan_make(&scratch, lin->n, lin->vocab, &plan);
+        st = plan_call(&scratch, lin, train_step, &plan, &row_blocks);
     if (st == FH_OK)
         *bytes = plan.bytes;
     return st;
 }
 
-FH_API fh_status fh_ce_forward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
-                               const fh_ce_options *options, fh_ce_outputs *out)
+FH_API fh_status fh_ce_workspace_size(const fh_context *ctx, const fh_linear *lin, const fh_ce_options *options,
+                                      size_t *bytes)
 {
-    fh_status st = check_call(ctx, lin, targets, options);
-    if (st != FH_OK)
-        return st;
-    if (!out)
-        return fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
-    if (options->reduction == FH_REDUCTION_NONE && !out->per_token_loss)
-        return fh_fail(ctx, FH_ERR_MISSING_OUTPUT, "reduction 'none' needs per_token_loss");
-    fh_plan plan;
-    fh_workspace ws;
-    if ((st = prepare(ctx, lin, &plan, &ws)) != FH_OK)
-        return st;
+    return workspace_query(ctx, lin, options, 0, bytes);
+}
 
-    const double eps = options->label_smoothing;
-    const fh_row_stats stats = {ws.token[0], ws.token[1], eps > 0.0 ? ws.token[2] : NULL, ws.token[3],
-                                out->argmax ? (int64_t *)ws.token[4] : NULL};
-    const fh_transform tf = transform_of(options);
-    fh_engine_forward(ctx, &plan, &ws, lin, &tf, targets, options->class_weights, &stats);
+FH_API fh_status fh_ce_forward_backward_workspace_size(const fh_context *ctx, const fh_linear *lin,
+                                                       const fh_ce_options *options, size_t *bytes)
+{
+    return workspace_query(ctx, lin, options, 1, bytes);
+}
 
-    const ce_norms nm = norms_of(lin, targets, options);
-    const double vocab = (double)lin->vocab;
+/* Everything the per-token math needs. */
+typedef struct ce_head {
+    const fh_linear *lin;
+    const int64_t *targets;
+    const fh_ce_options *o;
+    ce_norms nm;
+    const float *grad_output; /* NULL in a forward-only call */
+    int64_t grad_count;       /* 1 for mean/sum, n for none */
+} ce_head;
+
+static ce_head head_of(const fh_linear *lin, const int64_t *targets, const fh_ce_options *o, const float *grad_output)
+{
+    const ce_head h = {lin, targets, o, norms_of(lin, targets, o), grad_output,
+                       o->reduction == FH_REDUCTION_NONE ? lin->n : 1};
+    return h;
+}
+
+/* Class weights as the engine needs them: only the label-smoothing terms use w_j. */
+static const float *engine_weights(const fh_ce_options *o)
+{
+    return o->label_smoothing > 0.0 ? o->class_weights : NULL;
+}
+
+static double target_weight(const ce_head *h, int64_t i)
+{
+    return h->o->class_weights ? h->o->class_weights[h->targets[i]] : 1.0;
+}
+
+/* d ce_i / d z_j = (1-eps) w_y (p_j - [j=y]) + eps/V (W p_j - w_j),  d zl_i / d z_j = 2 s lse p_j,
+ * scaled by the upstream gradient and the mean's denominators. */
+static void row_coefs(const void *self, int64_t i, double lse, double z_target, double sum_weighted_z, double *a,
+                      double *b, double *c)
+{
+    (void)z_target;
+    (void)sum_weighted_z;
+    const ce_head *h = self;
+    const fh_ce_options *o = h->o;
+    *a = *b = *c = 0.0;
+    if (h->targets[i] == o->ignore_index)
+        return;
+    const int mean = o->reduction == FH_REDUCTION_MEAN;
+    const double g = h->grad_output[h->grad_count == 1 ? 0 : i];
+    const double g_ce = mean ? g * safe_inverse(h->nm.weight_sum) : g;
+    const double g_z = mean ? g * safe_inverse(h->nm.count) : g;
+    const double eps = o->label_smoothing, vocab = (double)h->lin->vocab, w_y = target_weight(h, i);
+    *a = g_ce * ((1.0 - eps) * w_y + eps * h->nm.class_weight_total / vocab) + g_z * 2.0 * o->z_loss * lse;
+    *b = -g_ce * (1.0 - eps) * w_y;
+    *c = -g_ce * eps / vocab;
+}
+
+/* Per-token losses from the statistics, reduced, written to the requested outputs. */
+static void write_outputs(const ce_head *h, const fh_row_stats *stats, fh_ce_outputs *out)
+{
+    const fh_ce_options *o = h->o;
+    const double eps = o->label_smoothing, vocab = (double)h->lin->vocab;
     double ce_total = 0.0, z_total = 0.0;
-    for (int64_t i = 0; i < lin->n; i++) {
-        const double lse = stats.lse[i];
+    for (int64_t i = 0; i < h->lin->n; i++) {
+        const double lse = stats->lse[i];
         double ce = 0.0, zl = 0.0, logp = 0.0;
-        if (targets[i] != options->ignore_index) {
-            const double w_y = options->class_weights ? options->class_weights[targets[i]] : 1.0;
-            logp = stats.z_target[i] - lse;
-            ce = -(1.0 - eps) * w_y * logp;
+        if (h->targets[i] != o->ignore_index) {
+            logp = stats->z_target[i] - lse;
+            ce = -(1.0 - eps) * target_weight(h, i) * logp;
             if (eps > 0.0)
-                ce += eps / vocab * (nm.class_weight_total * lse - stats.sum_weighted_z[i]);
-            zl = options->z_loss * lse * lse;
+                ce += eps / vocab * (h->nm.class_weight_total * lse - stats->sum_weighted_z[i]);
+            zl = o->z_loss * lse * lse;
         }
         ce_total += ce;
         z_total += zl;
@@ -164,16 +214,82 @@ FH_API fh_status fh_ce_forward(fh_context *ctx, const fh_linear *lin, const int6
         if (out->lse)
             out->lse[i] = (float)lse;
         if (out->argmax)
-            out->argmax[i] = stats.argmax[i];
+            out->argmax[i] = stats->argmax[i];
     }
-    if (options->reduction == FH_REDUCTION_MEAN) {
-        ce_total *= safe_inverse(nm.weight_sum);
-        z_total *= safe_inverse(nm.count);
+    if (o->reduction == FH_REDUCTION_MEAN) {
+        ce_total *= safe_inverse(h->nm.weight_sum);
+        z_total *= safe_inverse(h->nm.count);
     }
     if (out->loss)
         *out->loss = ce_total + z_total;
     if (out->z_loss)
         *out->z_loss = z_total;
+}
+
+static fh_status check_outputs(fh_context *ctx, const fh_ce_options *o, const fh_ce_outputs *out)
+{
+    if (!out)
+        return fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
+    if (o->reduction == FH_REDUCTION_NONE && !out->per_token_loss)
+        return fh_fail(ctx, FH_ERR_MISSING_OUTPUT, "reduction 'none' needs per_token_loss");
+    return FH_OK;
+}
+
+static fh_status check_backward_inputs(fh_context *ctx, const fh_linear *lin, const fh_ce_options *o,
+                                       const float *grad_output, const fh_linear_grads *grads)
+{
+    if (!grad_output)
+        return fh_fail(ctx, FH_ERR_NULL_POINTER, "grad_output is NULL");
+    const fh_status st = fh_check_grads(ctx, lin, grads);
+    if (st != FH_OK)
+        return st;
+    const int64_t count = o->reduction == FH_REDUCTION_NONE ? lin->n : 1;
+    for (int64_t i = 0; i < count; i++)
+        if (!isfinite(grad_output[i]))
+            return fh_fail(ctx, FH_ERR_INVALID_GRAD_OUTPUT, "grad_output[%lld] = %g is not finite", (long long)i,
+                           (double)grad_output[i]);
+    return FH_OK;
+}
+
+/* Statistics arrays in the workspace; sum_weighted_z only with label smoothing, argmax only on request. */
+static fh_row_stats stats_in(const fh_workspace *ws, const fh_ce_options *o, const fh_ce_outputs *out)
+{
+    const fh_row_stats stats = {ws->token[0], ws->token[1], o->label_smoothing > 0.0 ? ws->token[2] : NULL,
+                                ws->token[3], out->argmax ? (int64_t *)ws->token[4] : NULL};
+    return stats;
+}
+
+/* Backward coefficients for every row into the workspace, from the caller's lse. */
+static fh_row_coefs coefs_in(const fh_workspace *ws, const ce_head *h, const float *lse)
+{
+    double *lse_d = ws->token[0], *a = ws->token[1], *b = ws->token[2], *c = ws->token[3];
+    for (int64_t i = 0; i < h->lin->n; i++) {
+        lse_d[i] = lse[i];
+        row_coefs(h, i, lse_d[i], 0.0, 0.0, &a[i], &b[i], &c[i]);
+    }
+    const fh_row_coefs coefs = {lse_d, a, b, c};
+    return coefs;
+}
+
+FH_API fh_status fh_ce_forward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
+                               const fh_ce_options *options, fh_ce_outputs *out)
+{
+    fh_status st = check_call(ctx, lin, targets, options);
+    if (st == FH_OK)
+        st = check_outputs(ctx, options, out);
+    fh_plan plan;
+    fh_workspace ws;
+    if (st == FH_OK)
+        st = fh_plan_make(ctx, lin->n, lin->vocab, &plan);
+    if (st == FH_OK)
+        st = acquire(ctx, lin, &plan, &ws);
+    if (st != FH_OK)
+        return st;
+    const ce_head h = head_of(lin, targets, options, NULL);
+    const fh_row_stats stats = stats_in(&ws, options, out);
+    const fh_transform tf = transform_of(options);
+    fh_engine_forward(ctx, &plan, &ws, lin, &tf, targets, engine_weights(options), &stats);
+    write_outputs(&h, &stats, out);
     return FH_OK;
 }
 
@@ -182,43 +298,60 @@ FH_API fh_status fh_ce_backward(fh_context *ctx, const fh_linear *lin, const int
                                 fh_linear_grads *grads)
 {
     fh_status st = check_call(ctx, lin, targets, options);
-    if (st != FH_OK)
-        return st;
-    if (!lse || !grad_output)
-        return fh_fail(ctx, FH_ERR_NULL_POINTER, "%s is NULL", !lse ? "lse" : "grad_output");
-    if ((st = fh_check_grads(ctx, lin, grads)) != FH_OK)
-        return st;
-    const int64_t grad_count = options->reduction == FH_REDUCTION_NONE ? lin->n : 1;
-    for (int64_t i = 0; i < grad_count; i++)
-        if (!isfinite(grad_output[i]))
-            return fh_fail(ctx, FH_ERR_INVALID_GRAD_OUTPUT, "grad_output[%lld] = %g is not finite", (long long)i,
-                           (double)grad_output[i]);
+    if (st == FH_OK && !lse)
+        st = fh_fail(ctx, FH_ERR_NULL_POINTER, "lse is NULL");
+    if (st == FH_OK)
+        st = check_backward_inputs(ctx, lin, options, grad_output, grads);
     fh_plan plan;
     fh_workspace ws;
-    if ((st = prepare(ctx, lin, &plan, &ws)) != FH_OK)
+    if (st == FH_OK)
+        st = fh_plan_make(ctx, lin->n, lin->vocab, &plan);
+    if (st == FH_OK)
+        st = acquire(ctx, lin, &plan, &ws);
+    if (st != FH_OK)
         return st;
-
-    const ce_norms nm = norms_of(lin, targets, options);
-    const double eps = options->label_smoothing, vocab = (double)lin->vocab;
-    const double ce_scale = options->reduction == FH_REDUCTION_MEAN ? safe_inverse(nm.weight_sum) : 1.0;
-    const double z_scale = options->reduction == FH_REDUCTION_MEAN ? safe_inverse(nm.count) : 1.0;
-    double *lse_d = ws.token[0], *a = ws.token[1], *b = ws.token[2], *c = ws.token[3];
-    for (int64_t i = 0; i < lin->n; i++) {
-        lse_d[i] = lse[i];
-        a[i] = b[i] = c[i] = 0.0;
-        if (targets[i] == options->ignore_index)
-            continue;
-        const double g = grad_output[grad_count == 1 ? 0 : i];
-        const double g_ce = g * ce_scale, g_z = g * z_scale;
-        const double w_y = options->class_weights ? options->class_weights[targets[i]] : 1.0;
-        /* d ce / d z_j = (1-eps) w_y (p_j - [j=y]) + eps/V (W p_j - w_j);  d zl / d z_j = 2 s lse p_j */
-        a[i] = g_ce * ((1.0 - eps) * w_y + eps * nm.class_weight_total / vocab) + g_z * 2.0 * options->z_loss * lse_d[i];
-        b[i] = -g_ce * (1.0 - eps) * w_y;
-        c[i] = -g_ce * eps / vocab;
-    }
-    const fh_row_coefs coefs = {lse_d, a, b, c};
+    const ce_head h = head_of(lin, targets, options, grad_output);
+    const fh_row_coefs coefs = coefs_in(&ws, &h, lse);
     const fh_transform tf = transform_of(options);
-    fh_engine_backward(ctx, &plan, &ws, lin, &tf, targets, eps > 0.0 ? options->class_weights : NULL, &coefs,
-                       grads);
+    fh_engine_backward(ctx, &plan, &ws, lin, &tf, targets, engine_weights(options), &coefs, grads);
+    return FH_OK;
+}
+
+FH_API fh_status fh_ce_forward_backward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
+                                        const fh_ce_options *options, const float *grad_output,
+                                        fh_ce_outputs *out, fh_linear_grads *grads)
+{
+    fh_status st = check_call(ctx, lin, targets, options);
+    if (st == FH_OK)
+        st = check_outputs(ctx, options, out);
+    if (st == FH_OK)
+        st = check_backward_inputs(ctx, lin, options, grad_output, grads);
+    fh_plan plan;
+    fh_workspace ws;
+    int row_blocks = 0;
+    if (st == FH_OK)
+        st = plan_call(ctx, lin, 1, &plan, &row_blocks);
+    if (st == FH_OK)
+        st = acquire(ctx, lin, &plan, &ws);
+    if (st != FH_OK)
+        return st;
+    const ce_head h = head_of(lin, targets, options, grad_output);
+    const fh_row_stats stats = stats_in(&ws, options, out);
+    const fh_transform tf = transform_of(options);
+    const float *weights = engine_weights(options);
+    if (row_blocks) {
+        const fh_coef_source source = {row_coefs, &h};
+        fh_engine_row_blocks(ctx, &plan, &ws, lin, &tf, targets, weights, &stats, &source, grads);
+        write_outputs(&h, &stats, out);
+        return FH_OK;
+    }
+    /* Streaming fallback: forward, then backward from the double lse (the outputs' float lse is optional). */
+    fh_engine_forward(ctx, &plan, &ws, lin, &tf, targets, weights, &stats);
+    write_outputs(&h, &stats, out);
+    double *a = ws.token[1], *b = ws.token[2], *c = ws.token[3];
+    for (int64_t i = 0; i < lin->n; i++)
+        row_coefs(&h, i, stats.lse[i], 0.0, 0.0, &a[i], &b[i], &c[i]);
+    const fh_row_coefs coefs = {stats.lse, a, b, c};
+    fh_engine_backward(ctx, &plan, &ws, lin, &tf, targets, weights, &coefs, grads);
     return FH_OK;
 }

@@ -36,6 +36,25 @@ static void compute_logits(const fh_context *ctx, const fh_linear *lin, const fh
         fh_row_transform(tile + r * vb, vb, bias, tf);
 }
 
+/* dbias = sum of columns, with beta: 0 overwrites without reading. */
+static void write_bias_gradient(const fh_linear_grads *grads, const double *column, int64_t v0, int64_t count)
+{
+    for (int64_t j = 0; j < count; j++)
+        grads->dbias[v0 + j] =
+            (float)(grads->dbias_beta != 0.0f ? grads->dbias[v0 + j] + column[j] : column[j]);
+}
+
+static void add_column_sums(const float *tile, int64_t rows, int64_t cols, double *column, int threads)
+{
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t j = 0; j < cols; j++) {
+        double s = 0.0;
+        for (int64_t r = 0; r < rows; r++)
+            s += tile[r * cols + j];
+        column[j] += s;
+    }
+}
+
 void fh_engine_forward(const fh_context *ctx, const fh_plan *plan, const fh_workspace *ws,
                        const fh_linear *lin, const fh_transform *tf, const int64_t *targets,
                        const float *class_weights, const fh_row_stats *stats)
@@ -103,15 +122,8 @@ void fh_engine_backward(const fh_context *ctx, const fh_plan *plan, const fh_wor
                 fh_row_gradient(tile + r * vb, vb, target_column(targets, i, vocab, v0), weights, coefs->lse[i],
                                 coefs->a[i], coefs->b[i], coefs->c[i], tf);
             }
-            if (grads->dbias) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-                for (int64_t j = 0; j < vb; j++) {
-                    double s = 0.0;
-                    for (int64_t r = 0; r < nb; r++)
-                        s += tile[r * vb + j];
-                    ws->column[j] += s;
-                }
-            }
+            if (grads->dbias)
+                add_column_sums(tile, nb, vb, ws->column, threads);
             if (grads->dx)
                 fh_sgemm(nb, hidden, vb, tile, vb, 1, lin->weight + v0 * lin->w_stride_vocab, lin->w_stride_vocab,
                          lin->w_stride_hidden, v0 == 0 ? grads->dx_beta : 1.0f,
@@ -122,8 +134,55 @@ void fh_engine_backward(const fh_context *ctx, const fh_plan *plan, const fh_wor
                          lin->w_stride_hidden, lin->w_stride_vocab, threads);
         }
         if (grads->dbias)
-            for (int64_t j = 0; j < vb; j++)
-                grads->dbias[v0 + j] = (float)(grads->dbias_beta != 0.0f ? grads->dbias[v0 + j] + ws->column[j]
-                                                                         : ws->column[j]);
+            write_bias_gradient(grads, ws->column, v0, vb);
     }
+}
+
+void fh_engine_row_blocks(const fh_context *ctx, const fh_plan *plan, const fh_workspace *ws,
+                          const fh_linear *lin, const fh_transform *tf, const int64_t *targets,
+                          const float *class_weights, const fh_row_stats *stats, const fh_coef_source *coefs,
+                          const fh_linear_grads *grads)
+{
+    const int64_t n = lin->n, vocab = lin->vocab, hidden = lin->hidden;
+    const int threads = fh_threads(ctx);
+    const int want_weighted_sum = stats->sum_weighted_z != NULL;
+    float *tile = ws->tile;
+    if (grads->dbias)
+        for (int64_t j = 0; j < vocab; j++)
+            ws->column[j] = 0.0;
+    for (int64_t i0 = 0; i0 < n; i0 += plan->tile_rows) {
+        const int64_t nb = min64(plan->tile_rows, n - i0);
+        fh_sgemm(nb, vocab, hidden, lin->x + i0 * lin->x_row_stride, lin->x_row_stride, 1, lin->weight,
+                 lin->w_stride_hidden, lin->w_stride_vocab, 0.0f, tile, vocab, 1, threads);
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t r = 0; r < nb; r++) {
+            const int64_t i = i0 + r;
+            float *row = tile + r * vocab;
+            const int64_t target = target_column(targets, i, vocab, 0);
+            fh_row_transform(row, vocab, lin->bias, tf);
+            fh_row_state st = {-INFINITY, 0.0, 0.0, 0.0, 0};
+            fh_row_fold(row, vocab, 0, target, class_weights, want_weighted_sum, &st);
+            const double lse = st.max + log(st.sum_exp);
+            stats->lse[i] = lse;
+            stats->z_target[i] = st.z_target;
+            if (want_weighted_sum)
+                stats->sum_weighted_z[i] = st.sum_weighted_z;
+            if (stats->argmax)
+                stats->argmax[i] = st.argmax;
+            double a, b, c;
+            coefs->row(coefs->self, i, lse, st.z_target, st.sum_weighted_z, &a, &b, &c);
+            fh_row_gradient(row, vocab, target, class_weights, lse, a, b, c, tf);
+        }
+        if (grads->dbias)
+            add_column_sums(tile, nb, vocab, ws->column, threads);
+        if (grads->dx)
+            fh_sgemm(nb, hidden, vocab, tile, vocab, 1, lin->weight, lin->w_stride_vocab, lin->w_stride_hidden,
+                     grads->dx_beta, grads->dx + i0 * grads->dx_row_stride, grads->dx_row_stride, 1, threads);
+        if (grads->dweight)
+            fh_sgemm(hidden, vocab, nb, lin->x + i0 * lin->x_row_stride, 1, lin->x_row_stride, tile, vocab, 1,
+                     i0 == 0 ? grads->dweight_beta : 1.0f, grads->dweight, lin->w_stride_hidden,
+                     lin->w_stride_vocab, threads);
+    }
+    if (grads->dbias)
+        write_bias_gradient(grads, ws->column, 0, vocab);
 }

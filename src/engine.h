@@ -31,6 +31,14 @@ typedef struct fh_row_coefs {
     const double *c;
 } fh_row_coefs;
 
+/* Supplies a row's backward coefficients once its statistics are final (single-call train step). Called
+ * concurrently for different rows: it may only write row i's results. */
+typedef struct fh_coef_source {
+    void (*row)(const void *self, int64_t i, double lse, double z_target, double sum_weighted_z, double *a,
+                double *b, double *c);
+    const void *self;
+} fh_coef_source;
+
 void fh_engine_forward(const fh_context *ctx, const fh_plan *plan, const fh_workspace *ws,
                        const fh_linear *lin, const fh_transform *tf, const int64_t *targets,
                        const float *class_weights, const fh_row_stats *stats);
@@ -38,5 +46,12 @@ void fh_engine_forward(const fh_context *ctx, const fh_plan *plan, const fh_work
 void fh_engine_backward(const fh_context *ctx, const fh_plan *plan, const fh_workspace *ws,
                         const fh_linear *lin, const fh_transform *tf, const int64_t *targets,
                         const float *class_weights, const fh_row_coefs *coefs, const fh_linear_grads *grads);
+
+/* Single-call train step over row blocks of plan->tile_rows x V (plan from fh_plan_make_row_blocks):
+ * fills stats like fh_engine_forward and accumulates gradients like fh_engine_backward. */
+void fh_engine_row_blocks(const fh_context *ctx, const fh_plan *plan, const fh_workspace *ws,
+                          const fh_linear *lin, const fh_transform *tf, const int64_t *targets,
+                          const float *class_weights, const fh_row_stats *stats, const fh_coef_source *coefs,
+                          const fh_linear_grads *grads);
 
 #endif

@@ -58,6 +58,26 @@ fh_status fh_plan_make(fh_context *ctx, int64_t n, int64_t vocab, fh_plan *plan)
     }
 }
 
+int fh_plan_make_row_blocks(const fh_context *ctx, int64_t n, int64_t vocab, fh_plan *plan)
+{
+    const int64_t rows_param = ctx->params[FH_PARAM_TILE_ROWS];
+    const int64_t budget = fh_budget_bytes(ctx);
+    plan->tile_vocab = vocab;
+    plan->tile_rows = 1;
+    if (layout(plan, n) != 0 || (int64_t)plan->bytes > budget)
+        return -1;
+    /* Each further row costs vocab floats. */
+    int64_t rows = 1 + (budget - (int64_t)plan->bytes) / (vocab * (int64_t)sizeof(float));
+    if (rows_param > 0)
+        rows = min64(rows, rows_param);
+    rows = min64(rows, n);
+    if (rows < min64(n, FH_MIN_ROW_BLOCK))
+        return -1;
+    const int64_t blocks = (n + rows - 1) / rows;
+    plan->tile_rows = (n + blocks - 1) / blocks;
+    return layout(plan, n);
+}
+
 fh_workspace fh_workspace_carve(const fh_plan *plan, void *base, int64_t n)
 {
     char *aligned = (char *)(((uintptr_t)base + ALIGN - 1) / ALIGN * ALIGN);

@@ -14,7 +14,8 @@ static void usage(void)
     fprintf(stderr,
             "usage: fh_gradcheck --n N --hidden H --vocab V [--layout hv|vh] [--bias] [--ignore-frac F]\n"
             "       [--label-smoothing E] [--class-weights] [--softcap C] [--z-loss S]\n"
-            "       [--reduction mean|sum|none] [--threads T] [--seed S] [--dump DIR]\n");
+            "       [--reduction mean|sum|none] [--threads T] [--seed S] [--dump DIR]\n"
+            "       [--train-step] [--budget BYTES]\n");
 }
 
 static int parse(int argc, char **argv, ce_case_spec *s, const char **dump)
@@ -59,6 +60,10 @@ static int parse(int argc, char **argv, ce_case_spec *s, const char **dump)
                 return -1;
         } else if (VALUE_OPTION("--threads"))
             s->threads = atoi(v);
+        else if (strcmp(a, "--train-step") == 0)
+            s->train_step = 1;
+        else if (VALUE_OPTION("--budget"))
+            s->budget = atoll(v);
         else if (VALUE_OPTION("--seed"))
             s->seed = strtoull(v, NULL, 10);
         else if (VALUE_OPTION("--dump"))
