@@ -95,6 +95,8 @@ typedef struct fh_blis_info {
     const char *kernel_set; /* BLIS's name for the configuration in use: "skx", "haswell", "generic", ... */
     int selected_by_library; /* 1 if fusedhead chose it, 0 if BLIS did (or the user did) */
     int user_override;       /* 1 if BLIS_ARCH_TYPE was set in the environment */
+    const char *elementwise; /* fusedhead's own exp/max kernels: "avx512" (SLEEF) or "portable";
+                                FH_DISABLE_AVX512=1 in the environment forces "portable" */
 } fh_blis_info;
 
 FH_API fh_status fh_blis_query(fh_blis_info *info);

@@ -7,6 +7,7 @@
 #include "blis_kernels.h"
 
 #include "fusedhead.h"
+#include "tile_kernels.h"
 
 #include <blis.h>
 #include <pthread.h>
@@ -54,10 +55,13 @@ FH_API fh_status fh_blis_query(fh_blis_info *info)
     if (!info)
         return FH_ERR_NULL_POINTER;
     fh_blis_ensure_selected();
+    /* bli_arch_query_id() before initialisation aborts inside BLIS when BLIS_ARCH_TYPE is set. */
+    bli_init();
     const arch_t id = bli_arch_query_id();
     info->kernel_set = bli_arch_string(id);
     info->selected_by_library = library_choice >= 0 && (int)id == library_choice;
     info->user_override = user_override;
+    info->elementwise = fh_row_kernels_name();
     return FH_OK;
 }
 

@@ -3,6 +3,7 @@
 #include "blis_kernels.h"
 #include "engine.h"
 #include "linear.h"
+#include "tile_kernels.h"
 
 #include <math.h>
 
@@ -99,6 +100,7 @@ static fh_status acquire(fh_context *ctx, const fh_linear *lin, const fh_plan *p
     if (st == FH_OK) {
         *ws = fh_workspace_carve(plan, base, lin->n);
         fh_blis_ensure_selected();
+        fh_row_kernels_select();
     }
     return st;
 }

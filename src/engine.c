@@ -8,6 +8,7 @@
 #include "tile_kernels.h"
 
 #include <math.h>
+#include <omp.h>
 
 static int64_t min64(int64_t a, int64_t b)
 {
@@ -22,18 +23,14 @@ static int64_t target_column(const int64_t *targets, int64_t i, int64_t vocab, i
     return targets[i] - v0;
 }
 
-/* tile[nb x vb] = transform(X[i0:i0+nb, :] W[:, v0:v0+vb] + bias[v0:]) */
-static void compute_logits(const fh_context *ctx, const fh_linear *lin, const fh_transform *tf, float *tile,
-                           int64_t i0, int64_t nb, int64_t v0, int64_t vb)
+/* tile[nb x vb] = X[i0:i0+nb, :] W[:, v0:v0+vb]; the transform is applied per row by the caller, while
+ * the row is hot in cache. */
+static void compute_logits(const fh_context *ctx, const fh_linear *lin, float *tile, int64_t i0, int64_t nb,
+                           int64_t v0, int64_t vb)
 {
-    const int threads = fh_threads(ctx);
     fh_sgemm(nb, vb, lin->hidden, lin->x + i0 * lin->x_row_stride, lin->x_row_stride, 1,
-             lin->weight + v0 * lin->w_stride_vocab, lin->w_stride_hidden, lin->w_stride_vocab, 0.0f, tile, vb,
-             1, threads);
-    const float *bias = lin->bias ? lin->bias + v0 : NULL;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < nb; r++)
-        fh_row_transform(tile + r * vb, vb, bias, tf);
+             lin->weight + v0 * lin->w_stride_vocab, lin->w_stride_hidden, lin->w_stride_vocab, 0.0f, tile, vb, 1,
+             fh_threads(ctx));
 }
 
 /* dbias = sum of columns, with beta: 0 overwrites without reading. */
@@ -44,14 +41,17 @@ static void write_bias_gradient(const fh_linear_grads *grads, const double *colu
             (float)(grads->dbias_beta != 0.0f ? grads->dbias[v0 + j] + column[j] : column[j]);
 }
 
+/* column[j] += sum_r tile[r][j]; each thread owns a contiguous range of columns and walks rows in order,
+ * so sums are deterministic and the inner loop is unit-stride. */
 static void add_column_sums(const float *tile, int64_t rows, int64_t cols, double *column, int threads)
 {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t j = 0; j < cols; j++) {
-        double s = 0.0;
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t parts = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t begin = cols * me / parts, end = cols * (me + 1) / parts;
         for (int64_t r = 0; r < rows; r++)
-            s += tile[r * cols + j];
-        column[j] += s;
+            for (int64_t j = begin; j < end; j++)
+                column[j] += tile[r * cols + j];
     }
 }
 
@@ -75,12 +75,14 @@ void fh_engine_forward(const fh_context *ctx, const fh_plan *plan, const fh_work
     for (int64_t v0 = 0; v0 < vocab; v0 += plan->tile_vocab) {
         const int64_t vb = min64(plan->tile_vocab, vocab - v0);
         const float *weights = class_weights ? class_weights + v0 : NULL;
+        const float *bias = lin->bias ? lin->bias + v0 : NULL;
         for (int64_t i0 = 0; i0 < n; i0 += plan->tile_rows) {
             const int64_t nb = min64(plan->tile_rows, n - i0);
-            compute_logits(ctx, lin, tf, ws->tile, i0, nb, v0, vb);
+            compute_logits(ctx, lin, ws->tile, i0, nb, v0, vb);
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t r = 0; r < nb; r++) {
                 const int64_t i = i0 + r;
+                fh_row_transform(ws->tile + r * vb, vb, bias, tf);
                 fh_row_state st = {stats->lse[i], stats->sum_exp_scratch[i], stats->z_target[i],
                                    want_weighted_sum ? stats->sum_weighted_z[i] : 0.0,
                                    stats->argmax ? stats->argmax[i] : 0};
@@ -109,16 +111,18 @@ void fh_engine_backward(const fh_context *ctx, const fh_plan *plan, const fh_wor
     for (int64_t v0 = 0; v0 < vocab; v0 += plan->tile_vocab) {
         const int64_t vb = min64(plan->tile_vocab, vocab - v0);
         const float *weights = class_weights ? class_weights + v0 : NULL;
+        const float *bias = lin->bias ? lin->bias + v0 : NULL;
         if (grads->dbias)
             for (int64_t j = 0; j < vb; j++)
                 ws->column[j] = 0.0;
         for (int64_t i0 = 0; i0 < n; i0 += plan->tile_rows) {
             const int64_t nb = min64(plan->tile_rows, n - i0);
             float *tile = ws->tile;
-            compute_logits(ctx, lin, tf, tile, i0, nb, v0, vb);
+            compute_logits(ctx, lin, tile, i0, nb, v0, vb);
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t r = 0; r < nb; r++) {
                 const int64_t i = i0 + r;
+                fh_row_transform(tile + r * vb, vb, bias, tf);
                 fh_row_gradient(tile + r * vb, vb, target_column(targets, i, vocab, v0), weights, coefs->lse[i],
                                 coefs->a[i], coefs->b[i], coefs->c[i], tf);
             }
@@ -152,8 +156,7 @@ void fh_engine_row_blocks(const fh_context *ctx, const fh_plan *plan, const fh_w
             ws->column[j] = 0.0;
     for (int64_t i0 = 0; i0 < n; i0 += plan->tile_rows) {
         const int64_t nb = min64(plan->tile_rows, n - i0);
-        fh_sgemm(nb, vocab, hidden, lin->x + i0 * lin->x_row_stride, lin->x_row_stride, 1, lin->weight,
-                 lin->w_stride_hidden, lin->w_stride_vocab, 0.0f, tile, vocab, 1, threads);
+        compute_logits(ctx, lin, tile, i0, nb, 0, vocab);
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t r = 0; r < nb; r++) {
             const int64_t i = i0 + r;

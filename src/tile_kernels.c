@@ -1,9 +1,33 @@
-/* Per-row elementwise kernels: fp32 values, double accumulators. */
-#include "tile_kernels.h"
+/* Portable row kernels (fp32 values, double accumulators), the helpers shared with the AVX-512 ones, and
+ * the run-time choice between them: AVX-512 when the CPU has it, unless FH_DISABLE_AVX512 is set in the
+ * environment (tests use it to cover both). */
+#include "tile_kernels_impl.h"
 
 #include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
 
-void fh_row_transform(float *z, int64_t count, const float *bias, const fh_transform *tf)
+void fh_row_merge(fh_row_state *state, float tile_max, int64_t tile_argmax, double tile_sum)
+{
+    if (tile_max > state->max) {
+        state->sum_exp = state->sum_exp * exp(state->max - (double)tile_max) + tile_sum;
+        state->max = tile_max;
+        state->argmax = tile_argmax;
+    } else {
+        state->sum_exp += tile_sum * exp((double)tile_max - state->max);
+    }
+}
+
+float fh_dz_du(float z, const fh_transform *tf)
+{
+    if (!(tf->softcap > 0.0f))
+        return tf->inv_temperature;
+    /* z = scale * cap * tanh(u / cap), so dz/du = scale * (1 - t^2) with t = z / (scale * cap). */
+    const float t = z / (tf->inv_temperature * tf->softcap);
+    return tf->inv_temperature * (1.0f - t) * (1.0f + t);
+}
+
+void fh_row_transform_portable(float *z, int64_t count, const float *bias, const fh_transform *tf)
 {
     const float cap = tf->softcap, scale = tf->inv_temperature;
     if (bias)
@@ -19,8 +43,8 @@ void fh_row_transform(float *z, int64_t count, const float *bias, const fh_trans
             z[j] *= scale;
 }
 
-void fh_row_fold(const float *z, int64_t count, int64_t first_column, int64_t target_column,
-                 const float *weights, int want_weighted_sum, fh_row_state *state)
+void fh_row_fold_portable(const float *z, int64_t count, int64_t first_column, int64_t target_column,
+                          const float *weights, int want_weighted_sum, fh_row_state *state)
 {
     float tile_max = -INFINITY;
     int64_t tile_argmax = -1;
@@ -33,51 +57,81 @@ void fh_row_fold(const float *z, int64_t count, int64_t first_column, int64_t ta
         state->z_target = z[target_column];
     if (want_weighted_sum) {
         double s = 0.0;
-        if (weights)
-            for (int64_t j = 0; j < count; j++)
-                s += (double)weights[j] * z[j];
-        else
-            for (int64_t j = 0; j < count; j++)
-                s += z[j];
+        for (int64_t j = 0; j < count; j++)
+            s += (double)(weights ? weights[j] * z[j] : z[j]);
         state->sum_weighted_z += s;
     }
-    if (tile_argmax < 0) {
-        /* Every logit is -inf or NaN: -inf adds nothing to the sum; NaN must propagate. */
-        for (int64_t j = 0; j < count; j++)
-            if (isnan(z[j]))
-                state->sum_exp = NAN;
-        return;
-    }
+    for (int64_t j = 0; j < count; j++)
+        if (isnan(z[j])) {
+            state->sum_exp = NAN;
+            return;
+        }
+    if (tile_argmax < 0)
+        return; /* every logit is -inf: nothing to add */
     double tile_sum = 0.0;
     for (int64_t j = 0; j < count; j++)
         tile_sum += expf(z[j] - tile_max);
-    if (tile_max > state->max) {
-        state->sum_exp = state->sum_exp * exp(state->max - (double)tile_max) + tile_sum;
-        state->max = tile_max;
-        state->argmax = first_column + tile_argmax;
-    } else {
-        state->sum_exp += tile_sum * exp((double)tile_max - state->max);
-    }
+    fh_row_merge(state, tile_max, first_column + tile_argmax, tile_sum);
 }
 
-void fh_row_gradient(float *z, int64_t count, int64_t target_column, const float *weights, double lse,
-                     double a, double b, double c, const fh_transform *tf)
+void fh_row_gradient_portable(float *z, int64_t count, int64_t target_column, const float *weights, double lse,
+                              double a, double b, double c, const fh_transform *tf)
 {
-    const float af = (float)a, cf = (float)c, scale = tf->inv_temperature, cap = tf->softcap;
-    /* z = scale * cap * tanh(u / cap), so dz/du = scale * (1 - t^2) with t = z / (scale * cap). */
-    const float inv_cap_scaled = cap > 0.0f ? 1.0f / (scale * cap) : 0.0f;
+    const float af = (float)a, cf = (float)c;
     const int has_target = target_column >= 0 && target_column < count;
+    const float z_target = has_target ? z[target_column] : 0.0f;
     for (int64_t j = 0; j < count; j++) {
-        const float zj = z[j];
-        const float p = expf((float)((double)zj - lse));
-        float dz = af * p + (weights ? cf * weights[j] : cf);
-        if (has_target && j == target_column)
-            dz += (float)b;
-        float dzdu = scale;
-        if (cap > 0.0f) {
-            const float t = zj * inv_cap_scaled;
-            dzdu = scale * (1.0f - t) * (1.0f + t);
-        }
-        z[j] = dz * dzdu;
+        const float p = expf((float)((double)z[j] - lse));
+        z[j] = (af * p + (weights ? cf * weights[j] : cf)) * fh_dz_du(z[j], tf);
     }
+    if (has_target)
+        z[target_column] += (float)b * fh_dz_du(z_target, tf);
+}
+
+typedef struct kernel_set {
+    void (*transform)(float *, int64_t, const float *, const fh_transform *);
+    void (*fold)(const float *, int64_t, int64_t, int64_t, const float *, int, fh_row_state *);
+    void (*gradient)(float *, int64_t, int64_t, const float *, double, double, double, double, const fh_transform *);
+} kernel_set;
+
+static kernel_set kernels = {fh_row_transform_portable, fh_row_fold_portable, fh_row_gradient_portable};
+static pthread_once_t kernels_once = PTHREAD_ONCE_INIT;
+
+static void choose_kernels(void)
+{
+#ifdef FH_HAVE_AVX512_KERNELS
+    __builtin_cpu_init();
+    if (!getenv("FH_DISABLE_AVX512") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) {
+        const kernel_set avx512 = {fh_row_transform_avx512, fh_row_fold_avx512, fh_row_gradient_avx512};
+        kernels = avx512;
+    }
+#endif
+}
+
+void fh_row_kernels_select(void)
+{
+    pthread_once(&kernels_once, choose_kernels);
+}
+
+const char *fh_row_kernels_name(void)
+{
+    fh_row_kernels_select();
+    return kernels.fold == fh_row_fold_portable ? "portable" : "avx512";
+}
+
+void fh_row_transform(float *z, int64_t count, const float *bias, const fh_transform *tf)
+{
+    kernels.transform(z, count, bias, tf);
+}
+
+void fh_row_fold(const float *z, int64_t count, int64_t first_column, int64_t target_column, const float *weights,
+                 int want_weighted_sum, fh_row_state *state)
+{
+    kernels.fold(z, count, first_column, target_column, weights, want_weighted_sum, state);
+}
+
+void fh_row_gradient(float *z, int64_t count, int64_t target_column, const float *weights, double lse, double a,
+                     double b, double c, const fh_transform *tf)
+{
+    kernels.gradient(z, count, target_column, weights, lse, a, b, c, tf);
 }

@@ -1,0 +1,385 @@
+/* fh_bench: fused vs materialized, time and peak memory.
+ *
+ * Every case runs in its own child process so that peak-RSS readings do not mix. In the child, inputs
+ * and outputs are allocated and touched first; then the peak-RSS counter is reset (/proc/self/clear_refs)
+ * and the case runs 1 + reps times: the first call is reported on its own (it pays for workspace
+ * allocation and page faults), the best of the rest is the steady-state time. Efficiency is GFLOP/s
+ * divided by the GFLOP/s of a BLIS sgemm 2048^3 on the same threads, measured the same way. */
+#include "fusedhead.h"
+#include "materialized.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <blis.h>
+
+typedef enum bench_case { CASE_SGEMM, CASE_FORWARD, CASE_SPLIT, CASE_TRAIN, CASE_MATERIALIZED, CASE_COUNT } bench_case;
+
+static const char *case_names[CASE_COUNT] = {"sgemm_2048", "fused_forward", "fused_split", "fused_train_step",
+                                             "materialized"};
+static const char *case_basis[CASE_COUNT] = {"2*2048^3", "2NHV", "8NHV", "6NHV", "6NHV"};
+
+typedef struct shape {
+    int64_t n, hidden, vocab;
+    int threads;
+    int64_t budget; /* 0 = library default */
+    int reps;
+} shape;
+
+typedef struct result {
+    int ok;
+    double flops, best_ms, first_ms;
+    int64_t workspace_bytes, peak_growth_bytes;
+} result;
+
+static double now_ms(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1e3 + t.tv_nsec * 1e-6;
+}
+
+/* A field of /proc/self/status in bytes ("VmRSS:", "VmHWM:"). */
+static int64_t proc_status_bytes(const char *field)
+{
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    int64_t kb = -1;
+    while (f && fgets(line, sizeof line, f))
+        if (strncmp(line, field, strlen(field)) == 0)
+            kb = atoll(line + strlen(field));
+    if (f)
+        fclose(f);
+    return kb * 1024;
+}
+
+static int reset_peak_rss(void)
+{
+    FILE *f = fopen("/proc/self/clear_refs", "w");
+    if (!f)
+        return -1;
+    const int ok = fputs("5", f) >= 0;
+    return (fclose(f) == 0 && ok) ? 0 : -1;
+}
+
+static float *filled(size_t count, float scale, unsigned seed)
+{
+    float *p = malloc(count * sizeof(float));
+    for (size_t i = 0; p && i < count; i++) {
+        seed = seed * 1664525u + 1013904223u;
+        p[i] = scale * ((float)(seed >> 8) / 16777216.0f - 0.5f);
+    }
+    return p;
+}
+
+/* Inputs shared by the fused and materialized cases, allocated and touched before measuring. */
+typedef struct inputs {
+    float *x, *w, *dx, *dw, *lse;
+    int64_t *targets;
+} inputs;
+
+static int make_inputs(const shape *s, inputs *in)
+{
+    const size_t nh = (size_t)s->n * s->hidden, hv = (size_t)s->hidden * s->vocab;
+    in->x = filled(nh, 2.0f, 1);
+    in->w = filled(hv, 2.0f * sqrtf(3.0f / (float)s->hidden), 2);
+    in->dx = filled(nh, 1.0f, 3);
+    in->dw = filled(hv, 1.0f, 4);
+    in->lse = filled((size_t)s->n, 1.0f, 5);
+    in->targets = malloc((size_t)s->n * sizeof(int64_t));
+    if (!in->x || !in->w || !in->dx || !in->dw || !in->lse || !in->targets)
+        return -1;
+    for (int64_t i = 0; i < s->n; i++)
+        in->targets[i] = (i * 7919) % s->vocab;
+    return 0;
+}
+
+/* One call of the case; returns 0 or -1. */
+static int run_once(bench_case c, const shape *s, const inputs *in, fh_context *ctx, const materialized_buffers *mb,
+                    float *sgemm_buffers[3])
+{
+    fh_linear lin;
+    fh_linear_init(&lin, s->n, s->hidden, s->vocab, in->x, in->w, FH_LAYOUT_HV, NULL);
+    fh_ce_options o;
+    fh_ce_options_init(&o);
+    double loss;
+    const float grad_one = 1.0f;
+    fh_ce_outputs out = {&loss, NULL, NULL, NULL, NULL, NULL};
+    fh_linear_grads g = {in->dx, s->hidden, 0.0f, in->dw, 0.0f, NULL, 0.0f};
+    switch (c) {
+    case CASE_SGEMM: {
+        float one = 1.0f, zero = 0.0f;
+        rntm_t rntm = BLIS_RNTM_INITIALIZER;
+        bli_rntm_set_num_threads(s->threads, &rntm);
+        bli_sgemm_ex(BLIS_NO_TRANSPOSE, BLIS_NO_TRANSPOSE, 2048, 2048, 2048, &one, sgemm_buffers[0], 2048, 1,
+                     sgemm_buffers[1], 2048, 1, &zero, sgemm_buffers[2], 2048, 1, NULL, &rntm);
+        return 0;
+    }
+    case CASE_FORWARD:
+        return fh_ce_forward(ctx, &lin, in->targets, &o, &out) == FH_OK ? 0 : -1;
+    case CASE_SPLIT:
+        out.lse = in->lse;
+        if (fh_ce_forward(ctx, &lin, in->targets, &o, &out) != FH_OK)
+            return -1;
+        return fh_ce_backward(ctx, &lin, in->targets, &o, in->lse, &grad_one, &g) == FH_OK ? 0 : -1;
+    case CASE_TRAIN:
+        return fh_ce_forward_backward(ctx, &lin, in->targets, &o, &grad_one, &out, &g) == FH_OK ? 0 : -1;
+    case CASE_MATERIALIZED:
+        loss = materialized_train_step(mb, s->n, s->hidden, s->vocab, in->x, in->w, in->targets, in->dx, in->dw,
+                                       s->threads);
+        return isfinite(loss) ? 0 : -1;
+    default:
+        return -1;
+    }
+}
+
+static double flops_of(bench_case c, const shape *s)
+{
+    const double nhv = (double)s->n * s->hidden * s->vocab;
+    switch (c) {
+    case CASE_SGEMM: return 2.0 * 2048.0 * 2048.0 * 2048.0;
+    case CASE_FORWARD: return 2.0 * nhv;
+    case CASE_SPLIT: return 8.0 * nhv;
+    default: return 6.0 * nhv;
+    }
+}
+
+static result measure_in_child(bench_case c, const shape *s)
+{
+    result r = {0, flops_of(c, s), INFINITY, 0.0, 0, 0};
+    inputs in;
+    fh_context *ctx = NULL;
+    float *sg[3] = {NULL, NULL, NULL};
+    materialized_buffers mb = {NULL, NULL};
+    if (make_inputs(s, &in) != 0 || fh_context_create(&ctx) != FH_OK)
+        return r;
+    fh_context_set(ctx, FH_PARAM_THREADS, s->threads);
+    fh_context_set(ctx, FH_PARAM_MEMORY_BUDGET, s->budget);
+    if (c == CASE_SGEMM)
+        for (int k = 0; k < 3; k++)
+            if (!(sg[k] = filled(2048u * 2048u, 1.0f, 10 + k)))
+                return r;
+    fh_linear lin;
+    fh_linear_init(&lin, s->n, s->hidden, s->vocab, in.x, in.w, FH_LAYOUT_HV, NULL);
+    fh_ce_options o;
+    fh_ce_options_init(&o);
+    size_t ws = 0;
+    if (c == CASE_FORWARD || c == CASE_SPLIT)
+        fh_ce_workspace_size(ctx, &lin, &o, &ws);
+    else if (c == CASE_TRAIN)
+        fh_ce_forward_backward_workspace_size(ctx, &lin, &o, &ws);
+    r.workspace_bytes = (int64_t)ws;
+    const int64_t base = proc_status_bytes("VmRSS:");
+    if (reset_peak_rss() != 0)
+        return r;
+    double t = now_ms();
+    /* The materialized path's buffers belong to the call: a framework allocates them per step. */
+    if (c == CASE_MATERIALIZED && materialized_alloc(&mb, s->n, s->vocab) != 0)
+        return r;
+    if (run_once(c, s, &in, ctx, &mb, sg) != 0)
+        return r;
+    r.first_ms = now_ms() - t;
+    for (int k = 0; k < s->reps; k++) {
+        t = now_ms();
+        if (run_once(c, s, &in, ctx, &mb, sg) != 0)
+            return r;
+        const double ms = now_ms() - t;
+        r.best_ms = ms < r.best_ms ? ms : r.best_ms;
+    }
+    r.peak_growth_bytes = proc_status_bytes("VmHWM:") - base;
+    r.ok = 1;
+    return r;
+}
+
+static result run_case(bench_case c, const shape *s)
+{
+    result r = {0, 0, 0, 0, 0, 0};
+    int fd[2];
+    if (pipe(fd) != 0)
+        return r;
+    fflush(NULL);
+    const pid_t pid = fork();
+    if (pid == 0) {
+        close(fd[0]);
+        const result child = measure_in_child(c, s);
+        const ssize_t w = write(fd[1], &child, sizeof child);
+        _exit(w == (ssize_t)sizeof child ? 0 : 1);
+    }
+    close(fd[1]);
+    if (pid < 0 || read(fd[0], &r, sizeof r) != (ssize_t)sizeof r)
+        r.ok = 0;
+    close(fd[0]);
+    if (pid > 0)
+        waitpid(pid, NULL, 0);
+    return r;
+}
+
+typedef enum format { FORMAT_TABLE, FORMAT_JSON, FORMAT_CSV } format;
+
+static double gflops(const result *r)
+{
+    return r->ok ? r->flops / (r->best_ms * 1e6) : 0.0;
+}
+
+static void print_report(format f, const shape *s, const result *res, const char *kernels, FILE *out)
+{
+    const double ceiling = gflops(&res[CASE_SGEMM]);
+    if (f == FORMAT_JSON) {
+        fprintf(out, "{\n  \"n\": %lld, \"hidden\": %lld, \"vocab\": %lld, \"threads\": %d, \"budget_bytes\": %lld,\n"
+                     "  \"blis_kernel_set\": \"%s\", \"sgemm_gflops\": %.1f,\n  \"cases\": [\n",
+                (long long)s->n, (long long)s->hidden, (long long)s->vocab, s->threads, (long long)s->budget, kernels,
+                ceiling);
+        for (int c = 0; c < CASE_COUNT; c++)
+            fprintf(out,
+                    "    {\"name\": \"%s\", \"ok\": %s, \"flop_basis\": \"%s\", \"flops\": %.6g, \"best_ms\": %.3f, "
+                    "\"gflops\": %.1f, \"efficiency\": %.3f, \"first_call_ms\": %.3f, \"workspace_bytes\": %lld, "
+                    "\"peak_rss_growth_bytes\": %lld}%s\n",
+                    case_names[c], res[c].ok ? "true" : "false", case_basis[c], res[c].flops, res[c].best_ms,
+                    gflops(&res[c]), ceiling > 0 ? gflops(&res[c]) / ceiling : 0.0, res[c].first_ms,
+                    (long long)res[c].workspace_bytes, (long long)res[c].peak_growth_bytes,
+                    c + 1 < CASE_COUNT ? "," : "");
+        fprintf(out, "  ]\n}\n");
+        return;
+    }
+    if (f == FORMAT_CSV) {
+        for (int c = 0; c < CASE_COUNT; c++)
+            fprintf(out, "%lld,%lld,%lld,%d,%s,%s,%.3f,%.1f,%.3f,%.3f,%lld,%lld\n", (long long)s->n,
+                    (long long)s->hidden, (long long)s->vocab, s->threads, case_names[c], case_basis[c], res[c].best_ms,
+                    gflops(&res[c]), ceiling > 0 ? gflops(&res[c]) / ceiling : 0.0, res[c].first_ms,
+                    (long long)res[c].workspace_bytes, (long long)res[c].peak_growth_bytes);
+        return;
+    }
+    fprintf(out, "fh_bench: N=%lld H=%lld V=%lld, %d threads, budget %s, BLIS kernel set %s, best of %d\n\n",
+            (long long)s->n, (long long)s->hidden, (long long)s->vocab, s->threads,
+            s->budget ? "set" : "default", kernels, s->reps);
+    fprintf(out, "%-18s %-9s %10s %9s %6s %10s %12s %14s\n", "case", "basis", "best ms", "GFLOP/s", "eff.",
+            "first ms", "workspace", "peak RSS +");
+    for (int c = 0; c < CASE_COUNT; c++) {
+        if (!res[c].ok) {
+            fprintf(out, "%-18s failed\n", case_names[c]);
+            continue;
+        }
+        fprintf(out, "%-18s %-9s %10.1f %9.1f %6.3f %10.1f %9.1f MiB %10.1f MiB\n", case_names[c], case_basis[c],
+                res[c].best_ms, gflops(&res[c]), ceiling > 0 ? gflops(&res[c]) / ceiling : 0.0, res[c].first_ms,
+                res[c].workspace_bytes / 1048576.0, res[c].peak_growth_bytes / 1048576.0);
+    }
+}
+
+static const char csv_header[] =
+    "n,hidden,vocab,threads,case,flop_basis,best_ms,gflops,efficiency,first_call_ms,workspace_bytes,"
+    "peak_rss_growth_bytes\n";
+
+/* Sweeps n or vocab, writes DIR/sweep_<what>.csv and a gnuplot script rendering two PNGs. */
+static int sweep(const char *what, const char *dir, shape s, const char *kernels)
+{
+    static const int64_t ns[] = {128, 256, 512, 1024, 2048, 4096};
+    static const int64_t vocabs[] = {8192, 16384, 32768, 65536, 131072, 151643};
+    const int by_n = strcmp(what, "n") == 0;
+    char path[4096];
+    snprintf(path, sizeof path, "%s/sweep_%s.csv", dir, what);
+    FILE *csv = fopen(path, "w");
+    if (!csv)
+        return -1;
+    fputs(csv_header, csv);
+    for (int k = 0; k < 6; k++) {
+        if (by_n)
+            s.n = ns[k];
+        else
+            s.vocab = vocabs[k];
+        result res[CASE_COUNT];
+        for (int c = 0; c < CASE_COUNT; c++)
+            res[c] = run_case((bench_case)c, &s);
+        print_report(FORMAT_CSV, &s, res, kernels, csv);
+        fflush(csv);
+        fprintf(stderr, "sweep %s: %s = %lld done\n", what, what, (long long)(by_n ? s.n : s.vocab));
+    }
+    fclose(csv);
+    snprintf(path, sizeof path, "%s/sweep_%s.gp", dir, what);
+    FILE *gp = fopen(path, "w");
+    if (!gp)
+        return -1;
+    const int column = by_n ? 1 : 3;
+    fprintf(gp,
+            "# Renders sweep_%1$s_time.png and sweep_%1$s_memory.png: run `gnuplot sweep_%1$s.gp` in this folder.\n"
+            "set datafile separator ','\nset key top left\nset grid\nset logscale x 2\nset terminal pngcairo size 900,600\n"
+            "set xlabel '%2$s'\n"
+            "set output 'sweep_%1$s_time.png'\nset ylabel 'time per call (ms)'\n"
+            "set title 'fused vs materialized: time (N=%3$lld H=%4$lld V=%5$lld unless swept, %6$d threads)'\n"
+            "plot for [c in 'fused_forward fused_split fused_train_step materialized'] 'sweep_%1$s.csv' "
+            "using (stringcolumn(5) eq c ? $%7$d : NaN):7 with linespoints title c\n"
+            "set output 'sweep_%1$s_memory.png'\nset ylabel 'peak RSS growth (MiB)'\n"
+            "set title 'fused vs materialized: peak memory'\n"
+            "plot for [c in 'fused_forward fused_split fused_train_step materialized'] 'sweep_%1$s.csv' "
+            "using (stringcolumn(5) eq c ? $%7$d : NaN):($12/1048576) with linespoints title c\n",
+            what, by_n ? "tokens N" : "vocabulary V", (long long)s.n, (long long)s.hidden, (long long)s.vocab,
+            s.threads, column);
+    fclose(gp);
+    return 0;
+}
+
+static void usage(void)
+{
+    fprintf(stderr, "usage: fh_bench [--n N] [--hidden H] [--vocab V] [--threads T] [--budget BYTES] [--reps K]\n"
+                    "                [--json | --csv] [--sweep n|vocab --out DIR]\n");
+}
+
+int main(int argc, char **argv)
+{
+    shape s = {1024, 1024, 32768, 2, 0, 3};
+    format f = FORMAT_TABLE;
+    const char *sweep_what = NULL, *out_dir = ".";
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (strcmp(a, "--json") == 0)
+            f = FORMAT_JSON;
+        else if (strcmp(a, "--csv") == 0)
+            f = FORMAT_CSV;
+        else if (!v) {
+            usage();
+            return 2;
+        } else if (strcmp(a, "--n") == 0)
+            s.n = atoll(argv[++i]);
+        else if (strcmp(a, "--hidden") == 0)
+            s.hidden = atoll(argv[++i]);
+        else if (strcmp(a, "--vocab") == 0)
+            s.vocab = atoll(argv[++i]);
+        else if (strcmp(a, "--threads") == 0)
+            s.threads = atoi(argv[++i]);
+        else if (strcmp(a, "--budget") == 0)
+            s.budget = atoll(argv[++i]);
+        else if (strcmp(a, "--reps") == 0)
+            s.reps = atoi(argv[++i]);
+        else if (strcmp(a, "--sweep") == 0)
+            sweep_what = argv[++i];
+        else if (strcmp(a, "--out") == 0)
+            out_dir = argv[++i];
+        else {
+            usage();
+            return 2;
+        }
+    }
+    if (s.n < 1 || s.hidden < 1 || s.vocab < 1 || s.threads < 1 || s.reps < 1 ||
+        (sweep_what && strcmp(sweep_what, "n") && strcmp(sweep_what, "vocab"))) {
+        usage();
+        return 2;
+    }
+    fh_blis_info blis;
+    fh_blis_query(&blis);
+    if (sweep_what)
+        return sweep(sweep_what, out_dir, s, blis.kernel_set) == 0 ? 0 : 1;
+    result res[CASE_COUNT];
+    int failed = 0;
+    for (int c = 0; c < CASE_COUNT; c++) {
+        res[c] = run_case((bench_case)c, &s);
+        failed |= !res[c].ok;
+    }
+    if (f == FORMAT_CSV)
+        fputs(csv_header, stdout);
+    print_report(f, &s, res, blis.kernel_set, stdout);
+    return failed ? 1 : 0;
+}

@@ -1,0 +1,128 @@
+/* AVX-512 versions of the row kernels (same contracts as tile_kernels.h), with SLEEF's 1-ulp vector
+ * exp and tanh. Built with -mavx512f -mavx512dq -mfma and only called when the CPU has them. */
+#include "tile_kernels_impl.h"
+
+#include <immintrin.h>
+#include <math.h>
+#include <sleef.h>
+
+#define LANES 16
+
+static __mmask16 tail_mask(int64_t remaining)
+{
+    return remaining >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << remaining) - 1u);
+}
+
+/* Sum of the 16 floats as doubles. */
+static double sum_as_double(__m512d lo, __m512d hi)
+{
+    return _mm512_reduce_add_pd(_mm512_add_pd(lo, hi));
+}
+
+static void accumulate_double(__m512 v, __m512d *lo, __m512d *hi)
+{
+    *lo = _mm512_add_pd(*lo, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+    *hi = _mm512_add_pd(*hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+}
+
+void fh_row_transform_avx512(float *z, int64_t count, const float *bias, const fh_transform *tf)
+{
+    const int capped = tf->softcap > 0.0f, scaled = tf->inv_temperature != 1.0f;
+    const __m512 cap = _mm512_set1_ps(tf->softcap), inv_cap = _mm512_set1_ps(capped ? 1.0f / tf->softcap : 0.0f);
+    const __m512 scale = _mm512_set1_ps(tf->inv_temperature);
+    if (!bias && !capped && !scaled)
+        return;
+    for (int64_t j = 0; j < count; j += LANES) {
+        const __mmask16 m = tail_mask(count - j);
+        __m512 v = _mm512_maskz_loadu_ps(m, z + j);
+        if (bias)
+            v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias + j));
+        if (capped)
+            v = _mm512_mul_ps(cap, Sleef_tanhf16_u10avx512f(_mm512_mul_ps(v, inv_cap)));
+        if (scaled)
+            v = _mm512_mul_ps(v, scale);
+        _mm512_mask_storeu_ps(z + j, m, v);
+    }
+}
+
+void fh_row_fold_avx512(const float *z, int64_t count, int64_t first_column, int64_t target_column,
+                        const float *weights, int want_weighted_sum, fh_row_state *state)
+{
+    const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+    __m512 vmax = neg_inf;
+    __m512i vidx = _mm512_set1_epi32(-1);
+    const __m512i step = _mm512_set1_epi32(LANES);
+    __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __mmask16 any_nan = 0;
+    for (int64_t j = 0; j < count; j += LANES, idx = _mm512_add_epi32(idx, step)) {
+        const __mmask16 m = tail_mask(count - j);
+        const __m512 v = _mm512_mask_loadu_ps(neg_inf, m, z + j);
+        const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ);
+        any_nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        vmax = _mm512_mask_blend_ps(gt, vmax, v);
+        vidx = _mm512_mask_blend_epi32(gt, vidx, idx);
+    }
+    const float tile_max = _mm512_reduce_max_ps(vmax);
+    /* Lowest index among the lanes holding the maximum (each lane kept its first occurrence). */
+    const __mmask16 at_max = _mm512_cmp_ps_mask(vmax, _mm512_set1_ps(tile_max), _CMP_EQ_OQ);
+    const int64_t tile_argmax =
+        tile_max == -INFINITY ? -1 : _mm512_mask_reduce_min_epi32(at_max, vidx);
+
+    if (target_column >= 0 && target_column < count)
+        state->z_target = z[target_column];
+    if (want_weighted_sum) {
+        __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+        for (int64_t j = 0; j < count; j += LANES) {
+            const __mmask16 m = tail_mask(count - j);
+            __m512 v = _mm512_maskz_loadu_ps(m, z + j);
+            if (weights)
+                v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, weights + j)); /* exact: product of two floats */
+            accumulate_double(v, &lo, &hi);
+        }
+        state->sum_weighted_z += sum_as_double(lo, hi);
+    }
+    if (any_nan) {
+        state->sum_exp = NAN;
+        return;
+    }
+    if (tile_argmax < 0)
+        return; /* every logit is -inf: nothing to add */
+    const __m512 shift = _mm512_set1_ps(tile_max);
+    __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+    for (int64_t j = 0; j < count; j += LANES) {
+        const __mmask16 m = tail_mask(count - j);
+        const __m512 v = _mm512_mask_loadu_ps(neg_inf, m, z + j);
+        accumulate_double(Sleef_expf16_u10avx512f(_mm512_sub_ps(v, shift)), &lo, &hi);
+    }
+    fh_row_merge(state, tile_max, first_column + tile_argmax, sum_as_double(lo, hi));
+}
+
+void fh_row_gradient_avx512(float *z, int64_t count, int64_t target_column, const float *weights, double lse,
+                            double a, double b, double c, const fh_transform *tf)
+{
+    /* lse = hi + lo in floats: (z - hi) is exact near the maximum, so p keeps double-like accuracy. */
+    const float lse_hi = (float)lse, lse_lo = (float)(lse - (double)lse_hi);
+    const __m512 vhi = _mm512_set1_ps(lse_hi), vlo = _mm512_set1_ps(lse_lo);
+    const __m512 va = _mm512_set1_ps((float)a), vc = _mm512_set1_ps((float)c);
+    const float scale = tf->inv_temperature, cap = tf->softcap;
+    const int capped = cap > 0.0f;
+    const __m512 vscale = _mm512_set1_ps(scale), one = _mm512_set1_ps(1.0f);
+    const __m512 inv_cap_scaled = _mm512_set1_ps(capped ? 1.0f / (scale * cap) : 0.0f);
+    const int has_target = target_column >= 0 && target_column < count;
+    const float z_target = has_target ? z[target_column] : 0.0f;
+    for (int64_t j = 0; j < count; j += LANES) {
+        const __mmask16 m = tail_mask(count - j);
+        const __m512 v = _mm512_maskz_loadu_ps(m, z + j);
+        const __m512 p = Sleef_expf16_u10avx512f(_mm512_sub_ps(_mm512_sub_ps(v, vhi), vlo));
+        const __m512 w = weights ? _mm512_maskz_loadu_ps(m, weights + j) : one;
+        __m512 dz = _mm512_fmadd_ps(va, p, _mm512_mul_ps(vc, w));
+        __m512 dzdu = vscale;
+        if (capped) {
+            const __m512 t = _mm512_mul_ps(v, inv_cap_scaled);
+            dzdu = _mm512_mul_ps(vscale, _mm512_mul_ps(_mm512_sub_ps(one, t), _mm512_add_ps(one, t)));
+        }
+        _mm512_mask_storeu_ps(z + j, m, _mm512_mul_ps(dz, dzdu));
+    }
+    if (has_target)
+        z[target_column] += (float)b * fh_dz_du(z_target, tf);
+}
