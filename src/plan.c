@@ -2,7 +2,7 @@
 #include "plan.h"
 
 #define ALIGN 64
-#define DEFAULT_TILE_ROWS 512
+#define DEFAULT_TILE_ROWS 1024
 #define DEFAULT_TILE_VOCAB 2048
 #define MIN_TILE_VOCAB 16
 
