@@ -69,7 +69,7 @@ typedef enum fh_param {
     FH_PARAM_THREADS = 0,       /* threads for GEMMs and elementwise work; 0 = all available */
     FH_PARAM_TILE_ROWS = 1,     /* tokens per tile; 0 = default */
     FH_PARAM_TILE_VOCAB = 2,    /* vocabulary columns per tile; 0 = default */
-    FH_PARAM_MEMORY_BUDGET = 3  /* max workspace bytes; tiles shrink to fit; 0 = default (64 MiB) */
+    FH_PARAM_MEMORY_BUDGET = 3  /* max workspace bytes; tiles shrink to fit; 0 = default (256 MiB) */
 } fh_param;
 
 FH_API fh_status fh_context_create(fh_context **ctx);

@@ -7,7 +7,7 @@
 #include <stdlib.h>
 
 #define FH_PARAM_COUNT 4
-#define FH_DEFAULT_BUDGET ((int64_t)64 << 20)
+#define FH_DEFAULT_BUDGET ((int64_t)256 << 20)
 #define FH_WORKSPACE_ALIGN 64
 
 static const int64_t param_min[FH_PARAM_COUNT] = {0, 0, 0, 0};

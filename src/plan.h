@@ -23,7 +23,7 @@ fh_status fh_plan_make(fh_context *ctx, int64_t n, int64_t vocab, fh_plan *plan)
 /* Row-block plan for the single-call train step: tile_vocab = vocab and as many rows as the budget
  * holds, balanced across blocks. Returns 0 when at least min(n, FH_MIN_ROW_BLOCK) rows fit, else -1
  * (the caller streams instead). */
-#define FH_MIN_ROW_BLOCK 64
+#define FH_MIN_ROW_BLOCK 256
 int fh_plan_make_row_blocks(const fh_context *ctx, int64_t n, int64_t vocab, fh_plan *plan);
 
 /* Pointers into an acquired workspace. */
