@@ -68,10 +68,13 @@ int fh_plan_make_row_blocks(const fh_context *ctx, int64_t n, int64_t vocab, fh_
         return -1;
     /* Each further row costs vocab floats. */
     int64_t rows = 1 + (budget - (int64_t)plan->bytes) / (vocab * (int64_t)sizeof(float));
+    /* Blocks thinner than FH_MIN_ROW_BLOCK lose to streaming (the H x V dweight is re-read per block);
+     * an explicit FH_PARAM_TILE_ROWS is the caller's choice and is honoured. */
+    const int64_t min_rows = rows_param > 0 ? 1 : min64(n, FH_MIN_ROW_BLOCK);
     if (rows_param > 0)
         rows = min64(rows, rows_param);
     rows = min64(rows, n);
-    if (rows < min64(n, FH_MIN_ROW_BLOCK))
+    if (rows < min_rows)
         return -1;
     const int64_t blocks = (n + rows - 1) / rows;
     plan->tile_rows = (n + blocks - 1) / blocks;

@@ -15,7 +15,7 @@ static void usage(void)
             "usage: fh_gradcheck --n N --hidden H --vocab V [--layout hv|vh] [--bias] [--ignore-frac F]\n"
             "       [--label-smoothing E] [--class-weights] [--softcap C] [--z-loss S]\n"
             "       [--reduction mean|sum|none] [--threads T] [--seed S] [--dump DIR]\n"
-            "       [--train-step] [--budget BYTES]\n");
+            "       [--train-step] [--budget BYTES] [--tile-rows R] [--tile-vocab C]\n");
 }
 
 static int parse(int argc, char **argv, ce_case_spec *s, const char **dump)
@@ -62,6 +62,10 @@ static int parse(int argc, char **argv, ce_case_spec *s, const char **dump)
             s->threads = atoi(v);
         else if (strcmp(a, "--train-step") == 0)
             s->train_step = 1;
+        else if (VALUE_OPTION("--tile-rows"))
+            s->tile_rows = atoll(v);
+        else if (VALUE_OPTION("--tile-vocab"))
+            s->tile_vocab = atoll(v);
         else if (VALUE_OPTION("--budget"))
             s->budget = atoll(v);
         else if (VALUE_OPTION("--seed"))
