@@ -171,14 +171,12 @@ static double target_weight(const ce_head *h, int64_t i)
 
 /* d ce_i / d z_j = (1-eps) w_y (p_j - [j=y]) + eps/V (W p_j - w_j),  d zl_i / d z_j = 2 s lse p_j,
  * scaled by the upstream gradient and the mean's denominators. */
-static void row_coefs(const void *self, int64_t i, double lse, double z_target, double sum_weighted_z, double *a,
-                      double *b, double *c)
+static void row_coefs(const void *self, int64_t i, const fh_row_result *stats, fh_row_coef *k)
 {
-    (void)z_target;
-    (void)sum_weighted_z;
     const ce_head *h = self;
     const fh_ce_options *o = h->o;
-    *a = *b = *c = 0.0;
+    const double lse = stats->lse;
+    k->a = k->b = k->c = k->e = 0.0;
     if (h->targets[i] == o->ignore_index)
         return;
     const int mean = o->reduction == FH_REDUCTION_MEAN;
@@ -186,9 +184,9 @@ static void row_coefs(const void *self, int64_t i, double lse, double z_target, 
     const double g_ce = mean ? g * safe_inverse(h->nm.weight_sum) : g;
     const double g_z = mean ? g * safe_inverse(h->nm.count) : g;
     const double eps = o->label_smoothing, vocab = (double)h->lin->vocab, w_y = target_weight(h, i);
-    *a = g_ce * ((1.0 - eps) * w_y + eps * h->nm.class_weight_total / vocab) + g_z * 2.0 * o->z_loss * lse;
-    *b = -g_ce * (1.0 - eps) * w_y;
-    *c = -g_ce * eps / vocab;
+    k->a = g_ce * ((1.0 - eps) * w_y + eps * h->nm.class_weight_total / vocab) + g_z * 2.0 * o->z_loss * lse;
+    k->b = -g_ce * (1.0 - eps) * w_y;
+    k->c = -g_ce * eps / vocab;
 }
 
 /* Per-token losses from the statistics, reduced, written to the requested outputs. */
@@ -256,20 +254,25 @@ static fh_status check_backward_inputs(fh_context *ctx, const fh_linear *lin, co
 /* Statistics arrays in the workspace; sum_weighted_z only with label smoothing, argmax only on request. */
 static fh_row_stats stats_in(const fh_workspace *ws, const fh_ce_options *o, const fh_ce_outputs *out)
 {
-    const fh_row_stats stats = {ws->token[0], ws->token[1], o->label_smoothing > 0.0 ? ws->token[2] : NULL,
+    const fh_row_stats stats = {ws->token[0], ws->token[1], o->label_smoothing > 0.0 ? ws->token[2] : NULL, NULL,
                                 ws->token[3], out->argmax ? (int64_t *)ws->token[4] : NULL};
     return stats;
 }
 
-/* Backward coefficients for every row into the workspace, from the caller's lse. */
-static fh_row_coefs coefs_in(const fh_workspace *ws, const ce_head *h, const float *lse)
+/* Backward coefficients for every row into the workspace, from lse (the caller's, or the forward's). */
+static fh_row_coefs coefs_in(const fh_workspace *ws, const ce_head *h, const float *lse_float, const double *lse_double)
 {
-    double *lse_d = ws->token[0], *a = ws->token[1], *b = ws->token[2], *c = ws->token[3];
+    double *lse = ws->token[0], *a = ws->token[1], *b = ws->token[2], *c = ws->token[3];
     for (int64_t i = 0; i < h->lin->n; i++) {
-        lse_d[i] = lse[i];
-        row_coefs(h, i, lse_d[i], 0.0, 0.0, &a[i], &b[i], &c[i]);
+        lse[i] = lse_float ? (double)lse_float[i] : lse_double[i];
+        const fh_row_result stats = {lse[i], 0.0, 0.0, 0.0};
+        fh_row_coef k;
+        row_coefs(h, i, &stats, &k);
+        a[i] = k.a;
+        b[i] = k.b;
+        c[i] = k.c;
     }
-    const fh_row_coefs coefs = {lse_d, a, b, c};
+    const fh_row_coefs coefs = {lse, a, b, c, NULL, NULL};
     return coefs;
 }
 
@@ -313,7 +316,7 @@ FH_API fh_status fh_ce_backward(fh_context *ctx, const fh_linear *lin, const int
     if (st != FH_OK)
         return st;
     const ce_head h = head_of(lin, targets, options, grad_output);
-    const fh_row_coefs coefs = coefs_in(&ws, &h, lse);
+    const fh_row_coefs coefs = coefs_in(&ws, &h, lse, NULL);
     const fh_transform tf = transform_of(options);
     fh_engine_backward(ctx, &plan, &ws, lin, &tf, targets, engine_weights(options), &coefs, grads);
     return FH_OK;
@@ -347,13 +350,10 @@ FH_API fh_status fh_ce_forward_backward(fh_context *ctx, const fh_linear *lin, c
         write_outputs(&h, &stats, out);
         return FH_OK;
     }
-    /* Streaming fallback: forward, then backward from the double lse (the outputs' float lse is optional). */
+    /* Streaming fallback: forward, then backward from the double lse (lse stays in token[0]). */
     fh_engine_forward(ctx, &plan, &ws, lin, &tf, targets, weights, &stats);
     write_outputs(&h, &stats, out);
-    double *a = ws.token[1], *b = ws.token[2], *c = ws.token[3];
-    for (int64_t i = 0; i < lin->n; i++)
-        row_coefs(&h, i, stats.lse[i], 0.0, 0.0, &a[i], &b[i], &c[i]);
-    const fh_row_coefs coefs = {stats.lse, a, b, c};
+    const fh_row_coefs coefs = coefs_in(&ws, &h, NULL, stats.lse);
     fh_engine_backward(ctx, &plan, &ws, lin, &tf, targets, weights, &coefs, grads);
     return FH_OK;
 }

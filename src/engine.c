@@ -61,20 +61,23 @@ void fh_engine_forward(const fh_context *ctx, const fh_plan *plan, const fh_work
 {
     const int64_t n = lin->n, vocab = lin->vocab;
     const int threads = fh_threads(ctx);
-    const int want_weighted_sum = stats->sum_weighted_z != NULL;
-    /* lse holds the running max until the end. */
+    const fh_row_state initial = fh_row_state_initial();
+    /* lse holds the running max and sum_pz the running sum of z exp(z - max) until the end. */
     for (int64_t i = 0; i < n; i++) {
-        stats->lse[i] = -INFINITY;
+        stats->lse[i] = initial.max;
         stats->sum_exp_scratch[i] = 0.0;
         stats->z_target[i] = 0.0;
-        if (want_weighted_sum)
+        if (stats->sum_weighted_z)
             stats->sum_weighted_z[i] = 0.0;
+        if (stats->sum_pz)
+            stats->sum_pz[i] = 0.0;
         if (stats->argmax)
             stats->argmax[i] = 0;
     }
     for (int64_t v0 = 0; v0 < vocab; v0 += plan->tile_vocab) {
         const int64_t vb = min64(plan->tile_vocab, vocab - v0);
-        const float *weights = class_weights ? class_weights + v0 : NULL;
+        const fh_fold_request request = {class_weights ? class_weights + v0 : NULL, stats->sum_weighted_z != NULL,
+                                         stats->sum_pz != NULL};
         const float *bias = lin->bias ? lin->bias + v0 : NULL;
         for (int64_t i0 = 0; i0 < n; i0 += plan->tile_rows) {
             const int64_t nb = min64(plan->tile_rows, n - i0);
@@ -84,22 +87,33 @@ void fh_engine_forward(const fh_context *ctx, const fh_plan *plan, const fh_work
                 const int64_t i = i0 + r;
                 fh_row_transform(ws->tile + r * vb, vb, bias, tf);
                 fh_row_state st = {stats->lse[i], stats->sum_exp_scratch[i], stats->z_target[i],
-                                   want_weighted_sum ? stats->sum_weighted_z[i] : 0.0,
-                                   stats->argmax ? stats->argmax[i] : 0};
-                fh_row_fold(ws->tile + r * vb, vb, v0, target_column(targets, i, vocab, v0), weights,
-                            want_weighted_sum, &st);
+                                   stats->sum_weighted_z ? stats->sum_weighted_z[i] : 0.0,
+                                   stats->sum_pz ? stats->sum_pz[i] : 0.0, stats->argmax ? stats->argmax[i] : 0};
+                fh_row_fold(ws->tile + r * vb, vb, v0, target_column(targets, i, vocab, v0), &request, &st);
                 stats->lse[i] = st.max;
                 stats->sum_exp_scratch[i] = st.sum_exp;
                 stats->z_target[i] = st.z_target;
-                if (want_weighted_sum)
+                if (stats->sum_weighted_z)
                     stats->sum_weighted_z[i] = st.sum_weighted_z;
+                if (stats->sum_pz)
+                    stats->sum_pz[i] = st.sum_z_exp;
                 if (stats->argmax)
                     stats->argmax[i] = st.argmax;
             }
         }
     }
-    for (int64_t i = 0; i < n; i++)
+    for (int64_t i = 0; i < n; i++) {
         stats->lse[i] += log(stats->sum_exp_scratch[i]);
+        if (stats->sum_pz)
+            stats->sum_pz[i] /= stats->sum_exp_scratch[i];
+    }
+}
+
+static fh_row_coef coef_of(const fh_row_coefs *coefs, int64_t i)
+{
+    const fh_row_coef k = {coefs->lse[i], coefs->a[i], coefs->b[i], coefs->c[i], coefs->e ? coefs->e[i] : 0.0,
+                           coefs->sum_pz ? coefs->sum_pz[i] : 0.0};
+    return k;
 }
 
 void fh_engine_backward(const fh_context *ctx, const fh_plan *plan, const fh_workspace *ws,
@@ -122,9 +136,9 @@ void fh_engine_backward(const fh_context *ctx, const fh_plan *plan, const fh_wor
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t r = 0; r < nb; r++) {
                 const int64_t i = i0 + r;
+                const fh_row_coef k = coef_of(coefs, i);
                 fh_row_transform(tile + r * vb, vb, bias, tf);
-                fh_row_gradient(tile + r * vb, vb, target_column(targets, i, vocab, v0), weights, coefs->lse[i],
-                                coefs->a[i], coefs->b[i], coefs->c[i], tf);
+                fh_row_gradient(tile + r * vb, vb, target_column(targets, i, vocab, v0), weights, &k, tf);
             }
             if (grads->dbias)
                 add_column_sums(tile, nb, vb, ws->column, threads);
@@ -149,7 +163,7 @@ void fh_engine_row_blocks(const fh_context *ctx, const fh_plan *plan, const fh_w
 {
     const int64_t n = lin->n, vocab = lin->vocab, hidden = lin->hidden;
     const int threads = fh_threads(ctx);
-    const int want_weighted_sum = stats->sum_weighted_z != NULL;
+    const fh_fold_request request = {class_weights, stats->sum_weighted_z != NULL, stats->sum_pz != NULL};
     float *tile = ws->tile;
     if (grads->dbias)
         for (int64_t j = 0; j < vocab; j++)
@@ -163,18 +177,21 @@ void fh_engine_row_blocks(const fh_context *ctx, const fh_plan *plan, const fh_w
             float *row = tile + r * vocab;
             const int64_t target = target_column(targets, i, vocab, 0);
             fh_row_transform(row, vocab, lin->bias, tf);
-            fh_row_state st = {-INFINITY, 0.0, 0.0, 0.0, 0};
-            fh_row_fold(row, vocab, 0, target, class_weights, want_weighted_sum, &st);
-            const double lse = st.max + log(st.sum_exp);
-            stats->lse[i] = lse;
-            stats->z_target[i] = st.z_target;
-            if (want_weighted_sum)
-                stats->sum_weighted_z[i] = st.sum_weighted_z;
+            fh_row_state st = fh_row_state_initial();
+            fh_row_fold(row, vocab, 0, target, &request, &st);
+            const fh_row_result result = {st.max + log(st.sum_exp), st.z_target, st.sum_weighted_z,
+                                          st.sum_z_exp / st.sum_exp};
+            stats->lse[i] = result.lse;
+            stats->z_target[i] = result.z_target;
+            if (stats->sum_weighted_z)
+                stats->sum_weighted_z[i] = result.sum_weighted_z;
+            if (stats->sum_pz)
+                stats->sum_pz[i] = result.sum_pz;
             if (stats->argmax)
                 stats->argmax[i] = st.argmax;
-            double a, b, c;
-            coefs->row(coefs->self, i, lse, st.z_target, st.sum_weighted_z, &a, &b, &c);
-            fh_row_gradient(row, vocab, target, class_weights, lse, a, b, c, tf);
+            fh_row_coef k = {result.lse, 0.0, 0.0, 0.0, 0.0, result.sum_pz};
+            coefs->row(coefs->self, i, &result, &k);
+            fh_row_gradient(row, vocab, target, class_weights, &k, tf);
         }
         if (grads->dbias)
             add_column_sums(tile, nb, vocab, ws->column, threads);

@@ -16,26 +16,38 @@ typedef struct fh_transform {
 /* Per-token statistics of the transformed logits row. Arrays of n; optional ones may be NULL. */
 typedef struct fh_row_stats {
     double *lse;              /* log sum_j exp(z_j) */
-    double *z_target;         /* z at targets[i] when 0 <= targets[i] < V (else untouched) */
+    double *z_target;         /* z at targets[i] when 0 <= targets[i] < V (else 0) */
     double *sum_weighted_z;   /* optional: sum_j w_j z_j (w = class_weights, or 1) */
+    double *sum_pz;           /* optional: sum_j p_j z_j, so that the entropy is lse - sum_pz */
     double *sum_exp_scratch;  /* running sum of exps, needed while streaming */
     int64_t *argmax;          /* optional: lowest index of the largest z */
 } fh_row_stats;
 
-/* Backward coefficients: dZ_ij = a_i p_ij + b_i [j = y_i] + c_i w_j, with p = softmax(z) from lse;
- * then dU = dZ * dz/du. Arrays of n. */
+/* One row's final statistics, as a head sees them. */
+typedef struct fh_row_result {
+    double lse, z_target, sum_weighted_z, sum_pz;
+} fh_row_result;
+
+/* One row's backward coefficients: dZ_j = a p_j + b [j = y] + c w_j + e p_j (z_j - sum_pz), with
+ * p = softmax(z) = exp(z - lse); then dU = dZ * dz/du. */
+typedef struct fh_row_coef {
+    double lse, a, b, c, e, sum_pz;
+} fh_row_coef;
+
+/* The same for every row, as arrays of n; e and sum_pz may be NULL (e = 0). */
 typedef struct fh_row_coefs {
     const double *lse;
     const double *a;
     const double *b;
     const double *c;
+    const double *e;
+    const double *sum_pz;
 } fh_row_coefs;
 
 /* Supplies a row's backward coefficients once its statistics are final (single-call train step). Called
  * concurrently for different rows: it may only write row i's results. */
 typedef struct fh_coef_source {
-    void (*row)(const void *self, int64_t i, double lse, double z_target, double sum_weighted_z, double *a,
-                double *b, double *c);
+    void (*row)(const void *self, int64_t i, const fh_row_result *stats, fh_row_coef *coef);
     const void *self;
 } fh_coef_source;
 

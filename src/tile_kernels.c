@@ -7,14 +7,24 @@
 #include <pthread.h>
 #include <stdlib.h>
 
-void fh_row_merge(fh_row_state *state, float tile_max, int64_t tile_argmax, double tile_sum)
+fh_row_state fh_row_state_initial(void)
+{
+    const fh_row_state st = {-INFINITY, 0.0, 0.0, 0.0, 0.0, 0};
+    return st;
+}
+
+void fh_row_merge(fh_row_state *state, float tile_max, int64_t tile_argmax, double tile_sum, double tile_sum_z)
 {
     if (tile_max > state->max) {
-        state->sum_exp = state->sum_exp * exp(state->max - (double)tile_max) + tile_sum;
+        const double rescale = exp(state->max - (double)tile_max);
+        state->sum_exp = state->sum_exp * rescale + tile_sum;
+        state->sum_z_exp = state->sum_z_exp * rescale + tile_sum_z;
         state->max = tile_max;
         state->argmax = tile_argmax;
     } else {
-        state->sum_exp += tile_sum * exp((double)tile_max - state->max);
+        const double rescale = exp((double)tile_max - state->max);
+        state->sum_exp += tile_sum * rescale;
+        state->sum_z_exp += tile_sum_z * rescale;
     }
 }
 
@@ -44,7 +54,7 @@ void fh_row_transform_portable(float *z, int64_t count, const float *bias, const
 }
 
 void fh_row_fold_portable(const float *z, int64_t count, int64_t first_column, int64_t target_column,
-                          const float *weights, int want_weighted_sum, fh_row_state *state)
+                          const fh_fold_request *request, fh_row_state *state)
 {
     float tile_max = -INFINITY;
     int64_t tile_argmax = -1;
@@ -55,43 +65,49 @@ void fh_row_fold_portable(const float *z, int64_t count, int64_t first_column, i
         }
     if (target_column >= 0 && target_column < count)
         state->z_target = z[target_column];
-    if (want_weighted_sum) {
+    if (request->weighted_sum) {
+        const float *w = request->weights;
         double s = 0.0;
         for (int64_t j = 0; j < count; j++)
-            s += (double)(weights ? weights[j] * z[j] : z[j]);
+            s += (double)(w ? w[j] * z[j] : z[j]);
         state->sum_weighted_z += s;
     }
     for (int64_t j = 0; j < count; j++)
         if (isnan(z[j])) {
-            state->sum_exp = NAN;
+            state->sum_exp = state->sum_z_exp = NAN;
             return;
         }
     if (tile_argmax < 0)
         return; /* every logit is -inf: nothing to add */
-    double tile_sum = 0.0;
-    for (int64_t j = 0; j < count; j++)
-        tile_sum += expf(z[j] - tile_max);
-    fh_row_merge(state, tile_max, first_column + tile_argmax, tile_sum);
+    double tile_sum = 0.0, tile_sum_z = 0.0;
+    for (int64_t j = 0; j < count; j++) {
+        const float e = expf(z[j] - tile_max);
+        tile_sum += e;
+        if (request->entropy)
+            tile_sum_z += (double)e * z[j];
+    }
+    fh_row_merge(state, tile_max, first_column + tile_argmax, tile_sum, tile_sum_z);
 }
 
-void fh_row_gradient_portable(float *z, int64_t count, int64_t target_column, const float *weights, double lse,
-                              double a, double b, double c, const fh_transform *tf)
+void fh_row_gradient_portable(float *z, int64_t count, int64_t target_column, const float *weights,
+                              const fh_row_coef *coef, const fh_transform *tf)
 {
-    const float af = (float)a, cf = (float)c;
+    const float a = (float)coef->a, c = (float)coef->c, e = (float)coef->e, sum_pz = (float)coef->sum_pz;
     const int has_target = target_column >= 0 && target_column < count;
     const float z_target = has_target ? z[target_column] : 0.0f;
     for (int64_t j = 0; j < count; j++) {
-        const float p = expf((float)((double)z[j] - lse));
-        z[j] = (af * p + (weights ? cf * weights[j] : cf)) * fh_dz_du(z[j], tf);
+        const float p = expf((float)((double)z[j] - coef->lse));
+        const float dz = a * p + (weights ? c * weights[j] : c) + e * p * (z[j] - sum_pz);
+        z[j] = dz * fh_dz_du(z[j], tf);
     }
     if (has_target)
-        z[target_column] += (float)b * fh_dz_du(z_target, tf);
+        z[target_column] += (float)coef->b * fh_dz_du(z_target, tf);
 }
 
 typedef struct kernel_set {
     void (*transform)(float *, int64_t, const float *, const fh_transform *);
-    void (*fold)(const float *, int64_t, int64_t, int64_t, const float *, int, fh_row_state *);
-    void (*gradient)(float *, int64_t, int64_t, const float *, double, double, double, double, const fh_transform *);
+    void (*fold)(const float *, int64_t, int64_t, int64_t, const fh_fold_request *, fh_row_state *);
+    void (*gradient)(float *, int64_t, int64_t, const float *, const fh_row_coef *, const fh_transform *);
 } kernel_set;
 
 static kernel_set kernels = {fh_row_transform_portable, fh_row_fold_portable, fh_row_gradient_portable};
@@ -124,14 +140,14 @@ void fh_row_transform(float *z, int64_t count, const float *bias, const fh_trans
     kernels.transform(z, count, bias, tf);
 }
 
-void fh_row_fold(const float *z, int64_t count, int64_t first_column, int64_t target_column, const float *weights,
-                 int want_weighted_sum, fh_row_state *state)
+void fh_row_fold(const float *z, int64_t count, int64_t first_column, int64_t target_column,
+                 const fh_fold_request *request, fh_row_state *state)
 {
-    kernels.fold(z, count, first_column, target_column, weights, want_weighted_sum, state);
+    kernels.fold(z, count, first_column, target_column, request, state);
 }
 
-void fh_row_gradient(float *z, int64_t count, int64_t target_column, const float *weights, double lse, double a,
-                     double b, double c, const fh_transform *tf)
+void fh_row_gradient(float *z, int64_t count, int64_t target_column, const float *weights, const fh_row_coef *coef,
+                     const fh_transform *tf)
 {
-    kernels.gradient(z, count, target_column, weights, lse, a, b, c, tf);
+    kernels.gradient(z, count, target_column, weights, coef, tf);
 }

@@ -11,8 +11,19 @@ typedef struct fh_row_state {
     double sum_exp;        /* sum of exp(z - max) */
     double z_target;
     double sum_weighted_z;
+    double sum_z_exp;      /* sum of z exp(z - max), for sum_j p_j z_j */
     int64_t argmax;
 } fh_row_state;
+
+/* What a fold accumulates besides max, sum of exps, target logit and argmax. */
+typedef struct fh_fold_request {
+    const float *weights;  /* class weights for sum_weighted_z, or NULL (all 1) */
+    int weighted_sum;      /* update sum_weighted_z */
+    int entropy;           /* update sum_z_exp */
+} fh_fold_request;
+
+/* A fresh state: max -inf, sums 0. */
+fh_row_state fh_row_state_initial(void);
 
 /* Chooses the implementation (AVX-512 or portable) once; call before threads use the kernels. */
 void fh_row_kernels_select(void);
@@ -23,14 +34,14 @@ const char *fh_row_kernels_name(void);
 void fh_row_transform(float *z, int64_t count, const float *bias, const fh_transform *tf);
 
 /* Folds count transformed logits (vocabulary columns first_column..) into state. target_column is
- * relative to the row (outside [0, count) when the target is not in this tile). weights may be NULL
- * (all 1); sum_weighted_z is only updated when want_weighted_sum. */
+ * relative to the row (outside [0, count) when the target is not in this tile). */
 void fh_row_fold(const float *z, int64_t count, int64_t first_column, int64_t target_column,
-                 const float *weights, int want_weighted_sum, fh_row_state *state);
+                 const fh_fold_request *request, fh_row_state *state);
 
-/* Overwrites transformed logits z with dU = (a p + c w + b [j = target]) * dz/du, p = exp(z - lse).
- * (The target's b term is added after the loop: (x + b) d and x d + b d differ only in rounding.) */
-void fh_row_gradient(float *z, int64_t count, int64_t target_column, const float *weights, double lse,
-                     double a, double b, double c, const fh_transform *tf);
+/* Overwrites transformed logits z with dU = (a p + c w + e p (z - sum_pz) + b [j = target]) * dz/du,
+ * p = exp(z - lse); weights may be NULL (all 1). (The target's b term is added after the loop:
+ * (x + b) d and x d + b d differ only in rounding.) */
+void fh_row_gradient(float *z, int64_t count, int64_t target_column, const float *weights,
+                     const fh_row_coef *coef, const fh_transform *tf);
 
 #endif

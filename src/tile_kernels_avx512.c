@@ -46,7 +46,7 @@ void fh_row_transform_avx512(float *z, int64_t count, const float *bias, const f
 }
 
 void fh_row_fold_avx512(const float *z, int64_t count, int64_t first_column, int64_t target_column,
-                        const float *weights, int want_weighted_sum, fh_row_state *state)
+                        const fh_fold_request *request, fh_row_state *state)
 {
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
     __m512 vmax = neg_inf;
@@ -70,7 +70,8 @@ void fh_row_fold_avx512(const float *z, int64_t count, int64_t first_column, int
 
     if (target_column >= 0 && target_column < count)
         state->z_target = z[target_column];
-    if (want_weighted_sum) {
+    if (request->weighted_sum) {
+        const float *weights = request->weights;
         __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
         for (int64_t j = 0; j < count; j += LANES) {
             const __mmask16 m = tail_mask(count - j);
@@ -82,28 +83,34 @@ void fh_row_fold_avx512(const float *z, int64_t count, int64_t first_column, int
         state->sum_weighted_z += sum_as_double(lo, hi);
     }
     if (any_nan) {
-        state->sum_exp = NAN;
+        state->sum_exp = state->sum_z_exp = NAN;
         return;
     }
     if (tile_argmax < 0)
         return; /* every logit is -inf: nothing to add */
     const __m512 shift = _mm512_set1_ps(tile_max);
     __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+    __m512d zlo = _mm512_setzero_pd(), zhi = _mm512_setzero_pd();
     for (int64_t j = 0; j < count; j += LANES) {
         const __mmask16 m = tail_mask(count - j);
         const __m512 v = _mm512_mask_loadu_ps(neg_inf, m, z + j);
-        accumulate_double(Sleef_expf16_u10avx512f(_mm512_sub_ps(v, shift)), &lo, &hi);
+        const __m512 e = Sleef_expf16_u10avx512f(_mm512_sub_ps(v, shift));
+        accumulate_double(e, &lo, &hi);
+        if (request->entropy) /* tail lanes have e = 0; zero their -inf too so 0 * -inf is not NaN */
+            accumulate_double(_mm512_mul_ps(e, _mm512_maskz_mov_ps(m, v)), &zlo, &zhi);
     }
-    fh_row_merge(state, tile_max, first_column + tile_argmax, sum_as_double(lo, hi));
+    fh_row_merge(state, tile_max, first_column + tile_argmax, sum_as_double(lo, hi), sum_as_double(zlo, zhi));
 }
 
-void fh_row_gradient_avx512(float *z, int64_t count, int64_t target_column, const float *weights, double lse,
-                            double a, double b, double c, const fh_transform *tf)
+void fh_row_gradient_avx512(float *z, int64_t count, int64_t target_column, const float *weights,
+                            const fh_row_coef *coef, const fh_transform *tf)
 {
     /* lse = hi + lo in floats: (z - hi) is exact near the maximum, so p keeps double-like accuracy. */
-    const float lse_hi = (float)lse, lse_lo = (float)(lse - (double)lse_hi);
+    const float lse_hi = (float)coef->lse, lse_lo = (float)(coef->lse - (double)lse_hi);
     const __m512 vhi = _mm512_set1_ps(lse_hi), vlo = _mm512_set1_ps(lse_lo);
-    const __m512 va = _mm512_set1_ps((float)a), vc = _mm512_set1_ps((float)c);
+    const __m512 va = _mm512_set1_ps((float)coef->a), vc = _mm512_set1_ps((float)coef->c);
+    const __m512 ve = _mm512_set1_ps((float)coef->e), vsum_pz = _mm512_set1_ps((float)coef->sum_pz);
+    const int entropy_term = coef->e != 0.0;
     const float scale = tf->inv_temperature, cap = tf->softcap;
     const int capped = cap > 0.0f;
     const __m512 vscale = _mm512_set1_ps(scale), one = _mm512_set1_ps(1.0f);
@@ -116,6 +123,8 @@ void fh_row_gradient_avx512(float *z, int64_t count, int64_t target_column, cons
         const __m512 p = Sleef_expf16_u10avx512f(_mm512_sub_ps(_mm512_sub_ps(v, vhi), vlo));
         const __m512 w = weights ? _mm512_maskz_loadu_ps(m, weights + j) : one;
         __m512 dz = _mm512_fmadd_ps(va, p, _mm512_mul_ps(vc, w));
+        if (entropy_term)
+            dz = _mm512_fmadd_ps(_mm512_mul_ps(ve, p), _mm512_sub_ps(v, vsum_pz), dz);
         __m512 dzdu = vscale;
         if (capped) {
             const __m512 t = _mm512_mul_ps(v, inv_cap_scaled);
@@ -124,5 +133,5 @@ void fh_row_gradient_avx512(float *z, int64_t count, int64_t target_column, cons
         _mm512_mask_storeu_ps(z + j, m, _mm512_mul_ps(dz, dzdu));
     }
     if (has_target)
-        z[target_column] += (float)b * fh_dz_du(z_target, tf);
+        z[target_column] += (float)coef->b * fh_dz_du(z_target, tf);
 }
