@@ -43,11 +43,15 @@ typedef enum fh_status {
     /* 10..19: option values */
     FH_ERR_INVALID_REDUCTION = 10,
     FH_ERR_INVALID_LABEL_SMOOTHING = 11, /* outside [0, 1] or not finite */
-    FH_ERR_INVALID_SOFTCAP = 12,         /* negative or not finite (0 disables) */
+    FH_ERR_INVALID_SOFTCAP = 12,         /* neither 0 (off) nor a positive normal fp32 value */
     FH_ERR_INVALID_Z_LOSS = 13,          /* negative or not finite (0 disables) */
     FH_ERR_INVALID_CLASS_WEIGHT = 14,    /* a class weight is negative or not finite */
     FH_ERR_INVALID_BETA = 15,            /* a gradient beta other than 0 or 1 */
     FH_ERR_INVALID_GRAD_OUTPUT = 16,     /* the upstream gradient is not finite */
+    FH_ERR_INVALID_MASK = 17,            /* a completion-mask value is negative or not finite */
+    FH_ERR_INVALID_TEMPERATURE = 18,     /* temperature <= 0, or 1/temperature outside fp32 range */
+    FH_ERR_INVALID_GRPO_OPTION = 19,     /* loss_type, importance_sampling_level, epsilon, delta, beta,
+                                            SAPO temperatures or entropy_coef out of range */
     /* 20..29: workspace and memory */
     FH_ERR_WORKSPACE_TOO_SMALL = 20,  /* the caller's workspace is smaller than fh_workspace_size() */
     FH_ERR_OUT_OF_MEMORY = 21,
@@ -159,7 +163,7 @@ typedef struct fh_ce_options {
     fh_reduction reduction;      /* default mean */
     double label_smoothing;      /* in [0, 1]; default 0 */
     const float *class_weights;  /* [V] non-negative, or NULL */
-    double softcap;              /* 0 = off */
+    double softcap;              /* 0 = off; else a positive normal fp32 value */
     double z_loss;               /* coefficient of lse^2; 0 = off */
 } fh_ce_options;
 
@@ -202,6 +206,103 @@ FH_API fh_status fh_ce_workspace_size(const fh_context *ctx, const fh_linear *li
 /* Workspace bytes that fh_ce_forward_backward needs (the row-block schedule when it fits the budget). */
 FH_API fh_status fh_ce_forward_backward_workspace_size(const fh_context *ctx, const fh_linear *lin,
                                                        const fh_ce_options *options, size_t *bytes);
+
+/* ---------------------------------------------------------------------------------------------
+ * GRPO family (TRL GRPOTrainer._compute_loss semantics, one micro-batch on one process).
+ *
+ *   z      = (x W + bias) / temperature                  token i = b*T + t predicts completion_ids[i]
+ *   logp_i = log_softmax(z_i)[completion_ids_i],  H_i = lse_i - sum_j p_ij z_ij (entropy)
+ *   old    = old_per_token_logps, or logp detached when NULL (on-policy: ratio 1, gradient still flows)
+ *   log-ratio: token level  logp_i - old_i;
+ *              sequence level (GSPO)  s_b = sum_t m (logp - old) / max(sum_t m, 1), gradient flowing
+ *              through the mean into every token of the sequence, as in TRL
+ *   r_i = exp(log-ratio)
+ *   grpo, bnpo, dr_grpo, dapo: pol_i = -min(c1 A_b, clamp(r, 1 - eps_low, 1 + eps_high) A_b),
+ *                              c1 = min(r, delta) when delta is set, else r
+ *   cispo: pol_i = -sg(min(r, eps_high)) A_b logp_i          (eps_high is an absolute cap here)
+ *   sapo:  pol_i = -sigmoid(tau (r - 1)) (4 / tau) A_b,       tau = A_b > 0 ? tau_pos : tau_neg
+ *   l_i  = pol_i + beta kl_i,  kl_i = exp(ref_i - logp_i) - (ref_i - logp_i) - 1     (k3)
+ *   loss  grpo, sapo: mean over sequences of sum_t m l / max(sum_t m, 1)
+ *         bnpo: sum m l / max(sum m, 1);   dr_grpo: sum m l / (B max_completion_length)
+ *         dapo, cispo: sum m l / num_items_in_batch
+ *         minus entropy_coef * sum m H / max(sum m, 1)  (TRL's entropy bonus)
+ * Ties in min() split the gradient in halves and clamp() passes it at its bounds, as torch does.
+ * ------------------------------------------------------------------------------------------- */
+typedef enum fh_grpo_loss_type {
+    FH_GRPO_LOSS_GRPO = 0,
+    FH_GRPO_LOSS_BNPO = 1,
+    FH_GRPO_LOSS_DR_GRPO = 2,
+    FH_GRPO_LOSS_DAPO = 3,
+    FH_GRPO_LOSS_CISPO = 4,
+    FH_GRPO_LOSS_SAPO = 5
+} fh_grpo_loss_type;
+
+typedef enum fh_grpo_is_level {
+    FH_GRPO_IS_TOKEN = 0,
+    FH_GRPO_IS_SEQUENCE = 1 /* GSPO */
+} fh_grpo_is_level;
+
+typedef struct fh_grpo_options {        /* TRL GRPOConfig names; defaults from fh_grpo_options_init */
+    fh_grpo_loss_type loss_type;        /* grpo */
+    fh_grpo_is_level importance_sampling_level; /* token */
+    double temperature;                 /* 1.0 */
+    double epsilon_low;                 /* TRL `epsilon`: 0.2 */
+    double epsilon_high;                /* NaN: same as epsilon_low */
+    double delta;                       /* NaN or 0: no two-sided clipping */
+    double beta;                        /* KL coefficient; 0: no KL and no reference log-probs needed */
+    double sapo_temperature_pos;        /* 1.0 */
+    double sapo_temperature_neg;        /* 1.05 */
+    double num_items_in_batch;          /* dapo/cispo normaliser; <= 0: max(sum of mask, 1) */
+    int64_t max_completion_length;      /* dr_grpo's constant; <= 0: T */
+    double entropy_coef;                /* entropy bonus; 0 */
+} fh_grpo_options;
+
+FH_API fh_status fh_grpo_options_init(fh_grpo_options *options);
+
+typedef struct fh_grpo_batch {
+    int64_t batch, seq;                 /* B, T; the fh_linear's n must be B*T */
+    const int64_t *completion_ids;      /* [B, T], in [0, V) wherever the mask is non-zero */
+    const float *completion_mask;       /* [B, T], 0/1 (any finite value >= 0 weighs the token) */
+    const float *advantages;            /* [B] */
+    const float *old_per_token_logps;   /* [B, T] or NULL (on-policy) */
+    const float *ref_per_token_logps;   /* [B, T]; required when beta != 0 */
+} fh_grpo_batch;
+
+typedef struct fh_grpo_metrics {        /* TRL's logged metrics; NaN where TRL logs nothing */
+    double kl;                          /* masked mean of kl (beta != 0) */
+    double entropy;                     /* masked mean of H */
+    double clip_ratio_low_mean;         /* r < 1 - eps_low and A < 0   (clipped family) */
+    double clip_ratio_high_mean;        /* r > 1 + eps_high and A > 0  (clipped family) */
+    double clip_ratio_region_mean;      /* either */
+    double cispo_clip_ratio;            /* r > eps_high and A > 0      (cispo) */
+} fh_grpo_metrics;
+
+typedef struct fh_grpo_outputs {        /* any may be NULL */
+    double *loss;
+    fh_grpo_metrics *metrics;
+    float *per_token_logp;              /* [B, T]; 0 where the id is outside [0, V) (masked padding) */
+    float *per_token_loss;              /* [B, T] l_i, before masking */
+    float *entropy;                     /* [B, T] */
+    float *lse;                         /* [B, T] of the tempered logits; fh_grpo_backward needs it */
+} fh_grpo_outputs;
+
+FH_API fh_status fh_grpo_forward(fh_context *ctx, const fh_linear *lin, const fh_grpo_batch *batch,
+                                 const fh_grpo_options *options, fh_grpo_outputs *out);
+
+/* Backward from what fh_grpo_forward saved: per_token_logp and lse, and entropy when entropy_coef != 0
+ * (else it may be NULL). grad_output: one value, d(objective)/d(loss). */
+FH_API fh_status fh_grpo_backward(fh_context *ctx, const fh_linear *lin, const fh_grpo_batch *batch,
+                                  const fh_grpo_options *options, const float *per_token_logp, const float *lse,
+                                  const float *entropy, const float *grad_output, fh_linear_grads *grads);
+
+/* Forward and backward in one call (streaming both passes: the GSPO ratio and the per-sequence means need
+ * every token's log-prob before any coefficient is known). */
+FH_API fh_status fh_grpo_forward_backward(fh_context *ctx, const fh_linear *lin, const fh_grpo_batch *batch,
+                                          const fh_grpo_options *options, const float *grad_output,
+                                          fh_grpo_outputs *out, fh_linear_grads *grads);
+
+/* Workspace bytes the GRPO calls need (pure). */
+FH_API fh_status fh_grpo_workspace_size(const fh_context *ctx, const fh_linear *lin, size_t *bytes);
 
 #ifdef __cplusplus
 }

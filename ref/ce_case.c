@@ -42,10 +42,27 @@ static double *to_double(const float *f, size_t count)
     return d;
 }
 
-/* Weight element (k, v) in the spec's layout. */
+size_t ce_weight_index(fh_layout layout, int64_t hidden, int64_t vocab, int64_t k, int64_t j)
+{
+    return (size_t)(layout == FH_LAYOUT_HV ? k * vocab + j : j * hidden + k);
+}
+
 static size_t widx(const ce_case_spec *s, int64_t k, int64_t v)
 {
-    return (size_t)(s->layout == FH_LAYOUT_HV ? k * s->vocab + v : v * s->hidden + k);
+    return ce_weight_index(s->layout, s->hidden, s->vocab, k, v);
+}
+
+void ce_fill_linear(uint64_t *rng, int64_t n, int64_t h, int64_t v, double logit_scale, float *x, float *weight,
+                    float *bias)
+{
+    for (int64_t i = 0; i < n * h; i++)
+        x[i] = (float)(2.0 * ce_uniform(rng) - 1.0);
+    /* x_k ~ U(-1,1) has variance 1/3 and w ~ U(-a, a) has a^2/3: a = 3 scale / sqrt(h) gives std ~scale. */
+    const double a = 3.0 * logit_scale / sqrt((double)h);
+    for (int64_t i = 0; i < h * v; i++)
+        weight[i] = (float)((2.0 * ce_uniform(rng) - 1.0) * a);
+    for (int64_t j = 0; bias && j < v; j++)
+        bias[j] = (float)(ce_uniform(rng) - 0.5);
 }
 
 static void make_inputs(const ce_case_spec *s, ce_case *c)
@@ -57,17 +74,9 @@ static void make_inputs(const ce_case_spec *s, ce_case *c)
     c->weight = xcalloc(h * v, sizeof(float));
     c->targets = xcalloc(n, sizeof(int64_t));
     c->grad_output = xcalloc(n, sizeof(float));
-    for (size_t i = 0; i < n * h; i++)
-        c->x[i] = (float)(2.0 * ce_uniform(&rng) - 1.0);
-    /* x_k ~ U(-1,1) has variance 1/3: scale W so that logits have standard deviation ~scale. */
-    const double wscale = scale * sqrt(3.0 / (double)h) * sqrt(3.0);
-    for (size_t i = 0; i < h * v; i++)
-        c->weight[i] = (float)((2.0 * ce_uniform(&rng) - 1.0) * wscale);
-    if (s->bias) {
+    if (s->bias)
         c->bias = xcalloc(v, sizeof(float));
-        for (size_t j = 0; j < v; j++)
-            c->bias[j] = (float)(ce_uniform(&rng) - 0.5);
-    }
+    ce_fill_linear(&rng, s->n, s->hidden, s->vocab, scale, c->x, c->weight, c->bias);
     if (s->class_weights) {
         c->class_weights = xcalloc(v, sizeof(float));
         for (size_t j = 0; j < v; j++)

@@ -66,4 +66,12 @@ void ce_case_free(ce_case *c);
 /* Deterministic uniform random numbers in [0, 1) (splitmix64). */
 double ce_uniform(uint64_t *state);
 
+/* Random linear-head inputs: x [n, h] in U(-1, 1), weight (h x v, any layout: same distribution) scaled so
+ * that logits have standard deviation ~logit_scale, bias (if not NULL) in U(-0.5, 0.5). */
+void ce_fill_linear(uint64_t *rng, int64_t n, int64_t h, int64_t v, double logit_scale, float *x, float *weight,
+                    float *bias);
+
+/* Offset of weight element (k, j) in a layout. */
+size_t ce_weight_index(fh_layout layout, int64_t hidden, int64_t vocab, int64_t k, int64_t j);
+
 #endif

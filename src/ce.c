@@ -5,6 +5,7 @@
 #include "linear.h"
 #include "tile_kernels.h"
 
+#include <float.h>
 #include <math.h>
 
 FH_API fh_status fh_ce_options_init(fh_ce_options *options)
@@ -27,9 +28,11 @@ static fh_status check_options(fh_context *ctx, const fh_linear *lin, const int6
     if (!(o->label_smoothing >= 0.0 && o->label_smoothing <= 1.0))
         return fh_fail(ctx, FH_ERR_INVALID_LABEL_SMOOTHING, "label_smoothing = %g is outside [0, 1]",
                        o->label_smoothing);
-    if (!(o->softcap >= 0.0 && isfinite(o->softcap)))
-        return fh_fail(ctx, FH_ERR_INVALID_SOFTCAP, "softcap = %g must be finite and >= 0 (0 disables)",
-                       o->softcap);
+    /* The cap is applied in fp32: it must be 0 (off) or a normal float, or it would silently become
+     * inf (NaN logits) or 0 (no cap). */
+    if (!(o->softcap == 0.0 || (o->softcap >= FLT_MIN && o->softcap <= FLT_MAX)))
+        return fh_fail(ctx, FH_ERR_INVALID_SOFTCAP, "softcap = %g must be 0 (off) or in [%g, %g] (fp32 range)",
+                       o->softcap, (double)FLT_MIN, (double)FLT_MAX);
     if (!(o->z_loss >= 0.0 && isfinite(o->z_loss)))
         return fh_fail(ctx, FH_ERR_INVALID_Z_LOSS, "z_loss = %g must be finite and >= 0 (0 disables)", o->z_loss);
     if (o->class_weights)

@@ -6,7 +6,7 @@
 
 /* Per-token double arrays reserved for the head and the engine (running max and sum, target logit,
  * weighted logit sum, argmax, backward coefficients...). */
-#define FH_TOKEN_ARRAYS 8
+#define FH_TOKEN_ARRAYS 10
 
 typedef struct fh_plan {
     int64_t tile_rows;    /* tokens per tile */

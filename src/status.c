@@ -13,11 +13,14 @@ FH_API const char *fh_status_string(fh_status status)
     case FH_ERR_MISSING_OUTPUT: return "an output required by this call is NULL";
     case FH_ERR_INVALID_REDUCTION: return "reduction is not mean, sum or none";
     case FH_ERR_INVALID_LABEL_SMOOTHING: return "label_smoothing is outside [0, 1]";
-    case FH_ERR_INVALID_SOFTCAP: return "softcap is negative or not finite";
+    case FH_ERR_INVALID_SOFTCAP: return "softcap is neither 0 (off) nor a positive normal fp32 value";
     case FH_ERR_INVALID_Z_LOSS: return "z_loss is negative or not finite";
     case FH_ERR_INVALID_CLASS_WEIGHT: return "a class weight is negative or not finite";
     case FH_ERR_INVALID_BETA: return "a gradient beta is neither 0 nor 1";
     case FH_ERR_INVALID_GRAD_OUTPUT: return "the upstream gradient is not finite";
+    case FH_ERR_INVALID_MASK: return "a completion-mask value is negative or not finite";
+    case FH_ERR_INVALID_TEMPERATURE: return "temperature is <= 0 or 1/temperature is outside fp32 range";
+    case FH_ERR_INVALID_GRPO_OPTION: return "a GRPO option is out of range";
     case FH_ERR_WORKSPACE_TOO_SMALL: return "the workspace is smaller than the size query returned";
     case FH_ERR_OUT_OF_MEMORY: return "out of memory";
     case FH_ERR_BUDGET_TOO_SMALL: return "the memory budget cannot hold the smallest tile";

@@ -2,6 +2,7 @@
  * prints the differences as JSON and exits non-zero past tolerance. --dump DIR writes every input and
  * fused output as .npy so other tools can check them independently. */
 #include "ce_case.h"
+#include "gradcheck_grpo.h"
 #include "npy.h"
 
 #include <stdio.h>
@@ -12,10 +13,11 @@
 static void usage(void)
 {
     fprintf(stderr,
-            "usage: fh_gradcheck --n N --hidden H --vocab V [--layout hv|vh] [--bias] [--ignore-frac F]\n"
+            "usage: fh_gradcheck [--loss ce] --n N --hidden H --vocab V [--layout hv|vh] [--bias] [--ignore-frac F]\n"
             "       [--label-smoothing E] [--class-weights] [--softcap C] [--z-loss S]\n"
             "       [--reduction mean|sum|none] [--threads T] [--seed S] [--dump DIR]\n"
-            "       [--train-step] [--budget BYTES] [--tile-rows R] [--tile-vocab C]\n");
+            "       [--train-step] [--budget BYTES] [--tile-rows R] [--tile-vocab C]\n"
+            "       fh_gradcheck --loss grpo ... (fh_gradcheck --loss grpo --help)\n");
 }
 
 static int parse(int argc, char **argv, ce_case_spec *s, const char **dump)
@@ -27,7 +29,9 @@ static int parse(int argc, char **argv, ce_case_spec *s, const char **dump)
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
 #define VALUE_OPTION(name) (strcmp(a, name) == 0 && v && ++i)
-        if (VALUE_OPTION("--n"))
+        if (VALUE_OPTION("--loss"))
+            continue; /* "ce" (checked in main) */
+        else if (VALUE_OPTION("--n"))
             s->n = atoll(v);
         else if (VALUE_OPTION("--hidden"))
             s->hidden = atoll(v);
@@ -109,6 +113,15 @@ static int dump_case(const char *dir, const ce_case *c)
 
 int main(int argc, char **argv)
 {
+    for (int i = 1; i + 1 < argc; i++)
+        if (strcmp(argv[i], "--loss") == 0) {
+            if (strcmp(argv[i + 1], "grpo") == 0)
+                return gradcheck_grpo(argc, argv);
+            if (strcmp(argv[i + 1], "ce") != 0) {
+                usage();
+                return 2;
+            }
+        }
     ce_case_spec spec;
     const char *dump = NULL;
     if (parse(argc, argv, &spec, &dump) != 0) {

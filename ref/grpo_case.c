@@ -1,0 +1,307 @@
+/* Inputs: logits with standard deviation ~3; completion masks with a random-length tail of padding per
+ * sequence and one all-zero sequence (when B > 1); advantages of both signs and one exactly zero; padding
+ * ids out of range on half the padded positions; old log-probs = current log-probs (from the reference)
+ * plus U(-0.4, 0.4), so ratios fall on both sides of the clip range; reference log-probs likewise.
+ * Tolerances:
+ *   loss: absolute 1e-6 * max(1, |loss|). Every term is advantage x (ratio, sigmoid or clamped ratio, or
+ *     for cispo a log-prob of size log V) x normaliser; fp32 logits put ~sqrt(H) 6e-8 |z| ~ 1e-6 on each
+ *     log-prob, which averages down over the tokens.
+ *   metrics: absolute 1e-5 (kl and entropy carry the fp32 log-prob error; clip ratios are counts and
+ *     match exactly unless a ratio sits within ~1e-6 of a bound, which these random draws avoid).
+ *   gradients: normwise relative 1e-5, as for cross-entropy (same engine, same fp32 GEMMs). */
+#include "grpo_case.h"
+
+#include "ce_case.h"
+#include "ref_grpo.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+void grpo_case_spec_default(grpo_case_spec *spec)
+{
+    memset(spec, 0, sizeof *spec);
+    spec->batch = 3;
+    spec->seq = 47;
+    spec->hidden = 67;
+    spec->vocab = 5003;
+    spec->layout = FH_LAYOUT_VH;
+    fh_grpo_options_init(&spec->options);
+    spec->old_logps = 1;
+    spec->seed = 1;
+    spec->grad_output = 1.0f;
+}
+
+static void *zalloc(size_t count, size_t size)
+{
+    return calloc(count ? count : 1, size);
+}
+
+static double *doubles(const float *f, size_t count)
+{
+    if (!f)
+        return NULL;
+    double *d = zalloc(count, sizeof *d);
+    for (size_t i = 0; i < count; i++)
+        d[i] = f[i];
+    return d;
+}
+
+static ref_grpo_options ref_options(const fh_grpo_options *o)
+{
+    ref_grpo_options r;
+    ref_grpo_options_default(&r);
+    r.loss_type = (ref_grpo_loss_type)o->loss_type;
+    r.importance_sampling_level = o->importance_sampling_level == FH_GRPO_IS_SEQUENCE ? REF_GRPO_IS_SEQUENCE
+                                                                                     : REF_GRPO_IS_TOKEN;
+    r.temperature = o->temperature;
+    r.epsilon_low = o->epsilon_low;
+    r.epsilon_high = o->epsilon_high;
+    r.delta = o->delta;
+    r.beta = o->beta;
+    r.sapo_temperature_pos = o->sapo_temperature_pos;
+    r.sapo_temperature_neg = o->sapo_temperature_neg;
+    r.num_items_in_batch = o->num_items_in_batch;
+    r.max_completion_length = o->max_completion_length;
+    r.entropy_coef = o->entropy_coef;
+    r.entropy_bonus = REF_GRPO_ENTROPY_MASKED_MEAN; /* TRL's form, which the library implements */
+    return r;
+}
+
+/* The reference problem in double with the canonical [H, V] weight. Arrays owned by the caller. */
+typedef struct ref_inputs {
+    double *x, *w, *b, *mask, *adv, *old, *ref;
+} ref_inputs;
+
+static ref_grpo_problem ref_problem(const grpo_case *c, ref_inputs *in)
+{
+    const grpo_case_spec *s = &c->spec;
+    const size_t n = (size_t)(s->batch * s->seq), h = (size_t)s->hidden, v = (size_t)s->vocab;
+    in->x = doubles(c->x, n * h);
+    in->w = zalloc(h * v, sizeof(double));
+    for (int64_t k = 0; k < s->hidden; k++)
+        for (int64_t j = 0; j < s->vocab; j++)
+            in->w[k * s->vocab + j] = c->weight[ce_weight_index(s->layout, s->hidden, s->vocab, k, j)];
+    in->b = doubles(c->bias, v);
+    in->mask = doubles(c->mask, n);
+    in->adv = doubles(c->advantages, (size_t)s->batch);
+    in->old = doubles(c->old_logps, n);
+    in->ref = doubles(c->ref_logps, n);
+    const ref_grpo_problem p = {s->batch, s->seq, s->hidden, s->vocab, in->x, in->w, in->b, c->ids,
+                                in->mask, in->adv, in->old, in->ref, NULL};
+    return p;
+}
+
+static void ref_inputs_free(ref_inputs *in)
+{
+    free(in->x), free(in->w), free(in->b), free(in->mask), free(in->adv), free(in->old), free(in->ref);
+}
+
+static void make_inputs(const grpo_case_spec *s, grpo_case *c)
+{
+    const int64_t B = s->batch, T = s->seq, n = B * T;
+    const size_t h = (size_t)s->hidden, v = (size_t)s->vocab;
+    uint64_t rng = s->seed * 104729 + 3;
+    c->x = zalloc((size_t)n * h, sizeof(float));
+    c->weight = zalloc(h * v, sizeof(float));
+    c->bias = s->bias ? zalloc(v, sizeof(float)) : NULL;
+    ce_fill_linear(&rng, n, s->hidden, s->vocab, 3.0, c->x, c->weight, c->bias);
+    c->ids = zalloc((size_t)n, sizeof(int64_t));
+    c->mask = zalloc((size_t)n, sizeof(float));
+    c->advantages = zalloc((size_t)B, sizeof(float));
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t length = B > 1 && b == B - 1 ? 0 : 1 + (int64_t)(ce_uniform(&rng) * (double)T);
+        c->advantages[b] = b == 0 ? 0.0f : (float)(2.0 * ce_uniform(&rng) - 1.0);
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t i = b * T + t;
+            c->mask[i] = t < length ? 1.0f : 0.0f;
+            c->ids[i] = (int64_t)(ce_uniform(&rng) * (double)s->vocab);
+            if (t >= length && ce_uniform(&rng) < 0.5)
+                c->ids[i] = -100; /* padding id outside the vocabulary */
+        }
+    }
+    if (B > 2)
+        c->advantages[1] = -fabsf(c->advantages[1]) - 0.1f; /* make sure both signs occur */
+    /* Old and reference log-probs near the current ones: the reference's on-policy logp plus noise. */
+    ref_inputs in;
+    const ref_grpo_problem p = ref_problem(c, &in);
+    ref_grpo_options o = ref_options(&s->options);
+    o.beta = 0.0;
+    o.entropy_coef = 0.0;
+    double *logp = zalloc((size_t)n, sizeof(double));
+    ref_grpo_result r = {0};
+    r.logp = logp;
+    ref_grpo_forward(&p, &o, &r);
+    ref_inputs_free(&in);
+    c->ref_logps = zalloc((size_t)n, sizeof(float));
+    c->old_logps = s->old_logps ? zalloc((size_t)n, sizeof(float)) : NULL;
+    for (int64_t i = 0; i < n; i++) {
+        c->ref_logps[i] = (float)(logp[i] + 0.8 * (ce_uniform(&rng) - 0.5));
+        if (c->old_logps)
+            c->old_logps[i] = (float)(logp[i] + 0.8 * (ce_uniform(&rng) - 0.5));
+    }
+    free(logp);
+}
+
+static fh_status run_fused(const grpo_case_spec *s, grpo_case *c)
+{
+    const size_t n = (size_t)(s->batch * s->seq), h = (size_t)s->hidden, v = (size_t)s->vocab;
+    fh_context *ctx = NULL;
+    fh_status st = fh_context_create(&ctx);
+    if (st != FH_OK)
+        return st;
+    fh_context_set(ctx, FH_PARAM_THREADS, s->threads);
+    fh_context_set(ctx, FH_PARAM_TILE_ROWS, s->tile_rows);
+    fh_context_set(ctx, FH_PARAM_TILE_VOCAB, s->tile_vocab);
+    fh_linear lin;
+    fh_linear_init(&lin, (int64_t)n, s->hidden, s->vocab, c->x, c->weight, s->layout, c->bias);
+    const fh_grpo_batch batch = {s->batch, s->seq, c->ids, c->mask, c->advantages, c->old_logps,
+                                 s->options.beta != 0.0 ? c->ref_logps : NULL};
+    c->logp = zalloc(n, sizeof(float));
+    c->per_token_loss = zalloc(n, sizeof(float));
+    c->entropy = zalloc(n, sizeof(float));
+    c->lse = zalloc(n, sizeof(float));
+    c->dx = zalloc(n * h, sizeof(float));
+    c->dweight = zalloc(h * v, sizeof(float));
+    c->dbias = c->bias ? zalloc(v, sizeof(float)) : NULL;
+    /* beta 0 must overwrite NaN garbage. */
+    for (size_t i = 0; i < n * h; i++)
+        c->dx[i] = NAN;
+    for (size_t i = 0; i < h * v; i++)
+        c->dweight[i] = NAN;
+    for (size_t j = 0; c->dbias && j < v; j++)
+        c->dbias[j] = NAN;
+    fh_grpo_outputs out = {&c->loss, &c->metrics, c->logp, c->per_token_loss, c->entropy, c->lse};
+    fh_linear_grads g = {c->dx, s->hidden, 0.0f, c->dweight, 0.0f, c->dbias, 0.0f};
+    if (s->train_step) {
+        st = fh_grpo_forward_backward(ctx, &lin, &batch, &s->options, &s->grad_output, &out, &g);
+    } else {
+        st = fh_grpo_forward(ctx, &lin, &batch, &s->options, &out);
+        if (st == FH_OK)
+            st = fh_grpo_backward(ctx, &lin, &batch, &s->options, c->logp, c->lse, c->entropy, &s->grad_output, &g);
+    }
+    fh_context_destroy(ctx);
+    return st;
+}
+
+static void run_reference(const grpo_case_spec *s, grpo_case *c)
+{
+    const size_t n = (size_t)(s->batch * s->seq), h = (size_t)s->hidden, v = (size_t)s->vocab;
+    ref_inputs in;
+    ref_grpo_problem p = ref_problem(c, &in);
+    if (s->options.beta == 0.0)
+        p.ref_logp = NULL;
+    const ref_grpo_options o = ref_options(&s->options);
+    c->ref_logp = zalloc(n, sizeof(double));
+    c->ref_per_token_loss = zalloc(n, sizeof(double));
+    c->ref_entropy = zalloc(n, sizeof(double));
+    ref_grpo_result r = {0};
+    r.logp = c->ref_logp;
+    r.per_token_loss = c->ref_per_token_loss;
+    r.entropy = c->ref_entropy;
+    ref_grpo_forward(&p, &o, &r);
+    c->ref_loss = r.loss;
+    const fh_grpo_metrics m = {r.metrics.kl, r.metrics.entropy, r.metrics.clip_low_mean, r.metrics.clip_high_mean,
+                               r.metrics.clip_region_mean, r.metrics.cispo_clip_ratio};
+    c->ref_metrics = m;
+    double *dw = zalloc(h * v, sizeof(double));
+    c->ref_dx = zalloc(n * h, sizeof(double));
+    c->ref_dbias = c->bias ? zalloc(v, sizeof(double)) : NULL;
+    ref_grpo_backward(&p, &o, s->grad_output, c->ref_dx, dw, c->ref_dbias);
+    c->ref_dweight = zalloc(h * v, sizeof(double));
+    for (int64_t k = 0; k < s->hidden; k++)
+        for (int64_t j = 0; j < s->vocab; j++)
+            c->ref_dweight[ce_weight_index(s->layout, s->hidden, s->vocab, k, j)] = dw[k * s->vocab + j];
+    free(dw);
+    ref_inputs_free(&in);
+}
+
+static double max_abs_diff(const float *f, const double *r, size_t count)
+{
+    double m = 0.0;
+    for (size_t i = 0; i < count; i++) {
+        const double e = fabs((double)f[i] - r[i]);
+        m = e > m || isnan(e) ? e : m;
+    }
+    return m;
+}
+
+static void norm_diff(const float *f, const double *r, size_t count, double *max_abs, double *max_rel,
+                      double *norm_rel)
+{
+    double ma = 0.0, mr = 0.0, sd = 0.0, sr = 0.0;
+    for (size_t i = 0; i < count; i++) {
+        const double e = fabs((double)f[i] - r[i]);
+        ma = e > ma || isnan(e) ? e : ma;
+        mr = fabs(r[i]) > mr ? fabs(r[i]) : mr;
+        sd += e * e;
+        sr += r[i] * r[i];
+    }
+    *max_abs = ma;
+    if (max_rel)
+        *max_rel = mr > 0.0 ? ma / mr : ma;
+    *norm_rel = sr > 0.0 ? sqrt(sd) / sqrt(sr) : sqrt(sd);
+}
+
+/* |a - b|, with NaN equal to NaN (a metric TRL does not log) and NaN against a number infinite. */
+static double metric_diff(double a, double b)
+{
+    if (isnan(a) || isnan(b))
+        return isnan(a) && isnan(b) ? 0.0 : INFINITY;
+    return fabs(a - b);
+}
+
+static void measure(const grpo_case_spec *s, const grpo_case *c, grpo_metrics_diff *d)
+{
+    const size_t n = (size_t)(s->batch * s->seq), h = (size_t)s->hidden, v = (size_t)s->vocab;
+    memset(d, 0, sizeof *d);
+    d->abs_diff_loss = fabs(c->loss - c->ref_loss);
+    d->loss_tolerance = GRPO_LOSS_TOL * fmax(1.0, fabs(c->ref_loss));
+    d->logp_max_abs = max_abs_diff(c->logp, c->ref_logp, n);
+    d->per_token_loss_max_abs = max_abs_diff(c->per_token_loss, c->ref_per_token_loss, n);
+    d->entropy_max_abs = max_abs_diff(c->entropy, c->ref_entropy, n);
+    const double pairs[6][2] = {{c->metrics.kl, c->ref_metrics.kl},
+                                {c->metrics.entropy, c->ref_metrics.entropy},
+                                {c->metrics.clip_ratio_low_mean, c->ref_metrics.clip_ratio_low_mean},
+                                {c->metrics.clip_ratio_high_mean, c->ref_metrics.clip_ratio_high_mean},
+                                {c->metrics.clip_ratio_region_mean, c->ref_metrics.clip_ratio_region_mean},
+                                {c->metrics.cispo_clip_ratio, c->ref_metrics.cispo_clip_ratio}};
+    for (int k = 0; k < 6; k++)
+        d->metrics_max_abs = fmax(d->metrics_max_abs, metric_diff(pairs[k][0], pairs[k][1]));
+    norm_diff(c->dx, c->ref_dx, n * h, &d->dhidden_max_abs, &d->dhidden_max_rel, &d->dhidden_norm_rel);
+    norm_diff(c->dweight, c->ref_dweight, h * v, &d->dweight_max_abs, &d->dweight_max_rel, &d->dweight_norm_rel);
+    if (c->dbias) {
+        double unused;
+        norm_diff(c->dbias, c->ref_dbias, v, &unused, NULL, &d->dbias_norm_rel);
+    }
+}
+
+int grpo_metrics_pass(const grpo_metrics_diff *d)
+{
+    return d->abs_diff_loss <= d->loss_tolerance && d->metrics_max_abs <= GRPO_METRIC_TOL &&
+           d->dhidden_norm_rel <= GRPO_GRAD_NORM_REL_TOL && d->dweight_norm_rel <= GRPO_GRAD_NORM_REL_TOL &&
+           d->dbias_norm_rel <= GRPO_GRAD_NORM_REL_TOL;
+}
+
+fh_status grpo_case_run(const grpo_case_spec *spec, grpo_case *c, grpo_metrics_diff *d)
+{
+    memset(c, 0, sizeof *c);
+    c->spec = *spec;
+    make_inputs(spec, c);
+    const fh_status st = run_fused(spec, c);
+    if (st != FH_OK)
+        return st;
+    run_reference(spec, c);
+    measure(spec, c, d);
+    return FH_OK;
+}
+
+void grpo_case_free(grpo_case *c)
+{
+    void *p[] = {c->x, c->weight, c->bias, c->mask, c->advantages, c->old_logps, c->ref_logps, c->ids, c->logp,
+                 c->per_token_loss, c->entropy, c->lse, c->dx, c->dweight, c->dbias, c->ref_logp,
+                 c->ref_per_token_loss, c->ref_entropy, c->ref_dx, c->ref_dweight, c->ref_dbias};
+    for (size_t i = 0; i < sizeof p / sizeof p[0]; i++)
+        free(p[i]);
+    memset(c, 0, sizeof *c);
+}

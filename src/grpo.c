@@ -1,0 +1,454 @@
+/* GRPO head (TRL GRPOTrainer semantics, formulas in fusedhead.h): option and batch checks, per-token
+ * log-probs and entropies -> loss, metrics and backward coefficients. The engine does every tile; this
+ * file is scalar math on [B, T] vectors. */
+#include "blis_kernels.h"
+#include "engine.h"
+#include "linear.h"
+#include "tile_kernels.h"
+
+#include <float.h>
+#include <math.h>
+
+FH_API fh_status fh_grpo_options_init(fh_grpo_options *options)
+{
+    if (!options)
+        return FH_ERR_NULL_POINTER;
+    const fh_grpo_options defaults = {FH_GRPO_LOSS_GRPO, FH_GRPO_IS_TOKEN, 1.0, 0.2, NAN, NAN, 0.0, 1.0, 1.05,
+                                      0.0, 0, 0.0};
+    *options = defaults;
+    return FH_OK;
+}
+
+static double epsilon_high(const fh_grpo_options *o)
+{
+    return isnan(o->epsilon_high) ? o->epsilon_low : o->epsilon_high;
+}
+
+static int delta_on(const fh_grpo_options *o)
+{
+    return o->delta > 0.0; /* NaN and 0 are off */
+}
+
+static int clipped_family(fh_grpo_loss_type t)
+{
+    return t == FH_GRPO_LOSS_GRPO || t == FH_GRPO_LOSS_BNPO || t == FH_GRPO_LOSS_DR_GRPO || t == FH_GRPO_LOSS_DAPO;
+}
+
+static fh_status check_options(fh_context *ctx, const fh_grpo_options *o)
+{
+    if (!o)
+        return fh_fail(ctx, FH_ERR_NULL_POINTER, "options are NULL");
+    if ((unsigned)o->loss_type > FH_GRPO_LOSS_SAPO)
+        return fh_fail(ctx, FH_ERR_INVALID_GRPO_OPTION, "loss_type = %d is not one of grpo (0) .. sapo (5)",
+                       (int)o->loss_type);
+    if ((unsigned)o->importance_sampling_level > FH_GRPO_IS_SEQUENCE)
+        return fh_fail(ctx, FH_ERR_INVALID_GRPO_OPTION,
+                       "importance_sampling_level = %d is neither token (0) nor sequence (1)",
+                       (int)o->importance_sampling_level);
+    /* 1 / temperature is applied in fp32: it must be a normal float. */
+    if (!(o->temperature > 0.0 && 1.0 / o->temperature >= FLT_MIN && 1.0 / o->temperature <= FLT_MAX))
+        return fh_fail(ctx, FH_ERR_INVALID_TEMPERATURE, "temperature = %g must be > 0 with 1/temperature in fp32 range",
+                       o->temperature);
+    const double eh = epsilon_high(o);
+    if (!(o->epsilon_low >= 0.0 && isfinite(o->epsilon_low)) || !(eh >= 0.0 && isfinite(eh)))
+        return fh_fail(ctx, FH_ERR_INVALID_GRPO_OPTION, "epsilon_low = %g, epsilon_high = %g must be finite and >= 0",
+                       o->epsilon_low, eh);
+    if (!isnan(o->delta) && !(o->delta >= 0.0 && isfinite(o->delta)))
+        return fh_fail(ctx, FH_ERR_INVALID_GRPO_OPTION, "delta = %g must be NaN/0 (off) or finite and > 0", o->delta);
+    if (!(o->beta >= 0.0 && isfinite(o->beta)))
+        return fh_fail(ctx, FH_ERR_INVALID_GRPO_OPTION, "beta = %g must be finite and >= 0", o->beta);
+    if (!(o->sapo_temperature_pos > 0.0 && isfinite(o->sapo_temperature_pos)) ||
+        !(o->sapo_temperature_neg > 0.0 && isfinite(o->sapo_temperature_neg)))
+        return fh_fail(ctx, FH_ERR_INVALID_GRPO_OPTION, "SAPO temperatures (%g, %g) must be finite and > 0",
+                       o->sapo_temperature_pos, o->sapo_temperature_neg);
+    if (!isfinite(o->entropy_coef) || isnan(o->num_items_in_batch) || isinf(o->num_items_in_batch))
+        return fh_fail(ctx, FH_ERR_INVALID_GRPO_OPTION, "entropy_coef = %g and num_items_in_batch = %g must be finite",
+                       o->entropy_coef, o->num_items_in_batch);
+    return FH_OK;
+}
+
+static fh_status check_batch(fh_context *ctx, const fh_linear *lin, const fh_grpo_batch *bt, const fh_grpo_options *o)
+{
+    if (!bt)
+        return fh_fail(ctx, FH_ERR_NULL_POINTER, "the fh_grpo_batch is NULL");
+    if (!bt->completion_ids || !bt->completion_mask || !bt->advantages)
+        return fh_fail(ctx, FH_ERR_NULL_POINTER, "%s is NULL",
+                       !bt->completion_ids ? "completion_ids" : !bt->completion_mask ? "completion_mask" : "advantages");
+    if (o->beta != 0.0 && !bt->ref_per_token_logps)
+        return fh_fail(ctx, FH_ERR_NULL_POINTER, "beta = %g needs ref_per_token_logps", o->beta);
+    int64_t n;
+    if (bt->batch < 1 || bt->seq < 1 || __builtin_mul_overflow(bt->batch, bt->seq, &n) || n != lin->n)
+        return fh_fail(ctx, FH_ERR_INVALID_SIZE, "batch = %lld x seq = %lld must be >= 1 and equal n = %lld",
+                       (long long)bt->batch, (long long)bt->seq, (long long)lin->n);
+    for (int64_t i = 0; i < n; i++) {
+        const float m = bt->completion_mask[i];
+        if (!(m >= 0.0f && isfinite(m)))
+            return fh_fail(ctx, FH_ERR_INVALID_MASK, "completion_mask[%lld] = %g must be finite and >= 0",
+                           (long long)i, (double)m);
+        if (m != 0.0f && (bt->completion_ids[i] < 0 || bt->completion_ids[i] >= lin->vocab))
+            return fh_fail(ctx, FH_ERR_TARGET_OUT_OF_RANGE,
+                           "completion_ids[%lld] = %lld is outside [0, %lld) at an unmasked position", (long long)i,
+                           (long long)bt->completion_ids[i], (long long)lin->vocab);
+    }
+    return FH_OK;
+}
+
+static fh_status check_call(fh_context *ctx, const fh_linear *lin, const fh_grpo_batch *bt, const fh_grpo_options *o)
+{
+    if (!ctx)
+        return FH_ERR_NULL_POINTER;
+    fh_clear_message(ctx);
+    fh_status st = fh_check_linear(ctx, lin);
+    if (st == FH_OK)
+        st = check_options(ctx, o);
+    if (st == FH_OK)
+        st = check_batch(ctx, lin, bt, o);
+    return st;
+}
+
+/* ---- per-token policy math ---------------------------------------------------------------- */
+
+typedef struct token_policy {
+    double ratio; /* forward value of r */
+    double loss;  /* pol_i */
+    double slope; /* d pol / d r (clipped family, sapo), or d pol / d logp (cispo) */
+} token_policy;
+
+/* torch.min(x, y) backward: the whole gradient to the smaller, halves on a tie. */
+static double share_of_first(double x, double y)
+{
+    return x < y ? 1.0 : x > y ? 0.0 : 0.5;
+}
+
+static token_policy policy(const fh_grpo_options *o, double log_ratio, double logp, double advantage)
+{
+    token_policy p;
+    p.ratio = exp(log_ratio);
+    const double r = p.ratio, a = advantage;
+    if (o->loss_type == FH_GRPO_LOSS_CISPO) {
+        const double capped = fmin(r, epsilon_high(o)); /* detached */
+        p.loss = -capped * a * logp;
+        p.slope = -capped * a;
+    } else if (o->loss_type == FH_GRPO_LOSS_SAPO) {
+        const double tau = a > 0.0 ? o->sapo_temperature_pos : o->sapo_temperature_neg;
+        const double sig = 1.0 / (1.0 + exp(-tau * (r - 1.0)));
+        p.loss = -sig * (4.0 / tau) * a;
+        p.slope = -4.0 * sig * (1.0 - sig) * a;
+    } else {
+        const double lo = 1.0 - o->epsilon_low, hi = 1.0 + epsilon_high(o);
+        const double c2 = fmin(fmax(r, lo), hi), dc2 = (r >= lo && r <= hi) ? 1.0 : 0.0;
+        const double c1 = delta_on(o) && r > o->delta ? o->delta : r;
+        const double dc1 = delta_on(o) && r > o->delta ? 0.0 : 1.0;
+        const double share = share_of_first(c1 * a, c2 * a);
+        p.loss = -fmin(c1 * a, c2 * a);
+        p.slope = -(share * dc1 + (1.0 - share) * dc2) * a;
+    }
+    return p;
+}
+
+/* ---- the head: [B, T] vectors -> loss, metrics, coefficients ------------------------------- */
+
+typedef struct grpo_head {
+    const fh_grpo_batch *bt;
+    const fh_grpo_options *o;
+    double *seq_count;     /* [B]: max(sum_t m, 1) */
+    double *seq_log_ratio; /* [B]: s_b (sequence level) */
+    double mask_total;     /* max(sum m, 1) */
+} grpo_head;
+
+static double old_logp(const grpo_head *h, int64_t i, const double *logp)
+{
+    return h->bt->old_per_token_logps ? (double)h->bt->old_per_token_logps[i] : logp[i];
+}
+
+/* Per-sequence token counts and GSPO log-ratios. */
+static void head_prepare(grpo_head *h, const double *logp)
+{
+    const fh_grpo_batch *bt = h->bt;
+    double total = 0.0;
+    for (int64_t b = 0; b < bt->batch; b++) {
+        double count = 0.0, acc = 0.0;
+        for (int64_t t = 0; t < bt->seq; t++) {
+            const int64_t i = b * bt->seq + t;
+            count += bt->completion_mask[i];
+            acc += (logp[i] - old_logp(h, i, logp)) * bt->completion_mask[i];
+        }
+        total += count;
+        h->seq_count[b] = fmax(count, 1.0);
+        h->seq_log_ratio[b] = acc / h->seq_count[b];
+    }
+    h->mask_total = fmax(total, 1.0);
+}
+
+/* d loss / d l_i per unit of mask: the loss type's normalisation. */
+static double sequence_weight(const grpo_head *h, int64_t b)
+{
+    const fh_grpo_options *o = h->o;
+    const double batch = (double)h->bt->batch;
+    switch (o->loss_type) {
+    case FH_GRPO_LOSS_GRPO:
+    case FH_GRPO_LOSS_SAPO: return 1.0 / (batch * h->seq_count[b]);
+    case FH_GRPO_LOSS_BNPO: return 1.0 / h->mask_total;
+    case FH_GRPO_LOSS_DR_GRPO:
+        return 1.0 / (batch * (double)(o->max_completion_length > 0 ? o->max_completion_length : h->bt->seq));
+    default: return 1.0 / (o->num_items_in_batch > 0.0 ? o->num_items_in_batch : h->mask_total);
+    }
+}
+
+typedef struct head_outputs {
+    double *loss;
+    fh_grpo_metrics *metrics;
+    float *per_token_loss;
+    double *g_logp; /* d(grad * loss)/d logp_i, or NULL */
+    double *g_entropy;
+} head_outputs;
+
+static void head_evaluate(const grpo_head *h, const double *logp, const double *entropy, double grad,
+                          const head_outputs *out)
+{
+    const fh_grpo_batch *bt = h->bt;
+    const fh_grpo_options *o = h->o;
+    const int sequence_level = o->importance_sampling_level == FH_GRPO_IS_SEQUENCE;
+    const double lo = 1.0 - o->epsilon_low, hi = 1.0 + epsilon_high(o);
+    double loss = 0.0, kl_sum = 0.0, entropy_sum = 0.0, clip_low = 0.0, clip_high = 0.0, clip_region = 0.0,
+           cispo_clip = 0.0;
+    for (int64_t b = 0; b < bt->batch; b++) {
+        const double a = bt->advantages[b], weight = sequence_weight(h, b);
+        double seq_loss = 0.0, seq_slope = 0.0;
+        for (int64_t t = 0; t < bt->seq; t++) {
+            const int64_t i = b * bt->seq + t;
+            const double m = bt->completion_mask[i];
+            const double log_ratio = sequence_level ? h->seq_log_ratio[b] : logp[i] - old_logp(h, i, logp);
+            const token_policy p = policy(o, log_ratio, logp[i], a);
+            double l = p.loss, dl_dlogp = 0.0;
+            if (o->beta != 0.0) {
+                const double d = (double)bt->ref_per_token_logps[i] - logp[i];
+                const double kl = exp(d) - d - 1.0;
+                l += o->beta * kl;
+                kl_sum += kl * m;
+                dl_dlogp += o->beta * (1.0 - exp(d));
+            }
+            if (o->loss_type == FH_GRPO_LOSS_CISPO)
+                dl_dlogp += p.slope;
+            else if (sequence_level)
+                seq_slope += weight * m * p.slope * p.ratio; /* d loss / d s_b */
+            else
+                dl_dlogp += p.slope * p.ratio; /* d r / d logp = r */
+            seq_loss += l * m;
+            if (entropy)
+                entropy_sum += entropy[i] * m;
+            if (out->per_token_loss)
+                out->per_token_loss[i] = (float)l;
+            if (out->g_logp)
+                out->g_logp[i] = grad * weight * m * dl_dlogp;
+            /* Metrics: masked means over tokens, or over sequences (one value each) at sequence level. */
+            if (!sequence_level || t == 0) {
+                const double w = sequence_level ? 1.0 : m;
+                const double c1 = delta_on(o) && p.ratio > o->delta ? o->delta : p.ratio;
+                const int low = c1 < lo && a < 0.0, high = c1 > hi && a > 0.0;
+                clip_low += low * w;
+                clip_high += high * w;
+                clip_region += (low || high) * w;
+                cispo_clip += (p.ratio > epsilon_high(o) && a > 0.0) * w;
+            }
+        }
+        loss += seq_loss * weight;
+        if (out->g_logp && seq_slope != 0.0)
+            for (int64_t t = 0; t < bt->seq; t++) {
+                const int64_t i = b * bt->seq + t;
+                out->g_logp[i] += grad * seq_slope * bt->completion_mask[i] / h->seq_count[b];
+            }
+    }
+    const double entropy_mean = entropy ? entropy_sum / h->mask_total : NAN;
+    if (o->entropy_coef != 0.0)
+        loss -= o->entropy_coef * entropy_mean;
+    if (out->g_entropy)
+        for (int64_t i = 0; i < bt->batch * bt->seq; i++)
+            out->g_entropy[i] = -grad * o->entropy_coef * bt->completion_mask[i] / h->mask_total;
+    if (out->loss)
+        *out->loss = loss;
+    if (out->metrics) {
+        const double den = sequence_level ? (double)bt->batch : h->mask_total;
+        const int clipped = clipped_family(o->loss_type), cispo = o->loss_type == FH_GRPO_LOSS_CISPO;
+        const fh_grpo_metrics m = {o->beta != 0.0 ? kl_sum / h->mask_total : NAN, entropy_mean,
+                                   clipped ? clip_low / den : NAN, clipped ? clip_high / den : NAN,
+                                   clipped ? clip_region / den : NAN, cispo ? cispo_clip / den : NAN};
+        *out->metrics = m;
+    }
+}
+
+/* ---- calls ---------------------------------------------------------------------------------- */
+
+/* Workspace token arrays: 0 lse, 1 z_target | a, 2 b, 3 sum_exp scratch | c, 4 e, 5 sum_pz, 6 logp,
+ * 7 entropy, 8 per-sequence counts, 9 per-sequence log-ratios. */
+enum { T_LSE, T_A, T_B, T_C, T_E, T_SUM_PZ, T_LOGP, T_ENTROPY, T_SEQ_COUNT, T_SEQ_LOG_RATIO };
+
+static fh_status prepare(fh_context *ctx, const fh_linear *lin, fh_plan *plan, fh_workspace *ws)
+{
+    fh_status st = fh_plan_make(ctx, lin->n, lin->vocab, plan);
+    void *base = NULL;
+    if (st == FH_OK)
+        st = fh_acquire_workspace(ctx, plan->bytes, &base);
+    if (st == FH_OK) {
+        *ws = fh_workspace_carve(plan, base, lin->n);
+        fh_blis_ensure_selected();
+        fh_row_kernels_select();
+    }
+    return st;
+}
+
+FH_API fh_status fh_grpo_workspace_size(const fh_context *ctx, const fh_linear *lin, size_t *bytes)
+{
+    if (!ctx || !bytes)
+        return FH_ERR_NULL_POINTER;
+    fh_context scratch = *ctx; /* the query is pure: messages go to a copy */
+    fh_status st = fh_check_linear(&scratch, lin);
+    fh_plan plan;
+    if (st == FH_OK)
+        st = fh_plan_make(&scratch, lin->n, lin->vocab, &plan);
+    if (st == FH_OK)
+        *bytes = plan.bytes;
+    return st;
+}
+
+static fh_transform transform_of(const fh_grpo_options *o)
+{
+    const fh_transform tf = {0.0f, (float)(1.0 / o->temperature)};
+    return tf;
+}
+
+static grpo_head head_in(const fh_workspace *ws, const fh_grpo_batch *bt, const fh_grpo_options *o)
+{
+    const grpo_head h = {bt, o, ws->token[T_SEQ_COUNT], ws->token[T_SEQ_LOG_RATIO], 1.0};
+    return h;
+}
+
+/* Streams the forward; leaves lse, sum_pz, logp and entropy (double) in the workspace. */
+static void forward_pass(fh_context *ctx, const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin,
+                         const fh_grpo_batch *bt, const fh_grpo_options *o)
+{
+    const fh_row_stats stats = {ws->token[T_LSE], ws->token[T_A], NULL, ws->token[T_SUM_PZ], ws->token[T_C], NULL};
+    const fh_transform tf = transform_of(o);
+    fh_engine_forward(ctx, plan, ws, lin, &tf, bt->completion_ids, NULL, &stats);
+    for (int64_t i = 0; i < lin->n; i++) {
+        const int64_t id = bt->completion_ids[i];
+        ws->token[T_LOGP][i] = id >= 0 && id < lin->vocab ? stats.z_target[i] - stats.lse[i] : 0.0;
+        ws->token[T_ENTROPY][i] = stats.lse[i] - stats.sum_pz[i];
+    }
+}
+
+static void write_outputs(const fh_workspace *ws, int64_t n, fh_grpo_outputs *out)
+{
+    for (int64_t i = 0; i < n; i++) {
+        if (out->per_token_logp)
+            out->per_token_logp[i] = (float)ws->token[T_LOGP][i];
+        if (out->entropy)
+            out->entropy[i] = (float)ws->token[T_ENTROPY][i];
+        if (out->lse)
+            out->lse[i] = (float)ws->token[T_LSE][i];
+    }
+}
+
+/* Coefficients from logp/entropy/lse in the workspace, then the engine's backward. */
+static void backward_pass(fh_context *ctx, const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin,
+                          const fh_grpo_batch *bt, const fh_grpo_options *o, double grad,
+                          const fh_linear_grads *grads, fh_grpo_outputs *forward_out)
+{
+    grpo_head h = head_in(ws, bt, o);
+    double *logp = ws->token[T_LOGP], *a = ws->token[T_A], *b = ws->token[T_B], *c = ws->token[T_C],
+           *e = ws->token[T_E];
+    head_prepare(&h, logp);
+    const head_outputs hout = {forward_out ? forward_out->loss : NULL, forward_out ? forward_out->metrics : NULL,
+                               forward_out ? forward_out->per_token_loss : NULL, b, e};
+    head_evaluate(&h, logp, ws->token[T_ENTROPY], grad, &hout);
+    /* dZ_j = g_logp (onehot_j - p_j) - g_H p_j (z_j - sum_pz): a = -g_logp, b = g_logp, e = -g_H. */
+    for (int64_t i = 0; i < lin->n; i++) {
+        a[i] = -b[i];
+        c[i] = 0.0;
+        e[i] = -e[i];
+    }
+    const fh_row_coefs coefs = {ws->token[T_LSE], a, b, c, e, ws->token[T_SUM_PZ]};
+    const fh_transform tf = transform_of(o);
+    fh_engine_backward(ctx, plan, ws, lin, &tf, bt->completion_ids, NULL, &coefs, grads);
+}
+
+static fh_status check_grad_output(fh_context *ctx, const float *grad_output)
+{
+    if (!grad_output)
+        return fh_fail(ctx, FH_ERR_NULL_POINTER, "grad_output is NULL");
+    if (!isfinite(grad_output[0]))
+        return fh_fail(ctx, FH_ERR_INVALID_GRAD_OUTPUT, "grad_output = %g is not finite", (double)grad_output[0]);
+    return FH_OK;
+}
+
+FH_API fh_status fh_grpo_forward(fh_context *ctx, const fh_linear *lin, const fh_grpo_batch *batch,
+                                 const fh_grpo_options *options, fh_grpo_outputs *out)
+{
+    fh_status st = check_call(ctx, lin, batch, options);
+    if (st == FH_OK && !out)
+        st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
+    fh_plan plan;
+    fh_workspace ws;
+    if (st == FH_OK)
+        st = prepare(ctx, lin, &plan, &ws);
+    if (st != FH_OK)
+        return st;
+    forward_pass(ctx, &plan, &ws, lin, batch, options);
+    grpo_head h = head_in(&ws, batch, options);
+    head_prepare(&h, ws.token[T_LOGP]);
+    const head_outputs hout = {out->loss, out->metrics, out->per_token_loss, NULL, NULL};
+    head_evaluate(&h, ws.token[T_LOGP], ws.token[T_ENTROPY], 1.0, &hout);
+    write_outputs(&ws, lin->n, out);
+    return FH_OK;
+}
+
+FH_API fh_status fh_grpo_backward(fh_context *ctx, const fh_linear *lin, const fh_grpo_batch *batch,
+                                  const fh_grpo_options *options, const float *per_token_logp, const float *lse,
+                                  const float *entropy, const float *grad_output, fh_linear_grads *grads)
+{
+    fh_status st = check_call(ctx, lin, batch, options);
+    if (st == FH_OK && (!per_token_logp || !lse || (options->entropy_coef != 0.0 && !entropy)))
+        st = fh_fail(ctx, FH_ERR_NULL_POINTER, "%s is NULL",
+                     !per_token_logp ? "per_token_logp" : !lse ? "lse" : "entropy (entropy_coef != 0)");
+    if (st == FH_OK)
+        st = check_grad_output(ctx, grad_output);
+    if (st == FH_OK)
+        st = fh_check_grads(ctx, lin, grads);
+    fh_plan plan;
+    fh_workspace ws;
+    if (st == FH_OK)
+        st = prepare(ctx, lin, &plan, &ws);
+    if (st != FH_OK)
+        return st;
+    for (int64_t i = 0; i < lin->n; i++) {
+        ws.token[T_LSE][i] = lse[i];
+        ws.token[T_LOGP][i] = per_token_logp[i];
+        ws.token[T_ENTROPY][i] = entropy ? entropy[i] : 0.0;
+        ws.token[T_SUM_PZ][i] = ws.token[T_LSE][i] - ws.token[T_ENTROPY][i]; /* only used when e != 0 */
+    }
+    backward_pass(ctx, &plan, &ws, lin, batch, options, grad_output[0], grads, NULL);
+    return FH_OK;
+}
+
+FH_API fh_status fh_grpo_forward_backward(fh_context *ctx, const fh_linear *lin, const fh_grpo_batch *batch,
+                                          const fh_grpo_options *options, const float *grad_output,
+                                          fh_grpo_outputs *out, fh_linear_grads *grads)
+{
+    fh_status st = check_call(ctx, lin, batch, options);
+    if (st == FH_OK && !out)
+        st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
+    if (st == FH_OK)
+        st = check_grad_output(ctx, grad_output);
+    if (st == FH_OK)
+        st = fh_check_grads(ctx, lin, grads);
+    fh_plan plan;
+    fh_workspace ws;
+    if (st == FH_OK)
+        st = prepare(ctx, lin, &plan, &ws);
+    if (st != FH_OK)
+        return st;
+    forward_pass(ctx, &plan, &ws, lin, batch, options);
+    write_outputs(&ws, lin->n, out);
+    backward_pass(ctx, &plan, &ws, lin, batch, options, grad_output[0], grads, out);
+    return FH_OK;
+}

@@ -1,0 +1,633 @@
+/* Contracts of the public API, asserted exactly:
+ *   - each invalid argument returns its own documented status, leaves every output buffer bit-identical
+ *     (pre-filled with a canary pattern) and never writes an input, and the context message names the
+ *     problem;
+ *   - the workspace size query: an exact-size caller workspace works (and nothing past it is written),
+ *     one byte less fails with FH_ERR_WORKSPACE_TOO_SMALL, untouched outputs;
+ *   - parameters, bounds, status strings, messages, BLIS query, initialisers. */
+#include "test_util.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { N = 5, H = 4, V = 7 };
+
+/* Everything a call writes, in one block so that one memcmp covers it. */
+typedef struct outputs {
+    double loss, z_loss;
+    float per_token_loss[N], logp[N], lse[N];
+    int64_t argmax[N];
+    float dx[N * H], dweight[H * V], dbias[V];
+} outputs;
+
+typedef struct inputs {
+    float x[N * H], weight[H * V], bias[V], class_weights[V], grad_output[N], lse[N];
+    int64_t targets[N];
+} inputs;
+
+/* A valid call, which each case breaks in one way. The call_* pointers are what gets passed. */
+typedef struct fixture {
+    fh_context *ctx;
+    inputs in;
+    outputs out;
+    fh_linear lin;
+    fh_ce_options options;
+    fh_ce_outputs fwd_out;
+    fh_linear_grads grads;
+    fh_context *call_ctx;
+    const fh_linear *call_lin;
+    const int64_t *call_targets;
+    const fh_ce_options *call_options;
+    fh_ce_outputs *call_out;
+    const float *call_lse, *call_grad_output;
+    fh_linear_grads *call_grads;
+} fixture;
+
+static void fill_canary(void *p, size_t bytes)
+{
+    memset(p, 0xA5, bytes);
+}
+
+/* Valid inputs (bias, lse from a successful forward); outputs filled with the canary. */
+static void fixture_init(fixture *f)
+{
+    memset(f, 0, sizeof *f);
+    TU_CHECK(fh_context_create(&f->ctx) == FH_OK, "fh_context_create");
+    uint64_t rng = 12345;
+    for (int i = 0; i < N * H; i++)
+        f->in.x[i] = (float)(2.0 * ce_uniform(&rng) - 1.0);
+    for (int i = 0; i < H * V; i++)
+        f->in.weight[i] = (float)(2.0 * ce_uniform(&rng) - 1.0);
+    for (int j = 0; j < V; j++) {
+        f->in.bias[j] = (float)(ce_uniform(&rng) - 0.5);
+        f->in.class_weights[j] = (float)(0.5 + ce_uniform(&rng));
+    }
+    for (int i = 0; i < N; i++) {
+        f->in.targets[i] = (int64_t)(ce_uniform(&rng) * V);
+        f->in.grad_output[i] = 1.0f;
+    }
+    f->in.targets[1] = -100;
+    fh_linear_init(&f->lin, N, H, V, f->in.x, f->in.weight, FH_LAYOUT_HV, f->in.bias);
+    fh_ce_options_init(&f->options);
+    const fh_ce_outputs fo = {&f->out.loss, &f->out.z_loss, f->out.per_token_loss, f->out.logp, f->out.lse,
+                              f->out.argmax};
+    f->fwd_out = fo;
+    const fh_linear_grads g = {f->out.dx, H, 0.0f, f->out.dweight, 0.0f, f->out.dbias, 0.0f};
+    f->grads = g;
+    const fh_status st = fh_ce_forward(f->ctx, &f->lin, f->in.targets, &f->options, &f->fwd_out);
+    TU_CHECK(st == FH_OK, "fixture forward: %d", (int)st);
+    memcpy(f->in.lse, f->out.lse, sizeof f->in.lse);
+    fill_canary(&f->out, sizeof f->out);
+    f->call_ctx = f->ctx;
+    f->call_lin = &f->lin;
+    f->call_targets = f->in.targets;
+    f->call_options = &f->options;
+    f->call_out = &f->fwd_out;
+    f->call_lse = f->in.lse;
+    f->call_grad_output = f->in.grad_output;
+    f->call_grads = &f->grads;
+}
+
+static fh_status call_forward(fixture *f)
+{
+    return fh_ce_forward(f->call_ctx, f->call_lin, f->call_targets, f->call_options, f->call_out);
+}
+
+static fh_status call_backward(fixture *f)
+{
+    return fh_ce_backward(f->call_ctx, f->call_lin, f->call_targets, f->call_options, f->call_lse,
+                          f->call_grad_output, f->call_grads);
+}
+
+static fh_status call_train_step(fixture *f)
+{
+    return fh_ce_forward_backward(f->call_ctx, f->call_lin, f->call_targets, f->call_options, f->call_grad_output,
+                                  f->call_out, f->call_grads);
+}
+
+enum { FWD = 1, BWD = 2, STEP = 4, ALL = 7 };
+
+static fh_status call(fixture *f, int which)
+{
+    return which == FWD ? call_forward(f) : which == BWD ? call_backward(f) : call_train_step(f);
+}
+
+static const char *call_name(int which)
+{
+    return which == FWD ? "fh_ce_forward" : which == BWD ? "fh_ce_backward" : "fh_ce_forward_backward";
+}
+
+/* ---- the invalid arguments ---- */
+#define MUTATION(fn, body) \
+    static void fn(fixture *f) { body; }
+MUTATION(null_ctx, f->call_ctx = NULL)
+MUTATION(null_lin, f->call_lin = NULL)
+MUTATION(null_x, f->lin.x = NULL)
+MUTATION(null_weight, f->lin.weight = NULL)
+MUTATION(null_targets, f->call_targets = NULL)
+MUTATION(null_options, f->call_options = NULL)
+MUTATION(null_outputs, f->call_out = NULL)
+MUTATION(null_lse, f->call_lse = NULL)
+MUTATION(null_grad_output, f->call_grad_output = NULL)
+MUTATION(null_grads, f->call_grads = NULL)
+MUTATION(n_zero, f->lin.n = 0)
+MUTATION(n_negative, f->lin.n = -3)
+MUTATION(hidden_zero, f->lin.hidden = 0)
+MUTATION(hidden_negative, f->lin.hidden = -1)
+MUTATION(vocab_zero, f->lin.vocab = 0)
+MUTATION(vocab_negative, f->lin.vocab = -7)
+MUTATION(x_stride_short, f->lin.x_row_stride = H - 1)
+MUTATION(x_stride_zero, f->lin.x_row_stride = 0)
+MUTATION(x_stride_negative, f->lin.x_row_stride = -H)
+MUTATION(w_strides_overlap, f->lin.w_stride_hidden = V - 1)
+MUTATION(w_strides_both_one, f->lin.w_stride_hidden = 1)
+MUTATION(w_stride_vocab_zero, f->lin.w_stride_vocab = 0)
+MUTATION(dx_stride_short, f->grads.dx_row_stride = H - 1)
+MUTATION(x_stride_huge, f->lin.x_row_stride = INT64_MAX / 2)
+MUTATION(w_stride_huge, f->lin.w_stride_hidden = INT64_MAX / 2)
+MUTATION(dx_stride_huge, f->grads.dx_row_stride = INT64_MAX / 2)
+MUTATION(n_times_vocab_overflows, f->lin.n = INT64_MAX / 4)
+MUTATION(target_equals_vocab, f->in.targets[3] = V)
+MUTATION(target_minus_one, f->in.targets[0] = -1)
+MUTATION(target_default_ignore_not_ignored, f->options.ignore_index = -1) /* targets[1] = -100 */
+MUTATION(reduction_seven, f->options.reduction = (fh_reduction)7)
+MUTATION(reduction_negative, f->options.reduction = (fh_reduction)-1)
+MUTATION(smoothing_negative, f->options.label_smoothing = -0.1)
+MUTATION(smoothing_above_one, f->options.label_smoothing = 1.1)
+MUTATION(smoothing_nan, f->options.label_smoothing = NAN)
+MUTATION(softcap_negative, f->options.softcap = -1.0)
+MUTATION(softcap_inf, f->options.softcap = INFINITY)
+MUTATION(softcap_nan, f->options.softcap = NAN)
+/* The cap is applied in fp32: finite doubles outside its normal range would become inf (NaN logits) or 0
+ * (no cap at all), so they are rejected rather than silently changed. */
+MUTATION(softcap_above_fp32, f->options.softcap = 1e39)
+MUTATION(softcap_below_fp32, f->options.softcap = 1e-50)
+MUTATION(z_loss_negative, f->options.z_loss = -1.0)
+MUTATION(z_loss_inf, f->options.z_loss = INFINITY)
+MUTATION(z_loss_nan, f->options.z_loss = NAN)
+MUTATION(class_weight_negative, (f->options.class_weights = f->in.class_weights, f->in.class_weights[V - 1] = -0.5f))
+MUTATION(class_weight_nan, (f->options.class_weights = f->in.class_weights, f->in.class_weights[0] = NAN))
+MUTATION(class_weight_inf, (f->options.class_weights = f->in.class_weights, f->in.class_weights[3] = INFINITY))
+MUTATION(dx_beta_half, f->grads.dx_beta = 0.5f)
+MUTATION(dweight_beta_half, f->grads.dweight_beta = 0.5f)
+MUTATION(dbias_beta_half, f->grads.dbias_beta = 0.5f)
+MUTATION(dx_beta_minus_one, f->grads.dx_beta = -1.0f)
+MUTATION(dweight_beta_nan, f->grads.dweight_beta = NAN)
+MUTATION(grad_output_nan, f->in.grad_output[0] = NAN)
+MUTATION(grad_output_inf, f->in.grad_output[0] = -INFINITY)
+MUTATION(grad_output_none_nan, (f->options.reduction = FH_REDUCTION_NONE, f->in.grad_output[N - 1] = NAN))
+MUTATION(none_without_per_token_loss, (f->options.reduction = FH_REDUCTION_NONE, f->fwd_out.per_token_loss = NULL))
+MUTATION(dbias_without_bias, f->lin.bias = NULL)
+MUTATION(budget_one, fh_context_set(f->ctx, FH_PARAM_MEMORY_BUDGET, 1))
+
+typedef struct bad_case {
+    const char *name;
+    void (*mutate)(fixture *);
+    int calls; /* FWD, BWD, STEP: the entry points that take the broken argument */
+    fh_status expected;
+    const char *mentions; /* a word the context message must contain (NULL: no context to ask) */
+} bad_case;
+
+static const bad_case bad_cases[] = {
+    {"NULL context", null_ctx, ALL, FH_ERR_NULL_POINTER, NULL},
+    {"NULL fh_linear", null_lin, ALL, FH_ERR_NULL_POINTER, "lin"},
+    {"NULL x", null_x, ALL, FH_ERR_NULL_POINTER, "x"},
+    {"NULL weight", null_weight, ALL, FH_ERR_NULL_POINTER, "weight"},
+    {"NULL targets", null_targets, ALL, FH_ERR_NULL_POINTER, "targets"},
+    {"NULL options", null_options, ALL, FH_ERR_NULL_POINTER, "options"},
+    {"NULL outputs", null_outputs, FWD | STEP, FH_ERR_NULL_POINTER, "outputs"},
+    {"NULL lse", null_lse, BWD, FH_ERR_NULL_POINTER, "lse"},
+    {"NULL grad_output", null_grad_output, BWD | STEP, FH_ERR_NULL_POINTER, "grad_output"},
+    {"NULL grads", null_grads, BWD | STEP, FH_ERR_NULL_POINTER, "grads"},
+    {"n = 0", n_zero, ALL, FH_ERR_INVALID_SIZE, "n"},
+    {"n < 0", n_negative, ALL, FH_ERR_INVALID_SIZE, "n"},
+    {"hidden = 0", hidden_zero, ALL, FH_ERR_INVALID_SIZE, "hidden"},
+    {"hidden < 0", hidden_negative, ALL, FH_ERR_INVALID_SIZE, "hidden"},
+    {"vocab = 0", vocab_zero, ALL, FH_ERR_INVALID_SIZE, "vocab"},
+    {"vocab < 0", vocab_negative, ALL, FH_ERR_INVALID_SIZE, "vocab"},
+    {"x_row_stride < hidden", x_stride_short, ALL, FH_ERR_INVALID_STRIDE, "stride"},
+    {"x_row_stride = 0", x_stride_zero, ALL, FH_ERR_INVALID_STRIDE, "stride"},
+    {"x_row_stride < 0", x_stride_negative, ALL, FH_ERR_INVALID_STRIDE, "stride"},
+    {"weight strides overlap", w_strides_overlap, ALL, FH_ERR_INVALID_STRIDE, "weight"},
+    {"weight strides both 1", w_strides_both_one, ALL, FH_ERR_INVALID_STRIDE, "weight"},
+    {"w_stride_vocab = 0", w_stride_vocab_zero, ALL, FH_ERR_INVALID_STRIDE, "weight"},
+    {"dx_row_stride < hidden", dx_stride_short, BWD | STEP, FH_ERR_INVALID_STRIDE, "dx"},
+    {"x_row_stride overflows", x_stride_huge, ALL, FH_ERR_SIZE_OVERFLOW, "overflow"},
+    {"w_stride_hidden overflows", w_stride_huge, ALL, FH_ERR_SIZE_OVERFLOW, "overflow"},
+    {"dx_row_stride overflows", dx_stride_huge, BWD | STEP, FH_ERR_SIZE_OVERFLOW, "overflow"},
+    {"n * vocab overflows", n_times_vocab_overflows, ALL, FH_ERR_SIZE_OVERFLOW, "overflow"},
+    {"target = V", target_equals_vocab, ALL, FH_ERR_TARGET_OUT_OF_RANGE, "targets"},
+    {"target = -1", target_minus_one, ALL, FH_ERR_TARGET_OUT_OF_RANGE, "targets"},
+    {"target -100 with ignore_index -1", target_default_ignore_not_ignored, ALL, FH_ERR_TARGET_OUT_OF_RANGE,
+     "targets"},
+    {"reduction 7", reduction_seven, ALL, FH_ERR_INVALID_REDUCTION, "reduction"},
+    {"reduction -1", reduction_negative, ALL, FH_ERR_INVALID_REDUCTION, "reduction"},
+    {"label_smoothing -0.1", smoothing_negative, ALL, FH_ERR_INVALID_LABEL_SMOOTHING, "label_smoothing"},
+    {"label_smoothing 1.1", smoothing_above_one, ALL, FH_ERR_INVALID_LABEL_SMOOTHING, "label_smoothing"},
+    {"label_smoothing NaN", smoothing_nan, ALL, FH_ERR_INVALID_LABEL_SMOOTHING, "label_smoothing"},
+    {"softcap -1", softcap_negative, ALL, FH_ERR_INVALID_SOFTCAP, "softcap"},
+    {"softcap inf", softcap_inf, ALL, FH_ERR_INVALID_SOFTCAP, "softcap"},
+    {"softcap NaN", softcap_nan, ALL, FH_ERR_INVALID_SOFTCAP, "softcap"},
+    {"softcap 1e39 (above FLT_MAX)", softcap_above_fp32, ALL, FH_ERR_INVALID_SOFTCAP, "softcap"},
+    {"softcap 1e-50 (below FLT_MIN)", softcap_below_fp32, ALL, FH_ERR_INVALID_SOFTCAP, "softcap"},
+    {"z_loss -1", z_loss_negative, ALL, FH_ERR_INVALID_Z_LOSS, "z_loss"},
+    {"z_loss inf", z_loss_inf, ALL, FH_ERR_INVALID_Z_LOSS, "z_loss"},
+    {"z_loss NaN", z_loss_nan, ALL, FH_ERR_INVALID_Z_LOSS, "z_loss"},
+    {"class weight -0.5", class_weight_negative, ALL, FH_ERR_INVALID_CLASS_WEIGHT, "class_weight"},
+    {"class weight NaN", class_weight_nan, ALL, FH_ERR_INVALID_CLASS_WEIGHT, "class_weight"},
+    {"class weight inf", class_weight_inf, ALL, FH_ERR_INVALID_CLASS_WEIGHT, "class_weight"},
+    {"dx_beta 0.5", dx_beta_half, BWD | STEP, FH_ERR_INVALID_BETA, "beta"},
+    {"dweight_beta 0.5", dweight_beta_half, BWD | STEP, FH_ERR_INVALID_BETA, "beta"},
+    {"dbias_beta 0.5", dbias_beta_half, BWD | STEP, FH_ERR_INVALID_BETA, "beta"},
+    {"dx_beta -1", dx_beta_minus_one, BWD | STEP, FH_ERR_INVALID_BETA, "beta"},
+    {"dweight_beta NaN", dweight_beta_nan, BWD | STEP, FH_ERR_INVALID_BETA, "beta"},
+    {"grad_output NaN", grad_output_nan, BWD | STEP, FH_ERR_INVALID_GRAD_OUTPUT, "grad_output"},
+    {"grad_output -inf", grad_output_inf, BWD | STEP, FH_ERR_INVALID_GRAD_OUTPUT, "grad_output"},
+    {"grad_output[N-1] NaN, reduction none", grad_output_none_nan, BWD | STEP, FH_ERR_INVALID_GRAD_OUTPUT, "grad_output"},
+    {"reduction none without per_token_loss", none_without_per_token_loss, FWD | STEP, FH_ERR_MISSING_OUTPUT,
+     "per_token_loss"},
+    /* The header does not name a status for this one; the required pointer that is NULL is the bias. */
+    {"dbias requested without bias", dbias_without_bias, BWD | STEP, FH_ERR_NULL_POINTER, "bias"},
+    {"memory budget 1 byte", budget_one, ALL, FH_ERR_BUDGET_TOO_SMALL, "budget"},
+};
+
+static void test_bad_arguments(void)
+{
+    for (size_t k = 0; k < TU_COUNT(bad_cases); k++)
+        for (int which_call = FWD; which_call <= STEP; which_call *= 2) {
+            const bad_case *c = &bad_cases[k];
+            if (!(c->calls & which_call))
+                continue;
+            const char *which = call_name(which_call);
+            fixture f;
+            fixture_init(&f);
+            c->mutate(&f);
+            outputs before;
+            inputs in_before;
+            memcpy(&before, &f.out, sizeof before);
+            memcpy(&in_before, &f.in, sizeof in_before);
+            const fh_status st = call(&f, which_call);
+            TU_CHECK(st == c->expected, "%s, %s: status %d (%s), expected %d (%s)", c->name, which, (int)st,
+                     fh_status_string(st), (int)c->expected, fh_status_string(c->expected));
+            TU_CHECK(memcmp(&before, &f.out, sizeof before) == 0, "%s, %s: an output buffer was modified", c->name,
+                     which);
+            TU_CHECK(memcmp(&in_before, &f.in, sizeof in_before) == 0, "%s, %s: an input was modified", c->name,
+                     which);
+            if (c->mentions) {
+                const char *msg = NULL;
+                TU_CHECK(fh_context_message(f.ctx, &msg) == FH_OK && msg, "%s: fh_context_message", c->name);
+                TU_CHECK(msg && msg[0] && tu_mentions(msg, c->mentions), "%s, %s: message \"%s\" does not name '%s'",
+                         c->name, which, msg ? msg : "(null)", c->mentions);
+            }
+            fh_context_destroy(f.ctx);
+        }
+}
+
+/* The unbroken fixture succeeds and writes its outputs (so the canary checks above can fail), leaves
+ * the message empty and the inputs alone; the message is also cleared by a success after an error. */
+static void test_valid_call_and_message_reset(void)
+{
+    fixture f;
+    fixture_init(&f);
+    inputs in_before;
+    memcpy(&in_before, &f.in, sizeof in_before);
+    TU_CHECK(call_forward(&f) == FH_OK, "forward failed");
+    TU_CHECK(call_backward(&f) == FH_OK, "backward failed");
+    outputs canary;
+    fill_canary(&canary, sizeof canary);
+    TU_CHECK(memcmp(&canary.loss, &f.out.loss, sizeof canary.loss) != 0 &&
+                 memcmp(canary.dx, f.out.dx, sizeof canary.dx) != 0 &&
+                 memcmp(canary.dweight, f.out.dweight, sizeof canary.dweight) != 0 &&
+                 memcmp(canary.dbias, f.out.dbias, sizeof canary.dbias) != 0 &&
+                 memcmp(canary.lse, f.out.lse, sizeof canary.lse) != 0,
+             "a successful call left outputs at the canary");
+    fill_canary(&f.out, sizeof f.out);
+    TU_CHECK(call_train_step(&f) == FH_OK, "train step failed");
+    TU_CHECK(memcmp(&canary.loss, &f.out.loss, sizeof canary.loss) != 0 &&
+                 memcmp(canary.dx, f.out.dx, sizeof canary.dx) != 0 &&
+                 memcmp(canary.dweight, f.out.dweight, sizeof canary.dweight) != 0 &&
+                 memcmp(canary.dbias, f.out.dbias, sizeof canary.dbias) != 0 &&
+                 memcmp(canary.lse, f.out.lse, sizeof canary.lse) != 0,
+             "a successful train step left outputs at the canary");
+    TU_CHECK(memcmp(&in_before, &f.in, sizeof in_before) == 0, "a successful call modified an input");
+    const char *msg = NULL;
+    fh_context_message(f.ctx, &msg);
+    TU_CHECK(msg && msg[0] == '\0', "message after success: \"%s\"", msg ? msg : "(null)");
+    f.options.reduction = (fh_reduction)9;
+    TU_CHECK(call_forward(&f) == FH_ERR_INVALID_REDUCTION, "reduction 9 accepted");
+    fh_context_message(f.ctx, &msg);
+    TU_CHECK(msg && msg[0] != '\0', "no message after an error");
+    f.options.reduction = FH_REDUCTION_SUM;
+    TU_CHECK(call_forward(&f) == FH_OK, "forward failed");
+    fh_context_message(f.ctx, &msg);
+    TU_CHECK(msg && msg[0] == '\0', "message not cleared by a success: \"%s\"", msg ? msg : "(null)");
+    TU_CHECK(fh_context_message(NULL, &msg) == FH_ERR_NULL_POINTER && fh_context_message(f.ctx, NULL) == FH_ERR_NULL_POINTER,
+             "fh_context_message accepts NULL");
+    fh_context_destroy(f.ctx);
+}
+
+/* The size queries and a caller workspace: fh_ce_workspace_size for forward + backward,
+ * fh_ce_forward_backward_workspace_size for the train step. The exact size must work wherever the
+ * caller's buffer starts (aligned or not: no alignment is documented), the library must write nothing
+ * outside it (guard bytes on both sides), and one byte less must fail with FH_ERR_WORKSPACE_TOO_SMALL and
+ * untouched outputs. Budgets: the default (the train step's row blocks fit) and 4 KiB (it streams). The
+ * queries are pure: a failing one leaves the context's message and *bytes alone. */
+static fh_status size_query(const fixture *f, const fh_linear *lin, int train_step, size_t *bytes)
+{
+    return train_step ? fh_ce_forward_backward_workspace_size(f->ctx, lin, &f->options, bytes)
+                      : fh_ce_workspace_size(f->ctx, lin, &f->options, bytes);
+}
+
+static fh_status run_calls(fixture *f, int train_step)
+{
+    if (train_step)
+        return call_train_step(f);
+    const fh_status st = call_forward(f);
+    return st != FH_OK ? st : call_backward(f);
+}
+
+static void test_workspace(void)
+{
+    enum { GUARD = 256 };
+    const size_t offsets[] = {0, 1, 3, 8, 60};
+    const int64_t budgets[] = {0, 4096};
+    for (size_t o = 0; o < TU_COUNT(offsets); o++)
+        for (size_t bu = 0; bu < TU_COUNT(budgets); bu++)
+            for (int train_step = 0; train_step <= 1; train_step++) {
+                fixture f;
+                fixture_init(&f);
+                f.options.label_smoothing = 0.1; /* the busiest path */
+                f.options.class_weights = f.in.class_weights;
+                TU_CHECK(fh_context_set(f.ctx, FH_PARAM_MEMORY_BUDGET, budgets[bu]) == FH_OK, "set budget");
+                char label[96];
+                snprintf(label, sizeof label, "offset %zu, budget %lld, %s", offsets[o], (long long)budgets[bu],
+                         train_step ? "train step" : "forward + backward");
+                size_t bytes = 0;
+                TU_CHECK(size_query(&f, &f.lin, train_step, &bytes) == FH_OK && bytes > 0, "%s: size query", label);
+                unsigned char *block = malloc(offsets[o] + bytes + GUARD);
+                unsigned char *ws = block + offsets[o];
+                memset(block, 0x5A, offsets[o] + bytes + GUARD);
+
+                /* One byte short: every call of the mode fails, outputs untouched, message names it. */
+                TU_CHECK(fh_context_set_workspace(f.ctx, ws, bytes - 1) == FH_OK, "set_workspace");
+                outputs before;
+                memcpy(&before, &f.out, sizeof before);
+                const int calls[] = {FWD, BWD};
+                for (size_t c = 0; c < (train_step ? 1 : 2); c++) {
+                    const int which = train_step ? STEP : calls[c];
+                    const fh_status st = call(&f, which);
+                    TU_CHECK(st == FH_ERR_WORKSPACE_TOO_SMALL, "%s: %s with bytes - 1: %d", label, call_name(which),
+                             (int)st);
+                    const char *msg = NULL;
+                    fh_context_message(f.ctx, &msg);
+                    TU_CHECK(msg && tu_mentions(msg, "workspace"), "%s: message \"%s\" does not name the workspace",
+                             label, msg ? msg : "");
+                }
+                TU_CHECK(memcmp(&before, &f.out, sizeof before) == 0, "%s: outputs modified by a failed call", label);
+
+                /* Exact size. */
+                TU_CHECK(fh_context_set_workspace(f.ctx, ws, bytes) == FH_OK, "set_workspace");
+                const fh_status st = run_calls(&f, train_step);
+                TU_CHECK(st == FH_OK, "%s: calls with the exact size: %d", label, (int)st);
+                size_t written_outside = 0;
+                for (size_t i = 0; i < offsets[o]; i++)
+                    written_outside += block[i] != 0x5A;
+                for (size_t i = 0; i < GUARD; i++)
+                    written_outside += ws[bytes + i] != 0x5A;
+                TU_CHECK(written_outside == 0, "%s: %zu bytes written outside the workspace", label, written_outside);
+                TU_CHECK(tu_all_finite_f(f.out.dweight, H * V) && isfinite(f.out.loss), "%s: results not finite",
+                         label);
+
+                /* Purity of a failing query. */
+                const char *msg = NULL;
+                fh_context_message(f.ctx, &msg);
+                TU_CHECK(msg && msg[0] == '\0', "%s: message not empty after success", label);
+                fh_linear bad = f.lin;
+                bad.n = 0;
+                size_t untouched = 777;
+                TU_CHECK(size_query(&f, &bad, train_step, &untouched) == FH_ERR_INVALID_SIZE && untouched == 777,
+                         "%s: size query with n = 0", label);
+                fh_context_message(f.ctx, &msg);
+                TU_CHECK(msg && msg[0] == '\0', "%s: the pure size query changed the message to \"%s\"", label,
+                         msg ? msg : "");
+
+                /* Back to library-managed workspace. */
+                TU_CHECK(fh_context_set_workspace(f.ctx, NULL, 0) == FH_OK, "set_workspace(NULL, 0)");
+                TU_CHECK(run_calls(&f, train_step) == FH_OK, "%s: calls with the library's workspace", label);
+                fh_context_destroy(f.ctx);
+                free(block);
+            }
+}
+
+/* The size queries' own argument checks, and their budget failure. */
+static void test_workspace_size_arguments(void)
+{
+    for (int train_step = 0; train_step <= 1; train_step++) {
+        fh_status (*const query)(const fh_context *, const fh_linear *, const fh_ce_options *, size_t *) =
+            train_step ? fh_ce_forward_backward_workspace_size : fh_ce_workspace_size;
+        fixture f;
+        fixture_init(&f);
+        size_t bytes = 777;
+        TU_CHECK(query(NULL, &f.lin, &f.options, &bytes) == FH_ERR_NULL_POINTER, "train step %d: NULL ctx", train_step);
+        TU_CHECK(query(f.ctx, NULL, &f.options, &bytes) == FH_ERR_NULL_POINTER, "train step %d: NULL lin", train_step);
+        TU_CHECK(query(f.ctx, &f.lin, NULL, &bytes) == FH_ERR_NULL_POINTER, "train step %d: NULL options", train_step);
+        TU_CHECK(query(f.ctx, &f.lin, &f.options, NULL) == FH_ERR_NULL_POINTER, "train step %d: NULL bytes",
+                 train_step);
+        f.lin.x_row_stride = H - 1;
+        TU_CHECK(query(f.ctx, &f.lin, &f.options, &bytes) == FH_ERR_INVALID_STRIDE, "train step %d: bad stride",
+                 train_step);
+        f.lin.x_row_stride = H;
+        TU_CHECK(bytes == 777, "train step %d: a failed query wrote *bytes", train_step);
+        /* n = 2^61 tokens: the per-token workspace (n times a few doubles) cannot be sized in 64 bits. The
+         * query reads no data, so the small arrays behind the view do not matter. */
+        fh_linear huge = f.lin;
+        huge.n = (int64_t)1 << 61;
+        huge.hidden = huge.vocab = huge.x_row_stride = huge.w_stride_hidden = 1;
+        TU_CHECK(query(f.ctx, &huge, &f.options, &bytes) == FH_ERR_SIZE_OVERFLOW && bytes == 777,
+                 "train step %d: n = 2^61", train_step);
+        TU_CHECK(fh_context_set(f.ctx, FH_PARAM_MEMORY_BUDGET, 1) == FH_OK, "set budget");
+        TU_CHECK(query(f.ctx, &f.lin, &f.options, &bytes) == FH_ERR_BUDGET_TOO_SMALL && bytes == 777,
+                 "train step %d: budget 1", train_step);
+        fh_context_destroy(f.ctx);
+    }
+}
+
+/* fh_context_set/get and fh_param_bounds. */
+static void test_params(void)
+{
+    const fh_param params[] = {FH_PARAM_THREADS, FH_PARAM_TILE_ROWS, FH_PARAM_TILE_VOCAB, FH_PARAM_MEMORY_BUDGET};
+    fh_context *ctx = NULL;
+    TU_CHECK(fh_context_create(&ctx) == FH_OK, "create");
+    for (size_t k = 0; k < TU_COUNT(params); k++) {
+        int64_t lo = -42, hi = -42, value = -42;
+        TU_CHECK(fh_param_bounds(params[k], &lo, &hi) == FH_OK, "bounds of %d", (int)params[k]);
+        /* 0 means "default" for every parameter, so it must be inside the bounds. */
+        TU_CHECK(lo <= 0 && 0 <= hi && lo < hi, "param %d: bounds [%lld, %lld]", (int)params[k], (long long)lo,
+                 (long long)hi);
+        TU_CHECK(fh_context_get(ctx, params[k], &value) == FH_OK && value == 0, "param %d: default %lld",
+                 (int)params[k], (long long)value);
+        TU_CHECK(fh_context_set(ctx, params[k], hi) == FH_OK, "param %d: set max", (int)params[k]);
+        TU_CHECK(fh_context_get(ctx, params[k], &value) == FH_OK && value == hi, "param %d: get max", (int)params[k]);
+        const int64_t outside[] = {hi == INT64_MAX ? hi : hi + 1, lo == INT64_MIN ? lo : lo - 1, INT64_MIN};
+        for (size_t o = 0; o < TU_COUNT(outside); o++) {
+            if (outside[o] >= lo && outside[o] <= hi)
+                continue;
+            const fh_status st = fh_context_set(ctx, params[k], outside[o]);
+            TU_CHECK(st == FH_ERR_INVALID_PARAM_VALUE, "param %d = %lld: status %d", (int)params[k],
+                     (long long)outside[o], (int)st);
+            const char *msg = NULL;
+            fh_context_message(ctx, &msg);
+            TU_CHECK(msg && msg[0], "param %d = %lld: empty message", (int)params[k], (long long)outside[o]);
+            TU_CHECK(fh_context_get(ctx, params[k], &value) == FH_OK && value == hi,
+                     "param %d: a rejected value changed it to %lld", (int)params[k], (long long)value);
+        }
+        TU_CHECK(fh_context_set(ctx, params[k], lo) == FH_OK, "param %d: set min", (int)params[k]);
+        TU_CHECK(fh_context_set(ctx, params[k], 0) == FH_OK, "param %d: set 0", (int)params[k]);
+    }
+    const fh_param unknown[] = {(fh_param)4, (fh_param)-1, (fh_param)1000};
+    for (size_t k = 0; k < TU_COUNT(unknown); k++) {
+        int64_t lo = 5, hi = 6, value = 7;
+        TU_CHECK(fh_context_set(ctx, unknown[k], 0) == FH_ERR_INVALID_PARAM, "set unknown %d", (int)unknown[k]);
+        const char *msg = NULL;
+        fh_context_message(ctx, &msg);
+        TU_CHECK(msg && msg[0], "set unknown %d: empty message", (int)unknown[k]);
+        TU_CHECK(fh_context_get(ctx, unknown[k], &value) == FH_ERR_INVALID_PARAM && value == 7, "get unknown %d",
+                 (int)unknown[k]);
+        TU_CHECK(fh_param_bounds(unknown[k], &lo, &hi) == FH_ERR_INVALID_PARAM && lo == 5 && hi == 6,
+                 "bounds unknown %d", (int)unknown[k]);
+    }
+    int64_t lo, hi, value;
+    TU_CHECK(fh_param_bounds(FH_PARAM_THREADS, NULL, &hi) == FH_ERR_NULL_POINTER &&
+                 fh_param_bounds(FH_PARAM_THREADS, &lo, NULL) == FH_ERR_NULL_POINTER,
+             "bounds with NULL");
+    TU_CHECK(fh_context_set(NULL, FH_PARAM_THREADS, 1) == FH_ERR_NULL_POINTER, "set on NULL");
+    TU_CHECK(fh_context_get(NULL, FH_PARAM_THREADS, &value) == FH_ERR_NULL_POINTER &&
+                 fh_context_get(ctx, FH_PARAM_THREADS, NULL) == FH_ERR_NULL_POINTER,
+             "get with NULL");
+    fh_context_destroy(ctx);
+}
+
+/* Every status has its own non-empty text; unknown values still get one. */
+static void test_status_strings(void)
+{
+    const fh_status all[] = {FH_OK,
+                             FH_ERR_NULL_POINTER,
+                             FH_ERR_INVALID_SIZE,
+                             FH_ERR_INVALID_STRIDE,
+                             FH_ERR_SIZE_OVERFLOW,
+                             FH_ERR_TARGET_OUT_OF_RANGE,
+                             FH_ERR_MISSING_OUTPUT,
+                             FH_ERR_INVALID_REDUCTION,
+                             FH_ERR_INVALID_LABEL_SMOOTHING,
+                             FH_ERR_INVALID_SOFTCAP,
+                             FH_ERR_INVALID_Z_LOSS,
+                             FH_ERR_INVALID_CLASS_WEIGHT,
+                             FH_ERR_INVALID_BETA,
+                             FH_ERR_INVALID_GRAD_OUTPUT,
+                             FH_ERR_INVALID_MASK,
+                             FH_ERR_INVALID_TEMPERATURE,
+                             FH_ERR_INVALID_GRPO_OPTION,
+                             FH_ERR_WORKSPACE_TOO_SMALL,
+                             FH_ERR_OUT_OF_MEMORY,
+                             FH_ERR_BUDGET_TOO_SMALL,
+                             FH_ERR_INVALID_PARAM,
+                             FH_ERR_INVALID_PARAM_VALUE};
+    for (size_t a = 0; a < TU_COUNT(all); a++) {
+        const char *s = fh_status_string(all[a]);
+        TU_CHECK(s && s[0], "status %d: empty text", (int)all[a]);
+        for (size_t b = 0; s && b < a; b++) {
+            const char *t = fh_status_string(all[b]);
+            TU_CHECK(!t || strcmp(s, t) != 0, "statuses %d and %d share the text \"%s\"", (int)all[a], (int)all[b], s);
+        }
+    }
+    const fh_status unknown[] = {(fh_status)7, (fh_status)-1, (fh_status)999};
+    for (size_t k = 0; k < TU_COUNT(unknown); k++) {
+        const char *s = fh_status_string(unknown[k]);
+        TU_CHECK(s && s[0], "unknown status %d: no text", (int)unknown[k]);
+    }
+}
+
+/* Context lifetime, initialisers, linear views, BLIS query. */
+static void test_small_entry_points(void)
+{
+    TU_CHECK(fh_context_create(NULL) == FH_ERR_NULL_POINTER, "create(NULL)");
+    TU_CHECK(fh_context_destroy(NULL) == FH_OK, "destroy(NULL) is documented as accepted");
+    TU_CHECK(fh_context_set_workspace(NULL, NULL, 0) == FH_ERR_NULL_POINTER, "set_workspace on NULL");
+
+    fh_ce_options o;
+    memset(&o, 0x5A, sizeof o);
+    TU_CHECK(fh_ce_options_init(&o) == FH_OK, "options init");
+    TU_CHECK(o.ignore_index == -100 && o.reduction == FH_REDUCTION_MEAN && o.label_smoothing == 0.0 &&
+                 o.class_weights == NULL && o.softcap == 0.0 && o.z_loss == 0.0,
+             "documented option defaults");
+    TU_CHECK(fh_ce_options_init(NULL) == FH_ERR_NULL_POINTER, "options init NULL");
+
+    float x[6], w[12], b[4];
+    fh_linear lin;
+    TU_CHECK(fh_linear_init(&lin, 2, 3, 4, x, w, FH_LAYOUT_HV, b) == FH_OK, "linear init hv");
+    TU_CHECK(lin.n == 2 && lin.hidden == 3 && lin.vocab == 4 && lin.x == x && lin.x_row_stride == 3 &&
+                 lin.weight == w && lin.w_stride_hidden == 4 && lin.w_stride_vocab == 1 && lin.bias == b,
+             "contiguous [H, V] view");
+    TU_CHECK(fh_linear_init(&lin, 2, 3, 4, x, w, FH_LAYOUT_VH, NULL) == FH_OK, "linear init vh");
+    TU_CHECK(lin.x_row_stride == 3 && lin.w_stride_hidden == 1 && lin.w_stride_vocab == 3 && lin.bias == NULL,
+             "contiguous [V, H] view");
+    TU_CHECK(fh_linear_init(NULL, 2, 3, 4, x, w, FH_LAYOUT_HV, b) == FH_ERR_NULL_POINTER, "linear init NULL");
+
+    fh_blis_info info;
+    memset(&info, 0, sizeof info);
+    TU_CHECK(fh_blis_query(&info) == FH_OK, "fh_blis_query");
+    TU_CHECK(info.kernel_set != NULL && info.kernel_set[0] != '\0', "kernel_set is NULL or empty");
+    TU_CHECK((info.selected_by_library == 0 || info.selected_by_library == 1) &&
+                 (info.user_override == 0 || info.user_override == 1) &&
+                 !(info.selected_by_library && info.user_override),
+             "flags selected_by_library %d, user_override %d", info.selected_by_library, info.user_override);
+    /* The row kernels: "avx512" or "portable"; FH_DISABLE_AVX512=1 forces "portable" (ctest runs every
+     * suite both ways). */
+    const char *ew = info.elementwise;
+    TU_CHECK(ew && (strcmp(ew, "avx512") == 0 || strcmp(ew, "portable") == 0), "elementwise = %s", ew ? ew : "NULL");
+    const char *disable = getenv("FH_DISABLE_AVX512");
+    if (disable && strcmp(disable, "1") == 0)
+        TU_CHECK(ew && strcmp(ew, "portable") == 0, "FH_DISABLE_AVX512=1 but elementwise = %s", ew ? ew : "NULL");
+    TU_CHECK(fh_blis_query(NULL) == FH_ERR_NULL_POINTER, "fh_blis_query(NULL)");
+}
+
+/* Every output but the ones a call needs may be NULL ("Any output pointer may be NULL except as noted";
+ * "A NULL pointer skips that gradient"). */
+static void test_optional_outputs(void)
+{
+    fixture f;
+    fixture_init(&f);
+    fh_ce_outputs none_needed = {NULL, NULL, NULL, NULL, NULL, NULL};
+    fh_linear_grads g = {NULL, 0, 0.0f, NULL, 0.0f, NULL, 0.0f};
+    f.call_out = &none_needed;
+    f.call_grads = &g;
+    TU_CHECK(call_forward(&f) == FH_OK, "forward with every output NULL");
+    TU_CHECK(call_train_step(&f) == FH_OK, "train step with every output and gradient NULL");
+    TU_CHECK(call_backward(&f) == FH_OK, "backward with every gradient NULL");
+    f.options.reduction = FH_REDUCTION_NONE;
+    none_needed.per_token_loss = f.out.per_token_loss;
+    TU_CHECK(call_forward(&f) == FH_OK, "'none' with only per_token_loss");
+    g.dweight = f.out.dweight;
+    TU_CHECK(call_backward(&f) == FH_OK && tu_all_finite_f(f.out.dweight, H * V), "backward with dweight only");
+    fill_canary(f.out.dweight, sizeof f.out.dweight);
+    TU_CHECK(call_train_step(&f) == FH_OK && tu_all_finite_f(f.out.dweight, H * V), "train step with dweight only");
+    fh_context_destroy(f.ctx);
+}
+
+int tu_register_contracts(void)
+{
+    static const tu_test tests[] = {
+        {"each bad argument: own status, untouched outputs, message", test_bad_arguments},
+        {"valid call writes outputs; message reset", test_valid_call_and_message_reset},
+        {"caller workspace: exact size, size - 1, guards", test_workspace},
+        {"workspace size query arguments", test_workspace_size_arguments},
+        {"parameters and bounds", test_params},
+        {"status strings", test_status_strings},
+        {"context, initialisers, linear views, BLIS query", test_small_entry_points},
+        {"optional outputs", test_optional_outputs},
+    };
+    return tu_add_suite("contracts", tests, TU_COUNT(tests));
+}

@@ -1,0 +1,126 @@
+/* Determinism: the same call gives bitwise-identical loss, per-token outputs and gradients, run twice
+ * on fresh contexts, on a context whose workspace was used (and left dirty) by a different problem,
+ * and with a caller-owned workspace. */
+#include "test_util.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* NULL when a and b are bitwise identical, else the name of the first differing output. */
+static const char *first_difference(const tu_problem *p, const tu_fused *a, const tu_fused *b)
+{
+    const size_t n = (size_t)p->n, h = (size_t)p->hidden, v = (size_t)p->vocab;
+    const struct {
+        const char *name;
+        const void *x, *y;
+        size_t bytes;
+    } parts[] = {
+        {"loss", &a->loss, &b->loss, sizeof a->loss},
+        {"z_loss", &a->z_loss, &b->z_loss, sizeof a->z_loss},
+        {"per_token_loss", a->per_token_loss, b->per_token_loss, n * sizeof(float)},
+        {"per_token_logp", a->logp, b->logp, n * sizeof(float)},
+        {"lse", a->lse, b->lse, n * sizeof(float)},
+        {"argmax", a->argmax, b->argmax, n * sizeof(int64_t)},
+        {"dx", a->dx, b->dx, n * h * sizeof(float)},
+        {"dweight", a->dweight, b->dweight, h * v * sizeof(float)},
+        {"dbias", a->dbias, b->dbias, a->dbias && b->dbias ? v * sizeof(float) : 0},
+    };
+    for (size_t k = 0; k < TU_COUNT(parts); k++)
+        if (parts[k].bytes && memcmp(parts[k].x, parts[k].y, parts[k].bytes) != 0)
+            return parts[k].name;
+    return NULL;
+}
+
+static void make_problem(tu_problem *p, fh_reduction reduction, uint64_t seed)
+{
+    tu_problem_init(p, 29, 11, 53, FH_LAYOUT_VH, TU_BIAS | TU_CLASS_WEIGHTS);
+    p->options.reduction = reduction;
+    p->options.label_smoothing = 0.1;
+    p->options.softcap = 3.0;
+    p->options.z_loss = 1e-3;
+    tu_problem_randomize(p, seed, 3.0);
+    p->targets[2] = p->targets[7] = -100;
+}
+
+static const fh_reduction reductions[] = {FH_REDUCTION_MEAN, FH_REDUCTION_SUM, FH_REDUCTION_NONE};
+
+static void test_repeated_runs(void)
+{
+    for (size_t r = 0; r < TU_COUNT(reductions); r++)
+        for (int threads = 1; threads <= 2; threads++)
+            for (int variant = 0; variant < 4; variant++) {
+                const int beta = variant & 1, train_step = variant >> 1;
+                tu_problem p;
+                make_problem(&p, reductions[r], 500 + r);
+                const tu_config cfg = {.threads = threads, .tile_rows = 8, .tile_vocab = 16, .grad_beta = (float)beta,
+                                       .train_step = train_step};
+                tu_fused a, b;
+                const fh_status sa = tu_run_fused(&p, &cfg, &a), sb = tu_run_fused(&p, &cfg, &b);
+                TU_CHECK(sa == FH_OK && sb == FH_OK, "status %d, %d", (int)sa, (int)sb);
+                const char *d = sa == FH_OK && sb == FH_OK ? first_difference(&p, &a, &b) : NULL;
+                TU_CHECK(d == NULL, "reduction %d, %d threads, beta %d, train step %d: %s differs between identical runs",
+                         (int)reductions[r], threads, beta, train_step, d ? d : "");
+                tu_fused_free(&a);
+                tu_fused_free(&b);
+                tu_problem_free(&p);
+            }
+}
+
+/* A context reused after a larger, different problem (its workspace holds that problem's leftovers)
+ * and a caller-owned workspace filled with garbage both give the fresh context's results; separate
+ * calls and the train step. */
+static void test_reused_and_caller_workspaces(void)
+{
+    for (size_t r = 0; r < TU_COUNT(reductions); r++)
+        for (int train_step = 0; train_step <= 1; train_step++) {
+            tu_problem p, big;
+            make_problem(&p, reductions[r], 600 + r);
+            tu_problem_init(&big, 61, 5, 97, FH_LAYOUT_HV, TU_BIAS);
+            tu_problem_randomize(&big, 700 + r, 5.0);
+            const tu_config cfg = {.threads = 2, .tile_rows = 8, .tile_vocab = 16, .train_step = train_step};
+            tu_fused fresh, reused, callers, scratch;
+            TU_CHECK(tu_run_fused(&p, &cfg, &fresh) == FH_OK, "fresh run");
+
+            fh_context *ctx = tu_context(&cfg);
+            TU_CHECK(tu_run_fused_on(ctx, &big, &cfg, &scratch) == FH_OK, "other problem");
+            TU_CHECK(tu_run_fused_on(ctx, &p, &cfg, &reused) == FH_OK, "reused context");
+            fh_context_destroy(ctx);
+
+            ctx = tu_context(&cfg);
+            fh_linear lin;
+            tu_problem_linear(&p, &lin);
+            size_t bytes = 0;
+            const fh_status st = train_step ? fh_ce_forward_backward_workspace_size(ctx, &lin, &p.options, &bytes)
+                                            : fh_ce_workspace_size(ctx, &lin, &p.options, &bytes);
+            TU_CHECK(st == FH_OK, "size query");
+            unsigned char *ws = malloc(bytes ? bytes : 1);
+            for (size_t i = 0; i < bytes; i++)
+                ws[i] = (unsigned char)(i * 131 + 7);
+            TU_CHECK(fh_context_set_workspace(ctx, ws, bytes) == FH_OK, "set_workspace");
+            TU_CHECK(tu_run_fused_on(ctx, &p, &cfg, &callers) == FH_OK, "caller workspace");
+            fh_context_destroy(ctx);
+            free(ws);
+
+            const char *d1 = first_difference(&p, &fresh, &reused), *d2 = first_difference(&p, &fresh, &callers);
+            TU_CHECK(d1 == NULL, "reduction %d, train step %d: %s differs on a reused context", (int)reductions[r],
+                     train_step, d1 ? d1 : "");
+            TU_CHECK(d2 == NULL, "reduction %d, train step %d: %s differs with a caller workspace", (int)reductions[r],
+                     train_step, d2 ? d2 : "");
+            tu_fused_free(&fresh);
+            tu_fused_free(&reused);
+            tu_fused_free(&callers);
+            tu_fused_free(&scratch);
+            tu_problem_free(&p);
+            tu_problem_free(&big);
+        }
+}
+
+int tu_register_determinism(void)
+{
+    static const tu_test tests[] = {
+        {"identical runs are bitwise identical", test_repeated_runs},
+        {"reused context and caller workspace", test_reused_and_caller_workspaces},
+    };
+    return tu_add_suite("determinism", tests, TU_COUNT(tests));
+}

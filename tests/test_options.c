@@ -1,0 +1,137 @@
+/* Options: each loss option alone and all together, under every reduction, gradient beta 0 (buffers
+ * pre-filled with NaN must be overwritten) and 1 (accumulate onto 1.0), both weight layouts, separate
+ * forward + backward calls and the single-call train step.
+ * Tolerances: ce_metrics_pass (justified in ref/ce_case.c). */
+#include "test_util.h"
+
+#include <math.h>
+#include <stdio.h>
+
+typedef struct option_set {
+    const char *name;
+    double ignore_frac, label_smoothing;
+    int class_weights;
+    double softcap, z_loss, logit_scale;
+} option_set;
+
+/* softcap 2 with logits of size ~4 puts tanh well into its nonlinear range; z_loss 1e-2 with lse ~ 5
+ * makes the z-loss part ~0.25 of a ~3 loss. */
+static const option_set sets[] = {
+    {"plain", 0, 0, 0, 0, 0, 3},
+    {"ignore_index", 0.3, 0, 0, 0, 0, 3},
+    {"label_smoothing", 0, 0.1, 0, 0, 0, 3},
+    {"label_smoothing 1", 0, 1.0, 0, 0, 0, 3},
+    {"class_weights", 0, 0, 1, 0, 0, 3},
+    {"softcap", 0, 0, 0, 2.0, 0, 4},
+    {"z_loss", 0, 0, 0, 0, 1e-2, 3},
+    {"all options", 0.3, 0.1, 1, 2.0, 1e-2, 4},
+};
+enum { PLAIN, IGNORE, SMOOTHING, SMOOTHING_ONE, CLASS_WEIGHTS, SOFTCAP, Z_LOSS, ALL };
+
+static ce_case_spec spec_of(const option_set *o, fh_reduction reduction, fh_layout layout, float beta,
+                            int train_step, uint64_t seed)
+{
+    ce_case_spec s;
+    ce_case_spec_default(&s);
+    s.n = 37;
+    s.hidden = 13;
+    s.vocab = 37;
+    s.tile_rows = 8;
+    s.tile_vocab = 16;
+    s.bias = 1;
+    s.layout = layout;
+    s.threads = layout == FH_LAYOUT_HV ? 1 : 2;
+    s.reduction = reduction;
+    s.grad_beta = beta;
+    s.train_step = train_step;
+    s.seed = seed;
+    s.ignore_frac = o->ignore_frac;
+    s.label_smoothing = o->label_smoothing;
+    s.class_weights = o->class_weights;
+    s.softcap = o->softcap;
+    s.z_loss = o->z_loss;
+    s.logit_scale = o->logit_scale;
+    return s;
+}
+
+static double reference_loss(const ce_case_spec *s)
+{
+    ce_case c;
+    ce_metrics m;
+    const fh_status st = ce_case_run(s, &c, &m);
+    const double loss = st == FH_OK ? c.ref_loss : NAN;
+    ce_case_free(&c);
+    return loss;
+}
+
+static void run_set(int index)
+{
+    const option_set *o = &sets[index];
+    const fh_reduction reductions[] = {FH_REDUCTION_MEAN, FH_REDUCTION_SUM, FH_REDUCTION_NONE};
+    const float betas[] = {0.0f, 1.0f};
+    uint64_t seed = 1000 * (uint64_t)(index + 1);
+    for (size_t r = 0; r < TU_COUNT(reductions); r++)
+        for (size_t b = 0; b < TU_COUNT(betas); b++)
+            for (int variant = 0; variant < 4; variant++) {
+                const ce_case_spec s = spec_of(o, reductions[r], (fh_layout)(variant & 1), betas[b], variant >> 1, seed++);
+                tu_check_spec(&s, o->name);
+            }
+    /* Guards the table: the option must move the loss (> 1e-3 relative from the same case with the
+     * options off), so that the comparisons above exercise it. */
+    if (index != PLAIN) {
+        const ce_case_spec with = spec_of(o, FH_REDUCTION_SUM, FH_LAYOUT_HV, 0.0f, 0, 7);
+        const option_set off = {"off", 0, 0, 0, 0, 0, o->logit_scale};
+        const ce_case_spec without = spec_of(&off, FH_REDUCTION_SUM, FH_LAYOUT_HV, 0.0f, 0, 7);
+        const double a = reference_loss(&with), b = reference_loss(&without);
+        TU_CHECK(fabs(a - b) > 1e-3 * fabs(b), "%s: the option does not change the loss (%.17g vs %.17g)", o->name,
+                 a, b);
+    }
+}
+
+static void test_plain(void) { run_set(PLAIN); }
+static void test_ignore_index(void) { run_set(IGNORE); }
+static void test_label_smoothing(void) { run_set(SMOOTHING); }
+static void test_label_smoothing_one(void) { run_set(SMOOTHING_ONE); }
+static void test_class_weights(void) { run_set(CLASS_WEIGHTS); }
+static void test_softcap(void) { run_set(SOFTCAP); }
+static void test_z_loss(void) { run_set(Z_LOSS); }
+static void test_all_options(void) { run_set(ALL); }
+
+/* Class weights may be 0 (only negative or non-finite ones are invalid): half the classes weighted 0,
+ * including some targets, with label smoothing so that the smoothing term sees the zeros too. */
+static void test_zero_class_weights(void)
+{
+    const fh_reduction reductions[] = {FH_REDUCTION_MEAN, FH_REDUCTION_SUM, FH_REDUCTION_NONE};
+    for (size_t r = 0; r < TU_COUNT(reductions); r++) {
+        tu_problem p;
+        tu_problem_init(&p, 21, 6, 33, FH_LAYOUT_VH, TU_BIAS | TU_CLASS_WEIGHTS);
+        p.options.reduction = reductions[r];
+        p.options.label_smoothing = 0.2;
+        tu_problem_randomize(&p, 50 + r, 3.0);
+        for (int64_t j = 0; j < p.vocab; j += 2)
+            p.class_weights[j] = 0.0f;
+        p.targets[0] = 0; /* weight 0 */
+        p.targets[1] = 1; /* weight > 0, so that the mean has a denominator */
+        for (int train_step = 0; train_step <= 1; train_step++) {
+            const tu_config cfg = {.threads = 1, .tile_rows = 8, .tile_vocab = 16, .train_step = train_step};
+            tu_check_against_reference(&p, &cfg, "zero class weights");
+        }
+        tu_problem_free(&p);
+    }
+}
+
+int tu_register_options(void)
+{
+    static const tu_test tests[] = {
+        {"plain", test_plain},
+        {"ignore_index (30% ignored)", test_ignore_index},
+        {"label_smoothing 0.1", test_label_smoothing},
+        {"label_smoothing 1", test_label_smoothing_one},
+        {"class_weights", test_class_weights},
+        {"softcap", test_softcap},
+        {"z_loss", test_z_loss},
+        {"all options together", test_all_options},
+        {"zero class weights", test_zero_class_weights},
+    };
+    return tu_add_suite("options", tests, TU_COUNT(tests));
+}

@@ -1,0 +1,222 @@
+/* Shapes: fused vs double reference where tiles end. Small tiles (8 rows x 16 vocabulary columns) make
+ * every size in {1, tile - 1, tile, tile + 1, odd primes} land on a different edge; both weight layouts,
+ * with and without bias, 1 and 2 threads, separate forward + backward calls and the single-call train
+ * step (row blocks across the whole vocabulary, or streaming when they do not fit).
+ * Tolerances: ce_metrics_pass (justified in ref/ce_case.c). */
+#include "test_util.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { TILE_ROWS = 8, TILE_VOCAB = 16 };
+
+static const int64_t grid_n[] = {1, TILE_ROWS - 1, TILE_ROWS, TILE_ROWS + 1, 13, 37};
+static const int64_t grid_vocab[] = {1, TILE_VOCAB - 1, TILE_VOCAB, TILE_VOCAB + 1, 13, 37};
+/* H is not tiled by the library but is BLIS's k dimension (micro-kernel unroll edges). */
+static const int64_t grid_hidden[] = {1, 7, 8, 9, 13, 37};
+
+/* Largest reference cost: 37 * 37 * 37 doubles per GEMM; ~3500 runs in all, about a second. */
+static void run_grid(fh_layout layout, int threads)
+{
+    uint64_t seed = 1;
+    for (size_t a = 0; a < TU_COUNT(grid_n); a++)
+        for (size_t b = 0; b < TU_COUNT(grid_vocab); b++)
+            for (size_t c = 0; c < TU_COUNT(grid_hidden); c++)
+                for (int variant = 0; variant < 4; variant++) {
+                    const int bias = variant & 1, train_step = variant >> 1;
+                    ce_case_spec s;
+                    ce_case_spec_default(&s);
+                    s.n = grid_n[a];
+                    s.vocab = grid_vocab[b];
+                    s.hidden = grid_hidden[c];
+                    s.layout = layout;
+                    s.bias = bias;
+                    s.threads = threads;
+                    s.tile_rows = TILE_ROWS;
+                    s.tile_vocab = TILE_VOCAB;
+                    s.train_step = train_step;
+                    s.seed = seed++;
+                    tu_check_spec(&s, "tile edges");
+                }
+}
+
+static void test_edges_hv_1thread(void) { run_grid(FH_LAYOUT_HV, 1); }
+static void test_edges_vh_1thread(void) { run_grid(FH_LAYOUT_VH, 1); }
+static void test_edges_hv_2threads(void) { run_grid(FH_LAYOUT_HV, 2); }
+static void test_edges_vh_2threads(void) { run_grid(FH_LAYOUT_VH, 2); }
+
+/* Degenerate and uneven tiles (1 x 1, 3 x 5), and shapes crossing the library's default tiles by one
+ * row and one column (the defaults are not documented; 1025 x 2049 crosses 1024 x 2048 and any power of
+ * two below; reference cost 1025 * 2049 * 3 doubles). Both call styles. */
+static void test_tile_configurations(void)
+{
+    static const struct {
+        int64_t n, hidden, vocab, tile_rows, tile_vocab;
+    } cases[] = {{37, 9, 37, 1, 1}, {37, 9, 37, 3, 5}, {37, 9, 37, 37, 37}, {37, 9, 37, 0, 0},
+                 {5, 4, 40, 2, 1}, {1025, 3, 2049, 0, 0}};
+    for (size_t k = 0; k < TU_COUNT(cases); k++)
+        for (int variant = 0; variant < 4; variant++) {
+            const int layout = variant & 1, train_step = variant >> 1;
+            ce_case_spec s;
+            ce_case_spec_default(&s);
+            s.n = cases[k].n;
+            s.hidden = cases[k].hidden;
+            s.vocab = cases[k].vocab;
+            s.tile_rows = cases[k].tile_rows;
+            s.tile_vocab = cases[k].tile_vocab;
+            s.layout = (fh_layout)layout;
+            s.bias = 1;
+            s.train_step = train_step;
+            s.seed = 100 + k;
+            tu_check_spec(&s, "tile configuration");
+        }
+}
+
+/* A memory budget makes the library shrink its tiles (and the train step fall back from row blocks to
+ * streaming when a row block does not fit): each size query must then fit the budget, and the results
+ * must still match the reference. Budget 1 MiB lets the train step use row blocks of the whole vocabulary. */
+static void test_memory_budget_shrinks_tiles(void)
+{
+    static const int64_t budgets[] = {4096, 8192, 20000, 1 << 20};
+    tu_problem p;
+    tu_problem_init(&p, 37, 9, 300, FH_LAYOUT_VH, TU_BIAS);
+    tu_problem_randomize(&p, 7, 3.0);
+    for (size_t k = 0; k < TU_COUNT(budgets); k++)
+        for (int train_step = 0; train_step <= 1; train_step++) {
+            const tu_config cfg = {.threads = 1, .memory_budget = budgets[k], .train_step = train_step};
+            fh_context *ctx = tu_context(&cfg);
+            fh_linear lin;
+            tu_problem_linear(&p, &lin);
+            size_t bytes = 0;
+            const fh_status st = train_step ? fh_ce_forward_backward_workspace_size(ctx, &lin, &p.options, &bytes)
+                                            : fh_ce_workspace_size(ctx, &lin, &p.options, &bytes);
+            TU_CHECK(st == FH_OK, "budget %lld, train step %d: workspace size status %d", (long long)budgets[k],
+                     train_step, (int)st);
+            TU_CHECK(bytes > 0 && bytes <= (size_t)budgets[k], "budget %lld, train step %d: workspace size %zu does not fit",
+                     (long long)budgets[k], train_step, bytes);
+            fh_context_destroy(ctx);
+            char label[64];
+            snprintf(label, sizeof label, "memory budget %lld", (long long)budgets[k]);
+            tu_check_against_reference(&p, &cfg, label);
+        }
+    tu_problem_free(&p);
+}
+
+/* Strided views: x rows padded, the weight padded (or gapped) in either orientation, dx rows padded.
+ * dweight uses the weight's strides. The padding must stay untouched and the values must match the
+ * contiguous reference (ce_metrics_pass). */
+static void test_strided_views(void)
+{
+    enum { N = 13, H = 7, V = 37, XPAD = 3, DXPAD = 2 };
+    static const struct {
+        const char *name;
+        int64_t w_stride_hidden, w_stride_vocab;
+    } views[] = {
+        {"hv padded rows", V + 5, 1},      /* [H, V + 5] */
+        {"vh padded rows", 1, H + 2},      /* [V, H + 2] */
+        {"gapped", 2, 2 * H + 1},          /* elements at 2k + (2H + 1) v: disjoint, neither contiguous */
+    };
+    const float canary = 12345.0f;
+    for (size_t variant = 0; variant < 2 * TU_COUNT(views); variant++) {
+        const size_t k = variant / 2;
+        const int train_step = (int)(variant % 2);
+        tu_problem p;
+        tu_problem_init(&p, N, H, V, FH_LAYOUT_HV, TU_BIAS);
+        tu_problem_randomize(&p, 40 + k, 3.0);
+        const int64_t sh = views[k].w_stride_hidden, sv = views[k].w_stride_vocab;
+        const size_t wspan = (size_t)((H - 1) * sh + (V - 1) * sv + 1);
+        const size_t xspan = (size_t)(N * (H + XPAD)), dxspan = (size_t)(N * (H + DXPAD));
+        float *x = malloc(xspan * sizeof *x), *w = malloc(wspan * sizeof *w);
+        float *dx = malloc(dxspan * sizeof *dx), *dw = malloc(wspan * sizeof *dw);
+        for (size_t i = 0; i < xspan; i++)
+            x[i] = canary;
+        for (size_t i = 0; i < wspan; i++)
+            w[i] = dw[i] = canary;
+        for (size_t i = 0; i < dxspan; i++)
+            dx[i] = canary;
+        for (int64_t i = 0; i < N; i++)
+            for (int64_t c = 0; c < H; c++) {
+                x[i * (H + XPAD) + c] = p.x[i * H + c];
+                dx[i * (H + DXPAD) + c] = NAN; /* beta 0 must overwrite */
+            }
+        for (int64_t c = 0; c < H; c++)
+            for (int64_t j = 0; j < V; j++) {
+                w[c * sh + j * sv] = p.weight[tu_weight_index(&p, c, j)];
+                dw[c * sh + j * sv] = NAN;
+            }
+        const fh_linear lin = {N, H, V, x, H + XPAD, w, sh, sv, p.bias};
+        tu_fused f;
+        memset(&f, 0, sizeof f);
+        f.per_token_loss = calloc(N, sizeof(float));
+        f.logp = calloc(N, sizeof(float));
+        f.lse = calloc(N, sizeof(float));
+        f.argmax = calloc(N, sizeof(int64_t));
+        f.dx = calloc(N * H, sizeof(float));
+        f.dweight = calloc(H * V, sizeof(float));
+        f.dbias = calloc(V, sizeof(float));
+        const tu_config cfg = {.threads = 2, .tile_rows = 4, .tile_vocab = 16};
+        fh_context *ctx = tu_context(&cfg);
+        fh_ce_outputs out = {&f.loss, &f.z_loss, f.per_token_loss, f.logp, f.lse, f.argmax};
+        fh_linear_grads g = {dx, H + DXPAD, 0.0f, dw, 0.0f, f.dbias, 0.0f};
+        fh_status st;
+        if (train_step)
+            st = fh_ce_forward_backward(ctx, &lin, p.targets, &p.options, p.grad_output, &out, &g);
+        else if ((st = fh_ce_forward(ctx, &lin, p.targets, &p.options, &out)) == FH_OK)
+            st = fh_ce_backward(ctx, &lin, p.targets, &p.options, f.lse, p.grad_output, &g);
+        TU_CHECK(st == FH_OK, "%s, train step %d: status %d", views[k].name, train_step, (int)st);
+        fh_context_destroy(ctx);
+        /* Gather the views into contiguous arrays; count writes into the padding. */
+        size_t touched = 0;
+        for (int64_t i = 0; i < N; i++)
+            for (int64_t c = H; c < H + DXPAD; c++)
+                touched += dx[i * (H + DXPAD) + c] != canary;
+        for (int64_t i = 0; i < N; i++)
+            for (int64_t c = 0; c < H; c++)
+                f.dx[i * H + c] = dx[i * (H + DXPAD) + c];
+        size_t in_view = 0;
+        for (int64_t c = 0; c < H; c++)
+            for (int64_t j = 0; j < V; j++) {
+                f.dweight[tu_weight_index(&p, c, j)] = dw[c * sh + j * sv];
+                in_view++;
+            }
+        size_t untouched = 0;
+        for (size_t i = 0; i < wspan; i++)
+            untouched += dw[i] == canary;
+        TU_CHECK(touched == 0, "%s, train step %d: %zu dx padding elements written", views[k].name, train_step,
+                 touched);
+        TU_CHECK(untouched == wspan - in_view, "%s, train step %d: dweight padding written (%zu of %zu untouched)",
+                 views[k].name, train_step, untouched, wspan - in_view);
+        if (st == FH_OK) {
+            tu_reference r;
+            ce_metrics m;
+            char ms[512];
+            tu_run_reference(&p, 0.0f, &r);
+            tu_measure(&p, &f, &r, &m);
+            tu_format_metrics(&m, ms, sizeof ms);
+            TU_CHECK(ce_metrics_pass(&m), "%s, train step %d: fused vs reference: %s", views[k].name, train_step, ms);
+            tu_reference_free(&r);
+        }
+        tu_fused_free(&f);
+        free(x);
+        free(w);
+        free(dx);
+        free(dw);
+        tu_problem_free(&p);
+    }
+}
+
+int tu_register_shapes(void)
+{
+    static const tu_test tests[] = {
+        {"tile edges, [H,V] weight, 1 thread", test_edges_hv_1thread},
+        {"tile edges, [V,H] weight, 1 thread", test_edges_vh_1thread},
+        {"tile edges, [H,V] weight, 2 threads", test_edges_hv_2threads},
+        {"tile edges, [V,H] weight, 2 threads", test_edges_vh_2threads},
+        {"tile configurations and default tiles", test_tile_configurations},
+        {"memory budget shrinks tiles", test_memory_budget_shrinks_tiles},
+        {"strided views", test_strided_views},
+    };
+    return tu_add_suite("shapes", tests, TU_COUNT(tests));
+}
