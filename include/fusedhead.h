@@ -40,6 +40,7 @@ typedef enum fh_status {
     FH_ERR_SIZE_OVERFLOW = 4,         /* a size or offset product does not fit in 64 bits */
     FH_ERR_TARGET_OUT_OF_RANGE = 5,   /* a target is outside [0, V) and is not ignore_index */
     FH_ERR_MISSING_OUTPUT = 6,        /* an output the call needs is NULL (e.g. per-token loss for 'none') */
+    FH_ERR_NONFINITE_INPUT = 7,       /* NaN or Inf in x, weight or bias (only with FH_PARAM_CHECK_FINITE) */
     /* 10..19: option values */
     FH_ERR_INVALID_REDUCTION = 10,
     FH_ERR_INVALID_LABEL_SMOOTHING = 11, /* outside [0, 1] or not finite */
@@ -73,7 +74,11 @@ typedef enum fh_param {
     FH_PARAM_THREADS = 0,       /* threads for GEMMs and elementwise work; 0 = all available */
     FH_PARAM_TILE_ROWS = 1,     /* tokens per tile; 0 = default */
     FH_PARAM_TILE_VOCAB = 2,    /* vocabulary columns per tile; 0 = default */
-    FH_PARAM_MEMORY_BUDGET = 3  /* max workspace bytes; tiles shrink to fit; 0 = default (256 MiB) */
+    FH_PARAM_MEMORY_BUDGET = 3, /* max workspace bytes, per-token state included; tiles shrink to fit;
+                                   0 = default (256 MiB) */
+    FH_PARAM_CHECK_FINITE = 4   /* 1: scan x, weight and bias and return FH_ERR_NONFINITE_INPUT on NaN/Inf
+                                   (costs one read of each); 0 (default): NaN/Inf propagate to the loss and
+                                   to the gradient rows of the affected tokens */
 } fh_param;
 
 FH_API fh_status fh_context_create(fh_context **ctx);

@@ -55,6 +55,8 @@ static fh_status check_call(fh_context *ctx, const fh_linear *lin, const int64_t
     fh_clear_message(ctx);
     fh_status st = fh_check_linear(ctx, lin);
     if (st == FH_OK)
+        st = fh_check_finite(ctx, lin);
+    if (st == FH_OK)
         st = check_options(ctx, lin, targets, o);
     return st;
 }

@@ -7,7 +7,7 @@
 #define FH_MESSAGE_CAPACITY 256
 
 struct fh_context {
-    int64_t params[4];          /* indexed by fh_param; 0 = default */
+    int64_t params[5];          /* indexed by fh_param; 0 = default */
     void *workspace;            /* caller's or ours */
     size_t workspace_bytes;
     int workspace_is_callers;

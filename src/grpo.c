@@ -100,6 +100,8 @@ static fh_status check_call(fh_context *ctx, const fh_linear *lin, const fh_grpo
     fh_clear_message(ctx);
     fh_status st = fh_check_linear(ctx, lin);
     if (st == FH_OK)
+        st = fh_check_finite(ctx, lin);
+    if (st == FH_OK)
         st = check_options(ctx, o);
     if (st == FH_OK)
         st = check_batch(ctx, lin, bt, o);

@@ -1,6 +1,8 @@
 /* The linear head's shape, strides and overflow checks. */
 #include "linear.h"
 
+#include <math.h>
+
 FH_API fh_status fh_linear_init(fh_linear *lin, int64_t n, int64_t hidden, int64_t vocab, const float *x,
                                 const float *weight, fh_layout layout, const float *bias)
 {
@@ -89,5 +91,32 @@ fh_status fh_check_grads(fh_context *ctx, const fh_linear *lin, const fh_linear_
     }
     if (grads->dbias && !lin->bias)
         return fh_fail(ctx, FH_ERR_NULL_POINTER, "dbias requested but the linear head has no bias");
+    return FH_OK;
+}
+
+/* First non-finite element of a rows x cols view, or -1. */
+static int64_t first_nonfinite(const float *a, int64_t rows, int64_t cols, int64_t row_stride, int64_t col_stride)
+{
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++)
+            if (!isfinite(a[r * row_stride + c * col_stride]))
+                return r * cols + c;
+    return -1;
+}
+
+fh_status fh_check_finite(fh_context *ctx, const fh_linear *lin)
+{
+    if (!ctx->params[FH_PARAM_CHECK_FINITE])
+        return FH_OK;
+    int64_t at = first_nonfinite(lin->x, lin->n, lin->hidden, lin->x_row_stride, 1);
+    if (at >= 0)
+        return fh_fail(ctx, FH_ERR_NONFINITE_INPUT, "x[%lld][%lld] is not finite", (long long)(at / lin->hidden),
+                       (long long)(at % lin->hidden));
+    at = first_nonfinite(lin->weight, lin->hidden, lin->vocab, lin->w_stride_hidden, lin->w_stride_vocab);
+    if (at >= 0)
+        return fh_fail(ctx, FH_ERR_NONFINITE_INPUT, "weight element (hidden %lld, vocab %lld) is not finite",
+                       (long long)(at / lin->vocab), (long long)(at % lin->vocab));
+    if (lin->bias && (at = first_nonfinite(lin->bias, 1, lin->vocab, 0, 1)) >= 0)
+        return fh_fail(ctx, FH_ERR_NONFINITE_INPUT, "bias[%lld] is not finite", (long long)at);
     return FH_OK;
 }

@@ -5,6 +5,8 @@
 #include "context.h"
 
 fh_status fh_check_linear(fh_context *ctx, const fh_linear *lin);
+/* With FH_PARAM_CHECK_FINITE set: FH_ERR_NONFINITE_INPUT if x, weight or bias holds NaN or Inf. */
+fh_status fh_check_finite(fh_context *ctx, const fh_linear *lin);
 fh_status fh_check_grads(fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads);
 
 #endif

@@ -458,7 +458,8 @@ static void test_workspace_size_arguments(void)
 /* fh_context_set/get and fh_param_bounds. */
 static void test_params(void)
 {
-    const fh_param params[] = {FH_PARAM_THREADS, FH_PARAM_TILE_ROWS, FH_PARAM_TILE_VOCAB, FH_PARAM_MEMORY_BUDGET};
+    const fh_param params[] = {FH_PARAM_THREADS, FH_PARAM_TILE_ROWS, FH_PARAM_TILE_VOCAB, FH_PARAM_MEMORY_BUDGET,
+                               FH_PARAM_CHECK_FINITE};
     fh_context *ctx = NULL;
     TU_CHECK(fh_context_create(&ctx) == FH_OK, "create");
     for (size_t k = 0; k < TU_COUNT(params); k++) {
@@ -487,7 +488,7 @@ static void test_params(void)
         TU_CHECK(fh_context_set(ctx, params[k], lo) == FH_OK, "param %d: set min", (int)params[k]);
         TU_CHECK(fh_context_set(ctx, params[k], 0) == FH_OK, "param %d: set 0", (int)params[k]);
     }
-    const fh_param unknown[] = {(fh_param)4, (fh_param)-1, (fh_param)1000};
+    const fh_param unknown[] = {(fh_param)5, (fh_param)-1, (fh_param)1000};
     for (size_t k = 0; k < TU_COUNT(unknown); k++) {
         int64_t lo = 5, hi = 6, value = 7;
         TU_CHECK(fh_context_set(ctx, unknown[k], 0) == FH_ERR_INVALID_PARAM, "set unknown %d", (int)unknown[k]);
@@ -520,6 +521,7 @@ static void test_status_strings(void)
                              FH_ERR_SIZE_OVERFLOW,
                              FH_ERR_TARGET_OUT_OF_RANGE,
                              FH_ERR_MISSING_OUTPUT,
+                             FH_ERR_NONFINITE_INPUT,
                              FH_ERR_INVALID_REDUCTION,
                              FH_ERR_INVALID_LABEL_SMOOTHING,
                              FH_ERR_INVALID_SOFTCAP,
