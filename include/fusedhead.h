@@ -57,6 +57,8 @@ typedef enum fh_status {
     FH_ERR_WORKSPACE_TOO_SMALL = 20,  /* the caller's workspace is smaller than fh_workspace_size() */
     FH_ERR_OUT_OF_MEMORY = 21,
     FH_ERR_BUDGET_TOO_SMALL = 22,     /* the memory budget cannot hold the smallest tile */
+    FH_ERR_WISDOM_IO = 23,            /* the wisdom file cannot be read or written */
+    FH_ERR_INVALID_WISDOM = 24,       /* a wisdom file line or entry is malformed, or the table is full */
     /* 30..39: context and parameters */
     FH_ERR_INVALID_PARAM = 30,        /* unknown fh_param */
     FH_ERR_INVALID_PARAM_VALUE = 31   /* value outside fh_param_bounds() */
@@ -88,6 +90,30 @@ FH_API fh_status fh_context_set(fh_context *ctx, fh_param param, int64_t value);
 /* The value set (0 = default) for the parameter. */
 FH_API fh_status fh_context_get(const fh_context *ctx, fh_param param, int64_t *value);
 FH_API fh_status fh_param_bounds(fh_param param, int64_t *min_value, int64_t *max_value);
+/* Wisdom (FFTW-style): tile configurations measured by fh_tune for a shape, thread count and call. When
+ * FH_PARAM_TILE_ROWS / FH_PARAM_TILE_VOCAB are left at 0, a call uses the entry with the same threads,
+ * hidden, vocab and call and the nearest n (in log scale), else the built-in defaults; the memory budget
+ * still caps every tile. fh_context_create loads the file named by the FH_WISDOM environment variable when
+ * it is set (and fails with its status if that file is unreadable or malformed). */
+typedef enum fh_call {
+    FH_CALL_FORWARD = 0,    /* streaming forward (fh_ce_forward, fh_grpo_forward) */
+    FH_CALL_BACKWARD = 1,   /* streaming backward */
+    FH_CALL_TRAIN_STEP = 2  /* fh_ce_forward_backward's row blocks (tile_rows only) */
+} fh_call;
+
+typedef struct fh_tile_config {
+    int64_t threads, n, hidden, vocab;
+    fh_call call;
+    int64_t tile_rows, tile_vocab;
+} fh_tile_config;
+
+/* Adds an entry (replacing one with the same threads, n, hidden, vocab and call). At most 256 entries. */
+FH_API fh_status fh_context_add_wisdom(fh_context *ctx, const fh_tile_config *entry);
+/* Adds the entries of a wisdom file; path NULL reads $FH_WISDOM. */
+FH_API fh_status fh_context_load_wisdom(fh_context *ctx, const char *path);
+/* Writes every entry of the context to a wisdom file (a text file, one entry per line). */
+FH_API fh_status fh_context_save_wisdom(const fh_context *ctx, const char *path);
+
 /* Describes the last error returned by a call on this context ("" after success). Valid until the next
  * call on the context. */
 FH_API fh_status fh_context_message(const fh_context *ctx, const char **message);

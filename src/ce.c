@@ -111,11 +111,12 @@ static fh_status acquire(fh_context *ctx, const fh_linear *lin, const fh_plan *p
 }
 
 
-/* The plan a call uses: row blocks for the train step when they fit the budget, else streaming. */
-static fh_status plan_call(fh_context *ctx, const fh_linear *lin, int train_step, fh_plan *plan, int *row_blocks)
+/* The train step's plan: row blocks when they fit the budget, else the streaming backward's tiles (the
+ * fallback runs both streaming passes in them). */
+static fh_status plan_train_step(fh_context *ctx, const fh_linear *lin, fh_plan *plan, int *row_blocks)
 {
-    *row_blocks = train_step && fh_plan_make_row_blocks(ctx, lin->n, lin->vocab, plan) == 0;
-    return *row_blocks ? FH_OK : fh_plan_make(ctx, lin->n, lin->vocab, plan);
+    *row_blocks = fh_plan_make_row_blocks(ctx, lin, plan) == 0;
+    return *row_blocks ? FH_OK : fh_plan_make(ctx, lin, FH_CALL_BACKWARD, plan);
 }
 
 static fh_status workspace_query(const fh_context *ctx, const fh_linear *lin, const fh_ce_options *options,
@@ -125,10 +126,13 @@ static fh_status workspace_query(const fh_context *ctx, const fh_linear *lin, co
         return FH_ERR_NULL_POINTER;
     fh_context scratch = *ctx; /* the query is pure: messages go to a copy */
     fh_status st = fh_check_linear(&scratch, lin);
+    if (st != FH_OK)
+        return st;
+    if (!train_step)
+        return fh_plan_streaming_bytes(&scratch, lin, bytes);
     fh_plan plan;
     int row_blocks;
-    if (st == FH_OK)
-        st = plan_call(&scratch, lin, train_step, &plan, &row_blocks);
+    st = plan_train_step(&scratch, lin, &plan, &row_blocks);
     if (st == FH_OK)
         *bytes = plan.bytes;
     return st;
@@ -290,7 +294,7 @@ FH_API fh_status fh_ce_forward(fh_context *ctx, const fh_linear *lin, const int6
     fh_plan plan;
     fh_workspace ws;
     if (st == FH_OK)
-        st = fh_plan_make(ctx, lin->n, lin->vocab, &plan);
+        st = fh_plan_make(ctx, lin, FH_CALL_FORWARD, &plan);
     if (st == FH_OK)
         st = acquire(ctx, lin, &plan, &ws);
     if (st != FH_OK)
@@ -315,7 +319,7 @@ FH_API fh_status fh_ce_backward(fh_context *ctx, const fh_linear *lin, const int
     fh_plan plan;
     fh_workspace ws;
     if (st == FH_OK)
-        st = fh_plan_make(ctx, lin->n, lin->vocab, &plan);
+        st = fh_plan_make(ctx, lin, FH_CALL_BACKWARD, &plan);
     if (st == FH_OK)
         st = acquire(ctx, lin, &plan, &ws);
     if (st != FH_OK)
@@ -340,7 +344,7 @@ FH_API fh_status fh_ce_forward_backward(fh_context *ctx, const fh_linear *lin, c
     fh_workspace ws;
     int row_blocks = 0;
     if (st == FH_OK)
-        st = plan_call(ctx, lin, 1, &plan, &row_blocks);
+        st = plan_train_step(ctx, lin, &plan, &row_blocks);
     if (st == FH_OK)
         st = acquire(ctx, lin, &plan, &ws);
     if (st != FH_OK)

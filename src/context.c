@@ -50,6 +50,13 @@ FH_API fh_status fh_context_create(fh_context **ctx)
     fh_context *c = calloc(1, sizeof *c);
     if (!c)
         return FH_ERR_OUT_OF_MEMORY;
+    if (getenv("FH_WISDOM")) {
+        const fh_status st = fh_context_load_wisdom(c, NULL);
+        if (st != FH_OK) {
+            free(c);
+            return st;
+        }
+    }
     *ctx = c;
     return FH_OK;
 }

@@ -5,6 +5,7 @@
 #include "fusedhead.h"
 
 #define FH_MESSAGE_CAPACITY 256
+#define FH_WISDOM_CAPACITY 256
 
 struct fh_context {
     int64_t params[5];          /* indexed by fh_param; 0 = default */
@@ -12,6 +13,8 @@ struct fh_context {
     size_t workspace_bytes;
     int workspace_is_callers;
     char message[FH_MESSAGE_CAPACITY];
+    fh_tile_config wisdom[FH_WISDOM_CAPACITY];
+    int wisdom_count;
 };
 
 /* Records a formatted message on ctx (if not NULL) and returns status, so that checks read

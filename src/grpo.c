@@ -285,14 +285,23 @@ static void head_evaluate(const grpo_head *h, const double *logp, const double *
  * 7 entropy, 8 per-sequence counts, 9 per-sequence log-ratios. */
 enum { T_LSE, T_A, T_B, T_C, T_E, T_SUM_PZ, T_LOGP, T_ENTROPY, T_SEQ_COUNT, T_SEQ_LOG_RATIO };
 
-static fh_status prepare(fh_context *ctx, const fh_linear *lin, fh_plan *plan, fh_workspace *ws)
+/* Plans for the passes a call makes (forward, backward or both) and one workspace for all of them: the
+ * per-token arrays sit at the same offset in every plan, so they survive from one pass to the next. */
+static fh_status prepare(fh_context *ctx, const fh_linear *lin, int forward, int backward, fh_plan *forward_plan,
+                         fh_plan *backward_plan, fh_workspace *ws)
 {
-    fh_status st = fh_plan_make(ctx, lin->n, lin->vocab, plan);
+    fh_status st = FH_OK;
+    size_t bytes = 0;
+    if (forward && (st = fh_plan_make(ctx, lin, FH_CALL_FORWARD, forward_plan)) == FH_OK)
+        bytes = forward_plan->bytes;
+    if (st == FH_OK && backward && (st = fh_plan_make(ctx, lin, FH_CALL_BACKWARD, backward_plan)) == FH_OK)
+        bytes = backward_plan->bytes > bytes ? backward_plan->bytes : bytes;
     void *base = NULL;
     if (st == FH_OK)
-        st = fh_acquire_workspace(ctx, plan->bytes, &base);
+        st = fh_acquire_workspace(ctx, bytes, &base);
     if (st == FH_OK) {
-        *ws = fh_workspace_carve(plan, base, lin->n);
+        ws[0] = fh_workspace_carve(forward ? forward_plan : backward_plan, base, lin->n);
+        ws[1] = fh_workspace_carve(backward ? backward_plan : forward_plan, base, lin->n);
         fh_blis_ensure_selected();
         fh_row_kernels_select();
     }
@@ -304,13 +313,8 @@ FH_API fh_status fh_grpo_workspace_size(const fh_context *ctx, const fh_linear *
     if (!ctx || !bytes)
         return FH_ERR_NULL_POINTER;
     fh_context scratch = *ctx; /* the query is pure: messages go to a copy */
-    fh_status st = fh_check_linear(&scratch, lin);
-    fh_plan plan;
-    if (st == FH_OK)
-        st = fh_plan_make(&scratch, lin->n, lin->vocab, &plan);
-    if (st == FH_OK)
-        *bytes = plan.bytes;
-    return st;
+    const fh_status st = fh_check_linear(&scratch, lin);
+    return st == FH_OK ? fh_plan_streaming_bytes(&scratch, lin, bytes) : st;
 }
 
 static fh_transform transform_of(const fh_grpo_options *o)
@@ -390,17 +394,17 @@ FH_API fh_status fh_grpo_forward(fh_context *ctx, const fh_linear *lin, const fh
     if (st == FH_OK && !out)
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
     fh_plan plan;
-    fh_workspace ws;
+    fh_workspace ws[2];
     if (st == FH_OK)
-        st = prepare(ctx, lin, &plan, &ws);
+        st = prepare(ctx, lin, 1, 0, &plan, NULL, ws);
     if (st != FH_OK)
         return st;
-    forward_pass(ctx, &plan, &ws, lin, batch, options);
-    grpo_head h = head_in(&ws, batch, options);
-    head_prepare(&h, ws.token[T_LOGP]);
+    forward_pass(ctx, &plan, &ws[0], lin, batch, options);
+    grpo_head h = head_in(&ws[0], batch, options);
+    head_prepare(&h, ws[0].token[T_LOGP]);
     const head_outputs hout = {out->loss, out->metrics, out->per_token_loss, NULL, NULL};
-    head_evaluate(&h, ws.token[T_LOGP], ws.token[T_ENTROPY], 1.0, &hout);
-    write_outputs(&ws, lin->n, out);
+    head_evaluate(&h, ws[0].token[T_LOGP], ws[0].token[T_ENTROPY], 1.0, &hout);
+    write_outputs(&ws[0], lin->n, out);
     return FH_OK;
 }
 
@@ -417,18 +421,19 @@ FH_API fh_status fh_grpo_backward(fh_context *ctx, const fh_linear *lin, const f
     if (st == FH_OK)
         st = fh_check_grads(ctx, lin, grads);
     fh_plan plan;
-    fh_workspace ws;
+    fh_workspace ws[2];
     if (st == FH_OK)
-        st = prepare(ctx, lin, &plan, &ws);
+        st = prepare(ctx, lin, 0, 1, NULL, &plan, ws);
     if (st != FH_OK)
         return st;
+    double *const *token = ws[1].token;
     for (int64_t i = 0; i < lin->n; i++) {
-        ws.token[T_LSE][i] = lse[i];
-        ws.token[T_LOGP][i] = per_token_logp[i];
-        ws.token[T_ENTROPY][i] = entropy ? entropy[i] : 0.0;
-        ws.token[T_SUM_PZ][i] = ws.token[T_LSE][i] - ws.token[T_ENTROPY][i]; /* only used when e != 0 */
+        token[T_LSE][i] = lse[i];
+        token[T_LOGP][i] = per_token_logp[i];
+        token[T_ENTROPY][i] = entropy ? entropy[i] : 0.0;
+        token[T_SUM_PZ][i] = token[T_LSE][i] - token[T_ENTROPY][i]; /* only used when e != 0 */
     }
-    backward_pass(ctx, &plan, &ws, lin, batch, options, grad_output[0], grads, NULL);
+    backward_pass(ctx, &plan, &ws[1], lin, batch, options, grad_output[0], grads, NULL);
     return FH_OK;
 }
 
@@ -443,14 +448,14 @@ FH_API fh_status fh_grpo_forward_backward(fh_context *ctx, const fh_linear *lin,
         st = check_grad_output(ctx, grad_output);
     if (st == FH_OK)
         st = fh_check_grads(ctx, lin, grads);
-    fh_plan plan;
-    fh_workspace ws;
+    fh_plan forward_plan, backward_plan;
+    fh_workspace ws[2];
     if (st == FH_OK)
-        st = prepare(ctx, lin, &plan, &ws);
+        st = prepare(ctx, lin, 1, 1, &forward_plan, &backward_plan, ws);
     if (st != FH_OK)
         return st;
-    forward_pass(ctx, &plan, &ws, lin, batch, options);
-    write_outputs(&ws, lin->n, out);
-    backward_pass(ctx, &plan, &ws, lin, batch, options, grad_output[0], grads, out);
+    forward_pass(ctx, &forward_plan, &ws[0], lin, batch, options);
+    write_outputs(&ws[0], lin->n, out);
+    backward_pass(ctx, &backward_plan, &ws[1], lin, batch, options, grad_output[0], grads, out);
     return FH_OK;
 }

@@ -1,6 +1,8 @@
 /* Tile sizing under the memory budget and workspace layout. */
 #include "plan.h"
 
+#include "wisdom.h"
+
 #define ALIGN 64
 #define DEFAULT_TILE_ROWS 1024
 #define DEFAULT_TILE_VOCAB 2048
@@ -33,13 +35,22 @@ static int layout(fh_plan *plan, int64_t n)
     return 0;
 }
 
-fh_status fh_plan_make(fh_context *ctx, int64_t n, int64_t vocab, fh_plan *plan)
+/* Tile sizes before the budget: parameters, else wisdom, else defaults. */
+static void preferred_tiles(const fh_context *ctx, const fh_linear *lin, fh_call call, int64_t *rows, int64_t *cols)
 {
-    const int64_t rows_param = ctx->params[FH_PARAM_TILE_ROWS];
-    const int64_t vocab_param = ctx->params[FH_PARAM_TILE_VOCAB];
-    const int64_t budget = fh_budget_bytes(ctx);
-    plan->tile_rows = min64(n, rows_param > 0 ? rows_param : DEFAULT_TILE_ROWS);
-    plan->tile_vocab = min64(vocab, vocab_param > 0 ? vocab_param : DEFAULT_TILE_VOCAB);
+    const fh_tile_config *w = fh_wisdom_lookup(ctx, fh_threads(ctx), lin->n, lin->hidden, lin->vocab, call);
+    const int64_t rows_param = ctx->params[FH_PARAM_TILE_ROWS], cols_param = ctx->params[FH_PARAM_TILE_VOCAB];
+    *rows = rows_param > 0 ? rows_param : w ? w->tile_rows : 0;
+    *cols = cols_param > 0 ? cols_param : w ? w->tile_vocab : 0;
+}
+
+fh_status fh_plan_make(fh_context *ctx, const fh_linear *lin, fh_call call, fh_plan *plan)
+{
+    const int64_t n = lin->n, vocab = lin->vocab, budget = fh_budget_bytes(ctx);
+    int64_t rows, cols;
+    preferred_tiles(ctx, lin, call, &rows, &cols);
+    plan->tile_rows = min64(n, rows > 0 ? rows : DEFAULT_TILE_ROWS);
+    plan->tile_vocab = min64(vocab, cols > 0 ? cols : DEFAULT_TILE_VOCAB);
     for (;;) {
         if (layout(plan, n) != 0)
             return fh_fail(ctx, FH_ERR_SIZE_OVERFLOW, "workspace size for n = %lld overflows",
@@ -58,10 +69,22 @@ fh_status fh_plan_make(fh_context *ctx, int64_t n, int64_t vocab, fh_plan *plan)
     }
 }
 
-int fh_plan_make_row_blocks(const fh_context *ctx, int64_t n, int64_t vocab, fh_plan *plan)
+fh_status fh_plan_streaming_bytes(fh_context *ctx, const fh_linear *lin, size_t *bytes)
 {
-    const int64_t rows_param = ctx->params[FH_PARAM_TILE_ROWS];
-    const int64_t budget = fh_budget_bytes(ctx);
+    fh_plan forward, backward;
+    fh_status st = fh_plan_make(ctx, lin, FH_CALL_FORWARD, &forward);
+    if (st == FH_OK)
+        st = fh_plan_make(ctx, lin, FH_CALL_BACKWARD, &backward);
+    if (st == FH_OK)
+        *bytes = forward.bytes > backward.bytes ? forward.bytes : backward.bytes;
+    return st;
+}
+
+int fh_plan_make_row_blocks(const fh_context *ctx, const fh_linear *lin, fh_plan *plan)
+{
+    const int64_t n = lin->n, vocab = lin->vocab, budget = fh_budget_bytes(ctx);
+    int64_t rows_param, unused;
+    preferred_tiles(ctx, lin, FH_CALL_TRAIN_STEP, &rows_param, &unused);
     plan->tile_vocab = vocab;
     plan->tile_rows = 1;
     if (layout(plan, n) != 0 || (int64_t)plan->bytes > budget)
@@ -69,7 +92,7 @@ int fh_plan_make_row_blocks(const fh_context *ctx, int64_t n, int64_t vocab, fh_
     /* Each further row costs vocab floats. */
     int64_t rows = 1 + (budget - (int64_t)plan->bytes) / (vocab * (int64_t)sizeof(float));
     /* Blocks thinner than FH_MIN_ROW_BLOCK lose to streaming (the H x V dweight is re-read per block);
-     * an explicit FH_PARAM_TILE_ROWS is the caller's choice and is honoured. */
+     * an explicit FH_PARAM_TILE_ROWS (or measured wisdom) is honoured. */
     const int64_t min_rows = rows_param > 0 ? 1 : min64(n, FH_MIN_ROW_BLOCK);
     if (rows_param > 0)
         rows = min64(rows, rows_param);

@@ -17,14 +17,18 @@ typedef struct fh_plan {
     size_t bytes;         /* total, including slack to align any caller pointer */
 } fh_plan;
 
-/* Chooses tile sizes for (n, vocab) from the context's parameters, shrunk to fit the memory budget. */
-fh_status fh_plan_make(fh_context *ctx, int64_t n, int64_t vocab, fh_plan *plan);
+/* Chooses tile sizes for a streaming call from the context's parameters, else its wisdom for (threads,
+ * shape, call), else the defaults; shrunk to fit the memory budget. */
+fh_status fh_plan_make(fh_context *ctx, const fh_linear *lin, fh_call call, fh_plan *plan);
+
+/* Workspace bytes a streaming forward + backward pair needs: the larger of their plans. */
+fh_status fh_plan_streaming_bytes(fh_context *ctx, const fh_linear *lin, size_t *bytes);
 
 /* Row-block plan for the single-call train step: tile_vocab = vocab and as many rows as the budget
  * holds, balanced across blocks. Returns 0 when at least min(n, FH_MIN_ROW_BLOCK) rows fit, else -1
  * (the caller streams instead). */
 #define FH_MIN_ROW_BLOCK 256
-int fh_plan_make_row_blocks(const fh_context *ctx, int64_t n, int64_t vocab, fh_plan *plan);
+int fh_plan_make_row_blocks(const fh_context *ctx, const fh_linear *lin, fh_plan *plan);
 
 /* Pointers into an acquired workspace. */
 typedef struct fh_workspace {
