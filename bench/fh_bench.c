@@ -6,6 +6,7 @@
  * allocation and page faults), the best of the rest is the steady-state time. Efficiency is GFLOP/s
  * divided by the GFLOP/s of a BLIS sgemm 2048^3 on the same threads, measured the same way. */
 #include "fusedhead.h"
+#include "bench_inputs.h"
 #include "materialized.h"
 
 #include <math.h>
@@ -67,40 +68,8 @@ static int reset_peak_rss(void)
     return (fclose(f) == 0 && ok) ? 0 : -1;
 }
 
-static float *filled(size_t count, float scale, unsigned seed)
-{
-    float *p = malloc(count * sizeof(float));
-    for (size_t i = 0; p && i < count; i++) {
-        seed = seed * 1664525u + 1013904223u;
-        p[i] = scale * ((float)(seed >> 8) / 16777216.0f - 0.5f);
-    }
-    return p;
-}
-
-/* Inputs shared by the fused and materialized cases, allocated and touched before measuring. */
-typedef struct inputs {
-    float *x, *w, *dx, *dw, *lse;
-    int64_t *targets;
-} inputs;
-
-static int make_inputs(const shape *s, inputs *in)
-{
-    const size_t nh = (size_t)s->n * s->hidden, hv = (size_t)s->hidden * s->vocab;
-    in->x = filled(nh, 2.0f, 1);
-    in->w = filled(hv, 2.0f * sqrtf(3.0f / (float)s->hidden), 2);
-    in->dx = filled(nh, 1.0f, 3);
-    in->dw = filled(hv, 1.0f, 4);
-    in->lse = filled((size_t)s->n, 1.0f, 5);
-    in->targets = malloc((size_t)s->n * sizeof(int64_t));
-    if (!in->x || !in->w || !in->dx || !in->dw || !in->lse || !in->targets)
-        return -1;
-    for (int64_t i = 0; i < s->n; i++)
-        in->targets[i] = (i * 7919) % s->vocab;
-    return 0;
-}
-
 /* One call of the case; returns 0 or -1. */
-static int run_once(bench_case c, const shape *s, const inputs *in, fh_context *ctx, const materialized_buffers *mb,
+static int run_once(bench_case c, const shape *s, const bench_inputs *in, fh_context *ctx, const materialized_buffers *mb,
                     float *sgemm_buffers[3])
 {
     fh_linear lin;
@@ -152,17 +121,17 @@ static double flops_of(bench_case c, const shape *s)
 static result measure_in_child(bench_case c, const shape *s)
 {
     result r = {0, flops_of(c, s), INFINITY, 0.0, 0, 0};
-    inputs in;
+    bench_inputs in;
     fh_context *ctx = NULL;
     float *sg[3] = {NULL, NULL, NULL};
     materialized_buffers mb = {NULL, NULL};
-    if (make_inputs(s, &in) != 0 || fh_context_create(&ctx) != FH_OK)
+    if (bench_inputs_make(s->n, s->hidden, s->vocab, &in) != 0 || fh_context_create(&ctx) != FH_OK)
         return r;
     fh_context_set(ctx, FH_PARAM_THREADS, s->threads);
     fh_context_set(ctx, FH_PARAM_MEMORY_BUDGET, s->budget);
     if (c == CASE_SGEMM)
         for (int k = 0; k < 3; k++)
-            if (!(sg[k] = filled(2048u * 2048u, 1.0f, 10 + k)))
+            if (!(sg[k] = bench_filled(2048u * 2048u, 1.0f, 10 + k)))
                 return r;
     fh_linear lin;
     fh_linear_init(&lin, s->n, s->hidden, s->vocab, in.x, in.w, FH_LAYOUT_HV, NULL);

@@ -2,6 +2,7 @@
  * configuration of each call (streaming forward, streaming backward, train-step row blocks) as wisdom
  * that contexts load (fh_context_load_wisdom, or FH_WISDOM=path). Every configuration is timed best-of-k
  * after one warm-up call, on one context whose workspace is reused, as a trainer would run it. */
+#include "bench_inputs.h"
 #include "fusedhead.h"
 
 #include <math.h>
@@ -17,10 +18,9 @@ typedef struct tune_args {
 } tune_args;
 
 typedef struct problem {
+    bench_inputs in;
     fh_linear lin;
     fh_ce_options options;
-    int64_t *targets;
-    float *x, *w, *dx, *dw, *lse;
 } problem;
 
 static double now_ms(void)
@@ -30,30 +30,11 @@ static double now_ms(void)
     return t.tv_sec * 1e3 + t.tv_nsec * 1e-6;
 }
 
-static float *filled(size_t count, float scale, unsigned seed)
-{
-    float *p = malloc(count * sizeof(float));
-    for (size_t i = 0; p && i < count; i++) {
-        seed = seed * 1664525u + 1013904223u;
-        p[i] = scale * ((float)(seed >> 8) / 16777216.0f - 0.5f);
-    }
-    return p;
-}
-
 static int make_problem(const tune_args *a, problem *p)
 {
-    const size_t nh = (size_t)a->n * a->hidden, hv = (size_t)a->hidden * a->vocab;
-    p->x = filled(nh, 2.0f, 1);
-    p->w = filled(hv, 2.0f * sqrtf(3.0f / (float)a->hidden), 2);
-    p->dx = filled(nh, 1.0f, 3);
-    p->dw = filled(hv, 1.0f, 4);
-    p->lse = filled((size_t)a->n, 1.0f, 5);
-    p->targets = malloc((size_t)a->n * sizeof(int64_t));
-    if (!p->x || !p->w || !p->dx || !p->dw || !p->lse || !p->targets)
+    if (bench_inputs_make(a->n, a->hidden, a->vocab, &p->in) != 0)
         return -1;
-    for (int64_t i = 0; i < a->n; i++)
-        p->targets[i] = (i * 7919) % a->vocab;
-    fh_linear_init(&p->lin, a->n, a->hidden, a->vocab, p->x, p->w, FH_LAYOUT_VH, NULL);
+    fh_linear_init(&p->lin, a->n, a->hidden, a->vocab, p->in.x, p->in.w, FH_LAYOUT_HV, NULL);
     fh_ce_options_init(&p->options);
     return 0;
 }
@@ -62,12 +43,12 @@ static fh_status run_call(fh_context *ctx, fh_call call, problem *p)
 {
     double loss;
     const float grad = 1.0f;
-    fh_ce_outputs out = {&loss, NULL, NULL, NULL, p->lse, NULL};
-    fh_linear_grads g = {p->dx, p->lin.hidden, 0.0f, p->dw, 0.0f, NULL, 0.0f};
+    fh_ce_outputs out = {&loss, NULL, NULL, NULL, p->in.lse, NULL};
+    fh_linear_grads g = {p->in.dx, p->lin.hidden, 0.0f, p->in.dw, 0.0f, NULL, 0.0f};
     switch (call) {
-    case FH_CALL_FORWARD: return fh_ce_forward(ctx, &p->lin, p->targets, &p->options, &out);
-    case FH_CALL_BACKWARD: return fh_ce_backward(ctx, &p->lin, p->targets, &p->options, p->lse, &grad, &g);
-    default: return fh_ce_forward_backward(ctx, &p->lin, p->targets, &p->options, &grad, &out, &g);
+    case FH_CALL_FORWARD: return fh_ce_forward(ctx, &p->lin, p->in.targets, &p->options, &out);
+    case FH_CALL_BACKWARD: return fh_ce_backward(ctx, &p->lin, p->in.targets, &p->options, p->in.lse, &grad, &g);
+    default: return fh_ce_forward_backward(ctx, &p->lin, p->in.targets, &p->options, &grad, &out, &g);
     }
 }
 
@@ -205,5 +186,6 @@ int main(int argc, char **argv)
            (long long)best[0].tile_rows, (long long)best[0].tile_vocab, (long long)best[1].tile_rows,
            (long long)best[1].tile_vocab, (long long)best[2].tile_rows, a.wisdom);
     fh_context_destroy(ctx);
+    bench_inputs_free(&p.in);
     return 0;
 }

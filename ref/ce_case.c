@@ -184,27 +184,24 @@ static void run_reference(const ce_case_spec *s, ce_case *c)
     free(g);
 }
 
-typedef struct diff {
-    double max_abs, max_ref, sq_diff, sq_ref;
-} diff;
-
-static diff compare(const float *f, const double *r, size_t count)
-{
-    diff d = {0, 0, 0, 0};
-    for (size_t i = 0; i < count; i++) {
-        const double e = fabs((double)f[i] - r[i]);
-        d.max_abs = e > d.max_abs || isnan(e) ? e : d.max_abs;
-        d.max_ref = fabs(r[i]) > d.max_ref ? fabs(r[i]) : d.max_ref;
-        d.sq_diff += e * e;
-        d.sq_ref += r[i] * r[i];
-    }
-    return d;
-}
-
 /* Relative error with a zero reference defined as the absolute error (all-ignored cases). */
 static double relative(double err, double ref)
 {
     return ref > 0.0 ? err / ref : err;
+}
+
+ce_diff ce_compare(const float *fused, const double *reference, size_t count)
+{
+    double max_abs = 0.0, max_ref = 0.0, sq_diff = 0.0, sq_ref = 0.0;
+    for (size_t i = 0; i < count; i++) {
+        const double e = fabs((double)fused[i] - reference[i]);
+        max_abs = e > max_abs || isnan(e) ? e : max_abs;
+        max_ref = fabs(reference[i]) > max_ref ? fabs(reference[i]) : max_ref;
+        sq_diff += e * e;
+        sq_ref += reference[i] * reference[i];
+    }
+    const ce_diff d = {max_abs, relative(max_abs, max_ref), relative(sqrt(sq_diff), sqrt(sq_ref))};
+    return d;
 }
 
 /* The reference logit (i, j), for judging near-ties of the argmax. */
@@ -223,20 +220,18 @@ static void measure(const ce_case_spec *s, const ce_case *c, ce_metrics *m)
     m->abs_diff_loss = fabs(c->loss - c->ref_loss);
     m->rel_diff_loss = relative(m->abs_diff_loss, fabs(c->ref_loss));
     m->abs_diff_z_loss = fabs(c->z_loss - c->ref_z_loss);
-    m->per_token_loss_max_abs = compare(c->per_token_loss, c->ref_per_token_loss, n).max_abs;
-    m->logp_max_abs = compare(c->logp, c->ref_logp, n).max_abs;
-    m->lse_max_abs = compare(c->lse, c->ref_lse, n).max_abs;
-    const diff dx = compare(c->dx, c->ref_dx, n * h), dw = compare(c->dweight, c->ref_dweight, h * v);
+    m->per_token_loss_max_abs = ce_compare(c->per_token_loss, c->ref_per_token_loss, n).max_abs;
+    m->logp_max_abs = ce_compare(c->logp, c->ref_logp, n).max_abs;
+    m->lse_max_abs = ce_compare(c->lse, c->ref_lse, n).max_abs;
+    const ce_diff dx = ce_compare(c->dx, c->ref_dx, n * h), dw = ce_compare(c->dweight, c->ref_dweight, h * v);
     m->dhidden_max_abs = dx.max_abs;
-    m->dhidden_max_rel = relative(dx.max_abs, dx.max_ref);
-    m->dhidden_norm_rel = relative(sqrt(dx.sq_diff), sqrt(dx.sq_ref));
+    m->dhidden_max_rel = dx.max_rel;
+    m->dhidden_norm_rel = dx.norm_rel;
     m->dweight_max_abs = dw.max_abs;
-    m->dweight_max_rel = relative(dw.max_abs, dw.max_ref);
-    m->dweight_norm_rel = relative(sqrt(dw.sq_diff), sqrt(dw.sq_ref));
-    if (c->dbias) {
-        const diff db = compare(c->dbias, c->ref_dbias, v);
-        m->dbias_norm_rel = relative(sqrt(db.sq_diff), sqrt(db.sq_ref));
-    }
+    m->dweight_max_rel = dw.max_rel;
+    m->dweight_norm_rel = dw.norm_rel;
+    if (c->dbias)
+        m->dbias_norm_rel = ce_compare(c->dbias, c->ref_dbias, v).norm_rel;
     /* The fused argmax must be a maximal logit up to fp32 rounding: near-ties may break either way. */
     for (size_t i = 0; i < n; i++) {
         const int64_t a = c->argmax[i];

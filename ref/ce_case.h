@@ -71,6 +71,14 @@ double ce_uniform(uint64_t *state);
 void ce_fill_linear(uint64_t *rng, int64_t n, int64_t h, int64_t v, double logit_scale, float *x, float *weight,
                     float *bias);
 
+/* Fused (fp32) against reference (double): largest absolute difference, that over the largest |reference|,
+ * and the normwise (Frobenius) relative difference; a zero reference makes the relative ones absolute. */
+typedef struct ce_diff {
+    double max_abs, max_rel, norm_rel;
+} ce_diff;
+
+ce_diff ce_compare(const float *fused, const double *reference, size_t count);
+
 /* Offset of weight element (k, j) in a layout. */
 size_t ce_weight_index(fh_layout layout, int64_t hidden, int64_t vocab, int64_t k, int64_t j);
 

@@ -216,33 +216,6 @@ static void run_reference(const grpo_case_spec *s, grpo_case *c)
     ref_inputs_free(&in);
 }
 
-static double max_abs_diff(const float *f, const double *r, size_t count)
-{
-    double m = 0.0;
-    for (size_t i = 0; i < count; i++) {
-        const double e = fabs((double)f[i] - r[i]);
-        m = e > m || isnan(e) ? e : m;
-    }
-    return m;
-}
-
-static void norm_diff(const float *f, const double *r, size_t count, double *max_abs, double *max_rel,
-                      double *norm_rel)
-{
-    double ma = 0.0, mr = 0.0, sd = 0.0, sr = 0.0;
-    for (size_t i = 0; i < count; i++) {
-        const double e = fabs((double)f[i] - r[i]);
-        ma = e > ma || isnan(e) ? e : ma;
-        mr = fabs(r[i]) > mr ? fabs(r[i]) : mr;
-        sd += e * e;
-        sr += r[i] * r[i];
-    }
-    *max_abs = ma;
-    if (max_rel)
-        *max_rel = mr > 0.0 ? ma / mr : ma;
-    *norm_rel = sr > 0.0 ? sqrt(sd) / sqrt(sr) : sqrt(sd);
-}
-
 /* |a - b|, with NaN equal to NaN (a metric TRL does not log) and NaN against a number infinite. */
 static double metric_diff(double a, double b)
 {
@@ -257,9 +230,9 @@ static void measure(const grpo_case_spec *s, const grpo_case *c, grpo_metrics_di
     memset(d, 0, sizeof *d);
     d->abs_diff_loss = fabs(c->loss - c->ref_loss);
     d->loss_tolerance = GRPO_LOSS_TOL * fmax(1.0, fabs(c->ref_loss));
-    d->logp_max_abs = max_abs_diff(c->logp, c->ref_logp, n);
-    d->per_token_loss_max_abs = max_abs_diff(c->per_token_loss, c->ref_per_token_loss, n);
-    d->entropy_max_abs = max_abs_diff(c->entropy, c->ref_entropy, n);
+    d->logp_max_abs = ce_compare(c->logp, c->ref_logp, n).max_abs;
+    d->per_token_loss_max_abs = ce_compare(c->per_token_loss, c->ref_per_token_loss, n).max_abs;
+    d->entropy_max_abs = ce_compare(c->entropy, c->ref_entropy, n).max_abs;
     const double pairs[6][2] = {{c->metrics.kl, c->ref_metrics.kl},
                                 {c->metrics.entropy, c->ref_metrics.entropy},
                                 {c->metrics.clip_ratio_low_mean, c->ref_metrics.clip_ratio_low_mean},
@@ -268,12 +241,15 @@ static void measure(const grpo_case_spec *s, const grpo_case *c, grpo_metrics_di
                                 {c->metrics.cispo_clip_ratio, c->ref_metrics.cispo_clip_ratio}};
     for (int k = 0; k < 6; k++)
         d->metrics_max_abs = fmax(d->metrics_max_abs, metric_diff(pairs[k][0], pairs[k][1]));
-    norm_diff(c->dx, c->ref_dx, n * h, &d->dhidden_max_abs, &d->dhidden_max_rel, &d->dhidden_norm_rel);
-    norm_diff(c->dweight, c->ref_dweight, h * v, &d->dweight_max_abs, &d->dweight_max_rel, &d->dweight_norm_rel);
-    if (c->dbias) {
-        double unused;
-        norm_diff(c->dbias, c->ref_dbias, v, &unused, NULL, &d->dbias_norm_rel);
-    }
+    const ce_diff dx = ce_compare(c->dx, c->ref_dx, n * h), dw = ce_compare(c->dweight, c->ref_dweight, h * v);
+    d->dhidden_max_abs = dx.max_abs;
+    d->dhidden_max_rel = dx.max_rel;
+    d->dhidden_norm_rel = dx.norm_rel;
+    d->dweight_max_abs = dw.max_abs;
+    d->dweight_max_rel = dw.max_rel;
+    d->dweight_norm_rel = dw.norm_rel;
+    if (c->dbias)
+        d->dbias_norm_rel = ce_compare(c->dbias, c->ref_dbias, v).norm_rel;
 }
 
 int grpo_metrics_pass(const grpo_metrics_diff *d)
