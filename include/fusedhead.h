@@ -41,6 +41,7 @@ typedef enum fh_status {
     FH_ERR_TARGET_OUT_OF_RANGE = 5,   /* a target is outside [0, V) and is not ignore_index */
     FH_ERR_MISSING_OUTPUT = 6,        /* an output the call needs is NULL (e.g. per-token loss for 'none') */
     FH_ERR_NONFINITE_INPUT = 7,       /* NaN or Inf in x, weight or bias (only with FH_PARAM_CHECK_FINITE) */
+    FH_ERR_INVALID_LAYOUT = 8,        /* fh_linear_init: layout is neither FH_LAYOUT_HV nor FH_LAYOUT_VH */
     /* 10..19: option values */
     FH_ERR_INVALID_REDUCTION = 10,
     FH_ERR_INVALID_LABEL_SMOOTHING = 11, /* outside [0, 1] or not finite */
@@ -73,7 +74,8 @@ FH_API const char *fh_status_string(fh_status status);
 typedef struct fh_context fh_context;
 
 typedef enum fh_param {
-    FH_PARAM_THREADS = 0,       /* threads for GEMMs and elementwise work; 0 = all available */
+    FH_PARAM_THREADS = 0,       /* threads for GEMMs and elementwise work; 0 = OpenMP's default
+                                   (OMP_NUM_THREADS, else all processors), 1 for tiny problems */
     FH_PARAM_TILE_ROWS = 1,     /* tokens per tile; 0 = default */
     FH_PARAM_TILE_VOCAB = 2,    /* vocabulary columns per tile; 0 = default */
     FH_PARAM_MEMORY_BUDGET = 3, /* max workspace bytes, per-token state included; tiles shrink to fit;
@@ -115,7 +117,7 @@ FH_API fh_status fh_context_load_wisdom(fh_context *ctx, const char *path);
 FH_API fh_status fh_context_save_wisdom(const fh_context *ctx, const char *path);
 
 /* Describes the last error returned by a call on this context ("" after success). Valid until the next
- * call on the context. */
+ * call on the context. The workspace-size queries are pure and leave it unchanged. */
 FH_API fh_status fh_context_message(const fh_context *ctx, const char **message);
 /* Hands the context a caller-owned workspace; from then on the library never allocates for calls on
  * this context. NULL/0 returns to library-managed workspace (allocated once, reused across calls). */
@@ -214,7 +216,8 @@ FH_API fh_status fh_ce_forward(fh_context *ctx, const fh_linear *lin, const int6
                                const fh_ce_options *options, fh_ce_outputs *out);
 
 /* Streaming backward: recomputes each tile from lse (as written by fh_ce_forward).
- * grad_output: one value for mean/sum, N values for 'none'. */
+ * grad_output: one value for mean/sum, N values for 'none'; NaN/Inf is rejected
+ * (FH_ERR_INVALID_GRAD_OUTPUT) rather than propagated. */
 FH_API fh_status fh_ce_backward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
                                 const fh_ce_options *options, const float *lse, const float *grad_output,
                                 fh_linear_grads *grads);

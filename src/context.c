@@ -31,10 +31,16 @@ void fh_clear_message(fh_context *ctx)
         ctx->message[0] = '\0';
 }
 
-int fh_threads(const fh_context *ctx)
+/* Below about 2^24 multiply-adds (~0.1 ms on one core) a second thread costs more than it saves. */
+#define FH_SMALL_PROBLEM_MACS 16777216.0
+
+int fh_threads(const fh_context *ctx, const fh_linear *lin)
 {
     const int64_t t = ctx->params[FH_PARAM_THREADS];
-    return t > 0 ? (int)t : omp_get_num_procs();
+    if (t > 0)
+        return (int)t;
+    const double macs = (double)lin->n * (double)lin->hidden * (double)lin->vocab;
+    return macs < FH_SMALL_PROBLEM_MACS ? 1 : omp_get_max_threads();
 }
 
 int64_t fh_budget_bytes(const fh_context *ctx)

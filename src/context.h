@@ -25,8 +25,10 @@ fh_status fh_fail(fh_context *ctx, fh_status status, const char *format, ...)
 /* Clears the message at the start of an entry point. */
 void fh_clear_message(fh_context *ctx);
 
-/* Effective values of the parameters (defaults resolved). */
-int fh_threads(const fh_context *ctx);
+/* Effective values of the parameters (defaults resolved). Threads: the parameter when set, else
+ * OpenMP's default (OMP_NUM_THREADS or all processors), except 1 for problems too small to amortise a
+ * parallel region. */
+int fh_threads(const fh_context *ctx, const fh_linear *lin);
 int64_t fh_budget_bytes(const fh_context *ctx);
 
 /* Returns a workspace of at least `bytes`: the caller's (FH_ERR_WORKSPACE_TOO_SMALL if short) or the

@@ -30,7 +30,7 @@ static void compute_logits(const fh_context *ctx, const fh_linear *lin, float *t
 {
     fh_sgemm(nb, vb, lin->hidden, lin->x + i0 * lin->x_row_stride, lin->x_row_stride, 1,
              lin->weight + v0 * lin->w_stride_vocab, lin->w_stride_hidden, lin->w_stride_vocab, 0.0f, tile, vb, 1,
-             fh_threads(ctx));
+             fh_threads(ctx, lin));
 }
 
 /* dbias = sum of columns, with beta: 0 overwrites without reading. */
@@ -60,7 +60,7 @@ void fh_engine_forward(const fh_context *ctx, const fh_plan *plan, const fh_work
                        const float *class_weights, const fh_row_stats *stats)
 {
     const int64_t n = lin->n, vocab = lin->vocab;
-    const int threads = fh_threads(ctx);
+    const int threads = fh_threads(ctx, lin);
     const fh_row_state initial = fh_row_state_initial();
     /* lse holds the running max and sum_pz the running sum of z exp(z - max) until the end. */
     for (int64_t i = 0; i < n; i++) {
@@ -121,7 +121,7 @@ void fh_engine_backward(const fh_context *ctx, const fh_plan *plan, const fh_wor
                         const float *class_weights, const fh_row_coefs *coefs, const fh_linear_grads *grads)
 {
     const int64_t n = lin->n, vocab = lin->vocab, hidden = lin->hidden;
-    const int threads = fh_threads(ctx);
+    const int threads = fh_threads(ctx, lin);
     for (int64_t v0 = 0; v0 < vocab; v0 += plan->tile_vocab) {
         const int64_t vb = min64(plan->tile_vocab, vocab - v0);
         const float *weights = class_weights ? class_weights + v0 : NULL;
@@ -162,7 +162,7 @@ void fh_engine_row_blocks(const fh_context *ctx, const fh_plan *plan, const fh_w
                           const fh_linear_grads *grads)
 {
     const int64_t n = lin->n, vocab = lin->vocab, hidden = lin->hidden;
-    const int threads = fh_threads(ctx);
+    const int threads = fh_threads(ctx, lin);
     const fh_fold_request request = {class_weights, stats->sum_weighted_z != NULL, stats->sum_pz != NULL};
     float *tile = ws->tile;
     if (grads->dbias)

@@ -9,7 +9,7 @@ FH_API fh_status fh_linear_init(fh_linear *lin, int64_t n, int64_t hidden, int64
     if (!lin)
         return FH_ERR_NULL_POINTER;
     if (layout != FH_LAYOUT_HV && layout != FH_LAYOUT_VH)
-        return FH_ERR_INVALID_STRIDE;
+        return FH_ERR_INVALID_LAYOUT;
     fh_linear l = {n, hidden, vocab, x, hidden, weight, 0, 0, bias};
     l.w_stride_hidden = layout == FH_LAYOUT_HV ? vocab : 1;
     l.w_stride_vocab = layout == FH_LAYOUT_HV ? 1 : hidden;

@@ -42,7 +42,7 @@ static int layout(fh_plan *plan, int64_t n)
 /* Tile sizes before the budget: parameters, else wisdom, else defaults. */
 static void preferred_tiles(const fh_context *ctx, const fh_linear *lin, fh_call call, int64_t *rows, int64_t *cols)
 {
-    const fh_tile_config *w = fh_wisdom_lookup(ctx, fh_threads(ctx), lin->n, lin->hidden, lin->vocab, call);
+    const fh_tile_config *w = fh_wisdom_lookup(ctx, fh_threads(ctx, lin), lin->n, lin->hidden, lin->vocab, call);
     const int64_t rows_param = ctx->params[FH_PARAM_TILE_ROWS], cols_param = ctx->params[FH_PARAM_TILE_VOCAB];
     *rows = rows_param > 0 ? rows_param : w ? w->tile_rows : 0;
     *cols = cols_param > 0 ? cols_param : w ? w->tile_vocab : 0;

@@ -522,6 +522,7 @@ static void test_status_strings(void)
                              FH_ERR_TARGET_OUT_OF_RANGE,
                              FH_ERR_MISSING_OUTPUT,
                              FH_ERR_NONFINITE_INPUT,
+                             FH_ERR_INVALID_LAYOUT,
                              FH_ERR_INVALID_REDUCTION,
                              FH_ERR_INVALID_LABEL_SMOOTHING,
                              FH_ERR_INVALID_SOFTCAP,
@@ -535,6 +536,8 @@ static void test_status_strings(void)
                              FH_ERR_WORKSPACE_TOO_SMALL,
                              FH_ERR_OUT_OF_MEMORY,
                              FH_ERR_BUDGET_TOO_SMALL,
+                             FH_ERR_WISDOM_IO,
+                             FH_ERR_INVALID_WISDOM,
                              FH_ERR_INVALID_PARAM,
                              FH_ERR_INVALID_PARAM_VALUE};
     for (size_t a = 0; a < TU_COUNT(all); a++) {

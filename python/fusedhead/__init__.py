@@ -1,0 +1,34 @@
+"""fusedhead: language-model head losses from hidden states and the lm_head weight, without the [N, V] logits.
+
+Python bindings (ctypes) for libfusedhead.so:
+
+    fusedhead.numpy   NumPy API (cross_entropy, forward, backward, forward_backward); imported with fusedhead
+    fusedhead.torch   torch.autograd.Function, nn.Module and functional; imported on first access (importing
+                      fusedhead never imports torch)
+
+The library is located on first use: $FUSEDHEAD_LIBRARY, then the build tree (build/, then build*/), then the
+system (see fusedhead._lib). fusedhead.library_path() tells which one was loaded.
+"""
+from __future__ import annotations
+
+import importlib
+
+from . import errors
+from ._core import (BlisInfo, Context, blis_info, default_context, default_context_settings,
+                    set_default_context_settings, status_string)
+from ._lib import Layout, LibraryNotFoundError, Param, Reduction, Status, library_path, load_library
+from .errors import FusedheadError, FusedheadMemoryError, FusedheadValueError, TargetOutOfRangeError
+from . import numpy  # noqa: E402  (NumPy only)
+
+__version__ = "0.1.0"  # the C library's project version (CMakeLists.txt)
+
+__all__ = ["__version__", "Context", "default_context", "set_default_context_settings",
+           "default_context_settings", "blis_info", "BlisInfo", "status_string", "library_path",
+           "load_library", "LibraryNotFoundError", "FusedheadError", "FusedheadValueError", "FusedheadMemoryError",
+           "TargetOutOfRangeError", "errors", "Status", "Param", "Layout", "Reduction", "numpy", "torch"]
+
+
+def __getattr__(name: str):
+    if name == "torch":  # lazy: `import fusedhead` must not import torch
+        return importlib.import_module(".torch", __name__)
+    raise AttributeError(f"module 'fusedhead' has no attribute {name!r}")

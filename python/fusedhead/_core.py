@@ -1,0 +1,471 @@
+"""Backend-neutral core shared by fusedhead.numpy and fusedhead.torch (and, later, the GRPO bindings).
+
+Front ends turn their arrays into `View`s (address, shape, strides in elements) after checking dtype and
+device; this module checks shapes and strides against each other, builds the C structs and calls the
+library through a `Context`, turning a non-zero status into a FusedheadError.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from typing import NamedTuple, Optional, Sequence, Tuple, Union
+
+from . import _lib
+from ._lib import Layout, Param, Reduction, c_double_p, c_float_p, c_int64_p, load_library
+from .errors import FusedheadError, error_for
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Status strings, BLIS info
+# ---------------------------------------------------------------------------------------------------------
+def status_string(status: int) -> str:
+    """fh_status_string(status)."""
+    s = load_library().fh_status_string(int(status))
+    return s.decode() if s else ""
+
+
+def check_status(status: int, function: str, context: Optional["Context"] = None) -> None:
+    """Raise the FusedheadError subclass for a non-zero status (with the context's message if any)."""
+    if status != 0:
+        message = context._message_unlocked() if context is not None else ""
+        raise error_for(status, status_string(status), message, function)
+
+
+class BlisInfo(NamedTuple):
+    kernel_set: str  # BLIS configuration in use: "skx", "haswell", "generic", ...
+    selected_by_library: bool  # fusedhead chose it (not BLIS or the user)
+    user_override: bool  # BLIS_ARCH_TYPE was set in the environment
+    elementwise: str  # fusedhead's exp/max kernels: "avx512" (SLEEF) or "portable"
+
+
+def blis_info() -> BlisInfo:
+    """What fh_blis_query reports: the BLIS kernel set in use and fusedhead's element-wise kernels."""
+    info = _lib.fh_blis_info()
+    check_status(load_library().fh_blis_query(ctypes.byref(info)), "fh_blis_query")
+    return BlisInfo((info.kernel_set or b"").decode(), bool(info.selected_by_library), bool(info.user_override),
+                    (info.elementwise or b"").decode())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Context
+# ---------------------------------------------------------------------------------------------------------
+ParamLike = Union[Param, int, str]
+
+
+def _param(param: ParamLike) -> int:
+    if isinstance(param, str):
+        try:
+            return int(Param[param.upper()])
+        except KeyError:
+            raise ValueError(f"unknown parameter {param!r}; expected one of "
+                             f"{', '.join(p.name.lower() for p in Param)}") from None
+    return int(param)
+
+
+class Context:
+    """An fh_context: threads, tile sizes, memory budget, workspace, last error message.
+
+    Settings (0 = the library's default): threads (0 = all available), tile_rows, tile_vocab,
+    memory_budget (bytes; default 256 MiB), check_finite (1: reject NaN/Inf inputs, if the library has it).
+    Calls on one context are serialised by a lock (the library forbids concurrent calls on one context);
+    use one context per thread for parallel calls. `default_context()` gives each thread its own.
+    """
+
+    def __init__(self, *, threads: Optional[int] = None, tile_rows: Optional[int] = None,
+                 tile_vocab: Optional[int] = None, memory_budget: Optional[int] = None,
+                 check_finite: Optional[bool] = None):
+        self._lib = load_library()
+        self._lock = threading.RLock()
+        self._workspace = None
+        handle = ctypes.c_void_p()
+        check_status(self._lib.fh_context_create(ctypes.byref(handle)), "fh_context_create")
+        self._handle: Optional[ctypes.c_void_p] = handle
+        settings = dict(threads=threads, tile_rows=tile_rows, tile_vocab=tile_vocab, memory_budget=memory_budget,
+                        check_finite=None if check_finite is None else int(bool(check_finite)))
+        try:
+            for name, value in settings.items():
+                if value is not None:
+                    self.set(name, value)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- lifetime --
+    def close(self) -> None:
+        """Destroy the context (idempotent); later calls on it raise ValueError."""
+        with self._lock:
+            if self._handle is not None:
+                self._lib.fh_context_destroy(self._handle)
+                self._handle = None
+                self._workspace = None
+
+    def __enter__(self) -> "Context":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
+
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
+    def _require_open(self) -> ctypes.c_void_p:
+        if self._handle is None:
+            raise ValueError("this fusedhead Context is closed")
+        return self._handle
+
+    def _message_unlocked(self) -> str:
+        msg = ctypes.c_char_p()
+        if self._handle is None or self._lib.fh_context_message(self._handle, ctypes.byref(msg)) != 0:
+            return ""
+        return (msg.value or b"").decode(errors="replace")
+
+    # -- calls --
+    def call(self, function: str, *args, pure: bool = False) -> None:
+        """Call `function(ctx, *args)` under the context's lock; raise on a non-zero status. `pure` calls
+        (queries taking a const context) neither set nor clear the context's message, so a failure is
+        reported without it (it would be a stale one)."""
+        fn = getattr(self._lib, function)
+        with self._lock:
+            status = fn(self._require_open(), *args)
+            if status != 0:
+                check_status(status, function, None if pure else self)
+
+    @property
+    def message(self) -> str:
+        """fh_context_message: the last error's description ("" after a success)."""
+        with self._lock:
+            return self._message_unlocked()
+
+    # -- parameters --
+    def set(self, param: ParamLike, value: int) -> None:
+        self.call("fh_context_set", _param(param), int(value))
+
+    def get(self, param: ParamLike) -> int:
+        value = ctypes.c_int64()
+        self.call("fh_context_get", _param(param), ctypes.byref(value), pure=True)
+        return value.value
+
+    @staticmethod
+    def bounds(param: ParamLike) -> Tuple[int, int]:
+        """fh_param_bounds: the (min, max) accepted for a parameter."""
+        lo, hi = ctypes.c_int64(), ctypes.c_int64()
+        check_status(load_library().fh_param_bounds(_param(param), ctypes.byref(lo), ctypes.byref(hi)),
+                     "fh_param_bounds")
+        return lo.value, hi.value
+
+    threads = property(lambda self: self.get(Param.THREADS), lambda self, v: self.set(Param.THREADS, v))
+    tile_rows = property(lambda self: self.get(Param.TILE_ROWS), lambda self, v: self.set(Param.TILE_ROWS, v))
+    tile_vocab = property(lambda self: self.get(Param.TILE_VOCAB), lambda self, v: self.set(Param.TILE_VOCAB, v))
+    memory_budget = property(lambda self: self.get(Param.MEMORY_BUDGET),
+                             lambda self, v: self.set(Param.MEMORY_BUDGET, v))
+    check_finite = property(lambda self: bool(self.get(Param.CHECK_FINITE)),
+                            lambda self, v: self.set(Param.CHECK_FINITE, int(bool(v))))
+
+    def set_workspace(self, buffer=None) -> None:
+        """Hand the context a caller-owned workspace: any writable C-contiguous buffer (bytearray, NumPy
+        array; for a torch tensor pass tensor.numpy()). The context keeps a reference. None returns to a
+        library-managed workspace."""
+        if buffer is None:
+            self.call("fh_context_set_workspace", None, 0)
+            self._workspace = None
+            return
+        view = memoryview(buffer)
+        if view.readonly or not view.c_contiguous:
+            raise ValueError("workspace: expected a writable C-contiguous buffer")
+        holder = (ctypes.c_char * view.nbytes).from_buffer(buffer)
+        self.call("fh_context_set_workspace", ctypes.addressof(holder), view.nbytes)
+        self._workspace = (buffer, holder)
+
+    def __repr__(self) -> str:
+        if self.closed:
+            return "<fusedhead.Context (closed)>"
+        fields = ", ".join(f"{p.name.lower()}={self.get(p)}" for p in Param if p != Param.CHECK_FINITE)
+        return f"<fusedhead.Context {fields}>"
+
+
+_thread_local = threading.local()
+_SETTING_NAMES = ("threads", "tile_rows", "tile_vocab", "memory_budget", "check_finite")
+_default_settings: dict = {}
+_default_generation = 0
+
+
+def _initial_settings() -> dict:
+    threads = os.environ.get("FUSEDHEAD_NUM_THREADS")
+    if threads:
+        try:
+            return {"threads": int(threads)}
+        except ValueError:
+            raise ValueError(f"FUSEDHEAD_NUM_THREADS={threads!r} is not an integer") from None
+    return {}
+
+
+def set_default_context_settings(**settings) -> None:
+    """Settings for the per-thread default contexts (those used when no `context=` is passed), e.g.
+    threads=1; None removes a setting. Applies to default contexts from their next use. The environment
+    variable FUSEDHEAD_NUM_THREADS gives the initial `threads` (the library's own default, 0, uses every
+    processor and ignores OMP_NUM_THREADS)."""
+    global _default_generation
+    unknown = set(settings) - set(_SETTING_NAMES)
+    if unknown:
+        raise ValueError(f"unknown settings {sorted(unknown)}; expected some of {list(_SETTING_NAMES)}")
+    for name, value in settings.items():
+        if value is None:
+            _default_settings.pop(name, None)
+        else:
+            _default_settings[name] = value
+    _default_generation += 1
+
+
+def default_context_settings() -> dict:
+    return dict(_default_settings)
+
+
+def default_context() -> Context:
+    """This thread's default Context (created on first use with set_default_context_settings()'s values)."""
+    ctx = getattr(_thread_local, "context", None)
+    if ctx is None or ctx.closed or getattr(_thread_local, "generation", -1) != _default_generation:
+        if ctx is not None:
+            ctx.close()
+        ctx = _thread_local.context = Context(**_default_settings)
+        _thread_local.generation = _default_generation
+    return ctx
+
+
+_default_settings.update(_initial_settings())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Views, shapes, strides
+# ---------------------------------------------------------------------------------------------------------
+class View(NamedTuple):
+    """A strided array as the library sees it: base address, shape, strides in elements."""
+    ptr: int
+    shape: Tuple[int, ...]
+    strides: Tuple[int, ...]
+
+
+def normalize_strides(shape: Sequence[int], strides: Sequence[int]) -> Tuple[int, ...]:
+    """Strides of size-1 dimensions never matter; give them the contiguous value so the library's stride
+    checks (>= 1, non-overlapping) accept them."""
+    out = list(strides)
+    step = 1
+    for d in range(len(shape) - 1, -1, -1):
+        if shape[d] == 1:
+            out[d] = step
+        step *= max(int(shape[d]), 1)
+    return tuple(int(s) for s in out)
+
+
+def disjoint(rows: int, cols: int, row_stride: int, col_stride: int) -> bool:
+    """The library's rule for a valid matrix view: strides >= 1 and no two elements overlap."""
+    if row_stride < 1 or col_stride < 1:
+        return False
+    if rows == 1 or cols == 1:
+        return True
+    if row_stride >= col_stride:
+        return row_stride // cols >= col_stride
+    return col_stride // rows >= row_stride
+
+
+def rows_view_ok(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """hidden / dhidden: [N, H] with unit column stride and a row stride >= H (rows may be padded)."""
+    shape, strides = tuple(shape), normalize_strides(shape, strides)
+    return len(shape) == 2 and strides[1] == 1 and strides[0] >= max(shape[1], 1)
+
+
+def matrix_view_ok(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """weight: any view with positive, non-overlapping strides (contiguous, transposed, sliced)."""
+    shape, strides = tuple(shape), normalize_strides(shape, strides)
+    return len(shape) == 2 and disjoint(shape[0], shape[1], strides[0], strides[1])
+
+
+def vector_view_ok(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    shape, strides = tuple(shape), normalize_strides(shape, strides)
+    return len(shape) == 1 and strides[0] == 1
+
+
+def parse_layout(layout: Union[str, Layout]) -> Layout:
+    if isinstance(layout, Layout):
+        return layout
+    if isinstance(layout, str) and layout.lower() in ("vh", "hv"):
+        return Layout.VH if layout.lower() == "vh" else Layout.HV
+    raise ValueError(f"layout must be 'vh' (weight [V, H], torch nn.Linear.weight) or 'hv' (weight [H, V], "
+                     f"flax kernel), got {layout!r}")
+
+
+def parse_reduction(reduction: Union[str, Reduction]) -> Reduction:
+    if isinstance(reduction, Reduction):
+        return reduction
+    if isinstance(reduction, str) and reduction in ("mean", "sum", "none"):
+        return Reduction[reduction.upper()]
+    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+
+
+def _fp(ptr: Optional[int]):
+    return None if ptr is None else ctypes.cast(ptr, c_float_p)
+
+
+def _ip(ptr: Optional[int]):
+    return None if ptr is None else ctypes.cast(ptr, c_int64_p)
+
+
+def _shape(shape) -> str:
+    return "[" + ", ".join(str(int(s)) for s in shape) + "]"
+
+
+class LinearHead:
+    """hidden [N, H] x weight (either layout) + bias [V], checked and described as an fh_linear.
+
+    Raises ValueError (naming the argument and what was expected) for inconsistent shapes or unsupported
+    strides; front ends that copy instead call rows_view_ok / matrix_view_ok first.
+    """
+
+    def __init__(self, x: View, weight: View, bias: Optional[View], layout: Union[str, Layout] = "vh"):
+        self.layout = parse_layout(layout)
+        if len(x.shape) != 2:
+            raise ValueError(f"hidden: expected a 2-D [N, H] view, got shape {_shape(x.shape)}")
+        n, h = x.shape
+        if len(weight.shape) != 2:
+            raise ValueError(f"weight: expected a 2-D matrix, got shape {_shape(weight.shape)}")
+        if self.layout == Layout.VH:
+            v, wh = weight.shape
+            sv, sh = normalize_strides(weight.shape, weight.strides)
+            expect = f"[V, H] = [*, {h}] (layout 'vh', torch nn.Linear.weight; pass layout='hv' for [H, V])"
+        else:
+            wh, v = weight.shape
+            sh, sv = normalize_strides(weight.shape, weight.strides)
+            expect = f"[H, V] = [{h}, *] (layout 'hv'; pass layout='vh' for a torch [V, H] weight)"
+        if wh != h:
+            raise ValueError(f"weight: expected shape {expect}, got {_shape(weight.shape)} (hidden is "
+                             f"{_shape(x.shape)})")
+        if not rows_view_ok(x.shape, x.strides):
+            raise ValueError(f"hidden: expected rows with unit element stride (C-contiguous rows; a row stride "
+                             f">= H is fine), got strides {x.strides} elements for shape {_shape(x.shape)}")
+        if not matrix_view_ok(weight.shape, weight.strides):
+            raise ValueError(f"weight: expected positive, non-overlapping strides (contiguous or transposed), "
+                             f"got strides {weight.strides} elements for shape {_shape(weight.shape)}")
+        if bias is not None:
+            if tuple(bias.shape) != (v,):
+                raise ValueError(f"bias: expected shape [V] = [{v}], got {_shape(bias.shape)}")
+            if not vector_view_ok(bias.shape, bias.strides):
+                raise ValueError("bias: expected a contiguous vector")
+        self.n, self.hidden, self.vocab = int(n), int(h), int(v)
+        self.x, self.weight, self.bias = x, weight, bias
+        self.weight_strides = tuple(weight.strides)
+        x_row_stride = normalize_strides(x.shape, x.strides)[0]
+        self.c = _lib.fh_linear(self.n, self.hidden, self.vocab, _fp(x.ptr), x_row_stride, _fp(weight.ptr),
+                                sh, sv, _fp(bias.ptr if bias is not None else None))
+
+    # -- gradients --
+    def check_dx(self, dx: View) -> None:
+        if tuple(dx.shape) != (self.n, self.hidden):
+            raise ValueError(f"dhidden: expected shape {_shape((self.n, self.hidden))}, got {_shape(dx.shape)}")
+        if not rows_view_ok(dx.shape, dx.strides):
+            raise ValueError(f"dhidden: expected rows with unit element stride, got strides {dx.strides}")
+
+    def check_dweight(self, dw: View) -> None:
+        if tuple(dw.shape) != tuple(self.weight.shape) or \
+                normalize_strides(dw.shape, dw.strides) != normalize_strides(self.weight.shape, self.weight.strides):
+            raise ValueError(f"dweight: expected the weight's shape {_shape(self.weight.shape)} and strides "
+                             f"{self.weight.strides} (the library writes dweight with the weight's strides), got "
+                             f"shape {_shape(dw.shape)} strides {dw.strides}")
+
+    def check_dbias(self, db: View) -> None:
+        if self.bias is None:
+            raise ValueError("dbias requested but there is no bias")
+        if tuple(db.shape) != (self.vocab,) or not vector_view_ok(db.shape, db.strides):
+            raise ValueError(f"dbias: expected a contiguous [{self.vocab}] vector, got shape {_shape(db.shape)} "
+                             f"strides {db.strides}")
+
+    def grads(self, dx: Optional[View] = None, dweight: Optional[View] = None, dbias: Optional[View] = None,
+              accumulate: bool = False) -> _lib.fh_linear_grads:
+        """fh_linear_grads for the requested gradients (None: skipped); beta 1 when accumulating, else 0."""
+        beta = 1.0 if accumulate else 0.0
+        if dx is not None:
+            self.check_dx(dx)
+        if dweight is not None:
+            self.check_dweight(dweight)
+        if dbias is not None:
+            self.check_dbias(dbias)
+        dx_stride = normalize_strides(dx.shape, dx.strides)[0] if dx is not None else self.hidden
+        return _lib.fh_linear_grads(_fp(dx.ptr if dx is not None else None), dx_stride, beta,
+                                    _fp(dweight.ptr if dweight is not None else None), beta,
+                                    _fp(dbias.ptr if dbias is not None else None), beta)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Cross-entropy
+# ---------------------------------------------------------------------------------------------------------
+class CEProblem:
+    """A linear head, targets [N] and cross-entropy options: the arguments every fh_ce_* call shares."""
+
+    def __init__(self, head: LinearHead, targets: View, *, ignore_index: int = -100,
+                 reduction: Union[str, Reduction] = "mean", label_smoothing: float = 0.0,
+                 class_weights: Optional[View] = None, softcap: float = 0.0, z_loss: float = 0.0):
+        self.head = head
+        self.reduction = parse_reduction(reduction)
+        if tuple(targets.shape) != (head.n,) or not vector_view_ok(targets.shape, targets.strides):
+            raise ValueError(f"targets: expected a contiguous [N] = [{head.n}] int64 vector, got shape "
+                             f"{_shape(targets.shape)} strides {targets.strides}")
+        if class_weights is not None and (tuple(class_weights.shape) != (head.vocab,) or
+                                          not vector_view_ok(class_weights.shape, class_weights.strides)):
+            raise ValueError(f"class_weights: expected a contiguous [V] = [{head.vocab}] float32 vector, got shape "
+                             f"{_shape(class_weights.shape)}")
+        self.targets = _ip(targets.ptr)
+        self.options = _lib.fh_ce_options(int(ignore_index), int(self.reduction), float(label_smoothing),
+                                          _fp(class_weights.ptr if class_weights is not None else None),
+                                          float(softcap), float(z_loss))
+
+    @property
+    def grad_count(self) -> int:
+        """How many upstream-gradient values the library reads: N for 'none', else 1."""
+        return self.head.n if self.reduction == Reduction.NONE else 1
+
+    def _outputs(self, loss: ctypes.c_double, z: ctypes.c_double, per_token_loss, per_token_logp, lse, argmax):
+        return _lib.fh_ce_outputs(ctypes.cast(ctypes.byref(loss), c_double_p),
+                                  ctypes.cast(ctypes.byref(z), c_double_p), _fp(per_token_loss),
+                                  _fp(per_token_logp), _fp(lse), _ip(argmax))
+
+    def forward(self, ctx: Context, *, per_token_loss: Optional[int] = None, per_token_logp: Optional[int] = None,
+                lse: Optional[int] = None, argmax: Optional[int] = None) -> Tuple[float, float]:
+        """fh_ce_forward; output addresses may be None (per_token_loss is required for 'none').
+        Returns (loss, z_loss) as Python floats (for 'none': their sums over tokens)."""
+        loss, z = ctypes.c_double(), ctypes.c_double()
+        out = self._outputs(loss, z, per_token_loss, per_token_logp, lse, argmax)
+        ctx.call("fh_ce_forward", ctypes.byref(self.head.c), self.targets, ctypes.byref(self.options),
+                 ctypes.byref(out))
+        return loss.value, z.value
+
+    def backward(self, ctx: Context, lse: int, grad_output: int, grads: _lib.fh_linear_grads) -> None:
+        """fh_ce_backward from the forward's lse; grad_output holds grad_count float32 values."""
+        ctx.call("fh_ce_backward", ctypes.byref(self.head.c), self.targets, ctypes.byref(self.options), _fp(lse),
+                 _fp(grad_output), ctypes.byref(grads))
+
+    def forward_backward(self, ctx: Context, grad_output: int, grads: _lib.fh_linear_grads, *,
+                         per_token_loss: Optional[int] = None, per_token_logp: Optional[int] = None,
+                         lse: Optional[int] = None, argmax: Optional[int] = None) -> Tuple[float, float]:
+        """fh_ce_forward_backward: the forward outputs and the gradients in one call."""
+        loss, z = ctypes.c_double(), ctypes.c_double()
+        out = self._outputs(loss, z, per_token_loss, per_token_logp, lse, argmax)
+        ctx.call("fh_ce_forward_backward", ctypes.byref(self.head.c), self.targets, ctypes.byref(self.options),
+                 _fp(grad_output), ctypes.byref(out), ctypes.byref(grads))
+        return loss.value, z.value
+
+    def workspace_size(self, ctx: Context, train_step: bool = False) -> int:
+        """fh_ce_workspace_size / fh_ce_forward_backward_workspace_size (pure queries)."""
+        size = ctypes.c_size_t()
+        name = "fh_ce_forward_backward_workspace_size" if train_step else "fh_ce_workspace_size"
+        ctx.call(name, ctypes.byref(self.head.c), ctypes.byref(self.options), ctypes.byref(size), pure=True)
+        return size.value
+
+
+__all__ = ["Context", "default_context", "set_default_context_settings", "default_context_settings", "blis_info", "BlisInfo", "status_string", "View", "LinearHead",
+           "CEProblem", "FusedheadError"]

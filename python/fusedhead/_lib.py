@@ -1,0 +1,347 @@
+"""ctypes mirror of include/fusedhead.h and the shared-library loader.
+
+Nothing here knows about NumPy or torch: the structs take raw addresses. Field order and C types follow the
+header exactly (int64_t -> c_int64, size_t -> c_size_t, double -> c_double, float -> c_float, enums -> c_int,
+pointers -> POINTER(...)); python/tests/test_lib.py compiles a C program against the header and compares
+sizeof/offsetof with these definitions.
+
+Library lookup order (first hit wins):
+  1. the environment variable FUSEDHEAD_LIBRARY: a path to libfusedhead.so (an error if it does not load);
+  2. the build tree next to the package: <repo>/build/libfusedhead.so*, then <repo>/build*/libfusedhead.so*
+     in name order (<repo> is the directory holding python/; the directory holding the package is tried too);
+  3. a copy bundled inside the package directory (wheels built by packagers);
+  4. the system: ctypes.util.find_library("fusedhead"), then "libfusedhead.so.0".
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import enum
+import os
+import threading
+from pathlib import Path
+from typing import List, Optional
+
+c_float_p = ctypes.POINTER(ctypes.c_float)
+c_double_p = ctypes.POINTER(ctypes.c_double)
+c_int64_p = ctypes.POINTER(ctypes.c_int64)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Enums (values are the header's; they are stable)
+# ---------------------------------------------------------------------------------------------------------
+class Status(enum.IntEnum):
+    OK = 0
+    ERR_NULL_POINTER = 1
+    ERR_INVALID_SIZE = 2
+    ERR_INVALID_STRIDE = 3
+    ERR_SIZE_OVERFLOW = 4
+    ERR_TARGET_OUT_OF_RANGE = 5
+    ERR_MISSING_OUTPUT = 6
+    ERR_NONFINITE_INPUT = 7
+    ERR_INVALID_LAYOUT = 8
+    ERR_INVALID_REDUCTION = 10
+    ERR_INVALID_LABEL_SMOOTHING = 11
+    ERR_INVALID_SOFTCAP = 12
+    ERR_INVALID_Z_LOSS = 13
+    ERR_INVALID_CLASS_WEIGHT = 14
+    ERR_INVALID_BETA = 15
+    ERR_INVALID_GRAD_OUTPUT = 16
+    ERR_INVALID_MASK = 17
+    ERR_INVALID_TEMPERATURE = 18
+    ERR_INVALID_GRPO_OPTION = 19
+    ERR_WORKSPACE_TOO_SMALL = 20
+    ERR_OUT_OF_MEMORY = 21
+    ERR_BUDGET_TOO_SMALL = 22
+    ERR_WISDOM_IO = 23
+    ERR_INVALID_WISDOM = 24
+    ERR_INVALID_PARAM = 30
+    ERR_INVALID_PARAM_VALUE = 31
+
+
+class Param(enum.IntEnum):
+    THREADS = 0
+    TILE_ROWS = 1
+    TILE_VOCAB = 2
+    MEMORY_BUDGET = 3
+    CHECK_FINITE = 4
+
+
+class Layout(enum.IntEnum):
+    HV = 0  # weight stored [H, V] row-major (flax/JAX kernel)
+    VH = 1  # weight stored [V, H] row-major (torch nn.Linear.weight)
+
+
+class Reduction(enum.IntEnum):
+    MEAN = 0
+    SUM = 1
+    NONE = 2
+
+
+class GRPOLossType(enum.IntEnum):
+    GRPO = 0
+    BNPO = 1
+    DR_GRPO = 2
+    DAPO = 3
+    CISPO = 4
+    SAPO = 5
+
+
+class GRPOISLevel(enum.IntEnum):
+    TOKEN = 0
+    SEQUENCE = 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Structs
+# ---------------------------------------------------------------------------------------------------------
+class fh_blis_info(ctypes.Structure):
+    _fields_ = [
+        ("kernel_set", ctypes.c_char_p),
+        ("selected_by_library", ctypes.c_int),
+        ("user_override", ctypes.c_int),
+        ("elementwise", ctypes.c_char_p),
+    ]
+
+
+class fh_linear(ctypes.Structure):
+    _fields_ = [
+        ("n", ctypes.c_int64),
+        ("hidden", ctypes.c_int64),
+        ("vocab", ctypes.c_int64),
+        ("x", c_float_p),
+        ("x_row_stride", ctypes.c_int64),
+        ("weight", c_float_p),
+        ("w_stride_hidden", ctypes.c_int64),
+        ("w_stride_vocab", ctypes.c_int64),
+        ("bias", c_float_p),
+    ]
+
+
+class fh_linear_grads(ctypes.Structure):
+    _fields_ = [
+        ("dx", c_float_p),
+        ("dx_row_stride", ctypes.c_int64),
+        ("dx_beta", ctypes.c_float),
+        ("dweight", c_float_p),
+        ("dweight_beta", ctypes.c_float),
+        ("dbias", c_float_p),
+        ("dbias_beta", ctypes.c_float),
+    ]
+
+
+class fh_ce_options(ctypes.Structure):
+    _fields_ = [
+        ("ignore_index", ctypes.c_int64),
+        ("reduction", ctypes.c_int),  # fh_reduction
+        ("label_smoothing", ctypes.c_double),
+        ("class_weights", c_float_p),
+        ("softcap", ctypes.c_double),
+        ("z_loss", ctypes.c_double),
+    ]
+
+
+class fh_ce_outputs(ctypes.Structure):
+    _fields_ = [
+        ("loss", c_double_p),
+        ("z_loss", c_double_p),
+        ("per_token_loss", c_float_p),
+        ("per_token_logp", c_float_p),
+        ("lse", c_float_p),
+        ("argmax", c_int64_p),
+    ]
+
+
+# GRPO structs: declared now so that the GRPO bindings only need a NumPy/torch front end.
+class fh_grpo_options(ctypes.Structure):
+    _fields_ = [
+        ("loss_type", ctypes.c_int),  # fh_grpo_loss_type
+        ("importance_sampling_level", ctypes.c_int),  # fh_grpo_is_level
+        ("temperature", ctypes.c_double),
+        ("epsilon_low", ctypes.c_double),
+        ("epsilon_high", ctypes.c_double),
+        ("delta", ctypes.c_double),
+        ("beta", ctypes.c_double),
+        ("sapo_temperature_pos", ctypes.c_double),
+        ("sapo_temperature_neg", ctypes.c_double),
+        ("num_items_in_batch", ctypes.c_double),
+        ("max_completion_length", ctypes.c_int64),
+        ("entropy_coef", ctypes.c_double),
+    ]
+
+
+class fh_grpo_batch(ctypes.Structure):
+    _fields_ = [
+        ("batch", ctypes.c_int64),
+        ("seq", ctypes.c_int64),
+        ("completion_ids", c_int64_p),
+        ("completion_mask", c_float_p),
+        ("advantages", c_float_p),
+        ("old_per_token_logps", c_float_p),
+        ("ref_per_token_logps", c_float_p),
+    ]
+
+
+class fh_grpo_metrics(ctypes.Structure):
+    _fields_ = [
+        ("kl", ctypes.c_double),
+        ("entropy", ctypes.c_double),
+        ("clip_ratio_low_mean", ctypes.c_double),
+        ("clip_ratio_high_mean", ctypes.c_double),
+        ("clip_ratio_region_mean", ctypes.c_double),
+        ("cispo_clip_ratio", ctypes.c_double),
+    ]
+
+
+class fh_grpo_outputs(ctypes.Structure):
+    _fields_ = [
+        ("loss", c_double_p),
+        ("metrics", ctypes.POINTER(fh_grpo_metrics)),
+        ("per_token_logp", c_float_p),
+        ("per_token_loss", c_float_p),
+        ("entropy", c_float_p),
+        ("lse", c_float_p),
+    ]
+
+
+STRUCTS = (fh_blis_info, fh_linear, fh_linear_grads, fh_ce_options, fh_ce_outputs, fh_grpo_options,
+           fh_grpo_batch, fh_grpo_metrics, fh_grpo_outputs)
+
+# ---------------------------------------------------------------------------------------------------------
+# Prototypes
+# ---------------------------------------------------------------------------------------------------------
+_P = ctypes.POINTER
+_ctx_p = ctypes.c_void_p  # fh_context * (opaque)
+_st = ctypes.c_int  # fh_status
+
+# name: (restype, argtypes). Required symbols: the library does not load without them.
+_REQUIRED = {
+    "fh_status_string": (ctypes.c_char_p, [_st]),
+    "fh_context_create": (_st, [_P(_ctx_p)]),
+    "fh_context_destroy": (_st, [_ctx_p]),
+    "fh_context_set": (_st, [_ctx_p, ctypes.c_int, ctypes.c_int64]),
+    "fh_context_get": (_st, [_ctx_p, ctypes.c_int, c_int64_p]),
+    "fh_param_bounds": (_st, [ctypes.c_int, c_int64_p, c_int64_p]),
+    "fh_context_message": (_st, [_ctx_p, _P(ctypes.c_char_p)]),
+    "fh_context_set_workspace": (_st, [_ctx_p, ctypes.c_void_p, ctypes.c_size_t]),
+    "fh_blis_query": (_st, [_P(fh_blis_info)]),
+    "fh_linear_init": (_st, [_P(fh_linear), ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, c_float_p, c_float_p,
+                             ctypes.c_int, c_float_p]),
+    "fh_ce_options_init": (_st, [_P(fh_ce_options)]),
+    "fh_ce_forward": (_st, [_ctx_p, _P(fh_linear), c_int64_p, _P(fh_ce_options), _P(fh_ce_outputs)]),
+    "fh_ce_backward": (_st, [_ctx_p, _P(fh_linear), c_int64_p, _P(fh_ce_options), c_float_p, c_float_p,
+                             _P(fh_linear_grads)]),
+    "fh_ce_forward_backward": (_st, [_ctx_p, _P(fh_linear), c_int64_p, _P(fh_ce_options), c_float_p,
+                                     _P(fh_ce_outputs), _P(fh_linear_grads)]),
+    "fh_ce_workspace_size": (_st, [_ctx_p, _P(fh_linear), _P(fh_ce_options), _P(ctypes.c_size_t)]),
+    "fh_ce_forward_backward_workspace_size": (_st, [_ctx_p, _P(fh_linear), _P(fh_ce_options),
+                                                    _P(ctypes.c_size_t)]),
+}
+# Bound when present (a library built before they existed still serves cross-entropy).
+_OPTIONAL = {
+    "fh_grpo_options_init": (_st, [_P(fh_grpo_options)]),
+    "fh_grpo_forward": (_st, [_ctx_p, _P(fh_linear), _P(fh_grpo_batch), _P(fh_grpo_options),
+                              _P(fh_grpo_outputs)]),
+    "fh_grpo_backward": (_st, [_ctx_p, _P(fh_linear), _P(fh_grpo_batch), _P(fh_grpo_options), c_float_p,
+                               c_float_p, c_float_p, c_float_p, _P(fh_linear_grads)]),
+    "fh_grpo_forward_backward": (_st, [_ctx_p, _P(fh_linear), _P(fh_grpo_batch), _P(fh_grpo_options), c_float_p,
+                                       _P(fh_grpo_outputs), _P(fh_linear_grads)]),
+    "fh_grpo_workspace_size": (_st, [_ctx_p, _P(fh_linear), _P(ctypes.c_size_t)]),
+}
+
+
+class LibraryNotFoundError(ImportError):
+    """libfusedhead.so could not be found or loaded; the message lists every place tried."""
+
+
+ENV_VAR = "FUSEDHEAD_LIBRARY"
+_PACKAGE_DIR = Path(__file__).resolve().parent
+_LIB_GLOBS = ("libfusedhead.so", "libfusedhead.so.0", "libfusedhead.so.*")
+
+
+def _libs_in(directory: Path) -> List[Path]:
+    found: List[Path] = []
+    for pattern in _LIB_GLOBS:
+        for p in sorted(directory.glob(pattern)):
+            if p.is_file() and p not in found:
+                found.append(p)
+    return found
+
+
+def build_tree_candidates(package_dir: Path = _PACKAGE_DIR) -> List[Path]:
+    """libfusedhead.so* in build directories near the package, best first: build/ before any other build*/
+    (those in name order); the repository root (package_dir/../..) before package_dir/.."""
+    candidates: List[Path] = []
+    for base in (package_dir.parent.parent, package_dir.parent):
+        if not base.is_dir():
+            continue
+        dirs = sorted(d for d in base.glob("build*") if d.is_dir())
+        dirs.sort(key=lambda d: d.name != "build")  # stable: build/ first, the rest stay in name order
+        for d in dirs:
+            for p in _libs_in(d):
+                if p not in candidates:
+                    candidates.append(p)
+    return candidates
+
+
+def _bind(cdll: ctypes.CDLL) -> ctypes.CDLL:
+    for table, required in ((_REQUIRED, True), (_OPTIONAL, False)):
+        for name, (restype, argtypes) in table.items():
+            try:
+                fn = getattr(cdll, name)
+            except AttributeError:
+                if required:
+                    raise LibraryNotFoundError(f"{cdll._name} does not export {name}: not a compatible libfusedhead")
+                continue
+            fn.restype = restype
+            fn.argtypes = argtypes
+    return cdll
+
+
+_lock = threading.Lock()
+_lib: Optional[ctypes.CDLL] = None
+_lib_path: Optional[str] = None
+
+
+def load_library(path: Optional[str] = None) -> ctypes.CDLL:
+    """The loaded library (loaded once per process). `path` overrides the lookup on the first call only."""
+    global _lib, _lib_path
+    with _lock:
+        if _lib is not None:
+            return _lib
+        tried: List[str] = []
+        env = os.environ.get(ENV_VAR)
+        if path is not None or env:
+            explicit = path if path is not None else env
+            source = "load_library(path)" if path is not None else ENV_VAR
+            try:
+                cdll = ctypes.CDLL(os.fspath(explicit))
+            except OSError as e:
+                raise LibraryNotFoundError(f"{source} = {explicit!r} could not be loaded: {e}") from None
+            _lib, _lib_path = _bind(cdll), os.fspath(explicit)
+            return _lib
+        candidates = [str(p) for p in build_tree_candidates()] + [str(p) for p in _libs_in(_PACKAGE_DIR)]
+        system = ctypes.util.find_library("fusedhead")
+        candidates += [c for c in (system, "libfusedhead.so.0") if c]
+        for candidate in candidates:
+            try:
+                cdll = ctypes.CDLL(candidate)
+            except OSError as e:
+                tried.append(f"  {candidate}: {e}")
+                continue
+            _lib, _lib_path = _bind(cdll), candidate
+            return _lib
+        raise LibraryNotFoundError(
+            "libfusedhead.so not found. Build it (cmake -S . -B build && cmake --build build --target fusedhead), "
+            f"set {ENV_VAR}=/path/to/libfusedhead.so, or install it system-wide. Tried:\n" + "\n".join(tried))
+
+
+def library_path() -> str:
+    """Path (or soname) of the loaded library; loads it if needed."""
+    load_library()
+    assert _lib_path is not None
+    return _lib_path
+
+
+def has_symbol(name: str) -> bool:
+    return hasattr(load_library(), name)

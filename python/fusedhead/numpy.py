@@ -1,0 +1,364 @@
+"""NumPy front end: fused linear cross-entropy on float32 arrays, zero-copy.
+
+    import fusedhead.numpy as fhnp
+    r = fhnp.cross_entropy(hidden, weight, targets, return_grads=True)   # weight [V, H] (layout="vh")
+    r.loss, r.dhidden, r.dweight
+
+Arrays are never copied or converted. Expected:
+  hidden   float32 [..., H]; rows must have unit element stride (C-contiguous rows; a padded row stride, e.g.
+           a slice x[:, :H] of a wider array, is fine for 2-D input); leading dimensions are flattened to N
+  weight   float32 [V, H] (layout "vh", torch nn.Linear.weight) or [H, V] (layout "hv", flax kernel), any
+           positive non-overlapping strides (C- or Fortran-ordered, sliced)
+  targets  int64, shaped like hidden's leading dimensions (or flat [N]), C-contiguous
+  bias, class_weights  float32 [V], contiguous
+Anything else raises TypeError (dtype, byte order, not an ndarray) or ValueError (shape, strides) saying what
+was expected. Library errors raise fusedhead.FusedheadError subclasses with the library's message.
+
+Per-token outputs (per_token_loss, per_token_logp, lse, argmax) have the targets' shape; gradients have
+their input's shape (dweight also its strides: the library writes dweight with the weight's strides).
+Calls with N = 0 tokens return loss 0 and zero gradients without calling the library (as when every token is
+ignored).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional, Tuple, Union
+
+import numpy as np
+
+from ._core import CEProblem, Context, LinearHead, View, default_context, parse_reduction
+from ._lib import Reduction
+
+__all__ = ["cross_entropy", "forward", "backward", "forward_backward", "CrossEntropyResult", "Gradients",
+           "workspace_size"]
+
+_GRAD_NAMES = ("hidden", "weight", "bias")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Arrays -> views
+# ---------------------------------------------------------------------------------------------------------
+def _check_array(a, name: str, dtype, hint: str = "") -> np.ndarray:
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{name}: expected a numpy.ndarray of {np.dtype(dtype).name}, got {type(a).__name__}"
+                        + (" (for torch tensors use fusedhead.torch)" if type(a).__module__.startswith("torch")
+                           else ""))
+    if a.dtype != np.dtype(dtype):  # also rejects non-native byte order ('>f4' != float32)
+        raise TypeError(f"{name}: expected dtype {np.dtype(dtype).name} in native byte order, got {a.dtype.str} "
+                        f"({a.dtype.name}){hint}")
+    if not a.flags.aligned:
+        raise ValueError(f"{name}: expected an aligned array")
+    return a
+
+
+def _view(a: np.ndarray, name: str) -> View:
+    item = a.itemsize
+    if any(s % item for s in a.strides):
+        raise ValueError(f"{name}: strides {a.strides} bytes are not multiples of the item size {item}")
+    return View(int(a.ctypes.data), tuple(int(s) for s in a.shape), tuple(int(s) // item for s in a.strides))
+
+
+def _flatten_rows(a: np.ndarray, name: str) -> np.ndarray:
+    """[..., H] -> [N, H] without copying."""
+    if a.ndim == 0:
+        raise ValueError(f"{name}: expected [..., H], got a 0-d array")
+    if a.ndim == 2:
+        return a
+    n = int(np.prod(a.shape[:-1], dtype=np.int64))
+    flat = a.view()
+    try:
+        flat.shape = (n, a.shape[-1])
+    except AttributeError:
+        raise ValueError(f"{name}: its leading dimensions {a.shape[:-1]} cannot be flattened to N without a copy "
+                         f"(strides {a.strides}); expected C-contiguous, e.g. np.ascontiguousarray({name})") from None
+    return flat
+
+
+def _flatten_vector(a: np.ndarray, name: str, shape: Tuple[int, ...], n: int, what: str) -> np.ndarray:
+    if a.shape != shape and a.shape != (n,):
+        raise ValueError(f"{name}: expected shape {list(shape)} ({what}) or [{n}], got {list(a.shape)}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name}: expected a C-contiguous array (np.ascontiguousarray({name}))")
+    return a.reshape(n)
+
+
+def _empty_with_strides(like: np.ndarray) -> np.ndarray:
+    """An uninitialised float32 array with `like`'s shape and strides (dweight must mirror the weight)."""
+    if like.flags.c_contiguous:
+        return np.empty(like.shape, np.float32)
+    if like.flags.f_contiguous:
+        return np.empty(like.shape, np.float32, order="F")
+    extent = 1 + sum((d - 1) * s for d, s in zip(like.shape, like.strides)) // like.itemsize
+    base = np.empty(max(extent, 1), np.float32)
+    return np.lib.stride_tricks.as_strided(base, like.shape, like.strides, writeable=True)
+
+
+class _Prepared:
+    """Checked arrays and the CEProblem describing them (keeps every array alive while the library runs)."""
+
+    def __init__(self, hidden, weight, targets, bias, layout, ignore_index, reduction, label_smoothing,
+                 class_weights, softcap, z_loss):
+        fp32_hint = "; fusedhead computes in fp32: use .astype(np.float32)"
+        hidden = _check_array(hidden, "hidden", np.float32, fp32_hint)
+        weight = _check_array(weight, "weight", np.float32, fp32_hint)
+        targets = _check_array(targets, "targets", np.int64, "; use .astype(np.int64)")
+        if bias is not None:
+            bias = _check_array(bias, "bias", np.float32, fp32_hint)
+        if class_weights is not None:
+            class_weights = _check_array(class_weights, "class_weights", np.float32, fp32_hint)
+        self.hidden, self.weight, self.bias, self.class_weights = hidden, weight, bias, class_weights
+        self.x = _flatten_rows(hidden, "hidden")
+        self.n = self.x.shape[0]
+        self.token_shape = tuple(hidden.shape[:-1])
+        self.targets = _flatten_vector(targets, "targets", self.token_shape, self.n, "hidden's leading dimensions")
+        self.reduction = parse_reduction(reduction)
+        self.head = None
+        self.problem = None
+        if self.n == 0:
+            self._check_empty(layout)
+            return
+        self.head = LinearHead(_view(self.x, "hidden"), _view(weight, "weight"),
+                               _view(bias, "bias") if bias is not None else None, layout)
+        self.problem = CEProblem(self.head, _view(self.targets, "targets"), ignore_index=ignore_index,
+                                 reduction=self.reduction, label_smoothing=label_smoothing,
+                                 class_weights=_view(class_weights, "class_weights")
+                                 if class_weights is not None else None, softcap=softcap, z_loss=z_loss)
+
+    def _check_empty(self, layout):
+        # Shape checks for N = 0 (the library is not called): a dummy 1-row head checks weight and bias.
+        dummy = np.zeros((1, self.x.shape[1]), np.float32)
+        LinearHead(_view(dummy, "hidden"), _view(self.weight, "weight"),
+                   _view(self.bias, "bias") if self.bias is not None else None, layout)
+
+    def tokens(self, dtype) -> np.ndarray:
+        return np.empty(self.n, dtype)
+
+    def shaped(self, a: np.ndarray) -> np.ndarray:
+        return a.reshape(self.token_shape)
+
+    # -- gradients --
+    def grad_output(self, grad_output) -> np.ndarray:
+        count = self.n if self.reduction == Reduction.NONE else 1
+        if grad_output is None:
+            return np.ones(count, np.float32)
+        if isinstance(grad_output, (int, float, np.floating, np.integer)) and not isinstance(grad_output, bool):
+            if self.reduction == Reduction.NONE:
+                return np.full(count, grad_output, np.float32)
+            return np.array([grad_output], np.float32)
+        g = _check_array(grad_output, "grad_output", np.float32)
+        if self.reduction == Reduction.NONE:
+            return _flatten_vector(g, "grad_output", self.token_shape, self.n, "one value per token")
+        if g.size != 1:
+            raise ValueError(f"grad_output: expected a scalar for reduction '{self.reduction.name.lower()}', "
+                             f"got shape {list(g.shape)}")
+        return g.reshape(1) if g.flags.c_contiguous else np.ascontiguousarray(g).reshape(1)
+
+    def wanted(self, wrt, dhidden, dweight, dbias) -> Tuple[bool, bool, bool]:
+        available = {"hidden", "weight"} | ({"bias"} if self.bias is not None else set())
+        given = {n for n, buf in zip(_GRAD_NAMES, (dhidden, dweight, dbias)) if buf is not None}
+        if wrt is None or wrt is True:
+            names = given if (given and wrt is None) else set(available)
+        else:
+            names = {wrt} if isinstance(wrt, str) else set(wrt)
+            unknown = names - set(_GRAD_NAMES)
+            if unknown:
+                raise ValueError(f"wrt: unknown names {sorted(unknown)}; expected a subset of {list(_GRAD_NAMES)}")
+            if "bias" in names and self.bias is None:
+                raise ValueError("wrt: 'bias' requested but bias is None")
+            for name, buf in zip(_GRAD_NAMES, (dhidden, dweight, dbias)):
+                if buf is not None and name not in names:
+                    raise ValueError(f"d{name} was given but '{name}' is not in wrt")
+        return tuple((n in names) or buf is not None for n, buf in zip(_GRAD_NAMES, (dhidden, dweight, dbias)))
+
+    def grad_buffers(self, want, dhidden, dweight, dbias, accumulate):
+        """(dx [N, H] view, dweight, dbias) arrays: the caller's (checked) or fresh ones."""
+        inputs = [a for a in (self.hidden, self.weight, self.bias, self.targets, self.class_weights) if a is not None]
+        out = []
+        for name, need, buf in zip(_GRAD_NAMES, want, (dhidden, dweight, dbias)):
+            if not need:
+                out.append(None)
+                continue
+            if buf is None:
+                if accumulate:
+                    raise ValueError(f"accumulate=True needs the d{name} array to accumulate into")
+                if name == "hidden":
+                    buf = np.empty((self.n, self.x.shape[1]), np.float32)
+                elif name == "weight":
+                    buf = _empty_with_strides(self.weight)
+                else:
+                    buf = np.empty(self.bias.shape, np.float32)
+            else:
+                buf = _check_array(buf, f"d{name}", np.float32)
+                if not buf.flags.writeable:
+                    raise ValueError(f"d{name}: expected a writeable array")
+                if any(np.may_share_memory(buf, a) for a in inputs):
+                    raise ValueError(f"d{name}: overlaps an input array")
+                if name == "hidden":
+                    if buf.shape != self.hidden.shape and buf.shape != (self.n, self.x.shape[1]):
+                        raise ValueError(f"dhidden: expected hidden's shape {list(self.hidden.shape)}, got "
+                                         f"{list(buf.shape)}")
+                    buf = _flatten_rows(buf, "dhidden")
+            out.append(buf)
+        return out
+
+    def grads_struct(self, bufs, accumulate):
+        dx, dw, db = bufs
+        return self.head.grads(_view(dx, "dhidden") if dx is not None else None,
+                               _view(dw, "dweight") if dw is not None else None,
+                               _view(db, "dbias") if db is not None else None, accumulate)
+
+    def shaped_grads(self, bufs, dhidden_given) -> "Gradients":
+        dx, dw, db = bufs
+        if dx is not None:  # the caller's array as given, or ours in hidden's shape
+            dx = dhidden_given if dhidden_given is not None else dx.reshape(self.hidden.shape)
+        return Gradients(dx, dw, db)
+
+    def zero_grads(self, bufs, accumulate):
+        if not accumulate:
+            for b in bufs:
+                if b is not None:
+                    b[...] = 0.0
+
+
+@dataclass
+class Gradients:
+    dhidden: Optional[np.ndarray] = None  # hidden's shape
+    dweight: Optional[np.ndarray] = None  # weight's shape and strides
+    dbias: Optional[np.ndarray] = None
+
+
+@dataclass
+class CrossEntropyResult:
+    """loss: a float for 'mean'/'sum', the per-token losses (targets' shape) for 'none'.
+    z_loss: the z-loss part of the loss, reduced like it (summed over tokens for 'none').
+    per_token_loss: CE + z-loss per token, 0 where ignored; per_token_logp: log p(target), 0 where ignored;
+    lse: log-sum-exp of the (softcapped) logits, what backward() needs; argmax: lowest index of the largest
+    logit. Gradients are None unless requested."""
+    loss: Union[float, np.ndarray]
+    z_loss: float
+    per_token_loss: np.ndarray
+    per_token_logp: np.ndarray
+    lse: np.ndarray
+    argmax: np.ndarray
+    dhidden: Optional[np.ndarray] = None
+    dweight: Optional[np.ndarray] = None
+    dbias: Optional[np.ndarray] = None
+
+    @property
+    def grads(self) -> Gradients:
+        return Gradients(self.dhidden, self.dweight, self.dbias)
+
+
+def _run_forward(p: _Prepared, ctx: Optional[Context], grad=None, grad_struct=None) -> CrossEntropyResult:
+    ptl, logp, lse, am = (p.tokens(np.float32), p.tokens(np.float32), p.tokens(np.float32), p.tokens(np.int64))
+    if p.n == 0:
+        loss, z = 0.0, 0.0
+    else:
+        ctx = ctx or default_context()
+        outs = dict(per_token_loss=ptl.ctypes.data, per_token_logp=logp.ctypes.data, lse=lse.ctypes.data,
+                    argmax=am.ctypes.data)
+        if grad_struct is None:
+            loss, z = p.problem.forward(ctx, **outs)
+        else:
+            loss, z = p.problem.forward_backward(ctx, grad.ctypes.data, grad_struct, **outs)
+    ptl, logp, lse, am = (p.shaped(a) for a in (ptl, logp, lse, am))
+    return CrossEntropyResult(ptl if p.reduction == Reduction.NONE else loss, z, ptl, logp, lse, am)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Public API (mirrors fh_ce_forward, fh_ce_backward, fh_ce_forward_backward)
+# ---------------------------------------------------------------------------------------------------------
+def forward(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, bias: Optional[np.ndarray] = None, *,
+            layout: str = "vh", ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+            class_weights: Optional[np.ndarray] = None, softcap: float = 0.0, z_loss: float = 0.0,
+            context: Optional[Context] = None) -> CrossEntropyResult:
+    """fh_ce_forward: loss and per-token outputs (keep .lse for backward())."""
+    p = _Prepared(hidden, weight, targets, bias, layout, ignore_index, reduction, label_smoothing, class_weights,
+                  softcap, z_loss)
+    return _run_forward(p, context)
+
+
+def backward(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, bias: Optional[np.ndarray] = None, *,
+             lse: np.ndarray, grad_output=None, layout: str = "vh", ignore_index: int = -100,
+             reduction: str = "mean", label_smoothing: float = 0.0, class_weights: Optional[np.ndarray] = None,
+             softcap: float = 0.0, z_loss: float = 0.0, wrt: Optional[Iterable[str]] = None,
+             dhidden: Optional[np.ndarray] = None, dweight: Optional[np.ndarray] = None,
+             dbias: Optional[np.ndarray] = None, accumulate: bool = False,
+             context: Optional[Context] = None) -> Gradients:
+    """fh_ce_backward from forward()'s lse. Options must be those of the forward call.
+
+    grad_output: d(objective)/d(loss): a scalar for 'mean'/'sum' (default 1), one float32 per token for
+    'none' (default ones). wrt: which gradients (subset of "hidden", "weight", "bias"); default: those whose
+    arrays are passed, or all available when none is. dhidden/dweight/dbias: arrays to write into (dweight
+    with the weight's strides);
+    accumulate=True adds to them (beta 1) instead of overwriting (beta 0).
+    """
+    p = _Prepared(hidden, weight, targets, bias, layout, ignore_index, reduction, label_smoothing, class_weights,
+                  softcap, z_loss)
+    want = p.wanted(wrt, dhidden, dweight, dbias)
+    g = p.grad_output(grad_output)
+    bufs = p.grad_buffers(want, dhidden, dweight, dbias, accumulate)
+    if p.n == 0:
+        p.zero_grads(bufs, accumulate)
+    else:
+        lse = _flatten_vector(_check_array(lse, "lse", np.float32), "lse", p.token_shape, p.n,
+                              "one value per token, from forward()")
+        grads = p.grads_struct(bufs, accumulate)
+        p.problem.backward(context or default_context(), lse.ctypes.data, g.ctypes.data, grads)
+    return p.shaped_grads(bufs, dhidden)
+
+
+def forward_backward(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray,
+                     bias: Optional[np.ndarray] = None, *, grad_output=None, layout: str = "vh",
+                     ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                     class_weights: Optional[np.ndarray] = None, softcap: float = 0.0, z_loss: float = 0.0,
+                     wrt: Optional[Iterable[str]] = None, dhidden: Optional[np.ndarray] = None,
+                     dweight: Optional[np.ndarray] = None, dbias: Optional[np.ndarray] = None,
+                     accumulate: bool = False, context: Optional[Context] = None) -> CrossEntropyResult:
+    """fh_ce_forward_backward: forward outputs and gradients in one call (the training step: 6 NHV flops
+    instead of 8). Arguments as in backward()."""
+    p = _Prepared(hidden, weight, targets, bias, layout, ignore_index, reduction, label_smoothing, class_weights,
+                  softcap, z_loss)
+    want = p.wanted(wrt, dhidden, dweight, dbias)
+    g = p.grad_output(grad_output)
+    bufs = p.grad_buffers(want, dhidden, dweight, dbias, accumulate)
+    if p.n == 0:
+        p.zero_grads(bufs, accumulate)
+        r = _run_forward(p, context)
+    else:
+        r = _run_forward(p, context, g, p.grads_struct(bufs, accumulate))
+    grads = p.shaped_grads(bufs, dhidden)
+    r.dhidden, r.dweight, r.dbias = grads.dhidden, grads.dweight, grads.dbias
+    return r
+
+
+def cross_entropy(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, bias: Optional[np.ndarray] = None,
+                  layout: str = "vh", ignore_index: int = -100, reduction: str = "mean",
+                  label_smoothing: float = 0.0, class_weights: Optional[np.ndarray] = None, softcap: float = 0.0,
+                  z_loss: float = 0.0, return_grads: Union[bool, Iterable[str]] = False, grad_output=None,
+                  context: Optional[Context] = None) -> CrossEntropyResult:
+    """F.cross_entropy(hidden @ W.T + bias, targets, ...) without the logits, plus softcap and z-loss.
+
+    return_grads: False (forward only), True (all available gradients) or names among "hidden", "weight",
+    "bias"; gradients of grad_output * loss (default grad_output 1, or ones per token for 'none').
+    """
+    if return_grads is False or return_grads is None:
+        if grad_output is not None:
+            raise ValueError("grad_output is only used with return_grads")
+        return forward(hidden, weight, targets, bias, layout=layout, ignore_index=ignore_index, reduction=reduction,
+                       label_smoothing=label_smoothing, class_weights=class_weights, softcap=softcap, z_loss=z_loss,
+                       context=context)
+    return forward_backward(hidden, weight, targets, bias, grad_output=grad_output, layout=layout,
+                            ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+                            class_weights=class_weights, softcap=softcap, z_loss=z_loss,
+                            wrt=None if return_grads is True else return_grads, context=context)
+
+
+def workspace_size(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, bias: Optional[np.ndarray] = None,
+                   *, layout: str = "vh", train_step: bool = False, context: Optional[Context] = None) -> int:
+    """Workspace bytes fh_ce_forward/backward (train_step=False) or fh_ce_forward_backward (True) need for
+    these shapes under the context's settings (pure query)."""
+    p = _Prepared(hidden, weight, targets, bias, layout, -100, "mean", 0.0, None, 0.0, 0.0)
+    if p.n == 0:
+        return 0
+    return p.problem.workspace_size(context or default_context(), train_step)

@@ -1,0 +1,313 @@
+"""PyTorch front end: fused linear cross-entropy as an autograd Function, a functional and an nn.Module.
+
+    from fusedhead.torch import fused_linear_cross_entropy
+    loss = fused_linear_cross_entropy(hidden, lm_head.weight, targets)   # == F.cross_entropy(F.linear(...))
+    loss.backward()
+
+Semantics: F.cross_entropy(F.linear(hidden, weight, bias).view(-1, V), targets.view(-1), weight=class_weights,
+ignore_index=..., reduction=..., label_smoothing=...), plus Gemma-style logit softcap (c * tanh(u / c)) and
+z-loss (z_loss * lse^2, averaged over non-ignored tokens for 'mean', never class-weighted, added to the loss).
+One documented difference: when every token is ignored (or every target has class weight 0), 'mean' gives
+loss 0 and zero gradients where torch gives NaN. N = 0 tokens behaves the same way.
+
+Inputs: CPU tensors; hidden, weight, bias, class_weights float32; targets int64. hidden is [..., H] (e.g.
+[B, T, H]) and targets hidden's leading shape (or flat [N]); weight is [V, H] (layout="vh", nn.Linear.weight,
+the default) or [H, V] (layout="hv"). Anything else raises TypeError / ValueError saying what was expected.
+
+Copies (only where the library cannot take the tensor as it is):
+  - hidden: none when its rows have unit element stride (contiguous, or row-padded 2-D slices); [B, T, H]
+    is flattened with reshape (a view when possible); otherwise one contiguous copy.
+  - weight: none for any positive non-overlapping strides (contiguous, transposed, sliced); else a copy.
+  - targets, bias, class_weights: a copy only when not contiguous ([N] / [V] vectors, cheap).
+  - the per-token upstream gradient of reduction='none': made contiguous (autograd often passes an
+    expanded, zero-stride tensor).
+
+Gradients: only for inputs that require grad (the library is handed NULL for the others).
+  - 'mean'/'sum' with grad enabled: the forward calls fh_ce_forward_backward with upstream gradient 1
+    (6 NHV flops instead of 8 for forward + backward, as Liger does); backward scales the saved gradients by
+    the incoming scalar (no work when it is 1). The gradients (dweight is V x H) are held from forward to
+    backward.
+  - 'none': the forward (fh_ce_forward) saves lse [N]; backward calls fh_ce_backward with the per-token
+    upstream gradient. The library rejects a non-finite upstream gradient (InvalidGradOutputError) where torch
+    would propagate NaN.
+  - Without grad (torch.no_grad, or nothing requires grad): forward only.
+Double backward is not supported.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from ._core import (CEProblem, Context, LinearHead, View, default_context, matrix_view_ok, parse_layout,
+                    parse_reduction, rows_view_ok, vector_view_ok)
+from ._lib import Reduction
+
+__all__ = ["FusedLinearCrossEntropyFunction", "FusedLinearCrossEntropy", "fused_linear_cross_entropy"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Shared tensor helpers (for every loss: cross-entropy now, GRPO later)
+# ---------------------------------------------------------------------------------------------------------
+def _check_tensor(t, name: str, dtype: torch.dtype, hint: str = "") -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name}: fusedhead runs on the CPU; got a tensor on {t.device} (move it with .cpu())")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {t.dtype}{hint}")
+    return t
+
+
+_FP32_HINT = "; fusedhead computes in fp32 (use .float())"
+
+
+def _view(t: torch.Tensor) -> View:
+    return View(t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+
+
+def _opt_view(t: Optional[torch.Tensor]) -> Optional[View]:
+    return None if t is None else _view(t)
+
+
+def _contiguous_vector(t: torch.Tensor) -> torch.Tensor:
+    return t if vector_view_ok(t.shape, t.stride()) else t.contiguous()
+
+
+class _TorchLinear:
+    """hidden [..., H], weight and bias as the library takes them (copies only where needed), and the
+    gradient buffers for the inputs that need them."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], layout):
+        _check_tensor(hidden, "hidden", torch.float32, _FP32_HINT)
+        _check_tensor(weight, "weight", torch.float32, _FP32_HINT)
+        if bias is not None:
+            _check_tensor(bias, "bias", torch.float32, _FP32_HINT)
+        if hidden.dim() < 1:
+            raise ValueError("hidden: expected [..., H], got a 0-d tensor")
+        if weight.dim() != 2:
+            raise ValueError(f"weight: expected a 2-D tensor ([V, H] for layout 'vh', [H, V] for 'hv'), got shape "
+                             f"{list(weight.shape)}")
+        self.layout = parse_layout(layout)
+        self.hidden_shape = tuple(hidden.shape)
+        h = hidden.shape[-1]
+        x = hidden.reshape(-1, h)  # a view when the leading dimensions collapse
+        if not rows_view_ok(x.shape, x.stride()):
+            x = x.contiguous()
+        if not matrix_view_ok(weight.shape, weight.stride()):
+            weight = weight.contiguous()
+        if bias is not None:
+            bias = _contiguous_vector(bias)
+        self.x, self.weight, self.bias = x, weight, bias
+        self.n = x.shape[0]
+        head_x = x if self.n > 0 else torch.zeros(1, h)  # N = 0: shapes still checked; the library is not called
+        self.head = LinearHead(_view(head_x), _view(weight), _opt_view(bias), self.layout)
+        self.vocab = self.head.vocab
+
+    def alloc_grads(self, need_x: bool, need_w: bool, need_b: bool):
+        """Fresh buffers (overwritten by the library: beta 0): dx [N, H] contiguous, dweight with the weight's
+        strides, dbias [V]. Zero-filled when N = 0 (the library is not called)."""
+        alloc = torch.zeros if self.n == 0 else torch.empty
+        dx = alloc(self.x.shape, dtype=torch.float32) if need_x else None
+        dw = None
+        if need_w:
+            dw = torch.empty_strided(self.weight.shape, self.weight.stride(), dtype=torch.float32)
+            if self.n == 0:
+                dw.zero_()
+        db = alloc(self.bias.shape, dtype=torch.float32) if need_b and self.bias is not None else None
+        return dx, dw, db
+
+    def grads_struct(self, dx, dw, db):
+        return self.head.grads(_opt_view(dx), _opt_view(dw), _opt_view(db))
+
+    def hidden_grad(self, dx: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if dx is None else dx.view(self.hidden_shape)
+
+
+def _token_vector(t: torch.Tensor, name: str, token_shape: Tuple[int, ...], n: int, what: str) -> torch.Tensor:
+    if tuple(t.shape) != token_shape and tuple(t.shape) != (n,):
+        raise ValueError(f"{name}: expected shape {list(token_shape)} ({what}) or [{n}], got {list(t.shape)}")
+    return _contiguous_vector(t.reshape(n))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Cross-entropy
+# ---------------------------------------------------------------------------------------------------------
+class _CE:
+    """Everything one cross-entropy call needs, checked and in library form."""
+
+    def __init__(self, hidden, weight, targets, bias, class_weights, ignore_index, reduction, label_smoothing,
+                 softcap, z_loss, layout):
+        self.lin = _TorchLinear(hidden, weight, bias, layout)
+        _check_tensor(targets, "targets", torch.int64, " (use .long())")
+        self.token_shape = self.lin.hidden_shape[:-1]
+        self.targets = _token_vector(targets, "targets", self.token_shape, self.lin.n, "hidden's leading dimensions")
+        if class_weights is not None:
+            _check_tensor(class_weights, "class_weights", torch.float32, _FP32_HINT)
+            class_weights = _contiguous_vector(class_weights.detach())
+        self.class_weights = class_weights
+        self.reduction = parse_reduction(reduction)
+        self.ignore_index, self.z_loss = int(ignore_index), float(z_loss)
+        # N = 0: a placeholder of the 1-row head's size, for the shape checks only (the library is not called)
+        targets_view = _view(self.targets) if self.lin.n > 0 else View(0, (1,), (1,))
+        self.problem = CEProblem(self.lin.head, targets_view, ignore_index=ignore_index, reduction=self.reduction,
+                                 label_smoothing=label_smoothing, class_weights=_opt_view(class_weights),
+                                 softcap=softcap, z_loss=z_loss)
+
+    @property
+    def n(self) -> int:
+        return self.lin.n
+
+    def per_token_z(self, lse: torch.Tensor) -> torch.Tensor:
+        """z_loss * lse^2 per token (0 where ignored), from the forward's fp32 lse."""
+        return torch.where(self.targets != self.ignore_index, self.z_loss * lse * lse,
+                           torch.zeros((), dtype=lse.dtype)).view(self.token_shape)
+
+
+def _scalar(value: float) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float32)
+
+
+def _forward_reduced(ce: _CE, context: Optional[Context], need: Sequence[bool]):
+    """'mean'/'sum': (loss, z_loss, (dx, dw, db)); gradients of loss (upstream 1) for the inputs in need."""
+    dx, dw, db = ce.lin.alloc_grads(*need)
+    if ce.n == 0:
+        return _scalar(0.0), _scalar(0.0), (dx, dw, db)
+    ctx = context or default_context()
+    if any(need):
+        one = torch.ones(1, dtype=torch.float32)
+        loss, z = ce.problem.forward_backward(ctx, one.data_ptr(), ce.lin.grads_struct(dx, dw, db))
+    else:
+        loss, z = ce.problem.forward(ctx)
+    return _scalar(loss), _scalar(z), (dx, dw, db)
+
+
+def _forward_none(ce: _CE, context: Optional[Context]):
+    """'none': (per-token loss, per-token z-loss, lse [N])."""
+    per_token = torch.zeros(ce.n, dtype=torch.float32)
+    lse = torch.zeros(ce.n, dtype=torch.float32)
+    if ce.n > 0:
+        ce.problem.forward(context or default_context(), per_token_loss=per_token.data_ptr(), lse=lse.data_ptr())
+    return per_token.view(ce.token_shape), ce.per_token_z(lse), lse
+
+
+class FusedLinearCrossEntropyFunction(torch.autograd.Function):
+    """apply(hidden, weight, targets, bias=None, class_weights=None, ignore_index=-100, reduction="mean",
+    label_smoothing=0.0, softcap=0.0, z_loss=0.0, layout="vh", context=None) -> (loss, z_loss)
+
+    z_loss is the z-loss part of loss (reduced like it; per token for 'none'); it is not differentiable
+    (its gradient flows through loss). Positional arguments only (torch.autograd.Function.apply).
+    Gradients are computed for the inputs whose ctx.needs_input_grad is set, which torch fills from
+    requires_grad even under torch.no_grad(): prefer fused_linear_cross_entropy, which runs the forward
+    alone when no gradient can be needed."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, bias=None, class_weights=None, ignore_index=-100, reduction="mean",
+                label_smoothing=0.0, softcap=0.0, z_loss=0.0, layout="vh", context=None):
+        ce = _CE(hidden, weight, targets, bias, class_weights, ignore_index, reduction, label_smoothing, softcap,
+                 z_loss, layout)
+        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
+        ctx.reduction = ce.reduction
+        ctx.fh_context = context
+        if ce.reduction != Reduction.NONE:
+            loss, z, (dx, dw, db) = _forward_reduced(ce, context, need)
+            ctx.save_for_backward(ce.lin.hidden_grad(dx), dw, db)
+        else:
+            loss, z, lse = _forward_none(ce, context)
+            # What the library saw (views of the inputs, or the copies made for it), for fh_ce_backward.
+            ctx.save_for_backward(ce.lin.x, ce.lin.weight, ce.targets, ce.lin.bias, ce.class_weights, lse)
+            ctx.need = need
+            ctx.options = (ignore_index, label_smoothing, softcap, z_loss, layout)
+            ctx.hidden_shape = ce.lin.hidden_shape
+        ctx.mark_non_differentiable(z)
+        return loss, z
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_z):
+        if ctx.reduction != Reduction.NONE:
+            dx, dw, db = ctx.saved_tensors
+            if not bool(grad_loss == 1):  # d(objective)/d(loss) != 1: scale (NaN propagates, as in torch)
+                dx, dw, db = (None if t is None else t * grad_loss for t in (dx, dw, db))
+        else:
+            x, weight, targets, bias, class_weights, lse = ctx.saved_tensors  # version-checked
+            ignore_index, label_smoothing, softcap, z_loss, layout = ctx.options
+            ce = _CE(x, weight, targets, bias, class_weights, ignore_index, Reduction.NONE, label_smoothing, softcap,
+                     z_loss, layout)
+            dx, dw, db = ce.lin.alloc_grads(*ctx.need)
+            if ce.n > 0:
+                g = _token_vector(grad_loss.to(torch.float32), "grad_output", tuple(ctx.hidden_shape[:-1]), ce.n,
+                                  "per token")
+                ce.problem.backward(ctx.fh_context or default_context(), lse.data_ptr(), g.data_ptr(),
+                                    ce.lin.grads_struct(dx, dw, db))
+            dx = None if dx is None else dx.view(ctx.hidden_shape)
+        return (dx, dw, None, db) + (None,) * 8
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                               bias: Optional[torch.Tensor] = None, ignore_index: int = -100,
+                               reduction: str = "mean", label_smoothing: float = 0.0,
+                               class_weights: Optional[torch.Tensor] = None, softcap: float = 0.0,
+                               z_loss: float = 0.0, *, weight_classes: Optional[torch.Tensor] = None,
+                               layout: str = "vh", return_z_loss: bool = False, context: Optional[Context] = None):
+    """F.cross_entropy(F.linear(hidden, weight, bias), targets, weight=class_weights, ...) without the logits.
+
+    class_weights is torch's `weight=` (alias: weight_classes). Returns the loss (a scalar, or the targets'
+    shape for 'none'), or (loss, z_loss) with return_z_loss=True (z_loss: the z-loss part, detached).
+    """
+    if weight_classes is not None:
+        if class_weights is not None:
+            raise ValueError("pass class_weights or weight_classes, not both")
+        class_weights = weight_classes
+    parse_reduction(reduction)
+    grad_on = torch.is_grad_enabled()
+    if grad_on and class_weights is not None and isinstance(class_weights, torch.Tensor) and \
+            class_weights.requires_grad:
+        raise ValueError("class_weights: gradients with respect to class weights are not supported "
+                         "(torch's cross_entropy does not implement them either); pass class_weights.detach()")
+    tracked = [t for t in (hidden, weight, bias) if isinstance(t, torch.Tensor)]
+    if grad_on and any(t.requires_grad for t in tracked):
+        loss, z = FusedLinearCrossEntropyFunction.apply(hidden, weight, targets, bias, class_weights, ignore_index,
+                                                        reduction, label_smoothing, softcap, z_loss, layout,
+                                                        context)
+    else:
+        ce = _CE(hidden, weight, targets, bias, class_weights, ignore_index, reduction, label_smoothing, softcap,
+                 z_loss, layout)
+        if ce.reduction != Reduction.NONE:
+            loss, z, _ = _forward_reduced(ce, context, (False, False, False))
+        else:
+            loss, z, _ = _forward_none(ce, context)
+    return (loss, z) if return_z_loss else loss
+
+
+class FusedLinearCrossEntropy(torch.nn.Module):
+    """nn.Module form (options fixed at construction; the lm_head weight is a forward argument, as in Liger's
+    LigerFusedLinearCrossEntropyLoss):
+
+        loss_fn = FusedLinearCrossEntropy(ignore_index=-100, label_smoothing=0.1)
+        loss = loss_fn(hidden, model.lm_head.weight, targets)             # bias=model.lm_head.bias if any
+    """
+
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                 class_weights: Optional[torch.Tensor] = None, softcap: float = 0.0, z_loss: float = 0.0,
+                 layout: str = "vh", return_z_loss: bool = False, context: Optional[Context] = None):
+        super().__init__()
+        parse_reduction(reduction)
+        parse_layout(layout)
+        self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+        self.softcap, self.z_loss, self.layout, self.return_z_loss = softcap, z_loss, layout, return_z_loss
+        self.context = context
+        self.register_buffer("class_weights", class_weights)
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                bias: Optional[torch.Tensor] = None):
+        return fused_linear_cross_entropy(hidden, weight, targets, bias, self.ignore_index, self.reduction,
+                                          self.label_smoothing, self.class_weights, self.softcap, self.z_loss,
+                                          layout=self.layout, return_z_loss=self.return_z_loss,
+                                          context=self.context)
+
+    def extra_repr(self) -> str:
+        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+                f"label_smoothing={self.label_smoothing}, softcap={self.softcap}, z_loss={self.z_loss}, "
+                f"layout={self.layout!r}, return_z_loss={self.return_z_loss}")

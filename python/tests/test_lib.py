@@ -1,0 +1,207 @@
+"""The ctypes layer: struct layouts against the C header, enums, library lookup, contexts, errors, import."""
+from __future__ import annotations
+
+import ctypes
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import fusedhead
+from fusedhead import _lib
+from conftest import REPO_ROOT, make_data, subprocess_env
+
+HEADER_DIR = REPO_ROOT / "include"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Struct layouts and enum values, checked by compiling against include/fusedhead.h
+# ------------------------------------------------------------------------------------------------------------
+def _layout_program() -> str:
+    lines = ["#include <fusedhead.h>", "#include <stddef.h>", "#include <stdio.h>", "int main(void) {"]
+    for cls in _lib.STRUCTS:
+        name = cls.__name__
+        lines.append(f'  printf("{name} sizeof %zu\\n", sizeof({name}));')
+        for field, _ in cls._fields_:
+            lines.append(f'  printf("{name} {field} %zu\\n", offsetof({name}, {field}));')
+    for enum_cls, prefix in ((_lib.Status, "FH_"), (_lib.Param, "FH_PARAM_"), (_lib.Layout, "FH_LAYOUT_"),
+                             (_lib.Reduction, "FH_REDUCTION_"), (_lib.GRPOLossType, "FH_GRPO_LOSS_"),
+                             (_lib.GRPOISLevel, "FH_GRPO_IS_")):
+        for member in enum_cls:
+            lines.append(f'  printf("enum {prefix}{member.name} %d\\n", (int){prefix}{member.name});')
+    lines += ["  return 0;", "}"]
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def c_layout(tmp_path_factory):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None or not (HEADER_DIR / "fusedhead.h").exists():
+        pytest.skip("no C compiler or header to check the struct layouts against")
+    d = tmp_path_factory.mktemp("layout")
+    (d / "layout.c").write_text(_layout_program())
+    subprocess.run([cc, "-std=c11", "-I", str(HEADER_DIR), str(d / "layout.c"), "-o", str(d / "layout")], check=True,
+                   capture_output=True)
+    out = subprocess.run([str(d / "layout")], check=True, capture_output=True, text=True).stdout
+    return dict((" ".join(line.split()[:-1]), int(line.split()[-1])) for line in out.splitlines())
+
+
+@pytest.mark.parametrize("cls", _lib.STRUCTS, ids=lambda c: c.__name__)
+def test_struct_layout_matches_header(cls, c_layout):
+    name = cls.__name__
+    assert ctypes.sizeof(cls) == c_layout[f"{name} sizeof"]
+    for field, _ in cls._fields_:
+        assert getattr(cls, field).offset == c_layout[f"{name} {field}"], field
+
+
+def test_enum_values_match_header(c_layout):
+    enums = {k[len("enum "):]: v for k, v in c_layout.items() if k.startswith("enum ")}
+    assert enums and all(
+        enums[f"{p}{m.name}"] == int(m)
+        for enum_cls, p in ((_lib.Status, "FH_"), (_lib.Param, "FH_PARAM_"), (_lib.Reduction, "FH_REDUCTION_"),
+                            (_lib.Layout, "FH_LAYOUT_"))
+        for m in enum_cls)
+
+
+def test_options_init_defaults_match_python_defaults():
+    opts = _lib.fh_ce_options()
+    assert fusedhead.load_library().fh_ce_options_init(ctypes.byref(opts)) == 0
+    assert (opts.ignore_index, opts.reduction, opts.label_smoothing, bool(opts.class_weights), opts.softcap,
+            opts.z_loss) == (-100, 0, 0.0, False, 0.0, 0.0)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Package, version, library lookup
+# ------------------------------------------------------------------------------------------------------------
+def test_version_matches_cmake():
+    m = re.search(r"project\(fusedhead VERSION ([0-9.]+)", (REPO_ROOT / "CMakeLists.txt").read_text())
+    assert m and fusedhead.__version__ == m.group(1)
+
+
+def test_blis_info():
+    info = fusedhead.blis_info()
+    assert isinstance(info.kernel_set, str) and info.kernel_set
+    assert info.elementwise in ("avx512", "portable")
+    assert isinstance(info.selected_by_library, bool) and isinstance(info.user_override, bool)
+
+
+def _run_python(code: str, **env):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(**env),
+                          cwd=str(REPO_ROOT))
+
+
+def test_import_does_not_import_torch():
+    r = _run_python("import sys, fusedhead; fusedhead.blis_info(); fusedhead.numpy.forward; "
+                    "print('torch' in sys.modules, fusedhead.library_path())")
+    assert r.returncode == 0, r.stderr
+    imported, path = r.stdout.split()
+    assert imported == "False"
+
+
+def test_env_var_selects_library():
+    lib = fusedhead.library_path()
+    r = _run_python("import fusedhead; print(fusedhead.library_path())", FUSEDHEAD_LIBRARY=lib)
+    assert r.returncode == 0 and r.stdout.strip() == lib
+
+
+def test_env_var_bad_path_is_an_error():
+    r = _run_python("import fusedhead; fusedhead.blis_info()", FUSEDHEAD_LIBRARY="/nonexistent/libfusedhead.so")
+    assert r.returncode != 0
+    assert "LibraryNotFoundError" in r.stderr and "FUSEDHEAD_LIBRARY" in r.stderr
+
+
+def test_build_tree_lookup_without_env_var():
+    if not _lib.build_tree_candidates():
+        pytest.skip("no build*/libfusedhead.so* in the repository")
+    r = _run_python("import fusedhead; print(fusedhead.library_path())", FUSEDHEAD_LIBRARY=None)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().startswith(str(REPO_ROOT / "build"))
+
+
+def test_build_tree_candidate_order(tmp_path):
+    pkg = tmp_path / "python" / "fusedhead"
+    pkg.mkdir(parents=True)
+    for rel in ("build-z/libfusedhead.so", "build/libfusedhead.so.0", "build/libfusedhead.so.0.1.0",
+                "build-a/libfusedhead.so", "build-a/libfusedhead.so.0", "other/libfusedhead.so"):
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_bytes(b"")
+    got = [str(p.relative_to(tmp_path)) for p in _lib.build_tree_candidates(pkg)]
+    assert got == ["build/libfusedhead.so.0", "build/libfusedhead.so.0.1.0", "build-a/libfusedhead.so",
+                   "build-a/libfusedhead.so.0", "build-z/libfusedhead.so"]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Context and errors
+# ------------------------------------------------------------------------------------------------------------
+def test_context_parameters():
+    with fusedhead.Context(threads=2, tile_rows=16, tile_vocab=128, memory_budget=1 << 20) as ctx:
+        assert (ctx.threads, ctx.tile_rows, ctx.tile_vocab, ctx.memory_budget) == (2, 16, 128, 1 << 20)
+        ctx.threads = 1
+        assert ctx.get("threads") == 1 and ctx.get(fusedhead.Param.THREADS) == 1
+        lo, hi = fusedhead.Context.bounds("threads")
+        assert lo == 0 and hi >= 1
+        with pytest.raises(fusedhead.errors.InvalidParamValueError) as info:
+            ctx.threads = hi + 1
+        e = info.value
+        assert e.status == 31 and e.status_name == "FH_ERR_INVALID_PARAM_VALUE"
+        assert f"{hi + 1} is outside [0, {hi}]" in e.message and e.message in str(e)
+        assert ctx.message == e.message
+        assert ctx.threads == 1  # unchanged
+        with pytest.raises(ValueError, match="unknown parameter"):
+            ctx.get("warp_size")
+        with pytest.raises(fusedhead.errors.InvalidParamError):
+            ctx.set(99, 1)
+        assert "threads=1" in repr(ctx)
+    assert ctx.closed and "closed" in repr(ctx)
+    with pytest.raises(ValueError, match="closed"):
+        ctx.threads = 1
+
+
+def test_context_budget_too_small():
+    x, w, t, _, _ = make_data(seed=1)
+    with fusedhead.Context(memory_budget=1024) as ctx:
+        with pytest.raises(fusedhead.errors.BudgetTooSmallError, match="budget"):
+            fusedhead.numpy.forward(x, w, t, context=ctx)
+
+
+def test_context_check_finite():
+    x, w, t, _, _ = make_data(seed=2)
+    try:
+        ctx = fusedhead.Context(check_finite=True)
+    except fusedhead.errors.InvalidParamError:
+        pytest.skip("library without FH_PARAM_CHECK_FINITE")
+    x[5, 3] = np.nan
+    with pytest.raises(fusedhead.errors.NonfiniteInputError, match=r"x\[5\]\[3\] is not finite"):
+        fusedhead.numpy.forward(x, w, t, context=ctx)
+    assert np.isnan(fusedhead.numpy.forward(x, w, t).loss)  # default: NaN propagates
+    ctx.close()
+
+
+def test_status_strings_and_error_classes():
+    for status in fusedhead.Status:
+        assert fusedhead.status_string(status)
+    assert fusedhead.status_string(999)  # generic text for unknown values
+    for status, cls in fusedhead.errors.ERROR_CLASSES.items():
+        e = fusedhead.errors.error_for(status, fusedhead.status_string(status), "detail", "fh_x")
+        assert type(e) is cls and e.status == status and isinstance(e, fusedhead.FusedheadError)
+        assert isinstance(e, MemoryError if 20 <= status <= 22 else OSError if status == 23 else ValueError)
+        again = pickle.loads(pickle.dumps(e))
+        assert type(again) is cls and str(again) == str(e)
+    assert type(fusedhead.errors.error_for(999, "?")) is fusedhead.FusedheadError
+
+
+def test_default_context_settings():
+    before = fusedhead.default_context_settings()
+    try:
+        fusedhead.set_default_context_settings(tile_vocab=32)
+        assert fusedhead.default_context().tile_vocab == 32
+        fusedhead.set_default_context_settings(tile_vocab=None)
+        assert fusedhead.default_context().tile_vocab == 0
+        with pytest.raises(ValueError, match="unknown settings"):
+            fusedhead.set_default_context_settings(tiles=3)
+    finally:
+        fusedhead.set_default_context_settings(**{k: before.get(k) for k in ("tile_vocab", "threads")})
