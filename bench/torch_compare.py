@@ -1,0 +1,127 @@
+#!/usr/bin/python3
+"""PyTorch against fusedhead: one training step of linear + cross-entropy (forward and backward to the hidden
+states and the weight) at the same shape and threads.
+
+Cases, each in its own process (peak memory does not mix), best of --reps after a warm-up step:
+  torch_eager     F.cross_entropy(F.linear(h, W), y).backward(): materializes [N, V] logits and gradient
+  torch_chunked   the same over token chunks of --chunk rows (a common memory workaround in torch)
+  fusedhead       fusedhead.torch.fused_linear_cross_entropy (the single-call train step inside)
+Reported: ms, GFLOP/s on the 6*N*H*V basis, peak RSS growth of the step, speed-up over torch_eager.
+
+Run with Debian's interpreter (it has python3-torch), the library built in build/:
+  PYTHONPATH=python /usr/bin/python3 bench/torch_compare.py --n 1024 --hidden 1024 --vocab 32768 --threads 2
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+
+def rss_bytes(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    return -1
+
+
+def reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def run_case(args):
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    n, h, v = args.n, args.hidden, args.vocab
+    hidden = ((torch.rand(n, h) * 2 - 1)).requires_grad_(True)
+    weight = ((torch.rand(v, h) * 2 - 1) * (3.0 / h) ** 0.5).requires_grad_(True)
+    targets = torch.randint(0, v, (n,))
+    # Gradient buffers exist before measuring: a trainer keeps them across steps.
+    hidden.grad = torch.zeros_like(hidden)
+    weight.grad = torch.zeros_like(weight)
+
+    if args.case == "torch_eager":
+        def step():
+            F.cross_entropy(F.linear(hidden, weight), targets).backward()
+    elif args.case == "torch_chunked":
+        def step():
+            for start in range(0, n, args.chunk):
+                rows = slice(start, min(n, start + args.chunk))
+                logits = F.linear(hidden[rows], weight)
+                (F.cross_entropy(logits, targets[rows], reduction="sum") / n).backward()
+    else:
+        from fusedhead.torch import fused_linear_cross_entropy
+
+        def step():
+            fused_linear_cross_entropy(hidden, weight, targets).backward()
+
+    base = rss_bytes("VmRSS:")
+    reset_peak()
+    t = time.perf_counter()
+    step()
+    first = time.perf_counter() - t
+    best = float("inf")
+    for _ in range(args.reps):
+        hidden.grad.zero_()
+        weight.grad.zero_()
+        t = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - t)
+    peak = rss_bytes("VmHWM:") - base
+    print(json.dumps({"case": args.case, "best_ms": best * 1e3, "first_ms": first * 1e3, "peak_rss_growth_bytes": peak}))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=1024)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--chunk", type=int, default=256)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--case", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.case:
+        run_case(args)
+        return
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("torch_compare: PyTorch is not installed for this interpreter (Debian: python3-torch)", file=sys.stderr)
+        sys.exit(2)
+    results = []
+    for case in ("torch_eager", "torch_chunked", "fusedhead"):
+        cmd = [sys.executable, os.path.abspath(__file__), "--case", case] + [
+            f"--{k}={getattr(args, k)}" for k in ("n", "hidden", "vocab", "threads", "reps", "chunk")]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            print(out.stderr, file=sys.stderr)
+            sys.exit(1)
+        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    flops = 6.0 * args.n * args.hidden * args.vocab
+    eager = results[0]["best_ms"]
+    for r in results:
+        r["gflops"] = flops / (r["best_ms"] * 1e6)
+        r["speedup_vs_torch_eager"] = eager / r["best_ms"]
+    if args.json:
+        print(json.dumps({"n": args.n, "hidden": args.hidden, "vocab": args.vocab, "threads": args.threads,
+                          "cases": results}, indent=2))
+        return
+    import torch
+    print(f"torch_compare: N={args.n} H={args.hidden} V={args.vocab}, {args.threads} threads, torch {torch.__version__},"
+          f" best of {args.reps}\n")
+    print(f"{'case':<15} {'best ms':>10} {'GFLOP/s':>9} {'first ms':>10} {'peak RSS +':>12} {'vs eager':>9}")
+    for r in results:
+        print(f"{r['case']:<15} {r['best_ms']:>10.1f} {r['gflops']:>9.1f} {r['first_ms']:>10.1f} "
+              f"{r['peak_rss_growth_bytes'] / 2**20:>8.1f} MiB {r['speedup_vs_torch_eager']:>8.2f}x")
+
+
+if __name__ == "__main__":
+    main()
