@@ -195,6 +195,15 @@ static double gflops(const result *r)
     return r->ok ? r->flops / (r->best_ms * 1e6) : 0.0;
 }
 
+/* One CSV row (columns in csv_header). */
+static void print_row(FILE *out, const shape *s, bench_case c, const result *r, double ceiling)
+{
+    fprintf(out, "%lld,%lld,%lld,%d,%s,%s,%.3f,%.1f,%.3f,%.3f,%lld,%lld\n", (long long)s->n, (long long)s->hidden,
+            (long long)s->vocab, s->threads, case_names[c], case_basis[c], r->best_ms, gflops(r),
+            ceiling > 0 ? gflops(r) / ceiling : 0.0, r->first_ms, (long long)r->workspace_bytes,
+            (long long)r->peak_growth_bytes);
+}
+
 static void print_report(format f, const shape *s, const result *res, const char *kernels, FILE *out)
 {
     const double ceiling = gflops(&res[CASE_SGEMM]);
@@ -217,10 +226,7 @@ static void print_report(format f, const shape *s, const result *res, const char
     }
     if (f == FORMAT_CSV) {
         for (int c = 0; c < CASE_COUNT; c++)
-            fprintf(out, "%lld,%lld,%lld,%d,%s,%s,%.3f,%.1f,%.3f,%.3f,%lld,%lld\n", (long long)s->n,
-                    (long long)s->hidden, (long long)s->vocab, s->threads, case_names[c], case_basis[c], res[c].best_ms,
-                    gflops(&res[c]), ceiling > 0 ? gflops(&res[c]) / ceiling : 0.0, res[c].first_ms,
-                    (long long)res[c].workspace_bytes, (long long)res[c].peak_growth_bytes);
+            print_row(out, s, (bench_case)c, &res[c], ceiling);
         return;
     }
     fprintf(out, "fh_bench: N=%lld H=%lld V=%lld, %d threads, budget %s, BLIS kernel set %s, best of %d\n\n",
@@ -243,50 +249,59 @@ static const char csv_header[] =
     "n,hidden,vocab,threads,case,flop_basis,best_ms,gflops,efficiency,first_call_ms,workspace_bytes,"
     "peak_rss_growth_bytes\n";
 
-/* Sweeps n or vocab, writes DIR/sweep_<what>.csv and a gnuplot script rendering two PNGs. */
-static int sweep(const char *what, const char *dir, shape s, const char *kernels)
+/* Sweeps n or vocab, writes DIR/sweep_<what>.csv (rows grouped by case, so that each case's points are
+ * consecutive and gnuplot joins them) and a gnuplot script rendering two PNGs. */
+static int sweep(const char *what, const char *dir, const shape *base, const char *kernels)
 {
-    static const int64_t ns[] = {128, 256, 512, 1024, 2048, 4096};
-    static const int64_t vocabs[] = {8192, 16384, 32768, 65536, 131072, 151643};
+    enum { POINTS = 6 };
+    static const int64_t ns[POINTS] = {128, 256, 512, 1024, 2048, 4096};
+    static const int64_t vocabs[POINTS] = {8192, 16384, 32768, 65536, 131072, 151643};
     const int by_n = strcmp(what, "n") == 0;
+    shape shapes[POINTS];
+    result res[POINTS][CASE_COUNT];
+    for (int k = 0; k < POINTS; k++) {
+        shapes[k] = *base;
+        if (by_n)
+            shapes[k].n = ns[k];
+        else
+            shapes[k].vocab = vocabs[k];
+        for (int c = 0; c < CASE_COUNT; c++)
+            res[k][c] = run_case((bench_case)c, &shapes[k]);
+        fprintf(stderr, "sweep %s: %s = %lld done\n", what, what, (long long)(by_n ? shapes[k].n : shapes[k].vocab));
+    }
     char path[4096];
     snprintf(path, sizeof path, "%s/sweep_%s.csv", dir, what);
     FILE *csv = fopen(path, "w");
     if (!csv)
         return -1;
     fputs(csv_header, csv);
-    for (int k = 0; k < 6; k++) {
-        if (by_n)
-            s.n = ns[k];
-        else
-            s.vocab = vocabs[k];
-        result res[CASE_COUNT];
-        for (int c = 0; c < CASE_COUNT; c++)
-            res[c] = run_case((bench_case)c, &s);
-        print_report(FORMAT_CSV, &s, res, kernels, csv);
-        fflush(csv);
-        fprintf(stderr, "sweep %s: %s = %lld done\n", what, what, (long long)(by_n ? s.n : s.vocab));
-    }
+    for (int c = 0; c < CASE_COUNT; c++)
+        for (int k = 0; k < POINTS; k++)
+            print_row(csv, &shapes[k], (bench_case)c, &res[k][c], gflops(&res[k][CASE_SGEMM]));
     fclose(csv);
     snprintf(path, sizeof path, "%s/sweep_%s.gp", dir, what);
     FILE *gp = fopen(path, "w");
     if (!gp)
         return -1;
-    const int column = by_n ? 1 : 3;
+    char fixed[128];
+    if (by_n)
+        snprintf(fixed, sizeof fixed, "H=%lld V=%lld", (long long)base->hidden, (long long)base->vocab);
+    else
+        snprintf(fixed, sizeof fixed, "N=%lld H=%lld", (long long)base->n, (long long)base->hidden);
     fprintf(gp,
             "# Renders sweep_%1$s_time.png and sweep_%1$s_memory.png: run `gnuplot sweep_%1$s.gp` in this folder.\n"
-            "set datafile separator ','\nset key top left\nset grid\nset logscale x 2\nset terminal pngcairo size 900,600\n"
-            "set xlabel '%2$s'\n"
+            "set datafile separator ','\nset key top left noenhanced\nset grid\nset logscale x 2\n"
+            "set terminal pngcairo size 900,600 noenhanced\nset xlabel '%2$s'\n"
+            "cases = 'fused_forward fused_split fused_train_step materialized'\n"
             "set output 'sweep_%1$s_time.png'\nset ylabel 'time per call (ms)'\n"
-            "set title 'fused vs materialized: time (N=%3$lld H=%4$lld V=%5$lld unless swept, %6$d threads)'\n"
-            "plot for [c in 'fused_forward fused_split fused_train_step materialized'] 'sweep_%1$s.csv' "
-            "using (stringcolumn(5) eq c ? $%7$d : NaN):7 with linespoints title c\n"
+            "set title 'fused vs materialized: time per call (%3$s, %4$d threads, BLIS %5$s)'\n"
+            "plot for [c in cases] 'sweep_%1$s.csv' using (stringcolumn(5) eq c ? $%6$d : NaN):7 "
+            "with linespoints title c\n"
             "set output 'sweep_%1$s_memory.png'\nset ylabel 'peak RSS growth (MiB)'\n"
-            "set title 'fused vs materialized: peak memory'\n"
-            "plot for [c in 'fused_forward fused_split fused_train_step materialized'] 'sweep_%1$s.csv' "
-            "using (stringcolumn(5) eq c ? $%7$d : NaN):($12/1048576) with linespoints title c\n",
-            what, by_n ? "tokens N" : "vocabulary V", (long long)s.n, (long long)s.hidden, (long long)s.vocab,
-            s.threads, column);
+            "set title 'fused vs materialized: peak memory (%3$s, %4$d threads)'\n"
+            "plot for [c in cases] 'sweep_%1$s.csv' using (stringcolumn(5) eq c ? $%6$d : NaN):($12/1048576) "
+            "with linespoints title c\n",
+            what, by_n ? "tokens N" : "vocabulary V", fixed, base->threads, kernels, by_n ? 1 : 3);
     fclose(gp);
     return 0;
 }
@@ -340,7 +355,7 @@ int main(int argc, char **argv)
     fh_blis_info blis;
     fh_blis_query(&blis);
     if (sweep_what)
-        return sweep(sweep_what, out_dir, s, blis.kernel_set) == 0 ? 0 : 1;
+        return sweep(sweep_what, out_dir, &s, blis.kernel_set) == 0 ? 0 : 1;
     result res[CASE_COUNT];
     int failed = 0;
     for (int c = 0; c < CASE_COUNT; c++) {
