@@ -1,4 +1,4 @@
-"""Backend-neutral core shared by fusedhead.numpy and fusedhead.torch (and, later, the GRPO bindings).
+"""Backend-neutral core shared by fusedhead.numpy and fusedhead.torch (cross-entropy and GRPO).
 
 Front ends turn their arrays into `View`s (address, shape, strides in elements) after checking dtype and
 device; this module checks shapes and strides against each other, builds the C structs and calls the
@@ -467,5 +467,130 @@ class CEProblem:
         return size.value
 
 
+
+# ---------------------------------------------------------------------------------------------------------
+# GRPO (TRL GRPOTrainer._compute_loss semantics)
+# ---------------------------------------------------------------------------------------------------------
+GRPO_LOSS_TYPES = {t.name.lower(): t for t in _lib.GRPOLossType}
+GRPO_IS_LEVELS = {t.name.lower(): t for t in _lib.GRPOISLevel}
+# fh_grpo_metrics field -> TRL's logged key
+GRPO_METRIC_KEYS = (("kl", "kl"), ("entropy", "entropy"), ("clip_ratio_low_mean", "clip_ratio/low_mean"),
+                    ("clip_ratio_high_mean", "clip_ratio/high_mean"),
+                    ("clip_ratio_region_mean", "clip_ratio/region_mean"), ("cispo_clip_ratio", "cispo_clip_ratio"))
+
+
+def parse_grpo_loss_type(loss_type) -> "_lib.GRPOLossType":
+    if isinstance(loss_type, _lib.GRPOLossType):
+        return loss_type
+    if isinstance(loss_type, str) and loss_type.lower() in GRPO_LOSS_TYPES:
+        return GRPO_LOSS_TYPES[loss_type.lower()]
+    raise ValueError(f"loss_type must be one of {', '.join(repr(k) for k in GRPO_LOSS_TYPES)}, got {loss_type!r}")
+
+
+def parse_grpo_is_level(level) -> "_lib.GRPOISLevel":
+    if isinstance(level, _lib.GRPOISLevel):
+        return level
+    if isinstance(level, str) and level.lower() in GRPO_IS_LEVELS:
+        return GRPO_IS_LEVELS[level.lower()]
+    raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {level!r}")
+
+
+def grpo_options(*, loss_type="grpo", importance_sampling_level="token", temperature=1.0, epsilon_low=0.2,
+                 epsilon_high=None, delta=None, beta=0.0, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+                 num_items_in_batch=None, max_completion_length=None, entropy_coef=0.0) -> _lib.fh_grpo_options:
+    """fh_grpo_options from TRL-named keyword arguments (None: the library's default / off). The library
+    validates the values (InvalidGRPOOptionError / InvalidTemperatureError)."""
+    opt = _lib.fh_grpo_options()
+    check_status(load_library().fh_grpo_options_init(ctypes.byref(opt)), "fh_grpo_options_init")
+    opt.loss_type = int(parse_grpo_loss_type(loss_type))
+    opt.importance_sampling_level = int(parse_grpo_is_level(importance_sampling_level))
+    opt.temperature = float(temperature)
+    opt.epsilon_low = float(epsilon_low)
+    opt.epsilon_high = float("nan") if epsilon_high is None else float(epsilon_high)
+    opt.delta = float("nan") if delta is None else float(delta)
+    opt.beta = float(beta)
+    opt.sapo_temperature_pos = float(sapo_temperature_pos)
+    opt.sapo_temperature_neg = float(sapo_temperature_neg)
+    opt.num_items_in_batch = 0.0 if num_items_in_batch is None else float(num_items_in_batch)
+    opt.max_completion_length = 0 if max_completion_length is None else int(max_completion_length)
+    opt.entropy_coef = float(entropy_coef)
+    return opt
+
+
+def grpo_metrics_dict(values) -> dict:
+    """TRL's metric names -> values (a fh_grpo_metrics or 6 numbers in its order), NaN entries omitted."""
+    if isinstance(values, _lib.fh_grpo_metrics):
+        values = [getattr(values, f) for f, _ in GRPO_METRIC_KEYS]
+    return {key: float(v) for (_, key), v in zip(GRPO_METRIC_KEYS, values) if float(v) == float(v)}
+
+
+class GRPOProblem:
+    """A linear head over B*T tokens and a GRPO micro-batch: the arguments every fh_grpo_* call shares.
+    Token vectors (completion_ids int64, completion_mask, old/ref logps float32) are contiguous [B*T] views,
+    advantages a contiguous [B] view."""
+
+    def __init__(self, head: LinearHead, batch: int, seq: int, completion_ids: View, completion_mask: View,
+                 advantages: View, old_per_token_logps: Optional[View] = None,
+                 ref_per_token_logps: Optional[View] = None, options: Optional[_lib.fh_grpo_options] = None):
+        self.head = head
+        b, t = int(batch), int(seq)
+        if b * t != head.n:
+            raise ValueError(f"hidden: expected B*T = {b}*{t} = {b * t} rows, got {head.n}")
+        n = head.n
+
+        def token(v: Optional[View], name: str, what: str):
+            if v is None:
+                return None
+            if tuple(v.shape) != (n,) or not vector_view_ok(v.shape, v.strides):
+                raise ValueError(f"{name}: expected a contiguous [B, T] = [{b}, {t}] {what}, got shape "
+                                 f"{_shape(v.shape)}")
+            return v.ptr
+
+        ids = token(completion_ids, "completion_ids", "int64 array")
+        mask = token(completion_mask, "completion_mask", "float32 array")
+        old = token(old_per_token_logps, "old_per_token_logps", "float32 array")
+        ref = token(ref_per_token_logps, "ref_per_token_logps", "float32 array")
+        if tuple(advantages.shape) != (b,) or not vector_view_ok(advantages.shape, advantages.strides):
+            raise ValueError(f"advantages: expected a contiguous [B] = [{b}] float32 vector, got shape "
+                             f"{_shape(advantages.shape)}")
+        self.batch, self.seq = b, t
+        self.c = _lib.fh_grpo_batch(b, t, _ip(ids), _fp(mask), _fp(advantages.ptr), _fp(old), _fp(ref))
+        self.options = options if options is not None else grpo_options()
+
+    def _outputs(self, loss, metrics, per_token_logp, per_token_loss, entropy, lse):
+        return _lib.fh_grpo_outputs(ctypes.cast(ctypes.byref(loss), c_double_p), ctypes.pointer(metrics),
+                                    _fp(per_token_logp), _fp(per_token_loss), _fp(entropy), _fp(lse))
+
+    def forward(self, ctx: Context, *, per_token_logp: Optional[int] = None, per_token_loss: Optional[int] = None,
+                entropy: Optional[int] = None, lse: Optional[int] = None) -> Tuple[float, _lib.fh_grpo_metrics]:
+        """fh_grpo_forward; returns (loss, fh_grpo_metrics)."""
+        loss, metrics = ctypes.c_double(), _lib.fh_grpo_metrics()
+        out = self._outputs(loss, metrics, per_token_logp, per_token_loss, entropy, lse)
+        ctx.call("fh_grpo_forward", ctypes.byref(self.head.c), ctypes.byref(self.c), ctypes.byref(self.options),
+                 ctypes.byref(out))
+        return loss.value, metrics
+
+    def backward(self, ctx: Context, per_token_logp: int, lse: int, entropy: Optional[int], grad_output: int,
+                 grads: _lib.fh_linear_grads) -> None:
+        """fh_grpo_backward from the forward's per_token_logp, lse (and entropy when entropy_coef != 0)."""
+        ctx.call("fh_grpo_backward", ctypes.byref(self.head.c), ctypes.byref(self.c), ctypes.byref(self.options),
+                 _fp(per_token_logp), _fp(lse), _fp(entropy), _fp(grad_output), ctypes.byref(grads))
+
+    def forward_backward(self, ctx: Context, grad_output: int, grads: _lib.fh_linear_grads, *,
+                         per_token_logp: Optional[int] = None, per_token_loss: Optional[int] = None,
+                         entropy: Optional[int] = None, lse: Optional[int] = None
+                         ) -> Tuple[float, _lib.fh_grpo_metrics]:
+        """fh_grpo_forward_backward (grad_output: one float32, d(objective)/d(loss))."""
+        loss, metrics = ctypes.c_double(), _lib.fh_grpo_metrics()
+        out = self._outputs(loss, metrics, per_token_logp, per_token_loss, entropy, lse)
+        ctx.call("fh_grpo_forward_backward", ctypes.byref(self.head.c), ctypes.byref(self.c),
+                 ctypes.byref(self.options), _fp(grad_output), ctypes.byref(out), ctypes.byref(grads))
+        return loss.value, metrics
+
+    def workspace_size(self, ctx: Context) -> int:
+        size = ctypes.c_size_t()
+        ctx.call("fh_grpo_workspace_size", ctypes.byref(self.head.c), ctypes.byref(size), pure=True)
+        return size.value
+
 __all__ = ["Context", "default_context", "set_default_context_settings", "default_context_settings", "blis_info", "BlisInfo", "status_string", "View", "LinearHead",
-           "CEProblem", "FusedheadError"]
+           "CEProblem", "GRPOProblem", "grpo_options", "grpo_metrics_dict", "FusedheadError"]

@@ -26,11 +26,14 @@ from typing import Iterable, Optional, Tuple, Union
 
 import numpy as np
 
-from ._core import CEProblem, Context, LinearHead, View, default_context, parse_reduction
+from ._core import (CEProblem, Context, GRPOProblem, LinearHead, View, default_context, grpo_metrics_dict,
+                    grpo_options, parse_reduction)
 from ._lib import Reduction
 
 __all__ = ["cross_entropy", "forward", "backward", "forward_backward", "CrossEntropyResult", "Gradients",
-           "workspace_size"]
+           "workspace_size", "grpo_loss", "GRPOResult"]
+
+_FP32_HINT = "; fusedhead computes in fp32: use .astype(np.float32)"
 
 _GRAD_NAMES = ("hidden", "weight", "bias")
 
@@ -362,3 +365,99 @@ def workspace_size(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, 
     if p.n == 0:
         return 0
     return p.problem.workspace_size(context or default_context(), train_step)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GRPO (TRL GRPOTrainer._compute_loss semantics; mirrors fh_grpo_forward / fh_grpo_forward_backward)
+# ---------------------------------------------------------------------------------------------------------
+@dataclass
+class GRPOResult:
+    """loss: float; metrics: TRL's logged keys ("kl", "entropy", "clip_ratio/low_mean", ...), only those TRL
+    logs for the options; per_token_logp, per_token_loss, entropy, lse: [B, T] float32 (per_token_loss before
+    masking; lse of the tempered logits). Gradients (of grad_output * loss) are None unless requested."""
+    loss: float
+    metrics: dict
+    per_token_logp: np.ndarray
+    per_token_loss: np.ndarray
+    entropy: np.ndarray
+    lse: np.ndarray
+    dhidden: Optional[np.ndarray] = None
+    dweight: Optional[np.ndarray] = None
+    dbias: Optional[np.ndarray] = None
+
+
+def grpo_loss(hidden: np.ndarray, weight: np.ndarray, completion_ids: np.ndarray, completion_mask: np.ndarray,
+              advantages: np.ndarray, bias: Optional[np.ndarray] = None,
+              old_per_token_logps: Optional[np.ndarray] = None, ref_per_token_logps: Optional[np.ndarray] = None,
+              *, layout: str = "vh", return_grads: Union[bool, Iterable[str]] = False, grad_output: float = 1.0,
+              context: Optional[Context] = None, epsilon: Optional[float] = None, **options) -> GRPOResult:
+    """TRL's GRPO loss from hidden [B, T, H] float32 (position t predicts completion_ids[b, t], int64 [B, T]),
+    completion_mask float32 [B, T], advantages float32 [B], optional old/ref per-token log-probs float32 [B, T],
+    without the logits. Nothing is copied (C-contiguous token arrays expected).
+
+    options: TRL GRPOConfig names (loss_type, importance_sampling_level, temperature, epsilon_low (alias
+    epsilon), epsilon_high, delta, beta, sapo_temperature_pos/neg, num_items_in_batch, max_completion_length,
+    entropy_coef). return_grads: False, True (all) or names among "hidden", "weight", "bias".
+    """
+    if epsilon is not None:
+        if "epsilon_low" in options and options["epsilon_low"] != epsilon:
+            raise ValueError("pass epsilon or epsilon_low (its alias), not both")
+        options["epsilon_low"] = epsilon
+    opt = grpo_options(**options)
+    x3 = _check_array(hidden, "hidden", np.float32, _FP32_HINT)
+    if x3.ndim != 3:
+        raise ValueError(f"hidden: expected [B, T, H], got shape {list(x3.shape)}")
+    b, t = int(x3.shape[0]), int(x3.shape[1])
+    n = b * t
+    x = _flatten_rows(x3, "hidden")
+    w = _check_array(weight, "weight", np.float32, _FP32_HINT)
+    if bias is not None:
+        _check_array(bias, "bias", np.float32, _FP32_HINT)
+
+    def tok(a, name, dtype, hint=""):
+        if a is None:
+            return None
+        a = _check_array(a, name, dtype, hint)
+        if a.shape != (b, t):
+            raise ValueError(f"{name}: expected shape [B, T] = [{b}, {t}], got {list(a.shape)}")
+        return _flatten_vector(a, name, (b, t), n, "[B, T]")
+
+    ids = tok(completion_ids, "completion_ids", np.int64, " (use .astype(np.int64))")
+    mask = tok(completion_mask, "completion_mask", np.float32, " (use .astype(np.float32))")
+    old = tok(old_per_token_logps, "old_per_token_logps", np.float32, _FP32_HINT)
+    ref = tok(ref_per_token_logps, "ref_per_token_logps", np.float32, _FP32_HINT)
+    adv = _check_array(advantages, "advantages", np.float32, _FP32_HINT)
+    if adv.shape != (b,):
+        raise ValueError(f"advantages: expected shape [B] = [{b}], got {list(adv.shape)}")
+    if return_grads is True:
+        want = ("hidden", "weight") + (("bias",) if bias is not None else ())
+    elif not return_grads:
+        want = ()
+    else:
+        want = tuple(return_grads)
+        unknown = set(want) - {"hidden", "weight", "bias"}
+        if unknown or ("bias" in want and bias is None):
+            raise ValueError(f"return_grads: expected names among 'hidden', 'weight', 'bias' (bias only with a "
+                             f"bias), got {list(want)}")
+    outs = {k: np.zeros((b, t), np.float32) for k in ("per_token_logp", "per_token_loss", "entropy", "lse")}
+    dx = np.zeros(x3.shape, np.float32) if "hidden" in want else None
+    dw = _empty_with_strides(w) if "weight" in want else None
+    db = np.zeros(bias.shape, np.float32) if "bias" in want else None
+    if n == 0:
+        if dw is not None:
+            dw[...] = 0.0
+        return GRPOResult(0.0, {}, **outs, dhidden=dx, dweight=dw, dbias=db)
+    head = LinearHead(_view(x, "hidden"), _view(w, "weight"), None if bias is None else _view(bias, "bias"), layout)
+    problem = GRPOProblem(head, b, t, _view(ids, "completion_ids"), _view(mask, "completion_mask"),
+                          _view(adv, "advantages"), None if old is None else _view(old, "old_per_token_logps"),
+                          None if ref is None else _view(ref, "ref_per_token_logps"), opt)
+    ptrs = {k: v.ctypes.data for k, v in outs.items()}
+    ctx = context or default_context()
+    if want:
+        g = np.array([grad_output], np.float32)
+        grads = head.grads(None if dx is None else _view(dx.reshape(n, -1), "dhidden"),
+                           None if dw is None else _view(dw, "dweight"), None if db is None else _view(db, "dbias"))
+        loss, m = problem.forward_backward(ctx, g.ctypes.data, grads, **ptrs)
+    else:
+        loss, m = problem.forward(ctx, **ptrs)
+    return GRPOResult(loss, grpo_metrics_dict(m), **outs, dhidden=dx, dweight=dw, dbias=db)

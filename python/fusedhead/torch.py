@@ -32,6 +32,11 @@ Gradients: only for inputs that require grad (the library is handed NULL for the
     would propagate NaN.
   - Without grad (torch.no_grad, or nothing requires grad): forward only.
 Double backward is not supported.
+
+GRPO: fused_linear_grpo_loss / FusedLinearGRPOLoss / FusedLinearGRPOLossFunction compute TRL's
+GRPOTrainer._compute_loss (every loss_type, token or sequence importance sampling, KL, entropy bonus) from
+hidden [B, T, H]; returns (loss, metrics with TRL's keys). With grad enabled the forward calls
+fh_grpo_forward_backward (upstream 1) and backward scales the saved gradients, as for 'mean'/'sum' above.
 """
 from __future__ import annotations
 
@@ -39,11 +44,13 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from ._core import (CEProblem, Context, LinearHead, View, default_context, matrix_view_ok, parse_layout,
-                    parse_reduction, rows_view_ok, vector_view_ok)
+from ._core import (GRPO_METRIC_KEYS, CEProblem, Context, GRPOProblem, LinearHead, View, default_context,
+                    grpo_metrics_dict, grpo_options, matrix_view_ok, parse_grpo_is_level, parse_grpo_loss_type,
+                    parse_layout, parse_reduction, rows_view_ok, vector_view_ok)
 from ._lib import Reduction
 
-__all__ = ["FusedLinearCrossEntropyFunction", "FusedLinearCrossEntropy", "fused_linear_cross_entropy"]
+__all__ = ["FusedLinearCrossEntropyFunction", "FusedLinearCrossEntropy", "fused_linear_cross_entropy",
+           "FusedLinearGRPOLossFunction", "FusedLinearGRPOLoss", "fused_linear_grpo_loss"]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -311,3 +318,205 @@ class FusedLinearCrossEntropy(torch.nn.Module):
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
                 f"label_smoothing={self.label_smoothing}, softcap={self.softcap}, z_loss={self.z_loss}, "
                 f"layout={self.layout!r}, return_z_loss={self.return_z_loss}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GRPO (TRL GRPOTrainer._compute_loss semantics)
+# ---------------------------------------------------------------------------------------------------------
+GRPO_OPTION_NAMES = ("loss_type", "importance_sampling_level", "temperature", "epsilon_low", "epsilon_high",
+                     "delta", "beta", "sapo_temperature_pos", "sapo_temperature_neg", "num_items_in_batch",
+                     "max_completion_length", "entropy_coef")
+
+
+def _bt_tensor(t, name: str, dtype: torch.dtype, bt: Tuple[int, int], n: int, hint: str = "") -> torch.Tensor:
+    _check_tensor(t, name, dtype, hint)
+    if tuple(t.shape) != bt:
+        raise ValueError(f"{name}: expected shape [B, T] = {list(bt)} (hidden's leading dimensions), got "
+                         f"{list(t.shape)}")
+    return _contiguous_vector(t.detach().reshape(n))
+
+
+class _GRPO:
+    """Everything one GRPO call needs, checked and in library form. hidden [B, T, H]; completion_ids int64
+    [B, T]; completion_mask [B, T] (bool, integer or floating: converted to float32); advantages float32 [B];
+    old/ref per-token log-probs float32 [B, T] or None."""
+
+    def __init__(self, hidden, weight, completion_ids, completion_mask, advantages, bias, old, ref, options: dict,
+                 layout):
+        _check_tensor(hidden, "hidden", torch.float32, _FP32_HINT)
+        if hidden.dim() != 3:
+            raise ValueError(f"hidden: expected [B, T, H] (the hidden states of the completion tokens), got shape "
+                             f"{list(hidden.shape)}")
+        self.lin = _TorchLinear(hidden, weight, bias, layout)
+        b, t = int(hidden.shape[0]), int(hidden.shape[1])
+        self.bt, n = (b, t), b * t
+        self.completion_ids = _bt_tensor(completion_ids, "completion_ids", torch.int64, self.bt, n, " (use .long())")
+        if not isinstance(completion_mask, torch.Tensor):
+            raise TypeError(f"completion_mask: expected a torch.Tensor, got {type(completion_mask).__name__}")
+        if completion_mask.is_complex():
+            raise TypeError(f"completion_mask: expected a real (bool, integer or floating) tensor, got "
+                            f"{completion_mask.dtype}")
+        self.completion_mask = _bt_tensor(completion_mask.to(torch.float32), "completion_mask", torch.float32,
+                                          self.bt, n)
+        _check_tensor(advantages, "advantages", torch.float32, _FP32_HINT)
+        if tuple(advantages.shape) != (b,):
+            raise ValueError(f"advantages: expected shape [B] = [{b}], got {list(advantages.shape)}")
+        self.advantages = _contiguous_vector(advantages.detach())
+        self.old = None if old is None else _bt_tensor(old, "old_per_token_logps", torch.float32, self.bt, n,
+                                                       _FP32_HINT)
+        self.ref = None if ref is None else _bt_tensor(ref, "ref_per_token_logps", torch.float32, self.bt, n,
+                                                       _FP32_HINT)
+        self.options = grpo_options(**options)
+        self.problem = None
+        if n > 0:  # N = 0: nothing to compute (the library is not called)
+            self.problem = GRPOProblem(self.lin.head, b, t, _view(self.completion_ids), _view(self.completion_mask),
+                                       _view(self.advantages), _opt_view(self.old), _opt_view(self.ref),
+                                       self.options)
+
+    @property
+    def n(self) -> int:
+        return self.lin.n
+
+
+def _grpo_run(g: _GRPO, context: Optional[Context], need: Sequence[bool]):
+    """(loss, metrics float64 [6] in fh_grpo_metrics order, per-token logp [B, T], (dx, dw, db)); gradients of
+    the loss (upstream 1) for the inputs in need."""
+    dx, dw, db = g.lin.alloc_grads(*need)
+    logp = torch.zeros(g.n, dtype=torch.float32)
+    if g.problem is None:
+        return _scalar(0.0), torch.full((len(GRPO_METRIC_KEYS),), float("nan"), dtype=torch.float64), \
+            logp.view(g.bt), (dx, dw, db)
+    ctx = context or default_context()
+    if any(need):
+        one = torch.ones(1, dtype=torch.float32)
+        loss, m = g.problem.forward_backward(ctx, one.data_ptr(), g.lin.grads_struct(dx, dw, db),
+                                             per_token_logp=logp.data_ptr())
+    else:
+        loss, m = g.problem.forward(ctx, per_token_logp=logp.data_ptr())
+    metrics = torch.tensor([getattr(m, f) for f, _ in GRPO_METRIC_KEYS], dtype=torch.float64)
+    return _scalar(loss), metrics, logp.view(g.bt), (dx, dw, db)
+
+
+class FusedLinearGRPOLossFunction(torch.autograd.Function):
+    """apply(hidden, weight, completion_ids, completion_mask, advantages, bias=None, old_per_token_logps=None,
+    ref_per_token_logps=None, options=None, layout="vh", context=None) -> (loss, metrics, per_token_logps)
+
+    options: a dict of fh_grpo_options values by TRL name (GRPO_OPTION_NAMES; missing: TRL defaults).
+    metrics: float64 [6] in fh_grpo_metrics order (NaN where TRL logs nothing); per_token_logps: float32 [B, T]
+    under the current policy (0 at out-of-range ids of masked padding). Both non-differentiable.
+    The forward runs fh_grpo_forward_backward with upstream gradient 1 for the inputs whose
+    ctx.needs_input_grad is set; backward scales the saved gradients by the incoming scalar. advantages and
+    the old/reference log-probs are constants (as in TRL): they get no gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, completion_ids, completion_mask, advantages, bias=None, old_per_token_logps=None,
+                ref_per_token_logps=None, options=None, layout="vh", context=None):
+        g = _GRPO(hidden, weight, completion_ids, completion_mask, advantages, bias, old_per_token_logps,
+                  ref_per_token_logps, dict(options or {}), layout)
+        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[5])
+        loss, metrics, logp, (dx, dw, db) = _grpo_run(g, context, need)
+        ctx.save_for_backward(g.lin.hidden_grad(dx), dw, db)
+        ctx.mark_non_differentiable(metrics, logp)
+        return loss, metrics, logp
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_metrics, _grad_logp):
+        dx, dw, db = ctx.saved_tensors
+        if not bool(grad_loss == 1):  # d(objective)/d(loss) != 1: scale (NaN propagates, as in torch)
+            dx, dw, db = (None if t is None else t * grad_loss for t in (dx, dw, db))
+        return (dx, dw, None, None, None, db) + (None,) * 5
+
+
+def _grpo_option_dict(loss_type, importance_sampling_level, temperature, epsilon_low, epsilon_high, delta, beta,
+                      sapo_temperature_pos, sapo_temperature_neg, num_items_in_batch, max_completion_length,
+                      entropy_coef) -> dict:
+    if isinstance(num_items_in_batch, torch.Tensor):  # TRL passes a tensor
+        num_items_in_batch = float(num_items_in_batch.item())
+    parse_grpo_loss_type(loss_type)
+    parse_grpo_is_level(importance_sampling_level)
+    return dict(loss_type=loss_type, importance_sampling_level=importance_sampling_level, temperature=temperature,
+                epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta,
+                sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+                num_items_in_batch=num_items_in_batch, max_completion_length=max_completion_length,
+                entropy_coef=entropy_coef)
+
+
+def fused_linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.Tensor,
+                           completion_mask: torch.Tensor, advantages: torch.Tensor,
+                           bias: Optional[torch.Tensor] = None, old_per_token_logps: Optional[torch.Tensor] = None,
+                           ref_per_token_logps: Optional[torch.Tensor] = None, *, loss_type: str = "grpo",
+                           importance_sampling_level: str = "token", temperature: float = 1.0,
+                           epsilon_low: Optional[float] = None, epsilon: Optional[float] = None,
+                           epsilon_high: Optional[float] = None, delta: Optional[float] = None, beta: float = 0.0,
+                           sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
+                           num_items_in_batch=None, max_completion_length: Optional[int] = None,
+                           entropy_coef: float = 0.0, layout: str = "vh", return_per_token_logps: bool = False,
+                           context: Optional[Context] = None):
+    """TRL GRPOTrainer._compute_loss from hidden [B, T, H] (position t predicts completion_ids[b, t]) and the
+    lm_head weight, without the [B*T, V] logits.
+
+    Options use TRL's GRPOConfig names (epsilon is an alias of epsilon_low, default 0.2; epsilon_high None:
+    = epsilon_low; delta None: off). old_per_token_logps None: on-policy (old = logp detached);
+    ref_per_token_logps is required when beta != 0. Returns (loss, metrics) where metrics has TRL's keys
+    "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+    "cispo_clip_ratio" (only those TRL logs for these options), or (loss, metrics, per_token_logps) with
+    return_per_token_logps=True (detached float32 [B, T]).
+    """
+    if epsilon is not None and epsilon_low is not None and float(epsilon) != float(epsilon_low):
+        raise ValueError("pass epsilon or epsilon_low (its alias), not both")
+    eps_low = epsilon_low if epsilon_low is not None else (epsilon if epsilon is not None else 0.2)
+    options = _grpo_option_dict(loss_type, importance_sampling_level, temperature, eps_low, epsilon_high, delta,
+                                beta, sapo_temperature_pos, sapo_temperature_neg, num_items_in_batch,
+                                max_completion_length, entropy_coef)
+    tracked = [t for t in (hidden, weight, bias) if isinstance(t, torch.Tensor)]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tracked):
+        loss, metrics, logp = FusedLinearGRPOLossFunction.apply(hidden, weight, completion_ids, completion_mask,
+                                                                advantages, bias, old_per_token_logps,
+                                                                ref_per_token_logps, options, layout, context)
+    else:
+        g = _GRPO(hidden, weight, completion_ids, completion_mask, advantages, bias, old_per_token_logps,
+                  ref_per_token_logps, options, layout)
+        loss, metrics, logp, _ = _grpo_run(g, context, (False, False, False))
+    metrics = grpo_metrics_dict(metrics.tolist())
+    return (loss, metrics, logp) if return_per_token_logps else (loss, metrics)
+
+
+class FusedLinearGRPOLoss(torch.nn.Module):
+    """nn.Module form (options fixed at construction, TRL GRPOConfig names; num_items_in_batch may also be
+    given per call, as TRL does):
+
+        loss_fn = FusedLinearGRPOLoss(loss_type="dapo", beta=0.04, temperature=0.7)
+        loss, metrics = loss_fn(hidden, model.lm_head.weight, completion_ids, completion_mask, advantages,
+                                old_per_token_logps=old, ref_per_token_logps=ref)
+    """
+
+    def __init__(self, loss_type: str = "grpo", importance_sampling_level: str = "token", temperature: float = 1.0,
+                 epsilon_low: Optional[float] = None, epsilon: Optional[float] = None,
+                 epsilon_high: Optional[float] = None, delta: Optional[float] = None, beta: float = 0.0,
+                 sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
+                 num_items_in_batch=None, max_completion_length: Optional[int] = None, entropy_coef: float = 0.0,
+                 layout: str = "vh", return_per_token_logps: bool = False, context: Optional[Context] = None):
+        super().__init__()
+        if epsilon is not None and epsilon_low is not None and float(epsilon) != float(epsilon_low):
+            raise ValueError("pass epsilon or epsilon_low (its alias), not both")
+        eps_low = epsilon_low if epsilon_low is not None else (epsilon if epsilon is not None else 0.2)
+        parse_layout(layout)
+        self.options = _grpo_option_dict(loss_type, importance_sampling_level, temperature, eps_low, epsilon_high,
+                                         delta, beta, sapo_temperature_pos, sapo_temperature_neg,
+                                         num_items_in_batch, max_completion_length, entropy_coef)
+        self.layout, self.return_per_token_logps, self.context = layout, return_per_token_logps, context
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.Tensor,
+                completion_mask: torch.Tensor, advantages: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                old_per_token_logps: Optional[torch.Tensor] = None,
+                ref_per_token_logps: Optional[torch.Tensor] = None, num_items_in_batch=None):
+        opts = dict(self.options)
+        if num_items_in_batch is not None:
+            opts["num_items_in_batch"] = num_items_in_batch
+        return fused_linear_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages, bias,
+                                      old_per_token_logps, ref_per_token_logps, layout=self.layout,
+                                      return_per_token_logps=self.return_per_token_logps, context=self.context,
+                                      **opts)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.options.items()) + f", layout={self.layout!r}"
