@@ -2,6 +2,8 @@
 #include "linear.h"
 
 #include <math.h>
+#include <stddef.h>
+#include <stdint.h>
 
 FH_API fh_status fh_linear_init(fh_linear *lin, int64_t n, int64_t hidden, int64_t vocab, const float *x,
                                 const float *weight, fh_layout layout, const float *bias)
@@ -49,8 +51,10 @@ static fh_status check_matrix(fh_context *ctx, const char *name, int64_t rows, i
         return fh_fail(ctx, FH_ERR_INVALID_STRIDE,
                        "%s: strides (%lld, %lld) for a %lld x %lld view are < 1 or make elements overlap", name,
                        (long long)row_stride, (long long)col_stride, (long long)rows, (long long)cols);
-    if (last_offset(rows, cols, row_stride, col_stride) < 0)
-        return fh_fail(ctx, FH_ERR_SIZE_OVERFLOW, "%s: the last element's offset overflows 64 bits", name);
+    /* Element offsets become byte offsets in pointer arithmetic: those must fit in ptrdiff_t too. */
+    const int64_t last = last_offset(rows, cols, row_stride, col_stride);
+    if (last < 0 || last > PTRDIFF_MAX / (int64_t)sizeof(float))
+        return fh_fail(ctx, FH_ERR_SIZE_OVERFLOW, "%s: the last element's byte offset overflows 64 bits", name);
     return FH_OK;
 }
 

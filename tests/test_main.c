@@ -5,11 +5,17 @@
 #include <CUnit/Basic.h>
 #include <stdio.h>
 
+/* GRPO suites (tests/test_grpo.c: grpo_reference, grpo_masks, grpo_clip, grpo_shapes, grpo_determinism,
+ * grpo_metrics; tests/test_grpo_contracts.c: grpo_contracts). */
+int tu_register_grpo(void);
+int tu_register_grpo_contracts(void);
+
 int main(int argc, char **argv)
 {
     int (*const registrations[])(void) = {tu_register_shapes,     tu_register_options,  tu_register_ignored,
                                           tu_register_boundaries, tu_register_extremes, tu_register_reference,
-                                          tu_register_contracts,  tu_register_determinism};
+                                          tu_register_contracts,  tu_register_determinism,
+                                          tu_register_grpo,       tu_register_grpo_contracts};
     if (CU_initialize_registry() != CUE_SUCCESS) {
         fprintf(stderr, "fh_tests: %s\n", CU_get_error_msg());
         return 2;

@@ -1,0 +1,529 @@
+/* libFuzzer harness over fusedhead's public API (tests/hardening/README.md, "Fuzzing").
+ *
+ * Each input is decoded into one call: an entry point (fh_ce_forward, fh_ce_backward,
+ * fh_ce_forward_backward, the three GRPO calls, or one of the three workspace queries), sizes (small, 0,
+ * negative, 2^31.., 2^62, INT64_MIN/MAX, arbitrary), strides (padded, overlapping, zero, negative, huge),
+ * options (every field, valid or not), targets/ids/masks, special float values in every input, context
+ * parameters (threads, tiles, memory budget, CHECK_FINITE) and an optional caller workspace of a random
+ * size.
+ *
+ * Allocations stay bounded: when the shape is small (n <= 48, hidden <= 48, vocab <= 700, every view
+ * <= 2^16 elements) every buffer is allocated with exactly the size its view needs, so ASan sees any
+ * access outside it. Otherwise the library must reject the shape during validation (sizes < 1, a size
+ * product or a view's last element offset overflowing, a last element more than PTRDIFF_MAX bytes from its
+ * base, overlapping strides): those calls get pointers to tiny buffers and must fail. Large shapes that are
+ * valid go only to the workspace queries, which are pure.
+ *
+ * Invariants (abort() on violation, so that libFuzzer reports it):
+ *   - no crash, hang, out-of-bounds access or undefined behaviour (ASan, UBSan);
+ *   - a call that returns an error leaves every output byte untouched (outputs are canary-filled), and the
+ *     workspace queries leave *bytes untouched on error;
+ *   - inputs are never written;
+ *   - a shape the library must reject is rejected;
+ *   - a successful train step with a caller workspace had at least the queried number of bytes;
+ *   - a successful query never exceeds the memory budget; argmax outputs lie in [0, V). */
+#include "fusedhead.h"
+
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CANARY 0xA5
+#define CHECK(cond, ...)                                                                                          \
+    do {                                                                                                          \
+        if (!(cond)) {                                                                                            \
+            fprintf(stderr, "fuzz_api: invariant violated at line %d: ", __LINE__);                               \
+            fprintf(stderr, __VA_ARGS__);                                                                         \
+            fprintf(stderr, "\n");                                                                                \
+            abort();                                                                                              \
+        }                                                                                                         \
+    } while (0)
+
+/* ---- input decoding ---- */
+
+typedef struct reader {
+    const uint8_t *data;
+    size_t size, at;
+} reader;
+
+static uint8_t u8(reader *r)
+{
+    return r->at < r->size ? r->data[r->at++] : 0;
+}
+
+static uint64_t u64(reader *r)
+{
+    uint64_t v = 0;
+    for (int k = 0; k < 8; k++)
+        v = v << 8 | u8(r);
+    return v;
+}
+
+static int64_t pick_size(reader *r, int64_t small_max)
+{
+    const uint8_t mode = u8(r);
+    switch (mode % 16) {
+    case 0: return 0;
+    case 1: return -(int64_t)(u8(r) % 4) - 1;
+    case 2: return INT64_MIN;
+    case 3: return INT64_MAX;
+    case 4: return (int64_t)1 << (31 + u8(r) % 32); /* 2^31 .. 2^62 */
+    case 5: return (int64_t)u64(r);
+    case 6: return ((int64_t)1 << (u8(r) % 63)) + (int64_t)(u8(r) % 3) - 1;
+    default: return 1 + (int64_t)(u8(r) % (uint64_t)small_max);
+    }
+}
+
+/* A stride for a view whose natural stride is `natural`: padded, or something odd. */
+static int64_t pick_stride(reader *r, int64_t natural)
+{
+    const uint8_t mode = u8(r);
+    switch (mode % 16) {
+    case 0: return 0;
+    case 1: return -1 - (int64_t)(u8(r) % 4);
+    case 2: return (int64_t)((uint64_t)natural - 1u);
+    case 3: return INT64_MAX / (2 + u8(r) % 4);
+    case 4: return (int64_t)1 << (40 + u8(r) % 23);
+    case 5: return (int64_t)u64(r);
+    case 6: return INT64_MIN;
+    case 7:
+    case 8: return (int64_t)((uint64_t)natural + u8(r) % 4u);
+    default: return natural;
+    }
+}
+
+static float pick_float(reader *r)
+{
+    const uint8_t mode = u8(r);
+    const float small = (float)((int)u8(r) - 128) / 32.0f;
+    switch (mode % 32) {
+    case 0: return NAN;
+    case 1: return INFINITY;
+    case 2: return -INFINITY;
+    case 3: return 1e30f;
+    case 4: return -3e38f;
+    case 5: return 1e-40f; /* subnormal */
+    case 6: return 0.0f;
+    case 7: return -0.0f;
+    case 8: return small * 1000.0f;
+    default: return small;
+    }
+}
+
+static double pick_double(reader *r, const double *choices, int count)
+{
+    const uint8_t k = u8(r);
+    if (k % 8 == 7) {
+        const uint64_t bits = u64(r);
+        double d;
+        memcpy(&d, &bits, sizeof d);
+        return d;
+    }
+    return choices[k % count];
+}
+
+/* ---- view geometry (what the harness knows independently of the library) ---- */
+
+/* Last element offset of a rows x cols view, or -1 when it overflows int64. */
+static int64_t last_offset(int64_t rows, int64_t cols, int64_t rs, int64_t cs)
+{
+    int64_t a, b, s;
+    if (__builtin_mul_overflow(rows - 1, rs, &a) || __builtin_mul_overflow(cols - 1, cs, &b) ||
+        __builtin_add_overflow(a, b, &s))
+        return -1;
+    return s;
+}
+
+/* Views whose last element fits int64 but lies more than PTRDIFF_MAX bytes from the base: 1 when the
+ * environment sets FH_FUZZ_SKIP_BYTE_OFFSETS (inputs with such a view are then skipped, to explore past
+ * that finding while it is open; see README.md), else they must be rejected like any overflow. */
+static int skip_byte_offsets = -1;
+
+static int byte_offset_overflows(int64_t rows, int64_t cols, int64_t rs, int64_t cs)
+{
+    const int64_t last = last_offset(rows, cols, rs, cs);
+    return last > PTRDIFF_MAX / (int64_t)sizeof(float);
+}
+
+/* 1 when a view must be rejected: strides < 1, overlapping elements (the larger stride does not step over
+ * the whole extent of the smaller one), or a last element that overflows int64 or lies more than
+ * PTRDIFF_MAX bytes from the base. Sizes are >= 1 here. */
+static int view_invalid(int64_t rows, int64_t cols, int64_t rs, int64_t cs)
+{
+    if (rs < 1 || cs < 1)
+        return 1;
+    if (rows > 1 && cols > 1) {
+        const int row_outer = rs >= cs;
+        const int64_t inner_stride = row_outer ? cs : rs, inner_count = row_outer ? cols : rows;
+        const int64_t outer_stride = row_outer ? rs : cs;
+        if (outer_stride / inner_count < inner_stride)
+            return 1;
+    }
+    const int64_t last = last_offset(rows, cols, rs, cs);
+    return last < 0 || last > PTRDIFF_MAX / (int64_t)sizeof(float);
+}
+
+static int product_overflows(int64_t a, int64_t b)
+{
+    int64_t p;
+    return __builtin_mul_overflow(a, b, &p);
+}
+
+/* ---- buffers ---- */
+
+typedef struct buffer {
+    void *p;
+    size_t bytes;
+    void *copy; /* inputs: a copy to check they are never written */
+} buffer;
+
+static void *alloc_exact(buffer *b, size_t bytes)
+{
+    b->bytes = bytes;
+    b->p = malloc(bytes ? bytes : 1);
+    b->copy = NULL;
+    return b->p;
+}
+
+static void seal_input(buffer *b)
+{
+    b->copy = malloc(b->bytes ? b->bytes : 1);
+    memcpy(b->copy, b->p, b->bytes);
+}
+
+static void check_input(const buffer *b, const char *name)
+{
+    if (b->p && b->copy)
+        CHECK(memcmp(b->p, b->copy, b->bytes) == 0, "input %s was written", name);
+}
+
+static int untouched(const buffer *b)
+{
+    const unsigned char *c = b->p;
+    for (size_t i = 0; c && i < b->bytes; i++)
+        if (c[i] != CANARY)
+            return 0;
+    return 1;
+}
+
+static void release(buffer *b)
+{
+    free(b->p);
+    free(b->copy);
+    memset(b, 0, sizeof *b);
+}
+
+enum { CALL_CE_FORWARD, CALL_CE_BACKWARD, CALL_CE_STEP, CALL_GRPO_FORWARD, CALL_GRPO_BACKWARD, CALL_GRPO_STEP,
+       CALL_CE_QUERY, CALL_CE_STEP_QUERY, CALL_GRPO_QUERY, CALL_KINDS };
+
+enum { IN_X, IN_W, IN_BIAS, IN_CW, IN_TARGETS, IN_GRAD, IN_LSE, IN_LOGP, IN_ENTROPY, IN_MASK, IN_ADV, IN_OLD, IN_REF,
+       IN_COUNT };
+enum { OUT_LOSS, OUT_ZLOSS, OUT_METRICS, OUT_PTL, OUT_LOGP, OUT_LSE, OUT_ENTROPY, OUT_ARGMAX, OUT_DX, OUT_DW, OUT_DB,
+       OUT_COUNT };
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    reader r = {data, size, 0};
+    const int call = u8(&r) % CALL_KINDS;
+    const int grpo = call == CALL_GRPO_FORWARD || call == CALL_GRPO_BACKWARD || call == CALL_GRPO_STEP ||
+                     call == CALL_GRPO_QUERY;
+    const int query = call >= CALL_CE_QUERY;
+    const int has_grads = call == CALL_CE_BACKWARD || call == CALL_CE_STEP || call == CALL_GRPO_BACKWARD ||
+                          call == CALL_GRPO_STEP;
+
+    /* Shape and strides. */
+    int64_t n = pick_size(&r, 48), hidden = pick_size(&r, 48), vocab = pick_size(&r, 700);
+    const fh_layout layout = (fh_layout)(u8(&r) & 1);
+    const int64_t x_rs = pick_stride(&r, hidden);
+    const int64_t w_rs = pick_stride(&r, layout == FH_LAYOUT_HV ? vocab : 1);
+    const int64_t w_cs = pick_stride(&r, layout == FH_LAYOUT_HV ? 1 : hidden);
+    const int64_t dx_rs = pick_stride(&r, hidden);
+    const int bias_on = u8(&r) & 1;
+    int64_t batch = 1, seq = n;
+    if (grpo) {
+        const uint8_t m = u8(&r);
+        if (m % 8 == 0) {
+            batch = pick_size(&r, 8);
+            seq = pick_size(&r, 48);
+        } else if (n >= 1 && n <= 48) {
+            batch = 1 + m % 4;
+            while (n % batch)
+                batch--;
+            seq = n / batch;
+        }
+    }
+
+    const int sizes_bad = n < 1 || hidden < 1 || vocab < 1;
+    const int overflow = !sizes_bad && (product_overflows(n, vocab) || product_overflows(hidden, vocab) ||
+                                        product_overflows(n, hidden));
+    const int lin_bad = sizes_bad || overflow || view_invalid(n, hidden, x_rs, 1) ||
+                        view_invalid(hidden, vocab, w_rs, w_cs);
+    const int dx_bad = !lin_bad && has_grads && view_invalid(n, hidden, dx_rs, 1);
+    const int64_t x_last = lin_bad ? -1 : last_offset(n, hidden, x_rs, 1);
+    const int64_t w_last = lin_bad ? -1 : last_offset(hidden, vocab, w_rs, w_cs);
+    const int64_t dx_last = lin_bad || dx_bad || !has_grads ? 0 : last_offset(n, hidden, dx_rs, 1);
+    /* small: the inputs get exact-size buffers; otherwise tiny ones, which only a rejected call may get. */
+    const int small = !lin_bad && n <= 48 && hidden <= 48 && vocab <= 700 && x_last < 65536 && w_last < 65536 &&
+                      dx_last < 65536;
+    const int must_reject = lin_bad || dx_bad;
+    if (skip_byte_offsets < 0)
+        skip_byte_offsets = getenv("FH_FUZZ_SKIP_BYTE_OFFSETS") != NULL;
+    if (skip_byte_offsets && !sizes_bad && !overflow &&
+        (byte_offset_overflows(n, hidden, x_rs, 1) || byte_offset_overflows(hidden, vocab, w_rs, w_cs) ||
+         (has_grads && byte_offset_overflows(n, hidden, dx_rs, 1))))
+        return 0;
+    if (getenv("FH_FUZZ_DEBUG"))
+        fprintf(stderr, "call %d n=%lld h=%lld v=%lld layout %d strides x %lld w %lld %lld dx %lld batch %lld seq %lld: "
+                "lin_bad %d dx_bad %d small %d\n", call, (long long)n, (long long)hidden, (long long)vocab, (int)layout,
+                (long long)x_rs, (long long)w_rs, (long long)w_cs, (long long)dx_rs, (long long)batch, (long long)seq,
+                lin_bad, dx_bad, small);
+    if (!small && !must_reject && !query)
+        return 0; /* valid but large: only the pure queries may take it (next input) */
+    if (!small && !lin_bad && !query)
+        return 0; /* dx invalid but the rest large and valid: the library reads the inputs first */
+
+    /* Context. */
+    fh_context *ctx = NULL;
+    if (fh_context_create(&ctx) != FH_OK)
+        return 0;
+    const uint8_t threads = u8(&r);
+    fh_context_set(ctx, FH_PARAM_THREADS, threads % 8 == 0 ? 2 : 1);
+    const uint8_t tiles = u8(&r);
+    if (tiles & 1)
+        fh_context_set(ctx, FH_PARAM_TILE_ROWS, (int64_t)(u8(&r) % 70) - 2);
+    if (tiles & 2)
+        fh_context_set(ctx, FH_PARAM_TILE_VOCAB, (int64_t)(u8(&r) % 300) - 2);
+    int64_t budget = 0;
+    if (tiles & 4) {
+        static const int64_t budgets[] = {0, 1, 64, 4096, 20000, 100000, 1000000, (int64_t)1 << 50, -1};
+        budget = budgets[u8(&r) % 9];
+        if (fh_context_set(ctx, FH_PARAM_MEMORY_BUDGET, budget) != FH_OK)
+            budget = 0;
+    }
+    fh_context_set(ctx, FH_PARAM_CHECK_FINITE, (tiles & 8) != 0);
+    const int64_t effective_budget = budget > 0 ? budget : (int64_t)256 << 20;
+
+    /* Inputs. Tiny buffers when the shape must be rejected. */
+    buffer in[IN_COUNT], out[OUT_COUNT];
+    memset(in, 0, sizeof in);
+    memset(out, 0, sizeof out);
+    const size_t un = small ? (size_t)n : 4, uv = small ? (size_t)vocab : 4;
+    const size_t x_elems = small ? (size_t)x_last + 1 : 4, w_elems = small ? (size_t)w_last + 1 : 4;
+    float *x = alloc_exact(&in[IN_X], x_elems * sizeof(float));
+    float *w = alloc_exact(&in[IN_W], w_elems * sizeof(float));
+    for (size_t i = 0; i < x_elems; i++)
+        x[i] = pick_float(&r);
+    for (size_t i = 0; i < w_elems; i++)
+        w[i] = pick_float(&r);
+    float *bias = bias_on ? alloc_exact(&in[IN_BIAS], uv * sizeof(float)) : NULL;
+    for (size_t j = 0; bias && j < uv; j++)
+        bias[j] = pick_float(&r);
+
+    fh_linear lin;
+    const uint8_t layout_byte = u8(&r);
+    const fh_status init_status = fh_linear_init(&lin, n, hidden, vocab, x, w,
+                                                 layout_byte % 16 == 0 ? (fh_layout)(2 + layout_byte / 16) : layout, bias);
+    CHECK((layout_byte % 16 == 0) == (init_status != FH_OK), "fh_linear_init: status %d", (int)init_status);
+    const fh_linear described = {n, hidden, vocab, u8(&r) % 32 == 0 ? NULL : x, x_rs, u8(&r) % 32 == 0 ? NULL : w,
+                                 w_rs, w_cs, bias};
+    lin = described;
+
+    /* Wisdom entries (tile sizes measured elsewhere), sometimes for exactly this shape. */
+    const uint8_t wisdom = u8(&r);
+    for (int k = 0; k < wisdom % 4; k++) {
+        static const int64_t tile_values[] = {1, 2, 7, 64, 1000, (int64_t)1 << 40, INT64_MAX, 0, -1};
+        const fh_tile_config e = {wisdom & 16 ? 1 : (int64_t)(u8(&r) % 4), wisdom & 32 ? n : pick_size(&r, 48),
+                                  wisdom & 32 ? hidden : pick_size(&r, 48), wisdom & 32 ? vocab : pick_size(&r, 700),
+                                  (fh_call)(u8(&r) % 4), tile_values[u8(&r) % 9], tile_values[u8(&r) % 9]};
+        fh_context_add_wisdom(ctx, &e);
+    }
+
+    /* Cross-entropy options. */
+    fh_ce_options ce;
+    fh_ce_options_init(&ce);
+    static const int64_t ignores[] = {-100, -1, 0, 1, INT64_MIN};
+    ce.ignore_index = ignores[u8(&r) % 5];
+    ce.reduction = (fh_reduction)(u8(&r) % 5 == 4 ? 7 : u8(&r) % 3);
+    static const double smoothing[] = {0.0, 0.0, 0.1, 1.0, 1.0000001, -0.1, NAN, INFINITY};
+    ce.label_smoothing = pick_double(&r, smoothing, 8);
+    static const double softcaps[] = {0.0, 0.0, 30.0, 1e-3, 1e-38, 1e-50, 1e39, -1.0, NAN};
+    ce.softcap = pick_double(&r, softcaps, 9);
+    static const double zlosses[] = {0.0, 0.0, 1e-4, 1.0, 1e300, -1e-4, NAN, INFINITY};
+    ce.z_loss = pick_double(&r, zlosses, 8);
+    if (u8(&r) % 4 == 0) {
+        float *cw = alloc_exact(&in[IN_CW], uv * sizeof(float));
+        for (size_t j = 0; j < uv; j++)
+            cw[j] = u8(&r) % 16 == 0 ? pick_float(&r) : (float)(u8(&r) % 5) * 0.5f;
+        ce.class_weights = cw;
+    }
+    int64_t *targets = alloc_exact(&in[IN_TARGETS], un * sizeof(int64_t));
+    for (size_t i = 0; i < un; i++) {
+        const uint8_t t = u8(&r);
+        targets[i] = t % 16 == 0 ? ce.ignore_index : t % 16 == 1 ? -1 : t % 16 == 2 ? vocab
+                   : t % 16 == 3 ? INT64_MIN : (int64_t)(u8(&r) % (uint64_t)(small ? vocab : 4));
+    }
+    float *grad = alloc_exact(&in[IN_GRAD], un * sizeof(float));
+    for (size_t i = 0; i < un; i++)
+        grad[i] = u8(&r) % 16 == 0 ? pick_float(&r) : 1.0f;
+    float *lse_in = alloc_exact(&in[IN_LSE], un * sizeof(float));
+    float *logp_in = alloc_exact(&in[IN_LOGP], un * sizeof(float));
+    float *entropy_in = alloc_exact(&in[IN_ENTROPY], un * sizeof(float));
+    for (size_t i = 0; i < un; i++) {
+        lse_in[i] = u8(&r) % 8 == 0 ? pick_float(&r) : 3.0f;
+        logp_in[i] = u8(&r) % 8 == 0 ? pick_float(&r) : -3.0f;
+        entropy_in[i] = u8(&r) % 8 == 0 ? pick_float(&r) : 2.0f;
+    }
+
+    /* GRPO options and batch. */
+    fh_grpo_options go;
+    fh_grpo_options_init(&go);
+    go.loss_type = (fh_grpo_loss_type)(u8(&r) % 7);
+    go.importance_sampling_level = (fh_grpo_is_level)(u8(&r) % 3);
+    static const double temps[] = {1.0, 0.7, 1e-3, 1e-40, 1e40, 0.0, -1.0, NAN};
+    go.temperature = pick_double(&r, temps, 8);
+    static const double eps[] = {0.2, 0.0, 0.28, 5.0, -0.1, NAN, INFINITY};
+    go.epsilon_low = pick_double(&r, eps, 7);
+    go.epsilon_high = u8(&r) % 2 ? NAN : pick_double(&r, eps, 7);
+    static const double deltas[] = {NAN, 0.0, 1.5, 1e-3, -1.0, INFINITY};
+    go.delta = pick_double(&r, deltas, 6);
+    static const double betas[] = {0.0, 0.04, 1.0, 1e10, -0.1, NAN};
+    go.beta = pick_double(&r, betas, 6);
+    static const double taus[] = {1.0, 1.05, 1e-3, 0.0, -1.0, NAN};
+    go.sapo_temperature_pos = pick_double(&r, taus, 6);
+    go.sapo_temperature_neg = pick_double(&r, taus, 6);
+    static const double items[] = {0.0, 10.0, 1e-300, -5.0, NAN, INFINITY};
+    go.num_items_in_batch = pick_double(&r, items, 6);
+    go.max_completion_length = (int64_t)(u8(&r) % 8) - 2;
+    static const double coefs[] = {0.0, 0.01, -0.5, 1e300, NAN};
+    go.entropy_coef = pick_double(&r, coefs, 5);
+    float *mask = alloc_exact(&in[IN_MASK], un * sizeof(float));
+    for (size_t i = 0; i < un; i++) {
+        const uint8_t m = u8(&r);
+        mask[i] = m % 8 == 0 ? pick_float(&r) : (float)(m % 2);
+    }
+    const size_t ub = small && batch >= 1 && batch <= 48 ? (size_t)batch : 4;
+    float *adv = alloc_exact(&in[IN_ADV], ub * sizeof(float));
+    for (size_t b = 0; b < ub; b++)
+        adv[b] = pick_float(&r);
+    float *old = u8(&r) % 2 ? alloc_exact(&in[IN_OLD], un * sizeof(float)) : NULL;
+    float *ref = u8(&r) % 4 ? alloc_exact(&in[IN_REF], un * sizeof(float)) : NULL;
+    for (size_t i = 0; i < un; i++) {
+        if (old)
+            old[i] = u8(&r) % 8 == 0 ? pick_float(&r) : -3.0f + (float)(u8(&r) % 16) / 16.0f;
+        if (ref)
+            ref[i] = u8(&r) % 8 == 0 ? pick_float(&r) : -3.0f + (float)(u8(&r) % 16) / 16.0f;
+    }
+    /* The batch's arrays are [batch, seq]; when batch * seq differs from n the library must say so before
+     * reading them, so n-sized arrays are enough. */
+    const fh_grpo_batch gb = {batch, seq, targets, mask, adv, old, ref};
+
+    /* Outputs, canary-filled. */
+    const size_t dx_elems = small && has_grads && !dx_bad ? (size_t)dx_last + 1 : 4;
+    const int want = u8(&r);
+    double *loss = (want & 1) ? alloc_exact(&out[OUT_LOSS], sizeof(double)) : NULL;
+    double *zl = (want & 2) ? alloc_exact(&out[OUT_ZLOSS], sizeof(double)) : NULL;
+    fh_grpo_metrics *metrics = (want & 4) ? alloc_exact(&out[OUT_METRICS], sizeof(fh_grpo_metrics)) : NULL;
+    float *ptl = (want & 8) ? alloc_exact(&out[OUT_PTL], un * sizeof(float)) : NULL;
+    float *logp = (want & 16) ? alloc_exact(&out[OUT_LOGP], un * sizeof(float)) : NULL;
+    float *lse = (want & 32) ? alloc_exact(&out[OUT_LSE], un * sizeof(float)) : NULL;
+    float *entropy = (want & 64) ? alloc_exact(&out[OUT_ENTROPY], un * sizeof(float)) : NULL;
+    int64_t *argmax = (want & 128) ? alloc_exact(&out[OUT_ARGMAX], un * sizeof(int64_t)) : NULL;
+    const int grads_want = u8(&r);
+    float *dx = (grads_want & 1) ? alloc_exact(&out[OUT_DX], dx_elems * sizeof(float)) : NULL;
+    float *dw = (grads_want & 2) ? alloc_exact(&out[OUT_DW], w_elems * sizeof(float)) : NULL;
+    float *db = (grads_want & 4) ? alloc_exact(&out[OUT_DB], uv * sizeof(float)) : NULL;
+    static const float grad_betas[] = {0.0f, 0.0f, 1.0f, 0.5f, NAN, -1.0f};
+    fh_linear_grads g = {dx, dx_rs, grad_betas[u8(&r) % 6], dw, grad_betas[u8(&r) % 6], db, grad_betas[u8(&r) % 6]};
+    for (int k = 0; k < OUT_COUNT; k++)
+        if (out[k].p)
+            memset(out[k].p, CANARY, out[k].bytes);
+    for (int k = 0; k < IN_COUNT; k++)
+        if (in[k].p)
+            seal_input(&in[k]);
+
+    /* Caller workspace: none, the queried size, one byte less, or random. */
+    const uint8_t ws_mode = u8(&r) % 6;
+    size_t needed = 0;
+    void *workspace = NULL;
+    size_t ws_bytes = 0;
+    fh_status query_status = FH_ERR_INVALID_SIZE;
+    if (!query && small) {
+        query_status = grpo                 ? fh_grpo_workspace_size(ctx, &lin, &needed)
+                       : call == CALL_CE_STEP ? fh_ce_forward_backward_workspace_size(ctx, &lin, &ce, &needed)
+                                              : fh_ce_workspace_size(ctx, &lin, &ce, &needed);
+        if (ws_mode >= 3) {
+            ws_bytes = ws_mode == 3 ? needed : ws_mode == 4 ? (needed ? needed - 1 : 0) : (size_t)(u64(&r) % 200000);
+            if (ws_bytes > 0 && ws_bytes <= ((size_t)64 << 20)) {
+                workspace = malloc(ws_bytes);
+                fh_context_set_workspace(ctx, workspace, ws_bytes);
+            }
+        }
+    }
+
+    fh_status st;
+    size_t bytes = 0xA5A5A5A5u;
+    fh_ce_outputs ce_out = {loss, zl, ptl, logp, lse, argmax};
+    fh_grpo_outputs grpo_out = {loss, metrics, logp, ptl, entropy, lse};
+    const int null_struct = u8(&r) % 64 == 0;
+    switch (call) {
+    case CALL_CE_FORWARD: st = fh_ce_forward(ctx, &lin, targets, &ce, null_struct ? NULL : &ce_out); break;
+    case CALL_CE_BACKWARD:
+        st = fh_ce_backward(ctx, &lin, targets, &ce, lse_in, grad, null_struct ? NULL : &g);
+        break;
+    case CALL_CE_STEP: st = fh_ce_forward_backward(ctx, &lin, targets, &ce, grad, &ce_out, null_struct ? NULL : &g); break;
+    case CALL_GRPO_FORWARD: st = fh_grpo_forward(ctx, &lin, null_struct ? NULL : &gb, &go, &grpo_out); break;
+    case CALL_GRPO_BACKWARD:
+        st = fh_grpo_backward(ctx, &lin, &gb, &go, logp_in, lse_in, entropy_in, grad, null_struct ? NULL : &g);
+        break;
+    case CALL_GRPO_STEP: st = fh_grpo_forward_backward(ctx, &lin, &gb, &go, grad, &grpo_out, null_struct ? NULL : &g); break;
+    case CALL_CE_QUERY: st = fh_ce_workspace_size(ctx, &lin, &ce, &bytes); break;
+    case CALL_CE_STEP_QUERY: st = fh_ce_forward_backward_workspace_size(ctx, &lin, &ce, &bytes); break;
+    default: st = fh_grpo_workspace_size(ctx, &lin, &bytes); break;
+    }
+
+    /* dx is validated only when it is requested (and the grads struct is passed). */
+    if ((lin_bad || (dx_bad && dx && !null_struct)) && lin.x && lin.weight)
+        CHECK(st != FH_OK, "call %d accepted a shape it must reject (n=%lld h=%lld v=%lld strides %lld %lld %lld "
+              "dx %lld)", call, (long long)n, (long long)hidden, (long long)vocab, (long long)x_rs, (long long)w_rs,
+              (long long)w_cs, (long long)dx_rs);
+    if (query) {
+        if (st != FH_OK)
+            CHECK(bytes == 0xA5A5A5A5u, "a failed query wrote *bytes");
+        else
+            CHECK(bytes <= (size_t)effective_budget, "query answered %zu bytes over a budget of %lld", bytes,
+                  (long long)effective_budget);
+    } else {
+        if (st != FH_OK)
+            for (int k = 0; k < OUT_COUNT; k++)
+                CHECK(untouched(&out[k]), "call %d failed with status %d but wrote output %d", call, (int)st, k);
+        /* The train step's query is exact; the others are the larger of two passes' needs. */
+        if (st == FH_OK && workspace && call == CALL_CE_STEP)
+            CHECK(query_status == FH_OK && ws_bytes >= needed,
+                  "call %d succeeded with a %zu-byte caller workspace; the query said %zu (status %d)", call, ws_bytes,
+                  needed, (int)query_status);
+        if (st == FH_OK && argmax && (call == CALL_CE_FORWARD || call == CALL_CE_STEP))
+            for (size_t i = 0; i < un; i++)
+                CHECK(argmax[i] >= 0 && argmax[i] < vocab, "argmax[%zu] = %lld outside [0, %lld)", i,
+                      (long long)argmax[i], (long long)vocab);
+    }
+    const char *message = NULL;
+    CHECK(fh_context_message(ctx, &message) == FH_OK && message && strlen(message) < 256, "message");
+    CHECK(strlen(fh_status_string(st)) > 0, "status string");
+    static const char *in_names[IN_COUNT] = {"x", "weight", "bias", "class_weights", "targets", "grad_output", "lse",
+                                             "logp", "entropy", "mask", "advantages", "old", "ref"};
+    for (int k = 0; k < IN_COUNT; k++)
+        check_input(&in[k], in_names[k]);
+
+    fh_context_destroy(ctx);
+    free(workspace);
+    for (int k = 0; k < IN_COUNT; k++)
+        release(&in[k]);
+    for (int k = 0; k < OUT_COUNT; k++)
+        release(&out[k]);
+    return 0;
+}

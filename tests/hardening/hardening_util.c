@@ -1,0 +1,257 @@
+#include "hardening_util.h"
+
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static void *hu_zalloc(size_t count, size_t size)
+{
+    void *p = calloc(count ? count : 1, size);
+    if (!p) {
+        fprintf(stderr, "fh_hardening_tests: out of memory\n");
+        abort();
+    }
+    return p;
+}
+
+const char *hu_call_name(hu_call call)
+{
+    static const char *names[HU_CALL_COUNT] = {"fh_ce_forward",   "fh_ce_backward",   "fh_ce_forward_backward",
+                                               "fh_grpo_forward", "fh_grpo_backward", "fh_grpo_forward_backward"};
+    return (unsigned)call < HU_CALL_COUNT ? names[call] : "?";
+}
+
+int hu_call_is_grpo(hu_call call)
+{
+    return call >= HU_GRPO_FORWARD;
+}
+
+void hu_outputs_alloc(hu_outputs *o, int64_t n, int64_t hidden, int64_t vocab, int has_bias)
+{
+    memset(o, 0, sizeof *o);
+    o->n = n;
+    o->hidden = hidden;
+    o->vocab = vocab;
+    o->has_bias = has_bias;
+    const size_t un = (size_t)n, uh = (size_t)hidden, uv = (size_t)vocab;
+    o->per_token_loss = hu_zalloc(un, sizeof(float));
+    o->logp = hu_zalloc(un, sizeof(float));
+    o->lse = hu_zalloc(un, sizeof(float));
+    o->entropy = hu_zalloc(un, sizeof(float));
+    o->argmax = hu_zalloc(un, sizeof(int64_t));
+    o->dx = hu_zalloc(un * uh, sizeof(float));
+    o->dweight = hu_zalloc(uh * uv, sizeof(float));
+    o->dbias = has_bias ? hu_zalloc(uv, sizeof(float)) : NULL;
+}
+
+void hu_outputs_free(hu_outputs *o)
+{
+    free(o->per_token_loss);
+    free(o->logp);
+    free(o->lse);
+    free(o->entropy);
+    free(o->argmax);
+    free(o->dx);
+    free(o->dweight);
+    free(o->dbias);
+    memset(o, 0, sizeof *o);
+}
+
+typedef struct part {
+    const char *name;
+    void *data;
+    size_t bytes;
+} part;
+
+static size_t parts_of(const hu_outputs *o, part *p)
+{
+    const size_t n = (size_t)o->n, h = (size_t)o->hidden, v = (size_t)o->vocab;
+    hu_outputs *m = (hu_outputs *)o;
+    const part all[] = {
+        {"loss", &m->loss, sizeof m->loss},
+        {"z_loss", &m->z_loss, sizeof m->z_loss},
+        {"metrics", &m->metrics, sizeof m->metrics},
+        {"per_token_loss", m->per_token_loss, n * sizeof(float)},
+        {"per_token_logp", m->logp, n * sizeof(float)},
+        {"lse", m->lse, n * sizeof(float)},
+        {"entropy", m->entropy, n * sizeof(float)},
+        {"argmax", m->argmax, n * sizeof(int64_t)},
+        {"dx", m->dx, n * h * sizeof(float)},
+        {"dweight", m->dweight, h * v * sizeof(float)},
+        {"dbias", m->dbias, m->dbias ? v * sizeof(float) : 0},
+    };
+    memcpy(p, all, sizeof all);
+    return TU_COUNT(all);
+}
+
+void hu_outputs_fill(hu_outputs *o, unsigned char byte)
+{
+    part p[16];
+    const size_t count = parts_of(o, p);
+    for (size_t k = 0; k < count; k++)
+        if (p[k].bytes)
+            memset(p[k].data, byte, p[k].bytes);
+}
+
+const char *hu_outputs_diff(const hu_outputs *a, const hu_outputs *b)
+{
+    part pa[16], pb[16];
+    const size_t count = parts_of(a, pa);
+    parts_of(b, pb);
+    for (size_t k = 0; k < count; k++)
+        if (pa[k].bytes != pb[k].bytes || (pa[k].bytes && memcmp(pa[k].data, pb[k].data, pa[k].bytes) != 0))
+            return pa[k].name;
+    return NULL;
+}
+
+int hu_outputs_untouched(const hu_outputs *o, unsigned char byte)
+{
+    part p[16];
+    const size_t count = parts_of(o, p);
+    for (size_t k = 0; k < count; k++) {
+        const unsigned char *d = p[k].data;
+        for (size_t i = 0; i < p[k].bytes; i++)
+            if (d[i] != byte)
+                return 0;
+    }
+    return 1;
+}
+
+void hu_grpo_problem_init(hu_grpo_problem *p, int64_t batch, int64_t seq, int64_t hidden, int64_t vocab,
+                          fh_layout layout, int bias, uint64_t seed)
+{
+    memset(p, 0, sizeof *p);
+    p->batch = batch;
+    p->seq = seq;
+    p->hidden = hidden;
+    p->vocab = vocab;
+    p->layout = layout;
+    const int64_t n = batch * seq;
+    p->x = hu_zalloc((size_t)(n * hidden), sizeof(float));
+    p->weight = hu_zalloc((size_t)(hidden * vocab), sizeof(float));
+    p->bias = bias ? hu_zalloc((size_t)vocab, sizeof(float)) : NULL;
+    p->ids = hu_zalloc((size_t)n, sizeof(int64_t));
+    p->mask = hu_zalloc((size_t)n, sizeof(float));
+    p->advantages = hu_zalloc((size_t)batch, sizeof(float));
+    p->old_logps = hu_zalloc((size_t)n, sizeof(float));
+    p->ref_logps = hu_zalloc((size_t)n, sizeof(float));
+    uint64_t rng = seed * 7919 + 17;
+    ce_fill_linear(&rng, n, hidden, vocab, 3.0, p->x, p->weight, p->bias);
+    const double base = -log((double)vocab);
+    for (int64_t b = 0; b < batch; b++) {
+        const int64_t length = 1 + (int64_t)(ce_uniform(&rng) * (double)seq);
+        p->advantages[b] = (float)(2.0 * ce_uniform(&rng) - 1.0);
+        for (int64_t t = 0; t < seq; t++) {
+            const int64_t i = b * seq + t;
+            p->mask[i] = t < length ? 1.0f : 0.0f;
+            p->ids[i] = t >= length && ce_uniform(&rng) < 0.5 ? -100 : (int64_t)(ce_uniform(&rng) * (double)vocab);
+            p->old_logps[i] = (float)(base + 0.8 * (ce_uniform(&rng) - 0.5));
+            p->ref_logps[i] = (float)(base + 0.8 * (ce_uniform(&rng) - 0.5));
+        }
+    }
+    fh_grpo_options_init(&p->options);
+    p->options.beta = 0.04;
+    p->grad_output = 1.0f;
+}
+
+void hu_grpo_problem_free(hu_grpo_problem *p)
+{
+    free(p->x);
+    free(p->weight);
+    free(p->bias);
+    free(p->ids);
+    free(p->mask);
+    free(p->advantages);
+    free(p->old_logps);
+    free(p->ref_logps);
+    memset(p, 0, sizeof *p);
+}
+
+void hu_grpo_linear(const hu_grpo_problem *p, fh_linear *lin)
+{
+    const fh_status st = fh_linear_init(lin, p->batch * p->seq, p->hidden, p->vocab, p->x, p->weight, p->layout,
+                                        p->bias);
+    TU_CHECK(st == FH_OK, "fh_linear_init: %d", (int)st);
+}
+
+void hu_grpo_batch(const hu_grpo_problem *p, fh_grpo_batch *batch)
+{
+    const fh_grpo_batch b = {p->batch, p->seq, p->ids, p->mask, p->advantages, p->old_logps, p->ref_logps};
+    *batch = b;
+}
+
+void hu_saved_from(hu_saved *s, const hu_outputs *forward, int64_t n)
+{
+    s->lse = hu_zalloc((size_t)n, sizeof(float));
+    s->logp = hu_zalloc((size_t)n, sizeof(float));
+    s->entropy = hu_zalloc((size_t)n, sizeof(float));
+    memcpy(s->lse, forward->lse, (size_t)n * sizeof(float));
+    memcpy(s->logp, forward->logp, (size_t)n * sizeof(float));
+    memcpy(s->entropy, forward->entropy, (size_t)n * sizeof(float));
+}
+
+void hu_saved_free(hu_saved *s)
+{
+    free(s->lse);
+    free(s->logp);
+    free(s->entropy);
+    memset(s, 0, sizeof *s);
+}
+
+fh_status hu_run(fh_context *ctx, hu_call call, const tu_problem *p_ce, const hu_grpo_problem *p_grpo,
+                 const hu_saved *saved, hu_outputs *o)
+{
+    fh_linear lin;
+    fh_linear_grads g = {o->dx, o->hidden, 0.0f, o->dweight, 0.0f, o->dbias, 0.0f};
+    if (!hu_call_is_grpo(call)) {
+        tu_problem_linear(p_ce, &lin);
+        fh_ce_outputs out = {&o->loss, &o->z_loss, o->per_token_loss, o->logp, o->lse, o->argmax};
+        switch (call) {
+        case HU_CE_FORWARD: return fh_ce_forward(ctx, &lin, p_ce->targets, &p_ce->options, &out);
+        case HU_CE_BACKWARD:
+            return fh_ce_backward(ctx, &lin, p_ce->targets, &p_ce->options, saved->lse, p_ce->grad_output, &g);
+        default:
+            return fh_ce_forward_backward(ctx, &lin, p_ce->targets, &p_ce->options, p_ce->grad_output, &out, &g);
+        }
+    }
+    hu_grpo_linear(p_grpo, &lin);
+    fh_grpo_batch batch;
+    hu_grpo_batch(p_grpo, &batch);
+    fh_grpo_outputs out = {&o->loss, &o->metrics, o->logp, o->per_token_loss, o->entropy, o->lse};
+    switch (call) {
+    case HU_GRPO_FORWARD: return fh_grpo_forward(ctx, &lin, &batch, &p_grpo->options, &out);
+    case HU_GRPO_BACKWARD:
+        return fh_grpo_backward(ctx, &lin, &batch, &p_grpo->options, saved->logp, saved->lse, saved->entropy,
+                                &p_grpo->grad_output, &g);
+    default: return fh_grpo_forward_backward(ctx, &lin, &batch, &p_grpo->options, &p_grpo->grad_output, &out, &g);
+    }
+}
+
+fh_context *hu_context(int threads, int64_t tile_rows, int64_t tile_vocab)
+{
+    const tu_config cfg = {.threads = threads, .tile_rows = tile_rows, .tile_vocab = tile_vocab};
+    return tu_context(&cfg);
+}
+
+int hu_run_isolated(int (*body)(void *), void *arg)
+{
+    fflush(stdout);
+    fflush(stderr);
+    const pid_t pid = fork();
+    if (pid < 0)
+        return 999;
+    if (pid == 0) {
+        alarm(60); /* a hang in the child ends as SIGALRM instead of hanging the suite */
+        _exit(body(arg) & 0xff);
+    }
+    int status = 0;
+    if (waitpid(pid, &status, 0) != pid)
+        return 998;
+    if (WIFSIGNALED(status))
+        return 1000 + WTERMSIG(status);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 997;
+}

@@ -1,0 +1,95 @@
+/* Helpers shared by the hardening suites: every output a call can write gathered in one place (so that a
+ * canary fill and a bitwise comparison cover all of them), cross-entropy and GRPO calls run from a
+ * problem, and a GRPO problem with random inputs. Cross-entropy problems are tests/test_util.h's. */
+#ifndef FH_HARDENING_UTIL_H
+#define FH_HARDENING_UTIL_H
+
+#include "test_util.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+int hu_register_alloc_failure(void);
+int hu_register_overflow(void);
+int hu_register_nonfinite(void);
+int hu_register_hard_determinism(void);
+int hu_register_numeric_extremes(void);
+int hu_register_thread_safety(void);
+int hu_register_guard_pages(void);
+
+/* The byte every output is filled with before a call that must fail (0xA5A5A5A5 is a NaN-free, odd
+ * pattern: a float -2.9e-16, an int64 well outside any index). */
+#define HU_CANARY 0xA5
+
+/* The entry points. */
+typedef enum hu_call {
+    HU_CE_FORWARD = 0,
+    HU_CE_BACKWARD,
+    HU_CE_TRAIN_STEP,
+    HU_GRPO_FORWARD,
+    HU_GRPO_BACKWARD,
+    HU_GRPO_TRAIN_STEP,
+    HU_CALL_COUNT
+} hu_call;
+const char *hu_call_name(hu_call call);
+int hu_call_is_grpo(hu_call call);
+
+/* Everything a call writes. Arrays are sized for the problem; dbias only when the problem has a bias. */
+typedef struct hu_outputs {
+    int64_t n, hidden, vocab;
+    int has_bias;
+    double loss, z_loss;
+    fh_grpo_metrics metrics;
+    float *per_token_loss, *logp, *lse, *entropy;
+    int64_t *argmax;
+    float *dx, *dweight, *dbias;
+} hu_outputs;
+
+void hu_outputs_alloc(hu_outputs *o, int64_t n, int64_t hidden, int64_t vocab, int has_bias);
+void hu_outputs_free(hu_outputs *o);
+/* Every byte of every output (scalars, metrics and arrays) set to `byte`. */
+void hu_outputs_fill(hu_outputs *o, unsigned char byte);
+/* NULL when bitwise identical, else the name of the first output that differs. */
+const char *hu_outputs_diff(const hu_outputs *a, const hu_outputs *b);
+/* 1 when every byte of every output still equals `byte`. */
+int hu_outputs_untouched(const hu_outputs *o, unsigned char byte);
+
+/* A GRPO problem with every input the batch can have. */
+typedef struct hu_grpo_problem {
+    int64_t batch, seq, hidden, vocab;
+    fh_layout layout;
+    float *x, *weight, *bias; /* bias may be NULL */
+    int64_t *ids;
+    float *mask, *advantages, *old_logps, *ref_logps;
+    fh_grpo_options options;
+    float grad_output;
+} hu_grpo_problem;
+
+/* Random inputs (logits of standard deviation ~3, masks with a padded tail, advantages of both signs, old
+ * and reference log-probs within +-0.4 of log(1/V)), TRL default options with beta 0.04. */
+void hu_grpo_problem_init(hu_grpo_problem *p, int64_t batch, int64_t seq, int64_t hidden, int64_t vocab,
+                          fh_layout layout, int bias, uint64_t seed);
+void hu_grpo_problem_free(hu_grpo_problem *p);
+void hu_grpo_linear(const hu_grpo_problem *p, fh_linear *lin);
+void hu_grpo_batch(const hu_grpo_problem *p, fh_grpo_batch *batch);
+
+/* Saved forward state that the backward calls read (lse, logp, entropy): from a successful forward. */
+typedef struct hu_saved {
+    float *lse, *logp, *entropy;
+} hu_saved;
+void hu_saved_from(hu_saved *s, const hu_outputs *forward, int64_t n);
+void hu_saved_free(hu_saved *s);
+
+/* One call of `call` on ctx, writing into o (beta 0 gradients). Cross-entropy calls use p_ce, GRPO calls
+ * p_grpo; backward calls read `saved`. */
+fh_status hu_run(fh_context *ctx, hu_call call, const tu_problem *p_ce, const hu_grpo_problem *p_grpo,
+                 const hu_saved *saved, hu_outputs *o);
+
+/* A context with threads, tile rows and tile vocab set (0 = default). Asserts success. */
+fh_context *hu_context(int threads, int64_t tile_rows, int64_t tile_vocab);
+
+/* Runs `body(arg)` in a forked child, so that a crash fails only the assertion that called it. Returns
+ * the child's exit status (0..255), or 1000 + the signal number that killed it. */
+int hu_run_isolated(int (*body)(void *), void *arg);
+
+#endif

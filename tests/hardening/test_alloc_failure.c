@@ -1,0 +1,391 @@
+/* Allocation-failure injection (alloc_hook.h). For every entry point, the k-th allocation made by
+ * libfusedhead's own code fails, for k = 0, 1, ... until a run injects nothing. Each failure must:
+ *   - return FH_ERR_OUT_OF_MEMORY from the call that hit it (fh_context_create or the entry point),
+ *   - leave every output bit-identical (canary) and, for fh_context_create, the context pointer unset,
+ *   - leave the context usable: the same call without injection then succeeds with the results of a run
+ *     that never failed, bitwise,
+ *   - leak nothing: after fh_context_destroy no block allocated by libfusedhead is live.
+ * BLIS is warmed up with the same shapes and thread count first (its pools are then allocated) and BLIS's
+ * and libgomp's allocations are never failed: BLIS aborts on allocation failure by design.
+ * The wisdom file functions allocate only through libc (fopen): there every allocation of the calling
+ * thread is failed in turn, and they must return FH_ERR_WISDOM_IO / FH_ERR_OUT_OF_MEMORY or succeed. */
+#include "alloc_hook.h"
+#include "hardening_util.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+enum { MAX_STEPS = 64 };
+
+static int hooks_ready(void)
+{
+    static int state = 0; /* 0 unknown, 1 ready, -1 unavailable */
+    if (state == 0)
+        state = ah_init() == 0 ? 1 : -1;
+    TU_CHECK(state == 1, "the allocation hooks are not in effect (malloc is not interposed)");
+    return state == 1;
+}
+
+typedef struct scenario {
+    const char *label;
+    hu_call call;
+    const tu_problem *ce;
+    const hu_grpo_problem *grpo;
+    const hu_saved *saved;
+    int threads;
+    int64_t tile_rows, tile_vocab, budget;
+} scenario;
+
+static fh_context *scenario_context(const scenario *s, fh_status *create_status)
+{
+    fh_context *sentinel = (fh_context *)(uintptr_t)0x5A5A5A5A;
+    fh_context *ctx = sentinel;
+    *create_status = fh_context_create(&ctx);
+    if (*create_status != FH_OK) {
+        TU_CHECK(ctx == sentinel, "%s: a failed fh_context_create wrote the context pointer", s->label);
+        return NULL;
+    }
+    const fh_status a = fh_context_set(ctx, FH_PARAM_THREADS, s->threads);
+    const fh_status b = fh_context_set(ctx, FH_PARAM_TILE_ROWS, s->tile_rows);
+    const fh_status c = fh_context_set(ctx, FH_PARAM_TILE_VOCAB, s->tile_vocab);
+    const fh_status d = fh_context_set(ctx, FH_PARAM_MEMORY_BUDGET, s->budget);
+    TU_CHECK(a == FH_OK && b == FH_OK && c == FH_OK && d == FH_OK, "%s: fh_context_set", s->label);
+    return ctx;
+}
+
+static void run_scenario(const scenario *s)
+{
+    const int64_t n = hu_call_is_grpo(s->call) ? s->grpo->batch * s->grpo->seq : s->ce->n;
+    const int64_t h = hu_call_is_grpo(s->call) ? s->grpo->hidden : s->ce->hidden;
+    const int64_t v = hu_call_is_grpo(s->call) ? s->grpo->vocab : s->ce->vocab;
+    const int bias = hu_call_is_grpo(s->call) ? s->grpo->bias != NULL : s->ce->bias != NULL;
+    hu_outputs expected, got;
+    hu_outputs_alloc(&expected, n, h, v, bias);
+    hu_outputs_alloc(&got, n, h, v, bias);
+
+    /* Warm-up (BLIS pools, OpenMP team) and the results of a run that never fails. */
+    fh_status st;
+    fh_context *ctx = scenario_context(s, &st);
+    hu_outputs_fill(&expected, HU_CANARY); /* what a call does not write stays canary, as in `got` */
+    st = ctx ? hu_run(ctx, s->call, s->ce, s->grpo, s->saved, &expected) : st;
+    TU_CHECK(st == FH_OK, "%s: warm-up: status %d", s->label, (int)st);
+    fh_context_destroy(ctx);
+    TU_CHECK(ah_live_library_blocks() == 0, "%s: %ld library blocks live after destroy", s->label,
+             ah_live_library_blocks());
+
+    /* How many allocations the library makes for create + call + destroy. */
+    ah_reset(AH_LIBRARY);
+    ctx = scenario_context(s, &st);
+    if (ctx)
+        st = hu_run(ctx, s->call, s->ce, s->grpo, s->saved, &got);
+    fh_context_destroy(ctx);
+    const long total = ah_counted();
+    TU_CHECK(st == FH_OK && total >= 2, "%s: counting run: status %d, %ld library allocations (expected >= 2: "
+             "the context and its workspace)", s->label, (int)st, total);
+
+    long k;
+    for (k = 0; k < MAX_STEPS; k++) {
+        ah_arm(k, AH_LIBRARY);
+        ctx = scenario_context(s, &st);
+        if (!ctx) {
+            TU_CHECK(st == FH_ERR_OUT_OF_MEMORY && ah_failures() == 1,
+                     "%s: k = %ld: fh_context_create returned %d (%ld failures injected)", s->label, k, (int)st,
+                     ah_failures());
+            ah_disarm();
+            TU_CHECK(ah_live_library_blocks() == 0, "%s: k = %ld: %ld library blocks live after a failed create",
+                     s->label, k, ah_live_library_blocks());
+            continue;
+        }
+        hu_outputs_fill(&got, HU_CANARY);
+        st = hu_run(ctx, s->call, s->ce, s->grpo, s->saved, &got);
+        const long injected = ah_failures();
+        ah_disarm();
+        if (injected == 0) {
+            TU_CHECK(st == FH_OK, "%s: k = %ld: status %d without any failure injected", s->label, k, (int)st);
+            const char *d = hu_outputs_diff(&got, &expected);
+            TU_CHECK(d == NULL, "%s: k = %ld: %s differs from the warm-up run", s->label, k, d ? d : "");
+            fh_context_destroy(ctx);
+            TU_CHECK(ah_live_library_blocks() == 0, "%s: %ld library blocks live after destroy", s->label,
+                     ah_live_library_blocks());
+            break;
+        }
+        const char *message = "";
+        fh_context_message(ctx, &message);
+        TU_CHECK(st == FH_ERR_OUT_OF_MEMORY, "%s: k = %ld: status %d (%s) after an allocation failure, expected "
+                 "FH_ERR_OUT_OF_MEMORY", s->label, k, (int)st, message);
+        TU_CHECK(tu_mentions(message, "allocate"), "%s: k = %ld: message \"%s\" does not say what failed", s->label,
+                 k, message);
+        TU_CHECK(hu_outputs_untouched(&got, HU_CANARY), "%s: k = %ld: a call that failed with status %d wrote an "
+                 "output", s->label, k, (int)st);
+        /* The context is still usable and gives the same results. */
+        st = hu_run(ctx, s->call, s->ce, s->grpo, s->saved, &got);
+        TU_CHECK(st == FH_OK, "%s: k = %ld: retry after the failure: status %d", s->label, k, (int)st);
+        const char *d = st == FH_OK ? hu_outputs_diff(&got, &expected) : NULL;
+        TU_CHECK(d == NULL, "%s: k = %ld: retry: %s differs from the warm-up run", s->label, k, d ? d : "");
+        fh_context_destroy(ctx);
+        TU_CHECK(ah_live_library_blocks() == 0, "%s: k = %ld: %ld library blocks (%zu bytes) live after destroy",
+                 s->label, k, ah_live_library_blocks(), ah_live_library_bytes());
+    }
+    TU_CHECK(k == total, "%s: %ld injection steps for %ld library allocations", s->label, k, total);
+    if (getenv("FH_HARDENING_VERBOSE"))
+        printf("\n    %s: %ld library allocations, each failed in turn", s->label, total);
+    hu_outputs_free(&expected);
+    hu_outputs_free(&got);
+}
+
+/* The problems every scenario uses: tiles small enough for several vocabulary tiles and row blocks. */
+typedef struct problems {
+    tu_problem ce_mean, ce_none;
+    hu_grpo_problem grpo;
+    hu_saved ce_saved_mean, ce_saved_none, grpo_saved;
+} problems;
+
+static void saved_from_forward(hu_call forward, const tu_problem *ce, const hu_grpo_problem *grpo, hu_saved *saved)
+{
+    const int64_t n = ce ? ce->n : grpo->batch * grpo->seq;
+    hu_outputs o;
+    hu_outputs_alloc(&o, n, ce ? ce->hidden : grpo->hidden, ce ? ce->vocab : grpo->vocab, 0);
+    fh_context *ctx = hu_context(1, 0, 0);
+    const fh_status st = hu_run(ctx, forward, ce, grpo, NULL, &o);
+    TU_CHECK(st == FH_OK, "forward for the saved state: %d", (int)st);
+    fh_context_destroy(ctx);
+    hu_saved_from(saved, &o, n);
+    hu_outputs_free(&o);
+}
+
+static void problems_init(problems *p)
+{
+    tu_problem_init(&p->ce_mean, 37, 16, 300, FH_LAYOUT_VH, TU_BIAS | TU_CLASS_WEIGHTS);
+    tu_problem_randomize(&p->ce_mean, 41, 3.0);
+    p->ce_mean.options.label_smoothing = 0.1;
+    p->ce_mean.options.z_loss = 1e-4;
+    p->ce_mean.options.softcap = 20.0;
+    p->ce_mean.targets[3] = -100;
+    tu_problem_init(&p->ce_none, 23, 9, 211, FH_LAYOUT_HV, 0);
+    tu_problem_randomize(&p->ce_none, 42, 3.0);
+    p->ce_none.options.reduction = FH_REDUCTION_NONE;
+    hu_grpo_problem_init(&p->grpo, 3, 11, 16, 257, FH_LAYOUT_VH, 1, 43);
+    p->grpo.options.entropy_coef = 0.01;
+    saved_from_forward(HU_CE_FORWARD, &p->ce_mean, NULL, &p->ce_saved_mean);
+    saved_from_forward(HU_CE_FORWARD, &p->ce_none, NULL, &p->ce_saved_none);
+    saved_from_forward(HU_GRPO_FORWARD, NULL, &p->grpo, &p->grpo_saved);
+}
+
+static void problems_free(problems *p)
+{
+    tu_problem_free(&p->ce_mean);
+    tu_problem_free(&p->ce_none);
+    hu_grpo_problem_free(&p->grpo);
+    hu_saved_free(&p->ce_saved_mean);
+    hu_saved_free(&p->ce_saved_none);
+    hu_saved_free(&p->grpo_saved);
+}
+
+static void test_every_entry_point(void)
+{
+    if (!hooks_ready())
+        return;
+    problems p;
+    problems_init(&p);
+    for (int call = 0; call < HU_CALL_COUNT; call++)
+        for (int variant = 0; variant < 3; variant++) {
+            /* 0: 2 threads, small tiles; 1: 1 thread, default tiles; 2: a budget that forces the train step
+             * to stream (and small tiles elsewhere). */
+            const int grpo = hu_call_is_grpo((hu_call)call);
+            const int none = !grpo && variant == 1;
+            char label[128];
+            snprintf(label, sizeof label, "%s, variant %d%s", hu_call_name((hu_call)call), variant,
+                     none ? " (reduction none)" : "");
+            const scenario s = {label,
+                                (hu_call)call,
+                                none ? &p.ce_none : &p.ce_mean,
+                                &p.grpo,
+                                grpo ? &p.grpo_saved : none ? &p.ce_saved_none : &p.ce_saved_mean,
+                                variant == 1 ? 1 : 2,
+                                variant == 1 ? 0 : 8,
+                                variant == 1 ? 0 : 64,
+                                variant == 2 ? 200000 : 0};
+            run_scenario(&s);
+        }
+    problems_free(&p);
+}
+
+/* A context whose workspace was sized by a small call: a larger call fails to grow it, then the small call
+ * runs again without allocating, and the larger one succeeds once allocation works. */
+static void test_failed_growth_keeps_workspace(void)
+{
+    if (!hooks_ready())
+        return;
+    tu_problem small, large;
+    tu_problem_init(&small, 5, 8, 50, FH_LAYOUT_HV, TU_BIAS);
+    tu_problem_randomize(&small, 51, 3.0);
+    tu_problem_init(&large, 300, 8, 3000, FH_LAYOUT_HV, TU_BIAS);
+    tu_problem_randomize(&large, 52, 3.0);
+    for (int call = HU_CE_FORWARD; call <= HU_CE_TRAIN_STEP; call++) {
+        const hu_call c = (hu_call)call;
+        hu_saved saved_small, saved_large;
+        saved_from_forward(HU_CE_FORWARD, &small, NULL, &saved_small);
+        saved_from_forward(HU_CE_FORWARD, &large, NULL, &saved_large);
+        hu_outputs out_small, ref_small, out_large, ref_large;
+        hu_outputs_alloc(&out_small, small.n, small.hidden, small.vocab, 1);
+        hu_outputs_alloc(&ref_small, small.n, small.hidden, small.vocab, 1);
+        hu_outputs_alloc(&out_large, large.n, large.hidden, large.vocab, 1);
+        hu_outputs_alloc(&ref_large, large.n, large.hidden, large.vocab, 1);
+        hu_outputs_fill(&ref_small, HU_CANARY);
+        hu_outputs_fill(&ref_large, HU_CANARY);
+        fh_context *ctx = hu_context(2, 0, 0);
+        TU_CHECK(hu_run(ctx, c, &large, NULL, &saved_large, &ref_large) == FH_OK, "large warm-up");
+        fh_context_destroy(ctx);
+
+        ctx = hu_context(2, 0, 0);
+        TU_CHECK(hu_run(ctx, c, &small, NULL, &saved_small, &ref_small) == FH_OK, "small call");
+        ah_arm(0, AH_LIBRARY);
+        hu_outputs_fill(&out_large, HU_CANARY);
+        fh_status st = hu_run(ctx, c, &large, NULL, &saved_large, &out_large);
+        const long injected = ah_failures();
+        ah_disarm();
+        TU_CHECK(injected == 1 && st == FH_ERR_OUT_OF_MEMORY, "%s: growing the workspace: %ld failures, status %d",
+                 hu_call_name(c), injected, (int)st);
+        TU_CHECK(hu_outputs_untouched(&out_large, HU_CANARY), "%s: the failed call wrote an output",
+                 hu_call_name(c));
+        ah_reset(AH_LIBRARY);
+        hu_outputs_fill(&out_small, HU_CANARY);
+        st = hu_run(ctx, c, &small, NULL, &saved_small, &out_small);
+        TU_CHECK(st == FH_OK && ah_counted() == 0, "%s: small call after the failed growth: status %d, %ld library "
+                 "allocations (its workspace must have been kept)", hu_call_name(c), (int)st, ah_counted());
+        const char *d = hu_outputs_diff(&out_small, &ref_small);
+        TU_CHECK(d == NULL, "%s: small call after the failed growth: %s differs", hu_call_name(c), d ? d : "");
+        hu_outputs_fill(&out_large, HU_CANARY);
+        st = hu_run(ctx, c, &large, NULL, &saved_large, &out_large);
+        d = hu_outputs_diff(&out_large, &ref_large);
+        TU_CHECK(st == FH_OK && d == NULL, "%s: large call once allocation works: status %d, %s", hu_call_name(c),
+                 (int)st, d ? d : "identical");
+        fh_context_destroy(ctx);
+        TU_CHECK(ah_live_library_blocks() == 0, "%s: %ld library blocks live after destroy", hu_call_name(c),
+                 ah_live_library_blocks());
+        hu_outputs_free(&out_small);
+        hu_outputs_free(&ref_small);
+        hu_outputs_free(&out_large);
+        hu_outputs_free(&ref_large);
+        hu_saved_free(&saved_small);
+        hu_saved_free(&saved_large);
+    }
+    tu_problem_free(&small);
+    tu_problem_free(&large);
+}
+
+/* With a caller workspace of the queried size, no entry point allocates at all. */
+static void test_caller_workspace_never_allocates(void)
+{
+    if (!hooks_ready())
+        return;
+    problems p;
+    problems_init(&p);
+    for (int call = 0; call < HU_CALL_COUNT; call++) {
+        const hu_call c = (hu_call)call;
+        const int grpo = hu_call_is_grpo(c);
+        fh_context *ctx = hu_context(2, 8, 64);
+        fh_linear lin;
+        size_t bytes = 0;
+        fh_status st;
+        if (grpo) {
+            hu_grpo_linear(&p.grpo, &lin);
+            st = fh_grpo_workspace_size(ctx, &lin, &bytes);
+        } else {
+            tu_problem_linear(&p.ce_mean, &lin);
+            st = c == HU_CE_TRAIN_STEP ? fh_ce_forward_backward_workspace_size(ctx, &lin, &p.ce_mean.options, &bytes)
+                                       : fh_ce_workspace_size(ctx, &lin, &p.ce_mean.options, &bytes);
+        }
+        TU_CHECK(st == FH_OK, "%s: workspace query: %d", hu_call_name(c), (int)st);
+        void *ws = malloc(bytes);
+        TU_CHECK(fh_context_set_workspace(ctx, ws, bytes) == FH_OK, "set_workspace");
+        const int64_t n = grpo ? p.grpo.batch * p.grpo.seq : p.ce_mean.n;
+        hu_outputs o;
+        hu_outputs_alloc(&o, n, grpo ? p.grpo.hidden : p.ce_mean.hidden, grpo ? p.grpo.vocab : p.ce_mean.vocab, 1);
+        ah_arm(0, AH_LIBRARY); /* any library allocation would fail */
+        st = hu_run(ctx, c, &p.ce_mean, &p.grpo, grpo ? &p.grpo_saved : &p.ce_saved_mean, &o);
+        const long counted = ah_counted();
+        ah_disarm();
+        TU_CHECK(st == FH_OK && counted == 0, "%s with a caller workspace: status %d, %ld library allocations",
+                 hu_call_name(c), (int)st, counted);
+        fh_context_destroy(ctx);
+        free(ws);
+        hu_outputs_free(&o);
+    }
+    problems_free(&p);
+}
+
+/* Every libc allocation of the wisdom functions fails in turn (fopen's FILE and buffer). */
+static void test_wisdom_io_under_allocation_failure(void)
+{
+    if (!hooks_ready())
+        return;
+    char path[] = "/tmp/fh_hardening_wisdom_XXXXXX";
+    const int fd = mkstemp(path);
+    TU_CHECK(fd >= 0, "mkstemp");
+    if (fd < 0)
+        return;
+    close(fd);
+    fh_context *ctx = hu_context(1, 0, 0);
+    const fh_tile_config e = {1, 100, 64, 1000, FH_CALL_FORWARD, 64, 256};
+    TU_CHECK(fh_context_add_wisdom(ctx, &e) == FH_OK, "add_wisdom");
+    TU_CHECK(fh_context_save_wisdom(ctx, path) == FH_OK, "save_wisdom");
+    const long live_before = ah_live_library_blocks(); /* ctx itself */
+    for (int which = 0; which < 3; which++) {
+        long k;
+        for (k = 0; k < MAX_STEPS; k++) {
+            fh_context *target = NULL;
+            fh_status st;
+            if (which == 2) {
+                setenv("FH_WISDOM", path, 1);
+                fh_context *sentinel = (fh_context *)(uintptr_t)0x5A5A5A5A;
+                target = sentinel;
+                ah_arm(k, AH_THIS_THREAD);
+                st = fh_context_create(&target);
+                ah_disarm();
+                unsetenv("FH_WISDOM");
+                if (st != FH_OK)
+                    TU_CHECK(target == sentinel, "fh_context_create with FH_WISDOM: a failure wrote the pointer");
+                else
+                    fh_context_destroy(target);
+            } else {
+                ah_arm(k, AH_THIS_THREAD);
+                st = which == 0 ? fh_context_load_wisdom(ctx, path) : fh_context_save_wisdom(ctx, path);
+                ah_disarm();
+            }
+            const long injected = ah_failures();
+            TU_CHECK(st == FH_OK || (injected > 0 && (st == FH_ERR_WISDOM_IO || st == FH_ERR_OUT_OF_MEMORY)),
+                     "%s, allocation %ld failing: status %d",
+                     which == 0 ? "load_wisdom" : which == 1 ? "save_wisdom" : "create with FH_WISDOM", k, (int)st);
+            if (getenv("FH_HARDENING_VERBOSE"))
+                printf("\n    wisdom case %d, k = %ld: status %d, %ld failures, %ld live", which, k, (int)st, injected,
+                       ah_live_library_blocks());
+            TU_CHECK(ah_live_library_blocks() == live_before, "%s: %ld library blocks live, %ld before",
+                     which == 2 ? "create with FH_WISDOM" : "wisdom I/O", ah_live_library_blocks(), live_before);
+            if (injected == 0)
+                break;
+        }
+        TU_CHECK(k < MAX_STEPS, "wisdom case %d: still failing after %d steps", which, MAX_STEPS);
+        TU_CHECK(k > 0, "wisdom case %d: no allocation was failed (is the hook counting this thread?)", which);
+    }
+    /* The file written last must still load (a failed save may leave it truncated, so save it again). */
+    TU_CHECK(fh_context_save_wisdom(ctx, path) == FH_OK && fh_context_load_wisdom(ctx, path) == FH_OK,
+             "wisdom round trip after the injections");
+    fh_context_destroy(ctx);
+    TU_CHECK(ah_live_library_blocks() == 0, "%ld library blocks live", ah_live_library_blocks());
+    unlink(path);
+}
+
+int hu_register_alloc_failure(void)
+{
+    static const tu_test tests[] = {
+        {"k-th library allocation fails, every entry point", test_every_entry_point},
+        {"failed workspace growth keeps the old workspace", test_failed_growth_keeps_workspace},
+        {"caller workspace: no library allocation", test_caller_workspace_never_allocates},
+        {"wisdom I/O with failing libc allocations", test_wisdom_io_under_allocation_failure},
+    };
+    return tu_add_suite("alloc_failure", tests, TU_COUNT(tests));
+}

@@ -1,0 +1,193 @@
+/* Guard pages: every input and output buffer of a call placed flush against an inaccessible page (after its
+ * last byte, then before its first byte), so that a read or write one element outside it faults, inside BLIS
+ * too (which ASan cannot see: it is not instrumented). Every entry point, both weight layouts, shapes with
+ * odd hidden sizes and row counts (the edge cases of BLIS's small-matrix kernels), default and small tiles.
+ * Each call runs in a forked child; a fault fails the test with the call and shape.
+ *
+ * ctest runs this suite on the default BLIS kernel set and, as hardening_guard_pages_haswell, with
+ * BLIS_ARCH_TYPE=3 (BLIS 0.9's haswell set, the one AMD Zen and Intel AVX2 CPUs get). Debian's BLIS 0.9.0
+ * haswell/zen small-matrix sgemm reads one float past the end of A when B is column-major and k is not a
+ * multiple of 8 (for m = 1, 4, 7, ... rows); through fusedhead, that is x with the torch [V, H] layout
+ * (README.md here, findings). */
+#include "hardening_util.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+/* A mapping with `bytes` usable bytes flush against a PROT_NONE page: after them (tail) or before them. */
+typedef struct guarded {
+    void *base;
+    size_t length;
+    void *p;
+} guarded;
+
+static void *guard_alloc(guarded *g, size_t bytes, int tail)
+{
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    const size_t data_pages = (bytes + page - 1) / page + 1;
+    g->length = (data_pages + 1) * page;
+    char *base = mmap(NULL, g->length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base == MAP_FAILED) {
+        g->base = g->p = NULL;
+        return NULL;
+    }
+    g->base = base;
+    if (tail) {
+        mprotect(base + data_pages * page, page, PROT_NONE);
+        /* Keep float alignment: bytes is a multiple of 4 (or 8). */
+        g->p = base + data_pages * page - bytes;
+    } else {
+        mprotect(base, page, PROT_NONE);
+        g->p = base + page;
+    }
+    return g->p;
+}
+
+static void guard_free(guarded *g)
+{
+    if (g->base)
+        munmap(g->base, g->length);
+    memset(g, 0, sizeof *g);
+}
+
+typedef struct guard_case {
+    hu_call call;
+    int64_t n, hidden, vocab;
+    fh_layout layout;
+    int64_t tile_rows, tile_vocab;
+    int tail;
+} guard_case;
+
+enum { G_X, G_W, G_B, G_CW, G_T, G_GRAD, G_LSE, G_LOGP, G_ENT, G_MASK, G_ADV, G_OLD, G_REF,
+       G_PTL, G_OLOGP, G_OLSE, G_OENT, G_ARGMAX, G_DX, G_DW, G_DB, G_COUNT };
+
+static float *fill(float *p, size_t count, uint64_t *rng, double scale, double offset)
+{
+    for (size_t i = 0; p && i < count; i++)
+        p[i] = (float)(offset + scale * (2.0 * ce_uniform(rng) - 1.0));
+    return p;
+}
+
+/* In the child: 0 when the call returned FH_OK, 1 otherwise; a fault kills it. */
+static int guarded_call(void *arg)
+{
+    const guard_case *c = arg;
+    const int64_t n = c->n, h = c->hidden, v = c->vocab;
+    const size_t un = (size_t)n, uh = (size_t)h, uv = (size_t)v;
+    guarded g[G_COUNT];
+    memset(g, 0, sizeof g);
+    uint64_t rng = (uint64_t)(n * 1000 + h * 10 + v);
+    float *x = fill(guard_alloc(&g[G_X], un * uh * 4, c->tail), un * uh, &rng, 1.0, 0.0);
+    float *w = fill(guard_alloc(&g[G_W], uh * uv * 4, c->tail), uh * uv, &rng, 1.0, 0.0);
+    float *b = fill(guard_alloc(&g[G_B], uv * 4, c->tail), uv, &rng, 0.5, 0.0);
+    float *cw = fill(guard_alloc(&g[G_CW], uv * 4, c->tail), uv, &rng, 0.5, 1.0);
+    int64_t *t = guard_alloc(&g[G_T], un * 8, c->tail);
+    float *grad = fill(guard_alloc(&g[G_GRAD], un * 4, c->tail), un, &rng, 0.5, 1.0);
+    float *lse = fill(guard_alloc(&g[G_LSE], un * 4, c->tail), un, &rng, 0.5, 5.0);
+    float *logp = fill(guard_alloc(&g[G_LOGP], un * 4, c->tail), un, &rng, 0.5, -4.0);
+    float *ent = fill(guard_alloc(&g[G_ENT], un * 4, c->tail), un, &rng, 0.5, 3.0);
+    float *mask = guard_alloc(&g[G_MASK], un * 4, c->tail);
+    float *adv = fill(guard_alloc(&g[G_ADV], 4, c->tail), 1, &rng, 1.0, 0.0);
+    float *old = fill(guard_alloc(&g[G_OLD], un * 4, c->tail), un, &rng, 0.4, -4.0);
+    float *ref = fill(guard_alloc(&g[G_REF], un * 4, c->tail), un, &rng, 0.4, -4.0);
+    float *ptl = guard_alloc(&g[G_PTL], un * 4, c->tail), *ologp = guard_alloc(&g[G_OLOGP], un * 4, c->tail);
+    float *olse = guard_alloc(&g[G_OLSE], un * 4, c->tail), *oent = guard_alloc(&g[G_OENT], un * 4, c->tail);
+    int64_t *argmax = guard_alloc(&g[G_ARGMAX], un * 8, c->tail);
+    float *dx = guard_alloc(&g[G_DX], un * uh * 4, c->tail), *dw = guard_alloc(&g[G_DW], uh * uv * 4, c->tail);
+    float *db = guard_alloc(&g[G_DB], uv * 4, c->tail);
+    for (int k = 0; k < G_COUNT; k++)
+        if (!g[k].p)
+            return 2;
+    for (int64_t i = 0; i < n; i++) {
+        t[i] = i % 5 == 3 ? -100 : (int64_t)(ce_uniform(&rng) * (double)v);
+        mask[i] = i % 4 == 3 ? 0.0f : 1.0f;
+    }
+    fh_context *ctx = NULL;
+    if (fh_context_create(&ctx) != FH_OK)
+        return 2;
+    fh_context_set(ctx, FH_PARAM_THREADS, 1);
+    fh_context_set(ctx, FH_PARAM_TILE_ROWS, c->tile_rows);
+    fh_context_set(ctx, FH_PARAM_TILE_VOCAB, c->tile_vocab);
+    fh_context_set(ctx, FH_PARAM_CHECK_FINITE, 1); /* the finite scan reads every view too */
+    fh_linear lin;
+    fh_linear_init(&lin, n, h, v, x, w, c->layout, b);
+    fh_ce_options o;
+    fh_ce_options_init(&o);
+    o.class_weights = cw;
+    o.label_smoothing = 0.1;
+    o.z_loss = 1e-4;
+    o.softcap = 20.0;
+    double loss, z_loss;
+    fh_grpo_metrics metrics;
+    fh_ce_outputs ce_out = {&loss, &z_loss, ptl, ologp, olse, argmax};
+    fh_grpo_outputs grpo_out = {&loss, &metrics, ologp, ptl, oent, olse};
+    fh_linear_grads grads = {dx, h, 0.0f, dw, 0.0f, db, 0.0f};
+    fh_grpo_options go;
+    fh_grpo_options_init(&go);
+    go.beta = 0.04;
+    go.entropy_coef = 0.01;
+    const fh_grpo_batch batch = {1, n, t, mask, adv, old, ref};
+    for (int64_t i = 0; i < n && hu_call_is_grpo(c->call); i++)
+        t[i] = i % 5 == 3 ? -100 : t[i] < 0 ? 0 : t[i];
+    for (int64_t i = 0; i < n && hu_call_is_grpo(c->call); i++)
+        if (t[i] < 0)
+            mask[i] = 0.0f;
+    fh_status st;
+    switch (c->call) {
+    case HU_CE_FORWARD: st = fh_ce_forward(ctx, &lin, t, &o, &ce_out); break;
+    case HU_CE_BACKWARD: st = fh_ce_backward(ctx, &lin, t, &o, lse, grad, &grads); break;
+    case HU_CE_TRAIN_STEP: st = fh_ce_forward_backward(ctx, &lin, t, &o, grad, &ce_out, &grads); break;
+    case HU_GRPO_FORWARD: st = fh_grpo_forward(ctx, &lin, &batch, &go, &grpo_out); break;
+    case HU_GRPO_BACKWARD: st = fh_grpo_backward(ctx, &lin, &batch, &go, logp, lse, ent, grad, &grads); break;
+    default: st = fh_grpo_forward_backward(ctx, &lin, &batch, &go, grad, &grpo_out, &grads); break;
+    }
+    fh_context_destroy(ctx);
+    for (int k = 0; k < G_COUNT; k++)
+        guard_free(&g[k]);
+    return st == FH_OK ? 0 : 1;
+}
+
+static void test_guarded_buffers(void)
+{
+    const char *arch = getenv("BLIS_ARCH_TYPE");
+    __builtin_cpu_init();
+    if (arch && strcmp(arch, "3") == 0 && !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) {
+        printf("\n    BLIS_ARCH_TYPE=3 (haswell) needs AVX2 and FMA: skipped on this CPU");
+        return;
+    }
+    static const int64_t shapes[][3] = {{1, 7, 61},  {4, 7, 61},  {10, 7, 61}, {13, 9, 17}, {7, 100, 33},
+                                        {16, 8, 64}, {3, 1, 1},   {5, 2, 300}, {9, 15, 1},  {31, 129, 40}};
+    static const int64_t tiles[][2] = {{0, 0}, {4, 16}, {3, 7}};
+    int faults = 0;
+    for (int call = 0; call < HU_CALL_COUNT; call++)
+        for (int layout = 0; layout < 2; layout++)
+            for (size_t s = 0; s < TU_COUNT(shapes); s++)
+                for (size_t t = 0; t < TU_COUNT(tiles); t++)
+                    for (int tail = 1; tail >= 0; tail--) {
+                        const guard_case c = {(hu_call)call, shapes[s][0], shapes[s][1], shapes[s][2], (fh_layout)layout,
+                                              tiles[t][0], tiles[t][1], tail};
+                        const int code = hu_run_isolated(guarded_call, (void *)&c);
+                        if (code != 0 && faults++ < 40)
+                            TU_CHECK(0, "%s, layout %s, n=%lld hidden=%lld vocab=%lld, tiles %lld x %lld, guard %s: %s %d",
+                                     hu_call_name((hu_call)call), layout ? "VH" : "HV", (long long)c.n,
+                                     (long long)c.hidden, (long long)c.vocab, (long long)c.tile_rows,
+                                     (long long)c.tile_vocab, tail ? "after the last byte" : "before the first byte",
+                                     code >= 1000 ? "killed by signal" : "exit code", code >= 1000 ? code - 1000 : code);
+                    }
+    TU_CHECK(faults == 0, "%d guarded calls failed (first 40 listed)", faults);
+    fh_blis_info info;
+    if (fh_blis_query(&info) == FH_OK)
+        printf("\n    BLIS kernel set: %s", info.kernel_set);
+}
+
+int hu_register_guard_pages(void)
+{
+    static const tu_test tests[] = {
+        {"buffers flush against inaccessible pages", test_guarded_buffers},
+    };
+    return tu_add_suite("guard_pages", tests, TU_COUNT(tests));
+}

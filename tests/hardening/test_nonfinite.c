@@ -1,0 +1,491 @@
+/* NaN and Inf in the inputs. What is affected, exactly (and everything else is bitwise what a run
+ * without the non-finite value gives):
+ *   x[i][k] NaN, token i not ignored:   token i's per_token_loss, logp and lse are NaN, so is the reduced
+ *       loss; dx row i is NaN; dweight and dbias are NaN everywhere (every column of dZ row i is NaN and
+ *       dweight = X^T dZ mixes it into every element, x[i][k'] = 0 included since 0 * NaN = NaN). Other
+ *       tokens' per-token outputs, argmax and dx rows are unchanged, bit for bit.
+ *   x[i][k] NaN, token i ignored:       the loss is unchanged (ignored tokens are skipped, not multiplied by
+ *       0); per_token_loss[i] = logp[i] = 0, lse[i] NaN; the gradients are poisoned as above (dZ row i is
+ *       0 * NaN), as in torch, whose log_softmax backward computes 0 - exp(NaN) * 0 for that row.
+ *   x[i][k] = +-Inf: as NaN (the row's logits hold +-Inf, exp(Inf - Inf) = NaN). With a softcap the logits
+ *       saturate to +-cap instead: token i's loss stays finite, dx row i is 0 (dz/du = 1 - tanh^2 = 0) and
+ *       only row k of dweight (the hidden unit holding the Inf: Inf * 0) is NaN.
+ *   weight (k, v) or bias[v] NaN: column v of every token's logits is NaN: every token's lse is NaN, every
+ *       non-ignored token's loss, the reduced loss, every gradient element.
+ *   GRPO, x row of an unmasked token i NaN: token i's logp, entropy and lse are NaN, the loss is NaN. Token
+ *       level: dx rows other than i unchanged. Sequence level (GSPO): the sequence's log-ratio is NaN, so
+ *       every dx row of that sequence is NaN; other sequences unchanged. dweight and dbias NaN.
+ *   GRPO, NaN in old/ref log-probs or advantages: not scanned (FH_PARAM_CHECK_FINITE covers x, weight and
+ *       bias); the loss is NaN, also when the token is masked out (the mask multiplies, NaN * 0 = NaN, as
+ *       in TRL).
+ *   FH_PARAM_CHECK_FINITE = 1: any NaN/+-Inf in x, weight or bias fails every entry point with
+ *       FH_ERR_NONFINITE_INPUT before any output is written; padding between the rows of strided views is
+ *       never read (NaN there is accepted, and never written: dx padding keeps its bytes). */
+#include "hardening_util.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { N = 13, H = 6, V = 40, POISONED = 3, IGNORED = 5 };
+
+static int all_nan(const float *a, size_t count)
+{
+    for (size_t i = 0; i < count; i++)
+        if (!isnan(a[i]))
+            return 0;
+    return 1;
+}
+
+static int none_finite(const float *a, size_t count)
+{
+    for (size_t i = 0; i < count; i++)
+        if (isfinite(a[i]))
+            return 0;
+    return 1;
+}
+
+static int rows_equal_except(const void *a, const void *b, int64_t rows, size_t row_bytes, int64_t skip)
+{
+    for (int64_t r = 0; r < rows; r++)
+        if (r != skip && memcmp((const char *)a + (size_t)r * row_bytes, (const char *)b + (size_t)r * row_bytes,
+                                row_bytes) != 0)
+            return 0;
+    return 1;
+}
+
+static void make_ce(tu_problem *p, fh_reduction reduction, double softcap)
+{
+    tu_problem_init(p, N, H, V, FH_LAYOUT_VH, TU_BIAS | TU_CLASS_WEIGHTS);
+    tu_problem_randomize(p, 900, 3.0);
+    p->options.reduction = reduction;
+    p->options.label_smoothing = 0.1;
+    p->options.z_loss = 1e-4;
+    p->options.softcap = softcap;
+    p->targets[IGNORED] = -100;
+}
+
+/* Forward + backward (or the train step) on 2 threads with small tiles. */
+static fh_status run_ce(const tu_problem *p, int train_step, hu_outputs *o)
+{
+    hu_outputs_alloc(o, p->n, p->hidden, p->vocab, p->bias != NULL);
+    fh_context *ctx = hu_context(2, 4, 16);
+    fh_status st;
+    if (train_step) {
+        st = hu_run(ctx, HU_CE_TRAIN_STEP, p, NULL, NULL, o);
+    } else {
+        st = hu_run(ctx, HU_CE_FORWARD, p, NULL, NULL, o);
+        hu_saved saved;
+        hu_saved_from(&saved, o, p->n);
+        if (st == FH_OK)
+            st = hu_run(ctx, HU_CE_BACKWARD, p, NULL, &saved, o);
+        hu_saved_free(&saved);
+    }
+    fh_context_destroy(ctx);
+    return st;
+}
+
+static const fh_reduction reductions[] = {FH_REDUCTION_MEAN, FH_REDUCTION_SUM, FH_REDUCTION_NONE};
+
+/* Token `row`'s hidden state gets `value` at column 2; checks the rules at the top of the file. */
+static void check_x_row(int64_t row, float value, double softcap)
+{
+    for (size_t r = 0; r < TU_COUNT(reductions); r++)
+        for (int train_step = 0; train_step <= 1; train_step++) {
+            char label[128];
+            snprintf(label, sizeof label, "x[%lld][2] = %g, %s token, softcap %g, reduction %d, train step %d",
+                     (long long)row, (double)value, row == IGNORED ? "ignored" : "active", softcap,
+                     (int)reductions[r], train_step);
+            tu_problem p;
+            make_ce(&p, reductions[r], softcap);
+            hu_outputs clean, dirty;
+            fh_status st = run_ce(&p, train_step, &clean);
+            TU_CHECK(st == FH_OK, "%s: clean run: %d", label, (int)st);
+            p.x[row * H + 2] = value;
+            st = run_ce(&p, train_step, &dirty);
+            TU_CHECK(st == FH_OK, "%s: status %d", label, (int)st);
+            const size_t fb = sizeof(float);
+            TU_CHECK(rows_equal_except(clean.per_token_loss, dirty.per_token_loss, N, fb, row) &&
+                         rows_equal_except(clean.logp, dirty.logp, N, fb, row) &&
+                         rows_equal_except(clean.lse, dirty.lse, N, fb, row) &&
+                         rows_equal_except(clean.argmax, dirty.argmax, N, sizeof(int64_t), row),
+                     "%s: another token's per-token output changed", label);
+            TU_CHECK(rows_equal_except(clean.dx, dirty.dx, N, H * fb, row), "%s: another token's dx row changed", label);
+            TU_CHECK(dirty.argmax[row] >= 0 && dirty.argmax[row] < V, "%s: argmax[%lld] = %lld", label, (long long)row,
+                     (long long)dirty.argmax[row]);
+            const int capped = softcap > 0.0 && isinf(value);
+            if (capped) {
+                /* Saturated logits: finite loss, zero dx row, NaN only in dweight's row 2. */
+                TU_CHECK(isfinite(dirty.per_token_loss[row]) && isfinite(dirty.lse[row]) && isfinite(dirty.loss),
+                         "%s: loss %g, per-token %g, lse %g: expected finite (saturated softcap)", label, dirty.loss,
+                         (double)dirty.per_token_loss[row], (double)dirty.lse[row]);
+                int zero = 1;
+                for (int k = 0; k < H; k++)
+                    zero &= dirty.dx[row * H + k] == 0.0f;
+                TU_CHECK(zero, "%s: dx row %lld is not 0", label, (long long)row);
+                int pattern = 1;
+                for (int k = 0; k < H; k++)
+                    for (int j = 0; j < V; j++) {
+                        const float g = dirty.dweight[(size_t)j * H + k]; /* VH layout */
+                        pattern &= k == 2 ? isnan(g) : isfinite(g);
+                    }
+                TU_CHECK(pattern, "%s: dweight is not NaN exactly on hidden row 2", label);
+                TU_CHECK(tu_all_finite_f(dirty.dbias, V), "%s: dbias not finite", label);
+            } else {
+                if (row == IGNORED) {
+                    TU_CHECK(memcmp(&dirty.loss, &clean.loss, sizeof dirty.loss) == 0 &&
+                                 memcmp(&dirty.z_loss, &clean.z_loss, sizeof dirty.z_loss) == 0,
+                             "%s: the loss of an ignored token's row changed the loss: %.17g vs %.17g", label,
+                             dirty.loss, clean.loss);
+                    TU_CHECK(dirty.per_token_loss[row] == 0.0f && dirty.logp[row] == 0.0f && !isfinite(dirty.lse[row]),
+                             "%s: ignored token: per-token loss %g, logp %g, lse %g", label,
+                             (double)dirty.per_token_loss[row], (double)dirty.logp[row], (double)dirty.lse[row]);
+                } else {
+                    TU_CHECK(!isfinite(dirty.loss), "%s: loss %g is finite", label, dirty.loss);
+                    TU_CHECK(!isfinite(dirty.per_token_loss[row]) && !isfinite(dirty.logp[row]) &&
+                                 !isfinite(dirty.lse[row]),
+                             "%s: per-token loss %g, logp %g, lse %g: expected non-finite", label,
+                             (double)dirty.per_token_loss[row], (double)dirty.logp[row], (double)dirty.lse[row]);
+                }
+                TU_CHECK(none_finite(dirty.dx + row * H, H), "%s: dx row %lld has a finite element", label,
+                         (long long)row);
+                TU_CHECK(none_finite(dirty.dweight, H * V) && none_finite(dirty.dbias, V),
+                         "%s: dweight or dbias has a finite element", label);
+            }
+            hu_outputs_free(&clean);
+            hu_outputs_free(&dirty);
+            tu_problem_free(&p);
+        }
+}
+
+static void test_nan_in_active_row(void)
+{
+    check_x_row(POISONED, NAN, 0.0);
+}
+
+static void test_nan_in_ignored_row(void)
+{
+    check_x_row(IGNORED, NAN, 0.0);
+}
+
+static void test_inf_in_row(void)
+{
+    check_x_row(POISONED, INFINITY, 0.0);
+    check_x_row(POISONED, -INFINITY, 0.0);
+    check_x_row(POISONED, INFINITY, 20.0);
+}
+
+/* A NaN in the weight or the bias: every token is affected. */
+static void test_nan_in_weight_or_bias(void)
+{
+    for (int where = 0; where < 2; where++)
+        for (size_t r = 0; r < TU_COUNT(reductions); r++)
+            for (int train_step = 0; train_step <= 1; train_step++) {
+                tu_problem p;
+                make_ce(&p, reductions[r], 0.0);
+                if (where == 0)
+                    p.weight[tu_weight_index(&p, 1, 7)] = NAN;
+                else
+                    p.bias[7] = NAN;
+                hu_outputs o;
+                const fh_status st = run_ce(&p, train_step, &o);
+                const char *what = where == 0 ? "weight(1, 7)" : "bias[7]";
+                TU_CHECK(st == FH_OK, "%s NaN: status %d", what, (int)st);
+                TU_CHECK(isnan(o.loss) && all_nan(o.lse, N), "%s NaN, reduction %d: loss %g, lse not all NaN", what,
+                         (int)reductions[r], o.loss);
+                for (int64_t i = 0; i < N; i++)
+                    TU_CHECK(i == IGNORED ? o.per_token_loss[i] == 0.0f : isnan(o.per_token_loss[i]),
+                             "%s NaN: per-token loss %lld = %g", what, (long long)i, (double)o.per_token_loss[i]);
+                TU_CHECK(all_nan(o.dx, N * H) && all_nan(o.dweight, H * V) && all_nan(o.dbias, V),
+                         "%s NaN, reduction %d, train step %d: a gradient element is not NaN", what, (int)reductions[r],
+                         train_step);
+                hu_outputs_free(&o);
+                tu_problem_free(&p);
+            }
+}
+
+/* ---- FH_PARAM_CHECK_FINITE ---- */
+
+typedef struct finite_problem {
+    tu_problem ce;
+    hu_grpo_problem grpo;
+    hu_saved ce_saved, grpo_saved;
+} finite_problem;
+
+static void finite_problem_init(finite_problem *f)
+{
+    make_ce(&f->ce, FH_REDUCTION_MEAN, 0.0);
+    hu_grpo_problem_init(&f->grpo, 3, 5, H, V, FH_LAYOUT_VH, 1, 901);
+    hu_outputs o;
+    hu_outputs_alloc(&o, N, H, V, 1);
+    fh_context *ctx = hu_context(1, 0, 0);
+    TU_CHECK(hu_run(ctx, HU_CE_FORWARD, &f->ce, NULL, NULL, &o) == FH_OK, "CE forward");
+    hu_saved_from(&f->ce_saved, &o, N);
+    hu_outputs_free(&o);
+    hu_outputs_alloc(&o, 15, H, V, 1);
+    TU_CHECK(hu_run(ctx, HU_GRPO_FORWARD, NULL, &f->grpo, NULL, &o) == FH_OK, "GRPO forward");
+    hu_saved_from(&f->grpo_saved, &o, 15);
+    fh_context_destroy(ctx);
+    hu_outputs_free(&o);
+}
+
+static void finite_problem_free(finite_problem *f)
+{
+    tu_problem_free(&f->ce);
+    hu_grpo_problem_free(&f->grpo);
+    hu_saved_free(&f->ce_saved);
+    hu_saved_free(&f->grpo_saved);
+}
+
+static void test_check_finite_rejects(void)
+{
+    finite_problem f;
+    finite_problem_init(&f);
+    static const float values[] = {NAN, INFINITY, -INFINITY};
+    static const char *where_names[] = {"x", "weight", "bias"};
+    for (int call = 0; call < HU_CALL_COUNT; call++) {
+        const int grpo = hu_call_is_grpo((hu_call)call);
+        const int64_t n = grpo ? 15 : N;
+        float *arrays[3] = {grpo ? f.grpo.x : f.ce.x, grpo ? f.grpo.weight : f.ce.weight, grpo ? f.grpo.bias : f.ce.bias};
+        const size_t sizes[3] = {(size_t)(n * H), (size_t)(H * V), (size_t)V};
+        hu_outputs clean, checked;
+        hu_outputs_alloc(&clean, n, H, V, 1);
+        hu_outputs_alloc(&checked, n, H, V, 1);
+        hu_outputs_fill(&clean, 0);
+        hu_outputs_fill(&checked, 0);
+        fh_context *ctx = hu_context(2, 4, 16);
+        const hu_saved *saved = grpo ? &f.grpo_saved : &f.ce_saved;
+        TU_CHECK(hu_run(ctx, (hu_call)call, &f.ce, &f.grpo, saved, &clean) == FH_OK, "clean run");
+        TU_CHECK(fh_context_set(ctx, FH_PARAM_CHECK_FINITE, 1) == FH_OK, "set CHECK_FINITE");
+        const fh_status st = hu_run(ctx, (hu_call)call, &f.ce, &f.grpo, saved, &checked);
+        const char *d = hu_outputs_diff(&clean, &checked);
+        TU_CHECK(st == FH_OK && d == NULL, "%s: finite inputs with CHECK_FINITE: status %d, %s", hu_call_name((hu_call)call),
+                 (int)st, d ? d : "identical");
+        for (int where = 0; where < 3; where++)
+            for (size_t v = 0; v < TU_COUNT(values); v++)
+                for (int pos = 0; pos < 3; pos++) {
+                    const size_t at = pos == 0 ? 0 : pos == 1 ? sizes[where] / 2 : sizes[where] - 1;
+                    const float saved_value = arrays[where][at];
+                    arrays[where][at] = values[v];
+                    hu_outputs_fill(&checked, HU_CANARY);
+                    const fh_status bad = hu_run(ctx, (hu_call)call, &f.ce, &f.grpo, saved, &checked);
+                    arrays[where][at] = saved_value;
+                    const char *message = "";
+                    fh_context_message(ctx, &message);
+                    TU_CHECK(bad == FH_ERR_NONFINITE_INPUT, "%s: %s[%zu] = %g: status %d", hu_call_name((hu_call)call),
+                             where_names[where], at, (double)values[v], (int)bad);
+                    TU_CHECK(hu_outputs_untouched(&checked, HU_CANARY), "%s: %s[%zu] = %g: an output was written",
+                             hu_call_name((hu_call)call), where_names[where], at, (double)values[v]);
+                    TU_CHECK(tu_mentions(message, where_names[where]), "%s: message \"%s\" does not name %s",
+                             hu_call_name((hu_call)call), message, where_names[where]);
+                }
+        fh_context_destroy(ctx);
+        hu_outputs_free(&clean);
+        hu_outputs_free(&checked);
+    }
+    finite_problem_free(&f);
+}
+
+/* Strided views whose padding holds NaN: never read (with and without CHECK_FINITE), and dx padding never
+ * written. Results equal the contiguous run bitwise. */
+static void test_nan_padding_is_never_read(void)
+{
+    enum { XPAD = 3, WPAD = 5, DXPAD = 2 };
+    for (int layout = 0; layout < 2; layout++)
+        for (int train_step = 0; train_step <= 1; train_step++)
+            for (int check = 0; check <= 1; check++) {
+                tu_problem p;
+                make_ce(&p, FH_REDUCTION_SUM, 0.0);
+                p.layout = (fh_layout)layout;
+                tu_problem_randomize(&p, 902, 3.0);
+                p.targets[IGNORED] = -100;
+                hu_outputs ref;
+                TU_CHECK(run_ce(&p, train_step, &ref) == FH_OK, "contiguous run");
+                /* Padded copies. */
+                const int64_t xs = H + XPAD, outer = layout == FH_LAYOUT_HV ? H : V, inner = layout == FH_LAYOUT_HV ? V : H;
+                const int64_t ws = inner + WPAD, dxs = H + DXPAD;
+                float *x = malloc(sizeof(float) * (size_t)(N * xs));
+                float *w = malloc(sizeof(float) * (size_t)(outer * ws));
+                float *dx = malloc(sizeof(float) * (size_t)(N * dxs));
+                float *dw = malloc(sizeof(float) * (size_t)(outer * ws));
+                for (int64_t i = 0; i < N * xs; i++)
+                    x[i] = i % xs < H ? p.x[i / xs * H + i % xs] : NAN;
+                for (int64_t i = 0; i < outer * ws; i++) {
+                    w[i] = i % ws < inner ? p.weight[i / ws * inner + i % ws] : NAN;
+                    dw[i] = i % ws < inner ? NAN : 1234.5f;
+                }
+                for (int64_t i = 0; i < N * dxs; i++)
+                    dx[i] = i % dxs < H ? NAN : 1234.5f;
+                fh_linear lin;
+                fh_linear_init(&lin, N, H, V, x, w, (fh_layout)layout, p.bias);
+                lin.x_row_stride = xs;
+                if (layout == FH_LAYOUT_HV)
+                    lin.w_stride_hidden = ws;
+                else
+                    lin.w_stride_vocab = ws;
+                hu_outputs o;
+                hu_outputs_alloc(&o, N, H, V, 1);
+                fh_ce_outputs out = {&o.loss, &o.z_loss, o.per_token_loss, o.logp, o.lse, o.argmax};
+                fh_linear_grads g = {dx, dxs, 0.0f, dw, 0.0f, o.dbias, 0.0f};
+                fh_context *ctx = hu_context(2, 4, 16);
+                fh_context_set(ctx, FH_PARAM_CHECK_FINITE, check);
+                fh_status st;
+                if (train_step) {
+                    st = fh_ce_forward_backward(ctx, &lin, p.targets, &p.options, p.grad_output, &out, &g);
+                } else {
+                    st = fh_ce_forward(ctx, &lin, p.targets, &p.options, &out);
+                    if (st == FH_OK)
+                        st = fh_ce_backward(ctx, &lin, p.targets, &p.options, o.lse, p.grad_output, &g);
+                }
+                fh_context_destroy(ctx);
+                char label[96];
+                snprintf(label, sizeof label, "layout %d, train step %d, check_finite %d", layout, train_step, check);
+                TU_CHECK(st == FH_OK, "%s: status %d", label, (int)st);
+                /* Un-pad the gradients into o and compare everything with the contiguous run. */
+                int padding_kept = 1;
+                for (int64_t i = 0; i < N * dxs; i++) {
+                    if (i % dxs < H)
+                        o.dx[i / dxs * H + i % dxs] = dx[i];
+                    else
+                        padding_kept &= dx[i] == 1234.5f;
+                }
+                for (int64_t i = 0; i < outer * ws; i++) {
+                    if (i % ws < inner)
+                        o.dweight[i / ws * inner + i % ws] = dw[i];
+                    else
+                        padding_kept &= dw[i] == 1234.5f;
+                }
+                TU_CHECK(padding_kept, "%s: a gradient's padding was written", label);
+                const char *d = hu_outputs_diff(&o, &ref);
+                TU_CHECK(d == NULL, "%s: %s differs from the contiguous run", label, d ? d : "");
+                free(x);
+                free(w);
+                free(dx);
+                free(dw);
+                hu_outputs_free(&o);
+                hu_outputs_free(&ref);
+                tu_problem_free(&p);
+            }
+}
+
+/* ---- GRPO ---- */
+
+static fh_status run_grpo(const hu_grpo_problem *p, int train_step, hu_outputs *o)
+{
+    const int64_t n = p->batch * p->seq;
+    hu_outputs_alloc(o, n, p->hidden, p->vocab, p->bias != NULL);
+    fh_context *ctx = hu_context(2, 4, 16);
+    fh_status st;
+    if (train_step) {
+        st = hu_run(ctx, HU_GRPO_TRAIN_STEP, NULL, p, NULL, o);
+    } else {
+        st = hu_run(ctx, HU_GRPO_FORWARD, NULL, p, NULL, o);
+        hu_saved saved;
+        hu_saved_from(&saved, o, n);
+        if (st == FH_OK)
+            st = hu_run(ctx, HU_GRPO_BACKWARD, NULL, p, &saved, o);
+        hu_saved_free(&saved);
+    }
+    fh_context_destroy(ctx);
+    return st;
+}
+
+static void test_grpo_nan_in_x_row(void)
+{
+    enum { B = 3, T = 5, SEQ = 1, TOKEN = 1 * T + 1 };
+    for (int plain = 0; plain <= 1; plain++)
+    for (int level = 0; level <= 1; level++)
+        for (int train_step = 0; train_step <= 1; train_step++) {
+            hu_grpo_problem p;
+            hu_grpo_problem_init(&p, B, T, H, V, FH_LAYOUT_HV, 1, 903);
+            p.options.importance_sampling_level = (fh_grpo_is_level)level;
+            /* plain: no KL and no entropy bonus, so only the clipped ratio carries the NaN to the loss. */
+            p.options.entropy_coef = plain ? 0.0 : 0.01;
+            p.options.beta = plain ? 0.0 : 0.04;
+            p.mask[TOKEN] = 1.0f;
+            p.ids[TOKEN] = 7;
+            hu_outputs clean, dirty;
+            TU_CHECK(run_grpo(&p, train_step, &clean) == FH_OK, "clean GRPO run");
+            p.x[TOKEN * H + 4] = NAN;
+            const fh_status st = run_grpo(&p, train_step, &dirty);
+            char label[96];
+            snprintf(label, sizeof label, "GRPO %s level, train step %d, %s", level ? "sequence" : "token", train_step,
+                     plain ? "beta 0, entropy_coef 0" : "beta 0.04, entropy_coef 0.01");
+            TU_CHECK(st == FH_OK, "%s: status %d", label, (int)st);
+            TU_CHECK(isnan(dirty.loss) && isnan(dirty.logp[TOKEN]) && isnan(dirty.entropy[TOKEN]) &&
+                         isnan(dirty.lse[TOKEN]),
+                     "%s: loss %g, logp %g, entropy %g, lse %g: expected NaN", label, dirty.loss,
+                     (double)dirty.logp[TOKEN], (double)dirty.entropy[TOKEN], (double)dirty.lse[TOKEN]);
+            const size_t fb = sizeof(float);
+            TU_CHECK(rows_equal_except(clean.logp, dirty.logp, B * T, fb, TOKEN) &&
+                         rows_equal_except(clean.entropy, dirty.entropy, B * T, fb, TOKEN) &&
+                         rows_equal_except(clean.lse, dirty.lse, B * T, fb, TOKEN),
+                     "%s: another token's logp, entropy or lse changed", label);
+            for (int64_t i = 0; i < B * T; i++) {
+                const int poisoned = level == FH_GRPO_IS_SEQUENCE ? i / T == SEQ : i == TOKEN;
+                if (poisoned)
+                    TU_CHECK(all_nan(dirty.dx + i * H, H), "%s: dx row %lld is not NaN", label, (long long)i);
+                else
+                    TU_CHECK(memcmp(dirty.dx + i * H, clean.dx + i * H, H * fb) == 0, "%s: dx row %lld changed", label,
+                             (long long)i);
+            }
+            TU_CHECK(all_nan(dirty.dweight, H * V) && all_nan(dirty.dbias, V), "%s: dweight/dbias not all NaN", label);
+            hu_outputs_free(&clean);
+            hu_outputs_free(&dirty);
+            hu_grpo_problem_free(&p);
+        }
+}
+
+/* Non-finite per-token data (not covered by CHECK_FINITE): the loss is NaN, masked position or not. */
+static void test_grpo_nan_in_token_data(void)
+{
+    enum { B = 3, T = 5 };
+    for (int what = 0; what < 4; what++)
+        for (int masked = 0; masked <= 1; masked++) {
+            hu_grpo_problem p;
+            hu_grpo_problem_init(&p, B, T, H, V, FH_LAYOUT_HV, 0, 904);
+            const int64_t i = 1 * T + 2;
+            p.mask[i] = masked ? 0.0f : 1.0f;
+            p.ids[i] = masked ? -100 : 3;
+            if (what == 0)
+                p.old_logps[i] = NAN;
+            else if (what == 1)
+                p.ref_logps[i] = NAN;
+            else if (what == 2)
+                p.advantages[1] = NAN;
+            else {
+                p.old_logps[i] = -INFINITY; /* ratio exp(+inf): -min(r A, clip(r) A) = +inf for A < 0 */
+                p.advantages[1] = -0.5f;
+            }
+            if (what == 2 && masked)
+                for (int64_t t = 0; t < T; t++)
+                    p.mask[1 * T + t] = 0.0f;
+            hu_outputs o;
+            fh_context *ctx = hu_context(1, 0, 0);
+            fh_context_set(ctx, FH_PARAM_CHECK_FINITE, 1);
+            hu_outputs_alloc(&o, B * T, H, V, 0);
+            const fh_status st = hu_run(ctx, HU_GRPO_TRAIN_STEP, NULL, &p, NULL, &o);
+            fh_context_destroy(ctx);
+            static const char *names[] = {"old logp NaN", "ref logp NaN", "advantage NaN", "old logp -inf"};
+            TU_CHECK(st == FH_OK, "%s, masked %d: status %d", names[what], masked, (int)st);
+            TU_CHECK(!isfinite(o.loss), "%s, masked %d: loss %g is finite", names[what], masked, o.loss);
+            hu_outputs_free(&o);
+            hu_grpo_problem_free(&p);
+        }
+}
+
+int hu_register_nonfinite(void)
+{
+    static const tu_test tests[] = {
+        {"NaN in an active token's hidden state", test_nan_in_active_row},
+        {"NaN in an ignored token's hidden state", test_nan_in_ignored_row},
+        {"+-Inf in a hidden state, with and without softcap", test_inf_in_row},
+        {"NaN in the weight or the bias", test_nan_in_weight_or_bias},
+        {"CHECK_FINITE rejects NaN/Inf, outputs untouched", test_check_finite_rejects},
+        {"NaN padding of strided views is never read", test_nan_padding_is_never_read},
+        {"GRPO: NaN in a hidden state", test_grpo_nan_in_x_row},
+        {"GRPO: NaN in per-token data", test_grpo_nan_in_token_data},
+    };
+    return tu_add_suite("nonfinite", tests, TU_COUNT(tests));
+}

@@ -1,0 +1,572 @@
+/* Contracts of the GRPO entry points, asserted exactly (the style of test_contracts.c):
+ *   - each invalid argument returns its own documented status from fh_grpo_forward, fh_grpo_backward and
+ *     fh_grpo_forward_backward (where the call takes it), leaves every output buffer bit-identical (pre-filled
+ *     with a canary) and every input untouched, and the context message is non-empty and names the problem;
+ *   - out-of-range ids under the mask are accepted; documented equivalent option spellings (delta NaN / 0,
+ *     epsilon_high NaN / epsilon_low, num_items_in_batch 0 / negative, max_completion_length 0 / negative / T)
+ *     give bitwise identical results;
+ *   - fh_grpo_workspace_size: a caller workspace of exactly that size works for all three calls (nothing written
+ *     outside it), one byte less fails with FH_ERR_WORKSPACE_TOO_SMALL and untouched outputs; the query's own
+ *     argument checks and purity;
+ *   - fh_grpo_options_init's documented defaults; optional outputs. */
+#include "test_util.h"
+
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { B = 2, T = 3, N = B * T, H = 4, V = 7 };
+
+/* Everything a call writes, in one block so that one memcmp covers it. */
+typedef struct outputs {
+    double loss;
+    fh_grpo_metrics metrics;
+    float logp[N], per_token_loss[N], entropy[N], lse[N];
+    float dx[N * H], dweight[H * V], dbias[V];
+} outputs;
+
+/* Everything a call reads. saved_*: what a successful forward wrote, for the backward. */
+typedef struct inputs {
+    float x[N * H], weight[H * V], bias[V];
+    int64_t ids[N];
+    float mask[N], adv[B], old[N], ref[N], grad_output[1];
+    float saved_logp[N], saved_lse[N], saved_entropy[N];
+} inputs;
+
+typedef struct fixture {
+    fh_context *ctx;
+    inputs in;
+    outputs out;
+    fh_linear lin;
+    fh_grpo_batch batch;
+    fh_grpo_options options;
+    fh_grpo_outputs fwd_out;
+    fh_linear_grads grads;
+    /* what gets passed */
+    fh_context *call_ctx;
+    const fh_linear *call_lin;
+    const fh_grpo_batch *call_batch;
+    const fh_grpo_options *call_options;
+    fh_grpo_outputs *call_out;
+    const float *call_logp, *call_lse, *call_entropy, *call_grad_output;
+    fh_linear_grads *call_grads;
+} fixture;
+
+static void fill_canary(void *p, size_t bytes)
+{
+    memset(p, 0xA5, bytes);
+}
+
+/* A valid call using every input: bias, old and ref log-probs (beta 0.04), entropy_coef 0.01 (the backward
+ * needs the entropy), delta, GSPO off; row 1 padded at its end with an out-of-range id under the mask. */
+static void fixture_init(fixture *f)
+{
+    memset(f, 0, sizeof *f);
+    TU_CHECK(fh_context_create(&f->ctx) == FH_OK, "fh_context_create");
+    uint64_t rng = 4242;
+    for (int i = 0; i < N * H; i++)
+        f->in.x[i] = (float)(2.0 * ce_uniform(&rng) - 1.0);
+    for (int i = 0; i < H * V; i++)
+        f->in.weight[i] = (float)(2.0 * ce_uniform(&rng) - 1.0);
+    for (int j = 0; j < V; j++)
+        f->in.bias[j] = (float)(ce_uniform(&rng) - 0.5);
+    for (int i = 0; i < N; i++) {
+        f->in.ids[i] = (int64_t)(ce_uniform(&rng) * V);
+        f->in.mask[i] = 1.0f;
+        f->in.old[i] = (float)(-2.0 + ce_uniform(&rng));
+        f->in.ref[i] = (float)(-2.0 + ce_uniform(&rng));
+    }
+    f->in.mask[N - 1] = 0.0f;
+    f->in.ids[N - 1] = -100;
+    f->in.adv[0] = 0.5f;
+    f->in.adv[1] = -0.75f;
+    f->in.grad_output[0] = 1.0f;
+    fh_linear_init(&f->lin, N, H, V, f->in.x, f->in.weight, FH_LAYOUT_HV, f->in.bias);
+    const fh_grpo_batch batch = {B, T, f->in.ids, f->in.mask, f->in.adv, f->in.old, f->in.ref};
+    f->batch = batch;
+    fh_grpo_options_init(&f->options);
+    f->options.beta = 0.04;
+    f->options.entropy_coef = 0.01;
+    f->options.delta = 1.5;
+    const fh_grpo_outputs fo = {&f->out.loss, &f->out.metrics, f->out.logp, f->out.per_token_loss, f->out.entropy,
+                                f->out.lse};
+    f->fwd_out = fo;
+    const fh_linear_grads g = {f->out.dx, H, 0.0f, f->out.dweight, 0.0f, f->out.dbias, 0.0f};
+    f->grads = g;
+    const fh_status st = fh_grpo_forward(f->ctx, &f->lin, &f->batch, &f->options, &f->fwd_out);
+    TU_CHECK(st == FH_OK, "fixture forward: %d", (int)st);
+    memcpy(f->in.saved_logp, f->out.logp, sizeof f->in.saved_logp);
+    memcpy(f->in.saved_lse, f->out.lse, sizeof f->in.saved_lse);
+    memcpy(f->in.saved_entropy, f->out.entropy, sizeof f->in.saved_entropy);
+    fill_canary(&f->out, sizeof f->out);
+    f->call_ctx = f->ctx;
+    f->call_lin = &f->lin;
+    f->call_batch = &f->batch;
+    f->call_options = &f->options;
+    f->call_out = &f->fwd_out;
+    f->call_logp = f->in.saved_logp;
+    f->call_lse = f->in.saved_lse;
+    f->call_entropy = f->in.saved_entropy;
+    f->call_grad_output = f->in.grad_output;
+    f->call_grads = &f->grads;
+}
+
+enum { FWD = 1, BWD = 2, STEP = 4, ALL = 7 };
+
+static fh_status call(fixture *f, int which)
+{
+    switch (which) {
+    case FWD: return fh_grpo_forward(f->call_ctx, f->call_lin, f->call_batch, f->call_options, f->call_out);
+    case BWD:
+        return fh_grpo_backward(f->call_ctx, f->call_lin, f->call_batch, f->call_options, f->call_logp, f->call_lse,
+                                f->call_entropy, f->call_grad_output, f->call_grads);
+    default:
+        return fh_grpo_forward_backward(f->call_ctx, f->call_lin, f->call_batch, f->call_options,
+                                        f->call_grad_output, f->call_out, f->call_grads);
+    }
+}
+
+static const char *call_name(int which)
+{
+    return which == FWD ? "fh_grpo_forward" : which == BWD ? "fh_grpo_backward" : "fh_grpo_forward_backward";
+}
+
+/* ---- the invalid arguments ---- */
+#define MUTATION(fn, body) \
+    static void fn(fixture *f) { body; }
+MUTATION(null_ctx, f->call_ctx = NULL)
+MUTATION(null_lin, f->call_lin = NULL)
+MUTATION(null_x, f->lin.x = NULL)
+MUTATION(null_batch, f->call_batch = NULL)
+MUTATION(null_ids, f->batch.completion_ids = NULL)
+MUTATION(null_mask, f->batch.completion_mask = NULL)
+MUTATION(null_advantages, f->batch.advantages = NULL)
+MUTATION(null_ref_with_beta, f->batch.ref_per_token_logps = NULL)
+MUTATION(null_options, f->call_options = NULL)
+MUTATION(null_outputs, f->call_out = NULL)
+MUTATION(null_logp, f->call_logp = NULL)
+MUTATION(null_lse, f->call_lse = NULL)
+MUTATION(null_entropy_with_coef, f->call_entropy = NULL)
+MUTATION(null_grad_output, f->call_grad_output = NULL)
+MUTATION(null_grads, f->call_grads = NULL)
+MUTATION(batch_too_large, f->batch.batch = B + 1)
+MUTATION(seq_too_small, f->batch.seq = T - 1)
+MUTATION(batch_seq_swapped_wrong, (f->batch.batch = 1, f->batch.seq = N + 1))
+MUTATION(batch_zero, f->batch.batch = 0)
+MUTATION(seq_negative, f->batch.seq = -T)
+MUTATION(batch_seq_overflow, (f->batch.batch = INT64_MAX / 2, f->batch.seq = 4))
+MUTATION(n_zero, f->lin.n = 0)
+MUTATION(x_stride_short, f->lin.x_row_stride = H - 1)
+MUTATION(mask_negative, f->in.mask[2] = -1.0f)
+MUTATION(mask_nan, f->in.mask[0] = NAN)
+MUTATION(mask_inf, f->in.mask[N - 1] = INFINITY) /* at the padded position: the value itself is checked */
+MUTATION(mask_tiny_negative, f->in.mask[3] = -FLT_TRUE_MIN)
+MUTATION(id_equals_vocab, f->in.ids[1] = V)
+MUTATION(id_minus_one, f->in.ids[0] = -1)
+MUTATION(id_minus_100_unmasked, f->in.ids[4] = -100)
+MUTATION(masked_id_unmasked, f->in.mask[N - 1] = 1.0f) /* the -100 id at the padded position becomes live */
+MUTATION(temperature_zero, f->options.temperature = 0.0)
+MUTATION(temperature_negative, f->options.temperature = -1.0)
+MUTATION(temperature_nan, f->options.temperature = NAN)
+MUTATION(temperature_tiny, f->options.temperature = 1e-45) /* 1 / temperature overflows fp32 */
+MUTATION(temperature_inf, f->options.temperature = INFINITY)
+MUTATION(temperature_huge, f->options.temperature = 1e39) /* 1 / temperature below FLT_MIN */
+MUTATION(loss_type_nine, f->options.loss_type = (fh_grpo_loss_type)9)
+MUTATION(loss_type_negative, f->options.loss_type = (fh_grpo_loss_type)-1)
+MUTATION(is_level_five, f->options.importance_sampling_level = (fh_grpo_is_level)5)
+MUTATION(is_level_negative, f->options.importance_sampling_level = (fh_grpo_is_level)-1)
+MUTATION(epsilon_low_negative, f->options.epsilon_low = -0.1)
+MUTATION(epsilon_low_nan, f->options.epsilon_low = NAN)
+MUTATION(epsilon_low_inf, f->options.epsilon_low = INFINITY)
+MUTATION(epsilon_high_negative, f->options.epsilon_high = -0.1)
+MUTATION(epsilon_high_inf, f->options.epsilon_high = INFINITY)
+MUTATION(beta_negative, f->options.beta = -1.0)
+MUTATION(beta_nan, f->options.beta = NAN)
+MUTATION(beta_inf, f->options.beta = INFINITY)
+MUTATION(sapo_pos_zero, (f->options.loss_type = FH_GRPO_LOSS_SAPO, f->options.sapo_temperature_pos = 0.0))
+MUTATION(sapo_neg_zero, (f->options.loss_type = FH_GRPO_LOSS_SAPO, f->options.sapo_temperature_neg = 0.0))
+MUTATION(sapo_neg_negative, (f->options.loss_type = FH_GRPO_LOSS_SAPO, f->options.sapo_temperature_neg = -1.05))
+MUTATION(sapo_pos_nan, (f->options.loss_type = FH_GRPO_LOSS_SAPO, f->options.sapo_temperature_pos = NAN))
+MUTATION(sapo_pos_inf, (f->options.loss_type = FH_GRPO_LOSS_SAPO, f->options.sapo_temperature_pos = INFINITY))
+MUTATION(delta_negative, f->options.delta = -1.0)
+MUTATION(delta_inf, f->options.delta = INFINITY)
+MUTATION(entropy_coef_nan, f->options.entropy_coef = NAN)
+MUTATION(entropy_coef_inf, f->options.entropy_coef = -INFINITY)
+MUTATION(num_items_nan, f->options.num_items_in_batch = NAN)
+MUTATION(num_items_inf, f->options.num_items_in_batch = INFINITY)
+MUTATION(grad_output_nan, f->in.grad_output[0] = NAN)
+MUTATION(grad_output_inf, f->in.grad_output[0] = INFINITY)
+MUTATION(dx_beta_half, f->grads.dx_beta = 0.5f)
+MUTATION(dbias_beta_nan, f->grads.dbias_beta = NAN)
+MUTATION(dx_stride_short, f->grads.dx_row_stride = H - 1)
+MUTATION(dbias_without_bias, f->lin.bias = NULL)
+MUTATION(budget_one, fh_context_set(f->ctx, FH_PARAM_MEMORY_BUDGET, 1))
+MUTATION(nonfinite_x_checked, (fh_context_set(f->ctx, FH_PARAM_CHECK_FINITE, 1), f->in.x[5] = NAN))
+
+typedef struct bad_case {
+    const char *name;
+    void (*mutate)(fixture *);
+    int calls; /* the entry points that take the broken argument */
+    fh_status expected;
+    const char *mentions; /* a word the message must contain (NULL: no context to ask) */
+} bad_case;
+
+static const bad_case bad_cases[] = {
+    {"NULL context", null_ctx, ALL, FH_ERR_NULL_POINTER, NULL},
+    {"NULL fh_linear", null_lin, ALL, FH_ERR_NULL_POINTER, "lin"},
+    {"NULL x", null_x, ALL, FH_ERR_NULL_POINTER, "x"},
+    {"NULL batch", null_batch, ALL, FH_ERR_NULL_POINTER, "fh_grpo_batch"},
+    {"NULL completion_ids", null_ids, ALL, FH_ERR_NULL_POINTER, "completion_ids"},
+    {"NULL completion_mask", null_mask, ALL, FH_ERR_NULL_POINTER, "completion_mask"},
+    {"NULL advantages", null_advantages, ALL, FH_ERR_NULL_POINTER, "advantages"},
+    {"beta != 0 without ref_per_token_logps", null_ref_with_beta, ALL, FH_ERR_NULL_POINTER, "ref_per_token_logps"},
+    {"NULL options", null_options, ALL, FH_ERR_NULL_POINTER, "options"},
+    {"NULL outputs", null_outputs, FWD | STEP, FH_ERR_NULL_POINTER, "outputs"},
+    {"backward without per_token_logp", null_logp, BWD, FH_ERR_NULL_POINTER, "per_token_logp"},
+    {"backward without lse", null_lse, BWD, FH_ERR_NULL_POINTER, "lse"},
+    {"backward without entropy, entropy_coef != 0", null_entropy_with_coef, BWD, FH_ERR_NULL_POINTER, "entropy"},
+    {"NULL grad_output", null_grad_output, BWD | STEP, FH_ERR_NULL_POINTER, "grad_output"},
+    {"NULL grads", null_grads, BWD | STEP, FH_ERR_NULL_POINTER, "fh_linear_grads"},
+    {"batch * seq > n", batch_too_large, ALL, FH_ERR_INVALID_SIZE, "batch"},
+    {"batch * seq < n", seq_too_small, ALL, FH_ERR_INVALID_SIZE, "seq"},
+    {"batch 1 x seq n + 1", batch_seq_swapped_wrong, ALL, FH_ERR_INVALID_SIZE, "batch"},
+    {"batch = 0", batch_zero, ALL, FH_ERR_INVALID_SIZE, "batch"},
+    {"seq < 0", seq_negative, ALL, FH_ERR_INVALID_SIZE, "seq"},
+    {"batch * seq overflows", batch_seq_overflow, ALL, FH_ERR_INVALID_SIZE, "batch"},
+    {"n = 0", n_zero, ALL, FH_ERR_INVALID_SIZE, "n"},
+    {"x_row_stride < hidden", x_stride_short, ALL, FH_ERR_INVALID_STRIDE, "stride"},
+    {"mask -1", mask_negative, ALL, FH_ERR_INVALID_MASK, "completion_mask"},
+    {"mask NaN", mask_nan, ALL, FH_ERR_INVALID_MASK, "completion_mask"},
+    {"mask inf (padded position)", mask_inf, ALL, FH_ERR_INVALID_MASK, "completion_mask"},
+    {"mask -denormal", mask_tiny_negative, ALL, FH_ERR_INVALID_MASK, "completion_mask"},
+    {"id = V unmasked", id_equals_vocab, ALL, FH_ERR_TARGET_OUT_OF_RANGE, "completion_ids"},
+    {"id = -1 unmasked", id_minus_one, ALL, FH_ERR_TARGET_OUT_OF_RANGE, "completion_ids"},
+    {"id = -100 unmasked", id_minus_100_unmasked, ALL, FH_ERR_TARGET_OUT_OF_RANGE, "completion_ids"},
+    {"padded -100 id unmasked", masked_id_unmasked, ALL, FH_ERR_TARGET_OUT_OF_RANGE, "completion_ids"},
+    {"temperature 0", temperature_zero, ALL, FH_ERR_INVALID_TEMPERATURE, "temperature"},
+    {"temperature -1", temperature_negative, ALL, FH_ERR_INVALID_TEMPERATURE, "temperature"},
+    {"temperature NaN", temperature_nan, ALL, FH_ERR_INVALID_TEMPERATURE, "temperature"},
+    {"temperature 1e-45", temperature_tiny, ALL, FH_ERR_INVALID_TEMPERATURE, "temperature"},
+    {"temperature inf", temperature_inf, ALL, FH_ERR_INVALID_TEMPERATURE, "temperature"},
+    {"temperature 1e39", temperature_huge, ALL, FH_ERR_INVALID_TEMPERATURE, "temperature"},
+    {"loss_type 9", loss_type_nine, ALL, FH_ERR_INVALID_GRPO_OPTION, "loss_type"},
+    {"loss_type -1", loss_type_negative, ALL, FH_ERR_INVALID_GRPO_OPTION, "loss_type"},
+    {"importance_sampling_level 5", is_level_five, ALL, FH_ERR_INVALID_GRPO_OPTION, "importance_sampling_level"},
+    {"importance_sampling_level -1", is_level_negative, ALL, FH_ERR_INVALID_GRPO_OPTION, "importance_sampling_level"},
+    {"epsilon_low -0.1", epsilon_low_negative, ALL, FH_ERR_INVALID_GRPO_OPTION, "epsilon_low"},
+    {"epsilon_low NaN", epsilon_low_nan, ALL, FH_ERR_INVALID_GRPO_OPTION, "epsilon_low"},
+    {"epsilon_low inf", epsilon_low_inf, ALL, FH_ERR_INVALID_GRPO_OPTION, "epsilon_low"},
+    {"epsilon_high -0.1", epsilon_high_negative, ALL, FH_ERR_INVALID_GRPO_OPTION, "epsilon_high"},
+    {"epsilon_high inf", epsilon_high_inf, ALL, FH_ERR_INVALID_GRPO_OPTION, "epsilon_high"},
+    {"beta -1", beta_negative, ALL, FH_ERR_INVALID_GRPO_OPTION, "beta"},
+    {"beta NaN", beta_nan, ALL, FH_ERR_INVALID_GRPO_OPTION, "beta"},
+    {"beta inf", beta_inf, ALL, FH_ERR_INVALID_GRPO_OPTION, "beta"},
+    {"sapo_temperature_pos 0", sapo_pos_zero, ALL, FH_ERR_INVALID_GRPO_OPTION, "SAPO"},
+    {"sapo_temperature_neg 0", sapo_neg_zero, ALL, FH_ERR_INVALID_GRPO_OPTION, "SAPO"},
+    {"sapo_temperature_neg -1.05", sapo_neg_negative, ALL, FH_ERR_INVALID_GRPO_OPTION, "SAPO"},
+    {"sapo_temperature_pos NaN", sapo_pos_nan, ALL, FH_ERR_INVALID_GRPO_OPTION, "SAPO"},
+    {"sapo_temperature_pos inf", sapo_pos_inf, ALL, FH_ERR_INVALID_GRPO_OPTION, "SAPO"},
+    {"delta -1", delta_negative, ALL, FH_ERR_INVALID_GRPO_OPTION, "delta"},
+    {"delta inf", delta_inf, ALL, FH_ERR_INVALID_GRPO_OPTION, "delta"},
+    {"entropy_coef NaN", entropy_coef_nan, ALL, FH_ERR_INVALID_GRPO_OPTION, "entropy_coef"},
+    {"entropy_coef -inf", entropy_coef_inf, ALL, FH_ERR_INVALID_GRPO_OPTION, "entropy_coef"},
+    {"num_items_in_batch NaN", num_items_nan, ALL, FH_ERR_INVALID_GRPO_OPTION, "num_items_in_batch"},
+    {"num_items_in_batch inf", num_items_inf, ALL, FH_ERR_INVALID_GRPO_OPTION, "num_items_in_batch"},
+    {"grad_output NaN", grad_output_nan, BWD | STEP, FH_ERR_INVALID_GRAD_OUTPUT, "grad_output"},
+    {"grad_output inf", grad_output_inf, BWD | STEP, FH_ERR_INVALID_GRAD_OUTPUT, "grad_output"},
+    {"dx_beta 0.5", dx_beta_half, BWD | STEP, FH_ERR_INVALID_BETA, "dx_beta"},
+    {"dbias_beta NaN", dbias_beta_nan, BWD | STEP, FH_ERR_INVALID_BETA, "dbias_beta"},
+    {"dx_row_stride < hidden", dx_stride_short, BWD | STEP, FH_ERR_INVALID_STRIDE, "dx"},
+    {"dbias requested without bias", dbias_without_bias, BWD | STEP, FH_ERR_NULL_POINTER, "bias"},
+    {"memory budget 1 byte", budget_one, ALL, FH_ERR_BUDGET_TOO_SMALL, "budget"},
+    {"NaN in x with FH_PARAM_CHECK_FINITE", nonfinite_x_checked, ALL, FH_ERR_NONFINITE_INPUT, NULL},
+};
+
+static void test_bad_arguments(void)
+{
+    for (size_t k = 0; k < TU_COUNT(bad_cases); k++)
+        for (int which = FWD; which <= STEP; which *= 2) {
+            const bad_case *c = &bad_cases[k];
+            if (!(c->calls & which))
+                continue;
+            fixture f;
+            fixture_init(&f);
+            c->mutate(&f);
+            outputs before;
+            inputs in_before;
+            memcpy(&before, &f.out, sizeof before);
+            memcpy(&in_before, &f.in, sizeof in_before);
+            const fh_status st = call(&f, which);
+            TU_CHECK(st == c->expected, "%s, %s: status %d (%s), expected %d (%s)", c->name, call_name(which), (int)st,
+                     fh_status_string(st), (int)c->expected, fh_status_string(c->expected));
+            TU_CHECK(memcmp(&before, &f.out, sizeof before) == 0, "%s, %s: an output buffer was modified", c->name,
+                     call_name(which));
+            TU_CHECK(memcmp(&in_before, &f.in, sizeof in_before) == 0, "%s, %s: an input was modified", c->name,
+                     call_name(which));
+            if (c->mutate != null_ctx) {
+                const char *msg = NULL;
+                TU_CHECK(fh_context_message(f.ctx, &msg) == FH_OK && msg && msg[0], "%s, %s: empty message", c->name,
+                         call_name(which));
+                if (c->mentions)
+                    TU_CHECK(msg && tu_mentions(msg, c->mentions), "%s, %s: message \"%s\" does not name '%s'",
+                             c->name, call_name(which), msg ? msg : "(null)", c->mentions);
+            }
+            fh_context_destroy(f.ctx);
+        }
+}
+
+/* The unbroken fixture succeeds and writes every output (so the canary comparisons above can fail), leaves the
+ * message empty and the inputs alone; a later error sets a message and a success clears it. */
+static void test_valid_calls(void)
+{
+    for (int which = FWD; which <= STEP; which *= 2) {
+        fixture f;
+        fixture_init(&f);
+        inputs in_before;
+        memcpy(&in_before, &f.in, sizeof in_before);
+        outputs canary;
+        fill_canary(&canary, sizeof canary);
+        const fh_status st = call(&f, which);
+        TU_CHECK(st == FH_OK, "%s: status %d", call_name(which), (int)st);
+        const struct {
+            const char *name;
+            const void *a, *b;
+            size_t bytes;
+            int written_by; /* calls that write it */
+        } parts[] = {
+            {"loss", &f.out.loss, &canary.loss, sizeof canary.loss, FWD | STEP},
+            {"metrics", &f.out.metrics, &canary.metrics, sizeof canary.metrics, FWD | STEP},
+            {"per_token_logp", f.out.logp, canary.logp, sizeof canary.logp, FWD | STEP},
+            {"per_token_loss", f.out.per_token_loss, canary.per_token_loss, sizeof canary.per_token_loss, FWD | STEP},
+            {"entropy", f.out.entropy, canary.entropy, sizeof canary.entropy, FWD | STEP},
+            {"lse", f.out.lse, canary.lse, sizeof canary.lse, FWD | STEP},
+            {"dx", f.out.dx, canary.dx, sizeof canary.dx, BWD | STEP},
+            {"dweight", f.out.dweight, canary.dweight, sizeof canary.dweight, BWD | STEP},
+            {"dbias", f.out.dbias, canary.dbias, sizeof canary.dbias, BWD | STEP},
+        };
+        for (size_t k = 0; k < TU_COUNT(parts); k++) {
+            const int same = memcmp(parts[k].a, parts[k].b, parts[k].bytes) == 0;
+            if (parts[k].written_by & which)
+                TU_CHECK(!same, "%s left %s at the canary", call_name(which), parts[k].name);
+            else
+                TU_CHECK(same, "%s wrote %s, which it does not produce", call_name(which), parts[k].name);
+        }
+        if (which & BWD)
+            TU_CHECK(tu_all_finite_f(f.out.dx, N * H) && tu_all_finite_f(f.out.dweight, H * V) &&
+                         tu_all_finite_f(f.out.dbias, V),
+                     "%s: gradients not finite", call_name(which));
+        TU_CHECK(memcmp(&in_before, &f.in, sizeof in_before) == 0, "%s modified an input", call_name(which));
+        const char *msg = NULL;
+        fh_context_message(f.ctx, &msg);
+        TU_CHECK(msg && msg[0] == '\0', "%s: message after success \"%s\"", call_name(which), msg ? msg : "(null)");
+        f.options.loss_type = (fh_grpo_loss_type)9;
+        TU_CHECK(call(&f, which) == FH_ERR_INVALID_GRPO_OPTION, "loss_type 9 accepted");
+        fh_context_message(f.ctx, &msg);
+        TU_CHECK(msg && msg[0], "no message after an error");
+        f.options.loss_type = FH_GRPO_LOSS_DAPO;
+        TU_CHECK(call(&f, which) == FH_OK, "%s failed after an error", call_name(which));
+        fh_context_message(f.ctx, &msg);
+        TU_CHECK(msg && msg[0] == '\0', "message not cleared by a success: \"%s\"", msg ? msg : "(null)");
+        fh_context_destroy(f.ctx);
+    }
+}
+
+/* Ids outside [0, V) under the mask (-1, V, INT64_MIN, INT64_MAX) are accepted; per_token_logp is 0 there. */
+static void test_masked_out_of_range_ids_accepted(void)
+{
+    static const int64_t ids[] = {-1, V, INT64_MIN, INT64_MAX, -100};
+    for (size_t k = 0; k < TU_COUNT(ids); k++)
+        for (int which = FWD; which <= STEP; which *= 2) {
+            fixture f;
+            fixture_init(&f);
+            f.in.ids[N - 1] = ids[k]; /* mask 0 there */
+            const fh_status st = call(&f, which);
+            TU_CHECK(st == FH_OK, "%s with masked id %lld: status %d", call_name(which), (long long)ids[k], (int)st);
+            if (which != BWD)
+                TU_CHECK(f.out.logp[N - 1] == 0.0f, "masked id %lld: per_token_logp %g", (long long)ids[k],
+                         (double)f.out.logp[N - 1]);
+            fh_context_destroy(f.ctx);
+        }
+}
+
+/* Documented spellings of the same option give bitwise identical outputs (forward and train step):
+ * delta NaN == 0 (off); epsilon_high NaN == epsilon_low; num_items_in_batch 0 == -3 == max(sum of mask, 1) (the
+ * fixture's mask sums to 5); max_completion_length 0 == -1 == T. */
+#define SPELLING(fn, body) \
+    static void fn(fh_grpo_options *o, inputs *in) { (void)o; (void)in; body; }
+SPELLING(delta_nan, o->delta = NAN)
+SPELLING(delta_zero, o->delta = 0.0)
+SPELLING(eps_high_nan, (o->epsilon_low = 0.15, o->epsilon_high = NAN))
+SPELLING(eps_high_same, (o->epsilon_low = 0.15, o->epsilon_high = 0.15))
+SPELLING(dapo_items_zero, (o->loss_type = FH_GRPO_LOSS_DAPO, o->num_items_in_batch = 0.0))
+SPELLING(dapo_items_negative, (o->loss_type = FH_GRPO_LOSS_DAPO, o->num_items_in_batch = -3.0))
+SPELLING(dapo_items_mask_sum, (o->loss_type = FH_GRPO_LOSS_DAPO, o->num_items_in_batch = 5.0))
+SPELLING(dr_length_zero, (o->loss_type = FH_GRPO_LOSS_DR_GRPO, o->max_completion_length = 0))
+SPELLING(dr_length_negative, (o->loss_type = FH_GRPO_LOSS_DR_GRPO, o->max_completion_length = -1))
+SPELLING(dr_length_t, (o->loss_type = FH_GRPO_LOSS_DR_GRPO, o->max_completion_length = T))
+
+static void test_equivalent_spellings(void)
+{
+    static const struct {
+        const char *name;
+        void (*a)(fh_grpo_options *, inputs *), (*b)(fh_grpo_options *, inputs *);
+    } pairs[] = {
+        {"delta NaN vs 0", delta_nan, delta_zero},
+        {"epsilon_high NaN vs epsilon_low", eps_high_nan, eps_high_same},
+        {"num_items_in_batch 0 vs -3", dapo_items_zero, dapo_items_negative},
+        {"num_items_in_batch 0 vs sum of mask", dapo_items_zero, dapo_items_mask_sum},
+        {"max_completion_length 0 vs -1", dr_length_zero, dr_length_negative},
+        {"max_completion_length 0 vs T", dr_length_zero, dr_length_t},
+    };
+    for (size_t k = 0; k < TU_COUNT(pairs); k++)
+        for (int which = FWD; which <= STEP; which *= 4) {
+            outputs results[2];
+            for (int side = 0; side < 2; side++) {
+                fixture f;
+                fixture_init(&f);
+                (side ? pairs[k].b : pairs[k].a)(&f.options, &f.in);
+                const fh_status st = call(&f, which);
+                TU_CHECK(st == FH_OK, "%s (%d), %s: status %d", pairs[k].name, side, call_name(which), (int)st);
+                results[side] = f.out;
+                fh_context_destroy(f.ctx);
+            }
+            TU_CHECK(memcmp(&results[0], &results[1], sizeof(outputs)) == 0,
+                     "%s, %s: outputs differ (loss %.17g vs %.17g)", pairs[k].name, call_name(which), results[0].loss,
+                     results[1].loss);
+        }
+}
+
+/* A caller workspace of exactly fh_grpo_workspace_size bytes works for all three calls, wherever it starts
+ * (no alignment is documented), with nothing written outside it (guard bytes on both sides); one byte less fails
+ * with FH_ERR_WORKSPACE_TOO_SMALL, untouched outputs and a message naming the workspace. At this shape the
+ * forward and backward plans have the same size (both tile the whole 6 x 7 problem), so the query's maximum is
+ * what each call needs. Budgets: the default, and 2 KiB. */
+static void test_workspace(void)
+{
+    enum { GUARD = 256 };
+    const size_t offsets[] = {0, 1, 8, 60};
+    const int64_t budgets[] = {0, 2048};
+    for (size_t o = 0; o < TU_COUNT(offsets); o++)
+        for (size_t bu = 0; bu < TU_COUNT(budgets); bu++)
+            for (int which = FWD; which <= STEP; which *= 2) {
+                fixture f;
+                fixture_init(&f);
+                TU_CHECK(fh_context_set(f.ctx, FH_PARAM_MEMORY_BUDGET, budgets[bu]) == FH_OK, "set budget");
+                char label[128];
+                snprintf(label, sizeof label, "offset %zu, budget %lld, %s", offsets[o], (long long)budgets[bu],
+                         call_name(which));
+                size_t bytes = 0;
+                TU_CHECK(fh_grpo_workspace_size(f.ctx, &f.lin, &bytes) == FH_OK && bytes > 0, "%s: size query", label);
+                unsigned char *block = malloc(offsets[o] + bytes + GUARD);
+                unsigned char *ws = block + offsets[o];
+                memset(block, 0x5A, offsets[o] + bytes + GUARD);
+
+                TU_CHECK(fh_context_set_workspace(f.ctx, ws, bytes - 1) == FH_OK, "set_workspace");
+                outputs before;
+                memcpy(&before, &f.out, sizeof before);
+                fh_status st = call(&f, which);
+                TU_CHECK(st == FH_ERR_WORKSPACE_TOO_SMALL, "%s: bytes - 1 gives status %d", label, (int)st);
+                const char *msg = NULL;
+                fh_context_message(f.ctx, &msg);
+                TU_CHECK(msg && tu_mentions(msg, "workspace"), "%s: message \"%s\" does not name the workspace", label,
+                         msg ? msg : "");
+                TU_CHECK(memcmp(&before, &f.out, sizeof before) == 0, "%s: outputs modified by a failed call", label);
+
+                TU_CHECK(fh_context_set_workspace(f.ctx, ws, bytes) == FH_OK, "set_workspace");
+                st = call(&f, which);
+                TU_CHECK(st == FH_OK, "%s: exact size gives status %d", label, (int)st);
+                size_t outside = 0;
+                for (size_t i = 0; i < offsets[o]; i++)
+                    outside += block[i] != 0x5A;
+                for (size_t i = 0; i < GUARD; i++)
+                    outside += ws[bytes + i] != 0x5A;
+                TU_CHECK(outside == 0, "%s: %zu bytes written outside the workspace", label, outside);
+                if (which != BWD)
+                    TU_CHECK(isfinite(f.out.loss), "%s: loss not finite", label);
+                if (which != FWD)
+                    TU_CHECK(tu_all_finite_f(f.out.dweight, H * V), "%s: dweight not finite", label);
+                fh_context_message(f.ctx, &msg);
+                TU_CHECK(msg && msg[0] == '\0', "%s: message not empty after success", label);
+                TU_CHECK(fh_context_set_workspace(f.ctx, NULL, 0) == FH_OK, "set_workspace(NULL, 0)");
+                TU_CHECK(call(&f, which) == FH_OK, "%s: library-managed workspace again", label);
+                fh_context_destroy(f.ctx);
+                free(block);
+            }
+}
+
+/* fh_grpo_workspace_size's own checks: NULLs, a bad view, a budget too small; a failing query writes nothing to
+ * *bytes and leaves the context's message alone (it is documented as pure). */
+static void test_workspace_size_arguments(void)
+{
+    fixture f;
+    fixture_init(&f);
+    size_t bytes = 777;
+    TU_CHECK(fh_grpo_workspace_size(NULL, &f.lin, &bytes) == FH_ERR_NULL_POINTER, "NULL ctx");
+    TU_CHECK(fh_grpo_workspace_size(f.ctx, NULL, &bytes) == FH_ERR_NULL_POINTER, "NULL lin");
+    TU_CHECK(fh_grpo_workspace_size(f.ctx, &f.lin, NULL) == FH_ERR_NULL_POINTER, "NULL bytes");
+    fh_linear bad = f.lin;
+    bad.x_row_stride = H - 1;
+    TU_CHECK(fh_grpo_workspace_size(f.ctx, &bad, &bytes) == FH_ERR_INVALID_STRIDE, "bad stride");
+    bad = f.lin;
+    bad.n = 0;
+    TU_CHECK(fh_grpo_workspace_size(f.ctx, &bad, &bytes) == FH_ERR_INVALID_SIZE, "n = 0");
+    const char *msg = NULL;
+    fh_context_message(f.ctx, &msg);
+    TU_CHECK(msg && msg[0] == '\0', "the pure size query set the message \"%s\"", msg ? msg : "");
+    TU_CHECK(fh_context_set(f.ctx, FH_PARAM_MEMORY_BUDGET, 1) == FH_OK, "set budget");
+    TU_CHECK(fh_grpo_workspace_size(f.ctx, &f.lin, &bytes) == FH_ERR_BUDGET_TOO_SMALL, "budget 1");
+    TU_CHECK(bytes == 777, "a failed query wrote *bytes = %zu", bytes);
+    fh_context_destroy(f.ctx);
+}
+
+/* Documented defaults (fusedhead.h: TRL GRPOConfig's), NULL, and optional outputs. */
+static void test_options_init_and_optional_outputs(void)
+{
+    fh_grpo_options o;
+    memset(&o, 0x5A, sizeof o);
+    TU_CHECK(fh_grpo_options_init(&o) == FH_OK, "fh_grpo_options_init");
+    TU_CHECK(o.loss_type == FH_GRPO_LOSS_GRPO && o.importance_sampling_level == FH_GRPO_IS_TOKEN &&
+                 o.temperature == 1.0 && o.epsilon_low == 0.2 && isnan(o.epsilon_high) &&
+                 (isnan(o.delta) || o.delta == 0.0) && o.beta == 0.0 && o.sapo_temperature_pos == 1.0 &&
+                 o.sapo_temperature_neg == 1.05 && o.num_items_in_batch <= 0.0 && o.max_completion_length <= 0 &&
+                 o.entropy_coef == 0.0,
+             "documented defaults");
+    TU_CHECK(fh_grpo_options_init(NULL) == FH_ERR_NULL_POINTER, "fh_grpo_options_init(NULL)");
+
+    /* "any may be NULL" (outputs); "A NULL pointer skips that gradient". */
+    fixture f;
+    fixture_init(&f);
+    fh_grpo_outputs none = {NULL, NULL, NULL, NULL, NULL, NULL};
+    fh_linear_grads no_grads = {NULL, 0, 0.0f, NULL, 0.0f, NULL, 0.0f};
+    f.call_out = &none;
+    f.call_grads = &no_grads;
+    TU_CHECK(call(&f, FWD) == FH_OK, "forward with every output NULL");
+    TU_CHECK(call(&f, STEP) == FH_OK, "train step with every output and gradient NULL");
+    TU_CHECK(call(&f, BWD) == FH_OK, "backward with every gradient NULL");
+    outputs canary;
+    fill_canary(&canary, sizeof canary);
+    TU_CHECK(memcmp(&canary, &f.out, sizeof canary) == 0, "NULL outputs, yet a buffer was written");
+    /* Only dweight, and only the loss. */
+    no_grads.dweight = f.out.dweight;
+    none.loss = &f.out.loss;
+    TU_CHECK(call(&f, STEP) == FH_OK && tu_all_finite_f(f.out.dweight, H * V) && isfinite(f.out.loss),
+             "train step with loss and dweight only");
+    fh_context_destroy(f.ctx);
+}
+
+int tu_register_grpo_contracts(void)
+{
+    static const tu_test tests[] = {
+        {"each bad argument: own status, untouched outputs, message", test_bad_arguments},
+        {"valid calls write their outputs; message reset", test_valid_calls},
+        {"out-of-range ids under the mask accepted", test_masked_out_of_range_ids_accepted},
+        {"equivalent option spellings are bitwise identical", test_equivalent_spellings},
+        {"caller workspace: exact size, size - 1, guards", test_workspace},
+        {"workspace size query arguments", test_workspace_size_arguments},
+        {"options init and optional outputs", test_options_init_and_optional_outputs},
+    };
+    return tu_add_suite("grpo_contracts", tests, TU_COUNT(tests));
+}
