@@ -1,7 +1,8 @@
 /* Cross-entropy head: option checks, per-token statistics -> loss, and loss -> backward coefficients.
  * Never touches tiles or BLIS; the engine does. */
+#include "ce_head.h"
+
 #include "blis_kernels.h"
-#include "engine.h"
 #include "linear.h"
 #include "tile_kernels.h"
 
@@ -18,7 +19,7 @@ FH_API fh_status fh_ce_options_init(fh_ce_options *options)
 }
 
 static fh_status check_options(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
-                               const fh_ce_options *o)
+                               const fh_ce_options *o, int64_t target_vocab)
 {
     if (!targets || !o)
         return fh_fail(ctx, FH_ERR_NULL_POINTER, "%s is NULL", !targets ? "targets" : "options");
@@ -35,20 +36,23 @@ static fh_status check_options(fh_context *ctx, const fh_linear *lin, const int6
                        o->softcap, (double)FLT_MIN, (double)FLT_MAX);
     if (!(o->z_loss >= 0.0 && isfinite(o->z_loss)))
         return fh_fail(ctx, FH_ERR_INVALID_Z_LOSS, "z_loss = %g must be finite and >= 0 (0 disables)", o->z_loss);
+    if (target_vocab <= 0)
+        target_vocab = lin->vocab;
     if (o->class_weights)
         for (int64_t j = 0; j < lin->vocab; j++)
             if (!(o->class_weights[j] >= 0.0f && isfinite(o->class_weights[j])))
                 return fh_fail(ctx, FH_ERR_INVALID_CLASS_WEIGHT, "class_weights[%lld] = %g must be finite and >= 0",
                                (long long)j, (double)o->class_weights[j]);
     for (int64_t i = 0; i < lin->n; i++)
-        if (targets[i] != o->ignore_index && (targets[i] < 0 || targets[i] >= lin->vocab))
+        if (targets[i] != o->ignore_index && (targets[i] < 0 || targets[i] >= target_vocab))
             return fh_fail(ctx, FH_ERR_TARGET_OUT_OF_RANGE,
                            "targets[%lld] = %lld is outside [0, %lld) and is not ignore_index (%lld)", (long long)i,
-                           (long long)targets[i], (long long)lin->vocab, (long long)o->ignore_index);
+                           (long long)targets[i], (long long)target_vocab, (long long)o->ignore_index);
     return FH_OK;
 }
 
-static fh_status check_call(fh_context *ctx, const fh_linear *lin, const int64_t *targets, const fh_ce_options *o)
+fh_status fh_ce_check_call(fh_context *ctx, const fh_linear *lin, const int64_t *targets, const fh_ce_options *o,
+                           int64_t target_vocab)
 {
     if (!ctx)
         return FH_ERR_NULL_POINTER;
@@ -57,31 +61,32 @@ static fh_status check_call(fh_context *ctx, const fh_linear *lin, const int64_t
     if (st == FH_OK)
         st = fh_check_finite(ctx, lin);
     if (st == FH_OK)
-        st = check_options(ctx, lin, targets, o);
+        st = check_options(ctx, lin, targets, o, target_vocab);
     return st;
 }
 
-static fh_transform transform_of(const fh_ce_options *o)
+fh_transform fh_ce_transform(const fh_ce_options *o)
 {
     const fh_transform tf = {(float)o->softcap, 1.0f};
     return tf;
 }
 
-/* Denominators of the mean: sum of the targets' class weights (cross-entropy part) and the count of
- * non-ignored tokens (z-loss part), both over non-ignored tokens. */
-typedef struct ce_norms {
-    double weight_sum; /* sum_i w_{y_i} */
-    double count;
-    double class_weight_total; /* sum_j w_j (V without class weights), for label smoothing */
-} ce_norms;
-
-static ce_norms norms_of(const fh_linear *lin, const int64_t *targets, const fh_ce_options *o)
+static double target_weight(const fh_ce_head *h, int64_t i)
 {
-    ce_norms nm = {0.0, 0.0, 0.0};
+    if (h->target_weights)
+        return h->target_weights[i];
+    return h->o->class_weights ? h->o->class_weights[h->targets[i]] : 1.0;
+}
+
+fh_ce_norms fh_ce_local_norms(const fh_ce_head *h)
+{
+    const fh_linear *lin = h->lin;
+    const fh_ce_options *o = h->o;
+    fh_ce_norms nm = {0.0, 0.0, 0.0};
     for (int64_t i = 0; i < lin->n; i++)
-        if (targets[i] != o->ignore_index) {
+        if (h->targets[i] != o->ignore_index) {
             nm.count += 1.0;
-            nm.weight_sum += o->class_weights ? o->class_weights[targets[i]] : 1.0;
+            nm.weight_sum += target_weight(h, i);
         }
     if (o->class_weights)
         for (int64_t j = 0; j < lin->vocab; j++)
@@ -98,7 +103,7 @@ static double safe_inverse(double x)
     return x > 0.0 ? 1.0 / x : 0.0;
 }
 
-static fh_status acquire(fh_context *ctx, const fh_linear *lin, const fh_plan *plan, fh_workspace *ws)
+fh_status fh_ce_acquire(fh_context *ctx, const fh_linear *lin, const fh_plan *plan, fh_workspace *ws)
 {
     void *base = NULL;
     const fh_status st = fh_acquire_workspace(ctx, plan->bytes, &base);
@@ -113,7 +118,7 @@ static fh_status acquire(fh_context *ctx, const fh_linear *lin, const fh_plan *p
 
 /* The train step's plan: row blocks when they fit the budget, else the streaming backward's tiles (the
  * fallback runs both streaming passes in them). */
-static fh_status plan_train_step(fh_context *ctx, const fh_linear *lin, fh_plan *plan, int *row_blocks)
+fh_status fh_ce_plan_train_step(fh_context *ctx, const fh_linear *lin, fh_plan *plan, int *row_blocks)
 {
     *row_blocks = fh_plan_make_row_blocks(ctx, lin, plan) == 0;
     return *row_blocks ? FH_OK : fh_plan_make(ctx, lin, FH_CALL_BACKWARD, plan);
@@ -132,7 +137,7 @@ static fh_status workspace_query(const fh_context *ctx, const fh_linear *lin, co
         return fh_plan_streaming_bytes(&scratch, lin, bytes);
     fh_plan plan;
     int row_blocks;
-    st = plan_train_step(&scratch, lin, &plan, &row_blocks);
+    st = fh_ce_plan_train_step(&scratch, lin, &plan, &row_blocks);
     if (st == FH_OK)
         *bytes = plan.bytes;
     return st;
@@ -150,39 +155,25 @@ FH_API fh_status fh_ce_forward_backward_workspace_size(const fh_context *ctx, co
     return workspace_query(ctx, lin, options, 1, bytes);
 }
 
-/* Everything the per-token math needs. */
-typedef struct ce_head {
-    const fh_linear *lin;
-    const int64_t *targets;
-    const fh_ce_options *o;
-    ce_norms nm;
-    const float *grad_output; /* NULL in a forward-only call */
-    int64_t grad_count;       /* 1 for mean/sum, n for none */
-} ce_head;
-
-static ce_head head_of(const fh_linear *lin, const int64_t *targets, const fh_ce_options *o, const float *grad_output)
+fh_ce_head fh_ce_head_of(const fh_linear *lin, const int64_t *targets, const fh_ce_options *o,
+                         const float *grad_output)
 {
-    const ce_head h = {lin, targets, o, norms_of(lin, targets, o), grad_output,
-                       o->reduction == FH_REDUCTION_NONE ? lin->n : 1};
+    fh_ce_head h = {lin, targets, o, {0.0, 0.0, 0.0}, grad_output, o->reduction == FH_REDUCTION_NONE ? lin->n : 1,
+                    (double)lin->vocab, NULL};
+    h.nm = fh_ce_local_norms(&h);
     return h;
 }
 
-/* Class weights as the engine needs them: only the label-smoothing terms use w_j. */
-static const float *engine_weights(const fh_ce_options *o)
+const float *fh_ce_engine_weights(const fh_ce_options *o)
 {
     return o->label_smoothing > 0.0 ? o->class_weights : NULL;
 }
 
-static double target_weight(const ce_head *h, int64_t i)
-{
-    return h->o->class_weights ? h->o->class_weights[h->targets[i]] : 1.0;
-}
-
 /* d ce_i / d z_j = (1-eps) w_y (p_j - [j=y]) + eps/V (W p_j - w_j),  d zl_i / d z_j = 2 s lse p_j,
  * scaled by the upstream gradient and the mean's denominators. */
-static void row_coefs(const void *self, int64_t i, const fh_row_result *stats, fh_row_coef *k)
+void fh_ce_row_coefs(const void *self, int64_t i, const fh_row_result *stats, fh_row_coef *k)
 {
-    const ce_head *h = self;
+    const fh_ce_head *h = self;
     const fh_ce_options *o = h->o;
     const double lse = stats->lse;
     k->a = k->b = k->c = k->e = 0.0;
@@ -192,17 +183,17 @@ static void row_coefs(const void *self, int64_t i, const fh_row_result *stats, f
     const double g = h->grad_output[h->grad_count == 1 ? 0 : i];
     const double g_ce = mean ? g * safe_inverse(h->nm.weight_sum) : g;
     const double g_z = mean ? g * safe_inverse(h->nm.count) : g;
-    const double eps = o->label_smoothing, vocab = (double)h->lin->vocab, w_y = target_weight(h, i);
+    const double eps = o->label_smoothing, vocab = h->vocab, w_y = target_weight(h, i);
     k->a = g_ce * ((1.0 - eps) * w_y + eps * h->nm.class_weight_total / vocab) + g_z * 2.0 * o->z_loss * lse;
     k->b = -g_ce * (1.0 - eps) * w_y;
     k->c = -g_ce * eps / vocab;
 }
 
-/* Per-token losses from the statistics, reduced, written to the requested outputs. */
-static void write_outputs(const ce_head *h, const fh_row_stats *stats, fh_ce_outputs *out)
+void fh_ce_write_token_outputs(const fh_ce_head *h, const fh_row_stats *stats, fh_ce_outputs *out,
+                               double totals[2])
 {
     const fh_ce_options *o = h->o;
-    const double eps = o->label_smoothing, vocab = (double)h->lin->vocab;
+    const double eps = o->label_smoothing, vocab = h->vocab;
     double ce_total = 0.0, z_total = 0.0;
     for (int64_t i = 0; i < h->lin->n; i++) {
         const double lse = stats->lse[i];
@@ -225,7 +216,14 @@ static void write_outputs(const ce_head *h, const fh_row_stats *stats, fh_ce_out
         if (out->argmax)
             out->argmax[i] = stats->argmax[i];
     }
-    if (o->reduction == FH_REDUCTION_MEAN) {
+    totals[0] = ce_total;
+    totals[1] = z_total;
+}
+
+void fh_ce_write_loss(const fh_ce_head *h, const double totals[2], fh_ce_outputs *out)
+{
+    double ce_total = totals[0], z_total = totals[1];
+    if (h->o->reduction == FH_REDUCTION_MEAN) {
         ce_total *= safe_inverse(h->nm.weight_sum);
         z_total *= safe_inverse(h->nm.count);
     }
@@ -235,7 +233,15 @@ static void write_outputs(const ce_head *h, const fh_row_stats *stats, fh_ce_out
         *out->z_loss = z_total;
 }
 
-static fh_status check_outputs(fh_context *ctx, const fh_ce_options *o, const fh_ce_outputs *out)
+/* Per-token losses from the statistics, reduced, written to the requested outputs. */
+static void write_outputs(const fh_ce_head *h, const fh_row_stats *stats, fh_ce_outputs *out)
+{
+    double totals[2];
+    fh_ce_write_token_outputs(h, stats, out, totals);
+    fh_ce_write_loss(h, totals, out);
+}
+
+fh_status fh_ce_check_outputs(fh_context *ctx, const fh_ce_options *o, const fh_ce_outputs *out)
 {
     if (!out)
         return fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
@@ -244,8 +250,8 @@ static fh_status check_outputs(fh_context *ctx, const fh_ce_options *o, const fh
     return FH_OK;
 }
 
-static fh_status check_backward_inputs(fh_context *ctx, const fh_linear *lin, const fh_ce_options *o,
-                                       const float *grad_output, const fh_linear_grads *grads)
+fh_status fh_ce_check_backward_inputs(fh_context *ctx, const fh_linear *lin, const fh_ce_options *o,
+                                      const float *grad_output, const fh_linear_grads *grads)
 {
     if (!grad_output)
         return fh_fail(ctx, FH_ERR_NULL_POINTER, "grad_output is NULL");
@@ -261,7 +267,7 @@ static fh_status check_backward_inputs(fh_context *ctx, const fh_linear *lin, co
 }
 
 /* Statistics arrays in the workspace; sum_weighted_z only with label smoothing, argmax only on request. */
-static fh_row_stats stats_in(const fh_workspace *ws, const fh_ce_options *o, const fh_ce_outputs *out)
+fh_row_stats fh_ce_stats_in(const fh_workspace *ws, const fh_ce_options *o, const fh_ce_outputs *out)
 {
     const fh_row_stats stats = {ws->token[0], ws->token[1], o->label_smoothing > 0.0 ? ws->token[2] : NULL, NULL,
                                 ws->token[3], out->argmax ? (int64_t *)ws->token[4] : NULL};
@@ -269,14 +275,15 @@ static fh_row_stats stats_in(const fh_workspace *ws, const fh_ce_options *o, con
 }
 
 /* Backward coefficients for every row into the workspace, from lse (the caller's, or the forward's). */
-static fh_row_coefs coefs_in(const fh_workspace *ws, const ce_head *h, const float *lse_float, const double *lse_double)
+fh_row_coefs fh_ce_coefs_in(const fh_workspace *ws, const fh_ce_head *h, const float *lse_float,
+                            const double *lse_double)
 {
     double *lse = ws->token[0], *a = ws->token[1], *b = ws->token[2], *c = ws->token[3];
     for (int64_t i = 0; i < h->lin->n; i++) {
         lse[i] = lse_float ? (double)lse_float[i] : lse_double[i];
         const fh_row_result stats = {lse[i], 0.0, 0.0, 0.0};
         fh_row_coef k;
-        row_coefs(h, i, &stats, &k);
+        fh_ce_row_coefs(h, i, &stats, &k);
         a[i] = k.a;
         b[i] = k.b;
         c[i] = k.c;
@@ -288,21 +295,21 @@ static fh_row_coefs coefs_in(const fh_workspace *ws, const ce_head *h, const flo
 FH_API fh_status fh_ce_forward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
                                const fh_ce_options *options, fh_ce_outputs *out)
 {
-    fh_status st = check_call(ctx, lin, targets, options);
+    fh_status st = fh_ce_check_call(ctx, lin, targets, options, 0);
     if (st == FH_OK)
-        st = check_outputs(ctx, options, out);
+        st = fh_ce_check_outputs(ctx, options, out);
     fh_plan plan;
     fh_workspace ws;
     if (st == FH_OK)
         st = fh_plan_make(ctx, lin, FH_CALL_FORWARD, &plan);
     if (st == FH_OK)
-        st = acquire(ctx, lin, &plan, &ws);
+        st = fh_ce_acquire(ctx, lin, &plan, &ws);
     if (st != FH_OK)
         return st;
-    const ce_head h = head_of(lin, targets, options, NULL);
-    const fh_row_stats stats = stats_in(&ws, options, out);
-    const fh_transform tf = transform_of(options);
-    fh_engine_forward(ctx, &plan, &ws, lin, &tf, targets, engine_weights(options), &stats);
+    const fh_ce_head h = fh_ce_head_of(lin, targets, options, NULL);
+    const fh_row_stats stats = fh_ce_stats_in(&ws, options, out);
+    const fh_transform tf = fh_ce_transform(options);
+    fh_engine_forward(ctx, &plan, &ws, lin, &tf, targets, fh_ce_engine_weights(options), &stats);
     write_outputs(&h, &stats, out);
     return FH_OK;
 }
@@ -311,23 +318,23 @@ FH_API fh_status fh_ce_backward(fh_context *ctx, const fh_linear *lin, const int
                                 const fh_ce_options *options, const float *lse, const float *grad_output,
                                 fh_linear_grads *grads)
 {
-    fh_status st = check_call(ctx, lin, targets, options);
+    fh_status st = fh_ce_check_call(ctx, lin, targets, options, 0);
     if (st == FH_OK && !lse)
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "lse is NULL");
     if (st == FH_OK)
-        st = check_backward_inputs(ctx, lin, options, grad_output, grads);
+        st = fh_ce_check_backward_inputs(ctx, lin, options, grad_output, grads);
     fh_plan plan;
     fh_workspace ws;
     if (st == FH_OK)
         st = fh_plan_make(ctx, lin, FH_CALL_BACKWARD, &plan);
     if (st == FH_OK)
-        st = acquire(ctx, lin, &plan, &ws);
+        st = fh_ce_acquire(ctx, lin, &plan, &ws);
     if (st != FH_OK)
         return st;
-    const ce_head h = head_of(lin, targets, options, grad_output);
-    const fh_row_coefs coefs = coefs_in(&ws, &h, lse, NULL);
-    const fh_transform tf = transform_of(options);
-    fh_engine_backward(ctx, &plan, &ws, lin, &tf, targets, engine_weights(options), &coefs, grads);
+    const fh_ce_head h = fh_ce_head_of(lin, targets, options, grad_output);
+    const fh_row_coefs coefs = fh_ce_coefs_in(&ws, &h, lse, NULL);
+    const fh_transform tf = fh_ce_transform(options);
+    fh_engine_backward(ctx, &plan, &ws, lin, &tf, targets, fh_ce_engine_weights(options), &coefs, grads);
     return FH_OK;
 }
 
@@ -335,26 +342,26 @@ FH_API fh_status fh_ce_forward_backward(fh_context *ctx, const fh_linear *lin, c
                                         const fh_ce_options *options, const float *grad_output,
                                         fh_ce_outputs *out, fh_linear_grads *grads)
 {
-    fh_status st = check_call(ctx, lin, targets, options);
+    fh_status st = fh_ce_check_call(ctx, lin, targets, options, 0);
     if (st == FH_OK)
-        st = check_outputs(ctx, options, out);
+        st = fh_ce_check_outputs(ctx, options, out);
     if (st == FH_OK)
-        st = check_backward_inputs(ctx, lin, options, grad_output, grads);
+        st = fh_ce_check_backward_inputs(ctx, lin, options, grad_output, grads);
     fh_plan plan;
     fh_workspace ws;
     int row_blocks = 0;
     if (st == FH_OK)
-        st = plan_train_step(ctx, lin, &plan, &row_blocks);
+        st = fh_ce_plan_train_step(ctx, lin, &plan, &row_blocks);
     if (st == FH_OK)
-        st = acquire(ctx, lin, &plan, &ws);
+        st = fh_ce_acquire(ctx, lin, &plan, &ws);
     if (st != FH_OK)
         return st;
-    const ce_head h = head_of(lin, targets, options, grad_output);
-    const fh_row_stats stats = stats_in(&ws, options, out);
-    const fh_transform tf = transform_of(options);
-    const float *weights = engine_weights(options);
+    const fh_ce_head h = fh_ce_head_of(lin, targets, options, grad_output);
+    const fh_row_stats stats = fh_ce_stats_in(&ws, options, out);
+    const fh_transform tf = fh_ce_transform(options);
+    const float *weights = fh_ce_engine_weights(options);
     if (row_blocks) {
-        const fh_coef_source source = {row_coefs, &h};
+        const fh_coef_source source = {fh_ce_row_coefs, &h};
         fh_engine_row_blocks(ctx, &plan, &ws, lin, &tf, targets, weights, &stats, &source, grads);
         write_outputs(&h, &stats, out);
         return FH_OK;
@@ -362,7 +369,7 @@ FH_API fh_status fh_ce_forward_backward(fh_context *ctx, const fh_linear *lin, c
     /* Streaming fallback: forward, then backward from the double lse (lse stays in token[0]). */
     fh_engine_forward(ctx, &plan, &ws, lin, &tf, targets, weights, &stats);
     write_outputs(&h, &stats, out);
-    const fh_row_coefs coefs = coefs_in(&ws, &h, NULL, stats.lse);
+    const fh_row_coefs coefs = fh_ce_coefs_in(&ws, &h, NULL, stats.lse);
     fh_engine_backward(ctx, &plan, &ws, lin, &tf, targets, weights, &coefs, grads);
     return FH_OK;
 }

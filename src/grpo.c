@@ -1,8 +1,9 @@
 /* GRPO head (TRL GRPOTrainer semantics, formulas in fusedhead.h): option and batch checks, per-token
  * log-probs and entropies -> loss, metrics and backward coefficients. The engine does every tile; this
  * file is scalar math on [B, T] vectors. */
+#include "grpo_head.h"
+
 #include "blis_kernels.h"
-#include "engine.h"
 #include "linear.h"
 #include "tile_kernels.h"
 
@@ -67,7 +68,8 @@ static fh_status check_options(fh_context *ctx, const fh_grpo_options *o)
     return FH_OK;
 }
 
-static fh_status check_batch(fh_context *ctx, const fh_linear *lin, const fh_grpo_batch *bt, const fh_grpo_options *o)
+static fh_status check_batch(fh_context *ctx, const fh_linear *lin, const fh_grpo_batch *bt, const fh_grpo_options *o,
+                             int64_t target_vocab)
 {
     if (!bt)
         return fh_fail(ctx, FH_ERR_NULL_POINTER, "the fh_grpo_batch is NULL");
@@ -85,15 +87,16 @@ static fh_status check_batch(fh_context *ctx, const fh_linear *lin, const fh_grp
         if (!(m >= 0.0f && isfinite(m)))
             return fh_fail(ctx, FH_ERR_INVALID_MASK, "completion_mask[%lld] = %g must be finite and >= 0",
                            (long long)i, (double)m);
-        if (m != 0.0f && (bt->completion_ids[i] < 0 || bt->completion_ids[i] >= lin->vocab))
+        if (m != 0.0f && (bt->completion_ids[i] < 0 || bt->completion_ids[i] >= target_vocab))
             return fh_fail(ctx, FH_ERR_TARGET_OUT_OF_RANGE,
                            "completion_ids[%lld] = %lld is outside [0, %lld) at an unmasked position", (long long)i,
-                           (long long)bt->completion_ids[i], (long long)lin->vocab);
+                           (long long)bt->completion_ids[i], (long long)target_vocab);
     }
     return FH_OK;
 }
 
-static fh_status check_call(fh_context *ctx, const fh_linear *lin, const fh_grpo_batch *bt, const fh_grpo_options *o)
+fh_status fh_grpo_check_call(fh_context *ctx, const fh_linear *lin, const fh_grpo_batch *bt, const fh_grpo_options *o,
+                             int64_t target_vocab)
 {
     if (!ctx)
         return FH_ERR_NULL_POINTER;
@@ -104,7 +107,7 @@ static fh_status check_call(fh_context *ctx, const fh_linear *lin, const fh_grpo
     if (st == FH_OK)
         st = check_options(ctx, o);
     if (st == FH_OK)
-        st = check_batch(ctx, lin, bt, o);
+        st = check_batch(ctx, lin, bt, o, target_vocab > 0 ? target_vocab : lin->vocab);
     return st;
 }
 
@@ -115,6 +118,17 @@ typedef struct token_policy {
     double loss;  /* pol_i */
     double slope; /* d pol / d r (clipped family, sapo), or d pol / d logp (cispo) */
 } token_policy;
+
+/* torch.min / torch.clamp semantics: NaN propagates (fmin and fmax would drop it and hide a NaN log-prob). */
+static double min_nan(double x, double y)
+{
+    return isnan(x) || isnan(y) ? NAN : x < y ? x : y;
+}
+
+static double max_nan(double x, double y)
+{
+    return isnan(x) || isnan(y) ? NAN : x > y ? x : y;
+}
 
 /* torch.min(x, y) backward: the whole gradient to the smaller, halves on a tie. */
 static double share_of_first(double x, double y)
@@ -128,7 +142,7 @@ static token_policy policy(const fh_grpo_options *o, double log_ratio, double lo
     p.ratio = exp(log_ratio);
     const double r = p.ratio, a = advantage;
     if (o->loss_type == FH_GRPO_LOSS_CISPO) {
-        const double capped = fmin(r, epsilon_high(o)); /* detached */
+        const double capped = min_nan(r, epsilon_high(o)); /* detached */
         p.loss = -capped * a * logp;
         p.slope = -capped * a;
     } else if (o->loss_type == FH_GRPO_LOSS_SAPO) {
@@ -138,11 +152,11 @@ static token_policy policy(const fh_grpo_options *o, double log_ratio, double lo
         p.slope = -4.0 * sig * (1.0 - sig) * a;
     } else {
         const double lo = 1.0 - o->epsilon_low, hi = 1.0 + epsilon_high(o);
-        const double c2 = fmin(fmax(r, lo), hi), dc2 = (r >= lo && r <= hi) ? 1.0 : 0.0;
+        const double c2 = min_nan(max_nan(r, lo), hi), dc2 = (r >= lo && r <= hi) ? 1.0 : 0.0;
         const double c1 = delta_on(o) && r > o->delta ? o->delta : r;
         const double dc1 = delta_on(o) && r > o->delta ? 0.0 : 1.0;
         const double share = share_of_first(c1 * a, c2 * a);
-        p.loss = -fmin(c1 * a, c2 * a);
+        p.loss = -min_nan(c1 * a, c2 * a);
         p.slope = -(share * dc1 + (1.0 - share) * dc2) * a;
     }
     return p;
@@ -150,21 +164,12 @@ static token_policy policy(const fh_grpo_options *o, double log_ratio, double lo
 
 /* ---- the head: [B, T] vectors -> loss, metrics, coefficients ------------------------------- */
 
-typedef struct grpo_head {
-    const fh_grpo_batch *bt;
-    const fh_grpo_options *o;
-    double *seq_count;     /* [B]: max(sum_t m, 1) */
-    double *seq_log_ratio; /* [B]: s_b (sequence level) */
-    double mask_total;     /* max(sum m, 1) */
-} grpo_head;
-
-static double old_logp(const grpo_head *h, int64_t i, const double *logp)
+static double old_logp(const fh_grpo_head *h, int64_t i, const double *logp)
 {
     return h->bt->old_per_token_logps ? (double)h->bt->old_per_token_logps[i] : logp[i];
 }
 
-/* Per-sequence token counts and GSPO log-ratios. */
-static void head_prepare(grpo_head *h, const double *logp)
+void fh_grpo_head_prepare(fh_grpo_head *h, const double *logp)
 {
     const fh_grpo_batch *bt = h->bt;
     double total = 0.0;
@@ -179,14 +184,16 @@ static void head_prepare(grpo_head *h, const double *logp)
         h->seq_count[b] = fmax(count, 1.0);
         h->seq_log_ratio[b] = acc / h->seq_count[b];
     }
+    h->mask_sum = total;
     h->mask_total = fmax(total, 1.0);
+    h->batch_total = (double)bt->batch;
 }
 
 /* d loss / d l_i per unit of mask: the loss type's normalisation. */
-static double sequence_weight(const grpo_head *h, int64_t b)
+static double sequence_weight(const fh_grpo_head *h, int64_t b)
 {
     const fh_grpo_options *o = h->o;
-    const double batch = (double)h->bt->batch;
+    const double batch = h->batch_total;
     switch (o->loss_type) {
     case FH_GRPO_LOSS_GRPO:
     case FH_GRPO_LOSS_SAPO: return 1.0 / (batch * h->seq_count[b]);
@@ -197,16 +204,8 @@ static double sequence_weight(const grpo_head *h, int64_t b)
     }
 }
 
-typedef struct head_outputs {
-    double *loss;
-    fh_grpo_metrics *metrics;
-    float *per_token_loss;
-    double *g_logp; /* d(grad * loss)/d logp_i, or NULL */
-    double *g_entropy;
-} head_outputs;
-
-static void head_evaluate(const grpo_head *h, const double *logp, const double *entropy, double grad,
-                          const head_outputs *out)
+void fh_grpo_head_evaluate(const fh_grpo_head *h, const double *logp, const double *entropy, double grad,
+                           const fh_grpo_head_outputs *out, fh_grpo_partials *partials)
 {
     const fh_grpo_batch *bt = h->bt;
     const fh_grpo_options *o = h->o;
@@ -261,34 +260,48 @@ static void head_evaluate(const grpo_head *h, const double *logp, const double *
                 out->g_logp[i] += grad * seq_slope * bt->completion_mask[i] / h->seq_count[b];
             }
     }
-    const double entropy_mean = entropy ? entropy_sum / h->mask_total : NAN;
-    if (o->entropy_coef != 0.0)
-        loss -= o->entropy_coef * entropy_mean;
     if (out->g_entropy)
         for (int64_t i = 0; i < bt->batch * bt->seq; i++)
             out->g_entropy[i] = -grad * o->entropy_coef * bt->completion_mask[i] / h->mask_total;
+    const fh_grpo_partials p = {loss, kl_sum, entropy ? entropy_sum : NAN, clip_low, clip_high, clip_region,
+                                cispo_clip};
+    *partials = p;
+}
+
+void fh_grpo_head_finish(const fh_grpo_head *h, const fh_grpo_partials *p, const fh_grpo_head_outputs *out)
+{
+    const fh_grpo_options *o = h->o;
+    const double entropy_mean = p->entropy / h->mask_total;
+    double loss = p->loss;
+    if (o->entropy_coef != 0.0)
+        loss -= o->entropy_coef * entropy_mean;
     if (out->loss)
         *out->loss = loss;
     if (out->metrics) {
-        const double den = sequence_level ? (double)bt->batch : h->mask_total;
+        const double den = o->importance_sampling_level == FH_GRPO_IS_SEQUENCE ? h->batch_total : h->mask_total;
         const int clipped = clipped_family(o->loss_type), cispo = o->loss_type == FH_GRPO_LOSS_CISPO;
-        const fh_grpo_metrics m = {o->beta != 0.0 ? kl_sum / h->mask_total : NAN, entropy_mean,
-                                   clipped ? clip_low / den : NAN, clipped ? clip_high / den : NAN,
-                                   clipped ? clip_region / den : NAN, cispo ? cispo_clip / den : NAN};
+        const fh_grpo_metrics m = {o->beta != 0.0 ? p->kl / h->mask_total : NAN, entropy_mean,
+                                   clipped ? p->clip_low / den : NAN, clipped ? p->clip_high / den : NAN,
+                                   clipped ? p->clip_region / den : NAN, cispo ? p->cispo_clip / den : NAN};
         *out->metrics = m;
     }
 }
 
-/* ---- calls ---------------------------------------------------------------------------------- */
+/* The whole head on one process: evaluate, then finish. */
+static void head_evaluate(const fh_grpo_head *h, const double *logp, const double *entropy, double grad,
+                          const fh_grpo_head_outputs *out)
+{
+    fh_grpo_partials p;
+    fh_grpo_head_evaluate(h, logp, entropy, grad, out, &p);
+    fh_grpo_head_finish(h, &p, out);
+}
 
-/* Workspace token arrays: 0 lse, 1 z_target | a, 2 b, 3 sum_exp scratch | c, 4 e, 5 sum_pz, 6 logp,
- * 7 entropy, 8 per-sequence counts, 9 per-sequence log-ratios. */
-enum { T_LSE, T_A, T_B, T_C, T_E, T_SUM_PZ, T_LOGP, T_ENTROPY, T_SEQ_COUNT, T_SEQ_LOG_RATIO };
+/* ---- calls ---------------------------------------------------------------------------------- */
 
 /* Plans for the passes a call makes (forward, backward or both) and one workspace for all of them: the
  * per-token arrays sit at the same offset in every plan, so they survive from one pass to the next. */
-static fh_status prepare(fh_context *ctx, const fh_linear *lin, int forward, int backward, fh_plan *forward_plan,
-                         fh_plan *backward_plan, fh_workspace *ws)
+fh_status fh_grpo_prepare(fh_context *ctx, const fh_linear *lin, int forward, int backward, fh_plan *forward_plan,
+                          fh_plan *backward_plan, fh_workspace *ws)
 {
     fh_status st = FH_OK;
     size_t bytes = 0;
@@ -317,33 +330,45 @@ FH_API fh_status fh_grpo_workspace_size(const fh_context *ctx, const fh_linear *
     return st == FH_OK ? fh_plan_streaming_bytes(&scratch, lin, bytes) : st;
 }
 
-static fh_transform transform_of(const fh_grpo_options *o)
+fh_transform fh_grpo_transform(const fh_grpo_options *o)
 {
     const fh_transform tf = {0.0f, (float)(1.0 / o->temperature)};
     return tf;
 }
 
-static grpo_head head_in(const fh_workspace *ws, const fh_grpo_batch *bt, const fh_grpo_options *o)
+fh_grpo_head fh_grpo_head_in(const fh_workspace *ws, const fh_grpo_batch *bt, const fh_grpo_options *o)
 {
-    const grpo_head h = {bt, o, ws->token[T_SEQ_COUNT], ws->token[T_SEQ_LOG_RATIO], 1.0};
+    const fh_grpo_head h = {bt, o, ws->token[T_SEQ_COUNT], ws->token[T_SEQ_LOG_RATIO], 0.0, 1.0, (double)bt->batch};
     return h;
+}
+
+fh_row_stats fh_grpo_stats_in(const fh_workspace *ws)
+{
+    const fh_row_stats stats = {ws->token[T_LSE], ws->token[T_A], NULL, ws->token[T_SUM_PZ], ws->token[T_C], NULL};
+    return stats;
+}
+
+void fh_grpo_token_values(const fh_workspace *ws, const fh_grpo_batch *bt, int64_t n, int64_t vocab)
+{
+    const fh_row_stats stats = fh_grpo_stats_in(ws);
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t id = bt->completion_ids[i];
+        ws->token[T_LOGP][i] = id >= 0 && id < vocab ? stats.z_target[i] - stats.lse[i] : 0.0;
+        ws->token[T_ENTROPY][i] = stats.lse[i] - stats.sum_pz[i];
+    }
 }
 
 /* Streams the forward; leaves lse, sum_pz, logp and entropy (double) in the workspace. */
 static void forward_pass(fh_context *ctx, const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin,
                          const fh_grpo_batch *bt, const fh_grpo_options *o)
 {
-    const fh_row_stats stats = {ws->token[T_LSE], ws->token[T_A], NULL, ws->token[T_SUM_PZ], ws->token[T_C], NULL};
-    const fh_transform tf = transform_of(o);
+    const fh_row_stats stats = fh_grpo_stats_in(ws);
+    const fh_transform tf = fh_grpo_transform(o);
     fh_engine_forward(ctx, plan, ws, lin, &tf, bt->completion_ids, NULL, &stats);
-    for (int64_t i = 0; i < lin->n; i++) {
-        const int64_t id = bt->completion_ids[i];
-        ws->token[T_LOGP][i] = id >= 0 && id < lin->vocab ? stats.z_target[i] - stats.lse[i] : 0.0;
-        ws->token[T_ENTROPY][i] = stats.lse[i] - stats.sum_pz[i];
-    }
+    fh_grpo_token_values(ws, bt, lin->n, lin->vocab);
 }
 
-static void write_outputs(const fh_workspace *ws, int64_t n, fh_grpo_outputs *out)
+void fh_grpo_write_outputs(const fh_workspace *ws, int64_t n, fh_grpo_outputs *out)
 {
     for (int64_t i = 0; i < n; i++) {
         if (out->per_token_logp)
@@ -355,30 +380,55 @@ static void write_outputs(const fh_workspace *ws, int64_t n, fh_grpo_outputs *ou
     }
 }
 
-/* Coefficients from logp/entropy/lse in the workspace, then the engine's backward. */
-static void backward_pass(fh_context *ctx, const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin,
-                          const fh_grpo_batch *bt, const fh_grpo_options *o, double grad,
-                          const fh_linear_grads *grads, fh_grpo_outputs *forward_out)
+void fh_grpo_load_saved(const fh_workspace *ws, int64_t n, const float *per_token_logp, const float *lse,
+                        const float *entropy)
 {
-    grpo_head h = head_in(ws, bt, o);
-    double *logp = ws->token[T_LOGP], *a = ws->token[T_A], *b = ws->token[T_B], *c = ws->token[T_C],
-           *e = ws->token[T_E];
-    head_prepare(&h, logp);
-    const head_outputs hout = {forward_out ? forward_out->loss : NULL, forward_out ? forward_out->metrics : NULL,
-                               forward_out ? forward_out->per_token_loss : NULL, b, e};
-    head_evaluate(&h, logp, ws->token[T_ENTROPY], grad, &hout);
+    double *const *token = ws->token;
+    for (int64_t i = 0; i < n; i++) {
+        token[T_LSE][i] = lse[i];
+        token[T_LOGP][i] = per_token_logp[i];
+        token[T_ENTROPY][i] = entropy ? entropy[i] : 0.0;
+        token[T_SUM_PZ][i] = token[T_LSE][i] - token[T_ENTROPY][i]; /* only used when e != 0 */
+    }
+}
+
+fh_grpo_head_outputs fh_grpo_backward_outputs(const fh_workspace *ws, fh_grpo_outputs *forward_out)
+{
+    const fh_grpo_head_outputs hout = {forward_out ? forward_out->loss : NULL,
+                                       forward_out ? forward_out->metrics : NULL,
+                                       forward_out ? forward_out->per_token_loss : NULL, ws->token[T_B],
+                                       ws->token[T_E]};
+    return hout;
+}
+
+fh_row_coefs fh_grpo_coefs_in(const fh_workspace *ws, int64_t n)
+{
+    double *a = ws->token[T_A], *b = ws->token[T_B], *c = ws->token[T_C], *e = ws->token[T_E];
     /* dZ_j = g_logp (onehot_j - p_j) - g_H p_j (z_j - sum_pz): a = -g_logp, b = g_logp, e = -g_H. */
-    for (int64_t i = 0; i < lin->n; i++) {
+    for (int64_t i = 0; i < n; i++) {
         a[i] = -b[i];
         c[i] = 0.0;
         e[i] = -e[i];
     }
     const fh_row_coefs coefs = {ws->token[T_LSE], a, b, c, e, ws->token[T_SUM_PZ]};
-    const fh_transform tf = transform_of(o);
+    return coefs;
+}
+
+/* Coefficients from logp/entropy/lse in the workspace, then the engine's backward. */
+static void backward_pass(fh_context *ctx, const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin,
+                          const fh_grpo_batch *bt, const fh_grpo_options *o, double grad,
+                          const fh_linear_grads *grads, fh_grpo_outputs *forward_out)
+{
+    fh_grpo_head h = fh_grpo_head_in(ws, bt, o);
+    fh_grpo_head_prepare(&h, ws->token[T_LOGP]);
+    const fh_grpo_head_outputs hout = fh_grpo_backward_outputs(ws, forward_out);
+    head_evaluate(&h, ws->token[T_LOGP], ws->token[T_ENTROPY], grad, &hout);
+    const fh_row_coefs coefs = fh_grpo_coefs_in(ws, lin->n);
+    const fh_transform tf = fh_grpo_transform(o);
     fh_engine_backward(ctx, plan, ws, lin, &tf, bt->completion_ids, NULL, &coefs, grads);
 }
 
-static fh_status check_grad_output(fh_context *ctx, const float *grad_output)
+fh_status fh_grpo_check_grad_output(fh_context *ctx, const float *grad_output)
 {
     if (!grad_output)
         return fh_fail(ctx, FH_ERR_NULL_POINTER, "grad_output is NULL");
@@ -390,21 +440,21 @@ static fh_status check_grad_output(fh_context *ctx, const float *grad_output)
 FH_API fh_status fh_grpo_forward(fh_context *ctx, const fh_linear *lin, const fh_grpo_batch *batch,
                                  const fh_grpo_options *options, fh_grpo_outputs *out)
 {
-    fh_status st = check_call(ctx, lin, batch, options);
+    fh_status st = fh_grpo_check_call(ctx, lin, batch, options, 0);
     if (st == FH_OK && !out)
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
     fh_plan plan;
     fh_workspace ws[2];
     if (st == FH_OK)
-        st = prepare(ctx, lin, 1, 0, &plan, NULL, ws);
+        st = fh_grpo_prepare(ctx, lin, 1, 0, &plan, NULL, ws);
     if (st != FH_OK)
         return st;
     forward_pass(ctx, &plan, &ws[0], lin, batch, options);
-    grpo_head h = head_in(&ws[0], batch, options);
-    head_prepare(&h, ws[0].token[T_LOGP]);
-    const head_outputs hout = {out->loss, out->metrics, out->per_token_loss, NULL, NULL};
+    fh_grpo_head h = fh_grpo_head_in(&ws[0], batch, options);
+    fh_grpo_head_prepare(&h, ws[0].token[T_LOGP]);
+    const fh_grpo_head_outputs hout = {out->loss, out->metrics, out->per_token_loss, NULL, NULL};
     head_evaluate(&h, ws[0].token[T_LOGP], ws[0].token[T_ENTROPY], 1.0, &hout);
-    write_outputs(&ws[0], lin->n, out);
+    fh_grpo_write_outputs(&ws[0], lin->n, out);
     return FH_OK;
 }
 
@@ -412,27 +462,21 @@ FH_API fh_status fh_grpo_backward(fh_context *ctx, const fh_linear *lin, const f
                                   const fh_grpo_options *options, const float *per_token_logp, const float *lse,
                                   const float *entropy, const float *grad_output, fh_linear_grads *grads)
 {
-    fh_status st = check_call(ctx, lin, batch, options);
+    fh_status st = fh_grpo_check_call(ctx, lin, batch, options, 0);
     if (st == FH_OK && (!per_token_logp || !lse || (options->entropy_coef != 0.0 && !entropy)))
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "%s is NULL",
                      !per_token_logp ? "per_token_logp" : !lse ? "lse" : "entropy (entropy_coef != 0)");
     if (st == FH_OK)
-        st = check_grad_output(ctx, grad_output);
+        st = fh_grpo_check_grad_output(ctx, grad_output);
     if (st == FH_OK)
         st = fh_check_grads(ctx, lin, grads);
     fh_plan plan;
     fh_workspace ws[2];
     if (st == FH_OK)
-        st = prepare(ctx, lin, 0, 1, NULL, &plan, ws);
+        st = fh_grpo_prepare(ctx, lin, 0, 1, NULL, &plan, ws);
     if (st != FH_OK)
         return st;
-    double *const *token = ws[1].token;
-    for (int64_t i = 0; i < lin->n; i++) {
-        token[T_LSE][i] = lse[i];
-        token[T_LOGP][i] = per_token_logp[i];
-        token[T_ENTROPY][i] = entropy ? entropy[i] : 0.0;
-        token[T_SUM_PZ][i] = token[T_LSE][i] - token[T_ENTROPY][i]; /* only used when e != 0 */
-    }
+    fh_grpo_load_saved(&ws[1], lin->n, per_token_logp, lse, entropy);
     backward_pass(ctx, &plan, &ws[1], lin, batch, options, grad_output[0], grads, NULL);
     return FH_OK;
 }
@@ -441,21 +485,21 @@ FH_API fh_status fh_grpo_forward_backward(fh_context *ctx, const fh_linear *lin,
                                           const fh_grpo_options *options, const float *grad_output,
                                           fh_grpo_outputs *out, fh_linear_grads *grads)
 {
-    fh_status st = check_call(ctx, lin, batch, options);
+    fh_status st = fh_grpo_check_call(ctx, lin, batch, options, 0);
     if (st == FH_OK && !out)
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
     if (st == FH_OK)
-        st = check_grad_output(ctx, grad_output);
+        st = fh_grpo_check_grad_output(ctx, grad_output);
     if (st == FH_OK)
         st = fh_check_grads(ctx, lin, grads);
     fh_plan forward_plan, backward_plan;
     fh_workspace ws[2];
     if (st == FH_OK)
-        st = prepare(ctx, lin, 1, 1, &forward_plan, &backward_plan, ws);
+        st = fh_grpo_prepare(ctx, lin, 1, 1, &forward_plan, &backward_plan, ws);
     if (st != FH_OK)
         return st;
     forward_pass(ctx, &forward_plan, &ws[0], lin, batch, options);
-    write_outputs(&ws[0], lin->n, out);
+    fh_grpo_write_outputs(&ws[0], lin->n, out);
     backward_pass(ctx, &backward_plan, &ws[1], lin, batch, options, grad_output[0], grads, out);
     return FH_OK;
 }

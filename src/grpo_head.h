@@ -1,0 +1,73 @@
+/* The GRPO head's pieces, for callers that drive the engine themselves (src/mpi/): the checks, the
+ * per-token math ([B, T] vectors -> loss, metrics and backward coefficients) and the workspace layout.
+ * fh_grpo_forward/backward/forward_backward in grpo.c are these pieces in sequence. */
+#ifndef FH_GRPO_HEAD_H
+#define FH_GRPO_HEAD_H
+
+#include "engine.h"
+
+/* Workspace token arrays: 0 lse, 1 z_target | a, 2 b, 3 sum_exp scratch | c, 4 e, 5 sum_pz, 6 logp,
+ * 7 entropy, 8 per-sequence counts, 9 per-sequence log-ratios. */
+enum { T_LSE, T_A, T_B, T_C, T_E, T_SUM_PZ, T_LOGP, T_ENTROPY, T_SEQ_COUNT, T_SEQ_LOG_RATIO };
+
+typedef struct fh_grpo_head {
+    const fh_grpo_batch *bt;
+    const fh_grpo_options *o;
+    double *seq_count;     /* [B]: max(sum_t m, 1) */
+    double *seq_log_ratio; /* [B]: s_b (sequence level) */
+    double mask_sum;       /* sum m over bt's tokens (fh_grpo_head_prepare) */
+    double mask_total;     /* max(sum m, 1) over the whole batch (every data-parallel rank's) */
+    double batch_total;    /* B of the whole batch */
+} fh_grpo_head;
+
+typedef struct fh_grpo_head_outputs {
+    double *loss;
+    fh_grpo_metrics *metrics;
+    float *per_token_loss;
+    double *g_logp; /* d(grad * loss)/d logp_i, or NULL */
+    double *g_entropy;
+} fh_grpo_head_outputs;
+
+/* Sums behind the loss and the metrics, additive over sequences (so over data-parallel ranks). */
+typedef struct fh_grpo_partials {
+    double loss;        /* the policy + KL part, normalised */
+    double kl;          /* sum m kl */
+    double entropy;     /* sum m H (NaN when no entropies) */
+    double clip_low, clip_high, clip_region, cispo_clip;
+} fh_grpo_partials;
+
+/* Shape, strides, finiteness (if asked), options and batch; unmasked ids must lie in [0, target_vocab)
+ * (target_vocab <= 0: lin->vocab). */
+fh_status fh_grpo_check_call(fh_context *ctx, const fh_linear *lin, const fh_grpo_batch *bt,
+                             const fh_grpo_options *o, int64_t target_vocab);
+fh_status fh_grpo_check_grad_output(fh_context *ctx, const float *grad_output);
+
+/* Plans for the passes a call makes and one workspace for all of them (ws[0] forward, ws[1] backward). */
+fh_status fh_grpo_prepare(fh_context *ctx, const fh_linear *lin, int forward, int backward, fh_plan *forward_plan,
+                          fh_plan *backward_plan, fh_workspace *ws);
+fh_transform fh_grpo_transform(const fh_grpo_options *o);
+/* The engine's statistics arrays in the workspace. */
+fh_row_stats fh_grpo_stats_in(const fh_workspace *ws);
+/* logp (0 where the id is outside [0, vocab)) and entropy from the final statistics in the workspace. */
+void fh_grpo_token_values(const fh_workspace *ws, const fh_grpo_batch *bt, int64_t n, int64_t vocab);
+void fh_grpo_write_outputs(const fh_workspace *ws, int64_t n, fh_grpo_outputs *out);
+
+/* What fh_grpo_forward saved (lse, logp, entropy or NULL) into the workspace's token arrays. */
+void fh_grpo_load_saved(const fh_workspace *ws, int64_t n, const float *per_token_logp, const float *lse,
+                        const float *entropy);
+
+/* The head over the workspace's per-sequence arrays; whole-batch totals are bt's until changed. */
+fh_grpo_head fh_grpo_head_in(const fh_workspace *ws, const fh_grpo_batch *bt, const fh_grpo_options *o);
+/* Per-sequence counts and GSPO log-ratios; mask_sum, mask_total and batch_total of bt alone. */
+void fh_grpo_head_prepare(fh_grpo_head *h, const double *logp);
+/* Per-token outputs and coefficients (with the head's whole-batch totals) and this batch's partial sums. */
+void fh_grpo_head_evaluate(const fh_grpo_head *h, const double *logp, const double *entropy, double grad,
+                           const fh_grpo_head_outputs *out, fh_grpo_partials *partials);
+/* Loss and metrics from (whole-batch) partial sums. */
+void fh_grpo_head_finish(const fh_grpo_head *h, const fh_grpo_partials *p, const fh_grpo_head_outputs *out);
+/* Head outputs of a backward pass: g_logp and g_entropy into the workspace, the rest to forward_out. */
+fh_grpo_head_outputs fh_grpo_backward_outputs(const fh_workspace *ws, fh_grpo_outputs *forward_out);
+/* The engine's coefficients from g_logp and g_entropy in the workspace. */
+fh_row_coefs fh_grpo_coefs_in(const fh_workspace *ws, int64_t n);
+
+#endif

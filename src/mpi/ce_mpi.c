@@ -1,0 +1,259 @@
+/* Cross-entropy across the layout: the engine on this rank's shard, the statistics combined over the
+ * vocab communicator, the head (ce_head.h) with whole-vocabulary and whole-batch normalisers, then the
+ * gradient reductions. */
+#include "mpi_internal.h"
+
+#include "../ce_head.h"
+#include "../context.h"
+#include "../grpo_head.h"
+#include "../linear.h"
+
+/* One call's state. */
+typedef struct ce_call {
+    fh_mpi_layout *L;
+    fh_context *ctx;
+    const fh_linear *lin;
+    const int64_t *targets;
+    const fh_ce_options *o;
+    const int64_t *engine_targets; /* shard-local with vocab parallelism, else the caller's */
+    int64_t *local;                /* [n] scratch */
+    double *weights;               /* [n + 1]: targets' class weights, then the class-weight total */
+    void *records;                 /* fhm_combine_bytes(n) */
+    fh_ce_head h;
+} ce_call;
+
+static int sharded_weights(const ce_call *c)
+{
+    return c->o->class_weights && c->L->vocab_ranks > 1;
+}
+
+/* Local checks common to every call, then the per-call scratch. */
+static fh_status begin(ce_call *c, fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin, const int64_t *targets,
+                       const fh_ce_options *o, const float *grad_output)
+{
+    const ce_call fresh = {L, ctx, lin, targets, o, targets, NULL, NULL, NULL, {0}};
+    *c = fresh;
+    fh_status st = fh_ce_check_call(ctx, lin, targets, o, L->total_vocab);
+    if (st == FH_OK)
+        st = fhm_check_shard(L, ctx, lin);
+    if (st != FH_OK)
+        return st;
+    const int64_t n = lin->n;
+    const size_t head = ((size_t)n * sizeof(int64_t) + (size_t)(n + 1) * sizeof(double) + 63) / 64 * 64;
+    char *scratch = NULL;
+    st = fhm_scratch(L, ctx, head + fhm_combine_bytes(n), (void **)&scratch);
+    if (st != FH_OK)
+        return st;
+    c->local = (int64_t *)scratch;
+    c->weights = (double *)(scratch + (size_t)n * sizeof(int64_t));
+    c->records = scratch + head;
+    const fh_ce_head h = {lin, targets, o, {0.0, 0.0, 0.0}, grad_output,
+                          o->reduction == FH_REDUCTION_NONE ? n : 1, (double)L->total_vocab,
+                          sharded_weights(c) ? c->weights : NULL};
+    c->h = h;
+    return FH_OK;
+}
+
+/* After agreement: shard-local targets and this shard's part of the targets' class weights (and of the
+ * class-weight total, in weights[n]). */
+static void shard_inputs(ce_call *c)
+{
+    const fh_mpi_layout *L = c->L;
+    const int64_t n = c->lin->n;
+    if (L->vocab_ranks == 1)
+        return;
+    fhm_local_targets(L, c->targets, n, &c->o->ignore_index, c->local);
+    c->engine_targets = c->local;
+    if (!sharded_weights(c))
+        return;
+    double total = 0.0;
+    for (int64_t j = 0; j < c->lin->vocab; j++)
+        total += c->o->class_weights[j];
+    for (int64_t i = 0; i < n; i++)
+        c->weights[i] = c->local[i] >= 0 ? c->o->class_weights[c->local[i]] : 0.0;
+    c->weights[n] = total;
+}
+
+/* Norms of the whole layout once c->weights holds whole-vocabulary sums: the class-weight total over
+ * the vocabulary; count and target-weight sum over the data communicator when `data` is set (else left
+ * for the caller to sum with the loss totals). */
+static fh_status norms(ce_call *c, int data)
+{
+    c->h.nm = fh_ce_local_norms(&c->h);
+    if (sharded_weights(c))
+        c->h.nm.class_weight_total = c->weights[c->lin->n];
+    else if (!c->o->class_weights)
+        c->h.nm.class_weight_total = (double)c->L->total_vocab;
+    if (!data)
+        return FH_OK;
+    double sums[2] = {c->h.nm.count, c->h.nm.weight_sum};
+    const fh_status st = fhm_sum(c->ctx, c->L->data, c->L->data_ranks, sums, 2);
+    c->h.nm.count = sums[0];
+    c->h.nm.weight_sum = sums[1];
+    return st;
+}
+
+/* The streaming forward on the shard, combined: stats end up whole-vocabulary, the outputs written. */
+static fh_status forward(ce_call *c, const fh_plan *plan, const fh_workspace *ws, const fh_row_stats *stats,
+                         fh_ce_outputs *out)
+{
+    const fh_transform tf = fh_ce_transform(c->o);
+    fh_engine_forward(c->ctx, plan, ws, c->lin, &tf, c->engine_targets, fh_ce_engine_weights(c->o), stats);
+    fh_status st = fhm_combine_stats(c->L, c->ctx, c->lin->n, stats, sharded_weights(c) ? c->weights : NULL,
+                                     c->records);
+    if (st == FH_OK)
+        st = norms(c, 0);
+    if (st != FH_OK)
+        return st;
+    double totals[4];
+    fh_ce_write_token_outputs(&c->h, stats, out, totals + 2);
+    totals[0] = c->h.nm.count;
+    totals[1] = c->h.nm.weight_sum;
+    st = fhm_sum(c->ctx, c->L->data, c->L->data_ranks, totals, 4);
+    c->h.nm.count = totals[0];
+    c->h.nm.weight_sum = totals[1];
+    if (st == FH_OK)
+        fh_ce_write_loss(&c->h, totals + 2, out);
+    return st;
+}
+
+FH_MPI_API fh_status fh_mpi_ce_forward(fh_context *ctx, fh_mpi_layout *layout, const fh_linear *lin,
+                                       const int64_t *targets, const fh_ce_options *options, fh_ce_outputs *out)
+{
+    if (!ctx || !layout)
+        return FH_ERR_NULL_POINTER;
+    ce_call c;
+    fh_plan plan;
+    fh_workspace ws;
+    fh_status st = begin(&c, layout, ctx, lin, targets, options, NULL);
+    if (st == FH_OK)
+        st = fh_ce_check_outputs(ctx, options, out);
+    if (st == FH_OK)
+        st = fh_plan_make(ctx, lin, FH_CALL_FORWARD, &plan);
+    if (st == FH_OK)
+        st = fh_ce_acquire(ctx, lin, &plan, &ws);
+    st = fhm_agree(layout, ctx, st, st == FH_OK ? lin->n : 0);
+    if (st != FH_OK)
+        return st;
+    shard_inputs(&c);
+    const fh_row_stats stats = fh_ce_stats_in(&ws, options, out);
+    return forward(&c, &plan, &ws, &stats, out);
+}
+
+static fh_status check_backward(ce_call *c, const float *grad_output, const fh_linear_grads *grads, fhm_grads *g)
+{
+    if (!grads)
+        return fh_fail(c->ctx, FH_ERR_NULL_POINTER, "the fh_linear_grads description is NULL");
+    /* dx is checked by fhm_grads_begin, for the rows it holds (a block with reduce-scatter). */
+    fh_linear_grads without_dx = *grads;
+    without_dx.dx = NULL;
+    fh_status st = fh_ce_check_backward_inputs(c->ctx, c->lin, c->o, grad_output, &without_dx);
+    if (st == FH_OK)
+        st = fhm_grads_begin(c->L, c->ctx, c->lin, grads, g);
+    return st;
+}
+
+FH_MPI_API fh_status fh_mpi_ce_backward(fh_context *ctx, fh_mpi_layout *layout, const fh_linear *lin,
+                                        const int64_t *targets, const fh_ce_options *options, const float *lse,
+                                        const float *grad_output, fh_linear_grads *grads)
+{
+    if (!ctx || !layout)
+        return FH_ERR_NULL_POINTER;
+    ce_call c;
+    fh_plan plan;
+    fh_workspace ws;
+    fhm_grads g = {0};
+    fh_status st = begin(&c, layout, ctx, lin, targets, options, grad_output);
+    if (st == FH_OK && !lse)
+        st = fh_fail(ctx, FH_ERR_NULL_POINTER, "lse is NULL");
+    if (st == FH_OK)
+        st = check_backward(&c, grad_output, grads, &g);
+    int have_grads = st == FH_OK;
+    if (st == FH_OK)
+        st = fh_plan_make(ctx, lin, FH_CALL_BACKWARD, &plan);
+    if (st == FH_OK)
+        st = fh_ce_acquire(ctx, lin, &plan, &ws);
+    st = fhm_agree(layout, ctx, st, st == FH_OK ? lin->n : 0);
+    if (st != FH_OK) {
+        if (have_grads)
+            fhm_grads_free(&g);
+        return st;
+    }
+    shard_inputs(&c);
+    /* The targets' class weights and the class-weight total over the vocabulary, then the norms. */
+    if (sharded_weights(&c))
+        st = fhm_sum(ctx, layout->vocab, layout->vocab_ranks, c.weights, (int)(lin->n + 1));
+    if (st == FH_OK)
+        st = norms(&c, options->reduction == FH_REDUCTION_MEAN);
+    if (st != FH_OK) {
+        fhm_grads_free(&g);
+        return st;
+    }
+    const fh_row_coefs coefs = fh_ce_coefs_in(&ws, &c.h, lse, NULL);
+    const fh_transform tf = fh_ce_transform(options);
+    fh_engine_backward(ctx, &plan, &ws, lin, &tf, c.engine_targets, fh_ce_engine_weights(options), &coefs, &g.engine);
+    return fhm_grads_finish(layout, ctx, &g);
+}
+
+FH_MPI_API fh_status fh_mpi_ce_forward_backward(fh_context *ctx, fh_mpi_layout *layout, const fh_linear *lin,
+                                                const int64_t *targets, const fh_ce_options *options,
+                                                const float *grad_output, fh_ce_outputs *out,
+                                                fh_linear_grads *grads)
+{
+    if (!ctx || !layout)
+        return FH_ERR_NULL_POINTER;
+    ce_call c;
+    fh_plan plans[2];
+    fh_workspace ws[2];
+    fhm_grads g = {0};
+    int row_blocks = 0;
+    fh_status st = begin(&c, layout, ctx, lin, targets, options, grad_output);
+    if (st == FH_OK)
+        st = fh_ce_check_outputs(ctx, options, out);
+    if (st == FH_OK)
+        st = check_backward(&c, grad_output, grads, &g);
+    const int have_grads = st == FH_OK;
+    /* Without vocab parallelism every row's statistics are final within its row block: the row-block
+     * train step. With it, they need the other shards first: stream forward, combine, stream backward. */
+    if (st == FH_OK && layout->vocab_ranks == 1)
+        st = fh_ce_plan_train_step(ctx, lin, &plans[0], &row_blocks);
+    if (st == FH_OK && row_blocks)
+        st = fh_ce_acquire(ctx, lin, &plans[0], &ws[0]);
+    else if (st == FH_OK) /* the token arrays sit at the same offset in both plans */
+        st = fh_grpo_prepare(ctx, lin, 1, 1, &plans[0], &plans[1], ws);
+    st = fhm_agree(layout, ctx, st, st == FH_OK ? lin->n : 0);
+    if (st != FH_OK) {
+        if (have_grads)
+            fhm_grads_free(&g);
+        return st;
+    }
+    shard_inputs(&c);
+    const fh_row_stats stats = fh_ce_stats_in(&ws[0], options, out);
+    const fh_transform tf = fh_ce_transform(options);
+    const float *weights = fh_ce_engine_weights(options);
+    if (row_blocks) {
+        /* The norms are known before the pass (they depend on targets only). */
+        st = norms(&c, 1);
+        if (st == FH_OK) {
+            const fh_coef_source source = {fh_ce_row_coefs, &c.h};
+            fh_engine_row_blocks(ctx, &plans[0], &ws[0], lin, &tf, c.engine_targets, weights, &stats, &source,
+                                 &g.engine);
+            double totals[2];
+            fh_ce_write_token_outputs(&c.h, &stats, out, totals);
+            st = fhm_sum(ctx, layout->data, layout->data_ranks, totals, 2);
+            if (st == FH_OK)
+                fh_ce_write_loss(&c.h, totals, out);
+        }
+    } else {
+        st = forward(&c, &plans[0], &ws[0], &stats, out);
+        if (st == FH_OK) {
+            const fh_row_coefs coefs = fh_ce_coefs_in(&ws[1], &c.h, NULL, stats.lse);
+            fh_engine_backward(ctx, &plans[1], &ws[1], lin, &tf, c.engine_targets, weights, &coefs, &g.engine);
+        }
+    }
+    if (st != FH_OK) {
+        fhm_grads_free(&g);
+        return st;
+    }
+    return fhm_grads_finish(layout, ctx, &g);
+}

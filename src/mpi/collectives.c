@@ -1,0 +1,415 @@
+/* Per-token statistics across the vocab communicator, and gradient reductions. */
+#include "mpi_internal.h"
+
+#include "../context.h"
+#include "../linear.h"
+
+#include <limits.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- statistics ------------------------------------------------------------------------------ */
+
+/* b = a (+) b for one record. Every field is a symmetric function of the two records (sums of two
+ * terms, max, lowest index on ties), so the result does not depend on which rank's record is which. */
+static void merge_record(const double *a, double *b)
+{
+    const double la = a[FHM_LSE], lb = b[FHM_LSE];
+    double lse, wa, wb;
+    if (isnan(la) || isnan(lb)) {
+        lse = wa = wb = NAN;
+    } else {
+        const double top = la > lb ? la : lb;
+        if (top == -INFINITY) { /* every logit -inf on both sides */
+            lse = -INFINITY;
+            wa = wb = 0.0;
+        } else if (top == INFINITY) {
+            lse = wa = wb = NAN; /* as the single process: exp(inf - inf) */
+        } else {
+            const double ea = exp(la - top), eb = exp(lb - top), s = ea + eb;
+            lse = top + log(s);
+            wa = ea / s;
+            wb = eb / s;
+        }
+    }
+    b[FHM_SUM_PZ] = a[FHM_SUM_PZ] * wa + b[FHM_SUM_PZ] * wb;
+    b[FHM_LSE] = lse;
+    if (a[FHM_MAX] > b[FHM_MAX] || (a[FHM_MAX] == b[FHM_MAX] && a[FHM_ARGMAX] < b[FHM_ARGMAX])) {
+        b[FHM_MAX] = a[FHM_MAX];
+        b[FHM_ARGMAX] = a[FHM_ARGMAX];
+    }
+    b[FHM_Z_TARGET] += a[FHM_Z_TARGET];
+    b[FHM_SUM_WZ] += a[FHM_SUM_WZ];
+    b[FHM_TARGET_WEIGHT] += a[FHM_TARGET_WEIGHT];
+}
+
+static void merge_records(void *in, void *inout, int *count, MPI_Datatype *type)
+{
+    (void)type;
+    const double *a = in;
+    double *b = inout;
+    for (int k = 0; k < *count; k++)
+        merge_record(a + (size_t)k * FHM_RECORD, b + (size_t)k * FHM_RECORD);
+}
+
+void fhm_register_merge(fh_mpi_layout *L, int *err)
+{
+    *err = MPI_Type_contiguous(FHM_RECORD, MPI_DOUBLE, &L->record);
+    if (*err == MPI_SUCCESS)
+        *err = MPI_Type_commit(&L->record);
+    if (*err == MPI_SUCCESS)
+        *err = MPI_Op_create(merge_records, 1, &L->merge);
+}
+
+typedef struct double_int {
+    double value;
+    int index;
+} double_int;
+
+size_t fhm_combine_bytes(int64_t n)
+{
+    const size_t m = (size_t)n + 1;
+    const size_t packed = m * FHM_RECORD * sizeof(double);
+    const size_t two_step = 2 * m * sizeof(double_int) + 5 * m * sizeof(double);
+    return packed > two_step ? packed : two_step;
+}
+
+/* The shard's largest logit. The engine keeps lse = max + log(sum_exp); the max is an fp32 value, so
+ * rounding max + log(s) - log(s) to fp32 gives it back exactly unless |max| < ~1e-7 log(s). Only argmax
+ * ties across shards depend on it. */
+static double shard_max(double lse, double sum_exp)
+{
+    if (!(sum_exp > 0.0))
+        return sum_exp == 0.0 ? -INFINITY : NAN;
+    return (double)(float)(lse - log(sum_exp));
+}
+
+static void pack(const fh_mpi_layout *L, int64_t n, const fh_row_stats *s, const double *extra, double *r)
+{
+    for (int64_t i = 0; i < n; i++, r += FHM_RECORD) {
+        r[FHM_LSE] = s->lse[i];
+        r[FHM_MAX] = s->argmax ? shard_max(s->lse[i], s->sum_exp_scratch[i]) : 0.0;
+        r[FHM_Z_TARGET] = s->z_target[i];
+        r[FHM_SUM_WZ] = s->sum_weighted_z ? s->sum_weighted_z[i] : 0.0;
+        r[FHM_SUM_PZ] = s->sum_pz ? s->sum_pz[i] : 0.0;
+        r[FHM_ARGMAX] = s->argmax ? (double)(s->argmax[i] + L->vocab_offset) : 0.0;
+        r[FHM_TARGET_WEIGHT] = extra ? extra[i] : 0.0;
+    }
+    /* One more record carries extra[n]; its other fields are neutral. */
+    const double tail[FHM_RECORD] = {0.0, -INFINITY, 0.0, 0.0, 0.0, 0.0, extra ? extra[n] : 0.0};
+    memcpy(r, tail, sizeof tail);
+}
+
+static void unpack(int64_t n, const double *r, const fh_row_stats *s, double *extra)
+{
+    for (int64_t i = 0; i < n; i++, r += FHM_RECORD) {
+        s->lse[i] = r[FHM_LSE];
+        s->z_target[i] = r[FHM_Z_TARGET];
+        if (s->sum_weighted_z)
+            s->sum_weighted_z[i] = r[FHM_SUM_WZ];
+        if (s->sum_pz)
+            s->sum_pz[i] = r[FHM_SUM_PZ];
+        if (s->argmax)
+            s->argmax[i] = (int64_t)r[FHM_ARGMAX];
+        if (extra)
+            extra[i] = r[FHM_TARGET_WEIGHT];
+    }
+    if (extra)
+        extra[n] = r[FHM_TARGET_WEIGHT];
+}
+
+static fh_status combine_packed(fh_mpi_layout *L, fh_context *ctx, int64_t n, const fh_row_stats *s, double *extra,
+                                double *records)
+{
+    pack(L, n, s, extra, records);
+    const int err = MPI_Allreduce(MPI_IN_PLACE, records, (int)(n + 1), L->record, L->merge, L->vocab);
+    if (err != MPI_SUCCESS)
+        return fhm_mpi_error(ctx, err, "MPI_Allreduce (statistics)");
+    unpack(n, records, s, extra);
+    return FH_OK;
+}
+
+/* MPI_MAXLOC of (lse, 0) and (max, argmax), then MPI_SUM of (exp(lse_r - lse_max), sum_pz_r exp(..),
+ * z_target, sum_weighted_z, extra). */
+static fh_status combine_two_step(fh_mpi_layout *L, fh_context *ctx, int64_t n, const fh_row_stats *s,
+                                  double *extra, void *scratch)
+{
+    const int64_t m = n + 1;
+    double_int *top = scratch;
+    double *sums = (double *)(top + 2 * m);
+    const int with_argmax = s->argmax != NULL;
+    for (int64_t i = 0; i < n; i++) {
+        top[i].value = s->lse[i];
+        top[i].index = 0;
+        if (with_argmax) {
+            top[m + i].value = shard_max(s->lse[i], s->sum_exp_scratch[i]);
+            top[m + i].index = (int)(s->argmax[i] + L->vocab_offset);
+        }
+    }
+    const double_int neutral = {-INFINITY, 0};
+    top[n] = neutral; /* the extra record */
+    top[m + n] = neutral;
+    int err = MPI_Allreduce(MPI_IN_PLACE, top, (int)(with_argmax ? 2 * m : m), MPI_DOUBLE_INT, MPI_MAXLOC, L->vocab);
+    if (err != MPI_SUCCESS)
+        return fhm_mpi_error(ctx, err, "MPI_Allreduce (statistics, max)");
+    for (int64_t i = 0; i < m; i++) {
+        double *r = sums + 5 * i;
+        const double top_lse = top[i].value;
+        const double scale = i == n || !isfinite(top_lse) ? (isnan(top_lse) ? NAN : 0.0) : exp(s->lse[i] - top_lse);
+        r[0] = i < n ? scale : 0.0;
+        r[1] = i < n && s->sum_pz ? s->sum_pz[i] * scale : 0.0;
+        r[2] = i < n ? s->z_target[i] : 0.0;
+        r[3] = i < n && s->sum_weighted_z ? s->sum_weighted_z[i] : 0.0;
+        r[4] = extra ? extra[i] : 0.0;
+    }
+    err = MPI_Allreduce(MPI_IN_PLACE, sums, (int)(5 * m), MPI_DOUBLE, MPI_SUM, L->vocab);
+    if (err != MPI_SUCCESS)
+        return fhm_mpi_error(ctx, err, "MPI_Allreduce (statistics, sums)");
+    for (int64_t i = 0; i < n; i++) {
+        const double *r = sums + 5 * i, top_lse = top[i].value;
+        s->lse[i] = isinf(top_lse) ? (top_lse < 0.0 ? -INFINITY : NAN) : top_lse + log(r[0]);
+        s->z_target[i] = r[2];
+        if (s->sum_pz)
+            s->sum_pz[i] = r[1] / r[0];
+        if (s->sum_weighted_z)
+            s->sum_weighted_z[i] = r[3];
+        if (with_argmax)
+            s->argmax[i] = top[m + i].index;
+        if (extra)
+            extra[i] = r[4];
+    }
+    if (extra)
+        extra[n] = sums[5 * n + 4];
+    return FH_OK;
+}
+
+fh_status fhm_combine_stats(fh_mpi_layout *L, fh_context *ctx, int64_t n, const fh_row_stats *stats, double *extra,
+                            void *records)
+{
+    if (L->vocab_ranks == 1)
+        return FH_OK;
+    /* MPI_DOUBLE_INT carries an int index: the packed op covers vocabularies beyond INT_MAX. */
+    if (L->params[FH_MPI_PARAM_STATS_COLLECTIVE] == FH_MPI_STATS_MAX_THEN_SUM && L->total_vocab <= INT_MAX)
+        return combine_two_step(L, ctx, n, stats, extra, records);
+    return combine_packed(L, ctx, n, stats, extra, records);
+}
+
+/* ---- gradients ------------------------------------------------------------------------------- */
+
+/* A hidden x vocab view with these strides covers a dense block of exactly hidden * vocab floats. */
+static int dense(int64_t hidden, int64_t vocab, int64_t sh, int64_t sv)
+{
+    return (sv == 1 && (sh == vocab || hidden == 1)) || (sh == 1 && (sv == hidden || vocab == 1));
+}
+
+static void pack_view(const fh_linear_grads *u, const fhm_grads *g, float *packed)
+{
+    for (int64_t k = 0; k < g->hidden; k++)
+        for (int64_t j = 0; j < g->vocab; j++)
+            packed[k * g->vocab + j] = u->dweight[k * g->w_stride_hidden + j * g->w_stride_vocab];
+}
+
+void fhm_grads_free(fhm_grads *g)
+{
+    free(g->dx_tmp);
+    free(g->dx_recv);
+    free(g->dw_saved);
+    free(g->dw_pack);
+    free(g->db_saved);
+    g->dx_tmp = g->dx_recv = g->dw_saved = g->dw_pack = g->db_saved = NULL;
+}
+
+static float *allocate(fh_context *ctx, int64_t count, fh_status *st)
+{
+    if (*st != FH_OK)
+        return NULL;
+    float *p = malloc((size_t)(count > 0 ? count : 1) * sizeof(float));
+    if (!p)
+        *st = fh_fail(ctx, FH_ERR_OUT_OF_MEMORY, "could not allocate %lld floats for a gradient reduction",
+                      (long long)count);
+    return p;
+}
+
+fh_status fhm_grads_begin(const fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin,
+                          const fh_linear_grads *user, fhm_grads *g)
+{
+    memset(g, 0, sizeof *g);
+    if (!user)
+        return fh_fail(ctx, FH_ERR_NULL_POINTER, "the fh_linear_grads description is NULL");
+    g->user = *user;
+    g->engine = *user;
+    g->n = lin->n;
+    g->hidden = lin->hidden;
+    g->vocab = lin->vocab;
+    g->w_stride_hidden = lin->w_stride_hidden;
+    g->w_stride_vocab = lin->w_stride_vocab;
+    g->dx_mode = L->vocab_ranks > 1 ? L->params[FH_MPI_PARAM_DX_REDUCTION] : FH_MPI_NO_REDUCTION;
+    g->dw_mode = L->data_ranks > 1 ? L->params[FH_MPI_PARAM_DWEIGHT_REDUCTION] : FH_MPI_NO_REDUCTION;
+    /* The core checks (betas, bias), with dx checked for the rows it will hold. */
+    fh_linear_grads without_dx = *user;
+    without_dx.dx = NULL;
+    fh_status st = fh_check_grads(ctx, lin, &without_dx);
+    if (st != FH_OK)
+        return st;
+    g->dx_first = 0;
+    g->dx_rows = lin->n;
+    if (user->dx && g->dx_mode == FH_MPI_REDUCE_SCATTER)
+        fh_mpi_dx_rows(L, lin->n, &g->dx_first, &g->dx_rows);
+    if (user->dx && g->dx_rows > 0) {
+        fh_linear rows = *lin;
+        rows.n = g->dx_rows;
+        const fh_linear_grads only_dx = {user->dx, user->dx_row_stride, user->dx_beta, NULL, 0.0f, NULL, 0.0f};
+        st = fh_check_grads(ctx, &rows, &only_dx);
+        if (st != FH_OK)
+            return st;
+    }
+    const int64_t nh = lin->n * lin->hidden; /* fh_check_linear checked the product */
+    if (user->dx && g->dx_mode == FH_MPI_REDUCE_SCATTER && (g->dx_rows + 1) * lin->hidden >= INT_MAX)
+        return fh_fail(ctx, FH_ERR_SIZE_OVERFLOW, "dx blocks exceed MPI's int counts");
+    /* dx over the vocab communicator. */
+    if (user->dx && g->dx_mode == FH_MPI_ALLREDUCE &&
+        !(user->dx_beta == 0.0f && user->dx_row_stride == lin->hidden)) {
+        g->dx_tmp = allocate(ctx, nh, &st);
+        g->engine.dx = g->dx_tmp;
+    } else if (user->dx && g->dx_mode == FH_MPI_REDUCE_SCATTER) {
+        g->dx_tmp = allocate(ctx, nh, &st);
+        g->engine.dx = g->dx_tmp;
+        if (!(user->dx_beta == 0.0f && user->dx_row_stride == lin->hidden))
+            g->dx_recv = allocate(ctx, g->dx_rows * lin->hidden, &st);
+    }
+    if (g->engine.dx != user->dx) {
+        g->engine.dx_row_stride = lin->hidden;
+        g->engine.dx_beta = 0.0f;
+    }
+    /* dweight and dbias over the data communicator. */
+    const int64_t elements = lin->hidden * lin->vocab;
+    g->dw_dense = dense(lin->hidden, lin->vocab, lin->w_stride_hidden, lin->w_stride_vocab);
+    if (user->dweight && g->dw_mode != FH_MPI_NO_REDUCTION) {
+        g->engine.dweight_beta = 0.0f;
+        if (g->dw_mode == FH_MPI_REDUCE_SCATTER) {
+            if (!g->dw_dense)
+                st = fh_fail(ctx, FH_ERR_INVALID_STRIDE,
+                             "reduce-scattered dweight needs a dense shard (weight strides %lld, %lld for %lld x %lld)",
+                             (long long)lin->w_stride_hidden, (long long)lin->w_stride_vocab, (long long)lin->hidden,
+                             (long long)lin->vocab);
+            else if (elements >= INT_MAX)
+                st = fh_fail(ctx, FH_ERR_SIZE_OVERFLOW, "reduce-scattered dweight exceeds MPI's int counts");
+            if (st == FH_OK)
+                fh_mpi_dweight_part(L, lin->hidden, &g->dw_first, &g->dw_count);
+            if (user->dweight_beta != 0.0f && st == FH_OK) {
+                g->dw_saved = allocate(ctx, g->dw_count, &st);
+                if (st == FH_OK) /* the part in storage order: the block starts at the pointer */
+                    memcpy(g->dw_saved, user->dweight + g->dw_first, (size_t)g->dw_count * sizeof(float));
+            }
+        } else {
+            if (!g->dw_dense)
+                g->dw_pack = allocate(ctx, elements, &st);
+            if (user->dweight_beta != 0.0f) {
+                g->dw_saved = allocate(ctx, elements, &st);
+                if (st == FH_OK)
+                    pack_view(user, g, g->dw_saved);
+            }
+        }
+    }
+    if (user->dbias && g->dw_mode != FH_MPI_NO_REDUCTION) {
+        g->engine.dbias_beta = 0.0f;
+        if (user->dbias_beta != 0.0f) {
+            g->db_saved = allocate(ctx, lin->vocab, &st);
+            if (st == FH_OK)
+                memcpy(g->db_saved, user->dbias, (size_t)lin->vocab * sizeof(float));
+        }
+    }
+    if (st != FH_OK)
+        fhm_grads_free(g);
+    return st;
+}
+
+/* rows x cols into a strided destination: dst = beta dst + src. */
+static void write_rows(float *dst, int64_t stride, float beta, const float *src, int64_t rows, int64_t cols)
+{
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t k = 0; k < cols; k++)
+            dst[i * stride + k] = beta != 0.0f ? dst[i * stride + k] + src[i * cols + k] : src[i * cols + k];
+}
+
+static fh_status reduce_dx(fh_mpi_layout *L, fh_context *ctx, fhm_grads *g)
+{
+    const fh_linear_grads *u = &g->user;
+    const int64_t h = g->hidden;
+    int err = MPI_SUCCESS;
+    if (g->dx_mode == FH_MPI_ALLREDUCE) {
+        err = fhm_allreduce_sum(g->engine.dx, g->n * h, MPI_FLOAT, L->vocab);
+        if (err == MPI_SUCCESS && g->engine.dx != u->dx)
+            write_rows(u->dx, u->dx_row_stride, u->dx_beta, g->dx_tmp, g->n, h);
+    } else if (g->dx_mode == FH_MPI_REDUCE_SCATTER) {
+        int *counts = malloc(sizeof(int) * (size_t)L->vocab_ranks);
+        if (!counts)
+            return fh_fail(ctx, FH_ERR_OUT_OF_MEMORY, "could not allocate reduce-scatter counts");
+        for (int r = 0; r < L->vocab_ranks; r++) {
+            int64_t first, rows;
+            fhm_split(g->n, L->vocab_ranks, r, &first, &rows);
+            counts[r] = (int)(rows * h);
+        }
+        float *recv = g->dx_recv ? g->dx_recv : u->dx;
+        err = MPI_Reduce_scatter(g->dx_tmp, g->dx_rows > 0 ? recv : g->dx_tmp, counts, MPI_FLOAT, MPI_SUM, L->vocab);
+        free(counts);
+        if (err == MPI_SUCCESS && g->dx_recv)
+            write_rows(u->dx, u->dx_row_stride, u->dx_beta, g->dx_recv, g->dx_rows, h);
+    }
+    return err == MPI_SUCCESS ? FH_OK : fhm_mpi_error(ctx, err, "dx reduction");
+}
+
+static fh_status reduce_dweight(fh_mpi_layout *L, fh_context *ctx, fhm_grads *g)
+{
+    const fh_linear_grads *u = &g->user;
+    const int64_t elements = g->hidden * g->vocab;
+    int err = MPI_SUCCESS;
+    if (u->dweight && g->dw_mode == FH_MPI_ALLREDUCE) {
+        if (g->dw_dense) {
+            err = fhm_allreduce_sum(u->dweight, elements, MPI_FLOAT, L->data);
+        } else {
+            pack_view(u, g, g->dw_pack);
+            err = fhm_allreduce_sum(g->dw_pack, elements, MPI_FLOAT, L->data);
+            for (int64_t k = 0; err == MPI_SUCCESS && k < g->hidden; k++)
+                for (int64_t j = 0; j < g->vocab; j++)
+                    u->dweight[k * g->w_stride_hidden + j * g->w_stride_vocab] = g->dw_pack[k * g->vocab + j];
+        }
+        if (err == MPI_SUCCESS && g->dw_saved)
+            for (int64_t k = 0; k < g->hidden; k++)
+                for (int64_t j = 0; j < g->vocab; j++)
+                    u->dweight[k * g->w_stride_hidden + j * g->w_stride_vocab] += g->dw_saved[k * g->vocab + j];
+    } else if (u->dweight && g->dw_mode == FH_MPI_REDUCE_SCATTER) {
+        int *counts = malloc(sizeof(int) * (size_t)L->data_ranks);
+        if (!counts)
+            return fh_fail(ctx, FH_ERR_OUT_OF_MEMORY, "could not allocate reduce-scatter counts");
+        for (int r = 0; r < L->data_ranks; r++) {
+            int64_t first, count;
+            fhm_split(elements, L->data_ranks, r, &first, &count);
+            counts[r] = (int)count;
+        }
+        /* In place: the part arrives at the start of the block; move it to its own place. */
+        err = MPI_Reduce_scatter(MPI_IN_PLACE, u->dweight, counts, MPI_FLOAT, MPI_SUM, L->data);
+        free(counts);
+        if (err == MPI_SUCCESS && g->dw_first > 0)
+            memmove(u->dweight + g->dw_first, u->dweight, (size_t)g->dw_count * sizeof(float));
+        if (err == MPI_SUCCESS && g->dw_saved)
+            for (int64_t t = 0; t < g->dw_count; t++)
+                u->dweight[g->dw_first + t] += g->dw_saved[t];
+    }
+    if (err == MPI_SUCCESS && u->dbias && g->dw_mode != FH_MPI_NO_REDUCTION) {
+        err = fhm_allreduce_sum(u->dbias, g->vocab, MPI_FLOAT, L->data);
+        if (err == MPI_SUCCESS && g->db_saved)
+            for (int64_t j = 0; j < g->vocab; j++)
+                u->dbias[j] += g->db_saved[j];
+    }
+    return err == MPI_SUCCESS ? FH_OK : fhm_mpi_error(ctx, err, "dweight reduction");
+}
+
+fh_status fhm_grads_finish(fh_mpi_layout *L, fh_context *ctx, fhm_grads *g)
+{
+    fh_status st = reduce_dx(L, ctx, g);
+    const fh_status st2 = reduce_dweight(L, ctx, g);
+    fhm_grads_free(g);
+    return st != FH_OK ? st : st2;
+}

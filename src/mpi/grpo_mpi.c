@@ -1,0 +1,213 @@
+/* GRPO across the layout: the engine on this rank's shard, lse / target logit / sum p z combined over
+ * the vocab communicator, the head (grpo_head.h) with whole-batch totals summed over the data
+ * communicator, then the gradient reductions. */
+#include "mpi_internal.h"
+
+#include "../context.h"
+#include "../grpo_head.h"
+#include "../linear.h"
+
+#include <math.h>
+
+typedef struct grpo_call {
+    fh_mpi_layout *L;
+    fh_context *ctx;
+    const fh_linear *lin;
+    const fh_grpo_batch *bt;
+    const fh_grpo_options *o;
+    const int64_t *engine_ids; /* shard-local with vocab parallelism, else the caller's */
+    int64_t *local;
+    void *records;
+} grpo_call;
+
+static fh_status begin(grpo_call *c, fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin,
+                       const fh_grpo_batch *bt, const fh_grpo_options *o)
+{
+    const grpo_call fresh = {L, ctx, lin, bt, o, NULL, NULL, NULL};
+    *c = fresh;
+    fh_status st = fh_grpo_check_call(ctx, lin, bt, o, L->total_vocab);
+    if (st == FH_OK)
+        st = fhm_check_shard(L, ctx, lin);
+    if (st != FH_OK)
+        return st;
+    c->engine_ids = bt->completion_ids;
+    const size_t head = ((size_t)lin->n * sizeof(int64_t) + 63) / 64 * 64;
+    char *scratch = NULL;
+    st = fhm_scratch(L, ctx, head + fhm_combine_bytes(lin->n), (void **)&scratch);
+    if (st == FH_OK) {
+        c->local = (int64_t *)scratch;
+        c->records = scratch + head;
+    }
+    return st;
+}
+
+/* After agreement. */
+static void shard_ids(grpo_call *c)
+{
+    if (c->L->vocab_ranks == 1)
+        return;
+    fhm_local_targets(c->L, c->bt->completion_ids, c->lin->n, NULL, c->local);
+    c->engine_ids = c->local;
+}
+
+/* Streaming forward on the shard; leaves whole-vocabulary lse, sum_pz, logp and entropy in ws. */
+static fh_status forward_pass(grpo_call *c, const fh_plan *plan, const fh_workspace *ws)
+{
+    const fh_row_stats stats = fh_grpo_stats_in(ws);
+    const fh_transform tf = fh_grpo_transform(c->o);
+    fh_engine_forward(c->ctx, plan, ws, c->lin, &tf, c->engine_ids, NULL, &stats);
+    const fh_status st = fhm_combine_stats(c->L, c->ctx, c->lin->n, &stats, NULL, c->records);
+    if (st == FH_OK)
+        fh_grpo_token_values(ws, c->bt, c->lin->n, c->L->total_vocab);
+    return st;
+}
+
+/* Per-sequence values, and the mask count and B of the whole batch (every data rank's). */
+static fh_status prepare_head(grpo_call *c, fh_grpo_head *h, const fh_workspace *ws)
+{
+    *h = fh_grpo_head_in(ws, c->bt, c->o);
+    fh_grpo_head_prepare(h, ws->token[T_LOGP]);
+    double totals[2] = {h->mask_sum, h->batch_total};
+    const fh_status st = fhm_sum(c->ctx, c->L->data, c->L->data_ranks, totals, 2);
+    h->mask_sum = totals[0];
+    h->mask_total = fmax(totals[0], 1.0);
+    h->batch_total = totals[1];
+    return st;
+}
+
+/* The head's per-token work; with finish, the loss and metrics from partial sums over the data ranks. */
+static fh_status run_head(grpo_call *c, const fh_grpo_head *h, const fh_workspace *ws, double grad,
+                          const fh_grpo_head_outputs *hout, int finish)
+{
+    fh_grpo_partials p;
+    fh_grpo_head_evaluate(h, ws->token[T_LOGP], ws->token[T_ENTROPY], grad, hout, &p);
+    if (!finish)
+        return FH_OK;
+    const fh_status st = fhm_sum(c->ctx, c->L->data, c->L->data_ranks, (double *)&p,
+                                 (int)(sizeof p / sizeof(double)));
+    if (st == FH_OK)
+        fh_grpo_head_finish(h, &p, hout);
+    return st;
+}
+
+static fh_status backward_pass(grpo_call *c, const fh_plan *plan, const fh_workspace *ws, double grad,
+                               fhm_grads *g, fh_grpo_outputs *forward_out)
+{
+    fh_grpo_head h;
+    fh_status st = prepare_head(c, &h, ws);
+    const fh_grpo_head_outputs hout = fh_grpo_backward_outputs(ws, forward_out);
+    if (st == FH_OK)
+        st = run_head(c, &h, ws, grad, &hout, forward_out != NULL);
+    if (st != FH_OK) {
+        fhm_grads_free(g);
+        return st;
+    }
+    const fh_row_coefs coefs = fh_grpo_coefs_in(ws, c->lin->n);
+    const fh_transform tf = fh_grpo_transform(c->o);
+    fh_engine_backward(c->ctx, plan, ws, c->lin, &tf, c->engine_ids, NULL, &coefs, &g->engine);
+    return fhm_grads_finish(c->L, c->ctx, g);
+}
+
+FH_MPI_API fh_status fh_mpi_grpo_forward(fh_context *ctx, fh_mpi_layout *layout, const fh_linear *lin,
+                                         const fh_grpo_batch *batch, const fh_grpo_options *options,
+                                         fh_grpo_outputs *out)
+{
+    if (!ctx || !layout)
+        return FH_ERR_NULL_POINTER;
+    grpo_call c;
+    fh_plan plan;
+    fh_workspace ws[2];
+    fh_status st = begin(&c, layout, ctx, lin, batch, options);
+    if (st == FH_OK && !out)
+        st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
+    if (st == FH_OK)
+        st = fh_grpo_prepare(ctx, lin, 1, 0, &plan, NULL, ws);
+    st = fhm_agree(layout, ctx, st, st == FH_OK ? lin->n : 0);
+    if (st != FH_OK)
+        return st;
+    shard_ids(&c);
+    st = forward_pass(&c, &plan, &ws[0]);
+    fh_grpo_head h;
+    if (st == FH_OK)
+        st = prepare_head(&c, &h, &ws[0]);
+    const fh_grpo_head_outputs hout = {out->loss, out->metrics, out->per_token_loss, NULL, NULL};
+    if (st == FH_OK)
+        st = run_head(&c, &h, &ws[0], 1.0, &hout, 1);
+    if (st == FH_OK)
+        fh_grpo_write_outputs(&ws[0], lin->n, out);
+    return st;
+}
+
+static fh_status check_grads(grpo_call *c, const float *grad_output, const fh_linear_grads *grads, fhm_grads *g)
+{
+    fh_status st = fh_grpo_check_grad_output(c->ctx, grad_output);
+    if (st == FH_OK)
+        st = fhm_grads_begin(c->L, c->ctx, c->lin, grads, g);
+    return st;
+}
+
+FH_MPI_API fh_status fh_mpi_grpo_backward(fh_context *ctx, fh_mpi_layout *layout, const fh_linear *lin,
+                                          const fh_grpo_batch *batch, const fh_grpo_options *options,
+                                          const float *per_token_logp, const float *lse, const float *entropy,
+                                          const float *grad_output, fh_linear_grads *grads)
+{
+    if (!ctx || !layout)
+        return FH_ERR_NULL_POINTER;
+    grpo_call c;
+    fh_plan plan;
+    fh_workspace ws[2];
+    fhm_grads g = {0};
+    fh_status st = begin(&c, layout, ctx, lin, batch, options);
+    if (st == FH_OK && (!per_token_logp || !lse || (options->entropy_coef != 0.0 && !entropy)))
+        st = fh_fail(ctx, FH_ERR_NULL_POINTER, "%s is NULL",
+                     !per_token_logp ? "per_token_logp" : !lse ? "lse" : "entropy (entropy_coef != 0)");
+    if (st == FH_OK)
+        st = check_grads(&c, grad_output, grads, &g);
+    const int have_grads = st == FH_OK;
+    if (st == FH_OK)
+        st = fh_grpo_prepare(ctx, lin, 0, 1, NULL, &plan, ws);
+    st = fhm_agree(layout, ctx, st, st == FH_OK ? lin->n : 0);
+    if (st != FH_OK) {
+        if (have_grads)
+            fhm_grads_free(&g);
+        return st;
+    }
+    shard_ids(&c);
+    fh_grpo_load_saved(&ws[1], lin->n, per_token_logp, lse, entropy);
+    return backward_pass(&c, &plan, &ws[1], grad_output[0], &g, NULL);
+}
+
+FH_MPI_API fh_status fh_mpi_grpo_forward_backward(fh_context *ctx, fh_mpi_layout *layout, const fh_linear *lin,
+                                                  const fh_grpo_batch *batch, const fh_grpo_options *options,
+                                                  const float *grad_output, fh_grpo_outputs *out,
+                                                  fh_linear_grads *grads)
+{
+    if (!ctx || !layout)
+        return FH_ERR_NULL_POINTER;
+    grpo_call c;
+    fh_plan plans[2];
+    fh_workspace ws[2];
+    fhm_grads g = {0};
+    fh_status st = begin(&c, layout, ctx, lin, batch, options);
+    if (st == FH_OK && !out)
+        st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
+    if (st == FH_OK)
+        st = check_grads(&c, grad_output, grads, &g);
+    const int have_grads = st == FH_OK;
+    if (st == FH_OK)
+        st = fh_grpo_prepare(ctx, lin, 1, 1, &plans[0], &plans[1], ws);
+    st = fhm_agree(layout, ctx, st, st == FH_OK ? lin->n : 0);
+    if (st != FH_OK) {
+        if (have_grads)
+            fhm_grads_free(&g);
+        return st;
+    }
+    shard_ids(&c);
+    st = forward_pass(&c, &plans[0], &ws[0]);
+    if (st != FH_OK) {
+        fhm_grads_free(&g);
+        return st;
+    }
+    fh_grpo_write_outputs(&ws[0], lin->n, out);
+    return backward_pass(&c, &plans[1], &ws[1], grad_output[0], &g, out);
+}

@@ -1,0 +1,332 @@
+/* The layout: duplicated communicators, this rank's shard, parameters, per-call scratch; agreement on
+ * errors across the grid. */
+#include "mpi_internal.h"
+
+#include "../context.h"
+
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+
+void fhm_register_merge(fh_mpi_layout *L, int *err); /* collectives.c */
+
+FH_MPI_API const char *fh_mpi_status_string(fh_status status)
+{
+    if (status == FH_ERR_MPI)
+        return "an MPI call failed";
+    if (status == FH_ERR_MPI_LAYOUT)
+        return "communicators, vocabulary shards or token counts are inconsistent across ranks";
+    return fh_status_string(status);
+}
+
+fh_status fhm_mpi_error(fh_context *ctx, int err, const char *what)
+{
+    char text[MPI_MAX_ERROR_STRING] = "";
+    int length = 0;
+    MPI_Error_string(err, text, &length);
+    return fh_fail(ctx, FH_ERR_MPI, "%s failed: %s", what, text);
+}
+
+/* A duplicate of comm (MPI_COMM_SELF's when comm is MPI_COMM_NULL) that returns errors. */
+static int duplicate(MPI_Comm comm, MPI_Comm *dup)
+{
+    int err = MPI_Comm_dup(comm == MPI_COMM_NULL ? MPI_COMM_SELF : comm, dup);
+    if (err == MPI_SUCCESS)
+        err = MPI_Comm_set_errhandler(*dup, MPI_ERRORS_RETURN);
+    return err;
+}
+
+static void free_layout(fh_mpi_layout *L)
+{
+    if (!L)
+        return;
+    if (L->vocab != MPI_COMM_NULL)
+        MPI_Comm_free(&L->vocab);
+    if (L->data != MPI_COMM_NULL)
+        MPI_Comm_free(&L->data);
+    if (L->record != MPI_DATATYPE_NULL)
+        MPI_Type_free(&L->record);
+    if (L->merge != MPI_OP_NULL)
+        MPI_Op_free(&L->merge);
+    free(L->scratch);
+    free(L);
+}
+
+FH_MPI_API fh_status fh_mpi_layout_create(MPI_Comm vocab_comm, MPI_Comm data_comm, int64_t local_vocab,
+                                          fh_mpi_layout **layout)
+{
+    if (!layout)
+        return FH_ERR_NULL_POINTER;
+    int initialized = 0, finalized = 0;
+    MPI_Initialized(&initialized);
+    MPI_Finalized(&finalized);
+    if (!initialized || finalized)
+        return FH_ERR_MPI;
+    fh_mpi_layout *L = calloc(1, sizeof *L);
+    int err = MPI_SUCCESS;
+    if (L) {
+        L->vocab = L->data = MPI_COMM_NULL;
+        L->record = MPI_DATATYPE_NULL;
+        L->merge = MPI_OP_NULL;
+    }
+    /* Every rank makes the same collective calls whatever fails locally, and learns the outcome from
+     * reduced values, so that all of them return the same status. */
+    MPI_Comm vocab = MPI_COMM_NULL, data = MPI_COMM_NULL;
+    err = duplicate(vocab_comm, &vocab);
+    if (err == MPI_SUCCESS)
+        err = duplicate(data_comm, &data);
+    if (err != MPI_SUCCESS) {
+        if (vocab != MPI_COMM_NULL)
+            MPI_Comm_free(&vocab);
+        free(L);
+        return FH_ERR_MPI;
+    }
+    int vr, vn, dr, dn;
+    MPI_Comm_rank(vocab, &vr);
+    MPI_Comm_size(vocab, &vn);
+    MPI_Comm_rank(data, &dr);
+    MPI_Comm_size(data, &dn);
+    /* Over vocab: [failed, -local_vocab] max, sum of sizes, and the exclusive prefix sum. */
+    int64_t mine[2] = {L == NULL, -local_vocab}, worst[2];
+    int64_t total = 0, offset = 0, size = local_vocab > 0 ? local_vocab : 0;
+    err = MPI_Allreduce(mine, worst, 2, MPI_INT64_T, MPI_MAX, vocab);
+    if (err == MPI_SUCCESS)
+        err = MPI_Allreduce(&size, &total, 1, MPI_INT64_T, MPI_SUM, vocab);
+    if (err == MPI_SUCCESS)
+        err = MPI_Exscan(&size, &offset, 1, MPI_INT64_T, MPI_SUM, vocab);
+    if (vr == 0)
+        offset = 0; /* MPI_Exscan leaves rank 0's result undefined */
+    fh_status st = err != MPI_SUCCESS ? FH_ERR_MPI
+                   : worst[0]         ? FH_ERR_OUT_OF_MEMORY
+                   : worst[1] >= 0    ? FH_ERR_INVALID_SIZE
+                                      : FH_OK;
+    /* Over data: the same shard everywhere ([offset, size, total, vocab ranks] min and max), the vocab
+     * communicator's verdict, and every rank's vocab communicator the same size. */
+    int64_t shard[5] = {offset, size, total, vn, st}, lo[5], hi[5];
+    if (err == MPI_SUCCESS)
+        err = MPI_Allreduce(shard, hi, 5, MPI_INT64_T, MPI_MAX, data);
+    for (int k = 0; k < 5; k++)
+        shard[k] = -shard[k];
+    if (err == MPI_SUCCESS)
+        err = MPI_Allreduce(shard, lo, 5, MPI_INT64_T, MPI_MAX, data);
+    if (err != MPI_SUCCESS)
+        st = FH_ERR_MPI;
+    else if (hi[4] != FH_OK)
+        st = (fh_status)hi[4];
+    else if (-lo[4] != FH_OK)
+        st = (fh_status)-lo[4];
+    else
+        for (int k = 0; k < 4; k++)
+            if (hi[k] != -lo[k])
+                st = FH_ERR_MPI_LAYOUT;
+    /* The data verdict back over vocab, so that every rank of the grid agrees. */
+    int64_t verdict = st, overall = st;
+    if (err == MPI_SUCCESS)
+        err = MPI_Allreduce(&verdict, &overall, 1, MPI_INT64_T, MPI_MAX, vocab);
+    st = err != MPI_SUCCESS ? FH_ERR_MPI : (fh_status)overall;
+    if (st == FH_OK) {
+        L->vocab = vocab;
+        L->data = data;
+        L->vocab_rank = vr;
+        L->vocab_ranks = vn;
+        L->data_rank = dr;
+        L->data_ranks = dn;
+        L->vocab_offset = offset;
+        L->local_vocab = local_vocab;
+        L->total_vocab = total;
+        fhm_register_merge(L, &err);
+        if (err != MPI_SUCCESS) {
+            free_layout(L);
+            return FH_ERR_MPI;
+        }
+        *layout = L;
+        return FH_OK;
+    }
+    MPI_Comm_free(&vocab);
+    MPI_Comm_free(&data);
+    free(L);
+    return st;
+}
+
+FH_MPI_API fh_status fh_mpi_layout_create_grid(MPI_Comm comm, int vocab_ranks, int64_t local_vocab,
+                                               fh_mpi_layout **layout)
+{
+    if (!layout)
+        return FH_ERR_NULL_POINTER;
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    if (!initialized || comm == MPI_COMM_NULL)
+        return FH_ERR_MPI;
+    int rank, size;
+    MPI_Comm_rank(comm, &rank);
+    MPI_Comm_size(comm, &size);
+    if (vocab_ranks < 1 || size % vocab_ranks != 0)
+        return FH_ERR_MPI_LAYOUT; /* every rank sees the same size: no collective needed to agree */
+    MPI_Comm vocab = MPI_COMM_NULL, data = MPI_COMM_NULL;
+    int err = MPI_Comm_split(comm, rank / vocab_ranks, rank, &vocab);
+    if (err == MPI_SUCCESS)
+        err = MPI_Comm_split(comm, rank % vocab_ranks, rank, &data);
+    fh_status st = err == MPI_SUCCESS ? fh_mpi_layout_create(vocab, data, local_vocab, layout) : FH_ERR_MPI;
+    if (vocab != MPI_COMM_NULL)
+        MPI_Comm_free(&vocab);
+    if (data != MPI_COMM_NULL)
+        MPI_Comm_free(&data);
+    return st;
+}
+
+FH_MPI_API fh_status fh_mpi_layout_destroy(fh_mpi_layout *layout)
+{
+    free_layout(layout);
+    return FH_OK;
+}
+
+FH_MPI_API fh_status fh_mpi_layout_query(const fh_mpi_layout *L, fh_mpi_layout_info *info)
+{
+    if (!L || !info)
+        return FH_ERR_NULL_POINTER;
+    const fh_mpi_layout_info i = {L->vocab_rank, L->vocab_ranks, L->data_rank,  L->data_ranks,
+                                  L->vocab_offset, L->local_vocab, L->total_vocab};
+    *info = i;
+    return FH_OK;
+}
+
+static const int param_max[FH_MPI_PARAM_COUNT] = {FH_MPI_STATS_MAX_THEN_SUM, FH_MPI_NO_REDUCTION,
+                                                  FH_MPI_NO_REDUCTION};
+
+FH_MPI_API fh_status fh_mpi_layout_set(fh_mpi_layout *L, fh_mpi_param param, int value)
+{
+    if (!L)
+        return FH_ERR_NULL_POINTER;
+    if ((unsigned)param >= FH_MPI_PARAM_COUNT)
+        return FH_ERR_INVALID_PARAM;
+    if (value < 0 || value > param_max[param])
+        return FH_ERR_INVALID_PARAM_VALUE;
+    L->params[param] = value;
+    return FH_OK;
+}
+
+FH_MPI_API fh_status fh_mpi_layout_get(const fh_mpi_layout *L, fh_mpi_param param, int *value)
+{
+    if (!L || !value)
+        return FH_ERR_NULL_POINTER;
+    if ((unsigned)param >= FH_MPI_PARAM_COUNT)
+        return FH_ERR_INVALID_PARAM;
+    *value = L->params[param];
+    return FH_OK;
+}
+
+void fhm_split(int64_t count, int parts, int r, int64_t *first, int64_t *size)
+{
+    const int64_t base = count / parts, extra = count % parts;
+    *first = r * base + (r < extra ? r : extra);
+    *size = base + (r < extra);
+}
+
+FH_MPI_API fh_status fh_mpi_dx_rows(const fh_mpi_layout *L, int64_t n, int64_t *first, int64_t *count)
+{
+    if (!L || !first || !count)
+        return FH_ERR_NULL_POINTER;
+    if (n < 1)
+        return FH_ERR_INVALID_SIZE;
+    fhm_split(n, L->vocab_ranks, L->vocab_rank, first, count);
+    return FH_OK;
+}
+
+FH_MPI_API fh_status fh_mpi_dweight_part(const fh_mpi_layout *L, int64_t hidden, int64_t *first, int64_t *count)
+{
+    if (!L || !first || !count)
+        return FH_ERR_NULL_POINTER;
+    int64_t elements;
+    if (hidden < 1)
+        return FH_ERR_INVALID_SIZE;
+    if (__builtin_mul_overflow(hidden, L->local_vocab, &elements))
+        return FH_ERR_SIZE_OVERFLOW;
+    fhm_split(elements, L->data_ranks, L->data_rank, first, count);
+    return FH_OK;
+}
+
+fh_status fhm_agree(fh_mpi_layout *L, fh_context *ctx, fh_status st, int64_t n)
+{
+    /* Over vocab: the worst status and the range of n; then the verdict over data. On a grid this
+     * reaches every rank. */
+    int64_t mine[3] = {st, n, -n}, worst[3] = {st, n, -n};
+    int err = MPI_SUCCESS;
+    if (L->vocab_ranks > 1)
+        err = MPI_Allreduce(mine, worst, 3, MPI_INT64_T, MPI_MAX, L->vocab);
+    if (err != MPI_SUCCESS)
+        return fhm_mpi_error(ctx, err, "MPI_Allreduce (agreement)");
+    int64_t verdict = worst[0];
+    if (verdict == FH_OK && worst[1] != -worst[2])
+        verdict = FH_ERR_MPI_LAYOUT;
+    int64_t overall = verdict;
+    if (L->data_ranks > 1)
+        err = MPI_Allreduce(&verdict, &overall, 1, MPI_INT64_T, MPI_MAX, L->data);
+    if (err != MPI_SUCCESS)
+        return fhm_mpi_error(ctx, err, "MPI_Allreduce (agreement)");
+    if (st != FH_OK)
+        return st;
+    if (verdict == FH_ERR_MPI_LAYOUT && worst[0] == FH_OK)
+        return fh_fail(ctx, FH_ERR_MPI_LAYOUT, "lin->n differs across the vocab communicator (%lld to %lld)",
+                       (long long)-worst[2], (long long)worst[1]);
+    if (overall != FH_OK)
+        return fh_fail(ctx, (fh_status)overall, "another rank failed this call: %s",
+                       fh_mpi_status_string((fh_status)overall));
+    return FH_OK;
+}
+
+fh_status fhm_check_shard(const fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin)
+{
+    if (lin->vocab != L->local_vocab)
+        return fh_fail(ctx, FH_ERR_INVALID_SIZE, "lin->vocab = %lld but this rank's shard has %lld columns",
+                       (long long)lin->vocab, (long long)L->local_vocab);
+    if (lin->n >= INT_MAX / FHM_RECORD)
+        return fh_fail(ctx, FH_ERR_SIZE_OVERFLOW, "lin->n = %lld is too large for MPI counts", (long long)lin->n);
+    return FH_OK;
+}
+
+fh_status fhm_scratch(fh_mpi_layout *L, fh_context *ctx, size_t bytes, void **p)
+{
+    if (L->scratch_bytes < bytes) {
+        const size_t rounded = (bytes + 63) / 64 * 64;
+        void *fresh = aligned_alloc(64, rounded);
+        if (!fresh)
+            return fh_fail(ctx, FH_ERR_OUT_OF_MEMORY, "could not allocate %zu bytes of MPI scratch", bytes);
+        free(L->scratch);
+        L->scratch = fresh;
+        L->scratch_bytes = rounded;
+    }
+    *p = L->scratch;
+    return FH_OK;
+}
+
+int fhm_allreduce_sum(void *buf, int64_t count, MPI_Datatype type, MPI_Comm comm)
+{
+    int size = 0;
+    MPI_Type_size(type, &size);
+    const int64_t chunk = (int64_t)1 << 30;
+    for (int64_t done = 0; done < count; done += chunk) {
+        const int64_t now = count - done < chunk ? count - done : chunk;
+        const int err = MPI_Allreduce(MPI_IN_PLACE, (char *)buf + done * size, (int)now, type, MPI_SUM, comm);
+        if (err != MPI_SUCCESS)
+            return err;
+    }
+    return MPI_SUCCESS;
+}
+
+fh_status fhm_sum(fh_context *ctx, MPI_Comm comm, int ranks, double *values, int n)
+{
+    if (ranks == 1)
+        return FH_OK;
+    const int err = MPI_Allreduce(MPI_IN_PLACE, values, n, MPI_DOUBLE, MPI_SUM, comm);
+    return err == MPI_SUCCESS ? FH_OK : fhm_mpi_error(ctx, err, "MPI_Allreduce (sums)");
+}
+
+void fhm_local_targets(const fh_mpi_layout *L, const int64_t *targets, int64_t n, const int64_t *ignore,
+                       int64_t *local)
+{
+    const int64_t lo = L->vocab_offset, hi = L->vocab_offset + L->local_vocab;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t t = targets[i];
+        local[i] = (!ignore || t != *ignore) && t >= lo && t < hi ? t - lo : -1;
+    }
+}

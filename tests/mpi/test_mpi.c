@@ -1,0 +1,700 @@
+/* fusedhead_mpi against the single-process library: every rank builds the whole problem, computes the
+ * single-process result itself (libfusedhead), then its share through fusedhead_mpi, and compares its
+ * share: loss and metrics within 1e-6 relative, per-token outputs and gradients within 1e-5 normwise,
+ * argmax exactly. Layouts: vocab-parallel over the world (uneven shards), data-parallel over the world
+ * (uneven token batches), and a 2 x (size/2) grid when the size is even and >= 4.
+ * Run: mpirun -np 2|3|4 fh_mpi_tests */
+#include <fusedhead.h>
+#include <fusedhead_mpi.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LOSS_TOL 1e-6
+#define GRAD_TOL 1e-5
+
+static int world_rank, world_size, failures, checks;
+static char case_name[160];
+
+#define FAIL(...)                                                                                                    \
+    do {                                                                                                             \
+        failures++;                                                                                                  \
+        fprintf(stderr, "[rank %d] FAIL %s: ", world_rank, case_name);                                              \
+        fprintf(stderr, __VA_ARGS__);                                                                                \
+        fprintf(stderr, "\n");                                                                                       \
+    } while (0)
+
+/* ---- helpers ----------------------------------------------------------------------------------- */
+
+static double uniform(uint64_t seed, uint64_t i)
+{
+    uint64_t z = seed * 0x9E3779B97F4A7C15ull + i * 0xBF58476D1CE4E5B9ull + 0x94D049BB133111EBull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (double)(z >> 11) / 9007199254740992.0 * 2.0 - 1.0; /* [-1, 1) */
+}
+
+static void *alloc(size_t count, size_t size)
+{
+    void *p = calloc(count ? count : 1, size);
+    if (!p) {
+        fprintf(stderr, "out of memory\n");
+        MPI_Abort(MPI_COMM_WORLD, 2);
+    }
+    return p;
+}
+
+static void check_status(const char *what, fh_status st, fh_context *ctx)
+{
+    checks++;
+    if (st != FH_OK) {
+        const char *why = "";
+        if (ctx)
+            fh_context_message(ctx, &why);
+        FAIL("%s returned %d (%s): %s", what, (int)st, fh_mpi_status_string(st), why);
+    }
+}
+
+static void check_scalar(const char *what, double got, double want, double tol)
+{
+    checks++;
+    if (isnan(got) && isnan(want))
+        return;
+    const double scale = fabs(want) > 1e-9 ? fabs(want) : 1e-9;
+    if (!(fabs(got - want) <= tol * scale))
+        FAIL("%s = %.12g, single process %.12g (relative error %.3g)", what, got, want, fabs(got - want) / scale);
+}
+
+/* ||got - want|| / ||want||, both read as rows x cols floats with row strides. */
+static void check_rows(const char *what, const float *got, int64_t got_stride, const float *want,
+                       int64_t want_stride, int64_t rows, int64_t cols, double tol)
+{
+    checks++;
+    double err = 0.0, ref = 0.0;
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t k = 0; k < cols; k++) {
+            const double g = got[i * got_stride + k], w = want[i * want_stride + k];
+            err += (g - w) * (g - w);
+            ref += w * w;
+        }
+    err = sqrt(err);
+    ref = sqrt(ref);
+    if (!(err <= tol * (ref > 1e-30 ? ref : 1e-30)))
+        FAIL("%s: normwise relative error %.3g (|ref| = %.3g)", what, err / (ref > 0 ? ref : 1), ref);
+}
+
+/* Element (k, j) of an [H, V] view stored in either layout. */
+static int64_t at(fh_layout layout, int64_t h, int64_t v, int64_t k, int64_t j)
+{
+    return layout == FH_LAYOUT_HV ? k * v + j : j * h + k;
+}
+
+static void check_weight_shard(const char *what, const float *got, const float *want, fh_layout layout, int64_t h,
+                               int64_t v, int64_t off, int64_t vl, double tol)
+{
+    float *a = alloc((size_t)(h * vl), sizeof(float)), *b = alloc((size_t)(h * vl), sizeof(float));
+    for (int64_t k = 0; k < h; k++)
+        for (int64_t j = 0; j < vl; j++) {
+            a[k * vl + j] = got[at(layout, h, v, k, off + j)];
+            b[k * vl + j] = want[at(layout, h, v, k, off + j)];
+        }
+    check_rows(what, a, vl, b, vl, h, vl, tol);
+    free(a);
+    free(b);
+}
+
+/* Part r of count split in proportion to (r + bias): contiguous, uneven. */
+static void share(int64_t count, int parts, int r, int bias, int64_t *first, int64_t *size)
+{
+    int64_t total = 0, before = 0;
+    for (int q = 0; q < parts; q++) {
+        total += q + bias;
+        if (q < r)
+            before += q + bias;
+    }
+    *first = count * before / total;
+    *size = count * (before + r + bias) / total - *first;
+}
+
+static fh_context *make_context(int small_tiles)
+{
+    fh_context *ctx;
+    if (fh_context_create(&ctx) != FH_OK)
+        MPI_Abort(MPI_COMM_WORLD, 3);
+    fh_context_set(ctx, FH_PARAM_THREADS, 1);
+    if (small_tiles) {
+        fh_context_set(ctx, FH_PARAM_TILE_ROWS, 16);
+        fh_context_set(ctx, FH_PARAM_TILE_VOCAB, 32);
+    }
+    return ctx;
+}
+
+/* ---- layouts ----------------------------------------------------------------------------------- */
+
+typedef struct config {
+    const char *name;
+    MPI_Comm vocab, data; /* the test's own communicators (MPI_COMM_SELF when absent) */
+    int pv, pd, vr, dr;
+} config;
+
+static config make_config(const char *name, int vocab_ranks)
+{
+    config c = {name, MPI_COMM_NULL, MPI_COMM_NULL, 0, 0, 0, 0};
+    MPI_Comm_split(MPI_COMM_WORLD, world_rank / vocab_ranks, world_rank, &c.vocab);
+    MPI_Comm_split(MPI_COMM_WORLD, world_rank % vocab_ranks, world_rank, &c.data);
+    MPI_Comm_size(c.vocab, &c.pv);
+    MPI_Comm_size(c.data, &c.pd);
+    MPI_Comm_rank(c.vocab, &c.vr);
+    MPI_Comm_rank(c.data, &c.dr);
+    return c;
+}
+
+static fh_mpi_layout *make_layout(const config *c, int64_t v, int64_t *off, int64_t *vl)
+{
+    share(v, c->pv, c->vr, 2, off, vl);
+    fh_mpi_layout *L = NULL;
+    /* Alternate between the two constructors: MPI_COMM_NULL stands for a missing kind. */
+    const fh_status st = fh_mpi_layout_create(c->pv > 1 ? c->vocab : MPI_COMM_NULL, c->pd > 1 ? c->data : MPI_COMM_NULL,
+                                              *vl, &L);
+    check_status("fh_mpi_layout_create", st, NULL);
+    if (st != FH_OK)
+        MPI_Abort(MPI_COMM_WORLD, 4);
+    fh_mpi_layout_info info;
+    fh_mpi_layout_query(L, &info);
+    checks++;
+    if (info.vocab_offset != *off || info.local_vocab != *vl || info.total_vocab != v || info.vocab_ranks != c->pv ||
+        info.data_ranks != c->pd)
+        FAIL("layout info: offset %lld local %lld total %lld ranks %d x %d", (long long)info.vocab_offset,
+             (long long)info.local_vocab, (long long)info.total_vocab, info.vocab_ranks, info.data_ranks);
+    return L;
+}
+
+/* ---- problems ---------------------------------------------------------------------------------- */
+
+typedef struct problem {
+    int64_t n, h, v;
+    fh_layout layout;
+    float *x, *w, *b, *cw;
+} problem;
+
+static void make_problem(problem *p, int64_t n, int64_t h, int64_t v, fh_layout layout, uint64_t seed)
+{
+    p->n = n;
+    p->h = h;
+    p->v = v;
+    p->layout = layout;
+    p->x = alloc((size_t)(n * h), sizeof(float));
+    p->w = alloc((size_t)(h * v), sizeof(float));
+    p->b = alloc((size_t)v, sizeof(float));
+    p->cw = alloc((size_t)v, sizeof(float));
+    for (int64_t i = 0; i < n * h; i++)
+        p->x[i] = (float)uniform(seed, (uint64_t)i);
+    for (int64_t i = 0; i < h * v; i++)
+        p->w[i] = (float)(0.6 * uniform(seed + 1, (uint64_t)i));
+    for (int64_t j = 0; j < v; j++) {
+        p->b[j] = (float)(0.3 * uniform(seed + 2, (uint64_t)j));
+        p->cw[j] = (float)(1.0 + 0.5 * uniform(seed + 3, (uint64_t)j));
+    }
+}
+
+static void free_problem(problem *p)
+{
+    free(p->x);
+    free(p->w);
+    free(p->b);
+    free(p->cw);
+}
+
+/* This rank's view: tokens [n0, n0 + nr), vocabulary shard [off, off + vl). */
+static fh_linear shard_linear(const problem *p, int64_t n0, int64_t nr, int64_t off, int64_t vl, int bias)
+{
+    fh_linear l = {nr, p->h, vl, p->x + n0 * p->h, p->h, NULL, 0, 0, bias ? p->b + off : NULL};
+    if (p->layout == FH_LAYOUT_HV) {
+        l.weight = p->w + off;
+        l.w_stride_hidden = p->v;
+        l.w_stride_vocab = 1;
+    } else {
+        l.weight = p->w + off * p->h;
+        l.w_stride_hidden = 1;
+        l.w_stride_vocab = p->h;
+    }
+    return l;
+}
+
+/* Gradient buffers of the problem's shapes, prefilled (beta 1: known values; beta 0: NaN garbage). */
+typedef struct grads {
+    float *dx, *dw, *db;
+} grads;
+
+static void prefill(float *a, int64_t count, int beta1, uint64_t seed)
+{
+    for (int64_t i = 0; i < count; i++)
+        a[i] = beta1 ? (float)uniform(seed, (uint64_t)i) : NAN;
+}
+
+/* ---- cross-entropy ----------------------------------------------------------------------------- */
+
+typedef struct ce_case {
+    const char *name;
+    int64_t n, h, v;
+    fh_layout layout;
+    int bias, class_weights;
+    double ignore_frac;
+    int64_t ignore_index;
+    fh_reduction reduction;
+    double label_smoothing, softcap, z_loss;
+    int train_step;
+    int stats;             /* fh_mpi_stats_collective */
+    int dx_mode, dw_mode;  /* fh_mpi_reduction */
+    int beta1;             /* accumulate into prefilled gradients */
+    int dx_pad;            /* dx row stride h + dx_pad */
+    int small_tiles;
+} ce_case;
+
+static void run_ce(const config *cfg, const ce_case *c)
+{
+    snprintf(case_name, sizeof case_name, "%s / ce %s", cfg->name, c->name);
+    problem p;
+    make_problem(&p, c->n, c->h, c->v, c->layout, 1000 + (uint64_t)c->n + (uint64_t)c->v);
+    const int64_t n = c->n, h = c->h, v = c->v;
+    int64_t *targets = alloc((size_t)n, sizeof(int64_t));
+    float *grad_out = alloc((size_t)n, sizeof(float));
+    for (int64_t i = 0; i < n; i++) {
+        targets[i] = 0.5 * (uniform(77, (uint64_t)i) + 1.0) < c->ignore_frac
+                         ? c->ignore_index
+                         : (int64_t)((uniform(78, (uint64_t)i) + 1.0) * 0.5 * (double)v) % v;
+        grad_out[i] = (float)(0.75 + 0.5 * uniform(79, (uint64_t)i));
+    }
+    if (c->ignore_frac >= 1.0)
+        for (int64_t i = 0; i < n; i++)
+            targets[i] = c->ignore_index;
+    fh_ce_options o;
+    fh_ce_options_init(&o);
+    o.ignore_index = c->ignore_index;
+    o.reduction = c->reduction;
+    o.label_smoothing = c->label_smoothing;
+    o.softcap = c->softcap;
+    o.z_loss = c->z_loss;
+    o.class_weights = c->class_weights ? p.cw : NULL;
+    const float *grad_output = c->reduction == FH_REDUCTION_NONE ? grad_out : grad_out + 1;
+
+    /* The single process on the whole problem. */
+    fh_context *ctx = make_context(c->small_tiles);
+    fh_linear full;
+    fh_linear_init(&full, n, h, v, p.x, p.w, c->layout, c->bias ? p.b : NULL);
+    double ref_loss = 0.0, ref_zl = 0.0;
+    float *ref_ptl = alloc((size_t)n, 4), *ref_logp = alloc((size_t)n, 4), *ref_lse = alloc((size_t)n, 4);
+    int64_t *ref_argmax = alloc((size_t)n, 8);
+    grads ref = {alloc((size_t)(n * h), 4), alloc((size_t)(h * v), 4), alloc((size_t)v, 4)};
+    fh_ce_outputs rout = {&ref_loss, &ref_zl, ref_ptl, ref_logp, ref_lse, ref_argmax};
+    fh_linear_grads rg = {ref.dx, h, 0.0f, ref.dw, 0.0f, c->bias ? ref.db : NULL, 0.0f};
+    check_status("reference fh_ce_forward_backward", fh_ce_forward_backward(ctx, &full, targets, &o, grad_output, &rout, &rg),
+                 ctx);
+    if (c->beta1) { /* expected = previous + gradient */
+        float *prev = alloc((size_t)(n * h), 4);
+        prefill(prev, n * h, 1, 11);
+        for (int64_t i = 0; i < n * h; i++)
+            ref.dx[i] += prev[i];
+        free(prev);
+        prev = alloc((size_t)(h * v), 4);
+        prefill(prev, h * v, 1, 12);
+        for (int64_t i = 0; i < h * v; i++)
+            ref.dw[i] += prev[i];
+        free(prev);
+        prev = alloc((size_t)v, 4);
+        prefill(prev, v, 1, 13);
+        for (int64_t i = 0; i < v; i++)
+            ref.db[i] += prev[i];
+        free(prev);
+    }
+
+    /* This rank's share through fusedhead_mpi. */
+    int64_t off, vl, n0, nr;
+    fh_mpi_layout *L = make_layout(cfg, v, &off, &vl);
+    share(n, cfg->pd, cfg->dr, 1, &n0, &nr);
+    fh_mpi_layout_set(L, FH_MPI_PARAM_STATS_COLLECTIVE, c->stats);
+    fh_mpi_layout_set(L, FH_MPI_PARAM_DX_REDUCTION, c->dx_mode);
+    fh_mpi_layout_set(L, FH_MPI_PARAM_DWEIGHT_REDUCTION, c->dw_mode);
+    fh_ce_options lo = o;
+    lo.class_weights = c->class_weights ? p.cw + off : NULL;
+    const fh_linear lin = shard_linear(&p, n0, nr, off, vl, c->bias);
+    double loss = NAN, zl = NAN;
+    float *ptl = alloc((size_t)nr, 4), *logp = alloc((size_t)nr, 4), *lse = alloc((size_t)nr, 4);
+    int64_t *argmax = alloc((size_t)nr, 8);
+    int64_t dx_first = 0, dx_rows = nr;
+    if (c->dx_mode == FH_MPI_REDUCE_SCATTER && cfg->pv > 1)
+        fh_mpi_dx_rows(L, nr, &dx_first, &dx_rows);
+    const int64_t dx_stride = h + c->dx_pad;
+    grads mine = {alloc((size_t)(nr * dx_stride), 4), alloc((size_t)(h * v), 4), alloc((size_t)v, 4)};
+    {
+        float *prev = alloc((size_t)(n * h), 4);
+        prefill(prev, n * h, c->beta1, 11);
+        for (int64_t i = 0; i < dx_rows; i++)
+            for (int64_t k = 0; k < dx_stride; k++)
+                mine.dx[i * dx_stride + k] = k < h ? prev[(n0 + dx_first + i) * h + k] : 123.0f;
+        free(prev);
+    }
+    prefill(mine.dw, h * v, c->beta1, 12);
+    prefill(mine.db, v, c->beta1, 13);
+    const float beta = c->beta1 ? 1.0f : 0.0f;
+    fh_linear_grads g = {mine.dx, dx_stride, beta, mine.dw + (lin.weight - p.w), beta, c->bias ? mine.db + off : NULL,
+                         beta};
+    fh_ce_outputs out = {&loss, &zl, ptl, logp, lse, argmax};
+    const float *local_grad = c->reduction == FH_REDUCTION_NONE ? grad_out + n0 : grad_output;
+    if (c->train_step) {
+        check_status("fh_mpi_ce_forward_backward",
+                     fh_mpi_ce_forward_backward(ctx, L, &lin, targets + n0, &lo, local_grad, &out, &g), ctx);
+    } else {
+        check_status("fh_mpi_ce_forward", fh_mpi_ce_forward(ctx, L, &lin, targets + n0, &lo, &out), ctx);
+        check_status("fh_mpi_ce_backward",
+                     fh_mpi_ce_backward(ctx, L, &lin, targets + n0, &lo, lse, local_grad, &g), ctx);
+    }
+    check_scalar("loss", loss, ref_loss, LOSS_TOL);
+    check_scalar("z_loss", zl, ref_zl, LOSS_TOL);
+    check_rows("per_token_loss", ptl, 1, ref_ptl + n0, 1, nr, 1, GRAD_TOL);
+    check_rows("per_token_logp", logp, 1, ref_logp + n0, 1, nr, 1, GRAD_TOL);
+    check_rows("lse", lse, 1, ref_lse + n0, 1, nr, 1, GRAD_TOL);
+    checks++;
+    for (int64_t i = 0; i < nr; i++)
+        if (argmax[i] != ref_argmax[n0 + i]) {
+            FAIL("argmax[%lld] = %lld, single process %lld", (long long)(n0 + i), (long long)argmax[i],
+                 (long long)ref_argmax[n0 + i]);
+            break;
+        }
+    /* dx: the partial sums of FH_MPI_NO_REDUCTION are summed here. */
+    if (c->dx_mode == FH_MPI_NO_REDUCTION && cfg->pv > 1)
+        for (int64_t i = 0; i < nr; i++)
+            MPI_Allreduce(MPI_IN_PLACE, mine.dx + i * dx_stride, (int)h, MPI_FLOAT, MPI_SUM, cfg->vocab);
+    if (!(c->dx_mode == FH_MPI_NO_REDUCTION && cfg->pv > 1 && c->beta1)) /* beta 1 partials: prev counted pv times */
+        check_rows("dx", mine.dx, dx_stride, ref.dx + (n0 + dx_first) * h, h, dx_rows, h, GRAD_TOL);
+    checks++;
+    for (int64_t i = 0; i < dx_rows && c->dx_pad; i++)
+        if (mine.dx[i * dx_stride + h] != 123.0f) {
+            FAIL("dx padding overwritten");
+            break;
+        }
+    if (c->dw_mode == FH_MPI_NO_REDUCTION && cfg->pd > 1 && !c->beta1) {
+        MPI_Allreduce(MPI_IN_PLACE, mine.dw, (int)(h * v), MPI_FLOAT, MPI_SUM, cfg->data); /* NaN outside the shard */
+        MPI_Allreduce(MPI_IN_PLACE, mine.db, (int)v, MPI_FLOAT, MPI_SUM, cfg->data);
+    }
+    if (c->dw_mode == FH_MPI_REDUCE_SCATTER && cfg->pd > 1) {
+        int64_t first, count;
+        fh_mpi_dweight_part(L, h, &first, &count);
+        const float *base = mine.dw + (lin.weight - p.w), *want = ref.dw + (lin.weight - p.w);
+        check_rows("dweight part", base + first, 1, want + first, 1, count, 1, GRAD_TOL);
+    } else if (!(c->dw_mode == FH_MPI_NO_REDUCTION && cfg->pd > 1 && c->beta1)) {
+        check_weight_shard("dweight", mine.dw, ref.dw, c->layout, h, v, off, vl, GRAD_TOL);
+    }
+    if (c->bias && !(c->dw_mode == FH_MPI_NO_REDUCTION && cfg->pd > 1 && c->beta1))
+        check_rows("dbias", mine.db + off, 1, ref.db + off, 1, vl, 1, GRAD_TOL);
+
+    fh_mpi_layout_destroy(L);
+    fh_context_destroy(ctx);
+    free(ptl);
+    free(logp);
+    free(lse);
+    free(argmax);
+    free(mine.dx);
+    free(mine.dw);
+    free(mine.db);
+    free(ref.dx);
+    free(ref.dw);
+    free(ref.db);
+    free(ref_ptl);
+    free(ref_logp);
+    free(ref_lse);
+    free(ref_argmax);
+    free(targets);
+    free(grad_out);
+    free_problem(&p);
+}
+
+static void ce_cases(const config *cfg)
+{
+    const ce_case cases[] = {
+        /* name, n h v, layout, bias cw, ignore, ignore_index, reduction, eps softcap zloss, train, stats,
+         * dx dw, beta1, pad, small tiles */
+        {"mean split vh", 67, 24, 301, FH_LAYOUT_VH, 0, 0, 0.0, -100, FH_REDUCTION_MEAN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1},
+        {"mean train vh", 67, 24, 301, FH_LAYOUT_VH, 1, 0, 0.1, -100, FH_REDUCTION_MEAN, 0, 0, 0, 1, 0, 0, 0, 0, 0, 1},
+        {"smoothing+class weights hv", 80, 20, 257, FH_LAYOUT_HV, 1, 1, 0.2, -100, FH_REDUCTION_MEAN, 0.1, 0, 0, 0, 0,
+         0, 0, 0, 0, 1},
+        {"smoothing+class weights train", 80, 20, 257, FH_LAYOUT_VH, 1, 1, 0.2, -100, FH_REDUCTION_MEAN, 0.15, 0, 0, 1,
+         0, 0, 0, 0, 0, 1},
+        {"smoothing+class weights max-then-sum", 80, 20, 257, FH_LAYOUT_VH, 1, 1, 0.2, -100, FH_REDUCTION_MEAN, 0.1, 0,
+         0, 0, FH_MPI_STATS_MAX_THEN_SUM, 0, 0, 0, 0, 1},
+        {"z-loss softcap sum", 50, 16, 190, FH_LAYOUT_HV, 1, 0, 0.1, -100, FH_REDUCTION_SUM, 0, 3.0, 1e-3, 0, 0, 0, 0,
+         0, 0, 1},
+        {"z-loss softcap train sum", 50, 16, 190, FH_LAYOUT_VH, 0, 1, 0.1, -100, FH_REDUCTION_SUM, 0.05, 3.0, 1e-3, 1,
+         0, 0, 0, 0, 0, 1},
+        {"none per-token grads", 45, 16, 170, FH_LAYOUT_VH, 1, 1, 0.2, -100, FH_REDUCTION_NONE, 0.1, 0, 1e-4, 0, 0, 0,
+         0, 0, 0, 1},
+        {"none train max-then-sum", 45, 16, 170, FH_LAYOUT_HV, 1, 0, 0.2, -100, FH_REDUCTION_NONE, 0, 0, 1e-4, 1,
+         FH_MPI_STATS_MAX_THEN_SUM, 0, 0, 0, 0, 1},
+        {"in-range ignore_index", 60, 16, 150, FH_LAYOUT_VH, 0, 1, 0.3, 7, FH_REDUCTION_MEAN, 0.1, 0, 0, 0, 0, 0, 0, 0,
+         0, 1},
+        {"all ignored", 30, 8, 100, FH_LAYOUT_VH, 1, 0, 1.0, -100, FH_REDUCTION_MEAN, 0.1, 0, 1e-3, 1, 0, 0, 0, 0, 0,
+         1},
+        {"reduce-scatter dx+dw", 70, 24, 230, FH_LAYOUT_VH, 1, 0, 0.1, -100, FH_REDUCTION_MEAN, 0, 0, 0, 0, 0,
+         FH_MPI_REDUCE_SCATTER, FH_MPI_REDUCE_SCATTER, 0, 0, 1},
+        {"reduce-scatter beta 1 strided dx", 70, 24, 230, FH_LAYOUT_VH, 1, 0, 0.1, -100, FH_REDUCTION_MEAN, 0, 0, 0, 1,
+         0, FH_MPI_REDUCE_SCATTER, FH_MPI_REDUCE_SCATTER, 1, 3, 1},
+        {"allreduce beta 1 strided dx hv", 70, 24, 230, FH_LAYOUT_HV, 1, 1, 0.1, -100, FH_REDUCTION_MEAN, 0.1, 0, 0, 0,
+         0, 0, 0, 1, 5, 1},
+        {"no reduction", 70, 24, 230, FH_LAYOUT_HV, 1, 0, 0.1, -100, FH_REDUCTION_MEAN, 0, 0, 0, 0, 0,
+         FH_MPI_NO_REDUCTION, FH_MPI_NO_REDUCTION, 0, 0, 1},
+        {"default tiles train", 130, 40, 700, FH_LAYOUT_VH, 1, 1, 0.1, -100, FH_REDUCTION_MEAN, 0.1, 0, 1e-4, 1, 0, 0,
+         0, 0, 0, 0},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++)
+        run_ce(cfg, &cases[k]);
+}
+
+/* ---- GRPO -------------------------------------------------------------------------------------- */
+
+typedef struct grpo_case {
+    fh_grpo_loss_type loss_type;
+    fh_grpo_is_level level;
+    double beta, entropy_coef, temperature, delta;
+    int old, split, bias;
+    fh_layout layout;
+} grpo_case;
+
+static const char *loss_names[] = {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"};
+
+static void run_grpo(const config *cfg, const grpo_case *c)
+{
+    snprintf(case_name, sizeof case_name, "%s / grpo %s %s beta=%g ent=%g old=%d split=%d", cfg->name,
+             loss_names[c->loss_type], c->level ? "sequence" : "token", c->beta, c->entropy_coef, c->old, c->split);
+    const int64_t B = 12, T = 8, n = B * T, h = 16, v = 211;
+    problem p;
+    make_problem(&p, n, h, v, c->layout, 2000 + (uint64_t)c->loss_type * 7 + (uint64_t)c->level);
+    int64_t *ids = alloc((size_t)n, 8);
+    float *mask = alloc((size_t)n, 4), *adv = alloc((size_t)B, 4), *old = alloc((size_t)n, 4),
+          *refl = alloc((size_t)n, 4);
+    for (int64_t b = 0; b < B; b++) {
+        adv[b] = (float)uniform(31, (uint64_t)b);
+        const int64_t length = T - (b % 4); /* trailing padding */
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t i = b * T + t;
+            mask[i] = t < length && uniform(32, (uint64_t)i) > -0.8 ? 1.0f : 0.0f;
+            ids[i] = t < length ? (int64_t)((uniform(33, (uint64_t)i) + 1.0) * 0.5 * (double)v) % v : -1;
+        }
+    }
+    fh_grpo_options o;
+    fh_grpo_options_init(&o);
+    o.loss_type = c->loss_type;
+    o.importance_sampling_level = c->level;
+    o.beta = c->beta;
+    o.entropy_coef = c->entropy_coef;
+    o.temperature = c->temperature;
+    o.delta = c->delta;
+    fh_context *ctx = make_context(1);
+    fh_linear full;
+    fh_linear_init(&full, n, h, v, p.x, p.w, c->layout, c->bias ? p.b : NULL);
+    /* Old and reference log-probs near the current ones, so that ratios straddle the clip bounds. */
+    {
+        float *logp0 = alloc((size_t)n, 4);
+        const fh_grpo_batch b0 = {B, T, ids, mask, adv, NULL, NULL};
+        fh_grpo_outputs o0 = {NULL, NULL, logp0, NULL, NULL, NULL};
+        fh_grpo_options plain = o;
+        plain.beta = 0.0;
+        check_status("reference log-probs", fh_grpo_forward(ctx, &full, &b0, &plain, &o0), ctx);
+        for (int64_t i = 0; i < n; i++) {
+            old[i] = logp0[i] + (float)(0.25 * uniform(34, (uint64_t)i));
+            refl[i] = logp0[i] + (float)(0.3 * uniform(35, (uint64_t)i));
+        }
+        free(logp0);
+    }
+    const fh_grpo_batch batch = {B, T, ids, mask, adv, c->old ? old : NULL, c->beta != 0.0 ? refl : NULL};
+    const float grad = 0.8f;
+    double ref_loss;
+    fh_grpo_metrics ref_m;
+    float *r_logp = alloc((size_t)n, 4), *r_ptl = alloc((size_t)n, 4), *r_ent = alloc((size_t)n, 4),
+          *r_lse = alloc((size_t)n, 4);
+    grads ref = {alloc((size_t)(n * h), 4), alloc((size_t)(h * v), 4), alloc((size_t)v, 4)};
+    fh_grpo_outputs rout = {&ref_loss, &ref_m, r_logp, r_ptl, r_ent, r_lse};
+    fh_linear_grads rg = {ref.dx, h, 0.0f, ref.dw, 0.0f, c->bias ? ref.db : NULL, 0.0f};
+    check_status("reference fh_grpo_forward_backward", fh_grpo_forward_backward(ctx, &full, &batch, &o, &grad, &rout, &rg),
+                 ctx);
+
+    int64_t off, vl, b0, br;
+    fh_mpi_layout *L = make_layout(cfg, v, &off, &vl);
+    share(B, cfg->pd, cfg->dr, 1, &b0, &br);
+    const int64_t n0 = b0 * T, nr = br * T;
+    const fh_linear lin = shard_linear(&p, n0, nr, off, vl, c->bias);
+    const fh_grpo_batch lb = {br, T, ids + n0, mask + n0, adv + b0, c->old ? old + n0 : NULL,
+                              c->beta != 0.0 ? refl + n0 : NULL};
+    double loss = NAN;
+    fh_grpo_metrics m;
+    float *logp = alloc((size_t)nr, 4), *ptl = alloc((size_t)nr, 4), *ent = alloc((size_t)nr, 4),
+          *lse = alloc((size_t)nr, 4);
+    grads mine = {alloc((size_t)(nr * h), 4), alloc((size_t)(h * v), 4), alloc((size_t)v, 4)};
+    prefill(mine.dx, nr * h, 0, 0);
+    prefill(mine.dw, h * v, 0, 0);
+    prefill(mine.db, v, 0, 0);
+    fh_linear_grads g = {mine.dx, h, 0.0f, mine.dw + (lin.weight - p.w), 0.0f, c->bias ? mine.db + off : NULL, 0.0f};
+    fh_grpo_outputs out = {&loss, &m, logp, ptl, ent, lse};
+    if (c->split) {
+        check_status("fh_mpi_grpo_forward", fh_mpi_grpo_forward(ctx, L, &lin, &lb, &o, &out), ctx);
+        check_status("fh_mpi_grpo_backward",
+                     fh_mpi_grpo_backward(ctx, L, &lin, &lb, &o, logp, lse, ent, &grad, &g), ctx);
+    } else {
+        check_status("fh_mpi_grpo_forward_backward", fh_mpi_grpo_forward_backward(ctx, L, &lin, &lb, &o, &grad, &out, &g),
+                     ctx);
+    }
+    check_scalar("loss", loss, ref_loss, LOSS_TOL);
+    check_scalar("metrics.kl", m.kl, ref_m.kl, LOSS_TOL);
+    check_scalar("metrics.entropy", m.entropy, ref_m.entropy, LOSS_TOL);
+    check_scalar("metrics.clip_ratio_low_mean", m.clip_ratio_low_mean, ref_m.clip_ratio_low_mean, LOSS_TOL);
+    check_scalar("metrics.clip_ratio_high_mean", m.clip_ratio_high_mean, ref_m.clip_ratio_high_mean, LOSS_TOL);
+    check_scalar("metrics.clip_ratio_region_mean", m.clip_ratio_region_mean, ref_m.clip_ratio_region_mean, LOSS_TOL);
+    check_scalar("metrics.cispo_clip_ratio", m.cispo_clip_ratio, ref_m.cispo_clip_ratio, LOSS_TOL);
+    check_rows("per_token_logp", logp, 1, r_logp + n0, 1, nr, 1, GRAD_TOL);
+    check_rows("per_token_loss", ptl, 1, r_ptl + n0, 1, nr, 1, GRAD_TOL);
+    check_rows("entropy", ent, 1, r_ent + n0, 1, nr, 1, GRAD_TOL);
+    check_rows("lse", lse, 1, r_lse + n0, 1, nr, 1, GRAD_TOL);
+    check_rows("dx", mine.dx, h, ref.dx + n0 * h, h, nr, h, GRAD_TOL);
+    check_weight_shard("dweight", mine.dw, ref.dw, c->layout, h, v, off, vl, GRAD_TOL);
+    if (c->bias)
+        check_rows("dbias", mine.db + off, 1, ref.db + off, 1, vl, 1, GRAD_TOL);
+
+    fh_mpi_layout_destroy(L);
+    fh_context_destroy(ctx);
+    free(logp);
+    free(ptl);
+    free(ent);
+    free(lse);
+    free(r_logp);
+    free(r_ptl);
+    free(r_ent);
+    free(r_lse);
+    free(mine.dx);
+    free(mine.dw);
+    free(mine.db);
+    free(ref.dx);
+    free(ref.dw);
+    free(ref.db);
+    free(ids);
+    free(mask);
+    free(adv);
+    free(old);
+    free(refl);
+    free_problem(&p);
+}
+
+static void grpo_cases(const config *cfg)
+{
+    for (int lt = FH_GRPO_LOSS_GRPO; lt <= FH_GRPO_LOSS_SAPO; lt++)
+        for (int level = 0; level < 2; level++) {
+            const int k = lt * 2 + level;
+            const grpo_case c = {(fh_grpo_loss_type)lt, (fh_grpo_is_level)level, k % 3 == 0 ? 0.04 : 0.0,
+                                 k % 4 == 1 ? 0.01 : 0.0, k % 2 ? 0.7 : 1.0, k % 5 == 2 ? 1.3 : NAN, k % 6 != 5,
+                                 k % 3 == 1, k % 2, k % 4 < 2 ? FH_LAYOUT_VH : FH_LAYOUT_HV};
+            run_grpo(cfg, &c);
+        }
+}
+
+/* ---- agreement on errors ----------------------------------------------------------------------- */
+
+static void error_cases(const config *cfg)
+{
+    snprintf(case_name, sizeof case_name, "%s / errors", cfg->name);
+    const int64_t n = 20, h = 8, v = 64;
+    problem p;
+    make_problem(&p, n, h, v, FH_LAYOUT_VH, 5);
+    int64_t targets[20];
+    for (int64_t i = 0; i < n; i++)
+        targets[i] = i * 3 % v;
+    fh_context *ctx = make_context(1);
+    int64_t off, vl;
+    fh_mpi_layout *L = make_layout(cfg, v, &off, &vl);
+    fh_ce_options o;
+    fh_ce_options_init(&o);
+    double loss = -1.0;
+    fh_ce_outputs out = {&loss, NULL, NULL, NULL, NULL, NULL};
+    /* The last rank of the world passes a target outside [0, V): every rank must fail, none may hang. */
+    if (world_rank == world_size - 1)
+        targets[0] = v;
+    fh_linear lin = shard_linear(&p, 0, cfg->pd > 1 ? 1 + cfg->dr : n, off, vl, 0);
+    fh_status st = fh_mpi_ce_forward(ctx, L, &lin, targets, &o, &out);
+    checks++;
+    if (st == FH_OK || loss != -1.0)
+        FAIL("a bad target on rank %d: status %d, loss %g (expected an error and no output)", world_size - 1, (int)st,
+             loss);
+    targets[0] = 0;
+    /* Token counts that differ across the vocab communicator. */
+    if (cfg->pv > 1) {
+        lin.n = cfg->vr == 0 ? n - 1 : n;
+        st = fh_mpi_ce_forward(ctx, L, &lin, targets, &o, &out);
+        checks++;
+        if (st != FH_ERR_MPI_LAYOUT)
+            FAIL("n differing across the vocab communicator: status %d, expected FH_ERR_MPI_LAYOUT", (int)st);
+    }
+    /* A shard size that is not the layout's. */
+    lin.n = n;
+    lin.vocab = vl + (world_rank == 0);
+    if (world_rank == 0 && lin.vocab + off > v)
+        lin.vocab = vl - 1 > 0 ? vl - 1 : vl + 1;
+    st = fh_mpi_ce_forward(ctx, L, &lin, targets, &o, &out);
+    checks++;
+    if (st == FH_OK && world_size > 1)
+        FAIL("a wrong shard size on rank 0 went through");
+    fh_mpi_layout_destroy(L);
+    /* Data ranks that disagree on the shard. */
+    if (cfg->pd > 1) {
+        fh_mpi_layout *bad = NULL;
+        st = fh_mpi_layout_create(cfg->pv > 1 ? cfg->vocab : MPI_COMM_NULL, cfg->data, vl + (cfg->dr == 0), &bad);
+        checks++;
+        if (st != FH_ERR_MPI_LAYOUT || bad)
+            FAIL("data ranks with different shards: status %d, expected FH_ERR_MPI_LAYOUT", (int)st);
+    }
+    fh_context_destroy(ctx);
+    free_problem(&p);
+}
+
+int main(int argc, char **argv)
+{
+    int provided;
+    MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+    MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+    config configs[3];
+    int count = 0;
+    configs[count++] = make_config("vocab-parallel", world_size);
+    configs[count++] = make_config("data-parallel", 1);
+    if (world_size >= 4 && world_size % 2 == 0)
+        configs[count++] = make_config("2-D grid", 2);
+    for (int k = 0; k < count; k++) {
+        if (world_rank == 0)
+            printf("%s: %d vocab ranks x %d data ranks\n", configs[k].name, configs[k].pv, configs[k].pd);
+        ce_cases(&configs[k]);
+        grpo_cases(&configs[k]);
+        error_cases(&configs[k]);
+        /* fh_mpi_layout_create_grid gives the same layout as the test's own split. */
+        fh_mpi_layout *L = NULL;
+        snprintf(case_name, sizeof case_name, "%s / create_grid", configs[k].name);
+        check_status("fh_mpi_layout_create_grid",
+                     fh_mpi_layout_create_grid(MPI_COMM_WORLD, configs[k].pv, 10 + configs[k].vr, &L), NULL);
+        fh_mpi_layout_info info;
+        if (L && fh_mpi_layout_query(L, &info) == FH_OK) {
+            checks++;
+            if (info.vocab_rank != configs[k].vr || info.data_rank != configs[k].dr ||
+                info.total_vocab != 10 * configs[k].pv + configs[k].pv * (configs[k].pv - 1) / 2)
+                FAIL("grid ranks %d/%d, total %lld", info.vocab_rank, info.data_rank, (long long)info.total_vocab);
+        }
+        fh_mpi_layout_destroy(L);
+    }
+    int totals[2] = {failures, checks};
+    MPI_Allreduce(MPI_IN_PLACE, totals, 2, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+    if (world_rank == 0)
+        printf("%d ranks: %d checks, %d failures\n", world_size, totals[1], totals[0]);
+    for (int k = 0; k < count; k++) {
+        MPI_Comm_free(&configs[k].vocab);
+        MPI_Comm_free(&configs[k].data);
+    }
+    MPI_Finalize();
+    return totals[0] == 0 ? 0 : 1;
+}
