@@ -71,6 +71,10 @@ void fh_sgemm(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa, int6
     float one = 1.0f;
     rntm_t rntm = BLIS_RNTM_INITIALIZER;
     bli_rntm_set_num_threads(threads, &rntm);
+    /* BLIS's small-matrix ("sup") path reads operands in place, and its haswell kernels read past the end
+     * of some strided views (a guard page after a [V, H] weight faults). The packed path stays in bounds,
+     * and our tiles are large enough that sup would not be chosen for speed anyway. */
+    bli_rntm_disable_l3_sup(&rntm);
     /* BLIS takes non-const operands but does not write A or B. */
     bli_sgemm_ex(BLIS_NO_TRANSPOSE, BLIS_NO_TRANSPOSE, m, n, k, &one, (float *)a, rsa, csa, (float *)b, rsb,
                  csb, &beta, c, rsc, csc, NULL, &rntm);
