@@ -7,10 +7,12 @@ sizeof/offsetof with these definitions.
 
 Library lookup order (first hit wins):
   1. the environment variable FUSEDHEAD_LIBRARY: a path to libfusedhead.so (an error if it does not load);
-  2. the build tree next to the package: <repo>/build/libfusedhead.so*, then <repo>/build*/libfusedhead.so*
+  2. the build tree the package was imported from: CMake links <build>/fusedhead to python/fusedhead, so
+     `python3 -c "import fusedhead"` in a build directory loads that build's library;
+  3. the build tree next to the package: <repo>/build/libfusedhead.so*, then <repo>/build*/libfusedhead.so*
      in name order (<repo> is the directory holding python/; the directory holding the package is tried too);
-  3. a copy bundled inside the package directory (wheels built by packagers);
-  4. the system: ctypes.util.find_library("fusedhead"), then "libfusedhead.so.0".
+  4. a copy bundled inside the package directory (wheels built by packagers);
+  5. the system: ctypes.util.find_library("fusedhead"), then "libfusedhead.so.0".
 """
 from __future__ import annotations
 
@@ -256,6 +258,8 @@ class LibraryNotFoundError(ImportError):
 
 ENV_VAR = "FUSEDHEAD_LIBRARY"
 _PACKAGE_DIR = Path(__file__).resolve().parent
+# Where the package was imported from, links not followed: <build>/fusedhead when imported from a build tree.
+_IMPORT_DIR = Path(os.path.abspath(__file__)).parent
 _LIB_GLOBS = ("libfusedhead.so", "libfusedhead.so.0", "libfusedhead.so.*")
 
 
@@ -320,7 +324,7 @@ def load_library(path: Optional[str] = None) -> ctypes.CDLL:
                 raise LibraryNotFoundError(f"{source} = {explicit!r} could not be loaded: {e}") from None
             _lib, _lib_path = _bind(cdll), os.fspath(explicit)
             return _lib
-        candidates = [str(p) for p in build_tree_candidates()] + [str(p) for p in _libs_in(_PACKAGE_DIR)]
+        candidates = [str(p) for p in _libs_in(_IMPORT_DIR.parent) + build_tree_candidates() + _libs_in(_PACKAGE_DIR)]
         system = ctypes.util.find_library("fusedhead")
         candidates += [c for c in (system, "libfusedhead.so.0") if c]
         for candidate in candidates:

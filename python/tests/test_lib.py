@@ -122,6 +122,20 @@ def test_build_tree_lookup_without_env_var():
     assert r.stdout.strip().startswith(str(REPO_ROOT / "build"))
 
 
+def test_import_from_build_tree_loads_that_build(tmp_path):
+    # CMake links <build>/fusedhead to python/fusedhead; `python3 -c "import fusedhead"` run in <build> (no
+    # PYTHONPATH, no FUSEDHEAD_LIBRARY) must load <build>'s library, even when another build/ exists.
+    build = tmp_path / "build-elsewhere"
+    build.mkdir()
+    shutil.copy(fusedhead.library_path(), build / "libfusedhead.so")
+    (build / "fusedhead").symlink_to(REPO_ROOT / "python" / "fusedhead")
+    env = subprocess_env(FUSEDHEAD_LIBRARY=None, PYTHONPATH=None)
+    r = subprocess.run([sys.executable, "-c", "import fusedhead; print(fusedhead.library_path())"],
+                       capture_output=True, text=True, env=env, cwd=str(build))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(build / "libfusedhead.so")
+
+
 def test_build_tree_candidate_order(tmp_path):
     pkg = tmp_path / "python" / "fusedhead"
     pkg.mkdir(parents=True)
