@@ -73,13 +73,16 @@ FH_API const char *fh_status_string(fh_status status);
  * ------------------------------------------------------------------------------------------- */
 typedef struct fh_context fh_context;
 
+/* The workspace cap when FH_PARAM_MEMORY_BUDGET is 0 (README, "Memory budget", says why). */
+#define FH_DEFAULT_MEMORY_BUDGET ((int64_t)512 << 20)
+
 typedef enum fh_param {
     FH_PARAM_THREADS = 0,       /* threads for GEMMs and elementwise work; 0 = OpenMP's default
                                    (OMP_NUM_THREADS, else all processors), 1 for tiny problems */
     FH_PARAM_TILE_ROWS = 1,     /* tokens per tile; 0 = default */
     FH_PARAM_TILE_VOCAB = 2,    /* vocabulary columns per tile; 0 = default */
     FH_PARAM_MEMORY_BUDGET = 3, /* max workspace bytes, per-token state included; tiles shrink to fit;
-                                   0 = default (256 MiB) */
+                                   0 = FH_DEFAULT_MEMORY_BUDGET */
     FH_PARAM_CHECK_FINITE = 4   /* 1: scan x, weight and bias and return FH_ERR_NONFINITE_INPUT on NaN/Inf
                                    (costs one read of each); 0 (default): NaN/Inf propagate to the loss and
                                    to the gradient rows of the affected tokens */

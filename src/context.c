@@ -7,7 +7,6 @@
 #include <stdlib.h>
 
 #define FH_PARAM_COUNT 5
-#define FH_DEFAULT_BUDGET ((int64_t)256 << 20)
 #define FH_WORKSPACE_ALIGN 64
 
 static const int64_t param_min[FH_PARAM_COUNT] = {0, 0, 0, 0, 0};
@@ -46,7 +45,7 @@ int fh_threads(const fh_context *ctx, const fh_linear *lin)
 int64_t fh_budget_bytes(const fh_context *ctx)
 {
     const int64_t b = ctx->params[FH_PARAM_MEMORY_BUDGET];
-    return b > 0 ? b : FH_DEFAULT_BUDGET;
+    return b > 0 ? b : FH_DEFAULT_MEMORY_BUDGET;
 }
 
 FH_API fh_status fh_context_create(fh_context **ctx)

@@ -67,7 +67,7 @@ class Context:
     """An fh_context: threads, tile sizes, memory budget, workspace, last error message.
 
     Settings (0 = the library's default): threads (0 = all available), tile_rows, tile_vocab,
-    memory_budget (bytes; default 256 MiB), check_finite (1: reject NaN/Inf inputs, if the library has it).
+    memory_budget (bytes; default 512 MiB), check_finite (1: reject NaN/Inf inputs, if the library has it).
     Calls on one context are serialised by a lock (the library forbids concurrent calls on one context);
     use one context per thread for parallel calls. `default_context()` gives each thread its own.
     """

@@ -204,7 +204,7 @@ static int query_sweep(void *unused)
                         fh_context_set(ctx, FH_PARAM_MEMORY_BUDGET, budgets[d]);
                         fh_context_set(ctx, FH_PARAM_TILE_ROWS, tiles[t][0]);
                         fh_context_set(ctx, FH_PARAM_TILE_VOCAB, tiles[t][1]);
-                        const int64_t budget = budgets[d] ? budgets[d] : (int64_t)256 << 20;
+                        const int64_t budget = budgets[d] ? budgets[d] : FH_DEFAULT_MEMORY_BUDGET;
                         const int overflow = product_overflows(n, v) || product_overflows(h, v) ||
                                              product_overflows(n, h);
                         for (int layout = 0; layout < 2; layout++) {
