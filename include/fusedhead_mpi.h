@@ -135,8 +135,12 @@ FH_MPI_API fh_status fh_mpi_ce_backward(fh_context *ctx, fh_mpi_layout *layout, 
                                         const int64_t *targets, const fh_ce_options *options, const float *lse,
                                         const float *grad_output, fh_linear_grads *grads);
 
-/* Without vocab parallelism this is fusedhead's row-block train step (6 N H V flops); with it, a
- * streaming forward, the statistics' all-reduce, then a streaming backward (8 N H V / ranks flops). */
+/* fusedhead's row-block train step on this rank's shard (6 N H V / vocab ranks flops): per block of rows,
+ * the shard's logits, their statistics combined across the vocab communicator (one all-reduce of the
+ * block's rows), then dZ and both gradient GEMMs. The ranks of a vocab communicator walk the same blocks,
+ * the lowest of the heights their budgets plan. If any rank of the grid cannot plan a row block, every
+ * rank streams: forward, the statistics' all-reduce, backward (8 N H V / vocab ranks flops). An MPI
+ * failure during the pass returns FH_ERR_MPI with the gradients partly accumulated. */
 FH_MPI_API fh_status fh_mpi_ce_forward_backward(fh_context *ctx, fh_mpi_layout *layout, const fh_linear *lin,
                                                 const int64_t *targets, const fh_ce_options *options,
                                                 const float *grad_output, fh_ce_outputs *out,

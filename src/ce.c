@@ -361,10 +361,11 @@ FH_API fh_status fh_ce_forward_backward(fh_context *ctx, const fh_linear *lin, c
     const fh_transform tf = fh_ce_transform(options);
     const float *weights = fh_ce_engine_weights(options);
     if (row_blocks) {
-        const fh_coef_source source = {fh_ce_row_coefs, &h};
-        fh_engine_row_blocks(ctx, &plan, &ws, lin, &tf, targets, weights, &stats, &source, grads);
-        write_outputs(&h, &stats, out);
-        return FH_OK;
+        const fh_coef_source source = {fh_ce_row_coefs, NULL, &h};
+        st = fh_engine_row_blocks(ctx, &plan, &ws, lin, &tf, targets, weights, &stats, &source, grads);
+        if (st == FH_OK)
+            write_outputs(&h, &stats, out);
+        return st;
     }
     /* Streaming fallback: forward, then backward from the double lse (lse stays in token[0]). */
     fh_engine_forward(ctx, &plan, &ws, lin, &tf, targets, weights, &stats);

@@ -156,14 +156,77 @@ void fh_engine_backward(const fh_context *ctx, const fh_plan *plan, const fh_wor
     }
 }
 
-void fh_engine_row_blocks(const fh_context *ctx, const fh_plan *plan, const fh_workspace *ws,
-                          const fh_linear *lin, const fh_transform *tf, const int64_t *targets,
-                          const float *class_weights, const fh_row_stats *stats, const fh_coef_source *coefs,
-                          const fh_linear_grads *grads)
+/* What the row-block pass needs for every row. */
+typedef struct row_pass {
+    const fh_linear *lin;
+    const fh_transform *tf;
+    const int64_t *targets;
+    const float *class_weights;
+    fh_fold_request request;
+    const fh_row_stats *stats;
+    const fh_coef_source *coefs;
+} row_pass;
+
+/* Transforms row i of the block in place, folds it over lin's columns and stores its final statistics. */
+static fh_row_result fold_row(const row_pass *p, float *row, int64_t i)
+{
+    const int64_t vocab = p->lin->vocab;
+    const fh_row_stats *stats = p->stats;
+    fh_row_transform(row, vocab, p->lin->bias, p->tf);
+    fh_row_state st = fh_row_state_initial();
+    fh_row_fold(row, vocab, 0, target_column(p->targets, i, vocab, 0), &p->request, &st);
+    const fh_row_result result = {st.max + log(st.sum_exp), st.z_target, st.sum_weighted_z,
+                                  st.sum_z_exp / st.sum_exp};
+    stats->lse[i] = result.lse;
+    stats->z_target[i] = result.z_target;
+    stats->sum_exp_scratch[i] = st.sum_exp;
+    if (stats->sum_weighted_z)
+        stats->sum_weighted_z[i] = result.sum_weighted_z;
+    if (stats->sum_pz)
+        stats->sum_pz[i] = result.sum_pz;
+    if (stats->argmax)
+        stats->argmax[i] = st.argmax;
+    return result;
+}
+
+/* Row i's statistics as the block hook left them. */
+static fh_row_result stored_result(const fh_row_stats *s, int64_t i)
+{
+    const fh_row_result result = {s->lse[i], s->z_target[i], s->sum_weighted_z ? s->sum_weighted_z[i] : 0.0,
+                                  s->sum_pz ? s->sum_pz[i] : 0.0};
+    return result;
+}
+
+/* Overwrites row i's transformed logits with its dU. */
+static void gradient_row(const row_pass *p, float *row, int64_t i, const fh_row_result *result)
+{
+    const int64_t vocab = p->lin->vocab;
+    fh_row_coef k = {result->lse, 0.0, 0.0, 0.0, 0.0, result->sum_pz};
+    p->coefs->row(p->coefs->self, i, result, &k);
+    fh_row_gradient(row, vocab, target_column(p->targets, i, vocab, 0), p->class_weights, &k, p->tf);
+}
+
+/* The statistics of rows [i0, n) as arrays starting at row i0. */
+static fh_row_stats stats_from(const fh_row_stats *s, int64_t i0)
+{
+    const fh_row_stats view = {s->lse + i0,
+                               s->z_target + i0,
+                               s->sum_weighted_z ? s->sum_weighted_z + i0 : NULL,
+                               s->sum_pz ? s->sum_pz + i0 : NULL,
+                               s->sum_exp_scratch + i0,
+                               s->argmax ? s->argmax + i0 : NULL};
+    return view;
+}
+
+fh_status fh_engine_row_blocks(const fh_context *ctx, const fh_plan *plan, const fh_workspace *ws,
+                               const fh_linear *lin, const fh_transform *tf, const int64_t *targets,
+                               const float *class_weights, const fh_row_stats *stats,
+                               const fh_coef_source *coefs, const fh_linear_grads *grads)
 {
     const int64_t n = lin->n, vocab = lin->vocab, hidden = lin->hidden;
     const int threads = fh_threads(ctx, lin);
     const fh_fold_request request = {class_weights, stats->sum_weighted_z != NULL, stats->sum_pz != NULL};
+    const row_pass pass = {lin, tf, targets, class_weights, request, stats, coefs};
     float *tile = ws->tile;
     if (grads->dbias)
         for (int64_t j = 0; j < vocab; j++)
@@ -171,27 +234,27 @@ void fh_engine_row_blocks(const fh_context *ctx, const fh_plan *plan, const fh_w
     for (int64_t i0 = 0; i0 < n; i0 += plan->tile_rows) {
         const int64_t nb = min64(plan->tile_rows, n - i0);
         compute_logits(ctx, lin, tile, i0, nb, 0, vocab);
+        if (!coefs->block) {
+            /* Fold, then the gradient while the row is still hot in cache. */
 #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t r = 0; r < nb; r++) {
-            const int64_t i = i0 + r;
-            float *row = tile + r * vocab;
-            const int64_t target = target_column(targets, i, vocab, 0);
-            fh_row_transform(row, vocab, lin->bias, tf);
-            fh_row_state st = fh_row_state_initial();
-            fh_row_fold(row, vocab, 0, target, &request, &st);
-            const fh_row_result result = {st.max + log(st.sum_exp), st.z_target, st.sum_weighted_z,
-                                          st.sum_z_exp / st.sum_exp};
-            stats->lse[i] = result.lse;
-            stats->z_target[i] = result.z_target;
-            if (stats->sum_weighted_z)
-                stats->sum_weighted_z[i] = result.sum_weighted_z;
-            if (stats->sum_pz)
-                stats->sum_pz[i] = result.sum_pz;
-            if (stats->argmax)
-                stats->argmax[i] = st.argmax;
-            fh_row_coef k = {result.lse, 0.0, 0.0, 0.0, 0.0, result.sum_pz};
-            coefs->row(coefs->self, i, &result, &k);
-            fh_row_gradient(row, vocab, target, class_weights, &k, tf);
+            for (int64_t r = 0; r < nb; r++) {
+                const fh_row_result result = fold_row(&pass, tile + r * vocab, i0 + r);
+                gradient_row(&pass, tile + r * vocab, i0 + r, &result);
+            }
+        } else {
+            /* The hook needs the whole block's statistics before any row's coefficients. */
+#pragma omp parallel for num_threads(threads) schedule(static)
+            for (int64_t r = 0; r < nb; r++)
+                fold_row(&pass, tile + r * vocab, i0 + r);
+            const fh_row_stats block = stats_from(stats, i0);
+            const fh_status st = coefs->block(coefs->self, nb, &block);
+            if (st != FH_OK)
+                return st;
+#pragma omp parallel for num_threads(threads) schedule(static)
+            for (int64_t r = 0; r < nb; r++) {
+                const fh_row_result result = stored_result(stats, i0 + r);
+                gradient_row(&pass, tile + r * vocab, i0 + r, &result);
+            }
         }
         if (grads->dbias)
             add_column_sums(tile, nb, vocab, ws->column, threads);
@@ -205,4 +268,5 @@ void fh_engine_row_blocks(const fh_context *ctx, const fh_plan *plan, const fh_w
     }
     if (grads->dbias)
         write_bias_gradient(grads, ws->column, 0, vocab);
+    return FH_OK;
 }

@@ -44,10 +44,16 @@ typedef struct fh_row_coefs {
     const double *sum_pz;
 } fh_row_coefs;
 
-/* Supplies a row's backward coefficients once its statistics are final (single-call train step). Called
- * concurrently for different rows: it may only write row i's results. */
+/* Supplies a row's backward coefficients once its statistics are final (single-call train step). row is
+ * called concurrently for different rows: it may only write row i's results. block, optional, is called
+ * once per row block, on the calling thread, after every row of the block is folded and before any row's
+ * coefficients: stats views the block's rows (arrays start at its first row) as fh_engine_forward leaves
+ * them (lse, sum_pz final over lin's columns, sum_exp_scratch the sum of exps), and block may replace
+ * them, e.g. with statistics combined across vocabulary shards; a status other than FH_OK stops the
+ * pass. */
 typedef struct fh_coef_source {
     void (*row)(const void *self, int64_t i, const fh_row_result *stats, fh_row_coef *coef);
+    fh_status (*block)(const void *self, int64_t rows, const fh_row_stats *stats);
     const void *self;
 } fh_coef_source;
 
@@ -60,10 +66,12 @@ void fh_engine_backward(const fh_context *ctx, const fh_plan *plan, const fh_wor
                         const float *class_weights, const fh_row_coefs *coefs, const fh_linear_grads *grads);
 
 /* Single-call train step over row blocks of plan->tile_rows x V (plan from fh_plan_make_row_blocks):
- * fills stats like fh_engine_forward and accumulates gradients like fh_engine_backward. */
-void fh_engine_row_blocks(const fh_context *ctx, const fh_plan *plan, const fh_workspace *ws,
-                          const fh_linear *lin, const fh_transform *tf, const int64_t *targets,
-                          const float *class_weights, const fh_row_stats *stats, const fh_coef_source *coefs,
-                          const fh_linear_grads *grads);
+ * fills stats like fh_engine_forward and accumulates gradients like fh_engine_backward. Returns FH_OK, or
+ * the first failure of coefs->block: the pass stops at that block (earlier blocks' dx and dweight are
+ * written, dbias is not). */
+fh_status fh_engine_row_blocks(const fh_context *ctx, const fh_plan *plan, const fh_workspace *ws,
+                               const fh_linear *lin, const fh_transform *tf, const int64_t *targets,
+                               const float *class_weights, const fh_row_stats *stats,
+                               const fh_coef_source *coefs, const fh_linear_grads *grads);
 
 #endif

@@ -109,6 +109,12 @@ int fh_plan_make_row_blocks(const fh_context *ctx, const fh_linear *lin, fh_plan
     return layout(plan, n);
 }
 
+void fh_plan_lower_rows(fh_plan *plan, int64_t n, int64_t rows)
+{
+    plan->tile_rows = rows;
+    (void)layout(plan, n); /* cannot overflow: the taller tile did not */
+}
+
 fh_workspace fh_workspace_carve(const fh_plan *plan, void *base, int64_t n)
 {
     char *aligned = (char *)(((uintptr_t)base + ALIGN - 1) / ALIGN * ALIGN);

@@ -30,6 +30,10 @@ fh_status fh_plan_streaming_bytes(fh_context *ctx, const fh_linear *lin, size_t 
 #define FH_MIN_ROW_BLOCK 256
 int fh_plan_make_row_blocks(const fh_context *ctx, const fh_linear *lin, fh_plan *plan);
 
+/* Lowers a row-block plan to rows (<= plan->tile_rows) per block, e.g. a height agreed with other ranks;
+ * its workspace only shrinks. */
+void fh_plan_lower_rows(fh_plan *plan, int64_t n, int64_t rows);
+
 /* Pointers into an acquired workspace. */
 typedef struct fh_workspace {
     double *token[FH_TOKEN_ARRAYS];

@@ -93,6 +93,16 @@ static fh_status norms(ce_call *c, int data)
     return st;
 }
 
+/* The targets' class weights and the class-weight total summed over the vocabulary, then the norms
+ * (see norms): everything a row's coefficients need besides its own statistics. */
+static fh_status global_norms(ce_call *c, int data)
+{
+    fh_status st = FH_OK;
+    if (sharded_weights(c))
+        st = fhm_sum(c->ctx, c->L->vocab, c->L->vocab_ranks, c->weights, (int)(c->lin->n + 1));
+    return st == FH_OK ? norms(c, data) : st;
+}
+
 /* The streaming forward on the shard, combined: stats end up whole-vocabulary, the outputs written. */
 static fh_status forward(ce_call *c, const fh_plan *plan, const fh_workspace *ws, const fh_row_stats *stats,
                          fh_ce_outputs *out)
@@ -180,11 +190,7 @@ FH_MPI_API fh_status fh_mpi_ce_backward(fh_context *ctx, fh_mpi_layout *layout, 
         return st;
     }
     shard_inputs(&c);
-    /* The targets' class weights and the class-weight total over the vocabulary, then the norms. */
-    if (sharded_weights(&c))
-        st = fhm_sum(ctx, layout->vocab, layout->vocab_ranks, c.weights, (int)(lin->n + 1));
-    if (st == FH_OK)
-        st = norms(&c, options->reduction == FH_REDUCTION_MEAN);
+    st = global_norms(&c, options->reduction == FH_REDUCTION_MEAN);
     if (st != FH_OK) {
         fhm_grads_free(&g);
         return st;
@@ -193,6 +199,21 @@ FH_MPI_API fh_status fh_mpi_ce_backward(fh_context *ctx, fh_mpi_layout *layout, 
     const fh_transform tf = fh_ce_transform(options);
     fh_engine_backward(ctx, &plan, &ws, lin, &tf, c.engine_targets, fh_ce_engine_weights(options), &coefs, &g.engine);
     return fhm_grads_finish(layout, ctx, &g);
+}
+
+/* fh_coef_source of the row-block train step (self: const ce_call *). */
+static void row_coefs(const void *self, int64_t i, const fh_row_result *stats, fh_row_coef *k)
+{
+    const ce_call *c = self;
+    fh_ce_row_coefs(&c->h, i, stats, k);
+}
+
+/* The block's shard statistics become the whole vocabulary's. The targets' class weights were summed
+ * before the pass (the norms need them), so no extra values ride along. */
+static fh_status combine_block(const void *self, int64_t rows, const fh_row_stats *stats)
+{
+    const ce_call *c = self;
+    return fhm_combine_stats(c->L, c->ctx, rows, stats, NULL, c->records);
 }
 
 FH_MPI_API fh_status fh_mpi_ce_forward_backward(fh_context *ctx, fh_mpi_layout *layout, const fh_linear *lin,
@@ -213,14 +234,18 @@ FH_MPI_API fh_status fh_mpi_ce_forward_backward(fh_context *ctx, fh_mpi_layout *
     if (st == FH_OK)
         st = check_backward(&c, grad_output, grads, &g);
     const int have_grads = st == FH_OK;
-    /* Without vocab parallelism every row's statistics are final within its row block: the row-block
-     * train step. With it, they need the other shards first: stream forward, combine, stream backward. */
-    if (st == FH_OK && layout->vocab_ranks == 1)
+    if (st == FH_OK)
         st = fh_ce_plan_train_step(ctx, lin, &plans[0], &row_blocks);
-    if (st == FH_OK && row_blocks)
+    /* Row blocks only where every rank can, at one height per vocab communicator (uneven shards plan
+     * different ones); else every rank streams. */
+    int64_t rows = row_blocks ? plans[0].tile_rows : 0;
+    st = fhm_agree_rows(layout, ctx, st, &rows);
+    if (st == FH_OK && rows > 0) {
+        fh_plan_lower_rows(&plans[0], lin->n, rows);
         st = fh_ce_acquire(ctx, lin, &plans[0], &ws[0]);
-    else if (st == FH_OK) /* the token arrays sit at the same offset in both plans */
+    } else if (st == FH_OK) { /* the token arrays sit at the same offset in both plans */
         st = fh_grpo_prepare(ctx, lin, 1, 1, &plans[0], &plans[1], ws);
+    }
     st = fhm_agree(layout, ctx, st, st == FH_OK ? lin->n : 0);
     if (st != FH_OK) {
         if (have_grads)
@@ -231,13 +256,16 @@ FH_MPI_API fh_status fh_mpi_ce_forward_backward(fh_context *ctx, fh_mpi_layout *
     const fh_row_stats stats = fh_ce_stats_in(&ws[0], options, out);
     const fh_transform tf = fh_ce_transform(options);
     const float *weights = fh_ce_engine_weights(options);
-    if (row_blocks) {
-        /* The norms are known before the pass (they depend on targets only). */
-        st = norms(&c, 1);
+    if (rows > 0) {
+        /* Per row block: the shard's logits and statistics, combined across the vocab communicator (one
+         * all-reduce of the block's rows), then dZ and both gradient GEMMs on the shard. */
+        st = global_norms(&c, 1);
         if (st == FH_OK) {
-            const fh_coef_source source = {fh_ce_row_coefs, &c.h};
-            fh_engine_row_blocks(ctx, &plans[0], &ws[0], lin, &tf, c.engine_targets, weights, &stats, &source,
-                                 &g.engine);
+            const fh_coef_source source = {row_coefs, layout->vocab_ranks > 1 ? combine_block : NULL, &c};
+            st = fh_engine_row_blocks(ctx, &plans[0], &ws[0], lin, &tf, c.engine_targets, weights, &stats, &source,
+                                      &g.engine);
+        }
+        if (st == FH_OK) {
             double totals[2];
             fh_ce_write_token_outputs(&c.h, &stats, out, totals);
             st = fhm_sum(ctx, layout->data, layout->data_ranks, totals, 2);
@@ -245,6 +273,7 @@ FH_MPI_API fh_status fh_mpi_ce_forward_backward(fh_context *ctx, fh_mpi_layout *
                 fh_ce_write_loss(&c.h, totals, out);
         }
     } else {
+        /* Streaming: forward, the statistics' all-reduce, then backward from the double lse. */
         st = forward(&c, &plans[0], &ws[0], &stats, out);
         if (st == FH_OK) {
             const fh_row_coefs coefs = fh_ce_coefs_in(&ws[1], &c.h, NULL, stats.lse);

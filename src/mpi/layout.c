@@ -274,6 +274,23 @@ fh_status fhm_agree(fh_mpi_layout *L, fh_context *ctx, fh_status st, int64_t n)
     return FH_OK;
 }
 
+fh_status fhm_agree_rows(fh_mpi_layout *L, fh_context *ctx, fh_status st, int64_t *rows)
+{
+    /* Over vocab: the smallest height (0 from a failed rank); then over data, whether every rank of the
+     * grid has one. */
+    int64_t mine = st == FH_OK ? *rows : 0, lowest = mine;
+    int err = MPI_SUCCESS;
+    if (L->vocab_ranks > 1)
+        err = MPI_Allreduce(&mine, &lowest, 1, MPI_INT64_T, MPI_MIN, L->vocab);
+    int64_t able = lowest > 0, all = able;
+    if (err == MPI_SUCCESS && L->data_ranks > 1)
+        err = MPI_Allreduce(&able, &all, 1, MPI_INT64_T, MPI_MIN, L->data);
+    *rows = err == MPI_SUCCESS && all ? lowest : 0;
+    if (st != FH_OK)
+        return st;
+    return err == MPI_SUCCESS ? FH_OK : fhm_mpi_error(ctx, err, "MPI_Allreduce (row blocks)");
+}
+
 fh_status fhm_check_shard(const fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin)
 {
     if (lin->vocab != L->local_vocab)

@@ -32,6 +32,13 @@ fh_status fhm_mpi_error(fh_context *ctx, int err, const char *what);
  * differs across the vocab communicator, else FH_OK. */
 fh_status fhm_agree(fh_mpi_layout *L, fh_context *ctx, fh_status st, int64_t n);
 
+/* Agreement on the train step's row blocks, collective over the grid whatever the local status. In:
+ * *rows, this rank's row-block height (0: it cannot use row blocks; read only when st is FH_OK). Out: the
+ * smallest height over the vocab communicator (its ranks must walk the same blocks: one statistics
+ * all-reduce each), or 0 on every rank of the grid when any rank has 0 (the streaming schedule makes
+ * other data collectives). Returns st when it is an error, else FH_OK or FH_ERR_MPI. */
+fh_status fhm_agree_rows(fh_mpi_layout *L, fh_context *ctx, fh_status st, int64_t *rows);
+
 /* Checks that a call's lin is this rank's shard and that n fits MPI's int counts. Local. */
 fh_status fhm_check_shard(const fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin);
 
@@ -42,10 +49,11 @@ fh_status fhm_scratch(fh_mpi_layout *L, fh_context *ctx, size_t bytes, void **p)
 int fhm_allreduce_sum(void *buf, int64_t count, MPI_Datatype type, MPI_Comm comm);
 
 /* Combines per-token statistics over the vocab communicator (nothing to do with one rank). In: this
- * shard's stats as fh_engine_forward left them (argmax a shard index; sum_exp_scratch still the shard's
- * sum of exps), extra[n] optional values to sum (a target's class weight on the rank that holds it) and
- * extra[n] one more summed scalar. Out: the whole vocabulary's lse, z_target, sum_weighted_z, sum_pz,
- * argmax (global index), and the sums in extra. records: scratch of fhm_combine_bytes(n). */
+ * shard's stats as fh_engine_forward (or the row-block pass, to its block hook) leaves them (argmax a
+ * shard index; sum_exp_scratch still the shard's sum of exps), extra optional: extra[0..n) values to sum
+ * (a target's class weight on the rank that holds it) and extra[n] one more summed scalar. Out: the whole
+ * vocabulary's lse, z_target, sum_weighted_z, sum_pz, argmax (global index), and the sums in extra.
+ * records: scratch of fhm_combine_bytes(n). */
 size_t fhm_combine_bytes(int64_t n);
 fh_status fhm_combine_stats(fh_mpi_layout *L, fh_context *ctx, int64_t n, const fh_row_stats *stats, double *extra,
                             void *records);

@@ -252,6 +252,9 @@ typedef struct ce_case {
     int beta1;             /* accumulate into prefilled gradients */
     int dx_pad;            /* dx row stride h + dx_pad */
     int small_tiles;
+    int block_rows;        /* > 0: a budget for this many rows of the widest shard on every rank (row blocks
+                              whose heights differ across uneven shards: the ranks must agree) */
+    int tight_rank;        /* the last rank's budget holds only streaming tiles: every rank must stream */
 } ce_case;
 
 static void run_ce(const config *cfg, const ce_case *c)
@@ -321,6 +324,27 @@ static void run_ce(const config *cfg, const ce_case *c)
     fh_ce_options lo = o;
     lo.class_weights = c->class_weights ? p.cw + off : NULL;
     const fh_linear lin = shard_linear(&p, n0, nr, off, vl, c->bias);
+    if (c->block_rows > 0) {
+        /* The widest shard (the last: shares grow with the rank) fits block_rows rows; a row parameter of
+         * nr lifts the 256-row minimum of budget-sized blocks without capping them. */
+        int64_t off_w, vl_w;
+        size_t bytes = 0;
+        share(v, cfg->pv, cfg->pv - 1, 2, &off_w, &vl_w);
+        const fh_linear widest = shard_linear(&p, n0, nr, off_w, vl_w, c->bias);
+        check_status("set tile rows", fh_context_set(ctx, FH_PARAM_TILE_ROWS, c->block_rows), ctx);
+        check_status("row-block workspace size", fh_ce_forward_backward_workspace_size(ctx, &widest, &lo, &bytes),
+                     ctx);
+        check_status("set budget", fh_context_set(ctx, FH_PARAM_MEMORY_BUDGET, (int64_t)bytes), ctx);
+        check_status("set tile rows", fh_context_set(ctx, FH_PARAM_TILE_ROWS, nr), ctx);
+    }
+    if (c->tight_rank && world_rank == world_size - 1) {
+        /* Exactly the streaming workspace of 4 x 16 tiles: not one row of the shard fits. */
+        size_t bytes = 0;
+        check_status("set tile rows", fh_context_set(ctx, FH_PARAM_TILE_ROWS, 4), ctx);
+        check_status("set tile vocab", fh_context_set(ctx, FH_PARAM_TILE_VOCAB, 16), ctx);
+        check_status("streaming workspace size", fh_ce_workspace_size(ctx, &lin, &lo, &bytes), ctx);
+        check_status("set budget", fh_context_set(ctx, FH_PARAM_MEMORY_BUDGET, (int64_t)bytes), ctx);
+    }
     double loss = NAN, zl = NAN;
     float *ptl = alloc((size_t)nr, 4), *logp = alloc((size_t)nr, 4), *lse = alloc((size_t)nr, 4);
     int64_t *argmax = alloc((size_t)nr, 8);
@@ -416,37 +440,49 @@ static void ce_cases(const config *cfg)
 {
     const ce_case cases[] = {
         /* name, n h v, layout, bias cw, ignore, ignore_index, reduction, eps softcap zloss, train, stats,
-         * dx dw, beta1, pad, small tiles */
-        {"mean split vh", 67, 24, 301, FH_LAYOUT_VH, 0, 0, 0.0, -100, FH_REDUCTION_MEAN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1},
-        {"mean train vh", 67, 24, 301, FH_LAYOUT_VH, 1, 0, 0.1, -100, FH_REDUCTION_MEAN, 0, 0, 0, 1, 0, 0, 0, 0, 0, 1},
+         * dx dw, beta1, pad, small tiles, block rows, tight rank */
+        {"mean split vh", 67, 24, 301, FH_LAYOUT_VH, 0, 0, 0.0, -100, FH_REDUCTION_MEAN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1,
+         0, 0},
+        {"mean train vh", 67, 24, 301, FH_LAYOUT_VH, 1, 0, 0.1, -100, FH_REDUCTION_MEAN, 0, 0, 0, 1, 0, 0, 0, 0, 0, 1,
+         0, 0},
         {"smoothing+class weights hv", 80, 20, 257, FH_LAYOUT_HV, 1, 1, 0.2, -100, FH_REDUCTION_MEAN, 0.1, 0, 0, 0, 0,
-         0, 0, 0, 0, 1},
+         0, 0, 0, 0, 1, 0, 0},
         {"smoothing+class weights train", 80, 20, 257, FH_LAYOUT_VH, 1, 1, 0.2, -100, FH_REDUCTION_MEAN, 0.15, 0, 0, 1,
-         0, 0, 0, 0, 0, 1},
+         0, 0, 0, 0, 0, 1, 0, 0},
         {"smoothing+class weights max-then-sum", 80, 20, 257, FH_LAYOUT_VH, 1, 1, 0.2, -100, FH_REDUCTION_MEAN, 0.1, 0,
-         0, 0, FH_MPI_STATS_MAX_THEN_SUM, 0, 0, 0, 0, 1},
+         0, 0, FH_MPI_STATS_MAX_THEN_SUM, 0, 0, 0, 0, 1, 0, 0},
         {"z-loss softcap sum", 50, 16, 190, FH_LAYOUT_HV, 1, 0, 0.1, -100, FH_REDUCTION_SUM, 0, 3.0, 1e-3, 0, 0, 0, 0,
-         0, 0, 1},
+         0, 0, 1, 0, 0},
         {"z-loss softcap train sum", 50, 16, 190, FH_LAYOUT_VH, 0, 1, 0.1, -100, FH_REDUCTION_SUM, 0.05, 3.0, 1e-3, 1,
-         0, 0, 0, 0, 0, 1},
+         0, 0, 0, 0, 0, 1, 0, 0},
         {"none per-token grads", 45, 16, 170, FH_LAYOUT_VH, 1, 1, 0.2, -100, FH_REDUCTION_NONE, 0.1, 0, 1e-4, 0, 0, 0,
-         0, 0, 0, 1},
+         0, 0, 0, 1, 0, 0},
         {"none train max-then-sum", 45, 16, 170, FH_LAYOUT_HV, 1, 0, 0.2, -100, FH_REDUCTION_NONE, 0, 0, 1e-4, 1,
-         FH_MPI_STATS_MAX_THEN_SUM, 0, 0, 0, 0, 1},
+         FH_MPI_STATS_MAX_THEN_SUM, 0, 0, 0, 0, 1, 0, 0},
         {"in-range ignore_index", 60, 16, 150, FH_LAYOUT_VH, 0, 1, 0.3, 7, FH_REDUCTION_MEAN, 0.1, 0, 0, 0, 0, 0, 0, 0,
-         0, 1},
+         0, 1, 0, 0},
         {"all ignored", 30, 8, 100, FH_LAYOUT_VH, 1, 0, 1.0, -100, FH_REDUCTION_MEAN, 0.1, 0, 1e-3, 1, 0, 0, 0, 0, 0,
-         1},
+         1, 0, 0},
         {"reduce-scatter dx+dw", 70, 24, 230, FH_LAYOUT_VH, 1, 0, 0.1, -100, FH_REDUCTION_MEAN, 0, 0, 0, 0, 0,
-         FH_MPI_REDUCE_SCATTER, FH_MPI_REDUCE_SCATTER, 0, 0, 1},
+         FH_MPI_REDUCE_SCATTER, FH_MPI_REDUCE_SCATTER, 0, 0, 1, 0, 0},
         {"reduce-scatter beta 1 strided dx", 70, 24, 230, FH_LAYOUT_VH, 1, 0, 0.1, -100, FH_REDUCTION_MEAN, 0, 0, 0, 1,
-         0, FH_MPI_REDUCE_SCATTER, FH_MPI_REDUCE_SCATTER, 1, 3, 1},
+         0, FH_MPI_REDUCE_SCATTER, FH_MPI_REDUCE_SCATTER, 1, 3, 1, 0, 0},
         {"allreduce beta 1 strided dx hv", 70, 24, 230, FH_LAYOUT_HV, 1, 1, 0.1, -100, FH_REDUCTION_MEAN, 0.1, 0, 0, 0,
-         0, 0, 0, 1, 5, 1},
+         0, 0, 0, 1, 5, 1, 0, 0},
         {"no reduction", 70, 24, 230, FH_LAYOUT_HV, 1, 0, 0.1, -100, FH_REDUCTION_MEAN, 0, 0, 0, 0, 0,
-         FH_MPI_NO_REDUCTION, FH_MPI_NO_REDUCTION, 0, 0, 1},
+         FH_MPI_NO_REDUCTION, FH_MPI_NO_REDUCTION, 0, 0, 1, 0, 0},
         {"default tiles train", 130, 40, 700, FH_LAYOUT_VH, 1, 1, 0.1, -100, FH_REDUCTION_MEAN, 0.1, 0, 1e-4, 1, 0, 0,
-         0, 0, 0, 0},
+         0, 0, 0, 0, 0, 0},
+        {"row blocks of uneven heights smoothing+class weights", 100, 16, 301, FH_LAYOUT_VH, 1, 1, 0.15, -100,
+         FH_REDUCTION_MEAN, 0.1, 0, 1e-3, 1, 0, 0, 0, 0, 0, 0, 15, 0},
+        {"row blocks of uneven heights none beta 1", 90, 16, 280, FH_LAYOUT_HV, 0, 1, 0.2, 5, FH_REDUCTION_NONE, 0.2,
+         2.0, 1e-4, 1, FH_MPI_STATS_MAX_THEN_SUM, 0, 0, 1, 2, 0, 12, 0},
+        {"row blocks of uneven heights sum reduce-scatter", 77, 16, 260, FH_LAYOUT_VH, 1, 1, 0.1, -100,
+         FH_REDUCTION_SUM, 0, 0, 1e-3, 1, 0, FH_MPI_REDUCE_SCATTER, FH_MPI_REDUCE_SCATTER, 0, 0, 0, 20, 0},
+        {"streaming fallback on one rank", 70, 16, 300, FH_LAYOUT_VH, 1, 1, 0.2, -100, FH_REDUCTION_MEAN, 0.1, 0,
+         1e-3, 1, 0, 0, 0, 1, 0, 0, 0, 1},
+        {"streaming fallback on one rank sum", 64, 16, 290, FH_LAYOUT_HV, 0, 1, 0.1, 3, FH_REDUCTION_SUM, 0.05, 0,
+         0, 1, 0, 0, 0, 0, 0, 0, 0, 1},
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++)
         run_ce(cfg, &cases[k]);
