@@ -34,12 +34,13 @@ typedef struct shape {
     int64_t n, hidden, vocab;
     int threads;
     int64_t budget; /* 0 = library default */
+    fh_layout layout;
     int reps;
 } shape;
 
 typedef struct result {
     int ok;
-    double flops, best_ms, first_ms, ceiling_gflops;
+    double flops, best_ms, first_ms, ceiling_gflops, loss;
     int64_t workspace_bytes, peak_growth_bytes;
 } result;
 
@@ -93,17 +94,17 @@ static double sgemm_best_ms(const shape *s, float *const sg[3])
     return best;
 }
 
-/* One call of the case; returns 0 or -1. */
-static int run_once(bench_case c, const shape *s, const bench_inputs *in, fh_context *ctx, const materialized_buffers *mb,
-                    float *const sgemm_buffers[3])
+/* One call of the case, its loss in *loss (NaN for the sgemm); returns 0 or -1. */
+static int run_once(bench_case c, const shape *s, const bench_inputs *in, fh_context *ctx,
+                    const materialized_buffers *mb, float *const sgemm_buffers[3], double *loss)
 {
     fh_linear lin;
-    fh_linear_init(&lin, s->n, s->hidden, s->vocab, in->x, in->w, FH_LAYOUT_HV, NULL);
+    fh_linear_init(&lin, s->n, s->hidden, s->vocab, in->x, in->w, s->layout, NULL);
     fh_ce_options o;
     fh_ce_options_init(&o);
-    double loss;
     const float grad_one = 1.0f;
-    fh_ce_outputs out = {&loss, NULL, NULL, NULL, NULL, NULL};
+    *loss = NAN;
+    fh_ce_outputs out = {loss, NULL, NULL, NULL, NULL, NULL};
     fh_linear_grads g = {in->dx, s->hidden, 0.0f, in->dw, 0.0f, NULL, 0.0f};
     switch (c) {
     case CASE_SGEMM:
@@ -119,9 +120,9 @@ static int run_once(bench_case c, const shape *s, const bench_inputs *in, fh_con
     case CASE_TRAIN:
         return fh_ce_forward_backward(ctx, &lin, in->targets, &o, &grad_one, &out, &g) == FH_OK ? 0 : -1;
     case CASE_MATERIALIZED:
-        loss = materialized_train_step(mb, s->n, s->hidden, s->vocab, in->x, in->w, in->targets, in->dx, in->dw,
-                                       s->threads);
-        return isfinite(loss) ? 0 : -1;
+        *loss = materialized_train_step(mb, s->n, s->hidden, s->vocab, in->x, in->w, lin.w_stride_hidden,
+                                        lin.w_stride_vocab, in->targets, in->dx, in->dw, s->threads);
+        return isfinite(*loss) ? 0 : -1;
     default:
         return -1;
     }
@@ -140,7 +141,7 @@ static double flops_of(bench_case c, const shape *s)
 
 static result measure_in_child(bench_case c, const shape *s)
 {
-    result r = {0, flops_of(c, s), INFINITY, 0.0, 0.0, 0, 0};
+    result r = {0, flops_of(c, s), INFINITY, 0.0, 0.0, NAN, 0, 0};
     bench_inputs in;
     fh_context *ctx = NULL;
     float *sg[3] = {NULL, NULL, NULL};
@@ -153,7 +154,7 @@ static result measure_in_child(bench_case c, const shape *s)
         if (!(sg[k] = bench_filled(2048u * 2048u, 1.0f, 10 + k)))
             return r;
     fh_linear lin;
-    fh_linear_init(&lin, s->n, s->hidden, s->vocab, in.x, in.w, FH_LAYOUT_HV, NULL);
+    fh_linear_init(&lin, s->n, s->hidden, s->vocab, in.x, in.w, s->layout, NULL);
     fh_ce_options o;
     fh_ce_options_init(&o);
     size_t ws = 0;
@@ -169,13 +170,13 @@ static result measure_in_child(bench_case c, const shape *s)
     /* The materialized path's buffers belong to the call: a framework allocates them per step. */
     if (c == CASE_MATERIALIZED && materialized_alloc(&mb, s->n, s->vocab) != 0)
         return r;
-    if (run_once(c, s, &in, ctx, &mb, sg) != 0)
+    if (run_once(c, s, &in, ctx, &mb, sg, &r.loss) != 0)
         return r;
     r.first_ms = now_ms() - t;
     const int reps = c == CASE_SGEMM && s->reps < CEILING_REPS ? CEILING_REPS : s->reps;
     for (int k = 0; k < reps; k++) {
         t = now_ms();
-        if (run_once(c, s, &in, ctx, &mb, sg) != 0)
+        if (run_once(c, s, &in, ctx, &mb, sg, &r.loss) != 0)
             return r;
         const double ms = now_ms() - t;
         r.best_ms = ms < r.best_ms ? ms : r.best_ms;
@@ -188,7 +189,7 @@ static result measure_in_child(bench_case c, const shape *s)
 
 static result run_case(bench_case c, const shape *s)
 {
-    result r = {0, 0, 0, 0, 0, 0, 0};
+    result r = {0, 0, 0, 0, 0, NAN, 0, 0};
     int fd[2];
     if (pipe(fd) != 0)
         return r;
@@ -207,6 +208,11 @@ static result run_case(bench_case c, const shape *s)
     if (pid > 0)
         waitpid(pid, NULL, 0);
     return r;
+}
+
+static const char *layout_name(fh_layout layout)
+{
+    return layout == FH_LAYOUT_VH ? "vh" : "hv";
 }
 
 typedef enum format { FORMAT_TABLE, FORMAT_JSON, FORMAT_CSV } format;
@@ -230,21 +236,34 @@ static void print_row(FILE *out, const shape *s, bench_case c, const result *r)
             r->ceiling_gflops);
 }
 
+/* %.9g, or null for NaN (the sgemm has no loss). */
+static const char *json_number(double x, char buffer[32])
+{
+    if (isnan(x))
+        return "null";
+    snprintf(buffer, 32, "%.9g", x);
+    return buffer;
+}
+
 static void print_report(format f, const shape *s, const result *res, const char *kernels, FILE *out)
 {
+    char num[32];
     if (f == FORMAT_JSON) {
-        fprintf(out, "{\n  \"n\": %lld, \"hidden\": %lld, \"vocab\": %lld, \"threads\": %d, \"budget_bytes\": %lld,\n"
-                     "  \"blis_kernel_set\": \"%s\", \"sgemm_gflops\": %.1f,\n  \"cases\": [\n",
-                (long long)s->n, (long long)s->hidden, (long long)s->vocab, s->threads, (long long)s->budget, kernels,
+        fprintf(out, "{\n  \"n\": %lld, \"hidden\": %lld, \"vocab\": %lld, \"layout\": \"%s\", \"threads\": %d, "
+                     "\"budget_bytes\": %lld,\n  \"blis_kernel_set\": \"%s\", \"sgemm_gflops\": %.1f,\n"
+                     "  \"cases\": [\n",
+                (long long)s->n, (long long)s->hidden, (long long)s->vocab, layout_name(s->layout), s->threads,
+                (long long)s->budget, kernels,
                 gflops(&res[CASE_SGEMM]));
         for (int c = 0; c < CASE_COUNT; c++)
             fprintf(out,
                     "    {\"name\": \"%s\", \"ok\": %s, \"flop_basis\": \"%s\", \"flops\": %.6g, \"best_ms\": %.3f, "
                     "\"gflops\": %.1f, \"efficiency\": %.3f, \"first_call_ms\": %.3f, \"workspace_bytes\": %lld, "
-                    "\"peak_rss_growth_bytes\": %lld, \"ceiling_gflops\": %.1f}%s\n",
+                    "\"peak_rss_growth_bytes\": %lld, \"ceiling_gflops\": %.1f, \"loss\": %s}%s\n",
                     case_names[c], res[c].ok ? "true" : "false", case_basis[c], res[c].flops, res[c].best_ms,
                     gflops(&res[c]), efficiency(&res[c]), res[c].first_ms, (long long)res[c].workspace_bytes,
-                    (long long)res[c].peak_growth_bytes, res[c].ceiling_gflops, c + 1 < CASE_COUNT ? "," : "");
+                    (long long)res[c].peak_growth_bytes, res[c].ceiling_gflops, json_number(res[c].loss, num),
+                    c + 1 < CASE_COUNT ? "," : "");
         fprintf(out, "  ]\n}\n");
         return;
     }
@@ -253,8 +272,8 @@ static void print_report(format f, const shape *s, const result *res, const char
             print_row(out, s, (bench_case)c, &res[c]);
         return;
     }
-    fprintf(out, "fh_bench: N=%lld H=%lld V=%lld, %d threads, budget %s, BLIS kernel set %s, best of %d\n\n",
-            (long long)s->n, (long long)s->hidden, (long long)s->vocab, s->threads,
+    fprintf(out, "fh_bench: N=%lld H=%lld V=%lld, layout %s, %d threads, budget %s, BLIS kernel set %s, best of %d\n\n",
+            (long long)s->n, (long long)s->hidden, (long long)s->vocab, layout_name(s->layout), s->threads,
             s->budget ? "set" : "default", kernels, s->reps);
     fprintf(out, "%-18s %-9s %10s %9s %9s %6s %10s %12s %14s\n", "case", "basis", "best ms", "GFLOP/s", "ceiling",
             "eff.", "first ms", "workspace", "peak RSS +");
@@ -333,12 +352,14 @@ static int sweep(const char *what, const char *dir, const shape *base, const cha
 static void usage(void)
 {
     fprintf(stderr, "usage: fh_bench [--n N] [--hidden H] [--vocab V] [--threads T] [--budget BYTES] [--reps K]\n"
+                    "                [--layout hv|vh]\n"
                     "                [--json | --csv] [--sweep n|vocab --out DIR]\n");
 }
 
 int main(int argc, char **argv)
 {
-    shape s = {1024, 1024, 32768, 2, 0, 3};
+    shape s = {.n = 1024, .hidden = 1024, .vocab = 32768, .threads = 2, .budget = 0, .layout = FH_LAYOUT_HV,
+               .reps = 3};
     format f = FORMAT_TABLE;
     const char *sweep_what = NULL, *out_dir = ".";
     for (int i = 1; i < argc; i++) {
@@ -360,6 +381,8 @@ int main(int argc, char **argv)
             s.threads = atoi(argv[++i]);
         else if (strcmp(a, "--budget") == 0)
             s.budget = atoll(argv[++i]);
+        else if (strcmp(a, "--layout") == 0 && (strcmp(v, "hv") == 0 || strcmp(v, "vh") == 0))
+            s.layout = strcmp(argv[++i], "vh") == 0 ? FH_LAYOUT_VH : FH_LAYOUT_HV;
         else if (strcmp(a, "--reps") == 0)
             s.reps = atoi(argv[++i]);
         else if (strcmp(a, "--sweep") == 0)
@@ -386,6 +409,15 @@ int main(int argc, char **argv)
         res[c] = run_case((bench_case)c, &s);
         failed |= !res[c].ok;
     }
+    /* Every case computes the same mean cross-entropy; a benchmark of different problems would be worthless.
+     * The materialized loss uses fp32 exps summed in double: 1e-5 relative is far above both errors. */
+    const double expected = res[CASE_MATERIALIZED].loss;
+    for (int c = CASE_FORWARD; c <= CASE_TRAIN; c++)
+        if (res[c].ok && !(fabs(res[c].loss - expected) <= 1e-5 * fabs(expected))) {
+            fprintf(stderr, "fh_bench: %s loss %.9g differs from the materialized %.9g\n", case_names[c], res[c].loss,
+                    expected);
+            failed = 1;
+        }
     if (f == FORMAT_CSV)
         fputs(csv_header, stdout);
     print_report(f, &s, res, blis.kernel_set, stdout);

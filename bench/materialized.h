@@ -14,9 +14,10 @@ typedef struct materialized_buffers {
 int materialized_alloc(materialized_buffers *b, int64_t n, int64_t vocab);
 void materialized_free(materialized_buffers *b);
 
-/* Forward and backward. x [n, hidden], w [hidden, vocab] row-major; dx, dw overwritten. Returns the loss. */
+/* Forward and backward. x [n, hidden] row-major; w the hidden x vocab view with fh_linear's strides (either
+ * layout), dw the same view; dx, dw overwritten. Returns the loss. */
 double materialized_train_step(const materialized_buffers *b, int64_t n, int64_t hidden, int64_t vocab,
-                               const float *x, const float *w, const int64_t *targets, float *dx, float *dw,
-                               int threads);
+                               const float *x, const float *w, int64_t w_stride_hidden, int64_t w_stride_vocab,
+                               const int64_t *targets, float *dx, float *dw, int threads);
 
 #endif
