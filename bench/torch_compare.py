@@ -8,10 +8,17 @@ Cases, each in its own process (peak memory does not mix), best of --reps after 
   fusedhead       fusedhead.torch.fused_linear_cross_entropy (the single-call train step inside)
 Reported: ms, GFLOP/s on the 6*N*H*V basis, peak RSS growth of the step, speed-up over torch_eager.
 
+Debian's torch calls BLIS through libblas.so.3, and that BLIS, like the one fusedhead links, does not recognise
+recent AMD CPUs: left alone it runs its generic kernels on one thread (about 30 GFLOP/s here). The torch cases
+therefore get the kernel set fusedhead selects (BLIS_ARCH_TYPE) and --threads BLAS threads (BLIS_NUM_THREADS),
+unless those variables are set already, so that fusedhead is compared with torch at its best on this machine;
+--torch-blas-as-installed leaves them alone.
+
 Run with Debian's interpreter (it has python3-torch), the library built in build/:
-  PYTHONPATH=python /usr/bin/python3 bench/torch_compare.py --n 1024 --hidden 1024 --vocab 32768 --threads 2
+  /usr/bin/python3 bench/torch_compare.py --n 1024 --hidden 1024 --vocab 32768 --threads 2
 """
 import argparse
+import ctypes
 import json
 import os
 import subprocess
@@ -77,6 +84,28 @@ def run_case(args):
     print(json.dumps({"case": args.case, "best_ms": best * 1e3, "first_ms": first * 1e3, "peak_rss_growth_bytes": peak}))
 
 
+def import_fusedhead():
+    # The package from this checkout (and the library it finds in build/) unless one is on the path already.
+    sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "python"))
+    import fusedhead
+    return fusedhead
+
+
+def torch_blas_env(threads):
+    """The environment of the torch cases: BLIS_ARCH_TYPE as fusedhead sets it when it loads (read back from the
+    C environment, which os.environ does not see) and BLIS_NUM_THREADS, each unless already set."""
+    env = dict(os.environ)
+    env.setdefault("BLIS_NUM_THREADS", str(threads))
+    if "BLIS_ARCH_TYPE" not in env:
+        import_fusedhead().load_library()
+        libc = ctypes.CDLL(None)
+        libc.getenv.restype = ctypes.c_char_p
+        arch = libc.getenv(b"BLIS_ARCH_TYPE")
+        if arch is not None:
+            env["BLIS_ARCH_TYPE"] = arch.decode()
+    return env
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=1024)
@@ -86,9 +115,13 @@ def main():
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--torch-blas-as-installed", action="store_true",
+                   help="run torch with BLIS as Debian leaves it (generic kernels, one thread here)")
     p.add_argument("--case", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.case:
+        if args.case == "fusedhead":
+            import_fusedhead()
         run_case(args)
         return
     try:
@@ -96,11 +129,12 @@ def main():
     except ImportError:
         print("torch_compare: PyTorch is not installed for this interpreter (Debian: python3-torch)", file=sys.stderr)
         sys.exit(2)
+    torch_env = None if args.torch_blas_as_installed else torch_blas_env(args.threads)
     results = []
     for case in ("torch_eager", "torch_chunked", "fusedhead"):
         cmd = [sys.executable, os.path.abspath(__file__), "--case", case] + [
             f"--{k}={getattr(args, k)}" for k in ("n", "hidden", "vocab", "threads", "reps", "chunk")]
-        out = subprocess.run(cmd, capture_output=True, text=True)
+        out = subprocess.run(cmd, capture_output=True, text=True, env=torch_env if case != "fusedhead" else None)
         if out.returncode != 0:
             print(out.stderr, file=sys.stderr)
             sys.exit(1)
@@ -115,8 +149,10 @@ def main():
                           "cases": results}, indent=2))
         return
     import torch
-    print(f"torch_compare: N={args.n} H={args.hidden} V={args.vocab}, {args.threads} threads, torch {torch.__version__},"
-          f" best of {args.reps}\n")
+    blas = "as installed" if torch_env is None else \
+        f"BLIS_ARCH_TYPE={torch_env.get('BLIS_ARCH_TYPE', 'unset')} BLIS_NUM_THREADS={torch_env['BLIS_NUM_THREADS']}"
+    print(f"torch_compare: N={args.n} H={args.hidden} V={args.vocab}, {args.threads} threads, torch {torch.__version__}"
+          f" (BLAS: {blas}), best of {args.reps}\n")
     print(f"{'case':<15} {'best ms':>10} {'GFLOP/s':>9} {'first ms':>10} {'peak RSS +':>12} {'vs eager':>9}")
     for r in results:
         print(f"{r['case']:<15} {r['best_ms']:>10.1f} {r['gflops']:>9.1f} {r['first_ms']:>10.1f} "
