@@ -306,7 +306,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             budget = 0;
     }
     fh_context_set(ctx, FH_PARAM_CHECK_FINITE, (tiles & 8) != 0);
-    const int64_t effective_budget = budget > 0 ? budget : (int64_t)256 << 20;
+    const int64_t effective_budget = budget > 0 ? budget : FH_DEFAULT_MEMORY_BUDGET;
 
     /* Inputs. Tiny buffers when the shape must be rejected. */
     buffer in[IN_COUNT], out[OUT_COUNT];
