@@ -324,7 +324,8 @@ def load_library(path: Optional[str] = None) -> ctypes.CDLL:
                 raise LibraryNotFoundError(f"{source} = {explicit!r} could not be loaded: {e}") from None
             _lib, _lib_path = _bind(cdll), os.fspath(explicit)
             return _lib
-        candidates = [str(p) for p in _libs_in(_IMPORT_DIR.parent) + build_tree_candidates() + _libs_in(_PACKAGE_DIR)]
+        found = _libs_in(_IMPORT_DIR.parent) + build_tree_candidates() + _libs_in(_PACKAGE_DIR)
+        candidates = [str(p) for p in found]
         system = ctypes.util.find_library("fusedhead")
         candidates += [c for c in (system, "libfusedhead.so.0") if c]
         for candidate in candidates:
