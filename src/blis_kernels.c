@@ -7,7 +7,7 @@
 #include "blis_kernels.h"
 
 #include "fusedhead.h"
-#include "tile_kernels.h"
+#include "row_kernels.h"
 
 #include <blis.h>
 #include <pthread.h>

@@ -4,7 +4,7 @@
 
 #include "blis_kernels.h"
 #include "linear.h"
-#include "tile_kernels.h"
+#include "row_kernels.h"
 
 #include <float.h>
 #include <math.h>
@@ -171,7 +171,7 @@ const float *fh_ce_engine_weights(const fh_ce_options *o)
 
 /* d ce_i / d z_j = (1-eps) w_y (p_j - [j=y]) + eps/V (W p_j - w_j),  d zl_i / d z_j = 2 s lse p_j,
  * scaled by the upstream gradient and the mean's denominators. */
-void fh_ce_row_coefs(const void *self, int64_t i, const fh_row_result *stats, fh_row_coef *k)
+void fh_ce_row_coefs(const void *self, int64_t i, const fh_final_stats *stats, fh_coef *k)
 {
     const fh_ce_head *h = self;
     const fh_ce_options *o = h->o;
@@ -189,7 +189,7 @@ void fh_ce_row_coefs(const void *self, int64_t i, const fh_row_result *stats, fh
     k->c = -g_ce * eps / vocab;
 }
 
-void fh_ce_write_token_outputs(const fh_ce_head *h, const fh_row_stats *stats, fh_ce_outputs *out,
+void fh_ce_write_token_outputs(const fh_ce_head *h, const fh_token_stats *stats, fh_ce_outputs *out,
                                double totals[2])
 {
     const fh_ce_options *o = h->o;
@@ -234,7 +234,7 @@ void fh_ce_write_loss(const fh_ce_head *h, const double totals[2], fh_ce_outputs
 }
 
 /* Per-token losses from the statistics, reduced, written to the requested outputs. */
-static void write_outputs(const fh_ce_head *h, const fh_row_stats *stats, fh_ce_outputs *out)
+static void write_outputs(const fh_ce_head *h, const fh_token_stats *stats, fh_ce_outputs *out)
 {
     double totals[2];
     fh_ce_write_token_outputs(h, stats, out, totals);
@@ -267,28 +267,28 @@ fh_status fh_ce_check_backward_inputs(fh_context *ctx, const fh_linear *lin, con
 }
 
 /* Statistics arrays in the workspace; sum_weighted_z only with label smoothing, argmax only on request. */
-fh_row_stats fh_ce_stats_in(const fh_workspace *ws, const fh_ce_options *o, const fh_ce_outputs *out)
+fh_token_stats fh_ce_stats_in(const fh_workspace *ws, const fh_ce_options *o, const fh_ce_outputs *out)
 {
-    const fh_row_stats stats = {ws->token[0], ws->token[1], o->label_smoothing > 0.0 ? ws->token[2] : NULL, NULL,
+    const fh_token_stats stats = {ws->token[0], ws->token[1], o->label_smoothing > 0.0 ? ws->token[2] : NULL, NULL,
                                 ws->token[3], out->argmax ? (int64_t *)ws->token[4] : NULL};
     return stats;
 }
 
 /* Backward coefficients for every row into the workspace, from lse (the caller's, or the forward's). */
-fh_row_coefs fh_ce_coefs_in(const fh_workspace *ws, const fh_ce_head *h, const float *lse_float,
+fh_coef_arrays fh_ce_coefs_in(const fh_workspace *ws, const fh_ce_head *h, const float *lse_float,
                             const double *lse_double)
 {
     double *lse = ws->token[0], *a = ws->token[1], *b = ws->token[2], *c = ws->token[3];
     for (int64_t i = 0; i < h->lin->n; i++) {
         lse[i] = lse_float ? (double)lse_float[i] : lse_double[i];
-        const fh_row_result stats = {lse[i], 0.0, 0.0, 0.0};
-        fh_row_coef k;
+        const fh_final_stats stats = {lse[i], 0.0, 0.0, 0.0};
+        fh_coef k;
         fh_ce_row_coefs(h, i, &stats, &k);
         a[i] = k.a;
         b[i] = k.b;
         c[i] = k.c;
     }
-    const fh_row_coefs coefs = {lse, a, b, c, NULL, NULL};
+    const fh_coef_arrays coefs = {lse, a, b, c, NULL, NULL};
     return coefs;
 }
 
@@ -307,7 +307,7 @@ FH_API fh_status fh_ce_forward(fh_context *ctx, const fh_linear *lin, const int6
     if (st != FH_OK)
         return st;
     const fh_ce_head h = fh_ce_head_of(lin, targets, options, NULL);
-    const fh_row_stats stats = fh_ce_stats_in(&ws, options, out);
+    const fh_token_stats stats = fh_ce_stats_in(&ws, options, out);
     const fh_transform tf = fh_ce_transform(options);
     fh_engine_forward(ctx, &plan, &ws, lin, &tf, targets, fh_ce_engine_weights(options), &stats);
     write_outputs(&h, &stats, out);
@@ -332,7 +332,7 @@ FH_API fh_status fh_ce_backward(fh_context *ctx, const fh_linear *lin, const int
     if (st != FH_OK)
         return st;
     const fh_ce_head h = fh_ce_head_of(lin, targets, options, grad_output);
-    const fh_row_coefs coefs = fh_ce_coefs_in(&ws, &h, lse, NULL);
+    const fh_coef_arrays coefs = fh_ce_coefs_in(&ws, &h, lse, NULL);
     const fh_transform tf = fh_ce_transform(options);
     fh_engine_backward(ctx, &plan, &ws, lin, &tf, targets, fh_ce_engine_weights(options), &coefs, grads);
     return FH_OK;
@@ -357,7 +357,7 @@ FH_API fh_status fh_ce_forward_backward(fh_context *ctx, const fh_linear *lin, c
     if (st != FH_OK)
         return st;
     const fh_ce_head h = fh_ce_head_of(lin, targets, options, grad_output);
-    const fh_row_stats stats = fh_ce_stats_in(&ws, options, out);
+    const fh_token_stats stats = fh_ce_stats_in(&ws, options, out);
     const fh_transform tf = fh_ce_transform(options);
     const float *weights = fh_ce_engine_weights(options);
     if (row_blocks) {
@@ -370,7 +370,7 @@ FH_API fh_status fh_ce_forward_backward(fh_context *ctx, const fh_linear *lin, c
     /* Streaming fallback: forward, then backward from the double lse (lse stays in token[0]). */
     fh_engine_forward(ctx, &plan, &ws, lin, &tf, targets, weights, &stats);
     write_outputs(&h, &stats, out);
-    const fh_row_coefs coefs = fh_ce_coefs_in(&ws, &h, NULL, stats.lse);
+    const fh_coef_arrays coefs = fh_ce_coefs_in(&ws, &h, NULL, stats.lse);
     fh_engine_backward(ctx, &plan, &ws, lin, &tf, targets, weights, &coefs, grads);
     return FH_OK;
 }

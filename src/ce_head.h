@@ -45,10 +45,10 @@ fh_transform fh_ce_transform(const fh_ce_options *o);
 const float *fh_ce_engine_weights(const fh_ce_options *o);
 
 /* fh_coef_source callback (self: const fh_ce_head *). */
-void fh_ce_row_coefs(const void *self, int64_t i, const fh_row_result *stats, fh_row_coef *k);
+void fh_ce_row_coefs(const void *self, int64_t i, const fh_final_stats *stats, fh_coef *k);
 
 /* Per-token outputs from final statistics; returns the unreduced totals (cross-entropy, z-loss). */
-void fh_ce_write_token_outputs(const fh_ce_head *h, const fh_row_stats *stats, fh_ce_outputs *out,
+void fh_ce_write_token_outputs(const fh_ce_head *h, const fh_token_stats *stats, fh_ce_outputs *out,
                                double totals[2]);
 /* Reduces the totals (mean: divided by the head's norms) into out->loss and out->z_loss. */
 void fh_ce_write_loss(const fh_ce_head *h, const double totals[2], fh_ce_outputs *out);
@@ -58,9 +58,9 @@ fh_status fh_ce_acquire(fh_context *ctx, const fh_linear *lin, const fh_plan *pl
 /* Row blocks when they fit the budget (*row_blocks = 1), else the streaming backward's plan. */
 fh_status fh_ce_plan_train_step(fh_context *ctx, const fh_linear *lin, fh_plan *plan, int *row_blocks);
 /* Statistics arrays in the workspace (token arrays 0..4). */
-fh_row_stats fh_ce_stats_in(const fh_workspace *ws, const fh_ce_options *o, const fh_ce_outputs *out);
+fh_token_stats fh_ce_stats_in(const fh_workspace *ws, const fh_ce_options *o, const fh_ce_outputs *out);
 /* Backward coefficients for every row into token arrays 0..3, from lse (float or double). */
-fh_row_coefs fh_ce_coefs_in(const fh_workspace *ws, const fh_ce_head *h, const float *lse_float,
+fh_coef_arrays fh_ce_coefs_in(const fh_workspace *ws, const fh_ce_head *h, const float *lse_float,
                             const double *lse_double);
 
 #endif

@@ -5,7 +5,7 @@
 #include "engine.h"
 
 #include "blis_kernels.h"
-#include "tile_kernels.h"
+#include "row_kernels.h"
 
 #include <math.h>
 #include <omp.h>
@@ -57,15 +57,15 @@ static void add_column_sums(const float *tile, int64_t rows, int64_t cols, doubl
 
 void fh_engine_forward(const fh_context *ctx, const fh_plan *plan, const fh_workspace *ws,
                        const fh_linear *lin, const fh_transform *tf, const int64_t *targets,
-                       const float *class_weights, const fh_row_stats *stats)
+                       const float *class_weights, const fh_token_stats *stats)
 {
     const int64_t n = lin->n, vocab = lin->vocab;
     const int threads = fh_threads(ctx, lin);
-    const fh_row_state initial = fh_row_state_initial();
+    const fh_fold_state initial = fh_fold_state_initial();
     /* lse holds the running max and sum_pz the running sum of z exp(z - max) until the end. */
     for (int64_t i = 0; i < n; i++) {
         stats->lse[i] = initial.max;
-        stats->sum_exp_scratch[i] = 0.0;
+        stats->sum_exp[i] = 0.0;
         stats->z_target[i] = 0.0;
         if (stats->sum_weighted_z)
             stats->sum_weighted_z[i] = 0.0;
@@ -86,12 +86,12 @@ void fh_engine_forward(const fh_context *ctx, const fh_plan *plan, const fh_work
             for (int64_t r = 0; r < nb; r++) {
                 const int64_t i = i0 + r;
                 fh_row_transform(ws->tile + r * vb, vb, bias, tf);
-                fh_row_state st = {stats->lse[i], stats->sum_exp_scratch[i], stats->z_target[i],
+                fh_fold_state st = {stats->lse[i], stats->sum_exp[i], stats->z_target[i],
                                    stats->sum_weighted_z ? stats->sum_weighted_z[i] : 0.0,
                                    stats->sum_pz ? stats->sum_pz[i] : 0.0, stats->argmax ? stats->argmax[i] : 0};
                 fh_row_fold(ws->tile + r * vb, vb, v0, target_column(targets, i, vocab, v0), &request, &st);
                 stats->lse[i] = st.max;
-                stats->sum_exp_scratch[i] = st.sum_exp;
+                stats->sum_exp[i] = st.sum_exp;
                 stats->z_target[i] = st.z_target;
                 if (stats->sum_weighted_z)
                     stats->sum_weighted_z[i] = st.sum_weighted_z;
@@ -103,22 +103,22 @@ void fh_engine_forward(const fh_context *ctx, const fh_plan *plan, const fh_work
         }
     }
     for (int64_t i = 0; i < n; i++) {
-        stats->lse[i] += log(stats->sum_exp_scratch[i]);
+        stats->lse[i] += log(stats->sum_exp[i]);
         if (stats->sum_pz)
-            stats->sum_pz[i] /= stats->sum_exp_scratch[i];
+            stats->sum_pz[i] /= stats->sum_exp[i];
     }
 }
 
-static fh_row_coef coef_of(const fh_row_coefs *coefs, int64_t i)
+static fh_coef coef_of(const fh_coef_arrays *coefs, int64_t i)
 {
-    const fh_row_coef k = {coefs->lse[i], coefs->a[i], coefs->b[i], coefs->c[i], coefs->e ? coefs->e[i] : 0.0,
+    const fh_coef k = {coefs->lse[i], coefs->a[i], coefs->b[i], coefs->c[i], coefs->e ? coefs->e[i] : 0.0,
                            coefs->sum_pz ? coefs->sum_pz[i] : 0.0};
     return k;
 }
 
 void fh_engine_backward(const fh_context *ctx, const fh_plan *plan, const fh_workspace *ws,
                         const fh_linear *lin, const fh_transform *tf, const int64_t *targets,
-                        const float *class_weights, const fh_row_coefs *coefs, const fh_linear_grads *grads)
+                        const float *class_weights, const fh_coef_arrays *coefs, const fh_linear_grads *grads)
 {
     const int64_t n = lin->n, vocab = lin->vocab, hidden = lin->hidden;
     const int threads = fh_threads(ctx, lin);
@@ -136,7 +136,7 @@ void fh_engine_backward(const fh_context *ctx, const fh_plan *plan, const fh_wor
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t r = 0; r < nb; r++) {
                 const int64_t i = i0 + r;
-                const fh_row_coef k = coef_of(coefs, i);
+                const fh_coef k = coef_of(coefs, i);
                 fh_row_transform(tile + r * vb, vb, bias, tf);
                 fh_row_gradient(tile + r * vb, vb, target_column(targets, i, vocab, v0), weights, &k, tf);
             }
@@ -163,23 +163,23 @@ typedef struct row_pass {
     const int64_t *targets;
     const float *class_weights;
     fh_fold_request request;
-    const fh_row_stats *stats;
+    const fh_token_stats *stats;
     const fh_coef_source *coefs;
 } row_pass;
 
 /* Transforms row i of the block in place, folds it over lin's columns and stores its final statistics. */
-static fh_row_result fold_row(const row_pass *p, float *row, int64_t i)
+static fh_final_stats fold_row(const row_pass *p, float *row, int64_t i)
 {
     const int64_t vocab = p->lin->vocab;
-    const fh_row_stats *stats = p->stats;
+    const fh_token_stats *stats = p->stats;
     fh_row_transform(row, vocab, p->lin->bias, p->tf);
-    fh_row_state st = fh_row_state_initial();
+    fh_fold_state st = fh_fold_state_initial();
     fh_row_fold(row, vocab, 0, target_column(p->targets, i, vocab, 0), &p->request, &st);
-    const fh_row_result result = {st.max + log(st.sum_exp), st.z_target, st.sum_weighted_z,
+    const fh_final_stats result = {st.max + log(st.sum_exp), st.z_target, st.sum_weighted_z,
                                   st.sum_z_exp / st.sum_exp};
     stats->lse[i] = result.lse;
     stats->z_target[i] = result.z_target;
-    stats->sum_exp_scratch[i] = st.sum_exp;
+    stats->sum_exp[i] = st.sum_exp;
     if (stats->sum_weighted_z)
         stats->sum_weighted_z[i] = result.sum_weighted_z;
     if (stats->sum_pz)
@@ -190,37 +190,37 @@ static fh_row_result fold_row(const row_pass *p, float *row, int64_t i)
 }
 
 /* Row i's statistics as the block hook left them. */
-static fh_row_result stored_result(const fh_row_stats *s, int64_t i)
+static fh_final_stats stored_result(const fh_token_stats *s, int64_t i)
 {
-    const fh_row_result result = {s->lse[i], s->z_target[i], s->sum_weighted_z ? s->sum_weighted_z[i] : 0.0,
+    const fh_final_stats result = {s->lse[i], s->z_target[i], s->sum_weighted_z ? s->sum_weighted_z[i] : 0.0,
                                   s->sum_pz ? s->sum_pz[i] : 0.0};
     return result;
 }
 
 /* Overwrites row i's transformed logits with its dU. */
-static void gradient_row(const row_pass *p, float *row, int64_t i, const fh_row_result *result)
+static void gradient_row(const row_pass *p, float *row, int64_t i, const fh_final_stats *result)
 {
     const int64_t vocab = p->lin->vocab;
-    fh_row_coef k = {result->lse, 0.0, 0.0, 0.0, 0.0, result->sum_pz};
+    fh_coef k = {result->lse, 0.0, 0.0, 0.0, 0.0, result->sum_pz};
     p->coefs->row(p->coefs->self, i, result, &k);
     fh_row_gradient(row, vocab, target_column(p->targets, i, vocab, 0), p->class_weights, &k, p->tf);
 }
 
 /* The statistics of rows [i0, n) as arrays starting at row i0. */
-static fh_row_stats stats_from(const fh_row_stats *s, int64_t i0)
+static fh_token_stats stats_from(const fh_token_stats *s, int64_t i0)
 {
-    const fh_row_stats view = {s->lse + i0,
+    const fh_token_stats view = {s->lse + i0,
                                s->z_target + i0,
                                s->sum_weighted_z ? s->sum_weighted_z + i0 : NULL,
                                s->sum_pz ? s->sum_pz + i0 : NULL,
-                               s->sum_exp_scratch + i0,
+                               s->sum_exp + i0,
                                s->argmax ? s->argmax + i0 : NULL};
     return view;
 }
 
 fh_status fh_engine_row_blocks(const fh_context *ctx, const fh_plan *plan, const fh_workspace *ws,
                                const fh_linear *lin, const fh_transform *tf, const int64_t *targets,
-                               const float *class_weights, const fh_row_stats *stats,
+                               const float *class_weights, const fh_token_stats *stats,
                                const fh_coef_source *coefs, const fh_linear_grads *grads)
 {
     const int64_t n = lin->n, vocab = lin->vocab, hidden = lin->hidden;
@@ -238,7 +238,7 @@ fh_status fh_engine_row_blocks(const fh_context *ctx, const fh_plan *plan, const
             /* Fold, then the gradient while the row is still hot in cache. */
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t r = 0; r < nb; r++) {
-                const fh_row_result result = fold_row(&pass, tile + r * vocab, i0 + r);
+                const fh_final_stats result = fold_row(&pass, tile + r * vocab, i0 + r);
                 gradient_row(&pass, tile + r * vocab, i0 + r, &result);
             }
         } else {
@@ -246,13 +246,13 @@ fh_status fh_engine_row_blocks(const fh_context *ctx, const fh_plan *plan, const
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t r = 0; r < nb; r++)
                 fold_row(&pass, tile + r * vocab, i0 + r);
-            const fh_row_stats block = stats_from(stats, i0);
+            const fh_token_stats block = stats_from(stats, i0);
             const fh_status st = coefs->block(coefs->self, nb, &block);
             if (st != FH_OK)
                 return st;
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t r = 0; r < nb; r++) {
-                const fh_row_result result = stored_result(stats, i0 + r);
+                const fh_final_stats result = stored_result(stats, i0 + r);
                 gradient_row(&pass, tile + r * vocab, i0 + r, &result);
             }
         }

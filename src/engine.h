@@ -14,56 +14,56 @@ typedef struct fh_transform {
 } fh_transform;
 
 /* Per-token statistics of the transformed logits row. Arrays of n; optional ones may be NULL. */
-typedef struct fh_row_stats {
+typedef struct fh_token_stats {
     double *lse;              /* log sum_j exp(z_j) */
     double *z_target;         /* z at targets[i] when 0 <= targets[i] < V (else 0) */
     double *sum_weighted_z;   /* optional: sum_j w_j z_j (w = class_weights, or 1) */
     double *sum_pz;           /* optional: sum_j p_j z_j, so that the entropy is lse - sum_pz */
-    double *sum_exp_scratch;  /* running sum of exps, needed while streaming */
+    double *sum_exp;  /* running sum of exps, needed while streaming */
     int64_t *argmax;          /* optional: lowest index of the largest z */
-} fh_row_stats;
+} fh_token_stats;
 
 /* One row's final statistics, as a head sees them. */
-typedef struct fh_row_result {
+typedef struct fh_final_stats {
     double lse, z_target, sum_weighted_z, sum_pz;
-} fh_row_result;
+} fh_final_stats;
 
 /* One row's backward coefficients: dZ_j = a p_j + b [j = y] + c w_j + e p_j (z_j - sum_pz), with
  * p = softmax(z) = exp(z - lse); then dU = dZ * dz/du. */
-typedef struct fh_row_coef {
+typedef struct fh_coef {
     double lse, a, b, c, e, sum_pz;
-} fh_row_coef;
+} fh_coef;
 
 /* The same for every row, as arrays of n; e and sum_pz may be NULL (e = 0). */
-typedef struct fh_row_coefs {
+typedef struct fh_coef_arrays {
     const double *lse;
     const double *a;
     const double *b;
     const double *c;
     const double *e;
     const double *sum_pz;
-} fh_row_coefs;
+} fh_coef_arrays;
 
 /* Supplies a row's backward coefficients once its statistics are final (single-call train step). row is
  * called concurrently for different rows: it may only write row i's results. block, optional, is called
  * once per row block, on the calling thread, after every row of the block is folded and before any row's
  * coefficients: stats views the block's rows (arrays start at its first row) as fh_engine_forward leaves
- * them (lse, sum_pz final over lin's columns, sum_exp_scratch the sum of exps), and block may replace
+ * them (lse, sum_pz final over lin's columns, sum_exp the sum of exps), and block may replace
  * them, e.g. with statistics combined across vocabulary shards; a status other than FH_OK stops the
  * pass. */
 typedef struct fh_coef_source {
-    void (*row)(const void *self, int64_t i, const fh_row_result *stats, fh_row_coef *coef);
-    fh_status (*block)(const void *self, int64_t rows, const fh_row_stats *stats);
+    void (*row)(const void *self, int64_t i, const fh_final_stats *stats, fh_coef *coef);
+    fh_status (*block)(const void *self, int64_t rows, const fh_token_stats *stats);
     const void *self;
 } fh_coef_source;
 
 void fh_engine_forward(const fh_context *ctx, const fh_plan *plan, const fh_workspace *ws,
                        const fh_linear *lin, const fh_transform *tf, const int64_t *targets,
-                       const float *class_weights, const fh_row_stats *stats);
+                       const float *class_weights, const fh_token_stats *stats);
 
 void fh_engine_backward(const fh_context *ctx, const fh_plan *plan, const fh_workspace *ws,
                         const fh_linear *lin, const fh_transform *tf, const int64_t *targets,
-                        const float *class_weights, const fh_row_coefs *coefs, const fh_linear_grads *grads);
+                        const float *class_weights, const fh_coef_arrays *coefs, const fh_linear_grads *grads);
 
 /* Single-call train step over row blocks of plan->tile_rows x V (plan from fh_plan_make_row_blocks):
  * fills stats like fh_engine_forward and accumulates gradients like fh_engine_backward. Returns FH_OK, or
@@ -71,7 +71,7 @@ void fh_engine_backward(const fh_context *ctx, const fh_plan *plan, const fh_wor
  * written, dbias is not). */
 fh_status fh_engine_row_blocks(const fh_context *ctx, const fh_plan *plan, const fh_workspace *ws,
                                const fh_linear *lin, const fh_transform *tf, const int64_t *targets,
-                               const float *class_weights, const fh_row_stats *stats,
+                               const float *class_weights, const fh_token_stats *stats,
                                const fh_coef_source *coefs, const fh_linear_grads *grads);
 
 #endif

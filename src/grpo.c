@@ -5,7 +5,7 @@
 
 #include "blis_kernels.h"
 #include "linear.h"
-#include "tile_kernels.h"
+#include "row_kernels.h"
 
 #include <float.h>
 #include <math.h>
@@ -342,15 +342,15 @@ fh_grpo_head fh_grpo_head_in(const fh_workspace *ws, const fh_grpo_batch *bt, co
     return h;
 }
 
-fh_row_stats fh_grpo_stats_in(const fh_workspace *ws)
+fh_token_stats fh_grpo_stats_in(const fh_workspace *ws)
 {
-    const fh_row_stats stats = {ws->token[T_LSE], ws->token[T_A], NULL, ws->token[T_SUM_PZ], ws->token[T_C], NULL};
+    const fh_token_stats stats = {ws->token[T_LSE], ws->token[T_A], NULL, ws->token[T_SUM_PZ], ws->token[T_C], NULL};
     return stats;
 }
 
 void fh_grpo_token_values(const fh_workspace *ws, const fh_grpo_batch *bt, int64_t n, int64_t vocab)
 {
-    const fh_row_stats stats = fh_grpo_stats_in(ws);
+    const fh_token_stats stats = fh_grpo_stats_in(ws);
     for (int64_t i = 0; i < n; i++) {
         const int64_t id = bt->completion_ids[i];
         ws->token[T_LOGP][i] = id >= 0 && id < vocab ? stats.z_target[i] - stats.lse[i] : 0.0;
@@ -362,7 +362,7 @@ void fh_grpo_token_values(const fh_workspace *ws, const fh_grpo_batch *bt, int64
 static void forward_pass(fh_context *ctx, const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin,
                          const fh_grpo_batch *bt, const fh_grpo_options *o)
 {
-    const fh_row_stats stats = fh_grpo_stats_in(ws);
+    const fh_token_stats stats = fh_grpo_stats_in(ws);
     const fh_transform tf = fh_grpo_transform(o);
     fh_engine_forward(ctx, plan, ws, lin, &tf, bt->completion_ids, NULL, &stats);
     fh_grpo_token_values(ws, bt, lin->n, lin->vocab);
@@ -401,7 +401,7 @@ fh_grpo_head_outputs fh_grpo_backward_outputs(const fh_workspace *ws, fh_grpo_ou
     return hout;
 }
 
-fh_row_coefs fh_grpo_coefs_in(const fh_workspace *ws, int64_t n)
+fh_coef_arrays fh_grpo_coefs_in(const fh_workspace *ws, int64_t n)
 {
     double *a = ws->token[T_A], *b = ws->token[T_B], *c = ws->token[T_C], *e = ws->token[T_E];
     /* dZ_j = g_logp (onehot_j - p_j) - g_H p_j (z_j - sum_pz): a = -g_logp, b = g_logp, e = -g_H. */
@@ -410,7 +410,7 @@ fh_row_coefs fh_grpo_coefs_in(const fh_workspace *ws, int64_t n)
         c[i] = 0.0;
         e[i] = -e[i];
     }
-    const fh_row_coefs coefs = {ws->token[T_LSE], a, b, c, e, ws->token[T_SUM_PZ]};
+    const fh_coef_arrays coefs = {ws->token[T_LSE], a, b, c, e, ws->token[T_SUM_PZ]};
     return coefs;
 }
 
@@ -423,7 +423,7 @@ static void backward_pass(fh_context *ctx, const fh_plan *plan, const fh_workspa
     fh_grpo_head_prepare(&h, ws->token[T_LOGP]);
     const fh_grpo_head_outputs hout = fh_grpo_backward_outputs(ws, forward_out);
     head_evaluate(&h, ws->token[T_LOGP], ws->token[T_ENTROPY], grad, &hout);
-    const fh_row_coefs coefs = fh_grpo_coefs_in(ws, lin->n);
+    const fh_coef_arrays coefs = fh_grpo_coefs_in(ws, lin->n);
     const fh_transform tf = fh_grpo_transform(o);
     fh_engine_backward(ctx, plan, ws, lin, &tf, bt->completion_ids, NULL, &coefs, grads);
 }

@@ -47,7 +47,7 @@ fh_status fh_grpo_prepare(fh_context *ctx, const fh_linear *lin, int forward, in
                           fh_plan *backward_plan, fh_workspace *ws);
 fh_transform fh_grpo_transform(const fh_grpo_options *o);
 /* The engine's statistics arrays in the workspace. */
-fh_row_stats fh_grpo_stats_in(const fh_workspace *ws);
+fh_token_stats fh_grpo_stats_in(const fh_workspace *ws);
 /* logp (0 where the id is outside [0, vocab)) and entropy from the final statistics in the workspace. */
 void fh_grpo_token_values(const fh_workspace *ws, const fh_grpo_batch *bt, int64_t n, int64_t vocab);
 void fh_grpo_write_outputs(const fh_workspace *ws, int64_t n, fh_grpo_outputs *out);
@@ -68,6 +68,6 @@ void fh_grpo_head_finish(const fh_grpo_head *h, const fh_grpo_partials *p, const
 /* Head outputs of a backward pass: g_logp and g_entropy into the workspace, the rest to forward_out. */
 fh_grpo_head_outputs fh_grpo_backward_outputs(const fh_workspace *ws, fh_grpo_outputs *forward_out);
 /* The engine's coefficients from g_logp and g_entropy in the workspace. */
-fh_row_coefs fh_grpo_coefs_in(const fh_workspace *ws, int64_t n);
+fh_coef_arrays fh_grpo_coefs_in(const fh_workspace *ws, int64_t n);
 
 #endif

@@ -104,7 +104,7 @@ static fh_status global_norms(ce_call *c, int data)
 }
 
 /* The streaming forward on the shard, combined: stats end up whole-vocabulary, the outputs written. */
-static fh_status forward(ce_call *c, const fh_plan *plan, const fh_workspace *ws, const fh_row_stats *stats,
+static fh_status forward(ce_call *c, const fh_plan *plan, const fh_workspace *ws, const fh_token_stats *stats,
                          fh_ce_outputs *out)
 {
     const fh_transform tf = fh_ce_transform(c->o);
@@ -146,7 +146,7 @@ FH_MPI_API fh_status fh_mpi_ce_forward(fh_context *ctx, fh_mpi_layout *layout, c
     if (st != FH_OK)
         return st;
     shard_inputs(&c);
-    const fh_row_stats stats = fh_ce_stats_in(&ws, options, out);
+    const fh_token_stats stats = fh_ce_stats_in(&ws, options, out);
     return forward(&c, &plan, &ws, &stats, out);
 }
 
@@ -195,14 +195,14 @@ FH_MPI_API fh_status fh_mpi_ce_backward(fh_context *ctx, fh_mpi_layout *layout, 
         fhm_grads_free(&g);
         return st;
     }
-    const fh_row_coefs coefs = fh_ce_coefs_in(&ws, &c.h, lse, NULL);
+    const fh_coef_arrays coefs = fh_ce_coefs_in(&ws, &c.h, lse, NULL);
     const fh_transform tf = fh_ce_transform(options);
     fh_engine_backward(ctx, &plan, &ws, lin, &tf, c.engine_targets, fh_ce_engine_weights(options), &coefs, &g.engine);
     return fhm_grads_finish(layout, ctx, &g);
 }
 
 /* fh_coef_source of the row-block train step (self: const ce_call *). */
-static void row_coefs(const void *self, int64_t i, const fh_row_result *stats, fh_row_coef *k)
+static void row_coefs(const void *self, int64_t i, const fh_final_stats *stats, fh_coef *k)
 {
     const ce_call *c = self;
     fh_ce_row_coefs(&c->h, i, stats, k);
@@ -210,7 +210,7 @@ static void row_coefs(const void *self, int64_t i, const fh_row_result *stats, f
 
 /* The block's shard statistics become the whole vocabulary's. The targets' class weights were summed
  * before the pass (the norms need them), so no extra values ride along. */
-static fh_status combine_block(const void *self, int64_t rows, const fh_row_stats *stats)
+static fh_status combine_block(const void *self, int64_t rows, const fh_token_stats *stats)
 {
     const ce_call *c = self;
     return fhm_combine_stats(c->L, c->ctx, rows, stats, NULL, c->records);
@@ -253,7 +253,7 @@ FH_MPI_API fh_status fh_mpi_ce_forward_backward(fh_context *ctx, fh_mpi_layout *
         return st;
     }
     shard_inputs(&c);
-    const fh_row_stats stats = fh_ce_stats_in(&ws[0], options, out);
+    const fh_token_stats stats = fh_ce_stats_in(&ws[0], options, out);
     const fh_transform tf = fh_ce_transform(options);
     const float *weights = fh_ce_engine_weights(options);
     if (rows > 0) {
@@ -276,7 +276,7 @@ FH_MPI_API fh_status fh_mpi_ce_forward_backward(fh_context *ctx, fh_mpi_layout *
         /* Streaming: forward, the statistics' all-reduce, then backward from the double lse. */
         st = forward(&c, &plans[0], &ws[0], &stats, out);
         if (st == FH_OK) {
-            const fh_row_coefs coefs = fh_ce_coefs_in(&ws[1], &c.h, NULL, stats.lse);
+            const fh_coef_arrays coefs = fh_ce_coefs_in(&ws[1], &c.h, NULL, stats.lse);
             fh_engine_backward(ctx, &plans[1], &ws[1], lin, &tf, c.engine_targets, weights, &coefs, &g.engine);
         }
     }

@@ -85,11 +85,11 @@ static double shard_max(double lse, double sum_exp)
     return (double)(float)(lse - log(sum_exp));
 }
 
-static void pack(const fh_mpi_layout *L, int64_t n, const fh_row_stats *s, const double *extra, double *r)
+static void pack(const fh_mpi_layout *L, int64_t n, const fh_token_stats *s, const double *extra, double *r)
 {
     for (int64_t i = 0; i < n; i++, r += FHM_RECORD) {
         r[FHM_LSE] = s->lse[i];
-        r[FHM_MAX] = s->argmax ? shard_max(s->lse[i], s->sum_exp_scratch[i]) : 0.0;
+        r[FHM_MAX] = s->argmax ? shard_max(s->lse[i], s->sum_exp[i]) : 0.0;
         r[FHM_Z_TARGET] = s->z_target[i];
         r[FHM_SUM_WZ] = s->sum_weighted_z ? s->sum_weighted_z[i] : 0.0;
         r[FHM_SUM_PZ] = s->sum_pz ? s->sum_pz[i] : 0.0;
@@ -101,7 +101,7 @@ static void pack(const fh_mpi_layout *L, int64_t n, const fh_row_stats *s, const
     memcpy(r, tail, sizeof tail);
 }
 
-static void unpack(int64_t n, const double *r, const fh_row_stats *s, double *extra)
+static void unpack(int64_t n, const double *r, const fh_token_stats *s, double *extra)
 {
     for (int64_t i = 0; i < n; i++, r += FHM_RECORD) {
         s->lse[i] = r[FHM_LSE];
@@ -119,7 +119,7 @@ static void unpack(int64_t n, const double *r, const fh_row_stats *s, double *ex
         extra[n] = r[FHM_TARGET_WEIGHT];
 }
 
-static fh_status combine_packed(fh_mpi_layout *L, fh_context *ctx, int64_t n, const fh_row_stats *s, double *extra,
+static fh_status combine_packed(fh_mpi_layout *L, fh_context *ctx, int64_t n, const fh_token_stats *s, double *extra,
                                 double *records)
 {
     pack(L, n, s, extra, records);
@@ -132,7 +132,7 @@ static fh_status combine_packed(fh_mpi_layout *L, fh_context *ctx, int64_t n, co
 
 /* MPI_MAXLOC of (lse, 0) and (max, argmax), then MPI_SUM of (exp(lse_r - lse_max), sum_pz_r exp(..),
  * z_target, sum_weighted_z, extra). */
-static fh_status combine_two_step(fh_mpi_layout *L, fh_context *ctx, int64_t n, const fh_row_stats *s,
+static fh_status combine_two_step(fh_mpi_layout *L, fh_context *ctx, int64_t n, const fh_token_stats *s,
                                   double *extra, void *scratch)
 {
     const int64_t m = n + 1;
@@ -143,7 +143,7 @@ static fh_status combine_two_step(fh_mpi_layout *L, fh_context *ctx, int64_t n, 
         top[i].value = s->lse[i];
         top[i].index = 0;
         if (with_argmax) {
-            top[m + i].value = shard_max(s->lse[i], s->sum_exp_scratch[i]);
+            top[m + i].value = shard_max(s->lse[i], s->sum_exp[i]);
             top[m + i].index = (int)(s->argmax[i] + L->vocab_offset);
         }
     }
@@ -184,7 +184,7 @@ static fh_status combine_two_step(fh_mpi_layout *L, fh_context *ctx, int64_t n, 
     return FH_OK;
 }
 
-fh_status fhm_combine_stats(fh_mpi_layout *L, fh_context *ctx, int64_t n, const fh_row_stats *stats, double *extra,
+fh_status fhm_combine_stats(fh_mpi_layout *L, fh_context *ctx, int64_t n, const fh_token_stats *stats, double *extra,
                             void *records)
 {
     if (L->vocab_ranks == 1)

@@ -53,7 +53,7 @@ static void shard_ids(grpo_call *c)
 /* Streaming forward on the shard; leaves whole-vocabulary lse, sum_pz, logp and entropy in ws. */
 static fh_status forward_pass(grpo_call *c, const fh_plan *plan, const fh_workspace *ws)
 {
-    const fh_row_stats stats = fh_grpo_stats_in(ws);
+    const fh_token_stats stats = fh_grpo_stats_in(ws);
     const fh_transform tf = fh_grpo_transform(c->o);
     fh_engine_forward(c->ctx, plan, ws, c->lin, &tf, c->engine_ids, NULL, &stats);
     const fh_status st = fhm_combine_stats(c->L, c->ctx, c->lin->n, &stats, NULL, c->records);
@@ -102,7 +102,7 @@ static fh_status backward_pass(grpo_call *c, const fh_plan *plan, const fh_works
         fhm_grads_free(g);
         return st;
     }
-    const fh_row_coefs coefs = fh_grpo_coefs_in(ws, c->lin->n);
+    const fh_coef_arrays coefs = fh_grpo_coefs_in(ws, c->lin->n);
     const fh_transform tf = fh_grpo_transform(c->o);
     fh_engine_backward(c->ctx, plan, ws, c->lin, &tf, c->engine_ids, NULL, &coefs, &g->engine);
     return fhm_grads_finish(c->L, c->ctx, g);

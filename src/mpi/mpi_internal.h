@@ -50,12 +50,12 @@ int fhm_allreduce_sum(void *buf, int64_t count, MPI_Datatype type, MPI_Comm comm
 
 /* Combines per-token statistics over the vocab communicator (nothing to do with one rank). In: this
  * shard's stats as fh_engine_forward (or the row-block pass, to its block hook) leaves them (argmax a
- * shard index; sum_exp_scratch still the shard's sum of exps), extra optional: extra[0..n) values to sum
+ * shard index; sum_exp still the shard's sum of exps), extra optional: extra[0..n) values to sum
  * (a target's class weight on the rank that holds it) and extra[n] one more summed scalar. Out: the whole
  * vocabulary's lse, z_target, sum_weighted_z, sum_pz, argmax (global index), and the sums in extra.
  * records: scratch of fhm_combine_bytes(n). */
 size_t fhm_combine_bytes(int64_t n);
-fh_status fhm_combine_stats(fh_mpi_layout *L, fh_context *ctx, int64_t n, const fh_row_stats *stats, double *extra,
+fh_status fhm_combine_stats(fh_mpi_layout *L, fh_context *ctx, int64_t n, const fh_token_stats *stats, double *extra,
                             void *records);
 
 /* Targets local to this rank's shard: t - offset inside it, -1 elsewhere (and where ignored, when

@@ -1,6 +1,6 @@
-/* AVX-512 versions of the row kernels (same contracts as tile_kernels.h), with SLEEF's 1-ulp vector
+/* AVX-512 versions of the row kernels (same contracts as row_kernels.h), with SLEEF's 1-ulp vector
  * exp and tanh. Built with -mavx512f -mavx512dq -mfma and only called when the CPU has them. */
-#include "tile_kernels_impl.h"
+#include "row_kernels_impl.h"
 
 #include <immintrin.h>
 #include <math.h>
@@ -46,7 +46,7 @@ void fh_row_transform_avx512(float *z, int64_t count, const float *bias, const f
 }
 
 void fh_row_fold_avx512(const float *z, int64_t count, int64_t first_column, int64_t target_column,
-                        const fh_fold_request *request, fh_row_state *state)
+                        const fh_fold_request *request, fh_fold_state *state)
 {
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
     __m512 vmax = neg_inf;
@@ -103,7 +103,7 @@ void fh_row_fold_avx512(const float *z, int64_t count, int64_t first_column, int
 }
 
 void fh_row_gradient_avx512(float *z, int64_t count, int64_t target_column, const float *weights,
-                            const fh_row_coef *coef, const fh_transform *tf)
+                            const fh_coef *coef, const fh_transform *tf)
 {
     /* lse = hi + lo in floats: (z - hi) is exact near the maximum, so p keeps double-like accuracy. */
     const float lse_hi = (float)coef->lse, lse_lo = (float)(coef->lse - (double)lse_hi);

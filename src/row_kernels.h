@@ -1,19 +1,19 @@
 /* Elementwise work on one row of a logits tile. Tile rows are independent, so callers thread over
  * rows; every function is deterministic for a given row. */
-#ifndef FH_TILE_KERNELS_H
-#define FH_TILE_KERNELS_H
+#ifndef FH_ROW_KERNELS_H
+#define FH_ROW_KERNELS_H
 
 #include "engine.h"
 
 /* Running statistics of one token across tiles. */
-typedef struct fh_row_state {
+typedef struct fh_fold_state {
     double max;
     double sum_exp;        /* sum of exp(z - max) */
     double z_target;
     double sum_weighted_z;
     double sum_z_exp;      /* sum of z exp(z - max), for sum_j p_j z_j */
     int64_t argmax;
-} fh_row_state;
+} fh_fold_state;
 
 /* What a fold accumulates besides max, sum of exps, target logit and argmax. */
 typedef struct fh_fold_request {
@@ -23,7 +23,7 @@ typedef struct fh_fold_request {
 } fh_fold_request;
 
 /* A fresh state: max -inf, sums 0. */
-fh_row_state fh_row_state_initial(void);
+fh_fold_state fh_fold_state_initial(void);
 
 /* Chooses the implementation (AVX-512 or portable) once; call before threads use the kernels. */
 void fh_row_kernels_select(void);
@@ -36,12 +36,12 @@ void fh_row_transform(float *z, int64_t count, const float *bias, const fh_trans
 /* Folds count transformed logits (vocabulary columns first_column..) into state. target_column is
  * relative to the row (outside [0, count) when the target is not in this tile). */
 void fh_row_fold(const float *z, int64_t count, int64_t first_column, int64_t target_column,
-                 const fh_fold_request *request, fh_row_state *state);
+                 const fh_fold_request *request, fh_fold_state *state);
 
 /* Overwrites transformed logits z with dU = (a p + c w + e p (z - sum_pz) + b [j = target]) * dz/du,
  * p = exp(z - lse); weights may be NULL (all 1). (The target's b term is added after the loop:
  * (x + b) d and x d + b d differ only in rounding.) */
 void fh_row_gradient(float *z, int64_t count, int64_t target_column, const float *weights,
-                     const fh_row_coef *coef, const fh_transform *tf);
+                     const fh_coef *coef, const fh_transform *tf);
 
 #endif

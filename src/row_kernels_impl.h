@@ -1,29 +1,29 @@
-/* The implementations behind tile_kernels.h: portable C and AVX-512 (chosen once at run time), and the
+/* The implementations behind row_kernels.h: portable C and AVX-512 (chosen once at run time), and the
  * scalar helpers both share. */
-#ifndef FH_TILE_KERNELS_IMPL_H
-#define FH_TILE_KERNELS_IMPL_H
+#ifndef FH_ROW_KERNELS_IMPL_H
+#define FH_ROW_KERNELS_IMPL_H
 
-#include "tile_kernels.h"
+#include "row_kernels.h"
 
 /* Merges a tile's maximum, its argmax (absolute column), sum of exp(z - tile_max) and sum of
  * z exp(z - tile_max) into state. */
-void fh_row_merge(fh_row_state *state, float tile_max, int64_t tile_argmax, double tile_sum, double tile_sum_z);
+void fh_row_merge(fh_fold_state *state, float tile_max, int64_t tile_argmax, double tile_sum, double tile_sum_z);
 
 /* dz/du of the transform at transformed value z. */
 float fh_dz_du(float z, const fh_transform *tf);
 
 void fh_row_transform_portable(float *z, int64_t count, const float *bias, const fh_transform *tf);
 void fh_row_fold_portable(const float *z, int64_t count, int64_t first_column, int64_t target_column,
-                        const fh_fold_request *request, fh_row_state *state);
+                        const fh_fold_request *request, fh_fold_state *state);
 void fh_row_gradient_portable(float *z, int64_t count, int64_t target_column, const float *weights,
-                            const fh_row_coef *coef, const fh_transform *tf);
+                            const fh_coef *coef, const fh_transform *tf);
 
 #ifdef FH_HAVE_AVX512_KERNELS
 void fh_row_transform_avx512(float *z, int64_t count, const float *bias, const fh_transform *tf);
 void fh_row_fold_avx512(const float *z, int64_t count, int64_t first_column, int64_t target_column,
-                        const fh_fold_request *request, fh_row_state *state);
+                        const fh_fold_request *request, fh_fold_state *state);
 void fh_row_gradient_avx512(float *z, int64_t count, int64_t target_column, const float *weights,
-                            const fh_row_coef *coef, const fh_transform *tf);
+                            const fh_coef *coef, const fh_transform *tf);
 #endif
 
 #endif

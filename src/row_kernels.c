@@ -1,19 +1,19 @@
 /* Portable row kernels (fp32 values, double accumulators), the helpers shared with the AVX-512 ones, and
  * the run-time choice between them: AVX-512 when the CPU has it, unless FH_DISABLE_AVX512 is set in the
  * environment (tests use it to cover both). */
-#include "tile_kernels_impl.h"
+#include "row_kernels_impl.h"
 
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
 
-fh_row_state fh_row_state_initial(void)
+fh_fold_state fh_fold_state_initial(void)
 {
-    const fh_row_state st = {-INFINITY, 0.0, 0.0, 0.0, 0.0, 0};
+    const fh_fold_state st = {-INFINITY, 0.0, 0.0, 0.0, 0.0, 0};
     return st;
 }
 
-void fh_row_merge(fh_row_state *state, float tile_max, int64_t tile_argmax, double tile_sum, double tile_sum_z)
+void fh_row_merge(fh_fold_state *state, float tile_max, int64_t tile_argmax, double tile_sum, double tile_sum_z)
 {
     if (tile_max > state->max) {
         const double rescale = exp(state->max - (double)tile_max);
@@ -54,7 +54,7 @@ void fh_row_transform_portable(float *z, int64_t count, const float *bias, const
 }
 
 void fh_row_fold_portable(const float *z, int64_t count, int64_t first_column, int64_t target_column,
-                          const fh_fold_request *request, fh_row_state *state)
+                          const fh_fold_request *request, fh_fold_state *state)
 {
     float tile_max = -INFINITY;
     int64_t tile_argmax = -1;
@@ -90,7 +90,7 @@ void fh_row_fold_portable(const float *z, int64_t count, int64_t first_column, i
 }
 
 void fh_row_gradient_portable(float *z, int64_t count, int64_t target_column, const float *weights,
-                              const fh_row_coef *coef, const fh_transform *tf)
+                              const fh_coef *coef, const fh_transform *tf)
 {
     const float a = (float)coef->a, c = (float)coef->c, e = (float)coef->e, sum_pz = (float)coef->sum_pz;
     const int has_target = target_column >= 0 && target_column < count;
@@ -106,8 +106,8 @@ void fh_row_gradient_portable(float *z, int64_t count, int64_t target_column, co
 
 typedef struct kernel_set {
     void (*transform)(float *, int64_t, const float *, const fh_transform *);
-    void (*fold)(const float *, int64_t, int64_t, int64_t, const fh_fold_request *, fh_row_state *);
-    void (*gradient)(float *, int64_t, int64_t, const float *, const fh_row_coef *, const fh_transform *);
+    void (*fold)(const float *, int64_t, int64_t, int64_t, const fh_fold_request *, fh_fold_state *);
+    void (*gradient)(float *, int64_t, int64_t, const float *, const fh_coef *, const fh_transform *);
 } kernel_set;
 
 static kernel_set kernels = {fh_row_transform_portable, fh_row_fold_portable, fh_row_gradient_portable};
@@ -141,12 +141,12 @@ void fh_row_transform(float *z, int64_t count, const float *bias, const fh_trans
 }
 
 void fh_row_fold(const float *z, int64_t count, int64_t first_column, int64_t target_column,
-                 const fh_fold_request *request, fh_row_state *state)
+                 const fh_fold_request *request, fh_fold_state *state)
 {
     kernels.fold(z, count, first_column, target_column, request, state);
 }
 
-void fh_row_gradient(float *z, int64_t count, int64_t target_column, const float *weights, const fh_row_coef *coef,
+void fh_row_gradient(float *z, int64_t count, int64_t target_column, const float *weights, const fh_coef *coef,
                      const fh_transform *tf)
 {
     kernels.gradient(z, count, target_column, weights, coef, tf);
