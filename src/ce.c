@@ -1,10 +1,8 @@
 /* Cross-entropy head: option checks, per-token statistics -> loss, and loss -> backward coefficients.
- * Never touches tiles or BLIS; the engine does. */
+ * Never touches tiles or GEMMs; the engine does. */
 #include "ce_head.h"
 
-#include "blis_kernels.h"
 #include "linear.h"
-#include "row_kernels.h"
 
 #include <float.h>
 #include <math.h>
@@ -109,8 +107,6 @@ fh_status fh_ce_acquire(fh_context *ctx, const fh_linear *lin, const fh_plan *pl
     const fh_status st = fh_acquire_workspace(ctx, plan->bytes, &base);
     if (st == FH_OK) {
         *ws = fh_workspace_carve(plan, base, lin->n);
-        fh_blis_ensure_selected();
-        fh_row_kernels_select();
     }
     return st;
 }

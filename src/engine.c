@@ -4,8 +4,7 @@
  * re-accumulated per vocabulary tile. */
 #include "engine.h"
 
-#include "blis_kernels.h"
-#include "row_kernels.h"
+#include "gemm/gemm.h"
 
 #include <math.h>
 #include <omp.h>
@@ -23,14 +22,50 @@ static int64_t target_column(const int64_t *targets, int64_t i, int64_t vocab, i
     return targets[i] - v0;
 }
 
+static fh_gemm_input f32_input(const float *data, int64_t row_stride, int64_t col_stride)
+{
+    const fh_gemm_input view = {data, row_stride, col_stride, FH_ELEM_F32};
+    return view;
+}
+
+static fh_gemm_output f32_output(float *data, int64_t row_stride, int64_t col_stride)
+{
+    const fh_gemm_output view = {data, row_stride, col_stride, FH_ELEM_F32};
+    return view;
+}
+
 /* tile[nb x vb] = X[i0:i0+nb, :] W[:, v0:v0+vb]; the transform is applied per row by the caller, while
  * the row is hot in cache. */
-static void compute_logits(const fh_context *ctx, const fh_linear *lin, float *tile, int64_t i0, int64_t nb,
-                           int64_t v0, int64_t vb)
+static void compute_logits(const fh_linear *lin, float *tile, int64_t i0, int64_t nb, int64_t v0, int64_t vb,
+                           int threads)
 {
-    fh_sgemm(nb, vb, lin->hidden, lin->x + i0 * lin->x_row_stride, lin->x_row_stride, 1,
-             lin->weight + v0 * lin->w_stride_vocab, lin->w_stride_hidden, lin->w_stride_vocab, 0.0f, tile, vb, 1,
-             fh_threads(ctx, lin));
+    const fh_gemm_input x = f32_input(lin->x + i0 * lin->x_row_stride, lin->x_row_stride, 1);
+    const fh_gemm_input w =
+        f32_input(lin->weight + v0 * lin->w_stride_vocab, lin->w_stride_hidden, lin->w_stride_vocab);
+    const fh_gemm_output z = f32_output(tile, vb, 1);
+    fh_gemm(nb, vb, lin->hidden, &x, &w, 0, &z, threads);
+}
+
+/* dx[i0:i0+nb, :] (+)= dU W[:, v0:v0+vb]^T, dU the nb x vb tile. */
+static void add_dx(const fh_linear *lin, const fh_linear_grads *grads, const float *tile, int64_t i0, int64_t nb,
+                   int64_t v0, int64_t vb, int accumulate, int threads)
+{
+    const fh_gemm_input du = f32_input(tile, vb, 1);
+    const fh_gemm_input wt =
+        f32_input(lin->weight + v0 * lin->w_stride_vocab, lin->w_stride_vocab, lin->w_stride_hidden);
+    const fh_gemm_output dx = f32_output(grads->dx + i0 * grads->dx_row_stride, grads->dx_row_stride, 1);
+    fh_gemm(nb, lin->hidden, vb, &du, &wt, accumulate, &dx, threads);
+}
+
+/* dweight[:, v0:v0+vb] (+)= X[i0:i0+nb, :]^T dU. */
+static void add_dweight(const fh_linear *lin, const fh_linear_grads *grads, const float *tile, int64_t i0,
+                        int64_t nb, int64_t v0, int64_t vb, int accumulate, int threads)
+{
+    const fh_gemm_input xt = f32_input(lin->x + i0 * lin->x_row_stride, 1, lin->x_row_stride);
+    const fh_gemm_input du = f32_input(tile, vb, 1);
+    const fh_gemm_output dw =
+        f32_output(grads->dweight + v0 * lin->w_stride_vocab, lin->w_stride_hidden, lin->w_stride_vocab);
+    fh_gemm(lin->hidden, vb, nb, &xt, &du, accumulate, &dw, threads);
 }
 
 /* dbias = sum of columns, with beta: 0 overwrites without reading. */
@@ -81,7 +116,7 @@ void fh_engine_forward(const fh_context *ctx, const fh_plan *plan, const fh_work
         const float *bias = lin->bias ? lin->bias + v0 : NULL;
         for (int64_t i0 = 0; i0 < n; i0 += plan->tile_rows) {
             const int64_t nb = min64(plan->tile_rows, n - i0);
-            compute_logits(ctx, lin, ws->tile, i0, nb, v0, vb);
+            compute_logits(lin, ws->tile, i0, nb, v0, vb, threads);
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t r = 0; r < nb; r++) {
                 const int64_t i = i0 + r;
@@ -120,7 +155,7 @@ void fh_engine_backward(const fh_context *ctx, const fh_plan *plan, const fh_wor
                         const fh_linear *lin, const fh_transform *tf, const int64_t *targets,
                         const float *class_weights, const fh_coef_arrays *coefs, const fh_linear_grads *grads)
 {
-    const int64_t n = lin->n, vocab = lin->vocab, hidden = lin->hidden;
+    const int64_t n = lin->n, vocab = lin->vocab;
     const int threads = fh_threads(ctx, lin);
     for (int64_t v0 = 0; v0 < vocab; v0 += plan->tile_vocab) {
         const int64_t vb = min64(plan->tile_vocab, vocab - v0);
@@ -132,7 +167,7 @@ void fh_engine_backward(const fh_context *ctx, const fh_plan *plan, const fh_wor
         for (int64_t i0 = 0; i0 < n; i0 += plan->tile_rows) {
             const int64_t nb = min64(plan->tile_rows, n - i0);
             float *tile = ws->tile;
-            compute_logits(ctx, lin, tile, i0, nb, v0, vb);
+            compute_logits(lin, tile, i0, nb, v0, vb, threads);
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t r = 0; r < nb; r++) {
                 const int64_t i = i0 + r;
@@ -143,13 +178,9 @@ void fh_engine_backward(const fh_context *ctx, const fh_plan *plan, const fh_wor
             if (grads->dbias)
                 add_column_sums(tile, nb, vb, ws->column, threads);
             if (grads->dx)
-                fh_sgemm(nb, hidden, vb, tile, vb, 1, lin->weight + v0 * lin->w_stride_vocab, lin->w_stride_vocab,
-                         lin->w_stride_hidden, v0 == 0 ? grads->dx_beta : 1.0f,
-                         grads->dx + i0 * grads->dx_row_stride, grads->dx_row_stride, 1, threads);
+                add_dx(lin, grads, tile, i0, nb, v0, vb, v0 > 0 || grads->dx_beta != 0.0f, threads);
             if (grads->dweight)
-                fh_sgemm(hidden, vb, nb, lin->x + i0 * lin->x_row_stride, 1, lin->x_row_stride, tile, vb, 1,
-                         i0 == 0 ? grads->dweight_beta : 1.0f, grads->dweight + v0 * lin->w_stride_vocab,
-                         lin->w_stride_hidden, lin->w_stride_vocab, threads);
+                add_dweight(lin, grads, tile, i0, nb, v0, vb, i0 > 0 || grads->dweight_beta != 0.0f, threads);
         }
         if (grads->dbias)
             write_bias_gradient(grads, ws->column, v0, vb);
@@ -223,7 +254,7 @@ fh_status fh_engine_row_blocks(const fh_context *ctx, const fh_plan *plan, const
                                const float *class_weights, const fh_token_stats *stats,
                                const fh_coef_source *coefs, const fh_linear_grads *grads)
 {
-    const int64_t n = lin->n, vocab = lin->vocab, hidden = lin->hidden;
+    const int64_t n = lin->n, vocab = lin->vocab;
     const int threads = fh_threads(ctx, lin);
     const fh_fold_request request = {class_weights, stats->sum_weighted_z != NULL, stats->sum_pz != NULL};
     const row_pass pass = {lin, tf, targets, class_weights, request, stats, coefs};
@@ -233,7 +264,7 @@ fh_status fh_engine_row_blocks(const fh_context *ctx, const fh_plan *plan, const
             ws->column[j] = 0.0;
     for (int64_t i0 = 0; i0 < n; i0 += plan->tile_rows) {
         const int64_t nb = min64(plan->tile_rows, n - i0);
-        compute_logits(ctx, lin, tile, i0, nb, 0, vocab);
+        compute_logits(lin, tile, i0, nb, 0, vocab, threads);
         if (!coefs->block) {
             /* Fold, then the gradient while the row is still hot in cache. */
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -259,12 +290,9 @@ fh_status fh_engine_row_blocks(const fh_context *ctx, const fh_plan *plan, const
         if (grads->dbias)
             add_column_sums(tile, nb, vocab, ws->column, threads);
         if (grads->dx)
-            fh_sgemm(nb, hidden, vocab, tile, vocab, 1, lin->weight, lin->w_stride_vocab, lin->w_stride_hidden,
-                     grads->dx_beta, grads->dx + i0 * grads->dx_row_stride, grads->dx_row_stride, 1, threads);
+            add_dx(lin, grads, tile, i0, nb, 0, vocab, grads->dx_beta != 0.0f, threads);
         if (grads->dweight)
-            fh_sgemm(hidden, vocab, nb, lin->x + i0 * lin->x_row_stride, 1, lin->x_row_stride, tile, vocab, 1,
-                     i0 == 0 ? grads->dweight_beta : 1.0f, grads->dweight, lin->w_stride_hidden,
-                     lin->w_stride_vocab, threads);
+            add_dweight(lin, grads, tile, i0, nb, 0, vocab, i0 > 0 || grads->dweight_beta != 0.0f, threads);
     }
     if (grads->dbias)
         write_bias_gradient(grads, ws->column, 0, vocab);

@@ -1,17 +1,11 @@
-/* The engine: streams vocabulary tiles of Z = transform(X W + bias) through BLIS and either folds them
- * into per-token statistics (forward) or turns them into dZ from per-token coefficients and
+/* The engine: streams vocabulary tiles of Z = transform(X W + bias) through the GEMM layer and either
+ * folds them into per-token statistics (forward) or turns them into dZ from per-token coefficients and
  * accumulates the gradient GEMMs (backward). Heads never touch tiles; the engine knows no loss. */
 #ifndef FH_ENGINE_H
 #define FH_ENGINE_H
 
 #include "plan.h"
-
-/* Elementwise transform of the raw logits u: z = cap(u) * inv_temperature, cap(u) = c tanh(u / c)
- * when softcap c > 0, else u. */
-typedef struct fh_transform {
-    float softcap;
-    float inv_temperature;
-} fh_transform;
+#include "row_kernels.h"
 
 /* Per-token statistics of the transformed logits row. Arrays of n; optional ones may be NULL. */
 typedef struct fh_token_stats {
@@ -28,13 +22,7 @@ typedef struct fh_final_stats {
     double lse, z_target, sum_weighted_z, sum_pz;
 } fh_final_stats;
 
-/* One row's backward coefficients: dZ_j = a p_j + b [j = y] + c w_j + e p_j (z_j - sum_pz), with
- * p = softmax(z) = exp(z - lse); then dU = dZ * dz/du. */
-typedef struct fh_coef {
-    double lse, a, b, c, e, sum_pz;
-} fh_coef;
-
-/* The same for every row, as arrays of n; e and sum_pz may be NULL (e = 0). */
+/* Every row's backward coefficients (fh_coef), as arrays of n; e and sum_pz may be NULL (e = 0). */
 typedef struct fh_coef_arrays {
     const double *lse;
     const double *a;

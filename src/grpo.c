@@ -3,9 +3,7 @@
  * file is scalar math on [B, T] vectors. */
 #include "grpo_head.h"
 
-#include "blis_kernels.h"
 #include "linear.h"
-#include "row_kernels.h"
 
 #include <float.h>
 #include <math.h>
@@ -315,8 +313,6 @@ fh_status fh_grpo_prepare(fh_context *ctx, const fh_linear *lin, int forward, in
     if (st == FH_OK) {
         ws[0] = fh_workspace_carve(forward ? forward_plan : backward_plan, base, lin->n);
         ws[1] = fh_workspace_carve(backward ? backward_plan : forward_plan, base, lin->n);
-        fh_blis_ensure_selected();
-        fh_row_kernels_select();
     }
     return st;
 }

@@ -124,30 +124,31 @@ static void choose_kernels(void)
 #endif
 }
 
-void fh_row_kernels_select(void)
+/* The chosen set; pthread_once makes the first choice visible to every thread (one atomic load after). */
+static const kernel_set *chosen(void)
 {
     pthread_once(&kernels_once, choose_kernels);
+    return &kernels;
 }
 
 const char *fh_row_kernels_name(void)
 {
-    fh_row_kernels_select();
-    return kernels.fold == fh_row_fold_portable ? "portable" : "avx512";
+    return chosen()->fold == fh_row_fold_portable ? "portable" : "avx512";
 }
 
 void fh_row_transform(float *z, int64_t count, const float *bias, const fh_transform *tf)
 {
-    kernels.transform(z, count, bias, tf);
+    chosen()->transform(z, count, bias, tf);
 }
 
 void fh_row_fold(const float *z, int64_t count, int64_t first_column, int64_t target_column,
                  const fh_fold_request *request, fh_fold_state *state)
 {
-    kernels.fold(z, count, first_column, target_column, request, state);
+    chosen()->fold(z, count, first_column, target_column, request, state);
 }
 
 void fh_row_gradient(float *z, int64_t count, int64_t target_column, const float *weights, const fh_coef *coef,
                      const fh_transform *tf)
 {
-    kernels.gradient(z, count, target_column, weights, coef, tf);
+    chosen()->gradient(z, count, target_column, weights, coef, tf);
 }

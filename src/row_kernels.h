@@ -3,7 +3,20 @@
 #ifndef FH_ROW_KERNELS_H
 #define FH_ROW_KERNELS_H
 
-#include "engine.h"
+#include <stdint.h>
+
+/* Elementwise transform of the raw logits u: z = cap(u) * inv_temperature, cap(u) = c tanh(u / c)
+ * when softcap c > 0, else u. */
+typedef struct fh_transform {
+    float softcap;
+    float inv_temperature;
+} fh_transform;
+
+/* One row's backward coefficients: dZ_j = a p_j + b [j = y] + c w_j + e p_j (z_j - sum_pz), with
+ * p = softmax(z) = exp(z - lse); then dU = dZ * dz/du. */
+typedef struct fh_coef {
+    double lse, a, b, c, e, sum_pz;
+} fh_coef;
 
 /* Running statistics of one token across tiles. */
 typedef struct fh_fold_state {
@@ -25,8 +38,8 @@ typedef struct fh_fold_request {
 /* A fresh state: max -inf, sums 0. */
 fh_fold_state fh_fold_state_initial(void);
 
-/* Chooses the implementation (AVX-512 or portable) once; call before threads use the kernels. */
-void fh_row_kernels_select(void);
+/* The implementation (AVX-512 or portable) is chosen once, at the first call of any function below. */
+
 /* "avx512" or "portable". */
 const char *fh_row_kernels_name(void);
 

@@ -2,12 +2,9 @@
  * kernels, about 5x slower than its skx kernels on the same AVX-512 hardware. BLIS reads
  * BLIS_ARCH_TYPE (an integer arch_t id in 0.9.0) once, when it initialises, and its per-configuration
  * context functions are not exported; so the only way to choose is to set that variable before BLIS
- * initialises. We do it when the library is loaded (and again, idempotently, before any BLIS call),
- * and never when the user has set BLIS_ARCH_TYPE. */
-#include "blis_kernels.h"
-
-#include "fusedhead.h"
-#include "row_kernels.h"
+ * initialises. We do it when the library is loaded (and again, idempotently, before any BLIS call of
+ * ours), and never when the user has set BLIS_ARCH_TYPE. */
+#include "blis_provider.h"
 
 #include <blis.h>
 #include <pthread.h>
@@ -40,34 +37,31 @@ static void select_kernels(void)
     }
 }
 
-__attribute__((constructor)) static void select_at_load(void)
-{
-    fh_blis_ensure_selected();
-}
-
-void fh_blis_ensure_selected(void)
+static void ensure_selected(void)
 {
     pthread_once(&selection_once, select_kernels);
 }
 
-FH_API fh_status fh_blis_query(fh_blis_info *info)
+__attribute__((constructor)) static void select_at_load(void)
 {
-    if (!info)
-        return FH_ERR_NULL_POINTER;
-    fh_blis_ensure_selected();
+    ensure_selected();
+}
+
+void fh_blis_kernel_set(fh_blis_info *info)
+{
+    ensure_selected();
     /* bli_arch_query_id() before initialisation aborts inside BLIS when BLIS_ARCH_TYPE is set. */
     bli_init();
     const arch_t id = bli_arch_query_id();
     info->kernel_set = bli_arch_string(id);
     info->selected_by_library = library_choice >= 0 && (int)id == library_choice;
     info->user_override = user_override;
-    info->elementwise = fh_row_kernels_name();
-    return FH_OK;
 }
 
-void fh_sgemm(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa, int64_t csa, const float *b,
-              int64_t rsb, int64_t csb, float beta, float *c, int64_t rsc, int64_t csc, int threads)
+void fh_blis_sgemm(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa, int64_t csa, const float *b,
+                   int64_t rsb, int64_t csb, float beta, float *c, int64_t rsc, int64_t csc, int threads)
 {
+    ensure_selected();
     float one = 1.0f;
     rntm_t rntm = BLIS_RNTM_INITIALIZER;
     bli_rntm_set_num_threads(threads, &rntm);
