@@ -52,21 +52,20 @@ static fh_status check_options(fh_context *ctx, const fh_linear *lin, const int6
 fh_status fh_ce_check_call(fh_context *ctx, const fh_linear *lin, const int64_t *targets, const fh_ce_options *o,
                            int64_t target_vocab)
 {
-    if (!ctx)
-        return FH_ERR_NULL_POINTER;
-    fh_clear_message(ctx);
-    fh_status st = fh_check_linear(ctx, lin);
-    if (st == FH_OK)
-        st = fh_check_finite(ctx, lin);
-    if (st == FH_OK)
-        st = check_options(ctx, lin, targets, o, target_vocab);
-    return st;
+    const fh_status st = fh_check_call(ctx, lin);
+    return st == FH_OK ? check_options(ctx, lin, targets, o, target_vocab) : st;
 }
 
-fh_transform fh_ce_transform(const fh_ce_options *o)
+fh_engine_pass fh_ce_pass(const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin, const int64_t *targets,
+                          const fh_ce_options *o)
 {
-    const fh_transform tf = {(float)o->softcap, 1.0f};
-    return tf;
+    const fh_engine_pass p = {.plan = plan,
+                              .ws = ws,
+                              .lin = lin,
+                              .tf = {(float)o->softcap, 1.0f},
+                              .targets = targets,
+                              .class_weights = o->label_smoothing > 0.0 ? o->class_weights : NULL};
+    return p;
 }
 
 static double target_weight(const fh_ce_head *h, int64_t i)
@@ -101,42 +100,12 @@ static double safe_inverse(double x)
     return x > 0.0 ? 1.0 / x : 0.0;
 }
 
-fh_status fh_ce_acquire(fh_context *ctx, const fh_linear *lin, const fh_plan *plan, fh_workspace *ws)
-{
-    void *base = NULL;
-    const fh_status st = fh_acquire_workspace(ctx, plan->bytes, &base);
-    if (st == FH_OK) {
-        *ws = fh_workspace_carve(plan, base, lin->n);
-    }
-    return st;
-}
-
-
-/* The train step's plan: row blocks when they fit the budget, else the streaming backward's tiles (the
- * fallback runs both streaming passes in them). */
-fh_status fh_ce_plan_train_step(fh_context *ctx, const fh_linear *lin, fh_plan *plan, int *row_blocks)
-{
-    *row_blocks = fh_plan_make_row_blocks(ctx, lin, plan) == 0;
-    return *row_blocks ? FH_OK : fh_plan_make(ctx, lin, FH_CALL_BACKWARD, plan);
-}
-
 static fh_status workspace_query(const fh_context *ctx, const fh_linear *lin, const fh_ce_options *options,
                                  int train_step, size_t *bytes)
 {
     if (!ctx || !bytes || !options)
         return FH_ERR_NULL_POINTER;
-    fh_context scratch = *ctx; /* the query is pure: messages go to a copy */
-    fh_status st = fh_check_linear(&scratch, lin);
-    if (st != FH_OK)
-        return st;
-    if (!train_step)
-        return fh_plan_streaming_bytes(&scratch, lin, bytes);
-    fh_plan plan;
-    int row_blocks;
-    st = fh_ce_plan_train_step(&scratch, lin, &plan, &row_blocks);
-    if (st == FH_OK)
-        *bytes = plan.bytes;
-    return st;
+    return fh_plan_query_bytes(ctx, lin, train_step, bytes);
 }
 
 FH_API fh_status fh_ce_workspace_size(const fh_context *ctx, const fh_linear *lin, const fh_ce_options *options,
@@ -158,11 +127,6 @@ fh_ce_head fh_ce_head_of(const fh_linear *lin, const int64_t *targets, const fh_
                     (double)lin->vocab, NULL};
     h.nm = fh_ce_local_norms(&h);
     return h;
-}
-
-const float *fh_ce_engine_weights(const fh_ce_options *o)
-{
-    return o->label_smoothing > 0.0 ? o->class_weights : NULL;
 }
 
 /* d ce_i / d z_j = (1-eps) w_y (p_j - [j=y]) + eps/V (W p_j - w_j),  d zl_i / d z_j = 2 s lse p_j,
@@ -265,8 +229,13 @@ fh_status fh_ce_check_backward_inputs(fh_context *ctx, const fh_linear *lin, con
 /* Statistics arrays in the workspace; sum_weighted_z only with label smoothing, argmax only on request. */
 fh_token_stats fh_ce_stats_in(const fh_workspace *ws, const fh_ce_options *o, const fh_ce_outputs *out)
 {
-    const fh_token_stats stats = {ws->token[0], ws->token[1], o->label_smoothing > 0.0 ? ws->token[2] : NULL, NULL,
-                                ws->token[3], out->argmax ? (int64_t *)ws->token[4] : NULL};
+    double *const *slot = ws->slot;
+    const fh_token_stats stats = {slot[FH_CE_SLOT_LSE],
+                                  slot[FH_CE_SLOT_Z_TARGET_THEN_A],
+                                  o->label_smoothing > 0.0 ? slot[FH_CE_SLOT_SUM_WZ_THEN_B] : NULL,
+                                  NULL,
+                                  slot[FH_CE_SLOT_SUM_EXP_THEN_C],
+                                  out->argmax ? (int64_t *)slot[FH_CE_SLOT_ARGMAX] : NULL};
     return stats;
 }
 
@@ -274,7 +243,8 @@ fh_token_stats fh_ce_stats_in(const fh_workspace *ws, const fh_ce_options *o, co
 fh_coef_arrays fh_ce_coefs_in(const fh_workspace *ws, const fh_ce_head *h, const float *lse_float,
                             const double *lse_double)
 {
-    double *lse = ws->token[0], *a = ws->token[1], *b = ws->token[2], *c = ws->token[3];
+    double *lse = ws->slot[FH_CE_SLOT_LSE], *a = ws->slot[FH_CE_SLOT_Z_TARGET_THEN_A],
+           *b = ws->slot[FH_CE_SLOT_SUM_WZ_THEN_B], *c = ws->slot[FH_CE_SLOT_SUM_EXP_THEN_C];
     for (int64_t i = 0; i < h->lin->n; i++) {
         lse[i] = lse_float ? (double)lse_float[i] : lse_double[i];
         const fh_final_stats stats = {lse[i], 0.0, 0.0, 0.0};
@@ -297,15 +267,16 @@ FH_API fh_status fh_ce_forward(fh_context *ctx, const fh_linear *lin, const int6
     fh_plan plan;
     fh_workspace ws;
     if (st == FH_OK)
-        st = fh_plan_make(ctx, lin, FH_CALL_FORWARD, &plan);
+        st = fh_plan_make(ctx, lin, FH_CALL_FORWARD, &plan, ctx);
     if (st == FH_OK)
-        st = fh_ce_acquire(ctx, lin, &plan, &ws);
+        st = fh_workspace_acquire(ctx, lin->n, &plan, 1, &ws);
     if (st != FH_OK)
         return st;
     const fh_ce_head h = fh_ce_head_of(lin, targets, options, NULL);
     const fh_token_stats stats = fh_ce_stats_in(&ws, options, out);
-    const fh_transform tf = fh_ce_transform(options);
-    fh_engine_forward(ctx, &plan, &ws, lin, &tf, targets, fh_ce_engine_weights(options), &stats);
+    fh_engine_pass pass = fh_ce_pass(&plan, &ws, lin, targets, options);
+    pass.stats = &stats;
+    fh_engine_forward(&pass);
     write_outputs(&h, &stats, out);
     return FH_OK;
 }
@@ -322,15 +293,17 @@ FH_API fh_status fh_ce_backward(fh_context *ctx, const fh_linear *lin, const int
     fh_plan plan;
     fh_workspace ws;
     if (st == FH_OK)
-        st = fh_plan_make(ctx, lin, FH_CALL_BACKWARD, &plan);
+        st = fh_plan_make(ctx, lin, FH_CALL_BACKWARD, &plan, ctx);
     if (st == FH_OK)
-        st = fh_ce_acquire(ctx, lin, &plan, &ws);
+        st = fh_workspace_acquire(ctx, lin->n, &plan, 1, &ws);
     if (st != FH_OK)
         return st;
     const fh_ce_head h = fh_ce_head_of(lin, targets, options, grad_output);
     const fh_coef_arrays coefs = fh_ce_coefs_in(&ws, &h, lse, NULL);
-    const fh_transform tf = fh_ce_transform(options);
-    fh_engine_backward(ctx, &plan, &ws, lin, &tf, targets, fh_ce_engine_weights(options), &coefs, grads);
+    fh_engine_pass pass = fh_ce_pass(&plan, &ws, lin, targets, options);
+    pass.coefs = &coefs;
+    pass.grads = grads;
+    fh_engine_backward(&pass);
     return FH_OK;
 }
 
@@ -347,26 +320,29 @@ FH_API fh_status fh_ce_forward_backward(fh_context *ctx, const fh_linear *lin, c
     fh_workspace ws;
     int row_blocks = 0;
     if (st == FH_OK)
-        st = fh_ce_plan_train_step(ctx, lin, &plan, &row_blocks);
+        st = fh_plan_train_step(ctx, lin, &plan, &row_blocks, ctx);
     if (st == FH_OK)
-        st = fh_ce_acquire(ctx, lin, &plan, &ws);
+        st = fh_workspace_acquire(ctx, lin->n, &plan, 1, &ws);
     if (st != FH_OK)
         return st;
     const fh_ce_head h = fh_ce_head_of(lin, targets, options, grad_output);
     const fh_token_stats stats = fh_ce_stats_in(&ws, options, out);
-    const fh_transform tf = fh_ce_transform(options);
-    const float *weights = fh_ce_engine_weights(options);
+    fh_engine_pass pass = fh_ce_pass(&plan, &ws, lin, targets, options);
+    pass.stats = &stats;
+    pass.grads = grads;
     if (row_blocks) {
         const fh_coef_source source = {fh_ce_row_coefs, NULL, &h};
-        st = fh_engine_row_blocks(ctx, &plan, &ws, lin, &tf, targets, weights, &stats, &source, grads);
+        pass.source = &source;
+        st = fh_engine_row_blocks(&pass);
         if (st == FH_OK)
             write_outputs(&h, &stats, out);
         return st;
     }
-    /* Streaming fallback: forward, then backward from the double lse (lse stays in token[0]). */
-    fh_engine_forward(ctx, &plan, &ws, lin, &tf, targets, weights, &stats);
+    /* Streaming fallback: forward, then backward from the double lse (it stays in its slot). */
+    fh_engine_forward(&pass);
     write_outputs(&h, &stats, out);
     const fh_coef_arrays coefs = fh_ce_coefs_in(&ws, &h, NULL, stats.lse);
-    fh_engine_backward(ctx, &plan, &ws, lin, &tf, targets, weights, &coefs, grads);
+    pass.coefs = &coefs;
+    fh_engine_backward(&pass);
     return FH_OK;
 }

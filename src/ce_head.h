@@ -6,6 +6,16 @@
 
 #include "engine.h"
 
+/* Workspace slots: the forward's statistics, then (backward) the coefficients in the same slots. */
+enum {
+    FH_CE_SLOT_LSE,
+    FH_CE_SLOT_Z_TARGET_THEN_A,
+    FH_CE_SLOT_SUM_WZ_THEN_B,
+    FH_CE_SLOT_SUM_EXP_THEN_C,
+    FH_CE_SLOT_ARGMAX,
+    FH_CE_SLOTS
+};
+
 /* Denominators of the mean: sum of the targets' class weights (cross-entropy part) and the count of
  * non-ignored tokens (z-loss part), both over non-ignored tokens. */
 typedef struct fh_ce_norms {
@@ -40,9 +50,10 @@ fh_ce_head fh_ce_head_of(const fh_linear *lin, const int64_t *targets, const fh_
 /* Norms over h->lin's tokens (through h->target_weights when set) and h->lin's vocabulary columns. */
 fh_ce_norms fh_ce_local_norms(const fh_ce_head *h);
 
-fh_transform fh_ce_transform(const fh_ce_options *o);
-/* Class weights as the engine needs them: only the label-smoothing terms use w_j. */
-const float *fh_ce_engine_weights(const fh_ce_options *o);
+/* An engine pass of the head's transform and class weights (only the label-smoothing terms use w_j) over
+ * targets (shard-local ones with vocabulary parallelism); the caller adds stats, coefs, source, grads. */
+fh_engine_pass fh_ce_pass(const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin, const int64_t *targets,
+                          const fh_ce_options *o);
 
 /* fh_coef_source callback (self: const fh_ce_head *). */
 void fh_ce_row_coefs(const void *self, int64_t i, const fh_final_stats *stats, fh_coef *k);
@@ -53,13 +64,9 @@ void fh_ce_write_token_outputs(const fh_ce_head *h, const fh_token_stats *stats,
 /* Reduces the totals (mean: divided by the head's norms) into out->loss and out->z_loss. */
 void fh_ce_write_loss(const fh_ce_head *h, const double totals[2], fh_ce_outputs *out);
 
-/* Workspace: the plan's buffer, carved. */
-fh_status fh_ce_acquire(fh_context *ctx, const fh_linear *lin, const fh_plan *plan, fh_workspace *ws);
-/* Row blocks when they fit the budget (*row_blocks = 1), else the streaming backward's plan. */
-fh_status fh_ce_plan_train_step(fh_context *ctx, const fh_linear *lin, fh_plan *plan, int *row_blocks);
-/* Statistics arrays in the workspace (token arrays 0..4). */
+/* Statistics arrays in the workspace's slots. */
 fh_token_stats fh_ce_stats_in(const fh_workspace *ws, const fh_ce_options *o, const fh_ce_outputs *out);
-/* Backward coefficients for every row into token arrays 0..3, from lse (float or double). */
+/* Backward coefficients for every row into the workspace's slots, from lse (float or double). */
 fh_coef_arrays fh_ce_coefs_in(const fh_workspace *ws, const fh_ce_head *h, const float *lse_float,
                             const double *lse_double);
 

@@ -36,36 +36,39 @@ static fh_gemm_output f32_output(float *data, int64_t row_stride, int64_t col_st
 
 /* tile[nb x vb] = X[i0:i0+nb, :] W[:, v0:v0+vb]; the transform is applied per row by the caller, while
  * the row is hot in cache. */
-static void compute_logits(const fh_linear *lin, float *tile, int64_t i0, int64_t nb, int64_t v0, int64_t vb,
-                           int threads)
+static void compute_logits(const fh_engine_pass *p, float *tile, int64_t i0, int64_t nb, int64_t v0, int64_t vb)
 {
+    const fh_linear *lin = p->lin;
     const fh_gemm_input x = f32_input(lin->x + i0 * lin->x_row_stride, lin->x_row_stride, 1);
     const fh_gemm_input w =
         f32_input(lin->weight + v0 * lin->w_stride_vocab, lin->w_stride_hidden, lin->w_stride_vocab);
     const fh_gemm_output z = f32_output(tile, vb, 1);
-    fh_gemm(nb, vb, lin->hidden, &x, &w, 0, &z, threads);
+    fh_gemm(nb, vb, lin->hidden, &x, &w, 0, &z, p->plan->threads);
 }
 
 /* dx[i0:i0+nb, :] (+)= dU W[:, v0:v0+vb]^T, dU the nb x vb tile. */
-static void add_dx(const fh_linear *lin, const fh_linear_grads *grads, const float *tile, int64_t i0, int64_t nb,
-                   int64_t v0, int64_t vb, int accumulate, int threads)
+static void add_dx(const fh_engine_pass *p, const float *tile, int64_t i0, int64_t nb, int64_t v0, int64_t vb,
+                   int accumulate)
 {
+    const fh_linear *lin = p->lin;
+    const fh_linear_grads *grads = p->grads;
     const fh_gemm_input du = f32_input(tile, vb, 1);
     const fh_gemm_input wt =
         f32_input(lin->weight + v0 * lin->w_stride_vocab, lin->w_stride_vocab, lin->w_stride_hidden);
     const fh_gemm_output dx = f32_output(grads->dx + i0 * grads->dx_row_stride, grads->dx_row_stride, 1);
-    fh_gemm(nb, lin->hidden, vb, &du, &wt, accumulate, &dx, threads);
+    fh_gemm(nb, lin->hidden, vb, &du, &wt, accumulate, &dx, p->plan->threads);
 }
 
 /* dweight[:, v0:v0+vb] (+)= X[i0:i0+nb, :]^T dU. */
-static void add_dweight(const fh_linear *lin, const fh_linear_grads *grads, const float *tile, int64_t i0,
-                        int64_t nb, int64_t v0, int64_t vb, int accumulate, int threads)
+static void add_dweight(const fh_engine_pass *p, const float *tile, int64_t i0, int64_t nb, int64_t v0, int64_t vb,
+                        int accumulate)
 {
+    const fh_linear *lin = p->lin;
     const fh_gemm_input xt = f32_input(lin->x + i0 * lin->x_row_stride, 1, lin->x_row_stride);
     const fh_gemm_input du = f32_input(tile, vb, 1);
     const fh_gemm_output dw =
-        f32_output(grads->dweight + v0 * lin->w_stride_vocab, lin->w_stride_hidden, lin->w_stride_vocab);
-    fh_gemm(lin->hidden, vb, nb, &xt, &du, accumulate, &dw, threads);
+        f32_output(p->grads->dweight + v0 * lin->w_stride_vocab, lin->w_stride_hidden, lin->w_stride_vocab);
+    fh_gemm(lin->hidden, vb, nb, &xt, &du, accumulate, &dw, p->plan->threads);
 }
 
 /* dbias = sum of columns, with beta: 0 overwrites without reading. */
@@ -90,124 +93,117 @@ static void add_column_sums(const float *tile, int64_t rows, int64_t cols, doubl
     }
 }
 
-void fh_engine_forward(const fh_context *ctx, const fh_plan *plan, const fh_workspace *ws,
-                       const fh_linear *lin, const fh_transform *tf, const int64_t *targets,
-                       const float *class_weights, const fh_token_stats *stats)
+void fh_engine_forward(const fh_engine_pass *p)
 {
+    const fh_linear *lin = p->lin;
+    const fh_token_stats *stats = p->stats;
     const int64_t n = lin->n, vocab = lin->vocab;
-    const int threads = fh_threads(ctx, lin);
+    const int threads = p->plan->threads;
+    /* Until the end, lse's array holds the running max and sum_pz's the running sum of z exp(z - max). */
+    double *const running_max = stats->lse, *const running_sum_z_exp = stats->sum_pz;
     const fh_fold_state initial = fh_fold_state_initial();
-    /* lse holds the running max and sum_pz the running sum of z exp(z - max) until the end. */
     for (int64_t i = 0; i < n; i++) {
-        stats->lse[i] = initial.max;
+        running_max[i] = initial.max;
         stats->sum_exp[i] = 0.0;
         stats->z_target[i] = 0.0;
         if (stats->sum_weighted_z)
             stats->sum_weighted_z[i] = 0.0;
-        if (stats->sum_pz)
-            stats->sum_pz[i] = 0.0;
+        if (running_sum_z_exp)
+            running_sum_z_exp[i] = 0.0;
         if (stats->argmax)
             stats->argmax[i] = 0;
     }
-    for (int64_t v0 = 0; v0 < vocab; v0 += plan->tile_vocab) {
-        const int64_t vb = min64(plan->tile_vocab, vocab - v0);
-        const fh_fold_request request = {class_weights ? class_weights + v0 : NULL, stats->sum_weighted_z != NULL,
-                                         stats->sum_pz != NULL};
+    for (int64_t v0 = 0; v0 < vocab; v0 += p->plan->tile_vocab) {
+        const int64_t vb = min64(p->plan->tile_vocab, vocab - v0);
+        const fh_fold_request request = {p->class_weights ? p->class_weights + v0 : NULL,
+                                         stats->sum_weighted_z != NULL, running_sum_z_exp != NULL};
         const float *bias = lin->bias ? lin->bias + v0 : NULL;
-        for (int64_t i0 = 0; i0 < n; i0 += plan->tile_rows) {
-            const int64_t nb = min64(plan->tile_rows, n - i0);
-            compute_logits(lin, ws->tile, i0, nb, v0, vb, threads);
+        for (int64_t i0 = 0; i0 < n; i0 += p->plan->tile_rows) {
+            const int64_t nb = min64(p->plan->tile_rows, n - i0);
+            float *tile = p->ws->tile;
+            compute_logits(p, tile, i0, nb, v0, vb);
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t r = 0; r < nb; r++) {
                 const int64_t i = i0 + r;
-                fh_row_transform(ws->tile + r * vb, vb, bias, tf);
-                fh_fold_state st = {stats->lse[i], stats->sum_exp[i], stats->z_target[i],
-                                   stats->sum_weighted_z ? stats->sum_weighted_z[i] : 0.0,
-                                   stats->sum_pz ? stats->sum_pz[i] : 0.0, stats->argmax ? stats->argmax[i] : 0};
-                fh_row_fold(ws->tile + r * vb, vb, v0, target_column(targets, i, vocab, v0), &request, &st);
-                stats->lse[i] = st.max;
+                fh_row_transform(tile + r * vb, vb, bias, &p->tf);
+                fh_fold_state st = {running_max[i], stats->sum_exp[i], stats->z_target[i],
+                                    stats->sum_weighted_z ? stats->sum_weighted_z[i] : 0.0,
+                                    running_sum_z_exp ? running_sum_z_exp[i] : 0.0,
+                                    stats->argmax ? stats->argmax[i] : 0};
+                fh_row_fold(tile + r * vb, vb, v0, target_column(p->targets, i, vocab, v0), &request, &st);
+                running_max[i] = st.max;
                 stats->sum_exp[i] = st.sum_exp;
                 stats->z_target[i] = st.z_target;
                 if (stats->sum_weighted_z)
                     stats->sum_weighted_z[i] = st.sum_weighted_z;
-                if (stats->sum_pz)
-                    stats->sum_pz[i] = st.sum_z_exp;
+                if (running_sum_z_exp)
+                    running_sum_z_exp[i] = st.sum_z_exp;
                 if (stats->argmax)
                     stats->argmax[i] = st.argmax;
             }
         }
     }
     for (int64_t i = 0; i < n; i++) {
-        stats->lse[i] += log(stats->sum_exp[i]);
+        stats->lse[i] = running_max[i] + log(stats->sum_exp[i]);
         if (stats->sum_pz)
-            stats->sum_pz[i] /= stats->sum_exp[i];
+            stats->sum_pz[i] = running_sum_z_exp[i] / stats->sum_exp[i];
     }
 }
 
 static fh_coef coef_of(const fh_coef_arrays *coefs, int64_t i)
 {
     const fh_coef k = {coefs->lse[i], coefs->a[i], coefs->b[i], coefs->c[i], coefs->e ? coefs->e[i] : 0.0,
-                           coefs->sum_pz ? coefs->sum_pz[i] : 0.0};
+                       coefs->sum_pz ? coefs->sum_pz[i] : 0.0};
     return k;
 }
 
-void fh_engine_backward(const fh_context *ctx, const fh_plan *plan, const fh_workspace *ws,
-                        const fh_linear *lin, const fh_transform *tf, const int64_t *targets,
-                        const float *class_weights, const fh_coef_arrays *coefs, const fh_linear_grads *grads)
+void fh_engine_backward(const fh_engine_pass *p)
 {
+    const fh_linear *lin = p->lin;
+    const fh_linear_grads *grads = p->grads;
     const int64_t n = lin->n, vocab = lin->vocab;
-    const int threads = fh_threads(ctx, lin);
-    for (int64_t v0 = 0; v0 < vocab; v0 += plan->tile_vocab) {
-        const int64_t vb = min64(plan->tile_vocab, vocab - v0);
-        const float *weights = class_weights ? class_weights + v0 : NULL;
+    const int threads = p->plan->threads;
+    double *column = p->ws->column;
+    for (int64_t v0 = 0; v0 < vocab; v0 += p->plan->tile_vocab) {
+        const int64_t vb = min64(p->plan->tile_vocab, vocab - v0);
+        const float *weights = p->class_weights ? p->class_weights + v0 : NULL;
         const float *bias = lin->bias ? lin->bias + v0 : NULL;
         if (grads->dbias)
             for (int64_t j = 0; j < vb; j++)
-                ws->column[j] = 0.0;
-        for (int64_t i0 = 0; i0 < n; i0 += plan->tile_rows) {
-            const int64_t nb = min64(plan->tile_rows, n - i0);
-            float *tile = ws->tile;
-            compute_logits(lin, tile, i0, nb, v0, vb, threads);
+                column[j] = 0.0;
+        for (int64_t i0 = 0; i0 < n; i0 += p->plan->tile_rows) {
+            const int64_t nb = min64(p->plan->tile_rows, n - i0);
+            float *tile = p->ws->tile;
+            compute_logits(p, tile, i0, nb, v0, vb);
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t r = 0; r < nb; r++) {
                 const int64_t i = i0 + r;
-                const fh_coef k = coef_of(coefs, i);
-                fh_row_transform(tile + r * vb, vb, bias, tf);
-                fh_row_gradient(tile + r * vb, vb, target_column(targets, i, vocab, v0), weights, &k, tf);
+                const fh_coef k = coef_of(p->coefs, i);
+                fh_row_transform(tile + r * vb, vb, bias, &p->tf);
+                fh_row_gradient(tile + r * vb, vb, target_column(p->targets, i, vocab, v0), weights, &k, &p->tf);
             }
             if (grads->dbias)
-                add_column_sums(tile, nb, vb, ws->column, threads);
+                add_column_sums(tile, nb, vb, column, threads);
             if (grads->dx)
-                add_dx(lin, grads, tile, i0, nb, v0, vb, v0 > 0 || grads->dx_beta != 0.0f, threads);
+                add_dx(p, tile, i0, nb, v0, vb, v0 > 0 || grads->dx_beta != 0.0f);
             if (grads->dweight)
-                add_dweight(lin, grads, tile, i0, nb, v0, vb, i0 > 0 || grads->dweight_beta != 0.0f, threads);
+                add_dweight(p, tile, i0, nb, v0, vb, i0 > 0 || grads->dweight_beta != 0.0f);
         }
         if (grads->dbias)
-            write_bias_gradient(grads, ws->column, v0, vb);
+            write_bias_gradient(grads, column, v0, vb);
     }
 }
 
-/* What the row-block pass needs for every row. */
-typedef struct row_pass {
-    const fh_linear *lin;
-    const fh_transform *tf;
-    const int64_t *targets;
-    const float *class_weights;
-    fh_fold_request request;
-    const fh_token_stats *stats;
-    const fh_coef_source *coefs;
-} row_pass;
-
 /* Transforms row i of the block in place, folds it over lin's columns and stores its final statistics. */
-static fh_final_stats fold_row(const row_pass *p, float *row, int64_t i)
+static fh_final_stats fold_row(const fh_engine_pass *p, const fh_fold_request *request, float *row, int64_t i)
 {
     const int64_t vocab = p->lin->vocab;
     const fh_token_stats *stats = p->stats;
-    fh_row_transform(row, vocab, p->lin->bias, p->tf);
+    fh_row_transform(row, vocab, p->lin->bias, &p->tf);
     fh_fold_state st = fh_fold_state_initial();
-    fh_row_fold(row, vocab, 0, target_column(p->targets, i, vocab, 0), &p->request, &st);
+    fh_row_fold(row, vocab, 0, target_column(p->targets, i, vocab, 0), request, &st);
     const fh_final_stats result = {st.max + log(st.sum_exp), st.z_target, st.sum_weighted_z,
-                                  st.sum_z_exp / st.sum_exp};
+                                   st.sum_z_exp / st.sum_exp};
     stats->lse[i] = result.lse;
     stats->z_target[i] = result.z_target;
     stats->sum_exp[i] = st.sum_exp;
@@ -221,80 +217,80 @@ static fh_final_stats fold_row(const row_pass *p, float *row, int64_t i)
 }
 
 /* Row i's statistics as the block hook left them. */
-static fh_final_stats stored_result(const fh_token_stats *s, int64_t i)
+static fh_final_stats stored_stats(const fh_token_stats *s, int64_t i)
 {
     const fh_final_stats result = {s->lse[i], s->z_target[i], s->sum_weighted_z ? s->sum_weighted_z[i] : 0.0,
-                                  s->sum_pz ? s->sum_pz[i] : 0.0};
+                                   s->sum_pz ? s->sum_pz[i] : 0.0};
     return result;
 }
 
 /* Overwrites row i's transformed logits with its dU. */
-static void gradient_row(const row_pass *p, float *row, int64_t i, const fh_final_stats *result)
+static void gradient_row(const fh_engine_pass *p, float *row, int64_t i, const fh_final_stats *stats)
 {
     const int64_t vocab = p->lin->vocab;
-    fh_coef k = {result->lse, 0.0, 0.0, 0.0, 0.0, result->sum_pz};
-    p->coefs->row(p->coefs->self, i, result, &k);
-    fh_row_gradient(row, vocab, target_column(p->targets, i, vocab, 0), p->class_weights, &k, p->tf);
+    fh_coef k = {stats->lse, 0.0, 0.0, 0.0, 0.0, stats->sum_pz};
+    p->source->row(p->source->self, i, stats, &k);
+    fh_row_gradient(row, vocab, target_column(p->targets, i, vocab, 0), p->class_weights, &k, &p->tf);
 }
 
 /* The statistics of rows [i0, n) as arrays starting at row i0. */
 static fh_token_stats stats_from(const fh_token_stats *s, int64_t i0)
 {
     const fh_token_stats view = {s->lse + i0,
-                               s->z_target + i0,
-                               s->sum_weighted_z ? s->sum_weighted_z + i0 : NULL,
-                               s->sum_pz ? s->sum_pz + i0 : NULL,
-                               s->sum_exp + i0,
-                               s->argmax ? s->argmax + i0 : NULL};
+                                 s->z_target + i0,
+                                 s->sum_weighted_z ? s->sum_weighted_z + i0 : NULL,
+                                 s->sum_pz ? s->sum_pz + i0 : NULL,
+                                 s->sum_exp + i0,
+                                 s->argmax ? s->argmax + i0 : NULL};
     return view;
 }
 
-fh_status fh_engine_row_blocks(const fh_context *ctx, const fh_plan *plan, const fh_workspace *ws,
-                               const fh_linear *lin, const fh_transform *tf, const int64_t *targets,
-                               const float *class_weights, const fh_token_stats *stats,
-                               const fh_coef_source *coefs, const fh_linear_grads *grads)
+fh_status fh_engine_row_blocks(const fh_engine_pass *p)
 {
+    const fh_linear *lin = p->lin;
+    const fh_linear_grads *grads = p->grads;
+    const fh_token_stats *stats = p->stats;
     const int64_t n = lin->n, vocab = lin->vocab;
-    const int threads = fh_threads(ctx, lin);
-    const fh_fold_request request = {class_weights, stats->sum_weighted_z != NULL, stats->sum_pz != NULL};
-    const row_pass pass = {lin, tf, targets, class_weights, request, stats, coefs};
-    float *tile = ws->tile;
+    const int threads = p->plan->threads;
+    const fh_fold_request request = {p->class_weights, stats->sum_weighted_z != NULL, stats->sum_pz != NULL};
+    float *tile = p->ws->tile;
+    double *column = p->ws->column;
     if (grads->dbias)
         for (int64_t j = 0; j < vocab; j++)
-            ws->column[j] = 0.0;
-    for (int64_t i0 = 0; i0 < n; i0 += plan->tile_rows) {
-        const int64_t nb = min64(plan->tile_rows, n - i0);
-        compute_logits(lin, tile, i0, nb, 0, vocab, threads);
-        if (!coefs->block) {
+            column[j] = 0.0;
+    for (int64_t i0 = 0; i0 < n; i0 += p->plan->tile_rows) {
+        const int64_t nb = min64(p->plan->tile_rows, n - i0);
+        compute_logits(p, tile, i0, nb, 0, vocab);
+        if (!p->source->block) {
             /* Fold, then the gradient while the row is still hot in cache. */
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t r = 0; r < nb; r++) {
-                const fh_final_stats result = fold_row(&pass, tile + r * vocab, i0 + r);
-                gradient_row(&pass, tile + r * vocab, i0 + r, &result);
+                const fh_final_stats result = fold_row(p, &request, tile + r * vocab, i0 + r);
+                gradient_row(p, tile + r * vocab, i0 + r, &result);
             }
         } else {
             /* The hook needs the whole block's statistics before any row's coefficients. */
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t r = 0; r < nb; r++)
-                fold_row(&pass, tile + r * vocab, i0 + r);
+                fold_row(p, &request, tile + r * vocab, i0 + r);
             const fh_token_stats block = stats_from(stats, i0);
-            const fh_status st = coefs->block(coefs->self, nb, &block);
+            const fh_status st = p->source->block(p->source->self, nb, &block);
             if (st != FH_OK)
                 return st;
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t r = 0; r < nb; r++) {
-                const fh_final_stats result = stored_result(stats, i0 + r);
-                gradient_row(&pass, tile + r * vocab, i0 + r, &result);
+                const fh_final_stats result = stored_stats(stats, i0 + r);
+                gradient_row(p, tile + r * vocab, i0 + r, &result);
             }
         }
         if (grads->dbias)
-            add_column_sums(tile, nb, vocab, ws->column, threads);
+            add_column_sums(tile, nb, vocab, column, threads);
         if (grads->dx)
-            add_dx(lin, grads, tile, i0, nb, 0, vocab, grads->dx_beta != 0.0f, threads);
+            add_dx(p, tile, i0, nb, 0, vocab, grads->dx_beta != 0.0f);
         if (grads->dweight)
-            add_dweight(lin, grads, tile, i0, nb, 0, vocab, i0 > 0 || grads->dweight_beta != 0.0f, threads);
+            add_dweight(p, tile, i0, nb, 0, vocab, i0 > 0 || grads->dweight_beta != 0.0f);
     }
     if (grads->dbias)
-        write_bias_gradient(grads, ws->column, 0, vocab);
+        write_bias_gradient(grads, column, 0, vocab);
     return FH_OK;
 }

@@ -7,14 +7,15 @@
 #include "plan.h"
 #include "row_kernels.h"
 
-/* Per-token statistics of the transformed logits row. Arrays of n; optional ones may be NULL. */
+/* Per-token statistics of the transformed logits rows, as arrays of n; optional ones may be NULL. */
 typedef struct fh_token_stats {
-    double *lse;              /* log sum_j exp(z_j) */
-    double *z_target;         /* z at targets[i] when 0 <= targets[i] < V (else 0) */
-    double *sum_weighted_z;   /* optional: sum_j w_j z_j (w = class_weights, or 1) */
-    double *sum_pz;           /* optional: sum_j p_j z_j, so that the entropy is lse - sum_pz */
-    double *sum_exp;  /* running sum of exps, needed while streaming */
-    int64_t *argmax;          /* optional: lowest index of the largest z */
+    double *lse;             /* log sum_j exp(z_j); holds the running max while fh_engine_forward streams */
+    double *z_target;        /* z at targets[i] when 0 <= targets[i] < V (else 0) */
+    double *sum_weighted_z;  /* optional: sum_j w_j z_j (w = class_weights, or 1) */
+    double *sum_pz;          /* optional: sum_j p_j z_j, so that the entropy is lse - sum_pz; holds the
+                                running sum of z exp(z - max) while fh_engine_forward streams */
+    double *sum_exp;         /* sum_j exp(z_j - max): the running sum while streaming, kept after */
+    int64_t *argmax;         /* optional: lowest index of the largest z */
 } fh_token_stats;
 
 /* One row's final statistics, as a head sees them. */
@@ -36,30 +37,39 @@ typedef struct fh_coef_arrays {
  * called concurrently for different rows: it may only write row i's results. block, optional, is called
  * once per row block, on the calling thread, after every row of the block is folded and before any row's
  * coefficients: stats views the block's rows (arrays start at its first row) as fh_engine_forward leaves
- * them (lse, sum_pz final over lin's columns, sum_exp the sum of exps), and block may replace
- * them, e.g. with statistics combined across vocabulary shards; a status other than FH_OK stops the
- * pass. */
+ * them (lse, sum_pz final over lin's columns, sum_exp the sum of exps), and block may replace them, e.g.
+ * with statistics combined across vocabulary shards; a status other than FH_OK stops the pass. */
 typedef struct fh_coef_source {
     void (*row)(const void *self, int64_t i, const fh_final_stats *stats, fh_coef *coef);
     fh_status (*block)(const void *self, int64_t rows, const fh_token_stats *stats);
     const void *self;
 } fh_coef_source;
 
-void fh_engine_forward(const fh_context *ctx, const fh_plan *plan, const fh_workspace *ws,
-                       const fh_linear *lin, const fh_transform *tf, const int64_t *targets,
-                       const float *class_weights, const fh_token_stats *stats);
+/* One pass of the engine: the plan (tiles, threads) and its workspace, what the logits are made of, and
+ * what the pass reads or writes. Each function below names the fields it uses. */
+typedef struct fh_engine_pass {
+    const fh_plan *plan;
+    const fh_workspace *ws;
+    const fh_linear *lin;
+    fh_transform tf;
+    const int64_t *targets;       /* z_target's and b's column per row; outside [0, V): none */
+    const float *class_weights;   /* w of sum_weighted_z and of the c term, or NULL (all 1) */
+    const fh_token_stats *stats;  /* forward, row blocks: written */
+    const fh_coef_arrays *coefs;  /* backward */
+    const fh_coef_source *source; /* row blocks */
+    const fh_linear_grads *grads; /* backward, row blocks */
+} fh_engine_pass;
 
-void fh_engine_backward(const fh_context *ctx, const fh_plan *plan, const fh_workspace *ws,
-                        const fh_linear *lin, const fh_transform *tf, const int64_t *targets,
-                        const float *class_weights, const fh_coef_arrays *coefs, const fh_linear_grads *grads);
+/* Fills p->stats. */
+void fh_engine_forward(const fh_engine_pass *p);
+
+/* Accumulates p->grads from p->coefs. */
+void fh_engine_backward(const fh_engine_pass *p);
 
 /* Single-call train step over row blocks of plan->tile_rows x V (plan from fh_plan_make_row_blocks):
- * fills stats like fh_engine_forward and accumulates gradients like fh_engine_backward. Returns FH_OK, or
- * the first failure of coefs->block: the pass stops at that block (earlier blocks' dx and dweight are
- * written, dbias is not). */
-fh_status fh_engine_row_blocks(const fh_context *ctx, const fh_plan *plan, const fh_workspace *ws,
-                               const fh_linear *lin, const fh_transform *tf, const int64_t *targets,
-                               const float *class_weights, const fh_token_stats *stats,
-                               const fh_coef_source *coefs, const fh_linear_grads *grads);
+ * fills p->stats like fh_engine_forward and accumulates p->grads like fh_engine_backward, with the
+ * coefficients from p->source. Returns FH_OK, or the first failure of p->source->block: the pass stops at
+ * that block (earlier blocks' dx and dweight are written, dbias is not). */
+fh_status fh_engine_row_blocks(const fh_engine_pass *p);
 
 #endif

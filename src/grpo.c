@@ -96,12 +96,7 @@ static fh_status check_batch(fh_context *ctx, const fh_linear *lin, const fh_grp
 fh_status fh_grpo_check_call(fh_context *ctx, const fh_linear *lin, const fh_grpo_batch *bt, const fh_grpo_options *o,
                              int64_t target_vocab)
 {
-    if (!ctx)
-        return FH_ERR_NULL_POINTER;
-    fh_clear_message(ctx);
-    fh_status st = fh_check_linear(ctx, lin);
-    if (st == FH_OK)
-        st = fh_check_finite(ctx, lin);
+    fh_status st = fh_check_call(ctx, lin);
     if (st == FH_OK)
         st = check_options(ctx, o);
     if (st == FH_OK)
@@ -296,51 +291,33 @@ static void head_evaluate(const fh_grpo_head *h, const double *logp, const doubl
 
 /* ---- calls ---------------------------------------------------------------------------------- */
 
-/* Plans for the passes a call makes (forward, backward or both) and one workspace for all of them: the
- * per-token arrays sit at the same offset in every plan, so they survive from one pass to the next. */
-fh_status fh_grpo_prepare(fh_context *ctx, const fh_linear *lin, int forward, int backward, fh_plan *forward_plan,
-                          fh_plan *backward_plan, fh_workspace *ws)
-{
-    fh_status st = FH_OK;
-    size_t bytes = 0;
-    if (forward && (st = fh_plan_make(ctx, lin, FH_CALL_FORWARD, forward_plan)) == FH_OK)
-        bytes = forward_plan->bytes;
-    if (st == FH_OK && backward && (st = fh_plan_make(ctx, lin, FH_CALL_BACKWARD, backward_plan)) == FH_OK)
-        bytes = backward_plan->bytes > bytes ? backward_plan->bytes : bytes;
-    void *base = NULL;
-    if (st == FH_OK)
-        st = fh_acquire_workspace(ctx, bytes, &base);
-    if (st == FH_OK) {
-        ws[0] = fh_workspace_carve(forward ? forward_plan : backward_plan, base, lin->n);
-        ws[1] = fh_workspace_carve(backward ? backward_plan : forward_plan, base, lin->n);
-    }
-    return st;
-}
-
 FH_API fh_status fh_grpo_workspace_size(const fh_context *ctx, const fh_linear *lin, size_t *bytes)
 {
     if (!ctx || !bytes)
         return FH_ERR_NULL_POINTER;
-    fh_context scratch = *ctx; /* the query is pure: messages go to a copy */
-    const fh_status st = fh_check_linear(&scratch, lin);
-    return st == FH_OK ? fh_plan_streaming_bytes(&scratch, lin, bytes) : st;
+    return fh_plan_query_bytes(ctx, lin, 0, bytes);
 }
 
-fh_transform fh_grpo_transform(const fh_grpo_options *o)
+fh_engine_pass fh_grpo_pass(const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin, const int64_t *ids,
+                            const fh_grpo_options *o)
 {
-    const fh_transform tf = {0.0f, (float)(1.0 / o->temperature)};
-    return tf;
+    const fh_engine_pass p = {
+        .plan = plan, .ws = ws, .lin = lin, .tf = {0.0f, (float)(1.0 / o->temperature)}, .targets = ids};
+    return p;
 }
 
 fh_grpo_head fh_grpo_head_in(const fh_workspace *ws, const fh_grpo_batch *bt, const fh_grpo_options *o)
 {
-    const fh_grpo_head h = {bt, o, ws->token[T_SEQ_COUNT], ws->token[T_SEQ_LOG_RATIO], 0.0, 1.0, (double)bt->batch};
+    const fh_grpo_head h = {bt,  o,   ws->slot[FH_GRPO_SLOT_SEQ_COUNT], ws->slot[FH_GRPO_SLOT_SEQ_LOG_RATIO],
+                            0.0, 1.0, (double)bt->batch};
     return h;
 }
 
 fh_token_stats fh_grpo_stats_in(const fh_workspace *ws)
 {
-    const fh_token_stats stats = {ws->token[T_LSE], ws->token[T_A], NULL, ws->token[T_SUM_PZ], ws->token[T_C], NULL};
+    double *const *slot = ws->slot;
+    const fh_token_stats stats = {slot[FH_GRPO_SLOT_LSE],    slot[FH_GRPO_SLOT_Z_TARGET_THEN_A], NULL,
+                                  slot[FH_GRPO_SLOT_SUM_PZ], slot[FH_GRPO_SLOT_SUM_EXP_THEN_C],  NULL};
     return stats;
 }
 
@@ -349,18 +326,19 @@ void fh_grpo_token_values(const fh_workspace *ws, const fh_grpo_batch *bt, int64
     const fh_token_stats stats = fh_grpo_stats_in(ws);
     for (int64_t i = 0; i < n; i++) {
         const int64_t id = bt->completion_ids[i];
-        ws->token[T_LOGP][i] = id >= 0 && id < vocab ? stats.z_target[i] - stats.lse[i] : 0.0;
-        ws->token[T_ENTROPY][i] = stats.lse[i] - stats.sum_pz[i];
+        ws->slot[FH_GRPO_SLOT_LOGP][i] = id >= 0 && id < vocab ? stats.z_target[i] - stats.lse[i] : 0.0;
+        ws->slot[FH_GRPO_SLOT_ENTROPY][i] = stats.lse[i] - stats.sum_pz[i];
     }
 }
 
 /* Streams the forward; leaves lse, sum_pz, logp and entropy (double) in the workspace. */
-static void forward_pass(fh_context *ctx, const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin,
-                         const fh_grpo_batch *bt, const fh_grpo_options *o)
+static void forward_pass(const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin, const fh_grpo_batch *bt,
+                         const fh_grpo_options *o)
 {
     const fh_token_stats stats = fh_grpo_stats_in(ws);
-    const fh_transform tf = fh_grpo_transform(o);
-    fh_engine_forward(ctx, plan, ws, lin, &tf, bt->completion_ids, NULL, &stats);
+    fh_engine_pass pass = fh_grpo_pass(plan, ws, lin, bt->completion_ids, o);
+    pass.stats = &stats;
+    fh_engine_forward(&pass);
     fh_grpo_token_values(ws, bt, lin->n, lin->vocab);
 }
 
@@ -368,23 +346,24 @@ void fh_grpo_write_outputs(const fh_workspace *ws, int64_t n, fh_grpo_outputs *o
 {
     for (int64_t i = 0; i < n; i++) {
         if (out->per_token_logp)
-            out->per_token_logp[i] = (float)ws->token[T_LOGP][i];
+            out->per_token_logp[i] = (float)ws->slot[FH_GRPO_SLOT_LOGP][i];
         if (out->entropy)
-            out->entropy[i] = (float)ws->token[T_ENTROPY][i];
+            out->entropy[i] = (float)ws->slot[FH_GRPO_SLOT_ENTROPY][i];
         if (out->lse)
-            out->lse[i] = (float)ws->token[T_LSE][i];
+            out->lse[i] = (float)ws->slot[FH_GRPO_SLOT_LSE][i];
     }
 }
 
 void fh_grpo_load_saved(const fh_workspace *ws, int64_t n, const float *per_token_logp, const float *lse,
                         const float *entropy)
 {
-    double *const *token = ws->token;
+    double *const *slot = ws->slot;
     for (int64_t i = 0; i < n; i++) {
-        token[T_LSE][i] = lse[i];
-        token[T_LOGP][i] = per_token_logp[i];
-        token[T_ENTROPY][i] = entropy ? entropy[i] : 0.0;
-        token[T_SUM_PZ][i] = token[T_LSE][i] - token[T_ENTROPY][i]; /* only used when e != 0 */
+        slot[FH_GRPO_SLOT_LSE][i] = lse[i];
+        slot[FH_GRPO_SLOT_LOGP][i] = per_token_logp[i];
+        slot[FH_GRPO_SLOT_ENTROPY][i] = entropy ? entropy[i] : 0.0;
+        /* only used when e != 0 */
+        slot[FH_GRPO_SLOT_SUM_PZ][i] = slot[FH_GRPO_SLOT_LSE][i] - slot[FH_GRPO_SLOT_ENTROPY][i];
     }
 }
 
@@ -392,36 +371,39 @@ fh_grpo_head_outputs fh_grpo_backward_outputs(const fh_workspace *ws, fh_grpo_ou
 {
     const fh_grpo_head_outputs hout = {forward_out ? forward_out->loss : NULL,
                                        forward_out ? forward_out->metrics : NULL,
-                                       forward_out ? forward_out->per_token_loss : NULL, ws->token[T_B],
-                                       ws->token[T_E]};
+                                       forward_out ? forward_out->per_token_loss : NULL,
+                                       ws->slot[FH_GRPO_SLOT_G_LOGP_AS_B], ws->slot[FH_GRPO_SLOT_G_ENTROPY_THEN_E]};
     return hout;
 }
 
 fh_coef_arrays fh_grpo_coefs_in(const fh_workspace *ws, int64_t n)
 {
-    double *a = ws->token[T_A], *b = ws->token[T_B], *c = ws->token[T_C], *e = ws->token[T_E];
+    double *a = ws->slot[FH_GRPO_SLOT_Z_TARGET_THEN_A], *b = ws->slot[FH_GRPO_SLOT_G_LOGP_AS_B],
+           *c = ws->slot[FH_GRPO_SLOT_SUM_EXP_THEN_C], *e = ws->slot[FH_GRPO_SLOT_G_ENTROPY_THEN_E];
     /* dZ_j = g_logp (onehot_j - p_j) - g_H p_j (z_j - sum_pz): a = -g_logp, b = g_logp, e = -g_H. */
     for (int64_t i = 0; i < n; i++) {
         a[i] = -b[i];
         c[i] = 0.0;
         e[i] = -e[i];
     }
-    const fh_coef_arrays coefs = {ws->token[T_LSE], a, b, c, e, ws->token[T_SUM_PZ]};
+    const fh_coef_arrays coefs = {ws->slot[FH_GRPO_SLOT_LSE], a, b, c, e, ws->slot[FH_GRPO_SLOT_SUM_PZ]};
     return coefs;
 }
 
 /* Coefficients from logp/entropy/lse in the workspace, then the engine's backward. */
-static void backward_pass(fh_context *ctx, const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin,
-                          const fh_grpo_batch *bt, const fh_grpo_options *o, double grad,
-                          const fh_linear_grads *grads, fh_grpo_outputs *forward_out)
+static void backward_pass(const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin, const fh_grpo_batch *bt,
+                          const fh_grpo_options *o, double grad, const fh_linear_grads *grads,
+                          fh_grpo_outputs *forward_out)
 {
     fh_grpo_head h = fh_grpo_head_in(ws, bt, o);
-    fh_grpo_head_prepare(&h, ws->token[T_LOGP]);
+    fh_grpo_head_prepare(&h, ws->slot[FH_GRPO_SLOT_LOGP]);
     const fh_grpo_head_outputs hout = fh_grpo_backward_outputs(ws, forward_out);
-    head_evaluate(&h, ws->token[T_LOGP], ws->token[T_ENTROPY], grad, &hout);
+    head_evaluate(&h, ws->slot[FH_GRPO_SLOT_LOGP], ws->slot[FH_GRPO_SLOT_ENTROPY], grad, &hout);
     const fh_coef_arrays coefs = fh_grpo_coefs_in(ws, lin->n);
-    const fh_transform tf = fh_grpo_transform(o);
-    fh_engine_backward(ctx, plan, ws, lin, &tf, bt->completion_ids, NULL, &coefs, grads);
+    fh_engine_pass pass = fh_grpo_pass(plan, ws, lin, bt->completion_ids, o);
+    pass.coefs = &coefs;
+    pass.grads = grads;
+    fh_engine_backward(&pass);
 }
 
 fh_status fh_grpo_check_grad_output(fh_context *ctx, const float *grad_output)
@@ -440,17 +422,19 @@ FH_API fh_status fh_grpo_forward(fh_context *ctx, const fh_linear *lin, const fh
     if (st == FH_OK && !out)
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
     fh_plan plan;
-    fh_workspace ws[2];
+    fh_workspace ws;
     if (st == FH_OK)
-        st = fh_grpo_prepare(ctx, lin, 1, 0, &plan, NULL, ws);
+        st = fh_plan_make(ctx, lin, FH_CALL_FORWARD, &plan, ctx);
+    if (st == FH_OK)
+        st = fh_workspace_acquire(ctx, lin->n, &plan, 1, &ws);
     if (st != FH_OK)
         return st;
-    forward_pass(ctx, &plan, &ws[0], lin, batch, options);
-    fh_grpo_head h = fh_grpo_head_in(&ws[0], batch, options);
-    fh_grpo_head_prepare(&h, ws[0].token[T_LOGP]);
+    forward_pass(&plan, &ws, lin, batch, options);
+    fh_grpo_head h = fh_grpo_head_in(&ws, batch, options);
+    fh_grpo_head_prepare(&h, ws.slot[FH_GRPO_SLOT_LOGP]);
     const fh_grpo_head_outputs hout = {out->loss, out->metrics, out->per_token_loss, NULL, NULL};
-    head_evaluate(&h, ws[0].token[T_LOGP], ws[0].token[T_ENTROPY], 1.0, &hout);
-    fh_grpo_write_outputs(&ws[0], lin->n, out);
+    head_evaluate(&h, ws.slot[FH_GRPO_SLOT_LOGP], ws.slot[FH_GRPO_SLOT_ENTROPY], 1.0, &hout);
+    fh_grpo_write_outputs(&ws, lin->n, out);
     return FH_OK;
 }
 
@@ -467,13 +451,15 @@ FH_API fh_status fh_grpo_backward(fh_context *ctx, const fh_linear *lin, const f
     if (st == FH_OK)
         st = fh_check_grads(ctx, lin, grads);
     fh_plan plan;
-    fh_workspace ws[2];
+    fh_workspace ws;
     if (st == FH_OK)
-        st = fh_grpo_prepare(ctx, lin, 0, 1, NULL, &plan, ws);
+        st = fh_plan_make(ctx, lin, FH_CALL_BACKWARD, &plan, ctx);
+    if (st == FH_OK)
+        st = fh_workspace_acquire(ctx, lin->n, &plan, 1, &ws);
     if (st != FH_OK)
         return st;
-    fh_grpo_load_saved(&ws[1], lin->n, per_token_logp, lse, entropy);
-    backward_pass(ctx, &plan, &ws[1], lin, batch, options, grad_output[0], grads, NULL);
+    fh_grpo_load_saved(&ws, lin->n, per_token_logp, lse, entropy);
+    backward_pass(&plan, &ws, lin, batch, options, grad_output[0], grads, NULL);
     return FH_OK;
 }
 
@@ -488,14 +474,16 @@ FH_API fh_status fh_grpo_forward_backward(fh_context *ctx, const fh_linear *lin,
         st = fh_grpo_check_grad_output(ctx, grad_output);
     if (st == FH_OK)
         st = fh_check_grads(ctx, lin, grads);
-    fh_plan forward_plan, backward_plan;
+    fh_plan plans[2];
     fh_workspace ws[2];
     if (st == FH_OK)
-        st = fh_grpo_prepare(ctx, lin, 1, 1, &forward_plan, &backward_plan, ws);
+        st = fh_plan_streaming(ctx, lin, plans, ctx);
+    if (st == FH_OK)
+        st = fh_workspace_acquire(ctx, lin->n, plans, 2, ws);
     if (st != FH_OK)
         return st;
-    forward_pass(ctx, &forward_plan, &ws[0], lin, batch, options);
+    forward_pass(&plans[0], &ws[0], lin, batch, options);
     fh_grpo_write_outputs(&ws[0], lin->n, out);
-    backward_pass(ctx, &backward_plan, &ws[1], lin, batch, options, grad_output[0], grads, out);
+    backward_pass(&plans[1], &ws[1], lin, batch, options, grad_output[0], grads, out);
     return FH_OK;
 }

@@ -6,9 +6,21 @@
 
 #include "engine.h"
 
-/* Workspace token arrays: 0 lse, 1 z_target | a, 2 b, 3 sum_exp scratch | c, 4 e, 5 sum_pz, 6 logp,
- * 7 entropy, 8 per-sequence counts, 9 per-sequence log-ratios. */
-enum { T_LSE, T_A, T_B, T_C, T_E, T_SUM_PZ, T_LOGP, T_ENTROPY, T_SEQ_COUNT, T_SEQ_LOG_RATIO };
+/* Workspace slots. The forward's statistics and the head's per-token values, then (backward) the
+ * coefficients: some slots change meaning between the passes, as their names say. b is g_logp itself. */
+enum {
+    FH_GRPO_SLOT_LSE,
+    FH_GRPO_SLOT_Z_TARGET_THEN_A,
+    FH_GRPO_SLOT_G_LOGP_AS_B,
+    FH_GRPO_SLOT_SUM_EXP_THEN_C,
+    FH_GRPO_SLOT_G_ENTROPY_THEN_E,
+    FH_GRPO_SLOT_SUM_PZ,
+    FH_GRPO_SLOT_LOGP,
+    FH_GRPO_SLOT_ENTROPY,
+    FH_GRPO_SLOT_SEQ_COUNT,      /* [B] */
+    FH_GRPO_SLOT_SEQ_LOG_RATIO,  /* [B] */
+    FH_GRPO_SLOTS
+};
 
 typedef struct fh_grpo_head {
     const fh_grpo_batch *bt;
@@ -42,17 +54,17 @@ fh_status fh_grpo_check_call(fh_context *ctx, const fh_linear *lin, const fh_grp
                              const fh_grpo_options *o, int64_t target_vocab);
 fh_status fh_grpo_check_grad_output(fh_context *ctx, const float *grad_output);
 
-/* Plans for the passes a call makes and one workspace for all of them (ws[0] forward, ws[1] backward). */
-fh_status fh_grpo_prepare(fh_context *ctx, const fh_linear *lin, int forward, int backward, fh_plan *forward_plan,
-                          fh_plan *backward_plan, fh_workspace *ws);
-fh_transform fh_grpo_transform(const fh_grpo_options *o);
+/* An engine pass of the head's transform over ids (shard-local ones with vocabulary parallelism); the
+ * caller adds stats, or coefs and grads. */
+fh_engine_pass fh_grpo_pass(const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin, const int64_t *ids,
+                            const fh_grpo_options *o);
 /* The engine's statistics arrays in the workspace. */
 fh_token_stats fh_grpo_stats_in(const fh_workspace *ws);
 /* logp (0 where the id is outside [0, vocab)) and entropy from the final statistics in the workspace. */
 void fh_grpo_token_values(const fh_workspace *ws, const fh_grpo_batch *bt, int64_t n, int64_t vocab);
 void fh_grpo_write_outputs(const fh_workspace *ws, int64_t n, fh_grpo_outputs *out);
 
-/* What fh_grpo_forward saved (lse, logp, entropy or NULL) into the workspace's token arrays. */
+/* What fh_grpo_forward saved (lse, logp, entropy or NULL) into the workspace's slots. */
 void fh_grpo_load_saved(const fh_workspace *ws, int64_t n, const float *per_token_logp, const float *lse,
                         const float *entropy);
 

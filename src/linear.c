@@ -78,6 +78,15 @@ fh_status fh_check_linear(fh_context *ctx, const fh_linear *lin)
     return st;
 }
 
+fh_status fh_check_call(fh_context *ctx, const fh_linear *lin)
+{
+    if (!ctx)
+        return FH_ERR_NULL_POINTER;
+    fh_clear_message(ctx);
+    const fh_status st = fh_check_linear(ctx, lin);
+    return st == FH_OK ? fh_check_finite(ctx, lin) : st;
+}
+
 fh_status fh_check_grads(fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads)
 {
     if (!grads)

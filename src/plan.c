@@ -1,6 +1,7 @@
-/* Tile sizing under the memory budget and workspace layout. */
+/* Tile sizing under the memory budget, buffer placement in the workspace, and acquiring it. */
 #include "plan.h"
 
+#include "linear.h"
 #include "wisdom.h"
 
 #define ALIGN 64
@@ -22,44 +23,46 @@ static int64_t min64(int64_t a, int64_t b)
     return a < b ? a : b;
 }
 
-/* Returns 0 and the layout, or -1 if a size overflows. */
-static int layout(fh_plan *plan, int64_t n)
+/* Places the slots, the tile and the column sums; returns 0, or -1 if a size overflows. */
+static int place_buffers(fh_plan *plan, int64_t n)
 {
-    size_t token_bytes, tile_elems, tile_bytes, column_bytes;
-    if (__builtin_mul_overflow((size_t)n, (size_t)FH_TOKEN_ARRAYS * sizeof(double), &token_bytes) ||
+    size_t slot_bytes, tile_elems, tile_bytes, column_bytes;
+    if (__builtin_mul_overflow((size_t)n, (size_t)FH_WORKSPACE_SLOTS * sizeof(double), &slot_bytes) ||
         __builtin_mul_overflow((size_t)plan->tile_rows, (size_t)plan->tile_vocab, &tile_elems) ||
         __builtin_mul_overflow(tile_elems, sizeof(float), &tile_bytes) ||
         __builtin_mul_overflow((size_t)plan->tile_vocab, sizeof(double), &column_bytes) ||
-        token_bytes > SIZE_MAX / 4 || tile_bytes > SIZE_MAX / 4)
+        slot_bytes > SIZE_MAX / 4 || tile_bytes > SIZE_MAX / 4)
         return -1;
-    plan->tokens_offset = 0;
-    plan->tile_offset = align_up(token_bytes);
+    plan->slots_offset = 0;
+    plan->tile_offset = align_up(slot_bytes);
     plan->column_offset = plan->tile_offset + align_up(tile_bytes);
     plan->bytes = plan->column_offset + align_up(column_bytes) + ALIGN; /* + slack for a caller's base */
     return 0;
 }
 
 /* Tile sizes before the budget: parameters, else wisdom, else defaults. */
-static void preferred_tiles(const fh_context *ctx, const fh_linear *lin, fh_call call, int64_t *rows, int64_t *cols)
+static void preferred_tiles(const fh_context *ctx, const fh_linear *lin, int threads, fh_call call, int64_t *rows,
+                            int64_t *cols)
 {
-    const fh_tile_config *w = fh_wisdom_lookup(ctx, fh_threads(ctx, lin), lin->n, lin->hidden, lin->vocab, call);
+    const fh_tile_config *w = fh_wisdom_lookup(ctx, threads, lin->n, lin->hidden, lin->vocab, call);
     const int64_t rows_param = ctx->params[FH_PARAM_TILE_ROWS], cols_param = ctx->params[FH_PARAM_TILE_VOCAB];
     *rows = rows_param > 0 ? rows_param : w ? w->tile_rows : 0;
     *cols = cols_param > 0 ? cols_param : w ? w->tile_vocab : 0;
 }
 
-fh_status fh_plan_make(fh_context *ctx, const fh_linear *lin, fh_call call, fh_plan *plan)
+fh_status fh_plan_make(const fh_context *ctx, const fh_linear *lin, fh_call call, fh_plan *plan,
+                       fh_context *messages)
 {
     const int64_t n = lin->n, vocab = lin->vocab, budget = fh_budget_bytes(ctx);
     int64_t rows, cols;
-    preferred_tiles(ctx, lin, call, &rows, &cols);
+    plan->threads = fh_threads(ctx, lin);
+    preferred_tiles(ctx, lin, plan->threads, call, &rows, &cols);
     plan->tile_rows = min64(n, rows > 0 ? rows : DEFAULT_TILE_ROWS);
     const int64_t default_cols = call == FH_CALL_FORWARD ? DEFAULT_TILE_VOCAB_FORWARD : DEFAULT_TILE_VOCAB_BACKWARD;
     plan->tile_vocab = min64(vocab, cols > 0 ? cols : default_cols);
     for (;;) {
-        if (layout(plan, n) != 0)
-            return fh_fail(ctx, FH_ERR_SIZE_OVERFLOW, "workspace size for n = %lld overflows",
-                           (long long)n);
+        if (place_buffers(plan, n) != 0)
+            return fh_fail(messages, FH_ERR_SIZE_OVERFLOW, "workspace size for n = %lld overflows", (long long)n);
         if ((int64_t)plan->bytes <= budget)
             return FH_OK;
         /* Shrink the vocabulary side first: rows keep the GEMMs' reuse of the weight tile. */
@@ -68,37 +71,38 @@ fh_status fh_plan_make(fh_context *ctx, const fh_linear *lin, fh_call call, fh_p
         else if (plan->tile_rows > 1)
             plan->tile_rows /= 2;
         else
-            return fh_fail(ctx, FH_ERR_BUDGET_TOO_SMALL,
+            return fh_fail(messages, FH_ERR_BUDGET_TOO_SMALL,
                            "memory budget of %lld bytes cannot hold %zu bytes (n = %lld, smallest tile)",
                            (long long)budget, plan->bytes, (long long)n);
     }
 }
 
-fh_status fh_plan_streaming_bytes(fh_context *ctx, const fh_linear *lin, size_t *bytes)
+fh_status fh_plan_streaming(const fh_context *ctx, const fh_linear *lin, fh_plan plans[2], fh_context *messages)
 {
-    fh_plan forward, backward;
-    fh_status st = fh_plan_make(ctx, lin, FH_CALL_FORWARD, &forward);
-    if (st == FH_OK)
-        st = fh_plan_make(ctx, lin, FH_CALL_BACKWARD, &backward);
-    if (st == FH_OK)
-        *bytes = forward.bytes > backward.bytes ? forward.bytes : backward.bytes;
-    return st;
+    const fh_status st = fh_plan_make(ctx, lin, FH_CALL_FORWARD, &plans[0], messages);
+    return st == FH_OK ? fh_plan_make(ctx, lin, FH_CALL_BACKWARD, &plans[1], messages) : st;
 }
 
-int fh_plan_make_row_blocks(const fh_context *ctx, const fh_linear *lin, fh_plan *plan)
+#define MIN_ROW_BLOCK 256
+
+/* Row-block plan for the single-call train step: tile_vocab = vocab and as many rows as the budget
+ * holds, balanced across blocks. Returns 0 when at least min(n, MIN_ROW_BLOCK) rows fit, else -1 (the
+ * caller streams instead). */
+static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, fh_plan *plan)
 {
     const int64_t n = lin->n, vocab = lin->vocab, budget = fh_budget_bytes(ctx);
     int64_t rows_param, unused;
-    preferred_tiles(ctx, lin, FH_CALL_TRAIN_STEP, &rows_param, &unused);
+    plan->threads = fh_threads(ctx, lin);
+    preferred_tiles(ctx, lin, plan->threads, FH_CALL_TRAIN_STEP, &rows_param, &unused);
     plan->tile_vocab = vocab;
     plan->tile_rows = 1;
-    if (layout(plan, n) != 0 || (int64_t)plan->bytes > budget)
+    if (place_buffers(plan, n) != 0 || (int64_t)plan->bytes > budget)
         return -1;
     /* Each further row costs vocab floats. */
     int64_t rows = 1 + (budget - (int64_t)plan->bytes) / (vocab * (int64_t)sizeof(float));
-    /* Blocks thinner than FH_MIN_ROW_BLOCK lose to streaming (the H x V dweight is re-read per block);
-     * an explicit FH_PARAM_TILE_ROWS (or measured wisdom) is honoured. */
-    const int64_t min_rows = rows_param > 0 ? 1 : min64(n, FH_MIN_ROW_BLOCK);
+    /* Blocks thinner than MIN_ROW_BLOCK lose to streaming (the H x V dweight is re-read per block); an
+     * explicit FH_PARAM_TILE_ROWS (or measured wisdom) is honoured. */
+    const int64_t min_rows = rows_param > 0 ? 1 : min64(n, MIN_ROW_BLOCK);
     if (rows_param > 0)
         rows = min64(rows, rows_param);
     rows = min64(rows, n);
@@ -106,23 +110,61 @@ int fh_plan_make_row_blocks(const fh_context *ctx, const fh_linear *lin, fh_plan
         return -1;
     const int64_t blocks = (n + rows - 1) / rows;
     plan->tile_rows = (n + blocks - 1) / blocks;
-    return layout(plan, n);
+    return place_buffers(plan, n);
+}
+
+fh_status fh_plan_train_step(const fh_context *ctx, const fh_linear *lin, fh_plan *plan, int *row_blocks,
+                             fh_context *messages)
+{
+    *row_blocks = make_row_blocks(ctx, lin, plan) == 0;
+    return *row_blocks ? FH_OK : fh_plan_make(ctx, lin, FH_CALL_BACKWARD, plan, messages);
 }
 
 void fh_plan_lower_rows(fh_plan *plan, int64_t n, int64_t rows)
 {
     plan->tile_rows = rows;
-    (void)layout(plan, n); /* cannot overflow: the taller tile did not */
+    (void)place_buffers(plan, n); /* cannot overflow: the taller tile did not */
 }
 
-fh_workspace fh_workspace_carve(const fh_plan *plan, void *base, int64_t n)
+fh_status fh_plan_query_bytes(const fh_context *ctx, const fh_linear *lin, int train_step, size_t *bytes)
+{
+    fh_status st = fh_check_linear(NULL, lin);
+    if (st != FH_OK)
+        return st;
+    fh_plan plans[2];
+    int row_blocks;
+    if (train_step) {
+        st = fh_plan_train_step(ctx, lin, &plans[0], &row_blocks, NULL);
+        plans[1] = plans[0];
+    } else {
+        st = fh_plan_streaming(ctx, lin, plans, NULL);
+    }
+    if (st == FH_OK)
+        *bytes = plans[0].bytes > plans[1].bytes ? plans[0].bytes : plans[1].bytes;
+    return st;
+}
+
+static fh_workspace carve(const fh_plan *plan, void *base, int64_t n)
 {
     char *aligned = (char *)(((uintptr_t)base + ALIGN - 1) / ALIGN * ALIGN);
     fh_workspace ws;
-    double *tokens = (double *)(aligned + plan->tokens_offset);
-    for (int a = 0; a < FH_TOKEN_ARRAYS; a++)
-        ws.token[a] = tokens + (size_t)a * (size_t)n;
+    double *slots = (double *)(aligned + plan->slots_offset);
+    for (int a = 0; a < FH_WORKSPACE_SLOTS; a++)
+        ws.slot[a] = slots + (size_t)a * (size_t)n;
     ws.tile = (float *)(aligned + plan->tile_offset);
     ws.column = (double *)(aligned + plan->column_offset);
     return ws;
+}
+
+fh_status fh_workspace_acquire(fh_context *ctx, int64_t n, const fh_plan *plans, int count, fh_workspace *ws)
+{
+    size_t bytes = 0;
+    for (int k = 0; k < count; k++)
+        bytes = plans[k].bytes > bytes ? plans[k].bytes : bytes;
+    void *base = NULL;
+    const fh_status st = fh_acquire_workspace(ctx, bytes, &base);
+    if (st == FH_OK)
+        for (int k = 0; k < count; k++)
+            ws[k] = carve(&plans[k], base, n);
+    return st;
 }

@@ -1,17 +1,20 @@
-/* How a call is tiled and how its workspace is laid out. One plan serves every head. */
+/* How a call is tiled, on how many threads, and where its buffers sit in the workspace; and the one
+ * workspace-acquire every head uses. One plan serves every head. Plan functions only read the context:
+ * a failure's message goes to `messages` (the calling context, or NULL for the pure size queries). */
 #ifndef FH_PLAN_H
 #define FH_PLAN_H
 
 #include "context.h"
 
-/* Per-token double arrays reserved for the head and the engine (running max and sum, target logit,
- * weighted logit sum, argmax, backward coefficients...). */
-#define FH_TOKEN_ARRAYS 10
+/* Per-token double arrays ("slots") reserved for the head and the engine; each head names the ones it
+ * uses (FH_CE_SLOT_*, FH_GRPO_SLOT_*). */
+#define FH_WORKSPACE_SLOTS 10
 
 typedef struct fh_plan {
+    int threads;          /* fh_threads of the call, fixed once here */
     int64_t tile_rows;    /* tokens per tile */
     int64_t tile_vocab;   /* vocabulary columns per tile */
-    size_t tokens_offset; /* FH_TOKEN_ARRAYS arrays of n doubles */
+    size_t slots_offset;  /* FH_WORKSPACE_SLOTS arrays of n doubles */
     size_t tile_offset;   /* tile_rows * tile_vocab floats */
     size_t column_offset; /* tile_vocab doubles (bias-gradient column sums) */
     size_t bytes;         /* total, including slack to align any caller pointer */
@@ -19,28 +22,35 @@ typedef struct fh_plan {
 
 /* Chooses tile sizes for a streaming call from the context's parameters, else its wisdom for (threads,
  * shape, call), else the defaults; shrunk to fit the memory budget. */
-fh_status fh_plan_make(fh_context *ctx, const fh_linear *lin, fh_call call, fh_plan *plan);
+fh_status fh_plan_make(const fh_context *ctx, const fh_linear *lin, fh_call call, fh_plan *plan,
+                       fh_context *messages);
 
-/* Workspace bytes a streaming forward + backward pair needs: the larger of their plans. */
-fh_status fh_plan_streaming_bytes(fh_context *ctx, const fh_linear *lin, size_t *bytes);
+/* The streaming forward's plan (plans[0]) and backward's (plans[1]). */
+fh_status fh_plan_streaming(const fh_context *ctx, const fh_linear *lin, fh_plan plans[2], fh_context *messages);
 
-/* Row-block plan for the single-call train step: tile_vocab = vocab and as many rows as the budget
- * holds, balanced across blocks. Returns 0 when at least min(n, FH_MIN_ROW_BLOCK) rows fit, else -1
- * (the caller streams instead). */
-#define FH_MIN_ROW_BLOCK 256
-int fh_plan_make_row_blocks(const fh_context *ctx, const fh_linear *lin, fh_plan *plan);
+/* The single-call train step's plan: row blocks of tile_vocab = vocab and as many rows as the budget holds
+ * (*row_blocks = 1), else the streaming backward's tiles, in which the fallback runs both passes. */
+fh_status fh_plan_train_step(const fh_context *ctx, const fh_linear *lin, fh_plan *plan, int *row_blocks,
+                             fh_context *messages);
 
 /* Lowers a row-block plan to rows (<= plan->tile_rows) per block, e.g. a height agreed with other ranks;
  * its workspace only shrinks. */
 void fh_plan_lower_rows(fh_plan *plan, int64_t n, int64_t rows);
 
+/* Workspace bytes of a call for the size queries (lin checked; nothing is reported): the train step's
+ * plan, else the larger of the streaming passes'. */
+fh_status fh_plan_query_bytes(const fh_context *ctx, const fh_linear *lin, int train_step, size_t *bytes);
+
 /* Pointers into an acquired workspace. */
 typedef struct fh_workspace {
-    double *token[FH_TOKEN_ARRAYS];
+    double *slot[FH_WORKSPACE_SLOTS];
     float *tile;
     double *column;
 } fh_workspace;
 
-fh_workspace fh_workspace_carve(const fh_plan *plan, void *base, int64_t n);
+/* One workspace for the passes of a call (plans[0..count)), as large as the largest: ws[k] is it carved
+ * for plans[k]. The slots sit at the same offset in every plan, so they carry values from one pass to the
+ * next. */
+fh_status fh_workspace_acquire(fh_context *ctx, int64_t n, const fh_plan *plans, int count, fh_workspace *ws);
 
 #endif

@@ -5,7 +5,6 @@
 
 #include "../ce_head.h"
 #include "../context.h"
-#include "../grpo_head.h"
 #include "../linear.h"
 
 /* One call's state. */
@@ -107,8 +106,9 @@ static fh_status global_norms(ce_call *c, int data)
 static fh_status forward(ce_call *c, const fh_plan *plan, const fh_workspace *ws, const fh_token_stats *stats,
                          fh_ce_outputs *out)
 {
-    const fh_transform tf = fh_ce_transform(c->o);
-    fh_engine_forward(c->ctx, plan, ws, c->lin, &tf, c->engine_targets, fh_ce_engine_weights(c->o), stats);
+    fh_engine_pass pass = fh_ce_pass(plan, ws, c->lin, c->engine_targets, c->o);
+    pass.stats = stats;
+    fh_engine_forward(&pass);
     fh_status st = fhm_combine_stats(c->L, c->ctx, c->lin->n, stats, sharded_weights(c) ? c->weights : NULL,
                                      c->records);
     if (st == FH_OK)
@@ -139,9 +139,9 @@ FH_MPI_API fh_status fh_mpi_ce_forward(fh_context *ctx, fh_mpi_layout *layout, c
     if (st == FH_OK)
         st = fh_ce_check_outputs(ctx, options, out);
     if (st == FH_OK)
-        st = fh_plan_make(ctx, lin, FH_CALL_FORWARD, &plan);
+        st = fh_plan_make(ctx, lin, FH_CALL_FORWARD, &plan, ctx);
     if (st == FH_OK)
-        st = fh_ce_acquire(ctx, lin, &plan, &ws);
+        st = fh_workspace_acquire(ctx, lin->n, &plan, 1, &ws);
     st = fhm_agree(layout, ctx, st, st == FH_OK ? lin->n : 0);
     if (st != FH_OK)
         return st;
@@ -180,9 +180,9 @@ FH_MPI_API fh_status fh_mpi_ce_backward(fh_context *ctx, fh_mpi_layout *layout, 
         st = check_backward(&c, grad_output, grads, &g);
     int have_grads = st == FH_OK;
     if (st == FH_OK)
-        st = fh_plan_make(ctx, lin, FH_CALL_BACKWARD, &plan);
+        st = fh_plan_make(ctx, lin, FH_CALL_BACKWARD, &plan, ctx);
     if (st == FH_OK)
-        st = fh_ce_acquire(ctx, lin, &plan, &ws);
+        st = fh_workspace_acquire(ctx, lin->n, &plan, 1, &ws);
     st = fhm_agree(layout, ctx, st, st == FH_OK ? lin->n : 0);
     if (st != FH_OK) {
         if (have_grads)
@@ -196,8 +196,10 @@ FH_MPI_API fh_status fh_mpi_ce_backward(fh_context *ctx, fh_mpi_layout *layout, 
         return st;
     }
     const fh_coef_arrays coefs = fh_ce_coefs_in(&ws, &c.h, lse, NULL);
-    const fh_transform tf = fh_ce_transform(options);
-    fh_engine_backward(ctx, &plan, &ws, lin, &tf, c.engine_targets, fh_ce_engine_weights(options), &coefs, &g.engine);
+    fh_engine_pass pass = fh_ce_pass(&plan, &ws, lin, c.engine_targets, options);
+    pass.coefs = &coefs;
+    pass.grads = &g.engine;
+    fh_engine_backward(&pass);
     return fhm_grads_finish(layout, ctx, &g);
 }
 
@@ -235,16 +237,18 @@ FH_MPI_API fh_status fh_mpi_ce_forward_backward(fh_context *ctx, fh_mpi_layout *
         st = check_backward(&c, grad_output, grads, &g);
     const int have_grads = st == FH_OK;
     if (st == FH_OK)
-        st = fh_ce_plan_train_step(ctx, lin, &plans[0], &row_blocks);
+        st = fh_plan_train_step(ctx, lin, &plans[0], &row_blocks, ctx);
     /* Row blocks only where every rank can, at one height per vocab communicator (uneven shards plan
      * different ones); else every rank streams. */
     int64_t rows = row_blocks ? plans[0].tile_rows : 0;
     st = fhm_agree_rows(layout, ctx, st, &rows);
     if (st == FH_OK && rows > 0) {
         fh_plan_lower_rows(&plans[0], lin->n, rows);
-        st = fh_ce_acquire(ctx, lin, &plans[0], &ws[0]);
-    } else if (st == FH_OK) { /* the token arrays sit at the same offset in both plans */
-        st = fh_grpo_prepare(ctx, lin, 1, 1, &plans[0], &plans[1], ws);
+        st = fh_workspace_acquire(ctx, lin->n, plans, 1, ws);
+    } else if (st == FH_OK) {
+        st = fh_plan_streaming(ctx, lin, plans, ctx);
+        if (st == FH_OK)
+            st = fh_workspace_acquire(ctx, lin->n, plans, 2, ws);
     }
     st = fhm_agree(layout, ctx, st, st == FH_OK ? lin->n : 0);
     if (st != FH_OK) {
@@ -254,16 +258,17 @@ FH_MPI_API fh_status fh_mpi_ce_forward_backward(fh_context *ctx, fh_mpi_layout *
     }
     shard_inputs(&c);
     const fh_token_stats stats = fh_ce_stats_in(&ws[0], options, out);
-    const fh_transform tf = fh_ce_transform(options);
-    const float *weights = fh_ce_engine_weights(options);
     if (rows > 0) {
         /* Per row block: the shard's logits and statistics, combined across the vocab communicator (one
          * all-reduce of the block's rows), then dZ and both gradient GEMMs on the shard. */
         st = global_norms(&c, 1);
         if (st == FH_OK) {
             const fh_coef_source source = {row_coefs, layout->vocab_ranks > 1 ? combine_block : NULL, &c};
-            st = fh_engine_row_blocks(ctx, &plans[0], &ws[0], lin, &tf, c.engine_targets, weights, &stats, &source,
-                                      &g.engine);
+            fh_engine_pass pass = fh_ce_pass(&plans[0], &ws[0], lin, c.engine_targets, options);
+            pass.stats = &stats;
+            pass.source = &source;
+            pass.grads = &g.engine;
+            st = fh_engine_row_blocks(&pass);
         }
         if (st == FH_OK) {
             double totals[2];
@@ -277,7 +282,10 @@ FH_MPI_API fh_status fh_mpi_ce_forward_backward(fh_context *ctx, fh_mpi_layout *
         st = forward(&c, &plans[0], &ws[0], &stats, out);
         if (st == FH_OK) {
             const fh_coef_arrays coefs = fh_ce_coefs_in(&ws[1], &c.h, NULL, stats.lse);
-            fh_engine_backward(ctx, &plans[1], &ws[1], lin, &tf, c.engine_targets, weights, &coefs, &g.engine);
+            fh_engine_pass pass = fh_ce_pass(&plans[1], &ws[1], lin, c.engine_targets, options);
+            pass.coefs = &coefs;
+            pass.grads = &g.engine;
+            fh_engine_backward(&pass);
         }
     }
     if (st != FH_OK) {

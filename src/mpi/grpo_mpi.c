@@ -54,8 +54,9 @@ static void shard_ids(grpo_call *c)
 static fh_status forward_pass(grpo_call *c, const fh_plan *plan, const fh_workspace *ws)
 {
     const fh_token_stats stats = fh_grpo_stats_in(ws);
-    const fh_transform tf = fh_grpo_transform(c->o);
-    fh_engine_forward(c->ctx, plan, ws, c->lin, &tf, c->engine_ids, NULL, &stats);
+    fh_engine_pass pass = fh_grpo_pass(plan, ws, c->lin, c->engine_ids, c->o);
+    pass.stats = &stats;
+    fh_engine_forward(&pass);
     const fh_status st = fhm_combine_stats(c->L, c->ctx, c->lin->n, &stats, NULL, c->records);
     if (st == FH_OK)
         fh_grpo_token_values(ws, c->bt, c->lin->n, c->L->total_vocab);
@@ -66,7 +67,7 @@ static fh_status forward_pass(grpo_call *c, const fh_plan *plan, const fh_worksp
 static fh_status prepare_head(grpo_call *c, fh_grpo_head *h, const fh_workspace *ws)
 {
     *h = fh_grpo_head_in(ws, c->bt, c->o);
-    fh_grpo_head_prepare(h, ws->token[T_LOGP]);
+    fh_grpo_head_prepare(h, ws->slot[FH_GRPO_SLOT_LOGP]);
     double totals[2] = {h->mask_sum, h->batch_total};
     const fh_status st = fhm_sum(c->ctx, c->L->data, c->L->data_ranks, totals, 2);
     h->mask_sum = totals[0];
@@ -80,7 +81,7 @@ static fh_status run_head(grpo_call *c, const fh_grpo_head *h, const fh_workspac
                           const fh_grpo_head_outputs *hout, int finish)
 {
     fh_grpo_partials p;
-    fh_grpo_head_evaluate(h, ws->token[T_LOGP], ws->token[T_ENTROPY], grad, hout, &p);
+    fh_grpo_head_evaluate(h, ws->slot[FH_GRPO_SLOT_LOGP], ws->slot[FH_GRPO_SLOT_ENTROPY], grad, hout, &p);
     if (!finish)
         return FH_OK;
     const fh_status st = fhm_sum(c->ctx, c->L->data, c->L->data_ranks, (double *)&p,
@@ -103,8 +104,10 @@ static fh_status backward_pass(grpo_call *c, const fh_plan *plan, const fh_works
         return st;
     }
     const fh_coef_arrays coefs = fh_grpo_coefs_in(ws, c->lin->n);
-    const fh_transform tf = fh_grpo_transform(c->o);
-    fh_engine_backward(c->ctx, plan, ws, c->lin, &tf, c->engine_ids, NULL, &coefs, &g->engine);
+    fh_engine_pass pass = fh_grpo_pass(plan, ws, c->lin, c->engine_ids, c->o);
+    pass.coefs = &coefs;
+    pass.grads = &g->engine;
+    fh_engine_backward(&pass);
     return fhm_grads_finish(c->L, c->ctx, g);
 }
 
@@ -116,12 +119,14 @@ FH_MPI_API fh_status fh_mpi_grpo_forward(fh_context *ctx, fh_mpi_layout *layout,
         return FH_ERR_NULL_POINTER;
     grpo_call c;
     fh_plan plan;
-    fh_workspace ws[2];
+    fh_workspace ws[1];
     fh_status st = begin(&c, layout, ctx, lin, batch, options);
     if (st == FH_OK && !out)
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
     if (st == FH_OK)
-        st = fh_grpo_prepare(ctx, lin, 1, 0, &plan, NULL, ws);
+        st = fh_plan_make(ctx, lin, FH_CALL_FORWARD, &plan, ctx);
+    if (st == FH_OK)
+        st = fh_workspace_acquire(ctx, lin->n, &plan, 1, ws);
     st = fhm_agree(layout, ctx, st, st == FH_OK ? lin->n : 0);
     if (st != FH_OK)
         return st;
@@ -165,7 +170,9 @@ FH_MPI_API fh_status fh_mpi_grpo_backward(fh_context *ctx, fh_mpi_layout *layout
         st = check_grads(&c, grad_output, grads, &g);
     const int have_grads = st == FH_OK;
     if (st == FH_OK)
-        st = fh_grpo_prepare(ctx, lin, 0, 1, NULL, &plan, ws);
+        st = fh_plan_make(ctx, lin, FH_CALL_BACKWARD, &plan, ctx);
+    if (st == FH_OK)
+        st = fh_workspace_acquire(ctx, lin->n, &plan, 1, &ws[1]);
     st = fhm_agree(layout, ctx, st, st == FH_OK ? lin->n : 0);
     if (st != FH_OK) {
         if (have_grads)
@@ -195,7 +202,9 @@ FH_MPI_API fh_status fh_mpi_grpo_forward_backward(fh_context *ctx, fh_mpi_layout
         st = check_grads(&c, grad_output, grads, &g);
     const int have_grads = st == FH_OK;
     if (st == FH_OK)
-        st = fh_grpo_prepare(ctx, lin, 1, 1, &plans[0], &plans[1], ws);
+        st = fh_plan_streaming(ctx, lin, plans, ctx);
+    if (st == FH_OK)
+        st = fh_workspace_acquire(ctx, lin->n, plans, 2, ws);
     st = fhm_agree(layout, ctx, st, st == FH_OK ? lin->n : 0);
     if (st != FH_OK) {
         if (have_grads)
