@@ -5,49 +5,37 @@
 
 #include "../ce_head.h"
 #include "../context.h"
-#include "../linear.h"
 
 /* One call's state. */
 typedef struct ce_call {
-    fh_mpi_layout *L;
-    fh_context *ctx;
-    const fh_linear *lin;
+    fhm_call call;
     const int64_t *targets;
     const fh_ce_options *o;
-    const int64_t *engine_targets; /* shard-local with vocab parallelism, else the caller's */
-    int64_t *local;                /* [n] scratch */
-    double *weights;               /* [n + 1]: targets' class weights, then the class-weight total */
-    void *records;                 /* fhm_combine_bytes(n) */
+    double *weights; /* [n + 1]: targets' class weights, then the class-weight total */
     fh_ce_head h;
 } ce_call;
 
 static int sharded_weights(const ce_call *c)
 {
-    return c->o->class_weights && c->L->vocab_ranks > 1;
+    return c->o->class_weights && c->call.L->vocab_ranks > 1;
 }
 
 /* Local checks common to every call, then the per-call scratch. */
 static fh_status begin(ce_call *c, fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin, const int64_t *targets,
                        const fh_ce_options *o, const float *grad_output)
 {
-    const ce_call fresh = {L, ctx, lin, targets, o, targets, NULL, NULL, NULL, {0}};
-    *c = fresh;
-    fh_status st = fh_ce_check_call(ctx, lin, targets, o, L->total_vocab);
+    c->targets = targets;
+    c->o = o;
+    fh_status st = fhm_call_start(&c->call, L, ctx, lin);
     if (st == FH_OK)
-        st = fhm_check_shard(L, ctx, lin);
+        st = fh_ce_check_call(ctx, lin, targets, o, L->total_vocab);
+    if (st == FH_OK)
+        st = fhm_call_scratch(&c->call, targets, (size_t)(lin->n + 1) * sizeof(double));
     if (st != FH_OK)
         return st;
-    const int64_t n = lin->n;
-    const size_t head = ((size_t)n * sizeof(int64_t) + (size_t)(n + 1) * sizeof(double) + 63) / 64 * 64;
-    char *scratch = NULL;
-    st = fhm_scratch(L, ctx, head + fhm_combine_bytes(n), (void **)&scratch);
-    if (st != FH_OK)
-        return st;
-    c->local = (int64_t *)scratch;
-    c->weights = (double *)(scratch + (size_t)n * sizeof(int64_t));
-    c->records = scratch + head;
+    c->weights = c->call.head_scratch;
     const fh_ce_head h = {lin, targets, o, {0.0, 0.0, 0.0}, grad_output,
-                          o->reduction == FH_REDUCTION_NONE ? n : 1, (double)L->total_vocab,
+                          o->reduction == FH_REDUCTION_NONE ? lin->n : 1, (double)L->total_vocab,
                           sharded_weights(c) ? c->weights : NULL};
     c->h = h;
     return FH_OK;
@@ -57,19 +45,15 @@ static fh_status begin(ce_call *c, fh_mpi_layout *L, fh_context *ctx, const fh_l
  * class-weight total, in weights[n]). */
 static void shard_inputs(ce_call *c)
 {
-    const fh_mpi_layout *L = c->L;
-    const int64_t n = c->lin->n;
-    if (L->vocab_ranks == 1)
-        return;
-    fhm_local_targets(L, c->targets, n, &c->o->ignore_index, c->local);
-    c->engine_targets = c->local;
+    const int64_t n = c->call.lin->n;
+    fhm_call_shard_ids(&c->call, c->targets, &c->o->ignore_index);
     if (!sharded_weights(c))
         return;
     double total = 0.0;
-    for (int64_t j = 0; j < c->lin->vocab; j++)
+    for (int64_t j = 0; j < c->call.lin->vocab; j++)
         total += c->o->class_weights[j];
     for (int64_t i = 0; i < n; i++)
-        c->weights[i] = c->local[i] >= 0 ? c->o->class_weights[c->local[i]] : 0.0;
+        c->weights[i] = c->call.local[i] >= 0 ? c->o->class_weights[c->call.local[i]] : 0.0;
     c->weights[n] = total;
 }
 
@@ -78,15 +62,16 @@ static void shard_inputs(ce_call *c)
  * for the caller to sum with the loss totals). */
 static fh_status norms(ce_call *c, int data)
 {
+    const fh_mpi_layout *L = c->call.L;
     c->h.nm = fh_ce_local_norms(&c->h);
     if (sharded_weights(c))
-        c->h.nm.class_weight_total = c->weights[c->lin->n];
+        c->h.nm.class_weight_total = c->weights[c->call.lin->n];
     else if (!c->o->class_weights)
-        c->h.nm.class_weight_total = (double)c->L->total_vocab;
+        c->h.nm.class_weight_total = (double)L->total_vocab;
     if (!data)
         return FH_OK;
     double sums[2] = {c->h.nm.count, c->h.nm.weight_sum};
-    const fh_status st = fhm_sum(c->ctx, c->L->data, c->L->data_ranks, sums, 2);
+    const fh_status st = fhm_sum(c->call.ctx, L->data, L->data_ranks, sums, 2);
     c->h.nm.count = sums[0];
     c->h.nm.weight_sum = sums[1];
     return st;
@@ -98,19 +83,26 @@ static fh_status global_norms(ce_call *c, int data)
 {
     fh_status st = FH_OK;
     if (sharded_weights(c))
-        st = fhm_sum(c->ctx, c->L->vocab, c->L->vocab_ranks, c->weights, (int)(c->lin->n + 1));
+        st = fhm_sum(c->call.ctx, c->call.L->vocab, c->call.L->vocab_ranks, c->weights, (int)(c->call.lin->n + 1));
     return st == FH_OK ? norms(c, data) : st;
+}
+
+/* An engine pass over the shard with the engine's ids. */
+static fh_engine_pass shard_pass(const ce_call *c, const fh_plan *plan, const fh_workspace *ws)
+{
+    return fh_ce_pass(plan, ws, c->call.lin, c->call.engine_ids, c->o);
 }
 
 /* The streaming forward on the shard, combined: stats end up whole-vocabulary, the outputs written. */
 static fh_status forward(ce_call *c, const fh_plan *plan, const fh_workspace *ws, const fh_token_stats *stats,
                          fh_ce_outputs *out)
 {
-    fh_engine_pass pass = fh_ce_pass(plan, ws, c->lin, c->engine_targets, c->o);
+    const fhm_call *call = &c->call;
+    fh_engine_pass pass = shard_pass(c, plan, ws);
     pass.stats = stats;
     fh_engine_forward(&pass);
-    fh_status st = fhm_combine_stats(c->L, c->ctx, c->lin->n, stats, sharded_weights(c) ? c->weights : NULL,
-                                     c->records);
+    fh_status st = fhm_combine_stats(call->L, call->ctx, call->lin->n, stats, sharded_weights(c) ? c->weights : NULL,
+                                     call->records);
     if (st == FH_OK)
         st = norms(c, 0);
     if (st != FH_OK)
@@ -119,7 +111,7 @@ static fh_status forward(ce_call *c, const fh_plan *plan, const fh_workspace *ws
     fh_ce_write_token_outputs(&c->h, stats, out, totals + 2);
     totals[0] = c->h.nm.count;
     totals[1] = c->h.nm.weight_sum;
-    st = fhm_sum(c->ctx, c->L->data, c->L->data_ranks, totals, 4);
+    st = fhm_sum(call->ctx, call->L->data, call->L->data_ranks, totals, 4);
     c->h.nm.count = totals[0];
     c->h.nm.weight_sum = totals[1];
     if (st == FH_OK)
@@ -130,8 +122,6 @@ static fh_status forward(ce_call *c, const fh_plan *plan, const fh_workspace *ws
 FH_MPI_API fh_status fh_mpi_ce_forward(fh_context *ctx, fh_mpi_layout *layout, const fh_linear *lin,
                                        const int64_t *targets, const fh_ce_options *options, fh_ce_outputs *out)
 {
-    if (!ctx || !layout)
-        return FH_ERR_NULL_POINTER;
     ce_call c;
     fh_plan plan;
     fh_workspace ws;
@@ -142,7 +132,7 @@ FH_MPI_API fh_status fh_mpi_ce_forward(fh_context *ctx, fh_mpi_layout *layout, c
         st = fh_plan_make(ctx, lin, FH_CALL_FORWARD, &plan, ctx);
     if (st == FH_OK)
         st = fh_workspace_acquire(ctx, lin->n, &plan, 1, &ws);
-    st = fhm_agree(layout, ctx, st, st == FH_OK ? lin->n : 0);
+    st = fhm_call_agree(&c.call, st);
     if (st != FH_OK)
         return st;
     shard_inputs(&c);
@@ -150,16 +140,17 @@ FH_MPI_API fh_status fh_mpi_ce_forward(fh_context *ctx, fh_mpi_layout *layout, c
     return forward(&c, &plan, &ws, &stats, out);
 }
 
-static fh_status check_backward(ce_call *c, const float *grad_output, const fh_linear_grads *grads, fhm_grads *g)
+static fh_status check_backward(ce_call *c, const float *grad_output, const fh_linear_grads *grads)
 {
+    fhm_call *call = &c->call;
     if (!grads)
-        return fh_fail(c->ctx, FH_ERR_NULL_POINTER, "the fh_linear_grads description is NULL");
+        return fh_fail(call->ctx, FH_ERR_NULL_POINTER, "the fh_linear_grads description is NULL");
     /* dx is checked by fhm_grads_begin, for the rows it holds (a block with reduce-scatter). */
     fh_linear_grads without_dx = *grads;
     without_dx.dx = NULL;
-    fh_status st = fh_ce_check_backward_inputs(c->ctx, c->lin, c->o, grad_output, &without_dx);
+    fh_status st = fh_ce_check_backward_inputs(call->ctx, call->lin, c->o, grad_output, &without_dx);
     if (st == FH_OK)
-        st = fhm_grads_begin(c->L, c->ctx, c->lin, grads, g);
+        st = fhm_grads_begin(call->L, call->ctx, call->lin, grads, &call->g);
     return st;
 }
 
@@ -167,40 +158,31 @@ FH_MPI_API fh_status fh_mpi_ce_backward(fh_context *ctx, fh_mpi_layout *layout, 
                                         const int64_t *targets, const fh_ce_options *options, const float *lse,
                                         const float *grad_output, fh_linear_grads *grads)
 {
-    if (!ctx || !layout)
-        return FH_ERR_NULL_POINTER;
     ce_call c;
     fh_plan plan;
     fh_workspace ws;
-    fhm_grads g = {0};
     fh_status st = begin(&c, layout, ctx, lin, targets, options, grad_output);
     if (st == FH_OK && !lse)
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "lse is NULL");
     if (st == FH_OK)
-        st = check_backward(&c, grad_output, grads, &g);
-    int have_grads = st == FH_OK;
+        st = check_backward(&c, grad_output, grads);
     if (st == FH_OK)
         st = fh_plan_make(ctx, lin, FH_CALL_BACKWARD, &plan, ctx);
     if (st == FH_OK)
         st = fh_workspace_acquire(ctx, lin->n, &plan, 1, &ws);
-    st = fhm_agree(layout, ctx, st, st == FH_OK ? lin->n : 0);
-    if (st != FH_OK) {
-        if (have_grads)
-            fhm_grads_free(&g);
+    st = fhm_call_agree(&c.call, st);
+    if (st != FH_OK)
         return st;
-    }
     shard_inputs(&c);
     st = global_norms(&c, options->reduction == FH_REDUCTION_MEAN);
-    if (st != FH_OK) {
-        fhm_grads_free(&g);
-        return st;
+    if (st == FH_OK) {
+        const fh_coef_arrays coefs = fh_ce_coefs_in(&ws, &c.h, lse, NULL);
+        fh_engine_pass pass = shard_pass(&c, &plan, &ws);
+        pass.coefs = &coefs;
+        pass.grads = &c.call.g.engine;
+        fh_engine_backward(&pass);
     }
-    const fh_coef_arrays coefs = fh_ce_coefs_in(&ws, &c.h, lse, NULL);
-    fh_engine_pass pass = fh_ce_pass(&plan, &ws, lin, c.engine_targets, options);
-    pass.coefs = &coefs;
-    pass.grads = &g.engine;
-    fh_engine_backward(&pass);
-    return fhm_grads_finish(layout, ctx, &g);
+    return fhm_call_finish(&c.call, st);
 }
 
 /* fh_coef_source of the row-block train step (self: const ce_call *). */
@@ -215,7 +197,32 @@ static void row_coefs(const void *self, int64_t i, const fh_final_stats *stats, 
 static fh_status combine_block(const void *self, int64_t rows, const fh_token_stats *stats)
 {
     const ce_call *c = self;
-    return fhm_combine_stats(c->L, c->ctx, rows, stats, NULL, c->records);
+    return fhm_combine_stats(c->call.L, c->call.ctx, rows, stats, NULL, c->call.records);
+}
+
+/* Per row block: the shard's logits and statistics, combined across the vocab communicator (one
+ * all-reduce of the block's rows), then dZ and both gradient GEMMs on the shard. */
+static fh_status row_block_step(ce_call *c, const fh_plan *plan, const fh_workspace *ws,
+                                const fh_token_stats *stats, fh_ce_outputs *out)
+{
+    const fhm_call *call = &c->call;
+    fh_status st = global_norms(c, 1);
+    if (st == FH_OK) {
+        const fh_coef_source source = {row_coefs, call->L->vocab_ranks > 1 ? combine_block : NULL, c};
+        fh_engine_pass pass = shard_pass(c, plan, ws);
+        pass.stats = stats;
+        pass.source = &source;
+        pass.grads = &call->g.engine;
+        st = fh_engine_row_blocks(&pass);
+    }
+    if (st == FH_OK) {
+        double totals[2];
+        fh_ce_write_token_outputs(&c->h, stats, out, totals);
+        st = fhm_sum(call->ctx, call->L->data, call->L->data_ranks, totals, 2);
+        if (st == FH_OK)
+            fh_ce_write_loss(&c->h, totals, out);
+    }
+    return st;
 }
 
 FH_MPI_API fh_status fh_mpi_ce_forward_backward(fh_context *ctx, fh_mpi_layout *layout, const fh_linear *lin,
@@ -223,25 +230,21 @@ FH_MPI_API fh_status fh_mpi_ce_forward_backward(fh_context *ctx, fh_mpi_layout *
                                                 const float *grad_output, fh_ce_outputs *out,
                                                 fh_linear_grads *grads)
 {
-    if (!ctx || !layout)
-        return FH_ERR_NULL_POINTER;
     ce_call c;
     fh_plan plans[2];
     fh_workspace ws[2];
-    fhm_grads g = {0};
     int row_blocks = 0;
     fh_status st = begin(&c, layout, ctx, lin, targets, options, grad_output);
     if (st == FH_OK)
         st = fh_ce_check_outputs(ctx, options, out);
     if (st == FH_OK)
-        st = check_backward(&c, grad_output, grads, &g);
-    const int have_grads = st == FH_OK;
+        st = check_backward(&c, grad_output, grads);
     if (st == FH_OK)
         st = fh_plan_train_step(ctx, lin, &plans[0], &row_blocks, ctx);
     /* Row blocks only where every rank can, at one height per vocab communicator (uneven shards plan
      * different ones); else every rank streams. */
     int64_t rows = row_blocks ? plans[0].tile_rows : 0;
-    st = fhm_agree_rows(layout, ctx, st, &rows);
+    st = fhm_call_agree_rows(&c.call, st, &rows);
     if (st == FH_OK && rows > 0) {
         fh_plan_lower_rows(&plans[0], lin->n, rows);
         st = fh_workspace_acquire(ctx, lin->n, plans, 1, ws);
@@ -250,47 +253,23 @@ FH_MPI_API fh_status fh_mpi_ce_forward_backward(fh_context *ctx, fh_mpi_layout *
         if (st == FH_OK)
             st = fh_workspace_acquire(ctx, lin->n, plans, 2, ws);
     }
-    st = fhm_agree(layout, ctx, st, st == FH_OK ? lin->n : 0);
-    if (st != FH_OK) {
-        if (have_grads)
-            fhm_grads_free(&g);
+    st = fhm_call_agree(&c.call, st);
+    if (st != FH_OK)
         return st;
-    }
     shard_inputs(&c);
     const fh_token_stats stats = fh_ce_stats_in(&ws[0], options, out);
     if (rows > 0) {
-        /* Per row block: the shard's logits and statistics, combined across the vocab communicator (one
-         * all-reduce of the block's rows), then dZ and both gradient GEMMs on the shard. */
-        st = global_norms(&c, 1);
-        if (st == FH_OK) {
-            const fh_coef_source source = {row_coefs, layout->vocab_ranks > 1 ? combine_block : NULL, &c};
-            fh_engine_pass pass = fh_ce_pass(&plans[0], &ws[0], lin, c.engine_targets, options);
-            pass.stats = &stats;
-            pass.source = &source;
-            pass.grads = &g.engine;
-            st = fh_engine_row_blocks(&pass);
-        }
-        if (st == FH_OK) {
-            double totals[2];
-            fh_ce_write_token_outputs(&c.h, &stats, out, totals);
-            st = fhm_sum(ctx, layout->data, layout->data_ranks, totals, 2);
-            if (st == FH_OK)
-                fh_ce_write_loss(&c.h, totals, out);
-        }
+        st = row_block_step(&c, &plans[0], &ws[0], &stats, out);
     } else {
         /* Streaming: forward, the statistics' all-reduce, then backward from the double lse. */
         st = forward(&c, &plans[0], &ws[0], &stats, out);
         if (st == FH_OK) {
             const fh_coef_arrays coefs = fh_ce_coefs_in(&ws[1], &c.h, NULL, stats.lse);
-            fh_engine_pass pass = fh_ce_pass(&plans[1], &ws[1], lin, c.engine_targets, options);
+            fh_engine_pass pass = shard_pass(&c, &plans[1], &ws[1]);
             pass.coefs = &coefs;
-            pass.grads = &g.engine;
+            pass.grads = &c.call.g.engine;
             fh_engine_backward(&pass);
         }
     }
-    if (st != FH_OK) {
-        fhm_grads_free(&g);
-        return st;
-    }
-    return fhm_grads_finish(layout, ctx, &g);
+    return fhm_call_finish(&c.call, st);
 }

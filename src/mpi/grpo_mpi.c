@@ -5,61 +5,39 @@
 
 #include "../context.h"
 #include "../grpo_head.h"
-#include "../linear.h"
 
 #include <math.h>
 
 typedef struct grpo_call {
-    fh_mpi_layout *L;
-    fh_context *ctx;
-    const fh_linear *lin;
+    fhm_call call;
     const fh_grpo_batch *bt;
     const fh_grpo_options *o;
-    const int64_t *engine_ids; /* shard-local with vocab parallelism, else the caller's */
-    int64_t *local;
-    void *records;
 } grpo_call;
 
 static fh_status begin(grpo_call *c, fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin,
                        const fh_grpo_batch *bt, const fh_grpo_options *o)
 {
-    const grpo_call fresh = {L, ctx, lin, bt, o, NULL, NULL, NULL};
-    *c = fresh;
-    fh_status st = fh_grpo_check_call(ctx, lin, bt, o, L->total_vocab);
+    c->bt = bt;
+    c->o = o;
+    fh_status st = fhm_call_start(&c->call, L, ctx, lin);
     if (st == FH_OK)
-        st = fhm_check_shard(L, ctx, lin);
-    if (st != FH_OK)
-        return st;
-    c->engine_ids = bt->completion_ids;
-    const size_t head = ((size_t)lin->n * sizeof(int64_t) + 63) / 64 * 64;
-    char *scratch = NULL;
-    st = fhm_scratch(L, ctx, head + fhm_combine_bytes(lin->n), (void **)&scratch);
-    if (st == FH_OK) {
-        c->local = (int64_t *)scratch;
-        c->records = scratch + head;
-    }
+        st = fh_grpo_check_call(ctx, lin, bt, o, L->total_vocab);
+    if (st == FH_OK)
+        st = fhm_call_scratch(&c->call, bt->completion_ids, 0);
     return st;
-}
-
-/* After agreement. */
-static void shard_ids(grpo_call *c)
-{
-    if (c->L->vocab_ranks == 1)
-        return;
-    fhm_local_targets(c->L, c->bt->completion_ids, c->lin->n, NULL, c->local);
-    c->engine_ids = c->local;
 }
 
 /* Streaming forward on the shard; leaves whole-vocabulary lse, sum_pz, logp and entropy in ws. */
 static fh_status forward_pass(grpo_call *c, const fh_plan *plan, const fh_workspace *ws)
 {
+    const fhm_call *call = &c->call;
     const fh_token_stats stats = fh_grpo_stats_in(ws);
-    fh_engine_pass pass = fh_grpo_pass(plan, ws, c->lin, c->engine_ids, c->o);
+    fh_engine_pass pass = fh_grpo_pass(plan, ws, call->lin, call->engine_ids, c->o);
     pass.stats = &stats;
     fh_engine_forward(&pass);
-    const fh_status st = fhm_combine_stats(c->L, c->ctx, c->lin->n, &stats, NULL, c->records);
+    const fh_status st = fhm_combine_stats(call->L, call->ctx, call->lin->n, &stats, NULL, call->records);
     if (st == FH_OK)
-        fh_grpo_token_values(ws, c->bt, c->lin->n, c->L->total_vocab);
+        fh_grpo_token_values(ws, c->bt, call->lin->n, call->L->total_vocab);
     return st;
 }
 
@@ -69,7 +47,7 @@ static fh_status prepare_head(grpo_call *c, fh_grpo_head *h, const fh_workspace 
     *h = fh_grpo_head_in(ws, c->bt, c->o);
     fh_grpo_head_prepare(h, ws->slot[FH_GRPO_SLOT_LOGP]);
     double totals[2] = {h->mask_sum, h->batch_total};
-    const fh_status st = fhm_sum(c->ctx, c->L->data, c->L->data_ranks, totals, 2);
+    const fh_status st = fhm_sum(c->call.ctx, c->call.L->data, c->call.L->data_ranks, totals, 2);
     h->mask_sum = totals[0];
     h->mask_total = fmax(totals[0], 1.0);
     h->batch_total = totals[1];
@@ -84,70 +62,69 @@ static fh_status run_head(grpo_call *c, const fh_grpo_head *h, const fh_workspac
     fh_grpo_head_evaluate(h, ws->slot[FH_GRPO_SLOT_LOGP], ws->slot[FH_GRPO_SLOT_ENTROPY], grad, hout, &p);
     if (!finish)
         return FH_OK;
-    const fh_status st = fhm_sum(c->ctx, c->L->data, c->L->data_ranks, (double *)&p,
+    const fh_status st = fhm_sum(c->call.ctx, c->call.L->data, c->call.L->data_ranks, (double *)&p,
                                  (int)(sizeof p / sizeof(double)));
     if (st == FH_OK)
         fh_grpo_head_finish(h, &p, hout);
     return st;
 }
 
+/* The head's coefficients, the engine's backward on the shard, the reductions. */
 static fh_status backward_pass(grpo_call *c, const fh_plan *plan, const fh_workspace *ws, double grad,
-                               fhm_grads *g, fh_grpo_outputs *forward_out)
+                               fh_grpo_outputs *forward_out)
 {
+    fhm_call *call = &c->call;
     fh_grpo_head h;
     fh_status st = prepare_head(c, &h, ws);
     const fh_grpo_head_outputs hout = fh_grpo_backward_outputs(ws, forward_out);
     if (st == FH_OK)
         st = run_head(c, &h, ws, grad, &hout, forward_out != NULL);
-    if (st != FH_OK) {
-        fhm_grads_free(g);
-        return st;
+    if (st == FH_OK) {
+        const fh_coef_arrays coefs = fh_grpo_coefs_in(ws, call->lin->n);
+        fh_engine_pass pass = fh_grpo_pass(plan, ws, call->lin, call->engine_ids, c->o);
+        pass.coefs = &coefs;
+        pass.grads = &call->g.engine;
+        fh_engine_backward(&pass);
     }
-    const fh_coef_arrays coefs = fh_grpo_coefs_in(ws, c->lin->n);
-    fh_engine_pass pass = fh_grpo_pass(plan, ws, c->lin, c->engine_ids, c->o);
-    pass.coefs = &coefs;
-    pass.grads = &g->engine;
-    fh_engine_backward(&pass);
-    return fhm_grads_finish(c->L, c->ctx, g);
+    return fhm_call_finish(call, st);
 }
 
 FH_MPI_API fh_status fh_mpi_grpo_forward(fh_context *ctx, fh_mpi_layout *layout, const fh_linear *lin,
                                          const fh_grpo_batch *batch, const fh_grpo_options *options,
                                          fh_grpo_outputs *out)
 {
-    if (!ctx || !layout)
-        return FH_ERR_NULL_POINTER;
     grpo_call c;
     fh_plan plan;
-    fh_workspace ws[1];
+    fh_workspace ws;
     fh_status st = begin(&c, layout, ctx, lin, batch, options);
     if (st == FH_OK && !out)
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
     if (st == FH_OK)
         st = fh_plan_make(ctx, lin, FH_CALL_FORWARD, &plan, ctx);
     if (st == FH_OK)
-        st = fh_workspace_acquire(ctx, lin->n, &plan, 1, ws);
-    st = fhm_agree(layout, ctx, st, st == FH_OK ? lin->n : 0);
+        st = fh_workspace_acquire(ctx, lin->n, &plan, 1, &ws);
+    st = fhm_call_agree(&c.call, st);
     if (st != FH_OK)
         return st;
-    shard_ids(&c);
-    st = forward_pass(&c, &plan, &ws[0]);
+    fhm_call_shard_ids(&c.call, batch->completion_ids, NULL);
+    st = forward_pass(&c, &plan, &ws);
     fh_grpo_head h;
     if (st == FH_OK)
-        st = prepare_head(&c, &h, &ws[0]);
+        st = prepare_head(&c, &h, &ws);
     const fh_grpo_head_outputs hout = {out->loss, out->metrics, out->per_token_loss, NULL, NULL};
     if (st == FH_OK)
-        st = run_head(&c, &h, &ws[0], 1.0, &hout, 1);
+        st = run_head(&c, &h, &ws, 1.0, &hout, 1);
     if (st == FH_OK)
-        fh_grpo_write_outputs(&ws[0], lin->n, out);
+        fh_grpo_write_outputs(&ws, lin->n, out);
     return st;
 }
 
-static fh_status check_grads(grpo_call *c, const float *grad_output, const fh_linear_grads *grads, fhm_grads *g)
+static fh_status check_grads(grpo_call *c, const float *grad_output, const fh_linear_grads *grads)
 {
-    fh_status st = fh_grpo_check_grad_output(c->ctx, grad_output);
+    fhm_call *call = &c->call;
+    fh_status st = fh_grpo_check_grad_output(call->ctx, grad_output);
     if (st == FH_OK)
-        st = fhm_grads_begin(c->L, c->ctx, c->lin, grads, g);
+        st = fhm_grads_begin(call->L, call->ctx, call->lin, grads, &call->g);
     return st;
 }
 
@@ -156,32 +133,25 @@ FH_MPI_API fh_status fh_mpi_grpo_backward(fh_context *ctx, fh_mpi_layout *layout
                                           const float *per_token_logp, const float *lse, const float *entropy,
                                           const float *grad_output, fh_linear_grads *grads)
 {
-    if (!ctx || !layout)
-        return FH_ERR_NULL_POINTER;
     grpo_call c;
     fh_plan plan;
-    fh_workspace ws[2];
-    fhm_grads g = {0};
+    fh_workspace ws;
     fh_status st = begin(&c, layout, ctx, lin, batch, options);
     if (st == FH_OK && (!per_token_logp || !lse || (options->entropy_coef != 0.0 && !entropy)))
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "%s is NULL",
                      !per_token_logp ? "per_token_logp" : !lse ? "lse" : "entropy (entropy_coef != 0)");
     if (st == FH_OK)
-        st = check_grads(&c, grad_output, grads, &g);
-    const int have_grads = st == FH_OK;
+        st = check_grads(&c, grad_output, grads);
     if (st == FH_OK)
         st = fh_plan_make(ctx, lin, FH_CALL_BACKWARD, &plan, ctx);
     if (st == FH_OK)
-        st = fh_workspace_acquire(ctx, lin->n, &plan, 1, &ws[1]);
-    st = fhm_agree(layout, ctx, st, st == FH_OK ? lin->n : 0);
-    if (st != FH_OK) {
-        if (have_grads)
-            fhm_grads_free(&g);
+        st = fh_workspace_acquire(ctx, lin->n, &plan, 1, &ws);
+    st = fhm_call_agree(&c.call, st);
+    if (st != FH_OK)
         return st;
-    }
-    shard_ids(&c);
-    fh_grpo_load_saved(&ws[1], lin->n, per_token_logp, lse, entropy);
-    return backward_pass(&c, &plan, &ws[1], grad_output[0], &g, NULL);
+    fhm_call_shard_ids(&c.call, batch->completion_ids, NULL);
+    fh_grpo_load_saved(&ws, lin->n, per_token_logp, lse, entropy);
+    return backward_pass(&c, &plan, &ws, grad_output[0], NULL);
 }
 
 FH_MPI_API fh_status fh_mpi_grpo_forward_backward(fh_context *ctx, fh_mpi_layout *layout, const fh_linear *lin,
@@ -189,34 +159,25 @@ FH_MPI_API fh_status fh_mpi_grpo_forward_backward(fh_context *ctx, fh_mpi_layout
                                                   const float *grad_output, fh_grpo_outputs *out,
                                                   fh_linear_grads *grads)
 {
-    if (!ctx || !layout)
-        return FH_ERR_NULL_POINTER;
     grpo_call c;
     fh_plan plans[2];
     fh_workspace ws[2];
-    fhm_grads g = {0};
     fh_status st = begin(&c, layout, ctx, lin, batch, options);
     if (st == FH_OK && !out)
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
     if (st == FH_OK)
-        st = check_grads(&c, grad_output, grads, &g);
-    const int have_grads = st == FH_OK;
+        st = check_grads(&c, grad_output, grads);
     if (st == FH_OK)
         st = fh_plan_streaming(ctx, lin, plans, ctx);
     if (st == FH_OK)
         st = fh_workspace_acquire(ctx, lin->n, plans, 2, ws);
-    st = fhm_agree(layout, ctx, st, st == FH_OK ? lin->n : 0);
-    if (st != FH_OK) {
-        if (have_grads)
-            fhm_grads_free(&g);
+    st = fhm_call_agree(&c.call, st);
+    if (st != FH_OK)
         return st;
-    }
-    shard_ids(&c);
+    fhm_call_shard_ids(&c.call, batch->completion_ids, NULL);
     st = forward_pass(&c, &plans[0], &ws[0]);
-    if (st != FH_OK) {
-        fhm_grads_free(&g);
-        return st;
-    }
+    if (st != FH_OK)
+        return fhm_call_finish(&c.call, st);
     fh_grpo_write_outputs(&ws[0], lin->n, out);
-    return backward_pass(&c, &plans[1], &ws[1], grad_output[0], &g, out);
+    return backward_pass(&c, &plans[1], &ws[1], grad_output[0], out);
 }

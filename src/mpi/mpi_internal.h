@@ -1,6 +1,8 @@
-/* The MPI module's internals: the layout object, agreement on errors, per-token statistics across the
- * vocab communicator and gradient reductions. The heads (ce_head.h, grpo_head.h) and the engine do all
- * the math; this module only moves their inputs and outputs between ranks. */
+/* The MPI module's internals. The heads (ce_head.h, grpo_head.h) and the engine do all the math; this
+ * module only moves their inputs and outputs between ranks. Files, bottom to top: comm.c (errors, sums,
+ * splits), stats_reduce.c (per-token statistics across the vocab communicator), grid.c (the
+ * fh_mpi_layout object: communicators, shard, parameters, scratch), grads_reduce.c (gradient reductions),
+ * call.c (what every entry point shares), ce_mpi.c and grpo_mpi.c (the entry points). */
 #ifndef FH_MPI_INTERNAL_H
 #define FH_MPI_INTERNAL_H
 
@@ -10,6 +12,7 @@
 
 #define FH_MPI_PARAM_COUNT 3
 
+/* The public fh_mpi_layout: a grid of vocab x data communicators and this rank's vocabulary shard. */
 struct fh_mpi_layout {
     MPI_Comm vocab, data;           /* our duplicates (MPI_COMM_SELF duplicates when absent) */
     int vocab_rank, vocab_ranks, data_rank, data_ranks;
@@ -17,27 +20,43 @@ struct fh_mpi_layout {
     int params[FH_MPI_PARAM_COUNT]; /* indexed by fh_mpi_param */
     MPI_Datatype record;            /* FHM_RECORD doubles: one token's packed statistics */
     MPI_Op merge;                   /* commutative merge of two records */
-    void *scratch;                  /* per-token scratch, grown on demand */
+    void *scratch;                  /* per-call scratch, grown on demand */
     size_t scratch_bytes;
 };
 
-/* Fields of a packed statistics record. */
-enum { FHM_LSE, FHM_MAX, FHM_Z_TARGET, FHM_SUM_WZ, FHM_SUM_PZ, FHM_ARGMAX, FHM_TARGET_WEIGHT, FHM_RECORD };
+/* ---- comm.c ---------------------------------------------------------------------------------- */
 
 /* FH_ERR_MPI with MPI's error string, for a failed MPI call (err != MPI_SUCCESS). */
 fh_status fhm_mpi_error(fh_context *ctx, int err, const char *what);
 
-/* Collective over the grid: every rank learns whether any rank failed. Returns st when it is an error,
- * else the largest error of the other ranks (with a message saying so), else FH_ERR_MPI_LAYOUT when n
- * differs across the vocab communicator, else FH_OK. */
-fh_status fhm_agree(fh_mpi_layout *L, fh_context *ctx, fh_status st, int64_t n);
+/* In-place MPI_SUM all-reduce of count elements (chunked past INT_MAX). */
+int fhm_allreduce_sum(void *buf, int64_t count, MPI_Datatype type, MPI_Comm comm);
 
-/* Agreement on the train step's row blocks, collective over the grid whatever the local status. In:
- * *rows, this rank's row-block height (0: it cannot use row blocks; read only when st is FH_OK). Out: the
- * smallest height over the vocab communicator (its ranks must walk the same blocks: one statistics
- * all-reduce each), or 0 on every rank of the grid when any rank has 0 (the streaming schedule makes
- * other data collectives). Returns st when it is an error, else FH_OK or FH_ERR_MPI. */
-fh_status fhm_agree_rows(fh_mpi_layout *L, fh_context *ctx, fh_status st, int64_t *rows);
+/* Sums n doubles over a communicator in place (nothing to do with one rank). */
+fh_status fhm_sum(fh_context *ctx, MPI_Comm comm, int ranks, double *values, int n);
+
+/* Part r of count items split in parts contiguous blocks whose sizes differ by at most one. */
+void fhm_split(int64_t count, int parts, int r, int64_t *first, int64_t *size);
+
+/* ---- stats_reduce.c -------------------------------------------------------------------------- */
+
+/* Fields of a packed statistics record. */
+enum { FHM_LSE, FHM_MAX, FHM_Z_TARGET, FHM_SUM_WZ, FHM_SUM_PZ, FHM_ARGMAX, FHM_TARGET_WEIGHT, FHM_RECORD };
+
+/* Creates L->record and L->merge, the packed collective's datatype and operation; *err is MPI's status. */
+void fhm_register_merge(fh_mpi_layout *L, int *err);
+
+/* Combines per-token statistics over the vocab communicator (nothing to do with one rank). In: this
+ * shard's stats as fh_engine_forward (or the row-block pass, to its block hook) leaves them (argmax a
+ * shard index; sum_exp still the shard's sum of exps), extra optional: extra[0..n) values to sum (a
+ * target's class weight on the rank that holds it) and extra[n] one more summed scalar. Out: the whole
+ * vocabulary's lse, z_target, sum_weighted_z, sum_pz, argmax (global index), and the sums in extra.
+ * records: scratch of fhm_combine_bytes(n). */
+size_t fhm_combine_bytes(int64_t n);
+fh_status fhm_combine_stats(fh_mpi_layout *L, fh_context *ctx, int64_t n, const fh_token_stats *stats,
+                            double *extra, void *records);
+
+/* ---- grid.c ---------------------------------------------------------------------------------- */
 
 /* Checks that a call's lin is this rank's shard and that n fits MPI's int counts. Local. */
 fh_status fhm_check_shard(const fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin);
@@ -45,29 +64,12 @@ fh_status fhm_check_shard(const fh_mpi_layout *L, fh_context *ctx, const fh_line
 /* At least bytes of per-call scratch (64-byte aligned), owned by the layout. */
 fh_status fhm_scratch(fh_mpi_layout *L, fh_context *ctx, size_t bytes, void **p);
 
-/* In-place MPI_SUM all-reduce of count elements (chunked past INT_MAX). */
-int fhm_allreduce_sum(void *buf, int64_t count, MPI_Datatype type, MPI_Comm comm);
-
-/* Combines per-token statistics over the vocab communicator (nothing to do with one rank). In: this
- * shard's stats as fh_engine_forward (or the row-block pass, to its block hook) leaves them (argmax a
- * shard index; sum_exp still the shard's sum of exps), extra optional: extra[0..n) values to sum
- * (a target's class weight on the rank that holds it) and extra[n] one more summed scalar. Out: the whole
- * vocabulary's lse, z_target, sum_weighted_z, sum_pz, argmax (global index), and the sums in extra.
- * records: scratch of fhm_combine_bytes(n). */
-size_t fhm_combine_bytes(int64_t n);
-fh_status fhm_combine_stats(fh_mpi_layout *L, fh_context *ctx, int64_t n, const fh_token_stats *stats, double *extra,
-                            void *records);
-
 /* Targets local to this rank's shard: t - offset inside it, -1 elsewhere (and where ignored, when
  * ignore is not NULL). */
 void fhm_local_targets(const fh_mpi_layout *L, const int64_t *targets, int64_t n, const int64_t *ignore,
                        int64_t *local);
 
-/* Part r of count items split in parts contiguous blocks whose sizes differ by at most one. */
-void fhm_split(int64_t count, int parts, int r, int64_t *first, int64_t *size);
-
-/* Sums n doubles over a communicator in place (nothing to do with one rank). */
-fh_status fhm_sum(fh_context *ctx, MPI_Comm comm, int ranks, double *values, int n);
+/* ---- grads_reduce.c -------------------------------------------------------------------------- */
 
 /* Gradient outputs as the engine writes them, and what must happen afterwards. */
 typedef struct fhm_grads {
@@ -87,7 +89,50 @@ fh_status fhm_grads_begin(const fh_mpi_layout *L, fh_context *ctx, const fh_line
                           const fh_linear_grads *user, fhm_grads *g);
 /* After the engine: the reductions (collective), then frees. */
 fh_status fhm_grads_finish(fh_mpi_layout *L, fh_context *ctx, fhm_grads *g);
-/* Frees without reducing (a call that fails its agreement). */
+/* Frees without reducing (a call that fails). Safe on a zeroed or already freed fhm_grads. */
 void fhm_grads_free(fhm_grads *g);
+
+/* ---- call.c ---------------------------------------------------------------------------------- */
+
+/* What every fh_mpi_* call shares. A call runs: fhm_call_start, the head's local checks,
+ * fhm_call_scratch, (fhm_grads_begin on g), planning; then fhm_call_agree, which every rank reaches
+ * whatever failed locally; then the passes; a backward call ends in fhm_call_finish. */
+typedef struct fhm_call {
+    fh_mpi_layout *L;          /* NULL when the caller passed a NULL ctx or layout */
+    fh_context *ctx;
+    const fh_linear *lin;
+    const int64_t *engine_ids; /* shard-local with vocab parallelism (fhm_call_shard_ids), else the caller's */
+    int64_t *local;            /* [n] scratch for the shard-local ids */
+    void *head_scratch;        /* the head's share of the scratch */
+    void *records;             /* fhm_combine_bytes(n) of scratch */
+    fhm_grads g;               /* the gradients' reductions (backward calls) */
+} fhm_call;
+
+/* FH_ERR_NULL_POINTER when ctx or L is NULL (then nothing is written and no collective runs, not even in
+ * fhm_call_agree), else FH_OK. */
+fh_status fhm_call_start(fhm_call *c, fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin);
+
+/* After the head's checks: the shard check, then the per-call scratch with head_bytes for the head; the
+ * engine's ids are the caller's ids until fhm_call_shard_ids. Local. */
+fh_status fhm_call_scratch(fhm_call *c, const int64_t *ids, size_t head_bytes);
+
+/* Collective over the grid: every rank learns whether any rank failed. Returns st when it is an error,
+ * else the largest error of the other ranks (with a message saying so), else FH_ERR_MPI_LAYOUT when n
+ * differs across the vocab communicator, else FH_OK. On failure the gradient buffers are freed. */
+fh_status fhm_call_agree(fhm_call *c, fh_status st);
+
+/* Agreement on the train step's row blocks, collective over the grid whatever the local status. In:
+ * *rows, this rank's row-block height (0: it cannot use row blocks; read only when st is FH_OK). Out: the
+ * smallest height over the vocab communicator (its ranks must walk the same blocks: one statistics
+ * all-reduce each), or 0 on every rank of the grid when any rank has 0 (the streaming schedule makes
+ * other data collectives). Returns st when it is an error, else FH_OK or FH_ERR_MPI. */
+fh_status fhm_call_agree_rows(fhm_call *c, fh_status st, int64_t *rows);
+
+/* After agreement: the engine's ids become shard-local when the vocabulary is split (ignore: the id
+ * that is never local, or NULL). */
+void fhm_call_shard_ids(fhm_call *c, const int64_t *ids, const int64_t *ignore);
+
+/* The end of a backward call: the gradient reductions when st is FH_OK, else only the frees. */
+fh_status fhm_call_finish(fhm_call *c, fh_status st);
 
 #endif

@@ -1,5 +1,5 @@
-/* The layout: duplicated communicators, this rank's shard, parameters, per-call scratch; agreement on
- * errors across the grid. */
+/* The fh_mpi_layout object (a grid of duplicated vocab x data communicators; "layout" in the public
+ * name): this rank's shard, parameters, per-call scratch. */
 #include "mpi_internal.h"
 
 #include "../context.h"
@@ -7,25 +7,6 @@
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
-
-void fhm_register_merge(fh_mpi_layout *L, int *err); /* collectives.c */
-
-FH_MPI_API const char *fh_mpi_status_string(fh_status status)
-{
-    if (status == FH_ERR_MPI)
-        return "an MPI call failed";
-    if (status == FH_ERR_MPI_LAYOUT)
-        return "communicators, vocabulary shards or token counts are inconsistent across ranks";
-    return fh_status_string(status);
-}
-
-fh_status fhm_mpi_error(fh_context *ctx, int err, const char *what)
-{
-    char text[MPI_MAX_ERROR_STRING] = "";
-    int length = 0;
-    MPI_Error_string(err, text, &length);
-    return fh_fail(ctx, FH_ERR_MPI, "%s failed: %s", what, text);
-}
 
 /* A duplicate of comm (MPI_COMM_SELF's when comm is MPI_COMM_NULL) that returns errors. */
 static int duplicate(MPI_Comm comm, MPI_Comm *dup)
@@ -215,13 +196,6 @@ FH_MPI_API fh_status fh_mpi_layout_get(const fh_mpi_layout *L, fh_mpi_param para
     return FH_OK;
 }
 
-void fhm_split(int64_t count, int parts, int r, int64_t *first, int64_t *size)
-{
-    const int64_t base = count / parts, extra = count % parts;
-    *first = r * base + (r < extra ? r : extra);
-    *size = base + (r < extra);
-}
-
 FH_MPI_API fh_status fh_mpi_dx_rows(const fh_mpi_layout *L, int64_t n, int64_t *first, int64_t *count)
 {
     if (!L || !first || !count)
@@ -243,52 +217,6 @@ FH_MPI_API fh_status fh_mpi_dweight_part(const fh_mpi_layout *L, int64_t hidden,
         return FH_ERR_SIZE_OVERFLOW;
     fhm_split(elements, L->data_ranks, L->data_rank, first, count);
     return FH_OK;
-}
-
-fh_status fhm_agree(fh_mpi_layout *L, fh_context *ctx, fh_status st, int64_t n)
-{
-    /* Over vocab: the worst status and the range of n; then the verdict over data. On a grid this
-     * reaches every rank. */
-    int64_t mine[3] = {st, n, -n}, worst[3] = {st, n, -n};
-    int err = MPI_SUCCESS;
-    if (L->vocab_ranks > 1)
-        err = MPI_Allreduce(mine, worst, 3, MPI_INT64_T, MPI_MAX, L->vocab);
-    if (err != MPI_SUCCESS)
-        return fhm_mpi_error(ctx, err, "MPI_Allreduce (agreement)");
-    int64_t verdict = worst[0];
-    if (verdict == FH_OK && worst[1] != -worst[2])
-        verdict = FH_ERR_MPI_LAYOUT;
-    int64_t overall = verdict;
-    if (L->data_ranks > 1)
-        err = MPI_Allreduce(&verdict, &overall, 1, MPI_INT64_T, MPI_MAX, L->data);
-    if (err != MPI_SUCCESS)
-        return fhm_mpi_error(ctx, err, "MPI_Allreduce (agreement)");
-    if (st != FH_OK)
-        return st;
-    if (verdict == FH_ERR_MPI_LAYOUT && worst[0] == FH_OK)
-        return fh_fail(ctx, FH_ERR_MPI_LAYOUT, "lin->n differs across the vocab communicator (%lld to %lld)",
-                       (long long)-worst[2], (long long)worst[1]);
-    if (overall != FH_OK)
-        return fh_fail(ctx, (fh_status)overall, "another rank failed this call: %s",
-                       fh_mpi_status_string((fh_status)overall));
-    return FH_OK;
-}
-
-fh_status fhm_agree_rows(fh_mpi_layout *L, fh_context *ctx, fh_status st, int64_t *rows)
-{
-    /* Over vocab: the smallest height (0 from a failed rank); then over data, whether every rank of the
-     * grid has one. */
-    int64_t mine = st == FH_OK ? *rows : 0, lowest = mine;
-    int err = MPI_SUCCESS;
-    if (L->vocab_ranks > 1)
-        err = MPI_Allreduce(&mine, &lowest, 1, MPI_INT64_T, MPI_MIN, L->vocab);
-    int64_t able = lowest > 0, all = able;
-    if (err == MPI_SUCCESS && L->data_ranks > 1)
-        err = MPI_Allreduce(&able, &all, 1, MPI_INT64_T, MPI_MIN, L->data);
-    *rows = err == MPI_SUCCESS && all ? lowest : 0;
-    if (st != FH_OK)
-        return st;
-    return err == MPI_SUCCESS ? FH_OK : fhm_mpi_error(ctx, err, "MPI_Allreduce (row blocks)");
 }
 
 fh_status fhm_check_shard(const fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin)
@@ -314,28 +242,6 @@ fh_status fhm_scratch(fh_mpi_layout *L, fh_context *ctx, size_t bytes, void **p)
     }
     *p = L->scratch;
     return FH_OK;
-}
-
-int fhm_allreduce_sum(void *buf, int64_t count, MPI_Datatype type, MPI_Comm comm)
-{
-    int size = 0;
-    MPI_Type_size(type, &size);
-    const int64_t chunk = (int64_t)1 << 30;
-    for (int64_t done = 0; done < count; done += chunk) {
-        const int64_t now = count - done < chunk ? count - done : chunk;
-        const int err = MPI_Allreduce(MPI_IN_PLACE, (char *)buf + done * size, (int)now, type, MPI_SUM, comm);
-        if (err != MPI_SUCCESS)
-            return err;
-    }
-    return MPI_SUCCESS;
-}
-
-fh_status fhm_sum(fh_context *ctx, MPI_Comm comm, int ranks, double *values, int n)
-{
-    if (ranks == 1)
-        return FH_OK;
-    const int err = MPI_Allreduce(MPI_IN_PLACE, values, n, MPI_DOUBLE, MPI_SUM, comm);
-    return err == MPI_SUCCESS ? FH_OK : fhm_mpi_error(ctx, err, "MPI_Allreduce (sums)");
 }
 
 void fhm_local_targets(const fh_mpi_layout *L, const int64_t *targets, int64_t n, const int64_t *ignore,

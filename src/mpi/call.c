@@ -1,0 +1,118 @@
+/* What every fh_mpi_* entry point shares: the prologue, the per-call scratch, agreement on errors across
+ * the grid (every rank makes the same collective calls whatever failed locally, and learns the outcome
+ * from reduced values, so that all of them return the same status), and the failure path. */
+#include "mpi_internal.h"
+
+#include "../context.h"
+
+#include <string.h>
+
+fh_status fhm_call_start(fhm_call *c, fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin)
+{
+    memset(c, 0, sizeof *c);
+    if (!ctx || !L)
+        return FH_ERR_NULL_POINTER;
+    c->L = L;
+    c->ctx = ctx;
+    c->lin = lin;
+    return FH_OK;
+}
+
+static size_t round_up_64(size_t bytes)
+{
+    return (bytes + 63) / 64 * 64;
+}
+
+fh_status fhm_call_scratch(fhm_call *c, const int64_t *ids, size_t head_bytes)
+{
+    fh_status st = fhm_check_shard(c->L, c->ctx, c->lin);
+    if (st != FH_OK)
+        return st;
+    const int64_t n = c->lin->n;
+    const size_t local_bytes = round_up_64((size_t)n * sizeof(int64_t)), head = round_up_64(head_bytes);
+    char *scratch = NULL;
+    st = fhm_scratch(c->L, c->ctx, local_bytes + head + fhm_combine_bytes(n), (void **)&scratch);
+    if (st != FH_OK)
+        return st;
+    c->engine_ids = ids;
+    c->local = (int64_t *)scratch;
+    c->head_scratch = scratch + local_bytes;
+    c->records = scratch + local_bytes + head;
+    return FH_OK;
+}
+
+/* fhm_call_agree without the cleanup. */
+static fh_status agree(fh_mpi_layout *L, fh_context *ctx, fh_status st, int64_t n)
+{
+    /* Over vocab: the worst status and the range of n; then the verdict over data. On a grid this
+     * reaches every rank. */
+    int64_t mine[3] = {st, n, -n}, worst[3] = {st, n, -n};
+    int err = MPI_SUCCESS;
+    if (L->vocab_ranks > 1)
+        err = MPI_Allreduce(mine, worst, 3, MPI_INT64_T, MPI_MAX, L->vocab);
+    if (err != MPI_SUCCESS)
+        return fhm_mpi_error(ctx, err, "MPI_Allreduce (agreement)");
+    int64_t verdict = worst[0];
+    if (verdict == FH_OK && worst[1] != -worst[2])
+        verdict = FH_ERR_MPI_LAYOUT;
+    int64_t overall = verdict;
+    if (L->data_ranks > 1)
+        err = MPI_Allreduce(&verdict, &overall, 1, MPI_INT64_T, MPI_MAX, L->data);
+    if (err != MPI_SUCCESS)
+        return fhm_mpi_error(ctx, err, "MPI_Allreduce (agreement)");
+    if (st != FH_OK)
+        return st;
+    if (verdict == FH_ERR_MPI_LAYOUT && worst[0] == FH_OK)
+        return fh_fail(ctx, FH_ERR_MPI_LAYOUT, "lin->n differs across the vocab communicator (%lld to %lld)",
+                       (long long)-worst[2], (long long)worst[1]);
+    if (overall != FH_OK)
+        return fh_fail(ctx, (fh_status)overall, "another rank failed this call: %s",
+                       fh_mpi_status_string((fh_status)overall));
+    return FH_OK;
+}
+
+fh_status fhm_call_agree(fhm_call *c, fh_status st)
+{
+    if (!c->L)
+        return st;
+    st = agree(c->L, c->ctx, st, st == FH_OK ? c->lin->n : 0);
+    if (st != FH_OK)
+        fhm_grads_free(&c->g);
+    return st;
+}
+
+fh_status fhm_call_agree_rows(fhm_call *c, fh_status st, int64_t *rows)
+{
+    if (!c->L)
+        return st;
+    fh_mpi_layout *L = c->L;
+    /* Over vocab: the smallest height (0 from a failed rank); then over data, whether every rank of the
+     * grid has one. */
+    int64_t mine = st == FH_OK ? *rows : 0, lowest = mine;
+    int err = MPI_SUCCESS;
+    if (L->vocab_ranks > 1)
+        err = MPI_Allreduce(&mine, &lowest, 1, MPI_INT64_T, MPI_MIN, L->vocab);
+    int64_t able = lowest > 0, all = able;
+    if (err == MPI_SUCCESS && L->data_ranks > 1)
+        err = MPI_Allreduce(&able, &all, 1, MPI_INT64_T, MPI_MIN, L->data);
+    *rows = err == MPI_SUCCESS && all ? lowest : 0;
+    if (st != FH_OK)
+        return st;
+    return err == MPI_SUCCESS ? FH_OK : fhm_mpi_error(c->ctx, err, "MPI_Allreduce (row blocks)");
+}
+
+void fhm_call_shard_ids(fhm_call *c, const int64_t *ids, const int64_t *ignore)
+{
+    if (c->L->vocab_ranks == 1)
+        return;
+    fhm_local_targets(c->L, ids, c->lin->n, ignore, c->local);
+    c->engine_ids = c->local;
+}
+
+fh_status fhm_call_finish(fhm_call *c, fh_status st)
+{
+    if (st == FH_OK)
+        return fhm_grads_finish(c->L, c->ctx, &c->g);
+    fhm_grads_free(&c->g);
+    return st;
+}

@@ -1,0 +1,191 @@
+/* Per-token statistics across the vocab communicator: a packed record merged by our own MPI_Op, or
+ * MPI_MAXLOC then MPI_SUM (FH_MPI_PARAM_STATS_COLLECTIVE). */
+#include "mpi_internal.h"
+
+#include <limits.h>
+#include <math.h>
+#include <string.h>
+
+/* b = a (+) b for one record. Every field is a symmetric function of the two records (sums of two
+ * terms, max, lowest index on ties), so the result does not depend on which rank's record is which. */
+static void merge_record(const double *a, double *b)
+{
+    const double la = a[FHM_LSE], lb = b[FHM_LSE];
+    double lse, wa, wb;
+    if (isnan(la) || isnan(lb)) {
+        lse = wa = wb = NAN;
+    } else {
+        const double top = la > lb ? la : lb;
+        if (top == -INFINITY) { /* every logit -inf on both sides */
+            lse = -INFINITY;
+            wa = wb = 0.0;
+        } else if (top == INFINITY) {
+            lse = wa = wb = NAN; /* as the single process: exp(inf - inf) */
+        } else {
+            const double ea = exp(la - top), eb = exp(lb - top), s = ea + eb;
+            lse = top + log(s);
+            wa = ea / s;
+            wb = eb / s;
+        }
+    }
+    b[FHM_SUM_PZ] = a[FHM_SUM_PZ] * wa + b[FHM_SUM_PZ] * wb;
+    b[FHM_LSE] = lse;
+    if (a[FHM_MAX] > b[FHM_MAX] || (a[FHM_MAX] == b[FHM_MAX] && a[FHM_ARGMAX] < b[FHM_ARGMAX])) {
+        b[FHM_MAX] = a[FHM_MAX];
+        b[FHM_ARGMAX] = a[FHM_ARGMAX];
+    }
+    b[FHM_Z_TARGET] += a[FHM_Z_TARGET];
+    b[FHM_SUM_WZ] += a[FHM_SUM_WZ];
+    b[FHM_TARGET_WEIGHT] += a[FHM_TARGET_WEIGHT];
+}
+
+static void merge_records(void *in, void *inout, int *count, MPI_Datatype *type)
+{
+    (void)type;
+    const double *a = in;
+    double *b = inout;
+    for (int k = 0; k < *count; k++)
+        merge_record(a + (size_t)k * FHM_RECORD, b + (size_t)k * FHM_RECORD);
+}
+
+void fhm_register_merge(fh_mpi_layout *L, int *err)
+{
+    *err = MPI_Type_contiguous(FHM_RECORD, MPI_DOUBLE, &L->record);
+    if (*err == MPI_SUCCESS)
+        *err = MPI_Type_commit(&L->record);
+    if (*err == MPI_SUCCESS)
+        *err = MPI_Op_create(merge_records, 1, &L->merge);
+}
+
+typedef struct double_int {
+    double value;
+    int index;
+} double_int;
+
+size_t fhm_combine_bytes(int64_t n)
+{
+    const size_t m = (size_t)n + 1;
+    const size_t packed = m * FHM_RECORD * sizeof(double);
+    const size_t two_step = 2 * m * sizeof(double_int) + 5 * m * sizeof(double);
+    return packed > two_step ? packed : two_step;
+}
+
+/* The shard's largest logit. The engine keeps lse = max + log(sum_exp); the max is an fp32 value, so
+ * rounding max + log(s) - log(s) to fp32 gives it back exactly unless |max| < ~1e-7 log(s). Only argmax
+ * ties across shards depend on it. */
+static double shard_max(double lse, double sum_exp)
+{
+    if (!(sum_exp > 0.0))
+        return sum_exp == 0.0 ? -INFINITY : NAN;
+    return (double)(float)(lse - log(sum_exp));
+}
+
+static void pack(const fh_mpi_layout *L, int64_t n, const fh_token_stats *s, const double *extra, double *r)
+{
+    for (int64_t i = 0; i < n; i++, r += FHM_RECORD) {
+        r[FHM_LSE] = s->lse[i];
+        r[FHM_MAX] = s->argmax ? shard_max(s->lse[i], s->sum_exp[i]) : 0.0;
+        r[FHM_Z_TARGET] = s->z_target[i];
+        r[FHM_SUM_WZ] = s->sum_weighted_z ? s->sum_weighted_z[i] : 0.0;
+        r[FHM_SUM_PZ] = s->sum_pz ? s->sum_pz[i] : 0.0;
+        r[FHM_ARGMAX] = s->argmax ? (double)(s->argmax[i] + L->vocab_offset) : 0.0;
+        r[FHM_TARGET_WEIGHT] = extra ? extra[i] : 0.0;
+    }
+    /* One more record carries extra[n]; its other fields are neutral. */
+    const double tail[FHM_RECORD] = {0.0, -INFINITY, 0.0, 0.0, 0.0, 0.0, extra ? extra[n] : 0.0};
+    memcpy(r, tail, sizeof tail);
+}
+
+static void unpack(int64_t n, const double *r, const fh_token_stats *s, double *extra)
+{
+    for (int64_t i = 0; i < n; i++, r += FHM_RECORD) {
+        s->lse[i] = r[FHM_LSE];
+        s->z_target[i] = r[FHM_Z_TARGET];
+        if (s->sum_weighted_z)
+            s->sum_weighted_z[i] = r[FHM_SUM_WZ];
+        if (s->sum_pz)
+            s->sum_pz[i] = r[FHM_SUM_PZ];
+        if (s->argmax)
+            s->argmax[i] = (int64_t)r[FHM_ARGMAX];
+        if (extra)
+            extra[i] = r[FHM_TARGET_WEIGHT];
+    }
+    if (extra)
+        extra[n] = r[FHM_TARGET_WEIGHT];
+}
+
+static fh_status combine_packed(fh_mpi_layout *L, fh_context *ctx, int64_t n, const fh_token_stats *s, double *extra,
+                                double *records)
+{
+    pack(L, n, s, extra, records);
+    const int err = MPI_Allreduce(MPI_IN_PLACE, records, (int)(n + 1), L->record, L->merge, L->vocab);
+    if (err != MPI_SUCCESS)
+        return fhm_mpi_error(ctx, err, "MPI_Allreduce (statistics)");
+    unpack(n, records, s, extra);
+    return FH_OK;
+}
+
+/* MPI_MAXLOC of (lse, 0) and (max, argmax), then MPI_SUM of (exp(lse_r - lse_max), sum_pz_r exp(..),
+ * z_target, sum_weighted_z, extra). */
+static fh_status combine_two_step(fh_mpi_layout *L, fh_context *ctx, int64_t n, const fh_token_stats *s,
+                                  double *extra, void *scratch)
+{
+    const int64_t m = n + 1;
+    double_int *top = scratch;
+    double *sums = (double *)(top + 2 * m);
+    const int with_argmax = s->argmax != NULL;
+    for (int64_t i = 0; i < n; i++) {
+        top[i].value = s->lse[i];
+        top[i].index = 0;
+        if (with_argmax) {
+            top[m + i].value = shard_max(s->lse[i], s->sum_exp[i]);
+            top[m + i].index = (int)(s->argmax[i] + L->vocab_offset);
+        }
+    }
+    const double_int neutral = {-INFINITY, 0};
+    top[n] = neutral; /* the extra record */
+    top[m + n] = neutral;
+    int err = MPI_Allreduce(MPI_IN_PLACE, top, (int)(with_argmax ? 2 * m : m), MPI_DOUBLE_INT, MPI_MAXLOC, L->vocab);
+    if (err != MPI_SUCCESS)
+        return fhm_mpi_error(ctx, err, "MPI_Allreduce (statistics, max)");
+    for (int64_t i = 0; i < m; i++) {
+        double *r = sums + 5 * i;
+        const double top_lse = top[i].value;
+        const double scale = i == n || !isfinite(top_lse) ? (isnan(top_lse) ? NAN : 0.0) : exp(s->lse[i] - top_lse);
+        r[0] = i < n ? scale : 0.0;
+        r[1] = i < n && s->sum_pz ? s->sum_pz[i] * scale : 0.0;
+        r[2] = i < n ? s->z_target[i] : 0.0;
+        r[3] = i < n && s->sum_weighted_z ? s->sum_weighted_z[i] : 0.0;
+        r[4] = extra ? extra[i] : 0.0;
+    }
+    err = MPI_Allreduce(MPI_IN_PLACE, sums, (int)(5 * m), MPI_DOUBLE, MPI_SUM, L->vocab);
+    if (err != MPI_SUCCESS)
+        return fhm_mpi_error(ctx, err, "MPI_Allreduce (statistics, sums)");
+    for (int64_t i = 0; i < n; i++) {
+        const double *r = sums + 5 * i, top_lse = top[i].value;
+        s->lse[i] = isinf(top_lse) ? (top_lse < 0.0 ? -INFINITY : NAN) : top_lse + log(r[0]);
+        s->z_target[i] = r[2];
+        if (s->sum_pz)
+            s->sum_pz[i] = r[1] / r[0];
+        if (s->sum_weighted_z)
+            s->sum_weighted_z[i] = r[3];
+        if (with_argmax)
+            s->argmax[i] = top[m + i].index;
+        if (extra)
+            extra[i] = r[4];
+    }
+    if (extra)
+        extra[n] = sums[5 * n + 4];
+    return FH_OK;
+}
+
+fh_status fhm_combine_stats(fh_mpi_layout *L, fh_context *ctx, int64_t n, const fh_token_stats *stats, double *extra,
+                            void *records)
+{
+    if (L->vocab_ranks == 1)
+        return FH_OK;
+    /* MPI_DOUBLE_INT carries an int index: the packed op covers vocabularies beyond INT_MAX. */
+    if (L->params[FH_MPI_PARAM_STATS_COLLECTIVE] == FH_MPI_STATS_MAX_THEN_SUM && L->total_vocab <= INT_MAX)
+        return combine_two_step(L, ctx, n, stats, extra, records);
+    return combine_packed(L, ctx, n, stats, extra, records);
+}
