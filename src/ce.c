@@ -267,9 +267,7 @@ FH_API fh_status fh_ce_forward(fh_context *ctx, const fh_linear *lin, const int6
     fh_plan plan;
     fh_workspace ws;
     if (st == FH_OK)
-        st = fh_plan_make(ctx, lin, FH_CALL_FORWARD, &plan, ctx);
-    if (st == FH_OK)
-        st = fh_workspace_acquire(ctx, lin->n, &plan, 1, &ws);
+        st = fh_prepare_pass(ctx, lin, FH_CALL_FORWARD, &plan, &ws);
     if (st != FH_OK)
         return st;
     const fh_ce_head h = fh_ce_head_of(lin, targets, options, NULL);
@@ -293,9 +291,7 @@ FH_API fh_status fh_ce_backward(fh_context *ctx, const fh_linear *lin, const int
     fh_plan plan;
     fh_workspace ws;
     if (st == FH_OK)
-        st = fh_plan_make(ctx, lin, FH_CALL_BACKWARD, &plan, ctx);
-    if (st == FH_OK)
-        st = fh_workspace_acquire(ctx, lin->n, &plan, 1, &ws);
+        st = fh_prepare_pass(ctx, lin, FH_CALL_BACKWARD, &plan, &ws);
     if (st != FH_OK)
         return st;
     const fh_ce_head h = fh_ce_head_of(lin, targets, options, grad_output);

@@ -424,9 +424,7 @@ FH_API fh_status fh_grpo_forward(fh_context *ctx, const fh_linear *lin, const fh
     fh_plan plan;
     fh_workspace ws;
     if (st == FH_OK)
-        st = fh_plan_make(ctx, lin, FH_CALL_FORWARD, &plan, ctx);
-    if (st == FH_OK)
-        st = fh_workspace_acquire(ctx, lin->n, &plan, 1, &ws);
+        st = fh_prepare_pass(ctx, lin, FH_CALL_FORWARD, &plan, &ws);
     if (st != FH_OK)
         return st;
     forward_pass(&plan, &ws, lin, batch, options);
@@ -453,9 +451,7 @@ FH_API fh_status fh_grpo_backward(fh_context *ctx, const fh_linear *lin, const f
     fh_plan plan;
     fh_workspace ws;
     if (st == FH_OK)
-        st = fh_plan_make(ctx, lin, FH_CALL_BACKWARD, &plan, ctx);
-    if (st == FH_OK)
-        st = fh_workspace_acquire(ctx, lin->n, &plan, 1, &ws);
+        st = fh_prepare_pass(ctx, lin, FH_CALL_BACKWARD, &plan, &ws);
     if (st != FH_OK)
         return st;
     fh_grpo_load_saved(&ws, lin->n, per_token_logp, lse, entropy);
@@ -477,9 +473,7 @@ FH_API fh_status fh_grpo_forward_backward(fh_context *ctx, const fh_linear *lin,
     fh_plan plans[2];
     fh_workspace ws[2];
     if (st == FH_OK)
-        st = fh_plan_streaming(ctx, lin, plans, ctx);
-    if (st == FH_OK)
-        st = fh_workspace_acquire(ctx, lin->n, plans, 2, ws);
+        st = fh_prepare_streaming(ctx, lin, plans, ws);
     if (st != FH_OK)
         return st;
     forward_pass(&plans[0], &ws[0], lin, batch, options);

@@ -168,3 +168,15 @@ fh_status fh_workspace_acquire(fh_context *ctx, int64_t n, const fh_plan *plans,
             ws[k] = carve(&plans[k], base, n);
     return st;
 }
+
+fh_status fh_prepare_pass(fh_context *ctx, const fh_linear *lin, fh_call call, fh_plan *plan, fh_workspace *ws)
+{
+    const fh_status st = fh_plan_make(ctx, lin, call, plan, ctx);
+    return st == FH_OK ? fh_workspace_acquire(ctx, lin->n, plan, 1, ws) : st;
+}
+
+fh_status fh_prepare_streaming(fh_context *ctx, const fh_linear *lin, fh_plan plans[2], fh_workspace ws[2])
+{
+    const fh_status st = fh_plan_streaming(ctx, lin, plans, ctx);
+    return st == FH_OK ? fh_workspace_acquire(ctx, lin->n, plans, 2, ws) : st;
+}

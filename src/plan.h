@@ -53,4 +53,9 @@ typedef struct fh_workspace {
  * next. */
 fh_status fh_workspace_acquire(fh_context *ctx, int64_t n, const fh_plan *plans, int count, fh_workspace *ws);
 
+/* A streaming call's plan and workspace: one pass (call), or both (plans[0] and ws[0] forward, plans[1]
+ * and ws[1] backward). Failures are reported on ctx. */
+fh_status fh_prepare_pass(fh_context *ctx, const fh_linear *lin, fh_call call, fh_plan *plan, fh_workspace *ws);
+fh_status fh_prepare_streaming(fh_context *ctx, const fh_linear *lin, fh_plan plans[2], fh_workspace ws[2]);
+
 #endif

@@ -129,9 +129,7 @@ FH_MPI_API fh_status fh_mpi_ce_forward(fh_context *ctx, fh_mpi_layout *layout, c
     if (st == FH_OK)
         st = fh_ce_check_outputs(ctx, options, out);
     if (st == FH_OK)
-        st = fh_plan_make(ctx, lin, FH_CALL_FORWARD, &plan, ctx);
-    if (st == FH_OK)
-        st = fh_workspace_acquire(ctx, lin->n, &plan, 1, &ws);
+        st = fh_prepare_pass(ctx, lin, FH_CALL_FORWARD, &plan, &ws);
     st = fhm_call_agree(&c.call, st);
     if (st != FH_OK)
         return st;
@@ -167,9 +165,7 @@ FH_MPI_API fh_status fh_mpi_ce_backward(fh_context *ctx, fh_mpi_layout *layout, 
     if (st == FH_OK)
         st = check_backward(&c, grad_output, grads);
     if (st == FH_OK)
-        st = fh_plan_make(ctx, lin, FH_CALL_BACKWARD, &plan, ctx);
-    if (st == FH_OK)
-        st = fh_workspace_acquire(ctx, lin->n, &plan, 1, &ws);
+        st = fh_prepare_pass(ctx, lin, FH_CALL_BACKWARD, &plan, &ws);
     st = fhm_call_agree(&c.call, st);
     if (st != FH_OK)
         return st;
@@ -249,9 +245,7 @@ FH_MPI_API fh_status fh_mpi_ce_forward_backward(fh_context *ctx, fh_mpi_layout *
         fh_plan_lower_rows(&plans[0], lin->n, rows);
         st = fh_workspace_acquire(ctx, lin->n, plans, 1, ws);
     } else if (st == FH_OK) {
-        st = fh_plan_streaming(ctx, lin, plans, ctx);
-        if (st == FH_OK)
-            st = fh_workspace_acquire(ctx, lin->n, plans, 2, ws);
+        st = fh_prepare_streaming(ctx, lin, plans, ws);
     }
     st = fhm_call_agree(&c.call, st);
     if (st != FH_OK)

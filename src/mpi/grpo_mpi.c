@@ -100,9 +100,7 @@ FH_MPI_API fh_status fh_mpi_grpo_forward(fh_context *ctx, fh_mpi_layout *layout,
     if (st == FH_OK && !out)
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
     if (st == FH_OK)
-        st = fh_plan_make(ctx, lin, FH_CALL_FORWARD, &plan, ctx);
-    if (st == FH_OK)
-        st = fh_workspace_acquire(ctx, lin->n, &plan, 1, &ws);
+        st = fh_prepare_pass(ctx, lin, FH_CALL_FORWARD, &plan, &ws);
     st = fhm_call_agree(&c.call, st);
     if (st != FH_OK)
         return st;
@@ -143,9 +141,7 @@ FH_MPI_API fh_status fh_mpi_grpo_backward(fh_context *ctx, fh_mpi_layout *layout
     if (st == FH_OK)
         st = check_grads(&c, grad_output, grads);
     if (st == FH_OK)
-        st = fh_plan_make(ctx, lin, FH_CALL_BACKWARD, &plan, ctx);
-    if (st == FH_OK)
-        st = fh_workspace_acquire(ctx, lin->n, &plan, 1, &ws);
+        st = fh_prepare_pass(ctx, lin, FH_CALL_BACKWARD, &plan, &ws);
     st = fhm_call_agree(&c.call, st);
     if (st != FH_OK)
         return st;
@@ -168,9 +164,7 @@ FH_MPI_API fh_status fh_mpi_grpo_forward_backward(fh_context *ctx, fh_mpi_layout
     if (st == FH_OK)
         st = check_grads(&c, grad_output, grads);
     if (st == FH_OK)
-        st = fh_plan_streaming(ctx, lin, plans, ctx);
-    if (st == FH_OK)
-        st = fh_workspace_acquire(ctx, lin->n, plans, 2, ws);
+        st = fh_prepare_streaming(ctx, lin, plans, ws);
     st = fhm_call_agree(&c.call, st);
     if (st != FH_OK)
         return st;
