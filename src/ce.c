@@ -241,7 +241,7 @@ fh_token_stats fh_ce_stats_in(const fh_workspace *ws, const fh_ce_options *o, co
 
 /* Backward coefficients for every row into the workspace, from lse (the caller's, or the forward's). */
 fh_coef_arrays fh_ce_coefs_in(const fh_workspace *ws, const fh_ce_head *h, const float *lse_float,
-                            const double *lse_double)
+                              const double *lse_double)
 {
     double *lse = ws->slot[FH_CE_SLOT_LSE], *a = ws->slot[FH_CE_SLOT_Z_TARGET_THEN_A],
            *b = ws->slot[FH_CE_SLOT_SUM_WZ_THEN_B], *c = ws->slot[FH_CE_SLOT_SUM_EXP_THEN_C];

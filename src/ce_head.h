@@ -1,5 +1,5 @@
 /* The cross-entropy head's pieces, for callers that drive the engine themselves (src/mpi/): the checks,
- * the per-token math (statistics -> loss, statistics -> backward coefficients) and the workspace layout.
+ * the per-token math (statistics -> loss, statistics -> backward coefficients) and the workspace slots.
  * fh_ce_forward/backward/forward_backward in ce.c are these pieces in sequence. */
 #ifndef FH_CE_HEAD_H
 #define FH_CE_HEAD_H
@@ -15,6 +15,7 @@ enum {
     FH_CE_SLOT_ARGMAX,
     FH_CE_SLOTS
 };
+_Static_assert(FH_CE_SLOTS <= FH_WORKSPACE_SLOTS, "the plan reserves too few workspace slots");
 
 /* Denominators of the mean: sum of the targets' class weights (cross-entropy part) and the count of
  * non-ignored tokens (z-loss part), both over non-ignored tokens. */
@@ -68,6 +69,6 @@ void fh_ce_write_loss(const fh_ce_head *h, const double totals[2], fh_ce_outputs
 fh_token_stats fh_ce_stats_in(const fh_workspace *ws, const fh_ce_options *o, const fh_ce_outputs *out);
 /* Backward coefficients for every row into the workspace's slots, from lse (float or double). */
 fh_coef_arrays fh_ce_coefs_in(const fh_workspace *ws, const fh_ce_head *h, const float *lse_float,
-                            const double *lse_double);
+                              const double *lse_double);
 
 #endif

@@ -1,5 +1,5 @@
 /* The GRPO head's pieces, for callers that drive the engine themselves (src/mpi/): the checks, the
- * per-token math ([B, T] vectors -> loss, metrics and backward coefficients) and the workspace layout.
+ * per-token math ([B, T] vectors -> loss, metrics and backward coefficients) and the workspace slots.
  * fh_grpo_forward/backward/forward_backward in grpo.c are these pieces in sequence. */
 #ifndef FH_GRPO_HEAD_H
 #define FH_GRPO_HEAD_H
@@ -21,6 +21,7 @@ enum {
     FH_GRPO_SLOT_SEQ_LOG_RATIO,  /* [B] */
     FH_GRPO_SLOTS
 };
+_Static_assert(FH_GRPO_SLOTS <= FH_WORKSPACE_SLOTS, "the plan reserves too few workspace slots");
 
 typedef struct fh_grpo_head {
     const fh_grpo_batch *bt;
