@@ -66,7 +66,7 @@ void fh_engine_forward(const fh_engine_pass *p);
 /* Accumulates p->grads from p->coefs. */
 void fh_engine_backward(const fh_engine_pass *p);
 
-/* Single-call train step over row blocks of plan->tile_rows x V (plan from fh_plan_make_row_blocks):
+/* Single-call train step over row blocks of plan->tile_rows x V (a row-block plan of fh_plan_train_step):
  * fills p->stats like fh_engine_forward and accumulates p->grads like fh_engine_backward, with the
  * coefficients from p->source. Returns FH_OK, or the first failure of p->source->block: the pass stops at
  * that block (earlier blocks' dx and dweight are written, dbias is not). */

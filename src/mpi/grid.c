@@ -6,7 +6,6 @@
 
 #include <limits.h>
 #include <stdlib.h>
-#include <string.h>
 
 /* A duplicate of comm (MPI_COMM_SELF's when comm is MPI_COMM_NULL) that returns errors. */
 static int duplicate(MPI_Comm comm, MPI_Comm *dup)
