@@ -33,6 +33,7 @@
  *   gradients       GRPO_GRAD_NORM_REL_TOL normwise relative (same engine and fp32 GEMMs as cross-entropy).
  *   per-token       GP_TOKEN_TOL * (1 + |ref|) on per_token_logp, entropy, lse and per_token_loss (see below). */
 #include "grpo_case.h"
+#include "grpo_convert.h"
 #include "ref_grpo.h"
 #include "test_util.h"
 
@@ -385,27 +386,6 @@ static fh_status gp_run_fused(const gp_problem *p, const fh_grpo_options *o, con
  * Reference runs
  * ============================================================================================== */
 
-static ref_grpo_options gp_ref_options(const fh_grpo_options *o)
-{
-    ref_grpo_options r;
-    ref_grpo_options_default(&r);
-    r.loss_type = (ref_grpo_loss_type)o->loss_type;
-    r.importance_sampling_level =
-        o->importance_sampling_level == FH_GRPO_IS_SEQUENCE ? REF_GRPO_IS_SEQUENCE : REF_GRPO_IS_TOKEN;
-    r.temperature = o->temperature;
-    r.epsilon_low = o->epsilon_low;
-    r.epsilon_high = o->epsilon_high;
-    r.delta = o->delta;
-    r.beta = o->beta;
-    r.sapo_temperature_pos = o->sapo_temperature_pos;
-    r.sapo_temperature_neg = o->sapo_temperature_neg;
-    r.num_items_in_batch = o->num_items_in_batch;
-    r.max_completion_length = o->max_completion_length;
-    r.entropy_coef = o->entropy_coef;
-    r.entropy_bonus = REF_GRPO_ENTROPY_MASKED_MEAN; /* TRL's entropy_coef, the form the header documents */
-    return r;
-}
-
 typedef struct gp_reference {
     double loss;
     fh_grpo_metrics metrics;
@@ -437,13 +417,6 @@ static ref_grpo_problem gp_ref_problem(const gp_problem *p, const fh_grpo_option
 static void gp_ref_arrays_free(gp_ref_arrays *a)
 {
     free(a->x), free(a->w), free(a->b), free(a->mask), free(a->adv), free(a->old), free(a->ref);
-}
-
-static fh_grpo_metrics gp_metrics_of(const ref_grpo_metrics *m)
-{
-    const fh_grpo_metrics f = {m->kl, m->entropy, m->clip_low_mean, m->clip_high_mean, m->clip_region_mean,
-                               m->cispo_clip_ratio};
-    return f;
 }
 
 /* dx, dweight (in the problem's layout) and dbias from dU [n, V]; grad_beta added (what the fused run
@@ -482,7 +455,7 @@ static void gp_run_reference(const gp_problem *p, const fh_grpo_options *o, doub
     memset(r, 0, sizeof *r);
     gp_ref_arrays a;
     const ref_grpo_problem rp = gp_ref_problem(p, o, &a);
-    const ref_grpo_options ro = gp_ref_options(o);
+    const ref_grpo_options ro = grpo_ref_options(o);
     r->logp = gp_alloc(n, sizeof(double));
     r->per_token_loss = gp_alloc(n, sizeof(double));
     r->entropy = gp_alloc(n, sizeof(double));
@@ -496,7 +469,7 @@ static void gp_run_reference(const gp_problem *p, const fh_grpo_options *o, doub
     res.entropy = r->entropy;
     int rc = ref_grpo_forward(&rp, &ro, &res);
     r->loss = res.loss;
-    r->metrics = gp_metrics_of(&res.metrics);
+    r->metrics = grpo_fh_metrics(&res.metrics);
     double *dw = gp_alloc(h * v, sizeof(double));
     rc |= ref_grpo_backward(&rp, &ro, grad_output, r->dx, dw, r->dbias);
     TU_CHECK(rc == 0, "the reference failed: %d", rc);
@@ -542,7 +515,7 @@ static void gp_reference_backward_from_logp(const gp_problem *p, const fh_grpo_o
     double *old = gp_doubles(p->old, (size_t)n), *ref = o->beta != 0.0 ? gp_doubles(p->ref, (size_t)n) : NULL;
     double *gl = gp_alloc((size_t)n, sizeof(double)), *ge = gp_alloc((size_t)n, sizeof(double));
     const ref_grpo_tokens tk = {p->batch, p->seq, logp, entropy, mask, adv, old, ref, NULL};
-    const ref_grpo_options ro = gp_ref_options(o);
+    const ref_grpo_options ro = grpo_ref_options(o);
     const int rc = ref_grpo_head(&tk, &ro, grad, NULL, gl, ge);
     TU_CHECK(rc == 0, "ref_grpo_head: %d", rc);
     double *u = gp_logits(p), *du = gp_alloc((size_t)(n * V), sizeof(double));
