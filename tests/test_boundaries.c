@@ -101,11 +101,8 @@ static void test_argmax_ties_across_tiles(void)
     free(logits);
 }
 
-int tu_register_boundaries(void)
-{
-    static const tu_test tests[] = {
-        {"targets on first, last and tile-edge columns", test_targets_on_tile_boundaries},
-        {"argmax ties across tiles", test_argmax_ties_across_tiles},
-    };
-    return tu_add_suite("boundaries", tests, TU_COUNT(tests));
-}
+static const tu_test tests[] = {
+    {"targets on first, last and tile-edge columns", test_targets_on_tile_boundaries},
+    {"argmax ties across tiles", test_argmax_ties_across_tiles},
+};
+const tu_suite suite_boundaries = {tests, TU_COUNT(tests)};

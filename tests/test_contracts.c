@@ -622,17 +622,14 @@ static void test_optional_outputs(void)
     fh_context_destroy(f.ctx);
 }
 
-int tu_register_contracts(void)
-{
-    static const tu_test tests[] = {
-        {"each bad argument: own status, untouched outputs, message", test_bad_arguments},
-        {"valid call writes outputs; message reset", test_valid_call_and_message_reset},
-        {"caller workspace: exact size, size - 1, guards", test_workspace},
-        {"workspace size query arguments", test_workspace_size_arguments},
-        {"parameters and bounds", test_params},
-        {"status strings", test_status_strings},
-        {"context, initialisers, linear views, BLIS query", test_small_entry_points},
-        {"optional outputs", test_optional_outputs},
-    };
-    return tu_add_suite("contracts", tests, TU_COUNT(tests));
-}
+static const tu_test tests[] = {
+    {"each bad argument: own status, untouched outputs, message", test_bad_arguments},
+    {"valid call writes outputs; message reset", test_valid_call_and_message_reset},
+    {"caller workspace: exact size, size - 1, guards", test_workspace},
+    {"workspace size query arguments", test_workspace_size_arguments},
+    {"parameters and bounds", test_params},
+    {"status strings", test_status_strings},
+    {"context, initialisers, linear views, BLIS query", test_small_entry_points},
+    {"optional outputs", test_optional_outputs},
+};
+const tu_suite suite_contracts = {tests, TU_COUNT(tests)};

@@ -116,11 +116,8 @@ static void test_reused_and_caller_workspaces(void)
         }
 }
 
-int tu_register_determinism(void)
-{
-    static const tu_test tests[] = {
-        {"identical runs are bitwise identical", test_repeated_runs},
-        {"reused context and caller workspace", test_reused_and_caller_workspaces},
-    };
-    return tu_add_suite("determinism", tests, TU_COUNT(tests));
-}
+static const tu_test tests[] = {
+    {"identical runs are bitwise identical", test_repeated_runs},
+    {"reused context and caller workspace", test_reused_and_caller_workspaces},
+};
+const tu_suite suite_determinism = {tests, TU_COUNT(tests)};

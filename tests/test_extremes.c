@@ -263,12 +263,9 @@ static void test_gemm_logits_1e4(void)
         }
 }
 
-int tu_register_extremes(void)
-{
-    static const tu_test tests[] = {
-        {"target 200 below the maximum", test_target_200_below_max},
-        {"hand-built logits around +-1e4", test_logits_around_1e4},
-        {"GEMM logits around +-1e4 (logit_scale)", test_gemm_logits_1e4},
-    };
-    return tu_add_suite("extremes", tests, TU_COUNT(tests));
-}
+static const tu_test tests[] = {
+    {"target 200 below the maximum", test_target_200_below_max},
+    {"hand-built logits around +-1e4", test_logits_around_1e4},
+    {"GEMM logits around +-1e4 (logit_scale)", test_gemm_logits_1e4},
+};
+const tu_suite suite_extremes = {tests, TU_COUNT(tests)};

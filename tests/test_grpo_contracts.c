@@ -557,16 +557,13 @@ static void test_options_init_and_optional_outputs(void)
     fh_context_destroy(f.ctx);
 }
 
-int tu_register_grpo_contracts(void)
-{
-    static const tu_test tests[] = {
-        {"each bad argument: own status, untouched outputs, message", test_bad_arguments},
-        {"valid calls write their outputs; message reset", test_valid_calls},
-        {"out-of-range ids under the mask accepted", test_masked_out_of_range_ids_accepted},
-        {"equivalent option spellings are bitwise identical", test_equivalent_spellings},
-        {"caller workspace: exact size, size - 1, guards", test_workspace},
-        {"workspace size query arguments", test_workspace_size_arguments},
-        {"options init and optional outputs", test_options_init_and_optional_outputs},
-    };
-    return tu_add_suite("grpo_contracts", tests, TU_COUNT(tests));
-}
+static const tu_test tests[] = {
+    {"each bad argument: own status, untouched outputs, message", test_bad_arguments},
+    {"valid calls write their outputs; message reset", test_valid_calls},
+    {"out-of-range ids under the mask accepted", test_masked_out_of_range_ids_accepted},
+    {"equivalent option spellings are bitwise identical", test_equivalent_spellings},
+    {"caller workspace: exact size, size - 1, guards", test_workspace},
+    {"workspace size query arguments", test_workspace_size_arguments},
+    {"options init and optional outputs", test_options_init_and_optional_outputs},
+};
+const tu_suite suite_grpo_contracts = {tests, TU_COUNT(tests)};

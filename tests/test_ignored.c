@@ -146,12 +146,9 @@ static void test_some_rows_ignored(void)
             }
 }
 
-int tu_register_ignored(void)
-{
-    static const tu_test tests[] = {
-        {"every row ignored: exact zeros", test_every_row_ignored},
-        {"every row ignored via ce_case (ignore_frac 1)", test_every_row_ignored_harness},
-        {"some rows ignored, several ignore_index values", test_some_rows_ignored},
-    };
-    return tu_add_suite("ignored", tests, TU_COUNT(tests));
-}
+static const tu_test tests[] = {
+    {"every row ignored: exact zeros", test_every_row_ignored},
+    {"every row ignored via ce_case (ignore_frac 1)", test_every_row_ignored_harness},
+    {"some rows ignored, several ignore_index values", test_some_rows_ignored},
+};
+const tu_suite suite_ignored = {tests, TU_COUNT(tests)};

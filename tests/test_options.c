@@ -120,18 +120,15 @@ static void test_zero_class_weights(void)
     }
 }
 
-int tu_register_options(void)
-{
-    static const tu_test tests[] = {
-        {"plain", test_plain},
-        {"ignore_index (30% ignored)", test_ignore_index},
-        {"label_smoothing 0.1", test_label_smoothing},
-        {"label_smoothing 1", test_label_smoothing_one},
-        {"class_weights", test_class_weights},
-        {"softcap", test_softcap},
-        {"z_loss", test_z_loss},
-        {"all options together", test_all_options},
-        {"zero class weights", test_zero_class_weights},
-    };
-    return tu_add_suite("options", tests, TU_COUNT(tests));
-}
+static const tu_test tests[] = {
+    {"plain", test_plain},
+    {"ignore_index (30% ignored)", test_ignore_index},
+    {"label_smoothing 0.1", test_label_smoothing},
+    {"label_smoothing 1", test_label_smoothing_one},
+    {"class_weights", test_class_weights},
+    {"softcap", test_softcap},
+    {"z_loss", test_z_loss},
+    {"all options together", test_all_options},
+    {"zero class weights", test_zero_class_weights},
+};
+const tu_suite suite_options = {tests, TU_COUNT(tests)};

@@ -207,16 +207,13 @@ static void test_strided_views(void)
     }
 }
 
-int tu_register_shapes(void)
-{
-    static const tu_test tests[] = {
-        {"tile edges, [H,V] weight, 1 thread", test_edges_hv_1thread},
-        {"tile edges, [V,H] weight, 1 thread", test_edges_vh_1thread},
-        {"tile edges, [H,V] weight, 2 threads", test_edges_hv_2threads},
-        {"tile edges, [V,H] weight, 2 threads", test_edges_vh_2threads},
-        {"tile configurations and default tiles", test_tile_configurations},
-        {"memory budget shrinks tiles", test_memory_budget_shrinks_tiles},
-        {"strided views", test_strided_views},
-    };
-    return tu_add_suite("shapes", tests, TU_COUNT(tests));
-}
+static const tu_test tests[] = {
+    {"tile edges, [H,V] weight, 1 thread", test_edges_hv_1thread},
+    {"tile edges, [V,H] weight, 1 thread", test_edges_vh_1thread},
+    {"tile edges, [H,V] weight, 2 threads", test_edges_hv_2threads},
+    {"tile edges, [V,H] weight, 2 threads", test_edges_vh_2threads},
+    {"tile configurations and default tiles", test_tile_configurations},
+    {"memory budget shrinks tiles", test_memory_budget_shrinks_tiles},
+    {"strided views", test_strided_views},
+};
+const tu_suite suite_shapes = {tests, TU_COUNT(tests)};

@@ -20,17 +20,6 @@ void tu_check(int ok, unsigned line, const char *file, const char *func, const c
     CU_assertImplementation(CU_FALSE, line, text, file, func, CU_FALSE);
 }
 
-int tu_add_suite(const char *name, const tu_test *tests, size_t count)
-{
-    CU_pSuite suite = CU_add_suite(name, NULL, NULL);
-    if (!suite)
-        return -1;
-    for (size_t i = 0; i < count; i++)
-        if (!CU_add_test(suite, tests[i].name, tests[i].run))
-            return -1;
-    return 0;
-}
-
 static const char *reduction_name(fh_reduction r)
 {
     return r == FH_REDUCTION_MEAN ? "mean" : r == FH_REDUCTION_SUM ? "sum" : r == FH_REDUCTION_NONE ? "none" : "?";

@@ -22,21 +22,16 @@ void tu_check(int ok, unsigned line, const char *file, const char *func, const c
     __attribute__((format(printf, 5, 6)));
 #define TU_CHECK(cond, ...) tu_check(!!(cond), __LINE__, __FILE__, __func__, __VA_ARGS__)
 
-/* Suites: each test file registers one with a table of tests. */
+/* A suite: its tests, in order. Each suite file defines `const tu_suite suite_<name>`, and tests/suites.def lists
+ * it (the runner registers it under <name>). */
 typedef struct tu_test {
     const char *name;
     CU_TestFunc run;
 } tu_test;
-int tu_add_suite(const char *name, const tu_test *tests, size_t count);
-
-int tu_register_shapes(void);
-int tu_register_options(void);
-int tu_register_ignored(void);
-int tu_register_boundaries(void);
-int tu_register_extremes(void);
-int tu_register_reference(void);
-int tu_register_contracts(void);
-int tu_register_determinism(void);
+typedef struct tu_suite {
+    const tu_test *tests;
+    size_t count;
+} tu_suite;
 
 /* Runs a ce_case spec and asserts FH_OK and ce_metrics_pass (tolerances justified in ref/ce_case.c);
  * the failure text names the spec and every metric. Returns 1 on pass. */

@@ -9,14 +9,6 @@
 #include <stddef.h>
 #include <stdint.h>
 
-int hu_register_alloc_failure(void);
-int hu_register_overflow(void);
-int hu_register_nonfinite(void);
-int hu_register_hard_determinism(void);
-int hu_register_numeric_extremes(void);
-int hu_register_thread_safety(void);
-int hu_register_guard_pages(void);
-
 /* The byte every output is filled with before a call that must fail (0xA5A5A5A5 is a NaN-free, odd
  * pattern: a float -2.9e-16, an int64 well outside any index). */
 #define HU_CANARY 0xA5

@@ -379,13 +379,10 @@ static void test_wisdom_io_under_allocation_failure(void)
     unlink(path);
 }
 
-int hu_register_alloc_failure(void)
-{
-    static const tu_test tests[] = {
-        {"k-th library allocation fails, every entry point", test_every_entry_point},
-        {"failed workspace growth keeps the old workspace", test_failed_growth_keeps_workspace},
-        {"caller workspace: no library allocation", test_caller_workspace_never_allocates},
-        {"wisdom I/O with failing libc allocations", test_wisdom_io_under_allocation_failure},
-    };
-    return tu_add_suite("alloc_failure", tests, TU_COUNT(tests));
-}
+static const tu_test tests[] = {
+    {"k-th library allocation fails, every entry point", test_every_entry_point},
+    {"failed workspace growth keeps the old workspace", test_failed_growth_keeps_workspace},
+    {"caller workspace: no library allocation", test_caller_workspace_never_allocates},
+    {"wisdom I/O with failing libc allocations", test_wisdom_io_under_allocation_failure},
+};
+const tu_suite suite_alloc_failure = {tests, TU_COUNT(tests)};

@@ -163,11 +163,8 @@ static void test_facts_across_configurations(void)
     problems_free(&p);
 }
 
-int hu_register_hard_determinism(void)
-{
-    static const tu_test tests[] = {
-        {"repeated runs, every entry point and configuration", test_repeated_runs},
-        {"facts across thread counts and tile sizes (printed)", test_facts_across_configurations},
-    };
-    return tu_add_suite("hard_determinism", tests, TU_COUNT(tests));
-}
+static const tu_test tests[] = {
+    {"repeated runs, every entry point and configuration", test_repeated_runs},
+    {"facts across thread counts and tile sizes (printed)", test_facts_across_configurations},
+};
+const tu_suite suite_hard_determinism = {tests, TU_COUNT(tests)};

@@ -475,17 +475,14 @@ static void test_grpo_nan_in_token_data(void)
         }
 }
 
-int hu_register_nonfinite(void)
-{
-    static const tu_test tests[] = {
-        {"NaN in an active token's hidden state", test_nan_in_active_row},
-        {"NaN in an ignored token's hidden state", test_nan_in_ignored_row},
-        {"+-Inf in a hidden state, with and without softcap", test_inf_in_row},
-        {"NaN in the weight or the bias", test_nan_in_weight_or_bias},
-        {"CHECK_FINITE rejects NaN/Inf, outputs untouched", test_check_finite_rejects},
-        {"NaN padding of strided views is never read", test_nan_padding_is_never_read},
-        {"GRPO: NaN in a hidden state", test_grpo_nan_in_x_row},
-        {"GRPO: NaN in per-token data", test_grpo_nan_in_token_data},
-    };
-    return tu_add_suite("nonfinite", tests, TU_COUNT(tests));
-}
+static const tu_test tests[] = {
+    {"NaN in an active token's hidden state", test_nan_in_active_row},
+    {"NaN in an ignored token's hidden state", test_nan_in_ignored_row},
+    {"+-Inf in a hidden state, with and without softcap", test_inf_in_row},
+    {"NaN in the weight or the bias", test_nan_in_weight_or_bias},
+    {"CHECK_FINITE rejects NaN/Inf, outputs untouched", test_check_finite_rejects},
+    {"NaN padding of strided views is never read", test_nan_padding_is_never_read},
+    {"GRPO: NaN in a hidden state", test_grpo_nan_in_x_row},
+    {"GRPO: NaN in per-token data", test_grpo_nan_in_token_data},
+};
+const tu_suite suite_nonfinite = {tests, TU_COUNT(tests)};

@@ -517,19 +517,16 @@ static void test_target_probability_near_one(void)
     tu_problem_free(&p);
 }
 
-int hu_register_numeric_extremes(void)
-{
-    static const tu_test tests[] = {
-        {"V = 1", test_vocab_one},
-        {"V = 1,000,003, N = 3, H = 4", test_vocab_million},
-        {"label_smoothing = 1", test_label_smoothing_one},
-        {"softcap 1e-3, logits of the cap's size", test_tiny_softcap_unsaturated},
-        {"softcap 1e-3, saturated (fp32 bounds)", test_tiny_softcap_saturated},
-        {"N = 1", test_single_token},
-        {"GRPO: V = 1 and V = 1,000,003", test_grpo_extreme_vocab},
-        {"GRPO: one token, exact logits", test_grpo_single_token},
-        {"logits x 1e3 (fp32 bounds)", test_logits_times_1e3},
-        {"target probability 1 - 1e-7 (fp32 bounds)", test_target_probability_near_one},
-    };
-    return tu_add_suite("numeric_extremes", tests, TU_COUNT(tests));
-}
+static const tu_test tests[] = {
+    {"V = 1", test_vocab_one},
+    {"V = 1,000,003, N = 3, H = 4", test_vocab_million},
+    {"label_smoothing = 1", test_label_smoothing_one},
+    {"softcap 1e-3, logits of the cap's size", test_tiny_softcap_unsaturated},
+    {"softcap 1e-3, saturated (fp32 bounds)", test_tiny_softcap_saturated},
+    {"N = 1", test_single_token},
+    {"GRPO: V = 1 and V = 1,000,003", test_grpo_extreme_vocab},
+    {"GRPO: one token, exact logits", test_grpo_single_token},
+    {"logits x 1e3 (fp32 bounds)", test_logits_times_1e3},
+    {"target probability 1 - 1e-7 (fp32 bounds)", test_target_probability_near_one},
+};
+const tu_suite suite_numeric_extremes = {tests, TU_COUNT(tests)};

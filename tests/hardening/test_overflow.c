@@ -241,11 +241,8 @@ static void test_workspace_queries_on_huge_shapes(void)
              code >= 1000 ? "crashed" : code == 1 ? "wrong answers" : "failed to run");
 }
 
-int hu_register_overflow(void)
-{
-    static const tu_test tests[] = {
-        {"overflowing shapes and strides on tiny buffers", test_overflowing_shapes},
-        {"workspace queries on huge shapes", test_workspace_queries_on_huge_shapes},
-    };
-    return tu_add_suite("overflow", tests, TU_COUNT(tests));
-}
+static const tu_test tests[] = {
+    {"overflowing shapes and strides on tiny buffers", test_overflowing_shapes},
+    {"workspace queries on huge shapes", test_workspace_queries_on_huge_shapes},
+};
+const tu_suite suite_overflow = {tests, TU_COUNT(tests)};

@@ -198,10 +198,7 @@ static void test_concurrent_contexts(void)
     hu_grpo_problem_free(&g_b);
 }
 
-int hu_register_thread_safety(void)
-{
-    static const tu_test tests[] = {
-        {"concurrent contexts match serial runs bitwise", test_concurrent_contexts},
-    };
-    return tu_add_suite("thread_safety", tests, TU_COUNT(tests));
-}
+static const tu_test tests[] = {
+    {"concurrent contexts match serial runs bitwise", test_concurrent_contexts},
+};
+const tu_suite suite_thread_safety = {tests, TU_COUNT(tests)};

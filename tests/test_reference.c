@@ -182,12 +182,9 @@ static void test_forward_formula(void)
         }
 }
 
-int tu_register_reference(void)
-{
-    static const tu_test tests[] = {
-        {"finite differences, no options", test_fd_plain},
-        {"finite differences, every option", test_fd_all_options},
-        {"forward matches the documented formula", test_forward_formula},
-    };
-    return tu_add_suite("reference", tests, TU_COUNT(tests));
-}
+static const tu_test tests[] = {
+    {"finite differences, no options", test_fd_plain},
+    {"finite differences, every option", test_fd_all_options},
+    {"forward matches the documented formula", test_forward_formula},
+};
+const tu_suite suite_reference = {tests, TU_COUNT(tests)};
