@@ -1,5 +1,6 @@
 #include "grpo_harness.h"
 
+#include "ce_case.h"
 #include "grpo_convert.h"
 #include "ref_grpo.h"
 
@@ -11,16 +12,6 @@
 /* ================================================================================================
  * Problems with caller-chosen inputs
  * ============================================================================================== */
-
-void *gp_alloc(size_t count, size_t size)
-{
-    void *p = calloc(count ? count : 1, size);
-    if (!p) {
-        fprintf(stderr, "fh_tests: out of memory\n");
-        abort();
-    }
-    return p;
-}
 
 int64_t gp_n(const gp_problem *p)
 {
@@ -37,13 +28,13 @@ void gp_init(gp_problem *p, int64_t B, int64_t T, int64_t H, int64_t V, fh_layou
     p->vocab = V;
     p->layout = layout;
     const size_t n = (size_t)(B * T);
-    p->x = gp_alloc(n * (size_t)H, sizeof(float));
-    p->weight = gp_alloc((size_t)(H * V), sizeof(float));
-    p->bias = bias ? gp_alloc((size_t)V, sizeof(float)) : NULL;
-    p->ids = gp_alloc(n, sizeof(int64_t));
-    p->mask = gp_alloc(n, sizeof(float));
-    p->adv = gp_alloc((size_t)B, sizeof(float));
-    p->ref = gp_alloc(n, sizeof(float));
+    p->x = tu_alloc(n * (size_t)H, sizeof(float));
+    p->weight = tu_alloc((size_t)(H * V), sizeof(float));
+    p->bias = bias ? tu_alloc((size_t)V, sizeof(float)) : NULL;
+    p->ids = tu_alloc(n, sizeof(int64_t));
+    p->mask = tu_alloc(n, sizeof(float));
+    p->adv = tu_alloc((size_t)B, sizeof(float));
+    p->ref = tu_alloc(n, sizeof(float));
     p->rng = seed * 7919 + 11;
     ce_fill_linear(&p->rng, (int64_t)n, H, V, 3.0, p->x, p->weight, p->bias);
     for (int64_t b = 0; b < B; b++) {
@@ -75,16 +66,6 @@ void gp_free(gp_problem *p)
     memset(p, 0, sizeof *p);
 }
 
-double *gp_doubles(const float *f, size_t count)
-{
-    if (!f)
-        return NULL;
-    double *d = gp_alloc(count, sizeof(double));
-    for (size_t i = 0; i < count; i++)
-        d[i] = f[i];
-    return d;
-}
-
 static size_t gp_windex(const gp_problem *p, int64_t k, int64_t j)
 {
     return ce_weight_index(p->layout, p->hidden, p->vocab, k, j);
@@ -94,7 +75,7 @@ static size_t gp_windex(const gp_problem *p, int64_t k, int64_t j)
 static double *gp_logits(const gp_problem *p)
 {
     const int64_t n = gp_n(p), H = p->hidden, V = p->vocab;
-    double *u = gp_alloc((size_t)(n * V), sizeof(double));
+    double *u = tu_alloc((size_t)(n * V), sizeof(double));
     for (int64_t i = 0; i < n; i++)
         for (int64_t j = 0; j < V; j++) {
             double acc = p->bias ? p->bias[j] : 0.0;
@@ -156,11 +137,11 @@ static int gp_near_bound(double log_ratio, const double *bounds, int count)
 void gp_set_old(gp_problem *p, const fh_grpo_options *o)
 {
     const int64_t B = p->batch, T = p->seq, n = gp_n(p);
-    double *logp = gp_alloc((size_t)n, sizeof(double)), bounds[4];
+    double *logp = tu_alloc((size_t)n, sizeof(double)), bounds[4];
     const int nb = gp_bounds(o, bounds);
     gp_reference_logp(p, o->temperature, logp);
     free(p->old);
-    p->old = gp_alloc((size_t)n, sizeof(float));
+    p->old = tu_alloc((size_t)n, sizeof(float));
     for (int64_t b = 0; b < B; b++) {
         int attempts = 0, ok = 0;
         while (!ok && attempts++ < 1000) {
@@ -188,7 +169,7 @@ void gp_set_old(gp_problem *p, const fh_grpo_options *o)
 void gp_set_ref(gp_problem *p, double temperature)
 {
     const int64_t n = gp_n(p);
-    double *logp = gp_alloc((size_t)n, sizeof(double));
+    double *logp = tu_alloc((size_t)n, sizeof(double));
     gp_reference_logp(p, temperature, logp);
     for (int64_t i = 0; i < n; i++) {
         const double u = ce_uniform(&p->rng);
@@ -227,21 +208,20 @@ static float gp_grad_output(const gp_config *c)
 
 fh_context *gp_context(const gp_config *c)
 {
-    const tu_config cfg = {.threads = c->threads, .tile_rows = c->tile_rows, .tile_vocab = c->tile_vocab};
-    return tu_context(&cfg);
+    return tu_context(c->threads, c->tile_rows, c->tile_vocab, 0);
 }
 
 void gp_fused_alloc(const gp_problem *p, float grad_beta, gp_fused *f)
 {
     const size_t n = (size_t)gp_n(p), h = (size_t)p->hidden, v = (size_t)p->vocab;
     memset(f, 0, sizeof *f);
-    f->logp = gp_alloc(n, sizeof(float));
-    f->per_token_loss = gp_alloc(n, sizeof(float));
-    f->entropy = gp_alloc(n, sizeof(float));
-    f->lse = gp_alloc(n, sizeof(float));
-    f->dx = gp_alloc(n * h, sizeof(float));
-    f->dweight = gp_alloc(h * v, sizeof(float));
-    f->dbias = p->bias ? gp_alloc(v, sizeof(float)) : NULL;
+    f->logp = tu_alloc(n, sizeof(float));
+    f->per_token_loss = tu_alloc(n, sizeof(float));
+    f->entropy = tu_alloc(n, sizeof(float));
+    f->lse = tu_alloc(n, sizeof(float));
+    f->dx = tu_alloc(n * h, sizeof(float));
+    f->dweight = tu_alloc(h * v, sizeof(float));
+    f->dbias = p->bias ? tu_alloc(v, sizeof(float)) : NULL;
     /* Outputs a call forgets to write show up as NaN; gradient beta 0 must overwrite NaN. */
     const float fill = grad_beta != 0.0f ? 1.0f : NAN;
     for (size_t i = 0; i < n; i++)
@@ -304,16 +284,16 @@ typedef struct gp_ref_arrays {
 static ref_grpo_problem gp_ref_problem(const gp_problem *p, const fh_grpo_options *o, gp_ref_arrays *a)
 {
     const size_t n = (size_t)gp_n(p), h = (size_t)p->hidden, v = (size_t)p->vocab;
-    a->x = gp_doubles(p->x, n * h);
-    a->w = gp_alloc(h * v, sizeof(double));
+    a->x = tu_doubles(p->x, n * h);
+    a->w = tu_alloc(h * v, sizeof(double));
     for (int64_t k = 0; k < p->hidden; k++)
         for (int64_t j = 0; j < p->vocab; j++)
             a->w[k * p->vocab + j] = p->weight[gp_windex(p, k, j)];
-    a->b = gp_doubles(p->bias, v);
-    a->mask = gp_doubles(p->mask, n);
-    a->adv = gp_doubles(p->adv, (size_t)p->batch);
-    a->old = gp_doubles(p->old, n);
-    a->ref = o->beta != 0.0 ? gp_doubles(p->ref, n) : NULL;
+    a->b = tu_doubles(p->bias, v);
+    a->mask = tu_doubles(p->mask, n);
+    a->adv = tu_doubles(p->adv, (size_t)p->batch);
+    a->old = tu_doubles(p->old, n);
+    a->ref = o->beta != 0.0 ? tu_doubles(p->ref, n) : NULL;
     const ref_grpo_problem rp = {p->batch, p->seq, p->hidden, p->vocab, a->x, a->w, a->b, p->ids,
                                  a->mask, a->adv, a->old, a->ref, NULL};
     return rp;
@@ -360,13 +340,13 @@ void gp_run_reference(const gp_problem *p, const fh_grpo_options *o, double grad
     gp_ref_arrays a;
     const ref_grpo_problem rp = gp_ref_problem(p, o, &a);
     const ref_grpo_options ro = grpo_ref_options(o);
-    r->logp = gp_alloc(n, sizeof(double));
-    r->per_token_loss = gp_alloc(n, sizeof(double));
-    r->entropy = gp_alloc(n, sizeof(double));
-    r->lse = gp_alloc(n, sizeof(double));
-    r->dx = gp_alloc(n * h, sizeof(double));
-    r->dweight = gp_alloc(h * v, sizeof(double));
-    r->dbias = p->bias ? gp_alloc(v, sizeof(double)) : NULL;
+    r->logp = tu_alloc(n, sizeof(double));
+    r->per_token_loss = tu_alloc(n, sizeof(double));
+    r->entropy = tu_alloc(n, sizeof(double));
+    r->lse = tu_alloc(n, sizeof(double));
+    r->dx = tu_alloc(n * h, sizeof(double));
+    r->dweight = tu_alloc(h * v, sizeof(double));
+    r->dbias = p->bias ? tu_alloc(v, sizeof(double)) : NULL;
     ref_grpo_result res = {0};
     res.logp = r->logp;
     res.per_token_loss = r->per_token_loss;
@@ -374,7 +354,7 @@ void gp_run_reference(const gp_problem *p, const fh_grpo_options *o, double grad
     int rc = ref_grpo_forward(&rp, &ro, &res);
     r->loss = res.loss;
     r->metrics = grpo_fh_metrics(&res.metrics);
-    double *dw = gp_alloc(h * v, sizeof(double));
+    double *dw = tu_alloc(h * v, sizeof(double));
     rc |= ref_grpo_backward(&rp, &ro, grad_output, r->dx, dw, r->dbias);
     TU_CHECK(rc == 0, "the reference failed: %d", rc);
     for (int64_t k = 0; k < p->hidden; k++)
@@ -411,15 +391,15 @@ void gp_reference_backward_from_logp(const gp_problem *p, const fh_grpo_options 
                                      double *dbias)
 {
     const int64_t n = gp_n(p), V = p->vocab;
-    double *logp = gp_doubles(logp_f, (size_t)n), *entropy = gp_doubles(entropy_f, (size_t)n);
-    double *mask = gp_doubles(p->mask, (size_t)n), *adv = gp_doubles(p->adv, (size_t)p->batch);
-    double *old = gp_doubles(p->old, (size_t)n), *ref = o->beta != 0.0 ? gp_doubles(p->ref, (size_t)n) : NULL;
-    double *gl = gp_alloc((size_t)n, sizeof(double)), *ge = gp_alloc((size_t)n, sizeof(double));
+    double *logp = tu_doubles(logp_f, (size_t)n), *entropy = tu_doubles(entropy_f, (size_t)n);
+    double *mask = tu_doubles(p->mask, (size_t)n), *adv = tu_doubles(p->adv, (size_t)p->batch);
+    double *old = tu_doubles(p->old, (size_t)n), *ref = o->beta != 0.0 ? tu_doubles(p->ref, (size_t)n) : NULL;
+    double *gl = tu_alloc((size_t)n, sizeof(double)), *ge = tu_alloc((size_t)n, sizeof(double));
     const ref_grpo_tokens tk = {p->batch, p->seq, logp, entropy, mask, adv, old, ref, NULL};
     const ref_grpo_options ro = grpo_ref_options(o);
     const int rc = ref_grpo_head(&tk, &ro, grad, NULL, gl, ge);
     TU_CHECK(rc == 0, "ref_grpo_head: %d", rc);
-    double *u = gp_logits(p), *du = gp_alloc((size_t)(n * V), sizeof(double));
+    double *u = gp_logits(p), *du = tu_alloc((size_t)(n * V), sizeof(double));
     for (int64_t i = 0; i < n; i++)
         ref_grpo_row_grad(u + i * V, V, o->temperature, p->ids[i], gl[i], ge[i], du + i * V);
     gp_grads_from_du(p, du, 0.0, dx, dweight, dbias);

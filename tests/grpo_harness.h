@@ -71,8 +71,6 @@ typedef struct gp_diff {
     int64_t masked_rows_touched; /* dx rows of mask-0 tokens that are not exactly the prefill (0 or 1) */
 } gp_diff;
 
-void *gp_alloc(size_t count, size_t size);
-
 int64_t gp_n(const gp_problem *p);
 
 /* Random head (logits of typical size 3, ce_fill_linear), random ids, masks with a random-length tail of padding
@@ -85,8 +83,6 @@ void gp_init(gp_problem *p, int64_t B, int64_t T, int64_t H, int64_t V, fh_layou
 void gp_fix_ids(gp_problem *p);
 
 void gp_free(gp_problem *p);
-
-double *gp_doubles(const float *f, size_t count);
 
 int gp_isnan(double v);
 

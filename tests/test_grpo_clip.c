@@ -156,7 +156,7 @@ static void set_exact_old(gp_problem *p, const float *logp, int sequence_level, 
 {
     const int64_t B = p->batch, T = p->seq;
     free(p->old);
-    p->old = gp_alloc((size_t)gp_n(p), sizeof(float));
+    p->old = tu_alloc((size_t)gp_n(p), sizeof(float));
     memset(on, 0, sizeof(int) * CAT_COUNT * 2);
     for (int64_t b = 0; b < B; b++) {
         int row_exact = 1;
@@ -242,8 +242,8 @@ static void test_off_policy_exact_bounds(void)
                 gp_describe(&p, &o, &c, desc, sizeof desc);
                 TU_CHECK(st == FH_OK, "exact bounds [%s]: status %d", desc, (int)st);
                 const size_t n = (size_t)gp_n(&p), h = (size_t)p.hidden, v = (size_t)p.vocab;
-                double *dx = gp_alloc(n * h, sizeof(double)), *dw = gp_alloc(h * v, sizeof(double));
-                double *db = gp_alloc(v, sizeof(double));
+                double *dx = tu_alloc(n * h, sizeof(double)), *dw = tu_alloc(h * v, sizeof(double));
+                double *db = tu_alloc(v, sizeof(double));
                 gp_reference_backward_from_logp(&p, &o, f.logp, f.entropy, grad, dx, dw, db);
                 if (st == FH_OK) {
                     const double ex = gp_norm_rel(f.dx, dx, n * h), ew = gp_norm_rel(f.dweight, dw, h * v),
@@ -261,7 +261,7 @@ static void test_off_policy_exact_bounds(void)
                     open.epsilon_low = o.epsilon_low - 1e-9;
                     open.epsilon_high = o.epsilon_high - 1e-9;
                     open.delta = with_delta ? o.delta - 1e-9 : NAN;
-                    double *dx_open = gp_alloc(n * h, sizeof(double)), *dw_open = gp_alloc(h * v, sizeof(double));
+                    double *dx_open = tu_alloc(n * h, sizeof(double)), *dw_open = tu_alloc(h * v, sizeof(double));
                     gp_reference_backward_from_logp(&p, &open, f.logp, f.entropy, grad, dx_open, dw_open, NULL);
                     free(dw_open);
                     const double dist = gp_rel_distance(dx_open, dx, n * h);

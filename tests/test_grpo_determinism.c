@@ -111,7 +111,7 @@ static void test_reused_and_caller_workspaces(void)
             gp_linear(&p, &lin);
             size_t bytes = 0;
             TU_CHECK(fh_grpo_workspace_size(ctx, &lin, &bytes) == FH_OK && bytes > 0, "size query");
-            unsigned char *ws = gp_alloc(bytes, 1);
+            unsigned char *ws = tu_alloc(bytes, 1);
             for (size_t i = 0; i < bytes; i++)
                 ws[i] = (unsigned char)(i * 131 + 7);
             TU_CHECK(fh_context_set_workspace(ctx, ws, bytes) == FH_OK, "set_workspace");
@@ -157,8 +157,8 @@ static void test_split_vs_train_step(void)
             TU_CHECK(!d, "%s level %d: forward output %s differs between split calls and the train step",
                      gp_loss_name(o.loss_type), (int)lv, d ? d : "");
             const size_t n = (size_t)gp_n(&p), h = (size_t)p.hidden, v = (size_t)p.vocab;
-            double *dx = gp_doubles(step.dx, n * h), *dw = gp_doubles(step.dweight, h * v);
-            double *db = gp_doubles(step.dbias, v);
+            double *dx = tu_doubles(step.dx, n * h), *dw = tu_doubles(step.dweight, h * v);
+            double *db = tu_doubles(step.dbias, v);
             const double ex = gp_norm_rel(split.dx, dx, n * h), ew = gp_norm_rel(split.dweight, dw, h * v),
                          eb = gp_norm_rel(split.dbias, db, v);
             TU_CHECK(ex <= GP_SPLIT_STEP_TOL && ew <= GP_SPLIT_STEP_TOL && eb <= GP_SPLIT_STEP_TOL,

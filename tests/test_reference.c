@@ -3,6 +3,8 @@
  *   - its forward against the header's formula, evaluated here independently.
  * Each reduction, with no options and with every option on (label smoothing, class weights, softcap,
  * z-loss, an ignored row). */
+#include "ce_case.h"
+#include "ref_ce.h"
 #include "test_util.h"
 
 #include <float.h>
