@@ -29,7 +29,7 @@
  * near-ties; a target of probability 1 - 1e-7 (dZ_y = g (p_y - 1) = -1e-7 g is below fp32's resolution at
  * 1: the bound allows ~2.5u |g| there, i.e. ~150% relative error on that component, and the measured error,
  * printed, is of that order; torch's fp32 softmax - onehot has the same); N = 1 (no averaging over rows). */
-#include "hardening_util.h"
+#include "ce_harness.h"
 #include "grpo_case.h"
 #include "ref_grpo.h"
 
