@@ -274,7 +274,8 @@ static void test_off_policy_exact_bounds(void)
                 gp_fused_free(&f);
                 fh_context_destroy(ctx);
                 gp_free(&p);
-            }    const char *verbose = getenv("FH_TEST_VERBOSE");
+            }
+    const char *verbose = getenv("FH_TEST_VERBOSE");
     if (verbose && strcmp(verbose, "1") == 0)
         fprintf(stderr, "\n[grpo_clip (exact bounds)] smallest open-vs-closed distance %.2e\n", teeth);
     gp_print_worst("grpo_clip (exact bounds)");
