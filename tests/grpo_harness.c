@@ -3,6 +3,7 @@
 #include "ce_case.h"
 #include "grpo_convert.h"
 #include "ref_grpo.h"
+#include "ref_linear.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -71,18 +72,42 @@ static size_t gp_windex(const gp_problem *p, int64_t k, int64_t j)
     return ce_weight_index(p->layout, p->hidden, p->vocab, k, j);
 }
 
+/* The problem's inputs in double for the reference, the weight in its canonical [H, V] layout; what a problem
+ * does not have stays NULL. */
+typedef struct gp_ref_arrays {
+    double *x, *w, *b, *mask, *adv, *old, *ref;
+} gp_ref_arrays;
+
+static void gp_ref_arrays_free(gp_ref_arrays *a)
+{
+    free(a->x), free(a->w), free(a->b), free(a->mask), free(a->adv), free(a->old), free(a->ref);
+}
+
+/* The problem's linear layer in double (x, w, b filled in a). */
+static ref_linear gp_ref_linear(const gp_problem *p, gp_ref_arrays *a)
+{
+    const size_t n = (size_t)gp_n(p), h = (size_t)p->hidden, v = (size_t)p->vocab;
+    a->x = tu_doubles(p->x, n * h);
+    a->w = tu_alloc(h * v, sizeof(double));
+    for (int64_t k = 0; k < p->hidden; k++)
+        for (int64_t j = 0; j < p->vocab; j++)
+            a->w[k * p->vocab + j] = p->weight[gp_windex(p, k, j)];
+    a->b = tu_doubles(p->bias, v);
+    const ref_linear lin = {gp_n(p), p->hidden, p->vocab, a->x, a->w, a->b};
+    return lin;
+}
+
 /* Untempered logits u = x W + b in double from the fp32 inputs, [n, V]. */
 static double *gp_logits(const gp_problem *p)
 {
-    const int64_t n = gp_n(p), H = p->hidden, V = p->vocab;
-    double *u = tu_alloc((size_t)(n * V), sizeof(double));
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t j = 0; j < V; j++) {
-            double acc = p->bias ? p->bias[j] : 0.0;
-            for (int64_t k = 0; k < H; k++)
-                acc += (double)p->x[i * H + k] * p->weight[gp_windex(p, k, j)];
-            u[i * V + j] = acc;
-        }
+    gp_ref_arrays a = {0};
+    const ref_linear lin = gp_ref_linear(p, &a);
+    double *u = ref_linear_logits(&lin);
+    gp_ref_arrays_free(&a);
+    if (!u) {
+        fprintf(stderr, "out of memory\n");
+        abort();
+    }
     return u;
 }
 
@@ -277,19 +302,10 @@ fh_status gp_run_fused(const gp_problem *p, const fh_grpo_options *o, const gp_c
  * Reference runs
  * ============================================================================================== */
 
-typedef struct gp_ref_arrays {
-    double *x, *w, *b, *mask, *adv, *old, *ref;
-} gp_ref_arrays;
-
 static ref_grpo_problem gp_ref_problem(const gp_problem *p, const fh_grpo_options *o, gp_ref_arrays *a)
 {
-    const size_t n = (size_t)gp_n(p), h = (size_t)p->hidden, v = (size_t)p->vocab;
-    a->x = tu_doubles(p->x, n * h);
-    a->w = tu_alloc(h * v, sizeof(double));
-    for (int64_t k = 0; k < p->hidden; k++)
-        for (int64_t j = 0; j < p->vocab; j++)
-            a->w[k * p->vocab + j] = p->weight[gp_windex(p, k, j)];
-    a->b = tu_doubles(p->bias, v);
+    const size_t n = (size_t)gp_n(p);
+    gp_ref_linear(p, a);
     a->mask = tu_doubles(p->mask, n);
     a->adv = tu_doubles(p->adv, (size_t)p->batch);
     a->old = tu_doubles(p->old, n);
@@ -297,39 +313,6 @@ static ref_grpo_problem gp_ref_problem(const gp_problem *p, const fh_grpo_option
     const ref_grpo_problem rp = {p->batch, p->seq, p->hidden, p->vocab, a->x, a->w, a->b, p->ids,
                                  a->mask, a->adv, a->old, a->ref, NULL};
     return rp;
-}
-
-static void gp_ref_arrays_free(gp_ref_arrays *a)
-{
-    free(a->x), free(a->w), free(a->b), free(a->mask), free(a->adv), free(a->old), free(a->ref);
-}
-
-/* dx, dweight (in the problem's layout) and dbias from dU [n, V]; grad_beta added (what the fused run
- * accumulates onto). */
-static void gp_grads_from_du(const gp_problem *p, const double *du, double grad_beta, double *dx, double *dweight,
-                             double *dbias)
-{
-    const int64_t n = gp_n(p), H = p->hidden, V = p->vocab;
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t k = 0; k < H; k++) {
-            double acc = 0.0;
-            for (int64_t j = 0; j < V; j++)
-                acc += du[i * V + j] * p->weight[gp_windex(p, k, j)];
-            dx[i * H + k] = acc + grad_beta;
-        }
-    for (int64_t k = 0; k < H; k++)
-        for (int64_t j = 0; j < V; j++) {
-            double acc = 0.0;
-            for (int64_t i = 0; i < n; i++)
-                acc += p->x[i * H + k] * du[i * V + j];
-            dweight[gp_windex(p, k, j)] = acc + grad_beta;
-        }
-    for (int64_t j = 0; dbias && j < V; j++) {
-        double acc = 0.0;
-        for (int64_t i = 0; i < n; i++)
-            acc += du[i * V + j];
-        dbias[j] = acc + grad_beta;
-    }
 }
 
 void gp_run_reference(const gp_problem *p, const fh_grpo_options *o, double grad_output, double grad_beta,
@@ -402,8 +385,15 @@ void gp_reference_backward_from_logp(const gp_problem *p, const fh_grpo_options 
     double *u = gp_logits(p), *du = tu_alloc((size_t)(n * V), sizeof(double));
     for (int64_t i = 0; i < n; i++)
         ref_grpo_row_grad(u + i * V, V, o->temperature, p->ids[i], gl[i], ge[i], du + i * V);
-    gp_grads_from_du(p, du, 0.0, dx, dweight, dbias);
-    void *a[] = {logp, entropy, mask, adv, old, ref, gl, ge, u, du};
+    gp_ref_arrays la = {0};
+    const ref_linear lin = gp_ref_linear(p, &la);
+    double *dw = tu_alloc((size_t)(p->hidden * V), sizeof(double));
+    ref_linear_backward(&lin, du, dx, dw, dbias);
+    for (int64_t k = 0; k < p->hidden; k++)
+        for (int64_t j = 0; j < V; j++)
+            dweight[gp_windex(p, k, j)] = dw[k * V + j];
+    gp_ref_arrays_free(&la);
+    void *a[] = {logp, entropy, mask, adv, old, ref, gl, ge, u, du, dw};
     for (size_t k = 0; k < TU_COUNT(a); k++)
         free(a[k]);
 }
