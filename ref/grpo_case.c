@@ -58,10 +58,7 @@ static ref_grpo_problem ref_problem(const grpo_case *c, ref_inputs *in)
     const grpo_case_spec *s = &c->spec;
     const size_t n = (size_t)(s->batch * s->seq), h = (size_t)s->hidden, v = (size_t)s->vocab;
     in->x = doubles(c->x, n * h);
-    in->w = zalloc(h * v, sizeof(double));
-    for (int64_t k = 0; k < s->hidden; k++)
-        for (int64_t j = 0; j < s->vocab; j++)
-            in->w[k * s->vocab + j] = c->weight[ce_weight_index(s->layout, s->hidden, s->vocab, k, j)];
+    in->w = ce_weight_to_reference(s->layout, s->hidden, s->vocab, c->weight);
     in->b = doubles(c->bias, v);
     in->mask = doubles(c->mask, n);
     in->adv = doubles(c->advantages, (size_t)s->batch);
@@ -187,9 +184,7 @@ static void run_reference(const grpo_case_spec *s, grpo_case *c)
     c->ref_dbias = c->bias ? zalloc(v, sizeof(double)) : NULL;
     ref_grpo_backward(&p, &o, s->grad_output, c->ref_dx, dw, c->ref_dbias);
     c->ref_dweight = zalloc(h * v, sizeof(double));
-    for (int64_t k = 0; k < s->hidden; k++)
-        for (int64_t j = 0; j < s->vocab; j++)
-            c->ref_dweight[ce_weight_index(s->layout, s->hidden, s->vocab, k, j)] = dw[k * s->vocab + j];
+    ce_weight_from_reference(s->layout, s->hidden, s->vocab, dw, c->ref_dweight);
     free(dw);
     ref_inputs_free(&in);
 }

@@ -187,10 +187,7 @@ void cp_run_reference(const cp_problem *p, float grad_beta, cp_reference *r)
 {
     const size_t n = (size_t)p->n, h = (size_t)p->hidden, v = (size_t)p->vocab;
     memset(r, 0, sizeof *r);
-    double *x = tu_doubles(p->x, n * h), *w = tu_alloc(h * v, sizeof(double));
-    for (int64_t k = 0; k < p->hidden; k++)
-        for (int64_t j = 0; j < p->vocab; j++)
-            w[k * p->vocab + j] = p->weight[cp_weight_index(p, k, j)];
+    double *x = tu_doubles(p->x, n * h), *w = ce_weight_to_reference(p->layout, p->hidden, p->vocab, p->weight);
     double *b = tu_doubles(p->bias, v), *cw = tu_doubles(p->class_weights, v), *g = tu_doubles(p->grad_output, n);
     const ref_linear lin = {p->n, p->hidden, p->vocab, x, w, b};
     const ref_ce_options o = {p->options.ignore_index, (int)p->options.reduction, p->options.label_smoothing, cw,
@@ -209,9 +206,7 @@ void cp_run_reference(const cp_problem *p, float grad_beta, cp_reference *r)
     rc |= ref_ce_backward(&lin, p->targets, &o, g, r->dx, dw, r->dbias);
     TU_CHECK(rc == 0, "the reference ran out of memory");
     r->dweight = tu_alloc(h * v, sizeof(double));
-    for (int64_t k = 0; k < p->hidden; k++)
-        for (int64_t j = 0; j < p->vocab; j++)
-            r->dweight[cp_weight_index(p, k, j)] = dw[k * p->vocab + j];
+    ce_weight_from_reference(p->layout, p->hidden, p->vocab, dw, r->dweight);
     if (grad_beta != 0.0f) {
         for (size_t i = 0; i < n * h; i++)
             r->dx[i] += 1.0;

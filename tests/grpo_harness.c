@@ -67,11 +67,6 @@ void gp_free(gp_problem *p)
     memset(p, 0, sizeof *p);
 }
 
-static size_t gp_windex(const gp_problem *p, int64_t k, int64_t j)
-{
-    return ce_weight_index(p->layout, p->hidden, p->vocab, k, j);
-}
-
 /* The problem's inputs in double for the reference, the weight in its canonical [H, V] layout; what a problem
  * does not have stays NULL. */
 typedef struct gp_ref_arrays {
@@ -88,10 +83,7 @@ static ref_linear gp_ref_linear(const gp_problem *p, gp_ref_arrays *a)
 {
     const size_t n = (size_t)gp_n(p), h = (size_t)p->hidden, v = (size_t)p->vocab;
     a->x = tu_doubles(p->x, n * h);
-    a->w = tu_alloc(h * v, sizeof(double));
-    for (int64_t k = 0; k < p->hidden; k++)
-        for (int64_t j = 0; j < p->vocab; j++)
-            a->w[k * p->vocab + j] = p->weight[gp_windex(p, k, j)];
+    a->w = ce_weight_to_reference(p->layout, p->hidden, p->vocab, p->weight);
     a->b = tu_doubles(p->bias, v);
     const ref_linear lin = {gp_n(p), p->hidden, p->vocab, a->x, a->w, a->b};
     return lin;
@@ -340,9 +332,9 @@ void gp_run_reference(const gp_problem *p, const fh_grpo_options *o, double grad
     double *dw = tu_alloc(h * v, sizeof(double));
     rc |= ref_grpo_backward(&rp, &ro, grad_output, r->dx, dw, r->dbias);
     TU_CHECK(rc == 0, "the reference failed: %d", rc);
-    for (int64_t k = 0; k < p->hidden; k++)
-        for (int64_t j = 0; j < p->vocab; j++)
-            r->dweight[gp_windex(p, k, j)] = dw[k * p->vocab + j] + grad_beta;
+    ce_weight_from_reference(p->layout, p->hidden, p->vocab, dw, r->dweight);
+    for (size_t i = 0; i < h * v; i++)
+        r->dweight[i] += grad_beta;
     for (size_t i = 0; i < n * h; i++)
         r->dx[i] += grad_beta;
     for (size_t j = 0; r->dbias && j < v; j++)
@@ -389,9 +381,7 @@ void gp_reference_backward_from_logp(const gp_problem *p, const fh_grpo_options 
     const ref_linear lin = gp_ref_linear(p, &la);
     double *dw = tu_alloc((size_t)(p->hidden * V), sizeof(double));
     ref_linear_backward(&lin, du, dx, dw, dbias);
-    for (int64_t k = 0; k < p->hidden; k++)
-        for (int64_t j = 0; j < V; j++)
-            dweight[gp_windex(p, k, j)] = dw[k * V + j];
+    ce_weight_from_reference(p->layout, p->hidden, V, dw, dweight);
     gp_ref_arrays_free(&la);
     void *a[] = {logp, entropy, mask, adv, old, ref, gl, ge, u, du, dw};
     for (size_t k = 0; k < TU_COUNT(a); k++)
