@@ -235,6 +235,19 @@ void cp_reference_free(cp_reference *r)
     memset(r, 0, sizeof *r);
 }
 
+int cp_run_fused_and_reference(const cp_problem *p, const cp_config *cfg, const char *label, cp_fused *f,
+                               cp_reference *r)
+{
+    const fh_status st = cp_run_fused(p, cfg, f);
+    TU_CHECK(st == FH_OK, "%s: status %d", label, (int)st);
+    if (st != FH_OK) {
+        cp_fused_free(f);
+        return 0;
+    }
+    cp_run_reference(p, cfg->grad_beta, r);
+    return 1;
+}
+
 double cp_logit(const cp_problem *p, int64_t i, int64_t j)
 {
     double u = p->bias ? p->bias[j] : 0.0;

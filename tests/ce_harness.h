@@ -80,6 +80,11 @@ typedef struct cp_reference {
 void cp_run_reference(const cp_problem *p, float grad_beta, cp_reference *r);
 void cp_reference_free(cp_reference *r);
 
+/* cp_run_fused, asserting FH_OK (the failure text starts with `label`), then cp_run_reference with cfg's
+ * grad_beta. Returns 1 with f and r filled, or 0 with neither (nothing to free). */
+int cp_run_fused_and_reference(const cp_problem *p, const cp_config *cfg, const char *label, cp_fused *f,
+                               cp_reference *r);
+
 /* The logit z_ij in double from the fp32 inputs (softcap applied). */
 double cp_logit(const cp_problem *p, int64_t i, int64_t j);
 

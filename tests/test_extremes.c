@@ -40,14 +40,9 @@ static void check_extreme_once(const cp_problem *p, const char *label_base, int 
     char label[160];
     snprintf(label, sizeof label, "%s, train step %d", label_base, train_step);
     cp_fused f;
-    const fh_status st = cp_run_fused(p, &cfg, &f);
-    TU_CHECK(st == FH_OK, "%s: status %d", label, (int)st);
-    if (st != FH_OK) {
-        cp_fused_free(&f);
-        return;
-    }
     cp_reference r;
-    cp_run_reference(p, 0.0f, &r);
+    if (!cp_run_fused_and_reference(p, &cfg, label, &f, &r))
+        return;
 
     double zmax = 0.0;
     for (int64_t i = 0; i < n; i++)

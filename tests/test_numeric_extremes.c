@@ -265,14 +265,9 @@ static void check_elementwise_once(const cp_problem *p, int train_step, const ch
     snprintf(label, sizeof label, "%s, reduction %d, layout %d, train step %d", label_base, (int)o->reduction,
              (int)p->layout, train_step);
     cp_fused f;
-    const fh_status st = cp_run_fused(p, &cfg, &f);
-    TU_CHECK(st == FH_OK, "%s: status %d", label, (int)st);
-    if (st != FH_OK) {
-        cp_fused_free(&f);
-        return;
-    }
     cp_reference r;
-    cp_run_reference(p, 0.0f, &r);
+    if (!cp_run_fused_and_reference(p, &cfg, label, &f, &r))
+        return;
     const int mean = o->reduction == FH_REDUCTION_MEAN, softcap = o->softcap > 0.0;
     const double eps = o->label_smoothing, s = o->z_loss;
     double count = 0.0, weight_sum = 0.0, weight_total = 0.0;
