@@ -47,6 +47,22 @@ size_t ce_weight_index(fh_layout layout, int64_t hidden, int64_t vocab, int64_t 
     return (size_t)(layout == FH_LAYOUT_HV ? k * vocab + j : j * hidden + k);
 }
 
+double *ce_weight_to_reference(fh_layout layout, int64_t hidden, int64_t vocab, const float *weight)
+{
+    double *w = xcalloc((size_t)(hidden * vocab), sizeof(double));
+    for (int64_t k = 0; k < hidden; k++)
+        for (int64_t j = 0; j < vocab; j++)
+            w[k * vocab + j] = weight[ce_weight_index(layout, hidden, vocab, k, j)];
+    return w;
+}
+
+void ce_weight_from_reference(fh_layout layout, int64_t hidden, int64_t vocab, const double *reference, double *out)
+{
+    for (int64_t k = 0; k < hidden; k++)
+        for (int64_t j = 0; j < vocab; j++)
+            out[ce_weight_index(layout, hidden, vocab, k, j)] = reference[k * vocab + j];
+}
+
 static size_t widx(const ce_case_spec *s, int64_t k, int64_t v)
 {
     return ce_weight_index(s->layout, s->hidden, s->vocab, k, v);
@@ -142,10 +158,7 @@ static fh_status run_fused(const ce_case_spec *s, ce_case *c)
 static void run_reference(const ce_case_spec *s, ce_case *c)
 {
     const size_t n = (size_t)s->n, h = (size_t)s->hidden, v = (size_t)s->vocab;
-    double *x = to_double(c->x, n * h), *w = xcalloc(h * v, sizeof(double));
-    for (int64_t k = 0; k < s->hidden; k++)
-        for (int64_t j = 0; j < s->vocab; j++)
-            w[k * s->vocab + j] = c->weight[widx(s, k, j)];
+    double *x = to_double(c->x, n * h), *w = ce_weight_to_reference(s->layout, s->hidden, s->vocab, c->weight);
     double *b = c->bias ? to_double(c->bias, v) : NULL;
     double *cw = c->class_weights ? to_double(c->class_weights, v) : NULL;
     double *g = to_double(c->grad_output, n);
@@ -164,9 +177,7 @@ static void run_reference(const ce_case_spec *s, ce_case *c)
     c->ref_dbias = b ? xcalloc(v, sizeof(double)) : NULL;
     ref_ce_backward(&lin, c->targets, &o, g, c->ref_dx, dw_canonical, c->ref_dbias);
     c->ref_dweight = xcalloc(h * v, sizeof(double));
-    for (int64_t k = 0; k < s->hidden; k++)
-        for (int64_t j = 0; j < s->vocab; j++)
-            c->ref_dweight[widx(s, k, j)] = dw_canonical[k * s->vocab + j];
+    ce_weight_from_reference(s->layout, s->hidden, s->vocab, dw_canonical, c->ref_dweight);
     /* beta 1 accumulated onto 1.0 everywhere. */
     if (s->grad_beta != 0.0f) {
         for (size_t i = 0; i < n * h; i++)

@@ -82,4 +82,9 @@ ce_diff ce_compare(const float *fused, const double *reference, size_t count);
 /* Offset of weight element (k, j) in a layout. */
 size_t ce_weight_index(fh_layout layout, int64_t hidden, int64_t vocab, int64_t k, int64_t j);
 
+/* A weight in `layout` as doubles in the reference's [hidden, vocab] layout (calloc'd; the caller frees it), and
+ * back: a reference [hidden, vocab] array (a weight gradient) written into `out` in `layout`. */
+double *ce_weight_to_reference(fh_layout layout, int64_t hidden, int64_t vocab, const float *weight);
+void ce_weight_from_reference(fh_layout layout, int64_t hidden, int64_t vocab, const double *reference, double *out);
+
 #endif

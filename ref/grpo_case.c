@@ -12,6 +12,7 @@
 #include "grpo_case.h"
 
 #include "ce_case.h"
+#include "grpo_convert.h"
 #include "ref_grpo.h"
 
 #include <math.h>
@@ -47,27 +48,6 @@ static double *doubles(const float *f, size_t count)
     return d;
 }
 
-static ref_grpo_options ref_options(const fh_grpo_options *o)
-{
-    ref_grpo_options r;
-    ref_grpo_options_default(&r);
-    r.loss_type = (ref_grpo_loss_type)o->loss_type;
-    r.importance_sampling_level = o->importance_sampling_level == FH_GRPO_IS_SEQUENCE ? REF_GRPO_IS_SEQUENCE
-                                                                                     : REF_GRPO_IS_TOKEN;
-    r.temperature = o->temperature;
-    r.epsilon_low = o->epsilon_low;
-    r.epsilon_high = o->epsilon_high;
-    r.delta = o->delta;
-    r.beta = o->beta;
-    r.sapo_temperature_pos = o->sapo_temperature_pos;
-    r.sapo_temperature_neg = o->sapo_temperature_neg;
-    r.num_items_in_batch = o->num_items_in_batch;
-    r.max_completion_length = o->max_completion_length;
-    r.entropy_coef = o->entropy_coef;
-    r.entropy_bonus = REF_GRPO_ENTROPY_MASKED_MEAN; /* TRL's form, which the library implements */
-    return r;
-}
-
 /* The reference problem in double with the canonical [H, V] weight. Arrays owned by the caller. */
 typedef struct ref_inputs {
     double *x, *w, *b, *mask, *adv, *old, *ref;
@@ -78,10 +58,7 @@ static ref_grpo_problem ref_problem(const grpo_case *c, ref_inputs *in)
     const grpo_case_spec *s = &c->spec;
     const size_t n = (size_t)(s->batch * s->seq), h = (size_t)s->hidden, v = (size_t)s->vocab;
     in->x = doubles(c->x, n * h);
-    in->w = zalloc(h * v, sizeof(double));
-    for (int64_t k = 0; k < s->hidden; k++)
-        for (int64_t j = 0; j < s->vocab; j++)
-            in->w[k * s->vocab + j] = c->weight[ce_weight_index(s->layout, s->hidden, s->vocab, k, j)];
+    in->w = ce_weight_to_reference(s->layout, s->hidden, s->vocab, c->weight);
     in->b = doubles(c->bias, v);
     in->mask = doubles(c->mask, n);
     in->adv = doubles(c->advantages, (size_t)s->batch);
@@ -125,7 +102,7 @@ static void make_inputs(const grpo_case_spec *s, grpo_case *c)
     /* Old and reference log-probs near the current ones: the reference's on-policy logp plus noise. */
     ref_inputs in;
     const ref_grpo_problem p = ref_problem(c, &in);
-    ref_grpo_options o = ref_options(&s->options);
+    ref_grpo_options o = grpo_ref_options(&s->options);
     o.beta = 0.0;
     o.entropy_coef = 0.0;
     double *logp = zalloc((size_t)n, sizeof(double));
@@ -191,7 +168,7 @@ static void run_reference(const grpo_case_spec *s, grpo_case *c)
     ref_grpo_problem p = ref_problem(c, &in);
     if (s->options.beta == 0.0)
         p.ref_logp = NULL;
-    const ref_grpo_options o = ref_options(&s->options);
+    const ref_grpo_options o = grpo_ref_options(&s->options);
     c->ref_logp = zalloc(n, sizeof(double));
     c->ref_per_token_loss = zalloc(n, sizeof(double));
     c->ref_entropy = zalloc(n, sizeof(double));
@@ -201,17 +178,13 @@ static void run_reference(const grpo_case_spec *s, grpo_case *c)
     r.entropy = c->ref_entropy;
     ref_grpo_forward(&p, &o, &r);
     c->ref_loss = r.loss;
-    const fh_grpo_metrics m = {r.metrics.kl, r.metrics.entropy, r.metrics.clip_low_mean, r.metrics.clip_high_mean,
-                               r.metrics.clip_region_mean, r.metrics.cispo_clip_ratio};
-    c->ref_metrics = m;
+    c->ref_metrics = grpo_fh_metrics(&r.metrics);
     double *dw = zalloc(h * v, sizeof(double));
     c->ref_dx = zalloc(n * h, sizeof(double));
     c->ref_dbias = c->bias ? zalloc(v, sizeof(double)) : NULL;
     ref_grpo_backward(&p, &o, s->grad_output, c->ref_dx, dw, c->ref_dbias);
     c->ref_dweight = zalloc(h * v, sizeof(double));
-    for (int64_t k = 0; k < s->hidden; k++)
-        for (int64_t j = 0; j < s->vocab; j++)
-            c->ref_dweight[ce_weight_index(s->layout, s->hidden, s->vocab, k, j)] = dw[k * s->vocab + j];
+    ce_weight_from_reference(s->layout, s->hidden, s->vocab, dw, c->ref_dweight);
     free(dw);
     ref_inputs_free(&in);
 }

@@ -184,10 +184,7 @@ static void test_guarded_buffers(void)
         printf("\n    BLIS kernel set: %s", info.kernel_set);
 }
 
-int hu_register_guard_pages(void)
-{
-    static const tu_test tests[] = {
-        {"buffers flush against inaccessible pages", test_guarded_buffers},
-    };
-    return tu_add_suite("guard_pages", tests, TU_COUNT(tests));
-}
+static const tu_test tests[] = {
+    {"buffers flush against inaccessible pages", test_guarded_buffers},
+};
+const tu_suite suite_guard_pages = {tests, TU_COUNT(tests)};
