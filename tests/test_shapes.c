@@ -146,7 +146,7 @@ static void test_strided_views(void)
                 w[c * sh + j * sv] = p.weight[cp_weight_index(&p, c, j)];
                 dw[c * sh + j * sv] = NAN;
             }
-        const fh_linear lin = {N, H, V, x, H + XPAD, w, sh, sv, p.bias};
+        const fh_linear lin = {N, H, V, x, H + XPAD, w, sh, sv, p.bias, FH_DTYPE_F32, FH_DTYPE_F32};
         cp_fused f;
         memset(&f, 0, sizeof f);
         f.per_token_loss = calloc(N, sizeof(float));
