@@ -204,5 +204,6 @@ fh_status fh_gemm_failure(fh_context *ctx, fh_status status)
     if (status == FH_OK)
         return FH_OK;
     return fh_fail(ctx, status, "the bf16 GEMM provider (%s) %s", fh_gemm_bf16_provider(),
-                   status == FH_ERR_OUT_OF_MEMORY ? "ran out of memory" : "does not multiply these dtypes");
+                   status == FH_ERR_OUT_OF_MEMORY ? "could not allocate a primitive or its memory"
+                                                  : "does not multiply these dtypes");
 }

@@ -1,5 +1,7 @@
 #include "ce_harness.h"
 
+#include "bf16.h"
+
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -118,13 +120,31 @@ void cp_problem_free(cp_problem *p)
     free(p->class_weights);
     free(p->targets);
     free(p->grad_output);
+    free(p->x_bf16);
+    free(p->weight_bf16);
     memset(p, 0, sizeof *p);
+}
+
+void cp_problem_use_bf16(cp_problem *p)
+{
+    p->x_bf16 = bf16_round_in_place(p->x, (size_t)(p->n * p->hidden));
+    p->weight_bf16 = bf16_round_in_place(p->weight, (size_t)(p->hidden * p->vocab));
+    TU_CHECK(p->x_bf16 && p->weight_bf16, "bf16 copies: out of memory");
+}
+
+int cp_have_bf16(void)
+{
+    fh_blis_info info;
+    return fh_blis_query(&info) == FH_OK && strcmp(info.bf16_gemm, "none") != 0;
 }
 
 void cp_problem_linear(const cp_problem *p, fh_linear *lin)
 {
-    const fh_status st = fh_linear_init(lin, p->n, p->hidden, p->vocab, p->x, p->weight, p->layout, p->bias);
+    const int bf16 = p->x_bf16 != NULL;
+    const fh_status st = fh_linear_init(lin, p->n, p->hidden, p->vocab, bf16 ? (const void *)p->x_bf16 : p->x,
+                                        bf16 ? (const void *)p->weight_bf16 : p->weight, p->layout, p->bias);
     TU_CHECK(st == FH_OK, "fh_linear_init: %d", (int)st);
+    lin->x_dtype = lin->weight_dtype = bf16 ? FH_DTYPE_BF16 : FH_DTYPE_F32;
 }
 
 fh_context *cp_context(const cp_config *cfg)

@@ -32,6 +32,7 @@ typedef struct cp_problem {
     int64_t *targets;     /* [n] */
     float *grad_output;   /* [n]; element 0 serves mean and sum */
     fh_ce_options options; /* class_weights points at the field above */
+    uint16_t *x_bf16, *weight_bf16; /* set by cp_problem_use_bf16: the calls read these (bf16), else NULL */
 } cp_problem;
 
 /* Zeroed inputs, default options, grad_output 1. */
@@ -43,6 +44,10 @@ void cp_problem_randomize(cp_problem *p, uint64_t seed, double logit_scale);
  * logit is 1 * w plus exact zeros), so z equals the given floats bit for bit. */
 void cp_problem_from_logits(cp_problem *p, int64_t n, int64_t vocab, fh_layout layout, const float *logits);
 void cp_problem_free(cp_problem *p);
+/* Rounds x and weight to bf16 in place and makes the library's calls read their bf16 bits. */
+void cp_problem_use_bf16(cp_problem *p);
+/* 1 when the library has a bf16 GEMM provider (fh_blis_query). */
+int cp_have_bf16(void);
 size_t cp_weight_index(const cp_problem *p, int64_t k, int64_t v);
 void cp_problem_linear(const cp_problem *p, fh_linear *lin);
 

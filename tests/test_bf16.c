@@ -8,12 +8,6 @@
 #include <math.h>
 #include <string.h>
 
-static int have_bf16(void)
-{
-    fh_blis_info info;
-    return fh_blis_query(&info) == FH_OK && strcmp(info.bf16_gemm, "none") != 0;
-}
-
 static ce_case_spec bf16_spec(fh_layout layout, int train_step)
 {
     ce_case_spec s;
@@ -30,7 +24,7 @@ static ce_case_spec bf16_spec(fh_layout layout, int train_step)
 
 static void test_options(void)
 {
-    if (!have_bf16())
+    if (!cp_have_bf16())
         return;
     for (int layout = 0; layout < 2; layout++)
         for (int train_step = 0; train_step < 2; train_step++)
@@ -53,7 +47,7 @@ static void test_options(void)
  * every GEMM shape the engine prepares. */
 static void test_tiles_and_beta(void)
 {
-    if (!have_bf16())
+    if (!cp_have_bf16())
         return;
     for (int layout = 0; layout < 2; layout++) {
         ce_case_spec s = bf16_spec((fh_layout)layout, 0);
@@ -89,7 +83,7 @@ static void test_dtype_contract(void)
         fh_linear_init(&lin, N, H, V, x, w, FH_LAYOUT_VH, NULL);
         lin.x_dtype = pairs[k][0];
         lin.weight_dtype = pairs[k][1];
-        const int valid = k == 3 && have_bf16();
+        const int valid = k == 3 && cp_have_bf16();
         tu_fill_canary(dx, sizeof dx);
         tu_fill_canary(dw, sizeof dw);
         float canary;
