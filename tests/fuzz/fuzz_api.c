@@ -330,7 +330,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                                                  layout_byte % 16 == 0 ? (fh_layout)(2 + layout_byte / 16) : layout, bias);
     CHECK((layout_byte % 16 == 0) == (init_status != FH_OK), "fh_linear_init: status %d", (int)init_status);
     const fh_linear described = {n, hidden, vocab, u8(&r) % 32 == 0 ? NULL : x, x_rs, u8(&r) % 32 == 0 ? NULL : w,
-                                 w_rs, w_cs, bias};
+                                 w_rs, w_cs, bias, FH_DTYPE_F32, FH_DTYPE_F32};
     lin = described;
 
     /* Wisdom entries (tile sizes measured elsewhere), sometimes for exactly this shape. */
