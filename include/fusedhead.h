@@ -113,9 +113,10 @@ typedef struct fh_tile_config {
     int64_t threads, n, hidden, vocab;
     fh_call call;
     int64_t tile_rows, tile_vocab;
+    int dtype; /* fh_dtype of x and weight: 0 (fp32) unless set; bf16 calls use bf16 entries only */
 } fh_tile_config;
 
-/* Adds an entry (replacing one with the same threads, n, hidden, vocab and call). At most 256 entries. */
+/* Adds an entry (replacing one with the same threads, n, hidden, vocab, call and dtype). At most 256 entries. */
 FH_API fh_status fh_context_add_wisdom(fh_context *ctx, const fh_tile_config *entry);
 /* Adds the entries of a wisdom file; path NULL reads $FH_WISDOM. */
 FH_API fh_status fh_context_load_wisdom(fh_context *ctx, const char *path);

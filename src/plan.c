@@ -52,7 +52,7 @@ static int needs_tile_bf16(const fh_linear *lin, fh_call call)
 static void preferred_tiles(const fh_context *ctx, const fh_linear *lin, int threads, fh_call call, int64_t *rows,
                             int64_t *cols)
 {
-    const fh_tile_config *w = fh_wisdom_lookup(ctx, threads, lin->n, lin->hidden, lin->vocab, call);
+    const fh_tile_config *w = fh_wisdom_lookup(ctx, threads, lin->n, lin->hidden, lin->vocab, call, lin->x_dtype);
     const int64_t rows_param = ctx->params[FH_PARAM_TILE_ROWS], cols_param = ctx->params[FH_PARAM_TILE_VOCAB];
     *rows = rows_param > 0 ? rows_param : w ? w->tile_rows : 0;
     *cols = cols_param > 0 ? cols_param : w ? w->tile_vocab : 0;

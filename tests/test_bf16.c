@@ -6,7 +6,9 @@
 #include "test_util.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static ce_case_spec bf16_spec(fh_layout layout, int train_step)
 {
@@ -109,9 +111,52 @@ static void test_dtype_contract(void)
     fh_context_destroy(ctx);
 }
 
+/* Wisdom entries carry a dtype: a bf16 entry tiles bf16 calls only, and survives a save and a load. */
+static void test_wisdom_dtype(void)
+{
+    enum { N = 64, H = 16, V = 5000 };
+    static float x[N * H], w[H * V];
+    fh_context *ctx = tu_context(1, 0, 0, 0);
+    fh_ce_options o;
+    fh_ce_options_init(&o);
+    fh_linear f32, bf16;
+    fh_linear_init(&f32, N, H, V, x, w, FH_LAYOUT_HV, NULL);
+    bf16 = f32;
+    bf16.x_dtype = bf16.weight_dtype = FH_DTYPE_BF16;
+    size_t before_f32 = 0, before_bf16 = 0, after_f32 = 0, after_bf16 = 0;
+    TU_CHECK(fh_ce_workspace_size(ctx, &f32, &o, &before_f32) == FH_OK, "fp32 query");
+    const int bf16_ok = fh_ce_workspace_size(ctx, &bf16, &o, &before_bf16) == FH_OK;
+    TU_CHECK(bf16_ok == cp_have_bf16(), "bf16 query succeeds exactly when the build has oneDNN");
+    /* A tile much smaller than the defaults, for bf16 forward calls only. */
+    const fh_tile_config e = {1, N, H, V, FH_CALL_FORWARD, 8, 64, FH_DTYPE_BF16};
+    TU_CHECK(fh_context_add_wisdom(ctx, &e) == FH_OK, "add a bf16 entry");
+    char path[] = "/tmp/fh_wisdom_dtype_XXXXXX";
+    const int fd = mkstemp(path);
+    TU_CHECK(fd >= 0, "temporary file");
+    if (fd >= 0)
+        close(fd);
+    fh_context *loaded = tu_context(1, 0, 0, 0);
+    TU_CHECK(fh_context_save_wisdom(ctx, path) == FH_OK && fh_context_load_wisdom(loaded, path) == FH_OK,
+             "save and load %s", path);
+    unlink(path);
+    TU_CHECK(fh_ce_workspace_size(loaded, &f32, &o, &after_f32) == FH_OK, "fp32 query after");
+    TU_CHECK(after_f32 == before_f32, "a bf16 entry changed an fp32 call's workspace: %zu -> %zu", before_f32,
+             after_f32);
+    if (bf16_ok) {
+        TU_CHECK(fh_ce_workspace_size(loaded, &bf16, &o, &after_bf16) == FH_OK, "bf16 query after");
+        TU_CHECK(after_bf16 < before_bf16, "the bf16 entry (8 x 64 forward tiles) did not shrink the bf16 workspace: "
+                 "%zu -> %zu", before_bf16, after_bf16);
+    }
+    const fh_tile_config bad = {1, N, H, V, FH_CALL_FORWARD, 8, 64, 7};
+    TU_CHECK(fh_context_add_wisdom(ctx, &bad) == FH_ERR_INVALID_WISDOM, "an unknown dtype is refused");
+    fh_context_destroy(ctx);
+    fh_context_destroy(loaded);
+}
+
 static const tu_test tests[] = {
     {"every option, both layouts and schedules", test_options},
     {"edge tiles, row blocks, streaming fallback, beta 1", test_tiles_and_beta},
     {"dtype contract", test_dtype_contract},
+    {"wisdom entries per dtype", test_wisdom_dtype},
 };
 const tu_suite suite_bf16 = {tests, TU_COUNT(tests)};

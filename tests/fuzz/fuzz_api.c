@@ -339,7 +339,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         static const int64_t tile_values[] = {1, 2, 7, 64, 1000, (int64_t)1 << 40, INT64_MAX, 0, -1};
         const fh_tile_config e = {wisdom & 16 ? 1 : (int64_t)(u8(&r) % 4), wisdom & 32 ? n : pick_size(&r, 48),
                                   wisdom & 32 ? hidden : pick_size(&r, 48), wisdom & 32 ? vocab : pick_size(&r, 700),
-                                  (fh_call)(u8(&r) % 4), tile_values[u8(&r) % 9], tile_values[u8(&r) % 9]};
+                                  (fh_call)(u8(&r) % 4), tile_values[u8(&r) % 9], tile_values[u8(&r) % 9], FH_DTYPE_F32};
         fh_context_add_wisdom(ctx, &e);
     }
 

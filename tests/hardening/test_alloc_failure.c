@@ -346,7 +346,7 @@ static void test_wisdom_io_under_allocation_failure(void)
         return;
     close(fd);
     fh_context *ctx = tu_context(1, 0, 0, 0);
-    const fh_tile_config e = {1, 100, 64, 1000, FH_CALL_FORWARD, 64, 256};
+    const fh_tile_config e = {1, 100, 64, 1000, FH_CALL_FORWARD, 64, 256, FH_DTYPE_F32};
     TU_CHECK(fh_context_add_wisdom(ctx, &e) == FH_OK, "add_wisdom");
     TU_CHECK(fh_context_save_wisdom(ctx, path) == FH_OK, "save_wisdom");
     const long live_before = ah_live_library_blocks(); /* ctx itself */
