@@ -63,10 +63,8 @@ static void fixture_init(fixture *f)
     memset(f, 0, sizeof *f);
     TU_CHECK(fh_context_create(&f->ctx) == FH_OK, "fh_context_create");
     uint64_t rng = 4242;
-    for (int i = 0; i < N * H; i++)
-        f->in.x[i] = (float)(2.0 * ce_uniform(&rng) - 1.0);
-    for (int i = 0; i < H * V; i++)
-        f->in.weight[i] = (float)(2.0 * ce_uniform(&rng) - 1.0);
+    tu_fill_uniform(f->in.x, N * H, &rng, -1.0, 1.0);
+    tu_fill_uniform(f->in.weight, H * V, &rng, -1.0, 1.0);
     for (int j = 0; j < V; j++)
         f->in.bias[j] = (float)(ce_uniform(&rng) - 0.5);
     for (int i = 0; i < N; i++) {

@@ -1,5 +1,7 @@
 #include "test_util.h"
 
+#include "ce_case.h"
+
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -115,4 +117,10 @@ int tu_mentions(const char *text, const char *word)
         if (s == text || !is_alnum(s[-1]))
             return 1;
     return 0;
+}
+
+void tu_fill_uniform(float *p, size_t count, uint64_t *rng, double lo, double hi)
+{
+    for (size_t i = 0; i < count; i++)
+        p[i] = (float)(lo + (hi - lo) * ce_uniform(rng));
 }

@@ -35,6 +35,9 @@ typedef struct tu_suite {
 #define TU_CANARY 0xA5
 void tu_fill_canary(void *p, size_t bytes);
 
+/* p[i] = lo + (hi - lo) u_i for u_i from ce_uniform(rng), i < count. */
+void tu_fill_uniform(float *p, size_t count, uint64_t *rng, double lo, double hi);
+
 /* calloc that aborts the run when memory runs out (count 0 allocates one element). */
 void *tu_alloc(size_t count, size_t size);
 /* The floats as doubles (tu_alloc'd); NULL for NULL. */
