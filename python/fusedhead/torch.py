@@ -95,7 +95,9 @@ def _contiguous_vector(t: torch.Tensor) -> torch.Tensor:
 # dweight is V x H (128 MiB at V=32768 H=1024, 931 MB at V=151643 H=1536). A fresh torch.empty of that size
 # is a new glibc mmap (above its 32 MiB mmap ceiling; M_MMAP_THRESHOLD is process-wide, not ours to set)
 # whose every 4 KiB page faults on the library's first write: measured 60 ms and 400 ms, against 3-8 ms and
-# 36-40 ms to write a recycled buffer, 10-25% of the train step. Hence a pool. The alternatives:
+# 36-40 ms to write a recycled buffer; the binding's step took 1.05-1.12x and 1.16-1.27x the C train step
+# (2 threads). Hence a pool (then 0.94-1.07x, the rest being autograd's add into a kept .grad, which torch
+# pays for any loss, and machine noise). The alternatives:
 #   - Accumulate into weight.grad in the library call (dweight_beta 1) and return None: the gradient is
 #     computed in the forward (the single-call train step, 6 NHV flops instead of 8), when nothing says it
 #     will reach .grad. The caller may zero_grad() between forward and backward, take torch.autograd.grad,
