@@ -8,6 +8,13 @@ Cases, each in its own process (peak memory does not mix), best of --reps after 
   fusedhead       fusedhead.torch.fused_linear_cross_entropy (the single-call train step inside)
 Reported: ms, GFLOP/s on the 6*N*H*V basis, peak RSS growth of the step, speed-up over torch_eager.
 
+Binding overhead: after its own measurement the fusedhead process times, interleaved and best of --reps
+each, the C train step (fh_ce_forward_backward through fusedhead.numpy.forward_backward into preallocated
+outputs) and the torch binding's step in a trainer's loop, with optimizer.zero_grad(set_to_none=False)
+(torch 1.13's default: .grad kept and zeroed, autograd adds the step's gradient into it) and with
+set_to_none=True (torch 2's default: autograd adopts the step's gradient as .grad). Reported: each time and
+its ratio to the C step.
+
 Debian's torch calls BLIS through libblas.so.3, and that BLIS, like the one fusedhead links, does not recognise
 recent AMD CPUs: left alone it runs its generic kernels on one thread (about 30 GFLOP/s here). The torch cases
 therefore get the kernel set fusedhead selects (BLIS_ARCH_TYPE) and --threads BLAS threads (BLIS_NUM_THREADS),
@@ -63,7 +70,10 @@ def run_case(args):
                 logits = F.linear(hidden[rows], weight)
                 (F.cross_entropy(logits, targets[rows], reduction="sum") / n).backward()
     else:
+        import fusedhead
         from fusedhead.torch import fused_linear_cross_entropy
+
+        fusedhead.set_default_context_settings(threads=args.threads)
 
         def step():
             fused_linear_cross_entropy(hidden, weight, targets).backward()
@@ -81,7 +91,46 @@ def run_case(args):
         step()
         best = min(best, time.perf_counter() - t)
     peak = rss_bytes("VmHWM:") - base
-    print(json.dumps({"case": args.case, "best_ms": best * 1e3, "first_ms": first * 1e3, "peak_rss_growth_bytes": peak}))
+    result = {"case": args.case, "best_ms": best * 1e3, "first_ms": first * 1e3, "peak_rss_growth_bytes": peak}
+    if args.case == "fusedhead":
+        result["binding_overhead"] = binding_overhead(args, hidden, weight, targets, step)
+    print(json.dumps(result))
+
+
+def binding_overhead(args, hidden, weight, targets, step):
+    """The C train step and the binding's step under both zero_grad choices, interleaved (the same machine
+    noise for all three), best of args.reps each; ms and the ratios to the C step."""
+    import numpy as np
+    import torch
+    import fusedhead.numpy as fhnp
+
+    x, w, y = hidden.detach().numpy(), weight.detach().numpy(), targets.numpy()
+    dx, dw = np.empty_like(x), np.empty_like(w)
+    params = (hidden, weight)
+    kept = [torch.zeros_like(p) for p in params]  # .grad as a trainer keeps it across steps
+
+    def c_step():
+        fhnp.forward_backward(x, w, y, dhidden=dx, dweight=dw)
+
+    def zero_grad(set_to_none):
+        for p, g in zip(params, kept):
+            p.grad = g
+        torch.optim.SGD(params, lr=0.0).zero_grad(set_to_none=set_to_none)
+
+    cases = {"c_step": (c_step, None), "set_to_none_false": (step, False), "set_to_none_true": (step, True)}
+    best = dict.fromkeys(cases, float("inf"))
+    for rep in range(args.reps + 1):  # the first round warms up the C step's workspace and buffers
+        for name, (fn, set_to_none) in cases.items():
+            if set_to_none is not None:
+                zero_grad(set_to_none)
+            t = time.perf_counter()
+            fn()
+            if rep > 0:
+                best[name] = min(best[name], time.perf_counter() - t)
+    c = best["c_step"]
+    return {"c_step_ms": c * 1e3,
+            "binding_ms": {k: v * 1e3 for k, v in best.items() if k != "c_step"},
+            "ratio_to_c_step": {k: v / c for k, v in best.items() if k != "c_step"}}
 
 
 def import_fusedhead():
@@ -157,6 +206,13 @@ def main():
     for r in results:
         print(f"{r['case']:<15} {r['best_ms']:>10.1f} {r['gflops']:>9.1f} {r['first_ms']:>10.1f} "
               f"{r['peak_rss_growth_bytes'] / 2**20:>8.1f} MiB {r['speedup_vs_torch_eager']:>8.2f}x")
+    o = results[-1]["binding_overhead"]
+    print(f"\nbinding overhead (fusedhead process, interleaved, best of {args.reps}): C train step "
+          f"(fusedhead.numpy.forward_backward, preallocated outputs) {o['c_step_ms']:.1f} ms")
+    for key, label in (("set_to_none_false", "zero_grad(set_to_none=False), torch 1.13's default"),
+                       ("set_to_none_true", "zero_grad(set_to_none=True), torch 2's default")):
+        print(f"  fusedhead.torch, {label + ':':<52} {o['binding_ms'][key]:>8.1f} ms  "
+              f"{o['ratio_to_c_step'][key]:.3f}x the C step")
 
 
 if __name__ == "__main__":

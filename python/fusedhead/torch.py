@@ -25,8 +25,11 @@ Copies (only where the library cannot take the tensor as it is):
 Gradients: only for inputs that require grad (the library is handed NULL for the others).
   - 'mean'/'sum' with grad enabled: the forward calls fh_ce_forward_backward with upstream gradient 1
     (6 NHV flops instead of 8 for forward + backward, as Liger does); backward scales the saved gradients by
-    the incoming scalar (no work when it is 1). The gradients (dweight is V x H) are held from forward to
-    backward.
+    the incoming scalar (no work when it is 1; otherwise into new tensors, the saved ones untouched). The
+    gradients (dweight is V x H) are held from forward to backward.
+  - dweight buffers are recycled per weight (at most two, freed with the weight): one is handed out again
+    only when no tensor refers to it any more, so .grad, hooks and torch.autograd.grad see what a fresh
+    tensor would give them, without a fresh tensor's page faults (see _DweightPool).
   - 'none': the forward (fh_ce_forward) saves lse [N]; backward calls fh_ce_backward with the per-token
     upstream gradient. The library rejects a non-finite upstream gradient (InvalidGradOutputError) where torch
     would propagate NaN.
@@ -40,8 +43,11 @@ fh_grpo_forward_backward (upstream 1) and backward scales the saved gradients, a
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+import threading
+import weakref
+from typing import Dict, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from ._core import (GRPO_METRIC_KEYS, CEProblem, Context, GRPOProblem, LinearHead, View, default_context,
@@ -83,6 +89,86 @@ def _contiguous_vector(t: torch.Tensor) -> torch.Tensor:
     return t if vector_view_ok(t.shape, t.stride()) else t.contiguous()
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Weight-gradient buffers
+# ---------------------------------------------------------------------------------------------------------
+# dweight is V x H (128 MiB at V=32768 H=1024, 931 MB at V=151643 H=1536). A fresh torch.empty of that size
+# is a new glibc mmap (above its 32 MiB mmap ceiling; M_MMAP_THRESHOLD is process-wide, not ours to set)
+# whose every 4 KiB page faults on the library's first write: measured 60 ms and 400 ms, against 3-8 ms and
+# 36-40 ms to write a recycled buffer; the binding's step took 1.05-1.12x and 1.16-1.27x the C train step
+# (2 threads). Hence a pool (then 0.94-1.07x, the rest being autograd's add into a kept .grad, which torch
+# pays for any loss, and machine noise). The alternatives:
+#   - Accumulate into weight.grad in the library call (dweight_beta 1) and return None: the gradient is
+#     computed in the forward (the single-call train step, 6 NHV flops instead of 8), when nothing says it
+#     will reach .grad. The caller may zero_grad() between forward and backward, take torch.autograd.grad,
+#     scale the loss (gradient accumulation's loss / k), hook the weight, backward twice or not at all.
+#     Moving the call to backward (fh_ce_backward, beta 1) makes the step 8 NHV: +33% flops, worse than the
+#     page faults.
+#   - One cached buffer handed out every step: AccumulateGrad adopts a returned gradient as .grad when
+#     .grad is None (no copy), so the next step would overwrite a .grad the caller still holds.
+# The pool is an allocator that never unmaps: a buffer is handed out again only once no tensor refers to
+# it. Each hand-out is a new NumPy view of the pooled memory, wrapped by torch.from_numpy; the tensor's
+# storage holds that view until the storage is freed (whoever held it last: .grad after AccumulateGrad
+# adopted it, a hook, autograd.grad's result, a retained graph's saved tensors), so a weak reference to the
+# view says exactly when the memory is free. Autograd semantics are those of a fresh buffer: the library
+# overwrites it (beta 0), autograd adopts or adds it as any gradient. NumPy also asks for transparent huge
+# pages on large buffers (MADV_HUGEPAGE), which makes even the first use cheaper (15 ms instead of 60 ms at
+# 128 MiB here).
+_DWEIGHT_SLOTS = 2  # the gradient, and the copy that backward scales when the upstream gradient is not 1
+
+
+def _storage_elements(shape: Sequence[int], strides: Sequence[int]) -> int:
+    if any(d == 0 for d in shape):
+        return 0
+    return 1 + sum((d - 1) * s for d, s in zip(shape, strides))
+
+
+class _DweightPool:
+    """The recycled dweight buffers of one weight, at most _DWEIGHT_SLOTS; they live as long as the weight's
+    Python object. Between steps the pool holds what the step's peak already needed: the gradient (besides
+    .grad when zero_grad keeps it), and its scaled copy only where backward made one."""
+
+    def __init__(self):
+        self._lock = threading.Lock()  # calls on separate threads may share a weight
+        self._slots = []  # [flat float32 ndarray, weak reference to its latest hand-out]
+
+    def take(self, shape: Sequence[int], strides: Sequence[int]) -> torch.Tensor:
+        """An uninitialized float32 tensor of this shape and strides that no other tensor refers to."""
+        size = _storage_elements(shape, strides)
+        with self._lock:
+            free = [s for s in self._slots if s[1]() is None]
+            slot = next((s for s in free if s[0].size == size), None)
+            if slot is None:
+                if len(self._slots) < _DWEIGHT_SLOTS:
+                    slot = [None, None]
+                    self._slots.append(slot)
+                elif free:  # the weight changed shape: this size replaces a stale one
+                    slot = free[0]
+                else:  # every buffer still in use (graphs retained, gradients kept): as torch would
+                    return torch.empty_strided(tuple(shape), tuple(strides), dtype=torch.float32)
+            if slot[0] is None or slot[0].size != size:
+                slot[0] = np.empty(size, dtype=np.float32)
+            view = np.lib.stride_tricks.as_strided(slot[0], tuple(shape), tuple(4 * s for s in strides))
+            slot[1] = weakref.ref(view)
+            return torch.from_numpy(view)
+
+
+_dweight_pools: Dict[int, _DweightPool] = {}
+_dweight_pools_lock = threading.Lock()
+
+
+def _dweight_pool(weight: torch.Tensor) -> _DweightPool:
+    """The pool of this weight tensor (by identity: a Parameter is the same object every step)."""
+    key = id(weight)
+    with _dweight_pools_lock:
+        pool = _dweight_pools.get(key)
+        if pool is None:
+            pool = _dweight_pools[key] = _DweightPool()
+            # dropped when the weight dies, before its id can be reused; holds neither the weight nor the pool
+            weakref.finalize(weight, _dweight_pools.pop, key, None)
+    return pool
+
+
 class _TorchLinear:
     """hidden [..., H], weight and bias as the library takes them (copies only where needed), and the
     gradient buffers for the inputs that need them."""
@@ -99,6 +185,7 @@ class _TorchLinear:
                              f"{list(weight.shape)}")
         self.layout = parse_layout(layout)
         self.hidden_shape = tuple(hidden.shape)
+        self.owner = weight  # the caller's tensor (before any copy): its dweight pool outlives this call
         h = hidden.shape[-1]
         x = hidden.reshape(-1, h)  # a view when the leading dimensions collapse
         if not rows_view_ok(x.shape, x.stride()):
@@ -114,13 +201,14 @@ class _TorchLinear:
         self.vocab = self.head.vocab
 
     def alloc_grads(self, need_x: bool, need_w: bool, need_b: bool):
-        """Fresh buffers (overwritten by the library: beta 0): dx [N, H] contiguous, dweight with the weight's
-        strides, dbias [V]. Zero-filled when N = 0 (the library is not called)."""
+        """Buffers the library overwrites (beta 0): dx [N, H] contiguous, dweight with the weight's strides
+        (recycled through the weight's _DweightPool), dbias [V]. Zero-filled when N = 0 (the library is not
+        called)."""
         alloc = torch.zeros if self.n == 0 else torch.empty
         dx = alloc(self.x.shape, dtype=torch.float32) if need_x else None
         dw = None
         if need_w:
-            dw = torch.empty_strided(self.weight.shape, self.weight.stride(), dtype=torch.float32)
+            dw = _dweight_pool(self.owner).take(self.weight.shape, self.weight.stride())
             if self.n == 0:
                 dw.zero_()
         db = alloc(self.bias.shape, dtype=torch.float32) if need_b and self.bias is not None else None
@@ -173,6 +261,18 @@ class _CE:
                            torch.zeros((), dtype=lse.dtype)).view(self.token_shape)
 
 
+def _scaled(saved, grad_loss: torch.Tensor, pool: Optional[_DweightPool]):
+    """The train step's saved gradients (of the loss, upstream 1) times d(objective)/d(loss). Not in place: a
+    retained graph's next backward needs them as they are. dweight's product goes to a pooled buffer."""
+    dx, dw, db = saved
+    if bool(grad_loss == 1):
+        return dx, dw, db
+    dx, db = (None if t is None else t * grad_loss for t in (dx, db))  # NaN propagates, as in torch
+    if dw is not None:
+        dw = torch.mul(dw, grad_loss, out=pool.take(dw.shape, dw.stride()))
+    return dx, dw, db
+
+
 def _scalar(value: float) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float32)
 
@@ -218,6 +318,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
         ctx.reduction = ce.reduction
         ctx.fh_context = context
+        ctx.dweight_pool = _dweight_pool(weight) if need[1] else None
         if ce.reduction != Reduction.NONE:
             loss, z, (dx, dw, db) = _forward_reduced(ce, context, need)
             ctx.save_for_backward(ce.lin.hidden_grad(dx), dw, db)
@@ -234,9 +335,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_z):
         if ctx.reduction != Reduction.NONE:
-            dx, dw, db = ctx.saved_tensors
-            if not bool(grad_loss == 1):  # d(objective)/d(loss) != 1: scale (NaN propagates, as in torch)
-                dx, dw, db = (None if t is None else t * grad_loss for t in (dx, dw, db))
+            dx, dw, db = _scaled(ctx.saved_tensors, grad_loss, ctx.dweight_pool)
         else:
             x, weight, targets, bias, class_weights, lse = ctx.saved_tensors  # version-checked
             ignore_index, label_smoothing, softcap, z_loss, layout = ctx.options
@@ -416,14 +515,13 @@ class FusedLinearGRPOLossFunction(torch.autograd.Function):
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[5])
         loss, metrics, logp, (dx, dw, db) = _grpo_run(g, context, need)
         ctx.save_for_backward(g.lin.hidden_grad(dx), dw, db)
+        ctx.dweight_pool = _dweight_pool(weight) if need[1] else None
         ctx.mark_non_differentiable(metrics, logp)
         return loss, metrics, logp
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_metrics, _grad_logp):
-        dx, dw, db = ctx.saved_tensors
-        if not bool(grad_loss == 1):  # d(objective)/d(loss) != 1: scale (NaN propagates, as in torch)
-            dx, dw, db = (None if t is None else t * grad_loss for t in (dx, dw, db))
+        dx, dw, db = _scaled(ctx.saved_tensors, grad_loss, ctx.dweight_pool)
         return (dx, dw, None, None, None, db) + (None,) * 5
 
 
