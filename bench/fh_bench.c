@@ -4,12 +4,14 @@
  * and outputs are allocated and touched first; then the peak-RSS counter is reset (/proc/self/clear_refs)
  * and the case runs 1 + reps times: the first call is reported on its own (it pays for workspace
  * allocation and page faults), the best of the rest is the steady-state time. Efficiency is GFLOP/s
- * divided by the ceiling: the best GFLOP/s of a BLIS sgemm 2048^3 on the same threads, timed in the same
- * child right after the case (not before: BLIS's first use and its packing buffers belong to the case's
+ * divided by the ceiling: the best GFLOP/s of a 2048^3 GEMM in the run's dtype (BLIS sgemm for fp32, oneDNN
+ * bf16 matmul for bf16) on the same threads, timed in the same child right after the case (not before: BLIS's first use and its packing buffers belong to the case's
  * first call and peak memory). A shared machine's speed drifts over minutes; a ceiling measured next to
  * each case keeps the ratio honest where one measured at the start would not. */
 #include "fusedhead.h"
+#include "bench_gemm.h"
 #include "bench_inputs.h"
+#include "bf16.h"
 #include "materialized.h"
 
 #include <math.h>
@@ -20,12 +22,11 @@
 #include <time.h>
 #include <unistd.h>
 
-#include <blis.h>
-
 typedef enum bench_case { CASE_SGEMM, CASE_FORWARD, CASE_SPLIT, CASE_TRAIN, CASE_MATERIALIZED, CASE_COUNT } bench_case;
 
 static const char *case_names[CASE_COUNT] = {"sgemm_2048", "fused_forward", "fused_split", "fused_train_step",
                                              "materialized"};
+static const char *bf16_ceiling_name = "bf16_gemm_2048";
 static const char *case_basis[CASE_COUNT] = {"2*2048^3", "2NHV", "8NHV", "6NHV", "6NHV"};
 
 enum { CEILING_REPS = 10 };
@@ -36,7 +37,13 @@ typedef struct shape {
     int64_t budget; /* 0 = library default */
     fh_layout layout;
     int reps;
+    fh_dtype dtype; /* of x and weight (the ceiling's and the materialized baseline's GEMMs follow it) */
 } shape;
+
+static const char *case_name(bench_case c, const shape *s)
+{
+    return c == CASE_SGEMM && s->dtype == FH_DTYPE_BF16 ? bf16_ceiling_name : case_names[c];
+}
 
 typedef struct result {
     int ok;
@@ -74,21 +81,20 @@ static int reset_peak_rss(void)
     return (fclose(f) == 0 && ok) ? 0 : -1;
 }
 
-static void sgemm_2048(const shape *s, float *const sg[3])
+/* The ceiling's GEMM: sg[0] and sg[1] hold floats or (bf16) bf16 bits, sg[2] floats. */
+static int gemm_2048(const shape *s, void *const sg[3])
 {
-    float one = 1.0f, zero = 0.0f;
-    rntm_t rntm = BLIS_RNTM_INITIALIZER;
-    bli_rntm_set_num_threads(s->threads, &rntm);
-    bli_sgemm_ex(BLIS_NO_TRANSPOSE, BLIS_NO_TRANSPOSE, 2048, 2048, 2048, &one, sg[0], 2048, 1, sg[1], 2048, 1, &zero,
-                 sg[2], 2048, 1, NULL, &rntm);
+    return bench_gemm(s->dtype == FH_DTYPE_BF16, 2048, 2048, 2048, sg[0], 2048, 1, sg[1], 2048, 1, sg[2], 2048, 1,
+                      s->threads);
 }
 
-static double sgemm_best_ms(const shape *s, float *const sg[3])
+static double gemm_best_ms(const shape *s, void *const sg[3])
 {
     double best = INFINITY;
     for (int k = 0; k < CEILING_REPS; k++) {
         const double t = now_ms();
-        sgemm_2048(s, sg);
+        if (gemm_2048(s, sg) != 0)
+            return INFINITY;
         best = fmin(best, now_ms() - t);
     }
     return best;
@@ -96,10 +102,13 @@ static double sgemm_best_ms(const shape *s, float *const sg[3])
 
 /* One call of the case, its loss in *loss (NaN for the sgemm); returns 0 or -1. */
 static int run_once(bench_case c, const shape *s, const bench_inputs *in, fh_context *ctx,
-                    const materialized_buffers *mb, float *const sgemm_buffers[3], double *loss)
+                    const materialized_buffers *mb, void *const gemm_buffers[3], double *loss)
 {
+    const int bf16 = s->dtype == FH_DTYPE_BF16;
     fh_linear lin;
-    fh_linear_init(&lin, s->n, s->hidden, s->vocab, in->x, in->w, s->layout, NULL);
+    fh_linear_init(&lin, s->n, s->hidden, s->vocab, bf16 ? (const void *)in->x_bf16 : in->x,
+                   bf16 ? (const void *)in->w_bf16 : in->w, s->layout, NULL);
+    lin.x_dtype = lin.weight_dtype = s->dtype;
     fh_ce_options o;
     fh_ce_options_init(&o);
     const float grad_one = 1.0f;
@@ -108,8 +117,7 @@ static int run_once(bench_case c, const shape *s, const bench_inputs *in, fh_con
     fh_linear_grads g = {in->dx, s->hidden, 0.0f, in->dw, 0.0f, NULL, 0.0f};
     switch (c) {
     case CASE_SGEMM:
-        sgemm_2048(s, sgemm_buffers);
-        return 0;
+        return gemm_2048(s, gemm_buffers);
     case CASE_FORWARD:
         return fh_ce_forward(ctx, &lin, in->targets, &o, &out) == FH_OK ? 0 : -1;
     case CASE_SPLIT:
@@ -120,7 +128,7 @@ static int run_once(bench_case c, const shape *s, const bench_inputs *in, fh_con
     case CASE_TRAIN:
         return fh_ce_forward_backward(ctx, &lin, in->targets, &o, &grad_one, &out, &g) == FH_OK ? 0 : -1;
     case CASE_MATERIALIZED:
-        *loss = materialized_train_step(mb, s->n, s->hidden, s->vocab, in->x, in->w, lin.w_stride_hidden,
+        *loss = materialized_train_step(mb, s->n, s->hidden, s->vocab, lin.x, lin.weight, lin.w_stride_hidden,
                                         lin.w_stride_vocab, in->targets, in->dx, in->dw, s->threads);
         return isfinite(*loss) ? 0 : -1;
     default:
@@ -144,17 +152,28 @@ static result measure_in_child(bench_case c, const shape *s)
     result r = {0, flops_of(c, s), INFINITY, 0.0, 0.0, NAN, 0, 0};
     bench_inputs in;
     fh_context *ctx = NULL;
-    float *sg[3] = {NULL, NULL, NULL};
-    materialized_buffers mb = {NULL, NULL};
+    void *sg[3] = {NULL, NULL, NULL};
+    materialized_buffers mb = {0, NULL, NULL};
+    const int bf16 = s->dtype == FH_DTYPE_BF16;
     if (bench_inputs_make(s->n, s->hidden, s->vocab, &in) != 0 || fh_context_create(&ctx) != FH_OK)
+        return r;
+    if (bf16 && bench_inputs_add_bf16(s->n, s->hidden, s->vocab, &in) != 0)
         return r;
     fh_context_set(ctx, FH_PARAM_THREADS, s->threads);
     fh_context_set(ctx, FH_PARAM_MEMORY_BUDGET, s->budget);
-    for (int k = 0; k < 3; k++)
-        if (!(sg[k] = bench_filled(2048u * 2048u, 1.0f, 10 + k)))
+    for (int k = 0; k < 3; k++) {
+        float *values = bench_filled(2048u * 2048u, 1.0f, 10 + k);
+        sg[k] = values;
+        /* bf16 operands: the same values' bits packed into the buffer's first half. */
+        for (size_t i = 0; values && bf16 && k < 2 && i < 2048u * 2048u; i++)
+            ((uint16_t *)values)[i] = bf16_from_float(values[i]);
+        if (!values)
             return r;
+    }
     fh_linear lin;
-    fh_linear_init(&lin, s->n, s->hidden, s->vocab, in.x, in.w, s->layout, NULL);
+    fh_linear_init(&lin, s->n, s->hidden, s->vocab, bf16 ? (const void *)in.x_bf16 : in.x,
+                   bf16 ? (const void *)in.w_bf16 : in.w, s->layout, NULL);
+    lin.x_dtype = lin.weight_dtype = s->dtype;
     fh_ce_options o;
     fh_ce_options_init(&o);
     size_t ws = 0;
@@ -168,7 +187,7 @@ static result measure_in_child(bench_case c, const shape *s)
         return r;
     double t = now_ms();
     /* The materialized path's buffers belong to the call: a framework allocates them per step. */
-    if (c == CASE_MATERIALIZED && materialized_alloc(&mb, s->n, s->vocab) != 0)
+    if (c == CASE_MATERIALIZED && materialized_alloc(&mb, s->n, s->vocab, bf16) != 0)
         return r;
     if (run_once(c, s, &in, ctx, &mb, sg, &r.loss) != 0)
         return r;
@@ -182,7 +201,7 @@ static result measure_in_child(bench_case c, const shape *s)
         r.best_ms = ms < r.best_ms ? ms : r.best_ms;
     }
     r.peak_growth_bytes = proc_status_bytes("VmHWM:") - base;
-    r.ceiling_gflops = flops_of(CASE_SGEMM, s) / (sgemm_best_ms(s, sg) * 1e6);
+    r.ceiling_gflops = flops_of(CASE_SGEMM, s) / (gemm_best_ms(s, sg) * 1e6);
     r.ok = 1;
     return r;
 }
@@ -231,7 +250,7 @@ static double efficiency(const result *r)
 static void print_row(FILE *out, const shape *s, bench_case c, const result *r)
 {
     fprintf(out, "%lld,%lld,%lld,%d,%s,%s,%.3f,%.1f,%.3f,%.3f,%lld,%lld,%.1f\n", (long long)s->n,
-            (long long)s->hidden, (long long)s->vocab, s->threads, case_names[c], case_basis[c], r->best_ms, gflops(r),
+            (long long)s->hidden, (long long)s->vocab, s->threads, case_name(c, s), case_basis[c], r->best_ms, gflops(r),
             efficiency(r), r->first_ms, (long long)r->workspace_bytes, (long long)r->peak_growth_bytes,
             r->ceiling_gflops);
 }
@@ -245,22 +264,27 @@ static const char *json_number(double x, char buffer[32])
     return buffer;
 }
 
-static void print_report(format f, const shape *s, const result *res, const char *kernels, FILE *out)
+static const char *dtype_name(fh_dtype dtype)
+{
+    return dtype == FH_DTYPE_BF16 ? "bf16" : "fp32";
+}
+
+static void print_report(format f, const shape *s, const result *res, const fh_blis_info *kernels, FILE *out)
 {
     char num[32];
     if (f == FORMAT_JSON) {
         fprintf(out, "{\n  \"n\": %lld, \"hidden\": %lld, \"vocab\": %lld, \"layout\": \"%s\", \"threads\": %d, "
-                     "\"budget_bytes\": %lld,\n  \"blis_kernel_set\": \"%s\", \"sgemm_gflops\": %.1f,\n"
-                     "  \"cases\": [\n",
+                     "\"budget_bytes\": %lld,\n  \"blis_kernel_set\": \"%s\", \"sgemm_gflops\": %.1f, \"dtype\": \"%s\", "
+                     "\"bf16_gemm\": \"%s\",\n  \"cases\": [\n",
                 (long long)s->n, (long long)s->hidden, (long long)s->vocab, layout_name(s->layout), s->threads,
-                (long long)s->budget, kernels,
-                gflops(&res[CASE_SGEMM]));
+                (long long)s->budget, kernels->kernel_set, gflops(&res[CASE_SGEMM]), dtype_name(s->dtype),
+                kernels->bf16_gemm);
         for (int c = 0; c < CASE_COUNT; c++)
             fprintf(out,
                     "    {\"name\": \"%s\", \"ok\": %s, \"flop_basis\": \"%s\", \"flops\": %.6g, \"best_ms\": %.3f, "
                     "\"gflops\": %.1f, \"efficiency\": %.3f, \"first_call_ms\": %.3f, \"workspace_bytes\": %lld, "
                     "\"peak_rss_growth_bytes\": %lld, \"ceiling_gflops\": %.1f, \"loss\": %s}%s\n",
-                    case_names[c], res[c].ok ? "true" : "false", case_basis[c], res[c].flops, res[c].best_ms,
+                    case_name((bench_case)c, s), res[c].ok ? "true" : "false", case_basis[c], res[c].flops, res[c].best_ms,
                     gflops(&res[c]), efficiency(&res[c]), res[c].first_ms, (long long)res[c].workspace_bytes,
                     (long long)res[c].peak_growth_bytes, res[c].ceiling_gflops, json_number(res[c].loss, num),
                     c + 1 < CASE_COUNT ? "," : "");
@@ -272,17 +296,18 @@ static void print_report(format f, const shape *s, const result *res, const char
             print_row(out, s, (bench_case)c, &res[c]);
         return;
     }
-    fprintf(out, "fh_bench: N=%lld H=%lld V=%lld, layout %s, %d threads, budget %s, BLIS kernel set %s, best of %d\n\n",
-            (long long)s->n, (long long)s->hidden, (long long)s->vocab, layout_name(s->layout), s->threads,
-            s->budget ? "set" : "default", kernels, s->reps);
+    fprintf(out, "fh_bench: N=%lld H=%lld V=%lld, %s, layout %s, %d threads, budget %s, BLIS kernel set %s, bf16 GEMMs "
+                 "%s, best of %d\n\n",
+            (long long)s->n, (long long)s->hidden, (long long)s->vocab, dtype_name(s->dtype), layout_name(s->layout),
+            s->threads, s->budget ? "set" : "default", kernels->kernel_set, kernels->bf16_gemm, s->reps);
     fprintf(out, "%-18s %-9s %10s %9s %9s %6s %10s %12s %14s\n", "case", "basis", "best ms", "GFLOP/s", "ceiling",
             "eff.", "first ms", "workspace", "peak RSS +");
     for (int c = 0; c < CASE_COUNT; c++) {
         if (!res[c].ok) {
-            fprintf(out, "%-18s failed\n", case_names[c]);
+            fprintf(out, "%-18s failed\n", case_name((bench_case)c, s));
             continue;
         }
-        fprintf(out, "%-18s %-9s %10.1f %9.1f %9.1f %6.3f %10.1f %9.1f MiB %10.1f MiB\n", case_names[c],
+        fprintf(out, "%-18s %-9s %10.1f %9.1f %9.1f %6.3f %10.1f %9.1f MiB %10.1f MiB\n", case_name((bench_case)c, s),
                 case_basis[c], res[c].best_ms, gflops(&res[c]), res[c].ceiling_gflops, efficiency(&res[c]),
                 res[c].first_ms, res[c].workspace_bytes / 1048576.0, res[c].peak_growth_bytes / 1048576.0);
     }
@@ -352,7 +377,7 @@ static int sweep(const char *what, const char *dir, const shape *base, const cha
 static void usage(void)
 {
     fprintf(stderr, "usage: fh_bench [--n N] [--hidden H] [--vocab V] [--threads T] [--budget BYTES] [--reps K]\n"
-                    "                [--layout hv|vh]\n"
+                    "                [--layout hv|vh] [--dtype f32|bf16]\n"
                     "                [--json | --csv] [--sweep n|vocab --out DIR]\n");
 }
 
@@ -383,6 +408,8 @@ int main(int argc, char **argv)
             s.budget = atoll(argv[++i]);
         else if (strcmp(a, "--layout") == 0 && (strcmp(v, "hv") == 0 || strcmp(v, "vh") == 0))
             s.layout = strcmp(argv[++i], "vh") == 0 ? FH_LAYOUT_VH : FH_LAYOUT_HV;
+        else if (strcmp(a, "--dtype") == 0 && (strcmp(v, "f32") == 0 || strcmp(v, "bf16") == 0))
+            s.dtype = strcmp(argv[++i], "bf16") == 0 ? FH_DTYPE_BF16 : FH_DTYPE_F32;
         else if (strcmp(a, "--reps") == 0)
             s.reps = atoi(argv[++i]);
         else if (strcmp(a, "--sweep") == 0)
@@ -414,12 +441,12 @@ int main(int argc, char **argv)
     const double expected = res[CASE_MATERIALIZED].loss;
     for (int c = CASE_FORWARD; c <= CASE_TRAIN; c++)
         if (res[c].ok && !(fabs(res[c].loss - expected) <= 1e-5 * fabs(expected))) {
-            fprintf(stderr, "fh_bench: %s loss %.9g differs from the materialized %.9g\n", case_names[c], res[c].loss,
+            fprintf(stderr, "fh_bench: %s loss %.9g differs from the materialized %.9g\n", case_name((bench_case)c, &s), res[c].loss,
                     expected);
             failed = 1;
         }
     if (f == FORMAT_CSV)
         fputs(csv_header, stdout);
-    print_report(f, &s, res, blis.kernel_set, stdout);
+    print_report(f, &s, res, &blis, stdout);
     return failed ? 1 : 0;
 }

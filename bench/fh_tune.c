@@ -15,6 +15,7 @@ typedef struct tune_args {
     int64_t n, hidden, vocab;
     int threads, reps;
     const char *wisdom;
+    fh_dtype dtype;
 } tune_args;
 
 typedef struct problem {
@@ -32,9 +33,13 @@ static double now_ms(void)
 
 static int make_problem(const tune_args *a, problem *p)
 {
-    if (bench_inputs_make(a->n, a->hidden, a->vocab, &p->in) != 0)
+    const int bf16 = a->dtype == FH_DTYPE_BF16;
+    if (bench_inputs_make(a->n, a->hidden, a->vocab, &p->in) != 0 ||
+        (bf16 && bench_inputs_add_bf16(a->n, a->hidden, a->vocab, &p->in) != 0))
         return -1;
-    fh_linear_init(&p->lin, a->n, a->hidden, a->vocab, p->in.x, p->in.w, FH_LAYOUT_HV, NULL);
+    fh_linear_init(&p->lin, a->n, a->hidden, a->vocab, bf16 ? (const void *)p->in.x_bf16 : p->in.x,
+                   bf16 ? (const void *)p->in.w_bf16 : p->in.w, FH_LAYOUT_HV, NULL);
+    p->lin.x_dtype = p->lin.weight_dtype = a->dtype;
     fh_ce_options_init(&p->options);
     return 0;
 }
@@ -89,13 +94,14 @@ static const char *call_name(fh_call call)
 static void usage(void)
 {
     fprintf(stderr, "usage: fh_tune [--n N] [--hidden H] [--vocab V] [--threads T] [--reps K] [--wisdom FILE]\n"
+                    "               [--dtype f32|bf16]\n"
                     "  sweeps tile_rows x tile_vocab (streaming forward and backward) and the row-block height\n"
                     "  (train step); adds the fastest of each to FILE (default fusedhead.wisdom)\n");
 }
 
 int main(int argc, char **argv)
 {
-    tune_args a = {1024, 1024, 32768, 2, 2, "fusedhead.wisdom"};
+    tune_args a = {1024, 1024, 32768, 2, 2, "fusedhead.wisdom", FH_DTYPE_F32};
     for (int i = 1; i < argc; i++) {
         if (i + 1 >= argc) {
             usage();
@@ -114,6 +120,8 @@ int main(int argc, char **argv)
             a.reps = atoi(v);
         else if (strcmp(k, "--wisdom") == 0)
             a.wisdom = v;
+        else if (strcmp(k, "--dtype") == 0 && (strcmp(v, "f32") == 0 || strcmp(v, "bf16") == 0))
+            a.dtype = strcmp(v, "bf16") == 0 ? FH_DTYPE_BF16 : FH_DTYPE_F32;
         else {
             usage();
             return 2;
@@ -132,8 +140,8 @@ int main(int argc, char **argv)
     static const int64_t stream_cols[] = {1024, 2048, 4096, 8192};
     static const int64_t block_rows[] = {128, 256, 512, 1024};
     const double nhv = (double)a.n * a.hidden * a.vocab;
-    printf("fh_tune: N=%lld H=%lld V=%lld, %d threads, best of %d\n\n%-11s %10s %10s %10s %9s\n", (long long)a.n,
-           (long long)a.hidden, (long long)a.vocab, a.threads, a.reps, "call", "tile_rows", "tile_vocab", "ms",
+    printf("fh_tune: N=%lld H=%lld V=%lld, %s, %d threads, best of %d\n\n%-11s %10s %10s %10s %9s\n", (long long)a.n,
+           (long long)a.hidden, (long long)a.vocab, a.dtype == FH_DTYPE_BF16 ? "bf16" : "fp32", a.threads, a.reps, "call", "tile_rows", "tile_vocab", "ms",
            "GFLOP/s");
     fh_tile_config best[3];
     for (int c = 0; c < 3; c++) {
@@ -153,7 +161,7 @@ int main(int argc, char **argv)
                 fflush(stdout);
                 if (ms < best_ms) {
                     best_ms = ms;
-                    const fh_tile_config e = {a.threads, a.n, a.hidden, a.vocab, call, rows, cols};
+                    const fh_tile_config e = {a.threads, a.n, a.hidden, a.vocab, call, rows, cols, a.dtype};
                     best[c] = e;
                 }
             }

@@ -7,7 +7,8 @@
  *     On error no output buffer is modified; fh_context_message() tells what was wrong.
  *   - Sizes and strides are int64_t. Matrices are (pointer, strides) views as in BLIS, so the lm_head
  *     in [H, V] (flax) and [V, H] (torch nn.Linear.weight) layouts are the same data, zero copies.
- *   - fp32 storage and GEMMs; per-token statistics and reductions in double.
+ *   - Hidden states and weight in fp32 (BLIS GEMMs) or bf16 (oneDNN GEMMs, f32 accumulation); logits
+ *     leave the GEMM in f32; per-token statistics and reductions in double. Gradients are fp32.
  *   - Gradients take an explicit beta: 0 overwrites (even NaN garbage), 1 accumulates.
  *   - A context holds configuration and the workspace. Calls on one context must not run concurrently;
  *     separate contexts may be used from separate threads.
@@ -42,6 +43,8 @@ typedef enum fh_status {
     FH_ERR_MISSING_OUTPUT = 6,        /* an output the call needs is NULL (e.g. per-token loss for 'none') */
     FH_ERR_NONFINITE_INPUT = 7,       /* NaN or Inf in x, weight or bias (only with FH_PARAM_CHECK_FINITE) */
     FH_ERR_INVALID_LAYOUT = 8,        /* fh_linear_init: layout is neither FH_LAYOUT_HV nor FH_LAYOUT_VH */
+    FH_ERR_INVALID_DTYPE = 9,         /* an unknown fh_dtype, x and weight of different dtypes, bf16 in a build
+                                         without oneDNN, or bf16 where a call does not take it yet */
     /* 10..19: option values */
     FH_ERR_INVALID_REDUCTION = 10,
     FH_ERR_INVALID_LABEL_SMOOTHING = 11, /* outside [0, 1] or not finite */
@@ -110,9 +113,10 @@ typedef struct fh_tile_config {
     int64_t threads, n, hidden, vocab;
     fh_call call;
     int64_t tile_rows, tile_vocab;
+    int dtype; /* fh_dtype of x and weight: 0 (fp32) unless set; bf16 calls use bf16 entries only */
 } fh_tile_config;
 
-/* Adds an entry (replacing one with the same threads, n, hidden, vocab and call). At most 256 entries. */
+/* Adds an entry (replacing one with the same threads, n, hidden, vocab, call and dtype). At most 256 entries. */
 FH_API fh_status fh_context_add_wisdom(fh_context *ctx, const fh_tile_config *entry);
 /* Adds the entries of a wisdom file; path NULL reads $FH_WISDOM. */
 FH_API fh_status fh_context_load_wisdom(fh_context *ctx, const char *path);
@@ -137,6 +141,8 @@ typedef struct fh_blis_info {
     int user_override;       /* 1 if BLIS_ARCH_TYPE was set in the environment */
     const char *elementwise; /* fusedhead's own exp/max kernels: "avx512" (SLEEF) or "portable";
                                 FH_DISABLE_AVX512=1 in the environment forces "portable" */
+    const char *bf16_gemm;   /* the bf16 GEMM provider and the implementation it picks on this CPU, e.g.
+                                "oneDNN 2.6.3 brg:avx512_core_bf16"; "none" in a build without oneDNN */
 } fh_blis_info;
 
 FH_API fh_status fh_blis_query(fh_blis_info *info);
@@ -149,21 +155,31 @@ typedef enum fh_layout {
     FH_LAYOUT_VH = 1  /* weight stored [V, H] row-major (torch nn.Linear.weight) */
 } fh_layout;
 
+/* Element type of the hidden states and the weight. bf16 elements are raw bfloat16 bits (uint16_t, the
+ * upper half of an fp32), as torch.bfloat16 stores them. */
+typedef enum fh_dtype {
+    FH_DTYPE_F32 = 0,
+    FH_DTYPE_BF16 = 1
+} fh_dtype;
+
 typedef struct fh_linear {
     int64_t n;          /* tokens (B*T) */
     int64_t hidden;     /* H */
     int64_t vocab;      /* V */
-    const float *x;     /* hidden states; element (i, k) at x[i * x_row_stride + k] */
+    const void *x;      /* hidden states; element (i, k) at x[i * x_row_stride + k] (x_dtype elements) */
     int64_t x_row_stride;
-    const float *weight; /* element (k, v) of the [H, V] view at weight[k * w_stride_hidden + v * w_stride_vocab] */
+    const void *weight; /* element (k, v) of the [H, V] view at weight[k * w_stride_hidden + v * w_stride_vocab] */
     int64_t w_stride_hidden;
     int64_t w_stride_vocab;
-    const float *bias;  /* [V] contiguous, or NULL */
+    const float *bias;  /* [V] contiguous fp32, or NULL */
+    fh_dtype x_dtype;   /* 0 (fp32) unless set; x and weight must have the same dtype */
+    fh_dtype weight_dtype;
 } fh_linear;
 
-/* Fills a fh_linear for contiguous storage in the given layout. */
-FH_API fh_status fh_linear_init(fh_linear *lin, int64_t n, int64_t hidden, int64_t vocab, const float *x,
-                                const float *weight, fh_layout layout, const float *bias);
+/* Fills a fh_linear for contiguous fp32 storage in the given layout; for bf16 set x_dtype and weight_dtype
+ * to FH_DTYPE_BF16 afterwards. */
+FH_API fh_status fh_linear_init(fh_linear *lin, int64_t n, int64_t hidden, int64_t vocab, const void *x,
+                                const void *weight, fh_layout layout, const float *bias);
 
 /* Gradient outputs. A NULL pointer skips that gradient. dweight uses the weight's strides. */
 typedef struct fh_linear_grads {

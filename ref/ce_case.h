@@ -22,6 +22,7 @@ typedef struct ce_case_spec {
     float grad_beta;      /* 0: gradients overwrite NaN-filled buffers; 1: accumulate onto known values */
     int train_step;       /* 1: one fh_ce_forward_backward call instead of fh_ce_forward + fh_ce_backward */
     int64_t budget;       /* FH_PARAM_MEMORY_BUDGET; 0 = library default */
+    fh_dtype dtype;       /* of x and weight: FH_DTYPE_BF16 rounds them to bf16 for both sides */
 } ce_case_spec;
 
 /* Sets every field to a small default case (mean reduction, no options). */
@@ -30,7 +31,8 @@ void ce_case_spec_default(ce_case_spec *spec);
 typedef struct ce_case {
     ce_case_spec spec;
     /* inputs */
-    float *x, *weight, *bias, *class_weights, *grad_output;
+    float *x, *weight, *bias, *class_weights, *grad_output; /* bf16-valued for a bf16 case */
+    uint16_t *x_bf16, *weight_bf16;                         /* what the library reads in a bf16 case */
     int64_t *targets;
     /* fused outputs */
     double loss, z_loss;
@@ -49,11 +51,13 @@ typedef struct ce_metrics {
     double dweight_max_abs, dweight_max_rel, dweight_norm_rel;
     double dbias_norm_rel;
     int64_t argmax_mismatches; /* rows whose fused argmax is not a (near-)maximal reference logit */
+    double grad_norm_rel_tol;  /* the case's dtype's: CE_GRAD_NORM_REL_TOL or CE_BF16_GRAD_NORM_REL_TOL */
 } ce_metrics;
 
 /* Tolerances, justified in ce_case.c. */
 #define CE_LOSS_REL_TOL 1e-6
 #define CE_GRAD_NORM_REL_TOL 1e-5
+#define CE_BF16_GRAD_NORM_REL_TOL 4e-3
 
 /* Runs the case. Returns FH_OK, or the library's status (then the case holds only its inputs). */
 fh_status ce_case_run(const ce_case_spec *spec, ce_case *c, ce_metrics *m);
@@ -81,5 +85,10 @@ ce_diff ce_compare(const float *fused, const double *reference, size_t count);
 
 /* Offset of weight element (k, j) in a layout. */
 size_t ce_weight_index(fh_layout layout, int64_t hidden, int64_t vocab, int64_t k, int64_t j);
+
+/* A weight in `layout` as doubles in the reference's [hidden, vocab] layout (calloc'd; the caller frees it), and
+ * back: a reference [hidden, vocab] array (a weight gradient) written into `out` in `layout`. */
+double *ce_weight_to_reference(fh_layout layout, int64_t hidden, int64_t vocab, const float *weight);
+void ce_weight_from_reference(fh_layout layout, int64_t hidden, int64_t vocab, const double *reference, double *out);
 
 #endif

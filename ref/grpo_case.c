@@ -8,10 +8,13 @@
  *     log-prob, which averages down over the tokens.
  *   metrics: absolute 1e-5 (kl and entropy carry the fp32 log-prob error; clip ratios are counts and
  *     match exactly unless a ratio sits within ~1e-6 of a bound, which these random draws avoid).
- *   gradients: normwise relative 1e-5, as for cross-entropy (same engine, same fp32 GEMMs). */
+ *   gradients: normwise relative 1e-5, as for cross-entropy (same engine, same fp32 GEMMs); bf16 cases
+ *     round dU to bf16 for the gradient GEMMs as cross-entropy does, and share its bf16 tolerance. */
 #include "grpo_case.h"
 
+#include "bf16.h"
 #include "ce_case.h"
+#include "grpo_convert.h"
 #include "ref_grpo.h"
 
 #include <math.h>
@@ -47,27 +50,6 @@ static double *doubles(const float *f, size_t count)
     return d;
 }
 
-static ref_grpo_options ref_options(const fh_grpo_options *o)
-{
-    ref_grpo_options r;
-    ref_grpo_options_default(&r);
-    r.loss_type = (ref_grpo_loss_type)o->loss_type;
-    r.importance_sampling_level = o->importance_sampling_level == FH_GRPO_IS_SEQUENCE ? REF_GRPO_IS_SEQUENCE
-                                                                                     : REF_GRPO_IS_TOKEN;
-    r.temperature = o->temperature;
-    r.epsilon_low = o->epsilon_low;
-    r.epsilon_high = o->epsilon_high;
-    r.delta = o->delta;
-    r.beta = o->beta;
-    r.sapo_temperature_pos = o->sapo_temperature_pos;
-    r.sapo_temperature_neg = o->sapo_temperature_neg;
-    r.num_items_in_batch = o->num_items_in_batch;
-    r.max_completion_length = o->max_completion_length;
-    r.entropy_coef = o->entropy_coef;
-    r.entropy_bonus = REF_GRPO_ENTROPY_MASKED_MEAN; /* TRL's form, which the library implements */
-    return r;
-}
-
 /* The reference problem in double with the canonical [H, V] weight. Arrays owned by the caller. */
 typedef struct ref_inputs {
     double *x, *w, *b, *mask, *adv, *old, *ref;
@@ -78,10 +60,7 @@ static ref_grpo_problem ref_problem(const grpo_case *c, ref_inputs *in)
     const grpo_case_spec *s = &c->spec;
     const size_t n = (size_t)(s->batch * s->seq), h = (size_t)s->hidden, v = (size_t)s->vocab;
     in->x = doubles(c->x, n * h);
-    in->w = zalloc(h * v, sizeof(double));
-    for (int64_t k = 0; k < s->hidden; k++)
-        for (int64_t j = 0; j < s->vocab; j++)
-            in->w[k * s->vocab + j] = c->weight[ce_weight_index(s->layout, s->hidden, s->vocab, k, j)];
+    in->w = ce_weight_to_reference(s->layout, s->hidden, s->vocab, c->weight);
     in->b = doubles(c->bias, v);
     in->mask = doubles(c->mask, n);
     in->adv = doubles(c->advantages, (size_t)s->batch);
@@ -106,6 +85,10 @@ static void make_inputs(const grpo_case_spec *s, grpo_case *c)
     c->weight = zalloc(h * v, sizeof(float));
     c->bias = s->bias ? zalloc(v, sizeof(float)) : NULL;
     ce_fill_linear(&rng, n, s->hidden, s->vocab, 3.0, c->x, c->weight, c->bias);
+    if (s->dtype == FH_DTYPE_BF16) {
+        c->x_bf16 = bf16_round_in_place(c->x, (size_t)n * (size_t)s->hidden);
+        c->weight_bf16 = bf16_round_in_place(c->weight, (size_t)s->hidden * (size_t)s->vocab);
+    }
     c->ids = zalloc((size_t)n, sizeof(int64_t));
     c->mask = zalloc((size_t)n, sizeof(float));
     c->advantages = zalloc((size_t)B, sizeof(float));
@@ -125,7 +108,7 @@ static void make_inputs(const grpo_case_spec *s, grpo_case *c)
     /* Old and reference log-probs near the current ones: the reference's on-policy logp plus noise. */
     ref_inputs in;
     const ref_grpo_problem p = ref_problem(c, &in);
-    ref_grpo_options o = ref_options(&s->options);
+    ref_grpo_options o = grpo_ref_options(&s->options);
     o.beta = 0.0;
     o.entropy_coef = 0.0;
     double *logp = zalloc((size_t)n, sizeof(double));
@@ -154,7 +137,10 @@ static fh_status run_fused(const grpo_case_spec *s, grpo_case *c)
     fh_context_set(ctx, FH_PARAM_TILE_ROWS, s->tile_rows);
     fh_context_set(ctx, FH_PARAM_TILE_VOCAB, s->tile_vocab);
     fh_linear lin;
-    fh_linear_init(&lin, (int64_t)n, s->hidden, s->vocab, c->x, c->weight, s->layout, c->bias);
+    const int bf16 = s->dtype == FH_DTYPE_BF16;
+    fh_linear_init(&lin, (int64_t)n, s->hidden, s->vocab, bf16 ? (const void *)c->x_bf16 : c->x,
+                   bf16 ? (const void *)c->weight_bf16 : c->weight, s->layout, c->bias);
+    lin.x_dtype = lin.weight_dtype = s->dtype;
     const fh_grpo_batch batch = {s->batch, s->seq, c->ids, c->mask, c->advantages, c->old_logps,
                                  s->options.beta != 0.0 ? c->ref_logps : NULL};
     c->logp = zalloc(n, sizeof(float));
@@ -191,7 +177,7 @@ static void run_reference(const grpo_case_spec *s, grpo_case *c)
     ref_grpo_problem p = ref_problem(c, &in);
     if (s->options.beta == 0.0)
         p.ref_logp = NULL;
-    const ref_grpo_options o = ref_options(&s->options);
+    const ref_grpo_options o = grpo_ref_options(&s->options);
     c->ref_logp = zalloc(n, sizeof(double));
     c->ref_per_token_loss = zalloc(n, sizeof(double));
     c->ref_entropy = zalloc(n, sizeof(double));
@@ -201,17 +187,13 @@ static void run_reference(const grpo_case_spec *s, grpo_case *c)
     r.entropy = c->ref_entropy;
     ref_grpo_forward(&p, &o, &r);
     c->ref_loss = r.loss;
-    const fh_grpo_metrics m = {r.metrics.kl, r.metrics.entropy, r.metrics.clip_low_mean, r.metrics.clip_high_mean,
-                               r.metrics.clip_region_mean, r.metrics.cispo_clip_ratio};
-    c->ref_metrics = m;
+    c->ref_metrics = grpo_fh_metrics(&r.metrics);
     double *dw = zalloc(h * v, sizeof(double));
     c->ref_dx = zalloc(n * h, sizeof(double));
     c->ref_dbias = c->bias ? zalloc(v, sizeof(double)) : NULL;
     ref_grpo_backward(&p, &o, s->grad_output, c->ref_dx, dw, c->ref_dbias);
     c->ref_dweight = zalloc(h * v, sizeof(double));
-    for (int64_t k = 0; k < s->hidden; k++)
-        for (int64_t j = 0; j < s->vocab; j++)
-            c->ref_dweight[ce_weight_index(s->layout, s->hidden, s->vocab, k, j)] = dw[k * s->vocab + j];
+    ce_weight_from_reference(s->layout, s->hidden, s->vocab, dw, c->ref_dweight);
     free(dw);
     ref_inputs_free(&in);
 }
@@ -228,6 +210,7 @@ static void measure(const grpo_case_spec *s, const grpo_case *c, grpo_metrics_di
 {
     const size_t n = (size_t)(s->batch * s->seq), h = (size_t)s->hidden, v = (size_t)s->vocab;
     memset(d, 0, sizeof *d);
+    d->grad_norm_rel_tol = s->dtype == FH_DTYPE_BF16 ? CE_BF16_GRAD_NORM_REL_TOL : GRPO_GRAD_NORM_REL_TOL;
     d->abs_diff_loss = fabs(c->loss - c->ref_loss);
     d->loss_tolerance = GRPO_LOSS_TOL * fmax(1.0, fabs(c->ref_loss));
     d->logp_max_abs = ce_compare(c->logp, c->ref_logp, n).max_abs;
@@ -255,7 +238,7 @@ static void measure(const grpo_case_spec *s, const grpo_case *c, grpo_metrics_di
 int grpo_metrics_pass(const grpo_metrics_diff *d)
 {
     return d->abs_diff_loss <= d->loss_tolerance && d->metrics_max_abs <= GRPO_METRIC_TOL &&
-           d->dhidden_norm_rel <= GRPO_GRAD_NORM_REL_TOL && d->dweight_norm_rel <= GRPO_GRAD_NORM_REL_TOL &&
+           d->dhidden_norm_rel <= d->grad_norm_rel_tol && d->dweight_norm_rel <= d->grad_norm_rel_tol &&
            d->dbias_norm_rel <= GRPO_GRAD_NORM_REL_TOL;
 }
 
@@ -276,7 +259,8 @@ void grpo_case_free(grpo_case *c)
 {
     void *p[] = {c->x, c->weight, c->bias, c->mask, c->advantages, c->old_logps, c->ref_logps, c->ids, c->logp,
                  c->per_token_loss, c->entropy, c->lse, c->dx, c->dweight, c->dbias, c->ref_logp,
-                 c->ref_per_token_loss, c->ref_entropy, c->ref_dx, c->ref_dweight, c->ref_dbias};
+                 c->ref_per_token_loss, c->ref_entropy, c->ref_dx, c->ref_dweight, c->ref_dbias, c->x_bf16,
+                 c->weight_bf16};
     for (size_t i = 0; i < sizeof p / sizeof p[0]; i++)
         free(p[i]);
     memset(c, 0, sizeof *c);

@@ -16,6 +16,7 @@ typedef struct grpo_case_spec {
     int64_t tile_rows, tile_vocab;
     uint64_t seed;
     float grad_output;
+    fh_dtype dtype;    /* of x and weight: FH_DTYPE_BF16 rounds them to bf16 for both sides */
 } grpo_case_spec;
 
 /* B=3, T=47, H=67, V=5003, TRL defaults, old log-probs on, grad_output 1. */
@@ -28,11 +29,13 @@ typedef struct grpo_metrics_diff {
     double dhidden_max_abs, dhidden_max_rel, dhidden_norm_rel;
     double dweight_max_abs, dweight_max_rel, dweight_norm_rel;
     double dbias_norm_rel;
+    double grad_norm_rel_tol; /* GRPO_GRAD_NORM_REL_TOL, or CE_BF16_GRAD_NORM_REL_TOL for a bf16 case */
 } grpo_metrics_diff;
 
 typedef struct grpo_case {
     grpo_case_spec spec;
-    float *x, *weight, *bias, *mask, *advantages, *old_logps, *ref_logps;
+    float *x, *weight, *bias, *mask, *advantages, *old_logps, *ref_logps; /* bf16-valued for a bf16 case */
+    uint16_t *x_bf16, *weight_bf16;                                       /* what the library reads then */
     int64_t *ids;
     double loss;
     fh_grpo_metrics metrics;

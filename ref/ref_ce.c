@@ -4,11 +4,11 @@
 #include <math.h>
 #include <stdlib.h>
 
-/* u[i][j] = x_i . W[:, j] + b_j, then z = cap(u). Also returns dz/du if dzdu != NULL. */
+/* z = cap(u) over the linear's logits u, in place. Also returns dz/du if dzdu != NULL. */
 static double *logits(const ref_linear *lin, const ref_ce_options *o, double **dzdu)
 {
-    const int64_t n = lin->n, h = lin->hidden, v = lin->vocab;
-    double *z = malloc(sizeof(double) * (size_t)(n * v));
+    const int64_t n = lin->n, v = lin->vocab;
+    double *z = ref_linear_logits(lin);
     double *d = dzdu ? malloc(sizeof(double) * (size_t)(n * v)) : NULL;
     if (!z || (dzdu && !d)) {
         free(z);
@@ -17,9 +17,7 @@ static double *logits(const ref_linear *lin, const ref_ce_options *o, double **d
     }
     for (int64_t i = 0; i < n; i++)
         for (int64_t j = 0; j < v; j++) {
-            double u = lin->bias ? lin->bias[j] : 0.0;
-            for (int64_t k = 0; k < h; k++)
-                u += lin->x[i * h + k] * lin->weight[k * v + j];
+            const double u = z[i * v + j];
             double zij = u, dij = 1.0;
             if (o->softcap > 0.0) {
                 const double t = tanh(u / o->softcap);
@@ -113,7 +111,7 @@ int ref_ce_forward(const ref_linear *lin, const int64_t *t, const ref_ce_options
 int ref_ce_backward(const ref_linear *lin, const int64_t *t, const ref_ce_options *o, const double *grad_output,
                     double *dx, double *dweight, double *dbias)
 {
-    const int64_t n = lin->n, h = lin->hidden, v = lin->vocab;
+    const int64_t n = lin->n, v = lin->vocab;
     double *dzdu = NULL;
     double *z = logits(lin, o, &dzdu);
     if (!z)
@@ -145,29 +143,7 @@ int ref_ce_backward(const ref_linear *lin, const int64_t *t, const ref_ce_option
             zi[j] = (g_ce * dce + g_z * dzl) * dzdu[i * v + j];
         }
     }
-    if (dx)
-        for (int64_t i = 0; i < n; i++)
-            for (int64_t k = 0; k < h; k++) {
-                double s = 0.0;
-                for (int64_t j = 0; j < v; j++)
-                    s += z[i * v + j] * lin->weight[k * v + j];
-                dx[i * h + k] = s;
-            }
-    if (dweight)
-        for (int64_t k = 0; k < h; k++)
-            for (int64_t j = 0; j < v; j++) {
-                double s = 0.0;
-                for (int64_t i = 0; i < n; i++)
-                    s += lin->x[i * h + k] * z[i * v + j];
-                dweight[k * v + j] = s;
-            }
-    if (dbias)
-        for (int64_t j = 0; j < v; j++) {
-            double s = 0.0;
-            for (int64_t i = 0; i < n; i++)
-                s += z[i * v + j];
-            dbias[j] = s;
-        }
+    ref_linear_backward(lin, z, dx, dweight, dbias);
     free(z);
     free(dzdu);
     return 0;

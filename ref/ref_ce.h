@@ -3,14 +3,9 @@
 #ifndef FH_REF_CE_H
 #define FH_REF_CE_H
 
-#include <stdint.h>
+#include "ref_linear.h"
 
-typedef struct ref_linear {
-    int64_t n, hidden, vocab;
-    const double *x;      /* [n, hidden] contiguous */
-    const double *weight; /* [hidden, vocab] contiguous */
-    const double *bias;   /* [vocab] or NULL */
-} ref_linear;
+#include <stdint.h>
 
 typedef struct ref_ce_options {
     int64_t ignore_index;

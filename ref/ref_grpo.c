@@ -36,6 +36,8 @@
  * outside; detach() blocks it. */
 #include "ref_grpo.h"
 
+#include "ref_linear.h"
+
 #include <math.h>
 #include <stdlib.h>
 
@@ -376,21 +378,11 @@ static int problem_valid(const ref_grpo_problem *p)
     return 1;
 }
 
-/* u = x W + b, [n, vocab]. */
-static double *untempered_logits(const ref_grpo_problem *p)
+/* The problem's linear layer, one row per token. */
+static ref_linear linear_of(const ref_grpo_problem *p)
 {
-    const int64_t n = p->batch * p->seq, h = p->hidden, v = p->vocab;
-    double *u = malloc(sizeof(double) * (size_t)(n * v));
-    if (!u)
-        return NULL;
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t j = 0; j < v; j++) {
-            double acc = p->bias ? p->bias[j] : 0.0;
-            for (int64_t k = 0; k < h; k++)
-                acc += p->x[i * h + k] * p->weight[k * v + j];
-            u[i * v + j] = acc;
-        }
-    return u;
+    const ref_linear lin = {p->batch * p->seq, p->hidden, p->vocab, p->x, p->weight, p->bias};
+    return lin;
 }
 
 /* Logits, then logp and entropy per token. On success *u_out, *logp_out, *ent_out are the caller's to free. */
@@ -398,7 +390,8 @@ static int materialize(const ref_grpo_problem *p, const ref_grpo_options *o, dou
                        double **ent_out)
 {
     const int64_t n = p->batch * p->seq, v = p->vocab;
-    double *u = untempered_logits(p);
+    const ref_linear lin = linear_of(p);
+    double *u = ref_linear_logits(&lin);
     double *lp = malloc(sizeof(double) * (size_t)n);
     double *ent = malloc(sizeof(double) * (size_t)n);
     if (!u || !lp || !ent) {
@@ -447,7 +440,7 @@ int ref_grpo_backward(const ref_grpo_problem *p, const ref_grpo_options *o, doub
 {
     if (!problem_valid(p) || !options_valid(o))
         return -2;
-    const int64_t n = p->batch * p->seq, h = p->hidden, v = p->vocab;
+    const int64_t n = p->batch * p->seq, v = p->vocab;
     double *u, *lp, *ent;
     if (materialize(p, o, &u, &lp, &ent))
         return -1;
@@ -462,29 +455,8 @@ int ref_grpo_backward(const ref_grpo_problem *p, const ref_grpo_options *o, doub
     if (rc == 0) {
         for (int64_t i = 0; i < n; i++)
             ref_grpo_row_grad(u + i * v, v, o->temperature, p->completion_ids[i], gl[i], gh[i], du + i * v);
-        if (dx)
-            for (int64_t i = 0; i < n; i++)
-                for (int64_t k = 0; k < h; k++) {
-                    double acc = 0.0;
-                    for (int64_t j = 0; j < v; j++)
-                        acc += du[i * v + j] * p->weight[k * v + j];
-                    dx[i * h + k] = acc;
-                }
-        if (dweight)
-            for (int64_t k = 0; k < h; k++)
-                for (int64_t j = 0; j < v; j++) {
-                    double acc = 0.0;
-                    for (int64_t i = 0; i < n; i++)
-                        acc += p->x[i * h + k] * du[i * v + j];
-                    dweight[k * v + j] = acc;
-                }
-        if (dbias)
-            for (int64_t j = 0; j < v; j++) {
-                double acc = 0.0;
-                for (int64_t i = 0; i < n; i++)
-                    acc += du[i * v + j];
-                dbias[j] = acc;
-            }
+        const ref_linear lin = linear_of(p);
+        ref_linear_backward(&lin, du, dx, dweight, dbias);
     }
     free(u), free(lp), free(ent), free(gl), free(gh), free(du);
     return rc;

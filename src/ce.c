@@ -274,7 +274,9 @@ FH_API fh_status fh_ce_forward(fh_context *ctx, const fh_linear *lin, const int6
     const fh_token_stats stats = fh_ce_stats_in(&ws, options, out);
     fh_engine_pass pass = fh_ce_pass(&plan, &ws, lin, targets, options);
     pass.stats = &stats;
-    fh_engine_forward(&pass);
+    st = fh_engine_forward(&pass);
+    if (st != FH_OK)
+        return fh_gemm_failure(ctx, st);
     write_outputs(&h, &stats, out);
     return FH_OK;
 }
@@ -299,8 +301,7 @@ FH_API fh_status fh_ce_backward(fh_context *ctx, const fh_linear *lin, const int
     fh_engine_pass pass = fh_ce_pass(&plan, &ws, lin, targets, options);
     pass.coefs = &coefs;
     pass.grads = grads;
-    fh_engine_backward(&pass);
-    return FH_OK;
+    return fh_gemm_failure(ctx, fh_engine_backward(&pass));
 }
 
 FH_API fh_status fh_ce_forward_backward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
@@ -332,13 +333,15 @@ FH_API fh_status fh_ce_forward_backward(fh_context *ctx, const fh_linear *lin, c
         st = fh_engine_row_blocks(&pass);
         if (st == FH_OK)
             write_outputs(&h, &stats, out);
-        return st;
+        return fh_gemm_failure(ctx, st);
     }
-    /* Streaming fallback: forward, then backward from the double lse (it stays in its slot). */
-    fh_engine_forward(&pass);
+    /* Streaming fallback: forward, then backward from the double lse (it stays in its slot); the pass holds
+     * grads, so the forward prepares the backward's GEMMs too. */
+    st = fh_engine_forward(&pass);
+    if (st != FH_OK)
+        return fh_gemm_failure(ctx, st);
     write_outputs(&h, &stats, out);
     const fh_coef_arrays coefs = fh_ce_coefs_in(&ws, &h, NULL, stats.lse);
     pass.coefs = &coefs;
-    fh_engine_backward(&pass);
-    return FH_OK;
+    return fh_gemm_failure(ctx, fh_engine_backward(&pass));
 }

@@ -71,6 +71,8 @@ FH_API fh_status fh_context_destroy(fh_context *ctx)
     if (ctx) {
         if (!ctx->workspace_is_callers)
             free(ctx->workspace);
+        if (ctx->gemm_cache)
+            ctx->gemm_cache_destroy(ctx->gemm_cache);
         free(ctx);
     }
     return FH_OK;

@@ -15,6 +15,8 @@ struct fh_context {
     char message[FH_MESSAGE_CAPACITY];
     fh_tile_config wisdom[FH_WISDOM_CAPACITY];
     int wisdom_count;
+    struct fh_gemm_cache *gemm_cache;                   /* the GEMM providers' state, NULL until needed */
+    void (*gemm_cache_destroy)(struct fh_gemm_cache *); /* set by the plan layer with the first workspace */
 };
 
 /* Records a formatted message on ctx (if not NULL) and returns status, so that checks read

@@ -22,53 +22,105 @@ static int64_t target_column(const int64_t *targets, int64_t i, int64_t vocab, i
     return targets[i] - v0;
 }
 
-static fh_gemm_input f32_input(const float *data, int64_t row_stride, int64_t col_stride)
+static fh_elem_type elem_type(fh_dtype dtype)
 {
-    const fh_gemm_input view = {data, row_stride, col_stride, FH_ELEM_F32};
-    return view;
+    return dtype == FH_DTYPE_BF16 ? FH_ELEM_BF16 : FH_ELEM_F32;
+}
+
+static size_t elem_size(fh_elem_type type)
+{
+    return type == FH_ELEM_BF16 ? sizeof(uint16_t) : sizeof(float);
+}
+
+/* A view of the matrix at base whose first element is `offset` elements in. */
+static fh_gemm_input view(const void *base, fh_elem_type type, int64_t offset, int64_t row_stride, int64_t col_stride)
+{
+    const fh_gemm_input v = {(const char *)base + (size_t)offset * elem_size(type), row_stride, col_stride, type};
+    return v;
 }
 
 static fh_gemm_output f32_output(float *data, int64_t row_stride, int64_t col_stride)
 {
-    const fh_gemm_output view = {data, row_stride, col_stride, FH_ELEM_F32};
-    return view;
+    const fh_gemm_output v = {data, row_stride, col_stride, FH_ELEM_F32};
+    return v;
+}
+
+/* The dU tile as the gradient GEMMs read it: bf16 beside the f32 one when the inputs are bf16 (a bf16 x bf16
+ * product is what the provider runs fast), else the f32 tile itself. */
+static fh_gemm_input du_view(const fh_engine_pass *p, int64_t vb)
+{
+    if (p->ws->tile_bf16)
+        return view(p->ws->tile_bf16, FH_ELEM_BF16, 0, vb, 1);
+    return view(p->ws->tile, FH_ELEM_F32, 0, vb, 1);
+}
+
+/* One GEMM of a pass, made ready (prepare) or run. */
+static fh_status multiply(const fh_engine_pass *p, int prepare, int64_t m, int64_t n, int64_t k,
+                          const fh_gemm_input *a, const fh_gemm_input *b, int accumulate, const fh_gemm_output *c)
+{
+    if (prepare)
+        return fh_gemm_prepare(p->ws->gemm_cache, m, n, k, a, b, accumulate, c, p->plan->threads);
+    return fh_gemm(*p->ws->gemm_cache, m, n, k, a, b, accumulate, c, p->plan->threads);
 }
 
 /* tile[nb x vb] = X[i0:i0+nb, :] W[:, v0:v0+vb]; the transform is applied per row by the caller, while
  * the row is hot in cache. */
-static void compute_logits(const fh_engine_pass *p, float *tile, int64_t i0, int64_t nb, int64_t v0, int64_t vb)
+static fh_status compute_logits(const fh_engine_pass *p, int prepare, float *tile, int64_t i0, int64_t nb,
+                                int64_t v0, int64_t vb)
 {
     const fh_linear *lin = p->lin;
-    const fh_gemm_input x = f32_input(lin->x + i0 * lin->x_row_stride, lin->x_row_stride, 1);
-    const fh_gemm_input w =
-        f32_input(lin->weight + v0 * lin->w_stride_vocab, lin->w_stride_hidden, lin->w_stride_vocab);
+    const fh_gemm_input x = view(lin->x, elem_type(lin->x_dtype), i0 * lin->x_row_stride, lin->x_row_stride, 1);
+    const fh_gemm_input w = view(lin->weight, elem_type(lin->weight_dtype), v0 * lin->w_stride_vocab,
+                                 lin->w_stride_hidden, lin->w_stride_vocab);
     const fh_gemm_output z = f32_output(tile, vb, 1);
-    fh_gemm(nb, vb, lin->hidden, &x, &w, 0, &z, p->plan->threads);
+    return multiply(p, prepare, nb, vb, lin->hidden, &x, &w, 0, &z);
 }
 
 /* dx[i0:i0+nb, :] (+)= dU W[:, v0:v0+vb]^T, dU the nb x vb tile. */
-static void add_dx(const fh_engine_pass *p, const float *tile, int64_t i0, int64_t nb, int64_t v0, int64_t vb,
-                   int accumulate)
-{
-    const fh_linear *lin = p->lin;
-    const fh_linear_grads *grads = p->grads;
-    const fh_gemm_input du = f32_input(tile, vb, 1);
-    const fh_gemm_input wt =
-        f32_input(lin->weight + v0 * lin->w_stride_vocab, lin->w_stride_vocab, lin->w_stride_hidden);
-    const fh_gemm_output dx = f32_output(grads->dx + i0 * grads->dx_row_stride, grads->dx_row_stride, 1);
-    fh_gemm(nb, lin->hidden, vb, &du, &wt, accumulate, &dx, p->plan->threads);
-}
-
-/* dweight[:, v0:v0+vb] (+)= X[i0:i0+nb, :]^T dU. */
-static void add_dweight(const fh_engine_pass *p, const float *tile, int64_t i0, int64_t nb, int64_t v0, int64_t vb,
+static fh_status add_dx(const fh_engine_pass *p, int prepare, int64_t i0, int64_t nb, int64_t v0, int64_t vb,
                         int accumulate)
 {
     const fh_linear *lin = p->lin;
-    const fh_gemm_input xt = f32_input(lin->x + i0 * lin->x_row_stride, 1, lin->x_row_stride);
-    const fh_gemm_input du = f32_input(tile, vb, 1);
+    const fh_linear_grads *grads = p->grads;
+    const fh_gemm_input du = du_view(p, vb);
+    const fh_gemm_input wt = view(lin->weight, elem_type(lin->weight_dtype), v0 * lin->w_stride_vocab,
+                                  lin->w_stride_vocab, lin->w_stride_hidden);
+    const fh_gemm_output dx = f32_output(grads->dx + i0 * grads->dx_row_stride, grads->dx_row_stride, 1);
+    return multiply(p, prepare, nb, lin->hidden, vb, &du, &wt, accumulate, &dx);
+}
+
+/* dweight[:, v0:v0+vb] (+)= X[i0:i0+nb, :]^T dU. */
+static fh_status add_dweight(const fh_engine_pass *p, int prepare, int64_t i0, int64_t nb, int64_t v0, int64_t vb,
+                             int accumulate)
+{
+    const fh_linear *lin = p->lin;
+    const fh_gemm_input xt = view(lin->x, elem_type(lin->x_dtype), i0 * lin->x_row_stride, 1, lin->x_row_stride);
+    const fh_gemm_input du = du_view(p, vb);
     const fh_gemm_output dw =
         f32_output(p->grads->dweight + v0 * lin->w_stride_vocab, lin->w_stride_hidden, lin->w_stride_vocab);
-    fh_gemm(lin->hidden, vb, nb, &xt, &du, accumulate, &dw, p->plan->threads);
+    return multiply(p, prepare, lin->hidden, vb, nb, &xt, &du, accumulate, &dw);
+}
+
+fh_status fh_engine_prepare(const fh_engine_pass *p)
+{
+    const fh_linear *lin = p->lin;
+    const fh_linear_grads *grads = p->grads;
+    const int64_t rows = p->plan->tile_rows, cols = p->plan->tile_vocab;
+    /* Full tiles and the edge ones; gradients first written (beta) and then accumulated. */
+    const int64_t heights[2] = {rows, lin->n % rows ? lin->n % rows : rows};
+    const int64_t widths[2] = {cols, lin->vocab % cols ? lin->vocab % cols : cols};
+    fh_status st = FH_OK;
+    for (int h = 0; h < 2; h++)
+        for (int w = 0; w < 2; w++) {
+            st = st == FH_OK ? compute_logits(p, 1, p->ws->tile, 0, heights[h], 0, widths[w]) : st;
+            for (int accumulate = 0; grads && accumulate < 2; accumulate++) {
+                if (st == FH_OK && grads->dx)
+                    st = add_dx(p, 1, 0, heights[h], 0, widths[w], accumulate);
+                if (st == FH_OK && grads->dweight)
+                    st = add_dweight(p, 1, 0, heights[h], 0, widths[w], accumulate);
+            }
+        }
+    return st;
 }
 
 /* dbias = sum of columns, with beta: 0 overwrites without reading. */
@@ -93,8 +145,11 @@ static void add_column_sums(const float *tile, int64_t rows, int64_t cols, doubl
     }
 }
 
-void fh_engine_forward(const fh_engine_pass *p)
+fh_status fh_engine_forward(const fh_engine_pass *p)
 {
+    const fh_status prepared = fh_engine_prepare(p);
+    if (prepared != FH_OK)
+        return prepared;
     const fh_linear *lin = p->lin;
     const fh_token_stats *stats = p->stats;
     const int64_t n = lin->n, vocab = lin->vocab;
@@ -121,7 +176,9 @@ void fh_engine_forward(const fh_engine_pass *p)
         for (int64_t i0 = 0; i0 < n; i0 += p->plan->tile_rows) {
             const int64_t nb = min64(p->plan->tile_rows, n - i0);
             float *tile = p->ws->tile;
-            compute_logits(p, tile, i0, nb, v0, vb);
+            const fh_status gemm = compute_logits(p, 0, tile, i0, nb, v0, vb);
+            if (gemm != FH_OK)
+                return gemm;
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t r = 0; r < nb; r++) {
                 const int64_t i = i0 + r;
@@ -148,6 +205,7 @@ void fh_engine_forward(const fh_engine_pass *p)
         if (stats->sum_pz)
             stats->sum_pz[i] = running_sum_z_exp[i] / stats->sum_exp[i];
     }
+    return FH_OK;
 }
 
 static fh_coef coef_of(const fh_coef_arrays *coefs, int64_t i)
@@ -157,8 +215,30 @@ static fh_coef coef_of(const fh_coef_arrays *coefs, int64_t i)
     return k;
 }
 
-void fh_engine_backward(const fh_engine_pass *p)
+/* Row r of the dU tile, rounded once to bf16 for the gradient GEMMs when they take bf16. */
+static void round_du_row(const fh_engine_pass *p, const float *row, int64_t r, int64_t vb)
 {
+    if (p->ws->tile_bf16)
+        fh_row_to_bf16(row, vb, p->ws->tile_bf16 + r * vb);
+}
+
+/* The gradient GEMMs of a dU tile; dx is first written at v0 = 0 (with its beta), dweight at i0 = 0. */
+static fh_status add_gradients(const fh_engine_pass *p, int64_t i0, int64_t nb, int64_t v0, int64_t vb)
+{
+    const fh_linear_grads *grads = p->grads;
+    fh_status st = FH_OK;
+    if (grads->dx)
+        st = add_dx(p, 0, i0, nb, v0, vb, v0 > 0 || grads->dx_beta != 0.0f);
+    if (st == FH_OK && grads->dweight)
+        st = add_dweight(p, 0, i0, nb, v0, vb, i0 > 0 || grads->dweight_beta != 0.0f);
+    return st;
+}
+
+fh_status fh_engine_backward(const fh_engine_pass *p)
+{
+    const fh_status prepared = fh_engine_prepare(p);
+    if (prepared != FH_OK)
+        return prepared;
     const fh_linear *lin = p->lin;
     const fh_linear_grads *grads = p->grads;
     const int64_t n = lin->n, vocab = lin->vocab;
@@ -174,24 +254,27 @@ void fh_engine_backward(const fh_engine_pass *p)
         for (int64_t i0 = 0; i0 < n; i0 += p->plan->tile_rows) {
             const int64_t nb = min64(p->plan->tile_rows, n - i0);
             float *tile = p->ws->tile;
-            compute_logits(p, tile, i0, nb, v0, vb);
+            fh_status st = compute_logits(p, 0, tile, i0, nb, v0, vb);
+            if (st != FH_OK)
+                return st;
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t r = 0; r < nb; r++) {
                 const int64_t i = i0 + r;
                 const fh_coef k = coef_of(p->coefs, i);
                 fh_row_transform(tile + r * vb, vb, bias, &p->tf);
                 fh_row_gradient(tile + r * vb, vb, target_column(p->targets, i, vocab, v0), weights, &k, &p->tf);
+                round_du_row(p, tile + r * vb, r, vb);
             }
             if (grads->dbias)
                 add_column_sums(tile, nb, vb, column, threads);
-            if (grads->dx)
-                add_dx(p, tile, i0, nb, v0, vb, v0 > 0 || grads->dx_beta != 0.0f);
-            if (grads->dweight)
-                add_dweight(p, tile, i0, nb, v0, vb, i0 > 0 || grads->dweight_beta != 0.0f);
+            st = add_gradients(p, i0, nb, v0, vb);
+            if (st != FH_OK)
+                return st;
         }
         if (grads->dbias)
             write_bias_gradient(grads, column, v0, vb);
     }
+    return FH_OK;
 }
 
 /* Transforms row i of the block in place, folds it over lin's columns and stores its final statistics. */
@@ -224,13 +307,14 @@ static fh_final_stats stored_stats(const fh_token_stats *s, int64_t i)
     return result;
 }
 
-/* Overwrites row i's transformed logits with its dU. */
-static void gradient_row(const fh_engine_pass *p, float *row, int64_t i, const fh_final_stats *stats)
+/* Overwrites row i (row r of the block) of transformed logits with its dU. */
+static void gradient_row(const fh_engine_pass *p, float *row, int64_t i, int64_t r, const fh_final_stats *stats)
 {
     const int64_t vocab = p->lin->vocab;
     fh_coef k = {stats->lse, 0.0, 0.0, 0.0, 0.0, stats->sum_pz};
     p->source->row(p->source->self, i, stats, &k);
     fh_row_gradient(row, vocab, target_column(p->targets, i, vocab, 0), p->class_weights, &k, &p->tf);
+    round_du_row(p, row, r, vocab);
 }
 
 /* The statistics of rows [i0, n) as arrays starting at row i0. */
@@ -255,18 +339,23 @@ fh_status fh_engine_row_blocks(const fh_engine_pass *p)
     const fh_fold_request request = {p->class_weights, stats->sum_weighted_z != NULL, stats->sum_pz != NULL};
     float *tile = p->ws->tile;
     double *column = p->ws->column;
+    fh_status st = fh_engine_prepare(p);
+    if (st != FH_OK)
+        return st;
     if (grads->dbias)
         for (int64_t j = 0; j < vocab; j++)
             column[j] = 0.0;
     for (int64_t i0 = 0; i0 < n; i0 += p->plan->tile_rows) {
         const int64_t nb = min64(p->plan->tile_rows, n - i0);
-        compute_logits(p, tile, i0, nb, 0, vocab);
+        st = compute_logits(p, 0, tile, i0, nb, 0, vocab);
+        if (st != FH_OK)
+            return st;
         if (!p->source->block) {
             /* Fold, then the gradient while the row is still hot in cache. */
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t r = 0; r < nb; r++) {
                 const fh_final_stats result = fold_row(p, &request, tile + r * vocab, i0 + r);
-                gradient_row(p, tile + r * vocab, i0 + r, &result);
+                gradient_row(p, tile + r * vocab, i0 + r, r, &result);
             }
         } else {
             /* The hook needs the whole block's statistics before any row's coefficients. */
@@ -274,21 +363,20 @@ fh_status fh_engine_row_blocks(const fh_engine_pass *p)
             for (int64_t r = 0; r < nb; r++)
                 fold_row(p, &request, tile + r * vocab, i0 + r);
             const fh_token_stats block = stats_from(stats, i0);
-            const fh_status st = p->source->block(p->source->self, nb, &block);
+            st = p->source->block(p->source->self, nb, &block);
             if (st != FH_OK)
                 return st;
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t r = 0; r < nb; r++) {
                 const fh_final_stats result = stored_stats(stats, i0 + r);
-                gradient_row(p, tile + r * vocab, i0 + r, &result);
+                gradient_row(p, tile + r * vocab, i0 + r, r, &result);
             }
         }
         if (grads->dbias)
             add_column_sums(tile, nb, vocab, column, threads);
-        if (grads->dx)
-            add_dx(p, tile, i0, nb, 0, vocab, grads->dx_beta != 0.0f);
-        if (grads->dweight)
-            add_dweight(p, tile, i0, nb, 0, vocab, i0 > 0 || grads->dweight_beta != 0.0f);
+        st = add_gradients(p, i0, nb, 0, vocab);
+        if (st != FH_OK)
+            return st;
     }
     if (grads->dbias)
         write_bias_gradient(grads, column, 0, vocab);

@@ -60,11 +60,16 @@ typedef struct fh_engine_pass {
     const fh_linear_grads *grads; /* backward, row blocks */
 } fh_engine_pass;
 
+/* Every pass makes its GEMMs ready first (fh_gemm_prepare), so that it fails, if it does (FH_ERR_OUT_OF_MEMORY
+ * from the bf16 provider), before it writes any output. A caller that runs a forward and then a backward
+ * pass with the same plan calls this with the backward's pass (grads set) before the forward. */
+fh_status fh_engine_prepare(const fh_engine_pass *p);
+
 /* Fills p->stats. */
-void fh_engine_forward(const fh_engine_pass *p);
+fh_status fh_engine_forward(const fh_engine_pass *p);
 
 /* Accumulates p->grads from p->coefs. */
-void fh_engine_backward(const fh_engine_pass *p);
+fh_status fh_engine_backward(const fh_engine_pass *p);
 
 /* Single-call train step over row blocks of plan->tile_rows x V (a row-block plan of fh_plan_train_step):
  * fills p->stats like fh_engine_forward and accumulates p->grads like fh_engine_backward, with the

@@ -332,14 +332,16 @@ void fh_grpo_token_values(const fh_workspace *ws, const fh_grpo_batch *bt, int64
 }
 
 /* Streams the forward; leaves lse, sum_pz, logp and entropy (double) in the workspace. */
-static void forward_pass(const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin, const fh_grpo_batch *bt,
+static fh_status forward_pass(const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin, const fh_grpo_batch *bt,
                          const fh_grpo_options *o)
 {
     const fh_token_stats stats = fh_grpo_stats_in(ws);
     fh_engine_pass pass = fh_grpo_pass(plan, ws, lin, bt->completion_ids, o);
     pass.stats = &stats;
-    fh_engine_forward(&pass);
-    fh_grpo_token_values(ws, bt, lin->n, lin->vocab);
+    const fh_status st = fh_engine_forward(&pass);
+    if (st == FH_OK)
+        fh_grpo_token_values(ws, bt, lin->n, lin->vocab);
+    return st;
 }
 
 void fh_grpo_write_outputs(const fh_workspace *ws, int64_t n, fh_grpo_outputs *out)
@@ -390,10 +392,19 @@ fh_coef_arrays fh_grpo_coefs_in(const fh_workspace *ws, int64_t n)
     return coefs;
 }
 
-/* Coefficients from logp/entropy/lse in the workspace, then the engine's backward. */
-static void backward_pass(const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin, const fh_grpo_batch *bt,
-                          const fh_grpo_options *o, double grad, const fh_linear_grads *grads,
-                          fh_grpo_outputs *forward_out)
+/* The backward's GEMMs made ready, before any output is written (fh_engine_prepare). */
+static fh_status prepare_backward(const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin,
+                                  const fh_grpo_batch *bt, const fh_grpo_options *o, const fh_linear_grads *grads)
+{
+    fh_engine_pass pass = fh_grpo_pass(plan, ws, lin, bt->completion_ids, o);
+    pass.grads = grads;
+    return fh_engine_prepare(&pass);
+}
+
+/* Coefficients from logp/entropy/lse in the workspace, then the engine's backward (prepared). */
+static fh_status backward_pass(const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin,
+                               const fh_grpo_batch *bt, const fh_grpo_options *o, double grad,
+                               const fh_linear_grads *grads, fh_grpo_outputs *forward_out)
 {
     fh_grpo_head h = fh_grpo_head_in(ws, bt, o);
     fh_grpo_head_prepare(&h, ws->slot[FH_GRPO_SLOT_LOGP]);
@@ -403,7 +414,7 @@ static void backward_pass(const fh_plan *plan, const fh_workspace *ws, const fh_
     fh_engine_pass pass = fh_grpo_pass(plan, ws, lin, bt->completion_ids, o);
     pass.coefs = &coefs;
     pass.grads = grads;
-    fh_engine_backward(&pass);
+    return fh_engine_backward(&pass);
 }
 
 fh_status fh_grpo_check_grad_output(fh_context *ctx, const float *grad_output)
@@ -427,7 +438,9 @@ FH_API fh_status fh_grpo_forward(fh_context *ctx, const fh_linear *lin, const fh
         st = fh_prepare_pass(ctx, lin, FH_CALL_FORWARD, &plan, &ws);
     if (st != FH_OK)
         return st;
-    forward_pass(&plan, &ws, lin, batch, options);
+    st = forward_pass(&plan, &ws, lin, batch, options);
+    if (st != FH_OK)
+        return fh_gemm_failure(ctx, st);
     fh_grpo_head h = fh_grpo_head_in(&ws, batch, options);
     fh_grpo_head_prepare(&h, ws.slot[FH_GRPO_SLOT_LOGP]);
     const fh_grpo_head_outputs hout = {out->loss, out->metrics, out->per_token_loss, NULL, NULL};
@@ -454,9 +467,11 @@ FH_API fh_status fh_grpo_backward(fh_context *ctx, const fh_linear *lin, const f
         st = fh_prepare_pass(ctx, lin, FH_CALL_BACKWARD, &plan, &ws);
     if (st != FH_OK)
         return st;
+    st = prepare_backward(&plan, &ws, lin, batch, options, grads);
+    if (st != FH_OK)
+        return fh_gemm_failure(ctx, st);
     fh_grpo_load_saved(&ws, lin->n, per_token_logp, lse, entropy);
-    backward_pass(&plan, &ws, lin, batch, options, grad_output[0], grads, NULL);
-    return FH_OK;
+    return fh_gemm_failure(ctx, backward_pass(&plan, &ws, lin, batch, options, grad_output[0], grads, NULL));
 }
 
 FH_API fh_status fh_grpo_forward_backward(fh_context *ctx, const fh_linear *lin, const fh_grpo_batch *batch,
@@ -476,8 +491,11 @@ FH_API fh_status fh_grpo_forward_backward(fh_context *ctx, const fh_linear *lin,
         st = fh_prepare_streaming(ctx, lin, plans, ws);
     if (st != FH_OK)
         return st;
-    forward_pass(&plans[0], &ws[0], lin, batch, options);
+    st = prepare_backward(&plans[1], &ws[1], lin, batch, options, grads);
+    if (st == FH_OK)
+        st = forward_pass(&plans[0], &ws[0], lin, batch, options);
+    if (st != FH_OK)
+        return fh_gemm_failure(ctx, st);
     fh_grpo_write_outputs(&ws[0], lin->n, out);
-    backward_pass(&plans[1], &ws[1], lin, batch, options, grad_output[0], grads, out);
-    return FH_OK;
+    return fh_gemm_failure(ctx, backward_pass(&plans[1], &ws[1], lin, batch, options, grad_output[0], grads, out));
 }

@@ -5,14 +5,14 @@
 #include <stddef.h>
 #include <stdint.h>
 
-FH_API fh_status fh_linear_init(fh_linear *lin, int64_t n, int64_t hidden, int64_t vocab, const float *x,
-                                const float *weight, fh_layout layout, const float *bias)
+FH_API fh_status fh_linear_init(fh_linear *lin, int64_t n, int64_t hidden, int64_t vocab, const void *x,
+                                const void *weight, fh_layout layout, const float *bias)
 {
     if (!lin)
         return FH_ERR_NULL_POINTER;
     if (layout != FH_LAYOUT_HV && layout != FH_LAYOUT_VH)
         return FH_ERR_INVALID_LAYOUT;
-    fh_linear l = {n, hidden, vocab, x, hidden, weight, 0, 0, bias};
+    fh_linear l = {n, hidden, vocab, x, hidden, weight, 0, 0, bias, FH_DTYPE_F32, FH_DTYPE_F32};
     l.w_stride_hidden = layout == FH_LAYOUT_HV ? vocab : 1;
     l.w_stride_vocab = layout == FH_LAYOUT_HV ? 1 : hidden;
     *lin = l;
@@ -45,7 +45,7 @@ static int strides_disjoint(int64_t rows, int64_t cols, int64_t row_stride, int6
 }
 
 static fh_status check_matrix(fh_context *ctx, const char *name, int64_t rows, int64_t cols,
-                              int64_t row_stride, int64_t col_stride)
+                              int64_t row_stride, int64_t col_stride, size_t element_size)
 {
     if (!strides_disjoint(rows, cols, row_stride, col_stride))
         return fh_fail(ctx, FH_ERR_INVALID_STRIDE,
@@ -53,8 +53,34 @@ static fh_status check_matrix(fh_context *ctx, const char *name, int64_t rows, i
                        (long long)row_stride, (long long)col_stride, (long long)rows, (long long)cols);
     /* Element offsets become byte offsets in pointer arithmetic: those must fit in ptrdiff_t too. */
     const int64_t last = last_offset(rows, cols, row_stride, col_stride);
-    if (last < 0 || last > PTRDIFF_MAX / (int64_t)sizeof(float))
+    if (last < 0 || last > PTRDIFF_MAX / (int64_t)element_size)
         return fh_fail(ctx, FH_ERR_SIZE_OVERFLOW, "%s: the last element's byte offset overflows 64 bits", name);
+    return FH_OK;
+}
+
+static const char *dtype_name(fh_dtype dtype)
+{
+    return dtype == FH_DTYPE_F32 ? "fp32" : dtype == FH_DTYPE_BF16 ? "bf16" : "unknown";
+}
+
+/* Known dtypes, the same for x and weight (the GEMMs multiply like with like), and a bf16 provider when
+ * they are bf16. */
+static fh_status check_dtypes(fh_context *ctx, const fh_linear *lin)
+{
+    const fh_dtype dtypes[2] = {lin->x_dtype, lin->weight_dtype};
+    const char *names[2] = {"x_dtype", "weight_dtype"};
+    for (int k = 0; k < 2; k++)
+        if (dtypes[k] != FH_DTYPE_F32 && dtypes[k] != FH_DTYPE_BF16)
+            return fh_fail(ctx, FH_ERR_INVALID_DTYPE, "%s = %d is neither FH_DTYPE_F32 (0) nor FH_DTYPE_BF16 (1)",
+                           names[k], (int)dtypes[k]);
+    if (lin->x_dtype != lin->weight_dtype)
+        return fh_fail(ctx, FH_ERR_INVALID_DTYPE, "x is %s but weight is %s: both must have the same dtype",
+                       dtype_name(lin->x_dtype), dtype_name(lin->weight_dtype));
+#ifndef FH_HAVE_ONEDNN
+    if (lin->x_dtype == FH_DTYPE_BF16)
+        return fh_fail(ctx, FH_ERR_INVALID_DTYPE, "bf16 inputs need oneDNN, and this build has none "
+                                                  "(Debian: apt-get install libdnnl-dev, then rebuild)");
+#endif
     return FH_OK;
 }
 
@@ -72,9 +98,13 @@ fh_status fh_check_linear(fh_context *ctx, const fh_linear *lin)
         __builtin_mul_overflow(lin->hidden, lin->vocab, &product) ||
         __builtin_mul_overflow(lin->n, lin->hidden, &product))
         return fh_fail(ctx, FH_ERR_SIZE_OVERFLOW, "n, hidden and vocab products overflow 64 bits");
-    fh_status st = check_matrix(ctx, "x", lin->n, lin->hidden, lin->x_row_stride, 1);
+    fh_status st = check_dtypes(ctx, lin);
+    const size_t element_size = lin->x_dtype == FH_DTYPE_BF16 ? sizeof(uint16_t) : sizeof(float);
     if (st == FH_OK)
-        st = check_matrix(ctx, "weight", lin->hidden, lin->vocab, lin->w_stride_hidden, lin->w_stride_vocab);
+        st = check_matrix(ctx, "x", lin->n, lin->hidden, lin->x_row_stride, 1, element_size);
+    if (st == FH_OK)
+        st = check_matrix(ctx, "weight", lin->hidden, lin->vocab, lin->w_stride_hidden, lin->w_stride_vocab,
+                          element_size);
     return st;
 }
 
@@ -98,7 +128,7 @@ fh_status fh_check_grads(fh_context *ctx, const fh_linear *lin, const fh_linear_
             return fh_fail(ctx, FH_ERR_INVALID_BETA, "%s = %g: must be 0 (overwrite) or 1 (accumulate)",
                            names[k], (double)betas[k]);
     if (grads->dx) {
-        const fh_status st = check_matrix(ctx, "dx", lin->n, lin->hidden, grads->dx_row_stride, 1);
+        const fh_status st = check_matrix(ctx, "dx", lin->n, lin->hidden, grads->dx_row_stride, 1, sizeof(float));
         if (st != FH_OK)
             return st;
     }
@@ -107,13 +137,19 @@ fh_status fh_check_grads(fh_context *ctx, const fh_linear *lin, const fh_linear_
     return FH_OK;
 }
 
-/* First non-finite element of a rows x cols view, or -1. */
-static int64_t first_nonfinite(const float *a, int64_t rows, int64_t cols, int64_t row_stride, int64_t col_stride)
+/* First non-finite element of a rows x cols view of dtype elements, or -1. */
+static int64_t first_nonfinite(const void *a, fh_dtype dtype, int64_t rows, int64_t cols, int64_t row_stride,
+                               int64_t col_stride)
 {
+    const float *f = a;
+    const uint16_t *h = a;
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t c = 0; c < cols; c++)
-            if (!isfinite(a[r * row_stride + c * col_stride]))
+        for (int64_t c = 0; c < cols; c++) {
+            const int64_t at = r * row_stride + c * col_stride;
+            /* A bf16 value is not finite when its 8 exponent bits are all set. */
+            if (dtype == FH_DTYPE_BF16 ? (h[at] & 0x7f80u) == 0x7f80u : !isfinite(f[at]))
                 return r * cols + c;
+        }
     return -1;
 }
 
@@ -121,15 +157,15 @@ fh_status fh_check_finite(fh_context *ctx, const fh_linear *lin)
 {
     if (!ctx->params[FH_PARAM_CHECK_FINITE])
         return FH_OK;
-    int64_t at = first_nonfinite(lin->x, lin->n, lin->hidden, lin->x_row_stride, 1);
+    int64_t at = first_nonfinite(lin->x, lin->x_dtype, lin->n, lin->hidden, lin->x_row_stride, 1);
     if (at >= 0)
         return fh_fail(ctx, FH_ERR_NONFINITE_INPUT, "x[%lld][%lld] is not finite", (long long)(at / lin->hidden),
                        (long long)(at % lin->hidden));
-    at = first_nonfinite(lin->weight, lin->hidden, lin->vocab, lin->w_stride_hidden, lin->w_stride_vocab);
+    at = first_nonfinite(lin->weight, lin->weight_dtype, lin->hidden, lin->vocab, lin->w_stride_hidden, lin->w_stride_vocab);
     if (at >= 0)
         return fh_fail(ctx, FH_ERR_NONFINITE_INPUT, "weight element (hidden %lld, vocab %lld) is not finite",
                        (long long)(at / lin->vocab), (long long)(at % lin->vocab));
-    if (lin->bias && (at = first_nonfinite(lin->bias, 1, lin->vocab, 0, 1)) >= 0)
+    if (lin->bias && (at = first_nonfinite(lin->bias, FH_DTYPE_F32, 1, lin->vocab, 0, 1)) >= 0)
         return fh_fail(ctx, FH_ERR_NONFINITE_INPUT, "bias[%lld] is not finite", (long long)at);
     return FH_OK;
 }

@@ -33,18 +33,26 @@ static int place_buffers(fh_plan *plan, int64_t n)
         __builtin_mul_overflow((size_t)plan->tile_vocab, sizeof(double), &column_bytes) ||
         slot_bytes > SIZE_MAX / 4 || tile_bytes > SIZE_MAX / 4)
         return -1;
+    const size_t tile_bf16_bytes = plan->tile_bf16 ? tile_bytes / 2 : 0;
     plan->slots_offset = 0;
     plan->tile_offset = align_up(slot_bytes);
     plan->column_offset = plan->tile_offset + align_up(tile_bytes);
-    plan->bytes = plan->column_offset + align_up(column_bytes) + ALIGN; /* + slack for a caller's base */
+    plan->tile_bf16_offset = plan->column_offset + align_up(column_bytes);
+    plan->bytes = plan->tile_bf16_offset + align_up(tile_bf16_bytes) + ALIGN; /* + slack for a caller's base */
     return 0;
+}
+
+/* bf16 inputs: the gradient GEMMs of a pass with a backward read dU rounded to bf16, from a tile of its own. */
+static int needs_tile_bf16(const fh_linear *lin, fh_call call)
+{
+    return lin->x_dtype == FH_DTYPE_BF16 && call != FH_CALL_FORWARD;
 }
 
 /* Tile sizes before the budget: parameters, else wisdom, else defaults. */
 static void preferred_tiles(const fh_context *ctx, const fh_linear *lin, int threads, fh_call call, int64_t *rows,
                             int64_t *cols)
 {
-    const fh_tile_config *w = fh_wisdom_lookup(ctx, threads, lin->n, lin->hidden, lin->vocab, call);
+    const fh_tile_config *w = fh_wisdom_lookup(ctx, threads, lin->n, lin->hidden, lin->vocab, call, lin->x_dtype);
     const int64_t rows_param = ctx->params[FH_PARAM_TILE_ROWS], cols_param = ctx->params[FH_PARAM_TILE_VOCAB];
     *rows = rows_param > 0 ? rows_param : w ? w->tile_rows : 0;
     *cols = cols_param > 0 ? cols_param : w ? w->tile_vocab : 0;
@@ -56,6 +64,7 @@ fh_status fh_plan_make(const fh_context *ctx, const fh_linear *lin, fh_call call
     const int64_t n = lin->n, vocab = lin->vocab, budget = fh_budget_bytes(ctx);
     int64_t rows, cols;
     plan->threads = fh_threads(ctx, lin);
+    plan->tile_bf16 = needs_tile_bf16(lin, call);
     preferred_tiles(ctx, lin, plan->threads, call, &rows, &cols);
     plan->tile_rows = min64(n, rows > 0 ? rows : DEFAULT_TILE_ROWS);
     const int64_t default_cols = call == FH_CALL_FORWARD ? DEFAULT_TILE_VOCAB_FORWARD : DEFAULT_TILE_VOCAB_BACKWARD;
@@ -93,13 +102,15 @@ static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, fh_plan 
     const int64_t n = lin->n, vocab = lin->vocab, budget = fh_budget_bytes(ctx);
     int64_t rows_param, unused;
     plan->threads = fh_threads(ctx, lin);
+    plan->tile_bf16 = needs_tile_bf16(lin, FH_CALL_TRAIN_STEP);
     preferred_tiles(ctx, lin, plan->threads, FH_CALL_TRAIN_STEP, &rows_param, &unused);
     plan->tile_vocab = vocab;
     plan->tile_rows = 1;
     if (place_buffers(plan, n) != 0 || (int64_t)plan->bytes > budget)
         return -1;
-    /* Each further row costs vocab floats. */
-    int64_t rows = 1 + (budget - (int64_t)plan->bytes) / (vocab * (int64_t)sizeof(float));
+    /* Each further row costs vocab floats (and as many bf16 values for its rounded dU). */
+    const int64_t row_bytes = vocab * (int64_t)(sizeof(float) + (plan->tile_bf16 ? sizeof(uint16_t) : 0));
+    int64_t rows = 1 + (budget - (int64_t)plan->bytes) / row_bytes;
     /* Blocks thinner than MIN_ROW_BLOCK lose to streaming (the H x V dweight is re-read per block); an
      * explicit FH_PARAM_TILE_ROWS (or measured wisdom) is honoured. */
     const int64_t min_rows = rows_param > 0 ? 1 : min64(n, MIN_ROW_BLOCK);
@@ -153,6 +164,8 @@ static fh_workspace carve(const fh_plan *plan, void *base, int64_t n)
         ws.slot[a] = slots + (size_t)a * (size_t)n;
     ws.tile = (float *)(aligned + plan->tile_offset);
     ws.column = (double *)(aligned + plan->column_offset);
+    ws.tile_bf16 = plan->tile_bf16 ? (uint16_t *)(aligned + plan->tile_bf16_offset) : NULL;
+    ws.gemm_cache = NULL;
     return ws;
 }
 
@@ -163,10 +176,15 @@ fh_status fh_workspace_acquire(fh_context *ctx, int64_t n, const fh_plan *plans,
         bytes = plans[k].bytes > bytes ? plans[k].bytes : bytes;
     void *base = NULL;
     const fh_status st = fh_acquire_workspace(ctx, bytes, &base);
-    if (st == FH_OK)
-        for (int k = 0; k < count; k++)
-            ws[k] = carve(&plans[k], base, n);
-    return st;
+    if (st != FH_OK)
+        return st;
+    for (int k = 0; k < count; k++) {
+        ws[k] = carve(&plans[k], base, n);
+        ws[k].gemm_cache = &ctx->gemm_cache;
+    }
+    /* The context, a layer below the GEMM one, frees the providers' cache through this. */
+    ctx->gemm_cache_destroy = fh_gemm_cache_destroy;
+    return FH_OK;
 }
 
 fh_status fh_prepare_pass(fh_context *ctx, const fh_linear *lin, fh_call call, fh_plan *plan, fh_workspace *ws)
@@ -179,4 +197,13 @@ fh_status fh_prepare_streaming(fh_context *ctx, const fh_linear *lin, fh_plan pl
 {
     const fh_status st = fh_plan_streaming(ctx, lin, plans, ctx);
     return st == FH_OK ? fh_workspace_acquire(ctx, lin->n, plans, 2, ws) : st;
+}
+
+fh_status fh_gemm_failure(fh_context *ctx, fh_status status)
+{
+    if (status == FH_OK)
+        return FH_OK;
+    return fh_fail(ctx, status, "the bf16 GEMM provider (%s) %s", fh_gemm_bf16_provider(),
+                   status == FH_ERR_OUT_OF_MEMORY ? "could not allocate a primitive or its memory"
+                                                  : "does not multiply these dtypes");
 }

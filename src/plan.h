@@ -5,6 +5,7 @@
 #define FH_PLAN_H
 
 #include "context.h"
+#include "gemm/gemm.h"
 
 /* Per-token double arrays ("slots") reserved for the head and the engine; each head names the ones it
  * uses (FH_CE_SLOT_*, FH_GRPO_SLOT_*). */
@@ -17,6 +18,8 @@ typedef struct fh_plan {
     size_t slots_offset;  /* FH_WORKSPACE_SLOTS arrays of n doubles */
     size_t tile_offset;   /* tile_rows * tile_vocab floats */
     size_t column_offset; /* tile_vocab doubles (bias-gradient column sums) */
+    int tile_bf16;        /* 1: a bf16 copy of the dU tile for the gradient GEMMs (bf16 inputs, backward) */
+    size_t tile_bf16_offset;
     size_t bytes;         /* total, including slack to align any caller pointer */
 } fh_plan;
 
@@ -46,6 +49,8 @@ typedef struct fh_workspace {
     double *slot[FH_WORKSPACE_SLOTS];
     float *tile;
     double *column;
+    uint16_t *tile_bf16;         /* the plan's bf16 dU tile, or NULL */
+    fh_gemm_cache **gemm_cache;  /* the context's, for the GEMM providers that keep state */
 } fh_workspace;
 
 /* One workspace for the passes of a call (plans[0..count)), as large as the largest: ws[k] is it carved
@@ -57,5 +62,8 @@ fh_status fh_workspace_acquire(fh_context *ctx, int64_t n, const fh_plan *plans,
  * and ws[1] backward). Failures are reported on ctx. */
 fh_status fh_prepare_pass(fh_context *ctx, const fh_linear *lin, fh_call call, fh_plan *plan, fh_workspace *ws);
 fh_status fh_prepare_streaming(fh_context *ctx, const fh_linear *lin, fh_plan plans[2], fh_workspace ws[2]);
+
+/* A failure of the engine's GEMMs (FH_OK passes through), reported on ctx. */
+fh_status fh_gemm_failure(fh_context *ctx, fh_status status);
 
 #endif

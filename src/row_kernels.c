@@ -6,6 +6,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
+#include <string.h>
 
 fh_fold_state fh_fold_state_initial(void)
 {
@@ -151,4 +152,17 @@ void fh_row_gradient(float *z, int64_t count, int64_t target_column, const float
                      const fh_transform *tf)
 {
     chosen()->gradient(z, count, target_column, weights, coef, tf);
+}
+
+/* Portable on purpose: the integer operations vectorise, and the conversion is one pass over a tile that a
+ * GEMM then reads in full. */
+void fh_row_to_bf16(const float *src, int64_t count, uint16_t *dst)
+{
+    for (int64_t j = 0; j < count; j++) {
+        uint32_t bits;
+        memcpy(&bits, &src[j], sizeof bits);
+        const int is_nan = (bits & 0x7fffffffu) > 0x7f800000u;
+        const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+        dst[j] = (uint16_t)(is_nan ? (bits >> 16) | 0x40u : rounded);
+    }
 }

@@ -13,6 +13,7 @@ FH_API const char *fh_status_string(fh_status status)
     case FH_ERR_MISSING_OUTPUT: return "an output required by this call is NULL";
     case FH_ERR_NONFINITE_INPUT: return "NaN or Inf in x, weight or bias";
     case FH_ERR_INVALID_LAYOUT: return "the weight layout is neither FH_LAYOUT_HV nor FH_LAYOUT_VH";
+    case FH_ERR_INVALID_DTYPE: return "an unknown or unsupported dtype, or x and weight of different dtypes";
     case FH_ERR_INVALID_REDUCTION: return "reduction is not mean, sum or none";
     case FH_ERR_INVALID_LABEL_SMOOTHING: return "label_smoothing is outside [0, 1]";
     case FH_ERR_INVALID_SOFTCAP: return "softcap is neither 0 (off) nor a positive normal fp32 value";

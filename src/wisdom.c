@@ -1,8 +1,8 @@
 /* Wisdom: tile configurations measured by fh_tune, kept in the context and in a text file:
  *   # comment
  *   fusedhead-wisdom 1
- *   <threads> <n> <hidden> <vocab> forward|backward|train_step <tile_rows> <tile_vocab>
- */
+ *   <threads> <n> <hidden> <vocab> forward|backward|train_step <tile_rows> <tile_vocab> [bf16]
+ * (an entry without the last word is fp32, so files written before bf16 read as they did). */
 #include "wisdom.h"
 
 #include <math.h>
@@ -16,13 +16,13 @@ static const char *call_names[] = {"forward", "backward", "train_step"};
 static int valid(const fh_tile_config *e)
 {
     return e->threads >= 1 && e->n >= 1 && e->hidden >= 1 && e->vocab >= 1 && (unsigned)e->call <= FH_CALL_TRAIN_STEP &&
-           e->tile_rows >= 1 && e->tile_vocab >= 1;
+           e->tile_rows >= 1 && e->tile_vocab >= 1 && (e->dtype == FH_DTYPE_F32 || e->dtype == FH_DTYPE_BF16);
 }
 
 static int same_key(const fh_tile_config *a, const fh_tile_config *b)
 {
     return a->threads == b->threads && a->n == b->n && a->hidden == b->hidden && a->vocab == b->vocab &&
-           a->call == b->call;
+           a->call == b->call && a->dtype == b->dtype;
 }
 
 FH_API fh_status fh_context_add_wisdom(fh_context *ctx, const fh_tile_config *entry)
@@ -31,7 +31,7 @@ FH_API fh_status fh_context_add_wisdom(fh_context *ctx, const fh_tile_config *en
         return FH_ERR_NULL_POINTER;
     fh_clear_message(ctx);
     if (!valid(entry))
-        return fh_fail(ctx, FH_ERR_INVALID_WISDOM, "wisdom entry has a size < 1 or an unknown call");
+        return fh_fail(ctx, FH_ERR_INVALID_WISDOM, "wisdom entry has a size < 1, an unknown call or an unknown dtype");
     for (int k = 0; k < ctx->wisdom_count; k++)
         if (same_key(&ctx->wisdom[k], entry)) {
             ctx->wisdom[k] = *entry;
@@ -46,16 +46,18 @@ FH_API fh_status fh_context_add_wisdom(fh_context *ctx, const fh_tile_config *en
 /* Parses one entry line; returns 0 or -1. */
 static int parse_entry(const char *line, fh_tile_config *e)
 {
-    char call[32];
+    char call[32], dtype[32];
     long long threads, n, hidden, vocab, rows, cols;
     char extra;
-    if (sscanf(line, "%lld %lld %lld %lld %31s %lld %lld %c", &threads, &n, &hidden, &vocab, call, &rows, &cols,
-               &extra) != 7)
+    const int fields = sscanf(line, "%lld %lld %lld %lld %31s %lld %lld %31s %c", &threads, &n, &hidden, &vocab, call,
+                              &rows, &cols, dtype, &extra);
+    if (fields != 7 && !(fields == 8 && strcmp(dtype, "bf16") == 0))
         return -1;
     int k = 0;
     while (k < 3 && strcmp(call, call_names[k]))
         k++;
-    const fh_tile_config parsed = {threads, n, hidden, vocab, (fh_call)k, rows, cols};
+    const fh_tile_config parsed = {threads, n, hidden, vocab, (fh_call)k, rows, cols,
+                                   fields == 8 ? FH_DTYPE_BF16 : FH_DTYPE_F32};
     *e = parsed;
     return k < 3 && valid(e) ? 0 : -1;
 }
@@ -111,25 +113,27 @@ FH_API fh_status fh_context_save_wisdom(const fh_context *ctx, const char *path)
     FILE *f = fopen(path, "w");
     if (!f)
         return FH_ERR_WISDOM_IO;
-    int ok = fprintf(f, "# written by fusedhead: threads n hidden vocab call tile_rows tile_vocab\n" WISDOM_HEADER "\n") > 0;
+    int ok = fprintf(f, "# written by fusedhead: threads n hidden vocab call tile_rows tile_vocab [bf16]\n" WISDOM_HEADER
+                        "\n") > 0;
     for (int k = 0; ok && k < ctx->wisdom_count; k++) {
         const fh_tile_config *e = &ctx->wisdom[k];
-        ok = fprintf(f, "%lld %lld %lld %lld %s %lld %lld\n", (long long)e->threads, (long long)e->n,
+        ok = fprintf(f, "%lld %lld %lld %lld %s %lld %lld%s\n", (long long)e->threads, (long long)e->n,
                      (long long)e->hidden, (long long)e->vocab, call_names[e->call], (long long)e->tile_rows,
-                     (long long)e->tile_vocab) > 0;
+                     (long long)e->tile_vocab, e->dtype == FH_DTYPE_BF16 ? " bf16" : "") > 0;
     }
     ok = (fclose(f) == 0) && ok;
     return ok ? FH_OK : FH_ERR_WISDOM_IO;
 }
 
 const fh_tile_config *fh_wisdom_lookup(const fh_context *ctx, int64_t threads, int64_t n, int64_t hidden,
-                                       int64_t vocab, fh_call call)
+                                       int64_t vocab, fh_call call, fh_dtype dtype)
 {
     const fh_tile_config *best = NULL;
     double best_distance = INFINITY;
     for (int k = 0; k < ctx->wisdom_count; k++) {
         const fh_tile_config *e = &ctx->wisdom[k];
-        if (e->threads != threads || e->hidden != hidden || e->vocab != vocab || e->call != call)
+        if (e->threads != threads || e->hidden != hidden || e->vocab != vocab || e->call != call ||
+            e->dtype != (int)dtype)
             continue;
         const double distance = fabs(log((double)e->n / (double)n));
         if (distance < best_distance) {

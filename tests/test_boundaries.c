@@ -1,7 +1,7 @@
 /* Vocabulary boundaries: targets on the first and last column and on either side of each tile edge
  * (tile_vocab - 1, tile_vocab, tile_vocab + 1, ...), and argmax ties across tiles, through the public
  * API with caller-chosen targets, against the double reference. */
-#include "test_util.h"
+#include "ce_harness.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -30,23 +30,23 @@ static void test_targets_on_tile_boundaries(void)
             for (size_t r = 0; r < TU_COUNT(reductions); r++)
                 for (int variant = 0; variant < 4; variant++) {
                     const int options = variant & 1, train_step = variant >> 1;
-                    tu_problem p;
-                    tu_problem_init(&p, 2 * count, 7, v, (fh_layout)layout, TU_BIAS | (options ? TU_CLASS_WEIGHTS : 0));
+                    cp_problem p;
+                    cp_problem_init(&p, 2 * count, 7, v, (fh_layout)layout, CP_BIAS | (options ? CP_CLASS_WEIGHTS : 0));
                     p.options.reduction = reductions[r];
                     if (options) {
                         p.options.label_smoothing = 0.1;
                         p.options.softcap = 2.5;
                         p.options.z_loss = 1e-2;
                     }
-                    tu_problem_randomize(&p, seed++, 3.0);
+                    cp_problem_randomize(&p, seed++, 3.0);
                     for (int64_t i = 0; i < p.n; i++)
                         p.targets[i] = columns[i % count];
-                    const tu_config cfg = {.threads = 1 + (int)r, .tile_rows = 3, .tile_vocab = t, .train_step = train_step};
+                    const cp_config cfg = {.threads = 1 + (int)r, .tile_rows = 3, .tile_vocab = t, .train_step = train_step};
                     char label[128];
                     snprintf(label, sizeof label, "V %lld, tile_vocab %lld, layout %d, reduction %d, options %d",
                              (long long)v, (long long)t, layout, (int)reductions[r], options);
-                    tu_check_against_reference(&p, &cfg, label);
-                    tu_problem_free(&p);
+                    cp_check_against_reference(&p, &cfg, label);
+                    cp_problem_free(&p);
                 }
     }
 }
@@ -75,17 +75,17 @@ static void test_argmax_ties_across_tiles(void)
     for (size_t tv = 0; tv < TU_COUNT(tile_vocabs); tv++)
         for (int variant = 0; variant < 4; variant++) {
             const int layout = variant & 1, train_step = variant >> 1;
-            tu_problem p;
-            tu_problem_from_logits(&p, N, V, (fh_layout)layout, logits);
+            cp_problem p;
+            cp_problem_from_logits(&p, N, V, (fh_layout)layout, logits);
             for (int64_t i = 0; i < N; i++)
                 p.targets[i] = (i * 7) % V;
-            const tu_config cfg = {.threads = 2, .tile_rows = 3, .tile_vocab = tile_vocabs[tv], .train_step = train_step};
+            const cp_config cfg = {.threads = 2, .tile_rows = 3, .tile_vocab = tile_vocabs[tv], .train_step = train_step};
             char label[96];
             snprintf(label, sizeof label, "argmax ties, tile_vocab %lld, layout %d, train step %d",
                      (long long)tile_vocabs[tv], layout, train_step);
-            tu_check_against_reference(&p, &cfg, label);
-            tu_fused f;
-            const fh_status st = tu_run_fused(&p, &cfg, &f);
+            cp_check_against_reference(&p, &cfg, label);
+            cp_fused f;
+            const fh_status st = cp_run_fused(&p, &cfg, &f);
             TU_CHECK(st == FH_OK, "%s: status %d", label, (int)st);
             for (int64_t i = 0; st == FH_OK && i < N; i++) {
                 int64_t expected = 0;
@@ -95,17 +95,14 @@ static void test_argmax_ties_across_tiles(void)
                 TU_CHECK(f.argmax[i] == expected, "%s: row %lld: argmax %lld, expected %lld (lowest tied index)",
                          label, (long long)i, (long long)f.argmax[i], (long long)expected);
             }
-            tu_fused_free(&f);
-            tu_problem_free(&p);
+            cp_fused_free(&f);
+            cp_problem_free(&p);
         }
     free(logits);
 }
 
-int tu_register_boundaries(void)
-{
-    static const tu_test tests[] = {
-        {"targets on first, last and tile-edge columns", test_targets_on_tile_boundaries},
-        {"argmax ties across tiles", test_argmax_ties_across_tiles},
-    };
-    return tu_add_suite("boundaries", tests, TU_COUNT(tests));
-}
+static const tu_test tests[] = {
+    {"targets on first, last and tile-edge columns", test_targets_on_tile_boundaries},
+    {"argmax ties across tiles", test_argmax_ties_across_tiles},
+};
+const tu_suite suite_boundaries = {tests, TU_COUNT(tests)};

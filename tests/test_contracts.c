@@ -5,6 +5,7 @@
  *   - the workspace size query: an exact-size caller workspace works (and nothing past it is written),
  *     one byte less fails with FH_ERR_WORKSPACE_TOO_SMALL, untouched outputs;
  *   - parameters, bounds, status strings, messages, BLIS query, initialisers. */
+#include "ce_case.h"
 #include "test_util.h"
 
 #include <math.h>
@@ -46,21 +47,14 @@ typedef struct fixture {
     fh_linear_grads *call_grads;
 } fixture;
 
-static void fill_canary(void *p, size_t bytes)
-{
-    memset(p, 0xA5, bytes);
-}
-
 /* Valid inputs (bias, lse from a successful forward); outputs filled with the canary. */
 static void fixture_init(fixture *f)
 {
     memset(f, 0, sizeof *f);
     TU_CHECK(fh_context_create(&f->ctx) == FH_OK, "fh_context_create");
     uint64_t rng = 12345;
-    for (int i = 0; i < N * H; i++)
-        f->in.x[i] = (float)(2.0 * ce_uniform(&rng) - 1.0);
-    for (int i = 0; i < H * V; i++)
-        f->in.weight[i] = (float)(2.0 * ce_uniform(&rng) - 1.0);
+    tu_fill_uniform(f->in.x, N * H, &rng, -1.0, 1.0);
+    tu_fill_uniform(f->in.weight, H * V, &rng, -1.0, 1.0);
     for (int j = 0; j < V; j++) {
         f->in.bias[j] = (float)(ce_uniform(&rng) - 0.5);
         f->in.class_weights[j] = (float)(0.5 + ce_uniform(&rng));
@@ -80,7 +74,7 @@ static void fixture_init(fixture *f)
     const fh_status st = fh_ce_forward(f->ctx, &f->lin, f->in.targets, &f->options, &f->fwd_out);
     TU_CHECK(st == FH_OK, "fixture forward: %d", (int)st);
     memcpy(f->in.lse, f->out.lse, sizeof f->in.lse);
-    fill_canary(&f->out, sizeof f->out);
+    tu_fill_canary(&f->out, sizeof f->out);
     f->call_ctx = f->ctx;
     f->call_lin = &f->lin;
     f->call_targets = f->in.targets;
@@ -297,14 +291,14 @@ static void test_valid_call_and_message_reset(void)
     TU_CHECK(call_forward(&f) == FH_OK, "forward failed");
     TU_CHECK(call_backward(&f) == FH_OK, "backward failed");
     outputs canary;
-    fill_canary(&canary, sizeof canary);
+    tu_fill_canary(&canary, sizeof canary);
     TU_CHECK(memcmp(&canary.loss, &f.out.loss, sizeof canary.loss) != 0 &&
                  memcmp(canary.dx, f.out.dx, sizeof canary.dx) != 0 &&
                  memcmp(canary.dweight, f.out.dweight, sizeof canary.dweight) != 0 &&
                  memcmp(canary.dbias, f.out.dbias, sizeof canary.dbias) != 0 &&
                  memcmp(canary.lse, f.out.lse, sizeof canary.lse) != 0,
              "a successful call left outputs at the canary");
-    fill_canary(&f.out, sizeof f.out);
+    tu_fill_canary(&f.out, sizeof f.out);
     TU_CHECK(call_train_step(&f) == FH_OK, "train step failed");
     TU_CHECK(memcmp(&canary.loss, &f.out.loss, sizeof canary.loss) != 0 &&
                  memcmp(canary.dx, f.out.dx, sizeof canary.dx) != 0 &&
@@ -617,22 +611,19 @@ static void test_optional_outputs(void)
     TU_CHECK(call_forward(&f) == FH_OK, "'none' with only per_token_loss");
     g.dweight = f.out.dweight;
     TU_CHECK(call_backward(&f) == FH_OK && tu_all_finite_f(f.out.dweight, H * V), "backward with dweight only");
-    fill_canary(f.out.dweight, sizeof f.out.dweight);
+    tu_fill_canary(f.out.dweight, sizeof f.out.dweight);
     TU_CHECK(call_train_step(&f) == FH_OK && tu_all_finite_f(f.out.dweight, H * V), "train step with dweight only");
     fh_context_destroy(f.ctx);
 }
 
-int tu_register_contracts(void)
-{
-    static const tu_test tests[] = {
-        {"each bad argument: own status, untouched outputs, message", test_bad_arguments},
-        {"valid call writes outputs; message reset", test_valid_call_and_message_reset},
-        {"caller workspace: exact size, size - 1, guards", test_workspace},
-        {"workspace size query arguments", test_workspace_size_arguments},
-        {"parameters and bounds", test_params},
-        {"status strings", test_status_strings},
-        {"context, initialisers, linear views, BLIS query", test_small_entry_points},
-        {"optional outputs", test_optional_outputs},
-    };
-    return tu_add_suite("contracts", tests, TU_COUNT(tests));
-}
+static const tu_test tests[] = {
+    {"each bad argument: own status, untouched outputs, message", test_bad_arguments},
+    {"valid call writes outputs; message reset", test_valid_call_and_message_reset},
+    {"caller workspace: exact size, size - 1, guards", test_workspace},
+    {"workspace size query arguments", test_workspace_size_arguments},
+    {"parameters and bounds", test_params},
+    {"status strings", test_status_strings},
+    {"context, initialisers, linear views, BLIS query", test_small_entry_points},
+    {"optional outputs", test_optional_outputs},
+};
+const tu_suite suite_contracts = {tests, TU_COUNT(tests)};

@@ -1,14 +1,14 @@
 /* Determinism: the same call gives bitwise-identical loss, per-token outputs and gradients, run twice
  * on fresh contexts, on a context whose workspace was used (and left dirty) by a different problem,
  * and with a caller-owned workspace. */
-#include "test_util.h"
+#include "ce_harness.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 /* NULL when a and b are bitwise identical, else the name of the first differing output. */
-static const char *first_difference(const tu_problem *p, const tu_fused *a, const tu_fused *b)
+static const char *first_difference(const cp_problem *p, const cp_fused *a, const cp_fused *b)
 {
     const size_t n = (size_t)p->n, h = (size_t)p->hidden, v = (size_t)p->vocab;
     const struct {
@@ -32,14 +32,14 @@ static const char *first_difference(const tu_problem *p, const tu_fused *a, cons
     return NULL;
 }
 
-static void make_problem(tu_problem *p, fh_reduction reduction, uint64_t seed)
+static void make_problem(cp_problem *p, fh_reduction reduction, uint64_t seed)
 {
-    tu_problem_init(p, 29, 11, 53, FH_LAYOUT_VH, TU_BIAS | TU_CLASS_WEIGHTS);
+    cp_problem_init(p, 29, 11, 53, FH_LAYOUT_VH, CP_BIAS | CP_CLASS_WEIGHTS);
     p->options.reduction = reduction;
     p->options.label_smoothing = 0.1;
     p->options.softcap = 3.0;
     p->options.z_loss = 1e-3;
-    tu_problem_randomize(p, seed, 3.0);
+    cp_problem_randomize(p, seed, 3.0);
     p->targets[2] = p->targets[7] = -100;
 }
 
@@ -51,19 +51,19 @@ static void test_repeated_runs(void)
         for (int threads = 1; threads <= 2; threads++)
             for (int variant = 0; variant < 4; variant++) {
                 const int beta = variant & 1, train_step = variant >> 1;
-                tu_problem p;
+                cp_problem p;
                 make_problem(&p, reductions[r], 500 + r);
-                const tu_config cfg = {.threads = threads, .tile_rows = 8, .tile_vocab = 16, .grad_beta = (float)beta,
+                const cp_config cfg = {.threads = threads, .tile_rows = 8, .tile_vocab = 16, .grad_beta = (float)beta,
                                        .train_step = train_step};
-                tu_fused a, b;
-                const fh_status sa = tu_run_fused(&p, &cfg, &a), sb = tu_run_fused(&p, &cfg, &b);
+                cp_fused a, b;
+                const fh_status sa = cp_run_fused(&p, &cfg, &a), sb = cp_run_fused(&p, &cfg, &b);
                 TU_CHECK(sa == FH_OK && sb == FH_OK, "status %d, %d", (int)sa, (int)sb);
                 const char *d = sa == FH_OK && sb == FH_OK ? first_difference(&p, &a, &b) : NULL;
                 TU_CHECK(d == NULL, "reduction %d, %d threads, beta %d, train step %d: %s differs between identical runs",
                          (int)reductions[r], threads, beta, train_step, d ? d : "");
-                tu_fused_free(&a);
-                tu_fused_free(&b);
-                tu_problem_free(&p);
+                cp_fused_free(&a);
+                cp_fused_free(&b);
+                cp_problem_free(&p);
             }
 }
 
@@ -74,22 +74,22 @@ static void test_reused_and_caller_workspaces(void)
 {
     for (size_t r = 0; r < TU_COUNT(reductions); r++)
         for (int train_step = 0; train_step <= 1; train_step++) {
-            tu_problem p, big;
+            cp_problem p, big;
             make_problem(&p, reductions[r], 600 + r);
-            tu_problem_init(&big, 61, 5, 97, FH_LAYOUT_HV, TU_BIAS);
-            tu_problem_randomize(&big, 700 + r, 5.0);
-            const tu_config cfg = {.threads = 2, .tile_rows = 8, .tile_vocab = 16, .train_step = train_step};
-            tu_fused fresh, reused, callers, scratch;
-            TU_CHECK(tu_run_fused(&p, &cfg, &fresh) == FH_OK, "fresh run");
+            cp_problem_init(&big, 61, 5, 97, FH_LAYOUT_HV, CP_BIAS);
+            cp_problem_randomize(&big, 700 + r, 5.0);
+            const cp_config cfg = {.threads = 2, .tile_rows = 8, .tile_vocab = 16, .train_step = train_step};
+            cp_fused fresh, reused, callers, scratch;
+            TU_CHECK(cp_run_fused(&p, &cfg, &fresh) == FH_OK, "fresh run");
 
-            fh_context *ctx = tu_context(&cfg);
-            TU_CHECK(tu_run_fused_on(ctx, &big, &cfg, &scratch) == FH_OK, "other problem");
-            TU_CHECK(tu_run_fused_on(ctx, &p, &cfg, &reused) == FH_OK, "reused context");
+            fh_context *ctx = cp_context(&cfg);
+            TU_CHECK(cp_run_fused_on(ctx, &big, &cfg, &scratch) == FH_OK, "other problem");
+            TU_CHECK(cp_run_fused_on(ctx, &p, &cfg, &reused) == FH_OK, "reused context");
             fh_context_destroy(ctx);
 
-            ctx = tu_context(&cfg);
+            ctx = cp_context(&cfg);
             fh_linear lin;
-            tu_problem_linear(&p, &lin);
+            cp_problem_linear(&p, &lin);
             size_t bytes = 0;
             const fh_status st = train_step ? fh_ce_forward_backward_workspace_size(ctx, &lin, &p.options, &bytes)
                                             : fh_ce_workspace_size(ctx, &lin, &p.options, &bytes);
@@ -98,7 +98,7 @@ static void test_reused_and_caller_workspaces(void)
             for (size_t i = 0; i < bytes; i++)
                 ws[i] = (unsigned char)(i * 131 + 7);
             TU_CHECK(fh_context_set_workspace(ctx, ws, bytes) == FH_OK, "set_workspace");
-            TU_CHECK(tu_run_fused_on(ctx, &p, &cfg, &callers) == FH_OK, "caller workspace");
+            TU_CHECK(cp_run_fused_on(ctx, &p, &cfg, &callers) == FH_OK, "caller workspace");
             fh_context_destroy(ctx);
             free(ws);
 
@@ -107,20 +107,17 @@ static void test_reused_and_caller_workspaces(void)
                      train_step, d1 ? d1 : "");
             TU_CHECK(d2 == NULL, "reduction %d, train step %d: %s differs with a caller workspace", (int)reductions[r],
                      train_step, d2 ? d2 : "");
-            tu_fused_free(&fresh);
-            tu_fused_free(&reused);
-            tu_fused_free(&callers);
-            tu_fused_free(&scratch);
-            tu_problem_free(&p);
-            tu_problem_free(&big);
+            cp_fused_free(&fresh);
+            cp_fused_free(&reused);
+            cp_fused_free(&callers);
+            cp_fused_free(&scratch);
+            cp_problem_free(&p);
+            cp_problem_free(&big);
         }
 }
 
-int tu_register_determinism(void)
-{
-    static const tu_test tests[] = {
-        {"identical runs are bitwise identical", test_repeated_runs},
-        {"reused context and caller workspace", test_reused_and_caller_workspaces},
-    };
-    return tu_add_suite("determinism", tests, TU_COUNT(tests));
-}
+static const tu_test tests[] = {
+    {"identical runs are bitwise identical", test_repeated_runs},
+    {"reused context and caller workspace", test_reused_and_caller_workspaces},
+};
+const tu_suite suite_determinism = {tests, TU_COUNT(tests)};

@@ -15,7 +15,7 @@
  *   dx_ik = sum_j dU_ij W_kj:        <= tau S G_i sum_j |W_kj| + V 2^-24 sum_j |dU_ij W_kj|  (GEMM rounding).
  * For |z| = 1e4, tau ~ 4.8e-3; for |z| = 200, tau ~ 1e-4.
  */
-#include "test_util.h"
+#include "ce_harness.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -31,28 +31,23 @@ static int all_finite_d(const double *a, size_t count)
     return 1;
 }
 
-/* Runs a hand-built problem (tu_problem_from_logits; every row active) and checks the bounds above,
+/* Runs a hand-built problem (cp_problem_from_logits; every row active) and checks the bounds above,
  * with separate calls and with the train step. */
-static void check_extreme_once(const tu_problem *p, const char *label_base, int train_step)
+static void check_extreme_once(const cp_problem *p, const char *label_base, int train_step)
 {
     const int64_t n = p->n, h = p->hidden, v = p->vocab;
-    const tu_config cfg = {.threads = 2, .tile_rows = 2, .tile_vocab = 16, .train_step = train_step};
+    const cp_config cfg = {.threads = 2, .tile_rows = 2, .tile_vocab = 16, .train_step = train_step};
     char label[160];
     snprintf(label, sizeof label, "%s, train step %d", label_base, train_step);
-    tu_fused f;
-    const fh_status st = tu_run_fused(p, &cfg, &f);
-    TU_CHECK(st == FH_OK, "%s: status %d", label, (int)st);
-    if (st != FH_OK) {
-        tu_fused_free(&f);
+    cp_fused f;
+    cp_reference r;
+    if (!cp_run_fused_and_reference(p, &cfg, label, &f, &r))
         return;
-    }
-    tu_reference r;
-    tu_run_reference(p, 0.0f, &r);
 
     double zmax = 0.0;
     for (int64_t i = 0; i < n; i++)
         for (int64_t j = 0; j < v; j++)
-            zmax = fmax(zmax, fabs(tu_logit(p, i, j)));
+            zmax = fmax(zmax, fabs(cp_logit(p, i, j)));
     const double tau = 8.0 * TU_FP32_U * zmax;
     const double s = 1.0 + 2.0 * p->options.z_loss * tu_max_abs_d(r.lse, (size_t)n);
     const fh_reduction red = p->options.reduction;
@@ -82,16 +77,16 @@ static void check_extreme_once(const tu_problem *p, const char *label_base, int 
         const double gi = fabs(g) / (red == FH_REDUCTION_MEAN ? (double)n : 1.0);
         const double eps_u = tau * s * gi;
         for (int64_t j = 0; j < v; j++) {
-            const size_t w = tu_weight_index(p, i, j); /* hidden index k = i */
+            const size_t w = cp_weight_index(p, i, j); /* hidden index k = i */
             const double e = fabs((double)f.dweight[w] - r.dweight[w]);
             worst_dw = fmax(worst_dw, isnan(e) ? INFINITY : e / eps_u);
         }
         for (int64_t k = 0; k < h; k++) {
             double wsum = 0.0, dusum = 0.0;
             for (int64_t j = 0; j < v; j++) {
-                const double wkj = p->weight[tu_weight_index(p, k, j)];
+                const double wkj = p->weight[cp_weight_index(p, k, j)];
                 wsum += fabs(wkj);
-                dusum += fabs(r.dweight[tu_weight_index(p, i, j)] * wkj);
+                dusum += fabs(r.dweight[cp_weight_index(p, i, j)] * wkj);
             }
             const double bound = eps_u * wsum + (double)v * TU_FP32_U * dusum;
             const double e = fabs((double)f.dx[i * h + k] - r.dx[i * h + k]);
@@ -100,11 +95,11 @@ static void check_extreme_once(const tu_problem *p, const char *label_base, int 
     }
     TU_CHECK(worst_dw <= 1.0, "%s: dweight error up to %.3g x its bound (tau %.3e)", label, worst_dw, tau);
     TU_CHECK(worst_dx <= 1.0, "%s: dx error up to %.3g x its bound (tau %.3e)", label, worst_dx, tau);
-    tu_reference_free(&r);
-    tu_fused_free(&f);
+    cp_reference_free(&r);
+    cp_fused_free(&f);
 }
 
-static void check_extreme(const tu_problem *p, const char *label)
+static void check_extreme(const cp_problem *p, const char *label)
 {
     check_extreme_once(p, label, 0);
     check_extreme_once(p, label, 1);
@@ -128,8 +123,8 @@ static void test_target_200_below_max(void)
     }
     for (size_t r = 0; r < TU_COUNT(reductions); r++)
         for (int layout = FH_LAYOUT_HV; layout <= FH_LAYOUT_VH; layout++) {
-            tu_problem p;
-            tu_problem_from_logits(&p, N, V, (fh_layout)layout, logits);
+            cp_problem p;
+            cp_problem_from_logits(&p, N, V, (fh_layout)layout, logits);
             p.options.reduction = reductions[r];
             for (int64_t i = 0; i < N; i++) {
                 p.targets[i] = target_col[i];
@@ -139,18 +134,18 @@ static void test_target_200_below_max(void)
             snprintf(label, sizeof label, "target 200 below max, reduction %d, layout %d", (int)reductions[r], layout);
             check_extreme(&p, label);
             for (int train_step = 0; train_step <= 1; train_step++) {
-                const tu_config cfg = {.threads = 1, .tile_rows = 2, .tile_vocab = 16, .train_step = train_step};
-                tu_fused f;
-                if (tu_run_fused(&p, &cfg, &f) == FH_OK) {
+                const cp_config cfg = {.threads = 1, .tile_rows = 2, .tile_vocab = 16, .train_step = train_step};
+                cp_fused f;
+                if (cp_run_fused(&p, &cfg, &f) == FH_OK) {
                     const double tau = 8.0 * TU_FP32_U * 100.0;
                     for (int64_t i = 0; i < N; i++)
                         TU_CHECK(f.per_token_loss[i] >= 200.0 - tau,
                                  "%s, train step %d: row %lld: per-token loss %.9g < 200", label, train_step,
                                  (long long)i, (double)f.per_token_loss[i]);
                 }
-                tu_fused_free(&f);
+                cp_fused_free(&f);
             }
-            tu_problem_free(&p);
+            cp_problem_free(&p);
         }
 }
 
@@ -184,8 +179,8 @@ static void test_logits_around_1e4(void)
     } variants[] = {{"plain", 0.0, 0.0}, {"z_loss 1e-4", 1e-4, 0.0}, {"softcap 30", 0.0, 30.0}};
     for (size_t k = 0; k < TU_COUNT(variants); k++)
         for (size_t r = 0; r < TU_COUNT(reductions); r++) {
-            tu_problem p;
-            tu_problem_from_logits(&p, N, V, r == 1 ? FH_LAYOUT_VH : FH_LAYOUT_HV, logits);
+            cp_problem p;
+            cp_problem_from_logits(&p, N, V, r == 1 ? FH_LAYOUT_VH : FH_LAYOUT_HV, logits);
             p.options.reduction = reductions[r];
             p.options.z_loss = variants[k].z_loss;
             p.options.softcap = variants[k].softcap;
@@ -196,7 +191,7 @@ static void test_logits_around_1e4(void)
             char label[64];
             snprintf(label, sizeof label, "+-1e4 %s, reduction %d", variants[k].name, (int)reductions[r]);
             check_extreme(&p, label);
-            tu_problem_free(&p);
+            cp_problem_free(&p);
         }
 }
 
@@ -263,12 +258,9 @@ static void test_gemm_logits_1e4(void)
         }
 }
 
-int tu_register_extremes(void)
-{
-    static const tu_test tests[] = {
-        {"target 200 below the maximum", test_target_200_below_max},
-        {"hand-built logits around +-1e4", test_logits_around_1e4},
-        {"GEMM logits around +-1e4 (logit_scale)", test_gemm_logits_1e4},
-    };
-    return tu_add_suite("extremes", tests, TU_COUNT(tests));
-}
+static const tu_test tests[] = {
+    {"target 200 below the maximum", test_target_200_below_max},
+    {"hand-built logits around +-1e4", test_logits_around_1e4},
+    {"GEMM logits around +-1e4 (logit_scale)", test_gemm_logits_1e4},
+};
+const tu_suite suite_extremes = {tests, TU_COUNT(tests)};

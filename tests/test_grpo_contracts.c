@@ -9,6 +9,7 @@
  *     outside it), one byte less fails with FH_ERR_WORKSPACE_TOO_SMALL and untouched outputs; the query's own
  *     argument checks and purity;
  *   - fh_grpo_options_init's documented defaults; optional outputs. */
+#include "ce_case.h"
 #include "test_util.h"
 
 #include <float.h>
@@ -55,11 +56,6 @@ typedef struct fixture {
     fh_linear_grads *call_grads;
 } fixture;
 
-static void fill_canary(void *p, size_t bytes)
-{
-    memset(p, 0xA5, bytes);
-}
-
 /* A valid call using every input: bias, old and ref log-probs (beta 0.04), entropy_coef 0.01 (the backward
  * needs the entropy), delta, GSPO off; row 1 padded at its end with an out-of-range id under the mask. */
 static void fixture_init(fixture *f)
@@ -67,10 +63,8 @@ static void fixture_init(fixture *f)
     memset(f, 0, sizeof *f);
     TU_CHECK(fh_context_create(&f->ctx) == FH_OK, "fh_context_create");
     uint64_t rng = 4242;
-    for (int i = 0; i < N * H; i++)
-        f->in.x[i] = (float)(2.0 * ce_uniform(&rng) - 1.0);
-    for (int i = 0; i < H * V; i++)
-        f->in.weight[i] = (float)(2.0 * ce_uniform(&rng) - 1.0);
+    tu_fill_uniform(f->in.x, N * H, &rng, -1.0, 1.0);
+    tu_fill_uniform(f->in.weight, H * V, &rng, -1.0, 1.0);
     for (int j = 0; j < V; j++)
         f->in.bias[j] = (float)(ce_uniform(&rng) - 0.5);
     for (int i = 0; i < N; i++) {
@@ -101,7 +95,7 @@ static void fixture_init(fixture *f)
     memcpy(f->in.saved_logp, f->out.logp, sizeof f->in.saved_logp);
     memcpy(f->in.saved_lse, f->out.lse, sizeof f->in.saved_lse);
     memcpy(f->in.saved_entropy, f->out.entropy, sizeof f->in.saved_entropy);
-    fill_canary(&f->out, sizeof f->out);
+    tu_fill_canary(&f->out, sizeof f->out);
     f->call_ctx = f->ctx;
     f->call_lin = &f->lin;
     f->call_batch = &f->batch;
@@ -328,7 +322,7 @@ static void test_valid_calls(void)
         inputs in_before;
         memcpy(&in_before, &f.in, sizeof in_before);
         outputs canary;
-        fill_canary(&canary, sizeof canary);
+        tu_fill_canary(&canary, sizeof canary);
         const fh_status st = call(&f, which);
         TU_CHECK(st == FH_OK, "%s: status %d", call_name(which), (int)st);
         const struct {
@@ -547,7 +541,7 @@ static void test_options_init_and_optional_outputs(void)
     TU_CHECK(call(&f, STEP) == FH_OK, "train step with every output and gradient NULL");
     TU_CHECK(call(&f, BWD) == FH_OK, "backward with every gradient NULL");
     outputs canary;
-    fill_canary(&canary, sizeof canary);
+    tu_fill_canary(&canary, sizeof canary);
     TU_CHECK(memcmp(&canary, &f.out, sizeof canary) == 0, "NULL outputs, yet a buffer was written");
     /* Only dweight, and only the loss. */
     no_grads.dweight = f.out.dweight;
@@ -557,16 +551,13 @@ static void test_options_init_and_optional_outputs(void)
     fh_context_destroy(f.ctx);
 }
 
-int tu_register_grpo_contracts(void)
-{
-    static const tu_test tests[] = {
-        {"each bad argument: own status, untouched outputs, message", test_bad_arguments},
-        {"valid calls write their outputs; message reset", test_valid_calls},
-        {"out-of-range ids under the mask accepted", test_masked_out_of_range_ids_accepted},
-        {"equivalent option spellings are bitwise identical", test_equivalent_spellings},
-        {"caller workspace: exact size, size - 1, guards", test_workspace},
-        {"workspace size query arguments", test_workspace_size_arguments},
-        {"options init and optional outputs", test_options_init_and_optional_outputs},
-    };
-    return tu_add_suite("grpo_contracts", tests, TU_COUNT(tests));
-}
+static const tu_test tests[] = {
+    {"each bad argument: own status, untouched outputs, message", test_bad_arguments},
+    {"valid calls write their outputs; message reset", test_valid_calls},
+    {"out-of-range ids under the mask accepted", test_masked_out_of_range_ids_accepted},
+    {"equivalent option spellings are bitwise identical", test_equivalent_spellings},
+    {"caller workspace: exact size, size - 1, guards", test_workspace},
+    {"workspace size query arguments", test_workspace_size_arguments},
+    {"options init and optional outputs", test_options_init_and_optional_outputs},
+};
+const tu_suite suite_grpo_contracts = {tests, TU_COUNT(tests)};

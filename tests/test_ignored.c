@@ -2,7 +2,7 @@
  * never NaN. Those are exact values, asserted exactly. For partly ignored inputs, the loss does not depend
  * on an ignored row at all, so its per-token loss and log p are the documented 0 and its dx row is
  * exactly 0 (a nonzero value, however small, means the row leaked into the loss). */
-#include "test_util.h"
+#include "ce_harness.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -38,9 +38,9 @@ static void test_every_row_ignored(void)
             for (int all_options = 0; all_options <= 1; all_options++)
                 for (int variant = 0; variant < 4; variant++) {
                     const int b = variant & 1, train_step = variant >> 1;
-                    tu_problem p;
-                    tu_problem_init(&p, N, H, V, FH_LAYOUT_VH, TU_BIAS | (all_options ? TU_CLASS_WEIGHTS : 0));
-                    tu_problem_randomize(&p, 70 + r, 3.0);
+                    cp_problem p;
+                    cp_problem_init(&p, N, H, V, FH_LAYOUT_VH, CP_BIAS | (all_options ? CP_CLASS_WEIGHTS : 0));
+                    cp_problem_randomize(&p, 70 + r, 3.0);
                     p.options.reduction = reductions[r];
                     p.options.ignore_index = ignore_values[iv];
                     if (all_options) {
@@ -50,10 +50,10 @@ static void test_every_row_ignored(void)
                     }
                     for (int64_t i = 0; i < N; i++)
                         p.targets[i] = ignore_values[iv];
-                    const tu_config cfg = {.threads = 1 + b, .tile_rows = 4, .tile_vocab = 8, .grad_beta = (float)b,
+                    const cp_config cfg = {.threads = 1 + b, .tile_rows = 4, .tile_vocab = 8, .grad_beta = (float)b,
                                            .train_step = train_step};
-                    tu_fused f;
-                    const fh_status st = tu_run_fused(&p, &cfg, &f);
+                    cp_fused f;
+                    const fh_status st = cp_run_fused(&p, &cfg, &f);
                     char label[128];
                     snprintf(label, sizeof label, "ignore_index %lld, reduction %d, options %d, beta %d, train step %d",
                              (long long)ignore_values[iv], (int)reductions[r], all_options, b, train_step);
@@ -61,8 +61,8 @@ static void test_every_row_ignored(void)
                     if (st == FH_OK)
                         check_all_ignored(label, N, H, V, f.loss, f.z_loss, f.per_token_loss, f.logp, f.lse, f.dx,
                                           f.dweight, f.dbias, cfg.grad_beta);
-                    tu_fused_free(&f);
-                    tu_problem_free(&p);
+                    cp_fused_free(&f);
+                    cp_problem_free(&p);
                 }
 }
 
@@ -112,9 +112,9 @@ static void test_some_rows_ignored(void)
         for (size_t r = 0; r < TU_COUNT(reductions); r++)
             for (int variant = 0; variant < 4; variant++) {
                 const int b = variant & 1, train_step = variant >> 1;
-                tu_problem p;
-                tu_problem_init(&p, N, H, V, FH_LAYOUT_HV, TU_BIAS | TU_CLASS_WEIGHTS);
-                tu_problem_randomize(&p, 80 + iv * 10 + r, 3.0);
+                cp_problem p;
+                cp_problem_init(&p, N, H, V, FH_LAYOUT_HV, CP_BIAS | CP_CLASS_WEIGHTS);
+                cp_problem_randomize(&p, 80 + iv * 10 + r, 3.0);
                 p.options.reduction = reductions[r];
                 p.options.ignore_index = ignore_values[iv];
                 p.options.label_smoothing = 0.1;
@@ -125,14 +125,14 @@ static void test_some_rows_ignored(void)
                     else if (p.targets[i] == ignore_values[iv])
                         p.targets[i] = (p.targets[i] + 1) % V; /* keep even rows active */
                 }
-                const tu_config cfg = {.threads = 2, .tile_rows = 4, .tile_vocab = 8, .grad_beta = (float)b,
+                const cp_config cfg = {.threads = 2, .tile_rows = 4, .tile_vocab = 8, .grad_beta = (float)b,
                                        .train_step = train_step};
                 char label[128];
                 snprintf(label, sizeof label, "ignore_index %lld, reduction %d, beta %d, train step %d",
                          (long long)ignore_values[iv], (int)reductions[r], b, train_step);
-                tu_check_against_reference(&p, &cfg, label);
-                tu_fused f;
-                const fh_status st = tu_run_fused(&p, &cfg, &f);
+                cp_check_against_reference(&p, &cfg, label);
+                cp_fused f;
+                const fh_status st = cp_run_fused(&p, &cfg, &f);
                 TU_CHECK(st == FH_OK, "%s: status %d", label, (int)st);
                 for (int64_t i = 1; st == FH_OK && i < N; i += 2) {
                     TU_CHECK(f.per_token_loss[i] == 0.0f && f.logp[i] == 0.0f,
@@ -141,17 +141,14 @@ static void test_some_rows_ignored(void)
                     TU_CHECK(tu_all_equal_f(f.dx + i * H, H, cfg.grad_beta), "%s: ignored row %lld: dx not %g", label,
                              (long long)i, (double)cfg.grad_beta);
                 }
-                tu_fused_free(&f);
-                tu_problem_free(&p);
+                cp_fused_free(&f);
+                cp_problem_free(&p);
             }
 }
 
-int tu_register_ignored(void)
-{
-    static const tu_test tests[] = {
-        {"every row ignored: exact zeros", test_every_row_ignored},
-        {"every row ignored via ce_case (ignore_frac 1)", test_every_row_ignored_harness},
-        {"some rows ignored, several ignore_index values", test_some_rows_ignored},
-    };
-    return tu_add_suite("ignored", tests, TU_COUNT(tests));
-}
+static const tu_test tests[] = {
+    {"every row ignored: exact zeros", test_every_row_ignored},
+    {"every row ignored via ce_case (ignore_frac 1)", test_every_row_ignored_harness},
+    {"some rows ignored, several ignore_index values", test_some_rows_ignored},
+};
+const tu_suite suite_ignored = {tests, TU_COUNT(tests)};

@@ -2,7 +2,7 @@
  * pre-filled with NaN must be overwritten) and 1 (accumulate onto 1.0), both weight layouts, separate
  * forward + backward calls and the single-call train step.
  * Tolerances: ce_metrics_pass (justified in ref/ce_case.c). */
-#include "test_util.h"
+#include "ce_harness.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -74,7 +74,7 @@ static void run_set(int index)
         for (size_t b = 0; b < TU_COUNT(betas); b++)
             for (int variant = 0; variant < 4; variant++) {
                 const ce_case_spec s = spec_of(o, reductions[r], (fh_layout)(variant & 1), betas[b], variant >> 1, seed++);
-                tu_check_spec(&s, o->name);
+                cp_check_spec(&s, o->name);
             }
     /* Guards the table: the option must move the loss (> 1e-3 relative from the same case with the
      * options off), so that the comparisons above exercise it. */
@@ -103,35 +103,32 @@ static void test_zero_class_weights(void)
 {
     const fh_reduction reductions[] = {FH_REDUCTION_MEAN, FH_REDUCTION_SUM, FH_REDUCTION_NONE};
     for (size_t r = 0; r < TU_COUNT(reductions); r++) {
-        tu_problem p;
-        tu_problem_init(&p, 21, 6, 33, FH_LAYOUT_VH, TU_BIAS | TU_CLASS_WEIGHTS);
+        cp_problem p;
+        cp_problem_init(&p, 21, 6, 33, FH_LAYOUT_VH, CP_BIAS | CP_CLASS_WEIGHTS);
         p.options.reduction = reductions[r];
         p.options.label_smoothing = 0.2;
-        tu_problem_randomize(&p, 50 + r, 3.0);
+        cp_problem_randomize(&p, 50 + r, 3.0);
         for (int64_t j = 0; j < p.vocab; j += 2)
             p.class_weights[j] = 0.0f;
         p.targets[0] = 0; /* weight 0 */
         p.targets[1] = 1; /* weight > 0, so that the mean has a denominator */
         for (int train_step = 0; train_step <= 1; train_step++) {
-            const tu_config cfg = {.threads = 1, .tile_rows = 8, .tile_vocab = 16, .train_step = train_step};
-            tu_check_against_reference(&p, &cfg, "zero class weights");
+            const cp_config cfg = {.threads = 1, .tile_rows = 8, .tile_vocab = 16, .train_step = train_step};
+            cp_check_against_reference(&p, &cfg, "zero class weights");
         }
-        tu_problem_free(&p);
+        cp_problem_free(&p);
     }
 }
 
-int tu_register_options(void)
-{
-    static const tu_test tests[] = {
-        {"plain", test_plain},
-        {"ignore_index (30% ignored)", test_ignore_index},
-        {"label_smoothing 0.1", test_label_smoothing},
-        {"label_smoothing 1", test_label_smoothing_one},
-        {"class_weights", test_class_weights},
-        {"softcap", test_softcap},
-        {"z_loss", test_z_loss},
-        {"all options together", test_all_options},
-        {"zero class weights", test_zero_class_weights},
-    };
-    return tu_add_suite("options", tests, TU_COUNT(tests));
-}
+static const tu_test tests[] = {
+    {"plain", test_plain},
+    {"ignore_index (30% ignored)", test_ignore_index},
+    {"label_smoothing 0.1", test_label_smoothing},
+    {"label_smoothing 1", test_label_smoothing_one},
+    {"class_weights", test_class_weights},
+    {"softcap", test_softcap},
+    {"z_loss", test_z_loss},
+    {"all options together", test_all_options},
+    {"zero class weights", test_zero_class_weights},
+};
+const tu_suite suite_options = {tests, TU_COUNT(tests)};

@@ -3,7 +3,7 @@
  * with and without bias, 1 and 2 threads, separate forward + backward calls and the single-call train
  * step (row blocks across the whole vocabulary, or streaming when they do not fit).
  * Tolerances: ce_metrics_pass (justified in ref/ce_case.c). */
-#include "test_util.h"
+#include "ce_harness.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -38,7 +38,7 @@ static void run_grid(fh_layout layout, int threads)
                     s.tile_vocab = TILE_VOCAB;
                     s.train_step = train_step;
                     s.seed = seed++;
-                    tu_check_spec(&s, "tile edges");
+                    cp_check_spec(&s, "tile edges");
                 }
 }
 
@@ -70,7 +70,7 @@ static void test_tile_configurations(void)
             s.bias = 1;
             s.train_step = train_step;
             s.seed = 100 + k;
-            tu_check_spec(&s, "tile configuration");
+            cp_check_spec(&s, "tile configuration");
         }
 }
 
@@ -80,15 +80,15 @@ static void test_tile_configurations(void)
 static void test_memory_budget_shrinks_tiles(void)
 {
     static const int64_t budgets[] = {4096, 8192, 20000, 1 << 20};
-    tu_problem p;
-    tu_problem_init(&p, 37, 9, 300, FH_LAYOUT_VH, TU_BIAS);
-    tu_problem_randomize(&p, 7, 3.0);
+    cp_problem p;
+    cp_problem_init(&p, 37, 9, 300, FH_LAYOUT_VH, CP_BIAS);
+    cp_problem_randomize(&p, 7, 3.0);
     for (size_t k = 0; k < TU_COUNT(budgets); k++)
         for (int train_step = 0; train_step <= 1; train_step++) {
-            const tu_config cfg = {.threads = 1, .memory_budget = budgets[k], .train_step = train_step};
-            fh_context *ctx = tu_context(&cfg);
+            const cp_config cfg = {.threads = 1, .memory_budget = budgets[k], .train_step = train_step};
+            fh_context *ctx = cp_context(&cfg);
             fh_linear lin;
-            tu_problem_linear(&p, &lin);
+            cp_problem_linear(&p, &lin);
             size_t bytes = 0;
             const fh_status st = train_step ? fh_ce_forward_backward_workspace_size(ctx, &lin, &p.options, &bytes)
                                             : fh_ce_workspace_size(ctx, &lin, &p.options, &bytes);
@@ -99,9 +99,9 @@ static void test_memory_budget_shrinks_tiles(void)
             fh_context_destroy(ctx);
             char label[64];
             snprintf(label, sizeof label, "memory budget %lld", (long long)budgets[k]);
-            tu_check_against_reference(&p, &cfg, label);
+            cp_check_against_reference(&p, &cfg, label);
         }
-    tu_problem_free(&p);
+    cp_problem_free(&p);
 }
 
 /* Strided views: x rows padded, the weight padded (or gapped) in either orientation, dx rows padded.
@@ -122,9 +122,9 @@ static void test_strided_views(void)
     for (size_t variant = 0; variant < 2 * TU_COUNT(views); variant++) {
         const size_t k = variant / 2;
         const int train_step = (int)(variant % 2);
-        tu_problem p;
-        tu_problem_init(&p, N, H, V, FH_LAYOUT_HV, TU_BIAS);
-        tu_problem_randomize(&p, 40 + k, 3.0);
+        cp_problem p;
+        cp_problem_init(&p, N, H, V, FH_LAYOUT_HV, CP_BIAS);
+        cp_problem_randomize(&p, 40 + k, 3.0);
         const int64_t sh = views[k].w_stride_hidden, sv = views[k].w_stride_vocab;
         const size_t wspan = (size_t)((H - 1) * sh + (V - 1) * sv + 1);
         const size_t xspan = (size_t)(N * (H + XPAD)), dxspan = (size_t)(N * (H + DXPAD));
@@ -143,11 +143,11 @@ static void test_strided_views(void)
             }
         for (int64_t c = 0; c < H; c++)
             for (int64_t j = 0; j < V; j++) {
-                w[c * sh + j * sv] = p.weight[tu_weight_index(&p, c, j)];
+                w[c * sh + j * sv] = p.weight[cp_weight_index(&p, c, j)];
                 dw[c * sh + j * sv] = NAN;
             }
-        const fh_linear lin = {N, H, V, x, H + XPAD, w, sh, sv, p.bias};
-        tu_fused f;
+        const fh_linear lin = {N, H, V, x, H + XPAD, w, sh, sv, p.bias, FH_DTYPE_F32, FH_DTYPE_F32};
+        cp_fused f;
         memset(&f, 0, sizeof f);
         f.per_token_loss = calloc(N, sizeof(float));
         f.logp = calloc(N, sizeof(float));
@@ -156,8 +156,8 @@ static void test_strided_views(void)
         f.dx = calloc(N * H, sizeof(float));
         f.dweight = calloc(H * V, sizeof(float));
         f.dbias = calloc(V, sizeof(float));
-        const tu_config cfg = {.threads = 2, .tile_rows = 4, .tile_vocab = 16};
-        fh_context *ctx = tu_context(&cfg);
+        const cp_config cfg = {.threads = 2, .tile_rows = 4, .tile_vocab = 16};
+        fh_context *ctx = cp_context(&cfg);
         fh_ce_outputs out = {&f.loss, &f.z_loss, f.per_token_loss, f.logp, f.lse, f.argmax};
         fh_linear_grads g = {dx, H + DXPAD, 0.0f, dw, 0.0f, f.dbias, 0.0f};
         fh_status st;
@@ -178,7 +178,7 @@ static void test_strided_views(void)
         size_t in_view = 0;
         for (int64_t c = 0; c < H; c++)
             for (int64_t j = 0; j < V; j++) {
-                f.dweight[tu_weight_index(&p, c, j)] = dw[c * sh + j * sv];
+                f.dweight[cp_weight_index(&p, c, j)] = dw[c * sh + j * sv];
                 in_view++;
             }
         size_t untouched = 0;
@@ -189,34 +189,31 @@ static void test_strided_views(void)
         TU_CHECK(untouched == wspan - in_view, "%s, train step %d: dweight padding written (%zu of %zu untouched)",
                  views[k].name, train_step, untouched, wspan - in_view);
         if (st == FH_OK) {
-            tu_reference r;
+            cp_reference r;
             ce_metrics m;
             char ms[512];
-            tu_run_reference(&p, 0.0f, &r);
-            tu_measure(&p, &f, &r, &m);
-            tu_format_metrics(&m, ms, sizeof ms);
+            cp_run_reference(&p, 0.0f, &r);
+            cp_measure(&p, &f, &r, &m);
+            cp_format_metrics(&m, ms, sizeof ms);
             TU_CHECK(ce_metrics_pass(&m), "%s, train step %d: fused vs reference: %s", views[k].name, train_step, ms);
-            tu_reference_free(&r);
+            cp_reference_free(&r);
         }
-        tu_fused_free(&f);
+        cp_fused_free(&f);
         free(x);
         free(w);
         free(dx);
         free(dw);
-        tu_problem_free(&p);
+        cp_problem_free(&p);
     }
 }
 
-int tu_register_shapes(void)
-{
-    static const tu_test tests[] = {
-        {"tile edges, [H,V] weight, 1 thread", test_edges_hv_1thread},
-        {"tile edges, [V,H] weight, 1 thread", test_edges_vh_1thread},
-        {"tile edges, [H,V] weight, 2 threads", test_edges_hv_2threads},
-        {"tile edges, [V,H] weight, 2 threads", test_edges_vh_2threads},
-        {"tile configurations and default tiles", test_tile_configurations},
-        {"memory budget shrinks tiles", test_memory_budget_shrinks_tiles},
-        {"strided views", test_strided_views},
-    };
-    return tu_add_suite("shapes", tests, TU_COUNT(tests));
-}
+static const tu_test tests[] = {
+    {"tile edges, [H,V] weight, 1 thread", test_edges_hv_1thread},
+    {"tile edges, [V,H] weight, 1 thread", test_edges_vh_1thread},
+    {"tile edges, [H,V] weight, 2 threads", test_edges_hv_2threads},
+    {"tile edges, [V,H] weight, 2 threads", test_edges_vh_2threads},
+    {"tile configurations and default tiles", test_tile_configurations},
+    {"memory budget shrinks tiles", test_memory_budget_shrinks_tiles},
+    {"strided views", test_strided_views},
+};
+const tu_suite suite_shapes = {tests, TU_COUNT(tests)};

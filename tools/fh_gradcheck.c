@@ -2,6 +2,7 @@
  * prints the differences as JSON and exits non-zero past tolerance. --dump DIR writes every input and
  * fused output as .npy so other tools can check them independently. */
 #include "ce_case.h"
+#include "dtype_option.h"
 #include "gradcheck_grpo.h"
 #include "npy.h"
 
@@ -16,7 +17,7 @@ static void usage(void)
             "usage: fh_gradcheck [--loss ce] --n N --hidden H --vocab V [--layout hv|vh] [--bias] [--ignore-frac F]\n"
             "       [--label-smoothing E] [--class-weights] [--softcap C] [--z-loss S]\n"
             "       [--reduction mean|sum|none] [--threads T] [--seed S] [--dump DIR]\n"
-            "       [--train-step] [--budget BYTES] [--tile-rows R] [--tile-vocab C]\n"
+            "       [--train-step] [--budget BYTES] [--tile-rows R] [--tile-vocab C] [--dtype f32|bf16]\n"
             "       fh_gradcheck --loss grpo ... (fh_gradcheck --loss grpo --help)\n");
 }
 
@@ -61,6 +62,9 @@ static int parse(int argc, char **argv, ce_case_spec *s, const char **dump)
             else if (strcmp(v, "none") == 0)
                 s->reduction = FH_REDUCTION_NONE;
             else
+                return -1;
+        } else if (VALUE_OPTION("--dtype")) {
+            if (parse_dtype(v, &s->dtype) != 0)
                 return -1;
         } else if (VALUE_OPTION("--threads"))
             s->threads = atoi(v);
@@ -149,7 +153,7 @@ int main(int argc, char **argv)
            c.loss, c.ref_loss, m.abs_diff_loss, m.rel_diff_loss, m.abs_diff_z_loss, m.per_token_loss_max_abs,
            m.logp_max_abs, m.lse_max_abs, m.dhidden_max_abs, m.dhidden_max_rel, m.dhidden_norm_rel,
            m.dweight_max_abs, m.dweight_max_rel, m.dweight_norm_rel, m.dbias_norm_rel,
-           (long long)m.argmax_mismatches, CE_LOSS_REL_TOL, CE_GRAD_NORM_REL_TOL, blis.kernel_set,
+           (long long)m.argmax_mismatches, CE_LOSS_REL_TOL, m.grad_norm_rel_tol, blis.kernel_set,
            pass ? "true" : "false");
     int rc = pass ? 0 : 1;
     if (dump && dump_case(dump, &c) != 0) {

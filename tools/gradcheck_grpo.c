@@ -1,4 +1,5 @@
 /* fh_gradcheck --loss grpo: the fused GRPO head against the double-precision TRL-semantics reference. */
+#include "dtype_option.h"
 #include "gradcheck_grpo.h"
 
 #include "grpo_case.h"
@@ -16,7 +17,7 @@ static void usage(void)
             "usage: fh_gradcheck --loss grpo --batch B --seq T --hidden H --vocab V --loss-type X\n"
             "       --is-level token|sequence [--beta b] [--epsilon-low e] [--epsilon-high e] [--delta d]\n"
             "       [--temperature t] [--no-old-logps] [--entropy-coef c] [--layout hv|vh] [--bias]\n"
-            "       [--threads T] [--seed S] [--train-step] [--dump DIR]\n"
+            "       [--threads T] [--seed S] [--train-step] [--dtype f32|bf16] [--dump DIR]\n"
             "  X: grpo bnpo dr_grpo dapo cispo sapo\n");
 }
 
@@ -70,7 +71,10 @@ static int parse(int argc, char **argv, grpo_case_spec *s, const char **dump)
             s->layout = strcmp(v, "vh") == 0 ? FH_LAYOUT_VH : FH_LAYOUT_HV;
         } else if (strcmp(a, "--bias") == 0)
             s->bias = 1;
-        else if (VALUE_OPTION("--threads"))
+        else if (VALUE_OPTION("--dtype")) {
+            if (parse_dtype(v, &s->dtype) != 0)
+                return -1;
+        } else if (VALUE_OPTION("--threads"))
             s->threads = atoi(v);
         else if (VALUE_OPTION("--seed"))
             s->seed = strtoull(v, NULL, 10);
@@ -172,7 +176,7 @@ int gradcheck_grpo(int argc, char **argv)
     print_metrics(stdout, &c.ref_metrics);
     printf(",\n  \"tolerance\": {\"loss_abs_per_unit\": %g, \"metrics_abs\": %g, \"grad_norm_rel\": %g},\n"
            "  \"pass\": %s\n}\n",
-           GRPO_LOSS_TOL, GRPO_METRIC_TOL, GRPO_GRAD_NORM_REL_TOL, pass ? "true" : "false");
+           GRPO_LOSS_TOL, GRPO_METRIC_TOL, d.grad_norm_rel_tol, pass ? "true" : "false");
     int rc = pass ? 0 : 1;
     if (dump && dump_case(dump, &c) != 0) {
         fprintf(stderr, "fh_gradcheck: could not write to %s\n", dump);

@@ -103,6 +103,7 @@ class fh_blis_info(ctypes.Structure):
         ("selected_by_library", ctypes.c_int),
         ("user_override", ctypes.c_int),
         ("elementwise", ctypes.c_char_p),
+        ("bf16_gemm", ctypes.c_char_p),
     ]
 
 
@@ -117,6 +118,8 @@ class fh_linear(ctypes.Structure):
         ("w_stride_hidden", ctypes.c_int64),
         ("w_stride_vocab", ctypes.c_int64),
         ("bias", c_float_p),
+        ("x_dtype", ctypes.c_int),  # fh_dtype: 0 fp32 (the binding passes fp32 only, for now)
+        ("weight_dtype", ctypes.c_int),
     ]
 
 

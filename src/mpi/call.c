@@ -28,6 +28,10 @@ fh_status fhm_call_scratch(fhm_call *c, const int64_t *ids, size_t head_bytes)
     fh_status st = fhm_check_shard(c->L, c->ctx, c->lin);
     if (st != FH_OK)
         return st;
+    /* The engine's bf16 GEMMs can fail (oneDNN out of memory) where ranks would then disagree mid-pass. */
+    if (c->lin->x_dtype != FH_DTYPE_F32)
+        return fh_fail(c->ctx, FH_ERR_INVALID_DTYPE, "the MPI entry points take fp32 x and weight only (bf16 is "
+                                                     "not supported there yet)");
     const int64_t n = c->lin->n;
     const size_t local_bytes = round_up_64((size_t)n * sizeof(int64_t)), head = round_up_64(head_bytes);
     char *scratch = NULL;

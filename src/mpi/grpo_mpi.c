@@ -34,7 +34,7 @@ static fh_status forward_pass(grpo_call *c, const fh_plan *plan, const fh_worksp
     const fh_token_stats stats = fh_grpo_stats_in(ws);
     fh_engine_pass pass = fh_grpo_pass(plan, ws, call->lin, call->engine_ids, c->o);
     pass.stats = &stats;
-    fh_engine_forward(&pass);
+    (void)fh_engine_forward(&pass); /* fp32 only (fhm_call_scratch): cannot fail */
     const fh_status st = fhm_combine_stats(call->L, call->ctx, call->lin->n, &stats, NULL, call->records);
     if (st == FH_OK)
         fh_grpo_token_values(ws, c->bt, call->lin->n, call->L->total_vocab);
@@ -84,7 +84,7 @@ static fh_status backward_pass(grpo_call *c, const fh_plan *plan, const fh_works
         fh_engine_pass pass = fh_grpo_pass(plan, ws, call->lin, call->engine_ids, c->o);
         pass.coefs = &coefs;
         pass.grads = &call->g.engine;
-        fh_engine_backward(&pass);
+        (void)fh_engine_backward(&pass); /* fp32 only (fhm_call_scratch): cannot fail */
     }
     return fhm_call_finish(call, st);
 }

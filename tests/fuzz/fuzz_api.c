@@ -330,7 +330,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                                                  layout_byte % 16 == 0 ? (fh_layout)(2 + layout_byte / 16) : layout, bias);
     CHECK((layout_byte % 16 == 0) == (init_status != FH_OK), "fh_linear_init: status %d", (int)init_status);
     const fh_linear described = {n, hidden, vocab, u8(&r) % 32 == 0 ? NULL : x, x_rs, u8(&r) % 32 == 0 ? NULL : w,
-                                 w_rs, w_cs, bias};
+                                 w_rs, w_cs, bias, FH_DTYPE_F32, FH_DTYPE_F32};
     lin = described;
 
     /* Wisdom entries (tile sizes measured elsewhere), sometimes for exactly this shape. */
@@ -339,7 +339,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         static const int64_t tile_values[] = {1, 2, 7, 64, 1000, (int64_t)1 << 40, INT64_MAX, 0, -1};
         const fh_tile_config e = {wisdom & 16 ? 1 : (int64_t)(u8(&r) % 4), wisdom & 32 ? n : pick_size(&r, 48),
                                   wisdom & 32 ? hidden : pick_size(&r, 48), wisdom & 32 ? vocab : pick_size(&r, 700),
-                                  (fh_call)(u8(&r) % 4), tile_values[u8(&r) % 9], tile_values[u8(&r) % 9]};
+                                  (fh_call)(u8(&r) % 4), tile_values[u8(&r) % 9], tile_values[u8(&r) % 9], FH_DTYPE_F32};
         fh_context_add_wisdom(ctx, &e);
     }
 

@@ -8,16 +8,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-static void *hu_zalloc(size_t count, size_t size)
-{
-    void *p = calloc(count ? count : 1, size);
-    if (!p) {
-        fprintf(stderr, "fh_hardening_tests: out of memory\n");
-        abort();
-    }
-    return p;
-}
-
 const char *hu_call_name(hu_call call)
 {
     static const char *names[HU_CALL_COUNT] = {"fh_ce_forward",   "fh_ce_backward",   "fh_ce_forward_backward",
@@ -38,14 +28,14 @@ void hu_outputs_alloc(hu_outputs *o, int64_t n, int64_t hidden, int64_t vocab, i
     o->vocab = vocab;
     o->has_bias = has_bias;
     const size_t un = (size_t)n, uh = (size_t)hidden, uv = (size_t)vocab;
-    o->per_token_loss = hu_zalloc(un, sizeof(float));
-    o->logp = hu_zalloc(un, sizeof(float));
-    o->lse = hu_zalloc(un, sizeof(float));
-    o->entropy = hu_zalloc(un, sizeof(float));
-    o->argmax = hu_zalloc(un, sizeof(int64_t));
-    o->dx = hu_zalloc(un * uh, sizeof(float));
-    o->dweight = hu_zalloc(uh * uv, sizeof(float));
-    o->dbias = has_bias ? hu_zalloc(uv, sizeof(float)) : NULL;
+    o->per_token_loss = tu_alloc(un, sizeof(float));
+    o->logp = tu_alloc(un, sizeof(float));
+    o->lse = tu_alloc(un, sizeof(float));
+    o->entropy = tu_alloc(un, sizeof(float));
+    o->argmax = tu_alloc(un, sizeof(int64_t));
+    o->dx = tu_alloc(un * uh, sizeof(float));
+    o->dweight = tu_alloc(uh * uv, sizeof(float));
+    o->dbias = has_bias ? tu_alloc(uv, sizeof(float)) : NULL;
 }
 
 void hu_outputs_free(hu_outputs *o)
@@ -131,14 +121,14 @@ void hu_grpo_problem_init(hu_grpo_problem *p, int64_t batch, int64_t seq, int64_
     p->vocab = vocab;
     p->layout = layout;
     const int64_t n = batch * seq;
-    p->x = hu_zalloc((size_t)(n * hidden), sizeof(float));
-    p->weight = hu_zalloc((size_t)(hidden * vocab), sizeof(float));
-    p->bias = bias ? hu_zalloc((size_t)vocab, sizeof(float)) : NULL;
-    p->ids = hu_zalloc((size_t)n, sizeof(int64_t));
-    p->mask = hu_zalloc((size_t)n, sizeof(float));
-    p->advantages = hu_zalloc((size_t)batch, sizeof(float));
-    p->old_logps = hu_zalloc((size_t)n, sizeof(float));
-    p->ref_logps = hu_zalloc((size_t)n, sizeof(float));
+    p->x = tu_alloc((size_t)(n * hidden), sizeof(float));
+    p->weight = tu_alloc((size_t)(hidden * vocab), sizeof(float));
+    p->bias = bias ? tu_alloc((size_t)vocab, sizeof(float)) : NULL;
+    p->ids = tu_alloc((size_t)n, sizeof(int64_t));
+    p->mask = tu_alloc((size_t)n, sizeof(float));
+    p->advantages = tu_alloc((size_t)batch, sizeof(float));
+    p->old_logps = tu_alloc((size_t)n, sizeof(float));
+    p->ref_logps = tu_alloc((size_t)n, sizeof(float));
     uint64_t rng = seed * 7919 + 17;
     ce_fill_linear(&rng, n, hidden, vocab, 3.0, p->x, p->weight, p->bias);
     const double base = -log((double)vocab);
@@ -186,9 +176,9 @@ void hu_grpo_batch(const hu_grpo_problem *p, fh_grpo_batch *batch)
 
 void hu_saved_from(hu_saved *s, const hu_outputs *forward, int64_t n)
 {
-    s->lse = hu_zalloc((size_t)n, sizeof(float));
-    s->logp = hu_zalloc((size_t)n, sizeof(float));
-    s->entropy = hu_zalloc((size_t)n, sizeof(float));
+    s->lse = tu_alloc((size_t)n, sizeof(float));
+    s->logp = tu_alloc((size_t)n, sizeof(float));
+    s->entropy = tu_alloc((size_t)n, sizeof(float));
     memcpy(s->lse, forward->lse, (size_t)n * sizeof(float));
     memcpy(s->logp, forward->logp, (size_t)n * sizeof(float));
     memcpy(s->entropy, forward->entropy, (size_t)n * sizeof(float));
@@ -202,13 +192,13 @@ void hu_saved_free(hu_saved *s)
     memset(s, 0, sizeof *s);
 }
 
-fh_status hu_run(fh_context *ctx, hu_call call, const tu_problem *p_ce, const hu_grpo_problem *p_grpo,
+fh_status hu_run(fh_context *ctx, hu_call call, const cp_problem *p_ce, const hu_grpo_problem *p_grpo,
                  const hu_saved *saved, hu_outputs *o)
 {
     fh_linear lin;
     fh_linear_grads g = {o->dx, o->hidden, 0.0f, o->dweight, 0.0f, o->dbias, 0.0f};
     if (!hu_call_is_grpo(call)) {
-        tu_problem_linear(p_ce, &lin);
+        cp_problem_linear(p_ce, &lin);
         fh_ce_outputs out = {&o->loss, &o->z_loss, o->per_token_loss, o->logp, o->lse, o->argmax};
         switch (call) {
         case HU_CE_FORWARD: return fh_ce_forward(ctx, &lin, p_ce->targets, &p_ce->options, &out);
@@ -229,12 +219,6 @@ fh_status hu_run(fh_context *ctx, hu_call call, const tu_problem *p_ce, const hu
                                 &p_grpo->grad_output, &g);
     default: return fh_grpo_forward_backward(ctx, &lin, &batch, &p_grpo->options, &p_grpo->grad_output, &out, &g);
     }
-}
-
-fh_context *hu_context(int threads, int64_t tile_rows, int64_t tile_vocab)
-{
-    const tu_config cfg = {.threads = threads, .tile_rows = tile_rows, .tile_vocab = tile_vocab};
-    return tu_context(&cfg);
 }
 
 int hu_run_isolated(int (*body)(void *), void *arg)

@@ -1,25 +1,13 @@
 /* Helpers shared by the hardening suites: every output a call can write gathered in one place (so that a
  * canary fill and a bitwise comparison cover all of them), cross-entropy and GRPO calls run from a
- * problem, and a GRPO problem with random inputs. Cross-entropy problems are tests/test_util.h's. */
+ * problem, and a GRPO problem with random inputs. Cross-entropy problems are tests/ce_harness.h's. */
 #ifndef FH_HARDENING_UTIL_H
 #define FH_HARDENING_UTIL_H
 
-#include "test_util.h"
+#include "ce_harness.h"
 
 #include <stddef.h>
 #include <stdint.h>
-
-int hu_register_alloc_failure(void);
-int hu_register_overflow(void);
-int hu_register_nonfinite(void);
-int hu_register_hard_determinism(void);
-int hu_register_numeric_extremes(void);
-int hu_register_thread_safety(void);
-int hu_register_guard_pages(void);
-
-/* The byte every output is filled with before a call that must fail (0xA5A5A5A5 is a NaN-free, odd
- * pattern: a float -2.9e-16, an int64 well outside any index). */
-#define HU_CANARY 0xA5
 
 /* The entry points. */
 typedef enum hu_call {
@@ -82,11 +70,8 @@ void hu_saved_free(hu_saved *s);
 
 /* One call of `call` on ctx, writing into o (beta 0 gradients). Cross-entropy calls use p_ce, GRPO calls
  * p_grpo; backward calls read `saved`. */
-fh_status hu_run(fh_context *ctx, hu_call call, const tu_problem *p_ce, const hu_grpo_problem *p_grpo,
+fh_status hu_run(fh_context *ctx, hu_call call, const cp_problem *p_ce, const hu_grpo_problem *p_grpo,
                  const hu_saved *saved, hu_outputs *o);
-
-/* A context with threads, tile rows and tile vocab set (0 = default). Asserts success. */
-fh_context *hu_context(int threads, int64_t tile_rows, int64_t tile_vocab);
 
 /* Runs `body(arg)` in a forked child, so that a crash fails only the assertion that called it. Returns
  * the child's exit status (0..255), or 1000 + the signal number that killed it. */

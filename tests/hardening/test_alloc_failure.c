@@ -32,7 +32,7 @@ static int hooks_ready(void)
 typedef struct scenario {
     const char *label;
     hu_call call;
-    const tu_problem *ce;
+    const cp_problem *ce;
     const hu_grpo_problem *grpo;
     const hu_saved *saved;
     int threads;
@@ -69,7 +69,7 @@ static void run_scenario(const scenario *s)
     /* Warm-up (BLIS pools, OpenMP team) and the results of a run that never fails. */
     fh_status st;
     fh_context *ctx = scenario_context(s, &st);
-    hu_outputs_fill(&expected, HU_CANARY); /* what a call does not write stays canary, as in `got` */
+    hu_outputs_fill(&expected, TU_CANARY); /* what a call does not write stays canary, as in `got` */
     st = ctx ? hu_run(ctx, s->call, s->ce, s->grpo, s->saved, &expected) : st;
     TU_CHECK(st == FH_OK, "%s: warm-up: status %d", s->label, (int)st);
     fh_context_destroy(ctx);
@@ -99,7 +99,7 @@ static void run_scenario(const scenario *s)
                      s->label, k, ah_live_library_blocks());
             continue;
         }
-        hu_outputs_fill(&got, HU_CANARY);
+        hu_outputs_fill(&got, TU_CANARY);
         st = hu_run(ctx, s->call, s->ce, s->grpo, s->saved, &got);
         const long injected = ah_failures();
         ah_disarm();
@@ -118,7 +118,7 @@ static void run_scenario(const scenario *s)
                  "FH_ERR_OUT_OF_MEMORY", s->label, k, (int)st, message);
         TU_CHECK(tu_mentions(message, "allocate"), "%s: k = %ld: message \"%s\" does not say what failed", s->label,
                  k, message);
-        TU_CHECK(hu_outputs_untouched(&got, HU_CANARY), "%s: k = %ld: a call that failed with status %d wrote an "
+        TU_CHECK(hu_outputs_untouched(&got, TU_CANARY), "%s: k = %ld: a call that failed with status %d wrote an "
                  "output", s->label, k, (int)st);
         /* The context is still usable and gives the same results. */
         st = hu_run(ctx, s->call, s->ce, s->grpo, s->saved, &got);
@@ -138,17 +138,17 @@ static void run_scenario(const scenario *s)
 
 /* The problems every scenario uses: tiles small enough for several vocabulary tiles and row blocks. */
 typedef struct problems {
-    tu_problem ce_mean, ce_none;
+    cp_problem ce_mean, ce_none, ce_bf16;
     hu_grpo_problem grpo;
-    hu_saved ce_saved_mean, ce_saved_none, grpo_saved;
+    hu_saved ce_saved_mean, ce_saved_none, ce_saved_bf16, grpo_saved;
 } problems;
 
-static void saved_from_forward(hu_call forward, const tu_problem *ce, const hu_grpo_problem *grpo, hu_saved *saved)
+static void saved_from_forward(hu_call forward, const cp_problem *ce, const hu_grpo_problem *grpo, hu_saved *saved)
 {
     const int64_t n = ce ? ce->n : grpo->batch * grpo->seq;
     hu_outputs o;
     hu_outputs_alloc(&o, n, ce ? ce->hidden : grpo->hidden, ce ? ce->vocab : grpo->vocab, 0);
-    fh_context *ctx = hu_context(1, 0, 0);
+    fh_context *ctx = tu_context(1, 0, 0, 0);
     const fh_status st = hu_run(ctx, forward, ce, grpo, NULL, &o);
     TU_CHECK(st == FH_OK, "forward for the saved state: %d", (int)st);
     fh_context_destroy(ctx);
@@ -158,29 +158,37 @@ static void saved_from_forward(hu_call forward, const tu_problem *ce, const hu_g
 
 static void problems_init(problems *p)
 {
-    tu_problem_init(&p->ce_mean, 37, 16, 300, FH_LAYOUT_VH, TU_BIAS | TU_CLASS_WEIGHTS);
-    tu_problem_randomize(&p->ce_mean, 41, 3.0);
+    cp_problem_init(&p->ce_mean, 37, 16, 300, FH_LAYOUT_VH, CP_BIAS | CP_CLASS_WEIGHTS);
+    cp_problem_randomize(&p->ce_mean, 41, 3.0);
     p->ce_mean.options.label_smoothing = 0.1;
     p->ce_mean.options.z_loss = 1e-4;
     p->ce_mean.options.softcap = 20.0;
     p->ce_mean.targets[3] = -100;
-    tu_problem_init(&p->ce_none, 23, 9, 211, FH_LAYOUT_HV, 0);
-    tu_problem_randomize(&p->ce_none, 42, 3.0);
+    cp_problem_init(&p->ce_none, 23, 9, 211, FH_LAYOUT_HV, 0);
+    cp_problem_randomize(&p->ce_none, 42, 3.0);
     p->ce_none.options.reduction = FH_REDUCTION_NONE;
+    /* bf16 x and weight: the oneDNN provider's cache is one more allocation of the library's. */
+    cp_problem_init(&p->ce_bf16, 37, 16, 300, FH_LAYOUT_VH, CP_BIAS);
+    cp_problem_randomize(&p->ce_bf16, 44, 3.0);
+    cp_problem_use_bf16(&p->ce_bf16);
     hu_grpo_problem_init(&p->grpo, 3, 11, 16, 257, FH_LAYOUT_VH, 1, 43);
     p->grpo.options.entropy_coef = 0.01;
     saved_from_forward(HU_CE_FORWARD, &p->ce_mean, NULL, &p->ce_saved_mean);
     saved_from_forward(HU_CE_FORWARD, &p->ce_none, NULL, &p->ce_saved_none);
+    if (cp_have_bf16())
+        saved_from_forward(HU_CE_FORWARD, &p->ce_bf16, NULL, &p->ce_saved_bf16);
     saved_from_forward(HU_GRPO_FORWARD, NULL, &p->grpo, &p->grpo_saved);
 }
 
 static void problems_free(problems *p)
 {
-    tu_problem_free(&p->ce_mean);
-    tu_problem_free(&p->ce_none);
+    cp_problem_free(&p->ce_mean);
+    cp_problem_free(&p->ce_none);
+    cp_problem_free(&p->ce_bf16);
     hu_grpo_problem_free(&p->grpo);
     hu_saved_free(&p->ce_saved_mean);
     hu_saved_free(&p->ce_saved_none);
+    hu_saved_free(&p->ce_saved_bf16);
     hu_saved_free(&p->grpo_saved);
 }
 
@@ -210,6 +218,14 @@ static void test_every_entry_point(void)
                                 variant == 2 ? 200000 : 0};
             run_scenario(&s);
         }
+    for (int call = HU_CE_FORWARD; cp_have_bf16() && call <= HU_CE_TRAIN_STEP; call++)
+        for (int variant = 0; variant < 2; variant++) {
+            char label[128];
+            snprintf(label, sizeof label, "bf16 %s, variant %d", hu_call_name((hu_call)call), variant);
+            const scenario s = {label, (hu_call)call, &p.ce_bf16, &p.grpo, &p.ce_saved_bf16, 2, variant ? 0 : 8,
+                                variant ? 0 : 64, 0};
+            run_scenario(&s);
+        }
     problems_free(&p);
 }
 
@@ -219,11 +235,11 @@ static void test_failed_growth_keeps_workspace(void)
 {
     if (!hooks_ready())
         return;
-    tu_problem small, large;
-    tu_problem_init(&small, 5, 8, 50, FH_LAYOUT_HV, TU_BIAS);
-    tu_problem_randomize(&small, 51, 3.0);
-    tu_problem_init(&large, 300, 8, 3000, FH_LAYOUT_HV, TU_BIAS);
-    tu_problem_randomize(&large, 52, 3.0);
+    cp_problem small, large;
+    cp_problem_init(&small, 5, 8, 50, FH_LAYOUT_HV, CP_BIAS);
+    cp_problem_randomize(&small, 51, 3.0);
+    cp_problem_init(&large, 300, 8, 3000, FH_LAYOUT_HV, CP_BIAS);
+    cp_problem_randomize(&large, 52, 3.0);
     for (int call = HU_CE_FORWARD; call <= HU_CE_TRAIN_STEP; call++) {
         const hu_call c = (hu_call)call;
         hu_saved saved_small, saved_large;
@@ -234,31 +250,31 @@ static void test_failed_growth_keeps_workspace(void)
         hu_outputs_alloc(&ref_small, small.n, small.hidden, small.vocab, 1);
         hu_outputs_alloc(&out_large, large.n, large.hidden, large.vocab, 1);
         hu_outputs_alloc(&ref_large, large.n, large.hidden, large.vocab, 1);
-        hu_outputs_fill(&ref_small, HU_CANARY);
-        hu_outputs_fill(&ref_large, HU_CANARY);
-        fh_context *ctx = hu_context(2, 0, 0);
+        hu_outputs_fill(&ref_small, TU_CANARY);
+        hu_outputs_fill(&ref_large, TU_CANARY);
+        fh_context *ctx = tu_context(2, 0, 0, 0);
         TU_CHECK(hu_run(ctx, c, &large, NULL, &saved_large, &ref_large) == FH_OK, "large warm-up");
         fh_context_destroy(ctx);
 
-        ctx = hu_context(2, 0, 0);
+        ctx = tu_context(2, 0, 0, 0);
         TU_CHECK(hu_run(ctx, c, &small, NULL, &saved_small, &ref_small) == FH_OK, "small call");
         ah_arm(0, AH_LIBRARY);
-        hu_outputs_fill(&out_large, HU_CANARY);
+        hu_outputs_fill(&out_large, TU_CANARY);
         fh_status st = hu_run(ctx, c, &large, NULL, &saved_large, &out_large);
         const long injected = ah_failures();
         ah_disarm();
         TU_CHECK(injected == 1 && st == FH_ERR_OUT_OF_MEMORY, "%s: growing the workspace: %ld failures, status %d",
                  hu_call_name(c), injected, (int)st);
-        TU_CHECK(hu_outputs_untouched(&out_large, HU_CANARY), "%s: the failed call wrote an output",
+        TU_CHECK(hu_outputs_untouched(&out_large, TU_CANARY), "%s: the failed call wrote an output",
                  hu_call_name(c));
         ah_reset(AH_LIBRARY);
-        hu_outputs_fill(&out_small, HU_CANARY);
+        hu_outputs_fill(&out_small, TU_CANARY);
         st = hu_run(ctx, c, &small, NULL, &saved_small, &out_small);
         TU_CHECK(st == FH_OK && ah_counted() == 0, "%s: small call after the failed growth: status %d, %ld library "
                  "allocations (its workspace must have been kept)", hu_call_name(c), (int)st, ah_counted());
         const char *d = hu_outputs_diff(&out_small, &ref_small);
         TU_CHECK(d == NULL, "%s: small call after the failed growth: %s differs", hu_call_name(c), d ? d : "");
-        hu_outputs_fill(&out_large, HU_CANARY);
+        hu_outputs_fill(&out_large, TU_CANARY);
         st = hu_run(ctx, c, &large, NULL, &saved_large, &out_large);
         d = hu_outputs_diff(&out_large, &ref_large);
         TU_CHECK(st == FH_OK && d == NULL, "%s: large call once allocation works: status %d, %s", hu_call_name(c),
@@ -273,8 +289,8 @@ static void test_failed_growth_keeps_workspace(void)
         hu_saved_free(&saved_small);
         hu_saved_free(&saved_large);
     }
-    tu_problem_free(&small);
-    tu_problem_free(&large);
+    cp_problem_free(&small);
+    cp_problem_free(&large);
 }
 
 /* With a caller workspace of the queried size, no entry point allocates at all. */
@@ -287,7 +303,7 @@ static void test_caller_workspace_never_allocates(void)
     for (int call = 0; call < HU_CALL_COUNT; call++) {
         const hu_call c = (hu_call)call;
         const int grpo = hu_call_is_grpo(c);
-        fh_context *ctx = hu_context(2, 8, 64);
+        fh_context *ctx = tu_context(2, 8, 64, 0);
         fh_linear lin;
         size_t bytes = 0;
         fh_status st;
@@ -295,7 +311,7 @@ static void test_caller_workspace_never_allocates(void)
             hu_grpo_linear(&p.grpo, &lin);
             st = fh_grpo_workspace_size(ctx, &lin, &bytes);
         } else {
-            tu_problem_linear(&p.ce_mean, &lin);
+            cp_problem_linear(&p.ce_mean, &lin);
             st = c == HU_CE_TRAIN_STEP ? fh_ce_forward_backward_workspace_size(ctx, &lin, &p.ce_mean.options, &bytes)
                                        : fh_ce_workspace_size(ctx, &lin, &p.ce_mean.options, &bytes);
         }
@@ -329,8 +345,8 @@ static void test_wisdom_io_under_allocation_failure(void)
     if (fd < 0)
         return;
     close(fd);
-    fh_context *ctx = hu_context(1, 0, 0);
-    const fh_tile_config e = {1, 100, 64, 1000, FH_CALL_FORWARD, 64, 256};
+    fh_context *ctx = tu_context(1, 0, 0, 0);
+    const fh_tile_config e = {1, 100, 64, 1000, FH_CALL_FORWARD, 64, 256, FH_DTYPE_F32};
     TU_CHECK(fh_context_add_wisdom(ctx, &e) == FH_OK, "add_wisdom");
     TU_CHECK(fh_context_save_wisdom(ctx, path) == FH_OK, "save_wisdom");
     const long live_before = ah_live_library_blocks(); /* ctx itself */
@@ -379,13 +395,10 @@ static void test_wisdom_io_under_allocation_failure(void)
     unlink(path);
 }
 
-int hu_register_alloc_failure(void)
-{
-    static const tu_test tests[] = {
-        {"k-th library allocation fails, every entry point", test_every_entry_point},
-        {"failed workspace growth keeps the old workspace", test_failed_growth_keeps_workspace},
-        {"caller workspace: no library allocation", test_caller_workspace_never_allocates},
-        {"wisdom I/O with failing libc allocations", test_wisdom_io_under_allocation_failure},
-    };
-    return tu_add_suite("alloc_failure", tests, TU_COUNT(tests));
-}
+static const tu_test tests[] = {
+    {"k-th library allocation fails, every entry point", test_every_entry_point},
+    {"failed workspace growth keeps the old workspace", test_failed_growth_keeps_workspace},
+    {"caller workspace: no library allocation", test_caller_workspace_never_allocates},
+    {"wisdom I/O with failing libc allocations", test_wisdom_io_under_allocation_failure},
+};
+const tu_suite suite_alloc_failure = {tests, TU_COUNT(tests)};

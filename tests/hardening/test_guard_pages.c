@@ -1,7 +1,8 @@
 /* Guard pages: every input and output buffer of a call placed flush against an inaccessible page (after its
  * last byte, then before its first byte), so that a read or write one element outside it faults, inside BLIS
  * too (which ASan cannot see: it is not instrumented). Every entry point, both weight layouts, shapes with
- * odd hidden sizes and row counts (the edge cases of BLIS's small-matrix kernels), default and small tiles.
+ * odd hidden sizes and row counts (the edge cases of BLIS's small-matrix kernels), default and small tiles,
+ * fp32 and (where the build has oneDNN) bf16 x and weight.
  * Each call runs in a forked child; a fault fails the test with the call and shape.
  *
  * ctest runs this suite on the default BLIS kernel set and, as hardening_guard_pages_haswell, with
@@ -10,6 +11,8 @@
  * multiple of 8 (for m = 1, 4, 7, ... rows); through fusedhead, that is x with the torch [V, H] layout
  * (README.md here, findings). */
 #include "hardening_util.h"
+
+#include "bf16.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -60,6 +63,7 @@ typedef struct guard_case {
     fh_layout layout;
     int64_t tile_rows, tile_vocab;
     int tail;
+    fh_dtype dtype; /* of x and weight */
 } guard_case;
 
 enum { G_X, G_W, G_B, G_CW, G_T, G_GRAD, G_LSE, G_LOGP, G_ENT, G_MASK, G_ADV, G_OLD, G_REF,
@@ -72,6 +76,17 @@ static float *fill(float *p, size_t count, uint64_t *rng, double scale, double o
     return p;
 }
 
+/* x or w in the case's dtype: the fill's values, as bf16 bits in place for bf16. */
+static void *fill_operand(guarded *g, size_t count, const guard_case *c, uint64_t *rng)
+{
+    if (c->dtype != FH_DTYPE_BF16)
+        return fill(guard_alloc(g, count * 4, c->tail), count, rng, 1.0, 0.0);
+    uint16_t *h = guard_alloc(g, count * 2, c->tail);
+    for (size_t i = 0; h && i < count; i++)
+        h[i] = bf16_from_float((float)(2.0 * ce_uniform(rng) - 1.0));
+    return h;
+}
+
 /* In the child: 0 when the call returned FH_OK, 1 otherwise; a fault kills it. */
 static int guarded_call(void *arg)
 {
@@ -81,8 +96,8 @@ static int guarded_call(void *arg)
     guarded g[G_COUNT];
     memset(g, 0, sizeof g);
     uint64_t rng = (uint64_t)(n * 1000 + h * 10 + v);
-    float *x = fill(guard_alloc(&g[G_X], un * uh * 4, c->tail), un * uh, &rng, 1.0, 0.0);
-    float *w = fill(guard_alloc(&g[G_W], uh * uv * 4, c->tail), uh * uv, &rng, 1.0, 0.0);
+    const void *x = fill_operand(&g[G_X], un * uh, c, &rng);
+    const void *w = fill_operand(&g[G_W], uh * uv, c, &rng);
     float *b = fill(guard_alloc(&g[G_B], uv * 4, c->tail), uv, &rng, 0.5, 0.0);
     float *cw = fill(guard_alloc(&g[G_CW], uv * 4, c->tail), uv, &rng, 0.5, 1.0);
     int64_t *t = guard_alloc(&g[G_T], un * 8, c->tail);
@@ -115,6 +130,7 @@ static int guarded_call(void *arg)
     fh_context_set(ctx, FH_PARAM_CHECK_FINITE, 1); /* the finite scan reads every view too */
     fh_linear lin;
     fh_linear_init(&lin, n, h, v, x, w, c->layout, b);
+    lin.x_dtype = lin.weight_dtype = c->dtype;
     fh_ce_options o;
     fh_ce_options_init(&o);
     o.class_weights = cw;
@@ -163,31 +179,30 @@ static void test_guarded_buffers(void)
                                         {16, 8, 64}, {3, 1, 1},   {5, 2, 300}, {9, 15, 1},  {31, 129, 40}};
     static const int64_t tiles[][2] = {{0, 0}, {4, 16}, {3, 7}};
     int faults = 0;
-    for (int call = 0; call < HU_CALL_COUNT; call++)
-        for (int layout = 0; layout < 2; layout++)
-            for (size_t s = 0; s < TU_COUNT(shapes); s++)
-                for (size_t t = 0; t < TU_COUNT(tiles); t++)
-                    for (int tail = 1; tail >= 0; tail--) {
-                        const guard_case c = {(hu_call)call, shapes[s][0], shapes[s][1], shapes[s][2], (fh_layout)layout,
-                                              tiles[t][0], tiles[t][1], tail};
-                        const int code = hu_run_isolated(guarded_call, (void *)&c);
-                        if (code != 0 && faults++ < 40)
-                            TU_CHECK(0, "%s, layout %s, n=%lld hidden=%lld vocab=%lld, tiles %lld x %lld, guard %s: %s %d",
-                                     hu_call_name((hu_call)call), layout ? "VH" : "HV", (long long)c.n,
-                                     (long long)c.hidden, (long long)c.vocab, (long long)c.tile_rows,
-                                     (long long)c.tile_vocab, tail ? "after the last byte" : "before the first byte",
-                                     code >= 1000 ? "killed by signal" : "exit code", code >= 1000 ? code - 1000 : code);
-                    }
+    const int dtypes = cp_have_bf16() ? 2 : 1;
+    for (int dtype = 0; dtype < dtypes; dtype++)
+        for (int call = 0; call < HU_CALL_COUNT; call++)
+            for (int layout = 0; layout < 2; layout++)
+                for (size_t s = 0; s < TU_COUNT(shapes); s++)
+                    for (size_t t = 0; t < TU_COUNT(tiles); t++)
+                        for (int tail = 1; tail >= 0; tail--) {
+                            const guard_case c = {(hu_call)call, shapes[s][0], shapes[s][1], shapes[s][2], (fh_layout)layout,
+                                                  tiles[t][0], tiles[t][1], tail, (fh_dtype)dtype};
+                            const int code = hu_run_isolated(guarded_call, (void *)&c);
+                            if (code != 0 && faults++ < 40)
+                                TU_CHECK(0, "%s %s, layout %s, n=%lld hidden=%lld vocab=%lld, tiles %lld x %lld, guard %s: %s %d",
+                                         dtype ? "bf16" : "fp32", hu_call_name((hu_call)call), layout ? "VH" : "HV", (long long)c.n,
+                                         (long long)c.hidden, (long long)c.vocab, (long long)c.tile_rows,
+                                         (long long)c.tile_vocab, tail ? "after the last byte" : "before the first byte",
+                                         code >= 1000 ? "killed by signal" : "exit code", code >= 1000 ? code - 1000 : code);
+                        }
     TU_CHECK(faults == 0, "%d guarded calls failed (first 40 listed)", faults);
     fh_blis_info info;
     if (fh_blis_query(&info) == FH_OK)
         printf("\n    BLIS kernel set: %s", info.kernel_set);
 }
 
-int hu_register_guard_pages(void)
-{
-    static const tu_test tests[] = {
-        {"buffers flush against inaccessible pages", test_guarded_buffers},
-    };
-    return tu_add_suite("guard_pages", tests, TU_COUNT(tests));
-}
+static const tu_test tests[] = {
+    {"buffers flush against inaccessible pages", test_guarded_buffers},
+};
+const tu_suite suite_guard_pages = {tests, TU_COUNT(tests)};

@@ -21,7 +21,7 @@ typedef struct config {
 } config;
 
 typedef struct problems {
-    tu_problem ce;
+    cp_problem ce;
     hu_grpo_problem grpo_token, grpo_sequence;
     hu_saved ce_saved, token_saved, sequence_saved;
 } problems;
@@ -35,7 +35,7 @@ static fh_status run_on(fh_context *ctx, hu_call call, const problems *p, int se
 
 static fh_context *context_for(const config *c)
 {
-    fh_context *ctx = hu_context(c->threads, c->tile_rows, c->tile_vocab);
+    fh_context *ctx = tu_context(c->threads, c->tile_rows, c->tile_vocab, 0);
     fh_context_set(ctx, FH_PARAM_MEMORY_BUDGET, c->budget);
     return ctx;
 }
@@ -50,8 +50,8 @@ static fh_status run_fresh(const config *c, hu_call call, const problems *p, int
 
 static void problems_init(problems *p)
 {
-    tu_problem_init(&p->ce, N, H, V, FH_LAYOUT_VH, TU_BIAS | TU_CLASS_WEIGHTS);
-    tu_problem_randomize(&p->ce, 1000, 3.0);
+    cp_problem_init(&p->ce, N, H, V, FH_LAYOUT_VH, CP_BIAS | CP_CLASS_WEIGHTS);
+    cp_problem_randomize(&p->ce, 1000, 3.0);
     p->ce.options.label_smoothing = 0.05;
     p->ce.options.z_loss = 1e-4;
     p->ce.options.softcap = 15.0;
@@ -78,7 +78,7 @@ static void problems_init(problems *p)
 
 static void problems_free(problems *p)
 {
-    tu_problem_free(&p->ce);
+    cp_problem_free(&p->ce);
     hu_grpo_problem_free(&p->grpo_token);
     hu_grpo_problem_free(&p->grpo_sequence);
     hu_saved_free(&p->ce_saved);
@@ -163,11 +163,8 @@ static void test_facts_across_configurations(void)
     problems_free(&p);
 }
 
-int hu_register_hard_determinism(void)
-{
-    static const tu_test tests[] = {
-        {"repeated runs, every entry point and configuration", test_repeated_runs},
-        {"facts across thread counts and tile sizes (printed)", test_facts_across_configurations},
-    };
-    return tu_add_suite("hard_determinism", tests, TU_COUNT(tests));
-}
+static const tu_test tests[] = {
+    {"repeated runs, every entry point and configuration", test_repeated_runs},
+    {"facts across thread counts and tile sizes (printed)", test_facts_across_configurations},
+};
+const tu_suite suite_hard_determinism = {tests, TU_COUNT(tests)};

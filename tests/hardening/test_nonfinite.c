@@ -55,10 +55,10 @@ static int rows_equal_except(const void *a, const void *b, int64_t rows, size_t 
     return 1;
 }
 
-static void make_ce(tu_problem *p, fh_reduction reduction, double softcap)
+static void make_ce(cp_problem *p, fh_reduction reduction, double softcap)
 {
-    tu_problem_init(p, N, H, V, FH_LAYOUT_VH, TU_BIAS | TU_CLASS_WEIGHTS);
-    tu_problem_randomize(p, 900, 3.0);
+    cp_problem_init(p, N, H, V, FH_LAYOUT_VH, CP_BIAS | CP_CLASS_WEIGHTS);
+    cp_problem_randomize(p, 900, 3.0);
     p->options.reduction = reduction;
     p->options.label_smoothing = 0.1;
     p->options.z_loss = 1e-4;
@@ -67,10 +67,10 @@ static void make_ce(tu_problem *p, fh_reduction reduction, double softcap)
 }
 
 /* Forward + backward (or the train step) on 2 threads with small tiles. */
-static fh_status run_ce(const tu_problem *p, int train_step, hu_outputs *o)
+static fh_status run_ce(const cp_problem *p, int train_step, hu_outputs *o)
 {
     hu_outputs_alloc(o, p->n, p->hidden, p->vocab, p->bias != NULL);
-    fh_context *ctx = hu_context(2, 4, 16);
+    fh_context *ctx = tu_context(2, 4, 16, 0);
     fh_status st;
     if (train_step) {
         st = hu_run(ctx, HU_CE_TRAIN_STEP, p, NULL, NULL, o);
@@ -97,7 +97,7 @@ static void check_x_row(int64_t row, float value, double softcap)
             snprintf(label, sizeof label, "x[%lld][2] = %g, %s token, softcap %g, reduction %d, train step %d",
                      (long long)row, (double)value, row == IGNORED ? "ignored" : "active", softcap,
                      (int)reductions[r], train_step);
-            tu_problem p;
+            cp_problem p;
             make_ce(&p, reductions[r], softcap);
             hu_outputs clean, dirty;
             fh_status st = run_ce(&p, train_step, &clean);
@@ -155,7 +155,7 @@ static void check_x_row(int64_t row, float value, double softcap)
             }
             hu_outputs_free(&clean);
             hu_outputs_free(&dirty);
-            tu_problem_free(&p);
+            cp_problem_free(&p);
         }
 }
 
@@ -182,10 +182,10 @@ static void test_nan_in_weight_or_bias(void)
     for (int where = 0; where < 2; where++)
         for (size_t r = 0; r < TU_COUNT(reductions); r++)
             for (int train_step = 0; train_step <= 1; train_step++) {
-                tu_problem p;
+                cp_problem p;
                 make_ce(&p, reductions[r], 0.0);
                 if (where == 0)
-                    p.weight[tu_weight_index(&p, 1, 7)] = NAN;
+                    p.weight[cp_weight_index(&p, 1, 7)] = NAN;
                 else
                     p.bias[7] = NAN;
                 hu_outputs o;
@@ -201,14 +201,14 @@ static void test_nan_in_weight_or_bias(void)
                          "%s NaN, reduction %d, train step %d: a gradient element is not NaN", what, (int)reductions[r],
                          train_step);
                 hu_outputs_free(&o);
-                tu_problem_free(&p);
+                cp_problem_free(&p);
             }
 }
 
 /* ---- FH_PARAM_CHECK_FINITE ---- */
 
 typedef struct finite_problem {
-    tu_problem ce;
+    cp_problem ce;
     hu_grpo_problem grpo;
     hu_saved ce_saved, grpo_saved;
 } finite_problem;
@@ -219,7 +219,7 @@ static void finite_problem_init(finite_problem *f)
     hu_grpo_problem_init(&f->grpo, 3, 5, H, V, FH_LAYOUT_VH, 1, 901);
     hu_outputs o;
     hu_outputs_alloc(&o, N, H, V, 1);
-    fh_context *ctx = hu_context(1, 0, 0);
+    fh_context *ctx = tu_context(1, 0, 0, 0);
     TU_CHECK(hu_run(ctx, HU_CE_FORWARD, &f->ce, NULL, NULL, &o) == FH_OK, "CE forward");
     hu_saved_from(&f->ce_saved, &o, N);
     hu_outputs_free(&o);
@@ -232,7 +232,7 @@ static void finite_problem_init(finite_problem *f)
 
 static void finite_problem_free(finite_problem *f)
 {
-    tu_problem_free(&f->ce);
+    cp_problem_free(&f->ce);
     hu_grpo_problem_free(&f->grpo);
     hu_saved_free(&f->ce_saved);
     hu_saved_free(&f->grpo_saved);
@@ -254,7 +254,7 @@ static void test_check_finite_rejects(void)
         hu_outputs_alloc(&checked, n, H, V, 1);
         hu_outputs_fill(&clean, 0);
         hu_outputs_fill(&checked, 0);
-        fh_context *ctx = hu_context(2, 4, 16);
+        fh_context *ctx = tu_context(2, 4, 16, 0);
         const hu_saved *saved = grpo ? &f.grpo_saved : &f.ce_saved;
         TU_CHECK(hu_run(ctx, (hu_call)call, &f.ce, &f.grpo, saved, &clean) == FH_OK, "clean run");
         TU_CHECK(fh_context_set(ctx, FH_PARAM_CHECK_FINITE, 1) == FH_OK, "set CHECK_FINITE");
@@ -268,14 +268,14 @@ static void test_check_finite_rejects(void)
                     const size_t at = pos == 0 ? 0 : pos == 1 ? sizes[where] / 2 : sizes[where] - 1;
                     const float saved_value = arrays[where][at];
                     arrays[where][at] = values[v];
-                    hu_outputs_fill(&checked, HU_CANARY);
+                    hu_outputs_fill(&checked, TU_CANARY);
                     const fh_status bad = hu_run(ctx, (hu_call)call, &f.ce, &f.grpo, saved, &checked);
                     arrays[where][at] = saved_value;
                     const char *message = "";
                     fh_context_message(ctx, &message);
                     TU_CHECK(bad == FH_ERR_NONFINITE_INPUT, "%s: %s[%zu] = %g: status %d", hu_call_name((hu_call)call),
                              where_names[where], at, (double)values[v], (int)bad);
-                    TU_CHECK(hu_outputs_untouched(&checked, HU_CANARY), "%s: %s[%zu] = %g: an output was written",
+                    TU_CHECK(hu_outputs_untouched(&checked, TU_CANARY), "%s: %s[%zu] = %g: an output was written",
                              hu_call_name((hu_call)call), where_names[where], at, (double)values[v]);
                     TU_CHECK(tu_mentions(message, where_names[where]), "%s: message \"%s\" does not name %s",
                              hu_call_name((hu_call)call), message, where_names[where]);
@@ -295,10 +295,10 @@ static void test_nan_padding_is_never_read(void)
     for (int layout = 0; layout < 2; layout++)
         for (int train_step = 0; train_step <= 1; train_step++)
             for (int check = 0; check <= 1; check++) {
-                tu_problem p;
+                cp_problem p;
                 make_ce(&p, FH_REDUCTION_SUM, 0.0);
                 p.layout = (fh_layout)layout;
-                tu_problem_randomize(&p, 902, 3.0);
+                cp_problem_randomize(&p, 902, 3.0);
                 p.targets[IGNORED] = -100;
                 hu_outputs ref;
                 TU_CHECK(run_ce(&p, train_step, &ref) == FH_OK, "contiguous run");
@@ -328,7 +328,7 @@ static void test_nan_padding_is_never_read(void)
                 hu_outputs_alloc(&o, N, H, V, 1);
                 fh_ce_outputs out = {&o.loss, &o.z_loss, o.per_token_loss, o.logp, o.lse, o.argmax};
                 fh_linear_grads g = {dx, dxs, 0.0f, dw, 0.0f, o.dbias, 0.0f};
-                fh_context *ctx = hu_context(2, 4, 16);
+                fh_context *ctx = tu_context(2, 4, 16, 0);
                 fh_context_set(ctx, FH_PARAM_CHECK_FINITE, check);
                 fh_status st;
                 if (train_step) {
@@ -365,7 +365,7 @@ static void test_nan_padding_is_never_read(void)
                 free(dw);
                 hu_outputs_free(&o);
                 hu_outputs_free(&ref);
-                tu_problem_free(&p);
+                cp_problem_free(&p);
             }
 }
 
@@ -375,7 +375,7 @@ static fh_status run_grpo(const hu_grpo_problem *p, int train_step, hu_outputs *
 {
     const int64_t n = p->batch * p->seq;
     hu_outputs_alloc(o, n, p->hidden, p->vocab, p->bias != NULL);
-    fh_context *ctx = hu_context(2, 4, 16);
+    fh_context *ctx = tu_context(2, 4, 16, 0);
     fh_status st;
     if (train_step) {
         st = hu_run(ctx, HU_GRPO_TRAIN_STEP, NULL, p, NULL, o);
@@ -462,7 +462,7 @@ static void test_grpo_nan_in_token_data(void)
                 for (int64_t t = 0; t < T; t++)
                     p.mask[1 * T + t] = 0.0f;
             hu_outputs o;
-            fh_context *ctx = hu_context(1, 0, 0);
+            fh_context *ctx = tu_context(1, 0, 0, 0);
             fh_context_set(ctx, FH_PARAM_CHECK_FINITE, 1);
             hu_outputs_alloc(&o, B * T, H, V, 0);
             const fh_status st = hu_run(ctx, HU_GRPO_TRAIN_STEP, NULL, &p, NULL, &o);
@@ -475,17 +475,14 @@ static void test_grpo_nan_in_token_data(void)
         }
 }
 
-int hu_register_nonfinite(void)
-{
-    static const tu_test tests[] = {
-        {"NaN in an active token's hidden state", test_nan_in_active_row},
-        {"NaN in an ignored token's hidden state", test_nan_in_ignored_row},
-        {"+-Inf in a hidden state, with and without softcap", test_inf_in_row},
-        {"NaN in the weight or the bias", test_nan_in_weight_or_bias},
-        {"CHECK_FINITE rejects NaN/Inf, outputs untouched", test_check_finite_rejects},
-        {"NaN padding of strided views is never read", test_nan_padding_is_never_read},
-        {"GRPO: NaN in a hidden state", test_grpo_nan_in_x_row},
-        {"GRPO: NaN in per-token data", test_grpo_nan_in_token_data},
-    };
-    return tu_add_suite("nonfinite", tests, TU_COUNT(tests));
-}
+static const tu_test tests[] = {
+    {"NaN in an active token's hidden state", test_nan_in_active_row},
+    {"NaN in an ignored token's hidden state", test_nan_in_ignored_row},
+    {"+-Inf in a hidden state, with and without softcap", test_inf_in_row},
+    {"NaN in the weight or the bias", test_nan_in_weight_or_bias},
+    {"CHECK_FINITE rejects NaN/Inf, outputs untouched", test_check_finite_rejects},
+    {"NaN padding of strided views is never read", test_nan_padding_is_never_read},
+    {"GRPO: NaN in a hidden state", test_grpo_nan_in_x_row},
+    {"GRPO: NaN in per-token data", test_grpo_nan_in_token_data},
+};
+const tu_suite suite_nonfinite = {tests, TU_COUNT(tests)};

@@ -94,7 +94,7 @@ static int child(void *arg)
     linear_of(c, &lin);
     hu_outputs o;
     hu_outputs_alloc(&o, 4, 4, 4, 1);
-    hu_outputs_fill(&o, HU_CANARY);
+    hu_outputs_fill(&o, TU_CANARY);
     fh_linear_grads g = {o.dx, c->dx_row_stride ? c->dx_row_stride : c->hidden, 0.0f, o.dweight, 0.0f, o.dbias, 0.0f};
     fh_ce_options ce;
     fh_ce_options_init(&ce);
@@ -124,7 +124,7 @@ static int child(void *arg)
         break;
     default: st = fh_grpo_forward_backward(ctx, &lin, &batch, &go, tiny_grad, &grpo_out, &g); break;
     }
-    const int untouched = hu_outputs_untouched(&o, HU_CANARY);
+    const int untouched = hu_outputs_untouched(&o, TU_CANARY);
     return (untouched ? 50 : 100) + (int)st;
 }
 
@@ -241,11 +241,8 @@ static void test_workspace_queries_on_huge_shapes(void)
              code >= 1000 ? "crashed" : code == 1 ? "wrong answers" : "failed to run");
 }
 
-int hu_register_overflow(void)
-{
-    static const tu_test tests[] = {
-        {"overflowing shapes and strides on tiny buffers", test_overflowing_shapes},
-        {"workspace queries on huge shapes", test_workspace_queries_on_huge_shapes},
-    };
-    return tu_add_suite("overflow", tests, TU_COUNT(tests));
-}
+static const tu_test tests[] = {
+    {"overflowing shapes and strides on tiny buffers", test_overflowing_shapes},
+    {"workspace queries on huge shapes", test_workspace_queries_on_huge_shapes},
+};
+const tu_suite suite_overflow = {tests, TU_COUNT(tests)};

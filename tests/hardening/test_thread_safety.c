@@ -16,7 +16,7 @@ enum { WORKERS = 4, ROUNDS = 3, JOBS = 4 };
 
 typedef struct job {
     hu_call call; /* a backward job runs its forward first, on the same context, for the saved state */
-    const tu_problem *ce;
+    const cp_problem *ce;
     const hu_grpo_problem *grpo;
 } job;
 
@@ -118,15 +118,15 @@ static void *make_errors(void *arg)
 
 static void test_concurrent_contexts(void)
 {
-    tu_problem ce_a, ce_b;
-    tu_problem_init(&ce_a, 97, 24, 1500, FH_LAYOUT_VH, TU_BIAS | TU_CLASS_WEIGHTS);
-    tu_problem_randomize(&ce_a, 3000, 3.0);
+    cp_problem ce_a, ce_b;
+    cp_problem_init(&ce_a, 97, 24, 1500, FH_LAYOUT_VH, CP_BIAS | CP_CLASS_WEIGHTS);
+    cp_problem_randomize(&ce_a, 3000, 3.0);
     ce_a.options.label_smoothing = 0.1;
     ce_a.options.softcap = 30.0;
     ce_a.options.z_loss = 1e-4;
     ce_a.targets[5] = -100;
-    tu_problem_init(&ce_b, 40, 64, 777, FH_LAYOUT_HV, 0);
-    tu_problem_randomize(&ce_b, 3001, 3.0);
+    cp_problem_init(&ce_b, 40, 64, 777, FH_LAYOUT_HV, 0);
+    cp_problem_randomize(&ce_b, 3001, 3.0);
     ce_b.options.reduction = FH_REDUCTION_NONE;
     hu_grpo_problem g_a, g_b;
     hu_grpo_problem_init(&g_a, 3, 21, 32, 999, FH_LAYOUT_VH, 1, 3002);
@@ -174,7 +174,7 @@ static void test_concurrent_contexts(void)
 
     /* Serial runs of the same calls, same settings. */
     for (int w = 0; w < WORKERS; w++) {
-        fh_context *ctx = hu_context(1, workers[w].tile_rows, workers[w].tile_vocab);
+        fh_context *ctx = tu_context(1, workers[w].tile_rows, workers[w].tile_vocab, 0);
         for (int k = 0; k < JOBS; k++) {
             const job *j = &workers[w].jobs[k];
             hu_outputs serial;
@@ -192,16 +192,13 @@ static void test_concurrent_contexts(void)
         }
         fh_context_destroy(ctx);
     }
-    tu_problem_free(&ce_a);
-    tu_problem_free(&ce_b);
+    cp_problem_free(&ce_a);
+    cp_problem_free(&ce_b);
     hu_grpo_problem_free(&g_a);
     hu_grpo_problem_free(&g_b);
 }
 
-int hu_register_thread_safety(void)
-{
-    static const tu_test tests[] = {
-        {"concurrent contexts match serial runs bitwise", test_concurrent_contexts},
-    };
-    return tu_add_suite("thread_safety", tests, TU_COUNT(tests));
-}
+static const tu_test tests[] = {
+    {"concurrent contexts match serial runs bitwise", test_concurrent_contexts},
+};
+const tu_suite suite_thread_safety = {tests, TU_COUNT(tests)};

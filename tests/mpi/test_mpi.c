@@ -211,7 +211,7 @@ static void free_problem(problem *p)
 /* This rank's view: tokens [n0, n0 + nr), vocabulary shard [off, off + vl). */
 static fh_linear shard_linear(const problem *p, int64_t n0, int64_t nr, int64_t off, int64_t vl, int bias)
 {
-    fh_linear l = {nr, p->h, vl, p->x + n0 * p->h, p->h, NULL, 0, 0, bias ? p->b + off : NULL};
+    fh_linear l = {nr, p->h, vl, p->x + n0 * p->h, p->h, NULL, 0, 0, bias ? p->b + off : NULL, FH_DTYPE_F32, FH_DTYPE_F32};
     if (p->layout == FH_LAYOUT_HV) {
         l.weight = p->w + off;
         l.w_stride_hidden = p->v;
@@ -364,7 +364,7 @@ static void run_ce(const config *cfg, const ce_case *c)
     prefill(mine.dw, h * v, c->beta1, 12);
     prefill(mine.db, v, c->beta1, 13);
     const float beta = c->beta1 ? 1.0f : 0.0f;
-    fh_linear_grads g = {mine.dx, dx_stride, beta, mine.dw + (lin.weight - p.w), beta, c->bias ? mine.db + off : NULL,
+    fh_linear_grads g = {mine.dx, dx_stride, beta, mine.dw + ((const float *)lin.weight - p.w), beta, c->bias ? mine.db + off : NULL,
                          beta};
     fh_ce_outputs out = {&loss, &zl, ptl, logp, lse, argmax};
     const float *local_grad = c->reduction == FH_REDUCTION_NONE ? grad_out + n0 : grad_output;
@@ -407,7 +407,7 @@ static void run_ce(const config *cfg, const ce_case *c)
     if (c->dw_mode == FH_MPI_REDUCE_SCATTER && cfg->pd > 1) {
         int64_t first, count;
         fh_mpi_dweight_part(L, h, &first, &count);
-        const float *base = mine.dw + (lin.weight - p.w), *want = ref.dw + (lin.weight - p.w);
+        const float *base = mine.dw + ((const float *)lin.weight - p.w), *want = ref.dw + ((const float *)lin.weight - p.w);
         check_rows("dweight part", base + first, 1, want + first, 1, count, 1, GRAD_TOL);
     } else if (!(c->dw_mode == FH_MPI_NO_REDUCTION && cfg->pd > 1 && c->beta1)) {
         check_weight_shard("dweight", mine.dw, ref.dw, c->layout, h, v, off, vl, GRAD_TOL);
@@ -571,7 +571,7 @@ static void run_grpo(const config *cfg, const grpo_case *c)
     prefill(mine.dx, nr * h, 0, 0);
     prefill(mine.dw, h * v, 0, 0);
     prefill(mine.db, v, 0, 0);
-    fh_linear_grads g = {mine.dx, h, 0.0f, mine.dw + (lin.weight - p.w), 0.0f, c->bias ? mine.db + off : NULL, 0.0f};
+    fh_linear_grads g = {mine.dx, h, 0.0f, mine.dw + ((const float *)lin.weight - p.w), 0.0f, c->bias ? mine.db + off : NULL, 0.0f};
     fh_grpo_outputs out = {&loss, &m, logp, ptl, ent, lse};
     if (c->split) {
         check_status("fh_mpi_grpo_forward", fh_mpi_grpo_forward(ctx, L, &lin, &lb, &o, &out), ctx);

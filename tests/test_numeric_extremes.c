@@ -29,7 +29,7 @@
  * near-ties; a target of probability 1 - 1e-7 (dZ_y = g (p_y - 1) = -1e-7 g is below fp32's resolution at
  * 1: the bound allows ~2.5u |g| there, i.e. ~150% relative error on that component, and the measured error,
  * printed, is of that order; torch's fp32 softmax - onehot has the same); N = 1 (no averaging over rows). */
-#include "hardening_util.h"
+#include "ce_harness.h"
 #include "grpo_case.h"
 #include "ref_grpo.h"
 
@@ -58,7 +58,7 @@ static void check_spec_both_paths(ce_case_spec s, const char *label)
 {
     for (int train_step = 0; train_step <= 1; train_step++) {
         s.train_step = train_step;
-        tu_check_spec(&s, label);
+        cp_check_spec(&s, label);
     }
 }
 
@@ -78,7 +78,7 @@ static void test_vocab_million(void)
     s.threads = 0;
     s.layout = FH_LAYOUT_HV;
     s.reduction = FH_REDUCTION_NONE;
-    tu_check_spec(&s, "V = 1,000,003, N = 3, H = 4, reduction none");
+    cp_check_spec(&s, "V = 1,000,003, N = 3, H = 4, reduction none");
 }
 
 static void test_label_smoothing_one(void)
@@ -204,7 +204,7 @@ static void test_grpo_single_token(void)
                     fh_grpo_outputs out = {&loss, &metrics, &logp, &ptl, &entropy, &lse};
                     fh_linear_grads g = {&dx, 1, 0.0f, dw, 0.0f, NULL, 0.0f};
                     const float one = 1.0f;
-                    fh_context *ctx = hu_context(1, 0, 64);
+                    fh_context *ctx = tu_context(1, 0, 64, 0);
                     fh_status st = train_step ? fh_grpo_forward_backward(ctx, &lin, &batch, &o, &one, &out, &g)
                                               : fh_grpo_forward(ctx, &lin, &batch, &o, &out);
                     if (!train_step && st == FH_OK)
@@ -240,11 +240,11 @@ static void test_grpo_single_token(void)
 
 /* ---- hand-built logits against the fp32 bounds at the top of the file ---- */
 
-static double raw_logit(const tu_problem *p, int64_t i, int64_t j)
+static double raw_logit(const cp_problem *p, int64_t i, int64_t j)
 {
     double u = p->bias ? p->bias[j] : 0.0;
     for (int64_t k = 0; k < p->hidden; k++)
-        u += (double)p->x[i * p->hidden + k] * p->weight[tu_weight_index(p, k, j)];
+        u += (double)p->x[i * p->hidden + k] * p->weight[cp_weight_index(p, k, j)];
     return u;
 }
 
@@ -255,24 +255,19 @@ static double ratio_of(double err, double bound)
     return bound > 0.0 ? err / bound : (err > 0.0 ? INFINITY : 0.0);
 }
 
-static void check_elementwise_once(const tu_problem *p, int train_step, const char *label_base)
+static void check_elementwise_once(const cp_problem *p, int train_step, const char *label_base)
 {
     const int64_t n = p->n, h = p->hidden, v = p->vocab;
     const double u = TU_FP32_U;
     const fh_ce_options *o = &p->options;
-    const tu_config cfg = {.threads = 2, .tile_rows = 2, .tile_vocab = 16, .train_step = train_step};
+    const cp_config cfg = {.threads = 2, .tile_rows = 2, .tile_vocab = 16, .train_step = train_step};
     char label[192];
     snprintf(label, sizeof label, "%s, reduction %d, layout %d, train step %d", label_base, (int)o->reduction,
              (int)p->layout, train_step);
-    tu_fused f;
-    const fh_status st = tu_run_fused(p, &cfg, &f);
-    TU_CHECK(st == FH_OK, "%s: status %d", label, (int)st);
-    if (st != FH_OK) {
-        tu_fused_free(&f);
+    cp_fused f;
+    cp_reference r;
+    if (!cp_run_fused_and_reference(p, &cfg, label, &f, &r))
         return;
-    }
-    tu_reference r;
-    tu_run_reference(p, 0.0f, &r);
     const int mean = o->reduction == FH_REDUCTION_MEAN, softcap = o->softcap > 0.0;
     const double eps = o->label_smoothing, s = o->z_loss;
     double count = 0.0, weight_sum = 0.0, weight_total = 0.0;
@@ -297,7 +292,7 @@ static void check_elementwise_once(const tu_problem *p, int train_step, const ch
         const double b = -g_ce * (1.0 - eps) * w_y, c = -g_ce * eps / (double)v;
         double pmax = 0.0, dz_err_max = 0.0, smooth_err = 0.0;
         for (int64_t j = 0; j < v; j++) {
-            z[j] = tu_logit(p, i, j);
+            z[j] = cp_logit(p, i, j);
             dz_err[j] = softcap ? 3.0 * u * fabs(z[j]) : 0.0;
             dz_err_max = fmax(dz_err_max, dz_err[j]);
         }
@@ -312,7 +307,7 @@ static void check_elementwise_once(const tu_problem *p, int train_step, const ch
             const double t = softcap ? tanh(raw_logit(p, i, j) / o->softcap) : 0.0, dzdu = 1.0 - t * t;
             du[j] = dZ * dzdu;
             e[j] = 1.25 * (softcap ? dzdu * dZ_err + 7.0 * u * fabs(dZ) + 2.0 * u * fabs(du[j]) : dZ_err);
-            const size_t w = tu_weight_index(p, i, j); /* dweight = dU (x = identity, hidden index k = i) */
+            const size_t w = cp_weight_index(p, i, j); /* dweight = dU (x = identity, hidden index k = i) */
             const double ratio = ratio_of(fabs((double)f.dweight[w] - r.dweight[w]), e[j]);
             if (ratio > 1.0 && getenv("FH_HARDENING_VERBOSE"))
                 printf("\n    dweight(%lld, %lld): fused %.9g, reference %.9g, bound %.3g, p %.3g", (long long)i,
@@ -329,7 +324,7 @@ static void check_elementwise_once(const tu_problem *p, int train_step, const ch
         for (int64_t k = 0; k < h; k++) {
             double bound = 0.0;
             for (int64_t j = 0; j < v; j++) {
-                const double wkj = fabs((double)p->weight[tu_weight_index(p, k, j)]);
+                const double wkj = fabs((double)p->weight[cp_weight_index(p, k, j)]);
                 bound += e[j] * wkj + (double)v * u * fabs(du[j]) * wkj;
             }
             worst_dx = fmax(worst_dx, ratio_of(fabs((double)f.dx[i * h + k] - r.dx[i * h + k]), bound));
@@ -345,8 +340,8 @@ static void check_elementwise_once(const tu_problem *p, int train_step, const ch
     free(du);
     free(z);
     free(dz_err);
-    tu_reference_free(&r);
-    tu_fused_free(&f);
+    cp_reference_free(&r);
+    cp_fused_free(&f);
 }
 
 typedef struct hand_options {
@@ -360,8 +355,8 @@ static void check_elementwise(const float *logits, const int64_t *targets, int64
 {
     for (size_t red = 0; red < TU_COUNT(reductions); red++)
         for (int layout = 0; layout < 2; layout++) {
-            tu_problem p;
-            tu_problem_from_logits(&p, n, v, (fh_layout)layout, logits);
+            cp_problem p;
+            cp_problem_from_logits(&p, n, v, (fh_layout)layout, logits);
             p.options.reduction = reductions[red];
             p.options.label_smoothing = ho ? ho->label_smoothing : 0.0;
             p.options.softcap = ho ? ho->softcap : 0.0;
@@ -381,7 +376,7 @@ static void check_elementwise(const float *logits, const int64_t *targets, int64
                 p.targets[ho->ignored_row] = -100;
             check_elementwise_once(&p, 0, label);
             check_elementwise_once(&p, 1, label);
-            tu_problem_free(&p);
+            cp_problem_free(&p);
         }
 }
 
@@ -491,45 +486,42 @@ static void test_target_probability_near_one(void)
         }
     check_elementwise(logits, targets, N, V, NULL, "target probability 1 - 1e-7");
     /* Report the measured relative errors of the loss and of dZ_y (dweight at (i, y)). */
-    tu_problem p;
-    tu_problem_from_logits(&p, N, V, FH_LAYOUT_HV, logits);
+    cp_problem p;
+    cp_problem_from_logits(&p, N, V, FH_LAYOUT_HV, logits);
     p.options.reduction = FH_REDUCTION_SUM;
     for (int64_t i = 0; i < N; i++)
         p.targets[i] = targets[i];
     for (int train_step = 0; train_step <= 1; train_step++) {
-        const tu_config cfg = {.threads = 1, .tile_vocab = 16, .train_step = train_step};
-        tu_fused f;
-        TU_CHECK(tu_run_fused(&p, &cfg, &f) == FH_OK, "run");
-        tu_reference r;
-        tu_run_reference(&p, 0.0f, &r);
+        const cp_config cfg = {.threads = 1, .tile_vocab = 16, .train_step = train_step};
+        cp_fused f;
+        TU_CHECK(cp_run_fused(&p, &cfg, &f) == FH_OK, "run");
+        cp_reference r;
+        cp_run_reference(&p, 0.0f, &r);
         double worst = 0.0;
         const double loss_rel = fabs(f.loss - r.loss) / fabs(r.loss);
         for (int64_t i = 0; i < N; i++) {
-            const size_t w = tu_weight_index(&p, i, targets[i]);
+            const size_t w = cp_weight_index(&p, i, targets[i]);
             worst = fmax(worst, fabs(f.dweight[w] - r.dweight[w]) / fabs(r.dweight[w]));
         }
         printf("\n    p_y = 1 - 1e-7, %s: loss %.9e, relative error %.2e; target's dZ relative error up to %.2f",
                train_step ? "train step" : "split pair", f.loss, loss_rel, worst);
         TU_CHECK(loss_rel <= 4.0 * TU_FP32_U, "loss relative error %.3e > 4u", loss_rel);
-        tu_reference_free(&r);
-        tu_fused_free(&f);
+        cp_reference_free(&r);
+        cp_fused_free(&f);
     }
-    tu_problem_free(&p);
+    cp_problem_free(&p);
 }
 
-int hu_register_numeric_extremes(void)
-{
-    static const tu_test tests[] = {
-        {"V = 1", test_vocab_one},
-        {"V = 1,000,003, N = 3, H = 4", test_vocab_million},
-        {"label_smoothing = 1", test_label_smoothing_one},
-        {"softcap 1e-3, logits of the cap's size", test_tiny_softcap_unsaturated},
-        {"softcap 1e-3, saturated (fp32 bounds)", test_tiny_softcap_saturated},
-        {"N = 1", test_single_token},
-        {"GRPO: V = 1 and V = 1,000,003", test_grpo_extreme_vocab},
-        {"GRPO: one token, exact logits", test_grpo_single_token},
-        {"logits x 1e3 (fp32 bounds)", test_logits_times_1e3},
-        {"target probability 1 - 1e-7 (fp32 bounds)", test_target_probability_near_one},
-    };
-    return tu_add_suite("numeric_extremes", tests, TU_COUNT(tests));
-}
+static const tu_test tests[] = {
+    {"V = 1", test_vocab_one},
+    {"V = 1,000,003, N = 3, H = 4", test_vocab_million},
+    {"label_smoothing = 1", test_label_smoothing_one},
+    {"softcap 1e-3, logits of the cap's size", test_tiny_softcap_unsaturated},
+    {"softcap 1e-3, saturated (fp32 bounds)", test_tiny_softcap_saturated},
+    {"N = 1", test_single_token},
+    {"GRPO: V = 1 and V = 1,000,003", test_grpo_extreme_vocab},
+    {"GRPO: one token, exact logits", test_grpo_single_token},
+    {"logits x 1e3 (fp32 bounds)", test_logits_times_1e3},
+    {"target probability 1 - 1e-7 (fp32 bounds)", test_target_probability_near_one},
+};
+const tu_suite suite_numeric_extremes = {tests, TU_COUNT(tests)};

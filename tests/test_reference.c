@@ -3,6 +3,8 @@
  *   - its forward against the header's formula, evaluated here independently.
  * Each reduction, with no options and with every option on (label smoothing, class weights, softcap,
  * z-loss, an ignored row). */
+#include "ce_case.h"
+#include "ref_ce.h"
 #include "test_util.h"
 
 #include <float.h>
@@ -182,12 +184,9 @@ static void test_forward_formula(void)
         }
 }
 
-int tu_register_reference(void)
-{
-    static const tu_test tests[] = {
-        {"finite differences, no options", test_fd_plain},
-        {"finite differences, every option", test_fd_all_options},
-        {"forward matches the documented formula", test_forward_formula},
-    };
-    return tu_add_suite("reference", tests, TU_COUNT(tests));
-}
+static const tu_test tests[] = {
+    {"finite differences, no options", test_fd_plain},
+    {"finite differences, every option", test_fd_all_options},
+    {"forward matches the documented formula", test_forward_formula},
+};
+const tu_suite suite_reference = {tests, TU_COUNT(tests)};

@@ -3,7 +3,7 @@
  * given, on-policy} x {beta 0, 0.04} x {no delta, delta 1.5}. Prints one line per case, exits non-zero on any
  * failure.
  *
- *   gcc -std=c11 -Wall -Wextra -O2 ref/ref_grpo.c ref/ref_grpo_fdcheck.c -lm -o ref_grpo_fdcheck
+ *   gcc -std=c11 -Wall -Wextra -O2 -Iref ref/ref_linear.c ref/ref_grpo.c tests/ref_grpo_fdcheck.c -lm -o ref_grpo_fdcheck
  *
  * Stop-gradients. TRL's gradient is not the derivative of its forward value: the on-policy old logp, cispo's
  * clamped ratio and GSPO-token's sg(.) terms are detached. The finite differences therefore differentiate the

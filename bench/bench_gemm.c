@@ -1,0 +1,79 @@
+#include "bench_gemm.h"
+
+#include <blis.h>
+#include <omp.h>
+#ifdef FH_HAVE_ONEDNN
+#include <oneapi/dnnl/dnnl.h>
+#endif
+
+static void sgemm(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa, int64_t csa, const float *b,
+                  int64_t rsb, int64_t csb, float *c, int64_t rsc, int64_t csc, int threads)
+{
+    float one = 1.0f, zero = 0.0f;
+    rntm_t rntm = BLIS_RNTM_INITIALIZER;
+    bli_rntm_set_num_threads(threads, &rntm);
+    bli_sgemm_ex(BLIS_NO_TRANSPOSE, BLIS_NO_TRANSPOSE, m, n, k, &one, (float *)a, rsa, csa, (float *)b, rsb, csb,
+                 &zero, c, rsc, csc, NULL, &rntm);
+}
+
+#ifdef FH_HAVE_ONEDNN
+/* One primitive per call: building it costs milliseconds, against the seconds the benchmark's GEMMs take. A
+ * column-major C runs as C^T = B^T A^T (oneDNN 2.6 has no fast kernel for it), as the library does. */
+static int bf16_matmul(int64_t m, int64_t n, int64_t k, const void *a, int64_t rsa, int64_t csa, const void *b,
+                       int64_t rsb, int64_t csb, float *c, int64_t rsc, int64_t csc, int threads)
+{
+    if (rsc < csc && m > 1)
+        return bf16_matmul(n, m, k, b, csb, rsb, a, csa, rsa, c, csc, rsc, threads);
+    static dnnl_engine_t engine;
+    static dnnl_stream_t stream;
+    if (!engine && (dnnl_engine_create(&engine, dnnl_cpu, 0) != dnnl_success ||
+                    dnnl_stream_create(&stream, engine, dnnl_stream_default_flags) != dnnl_success))
+        return -1;
+    const dnnl_dims_t dims[3] = {{m, k}, {k, n}, {m, n}}, strides[3] = {{rsa, csa}, {rsb, csb}, {rsc, csc}};
+    const dnnl_data_type_t types[3] = {dnnl_bf16, dnnl_bf16, dnnl_f32};
+    void *const data[3] = {(void *)a, (void *)b, c};
+    const int args[3] = {DNNL_ARG_SRC, DNNL_ARG_WEIGHTS, DNNL_ARG_DST};
+    dnnl_memory_desc_t md[3];
+    dnnl_memory_t mem[3] = {NULL, NULL, NULL};
+    dnnl_exec_arg_t exec[3];
+    int ok = 1;
+    for (int o = 0; o < 3; o++) {
+        ok = ok && dnnl_memory_desc_init_by_strides(&md[o], 2, dims[o], types[o], strides[o]) == dnnl_success &&
+             dnnl_memory_create(&mem[o], &md[o], engine, data[o]) == dnnl_success;
+        exec[o].arg = args[o];
+        exec[o].memory = mem[o];
+    }
+    dnnl_matmul_desc_t desc;
+    dnnl_primitive_desc_t pd = NULL;
+    dnnl_primitive_t primitive = NULL;
+    const int saved = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    ok = ok && dnnl_matmul_desc_init(&desc, &md[0], &md[1], NULL, &md[2]) == dnnl_success &&
+         dnnl_primitive_desc_create(&pd, &desc, NULL, engine, NULL) == dnnl_success &&
+         dnnl_primitive_create(&primitive, pd) == dnnl_success &&
+         dnnl_primitive_execute(primitive, stream, 3, exec) == dnnl_success && dnnl_stream_wait(stream) == dnnl_success;
+    omp_set_num_threads(saved);
+    if (primitive)
+        dnnl_primitive_destroy(primitive);
+    if (pd)
+        dnnl_primitive_desc_destroy(pd);
+    for (int o = 0; o < 3; o++)
+        if (mem[o])
+            dnnl_memory_destroy(mem[o]);
+    return ok ? 0 : -1;
+}
+#endif
+
+int bench_gemm(int bf16, int64_t m, int64_t n, int64_t k, const void *a, int64_t rsa, int64_t csa, const void *b,
+               int64_t rsb, int64_t csb, float *c, int64_t rsc, int64_t csc, int threads)
+{
+    if (!bf16) {
+        sgemm(m, n, k, a, rsa, csa, b, rsb, csb, c, rsc, csc, threads);
+        return 0;
+    }
+#ifdef FH_HAVE_ONEDNN
+    return bf16_matmul(m, n, k, a, rsa, csa, b, rsb, csb, c, rsc, csc, threads);
+#else
+    return -1;
+#endif
+}

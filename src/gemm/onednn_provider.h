@@ -1,0 +1,22 @@
+/* oneDNN matmul as the bf16 provider: bf16 x bf16 -> f32 products on strided views, primitives cached. */
+#ifndef FH_ONEDNN_PROVIDER_H
+#define FH_ONEDNN_PROVIDER_H
+
+#include "gemm.h"
+
+/* FH_OK, or FH_ERR_OUT_OF_MEMORY when the cache or oneDNN's engine cannot be made. */
+fh_status fh_onednn_cache_create(fh_gemm_cache **cache);
+void fh_onednn_cache_destroy(fh_gemm_cache *cache);
+
+/* Builds (once) the primitive for these arguments; FH_ERR_OUT_OF_MEMORY when oneDNN cannot. */
+fh_status fh_onednn_prepare(fh_gemm_cache *cache, int64_t m, int64_t n, int64_t k, const fh_gemm_input *a,
+                            const fh_gemm_input *b, int accumulate, const fh_gemm_output *c, int threads);
+
+/* C (+)= A B through the prepared primitive (prepared here if it was not). */
+fh_status fh_onednn_gemm(fh_gemm_cache *cache, int64_t m, int64_t n, int64_t k, const fh_gemm_input *a,
+                         const fh_gemm_input *b, int accumulate, const fh_gemm_output *c, int threads);
+
+/* "oneDNN <version> <implementation of a bf16 matmul on this CPU>", made once. */
+const char *fh_onednn_description(void);
+
+#endif

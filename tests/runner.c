@@ -1,0 +1,93 @@
+/* The CUnit runner of fh_tests and fh_hardening_tests: PROGRAM [SUITE[/TEXT]...] registers the suites of
+ * suites.def and runs all of them, or only the named ones (ctest runs one suite per test); SUITE/TEXT runs only
+ * that suite's tests whose name contains TEXT. Exits 0 only when every assertion passed; 1 on a failure; 2 on a
+ * usage error.
+ *
+ * CMake compiles this file once per program: with FH_RUNNER_HARDENING it takes the FH_HARDENING_SUITE lines (the
+ * suites that need the allocation hook linked in), without it the FH_SUITE lines. */
+#include "test_util.h"
+
+#include <CUnit/Basic.h>
+#include <stdio.h>
+#include <string.h>
+
+#ifdef FH_RUNNER_HARDENING
+#define FH_SUITE(name)
+#define FH_HARDENING_SUITE(name) FH_RUNNER_ENTRY(name)
+#else
+#define FH_SUITE(name) FH_RUNNER_ENTRY(name)
+#define FH_HARDENING_SUITE(name)
+#endif
+
+#define FH_RUNNER_ENTRY(name) extern const tu_suite suite_##name;
+#include "suites.def"
+#undef FH_RUNNER_ENTRY
+
+typedef struct named_suite {
+    const char *name;
+    const tu_suite *suite;
+} named_suite;
+
+static const named_suite suites[] = {
+#define FH_RUNNER_ENTRY(name) {#name, &suite_##name},
+#include "suites.def"
+#undef FH_RUNNER_ENTRY
+};
+
+static int register_suite(const named_suite *s)
+{
+    CU_pSuite suite = CU_add_suite(s->name, NULL, NULL);
+    if (!suite)
+        return -1;
+    for (size_t i = 0; i < s->suite->count; i++)
+        if (!CU_add_test(suite, s->suite->tests[i].name, s->suite->tests[i].run))
+            return -1;
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    const char *program = argv[0];
+    const char *slash = strrchr(program, '/');
+    if (slash)
+        program = slash + 1;
+    if (CU_initialize_registry() != CUE_SUCCESS) {
+        fprintf(stderr, "%s: %s\n", program, CU_get_error_msg());
+        return 2;
+    }
+    for (size_t k = 0; k < TU_COUNT(suites); k++)
+        if (register_suite(&suites[k]) != 0) {
+            fprintf(stderr, "%s: registration failed: %s\n", program, CU_get_error_msg());
+            CU_cleanup_registry();
+            return 2;
+        }
+    CU_basic_set_mode(CU_BRM_VERBOSE);
+    int rc = 0;
+    unsigned failures = 0;
+    if (argc < 2) {
+        CU_basic_run_tests();
+        failures = CU_get_number_of_failures() + CU_get_number_of_suites_failed();
+    }
+    for (int a = 1; a < argc; a++) {
+        char name[128];
+        snprintf(name, sizeof name, "%s", argv[a]);
+        char *only = strchr(name, '/');
+        if (only)
+            *only++ = '\0';
+        CU_pSuite suite = CU_get_suite(name);
+        if (!suite) {
+            fprintf(stderr, "%s: no suite named '%s'\n", program, name);
+            rc = 2;
+            continue;
+        }
+        for (CU_pTest t = suite->pTest; only && t; t = t->pNext)
+            CU_set_test_active(t, strstr(t->pName, only) ? CU_TRUE : CU_FALSE);
+        CU_basic_run_suite(suite);
+        /* Run summaries are reset by each run: accumulate. */
+        failures += CU_get_number_of_failures() + CU_get_number_of_suites_failed();
+    }
+    CU_cleanup_registry();
+    if (rc == 0 && failures > 0)
+        rc = 1;
+    return rc;
+}

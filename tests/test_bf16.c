@@ -1,0 +1,162 @@
+/* bf16 hidden states and weight: every cross-entropy option, both layouts, both schedules and their tile
+ * edges, against the double reference run on the same bf16-valued inputs (tolerances in ref/ce_case.c);
+ * and the dtype contract. In a build without oneDNN, bf16 must be refused with FH_ERR_INVALID_DTYPE. */
+#include "ce_case.h"
+#include "ce_harness.h"
+#include "test_util.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static ce_case_spec bf16_spec(fh_layout layout, int train_step)
+{
+    ce_case_spec s;
+    ce_case_spec_default(&s);
+    s.n = 97;
+    s.hidden = 67;
+    s.vocab = 1031;
+    s.layout = layout;
+    s.train_step = train_step;
+    s.dtype = FH_DTYPE_BF16;
+    s.seed = 11;
+    return s;
+}
+
+static void test_options(void)
+{
+    if (!cp_have_bf16())
+        return;
+    for (int layout = 0; layout < 2; layout++)
+        for (int train_step = 0; train_step < 2; train_step++)
+            for (int options = 0; options < 2; options++) {
+                ce_case_spec s = bf16_spec((fh_layout)layout, train_step);
+                if (options) {
+                    s.bias = 1;
+                    s.ignore_frac = 0.1;
+                    s.label_smoothing = 0.1;
+                    s.class_weights = 1;
+                    s.softcap = 30.0;
+                    s.z_loss = 1e-4;
+                    s.reduction = FH_REDUCTION_NONE;
+                }
+                cp_check_spec(&s, options ? "bf16, every option" : "bf16, no options");
+            }
+}
+
+/* Edge tiles in both directions, several row blocks, the streaming fallback of a train step, and beta 1:
+ * every GEMM shape the engine prepares. */
+static void test_tiles_and_beta(void)
+{
+    if (!cp_have_bf16())
+        return;
+    for (int layout = 0; layout < 2; layout++) {
+        ce_case_spec s = bf16_spec((fh_layout)layout, 0);
+        s.tile_rows = 40;
+        s.tile_vocab = 300;
+        cp_check_spec(&s, "bf16 streaming, edge tiles");
+        s.train_step = 1;
+        s.tile_vocab = 0;
+        cp_check_spec(&s, "bf16 train step, three row blocks");
+        s.tile_rows = 0;
+        s.budget = 64 << 10;
+        cp_check_spec(&s, "bf16 train step, streaming fallback under a small budget");
+        s.budget = 0;
+        s.grad_beta = 1.0f;
+        s.bias = 1;
+        cp_check_spec(&s, "bf16 train step, beta 1");
+    }
+}
+
+/* Mixed or unknown dtypes, and bf16 without a provider, are refused before any output is written. */
+static void test_dtype_contract(void)
+{
+    enum { N = 3, H = 4, V = 5 };
+    float x[N * H] = {0}, w[H * V] = {0}, dx[N * H], dw[H * V];
+    const int64_t targets[N] = {0, 1, 2};
+    fh_context *ctx = tu_context(0, 0, 0, 0);
+    fh_ce_options o;
+    fh_ce_options_init(&o);
+    const fh_dtype pairs[][2] = {{FH_DTYPE_BF16, FH_DTYPE_F32}, {FH_DTYPE_F32, FH_DTYPE_BF16}, {(fh_dtype)7, (fh_dtype)7},
+                                 {FH_DTYPE_BF16, FH_DTYPE_BF16}};
+    for (size_t k = 0; k < sizeof pairs / sizeof pairs[0]; k++) {
+        fh_linear lin;
+        fh_linear_init(&lin, N, H, V, x, w, FH_LAYOUT_VH, NULL);
+        lin.x_dtype = pairs[k][0];
+        lin.weight_dtype = pairs[k][1];
+        const int valid = k == 3 && cp_have_bf16();
+        tu_fill_canary(dx, sizeof dx);
+        tu_fill_canary(dw, sizeof dw);
+        float canary;
+        tu_fill_canary(&canary, sizeof canary);
+        double loss = 1234.5;
+        fh_ce_outputs out = {.loss = &loss};
+        fh_linear_grads g = {.dx = dx, .dx_row_stride = H, .dweight = dw};
+        const float grad = 1.0f;
+        const fh_status st = fh_ce_forward_backward(ctx, &lin, targets, &o, &grad, &out, &g);
+        TU_CHECK(valid ? st == FH_OK : st == FH_ERR_INVALID_DTYPE, "dtypes (%d, %d): status %d (%s)", (int)pairs[k][0],
+                 (int)pairs[k][1], (int)st, fh_status_string(st));
+        if (!valid) {
+            const char *why = NULL;
+            fh_context_message(ctx, &why);
+            TU_CHECK(why && strstr(why, "dtype"), "dtypes (%d, %d): the message names the dtype: %s", (int)pairs[k][0],
+                     (int)pairs[k][1], why ? why : "(none)");
+            TU_CHECK(loss == 1234.5 && tu_all_equal_f(dx, N * H, canary) && tu_all_equal_f(dw, H * V, canary),
+                     "dtypes (%d, %d): outputs untouched", (int)pairs[k][0], (int)pairs[k][1]);
+        } else {
+            TU_CHECK(isfinite(loss), "bf16 zeros: finite loss %g", loss);
+        }
+    }
+    fh_context_destroy(ctx);
+}
+
+/* Wisdom entries carry a dtype: a bf16 entry tiles bf16 calls only, and survives a save and a load. */
+static void test_wisdom_dtype(void)
+{
+    enum { N = 64, H = 16, V = 5000 };
+    static float x[N * H], w[H * V];
+    fh_context *ctx = tu_context(1, 0, 0, 0);
+    fh_ce_options o;
+    fh_ce_options_init(&o);
+    fh_linear f32, bf16;
+    fh_linear_init(&f32, N, H, V, x, w, FH_LAYOUT_HV, NULL);
+    bf16 = f32;
+    bf16.x_dtype = bf16.weight_dtype = FH_DTYPE_BF16;
+    size_t before_f32 = 0, before_bf16 = 0, after_f32 = 0, after_bf16 = 0;
+    TU_CHECK(fh_ce_workspace_size(ctx, &f32, &o, &before_f32) == FH_OK, "fp32 query");
+    const int bf16_ok = fh_ce_workspace_size(ctx, &bf16, &o, &before_bf16) == FH_OK;
+    TU_CHECK(bf16_ok == cp_have_bf16(), "bf16 query succeeds exactly when the build has oneDNN");
+    /* A tile much smaller than the defaults, for bf16 forward calls only. */
+    const fh_tile_config e = {1, N, H, V, FH_CALL_FORWARD, 8, 64, FH_DTYPE_BF16};
+    TU_CHECK(fh_context_add_wisdom(ctx, &e) == FH_OK, "add a bf16 entry");
+    char path[] = "/tmp/fh_wisdom_dtype_XXXXXX";
+    const int fd = mkstemp(path);
+    TU_CHECK(fd >= 0, "temporary file");
+    if (fd >= 0)
+        close(fd);
+    fh_context *loaded = tu_context(1, 0, 0, 0);
+    TU_CHECK(fh_context_save_wisdom(ctx, path) == FH_OK && fh_context_load_wisdom(loaded, path) == FH_OK,
+             "save and load %s", path);
+    unlink(path);
+    TU_CHECK(fh_ce_workspace_size(loaded, &f32, &o, &after_f32) == FH_OK, "fp32 query after");
+    TU_CHECK(after_f32 == before_f32, "a bf16 entry changed an fp32 call's workspace: %zu -> %zu", before_f32,
+             after_f32);
+    if (bf16_ok) {
+        TU_CHECK(fh_ce_workspace_size(loaded, &bf16, &o, &after_bf16) == FH_OK, "bf16 query after");
+        TU_CHECK(after_bf16 < before_bf16, "the bf16 entry (8 x 64 forward tiles) did not shrink the bf16 workspace: "
+                 "%zu -> %zu", before_bf16, after_bf16);
+    }
+    const fh_tile_config bad = {1, N, H, V, FH_CALL_FORWARD, 8, 64, 7};
+    TU_CHECK(fh_context_add_wisdom(ctx, &bad) == FH_ERR_INVALID_WISDOM, "an unknown dtype is refused");
+    fh_context_destroy(ctx);
+    fh_context_destroy(loaded);
+}
+
+static const tu_test tests[] = {
+    {"every option, both layouts and schedules", test_options},
+    {"edge tiles, row blocks, streaming fallback, beta 1", test_tiles_and_beta},
+    {"dtype contract", test_dtype_contract},
+    {"wisdom entries per dtype", test_wisdom_dtype},
+};
+const tu_suite suite_bf16 = {tests, TU_COUNT(tests)};
