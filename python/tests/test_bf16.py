@@ -301,3 +301,65 @@ def test_bf16_tensors_reach_the_library_uncopied(form, monkeypatch):
     fht.fused_linear_cross_entropy(X, W, T, layout=layout).backward()
     assert seen and all(s == (X.data_ptr(), W.data_ptr(), row_stride, 1, 1) for s in seen), seen
     assert W.grad.dtype == BF and W.grad.shape == W.shape
+
+
+# ---------------------------------------------------------------------------------------------------------
+# NumPy: bf16 bits in uint16 arrays (dtype="bf16"); losses are the library's doubles and gradients its fp32
+# outputs, so the tolerances are the C library's own: loss 1e-5, gradients the C tests' 4e-3 (no output
+# rounding here).
+# ---------------------------------------------------------------------------------------------------------
+GRAD_RTOL_BF16_FP32_OUT = 4e-3
+
+
+def bf16_bits(a: np.ndarray) -> np.ndarray:
+    """a rounded to bfloat16 (torch's rounding), as the uint16 bits NumPy can hold."""
+    return torch.from_numpy(np.ascontiguousarray(a)).to(BF).view(torch.int16).numpy().view(np.uint16)
+
+
+def from_bits(bits: np.ndarray) -> torch.Tensor:
+    """The float64 values of bf16 bits (exact)."""
+    return torch.from_numpy(bits.astype(np.int16)).view(BF).double()
+
+
+@pytest.mark.parametrize("layout", ["vh", "hv"])
+def test_numpy_cross_entropy(layout):
+    x, w, t, b, _ = make_data(seed=17, bias=True, ignore_frac=0.2, layout=layout)
+    xb, wb = bf16_bits(x), bf16_bits(w)
+    if layout == "hv":  # rows padded to V + 5: dweight must mirror the element strides (its own are 4-byte)
+        padded = np.zeros((wb.shape[0], wb.shape[1] + 5), np.uint16)
+        padded[:, :wb.shape[1]] = wb
+        wb = padded[:, :wb.shape[1]]
+    r = fusedhead.numpy.cross_entropy(xb, wb, t, b, layout=layout, label_smoothing=0.1, return_grads=True,
+                                      dtype="bf16")
+    assert r.dhidden.dtype == r.dweight.dtype == r.dbias.dtype == np.float32
+    assert r.dweight.strides == tuple(4 * s // 2 for s in wb.strides)
+    X64, W64, B64 = float64_twins(from_bits(xb), from_bits(wb), torch.from_numpy(b))
+    ref = reference_loss(X64, W64, torch.from_numpy(t), B64, layout=layout, label_smoothing=0.1)
+    ref.backward()
+    assert abs(r.loss - ref.item()) <= LOSS_RTOL_BF16 * abs(ref.item())
+    assert normwise(r.dhidden, X64.grad.numpy()) <= GRAD_RTOL_BF16_FP32_OUT
+    assert normwise(r.dweight, W64.grad.numpy()) <= GRAD_RTOL_BF16_FP32_OUT
+    assert normwise(r.dbias, B64.grad.numpy()) <= GRAD_RTOL_F64
+
+
+def test_numpy_grpo_and_dtype_errors():
+    d = make_grpo(seed=5)
+    hb, Wb = bf16_bits(d["h"].astype(np.float32)), bf16_bits(d["W"].astype(np.float32))
+    f32 = lambda a: a.astype(np.float32)  # noqa: E731
+    r = fusedhead.numpy.grpo_loss(hb, Wb, d["ids"], f32(d["mask"]), f32(d["A"]), None, f32(d["old"]), f32(d["ref"]),
+                                  loss_type="dapo", beta=0.04, temperature=0.7, return_grads=True, dtype="bf16")
+    h64, W64 = float64_twins(from_bits(hb), from_bits(Wb))
+    t64 = lambda a: torch.from_numpy(a)  # noqa: E731  (make_grpo's float64 arrays hold fp32 values)
+    rloss, _, _ = trl_reference(h64, W64, None, torch.from_numpy(d["ids"]), t64(d["mask"]), t64(d["A"]),
+                                t64(d["old"]), t64(d["ref"]), loss_type="dapo", beta=0.04, temperature=0.7)
+    rloss.backward()
+    assert r.loss == pytest.approx(rloss.item(), rel=LOSS_RTOL_BF16, abs=LOSS_RTOL_BF16)
+    assert normwise(r.dhidden, h64.grad.numpy()) <= GRAD_RTOL_BF16_FP32_OUT
+    assert normwise(r.dweight, W64.grad.numpy()) <= GRAD_RTOL_BF16_FP32_OUT
+    x, w, t, _, _ = make_data(seed=18)
+    with pytest.raises(TypeError, match=r"hidden: expected dtype float32.*uint16.*dtype='bf16'"):
+        fusedhead.numpy.cross_entropy(bf16_bits(x), bf16_bits(w), t)
+    with pytest.raises(TypeError, match=r"weight: expected dtype uint16.*float32.*bfloat16 bits"):
+        fusedhead.numpy.cross_entropy(bf16_bits(x), w, t, dtype="bf16")
+    with pytest.raises(ValueError, match=r"dtype must be 'fp32' or 'bf16'"):
+        fusedhead.numpy.cross_entropy(x, w, t, dtype="float16")
