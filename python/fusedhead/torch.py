@@ -286,7 +286,7 @@ class _CE:
         self.token_shape = self.lin.hidden_shape[:-1]
         self.targets = _token_vector(targets, "targets", self.token_shape, self.lin.n, "hidden's leading dimensions")
         if class_weights is not None:
-            class_weights = _contiguous_vector(_fp32_operand(class_weights.detach(), "class_weights", self.lin.dtype))
+            class_weights = _contiguous_vector(_fp32_operand(class_weights, "class_weights", self.lin.dtype).detach())
         self.class_weights = class_weights
         self.reduction = parse_reduction(reduction)
         self.ignore_index, self.z_loss = int(ignore_index), float(z_loss)
