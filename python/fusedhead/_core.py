@@ -12,7 +12,7 @@ import threading
 from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 from . import _lib
-from ._lib import Layout, Param, Reduction, c_double_p, c_float_p, c_int64_p, load_library
+from ._lib import Dtype, Layout, Param, Reduction, c_double_p, c_float_p, c_int64_p, load_library
 from .errors import FusedheadError, error_for
 
 
@@ -37,14 +37,22 @@ class BlisInfo(NamedTuple):
     selected_by_library: bool  # fusedhead chose it (not BLIS or the user)
     user_override: bool  # BLIS_ARCH_TYPE was set in the environment
     elementwise: str  # fusedhead's exp/max kernels: "avx512" (SLEEF) or "portable"
+    bf16_gemm: str  # the bf16 GEMM provider and its implementation here, e.g. "oneDNN 2.6.3 brg:avx512_core_bf16";
+    #                 "none" in a build without oneDNN (bf16 inputs are then rejected)
 
 
 def blis_info() -> BlisInfo:
-    """What fh_blis_query reports: the BLIS kernel set in use and fusedhead's element-wise kernels."""
+    """What fh_blis_query reports: the BLIS kernel set in use, fusedhead's element-wise kernels and the bf16
+    GEMM provider."""
     info = _lib.fh_blis_info()
     check_status(load_library().fh_blis_query(ctypes.byref(info)), "fh_blis_query")
     return BlisInfo((info.kernel_set or b"").decode(), bool(info.selected_by_library), bool(info.user_override),
-                    (info.elementwise or b"").decode())
+                    (info.elementwise or b"").decode(), (info.bf16_gemm or b"none").decode())
+
+
+def bf16_available() -> bool:
+    """Whether the loaded library computes on bf16 hidden states and weights (built with oneDNN)."""
+    return blis_info().bf16_gemm != "none"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -322,14 +330,17 @@ def _shape(shape) -> str:
 
 
 class LinearHead:
-    """hidden [N, H] x weight (either layout) + bias [V], checked and described as an fh_linear.
+    """hidden [N, H] x weight (either layout) + bias [V], checked and described as an fh_linear. hidden and
+    weight hold `dtype` elements (fp32, or bf16 bits: strides count elements either way); bias is fp32.
 
     Raises ValueError (naming the argument and what was expected) for inconsistent shapes or unsupported
     strides; front ends that copy instead call rows_view_ok / matrix_view_ok first.
     """
 
-    def __init__(self, x: View, weight: View, bias: Optional[View], layout: Union[str, Layout] = "vh"):
+    def __init__(self, x: View, weight: View, bias: Optional[View], layout: Union[str, Layout] = "vh",
+                 dtype: Dtype = Dtype.F32):
         self.layout = parse_layout(layout)
+        self.dtype = Dtype(dtype)
         if len(x.shape) != 2:
             raise ValueError(f"hidden: expected a 2-D [N, H] view, got shape {_shape(x.shape)}")
         n, h = x.shape
@@ -361,8 +372,8 @@ class LinearHead:
         self.x, self.weight, self.bias = x, weight, bias
         self.weight_strides = tuple(weight.strides)
         x_row_stride = normalize_strides(x.shape, x.strides)[0]
-        self.c = _lib.fh_linear(self.n, self.hidden, self.vocab, _fp(x.ptr), x_row_stride, _fp(weight.ptr),
-                                sh, sv, _fp(bias.ptr if bias is not None else None))
+        self.c = _lib.fh_linear(self.n, self.hidden, self.vocab, x.ptr, x_row_stride, weight.ptr, sh, sv,
+                                _fp(bias.ptr if bias is not None else None), self.dtype, self.dtype)
 
     # -- gradients --
     def check_dx(self, dx: View) -> None:
@@ -592,5 +603,6 @@ class GRPOProblem:
         ctx.call("fh_grpo_workspace_size", ctypes.byref(self.head.c), ctypes.byref(size), pure=True)
         return size.value
 
-__all__ = ["Context", "default_context", "set_default_context_settings", "default_context_settings", "blis_info", "BlisInfo", "status_string", "View", "LinearHead",
+__all__ = ["Context", "default_context", "set_default_context_settings", "default_context_settings", "blis_info",
+           "BlisInfo", "bf16_available", "status_string", "View", "LinearHead",
            "CEProblem", "GRPOProblem", "grpo_options", "grpo_metrics_dict", "FusedheadError"]

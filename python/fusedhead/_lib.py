@@ -74,6 +74,11 @@ class Layout(enum.IntEnum):
     VH = 1  # weight stored [V, H] row-major (torch nn.Linear.weight)
 
 
+class Dtype(enum.IntEnum):
+    F32 = 0
+    BF16 = 1  # raw bfloat16 bits, as torch.bfloat16 stores them
+
+
 class Reduction(enum.IntEnum):
     MEAN = 0
     SUM = 1
@@ -112,13 +117,13 @@ class fh_linear(ctypes.Structure):
         ("n", ctypes.c_int64),
         ("hidden", ctypes.c_int64),
         ("vocab", ctypes.c_int64),
-        ("x", c_float_p),
+        ("x", ctypes.c_void_p),  # x_dtype elements
         ("x_row_stride", ctypes.c_int64),
-        ("weight", c_float_p),
+        ("weight", ctypes.c_void_p),  # weight_dtype elements
         ("w_stride_hidden", ctypes.c_int64),
         ("w_stride_vocab", ctypes.c_int64),
         ("bias", c_float_p),
-        ("x_dtype", ctypes.c_int),  # fh_dtype: 0 fp32 (the binding passes fp32 only, for now)
+        ("x_dtype", ctypes.c_int),  # fh_dtype
         ("weight_dtype", ctypes.c_int),
     ]
 
@@ -230,8 +235,8 @@ _REQUIRED = {
     "fh_context_message": (_st, [_ctx_p, _P(ctypes.c_char_p)]),
     "fh_context_set_workspace": (_st, [_ctx_p, ctypes.c_void_p, ctypes.c_size_t]),
     "fh_blis_query": (_st, [_P(fh_blis_info)]),
-    "fh_linear_init": (_st, [_P(fh_linear), ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, c_float_p, c_float_p,
-                             ctypes.c_int, c_float_p]),
+    "fh_linear_init": (_st, [_P(fh_linear), ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                             ctypes.c_void_p, ctypes.c_int, c_float_p]),
     "fh_ce_options_init": (_st, [_P(fh_ce_options)]),
     "fh_ce_forward": (_st, [_ctx_p, _P(fh_linear), c_int64_p, _P(fh_ce_options), _P(fh_ce_outputs)]),
     "fh_ce_backward": (_st, [_ctx_p, _P(fh_linear), c_int64_p, _P(fh_ce_options), c_float_p, c_float_p,

@@ -1,4 +1,4 @@
-"""NumPy front end: fused linear cross-entropy on float32 arrays, zero-copy.
+"""NumPy front end: fused linear cross-entropy on float32 (or bf16) arrays, zero-copy.
 
     import fusedhead.numpy as fhnp
     r = fhnp.cross_entropy(hidden, weight, targets, return_grads=True)   # weight [V, H] (layout="vh")
@@ -11,6 +11,10 @@ Arrays are never copied or converted. Expected:
            positive non-overlapping strides (C- or Fortran-ordered, sliced)
   targets  int64, shaped like hidden's leading dimensions (or flat [N]), C-contiguous
   bias, class_weights  float32 [V], contiguous
+dtype="bf16" (every function): hidden and weight hold raw bfloat16 bits as uint16 arrays (NumPy has no
+bfloat16; e.g. torch_bf16_tensor.view(torch.int16).numpy().view(np.uint16)), same shapes and strides rules.
+The rest stays float32, gradients included: the library writes fp32 dx / dweight / dbias (README "### bf16"
+for their error).
 Anything else raises TypeError (dtype, byte order, not an ndarray) or ValueError (shape, strides) saying what
 was expected. Library errors raise fusedhead.FusedheadError subclasses with the library's message.
 
@@ -28,12 +32,22 @@ import numpy as np
 
 from ._core import (CEProblem, Context, GRPOProblem, LinearHead, View, default_context, grpo_metrics_dict,
                     grpo_options, parse_reduction)
-from ._lib import Reduction
+from ._lib import Dtype, Reduction
 
 __all__ = ["cross_entropy", "forward", "backward", "forward_backward", "CrossEntropyResult", "Gradients",
            "workspace_size", "grpo_loss", "GRPOResult"]
 
 _FP32_HINT = "; fusedhead computes in fp32: use .astype(np.float32)"
+_INPUT_DTYPES = {"fp32": (np.float32, Dtype.F32, _FP32_HINT + " (dtype='bf16' takes bfloat16 bits as uint16)"),
+                 "bf16": (np.uint16, Dtype.BF16, " (dtype='bf16': raw bfloat16 bits in uint16 arrays)")}
+
+
+def _input_dtype(dtype: str):
+    """(NumPy dtype of hidden and weight, fh_dtype, hint for a wrong dtype) for dtype="fp32" or "bf16"."""
+    if dtype not in _INPUT_DTYPES:
+        raise ValueError(f"dtype must be 'fp32' or 'bf16' (hidden and weight as bfloat16 bits in uint16 arrays), "
+                         f"got {dtype!r}")
+    return _INPUT_DTYPES[dtype]
 
 _GRAD_NAMES = ("hidden", "weight", "bias")
 
@@ -86,24 +100,27 @@ def _flatten_vector(a: np.ndarray, name: str, shape: Tuple[int, ...], n: int, wh
 
 
 def _empty_with_strides(like: np.ndarray) -> np.ndarray:
-    """An uninitialised float32 array with `like`'s shape and strides (dweight must mirror the weight)."""
+    """An uninitialised float32 array with `like`'s shape and element strides (dweight must mirror the weight,
+    which may be bf16: strides in elements, not bytes)."""
     if like.flags.c_contiguous:
         return np.empty(like.shape, np.float32)
     if like.flags.f_contiguous:
         return np.empty(like.shape, np.float32, order="F")
-    extent = 1 + sum((d - 1) * s for d, s in zip(like.shape, like.strides)) // like.itemsize
+    elements = [s // like.itemsize for s in like.strides]
+    extent = 1 + sum((d - 1) * s for d, s in zip(like.shape, elements))
     base = np.empty(max(extent, 1), np.float32)
-    return np.lib.stride_tricks.as_strided(base, like.shape, like.strides, writeable=True)
+    return np.lib.stride_tricks.as_strided(base, like.shape, tuple(4 * s for s in elements), writeable=True)
 
 
 class _Prepared:
     """Checked arrays and the CEProblem describing them (keeps every array alive while the library runs)."""
 
     def __init__(self, hidden, weight, targets, bias, layout, ignore_index, reduction, label_smoothing,
-                 class_weights, softcap, z_loss):
+                 class_weights, softcap, z_loss, dtype="fp32"):
         fp32_hint = "; fusedhead computes in fp32: use .astype(np.float32)"
-        hidden = _check_array(hidden, "hidden", np.float32, fp32_hint)
-        weight = _check_array(weight, "weight", np.float32, fp32_hint)
+        input_dtype, self.dtype, hint = _input_dtype(dtype)
+        hidden = _check_array(hidden, "hidden", input_dtype, hint)
+        weight = _check_array(weight, "weight", input_dtype, hint)
         targets = _check_array(targets, "targets", np.int64, "; use .astype(np.int64)")
         if bias is not None:
             bias = _check_array(bias, "bias", np.float32, fp32_hint)
@@ -121,7 +138,7 @@ class _Prepared:
             self._check_empty(layout)
             return
         self.head = LinearHead(_view(self.x, "hidden"), _view(weight, "weight"),
-                               _view(bias, "bias") if bias is not None else None, layout)
+                               _view(bias, "bias") if bias is not None else None, layout, self.dtype)
         self.problem = CEProblem(self.head, _view(self.targets, "targets"), ignore_index=ignore_index,
                                  reduction=self.reduction, label_smoothing=label_smoothing,
                                  class_weights=_view(class_weights, "class_weights")
@@ -129,7 +146,7 @@ class _Prepared:
 
     def _check_empty(self, layout):
         # Shape checks for N = 0 (the library is not called): a dummy 1-row head checks weight and bias.
-        dummy = np.zeros((1, self.x.shape[1]), np.float32)
+        dummy = np.zeros((1, self.x.shape[1]), self.x.dtype)
         LinearHead(_view(dummy, "hidden"), _view(self.weight, "weight"),
                    _view(self.bias, "bias") if self.bias is not None else None, layout)
 
@@ -274,10 +291,10 @@ def _run_forward(p: _Prepared, ctx: Optional[Context], grad=None, grad_struct=No
 def forward(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, bias: Optional[np.ndarray] = None, *,
             layout: str = "vh", ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
             class_weights: Optional[np.ndarray] = None, softcap: float = 0.0, z_loss: float = 0.0,
-            context: Optional[Context] = None) -> CrossEntropyResult:
+            context: Optional[Context] = None, dtype: str = "fp32") -> CrossEntropyResult:
     """fh_ce_forward: loss and per-token outputs (keep .lse for backward())."""
     p = _Prepared(hidden, weight, targets, bias, layout, ignore_index, reduction, label_smoothing, class_weights,
-                  softcap, z_loss)
+                  softcap, z_loss, dtype)
     return _run_forward(p, context)
 
 
@@ -287,7 +304,7 @@ def backward(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, bias: 
              softcap: float = 0.0, z_loss: float = 0.0, wrt: Optional[Iterable[str]] = None,
              dhidden: Optional[np.ndarray] = None, dweight: Optional[np.ndarray] = None,
              dbias: Optional[np.ndarray] = None, accumulate: bool = False,
-             context: Optional[Context] = None) -> Gradients:
+             context: Optional[Context] = None, dtype: str = "fp32") -> Gradients:
     """fh_ce_backward from forward()'s lse. Options must be those of the forward call.
 
     grad_output: d(objective)/d(loss): a scalar for 'mean'/'sum' (default 1), one float32 per token for
@@ -297,7 +314,7 @@ def backward(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, bias: 
     accumulate=True adds to them (beta 1) instead of overwriting (beta 0).
     """
     p = _Prepared(hidden, weight, targets, bias, layout, ignore_index, reduction, label_smoothing, class_weights,
-                  softcap, z_loss)
+                  softcap, z_loss, dtype)
     want = p.wanted(wrt, dhidden, dweight, dbias)
     g = p.grad_output(grad_output)
     bufs = p.grad_buffers(want, dhidden, dweight, dbias, accumulate)
@@ -317,11 +334,12 @@ def forward_backward(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray
                      class_weights: Optional[np.ndarray] = None, softcap: float = 0.0, z_loss: float = 0.0,
                      wrt: Optional[Iterable[str]] = None, dhidden: Optional[np.ndarray] = None,
                      dweight: Optional[np.ndarray] = None, dbias: Optional[np.ndarray] = None,
-                     accumulate: bool = False, context: Optional[Context] = None) -> CrossEntropyResult:
+                     accumulate: bool = False, context: Optional[Context] = None,
+                     dtype: str = "fp32") -> CrossEntropyResult:
     """fh_ce_forward_backward: forward outputs and gradients in one call (the training step: 6 NHV flops
     instead of 8). Arguments as in backward()."""
     p = _Prepared(hidden, weight, targets, bias, layout, ignore_index, reduction, label_smoothing, class_weights,
-                  softcap, z_loss)
+                  softcap, z_loss, dtype)
     want = p.wanted(wrt, dhidden, dweight, dbias)
     g = p.grad_output(grad_output)
     bufs = p.grad_buffers(want, dhidden, dweight, dbias, accumulate)
@@ -339,7 +357,7 @@ def cross_entropy(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, b
                   layout: str = "vh", ignore_index: int = -100, reduction: str = "mean",
                   label_smoothing: float = 0.0, class_weights: Optional[np.ndarray] = None, softcap: float = 0.0,
                   z_loss: float = 0.0, return_grads: Union[bool, Iterable[str]] = False, grad_output=None,
-                  context: Optional[Context] = None) -> CrossEntropyResult:
+                  context: Optional[Context] = None, dtype: str = "fp32") -> CrossEntropyResult:
     """F.cross_entropy(hidden @ W.T + bias, targets, ...) without the logits, plus softcap and z-loss.
 
     return_grads: False (forward only), True (all available gradients) or names among "hidden", "weight",
@@ -350,18 +368,19 @@ def cross_entropy(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, b
             raise ValueError("grad_output is only used with return_grads")
         return forward(hidden, weight, targets, bias, layout=layout, ignore_index=ignore_index, reduction=reduction,
                        label_smoothing=label_smoothing, class_weights=class_weights, softcap=softcap, z_loss=z_loss,
-                       context=context)
+                       context=context, dtype=dtype)
     return forward_backward(hidden, weight, targets, bias, grad_output=grad_output, layout=layout,
                             ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                             class_weights=class_weights, softcap=softcap, z_loss=z_loss,
-                            wrt=None if return_grads is True else return_grads, context=context)
+                            wrt=None if return_grads is True else return_grads, context=context, dtype=dtype)
 
 
 def workspace_size(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, bias: Optional[np.ndarray] = None,
-                   *, layout: str = "vh", train_step: bool = False, context: Optional[Context] = None) -> int:
+                   *, layout: str = "vh", train_step: bool = False, context: Optional[Context] = None,
+                   dtype: str = "fp32") -> int:
     """Workspace bytes fh_ce_forward/backward (train_step=False) or fh_ce_forward_backward (True) need for
     these shapes under the context's settings (pure query)."""
-    p = _Prepared(hidden, weight, targets, bias, layout, -100, "mean", 0.0, None, 0.0, 0.0)
+    p = _Prepared(hidden, weight, targets, bias, layout, -100, "mean", 0.0, None, 0.0, 0.0, dtype)
     if p.n == 0:
         return 0
     return p.problem.workspace_size(context or default_context(), train_step)
@@ -390,10 +409,12 @@ def grpo_loss(hidden: np.ndarray, weight: np.ndarray, completion_ids: np.ndarray
               advantages: np.ndarray, bias: Optional[np.ndarray] = None,
               old_per_token_logps: Optional[np.ndarray] = None, ref_per_token_logps: Optional[np.ndarray] = None,
               *, layout: str = "vh", return_grads: Union[bool, Iterable[str]] = False, grad_output: float = 1.0,
-              context: Optional[Context] = None, epsilon: Optional[float] = None, **options) -> GRPOResult:
+              context: Optional[Context] = None, epsilon: Optional[float] = None, dtype: str = "fp32",
+              **options) -> GRPOResult:
     """TRL's GRPO loss from hidden [B, T, H] float32 (position t predicts completion_ids[b, t], int64 [B, T]),
     completion_mask float32 [B, T], advantages float32 [B], optional old/ref per-token log-probs float32 [B, T],
-    without the logits. Nothing is copied (C-contiguous token arrays expected).
+    without the logits. Nothing is copied (C-contiguous token arrays expected). dtype="bf16": hidden and
+    weight are bfloat16 bits in uint16 arrays (the rest, gradients included, float32).
 
     options: TRL GRPOConfig names (loss_type, importance_sampling_level, temperature, epsilon_low (alias
     epsilon), epsilon_high, delta, beta, sapo_temperature_pos/neg, num_items_in_batch, max_completion_length,
@@ -404,13 +425,14 @@ def grpo_loss(hidden: np.ndarray, weight: np.ndarray, completion_ids: np.ndarray
             raise ValueError("pass epsilon or epsilon_low (its alias), not both")
         options["epsilon_low"] = epsilon
     opt = grpo_options(**options)
-    x3 = _check_array(hidden, "hidden", np.float32, _FP32_HINT)
+    input_dtype, fh_dtype, hint = _input_dtype(dtype)
+    x3 = _check_array(hidden, "hidden", input_dtype, hint)
     if x3.ndim != 3:
         raise ValueError(f"hidden: expected [B, T, H], got shape {list(x3.shape)}")
     b, t = int(x3.shape[0]), int(x3.shape[1])
     n = b * t
     x = _flatten_rows(x3, "hidden")
-    w = _check_array(weight, "weight", np.float32, _FP32_HINT)
+    w = _check_array(weight, "weight", input_dtype, hint)
     if bias is not None:
         _check_array(bias, "bias", np.float32, _FP32_HINT)
 
@@ -447,7 +469,8 @@ def grpo_loss(hidden: np.ndarray, weight: np.ndarray, completion_ids: np.ndarray
         if dw is not None:
             dw[...] = 0.0
         return GRPOResult(0.0, {}, **outs, dhidden=dx, dweight=dw, dbias=db)
-    head = LinearHead(_view(x, "hidden"), _view(w, "weight"), None if bias is None else _view(bias, "bias"), layout)
+    head = LinearHead(_view(x, "hidden"), _view(w, "weight"), None if bias is None else _view(bias, "bias"), layout,
+                      fh_dtype)
     problem = GRPOProblem(head, b, t, _view(ids, "completion_ids"), _view(mask, "completion_mask"),
                           _view(adv, "advantages"), None if old is None else _view(old, "old_per_token_logps"),
                           None if ref is None else _view(ref, "ref_per_token_logps"), opt)

@@ -10,9 +10,19 @@ z-loss (z_loss * lse^2, averaged over non-ignored tokens for 'mean', never class
 One documented difference: when every token is ignored (or every target has class weight 0), 'mean' gives
 loss 0 and zero gradients where torch gives NaN. N = 0 tokens behaves the same way.
 
-Inputs: CPU tensors; hidden, weight, bias, class_weights float32; targets int64. hidden is [..., H] (e.g.
-[B, T, H]) and targets hidden's leading shape (or flat [N]); weight is [V, H] (layout="vh", nn.Linear.weight,
-the default) or [H, V] (layout="hv"). Anything else raises TypeError / ValueError saying what was expected.
+Inputs: CPU tensors; hidden and weight both float32 or both bfloat16 (mixed: TypeError); bias and
+class_weights float32 (with bfloat16 inputs bfloat16 too, converted to float32: [V] copies); targets int64.
+hidden is [..., H] (e.g. [B, T, H]) and targets hidden's leading shape (or flat [N]); weight is [V, H]
+(layout="vh", nn.Linear.weight, the default) or [H, V] (layout="hv"). Anything else raises TypeError /
+ValueError saying what was expected.
+
+bfloat16: the library reads the tensors' own bf16 bits with their strides (no float32 copy of hidden or
+weight), runs its GEMMs in bf16 with f32 accumulation and every statistic in fp32/double (README "### bf16").
+Outputs follow F.cross_entropy(F.linear(hidden, weight), ...) on bf16 tensors: the loss (and z_loss, and
+the per-token losses of 'none') in bfloat16, the library's value rounded once; the gradients of hidden,
+weight and bias in their own dtypes. The library writes fp32 gradients, so the binding computes them into
+float32 buffers and converts (see _in_dtypes for what that costs). GRPO's metrics are Python floats and its
+per-token log-probs float32 whatever the dtype.
 
 Copies (only where the library cannot take the tensor as it is):
   - hidden: none when its rows have unit element stride (contiguous, or row-padded 2-D slices); [B, T, H]
@@ -53,7 +63,7 @@ import torch
 from ._core import (GRPO_METRIC_KEYS, CEProblem, Context, GRPOProblem, LinearHead, View, default_context,
                     grpo_metrics_dict, grpo_options, matrix_view_ok, parse_grpo_is_level, parse_grpo_loss_type,
                     parse_layout, parse_reduction, rows_view_ok, vector_view_ok)
-from ._lib import Reduction
+from ._lib import Dtype, Reduction
 
 __all__ = ["FusedLinearCrossEntropyFunction", "FusedLinearCrossEntropy", "fused_linear_cross_entropy",
            "FusedLinearGRPOLossFunction", "FusedLinearGRPOLoss", "fused_linear_grpo_loss"]
@@ -74,7 +84,26 @@ def _check_tensor(t, name: str, dtype: torch.dtype, hint: str = "") -> torch.Ten
     return t
 
 
-_FP32_HINT = "; fusedhead computes in fp32 (use .float())"
+_FP32_HINT = "; fusedhead takes float32 here (use .float())"
+
+
+def _check_inputs(hidden, weight) -> torch.dtype:
+    """The dtype of hidden and weight: both float32 or both bfloat16 (the library computes a bf16 x bf16 GEMM
+    or an fp32 one, never a mixed one); returns it."""
+    bf16 = isinstance(hidden, torch.Tensor) and hidden.dtype == torch.bfloat16
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    _check_tensor(hidden, "hidden", dtype, " (fusedhead takes float32 or bfloat16; use .float())")
+    _check_tensor(weight, "weight", dtype, " (hidden and weight must have one dtype: both float32 or both bfloat16)")
+    return dtype
+
+
+def _fp32_operand(t, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """A float32 operand of the library (bias, class weights, GRPO's per-token and per-sequence values). With
+    bfloat16 inputs a bfloat16 one is accepted too (what a bf16 model holds) and converted: a [V] or [B, T]
+    copy, nothing next to the GEMMs."""
+    if dtype == torch.bfloat16 and isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16:
+        return _check_tensor(t, name, torch.bfloat16).float()
+    return _check_tensor(t, name, torch.float32, _FP32_HINT)
 
 
 def _view(t: torch.Tensor) -> View:
@@ -174,10 +203,10 @@ class _TorchLinear:
     gradient buffers for the inputs that need them."""
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], layout):
-        _check_tensor(hidden, "hidden", torch.float32, _FP32_HINT)
-        _check_tensor(weight, "weight", torch.float32, _FP32_HINT)
+        self.dtype = _check_inputs(hidden, weight)
+        self.bias_dtype = None if bias is None else bias.dtype
         if bias is not None:
-            _check_tensor(bias, "bias", torch.float32, _FP32_HINT)
+            bias = _fp32_operand(bias, "bias", self.dtype)
         if hidden.dim() < 1:
             raise ValueError("hidden: expected [..., H], got a 0-d tensor")
         if weight.dim() != 2:
@@ -196,14 +225,17 @@ class _TorchLinear:
             bias = _contiguous_vector(bias)
         self.x, self.weight, self.bias = x, weight, bias
         self.n = x.shape[0]
-        head_x = x if self.n > 0 else torch.zeros(1, h)  # N = 0: shapes still checked; the library is not called
-        self.head = LinearHead(_view(head_x), _view(weight), _opt_view(bias), self.layout)
+        head_x = x if self.n > 0 else torch.zeros(1, h, dtype=self.dtype)  # N = 0: shapes checked, no call
+        # bf16: the tensors' own bits and strides (torch.bfloat16 is the library's bf16), no copy
+        self.head = LinearHead(_view(head_x), _view(weight), _opt_view(bias), self.layout,
+                               Dtype.BF16 if self.dtype == torch.bfloat16 else Dtype.F32)
         self.vocab = self.head.vocab
 
     def alloc_grads(self, need_x: bool, need_w: bool, need_b: bool):
         """Buffers the library overwrites (beta 0): dx [N, H] contiguous, dweight with the weight's strides
-        (recycled through the weight's _DweightPool), dbias [V]. Zero-filled when N = 0 (the library is not
-        called)."""
+        (recycled through the weight's _DweightPool), dbias [V]; float32 whatever the inputs' dtype (the
+        library writes fp32 gradients; in_input_dtypes converts them). Zero-filled when N = 0 (the library is
+        not called)."""
         alloc = torch.zeros if self.n == 0 else torch.empty
         dx = alloc(self.x.shape, dtype=torch.float32) if need_x else None
         dw = None
@@ -214,11 +246,27 @@ class _TorchLinear:
         db = alloc(self.bias.shape, dtype=torch.float32) if need_b and self.bias is not None else None
         return dx, dw, db
 
+    def in_input_dtypes(self, grads):
+        return _in_dtypes(grads, self.dtype, self.bias_dtype)
+
     def grads_struct(self, dx, dw, db):
         return self.head.grads(_opt_view(dx), _opt_view(dw), _opt_view(db))
 
     def hidden_grad(self, dx: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         return None if dx is None else dx.view(self.hidden_shape)
+
+
+def _in_dtypes(grads, dtype: torch.dtype, bias_dtype: Optional[torch.dtype]):
+    """The library's float32 (dx, dweight, dbias) in the dtypes of hidden, weight and bias, as autograd wants
+    them. For bf16 inputs this is a conversion into new bf16 tensors: while it runs, the float32 dweight (the
+    pooled buffer, V x H x 4 bytes, free again once converted) and its bf16 result (V x H x 2) both exist, and
+    dx likewise. Bf16 gradient outputs in the C library will let it write the bf16 result directly."""
+    dx, dw, db = grads
+    if dtype != torch.float32:
+        dx, dw = (None if t is None else t.to(dtype) for t in (dx, dw))
+    if db is not None and bias_dtype != torch.float32:
+        db = db.to(bias_dtype)
+    return dx, dw, db
 
 
 def _token_vector(t: torch.Tensor, name: str, token_shape: Tuple[int, ...], n: int, what: str) -> torch.Tensor:
@@ -240,8 +288,7 @@ class _CE:
         self.token_shape = self.lin.hidden_shape[:-1]
         self.targets = _token_vector(targets, "targets", self.token_shape, self.lin.n, "hidden's leading dimensions")
         if class_weights is not None:
-            _check_tensor(class_weights, "class_weights", torch.float32, _FP32_HINT)
-            class_weights = _contiguous_vector(class_weights.detach())
+            class_weights = _contiguous_vector(_fp32_operand(class_weights, "class_weights", self.lin.dtype).detach())
         self.class_weights = class_weights
         self.reduction = parse_reduction(reduction)
         self.ignore_index, self.z_loss = int(ignore_index), float(z_loss)
@@ -258,37 +305,43 @@ class _CE:
     def per_token_z(self, lse: torch.Tensor) -> torch.Tensor:
         """z_loss * lse^2 per token (0 where ignored), from the forward's fp32 lse."""
         return torch.where(self.targets != self.ignore_index, self.z_loss * lse * lse,
-                           torch.zeros((), dtype=lse.dtype)).view(self.token_shape)
+                           torch.zeros((), dtype=lse.dtype)).view(self.token_shape).to(self.lin.dtype)
 
 
 def _scaled(saved, grad_loss: torch.Tensor, pool: Optional[_DweightPool]):
     """The train step's saved gradients (of the loss, upstream 1) times d(objective)/d(loss). Not in place: a
-    retained graph's next backward needs them as they are. dweight's product goes to a pooled buffer."""
+    retained graph's next backward needs them as they are. An fp32 dweight's product goes to a pooled buffer;
+    bf16 gradients were rounded in the forward, so their product is a second rounding (exact for a power of
+    two, as loss scaling and averaging over 2^k micro-batches use)."""
     dx, dw, db = saved
     if bool(grad_loss == 1):
         return dx, dw, db
     dx, db = (None if t is None else t * grad_loss for t in (dx, db))  # NaN propagates, as in torch
     if dw is not None:
-        dw = torch.mul(dw, grad_loss, out=pool.take(dw.shape, dw.stride()))
+        dw = torch.mul(dw, grad_loss, out=pool.take(dw.shape, dw.stride())) if dw.dtype == torch.float32 \
+            else dw * grad_loss
     return dx, dw, db
 
 
-def _scalar(value: float) -> torch.Tensor:
-    return torch.tensor(value, dtype=torch.float32)
+def _scalar(value: float, dtype: torch.dtype) -> torch.Tensor:
+    """A loss in the inputs' dtype, as F.cross_entropy on bf16 logits returns it: the library's double value
+    rounded once."""
+    return torch.tensor(value, dtype=dtype)
 
 
 def _forward_reduced(ce: _CE, context: Optional[Context], need: Sequence[bool]):
     """'mean'/'sum': (loss, z_loss, (dx, dw, db)); gradients of loss (upstream 1) for the inputs in need."""
     dx, dw, db = ce.lin.alloc_grads(*need)
+    dtype = ce.lin.dtype
     if ce.n == 0:
-        return _scalar(0.0), _scalar(0.0), (dx, dw, db)
+        return _scalar(0.0, dtype), _scalar(0.0, dtype), ce.lin.in_input_dtypes((dx, dw, db))
     ctx = context or default_context()
     if any(need):
         one = torch.ones(1, dtype=torch.float32)
         loss, z = ce.problem.forward_backward(ctx, one.data_ptr(), ce.lin.grads_struct(dx, dw, db))
     else:
         loss, z = ce.problem.forward(ctx)
-    return _scalar(loss), _scalar(z), (dx, dw, db)
+    return _scalar(loss, dtype), _scalar(z, dtype), ce.lin.in_input_dtypes((dx, dw, db))
 
 
 def _forward_none(ce: _CE, context: Optional[Context]):
@@ -297,7 +350,7 @@ def _forward_none(ce: _CE, context: Optional[Context]):
     lse = torch.zeros(ce.n, dtype=torch.float32)
     if ce.n > 0:
         ce.problem.forward(context or default_context(), per_token_loss=per_token.data_ptr(), lse=lse.data_ptr())
-    return per_token.view(ce.token_shape), ce.per_token_z(lse), lse
+    return per_token.view(ce.token_shape).to(ce.lin.dtype), ce.per_token_z(lse), lse
 
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
@@ -329,6 +382,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             ctx.need = need
             ctx.options = (ignore_index, label_smoothing, softcap, z_loss, layout)
             ctx.hidden_shape = ce.lin.hidden_shape
+            ctx.bias_dtype = ce.lin.bias_dtype  # the caller's: the saved bias is its fp32 form
         ctx.mark_non_differentiable(z)
         return loss, z
 
@@ -347,6 +401,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                                   "per token")
                 ce.problem.backward(ctx.fh_context or default_context(), lse.data_ptr(), g.data_ptr(),
                                     ce.lin.grads_struct(dx, dw, db))
+            dx, dw, db = _in_dtypes((dx, dw, db), ce.lin.dtype, ctx.bias_dtype)
             dx = None if dx is None else dx.view(ctx.hidden_shape)
         return (dx, dw, None, db) + (None,) * 8
 
@@ -438,11 +493,12 @@ def _bt_tensor(t, name: str, dtype: torch.dtype, bt: Tuple[int, int], n: int, hi
 class _GRPO:
     """Everything one GRPO call needs, checked and in library form. hidden [B, T, H]; completion_ids int64
     [B, T]; completion_mask [B, T] (bool, integer or floating: converted to float32); advantages float32 [B];
-    old/ref per-token log-probs float32 [B, T] or None."""
+    old/ref per-token log-probs float32 [B, T] or None (advantages and old/ref may be bfloat16 with bfloat16
+    inputs: converted)."""
 
     def __init__(self, hidden, weight, completion_ids, completion_mask, advantages, bias, old, ref, options: dict,
                  layout):
-        _check_tensor(hidden, "hidden", torch.float32, _FP32_HINT)
+        dtype = _check_inputs(hidden, weight)
         if hidden.dim() != 3:
             raise ValueError(f"hidden: expected [B, T, H] (the hidden states of the completion tokens), got shape "
                              f"{list(hidden.shape)}")
@@ -457,14 +513,14 @@ class _GRPO:
                             f"{completion_mask.dtype}")
         self.completion_mask = _bt_tensor(completion_mask.to(torch.float32), "completion_mask", torch.float32,
                                           self.bt, n)
-        _check_tensor(advantages, "advantages", torch.float32, _FP32_HINT)
+        advantages = _fp32_operand(advantages, "advantages", dtype)
         if tuple(advantages.shape) != (b,):
             raise ValueError(f"advantages: expected shape [B] = [{b}], got {list(advantages.shape)}")
         self.advantages = _contiguous_vector(advantages.detach())
-        self.old = None if old is None else _bt_tensor(old, "old_per_token_logps", torch.float32, self.bt, n,
-                                                       _FP32_HINT)
-        self.ref = None if ref is None else _bt_tensor(ref, "ref_per_token_logps", torch.float32, self.bt, n,
-                                                       _FP32_HINT)
+        self.old = None if old is None else _bt_tensor(_fp32_operand(old, "old_per_token_logps", dtype),
+                                                       "old_per_token_logps", torch.float32, self.bt, n)
+        self.ref = None if ref is None else _bt_tensor(_fp32_operand(ref, "ref_per_token_logps", dtype),
+                                                       "ref_per_token_logps", torch.float32, self.bt, n)
         self.options = grpo_options(**options)
         self.problem = None
         if n > 0:  # N = 0: nothing to compute (the library is not called)
@@ -483,8 +539,8 @@ def _grpo_run(g: _GRPO, context: Optional[Context], need: Sequence[bool]):
     dx, dw, db = g.lin.alloc_grads(*need)
     logp = torch.zeros(g.n, dtype=torch.float32)
     if g.problem is None:
-        return _scalar(0.0), torch.full((len(GRPO_METRIC_KEYS),), float("nan"), dtype=torch.float64), \
-            logp.view(g.bt), (dx, dw, db)
+        return _scalar(0.0, g.lin.dtype), torch.full((len(GRPO_METRIC_KEYS),), float("nan"), dtype=torch.float64), \
+            logp.view(g.bt), g.lin.in_input_dtypes((dx, dw, db))
     ctx = context or default_context()
     if any(need):
         one = torch.ones(1, dtype=torch.float32)
@@ -493,7 +549,7 @@ def _grpo_run(g: _GRPO, context: Optional[Context], need: Sequence[bool]):
     else:
         loss, m = g.problem.forward(ctx, per_token_logp=logp.data_ptr())
     metrics = torch.tensor([getattr(m, f) for f, _ in GRPO_METRIC_KEYS], dtype=torch.float64)
-    return _scalar(loss), metrics, logp.view(g.bt), (dx, dw, db)
+    return _scalar(loss, g.lin.dtype), metrics, logp.view(g.bt), g.lin.in_input_dtypes((dx, dw, db))
 
 
 class FusedLinearGRPOLossFunction(torch.autograd.Function):

@@ -87,6 +87,8 @@ def test_blis_info():
     assert isinstance(info.kernel_set, str) and info.kernel_set
     assert info.elementwise in ("avx512", "portable")
     assert isinstance(info.selected_by_library, bool) and isinstance(info.user_override, bool)
+    assert info.bf16_gemm == "none" or info.bf16_gemm.startswith("oneDNN ")
+    assert fusedhead.bf16_available() == (info.bf16_gemm != "none")
 
 
 def _run_python(code: str, **env):

@@ -470,6 +470,8 @@ def test_error_not_a_tensor(ok):
     X, W, T, _, _ = ok
     with pytest.raises(TypeError, match="hidden: expected a torch.Tensor"):
         fht.fused_linear_cross_entropy(X.numpy(), W, T)
+    with pytest.raises(TypeError, match="class_weights: expected a torch.Tensor"):
+        fht.fused_linear_cross_entropy(X, W, T, class_weights=[1.0] * W.shape[0])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")

@@ -1,0 +1,365 @@
+"""bf16 hidden states and weight through fusedhead.torch (and fusedhead.numpy's dtype="bf16"), against torch
+computing in float64 on the same bf16 values (the bf16 tensors upcast exactly).
+
+Tolerances:
+  - loss: the library's statistics are fp32/double and its logits exact bf16 products accumulated in f32
+    (tests/ref/ce_case.c), so its loss is within LOSS_RTOL_BF16 = 1e-5 relative of the float64 reference
+    (measured 5e-10 - 3e-8 by fh_gradcheck). The binding returns it in bf16, as F.cross_entropy does for bf16
+    logits: `assert_rounds_from` checks the bf16 result is the rounding of a value within 1e-5 of the
+    reference (rounding is monotone, so it lies between the roundings of reference -/+ 1e-5), i.e. the
+    correctly rounded reference or, at a rounding boundary, its neighbour. The library's own double loss is
+    also checked at 1e-5 directly (test_library_loss_before_rounding), and GRPO's metrics and fp32
+    per-token log-probs are not rounded to bf16 at all.
+  - dhidden, dweight (bf16): normwise GRAD_RTOL_BF16 = 8e-3. The library's fp32 gradients carry the one
+    rounding of dZ to bf16 before the gradient GEMMs: the C tests allow 4e-3 normwise (measured 1.3e-3 -
+    1.8e-3); rounding each element of the result to bf16 (8 significant bits) adds at most bf16's unit
+    roundoff u = 2^-8 = 3.9e-3 relative per element, hence at most u normwise (about u / sqrt(3) on
+    average: 2.1e-3 measured for a bf16 dbias). 4e-3 + 3.9e-3 < 8e-3. Measured: 1.7e-3 - 2.8e-3.
+  - dbias: column sums of the fp32 dZ (never rounded to bf16): fp32 accuracy, GRAD_RTOL_F64 = 1e-5, for an
+    fp32 bias (measured 1.2e-7 - 2.0e-7); for a bf16 bias the output rounding adds u = 2^-8.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+
+import fusedhead  # noqa: E402
+import fusedhead.torch as fht  # noqa: E402
+from conftest import GRAD_RTOL_F64, make_data, normwise  # noqa: E402
+from fusedhead import _core  # noqa: E402
+from reference import reference_loss  # noqa: E402
+from test_grpo import make_grpo, trl_reference  # noqa: E402
+
+if not fusedhead.bf16_available():
+    pytest.skip(f"the library has no bf16 GEMM provider (fh_blis_query: bf16_gemm = "
+                f"{fusedhead.blis_info().bf16_gemm!r}; built without oneDNN)", allow_module_level=True)
+
+BF = torch.bfloat16
+LOSS_RTOL_BF16 = 1e-5
+GRAD_RTOL_BF16 = 8e-3
+DBIAS_RTOL_BF16 = 2.0 ** -8 + GRAD_RTOL_F64
+
+
+def assert_rounds_from(got: torch.Tensor, ref: torch.Tensor, rtol: float = LOSS_RTOL_BF16):
+    """got (bf16) is the bf16 rounding of values within rtol * max|ref| of ref (float64), element by element."""
+    assert got.dtype == BF and got.shape == ref.shape
+    ref = ref.detach().double()
+    tol = rtol * float(ref.abs().max())
+    lo, hi = (ref - tol).to(BF), (ref + tol).to(BF)
+    ok = (lo <= got) & (got <= hi)
+    assert bool(ok.all()), (got[~ok], ref[~ok])
+
+
+def bf16_leaves(arrays, layout="vh", bias_dtype=torch.float32):
+    """bf16 hidden and weight, the bias in bias_dtype, all requiring grad; int64 targets, fp32 class weights."""
+    x, w, t, b, cw = arrays
+    X = torch.from_numpy(x).to(BF).requires_grad_()
+    W = torch.from_numpy(w).to(BF).requires_grad_()
+    B = None if b is None else torch.from_numpy(b).to(bias_dtype).requires_grad_()
+    CW = None if cw is None else torch.from_numpy(cw)
+    return X, W, torch.from_numpy(t), B, CW
+
+
+def float64_twins(*leaves):
+    """The same values in float64 (bf16 -> float64 is exact), as new leaves requiring grad."""
+    return [None if p is None else p.detach().double().requires_grad_() for p in leaves]
+
+
+def check_grads(got, ref, bias_dtype=torch.float32):
+    """got: bf16 hidden / weight leaves and the bias leaf after backward; ref: their float64 twins."""
+    for name, p, r in zip(("dhidden", "dweight"), got[:2], ref[:2]):
+        assert p.grad.dtype == BF, name
+        assert normwise(p.grad.double().numpy(), r.grad.numpy()) <= GRAD_RTOL_BF16, name
+    if got[2] is not None:
+        assert got[2].grad.dtype == bias_dtype
+        tol = GRAD_RTOL_F64 if bias_dtype == torch.float32 else DBIAS_RTOL_BF16
+        assert normwise(got[2].grad.double().numpy(), ref[2].grad.numpy()) <= tol
+
+
+CASES = {
+    "plain": dict(),
+    "ignore_label_smoothing": dict(ignore_frac=0.3, label_smoothing=0.1),
+    "class_weights_bias": dict(class_weights=True, bias=True, ignore_frac=0.2),
+    "softcap_z_loss": dict(softcap=4.0, z_loss=0.01, logit_scale=6.0),
+}
+DATA_KEYS = ("bias", "class_weights", "ignore_frac", "logit_scale")
+
+
+def compare_ce(arrays, opts, layout="vh", bias_dtype=torch.float32, context=None, hidden_shape=None):
+    if hidden_shape is not None:
+        x, w, t, b, cw = arrays
+        arrays = (x.reshape(hidden_shape), w, t.reshape(hidden_shape[:-1]), b, cw)
+    X, W, T, B, CW = bf16_leaves(arrays, layout, bias_dtype)
+    X64, W64, B64 = float64_twins(X, W, B)
+    loss = fht.fused_linear_cross_entropy(X, W, T, B, class_weights=CW, layout=layout, context=context, **opts)
+    ref = reference_loss(X64, W64, T, B64, layout=layout, class_weights=None if CW is None else CW.double(), **opts)
+    assert_rounds_from(loss, ref)
+    # upstream gradients: bf16 values (exact in float64) for 'none', 1 otherwise
+    g = torch.linspace(-1.0, 2.0, loss.numel()).to(BF).view(loss.shape) if loss.dim() else torch.ones((), dtype=BF)
+    loss.backward(g)
+    ref.backward(g.double())
+    check_grads((X, W, B), (X64, W64, B64), bias_dtype)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_ce_matches_float64(case, reduction):
+    data = {k: v for k, v in CASES[case].items() if k in DATA_KEYS}
+    opts = {k: v for k, v in CASES[case].items() if k not in DATA_KEYS}
+    compare_ce(make_data(seed=3, **data), dict(opts, reduction=reduction))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_ce_layout_hv_tiles_and_bf16_bias(reduction, small_tiles):
+    arrays = make_data(seed=5, bias=True, layout="hv", ignore_frac=0.2)
+    compare_ce(arrays, dict(reduction=reduction, z_loss=1e-3), layout="hv", bias_dtype=BF, context=small_tiles)
+
+
+def test_ce_hidden_3d():
+    compare_ce(make_data(seed=11, n=3 * 11, h=16, v=200, ignore_frac=0.2), dict(label_smoothing=0.05),
+               hidden_shape=(3, 11, 16))
+
+
+def test_library_loss_before_rounding():
+    """The double loss the library computes from the bf16 bits, through the same views the binding builds."""
+    x, w, t, _, _ = make_data(seed=7, v=517)
+    X, W = torch.from_numpy(x).to(BF), torch.from_numpy(w).to(BF)
+    head = _core.LinearHead(fht._view(X), fht._view(W), None, "vh", fusedhead.Dtype.BF16)
+    T = torch.from_numpy(t)
+    loss, _ = _core.CEProblem(head, fht._view(T), label_smoothing=0.1).forward(fusedhead.default_context())
+    ref = F.cross_entropy(F.linear(X.double(), W.double()), T, label_smoothing=0.1).item()
+    assert abs(loss - ref) <= LOSS_RTOL_BF16 * abs(ref), (loss, ref)
+
+
+def test_loss_and_gradient_dtypes():
+    X, W, T, B, _ = bf16_leaves(make_data(seed=8, bias=True), bias_dtype=BF)
+    loss, z = fht.fused_linear_cross_entropy(X, W, T, B, z_loss=1e-3, return_z_loss=True)
+    # F.cross_entropy on bf16 logits returns bf16; so does fusedhead
+    assert loss.dtype == z.dtype == F.cross_entropy(F.linear(X.detach(), W.detach()), T).dtype == BF
+    loss.backward()
+    assert X.grad.dtype == W.grad.dtype == B.grad.dtype == BF
+    per_token = fht.fused_linear_cross_entropy(X.detach(), W.detach(), T, reduction="none")
+    assert per_token.dtype == BF
+
+
+def test_upstream_scale_power_of_two_is_exact():
+    """bf16 gradients are rounded in the forward; a power-of-two upstream scale (loss / 2^k, loss scaling)
+    multiplies them exactly."""
+    arrays = make_data(seed=9)
+    grads = []
+    for scale in (1.0, 0.25):
+        X, W, T, _, _ = bf16_leaves(arrays)
+        (fht.fused_linear_cross_entropy(X, W, T) * scale).backward()
+        grads.append((X.grad, W.grad))
+    assert torch.equal(grads[1][0], grads[0][0] * 0.25) and torch.equal(grads[1][1], grads[0][1] * 0.25)
+
+
+def test_fp32_gradient_buffer_free_between_forward_and_backward():
+    """The train step runs in the forward; its fp32 gradients are converted there, so what autograd holds until
+    backward is bf16 and the pooled fp32 dweight buffer is free again (the next forward writes the same one)."""
+    X, W, T, _, _ = bf16_leaves(make_data(seed=15))
+    loss = fht.fused_linear_cross_entropy(X, W, T)
+    assert [None if t is None else t.dtype for t in loss.grad_fn.saved_tensors] == [BF, BF, None]  # no bias
+    slots = fht._dweight_pool(W)._slots
+    assert len(slots) == 1 and slots[0][1]() is None
+    buffer = slots[0][0]
+    loss.backward()
+    fht.fused_linear_cross_entropy(X, W, T).backward()
+    assert len(slots) == 1 and slots[0][0] is buffer
+
+
+def test_micro_batch_accumulation():
+    """Two micro-batches, backward after each: the bf16 weight.grad is their sum (autograd adds in bf16)."""
+    arrays = [make_data(seed=16 + i) for i in range(2)]
+    W = torch.from_numpy(arrays[0][1]).to(BF).requires_grad_()
+    W64 = W.detach().double().requires_grad_()
+    for x, _, t, _, _ in arrays:
+        X = torch.from_numpy(x).to(BF)
+        fht.fused_linear_cross_entropy(X, W, torch.from_numpy(t)).backward()
+        F.cross_entropy(F.linear(X.double(), W64), torch.from_numpy(t)).backward()
+    # the sum of two bf16 gradients is rounded once more: a second u = 2^-8 at most
+    assert W.grad.dtype == BF and normwise(W.grad.double().numpy(), W64.grad.numpy()) <= GRAD_RTOL_BF16 + 2.0 ** -8
+
+
+def test_no_tokens():
+    W = torch.from_numpy(make_data(seed=10)[1]).to(BF).requires_grad_()
+    X = torch.zeros(0, W.shape[1], dtype=BF, requires_grad=True)
+    loss = fht.fused_linear_cross_entropy(X, W, torch.zeros(0, dtype=torch.int64))
+    loss.backward()
+    assert loss.dtype == BF and loss.item() == 0.0
+    assert W.grad.dtype == BF and not W.grad.any()
+
+
+def test_modules():
+    arrays = make_data(seed=12, class_weights=True)
+    X, W, T, _, CW = bf16_leaves(arrays)
+    X64, W64 = float64_twins(X, W)
+    loss = fht.FusedLinearCrossEntropy(class_weights=CW, label_smoothing=0.1)(X, W, T)
+    ref = F.cross_entropy(F.linear(X64, W64), T, weight=CW.double(), label_smoothing=0.1)
+    assert_rounds_from(loss, ref)
+    loss.backward()
+    ref.backward()
+    check_grads((X, W, None), (X64, W64, None))
+
+    d = make_grpo(seed=4)
+    h, Wg, ids, mask, A, old, ref_lp = grpo_leaves(d)
+    loss, metrics = fht.FusedLinearGRPOLoss(loss_type="dapo", beta=0.04, temperature=0.7)(
+        h, Wg, ids, mask, A, old_per_token_logps=old, ref_per_token_logps=ref_lp)
+    assert loss.dtype == BF
+    loss.backward()
+    assert h.grad.dtype == Wg.grad.dtype == BF
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GRPO
+# ---------------------------------------------------------------------------------------------------------
+def grpo_leaves(d, side_dtype=torch.float32):
+    """bf16 hidden and weight leaves; mask, advantages, old/ref log-probs in side_dtype (float32, or bf16 as a
+    bf16 model produces them)."""
+    side = lambda a: None if a is None else torch.tensor(a, dtype=side_dtype)  # noqa: E731
+    h = torch.tensor(d["h"], dtype=BF, requires_grad=True)
+    W = torch.tensor(d["W"], dtype=BF, requires_grad=True)
+    return h, W, torch.tensor(d["ids"]), side(d["mask"]), side(d["A"]), side(d["old"]), side(d["ref"])
+
+
+@pytest.mark.parametrize("loss_type, opts", [
+    ("grpo", dict(beta=0.04)),
+    ("dapo", dict(beta=0.04, epsilon_high=0.28)),
+    ("cispo", dict(epsilon_high=5.0)),
+    ("grpo", dict(importance_sampling_level="sequence")),
+], ids=["grpo_kl", "dapo", "cispo", "gspo"])
+@pytest.mark.parametrize("side_dtype", [torch.float32, BF], ids=["fp32_side", "bf16_side"])
+def test_grpo_matches_float64(loss_type, opts, side_dtype):
+    d = make_grpo(seed=2, temperature=0.7)
+    h, W, ids, mask, A, old, ref_lp = grpo_leaves(d, side_dtype)
+    loss, metrics, logp = fht.fused_linear_grpo_loss(h, W, ids, mask, A, None, old, ref_lp, loss_type=loss_type,
+                                                     temperature=0.7, return_per_token_logps=True, **opts)
+    assert loss.dtype == BF and logp.dtype == torch.float32
+    loss.backward()
+    h64, W64 = float64_twins(h, W)
+    d64 = lambda t: None if t is None else t.double()  # noqa: E731  (the values the library received)
+    rloss, rmetrics, rlogp = trl_reference(h64, W64, None, ids, d64(mask), d64(A), d64(old), d64(ref_lp),
+                                           loss_type=loss_type, temperature=0.7, **opts)
+    rloss.backward()
+    assert_rounds_from(loss, rloss)
+    assert set(metrics) == set(rmetrics)
+    for k in rmetrics:  # double statistics, never rounded to bf16
+        assert metrics[k] == pytest.approx(rmetrics[k], rel=LOSS_RTOL_BF16, abs=LOSS_RTOL_BF16), k
+    m = d["mask"] > 0
+    np.testing.assert_allclose(logp.numpy()[m], rlogp.numpy()[m], rtol=LOSS_RTOL_BF16, atol=LOSS_RTOL_BF16)
+    check_grads((h, W, None), (h64, W64, None))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Dtypes accepted and rejected; zero copies
+# ---------------------------------------------------------------------------------------------------------
+def test_mixed_dtypes_rejected():
+    x, w, t, b, _ = make_data(seed=13, bias=True)
+    X, W, T, B = torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(t), torch.from_numpy(b)
+    msg = r"weight: expected dtype torch.{}, got torch.{} \(hidden and weight must have one dtype"
+    with pytest.raises(TypeError, match=msg.format("bfloat16", "float32")):
+        fht.fused_linear_cross_entropy(X.to(BF), W, T)
+    with pytest.raises(TypeError, match=msg.format("float32", "bfloat16")):
+        fht.fused_linear_cross_entropy(X, W.to(BF), T)
+    with pytest.raises(TypeError, match=r"bias: expected dtype torch.float32, got torch.bfloat16"):
+        fht.fused_linear_cross_entropy(X, W, T, B.to(BF))  # fp32 inputs: an fp32 bias
+    with pytest.raises(TypeError, match=r"hidden: expected dtype torch.float32, got torch.float16"):
+        fht.fused_linear_cross_entropy(X.half(), W.half(), T)
+    d = make_grpo(seed=1)
+    h, Wg, ids, mask, A, old, ref_lp = grpo_leaves(d)
+    with pytest.raises(TypeError, match=msg.format("bfloat16", "float32")):
+        fht.fused_linear_grpo_loss(h, Wg.detach().float(), ids, mask, A)
+
+
+@pytest.mark.parametrize("form", ["vh", "hv_transposed_view", "sliced_rows_3d"])
+def test_bf16_tensors_reach_the_library_uncopied(form, monkeypatch):
+    """The fh_linear the library receives points at the caller's bf16 storage, with its strides, and says bf16."""
+    x, w, t, _, _ = make_data(seed=14, n=24, h=32, v=300)
+    X, W, T = torch.from_numpy(x).to(BF), torch.from_numpy(w).to(BF), torch.from_numpy(t)
+    layout, row_stride = "vh", 32
+    if form == "hv_transposed_view":
+        W, layout = W.t(), "hv"  # [H, V] view of the [V, H] storage: strides (1, H)
+    elif form == "sliced_rows_3d":  # [B, T, H] rows padded to 40 elements: flattens to a view
+        X = torch.zeros(4, 6, 40, dtype=BF)[:, :, :32]
+        X.copy_(torch.from_numpy(x).to(BF).view(4, 6, 32))
+        T, row_stride = T.view(4, 6), 40
+    X.requires_grad_()
+    W.requires_grad_()
+    seen = []
+    call = fusedhead.Context.call
+
+    def spy(self, function, *args, **kw):
+        if function.startswith("fh_ce_"):
+            lin = args[0]._obj
+            seen.append((lin.x, lin.weight, lin.x_row_stride, lin.x_dtype, lin.weight_dtype))
+        return call(self, function, *args, **kw)
+
+    monkeypatch.setattr(fusedhead.Context, "call", spy)
+    fht.fused_linear_cross_entropy(X, W, T, layout=layout).backward()
+    assert seen and all(s == (X.data_ptr(), W.data_ptr(), row_stride, 1, 1) for s in seen), seen
+    assert W.grad.dtype == BF and W.grad.shape == W.shape
+
+
+# ---------------------------------------------------------------------------------------------------------
+# NumPy: bf16 bits in uint16 arrays (dtype="bf16"); losses are the library's doubles and gradients its fp32
+# outputs, so the tolerances are the C library's own: loss 1e-5, gradients the C tests' 4e-3 (no output
+# rounding here; measured 1.0e-3 - 2.0e-3).
+# ---------------------------------------------------------------------------------------------------------
+GRAD_RTOL_BF16_FP32_OUT = 4e-3
+
+
+def bf16_bits(a: np.ndarray) -> np.ndarray:
+    """a rounded to bfloat16 (torch's rounding), as the uint16 bits NumPy can hold."""
+    return torch.from_numpy(np.ascontiguousarray(a)).to(BF).view(torch.int16).numpy().view(np.uint16)
+
+
+def from_bits(bits: np.ndarray) -> torch.Tensor:
+    """The float64 values of bf16 bits (exact)."""
+    return torch.from_numpy(bits.astype(np.int16)).view(BF).double()
+
+
+@pytest.mark.parametrize("layout", ["vh", "hv"])
+def test_numpy_cross_entropy(layout):
+    x, w, t, b, _ = make_data(seed=17, bias=True, ignore_frac=0.2, layout=layout)
+    xb, wb = bf16_bits(x), bf16_bits(w)
+    if layout == "hv":  # rows padded to V + 5: dweight must mirror the element strides (its own are 4-byte)
+        padded = np.zeros((wb.shape[0], wb.shape[1] + 5), np.uint16)
+        padded[:, :wb.shape[1]] = wb
+        wb = padded[:, :wb.shape[1]]
+    r = fusedhead.numpy.cross_entropy(xb, wb, t, b, layout=layout, label_smoothing=0.1, return_grads=True,
+                                      dtype="bf16")
+    assert r.dhidden.dtype == r.dweight.dtype == r.dbias.dtype == np.float32
+    assert r.dweight.strides == tuple(4 * s // 2 for s in wb.strides)
+    X64, W64, B64 = float64_twins(from_bits(xb), from_bits(wb), torch.from_numpy(b))
+    ref = reference_loss(X64, W64, torch.from_numpy(t), B64, layout=layout, label_smoothing=0.1)
+    ref.backward()
+    assert abs(r.loss - ref.item()) <= LOSS_RTOL_BF16 * abs(ref.item())
+    assert normwise(r.dhidden, X64.grad.numpy()) <= GRAD_RTOL_BF16_FP32_OUT
+    assert normwise(r.dweight, W64.grad.numpy()) <= GRAD_RTOL_BF16_FP32_OUT
+    assert normwise(r.dbias, B64.grad.numpy()) <= GRAD_RTOL_F64
+
+
+def test_numpy_grpo_and_dtype_errors():
+    d = make_grpo(seed=5)
+    hb, Wb = bf16_bits(d["h"].astype(np.float32)), bf16_bits(d["W"].astype(np.float32))
+    f32 = lambda a: a.astype(np.float32)  # noqa: E731
+    r = fusedhead.numpy.grpo_loss(hb, Wb, d["ids"], f32(d["mask"]), f32(d["A"]), None, f32(d["old"]), f32(d["ref"]),
+                                  loss_type="dapo", beta=0.04, temperature=0.7, return_grads=True, dtype="bf16")
+    h64, W64 = float64_twins(from_bits(hb), from_bits(Wb))
+    t64 = lambda a: torch.from_numpy(a)  # noqa: E731  (make_grpo's float64 arrays hold fp32 values)
+    rloss, _, _ = trl_reference(h64, W64, None, torch.from_numpy(d["ids"]), t64(d["mask"]), t64(d["A"]),
+                                t64(d["old"]), t64(d["ref"]), loss_type="dapo", beta=0.04, temperature=0.7)
+    rloss.backward()
+    assert r.loss == pytest.approx(rloss.item(), rel=LOSS_RTOL_BF16, abs=LOSS_RTOL_BF16)
+    assert normwise(r.dhidden, h64.grad.numpy()) <= GRAD_RTOL_BF16_FP32_OUT
+    assert normwise(r.dweight, W64.grad.numpy()) <= GRAD_RTOL_BF16_FP32_OUT
+    x, w, t, _, _ = make_data(seed=18)
+    with pytest.raises(TypeError, match=r"hidden: expected dtype float32.*uint16.*dtype='bf16'"):
+        fusedhead.numpy.cross_entropy(bf16_bits(x), bf16_bits(w), t)
+    with pytest.raises(TypeError, match=r"weight: expected dtype uint16.*float32.*bfloat16 bits"):
+        fusedhead.numpy.cross_entropy(bf16_bits(x), w, t, dtype="bf16")
+    with pytest.raises(ValueError, match=r"dtype must be 'fp32' or 'bf16'"):
+        fusedhead.numpy.cross_entropy(x, w, t, dtype="float16")
