@@ -7,6 +7,8 @@ Cases, each in its own process (peak memory does not mix), best of --reps after 
   torch_chunked   the same over token chunks of --chunk rows (a common memory workaround in torch)
   fusedhead       fusedhead.torch.fused_linear_cross_entropy (the single-call train step inside)
 Reported: ms, GFLOP/s on the 6*N*H*V basis, peak RSS growth of the step, speed-up over torch_eager.
+--dtype bf16 runs every case on bfloat16 hidden states and weight (torch's bf16 linear goes to oneDNN by itself,
+fusedhead's too), gradients in bf16.
 
 Binding overhead: after its own measurement the fusedhead process times, interleaved and best of --reps
 each, the C train step (fh_ce_forward_backward through fusedhead.numpy.forward_backward into preallocated
@@ -53,8 +55,9 @@ def run_case(args):
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     n, h, v = args.n, args.hidden, args.vocab
-    hidden = ((torch.rand(n, h) * 2 - 1)).requires_grad_(True)
-    weight = ((torch.rand(v, h) * 2 - 1) * (3.0 / h) ** 0.5).requires_grad_(True)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    hidden = ((torch.rand(n, h) * 2 - 1)).to(dtype).requires_grad_(True)
+    weight = ((torch.rand(v, h) * 2 - 1) * (3.0 / h) ** 0.5).to(dtype).requires_grad_(True)
     targets = torch.randint(0, v, (n,))
     # Gradient buffers exist before measuring: a trainer keeps them across steps.
     hidden.grad = torch.zeros_like(hidden)
@@ -104,13 +107,17 @@ def binding_overhead(args, hidden, weight, targets, step):
     import torch
     import fusedhead.numpy as fhnp
 
-    x, w, y = hidden.detach().numpy(), weight.detach().numpy(), targets.numpy()
-    dx, dw = np.empty_like(x), np.empty_like(w)
+    bf16 = args.dtype == "bf16"
+    # NumPy has no bf16: the library takes the bits as uint16 (the same memory, no copy).
+    x, w = (t.detach().view(torch.int16).numpy().view(np.uint16) if bf16 else t.detach().numpy()
+            for t in (hidden, weight))
+    y = targets.numpy()
+    dx, dw = np.empty(x.shape, np.float32), np.empty(w.shape, np.float32)
     params = (hidden, weight)
     kept = [torch.zeros_like(p) for p in params]  # .grad as a trainer keeps it across steps
 
     def c_step():
-        fhnp.forward_backward(x, w, y, dhidden=dx, dweight=dw)
+        fhnp.forward_backward(x, w, y, dhidden=dx, dweight=dw, dtype="bf16" if bf16 else "fp32")
 
     def zero_grad(set_to_none):
         for p, g in zip(params, kept):
@@ -163,6 +170,7 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--chunk", type=int, default=256)
+    p.add_argument("--dtype", choices=("f32", "bf16"), default="f32")
     p.add_argument("--json", action="store_true")
     p.add_argument("--torch-blas-as-installed", action="store_true",
                    help="run torch with BLIS as Debian leaves it (generic kernels, one thread here)")
@@ -182,7 +190,7 @@ def main():
     results = []
     for case in ("torch_eager", "torch_chunked", "fusedhead"):
         cmd = [sys.executable, os.path.abspath(__file__), "--case", case] + [
-            f"--{k}={getattr(args, k)}" for k in ("n", "hidden", "vocab", "threads", "reps", "chunk")]
+            f"--{k}={getattr(args, k)}" for k in ("n", "hidden", "vocab", "threads", "reps", "chunk", "dtype")]
         out = subprocess.run(cmd, capture_output=True, text=True, env=torch_env if case != "fusedhead" else None)
         if out.returncode != 0:
             print(out.stderr, file=sys.stderr)
@@ -195,12 +203,13 @@ def main():
         r["speedup_vs_torch_eager"] = eager / r["best_ms"]
     if args.json:
         print(json.dumps({"n": args.n, "hidden": args.hidden, "vocab": args.vocab, "threads": args.threads,
-                          "cases": results}, indent=2))
+                          "dtype": args.dtype, "cases": results}, indent=2))
         return
     import torch
     blas = "as installed" if torch_env is None else \
         f"BLIS_ARCH_TYPE={torch_env.get('BLIS_ARCH_TYPE', 'unset')} BLIS_NUM_THREADS={torch_env['BLIS_NUM_THREADS']}"
-    print(f"torch_compare: N={args.n} H={args.hidden} V={args.vocab}, {args.threads} threads, torch {torch.__version__}"
+    print(f"torch_compare: N={args.n} H={args.hidden} V={args.vocab}, {args.dtype}, {args.threads} threads, "
+          f"torch {torch.__version__}"
           f" (BLAS: {blas}), best of {args.reps}\n")
     print(f"{'case':<15} {'best ms':>10} {'GFLOP/s':>9} {'first ms':>10} {'peak RSS +':>12} {'vs eager':>9}")
     for r in results:
