@@ -90,6 +90,19 @@ void ce_fill_linear(uint64_t *rng, int64_t n, int64_t h, int64_t v, double logit
         bias[j] = (float)(ce_uniform(rng) - 0.5);
 }
 
+void ce_alloc_grads(size_t n, size_t h, size_t v, int has_bias, float beta, float **dx, float **dweight,
+                    float **dbias)
+{
+    const float fill = beta != 0.0f ? 1.0f : NAN;
+    float **const buffers[3] = {dx, dweight, dbias};
+    const size_t counts[3] = {n * h, h * v, has_bias ? v : 0};
+    for (int k = 0; k < 3; k++) {
+        *buffers[k] = k == 2 && !has_bias ? NULL : xcalloc(counts[k], sizeof(float));
+        for (size_t i = 0; *buffers[k] && i < counts[k]; i++)
+            (*buffers[k])[i] = fill;
+    }
+}
+
 static void make_inputs(const ce_case_spec *s, ce_case *c)
 {
     const size_t n = (size_t)s->n, h = (size_t)s->hidden, v = (size_t)s->vocab;
@@ -148,17 +161,7 @@ static fh_status run_fused(const ce_case_spec *s, ce_case *c)
     c->lse = xcalloc(n, sizeof(float));
     c->argmax = xcalloc(n, sizeof(int64_t));
     fh_ce_outputs out = {&c->loss, &c->z_loss, c->per_token_loss, c->logp, c->lse, c->argmax};
-    c->dx = xcalloc(n * h, sizeof(float));
-    c->dweight = xcalloc(h * v, sizeof(float));
-    c->dbias = c->bias ? xcalloc(v, sizeof(float)) : NULL;
-    /* beta 0 must ignore NaN garbage; beta 1 must add onto what is there (1.0 everywhere). */
-    const float fill = s->grad_beta != 0.0f ? 1.0f : NAN;
-    for (size_t i = 0; i < n * h; i++)
-        c->dx[i] = fill;
-    for (size_t i = 0; i < h * v; i++)
-        c->dweight[i] = fill;
-    for (size_t j = 0; c->dbias && j < v; j++)
-        c->dbias[j] = fill;
+    ce_alloc_grads(n, h, v, c->bias != NULL, s->grad_beta, &c->dx, &c->dweight, &c->dbias);
     fh_linear_grads g = {c->dx, s->hidden, s->grad_beta, c->dweight, s->grad_beta, c->dbias, s->grad_beta};
     if (s->train_step) {
         st = fh_ce_forward_backward(ctx, &lin, c->targets, &o, c->grad_output, &out, &g);

@@ -75,6 +75,11 @@ double ce_uniform(uint64_t *state);
 void ce_fill_linear(uint64_t *rng, int64_t n, int64_t h, int64_t v, double logit_scale, float *x, float *weight,
                     float *bias);
 
+/* Gradient outputs for a call with gradient beta `beta` (dbias only when has_bias; calloc'd, the caller frees them):
+ * NaN for beta 0, which must overwrite them, 1.0 for beta 1, which must add onto them. */
+void ce_alloc_grads(size_t n, size_t h, size_t v, int has_bias, float beta, float **dx, float **dweight,
+                    float **dbias);
+
 /* Fused (fp32) against reference (double): largest absolute difference, that over the largest |reference|,
  * and the normwise (Frobenius) relative difference; a zero reference makes the relative ones absolute. */
 typedef struct ce_diff {

@@ -161,16 +161,7 @@ fh_status cp_run_fused_on(fh_context *ctx, const cp_problem *p, const cp_config 
     f->logp = tu_alloc(n, sizeof(float));
     f->lse = tu_alloc(n, sizeof(float));
     f->argmax = tu_alloc(n, sizeof(int64_t));
-    f->dx = tu_alloc(n * h, sizeof(float));
-    f->dweight = tu_alloc(h * v, sizeof(float));
-    f->dbias = p->bias ? tu_alloc(v, sizeof(float)) : NULL;
-    const float fill = grad_beta != 0.0f ? 1.0f : NAN;
-    for (size_t i = 0; i < n * h; i++)
-        f->dx[i] = fill;
-    for (size_t i = 0; i < h * v; i++)
-        f->dweight[i] = fill;
-    for (size_t j = 0; f->dbias && j < v; j++)
-        f->dbias[j] = fill;
+    ce_alloc_grads(n, h, v, p->bias != NULL, grad_beta, &f->dx, &f->dweight, &f->dbias);
     fh_linear lin;
     cp_problem_linear(p, &lin);
     fh_ce_outputs out = {&f->loss, &f->z_loss, f->per_token_loss, f->logp, f->lse, f->argmax};

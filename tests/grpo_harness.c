@@ -236,19 +236,10 @@ void gp_fused_alloc(const gp_problem *p, float grad_beta, gp_fused *f)
     f->per_token_loss = tu_alloc(n, sizeof(float));
     f->entropy = tu_alloc(n, sizeof(float));
     f->lse = tu_alloc(n, sizeof(float));
-    f->dx = tu_alloc(n * h, sizeof(float));
-    f->dweight = tu_alloc(h * v, sizeof(float));
-    f->dbias = p->bias ? tu_alloc(v, sizeof(float)) : NULL;
-    /* Outputs a call forgets to write show up as NaN; gradient beta 0 must overwrite NaN. */
-    const float fill = grad_beta != 0.0f ? 1.0f : NAN;
+    /* Outputs a call forgets to write show up as NaN. */
     for (size_t i = 0; i < n; i++)
         f->logp[i] = f->per_token_loss[i] = f->entropy[i] = f->lse[i] = NAN;
-    for (size_t i = 0; i < n * h; i++)
-        f->dx[i] = fill;
-    for (size_t i = 0; i < h * v; i++)
-        f->dweight[i] = fill;
-    for (size_t j = 0; f->dbias && j < v; j++)
-        f->dbias[j] = fill;
+    ce_alloc_grads(n, h, v, p->bias != NULL, grad_beta, &f->dx, &f->dweight, &f->dbias);
     f->loss = NAN;
     const fh_grpo_metrics m = {NAN, NAN, NAN, NAN, NAN, NAN};
     f->metrics = m;
