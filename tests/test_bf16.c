@@ -1,6 +1,7 @@
 /* bf16 hidden states and weight: every cross-entropy option, both layouts, both schedules and their tile
  * edges, against the double reference run on the same bf16-valued inputs (tolerances in ref/ce_case.c);
  * and the dtype contract. In a build without oneDNN, bf16 must be refused with FH_ERR_INVALID_DTYPE. */
+#include "bf16.h"
 #include "ce_case.h"
 #include "ce_harness.h"
 #include "test_util.h"
@@ -111,6 +112,68 @@ static void test_dtype_contract(void)
     fh_context_destroy(ctx);
 }
 
+/* FH_PARAM_CHECK_FINITE reads bf16 bits: a NaN or an Inf in x or weight is named, nothing is written; without the
+ * check a NaN in row i of x reaches row i's loss. */
+static void test_nonfinite_bf16(void)
+{
+    if (!cp_have_bf16())
+        return;
+    enum { N = 5, H = 8, V = 40 };
+    uint16_t x[N * H], w[H * V];
+    uint64_t rng = 77;
+    for (int i = 0; i < N * H; i++)
+        x[i] = bf16_from_float((float)(2.0 * ce_uniform(&rng) - 1.0));
+    for (int i = 0; i < H * V; i++)
+        w[i] = bf16_from_float((float)(2.0 * ce_uniform(&rng) - 1.0));
+    const int64_t targets[N] = {0, 1, 2, 3, 4};
+    fh_ce_options o;
+    fh_ce_options_init(&o);
+    o.reduction = FH_REDUCTION_NONE;
+    static const struct {
+        int in_x;
+        int at;
+        uint16_t bits;
+        const char *name;
+    } cases[] = {{1, 2 * H + 3, 0x7fc0, "x[2][3]"}, {0, 5 * V + 7, 0xff80, "weight element (hidden 5, vocab 7)"}};
+    for (size_t k = 0; k < TU_COUNT(cases); k++) {
+        uint16_t *target = cases[k].in_x ? x : w;
+        const uint16_t saved = target[cases[k].at];
+        target[cases[k].at] = cases[k].bits;
+        for (int check = 0; check <= 1; check++) {
+            fh_context *ctx = tu_context(1, 0, 0, 0);
+            fh_context_set(ctx, FH_PARAM_CHECK_FINITE, check);
+            fh_linear lin;
+            fh_linear_init(&lin, N, H, V, x, w, FH_LAYOUT_HV, NULL);
+            lin.x_dtype = lin.weight_dtype = FH_DTYPE_BF16;
+            float per_token[N];
+            tu_fill_canary(per_token, sizeof per_token);
+            fh_ce_outputs out = {.per_token_loss = per_token};
+            const fh_status st = fh_ce_forward(ctx, &lin, targets, &o, &out);
+            const char *why = "";
+            fh_context_message(ctx, &why);
+            if (check) {
+                float canary;
+                tu_fill_canary(&canary, sizeof canary);
+                TU_CHECK(st == FH_ERR_NONFINITE_INPUT && strstr(why, cases[k].name) &&
+                             tu_all_equal_f(per_token, N, canary),
+                         "%s non-finite, checked: status %d, message \"%s\", outputs untouched", cases[k].name,
+                         (int)st, why);
+            } else {
+                /* NaN in x row 2 poisons that row only; -Inf in a weight column makes every logit of that
+                 * column -Inf or NaN (0 x -Inf), so every row's loss is NaN or still finite (-Inf drops out of
+                 * the softmax): only the call's success is asserted there. */
+                TU_CHECK(st == FH_OK, "%s non-finite, unchecked: status %d", cases[k].name, (int)st);
+                if (cases[k].in_x)
+                    TU_CHECK(isnan(per_token[2]) && isfinite(per_token[1]) && isfinite(per_token[3]),
+                             "NaN in x row 2: losses %g %g %g", (double)per_token[1], (double)per_token[2],
+                             (double)per_token[3]);
+            }
+            fh_context_destroy(ctx);
+        }
+        target[cases[k].at] = saved;
+    }
+}
+
 /* Wisdom entries carry a dtype: a bf16 entry tiles bf16 calls only, and survives a save and a load. */
 static void test_wisdom_dtype(void)
 {
@@ -158,5 +221,6 @@ static const tu_test tests[] = {
     {"edge tiles, row blocks, streaming fallback, beta 1", test_tiles_and_beta},
     {"dtype contract", test_dtype_contract},
     {"wisdom entries per dtype", test_wisdom_dtype},
+    {"non-finite bf16 inputs", test_nonfinite_bf16},
 };
 const tu_suite suite_bf16 = {tests, TU_COUNT(tests)};
