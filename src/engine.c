@@ -45,12 +45,19 @@ static fh_gemm_output f32_output(float *data, int64_t row_stride, int64_t col_st
     return v;
 }
 
-/* The dU tile as the gradient GEMMs read it: bf16 beside the f32 one when the inputs are bf16 (a bf16 x bf16
- * product is what the provider runs fast), else the f32 tile itself. */
+/* bf16 inputs: the gradient GEMMs multiply bf16 by bf16 (what the provider runs fast), so dU is rounded once to
+ * bf16, written over the first half of its own f32 row; the bf16 tile has a row stride of 2 vb values and
+ * needs no buffer of its own. */
+static int du_is_bf16(const fh_engine_pass *p)
+{
+    return p->lin->x_dtype == FH_DTYPE_BF16;
+}
+
+/* The dU tile as the gradient GEMMs read it. */
 static fh_gemm_input du_view(const fh_engine_pass *p, int64_t vb)
 {
-    if (p->ws->tile_bf16)
-        return view(p->ws->tile_bf16, FH_ELEM_BF16, 0, vb, 1);
+    if (du_is_bf16(p))
+        return view(p->ws->tile, FH_ELEM_BF16, 0, 2 * vb, 1);
     return view(p->ws->tile, FH_ELEM_F32, 0, vb, 1);
 }
 
@@ -215,11 +222,21 @@ static fh_coef coef_of(const fh_coef_arrays *coefs, int64_t i)
     return k;
 }
 
-/* Row r of the dU tile, rounded once to bf16 for the gradient GEMMs when they take bf16. */
-static void round_du_row(const fh_engine_pass *p, const float *row, int64_t r, int64_t vb)
+/* A row of dU rounded to bf16 in place, inside the row loop while it is hot; with a bias the rows wait for
+ * dbias's column sums, which read the f32 values (round_du_rows). */
+static void round_du_row(const fh_engine_pass *p, float *row, int64_t vb)
 {
-    if (p->ws->tile_bf16)
-        fh_row_to_bf16(row, vb, p->ws->tile_bf16 + r * vb);
+    if (du_is_bf16(p) && !p->grads->dbias)
+        fh_row_to_bf16(row, vb, row);
+}
+
+static void round_du_rows(const fh_engine_pass *p, float *tile, int64_t nb, int64_t vb)
+{
+    if (!du_is_bf16(p) || !p->grads->dbias)
+        return;
+#pragma omp parallel for num_threads(p->plan->threads) schedule(static)
+    for (int64_t r = 0; r < nb; r++)
+        fh_row_to_bf16(tile + r * vb, vb, tile + r * vb);
 }
 
 /* The gradient GEMMs of a dU tile; dx is first written at v0 = 0 (with its beta), dweight at i0 = 0. */
@@ -263,10 +280,11 @@ fh_status fh_engine_backward(const fh_engine_pass *p)
                 const fh_coef k = coef_of(p->coefs, i);
                 fh_row_transform(tile + r * vb, vb, bias, &p->tf);
                 fh_row_gradient(tile + r * vb, vb, target_column(p->targets, i, vocab, v0), weights, &k, &p->tf);
-                round_du_row(p, tile + r * vb, r, vb);
+                round_du_row(p, tile + r * vb, vb);
             }
             if (grads->dbias)
                 add_column_sums(tile, nb, vb, column, threads);
+            round_du_rows(p, tile, nb, vb);
             st = add_gradients(p, i0, nb, v0, vb);
             if (st != FH_OK)
                 return st;
@@ -307,14 +325,14 @@ static fh_final_stats stored_stats(const fh_token_stats *s, int64_t i)
     return result;
 }
 
-/* Overwrites row i (row r of the block) of transformed logits with its dU. */
-static void gradient_row(const fh_engine_pass *p, float *row, int64_t i, int64_t r, const fh_final_stats *stats)
+/* Overwrites row i of transformed logits with its dU. */
+static void gradient_row(const fh_engine_pass *p, float *row, int64_t i, const fh_final_stats *stats)
 {
     const int64_t vocab = p->lin->vocab;
     fh_coef k = {stats->lse, 0.0, 0.0, 0.0, 0.0, stats->sum_pz};
     p->source->row(p->source->self, i, stats, &k);
     fh_row_gradient(row, vocab, target_column(p->targets, i, vocab, 0), p->class_weights, &k, &p->tf);
-    round_du_row(p, row, r, vocab);
+    round_du_row(p, row, vocab);
 }
 
 /* The statistics of rows [i0, n) as arrays starting at row i0. */
@@ -355,7 +373,7 @@ fh_status fh_engine_row_blocks(const fh_engine_pass *p)
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t r = 0; r < nb; r++) {
                 const fh_final_stats result = fold_row(p, &request, tile + r * vocab, i0 + r);
-                gradient_row(p, tile + r * vocab, i0 + r, r, &result);
+                gradient_row(p, tile + r * vocab, i0 + r, &result);
             }
         } else {
             /* The hook needs the whole block's statistics before any row's coefficients. */
@@ -369,11 +387,12 @@ fh_status fh_engine_row_blocks(const fh_engine_pass *p)
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t r = 0; r < nb; r++) {
                 const fh_final_stats result = stored_stats(stats, i0 + r);
-                gradient_row(p, tile + r * vocab, i0 + r, r, &result);
+                gradient_row(p, tile + r * vocab, i0 + r, &result);
             }
         }
         if (grads->dbias)
             add_column_sums(tile, nb, vocab, column, threads);
+        round_du_rows(p, tile, nb, vocab);
         st = add_gradients(p, i0, nb, 0, vocab);
         if (st != FH_OK)
             return st;

@@ -33,19 +33,11 @@ static int place_buffers(fh_plan *plan, int64_t n)
         __builtin_mul_overflow((size_t)plan->tile_vocab, sizeof(double), &column_bytes) ||
         slot_bytes > SIZE_MAX / 4 || tile_bytes > SIZE_MAX / 4)
         return -1;
-    const size_t tile_bf16_bytes = plan->tile_bf16 ? tile_bytes / 2 : 0;
     plan->slots_offset = 0;
     plan->tile_offset = align_up(slot_bytes);
     plan->column_offset = plan->tile_offset + align_up(tile_bytes);
-    plan->tile_bf16_offset = plan->column_offset + align_up(column_bytes);
-    plan->bytes = plan->tile_bf16_offset + align_up(tile_bf16_bytes) + ALIGN; /* + slack for a caller's base */
+    plan->bytes = plan->column_offset + align_up(column_bytes) + ALIGN; /* + slack for a caller's base */
     return 0;
-}
-
-/* bf16 inputs: the gradient GEMMs of a pass with a backward read dU rounded to bf16, from a tile of its own. */
-static int needs_tile_bf16(const fh_linear *lin, fh_call call)
-{
-    return lin->x_dtype == FH_DTYPE_BF16 && call != FH_CALL_FORWARD;
 }
 
 /* Tile sizes before the budget: parameters, else wisdom, else defaults. */
@@ -64,7 +56,6 @@ fh_status fh_plan_make(const fh_context *ctx, const fh_linear *lin, fh_call call
     const int64_t n = lin->n, vocab = lin->vocab, budget = fh_budget_bytes(ctx);
     int64_t rows, cols;
     plan->threads = fh_threads(ctx, lin);
-    plan->tile_bf16 = needs_tile_bf16(lin, call);
     preferred_tiles(ctx, lin, plan->threads, call, &rows, &cols);
     plan->tile_rows = min64(n, rows > 0 ? rows : DEFAULT_TILE_ROWS);
     const int64_t default_cols = call == FH_CALL_FORWARD ? DEFAULT_TILE_VOCAB_FORWARD : DEFAULT_TILE_VOCAB_BACKWARD;
@@ -102,15 +93,13 @@ static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, fh_plan 
     const int64_t n = lin->n, vocab = lin->vocab, budget = fh_budget_bytes(ctx);
     int64_t rows_param, unused;
     plan->threads = fh_threads(ctx, lin);
-    plan->tile_bf16 = needs_tile_bf16(lin, FH_CALL_TRAIN_STEP);
     preferred_tiles(ctx, lin, plan->threads, FH_CALL_TRAIN_STEP, &rows_param, &unused);
     plan->tile_vocab = vocab;
     plan->tile_rows = 1;
     if (place_buffers(plan, n) != 0 || (int64_t)plan->bytes > budget)
         return -1;
-    /* Each further row costs vocab floats (and as many bf16 values for its rounded dU). */
-    const int64_t row_bytes = vocab * (int64_t)(sizeof(float) + (plan->tile_bf16 ? sizeof(uint16_t) : 0));
-    int64_t rows = 1 + (budget - (int64_t)plan->bytes) / row_bytes;
+    /* Each further row costs vocab floats (a bf16 dU row is written over its own first half). */
+    int64_t rows = 1 + (budget - (int64_t)plan->bytes) / (vocab * (int64_t)sizeof(float));
     /* Blocks thinner than MIN_ROW_BLOCK lose to streaming (the H x V dweight is re-read per block); an
      * explicit FH_PARAM_TILE_ROWS (or measured wisdom) is honoured. */
     const int64_t min_rows = rows_param > 0 ? 1 : min64(n, MIN_ROW_BLOCK);
@@ -164,7 +153,6 @@ static fh_workspace carve(const fh_plan *plan, void *base, int64_t n)
         ws.slot[a] = slots + (size_t)a * (size_t)n;
     ws.tile = (float *)(aligned + plan->tile_offset);
     ws.column = (double *)(aligned + plan->column_offset);
-    ws.tile_bf16 = plan->tile_bf16 ? (uint16_t *)(aligned + plan->tile_bf16_offset) : NULL;
     ws.gemm_cache = NULL;
     return ws;
 }

@@ -18,8 +18,6 @@ typedef struct fh_plan {
     size_t slots_offset;  /* FH_WORKSPACE_SLOTS arrays of n doubles */
     size_t tile_offset;   /* tile_rows * tile_vocab floats */
     size_t column_offset; /* tile_vocab doubles (bias-gradient column sums) */
-    int tile_bf16;        /* 1: a bf16 copy of the dU tile for the gradient GEMMs (bf16 inputs, backward) */
-    size_t tile_bf16_offset;
     size_t bytes;         /* total, including slack to align any caller pointer */
 } fh_plan;
 
@@ -49,7 +47,6 @@ typedef struct fh_workspace {
     double *slot[FH_WORKSPACE_SLOTS];
     float *tile;
     double *column;
-    uint16_t *tile_bf16;         /* the plan's bf16 dU tile, or NULL */
     fh_gemm_cache **gemm_cache;  /* the context's, for the GEMM providers that keep state */
 } fh_workspace;
 

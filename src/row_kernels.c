@@ -155,14 +155,21 @@ void fh_row_gradient(float *z, int64_t count, int64_t target_column, const float
 }
 
 /* Portable on purpose: the integer operations vectorise, and the conversion is one pass over a tile that a
- * GEMM then reads in full. */
-void fh_row_to_bf16(const float *src, int64_t count, uint16_t *dst)
+ * GEMM then reads in full. Chunks go through local arrays and memcpy, so that narrowing in place is defined:
+ * chunk c is written over bytes that chunks up to c / 2 were read from. */
+void fh_row_to_bf16(const void *src, int64_t count, void *dst)
 {
-    for (int64_t j = 0; j < count; j++) {
-        uint32_t bits;
-        memcpy(&bits, &src[j], sizeof bits);
-        const int is_nan = (bits & 0x7fffffffu) > 0x7f800000u;
-        const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-        dst[j] = (uint16_t)(is_nan ? (bits >> 16) | 0x40u : rounded);
+    enum { CHUNK = 64 };
+    for (int64_t j0 = 0; j0 < count; j0 += CHUNK) {
+        const int64_t m = count - j0 < CHUNK ? count - j0 : CHUNK;
+        uint32_t bits[CHUNK];
+        uint16_t out[CHUNK];
+        memcpy(bits, (const char *)src + j0 * (int64_t)sizeof(float), (size_t)m * sizeof(float));
+        for (int64_t j = 0; j < m; j++) {
+            const int is_nan = (bits[j] & 0x7fffffffu) > 0x7f800000u;
+            const uint32_t rounded = (bits[j] + 0x7fffu + ((bits[j] >> 16) & 1u)) >> 16;
+            out[j] = (uint16_t)(is_nan ? (bits[j] >> 16) | 0x40u : rounded);
+        }
+        memcpy((char *)dst + j0 * (int64_t)sizeof(uint16_t), out, (size_t)m * sizeof(uint16_t));
     }
 }

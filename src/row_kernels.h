@@ -57,7 +57,8 @@ void fh_row_fold(const float *z, int64_t count, int64_t first_column, int64_t ta
 void fh_row_gradient(float *z, int64_t count, int64_t target_column, const float *weights,
                      const fh_coef *coef, const fh_transform *tf);
 
-/* dst[j] = src[j] rounded to the nearest bf16 (ties to even; NaN stays NaN), for j < count. */
-void fh_row_to_bf16(const float *src, int64_t count, uint16_t *dst);
+/* dst[j] = src[j] rounded to the nearest bf16 (ties to even; NaN stays NaN), for j < count. dst may be src's own
+ * memory (a row narrowed in place into its first half). */
+void fh_row_to_bf16(const void *src, int64_t count, void *dst);
 
 #endif
