@@ -28,10 +28,6 @@ fh_status fhm_call_scratch(fhm_call *c, const int64_t *ids, size_t head_bytes)
     fh_status st = fhm_check_shard(c->L, c->ctx, c->lin);
     if (st != FH_OK)
         return st;
-    /* The engine's bf16 GEMMs can fail (oneDNN out of memory) where ranks would then disagree mid-pass. */
-    if (c->lin->x_dtype != FH_DTYPE_F32)
-        return fh_fail(c->ctx, FH_ERR_INVALID_DTYPE, "the MPI entry points take fp32 x and weight only (bf16 is "
-                                                     "not supported there yet)");
     const int64_t n = c->lin->n;
     const size_t local_bytes = round_up_64((size_t)n * sizeof(int64_t)), head = round_up_64(head_bytes);
     char *scratch = NULL;
@@ -73,6 +69,13 @@ static fh_status agree(fh_mpi_layout *L, fh_context *ctx, fh_status st, int64_t 
         return fh_fail(ctx, (fh_status)overall, "another rank failed this call: %s",
                        fh_mpi_status_string((fh_status)overall));
     return FH_OK;
+}
+
+fh_status fhm_call_prepare(fhm_call *c, fh_status st, const fh_engine_pass *passes, int count)
+{
+    for (int k = 0; st == FH_OK && k < count; k++)
+        st = fh_gemm_failure(c->ctx, fh_engine_prepare(&passes[k]));
+    return st;
 }
 
 fh_status fhm_call_agree(fhm_call *c, fh_status st)

@@ -93,6 +93,18 @@ static fh_engine_pass shard_pass(const ce_call *c, const fh_plan *plan, const fh
     return fh_ce_pass(plan, ws, c->call.lin, c->call.engine_ids, c->o);
 }
 
+/* The GEMMs of passes over plans[k] and ws[k] made ready, the last with the gradients grads (or none). */
+static fh_status prepare(ce_call *c, fh_status st, const fh_plan *plans, const fh_workspace *ws, int count,
+                         const fh_linear_grads *grads)
+{
+    fh_engine_pass passes[2];
+    for (int k = 0; st == FH_OK && k < count; k++) {
+        passes[k] = shard_pass(c, &plans[k], &ws[k]);
+        passes[k].grads = k == count - 1 ? grads : NULL;
+    }
+    return fhm_call_prepare(&c->call, st, passes, count);
+}
+
 /* The streaming forward on the shard, combined: stats end up whole-vocabulary, the outputs written. */
 static fh_status forward(ce_call *c, const fh_plan *plan, const fh_workspace *ws, const fh_token_stats *stats,
                          fh_ce_outputs *out)
@@ -100,7 +112,7 @@ static fh_status forward(ce_call *c, const fh_plan *plan, const fh_workspace *ws
     const fhm_call *call = &c->call;
     fh_engine_pass pass = shard_pass(c, plan, ws);
     pass.stats = stats;
-    (void)fh_engine_forward(&pass); /* fp32 only (fhm_call_scratch): cannot fail */
+    (void)fh_engine_forward(&pass); /* prepared (fhm_call_prepare): cannot fail */
     fh_status st = fhm_combine_stats(call->L, call->ctx, call->lin->n, stats, sharded_weights(c) ? c->weights : NULL,
                                      call->records);
     if (st == FH_OK)
@@ -130,7 +142,7 @@ FH_MPI_API fh_status fh_mpi_ce_forward(fh_context *ctx, fh_mpi_layout *layout, c
         st = fh_ce_check_outputs(ctx, options, out);
     if (st == FH_OK)
         st = fh_prepare_pass(ctx, lin, FH_CALL_FORWARD, &plan, &ws);
-    st = fhm_call_agree(&c.call, st);
+    st = fhm_call_agree(&c.call, prepare(&c, st, &plan, &ws, 1, NULL));
     if (st != FH_OK)
         return st;
     shard_inputs(&c);
@@ -166,7 +178,7 @@ FH_MPI_API fh_status fh_mpi_ce_backward(fh_context *ctx, fh_mpi_layout *layout, 
         st = check_backward(&c, grad_output, grads);
     if (st == FH_OK)
         st = fh_prepare_pass(ctx, lin, FH_CALL_BACKWARD, &plan, &ws);
-    st = fhm_call_agree(&c.call, st);
+    st = fhm_call_agree(&c.call, prepare(&c, st, &plan, &ws, 1, &c.call.g.engine));
     if (st != FH_OK)
         return st;
     shard_inputs(&c);
@@ -176,7 +188,7 @@ FH_MPI_API fh_status fh_mpi_ce_backward(fh_context *ctx, fh_mpi_layout *layout, 
         fh_engine_pass pass = shard_pass(&c, &plan, &ws);
         pass.coefs = &coefs;
         pass.grads = &c.call.g.engine;
-        (void)fh_engine_backward(&pass); /* fp32 only (fhm_call_scratch): cannot fail */
+        (void)fh_engine_backward(&pass); /* prepared (fhm_call_prepare): cannot fail */
     }
     return fhm_call_finish(&c.call, st);
 }
@@ -244,8 +256,10 @@ FH_MPI_API fh_status fh_mpi_ce_forward_backward(fh_context *ctx, fh_mpi_layout *
     if (st == FH_OK && rows > 0) {
         fh_plan_lower_rows(&plans[0], lin->n, rows);
         st = fh_workspace_acquire(ctx, lin->n, plans, 1, ws);
+        st = prepare(&c, st, plans, ws, 1, &c.call.g.engine);
     } else if (st == FH_OK) {
         st = fh_prepare_streaming(ctx, lin, plans, ws);
+        st = prepare(&c, st, plans, ws, 2, &c.call.g.engine);
     }
     st = fhm_call_agree(&c.call, st);
     if (st != FH_OK)
@@ -262,7 +276,7 @@ FH_MPI_API fh_status fh_mpi_ce_forward_backward(fh_context *ctx, fh_mpi_layout *
             fh_engine_pass pass = shard_pass(&c, &plans[1], &ws[1]);
             pass.coefs = &coefs;
             pass.grads = &c.call.g.engine;
-            (void)fh_engine_backward(&pass); /* fp32 only (fhm_call_scratch): cannot fail */
+            (void)fh_engine_backward(&pass); /* prepared (fhm_call_prepare): cannot fail */
         }
     }
     return fhm_call_finish(&c.call, st);

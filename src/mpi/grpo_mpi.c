@@ -27,6 +27,18 @@ static fh_status begin(grpo_call *c, fh_mpi_layout *L, fh_context *ctx, const fh
     return st;
 }
 
+/* The GEMMs of passes over plans[k] and ws[k] made ready, the last with the gradients grads (or none). */
+static fh_status prepare(grpo_call *c, fh_status st, const fh_plan *plans, const fh_workspace *ws, int count,
+                         const fh_linear_grads *grads)
+{
+    fh_engine_pass passes[2];
+    for (int k = 0; st == FH_OK && k < count; k++) {
+        passes[k] = fh_grpo_pass(&plans[k], &ws[k], c->call.lin, c->call.engine_ids, c->o);
+        passes[k].grads = k == count - 1 ? grads : NULL;
+    }
+    return fhm_call_prepare(&c->call, st, passes, count);
+}
+
 /* Streaming forward on the shard; leaves whole-vocabulary lse, sum_pz, logp and entropy in ws. */
 static fh_status forward_pass(grpo_call *c, const fh_plan *plan, const fh_workspace *ws)
 {
@@ -34,7 +46,7 @@ static fh_status forward_pass(grpo_call *c, const fh_plan *plan, const fh_worksp
     const fh_token_stats stats = fh_grpo_stats_in(ws);
     fh_engine_pass pass = fh_grpo_pass(plan, ws, call->lin, call->engine_ids, c->o);
     pass.stats = &stats;
-    (void)fh_engine_forward(&pass); /* fp32 only (fhm_call_scratch): cannot fail */
+    (void)fh_engine_forward(&pass); /* prepared (fhm_call_prepare): cannot fail */
     const fh_status st = fhm_combine_stats(call->L, call->ctx, call->lin->n, &stats, NULL, call->records);
     if (st == FH_OK)
         fh_grpo_token_values(ws, c->bt, call->lin->n, call->L->total_vocab);
@@ -84,7 +96,7 @@ static fh_status backward_pass(grpo_call *c, const fh_plan *plan, const fh_works
         fh_engine_pass pass = fh_grpo_pass(plan, ws, call->lin, call->engine_ids, c->o);
         pass.coefs = &coefs;
         pass.grads = &call->g.engine;
-        (void)fh_engine_backward(&pass); /* fp32 only (fhm_call_scratch): cannot fail */
+        (void)fh_engine_backward(&pass); /* prepared (fhm_call_prepare): cannot fail */
     }
     return fhm_call_finish(call, st);
 }
@@ -101,7 +113,7 @@ FH_MPI_API fh_status fh_mpi_grpo_forward(fh_context *ctx, fh_mpi_layout *layout,
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
     if (st == FH_OK)
         st = fh_prepare_pass(ctx, lin, FH_CALL_FORWARD, &plan, &ws);
-    st = fhm_call_agree(&c.call, st);
+    st = fhm_call_agree(&c.call, prepare(&c, st, &plan, &ws, 1, NULL));
     if (st != FH_OK)
         return st;
     fhm_call_shard_ids(&c.call, batch->completion_ids, NULL);
@@ -142,7 +154,7 @@ FH_MPI_API fh_status fh_mpi_grpo_backward(fh_context *ctx, fh_mpi_layout *layout
         st = check_grads(&c, grad_output, grads);
     if (st == FH_OK)
         st = fh_prepare_pass(ctx, lin, FH_CALL_BACKWARD, &plan, &ws);
-    st = fhm_call_agree(&c.call, st);
+    st = fhm_call_agree(&c.call, prepare(&c, st, &plan, &ws, 1, &c.call.g.engine));
     if (st != FH_OK)
         return st;
     fhm_call_shard_ids(&c.call, batch->completion_ids, NULL);
@@ -165,7 +177,7 @@ FH_MPI_API fh_status fh_mpi_grpo_forward_backward(fh_context *ctx, fh_mpi_layout
         st = check_grads(&c, grad_output, grads);
     if (st == FH_OK)
         st = fh_prepare_streaming(ctx, lin, plans, ws);
-    st = fhm_call_agree(&c.call, st);
+    st = fhm_call_agree(&c.call, prepare(&c, st, plans, ws, 2, &c.call.g.engine));
     if (st != FH_OK)
         return st;
     fhm_call_shard_ids(&c.call, batch->completion_ids, NULL);

@@ -95,8 +95,8 @@ void fhm_grads_free(fhm_grads *g);
 /* ---- call.c ---------------------------------------------------------------------------------- */
 
 /* What every fh_mpi_* call shares. A call runs: fhm_call_start, the head's local checks,
- * fhm_call_scratch, (fhm_grads_begin on g), planning; then fhm_call_agree, which every rank reaches
- * whatever failed locally; then the passes; a backward call ends in fhm_call_finish. */
+ * fhm_call_scratch, (fhm_grads_begin on g), planning, fhm_call_prepare; then fhm_call_agree, which every
+ * rank reaches whatever failed locally; then the passes; a backward call ends in fhm_call_finish. */
 typedef struct fhm_call {
     fh_mpi_layout *L;          /* NULL when the caller passed a NULL ctx or layout */
     fh_context *ctx;
@@ -115,6 +115,11 @@ fh_status fhm_call_start(fhm_call *c, fh_mpi_layout *L, fh_context *ctx, const f
 /* After the head's checks: the shard check, then the per-call scratch with head_bytes for the head; the
  * engine's ids are the caller's ids until fhm_call_shard_ids. Local. */
 fh_status fhm_call_scratch(fhm_call *c, const int64_t *ids, size_t head_bytes);
+
+/* Local, before fhm_call_agree: the engine GEMMs of the call's passes made ready (fh_engine_prepare), so that a
+ * GEMM provider's failure (bf16: oneDNN out of memory) is agreed on like any other error and no rank's pass
+ * fails once the collectives have started. Returns st when it is an error. */
+fh_status fhm_call_prepare(fhm_call *c, fh_status st, const fh_engine_pass *passes, int count);
 
 /* Collective over the grid: every rank learns whether any rank failed. Returns st when it is an error,
  * else the largest error of the other ranks (with a message saying so), else FH_ERR_MPI_LAYOUT when n

@@ -1,11 +1,15 @@
 /* fusedhead_mpi against the single-process library: every rank builds the whole problem, computes the
  * single-process result itself (libfusedhead), then its share through fusedhead_mpi, and compares its
  * share: loss and metrics within 1e-6 relative, per-token outputs and gradients within 1e-5 normwise,
- * argmax exactly. Layouts: vocab-parallel over the world (uneven shards), data-parallel over the world
+ * argmax exactly; bf16 inputs (a subset of the cases, where the library has oneDNN) against the single-process
+ * bf16 result, gradients within 4e-3 normwise: shards change the GEMMs' shapes, and a logit one fp32 ulp apart
+ * may round dZ to the neighbouring bf16 value (2^-8 relative, the bound of ref/ce_case.c). Layouts: vocab-parallel over the world (uneven shards), data-parallel over the world
  * (uneven token batches), and a 2 x (size/2) grid when the size is even and >= 4.
  * Run: mpirun -np 2|3|4 fh_mpi_tests */
 #include <fusedhead.h>
 #include <fusedhead_mpi.h>
+
+#include "bf16.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -14,6 +18,7 @@
 
 #define LOSS_TOL 1e-6
 #define GRAD_TOL 1e-5
+#define BF16_GRAD_TOL 4e-3
 
 static int world_rank, world_size, failures, checks;
 static char case_name[160];
@@ -178,10 +183,14 @@ typedef struct problem {
     int64_t n, h, v;
     fh_layout layout;
     float *x, *w, *b, *cw;
+    fh_dtype dtype;
+    uint16_t *xb, *wb; /* bf16: x and w's bits (x and w then hold their bf16 values), else NULL */
 } problem;
 
-static void make_problem(problem *p, int64_t n, int64_t h, int64_t v, fh_layout layout, uint64_t seed)
+static void make_problem(problem *p, int64_t n, int64_t h, int64_t v, fh_layout layout, uint64_t seed, fh_dtype dtype)
 {
+    p->dtype = dtype;
+    p->xb = p->wb = NULL;
     p->n = n;
     p->h = h;
     p->v = v;
@@ -198,6 +207,20 @@ static void make_problem(problem *p, int64_t n, int64_t h, int64_t v, fh_layout 
         p->b[j] = (float)(0.3 * uniform(seed + 2, (uint64_t)j));
         p->cw[j] = (float)(1.0 + 0.5 * uniform(seed + 3, (uint64_t)j));
     }
+    if (dtype == FH_DTYPE_BF16) {
+        p->xb = alloc((size_t)(n * h), sizeof(uint16_t));
+        p->wb = alloc((size_t)(h * v), sizeof(uint16_t));
+        for (int64_t i = 0; i < n * h; i++)
+            p->x[i] = bf16_to_float(p->xb[i] = bf16_from_float(p->x[i]));
+        for (int64_t i = 0; i < h * v; i++)
+            p->w[i] = bf16_to_float(p->wb[i] = bf16_from_float(p->w[i]));
+    }
+}
+
+/* The library's gradient tolerance for the problem's dtype (file comment). */
+static double grad_tol(const problem *p)
+{
+    return p->dtype == FH_DTYPE_BF16 ? BF16_GRAD_TOL : GRAD_TOL;
 }
 
 static void free_problem(problem *p)
@@ -206,21 +229,32 @@ static void free_problem(problem *p)
     free(p->w);
     free(p->b);
     free(p->cw);
+    free(p->xb);
+    free(p->wb);
+}
+
+/* Elements from the start of the problem's weight to the shard lin's first. */
+static int64_t weight_offset(const problem *p, const fh_linear *lin)
+{
+    return p->dtype == FH_DTYPE_BF16 ? (const uint16_t *)lin->weight - p->wb : (const float *)lin->weight - p->w;
+}
+
+static int have_bf16(void)
+{
+    fh_blis_info info;
+    return fh_blis_query(&info) == FH_OK && strcmp(info.bf16_gemm, "none") != 0;
 }
 
 /* This rank's view: tokens [n0, n0 + nr), vocabulary shard [off, off + vl). */
 static fh_linear shard_linear(const problem *p, int64_t n0, int64_t nr, int64_t off, int64_t vl, int bias)
 {
-    fh_linear l = {nr, p->h, vl, p->x + n0 * p->h, p->h, NULL, 0, 0, bias ? p->b + off : NULL, FH_DTYPE_F32, FH_DTYPE_F32};
-    if (p->layout == FH_LAYOUT_HV) {
-        l.weight = p->w + off;
-        l.w_stride_hidden = p->v;
-        l.w_stride_vocab = 1;
-    } else {
-        l.weight = p->w + off * p->h;
-        l.w_stride_hidden = 1;
-        l.w_stride_vocab = p->h;
-    }
+    const int bf16 = p->dtype == FH_DTYPE_BF16;
+    const int64_t w_offset = p->layout == FH_LAYOUT_HV ? off : off * p->h;
+    fh_linear l = {nr, p->h, vl, bf16 ? (const void *)(p->xb + n0 * p->h) : p->x + n0 * p->h, p->h,
+                   bf16 ? (const void *)(p->wb + w_offset) : p->w + w_offset, 0, 0, bias ? p->b + off : NULL,
+                   p->dtype, p->dtype};
+    l.w_stride_hidden = p->layout == FH_LAYOUT_HV ? p->v : 1;
+    l.w_stride_vocab = p->layout == FH_LAYOUT_HV ? 1 : p->h;
     return l;
 }
 
@@ -257,11 +291,11 @@ typedef struct ce_case {
     int tight_rank;        /* the last rank's budget holds only streaming tiles: every rank must stream */
 } ce_case;
 
-static void run_ce(const config *cfg, const ce_case *c)
+static void run_ce(const config *cfg, const ce_case *c, fh_dtype dtype)
 {
-    snprintf(case_name, sizeof case_name, "%s / ce %s", cfg->name, c->name);
+    snprintf(case_name, sizeof case_name, "%s / ce %s%s", cfg->name, c->name, dtype == FH_DTYPE_BF16 ? " bf16" : "");
     problem p;
-    make_problem(&p, c->n, c->h, c->v, c->layout, 1000 + (uint64_t)c->n + (uint64_t)c->v);
+    make_problem(&p, c->n, c->h, c->v, c->layout, 1000 + (uint64_t)c->n + (uint64_t)c->v, dtype);
     const int64_t n = c->n, h = c->h, v = c->v;
     int64_t *targets = alloc((size_t)n, sizeof(int64_t));
     float *grad_out = alloc((size_t)n, sizeof(float));
@@ -286,8 +320,7 @@ static void run_ce(const config *cfg, const ce_case *c)
 
     /* The single process on the whole problem. */
     fh_context *ctx = make_context(c->small_tiles);
-    fh_linear full;
-    fh_linear_init(&full, n, h, v, p.x, p.w, c->layout, c->bias ? p.b : NULL);
+    const fh_linear full = shard_linear(&p, 0, n, 0, v, c->bias);
     double ref_loss = 0.0, ref_zl = 0.0;
     float *ref_ptl = alloc((size_t)n, 4), *ref_logp = alloc((size_t)n, 4), *ref_lse = alloc((size_t)n, 4);
     int64_t *ref_argmax = alloc((size_t)n, 8);
@@ -364,7 +397,7 @@ static void run_ce(const config *cfg, const ce_case *c)
     prefill(mine.dw, h * v, c->beta1, 12);
     prefill(mine.db, v, c->beta1, 13);
     const float beta = c->beta1 ? 1.0f : 0.0f;
-    fh_linear_grads g = {mine.dx, dx_stride, beta, mine.dw + ((const float *)lin.weight - p.w), beta, c->bias ? mine.db + off : NULL,
+    fh_linear_grads g = {mine.dx, dx_stride, beta, mine.dw + weight_offset(&p, &lin), beta, c->bias ? mine.db + off : NULL,
                          beta};
     fh_ce_outputs out = {&loss, &zl, ptl, logp, lse, argmax};
     const float *local_grad = c->reduction == FH_REDUCTION_NONE ? grad_out + n0 : grad_output;
@@ -393,7 +426,7 @@ static void run_ce(const config *cfg, const ce_case *c)
         for (int64_t i = 0; i < nr; i++)
             MPI_Allreduce(MPI_IN_PLACE, mine.dx + i * dx_stride, (int)h, MPI_FLOAT, MPI_SUM, cfg->vocab);
     if (!(c->dx_mode == FH_MPI_NO_REDUCTION && cfg->pv > 1 && c->beta1)) /* beta 1 partials: prev counted pv times */
-        check_rows("dx", mine.dx, dx_stride, ref.dx + (n0 + dx_first) * h, h, dx_rows, h, GRAD_TOL);
+        check_rows("dx", mine.dx, dx_stride, ref.dx + (n0 + dx_first) * h, h, dx_rows, h, grad_tol(&p));
     checks++;
     for (int64_t i = 0; i < dx_rows && c->dx_pad; i++)
         if (mine.dx[i * dx_stride + h] != 123.0f) {
@@ -407,10 +440,10 @@ static void run_ce(const config *cfg, const ce_case *c)
     if (c->dw_mode == FH_MPI_REDUCE_SCATTER && cfg->pd > 1) {
         int64_t first, count;
         fh_mpi_dweight_part(L, h, &first, &count);
-        const float *base = mine.dw + ((const float *)lin.weight - p.w), *want = ref.dw + ((const float *)lin.weight - p.w);
-        check_rows("dweight part", base + first, 1, want + first, 1, count, 1, GRAD_TOL);
+        const float *base = mine.dw + weight_offset(&p, &lin), *want = ref.dw + weight_offset(&p, &lin);
+        check_rows("dweight part", base + first, 1, want + first, 1, count, 1, grad_tol(&p));
     } else if (!(c->dw_mode == FH_MPI_NO_REDUCTION && cfg->pd > 1 && c->beta1)) {
-        check_weight_shard("dweight", mine.dw, ref.dw, c->layout, h, v, off, vl, GRAD_TOL);
+        check_weight_shard("dweight", mine.dw, ref.dw, c->layout, h, v, off, vl, grad_tol(&p));
     }
     if (c->bias && !(c->dw_mode == FH_MPI_NO_REDUCTION && cfg->pd > 1 && c->beta1))
         check_rows("dbias", mine.db + off, 1, ref.db + off, 1, vl, 1, GRAD_TOL);
@@ -485,7 +518,11 @@ static void ce_cases(const config *cfg)
          0, 1, 0, 0, 0, 0, 0, 0, 0, 1},
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++)
-        run_ce(cfg, &cases[k]);
+        run_ce(cfg, &cases[k], FH_DTYPE_F32);
+    /* bf16: split and train step, row blocks of uneven heights, the streaming fallback, reduce-scatter. */
+    static const size_t bf16_cases[] = {0, 3, 12, 16, 19};
+    for (size_t k = 0; have_bf16() && k < sizeof bf16_cases / sizeof bf16_cases[0]; k++)
+        run_ce(cfg, &cases[bf16_cases[k]], FH_DTYPE_BF16);
 }
 
 /* ---- GRPO -------------------------------------------------------------------------------------- */
@@ -500,13 +537,14 @@ typedef struct grpo_case {
 
 static const char *loss_names[] = {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"};
 
-static void run_grpo(const config *cfg, const grpo_case *c)
+static void run_grpo(const config *cfg, const grpo_case *c, fh_dtype dtype)
 {
-    snprintf(case_name, sizeof case_name, "%s / grpo %s %s beta=%g ent=%g old=%d split=%d", cfg->name,
-             loss_names[c->loss_type], c->level ? "sequence" : "token", c->beta, c->entropy_coef, c->old, c->split);
+    snprintf(case_name, sizeof case_name, "%s / grpo %s %s beta=%g ent=%g old=%d split=%d%s", cfg->name,
+             loss_names[c->loss_type], c->level ? "sequence" : "token", c->beta, c->entropy_coef, c->old, c->split,
+             dtype == FH_DTYPE_BF16 ? " bf16" : "");
     const int64_t B = 12, T = 8, n = B * T, h = 16, v = 211;
     problem p;
-    make_problem(&p, n, h, v, c->layout, 2000 + (uint64_t)c->loss_type * 7 + (uint64_t)c->level);
+    make_problem(&p, n, h, v, c->layout, 2000 + (uint64_t)c->loss_type * 7 + (uint64_t)c->level, dtype);
     int64_t *ids = alloc((size_t)n, 8);
     float *mask = alloc((size_t)n, 4), *adv = alloc((size_t)B, 4), *old = alloc((size_t)n, 4),
           *refl = alloc((size_t)n, 4);
@@ -528,8 +566,7 @@ static void run_grpo(const config *cfg, const grpo_case *c)
     o.temperature = c->temperature;
     o.delta = c->delta;
     fh_context *ctx = make_context(1);
-    fh_linear full;
-    fh_linear_init(&full, n, h, v, p.x, p.w, c->layout, c->bias ? p.b : NULL);
+    const fh_linear full = shard_linear(&p, 0, n, 0, v, c->bias);
     /* Old and reference log-probs near the current ones, so that ratios straddle the clip bounds. */
     {
         float *logp0 = alloc((size_t)n, 4);
@@ -571,7 +608,7 @@ static void run_grpo(const config *cfg, const grpo_case *c)
     prefill(mine.dx, nr * h, 0, 0);
     prefill(mine.dw, h * v, 0, 0);
     prefill(mine.db, v, 0, 0);
-    fh_linear_grads g = {mine.dx, h, 0.0f, mine.dw + ((const float *)lin.weight - p.w), 0.0f, c->bias ? mine.db + off : NULL, 0.0f};
+    fh_linear_grads g = {mine.dx, h, 0.0f, mine.dw + weight_offset(&p, &lin), 0.0f, c->bias ? mine.db + off : NULL, 0.0f};
     fh_grpo_outputs out = {&loss, &m, logp, ptl, ent, lse};
     if (c->split) {
         check_status("fh_mpi_grpo_forward", fh_mpi_grpo_forward(ctx, L, &lin, &lb, &o, &out), ctx);
@@ -592,8 +629,8 @@ static void run_grpo(const config *cfg, const grpo_case *c)
     check_rows("per_token_loss", ptl, 1, r_ptl + n0, 1, nr, 1, GRAD_TOL);
     check_rows("entropy", ent, 1, r_ent + n0, 1, nr, 1, GRAD_TOL);
     check_rows("lse", lse, 1, r_lse + n0, 1, nr, 1, GRAD_TOL);
-    check_rows("dx", mine.dx, h, ref.dx + n0 * h, h, nr, h, GRAD_TOL);
-    check_weight_shard("dweight", mine.dw, ref.dw, c->layout, h, v, off, vl, GRAD_TOL);
+    check_rows("dx", mine.dx, h, ref.dx + n0 * h, h, nr, h, grad_tol(&p));
+    check_weight_shard("dweight", mine.dw, ref.dw, c->layout, h, v, off, vl, grad_tol(&p));
     if (c->bias)
         check_rows("dbias", mine.db + off, 1, ref.db + off, 1, vl, 1, GRAD_TOL);
 
@@ -629,7 +666,9 @@ static void grpo_cases(const config *cfg)
             const grpo_case c = {(fh_grpo_loss_type)lt, (fh_grpo_is_level)level, k % 3 == 0 ? 0.04 : 0.0,
                                  k % 4 == 1 ? 0.01 : 0.0, k % 2 ? 0.7 : 1.0, k % 5 == 2 ? 1.3 : NAN, k % 6 != 5,
                                  k % 3 == 1, k % 2, k % 4 < 2 ? FH_LAYOUT_VH : FH_LAYOUT_HV};
-            run_grpo(cfg, &c);
+            run_grpo(cfg, &c, FH_DTYPE_F32);
+            if (have_bf16() && k % 4 == 1)
+                run_grpo(cfg, &c, FH_DTYPE_BF16);
         }
 }
 
@@ -640,7 +679,7 @@ static void error_cases(const config *cfg)
     snprintf(case_name, sizeof case_name, "%s / errors", cfg->name);
     const int64_t n = 20, h = 8, v = 64;
     problem p;
-    make_problem(&p, n, h, v, FH_LAYOUT_VH, 5);
+    make_problem(&p, n, h, v, FH_LAYOUT_VH, 5, FH_DTYPE_F32);
     int64_t targets[20];
     for (int64_t i = 0; i < n; i++)
         targets[i] = i * 3 % v;
