@@ -78,8 +78,8 @@ static fh_status check_dtypes(fh_context *ctx, const fh_linear *lin)
                        dtype_name(lin->x_dtype), dtype_name(lin->weight_dtype));
 #ifndef FH_HAVE_ONEDNN
     if (lin->x_dtype == FH_DTYPE_BF16)
-        return fh_fail(ctx, FH_ERR_INVALID_DTYPE, "bf16 inputs need oneDNN, and this build has none "
-                                                  "(Debian: apt-get install libdnnl-dev, then rebuild)");
+        return fh_fail(ctx, FH_ERR_INVALID_DTYPE, "x_dtype and weight_dtype are bf16, which needs oneDNN, and this "
+                                                  "build has none (Debian: apt-get install libdnnl-dev, then rebuild)");
 #endif
     return FH_OK;
 }

@@ -158,6 +158,7 @@ static void saved_from_forward(hu_call forward, const cp_problem *ce, const hu_g
 
 static void problems_init(problems *p)
 {
+    memset(p, 0, sizeof *p); /* ce_saved_bf16 stays empty without a bf16 provider */
     cp_problem_init(&p->ce_mean, 37, 16, 300, FH_LAYOUT_VH, CP_BIAS | CP_CLASS_WEIGHTS);
     cp_problem_randomize(&p->ce_mean, 41, 3.0);
     p->ce_mean.options.label_smoothing = 0.1;
