@@ -397,17 +397,6 @@ static double gp_token_diff(const float *f, const double *r, size_t count)
     return m;
 }
 
-double gp_norm_rel(const float *f, const double *r, size_t count)
-{
-    double sd = 0.0, sr = 0.0;
-    for (size_t i = 0; i < count; i++) {
-        const double e = (double)f[i] - r[i];
-        sd += e * e;
-        sr += r[i] * r[i];
-    }
-    return sr > 0.0 ? sqrt(sd) / sqrt(sr) : sqrt(sd);
-}
-
 static double gp_metric_diff(double a, double b)
 {
     if (isnan(a) || isnan(b))
@@ -442,10 +431,10 @@ static void gp_measure(const gp_problem *p, const gp_fused *f, const gp_referenc
     d->entropy = gp_token_diff(f->entropy, r->entropy, n);
     d->lse = gp_token_diff(f->lse, r->lse, n);
     d->per_token_loss = gp_token_diff(f->per_token_loss, r->per_token_loss, n);
-    d->dx = gp_norm_rel(f->dx, r->dx, n * h);
-    d->dweight = gp_norm_rel(f->dweight, r->dweight, h * v);
+    d->dx = ce_compare(f->dx, r->dx, n * h).norm_rel;
+    d->dweight = ce_compare(f->dweight, r->dweight, h * v).norm_rel;
     if (f->dbias)
-        d->dbias = gp_norm_rel(f->dbias, r->dbias, v);
+        d->dbias = ce_compare(f->dbias, r->dbias, v).norm_rel;
     /* A token outside the mask has zero coefficients: its dZ row is 0, so its dx row is exactly 0 (overwrite)
      * or exactly the 1.0 it accumulates onto. */
     for (size_t i = 0; i < n; i++)

@@ -135,9 +135,6 @@ void gp_reference_backward_from_logp(const gp_problem *p, const fh_grpo_options 
                                      const float *entropy_f, double grad, double *dx, double *dweight,
                                      double *dbias);
 
-/* Normwise relative difference (absolute when the reference is zero); NaN anywhere gives NaN. */
-double gp_norm_rel(const float *f, const double *r, size_t count);
-
 double gp_metrics_diff(const fh_grpo_metrics *a, const fh_grpo_metrics *b);
 
 const char *gp_loss_name(fh_grpo_loss_type t);
