@@ -38,6 +38,8 @@ typedef struct shape {
     fh_layout layout;
     int reps;
     fh_dtype dtype; /* of x and weight (the ceiling's and the materialized baseline's GEMMs follow it) */
+    fh_dtype grad_dtype; /* of the fused cases' dx and dweight: x's unless --grad-dtype says */
+    int fp32_dz;         /* FH_PARAM_FP32_DZ */
 } shape;
 
 static const char *case_name(bench_case c, const shape *s)
@@ -114,7 +116,9 @@ static int run_once(bench_case c, const shape *s, const bench_inputs *in, fh_con
     const float grad_one = 1.0f;
     *loss = NAN;
     fh_ce_outputs out = {loss, NULL, NULL, NULL, NULL, NULL};
-    fh_linear_grads g = {in->dx, s->hidden, 0.0f, in->dw, 0.0f, NULL, 0.0f};
+    /* in->dx and in->dw are float buffers, large enough for bf16 gradients too. */
+    fh_linear_grads g = {.dx = in->dx, .dx_row_stride = s->hidden, .dweight = in->dw, .dx_dtype = s->grad_dtype,
+                         .dweight_dtype = s->grad_dtype};
     switch (c) {
     case CASE_SGEMM:
         return gemm_2048(s, gemm_buffers);
@@ -161,6 +165,7 @@ static result measure_in_child(bench_case c, const shape *s)
         return r;
     fh_context_set(ctx, FH_PARAM_THREADS, s->threads);
     fh_context_set(ctx, FH_PARAM_MEMORY_BUDGET, s->budget);
+    fh_context_set(ctx, FH_PARAM_FP32_DZ, s->fp32_dz);
     for (int k = 0; k < 3; k++) {
         float *values = bench_filled(2048u * 2048u, 1.0f, 10 + k);
         sg[k] = values;
@@ -296,9 +301,10 @@ static void print_report(format f, const shape *s, const result *res, const fh_b
             print_row(out, s, (bench_case)c, &res[c]);
         return;
     }
-    fprintf(out, "fh_bench: N=%lld H=%lld V=%lld, %s, layout %s, %d threads, budget %s, BLIS kernel set %s, bf16 GEMMs "
-                 "%s, best of %d\n\n",
-            (long long)s->n, (long long)s->hidden, (long long)s->vocab, dtype_name(s->dtype), layout_name(s->layout),
+    fprintf(out, "fh_bench: N=%lld H=%lld V=%lld, %s (gradients %s%s), layout %s, %d threads, budget %s, BLIS kernel set "
+                 "%s, bf16 GEMMs %s, best of %d\n\n",
+            (long long)s->n, (long long)s->hidden, (long long)s->vocab, dtype_name(s->dtype), dtype_name(s->grad_dtype),
+            s->fp32_dz ? ", fp32 dZ" : "", layout_name(s->layout),
             s->threads, s->budget ? "set" : "default", kernels->kernel_set, kernels->bf16_gemm, s->reps);
     fprintf(out, "%-18s %-9s %10s %9s %9s %6s %10s %12s %14s\n", "case", "basis", "best ms", "GFLOP/s", "ceiling",
             "eff.", "first ms", "workspace", "peak RSS +");
@@ -377,7 +383,7 @@ static int sweep(const char *what, const char *dir, const shape *base, const cha
 static void usage(void)
 {
     fprintf(stderr, "usage: fh_bench [--n N] [--hidden H] [--vocab V] [--threads T] [--budget BYTES] [--reps K]\n"
-                    "                [--layout hv|vh] [--dtype f32|bf16]\n"
+                    "                [--layout hv|vh] [--dtype f32|bf16] [--grad-dtype f32|bf16] [--fp32-dz]\n"
                     "                [--json | --csv] [--sweep n|vocab --out DIR]\n");
 }
 
@@ -386,11 +392,14 @@ int main(int argc, char **argv)
     shape s = {.n = 1024, .hidden = 1024, .vocab = 32768, .threads = 2, .budget = 0, .layout = FH_LAYOUT_HV,
                .reps = 3};
     format f = FORMAT_TABLE;
+    int grad_dtype = -1;
     const char *sweep_what = NULL, *out_dir = ".";
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (strcmp(a, "--json") == 0)
             f = FORMAT_JSON;
+        else if (strcmp(a, "--fp32-dz") == 0)
+            s.fp32_dz = 1;
         else if (strcmp(a, "--csv") == 0)
             f = FORMAT_CSV;
         else if (!v) {
@@ -410,6 +419,8 @@ int main(int argc, char **argv)
             s.layout = strcmp(argv[++i], "vh") == 0 ? FH_LAYOUT_VH : FH_LAYOUT_HV;
         else if (strcmp(a, "--dtype") == 0 && (strcmp(v, "f32") == 0 || strcmp(v, "bf16") == 0))
             s.dtype = strcmp(argv[++i], "bf16") == 0 ? FH_DTYPE_BF16 : FH_DTYPE_F32;
+        else if (strcmp(a, "--grad-dtype") == 0 && (strcmp(v, "f32") == 0 || strcmp(v, "bf16") == 0))
+            grad_dtype = strcmp(argv[++i], "bf16") == 0 ? FH_DTYPE_BF16 : FH_DTYPE_F32;
         else if (strcmp(a, "--reps") == 0)
             s.reps = atoi(argv[++i]);
         else if (strcmp(a, "--sweep") == 0)
@@ -421,6 +432,7 @@ int main(int argc, char **argv)
             return 2;
         }
     }
+    s.grad_dtype = grad_dtype < 0 ? s.dtype : (fh_dtype)grad_dtype;
     if (s.n < 1 || s.hidden < 1 || s.vocab < 1 || s.threads < 1 || s.reps < 1 ||
         (sweep_what && strcmp(sweep_what, "n") && strcmp(sweep_what, "vocab"))) {
         usage();

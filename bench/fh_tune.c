@@ -49,7 +49,7 @@ static fh_status run_call(fh_context *ctx, fh_call call, problem *p)
     double loss;
     const float grad = 1.0f;
     fh_ce_outputs out = {&loss, NULL, NULL, NULL, p->in.lse, NULL};
-    fh_linear_grads g = {p->in.dx, p->lin.hidden, 0.0f, p->in.dw, 0.0f, NULL, 0.0f};
+    fh_linear_grads g = {.dx = p->in.dx, .dx_row_stride = p->lin.hidden, .dx_beta = 0.0f, .dweight = p->in.dw, .dweight_beta = 0.0f, .dbias = NULL, .dbias_beta = 0.0f};
     switch (call) {
     case FH_CALL_FORWARD: return fh_ce_forward(ctx, &p->lin, p->in.targets, &p->options, &out);
     case FH_CALL_BACKWARD: return fh_ce_backward(ctx, &p->lin, p->in.targets, &p->options, p->in.lse, &grad, &g);

@@ -8,7 +8,8 @@
  *   - Sizes and strides are int64_t. Matrices are (pointer, strides) views as in BLIS, so the lm_head
  *     in [H, V] (flax) and [V, H] (torch nn.Linear.weight) layouts are the same data, zero copies.
  *   - Hidden states and weight in fp32 (BLIS GEMMs) or bf16 (oneDNN GEMMs, f32 accumulation); logits
- *     leave the GEMM in f32; per-token statistics and reductions in double. Gradients are fp32.
+ *     leave the GEMM in f32; per-token statistics and reductions in double. Gradients are fp32, or with bf16
+ *     inputs each of dx, dweight, dbias fp32 or bf16 (accumulated in f32 within a call, rounded once).
  *   - Gradients take an explicit beta: 0 overwrites (even NaN garbage), 1 accumulates.
  *   - A context holds configuration and the workspace. Calls on one context must not run concurrently;
  *     separate contexts may be used from separate threads.
@@ -86,9 +87,14 @@ typedef enum fh_param {
     FH_PARAM_TILE_VOCAB = 2,    /* vocabulary columns per tile; 0 = default */
     FH_PARAM_MEMORY_BUDGET = 3, /* max workspace bytes, per-token state included; tiles shrink to fit;
                                    0 = FH_DEFAULT_MEMORY_BUDGET */
-    FH_PARAM_CHECK_FINITE = 4   /* 1: scan x, weight and bias and return FH_ERR_NONFINITE_INPUT on NaN/Inf
+    FH_PARAM_CHECK_FINITE = 4,  /* 1: scan x, weight and bias and return FH_ERR_NONFINITE_INPUT on NaN/Inf
                                    (costs one read of each); 0 (default): NaN/Inf propagate to the loss and
                                    to the gradient rows of the affected tokens */
+    FH_PARAM_FP32_DZ = 5        /* bf16 inputs only. 0 (default): dZ is formed in f32 and rounded once to bf16
+                                   for the dX and dW GEMMs (bf16 x bf16, oneDNN), as torch's bf16 autograd does;
+                                   1: dZ stays f32 and the gradient GEMMs run in fp32 (BLIS) on f32 copies of
+                                   the bf16 tiles of x and weight: the fp32 path's accuracy on the bf16 values,
+                                   at the fp32 GEMM rate, and the train step streams (8 N H V flops) */
 } fh_param;
 
 FH_API fh_status fh_context_create(fh_context **ctx);
@@ -181,15 +187,21 @@ typedef struct fh_linear {
 FH_API fh_status fh_linear_init(fh_linear *lin, int64_t n, int64_t hidden, int64_t vocab, const void *x,
                                 const void *weight, fh_layout layout, const float *bias);
 
-/* Gradient outputs. A NULL pointer skips that gradient. dweight uses the weight's strides. */
+/* Gradient outputs. A NULL pointer skips that gradient. dweight uses the weight's strides. Each gradient is
+ * fp32 (float) unless its dtype says bf16 (raw bits, uint16_t), which needs bf16 x and weight. A bf16 gradient
+ * is accumulated in f32 inside the call and rounded once at the end; with beta 1 the old value is added in f32
+ * before that rounding. */
 typedef struct fh_linear_grads {
-    float *dx;            /* [N, H], element (i, k) at dx[i * dx_row_stride + k] */
+    void *dx;             /* [N, H], element (i, k) at dx[i * dx_row_stride + k] */
     int64_t dx_row_stride;
     float dx_beta;        /* 0 overwrites, 1 accumulates */
-    float *dweight;
+    void *dweight;
     float dweight_beta;
-    float *dbias;         /* [V] */
+    void *dbias;          /* [V] */
     float dbias_beta;
+    fh_dtype dx_dtype;    /* 0 (fp32) unless set */
+    fh_dtype dweight_dtype;
+    fh_dtype dbias_dtype;
 } fh_linear_grads;
 
 /* ---------------------------------------------------------------------------------------------

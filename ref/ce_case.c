@@ -162,7 +162,7 @@ static fh_status run_fused(const ce_case_spec *s, ce_case *c)
     c->argmax = xcalloc(n, sizeof(int64_t));
     fh_ce_outputs out = {&c->loss, &c->z_loss, c->per_token_loss, c->logp, c->lse, c->argmax};
     ce_alloc_grads(n, h, v, c->bias != NULL, s->grad_beta, &c->dx, &c->dweight, &c->dbias);
-    fh_linear_grads g = {c->dx, s->hidden, s->grad_beta, c->dweight, s->grad_beta, c->dbias, s->grad_beta};
+    fh_linear_grads g = {.dx = c->dx, .dx_row_stride = s->hidden, .dx_beta = s->grad_beta, .dweight = c->dweight, .dweight_beta = s->grad_beta, .dbias = c->dbias, .dbias_beta = s->grad_beta};
     if (s->train_step) {
         st = fh_ce_forward_backward(ctx, &lin, c->targets, &o, c->grad_output, &out, &g);
     } else {

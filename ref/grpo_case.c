@@ -158,7 +158,7 @@ static fh_status run_fused(const grpo_case_spec *s, grpo_case *c)
     for (size_t j = 0; c->dbias && j < v; j++)
         c->dbias[j] = NAN;
     fh_grpo_outputs out = {&c->loss, &c->metrics, c->logp, c->per_token_loss, c->entropy, c->lse};
-    fh_linear_grads g = {c->dx, s->hidden, 0.0f, c->dweight, 0.0f, c->dbias, 0.0f};
+    fh_linear_grads g = {.dx = c->dx, .dx_row_stride = s->hidden, .dx_beta = 0.0f, .dweight = c->dweight, .dweight_beta = 0.0f, .dbias = c->dbias, .dbias_beta = 0.0f};
     if (s->train_step) {
         st = fh_grpo_forward_backward(ctx, &lin, &batch, &s->options, &s->grad_output, &out, &g);
     } else {

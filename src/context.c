@@ -6,12 +6,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#define FH_PARAM_COUNT 5
 #define FH_WORKSPACE_ALIGN 64
 
-static const int64_t param_min[FH_PARAM_COUNT] = {0, 0, 0, 0, 0};
+static const int64_t param_min[FH_PARAM_COUNT] = {0, 0, 0, 0, 0, 0};
 static const int64_t param_max[FH_PARAM_COUNT] = {1024, (int64_t)1 << 24, (int64_t)1 << 30,
-                                                  (int64_t)1 << 50, 1};
+                                                  (int64_t)1 << 50, 1, 1};
 
 fh_status fh_fail(fh_context *ctx, fh_status status, const char *format, ...)
 {

@@ -6,9 +6,10 @@
 
 #define FH_MESSAGE_CAPACITY 256
 #define FH_WISDOM_CAPACITY 256
+#define FH_PARAM_COUNT 6
 
 struct fh_context {
-    int64_t params[5];          /* indexed by fh_param; 0 = default */
+    int64_t params[FH_PARAM_COUNT];          /* indexed by fh_param; 0 = default */
     void *workspace;            /* caller's or ours */
     size_t workspace_bytes;
     int workspace_is_callers;

@@ -1,7 +1,9 @@
 /* Tile loops. Both passes walk vocabulary tiles in the outer loop and token blocks in the inner one:
  * a dweight tile (H x tile_vocab) is finished before moving on, so the H x V accumulator is written
  * once per row block of its own tile and never revisited; dx (N x H, usually the smaller) is the one
- * re-accumulated per vocabulary tile. */
+ * re-accumulated per vocabulary tile. bf16 gradients that several GEMMs add up go through f32 accumulators
+ * (dx_acc, dw_acc) and are rounded once; in row blocks each is one GEMM (dx per block over the whole
+ * vocabulary, dweight after the last block over the bf16 dU of every row) and written directly. */
 #include "engine.h"
 
 #include "gemm/gemm.h"
@@ -45,20 +47,18 @@ static fh_gemm_output f32_output(float *data, int64_t row_stride, int64_t col_st
     return v;
 }
 
-/* bf16 inputs: the gradient GEMMs multiply bf16 by bf16 (what the provider runs fast), so dU is rounded once to
- * bf16, written over the first half of its own f32 row; the bf16 tile has a row stride of 2 vb values and
- * needs no buffer of its own. */
-static int du_is_bf16(const fh_engine_pass *p)
+/* The dU rows of a tile as the gradient GEMMs read them: the f32 tile itself, or (bf16_du) the rows rounded
+ * into the du buffer, which holds one tile when streaming and every row of the call in row blocks. */
+static fh_gemm_input du_view(const fh_engine_pass *p, int64_t i0, int64_t vb)
 {
-    return p->lin->x_dtype == FH_DTYPE_BF16;
+    if (p->plan->bf16_du)
+        return view(p->ws->du, FH_ELEM_BF16, (p->plan->row_blocks ? i0 : 0) * vb, vb, 1);
+    return view(p->ws->tile, FH_ELEM_F32, 0, vb, 1);
 }
 
-/* The dU tile as the gradient GEMMs read it. */
-static fh_gemm_input du_view(const fh_engine_pass *p, int64_t vb)
+static uint16_t *du_row(const fh_engine_pass *p, int64_t i0, int64_t r, int64_t vb)
 {
-    if (du_is_bf16(p))
-        return view(p->ws->tile, FH_ELEM_BF16, 0, 2 * vb, 1);
-    return view(p->ws->tile, FH_ELEM_F32, 0, vb, 1);
+    return p->ws->du + ((p->plan->row_blocks ? i0 : 0) + r) * vb;
 }
 
 /* One GEMM of a pass, made ready (prepare) or run. */
@@ -83,29 +83,73 @@ static fh_status compute_logits(const fh_engine_pass *p, int prepare, float *til
     return multiply(p, prepare, nb, vb, lin->hidden, &x, &w, 0, &z);
 }
 
-/* dx[i0:i0+nb, :] (+)= dU W[:, v0:v0+vb]^T, dU the nb x vb tile. */
+/* A bf16 gradient accumulated over several GEMMs goes through an f32 accumulator, rounded at the end. */
+static int dx_accumulated(const fh_engine_pass *p)
+{
+    return p->grads->dx_dtype == FH_DTYPE_BF16 && !p->plan->row_blocks;
+}
+
+static int dweight_accumulated(const fh_engine_pass *p)
+{
+    return p->grads->dweight_dtype == FH_DTYPE_BF16 && !p->plan->row_blocks;
+}
+
+/* The weight tile's accumulator runs along the weight's contiguous direction, so that rounding it into
+ * dweight reads and writes in order. */
+static int dw_acc_by_vocab(const fh_linear *lin)
+{
+    return lin->w_stride_vocab <= lin->w_stride_hidden;
+}
+
+/* dx[i0:i0+nb, :] (+)= dU W[:, v0:v0+vb]^T, dU the nb x vb tile. accumulate: a later tile of the call. */
 static fh_status add_dx(const fh_engine_pass *p, int prepare, int64_t i0, int64_t nb, int64_t v0, int64_t vb,
                         int accumulate)
 {
     const fh_linear *lin = p->lin;
     const fh_linear_grads *grads = p->grads;
-    const fh_gemm_input du = du_view(p, vb);
-    const fh_gemm_input wt = view(lin->weight, elem_type(lin->weight_dtype), v0 * lin->w_stride_vocab,
-                                  lin->w_stride_vocab, lin->w_stride_hidden);
-    const fh_gemm_output dx = f32_output(grads->dx + i0 * grads->dx_row_stride, grads->dx_row_stride, 1);
-    return multiply(p, prepare, nb, lin->hidden, vb, &du, &wt, accumulate, &dx);
+    const int64_t h = lin->hidden;
+    const fh_gemm_input du = du_view(p, i0, vb);
+    /* fp32_dz: w32 holds the tile's columns row-major, H x vb. */
+    const fh_gemm_input wt = p->plan->fp32_dz ? view(p->ws->w32, FH_ELEM_F32, 0, 1, vb)
+                                              : view(lin->weight, elem_type(lin->weight_dtype), v0 * lin->w_stride_vocab,
+                                                     lin->w_stride_vocab, lin->w_stride_hidden);
+    if (dx_accumulated(p)) {
+        const fh_gemm_output acc = f32_output(p->ws->dx_acc + i0 * h, h, 1);
+        return multiply(p, prepare, nb, h, vb, &du, &wt, accumulate, &acc);
+    }
+    const fh_elem_type type = elem_type(grads->dx_dtype);
+    const fh_gemm_output dx = {(char *)grads->dx + (size_t)(i0 * grads->dx_row_stride) * elem_size(type),
+                               grads->dx_row_stride, 1, type};
+    return multiply(p, prepare, nb, h, vb, &du, &wt, accumulate || grads->dx_beta != 0.0f, &dx);
 }
 
-/* dweight[:, v0:v0+vb] (+)= X[i0:i0+nb, :]^T dU. */
+/* dweight[:, v0:v0+vb] (+)= X[i0:i0+nb, :]^T dU. accumulate: a later row tile of the call. */
 static fh_status add_dweight(const fh_engine_pass *p, int prepare, int64_t i0, int64_t nb, int64_t v0, int64_t vb,
                              int accumulate)
 {
     const fh_linear *lin = p->lin;
-    const fh_gemm_input xt = view(lin->x, elem_type(lin->x_dtype), i0 * lin->x_row_stride, 1, lin->x_row_stride);
-    const fh_gemm_input du = du_view(p, vb);
-    const fh_gemm_output dw =
-        f32_output(p->grads->dweight + v0 * lin->w_stride_vocab, lin->w_stride_hidden, lin->w_stride_vocab);
-    return multiply(p, prepare, lin->hidden, vb, nb, &xt, &du, accumulate, &dw);
+    const fh_linear_grads *grads = p->grads;
+    const int64_t h = lin->hidden;
+    /* fp32_dz: x32 holds the tile's rows, nb x H. */
+    const fh_gemm_input xt = p->plan->fp32_dz
+                                 ? view(p->ws->x32, FH_ELEM_F32, 0, 1, h)
+                                 : view(lin->x, elem_type(lin->x_dtype), i0 * lin->x_row_stride, 1, lin->x_row_stride);
+    const fh_gemm_input du = du_view(p, i0, vb);
+    if (dweight_accumulated(p)) {
+        const int by_vocab = dw_acc_by_vocab(lin);
+        const fh_gemm_output acc = f32_output(p->ws->dw_acc, by_vocab ? vb : 1, by_vocab ? 1 : h);
+        return multiply(p, prepare, h, vb, nb, &xt, &du, accumulate, &acc);
+    }
+    const fh_elem_type type = elem_type(grads->dweight_dtype);
+    const fh_gemm_output dw = {(char *)grads->dweight + (size_t)(v0 * lin->w_stride_vocab) * elem_size(type),
+                               lin->w_stride_hidden, lin->w_stride_vocab, type};
+    return multiply(p, prepare, h, vb, nb, &xt, &du, accumulate || grads->dweight_beta != 0.0f, &dw);
+}
+
+/* bf16 row blocks keep every row's dU, and dweight is one GEMM over all of them after the last block. */
+static int dweight_after_blocks(const fh_engine_pass *p)
+{
+    return p->plan->row_blocks && p->plan->bf16_du;
 }
 
 fh_status fh_engine_prepare(const fh_engine_pass *p)
@@ -113,7 +157,7 @@ fh_status fh_engine_prepare(const fh_engine_pass *p)
     const fh_linear *lin = p->lin;
     const fh_linear_grads *grads = p->grads;
     const int64_t rows = p->plan->tile_rows, cols = p->plan->tile_vocab;
-    /* Full tiles and the edge ones; gradients first written (beta) and then accumulated. */
+    /* Full tiles and the edge ones; gradients first written and then accumulated. */
     const int64_t heights[2] = {rows, lin->n % rows ? lin->n % rows : rows};
     const int64_t widths[2] = {cols, lin->vocab % cols ? lin->vocab % cols : cols};
     fh_status st = FH_OK;
@@ -123,19 +167,94 @@ fh_status fh_engine_prepare(const fh_engine_pass *p)
             for (int accumulate = 0; grads && accumulate < 2; accumulate++) {
                 if (st == FH_OK && grads->dx)
                     st = add_dx(p, 1, 0, heights[h], 0, widths[w], accumulate);
-                if (st == FH_OK && grads->dweight)
+                if (st == FH_OK && grads->dweight && !dweight_after_blocks(p))
                     st = add_dweight(p, 1, 0, heights[h], 0, widths[w], accumulate);
             }
         }
+    if (st == FH_OK && grads && grads->dweight && dweight_after_blocks(p))
+        st = add_dweight(p, 1, 0, lin->n, 0, lin->vocab, 0);
     return st;
 }
 
-/* dbias = sum of columns, with beta: 0 overwrites without reading. */
+/* out (+)= acc, rounded once to bf16: rows x cols elements, out's along cols contiguous, acc's at
+ * acc_stride (rows) and acc_step (cols). */
+static void round_into_bf16(const float *acc, int64_t acc_stride, int64_t acc_step, uint16_t *out,
+                            int64_t out_stride, int64_t rows, int64_t cols, int accumulate, int threads)
+{
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float sums[256];
+        for (int64_t j0 = 0; j0 < cols; j0 += 256) {
+            const int64_t m = cols - j0 < 256 ? cols - j0 : 256;
+            uint16_t *o = out + r * out_stride + j0;
+            for (int64_t j = 0; j < m; j++)
+                sums[j] = acc[r * acc_stride + (j0 + j) * acc_step] + (accumulate ? fh_bf16_to_f32(o[j]) : 0.0f);
+            fh_row_to_bf16(sums, m, o);
+        }
+    }
+}
+
+/* The f32 accumulators of a streaming pass rounded into bf16 gradients: dweight's tile (v0, vb) after its
+ * last row tile, dx after the last vocabulary tile. */
+static void finish_dweight_tile(const fh_engine_pass *p, int64_t v0, int64_t vb)
+{
+    const fh_linear *lin = p->lin;
+    const int accumulate = p->grads->dweight_beta != 0.0f;
+    uint16_t *out = (uint16_t *)p->grads->dweight + v0 * lin->w_stride_vocab;
+    const int64_t h = lin->hidden;
+    if (dw_acc_by_vocab(lin)) /* acc H x vb row-major; out rows along the vocabulary */
+        round_into_bf16(p->ws->dw_acc, vb, 1, out, lin->w_stride_hidden, h, vb, accumulate, p->plan->threads);
+    else if (lin->w_stride_hidden == 1) /* acc column-major; out rows along hidden */
+        round_into_bf16(p->ws->dw_acc, h, 1, out, lin->w_stride_vocab, vb, h, accumulate, p->plan->threads);
+    else /* neither stride is 1: element by element */
+        for (int64_t j = 0; j < vb; j++)
+            for (int64_t k = 0; k < h; k++)
+                round_into_bf16(p->ws->dw_acc + j * h + k, 1, 1, out + j * lin->w_stride_vocab + k * lin->w_stride_hidden,
+                                1, 1, 1, accumulate, 1);
+}
+
+static void finish_dx(const fh_engine_pass *p)
+{
+    const fh_linear *lin = p->lin;
+    round_into_bf16(p->ws->dx_acc, lin->hidden, 1, p->grads->dx, p->grads->dx_row_stride, lin->n, lin->hidden,
+                    p->grads->dx_beta != 0.0f, p->plan->threads);
+}
+
+/* fp32_dz: the f32 copies of the weight tile's columns (per vocabulary tile) and of the x rows (per tile). */
+static void copy_weight_columns(const fh_engine_pass *p, int64_t v0, int64_t vb)
+{
+    const fh_linear *lin = p->lin;
+    const uint16_t *w = lin->weight;
+#pragma omp parallel for num_threads(p->plan->threads) schedule(static)
+    for (int64_t k = 0; k < lin->hidden; k++)
+        for (int64_t j = 0; j < vb; j++)
+            p->ws->w32[k * vb + j] = fh_bf16_to_f32(w[k * lin->w_stride_hidden + (v0 + j) * lin->w_stride_vocab]);
+}
+
+static void copy_x_rows(const fh_engine_pass *p, int64_t i0, int64_t nb)
+{
+    const fh_linear *lin = p->lin;
+    const uint16_t *x = lin->x;
+#pragma omp parallel for num_threads(p->plan->threads) schedule(static)
+    for (int64_t r = 0; r < nb; r++)
+        for (int64_t k = 0; k < lin->hidden; k++)
+            p->ws->x32[r * lin->hidden + k] = fh_bf16_to_f32(x[(i0 + r) * lin->x_row_stride + k]);
+}
+
+/* dbias = sum of columns, with beta: 0 overwrites without reading; a bf16 dbias is rounded from fp32. */
 static void write_bias_gradient(const fh_linear_grads *grads, const double *column, int64_t v0, int64_t count)
 {
-    for (int64_t j = 0; j < count; j++)
-        grads->dbias[v0 + j] =
-            (float)(grads->dbias_beta != 0.0f ? grads->dbias[v0 + j] + column[j] : column[j]);
+    const int accumulate = grads->dbias_beta != 0.0f;
+    for (int64_t j = 0; j < count; j++) {
+        if (grads->dbias_dtype == FH_DTYPE_BF16) {
+            uint16_t *d = (uint16_t *)grads->dbias + v0 + j;
+            const float sum = (float)(accumulate ? fh_bf16_to_f32(*d) + column[j] : column[j]);
+            fh_row_to_bf16(&sum, 1, d);
+        } else {
+            float *d = (float *)grads->dbias + v0 + j;
+            *d = (float)(accumulate ? *d + column[j] : column[j]);
+        }
+    }
 }
 
 /* column[j] += sum_r tile[r][j]; each thread owns a contiguous range of columns and walks rows in order,
@@ -222,32 +341,25 @@ static fh_coef coef_of(const fh_coef_arrays *coefs, int64_t i)
     return k;
 }
 
-/* A row of dU rounded to bf16 in place, inside the row loop while it is hot; with a bias the rows wait for
- * dbias's column sums, which read the f32 values (round_du_rows). */
-static void round_du_row(const fh_engine_pass *p, float *row, int64_t vb)
+/* With bf16_du, row r of the tile's dU rounded into the du buffer, inside the row loop while it is hot. */
+static void round_du_row(const fh_engine_pass *p, const float *row, int64_t i0, int64_t r, int64_t vb)
 {
-    if (du_is_bf16(p) && !p->grads->dbias)
-        fh_row_to_bf16(row, vb, row);
+    if (p->plan->bf16_du)
+        fh_row_to_bf16(row, vb, du_row(p, i0, r, vb));
 }
 
-static void round_du_rows(const fh_engine_pass *p, float *tile, int64_t nb, int64_t vb)
-{
-    if (!du_is_bf16(p) || !p->grads->dbias)
-        return;
-#pragma omp parallel for num_threads(p->plan->threads) schedule(static)
-    for (int64_t r = 0; r < nb; r++)
-        fh_row_to_bf16(tile + r * vb, vb, tile + r * vb);
-}
-
-/* The gradient GEMMs of a dU tile; dx is first written at v0 = 0 (with its beta), dweight at i0 = 0. */
+/* The gradient GEMMs of a dU tile: dx is first written at v0 = 0, dweight at i0 = 0 (or, after bf16 row
+ * blocks, once over every row). */
 static fh_status add_gradients(const fh_engine_pass *p, int64_t i0, int64_t nb, int64_t v0, int64_t vb)
 {
     const fh_linear_grads *grads = p->grads;
     fh_status st = FH_OK;
+    if (p->plan->fp32_dz)
+        copy_x_rows(p, i0, nb);
     if (grads->dx)
-        st = add_dx(p, 0, i0, nb, v0, vb, v0 > 0 || grads->dx_beta != 0.0f);
-    if (st == FH_OK && grads->dweight)
-        st = add_dweight(p, 0, i0, nb, v0, vb, i0 > 0 || grads->dweight_beta != 0.0f);
+        st = add_dx(p, 0, i0, nb, v0, vb, v0 > 0);
+    if (st == FH_OK && grads->dweight && !dweight_after_blocks(p))
+        st = add_dweight(p, 0, i0, nb, v0, vb, i0 > 0);
     return st;
 }
 
@@ -268,6 +380,8 @@ fh_status fh_engine_backward(const fh_engine_pass *p)
         if (grads->dbias)
             for (int64_t j = 0; j < vb; j++)
                 column[j] = 0.0;
+        if (p->plan->fp32_dz)
+            copy_weight_columns(p, v0, vb);
         for (int64_t i0 = 0; i0 < n; i0 += p->plan->tile_rows) {
             const int64_t nb = min64(p->plan->tile_rows, n - i0);
             float *tile = p->ws->tile;
@@ -280,18 +394,21 @@ fh_status fh_engine_backward(const fh_engine_pass *p)
                 const fh_coef k = coef_of(p->coefs, i);
                 fh_row_transform(tile + r * vb, vb, bias, &p->tf);
                 fh_row_gradient(tile + r * vb, vb, target_column(p->targets, i, vocab, v0), weights, &k, &p->tf);
-                round_du_row(p, tile + r * vb, vb);
+                round_du_row(p, tile + r * vb, i0, r, vb);
             }
             if (grads->dbias)
                 add_column_sums(tile, nb, vb, column, threads);
-            round_du_rows(p, tile, nb, vb);
             st = add_gradients(p, i0, nb, v0, vb);
             if (st != FH_OK)
                 return st;
         }
+        if (grads->dweight && dweight_accumulated(p))
+            finish_dweight_tile(p, v0, vb);
         if (grads->dbias)
             write_bias_gradient(grads, column, v0, vb);
     }
+    if (grads->dx && dx_accumulated(p))
+        finish_dx(p);
     return FH_OK;
 }
 
@@ -325,14 +442,15 @@ static fh_final_stats stored_stats(const fh_token_stats *s, int64_t i)
     return result;
 }
 
-/* Overwrites row i of transformed logits with its dU. */
-static void gradient_row(const fh_engine_pass *p, float *row, int64_t i, const fh_final_stats *stats)
+/* Overwrites row r of the block at i0 (transformed logits) with its dU. */
+static void gradient_row(const fh_engine_pass *p, float *row, int64_t i0, int64_t r, const fh_final_stats *stats)
 {
+    const int64_t i = i0 + r;
     const int64_t vocab = p->lin->vocab;
     fh_coef k = {stats->lse, 0.0, 0.0, 0.0, 0.0, stats->sum_pz};
     p->source->row(p->source->self, i, stats, &k);
     fh_row_gradient(row, vocab, target_column(p->targets, i, vocab, 0), p->class_weights, &k, &p->tf);
-    round_du_row(p, row, vocab);
+    round_du_row(p, row, i0, r, vocab);
 }
 
 /* The statistics of rows [i0, n) as arrays starting at row i0. */
@@ -373,7 +491,7 @@ fh_status fh_engine_row_blocks(const fh_engine_pass *p)
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t r = 0; r < nb; r++) {
                 const fh_final_stats result = fold_row(p, &request, tile + r * vocab, i0 + r);
-                gradient_row(p, tile + r * vocab, i0 + r, &result);
+                gradient_row(p, tile + r * vocab, i0, r, &result);
             }
         } else {
             /* The hook needs the whole block's statistics before any row's coefficients. */
@@ -387,13 +505,17 @@ fh_status fh_engine_row_blocks(const fh_engine_pass *p)
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t r = 0; r < nb; r++) {
                 const fh_final_stats result = stored_stats(stats, i0 + r);
-                gradient_row(p, tile + r * vocab, i0 + r, &result);
+                gradient_row(p, tile + r * vocab, i0, r, &result);
             }
         }
         if (grads->dbias)
             add_column_sums(tile, nb, vocab, column, threads);
-        round_du_rows(p, tile, nb, vocab);
         st = add_gradients(p, i0, nb, 0, vocab);
+        if (st != FH_OK)
+            return st;
+    }
+    if (grads->dweight && dweight_after_blocks(p)) {
+        st = add_dweight(p, 0, 0, n, 0, vocab, 0);
         if (st != FH_OK)
             return st;
     }

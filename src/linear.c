@@ -127,8 +127,19 @@ fh_status fh_check_grads(fh_context *ctx, const fh_linear *lin, const fh_linear_
         if (betas[k] != 0.0f && betas[k] != 1.0f)
             return fh_fail(ctx, FH_ERR_INVALID_BETA, "%s = %g: must be 0 (overwrite) or 1 (accumulate)",
                            names[k], (double)betas[k]);
+    const fh_dtype dtypes[3] = {grads->dx_dtype, grads->dweight_dtype, grads->dbias_dtype};
+    const char *dtype_names[3] = {"dx_dtype", "dweight_dtype", "dbias_dtype"};
+    for (int k = 0; k < 3; k++) {
+        if (dtypes[k] != FH_DTYPE_F32 && dtypes[k] != FH_DTYPE_BF16)
+            return fh_fail(ctx, FH_ERR_INVALID_DTYPE, "%s = %d is not an fh_dtype", dtype_names[k], (int)dtypes[k]);
+        /* The f32 accumulators behind a bf16 gradient exist on the bf16 path only. */
+        if (dtypes[k] == FH_DTYPE_BF16 && lin->x_dtype != FH_DTYPE_BF16)
+            return fh_fail(ctx, FH_ERR_INVALID_DTYPE, "%s is bf16 but x and weight are fp32: bf16 gradients "
+                           "need bf16 inputs", dtype_names[k]);
+    }
     if (grads->dx) {
-        const fh_status st = check_matrix(ctx, "dx", lin->n, lin->hidden, grads->dx_row_stride, 1, sizeof(float));
+        const fh_status st = check_matrix(ctx, "dx", lin->n, lin->hidden, grads->dx_row_stride, 1,
+                                          grads->dx_dtype == FH_DTYPE_BF16 ? sizeof(uint16_t) : sizeof(float));
         if (st != FH_OK)
             return st;
     }

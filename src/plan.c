@@ -23,21 +23,55 @@ static int64_t min64(int64_t a, int64_t b)
     return a < b ? a : b;
 }
 
-/* Places the slots, the tile and the column sums; returns 0, or -1 if a size overflows. */
+/* *bytes = count * elem_size (0 when !used); 0, or -1 on overflow. */
+static int buffer_bytes(int used, int64_t rows, int64_t cols, size_t elem_size, size_t *bytes)
+{
+    size_t elems;
+    *bytes = 0;
+    if (!used)
+        return 0;
+    if (__builtin_mul_overflow((size_t)rows, (size_t)cols, &elems) || __builtin_mul_overflow(elems, elem_size, bytes) ||
+        *bytes > SIZE_MAX / 16)
+        return -1;
+    return 0;
+}
+
+/* Places the slots, the tile, the column sums and the bf16 path's buffers; returns 0, or -1 if a size
+ * overflows. */
 static int place_buffers(fh_plan *plan, int64_t n)
 {
-    size_t slot_bytes, tile_elems, tile_bytes, column_bytes;
-    if (__builtin_mul_overflow((size_t)n, (size_t)FH_WORKSPACE_SLOTS * sizeof(double), &slot_bytes) ||
-        __builtin_mul_overflow((size_t)plan->tile_rows, (size_t)plan->tile_vocab, &tile_elems) ||
-        __builtin_mul_overflow(tile_elems, sizeof(float), &tile_bytes) ||
-        __builtin_mul_overflow((size_t)plan->tile_vocab, sizeof(double), &column_bytes) ||
-        slot_bytes > SIZE_MAX / 4 || tile_bytes > SIZE_MAX / 4)
+    const int64_t rows = plan->tile_rows, cols = plan->tile_vocab, hidden = plan->hidden;
+    size_t bytes[8];
+    size_t *const offsets[8] = {&plan->slots_offset, &plan->tile_offset,   &plan->column_offset,
+                                &plan->du_offset,    &plan->dx_acc_offset, &plan->dw_acc_offset,
+                                &plan->x32_offset,   &plan->w32_offset};
+    if (buffer_bytes(1, n, FH_WORKSPACE_SLOTS, sizeof(double), &bytes[0]) ||
+        buffer_bytes(1, rows, cols, sizeof(float), &bytes[1]) || buffer_bytes(1, 1, cols, sizeof(double), &bytes[2]) ||
+        buffer_bytes(plan->bf16_du, plan->row_blocks ? n : rows, cols, sizeof(uint16_t), &bytes[3]) ||
+        buffer_bytes(plan->accumulators, n, hidden, sizeof(float), &bytes[4]) ||
+        buffer_bytes(plan->accumulators, hidden, cols, sizeof(float), &bytes[5]) ||
+        buffer_bytes(plan->fp32_dz, rows, hidden, sizeof(float), &bytes[6]) ||
+        buffer_bytes(plan->fp32_dz, hidden, cols, sizeof(float), &bytes[7]))
         return -1;
-    plan->slots_offset = 0;
-    plan->tile_offset = align_up(slot_bytes);
-    plan->column_offset = plan->tile_offset + align_up(tile_bytes);
-    plan->bytes = plan->column_offset + align_up(column_bytes) + ALIGN; /* + slack for a caller's base */
+    size_t at = 0;
+    for (int b = 0; b < 8; b++) {
+        *offsets[b] = at;
+        at += align_up(bytes[b]);
+    }
+    plan->bytes = at + ALIGN; /* + slack for a caller's base */
     return 0;
+}
+
+/* What the pass computes and which of the bf16 path's buffers it needs (see fh_plan). */
+static void set_schedule(const fh_context *ctx, const fh_linear *lin, int gradients, int row_blocks, fh_plan *plan)
+{
+    const int bf16 = lin->x_dtype == FH_DTYPE_BF16 && gradients;
+    plan->hidden = lin->hidden;
+    plan->gradients = gradients;
+    plan->row_blocks = row_blocks;
+    plan->fp32_dz = bf16 && ctx->params[FH_PARAM_FP32_DZ] != 0;
+    plan->bf16_du = bf16 && !plan->fp32_dz;
+    plan->accumulators = bf16 && !row_blocks;
 }
 
 /* Tile sizes before the budget: parameters, else wisdom, else defaults. */
@@ -56,6 +90,7 @@ fh_status fh_plan_make(const fh_context *ctx, const fh_linear *lin, fh_call call
     const int64_t n = lin->n, vocab = lin->vocab, budget = fh_budget_bytes(ctx);
     int64_t rows, cols;
     plan->threads = fh_threads(ctx, lin);
+    set_schedule(ctx, lin, call != FH_CALL_FORWARD, 0, plan);
     preferred_tiles(ctx, lin, plan->threads, call, &rows, &cols);
     plan->tile_rows = min64(n, rows > 0 ? rows : DEFAULT_TILE_ROWS);
     const int64_t default_cols = call == FH_CALL_FORWARD ? DEFAULT_TILE_VOCAB_FORWARD : DEFAULT_TILE_VOCAB_BACKWARD;
@@ -84,27 +119,37 @@ fh_status fh_plan_streaming(const fh_context *ctx, const fh_linear *lin, fh_plan
 }
 
 #define MIN_ROW_BLOCK 256
+/* bf16 row blocks keep every row's bf16 dU (the dweight GEMM runs once, over all rows), so a block's height
+ * only sets how often the weight is re-read by the logits and dx GEMMs; past BF16_ROW_BLOCK rows taller
+ * blocks gain nothing measurable and hold more f32 logits (fh_bench, N=1024 H=1024 V=32768, 2 threads). */
+#define BF16_ROW_BLOCK 256
 
 /* Row-block plan for the single-call train step: tile_vocab = vocab and as many rows as the budget
  * holds, balanced across blocks. Returns 0 when at least min(n, MIN_ROW_BLOCK) rows fit, else -1 (the
- * caller streams instead). */
+ * caller streams instead). fp32 dZ with bf16 inputs always streams (its f32 copy of the weight would be
+ * H x V). */
 static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, fh_plan *plan)
 {
     const int64_t n = lin->n, vocab = lin->vocab, budget = fh_budget_bytes(ctx);
     int64_t rows_param, unused;
     plan->threads = fh_threads(ctx, lin);
+    set_schedule(ctx, lin, 1, 1, plan);
+    if (plan->fp32_dz)
+        return -1;
     preferred_tiles(ctx, lin, plan->threads, FH_CALL_TRAIN_STEP, &rows_param, &unused);
     plan->tile_vocab = vocab;
     plan->tile_rows = 1;
     if (place_buffers(plan, n) != 0 || (int64_t)plan->bytes > budget)
         return -1;
-    /* Each further row costs vocab floats (a bf16 dU row is written over its own first half). */
+    /* Each further row costs vocab floats of logits. */
     int64_t rows = 1 + (budget - (int64_t)plan->bytes) / (vocab * (int64_t)sizeof(float));
     /* Blocks thinner than MIN_ROW_BLOCK lose to streaming (the H x V dweight is re-read per block); an
      * explicit FH_PARAM_TILE_ROWS (or measured wisdom) is honoured. */
     const int64_t min_rows = rows_param > 0 ? 1 : min64(n, MIN_ROW_BLOCK);
     if (rows_param > 0)
         rows = min64(rows, rows_param);
+    else if (plan->bf16_du)
+        rows = min64(rows, BF16_ROW_BLOCK);
     rows = min64(rows, n);
     if (rows < min_rows)
         return -1;
@@ -153,6 +198,11 @@ static fh_workspace carve(const fh_plan *plan, void *base, int64_t n)
         ws.slot[a] = slots + (size_t)a * (size_t)n;
     ws.tile = (float *)(aligned + plan->tile_offset);
     ws.column = (double *)(aligned + plan->column_offset);
+    ws.du = plan->bf16_du ? (uint16_t *)(aligned + plan->du_offset) : NULL;
+    ws.dx_acc = plan->accumulators ? (float *)(aligned + plan->dx_acc_offset) : NULL;
+    ws.dw_acc = plan->accumulators ? (float *)(aligned + plan->dw_acc_offset) : NULL;
+    ws.x32 = plan->fp32_dz ? (float *)(aligned + plan->x32_offset) : NULL;
+    ws.w32 = plan->fp32_dz ? (float *)(aligned + plan->w32_offset) : NULL;
     ws.gemm_cache = NULL;
     return ws;
 }

@@ -15,9 +15,20 @@ typedef struct fh_plan {
     int threads;          /* fh_threads of the call, fixed once here */
     int64_t tile_rows;    /* tokens per tile */
     int64_t tile_vocab;   /* vocabulary columns per tile */
+    int64_t hidden;       /* H, for the buffers below */
+    int gradients;        /* the pass writes gradients (backward, train step) */
+    int row_blocks;       /* the train step's row blocks (tile_vocab = vocab) */
+    /* bf16 inputs. bf16_du: dU rounded to bf16 into its own buffer (du), tile_rows x tile_vocab when
+     * streaming, all n rows in row blocks (so that dweight is one GEMM over every row, rounded once);
+     * fp32_dz (FH_PARAM_FP32_DZ): dU stays f32 and the gradient GEMMs take f32 copies of the x rows (x32) and
+     * weight columns (w32) of the tile. Streaming with bf16 inputs reserves the f32 accumulators of bf16
+     * gradients (dx_acc n x H, dw_acc H x tile_vocab), whatever the call's gradient dtypes, so that the size
+     * queries, which do not see them, hold for every call. */
+    int bf16_du, fp32_dz, accumulators;
     size_t slots_offset;  /* FH_WORKSPACE_SLOTS arrays of n doubles */
     size_t tile_offset;   /* tile_rows * tile_vocab floats */
     size_t column_offset; /* tile_vocab doubles (bias-gradient column sums) */
+    size_t du_offset, dx_acc_offset, dw_acc_offset, x32_offset, w32_offset; /* the buffers above, when used */
     size_t bytes;         /* total, including slack to align any caller pointer */
 } fh_plan;
 
@@ -42,11 +53,13 @@ void fh_plan_lower_rows(fh_plan *plan, int64_t n, int64_t rows);
  * plan, else the larger of the streaming passes'. */
 fh_status fh_plan_query_bytes(const fh_context *ctx, const fh_linear *lin, int train_step, size_t *bytes);
 
-/* Pointers into an acquired workspace. */
+/* Pointers into an acquired workspace (NULL for buffers the plan does not use). */
 typedef struct fh_workspace {
     double *slot[FH_WORKSPACE_SLOTS];
     float *tile;
     double *column;
+    uint16_t *du;
+    float *dx_acc, *dw_acc, *x32, *w32;
     fh_gemm_cache **gemm_cache;  /* the context's, for the GEMM providers that keep state */
 } fh_workspace;
 

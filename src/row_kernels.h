@@ -4,6 +4,7 @@
 #define FH_ROW_KERNELS_H
 
 #include <stdint.h>
+#include <string.h>
 
 /* Elementwise transform of the raw logits u: z = cap(u) * inv_temperature, cap(u) = c tanh(u / c)
  * when softcap c > 0, else u. */
@@ -60,5 +61,14 @@ void fh_row_gradient(float *z, int64_t count, int64_t target_column, const float
 /* dst[j] = src[j] rounded to the nearest bf16 (ties to even; NaN stays NaN), for j < count. dst may be src's own
  * memory (a row narrowed in place into its first half). */
 void fh_row_to_bf16(const void *src, int64_t count, void *dst);
+
+/* The f32 value of bf16 bits (exact). */
+static inline float fh_bf16_to_f32(uint16_t bits)
+{
+    const uint32_t wide = (uint32_t)bits << 16;
+    float f;
+    memcpy(&f, &wide, sizeof f);
+    return f;
+}
 
 #endif

@@ -262,7 +262,7 @@ fh_status gp_run_fused_on(fh_context *ctx, const gp_problem *p, const fh_grpo_op
     gp_linear(p, &lin);
     const fh_grpo_batch batch = gp_batch(p, o);
     fh_grpo_outputs out = {&f->loss, &f->metrics, f->logp, f->per_token_loss, f->entropy, f->lse};
-    fh_linear_grads g = {f->dx, p->hidden, c->grad_beta, f->dweight, c->grad_beta, f->dbias, c->grad_beta};
+    fh_linear_grads g = {.dx = f->dx, .dx_row_stride = p->hidden, .dx_beta = c->grad_beta, .dweight = f->dweight, .dweight_beta = c->grad_beta, .dbias = f->dbias, .dbias_beta = c->grad_beta};
     const float grad = gp_grad_output(c);
     if (c->train_step)
         return fh_grpo_forward_backward(ctx, &lin, &batch, o, &grad, &out, &g);

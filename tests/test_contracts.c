@@ -69,7 +69,7 @@ static void fixture_init(fixture *f)
     const fh_ce_outputs fo = {&f->out.loss, &f->out.z_loss, f->out.per_token_loss, f->out.logp, f->out.lse,
                               f->out.argmax};
     f->fwd_out = fo;
-    const fh_linear_grads g = {f->out.dx, H, 0.0f, f->out.dweight, 0.0f, f->out.dbias, 0.0f};
+    const fh_linear_grads g = {.dx = f->out.dx, .dx_row_stride = H, .dx_beta = 0.0f, .dweight = f->out.dweight, .dweight_beta = 0.0f, .dbias = f->out.dbias, .dbias_beta = 0.0f};
     f->grads = g;
     const fh_status st = fh_ce_forward(f->ctx, &f->lin, f->in.targets, &f->options, &f->fwd_out);
     TU_CHECK(st == FH_OK, "fixture forward: %d", (int)st);
@@ -453,7 +453,7 @@ static void test_workspace_size_arguments(void)
 static void test_params(void)
 {
     const fh_param params[] = {FH_PARAM_THREADS, FH_PARAM_TILE_ROWS, FH_PARAM_TILE_VOCAB, FH_PARAM_MEMORY_BUDGET,
-                               FH_PARAM_CHECK_FINITE};
+                               FH_PARAM_CHECK_FINITE, FH_PARAM_FP32_DZ};
     fh_context *ctx = NULL;
     TU_CHECK(fh_context_create(&ctx) == FH_OK, "create");
     for (size_t k = 0; k < TU_COUNT(params); k++) {
@@ -482,7 +482,7 @@ static void test_params(void)
         TU_CHECK(fh_context_set(ctx, params[k], lo) == FH_OK, "param %d: set min", (int)params[k]);
         TU_CHECK(fh_context_set(ctx, params[k], 0) == FH_OK, "param %d: set 0", (int)params[k]);
     }
-    const fh_param unknown[] = {(fh_param)5, (fh_param)-1, (fh_param)1000};
+    const fh_param unknown[] = {(fh_param)6, (fh_param)-1, (fh_param)1000};
     for (size_t k = 0; k < TU_COUNT(unknown); k++) {
         int64_t lo = 5, hi = 6, value = 7;
         TU_CHECK(fh_context_set(ctx, unknown[k], 0) == FH_ERR_INVALID_PARAM, "set unknown %d", (int)unknown[k]);
@@ -600,7 +600,7 @@ static void test_optional_outputs(void)
     fixture f;
     fixture_init(&f);
     fh_ce_outputs none_needed = {NULL, NULL, NULL, NULL, NULL, NULL};
-    fh_linear_grads g = {NULL, 0, 0.0f, NULL, 0.0f, NULL, 0.0f};
+    fh_linear_grads g = {.dx = NULL, .dx_row_stride = 0, .dx_beta = 0.0f, .dweight = NULL, .dweight_beta = 0.0f, .dbias = NULL, .dbias_beta = 0.0f};
     f.call_out = &none_needed;
     f.call_grads = &g;
     TU_CHECK(call_forward(&f) == FH_OK, "forward with every output NULL");

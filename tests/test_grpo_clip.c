@@ -236,7 +236,7 @@ static void test_off_policy_exact_bounds(void)
                          on[CAT_ON_DELTA][1]);
                 const fh_grpo_batch bb = gp_batch(&p, &o);
                 const float grad = gp_pick(k, 53, 2) ? -0.75f : 1.0f;
-                fh_linear_grads g = {f.dx, p.hidden, 0.0f, f.dweight, 0.0f, f.dbias, 0.0f};
+                fh_linear_grads g = {.dx = f.dx, .dx_row_stride = p.hidden, .dx_beta = 0.0f, .dweight = f.dweight, .dweight_beta = 0.0f, .dbias = f.dbias, .dbias_beta = 0.0f};
                 if (st == FH_OK)
                     st = fh_grpo_backward(ctx, &lin, &bb, &o, f.logp, f.lse, f.entropy, &grad, &g);
                 char desc[512];

@@ -88,7 +88,7 @@ static void fixture_init(fixture *f)
     const fh_grpo_outputs fo = {&f->out.loss, &f->out.metrics, f->out.logp, f->out.per_token_loss, f->out.entropy,
                                 f->out.lse};
     f->fwd_out = fo;
-    const fh_linear_grads g = {f->out.dx, H, 0.0f, f->out.dweight, 0.0f, f->out.dbias, 0.0f};
+    const fh_linear_grads g = {.dx = f->out.dx, .dx_row_stride = H, .dx_beta = 0.0f, .dweight = f->out.dweight, .dweight_beta = 0.0f, .dbias = f->out.dbias, .dbias_beta = 0.0f};
     f->grads = g;
     const fh_status st = fh_grpo_forward(f->ctx, &f->lin, &f->batch, &f->options, &f->fwd_out);
     TU_CHECK(st == FH_OK, "fixture forward: %d", (int)st);
@@ -534,7 +534,7 @@ static void test_options_init_and_optional_outputs(void)
     fixture f;
     fixture_init(&f);
     fh_grpo_outputs none = {NULL, NULL, NULL, NULL, NULL, NULL};
-    fh_linear_grads no_grads = {NULL, 0, 0.0f, NULL, 0.0f, NULL, 0.0f};
+    fh_linear_grads no_grads = {.dx = NULL, .dx_row_stride = 0, .dx_beta = 0.0f, .dweight = NULL, .dweight_beta = 0.0f, .dbias = NULL, .dbias_beta = 0.0f};
     f.call_out = &none;
     f.call_grads = &no_grads;
     TU_CHECK(call(&f, FWD) == FH_OK, "forward with every output NULL");

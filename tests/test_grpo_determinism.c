@@ -194,7 +194,7 @@ static void test_unused_inputs_ignored(void)
         fh_grpo_batch batch = gp_batch(&p, &o);
         batch.ref_per_token_logps = p.ref;
         fh_grpo_outputs out = {&b.loss, &b.metrics, b.logp, b.per_token_loss, b.entropy, b.lse};
-        fh_linear_grads g = {b.dx, p.hidden, 0.0f, b.dweight, 0.0f, b.dbias, 0.0f};
+        fh_linear_grads g = {.dx = b.dx, .dx_row_stride = p.hidden, .dx_beta = 0.0f, .dweight = b.dweight, .dweight_beta = 0.0f, .dbias = b.dbias, .dbias_beta = 0.0f};
         const float grad = 1.0f;
         fh_status sb = fh_grpo_forward(ctx, &lin, &batch, &o, &out);
         if (sb == FH_OK)

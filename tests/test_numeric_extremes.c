@@ -202,7 +202,7 @@ static void test_grpo_single_token(void)
                     float logp = 0.0f, entropy = 0.0f, lse = 0.0f, ptl = 0.0f, dx = 0.0f, dw[V];
                     fh_grpo_metrics metrics;
                     fh_grpo_outputs out = {&loss, &metrics, &logp, &ptl, &entropy, &lse};
-                    fh_linear_grads g = {&dx, 1, 0.0f, dw, 0.0f, NULL, 0.0f};
+                    fh_linear_grads g = {.dx = &dx, .dx_row_stride = 1, .dx_beta = 0.0f, .dweight = dw, .dweight_beta = 0.0f, .dbias = NULL, .dbias_beta = 0.0f};
                     const float one = 1.0f;
                     fh_context *ctx = tu_context(1, 0, 64, 0);
                     fh_status st = train_step ? fh_grpo_forward_backward(ctx, &lin, &batch, &o, &one, &out, &g)

@@ -159,7 +159,7 @@ static void test_strided_views(void)
         const cp_config cfg = {.threads = 2, .tile_rows = 4, .tile_vocab = 16};
         fh_context *ctx = cp_context(&cfg);
         fh_ce_outputs out = {&f.loss, &f.z_loss, f.per_token_loss, f.logp, f.lse, f.argmax};
-        fh_linear_grads g = {dx, H + DXPAD, 0.0f, dw, 0.0f, f.dbias, 0.0f};
+        fh_linear_grads g = {.dx = dx, .dx_row_stride = H + DXPAD, .dx_beta = 0.0f, .dweight = dw, .dweight_beta = 0.0f, .dbias = f.dbias, .dbias_beta = 0.0f};
         fh_status st;
         if (train_step)
             st = fh_ce_forward_backward(ctx, &lin, p.targets, &p.options, p.grad_output, &out, &g);

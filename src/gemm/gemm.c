@@ -6,7 +6,7 @@
 #include "onednn_provider.h"
 #endif
 
-/* f32 x f32 goes to BLIS; bf16 x bf16 to oneDNN when the build has it. */
+/* f32 x f32 -> f32 goes to BLIS; bf16 x bf16 -> f32 or bf16 to oneDNN when the build has it. */
 #ifdef FH_HAVE_ONEDNN
 static int is_bf16(const fh_gemm_input *a, const fh_gemm_input *b)
 {
@@ -22,10 +22,8 @@ static int is_f32(const fh_gemm_input *a, const fh_gemm_input *b)
 fh_status fh_gemm_prepare(fh_gemm_cache **cache, int64_t m, int64_t n, int64_t k, const fh_gemm_input *a,
                           const fh_gemm_input *b, int accumulate, const fh_gemm_output *c, int threads)
 {
-    if (c->type != FH_ELEM_F32)
-        return FH_ERR_INVALID_DTYPE;
     if (is_f32(a, b))
-        return FH_OK;
+        return c->type == FH_ELEM_F32 ? FH_OK : FH_ERR_INVALID_DTYPE;
 #ifdef FH_HAVE_ONEDNN
     if (is_bf16(a, b)) {
         if (!*cache && fh_onednn_cache_create(cache) != FH_OK)

@@ -17,7 +17,8 @@ typedef struct fh_gemm_input {
     fh_elem_type type;
 } fh_gemm_input;
 
-/* The result, written or accumulated into in place (always f32). */
+/* The result, written or accumulated into in place: f32, or bf16 for bf16 operands (accumulated in f32,
+ * the old value added in f32, rounded once). */
 typedef struct fh_gemm_output {
     void *data;
     int64_t row_stride, col_stride;

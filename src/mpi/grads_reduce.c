@@ -17,9 +17,10 @@ static int dense(int64_t hidden, int64_t vocab, int64_t sh, int64_t sv)
 
 static void pack_view(const fh_linear_grads *u, const fhm_grads *g, float *packed)
 {
+    const float *dweight = u->dweight;
     for (int64_t k = 0; k < g->hidden; k++)
         for (int64_t j = 0; j < g->vocab; j++)
-            packed[k * g->vocab + j] = u->dweight[k * g->w_stride_hidden + j * g->w_stride_vocab];
+            packed[k * g->vocab + j] = dweight[k * g->w_stride_hidden + j * g->w_stride_vocab];
 }
 
 void fhm_grads_free(fhm_grads *g)
@@ -58,6 +59,9 @@ fh_status fhm_grads_begin(const fh_mpi_layout *L, fh_context *ctx, const fh_line
     g->w_stride_vocab = lin->w_stride_vocab;
     g->dx_mode = L->vocab_ranks > 1 ? L->params[FH_MPI_PARAM_DX_REDUCTION] : FH_MPI_NO_REDUCTION;
     g->dw_mode = L->data_ranks > 1 ? L->params[FH_MPI_PARAM_DWEIGHT_REDUCTION] : FH_MPI_NO_REDUCTION;
+    if (user->dx_dtype != FH_DTYPE_F32 || user->dweight_dtype != FH_DTYPE_F32 || user->dbias_dtype != FH_DTYPE_F32)
+        return fh_fail(ctx, FH_ERR_INVALID_DTYPE, "the MPI calls write fp32 gradients only (dx_dtype, dweight_dtype "
+                       "and dbias_dtype must be FH_DTYPE_F32): bf16 inputs are taken, bf16 gradients are not yet");
     /* The core checks (betas, bias), with dx checked for the rows it will hold. */
     fh_linear_grads without_dx = *user;
     without_dx.dx = NULL;
@@ -71,7 +75,7 @@ fh_status fhm_grads_begin(const fh_mpi_layout *L, fh_context *ctx, const fh_line
     if (user->dx && g->dx_rows > 0) {
         fh_linear rows = *lin;
         rows.n = g->dx_rows;
-        const fh_linear_grads only_dx = {user->dx, user->dx_row_stride, user->dx_beta, NULL, 0.0f, NULL, 0.0f};
+        const fh_linear_grads only_dx = {.dx = user->dx, .dx_row_stride = user->dx_row_stride, .dx_beta = user->dx_beta};
         st = fh_check_grads(ctx, &rows, &only_dx);
         if (st != FH_OK)
             return st;
@@ -112,7 +116,7 @@ fh_status fhm_grads_begin(const fh_mpi_layout *L, fh_context *ctx, const fh_line
             if (user->dweight_beta != 0.0f && st == FH_OK) {
                 g->dw_saved = allocate(ctx, g->dw_count, &st);
                 if (st == FH_OK) /* the part in storage order: the block starts at the pointer */
-                    memcpy(g->dw_saved, user->dweight + g->dw_first, (size_t)g->dw_count * sizeof(float));
+                    memcpy(g->dw_saved, (const float *)user->dweight + g->dw_first, (size_t)g->dw_count * sizeof(float));
             }
         } else {
             if (!g->dw_dense)
@@ -175,23 +179,24 @@ static fh_status reduce_dx(fh_mpi_layout *L, fh_context *ctx, fhm_grads *g)
 static fh_status reduce_dweight(fh_mpi_layout *L, fh_context *ctx, fhm_grads *g)
 {
     const fh_linear_grads *u = &g->user;
+    float *const dweight = u->dweight, *const dbias = u->dbias;
     const int64_t elements = g->hidden * g->vocab;
     int err = MPI_SUCCESS;
-    if (u->dweight && g->dw_mode == FH_MPI_ALLREDUCE) {
+    if (dweight && g->dw_mode == FH_MPI_ALLREDUCE) {
         if (g->dw_dense) {
-            err = fhm_allreduce_sum(u->dweight, elements, MPI_FLOAT, L->data);
+            err = fhm_allreduce_sum(dweight, elements, MPI_FLOAT, L->data);
         } else {
             pack_view(u, g, g->dw_pack);
             err = fhm_allreduce_sum(g->dw_pack, elements, MPI_FLOAT, L->data);
             for (int64_t k = 0; err == MPI_SUCCESS && k < g->hidden; k++)
                 for (int64_t j = 0; j < g->vocab; j++)
-                    u->dweight[k * g->w_stride_hidden + j * g->w_stride_vocab] = g->dw_pack[k * g->vocab + j];
+                    dweight[k * g->w_stride_hidden + j * g->w_stride_vocab] = g->dw_pack[k * g->vocab + j];
         }
         if (err == MPI_SUCCESS && g->dw_saved)
             for (int64_t k = 0; k < g->hidden; k++)
                 for (int64_t j = 0; j < g->vocab; j++)
-                    u->dweight[k * g->w_stride_hidden + j * g->w_stride_vocab] += g->dw_saved[k * g->vocab + j];
-    } else if (u->dweight && g->dw_mode == FH_MPI_REDUCE_SCATTER) {
+                    dweight[k * g->w_stride_hidden + j * g->w_stride_vocab] += g->dw_saved[k * g->vocab + j];
+    } else if (dweight && g->dw_mode == FH_MPI_REDUCE_SCATTER) {
         int *counts = malloc(sizeof(int) * (size_t)L->data_ranks);
         if (!counts)
             return fh_fail(ctx, FH_ERR_OUT_OF_MEMORY, "could not allocate reduce-scatter counts");
@@ -201,19 +206,19 @@ static fh_status reduce_dweight(fh_mpi_layout *L, fh_context *ctx, fhm_grads *g)
             counts[r] = (int)count;
         }
         /* In place: the part arrives at the start of the block; move it to its own place. */
-        err = MPI_Reduce_scatter(MPI_IN_PLACE, u->dweight, counts, MPI_FLOAT, MPI_SUM, L->data);
+        err = MPI_Reduce_scatter(MPI_IN_PLACE, dweight, counts, MPI_FLOAT, MPI_SUM, L->data);
         free(counts);
         if (err == MPI_SUCCESS && g->dw_first > 0)
-            memmove(u->dweight + g->dw_first, u->dweight, (size_t)g->dw_count * sizeof(float));
+            memmove(dweight + g->dw_first, dweight, (size_t)g->dw_count * sizeof(float));
         if (err == MPI_SUCCESS && g->dw_saved)
             for (int64_t t = 0; t < g->dw_count; t++)
-                u->dweight[g->dw_first + t] += g->dw_saved[t];
+                dweight[g->dw_first + t] += g->dw_saved[t];
     }
-    if (err == MPI_SUCCESS && u->dbias && g->dw_mode != FH_MPI_NO_REDUCTION) {
-        err = fhm_allreduce_sum(u->dbias, g->vocab, MPI_FLOAT, L->data);
+    if (err == MPI_SUCCESS && dbias && g->dw_mode != FH_MPI_NO_REDUCTION) {
+        err = fhm_allreduce_sum(dbias, g->vocab, MPI_FLOAT, L->data);
         if (err == MPI_SUCCESS && g->db_saved)
             for (int64_t j = 0; j < g->vocab; j++)
-                u->dbias[j] += g->db_saved[j];
+                dbias[j] += g->db_saved[j];
     }
     return err == MPI_SUCCESS ? FH_OK : fhm_mpi_error(ctx, err, "dweight reduction");
 }

@@ -438,7 +438,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     float *dw = (grads_want & 2) ? alloc_exact(&out[OUT_DW], w_elems * sizeof(float)) : NULL;
     float *db = (grads_want & 4) ? alloc_exact(&out[OUT_DB], uv * sizeof(float)) : NULL;
     static const float grad_betas[] = {0.0f, 0.0f, 1.0f, 0.5f, NAN, -1.0f};
-    fh_linear_grads g = {dx, dx_rs, grad_betas[u8(&r) % 6], dw, grad_betas[u8(&r) % 6], db, grad_betas[u8(&r) % 6]};
+    fh_linear_grads g = {.dx = dx, .dx_row_stride = dx_rs, .dx_beta = grad_betas[u8(&r) % 6], .dweight = dw, .dweight_beta = grad_betas[u8(&r) % 6], .dbias = db, .dbias_beta = grad_betas[u8(&r) % 6]};
     for (int k = 0; k < OUT_COUNT; k++)
         if (out[k].p)
             memset(out[k].p, CANARY, out[k].bytes);

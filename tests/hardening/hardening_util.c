@@ -196,7 +196,7 @@ fh_status hu_run(fh_context *ctx, hu_call call, const cp_problem *p_ce, const hu
                  const hu_saved *saved, hu_outputs *o)
 {
     fh_linear lin;
-    fh_linear_grads g = {o->dx, o->hidden, 0.0f, o->dweight, 0.0f, o->dbias, 0.0f};
+    fh_linear_grads g = {.dx = o->dx, .dx_row_stride = o->hidden, .dx_beta = 0.0f, .dweight = o->dweight, .dweight_beta = 0.0f, .dbias = o->dbias, .dbias_beta = 0.0f};
     if (!hu_call_is_grpo(call)) {
         cp_problem_linear(p_ce, &lin);
         fh_ce_outputs out = {&o->loss, &o->z_loss, o->per_token_loss, o->logp, o->lse, o->argmax};

@@ -141,7 +141,7 @@ static int guarded_call(void *arg)
     fh_grpo_metrics metrics;
     fh_ce_outputs ce_out = {&loss, &z_loss, ptl, ologp, olse, argmax};
     fh_grpo_outputs grpo_out = {&loss, &metrics, ologp, ptl, oent, olse};
-    fh_linear_grads grads = {dx, h, 0.0f, dw, 0.0f, db, 0.0f};
+    fh_linear_grads grads = {.dx = dx, .dx_row_stride = h, .dx_beta = 0.0f, .dweight = dw, .dweight_beta = 0.0f, .dbias = db, .dbias_beta = 0.0f};
     fh_grpo_options go;
     fh_grpo_options_init(&go);
     go.beta = 0.04;

@@ -95,7 +95,7 @@ static int child(void *arg)
     hu_outputs o;
     hu_outputs_alloc(&o, 4, 4, 4, 1);
     hu_outputs_fill(&o, TU_CANARY);
-    fh_linear_grads g = {o.dx, c->dx_row_stride ? c->dx_row_stride : c->hidden, 0.0f, o.dweight, 0.0f, o.dbias, 0.0f};
+    fh_linear_grads g = {.dx = o.dx, .dx_row_stride = c->dx_row_stride ? c->dx_row_stride : c->hidden, .dx_beta = 0.0f, .dweight = o.dweight, .dweight_beta = 0.0f, .dbias = o.dbias, .dbias_beta = 0.0f};
     fh_ce_options ce;
     fh_ce_options_init(&ce);
     fh_grpo_options go;

@@ -326,7 +326,7 @@ static void run_ce(const config *cfg, const ce_case *c, fh_dtype dtype)
     int64_t *ref_argmax = alloc((size_t)n, 8);
     grads ref = {alloc((size_t)(n * h), 4), alloc((size_t)(h * v), 4), alloc((size_t)v, 4)};
     fh_ce_outputs rout = {&ref_loss, &ref_zl, ref_ptl, ref_logp, ref_lse, ref_argmax};
-    fh_linear_grads rg = {ref.dx, h, 0.0f, ref.dw, 0.0f, c->bias ? ref.db : NULL, 0.0f};
+    fh_linear_grads rg = {.dx = ref.dx, .dx_row_stride = h, .dx_beta = 0.0f, .dweight = ref.dw, .dweight_beta = 0.0f, .dbias = c->bias ? ref.db : NULL, .dbias_beta = 0.0f};
     check_status("reference fh_ce_forward_backward", fh_ce_forward_backward(ctx, &full, targets, &o, grad_output, &rout, &rg),
                  ctx);
     if (c->beta1) { /* expected = previous + gradient */
@@ -397,8 +397,7 @@ static void run_ce(const config *cfg, const ce_case *c, fh_dtype dtype)
     prefill(mine.dw, h * v, c->beta1, 12);
     prefill(mine.db, v, c->beta1, 13);
     const float beta = c->beta1 ? 1.0f : 0.0f;
-    fh_linear_grads g = {mine.dx, dx_stride, beta, mine.dw + weight_offset(&p, &lin), beta, c->bias ? mine.db + off : NULL,
-                         beta};
+    fh_linear_grads g = {.dx = mine.dx, .dx_row_stride = dx_stride, .dx_beta = beta, .dweight = mine.dw + weight_offset(&p, &lin), .dweight_beta = beta, .dbias = c->bias ? mine.db + off : NULL, .dbias_beta = beta};
     fh_ce_outputs out = {&loss, &zl, ptl, logp, lse, argmax};
     const float *local_grad = c->reduction == FH_REDUCTION_NONE ? grad_out + n0 : grad_output;
     if (c->train_step) {
@@ -589,7 +588,7 @@ static void run_grpo(const config *cfg, const grpo_case *c, fh_dtype dtype)
           *r_lse = alloc((size_t)n, 4);
     grads ref = {alloc((size_t)(n * h), 4), alloc((size_t)(h * v), 4), alloc((size_t)v, 4)};
     fh_grpo_outputs rout = {&ref_loss, &ref_m, r_logp, r_ptl, r_ent, r_lse};
-    fh_linear_grads rg = {ref.dx, h, 0.0f, ref.dw, 0.0f, c->bias ? ref.db : NULL, 0.0f};
+    fh_linear_grads rg = {.dx = ref.dx, .dx_row_stride = h, .dx_beta = 0.0f, .dweight = ref.dw, .dweight_beta = 0.0f, .dbias = c->bias ? ref.db : NULL, .dbias_beta = 0.0f};
     check_status("reference fh_grpo_forward_backward", fh_grpo_forward_backward(ctx, &full, &batch, &o, &grad, &rout, &rg),
                  ctx);
 
@@ -608,7 +607,7 @@ static void run_grpo(const config *cfg, const grpo_case *c, fh_dtype dtype)
     prefill(mine.dx, nr * h, 0, 0);
     prefill(mine.dw, h * v, 0, 0);
     prefill(mine.db, v, 0, 0);
-    fh_linear_grads g = {mine.dx, h, 0.0f, mine.dw + weight_offset(&p, &lin), 0.0f, c->bias ? mine.db + off : NULL, 0.0f};
+    fh_linear_grads g = {.dx = mine.dx, .dx_row_stride = h, .dx_beta = 0.0f, .dweight = mine.dw + weight_offset(&p, &lin), .dweight_beta = 0.0f, .dbias = c->bias ? mine.db + off : NULL, .dbias_beta = 0.0f};
     fh_grpo_outputs out = {&loss, &m, logp, ptl, ent, lse};
     if (c->split) {
         check_status("fh_mpi_grpo_forward", fh_mpi_grpo_forward(ctx, L, &lin, &lb, &o, &out), ctx);
