@@ -143,6 +143,13 @@ fh_status fh_check_grads(fh_context *ctx, const fh_linear *lin, const fh_linear_
         if (st != FH_OK)
             return st;
     }
+    /* dweight has the weight's strides but its own element size: its byte offsets must fit too. */
+    if (grads->dweight) {
+        const fh_status st = check_matrix(ctx, "dweight", lin->hidden, lin->vocab, lin->w_stride_hidden, lin->w_stride_vocab,
+                                          grads->dweight_dtype == FH_DTYPE_BF16 ? sizeof(uint16_t) : sizeof(float));
+        if (st != FH_OK)
+            return st;
+    }
     if (grads->dbias && !lin->bias)
         return fh_fail(ctx, FH_ERR_NULL_POINTER, "dbias requested but the linear head has no bias");
     return FH_OK;
