@@ -23,6 +23,8 @@ typedef struct ce_case_spec {
     int train_step;       /* 1: one fh_ce_forward_backward call instead of fh_ce_forward + fh_ce_backward */
     int64_t budget;       /* FH_PARAM_MEMORY_BUDGET; 0 = library default */
     fh_dtype dtype;       /* of x and weight: FH_DTYPE_BF16 rounds them to bf16 for both sides */
+    fh_dtype grad_dtype;  /* of dx, dweight and dbias (bf16 needs bf16 inputs) */
+    int fp32_dz;          /* FH_PARAM_FP32_DZ */
 } ce_case_spec;
 
 /* Sets every field to a small default case (mean reduction, no options). */
@@ -51,13 +53,19 @@ typedef struct ce_metrics {
     double dweight_max_abs, dweight_max_rel, dweight_norm_rel;
     double dbias_norm_rel;
     int64_t argmax_mismatches; /* rows whose fused argmax is not a (near-)maximal reference logit */
-    double grad_norm_rel_tol;  /* the case's dtype's: CE_GRAD_NORM_REL_TOL or CE_BF16_GRAD_NORM_REL_TOL */
+    double grad_norm_rel_tol;  /* ce_grad_tolerance of dx and dweight */
+    double dbias_norm_rel_tol; /* and of dbias (which sums the f32 dU) */
 } ce_metrics;
 
 /* Tolerances, justified in ce_case.c. */
 #define CE_LOSS_REL_TOL 1e-6
 #define CE_GRAD_NORM_REL_TOL 1e-5
 #define CE_BF16_GRAD_NORM_REL_TOL 4e-3
+
+/* A gradient's normwise tolerance: fp32_tol, or CE_BF16_GRAD_NORM_REL_TOL when its GEMMs read dU rounded to
+ * bf16 (bf16 inputs without fp32 dZ), plus CE_BF16_GRAD_NORM_REL_TOL when the gradient itself is written in
+ * bf16 (ce_case.c says why). */
+double ce_grad_tolerance(double fp32_tol, int du_rounded, fh_dtype grad_dtype);
 
 /* Runs the case. Returns FH_OK, or the library's status (then the case holds only its inputs). */
 fh_status ce_case_run(const ce_case_spec *spec, ce_case *c, ce_metrics *m);
@@ -79,6 +87,20 @@ void ce_fill_linear(uint64_t *rng, int64_t n, int64_t h, int64_t v, double logit
  * NaN for beta 0, which must overwrite them, 1.0 for beta 1, which must add onto them. */
 void ce_alloc_grads(size_t n, size_t h, size_t v, int has_bias, float beta, float **dx, float **dweight,
                     float **dbias);
+
+/* The library's view of a call's gradients: the float buffers themselves, or with bf16 gradients their bf16
+ * copies (dx at row stride hidden; NULL buffers stay NULL), which ce_grads_io_finish reads back into the floats
+ * and frees. */
+typedef struct ce_grads_io {
+    fh_linear_grads grads;
+    float *values[3];
+    uint16_t *bits[3];
+    size_t counts[3];
+} ce_grads_io;
+
+void ce_grads_io_begin(ce_grads_io *io, fh_dtype dtype, size_t n, size_t h, size_t v, float beta, float *dx,
+                       float *dweight, float *dbias);
+void ce_grads_io_finish(ce_grads_io *io);
 
 /* Fused (fp32) against reference (double): largest absolute difference, that over the largest |reference|,
  * and the normwise (Frobenius) relative difference; a zero reference makes the relative ones absolute. */

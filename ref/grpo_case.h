@@ -17,6 +17,8 @@ typedef struct grpo_case_spec {
     uint64_t seed;
     float grad_output;
     fh_dtype dtype;    /* of x and weight: FH_DTYPE_BF16 rounds them to bf16 for both sides */
+    fh_dtype grad_dtype; /* of dx, dweight and dbias (bf16 needs bf16 inputs) */
+    int fp32_dz;       /* FH_PARAM_FP32_DZ */
 } grpo_case_spec;
 
 /* B=3, T=47, H=67, V=5003, TRL defaults, old log-probs on, grad_output 1. */
@@ -29,7 +31,7 @@ typedef struct grpo_metrics_diff {
     double dhidden_max_abs, dhidden_max_rel, dhidden_norm_rel;
     double dweight_max_abs, dweight_max_rel, dweight_norm_rel;
     double dbias_norm_rel;
-    double grad_norm_rel_tol; /* GRPO_GRAD_NORM_REL_TOL, or CE_BF16_GRAD_NORM_REL_TOL for a bf16 case */
+    double grad_norm_rel_tol, dbias_norm_rel_tol; /* ce_grad_tolerance from GRPO_GRAD_NORM_REL_TOL */
 } grpo_metrics_diff;
 
 typedef struct grpo_case {

@@ -272,7 +272,7 @@ void cp_measure(const cp_problem *p, const cp_fused *f, const cp_reference *r, c
 {
     const size_t n = (size_t)p->n, h = (size_t)p->hidden, v = (size_t)p->vocab;
     memset(m, 0, sizeof *m);
-    m->grad_norm_rel_tol = CE_GRAD_NORM_REL_TOL; /* the harness's problems are fp32 */
+    m->grad_norm_rel_tol = m->dbias_norm_rel_tol = CE_GRAD_NORM_REL_TOL; /* the harness's problems are fp32 */
     m->abs_diff_loss = fabs(f->loss - r->loss);
     m->rel_diff_loss = fabs(r->loss) > 0.0 ? m->abs_diff_loss / fabs(r->loss) : m->abs_diff_loss;
     if (isnan(f->loss))

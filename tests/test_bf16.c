@@ -1,6 +1,7 @@
 /* bf16 hidden states and weight: every cross-entropy option, both layouts, both schedules and their tile
- * edges, against the double reference run on the same bf16-valued inputs (tolerances in ref/ce_case.c);
- * and the dtype contract. In a build without oneDNN, bf16 must be refused with FH_ERR_INVALID_DTYPE. */
+ * edges, with fp32 or bf16 gradients and with fp32 dZ, against the double reference run on the same
+ * bf16-valued inputs (tolerances in ref/ce_case.c); and the dtype contract. In a build without oneDNN, bf16 must
+ * be refused with FH_ERR_INVALID_DTYPE. */
 #include "bf16.h"
 #include "ce_case.h"
 #include "ce_harness.h"
@@ -70,6 +71,81 @@ static void test_tiles_and_beta(void)
     }
 }
 
+/* bf16 gradients (f32 accumulators while streaming, direct in row blocks) and fp32 dZ (BLIS on f32 copies of the
+ * tiles), with every option, edge tiles, several row blocks and beta 1 (the old bf16 value added in f32). */
+static void test_gradient_dtypes(void)
+{
+    if (!cp_have_bf16())
+        return;
+    for (int fp32_dz = 0; fp32_dz < 2; fp32_dz++)
+        for (int grad_dtype = 0; grad_dtype < 2; grad_dtype++)
+            for (int layout = 0; layout < 2; layout++) {
+                ce_case_spec s = bf16_spec((fh_layout)layout, 0);
+                s.fp32_dz = fp32_dz;
+                s.grad_dtype = (fh_dtype)grad_dtype;
+                s.bias = 1;
+                s.ignore_frac = 0.1;
+                s.label_smoothing = 0.1;
+                s.class_weights = 1;
+                s.softcap = 30.0;
+                s.tile_rows = 40;
+                s.tile_vocab = 300;
+                cp_check_spec(&s, "bf16 streaming, edge tiles, every option");
+                s.train_step = 1;
+                s.tile_vocab = 0;
+                cp_check_spec(&s, "bf16 train step, three row blocks");
+                s.tile_rows = 0;
+                s.grad_beta = 1.0f;
+                cp_check_spec(&s, "bf16 train step, beta 1");
+            }
+}
+
+/* A caller's workspace of exactly the queried size serves bf16 calls whatever their gradient dtypes: the query
+ * does not see them, so the plan reserves the accumulators of bf16 gradients. */
+static void test_queried_workspace_serves_bf16_gradients(void)
+{
+    if (!cp_have_bf16())
+        return;
+    enum { N = 50, H = 24, V = 700 };
+    static uint16_t x[N * H], w[V * H], dx[N * H], dw[V * H];
+    for (int i = 0; i < N * H; i++)
+        x[i] = bf16_from_float((float)((i % 7) - 3) * 0.1f);
+    for (int i = 0; i < V * H; i++)
+        w[i] = bf16_from_float((float)((i % 11) - 5) * 0.05f);
+    int64_t targets[N];
+    for (int i = 0; i < N; i++)
+        targets[i] = (i * 37) % V;
+    fh_ce_options o;
+    fh_ce_options_init(&o);
+    fh_linear lin;
+    fh_linear_init(&lin, N, H, V, x, w, FH_LAYOUT_VH, NULL);
+    lin.x_dtype = lin.weight_dtype = FH_DTYPE_BF16;
+    for (int train_step = 0; train_step < 2; train_step++)
+        for (int64_t budget = 0; budget <= (64 << 10); budget += 64 << 10) {
+            fh_context *ctx = tu_context(1, 16, 96, budget);
+            size_t bytes = 0;
+            const fh_status q = train_step ? fh_ce_forward_backward_workspace_size(ctx, &lin, &o, &bytes)
+                                           : fh_ce_workspace_size(ctx, &lin, &o, &bytes);
+            void *ws = malloc(bytes);
+            TU_CHECK(q == FH_OK && ws && fh_context_set_workspace(ctx, ws, bytes) == FH_OK, "query and set %zu bytes",
+                     bytes);
+            float lse[N];
+            double loss = 0.0;
+            fh_ce_outputs out = {.loss = &loss, .lse = lse};
+            fh_linear_grads g = {.dx = dx, .dx_row_stride = H, .dweight = dw, .dx_dtype = FH_DTYPE_BF16,
+                                 .dweight_dtype = FH_DTYPE_BF16};
+            const float one = 1.0f;
+            fh_status st = train_step ? fh_ce_forward_backward(ctx, &lin, targets, &o, &one, &out, &g)
+                                      : fh_ce_forward(ctx, &lin, targets, &o, &out);
+            if (st == FH_OK && !train_step)
+                st = fh_ce_backward(ctx, &lin, targets, &o, lse, &one, &g);
+            TU_CHECK(st == FH_OK, "%s, budget %lld, in the queried %zu bytes: status %d", train_step ? "train step" : "split",
+                     (long long)budget, bytes, (int)st);
+            fh_context_destroy(ctx);
+            free(ws);
+        }
+}
+
 /* Mixed or unknown dtypes, and bf16 without a provider, are refused before any output is written. */
 static void test_dtype_contract(void)
 {
@@ -108,6 +184,43 @@ static void test_dtype_contract(void)
         } else {
             TU_CHECK(isfinite(loss), "bf16 zeros: finite loss %g", loss);
         }
+    }
+    fh_context_destroy(ctx);
+}
+
+/* A bf16 gradient of fp32 inputs, or an unknown gradient dtype, is refused by name, outputs untouched. */
+static void test_gradient_dtype_contract(void)
+{
+    enum { N = 3, H = 4, V = 5 };
+    float x[N * H] = {0}, w[H * V] = {0}, dx[N * H], dw[H * V];
+    const int64_t targets[N] = {0, 1, 2};
+    fh_context *ctx = tu_context(0, 0, 0, 0);
+    fh_ce_options o;
+    fh_ce_options_init(&o);
+    fh_linear lin;
+    fh_linear_init(&lin, N, H, V, x, w, FH_LAYOUT_VH, NULL);
+    static const struct {
+        fh_dtype dx, dweight;
+        const char *name;
+    } cases[] = {{FH_DTYPE_BF16, FH_DTYPE_F32, "dx_dtype"}, {FH_DTYPE_F32, FH_DTYPE_BF16, "dweight_dtype"},
+                 {FH_DTYPE_F32, (fh_dtype)3, "dweight_dtype"}};
+    float canary;
+    tu_fill_canary(&canary, sizeof canary);
+    for (size_t k = 0; k < TU_COUNT(cases); k++) {
+        tu_fill_canary(dx, sizeof dx);
+        tu_fill_canary(dw, sizeof dw);
+        double loss = 1234.5;
+        fh_ce_outputs out = {.loss = &loss};
+        fh_linear_grads g = {.dx = dx, .dx_row_stride = H, .dweight = dw, .dx_dtype = cases[k].dx,
+                             .dweight_dtype = cases[k].dweight};
+        const float grad = 1.0f;
+        const fh_status st = fh_ce_forward_backward(ctx, &lin, targets, &o, &grad, &out, &g);
+        const char *why = NULL;
+        fh_context_message(ctx, &why);
+        TU_CHECK(st == FH_ERR_INVALID_DTYPE && why && strstr(why, cases[k].name), "case %zu: status %d, message %s", k,
+                 (int)st, why ? why : "(none)");
+        TU_CHECK(loss == 1234.5 && tu_all_equal_f(dx, N * H, canary) && tu_all_equal_f(dw, H * V, canary),
+                 "case %zu: outputs untouched", k);
     }
     fh_context_destroy(ctx);
 }
@@ -219,7 +332,10 @@ static void test_wisdom_dtype(void)
 static const tu_test tests[] = {
     {"every option, both layouts and schedules", test_options},
     {"edge tiles, row blocks, streaming fallback, beta 1", test_tiles_and_beta},
+    {"fp32 and bf16 gradients, fp32 dZ", test_gradient_dtypes},
+    {"the queried workspace serves bf16 gradients", test_queried_workspace_serves_bf16_gradients},
     {"dtype contract", test_dtype_contract},
+    {"gradient dtype contract", test_gradient_dtype_contract},
     {"wisdom entries per dtype", test_wisdom_dtype},
     {"non-finite bf16 inputs", test_nonfinite_bf16},
 };

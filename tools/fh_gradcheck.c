@@ -18,6 +18,7 @@ static void usage(void)
             "       [--label-smoothing E] [--class-weights] [--softcap C] [--z-loss S]\n"
             "       [--reduction mean|sum|none] [--threads T] [--seed S] [--dump DIR]\n"
             "       [--train-step] [--budget BYTES] [--tile-rows R] [--tile-vocab C] [--dtype f32|bf16]\n"
+            "       [--grad-dtype f32|bf16] [--fp32-dz]\n"
             "       fh_gradcheck --loss grpo ... (fh_gradcheck --loss grpo --help)\n");
 }
 
@@ -66,6 +67,11 @@ static int parse(int argc, char **argv, ce_case_spec *s, const char **dump)
         } else if (VALUE_OPTION("--dtype")) {
             if (parse_dtype(v, &s->dtype) != 0)
                 return -1;
+        } else if (VALUE_OPTION("--grad-dtype")) {
+            if (parse_dtype(v, &s->grad_dtype) != 0)
+                return -1;
+        } else if (strcmp(a, "--fp32-dz") == 0) {
+            s->fp32_dz = 1;
         } else if (VALUE_OPTION("--threads"))
             s->threads = atoi(v);
         else if (strcmp(a, "--train-step") == 0)
@@ -148,12 +154,12 @@ int main(int argc, char **argv)
            "  \"lse_max_abs\": %.3e,\n  \"dhidden_max_abs\": %.3e,\n  \"dhidden_max_rel\": %.3e,\n"
            "  \"dhidden_norm_rel\": %.3e,\n  \"dweight_max_abs\": %.3e,\n  \"dweight_max_rel\": %.3e,\n"
            "  \"dweight_norm_rel\": %.3e,\n  \"dbias_norm_rel\": %.3e,\n  \"argmax_mismatches\": %lld,\n"
-           "  \"tolerance\": {\"loss_rel\": %g, \"grad_norm_rel\": %g},\n  \"blis_kernel_set\": \"%s\",\n"
+           "  \"tolerance\": {\"loss_rel\": %g, \"grad_norm_rel\": %g, \"dbias_norm_rel\": %g},\n  \"blis_kernel_set\": \"%s\",\n"
            "  \"pass\": %s\n}\n",
            c.loss, c.ref_loss, m.abs_diff_loss, m.rel_diff_loss, m.abs_diff_z_loss, m.per_token_loss_max_abs,
            m.logp_max_abs, m.lse_max_abs, m.dhidden_max_abs, m.dhidden_max_rel, m.dhidden_norm_rel,
            m.dweight_max_abs, m.dweight_max_rel, m.dweight_norm_rel, m.dbias_norm_rel,
-           (long long)m.argmax_mismatches, CE_LOSS_REL_TOL, m.grad_norm_rel_tol, blis.kernel_set,
+           (long long)m.argmax_mismatches, CE_LOSS_REL_TOL, m.grad_norm_rel_tol, m.dbias_norm_rel_tol, blis.kernel_set,
            pass ? "true" : "false");
     int rc = pass ? 0 : 1;
     if (dump && dump_case(dump, &c) != 0) {

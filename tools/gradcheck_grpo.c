@@ -17,7 +17,8 @@ static void usage(void)
             "usage: fh_gradcheck --loss grpo --batch B --seq T --hidden H --vocab V --loss-type X\n"
             "       --is-level token|sequence [--beta b] [--epsilon-low e] [--epsilon-high e] [--delta d]\n"
             "       [--temperature t] [--no-old-logps] [--entropy-coef c] [--layout hv|vh] [--bias]\n"
-            "       [--threads T] [--seed S] [--train-step] [--dtype f32|bf16] [--dump DIR]\n"
+            "       [--threads T] [--seed S] [--train-step] [--dtype f32|bf16] [--grad-dtype f32|bf16] [--fp32-dz]\n"
+            "       [--dump DIR]\n"
             "  X: grpo bnpo dr_grpo dapo cispo sapo\n");
 }
 
@@ -74,6 +75,11 @@ static int parse(int argc, char **argv, grpo_case_spec *s, const char **dump)
         else if (VALUE_OPTION("--dtype")) {
             if (parse_dtype(v, &s->dtype) != 0)
                 return -1;
+        } else if (VALUE_OPTION("--grad-dtype")) {
+            if (parse_dtype(v, &s->grad_dtype) != 0)
+                return -1;
+        } else if (strcmp(a, "--fp32-dz") == 0) {
+            s->fp32_dz = 1;
         } else if (VALUE_OPTION("--threads"))
             s->threads = atoi(v);
         else if (VALUE_OPTION("--seed"))
