@@ -3,9 +3,9 @@
  * Each input is decoded into one call: an entry point (fh_ce_forward, fh_ce_backward,
  * fh_ce_forward_backward, the three GRPO calls, or one of the three workspace queries), sizes (small, 0,
  * negative, 2^31.., 2^62, INT64_MIN/MAX, arbitrary), strides (padded, overlapping, zero, negative, huge),
- * options (every field, valid or not), targets/ids/masks, special float values in every input, context
- * parameters (threads, tiles, memory budget, CHECK_FINITE) and an optional caller workspace of a random
- * size.
+ * options (every field, valid or not), targets/ids/masks, special float values in every input, dtypes (fp32 or
+ * bf16 x and weight, sometimes mismatched or unknown; each gradient fp32, bf16 or unknown), context parameters
+ * (threads, tiles, memory budget, CHECK_FINITE, FP32_DZ) and an optional caller workspace of a random size.
  *
  * Allocations stay bounded: when the shape is small (n <= 48, hidden <= 48, vocab <= 700, every view
  * <= 2^16 elements) every buffer is allocated with exactly the size its view needs, so ASan sees any
@@ -19,7 +19,8 @@
  *   - a call that returns an error leaves every output byte untouched (outputs are canary-filled), and the
  *     workspace queries leave *bytes untouched on error;
  *   - inputs are never written;
- *   - a shape the library must reject is rejected;
+ *   - a shape the library must reject is rejected, and so are mismatched or unknown dtypes and bf16 gradients
+ *     of fp32 inputs;
  *   - a successful train step with a caller workspace had at least the queried number of bytes;
  *   - a successful query never exceeds the memory budget; argmax outputs lie in [0, V). */
 #include "fusedhead.h"
@@ -113,6 +114,22 @@ static float pick_float(reader *r)
     }
 }
 
+/* count elements of size 4 (fp32) or 2 (bf16: the upper half of an fp32 pick). */
+static void fill_elements(reader *r, void *data, size_t count, size_t size)
+{
+    for (size_t i = 0; i < count; i++) {
+        const float f = pick_float(r);
+        uint32_t bits;
+        memcpy(&bits, &f, sizeof bits);
+        if (size == 2) {
+            const uint16_t half = (uint16_t)(bits >> 16);
+            memcpy((char *)data + i * 2, &half, 2);
+        } else {
+            memcpy((char *)data + i * 4, &f, 4);
+        }
+    }
+}
+
 static double pick_double(reader *r, const double *choices, int count)
 {
     const uint8_t k = u8(r);
@@ -142,16 +159,16 @@ static int64_t last_offset(int64_t rows, int64_t cols, int64_t rs, int64_t cs)
  * that finding while it is open; see README.md), else they must be rejected like any overflow. */
 static int skip_byte_offsets = -1;
 
-static int byte_offset_overflows(int64_t rows, int64_t cols, int64_t rs, int64_t cs)
+static int byte_offset_overflows(int64_t rows, int64_t cols, int64_t rs, int64_t cs, size_t element_size)
 {
     const int64_t last = last_offset(rows, cols, rs, cs);
-    return last > PTRDIFF_MAX / (int64_t)sizeof(float);
+    return last > PTRDIFF_MAX / (int64_t)element_size;
 }
 
 /* 1 when a view must be rejected: strides < 1, overlapping elements (the larger stride does not step over
  * the whole extent of the smaller one), or a last element that overflows int64 or lies more than
  * PTRDIFF_MAX bytes from the base. Sizes are >= 1 here. */
-static int view_invalid(int64_t rows, int64_t cols, int64_t rs, int64_t cs)
+static int view_invalid(int64_t rows, int64_t cols, int64_t rs, int64_t cs, size_t element_size)
 {
     if (rs < 1 || cs < 1)
         return 1;
@@ -163,7 +180,7 @@ static int view_invalid(int64_t rows, int64_t cols, int64_t rs, int64_t cs)
             return 1;
     }
     const int64_t last = last_offset(rows, cols, rs, cs);
-    return last < 0 || last > PTRDIFF_MAX / (int64_t)sizeof(float);
+    return last < 0 || last > PTRDIFF_MAX / (int64_t)element_size;
 }
 
 static int product_overflows(int64_t a, int64_t b)
@@ -236,6 +253,20 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     const int has_grads = call == CALL_CE_BACKWARD || call == CALL_CE_STEP || call == CALL_GRPO_BACKWARD ||
                           call == CALL_GRPO_STEP;
 
+    /* dtypes: x fp32 or bf16, the weight the same, the other one or unknown; each gradient fp32 or bf16 (dx
+     * unknown when all three bits are set); fp32 dZ. */
+    const uint8_t dtype_bits = u8(&r);
+    const fh_dtype other = dtype_bits & 1 ? FH_DTYPE_F32 : FH_DTYPE_BF16;
+    const fh_dtype x_dtype = dtype_bits & 1 ? FH_DTYPE_BF16 : FH_DTYPE_F32;
+    const fh_dtype w_dtype = (dtype_bits & 6) == 6 ? (fh_dtype)7 : dtype_bits & 2 ? other : x_dtype;
+    const fh_dtype dx_dtype = (dtype_bits & 0x38) == 0x38 ? (fh_dtype)9 : dtype_bits & 8 ? FH_DTYPE_BF16 : FH_DTYPE_F32;
+    const fh_dtype dw_dtype = dtype_bits & 16 ? FH_DTYPE_BF16 : FH_DTYPE_F32;
+    const fh_dtype db_dtype = dtype_bits & 32 ? FH_DTYPE_BF16 : FH_DTYPE_F32;
+    const int dtype_bad = w_dtype != x_dtype;
+    const int grad_dtype_bad = (dtype_bits & 0x38) == 0x38 || (x_dtype == FH_DTYPE_F32 && (dtype_bits & 0x38) != 0);
+    const size_t x_size = x_dtype == FH_DTYPE_BF16 ? 2 : 4, w_size = w_dtype == FH_DTYPE_BF16 ? 2 : 4;
+    const size_t dx_size = dx_dtype == FH_DTYPE_BF16 ? 2 : 4;
+
     /* Shape and strides. */
     int64_t n = pick_size(&r, 48), hidden = pick_size(&r, 48), vocab = pick_size(&r, 700);
     const fh_layout layout = (fh_layout)(u8(&r) & 1);
@@ -261,9 +292,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     const int sizes_bad = n < 1 || hidden < 1 || vocab < 1;
     const int overflow = !sizes_bad && (product_overflows(n, vocab) || product_overflows(hidden, vocab) ||
                                         product_overflows(n, hidden));
-    const int lin_bad = sizes_bad || overflow || view_invalid(n, hidden, x_rs, 1) ||
-                        view_invalid(hidden, vocab, w_rs, w_cs);
-    const int dx_bad = !lin_bad && has_grads && view_invalid(n, hidden, dx_rs, 1);
+    const int lin_bad = sizes_bad || overflow || view_invalid(n, hidden, x_rs, 1, x_size) ||
+                        view_invalid(hidden, vocab, w_rs, w_cs, w_size);
+    const int dx_bad = !lin_bad && has_grads && view_invalid(n, hidden, dx_rs, 1, dx_size);
     const int64_t x_last = lin_bad ? -1 : last_offset(n, hidden, x_rs, 1);
     const int64_t w_last = lin_bad ? -1 : last_offset(hidden, vocab, w_rs, w_cs);
     const int64_t dx_last = lin_bad || dx_bad || !has_grads ? 0 : last_offset(n, hidden, dx_rs, 1);
@@ -274,8 +305,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (skip_byte_offsets < 0)
         skip_byte_offsets = getenv("FH_FUZZ_SKIP_BYTE_OFFSETS") != NULL;
     if (skip_byte_offsets && !sizes_bad && !overflow &&
-        (byte_offset_overflows(n, hidden, x_rs, 1) || byte_offset_overflows(hidden, vocab, w_rs, w_cs) ||
-         (has_grads && byte_offset_overflows(n, hidden, dx_rs, 1))))
+        (byte_offset_overflows(n, hidden, x_rs, 1, x_size) || byte_offset_overflows(hidden, vocab, w_rs, w_cs, w_size) ||
+         (has_grads && byte_offset_overflows(n, hidden, dx_rs, 1, dx_size))))
         return 0;
     if (getenv("FH_FUZZ_DEBUG"))
         fprintf(stderr, "call %d n=%lld h=%lld v=%lld layout %d strides x %lld w %lld %lld dx %lld batch %lld seq %lld: "
@@ -306,6 +337,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             budget = 0;
     }
     fh_context_set(ctx, FH_PARAM_CHECK_FINITE, (tiles & 8) != 0);
+    fh_context_set(ctx, FH_PARAM_FP32_DZ, (dtype_bits & 64) != 0);
     const int64_t effective_budget = budget > 0 ? budget : FH_DEFAULT_MEMORY_BUDGET;
 
     /* Inputs. Tiny buffers when the shape must be rejected. */
@@ -314,12 +346,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     memset(out, 0, sizeof out);
     const size_t un = small ? (size_t)n : 4, uv = small ? (size_t)vocab : 4;
     const size_t x_elems = small ? (size_t)x_last + 1 : 4, w_elems = small ? (size_t)w_last + 1 : 4;
-    float *x = alloc_exact(&in[IN_X], x_elems * sizeof(float));
-    float *w = alloc_exact(&in[IN_W], w_elems * sizeof(float));
-    for (size_t i = 0; i < x_elems; i++)
-        x[i] = pick_float(&r);
-    for (size_t i = 0; i < w_elems; i++)
-        w[i] = pick_float(&r);
+    void *x = alloc_exact(&in[IN_X], x_elems * x_size);
+    void *w = alloc_exact(&in[IN_W], w_elems * w_size);
+    fill_elements(&r, x, x_elems, x_size);
+    fill_elements(&r, w, w_elems, w_size);
     float *bias = bias_on ? alloc_exact(&in[IN_BIAS], uv * sizeof(float)) : NULL;
     for (size_t j = 0; bias && j < uv; j++)
         bias[j] = pick_float(&r);
@@ -330,7 +360,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                                                  layout_byte % 16 == 0 ? (fh_layout)(2 + layout_byte / 16) : layout, bias);
     CHECK((layout_byte % 16 == 0) == (init_status != FH_OK), "fh_linear_init: status %d", (int)init_status);
     const fh_linear described = {n, hidden, vocab, u8(&r) % 32 == 0 ? NULL : x, x_rs, u8(&r) % 32 == 0 ? NULL : w,
-                                 w_rs, w_cs, bias, FH_DTYPE_F32, FH_DTYPE_F32};
+                                 w_rs, w_cs, bias, x_dtype, w_dtype};
     lin = described;
 
     /* Wisdom entries (tile sizes measured elsewhere), sometimes for exactly this shape. */
@@ -339,7 +369,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         static const int64_t tile_values[] = {1, 2, 7, 64, 1000, (int64_t)1 << 40, INT64_MAX, 0, -1};
         const fh_tile_config e = {wisdom & 16 ? 1 : (int64_t)(u8(&r) % 4), wisdom & 32 ? n : pick_size(&r, 48),
                                   wisdom & 32 ? hidden : pick_size(&r, 48), wisdom & 32 ? vocab : pick_size(&r, 700),
-                                  (fh_call)(u8(&r) % 4), tile_values[u8(&r) % 9], tile_values[u8(&r) % 9], FH_DTYPE_F32};
+                                  (fh_call)(u8(&r) % 4), tile_values[u8(&r) % 9], tile_values[u8(&r) % 9], x_dtype};
         fh_context_add_wisdom(ctx, &e);
     }
 
@@ -434,11 +464,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     float *entropy = (want & 64) ? alloc_exact(&out[OUT_ENTROPY], un * sizeof(float)) : NULL;
     int64_t *argmax = (want & 128) ? alloc_exact(&out[OUT_ARGMAX], un * sizeof(int64_t)) : NULL;
     const int grads_want = u8(&r);
-    float *dx = (grads_want & 1) ? alloc_exact(&out[OUT_DX], dx_elems * sizeof(float)) : NULL;
-    float *dw = (grads_want & 2) ? alloc_exact(&out[OUT_DW], w_elems * sizeof(float)) : NULL;
-    float *db = (grads_want & 4) ? alloc_exact(&out[OUT_DB], uv * sizeof(float)) : NULL;
+    void *dx = (grads_want & 1) ? alloc_exact(&out[OUT_DX], dx_elems * (dx_dtype == FH_DTYPE_BF16 ? 2 : 4)) : NULL;
+    void *dw = (grads_want & 2) ? alloc_exact(&out[OUT_DW], w_elems * (dw_dtype == FH_DTYPE_BF16 ? 2 : 4)) : NULL;
+    void *db = (grads_want & 4) ? alloc_exact(&out[OUT_DB], uv * (db_dtype == FH_DTYPE_BF16 ? 2 : 4)) : NULL;
     static const float grad_betas[] = {0.0f, 0.0f, 1.0f, 0.5f, NAN, -1.0f};
-    fh_linear_grads g = {.dx = dx, .dx_row_stride = dx_rs, .dx_beta = grad_betas[u8(&r) % 6], .dweight = dw, .dweight_beta = grad_betas[u8(&r) % 6], .dbias = db, .dbias_beta = grad_betas[u8(&r) % 6]};
+    fh_linear_grads g = {.dx = dx, .dx_row_stride = dx_rs, .dx_beta = grad_betas[u8(&r) % 6], .dweight = dw,
+                         .dweight_beta = grad_betas[u8(&r) % 6], .dbias = db, .dbias_beta = grad_betas[u8(&r) % 6],
+                         .dx_dtype = dx_dtype, .dweight_dtype = dw_dtype, .dbias_dtype = db_dtype};
     for (int k = 0; k < OUT_COUNT; k++)
         if (out[k].p)
             memset(out[k].p, CANARY, out[k].bytes);
@@ -491,6 +523,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         CHECK(st != FH_OK, "call %d accepted a shape it must reject (n=%lld h=%lld v=%lld strides %lld %lld %lld "
               "dx %lld)", call, (long long)n, (long long)hidden, (long long)vocab, (long long)x_rs, (long long)w_rs,
               (long long)w_cs, (long long)dx_rs);
+    if (dtype_bad && lin.x && lin.weight)
+        CHECK(st != FH_OK, "call %d accepted x_dtype %d with weight_dtype %d", call, (int)x_dtype, (int)w_dtype);
+    if (grad_dtype_bad && has_grads && !null_struct && lin.x && lin.weight)
+        CHECK(st != FH_OK, "call %d accepted gradient dtypes %d %d %d with x_dtype %d", call, (int)dx_dtype,
+              (int)dw_dtype, (int)db_dtype, (int)x_dtype);
     if (query) {
         if (st != FH_OK)
             CHECK(bytes == 0xA5A5A5A5u, "a failed query wrote *bytes");

@@ -2,7 +2,7 @@
  * last byte, then before its first byte), so that a read or write one element outside it faults, inside BLIS
  * too (which ASan cannot see: it is not instrumented). Every entry point, both weight layouts, shapes with
  * odd hidden sizes and row counts (the edge cases of BLIS's small-matrix kernels), default and small tiles,
- * fp32 and (where the build has oneDNN) bf16 x and weight.
+ * fp32 and (where the build has oneDNN) bf16 x and weight, with fp32 and with bf16 gradients.
  * Each call runs in a forked child; a fault fails the test with the call and shape.
  *
  * ctest runs this suite on the default BLIS kernel set and, as hardening_guard_pages_haswell, with
@@ -63,7 +63,8 @@ typedef struct guard_case {
     fh_layout layout;
     int64_t tile_rows, tile_vocab;
     int tail;
-    fh_dtype dtype; /* of x and weight */
+    fh_dtype dtype;      /* of x and weight */
+    fh_dtype grad_dtype; /* of dx, dweight and dbias */
 } guard_case;
 
 enum { G_X, G_W, G_B, G_CW, G_T, G_GRAD, G_LSE, G_LOGP, G_ENT, G_MASK, G_ADV, G_OLD, G_REF,
@@ -112,8 +113,9 @@ static int guarded_call(void *arg)
     float *ptl = guard_alloc(&g[G_PTL], un * 4, c->tail), *ologp = guard_alloc(&g[G_OLOGP], un * 4, c->tail);
     float *olse = guard_alloc(&g[G_OLSE], un * 4, c->tail), *oent = guard_alloc(&g[G_OENT], un * 4, c->tail);
     int64_t *argmax = guard_alloc(&g[G_ARGMAX], un * 8, c->tail);
-    float *dx = guard_alloc(&g[G_DX], un * uh * 4, c->tail), *dw = guard_alloc(&g[G_DW], uh * uv * 4, c->tail);
-    float *db = guard_alloc(&g[G_DB], uv * 4, c->tail);
+    const size_t grad_size = c->grad_dtype == FH_DTYPE_BF16 ? 2 : 4; /* the guard sits after the last element */
+    void *dx = guard_alloc(&g[G_DX], un * uh * grad_size, c->tail), *dw = guard_alloc(&g[G_DW], uh * uv * grad_size, c->tail);
+    void *db = guard_alloc(&g[G_DB], uv * grad_size, c->tail);
     for (int k = 0; k < G_COUNT; k++)
         if (!g[k].p)
             return 2;
@@ -141,7 +143,8 @@ static int guarded_call(void *arg)
     fh_grpo_metrics metrics;
     fh_ce_outputs ce_out = {&loss, &z_loss, ptl, ologp, olse, argmax};
     fh_grpo_outputs grpo_out = {&loss, &metrics, ologp, ptl, oent, olse};
-    fh_linear_grads grads = {.dx = dx, .dx_row_stride = h, .dx_beta = 0.0f, .dweight = dw, .dweight_beta = 0.0f, .dbias = db, .dbias_beta = 0.0f};
+    fh_linear_grads grads = {.dx = dx, .dx_row_stride = h, .dweight = dw, .dbias = db, .dx_dtype = c->grad_dtype,
+                             .dweight_dtype = c->grad_dtype, .dbias_dtype = c->grad_dtype};
     fh_grpo_options go;
     fh_grpo_options_init(&go);
     go.beta = 0.04;
@@ -179,7 +182,8 @@ static void test_guarded_buffers(void)
                                         {16, 8, 64}, {3, 1, 1},   {5, 2, 300}, {9, 15, 1},  {31, 129, 40}};
     static const int64_t tiles[][2] = {{0, 0}, {4, 16}, {3, 7}};
     int faults = 0;
-    const int dtypes = cp_have_bf16() ? 2 : 1;
+    /* fp32; bf16 inputs with fp32 gradients; bf16 inputs and gradients. */
+    const int dtypes = cp_have_bf16() ? 3 : 1;
     for (int dtype = 0; dtype < dtypes; dtype++)
         for (int call = 0; call < HU_CALL_COUNT; call++)
             for (int layout = 0; layout < 2; layout++)
@@ -187,11 +191,12 @@ static void test_guarded_buffers(void)
                     for (size_t t = 0; t < TU_COUNT(tiles); t++)
                         for (int tail = 1; tail >= 0; tail--) {
                             const guard_case c = {(hu_call)call, shapes[s][0], shapes[s][1], shapes[s][2], (fh_layout)layout,
-                                                  tiles[t][0], tiles[t][1], tail, (fh_dtype)dtype};
+                                                  tiles[t][0], tiles[t][1], tail, dtype ? FH_DTYPE_BF16 : FH_DTYPE_F32,
+                                                  dtype == 2 ? FH_DTYPE_BF16 : FH_DTYPE_F32};
                             const int code = hu_run_isolated(guarded_call, (void *)&c);
                             if (code != 0 && faults++ < 40)
                                 TU_CHECK(0, "%s %s, layout %s, n=%lld hidden=%lld vocab=%lld, tiles %lld x %lld, guard %s: %s %d",
-                                         dtype ? "bf16" : "fp32", hu_call_name((hu_call)call), layout ? "VH" : "HV", (long long)c.n,
+                                         dtype == 2 ? "bf16 (bf16 gradients)" : dtype ? "bf16" : "fp32", hu_call_name((hu_call)call), layout ? "VH" : "HV", (long long)c.n,
                                          (long long)c.hidden, (long long)c.vocab, (long long)c.tile_rows,
                                          (long long)c.tile_vocab, tail ? "after the last byte" : "before the first byte",
                                          code >= 1000 ? "killed by signal" : "exit code", code >= 1000 ? code - 1000 : code);
