@@ -28,6 +28,8 @@
  *     than one thread (only the calling thread makes MPI calls).
  *   - Results agree with the single process to rounding (per-token statistics are combined in double),
  *     but the summation order differs, so they are not bit-identical to it.
+ *   - bf16 inputs and gradients as in fusedhead.h; a bf16 gradient that is summed across ranks is reduced in
+ *     an fp32 buffer of its size (allocated per call) and rounded once after the sum.
  */
 #ifndef FUSEDHEAD_MPI_H
 #define FUSEDHEAD_MPI_H

@@ -176,22 +176,13 @@ fh_status fh_engine_prepare(const fh_engine_pass *p)
     return st;
 }
 
-/* out (+)= acc, rounded once to bf16: rows x cols elements, out's along cols contiguous, acc's at
- * acc_stride (rows) and acc_step (cols). */
-static void round_into_bf16(const float *acc, int64_t acc_stride, int64_t acc_step, uint16_t *out,
-                            int64_t out_stride, int64_t rows, int64_t cols, int accumulate, int threads)
+/* out (+)= acc, rounded once to bf16: rows of cols contiguous elements, at acc_stride and out_stride. */
+static void round_into_bf16(const float *acc, int64_t acc_stride, uint16_t *out, int64_t out_stride, int64_t rows,
+                            int64_t cols, int accumulate, int threads)
 {
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        float sums[256];
-        for (int64_t j0 = 0; j0 < cols; j0 += 256) {
-            const int64_t m = cols - j0 < 256 ? cols - j0 : 256;
-            uint16_t *o = out + r * out_stride + j0;
-            for (int64_t j = 0; j < m; j++)
-                sums[j] = acc[r * acc_stride + (j0 + j) * acc_step] + (accumulate ? fh_bf16_to_f32(o[j]) : 0.0f);
-            fh_row_to_bf16(sums, m, o);
-        }
-    }
+    for (int64_t r = 0; r < rows; r++)
+        fh_row_add_to_bf16(acc + r * acc_stride, cols, accumulate, out + r * out_stride);
 }
 
 /* The f32 accumulators of a streaming pass rounded into bf16 gradients: dweight's tile (v0, vb) after its
@@ -203,20 +194,20 @@ static void finish_dweight_tile(const fh_engine_pass *p, int64_t v0, int64_t vb)
     uint16_t *out = (uint16_t *)p->grads->dweight + v0 * lin->w_stride_vocab;
     const int64_t h = lin->hidden;
     if (dw_acc_by_vocab(lin)) /* acc H x vb row-major; out rows along the vocabulary */
-        round_into_bf16(p->ws->dw_acc, vb, 1, out, lin->w_stride_hidden, h, vb, accumulate, p->plan->threads);
+        round_into_bf16(p->ws->dw_acc, vb, out, lin->w_stride_hidden, h, vb, accumulate, p->plan->threads);
     else if (lin->w_stride_hidden == 1) /* acc column-major; out rows along hidden */
-        round_into_bf16(p->ws->dw_acc, h, 1, out, lin->w_stride_vocab, vb, h, accumulate, p->plan->threads);
+        round_into_bf16(p->ws->dw_acc, h, out, lin->w_stride_vocab, vb, h, accumulate, p->plan->threads);
     else /* neither stride is 1: element by element */
         for (int64_t j = 0; j < vb; j++)
             for (int64_t k = 0; k < h; k++)
-                round_into_bf16(p->ws->dw_acc + j * h + k, 1, 1, out + j * lin->w_stride_vocab + k * lin->w_stride_hidden,
-                                1, 1, 1, accumulate, 1);
+                fh_row_add_to_bf16(p->ws->dw_acc + j * h + k, 1, accumulate,
+                                   out + j * lin->w_stride_vocab + k * lin->w_stride_hidden);
 }
 
 static void finish_dx(const fh_engine_pass *p)
 {
     const fh_linear *lin = p->lin;
-    round_into_bf16(p->ws->dx_acc, lin->hidden, 1, p->grads->dx, p->grads->dx_row_stride, lin->n, lin->hidden,
+    round_into_bf16(p->ws->dx_acc, lin->hidden, p->grads->dx, p->grads->dx_row_stride, lin->n, lin->hidden,
                     p->grads->dx_beta != 0.0f, p->plan->threads);
 }
 
@@ -247,9 +238,8 @@ static void write_bias_gradient(const fh_linear_grads *grads, const double *colu
     const int accumulate = grads->dbias_beta != 0.0f;
     for (int64_t j = 0; j < count; j++) {
         if (grads->dbias_dtype == FH_DTYPE_BF16) {
-            uint16_t *d = (uint16_t *)grads->dbias + v0 + j;
-            const float sum = (float)(accumulate ? fh_bf16_to_f32(*d) + column[j] : column[j]);
-            fh_row_to_bf16(&sum, 1, d);
+            const float sum = (float)column[j];
+            fh_row_add_to_bf16(&sum, 1, accumulate, (uint16_t *)grads->dbias + v0 + j);
         } else {
             float *d = (float *)grads->dbias + v0 + j;
             *d = (float)(accumulate ? *d + column[j] : column[j]);

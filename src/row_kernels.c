@@ -173,3 +173,15 @@ void fh_row_to_bf16(const void *src, int64_t count, void *dst)
         memcpy((char *)dst + j0 * (int64_t)sizeof(uint16_t), out, (size_t)m * sizeof(uint16_t));
     }
 }
+
+void fh_row_add_to_bf16(const float *src, int64_t count, int accumulate, uint16_t *dst)
+{
+    enum { CHUNK = 256 };
+    float sums[CHUNK];
+    for (int64_t j0 = 0; j0 < count; j0 += CHUNK) {
+        const int64_t m = count - j0 < CHUNK ? count - j0 : CHUNK;
+        for (int64_t j = 0; j < m; j++)
+            sums[j] = src[j0 + j] + (accumulate ? fh_bf16_to_f32(dst[j0 + j]) : 0.0f);
+        fh_row_to_bf16(sums, m, dst + j0);
+    }
+}

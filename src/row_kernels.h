@@ -62,6 +62,9 @@ void fh_row_gradient(float *z, int64_t count, int64_t target_column, const float
  * memory (a row narrowed in place into its first half). */
 void fh_row_to_bf16(const void *src, int64_t count, void *dst);
 
+/* dst[j] = src[j] (+ dst[j] when accumulate, added in f32) rounded once to bf16, for j < count. */
+void fh_row_add_to_bf16(const float *src, int64_t count, int accumulate, uint16_t *dst);
+
 /* The f32 value of bf16 bits (exact). */
 static inline float fh_bf16_to_f32(uint16_t bits)
 {

@@ -4,6 +4,7 @@
 
 #include "../context.h"
 #include "../linear.h"
+#include "../row_kernels.h"
 
 #include <limits.h>
 #include <stdlib.h>
@@ -31,6 +32,10 @@ void fhm_grads_free(fhm_grads *g)
     free(g->dw_pack);
     free(g->db_saved);
     g->dx_tmp = g->dx_recv = g->dw_saved = g->dw_pack = g->db_saved = NULL;
+    for (int k = 0; k < 3; k++) {
+        free(g->stage[k]);
+        g->stage[k] = NULL;
+    }
 }
 
 static float *allocate(fh_context *ctx, int64_t count, fh_status *st)
@@ -44,14 +49,62 @@ static float *allocate(fh_context *ctx, int64_t count, fh_status *st)
     return p;
 }
 
+/* Points g->user's bf16 gradients that a reduction sums at fp32 staging buffers (beta 0). FH_OK or
+ * FH_ERR_OUT_OF_MEMORY (reported). */
+static fh_status stage_bf16(fh_context *ctx, const fh_linear *lin, fhm_grads *g)
+{
+    fh_linear_grads *u = &g->user;
+    fh_status st = FH_OK;
+    g->target = *u;
+    if (u->dx && u->dx_dtype == FH_DTYPE_BF16 && g->dx_mode != FH_MPI_NO_REDUCTION) {
+        u->dx = g->stage[0] = allocate(ctx, g->dx_rows * lin->hidden, &st);
+        u->dx_row_stride = lin->hidden;
+        u->dx_beta = 0.0f;
+        u->dx_dtype = FH_DTYPE_F32;
+    }
+    if (u->dweight && u->dweight_dtype == FH_DTYPE_BF16 && g->dw_mode != FH_MPI_NO_REDUCTION) {
+        const int64_t extent = (lin->hidden - 1) * lin->w_stride_hidden + (lin->vocab - 1) * lin->w_stride_vocab + 1;
+        u->dweight = g->stage[1] = allocate(ctx, extent, &st);
+        u->dweight_beta = 0.0f;
+        u->dweight_dtype = FH_DTYPE_F32;
+    }
+    if (u->dbias && u->dbias_dtype == FH_DTYPE_BF16 && g->dw_mode != FH_MPI_NO_REDUCTION) {
+        u->dbias = g->stage[2] = allocate(ctx, lin->vocab, &st);
+        u->dbias_beta = 0.0f;
+        u->dbias_dtype = FH_DTYPE_F32;
+    }
+    return st;
+}
+
+/* The staged sums rounded into the caller's bf16 gradients: dx's rows, dweight's elements (the reduce-scattered
+ * part only), dbias. */
+static void unstage_bf16(const fhm_grads *g)
+{
+    const fh_linear_grads *t = &g->target;
+    for (int64_t i = 0; g->stage[0] && i < g->dx_rows; i++)
+        fh_row_add_to_bf16(g->stage[0] + i * g->hidden, g->hidden, t->dx_beta != 0.0f,
+                           (uint16_t *)t->dx + i * t->dx_row_stride);
+    if (g->stage[1] && g->dw_mode == FH_MPI_REDUCE_SCATTER)
+        fh_row_add_to_bf16(g->stage[1] + g->dw_first, g->dw_count, t->dweight_beta != 0.0f,
+                           (uint16_t *)t->dweight + g->dw_first);
+    else if (g->stage[1])
+        for (int64_t k = 0; k < g->hidden; k++)
+            for (int64_t j = 0; j < g->vocab; j++) {
+                const int64_t at = k * g->w_stride_hidden + j * g->w_stride_vocab;
+                fh_row_add_to_bf16(g->stage[1] + at, 1, t->dweight_beta != 0.0f, (uint16_t *)t->dweight + at);
+            }
+    if (g->stage[2])
+        fh_row_add_to_bf16(g->stage[2], g->vocab, t->dbias_beta != 0.0f, t->dbias);
+}
+
 fh_status fhm_grads_begin(const fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin,
-                          const fh_linear_grads *user, fhm_grads *g)
+                          const fh_linear_grads *given, fhm_grads *g)
 {
     memset(g, 0, sizeof *g);
-    if (!user)
+    if (!given)
         return fh_fail(ctx, FH_ERR_NULL_POINTER, "the fh_linear_grads description is NULL");
-    g->user = *user;
-    g->engine = *user;
+    g->user = *given;
+    const fh_linear_grads *user = &g->user;
     g->n = lin->n;
     g->hidden = lin->hidden;
     g->vocab = lin->vocab;
@@ -59,9 +112,6 @@ fh_status fhm_grads_begin(const fh_mpi_layout *L, fh_context *ctx, const fh_line
     g->w_stride_vocab = lin->w_stride_vocab;
     g->dx_mode = L->vocab_ranks > 1 ? L->params[FH_MPI_PARAM_DX_REDUCTION] : FH_MPI_NO_REDUCTION;
     g->dw_mode = L->data_ranks > 1 ? L->params[FH_MPI_PARAM_DWEIGHT_REDUCTION] : FH_MPI_NO_REDUCTION;
-    if (user->dx_dtype != FH_DTYPE_F32 || user->dweight_dtype != FH_DTYPE_F32 || user->dbias_dtype != FH_DTYPE_F32)
-        return fh_fail(ctx, FH_ERR_INVALID_DTYPE, "the MPI calls write fp32 gradients only (dx_dtype, dweight_dtype "
-                       "and dbias_dtype must be FH_DTYPE_F32): bf16 inputs are taken, bf16 gradients are not yet");
     /* The core checks (betas, bias), with dx checked for the rows it will hold. */
     fh_linear_grads without_dx = *user;
     without_dx.dx = NULL;
@@ -75,11 +125,18 @@ fh_status fhm_grads_begin(const fh_mpi_layout *L, fh_context *ctx, const fh_line
     if (user->dx && g->dx_rows > 0) {
         fh_linear rows = *lin;
         rows.n = g->dx_rows;
-        const fh_linear_grads only_dx = {.dx = user->dx, .dx_row_stride = user->dx_row_stride, .dx_beta = user->dx_beta};
+        const fh_linear_grads only_dx = {.dx = user->dx, .dx_row_stride = user->dx_row_stride,
+                                         .dx_beta = user->dx_beta, .dx_dtype = user->dx_dtype};
         st = fh_check_grads(ctx, &rows, &only_dx);
         if (st != FH_OK)
             return st;
     }
+    st = stage_bf16(ctx, lin, g);
+    if (st != FH_OK) {
+        fhm_grads_free(g);
+        return st;
+    }
+    g->engine = *user;
     const int64_t nh = lin->n * lin->hidden; /* fh_check_linear checked the product */
     if (user->dx && g->dx_mode == FH_MPI_REDUCE_SCATTER && (g->dx_rows + 1) * lin->hidden >= INT_MAX)
         return fh_fail(ctx, FH_ERR_SIZE_OVERFLOW, "dx blocks exceed MPI's int counts");
@@ -227,6 +284,8 @@ fh_status fhm_grads_finish(fh_mpi_layout *L, fh_context *ctx, fhm_grads *g)
 {
     fh_status st = reduce_dx(L, ctx, g);
     const fh_status st2 = reduce_dweight(L, ctx, g);
+    if (st == FH_OK && st2 == FH_OK)
+        unstage_bf16(g);
     fhm_grads_free(g);
     return st != FH_OK ? st : st2;
 }

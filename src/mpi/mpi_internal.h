@@ -81,6 +81,10 @@ typedef struct fhm_grads {
     int64_t dw_first, dw_count;
     int dw_dense;
     float *dx_tmp, *dx_recv, *dw_saved, *dw_pack, *db_saved;
+    /* bf16 gradients that a reduction sums are reduced in fp32 staging buffers (user then points at them, beta
+     * 0) and rounded once into the caller's (target) at the end, its beta adding the old value in f32. */
+    fh_linear_grads target;
+    float *stage[3]; /* dx (dx_rows x hidden), dweight (the weight's strides), dbias; NULL: not staged */
 } fhm_grads;
 
 /* Checks the caller's gradients for the layout's reductions and allocates what the reductions need.

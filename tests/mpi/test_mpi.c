@@ -3,7 +3,9 @@
  * share: loss and metrics within 1e-6 relative, per-token outputs and gradients within 1e-5 normwise,
  * argmax exactly; bf16 inputs (a subset of the cases, where the library has oneDNN) against the single-process
  * bf16 result, gradients within 4e-3 normwise: shards change the GEMMs' shapes, and a logit one fp32 ulp apart
- * may round dZ to the neighbouring bf16 value (2^-8 relative, the bound of ref/ce_case.c). Layouts: vocab-parallel over the world (uneven shards), data-parallel over the world
+ * may round dZ to the neighbouring bf16 value (2^-8 relative, the bound of ref/ce_case.c); with bf16 gradients
+ * (summed in fp32 across ranks, rounded once) 2^-8 more, each element's own rounding. Layouts: vocab-parallel
+ * over the world (uneven shards), data-parallel over the world
  * (uneven token batches), and a 2 x (size/2) grid when the size is even and >= 4.
  * Run: mpirun -np 2|3|4 fh_mpi_tests */
 #include <fusedhead.h>
@@ -185,11 +187,13 @@ typedef struct problem {
     float *x, *w, *b, *cw;
     fh_dtype dtype;
     uint16_t *xb, *wb; /* bf16: x and w's bits (x and w then hold their bf16 values), else NULL */
+    fh_dtype grad_dtype; /* of the fusedhead_mpi call's gradients */
 } problem;
 
 static void make_problem(problem *p, int64_t n, int64_t h, int64_t v, fh_layout layout, uint64_t seed, fh_dtype dtype)
 {
     p->dtype = dtype;
+    p->grad_dtype = FH_DTYPE_F32;
     p->xb = p->wb = NULL;
     p->n = n;
     p->h = h;
@@ -217,10 +221,31 @@ static void make_problem(problem *p, int64_t n, int64_t h, int64_t v, fh_layout 
     }
 }
 
-/* The library's gradient tolerance for the problem's dtype (file comment). */
+/* The library's gradient tolerance for the problem's dtypes (file comment); dbias sums the fp32 dZ. */
 static double grad_tol(const problem *p)
 {
-    return p->dtype == FH_DTYPE_BF16 ? BF16_GRAD_TOL : GRAD_TOL;
+    return (p->dtype == FH_DTYPE_BF16 ? BF16_GRAD_TOL : GRAD_TOL) + (p->grad_dtype == FH_DTYPE_BF16 ? BF16_GRAD_TOL : 0.0);
+}
+
+static double dbias_tol(const problem *p)
+{
+    return GRAD_TOL + (p->grad_dtype == FH_DTYPE_BF16 ? BF16_GRAD_TOL : 0.0);
+}
+
+/* bf16 gradient buffers: the floats' values as bf16 bits before the call, read back into the floats after it. */
+static uint16_t *bits_of(const float *values, int64_t count)
+{
+    uint16_t *bits = alloc((size_t)count, sizeof(uint16_t));
+    for (int64_t i = 0; i < count; i++)
+        bits[i] = bf16_from_float(values[i]);
+    return bits;
+}
+
+static void read_back(uint16_t *bits, float *values, int64_t count)
+{
+    for (int64_t i = 0; i < count; i++)
+        values[i] = bf16_to_float(bits[i]);
+    free(bits);
 }
 
 static void free_problem(problem *p)
@@ -291,11 +316,13 @@ typedef struct ce_case {
     int tight_rank;        /* the last rank's budget holds only streaming tiles: every rank must stream */
 } ce_case;
 
-static void run_ce(const config *cfg, const ce_case *c, fh_dtype dtype)
+static void run_ce(const config *cfg, const ce_case *c, fh_dtype dtype, fh_dtype grad_dtype)
 {
-    snprintf(case_name, sizeof case_name, "%s / ce %s%s", cfg->name, c->name, dtype == FH_DTYPE_BF16 ? " bf16" : "");
+    snprintf(case_name, sizeof case_name, "%s / ce %s%s%s", cfg->name, c->name, dtype == FH_DTYPE_BF16 ? " bf16" : "",
+             grad_dtype == FH_DTYPE_BF16 ? ", bf16 gradients" : "");
     problem p;
     make_problem(&p, c->n, c->h, c->v, c->layout, 1000 + (uint64_t)c->n + (uint64_t)c->v, dtype);
+    p.grad_dtype = grad_dtype;
     const int64_t n = c->n, h = c->h, v = c->v;
     int64_t *targets = alloc((size_t)n, sizeof(int64_t));
     float *grad_out = alloc((size_t)n, sizeof(float));
@@ -397,7 +424,18 @@ static void run_ce(const config *cfg, const ce_case *c, fh_dtype dtype)
     prefill(mine.dw, h * v, c->beta1, 12);
     prefill(mine.db, v, c->beta1, 13);
     const float beta = c->beta1 ? 1.0f : 0.0f;
-    fh_linear_grads g = {.dx = mine.dx, .dx_row_stride = dx_stride, .dx_beta = beta, .dweight = mine.dw + weight_offset(&p, &lin), .dweight_beta = beta, .dbias = c->bias ? mine.db + off : NULL, .dbias_beta = beta};
+    const int bf16_grads = grad_dtype == FH_DTYPE_BF16;
+    uint16_t *bits[3] = {NULL, NULL, NULL};
+    if (bf16_grads) {
+        bits[0] = bits_of(mine.dx, nr * dx_stride);
+        bits[1] = bits_of(mine.dw, h * v);
+        bits[2] = bits_of(mine.db, v);
+    }
+    fh_linear_grads g = {.dx = bf16_grads ? (void *)bits[0] : mine.dx, .dx_row_stride = dx_stride, .dx_beta = beta,
+                         .dweight = bf16_grads ? (void *)(bits[1] + weight_offset(&p, &lin)) : mine.dw + weight_offset(&p, &lin),
+                         .dweight_beta = beta,
+                         .dbias = c->bias ? (bf16_grads ? (void *)(bits[2] + off) : mine.db + off) : NULL,
+                         .dbias_beta = beta, .dx_dtype = grad_dtype, .dweight_dtype = grad_dtype, .dbias_dtype = grad_dtype};
     fh_ce_outputs out = {&loss, &zl, ptl, logp, lse, argmax};
     const float *local_grad = c->reduction == FH_REDUCTION_NONE ? grad_out + n0 : grad_output;
     if (c->train_step) {
@@ -407,6 +445,11 @@ static void run_ce(const config *cfg, const ce_case *c, fh_dtype dtype)
         check_status("fh_mpi_ce_forward", fh_mpi_ce_forward(ctx, L, &lin, targets + n0, &lo, &out), ctx);
         check_status("fh_mpi_ce_backward",
                      fh_mpi_ce_backward(ctx, L, &lin, targets + n0, &lo, lse, local_grad, &g), ctx);
+    }
+    if (bf16_grads) {
+        read_back(bits[0], mine.dx, nr * dx_stride);
+        read_back(bits[1], mine.dw, h * v);
+        read_back(bits[2], mine.db, v);
     }
     check_scalar("loss", loss, ref_loss, LOSS_TOL);
     check_scalar("z_loss", zl, ref_zl, LOSS_TOL);
@@ -445,7 +488,7 @@ static void run_ce(const config *cfg, const ce_case *c, fh_dtype dtype)
         check_weight_shard("dweight", mine.dw, ref.dw, c->layout, h, v, off, vl, grad_tol(&p));
     }
     if (c->bias && !(c->dw_mode == FH_MPI_NO_REDUCTION && cfg->pd > 1 && c->beta1))
-        check_rows("dbias", mine.db + off, 1, ref.db + off, 1, vl, 1, GRAD_TOL);
+        check_rows("dbias", mine.db + off, 1, ref.db + off, 1, vl, 1, dbias_tol(&p));
 
     fh_mpi_layout_destroy(L);
     fh_context_destroy(ctx);
@@ -517,11 +560,12 @@ static void ce_cases(const config *cfg)
          0, 1, 0, 0, 0, 0, 0, 0, 0, 1},
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++)
-        run_ce(cfg, &cases[k], FH_DTYPE_F32);
+        run_ce(cfg, &cases[k], FH_DTYPE_F32, FH_DTYPE_F32);
     /* bf16: split and train step, row blocks of uneven heights, the streaming fallback, reduce-scatter. */
     static const size_t bf16_cases[] = {0, 3, 12, 16, 19};
     for (size_t k = 0; have_bf16() && k < sizeof bf16_cases / sizeof bf16_cases[0]; k++)
-        run_ce(cfg, &cases[bf16_cases[k]], FH_DTYPE_BF16);
+        for (int grad_dtype = 0; grad_dtype < 2; grad_dtype++)
+            run_ce(cfg, &cases[bf16_cases[k]], FH_DTYPE_BF16, (fh_dtype)grad_dtype);
 }
 
 /* ---- GRPO -------------------------------------------------------------------------------------- */
@@ -631,7 +675,7 @@ static void run_grpo(const config *cfg, const grpo_case *c, fh_dtype dtype)
     check_rows("dx", mine.dx, h, ref.dx + n0 * h, h, nr, h, grad_tol(&p));
     check_weight_shard("dweight", mine.dw, ref.dw, c->layout, h, v, off, vl, grad_tol(&p));
     if (c->bias)
-        check_rows("dbias", mine.db + off, 1, ref.db + off, 1, vl, 1, GRAD_TOL);
+        check_rows("dbias", mine.db + off, 1, ref.db + off, 1, vl, 1, dbias_tol(&p));
 
     fh_mpi_layout_destroy(L);
     fh_context_destroy(ctx);
