@@ -222,6 +222,24 @@ static void test_gradient_dtype_contract(void)
         TU_CHECK(loss == 1234.5 && tu_all_equal_f(dx, N * H, canary) && tu_all_equal_f(dw, H * V, canary),
                  "case %zu: outputs untouched", k);
     }
+    /* A bf16 weight whose last element lies 2^61 elements from its base is a valid bf16 view (2^62 bytes), but
+     * its fp32 gradient, written with the same strides, would be 2^63 bytes away: refused before anything runs
+     * (hardening README, finding 4). */
+    if (cp_have_bf16()) {
+        uint16_t xb[2] = {0, 0}, wb[1] = {0};
+        const int64_t two_targets[2] = {0, 1};
+        const float lse[2] = {0.0f, 0.0f}, grad = 1.0f;
+        fh_linear far;
+        fh_linear_init(&far, 2, 1, 2, xb, wb, FH_LAYOUT_HV, NULL);
+        far.x_dtype = far.weight_dtype = FH_DTYPE_BF16;
+        far.w_stride_vocab = (int64_t)1 << 61;
+        fh_linear_grads g = {.dweight = dw};
+        const fh_status st = fh_ce_backward(ctx, &far, two_targets, &o, lse, &grad, &g);
+        const char *why = NULL;
+        fh_context_message(ctx, &why);
+        TU_CHECK(st == FH_ERR_SIZE_OVERFLOW && why && strstr(why, "dweight"), "far fp32 dweight: status %d, %s",
+                 (int)st, why ? why : "(none)");
+    }
     fh_context_destroy(ctx);
 }
 
