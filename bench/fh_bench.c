@@ -40,11 +40,24 @@ typedef struct shape {
     fh_dtype dtype; /* of x and weight (the ceiling's and the materialized baseline's GEMMs follow it) */
     fh_dtype grad_dtype; /* of the fused cases' dx and dweight: x's unless --grad-dtype says */
     int fp32_dz;         /* FH_PARAM_FP32_DZ */
+    int grpo;            /* --loss grpo: n = batch * seq tokens of the GRPO head (TRL defaults, on-policy) */
+    int64_t batch, seq;
 } shape;
+
+/* GRPO's cases: the forward, today's streaming step (forward + backward, 8 NHV) and the single-call step
+ * (fh_grpo_forward_backward: row blocks of whole sequences); no materialized baseline. */
+static const char *grpo_case_names[CASE_COUNT] = {NULL, "grpo_forward", "grpo_streaming", "grpo_train_step", NULL};
 
 static const char *case_name(bench_case c, const shape *s)
 {
-    return c == CASE_SGEMM && s->dtype == FH_DTYPE_BF16 ? bf16_ceiling_name : case_names[c];
+    if (c == CASE_SGEMM)
+        return s->dtype == FH_DTYPE_BF16 ? bf16_ceiling_name : case_names[c];
+    return s->grpo ? grpo_case_names[c] : case_names[c];
+}
+
+static int case_runs(bench_case c, const shape *s)
+{
+    return !(s->grpo && c == CASE_MATERIALIZED);
 }
 
 typedef struct result {
@@ -102,8 +115,47 @@ static double gemm_best_ms(const shape *s, void *const sg[3])
     return best;
 }
 
+/* GRPO's per-token and per-sequence inputs and its saved log-probs. */
+typedef struct grpo_inputs {
+    float *mask, *advantages, *logp;
+} grpo_inputs;
+
+static int grpo_inputs_make(const shape *s, grpo_inputs *g)
+{
+    g->mask = malloc((size_t)s->n * sizeof(float));
+    g->logp = malloc((size_t)s->n * sizeof(float));
+    g->advantages = malloc((size_t)s->batch * sizeof(float));
+    if (!g->mask || !g->logp || !g->advantages)
+        return -1;
+    for (int64_t i = 0; i < s->n; i++)
+        g->mask[i] = i % s->seq < s->seq - s->seq / 8 ? 1.0f : 0.0f; /* the last eighth of each sequence is padding */
+    for (int64_t b = 0; b < s->batch; b++)
+        g->advantages[b] = b % 2 ? -1.0f : 1.0f;
+    return 0;
+}
+
+/* One GRPO call of the case. */
+static int run_grpo(bench_case c, const shape *s, const fh_linear *lin, const bench_inputs *in, const grpo_inputs *g,
+                    fh_context *ctx, fh_linear_grads *grads, double *loss)
+{
+    fh_grpo_options o;
+    fh_grpo_options_init(&o);
+    const fh_grpo_batch batch = {s->batch, s->seq, in->targets, g->mask, g->advantages, NULL, NULL};
+    fh_grpo_outputs out = {.loss = loss, .per_token_logp = g->logp, .lse = in->lse};
+    const float grad_one = 1.0f;
+    switch (c) {
+    case CASE_FORWARD: return fh_grpo_forward(ctx, lin, &batch, &o, &out) == FH_OK ? 0 : -1;
+    case CASE_SPLIT:
+        if (fh_grpo_forward(ctx, lin, &batch, &o, &out) != FH_OK)
+            return -1;
+        return fh_grpo_backward(ctx, lin, &batch, &o, g->logp, in->lse, NULL, &grad_one, grads) == FH_OK ? 0 : -1;
+    case CASE_TRAIN: return fh_grpo_forward_backward(ctx, lin, &batch, &o, &grad_one, &out, grads) == FH_OK ? 0 : -1;
+    default: return -1;
+    }
+}
+
 /* One call of the case, its loss in *loss (NaN for the sgemm); returns 0 or -1. */
-static int run_once(bench_case c, const shape *s, const bench_inputs *in, fh_context *ctx,
+static int run_once(bench_case c, const shape *s, const bench_inputs *in, const grpo_inputs *grpo, fh_context *ctx,
                     const materialized_buffers *mb, void *const gemm_buffers[3], double *loss)
 {
     const int bf16 = s->dtype == FH_DTYPE_BF16;
@@ -119,6 +171,8 @@ static int run_once(bench_case c, const shape *s, const bench_inputs *in, fh_con
     /* in->dx and in->dw are float buffers, large enough for bf16 gradients too. */
     fh_linear_grads g = {.dx = in->dx, .dx_row_stride = s->hidden, .dweight = in->dw, .dx_dtype = s->grad_dtype,
                          .dweight_dtype = s->grad_dtype};
+    if (s->grpo && c != CASE_SGEMM)
+        return run_grpo(c, s, &lin, in, grpo, ctx, &g, loss);
     switch (c) {
     case CASE_SGEMM:
         return gemm_2048(s, gemm_buffers);
@@ -158,8 +212,11 @@ static result measure_in_child(bench_case c, const shape *s)
     fh_context *ctx = NULL;
     void *sg[3] = {NULL, NULL, NULL};
     materialized_buffers mb = {0, NULL, NULL};
+    grpo_inputs grpo = {NULL, NULL, NULL};
     const int bf16 = s->dtype == FH_DTYPE_BF16;
     if (bench_inputs_make(s->n, s->hidden, s->vocab, &in) != 0 || fh_context_create(&ctx) != FH_OK)
+        return r;
+    if (s->grpo && grpo_inputs_make(s, &grpo) != 0)
         return r;
     if (bf16 && bench_inputs_add_bf16(s->n, s->hidden, s->vocab, &in) != 0)
         return r;
@@ -182,7 +239,9 @@ static result measure_in_child(bench_case c, const shape *s)
     fh_ce_options o;
     fh_ce_options_init(&o);
     size_t ws = 0;
-    if (c == CASE_FORWARD || c == CASE_SPLIT)
+    if (s->grpo && c != CASE_SGEMM)
+        fh_grpo_workspace_size(ctx, &lin, &ws);
+    else if (c == CASE_FORWARD || c == CASE_SPLIT)
         fh_ce_workspace_size(ctx, &lin, &o, &ws);
     else if (c == CASE_TRAIN)
         fh_ce_forward_backward_workspace_size(ctx, &lin, &o, &ws);
@@ -194,13 +253,13 @@ static result measure_in_child(bench_case c, const shape *s)
     /* The materialized path's buffers belong to the call: a framework allocates them per step. */
     if (c == CASE_MATERIALIZED && materialized_alloc(&mb, s->n, s->vocab, bf16) != 0)
         return r;
-    if (run_once(c, s, &in, ctx, &mb, sg, &r.loss) != 0)
+    if (run_once(c, s, &in, &grpo, ctx, &mb, sg, &r.loss) != 0)
         return r;
     r.first_ms = now_ms() - t;
     const int reps = c == CASE_SGEMM && s->reps < CEILING_REPS ? CEILING_REPS : s->reps;
     for (int k = 0; k < reps; k++) {
         t = now_ms();
-        if (run_once(c, s, &in, ctx, &mb, sg, &r.loss) != 0)
+        if (run_once(c, s, &in, &grpo, ctx, &mb, sg, &r.loss) != 0)
             return r;
         const double ms = now_ms() - t;
         r.best_ms = ms < r.best_ms ? ms : r.best_ms;
@@ -285,6 +344,7 @@ static void print_report(format f, const shape *s, const result *res, const fh_b
                 (long long)s->budget, kernels->kernel_set, gflops(&res[CASE_SGEMM]), dtype_name(s->dtype),
                 kernels->bf16_gemm);
         for (int c = 0; c < CASE_COUNT; c++)
+            if (case_runs((bench_case)c, s))
             fprintf(out,
                     "    {\"name\": \"%s\", \"ok\": %s, \"flop_basis\": \"%s\", \"flops\": %.6g, \"best_ms\": %.3f, "
                     "\"gflops\": %.1f, \"efficiency\": %.3f, \"first_call_ms\": %.3f, \"workspace_bytes\": %lld, "
@@ -292,13 +352,14 @@ static void print_report(format f, const shape *s, const result *res, const fh_b
                     case_name((bench_case)c, s), res[c].ok ? "true" : "false", case_basis[c], res[c].flops, res[c].best_ms,
                     gflops(&res[c]), efficiency(&res[c]), res[c].first_ms, (long long)res[c].workspace_bytes,
                     (long long)res[c].peak_growth_bytes, res[c].ceiling_gflops, json_number(res[c].loss, num),
-                    c + 1 < CASE_COUNT ? "," : "");
+                    c + 1 < CASE_COUNT && case_runs((bench_case)(c + 1), s) ? "," : "");
         fprintf(out, "  ]\n}\n");
         return;
     }
     if (f == FORMAT_CSV) {
         for (int c = 0; c < CASE_COUNT; c++)
-            print_row(out, s, (bench_case)c, &res[c]);
+            if (case_runs((bench_case)c, s))
+                print_row(out, s, (bench_case)c, &res[c]);
         return;
     }
     fprintf(out, "fh_bench: N=%lld H=%lld V=%lld, %s (gradients %s%s), layout %s, %d threads, budget %s, BLIS kernel set "
@@ -309,6 +370,8 @@ static void print_report(format f, const shape *s, const result *res, const fh_b
     fprintf(out, "%-18s %-9s %10s %9s %9s %6s %10s %12s %14s\n", "case", "basis", "best ms", "GFLOP/s", "ceiling",
             "eff.", "first ms", "workspace", "peak RSS +");
     for (int c = 0; c < CASE_COUNT; c++) {
+        if (!case_runs((bench_case)c, s))
+            continue;
         if (!res[c].ok) {
             fprintf(out, "%-18s failed\n", case_name((bench_case)c, s));
             continue;
@@ -384,7 +447,8 @@ static void usage(void)
 {
     fprintf(stderr, "usage: fh_bench [--n N] [--hidden H] [--vocab V] [--threads T] [--budget BYTES] [--reps K]\n"
                     "                [--layout hv|vh] [--dtype f32|bf16] [--grad-dtype f32|bf16] [--fp32-dz]\n"
-                    "                [--json | --csv] [--sweep n|vocab --out DIR]\n");
+                    "                [--json | --csv] [--sweep n|vocab --out DIR]\n"
+                    "       fh_bench --loss grpo --batch B --seq T [--hidden H] [--vocab V] [the options above but --n]\n");
 }
 
 int main(int argc, char **argv)
@@ -423,6 +487,12 @@ int main(int argc, char **argv)
             grad_dtype = strcmp(argv[++i], "bf16") == 0 ? FH_DTYPE_BF16 : FH_DTYPE_F32;
         else if (strcmp(a, "--reps") == 0)
             s.reps = atoi(argv[++i]);
+        else if (strcmp(a, "--loss") == 0 && (strcmp(v, "ce") == 0 || strcmp(v, "grpo") == 0))
+            s.grpo = strcmp(argv[++i], "grpo") == 0;
+        else if (strcmp(a, "--batch") == 0)
+            s.batch = atoll(argv[++i]);
+        else if (strcmp(a, "--seq") == 0)
+            s.seq = atoll(argv[++i]);
         else if (strcmp(a, "--sweep") == 0)
             sweep_what = argv[++i];
         else if (strcmp(a, "--out") == 0)
@@ -433,6 +503,13 @@ int main(int argc, char **argv)
         }
     }
     s.grad_dtype = grad_dtype < 0 ? s.dtype : (fh_dtype)grad_dtype;
+    if (s.grpo) {
+        if (s.batch < 1 || s.seq < 1 || sweep_what) {
+            usage();
+            return 2;
+        }
+        s.n = s.batch * s.seq;
+    }
     if (s.n < 1 || s.hidden < 1 || s.vocab < 1 || s.threads < 1 || s.reps < 1 ||
         (sweep_what && strcmp(sweep_what, "n") && strcmp(sweep_what, "vocab"))) {
         usage();
@@ -443,18 +520,22 @@ int main(int argc, char **argv)
     if (sweep_what)
         return sweep(sweep_what, out_dir, &s, blis.kernel_set) == 0 ? 0 : 1;
     result res[CASE_COUNT];
+    memset(res, 0, sizeof res);
     int failed = 0;
     for (int c = 0; c < CASE_COUNT; c++) {
+        if (!case_runs((bench_case)c, &s))
+            continue;
         res[c] = run_case((bench_case)c, &s);
         failed |= !res[c].ok;
     }
-    /* Every case computes the same mean cross-entropy; a benchmark of different problems would be worthless.
-     * The materialized loss uses fp32 exps summed in double: 1e-5 relative is far above both errors. */
-    const double expected = res[CASE_MATERIALIZED].loss;
+    /* Every case computes the same loss; a benchmark of different problems would be worthless. The materialized
+     * loss uses fp32 exps summed in double: 1e-5 relative is far above both errors. GRPO's cases are checked
+     * against its forward. */
+    const double expected = res[s.grpo ? CASE_FORWARD : CASE_MATERIALIZED].loss;
     for (int c = CASE_FORWARD; c <= CASE_TRAIN; c++)
         if (res[c].ok && !(fabs(res[c].loss - expected) <= 1e-5 * fabs(expected))) {
-            fprintf(stderr, "fh_bench: %s loss %.9g differs from the materialized %.9g\n", case_name((bench_case)c, &s), res[c].loss,
-                    expected);
+            fprintf(stderr, "fh_bench: %s loss %.9g differs from the %s %.9g\n", case_name((bench_case)c, &s),
+                    res[c].loss, s.grpo ? "forward's" : "materialized", expected);
             failed = 1;
         }
     if (f == FORMAT_CSV)

@@ -360,13 +360,16 @@ FH_API fh_status fh_grpo_backward(fh_context *ctx, const fh_linear *lin, const f
                                   const fh_grpo_options *options, const float *per_token_logp, const float *lse,
                                   const float *entropy, const float *grad_output, fh_linear_grads *grads);
 
-/* Forward and backward in one call (streaming both passes: the GSPO ratio and the per-sequence means need
- * every token's log-prob before any coefficient is known). */
+/* Forward and backward in one call. Row blocks of whole sequences (6 N H V flops, as fh_ce_forward_backward):
+ * a block's logits across the whole vocabulary, its tokens' statistics, then its sequences' GSPO log-ratios and
+ * its rows' coefficients, dZ and both gradient GEMMs; the per-sequence normalisers come from the mask alone.
+ * When the memory budget cannot hold one sequence's rows it streams both passes instead (8 N H V flops); the
+ * results are the same either way. */
 FH_API fh_status fh_grpo_forward_backward(fh_context *ctx, const fh_linear *lin, const fh_grpo_batch *batch,
                                           const fh_grpo_options *options, const float *grad_output,
                                           fh_grpo_outputs *out, fh_linear_grads *grads);
 
-/* Workspace bytes the GRPO calls need (pure). */
+/* Workspace bytes the GRPO calls need, the largest of forward, backward and forward_backward (pure). */
 FH_API fh_status fh_grpo_workspace_size(const fh_context *ctx, const fh_linear *lin, size_t *bytes);
 
 #ifdef __cplusplus

@@ -489,7 +489,7 @@ fh_status fh_engine_row_blocks(const fh_engine_pass *p)
             for (int64_t r = 0; r < nb; r++)
                 fold_row(p, &request, tile + r * vocab, i0 + r);
             const fh_token_stats block = stats_from(stats, i0);
-            st = p->source->block(p->source->self, nb, &block);
+            st = p->source->block(p->source->self, i0, nb, &block);
             if (st != FH_OK)
                 return st;
 #pragma omp parallel for num_threads(threads) schedule(static)

@@ -35,13 +35,14 @@ typedef struct fh_coef_arrays {
 
 /* Supplies a row's backward coefficients once its statistics are final (single-call train step). row is
  * called concurrently for different rows: it may only write row i's results. block, optional, is called
- * once per row block, on the calling thread, after every row of the block is folded and before any row's
- * coefficients: stats views the block's rows (arrays start at its first row) as fh_engine_forward leaves
- * them (lse, sum_pz final over lin's columns, sum_exp the sum of exps), and block may replace them, e.g.
- * with statistics combined across vocabulary shards; a status other than FH_OK stops the pass. */
+ * once per row block (rows first_row .. first_row + rows - 1), on the calling thread, after every row of the
+ * block is folded and before any row's coefficients: stats views the block's rows (arrays start at its first
+ * row) as fh_engine_forward leaves them (lse, sum_pz final over lin's columns, sum_exp the sum of exps), and
+ * block may replace them, e.g. with statistics combined across vocabulary shards, or compute what the rows'
+ * coefficients need from the whole block (a sequence's mean); a status other than FH_OK stops the pass. */
 typedef struct fh_coef_source {
     void (*row)(const void *self, int64_t i, const fh_final_stats *stats, fh_coef *coef);
-    fh_status (*block)(const void *self, int64_t rows, const fh_token_stats *stats);
+    fh_status (*block)(const void *self, int64_t first_row, int64_t rows, const fh_token_stats *stats);
     const void *self;
 } fh_coef_source;
 

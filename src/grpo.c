@@ -162,24 +162,39 @@ static double old_logp(const fh_grpo_head *h, int64_t i, const double *logp)
     return h->bt->old_per_token_logps ? (double)h->bt->old_per_token_logps[i] : logp[i];
 }
 
-void fh_grpo_head_prepare(fh_grpo_head *h, const double *logp)
+void fh_grpo_head_count(fh_grpo_head *h)
 {
     const fh_grpo_batch *bt = h->bt;
     double total = 0.0;
     for (int64_t b = 0; b < bt->batch; b++) {
-        double count = 0.0, acc = 0.0;
-        for (int64_t t = 0; t < bt->seq; t++) {
-            const int64_t i = b * bt->seq + t;
-            count += bt->completion_mask[i];
-            acc += (logp[i] - old_logp(h, i, logp)) * bt->completion_mask[i];
-        }
+        double count = 0.0;
+        for (int64_t t = 0; t < bt->seq; t++)
+            count += bt->completion_mask[b * bt->seq + t];
         total += count;
         h->seq_count[b] = fmax(count, 1.0);
-        h->seq_log_ratio[b] = acc / h->seq_count[b];
     }
     h->mask_sum = total;
     h->mask_total = fmax(total, 1.0);
     h->batch_total = (double)bt->batch;
+}
+
+void fh_grpo_head_log_ratios(fh_grpo_head *h, const double *logp, int64_t b0, int64_t b1)
+{
+    const fh_grpo_batch *bt = h->bt;
+    for (int64_t b = b0; b < b1; b++) {
+        double acc = 0.0;
+        for (int64_t t = 0; t < bt->seq; t++) {
+            const int64_t i = b * bt->seq + t;
+            acc += (logp[i] - old_logp(h, i, logp)) * bt->completion_mask[i];
+        }
+        h->seq_log_ratio[b] = acc / h->seq_count[b];
+    }
+}
+
+void fh_grpo_head_prepare(fh_grpo_head *h, const double *logp)
+{
+    fh_grpo_head_count(h);
+    fh_grpo_head_log_ratios(h, logp, 0, h->bt->batch);
 }
 
 /* d loss / d l_i per unit of mask: the loss type's normalisation. */
@@ -197,8 +212,8 @@ static double sequence_weight(const fh_grpo_head *h, int64_t b)
     }
 }
 
-void fh_grpo_head_evaluate(const fh_grpo_head *h, const double *logp, const double *entropy, double grad,
-                           const fh_grpo_head_outputs *out, fh_grpo_partials *partials)
+void fh_grpo_head_evaluate(const fh_grpo_head *h, int64_t b0, int64_t b1, const double *logp, const double *entropy,
+                           double grad, const fh_grpo_head_outputs *out, fh_grpo_partials *partials)
 {
     const fh_grpo_batch *bt = h->bt;
     const fh_grpo_options *o = h->o;
@@ -206,7 +221,7 @@ void fh_grpo_head_evaluate(const fh_grpo_head *h, const double *logp, const doub
     const double lo = 1.0 - o->epsilon_low, hi = 1.0 + epsilon_high(o);
     double loss = 0.0, kl_sum = 0.0, entropy_sum = 0.0, clip_low = 0.0, clip_high = 0.0, clip_region = 0.0,
            cispo_clip = 0.0;
-    for (int64_t b = 0; b < bt->batch; b++) {
+    for (int64_t b = b0; b < b1; b++) {
         const double a = bt->advantages[b], weight = sequence_weight(h, b);
         double seq_loss = 0.0, seq_slope = 0.0;
         for (int64_t t = 0; t < bt->seq; t++) {
@@ -254,7 +269,7 @@ void fh_grpo_head_evaluate(const fh_grpo_head *h, const double *logp, const doub
             }
     }
     if (out->g_entropy)
-        for (int64_t i = 0; i < bt->batch * bt->seq; i++)
+        for (int64_t i = b0 * bt->seq; i < b1 * bt->seq; i++)
             out->g_entropy[i] = -grad * o->entropy_coef * bt->completion_mask[i] / h->mask_total;
     const fh_grpo_partials p = {loss, kl_sum, entropy ? entropy_sum : NAN, clip_low, clip_high, clip_region,
                                 cispo_clip};
@@ -285,7 +300,7 @@ static void head_evaluate(const fh_grpo_head *h, const double *logp, const doubl
                           const fh_grpo_head_outputs *out)
 {
     fh_grpo_partials p;
-    fh_grpo_head_evaluate(h, logp, entropy, grad, out, &p);
+    fh_grpo_head_evaluate(h, 0, h->bt->batch, logp, entropy, grad, out, &p);
     fh_grpo_head_finish(h, &p, out);
 }
 
@@ -295,7 +310,15 @@ FH_API fh_status fh_grpo_workspace_size(const fh_context *ctx, const fh_linear *
 {
     if (!ctx || !bytes)
         return FH_ERR_NULL_POINTER;
-    return fh_plan_query_bytes(ctx, lin, 0, bytes);
+    /* The larger of the streaming passes' and the single-call step's (its row blocks hold whole sequences, so
+     * they are at most the unaligned blocks the query plans). */
+    size_t streaming, train_step;
+    fh_status st = fh_plan_query_bytes(ctx, lin, 0, &streaming);
+    if (st == FH_OK)
+        st = fh_plan_query_bytes(ctx, lin, 1, &train_step);
+    if (st == FH_OK)
+        *bytes = streaming > train_step ? streaming : train_step;
+    return st;
 }
 
 fh_engine_pass fh_grpo_pass(const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin, const int64_t *ids,
@@ -321,10 +344,10 @@ fh_token_stats fh_grpo_stats_in(const fh_workspace *ws)
     return stats;
 }
 
-void fh_grpo_token_values(const fh_workspace *ws, const fh_grpo_batch *bt, int64_t n, int64_t vocab)
+void fh_grpo_token_values(const fh_workspace *ws, const fh_grpo_batch *bt, int64_t i0, int64_t i1, int64_t vocab)
 {
     const fh_token_stats stats = fh_grpo_stats_in(ws);
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t i = i0; i < i1; i++) {
         const int64_t id = bt->completion_ids[i];
         ws->slot[FH_GRPO_SLOT_LOGP][i] = id >= 0 && id < vocab ? stats.z_target[i] - stats.lse[i] : 0.0;
         ws->slot[FH_GRPO_SLOT_ENTROPY][i] = stats.lse[i] - stats.sum_pz[i];
@@ -340,7 +363,7 @@ static fh_status forward_pass(const fh_plan *plan, const fh_workspace *ws, const
     pass.stats = &stats;
     const fh_status st = fh_engine_forward(&pass);
     if (st == FH_OK)
-        fh_grpo_token_values(ws, bt, lin->n, lin->vocab);
+        fh_grpo_token_values(ws, bt, 0, lin->n, lin->vocab);
     return st;
 }
 
@@ -474,6 +497,88 @@ FH_API fh_status fh_grpo_backward(fh_context *ctx, const fh_linear *lin, const f
     return fh_gemm_failure(ctx, backward_pass(&plan, &ws, lin, batch, options, grad_output[0], grads, NULL));
 }
 
+/* ---- the single-call step in row blocks of whole sequences -------------------------------------- */
+
+/* What the row-block pass's hook and rows use (the fh_coef_source's self). */
+typedef struct sequence_blocks {
+    fh_grpo_head *h;
+    const fh_workspace *ws;
+    int64_t vocab;
+    double grad;
+} sequence_blocks;
+
+/* A folded block of whole sequences: its tokens' logp and entropy, its sequences' GSPO log-ratios, then its
+ * rows' g_logp and g_entropy (the statistics are read from the workspace's slots, where the engine put them). */
+static fh_status block_coefficients(const void *self, int64_t first_row, int64_t rows, const fh_token_stats *stats)
+{
+    const sequence_blocks *s = self;
+    const fh_grpo_batch *bt = s->h->bt;
+    double *const *slot = s->ws->slot;
+    const int64_t b0 = first_row / bt->seq, b1 = (first_row + rows) / bt->seq;
+    (void)stats;
+    fh_grpo_token_values(s->ws, bt, first_row, first_row + rows, s->vocab);
+    fh_grpo_head_log_ratios(s->h, slot[FH_GRPO_SLOT_LOGP], b0, b1);
+    const fh_grpo_head_outputs coefs = {NULL, NULL, NULL, slot[FH_GRPO_SLOT_G_LOGP_AS_B],
+                                        slot[FH_GRPO_SLOT_G_ENTROPY_THEN_E]};
+    fh_grpo_partials unused;
+    fh_grpo_head_evaluate(s->h, b0, b1, slot[FH_GRPO_SLOT_LOGP], slot[FH_GRPO_SLOT_ENTROPY], s->grad, &coefs, &unused);
+    return FH_OK;
+}
+
+/* dZ_j = g_logp (onehot_j - p_j) - g_H p_j (z_j - sum_pz), as in fh_grpo_coefs_in. */
+static void row_coefficients(const void *self, int64_t i, const fh_final_stats *stats, fh_coef *k)
+{
+    const sequence_blocks *s = self;
+    const double g_logp = s->ws->slot[FH_GRPO_SLOT_G_LOGP_AS_B][i];
+    (void)stats;
+    k->a = -g_logp;
+    k->b = g_logp;
+    k->c = 0.0;
+    k->e = -s->ws->slot[FH_GRPO_SLOT_G_ENTROPY_THEN_E][i];
+}
+
+/* The train step's row blocks, lowered to whole sequences and balanced; *row_blocks = 0 (stream) when the
+ * budget's blocks cannot hold one sequence. */
+static fh_status plan_sequence_blocks(fh_context *ctx, const fh_linear *lin, int64_t seq, fh_plan *plan,
+                                      int *row_blocks)
+{
+    const fh_status st = fh_plan_train_step(ctx, lin, plan, row_blocks, ctx);
+    if (st != FH_OK || !*row_blocks)
+        return st;
+    const int64_t sequences = lin->n / seq, fit = plan->tile_rows / seq;
+    if (fit < 1) {
+        *row_blocks = 0;
+        return FH_OK;
+    }
+    const int64_t blocks = (sequences + fit - 1) / fit;
+    fh_plan_lower_rows(plan, lin->n, (sequences + blocks - 1) / blocks * seq);
+    return FH_OK;
+}
+
+/* One pass over row blocks of whole sequences (6 N H V flops), then the loss, metrics and per-token outputs
+ * from the statistics it left in the workspace. */
+static fh_status sequence_block_step(const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin,
+                                     const fh_grpo_batch *bt, const fh_grpo_options *o, double grad,
+                                     const fh_linear_grads *grads, fh_grpo_outputs *out)
+{
+    fh_grpo_head h = fh_grpo_head_in(ws, bt, o);
+    fh_grpo_head_count(&h);
+    const sequence_blocks self = {&h, ws, lin->vocab, grad};
+    const fh_coef_source source = {row_coefficients, block_coefficients, &self};
+    const fh_token_stats stats = fh_grpo_stats_in(ws);
+    fh_engine_pass pass = fh_grpo_pass(plan, ws, lin, bt->completion_ids, o);
+    pass.stats = &stats;
+    pass.source = &source;
+    pass.grads = grads;
+    const fh_status st = fh_engine_row_blocks(&pass);
+    if (st != FH_OK)
+        return st;
+    const fh_grpo_head_outputs hout = {out->loss, out->metrics, out->per_token_loss, NULL, NULL};
+    head_evaluate(&h, ws->slot[FH_GRPO_SLOT_LOGP], ws->slot[FH_GRPO_SLOT_ENTROPY], grad, &hout);
+    fh_grpo_write_outputs(ws, lin->n, out);
+    return FH_OK;
+}
+
 FH_API fh_status fh_grpo_forward_backward(fh_context *ctx, const fh_linear *lin, const fh_grpo_batch *batch,
                                           const fh_grpo_options *options, const float *grad_output,
                                           fh_grpo_outputs *out, fh_linear_grads *grads)
@@ -487,6 +592,15 @@ FH_API fh_status fh_grpo_forward_backward(fh_context *ctx, const fh_linear *lin,
         st = fh_check_grads(ctx, lin, grads);
     fh_plan plans[2];
     fh_workspace ws[2];
+    int row_blocks = 0;
+    if (st == FH_OK)
+        st = plan_sequence_blocks(ctx, lin, batch->seq, &plans[0], &row_blocks);
+    if (st == FH_OK && row_blocks) {
+        st = fh_workspace_acquire(ctx, lin->n, &plans[0], 1, &ws[0]);
+        return st == FH_OK ? fh_gemm_failure(ctx, sequence_block_step(&plans[0], &ws[0], lin, batch, options,
+                                                                      grad_output[0], grads, out))
+                           : st;
+    }
     if (st == FH_OK)
         st = fh_prepare_streaming(ctx, lin, plans, ws);
     if (st != FH_OK)

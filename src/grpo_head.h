@@ -61,8 +61,9 @@ fh_engine_pass fh_grpo_pass(const fh_plan *plan, const fh_workspace *ws, const f
                             const fh_grpo_options *o);
 /* The engine's statistics arrays in the workspace. */
 fh_token_stats fh_grpo_stats_in(const fh_workspace *ws);
-/* logp (0 where the id is outside [0, vocab)) and entropy from the final statistics in the workspace. */
-void fh_grpo_token_values(const fh_workspace *ws, const fh_grpo_batch *bt, int64_t n, int64_t vocab);
+/* logp (0 where the id is outside [0, vocab)) and entropy of tokens [i0, i1) from the final statistics in
+ * the workspace. */
+void fh_grpo_token_values(const fh_workspace *ws, const fh_grpo_batch *bt, int64_t i0, int64_t i1, int64_t vocab);
 void fh_grpo_write_outputs(const fh_workspace *ws, int64_t n, fh_grpo_outputs *out);
 
 /* What fh_grpo_forward saved (lse, logp, entropy or NULL) into the workspace's slots. */
@@ -71,11 +72,16 @@ void fh_grpo_load_saved(const fh_workspace *ws, int64_t n, const float *per_toke
 
 /* The head over the workspace's per-sequence arrays; whole-batch totals are bt's until changed. */
 fh_grpo_head fh_grpo_head_in(const fh_workspace *ws, const fh_grpo_batch *bt, const fh_grpo_options *o);
-/* Per-sequence counts and GSPO log-ratios; mask_sum, mask_total and batch_total of bt alone. */
+/* Per-sequence counts; mask_sum, mask_total and batch_total of bt alone: the mask is all they need. */
+void fh_grpo_head_count(fh_grpo_head *h);
+/* GSPO log-ratios of sequences [b0, b1) from their tokens' logp. */
+void fh_grpo_head_log_ratios(fh_grpo_head *h, const double *logp, int64_t b0, int64_t b1);
+/* Both, for the whole batch. */
 void fh_grpo_head_prepare(fh_grpo_head *h, const double *logp);
-/* Per-token outputs and coefficients (with the head's whole-batch totals) and this batch's partial sums. */
-void fh_grpo_head_evaluate(const fh_grpo_head *h, const double *logp, const double *entropy, double grad,
-                           const fh_grpo_head_outputs *out, fh_grpo_partials *partials);
+/* Per-token outputs and coefficients of sequences [b0, b1) (with the head's whole-batch totals) and their
+ * partial sums. */
+void fh_grpo_head_evaluate(const fh_grpo_head *h, int64_t b0, int64_t b1, const double *logp, const double *entropy,
+                           double grad, const fh_grpo_head_outputs *out, fh_grpo_partials *partials);
 /* Loss and metrics from (whole-batch) partial sums. */
 void fh_grpo_head_finish(const fh_grpo_head *h, const fh_grpo_partials *p, const fh_grpo_head_outputs *out);
 /* Head outputs of a backward pass: g_logp and g_entropy into the workspace, the rest to forward_out. */

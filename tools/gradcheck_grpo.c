@@ -17,8 +17,8 @@ static void usage(void)
             "usage: fh_gradcheck --loss grpo --batch B --seq T --hidden H --vocab V --loss-type X\n"
             "       --is-level token|sequence [--beta b] [--epsilon-low e] [--epsilon-high e] [--delta d]\n"
             "       [--temperature t] [--no-old-logps] [--entropy-coef c] [--layout hv|vh] [--bias]\n"
-            "       [--threads T] [--seed S] [--train-step] [--dtype f32|bf16] [--grad-dtype f32|bf16] [--fp32-dz]\n"
-            "       [--dump DIR]\n"
+            "       [--threads T] [--seed S] [--train-step] [--tile-rows R] [--tile-vocab C] [--dtype f32|bf16]\n"
+            "       [--grad-dtype f32|bf16] [--fp32-dz] [--dump DIR]\n"
             "  X: grpo bnpo dr_grpo dapo cispo sapo\n");
 }
 
@@ -82,6 +82,10 @@ static int parse(int argc, char **argv, grpo_case_spec *s, const char **dump)
             s->fp32_dz = 1;
         } else if (VALUE_OPTION("--threads"))
             s->threads = atoi(v);
+        else if (VALUE_OPTION("--tile-rows"))
+            s->tile_rows = atoll(v);
+        else if (VALUE_OPTION("--tile-vocab"))
+            s->tile_vocab = atoll(v);
         else if (VALUE_OPTION("--seed"))
             s->seed = strtoull(v, NULL, 10);
         else if (strcmp(a, "--train-step") == 0)

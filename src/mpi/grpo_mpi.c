@@ -49,7 +49,7 @@ static fh_status forward_pass(grpo_call *c, const fh_plan *plan, const fh_worksp
     (void)fh_engine_forward(&pass); /* prepared (fhm_call_prepare): cannot fail */
     const fh_status st = fhm_combine_stats(call->L, call->ctx, call->lin->n, &stats, NULL, call->records);
     if (st == FH_OK)
-        fh_grpo_token_values(ws, c->bt, call->lin->n, call->L->total_vocab);
+        fh_grpo_token_values(ws, c->bt, 0, call->lin->n, call->L->total_vocab);
     return st;
 }
 
@@ -71,7 +71,8 @@ static fh_status run_head(grpo_call *c, const fh_grpo_head *h, const fh_workspac
                           const fh_grpo_head_outputs *hout, int finish)
 {
     fh_grpo_partials p;
-    fh_grpo_head_evaluate(h, ws->slot[FH_GRPO_SLOT_LOGP], ws->slot[FH_GRPO_SLOT_ENTROPY], grad, hout, &p);
+    fh_grpo_head_evaluate(h, 0, c->bt->batch, ws->slot[FH_GRPO_SLOT_LOGP], ws->slot[FH_GRPO_SLOT_ENTROPY], grad, hout,
+                          &p);
     if (!finish)
         return FH_OK;
     const fh_status st = fhm_sum(c->call.ctx, c->call.L->data, c->call.L->data_ranks, (double *)&p,
