@@ -164,6 +164,8 @@ FH_MPI_API fh_status fh_mpi_grpo_backward(fh_context *ctx, fh_mpi_layout *layout
                                           const float *per_token_logp, const float *lse, const float *entropy,
                                           const float *grad_output, fh_linear_grads *grads);
 
+/* Row blocks of whole sequences, as fh_grpo_forward_backward and with the agreement and the per-block all-reduce
+ * of fh_mpi_ce_forward_backward; streams on every rank when any rank of the grid cannot hold one sequence. */
 FH_MPI_API fh_status fh_mpi_grpo_forward_backward(fh_context *ctx, fh_mpi_layout *layout, const fh_linear *lin,
                                                   const fh_grpo_batch *batch, const fh_grpo_options *options,
                                                   const float *grad_output, fh_grpo_outputs *out,

@@ -499,48 +499,30 @@ FH_API fh_status fh_grpo_backward(fh_context *ctx, const fh_linear *lin, const f
 
 /* ---- the single-call step in row blocks of whole sequences -------------------------------------- */
 
-/* What the row-block pass's hook and rows use (the fh_coef_source's self). */
-typedef struct sequence_blocks {
-    fh_grpo_head *h;
-    const fh_workspace *ws;
-    int64_t vocab;
-    double grad;
-} sequence_blocks;
-
-/* A folded block of whole sequences: its tokens' logp and entropy, its sequences' GSPO log-ratios, then its
- * rows' g_logp and g_entropy (the statistics are read from the workspace's slots, where the engine put them). */
-static fh_status block_coefficients(const void *self, int64_t first_row, int64_t rows, const fh_token_stats *stats)
+void fh_grpo_block_coefficients(fh_grpo_head *h, const fh_workspace *ws, int64_t vocab, double grad,
+                                int64_t first_row, int64_t rows)
 {
-    const sequence_blocks *s = self;
-    const fh_grpo_batch *bt = s->h->bt;
-    double *const *slot = s->ws->slot;
+    const fh_grpo_batch *bt = h->bt;
+    double *const *slot = ws->slot;
     const int64_t b0 = first_row / bt->seq, b1 = (first_row + rows) / bt->seq;
-    (void)stats;
-    fh_grpo_token_values(s->ws, bt, first_row, first_row + rows, s->vocab);
-    fh_grpo_head_log_ratios(s->h, slot[FH_GRPO_SLOT_LOGP], b0, b1);
+    fh_grpo_token_values(ws, bt, first_row, first_row + rows, vocab);
+    fh_grpo_head_log_ratios(h, slot[FH_GRPO_SLOT_LOGP], b0, b1);
     const fh_grpo_head_outputs coefs = {NULL, NULL, NULL, slot[FH_GRPO_SLOT_G_LOGP_AS_B],
                                         slot[FH_GRPO_SLOT_G_ENTROPY_THEN_E]};
     fh_grpo_partials unused;
-    fh_grpo_head_evaluate(s->h, b0, b1, slot[FH_GRPO_SLOT_LOGP], slot[FH_GRPO_SLOT_ENTROPY], s->grad, &coefs, &unused);
-    return FH_OK;
+    fh_grpo_head_evaluate(h, b0, b1, slot[FH_GRPO_SLOT_LOGP], slot[FH_GRPO_SLOT_ENTROPY], grad, &coefs, &unused);
 }
 
-/* dZ_j = g_logp (onehot_j - p_j) - g_H p_j (z_j - sum_pz), as in fh_grpo_coefs_in. */
-static void row_coefficients(const void *self, int64_t i, const fh_final_stats *stats, fh_coef *k)
+void fh_grpo_row_coefficients(const fh_workspace *ws, int64_t i, fh_coef *k)
 {
-    const sequence_blocks *s = self;
-    const double g_logp = s->ws->slot[FH_GRPO_SLOT_G_LOGP_AS_B][i];
-    (void)stats;
+    const double g_logp = ws->slot[FH_GRPO_SLOT_G_LOGP_AS_B][i];
     k->a = -g_logp;
     k->b = g_logp;
     k->c = 0.0;
-    k->e = -s->ws->slot[FH_GRPO_SLOT_G_ENTROPY_THEN_E][i];
+    k->e = -ws->slot[FH_GRPO_SLOT_G_ENTROPY_THEN_E][i];
 }
 
-/* The train step's row blocks, lowered to whole sequences and balanced; *row_blocks = 0 (stream) when the
- * budget's blocks cannot hold one sequence. */
-static fh_status plan_sequence_blocks(fh_context *ctx, const fh_linear *lin, int64_t seq, fh_plan *plan,
-                                      int *row_blocks)
+fh_status fh_grpo_plan_blocks(fh_context *ctx, const fh_linear *lin, int64_t seq, fh_plan *plan, int *row_blocks)
 {
     const fh_status st = fh_plan_train_step(ctx, lin, plan, row_blocks, ctx);
     if (st != FH_OK || !*row_blocks)
@@ -553,6 +535,28 @@ static fh_status plan_sequence_blocks(fh_context *ctx, const fh_linear *lin, int
     const int64_t blocks = (sequences + fit - 1) / fit;
     fh_plan_lower_rows(plan, lin->n, (sequences + blocks - 1) / blocks * seq);
     return FH_OK;
+}
+
+/* The single-process pass's hook and rows (self: the sequence_blocks below). */
+typedef struct sequence_blocks {
+    fh_grpo_head *h;
+    const fh_workspace *ws;
+    int64_t vocab;
+    double grad;
+} sequence_blocks;
+
+static fh_status block_coefficients(const void *self, int64_t first_row, int64_t rows, const fh_token_stats *stats)
+{
+    const sequence_blocks *s = self;
+    (void)stats; /* the same arrays as the workspace's slots */
+    fh_grpo_block_coefficients(s->h, s->ws, s->vocab, s->grad, first_row, rows);
+    return FH_OK;
+}
+
+static void row_coefficients(const void *self, int64_t i, const fh_final_stats *stats, fh_coef *k)
+{
+    (void)stats;
+    fh_grpo_row_coefficients(((const sequence_blocks *)self)->ws, i, k);
 }
 
 /* One pass over row blocks of whole sequences (6 N H V flops), then the loss, metrics and per-token outputs
@@ -594,7 +598,7 @@ FH_API fh_status fh_grpo_forward_backward(fh_context *ctx, const fh_linear *lin,
     fh_workspace ws[2];
     int row_blocks = 0;
     if (st == FH_OK)
-        st = plan_sequence_blocks(ctx, lin, batch->seq, &plans[0], &row_blocks);
+        st = fh_grpo_plan_blocks(ctx, lin, batch->seq, &plans[0], &row_blocks);
     if (st == FH_OK && row_blocks) {
         st = fh_workspace_acquire(ctx, lin->n, &plans[0], 1, &ws[0]);
         return st == FH_OK ? fh_gemm_failure(ctx, sequence_block_step(&plans[0], &ws[0], lin, batch, options,

@@ -1,6 +1,7 @@
 /* GRPO across the layout: the engine on this rank's shard, lse / target logit / sum p z combined over
  * the vocab communicator, the head (grpo_head.h) with whole-batch totals summed over the data
- * communicator, then the gradient reductions. */
+ * communicator, then the gradient reductions. The single-call step runs in row blocks of whole sequences, one
+ * statistics all-reduce per block, when every rank of the grid can; else it streams. */
 #include "mpi_internal.h"
 
 #include "../context.h"
@@ -53,17 +54,23 @@ static fh_status forward_pass(grpo_call *c, const fh_plan *plan, const fh_worksp
     return st;
 }
 
-/* Per-sequence values, and the mask count and B of the whole batch (every data rank's). */
-static fh_status prepare_head(grpo_call *c, fh_grpo_head *h, const fh_workspace *ws)
+/* The mask count and B of the whole batch (every data rank's), from the head's own. */
+static fh_status sum_totals(grpo_call *c, fh_grpo_head *h)
 {
-    *h = fh_grpo_head_in(ws, c->bt, c->o);
-    fh_grpo_head_prepare(h, ws->slot[FH_GRPO_SLOT_LOGP]);
     double totals[2] = {h->mask_sum, h->batch_total};
     const fh_status st = fhm_sum(c->call.ctx, c->call.L->data, c->call.L->data_ranks, totals, 2);
     h->mask_sum = totals[0];
     h->mask_total = fmax(totals[0], 1.0);
     h->batch_total = totals[1];
     return st;
+}
+
+/* Per-sequence values, and the whole batch's totals. */
+static fh_status prepare_head(grpo_call *c, fh_grpo_head *h, const fh_workspace *ws)
+{
+    *h = fh_grpo_head_in(ws, c->bt, c->o);
+    fh_grpo_head_prepare(h, ws->slot[FH_GRPO_SLOT_LOGP]);
+    return sum_totals(c, h);
 }
 
 /* The head's per-token work; with finish, the loss and metrics from partial sums over the data ranks. */
@@ -99,6 +106,60 @@ static fh_status backward_pass(grpo_call *c, const fh_plan *plan, const fh_works
         pass.grads = &call->g.engine;
         (void)fh_engine_backward(&pass); /* prepared (fhm_call_prepare): cannot fail */
     }
+    return fhm_call_finish(call, st);
+}
+
+/* The row-block pass's hook and rows (self: const sequence_blocks *). */
+typedef struct sequence_blocks {
+    grpo_call *c;
+    fh_grpo_head *h;
+    const fh_workspace *ws;
+    double grad;
+} sequence_blocks;
+
+/* A block's shard statistics become the whole vocabulary's (one all-reduce over the vocab communicator), then
+ * its coefficients. */
+static fh_status block_coefficients(const void *self, int64_t first_row, int64_t rows, const fh_token_stats *stats)
+{
+    const sequence_blocks *s = self;
+    const fhm_call *call = &s->c->call;
+    fh_status st = FH_OK;
+    if (call->L->vocab_ranks > 1)
+        st = fhm_combine_stats(call->L, call->ctx, rows, stats, NULL, call->records);
+    if (st == FH_OK)
+        fh_grpo_block_coefficients(s->h, s->ws, call->L->total_vocab, s->grad, first_row, rows);
+    return st;
+}
+
+static void row_coefficients(const void *self, int64_t i, const fh_final_stats *stats, fh_coef *k)
+{
+    (void)stats;
+    fh_grpo_row_coefficients(((const sequence_blocks *)self)->ws, i, k);
+}
+
+/* The single-call step over the agreed row blocks, then the loss, metrics and per-token outputs. */
+static fh_status row_block_step(grpo_call *c, const fh_plan *plan, const fh_workspace *ws, double grad,
+                                fh_grpo_outputs *out)
+{
+    fhm_call *call = &c->call;
+    fh_grpo_head h = fh_grpo_head_in(ws, c->bt, c->o);
+    fh_grpo_head_count(&h);
+    fh_status st = sum_totals(c, &h);
+    if (st == FH_OK) {
+        const sequence_blocks self = {c, &h, ws, grad};
+        const fh_coef_source source = {row_coefficients, block_coefficients, &self};
+        const fh_token_stats stats = fh_grpo_stats_in(ws);
+        fh_engine_pass pass = fh_grpo_pass(plan, ws, call->lin, call->engine_ids, c->o);
+        pass.stats = &stats;
+        pass.source = &source;
+        pass.grads = &call->g.engine;
+        st = fh_engine_row_blocks(&pass);
+    }
+    const fh_grpo_head_outputs hout = {out->loss, out->metrics, out->per_token_loss, NULL, NULL};
+    if (st == FH_OK)
+        st = run_head(c, &h, ws, grad, &hout, 1);
+    if (st == FH_OK)
+        fh_grpo_write_outputs(ws, call->lin->n, out);
     return fhm_call_finish(call, st);
 }
 
@@ -176,12 +237,27 @@ FH_MPI_API fh_status fh_mpi_grpo_forward_backward(fh_context *ctx, fh_mpi_layout
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
     if (st == FH_OK)
         st = check_grads(&c, grad_output, grads);
+    int row_blocks = 0;
     if (st == FH_OK)
+        st = fh_grpo_plan_blocks(ctx, lin, batch->seq, &plans[0], &row_blocks);
+    /* Row blocks only where every rank can, at one height per vocab communicator (a multiple of seq on every
+     * rank, so their minimum is one too); else every rank streams. */
+    int64_t rows = row_blocks ? plans[0].tile_rows : 0;
+    st = fhm_call_agree_rows(&c.call, st, &rows);
+    if (st == FH_OK && rows > 0) {
+        fh_plan_lower_rows(&plans[0], lin->n, rows);
+        st = fh_workspace_acquire(ctx, lin->n, plans, 1, ws);
+        st = prepare(&c, st, plans, ws, 1, &c.call.g.engine);
+    } else if (st == FH_OK) {
         st = fh_prepare_streaming(ctx, lin, plans, ws);
-    st = fhm_call_agree(&c.call, prepare(&c, st, plans, ws, 2, &c.call.g.engine));
+        st = prepare(&c, st, plans, ws, 2, &c.call.g.engine);
+    }
+    st = fhm_call_agree(&c.call, st);
     if (st != FH_OK)
         return st;
     fhm_call_shard_ids(&c.call, batch->completion_ids, NULL);
+    if (rows > 0)
+        return row_block_step(&c, &plans[0], &ws[0], grad_output[0], out);
     st = forward_pass(&c, &plans[0], &ws[0]);
     if (st != FH_OK)
         return fhm_call_finish(&c.call, st);
