@@ -88,7 +88,8 @@ fh_status fhm_call_agree(fhm_call *c, fh_status st)
     return st;
 }
 
-fh_status fhm_call_agree_rows(fhm_call *c, fh_status st, int64_t *rows)
+/* The smallest row-block height over the vocab communicator, or 0 on every rank when any rank has none. */
+static fh_status agree_rows(fhm_call *c, fh_status st, int64_t *rows)
 {
     if (!c->L)
         return st;
@@ -106,6 +107,22 @@ fh_status fhm_call_agree_rows(fhm_call *c, fh_status st, int64_t *rows)
     if (st != FH_OK)
         return st;
     return err == MPI_SUCCESS ? FH_OK : fhm_mpi_error(c->ctx, err, "MPI_Allreduce (row blocks)");
+}
+
+fh_status fhm_call_schedule(fhm_call *c, fh_status st, int row_blocks, fh_plan plans[2], fh_workspace ws[2],
+                            int64_t *rows, fhm_prepare_fn prepare, void *head_call)
+{
+    *rows = row_blocks ? plans[0].tile_rows : 0;
+    st = agree_rows(c, st, rows);
+    if (st == FH_OK && *rows > 0) {
+        fh_plan_lower_rows(&plans[0], c->lin->n, *rows);
+        st = fh_workspace_acquire(c->ctx, c->lin->n, plans, 1, ws);
+        st = prepare(head_call, st, plans, ws, 1);
+    } else if (st == FH_OK) {
+        st = fh_prepare_streaming(c->ctx, c->lin, plans, ws);
+        st = prepare(head_call, st, plans, ws, 2);
+    }
+    return fhm_call_agree(c, st);
 }
 
 void fhm_call_shard_ids(fhm_call *c, const int64_t *ids, const int64_t *ignore)

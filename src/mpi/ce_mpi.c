@@ -105,6 +105,13 @@ static fh_status prepare(ce_call *c, fh_status st, const fh_plan *plans, const f
     return fhm_call_prepare(&c->call, st, passes, count);
 }
 
+/* prepare() with the call's engine gradients, for fhm_call_schedule. */
+static fh_status prepare_step(void *head_call, fh_status st, const fh_plan *plans, const fh_workspace *ws, int count)
+{
+    ce_call *c = head_call;
+    return prepare(c, st, plans, ws, count, &c->call.g.engine);
+}
+
 /* The streaming forward on the shard, combined: stats end up whole-vocabulary, the outputs written. */
 static fh_status forward(ce_call *c, const fh_plan *plan, const fh_workspace *ws, const fh_token_stats *stats,
                          fh_ce_outputs *out)
@@ -252,17 +259,8 @@ FH_MPI_API fh_status fh_mpi_ce_forward_backward(fh_context *ctx, fh_mpi_layout *
         st = fh_plan_train_step(ctx, lin, &plans[0], &row_blocks, ctx);
     /* Row blocks only where every rank can, at one height per vocab communicator (uneven shards plan
      * different ones); else every rank streams. */
-    int64_t rows = row_blocks ? plans[0].tile_rows : 0;
-    st = fhm_call_agree_rows(&c.call, st, &rows);
-    if (st == FH_OK && rows > 0) {
-        fh_plan_lower_rows(&plans[0], lin->n, rows);
-        st = fh_workspace_acquire(ctx, lin->n, plans, 1, ws);
-        st = prepare(&c, st, plans, ws, 1, &c.call.g.engine);
-    } else if (st == FH_OK) {
-        st = fh_prepare_streaming(ctx, lin, plans, ws);
-        st = prepare(&c, st, plans, ws, 2, &c.call.g.engine);
-    }
-    st = fhm_call_agree(&c.call, st);
+    int64_t rows;
+    st = fhm_call_schedule(&c.call, st, row_blocks, plans, ws, &rows, prepare_step, &c);
     if (st != FH_OK)
         return st;
     shard_inputs(&c);

@@ -40,6 +40,13 @@ static fh_status prepare(grpo_call *c, fh_status st, const fh_plan *plans, const
     return fhm_call_prepare(&c->call, st, passes, count);
 }
 
+/* prepare() with the call's engine gradients, for fhm_call_schedule. */
+static fh_status prepare_step(void *head_call, fh_status st, const fh_plan *plans, const fh_workspace *ws, int count)
+{
+    grpo_call *c = head_call;
+    return prepare(c, st, plans, ws, count, &c->call.g.engine);
+}
+
 /* Streaming forward on the shard; leaves whole-vocabulary lse, sum_pz, logp and entropy in ws. */
 static fh_status forward_pass(grpo_call *c, const fh_plan *plan, const fh_workspace *ws)
 {
@@ -242,17 +249,8 @@ FH_MPI_API fh_status fh_mpi_grpo_forward_backward(fh_context *ctx, fh_mpi_layout
         st = fh_grpo_plan_blocks(ctx, lin, batch->seq, &plans[0], &row_blocks);
     /* Row blocks only where every rank can, at one height per vocab communicator (a multiple of seq on every
      * rank, so their minimum is one too); else every rank streams. */
-    int64_t rows = row_blocks ? plans[0].tile_rows : 0;
-    st = fhm_call_agree_rows(&c.call, st, &rows);
-    if (st == FH_OK && rows > 0) {
-        fh_plan_lower_rows(&plans[0], lin->n, rows);
-        st = fh_workspace_acquire(ctx, lin->n, plans, 1, ws);
-        st = prepare(&c, st, plans, ws, 1, &c.call.g.engine);
-    } else if (st == FH_OK) {
-        st = fh_prepare_streaming(ctx, lin, plans, ws);
-        st = prepare(&c, st, plans, ws, 2, &c.call.g.engine);
-    }
-    st = fhm_call_agree(&c.call, st);
+    int64_t rows;
+    st = fhm_call_schedule(&c.call, st, row_blocks, plans, ws, &rows, prepare_step, &c);
     if (st != FH_OK)
         return st;
     fhm_call_shard_ids(&c.call, batch->completion_ids, NULL);

@@ -130,12 +130,18 @@ fh_status fhm_call_prepare(fhm_call *c, fh_status st, const fh_engine_pass *pass
  * differs across the vocab communicator, else FH_OK. On failure the gradient buffers are freed. */
 fh_status fhm_call_agree(fhm_call *c, fh_status st);
 
-/* Agreement on the train step's row blocks, collective over the grid whatever the local status. In:
- * *rows, this rank's row-block height (0: it cannot use row blocks; read only when st is FH_OK). Out: the
- * smallest height over the vocab communicator (its ranks must walk the same blocks: one statistics
- * all-reduce each), or 0 on every rank of the grid when any rank has 0 (the streaming schedule makes
- * other data collectives). Returns st when it is an error, else FH_OK or FH_ERR_MPI. */
-fh_status fhm_call_agree_rows(fhm_call *c, fh_status st, int64_t *rows);
+/* A head's fhm_call_prepare of passes over plans[0..count) and ws (with the call's engine gradients). */
+typedef fh_status (*fhm_prepare_fn)(void *head_call, fh_status st, const fh_plan *plans, const fh_workspace *ws,
+                                    int count);
+
+/* The single-call step's schedule, collective over the grid whatever the local status. row_blocks: whether
+ * this rank planned row blocks (plans[0], when st is FH_OK). The ranks agree on the smallest height over the
+ * vocab communicator (its ranks must walk the same blocks: one statistics all-reduce each), or on streaming
+ * everywhere when any rank of the grid cannot (the streaming schedule makes other data collectives); then the
+ * workspace (plans[0] lowered to that height, or plans[0..1] the streaming passes), prepare, and
+ * fhm_call_agree. *rows: the agreed height, 0 for streaming. */
+fh_status fhm_call_schedule(fhm_call *c, fh_status st, int row_blocks, fh_plan plans[2], fh_workspace ws[2],
+                            int64_t *rows, fhm_prepare_fn prepare, void *head_call);
 
 /* After agreement: the engine's ids become shard-local when the vocabulary is split (ignore: the id
  * that is never local, or NULL). */
