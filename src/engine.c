@@ -193,14 +193,15 @@ static void finish_dweight_tile(const fh_engine_pass *p, int64_t v0, int64_t vb)
     const int accumulate = p->grads->dweight_beta != 0.0f;
     uint16_t *out = (uint16_t *)p->grads->dweight + v0 * lin->w_stride_vocab;
     const int64_t h = lin->hidden;
-    if (dw_acc_by_vocab(lin)) /* acc H x vb row-major; out rows along the vocabulary */
+    const int by_vocab = dw_acc_by_vocab(lin);
+    if (lin->w_stride_vocab == 1) /* acc H x vb row-major; out rows along the vocabulary */
         round_into_bf16(p->ws->dw_acc, vb, out, lin->w_stride_hidden, h, vb, accumulate, p->plan->threads);
     else if (lin->w_stride_hidden == 1) /* acc column-major; out rows along hidden */
         round_into_bf16(p->ws->dw_acc, h, out, lin->w_stride_vocab, vb, h, accumulate, p->plan->threads);
     else /* neither stride is 1: element by element */
         for (int64_t j = 0; j < vb; j++)
             for (int64_t k = 0; k < h; k++)
-                fh_row_add_to_bf16(p->ws->dw_acc + j * h + k, 1, accumulate,
+                fh_row_add_to_bf16(p->ws->dw_acc + (by_vocab ? k * vb + j : j * h + k), 1, accumulate,
                                    out + j * lin->w_stride_vocab + k * lin->w_stride_hidden);
 }
 

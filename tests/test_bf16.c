@@ -98,6 +98,69 @@ static void test_gradient_dtypes(void)
             }
 }
 
+/* With beta 0 a bf16 gradient is its fp32 twin rounded once, bit for bit: the same GEMMs accumulate the same f32
+ * values (in the caller's fp32 buffer, or in the f32 accumulator / the GEMM's own) before the one rounding. Weight
+ * views with unit vocabulary stride, unit hidden stride, and neither; the streaming passes over edge tiles and
+ * the train step's row blocks. */
+static void test_bf16_gradients_are_rounded_fp32(void)
+{
+    if (!cp_have_bf16())
+        return;
+    enum { N = 23, H = 9, V = 301 };
+    static const int64_t strides[][2] = {{V, 1}, {1, H}, {2 * V + 1, 2}, {2, 3 * H}}; /* hidden, vocab */
+    uint64_t rng = 5;
+    uint16_t x[N * H];
+    for (int i = 0; i < N * H; i++)
+        x[i] = bf16_from_float((float)(2.0 * ce_uniform(&rng) - 1.0));
+    int64_t targets[N];
+    for (int i = 0; i < N; i++)
+        targets[i] = (i * 53) % V;
+    fh_ce_options o;
+    fh_ce_options_init(&o);
+    for (size_t k = 0; k < TU_COUNT(strides); k++) {
+        const int64_t sh = strides[k][0], sv = strides[k][1], extent = (H - 1) * sh + (V - 1) * sv + 1;
+        uint16_t *w = calloc((size_t)extent, sizeof *w), *dw16 = calloc((size_t)extent, sizeof *dw16);
+        float *dw32 = calloc((size_t)extent, sizeof *dw32);
+        uint16_t dx16[N * H];
+        float dx32[N * H], lse[N];
+        for (int64_t j = 0; j < V; j++)
+            for (int64_t h = 0; h < H; h++)
+                w[h * sh + j * sv] = bf16_from_float((float)(0.6 * ce_uniform(&rng) - 0.3));
+        fh_linear lin;
+        fh_linear_init(&lin, N, H, V, x, w, FH_LAYOUT_HV, NULL);
+        lin.w_stride_hidden = sh;
+        lin.w_stride_vocab = sv;
+        lin.x_dtype = lin.weight_dtype = FH_DTYPE_BF16;
+        for (int train_step = 0; train_step < 2; train_step++) {
+            fh_context *ctx = tu_context(2, train_step ? 10 : 7, train_step ? 0 : 64, 0);
+            const float one = 1.0f;
+            fh_ce_outputs out = {.lse = lse};
+            fh_linear_grads g32 = {.dx = dx32, .dx_row_stride = H, .dweight = dw32};
+            fh_linear_grads g16 = {.dx = dx16, .dx_row_stride = H, .dweight = dw16, .dx_dtype = FH_DTYPE_BF16,
+                                   .dweight_dtype = FH_DTYPE_BF16};
+            fh_status st = fh_ce_forward(ctx, &lin, targets, &o, &out);
+            for (int pass = 0; st == FH_OK && pass < 2; pass++)
+                st = train_step ? fh_ce_forward_backward(ctx, &lin, targets, &o, &one, &out, pass ? &g16 : &g32)
+                                : fh_ce_backward(ctx, &lin, targets, &o, lse, &one, pass ? &g16 : &g32);
+            TU_CHECK(st == FH_OK, "strides %zu, %s: status %d", k, train_step ? "train step" : "split", (int)st);
+            int64_t dx_mismatch = 0, dw_mismatch = 0;
+            for (int i = 0; i < N * H; i++)
+                dx_mismatch += dx16[i] != bf16_from_float(dx32[i]);
+            for (int64_t j = 0; j < V; j++)
+                for (int64_t h = 0; h < H; h++)
+                    dw_mismatch += dw16[h * sh + j * sv] != bf16_from_float(dw32[h * sh + j * sv]);
+            TU_CHECK(dx_mismatch == 0 && dw_mismatch == 0,
+                     "strides (%lld, %lld), %s: %lld dx and %lld dweight elements differ from the rounded fp32 gradient",
+                     (long long)sh, (long long)sv, train_step ? "train step" : "split", (long long)dx_mismatch,
+                     (long long)dw_mismatch);
+            fh_context_destroy(ctx);
+        }
+        free(w);
+        free(dw16);
+        free(dw32);
+    }
+}
+
 /* A caller's workspace of exactly the queried size serves bf16 calls whatever their gradient dtypes: the query
  * does not see them, so the plan reserves the accumulators of bf16 gradients. */
 static void test_queried_workspace_serves_bf16_gradients(void)
@@ -322,6 +385,7 @@ static const tu_test tests[] = {
     {"every option, both layouts and schedules", test_options},
     {"edge tiles, row blocks, streaming fallback, beta 1", test_tiles_and_beta},
     {"fp32 and bf16 gradients, fp32 dZ", test_gradient_dtypes},
+    {"bf16 gradients are the fp32 ones rounded once", test_bf16_gradients_are_rounded_fp32},
     {"the queried workspace serves bf16 gradients", test_queried_workspace_serves_bf16_gradients},
     {"dtype contract", test_dtype_contract},
     {"wisdom entries per dtype", test_wisdom_dtype},
