@@ -8,7 +8,7 @@ Cases, each in its own process (peak memory does not mix), best of --reps after 
   fusedhead       fusedhead.torch.fused_linear_cross_entropy (the single-call train step inside)
 Reported: ms, GFLOP/s on the 6*N*H*V basis, peak RSS growth of the step, speed-up over torch_eager.
 --dtype bf16 runs every case on bfloat16 hidden states and weight (torch's bf16 linear goes to oneDNN by itself,
-fusedhead's too), gradients in bf16.
+fusedhead's too), gradients in bf16 (fusedhead writes them in bf16 itself, the C step as well).
 
 Binding overhead: after its own measurement the fusedhead process times, interleaved and best of --reps
 each, the C train step (fh_ce_forward_backward through fusedhead.numpy.forward_backward into preallocated
@@ -112,12 +112,15 @@ def binding_overhead(args, hidden, weight, targets, step):
     x, w = (t.detach().view(torch.int16).numpy().view(np.uint16) if bf16 else t.detach().numpy()
             for t in (hidden, weight))
     y = targets.numpy()
-    dx, dw = np.empty(x.shape, np.float32), np.empty(w.shape, np.float32)
+    # The same work as the binding's step: gradients in the inputs' dtype (bf16 bits as uint16 for bf16).
+    grad_np = np.uint16 if bf16 else np.float32
+    dx, dw = np.empty(x.shape, grad_np), np.empty(w.shape, grad_np)
     params = (hidden, weight)
     kept = [torch.zeros_like(p) for p in params]  # .grad as a trainer keeps it across steps
 
     def c_step():
-        fhnp.forward_backward(x, w, y, dhidden=dx, dweight=dw, dtype="bf16" if bf16 else "fp32")
+        fhnp.forward_backward(x, w, y, dhidden=dx, dweight=dw, dtype="bf16" if bf16 else "fp32",
+                              grad_dtype="bf16" if bf16 else "fp32")
 
     def zero_grad(set_to_none):
         for p, g in zip(params, kept):

@@ -75,14 +75,15 @@ class Context:
     """An fh_context: threads, tile sizes, memory budget, workspace, last error message.
 
     Settings (0 = the library's default): threads (0 = all available), tile_rows, tile_vocab,
-    memory_budget (bytes; default 512 MiB), check_finite (1: reject NaN/Inf inputs, if the library has it).
+    memory_budget (bytes; default 512 MiB), check_finite (1: reject NaN/Inf inputs, if the library has it),
+    fp32_dz (1: with bf16 inputs keep dZ in fp32 for the gradient GEMMs: fp32-accurate, at the fp32 rate).
     Calls on one context are serialised by a lock (the library forbids concurrent calls on one context);
     use one context per thread for parallel calls. `default_context()` gives each thread its own.
     """
 
     def __init__(self, *, threads: Optional[int] = None, tile_rows: Optional[int] = None,
                  tile_vocab: Optional[int] = None, memory_budget: Optional[int] = None,
-                 check_finite: Optional[bool] = None):
+                 check_finite: Optional[bool] = None, fp32_dz: Optional[bool] = None):
         self._lib = load_library()
         self._lock = threading.RLock()
         self._workspace = None
@@ -90,7 +91,8 @@ class Context:
         check_status(self._lib.fh_context_create(ctypes.byref(handle)), "fh_context_create")
         self._handle: Optional[ctypes.c_void_p] = handle
         settings = dict(threads=threads, tile_rows=tile_rows, tile_vocab=tile_vocab, memory_budget=memory_budget,
-                        check_finite=None if check_finite is None else int(bool(check_finite)))
+                        check_finite=None if check_finite is None else int(bool(check_finite)),
+                        fp32_dz=None if fp32_dz is None else int(bool(fp32_dz)))
         try:
             for name, value in settings.items():
                 if value is not None:
@@ -176,6 +178,7 @@ class Context:
                              lambda self, v: self.set(Param.MEMORY_BUDGET, v))
     check_finite = property(lambda self: bool(self.get(Param.CHECK_FINITE)),
                             lambda self, v: self.set(Param.CHECK_FINITE, int(bool(v))))
+    fp32_dz = property(lambda self: bool(self.get(Param.FP32_DZ)), lambda self, v: self.set(Param.FP32_DZ, int(bool(v))))
 
     def set_workspace(self, buffer=None) -> None:
         """Hand the context a caller-owned workspace: any writable C-contiguous buffer (bytearray, NumPy
@@ -195,12 +198,13 @@ class Context:
     def __repr__(self) -> str:
         if self.closed:
             return "<fusedhead.Context (closed)>"
-        fields = ", ".join(f"{p.name.lower()}={self.get(p)}" for p in Param if p != Param.CHECK_FINITE)
+        fields = ", ".join(f"{p.name.lower()}={self.get(p)}" for p in Param
+                           if p not in (Param.CHECK_FINITE, Param.FP32_DZ))
         return f"<fusedhead.Context {fields}>"
 
 
 _thread_local = threading.local()
-_SETTING_NAMES = ("threads", "tile_rows", "tile_vocab", "memory_budget", "check_finite")
+_SETTING_NAMES = ("threads", "tile_rows", "tile_vocab", "memory_budget", "check_finite", "fp32_dz")
 _default_settings: dict = {}
 _default_generation = 0
 
@@ -397,8 +401,10 @@ class LinearHead:
                              f"strides {db.strides}")
 
     def grads(self, dx: Optional[View] = None, dweight: Optional[View] = None, dbias: Optional[View] = None,
-              accumulate: bool = False) -> _lib.fh_linear_grads:
-        """fh_linear_grads for the requested gradients (None: skipped); beta 1 when accumulating, else 0."""
+              accumulate: bool = False, dtypes: Tuple[Dtype, Dtype, Dtype] = (Dtype.F32,) * 3
+              ) -> _lib.fh_linear_grads:
+        """fh_linear_grads for the requested gradients (None: skipped); beta 1 when accumulating, else 0; dtypes:
+        of dx, dweight and dbias (bf16: bits in the views' memory, for bf16 inputs only)."""
         beta = 1.0 if accumulate else 0.0
         if dx is not None:
             self.check_dx(dx)
@@ -407,9 +413,9 @@ class LinearHead:
         if dbias is not None:
             self.check_dbias(dbias)
         dx_stride = normalize_strides(dx.shape, dx.strides)[0] if dx is not None else self.hidden
-        return _lib.fh_linear_grads(_fp(dx.ptr if dx is not None else None), dx_stride, beta,
-                                    _fp(dweight.ptr if dweight is not None else None), beta,
-                                    _fp(dbias.ptr if dbias is not None else None), beta)
+        return _lib.fh_linear_grads(dx.ptr if dx is not None else None, dx_stride, beta,
+                                    dweight.ptr if dweight is not None else None, beta,
+                                    dbias.ptr if dbias is not None else None, beta, *(int(d) for d in dtypes))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -67,6 +67,7 @@ class Param(enum.IntEnum):
     TILE_VOCAB = 2
     MEMORY_BUDGET = 3
     CHECK_FINITE = 4
+    FP32_DZ = 5
 
 
 class Layout(enum.IntEnum):
@@ -130,13 +131,16 @@ class fh_linear(ctypes.Structure):
 
 class fh_linear_grads(ctypes.Structure):
     _fields_ = [
-        ("dx", c_float_p),
+        ("dx", ctypes.c_void_p),  # float32, or bf16 bits when its dtype says
         ("dx_row_stride", ctypes.c_int64),
         ("dx_beta", ctypes.c_float),
-        ("dweight", c_float_p),
+        ("dweight", ctypes.c_void_p),
         ("dweight_beta", ctypes.c_float),
-        ("dbias", c_float_p),
+        ("dbias", ctypes.c_void_p),
         ("dbias_beta", ctypes.c_float),
+        ("dx_dtype", ctypes.c_int),  # fh_dtype
+        ("dweight_dtype", ctypes.c_int),
+        ("dbias_dtype", ctypes.c_int),
     ]
 
 

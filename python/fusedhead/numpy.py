@@ -13,8 +13,9 @@ Arrays are never copied or converted. Expected:
   bias, class_weights  float32 [V], contiguous
 dtype="bf16" (every function): hidden and weight hold raw bfloat16 bits as uint16 arrays (NumPy has no
 bfloat16; e.g. torch_bf16_tensor.view(torch.int16).numpy().view(np.uint16)), same shapes and strides rules.
-The rest stays float32, gradients included: the library writes fp32 dx / dweight / dbias (README "### bf16"
-for their error).
+The rest stays float32. Gradients are float32 unless grad_dtype="bf16" (with dtype="bf16" only): then dhidden,
+dweight and dbias are uint16 arrays of bf16 bits, accumulated in f32 inside the call and rounded once
+(README "### bf16" for the errors of each choice).
 Anything else raises TypeError (dtype, byte order, not an ndarray) or ValueError (shape, strides) saying what
 was expected. Library errors raise fusedhead.FusedheadError subclasses with the library's message.
 
@@ -40,6 +41,21 @@ __all__ = ["cross_entropy", "forward", "backward", "forward_backward", "CrossEnt
 _FP32_HINT = "; fusedhead computes in fp32: use .astype(np.float32)"
 _INPUT_DTYPES = {"fp32": (np.float32, Dtype.F32, _FP32_HINT + " (dtype='bf16' takes bfloat16 bits as uint16)"),
                  "bf16": (np.uint16, Dtype.BF16, " (dtype='bf16': raw bfloat16 bits in uint16 arrays)")}
+
+
+_GRAD_DTYPES = {"fp32": (np.float32, Dtype.F32), "bf16": (np.uint16, Dtype.BF16)}
+
+
+def _grad_dtype(grad_dtype: Optional[str], input_dtype: Dtype):
+    """(NumPy dtype, fh_dtype) of the gradients: float32 (None, "fp32") or bf16 bits in uint16 ("bf16", which
+    needs dtype="bf16")."""
+    if grad_dtype is None:
+        grad_dtype = "fp32"
+    if grad_dtype not in _GRAD_DTYPES:
+        raise ValueError(f"grad_dtype must be 'fp32' or 'bf16', got {grad_dtype!r}")
+    if grad_dtype == "bf16" and input_dtype != Dtype.BF16:
+        raise ValueError("grad_dtype='bf16' needs dtype='bf16' (bf16 hidden and weight)")
+    return _GRAD_DTYPES[grad_dtype]
 
 
 def _input_dtype(dtype: str):
@@ -99,26 +115,28 @@ def _flatten_vector(a: np.ndarray, name: str, shape: Tuple[int, ...], n: int, wh
     return a.reshape(n)
 
 
-def _empty_with_strides(like: np.ndarray) -> np.ndarray:
-    """An uninitialised float32 array with `like`'s shape and element strides (dweight must mirror the weight,
-    which may be bf16: strides in elements, not bytes)."""
+def _empty_with_strides(like: np.ndarray, dtype=np.float32) -> np.ndarray:
+    """An uninitialised array of dtype with `like`'s shape and element strides (dweight must mirror the weight,
+    and either may be bf16: strides in elements, not bytes)."""
     if like.flags.c_contiguous:
-        return np.empty(like.shape, np.float32)
+        return np.empty(like.shape, dtype)
     if like.flags.f_contiguous:
-        return np.empty(like.shape, np.float32, order="F")
+        return np.empty(like.shape, dtype, order="F")
     elements = [s // like.itemsize for s in like.strides]
     extent = 1 + sum((d - 1) * s for d, s in zip(like.shape, elements))
-    base = np.empty(max(extent, 1), np.float32)
-    return np.lib.stride_tricks.as_strided(base, like.shape, tuple(4 * s for s in elements), writeable=True)
+    base = np.empty(max(extent, 1), dtype)
+    return np.lib.stride_tricks.as_strided(base, like.shape, tuple(base.itemsize * s for s in elements),
+                                           writeable=True)
 
 
 class _Prepared:
     """Checked arrays and the CEProblem describing them (keeps every array alive while the library runs)."""
 
     def __init__(self, hidden, weight, targets, bias, layout, ignore_index, reduction, label_smoothing,
-                 class_weights, softcap, z_loss, dtype="fp32"):
+                 class_weights, softcap, z_loss, dtype="fp32", grad_dtype=None):
         fp32_hint = "; fusedhead computes in fp32: use .astype(np.float32)"
         input_dtype, self.dtype, hint = _input_dtype(dtype)
+        self.grad_np, self.grad_fh = _grad_dtype(grad_dtype, self.dtype)
         hidden = _check_array(hidden, "hidden", input_dtype, hint)
         weight = _check_array(weight, "weight", input_dtype, hint)
         targets = _check_array(targets, "targets", np.int64, "; use .astype(np.int64)")
@@ -202,13 +220,14 @@ class _Prepared:
                 if accumulate:
                     raise ValueError(f"accumulate=True needs the d{name} array to accumulate into")
                 if name == "hidden":
-                    buf = np.empty((self.n, self.x.shape[1]), np.float32)
+                    buf = np.empty((self.n, self.x.shape[1]), self.grad_np)
                 elif name == "weight":
-                    buf = _empty_with_strides(self.weight)
+                    buf = _empty_with_strides(self.weight, self.grad_np)
                 else:
-                    buf = np.empty(self.bias.shape, np.float32)
+                    buf = np.empty(self.bias.shape, self.grad_np)
             else:
-                buf = _check_array(buf, f"d{name}", np.float32)
+                buf = _check_array(buf, f"d{name}", self.grad_np,
+                                   " (grad_dtype='bf16': bf16 bits in uint16)" if self.grad_fh == Dtype.BF16 else "")
                 if not buf.flags.writeable:
                     raise ValueError(f"d{name}: expected a writeable array")
                 if any(np.may_share_memory(buf, a) for a in inputs):
@@ -225,7 +244,7 @@ class _Prepared:
         dx, dw, db = bufs
         return self.head.grads(_view(dx, "dhidden") if dx is not None else None,
                                _view(dw, "dweight") if dw is not None else None,
-                               _view(db, "dbias") if db is not None else None, accumulate)
+                               _view(db, "dbias") if db is not None else None, accumulate, (self.grad_fh,) * 3)
 
     def shaped_grads(self, bufs, dhidden_given) -> "Gradients":
         dx, dw, db = bufs
@@ -237,7 +256,7 @@ class _Prepared:
         if not accumulate:
             for b in bufs:
                 if b is not None:
-                    b[...] = 0.0
+                    b[...] = 0  # +0.0 in fp32 and in bf16 bits
 
 
 @dataclass
@@ -304,17 +323,17 @@ def backward(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, bias: 
              softcap: float = 0.0, z_loss: float = 0.0, wrt: Optional[Iterable[str]] = None,
              dhidden: Optional[np.ndarray] = None, dweight: Optional[np.ndarray] = None,
              dbias: Optional[np.ndarray] = None, accumulate: bool = False,
-             context: Optional[Context] = None, dtype: str = "fp32") -> Gradients:
+             context: Optional[Context] = None, dtype: str = "fp32", grad_dtype: Optional[str] = None) -> Gradients:
     """fh_ce_backward from forward()'s lse. Options must be those of the forward call.
 
     grad_output: d(objective)/d(loss): a scalar for 'mean'/'sum' (default 1), one float32 per token for
     'none' (default ones). wrt: which gradients (subset of "hidden", "weight", "bias"); default: those whose
     arrays are passed, or all available when none is. dhidden/dweight/dbias: arrays to write into (dweight
-    with the weight's strides);
+    with the weight's strides), float32 or, with grad_dtype="bf16", uint16 bf16 bits;
     accumulate=True adds to them (beta 1) instead of overwriting (beta 0).
     """
     p = _Prepared(hidden, weight, targets, bias, layout, ignore_index, reduction, label_smoothing, class_weights,
-                  softcap, z_loss, dtype)
+                  softcap, z_loss, dtype, grad_dtype)
     want = p.wanted(wrt, dhidden, dweight, dbias)
     g = p.grad_output(grad_output)
     bufs = p.grad_buffers(want, dhidden, dweight, dbias, accumulate)
@@ -335,11 +354,11 @@ def forward_backward(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray
                      wrt: Optional[Iterable[str]] = None, dhidden: Optional[np.ndarray] = None,
                      dweight: Optional[np.ndarray] = None, dbias: Optional[np.ndarray] = None,
                      accumulate: bool = False, context: Optional[Context] = None,
-                     dtype: str = "fp32") -> CrossEntropyResult:
+                     dtype: str = "fp32", grad_dtype: Optional[str] = None) -> CrossEntropyResult:
     """fh_ce_forward_backward: forward outputs and gradients in one call (the training step: 6 NHV flops
     instead of 8). Arguments as in backward()."""
     p = _Prepared(hidden, weight, targets, bias, layout, ignore_index, reduction, label_smoothing, class_weights,
-                  softcap, z_loss, dtype)
+                  softcap, z_loss, dtype, grad_dtype)
     want = p.wanted(wrt, dhidden, dweight, dbias)
     g = p.grad_output(grad_output)
     bufs = p.grad_buffers(want, dhidden, dweight, dbias, accumulate)
@@ -357,22 +376,24 @@ def cross_entropy(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, b
                   layout: str = "vh", ignore_index: int = -100, reduction: str = "mean",
                   label_smoothing: float = 0.0, class_weights: Optional[np.ndarray] = None, softcap: float = 0.0,
                   z_loss: float = 0.0, return_grads: Union[bool, Iterable[str]] = False, grad_output=None,
-                  context: Optional[Context] = None, dtype: str = "fp32") -> CrossEntropyResult:
+                  context: Optional[Context] = None, dtype: str = "fp32",
+                  grad_dtype: Optional[str] = None) -> CrossEntropyResult:
     """F.cross_entropy(hidden @ W.T + bias, targets, ...) without the logits, plus softcap and z-loss.
 
     return_grads: False (forward only), True (all available gradients) or names among "hidden", "weight",
     "bias"; gradients of grad_output * loss (default grad_output 1, or ones per token for 'none').
     """
     if return_grads is False or return_grads is None:
-        if grad_output is not None:
-            raise ValueError("grad_output is only used with return_grads")
+        if grad_output is not None or grad_dtype is not None:
+            raise ValueError("grad_output and grad_dtype are only used with return_grads")
         return forward(hidden, weight, targets, bias, layout=layout, ignore_index=ignore_index, reduction=reduction,
                        label_smoothing=label_smoothing, class_weights=class_weights, softcap=softcap, z_loss=z_loss,
                        context=context, dtype=dtype)
     return forward_backward(hidden, weight, targets, bias, grad_output=grad_output, layout=layout,
                             ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                             class_weights=class_weights, softcap=softcap, z_loss=z_loss,
-                            wrt=None if return_grads is True else return_grads, context=context, dtype=dtype)
+                            wrt=None if return_grads is True else return_grads, context=context, dtype=dtype,
+                            grad_dtype=grad_dtype)
 
 
 def workspace_size(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, bias: Optional[np.ndarray] = None,
@@ -410,11 +431,11 @@ def grpo_loss(hidden: np.ndarray, weight: np.ndarray, completion_ids: np.ndarray
               old_per_token_logps: Optional[np.ndarray] = None, ref_per_token_logps: Optional[np.ndarray] = None,
               *, layout: str = "vh", return_grads: Union[bool, Iterable[str]] = False, grad_output: float = 1.0,
               context: Optional[Context] = None, epsilon: Optional[float] = None, dtype: str = "fp32",
-              **options) -> GRPOResult:
+              grad_dtype: Optional[str] = None, **options) -> GRPOResult:
     """TRL's GRPO loss from hidden [B, T, H] float32 (position t predicts completion_ids[b, t], int64 [B, T]),
     completion_mask float32 [B, T], advantages float32 [B], optional old/ref per-token log-probs float32 [B, T],
     without the logits. Nothing is copied (C-contiguous token arrays expected). dtype="bf16": hidden and
-    weight are bfloat16 bits in uint16 arrays (the rest, gradients included, float32).
+    weight are bfloat16 bits in uint16 arrays (the rest float32; the gradients too unless grad_dtype="bf16").
 
     options: TRL GRPOConfig names (loss_type, importance_sampling_level, temperature, epsilon_low (alias
     epsilon), epsilon_high, delta, beta, sapo_temperature_pos/neg, num_items_in_batch, max_completion_length,
@@ -426,6 +447,7 @@ def grpo_loss(hidden: np.ndarray, weight: np.ndarray, completion_ids: np.ndarray
         options["epsilon_low"] = epsilon
     opt = grpo_options(**options)
     input_dtype, fh_dtype, hint = _input_dtype(dtype)
+    grad_np, grad_fh = _grad_dtype(grad_dtype, fh_dtype)
     x3 = _check_array(hidden, "hidden", input_dtype, hint)
     if x3.ndim != 3:
         raise ValueError(f"hidden: expected [B, T, H], got shape {list(x3.shape)}")
@@ -462,12 +484,12 @@ def grpo_loss(hidden: np.ndarray, weight: np.ndarray, completion_ids: np.ndarray
             raise ValueError(f"return_grads: expected names among 'hidden', 'weight', 'bias' (bias only with a "
                              f"bias), got {list(want)}")
     outs = {k: np.zeros((b, t), np.float32) for k in ("per_token_logp", "per_token_loss", "entropy", "lse")}
-    dx = np.zeros(x3.shape, np.float32) if "hidden" in want else None
-    dw = _empty_with_strides(w) if "weight" in want else None
-    db = np.zeros(bias.shape, np.float32) if "bias" in want else None
+    dx = np.zeros(x3.shape, grad_np) if "hidden" in want else None
+    dw = _empty_with_strides(w, grad_np) if "weight" in want else None
+    db = np.zeros(bias.shape, grad_np) if "bias" in want else None
     if n == 0:
         if dw is not None:
-            dw[...] = 0.0
+            dw[...] = 0
         return GRPOResult(0.0, {}, **outs, dhidden=dx, dweight=dw, dbias=db)
     head = LinearHead(_view(x, "hidden"), _view(w, "weight"), None if bias is None else _view(bias, "bias"), layout,
                       fh_dtype)
@@ -479,7 +501,8 @@ def grpo_loss(hidden: np.ndarray, weight: np.ndarray, completion_ids: np.ndarray
     if want:
         g = np.array([grad_output], np.float32)
         grads = head.grads(None if dx is None else _view(dx.reshape(n, -1), "dhidden"),
-                           None if dw is None else _view(dw, "dweight"), None if db is None else _view(db, "dbias"))
+                           None if dw is None else _view(dw, "dweight"), None if db is None else _view(db, "dbias"),
+                           dtypes=(grad_fh,) * 3)
         loss, m = problem.forward_backward(ctx, g.ctypes.data, grads, **ptrs)
     else:
         loss, m = problem.forward(ctx, **ptrs)

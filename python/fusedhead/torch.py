@@ -20,8 +20,8 @@ bfloat16: the library reads the tensors' own bf16 bits with their strides (no fl
 weight), runs its GEMMs in bf16 with f32 accumulation and every statistic in fp32/double (README "### bf16").
 Outputs follow F.cross_entropy(F.linear(hidden, weight), ...) on bf16 tensors: the loss (and z_loss, and
 the per-token losses of 'none') in bfloat16, the library's value rounded once; the gradients of hidden,
-weight and bias in their own dtypes. The library writes fp32 gradients, so the binding computes them into
-float32 buffers and converts (see _in_dtypes for what that costs). GRPO's metrics are Python floats and its
+weight and bias in their own dtypes, written by the library in that dtype (bf16: accumulated in f32 inside
+the call, rounded once; no float32 gradient buffer exists). GRPO's metrics are Python floats and its
 per-token log-probs float32 whatever the dtype.
 
 Copies (only where the library cannot take the tensor as it is):
@@ -37,9 +37,9 @@ Gradients: only for inputs that require grad (the library is handed NULL for the
     (6 NHV flops instead of 8 for forward + backward, as Liger does); backward scales the saved gradients by
     the incoming scalar (no work when it is 1; otherwise into new tensors, the saved ones untouched). The
     gradients (dweight is V x H) are held from forward to backward.
-  - dweight buffers are recycled per weight (at most two, freed with the weight): one is handed out again
-    only when no tensor refers to it any more, so .grad, hooks and torch.autograd.grad see what a fresh
-    tensor would give them, without a fresh tensor's page faults (see _DweightPool).
+  - dweight buffers (in the weight's dtype) are recycled per weight (at most two, freed with the weight): one
+    is handed out again only when no tensor refers to it any more, so .grad, hooks and torch.autograd.grad see
+    what a fresh tensor would give them, without a fresh tensor's page faults (see _DweightPool).
   - 'none': the forward (fh_ce_forward) saves lse [N]; backward calls fh_ce_backward with the per-token
     upstream gradient. The library rejects a non-finite upstream gradient (InvalidGradOutputError) where torch
     would propagate NaN.
@@ -159,27 +159,31 @@ class _DweightPool:
 
     def __init__(self):
         self._lock = threading.Lock()  # calls on separate threads may share a weight
-        self._slots = []  # [flat float32 ndarray, weak reference to its latest hand-out]
+        self._slots = []  # [flat ndarray, weak reference to its latest hand-out]
 
-    def take(self, shape: Sequence[int], strides: Sequence[int]) -> torch.Tensor:
-        """An uninitialized float32 tensor of this shape and strides that no other tensor refers to."""
+    def take(self, shape: Sequence[int], strides: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized tensor of this shape, strides and dtype (float32 or bfloat16) that no other tensor
+        refers to."""
         size = _storage_elements(shape, strides)
+        # NumPy has no bfloat16 and torch 1.13 no uint16: bf16 bits live in int16 buffers
+        np_dtype = np.dtype(np.float32 if dtype == torch.float32 else np.int16)
         with self._lock:
             free = [s for s in self._slots if s[1]() is None]
-            slot = next((s for s in free if s[0].size == size), None)
+            slot = next((s for s in free if s[0].size == size and s[0].dtype == np_dtype), None)
             if slot is None:
                 if len(self._slots) < _DWEIGHT_SLOTS:
                     slot = [None, None]
                     self._slots.append(slot)
-                elif free:  # the weight changed shape: this size replaces a stale one
+                elif free:  # the weight changed shape or dtype: this buffer replaces a stale one
                     slot = free[0]
                 else:  # every buffer still in use (graphs retained, gradients kept): as torch would
-                    return torch.empty_strided(tuple(shape), tuple(strides), dtype=torch.float32)
-            if slot[0] is None or slot[0].size != size:
-                slot[0] = np.empty(size, dtype=np.float32)
-            view = np.lib.stride_tricks.as_strided(slot[0], tuple(shape), tuple(4 * s for s in strides))
+                    return torch.empty_strided(tuple(shape), tuple(strides), dtype=dtype)
+            if slot[0] is None or slot[0].size != size or slot[0].dtype != np_dtype:
+                slot[0] = np.empty(size, dtype=np_dtype)
+            view = np.lib.stride_tricks.as_strided(slot[0], tuple(shape), tuple(np_dtype.itemsize * s for s in strides))
             slot[1] = weakref.ref(view)
-            return torch.from_numpy(view)
+            # the bf16 tensor is a view of the int16 one: one storage, which holds `view` until it is freed
+            return torch.from_numpy(view) if dtype == torch.float32 else torch.from_numpy(view).view(dtype)
 
 
 _dweight_pools: Dict[int, _DweightPool] = {}
@@ -232,41 +236,25 @@ class _TorchLinear:
         self.vocab = self.head.vocab
 
     def alloc_grads(self, need_x: bool, need_w: bool, need_b: bool):
-        """Buffers the library overwrites (beta 0): dx [N, H] contiguous, dweight with the weight's strides
-        (recycled through the weight's _DweightPool), dbias [V]; float32 whatever the inputs' dtype (the
-        library writes fp32 gradients; in_input_dtypes converts them). Zero-filled when N = 0 (the library is
-        not called)."""
+        """Buffers the library overwrites (beta 0), in the dtypes autograd wants: dx [N, H] contiguous and
+        dweight with the weight's strides (recycled through the weight's _DweightPool) in the inputs' dtype,
+        dbias [V] in the caller's bias dtype. Zero-filled when N = 0 (the library is not called)."""
         alloc = torch.zeros if self.n == 0 else torch.empty
-        dx = alloc(self.x.shape, dtype=torch.float32) if need_x else None
+        dx = alloc(self.x.shape, dtype=self.dtype) if need_x else None
         dw = None
         if need_w:
-            dw = _dweight_pool(self.owner).take(self.weight.shape, self.weight.stride())
+            dw = _dweight_pool(self.owner).take(self.weight.shape, self.weight.stride(), self.dtype)
             if self.n == 0:
                 dw.zero_()
-        db = alloc(self.bias.shape, dtype=torch.float32) if need_b and self.bias is not None else None
+        db = alloc(self.bias.shape, dtype=self.bias_dtype) if need_b and self.bias is not None else None
         return dx, dw, db
 
-    def in_input_dtypes(self, grads):
-        return _in_dtypes(grads, self.dtype, self.bias_dtype)
-
     def grads_struct(self, dx, dw, db):
-        return self.head.grads(_opt_view(dx), _opt_view(dw), _opt_view(db))
+        dtypes = tuple(Dtype.F32 if t is None or t.dtype == torch.float32 else Dtype.BF16 for t in (dx, dw, db))
+        return self.head.grads(_opt_view(dx), _opt_view(dw), _opt_view(db), dtypes=dtypes)
 
     def hidden_grad(self, dx: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         return None if dx is None else dx.view(self.hidden_shape)
-
-
-def _in_dtypes(grads, dtype: torch.dtype, bias_dtype: Optional[torch.dtype]):
-    """The library's float32 (dx, dweight, dbias) in the dtypes of hidden, weight and bias, as autograd wants
-    them. For bf16 inputs this is a conversion into new bf16 tensors: while it runs, the float32 dweight (the
-    pooled buffer, V x H x 4 bytes, free again once converted) and its bf16 result (V x H x 2) both exist, and
-    dx likewise. Bf16 gradient outputs in the C library will let it write the bf16 result directly."""
-    dx, dw, db = grads
-    if dtype != torch.float32:
-        dx, dw = (None if t is None else t.to(dtype) for t in (dx, dw))
-    if db is not None and bias_dtype != torch.float32:
-        db = db.to(bias_dtype)
-    return dx, dw, db
 
 
 def _token_vector(t: torch.Tensor, name: str, token_shape: Tuple[int, ...], n: int, what: str) -> torch.Tensor:
@@ -310,16 +298,15 @@ class _CE:
 
 def _scaled(saved, grad_loss: torch.Tensor, pool: Optional[_DweightPool]):
     """The train step's saved gradients (of the loss, upstream 1) times d(objective)/d(loss). Not in place: a
-    retained graph's next backward needs them as they are. An fp32 dweight's product goes to a pooled buffer;
-    bf16 gradients were rounded in the forward, so their product is a second rounding (exact for a power of
-    two, as loss scaling and averaging over 2^k micro-batches use)."""
+    retained graph's next backward needs them as they are. dweight's product goes to a pooled buffer. bf16
+    gradients were rounded in the forward, so their product is a second rounding (exact for a power of two, as
+    loss scaling and averaging over 2^k micro-batches use)."""
     dx, dw, db = saved
     if bool(grad_loss == 1):
         return dx, dw, db
     dx, db = (None if t is None else t * grad_loss for t in (dx, db))  # NaN propagates, as in torch
     if dw is not None:
-        dw = torch.mul(dw, grad_loss, out=pool.take(dw.shape, dw.stride())) if dw.dtype == torch.float32 \
-            else dw * grad_loss
+        dw = torch.mul(dw, grad_loss.to(dw.dtype), out=pool.take(dw.shape, dw.stride(), dw.dtype))
     return dx, dw, db
 
 
@@ -334,14 +321,14 @@ def _forward_reduced(ce: _CE, context: Optional[Context], need: Sequence[bool]):
     dx, dw, db = ce.lin.alloc_grads(*need)
     dtype = ce.lin.dtype
     if ce.n == 0:
-        return _scalar(0.0, dtype), _scalar(0.0, dtype), ce.lin.in_input_dtypes((dx, dw, db))
+        return _scalar(0.0, dtype), _scalar(0.0, dtype), (dx, dw, db)
     ctx = context or default_context()
     if any(need):
         one = torch.ones(1, dtype=torch.float32)
         loss, z = ce.problem.forward_backward(ctx, one.data_ptr(), ce.lin.grads_struct(dx, dw, db))
     else:
         loss, z = ce.problem.forward(ctx)
-    return _scalar(loss, dtype), _scalar(z, dtype), ce.lin.in_input_dtypes((dx, dw, db))
+    return _scalar(loss, dtype), _scalar(z, dtype), (dx, dw, db)
 
 
 def _forward_none(ce: _CE, context: Optional[Context]):
@@ -395,13 +382,13 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             ignore_index, label_smoothing, softcap, z_loss, layout = ctx.options
             ce = _CE(x, weight, targets, bias, class_weights, ignore_index, Reduction.NONE, label_smoothing, softcap,
                      z_loss, layout)
+            ce.lin.bias_dtype = ctx.bias_dtype  # the caller's, for dbias: the saved bias is its fp32 form
             dx, dw, db = ce.lin.alloc_grads(*ctx.need)
             if ce.n > 0:
                 g = _token_vector(grad_loss.to(torch.float32), "grad_output", tuple(ctx.hidden_shape[:-1]), ce.n,
                                   "per token")
                 ce.problem.backward(ctx.fh_context or default_context(), lse.data_ptr(), g.data_ptr(),
                                     ce.lin.grads_struct(dx, dw, db))
-            dx, dw, db = _in_dtypes((dx, dw, db), ce.lin.dtype, ctx.bias_dtype)
             dx = None if dx is None else dx.view(ctx.hidden_shape)
         return (dx, dw, None, db) + (None,) * 8
 
@@ -540,7 +527,7 @@ def _grpo_run(g: _GRPO, context: Optional[Context], need: Sequence[bool]):
     logp = torch.zeros(g.n, dtype=torch.float32)
     if g.problem is None:
         return _scalar(0.0, g.lin.dtype), torch.full((len(GRPO_METRIC_KEYS),), float("nan"), dtype=torch.float64), \
-            logp.view(g.bt), g.lin.in_input_dtypes((dx, dw, db))
+            logp.view(g.bt), (dx, dw, db)
     ctx = context or default_context()
     if any(need):
         one = torch.ones(1, dtype=torch.float32)
@@ -549,7 +536,7 @@ def _grpo_run(g: _GRPO, context: Optional[Context], need: Sequence[bool]):
     else:
         loss, m = g.problem.forward(ctx, per_token_logp=logp.data_ptr())
     metrics = torch.tensor([getattr(m, f) for f, _ in GRPO_METRIC_KEYS], dtype=torch.float64)
-    return _scalar(loss, g.lin.dtype), metrics, logp.view(g.bt), g.lin.in_input_dtypes((dx, dw, db))
+    return _scalar(loss, g.lin.dtype), metrics, logp.view(g.bt), (dx, dw, db)
 
 
 class FusedLinearGRPOLossFunction(torch.autograd.Function):
