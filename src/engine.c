@@ -47,13 +47,14 @@ static fh_gemm_output f32_output(float *data, int64_t row_stride, int64_t col_st
     return v;
 }
 
-/* The dU rows of a tile as the gradient GEMMs read them: the f32 tile itself, or (bf16_du) the rows rounded
- * into the du buffer, which holds one tile when streaming and every row of the call in row blocks. */
-static fh_gemm_input du_view(const fh_engine_pass *p, int64_t i0, int64_t vb)
+/* The dU rows of a tile (rows i0.. of the call, from row tile_row of the tile) as the gradient GEMMs read
+ * them: the f32 tile itself, or (bf16_du) the rows rounded into the du buffer, which holds one tile when
+ * streaming and every row of the call in row blocks. */
+static fh_gemm_input du_view(const fh_engine_pass *p, int64_t tile_row, int64_t i0, int64_t vb)
 {
     if (p->plan->bf16_du)
-        return view(p->ws->du, FH_ELEM_BF16, (p->plan->row_blocks ? i0 : 0) * vb, vb, 1);
-    return view(p->ws->tile, FH_ELEM_F32, 0, vb, 1);
+        return view(p->ws->du, FH_ELEM_BF16, (p->plan->row_blocks ? i0 : tile_row) * vb, vb, 1);
+    return view(p->ws->tile, FH_ELEM_F32, tile_row * vb, vb, 1);
 }
 
 static uint16_t *du_row(const fh_engine_pass *p, int64_t i0, int64_t r, int64_t vb)
@@ -101,14 +102,15 @@ static int dw_acc_by_vocab(const fh_linear *lin)
     return lin->w_stride_vocab <= lin->w_stride_hidden;
 }
 
-/* dx[i0:i0+nb, :] (+)= dU W[:, v0:v0+vb]^T, dU the nb x vb tile. accumulate: a later tile of the call. */
-static fh_status add_dx(const fh_engine_pass *p, int prepare, int64_t i0, int64_t nb, int64_t v0, int64_t vb,
-                        int accumulate)
+/* dx[i0:i0+nb, :] (+)= dU W[:, v0:v0+vb]^T, dU the nb x vb rows of the tile from tile_row. accumulate: a
+ * later tile of the call. */
+static fh_status add_dx(const fh_engine_pass *p, int prepare, int64_t tile_row, int64_t i0, int64_t nb, int64_t v0,
+                        int64_t vb, int accumulate)
 {
     const fh_linear *lin = p->lin;
     const fh_linear_grads *grads = p->grads;
     const int64_t h = lin->hidden;
-    const fh_gemm_input du = du_view(p, i0, vb);
+    const fh_gemm_input du = du_view(p, tile_row, i0, vb);
     /* fp32_dz: w32 holds the tile's columns row-major, H x vb. */
     const fh_gemm_input wt = p->plan->fp32_dz ? view(p->ws->w32, FH_ELEM_F32, 0, 1, vb)
                                               : view(lin->weight, elem_type(lin->weight_dtype), v0 * lin->w_stride_vocab,
@@ -123,9 +125,10 @@ static fh_status add_dx(const fh_engine_pass *p, int prepare, int64_t i0, int64_
     return multiply(p, prepare, nb, h, vb, &du, &wt, accumulate || grads->dx_beta != 0.0f, &dx);
 }
 
-/* dweight[:, v0:v0+vb] (+)= X[i0:i0+nb, :]^T dU. accumulate: a later row tile of the call. */
-static fh_status add_dweight(const fh_engine_pass *p, int prepare, int64_t i0, int64_t nb, int64_t v0, int64_t vb,
-                             int accumulate)
+/* dweight[:, v0:v0+vb] (+)= X[i0:i0+nb, :]^T dU (tile rows from tile_row). accumulate: a later row tile of
+ * the call. */
+static fh_status add_dweight(const fh_engine_pass *p, int prepare, int64_t tile_row, int64_t i0, int64_t nb,
+                             int64_t v0, int64_t vb, int accumulate)
 {
     const fh_linear *lin = p->lin;
     const fh_linear_grads *grads = p->grads;
@@ -134,7 +137,7 @@ static fh_status add_dweight(const fh_engine_pass *p, int prepare, int64_t i0, i
     const fh_gemm_input xt = p->plan->fp32_dz
                                  ? view(p->ws->x32, FH_ELEM_F32, 0, 1, h)
                                  : view(lin->x, elem_type(lin->x_dtype), i0 * lin->x_row_stride, 1, lin->x_row_stride);
-    const fh_gemm_input du = du_view(p, i0, vb);
+    const fh_gemm_input du = du_view(p, tile_row, i0, vb);
     if (dweight_accumulated(p)) {
         const int by_vocab = dw_acc_by_vocab(lin);
         const fh_gemm_output acc = f32_output(p->ws->dw_acc, by_vocab ? vb : 1, by_vocab ? 1 : h);
@@ -144,6 +147,23 @@ static fh_status add_dweight(const fh_engine_pass *p, int prepare, int64_t i0, i
     const fh_gemm_output dw = {(char *)grads->dweight + (size_t)(v0 * lin->w_stride_vocab) * elem_size(type),
                                lin->w_stride_hidden, lin->w_stride_vocab, type};
     return multiply(p, prepare, h, vb, nb, &xt, &du, accumulate || grads->dweight_beta != 0.0f, &dw);
+}
+
+/* Row blocks of paired rows are two segments, one in each half of the rows: their height and the rows they
+ * walk. Every other pass has one segment over all n rows. */
+static int64_t block_segments(const fh_engine_pass *p)
+{
+    return p->paired_rows ? 2 : 1;
+}
+
+static int64_t block_segment_rows(const fh_engine_pass *p)
+{
+    return p->plan->tile_rows / block_segments(p);
+}
+
+static int64_t block_span(const fh_engine_pass *p)
+{
+    return p->paired_rows ? p->paired_rows : p->lin->n;
 }
 
 /* bf16 row blocks keep every row's dU, and dweight is one GEMM over all of them after the last block. */
@@ -156,9 +176,9 @@ fh_status fh_engine_prepare(const fh_engine_pass *p)
 {
     const fh_linear *lin = p->lin;
     const fh_linear_grads *grads = p->grads;
-    const int64_t rows = p->plan->tile_rows, cols = p->plan->tile_vocab;
+    const int64_t rows = block_segment_rows(p), span = block_span(p), cols = p->plan->tile_vocab;
     /* Full tiles and the edge ones; gradients first written and then accumulated. */
-    const int64_t heights[2] = {rows, lin->n % rows ? lin->n % rows : rows};
+    const int64_t heights[2] = {rows, span % rows ? span % rows : rows};
     const int64_t widths[2] = {cols, lin->vocab % cols ? lin->vocab % cols : cols};
     fh_status st = FH_OK;
     for (int h = 0; h < 2; h++)
@@ -166,13 +186,13 @@ fh_status fh_engine_prepare(const fh_engine_pass *p)
             st = st == FH_OK ? compute_logits(p, 1, p->ws->tile, 0, heights[h], 0, widths[w]) : st;
             for (int accumulate = 0; grads && accumulate < 2; accumulate++) {
                 if (st == FH_OK && grads->dx)
-                    st = add_dx(p, 1, 0, heights[h], 0, widths[w], accumulate);
+                    st = add_dx(p, 1, 0, 0, heights[h], 0, widths[w], accumulate);
                 if (st == FH_OK && grads->dweight && !dweight_after_blocks(p))
-                    st = add_dweight(p, 1, 0, heights[h], 0, widths[w], accumulate);
+                    st = add_dweight(p, 1, 0, 0, heights[h], 0, widths[w], accumulate);
             }
         }
     if (st == FH_OK && grads && grads->dweight && dweight_after_blocks(p))
-        st = add_dweight(p, 1, 0, lin->n, 0, lin->vocab, 0);
+        st = add_dweight(p, 1, 0, 0, lin->n, 0, lin->vocab, 0);
     return st;
 }
 
@@ -339,18 +359,19 @@ static void round_du_row(const fh_engine_pass *p, const float *row, int64_t i0, 
         fh_row_to_bf16(row, vb, du_row(p, i0, r, vb));
 }
 
-/* The gradient GEMMs of a dU tile: dx is first written at v0 = 0, dweight at i0 = 0 (or, after bf16 row
- * blocks, once over every row). */
-static fh_status add_gradients(const fh_engine_pass *p, int64_t i0, int64_t nb, int64_t v0, int64_t vb)
+/* The gradient GEMMs of a dU tile's rows from tile_row: dx is first written at v0 = 0, dweight at i0 = 0 (or,
+ * after bf16 row blocks, once over every row). */
+static fh_status add_gradients(const fh_engine_pass *p, int64_t tile_row, int64_t i0, int64_t nb, int64_t v0,
+                               int64_t vb)
 {
     const fh_linear_grads *grads = p->grads;
     fh_status st = FH_OK;
     if (p->plan->fp32_dz)
         copy_x_rows(p, i0, nb);
     if (grads->dx)
-        st = add_dx(p, 0, i0, nb, v0, vb, v0 > 0);
+        st = add_dx(p, 0, tile_row, i0, nb, v0, vb, v0 > 0);
     if (st == FH_OK && grads->dweight && !dweight_after_blocks(p))
-        st = add_dweight(p, 0, i0, nb, v0, vb, i0 > 0);
+        st = add_dweight(p, 0, tile_row, i0, nb, v0, vb, i0 > 0);
     return st;
 }
 
@@ -389,7 +410,7 @@ fh_status fh_engine_backward(const fh_engine_pass *p)
             }
             if (grads->dbias)
                 add_column_sums(tile, nb, vb, column, threads);
-            st = add_gradients(p, i0, nb, v0, vb);
+            st = add_gradients(p, 0, i0, nb, v0, vb);
             if (st != FH_OK)
                 return st;
         }
@@ -462,6 +483,7 @@ fh_status fh_engine_row_blocks(const fh_engine_pass *p)
     const fh_linear_grads *grads = p->grads;
     const fh_token_stats *stats = p->stats;
     const int64_t n = lin->n, vocab = lin->vocab;
+    const int64_t segments = block_segments(p), height = block_segment_rows(p), span = block_span(p);
     const int threads = p->plan->threads;
     const fh_fold_request request = {p->class_weights, stats->sum_weighted_z != NULL, stats->sum_pz != NULL};
     float *tile = p->ws->tile;
@@ -472,41 +494,46 @@ fh_status fh_engine_row_blocks(const fh_engine_pass *p)
     if (grads->dbias)
         for (int64_t j = 0; j < vocab; j++)
             column[j] = 0.0;
-    for (int64_t i0 = 0; i0 < n; i0 += p->plan->tile_rows) {
-        const int64_t nb = min64(p->plan->tile_rows, n - i0);
-        st = compute_logits(p, 0, tile, i0, nb, 0, vocab);
+    for (int64_t i0 = 0; i0 < span; i0 += height) {
+        /* Segment s holds rows s * span + i0 .. + nb - 1, from tile row s * nb. */
+        const int64_t nb = min64(height, span - i0), rows = segments * nb;
+        for (int64_t s = 0; s < segments && st == FH_OK; s++)
+            st = compute_logits(p, 0, tile + s * nb * vocab, s * span + i0, nb, 0, vocab);
         if (st != FH_OK)
             return st;
         if (!p->source->block) {
             /* Fold, then the gradient while the row is still hot in cache. */
 #pragma omp parallel for num_threads(threads) schedule(static)
-            for (int64_t r = 0; r < nb; r++) {
-                const fh_final_stats result = fold_row(p, &request, tile + r * vocab, i0 + r);
-                gradient_row(p, tile + r * vocab, i0, r, &result);
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t first = r / nb * span + i0;
+                const fh_final_stats result = fold_row(p, &request, tile + r * vocab, first + r % nb);
+                gradient_row(p, tile + r * vocab, first, r % nb, &result);
             }
         } else {
             /* The hook needs the whole block's statistics before any row's coefficients. */
 #pragma omp parallel for num_threads(threads) schedule(static)
-            for (int64_t r = 0; r < nb; r++)
-                fold_row(p, &request, tile + r * vocab, i0 + r);
+            for (int64_t r = 0; r < rows; r++)
+                fold_row(p, &request, tile + r * vocab, r / nb * span + i0 + r % nb);
             const fh_token_stats block = stats_from(stats, i0);
             st = p->source->block(p->source->self, i0, nb, &block);
             if (st != FH_OK)
                 return st;
 #pragma omp parallel for num_threads(threads) schedule(static)
-            for (int64_t r = 0; r < nb; r++) {
-                const fh_final_stats result = stored_stats(stats, i0 + r);
-                gradient_row(p, tile + r * vocab, i0, r, &result);
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t first = r / nb * span + i0;
+                const fh_final_stats result = stored_stats(stats, first + r % nb);
+                gradient_row(p, tile + r * vocab, first, r % nb, &result);
             }
         }
         if (grads->dbias)
-            add_column_sums(tile, nb, vocab, column, threads);
-        st = add_gradients(p, i0, nb, 0, vocab);
+            add_column_sums(tile, rows, vocab, column, threads);
+        for (int64_t s = 0; s < segments && st == FH_OK; s++)
+            st = add_gradients(p, s * nb, s * span + i0, nb, 0, vocab);
         if (st != FH_OK)
             return st;
     }
     if (grads->dweight && dweight_after_blocks(p)) {
-        st = add_dweight(p, 0, 0, n, 0, vocab, 0);
+        st = add_dweight(p, 0, 0, 0, n, 0, vocab, 0);
         if (st != FH_OK)
             return st;
     }

@@ -59,6 +59,9 @@ typedef struct fh_engine_pass {
     const fh_coef_arrays *coefs;  /* backward */
     const fh_coef_source *source; /* row blocks */
     const fh_linear_grads *grads; /* backward, row blocks */
+    int64_t paired_rows;          /* row blocks: 0, or half of n: rows i and paired_rows + i belong together
+                                     (a preference pair's chosen and rejected tokens), and every block holds
+                                     the same rows of both halves */
 } fh_engine_pass;
 
 /* Every pass makes its GEMMs ready first (fh_gemm_prepare), so that it fails, if it does (FH_ERR_OUT_OF_MEMORY
@@ -72,7 +75,9 @@ fh_status fh_engine_forward(const fh_engine_pass *p);
 /* Accumulates p->grads from p->coefs. */
 fh_status fh_engine_backward(const fh_engine_pass *p);
 
-/* Single-call train step over row blocks of plan->tile_rows x V (a row-block plan of fh_plan_train_step):
+/* Single-call train step over row blocks of plan->tile_rows x V (a row-block plan of fh_plan_train_step;
+ * with paired_rows, two segments of tile_rows / 2 rows, one in each half, and the block hook is called with
+ * the first half's segment):
  * fills p->stats like fh_engine_forward and accumulates p->grads like fh_engine_backward, with the
  * coefficients from p->source. Returns FH_OK, or the first failure of p->source->block: the pass stops at
  * that block (earlier blocks' dx and dweight are written, dbias is not). */

@@ -522,21 +522,6 @@ void fh_grpo_row_coefficients(const fh_workspace *ws, int64_t i, fh_coef *k)
     k->e = -ws->slot[FH_GRPO_SLOT_G_ENTROPY_THEN_E][i];
 }
 
-fh_status fh_grpo_plan_blocks(fh_context *ctx, const fh_linear *lin, int64_t seq, fh_plan *plan, int *row_blocks)
-{
-    const fh_status st = fh_plan_train_step(ctx, lin, plan, row_blocks, ctx);
-    if (st != FH_OK || !*row_blocks)
-        return st;
-    const int64_t sequences = lin->n / seq, fit = plan->tile_rows / seq;
-    if (fit < 1) {
-        *row_blocks = 0;
-        return FH_OK;
-    }
-    const int64_t blocks = (sequences + fit - 1) / fit;
-    fh_plan_lower_rows(plan, lin->n, (sequences + blocks - 1) / blocks * seq);
-    return FH_OK;
-}
-
 /* The single-process pass's hook and rows (self: the sequence_blocks below). */
 typedef struct sequence_blocks {
     fh_grpo_head *h;
@@ -598,7 +583,7 @@ FH_API fh_status fh_grpo_forward_backward(fh_context *ctx, const fh_linear *lin,
     fh_workspace ws[2];
     int row_blocks = 0;
     if (st == FH_OK)
-        st = fh_grpo_plan_blocks(ctx, lin, batch->seq, &plans[0], &row_blocks);
+        st = fh_plan_train_step_groups(ctx, lin, batch->seq, &plans[0], &row_blocks);
     if (st == FH_OK && row_blocks) {
         st = fh_workspace_acquire(ctx, lin->n, &plans[0], 1, &ws[0]);
         return st == FH_OK ? fh_gemm_failure(ctx, sequence_block_step(&plans[0], &ws[0], lin, batch, options,

@@ -84,13 +84,11 @@ void fh_grpo_head_evaluate(const fh_grpo_head *h, int64_t b0, int64_t b1, const 
                            double grad, const fh_grpo_head_outputs *out, fh_grpo_partials *partials);
 /* Loss and metrics from (whole-batch) partial sums. */
 void fh_grpo_head_finish(const fh_grpo_head *h, const fh_grpo_partials *p, const fh_grpo_head_outputs *out);
-/* The single-call step in row blocks of whole sequences. fh_grpo_plan_blocks: the train step's row-block plan
- * lowered to whole sequences of seq rows and balanced; *row_blocks = 0 (stream) when not one sequence fits.
+/* The single-call step in row blocks of whole sequences (fh_plan_train_step_groups).
  * fh_grpo_block_coefficients, once a block's rows (first_row .. first_row + rows - 1, whole sequences) have
  * their final statistics in the workspace's slots: their logp and entropy (ids outside [0, vocab) get logp 0),
  * their sequences' GSPO log-ratios, and their g_logp and g_entropy (h's whole-batch totals already counted).
  * fh_grpo_row_coefficients: row i's engine coefficients from those. */
-fh_status fh_grpo_plan_blocks(fh_context *ctx, const fh_linear *lin, int64_t seq, fh_plan *plan, int *row_blocks);
 void fh_grpo_block_coefficients(fh_grpo_head *h, const fh_workspace *ws, int64_t vocab, double grad,
                                 int64_t first_row, int64_t rows);
 void fh_grpo_row_coefficients(const fh_workspace *ws, int64_t i, fh_coef *k);

@@ -172,6 +172,22 @@ void fh_plan_lower_rows(fh_plan *plan, int64_t n, int64_t rows)
     (void)place_buffers(plan, n); /* cannot overflow: the taller tile did not */
 }
 
+fh_status fh_plan_train_step_groups(fh_context *ctx, const fh_linear *lin, int64_t group_rows, fh_plan *plan,
+                                    int *row_blocks)
+{
+    const fh_status st = fh_plan_train_step(ctx, lin, plan, row_blocks, ctx);
+    if (st != FH_OK || !*row_blocks)
+        return st;
+    const int64_t groups = lin->n / group_rows, fit = plan->tile_rows / group_rows;
+    if (fit < 1) {
+        *row_blocks = 0;
+        return FH_OK;
+    }
+    const int64_t blocks = (groups + fit - 1) / fit;
+    fh_plan_lower_rows(plan, lin->n, (groups + blocks - 1) / blocks * group_rows);
+    return FH_OK;
+}
+
 fh_status fh_plan_query_bytes(const fh_context *ctx, const fh_linear *lin, int train_step, size_t *bytes)
 {
     fh_status st = fh_check_linear(NULL, lin);

@@ -45,6 +45,11 @@ fh_status fh_plan_streaming(const fh_context *ctx, const fh_linear *lin, fh_plan
 fh_status fh_plan_train_step(const fh_context *ctx, const fh_linear *lin, fh_plan *plan, int *row_blocks,
                              fh_context *messages);
 
+/* The train step's plan with row blocks of whole groups of group_rows rows (a sequence, a preference pair),
+ * balanced across blocks; *row_blocks = 0 (stream) when not one group fits. */
+fh_status fh_plan_train_step_groups(fh_context *ctx, const fh_linear *lin, int64_t group_rows, fh_plan *plan,
+                                    int *row_blocks);
+
 /* Lowers a row-block plan to rows (<= plan->tile_rows) per block, e.g. a height agreed with other ranks;
  * its workspace only shrinks. */
 void fh_plan_lower_rows(fh_plan *plan, int64_t n, int64_t rows);
