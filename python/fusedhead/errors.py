@@ -52,6 +52,7 @@ class SizeOverflowError(FusedheadValueError): pass
 class TargetOutOfRangeError(FusedheadValueError): pass
 class MissingOutputError(FusedheadValueError): pass
 class NonfiniteInputError(FusedheadValueError): pass
+class InvalidDtypeError(FusedheadValueError): pass
 class InvalidReductionError(FusedheadValueError): pass
 class InvalidLabelSmoothingError(FusedheadValueError): pass
 class InvalidSoftcapError(FusedheadValueError): pass
@@ -81,6 +82,7 @@ ERROR_CLASSES: Dict[int, Type[FusedheadError]] = {
     Status.ERR_MISSING_OUTPUT: MissingOutputError,
     Status.ERR_NONFINITE_INPUT: NonfiniteInputError,
     Status.ERR_INVALID_LAYOUT: InvalidLayoutError,
+    Status.ERR_INVALID_DTYPE: InvalidDtypeError,
     Status.ERR_INVALID_REDUCTION: InvalidReductionError,
     Status.ERR_INVALID_LABEL_SMOOTHING: InvalidLabelSmoothingError,
     Status.ERR_INVALID_SOFTCAP: InvalidSoftcapError,

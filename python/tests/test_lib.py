@@ -221,3 +221,21 @@ def test_default_context_settings():
             fusedhead.set_default_context_settings(tiles=3)
     finally:
         fusedhead.set_default_context_settings(**{k: before.get(k) for k in ("tile_vocab", "threads")})
+
+
+def test_library_dtype_status_raises_invalid_dtype_error():
+    """The front ends refuse bf16 gradients of fp32 inputs themselves; called below them, the library's own
+    FH_ERR_INVALID_DTYPE arrives as InvalidDtypeError, with the library's message naming the field."""
+    from fusedhead import _core
+    from fusedhead.numpy import _view
+    x, w, t, _, _ = make_data(seed=3)
+    dx = np.empty_like(x)
+    head = _core.LinearHead(_view(x, "hidden"), _view(w, "weight"), None, "vh")
+    grads = head.grads(dx=_view(dx, "dhidden"), dtypes=(fusedhead.Dtype.BF16, fusedhead.Dtype.F32,
+                                                         fusedhead.Dtype.F32))
+    problem = _core.CEProblem(head, _view(t, "targets"))
+    grad_output = np.ones(1, np.float32)
+    before = dx.copy()
+    with pytest.raises(fusedhead.errors.InvalidDtypeError, match="dx_dtype"):
+        problem.forward_backward(fusedhead.default_context(), grad_output.ctypes.data, grads)
+    assert np.array_equal(dx, before, equal_nan=True)  # outputs untouched on error
