@@ -64,6 +64,8 @@ typedef enum fh_status {
     FH_ERR_BUDGET_TOO_SMALL = 22,     /* the memory budget cannot hold the smallest tile */
     FH_ERR_WISDOM_IO = 23,            /* the wisdom file cannot be read or written */
     FH_ERR_INVALID_WISDOM = 24,       /* a wisdom file line or entry is malformed, or the table is full */
+    FH_ERR_INVALID_PREFERENCE_OPTION = 25, /* loss, loss_type, beta, label_smoothing, simpo_gamma, rpo_alpha or
+                                              cpo_alpha out of range, or a loss_type the loss does not have */
     /* 30..39: context and parameters */
     FH_ERR_INVALID_PARAM = 30,        /* unknown fh_param */
     FH_ERR_INVALID_PARAM_VALUE = 31   /* value outside fh_param_bounds() */
@@ -371,6 +373,93 @@ FH_API fh_status fh_grpo_forward_backward(fh_context *ctx, const fh_linear *lin,
 
 /* Workspace bytes the GRPO calls need, the largest of forward, backward and forward_backward (pure). */
 FH_API fh_status fh_grpo_workspace_size(const fh_context *ctx, const fh_linear *lin, size_t *bytes);
+
+/* ---------------------------------------------------------------------------------------------
+ * Preference optimisation: DPO, ORPO, SimPO, CPO (TRL's DPOTrainer, ORPOTrainer and CPOTrainer semantics,
+ * Liger-Kernel's chunked_loss layout), one micro-batch on one process.
+ *
+ *   The batch is 2B sequences of T tokens: chosen ones first (rows 0 .. B T - 1), then rejected ones; pair b
+ *   is sequences b and B + b. z = x W + bias; logp_t = log_softmax(z_t)[targets_t] (0 where masked and the
+ *   target is outside [0, V)).
+ *   Sequence log-prob  l_s = sum_t m_t logp_t, or its average  / max(sum_t m_t, 1)  for ipo, simpo and orpo.
+ *   c_b, r_b: l of chosen and rejected sequence b;  beta, ls = label_smoothing.
+ *   dpo:    u_b = (c_b - ref_c_b) - (r_b - ref_r_b)   (reference log-probs aggregated as l; none: 0)
+ *           sigmoid: -(1 - ls) log sig(beta u) - ls log sig(-beta u)
+ *           robust:  (-(1 - ls) log sig(beta u) + ls log sig(-beta u)) / (1 - 2 ls)
+ *           hinge:   relu(1 - beta u);   ipo: (u - 1 / (2 beta))^2
+ *           loss = mean_b + rpo_alpha * NLL;  rewards = beta (l - ref)
+ *   cpo:    u_b = c_b - r_b; sigmoid, hinge, ipo as dpo;  loss = mean_b + cpo_alpha * NLL;  rewards = beta l
+ *   simpo:  u_b = c_b - r_b - simpo_gamma / beta (averaged l), sigmoid as dpo; loss = mean_b + cpo_alpha * NLL
+ *   orpo:   o_b = (c_b - r_b) - (log(1 - exp c_b) - log(1 - exp r_b)) (averaged l);
+ *           loss = NLL - mean_b beta log sig(o_b);  rewards = beta l
+ *   NLL = -sum over chosen tokens of m logp / max(sum of chosen m, 1)  (cross-entropy on the chosen half)
+ * Nothing is differentiated through the reference log-probs; rewards and metrics carry no gradient.
+ * ------------------------------------------------------------------------------------------- */
+typedef enum fh_preference_loss {
+    FH_PREFERENCE_DPO = 0,
+    FH_PREFERENCE_ORPO = 1,
+    FH_PREFERENCE_SIMPO = 2,
+    FH_PREFERENCE_CPO = 3
+} fh_preference_loss;
+
+typedef enum fh_preference_loss_type { /* TRL's loss_type: dpo has all four, cpo all but robust, */
+    FH_PREFERENCE_SIGMOID = 0,         /* simpo and orpo only sigmoid (their own formulas above) */
+    FH_PREFERENCE_HINGE = 1,
+    FH_PREFERENCE_IPO = 2,
+    FH_PREFERENCE_ROBUST = 3
+} fh_preference_loss_type;
+
+typedef struct fh_preference_options { /* TRL config names; defaults from fh_preference_options_init */
+    fh_preference_loss loss;           /* dpo */
+    fh_preference_loss_type loss_type; /* sigmoid */
+    double beta;                       /* 0.1; > 0 */
+    double label_smoothing;            /* 0; in [0, 0.5], < 0.5 for robust */
+    double simpo_gamma;                /* 0.5 (simpo) */
+    double rpo_alpha;                  /* 0: no NLL term (dpo; TRL's None) */
+    double cpo_alpha;                  /* 1.0 (cpo and simpo; 0 for the SimPO paper's loss) */
+} fh_preference_options;
+
+FH_API fh_status fh_preference_options_init(fh_preference_options *options);
+
+typedef struct fh_preference_batch {
+    int64_t pairs, seq;                /* B, T; the fh_linear's n must be 2 B T */
+    const int64_t *targets;            /* [2B, T], in [0, V) wherever the mask is non-zero */
+    const float *mask;                 /* [2B, T] loss mask, 0/1 (any finite value >= 0 weighs the token) */
+    const float *ref_logps;            /* dpo: [2B] reference sequence log-probs, aggregated as l; or NULL */
+    const float *ref_per_token_logps;  /* dpo: [2B, T] reference token log-probs, aggregated here; or NULL
+                                          (at most one of the two; neither: reference-free) */
+} fh_preference_batch;
+
+typedef struct fh_preference_metrics { /* TRL's logged metrics (means over pairs); NaN where TRL logs nothing */
+    double rewards_chosen, rewards_rejected, rewards_accuracies, rewards_margins;
+    double logps_chosen, logps_rejected;   /* means of c and r */
+    double logits_chosen, logits_rejected; /* mean of z over the masked tokens and the whole vocabulary */
+    double nll_loss;                       /* dpo: NaN without rpo_alpha; cpo, simpo: 0 when cpo_alpha is 0 (TRL) */
+    double log_odds_ratio, log_odds_chosen; /* orpo: means of log sig(o) and of o */
+} fh_preference_metrics;
+
+typedef struct fh_preference_outputs { /* any may be NULL */
+    double *loss;
+    fh_preference_metrics *metrics;
+    float *sequence_logps;             /* [2B] l: chosen then rejected */
+    float *rewards;                    /* [2B] chosen then rejected */
+    float *per_token_logp;             /* [2B, T] */
+} fh_preference_outputs;
+
+FH_API fh_status fh_preference_forward(fh_context *ctx, const fh_linear *lin, const fh_preference_batch *batch,
+                                       const fh_preference_options *options, fh_preference_outputs *out);
+
+/* Forward and backward in one call (grad_output: one value, d(objective)/d(loss)). Row blocks of whole pairs
+ * (6 N H V flops): each block holds the same chosen and rejected sequences, so that a pair's loss and its
+ * tokens' coefficients follow from the block's statistics. When the memory budget cannot hold one pair's
+ * rows it streams both passes instead (8 N H V flops); the results are the same either way. */
+FH_API fh_status fh_preference_forward_backward(fh_context *ctx, const fh_linear *lin,
+                                                const fh_preference_batch *batch,
+                                                const fh_preference_options *options, const float *grad_output,
+                                                fh_preference_outputs *out, fh_linear_grads *grads);
+
+/* Workspace bytes the preference calls need (pure). */
+FH_API fh_status fh_preference_workspace_size(const fh_context *ctx, const fh_linear *lin, size_t *bytes);
 
 #ifdef __cplusplus
 }

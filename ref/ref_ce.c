@@ -33,18 +33,6 @@ static double *logits(const ref_linear *lin, const ref_ce_options *o, double **d
     return z;
 }
 
-static double row_lse(const double *z, int64_t v)
-{
-    double m = -INFINITY;
-    for (int64_t j = 0; j < v; j++)
-        if (z[j] > m)
-            m = z[j];
-    double s = 0.0;
-    for (int64_t j = 0; j < v; j++)
-        s += exp(z[j] - m);
-    return m + log(s);
-}
-
 static double weight_of(const ref_ce_options *o, int64_t j)
 {
     return o->class_weights ? o->class_weights[j] : 1.0;
@@ -72,7 +60,7 @@ int ref_ce_forward(const ref_linear *lin, const int64_t *t, const ref_ce_options
     double ce_sum = 0.0, zl_sum = 0.0;
     for (int64_t i = 0; i < n; i++) {
         const double *zi = z + i * v;
-        const double lse = row_lse(zi, v);
+        const double lse = ref_linear_row_lse(zi, v);
         int64_t am = 0;
         for (int64_t j = 1; j < v; j++)
             if (zi[j] > zi[am])
@@ -122,7 +110,7 @@ int ref_ce_backward(const ref_linear *lin, const int64_t *t, const ref_ce_option
     /* Overwrite z with du = d loss / d u, row by row. */
     for (int64_t i = 0; i < n; i++) {
         double *zi = z + i * v;
-        const double lse = row_lse(zi, v);
+        const double lse = ref_linear_row_lse(zi, v);
         if (t[i] == o->ignore_index) {
             for (int64_t j = 0; j < v; j++)
                 zi[j] = 0.0;

@@ -2,6 +2,7 @@
  * every fused comparison and finite-difference check is measured against, so the order must not change. */
 #include "ref_linear.h"
 
+#include <math.h>
 #include <stdlib.h>
 
 double *ref_linear_logits(const ref_linear *lin)
@@ -46,4 +47,16 @@ void ref_linear_backward(const ref_linear *lin, const double *du, double *dx, do
                 acc += du[i * v + j];
             dbias[j] = acc;
         }
+}
+
+double ref_linear_row_lse(const double *u, int64_t vocab)
+{
+    double m = -INFINITY;
+    for (int64_t j = 0; j < vocab; j++)
+        if (u[j] > m)
+            m = u[j];
+    double s = 0.0;
+    for (int64_t j = 0; j < vocab; j++)
+        s += exp(u[j] - m);
+    return m + log(s);
 }

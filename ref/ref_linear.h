@@ -20,4 +20,7 @@ double *ref_linear_logits(const ref_linear *lin);
  * each output may be NULL; all are overwritten. */
 void ref_linear_backward(const ref_linear *lin, const double *du, double *dx, double *dweight, double *dbias);
 
+/* log sum_j exp(u_j) over one row of `vocab` logits, shifted by the row's maximum. */
+double ref_linear_row_lse(const double *u, int64_t vocab);
+
 #endif

@@ -4,6 +4,7 @@
 #include "ce_case.h"
 #include "dtype_option.h"
 #include "gradcheck_grpo.h"
+#include "gradcheck_preference.h"
 #include "npy.h"
 
 #include <stdio.h>
@@ -19,7 +20,8 @@ static void usage(void)
             "       [--reduction mean|sum|none] [--threads T] [--seed S] [--dump DIR]\n"
             "       [--train-step] [--budget BYTES] [--tile-rows R] [--tile-vocab C] [--dtype f32|bf16]\n"
             "       [--grad-dtype f32|bf16] [--fp32-dz]\n"
-            "       fh_gradcheck --loss grpo ... (fh_gradcheck --loss grpo --help)\n");
+            "       fh_gradcheck --loss grpo ... (fh_gradcheck --loss grpo --help)\n"
+            "       fh_gradcheck --loss dpo|orpo|simpo|cpo ... (fh_gradcheck --loss dpo --help)\n");
 }
 
 static int parse(int argc, char **argv, ce_case_spec *s, const char **dump)
@@ -127,6 +129,8 @@ int main(int argc, char **argv)
         if (strcmp(argv[i], "--loss") == 0) {
             if (strcmp(argv[i + 1], "grpo") == 0)
                 return gradcheck_grpo(argc, argv);
+            if (gradcheck_is_preference(argv[i + 1]))
+                return gradcheck_preference(argc, argv);
             if (strcmp(argv[i + 1], "ce") != 0) {
                 usage();
                 return 2;

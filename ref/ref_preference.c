@@ -1,0 +1,322 @@
+/* The preference reference: TRL's DPO, CPO/SimPO and ORPO losses written out in double, all logits materialized.
+ *
+ * TRL facts this follows (huggingface/trl: DPOTrainer.dpo_loss, CPOTrainer.cpo_loss, ORPOTrainer.odds_ratio_loss
+ * and their get_batch_loss_metrics), in the form fusedhead.h fixes:
+ *  - sequence log-probs are (per_token_logps * loss_mask).sum(-1), divided by the mask's sum for ipo (DPO and
+ *    CPO: average_log_prob when loss_type == "ipo"), simpo and orpo; the division is clamped to >= 1 here, so that
+ *    a sequence with no tokens has l = 0 rather than TRL's 0 / 0.
+ *  - dpo: logits = (pi_c - pi_r) - (ref_c - ref_r) (reference_free: ref 0). sigmoid, robust, hinge and ipo are
+ *    TRL's formulas; robust divides by 1 - 2 ls. rpo_alpha adds rpo_alpha * nll_loss to every pair's loss, so
+ *    the mean adds it once.
+ *  - cpo: the same loss types without a reference, ipo on averaged log-probs; simpo: logits minus
+ *    simpo_gamma / beta, the sigmoid form with label smoothing; loss = losses.mean() + cpo_alpha * nll_loss.
+ *  - orpo: log_odds = (c - r) - (log1p(-exp(c)) - log1p(-exp(r))) on averaged log-probs (written
+ *    log(-expm1(c)) here, the same value without cancellation); loss = nll - beta * logsigmoid(log_odds).mean().
+ *  - nll_loss: cross-entropy on the chosen half, mean over its (mask-weighted) tokens.
+ *  - rewards: beta * (policy - reference) for dpo, beta * policy for cpo, simpo and orpo; accuracies
+ *    (chosen > rejected).float().mean(); logits/chosen is the mean of the chosen half's logits over its masked
+ *    tokens. */
+#include "ref_preference.h"
+
+#include "ref_grpo.h"
+#include "ref_linear.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+void ref_preference_options_default(ref_preference_options *o)
+{
+    o->loss = REF_PREFERENCE_DPO;
+    o->loss_type = REF_PREFERENCE_SIGMOID;
+    o->beta = 0.1;
+    o->label_smoothing = 0.0;
+    o->simpo_gamma = 0.5;
+    o->rpo_alpha = 0.0;
+    o->cpo_alpha = 1.0;
+}
+
+int ref_preference_averaged(const ref_preference_options *o)
+{
+    return o->loss == REF_PREFERENCE_SIMPO || o->loss == REF_PREFERENCE_ORPO || o->loss_type == REF_PREFERENCE_IPO;
+}
+
+/* TRL's loss_type choices of each loss. */
+static int has_loss_type(ref_preference_loss loss, ref_preference_loss_type type)
+{
+    switch (loss) {
+    case REF_PREFERENCE_DPO: return 1;
+    case REF_PREFERENCE_CPO: return type != REF_PREFERENCE_ROBUST;
+    default: return type == REF_PREFERENCE_SIGMOID;
+    }
+}
+
+static int options_valid(const ref_preference_options *o)
+{
+    const double ls = o ? o->label_smoothing : NAN;
+    return o && o->loss >= REF_PREFERENCE_DPO && o->loss <= REF_PREFERENCE_CPO &&
+           o->loss_type >= REF_PREFERENCE_SIGMOID && o->loss_type <= REF_PREFERENCE_ROBUST &&
+           has_loss_type(o->loss, o->loss_type) && o->beta > 0.0 && isfinite(o->beta) && ls >= 0.0 &&
+           (o->loss_type == REF_PREFERENCE_ROBUST ? ls < 0.5 : ls <= 0.5) && isfinite(o->simpo_gamma) &&
+           isfinite(o->rpo_alpha) && isfinite(o->cpo_alpha);
+}
+
+/* The NLL term's weight. */
+static double nll_alpha(const ref_preference_options *o)
+{
+    return o->loss == REF_PREFERENCE_DPO ? o->rpo_alpha : o->loss == REF_PREFERENCE_ORPO ? 1.0 : o->cpo_alpha;
+}
+
+static double log_sigmoid(double x)
+{
+    return x >= 0.0 ? -log1p(exp(-x)) : x - log1p(exp(x));
+}
+
+static double sigmoid(double x)
+{
+    return x >= 0.0 ? 1.0 / (1.0 + exp(-x)) : exp(x) / (1.0 + exp(x));
+}
+
+/* One pair: its loss, d loss / d c and d loss / d r, and orpo's log odds (NaN otherwise). */
+typedef struct pair_terms {
+    double loss, d_chosen, d_rejected, log_odds;
+} pair_terms;
+
+static pair_terms pair_of(const ref_preference_options *o, double c, double r, double ref_c, double ref_r)
+{
+    const double beta = o->beta, ls = o->label_smoothing;
+    pair_terms p = {0.0, 0.0, 0.0, NAN};
+    if (o->loss == REF_PREFERENCE_ORPO) {
+        /* d o / d c = 1 + e^c / (1 - e^c) = 1 / (1 - e^c); d o / d r = -1 / (1 - e^r). */
+        p.log_odds = (c - r) - (log(-expm1(c)) - log(-expm1(r)));
+        p.loss = -beta * log_sigmoid(p.log_odds);
+        const double d = -beta * sigmoid(-p.log_odds);
+        p.d_chosen = d / -expm1(c);
+        p.d_rejected = -d / -expm1(r);
+        return p;
+    }
+    const double u = o->loss == REF_PREFERENCE_DPO     ? (c - ref_c) - (r - ref_r)
+                     : o->loss == REF_PREFERENCE_SIMPO ? c - r - o->simpo_gamma / beta
+                                                       : c - r;
+    /* d log sig(beta u) / du = beta sig(-beta u); d log sig(-beta u) / du = -beta sig(beta u). */
+    double du;
+    switch (o->loss_type) {
+    case REF_PREFERENCE_SIGMOID:
+        p.loss = -(1.0 - ls) * log_sigmoid(beta * u) - ls * log_sigmoid(-beta * u);
+        du = -(1.0 - ls) * beta * sigmoid(-beta * u) + ls * beta * sigmoid(beta * u);
+        break;
+    case REF_PREFERENCE_ROBUST:
+        p.loss = (-(1.0 - ls) * log_sigmoid(beta * u) + ls * log_sigmoid(-beta * u)) / (1.0 - 2.0 * ls);
+        du = (-(1.0 - ls) * beta * sigmoid(-beta * u) - ls * beta * sigmoid(beta * u)) / (1.0 - 2.0 * ls);
+        break;
+    case REF_PREFERENCE_HINGE:
+        p.loss = 1.0 - beta * u > 0.0 ? 1.0 - beta * u : 0.0;
+        du = 1.0 - beta * u > 0.0 ? -beta : 0.0;
+        break;
+    default: /* ipo */
+        p.loss = (u - 1.0 / (2.0 * beta)) * (u - 1.0 / (2.0 * beta));
+        du = 2.0 * (u - 1.0 / (2.0 * beta));
+        break;
+    }
+    p.d_chosen = du;
+    p.d_rejected = -du;
+    return p;
+}
+
+static int tokens_valid(const ref_preference_tokens *tk, const ref_preference_options *o)
+{
+    return tk && tk->pairs > 0 && tk->seq > 0 && tk->logp && tk->mask && !(tk->ref_logps && tk->ref_per_token_logps) &&
+           (o->loss == REF_PREFERENCE_DPO || (!tk->ref_logps && !tk->ref_per_token_logps));
+}
+
+int ref_preference_head(const ref_preference_tokens *tk, const ref_preference_options *o, double grad_output,
+                        ref_preference_result *r, double *g_logp)
+{
+    if (!options_valid(o) || !tokens_valid(tk, o))
+        return -2;
+    const int64_t B = tk->pairs, T = tk->seq, S = 2 * B;
+    const double *mask = tk->mask;
+    double *count = malloc(sizeof(double) * (size_t)S); /* max(sum_t m, 1) */
+    double *l = malloc(sizeof(double) * (size_t)S);
+    double *ref = malloc(sizeof(double) * (size_t)S);
+    double *dl = malloc(sizeof(double) * (size_t)S);    /* d (mean of pair losses) / d l_s */
+    if (!count || !l || !ref || !dl) {
+        free(count), free(l), free(ref), free(dl);
+        return -1;
+    }
+    const int avg = ref_preference_averaged(o);
+    double chosen_mask = 0.0, nll_sum = 0.0;
+    for (int64_t s = 0; s < S; s++) {
+        double ms = 0.0, ls = 0.0, rs = 0.0;
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t i = s * T + t;
+            ms += mask[i];
+            ls += mask[i] * tk->logp[i];
+            if (tk->ref_per_token_logps)
+                rs += mask[i] * tk->ref_per_token_logps[i];
+        }
+        if (s < B) {
+            chosen_mask += ms;
+            nll_sum -= ls;
+        }
+        count[s] = ms < 1.0 ? 1.0 : ms;
+        l[s] = avg ? ls / count[s] : ls;
+        ref[s] = tk->ref_logps ? tk->ref_logps[s] : avg ? rs / count[s] : rs;
+    }
+    const double nll = nll_sum / (chosen_mask < 1.0 ? 1.0 : chosen_mask), alpha = nll_alpha(o);
+    const int dpo = o->loss == REF_PREFERENCE_DPO;
+
+    double loss = 0.0, rc = 0.0, rr = 0.0, acc = 0.0, lc = 0.0, lr = 0.0, odds = 0.0, odds_ratio = 0.0;
+    for (int64_t b = 0; b < B; b++) {
+        const pair_terms p = pair_of(o, l[b], l[B + b], ref[b], ref[B + b]);
+        const double reward_c = o->beta * (l[b] - (dpo ? ref[b] : 0.0));
+        const double reward_r = o->beta * (l[B + b] - (dpo ? ref[B + b] : 0.0));
+        loss += p.loss;
+        dl[b] = p.d_chosen / (double)B;
+        dl[B + b] = p.d_rejected / (double)B;
+        rc += reward_c;
+        rr += reward_r;
+        acc += reward_c > reward_r ? 1.0 : 0.0;
+        lc += l[b];
+        lr += l[B + b];
+        odds += p.log_odds;
+        odds_ratio += log_sigmoid(p.log_odds);
+        if (r && r->rewards) {
+            r->rewards[b] = reward_c;
+            r->rewards[B + b] = reward_r;
+        }
+    }
+    loss = loss / (double)B + (alpha != 0.0 ? alpha * nll : 0.0);
+
+    /* g_logp = grad (d loss / d l_s) (d l_s / d logp_i) + grad alpha d NLL / d logp_i. */
+    for (int64_t s = 0; g_logp && s < S; s++)
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t i = s * T + t;
+            const double seq_part = dl[s] * mask[i] / (avg ? count[s] : 1.0);
+            const double nll_part = s < B ? -alpha * mask[i] / (chosen_mask < 1.0 ? 1.0 : chosen_mask) : 0.0;
+            g_logp[i] = grad_output * (seq_part + nll_part);
+        }
+
+    if (r) {
+        ref_preference_metrics *m = &r->metrics;
+        r->loss = loss;
+        m->rewards_chosen = rc / (double)B;
+        m->rewards_rejected = rr / (double)B;
+        m->rewards_accuracies = acc / (double)B;
+        m->rewards_margins = (rc - rr) / (double)B;
+        m->logps_chosen = lc / (double)B;
+        m->logps_rejected = lr / (double)B;
+        m->logits_chosen = m->logits_rejected = NAN;
+        if (tk->logit_means) {
+            double zsum[2] = {0.0, 0.0}, msum[2] = {0.0, 0.0};
+            for (int64_t i = 0; i < S * T; i++) {
+                zsum[i >= B * T] += mask[i] * tk->logit_means[i];
+                msum[i >= B * T] += mask[i];
+            }
+            m->logits_chosen = msum[0] > 0.0 ? zsum[0] / msum[0] : NAN;
+            m->logits_rejected = msum[1] > 0.0 ? zsum[1] / msum[1] : NAN;
+        }
+        /* TRL: DPOTrainer logs nll_loss only with rpo_alpha; CPOTrainer sets it to 0 when cpo_alpha is 0. */
+        m->nll_loss = alpha != 0.0 ? nll : o->loss == REF_PREFERENCE_DPO ? NAN : 0.0;
+        m->log_odds_ratio = o->loss == REF_PREFERENCE_ORPO ? odds_ratio / (double)B : NAN;
+        m->log_odds_chosen = o->loss == REF_PREFERENCE_ORPO ? odds / (double)B : NAN;
+        for (int64_t s = 0; r->sequence_logps && s < S; s++)
+            r->sequence_logps[s] = l[s];
+    }
+    free(count), free(l), free(ref), free(dl);
+    return 0;
+}
+
+static int problem_valid(const ref_preference_problem *p)
+{
+    if (!p || p->pairs <= 0 || p->seq <= 0 || p->hidden <= 0 || p->vocab <= 0 || !p->x || !p->weight ||
+        !p->targets || !p->mask)
+        return 0;
+    for (int64_t i = 0; i < 2 * p->pairs * p->seq; i++)
+        if (p->mask[i] != 0.0 && (p->targets[i] < 0 || p->targets[i] >= p->vocab))
+            return 0;
+    return 1;
+}
+
+static ref_linear linear_of(const ref_preference_problem *p)
+{
+    const ref_linear lin = {2 * p->pairs * p->seq, p->hidden, p->vocab, p->x, p->weight, p->bias};
+    return lin;
+}
+
+/* Logits, then per token logp (0 for an out-of-range target) and the mean logit. On success *u_out, *logp_out and
+ * *mean_out are the caller's to free. */
+static int materialize(const ref_preference_problem *p, double **u_out, double **logp_out, double **mean_out)
+{
+    const ref_linear lin = linear_of(p);
+    const int64_t n = lin.n, v = p->vocab;
+    double *u = ref_linear_logits(&lin);
+    double *lp = malloc(sizeof(double) * (size_t)n);
+    double *mean = malloc(sizeof(double) * (size_t)n);
+    if (!u || !lp || !mean) {
+        free(u), free(lp), free(mean);
+        return -1;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const double *ui = u + i * v;
+        const int64_t y = p->targets[i];
+        double sum = 0.0;
+        for (int64_t j = 0; j < v; j++)
+            sum += ui[j];
+        mean[i] = sum / (double)v;
+        lp[i] = y >= 0 && y < v ? ui[y] - ref_linear_row_lse(ui, v) : 0.0;
+    }
+    *u_out = u;
+    *logp_out = lp;
+    *mean_out = mean;
+    return 0;
+}
+
+static ref_preference_tokens tokens_of(const ref_preference_problem *p, const double *logp, const double *mean)
+{
+    const ref_preference_tokens tk = {p->pairs, p->seq, logp, p->mask, p->ref_logps, p->ref_per_token_logps, mean};
+    return tk;
+}
+
+int ref_preference_forward(const ref_preference_problem *p, const ref_preference_options *o,
+                           ref_preference_result *r)
+{
+    if (!problem_valid(p) || !options_valid(o))
+        return -2;
+    double *u, *lp, *mean;
+    if (materialize(p, &u, &lp, &mean))
+        return -1;
+    free(u);
+    const ref_preference_tokens tk = tokens_of(p, lp, mean);
+    const int rc = ref_preference_head(&tk, o, 1.0, r, NULL);
+    for (int64_t i = 0; rc == 0 && r && r->logp && i < 2 * p->pairs * p->seq; i++)
+        r->logp[i] = lp[i];
+    free(lp), free(mean);
+    return rc;
+}
+
+int ref_preference_backward(const ref_preference_problem *p, const ref_preference_options *o, double grad_output,
+                            double *dx, double *dweight, double *dbias)
+{
+    if (!problem_valid(p) || !options_valid(o))
+        return -2;
+    const ref_linear lin = linear_of(p);
+    const int64_t n = lin.n, v = p->vocab;
+    double *u, *lp, *mean;
+    if (materialize(p, &u, &lp, &mean))
+        return -1;
+    double *g = malloc(sizeof(double) * (size_t)n);
+    double *du = malloc(sizeof(double) * (size_t)(n * v));
+    int rc = !g || !du ? -1 : 0;
+    if (rc == 0) {
+        const ref_preference_tokens tk = tokens_of(p, lp, mean);
+        rc = ref_preference_head(&tk, o, grad_output, NULL, g);
+    }
+    if (rc == 0) {
+        /* d logp / d u_j = onehot_j - p_j: GRPO's row gradient at temperature 1 without an entropy term. */
+        for (int64_t i = 0; i < n; i++)
+            ref_grpo_row_grad(u + i * v, v, 1.0, p->targets[i], g[i], 0.0, du + i * v);
+        ref_linear_backward(&lin, du, dx, dweight, dbias);
+    }
+    free(u), free(lp), free(mean), free(g), free(du);
+    return rc;
+}
