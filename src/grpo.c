@@ -310,15 +310,7 @@ FH_API fh_status fh_grpo_workspace_size(const fh_context *ctx, const fh_linear *
 {
     if (!ctx || !bytes)
         return FH_ERR_NULL_POINTER;
-    /* The larger of the streaming passes' and the single-call step's (its row blocks hold whole sequences, so
-     * they are at most the unaligned blocks the query plans). */
-    size_t streaming, train_step;
-    fh_status st = fh_plan_query_bytes(ctx, lin, 0, &streaming);
-    if (st == FH_OK)
-        st = fh_plan_query_bytes(ctx, lin, 1, &train_step);
-    if (st == FH_OK)
-        *bytes = streaming > train_step ? streaming : train_step;
-    return st;
+    return fh_plan_query_every_bytes(ctx, lin, bytes);
 }
 
 fh_engine_pass fh_grpo_pass(const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin, const int64_t *ids,

@@ -206,6 +206,17 @@ fh_status fh_plan_query_bytes(const fh_context *ctx, const fh_linear *lin, int t
     return st;
 }
 
+fh_status fh_plan_query_every_bytes(const fh_context *ctx, const fh_linear *lin, size_t *bytes)
+{
+    size_t streaming, train_step;
+    fh_status st = fh_plan_query_bytes(ctx, lin, 0, &streaming);
+    if (st == FH_OK)
+        st = fh_plan_query_bytes(ctx, lin, 1, &train_step);
+    if (st == FH_OK)
+        *bytes = streaming > train_step ? streaming : train_step;
+    return st;
+}
+
 static fh_workspace carve(const fh_plan *plan, void *base, int64_t n)
 {
     char *aligned = (char *)(((uintptr_t)base + ALIGN - 1) / ALIGN * ALIGN);

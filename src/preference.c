@@ -349,15 +349,7 @@ FH_API fh_status fh_preference_workspace_size(const fh_context *ctx, const fh_li
 {
     if (!ctx || !bytes)
         return FH_ERR_NULL_POINTER;
-    /* The larger of the streaming passes' and the single-call step's (its blocks of whole pairs are at most
-     * the unaligned blocks the query plans). */
-    size_t streaming, train_step;
-    fh_status st = fh_plan_query_bytes(ctx, lin, 0, &streaming);
-    if (st == FH_OK)
-        st = fh_plan_query_bytes(ctx, lin, 1, &train_step);
-    if (st == FH_OK)
-        *bytes = streaming > train_step ? streaming : train_step;
-    return st;
+    return fh_plan_query_every_bytes(ctx, lin, bytes);
 }
 
 static head head_in(const fh_workspace *ws, const fh_preference_batch *bt, const fh_preference_options *o)
