@@ -1,7 +1,8 @@
 /* libFuzzer harness over fusedhead's public API (tests/hardening/README.md, "Fuzzing").
  *
  * Each input is decoded into one call: an entry point (fh_ce_forward, fh_ce_backward,
- * fh_ce_forward_backward, the three GRPO calls, or one of the three workspace queries), sizes (small, 0,
+ * fh_ce_forward_backward, the three GRPO calls, the two preference calls, or one of the four workspace
+ * queries), sizes (small, 0,
  * negative, 2^31.., 2^62, INT64_MIN/MAX, arbitrary), strides (padded, overlapping, zero, negative, huge),
  * options (every field, valid or not), targets/ids/masks, special float values in every input, dtypes (fp32 or
  * bf16 x and weight, sometimes mismatched or unknown; each gradient fp32, bf16 or unknown), context parameters
@@ -234,12 +235,13 @@ static void release(buffer *b)
 }
 
 enum { CALL_CE_FORWARD, CALL_CE_BACKWARD, CALL_CE_STEP, CALL_GRPO_FORWARD, CALL_GRPO_BACKWARD, CALL_GRPO_STEP,
-       CALL_CE_QUERY, CALL_CE_STEP_QUERY, CALL_GRPO_QUERY, CALL_KINDS };
+       CALL_PREFERENCE_FORWARD, CALL_PREFERENCE_STEP, CALL_CE_QUERY, CALL_CE_STEP_QUERY, CALL_GRPO_QUERY,
+       CALL_PREFERENCE_QUERY, CALL_KINDS };
 
 enum { IN_X, IN_W, IN_BIAS, IN_CW, IN_TARGETS, IN_GRAD, IN_LSE, IN_LOGP, IN_ENTROPY, IN_MASK, IN_ADV, IN_OLD, IN_REF,
        IN_COUNT };
 enum { OUT_LOSS, OUT_ZLOSS, OUT_METRICS, OUT_PTL, OUT_LOGP, OUT_LSE, OUT_ENTROPY, OUT_ARGMAX, OUT_DX, OUT_DW, OUT_DB,
-       OUT_COUNT };
+       OUT_PREFERENCE_METRICS, OUT_SEQUENCE_LOGPS, OUT_REWARDS, OUT_COUNT };
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -247,11 +249,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     reader r = {data, size, 0};
     const int call = u8(&r) % CALL_KINDS;
+    const int preference = call == CALL_PREFERENCE_FORWARD || call == CALL_PREFERENCE_STEP ||
+                           call == CALL_PREFERENCE_QUERY;
+    /* grpo: a batch of sequences (GRPO's, or the preference calls' 2 x pairs) */
     const int grpo = call == CALL_GRPO_FORWARD || call == CALL_GRPO_BACKWARD || call == CALL_GRPO_STEP ||
-                     call == CALL_GRPO_QUERY;
+                     call == CALL_GRPO_QUERY || preference;
     const int query = call >= CALL_CE_QUERY;
     const int has_grads = call == CALL_CE_BACKWARD || call == CALL_CE_STEP || call == CALL_GRPO_BACKWARD ||
-                          call == CALL_GRPO_STEP;
+                          call == CALL_GRPO_STEP || call == CALL_PREFERENCE_STEP;
 
     /* dtypes: x fp32 or bf16, the weight the same, the other one or unknown; each gradient fp32 or bf16 (dx
      * unknown when all three bits are set); fp32 dZ. */
@@ -452,6 +457,26 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
      * reading them, so n-sized arrays are enough. */
     const fh_grpo_batch gb = {batch, seq, targets, mask, adv, old, ref};
 
+    /* Preference options and batch: batch sequences as batch / 2 pairs (an odd batch cannot match n), the
+     * reference none, per sequence (adv's ub >= batch values) or per token, sometimes both. */
+    fh_preference_options po;
+    fh_preference_options_init(&po);
+    po.loss = (fh_preference_loss)(u8(&r) % 5);
+    po.loss_type = (fh_preference_loss_type)(u8(&r) % 5);
+    static const double pref_betas[] = {0.1, 2.0, 1e-300, 0.0, -0.1, NAN, INFINITY};
+    po.beta = pick_double(&r, pref_betas, 7);
+    static const double pref_smoothing[] = {0.0, 0.1, 0.5, 0.6, -0.1, NAN};
+    po.label_smoothing = pick_double(&r, pref_smoothing, 6);
+    static const double gammas[] = {0.5, 0.0, -3.0, NAN, INFINITY};
+    po.simpo_gamma = pick_double(&r, gammas, 5);
+    static const double alphas[] = {0.0, 1.0, 0.5, -1.0, NAN, INFINITY};
+    po.rpo_alpha = pick_double(&r, alphas, 6);
+    po.cpo_alpha = pick_double(&r, alphas, 6);
+    const uint8_t ref_mode = u8(&r) % 4;
+    const int64_t pairs = batch / 2 ? batch / 2 : batch;
+    const fh_preference_batch pb = {pairs, seq, targets, mask, ref_mode & 1 ? adv : NULL,
+                                    ref_mode & 2 ? ref : NULL};
+
     /* Outputs, canary-filled. */
     const size_t dx_elems = small && has_grads && !dx_bad ? (size_t)dx_last + 1 : 4;
     const int want = u8(&r);
@@ -463,6 +488,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     float *lse = (want & 32) ? alloc_exact(&out[OUT_LSE], un * sizeof(float)) : NULL;
     float *entropy = (want & 64) ? alloc_exact(&out[OUT_ENTROPY], un * sizeof(float)) : NULL;
     int64_t *argmax = (want & 128) ? alloc_exact(&out[OUT_ARGMAX], un * sizeof(int64_t)) : NULL;
+    fh_preference_metrics *pref_metrics =
+        (want & 4) ? alloc_exact(&out[OUT_PREFERENCE_METRICS], sizeof(fh_preference_metrics)) : NULL;
+    const size_t sequences = small && pairs >= 1 && 2 * pairs <= (int64_t)ub ? (size_t)(2 * pairs) : 4;
+    float *seq_logps = (want & 8) ? alloc_exact(&out[OUT_SEQUENCE_LOGPS], sequences * sizeof(float)) : NULL;
+    float *rewards = (want & 32) ? alloc_exact(&out[OUT_REWARDS], sequences * sizeof(float)) : NULL;
     const int grads_want = u8(&r);
     void *dx = (grads_want & 1) ? alloc_exact(&out[OUT_DX], dx_elems * (dx_dtype == FH_DTYPE_BF16 ? 2 : 4)) : NULL;
     void *dw = (grads_want & 2) ? alloc_exact(&out[OUT_DW], w_elems * (dw_dtype == FH_DTYPE_BF16 ? 2 : 4)) : NULL;
@@ -485,7 +515,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     size_t ws_bytes = 0;
     fh_status query_status = FH_ERR_INVALID_SIZE;
     if (!query && small) {
-        query_status = grpo                 ? fh_grpo_workspace_size(ctx, &lin, &needed)
+        query_status = preference           ? fh_preference_workspace_size(ctx, &lin, &needed)
+                       : grpo               ? fh_grpo_workspace_size(ctx, &lin, &needed)
                        : call == CALL_CE_STEP ? fh_ce_forward_backward_workspace_size(ctx, &lin, &ce, &needed)
                                               : fh_ce_workspace_size(ctx, &lin, &ce, &needed);
         if (ws_mode >= 3) {
@@ -501,6 +532,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     size_t bytes = 0xA5A5A5A5u;
     fh_ce_outputs ce_out = {loss, zl, ptl, logp, lse, argmax};
     fh_grpo_outputs grpo_out = {loss, metrics, logp, ptl, entropy, lse};
+    fh_preference_outputs pref_out = {loss, pref_metrics, seq_logps, rewards, logp};
     const int null_struct = u8(&r) % 64 == 0;
     switch (call) {
     case CALL_CE_FORWARD: st = fh_ce_forward(ctx, &lin, targets, &ce, null_struct ? NULL : &ce_out); break;
@@ -513,9 +545,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         st = fh_grpo_backward(ctx, &lin, &gb, &go, logp_in, lse_in, entropy_in, grad, null_struct ? NULL : &g);
         break;
     case CALL_GRPO_STEP: st = fh_grpo_forward_backward(ctx, &lin, &gb, &go, grad, &grpo_out, null_struct ? NULL : &g); break;
+    case CALL_PREFERENCE_FORWARD:
+        st = fh_preference_forward(ctx, &lin, null_struct ? NULL : &pb, &po, &pref_out);
+        break;
+    case CALL_PREFERENCE_STEP:
+        st = fh_preference_forward_backward(ctx, &lin, &pb, &po, grad, &pref_out, null_struct ? NULL : &g);
+        break;
     case CALL_CE_QUERY: st = fh_ce_workspace_size(ctx, &lin, &ce, &bytes); break;
     case CALL_CE_STEP_QUERY: st = fh_ce_forward_backward_workspace_size(ctx, &lin, &ce, &bytes); break;
-    default: st = fh_grpo_workspace_size(ctx, &lin, &bytes); break;
+    case CALL_GRPO_QUERY: st = fh_grpo_workspace_size(ctx, &lin, &bytes); break;
+    default: st = fh_preference_workspace_size(ctx, &lin, &bytes); break;
     }
 
     /* dx is validated only when it is requested (and the grads struct is passed). */

@@ -10,12 +10,14 @@
 
 const char *hu_call_name(hu_call call)
 {
-    static const char *names[HU_CALL_COUNT] = {"fh_ce_forward",   "fh_ce_backward",   "fh_ce_forward_backward",
-                                               "fh_grpo_forward", "fh_grpo_backward", "fh_grpo_forward_backward"};
+    static const char *names[HU_CALL_COUNT] = {"fh_ce_forward",         "fh_ce_backward",
+                                               "fh_ce_forward_backward", "fh_grpo_forward",
+                                               "fh_grpo_backward",       "fh_grpo_forward_backward",
+                                               "fh_preference_forward",  "fh_preference_forward_backward"};
     return (unsigned)call < HU_CALL_COUNT ? names[call] : "?";
 }
 
-int hu_call_is_grpo(hu_call call)
+int hu_call_on_sequences(hu_call call)
 {
     return call >= HU_GRPO_FORWARD;
 }
@@ -33,6 +35,8 @@ void hu_outputs_alloc(hu_outputs *o, int64_t n, int64_t hidden, int64_t vocab, i
     o->lse = tu_alloc(un, sizeof(float));
     o->entropy = tu_alloc(un, sizeof(float));
     o->argmax = tu_alloc(un, sizeof(int64_t));
+    o->sequence_logps = tu_alloc(un, sizeof(float));
+    o->rewards = tu_alloc(un, sizeof(float));
     o->dx = tu_alloc(un * uh, sizeof(float));
     o->dweight = tu_alloc(uh * uv, sizeof(float));
     o->dbias = has_bias ? tu_alloc(uv, sizeof(float)) : NULL;
@@ -45,6 +49,8 @@ void hu_outputs_free(hu_outputs *o)
     free(o->lse);
     free(o->entropy);
     free(o->argmax);
+    free(o->sequence_logps);
+    free(o->rewards);
     free(o->dx);
     free(o->dweight);
     free(o->dbias);
@@ -65,6 +71,9 @@ static size_t parts_of(const hu_outputs *o, part *p)
         {"loss", &m->loss, sizeof m->loss},
         {"z_loss", &m->z_loss, sizeof m->z_loss},
         {"metrics", &m->metrics, sizeof m->metrics},
+        {"preference_metrics", &m->preference_metrics, sizeof m->preference_metrics},
+        {"sequence_logps", m->sequence_logps, n * sizeof(float)},
+        {"rewards", m->rewards, n * sizeof(float)},
         {"per_token_loss", m->per_token_loss, n * sizeof(float)},
         {"per_token_logp", m->logp, n * sizeof(float)},
         {"lse", m->lse, n * sizeof(float)},
@@ -145,6 +154,9 @@ void hu_grpo_problem_init(hu_grpo_problem *p, int64_t batch, int64_t seq, int64_
     }
     fh_grpo_options_init(&p->options);
     p->options.beta = 0.04;
+    fh_preference_options_init(&p->preference);
+    p->preference.label_smoothing = 0.1;
+    p->preference.rpo_alpha = 0.5;
     p->grad_output = 1.0f;
 }
 
@@ -197,7 +209,7 @@ fh_status hu_run(fh_context *ctx, hu_call call, const cp_problem *p_ce, const hu
 {
     fh_linear lin;
     fh_linear_grads g = {.dx = o->dx, .dx_row_stride = o->hidden, .dx_beta = 0.0f, .dweight = o->dweight, .dweight_beta = 0.0f, .dbias = o->dbias, .dbias_beta = 0.0f};
-    if (!hu_call_is_grpo(call)) {
+    if (!hu_call_on_sequences(call)) {
         cp_problem_linear(p_ce, &lin);
         fh_ce_outputs out = {&o->loss, &o->z_loss, o->per_token_loss, o->logp, o->lse, o->argmax};
         switch (call) {
@@ -209,6 +221,15 @@ fh_status hu_run(fh_context *ctx, hu_call call, const cp_problem *p_ce, const hu
         }
     }
     hu_grpo_linear(p_grpo, &lin);
+    if (call >= HU_PREFERENCE_FORWARD) {
+        TU_CHECK(p_grpo->batch % 2 == 0, "a preference call needs an even batch, got %lld", (long long)p_grpo->batch);
+        const fh_preference_batch pairs = {p_grpo->batch / 2, p_grpo->seq, p_grpo->ids, p_grpo->mask, NULL,
+                                           p_grpo->ref_logps};
+        fh_preference_outputs out = {&o->loss, &o->preference_metrics, o->sequence_logps, o->rewards, o->logp};
+        if (call == HU_PREFERENCE_FORWARD)
+            return fh_preference_forward(ctx, &lin, &pairs, &p_grpo->preference, &out);
+        return fh_preference_forward_backward(ctx, &lin, &pairs, &p_grpo->preference, &p_grpo->grad_output, &out, &g);
+    }
     fh_grpo_batch batch;
     hu_grpo_batch(p_grpo, &batch);
     fh_grpo_outputs out = {&o->loss, &o->metrics, o->logp, o->per_token_loss, o->entropy, o->lse};

@@ -17,10 +17,13 @@ typedef enum hu_call {
     HU_GRPO_FORWARD,
     HU_GRPO_BACKWARD,
     HU_GRPO_TRAIN_STEP,
+    HU_PREFERENCE_FORWARD,
+    HU_PREFERENCE_TRAIN_STEP,
     HU_CALL_COUNT
 } hu_call;
 const char *hu_call_name(hu_call call);
-int hu_call_is_grpo(hu_call call);
+/* GRPO and preference calls run on a hu_grpo_problem (its even batch as pairs), the others on a cp_problem. */
+int hu_call_on_sequences(hu_call call);
 
 /* Everything a call writes. Arrays are sized for the problem; dbias only when the problem has a bias. */
 typedef struct hu_outputs {
@@ -28,7 +31,9 @@ typedef struct hu_outputs {
     int has_bias;
     double loss, z_loss;
     fh_grpo_metrics metrics;
+    fh_preference_metrics preference_metrics;
     float *per_token_loss, *logp, *lse, *entropy;
+    float *sequence_logps, *rewards; /* n each (a preference batch has 2B <= n sequences) */
     int64_t *argmax;
     float *dx, *dweight, *dbias;
 } hu_outputs;
@@ -42,7 +47,8 @@ const char *hu_outputs_diff(const hu_outputs *a, const hu_outputs *b);
 /* 1 when every byte of every output still equals `byte`. */
 int hu_outputs_untouched(const hu_outputs *o, unsigned char byte);
 
-/* A GRPO problem with every input the batch can have. */
+/* A GRPO problem with every input the batch can have. With an even batch it is also a preference batch:
+ * sequences b and batch/2 + b a pair, the reference log-probs per token, `preference` options. */
 typedef struct hu_grpo_problem {
     int64_t batch, seq, hidden, vocab;
     fh_layout layout;
@@ -50,11 +56,13 @@ typedef struct hu_grpo_problem {
     int64_t *ids;
     float *mask, *advantages, *old_logps, *ref_logps;
     fh_grpo_options options;
+    fh_preference_options preference;
     float grad_output;
 } hu_grpo_problem;
 
 /* Random inputs (logits of standard deviation ~3, masks with a padded tail, advantages of both signs, old
- * and reference log-probs within +-0.4 of log(1/V)), TRL default options with beta 0.04. */
+ * and reference log-probs within +-0.4 of log(1/V)), TRL default options with beta 0.04; DPO with label
+ * smoothing 0.1 and rpo_alpha 0.5. */
 void hu_grpo_problem_init(hu_grpo_problem *p, int64_t batch, int64_t seq, int64_t hidden, int64_t vocab,
                           fh_layout layout, int bias, uint64_t seed);
 void hu_grpo_problem_free(hu_grpo_problem *p);

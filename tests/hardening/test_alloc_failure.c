@@ -58,10 +58,10 @@ static fh_context *scenario_context(const scenario *s, fh_status *create_status)
 
 static void run_scenario(const scenario *s)
 {
-    const int64_t n = hu_call_is_grpo(s->call) ? s->grpo->batch * s->grpo->seq : s->ce->n;
-    const int64_t h = hu_call_is_grpo(s->call) ? s->grpo->hidden : s->ce->hidden;
-    const int64_t v = hu_call_is_grpo(s->call) ? s->grpo->vocab : s->ce->vocab;
-    const int bias = hu_call_is_grpo(s->call) ? s->grpo->bias != NULL : s->ce->bias != NULL;
+    const int64_t n = hu_call_on_sequences(s->call) ? s->grpo->batch * s->grpo->seq : s->ce->n;
+    const int64_t h = hu_call_on_sequences(s->call) ? s->grpo->hidden : s->ce->hidden;
+    const int64_t v = hu_call_on_sequences(s->call) ? s->grpo->vocab : s->ce->vocab;
+    const int bias = hu_call_on_sequences(s->call) ? s->grpo->bias != NULL : s->ce->bias != NULL;
     hu_outputs expected, got;
     hu_outputs_alloc(&expected, n, h, v, bias);
     hu_outputs_alloc(&got, n, h, v, bias);
@@ -172,7 +172,7 @@ static void problems_init(problems *p)
     cp_problem_init(&p->ce_bf16, 37, 16, 300, FH_LAYOUT_VH, CP_BIAS);
     cp_problem_randomize(&p->ce_bf16, 44, 3.0);
     cp_problem_use_bf16(&p->ce_bf16);
-    hu_grpo_problem_init(&p->grpo, 3, 11, 16, 257, FH_LAYOUT_VH, 1, 43);
+    hu_grpo_problem_init(&p->grpo, 4, 11, 16, 257, FH_LAYOUT_VH, 1, 43);
     p->grpo.options.entropy_coef = 0.01;
     saved_from_forward(HU_CE_FORWARD, &p->ce_mean, NULL, &p->ce_saved_mean);
     saved_from_forward(HU_CE_FORWARD, &p->ce_none, NULL, &p->ce_saved_none);
@@ -203,7 +203,7 @@ static void test_every_entry_point(void)
         for (int variant = 0; variant < 3; variant++) {
             /* 0: 2 threads, small tiles; 1: 1 thread, default tiles; 2: a budget that forces the train step
              * to stream (and small tiles elsewhere). */
-            const int grpo = hu_call_is_grpo((hu_call)call);
+            const int grpo = hu_call_on_sequences((hu_call)call);
             const int none = !grpo && variant == 1;
             char label[128];
             snprintf(label, sizeof label, "%s, variant %d%s", hu_call_name((hu_call)call), variant,
@@ -303,14 +303,15 @@ static void test_caller_workspace_never_allocates(void)
     problems_init(&p);
     for (int call = 0; call < HU_CALL_COUNT; call++) {
         const hu_call c = (hu_call)call;
-        const int grpo = hu_call_is_grpo(c);
+        const int grpo = hu_call_on_sequences(c);
         fh_context *ctx = tu_context(2, 8, 64, 0);
         fh_linear lin;
         size_t bytes = 0;
         fh_status st;
         if (grpo) {
             hu_grpo_linear(&p.grpo, &lin);
-            st = fh_grpo_workspace_size(ctx, &lin, &bytes);
+            st = c >= HU_PREFERENCE_FORWARD ? fh_preference_workspace_size(ctx, &lin, &bytes)
+                                            : fh_grpo_workspace_size(ctx, &lin, &bytes);
         } else {
             cp_problem_linear(&p.ce_mean, &lin);
             st = c == HU_CE_TRAIN_STEP ? fh_ce_forward_backward_workspace_size(ctx, &lin, &p.ce_mean.options, &bytes)

@@ -68,7 +68,7 @@ typedef struct guard_case {
 } guard_case;
 
 enum { G_X, G_W, G_B, G_CW, G_T, G_GRAD, G_LSE, G_LOGP, G_ENT, G_MASK, G_ADV, G_OLD, G_REF,
-       G_PTL, G_OLOGP, G_OLSE, G_OENT, G_ARGMAX, G_DX, G_DW, G_DB, G_COUNT };
+       G_PTL, G_OLOGP, G_OLSE, G_OENT, G_ARGMAX, G_DX, G_DW, G_DB, G_SEQ_LOGPS, G_REWARDS, G_COUNT };
 
 static float *fill(float *p, size_t count, uint64_t *rng, double scale, double offset)
 {
@@ -116,6 +116,12 @@ static int guarded_call(void *arg)
     const size_t grad_size = c->grad_dtype == FH_DTYPE_BF16 ? 2 : 4; /* the guard sits after the last element */
     void *dx = guard_alloc(&g[G_DX], un * uh * grad_size, c->tail), *dw = guard_alloc(&g[G_DW], uh * uv * grad_size, c->tail);
     void *db = guard_alloc(&g[G_DB], uv * grad_size, c->tail);
+    /* Preference calls: the n tokens as one pair of n / 2 (n odd: a pair of n / 2 and the last token unused is
+     * not a preference batch, so those shapes skip them). */
+    const int preference = c->call >= HU_PREFERENCE_FORWARD;
+    if (preference && n % 2)
+        return 0;
+    float *seq_logps = guard_alloc(&g[G_SEQ_LOGPS], 2 * 4, c->tail), *rewards = guard_alloc(&g[G_REWARDS], 2 * 4, c->tail);
     for (int k = 0; k < G_COUNT; k++)
         if (!g[k].p)
             return 2;
@@ -150,9 +156,15 @@ static int guarded_call(void *arg)
     go.beta = 0.04;
     go.entropy_coef = 0.01;
     const fh_grpo_batch batch = {1, n, t, mask, adv, old, ref};
-    for (int64_t i = 0; i < n && hu_call_is_grpo(c->call); i++)
+    fh_preference_options po;
+    fh_preference_options_init(&po);
+    po.rpo_alpha = 0.5;
+    const fh_preference_batch pairs = {1, n / 2, t, mask, NULL, ref};
+    fh_preference_metrics pref_metrics;
+    fh_preference_outputs pref_out = {&loss, &pref_metrics, seq_logps, rewards, ologp};
+    for (int64_t i = 0; i < n && hu_call_on_sequences(c->call); i++)
         t[i] = i % 5 == 3 ? -100 : t[i] < 0 ? 0 : t[i];
-    for (int64_t i = 0; i < n && hu_call_is_grpo(c->call); i++)
+    for (int64_t i = 0; i < n && hu_call_on_sequences(c->call); i++)
         if (t[i] < 0)
             mask[i] = 0.0f;
     fh_status st;
@@ -162,7 +174,9 @@ static int guarded_call(void *arg)
     case HU_CE_TRAIN_STEP: st = fh_ce_forward_backward(ctx, &lin, t, &o, grad, &ce_out, &grads); break;
     case HU_GRPO_FORWARD: st = fh_grpo_forward(ctx, &lin, &batch, &go, &grpo_out); break;
     case HU_GRPO_BACKWARD: st = fh_grpo_backward(ctx, &lin, &batch, &go, logp, lse, ent, grad, &grads); break;
-    default: st = fh_grpo_forward_backward(ctx, &lin, &batch, &go, grad, &grpo_out, &grads); break;
+    case HU_GRPO_TRAIN_STEP: st = fh_grpo_forward_backward(ctx, &lin, &batch, &go, grad, &grpo_out, &grads); break;
+    case HU_PREFERENCE_FORWARD: st = fh_preference_forward(ctx, &lin, &pairs, &po, &pref_out); break;
+    default: st = fh_preference_forward_backward(ctx, &lin, &pairs, &po, grad, &pref_out, &grads); break;
     }
     fh_context_destroy(ctx);
     for (int k = 0; k < G_COUNT; k++)

@@ -29,7 +29,7 @@ typedef struct problems {
 static fh_status run_on(fh_context *ctx, hu_call call, const problems *p, int sequence, hu_outputs *o)
 {
     const hu_grpo_problem *g = sequence ? &p->grpo_sequence : &p->grpo_token;
-    const hu_saved *saved = hu_call_is_grpo(call) ? (sequence ? &p->sequence_saved : &p->token_saved) : &p->ce_saved;
+    const hu_saved *saved = hu_call_on_sequences(call) ? (sequence ? &p->sequence_saved : &p->token_saved) : &p->ce_saved;
     return hu_run(ctx, call, &p->ce, g, saved, o);
 }
 
@@ -88,7 +88,7 @@ static void problems_free(problems *p)
 
 static void outputs_for(hu_call call, int sequence, hu_outputs *o)
 {
-    const int grpo = hu_call_is_grpo(call);
+    const int grpo = hu_call_on_sequences(call);
     hu_outputs_alloc(o, grpo ? B * T : N, H, V, grpo ? !sequence : 1);
     hu_outputs_fill(o, 0);
 }
@@ -103,7 +103,7 @@ static void test_repeated_runs(void)
     };
     for (size_t c = 0; c < TU_COUNT(configs); c++)
         for (int call = 0; call < HU_CALL_COUNT; call++)
-            for (int sequence = 0; sequence <= hu_call_is_grpo((hu_call)call); sequence++) {
+            for (int sequence = 0; sequence <= hu_call_on_sequences((hu_call)call); sequence++) {
                 hu_outputs first, again;
                 outputs_for((hu_call)call, sequence, &first);
                 outputs_for((hu_call)call, sequence, &again);

@@ -216,16 +216,17 @@ typedef struct finite_problem {
 static void finite_problem_init(finite_problem *f)
 {
     make_ce(&f->ce, FH_REDUCTION_MEAN, 0.0);
-    hu_grpo_problem_init(&f->grpo, 3, 5, H, V, FH_LAYOUT_VH, 1, 901);
+    hu_grpo_problem_init(&f->grpo, 4, 5, H, V, FH_LAYOUT_VH, 1, 901);
     hu_outputs o;
     hu_outputs_alloc(&o, N, H, V, 1);
     fh_context *ctx = tu_context(1, 0, 0, 0);
     TU_CHECK(hu_run(ctx, HU_CE_FORWARD, &f->ce, NULL, NULL, &o) == FH_OK, "CE forward");
     hu_saved_from(&f->ce_saved, &o, N);
     hu_outputs_free(&o);
-    hu_outputs_alloc(&o, 15, H, V, 1);
+    const int64_t n = f->grpo.batch * f->grpo.seq;
+    hu_outputs_alloc(&o, n, H, V, 1);
     TU_CHECK(hu_run(ctx, HU_GRPO_FORWARD, NULL, &f->grpo, NULL, &o) == FH_OK, "GRPO forward");
-    hu_saved_from(&f->grpo_saved, &o, 15);
+    hu_saved_from(&f->grpo_saved, &o, n);
     fh_context_destroy(ctx);
     hu_outputs_free(&o);
 }
@@ -245,8 +246,8 @@ static void test_check_finite_rejects(void)
     static const float values[] = {NAN, INFINITY, -INFINITY};
     static const char *where_names[] = {"x", "weight", "bias"};
     for (int call = 0; call < HU_CALL_COUNT; call++) {
-        const int grpo = hu_call_is_grpo((hu_call)call);
-        const int64_t n = grpo ? 15 : N;
+        const int grpo = hu_call_on_sequences((hu_call)call);
+        const int64_t n = grpo ? f.grpo.batch * f.grpo.seq : N;
         float *arrays[3] = {grpo ? f.grpo.x : f.ce.x, grpo ? f.grpo.weight : f.ce.weight, grpo ? f.grpo.bias : f.ce.bias};
         const size_t sizes[3] = {(size_t)(n * H), (size_t)(H * V), (size_t)V};
         hu_outputs clean, checked;

@@ -59,7 +59,7 @@ static const shape_case cases[] = {
     {"dx last offset 2^61 (bytes overflow ptrdiff_t)", 2, 1, 1, 1, 0, 0, P2(61), 0, 0, ST(FH_ERR_SIZE_OVERFLOW), 1},
     {"dx_row_stride = 2^62 + 1 (bytes wrap to 4)", 2, 1, 1, 1, 0, 0, P2(62) + 1, 0, 0, ST(FH_ERR_SIZE_OVERFLOW), 1},
     {"dx_row_stride = INT64_MIN", 2, 1, 1, 1, 0, 0, INT64_MIN, 0, 0, ST(FH_ERR_INVALID_STRIDE), 1},
-    /* GRPO only: batch * seq. An overflowing product cannot equal n; the library reports the mismatch. */
+    /* GRPO and preference only: batch * seq (pairs * seq). An overflowing product cannot equal n; the library reports the mismatch. */
     {"batch * seq overflows", 4, 1, 1, 0, 0, 0, 0, P2(32), P2(32) + 1, ST(FH_ERR_INVALID_SIZE) | ST(FH_ERR_SIZE_OVERFLOW), 0},
     {"batch = -1, seq = -4 (product = n)", 4, 1, 1, 0, 0, 0, 0, -1, -4, ST(FH_ERR_INVALID_SIZE), 0},
     {"batch = INT64_MIN, seq = -1", 4, 1, 1, 0, 0, 0, 0, INT64_MIN, -1, ST(FH_ERR_INVALID_SIZE), 0},
@@ -104,10 +104,17 @@ static int child(void *arg)
                                  tiny_adv, tiny_logps, tiny_logps};
     fh_ce_outputs ce_out = {&o.loss, &o.z_loss, o.per_token_loss, o.logp, o.lse, o.argmax};
     fh_grpo_outputs grpo_out = {&o.loss, &o.metrics, o.logp, o.per_token_loss, o.entropy, o.lse};
+    /* A preference batch: the same sequences as one pair when no batch is given. */
+    const fh_preference_batch pairs = {c->batch ? c->batch : 1, c->batch ? c->seq : c->n / 2, tiny_targets, tiny_mask,
+                                       NULL, NULL};
+    fh_preference_options po;
+    fh_preference_options_init(&po);
+    fh_preference_outputs pref_out = {&o.loss, &o.preference_metrics, o.sequence_logps, o.rewards, o.logp};
     size_t bytes = 0xA5A5A5A5u;
     fh_status st;
     if (a->query) {
-        st = hu_call_is_grpo(a->call) ? fh_grpo_workspace_size(ctx, &lin, &bytes)
+        st = a->call >= HU_PREFERENCE_FORWARD ? fh_preference_workspace_size(ctx, &lin, &bytes)
+             : hu_call_on_sequences(a->call) ? fh_grpo_workspace_size(ctx, &lin, &bytes)
              : a->call == HU_CE_TRAIN_STEP ? fh_ce_forward_backward_workspace_size(ctx, &lin, &ce, &bytes)
                                            : fh_ce_workspace_size(ctx, &lin, &ce, &bytes);
         if (st != FH_OK && bytes != 0xA5A5A5A5u)
@@ -122,7 +129,9 @@ static int child(void *arg)
     case HU_GRPO_BACKWARD:
         st = fh_grpo_backward(ctx, &lin, &batch, &go, tiny_logps, tiny_lse, tiny_logps, tiny_grad, &g);
         break;
-    default: st = fh_grpo_forward_backward(ctx, &lin, &batch, &go, tiny_grad, &grpo_out, &g); break;
+    case HU_GRPO_TRAIN_STEP: st = fh_grpo_forward_backward(ctx, &lin, &batch, &go, tiny_grad, &grpo_out, &g); break;
+    case HU_PREFERENCE_FORWARD: st = fh_preference_forward(ctx, &lin, &pairs, &po, &pref_out); break;
+    default: st = fh_preference_forward_backward(ctx, &lin, &pairs, &po, tiny_grad, &pref_out, &g); break;
     }
     const int untouched = hu_outputs_untouched(&o, TU_CANARY);
     return (untouched ? 50 : 100) + (int)st;
@@ -149,17 +158,17 @@ static void test_overflowing_shapes(void)
         const shape_case *c = &cases[k];
         const int grpo_only = c->batch != 0;
         for (int call = 0; call < HU_CALL_COUNT; call++) {
-            const int grpo = hu_call_is_grpo((hu_call)call);
+            const int grpo = hu_call_on_sequences((hu_call)call);
             if (grpo_only && !grpo)
                 continue;
             const int has_grads = call == HU_CE_BACKWARD || call == HU_CE_TRAIN_STEP || call == HU_GRPO_BACKWARD ||
-                                  call == HU_GRPO_TRAIN_STEP;
+                                  call == HU_GRPO_TRAIN_STEP || call == HU_PREFERENCE_TRAIN_STEP;
             if (c->grads_only && !has_grads)
                 continue;
             for (int query = 0; query <= 1; query++) {
                 /* Workspace queries take no batch and no gradients; one query per kind of call. */
                 if (query && (grpo_only || c->grads_only || call == HU_CE_BACKWARD || call == HU_GRPO_BACKWARD ||
-                              call == HU_GRPO_TRAIN_STEP))
+                              call == HU_GRPO_TRAIN_STEP || call == HU_PREFERENCE_TRAIN_STEP))
                     continue;
                 child_args a = {c, (hu_call)call, query};
                 const int code = hu_run_isolated(child, &a);

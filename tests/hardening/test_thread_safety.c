@@ -37,7 +37,7 @@ static void wait_for_gate(void)
 
 static void alloc_outputs(const job *j, hu_outputs *o)
 {
-    const int grpo = hu_call_is_grpo(j->call);
+    const int grpo = hu_call_on_sequences(j->call);
     const int64_t n = grpo ? j->grpo->batch * j->grpo->seq : j->ce->n;
     hu_outputs_alloc(o, n, grpo ? j->grpo->hidden : j->ce->hidden, grpo ? j->grpo->vocab : j->ce->vocab,
                      grpo ? j->grpo->bias != NULL : j->ce->bias != NULL);
@@ -129,7 +129,7 @@ static void test_concurrent_contexts(void)
     cp_problem_randomize(&ce_b, 3001, 3.0);
     ce_b.options.reduction = FH_REDUCTION_NONE;
     hu_grpo_problem g_a, g_b;
-    hu_grpo_problem_init(&g_a, 3, 21, 32, 999, FH_LAYOUT_VH, 1, 3002);
+    hu_grpo_problem_init(&g_a, 4, 21, 32, 999, FH_LAYOUT_VH, 1, 3002);
     g_a.options.entropy_coef = 0.01;
     hu_grpo_problem_init(&g_b, 2, 30, 16, 1201, FH_LAYOUT_HV, 0, 3003);
     g_b.options.importance_sampling_level = FH_GRPO_IS_SEQUENCE;
