@@ -128,8 +128,9 @@ fh_status fh_plan_streaming(const fh_context *ctx, const fh_linear *lin, fh_plan
 /* Row-block plan for the single-call train step: tile_vocab = vocab and as many rows as the budget
  * holds, balanced across blocks. Returns 0 when at least min(n, MIN_ROW_BLOCK) rows fit, else -1 (the
  * caller streams instead). fp32 dZ with bf16 inputs always streams (its f32 copy of the weight would be
- * H x V). */
-static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, fh_plan *plan)
+ * H x V). bf16 blocks stop at BF16_ROW_BLOCK rows, or at group_rows when a group (a sequence, a pair) is
+ * taller, so that it still runs in row blocks. */
+static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, int64_t group_rows, fh_plan *plan)
 {
     const int64_t n = lin->n, vocab = lin->vocab, budget = fh_budget_bytes(ctx);
     int64_t rows_param, unused;
@@ -150,7 +151,7 @@ static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, fh_plan 
     if (rows_param > 0)
         rows = min64(rows, rows_param);
     else if (plan->bf16_du)
-        rows = min64(rows, BF16_ROW_BLOCK);
+        rows = min64(rows, group_rows > BF16_ROW_BLOCK ? group_rows : BF16_ROW_BLOCK);
     rows = min64(rows, n);
     if (rows < min_rows)
         return -1;
@@ -159,11 +160,17 @@ static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, fh_plan 
     return place_buffers(plan, n);
 }
 
+static fh_status plan_train_step(const fh_context *ctx, const fh_linear *lin, int64_t group_rows, fh_plan *plan,
+                                 int *row_blocks, fh_context *messages)
+{
+    *row_blocks = make_row_blocks(ctx, lin, group_rows, plan) == 0;
+    return *row_blocks ? FH_OK : fh_plan_make(ctx, lin, FH_CALL_BACKWARD, plan, messages);
+}
+
 fh_status fh_plan_train_step(const fh_context *ctx, const fh_linear *lin, fh_plan *plan, int *row_blocks,
                              fh_context *messages)
 {
-    *row_blocks = make_row_blocks(ctx, lin, plan) == 0;
-    return *row_blocks ? FH_OK : fh_plan_make(ctx, lin, FH_CALL_BACKWARD, plan, messages);
+    return plan_train_step(ctx, lin, 1, plan, row_blocks, messages);
 }
 
 void fh_plan_lower_rows(fh_plan *plan, int64_t n, int64_t rows)
@@ -175,7 +182,7 @@ void fh_plan_lower_rows(fh_plan *plan, int64_t n, int64_t rows)
 fh_status fh_plan_train_step_groups(fh_context *ctx, const fh_linear *lin, int64_t group_rows, fh_plan *plan,
                                     int *row_blocks)
 {
-    const fh_status st = fh_plan_train_step(ctx, lin, plan, row_blocks, ctx);
+    const fh_status st = plan_train_step(ctx, lin, group_rows, plan, row_blocks, ctx);
     if (st != FH_OK || !*row_blocks)
         return st;
     const int64_t groups = lin->n / group_rows, fit = plan->tile_rows / group_rows;
@@ -188,15 +195,16 @@ fh_status fh_plan_train_step_groups(fh_context *ctx, const fh_linear *lin, int64
     return FH_OK;
 }
 
-fh_status fh_plan_query_bytes(const fh_context *ctx, const fh_linear *lin, int train_step, size_t *bytes)
+/* Bytes of the streaming passes (group_rows 0), else of the train step with groups of group_rows rows. */
+static fh_status query_bytes(const fh_context *ctx, const fh_linear *lin, int64_t group_rows, size_t *bytes)
 {
     fh_status st = fh_check_linear(NULL, lin);
     if (st != FH_OK)
         return st;
     fh_plan plans[2];
     int row_blocks;
-    if (train_step) {
-        st = fh_plan_train_step(ctx, lin, &plans[0], &row_blocks, NULL);
+    if (group_rows > 0) {
+        st = plan_train_step(ctx, lin, group_rows, &plans[0], &row_blocks, NULL);
         plans[1] = plans[0];
     } else {
         st = fh_plan_streaming(ctx, lin, plans, NULL);
@@ -206,14 +214,20 @@ fh_status fh_plan_query_bytes(const fh_context *ctx, const fh_linear *lin, int t
     return st;
 }
 
+fh_status fh_plan_query_bytes(const fh_context *ctx, const fh_linear *lin, int train_step, size_t *bytes)
+{
+    return query_bytes(ctx, lin, train_step ? 1 : 0, bytes);
+}
+
 fh_status fh_plan_query_every_bytes(const fh_context *ctx, const fh_linear *lin, size_t *bytes)
 {
-    size_t streaming, train_step;
-    fh_status st = fh_plan_query_bytes(ctx, lin, 0, &streaming);
+    /* Groups of any height up to n: the bf16 blocks then stop only at the budget, the most any group asks. */
+    size_t streaming, grouped;
+    fh_status st = query_bytes(ctx, lin, 0, &streaming);
     if (st == FH_OK)
-        st = fh_plan_query_bytes(ctx, lin, 1, &train_step);
+        st = query_bytes(ctx, lin, lin->n, &grouped);
     if (st == FH_OK)
-        *bytes = streaming > train_step ? streaming : train_step;
+        *bytes = streaming > grouped ? streaming : grouped;
     return st;
 }
 

@@ -59,7 +59,7 @@ void fh_plan_lower_rows(fh_plan *plan, int64_t n, int64_t rows);
 fh_status fh_plan_query_bytes(const fh_context *ctx, const fh_linear *lin, int train_step, size_t *bytes);
 
 /* The larger of the two above, for a head whose calls stream and run the train step in row blocks of whole
- * groups (fh_plan_train_step_groups: at most the unaligned blocks the train step's query plans). */
+ * groups (fh_plan_train_step_groups), whatever the groups' height. */
 fh_status fh_plan_query_every_bytes(const fh_context *ctx, const fh_linear *lin, size_t *bytes);
 
 /* Pointers into an acquired workspace (NULL for buffers the plan does not use). */
