@@ -31,6 +31,8 @@ static const char *case_basis[CASE_COUNT] = {"2*2048^3", "2NHV", "8NHV", "6NHV",
 
 enum { CEILING_REPS = 10 };
 
+typedef enum head_kind { HEAD_CE, HEAD_GRPO, HEAD_PREFERENCE } head_kind;
+
 typedef struct shape {
     int64_t n, hidden, vocab;
     int threads;
@@ -40,7 +42,9 @@ typedef struct shape {
     fh_dtype dtype; /* of x and weight (the ceiling's and the materialized baseline's GEMMs follow it) */
     fh_dtype grad_dtype; /* of the fused cases' dx and dweight: x's unless --grad-dtype says */
     int fp32_dz;         /* FH_PARAM_FP32_DZ */
-    int grpo;            /* --loss grpo: n = batch * seq tokens of the GRPO head (TRL defaults, on-policy) */
+    head_kind head;      /* --loss: ce, grpo (n = batch * seq tokens, TRL defaults, on-policy) or a preference loss
+                            (n = 2 batch seq: batch pairs, TRL defaults, reference-free) */
+    fh_preference_loss preference;
     int64_t batch, seq;
 } shape;
 
@@ -48,16 +52,29 @@ typedef struct shape {
  * (fh_grpo_forward_backward: row blocks of whole sequences); no materialized baseline. */
 static const char *grpo_case_names[CASE_COUNT] = {NULL, "grpo_forward", "grpo_streaming", "grpo_train_step", NULL};
 
+/* The preference losses' cases: the forward and the single-call step (fh_preference_forward_backward: row
+ * blocks of whole pairs); no materialized baseline. */
+static const char *preference_names[] = {"dpo", "orpo", "simpo", "cpo"};
+static const char *preference_case_names[][CASE_COUNT] = {
+    {NULL, "dpo_forward", NULL, "dpo_train_step", NULL},
+    {NULL, "orpo_forward", NULL, "orpo_train_step", NULL},
+    {NULL, "simpo_forward", NULL, "simpo_train_step", NULL},
+    {NULL, "cpo_forward", NULL, "cpo_train_step", NULL}};
+
 static const char *case_name(bench_case c, const shape *s)
 {
     if (c == CASE_SGEMM)
         return s->dtype == FH_DTYPE_BF16 ? bf16_ceiling_name : case_names[c];
-    return s->grpo ? grpo_case_names[c] : case_names[c];
+    switch (s->head) {
+    case HEAD_GRPO: return grpo_case_names[c];
+    case HEAD_PREFERENCE: return preference_case_names[s->preference][c];
+    default: return case_names[c];
+    }
 }
 
 static int case_runs(bench_case c, const shape *s)
 {
-    return !(s->grpo && c == CASE_MATERIALIZED);
+    return case_name(c, s) != NULL;
 }
 
 typedef struct result {
@@ -115,27 +132,42 @@ static double gemm_best_ms(const shape *s, void *const sg[3])
     return best;
 }
 
-/* GRPO's per-token and per-sequence inputs and its saved log-probs. */
-typedef struct grpo_inputs {
+/* The sequence heads' per-token and per-sequence inputs and GRPO's saved log-probs. */
+typedef struct sequence_inputs {
     float *mask, *advantages, *logp;
-} grpo_inputs;
+} sequence_inputs;
 
-static int grpo_inputs_make(const shape *s, grpo_inputs *g)
+static int sequence_inputs_make(const shape *s, sequence_inputs *g)
 {
     g->mask = malloc((size_t)s->n * sizeof(float));
     g->logp = malloc((size_t)s->n * sizeof(float));
-    g->advantages = malloc((size_t)s->batch * sizeof(float));
+    g->advantages = malloc((size_t)s->n / s->seq * sizeof(float));
     if (!g->mask || !g->logp || !g->advantages)
         return -1;
     for (int64_t i = 0; i < s->n; i++)
         g->mask[i] = i % s->seq < s->seq - s->seq / 8 ? 1.0f : 0.0f; /* the last eighth of each sequence is padding */
-    for (int64_t b = 0; b < s->batch; b++)
+    for (int64_t b = 0; b < s->n / s->seq; b++)
         g->advantages[b] = b % 2 ? -1.0f : 1.0f;
     return 0;
 }
 
+/* One preference-loss call of the case (TRL's defaults for the loss, reference-free). */
+static int run_preference(bench_case c, const shape *s, const fh_linear *lin, const bench_inputs *in,
+                          const sequence_inputs *g, fh_context *ctx, fh_linear_grads *grads, double *loss)
+{
+    fh_preference_options o;
+    fh_preference_options_init(&o);
+    o.loss = s->preference;
+    const fh_preference_batch batch = {s->batch, s->seq, in->targets, g->mask, NULL, NULL};
+    fh_preference_outputs out = {.loss = loss};
+    const float grad_one = 1.0f;
+    if (c == CASE_FORWARD)
+        return fh_preference_forward(ctx, lin, &batch, &o, &out) == FH_OK ? 0 : -1;
+    return fh_preference_forward_backward(ctx, lin, &batch, &o, &grad_one, &out, grads) == FH_OK ? 0 : -1;
+}
+
 /* One GRPO call of the case. */
-static int run_grpo(bench_case c, const shape *s, const fh_linear *lin, const bench_inputs *in, const grpo_inputs *g,
+static int run_grpo(bench_case c, const shape *s, const fh_linear *lin, const bench_inputs *in, const sequence_inputs *g,
                     fh_context *ctx, fh_linear_grads *grads, double *loss)
 {
     fh_grpo_options o;
@@ -155,7 +187,7 @@ static int run_grpo(bench_case c, const shape *s, const fh_linear *lin, const be
 }
 
 /* One call of the case, its loss in *loss (NaN for the sgemm); returns 0 or -1. */
-static int run_once(bench_case c, const shape *s, const bench_inputs *in, const grpo_inputs *grpo, fh_context *ctx,
+static int run_once(bench_case c, const shape *s, const bench_inputs *in, const sequence_inputs *seqs, fh_context *ctx,
                     const materialized_buffers *mb, void *const gemm_buffers[3], double *loss)
 {
     const int bf16 = s->dtype == FH_DTYPE_BF16;
@@ -171,8 +203,10 @@ static int run_once(bench_case c, const shape *s, const bench_inputs *in, const 
     /* in->dx and in->dw are float buffers, large enough for bf16 gradients too. */
     fh_linear_grads g = {.dx = in->dx, .dx_row_stride = s->hidden, .dweight = in->dw, .dx_dtype = s->grad_dtype,
                          .dweight_dtype = s->grad_dtype};
-    if (s->grpo && c != CASE_SGEMM)
-        return run_grpo(c, s, &lin, in, grpo, ctx, &g, loss);
+    if (s->head == HEAD_GRPO && c != CASE_SGEMM)
+        return run_grpo(c, s, &lin, in, seqs, ctx, &g, loss);
+    if (s->head == HEAD_PREFERENCE && c != CASE_SGEMM)
+        return run_preference(c, s, &lin, in, seqs, ctx, &g, loss);
     switch (c) {
     case CASE_SGEMM:
         return gemm_2048(s, gemm_buffers);
@@ -212,11 +246,11 @@ static result measure_in_child(bench_case c, const shape *s)
     fh_context *ctx = NULL;
     void *sg[3] = {NULL, NULL, NULL};
     materialized_buffers mb = {0, NULL, NULL};
-    grpo_inputs grpo = {NULL, NULL, NULL};
+    sequence_inputs seqs = {NULL, NULL, NULL};
     const int bf16 = s->dtype == FH_DTYPE_BF16;
     if (bench_inputs_make(s->n, s->hidden, s->vocab, &in) != 0 || fh_context_create(&ctx) != FH_OK)
         return r;
-    if (s->grpo && grpo_inputs_make(s, &grpo) != 0)
+    if (s->head != HEAD_CE && sequence_inputs_make(s, &seqs) != 0)
         return r;
     if (bf16 && bench_inputs_add_bf16(s->n, s->hidden, s->vocab, &in) != 0)
         return r;
@@ -239,8 +273,10 @@ static result measure_in_child(bench_case c, const shape *s)
     fh_ce_options o;
     fh_ce_options_init(&o);
     size_t ws = 0;
-    if (s->grpo && c != CASE_SGEMM)
+    if (s->head == HEAD_GRPO && c != CASE_SGEMM)
         fh_grpo_workspace_size(ctx, &lin, &ws);
+    else if (s->head == HEAD_PREFERENCE && c != CASE_SGEMM)
+        fh_preference_workspace_size(ctx, &lin, &ws);
     else if (c == CASE_FORWARD || c == CASE_SPLIT)
         fh_ce_workspace_size(ctx, &lin, &o, &ws);
     else if (c == CASE_TRAIN)
@@ -253,13 +289,13 @@ static result measure_in_child(bench_case c, const shape *s)
     /* The materialized path's buffers belong to the call: a framework allocates them per step. */
     if (c == CASE_MATERIALIZED && materialized_alloc(&mb, s->n, s->vocab, bf16) != 0)
         return r;
-    if (run_once(c, s, &in, &grpo, ctx, &mb, sg, &r.loss) != 0)
+    if (run_once(c, s, &in, &seqs, ctx, &mb, sg, &r.loss) != 0)
         return r;
     r.first_ms = now_ms() - t;
     const int reps = c == CASE_SGEMM && s->reps < CEILING_REPS ? CEILING_REPS : s->reps;
     for (int k = 0; k < reps; k++) {
         t = now_ms();
-        if (run_once(c, s, &in, &grpo, ctx, &mb, sg, &r.loss) != 0)
+        if (run_once(c, s, &in, &seqs, ctx, &mb, sg, &r.loss) != 0)
             return r;
         const double ms = now_ms() - t;
         r.best_ms = ms < r.best_ms ? ms : r.best_ms;
@@ -443,12 +479,25 @@ static int sweep(const char *what, const char *dir, const shape *base, const cha
     return 0;
 }
 
+/* --loss ce|grpo|dpo|orpo|simpo|cpo */
+static int parse_loss(const char *v, shape *s)
+{
+    s->head = strcmp(v, "ce") == 0 ? HEAD_CE : strcmp(v, "grpo") == 0 ? HEAD_GRPO : HEAD_PREFERENCE;
+    for (int k = 0; s->head == HEAD_PREFERENCE && k < 4; k++)
+        if (strcmp(v, preference_names[k]) == 0) {
+            s->preference = (fh_preference_loss)k;
+            return 0;
+        }
+    return s->head == HEAD_PREFERENCE ? -1 : 0;
+}
+
 static void usage(void)
 {
     fprintf(stderr, "usage: fh_bench [--n N] [--hidden H] [--vocab V] [--threads T] [--budget BYTES] [--reps K]\n"
                     "                [--layout hv|vh] [--dtype f32|bf16] [--grad-dtype f32|bf16] [--fp32-dz]\n"
                     "                [--json | --csv] [--sweep n|vocab --out DIR]\n"
-                    "       fh_bench --loss grpo --batch B --seq T [--hidden H] [--vocab V] [the options above but --n]\n");
+                    "       fh_bench --loss grpo --batch B --seq T [--hidden H] [--vocab V] [the options above but --n]\n"
+                    "       fh_bench --loss dpo|orpo|simpo|cpo --batch PAIRS --seq T [as for grpo]\n");
 }
 
 int main(int argc, char **argv)
@@ -487,8 +536,12 @@ int main(int argc, char **argv)
             grad_dtype = strcmp(argv[++i], "bf16") == 0 ? FH_DTYPE_BF16 : FH_DTYPE_F32;
         else if (strcmp(a, "--reps") == 0)
             s.reps = atoi(argv[++i]);
-        else if (strcmp(a, "--loss") == 0 && (strcmp(v, "ce") == 0 || strcmp(v, "grpo") == 0))
-            s.grpo = strcmp(argv[++i], "grpo") == 0;
+        else if (strcmp(a, "--loss") == 0) {
+            if (parse_loss(argv[++i], &s) != 0) {
+                usage();
+                return 2;
+            }
+        }
         else if (strcmp(a, "--batch") == 0)
             s.batch = atoll(argv[++i]);
         else if (strcmp(a, "--seq") == 0)
@@ -503,12 +556,12 @@ int main(int argc, char **argv)
         }
     }
     s.grad_dtype = grad_dtype < 0 ? s.dtype : (fh_dtype)grad_dtype;
-    if (s.grpo) {
+    if (s.head != HEAD_CE) {
         if (s.batch < 1 || s.seq < 1 || sweep_what) {
             usage();
             return 2;
         }
-        s.n = s.batch * s.seq;
+        s.n = (s.head == HEAD_PREFERENCE ? 2 : 1) * s.batch * s.seq;
     }
     if (s.n < 1 || s.hidden < 1 || s.vocab < 1 || s.threads < 1 || s.reps < 1 ||
         (sweep_what && strcmp(sweep_what, "n") && strcmp(sweep_what, "vocab"))) {
@@ -530,12 +583,12 @@ int main(int argc, char **argv)
     }
     /* Every case computes the same loss; a benchmark of different problems would be worthless. The materialized
      * loss uses fp32 exps summed in double: 1e-5 relative is far above both errors. GRPO's cases are checked
-     * against its forward. */
-    const double expected = res[s.grpo ? CASE_FORWARD : CASE_MATERIALIZED].loss;
+     * against its forward, and so are the preference losses'. */
+    const double expected = res[s.head != HEAD_CE ? CASE_FORWARD : CASE_MATERIALIZED].loss;
     for (int c = CASE_FORWARD; c <= CASE_TRAIN; c++)
         if (res[c].ok && !(fabs(res[c].loss - expected) <= 1e-5 * fabs(expected))) {
             fprintf(stderr, "fh_bench: %s loss %.9g differs from the %s %.9g\n", case_name((bench_case)c, &s),
-                    res[c].loss, s.grpo ? "forward's" : "materialized", expected);
+                    res[c].loss, s.head != HEAD_CE ? "forward's" : "materialized", expected);
             failed = 1;
         }
     if (f == FORMAT_CSV)
