@@ -433,7 +433,8 @@ typedef struct fh_preference_batch {
 typedef struct fh_preference_metrics { /* TRL's logged metrics (means over pairs); NaN where TRL logs nothing */
     double rewards_chosen, rewards_rejected, rewards_accuracies, rewards_margins;
     double logps_chosen, logps_rejected;   /* means of c and r */
-    double logits_chosen, logits_rejected; /* mean of z over the masked tokens and the whole vocabulary */
+    double logits_chosen, logits_rejected; /* mean of z over the whole vocabulary and the half's tokens: masked
+                                              for dpo (DPOTrainer), all of them for the others (CPO/ORPOTrainer) */
     double nll_loss;                       /* dpo: NaN without rpo_alpha; cpo, simpo: 0 when cpo_alpha is 0 (TRL) */
     double log_odds_ratio, log_odds_chosen; /* orpo: means of log sig(o) and of o */
 } fh_preference_metrics;

@@ -15,7 +15,7 @@
  *  - nll_loss: cross-entropy on the chosen half, mean over its (mask-weighted) tokens.
  *  - rewards: beta * (policy - reference) for dpo, beta * policy for cpo, simpo and orpo; accuracies
  *    (chosen > rejected).float().mean(); logits/chosen is the mean of the chosen half's logits over its masked
- *    tokens. */
+ *    tokens for dpo (DPOTrainer), over all its tokens for cpo, simpo and orpo (CPOTrainer, ORPOTrainer). */
 #include "ref_preference.h"
 
 #include "ref_grpo.h"
@@ -208,9 +208,11 @@ int ref_preference_head(const ref_preference_tokens *tk, const ref_preference_op
         m->logits_chosen = m->logits_rejected = NAN;
         if (tk->logit_means) {
             double zsum[2] = {0.0, 0.0}, msum[2] = {0.0, 0.0};
+            /* DPOTrainer: masked means; CPOTrainer and ORPOTrainer: means over every token of the half. */
             for (int64_t i = 0; i < S * T; i++) {
-                zsum[i >= B * T] += mask[i] * tk->logit_means[i];
-                msum[i >= B * T] += mask[i];
+                const double w = o->loss == REF_PREFERENCE_DPO ? mask[i] : 1.0;
+                zsum[i >= B * T] += w * tk->logit_means[i];
+                msum[i >= B * T] += w;
             }
             m->logits_chosen = msum[0] > 0.0 ? zsum[0] / msum[0] : NAN;
             m->logits_rejected = msum[1] > 0.0 ? zsum[1] / msum[1] : NAN;

@@ -307,14 +307,16 @@ static void head_finish(const head *h, int64_t vocab, fh_preference_outputs *out
         }
     }
     double nll_sum = 0.0, z_sum[2] = {0.0, 0.0}, mask_sum[2] = {0.0, 0.0};
+    /* Logits means: DPOTrainer's are masked, CPOTrainer's and ORPOTrainer's over every token of the half. */
+    const int masked_logits = o->loss == FH_PREFERENCE_DPO;
     for (int64_t i = 0; i < 2 * B * T; i++) {
         const int half = i >= B * T;
-        const double m = bt->mask[i];
+        const double m = bt->mask[i], w = masked_logits ? m : 1.0;
         if (!half)
             nll_sum -= m * slot[SLOT_LOGP][i];
-        mask_sum[half] += m;
+        mask_sum[half] += w;
         if (out->metrics)
-            z_sum[half] += m * slot[SLOT_SUM_Z][i];
+            z_sum[half] += w * slot[SLOT_SUM_Z][i];
     }
     const double nll = nll_sum / fmax(h->chosen_mask, 1.0);
     if (out->loss)
@@ -323,7 +325,7 @@ static void head_finish(const head *h, int64_t vocab, fh_preference_outputs *out
         /* TRL: DPOTrainer logs nll_loss only with rpo_alpha; CPOTrainer sets it to 0 when cpo_alpha is 0. */
         const int orpo = o->loss == FH_PREFERENCE_ORPO, dpo = o->loss == FH_PREFERENCE_DPO;
         const double logged_nll = nll_weight(o) != 0.0 ? nll : dpo ? NAN : 0.0;
-        /* TRL's logits means are masked means over every (token, vocabulary) entry: NaN with no tokens. */
+        /* Means over every vocabulary entry of the tokens above: NaN with no tokens. */
         const fh_preference_metrics m = {rc / B,
                                          rr / B,
                                          acc / B,

@@ -2,9 +2,10 @@
 
 Python bindings (ctypes) for libfusedhead.so:
 
-    fusedhead.numpy   NumPy API (cross_entropy, forward, backward, forward_backward); imported with fusedhead
-    fusedhead.torch   torch.autograd.Function, nn.Module and functional; imported on first access (importing
-                      fusedhead never imports torch)
+    fusedhead.numpy   NumPy API (cross_entropy, forward, backward, forward_backward, grpo_loss,
+                      preference_loss); imported with fusedhead
+    fusedhead.torch   torch.autograd.Function, nn.Module and functional forms of each loss; imported on first
+                      access (importing fusedhead never imports torch)
 
 The library is located on first use: $FUSEDHEAD_LIBRARY, then the build tree (build/, then build*/), then the
 system (see fusedhead._lib). fusedhead.library_path() tells which one was loaded.

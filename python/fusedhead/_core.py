@@ -1,4 +1,4 @@
-"""Backend-neutral core shared by fusedhead.numpy and fusedhead.torch (cross-entropy and GRPO).
+"""Backend-neutral core shared by fusedhead.numpy and fusedhead.torch (cross-entropy, GRPO, preference heads).
 
 Front ends turn their arrays into `View`s (address, shape, strides in elements) after checking dtype and
 device; this module checks shapes and strides against each other, builds the C structs and calls the
@@ -7,9 +7,10 @@ library through a `Context`, turning a non-zero status into a FusedheadError.
 from __future__ import annotations
 
 import ctypes
+import enum
 import os
 import threading
-from typing import NamedTuple, Optional, Sequence, Tuple, Union
+from typing import NamedTuple, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 from . import _lib
 from ._lib import Dtype, Layout, Param, Reduction, c_double_p, c_float_p, c_int64_p, load_library
@@ -484,12 +485,81 @@ class CEProblem:
         return size.value
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Shared by the batch heads (GRPO, preference)
+# ---------------------------------------------------------------------------------------------------------
+E = TypeVar("E", bound=enum.IntEnum)
+
+
+def parse_choice(value: Union[str, E], choices: Type[E], name: str) -> E:
+    """A member of `choices` from itself or its name in any case; ValueError naming the argument otherwise."""
+    if isinstance(value, choices):
+        return value
+    if isinstance(value, str) and value.upper() in choices.__members__:
+        return choices[value.upper()]
+    raise ValueError(f"{name} must be one of {', '.join(repr(m.name.lower()) for m in choices)}, got {value!r}")
+
+
+def _vector_ptr(v: Optional[View], name: str, length: int, expected: str) -> Optional[int]:
+    """The address of a contiguous vector of `length` elements (None for None); ValueError naming it otherwise."""
+    if v is None:
+        return None
+    if tuple(v.shape) != (length,) or not vector_view_ok(v.shape, v.strides):
+        raise ValueError(f"{name}: expected a contiguous {expected}, got shape {_shape(v.shape)}")
+    return v.ptr
+
+
+def _metrics_dict(keys, values) -> dict:
+    """TRL's metric names -> values (a metrics struct, or numbers in its field order), NaN entries omitted (TRL
+    logs nothing there)."""
+    if isinstance(values, ctypes.Structure):
+        values = [getattr(values, f) for f, _ in keys]
+    return {key: float(v) for (_, key), v in zip(keys, values) if float(v) == float(v)}
+
+
+class _BatchProblem:
+    """A linear head, a batch struct (self.c) and options: what every call of a batch head shares. Its outputs
+    struct starts with loss and metrics; the rest are float32 arrays, passed by name as addresses (or None)."""
+    _prefix: str  # "fh_grpo", "fh_preference"
+    _metrics_struct: type
+    _outputs_struct: type
+
+    def __init__(self, head: LinearHead, batch: ctypes.Structure, options: ctypes.Structure):
+        self.head, self.c, self.options = head, batch, options
+
+    def _call(self, ctx: Context, function: str, outputs: dict, gradient_args: tuple = ()):
+        names = [f for f, _ in self._outputs_struct._fields_[2:]]
+        if not set(outputs) <= set(names):  # a ctypes struct would keep an unknown name as a plain attribute
+            raise TypeError(f"unknown outputs {sorted(set(outputs) - set(names))}; expected some of {names}")
+        loss, metrics = ctypes.c_double(), self._metrics_struct()
+        out = self._outputs_struct(ctypes.cast(ctypes.byref(loss), c_double_p), ctypes.pointer(metrics),
+                                   **{k: _fp(v) for k, v in outputs.items()})
+        grad_output, grads = gradient_args or (None, None)
+        args = (ctypes.byref(self.head.c), ctypes.byref(self.c), ctypes.byref(self.options))
+        if grads is None:
+            ctx.call(function, *args, ctypes.byref(out))
+        else:
+            ctx.call(function, *args, _fp(grad_output), ctypes.byref(out), ctypes.byref(grads))
+        return loss.value, metrics
+
+    def forward(self, ctx: Context, **outputs: Optional[int]):
+        """<prefix>_forward; returns (loss, metrics struct)."""
+        return self._call(ctx, self._prefix + "_forward", outputs)
+
+    def forward_backward(self, ctx: Context, grad_output: int, grads: _lib.fh_linear_grads,
+                         **outputs: Optional[int]):
+        """<prefix>_forward_backward (grad_output: one float32, d(objective)/d(loss)); returns (loss, metrics)."""
+        return self._call(ctx, self._prefix + "_forward_backward", outputs, (grad_output, grads))
+
+    def workspace_size(self, ctx: Context) -> int:
+        size = ctypes.c_size_t()
+        ctx.call(self._prefix + "_workspace_size", ctypes.byref(self.head.c), ctypes.byref(size), pure=True)
+        return size.value
+
 
 # ---------------------------------------------------------------------------------------------------------
 # GRPO (TRL GRPOTrainer._compute_loss semantics)
 # ---------------------------------------------------------------------------------------------------------
-GRPO_LOSS_TYPES = {t.name.lower(): t for t in _lib.GRPOLossType}
-GRPO_IS_LEVELS = {t.name.lower(): t for t in _lib.GRPOISLevel}
 # fh_grpo_metrics field -> TRL's logged key
 GRPO_METRIC_KEYS = (("kl", "kl"), ("entropy", "entropy"), ("clip_ratio_low_mean", "clip_ratio/low_mean"),
                     ("clip_ratio_high_mean", "clip_ratio/high_mean"),
@@ -497,19 +567,11 @@ GRPO_METRIC_KEYS = (("kl", "kl"), ("entropy", "entropy"), ("clip_ratio_low_mean"
 
 
 def parse_grpo_loss_type(loss_type) -> "_lib.GRPOLossType":
-    if isinstance(loss_type, _lib.GRPOLossType):
-        return loss_type
-    if isinstance(loss_type, str) and loss_type.lower() in GRPO_LOSS_TYPES:
-        return GRPO_LOSS_TYPES[loss_type.lower()]
-    raise ValueError(f"loss_type must be one of {', '.join(repr(k) for k in GRPO_LOSS_TYPES)}, got {loss_type!r}")
+    return parse_choice(loss_type, _lib.GRPOLossType, "loss_type")
 
 
 def parse_grpo_is_level(level) -> "_lib.GRPOISLevel":
-    if isinstance(level, _lib.GRPOISLevel):
-        return level
-    if isinstance(level, str) and level.lower() in GRPO_IS_LEVELS:
-        return GRPO_IS_LEVELS[level.lower()]
-    raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {level!r}")
+    return parse_choice(level, _lib.GRPOISLevel, "importance_sampling_level")
 
 
 def grpo_options(*, loss_type="grpo", importance_sampling_level="token", temperature=1.0, epsilon_low=0.2,
@@ -536,56 +598,31 @@ def grpo_options(*, loss_type="grpo", importance_sampling_level="token", tempera
 
 def grpo_metrics_dict(values) -> dict:
     """TRL's metric names -> values (a fh_grpo_metrics or 6 numbers in its order), NaN entries omitted."""
-    if isinstance(values, _lib.fh_grpo_metrics):
-        values = [getattr(values, f) for f, _ in GRPO_METRIC_KEYS]
-    return {key: float(v) for (_, key), v in zip(GRPO_METRIC_KEYS, values) if float(v) == float(v)}
+    return _metrics_dict(GRPO_METRIC_KEYS, values)
 
 
-class GRPOProblem:
+class GRPOProblem(_BatchProblem):
     """A linear head over B*T tokens and a GRPO micro-batch: the arguments every fh_grpo_* call shares.
     Token vectors (completion_ids int64, completion_mask, old/ref logps float32) are contiguous [B*T] views,
-    advantages a contiguous [B] view."""
+    advantages a contiguous [B] view. forward / forward_backward take the fh_grpo_outputs arrays by name
+    (per_token_logp, per_token_loss, entropy, lse: float32 [B*T] addresses)."""
+    _prefix, _metrics_struct, _outputs_struct = "fh_grpo", _lib.fh_grpo_metrics, _lib.fh_grpo_outputs
 
     def __init__(self, head: LinearHead, batch: int, seq: int, completion_ids: View, completion_mask: View,
                  advantages: View, old_per_token_logps: Optional[View] = None,
                  ref_per_token_logps: Optional[View] = None, options: Optional[_lib.fh_grpo_options] = None):
-        self.head = head
         b, t = int(batch), int(seq)
         if b * t != head.n:
             raise ValueError(f"hidden: expected B*T = {b}*{t} = {b * t} rows, got {head.n}")
-        n = head.n
-
-        def token(v: Optional[View], name: str, what: str):
-            if v is None:
-                return None
-            if tuple(v.shape) != (n,) or not vector_view_ok(v.shape, v.strides):
-                raise ValueError(f"{name}: expected a contiguous [B, T] = [{b}, {t}] {what}, got shape "
-                                 f"{_shape(v.shape)}")
-            return v.ptr
-
-        ids = token(completion_ids, "completion_ids", "int64 array")
-        mask = token(completion_mask, "completion_mask", "float32 array")
-        old = token(old_per_token_logps, "old_per_token_logps", "float32 array")
-        ref = token(ref_per_token_logps, "ref_per_token_logps", "float32 array")
-        if tuple(advantages.shape) != (b,) or not vector_view_ok(advantages.shape, advantages.strides):
-            raise ValueError(f"advantages: expected a contiguous [B] = [{b}] float32 vector, got shape "
-                             f"{_shape(advantages.shape)}")
+        n, bt = head.n, f"[B, T] = [{b}, {t}]"
+        ids = _vector_ptr(completion_ids, "completion_ids", n, f"{bt} int64 array")
+        mask = _vector_ptr(completion_mask, "completion_mask", n, f"{bt} float32 array")
+        old = _vector_ptr(old_per_token_logps, "old_per_token_logps", n, f"{bt} float32 array")
+        ref = _vector_ptr(ref_per_token_logps, "ref_per_token_logps", n, f"{bt} float32 array")
+        adv = _vector_ptr(advantages, "advantages", b, f"[B] = [{b}] float32 vector")
         self.batch, self.seq = b, t
-        self.c = _lib.fh_grpo_batch(b, t, _ip(ids), _fp(mask), _fp(advantages.ptr), _fp(old), _fp(ref))
-        self.options = options if options is not None else grpo_options()
-
-    def _outputs(self, loss, metrics, per_token_logp, per_token_loss, entropy, lse):
-        return _lib.fh_grpo_outputs(ctypes.cast(ctypes.byref(loss), c_double_p), ctypes.pointer(metrics),
-                                    _fp(per_token_logp), _fp(per_token_loss), _fp(entropy), _fp(lse))
-
-    def forward(self, ctx: Context, *, per_token_logp: Optional[int] = None, per_token_loss: Optional[int] = None,
-                entropy: Optional[int] = None, lse: Optional[int] = None) -> Tuple[float, _lib.fh_grpo_metrics]:
-        """fh_grpo_forward; returns (loss, fh_grpo_metrics)."""
-        loss, metrics = ctypes.c_double(), _lib.fh_grpo_metrics()
-        out = self._outputs(loss, metrics, per_token_logp, per_token_loss, entropy, lse)
-        ctx.call("fh_grpo_forward", ctypes.byref(self.head.c), ctypes.byref(self.c), ctypes.byref(self.options),
-                 ctypes.byref(out))
-        return loss.value, metrics
+        super().__init__(head, _lib.fh_grpo_batch(b, t, _ip(ids), _fp(mask), _fp(adv), _fp(old), _fp(ref)),
+                         options if options is not None else grpo_options())
 
     def backward(self, ctx: Context, per_token_logp: int, lse: int, entropy: Optional[int], grad_output: int,
                  grads: _lib.fh_linear_grads) -> None:
@@ -593,22 +630,84 @@ class GRPOProblem:
         ctx.call("fh_grpo_backward", ctypes.byref(self.head.c), ctypes.byref(self.c), ctypes.byref(self.options),
                  _fp(per_token_logp), _fp(lse), _fp(entropy), _fp(grad_output), ctypes.byref(grads))
 
-    def forward_backward(self, ctx: Context, grad_output: int, grads: _lib.fh_linear_grads, *,
-                         per_token_logp: Optional[int] = None, per_token_loss: Optional[int] = None,
-                         entropy: Optional[int] = None, lse: Optional[int] = None
-                         ) -> Tuple[float, _lib.fh_grpo_metrics]:
-        """fh_grpo_forward_backward (grad_output: one float32, d(objective)/d(loss))."""
-        loss, metrics = ctypes.c_double(), _lib.fh_grpo_metrics()
-        out = self._outputs(loss, metrics, per_token_logp, per_token_loss, entropy, lse)
-        ctx.call("fh_grpo_forward_backward", ctypes.byref(self.head.c), ctypes.byref(self.c),
-                 ctypes.byref(self.options), _fp(grad_output), ctypes.byref(out), ctypes.byref(grads))
-        return loss.value, metrics
 
-    def workspace_size(self, ctx: Context) -> int:
-        size = ctypes.c_size_t()
-        ctx.call("fh_grpo_workspace_size", ctypes.byref(self.head.c), ctypes.byref(size), pure=True)
-        return size.value
+# ---------------------------------------------------------------------------------------------------------
+# Preference heads: DPO, ORPO, SimPO, CPO (TRL DPOTrainer, ORPOTrainer, CPOTrainer semantics; Liger's layout:
+# the chosen sequences, then the rejected ones, in one batch)
+# ---------------------------------------------------------------------------------------------------------
+# fh_preference_metrics field -> TRL's logged key
+PREFERENCE_METRIC_KEYS = (("rewards_chosen", "rewards/chosen"), ("rewards_rejected", "rewards/rejected"),
+                          ("rewards_accuracies", "rewards/accuracies"), ("rewards_margins", "rewards/margins"),
+                          ("logps_chosen", "logps/chosen"), ("logps_rejected", "logps/rejected"),
+                          ("logits_chosen", "logits/chosen"), ("logits_rejected", "logits/rejected"),
+                          ("nll_loss", "nll_loss"), ("log_odds_ratio", "log_odds_ratio"),
+                          ("log_odds_chosen", "log_odds_chosen"))
+
+
+def _real(value, name: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected a real number, got {value!r}") from None
+
+
+def preference_options(*, loss="dpo", loss_type="sigmoid", beta=0.1, label_smoothing=0.0, simpo_gamma=0.5,
+                       rpo_alpha=0.0, cpo_alpha=1.0) -> _lib.fh_preference_options:
+    """fh_preference_options from TRL-named keyword arguments (rpo_alpha None, TRL's default, is 0: no NLL term).
+    The library validates the values (InvalidPreferenceOptionError)."""
+    opt = _lib.fh_preference_options()
+    check_status(load_library().fh_preference_options_init(ctypes.byref(opt)), "fh_preference_options_init")
+    opt.loss = int(parse_choice(loss, _lib.PreferenceLoss, "loss"))
+    opt.loss_type = int(parse_choice(loss_type, _lib.PreferenceLossType, "loss_type"))
+    opt.beta = _real(beta, "beta")
+    opt.label_smoothing = _real(label_smoothing, "label_smoothing")
+    opt.simpo_gamma = _real(simpo_gamma, "simpo_gamma")
+    opt.rpo_alpha = 0.0 if rpo_alpha is None else _real(rpo_alpha, "rpo_alpha")
+    opt.cpo_alpha = _real(cpo_alpha, "cpo_alpha")
+    return opt
+
+
+def preference_metrics_dict(values) -> dict:
+    """TRL's metric names -> values (a fh_preference_metrics or 11 numbers in its order), NaN entries omitted."""
+    return _metrics_dict(PREFERENCE_METRIC_KEYS, values)
+
+
+def pairs_shape(shape: Sequence[int]) -> Tuple[int, int]:
+    """(2B, T) from the targets' shape: an even number of sequences (the chosen ones, then the rejected ones), at
+    least one pair and one token (the loss is a mean over pairs)."""
+    if len(shape) != 2 or shape[0] % 2 or shape[0] == 0 or shape[1] == 0:
+        raise ValueError(f"targets: expected [2B, T] with B, T >= 1 (the chosen sequences, then the rejected ones), "
+                         f"got shape {list(shape)}")
+    return int(shape[0]), int(shape[1])
+
+
+class PreferenceProblem(_BatchProblem):
+    """A linear head over 2B*T tokens, the chosen sequences first and then the rejected ones (pair b: sequences b
+    and B + b), and a preference micro-batch: the arguments every fh_preference_* call shares. targets (int64) and
+    mask (float32) are contiguous [2B*T] views; dpo's reference log-probs either ref_logps, a contiguous [2B]
+    view (aggregated as the loss aggregates), or ref_per_token_logps [2B*T]. forward / forward_backward take the
+    fh_preference_outputs arrays by name (sequence_logps, rewards: float32 [2B]; per_token_logp [2B*T])."""
+    _prefix, _metrics_struct, _outputs_struct = ("fh_preference", _lib.fh_preference_metrics,
+                                                 _lib.fh_preference_outputs)
+
+    def __init__(self, head: LinearHead, pairs: int, seq: int, targets: View, mask: View,
+                 ref_logps: Optional[View] = None, ref_per_token_logps: Optional[View] = None,
+                 options: Optional[_lib.fh_preference_options] = None):
+        b, t = int(pairs), int(seq)
+        if 2 * b * t != head.n:
+            raise ValueError(f"hidden: expected 2B*T = 2*{b}*{t} = {2 * b * t} rows (chosen sequences, then "
+                             f"rejected), got {head.n}")
+        n, bt = head.n, f"[2B, T] = [{2 * b}, {t}]"
+        ids = _vector_ptr(targets, "targets", n, f"{bt} int64 array")
+        m = _vector_ptr(mask, "mask", n, f"{bt} float32 array")
+        ref = _vector_ptr(ref_logps, "ref_logps", 2 * b, f"[2B] = [{2 * b}] float32 vector")
+        ref_tok = _vector_ptr(ref_per_token_logps, "ref_per_token_logps", n, f"{bt} float32 array")
+        self.pairs, self.seq = b, t
+        super().__init__(head, _lib.fh_preference_batch(b, t, _ip(ids), _fp(m), _fp(ref), _fp(ref_tok)),
+                         options if options is not None else preference_options())
+
 
 __all__ = ["Context", "default_context", "set_default_context_settings", "default_context_settings", "blis_info",
-           "BlisInfo", "bf16_available", "status_string", "View", "LinearHead",
-           "CEProblem", "GRPOProblem", "grpo_options", "grpo_metrics_dict", "FusedheadError"]
+           "BlisInfo", "bf16_available", "status_string", "View", "LinearHead", "CEProblem", "GRPOProblem",
+           "grpo_options", "grpo_metrics_dict", "PreferenceProblem", "preference_options", "pairs_shape",
+           "preference_metrics_dict", "FusedheadError"]

@@ -58,6 +58,7 @@ class Status(enum.IntEnum):
     ERR_BUDGET_TOO_SMALL = 22
     ERR_WISDOM_IO = 23
     ERR_INVALID_WISDOM = 24
+    ERR_INVALID_PREFERENCE_OPTION = 25
     ERR_INVALID_PARAM = 30
     ERR_INVALID_PARAM_VALUE = 31
 
@@ -99,6 +100,20 @@ class GRPOLossType(enum.IntEnum):
 class GRPOISLevel(enum.IntEnum):
     TOKEN = 0
     SEQUENCE = 1
+
+
+class PreferenceLoss(enum.IntEnum):
+    DPO = 0
+    ORPO = 1
+    SIMPO = 2
+    CPO = 3
+
+
+class PreferenceLossType(enum.IntEnum):
+    SIGMOID = 0
+    HINGE = 1
+    IPO = 2
+    ROBUST = 3
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -167,7 +182,7 @@ class fh_ce_outputs(ctypes.Structure):
     ]
 
 
-# GRPO structs: declared now so that the GRPO bindings only need a NumPy/torch front end.
+# GRPO (fh_grpo_*)
 class fh_grpo_options(ctypes.Structure):
     _fields_ = [
         ("loss_type", ctypes.c_int),  # fh_grpo_loss_type
@@ -219,8 +234,59 @@ class fh_grpo_outputs(ctypes.Structure):
     ]
 
 
+# Preference heads (fh_preference_*: DPO, ORPO, SimPO, CPO)
+class fh_preference_options(ctypes.Structure):
+    _fields_ = [
+        ("loss", ctypes.c_int),  # fh_preference_loss
+        ("loss_type", ctypes.c_int),  # fh_preference_loss_type
+        ("beta", ctypes.c_double),
+        ("label_smoothing", ctypes.c_double),
+        ("simpo_gamma", ctypes.c_double),
+        ("rpo_alpha", ctypes.c_double),
+        ("cpo_alpha", ctypes.c_double),
+    ]
+
+
+class fh_preference_batch(ctypes.Structure):
+    _fields_ = [
+        ("pairs", ctypes.c_int64),
+        ("seq", ctypes.c_int64),
+        ("targets", c_int64_p),
+        ("mask", c_float_p),
+        ("ref_logps", c_float_p),
+        ("ref_per_token_logps", c_float_p),
+    ]
+
+
+class fh_preference_metrics(ctypes.Structure):
+    _fields_ = [
+        ("rewards_chosen", ctypes.c_double),
+        ("rewards_rejected", ctypes.c_double),
+        ("rewards_accuracies", ctypes.c_double),
+        ("rewards_margins", ctypes.c_double),
+        ("logps_chosen", ctypes.c_double),
+        ("logps_rejected", ctypes.c_double),
+        ("logits_chosen", ctypes.c_double),
+        ("logits_rejected", ctypes.c_double),
+        ("nll_loss", ctypes.c_double),
+        ("log_odds_ratio", ctypes.c_double),
+        ("log_odds_chosen", ctypes.c_double),
+    ]
+
+
+class fh_preference_outputs(ctypes.Structure):
+    _fields_ = [
+        ("loss", c_double_p),
+        ("metrics", ctypes.POINTER(fh_preference_metrics)),
+        ("sequence_logps", c_float_p),
+        ("rewards", c_float_p),
+        ("per_token_logp", c_float_p),
+    ]
+
+
 STRUCTS = (fh_blis_info, fh_linear, fh_linear_grads, fh_ce_options, fh_ce_outputs, fh_grpo_options,
-           fh_grpo_batch, fh_grpo_metrics, fh_grpo_outputs)
+           fh_grpo_batch, fh_grpo_metrics, fh_grpo_outputs, fh_preference_options, fh_preference_batch,
+           fh_preference_metrics, fh_preference_outputs)
 
 # ---------------------------------------------------------------------------------------------------------
 # Prototypes
@@ -262,6 +328,13 @@ _OPTIONAL = {
     "fh_grpo_forward_backward": (_st, [_ctx_p, _P(fh_linear), _P(fh_grpo_batch), _P(fh_grpo_options), c_float_p,
                                        _P(fh_grpo_outputs), _P(fh_linear_grads)]),
     "fh_grpo_workspace_size": (_st, [_ctx_p, _P(fh_linear), _P(ctypes.c_size_t)]),
+    "fh_preference_options_init": (_st, [_P(fh_preference_options)]),
+    "fh_preference_forward": (_st, [_ctx_p, _P(fh_linear), _P(fh_preference_batch), _P(fh_preference_options),
+                                    _P(fh_preference_outputs)]),
+    "fh_preference_forward_backward": (_st, [_ctx_p, _P(fh_linear), _P(fh_preference_batch),
+                                             _P(fh_preference_options), c_float_p, _P(fh_preference_outputs),
+                                             _P(fh_linear_grads)]),
+    "fh_preference_workspace_size": (_st, [_ctx_p, _P(fh_linear), _P(ctypes.c_size_t)]),
 }
 
 

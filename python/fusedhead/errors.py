@@ -3,9 +3,10 @@
 Every failing library call raises a FusedheadError subclass chosen by the status code:
 
     FusedheadError (RuntimeError)            .status, .status_name, .status_string, .message, .function
-      FusedheadValueError (+ ValueError)     statuses 1..19, 30, 31: bad shapes, strides, targets, options
-        TargetOutOfRangeError, InvalidLabelSmoothingError, ...  (one class per status)
+      FusedheadValueError (+ ValueError)     statuses 1..19, 24, 25, 30, 31: bad shapes, strides, targets,
+        TargetOutOfRangeError, ...           options, wisdom entries (one class per status)
       FusedheadMemoryError (+ MemoryError)   statuses 20..22: workspace and memory
+      WisdomIOError (+ OSError)              status 23: a wisdom file cannot be read or written
 
 Argument problems caught in Python before the library is called (wrong dtype, device, shape or layout)
 raise plain TypeError / ValueError that say what was expected.
@@ -63,6 +64,7 @@ class InvalidGradOutputError(FusedheadValueError): pass
 class InvalidMaskError(FusedheadValueError): pass
 class InvalidTemperatureError(FusedheadValueError): pass
 class InvalidGRPOOptionError(FusedheadValueError): pass
+class InvalidPreferenceOptionError(FusedheadValueError): pass
 class WorkspaceTooSmallError(FusedheadMemoryError): pass
 class OutOfMemoryError(FusedheadMemoryError): pass
 class BudgetTooSmallError(FusedheadMemoryError): pass
@@ -98,6 +100,7 @@ ERROR_CLASSES: Dict[int, Type[FusedheadError]] = {
     Status.ERR_BUDGET_TOO_SMALL: BudgetTooSmallError,
     Status.ERR_WISDOM_IO: WisdomIOError,
     Status.ERR_INVALID_WISDOM: InvalidWisdomError,
+    Status.ERR_INVALID_PREFERENCE_OPTION: InvalidPreferenceOptionError,
     Status.ERR_INVALID_PARAM: InvalidParamError,
     Status.ERR_INVALID_PARAM_VALUE: InvalidParamValueError,
 }

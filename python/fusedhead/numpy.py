@@ -1,4 +1,5 @@
-"""NumPy front end: fused linear cross-entropy on float32 (or bf16) arrays, zero-copy.
+"""NumPy front end: fused linear cross-entropy, GRPO (grpo_loss) and preference losses (preference_loss: DPO,
+ORPO, SimPO, CPO) on float32 (or bf16) arrays, zero-copy.
 
     import fusedhead.numpy as fhnp
     r = fhnp.cross_entropy(hidden, weight, targets, return_grads=True)   # weight [V, H] (layout="vh")
@@ -22,7 +23,7 @@ was expected. Library errors raise fusedhead.FusedheadError subclasses with the 
 Per-token outputs (per_token_loss, per_token_logp, lse, argmax) have the targets' shape; gradients have
 their input's shape (dweight also its strides: the library writes dweight with the weight's strides).
 Calls with N = 0 tokens return loss 0 and zero gradients without calling the library (as when every token is
-ignored).
+ignored); preference_loss, a mean over pairs, needs at least one pair and one token (ValueError).
 """
 from __future__ import annotations
 
@@ -31,12 +32,13 @@ from typing import Iterable, Optional, Tuple, Union
 
 import numpy as np
 
-from ._core import (CEProblem, Context, GRPOProblem, LinearHead, View, default_context, grpo_metrics_dict,
-                    grpo_options, parse_reduction)
+from ._core import (CEProblem, Context, GRPOProblem, LinearHead, PreferenceProblem, View, default_context,
+                    grpo_metrics_dict, grpo_options, pairs_shape, parse_reduction, preference_metrics_dict,
+                    preference_options)
 from ._lib import Dtype, Reduction
 
 __all__ = ["cross_entropy", "forward", "backward", "forward_backward", "CrossEntropyResult", "Gradients",
-           "workspace_size", "grpo_loss", "GRPOResult"]
+           "workspace_size", "grpo_loss", "GRPOResult", "preference_loss", "PreferenceResult"]
 
 _FP32_HINT = "; fusedhead computes in fp32: use .astype(np.float32)"
 _INPUT_DTYPES = {"fp32": (np.float32, Dtype.F32, _FP32_HINT + " (dtype='bf16' takes bfloat16 bits as uint16)"),
@@ -408,6 +410,68 @@ def workspace_size(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, 
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Batch heads (GRPO, preference): shared argument handling
+# ---------------------------------------------------------------------------------------------------------
+def _wanted(return_grads: Union[bool, Iterable[str]], bias) -> Tuple[str, ...]:
+    """The gradients return_grads asks for: False (none), True (all available) or names among "hidden", "weight",
+    "bias"."""
+    if return_grads is True:
+        return ("hidden", "weight") + (("bias",) if bias is not None else ())
+    if not return_grads:
+        return ()
+    want = tuple(return_grads)
+    if set(want) - {"hidden", "weight", "bias"} or ("bias" in want and bias is None):
+        raise ValueError(f"return_grads: expected names among 'hidden', 'weight', 'bias' (bias only with a "
+                         f"bias), got {list(want)}")
+    return want
+
+
+def _token_array(a, name: str, dtype, shape: Tuple[int, int], dims: str, hint: str = ""):
+    """A C-contiguous array of the batch's token shape, flattened without a copy (None stays None)."""
+    if a is None:
+        return None
+    a = _check_array(a, name, dtype, hint)
+    if a.shape != shape:
+        raise ValueError(f"{name}: expected shape {dims} = {list(shape)}, got {list(a.shape)}")
+    return _flatten_vector(a, name, shape, shape[0] * shape[1], dims)
+
+
+class _BatchHead:
+    """hidden, weight and bias of a batch head, checked, and the gradients return_grads asks for in fresh arrays
+    (dhidden in hidden's shape, dweight with the weight's strides), float32 or grad_dtype="bf16" bits."""
+
+    def __init__(self, hidden, weight, bias, dtype: str, grad_dtype: Optional[str], return_grads):
+        input_dtype, self.fh_dtype, hint = _input_dtype(dtype)
+        grad_np, self.grad_fh = _grad_dtype(grad_dtype, self.fh_dtype)
+        self.hidden = _check_array(hidden, "hidden", input_dtype, hint)
+        self.weight = _check_array(weight, "weight", input_dtype, hint)
+        self.bias = None if bias is None else _check_array(bias, "bias", np.float32, _FP32_HINT)
+        want = _wanted(return_grads, bias)
+        self.dx = np.zeros(self.hidden.shape, grad_np) if "hidden" in want else None
+        self.dw = _empty_with_strides(self.weight, grad_np) if "weight" in want else None
+        self.db = np.zeros(bias.shape, grad_np) if "bias" in want else None
+
+    def linear(self, layout: str) -> LinearHead:
+        x = _flatten_rows(self.hidden, "hidden")
+        return LinearHead(_view(x, "hidden"), _view(self.weight, "weight"),
+                          None if self.bias is None else _view(self.bias, "bias"), layout, self.fh_dtype)
+
+    def run(self, problem, grad_output: float, context: Optional[Context], outputs: dict):
+        """(loss, metrics struct): the problem's forward_backward into the gradient arrays, or its forward alone
+        when no gradient is asked for; outputs: the library's output arrays by name."""
+        ptrs = {k: v.ctypes.data for k, v in outputs.items()}
+        ctx = context or default_context()
+        if self.dx is None and self.dw is None and self.db is None:
+            return problem.forward(ctx, **ptrs)
+        g = np.array([grad_output], np.float32)
+        head = problem.head
+        grads = head.grads(None if self.dx is None else _view(self.dx.reshape(head.n, -1), "dhidden"),
+                           None if self.dw is None else _view(self.dw, "dweight"),
+                           None if self.db is None else _view(self.db, "dbias"), dtypes=(self.grad_fh,) * 3)
+        return problem.forward_backward(ctx, g.ctypes.data, grads, **ptrs)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # GRPO (TRL GRPOTrainer._compute_loss semantics; mirrors fh_grpo_forward / fh_grpo_forward_backward)
 # ---------------------------------------------------------------------------------------------------------
 @dataclass
@@ -446,64 +510,90 @@ def grpo_loss(hidden: np.ndarray, weight: np.ndarray, completion_ids: np.ndarray
             raise ValueError("pass epsilon or epsilon_low (its alias), not both")
         options["epsilon_low"] = epsilon
     opt = grpo_options(**options)
-    input_dtype, fh_dtype, hint = _input_dtype(dtype)
-    grad_np, grad_fh = _grad_dtype(grad_dtype, fh_dtype)
-    x3 = _check_array(hidden, "hidden", input_dtype, hint)
-    if x3.ndim != 3:
-        raise ValueError(f"hidden: expected [B, T, H], got shape {list(x3.shape)}")
-    b, t = int(x3.shape[0]), int(x3.shape[1])
-    n = b * t
-    x = _flatten_rows(x3, "hidden")
-    w = _check_array(weight, "weight", input_dtype, hint)
-    if bias is not None:
-        _check_array(bias, "bias", np.float32, _FP32_HINT)
-
-    def tok(a, name, dtype, hint=""):
-        if a is None:
-            return None
-        a = _check_array(a, name, dtype, hint)
-        if a.shape != (b, t):
-            raise ValueError(f"{name}: expected shape [B, T] = [{b}, {t}], got {list(a.shape)}")
-        return _flatten_vector(a, name, (b, t), n, "[B, T]")
-
-    ids = tok(completion_ids, "completion_ids", np.int64, " (use .astype(np.int64))")
-    mask = tok(completion_mask, "completion_mask", np.float32, " (use .astype(np.float32))")
-    old = tok(old_per_token_logps, "old_per_token_logps", np.float32, _FP32_HINT)
-    ref = tok(ref_per_token_logps, "ref_per_token_logps", np.float32, _FP32_HINT)
+    arrays = _BatchHead(hidden, weight, bias, dtype, grad_dtype, return_grads)
+    if arrays.hidden.ndim != 3:
+        raise ValueError(f"hidden: expected [B, T, H], got shape {list(arrays.hidden.shape)}")
+    b, t = int(arrays.hidden.shape[0]), int(arrays.hidden.shape[1])
+    ids = _token_array(completion_ids, "completion_ids", np.int64, (b, t), "[B, T]", " (use .astype(np.int64))")
+    mask = _token_array(completion_mask, "completion_mask", np.float32, (b, t), "[B, T]",
+                        " (use .astype(np.float32))")
+    old = _token_array(old_per_token_logps, "old_per_token_logps", np.float32, (b, t), "[B, T]", _FP32_HINT)
+    ref = _token_array(ref_per_token_logps, "ref_per_token_logps", np.float32, (b, t), "[B, T]", _FP32_HINT)
     adv = _check_array(advantages, "advantages", np.float32, _FP32_HINT)
     if adv.shape != (b,):
         raise ValueError(f"advantages: expected shape [B] = [{b}], got {list(adv.shape)}")
-    if return_grads is True:
-        want = ("hidden", "weight") + (("bias",) if bias is not None else ())
-    elif not return_grads:
-        want = ()
-    else:
-        want = tuple(return_grads)
-        unknown = set(want) - {"hidden", "weight", "bias"}
-        if unknown or ("bias" in want and bias is None):
-            raise ValueError(f"return_grads: expected names among 'hidden', 'weight', 'bias' (bias only with a "
-                             f"bias), got {list(want)}")
     outs = {k: np.zeros((b, t), np.float32) for k in ("per_token_logp", "per_token_loss", "entropy", "lse")}
-    dx = np.zeros(x3.shape, grad_np) if "hidden" in want else None
-    dw = _empty_with_strides(w, grad_np) if "weight" in want else None
-    db = np.zeros(bias.shape, grad_np) if "bias" in want else None
-    if n == 0:
-        if dw is not None:
-            dw[...] = 0
-        return GRPOResult(0.0, {}, **outs, dhidden=dx, dweight=dw, dbias=db)
-    head = LinearHead(_view(x, "hidden"), _view(w, "weight"), None if bias is None else _view(bias, "bias"), layout,
-                      fh_dtype)
-    problem = GRPOProblem(head, b, t, _view(ids, "completion_ids"), _view(mask, "completion_mask"),
+    grads = dict(dhidden=arrays.dx, dweight=arrays.dw, dbias=arrays.db)
+    if b * t == 0:
+        if arrays.dw is not None:
+            arrays.dw[...] = 0
+        return GRPOResult(0.0, {}, **outs, **grads)
+    problem = GRPOProblem(arrays.linear(layout), b, t, _view(ids, "completion_ids"), _view(mask, "completion_mask"),
                           _view(adv, "advantages"), None if old is None else _view(old, "old_per_token_logps"),
                           None if ref is None else _view(ref, "ref_per_token_logps"), opt)
-    ptrs = {k: v.ctypes.data for k, v in outs.items()}
-    ctx = context or default_context()
-    if want:
-        g = np.array([grad_output], np.float32)
-        grads = head.grads(None if dx is None else _view(dx.reshape(n, -1), "dhidden"),
-                           None if dw is None else _view(dw, "dweight"), None if db is None else _view(db, "dbias"),
-                           dtypes=(grad_fh,) * 3)
-        loss, m = problem.forward_backward(ctx, g.ctypes.data, grads, **ptrs)
-    else:
-        loss, m = problem.forward(ctx, **ptrs)
-    return GRPOResult(loss, grpo_metrics_dict(m), **outs, dhidden=dx, dweight=dw, dbias=db)
+    loss, m = arrays.run(problem, grad_output, context, outs)
+    return GRPOResult(loss, grpo_metrics_dict(m), **outs, **grads)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Preference heads: DPO, ORPO, SimPO, CPO (TRL semantics; mirrors fh_preference_forward / _forward_backward)
+# ---------------------------------------------------------------------------------------------------------
+@dataclass
+class PreferenceResult:
+    """loss: float; metrics: TRL's logged keys ("rewards/chosen", "rewards/rejected", "rewards/accuracies",
+    "rewards/margins", "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "nll_loss",
+    "log_odds_ratio", "log_odds_chosen"), only those TRL logs for the options; sequence_logps and rewards: float32
+    [2B], the chosen sequences' then the rejected ones'; per_token_logp: float32 [2B, T]. Gradients (of
+    grad_output * loss) are None unless requested."""
+    loss: float
+    metrics: dict
+    sequence_logps: np.ndarray
+    rewards: np.ndarray
+    per_token_logp: np.ndarray
+    dhidden: Optional[np.ndarray] = None
+    dweight: Optional[np.ndarray] = None
+    dbias: Optional[np.ndarray] = None
+
+
+def preference_loss(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, mask: np.ndarray,
+                    bias: Optional[np.ndarray] = None, ref_logps: Optional[np.ndarray] = None,
+                    ref_per_token_logps: Optional[np.ndarray] = None, *, layout: str = "vh",
+                    return_grads: Union[bool, Iterable[str]] = False, grad_output: float = 1.0,
+                    context: Optional[Context] = None, dtype: str = "fp32", grad_dtype: Optional[str] = None,
+                    **options) -> PreferenceResult:
+    """TRL's DPO, ORPO, SimPO or CPO loss from hidden [2B, T, H] or [2B*T, H] float32 (the chosen sequences, then
+    the rejected ones: pair b is sequences b and B + b; position t predicts targets[s, t], int64 [2B, T]) and the
+    loss mask float32 [2B, T], without the logits. dpo's reference log-probs: ref_logps float32 [2B] (aggregated
+    as the loss aggregates its own) or ref_per_token_logps float32 [2B, T], at most one; neither: reference-free.
+    Nothing is copied (C-contiguous token arrays expected). dtype="bf16": hidden and weight are bfloat16 bits in
+    uint16 arrays (the rest float32; the gradients too unless grad_dtype="bf16").
+
+    options: loss ("dpo", "orpo", "simpo", "cpo") and TRL's config names: loss_type ("sigmoid", "hinge", "ipo",
+    "robust"), beta, label_smoothing, simpo_gamma, rpo_alpha, cpo_alpha (include/fusedhead.h has the formulas).
+    return_grads: False, True (all) or names among "hidden", "weight", "bias".
+    """
+    opt = preference_options(**options)
+    arrays = _BatchHead(hidden, weight, bias, dtype, grad_dtype, return_grads)
+    tg = _check_array(targets, "targets", np.int64, " (use .astype(np.int64))")
+    rows, t = pairs_shape(tg.shape)
+    x = arrays.hidden
+    if x.shape[:-1] not in ((rows, t), (rows * t,)):
+        raise ValueError(f"hidden: expected [2B, T, H] = [{rows}, {t}, H] or [2B*T, H] = [{rows * t}, H] "
+                         f"(targets are [2B, T] = {list(tg.shape)}), got shape {list(x.shape)}")
+    ids = _token_array(tg, "targets", np.int64, (rows, t), "[2B, T]")
+    m = _token_array(mask, "mask", np.float32, (rows, t), "[2B, T]", " (use .astype(np.float32))")
+    ref_tok = _token_array(ref_per_token_logps, "ref_per_token_logps", np.float32, (rows, t), "[2B, T]", _FP32_HINT)
+    ref = None
+    if ref_logps is not None:
+        ref = _check_array(ref_logps, "ref_logps", np.float32, _FP32_HINT)
+        if ref.shape != (rows,):
+            raise ValueError(f"ref_logps: expected shape [2B] = [{rows}], got {list(ref.shape)}")
+    outs = dict(sequence_logps=np.zeros(rows, np.float32), rewards=np.zeros(rows, np.float32),
+                per_token_logp=np.zeros((rows, t), np.float32))
+    problem = PreferenceProblem(arrays.linear(layout), rows // 2, t, _view(ids, "targets"), _view(m, "mask"),
+                                None if ref is None else _view(ref, "ref_logps"),
+                                None if ref_tok is None else _view(ref_tok, "ref_per_token_logps"), opt)
+    loss, metrics = arrays.run(problem, grad_output, context, outs)
+    return PreferenceResult(loss, preference_metrics_dict(metrics), **outs, dhidden=arrays.dx, dweight=arrays.dw,
+                            dbias=arrays.db)
+

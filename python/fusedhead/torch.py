@@ -21,8 +21,8 @@ weight), runs its GEMMs in bf16 with f32 accumulation and every statistic in fp3
 Outputs follow F.cross_entropy(F.linear(hidden, weight), ...) on bf16 tensors: the loss (and z_loss, and
 the per-token losses of 'none') in bfloat16, the library's value rounded once; the gradients of hidden,
 weight and bias in their own dtypes, written by the library in that dtype (bf16: accumulated in f32 inside
-the call, rounded once; no float32 gradient buffer exists). GRPO's metrics are Python floats and its
-per-token log-probs float32 whatever the dtype.
+the call, rounded once; no float32 gradient buffer exists). GRPO's and the preference heads' metrics are
+Python floats, their per-token / per-sequence log-probs and rewards float32 whatever the dtype.
 
 Copies (only where the library cannot take the tensor as it is):
   - hidden: none when its rows have unit element stride (contiguous, or row-padded 2-D slices); [B, T, H]
@@ -50,27 +50,35 @@ GRPO: fused_linear_grpo_loss / FusedLinearGRPOLoss / FusedLinearGRPOLossFunction
 GRPOTrainer._compute_loss (every loss_type, token or sequence importance sampling, KL, entropy bonus) from
 hidden [B, T, H]; returns (loss, metrics with TRL's keys). With grad enabled the forward calls
 fh_grpo_forward_backward (upstream 1) and backward scales the saved gradients, as for 'mean'/'sum' above.
+
+Preference: fused_linear_preference_loss / FusedLinearDPOLoss, FusedLinearORPOLoss, FusedLinearSimPOLoss,
+FusedLinearCPOLoss / FusedLinearPreferenceLossFunction compute TRL's DPO, ORPO, SimPO and CPO losses from the
+hidden states of 2B sequences, the chosen ones then the rejected ones (Liger's layout); they return (loss,
+metrics with TRL's keys, sequence log-probs, rewards). Gradients as for GRPO (fh_preference_forward_backward).
 """
 from __future__ import annotations
 
 import threading
 import weakref
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from ._core import (GRPO_METRIC_KEYS, CEProblem, Context, GRPOProblem, LinearHead, View, default_context,
-                    grpo_metrics_dict, grpo_options, matrix_view_ok, parse_grpo_is_level, parse_grpo_loss_type,
-                    parse_layout, parse_reduction, rows_view_ok, vector_view_ok)
+from ._core import (GRPO_METRIC_KEYS, PREFERENCE_METRIC_KEYS, CEProblem, Context, GRPOProblem, LinearHead,
+                    PreferenceProblem, View, default_context, grpo_metrics_dict, grpo_options, matrix_view_ok,
+                    pairs_shape, parse_grpo_is_level, parse_grpo_loss_type, parse_layout, parse_reduction,
+                    preference_metrics_dict, preference_options, rows_view_ok, vector_view_ok)
 from ._lib import Dtype, Reduction
 
 __all__ = ["FusedLinearCrossEntropyFunction", "FusedLinearCrossEntropy", "fused_linear_cross_entropy",
-           "FusedLinearGRPOLossFunction", "FusedLinearGRPOLoss", "fused_linear_grpo_loss"]
+           "FusedLinearGRPOLossFunction", "FusedLinearGRPOLoss", "fused_linear_grpo_loss",
+           "FusedLinearPreferenceLossFunction", "fused_linear_preference_loss", "PreferenceLossOutput",
+           "FusedLinearDPOLoss", "FusedLinearORPOLoss", "FusedLinearSimPOLoss", "FusedLinearCPOLoss"]
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Shared tensor helpers (for every loss: cross-entropy now, GRPO later)
+# Shared tensor helpers (every loss)
 # ---------------------------------------------------------------------------------------------------------
 def _check_tensor(t, name: str, dtype: torch.dtype, hint: str = "") -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
@@ -316,19 +324,36 @@ def _scalar(value: float, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(value, dtype=dtype)
 
 
-def _forward_reduced(ce: _CE, context: Optional[Context], need: Sequence[bool]):
-    """'mean'/'sum': (loss, z_loss, (dx, dw, db)); gradients of loss (upstream 1) for the inputs in need."""
-    dx, dw, db = ce.lin.alloc_grads(*need)
-    dtype = ce.lin.dtype
-    if ce.n == 0:
-        return _scalar(0.0, dtype), _scalar(0.0, dtype), (dx, dw, db)
+def _autograd_needed(*inputs) -> bool:
+    """Whether a gradient can be asked for; otherwise the forward runs alone, outside autograd."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
+
+
+def _train_step(problem, lin: _TorchLinear, context: Optional[Context], need: Sequence[bool], **outputs):
+    """(the problem's result, (dx, dw, db)): its forward_backward with upstream gradient 1 into new buffers for the
+    inputs in need, or its forward alone when none is; the result is None for N = 0 (no call, zero gradients).
+    outputs: the library's output addresses by name."""
+    grads = lin.alloc_grads(*need)
+    if lin.n == 0:
+        return None, grads
     ctx = context or default_context()
     if any(need):
         one = torch.ones(1, dtype=torch.float32)
-        loss, z = ce.problem.forward_backward(ctx, one.data_ptr(), ce.lin.grads_struct(dx, dw, db))
-    else:
-        loss, z = ce.problem.forward(ctx)
-    return _scalar(loss, dtype), _scalar(z, dtype), (dx, dw, db)
+        return problem.forward_backward(ctx, one.data_ptr(), lin.grads_struct(*grads), **outputs), grads
+    return problem.forward(ctx, **outputs), grads
+
+
+def _metrics_tensor(metrics, keys) -> torch.Tensor:
+    """A metrics struct as float64 in its field order (autograd.Function outputs are tensors); None: all NaN."""
+    return torch.tensor([float("nan") if metrics is None else getattr(metrics, f) for f, _ in keys],
+                        dtype=torch.float64)
+
+
+def _forward_reduced(ce: _CE, context: Optional[Context], need: Sequence[bool]):
+    """'mean'/'sum': (loss, z_loss, (dx, dw, db)); gradients of loss (upstream 1) for the inputs in need."""
+    result, grads = _train_step(ce.problem, ce.lin, context, need)
+    loss, z = result if result is not None else (0.0, 0.0)
+    return _scalar(loss, ce.lin.dtype), _scalar(z, ce.lin.dtype), grads
 
 
 def _forward_none(ce: _CE, context: Optional[Context]):
@@ -409,13 +434,10 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
             raise ValueError("pass class_weights or weight_classes, not both")
         class_weights = weight_classes
     parse_reduction(reduction)
-    grad_on = torch.is_grad_enabled()
-    if grad_on and class_weights is not None and isinstance(class_weights, torch.Tensor) and \
-            class_weights.requires_grad:
+    if _autograd_needed(class_weights):
         raise ValueError("class_weights: gradients with respect to class weights are not supported "
                          "(torch's cross_entropy does not implement them either); pass class_weights.detach()")
-    tracked = [t for t in (hidden, weight, bias) if isinstance(t, torch.Tensor)]
-    if grad_on and any(t.requires_grad for t in tracked):
+    if _autograd_needed(hidden, weight, bias):
         loss, z = FusedLinearCrossEntropyFunction.apply(hidden, weight, targets, bias, class_weights, ignore_index,
                                                         reduction, label_smoothing, softcap, z_loss, layout,
                                                         context)
@@ -469,12 +491,30 @@ GRPO_OPTION_NAMES = ("loss_type", "importance_sampling_level", "temperature", "e
                      "max_completion_length", "entropy_coef")
 
 
-def _bt_tensor(t, name: str, dtype: torch.dtype, bt: Tuple[int, int], n: int, hint: str = "") -> torch.Tensor:
+def _bt_tensor(t, name: str, dtype: torch.dtype, bt: Tuple[int, int], n: int, hint: str = "",
+               dims: str = "[B, T]", source: str = "hidden's leading dimensions") -> torch.Tensor:
+    """A token tensor of the batch's shape bt, as a contiguous [n] vector (detached)."""
     _check_tensor(t, name, dtype, hint)
     if tuple(t.shape) != bt:
-        raise ValueError(f"{name}: expected shape [B, T] = {list(bt)} (hidden's leading dimensions), got "
-                         f"{list(t.shape)}")
+        raise ValueError(f"{name}: expected shape {dims} = {list(bt)} ({source}), got {list(t.shape)}")
     return _contiguous_vector(t.detach().reshape(n))
+
+
+def _mask_tensor(mask, name: str, bt: Tuple[int, int], n: int, **dims) -> torch.Tensor:
+    """A [B, T] mask of any real dtype (bool, integer, floating), as the float32 vector the library takes."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(mask).__name__}")
+    if mask.is_complex():
+        raise TypeError(f"{name}: expected a real (bool, integer or floating) tensor, got {mask.dtype}")
+    return _bt_tensor(mask.to(torch.float32), name, torch.float32, bt, n, **dims)
+
+
+def _fp32_vector(t, name: str, dtype: torch.dtype, length: int, dims: str) -> torch.Tensor:
+    """A per-sequence float32 operand (bfloat16 too with bfloat16 inputs) of `length` values, contiguous, detached."""
+    t = _fp32_operand(t, name, dtype)
+    if tuple(t.shape) != (length,):
+        raise ValueError(f"{name}: expected shape {dims} = [{length}], got {list(t.shape)}")
+    return _contiguous_vector(t.detach())
 
 
 class _GRPO:
@@ -493,17 +533,8 @@ class _GRPO:
         b, t = int(hidden.shape[0]), int(hidden.shape[1])
         self.bt, n = (b, t), b * t
         self.completion_ids = _bt_tensor(completion_ids, "completion_ids", torch.int64, self.bt, n, " (use .long())")
-        if not isinstance(completion_mask, torch.Tensor):
-            raise TypeError(f"completion_mask: expected a torch.Tensor, got {type(completion_mask).__name__}")
-        if completion_mask.is_complex():
-            raise TypeError(f"completion_mask: expected a real (bool, integer or floating) tensor, got "
-                            f"{completion_mask.dtype}")
-        self.completion_mask = _bt_tensor(completion_mask.to(torch.float32), "completion_mask", torch.float32,
-                                          self.bt, n)
-        advantages = _fp32_operand(advantages, "advantages", dtype)
-        if tuple(advantages.shape) != (b,):
-            raise ValueError(f"advantages: expected shape [B] = [{b}], got {list(advantages.shape)}")
-        self.advantages = _contiguous_vector(advantages.detach())
+        self.completion_mask = _mask_tensor(completion_mask, "completion_mask", self.bt, n)
+        self.advantages = _fp32_vector(advantages, "advantages", dtype, b, "[B]")
         self.old = None if old is None else _bt_tensor(_fp32_operand(old, "old_per_token_logps", dtype),
                                                        "old_per_token_logps", torch.float32, self.bt, n)
         self.ref = None if ref is None else _bt_tensor(_fp32_operand(ref, "ref_per_token_logps", dtype),
@@ -523,20 +554,10 @@ class _GRPO:
 def _grpo_run(g: _GRPO, context: Optional[Context], need: Sequence[bool]):
     """(loss, metrics float64 [6] in fh_grpo_metrics order, per-token logp [B, T], (dx, dw, db)); gradients of
     the loss (upstream 1) for the inputs in need."""
-    dx, dw, db = g.lin.alloc_grads(*need)
     logp = torch.zeros(g.n, dtype=torch.float32)
-    if g.problem is None:
-        return _scalar(0.0, g.lin.dtype), torch.full((len(GRPO_METRIC_KEYS),), float("nan"), dtype=torch.float64), \
-            logp.view(g.bt), (dx, dw, db)
-    ctx = context or default_context()
-    if any(need):
-        one = torch.ones(1, dtype=torch.float32)
-        loss, m = g.problem.forward_backward(ctx, one.data_ptr(), g.lin.grads_struct(dx, dw, db),
-                                             per_token_logp=logp.data_ptr())
-    else:
-        loss, m = g.problem.forward(ctx, per_token_logp=logp.data_ptr())
-    metrics = torch.tensor([getattr(m, f) for f, _ in GRPO_METRIC_KEYS], dtype=torch.float64)
-    return _scalar(loss, g.lin.dtype), metrics, logp.view(g.bt), (dx, dw, db)
+    result, grads = _train_step(g.problem, g.lin, context, need, per_token_logp=logp.data_ptr())
+    loss, m = result if result is not None else (0.0, None)
+    return _scalar(loss, g.lin.dtype), _metrics_tensor(m, GRPO_METRIC_KEYS), logp.view(g.bt), grads
 
 
 class FusedLinearGRPOLossFunction(torch.autograd.Function):
@@ -609,8 +630,7 @@ def fused_linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completio
     options = _grpo_option_dict(loss_type, importance_sampling_level, temperature, eps_low, epsilon_high, delta,
                                 beta, sapo_temperature_pos, sapo_temperature_neg, num_items_in_batch,
                                 max_completion_length, entropy_coef)
-    tracked = [t for t in (hidden, weight, bias) if isinstance(t, torch.Tensor)]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tracked):
+    if _autograd_needed(hidden, weight, bias):
         loss, metrics, logp = FusedLinearGRPOLossFunction.apply(hidden, weight, completion_ids, completion_mask,
                                                                 advantages, bias, old_per_token_logps,
                                                                 ref_per_token_logps, options, layout, context)
@@ -661,3 +681,189 @@ class FusedLinearGRPOLoss(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.options.items()) + f", layout={self.layout!r}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Preference heads: DPO, ORPO, SimPO, CPO (TRL DPOTrainer, ORPOTrainer, CPOTrainer semantics)
+# ---------------------------------------------------------------------------------------------------------
+class _Preference:
+    """Everything one preference call needs, checked and in library form. targets int64 [2B, T], the chosen
+    sequences then the rejected ones; hidden [2B, T, H] or [2B*T, H]; mask [2B, T] (bool, integer or floating:
+    converted to float32); dpo's reference log-probs ref_logps [2B] or ref_per_token_logps [2B, T], float32
+    (bfloat16 too with bfloat16 inputs: converted)."""
+
+    def __init__(self, hidden, weight, targets, mask, bias, ref_logps, ref_per_token_logps, options: dict, layout):
+        dtype = _check_inputs(hidden, weight)
+        _check_tensor(targets, "targets", torch.int64, " (use .long())")
+        rows, t = pairs_shape(tuple(targets.shape))
+        if tuple(hidden.shape[:-1]) not in ((rows, t), (rows * t,)):
+            raise ValueError(f"hidden: expected [2B, T, H] = [{rows}, {t}, H] or [2B*T, H] = [{rows * t}, H] "
+                             f"(targets are [2B, T] = {[rows, t]}), got shape {list(hidden.shape)}")
+        self.lin = _TorchLinear(hidden, weight, bias, layout)
+        self.pairs, self.bt = rows // 2, (rows, t)
+        n, dims = rows * t, dict(dims="[2B, T]", source="the targets' shape")
+        self.targets = _bt_tensor(targets, "targets", torch.int64, self.bt, n, **dims)
+        self.mask = _mask_tensor(mask, "mask", self.bt, n, **dims)
+        self.ref_logps = None if ref_logps is None else _fp32_vector(ref_logps, "ref_logps", dtype, rows, "[2B]")
+        self.ref_per_token_logps = None if ref_per_token_logps is None else _bt_tensor(
+            _fp32_operand(ref_per_token_logps, "ref_per_token_logps", dtype), "ref_per_token_logps", torch.float32,
+            self.bt, n, **dims)
+        self.problem = PreferenceProblem(self.lin.head, self.pairs, t, _view(self.targets), _view(self.mask),
+                                         _opt_view(self.ref_logps), _opt_view(self.ref_per_token_logps),
+                                         preference_options(**options))
+
+
+def _preference_run(p: _Preference, context: Optional[Context], need: Sequence[bool]):
+    """(loss, metrics float64 [11] in fh_preference_metrics order, sequence log-probs [2B], rewards [2B],
+    (dx, dw, db)); gradients of the loss (upstream 1) for the inputs in need."""
+    logps = torch.empty(2 * p.pairs, dtype=torch.float32)
+    rewards = torch.empty(2 * p.pairs, dtype=torch.float32)
+    (loss, m), grads = _train_step(p.problem, p.lin, context, need, sequence_logps=logps.data_ptr(),
+                                   rewards=rewards.data_ptr())
+    return _scalar(loss, p.lin.dtype), _metrics_tensor(m, PREFERENCE_METRIC_KEYS), logps, rewards, grads
+
+
+class FusedLinearPreferenceLossFunction(torch.autograd.Function):
+    """apply(hidden, weight, targets, mask, bias=None, ref_logps=None, ref_per_token_logps=None, options=None,
+    layout="vh", context=None) -> (loss, metrics, logps, rewards)
+
+    options: a dict of preference_options values (loss and TRL's names; missing: TRL defaults). metrics: float64
+    [11] in fh_preference_metrics order (NaN where TRL logs nothing); logps, rewards: float32 [2B], the chosen
+    sequences' then the rejected ones'. All three non-differentiable. The forward runs
+    fh_preference_forward_backward with upstream gradient 1 for the inputs whose ctx.needs_input_grad is set;
+    backward scales the saved gradients by the incoming scalar. The reference log-probs are constants (as in
+    TRL): they get no gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, mask, bias=None, ref_logps=None, ref_per_token_logps=None,
+                options=None, layout="vh", context=None):
+        p = _Preference(hidden, weight, targets, mask, bias, ref_logps, ref_per_token_logps, dict(options or {}),
+                        layout)
+        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[4])
+        loss, metrics, logps, rewards, (dx, dw, db) = _preference_run(p, context, need)
+        ctx.save_for_backward(p.lin.hidden_grad(dx), dw, db)
+        ctx.dweight_pool = _dweight_pool(weight) if need[1] else None
+        ctx.mark_non_differentiable(metrics, logps, rewards)
+        return loss, metrics, logps, rewards
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_metrics, _grad_logps, _grad_rewards):
+        dx, dw, db = _scaled(ctx.saved_tensors, grad_loss, ctx.dweight_pool)
+        return (dx, dw, None, None, db) + (None,) * 5
+
+
+class PreferenceLossOutput(NamedTuple):
+    """loss: a scalar in the inputs' dtype, differentiable; metrics: TRL's logged keys -> floats, only those TRL
+    logs for the options; logps, rewards: float32 [2B] (chosen sequences, then rejected), detached: the sequence
+    log-probs l and TRL's rewards."""
+    loss: torch.Tensor
+    metrics: dict
+    logps: torch.Tensor
+    rewards: torch.Tensor
+
+
+def fused_linear_preference_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                                 mask: torch.Tensor, *, loss: str = "dpo", loss_type: str = "sigmoid",
+                                 beta: float = 0.1, label_smoothing: float = 0.0, simpo_gamma: float = 0.5,
+                                 rpo_alpha: Optional[float] = 0.0, cpo_alpha: float = 1.0,
+                                 ref_logps: Optional[torch.Tensor] = None,
+                                 ref_per_token_logps: Optional[torch.Tensor] = None,
+                                 bias: Optional[torch.Tensor] = None, layout: str = "vh",
+                                 context: Optional[Context] = None) -> PreferenceLossOutput:
+    """TRL's DPO (DPOTrainer), ORPO (ORPOTrainer), SimPO or CPO (CPOTrainer) loss from the hidden states of a
+    batch of 2B sequences, the chosen ones then the rejected ones (pair b: sequences b and B + b, Liger's layout),
+    and the lm_head weight, without the [2B*T, V] logits.
+
+    hidden [2B, T, H] or [2B*T, H] (position t predicts targets[s, t]); targets int64 [2B, T]; mask [2B, T], the
+    loss mask (TRL's labels != -100; targets where it is 0 may be anything). loss: "dpo", "orpo", "simpo", "cpo";
+    options by TRL's names (loss_type "sigmoid", "hinge", "ipo", "robust" as each trainer has them; rpo_alpha
+    None or 0: no NLL term). dpo's reference log-probs: ref_logps [2B] (the reference model's sequence log-probs,
+    aggregated as the loss aggregates: averaged for ipo) or ref_per_token_logps [2B, T], at most one; neither:
+    reference-free. include/fusedhead.h has the formulas. Returns (loss, metrics, logps, rewards), a
+    PreferenceLossOutput: metrics with TRL's keys "rewards/chosen", "rewards/rejected", "rewards/accuracies",
+    "rewards/margins", "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "nll_loss",
+    "log_odds_ratio", "log_odds_chosen" (those TRL logs for the options).
+    """
+    options = dict(loss=loss, loss_type=loss_type, beta=beta, label_smoothing=label_smoothing,
+                   simpo_gamma=simpo_gamma, rpo_alpha=rpo_alpha, cpo_alpha=cpo_alpha)
+    if _autograd_needed(hidden, weight, bias):
+        value, metrics, logps, rewards = FusedLinearPreferenceLossFunction.apply(
+            hidden, weight, targets, mask, bias, ref_logps, ref_per_token_logps, options, layout, context)
+    else:
+        p = _Preference(hidden, weight, targets, mask, bias, ref_logps, ref_per_token_logps, options, layout)
+        value, metrics, logps, rewards, _ = _preference_run(p, context, (False, False, False))
+    return PreferenceLossOutput(value, preference_metrics_dict(metrics.tolist()), logps, rewards)
+
+
+class _FusedLinearPreferenceLoss(torch.nn.Module):
+    """The preference modules' shared body: the loss and its options (TRL's names) fixed at construction; the
+    lm_head weight is a forward argument, as in the other modules. Returns fused_linear_preference_loss's
+    PreferenceLossOutput."""
+    _loss = ""  # "dpo", "orpo", "simpo", "cpo"
+
+    def __init__(self, layout: str, context: Optional[Context], **options):
+        super().__init__()
+        parse_layout(layout)
+        preference_options(loss=self._loss, **options)  # bad names and choices fail here; values in the library
+        self.options, self.layout, self.context = options, layout, context
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
+                bias: Optional[torch.Tensor] = None) -> PreferenceLossOutput:
+        return self._compute(hidden, weight, targets, mask, bias)
+
+    def _compute(self, hidden, weight, targets, mask, bias, **references) -> PreferenceLossOutput:
+        return fused_linear_preference_loss(hidden, weight, targets, mask, loss=self._loss, bias=bias,
+                                            layout=self.layout, context=self.context, **self.options, **references)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.options.items()) + f", layout={self.layout!r}"
+
+
+class FusedLinearDPOLoss(_FusedLinearPreferenceLoss):
+    """TRL DPOTrainer's loss (DPOConfig names):
+
+        loss_fn = FusedLinearDPOLoss(beta=0.1, loss_type="sigmoid")
+        loss, metrics, logps, rewards = loss_fn(hidden, model.lm_head.weight, targets, mask, ref_logps=ref)
+    """
+    _loss = "dpo"
+
+    def __init__(self, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+                 rpo_alpha: Optional[float] = None, layout: str = "vh", context: Optional[Context] = None):
+        super().__init__(layout, context, beta=beta, loss_type=loss_type, label_smoothing=label_smoothing,
+                         rpo_alpha=rpo_alpha)
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
+                bias: Optional[torch.Tensor] = None, ref_logps: Optional[torch.Tensor] = None,
+                ref_per_token_logps: Optional[torch.Tensor] = None) -> PreferenceLossOutput:
+        return self._compute(hidden, weight, targets, mask, bias, ref_logps=ref_logps,
+                             ref_per_token_logps=ref_per_token_logps)
+
+
+class FusedLinearORPOLoss(_FusedLinearPreferenceLoss):
+    """TRL ORPOTrainer's loss (ORPOConfig's beta, the paper's lambda): NLL of the chosen sequences minus beta times
+    the mean log-sigmoid of the log odds ratio."""
+    _loss = "orpo"
+
+    def __init__(self, beta: float = 0.1, layout: str = "vh", context: Optional[Context] = None):
+        super().__init__(layout, context, beta=beta)
+
+
+class FusedLinearSimPOLoss(_FusedLinearPreferenceLoss):
+    """TRL CPOTrainer's loss_type="simpo" (CPOConfig names; cpo_alpha=0 gives the SimPO paper's loss)."""
+    _loss = "simpo"
+
+    def __init__(self, beta: float = 0.1, simpo_gamma: float = 0.5, label_smoothing: float = 0.0,
+                 cpo_alpha: float = 1.0, layout: str = "vh", context: Optional[Context] = None):
+        super().__init__(layout, context, beta=beta, simpo_gamma=simpo_gamma, label_smoothing=label_smoothing,
+                         cpo_alpha=cpo_alpha)
+
+
+class FusedLinearCPOLoss(_FusedLinearPreferenceLoss):
+    """TRL CPOTrainer's loss (CPOConfig names; loss_type "sigmoid", "hinge" or "ipo"; TRL's loss_type="simpo" is
+    FusedLinearSimPOLoss)."""
+    _loss = "cpo"
+
+    def __init__(self, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+                 cpo_alpha: float = 1.0, layout: str = "vh", context: Optional[Context] = None):
+        super().__init__(layout, context, beta=beta, loss_type=loss_type, label_smoothing=label_smoothing,
+                         cpo_alpha=cpo_alpha)

@@ -32,6 +32,7 @@ from conftest import GRAD_RTOL_F64, make_data, normwise  # noqa: E402
 from fusedhead import _core  # noqa: E402
 from reference import reference_loss  # noqa: E402
 from test_grpo import make_grpo, trl_reference  # noqa: E402
+from test_preference import make_pairs, reference as preference_reference  # noqa: E402
 
 if not fusedhead.bf16_available():
     pytest.skip(f"the library has no bf16 GEMM provider (fh_blis_query: bf16_gemm = "
@@ -216,6 +217,13 @@ def test_modules():
     loss.backward()
     assert h.grad.dtype == Wg.grad.dtype == BF
 
+    d = make_pairs(seed=4)
+    hp, Wp = (torch.tensor(d[k], dtype=BF, requires_grad=True) for k in ("h", "W"))
+    out = fht.FusedLinearORPOLoss(beta=0.2)(hp, Wp, torch.tensor(d["targets"]), torch.tensor(d["mask"]).bool())
+    assert out.loss.dtype == BF
+    out.loss.backward()
+    assert hp.grad.dtype == Wp.grad.dtype == BF
+
 
 # ---------------------------------------------------------------------------------------------------------
 # GRPO
@@ -258,6 +266,64 @@ def test_grpo_matches_float64(loss_type, opts, side_dtype):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Preference heads (DPO, ORPO, SimPO, CPO)
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("loss, opts, ref", [
+    ("dpo", dict(rpo_alpha=0.5), "ref_per_token_logps"),
+    ("dpo", dict(loss_type="ipo"), "ref_logps"),
+    ("orpo", dict(beta=0.2), None),
+    ("simpo", dict(cpo_alpha=0.0, label_smoothing=0.1), None),
+    ("cpo", dict(loss_type="hinge", beta=1.0), None),
+], ids=["dpo_rpo", "dpo_ipo", "orpo", "simpo", "cpo_hinge"])
+@pytest.mark.parametrize("side_dtype", [torch.float32, BF], ids=["fp32_side", "bf16_side"])
+def test_preference_matches_float64(loss, opts, ref, side_dtype):
+    """bf16 hidden and weight, the bias and reference log-probs in side_dtype (float32, or bf16 as a bf16 model
+    gives them: converted); 3-D hidden, [H, V] layout. The loss is rounded to bf16 once; metrics, sequence
+    log-probs and rewards are the library's double / fp32 values, never rounded to bf16."""
+    d = make_pairs(seed=6, bias=True)
+    h = torch.tensor(d["h"], dtype=BF, requires_grad=True)
+    W = torch.tensor(d["W"].T, dtype=BF, requires_grad=True)  # [H, V]: layout "hv"
+    b = torch.tensor(d["b"], dtype=side_dtype, requires_grad=True)
+    refs = {} if ref is None else {ref: torch.tensor(d[ref], dtype=side_dtype)}
+    targets, mask = torch.tensor(d["targets"]), torch.tensor(d["mask"], dtype=torch.float32)
+    out = fht.fused_linear_preference_loss(h, W, targets, mask, loss=loss, bias=b, layout="hv", **refs, **opts)
+    assert out.loss.dtype == BF and out.logps.dtype == out.rewards.dtype == torch.float32
+    out.loss.backward()
+    h64, W64, b64 = float64_twins(h, W, b)
+    rloss, rmetrics, rlogps, rrewards = preference_reference(h64, W64.t(), b64, targets, mask.double(), loss=loss,
+                                                             **{k: v.double() for k, v in refs.items()}, **opts)
+    rloss.backward()
+    assert_rounds_from(out.loss, rloss)
+    assert set(out.metrics) == set(rmetrics)
+    for k in rmetrics:
+        assert out.metrics[k] == pytest.approx(rmetrics[k], rel=LOSS_RTOL_BF16, abs=LOSS_RTOL_BF16), k
+    for got, want in ((out.logps, rlogps), (out.rewards, rrewards)):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=LOSS_RTOL_BF16, atol=LOSS_RTOL_BF16)
+    check_grads((h, W, b), (h64, W64, b64), side_dtype)
+
+
+def test_numpy_preference():
+    """dtype="bf16" through fusedhead.numpy: fp32 gradients (the C tests' 4e-3: no output rounding) and, with
+    grad_dtype="bf16", bf16 bits within GRAD_RTOL_BF16, both against float64 on the same bf16 values."""
+    d = make_pairs(seed=7)
+    hb, Wb = bf16_bits(d["h"].astype(np.float32)), bf16_bits(d["W"].astype(np.float32))
+    args = (d["targets"], d["mask"].astype(np.float32))
+    opts = dict(loss="cpo", loss_type="ipo", cpo_alpha=0.5)
+    h64, W64 = float64_twins(from_bits(hb), from_bits(Wb))
+    rloss = preference_reference(h64, W64, None, torch.from_numpy(d["targets"]), torch.from_numpy(d["mask"]),
+                                 **opts)[0]
+    rloss.backward()
+    for grad_dtype, tol in ((None, GRAD_RTOL_BF16_FP32_OUT), ("bf16", GRAD_RTOL_BF16)):
+        r = fusedhead.numpy.preference_loss(hb, Wb, *args, return_grads=True, dtype="bf16", grad_dtype=grad_dtype,
+                                            **opts)
+        assert r.loss == pytest.approx(rloss.item(), rel=LOSS_RTOL_BF16)
+        grads = (r.dhidden, r.dweight) if grad_dtype is None else (from_bits(r.dhidden), from_bits(r.dweight))
+        assert r.dhidden.dtype == (np.float32 if grad_dtype is None else np.uint16)
+        assert normwise(np.asarray(grads[0]), h64.grad.numpy()) <= tol
+        assert normwise(np.asarray(grads[1]), W64.grad.numpy()) <= tol
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Dtypes accepted and rejected; zero copies
 # ---------------------------------------------------------------------------------------------------------
 def test_mixed_dtypes_rejected():
@@ -276,6 +342,9 @@ def test_mixed_dtypes_rejected():
     h, Wg, ids, mask, A, old, ref_lp = grpo_leaves(d)
     with pytest.raises(TypeError, match=msg.format("bfloat16", "float32")):
         fht.fused_linear_grpo_loss(h, Wg.detach().float(), ids, mask, A)
+    with pytest.raises(TypeError, match=r"ref_logps: expected dtype torch.float32, got torch.bfloat16"):
+        fht.fused_linear_preference_loss(h.detach()[:2].float(), Wg.detach().float(), ids[:2], mask[:2],
+                                         ref_logps=A[:2].to(BF))  # fp32 inputs: fp32 reference log-probs
 
 
 @pytest.mark.parametrize("form", ["vh", "hv_transposed_view", "sliced_rows_3d"])

@@ -12,10 +12,13 @@ import numpy as np
 import pytest
 
 import fusedhead
-from fusedhead import _lib
+from fusedhead import _core, _lib
 from conftest import REPO_ROOT, make_data, subprocess_env
 
 HEADER_DIR = REPO_ROOT / "include"
+ENUMS = ((_lib.Status, "FH_"), (_lib.Param, "FH_PARAM_"), (_lib.Layout, "FH_LAYOUT_"), (_lib.Dtype, "FH_DTYPE_"),
+         (_lib.Reduction, "FH_REDUCTION_"), (_lib.GRPOLossType, "FH_GRPO_LOSS_"), (_lib.GRPOISLevel, "FH_GRPO_IS_"),
+         (_lib.PreferenceLoss, "FH_PREFERENCE_"), (_lib.PreferenceLossType, "FH_PREFERENCE_"))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -28,9 +31,7 @@ def _layout_program() -> str:
         lines.append(f'  printf("{name} sizeof %zu\\n", sizeof({name}));')
         for field, _ in cls._fields_:
             lines.append(f'  printf("{name} {field} %zu\\n", offsetof({name}, {field}));')
-    for enum_cls, prefix in ((_lib.Status, "FH_"), (_lib.Param, "FH_PARAM_"), (_lib.Layout, "FH_LAYOUT_"),
-                             (_lib.Reduction, "FH_REDUCTION_"), (_lib.GRPOLossType, "FH_GRPO_LOSS_"),
-                             (_lib.GRPOISLevel, "FH_GRPO_IS_")):
+    for enum_cls, prefix in ENUMS:
         for member in enum_cls:
             lines.append(f'  printf("enum {prefix}{member.name} %d\\n", (int){prefix}{member.name});')
     lines += ["  return 0;", "}"]
@@ -60,11 +61,7 @@ def test_struct_layout_matches_header(cls, c_layout):
 
 def test_enum_values_match_header(c_layout):
     enums = {k[len("enum "):]: v for k, v in c_layout.items() if k.startswith("enum ")}
-    assert enums and all(
-        enums[f"{p}{m.name}"] == int(m)
-        for enum_cls, p in ((_lib.Status, "FH_"), (_lib.Param, "FH_PARAM_"), (_lib.Reduction, "FH_REDUCTION_"),
-                            (_lib.Layout, "FH_LAYOUT_"))
-        for m in enum_cls)
+    assert enums and all(enums[f"{p}{m.name}"] == int(m) for enum_cls, p in ENUMS for m in enum_cls)
 
 
 def test_options_init_defaults_match_python_defaults():
@@ -72,6 +69,11 @@ def test_options_init_defaults_match_python_defaults():
     assert fusedhead.load_library().fh_ce_options_init(ctypes.byref(opts)) == 0
     assert (opts.ignore_index, opts.reduction, opts.label_smoothing, bool(opts.class_weights), opts.softcap,
             opts.z_loss) == (-100, 0, 0.0, False, 0.0, 0.0)
+    # the preference front ends' defaults are TRL's, which fh_preference_options_init also sets
+    init = _lib.fh_preference_options()
+    assert fusedhead.load_library().fh_preference_options_init(ctypes.byref(init)) == 0
+    ours = _core.preference_options()
+    assert [getattr(ours, f) for f, _ in init._fields_] == [getattr(init, f) for f, _ in init._fields_]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -200,6 +202,7 @@ def test_context_check_finite():
 def test_status_strings_and_error_classes():
     for status in fusedhead.Status:
         assert fusedhead.status_string(status)
+    assert set(fusedhead.errors.ERROR_CLASSES) == set(fusedhead.Status) - {fusedhead.Status.OK}  # one class each
     assert fusedhead.status_string(999)  # generic text for unknown values
     for status, cls in fusedhead.errors.ERROR_CLASSES.items():
         e = fusedhead.errors.error_for(status, fusedhead.status_string(status), "detail", "fh_x")
@@ -226,7 +229,6 @@ def test_default_context_settings():
 def test_library_dtype_status_raises_invalid_dtype_error():
     """The front ends refuse bf16 gradients of fp32 inputs themselves; called below them, the library's own
     FH_ERR_INVALID_DTYPE arrives as InvalidDtypeError, with the library's message naming the field."""
-    from fusedhead import _core
     from fusedhead.numpy import _view
     x, w, t, _, _ = make_data(seed=3)
     dx = np.empty_like(x)
