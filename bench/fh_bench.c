@@ -7,10 +7,17 @@
  * divided by the ceiling: the best GFLOP/s of a 2048^3 GEMM in the run's dtype (BLIS sgemm for fp32, oneDNN
  * bf16 matmul for bf16) on the same threads, timed in the same child right after the case (not before: BLIS's first use and its packing buffers belong to the case's
  * first call and peak memory). A shared machine's speed drifts over minutes; a ceiling measured next to
- * each case keeps the ratio honest where one measured at the start would not. */
+ * each case keeps the ratio honest where one measured at the start would not.
+ *
+ * --distribution says what the CE cases compute on: uniform random data (the default: a near-uniform softmax), a
+ * synthetic peaked softmax of a chosen mean entropy, or a batch saved from a trained model (real data; a trained
+ * head's softmax is what gradient filtering feeds on). Before the cases, a child makes the inputs once, calibrates
+ * a peaked distribution and measures the softmax on a sample of rows; the report's first line states the
+ * distribution, whether it is real or synthetic, and those measurements. */
 #include "fusedhead.h"
 #include "bench_gemm.h"
 #include "bench_inputs.h"
+#include "bench_softmax.h"
 #include "bf16.h"
 #include "materialized.h"
 
@@ -46,6 +53,8 @@ typedef struct shape {
                             (n = 2 batch seq: batch pairs, TRL defaults, reference-free) */
     fh_preference_loss preference;
     int64_t batch, seq;
+    bench_distribution dist;   /* --distribution (CE only); a peaked one calibrated once per shape */
+    bench_softmax_stats stats; /* what the inputs' softmax looks like (describe_inputs) */
 } shape;
 
 /* GRPO's cases: the forward, today's streaming step (forward + backward, 8 NHV) and the single-call step
@@ -248,7 +257,9 @@ static result measure_in_child(bench_case c, const shape *s)
     materialized_buffers mb = {0, NULL, NULL};
     sequence_inputs seqs = {NULL, NULL, NULL};
     const int bf16 = s->dtype == FH_DTYPE_BF16;
-    if (bench_inputs_make(s->n, s->hidden, s->vocab, &in) != 0 || fh_context_create(&ctx) != FH_OK)
+    char why[512];
+    if (bench_inputs_make_from(&s->dist, s->layout, s->n, s->hidden, s->vocab, &in, why, sizeof why) != 0 ||
+        fh_context_create(&ctx) != FH_OK)
         return r;
     if (s->head != HEAD_CE && sequence_inputs_make(s, &seqs) != 0)
         return r;
@@ -306,26 +317,99 @@ static result measure_in_child(bench_case c, const shape *s)
     return r;
 }
 
-static result run_case(bench_case c, const shape *s)
+/* Runs fn(arg, out) in a child process and copies its size bytes of out back. Each case runs in its own child so
+ * that peak-RSS readings do not mix, and anything else that computes does too: GNU OpenMP's thread pool (BLIS's)
+ * does not survive a fork, so the parent never starts one. Returns 0, or -1 when the child fails. */
+static int in_child(void (*fn)(const void *arg, void *out), const void *arg, void *out, size_t size)
 {
-    result r = {0, 0, 0, 0, 0, NAN, 0, 0};
     int fd[2];
     if (pipe(fd) != 0)
-        return r;
+        return -1;
     fflush(NULL);
     const pid_t pid = fork();
     if (pid == 0) {
         close(fd[0]);
-        const result child = measure_in_child(c, s);
-        const ssize_t w = write(fd[1], &child, sizeof child);
-        _exit(w == (ssize_t)sizeof child ? 0 : 1);
+        fn(arg, out);
+        const ssize_t w = write(fd[1], out, size);
+        _exit(w == (ssize_t)size ? 0 : 1);
     }
     close(fd[1]);
-    if (pid < 0 || read(fd[0], &r, sizeof r) != (ssize_t)sizeof r)
-        r.ok = 0;
+    const int ok = pid > 0 && read(fd[0], out, size) == (ssize_t)size;
     close(fd[0]);
     if (pid > 0)
         waitpid(pid, NULL, 0);
+    return ok ? 0 : -1;
+}
+
+typedef struct description {
+    int status;
+    float scale; /* peaked: the calibrated scale */
+    bench_softmax_stats stats;
+    char why[512];
+} description;
+
+static void describe_in_child(const void *arg, void *out)
+{
+    const shape *s = arg;
+    description *d = out;
+    bench_distribution dist = s->dist;
+    bench_inputs in;
+    d->status = bench_inputs_make_from(&dist, s->layout, s->n, s->hidden, s->vocab, &in, d->why, sizeof d->why);
+    if (d->status != 0)
+        return;
+    if (dist.kind == BENCH_PEAKED)
+        d->status = bench_peaked_calibrate(&dist, &in, s->layout, s->n, s->hidden, s->vocab, s->threads, d->why,
+                                           sizeof d->why);
+    d->scale = dist.scale;
+    if (d->status == 0 &&
+        bench_softmax_measure(&in, s->layout, s->n, s->hidden, s->vocab, s->threads, &d->stats) != 0) {
+        snprintf(d->why, sizeof d->why, "out of memory");
+        d->status = -1;
+    }
+    bench_inputs_free(&in);
+}
+
+/* Calibrates a peaked distribution for the shape and measures the softmax that the inputs give, once before the
+ * cases (whose children then make the same inputs). Returns 0, or -1 with the reason in why. */
+static int describe_inputs(shape *s, char *why, size_t why_size)
+{
+    description d = {-1, 1.0f, {0, 0, 0, 0}, "the child process failed"};
+    if (in_child(describe_in_child, s, &d, sizeof d) != 0 || d.status != 0) {
+        snprintf(why, why_size, "%s", d.why);
+        return -1;
+    }
+    s->dist.scale = d.scale;
+    s->stats = d.stats;
+    return 0;
+}
+
+/* "uniform", "peaked:E" or "replay" (the table's first line names the folder). */
+static const char *distribution_label(const bench_distribution *d, char buffer[32])
+{
+    if (d->kind == BENCH_PEAKED) {
+        snprintf(buffer, 32, "peaked:%g", d->entropy);
+        return buffer;
+    }
+    return d->kind == BENCH_REPLAY ? "replay" : "uniform";
+}
+
+typedef struct case_request {
+    bench_case c;
+    const shape *s;
+} case_request;
+
+static void measure_case(const void *arg, void *out)
+{
+    const case_request *q = arg;
+    *(result *)out = measure_in_child(q->c, q->s);
+}
+
+static result run_case(bench_case c, const shape *s)
+{
+    result r = {0, 0, 0, 0, 0, NAN, 0, 0};
+    const case_request q = {c, s};
+    if (in_child(measure_case, &q, &r, sizeof r) != 0)
+        r.ok = 0;
     return r;
 }
 
@@ -349,10 +433,12 @@ static double efficiency(const result *r)
 /* One CSV row (columns in csv_header). */
 static void print_row(FILE *out, const shape *s, bench_case c, const result *r)
 {
-    fprintf(out, "%lld,%lld,%lld,%d,%s,%s,%.3f,%.1f,%.3f,%.3f,%lld,%lld,%.1f\n", (long long)s->n,
+    char label[32];
+    fprintf(out, "%lld,%lld,%lld,%d,%s,%s,%.3f,%.1f,%.3f,%.3f,%lld,%lld,%.1f,%s,%.4f,%.6f,%.6f\n", (long long)s->n,
             (long long)s->hidden, (long long)s->vocab, s->threads, case_name(c, s), case_basis[c], r->best_ms, gflops(r),
             efficiency(r), r->first_ms, (long long)r->workspace_bytes, (long long)r->peak_growth_bytes,
-            r->ceiling_gflops);
+            r->ceiling_gflops, distribution_label(&s->dist, label), s->stats.mean_entropy, s->stats.below_2m12,
+            s->stats.below_2m28);
 }
 
 /* %.9g, or null for NaN (the sgemm has no loss). */
@@ -371,14 +457,18 @@ static const char *dtype_name(fh_dtype dtype)
 
 static void print_report(format f, const shape *s, const result *res, const fh_blis_info *kernels, FILE *out)
 {
-    char num[32];
+    char num[32], label[32];
+    const char *data = s->dist.kind == BENCH_REPLAY ? "real" : "synthetic";
     if (f == FORMAT_JSON) {
         fprintf(out, "{\n  \"n\": %lld, \"hidden\": %lld, \"vocab\": %lld, \"layout\": \"%s\", \"threads\": %d, "
                      "\"budget_bytes\": %lld,\n  \"blis_kernel_set\": \"%s\", \"sgemm_gflops\": %.1f, \"dtype\": \"%s\", "
-                     "\"bf16_gemm\": \"%s\",\n  \"cases\": [\n",
+                     "\"bf16_gemm\": \"%s\",\n  \"distribution\": \"%s\", \"data\": \"%s\", "
+                     "\"softmax_sample_rows\": %lld, \"mean_entropy\": %.6g, \"frac_p_below_2m12\": %.6g, "
+                     "\"frac_p_below_2m28\": %.6g,\n  \"cases\": [\n",
                 (long long)s->n, (long long)s->hidden, (long long)s->vocab, layout_name(s->layout), s->threads,
                 (long long)s->budget, kernels->kernel_set, gflops(&res[CASE_SGEMM]), dtype_name(s->dtype),
-                kernels->bf16_gemm);
+                kernels->bf16_gemm, distribution_label(&s->dist, label), data, (long long)s->stats.rows,
+                s->stats.mean_entropy, s->stats.below_2m12, s->stats.below_2m28);
         for (int c = 0; c < CASE_COUNT; c++)
             if (case_runs((bench_case)c, s))
             fprintf(out,
@@ -399,10 +489,14 @@ static void print_report(format f, const shape *s, const result *res, const fh_b
         return;
     }
     fprintf(out, "fh_bench: N=%lld H=%lld V=%lld, %s (gradients %s%s), layout %s, %d threads, budget %s, BLIS kernel set "
-                 "%s, bf16 GEMMs %s, best of %d\n\n",
+                 "%s, bf16 GEMMs %s, best of %d; inputs %s%s%s (%s data): mean softmax entropy %.3f nats, p < 2^-12 "
+                 "%.4f, p < 2^-28 %.4f (%lld rows sampled)\n\n",
             (long long)s->n, (long long)s->hidden, (long long)s->vocab, dtype_name(s->dtype), dtype_name(s->grad_dtype),
             s->fp32_dz ? ", fp32 dZ" : "", layout_name(s->layout),
-            s->threads, s->budget ? "set" : "default", kernels->kernel_set, kernels->bf16_gemm, s->reps);
+            s->threads, s->budget ? "set" : "default", kernels->kernel_set, kernels->bf16_gemm, s->reps,
+            distribution_label(&s->dist, label), s->dist.kind == BENCH_REPLAY ? " of " : "",
+            s->dist.kind == BENCH_REPLAY ? s->dist.dir : "", data, s->stats.mean_entropy, s->stats.below_2m12,
+            s->stats.below_2m28, (long long)s->stats.rows);
     fprintf(out, "%-18s %-9s %10s %9s %9s %6s %10s %12s %14s\n", "case", "basis", "best ms", "GFLOP/s", "ceiling",
             "eff.", "first ms", "workspace", "peak RSS +");
     for (int c = 0; c < CASE_COUNT; c++) {
@@ -420,7 +514,7 @@ static void print_report(format f, const shape *s, const result *res, const fh_b
 
 static const char csv_header[] =
     "n,hidden,vocab,threads,case,flop_basis,best_ms,gflops,efficiency,first_call_ms,workspace_bytes,"
-    "peak_rss_growth_bytes,ceiling_gflops\n";
+    "peak_rss_growth_bytes,ceiling_gflops,distribution,mean_entropy,frac_p_below_2m12,frac_p_below_2m28\n";
 
 /* Sweeps n or vocab, writes DIR/sweep_<what>.csv (rows grouped by case, so that each case's points are
  * consecutive and gnuplot joins them) and a gnuplot script rendering two PNGs. */
@@ -438,6 +532,11 @@ static int sweep(const char *what, const char *dir, const shape *base, const cha
             shapes[k].n = ns[k];
         else
             shapes[k].vocab = vocabs[k];
+        char why[512];
+        if (describe_inputs(&shapes[k], why, sizeof why) != 0) {
+            fprintf(stderr, "fh_bench: %s\n", why);
+            return -1;
+        }
         for (int c = 0; c < CASE_COUNT; c++)
             res[k][c] = run_case((bench_case)c, &shapes[k]);
         fprintf(stderr, "sweep %s: %s = %lld done\n", what, what, (long long)(by_n ? shapes[k].n : shapes[k].vocab));
@@ -496,6 +595,8 @@ static void usage(void)
     fprintf(stderr, "usage: fh_bench [--n N] [--hidden H] [--vocab V] [--threads T] [--budget BYTES] [--reps K]\n"
                     "                [--layout hv|vh] [--dtype f32|bf16] [--grad-dtype f32|bf16] [--fp32-dz]\n"
                     "                [--json | --csv] [--sweep n|vocab --out DIR]\n"
+                    "                [--distribution uniform|peaked[:ENTROPY]|DIR]   (DIR: a saved batch; H, V and at\n"
+                    "                most N rows come from its files)\n"
                     "       fh_bench --loss grpo --batch B --seq T [--hidden H] [--vocab V] [the options above but --n]\n"
                     "       fh_bench --loss dpo|orpo|simpo|cpo --batch PAIRS --seq T [as for grpo]\n");
 }
@@ -503,10 +604,11 @@ static void usage(void)
 int main(int argc, char **argv)
 {
     shape s = {.n = 1024, .hidden = 1024, .vocab = 32768, .threads = 2, .budget = 0, .layout = FH_LAYOUT_HV,
-               .reps = 3};
+               .reps = 3, .dist = {BENCH_UNIFORM, 0.0, 1.0f, NULL}};
     format f = FORMAT_TABLE;
     int grad_dtype = -1;
     const char *sweep_what = NULL, *out_dir = ".";
+    int n_given = 0, hidden_vocab_given = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (strcmp(a, "--json") == 0)
@@ -519,11 +621,17 @@ int main(int argc, char **argv)
             usage();
             return 2;
         } else if (strcmp(a, "--n") == 0)
-            s.n = atoll(argv[++i]);
+            s.n = atoll(argv[++i]), n_given = 1;
         else if (strcmp(a, "--hidden") == 0)
-            s.hidden = atoll(argv[++i]);
+            s.hidden = atoll(argv[++i]), hidden_vocab_given = 1;
         else if (strcmp(a, "--vocab") == 0)
-            s.vocab = atoll(argv[++i]);
+            s.vocab = atoll(argv[++i]), hidden_vocab_given = 1;
+        else if (strcmp(a, "--distribution") == 0) {
+            if (bench_distribution_parse(argv[++i], &s.dist) != 0) {
+                usage();
+                return 2;
+            }
+        }
         else if (strcmp(a, "--threads") == 0)
             s.threads = atoi(argv[++i]);
         else if (strcmp(a, "--budget") == 0)
@@ -568,10 +676,35 @@ int main(int argc, char **argv)
         usage();
         return 2;
     }
+    char why[512];
+    if (s.dist.kind != BENCH_UNIFORM && s.head != HEAD_CE) {
+        fprintf(stderr, "fh_bench: --distribution applies to --loss ce only\n");
+        return 2;
+    }
+    if (s.dist.kind == BENCH_REPLAY) {
+        int64_t rows;
+        if (sweep_what || hidden_vocab_given) {
+            fprintf(stderr, "fh_bench: a saved batch fixes H and V: no --hidden, --vocab or --sweep with it\n");
+            return 2;
+        }
+        if (bench_replay_shape(s.dist.dir, &rows, &s.hidden, &s.vocab, why, sizeof why) != 0) {
+            fprintf(stderr, "fh_bench: %s\n", why);
+            return 2;
+        }
+        if (n_given && s.n > rows) {
+            fprintf(stderr, "fh_bench: --n %lld: %s holds %lld rows\n", (long long)s.n, s.dist.dir, (long long)rows);
+            return 2;
+        }
+        s.n = n_given ? s.n : rows;
+    }
     fh_blis_info blis;
     fh_blis_query(&blis);
     if (sweep_what)
         return sweep(sweep_what, out_dir, &s, blis.kernel_set) == 0 ? 0 : 1;
+    if (describe_inputs(&s, why, sizeof why) != 0) {
+        fprintf(stderr, "fh_bench: %s\n", why);
+        return 2;
+    }
     result res[CASE_COUNT];
     memset(res, 0, sizeof res);
     int failed = 0;
