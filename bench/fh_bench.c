@@ -29,12 +29,16 @@
 #include <time.h>
 #include <unistd.h>
 
-typedef enum bench_case { CASE_SGEMM, CASE_FORWARD, CASE_SPLIT, CASE_TRAIN, CASE_MATERIALIZED, CASE_COUNT } bench_case;
+/* CASE_FILTERED: the train step with gradient filtering (--grad-filter-eps), beside the exact one; its flop basis
+ * stays the dense 6NHV, so that its GFLOP/s and efficiency read as speed against the same work. */
+typedef enum bench_case {
+    CASE_SGEMM, CASE_FORWARD, CASE_SPLIT, CASE_TRAIN, CASE_FILTERED, CASE_MATERIALIZED, CASE_COUNT
+} bench_case;
 
 static const char *case_names[CASE_COUNT] = {"sgemm_2048", "fused_forward", "fused_split", "fused_train_step",
-                                             "materialized"};
+                                             "fused_train_step_filtered", "materialized"};
 static const char *bf16_ceiling_name = "bf16_gemm_2048";
-static const char *case_basis[CASE_COUNT] = {"2*2048^3", "2NHV", "8NHV", "6NHV", "6NHV"};
+static const char *case_basis[CASE_COUNT] = {"2*2048^3", "2NHV", "8NHV", "6NHV", "6NHV", "6NHV"};
 
 enum { CEILING_REPS = 10 };
 
@@ -55,20 +59,23 @@ typedef struct shape {
     int64_t batch, seq;
     bench_distribution dist;   /* --distribution (CE only); a peaked one calibrated once per shape */
     bench_softmax_stats stats; /* what the inputs' softmax looks like (describe_inputs) */
+    double filter_eps;         /* --grad-filter-eps: 0 = no filtered case */
+    int64_t tile_rows;         /* --tile-rows: FH_PARAM_TILE_ROWS of every fused case (0 = the library's choice) */
 } shape;
 
 /* GRPO's cases: the forward, today's streaming step (forward + backward, 8 NHV) and the single-call step
  * (fh_grpo_forward_backward: row blocks of whole sequences); no materialized baseline. */
-static const char *grpo_case_names[CASE_COUNT] = {NULL, "grpo_forward", "grpo_streaming", "grpo_train_step", NULL};
+static const char *grpo_case_names[CASE_COUNT] = {NULL, "grpo_forward", "grpo_streaming", "grpo_train_step", NULL,
+                                                  NULL};
 
 /* The preference losses' cases: the forward and the single-call step (fh_preference_forward_backward: row
  * blocks of whole pairs); no materialized baseline. */
 static const char *preference_names[] = {"dpo", "orpo", "simpo", "cpo"};
 static const char *preference_case_names[][CASE_COUNT] = {
-    {NULL, "dpo_forward", NULL, "dpo_train_step", NULL},
-    {NULL, "orpo_forward", NULL, "orpo_train_step", NULL},
-    {NULL, "simpo_forward", NULL, "simpo_train_step", NULL},
-    {NULL, "cpo_forward", NULL, "cpo_train_step", NULL}};
+    {NULL, "dpo_forward", NULL, "dpo_train_step", NULL, NULL},
+    {NULL, "orpo_forward", NULL, "orpo_train_step", NULL, NULL},
+    {NULL, "simpo_forward", NULL, "simpo_train_step", NULL, NULL},
+    {NULL, "cpo_forward", NULL, "cpo_train_step", NULL, NULL}};
 
 static const char *case_name(bench_case c, const shape *s)
 {
@@ -83,12 +90,13 @@ static const char *case_name(bench_case c, const shape *s)
 
 static int case_runs(bench_case c, const shape *s)
 {
-    return case_name(c, s) != NULL;
+    return case_name(c, s) != NULL && (c != CASE_FILTERED || s->filter_eps > 0.0);
 }
 
 typedef struct result {
     int ok;
     double flops, best_ms, first_ms, ceiling_gflops, loss;
+    double skipped_fraction; /* of the gradient GEMMs' flops, by filtering (fh_context_filter_stats) */
     int64_t workspace_bytes, peak_growth_bytes;
 } result;
 
@@ -227,6 +235,7 @@ static int run_once(bench_case c, const shape *s, const bench_inputs *in, const 
             return -1;
         return fh_ce_backward(ctx, &lin, in->targets, &o, in->lse, &grad_one, &g) == FH_OK ? 0 : -1;
     case CASE_TRAIN:
+    case CASE_FILTERED:
         return fh_ce_forward_backward(ctx, &lin, in->targets, &o, &grad_one, &out, &g) == FH_OK ? 0 : -1;
     case CASE_MATERIALIZED:
         *loss = materialized_train_step(mb, s->n, s->hidden, s->vocab, lin.x, lin.weight, lin.w_stride_hidden,
@@ -250,7 +259,7 @@ static double flops_of(bench_case c, const shape *s)
 
 static result measure_in_child(bench_case c, const shape *s)
 {
-    result r = {0, flops_of(c, s), INFINITY, 0.0, 0.0, NAN, 0, 0};
+    result r = {0, flops_of(c, s), INFINITY, 0.0, 0.0, NAN, 0.0, 0, 0};
     bench_inputs in;
     fh_context *ctx = NULL;
     void *sg[3] = {NULL, NULL, NULL};
@@ -268,6 +277,10 @@ static result measure_in_child(bench_case c, const shape *s)
     fh_context_set(ctx, FH_PARAM_THREADS, s->threads);
     fh_context_set(ctx, FH_PARAM_MEMORY_BUDGET, s->budget);
     fh_context_set(ctx, FH_PARAM_FP32_DZ, s->fp32_dz);
+    if (fh_context_set(ctx, FH_PARAM_TILE_ROWS, s->tile_rows) != FH_OK)
+        return r;
+    if (c == CASE_FILTERED && fh_context_set_grad_filter_eps(ctx, s->filter_eps) != FH_OK)
+        return r;
     for (int k = 0; k < 3; k++) {
         float *values = bench_filled(2048u * 2048u, 1.0f, 10 + k);
         sg[k] = values;
@@ -290,7 +303,7 @@ static result measure_in_child(bench_case c, const shape *s)
         fh_preference_workspace_size(ctx, &lin, &ws);
     else if (c == CASE_FORWARD || c == CASE_SPLIT)
         fh_ce_workspace_size(ctx, &lin, &o, &ws);
-    else if (c == CASE_TRAIN)
+    else if (c == CASE_TRAIN || c == CASE_FILTERED)
         fh_ce_forward_backward_workspace_size(ctx, &lin, &o, &ws);
     r.workspace_bytes = (int64_t)ws;
     const int64_t base = proc_status_bytes("VmRSS:");
@@ -312,6 +325,9 @@ static result measure_in_child(bench_case c, const shape *s)
         r.best_ms = ms < r.best_ms ? ms : r.best_ms;
     }
     r.peak_growth_bytes = proc_status_bytes("VmHWM:") - base;
+    fh_filter_stats filtered;
+    fh_context_filter_stats(ctx, &filtered);
+    r.skipped_fraction = filtered.gradient_flops > 0 ? filtered.skipped_flops / filtered.gradient_flops : 0.0;
     r.ceiling_gflops = flops_of(CASE_SGEMM, s) / (gemm_best_ms(s, sg) * 1e6);
     r.ok = 1;
     return r;
@@ -406,7 +422,7 @@ static void measure_case(const void *arg, void *out)
 
 static result run_case(bench_case c, const shape *s)
 {
-    result r = {0, 0, 0, 0, 0, NAN, 0, 0};
+    result r = {0, 0, 0, 0, 0, NAN, 0.0, 0, 0};
     const case_request q = {c, s};
     if (in_child(measure_case, &q, &r, sizeof r) != 0)
         r.ok = 0;
@@ -434,11 +450,11 @@ static double efficiency(const result *r)
 static void print_row(FILE *out, const shape *s, bench_case c, const result *r)
 {
     char label[32];
-    fprintf(out, "%lld,%lld,%lld,%d,%s,%s,%.3f,%.1f,%.3f,%.3f,%lld,%lld,%.1f,%s,%.4f,%.6f,%.6f\n", (long long)s->n,
+    fprintf(out, "%lld,%lld,%lld,%d,%s,%s,%.3f,%.1f,%.3f,%.3f,%lld,%lld,%.1f,%s,%.4f,%.6f,%.6f,%.4f\n", (long long)s->n,
             (long long)s->hidden, (long long)s->vocab, s->threads, case_name(c, s), case_basis[c], r->best_ms, gflops(r),
             efficiency(r), r->first_ms, (long long)r->workspace_bytes, (long long)r->peak_growth_bytes,
             r->ceiling_gflops, distribution_label(&s->dist, label), s->stats.mean_entropy, s->stats.below_2m12,
-            s->stats.below_2m28);
+            s->stats.below_2m28, r->skipped_fraction);
 }
 
 /* %.9g, or null for NaN (the sgemm has no loss). */
@@ -474,11 +490,11 @@ static void print_report(format f, const shape *s, const result *res, const fh_b
             fprintf(out,
                     "    {\"name\": \"%s\", \"ok\": %s, \"flop_basis\": \"%s\", \"flops\": %.6g, \"best_ms\": %.3f, "
                     "\"gflops\": %.1f, \"efficiency\": %.3f, \"first_call_ms\": %.3f, \"workspace_bytes\": %lld, "
-                    "\"peak_rss_growth_bytes\": %lld, \"ceiling_gflops\": %.1f, \"loss\": %s}%s\n",
+                    "\"peak_rss_growth_bytes\": %lld, \"ceiling_gflops\": %.1f, \"loss\": %s, \"skipped_fraction\": %.4f}%s\n",
                     case_name((bench_case)c, s), res[c].ok ? "true" : "false", case_basis[c], res[c].flops, res[c].best_ms,
                     gflops(&res[c]), efficiency(&res[c]), res[c].first_ms, (long long)res[c].workspace_bytes,
                     (long long)res[c].peak_growth_bytes, res[c].ceiling_gflops, json_number(res[c].loss, num),
-                    c + 1 < CASE_COUNT && case_runs((bench_case)(c + 1), s) ? "," : "");
+                    res[c].skipped_fraction, c + 1 < CASE_COUNT && case_runs((bench_case)(c + 1), s) ? "," : "");
         fprintf(out, "  ]\n}\n");
         return;
     }
@@ -497,24 +513,26 @@ static void print_report(format f, const shape *s, const result *res, const fh_b
             distribution_label(&s->dist, label), s->dist.kind == BENCH_REPLAY ? " of " : "",
             s->dist.kind == BENCH_REPLAY ? s->dist.dir : "", data, s->stats.mean_entropy, s->stats.below_2m12,
             s->stats.below_2m28, (long long)s->stats.rows);
-    fprintf(out, "%-18s %-9s %10s %9s %9s %6s %10s %12s %14s\n", "case", "basis", "best ms", "GFLOP/s", "ceiling",
-            "eff.", "first ms", "workspace", "peak RSS +");
+    fprintf(out, "%-26s %-9s %10s %9s %9s %6s %10s %12s %14s %8s\n", "case", "basis", "best ms", "GFLOP/s", "ceiling",
+            "eff.", "first ms", "workspace", "peak RSS +", "skipped");
     for (int c = 0; c < CASE_COUNT; c++) {
         if (!case_runs((bench_case)c, s))
             continue;
         if (!res[c].ok) {
-            fprintf(out, "%-18s failed\n", case_name((bench_case)c, s));
+            fprintf(out, "%-26s failed\n", case_name((bench_case)c, s));
             continue;
         }
-        fprintf(out, "%-18s %-9s %10.1f %9.1f %9.1f %6.3f %10.1f %9.1f MiB %10.1f MiB\n", case_name((bench_case)c, s),
-                case_basis[c], res[c].best_ms, gflops(&res[c]), res[c].ceiling_gflops, efficiency(&res[c]),
-                res[c].first_ms, res[c].workspace_bytes / 1048576.0, res[c].peak_growth_bytes / 1048576.0);
+        fprintf(out, "%-26s %-9s %10.1f %9.1f %9.1f %6.3f %10.1f %9.1f MiB %10.1f MiB %8.4f\n",
+                case_name((bench_case)c, s), case_basis[c], res[c].best_ms, gflops(&res[c]), res[c].ceiling_gflops,
+                efficiency(&res[c]), res[c].first_ms, res[c].workspace_bytes / 1048576.0,
+                res[c].peak_growth_bytes / 1048576.0, res[c].skipped_fraction);
     }
 }
 
 static const char csv_header[] =
     "n,hidden,vocab,threads,case,flop_basis,best_ms,gflops,efficiency,first_call_ms,workspace_bytes,"
-    "peak_rss_growth_bytes,ceiling_gflops,distribution,mean_entropy,frac_p_below_2m12,frac_p_below_2m28\n";
+    "peak_rss_growth_bytes,ceiling_gflops,distribution,mean_entropy,frac_p_below_2m12,frac_p_below_2m28,"
+    "skipped_fraction\n";
 
 /* Sweeps n or vocab, writes DIR/sweep_<what>.csv (rows grouped by case, so that each case's points are
  * consecutive and gnuplot joins them) and a gnuplot script rendering two PNGs. */
@@ -594,7 +612,8 @@ static void usage(void)
 {
     fprintf(stderr, "usage: fh_bench [--n N] [--hidden H] [--vocab V] [--threads T] [--budget BYTES] [--reps K]\n"
                     "                [--layout hv|vh] [--dtype f32|bf16] [--grad-dtype f32|bf16] [--fp32-dz]\n"
-                    "                [--json | --csv] [--sweep n|vocab --out DIR]\n"
+                    "                [--json | --csv] [--sweep n|vocab --out DIR] [--grad-filter-eps EPS]\n"
+                    "                [--tile-rows R]\n"
                     "                [--distribution uniform|peaked[:ENTROPY]|DIR]   (DIR: a saved batch; H, V and at\n"
                     "                most N rows come from its files)\n"
                     "       fh_bench --loss grpo --batch B --seq T [--hidden H] [--vocab V] [the options above but --n]\n"
@@ -624,6 +643,16 @@ int main(int argc, char **argv)
             s.n = atoll(argv[++i]), n_given = 1;
         else if (strcmp(a, "--hidden") == 0)
             s.hidden = atoll(argv[++i]), hidden_vocab_given = 1;
+        else if (strcmp(a, "--tile-rows") == 0)
+            s.tile_rows = atoll(argv[++i]);
+        else if (strcmp(a, "--grad-filter-eps") == 0) {
+            char *end;
+            s.filter_eps = strtod(argv[++i], &end);
+            if (*end != '\0' || !(s.filter_eps >= 0.0 && s.filter_eps < 1.0)) {
+                usage();
+                return 2;
+            }
+        }
         else if (strcmp(a, "--vocab") == 0)
             s.vocab = atoll(argv[++i]), hidden_vocab_given = 1;
         else if (strcmp(a, "--distribution") == 0) {
@@ -718,8 +747,8 @@ int main(int argc, char **argv)
      * loss uses fp32 exps summed in double: 1e-5 relative is far above both errors. GRPO's cases are checked
      * against its forward, and so are the preference losses'. */
     const double expected = res[s.head != HEAD_CE ? CASE_FORWARD : CASE_MATERIALIZED].loss;
-    for (int c = CASE_FORWARD; c <= CASE_TRAIN; c++)
-        if (res[c].ok && !(fabs(res[c].loss - expected) <= 1e-5 * fabs(expected))) {
+    for (int c = CASE_FORWARD; c <= CASE_FILTERED; c++)
+        if (res[c].ok && case_runs((bench_case)c, &s) && !(fabs(res[c].loss - expected) <= 1e-5 * fabs(expected))) {
             fprintf(stderr, "fh_bench: %s loss %.9g differs from the %s %.9g\n", case_name((bench_case)c, &s),
                     res[c].loss, s.head != HEAD_CE ? "forward's" : "materialized", expected);
             failed = 1;

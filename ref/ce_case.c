@@ -188,6 +188,7 @@ static fh_status run_fused(const ce_case_spec *s, ce_case *c)
     fh_context_set(ctx, FH_PARAM_TILE_VOCAB, s->tile_vocab);
     fh_context_set(ctx, FH_PARAM_MEMORY_BUDGET, s->budget);
     fh_context_set(ctx, FH_PARAM_FP32_DZ, s->fp32_dz);
+    fh_context_set_grad_filter_eps(ctx, s->grad_filter_eps);
     const int bf16 = s->dtype == FH_DTYPE_BF16;
     fh_linear lin;
     fh_linear_init(&lin, s->n, s->hidden, s->vocab, bf16 ? (const void *)c->x_bf16 : c->x,
@@ -216,8 +217,33 @@ static fh_status run_fused(const ce_case_spec *s, ce_case *c)
             st = fh_ce_backward(ctx, &lin, c->targets, &o, c->lse, c->grad_output, &io.grads);
     }
     ce_grads_io_finish(&io);
+    fh_context_filter_stats(ctx, &c->filter_stats);
     fh_context_destroy(ctx);
     return st;
+}
+
+static int64_t min64(int64_t a, int64_t b)
+{
+    return a < b ? a : b;
+}
+
+/* The tiles of the fused backward, for the reference's filter: the library's row blocks (balanced heights; bf16
+ * ones of at most 256 rows, with dweight after the blocks) or its streaming tiles (default 1024 x 2048). The
+ * default budget holds them for the cases the tests run. */
+static ref_filter filter_of(const ce_case_spec *s)
+{
+    const int bf16_du = s->dtype == FH_DTYPE_BF16 && !s->fp32_dz, row_blocks = s->train_step && !s->fp32_dz;
+    ref_filter f = {s->grad_filter_eps, 0, 0, row_blocks && bf16_du, s->softcap > 0.0};
+    if (row_blocks) {
+        const int64_t rows = min64(s->n, s->tile_rows > 0 ? s->tile_rows : bf16_du ? 256 : s->n);
+        const int64_t blocks = (s->n + rows - 1) / rows;
+        f.tile_rows = (s->n + blocks - 1) / blocks;
+        f.tile_vocab = s->vocab;
+    } else {
+        f.tile_rows = min64(s->n, s->tile_rows > 0 ? s->tile_rows : 1024);
+        f.tile_vocab = min64(s->vocab, s->tile_vocab > 0 ? s->tile_vocab : 2048);
+    }
+    return f;
 }
 
 static void run_reference(const ce_case_spec *s, ce_case *c)
@@ -228,7 +254,9 @@ static void run_reference(const ce_case_spec *s, ce_case *c)
     double *cw = c->class_weights ? to_double(c->class_weights, v) : NULL;
     double *g = to_double(c->grad_output, n);
     const ref_linear lin = {s->n, s->hidden, s->vocab, x, w, b};
-    const ref_ce_options o = {-100, (int)s->reduction, s->label_smoothing, cw, s->softcap, s->z_loss};
+    const ref_filter filter = filter_of(s);
+    const ref_ce_options o = {-100, (int)s->reduction, s->label_smoothing, cw, s->softcap, s->z_loss,
+                              s->grad_filter_eps > 0.0 ? &filter : NULL};
     c->ref_per_token_loss = xcalloc(n, sizeof(double));
     c->ref_logp = xcalloc(n, sizeof(double));
     c->ref_lse = xcalloc(n, sizeof(double));

@@ -25,6 +25,8 @@ typedef struct ce_case_spec {
     fh_dtype dtype;       /* of x and weight: FH_DTYPE_BF16 rounds them to bf16 for both sides */
     fh_dtype grad_dtype;  /* of dx, dweight and dbias (bf16 needs bf16 inputs) */
     int fp32_dz;          /* FH_PARAM_FP32_DZ */
+    double grad_filter_eps; /* fh_context_set_grad_filter_eps; the reference then filters as the call's tiles do
+                               (ref_filter), tile_rows and tile_vocab as set or as the library's defaults */
 } ce_case_spec;
 
 /* Sets every field to a small default case (mean reduction, no options). */
@@ -40,6 +42,7 @@ typedef struct ce_case {
     double loss, z_loss;
     float *per_token_loss, *logp, *lse, *dx, *dweight, *dbias;
     int64_t *argmax;
+    fh_filter_stats filter_stats; /* the fused backward's (fh_context_filter_stats) */
     /* reference outputs (dweight in the same layout as weight) */
     double ref_loss, ref_z_loss;
     double *ref_per_token_loss, *ref_logp, *ref_lse, *ref_dx, *ref_dweight, *ref_dbias;

@@ -107,6 +107,18 @@ int ref_ce_backward(const ref_linear *lin, const int64_t *t, const ref_ce_option
     double wsum, count;
     denominators(lin, t, o, &wsum, &count);
     const double eps = o->label_smoothing;
+    double *soft = NULL, *row_c = NULL, *row_scale = NULL, *du_dx = NULL, *du_dw = NULL;
+    if (o->filter) {
+        soft = calloc((size_t)(n * v), sizeof(double));
+        row_c = calloc((size_t)n, sizeof(double));
+        row_scale = calloc((size_t)n, sizeof(double));
+        du_dx = malloc((size_t)(n * v) * sizeof(double));
+        du_dw = malloc((size_t)(n * v) * sizeof(double));
+        if (!soft || !row_c || !row_scale || !du_dx || !du_dw) {
+            free(soft), free(row_c), free(row_scale), free(du_dx), free(du_dw), free(z), free(dzdu);
+            return -1;
+        }
+    }
     /* Overwrite z with du = d loss / d u, row by row. */
     for (int64_t i = 0; i < n; i++) {
         double *zi = z + i * v;
@@ -122,16 +134,33 @@ int ref_ce_backward(const ref_linear *lin, const int64_t *t, const ref_ce_option
         double wtotal = 0.0;
         for (int64_t j = 0; j < v; j++)
             wtotal += weight_of(o, j);
+        /* The coefficients of p (a) and of the target's onehot (b), as the fused head has them. */
+        const double a = g_ce * ((1.0 - eps) * weight_of(o, t[i]) + eps / (double)v * wtotal) + g_z * 2.0 * o->z_loss * lse;
+        const double b = -g_ce * (1.0 - eps) * weight_of(o, t[i]);
+        if (row_c) {
+            row_c[i] = g_ce * eps;
+            row_scale[i] = fabs(a) > fabs(b) ? fabs(a) : fabs(b);
+        }
         for (int64_t j = 0; j < v; j++) {
             const double p = exp(zi[j] - lse);
             const double onehot = j == t[i] ? 1.0 : 0.0;
             const double dce = (1.0 - eps) * weight_of(o, t[i]) * (p - onehot) +
                                eps / (double)v * (wtotal * p - weight_of(o, j));
             const double dzl = 2.0 * o->z_loss * lse * p;
+            if (soft) /* the a p part of dce + dzl: what filtering may drop */
+                soft[i * v + j] = a * p * dzdu[i * v + j];
             zi[j] = (g_ce * dce + g_z * dzl) * dzdu[i * v + j];
         }
     }
-    ref_linear_backward(lin, z, dx, dweight, dbias);
+    if (o->filter) {
+        const ref_filter_input in = {z, soft, row_scale, row_c};
+        ref_filter_apply(o->filter, n, v, t, &in, du_dx, du_dw);
+        ref_linear_backward(lin, du_dx, dx, NULL, NULL);
+        ref_linear_backward(lin, du_dw, NULL, dweight, NULL);
+        ref_linear_backward(lin, z, NULL, NULL, dbias);
+        free(soft), free(row_c), free(row_scale), free(du_dx), free(du_dw);
+    } else
+        ref_linear_backward(lin, z, dx, dweight, dbias);
     free(z);
     free(dzdu);
     return 0;

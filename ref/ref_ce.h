@@ -3,6 +3,7 @@
 #ifndef FH_REF_CE_H
 #define FH_REF_CE_H
 
+#include "ref_filter.h"
 #include "ref_linear.h"
 
 #include <stdint.h>
@@ -14,6 +15,7 @@ typedef struct ref_ce_options {
     const double *class_weights; /* [vocab] or NULL */
     double softcap;
     double z_loss;
+    const ref_filter *filter; /* NULL: exact gradients; else dx and dweight as that filter leaves them */
 } ref_ce_options;
 
 typedef struct ref_ce_result {

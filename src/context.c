@@ -113,6 +113,33 @@ FH_API fh_status fh_context_get(const fh_context *ctx, fh_param param, int64_t *
     return FH_OK;
 }
 
+FH_API fh_status fh_context_set_grad_filter_eps(fh_context *ctx, double eps)
+{
+    if (!ctx)
+        return FH_ERR_NULL_POINTER;
+    fh_clear_message(ctx);
+    if (!(eps >= 0.0 && eps < 1.0))
+        return fh_fail(ctx, FH_ERR_INVALID_PARAM_VALUE, "grad_filter_eps %g is outside [0, 1)", eps);
+    ctx->grad_filter_eps = eps;
+    return FH_OK;
+}
+
+FH_API fh_status fh_context_get_grad_filter_eps(const fh_context *ctx, double *eps)
+{
+    if (!ctx || !eps)
+        return FH_ERR_NULL_POINTER;
+    *eps = ctx->grad_filter_eps;
+    return FH_OK;
+}
+
+FH_API fh_status fh_context_filter_stats(const fh_context *ctx, fh_filter_stats *stats)
+{
+    if (!ctx || !stats)
+        return FH_ERR_NULL_POINTER;
+    *stats = ctx->filter_stats;
+    return FH_OK;
+}
+
 FH_API fh_status fh_context_message(const fh_context *ctx, const char **message)
 {
     if (!ctx || !message)

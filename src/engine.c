@@ -102,33 +102,47 @@ static int dw_acc_by_vocab(const fh_linear *lin)
     return lin->w_stride_vocab <= lin->w_stride_hidden;
 }
 
-/* dx[i0:i0+nb, :] (+)= dU W[:, v0:v0+vb]^T, dU the nb x vb rows of the tile from tile_row. accumulate: a
- * later tile of the call. */
+/* The view v moved `elems` elements on. */
+static fh_gemm_input shifted(fh_gemm_input v, int64_t elems)
+{
+    v.data = (const char *)v.data + (size_t)elems * elem_size(v.type);
+    return v;
+}
+
+/* A bf16 dx of a filtered row block is formed in f32 (dx_block) and rounded once at the block's end. */
+static int dx_in_block(const fh_engine_pass *p)
+{
+    return p->ws->dx_block && p->grads->dx_dtype == FH_DTYPE_BF16;
+}
+
+/* dx[i0:i0+nb, :] (+)= dU[:, j0:j0+len] W[:, v0+j0:v0+j0+len]^T, dU the nb x vb rows of the tile from tile_row.
+ * accumulate: a later tile (or column run) of the call. */
 static fh_status add_dx(const fh_engine_pass *p, int prepare, int64_t tile_row, int64_t i0, int64_t nb, int64_t v0,
-                        int64_t vb, int accumulate)
+                        int64_t vb, int64_t j0, int64_t len, int accumulate)
 {
     const fh_linear *lin = p->lin;
     const fh_linear_grads *grads = p->grads;
     const int64_t h = lin->hidden;
-    const fh_gemm_input du = du_view(p, tile_row, i0, vb);
+    const fh_gemm_input du = shifted(du_view(p, tile_row, i0, vb), j0);
     /* fp32_dz: w32 holds the tile's columns row-major, H x vb. */
-    const fh_gemm_input wt = p->plan->fp32_dz ? view(p->ws->w32, FH_ELEM_F32, 0, 1, vb)
-                                              : view(lin->weight, elem_type(lin->weight_dtype), v0 * lin->w_stride_vocab,
-                                                     lin->w_stride_vocab, lin->w_stride_hidden);
-    if (dx_accumulated(p)) {
-        const fh_gemm_output acc = f32_output(p->ws->dx_acc + i0 * h, h, 1);
-        return multiply(p, prepare, nb, h, vb, &du, &wt, accumulate, &acc);
+    const fh_gemm_input wt = p->plan->fp32_dz ? view(p->ws->w32, FH_ELEM_F32, j0, 1, vb)
+                                              : view(lin->weight, elem_type(lin->weight_dtype),
+                                                     (v0 + j0) * lin->w_stride_vocab, lin->w_stride_vocab,
+                                                     lin->w_stride_hidden);
+    if (dx_accumulated(p) || dx_in_block(p)) {
+        const fh_gemm_output acc = f32_output(dx_in_block(p) ? p->ws->dx_block : p->ws->dx_acc + i0 * h, h, 1);
+        return multiply(p, prepare, nb, h, len, &du, &wt, accumulate, &acc);
     }
     const fh_elem_type type = elem_type(grads->dx_dtype);
     const fh_gemm_output dx = {(char *)grads->dx + (size_t)(i0 * grads->dx_row_stride) * elem_size(type),
                                grads->dx_row_stride, 1, type};
-    return multiply(p, prepare, nb, h, vb, &du, &wt, accumulate || grads->dx_beta != 0.0f, &dx);
+    return multiply(p, prepare, nb, h, len, &du, &wt, accumulate || grads->dx_beta != 0.0f, &dx);
 }
 
-/* dweight[:, v0:v0+vb] (+)= X[i0:i0+nb, :]^T dU (tile rows from tile_row). accumulate: a later row tile of
- * the call. */
+/* dweight[:, v0+j0:v0+j0+len] (+)= X[i0:i0+nb, :]^T dU[:, j0:j0+len] (tile rows from tile_row). accumulate: a
+ * later row tile of the call. */
 static fh_status add_dweight(const fh_engine_pass *p, int prepare, int64_t tile_row, int64_t i0, int64_t nb,
-                             int64_t v0, int64_t vb, int accumulate)
+                             int64_t v0, int64_t vb, int64_t j0, int64_t len, int accumulate)
 {
     const fh_linear *lin = p->lin;
     const fh_linear_grads *grads = p->grads;
@@ -137,16 +151,17 @@ static fh_status add_dweight(const fh_engine_pass *p, int prepare, int64_t tile_
     const fh_gemm_input xt = p->plan->fp32_dz
                                  ? view(p->ws->x32, FH_ELEM_F32, 0, 1, h)
                                  : view(lin->x, elem_type(lin->x_dtype), i0 * lin->x_row_stride, 1, lin->x_row_stride);
-    const fh_gemm_input du = du_view(p, tile_row, i0, vb);
+    const fh_gemm_input du = shifted(du_view(p, tile_row, i0, vb), j0);
     if (dweight_accumulated(p)) {
         const int by_vocab = dw_acc_by_vocab(lin);
-        const fh_gemm_output acc = f32_output(p->ws->dw_acc, by_vocab ? vb : 1, by_vocab ? 1 : h);
-        return multiply(p, prepare, h, vb, nb, &xt, &du, accumulate, &acc);
+        const fh_gemm_output acc = f32_output(p->ws->dw_acc + (by_vocab ? j0 : j0 * h), by_vocab ? vb : 1,
+                                              by_vocab ? 1 : h);
+        return multiply(p, prepare, h, len, nb, &xt, &du, accumulate, &acc);
     }
     const fh_elem_type type = elem_type(grads->dweight_dtype);
-    const fh_gemm_output dw = {(char *)grads->dweight + (size_t)(v0 * lin->w_stride_vocab) * elem_size(type),
+    const fh_gemm_output dw = {(char *)grads->dweight + (size_t)((v0 + j0) * lin->w_stride_vocab) * elem_size(type),
                                lin->w_stride_hidden, lin->w_stride_vocab, type};
-    return multiply(p, prepare, h, vb, nb, &xt, &du, accumulate || grads->dweight_beta != 0.0f, &dw);
+    return multiply(p, prepare, h, len, nb, &xt, &du, accumulate || grads->dweight_beta != 0.0f, &dw);
 }
 
 /* Row blocks of paired rows are two segments, one in each half of the rows: their height and the rows they
@@ -172,6 +187,28 @@ static int dweight_after_blocks(const fh_engine_pass *p)
     return p->plan->row_blocks && p->plan->bf16_du;
 }
 
+static int filtering(const fh_engine_pass *p)
+{
+    return p->plan->filter_eps > 0.0;
+}
+
+/* Filtering runs the gradient GEMMs on runs of kept column blocks: any run when dU is f32 (BLIS takes any
+ * shape), one block at a time when it is bf16, so that the oneDNN primitives have two shapes a tile width (a
+ * whole block and the tile's last one), all made ready up front. */
+static int gemm_by_block(const fh_engine_pass *p)
+{
+    return filtering(p) && p->plan->bf16_du;
+}
+
+/* The widths of the GEMMs that cover a tile of `width` columns: the tile, or with gemm_by_block its whole and
+ * last blocks. */
+static void gemm_widths(const fh_engine_pass *p, int64_t width, int64_t out[2])
+{
+    const int64_t block = FH_GRAD_FILTER_COLUMNS;
+    out[0] = gemm_by_block(p) ? min64(block, width) : width;
+    out[1] = gemm_by_block(p) && width % block ? width % block : out[0];
+}
+
 fh_status fh_engine_prepare(const fh_engine_pass *p)
 {
     const fh_linear *lin = p->lin;
@@ -184,15 +221,20 @@ fh_status fh_engine_prepare(const fh_engine_pass *p)
     for (int h = 0; h < 2; h++)
         for (int w = 0; w < 2; w++) {
             st = st == FH_OK ? compute_logits(p, 1, p->ws->tile, 0, heights[h], 0, widths[w]) : st;
-            for (int accumulate = 0; grads && accumulate < 2; accumulate++) {
-                if (st == FH_OK && grads->dx)
-                    st = add_dx(p, 1, 0, 0, heights[h], 0, widths[w], accumulate);
-                if (st == FH_OK && grads->dweight && !dweight_after_blocks(p))
-                    st = add_dweight(p, 1, 0, 0, heights[h], 0, widths[w], accumulate);
-            }
+            int64_t parts[2];
+            gemm_widths(p, widths[w], parts);
+            for (int part = 0; grads && part < 2; part++)
+                for (int accumulate = 0; accumulate < 2; accumulate++) {
+                    if (st == FH_OK && grads->dx)
+                        st = add_dx(p, 1, 0, 0, heights[h], 0, widths[w], 0, parts[part], accumulate);
+                    if (st == FH_OK && grads->dweight && !dweight_after_blocks(p))
+                        st = add_dweight(p, 1, 0, 0, heights[h], 0, widths[w], 0, parts[part], accumulate);
+                }
         }
-    if (st == FH_OK && grads && grads->dweight && dweight_after_blocks(p))
-        st = add_dweight(p, 1, 0, 0, lin->n, 0, lin->vocab, 0);
+    int64_t parts[2];
+    gemm_widths(p, lin->vocab, parts);
+    for (int part = 0; part < 2 && st == FH_OK && grads && grads->dweight && dweight_after_blocks(p); part++)
+        st = add_dweight(p, 1, 0, 0, lin->n, 0, lin->vocab, 0, parts[part], 0);
     return st;
 }
 
@@ -359,19 +401,330 @@ static void round_du_row(const fh_engine_pass *p, const float *row, int64_t i0, 
         fh_row_to_bf16(row, vb, du_row(p, i0, r, vb));
 }
 
+/* ---- Gradient filtering (fh_context_set_grad_filter_eps) ----
+ * dU = a p + e p (z - sum_pz) + c w + b [j = target] (times dz/du). Each tile row records the largest |dU| of every
+ * block of FH_GRAD_FILTER_COLUMNS columns, its target's column left out, and its target dU and c. A block whose
+ * largest |dU| is below eps over the tile's rows is skipped by the dx and dweight GEMMs; what it held besides
+ * the softmax terms is then applied exactly: each skipped target as one column (dx_i += u W[:, y],
+ * dW[:, y] += u x_i), and c w, rank one without a softcap (dz/du = 1/T), as dx_i += c_i / T sum_j w_j W[:, j]
+ * and dW[:, j] += w_j / T sum_i c_i x_i over the skipped columns. Skipped dweight blocks honour beta through the
+ * `used` flags: a block is written (zeroed first when beta is 0) before anything is added to it, and blocks no
+ * GEMM or term reached are zeroed at the end. */
+
+/* The scale of row k's softmax terms, against which filtering measures them: max(|a|, |b|, |e|). A mean over N
+ * tokens makes every dU of the order of 1/N, so an absolute eps would skip everything at a large N; relative to
+ * the row's scale, |dU_j| < eps means p_j dz/du < eps in CE (a = -b), as Cut Cross-Entropy measures p. */
+static double row_scale(const fh_coef *k)
+{
+    const double a = fabs(k->a), b = fabs(k->b), e = fabs(k->e);
+    return a > b ? (a > e ? a : e) : (b > e ? b : e);
+}
+
+/* Records row tile_row's block maxima, target dU, c and scale, after fh_row_gradient and before any rounding. */
+static void note_row(const fh_engine_pass *p, float *row, int64_t tile_row, int64_t vb, int64_t target,
+                     const fh_coef *k)
+{
+    if (!filtering(p))
+        return;
+    const int has_target = target >= 0 && target < vb;
+    const float value = has_target ? row[target] : 0.0f;
+    if (has_target)
+        row[target] = 0.0f;
+    fh_row_block_max_abs(row, vb, FH_GRAD_FILTER_COLUMNS, p->ws->block_max + tile_row * p->plan->filter_blocks);
+    if (has_target)
+        row[target] = value;
+    p->ws->target_du[tile_row] = value;
+    p->ws->row_c[tile_row] = k->c;
+    p->ws->row_scale[tile_row] = row_scale(k);
+}
+
+static float x_at(const fh_linear *lin, int64_t i, int64_t k)
+{
+    const int64_t at = i * lin->x_row_stride + k;
+    return lin->x_dtype == FH_DTYPE_BF16 ? fh_bf16_to_f32(((const uint16_t *)lin->x)[at]) : ((const float *)lin->x)[at];
+}
+
+/* Element (k, j) of the [H, V] weight view. */
+static float w_at(const fh_linear *lin, int64_t k, int64_t j)
+{
+    const int64_t at = k * lin->w_stride_hidden + j * lin->w_stride_vocab;
+    return lin->weight_dtype == FH_DTYPE_BF16 ? fh_bf16_to_f32(((const uint16_t *)lin->weight)[at])
+                                              : ((const float *)lin->weight)[at];
+}
+
+/* Where the exact terms of row i (of the segment at i0) add into dx: f32 in every filtered case (dx_acc for a
+ * streamed bf16 dx, dx_block for a bf16 dx in row blocks, else the fp32 dx). */
+static float *dx_row_f32(const fh_engine_pass *p, int64_t i, int64_t i0)
+{
+    const int64_t h = p->lin->hidden;
+    if (dx_accumulated(p))
+        return p->ws->dx_acc + i * h;
+    if (dx_in_block(p))
+        return p->ws->dx_block + (i - i0) * h;
+    return (float *)p->grads->dx + i * p->grads->dx_row_stride;
+}
+
+/* Where they add into dweight (k, tile column jt), unless dweight_after_blocks: dw_acc for a streamed bf16
+ * dweight, else the fp32 dweight. */
+static float *dw_f32(const fh_engine_pass *p, int64_t k, int64_t jt, int64_t v0, int64_t vb)
+{
+    const fh_linear *lin = p->lin;
+    if (dweight_accumulated(p))
+        return p->ws->dw_acc + (dw_acc_by_vocab(lin) ? k * vb + jt : jt * lin->hidden + k);
+    return (float *)p->grads->dweight + k * lin->w_stride_hidden + (v0 + jt) * lin->w_stride_vocab;
+}
+
+static int64_t block_end(int64_t b, int64_t vb)
+{
+    return min64((b + 1) * FH_GRAD_FILTER_COLUMNS, vb);
+}
+
+/* Makes dweight's block b of the tile written: zeroed first when it holds nothing of this call yet (an
+ * accumulator, or beta 0). */
+static void claim_dw_block(const fh_engine_pass *p, int64_t b, int64_t v0, int64_t vb)
+{
+    if (p->ws->used[b])
+        return;
+    p->ws->used[b] = 1;
+    if (!dweight_accumulated(p) && p->grads->dweight_beta != 0.0f)
+        return;
+    for (int64_t j = b * FH_GRAD_FILTER_COLUMNS; j < block_end(b, vb); j++)
+        for (int64_t k = 0; k < p->lin->hidden; k++)
+            *dw_f32(p, k, j, v0, vb) = 0.0f;
+}
+
+/* s = sum over the skipped columns j of the tile of w_j W[:, v0 + j]. */
+static void skipped_weight_sum(const fh_engine_pass *p, int64_t v0, int64_t vb, double *s)
+{
+    const fh_linear *lin = p->lin;
+    const float *weights = p->class_weights ? p->class_weights + v0 : NULL;
+    const int64_t blocks = (vb + FH_GRAD_FILTER_COLUMNS - 1) / FH_GRAD_FILTER_COLUMNS;
+#pragma omp parallel for num_threads(p->plan->threads) schedule(static)
+    for (int64_t k = 0; k < lin->hidden; k++) {
+        double sum = 0.0;
+        for (int64_t b = 0; b < blocks; b++)
+            for (int64_t j = b * FH_GRAD_FILTER_COLUMNS; !p->ws->keep[b] && j < block_end(b, vb); j++)
+                sum += (double)(weights ? weights[j] : 1.0f) * w_at(lin, k, v0 + j);
+        s[k] = sum;
+    }
+}
+
+/* g (+)= sum over the segment's rows of c_i x_i. */
+static void c_weighted_rows(const fh_engine_pass *p, int64_t tile_row, int64_t i0, int64_t nb, int accumulate,
+                            double *g)
+{
+#pragma omp parallel for num_threads(p->plan->threads) schedule(static)
+    for (int64_t k = 0; k < p->lin->hidden; k++) {
+        double sum = accumulate ? g[k] : 0.0;
+        for (int64_t r = 0; r < nb; r++)
+            sum += p->ws->row_c[tile_row + r] * x_at(p->lin, i0 + r, k);
+        g[k] = sum;
+    }
+}
+
+/* The GEMMs of the kept blocks: for dx, and for dweight unless after the blocks (split where the used flags
+ * change, so that each GEMM writes or adds as all its blocks need). */
+static fh_status kept_block_gemms(const fh_engine_pass *p, int64_t tile_row, int64_t i0, int64_t nb, int64_t v0,
+                                  int64_t vb, int64_t blocks)
+{
+    const uint8_t *keep = p->ws->keep;
+    uint8_t *used = p->ws->used;
+    const int merge = !gemm_by_block(p);
+    fh_status st = FH_OK;
+    for (int64_t b = 0; p->grads->dx && b < blocks && st == FH_OK;) {
+        int64_t e = b + 1;
+        while (keep[b] && merge && e < blocks && keep[e])
+            e++;
+        if (keep[b])
+            st = add_dx(p, 0, tile_row, i0, nb, v0, vb, b * FH_GRAD_FILTER_COLUMNS,
+                        block_end(e - 1, vb) - b * FH_GRAD_FILTER_COLUMNS, 1);
+        b = e;
+    }
+    for (int64_t b = 0; p->grads->dweight && !dweight_after_blocks(p) && b < blocks && st == FH_OK;) {
+        int64_t e = b + 1;
+        while (keep[b] && merge && e < blocks && keep[e] && used[e] == used[b])
+            e++;
+        if (keep[b])
+            st = add_dweight(p, 0, tile_row, i0, nb, v0, vb, b * FH_GRAD_FILTER_COLUMNS,
+                             block_end(e - 1, vb) - b * FH_GRAD_FILTER_COLUMNS, used[b]);
+        for (int64_t q = b; keep[b] && q < e; q++)
+            used[q] = 1;
+        b = e;
+    }
+    return st;
+}
+
+/* The filtered gradient GEMMs of a dU tile's rows from tile_row (rows i0.., columns v0..), and the exact terms
+ * of the blocks they skip. The dx it adds to holds this call's earlier terms (zeroed at the pass's start, or at
+ * the block's when in row blocks). */
+static fh_status filtered_gradients(const fh_engine_pass *p, int64_t tile_row, int64_t i0, int64_t nb, int64_t v0,
+                                    int64_t vb)
+{
+    const fh_linear *lin = p->lin;
+    const fh_linear_grads *grads = p->grads;
+    const fh_workspace *ws = p->ws;
+    const int64_t h = lin->hidden, blocks = (vb + FH_GRAD_FILTER_COLUMNS - 1) / FH_GRAD_FILTER_COLUMNS;
+    const int after = dweight_after_blocks(p);
+    int any_c = 0;
+    for (int64_t r = 0; r < nb; r++)
+        any_c |= ws->row_c[tile_row + r] != 0.0;
+    const int unfiltered = any_c && p->tf.softcap > 0.0f; /* c w is not rank one under a softcap */
+    int64_t skipped_columns = 0;
+    for (int64_t b = 0; b < blocks; b++) {
+        int keep = unfiltered;
+        for (int64_t r = 0; r < nb && !keep; r++) /* a row without softmax terms (scale 0) holds nothing to drop */
+            keep = ws->row_scale[tile_row + r] != 0.0 &&
+                   !(ws->block_max[(tile_row + r) * p->plan->filter_blocks + b] <
+                     p->plan->filter_eps * ws->row_scale[tile_row + r]);
+        ws->keep[b] = (uint8_t)keep;
+        skipped_columns += keep ? 0 : block_end(b, vb) - b * FH_GRAD_FILTER_COLUMNS;
+        if (after && keep)
+            ws->used[b] = 1; /* the dweight GEMM after the blocks needs this block's columns */
+    }
+    const int gemms = (grads->dx != NULL) + (grads->dweight && !after);
+    ws->filter_stats->gradient_flops += 2.0 * (double)nb * (double)h * (double)vb * gemms;
+    ws->filter_stats->skipped_flops += 2.0 * (double)nb * (double)h * (double)skipped_columns * gemms;
+    if (p->plan->fp32_dz)
+        copy_x_rows(p, i0, nb);
+    const fh_status st = kept_block_gemms(p, tile_row, i0, nb, v0, vb, blocks);
+    if (st != FH_OK)
+        return st;
+    for (int64_t r = 0; r < nb; r++) {
+        const int64_t i = i0 + r, t = target_column(p->targets, i, lin->vocab, v0);
+        if (t < 0 || t >= vb || ws->keep[t / FH_GRAD_FILTER_COLUMNS])
+            continue;
+        /* Its c w term is in the rank-one sum below, over every skipped column. */
+        const double c_term = p->tf.inv_temperature * ws->row_c[tile_row + r] *
+                              (p->class_weights ? p->class_weights[v0 + t] : 1.0f);
+        const float u = (float)(ws->target_du[tile_row + r] - c_term);
+        float *dx = grads->dx ? dx_row_f32(p, i, i0) : NULL;
+        for (int64_t k = 0; dx && k < h; k++)
+            dx[k] += u * w_at(lin, k, v0 + t);
+        if (grads->dweight && after)
+            ws->used[t / FH_GRAD_FILTER_COLUMNS] = 1; /* its bf16 dU is in du: the GEMM after the blocks adds it */
+        else if (grads->dweight) {
+            claim_dw_block(p, t / FH_GRAD_FILTER_COLUMNS, v0, vb);
+            for (int64_t k = 0; k < h; k++)
+                *dw_f32(p, k, t, v0, vb) += u * x_at(lin, i, k);
+        }
+    }
+    if (!any_c)
+        return FH_OK;
+    const double inv_t = p->tf.inv_temperature;
+    double *s = ws->vectors, *g = ws->vectors + h, *g_all = ws->vectors + 2 * h;
+    if (grads->dweight && after)
+        c_weighted_rows(p, tile_row, i0, nb, 1, g_all); /* for the blocks that every row block skips */
+    if (skipped_columns == 0)
+        return FH_OK;
+    if (grads->dx) {
+        skipped_weight_sum(p, v0, vb, s);
+        for (int64_t r = 0; r < nb; r++) {
+            float *dx = dx_row_f32(p, i0 + r, i0);
+            const double scale = inv_t * ws->row_c[tile_row + r];
+            for (int64_t k = 0; k < h; k++)
+                dx[k] += (float)(scale * s[k]);
+        }
+    }
+    if (grads->dweight && !after) {
+        c_weighted_rows(p, tile_row, i0, nb, 0, g);
+        const float *weights = p->class_weights ? p->class_weights + v0 : NULL;
+        for (int64_t b = 0; b < blocks; b++) {
+            if (ws->keep[b])
+                continue;
+            claim_dw_block(p, b, v0, vb);
+            for (int64_t j = b * FH_GRAD_FILTER_COLUMNS; j < block_end(b, vb); j++) {
+                const double scale = inv_t * (weights ? weights[j] : 1.0f);
+                for (int64_t k = 0; k < h; k++)
+                    *dw_f32(p, k, j, v0, vb) += (float)(scale * g[k]);
+            }
+        }
+    }
+    return FH_OK;
+}
+
+/* Before a filtered pass: dx zeroed where the GEMMs and terms add into it (its accumulator, or an fp32 dx with
+ * beta 0), no dweight block used yet, the rank-one sum of the row blocks at zero. */
+static void filter_begin(const fh_engine_pass *p)
+{
+    const fh_linear *lin = p->lin;
+    const fh_linear_grads *grads = p->grads;
+    memset(p->ws->used, 0, (size_t)p->plan->filter_blocks);
+    memset(p->ws->vectors, 0, 3 * (size_t)lin->hidden * sizeof(double));
+    if (!grads->dx || p->plan->row_blocks)
+        return;
+    if (dx_accumulated(p))
+        memset(p->ws->dx_acc, 0, (size_t)(lin->n * lin->hidden) * sizeof(float));
+    else if (grads->dx_beta == 0.0f)
+        for (int64_t i = 0; i < lin->n; i++)
+            memset((float *)grads->dx + i * grads->dx_row_stride, 0, (size_t)lin->hidden * sizeof(float));
+}
+
+/* dweight's blocks of a tile (v0, vb) that nothing reached: written as beta says. */
+static void finish_dw_blocks(const fh_engine_pass *p, int64_t v0, int64_t vb)
+{
+    for (int64_t b = 0; b * FH_GRAD_FILTER_COLUMNS < vb; b++)
+        claim_dw_block(p, b, v0, vb);
+    memset(p->ws->used, 0, (size_t)p->plan->filter_blocks);
+}
+
+/* bf16 row blocks: dweight after the last block, one GEMM over every row for each block that some row block
+ * kept or that holds a skipped target; every other block gets only its rank-one c term (0 without one),
+ * rounded once, as beta says. */
+static fh_status filtered_dweight_after_blocks(const fh_engine_pass *p)
+{
+    const fh_linear *lin = p->lin;
+    const fh_linear_grads *grads = p->grads;
+    const int64_t n = lin->n, h = lin->hidden, vocab = lin->vocab, blocks = p->plan->filter_blocks;
+    const double *g_all = p->ws->vectors + 2 * h;
+    int any_c = 0;
+    for (int64_t k = 0; k < h; k++)
+        any_c |= g_all[k] != 0.0;
+    int64_t skipped_columns = 0;
+    fh_status st = FH_OK;
+    for (int64_t b = 0; b < blocks && st == FH_OK; b++) {
+        const int64_t j0 = b * FH_GRAD_FILTER_COLUMNS, j1 = block_end(b, vocab);
+        if (p->ws->used[b]) {
+            st = add_dweight(p, 0, 0, 0, n, 0, vocab, j0, j1 - j0, 0);
+            continue;
+        }
+        skipped_columns += j1 - j0;
+        if (!any_c && grads->dweight_beta != 0.0f)
+            continue;
+        const int accumulate = grads->dweight_beta != 0.0f;
+        for (int64_t j = j0; j < j1; j++) {
+            const double scale = p->tf.inv_temperature * (p->class_weights ? p->class_weights[j] : 1.0f);
+            for (int64_t k = 0; k < h; k++) {
+                const float value = (float)(scale * g_all[k]);
+                const int64_t at = k * lin->w_stride_hidden + j * lin->w_stride_vocab;
+                if (grads->dweight_dtype == FH_DTYPE_BF16)
+                    fh_row_add_to_bf16(&value, 1, accumulate, (uint16_t *)grads->dweight + at);
+                else
+                    ((float *)grads->dweight)[at] = accumulate ? ((float *)grads->dweight)[at] + value : value;
+            }
+        }
+    }
+    p->ws->filter_stats->gradient_flops += 2.0 * (double)n * (double)h * (double)vocab;
+    p->ws->filter_stats->skipped_flops += 2.0 * (double)n * (double)h * (double)skipped_columns;
+    return st;
+}
+
 /* The gradient GEMMs of a dU tile's rows from tile_row: dx is first written at v0 = 0, dweight at i0 = 0 (or,
- * after bf16 row blocks, once over every row). */
+ * after bf16 row blocks, once over every row). Filtered when eps > 0. */
 static fh_status add_gradients(const fh_engine_pass *p, int64_t tile_row, int64_t i0, int64_t nb, int64_t v0,
                                int64_t vb)
 {
+    if (filtering(p))
+        return filtered_gradients(p, tile_row, i0, nb, v0, vb);
     const fh_linear_grads *grads = p->grads;
+    const int gemms = (grads->dx != NULL) + (grads->dweight && !dweight_after_blocks(p));
+    p->ws->filter_stats->gradient_flops += 2.0 * (double)nb * (double)p->lin->hidden * (double)vb * gemms;
     fh_status st = FH_OK;
     if (p->plan->fp32_dz)
         copy_x_rows(p, i0, nb);
     if (grads->dx)
-        st = add_dx(p, 0, tile_row, i0, nb, v0, vb, v0 > 0);
+        st = add_dx(p, 0, tile_row, i0, nb, v0, vb, 0, vb, v0 > 0);
     if (st == FH_OK && grads->dweight && !dweight_after_blocks(p))
-        st = add_dweight(p, 0, tile_row, i0, nb, v0, vb, i0 > 0);
+        st = add_dweight(p, 0, tile_row, i0, nb, v0, vb, 0, vb, i0 > 0);
     return st;
 }
 
@@ -385,6 +738,8 @@ fh_status fh_engine_backward(const fh_engine_pass *p)
     const int64_t n = lin->n, vocab = lin->vocab;
     const int threads = p->plan->threads;
     double *column = p->ws->column;
+    if (filtering(p))
+        filter_begin(p);
     for (int64_t v0 = 0; v0 < vocab; v0 += p->plan->tile_vocab) {
         const int64_t vb = min64(p->plan->tile_vocab, vocab - v0);
         const float *weights = p->class_weights ? p->class_weights + v0 : NULL;
@@ -404,8 +759,10 @@ fh_status fh_engine_backward(const fh_engine_pass *p)
             for (int64_t r = 0; r < nb; r++) {
                 const int64_t i = i0 + r;
                 const fh_coef k = coef_of(p->coefs, i);
+                const int64_t t = target_column(p->targets, i, vocab, v0);
                 fh_row_transform(tile + r * vb, vb, bias, &p->tf);
-                fh_row_gradient(tile + r * vb, vb, target_column(p->targets, i, vocab, v0), weights, &k, &p->tf);
+                fh_row_gradient(tile + r * vb, vb, t, weights, &k, &p->tf);
+                note_row(p, tile + r * vb, r, vb, t, &k);
                 round_du_row(p, tile + r * vb, i0, r, vb);
             }
             if (grads->dbias)
@@ -414,6 +771,8 @@ fh_status fh_engine_backward(const fh_engine_pass *p)
             if (st != FH_OK)
                 return st;
         }
+        if (grads->dweight && filtering(p))
+            finish_dw_blocks(p, v0, vb);
         if (grads->dweight && dweight_accumulated(p))
             finish_dweight_tile(p, v0, vb);
         if (grads->dbias)
@@ -454,15 +813,40 @@ static fh_final_stats stored_stats(const fh_token_stats *s, int64_t i)
     return result;
 }
 
-/* Overwrites row r of the block at i0 (transformed logits) with its dU. */
-static void gradient_row(const fh_engine_pass *p, float *row, int64_t i0, int64_t r, const fh_final_stats *stats)
+/* Overwrites row r of the segment at i0 (transformed logits, tile row tile_row) with its dU. */
+static void gradient_row(const fh_engine_pass *p, float *row, int64_t tile_row, int64_t i0, int64_t r,
+                         const fh_final_stats *stats)
 {
     const int64_t i = i0 + r;
-    const int64_t vocab = p->lin->vocab;
+    const int64_t vocab = p->lin->vocab, t = target_column(p->targets, i, vocab, 0);
     fh_coef k = {stats->lse, 0.0, 0.0, 0.0, 0.0, stats->sum_pz};
     p->source->row(p->source->self, i, stats, &k);
-    fh_row_gradient(row, vocab, target_column(p->targets, i, vocab, 0), p->class_weights, &k, &p->tf);
+    fh_row_gradient(row, vocab, t, p->class_weights, &k, &p->tf);
+    note_row(p, row, tile_row, vocab, t, &k);
     round_du_row(p, row, i0, r, vocab);
+}
+
+/* A filtered row block's dx rows (segment at i0): zeroed before its GEMMs and terms add into them (the f32
+ * dx_block of a bf16 dx, or an fp32 dx with beta 0); dx_block rounded into dx after. */
+static void block_dx_begin(const fh_engine_pass *p, int64_t i0, int64_t nb)
+{
+    const fh_linear_grads *grads = p->grads;
+    const int64_t h = p->lin->hidden;
+    if (!filtering(p) || !grads->dx)
+        return;
+    if (dx_in_block(p))
+        memset(p->ws->dx_block, 0, (size_t)(nb * h) * sizeof(float));
+    else if (grads->dx_beta == 0.0f)
+        for (int64_t i = i0; i < i0 + nb; i++)
+            memset((float *)grads->dx + i * grads->dx_row_stride, 0, (size_t)h * sizeof(float));
+}
+
+static void block_dx_end(const fh_engine_pass *p, int64_t i0, int64_t nb)
+{
+    const fh_linear_grads *grads = p->grads;
+    if (filtering(p) && grads->dx && dx_in_block(p))
+        round_into_bf16(p->ws->dx_block, p->lin->hidden, (uint16_t *)grads->dx + i0 * grads->dx_row_stride,
+                        grads->dx_row_stride, nb, p->lin->hidden, grads->dx_beta != 0.0f, p->plan->threads);
 }
 
 /* The statistics of rows [i0, n) as arrays starting at row i0. */
@@ -494,6 +878,8 @@ fh_status fh_engine_row_blocks(const fh_engine_pass *p)
     if (grads->dbias)
         for (int64_t j = 0; j < vocab; j++)
             column[j] = 0.0;
+    if (filtering(p))
+        filter_begin(p);
     for (int64_t i0 = 0; i0 < span; i0 += height) {
         /* Segment s holds rows s * span + i0 .. + nb - 1, from tile row s * nb. */
         const int64_t nb = min64(height, span - i0), rows = segments * nb;
@@ -507,7 +893,7 @@ fh_status fh_engine_row_blocks(const fh_engine_pass *p)
             for (int64_t r = 0; r < rows; r++) {
                 const int64_t first = r / nb * span + i0;
                 const fh_final_stats result = fold_row(p, &request, tile + r * vocab, first + r % nb);
-                gradient_row(p, tile + r * vocab, first, r % nb, &result);
+                gradient_row(p, tile + r * vocab, r, first, r % nb, &result);
             }
         } else {
             /* The hook needs the whole block's statistics before any row's coefficients. */
@@ -522,21 +908,31 @@ fh_status fh_engine_row_blocks(const fh_engine_pass *p)
             for (int64_t r = 0; r < rows; r++) {
                 const int64_t first = r / nb * span + i0;
                 const fh_final_stats result = stored_stats(stats, first + r % nb);
-                gradient_row(p, tile + r * vocab, first, r % nb, &result);
+                gradient_row(p, tile + r * vocab, r, first, r % nb, &result);
             }
         }
         if (grads->dbias)
             add_column_sums(tile, rows, vocab, column, threads);
-        for (int64_t s = 0; s < segments && st == FH_OK; s++)
+        for (int64_t s = 0; s < segments && st == FH_OK; s++) {
+            block_dx_begin(p, s * span + i0, nb);
             st = add_gradients(p, s * nb, s * span + i0, nb, 0, vocab);
+            if (st == FH_OK)
+                block_dx_end(p, s * span + i0, nb);
+        }
         if (st != FH_OK)
             return st;
     }
     if (grads->dweight && dweight_after_blocks(p)) {
-        st = add_dweight(p, 0, 0, 0, n, 0, vocab, 0);
+        if (filtering(p))
+            st = filtered_dweight_after_blocks(p);
+        else {
+            p->ws->filter_stats->gradient_flops += 2.0 * (double)n * (double)lin->hidden * (double)vocab;
+            st = add_dweight(p, 0, 0, 0, n, 0, vocab, 0, vocab, 0);
+        }
         if (st != FH_OK)
             return st;
-    }
+    } else if (grads->dweight && filtering(p))
+        finish_dw_blocks(p, 0, vocab);
     if (grads->dbias)
         write_bias_gradient(grads, column, 0, vocab);
     return FH_OK;

@@ -36,27 +36,43 @@ static int buffer_bytes(int used, int64_t rows, int64_t cols, size_t elem_size, 
     return 0;
 }
 
-/* Places the slots, the tile, the column sums and the bf16 path's buffers; returns 0, or -1 if a size
- * overflows. */
+/* Places the slots, the tile, the column sums, the bf16 path's buffers and filtering's; returns 0, or -1 if a
+ * size overflows. */
 static int place_buffers(fh_plan *plan, int64_t n)
 {
+    enum { BUFFERS = 15 };
     const int64_t rows = plan->tile_rows, cols = plan->tile_vocab, hidden = plan->hidden;
-    size_t bytes[8];
-    size_t *const offsets[8] = {&plan->slots_offset, &plan->tile_offset,   &plan->column_offset,
-                                &plan->du_offset,    &plan->dx_acc_offset, &plan->dw_acc_offset,
-                                &plan->x32_offset,   &plan->w32_offset};
-    if (buffer_bytes(1, n, FH_WORKSPACE_SLOTS, sizeof(double), &bytes[0]) ||
-        buffer_bytes(1, rows, cols, sizeof(float), &bytes[1]) || buffer_bytes(1, 1, cols, sizeof(double), &bytes[2]) ||
-        buffer_bytes(plan->bf16_du, plan->row_blocks ? n : rows, cols, sizeof(uint16_t), &bytes[3]) ||
-        buffer_bytes(plan->accumulators, n, hidden, sizeof(float), &bytes[4]) ||
-        buffer_bytes(plan->accumulators, hidden, cols, sizeof(float), &bytes[5]) ||
-        buffer_bytes(plan->fp32_dz, rows, hidden, sizeof(float), &bytes[6]) ||
-        buffer_bytes(plan->fp32_dz, hidden, cols, sizeof(float), &bytes[7]))
-        return -1;
+    const int filter = plan->filter_eps > 0.0;
+    plan->filter_blocks = filter ? (cols + FH_GRAD_FILTER_COLUMNS - 1) / FH_GRAD_FILTER_COLUMNS : 0;
+    const struct {
+        int used;
+        int64_t rows, cols;
+        size_t elem_size;
+        size_t *offset;
+    } buffers[BUFFERS] = {
+        {1, n, FH_WORKSPACE_SLOTS, sizeof(double), &plan->slots_offset},
+        {1, rows, cols, sizeof(float), &plan->tile_offset},
+        {1, 1, cols, sizeof(double), &plan->column_offset},
+        {plan->bf16_du, plan->row_blocks ? n : rows, cols, sizeof(uint16_t), &plan->du_offset},
+        {plan->accumulators, n, hidden, sizeof(float), &plan->dx_acc_offset},
+        {plan->accumulators, hidden, cols, sizeof(float), &plan->dw_acc_offset},
+        {plan->fp32_dz, rows, hidden, sizeof(float), &plan->x32_offset},
+        {plan->fp32_dz, hidden, cols, sizeof(float), &plan->w32_offset},
+        {filter, rows, plan->filter_blocks, sizeof(float), &plan->block_max_offset},
+        {filter, rows, 1, sizeof(float), &plan->target_du_offset},
+        {filter, rows, 1, sizeof(double), &plan->row_c_offset},
+        {filter, rows, 1, sizeof(double), &plan->row_scale_offset},
+        {filter, 2, plan->filter_blocks, sizeof(uint8_t), &plan->flags_offset},
+        {filter, 3, hidden, sizeof(double), &plan->vectors_offset},
+        {filter && plan->row_blocks && plan->bf16_du, rows, hidden, sizeof(float), &plan->dx_block_offset},
+    };
     size_t at = 0;
-    for (int b = 0; b < 8; b++) {
-        *offsets[b] = at;
-        at += align_up(bytes[b]);
+    for (int b = 0; b < BUFFERS; b++) {
+        size_t bytes;
+        if (buffer_bytes(buffers[b].used, buffers[b].rows, buffers[b].cols, buffers[b].elem_size, &bytes))
+            return -1;
+        *buffers[b].offset = at;
+        at += align_up(bytes);
     }
     plan->bytes = at + ALIGN; /* + slack for a caller's base */
     return 0;
@@ -72,6 +88,7 @@ static void set_schedule(const fh_context *ctx, const fh_linear *lin, int gradie
     plan->fp32_dz = bf16 && ctx->params[FH_PARAM_FP32_DZ] != 0;
     plan->bf16_du = bf16 && !plan->fp32_dz;
     plan->accumulators = bf16 && !row_blocks;
+    plan->filter_eps = gradients ? ctx->grad_filter_eps : 0.0;
 }
 
 /* Tile sizes before the budget: parameters, else wisdom, else defaults. */
@@ -143,8 +160,14 @@ static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, int64_t 
     plan->tile_rows = 1;
     if (place_buffers(plan, n) != 0 || (int64_t)plan->bytes > budget)
         return -1;
-    /* Each further row costs vocab floats of logits. */
-    int64_t rows = 1 + (budget - (int64_t)plan->bytes) / (vocab * (int64_t)sizeof(float));
+    /* Each further row costs vocab floats of logits, and with filtering its block maxima, target dU, c, scale and (bf16)
+     * f32 dx row; the buffers' alignment is absorbed by the final check below. */
+    const int64_t filter_row_bytes =
+        plan->filter_eps > 0.0 ? plan->filter_blocks * (int64_t)sizeof(float) + (int64_t)(sizeof(float) + 2 * sizeof(double)) +
+                                     (plan->bf16_du ? lin->hidden * (int64_t)sizeof(float) : 0)
+                               : 0;
+    const int64_t row_bytes = vocab * (int64_t)sizeof(float) + filter_row_bytes;
+    int64_t rows = 1 + (budget - (int64_t)plan->bytes) / row_bytes;
     /* Blocks thinner than MIN_ROW_BLOCK lose to streaming (the H x V dweight is re-read per block); an
      * explicit FH_PARAM_TILE_ROWS (or measured wisdom) is honoured. */
     const int64_t min_rows = rows_param > 0 ? 1 : min64(n, MIN_ROW_BLOCK);
@@ -157,7 +180,13 @@ static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, int64_t 
         return -1;
     const int64_t blocks = (n + rows - 1) / rows;
     plan->tile_rows = (n + blocks - 1) / blocks;
-    return place_buffers(plan, n);
+    if (place_buffers(plan, n) != 0)
+        return -1;
+    while ((int64_t)plan->bytes > budget && plan->tile_rows > min_rows) {
+        plan->tile_rows--;
+        (void)place_buffers(plan, n); /* smaller than a size that did not overflow */
+    }
+    return (int64_t)plan->bytes <= budget ? 0 : -1;
 }
 
 static fh_status plan_train_step(const fh_context *ctx, const fh_linear *lin, int64_t group_rows, fh_plan *plan,
@@ -245,7 +274,17 @@ static fh_workspace carve(const fh_plan *plan, void *base, int64_t n)
     ws.dw_acc = plan->accumulators ? (float *)(aligned + plan->dw_acc_offset) : NULL;
     ws.x32 = plan->fp32_dz ? (float *)(aligned + plan->x32_offset) : NULL;
     ws.w32 = plan->fp32_dz ? (float *)(aligned + plan->w32_offset) : NULL;
+    const int filter = plan->filter_eps > 0.0;
+    ws.block_max = filter ? (float *)(aligned + plan->block_max_offset) : NULL;
+    ws.target_du = filter ? (float *)(aligned + plan->target_du_offset) : NULL;
+    ws.row_c = filter ? (double *)(aligned + plan->row_c_offset) : NULL;
+    ws.row_scale = filter ? (double *)(aligned + plan->row_scale_offset) : NULL;
+    ws.keep = filter ? (uint8_t *)(aligned + plan->flags_offset) : NULL;
+    ws.used = filter ? ws.keep + plan->filter_blocks : NULL;
+    ws.vectors = filter ? (double *)(aligned + plan->vectors_offset) : NULL;
+    ws.dx_block = filter && plan->row_blocks && plan->bf16_du ? (float *)(aligned + plan->dx_block_offset) : NULL;
     ws.gemm_cache = NULL;
+    ws.filter_stats = NULL;
     return ws;
 }
 
@@ -261,7 +300,9 @@ fh_status fh_workspace_acquire(fh_context *ctx, int64_t n, const fh_plan *plans,
     for (int k = 0; k < count; k++) {
         ws[k] = carve(&plans[k], base, n);
         ws[k].gemm_cache = &ctx->gemm_cache;
+        ws[k].filter_stats = &ctx->filter_stats;
     }
+    ctx->filter_stats = (fh_filter_stats){0.0, 0.0};
     /* The context, a layer below the GEMM one, frees the providers' cache through this. */
     ctx->gemm_cache_destroy = fh_gemm_cache_destroy;
     return FH_OK;

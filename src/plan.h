@@ -25,6 +25,14 @@ typedef struct fh_plan {
      * gradients (dx_acc n x H, dw_acc H x tile_vocab), whatever the call's gradient dtypes, so that the size
      * queries, which do not see them, hold for every call. */
     int bf16_du, fp32_dz, accumulators;
+    /* Gradient filtering (fh_context_set_grad_filter_eps): filter_eps > 0 in gradient passes; each tile row
+     * is filter_blocks blocks of FH_GRAD_FILTER_COLUMNS columns. Its buffers: every tile row's block maxima of
+     * |dU|, target dU, c coefficient and scale; per-block keep and used flags; three H-vectors for the rank-one c term;
+     * in bf16 row blocks an f32 dx of the block (dx_block, tile_rows x H), so that a bf16 dx is rounded once. */
+    double filter_eps;
+    int64_t filter_blocks;
+    size_t block_max_offset, target_du_offset, row_c_offset, row_scale_offset, flags_offset, vectors_offset,
+        dx_block_offset;
     size_t slots_offset;  /* FH_WORKSPACE_SLOTS arrays of n doubles */
     size_t tile_offset;   /* tile_rows * tile_vocab floats */
     size_t column_offset; /* tile_vocab doubles (bias-gradient column sums) */
@@ -69,6 +77,10 @@ typedef struct fh_workspace {
     double *column;
     uint16_t *du;
     float *dx_acc, *dw_acc, *x32, *w32;
+    float *block_max, *target_du, *dx_block; /* filtering's buffers (fh_plan), NULL when it is off */
+    double *row_c, *row_scale, *vectors;
+    uint8_t *keep, *used;
+    fh_filter_stats *filter_stats;           /* the context's, reset by fh_workspace_acquire */
     fh_gemm_cache **gemm_cache;  /* the context's, for the GEMM providers that keep state */
 } fh_workspace;
 

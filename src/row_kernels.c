@@ -154,6 +154,23 @@ void fh_row_gradient(float *z, int64_t count, int64_t target_column, const float
     chosen()->gradient(z, count, target_column, weights, coef, tf);
 }
 
+/* Portable on purpose: on the bits, |z| is an AND and the maximum an integer one (non-negative floats order as
+ * their bits do, and a NaN's bits exceed infinity's), both of which vectorise. */
+void fh_row_block_max_abs(const float *z, int64_t count, int64_t block, float *out)
+{
+    for (int64_t j0 = 0; j0 < count; j0 += block) {
+        const int64_t end = count - j0 < block ? count : j0 + block;
+        uint32_t largest = 0;
+        for (int64_t j = j0; j < end; j++) {
+            uint32_t bits;
+            memcpy(&bits, z + j, sizeof bits);
+            bits &= 0x7fffffffu;
+            largest = bits > largest ? bits : largest;
+        }
+        memcpy(out + j0 / block, &largest, sizeof largest);
+    }
+}
+
 /* Portable on purpose: the integer operations vectorise, and the conversion is one pass over a tile that a
  * GEMM then reads in full. Chunks go through local arrays and memcpy, so that narrowing in place is defined:
  * chunk c is written over bytes that chunks up to c / 2 were read from. */

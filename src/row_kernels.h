@@ -58,6 +58,10 @@ void fh_row_fold(const float *z, int64_t count, int64_t first_column, int64_t ta
 void fh_row_gradient(float *z, int64_t count, int64_t target_column, const float *weights,
                      const fh_coef *coef, const fh_transform *tf);
 
+/* out[b] = max |z[j]| over the columns j of block b (blocks of `block` columns, the last one shorter), for every
+ * block of the count columns; a NaN counts as larger than any number. */
+void fh_row_block_max_abs(const float *z, int64_t count, int64_t block, float *out);
+
 /* dst[j] = src[j] rounded to the nearest bf16 (ties to even; NaN stays NaN), for j < count. dst may be src's own
  * memory (a row narrowed in place into its first half). */
 void fh_row_to_bf16(const void *src, int64_t count, void *dst);

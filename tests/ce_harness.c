@@ -202,7 +202,7 @@ void cp_run_reference(const cp_problem *p, float grad_beta, cp_reference *r)
     double *b = tu_doubles(p->bias, v), *cw = tu_doubles(p->class_weights, v), *g = tu_doubles(p->grad_output, n);
     const ref_linear lin = {p->n, p->hidden, p->vocab, x, w, b};
     const ref_ce_options o = {p->options.ignore_index, (int)p->options.reduction, p->options.label_smoothing, cw,
-                              p->options.softcap, p->options.z_loss};
+                              p->options.softcap, p->options.z_loss, NULL};
     r->per_token_loss = tu_alloc(n, sizeof(double));
     r->logp = tu_alloc(n, sizeof(double));
     r->lse = tu_alloc(n, sizeof(double));

@@ -39,8 +39,8 @@ static void dproblem_make(dproblem *d, int all_options, int reduction, uint64_t 
         d->g[i] = 2.0 * ce_uniform(&rng) - 1.0;
     }
     d->g[0] = 0.75; /* serves mean and sum */
-    const ref_ce_options plain = {-100, reduction, 0.0, NULL, 0.0, 0.0};
-    const ref_ce_options all = {-100, reduction, 0.1, d->cw, 2.5, 1e-2};
+    const ref_ce_options plain = {-100, reduction, 0.0, NULL, 0.0, 0.0, NULL};
+    const ref_ce_options all = {-100, reduction, 0.1, d->cw, 2.5, 1e-2, NULL};
     d->o = all_options ? all : plain;
     if (all_options)
         d->t[IGNORED_ROW] = -100;

@@ -19,7 +19,7 @@ static void usage(void)
             "       [--label-smoothing E] [--class-weights] [--softcap C] [--z-loss S]\n"
             "       [--reduction mean|sum|none] [--threads T] [--seed S] [--dump DIR]\n"
             "       [--train-step] [--budget BYTES] [--tile-rows R] [--tile-vocab C] [--dtype f32|bf16]\n"
-            "       [--grad-dtype f32|bf16] [--fp32-dz]\n"
+            "       [--grad-dtype f32|bf16] [--fp32-dz] [--grad-filter-eps EPS] [--logit-scale S]\n"
             "       fh_gradcheck --loss grpo ... (fh_gradcheck --loss grpo --help)\n"
             "       fh_gradcheck --loss dpo|orpo|simpo|cpo ... (fh_gradcheck --loss dpo --help)\n");
 }
@@ -74,7 +74,11 @@ static int parse(int argc, char **argv, ce_case_spec *s, const char **dump)
                 return -1;
         } else if (strcmp(a, "--fp32-dz") == 0) {
             s->fp32_dz = 1;
-        } else if (VALUE_OPTION("--threads"))
+        } else if (VALUE_OPTION("--grad-filter-eps"))
+            s->grad_filter_eps = atof(v);
+        else if (VALUE_OPTION("--logit-scale"))
+            s->logit_scale = atof(v);
+        else if (VALUE_OPTION("--threads"))
             s->threads = atoi(v);
         else if (strcmp(a, "--train-step") == 0)
             s->train_step = 1;
@@ -159,11 +163,13 @@ int main(int argc, char **argv)
            "  \"dhidden_norm_rel\": %.3e,\n  \"dweight_max_abs\": %.3e,\n  \"dweight_max_rel\": %.3e,\n"
            "  \"dweight_norm_rel\": %.3e,\n  \"dbias_norm_rel\": %.3e,\n  \"argmax_mismatches\": %lld,\n"
            "  \"tolerance\": {\"loss_rel\": %g, \"grad_norm_rel\": %g, \"dbias_norm_rel\": %g},\n  \"blis_kernel_set\": \"%s\",\n"
-           "  \"pass\": %s\n}\n",
+           "  \"grad_filter_eps\": %g,\n  \"filter_skipped_fraction\": %.4f,\n  \"pass\": %s\n}\n",
            c.loss, c.ref_loss, m.abs_diff_loss, m.rel_diff_loss, m.abs_diff_z_loss, m.per_token_loss_max_abs,
            m.logp_max_abs, m.lse_max_abs, m.dhidden_max_abs, m.dhidden_max_rel, m.dhidden_norm_rel,
            m.dweight_max_abs, m.dweight_max_rel, m.dweight_norm_rel, m.dbias_norm_rel,
            (long long)m.argmax_mismatches, CE_LOSS_REL_TOL, m.grad_norm_rel_tol, m.dbias_norm_rel_tol, blis.kernel_set,
+           spec.grad_filter_eps,
+           c.filter_stats.gradient_flops > 0 ? c.filter_stats.skipped_flops / c.filter_stats.gradient_flops : 0.0,
            pass ? "true" : "false");
     int rc = pass ? 0 : 1;
     if (dump && dump_case(dump, &c) != 0) {

@@ -1,0 +1,32 @@
+/* Gradient filtering as the fused library does it (fh_context_set_grad_filter_eps), emulated on a reference
+ * head's dU in double, so that a filtered call is checked against what it should compute rather than against a
+ * loose bound. Not part of the installed library. */
+#ifndef FH_REF_FILTER_H
+#define FH_REF_FILTER_H
+
+#include <stdint.h>
+
+typedef struct ref_filter {
+    double eps;                 /* 0: off */
+    int64_t tile_rows;          /* the fused call's row tiles (row blocks) */
+    int64_t tile_vocab;         /* and vocabulary tiles (vocab for row blocks); blocks of FH_GRAD_FILTER_COLUMNS
+                                   columns start at each tile's first column */
+    int dweight_after_blocks;   /* bf16 row blocks: dweight is one product over every row, so a block is dropped
+                                   from it only where every row tile drops it and no row's target lies in it */
+    int softcap;                /* a softcap was set: a tile where some row has a nonzero c is not filtered */
+} ref_filter;
+
+/* A reference head's dU and what filtering needs of it, all [n, vocab] or [n]: soft, its softmax part (the a p
+ * and entropy terms; du - soft is the target term and the rank-one c w term); row_scale, max(|a|, |b|, |e|) of
+ * each row (fusedhead.h); row_c, nonzero where a row has a c w term. */
+typedef struct ref_filter_input {
+    const double *du, *soft, *row_scale, *row_c;
+} ref_filter_input;
+
+/* du_dx and du_dw [n, vocab]: the dU that the filtered dx and dweight products see, du with soft removed from
+ * every entry of a dropped block but the row's target. A block of a row tile is dropped when every |du| of it,
+ * targets left out, is below eps times its row's scale (rows of scale 0 hold nothing to drop). */
+void ref_filter_apply(const ref_filter *f, int64_t n, int64_t vocab, const int64_t *targets, const ref_filter_input *in,
+                      double *du_dx, double *du_dw);
+
+#endif

@@ -1,0 +1,197 @@
+/* Gradient filtering (fh_context_set_grad_filter_eps) against the double reference filtered the same way
+ * (ref/ref_filter.c: the softmax part of dU removed from the blocks the call's tiles drop, the target and c w terms
+ * kept), at the unfiltered tolerances of ref/ce_case.c: filtering changes what is computed, not how accurately,
+ * so any term dropped or applied twice shows. The inputs are peaked (logits of typical size 10) and the row tiles
+ * thin (4 rows), so that a sizeable part of the blocks is dropped and a sizeable part kept: each case asserts that
+ * the skipped fraction of the gradient GEMMs' flops is between 5% and 95%, so that both paths run. */
+#include "ce_case.h"
+#include "ce_harness.h"
+#include "test_util.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+static ce_case_spec filter_spec(fh_layout layout, int train_step)
+{
+    ce_case_spec s;
+    ce_case_spec_default(&s);
+    s.n = 257;
+    s.hidden = 67;
+    s.vocab = 5003;
+    s.layout = layout;
+    s.train_step = train_step;
+    s.logit_scale = 10.0;
+    s.tile_rows = 4;
+    s.tile_vocab = 2048;
+    s.grad_filter_eps = 0.02;
+    s.seed = 5;
+    return s;
+}
+
+/* Runs the spec, asserts it passes against the filtered reference and that filtering skipped between min_skip and
+ * 95% of the gradient GEMMs' flops. */
+static void check_filtered(const ce_case_spec *s, const char *label, double min_skip)
+{
+    ce_case c;
+    ce_metrics m;
+    char spec[512], metrics[512];
+    cp_format_spec(s, spec, sizeof spec);
+    const fh_status st = ce_case_run(s, &c, &m);
+    TU_CHECK(st == FH_OK, "%s [%s]: status %d (%s)", label, spec, (int)st, fh_status_string(st));
+    if (st == FH_OK) {
+        cp_format_metrics(&m, metrics, sizeof metrics);
+        TU_CHECK(ce_metrics_pass(&m), "%s [%s] eps %g: fused vs filtered reference: %s", label, spec,
+                 s->grad_filter_eps, metrics);
+        const double skipped = c.filter_stats.skipped_flops / c.filter_stats.gradient_flops;
+        TU_CHECK(skipped >= min_skip && skipped <= 0.95, "%s [%s]: %.4f of the gradient flops skipped", label, spec,
+                 skipped);
+    }
+    ce_case_free(&c);
+}
+
+static void test_fp32_options(void)
+{
+    for (int layout = 0; layout < 2; layout++)
+        for (int train_step = 0; train_step < 2; train_step++) {
+            ce_case_spec s = filter_spec((fh_layout)layout, train_step);
+            check_filtered(&s, "no options", 0.05);
+            s.label_smoothing = 0.1; /* the rank-one c w term */
+            s.class_weights = 1;
+            s.bias = 1;
+            s.ignore_frac = 0.1;
+            check_filtered(&s, "label smoothing, class weights, bias, ignored tokens", 0.05);
+            s.label_smoothing = 0.0;
+            s.class_weights = 0;
+            s.z_loss = 1e-3;
+            s.reduction = FH_REDUCTION_NONE;
+            s.grad_beta = 1.0f;
+            check_filtered(&s, "z-loss, reduction none, beta 1", 0.05);
+            s.z_loss = 0.0;
+            s.softcap = 30.0;
+            check_filtered(&s, "softcap (no c term: filtered)", 0.05);
+            s.label_smoothing = 0.1;
+            check_filtered(&s, "softcap and label smoothing (c w is not rank one: nothing skipped)", 0.0);
+        }
+}
+
+/* Beta 1 with the c term: dweight blocks that only the rank-one term reaches are added to, not overwritten. */
+static void test_fp32_accumulate_c_term(void)
+{
+    ce_case_spec s = filter_spec(FH_LAYOUT_VH, 1);
+    s.label_smoothing = 0.2;
+    s.class_weights = 1;
+    s.grad_beta = 1.0f;
+    s.grad_filter_eps = 0.2;
+    check_filtered(&s, "label smoothing 0.2, beta 1, eps 0.2", 0.3);
+    s.train_step = 0;
+    check_filtered(&s, "the same, streaming", 0.3);
+}
+
+/* bf16: dU rounded to bf16 and one GEMM per kept block (oneDNN primitives of two shapes); in row blocks dx goes
+ * through its f32 block buffer and dweight is one GEMM over every row after the blocks, dropping only the blocks
+ * that every row block drops and no target lies in. */
+static void test_bf16(void)
+{
+    if (!cp_have_bf16())
+        return;
+    for (int layout = 0; layout < 2; layout++)
+        for (int train_step = 0; train_step < 2; train_step++)
+            for (int grads = 0; grads < 2; grads++) {
+                ce_case_spec s = filter_spec((fh_layout)layout, train_step);
+                s.dtype = FH_DTYPE_BF16;
+                s.grad_dtype = grads ? FH_DTYPE_BF16 : FH_DTYPE_F32;
+                check_filtered(&s, "bf16", 0.05);
+                s.label_smoothing = 0.1;
+                s.class_weights = 1;
+                s.grad_beta = 1.0f;
+                check_filtered(&s, "bf16, label smoothing, class weights, beta 1", 0.05);
+            }
+    ce_case_spec s = filter_spec(FH_LAYOUT_HV, 1);
+    s.dtype = FH_DTYPE_BF16;
+    s.fp32_dz = 1; /* streams, with f32 GEMMs on runs of blocks */
+    s.label_smoothing = 0.1;
+    check_filtered(&s, "bf16 inputs, fp32 dZ", 0.05);
+}
+
+/* The bounds, the value kept, and the statistics of the last call. */
+static void test_contract(void)
+{
+    fh_context *ctx = tu_context(1, 0, 0, 0);
+    double eps = -1.0;
+    const double bad[] = {-1e-9, 1.0, NAN, INFINITY};
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++)
+        TU_CHECK(fh_context_set_grad_filter_eps(ctx, bad[k]) == FH_ERR_INVALID_PARAM_VALUE, "eps %g is refused",
+                 bad[k]);
+    TU_CHECK(fh_context_get_grad_filter_eps(ctx, &eps) == FH_OK && eps == 0.0, "a refused eps leaves 0: %g", eps);
+    TU_CHECK(fh_context_set_grad_filter_eps(ctx, 0x1p-12) == FH_OK, "2^-12 is taken");
+    TU_CHECK(fh_context_get_grad_filter_eps(ctx, &eps) == FH_OK && eps == 0x1p-12, "and kept: %g", eps);
+    TU_CHECK(fh_context_set_grad_filter_eps(NULL, 0.0) == FH_ERR_NULL_POINTER, "NULL context");
+    TU_CHECK(fh_context_get_grad_filter_eps(ctx, NULL) == FH_ERR_NULL_POINTER, "NULL eps");
+    fh_filter_stats stats;
+    TU_CHECK(fh_context_filter_stats(ctx, NULL) == FH_ERR_NULL_POINTER, "NULL stats");
+    TU_CHECK(fh_context_filter_stats(ctx, &stats) == FH_OK && stats.gradient_flops == 0.0 && stats.skipped_flops == 0.0,
+             "a fresh context has done no work");
+
+    /* eps 0: the dense work of the split backward (4 N H V) and of the train step, nothing skipped; a forward
+     * resets the counts to 0. */
+    enum { N = 33, H = 16, V = 700 };
+    cp_problem p;
+    cp_problem_init(&p, N, H, V, FH_LAYOUT_HV, 0);
+    cp_problem_randomize(&p, 3, 3.0);
+    TU_CHECK(fh_context_set_grad_filter_eps(ctx, 0.0) == FH_OK, "eps 0");
+    for (int train_step = 0; train_step < 2; train_step++) {
+        const cp_config cfg = {1, 0, 0, 0, 0.0f, train_step};
+        cp_fused f;
+        TU_CHECK(cp_run_fused_on(ctx, &p, &cfg, &f) == FH_OK, "call");
+        fh_context_filter_stats(ctx, &stats);
+        TU_CHECK(stats.gradient_flops == 4.0 * N * H * V && stats.skipped_flops == 0.0,
+                 "train step %d: %g gradient flops (expected %g), %g skipped", train_step, stats.gradient_flops,
+                 4.0 * N * H * V, stats.skipped_flops);
+        cp_fused_free(&f);
+    }
+    fh_linear lin;
+    cp_problem_linear(&p, &lin);
+    double loss;
+    fh_ce_outputs out = {.loss = &loss};
+    TU_CHECK(fh_ce_forward(ctx, &lin, p.targets, &p.options, &out) == FH_OK, "forward");
+    fh_context_filter_stats(ctx, &stats);
+    TU_CHECK(stats.gradient_flops == 0.0, "a forward has no gradient work: %g", stats.gradient_flops);
+    cp_problem_free(&p);
+    fh_context_destroy(ctx);
+}
+
+/* With filtering on, the queried workspace handed in by the caller serves the call exactly. */
+static void test_queried_workspace(void)
+{
+    for (int train_step = 0; train_step < 2; train_step++) {
+        cp_problem p;
+        cp_problem_init(&p, 70, 24, 1500, FH_LAYOUT_VH, CP_BIAS);
+        cp_problem_randomize(&p, 8, 10.0);
+        fh_context *ctx = tu_context(1, 8, 600, 0);
+        TU_CHECK(fh_context_set_grad_filter_eps(ctx, 0.02) == FH_OK, "eps");
+        fh_linear lin;
+        cp_problem_linear(&p, &lin);
+        size_t bytes = 0;
+        const fh_status q = train_step ? fh_ce_forward_backward_workspace_size(ctx, &lin, &p.options, &bytes)
+                                       : fh_ce_workspace_size(ctx, &lin, &p.options, &bytes);
+        TU_CHECK(q == FH_OK, "query");
+        void *ws = malloc(bytes);
+        TU_CHECK(fh_context_set_workspace(ctx, ws, bytes) == FH_OK, "caller workspace of %zu bytes", bytes);
+        const cp_config cfg = {1, 8, 600, 0, 0.0f, train_step};
+        cp_fused f;
+        TU_CHECK(cp_run_fused_on(ctx, &p, &cfg, &f) == FH_OK, "train step %d in the queried workspace", train_step);
+        cp_fused_free(&f);
+        fh_context_destroy(ctx);
+        free(ws);
+        cp_problem_free(&p);
+    }
+}
+
+static const tu_test tests[] = {
+    {"fp32: every option, both layouts and schedules", test_fp32_options},
+    {"fp32: the rank-one term with beta 1", test_fp32_accumulate_c_term},
+    {"bf16: both schedules, bf16 gradients, fp32 dZ", test_bf16},
+    {"eps bounds and the work statistics", test_contract},
+    {"the queried workspace serves filtered calls", test_queried_workspace},
+};
+const tu_suite suite_filter = {tests, TU_COUNT(tests)};
