@@ -13,7 +13,7 @@ import threading
 from typing import NamedTuple, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 from . import _lib
-from ._lib import Dtype, Layout, Param, Reduction, c_double_p, c_float_p, c_int64_p, load_library
+from ._lib import Dtype, Layout, Param, Reduction, c_double_p, c_float_p, c_int64_p, fh_filter_stats, load_library
 from .errors import FusedheadError, error_for
 
 
@@ -77,14 +77,17 @@ class Context:
 
     Settings (0 = the library's default): threads (0 = all available), tile_rows, tile_vocab,
     memory_budget (bytes; default 512 MiB), check_finite (1: reject NaN/Inf inputs, if the library has it),
-    fp32_dz (1: with bf16 inputs keep dZ in fp32 for the gradient GEMMs: fp32-accurate, at the fp32 rate).
+    fp32_dz (1: with bf16 inputs keep dZ in fp32 for the gradient GEMMs: fp32-accurate, at the fp32 rate),
+    grad_filter_eps (a float; 0 = off: gradient filtering skips the backward GEMM blocks whose softmax terms
+    are below eps times their row's scale, as Cut Cross-Entropy does; `filter_stats()` tells what it skipped).
     Calls on one context are serialised by a lock (the library forbids concurrent calls on one context);
     use one context per thread for parallel calls. `default_context()` gives each thread its own.
     """
 
     def __init__(self, *, threads: Optional[int] = None, tile_rows: Optional[int] = None,
                  tile_vocab: Optional[int] = None, memory_budget: Optional[int] = None,
-                 check_finite: Optional[bool] = None, fp32_dz: Optional[bool] = None):
+                 check_finite: Optional[bool] = None, fp32_dz: Optional[bool] = None,
+                 grad_filter_eps: Optional[float] = None):
         self._lib = load_library()
         self._lock = threading.RLock()
         self._workspace = None
@@ -98,6 +101,8 @@ class Context:
             for name, value in settings.items():
                 if value is not None:
                     self.set(name, value)
+            if grad_filter_eps is not None:
+                self.grad_filter_eps = grad_filter_eps
         except BaseException:
             self.close()
             raise
@@ -181,6 +186,23 @@ class Context:
                             lambda self, v: self.set(Param.CHECK_FINITE, int(bool(v))))
     fp32_dz = property(lambda self: bool(self.get(Param.FP32_DZ)), lambda self, v: self.set(Param.FP32_DZ, int(bool(v))))
 
+    @property
+    def grad_filter_eps(self) -> float:
+        value = ctypes.c_double()
+        self.call("fh_context_get_grad_filter_eps", ctypes.byref(value), pure=True)
+        return value.value
+
+    @grad_filter_eps.setter
+    def grad_filter_eps(self, eps: float) -> None:
+        self.call("fh_context_set_grad_filter_eps", float(eps))
+
+    def filter_stats(self) -> Tuple[float, float]:
+        """fh_context_filter_stats: (gradient_flops, skipped_flops) of the last call on this context: the flops
+        of the unfiltered dx and dweight GEMMs, and those gradient filtering skipped."""
+        stats = fh_filter_stats()
+        self.call("fh_context_filter_stats", ctypes.byref(stats), pure=True)
+        return stats.gradient_flops, stats.skipped_flops
+
     def set_workspace(self, buffer=None) -> None:
         """Hand the context a caller-owned workspace: any writable C-contiguous buffer (bytearray, NumPy
         array; for a torch tensor pass tensor.numpy()). The context keeps a reference. None returns to a
@@ -205,7 +227,7 @@ class Context:
 
 
 _thread_local = threading.local()
-_SETTING_NAMES = ("threads", "tile_rows", "tile_vocab", "memory_budget", "check_finite", "fp32_dz")
+_SETTING_NAMES = ("threads", "tile_rows", "tile_vocab", "memory_budget", "check_finite", "fp32_dz", "grad_filter_eps")
 _default_settings: dict = {}
 _default_generation = 0
 

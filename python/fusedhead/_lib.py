@@ -129,6 +129,10 @@ class fh_blis_info(ctypes.Structure):
     ]
 
 
+class fh_filter_stats(ctypes.Structure):
+    _fields_ = [("gradient_flops", ctypes.c_double), ("skipped_flops", ctypes.c_double)]
+
+
 class fh_linear(ctypes.Structure):
     _fields_ = [
         ("n", ctypes.c_int64),
@@ -305,6 +309,9 @@ _REQUIRED = {
     "fh_param_bounds": (_st, [ctypes.c_int, c_int64_p, c_int64_p]),
     "fh_context_message": (_st, [_ctx_p, _P(ctypes.c_char_p)]),
     "fh_context_set_workspace": (_st, [_ctx_p, ctypes.c_void_p, ctypes.c_size_t]),
+    "fh_context_set_grad_filter_eps": (_st, [_ctx_p, ctypes.c_double]),
+    "fh_context_get_grad_filter_eps": (_st, [_ctx_p, _P(ctypes.c_double)]),
+    "fh_context_filter_stats": (_st, [_ctx_p, _P(fh_filter_stats)]),
     "fh_blis_query": (_st, [_P(fh_blis_info)]),
     "fh_linear_init": (_st, [_P(fh_linear), ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                              ctypes.c_void_p, ctypes.c_int, c_float_p]),

@@ -1,0 +1,83 @@
+"""Gradient filtering through the binding: Context(grad_filter_eps=...) and filter_stats().
+
+Tolerance of the filtered gradients against torch float64 (exact, unfiltered): the unfiltered one
+(GRAD_RTOL_F64 * ||ref||) plus what filtering may drop, derived from eps. Filtering drops only softmax terms of
+dU, the logits' gradient, with |dU_ij| < eps * s_i, s_i the row's scale (for cross-entropy with a mean over N
+tokens, 1 / N), never a target's. So the dropped entries lie in S = {(i, j): j != y_i, |dU_ij| < eps s_i}, where
+(no label smoothing) dU_ij is the softmax term itself, and |d dx_ik| <= sum_{j in S_i} |dU_ij| |W_jk|,
+|d dW_jk| <= sum_{i: j in S_i} |x_ik| |dU_ij|: computed here from the float64 dU. The test asserts that this bound
+is well below the gradient's own norm (it could fail), that filtering skipped a sizeable share of the work, and
+that the loss is unchanged (the forward is not filtered).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import fusedhead  # noqa: E402
+import fusedhead.torch as fht  # noqa: E402
+from conftest import GRAD_RTOL_F64, normwise  # noqa: E402
+
+N, H, V = 64, 32, 4096
+EPS = 1e-3
+
+
+def peaked(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, H, generator=g) * 2.0
+    w = torch.randn(V, H, generator=g) * 2.0  # logits of typical size 10: a peaked softmax
+    y = torch.randint(0, V, (N,), generator=g)
+    return x, w, y
+
+
+def test_context_setting():
+    with fusedhead.Context(grad_filter_eps=2.0 ** -12) as ctx:
+        assert ctx.grad_filter_eps == 2.0 ** -12
+        ctx.grad_filter_eps = 0.0
+        assert ctx.grad_filter_eps == 0.0
+        for bad in (-1e-9, 1.0, float("nan")):
+            with pytest.raises(fusedhead.errors.InvalidParamValueError, match="grad_filter_eps"):
+                ctx.grad_filter_eps = bad
+        assert ctx.grad_filter_eps == 0.0
+        assert ctx.filter_stats() == (0.0, 0.0)
+
+
+def test_default_context_setting():
+    fusedhead.set_default_context_settings(grad_filter_eps=EPS)
+    try:
+        assert fusedhead.default_context().grad_filter_eps == EPS
+    finally:
+        fusedhead.set_default_context_settings(grad_filter_eps=None)
+    assert fusedhead.default_context().grad_filter_eps == 0.0
+
+
+@pytest.mark.parametrize("tile_rows", [4, 0], ids=["row-blocks-of-4", "one-row-block"])
+def test_filtered_gradients_within_the_derived_bound(tile_rows):
+    x, w, y = peaked(3)
+    # The binding runs the single-call train step: in row blocks of 4 rows many blocks are skipped (about a fifth
+    # of the work here); in the default one block of 64 rows almost none.
+    ctx = fusedhead.Context(threads=1, tile_rows=tile_rows, grad_filter_eps=EPS)
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(xd @ wd.T, y)
+    ref.backward()
+    xf, wf = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = fht.fused_linear_cross_entropy(xf, wf, y, context=ctx)
+    loss.backward()
+    gradient_flops, skipped = ctx.filter_stats()
+    assert gradient_flops == 4.0 * N * H * V
+    if tile_rows:
+        assert skipped / gradient_flops > 0.2, skipped / gradient_flops
+    assert abs(float(loss) - float(ref)) <= 1e-6 * abs(float(ref))
+    with torch.no_grad():
+        du = (torch.softmax(xd @ wd.T, dim=1) - torch.nn.functional.one_hot(y, V).double()) / N
+        droppable = (du.abs() < EPS / N) & (torch.nn.functional.one_hot(y, V) == 0)
+        dropped = (du.abs() * droppable).numpy()
+    bound_dx = np.linalg.norm(dropped @ np.abs(w.double().numpy()))
+    bound_dw = np.linalg.norm(dropped.T @ np.abs(x.double().numpy()))
+    for got, want, bound in ((xf.grad, xd.grad, bound_dx), (wf.grad, wd.grad, bound_dw)):
+        want = want.numpy()
+        norm = np.linalg.norm(want)
+        assert bound < 0.1 * norm, (bound, norm)
+        assert normwise(got.numpy(), want) * norm <= GRAD_RTOL_F64 * norm + bound
