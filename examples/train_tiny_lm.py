@@ -1,9 +1,11 @@
 #!/usr/bin/python3
-"""Trains a tiny language model on the Python standard library's sources, twice from the same seed: (a) with
-torch's materialized logits, F.cross_entropy(F.linear(h, W), y), and (b) with
-fusedhead.torch.fused_linear_cross_entropy, which never forms the [N, V] logits. It shows that the two training
-curves agree, and it measures how peaked a really trained head's softmax is (gradient filtering, issue 12, skips
-the backward work where |dZ| < eps, so its gain depends on that).
+"""Trains a tiny language model on the Python standard library's sources, three times from the same seed: (a) with
+torch's materialized logits, F.cross_entropy(F.linear(h, W), y), (b) with
+fusedhead.torch.fused_linear_cross_entropy, which never forms the [N, V] logits, and (c) the same with gradient
+filtering (Context(grad_filter_eps=--filter-eps), row blocks of --filter-tile-rows tokens), which skips the
+backward GEMM blocks whose softmax terms are below eps. It shows how the three training curves agree, what share
+of the backward work filtering skipped at each step, and how peaked a really trained head's softmax is (what
+filtering can gain depends on that).
 
     FUSEDHEAD_LIBRARY=$PWD/build/libfusedhead.so PYTHONPATH=python /usr/bin/python3 examples/train_tiny_lm.py \
         --out /tmp/tiny-lm --save-batch /tmp/tiny-lm/batch
@@ -19,25 +21,28 @@ Steps:
      which stands for the newline.
   3. Tokens: the first --corpus-bytes of text; the last tenth of the token stream is held out.
   4. Model: token and position embeddings, --layers pre-norm transformer blocks (causal, no dropout), a final
-     LayerNorm and an untied lm_head [V, H]; Adam. Runs (a) and (b) start from copies of one model and see the
-     same batches, step for step (interleaved, so the machine's noise hits both timings alike).
+     LayerNorm and an untied lm_head [V, H]; Adam. Runs (a), (b) and (c) start from copies of one model and see
+     the same batches, step for step (interleaved, so the machine's noise hits their timings alike).
   5. Every --log-every steps (and at the last step) a row of OUT/curves.csv:
        loss_torch, loss_fused    each run's training loss on the step's batch
        rel_diff                  |loss_fused - loss_torch| / loss_torch: the two trajectories apart
        same_state_rel_diff       run (b)'s fused loss against materialized logits on run (b)'s own hidden states
                                  and weight: the fused head's own error, without the trajectories' divergence
        ms_torch, ms_fused        mean time of a whole training step (model, head, backward, Adam) since the last row
+       loss_filtered, filtered_rel_diff, ms_filtered
+                                 run (c)'s loss, |loss_filtered - loss_fused| / loss_fused, and its time
+       skipped                   the share of run (c)'s backward GEMM flops that filtering skipped at this step
        entropy and the peakedness of run (b)'s softmax p = softmax(h W^T) over the first --stat-rows rows of the
        batch (materialized in float64; cheap): p_lt_2m12 and p_lt_2m28, the fractions of entries below 2^-12
        (bf16's filtering eps) and 2^-28 (fp32's); blocks_lt_2m12, the fraction of blocks of those rows x 256
        vocabulary columns whose every entry is below 2^-12 (what filtering could skip); sorted_blocks_lt_2m12,
        the same after ordering the vocabulary by mean logit over those rows (what vocabulary sorting would give).
-     OUT/curves.gp renders OUT/loss.png (both curves, and the relative differences on a log scale) and
-     OUT/distribution.png (the peakedness against the step).
+     OUT/curves.gp renders OUT/loss.png (the curves, and the relative differences on a log scale) and
+     OUT/distribution.png (the peakedness and the skipped share against the step).
   6. --save-batch DIR: run (b)'s final hidden states on held-out text, hidden.npy [N, H] float32, targets.npy [N]
      int64 and weight.npy [V, H] float32 (the lm_head), N = --save-rows; their statistics are printed.
 
-The default run (V=16384, H=256, 2 blocks, 16 x 64 tokens per step, 300 steps) takes about N minutes on 2 cores.
+The default run (V=16384, H=256, 2 blocks, 16 x 64 tokens per step, 300 steps) takes about 7 minutes on 2 cores.
 """
 from __future__ import annotations
 
@@ -90,6 +95,10 @@ def parse_args(argv=None):
     p.add_argument("--stat-rows", type=int, default=64, help="rows of the batch the peakedness is measured on")
     p.add_argument("--save-batch", metavar="DIR", help="write the trained head's held-out batch as .npy here")
     p.add_argument("--save-rows", type=int, default=2048, help="rows of the saved batch")
+    p.add_argument("--filter-eps", type=float, default=EPS_BF16,
+                   help="run (c)'s grad_filter_eps (default 2^-12, Cut Cross-Entropy's for bf16)")
+    p.add_argument("--filter-tile-rows", type=int, default=64,
+                   help="run (c)'s row blocks: filtering skips a block only when all its rows allow it")
     p.add_argument("--control", action="store_true",
                    help="a third run: materialized logits summed over two halves of H (rounding differences alone)")
     p.add_argument("--no-plot", action="store_true", help="write the gnuplot script but do not run gnuplot")
@@ -164,8 +173,11 @@ def split_k_cross_entropy(hidden, weight, targets):
     return F.cross_entropy(F.linear(hidden[:, :k], weight[:, :k]) + F.linear(hidden[:, k:], weight[:, k:]), targets)
 
 
-HEADS = {"torch": lambda h, w, y: F.cross_entropy(F.linear(h, w), y), "fused": fused_linear_cross_entropy,
-         "control": split_k_cross_entropy}
+def heads(filter_context):
+    """Each run's head: (h, w, y) -> loss."""
+    return {"torch": lambda h, w, y: F.cross_entropy(F.linear(h, w), y), "fused": fused_linear_cross_entropy,
+            "filtered": lambda h, w, y: fused_linear_cross_entropy(h, w, y, context=filter_context),
+            "control": split_k_cross_entropy}
 
 
 def peakedness(hidden, weight, order=None):
@@ -226,7 +238,8 @@ def save_batch(folder: Path, model, held_out, args) -> None:
 
 
 CSV_COLUMNS = ["step", "loss_torch", "loss_fused", "rel_diff", "same_state_rel_diff", "ms_torch", "ms_fused",
-               "entropy", "p_lt_2m12", "p_lt_2m28", "blocks_lt_2m12", "sorted_blocks_lt_2m12"]
+               "entropy", "p_lt_2m12", "p_lt_2m28", "blocks_lt_2m12", "sorted_blocks_lt_2m12", "loss_filtered",
+               "filtered_rel_diff", "ms_filtered", "skipped"]
 CONTROL_COLUMNS = ["loss_control", "control_rel_diff"]  # last, so that the others keep their gnuplot numbers
 
 
@@ -239,7 +252,7 @@ def write_csv(path: Path, rows, control: bool) -> None:
 
 def gnuplot_script(args) -> str:
     title = f"V={args.vocab} H={args.hidden}, {args.layers} blocks, {args.batch}x{args.seq} tokens per step"
-    control = (", \\\n     '' using 1:($14 > 0 ? $14 : NaN) with linespoints title "
+    control = (", \\\n     '' using 1:($18 > 0 ? $18 : NaN) with linespoints title "
                "'torch vs control (split-H logits: rounding alone)'") if args.control else ""
     return f"""# Renders loss.png and distribution.png from curves.csv: run `gnuplot curves.gp` in this folder.
 set datafile separator ','
@@ -250,13 +263,15 @@ set output 'loss.png'
 set multiplot layout 2,1 title 'tiny LM on the Python standard library ({title})'
 set ylabel 'training loss (nats)'
 plot 'curves.csv' using 1:2 with lines lw 2 title 'torch materialized logits', \\
-     '' using 1:3 with lines dt 2 lw 2 title 'fusedhead fused cross-entropy'
+     '' using 1:3 with lines dt 2 lw 2 title 'fusedhead fused cross-entropy', \\
+     '' using 1:13 with lines dt 3 lw 2 title 'fusedhead + filtering (eps {args.filter_eps:g}, {args.filter_tile_rows}-row blocks)'
 set logscale y
 set format y '%.0e'
 set xlabel 'step'
 set ylabel 'relative difference (0 not drawn)'
 plot 'curves.csv' using 1:($4 > 0 ? $4 : NaN) with linespoints title 'torch vs fused (two trajectories)', \\
-     '' using 1:($5 > 0 ? $5 : NaN) with linespoints title 'fused vs materialized on the same state'{control}
+     '' using 1:($5 > 0 ? $5 : NaN) with linespoints title 'fused vs materialized on the same state', \\
+     '' using 1:($14 > 0 ? $14 : NaN) with linespoints title 'filtered vs fused (two trajectories)'{control}
 unset multiplot
 unset logscale y
 set format y '%g'
@@ -272,6 +287,7 @@ plot 'curves.csv' using 1:9 with linespoints title 'p < 2^-12', \\
      '' using 1:10 with linespoints title 'p < 2^-28', \\
      '' using 1:11 with linespoints title '{args.stat_rows} x {BLOCK_COLUMNS} blocks all < 2^-12', \\
      '' using 1:12 with linespoints title 'the same, vocabulary sorted by mean logit', \\
+     '' using 1:16 with linespoints title 'backward GEMM work skipped by filtering (run c)', \\
      '' using 1:8 axes x1y2 with lines lw 2 title 'mean entropy'
 """
 
@@ -306,8 +322,11 @@ def prepare_tokens(out: Path, args):
 def train(train_tokens, args):
     """Trains the runs in lockstep; returns the logged rows, each run's mean ms per step and the models."""
     torch.manual_seed(args.seed)
+    filter_context = fusedhead.Context(threads=args.threads, tile_rows=args.filter_tile_rows,
+                                       grad_filter_eps=args.filter_eps)
+    head = heads(filter_context)
     models = {"torch": TinyLM(args.vocab, args.hidden, args.layers, args.heads, args.seq)}
-    for name in ("fused", "control") if args.control else ("fused",):
+    for name in ("fused", "filtered", "control") if args.control else ("fused", "filtered"):
         models[name] = copy.deepcopy(models["torch"])
     optimizers = {k: torch.optim.Adam(m.parameters(), lr=args.lr) for k, m in models.items()}
     batches = torch.Generator().manual_seed(args.seed)
@@ -323,7 +342,7 @@ def train(train_tokens, args):
         for name, model in models.items():
             t = time.perf_counter()
             optimizers[name].zero_grad(set_to_none=True)
-            value = HEADS[name](model(inputs), model.lm_head.weight, targets)
+            value = head[name](model(inputs), model.lm_head.weight, targets)
             value.backward()
             optimizers[name].step()
             dt = time.perf_counter() - t
@@ -334,8 +353,11 @@ def train(train_tokens, args):
         if not logged:
             continue
         ms = {k: 1e3 * v / since for k, v in elapsed.items()}
-        row.update(step=step, ms_torch=ms["torch"], ms_fused=ms["fused"],
-                   same_state_rel_diff=abs(loss["fused"] - row["reference"]) / row.pop("reference"))
+        gradient_flops, skipped_flops = filter_context.filter_stats()
+        row.update(step=step, ms_torch=ms["torch"], ms_fused=ms["fused"], ms_filtered=ms["filtered"],
+                   same_state_rel_diff=abs(loss["fused"] - row["reference"]) / row.pop("reference"),
+                   filtered_rel_diff=abs(loss["filtered"] - loss["fused"]) / loss["fused"],
+                   skipped=skipped_flops / gradient_flops)
         for name in models:
             row[f"loss_{name}"] = loss[name]
         row["rel_diff"] = abs(loss["fused"] - loss["torch"]) / loss["torch"]
@@ -343,10 +365,11 @@ def train(train_tokens, args):
             row["control_rel_diff"] = abs(loss["control"] - loss["torch"]) / loss["torch"]
         rows.append(row)
         control = f" (control {row['control_rel_diff']:.1e})" if args.control else ""
-        print(f"step {step:4d}  loss torch {loss['torch']:.6f} fused {loss['fused']:.6f}  rel diff "
-              f"{row['rel_diff']:.1e}{control}, same state {row['same_state_rel_diff']:.1e}  ms/step torch "
-              f"{ms['torch']:.0f} fused {ms['fused']:.0f}  entropy {row['entropy']:.2f}  p<2^-12 "
-              f"{row['p_lt_2m12']:.4f}", flush=True)
+        print(f"step {step:4d}  loss torch {loss['torch']:.6f} fused {loss['fused']:.6f} filtered "
+              f"{loss['filtered']:.6f}  rel diff {row['rel_diff']:.1e}{control}, same state "
+              f"{row['same_state_rel_diff']:.1e}, filtered {row['filtered_rel_diff']:.1e}  ms/step torch "
+              f"{ms['torch']:.0f} fused {ms['fused']:.0f} filtered {ms['filtered']:.0f} (skipped "
+              f"{row['skipped']:.3f})  entropy {row['entropy']:.2f}  p<2^-12 {row['p_lt_2m12']:.4f}", flush=True)
         elapsed, since = dict.fromkeys(models, 0.0), 0
     return rows, {k: 1e3 * v / args.steps for k, v in total.items()}, models
 
@@ -367,9 +390,11 @@ def main(argv=None):
     write_csv(out / "curves.csv", rows, args.control)
     render(out, args)
     control = (f" (torch vs control {max(r['control_rel_diff'] for r in rows):.2e})" if args.control else "")
-    print(f"{args.steps} steps: mean ms/step torch {ms['torch']:.0f}, fused {ms['fused']:.0f}; largest relative "
-          f"difference between the curves {max(r['rel_diff'] for r in rows):.2e}{control}, fused vs materialized on "
-          f"the same state {max(r['same_state_rel_diff'] for r in rows):.2e}; {out / 'curves.csv'}")
+    print(f"{args.steps} steps: mean ms/step torch {ms['torch']:.0f}, fused {ms['fused']:.0f}, filtered "
+          f"{ms['filtered']:.0f}; largest relative difference between the curves {max(r['rel_diff'] for r in rows):.2e}"
+          f"{control}, fused vs materialized on the same state {max(r['same_state_rel_diff'] for r in rows):.2e}, "
+          f"filtered vs fused {max(r['filtered_rel_diff'] for r in rows):.2e}; backward work skipped by filtering "
+          f"{np.mean([r['skipped'] for r in rows]):.3f} on average over the logged steps; {out / 'curves.csv'}")
     if args.save_batch:
         save_batch(Path(args.save_batch), models["fused"], held_out, args)
     print(f"{time.perf_counter() - start:.0f} s in all")
