@@ -84,7 +84,8 @@ static void make_inputs(const grpo_case_spec *s, grpo_case *c)
     c->x = zalloc((size_t)n * h, sizeof(float));
     c->weight = zalloc(h * v, sizeof(float));
     c->bias = s->bias ? zalloc(v, sizeof(float)) : NULL;
-    ce_fill_linear(&rng, n, s->hidden, s->vocab, 3.0, c->x, c->weight, c->bias);
+    ce_fill_linear(&rng, n, s->hidden, s->vocab, s->logit_scale > 0.0 ? s->logit_scale : 3.0, c->x, c->weight,
+                   c->bias);
     if (s->dtype == FH_DTYPE_BF16) {
         c->x_bf16 = bf16_round_in_place(c->x, (size_t)n * (size_t)s->hidden);
         c->weight_bf16 = bf16_round_in_place(c->weight, (size_t)s->hidden * (size_t)s->vocab);
@@ -137,6 +138,7 @@ static fh_status run_fused(const grpo_case_spec *s, grpo_case *c)
     fh_context_set(ctx, FH_PARAM_TILE_ROWS, s->tile_rows);
     fh_context_set(ctx, FH_PARAM_TILE_VOCAB, s->tile_vocab);
     fh_context_set(ctx, FH_PARAM_FP32_DZ, s->fp32_dz);
+    fh_context_set_grad_filter_eps(ctx, s->grad_filter_eps);
     fh_linear lin;
     const int bf16 = s->dtype == FH_DTYPE_BF16;
     fh_linear_init(&lin, (int64_t)n, s->hidden, s->vocab, bf16 ? (const void *)c->x_bf16 : c->x,
@@ -170,8 +172,37 @@ static fh_status run_fused(const grpo_case_spec *s, grpo_case *c)
                                   &io.grads);
     }
     ce_grads_io_finish(&io);
+    fh_context_filter_stats(ctx, &c->filter_stats);
     fh_context_destroy(ctx);
     return st;
+}
+
+static int64_t min64(int64_t a, int64_t b)
+{
+    return a < b ? a : b;
+}
+
+/* The tiles of the fused backward, for the reference's filter: the train step's row blocks of whole sequences
+ * (plan.c: at most tile_rows rows, or 256 / one sequence in bf16, balanced over the sequences; bf16 ones keep
+ * dweight for after the blocks), else the streaming tiles (default 1024 x 2048), in which a train step also runs
+ * when not one sequence fits. The default budget holds them for the cases the tests run. */
+static ref_filter filter_of(const grpo_case_spec *s)
+{
+    const int64_t n = s->batch * s->seq;
+    const int bf16_du = s->dtype == FH_DTYPE_BF16 && !s->fp32_dz;
+    ref_filter f = {s->grad_filter_eps, min64(n, s->tile_rows > 0 ? s->tile_rows : 1024),
+                    min64(s->vocab, s->tile_vocab > 0 ? s->tile_vocab : 2048), 0, 0};
+    if (!s->train_step || s->fp32_dz)
+        return f;
+    const int64_t rows = min64(n, s->tile_rows > 0 ? s->tile_rows : bf16_du ? (s->seq > 256 ? s->seq : 256) : n);
+    const int64_t fit = rows / s->seq;
+    if (fit < 1)
+        return f;
+    const int64_t blocks = (s->batch + fit - 1) / fit;
+    f.tile_rows = (s->batch + blocks - 1) / blocks * s->seq;
+    f.tile_vocab = s->vocab;
+    f.dweight_after_blocks = bf16_du;
+    return f;
 }
 
 static void run_reference(const grpo_case_spec *s, grpo_case *c)
@@ -181,7 +212,9 @@ static void run_reference(const grpo_case_spec *s, grpo_case *c)
     ref_grpo_problem p = ref_problem(c, &in);
     if (s->options.beta == 0.0)
         p.ref_logp = NULL;
-    const ref_grpo_options o = grpo_ref_options(&s->options);
+    const ref_filter filter = filter_of(s);
+    ref_grpo_options o = grpo_ref_options(&s->options);
+    o.filter = s->grad_filter_eps > 0.0 ? &filter : NULL;
     c->ref_logp = zalloc(n, sizeof(double));
     c->ref_per_token_loss = zalloc(n, sizeof(double));
     c->ref_entropy = zalloc(n, sizeof(double));

@@ -19,6 +19,9 @@ typedef struct grpo_case_spec {
     fh_dtype dtype;    /* of x and weight: FH_DTYPE_BF16 rounds them to bf16 for both sides */
     fh_dtype grad_dtype; /* of dx, dweight and dbias (bf16 needs bf16 inputs) */
     int fp32_dz;       /* FH_PARAM_FP32_DZ */
+    double logit_scale;     /* typical |logit|; 0 means 3 */
+    double grad_filter_eps; /* fh_context_set_grad_filter_eps; the reference then filters as the call's tiles
+                               do (ref_filter) */
 } grpo_case_spec;
 
 /* B=3, T=47, H=67, V=5003, TRL defaults, old log-probs on, grad_output 1. */
@@ -41,6 +44,7 @@ typedef struct grpo_case {
     int64_t *ids;
     double loss;
     fh_grpo_metrics metrics;
+    fh_filter_stats filter_stats; /* the fused backward's (fh_context_filter_stats) */
     float *logp, *per_token_loss, *entropy, *lse, *dx, *dweight, *dbias;
     double ref_loss;
     fh_grpo_metrics ref_metrics;

@@ -44,6 +44,7 @@
 void ref_grpo_options_default(ref_grpo_options *o)
 {
     o->loss_type = REF_GRPO_LOSS_GRPO;
+    o->filter = NULL;
     o->importance_sampling_level = REF_GRPO_IS_TOKEN;
     o->temperature = 1.0;
     o->epsilon_low = 0.2;
@@ -435,6 +436,28 @@ int ref_grpo_forward(const ref_grpo_problem *p, const ref_grpo_options *o, ref_g
     return rc;
 }
 
+/* The gradients as a filter leaves them. Without a c w term (GRPO has none) every non-target dU is softmax terms;
+ * a row's scale is max(|g_logp|, |g_entropy|) (the fused head's |a| = |b| and |e|). Returns 0 or -1. */
+static int filtered_backward(const ref_filter *f, const ref_linear *lin, const int64_t *targets, const double *gl,
+                             const double *gh, const double *du, double *dx, double *dweight, double *dbias)
+{
+    const int64_t n = lin->n, v = lin->vocab;
+    double *scale = calloc((size_t)n, sizeof(double)), *no_c = calloc((size_t)n, sizeof(double));
+    double *du_dx = malloc(sizeof(double) * (size_t)(n * v)), *du_dw = malloc(sizeof(double) * (size_t)(n * v));
+    const int ok = scale && no_c && du_dx && du_dw;
+    if (ok) {
+        for (int64_t i = 0; i < n; i++)
+            scale[i] = fabs(gl[i]) > fabs(gh[i]) ? fabs(gl[i]) : fabs(gh[i]);
+        const ref_filter_input in = {du, du, scale, no_c};
+        ref_filter_apply(f, n, v, targets, &in, du_dx, du_dw);
+        ref_linear_backward(lin, du_dx, dx, NULL, NULL);
+        ref_linear_backward(lin, du_dw, NULL, dweight, NULL);
+        ref_linear_backward(lin, du, NULL, NULL, dbias);
+    }
+    free(scale), free(no_c), free(du_dx), free(du_dw);
+    return ok ? 0 : -1;
+}
+
 int ref_grpo_backward(const ref_grpo_problem *p, const ref_grpo_options *o, double grad_output, double *dx,
                       double *dweight, double *dbias)
 {
@@ -456,7 +479,10 @@ int ref_grpo_backward(const ref_grpo_problem *p, const ref_grpo_options *o, doub
         for (int64_t i = 0; i < n; i++)
             ref_grpo_row_grad(u + i * v, v, o->temperature, p->completion_ids[i], gl[i], gh[i], du + i * v);
         const ref_linear lin = linear_of(p);
-        ref_linear_backward(&lin, du, dx, dweight, dbias);
+        if (o->filter)
+            rc = filtered_backward(o->filter, &lin, p->completion_ids, gl, gh, du, dx, dweight, dbias);
+        else
+            ref_linear_backward(&lin, du, dx, dweight, dbias);
     }
     free(u), free(lp), free(ent), free(gl), free(gh), free(du);
     return rc;

@@ -31,6 +31,8 @@
 #ifndef FH_REF_GRPO_H
 #define FH_REF_GRPO_H
 
+#include "ref_filter.h"
+
 #include <stdint.h>
 
 typedef enum ref_grpo_loss_type {
@@ -72,6 +74,8 @@ typedef struct ref_grpo_options {
     int64_t max_completion_length;             /* dr_grpo's constant; <= 0 (default): T */
     double entropy_coef;                       /* entropy bonus, 0.0 */
     ref_grpo_entropy_bonus entropy_bonus;      /* how the bonus enters; default per-token (the issue's) */
+    const ref_filter *filter;                  /* NULL (default): exact gradients; else dx and dweight as that
+                                                  gradient filter leaves them (ref_grpo_backward) */
 } ref_grpo_options;
 
 /* Sets TRL's defaults (listed above). */

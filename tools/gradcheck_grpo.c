@@ -18,7 +18,7 @@ static void usage(void)
             "       --is-level token|sequence [--beta b] [--epsilon-low e] [--epsilon-high e] [--delta d]\n"
             "       [--temperature t] [--no-old-logps] [--entropy-coef c] [--layout hv|vh] [--bias]\n"
             "       [--threads T] [--seed S] [--train-step] [--tile-rows R] [--tile-vocab C] [--dtype f32|bf16]\n"
-            "       [--grad-dtype f32|bf16] [--fp32-dz] [--dump DIR]\n"
+            "       [--grad-dtype f32|bf16] [--fp32-dz] [--dump DIR] [--grad-filter-eps EPS] [--logit-scale S]\n"
             "  X: grpo bnpo dr_grpo dapo cispo sapo\n");
 }
 
@@ -78,6 +78,10 @@ static int parse(int argc, char **argv, grpo_case_spec *s, const char **dump)
         } else if (VALUE_OPTION("--grad-dtype")) {
             if (parse_dtype(v, &s->grad_dtype) != 0)
                 return -1;
+        } else if (VALUE_OPTION("--grad-filter-eps")) {
+            s->grad_filter_eps = atof(v);
+        } else if (VALUE_OPTION("--logit-scale")) {
+            s->logit_scale = atof(v);
         } else if (strcmp(a, "--fp32-dz") == 0) {
             s->fp32_dz = 1;
         } else if (VALUE_OPTION("--threads"))
@@ -185,8 +189,10 @@ int gradcheck_grpo(int argc, char **argv)
     printf(",\n  \"ref_metrics\": ");
     print_metrics(stdout, &c.ref_metrics);
     printf(",\n  \"tolerance\": {\"loss_abs_per_unit\": %g, \"metrics_abs\": %g, \"grad_norm_rel\": %g},\n"
-           "  \"pass\": %s\n}\n",
-           GRPO_LOSS_TOL, GRPO_METRIC_TOL, d.grad_norm_rel_tol, pass ? "true" : "false");
+           "  \"grad_filter_eps\": %g,\n  \"filter_skipped_fraction\": %.4f,\n  \"pass\": %s\n}\n",
+           GRPO_LOSS_TOL, GRPO_METRIC_TOL, d.grad_norm_rel_tol, spec.grad_filter_eps,
+           c.filter_stats.gradient_flops > 0 ? c.filter_stats.skipped_flops / c.filter_stats.gradient_flops : 0.0,
+           pass ? "true" : "false");
     int rc = pass ? 0 : 1;
     if (dump && dump_case(dump, &c) != 0) {
         fprintf(stderr, "fh_gradcheck: could not write to %s\n", dump);

@@ -37,6 +37,7 @@ typedef struct scenario {
     const hu_saved *saved;
     int threads;
     int64_t tile_rows, tile_vocab, budget;
+    double filter_eps; /* fh_context_set_grad_filter_eps */
 } scenario;
 
 static fh_context *scenario_context(const scenario *s, fh_status *create_status)
@@ -52,7 +53,8 @@ static fh_context *scenario_context(const scenario *s, fh_status *create_status)
     const fh_status b = fh_context_set(ctx, FH_PARAM_TILE_ROWS, s->tile_rows);
     const fh_status c = fh_context_set(ctx, FH_PARAM_TILE_VOCAB, s->tile_vocab);
     const fh_status d = fh_context_set(ctx, FH_PARAM_MEMORY_BUDGET, s->budget);
-    TU_CHECK(a == FH_OK && b == FH_OK && c == FH_OK && d == FH_OK, "%s: fh_context_set", s->label);
+    const fh_status e = fh_context_set_grad_filter_eps(ctx, s->filter_eps);
+    TU_CHECK(a == FH_OK && b == FH_OK && c == FH_OK && d == FH_OK && e == FH_OK, "%s: fh_context_set", s->label);
     return ctx;
 }
 
@@ -216,16 +218,32 @@ static void test_every_entry_point(void)
                                 variant == 1 ? 1 : 2,
                                 variant == 1 ? 0 : 8,
                                 variant == 1 ? 0 : 64,
-                                variant == 2 ? 200000 : 0};
+                                variant == 2 ? 200000 : 0,
+                                0.0};
             run_scenario(&s);
         }
+    /* Gradient filtering: its buffers are the workspace's, and bf16 filtering makes the per-block GEMMs ready
+     * up front like the others. */
+    for (int call = 0; call < HU_CALL_COUNT; call++) {
+        const int grpo = hu_call_on_sequences((hu_call)call);
+        char label[128];
+        snprintf(label, sizeof label, "%s, gradient filtering", hu_call_name((hu_call)call));
+        const scenario s = {label, (hu_call)call, &p.ce_mean, &p.grpo, grpo ? &p.grpo_saved : &p.ce_saved_mean, 2,
+                            8, 64, 0, 0.02};
+        run_scenario(&s);
+    }
     for (int call = HU_CE_FORWARD; cp_have_bf16() && call <= HU_CE_TRAIN_STEP; call++)
         for (int variant = 0; variant < 2; variant++) {
             char label[128];
             snprintf(label, sizeof label, "bf16 %s, variant %d", hu_call_name((hu_call)call), variant);
             const scenario s = {label, (hu_call)call, &p.ce_bf16, &p.grpo, &p.ce_saved_bf16, 2, variant ? 0 : 8,
-                                variant ? 0 : 64, 0};
+                                variant ? 0 : 64, 0, 0.0};
             run_scenario(&s);
+            char filtered[160];
+            snprintf(filtered, sizeof filtered, "%s, gradient filtering", label);
+            const scenario f = {filtered, (hu_call)call, &p.ce_bf16, &p.grpo, &p.ce_saved_bf16, 2, variant ? 0 : 8,
+                                variant ? 0 : 64, 0, 0.02};
+            run_scenario(&f);
         }
     problems_free(&p);
 }
