@@ -192,21 +192,48 @@ static int filtering(const fh_engine_pass *p)
     return p->plan->filter_eps > 0.0;
 }
 
-/* Filtering runs the gradient GEMMs on runs of kept column blocks: any run when dU is f32 (BLIS takes any
- * shape), one block at a time when it is bf16, so that the oneDNN primitives have two shapes a tile width (a
- * whole block and the tile's last one), all made ready up front. */
-static int gemm_by_block(const fh_engine_pass *p)
+/* Filtering runs the gradient GEMMs on runs of kept column blocks: a whole run when dU is f32 (BLIS takes any
+ * shape); when it is bf16, chunks of a power of two of whole blocks and the tile's last, partial block apart, so
+ * that the oneDNN primitives have few shapes, all made ready up front (one GEMM per block ran at 0.85 - 0.9 of the
+ * unfiltered step with nothing to skip, fh_bench on the example's trained head). */
+static int gemm_by_chunks(const fh_engine_pass *p)
 {
     return filtering(p) && p->plan->bf16_du;
 }
 
-/* The widths of the GEMMs that cover a tile of `width` columns: the tile, or with gemm_by_block its whole and
- * last blocks. */
-static void gemm_widths(const fh_engine_pass *p, int64_t width, int64_t out[2])
+static int64_t block_end(int64_t b, int64_t vb)
 {
-    const int64_t block = FH_GRAD_FILTER_COLUMNS;
-    out[0] = gemm_by_block(p) ? min64(block, width) : width;
-    out[1] = gemm_by_block(p) && width % block ? width % block : out[0];
+    return min64((b + 1) * FH_GRAD_FILTER_COLUMNS, vb);
+}
+
+/* The block after the GEMM that starts at block b of the run [b, e) of a tile of vb columns. */
+static int64_t chunk_end(const fh_engine_pass *p, int64_t b, int64_t e, int64_t vb)
+{
+    if (!gemm_by_chunks(p))
+        return e;
+    const int64_t whole = vb / FH_GRAD_FILTER_COLUMNS; /* blocks [0, whole) are whole */
+    if (b >= whole)
+        return b + 1;
+    int64_t count = 1;
+    while (2 * count <= min64(e, whole) - b)
+        count *= 2;
+    return b + count;
+}
+
+/* The widths of the GEMMs that cover a tile of `width` columns (at most 64): the tile, or with gemm_by_chunks
+ * every chunk of whole blocks and the last, partial block. Returns their number. */
+static int gemm_widths(const fh_engine_pass *p, int64_t width, int64_t out[64])
+{
+    if (!gemm_by_chunks(p)) {
+        out[0] = width;
+        return 1;
+    }
+    int count = 0;
+    for (int64_t w = FH_GRAD_FILTER_COLUMNS; w <= width; w *= 2)
+        out[count++] = w;
+    if (width % FH_GRAD_FILTER_COLUMNS)
+        out[count++] = width % FH_GRAD_FILTER_COLUMNS;
+    return count;
 }
 
 fh_status fh_engine_prepare(const fh_engine_pass *p)
@@ -221,19 +248,19 @@ fh_status fh_engine_prepare(const fh_engine_pass *p)
     for (int h = 0; h < 2; h++)
         for (int w = 0; w < 2; w++) {
             st = st == FH_OK ? compute_logits(p, 1, p->ws->tile, 0, heights[h], 0, widths[w]) : st;
-            int64_t parts[2];
-            gemm_widths(p, widths[w], parts);
-            for (int part = 0; grads && part < 2; part++)
+            int64_t parts[64];
+            const int count = gemm_widths(p, widths[w], parts);
+            for (int part = 0; grads && part < count; part++)
                 for (int accumulate = 0; accumulate < 2; accumulate++) {
-                    if (st == FH_OK && grads->dx)
+                    if (st == FH_OK && grads->dx && (accumulate || !filtering(p))) /* filtered dx GEMMs add */
                         st = add_dx(p, 1, 0, 0, heights[h], 0, widths[w], 0, parts[part], accumulate);
                     if (st == FH_OK && grads->dweight && !dweight_after_blocks(p))
                         st = add_dweight(p, 1, 0, 0, heights[h], 0, widths[w], 0, parts[part], accumulate);
                 }
         }
-    int64_t parts[2];
-    gemm_widths(p, lin->vocab, parts);
-    for (int part = 0; part < 2 && st == FH_OK && grads && grads->dweight && dweight_after_blocks(p); part++)
+    int64_t parts[64];
+    const int count = gemm_widths(p, lin->vocab, parts);
+    for (int part = 0; part < count && st == FH_OK && grads && grads->dweight && dweight_after_blocks(p); part++)
         st = add_dweight(p, 1, 0, 0, lin->n, 0, lin->vocab, 0, parts[part], 0);
     return st;
 }
@@ -474,11 +501,6 @@ static float *dw_f32(const fh_engine_pass *p, int64_t k, int64_t jt, int64_t v0,
     return (float *)p->grads->dweight + k * lin->w_stride_hidden + (v0 + jt) * lin->w_stride_vocab;
 }
 
-static int64_t block_end(int64_t b, int64_t vb)
-{
-    return min64((b + 1) * FH_GRAD_FILTER_COLUMNS, vb);
-}
-
 /* Makes dweight's block b of the tile written: zeroed first when it holds nothing of this call yet (an
  * accumulator, or beta 0). */
 static void claim_dw_block(const fh_engine_pass *p, int64_t b, int64_t v0, int64_t vb)
@@ -488,65 +510,82 @@ static void claim_dw_block(const fh_engine_pass *p, int64_t b, int64_t v0, int64
     p->ws->used[b] = 1;
     if (!dweight_accumulated(p) && p->grads->dweight_beta != 0.0f)
         return;
+#pragma omp parallel for num_threads(p->plan->threads) schedule(static)
     for (int64_t j = b * FH_GRAD_FILTER_COLUMNS; j < block_end(b, vb); j++)
         for (int64_t k = 0; k < p->lin->hidden; k++)
             *dw_f32(p, k, j, v0, vb) = 0.0f;
 }
 
-/* s = sum over the skipped columns j of the tile of w_j W[:, v0 + j]. */
+/* s = sum over the skipped columns j of the tile of w_j W[:, v0 + j]. Each thread owns a range of H and walks the
+ * weight along its contiguous direction. */
 static void skipped_weight_sum(const fh_engine_pass *p, int64_t v0, int64_t vb, double *s)
 {
     const fh_linear *lin = p->lin;
     const float *weights = p->class_weights ? p->class_weights + v0 : NULL;
     const int64_t blocks = (vb + FH_GRAD_FILTER_COLUMNS - 1) / FH_GRAD_FILTER_COLUMNS;
-#pragma omp parallel for num_threads(p->plan->threads) schedule(static)
-    for (int64_t k = 0; k < lin->hidden; k++) {
-        double sum = 0.0;
+    const int hidden_inner = lin->w_stride_hidden <= lin->w_stride_vocab;
+#pragma omp parallel num_threads(p->plan->threads)
+    {
+        const int64_t parts = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t k0 = lin->hidden * me / parts, k1 = lin->hidden * (me + 1) / parts;
+        for (int64_t k = k0; k < k1; k++)
+            s[k] = 0.0;
         for (int64_t b = 0; b < blocks; b++)
-            for (int64_t j = b * FH_GRAD_FILTER_COLUMNS; !p->ws->keep[b] && j < block_end(b, vb); j++)
-                sum += (double)(weights ? weights[j] : 1.0f) * w_at(lin, k, v0 + j);
-        s[k] = sum;
+            for (int64_t j = b * FH_GRAD_FILTER_COLUMNS; !p->ws->keep[b] && j < block_end(b, vb); j++) {
+                const double wj = weights ? weights[j] : 1.0f;
+                for (int64_t k = k0; hidden_inner && k < k1; k++)
+                    s[k] += wj * w_at(lin, k, v0 + j);
+            }
+        for (int64_t k = k0; !hidden_inner && k < k1; k++)
+            for (int64_t b = 0; b < blocks; b++)
+                for (int64_t j = b * FH_GRAD_FILTER_COLUMNS; !p->ws->keep[b] && j < block_end(b, vb); j++)
+                    s[k] += (double)(weights ? weights[j] : 1.0f) * w_at(lin, k, v0 + j);
     }
 }
 
-/* g (+)= sum over the segment's rows of c_i x_i. */
+/* g (+)= sum over the segment's rows of c_i x_i; each thread owns a range of H. */
 static void c_weighted_rows(const fh_engine_pass *p, int64_t tile_row, int64_t i0, int64_t nb, int accumulate,
                             double *g)
 {
-#pragma omp parallel for num_threads(p->plan->threads) schedule(static)
-    for (int64_t k = 0; k < p->lin->hidden; k++) {
-        double sum = accumulate ? g[k] : 0.0;
+#pragma omp parallel num_threads(p->plan->threads)
+    {
+        const int64_t parts = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t k0 = p->lin->hidden * me / parts, k1 = p->lin->hidden * (me + 1) / parts;
+        for (int64_t k = k0; !accumulate && k < k1; k++)
+            g[k] = 0.0;
         for (int64_t r = 0; r < nb; r++)
-            sum += p->ws->row_c[tile_row + r] * x_at(p->lin, i0 + r, k);
-        g[k] = sum;
+            for (int64_t k = k0; k < k1; k++)
+                g[k] += p->ws->row_c[tile_row + r] * x_at(p->lin, i0 + r, k);
     }
 }
 
-/* The GEMMs of the kept blocks: for dx, and for dweight unless after the blocks (split where the used flags
- * change, so that each GEMM writes or adds as all its blocks need). */
+/* The GEMMs of the kept blocks, on runs of them (chunk_end): for dx, and for dweight unless after the blocks (split
+ * where the used flags change, so that each GEMM writes or adds as all its blocks need). */
 static fh_status kept_block_gemms(const fh_engine_pass *p, int64_t tile_row, int64_t i0, int64_t nb, int64_t v0,
                                   int64_t vb, int64_t blocks)
 {
     const uint8_t *keep = p->ws->keep;
     uint8_t *used = p->ws->used;
-    const int merge = !gemm_by_block(p);
+    const int64_t width = FH_GRAD_FILTER_COLUMNS;
     fh_status st = FH_OK;
     for (int64_t b = 0; p->grads->dx && b < blocks && st == FH_OK;) {
         int64_t e = b + 1;
-        while (keep[b] && merge && e < blocks && keep[e])
+        while (keep[b] && e < blocks && keep[e])
             e++;
-        if (keep[b])
-            st = add_dx(p, 0, tile_row, i0, nb, v0, vb, b * FH_GRAD_FILTER_COLUMNS,
-                        block_end(e - 1, vb) - b * FH_GRAD_FILTER_COLUMNS, 1);
+        for (int64_t q = b, next; keep[b] && q < e && st == FH_OK; q = next) {
+            next = chunk_end(p, q, e, vb);
+            st = add_dx(p, 0, tile_row, i0, nb, v0, vb, q * width, block_end(next - 1, vb) - q * width, 1);
+        }
         b = e;
     }
     for (int64_t b = 0; p->grads->dweight && !dweight_after_blocks(p) && b < blocks && st == FH_OK;) {
         int64_t e = b + 1;
-        while (keep[b] && merge && e < blocks && keep[e] && used[e] == used[b])
+        while (keep[b] && e < blocks && keep[e] && used[e] == used[b])
             e++;
-        if (keep[b])
-            st = add_dweight(p, 0, tile_row, i0, nb, v0, vb, b * FH_GRAD_FILTER_COLUMNS,
-                             block_end(e - 1, vb) - b * FH_GRAD_FILTER_COLUMNS, used[b]);
+        for (int64_t q = b, next; keep[b] && q < e && st == FH_OK; q = next) {
+            next = chunk_end(p, q, e, vb);
+            st = add_dweight(p, 0, tile_row, i0, nb, v0, vb, q * width, block_end(next - 1, vb) - q * width, used[b]);
+        }
         for (int64_t q = b; keep[b] && q < e; q++)
             used[q] = 1;
         b = e;
@@ -628,15 +667,14 @@ static fh_status filtered_gradients(const fh_engine_pass *p, int64_t tile_row, i
     if (grads->dweight && !after) {
         c_weighted_rows(p, tile_row, i0, nb, 0, g);
         const float *weights = p->class_weights ? p->class_weights + v0 : NULL;
-        for (int64_t b = 0; b < blocks; b++) {
-            if (ws->keep[b])
-                continue;
-            claim_dw_block(p, b, v0, vb);
-            for (int64_t j = b * FH_GRAD_FILTER_COLUMNS; j < block_end(b, vb); j++) {
-                const double scale = inv_t * (weights ? weights[j] : 1.0f);
-                for (int64_t k = 0; k < h; k++)
-                    *dw_f32(p, k, j, v0, vb) += (float)(scale * g[k]);
-            }
+        for (int64_t b = 0; b < blocks; b++)
+            if (!ws->keep[b])
+                claim_dw_block(p, b, v0, vb);
+#pragma omp parallel for num_threads(p->plan->threads) schedule(static)
+        for (int64_t j = 0; j < vb; j++) {
+            const double scale = inv_t * (weights ? weights[j] : 1.0f);
+            for (int64_t k = 0; !ws->keep[j / FH_GRAD_FILTER_COLUMNS] && k < h; k++)
+                *dw_f32(p, k, j, v0, vb) += (float)(scale * g[k]);
         }
     }
     return FH_OK;
@@ -667,13 +705,37 @@ static void finish_dw_blocks(const fh_engine_pass *p, int64_t v0, int64_t vb)
     memset(p->ws->used, 0, (size_t)p->plan->filter_blocks);
 }
 
+/* Columns [j0, j1) of dweight that every row block skipped: only their rank-one c term (0 without one), rounded
+ * once, as beta says. */
+static void skipped_dweight_columns(const fh_engine_pass *p, int64_t j0, int64_t j1, int any_c, int64_t *skipped)
+{
+    const fh_linear *lin = p->lin;
+    const fh_linear_grads *grads = p->grads;
+    const double *g_all = p->ws->vectors + 2 * lin->hidden;
+    const int accumulate = grads->dweight_beta != 0.0f;
+    *skipped += j1 - j0;
+    if (!any_c && accumulate)
+        return;
+#pragma omp parallel for num_threads(p->plan->threads) schedule(static)
+    for (int64_t j = j0; j < j1; j++) {
+        const double scale = p->tf.inv_temperature * (p->class_weights ? p->class_weights[j] : 1.0f);
+        for (int64_t k = 0; k < lin->hidden; k++) {
+            const float value = (float)(scale * g_all[k]);
+            const int64_t at = k * lin->w_stride_hidden + j * lin->w_stride_vocab;
+            if (grads->dweight_dtype == FH_DTYPE_BF16)
+                fh_row_add_to_bf16(&value, 1, accumulate, (uint16_t *)grads->dweight + at);
+            else
+                ((float *)grads->dweight)[at] = accumulate ? ((float *)grads->dweight)[at] + value : value;
+        }
+    }
+}
+
 /* bf16 row blocks: dweight after the last block, one GEMM over every row for each block that some row block
  * kept or that holds a skipped target; every other block gets only its rank-one c term (0 without one),
  * rounded once, as beta says. */
 static fh_status filtered_dweight_after_blocks(const fh_engine_pass *p)
 {
     const fh_linear *lin = p->lin;
-    const fh_linear_grads *grads = p->grads;
     const int64_t n = lin->n, h = lin->hidden, vocab = lin->vocab, blocks = p->plan->filter_blocks;
     const double *g_all = p->ws->vectors + 2 * h;
     int any_c = 0;
@@ -681,27 +743,18 @@ static fh_status filtered_dweight_after_blocks(const fh_engine_pass *p)
         any_c |= g_all[k] != 0.0;
     int64_t skipped_columns = 0;
     fh_status st = FH_OK;
-    for (int64_t b = 0; b < blocks && st == FH_OK; b++) {
-        const int64_t j0 = b * FH_GRAD_FILTER_COLUMNS, j1 = block_end(b, vocab);
-        if (p->ws->used[b]) {
-            st = add_dweight(p, 0, 0, 0, n, 0, vocab, j0, j1 - j0, 0);
-            continue;
+    for (int64_t b = 0; b < blocks && st == FH_OK;) {
+        int64_t e = b + 1;
+        while (e < blocks && p->ws->used[e] == p->ws->used[b])
+            e++;
+        for (int64_t q = b, next; p->ws->used[b] && q < e && st == FH_OK; q = next) {
+            next = chunk_end(p, q, e, vocab);
+            st = add_dweight(p, 0, 0, 0, n, 0, vocab, q * FH_GRAD_FILTER_COLUMNS,
+                             block_end(next - 1, vocab) - q * FH_GRAD_FILTER_COLUMNS, 0);
         }
-        skipped_columns += j1 - j0;
-        if (!any_c && grads->dweight_beta != 0.0f)
-            continue;
-        const int accumulate = grads->dweight_beta != 0.0f;
-        for (int64_t j = j0; j < j1; j++) {
-            const double scale = p->tf.inv_temperature * (p->class_weights ? p->class_weights[j] : 1.0f);
-            for (int64_t k = 0; k < h; k++) {
-                const float value = (float)(scale * g_all[k]);
-                const int64_t at = k * lin->w_stride_hidden + j * lin->w_stride_vocab;
-                if (grads->dweight_dtype == FH_DTYPE_BF16)
-                    fh_row_add_to_bf16(&value, 1, accumulate, (uint16_t *)grads->dweight + at);
-                else
-                    ((float *)grads->dweight)[at] = accumulate ? ((float *)grads->dweight)[at] + value : value;
-            }
-        }
+        if (!p->ws->used[b])
+            skipped_dweight_columns(p, b * FH_GRAD_FILTER_COLUMNS, block_end(e - 1, vocab), any_c, &skipped_columns);
+        b = e;
     }
     p->ws->filter_stats->gradient_flops += 2.0 * (double)n * (double)h * (double)vocab;
     p->ws->filter_stats->skipped_flops += 2.0 * (double)n * (double)h * (double)skipped_columns;

@@ -35,6 +35,11 @@ void cp_format_metrics(const ce_metrics *m, char *buf, size_t size)
 
 int cp_check_spec(const ce_case_spec *spec, const char *label)
 {
+    return cp_check_spec_stats(spec, label, NULL);
+}
+
+int cp_check_spec_stats(const ce_case_spec *spec, const char *label, fh_filter_stats *filter_stats)
+{
     ce_case c;
     ce_metrics m;
     char s[512], ms[512];
@@ -46,6 +51,8 @@ int cp_check_spec(const ce_case_spec *spec, const char *label)
         pass = ce_metrics_pass(&m);
         cp_format_metrics(&m, ms, sizeof ms);
         TU_CHECK(pass, "%s [%s]: fused vs reference: %s", label, s, ms);
+        if (filter_stats)
+            *filter_stats = c.filter_stats;
     }
     ce_case_free(&c);
     return pass;

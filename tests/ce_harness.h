@@ -16,6 +16,8 @@
 /* Runs a ce_case spec and asserts FH_OK and ce_metrics_pass (tolerances justified in ref/ce_case.c);
  * the failure text names the spec and every metric. Returns 1 on pass. */
 int cp_check_spec(const ce_case_spec *spec, const char *label);
+/* The same, and the call's gradient-filtering statistics in *filter_stats (when it ran). */
+int cp_check_spec_stats(const ce_case_spec *spec, const char *label, fh_filter_stats *filter_stats);
 void cp_format_spec(const ce_case_spec *s, char *buf, size_t size);
 void cp_format_metrics(const ce_metrics *m, char *buf, size_t size);
 

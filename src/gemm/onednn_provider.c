@@ -17,9 +17,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Every GEMM of one call's passes (full and edge tiles, both accumulate modes) with room for a few more
- * shapes; the least recently used entry goes first. */
-#define CACHE_ENTRIES 32
+/* Every GEMM of one call's passes (full and edge tiles, both accumulate modes; with gradient filtering, each
+ * power-of-two chunk of column blocks too: about 60 for a streamed call) with room for a few more shapes; the least
+ * recently used entry goes first. */
+#define CACHE_ENTRIES 96
 
 typedef struct gemm_key {
     int64_t m, n, k;
