@@ -90,6 +90,17 @@ static dnnl_data_type_t dnnl_type(int type)
     return type == FH_ELEM_BF16 ? dnnl_bf16 : dnnl_f32;
 }
 
+/* The stride of a dimension of extent 1 never steps: it is set to a dense row-major layout's, so that equal
+ * products share a key and oneDNN sees a plain layout (a 1 x n view with strides (1, 1), as dweight is for a [V, H]
+ * weight with H = 1, was accepted by its matmul descriptor and then refused at execution). */
+static void canonical_strides(int64_t rows, int64_t cols, int64_t *row_stride, int64_t *col_stride)
+{
+    if (cols == 1)
+        *col_stride = 1;
+    if (rows == 1)
+        *row_stride = cols * *col_stride;
+}
+
 /* The key of a product, with a column-major C turned into C^T = B^T A^T; *swap tells that A and B trade
  * places. */
 static gemm_key key_of(int64_t m, int64_t n, int64_t k, const fh_gemm_input *a, const fh_gemm_input *b,
@@ -106,6 +117,9 @@ static gemm_key key_of(int64_t m, int64_t n, int64_t k, const fh_gemm_input *a, 
                               c->row_stride, c->col_stride};
     for (int s = 0; s < 6; s++)
         key.strides[s] = given[*swap ? s ^ 1 : s];
+    const int64_t rows[3] = {key.m, key.k, key.m}, cols[3] = {key.k, key.n, key.n};
+    for (int o = 0; o < 3; o++)
+        canonical_strides(rows[o], cols[o], &key.strides[2 * o], &key.strides[2 * o + 1]);
     key.types[0] = (int)first->type;
     key.types[1] = (int)second->type;
     key.types[2] = (int)c->type;
