@@ -66,6 +66,9 @@ typedef enum fh_status {
     FH_ERR_INVALID_WISDOM = 24,       /* a wisdom file line or entry is malformed, or the table is full */
     FH_ERR_INVALID_PREFERENCE_OPTION = 25, /* loss, loss_type, beta, label_smoothing, simpo_gamma, rpo_alpha or
                                               cpo_alpha out of range, or a loss_type the loss does not have */
+    FH_ERR_INVALID_DISTILL_OPTION = 26, /* divergence unknown, beta outside [0, 1], or a loss weight negative
+                                           or not finite */
+    FH_ERR_TEACHER_MISMATCH = 27,       /* the teacher's n or V differs from the student's */
     /* 30..39: context and parameters */
     FH_ERR_INVALID_PARAM = 30,        /* unknown fh_param */
     FH_ERR_INVALID_PARAM_VALUE = 31   /* value outside fh_param_bounds() */
@@ -484,6 +487,68 @@ FH_API fh_status fh_preference_forward_backward(fh_context *ctx, const fh_linear
 
 /* Workspace bytes the preference calls need (pure). */
 FH_API fh_status fh_preference_workspace_size(const fh_context *ctx, const fh_linear *lin, size_t *bytes);
+
+/* ---------------------------------------------------------------------------------------------
+ * Distillation: a student head trained towards a teacher head over the same vocabulary (TRL's GKD
+ * generalized_jsd_loss, Liger-Kernel's fused linear JSD and distillation losses). The teacher's hidden size
+ * and layout may differ from the student's; it gets no gradient.
+ *
+ *   s = (x_s W_s + b_s) / temperature,  t = (x_t W_t + b_t) / temperature,  p = softmax(s),  q = softmax(t)
+ *   forward_kl:  D_i = KL(q || p) = sum_j q_j (log q_j - log p_j)
+ *   reverse_kl:  D_i = KL(p || q)
+ *   jsd:         m = beta q + (1 - beta) p,  D_i = beta KL(q || m) + (1 - beta) KL(p || m);
+ *                beta 0 is forward_kl and beta 1 reverse_kl, as TRL and Liger define them
+ *   hard_i = -log_softmax(x_s W_s + b_s)[target_i]   (cross-entropy on the student's untempered logits)
+ *   l_i = weight_soft_loss D_i + weight_hard_loss hard_i, over the tokens whose target is not ignore_index
+ *   mean: loss = sum_i l_i / count;  sum: sum_i l_i;  none: per_token_loss_i = l_i (0 for ignored tokens).
+ * No temperature^2 factor (neither TRL nor Liger applies one). If every token is ignored the loss is 0 and
+ * every gradient is 0.
+ * ------------------------------------------------------------------------------------------- */
+typedef enum fh_divergence {
+    FH_DIVERGENCE_FORWARD_KL = 0,
+    FH_DIVERGENCE_REVERSE_KL = 1,
+    FH_DIVERGENCE_JSD = 2
+} fh_divergence;
+
+typedef struct fh_distill_options { /* defaults from fh_distill_options_init (Liger's and TRL's) */
+    fh_divergence divergence;       /* jsd */
+    double beta;                    /* jsd's mixture weight, in [0, 1]: 0.5 */
+    double temperature;             /* 1.0; > 0 */
+    double weight_soft_loss;        /* 1.0; >= 0 */
+    double weight_hard_loss;        /* 0.0; >= 0 (needs targets) */
+    int64_t ignore_index;           /* -100 */
+    fh_reduction reduction;         /* mean */
+} fh_distill_options;
+
+FH_API fh_status fh_distill_options_init(fh_distill_options *options);
+
+typedef struct fh_distill_outputs { /* any may be NULL, except per_token_loss for 'none' */
+    double *loss;
+    double *soft_loss;              /* the divergence part of loss, reduced like it, before weight_soft_loss */
+    double *hard_loss;              /* the cross-entropy part, reduced like it, before weight_hard_loss (also
+                                       when that weight is 0; 0 without targets) */
+    float *per_token_loss;          /* [N] l_i */
+} fh_distill_outputs;
+
+/* The loss only: both passes stream tiles of the two heads' logits (jsd streams them twice: its mixture needs
+ * both log-sum-exps first). targets may be NULL when weight_hard_loss is 0 (every token counts); otherwise
+ * each is in [0, V) or ignore_index. */
+FH_API fh_status fh_distill_forward(fh_context *ctx, const fh_linear *student, const fh_linear *teacher,
+                                    const int64_t *targets, const fh_distill_options *options,
+                                    fh_distill_outputs *out);
+
+/* Loss and the student's gradients in one call (grad_output: one value for mean and sum, N for none). Row
+ * blocks (at most 224 rows) of both heads' logits across the whole vocabulary (2 N (H_s + H_t) V + 4 N H_s V flops); when the
+ * memory budget cannot hold a block it streams instead (the forward, then the backward recomputing both
+ * tiles); the results are the same either way. Gradient filtering does not apply to this head. */
+FH_API fh_status fh_distill_forward_backward(fh_context *ctx, const fh_linear *student, const fh_linear *teacher,
+                                             const int64_t *targets, const fh_distill_options *options,
+                                             const float *grad_output, fh_distill_outputs *out,
+                                             fh_linear_grads *grads);
+
+/* Workspace bytes the distillation calls need (pure). */
+FH_API fh_status fh_distill_workspace_size(const fh_context *ctx, const fh_linear *student,
+                                           const fh_linear *teacher, size_t *bytes);
 
 #ifdef __cplusplus
 }

@@ -71,17 +71,27 @@ static fh_status multiply(const fh_engine_pass *p, int prepare, int64_t m, int64
     return fh_gemm(*p->ws->gemm_cache, m, n, k, a, b, accumulate, c, p->plan->threads);
 }
 
-/* tile[nb x vb] = X[i0:i0+nb, :] W[:, v0:v0+vb]; the transform is applied per row by the caller, while
- * the row is hot in cache. */
-static fh_status compute_logits(const fh_engine_pass *p, int prepare, float *tile, int64_t i0, int64_t nb,
-                                int64_t v0, int64_t vb)
+/* tile[nb x vb] = X[i0:i0+nb, :] W[:, v0:v0+vb] of lin (the pass's own, or its pair's companion); the transform
+ * is applied per row by the caller, while the row is hot in cache. */
+static fh_status linear_logits(const fh_engine_pass *p, const fh_linear *lin, int prepare, float *tile, int64_t i0,
+                               int64_t nb, int64_t v0, int64_t vb)
 {
-    const fh_linear *lin = p->lin;
     const fh_gemm_input x = view(lin->x, elem_type(lin->x_dtype), i0 * lin->x_row_stride, lin->x_row_stride, 1);
     const fh_gemm_input w = view(lin->weight, elem_type(lin->weight_dtype), v0 * lin->w_stride_vocab,
                                  lin->w_stride_hidden, lin->w_stride_vocab);
     const fh_gemm_output z = f32_output(tile, vb, 1);
     return multiply(p, prepare, nb, vb, lin->hidden, &x, &w, 0, &z);
+}
+
+/* The pass's logits tile, and with a pair the companion's beside it (in the companion tile, at the same place). */
+static fh_status compute_logits(const fh_engine_pass *p, int prepare, float *tile, int64_t i0, int64_t nb,
+                                int64_t v0, int64_t vb)
+{
+    fh_status st = linear_logits(p, p->lin, prepare, tile, i0, nb, v0, vb);
+    if (st == FH_OK && p->pair)
+        st = linear_logits(p, p->pair->companion, prepare, p->ws->companion_tile + (tile - p->ws->tile), i0, nb, v0,
+                           vb);
+    return st;
 }
 
 /* A bf16 gradient accumulated over several GEMMs goes through an f32 accumulator, rounded at the end. */
@@ -351,65 +361,121 @@ static void add_column_sums(const float *tile, int64_t rows, int64_t cols, doubl
     }
 }
 
+/* ---- A pair of heads (fh_pair_kernels) ---- */
+
+/* The companion's row beside a row of the pass's tile. */
+static float *companion_row(const fh_engine_pass *p, const float *row)
+{
+    return p->ws->companion_tile + (row - p->ws->tile);
+}
+
+/* Both rows of a tile row (columns v0..v0 + vb - 1) made ready for the pair's kernels: lin's transformed, the
+ * companion's with its bias added (the kernels scale both). */
+static void pair_rows(const fh_engine_pass *p, float *row, int64_t v0, int64_t vb)
+{
+    static const fh_transform identity = {0.0f, 1.0f};
+    const fh_linear *c = p->pair->companion;
+    fh_row_transform(row, vb, p->lin->bias ? p->lin->bias + v0 : NULL, &p->tf);
+    fh_row_transform(companion_row(p, row), vb, c->bias ? c->bias + v0 : NULL, &identity);
+}
+
+/* Folds rows [i0, i0 + nb) of a forward tile (columns v0 .. v0 + vb - 1) into p->stats, or with a pair through its
+ * kernels' pass `pass`. Until the pass ends, the lse array holds the running max and sum_pz's the running sum of
+ * z exp(z - max). */
+static void fold_tile(const fh_engine_pass *p, int pass, float *tile, int64_t i0, int64_t nb, int64_t v0, int64_t vb)
+{
+    const fh_token_stats *stats = p->stats;
+    const int64_t vocab = p->lin->vocab;
+    if (p->pair) {
+#pragma omp parallel for num_threads(p->plan->threads) schedule(static)
+        for (int64_t r = 0; r < nb; r++) {
+            float *row = tile + r * vb;
+            pair_rows(p, row, v0, vb);
+            p->pair->fold(p->pair->self, pass, i0 + r, row, companion_row(p, row), vb, v0);
+        }
+        return;
+    }
+    double *const running_max = stats->lse, *const running_sum_z_exp = stats->sum_pz;
+    const fh_fold_request request = {p->class_weights ? p->class_weights + v0 : NULL, stats->sum_weighted_z != NULL,
+                                     running_sum_z_exp != NULL};
+    const float *bias = p->lin->bias ? p->lin->bias + v0 : NULL;
+#pragma omp parallel for num_threads(p->plan->threads) schedule(static)
+    for (int64_t r = 0; r < nb; r++) {
+        const int64_t i = i0 + r;
+        fh_row_transform(tile + r * vb, vb, bias, &p->tf);
+        fh_fold_state st = {running_max[i], stats->sum_exp[i], stats->z_target[i],
+                            stats->sum_weighted_z ? stats->sum_weighted_z[i] : 0.0,
+                            running_sum_z_exp ? running_sum_z_exp[i] : 0.0, stats->argmax ? stats->argmax[i] : 0};
+        fh_row_fold(tile + r * vb, vb, v0, target_column(p->targets, i, vocab, v0), &request, &st);
+        running_max[i] = st.max;
+        stats->sum_exp[i] = st.sum_exp;
+        stats->z_target[i] = st.z_target;
+        if (stats->sum_weighted_z)
+            stats->sum_weighted_z[i] = st.sum_weighted_z;
+        if (running_sum_z_exp)
+            running_sum_z_exp[i] = st.sum_z_exp;
+        if (stats->argmax)
+            stats->argmax[i] = st.argmax;
+    }
+}
+
+/* Before the first tile: every row's running statistics at their start (a pair's head sets its own). */
+static void begin_statistics(const fh_engine_pass *p)
+{
+    const fh_token_stats *stats = p->stats;
+    const fh_fold_state initial = fh_fold_state_initial();
+    for (int64_t i = 0; !p->pair && i < p->lin->n; i++) {
+        stats->lse[i] = initial.max;
+        stats->sum_exp[i] = 0.0;
+        stats->z_target[i] = 0.0;
+        if (stats->sum_weighted_z)
+            stats->sum_weighted_z[i] = 0.0;
+        if (stats->sum_pz)
+            stats->sum_pz[i] = 0.0;
+        if (stats->argmax)
+            stats->argmax[i] = 0;
+    }
+}
+
+/* After the last tile of pass `pass`: the final statistics, or the pair's end of that pass for every row. */
+static void finish_statistics(const fh_engine_pass *p, int pass)
+{
+    const fh_token_stats *stats = p->stats;
+    const int64_t n = p->lin->n;
+    if (p->pair) {
+#pragma omp parallel for num_threads(p->plan->threads) schedule(static)
+        for (int64_t i = 0; i < n; i++)
+            p->pair->finish(p->pair->self, pass, i);
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const double running_max = stats->lse[i];
+        stats->lse[i] = running_max + log(stats->sum_exp[i]);
+        if (stats->sum_pz)
+            stats->sum_pz[i] /= stats->sum_exp[i];
+    }
+}
+
 fh_status fh_engine_forward(const fh_engine_pass *p)
 {
     const fh_status prepared = fh_engine_prepare(p);
     if (prepared != FH_OK)
         return prepared;
-    const fh_linear *lin = p->lin;
-    const fh_token_stats *stats = p->stats;
-    const int64_t n = lin->n, vocab = lin->vocab;
-    const int threads = p->plan->threads;
-    /* Until the end, lse's array holds the running max and sum_pz's the running sum of z exp(z - max). */
-    double *const running_max = stats->lse, *const running_sum_z_exp = stats->sum_pz;
-    const fh_fold_state initial = fh_fold_state_initial();
-    for (int64_t i = 0; i < n; i++) {
-        running_max[i] = initial.max;
-        stats->sum_exp[i] = 0.0;
-        stats->z_target[i] = 0.0;
-        if (stats->sum_weighted_z)
-            stats->sum_weighted_z[i] = 0.0;
-        if (running_sum_z_exp)
-            running_sum_z_exp[i] = 0.0;
-        if (stats->argmax)
-            stats->argmax[i] = 0;
-    }
-    for (int64_t v0 = 0; v0 < vocab; v0 += p->plan->tile_vocab) {
-        const int64_t vb = min64(p->plan->tile_vocab, vocab - v0);
-        const fh_fold_request request = {p->class_weights ? p->class_weights + v0 : NULL,
-                                         stats->sum_weighted_z != NULL, running_sum_z_exp != NULL};
-        const float *bias = lin->bias ? lin->bias + v0 : NULL;
-        for (int64_t i0 = 0; i0 < n; i0 += p->plan->tile_rows) {
-            const int64_t nb = min64(p->plan->tile_rows, n - i0);
-            float *tile = p->ws->tile;
-            const fh_status gemm = compute_logits(p, 0, tile, i0, nb, v0, vb);
-            if (gemm != FH_OK)
-                return gemm;
-#pragma omp parallel for num_threads(threads) schedule(static)
-            for (int64_t r = 0; r < nb; r++) {
-                const int64_t i = i0 + r;
-                fh_row_transform(tile + r * vb, vb, bias, &p->tf);
-                fh_fold_state st = {running_max[i], stats->sum_exp[i], stats->z_target[i],
-                                    stats->sum_weighted_z ? stats->sum_weighted_z[i] : 0.0,
-                                    running_sum_z_exp ? running_sum_z_exp[i] : 0.0,
-                                    stats->argmax ? stats->argmax[i] : 0};
-                fh_row_fold(tile + r * vb, vb, v0, target_column(p->targets, i, vocab, v0), &request, &st);
-                running_max[i] = st.max;
-                stats->sum_exp[i] = st.sum_exp;
-                stats->z_target[i] = st.z_target;
-                if (stats->sum_weighted_z)
-                    stats->sum_weighted_z[i] = st.sum_weighted_z;
-                if (running_sum_z_exp)
-                    running_sum_z_exp[i] = st.sum_z_exp;
-                if (stats->argmax)
-                    stats->argmax[i] = st.argmax;
+    const int64_t n = p->lin->n, vocab = p->lin->vocab;
+    const int passes = p->pair ? p->pair->passes : 1;
+    begin_statistics(p);
+    for (int pass = 0; pass < passes; pass++) {
+        for (int64_t v0 = 0; v0 < vocab; v0 += p->plan->tile_vocab) {
+            const int64_t vb = min64(p->plan->tile_vocab, vocab - v0);
+            for (int64_t i0 = 0; i0 < n; i0 += p->plan->tile_rows) {
+                const int64_t nb = min64(p->plan->tile_rows, n - i0);
+                const fh_status gemm = compute_logits(p, 0, p->ws->tile, i0, nb, v0, vb);
+                if (gemm != FH_OK)
+                    return gemm;
+                fold_tile(p, pass, p->ws->tile, i0, nb, v0, vb);
             }
         }
-    }
-    for (int64_t i = 0; i < n; i++) {
-        stats->lse[i] = running_max[i] + log(stats->sum_exp[i]);
-        if (stats->sum_pz)
-            stats->sum_pz[i] = running_sum_z_exp[i] / stats->sum_exp[i];
+        finish_statistics(p, pass);
     }
     return FH_OK;
 }
@@ -811,12 +877,18 @@ fh_status fh_engine_backward(const fh_engine_pass *p)
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t r = 0; r < nb; r++) {
                 const int64_t i = i0 + r;
-                const fh_coef k = coef_of(p->coefs, i);
-                const int64_t t = target_column(p->targets, i, vocab, v0);
-                fh_row_transform(tile + r * vb, vb, bias, &p->tf);
-                fh_row_gradient(tile + r * vb, vb, t, weights, &k, &p->tf);
-                note_row(p, tile + r * vb, r, vb, t, &k);
-                round_du_row(p, tile + r * vb, i0, r, vb);
+                float *row = tile + r * vb;
+                if (p->pair) {
+                    pair_rows(p, row, v0, vb);
+                    p->pair->gradient(p->pair->self, i, row, companion_row(p, row), vb, v0);
+                } else {
+                    const fh_coef k = coef_of(p->coefs, i);
+                    const int64_t t = target_column(p->targets, i, vocab, v0);
+                    fh_row_transform(row, vb, bias, &p->tf);
+                    fh_row_gradient(row, vb, t, weights, &k, &p->tf);
+                    note_row(p, row, r, vb, t, &k);
+                }
+                round_du_row(p, row, i0, r, vb);
             }
             if (grads->dbias)
                 add_column_sums(tile, nb, vb, column, threads);
@@ -902,6 +974,21 @@ static void block_dx_end(const fh_engine_pass *p, int64_t i0, int64_t nb)
                         grads->dx_row_stride, nb, p->lin->hidden, grads->dx_beta != 0.0f, p->plan->threads);
 }
 
+/* Row r of the block at i0 with a pair: both rows made ready, every forward pass of the kernels, then its dU. */
+static void pair_row_block(const fh_engine_pass *p, float *row, int64_t i0, int64_t r)
+{
+    const fh_pair_kernels *k = p->pair;
+    const int64_t i = i0 + r, vocab = p->lin->vocab;
+    float *crow = companion_row(p, row);
+    pair_rows(p, row, 0, vocab);
+    for (int pass = 0; pass < k->passes; pass++) {
+        k->fold(k->self, pass, i, row, crow, vocab, 0);
+        k->finish(k->self, pass, i);
+    }
+    k->gradient(k->self, i, row, crow, vocab, 0);
+    round_du_row(p, row, i0, r, vocab);
+}
+
 /* The statistics of rows [i0, n) as arrays starting at row i0. */
 static fh_token_stats stats_from(const fh_token_stats *s, int64_t i0)
 {
@@ -922,7 +1009,7 @@ fh_status fh_engine_row_blocks(const fh_engine_pass *p)
     const int64_t n = lin->n, vocab = lin->vocab;
     const int64_t segments = block_segments(p), height = block_segment_rows(p), span = block_span(p);
     const int threads = p->plan->threads;
-    const fh_fold_request request = {p->class_weights, stats->sum_weighted_z != NULL, stats->sum_pz != NULL};
+    const fh_fold_request request = {p->class_weights, stats && stats->sum_weighted_z, stats && stats->sum_pz};
     float *tile = p->ws->tile;
     double *column = p->ws->column;
     fh_status st = fh_engine_prepare(p);
@@ -940,7 +1027,12 @@ fh_status fh_engine_row_blocks(const fh_engine_pass *p)
             st = compute_logits(p, 0, tile + s * nb * vocab, s * span + i0, nb, 0, vocab);
         if (st != FH_OK)
             return st;
-        if (!p->source->block) {
+        if (p->pair) {
+            /* Every pass over both rows, then the gradient, while they are hot in cache. */
+#pragma omp parallel for num_threads(threads) schedule(static)
+            for (int64_t r = 0; r < rows; r++)
+                pair_row_block(p, tile + r * vocab, i0, r);
+        } else if (!p->source->block) {
             /* Fold, then the gradient while the row is still hot in cache. */
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t r = 0; r < rows; r++) {

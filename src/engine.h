@@ -46,6 +46,24 @@ typedef struct fh_coef_source {
     const void *self;
 } fh_coef_source;
 
+/* A second linear head over the same rows and vocabulary (a distillation teacher): the engine computes its logits
+ * tile beside lin's (its bias added, no transform), and the head's kernels, which see both rows, take the place of
+ * the statistics fold and of the coefficient form. Every function is called concurrently for different rows and
+ * may only touch row i's state. */
+typedef struct fh_pair_kernels {
+    const fh_linear *companion; /* n and vocab as lin's */
+    int passes;                 /* forward passes over every row (a statistic that needs another's final value) */
+    /* Folds columns first_column .. first_column + count - 1 of row i (z: lin's transformed logits, cz: the
+     * companion's) in forward pass `pass`. */
+    void (*fold)(const void *self, int pass, int64_t i, const float *z, const float *cz, int64_t count,
+                 int64_t first_column);
+    /* Ends forward pass `pass` of row i, once each of its columns is folded. */
+    void (*finish)(const void *self, int pass, int64_t i);
+    /* Overwrites z (row i's columns first_column..) with dU, once every pass is finished. */
+    void (*gradient)(const void *self, int64_t i, float *z, const float *cz, int64_t count, int64_t first_column);
+    const void *self;
+} fh_pair_kernels;
+
 /* One pass of the engine: the plan (tiles, threads) and its workspace, what the logits are made of, and
  * what the pass reads or writes. Each function below names the fields it uses. */
 typedef struct fh_engine_pass {
@@ -62,6 +80,9 @@ typedef struct fh_engine_pass {
     int64_t paired_rows;          /* row blocks: 0, or half of n: rows i and paired_rows + i belong together
                                      (a preference pair's chosen and rejected tokens), and every block holds
                                      the same rows of both halves */
+    const fh_pair_kernels *pair;  /* or NULL; with a pair the plan is a pair plan (fh_plan_pair_*), stats, coefs
+                                     and source are unused, the passes walk both heads' tiles, and
+                                     fh_engine_forward runs every pass of the pair's kernels */
 } fh_engine_pass;
 
 /* Every pass makes its GEMMs ready first (fh_gemm_prepare), so that it fails, if it does (FH_ERR_OUT_OF_MEMORY

@@ -40,7 +40,7 @@ static int buffer_bytes(int used, int64_t rows, int64_t cols, size_t elem_size, 
  * size overflows. */
 static int place_buffers(fh_plan *plan, int64_t n)
 {
-    enum { BUFFERS = 15 };
+    enum { BUFFERS = 16 };
     const int64_t rows = plan->tile_rows, cols = plan->tile_vocab, hidden = plan->hidden;
     const int filter = plan->filter_eps > 0.0;
     plan->filter_blocks = filter ? (cols + FH_GRAD_FILTER_COLUMNS - 1) / FH_GRAD_FILTER_COLUMNS : 0;
@@ -52,6 +52,7 @@ static int place_buffers(fh_plan *plan, int64_t n)
     } buffers[BUFFERS] = {
         {1, n, FH_WORKSPACE_SLOTS, sizeof(double), &plan->slots_offset},
         {1, rows, cols, sizeof(float), &plan->tile_offset},
+        {plan->companion, rows, cols, sizeof(float), &plan->companion_tile_offset},
         {1, 1, cols, sizeof(double), &plan->column_offset},
         {plan->bf16_du, plan->row_blocks ? n : rows, cols, sizeof(uint16_t), &plan->du_offset},
         {plan->accumulators, n, hidden, sizeof(float), &plan->dx_acc_offset},
@@ -78,9 +79,11 @@ static int place_buffers(fh_plan *plan, int64_t n)
     return 0;
 }
 
-/* What the pass computes and which of the bf16 path's buffers it needs (see fh_plan). */
-static void set_schedule(const fh_context *ctx, const fh_linear *lin, int gradients, int row_blocks, fh_plan *plan)
+/* What the pass computes and which of the bf16 path's buffers it needs (see fh_plan); companion: a pair plan. */
+static void set_schedule(const fh_context *ctx, const fh_linear *lin, int gradients, int row_blocks, int companion,
+                         fh_plan *plan)
 {
+    plan->companion = companion;
     const int bf16 = lin->x_dtype == FH_DTYPE_BF16 && gradients;
     plan->hidden = lin->hidden;
     plan->gradients = gradients;
@@ -88,7 +91,7 @@ static void set_schedule(const fh_context *ctx, const fh_linear *lin, int gradie
     plan->fp32_dz = bf16 && ctx->params[FH_PARAM_FP32_DZ] != 0;
     plan->bf16_du = bf16 && !plan->fp32_dz;
     plan->accumulators = bf16 && !row_blocks;
-    plan->filter_eps = gradients ? ctx->grad_filter_eps : 0.0;
+    plan->filter_eps = gradients && !companion ? ctx->grad_filter_eps : 0.0;
 }
 
 /* Tile sizes before the budget: parameters, else wisdom, else defaults. */
@@ -101,13 +104,13 @@ static void preferred_tiles(const fh_context *ctx, const fh_linear *lin, int thr
     *cols = cols_param > 0 ? cols_param : w ? w->tile_vocab : 0;
 }
 
-fh_status fh_plan_make(const fh_context *ctx, const fh_linear *lin, fh_call call, fh_plan *plan,
-                       fh_context *messages)
+static fh_status plan_make(const fh_context *ctx, const fh_linear *lin, fh_call call, int companion, fh_plan *plan,
+                           fh_context *messages)
 {
     const int64_t n = lin->n, vocab = lin->vocab, budget = fh_budget_bytes(ctx);
     int64_t rows, cols;
     plan->threads = fh_threads(ctx, lin);
-    set_schedule(ctx, lin, call != FH_CALL_FORWARD, 0, plan);
+    set_schedule(ctx, lin, call != FH_CALL_FORWARD, 0, companion, plan);
     preferred_tiles(ctx, lin, plan->threads, call, &rows, &cols);
     plan->tile_rows = min64(n, rows > 0 ? rows : DEFAULT_TILE_ROWS);
     const int64_t default_cols = call == FH_CALL_FORWARD ? DEFAULT_TILE_VOCAB_FORWARD : DEFAULT_TILE_VOCAB_BACKWARD;
@@ -129,10 +132,22 @@ fh_status fh_plan_make(const fh_context *ctx, const fh_linear *lin, fh_call call
     }
 }
 
+fh_status fh_plan_make(const fh_context *ctx, const fh_linear *lin, fh_call call, fh_plan *plan,
+                       fh_context *messages)
+{
+    return plan_make(ctx, lin, call, 0, plan, messages);
+}
+
+static fh_status plan_streaming(const fh_context *ctx, const fh_linear *lin, int companion, fh_plan plans[2],
+                                fh_context *messages)
+{
+    const fh_status st = plan_make(ctx, lin, FH_CALL_FORWARD, companion, &plans[0], messages);
+    return st == FH_OK ? plan_make(ctx, lin, FH_CALL_BACKWARD, companion, &plans[1], messages) : st;
+}
+
 fh_status fh_plan_streaming(const fh_context *ctx, const fh_linear *lin, fh_plan plans[2], fh_context *messages)
 {
-    const fh_status st = fh_plan_make(ctx, lin, FH_CALL_FORWARD, &plans[0], messages);
-    return st == FH_OK ? fh_plan_make(ctx, lin, FH_CALL_BACKWARD, &plans[1], messages) : st;
+    return plan_streaming(ctx, lin, 0, plans, messages);
 }
 
 #define MIN_ROW_BLOCK 256
@@ -141,18 +156,24 @@ fh_status fh_plan_streaming(const fh_context *ctx, const fh_linear *lin, fh_plan
  * 256 but hold more f32 logits, 128 rows ran 8 - 10% slower (fh_bench --dtype bf16 at N=1024 H=1024 V=32768
  * and N=512 H=1536 V=151643, 2 threads). */
 #define BF16_ROW_BLOCK 256
+/* A pair's block holds two V-wide rows of fp32 logits per row, so its height is capped to keep the workspace a
+ * small part of the materialized logits (2 N V floats): at N = 1024, H_s = 1024, H_t = 2048, V = 32768 (fh_bench
+ * --loss distill, fp32, 2 threads) blocks of 256, 205, 171 and 128 rows took 2185, 2216, 2513 and 2491 ms; 224
+ * makes that 5 blocks of 205 rows, 0.21 of the materialized computation's peak memory at the speed of 256. */
+#define PAIR_ROW_BLOCK 224
 
 /* Row-block plan for the single-call train step: tile_vocab = vocab and as many rows as the budget
- * holds, balanced across blocks. Returns 0 when at least min(n, MIN_ROW_BLOCK) rows fit, else -1 (the
- * caller streams instead). fp32 dZ with bf16 inputs always streams (its f32 copy of the weight would be
- * H x V). bf16 blocks stop at BF16_ROW_BLOCK rows, or at group_rows when a group (a sequence, a pair) is
- * taller, so that it still runs in row blocks. */
-static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, int64_t group_rows, fh_plan *plan)
+ * holds, balanced across blocks. Returns 0 when at least min(n, MIN_ROW_BLOCK) rows fit (a companion's plan:
+ * PAIR_ROW_BLOCK, also its cap), else -1 (the caller streams instead). fp32 dZ with bf16 inputs always streams
+ * (its f32 copy of the weight would be H x V). bf16 blocks stop at BF16_ROW_BLOCK rows, or at group_rows when a
+ * group (a sequence, a pair) is taller, so that it still runs in row blocks. */
+static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, int64_t group_rows, int companion,
+                           fh_plan *plan)
 {
     const int64_t n = lin->n, vocab = lin->vocab, budget = fh_budget_bytes(ctx);
     int64_t rows_param, unused;
     plan->threads = fh_threads(ctx, lin);
-    set_schedule(ctx, lin, 1, 1, plan);
+    set_schedule(ctx, lin, 1, 1, companion, plan);
     if (plan->fp32_dz)
         return -1;
     preferred_tiles(ctx, lin, plan->threads, FH_CALL_TRAIN_STEP, &rows_param, &unused);
@@ -166,13 +187,15 @@ static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, int64_t 
         plan->filter_eps > 0.0 ? plan->filter_blocks * (int64_t)sizeof(float) + (int64_t)(sizeof(float) + 2 * sizeof(double)) +
                                      (plan->bf16_du ? lin->hidden * (int64_t)sizeof(float) : 0)
                                : 0;
-    const int64_t row_bytes = vocab * (int64_t)sizeof(float) + filter_row_bytes;
+    const int64_t row_bytes = (1 + companion) * vocab * (int64_t)sizeof(float) + filter_row_bytes;
     int64_t rows = 1 + (budget - (int64_t)plan->bytes) / row_bytes;
-    /* Blocks thinner than MIN_ROW_BLOCK lose to streaming (the H x V dweight is re-read per block); an
-     * explicit FH_PARAM_TILE_ROWS (or measured wisdom) is honoured. */
-    const int64_t min_rows = rows_param > 0 ? 1 : min64(n, MIN_ROW_BLOCK);
+    /* Blocks thinner than MIN_ROW_BLOCK (a pair's PAIR_ROW_BLOCK) lose to streaming (the H x V dweight is re-read
+     * per block); an explicit FH_PARAM_TILE_ROWS (or measured wisdom) is honoured. */
+    const int64_t min_rows = rows_param > 0 ? 1 : min64(n, companion ? PAIR_ROW_BLOCK : MIN_ROW_BLOCK);
     if (rows_param > 0)
         rows = min64(rows, rows_param);
+    else if (companion)
+        rows = min64(rows, PAIR_ROW_BLOCK);
     else if (plan->bf16_du)
         rows = min64(rows, group_rows > BF16_ROW_BLOCK ? group_rows : BF16_ROW_BLOCK);
     rows = min64(rows, n);
@@ -189,17 +212,28 @@ static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, int64_t 
     return (int64_t)plan->bytes <= budget ? 0 : -1;
 }
 
-static fh_status plan_train_step(const fh_context *ctx, const fh_linear *lin, int64_t group_rows, fh_plan *plan,
-                                 int *row_blocks, fh_context *messages)
+static fh_status plan_train_step(const fh_context *ctx, const fh_linear *lin, int64_t group_rows, int companion,
+                                 fh_plan *plan, int *row_blocks, fh_context *messages)
 {
-    *row_blocks = make_row_blocks(ctx, lin, group_rows, plan) == 0;
-    return *row_blocks ? FH_OK : fh_plan_make(ctx, lin, FH_CALL_BACKWARD, plan, messages);
+    *row_blocks = make_row_blocks(ctx, lin, group_rows, companion, plan) == 0;
+    return *row_blocks ? FH_OK : plan_make(ctx, lin, FH_CALL_BACKWARD, companion, plan, messages);
 }
 
 fh_status fh_plan_train_step(const fh_context *ctx, const fh_linear *lin, fh_plan *plan, int *row_blocks,
                              fh_context *messages)
 {
-    return plan_train_step(ctx, lin, 1, plan, row_blocks, messages);
+    return plan_train_step(ctx, lin, 1, 0, plan, row_blocks, messages);
+}
+
+fh_status fh_plan_pair_streaming(const fh_context *ctx, const fh_linear *lin, fh_plan plans[2], fh_context *messages)
+{
+    return plan_streaming(ctx, lin, 1, plans, messages);
+}
+
+fh_status fh_plan_pair_train_step(const fh_context *ctx, const fh_linear *lin, fh_plan *plan, int *row_blocks,
+                                  fh_context *messages)
+{
+    return plan_train_step(ctx, lin, 1, 1, plan, row_blocks, messages);
 }
 
 void fh_plan_lower_rows(fh_plan *plan, int64_t n, int64_t rows)
@@ -211,7 +245,7 @@ void fh_plan_lower_rows(fh_plan *plan, int64_t n, int64_t rows)
 fh_status fh_plan_train_step_groups(fh_context *ctx, const fh_linear *lin, int64_t group_rows, fh_plan *plan,
                                     int *row_blocks)
 {
-    const fh_status st = plan_train_step(ctx, lin, group_rows, plan, row_blocks, ctx);
+    const fh_status st = plan_train_step(ctx, lin, group_rows, 0, plan, row_blocks, ctx);
     if (st != FH_OK || !*row_blocks)
         return st;
     const int64_t groups = lin->n / group_rows, fit = plan->tile_rows / group_rows;
@@ -225,7 +259,8 @@ fh_status fh_plan_train_step_groups(fh_context *ctx, const fh_linear *lin, int64
 }
 
 /* Bytes of the streaming passes (group_rows 0), else of the train step with groups of group_rows rows. */
-static fh_status query_bytes(const fh_context *ctx, const fh_linear *lin, int64_t group_rows, size_t *bytes)
+static fh_status query_bytes(const fh_context *ctx, const fh_linear *lin, int64_t group_rows, int companion,
+                             size_t *bytes)
 {
     fh_status st = fh_check_linear(NULL, lin);
     if (st != FH_OK)
@@ -233,10 +268,10 @@ static fh_status query_bytes(const fh_context *ctx, const fh_linear *lin, int64_
     fh_plan plans[2];
     int row_blocks;
     if (group_rows > 0) {
-        st = plan_train_step(ctx, lin, group_rows, &plans[0], &row_blocks, NULL);
+        st = plan_train_step(ctx, lin, group_rows, companion, &plans[0], &row_blocks, NULL);
         plans[1] = plans[0];
     } else {
-        st = fh_plan_streaming(ctx, lin, plans, NULL);
+        st = plan_streaming(ctx, lin, companion, plans, NULL);
     }
     if (st == FH_OK)
         *bytes = plans[0].bytes > plans[1].bytes ? plans[0].bytes : plans[1].bytes;
@@ -245,16 +280,27 @@ static fh_status query_bytes(const fh_context *ctx, const fh_linear *lin, int64_
 
 fh_status fh_plan_query_bytes(const fh_context *ctx, const fh_linear *lin, int train_step, size_t *bytes)
 {
-    return query_bytes(ctx, lin, train_step ? 1 : 0, bytes);
+    return query_bytes(ctx, lin, train_step ? 1 : 0, 0, bytes);
+}
+
+fh_status fh_plan_pair_query_bytes(const fh_context *ctx, const fh_linear *lin, size_t *bytes)
+{
+    size_t streaming, train_step;
+    fh_status st = query_bytes(ctx, lin, 0, 1, &streaming);
+    if (st == FH_OK)
+        st = query_bytes(ctx, lin, 1, 1, &train_step);
+    if (st == FH_OK)
+        *bytes = streaming > train_step ? streaming : train_step;
+    return st;
 }
 
 fh_status fh_plan_query_every_bytes(const fh_context *ctx, const fh_linear *lin, size_t *bytes)
 {
     /* Groups of any height up to n: the bf16 blocks then stop only at the budget, the most any group asks. */
     size_t streaming, grouped;
-    fh_status st = query_bytes(ctx, lin, 0, &streaming);
+    fh_status st = query_bytes(ctx, lin, 0, 0, &streaming);
     if (st == FH_OK)
-        st = query_bytes(ctx, lin, lin->n, &grouped);
+        st = query_bytes(ctx, lin, lin->n, 0, &grouped);
     if (st == FH_OK)
         *bytes = streaming > grouped ? streaming : grouped;
     return st;
@@ -268,6 +314,7 @@ static fh_workspace carve(const fh_plan *plan, void *base, int64_t n)
     for (int a = 0; a < FH_WORKSPACE_SLOTS; a++)
         ws.slot[a] = slots + (size_t)a * (size_t)n;
     ws.tile = (float *)(aligned + plan->tile_offset);
+    ws.companion_tile = plan->companion ? (float *)(aligned + plan->companion_tile_offset) : NULL;
     ws.column = (double *)(aligned + plan->column_offset);
     ws.du = plan->bf16_du ? (uint16_t *)(aligned + plan->du_offset) : NULL;
     ws.dx_acc = plan->accumulators ? (float *)(aligned + plan->dx_acc_offset) : NULL;

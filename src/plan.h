@@ -33,6 +33,8 @@ typedef struct fh_plan {
     int64_t filter_blocks;
     size_t block_max_offset, target_du_offset, row_c_offset, row_scale_offset, flags_offset, vectors_offset,
         dx_block_offset;
+    int companion;        /* a pair plan (fh_plan_pair_*): a second tile for the companion head's logits */
+    size_t companion_tile_offset;
     size_t slots_offset;  /* FH_WORKSPACE_SLOTS arrays of n doubles */
     size_t tile_offset;   /* tile_rows * tile_vocab floats */
     size_t column_offset; /* tile_vocab doubles (bias-gradient column sums) */
@@ -58,6 +60,15 @@ fh_status fh_plan_train_step(const fh_context *ctx, const fh_linear *lin, fh_pla
 fh_status fh_plan_train_step_groups(fh_context *ctx, const fh_linear *lin, int64_t group_rows, fh_plan *plan,
                                     int *row_blocks);
 
+/* Plans for a pass with a companion head (fh_pair_kernels): the companion's tile beside lin's, no gradient
+ * filtering, and train-step row blocks of at most 224 rows unless FH_PARAM_TILE_ROWS says otherwise (two
+ * tiles of logits per row). As fh_plan_streaming and fh_plan_train_step otherwise. */
+fh_status fh_plan_pair_streaming(const fh_context *ctx, const fh_linear *lin, fh_plan plans[2], fh_context *messages);
+fh_status fh_plan_pair_train_step(const fh_context *ctx, const fh_linear *lin, fh_plan *plan, int *row_blocks,
+                                  fh_context *messages);
+/* Workspace bytes of every call of a head with a companion (the larger of the two above; pure). */
+fh_status fh_plan_pair_query_bytes(const fh_context *ctx, const fh_linear *lin, size_t *bytes);
+
 /* Lowers a row-block plan to rows (<= plan->tile_rows) per block, e.g. a height agreed with other ranks;
  * its workspace only shrinks. */
 void fh_plan_lower_rows(fh_plan *plan, int64_t n, int64_t rows);
@@ -74,6 +85,7 @@ fh_status fh_plan_query_every_bytes(const fh_context *ctx, const fh_linear *lin,
 typedef struct fh_workspace {
     double *slot[FH_WORKSPACE_SLOTS];
     float *tile;
+    float *companion_tile; /* pair plans: the companion head's tile, NULL otherwise */
     double *column;
     uint16_t *du;
     float *dx_acc, *dw_acc, *x32, *w32;

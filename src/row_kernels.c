@@ -105,13 +105,88 @@ void fh_row_gradient_portable(float *z, int64_t count, int64_t target_column, co
         z[target_column] += (float)coef->b * fh_dz_du(z_target, tf);
 }
 
+void fh_row_pair_max_portable(const float *z, const float *cz, int64_t count, float *max_z, float *max_cz)
+{
+    float mz = -INFINITY, mc = -INFINITY;
+    for (int64_t j = 0; j < count; j++) {
+        mz = fmaxf(mz, z[j]);
+        mc = fmaxf(mc, cz[j]);
+    }
+    *max_z = mz;
+    *max_cz = mc;
+}
+
+void fh_row_exp_sums_portable(const float *a, const float *b, int64_t count, float scale, float shift,
+                              double sums[2])
+{
+    double sum = 0.0, cross = 0.0;
+    for (int64_t j = 0; j < count; j++) {
+        const float e = expf(scale * a[j] - shift);
+        sum += e;
+        if (b)
+            cross += e * (scale * a[j] - scale * b[j]);
+    }
+    sums[0] += sum;
+    sums[1] += cross;
+}
+
+/* softplus(x) = log(1 + e^x) and softplus(-x), without overflow. */
+static void softplus_pair(float x, float *plus, float *minus)
+{
+    const float tail = log1pf(expf(-fabsf(x)));
+    *plus = fmaxf(x, 0.0f) + tail;
+    *minus = fmaxf(-x, 0.0f) + tail;
+}
+
+void fh_row_jsd_sums_portable(const float *z, const float *cz, int64_t count, const fh_pair_row *r, double sums[2])
+{
+    double sum_d = 0.0, sum_k = 0.0;
+    for (int64_t j = 0; j < count; j++) {
+        const float ls = r->inv_t * z[j] - r->lse_s, lt = r->inv_t * cz[j] - r->lse_t;
+        const float p = expf(ls), q = expf(lt);
+        float sp, spn;
+        softplus_pair(r->log_odds + lt - ls, &sp, &spn);
+        sum_d -= r->beta * q * spn + (1.0f - r->beta) * p * sp;
+        sum_k += p * sp;
+    }
+    sums[0] += sum_d;
+    sums[1] += sum_k;
+}
+
+void fh_row_pair_gradient_portable(float *z, const float *cz, int64_t count, const fh_pair_row *r)
+{
+    const float g_soft = r->g_soft * r->inv_t;
+    for (int64_t j = 0; j < count; j++) {
+        const float ls = r->inv_t * z[j] - r->lse_s, lt = r->inv_t * cz[j] - r->lse_t, p = expf(ls);
+        float soft;
+        switch (r->divergence) {
+        case FH_PAIR_FORWARD_KL: soft = p - expf(lt); break;
+        case FH_PAIR_REVERSE_KL: soft = p * (ls - lt - r->d); break;
+        default: {
+            float sp, spn;
+            softplus_pair(r->log_odds + lt - ls, &sp, &spn);
+            soft = (1.0f - r->beta) * p * (r->k - sp);
+            break;
+        }
+        }
+        const float hard = r->g_hard != 0.0f ? r->g_hard * expf(z[j] - r->lse_u) : 0.0f;
+        z[j] = g_soft * soft + hard;
+    }
+}
+
 typedef struct kernel_set {
     void (*transform)(float *, int64_t, const float *, const fh_transform *);
     void (*fold)(const float *, int64_t, int64_t, int64_t, const fh_fold_request *, fh_fold_state *);
     void (*gradient)(float *, int64_t, int64_t, const float *, const fh_coef *, const fh_transform *);
+    void (*pair_max)(const float *, const float *, int64_t, float *, float *);
+    void (*exp_sums)(const float *, const float *, int64_t, float, float, double[2]);
+    void (*jsd_sums)(const float *, const float *, int64_t, const fh_pair_row *, double[2]);
+    void (*pair_gradient)(float *, const float *, int64_t, const fh_pair_row *);
 } kernel_set;
 
-static kernel_set kernels = {fh_row_transform_portable, fh_row_fold_portable, fh_row_gradient_portable};
+static kernel_set kernels = {fh_row_transform_portable, fh_row_fold_portable,     fh_row_gradient_portable,
+                             fh_row_pair_max_portable,  fh_row_exp_sums_portable, fh_row_jsd_sums_portable,
+                             fh_row_pair_gradient_portable};
 static pthread_once_t kernels_once = PTHREAD_ONCE_INIT;
 
 static void choose_kernels(void)
@@ -119,7 +194,9 @@ static void choose_kernels(void)
 #ifdef FH_HAVE_AVX512_KERNELS
     __builtin_cpu_init();
     if (!getenv("FH_DISABLE_AVX512") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) {
-        const kernel_set avx512 = {fh_row_transform_avx512, fh_row_fold_avx512, fh_row_gradient_avx512};
+        const kernel_set avx512 = {fh_row_transform_avx512, fh_row_fold_avx512,     fh_row_gradient_avx512,
+                                   fh_row_pair_max_avx512,  fh_row_exp_sums_avx512, fh_row_jsd_sums_avx512,
+                                   fh_row_pair_gradient_avx512};
         kernels = avx512;
     }
 #endif
@@ -152,6 +229,26 @@ void fh_row_gradient(float *z, int64_t count, int64_t target_column, const float
                      const fh_transform *tf)
 {
     chosen()->gradient(z, count, target_column, weights, coef, tf);
+}
+
+void fh_row_pair_max(const float *z, const float *cz, int64_t count, float *max_z, float *max_cz)
+{
+    chosen()->pair_max(z, cz, count, max_z, max_cz);
+}
+
+void fh_row_exp_sums(const float *a, const float *b, int64_t count, float scale, float shift, double sums[2])
+{
+    chosen()->exp_sums(a, b, count, scale, shift, sums);
+}
+
+void fh_row_jsd_sums(const float *z, const float *cz, int64_t count, const fh_pair_row *r, double sums[2])
+{
+    chosen()->jsd_sums(z, cz, count, r, sums);
+}
+
+void fh_row_pair_gradient(float *z, const float *cz, int64_t count, const fh_pair_row *r)
+{
+    chosen()->pair_gradient(z, cz, count, r);
 }
 
 /* Portable on purpose: on the bits, |z| is an AND and the maximum an integer one (non-negative floats order as

@@ -58,6 +58,43 @@ void fh_row_fold(const float *z, int64_t count, int64_t first_column, int64_t ta
 void fh_row_gradient(float *z, int64_t count, int64_t target_column, const float *weights,
                      const fh_coef *coef, const fh_transform *tf);
 
+/* ---- Two rows at once: a distillation student's raw logits z and its teacher's cz (bias added, untempered) ----
+ * s = inv_t z and t = inv_t cz are the tempered rows, p = softmax(s), q = softmax(t). */
+typedef enum fh_pair_divergence {
+    FH_PAIR_FORWARD_KL, /* KL(q || p) */
+    FH_PAIR_REVERSE_KL, /* KL(p || q) */
+    FH_PAIR_JSD         /* beta KL(q || m) + (1 - beta) KL(p || m), m = beta q + (1 - beta) p, 0 < beta < 1 */
+} fh_pair_divergence;
+
+/* One row's constants for the passes after its log-sum-exps are known. */
+typedef struct fh_pair_row {
+    fh_pair_divergence divergence;
+    float inv_t;
+    float beta, log_odds;               /* jsd: beta and log(beta / (1 - beta)) */
+    float lse_s, lse_t, lse_u;          /* log-sum-exps of s, t and the untempered u = z */
+    float d, k;                         /* the row's divergence; jsd's sum_j p_j sp_j (below) */
+    float g_soft, g_hard;               /* the gradient's weights of dD/ds / T and of softmax(u) - onehot */
+} fh_pair_row;
+
+/* The largest raw logits of both rows (-inf for none; a NaN is ignored unless it is every value). */
+void fh_row_pair_max(const float *z, const float *cz, int64_t count, float *max_z, float *max_cz);
+
+/* sums[0] += sum_j exp(scale a_j - shift); with b, also sums[1] += sum_j exp(scale a_j - shift) scale (a_j - b_j):
+ * a log-sum-exp's sum and a KL's cross term (a the row whose softmax weighs it). */
+void fh_row_exp_sums(const float *a, const float *b, int64_t count, float scale, float shift, double sums[2]);
+
+/* jsd, with x_j = log_odds + log q_j - log p_j and sp_j = softplus(x_j) = log(1 + beta q_j / ((1 - beta) p_j)), so
+ * that log p - log m = -log(1 - beta) - sp and log q - log m = -log(beta) - softplus(-x): the terms stay exact where
+ * p and q barely overlap (log p - log m itself would be a tiny difference of numbers near -log(1 - beta)).
+ * sums[0] += sum_j -(beta q softplus(-x) + (1 - beta) p sp), so that D = H(beta) + sums[0] with H the binary
+ * entropy -beta log beta - (1 - beta) log(1 - beta); sums[1] += sum_j p sp. */
+void fh_row_jsd_sums(const float *z, const float *cz, int64_t count, const fh_pair_row *r, double sums[2]);
+
+/* Overwrites z with dU = g_soft inv_t dD/ds + g_hard softmax(u) (the caller subtracts g_hard at the target);
+ * dD/ds = p - q (forward KL), p (log p - log q - d) (reverse KL), (1 - beta) p (k - sp) (jsd: (1 - beta) p (log p -
+ * log m - sum p (log p - log m)) in the terms above). */
+void fh_row_pair_gradient(float *z, const float *cz, int64_t count, const fh_pair_row *r);
+
 /* out[b] = max |z[j]| over the columns j of block b (blocks of `block` columns, the last one shorter), for every
  * block of the count columns; a NaN counts as larger than any number. */
 void fh_row_block_max_abs(const float *z, int64_t count, int64_t block, float *out);

@@ -135,3 +135,104 @@ void fh_row_gradient_avx512(float *z, int64_t count, int64_t target_column, cons
     if (has_target)
         z[target_column] += (float)coef->b * fh_dz_du(z_target, tf);
 }
+
+void fh_row_pair_max_avx512(const float *z, const float *cz, int64_t count, float *max_z, float *max_cz)
+{
+    const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+    __m512 mz = neg_inf, mc = neg_inf;
+    for (int64_t j = 0; j < count; j += LANES) {
+        const __mmask16 m = tail_mask(count - j);
+        /* max_ps returns its second operand when either is NaN: the running maximum, so NaNs are skipped. */
+        mz = _mm512_max_ps(_mm512_mask_loadu_ps(neg_inf, m, z + j), mz);
+        mc = _mm512_max_ps(_mm512_mask_loadu_ps(neg_inf, m, cz + j), mc);
+    }
+    *max_z = _mm512_reduce_max_ps(mz);
+    *max_cz = _mm512_reduce_max_ps(mc);
+}
+
+void fh_row_exp_sums_avx512(const float *a, const float *b, int64_t count, float scale, float shift, double sums[2])
+{
+    const __m512 vscale = _mm512_set1_ps(scale), vshift = _mm512_set1_ps(shift);
+    __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd(), clo = _mm512_setzero_pd(), chi = _mm512_setzero_pd();
+    for (int64_t j = 0; j < count; j += LANES) {
+        const __mmask16 m = tail_mask(count - j);
+        const __m512 sa = _mm512_mul_ps(vscale, _mm512_maskz_loadu_ps(m, a + j));
+        const __m512 e = _mm512_maskz_mov_ps(m, Sleef_expf16_u10avx512f(_mm512_sub_ps(sa, vshift)));
+        accumulate_double(e, &lo, &hi);
+        if (b) {
+            const __m512 sb = _mm512_mul_ps(vscale, _mm512_maskz_loadu_ps(m, b + j));
+            accumulate_double(_mm512_mul_ps(e, _mm512_sub_ps(sa, sb)), &clo, &chi);
+        }
+    }
+    sums[0] += sum_as_double(lo, hi);
+    sums[1] += sum_as_double(clo, chi);
+}
+
+/* softplus(x) = log(1 + e^x) (plus) and softplus(-x) (minus), without overflow. */
+static void softplus_pair(__m512 x, __m512 *plus, __m512 *minus)
+{
+    const __m512 zero = _mm512_setzero_ps();
+    const __m512 minus_abs = _mm512_min_ps(x, _mm512_sub_ps(zero, x));
+    const __m512 tail = Sleef_log1pf16_u10avx512f(Sleef_expf16_u10avx512f(minus_abs));
+    *plus = _mm512_add_ps(_mm512_max_ps(x, zero), tail);
+    *minus = _mm512_add_ps(_mm512_max_ps(_mm512_sub_ps(zero, x), zero), tail);
+}
+
+/* Row j's log p and log q: inv_t z - lse_s and inv_t cz - lse_t (tail lanes 0). */
+static void log_probs(const fh_pair_row *r, const float *z, const float *cz, int64_t j, __mmask16 m, __m512 *ls,
+                      __m512 *lt)
+{
+    const __m512 it = _mm512_set1_ps(r->inv_t);
+    *ls = _mm512_maskz_mov_ps(m, _mm512_fmsub_ps(it, _mm512_maskz_loadu_ps(m, z + j), _mm512_set1_ps(r->lse_s)));
+    *lt = _mm512_maskz_mov_ps(m, _mm512_fmsub_ps(it, _mm512_maskz_loadu_ps(m, cz + j), _mm512_set1_ps(r->lse_t)));
+}
+
+void fh_row_jsd_sums_avx512(const float *z, const float *cz, int64_t count, const fh_pair_row *r, double sums[2])
+{
+    const __m512 beta = _mm512_set1_ps(r->beta), one_m_beta = _mm512_set1_ps(1.0f - r->beta);
+    __m512d dlo = _mm512_setzero_pd(), dhi = _mm512_setzero_pd(), klo = _mm512_setzero_pd(), khi = _mm512_setzero_pd();
+    for (int64_t j = 0; j < count; j += LANES) {
+        const __mmask16 m = tail_mask(count - j);
+        __m512 ls, lt;
+        log_probs(r, z, cz, j, m, &ls, &lt);
+        const __m512 p = _mm512_maskz_mov_ps(m, Sleef_expf16_u10avx512f(ls));
+        const __m512 q = _mm512_maskz_mov_ps(m, Sleef_expf16_u10avx512f(lt));
+        __m512 sp, spn;
+        softplus_pair(_mm512_add_ps(_mm512_set1_ps(r->log_odds), _mm512_sub_ps(lt, ls)), &sp, &spn);
+        const __m512 kp = _mm512_mul_ps(p, sp);
+        const __m512 d = _mm512_fmadd_ps(_mm512_mul_ps(beta, q), spn, _mm512_mul_ps(one_m_beta, kp));
+        accumulate_double(_mm512_sub_ps(_mm512_setzero_ps(), d), &dlo, &dhi);
+        accumulate_double(kp, &klo, &khi);
+    }
+    sums[0] += sum_as_double(dlo, dhi);
+    sums[1] += sum_as_double(klo, khi);
+}
+
+void fh_row_pair_gradient_avx512(float *z, const float *cz, int64_t count, const fh_pair_row *r)
+{
+    const __m512 g_soft = _mm512_set1_ps(r->g_soft * r->inv_t), g_hard = _mm512_set1_ps(r->g_hard);
+    const __m512 d = _mm512_set1_ps(r->d), k = _mm512_set1_ps(r->k), lse_u = _mm512_set1_ps(r->lse_u);
+    const __m512 one_m_beta = _mm512_set1_ps(1.0f - r->beta);
+    for (int64_t j = 0; j < count; j += LANES) {
+        const __mmask16 m = tail_mask(count - j);
+        __m512 ls, lt, soft;
+        log_probs(r, z, cz, j, m, &ls, &lt);
+        const __m512 p = Sleef_expf16_u10avx512f(ls);
+        switch (r->divergence) {
+        case FH_PAIR_FORWARD_KL: soft = _mm512_sub_ps(p, Sleef_expf16_u10avx512f(lt)); break;
+        case FH_PAIR_REVERSE_KL: soft = _mm512_mul_ps(p, _mm512_sub_ps(_mm512_sub_ps(ls, lt), d)); break;
+        default: {
+            __m512 sp, spn;
+            softplus_pair(_mm512_add_ps(_mm512_set1_ps(r->log_odds), _mm512_sub_ps(lt, ls)), &sp, &spn);
+            soft = _mm512_mul_ps(_mm512_mul_ps(one_m_beta, p), _mm512_sub_ps(k, sp));
+            break;
+        }
+        }
+        __m512 du = _mm512_mul_ps(g_soft, soft);
+        if (r->g_hard != 0.0f) {
+            const __m512 u = _mm512_maskz_loadu_ps(m, z + j);
+            du = _mm512_fmadd_ps(g_hard, Sleef_expf16_u10avx512f(_mm512_sub_ps(u, lse_u)), du);
+        }
+        _mm512_mask_storeu_ps(z + j, m, du);
+    }
+}

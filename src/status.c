@@ -30,6 +30,8 @@ FH_API const char *fh_status_string(fh_status status)
     case FH_ERR_WISDOM_IO: return "the wisdom file cannot be read or written";
     case FH_ERR_INVALID_WISDOM: return "malformed wisdom entry, or the wisdom table is full";
     case FH_ERR_INVALID_PREFERENCE_OPTION: return "a preference-loss option is out of range";
+    case FH_ERR_INVALID_DISTILL_OPTION: return "a distillation option is out of range";
+    case FH_ERR_TEACHER_MISMATCH: return "the teacher's tokens or vocabulary differ from the student's";
     case FH_ERR_INVALID_PARAM: return "unknown parameter";
     case FH_ERR_INVALID_PARAM_VALUE: return "parameter value out of bounds";
     }

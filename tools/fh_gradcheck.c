@@ -1,8 +1,9 @@
-/* fh_gradcheck: runs the fused cross-entropy and the double-precision reference on random inputs,
- * prints the differences as JSON and exits non-zero past tolerance. --dump DIR writes every input and
- * fused output as .npy so other tools can check them independently. */
+/* fh_gradcheck: runs the fused cross-entropy (--loss grpo, dpo|orpo|simpo|cpo, distill: those heads) and the
+ * double-precision reference on random inputs, prints the differences as JSON and exits non-zero past tolerance.
+ * --dump DIR writes every input and fused output as .npy so other tools can check them independently. */
 #include "ce_case.h"
 #include "dtype_option.h"
+#include "gradcheck_distill.h"
 #include "gradcheck_grpo.h"
 #include "gradcheck_preference.h"
 #include "npy.h"
@@ -21,7 +22,8 @@ static void usage(void)
             "       [--train-step] [--budget BYTES] [--tile-rows R] [--tile-vocab C] [--dtype f32|bf16]\n"
             "       [--grad-dtype f32|bf16] [--fp32-dz] [--grad-filter-eps EPS] [--logit-scale S]\n"
             "       fh_gradcheck --loss grpo ... (fh_gradcheck --loss grpo --help)\n"
-            "       fh_gradcheck --loss dpo|orpo|simpo|cpo ... (fh_gradcheck --loss dpo --help)\n");
+            "       fh_gradcheck --loss dpo|orpo|simpo|cpo ... (fh_gradcheck --loss dpo --help)\n"
+            "       fh_gradcheck --loss distill ... (fh_gradcheck --loss distill --help)\n");
 }
 
 static int parse(int argc, char **argv, ce_case_spec *s, const char **dump)
@@ -135,6 +137,8 @@ int main(int argc, char **argv)
                 return gradcheck_grpo(argc, argv);
             if (gradcheck_is_preference(argv[i + 1]))
                 return gradcheck_preference(argc, argv);
+            if (strcmp(argv[i + 1], "distill") == 0)
+                return gradcheck_distill(argc, argv);
             if (strcmp(argv[i + 1], "ce") != 0) {
                 usage();
                 return 2;

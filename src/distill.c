@@ -1,0 +1,422 @@
+/* Distillation head (forward KL, reverse KL, generalized JSD, plus a hard-label cross-entropy; TRL's GKD and
+ * Liger's semantics, formulas in fusedhead.h): the student is the engine's linear, the teacher its pair's
+ * companion, and this file's kernels fold and differentiate both rows of each tile. Per row they keep online
+ * log-sum-exps of the tempered student (s) and teacher (t) logits, of the untempered student logits (u) when
+ * the cross-entropy needs them apart, and the KLs' cross term; the JSD's mixture log m = log(beta q + (1 - beta) p)
+ * needs both log-sum-exps first, so it folds in a second pass. */
+#include "engine.h"
+#include "linear.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+/* Workspace slots, [n] each. The running maxima become log-sum-exps when a row's first pass ends. */
+enum {
+    SLOT_S_MAX_THEN_LSE,
+    SLOT_S_SUM,         /* sum exp(s - max) */
+    SLOT_T_MAX_THEN_LSE,
+    SLOT_T_SUM,
+    SLOT_CROSS_THEN_D,  /* forward KL: sum exp(t - max) (t - s); reverse KL: sum exp(s - max) (s - t); then D */
+    SLOT_U_MAX_THEN_LSE,
+    SLOT_U_SUM,
+    SLOT_U_TARGET,      /* u at the target */
+    SLOT_JSD_K,         /* sum_j p_j (log p_j - log m_j), the JSD gradient's row term */
+    SLOT_COEF,          /* d objective / d l_i: the upstream gradient over the mean's count; 0 when ignored */
+    SLOTS
+};
+_Static_assert(SLOTS <= FH_WORKSPACE_SLOTS, "the plan reserves too few workspace slots");
+
+FH_API fh_status fh_distill_options_init(fh_distill_options *options)
+{
+    if (!options)
+        return FH_ERR_NULL_POINTER;
+    const fh_distill_options defaults = {FH_DIVERGENCE_JSD, 0.5, 1.0, 1.0, 0.0, -100, FH_REDUCTION_MEAN};
+    *options = defaults;
+    return FH_OK;
+}
+
+typedef struct distill_head {
+    const fh_distill_options *o;
+    const int64_t *targets;  /* NULL: every token counts */
+    int64_t vocab;
+    fh_divergence divergence; /* jsd with beta 0 or 1 is the forward or reverse KL */
+    float inv_t;
+    int hard;                /* weight_hard_loss != 0: the cross-entropy's gradient */
+    int separate_u;          /* targets (the cross-entropy is reported) and temperature != 1: u's statistics are
+                                not s's */
+    double log_odds;         /* jsd: log(beta / (1 - beta)) */
+    double *const *slot;
+} distill_head;
+
+static int counted(const distill_head *h, int64_t i)
+{
+    return !h->targets || h->targets[i] != h->o->ignore_index;
+}
+
+static int64_t target_in(const distill_head *h, int64_t i, int64_t first_column, int64_t count)
+{
+    if (!h->targets || !counted(h, i))
+        return -1;
+    const int64_t t = h->targets[i] - first_column;
+    return t >= 0 && t < count ? t : -1;
+}
+
+/* Running sum at max `*max` rescaled to the larger of it and `chunk_max` (other: a sum weighted alike). */
+static void rescale(double *max, double *sum, double chunk_max, double *other)
+{
+    if (!(chunk_max > *max))
+        return;
+    const double factor = *max == -INFINITY ? 0.0 : exp(*max - chunk_max);
+    *sum *= factor;
+    if (other)
+        *other *= factor;
+    *max = chunk_max;
+}
+
+/* Adds a chunk's sums of exps (at the running max, raised to the chunk's first) to a row's. */
+static void fold_lse(double *max, double *sum, double *cross, float chunk_max, const float *a, const float *b,
+                     int64_t count, float scale)
+{
+    rescale(max, sum, chunk_max, cross);
+    double sums[2] = {0.0, 0.0};
+    fh_row_exp_sums(a, cross ? b : NULL, count, scale, (float)*max, sums);
+    *sum += sums[0];
+    if (cross)
+        *cross += sums[1];
+}
+
+/* Pass 0: maxima and sums of exps of s, t (and u), the KL's cross term, u at the target. */
+static void fold_statistics(const distill_head *h, int64_t i, const float *z, const float *cz, int64_t count,
+                            int64_t first_column)
+{
+    double *const *slot = h->slot;
+    const float it = h->inv_t;
+    float max_z, max_cz;
+    fh_row_pair_max(z, cz, count, &max_z, &max_cz);
+    const fh_divergence d = h->divergence;
+    double *cross = &slot[SLOT_CROSS_THEN_D][i];
+    /* inv_t > 0: the largest of inv_t z is inv_t times the largest z */
+    fold_lse(&slot[SLOT_S_MAX_THEN_LSE][i], &slot[SLOT_S_SUM][i], d == FH_DIVERGENCE_REVERSE_KL ? cross : NULL,
+             it * max_z, z, cz, count, it);
+    fold_lse(&slot[SLOT_T_MAX_THEN_LSE][i], &slot[SLOT_T_SUM][i], d == FH_DIVERGENCE_FORWARD_KL ? cross : NULL,
+             it * max_cz, cz, z, count, it);
+    if (h->separate_u)
+        fold_lse(&slot[SLOT_U_MAX_THEN_LSE][i], &slot[SLOT_U_SUM][i], NULL, max_z, z, NULL, count, 1.0f);
+    const int64_t t = target_in(h, i, first_column, count);
+    if (t >= 0)
+        slot[SLOT_U_TARGET][i] = z[t];
+}
+
+/* Row i's constants once its first pass is finished. */
+static fh_pair_row row_of(const distill_head *h, int64_t i)
+{
+    double *const *slot = h->slot;
+    static const fh_pair_divergence kinds[] = {FH_PAIR_FORWARD_KL, FH_PAIR_REVERSE_KL, FH_PAIR_JSD};
+    const double coef = slot[SLOT_COEF][i];
+    const fh_pair_row r = {kinds[h->divergence],
+                           h->inv_t,
+                           (float)h->o->beta,
+                           (float)h->log_odds,
+                           (float)slot[SLOT_S_MAX_THEN_LSE][i],
+                           (float)slot[SLOT_T_MAX_THEN_LSE][i],
+                           (float)slot[SLOT_U_MAX_THEN_LSE][i],
+                           (float)slot[SLOT_CROSS_THEN_D][i],
+                           (float)slot[SLOT_JSD_K][i],
+                           (float)(coef * h->o->weight_soft_loss),
+                           (float)(coef * h->o->weight_hard_loss)};
+    return r;
+}
+
+static void fold(const void *self, int pass, int64_t i, const float *z, const float *cz, int64_t count,
+                 int64_t first_column)
+{
+    const distill_head *h = self;
+    if (pass == 0) {
+        fold_statistics(h, i, z, cz, count, first_column);
+        return;
+    }
+    /* Pass 1 (jsd): D and K over the row, from its final log-sum-exps. */
+    const fh_pair_row r = row_of(h, i);
+    double sums[2] = {0.0, 0.0};
+    fh_row_jsd_sums(z, cz, count, &r, sums);
+    h->slot[SLOT_CROSS_THEN_D][i] += sums[0];
+    h->slot[SLOT_JSD_K][i] += sums[1];
+}
+
+static void finish(const void *self, int pass, int64_t i)
+{
+    const distill_head *h = self;
+    double *const *slot = h->slot;
+    if (pass != 0)
+        return;
+    const double lse_s = slot[SLOT_S_MAX_THEN_LSE][i] + log(slot[SLOT_S_SUM][i]);
+    const double lse_t = slot[SLOT_T_MAX_THEN_LSE][i] + log(slot[SLOT_T_SUM][i]);
+    slot[SLOT_S_MAX_THEN_LSE][i] = lse_s;
+    slot[SLOT_T_MAX_THEN_LSE][i] = lse_t;
+    double *d = &slot[SLOT_CROSS_THEN_D][i];
+    if (h->divergence == FH_DIVERGENCE_FORWARD_KL) /* sum q (t - s) - lse_t + lse_s */
+        *d = *d / slot[SLOT_T_SUM][i] - lse_t + lse_s;
+    else if (h->divergence == FH_DIVERGENCE_REVERSE_KL)
+        *d = *d / slot[SLOT_S_SUM][i] - lse_s + lse_t;
+    else { /* the second pass adds its sums: D = H(beta) + sums[0] (fh_row_jsd_sums) */
+        const double beta = h->o->beta;
+        *d = -beta * log(beta) - (1.0 - beta) * log1p(-beta);
+        slot[SLOT_JSD_K][i] = 0.0;
+    }
+    if (h->separate_u)
+        slot[SLOT_U_MAX_THEN_LSE][i] += log(slot[SLOT_U_SUM][i]);
+    else
+        slot[SLOT_U_MAX_THEN_LSE][i] = lse_s; /* temperature 1 (or no targets): u is s */
+}
+
+/* dU of row i: coef (weight_soft dD/ds / T + weight_hard (softmax(u) - onehot)); 0 for an ignored row. */
+static void gradient(const void *self, int64_t i, float *z, const float *cz, int64_t count, int64_t first_column)
+{
+    const distill_head *h = self;
+    const fh_pair_row r = row_of(h, i);
+    if (h->slot[SLOT_COEF][i] == 0.0) {
+        memset(z, 0, (size_t)count * sizeof(float));
+        return;
+    }
+    fh_row_pair_gradient(z, cz, count, &r);
+    const int64_t t = target_in(h, i, first_column, count);
+    if (h->hard && t >= 0)
+        z[t] -= r.g_hard;
+}
+
+static fh_status check_options(fh_context *ctx, const fh_linear *student, const int64_t *targets,
+                               const fh_distill_options *o)
+{
+    if (!o)
+        return fh_fail(ctx, FH_ERR_NULL_POINTER, "options are NULL");
+    if ((unsigned)o->divergence > FH_DIVERGENCE_JSD)
+        return fh_fail(ctx, FH_ERR_INVALID_DISTILL_OPTION,
+                       "divergence = %d is not forward_kl (0), reverse_kl (1) or jsd (2)", (int)o->divergence);
+    if (!(o->beta >= 0.0 && o->beta <= 1.0))
+        return fh_fail(ctx, FH_ERR_INVALID_DISTILL_OPTION, "beta = %g is outside [0, 1]", o->beta);
+    if (!(o->weight_soft_loss >= 0.0 && isfinite(o->weight_soft_loss)) ||
+        !(o->weight_hard_loss >= 0.0 && isfinite(o->weight_hard_loss)))
+        return fh_fail(ctx, FH_ERR_INVALID_DISTILL_OPTION,
+                       "weight_soft_loss = %g and weight_hard_loss = %g must be finite and >= 0", o->weight_soft_loss,
+                       o->weight_hard_loss);
+    /* 1/temperature scales fp32 logits: it must be a finite, nonzero fp32 value. */
+    if (!(o->temperature > 0.0 && isfinite(o->temperature) && isfinite((float)(1.0 / o->temperature)) &&
+          (float)(1.0 / o->temperature) > 0.0f))
+        return fh_fail(ctx, FH_ERR_INVALID_TEMPERATURE, "temperature = %g must be > 0 with 1/temperature in fp32 range",
+                       o->temperature);
+    if (o->reduction != FH_REDUCTION_MEAN && o->reduction != FH_REDUCTION_SUM && o->reduction != FH_REDUCTION_NONE)
+        return fh_fail(ctx, FH_ERR_INVALID_REDUCTION, "reduction = %d is not mean (0), sum (1) or none (2)",
+                       (int)o->reduction);
+    if (!targets && o->weight_hard_loss != 0.0)
+        return fh_fail(ctx, FH_ERR_NULL_POINTER, "targets are NULL and weight_hard_loss = %g needs them",
+                       o->weight_hard_loss);
+    for (int64_t i = 0; targets && i < student->n; i++)
+        if (targets[i] != o->ignore_index && (targets[i] < 0 || targets[i] >= student->vocab))
+            return fh_fail(ctx, FH_ERR_TARGET_OUT_OF_RANGE,
+                           "targets[%lld] = %lld is outside [0, %lld) and is not ignore_index (%lld)", (long long)i,
+                           (long long)targets[i], (long long)student->vocab, (long long)o->ignore_index);
+    return FH_OK;
+}
+
+static fh_status check_pair_shapes(fh_context *ctx, const fh_linear *student, const fh_linear *teacher)
+{
+    if (teacher->n != student->n || teacher->vocab != student->vocab)
+        return fh_fail(ctx, FH_ERR_TEACHER_MISMATCH,
+                       "the teacher has n = %lld and V = %lld, the student n = %lld and V = %lld", (long long)teacher->n,
+                       (long long)teacher->vocab, (long long)student->n, (long long)student->vocab);
+    return FH_OK;
+}
+
+/* The teacher's own checks, its failures named as the teacher's; the pair's shapes before scanning its values. */
+static fh_status check_teacher(fh_context *ctx, const fh_linear *student, const fh_linear *teacher)
+{
+    if (!teacher)
+        return fh_fail(ctx, FH_ERR_NULL_POINTER, "teacher is NULL");
+    fh_status st = fh_check_linear(ctx, teacher);
+    if (st == FH_OK && (st = check_pair_shapes(ctx, student, teacher)) != FH_OK)
+        return st;
+    if (st == FH_OK)
+        st = fh_check_finite(ctx, teacher);
+    if (st != FH_OK) {
+        const char *message = "";
+        char copy[256];
+        (void)fh_context_message(ctx, &message);
+        snprintf(copy, sizeof copy, "%s", message);
+        return fh_fail(ctx, st, "teacher: %s", copy);
+    }
+    return FH_OK;
+}
+
+static fh_status check_call(fh_context *ctx, const fh_linear *student, const fh_linear *teacher,
+                            const int64_t *targets, const fh_distill_options *o, const fh_distill_outputs *out)
+{
+    fh_status st = fh_check_call(ctx, student);
+    if (st == FH_OK)
+        st = check_teacher(ctx, student, teacher);
+    if (st == FH_OK)
+        st = check_options(ctx, student, targets, o);
+    if (st == FH_OK && !out)
+        st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
+    if (st == FH_OK && o->reduction == FH_REDUCTION_NONE && !out->per_token_loss)
+        st = fh_fail(ctx, FH_ERR_MISSING_OUTPUT, "reduction 'none' needs per_token_loss");
+    return st;
+}
+
+static fh_status check_backward_inputs(fh_context *ctx, const fh_linear *student, const fh_distill_options *o,
+                                       const float *grad_output, const fh_linear_grads *grads)
+{
+    if (!grad_output)
+        return fh_fail(ctx, FH_ERR_NULL_POINTER, "grad_output is NULL");
+    const fh_status st = fh_check_grads(ctx, student, grads);
+    if (st != FH_OK)
+        return st;
+    const int64_t count = o->reduction == FH_REDUCTION_NONE ? student->n : 1;
+    for (int64_t i = 0; i < count; i++)
+        if (!isfinite(grad_output[i]))
+            return fh_fail(ctx, FH_ERR_INVALID_GRAD_OUTPUT, "grad_output[%lld] = %g is not finite", (long long)i,
+                           (double)grad_output[i]);
+    return FH_OK;
+}
+
+/* The head over the workspace's slots, every row's running state at its start, and (grad_output not NULL) every
+ * row's coefficient. */
+static distill_head head_of(const fh_workspace *ws, const fh_linear *student, const int64_t *targets,
+                            const fh_distill_options *o, const float *grad_output)
+{
+    distill_head h = {o, targets, student->vocab, o->divergence, (float)(1.0 / o->temperature),
+                      o->weight_hard_loss != 0.0, 0, 0.0, ws->slot};
+    if (h.divergence == FH_DIVERGENCE_JSD && o->beta == 0.0)
+        h.divergence = FH_DIVERGENCE_FORWARD_KL;
+    else if (h.divergence == FH_DIVERGENCE_JSD && o->beta == 1.0)
+        h.divergence = FH_DIVERGENCE_REVERSE_KL;
+    h.separate_u = targets && h.inv_t != 1.0f;
+    h.log_odds = log(o->beta) - log1p(-o->beta);
+    double count = 0.0;
+    for (int64_t i = 0; i < student->n; i++) {
+        for (int s = 0; s < SLOTS; s++)
+            ws->slot[s][i] = 0.0;
+        ws->slot[SLOT_S_MAX_THEN_LSE][i] = ws->slot[SLOT_T_MAX_THEN_LSE][i] = ws->slot[SLOT_U_MAX_THEN_LSE][i] =
+            -INFINITY;
+        count += counted(&h, i);
+    }
+    for (int64_t i = 0; grad_output && i < student->n; i++) {
+        const double g = grad_output[o->reduction == FH_REDUCTION_NONE ? i : 0];
+        /* A mean over no token is 0 with zero gradients, never NaN. */
+        const double scale = o->reduction == FH_REDUCTION_MEAN ? (count > 0.0 ? 1.0 / count : 0.0) : 1.0;
+        ws->slot[SLOT_COEF][i] = counted(&h, i) ? g * scale : 0.0;
+    }
+    return h;
+}
+
+static void write_outputs(const distill_head *h, int64_t n, fh_distill_outputs *out)
+{
+    double *const *slot = h->slot;
+    const fh_distill_options *o = h->o;
+    double soft = 0.0, hard = 0.0, count = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        double d = 0.0, ce = 0.0;
+        if (counted(h, i)) {
+            d = slot[SLOT_CROSS_THEN_D][i];
+            ce = h->targets ? slot[SLOT_U_MAX_THEN_LSE][i] - slot[SLOT_U_TARGET][i] : 0.0;
+            count += 1.0;
+        }
+        soft += d;
+        hard += ce;
+        if (out->per_token_loss)
+            out->per_token_loss[i] = (float)(o->weight_soft_loss * d + o->weight_hard_loss * ce);
+    }
+    if (o->reduction == FH_REDUCTION_MEAN) {
+        soft = count > 0.0 ? soft / count : 0.0;
+        hard = count > 0.0 ? hard / count : 0.0;
+    }
+    if (out->loss)
+        *out->loss = o->weight_soft_loss * soft + o->weight_hard_loss * hard;
+    if (out->soft_loss)
+        *out->soft_loss = soft;
+    if (out->hard_loss)
+        *out->hard_loss = hard;
+}
+
+static fh_pair_kernels kernels_of(const distill_head *h, const fh_linear *teacher)
+{
+    const fh_pair_kernels k = {teacher, h->divergence == FH_DIVERGENCE_JSD ? 2 : 1, fold, finish, gradient, h};
+    return k;
+}
+
+static fh_engine_pass pass_of(const fh_plan *plan, const fh_workspace *ws, const fh_linear *student,
+                              const fh_pair_kernels *kernels)
+{
+    const fh_engine_pass p = {.plan = plan, .ws = ws, .lin = student, .tf = {0.0f, 1.0f}, .pair = kernels};
+    return p;
+}
+
+FH_API fh_status fh_distill_forward(fh_context *ctx, const fh_linear *student, const fh_linear *teacher,
+                                    const int64_t *targets, const fh_distill_options *options,
+                                    fh_distill_outputs *out)
+{
+    fh_status st = check_call(ctx, student, teacher, targets, options, out);
+    fh_plan plans[2];
+    fh_workspace ws;
+    if (st == FH_OK)
+        st = fh_plan_pair_streaming(ctx, student, plans, ctx);
+    if (st == FH_OK)
+        st = fh_workspace_acquire(ctx, student->n, plans, 1, &ws);
+    if (st != FH_OK)
+        return st;
+    const distill_head h = head_of(&ws, student, targets, options, NULL);
+    const fh_pair_kernels kernels = kernels_of(&h, teacher);
+    const fh_engine_pass pass = pass_of(&plans[0], &ws, student, &kernels);
+    st = fh_engine_forward(&pass);
+    if (st == FH_OK)
+        write_outputs(&h, student->n, out);
+    return fh_gemm_failure(ctx, st);
+}
+
+FH_API fh_status fh_distill_forward_backward(fh_context *ctx, const fh_linear *student, const fh_linear *teacher,
+                                             const int64_t *targets, const fh_distill_options *options,
+                                             const float *grad_output, fh_distill_outputs *out,
+                                             fh_linear_grads *grads)
+{
+    fh_status st = check_call(ctx, student, teacher, targets, options, out);
+    if (st == FH_OK)
+        st = check_backward_inputs(ctx, student, options, grad_output, grads);
+    fh_plan plan;
+    fh_workspace ws;
+    int row_blocks = 0;
+    if (st == FH_OK)
+        st = fh_plan_pair_train_step(ctx, student, &plan, &row_blocks, ctx);
+    if (st == FH_OK)
+        st = fh_workspace_acquire(ctx, student->n, &plan, 1, &ws);
+    if (st != FH_OK)
+        return st;
+    const distill_head h = head_of(&ws, student, targets, options, grad_output);
+    const fh_pair_kernels kernels = kernels_of(&h, teacher);
+    fh_engine_pass pass = pass_of(&plan, &ws, student, &kernels);
+    pass.grads = grads;
+    if (row_blocks)
+        st = fh_engine_row_blocks(&pass);
+    else {
+        /* Streaming: every forward pass, then the backward recomputing both tiles (the pass holds grads, so the
+         * forward prepares the backward's GEMMs too). */
+        st = fh_engine_forward(&pass);
+        if (st == FH_OK)
+            st = fh_engine_backward(&pass);
+    }
+    if (st == FH_OK)
+        write_outputs(&h, student->n, out);
+    return fh_gemm_failure(ctx, st);
+}
+
+FH_API fh_status fh_distill_workspace_size(const fh_context *ctx, const fh_linear *student,
+                                           const fh_linear *teacher, size_t *bytes)
+{
+    if (!ctx || !bytes || !teacher)
+        return FH_ERR_NULL_POINTER;
+    fh_status st = fh_check_linear(NULL, student);
+    if (st == FH_OK)
+        st = fh_check_linear(NULL, teacher);
+    if (st == FH_OK)
+        st = check_pair_shapes(NULL, student, teacher);
+    return st == FH_OK ? fh_plan_pair_query_bytes(ctx, student, bytes) : st;
+}

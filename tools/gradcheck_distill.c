@@ -1,0 +1,407 @@
+/* fh_gradcheck --loss distill: the fused distillation head (fh_distill_forward, fh_distill_forward_backward) against
+ * the double-precision reference ref_distill_linear (ref/ref_distill.h; TRL GKD / Liger semantics) on the same random
+ * inputs: both heads' x in U(-1, 1) and weights scaled so that their logits have standard deviation --logit-scale
+ * (default 2; ref/ce_case.c's ce_fill_linear), the teacher independent of the student; a fraction --ignore-frac of the
+ * targets ignore_index (or no targets at all with --no-targets); grad_output --grad-output for mean and sum, U(-1.5,
+ * 1.5) per token for none.
+ *
+ * The single-call step runs in row blocks unless the memory budget cannot hold one (--budget, with --tile-rows and
+ * --tile-vocab for the streaming tiles): a row block holds both heads' V-wide fp32 logits rows (8 V bytes per row),
+ * and with bf16 inputs every row's bf16 dU (2 n V bytes), so a budget below that streams ("streaming": true in the
+ * output; with --fp32-dz the step always streams).
+ *
+ * Tolerances (tests/test_distill.c derives them and gives the measured worst cases):
+ *   loss, soft_loss, hard_loss: |fused - reference| <= 1e-5 max(1, |reference|): the head's fp32 exps and
+ *     log-probabilities carry an absolute error of ~1e-6 whatever D's size; per_token_loss: 1e-5 (1 + |r|);
+ *   dx, dweight, dbias: normwise relative 1e-5 (CE_GRAD_NORM_REL_TOL); with bf16 inputs (unless --fp32-dz) dx and
+ *     dweight take CE_BF16_GRAD_NORM_REL_TOL = 2^-8 ~ 4e-3 (dU rounded once to bf16), and bf16 gradients add 2^-8
+ *     for their own rounding (ce_grad_tolerance, ref/ce_case.c).
+ * jsd between nearly disjoint distributions (D close to its maximum, e.g. --logit-scale 3 --temperature 0.5) forms a
+ * gradient that is a small difference of fp32 terms: its relative error then exceeds 1e-5 (tests/test_distill.c,
+ * "jsd near its maximum"). */
+#include "dtype_option.h"
+#include "gradcheck_distill.h"
+
+#include "bf16.h"
+#include "ce_case.h"
+#include "ref_distill.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define DISTILL_LOSS_TOL 1e-5
+#define DISTILL_TOKEN_TOL 1e-5
+#define DISTILL_GRAD_TOL CE_GRAD_NORM_REL_TOL
+
+static const char *const divergences[] = {"forward_kl", "reverse_kl", "jsd"}; /* fh_divergence order */
+static const char *const reductions[] = {"mean", "sum", "none"};                /* fh_reduction order */
+
+static void usage(void)
+{
+    fprintf(stderr,
+            "usage: fh_gradcheck --loss distill --divergence forward_kl|reverse_kl|jsd [--beta B] [--temperature T]\n"
+            "       [--weight-soft-loss W] [--weight-hard-loss W] [--n N] [--hidden H] [--teacher-hidden Ht]\n"
+            "       [--vocab V] [--layout hv|vh] [--teacher-layout hv|vh] [--bias] [--teacher-bias]\n"
+            "       [--ignore-frac F] [--no-targets] [--reduction mean|sum|none] [--grad-output g] [--threads T]\n"
+            "       [--seed S] [--tile-rows R] [--tile-vocab C] [--budget BYTES] [--dtype f32|bf16]\n"
+            "       [--grad-dtype f32|bf16] [--fp32-dz] [--logit-scale S]\n"
+            "  defaults: jsd, beta 0.5, temperature 1, weights 1 and 0, n 64, H 67, Ht = H, V 5003, hv, mean;\n"
+            "  --dtype bf16 makes both heads bf16\n");
+}
+
+typedef struct distill_spec {
+    int64_t n, hidden, teacher_hidden, vocab;
+    fh_layout layout, teacher_layout;
+    int bias, teacher_bias, no_targets;
+    double ignore_frac, logit_scale;
+    fh_distill_options options;
+    float grad_output;
+    int threads, fp32_dz;
+    int64_t tile_rows, tile_vocab, budget;
+    uint64_t seed;
+    fh_dtype dtype, grad_dtype;
+} distill_spec;
+
+static int lookup(const char *name, const char *const *names, int count)
+{
+    for (int k = 0; k < count; k++)
+        if (strcmp(name, names[k]) == 0)
+            return k;
+    return -1;
+}
+
+static int parse_layout(const char *v, fh_layout *layout)
+{
+    if (strcmp(v, "hv") && strcmp(v, "vh"))
+        return -1;
+    *layout = strcmp(v, "vh") == 0 ? FH_LAYOUT_VH : FH_LAYOUT_HV;
+    return 0;
+}
+
+static int parse(int argc, char **argv, distill_spec *s)
+{
+    memset(s, 0, sizeof *s);
+    s->n = 64;
+    s->hidden = 67;
+    s->teacher_hidden = 0; /* = hidden */
+    s->vocab = 5003;
+    s->ignore_frac = 0.1;
+    s->logit_scale = 2.0;
+    s->grad_output = 1.0f;
+    s->seed = 1;
+    fh_distill_options_init(&s->options);
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        int k;
+#define VALUE_OPTION(name) (strcmp(a, name) == 0 && v && ++i)
+        if (VALUE_OPTION("--loss")) {
+            if (strcmp(v, "distill"))
+                return -1;
+        } else if (VALUE_OPTION("--divergence")) {
+            if ((k = lookup(v, divergences, 3)) < 0)
+                return -1;
+            s->options.divergence = (fh_divergence)k;
+        } else if (VALUE_OPTION("--beta"))
+            s->options.beta = atof(v);
+        else if (VALUE_OPTION("--temperature"))
+            s->options.temperature = atof(v);
+        else if (VALUE_OPTION("--weight-soft-loss"))
+            s->options.weight_soft_loss = atof(v);
+        else if (VALUE_OPTION("--weight-hard-loss"))
+            s->options.weight_hard_loss = atof(v);
+        else if (VALUE_OPTION("--reduction")) {
+            if ((k = lookup(v, reductions, 3)) < 0)
+                return -1;
+            s->options.reduction = (fh_reduction)k;
+        } else if (VALUE_OPTION("--n"))
+            s->n = atoll(v);
+        else if (VALUE_OPTION("--hidden"))
+            s->hidden = atoll(v);
+        else if (VALUE_OPTION("--teacher-hidden"))
+            s->teacher_hidden = atoll(v);
+        else if (VALUE_OPTION("--vocab"))
+            s->vocab = atoll(v);
+        else if (VALUE_OPTION("--layout")) {
+            if (parse_layout(v, &s->layout) != 0)
+                return -1;
+        } else if (VALUE_OPTION("--teacher-layout")) {
+            if (parse_layout(v, &s->teacher_layout) != 0)
+                return -1;
+        } else if (strcmp(a, "--bias") == 0)
+            s->bias = 1;
+        else if (strcmp(a, "--teacher-bias") == 0)
+            s->teacher_bias = 1;
+        else if (VALUE_OPTION("--ignore-frac"))
+            s->ignore_frac = atof(v);
+        else if (strcmp(a, "--no-targets") == 0)
+            s->no_targets = 1;
+        else if (VALUE_OPTION("--grad-output"))
+            s->grad_output = (float)atof(v);
+        else if (VALUE_OPTION("--threads"))
+            s->threads = atoi(v);
+        else if (VALUE_OPTION("--seed"))
+            s->seed = strtoull(v, NULL, 10);
+        else if (VALUE_OPTION("--tile-rows"))
+            s->tile_rows = atoll(v);
+        else if (VALUE_OPTION("--tile-vocab"))
+            s->tile_vocab = atoll(v);
+        else if (VALUE_OPTION("--budget"))
+            s->budget = atoll(v);
+        else if (VALUE_OPTION("--dtype")) {
+            if (parse_dtype(v, &s->dtype) != 0)
+                return -1;
+        } else if (VALUE_OPTION("--grad-dtype")) {
+            if (parse_dtype(v, &s->grad_dtype) != 0)
+                return -1;
+        } else if (strcmp(a, "--fp32-dz") == 0)
+            s->fp32_dz = 1;
+        else if (VALUE_OPTION("--logit-scale"))
+            s->logit_scale = atof(v);
+        else
+            return -1;
+#undef VALUE_OPTION
+    }
+    if (s->teacher_hidden == 0)
+        s->teacher_hidden = s->hidden;
+    return s->n > 0 && s->hidden > 0 && s->teacher_hidden > 0 && s->vocab > 0 && s->logit_scale > 0.0 ? 0 : -1;
+}
+
+/* One head's inputs: fp32 values (bf16-valued for bf16), the bf16 bits the library reads then, the reference's
+ * doubles with the canonical [H, V] weight. */
+typedef struct head {
+    float *x, *weight, *bias;
+    uint16_t *x_bf16, *weight_bf16;
+    double *rx, *rw, *rb;
+    fh_linear lin;
+    ref_linear ref;
+} head;
+
+static void *xcalloc(size_t count, size_t size)
+{
+    void *p = calloc(count ? count : 1, size);
+    if (!p) {
+        fprintf(stderr, "fh_gradcheck: out of memory\n");
+        exit(2);
+    }
+    return p;
+}
+
+static double *doubles(const float *f, size_t count)
+{
+    if (!f)
+        return NULL;
+    double *d = xcalloc(count, sizeof *d);
+    for (size_t i = 0; i < count; i++)
+        d[i] = f[i];
+    return d;
+}
+
+static void head_make(head *h, uint64_t *rng, const distill_spec *s, int64_t hidden, fh_layout layout, int bias)
+{
+    const size_t nh = (size_t)(s->n * hidden), hv = (size_t)(hidden * s->vocab);
+    memset(h, 0, sizeof *h);
+    h->x = xcalloc(nh, sizeof(float));
+    h->weight = xcalloc(hv, sizeof(float));
+    h->bias = bias ? xcalloc((size_t)s->vocab, sizeof(float)) : NULL;
+    ce_fill_linear(rng, s->n, hidden, s->vocab, s->logit_scale, h->x, h->weight, h->bias);
+    const int bf16 = s->dtype == FH_DTYPE_BF16;
+    if (bf16) {
+        h->x_bf16 = bf16_round_in_place(h->x, nh);
+        h->weight_bf16 = bf16_round_in_place(h->weight, hv);
+        if (!h->x_bf16 || !h->weight_bf16) {
+            fprintf(stderr, "fh_gradcheck: out of memory\n");
+            exit(2);
+        }
+    }
+    fh_linear_init(&h->lin, s->n, hidden, s->vocab, bf16 ? (const void *)h->x_bf16 : h->x,
+                   bf16 ? (const void *)h->weight_bf16 : h->weight, layout, h->bias);
+    h->lin.x_dtype = h->lin.weight_dtype = s->dtype;
+    h->rx = doubles(h->x, nh);
+    h->rw = ce_weight_to_reference(layout, hidden, s->vocab, h->weight);
+    h->rb = doubles(h->bias, (size_t)s->vocab);
+    const ref_linear r = {s->n, hidden, s->vocab, h->rx, h->rw, h->rb};
+    h->ref = r;
+}
+
+static void head_free(head *h)
+{
+    void *p[] = {h->x, h->weight, h->bias, h->x_bf16, h->weight_bf16, h->rx, h->rw, h->rb};
+    for (size_t k = 0; k < sizeof p / sizeof p[0]; k++)
+        free(p[k]);
+}
+
+typedef struct fused_outputs {
+    double loss, soft, hard;
+    float *per_token;
+} fused_outputs;
+
+/* max over the array of |f - r| / (1 + |r|); NaN anywhere: infinite. */
+static double token_diff(const float *f, const double *r, size_t count)
+{
+    double m = 0.0;
+    for (size_t i = 0; i < count; i++) {
+        const double e = fabs((double)f[i] - r[i]) / (1.0 + fabs(r[i]));
+        m = isnan(e) ? INFINITY : fmax(m, e);
+    }
+    return m;
+}
+
+static double loss_diff(double f, double r)
+{
+    const double e = fabs(f - r) / fmax(1.0, fabs(r));
+    return isnan(e) ? INFINITY : e;
+}
+
+static double outputs_diff(const fused_outputs *f, const ref_distill_result *r)
+{
+    return fmax(loss_diff(f->loss, r->loss), fmax(loss_diff(f->soft, r->soft_loss), loss_diff(f->hard, r->hard_loss)));
+}
+
+static double norm_rel(const float *f, const double *r, size_t count)
+{
+    const double e = ce_compare(f, r, count).norm_rel;
+    return isnan(e) ? INFINITY : e;
+}
+
+/* The reference's results on the case's inputs (dweight in the student's layout). */
+typedef struct reference {
+    ref_distill_result r;
+    double *per_token, *dx, *dweight, *dbias;
+} reference;
+
+/* The fused step's gradients (fp32 values of bf16 ones). */
+typedef struct gradients {
+    float *dx, *dweight, *dbias;
+} gradients;
+
+/* Prints the JSON; returns 0 within every tolerance, else 1. */
+static int report(const distill_spec *s, size_t workspace, const fused_outputs *fwd, const fused_outputs *step,
+                  const gradients *gr, const reference *ref)
+{
+    const size_t n = (size_t)s->n, h = (size_t)s->hidden, v = (size_t)s->vocab;
+    const ref_distill_result *r = &ref->r;
+    const int bf16 = s->dtype == FH_DTYPE_BF16;
+    const double grad_tol = ce_grad_tolerance(DISTILL_GRAD_TOL, bf16 && !s->fp32_dz, s->grad_dtype);
+    const double dbias_tol = ce_grad_tolerance(DISTILL_GRAD_TOL, 0, s->grad_dtype);
+    const double e_fwd = outputs_diff(fwd, r), e_step = outputs_diff(step, r);
+    const double e_tok =
+        fmax(token_diff(fwd->per_token, ref->per_token, n), token_diff(step->per_token, ref->per_token, n));
+    const double e_dx = norm_rel(gr->dx, ref->dx, n * h), e_dw = norm_rel(gr->dweight, ref->dweight, h * v);
+    const double e_db = gr->dbias ? norm_rel(gr->dbias, ref->dbias, v) : 0.0;
+    /* A row block holds both heads' V-wide fp32 rows, and with bf16 inputs every row's bf16 dU: a budget below that
+     * cannot hold one, so the step streams (as it always does with fp32 dZ). */
+    const double row_block_floor = 8.0 * (double)v + (bf16 ? 2.0 * (double)n * (double)v : 0.0);
+    const int streaming = (bf16 && s->fp32_dz) || (s->budget > 0 && (double)s->budget < row_block_floor);
+    const int pass = e_fwd <= DISTILL_LOSS_TOL && e_step <= DISTILL_LOSS_TOL && e_tok <= DISTILL_TOKEN_TOL &&
+                     e_dx <= grad_tol && e_dw <= grad_tol && e_db <= dbias_tol;
+    const fh_distill_options *o = &s->options;
+    printf("{\n  \"divergence\": \"%s\",\n  \"beta\": %g,\n  \"temperature\": %g,\n  \"weight_soft_loss\": %g,\n"
+           "  \"weight_hard_loss\": %g,\n  \"reduction\": \"%s\",\n  \"dtype\": \"%s\",\n  \"grad_dtype\": \"%s\",\n"
+           "  \"workspace_bytes\": %zu,\n  \"streaming\": %s,\n",
+           divergences[o->divergence], o->beta, o->temperature, o->weight_soft_loss, o->weight_hard_loss,
+           reductions[o->reduction], bf16 ? "bf16" : "f32", s->grad_dtype == FH_DTYPE_BF16 ? "bf16" : "f32", workspace,
+           streaming ? "true" : "false");
+    printf("  \"loss\": %.17g,\n  \"forward_loss\": %.17g,\n  \"ref_loss\": %.17g,\n  \"soft_loss\": %.17g,\n"
+           "  \"ref_soft_loss\": %.17g,\n  \"hard_loss\": %.17g,\n  \"ref_hard_loss\": %.17g,\n"
+           "  \"loss_rel\": %.3e,\n  \"forward_loss_rel\": %.3e,\n  \"per_token_loss_max_rel\": %.3e,\n"
+           "  \"dhidden_norm_rel\": %.3e,\n  \"dweight_norm_rel\": %.3e,\n  \"dbias_norm_rel\": %.3e,\n"
+           "  \"tolerance\": {\"loss_rel\": %g, \"per_token_rel\": %g, \"grad_norm_rel\": %g, "
+           "\"dbias_norm_rel\": %g},\n"
+           "  \"pass\": %s\n}\n",
+           step->loss, fwd->loss, r->loss, step->soft, r->soft_loss, step->hard, r->hard_loss, e_step, e_fwd, e_tok,
+           e_dx, e_dw, e_db, DISTILL_LOSS_TOL, DISTILL_TOKEN_TOL, grad_tol, dbias_tol, pass ? "true" : "false");
+    return pass ? 0 : 1;
+}
+
+int gradcheck_distill(int argc, char **argv)
+{
+    distill_spec s;
+    if (parse(argc, argv, &s) != 0) {
+        usage();
+        return 2;
+    }
+    const size_t n = (size_t)s.n, h = (size_t)s.hidden, v = (size_t)s.vocab;
+    uint64_t rng = s.seed * 104729 + 3;
+    head student, teacher;
+    head_make(&student, &rng, &s, s.hidden, s.layout, s.bias);
+    head_make(&teacher, &rng, &s, s.teacher_hidden, s.teacher_layout, s.teacher_bias);
+    int64_t *targets = xcalloc(n, sizeof(int64_t));
+    for (size_t i = 0; i < n; i++) {
+        targets[i] = (int64_t)(ce_uniform(&rng) * (double)s.vocab);
+        if (ce_uniform(&rng) < s.ignore_frac)
+            targets[i] = s.options.ignore_index;
+    }
+    const int64_t *call_targets = s.no_targets ? NULL : targets;
+    float *grad_output = xcalloc(n, sizeof(float));
+    for (size_t i = 0; i < n; i++)
+        grad_output[i] =
+            s.options.reduction == FH_REDUCTION_NONE ? (float)(3.0 * ce_uniform(&rng) - 1.5) : s.grad_output;
+
+    /* The fused calls: fh_distill_forward, then fh_distill_forward_backward into NaN-filled gradients (beta 0 must
+     * overwrite them). */
+    fh_context *ctx = NULL;
+    fh_status st = fh_context_create(&ctx);
+    const struct {
+        fh_param param;
+        int64_t value;
+    } settings[] = {{FH_PARAM_THREADS, s.threads},     {FH_PARAM_TILE_ROWS, s.tile_rows},
+                    {FH_PARAM_TILE_VOCAB, s.tile_vocab}, {FH_PARAM_MEMORY_BUDGET, s.budget},
+                    {FH_PARAM_FP32_DZ, s.fp32_dz}};
+    for (size_t k = 0; st == FH_OK && k < sizeof settings / sizeof settings[0]; k++)
+        st = fh_context_set(ctx, settings[k].param, settings[k].value);
+    fused_outputs fwd = {0.0, 0.0, 0.0, xcalloc(n, sizeof(float))}, step = {0.0, 0.0, 0.0, xcalloc(n, sizeof(float))};
+    gradients gr;
+    ce_alloc_grads(n, h, v, s.bias, 0.0f, &gr.dx, &gr.dweight, &gr.dbias);
+    if (st == FH_OK) {
+        fh_distill_outputs out = {&fwd.loss, &fwd.soft, &fwd.hard, fwd.per_token};
+        st = fh_distill_forward(ctx, &student.lin, &teacher.lin, call_targets, &s.options, &out);
+    }
+    if (st == FH_OK) {
+        ce_grads_io io;
+        ce_grads_io_begin(&io, s.grad_dtype, n, h, v, 0.0f, gr.dx, gr.dweight, gr.dbias);
+        fh_distill_outputs out = {&step.loss, &step.soft, &step.hard, step.per_token};
+        st = fh_distill_forward_backward(ctx, &student.lin, &teacher.lin, call_targets, &s.options, grad_output, &out,
+                                         &io.grads);
+        ce_grads_io_finish(&io);
+    }
+    size_t workspace = 0;
+    if (st == FH_OK)
+        st = fh_distill_workspace_size(ctx, &student.lin, &teacher.lin, &workspace);
+    if (st != FH_OK) {
+        const char *message = "";
+        if (ctx)
+            fh_context_message(ctx, &message);
+        fprintf(stderr, "fh_gradcheck: the library returned %d (%s)%s%s\n", (int)st, fh_status_string(st),
+                message[0] ? ": " : "", message);
+    }
+    fh_context_destroy(ctx);
+
+    /* The reference, and the comparison. */
+    const ref_distill_options ro = {(ref_divergence)s.options.divergence, s.options.beta, s.options.temperature,
+                                    s.options.weight_soft_loss, s.options.weight_hard_loss, s.options.ignore_index,
+                                    (int)s.options.reduction};
+    reference ref = {.per_token = xcalloc(n, sizeof(double)), .dx = xcalloc(n * h, sizeof(double)),
+                     .dweight = xcalloc(h * v, sizeof(double)), .dbias = s.bias ? xcalloc(v, sizeof(double)) : NULL};
+    ref.r.per_token_loss = ref.per_token;
+    double *dw = xcalloc(h * v, sizeof(double)), *g = doubles(grad_output, n);
+    int exit_code = st == FH_OK ? 0 : 2;
+    if (exit_code == 0 &&
+        ref_distill_linear(&student.ref, &teacher.ref, call_targets, &ro, g, &ref.r, ref.dx, dw, ref.dbias) != 0) {
+        fprintf(stderr, "fh_gradcheck: the reference failed where the library succeeded\n");
+        exit_code = 2;
+    }
+    if (exit_code == 0) {
+        ce_weight_from_reference(s.layout, s.hidden, s.vocab, dw, ref.dweight);
+        exit_code = report(&s, workspace, &fwd, &step, &gr, &ref);
+    }
+
+    head_free(&student);
+    head_free(&teacher);
+    void *p[] = {targets, grad_output, fwd.per_token, step.per_token, gr.dx, gr.dweight, gr.dbias, ref.per_token,
+                 ref.dx, ref.dweight, ref.dbias, dw, g};
+    for (size_t k = 0; k < sizeof p / sizeof p[0]; k++)
+        free(p[k]);
+    return exit_code;
+}
