@@ -1,12 +1,14 @@
 /* libFuzzer harness over fusedhead's public API (tests/hardening/README.md, "Fuzzing").
  *
  * Each input is decoded into one call: an entry point (fh_ce_forward, fh_ce_backward,
- * fh_ce_forward_backward, the three GRPO calls, the two preference calls, or one of the four workspace
- * queries), sizes (small, 0,
+ * fh_ce_forward_backward, the three GRPO calls, the two preference calls, the two distillation calls, or one of
+ * the five workspace queries), sizes (small, 0,
  * negative, 2^31.., 2^62, INT64_MIN/MAX, arbitrary), strides (padded, overlapping, zero, negative, huge),
  * options (every field, valid or not), targets/ids/masks, special float values in every input, dtypes (fp32 or
  * bf16 x and weight, sometimes mismatched or unknown; each gradient fp32, bf16 or unknown), context parameters
  * (threads, tiles, memory budget, CHECK_FINITE, FP32_DZ) and an optional caller workspace of a random size.
+ * A distillation call also draws its teacher (hidden size, layout, strides, dtypes and bias of its own; n and V
+ * the student's or, now and then, others; sometimes NULL pointers) with the same rules for its buffers.
  *
  * Allocations stay bounded: when the shape is small (n <= 48, hidden <= 48, vocab <= 700, every view
  * <= 2^16 elements) every buffer is allocated with exactly the size its view needs, so ASan sees any
@@ -21,9 +23,10 @@
  *     workspace queries leave *bytes untouched on error;
  *   - inputs are never written;
  *   - a shape the library must reject is rejected, and so are mismatched or unknown dtypes and bf16 gradients
- *     of fp32 inputs;
+ *     of fp32 inputs; a distillation teacher whose n or V is not the student's is rejected by the calls;
  *   - a successful train step with a caller workspace had at least the queried number of bytes;
- *   - a successful query never exceeds the memory budget; argmax outputs lie in [0, V). */
+ *   - a successful query never exceeds the memory budget; argmax outputs lie in [0, V); a successful
+ *     distillation call gives ignored tokens a per-token loss of 0. */
 #include "fusedhead.h"
 
 #include <float.h>
@@ -235,13 +238,13 @@ static void release(buffer *b)
 }
 
 enum { CALL_CE_FORWARD, CALL_CE_BACKWARD, CALL_CE_STEP, CALL_GRPO_FORWARD, CALL_GRPO_BACKWARD, CALL_GRPO_STEP,
-       CALL_PREFERENCE_FORWARD, CALL_PREFERENCE_STEP, CALL_CE_QUERY, CALL_CE_STEP_QUERY, CALL_GRPO_QUERY,
-       CALL_PREFERENCE_QUERY, CALL_KINDS };
+       CALL_PREFERENCE_FORWARD, CALL_PREFERENCE_STEP, CALL_DISTILL_FORWARD, CALL_DISTILL_STEP, CALL_CE_QUERY,
+       CALL_CE_STEP_QUERY, CALL_GRPO_QUERY, CALL_PREFERENCE_QUERY, CALL_DISTILL_QUERY, CALL_KINDS };
 
 enum { IN_X, IN_W, IN_BIAS, IN_CW, IN_TARGETS, IN_GRAD, IN_LSE, IN_LOGP, IN_ENTROPY, IN_MASK, IN_ADV, IN_OLD, IN_REF,
-       IN_COUNT };
+       IN_TEACHER_X, IN_TEACHER_W, IN_TEACHER_BIAS, IN_COUNT };
 enum { OUT_LOSS, OUT_ZLOSS, OUT_METRICS, OUT_PTL, OUT_LOGP, OUT_LSE, OUT_ENTROPY, OUT_ARGMAX, OUT_DX, OUT_DW, OUT_DB,
-       OUT_PREFERENCE_METRICS, OUT_SEQUENCE_LOGPS, OUT_REWARDS, OUT_COUNT };
+       OUT_PREFERENCE_METRICS, OUT_SEQUENCE_LOGPS, OUT_REWARDS, OUT_SOFT_LOSS, OUT_HARD_LOSS, OUT_COUNT };
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -254,9 +257,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     /* grpo: a batch of sequences (GRPO's, or the preference calls' 2 x pairs) */
     const int grpo = call == CALL_GRPO_FORWARD || call == CALL_GRPO_BACKWARD || call == CALL_GRPO_STEP ||
                      call == CALL_GRPO_QUERY || preference;
+    const int distill = call == CALL_DISTILL_FORWARD || call == CALL_DISTILL_STEP || call == CALL_DISTILL_QUERY;
     const int query = call >= CALL_CE_QUERY;
     const int has_grads = call == CALL_CE_BACKWARD || call == CALL_CE_STEP || call == CALL_GRPO_BACKWARD ||
-                          call == CALL_GRPO_STEP || call == CALL_PREFERENCE_STEP;
+                          call == CALL_GRPO_STEP || call == CALL_PREFERENCE_STEP || call == CALL_DISTILL_STEP;
 
     /* dtypes: x fp32 or bf16, the weight the same, the other one or unknown; each gradient fp32 or bf16 (dx
      * unknown when all three bits are set); fp32 dZ. */
@@ -294,6 +298,40 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         }
     }
 
+    /* Distillation's teacher: hidden size, layout, strides, dtypes and bias of its own; n and V the student's, or
+     * (one input in 16 each) others; now and then a NULL teacher, x or weight. */
+    int64_t tn = n, th = 1, tv = vocab, t_x_rs = 1, t_w_rs = 1, t_w_cs = 1;
+    fh_layout t_layout = FH_LAYOUT_HV;
+    fh_dtype t_x_dtype = FH_DTYPE_F32, t_w_dtype = FH_DTYPE_F32;
+    int t_bias_on = 0, t_pointer = 0; /* 1: teacher NULL, 2: its x NULL, 3: its weight NULL */
+    if (distill) {
+        const uint8_t tb = u8(&r);
+        if (tb % 16 == 0)
+            tn = pick_size(&r, 48);
+        if (tb % 16 == 1)
+            tv = pick_size(&r, 700);
+        th = tb & 16 ? hidden : pick_size(&r, 48);
+        t_layout = (fh_layout)((tb >> 5) & 1);
+        t_x_rs = pick_stride(&r, th);
+        t_w_rs = pick_stride(&r, t_layout == FH_LAYOUT_HV ? tv : 1);
+        t_w_cs = pick_stride(&r, t_layout == FH_LAYOUT_HV ? 1 : th);
+        const uint8_t td = u8(&r);
+        t_x_dtype = td & 1 ? FH_DTYPE_BF16 : FH_DTYPE_F32;
+        t_w_dtype = (td & 6) == 6 ? (fh_dtype)7 : td & 2 ? (td & 1 ? FH_DTYPE_F32 : FH_DTYPE_BF16) : t_x_dtype;
+        t_bias_on = (td >> 3) & 1;
+        t_pointer = td >> 4 == 15 ? 1 : td >> 4 == 14 ? 2 : td >> 4 == 13 ? 3 : 0;
+    }
+    const size_t tx_size = t_x_dtype == FH_DTYPE_BF16 ? 2 : 4, tw_size = t_w_dtype == FH_DTYPE_BF16 ? 2 : 4;
+    const int t_sizes_bad = tn < 1 || th < 1 || tv < 1;
+    const int t_lin_bad = distill && (t_sizes_bad || product_overflows(tn, tv) || product_overflows(th, tv) ||
+                                      product_overflows(tn, th) || view_invalid(tn, th, t_x_rs, 1, tx_size) ||
+                                      view_invalid(th, tv, t_w_rs, t_w_cs, tw_size));
+    const int t_mismatch = distill && (tn != n || tv != vocab);
+    const int t_dtype_bad = distill && t_w_dtype != t_x_dtype;
+    const int64_t tx_last = !distill || t_lin_bad ? 0 : last_offset(tn, th, t_x_rs, 1);
+    const int64_t tw_last = !distill || t_lin_bad ? 0 : last_offset(th, tv, t_w_rs, t_w_cs);
+    const int t_small = !t_lin_bad && tn <= 48 && th <= 48 && tv <= 700 && tx_last < 65536 && tw_last < 65536;
+
     const int sizes_bad = n < 1 || hidden < 1 || vocab < 1;
     const int overflow = !sizes_bad && (product_overflows(n, vocab) || product_overflows(hidden, vocab) ||
                                         product_overflows(n, hidden));
@@ -318,10 +356,20 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                 "lin_bad %d dx_bad %d small %d\n", call, (long long)n, (long long)hidden, (long long)vocab, (int)layout,
                 (long long)x_rs, (long long)w_rs, (long long)w_cs, (long long)dx_rs, (long long)batch, (long long)seq,
                 lin_bad, dx_bad, small);
+    if (getenv("FH_FUZZ_DEBUG") && distill)
+        fprintf(stderr, "teacher n=%lld h=%lld v=%lld layout %d strides x %lld w %lld %lld dtypes %d %d bias %d "
+                "pointer %d: bad %d mismatch %d small %d\n", (long long)tn, (long long)th, (long long)tv, (int)t_layout,
+                (long long)t_x_rs, (long long)t_w_rs, (long long)t_w_cs, (int)t_x_dtype, (int)t_w_dtype, t_bias_on,
+                t_pointer, t_lin_bad, t_mismatch, t_small);
     if (!small && !must_reject && !query)
         return 0; /* valid but large: only the pure queries may take it (next input) */
     if (!small && !lin_bad && !query)
         return 0; /* dx invalid but the rest large and valid: the library reads the inputs first */
+    /* A valid, large teacher of a student the library accepts: the call would read it (the query does not). A
+     * mismatched one is refused, after its CHECK_FINITE scan (below). */
+    if (distill && !query && !lin_bad && !dtype_bad && !t_small && !t_lin_bad && !t_dtype_bad && !t_mismatch &&
+        !t_pointer)
+        return 0;
 
     /* Context. */
     fh_context *ctx = NULL;
@@ -342,6 +390,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             budget = 0;
     }
     fh_context_set(ctx, FH_PARAM_CHECK_FINITE, (tiles & 8) != 0);
+    /* The teacher's CHECK_FINITE scan comes before the n / V comparison: a valid but large mismatched teacher is
+     * read then, so it cannot have tiny buffers. */
+    if (distill && !query && !lin_bad && !dtype_bad && !t_small && !t_lin_bad && !t_dtype_bad && !t_pointer &&
+        (tiles & 8)) {
+        fh_context_destroy(ctx);
+        return 0;
+    }
     fh_context_set(ctx, FH_PARAM_FP32_DZ, (dtype_bits & 64) != 0);
     if (tiles & 16) { /* gradient filtering, including values it must refuse */
         static const double eps[] = {0.0, 0x1p-12, 0.02, 0.5, 0.999, -1.0, 1.0, NAN};
@@ -481,6 +536,49 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     const fh_preference_batch pb = {pairs, seq, targets, mask, ref_mode & 1 ? adv : NULL,
                                     ref_mode & 2 ? ref : NULL};
 
+    /* The distillation teacher's buffers (late in the input: a short input then runs out in the teacher's values,
+     * not in the student's pointers): exact sizes when its view is small, tiny ones otherwise (then the calls must
+     * refuse it). */
+    fh_linear teacher_lin;
+    memset(&teacher_lin, 0, sizeof teacher_lin);
+    if (distill) {
+        const size_t tx_elems = t_small ? (size_t)tx_last + 1 : 4, tw_elems = t_small ? (size_t)tw_last + 1 : 4;
+        const size_t utv = t_small ? (size_t)tv : 4;
+        void *tx = alloc_exact(&in[IN_TEACHER_X], tx_elems * tx_size);
+        void *tw = alloc_exact(&in[IN_TEACHER_W], tw_elems * tw_size);
+        fill_elements(&r, tx, tx_elems, tx_size);
+        fill_elements(&r, tw, tw_elems, tw_size);
+        float *tbias = t_bias_on ? alloc_exact(&in[IN_TEACHER_BIAS], utv * sizeof(float)) : NULL;
+        for (size_t j = 0; tbias && j < utv; j++)
+            tbias[j] = u8(&r) % 8 == 0 ? pick_float(&r) : 0.25f;
+        const fh_linear t = {tn, th, tv, t_pointer == 2 ? NULL : tx, t_x_rs, t_pointer == 3 ? NULL : tw, t_w_rs, t_w_cs,
+                             tbias, t_x_dtype, t_w_dtype};
+        teacher_lin = t;
+    }
+    const fh_linear *teacher = t_pointer == 1 ? NULL : &teacher_lin;
+
+    /* Distillation options (read for distillation calls only): every field valid or not; the targets drawn
+     * above (with the cross-entropy ignore_index, mostly the same here), or NULL. */
+    fh_distill_options dopt;
+    fh_distill_options_init(&dopt);
+    const int64_t *dtargets = targets;
+    if (distill) {
+        const uint8_t dv = u8(&r);
+        dopt.divergence = (fh_divergence)(dv % 8 == 7 ? -1 : dv % 4);
+        static const double dbetas[] = {0.5, 0.0, 1.0, 0.3, -0.1, 1.0000001, NAN, INFINITY};
+        dopt.beta = pick_double(&r, dbetas, 8);
+        static const double dtemps[] = {1.0, 2.0, 0.5, 1e-3, 3e-39, 1e-39, 1e30, 1e46, 0.0, -1.0, NAN, INFINITY};
+        dopt.temperature = pick_double(&r, dtemps, 12);
+        static const double dweights[] = {1.0, 0.0, 0.5, 1e300, -1.0, NAN, INFINITY};
+        dopt.weight_soft_loss = pick_double(&r, dweights, 7);
+        dopt.weight_hard_loss = pick_double(&r, dweights, 7);
+        const uint8_t dm = u8(&r);
+        dopt.ignore_index = dm % 4 ? ce.ignore_index : ignores[(dm >> 2) % 5];
+        dopt.reduction = (fh_reduction)(dm >> 4 == 15 ? 7 : (dm >> 4) % 3);
+        if (u8(&r) % 8 == 7)
+            dtargets = NULL;
+    }
+
     /* Outputs, canary-filled. */
     const size_t dx_elems = small && has_grads && !dx_bad ? (size_t)dx_last + 1 : 4;
     const int want = u8(&r);
@@ -494,6 +592,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     int64_t *argmax = (want & 128) ? alloc_exact(&out[OUT_ARGMAX], un * sizeof(int64_t)) : NULL;
     fh_preference_metrics *pref_metrics =
         (want & 4) ? alloc_exact(&out[OUT_PREFERENCE_METRICS], sizeof(fh_preference_metrics)) : NULL;
+    double *soft_loss = distill && (want & 2) ? alloc_exact(&out[OUT_SOFT_LOSS], sizeof(double)) : NULL;
+    double *hard_loss = distill && (want & 4) ? alloc_exact(&out[OUT_HARD_LOSS], sizeof(double)) : NULL;
     const size_t sequences = small && pairs >= 1 && 2 * pairs <= (int64_t)ub ? (size_t)(2 * pairs) : 4;
     float *seq_logps = (want & 8) ? alloc_exact(&out[OUT_SEQUENCE_LOGPS], sequences * sizeof(float)) : NULL;
     float *rewards = (want & 32) ? alloc_exact(&out[OUT_REWARDS], sequences * sizeof(float)) : NULL;
@@ -519,7 +619,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     size_t ws_bytes = 0;
     fh_status query_status = FH_ERR_INVALID_SIZE;
     if (!query && small) {
-        query_status = preference           ? fh_preference_workspace_size(ctx, &lin, &needed)
+        query_status = distill              ? fh_distill_workspace_size(ctx, &lin, teacher, &needed)
+                       : preference         ? fh_preference_workspace_size(ctx, &lin, &needed)
                        : grpo               ? fh_grpo_workspace_size(ctx, &lin, &needed)
                        : call == CALL_CE_STEP ? fh_ce_forward_backward_workspace_size(ctx, &lin, &ce, &needed)
                                               : fh_ce_workspace_size(ctx, &lin, &ce, &needed);
@@ -537,6 +638,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     fh_ce_outputs ce_out = {loss, zl, ptl, logp, lse, argmax};
     fh_grpo_outputs grpo_out = {loss, metrics, logp, ptl, entropy, lse};
     fh_preference_outputs pref_out = {loss, pref_metrics, seq_logps, rewards, logp};
+    fh_distill_outputs distill_out = {loss, soft_loss, hard_loss, ptl};
     const int null_struct = u8(&r) % 64 == 0;
     switch (call) {
     case CALL_CE_FORWARD: st = fh_ce_forward(ctx, &lin, targets, &ce, null_struct ? NULL : &ce_out); break;
@@ -555,10 +657,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     case CALL_PREFERENCE_STEP:
         st = fh_preference_forward_backward(ctx, &lin, &pb, &po, grad, &pref_out, null_struct ? NULL : &g);
         break;
+    case CALL_DISTILL_FORWARD:
+        st = fh_distill_forward(ctx, &lin, teacher, dtargets, &dopt, null_struct ? NULL : &distill_out);
+        break;
+    case CALL_DISTILL_STEP:
+        st = fh_distill_forward_backward(ctx, &lin, teacher, dtargets, &dopt, grad, &distill_out, null_struct ? NULL : &g);
+        break;
     case CALL_CE_QUERY: st = fh_ce_workspace_size(ctx, &lin, &ce, &bytes); break;
     case CALL_CE_STEP_QUERY: st = fh_ce_forward_backward_workspace_size(ctx, &lin, &ce, &bytes); break;
     case CALL_GRPO_QUERY: st = fh_grpo_workspace_size(ctx, &lin, &bytes); break;
-    default: st = fh_preference_workspace_size(ctx, &lin, &bytes); break;
+    case CALL_PREFERENCE_QUERY: st = fh_preference_workspace_size(ctx, &lin, &bytes); break;
+    default: st = fh_distill_workspace_size(ctx, &lin, teacher, &bytes); break;
     }
 
     /* dx is validated only when it is requested (and the grads struct is passed). */
@@ -571,6 +680,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (grad_dtype_bad && has_grads && !null_struct && lin.x && lin.weight)
         CHECK(st != FH_OK, "call %d accepted gradient dtypes %d %d %d with x_dtype %d", call, (int)dx_dtype,
               (int)dw_dtype, (int)db_dtype, (int)x_dtype);
+    /* The teacher: a NULL pointer, an invalid view or a dtype mismatch always; n or V not the student's in the
+     * calls (the query sizes the student's workspace and does not compare them). */
+    if (distill && (t_pointer || t_lin_bad || t_dtype_bad || (t_mismatch && !query)))
+        CHECK(st != FH_OK, "call %d accepted a teacher it must reject (n=%lld h=%lld v=%lld strides %lld %lld %lld "
+              "dtypes %d %d pointer %d; student n=%lld v=%lld)", call, (long long)tn, (long long)th, (long long)tv,
+              (long long)t_x_rs, (long long)t_w_rs, (long long)t_w_cs, (int)t_x_dtype, (int)t_w_dtype, t_pointer,
+              (long long)n, (long long)vocab);
     if (query) {
         if (st != FH_OK)
             CHECK(bytes == 0xA5A5A5A5u, "a failed query wrote *bytes");
@@ -590,12 +706,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             for (size_t i = 0; i < un; i++)
                 CHECK(argmax[i] >= 0 && argmax[i] < vocab, "argmax[%zu] = %lld outside [0, %lld)", i,
                       (long long)argmax[i], (long long)vocab);
+        if (st == FH_OK && distill && ptl && dtargets)
+            for (size_t i = 0; i < un; i++)
+                CHECK(dtargets[i] != dopt.ignore_index || ptl[i] == 0.0f,
+                      "distillation: ignored token %zu has a per-token loss of %g", i, (double)ptl[i]);
     }
     const char *message = NULL;
     CHECK(fh_context_message(ctx, &message) == FH_OK && message && strlen(message) < 256, "message");
     CHECK(strlen(fh_status_string(st)) > 0, "status string");
     static const char *in_names[IN_COUNT] = {"x", "weight", "bias", "class_weights", "targets", "grad_output", "lse",
-                                             "logp", "entropy", "mask", "advantages", "old", "ref"};
+                                             "logp", "entropy", "mask", "advantages", "old", "ref", "teacher x",
+                                             "teacher weight", "teacher bias"};
     for (int k = 0; k < IN_COUNT; k++)
         check_input(&in[k], in_names[k]);
 

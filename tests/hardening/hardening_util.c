@@ -1,5 +1,7 @@
 #include "hardening_util.h"
 
+#include "bf16.h"
+
 #include <math.h>
 #include <signal.h>
 #include <stdio.h>
@@ -13,13 +15,30 @@ const char *hu_call_name(hu_call call)
     static const char *names[HU_CALL_COUNT] = {"fh_ce_forward",         "fh_ce_backward",
                                                "fh_ce_forward_backward", "fh_grpo_forward",
                                                "fh_grpo_backward",       "fh_grpo_forward_backward",
-                                               "fh_preference_forward",  "fh_preference_forward_backward"};
+                                               "fh_preference_forward",  "fh_preference_forward_backward",
+                                               "fh_distill_forward",     "fh_distill_forward_backward"};
     return (unsigned)call < HU_CALL_COUNT ? names[call] : "?";
 }
 
 int hu_call_on_sequences(hu_call call)
 {
     return call >= HU_GRPO_FORWARD;
+}
+
+int hu_call_is_preference(hu_call call)
+{
+    return call == HU_PREFERENCE_FORWARD || call == HU_PREFERENCE_TRAIN_STEP;
+}
+
+int hu_call_is_distill(hu_call call)
+{
+    return call == HU_DISTILL_FORWARD || call == HU_DISTILL_TRAIN_STEP;
+}
+
+int hu_call_has_grads(hu_call call)
+{
+    return call == HU_CE_BACKWARD || call == HU_CE_TRAIN_STEP || call == HU_GRPO_BACKWARD ||
+           call == HU_GRPO_TRAIN_STEP || call == HU_PREFERENCE_TRAIN_STEP || call == HU_DISTILL_TRAIN_STEP;
 }
 
 void hu_outputs_alloc(hu_outputs *o, int64_t n, int64_t hidden, int64_t vocab, int has_bias)
@@ -70,6 +89,8 @@ static size_t parts_of(const hu_outputs *o, part *p)
     const part all[] = {
         {"loss", &m->loss, sizeof m->loss},
         {"z_loss", &m->z_loss, sizeof m->z_loss},
+        {"soft_loss", &m->soft_loss, sizeof m->soft_loss},
+        {"hard_loss", &m->hard_loss, sizeof m->hard_loss},
         {"metrics", &m->metrics, sizeof m->metrics},
         {"preference_metrics", &m->preference_metrics, sizeof m->preference_metrics},
         {"sequence_logps", m->sequence_logps, n * sizeof(float)},
@@ -89,7 +110,7 @@ static size_t parts_of(const hu_outputs *o, part *p)
 
 void hu_outputs_fill(hu_outputs *o, unsigned char byte)
 {
-    part p[16];
+    part p[20];
     const size_t count = parts_of(o, p);
     for (size_t k = 0; k < count; k++)
         if (p[k].bytes)
@@ -98,7 +119,7 @@ void hu_outputs_fill(hu_outputs *o, unsigned char byte)
 
 const char *hu_outputs_diff(const hu_outputs *a, const hu_outputs *b)
 {
-    part pa[16], pb[16];
+    part pa[20], pb[20];
     const size_t count = parts_of(a, pa);
     parts_of(b, pb);
     for (size_t k = 0; k < count; k++)
@@ -109,7 +130,7 @@ const char *hu_outputs_diff(const hu_outputs *a, const hu_outputs *b)
 
 int hu_outputs_untouched(const hu_outputs *o, unsigned char byte)
 {
-    part p[16];
+    part p[20];
     const size_t count = parts_of(o, p);
     for (size_t k = 0; k < count; k++) {
         const unsigned char *d = p[k].data;
@@ -158,6 +179,21 @@ void hu_grpo_problem_init(hu_grpo_problem *p, int64_t batch, int64_t seq, int64_
     p->preference.label_smoothing = 0.1;
     p->preference.rpo_alpha = 0.5;
     p->grad_output = 1.0f;
+    /* The teacher, from a generator of its own (the GRPO inputs above stay those of earlier versions). */
+    uint64_t teacher_rng = seed * 104729 + 29;
+    p->teacher_hidden = hidden + 3;
+    p->teacher_layout = layout == FH_LAYOUT_HV ? FH_LAYOUT_VH : FH_LAYOUT_HV;
+    p->teacher_x = tu_alloc((size_t)(n * p->teacher_hidden), sizeof(float));
+    p->teacher_weight = tu_alloc((size_t)(p->teacher_hidden * vocab), sizeof(float));
+    p->teacher_bias = tu_alloc((size_t)vocab, sizeof(float));
+    ce_fill_linear(&teacher_rng, n, p->teacher_hidden, vocab, 3.0, p->teacher_x, p->teacher_weight, p->teacher_bias);
+    p->distill_grad = tu_alloc((size_t)n, sizeof(float));
+    tu_fill_uniform(p->distill_grad, (size_t)n, &teacher_rng, 0.25, 1.25);
+    fh_distill_options_init(&p->distill);
+    p->distill.beta = 0.3;
+    p->distill.temperature = 2.0;
+    p->distill.weight_soft_loss = 0.8;
+    p->distill.weight_hard_loss = 0.4;
 }
 
 void hu_grpo_problem_free(hu_grpo_problem *p)
@@ -170,6 +206,14 @@ void hu_grpo_problem_free(hu_grpo_problem *p)
     free(p->advantages);
     free(p->old_logps);
     free(p->ref_logps);
+    free(p->teacher_x);
+    free(p->teacher_weight);
+    free(p->teacher_bias);
+    free(p->distill_grad);
+    free(p->x_bf16);
+    free(p->weight_bf16);
+    free(p->teacher_x_bf16);
+    free(p->teacher_weight_bf16);
     memset(p, 0, sizeof *p);
 }
 
@@ -184,6 +228,65 @@ void hu_grpo_batch(const hu_grpo_problem *p, fh_grpo_batch *batch)
 {
     const fh_grpo_batch b = {p->batch, p->seq, p->ids, p->mask, p->advantages, p->old_logps, p->ref_logps};
     *batch = b;
+}
+
+void hu_distill_linears(const hu_grpo_problem *p, fh_linear *student, fh_linear *teacher)
+{
+    const int64_t n = p->batch * p->seq;
+    const int s16 = p->x_bf16 != NULL, t16 = p->teacher_x_bf16 != NULL;
+    fh_status st = fh_linear_init(student, n, p->hidden, p->vocab, s16 ? (const void *)p->x_bf16 : p->x,
+                                  s16 ? (const void *)p->weight_bf16 : p->weight, p->layout, p->bias);
+    TU_CHECK(st == FH_OK, "fh_linear_init (student): %d", (int)st);
+    student->x_dtype = student->weight_dtype = s16 ? FH_DTYPE_BF16 : FH_DTYPE_F32;
+    st = fh_linear_init(teacher, n, p->teacher_hidden, p->vocab, t16 ? (const void *)p->teacher_x_bf16 : p->teacher_x,
+                        t16 ? (const void *)p->teacher_weight_bf16 : p->teacher_weight, p->teacher_layout,
+                        p->teacher_bias);
+    TU_CHECK(st == FH_OK, "fh_linear_init (teacher): %d", (int)st);
+    teacher->x_dtype = teacher->weight_dtype = t16 ? FH_DTYPE_BF16 : FH_DTYPE_F32;
+}
+
+void hu_distill_use_bf16(hu_grpo_problem *p, int student, int teacher)
+{
+    const size_t n = (size_t)(p->batch * p->seq), v = (size_t)p->vocab;
+    if (student && !p->x_bf16) {
+        p->x_bf16 = bf16_round_in_place(p->x, n * (size_t)p->hidden);
+        p->weight_bf16 = bf16_round_in_place(p->weight, (size_t)p->hidden * v);
+        TU_CHECK(p->x_bf16 && p->weight_bf16, "bf16 copies: out of memory");
+    }
+    if (teacher && !p->teacher_x_bf16) {
+        p->teacher_x_bf16 = bf16_round_in_place(p->teacher_x, n * (size_t)p->teacher_hidden);
+        p->teacher_weight_bf16 = bf16_round_in_place(p->teacher_weight, (size_t)p->teacher_hidden * v);
+        TU_CHECK(p->teacher_x_bf16 && p->teacher_weight_bf16, "bf16 copies: out of memory");
+    }
+}
+
+int64_t hu_distill_streaming_budget(const fh_linear *student, const fh_linear *teacher, int threads)
+{
+    fh_context *ctx = NULL;
+    if (fh_context_create(&ctx) != FH_OK)
+        return 0;
+    fh_context_set(ctx, FH_PARAM_THREADS, threads);
+    int64_t lo = 0, hi = (int64_t)1 << 30; /* lo fails (0 is the default budget: never tried), hi works */
+    size_t bytes;
+    fh_context_set(ctx, FH_PARAM_MEMORY_BUDGET, hi);
+    if (fh_distill_workspace_size(ctx, student, teacher, &bytes) != FH_OK) {
+        fh_context_destroy(ctx);
+        return 0;
+    }
+    while (hi - lo > 1) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        fh_context_set(ctx, FH_PARAM_MEMORY_BUDGET, mid);
+        if (fh_distill_workspace_size(ctx, student, teacher, &bytes) == FH_OK)
+            hi = mid;
+        else
+            lo = mid;
+    }
+    fh_context_destroy(ctx);
+    /* Half of what the row blocks' logits alone take (min(n, 256) rows of both heads): larger streaming tiles
+     * than the smallest (faster), still too small for row blocks. */
+    const int64_t rows = student->n < 256 ? student->n : 256;
+    const int64_t half = rows * student->vocab * 4;
+    return half > hi ? half : hi;
 }
 
 void hu_saved_from(hu_saved *s, const hu_outputs *forward, int64_t n)
@@ -220,8 +323,18 @@ fh_status hu_run(fh_context *ctx, hu_call call, const cp_problem *p_ce, const hu
             return fh_ce_forward_backward(ctx, &lin, p_ce->targets, &p_ce->options, p_ce->grad_output, &out, &g);
         }
     }
+    if (hu_call_is_distill(call)) {
+        fh_linear teacher;
+        hu_distill_linears(p_grpo, &lin, &teacher);
+        const int64_t *targets = p_grpo->distill_no_targets ? NULL : p_grpo->ids;
+        fh_distill_outputs out = {&o->loss, &o->soft_loss, &o->hard_loss, o->per_token_loss};
+        if (call == HU_DISTILL_FORWARD)
+            return fh_distill_forward(ctx, &lin, &teacher, targets, &p_grpo->distill, &out);
+        return fh_distill_forward_backward(ctx, &lin, &teacher, targets, &p_grpo->distill, p_grpo->distill_grad, &out,
+                                           &g);
+    }
     hu_grpo_linear(p_grpo, &lin);
-    if (call >= HU_PREFERENCE_FORWARD) {
+    if (hu_call_is_preference(call)) {
         TU_CHECK(p_grpo->batch % 2 == 0, "a preference call needs an even batch, got %lld", (long long)p_grpo->batch);
         const fh_preference_batch pairs = {p_grpo->batch / 2, p_grpo->seq, p_grpo->ids, p_grpo->mask, NULL,
                                            p_grpo->ref_logps};

@@ -1,6 +1,7 @@
 /* Helpers shared by the hardening suites: every output a call can write gathered in one place (so that a
- * canary fill and a bitwise comparison cover all of them), cross-entropy and GRPO calls run from a
- * problem, and a GRPO problem with random inputs. Cross-entropy problems are tests/ce_harness.h's. */
+ * canary fill and a bitwise comparison cover all of them), cross-entropy, GRPO, preference and distillation calls
+ * run from a problem, and a GRPO problem with random inputs (also a preference batch, and with its teacher a
+ * distillation problem). Cross-entropy problems are tests/ce_harness.h's. */
 #ifndef FH_HARDENING_UTIL_H
 #define FH_HARDENING_UTIL_H
 
@@ -19,17 +20,25 @@ typedef enum hu_call {
     HU_GRPO_TRAIN_STEP,
     HU_PREFERENCE_FORWARD,
     HU_PREFERENCE_TRAIN_STEP,
+    HU_DISTILL_FORWARD,
+    HU_DISTILL_TRAIN_STEP,
     HU_CALL_COUNT
 } hu_call;
 const char *hu_call_name(hu_call call);
-/* GRPO and preference calls run on a hu_grpo_problem (its even batch as pairs), the others on a cp_problem. */
+/* GRPO, preference and distillation calls run on a hu_grpo_problem (preference: its even batch as pairs;
+ * distillation: its n tokens, ids as targets, and its teacher), the others on a cp_problem. */
 int hu_call_on_sequences(hu_call call);
+int hu_call_is_preference(hu_call call);
+int hu_call_is_distill(hu_call call);
+/* The calls with gradients (backward or train step). */
+int hu_call_has_grads(hu_call call);
 
 /* Everything a call writes. Arrays are sized for the problem; dbias only when the problem has a bias. */
 typedef struct hu_outputs {
     int64_t n, hidden, vocab;
     int has_bias;
     double loss, z_loss;
+    double soft_loss, hard_loss; /* distillation */
     fh_grpo_metrics metrics;
     fh_preference_metrics preference_metrics;
     float *per_token_loss, *logp, *lse, *entropy;
@@ -48,7 +57,9 @@ const char *hu_outputs_diff(const hu_outputs *a, const hu_outputs *b);
 int hu_outputs_untouched(const hu_outputs *o, unsigned char byte);
 
 /* A GRPO problem with every input the batch can have. With an even batch it is also a preference batch:
- * sequences b and batch/2 + b a pair, the reference log-probs per token, `preference` options. */
+ * sequences b and batch/2 + b a pair, the reference log-probs per token, `preference` options. With its teacher
+ * it is a distillation problem: the student is the GRPO linear, the targets are the ids (-100 ignored, or NULL
+ * with distill_no_targets), the teacher has its own hidden size, the other layout and a bias. */
 typedef struct hu_grpo_problem {
     int64_t batch, seq, hidden, vocab;
     fh_layout layout;
@@ -58,6 +69,15 @@ typedef struct hu_grpo_problem {
     fh_grpo_options options;
     fh_preference_options preference;
     float grad_output;
+    /* Distillation. */
+    int64_t teacher_hidden;   /* hidden + 3 */
+    fh_layout teacher_layout; /* the other layout */
+    float *teacher_x, *teacher_weight, *teacher_bias;
+    fh_distill_options distill;
+    int distill_no_targets;   /* 1: targets NULL (weight_hard_loss must then be 0) */
+    float *distill_grad;      /* [n] grad_output; element 0 serves mean and sum */
+    /* Set by hu_distill_use_bf16: the distillation calls read these bf16 bits, else NULL (fp32). */
+    uint16_t *x_bf16, *weight_bf16, *teacher_x_bf16, *teacher_weight_bf16;
 } hu_grpo_problem;
 
 /* Random inputs (logits of standard deviation ~3, masks with a padded tail, advantages of both signs, old
@@ -68,6 +88,16 @@ void hu_grpo_problem_init(hu_grpo_problem *p, int64_t batch, int64_t seq, int64_
 void hu_grpo_problem_free(hu_grpo_problem *p);
 void hu_grpo_linear(const hu_grpo_problem *p, fh_linear *lin);
 void hu_grpo_batch(const hu_grpo_problem *p, fh_grpo_batch *batch);
+/* The distillation calls' student and teacher (bf16 views where hu_distill_use_bf16 made them). */
+void hu_distill_linears(const hu_grpo_problem *p, fh_linear *student, fh_linear *teacher);
+/* Rounds the student's and/or the teacher's x and weight to bf16 in place; the distillation calls then read
+ * their bf16 bits. */
+void hu_distill_use_bf16(hu_grpo_problem *p, int student, int teacher);
+/* A memory budget under which the distillation calls run on a context with `threads` and default tiles, and
+ * their train step streams: half of what its row blocks' logits take (min(n, 256) rows of both heads' logits
+ * across the vocabulary), or the smallest budget the calls accept when that is more (tiny shapes, where the
+ * row blocks may then fit too). 0 when no budget up to 2^30 suffices. */
+int64_t hu_distill_streaming_budget(const fh_linear *student, const fh_linear *teacher, int threads);
 
 /* Saved forward state that the backward calls read (lse, logp, entropy): from a successful forward. */
 typedef struct hu_saved {
@@ -76,8 +106,8 @@ typedef struct hu_saved {
 void hu_saved_from(hu_saved *s, const hu_outputs *forward, int64_t n);
 void hu_saved_free(hu_saved *s);
 
-/* One call of `call` on ctx, writing into o (beta 0 gradients). Cross-entropy calls use p_ce, GRPO calls
- * p_grpo; backward calls read `saved`. */
+/* One call of `call` on ctx, writing into o (beta 0 gradients). Cross-entropy calls use p_ce, GRPO,
+ * preference and distillation calls p_grpo; backward calls read `saved`. */
 fh_status hu_run(fh_context *ctx, hu_call call, const cp_problem *p_ce, const hu_grpo_problem *p_grpo,
                  const hu_saved *saved, hu_outputs *o);
 

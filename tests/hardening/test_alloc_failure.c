@@ -8,7 +8,10 @@
  * BLIS is warmed up with the same shapes and thread count first (its pools are then allocated) and BLIS's
  * and libgomp's allocations are never failed: BLIS aborts on allocation failure by design.
  * The wisdom file functions allocate only through libc (fopen): there every allocation of the calling
- * thread is failed in turn, and they must return FH_ERR_WISDOM_IO / FH_ERR_OUT_OF_MEMORY or succeed. */
+ * thread is failed in turn, and they must return FH_ERR_WISDOM_IO / FH_ERR_OUT_OF_MEMORY or succeed.
+ * Distillation: both schedules of its train step (row blocks, and streaming under a budget too small for its
+ * row blocks, hu_distill_streaming_budget), every divergence and reduction, no targets, and bf16 students,
+ * teachers or both. */
 #include "alloc_hook.h"
 #include "hardening_util.h"
 
@@ -142,6 +145,7 @@ static void run_scenario(const scenario *s)
 typedef struct problems {
     cp_problem ce_mean, ce_none, ce_bf16;
     hu_grpo_problem grpo;
+    hu_grpo_problem distill_bf16[3]; /* bf16 student; bf16 teacher; both (fp32 otherwise; empty without bf16) */
     hu_saved ce_saved_mean, ce_saved_none, ce_saved_bf16, grpo_saved;
 } problems;
 
@@ -181,6 +185,10 @@ static void problems_init(problems *p)
     if (cp_have_bf16())
         saved_from_forward(HU_CE_FORWARD, &p->ce_bf16, NULL, &p->ce_saved_bf16);
     saved_from_forward(HU_GRPO_FORWARD, NULL, &p->grpo, &p->grpo_saved);
+    for (int k = 0; k < 3 && cp_have_bf16(); k++) {
+        hu_grpo_problem_init(&p->distill_bf16[k], 4, 11, 16, 257, FH_LAYOUT_VH, 1, 43);
+        hu_distill_use_bf16(&p->distill_bf16[k], k != 1, k != 0);
+    }
 }
 
 static void problems_free(problems *p)
@@ -189,10 +197,106 @@ static void problems_free(problems *p)
     cp_problem_free(&p->ce_none);
     cp_problem_free(&p->ce_bf16);
     hu_grpo_problem_free(&p->grpo);
+    for (int k = 0; k < 3; k++)
+        hu_grpo_problem_free(&p->distill_bf16[k]);
     hu_saved_free(&p->ce_saved_mean);
     hu_saved_free(&p->ce_saved_none);
     hu_saved_free(&p->ce_saved_bf16);
     hu_saved_free(&p->grpo_saved);
+}
+
+/* The call's outputs under `budget` (0: the default), on 2 threads with default tiles. */
+static void distill_outputs_under(const hu_grpo_problem *g, hu_call call, int64_t budget, hu_outputs *o)
+{
+    const int64_t n = g->batch * g->seq;
+    hu_outputs_alloc(o, n, g->hidden, g->vocab, g->bias != NULL);
+    hu_outputs_fill(o, 0);
+    fh_context *ctx = tu_context(2, 0, 0, budget);
+    TU_CHECK(hu_run(ctx, call, NULL, g, NULL, o) == FH_OK, "%s, budget %lld", hu_call_name(call), (long long)budget);
+    fh_context_destroy(ctx);
+}
+
+/* The budget under which the distillation train step streams, checked (forward KL): the step's losses are then
+ * bitwise the forward's (both fold the same vocabulary tiles in the same order), and under the default budget
+ * (row blocks: one tile of the whole vocabulary) the soft loss is not (per-token losses are fp32 and may round
+ * alike). */
+static int64_t distill_streaming_budget(const hu_grpo_problem *g)
+{
+    fh_linear student, teacher;
+    hu_distill_linears(g, &student, &teacher);
+    const int64_t budget = hu_distill_streaming_budget(&student, &teacher, 2);
+    TU_CHECK(budget > 0, "no budget holds the distillation calls' smallest tiles");
+    /* The forward KL: its first pass rescales running sums from tile to tile, so other tiles change its bits. */
+    hu_grpo_problem kl = *g;
+    kl.distill.divergence = FH_DIVERGENCE_FORWARD_KL;
+    hu_outputs forward, streamed, blocks;
+    distill_outputs_under(&kl, HU_DISTILL_FORWARD, budget, &forward);
+    distill_outputs_under(&kl, HU_DISTILL_TRAIN_STEP, budget, &streamed);
+    distill_outputs_under(&kl, HU_DISTILL_TRAIN_STEP, 0, &blocks);
+    const size_t bytes = (size_t)forward.n * sizeof(float);
+    TU_CHECK(memcmp(forward.per_token_loss, streamed.per_token_loss, bytes) == 0 &&
+                 memcmp(&forward.soft_loss, &streamed.soft_loss, sizeof(double)) == 0,
+             "budget %lld: the train step's losses are not the streaming forward's (does it stream?)",
+             (long long)budget);
+    TU_CHECK(memcmp(&forward.soft_loss, &blocks.soft_loss, sizeof(double)) != 0,
+             "default budget: the train step's soft loss %.17g is bitwise the streaming forward's (row blocks fold "
+             "the whole vocabulary at once, so it should differ in the last bits)", blocks.soft_loss);
+    if (getenv("FH_HARDENING_VERBOSE"))
+        printf("\n    distillation streams under a budget of %lld bytes", (long long)budget);
+    hu_outputs_free(&forward);
+    hu_outputs_free(&streamed);
+    hu_outputs_free(&blocks);
+    return budget;
+}
+
+/* Distillation beyond the loop over every entry point (whose variants run its train step in row blocks): the
+ * streaming schedule, each divergence and reduction, no targets, and bf16 students and teachers (the oneDNN
+ * provider's cache is one more library allocation), in row blocks and streaming. */
+static void distill_scenarios(problems *p)
+{
+    const int64_t streaming = distill_streaming_budget(&p->grpo);
+    /* Shallow copies of the problem with other options (they share its arrays; never freed). */
+    hu_grpo_problem none = p->grpo, reverse = p->grpo, forward_kl = p->grpo, reverse_jsd = p->grpo;
+    none.distill.reduction = FH_REDUCTION_NONE;
+    none.distill.divergence = FH_DIVERGENCE_FORWARD_KL;
+    reverse.distill.reduction = FH_REDUCTION_SUM;
+    reverse.distill.divergence = FH_DIVERGENCE_REVERSE_KL;
+    forward_kl.distill.beta = 0.0; /* jsd at beta 0 is the forward KL */
+    forward_kl.distill.weight_hard_loss = 0.0;
+    forward_kl.distill_no_targets = 1;
+    reverse_jsd.distill.beta = 1.0;
+    reverse_jsd.distill.temperature = 1.0;
+    const struct {
+        const char *what;
+        const hu_grpo_problem *g;
+    } problems_of[] = {
+        {"jsd, mean", &p->grpo},
+        {"forward_kl, none", &none},
+        {"reverse_kl, sum", &reverse},
+        {"jsd beta 0, no targets", &forward_kl},
+        {"jsd beta 1, temperature 1", &reverse_jsd},
+        {"bf16 student", &p->distill_bf16[0]},
+        {"bf16 teacher", &p->distill_bf16[1]},
+        {"bf16 student and teacher", &p->distill_bf16[2]},
+    };
+    const int count = cp_have_bf16() ? (int)TU_COUNT(problems_of) : 5;
+    for (int k = 0; k < count; k++) {
+        /* bf16 students' streaming backward holds f32 gradient accumulators: a budget of their own. */
+        fh_linear student, teacher;
+        hu_distill_linears(problems_of[k].g, &student, &teacher);
+        const int64_t budget = k < 5 ? streaming : hu_distill_streaming_budget(&student, &teacher, 2);
+        TU_CHECK(budget > 0, "%s: no streaming budget", problems_of[k].what);
+        for (int call = HU_DISTILL_FORWARD; call <= HU_DISTILL_TRAIN_STEP; call++)
+            for (int schedule = 0; schedule < 2; schedule++) {
+                /* 0: row blocks of 8 rows on 2 threads (small tiles for the forward); 1: streaming. */
+                char label[160];
+                snprintf(label, sizeof label, "%s (%s), %s", hu_call_name((hu_call)call), problems_of[k].what,
+                         schedule ? "streaming budget" : "row blocks / small tiles");
+                const scenario s = {label,      (hu_call)call, &p->ce_mean, problems_of[k].g, NULL, 2, schedule ? 0 : 8,
+                                    schedule ? 0 : 64, schedule ? budget : 0, 0.0};
+                run_scenario(&s);
+            }
+    }
 }
 
 static void test_every_entry_point(void)
@@ -245,6 +349,7 @@ static void test_every_entry_point(void)
                                 variant ? 0 : 64, 0, 0.02};
             run_scenario(&f);
         }
+    distill_scenarios(&p);
     problems_free(&p);
 }
 
@@ -326,10 +431,14 @@ static void test_caller_workspace_never_allocates(void)
         fh_linear lin;
         size_t bytes = 0;
         fh_status st;
-        if (grpo) {
+        if (hu_call_is_distill(c)) {
+            fh_linear teacher;
+            hu_distill_linears(&p.grpo, &lin, &teacher);
+            st = fh_distill_workspace_size(ctx, &lin, &teacher, &bytes);
+        } else if (grpo) {
             hu_grpo_linear(&p.grpo, &lin);
-            st = c >= HU_PREFERENCE_FORWARD ? fh_preference_workspace_size(ctx, &lin, &bytes)
-                                            : fh_grpo_workspace_size(ctx, &lin, &bytes);
+            st = hu_call_is_preference(c) ? fh_preference_workspace_size(ctx, &lin, &bytes)
+                                          : fh_grpo_workspace_size(ctx, &lin, &bytes);
         } else {
             cp_problem_linear(&p.ce_mean, &lin);
             st = c == HU_CE_TRAIN_STEP ? fh_ce_forward_backward_workspace_size(ctx, &lin, &p.ce_mean.options, &bytes)
@@ -350,6 +459,45 @@ static void test_caller_workspace_never_allocates(void)
         fh_context_destroy(ctx);
         free(ws);
         hu_outputs_free(&o);
+    }
+    /* Distillation: default tiles (row blocks), the streaming budget, bf16 students and teachers. */
+    for (int k = 0; k < (cp_have_bf16() ? 4 : 1); k++) {
+        const hu_grpo_problem *g = k == 0 ? &p.grpo : &p.distill_bf16[k - 1];
+        fh_linear student, teacher;
+        hu_distill_linears(g, &student, &teacher);
+        for (int schedule = 0; schedule < 2; schedule++)
+            for (int call = HU_DISTILL_FORWARD; call <= HU_DISTILL_TRAIN_STEP; call++) {
+                const int64_t budget = schedule ? hu_distill_streaming_budget(&student, &teacher, 2) : 0;
+                fh_context *ctx = tu_context(2, 0, 0, budget);
+                size_t bytes = 0;
+                fh_status st = fh_distill_workspace_size(ctx, &student, &teacher, &bytes);
+                TU_CHECK(st == FH_OK, "distillation workspace query: %d", (int)st);
+                void *ws = malloc(bytes);
+                TU_CHECK(fh_context_set_workspace(ctx, ws, bytes) == FH_OK, "set_workspace");
+                hu_outputs o;
+                hu_outputs_alloc(&o, g->batch * g->seq, g->hidden, g->vocab, 1);
+                if (k > 0) {
+                    /* bf16: the first call on a context creates the oneDNN provider's primitive cache (one library
+                     * allocation, kept by the context), caller workspace or not; the calls after it allocate
+                     * nothing. */
+                    ah_reset(AH_LIBRARY);
+                    st = hu_run(ctx, (hu_call)call, NULL, g, NULL, &o);
+                    TU_CHECK(st == FH_OK && ah_counted() <= 1, "%s (problem %d): first bf16 call with a caller "
+                             "workspace: status %d, %ld library allocations (at most the GEMM cache expected)",
+                             hu_call_name((hu_call)call), k, (int)st, ah_counted());
+                }
+                ah_arm(0, AH_LIBRARY);
+                st = hu_run(ctx, (hu_call)call, NULL, g, NULL, &o);
+                const long counted = ah_counted();
+                ah_disarm();
+                TU_CHECK(st == FH_OK && counted == 0,
+                         "%s (problem %d, %s) with a caller workspace of %zu bytes: status %d, %ld library "
+                         "allocations", hu_call_name((hu_call)call), k, schedule ? "streaming" : "row blocks", bytes,
+                         (int)st, counted);
+                fh_context_destroy(ctx);
+                free(ws);
+                hu_outputs_free(&o);
+            }
     }
     problems_free(&p);
 }

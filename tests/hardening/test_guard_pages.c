@@ -2,7 +2,9 @@
  * last byte, then before its first byte), so that a read or write one element outside it faults, inside BLIS
  * too (which ASan cannot see: it is not instrumented). Every entry point, both weight layouts, shapes with
  * odd hidden sizes and row counts (the edge cases of BLIS's small-matrix kernels), default and small tiles,
- * fp32 and (where the build has oneDNN) bf16 x and weight, with fp32 and with bf16 gradients.
+ * fp32 and (where the build has oneDNN) bf16 x and weight, with fp32 and with bf16 gradients. Distillation also
+ * guards its teacher's x, weight and bias, in both teacher layouts, with a teacher of another hidden size and
+ * (every other shape) the other dtype, and runs its train step in row blocks and streaming.
  * Each call runs in a forked child; a fault fails the test with the call and shape.
  *
  * ctest runs this suite on the default BLIS kernel set and, as hardening_guard_pages_haswell, with
@@ -65,10 +67,15 @@ typedef struct guard_case {
     int tail;
     fh_dtype dtype;      /* of x and weight */
     fh_dtype grad_dtype; /* of dx, dweight and dbias */
+    /* Distillation: the teacher (hidden + 2) and the train step's schedule. */
+    fh_layout teacher_layout;
+    fh_dtype teacher_dtype;
+    int streaming; /* a memory budget under which the train step streams (tiles then follow the budget) */
 } guard_case;
 
 enum { G_X, G_W, G_B, G_CW, G_T, G_GRAD, G_LSE, G_LOGP, G_ENT, G_MASK, G_ADV, G_OLD, G_REF,
-       G_PTL, G_OLOGP, G_OLSE, G_OENT, G_ARGMAX, G_DX, G_DW, G_DB, G_SEQ_LOGPS, G_REWARDS, G_COUNT };
+       G_PTL, G_OLOGP, G_OLSE, G_OENT, G_ARGMAX, G_DX, G_DW, G_DB, G_SEQ_LOGPS, G_REWARDS, G_TX, G_TW, G_TB,
+       G_COUNT };
 
 static float *fill(float *p, size_t count, uint64_t *rng, double scale, double offset)
 {
@@ -77,10 +84,10 @@ static float *fill(float *p, size_t count, uint64_t *rng, double scale, double o
     return p;
 }
 
-/* x or w in the case's dtype: the fill's values, as bf16 bits in place for bf16. */
-static void *fill_operand(guarded *g, size_t count, const guard_case *c, uint64_t *rng)
+/* x or w in `dtype`: the fill's values, as bf16 bits in place for bf16. */
+static void *fill_operand(guarded *g, size_t count, const guard_case *c, fh_dtype dtype, uint64_t *rng)
 {
-    if (c->dtype != FH_DTYPE_BF16)
+    if (dtype != FH_DTYPE_BF16)
         return fill(guard_alloc(g, count * 4, c->tail), count, rng, 1.0, 0.0);
     uint16_t *h = guard_alloc(g, count * 2, c->tail);
     for (size_t i = 0; h && i < count; i++)
@@ -97,8 +104,12 @@ static int guarded_call(void *arg)
     guarded g[G_COUNT];
     memset(g, 0, sizeof g);
     uint64_t rng = (uint64_t)(n * 1000 + h * 10 + v);
-    const void *x = fill_operand(&g[G_X], un * uh, c, &rng);
-    const void *w = fill_operand(&g[G_W], uh * uv, c, &rng);
+    const void *x = fill_operand(&g[G_X], un * uh, c, c->dtype, &rng);
+    const void *w = fill_operand(&g[G_W], uh * uv, c, c->dtype, &rng);
+    const int64_t th = h + 2;
+    const void *tx = fill_operand(&g[G_TX], un * (size_t)th, c, c->teacher_dtype, &rng);
+    const void *tw = fill_operand(&g[G_TW], (size_t)th * uv, c, c->teacher_dtype, &rng);
+    const float *tb = fill(guard_alloc(&g[G_TB], uv * 4, c->tail), uv, &rng, 0.5, 0.0);
     float *b = fill(guard_alloc(&g[G_B], uv * 4, c->tail), uv, &rng, 0.5, 0.0);
     float *cw = fill(guard_alloc(&g[G_CW], uv * 4, c->tail), uv, &rng, 0.5, 1.0);
     int64_t *t = guard_alloc(&g[G_T], un * 8, c->tail);
@@ -118,7 +129,7 @@ static int guarded_call(void *arg)
     void *db = guard_alloc(&g[G_DB], uv * grad_size, c->tail);
     /* Preference calls: the n tokens as one pair of n / 2 (n odd: a pair of n / 2 and the last token unused is
      * not a preference batch, so those shapes skip them). */
-    const int preference = c->call >= HU_PREFERENCE_FORWARD;
+    const int preference = hu_call_is_preference(c->call);
     if (preference && n % 2)
         return 0;
     float *seq_logps = guard_alloc(&g[G_SEQ_LOGPS], 2 * 4, c->tail), *rewards = guard_alloc(&g[G_REWARDS], 2 * 4, c->tail);
@@ -162,6 +173,24 @@ static int guarded_call(void *arg)
     const fh_preference_batch pairs = {1, n / 2, t, mask, NULL, ref};
     fh_preference_metrics pref_metrics;
     fh_preference_outputs pref_out = {&loss, &pref_metrics, seq_logps, rewards, ologp};
+    /* Distillation: jsd with the hard loss; reduction 'none' (every grad_output read) with the guard before the
+     * buffers, mean after them. */
+    fh_linear teacher;
+    fh_linear_init(&teacher, n, th, v, tx, tw, c->teacher_layout, tb);
+    teacher.x_dtype = teacher.weight_dtype = c->teacher_dtype;
+    fh_distill_options dopt;
+    fh_distill_options_init(&dopt);
+    dopt.beta = 0.3;
+    dopt.temperature = 2.0;
+    dopt.weight_hard_loss = 0.4;
+    dopt.reduction = c->tail ? FH_REDUCTION_MEAN : FH_REDUCTION_NONE;
+    double soft_loss, hard_loss;
+    fh_distill_outputs distill_out = {&loss, &soft_loss, &hard_loss, ptl};
+    if (c->streaming) {
+        const int64_t budget = hu_distill_streaming_budget(&lin, &teacher, 1);
+        if (budget <= 0 || fh_context_set(ctx, FH_PARAM_MEMORY_BUDGET, budget) != FH_OK)
+            return 3;
+    }
     for (int64_t i = 0; i < n && hu_call_on_sequences(c->call); i++)
         t[i] = i % 5 == 3 ? -100 : t[i] < 0 ? 0 : t[i];
     for (int64_t i = 0; i < n && hu_call_on_sequences(c->call); i++)
@@ -176,7 +205,9 @@ static int guarded_call(void *arg)
     case HU_GRPO_BACKWARD: st = fh_grpo_backward(ctx, &lin, &batch, &go, logp, lse, ent, grad, &grads); break;
     case HU_GRPO_TRAIN_STEP: st = fh_grpo_forward_backward(ctx, &lin, &batch, &go, grad, &grpo_out, &grads); break;
     case HU_PREFERENCE_FORWARD: st = fh_preference_forward(ctx, &lin, &pairs, &po, &pref_out); break;
-    default: st = fh_preference_forward_backward(ctx, &lin, &pairs, &po, grad, &pref_out, &grads); break;
+    case HU_PREFERENCE_TRAIN_STEP: st = fh_preference_forward_backward(ctx, &lin, &pairs, &po, grad, &pref_out, &grads); break;
+    case HU_DISTILL_FORWARD: st = fh_distill_forward(ctx, &lin, &teacher, t, &dopt, &distill_out); break;
+    default: st = fh_distill_forward_backward(ctx, &lin, &teacher, t, &dopt, grad, &distill_out, &grads); break;
     }
     fh_context_destroy(ctx);
     for (int k = 0; k < G_COUNT; k++)
@@ -194,25 +225,37 @@ static void test_guarded_buffers(void)
     }
     static const int64_t shapes[][3] = {{1, 7, 61},  {4, 7, 61},  {10, 7, 61}, {13, 9, 17}, {7, 100, 33},
                                         {16, 8, 64}, {3, 1, 1},   {5, 2, 300}, {9, 15, 1},  {31, 129, 40}};
-    static const int64_t tiles[][2] = {{0, 0}, {4, 16}, {3, 7}};
+    /* The last entry (distillation only): the streaming budget, default tiles. */
+    static const int64_t tiles[][2] = {{0, 0}, {4, 16}, {3, 7}, {0, 0}};
     int faults = 0;
     /* fp32; bf16 inputs with fp32 gradients; bf16 inputs and gradients. */
     const int dtypes = cp_have_bf16() ? 3 : 1;
     for (int dtype = 0; dtype < dtypes; dtype++)
         for (int call = 0; call < HU_CALL_COUNT; call++)
             for (int layout = 0; layout < 2; layout++)
+                for (int teacher_layout = 0; teacher_layout < (hu_call_is_distill((hu_call)call) ? 2 : 1); teacher_layout++)
                 for (size_t s = 0; s < TU_COUNT(shapes); s++)
-                    for (size_t t = 0; t < TU_COUNT(tiles); t++)
+                    for (size_t t = 0; t < TU_COUNT(tiles) - !hu_call_is_distill((hu_call)call); t++)
                         for (int tail = 1; tail >= 0; tail--) {
+                            const fh_dtype xw = dtype ? FH_DTYPE_BF16 : FH_DTYPE_F32;
+                            /* The teacher: the student's dtype for even shapes, the other one for odd shapes. */
+                            const fh_dtype other = !cp_have_bf16() || s % 2 == 0 ? xw
+                                                   : xw == FH_DTYPE_BF16 ? FH_DTYPE_F32 : FH_DTYPE_BF16;
                             const guard_case c = {(hu_call)call, shapes[s][0], shapes[s][1], shapes[s][2], (fh_layout)layout,
-                                                  tiles[t][0], tiles[t][1], tail, dtype ? FH_DTYPE_BF16 : FH_DTYPE_F32,
-                                                  dtype == 2 ? FH_DTYPE_BF16 : FH_DTYPE_F32};
+                                                  tiles[t][0], tiles[t][1], tail, xw,
+                                                  dtype == 2 ? FH_DTYPE_BF16 : FH_DTYPE_F32, (fh_layout)teacher_layout,
+                                                  other, t == 3};
                             const int code = hu_run_isolated(guarded_call, (void *)&c);
                             if (code != 0 && faults++ < 40)
-                                TU_CHECK(0, "%s %s, layout %s, n=%lld hidden=%lld vocab=%lld, tiles %lld x %lld, guard %s: %s %d",
+                                TU_CHECK(0, "%s %s, layout %s, n=%lld hidden=%lld vocab=%lld, tiles %lld x %lld%s, guard %s"
+                                         "%s%s%s: %s %d",
                                          dtype == 2 ? "bf16 (bf16 gradients)" : dtype ? "bf16" : "fp32", hu_call_name((hu_call)call), layout ? "VH" : "HV", (long long)c.n,
                                          (long long)c.hidden, (long long)c.vocab, (long long)c.tile_rows,
-                                         (long long)c.tile_vocab, tail ? "after the last byte" : "before the first byte",
+                                         (long long)c.tile_vocab, c.streaming ? " (streaming budget)" : "",
+                                         tail ? "after the last byte" : "before the first byte",
+                                         hu_call_is_distill(c.call) ? ", teacher " : "",
+                                         hu_call_is_distill(c.call) ? (teacher_layout ? "VH" : "HV") : "",
+                                         hu_call_is_distill(c.call) ? (other == FH_DTYPE_BF16 ? " bf16" : " fp32") : "",
                                          code >= 1000 ? "killed by signal" : "exit code", code >= 1000 ? code - 1000 : code);
                         }
     TU_CHECK(faults == 0, "%d guarded calls failed (first 40 listed)", faults);

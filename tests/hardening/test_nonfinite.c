@@ -18,9 +18,15 @@
  *   GRPO, NaN in old/ref log-probs or advantages: not scanned (FH_PARAM_CHECK_FINITE covers x, weight and
  *       bias); the loss is NaN, also when the token is masked out (the mask multiplies, NaN * 0 = NaN, as
  *       in TRL).
- *   FH_PARAM_CHECK_FINITE = 1: any NaN/+-Inf in x, weight or bias fails every entry point with
- *       FH_ERR_NONFINITE_INPUT before any output is written; padding between the rows of strided views is
- *       never read (NaN there is accepted, and never written: dx padding keeps its bytes). */
+ *   Distillation, NaN in the student's or the teacher's x row of a counted token i: token i's per-token loss
+ *       and the loss are non-finite, dx row i is, dweight and dbias are NaN everywhere; other tokens' per-token
+ *       losses and dx rows are unchanged, bit for bit. Token i ignored (target ignore_index): its dZ row is
+ *       exactly 0, so a NaN in the teacher's row changes nothing at all, and one in the student's row only
+ *       dweight's hidden row k (x[i][k] * 0); dx row i is 0, the loss and dbias are unchanged.
+ *   FH_PARAM_CHECK_FINITE = 1: any NaN/+-Inf in x, weight or bias (the distillation teacher's too, named as the
+ *       teacher's) fails every entry point with FH_ERR_NONFINITE_INPUT before any output is written; padding
+ *       between the rows of strided views is never read (NaN there is accepted, and never written: dx padding
+ *       keeps its bytes). */
 #include "hardening_util.h"
 
 #include <math.h>
@@ -247,9 +253,13 @@ static void test_check_finite_rejects(void)
     static const char *where_names[] = {"x", "weight", "bias"};
     for (int call = 0; call < HU_CALL_COUNT; call++) {
         const int grpo = hu_call_on_sequences((hu_call)call);
-        const int64_t n = grpo ? f.grpo.batch * f.grpo.seq : N;
-        float *arrays[3] = {grpo ? f.grpo.x : f.ce.x, grpo ? f.grpo.weight : f.ce.weight, grpo ? f.grpo.bias : f.ce.bias};
-        const size_t sizes[3] = {(size_t)(n * H), (size_t)(H * V), (size_t)V};
+        const int distill = hu_call_is_distill((hu_call)call);
+        const int64_t n = grpo ? f.grpo.batch * f.grpo.seq : N, th = f.grpo.teacher_hidden;
+        /* 3..5: the distillation teacher's x, weight and bias */
+        float *arrays[6] = {grpo ? f.grpo.x : f.ce.x, grpo ? f.grpo.weight : f.ce.weight, grpo ? f.grpo.bias : f.ce.bias,
+                            f.grpo.teacher_x, f.grpo.teacher_weight, f.grpo.teacher_bias};
+        const size_t sizes[6] = {(size_t)(n * H), (size_t)(H * V), (size_t)V, (size_t)(n * th), (size_t)(th * V),
+                                 (size_t)V};
         hu_outputs clean, checked;
         hu_outputs_alloc(&clean, n, H, V, 1);
         hu_outputs_alloc(&checked, n, H, V, 1);
@@ -263,7 +273,7 @@ static void test_check_finite_rejects(void)
         const char *d = hu_outputs_diff(&clean, &checked);
         TU_CHECK(st == FH_OK && d == NULL, "%s: finite inputs with CHECK_FINITE: status %d, %s", hu_call_name((hu_call)call),
                  (int)st, d ? d : "identical");
-        for (int where = 0; where < 3; where++)
+        for (int where = 0; where < (distill ? 6 : 3); where++)
             for (size_t v = 0; v < TU_COUNT(values); v++)
                 for (int pos = 0; pos < 3; pos++) {
                     const size_t at = pos == 0 ? 0 : pos == 1 ? sizes[where] / 2 : sizes[where] - 1;
@@ -274,12 +284,14 @@ static void test_check_finite_rejects(void)
                     arrays[where][at] = saved_value;
                     const char *message = "";
                     fh_context_message(ctx, &message);
-                    TU_CHECK(bad == FH_ERR_NONFINITE_INPUT, "%s: %s[%zu] = %g: status %d", hu_call_name((hu_call)call),
-                             where_names[where], at, (double)values[v], (int)bad);
-                    TU_CHECK(hu_outputs_untouched(&checked, TU_CANARY), "%s: %s[%zu] = %g: an output was written",
-                             hu_call_name((hu_call)call), where_names[where], at, (double)values[v]);
-                    TU_CHECK(tu_mentions(message, where_names[where]), "%s: message \"%s\" does not name %s",
-                             hu_call_name((hu_call)call), message, where_names[where]);
+                    const char *who = where >= 3 ? "teacher " : "";
+                    TU_CHECK(bad == FH_ERR_NONFINITE_INPUT, "%s: %s%s[%zu] = %g: status %d", hu_call_name((hu_call)call),
+                             who, where_names[where % 3], at, (double)values[v], (int)bad);
+                    TU_CHECK(hu_outputs_untouched(&checked, TU_CANARY), "%s: %s%s[%zu] = %g: an output was written",
+                             hu_call_name((hu_call)call), who, where_names[where % 3], at, (double)values[v]);
+                    TU_CHECK(tu_mentions(message, where_names[where % 3]) && (where < 3) != tu_mentions(message, "teacher"),
+                             "%s: message \"%s\" does not name %s%s (or names the teacher for the student)",
+                             hu_call_name((hu_call)call), message, who, where_names[where % 3]);
                 }
         fh_context_destroy(ctx);
         hu_outputs_free(&clean);
@@ -476,6 +488,97 @@ static void test_grpo_nan_in_token_data(void)
         }
 }
 
+/* ---- Distillation ---- */
+
+/* The call (train step: forward outputs and gradients) on 2 threads: row blocks of 4 rows with 16-column
+ * forward tiles, or streaming under hu_distill_streaming_budget. */
+static fh_status run_distill(const hu_grpo_problem *p, hu_call call, int streaming, hu_outputs *o)
+{
+    const int64_t n = p->batch * p->seq;
+    hu_outputs_alloc(o, n, p->hidden, p->vocab, p->bias != NULL);
+    int64_t budget = 0;
+    if (streaming) {
+        fh_linear student, teacher;
+        hu_distill_linears(p, &student, &teacher);
+        budget = hu_distill_streaming_budget(&student, &teacher, 2);
+    }
+    fh_context *ctx = tu_context(2, streaming ? 0 : 4, streaming ? 0 : 16, budget);
+    const fh_status st = hu_run(ctx, call, NULL, p, NULL, o);
+    fh_context_destroy(ctx);
+    return st;
+}
+
+static void test_distill_nan_in_x_row(void)
+{
+    enum { B = 3, T = 5, ACTIVE = 1 * T + 1, IGNORED_ROW = 2 * T + 3 };
+    for (int teacher = 0; teacher <= 1; teacher++)
+        for (int ignored = 0; ignored <= 1; ignored++)
+            for (int call = HU_DISTILL_FORWARD; call <= HU_DISTILL_TRAIN_STEP; call++)
+                for (int streaming = 0; streaming <= 1; streaming++)
+                    for (int none = 0; none <= 1; none++) {
+                        hu_grpo_problem p;
+                        hu_grpo_problem_init(&p, B, T, H, V, FH_LAYOUT_HV, 1, 905);
+                        p.distill.reduction = none ? FH_REDUCTION_NONE : FH_REDUCTION_MEAN;
+                        p.distill.divergence = none ? FH_DIVERGENCE_REVERSE_KL : FH_DIVERGENCE_JSD;
+                        const int64_t row = ignored ? IGNORED_ROW : ACTIVE, n = B * T;
+                        p.ids[ACTIVE] = 7;
+                        p.ids[IGNORED_ROW] = -100;
+                        char label[160];
+                        snprintf(label, sizeof label, "%s, NaN in the %s's x row of %s token, %s, reduction %s",
+                                 hu_call_name((hu_call)call), teacher ? "teacher" : "student",
+                                 ignored ? "an ignored" : "a counted", streaming ? "streaming" : "row blocks",
+                                 none ? "none (reverse KL)" : "mean (jsd)");
+                        hu_outputs clean, dirty;
+                        TU_CHECK(run_distill(&p, (hu_call)call, streaming, &clean) == FH_OK, "%s: clean run", label);
+                        const int64_t th = p.teacher_hidden;
+                        if (teacher)
+                            p.teacher_x[row * th + 2] = NAN;
+                        else
+                            p.x[row * H + 2] = NAN;
+                        const fh_status st = run_distill(&p, (hu_call)call, streaming, &dirty);
+                        TU_CHECK(st == FH_OK, "%s: status %d", label, (int)st);
+                        const size_t fb = sizeof(float);
+                        const int grads = call == HU_DISTILL_TRAIN_STEP;
+                        if (ignored && teacher) {
+                            const char *d = hu_outputs_diff(&clean, &dirty);
+                            TU_CHECK(d == NULL, "%s: %s changed (an ignored token's teacher row is never used)", label,
+                                     d ? d : "");
+                        } else if (ignored) {
+                            TU_CHECK(memcmp(&clean.loss, &dirty.loss, sizeof(double)) == 0 &&
+                                         memcmp(clean.per_token_loss, dirty.per_token_loss, (size_t)n * fb) == 0,
+                                     "%s: the loss or a per-token loss changed", label);
+                            if (grads) {
+                                TU_CHECK(rows_equal_except(clean.dx, dirty.dx, n, H * fb, row) &&
+                                             tu_all_equal_f(dirty.dx + row * H, H, 0.0f),
+                                         "%s: dx: another row changed, or row %lld is not 0", label, (long long)row);
+                                int pattern = 1; /* HV: dweight element (k, v) at k * V + v */
+                                for (int k = 0; k < H; k++)
+                                    pattern &= k == 2 ? all_nan(dirty.dweight + k * V, V)
+                                                      : memcmp(dirty.dweight + k * V, clean.dweight + k * V, V * fb) == 0;
+                                TU_CHECK(pattern, "%s: dweight is not NaN exactly on hidden row 2, unchanged elsewhere",
+                                         label);
+                                TU_CHECK(memcmp(clean.dbias, dirty.dbias, V * fb) == 0, "%s: dbias changed", label);
+                            }
+                        } else {
+                            TU_CHECK(!isfinite(dirty.loss) && !isfinite(dirty.per_token_loss[row]) &&
+                                         rows_equal_except(clean.per_token_loss, dirty.per_token_loss, n, fb, row),
+                                     "%s: loss %g, per-token loss %g: expected non-finite, the other tokens' unchanged",
+                                     label, dirty.loss, (double)dirty.per_token_loss[row]);
+                            if (grads) {
+                                TU_CHECK(none_finite(dirty.dx + row * H, H) &&
+                                             rows_equal_except(clean.dx, dirty.dx, n, H * fb, row),
+                                         "%s: dx row %lld has a finite element, or another row changed", label,
+                                         (long long)row);
+                                TU_CHECK(none_finite(dirty.dweight, H * V) && none_finite(dirty.dbias, V),
+                                         "%s: dweight or dbias has a finite element", label);
+                            }
+                        }
+                        hu_outputs_free(&clean);
+                        hu_outputs_free(&dirty);
+                        hu_grpo_problem_free(&p);
+                    }
+}
+
 static const tu_test tests[] = {
     {"NaN in an active token's hidden state", test_nan_in_active_row},
     {"NaN in an ignored token's hidden state", test_nan_in_ignored_row},
@@ -485,5 +588,6 @@ static const tu_test tests[] = {
     {"NaN padding of strided views is never read", test_nan_padding_is_never_read},
     {"GRPO: NaN in a hidden state", test_grpo_nan_in_x_row},
     {"GRPO: NaN in per-token data", test_grpo_nan_in_token_data},
+    {"distillation: NaN in a student's or teacher's hidden state", test_distill_nan_in_x_row},
 };
 const tu_suite suite_nonfinite = {tests, TU_COUNT(tests)};

@@ -1,9 +1,9 @@
 /* Thread safety: separate contexts used concurrently from several pthreads (4 workers, each with its own
- * context, FH_PARAM_THREADS = 1, different shapes and entry points; two of them read the same input
- * arrays) give bitwise the results of the same calls made serially. The concurrent phase runs first in the
+ * context, FH_PARAM_THREADS = 1, different shapes and entry points, distillation's included; two of them read
+ * the same input arrays) give bitwise the results of the same calls made serially. The concurrent phase runs first in the
  * process, so the library's one-time initialisation (BLIS kernel selection, row-kernel choice, BLIS's own
- * init) races too. A fifth worker makes invalid calls on its own context meanwhile: each context's
- * message stays its own. */
+ * init) races too. A fifth worker makes invalid calls (cross-entropy and distillation) on its own context
+ * meanwhile: each context's message stays its own. */
 #include "hardening_util.h"
 
 #include <pthread.h>
@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { WORKERS = 4, ROUNDS = 3, JOBS = 4 };
+enum { WORKERS = 4, ROUNDS = 3, JOBS = 5 };
 
 typedef struct job {
     hu_call call; /* a backward job runs its forward first, on the same context, for the saved state */
@@ -101,9 +101,14 @@ static void *make_errors(void *arg)
     fh_ce_options_init(&o);
     double loss;
     fh_ce_outputs out = {.loss = &loss};
+    /* Every other call a distillation (the teacher the student's view). */
+    fh_distill_options d;
+    fh_distill_options_init(&d);
+    fh_distill_outputs dout = {.loss = &loss};
     for (int k = 0; k < 2000; k++) {
         targets[1] = 1000 + k;
-        const fh_status st = fh_ce_forward(ctx, &lin, targets, &o, &out);
+        const fh_status st = k % 2 ? fh_distill_forward(ctx, &lin, &lin, targets, &d, &dout)
+                                   : fh_ce_forward(ctx, &lin, targets, &o, &out);
         const char *message = "";
         fh_context_message(ctx, &message);
         char expected[32];
@@ -134,18 +139,20 @@ static void test_concurrent_contexts(void)
     hu_grpo_problem_init(&g_b, 2, 30, 16, 1201, FH_LAYOUT_HV, 0, 3003);
     g_b.options.importance_sampling_level = FH_GRPO_IS_SEQUENCE;
     g_b.options.loss_type = FH_GRPO_LOSS_SAPO;
+    g_b.distill.divergence = FH_DIVERGENCE_FORWARD_KL;
+    g_b.distill.reduction = FH_REDUCTION_NONE;
     static worker workers[WORKERS];
     memset(workers, 0, sizeof workers);
     const job plan[WORKERS][JOBS] = {
         {{HU_CE_FORWARD, &ce_a, NULL}, {HU_CE_BACKWARD, &ce_a, NULL}, {HU_CE_TRAIN_STEP, &ce_a, NULL},
-         {HU_GRPO_TRAIN_STEP, NULL, &g_b}},
+         {HU_GRPO_TRAIN_STEP, NULL, &g_b}, {HU_DISTILL_TRAIN_STEP, NULL, &g_a}},
         /* Same inputs as worker 0, other order and tiles. */
-        {{HU_CE_TRAIN_STEP, &ce_a, NULL}, {HU_CE_FORWARD, &ce_a, NULL}, {HU_GRPO_FORWARD, NULL, &g_a},
-         {HU_CE_BACKWARD, &ce_a, NULL}},
-        {{HU_CE_FORWARD, &ce_b, NULL}, {HU_CE_TRAIN_STEP, &ce_b, NULL}, {HU_CE_BACKWARD, &ce_b, NULL},
-         {HU_GRPO_BACKWARD, NULL, &g_b}},
+        {{HU_CE_TRAIN_STEP, &ce_a, NULL}, {HU_DISTILL_FORWARD, NULL, &g_a}, {HU_CE_FORWARD, &ce_a, NULL},
+         {HU_GRPO_FORWARD, NULL, &g_a}, {HU_CE_BACKWARD, &ce_a, NULL}},
+        {{HU_CE_FORWARD, &ce_b, NULL}, {HU_CE_TRAIN_STEP, &ce_b, NULL}, {HU_DISTILL_TRAIN_STEP, NULL, &g_b},
+         {HU_CE_BACKWARD, &ce_b, NULL}, {HU_GRPO_BACKWARD, NULL, &g_b}},
         {{HU_GRPO_FORWARD, NULL, &g_a}, {HU_GRPO_BACKWARD, NULL, &g_a}, {HU_GRPO_TRAIN_STEP, NULL, &g_a},
-         {HU_CE_TRAIN_STEP, &ce_b, NULL}},
+         {HU_CE_TRAIN_STEP, &ce_b, NULL}, {HU_DISTILL_FORWARD, NULL, &g_b}},
     };
     static const int64_t tiles[WORKERS][2] = {{0, 0}, {16, 128}, {8, 64}, {32, 256}};
     for (int w = 0; w < WORKERS; w++) {
