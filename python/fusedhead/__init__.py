@@ -3,7 +3,7 @@
 Python bindings (ctypes) for libfusedhead.so:
 
     fusedhead.numpy   NumPy API (cross_entropy, forward, backward, forward_backward, grpo_loss,
-                      preference_loss); imported with fusedhead
+                      preference_loss, distill_loss, distill_forward_backward); imported with fusedhead
     fusedhead.torch   torch.autograd.Function, nn.Module and functional forms of each loss; imported on first
                       access (importing fusedhead never imports torch)
 

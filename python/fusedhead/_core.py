@@ -1,4 +1,5 @@
-"""Backend-neutral core shared by fusedhead.numpy and fusedhead.torch (cross-entropy, GRPO, preference heads).
+"""Backend-neutral core shared by fusedhead.numpy and fusedhead.torch (cross-entropy, GRPO, preference heads,
+distillation).
 
 Front ends turn their arrays into `View`s (address, shape, strides in elements) after checking dtype and
 device; this module checks shapes and strides against each other, builds the C structs and calls the
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import operator
 import os
 import threading
 from typing import NamedTuple, Optional, Sequence, Tuple, Type, TypeVar, Union
@@ -729,7 +731,96 @@ class PreferenceProblem(_BatchProblem):
                          options if options is not None else preference_options())
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Distillation: forward KL, reverse KL, generalized JSD (TRL's GKD generalized_jsd_loss, Liger's fused linear
+# JSD and distillation losses), plus a hard-label cross-entropy on the student
+# ---------------------------------------------------------------------------------------------------------
+def prefixed_errors(prefix: str, make, *args):
+    """make(*args), its plain TypeError / ValueError messages prefixed with what they are about (a head of two:
+    "student", "teacher"); FusedheadErrors pass unchanged."""
+    try:
+        return make(*args)
+    except (TypeError, ValueError) as e:
+        if type(e) not in (TypeError, ValueError):
+            raise
+        raise type(e)(f"{prefix} {e}") from None
+
+
+def distill_options(*, divergence="jsd", beta=0.5, temperature=1.0, weight_soft_loss=1.0, weight_hard_loss=0.0,
+                    ignore_index=-100, reduction="mean") -> _lib.fh_distill_options:
+    """fh_distill_options from TRL/Liger-named keyword arguments (divergence "forward_kl", "reverse_kl" or "jsd";
+    beta: jsd's mixture weight, 0 is forward_kl and 1 reverse_kl). The library validates the values
+    (InvalidDistillOptionError, InvalidTemperatureError)."""
+    opt = _lib.fh_distill_options()
+    check_status(load_library().fh_distill_options_init(ctypes.byref(opt)), "fh_distill_options_init")
+    opt.divergence = int(parse_choice(divergence, _lib.Divergence, "divergence"))
+    opt.beta = _real(beta, "beta")
+    opt.temperature = _real(temperature, "temperature")
+    opt.weight_soft_loss = _real(weight_soft_loss, "weight_soft_loss")
+    opt.weight_hard_loss = _real(weight_hard_loss, "weight_hard_loss")
+    try:
+        if isinstance(ignore_index, bool):
+            raise TypeError
+        opt.ignore_index = operator.index(ignore_index)  # int, NumPy and 0-d torch integers
+    except TypeError:
+        raise TypeError(f"ignore_index: expected an integer, got {ignore_index!r}") from None
+    opt.reduction = int(parse_reduction(reduction))
+    return opt
+
+
+class DistillProblem:
+    """A student head and a teacher head over the same N tokens and vocabulary (the teacher's hidden size and
+    layout may differ; it gets no gradient), optional targets (a contiguous [N] int64 view; None: every token
+    counts, and weight_hard_loss must be 0) and options: the arguments every fh_distill_* call shares. The
+    library checks that the heads agree (TeacherMismatchError)."""
+
+    def __init__(self, student: LinearHead, teacher: LinearHead, targets: Optional[View] = None,
+                 options: Optional[_lib.fh_distill_options] = None):
+        self.head, self.teacher = student, teacher
+        if targets is not None and (tuple(targets.shape) != (student.n,) or
+                                    not vector_view_ok(targets.shape, targets.strides)):
+            raise ValueError(f"targets: expected a contiguous [N] = [{student.n}] int64 vector, got shape "
+                             f"{_shape(targets.shape)} strides {targets.strides}")
+        self.targets = _ip(None if targets is None else targets.ptr)
+        self.options = options if options is not None else distill_options()
+        self.reduction = Reduction(self.options.reduction)
+
+    @property
+    def grad_count(self) -> int:
+        """How many upstream-gradient values the library reads: N for 'none', else 1."""
+        return self.head.n if self.reduction == Reduction.NONE else 1
+
+    def _call(self, ctx: Context, function: str, per_token_loss: Optional[int], gradient_args: tuple = ()):
+        loss, soft, hard = ctypes.c_double(), ctypes.c_double(), ctypes.c_double()
+        out = _lib.fh_distill_outputs(*(ctypes.cast(ctypes.byref(v), c_double_p) for v in (loss, soft, hard)),
+                                      _fp(per_token_loss))
+        args = (ctypes.byref(self.head.c), ctypes.byref(self.teacher.c), self.targets, ctypes.byref(self.options))
+        if gradient_args:
+            grad_output, grads = gradient_args
+            ctx.call(function, *args, _fp(grad_output), ctypes.byref(out), ctypes.byref(grads))
+        else:
+            ctx.call(function, *args, ctypes.byref(out))
+        return loss.value, soft.value, hard.value
+
+    def forward(self, ctx: Context, per_token_loss: Optional[int] = None) -> Tuple[float, float, float]:
+        """fh_distill_forward; returns (loss, soft_loss, hard_loss) (for 'none': sums over tokens, and the
+        float32 [N] per_token_loss address is required)."""
+        return self._call(ctx, "fh_distill_forward", per_token_loss)
+
+    def forward_backward(self, ctx: Context, grad_output: int, grads: _lib.fh_linear_grads,
+                         per_token_loss: Optional[int] = None) -> Tuple[float, float, float]:
+        """fh_distill_forward_backward: the loss and the student's gradients (grad_output: grad_count float32
+        values, d(objective)/d(loss)); returns (loss, soft_loss, hard_loss)."""
+        return self._call(ctx, "fh_distill_forward_backward", per_token_loss, (grad_output, grads))
+
+    def workspace_size(self, ctx: Context) -> int:
+        size = ctypes.c_size_t()
+        ctx.call("fh_distill_workspace_size", ctypes.byref(self.head.c), ctypes.byref(self.teacher.c),
+                 ctypes.byref(size), pure=True)
+        return size.value
+
+
 __all__ = ["Context", "default_context", "set_default_context_settings", "default_context_settings", "blis_info",
            "BlisInfo", "bf16_available", "status_string", "View", "LinearHead", "CEProblem", "GRPOProblem",
            "grpo_options", "grpo_metrics_dict", "PreferenceProblem", "preference_options", "pairs_shape",
-           "preference_metrics_dict", "FusedheadError"]
+           "preference_metrics_dict", "DistillProblem", "distill_options", "prefixed_errors", "FusedheadError"]

@@ -59,6 +59,8 @@ class Status(enum.IntEnum):
     ERR_WISDOM_IO = 23
     ERR_INVALID_WISDOM = 24
     ERR_INVALID_PREFERENCE_OPTION = 25
+    ERR_INVALID_DISTILL_OPTION = 26
+    ERR_TEACHER_MISMATCH = 27
     ERR_INVALID_PARAM = 30
     ERR_INVALID_PARAM_VALUE = 31
 
@@ -114,6 +116,12 @@ class PreferenceLossType(enum.IntEnum):
     HINGE = 1
     IPO = 2
     ROBUST = 3
+
+
+class Divergence(enum.IntEnum):
+    FORWARD_KL = 0
+    REVERSE_KL = 1
+    JSD = 2
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -288,9 +296,31 @@ class fh_preference_outputs(ctypes.Structure):
     ]
 
 
+# Distillation (fh_distill_*: forward KL, reverse KL, generalized JSD, plus a hard-label cross-entropy)
+class fh_distill_options(ctypes.Structure):
+    _fields_ = [
+        ("divergence", ctypes.c_int),  # fh_divergence
+        ("beta", ctypes.c_double),
+        ("temperature", ctypes.c_double),
+        ("weight_soft_loss", ctypes.c_double),
+        ("weight_hard_loss", ctypes.c_double),
+        ("ignore_index", ctypes.c_int64),
+        ("reduction", ctypes.c_int),  # fh_reduction
+    ]
+
+
+class fh_distill_outputs(ctypes.Structure):
+    _fields_ = [
+        ("loss", c_double_p),
+        ("soft_loss", c_double_p),
+        ("hard_loss", c_double_p),
+        ("per_token_loss", c_float_p),
+    ]
+
+
 STRUCTS = (fh_blis_info, fh_linear, fh_linear_grads, fh_ce_options, fh_ce_outputs, fh_grpo_options,
            fh_grpo_batch, fh_grpo_metrics, fh_grpo_outputs, fh_preference_options, fh_preference_batch,
-           fh_preference_metrics, fh_preference_outputs)
+           fh_preference_metrics, fh_preference_outputs, fh_distill_options, fh_distill_outputs)
 
 # ---------------------------------------------------------------------------------------------------------
 # Prototypes
@@ -342,6 +372,12 @@ _OPTIONAL = {
                                              _P(fh_preference_options), c_float_p, _P(fh_preference_outputs),
                                              _P(fh_linear_grads)]),
     "fh_preference_workspace_size": (_st, [_ctx_p, _P(fh_linear), _P(ctypes.c_size_t)]),
+    "fh_distill_options_init": (_st, [_P(fh_distill_options)]),
+    "fh_distill_forward": (_st, [_ctx_p, _P(fh_linear), _P(fh_linear), c_int64_p, _P(fh_distill_options),
+                                 _P(fh_distill_outputs)]),
+    "fh_distill_forward_backward": (_st, [_ctx_p, _P(fh_linear), _P(fh_linear), c_int64_p, _P(fh_distill_options),
+                                          c_float_p, _P(fh_distill_outputs), _P(fh_linear_grads)]),
+    "fh_distill_workspace_size": (_st, [_ctx_p, _P(fh_linear), _P(fh_linear), _P(ctypes.c_size_t)]),
 }
 
 

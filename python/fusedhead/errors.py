@@ -3,7 +3,7 @@
 Every failing library call raises a FusedheadError subclass chosen by the status code:
 
     FusedheadError (RuntimeError)            .status, .status_name, .status_string, .message, .function
-      FusedheadValueError (+ ValueError)     statuses 1..19, 24, 25, 30, 31: bad shapes, strides, targets,
+      FusedheadValueError (+ ValueError)     statuses 1..19, 24..27, 30, 31: bad shapes, strides, targets,
         TargetOutOfRangeError, ...           options, wisdom entries (one class per status)
       FusedheadMemoryError (+ MemoryError)   statuses 20..22: workspace and memory
       WisdomIOError (+ OSError)              status 23: a wisdom file cannot be read or written
@@ -65,6 +65,8 @@ class InvalidMaskError(FusedheadValueError): pass
 class InvalidTemperatureError(FusedheadValueError): pass
 class InvalidGRPOOptionError(FusedheadValueError): pass
 class InvalidPreferenceOptionError(FusedheadValueError): pass
+class InvalidDistillOptionError(FusedheadValueError): pass
+class TeacherMismatchError(FusedheadValueError): pass
 class WorkspaceTooSmallError(FusedheadMemoryError): pass
 class OutOfMemoryError(FusedheadMemoryError): pass
 class BudgetTooSmallError(FusedheadMemoryError): pass
@@ -101,6 +103,8 @@ ERROR_CLASSES: Dict[int, Type[FusedheadError]] = {
     Status.ERR_WISDOM_IO: WisdomIOError,
     Status.ERR_INVALID_WISDOM: InvalidWisdomError,
     Status.ERR_INVALID_PREFERENCE_OPTION: InvalidPreferenceOptionError,
+    Status.ERR_INVALID_DISTILL_OPTION: InvalidDistillOptionError,
+    Status.ERR_TEACHER_MISMATCH: TeacherMismatchError,
     Status.ERR_INVALID_PARAM: InvalidParamError,
     Status.ERR_INVALID_PARAM_VALUE: InvalidParamValueError,
 }

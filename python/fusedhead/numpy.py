@@ -1,5 +1,6 @@
-"""NumPy front end: fused linear cross-entropy, GRPO (grpo_loss) and preference losses (preference_loss: DPO,
-ORPO, SimPO, CPO) on float32 (or bf16) arrays, zero-copy.
+"""NumPy front end: fused linear cross-entropy, GRPO (grpo_loss), preference losses (preference_loss: DPO,
+ORPO, SimPO, CPO) and distillation (distill_loss, distill_forward_backward: forward KL, reverse KL, JSD) on
+float32 (or bf16) arrays, zero-copy.
 
     import fusedhead.numpy as fhnp
     r = fhnp.cross_entropy(hidden, weight, targets, return_grads=True)   # weight [V, H] (layout="vh")
@@ -32,13 +33,14 @@ from typing import Iterable, Optional, Tuple, Union
 
 import numpy as np
 
-from ._core import (CEProblem, Context, GRPOProblem, LinearHead, PreferenceProblem, View, default_context,
-                    grpo_metrics_dict, grpo_options, pairs_shape, parse_reduction, preference_metrics_dict,
-                    preference_options)
+from ._core import (CEProblem, Context, DistillProblem, GRPOProblem, LinearHead, PreferenceProblem, View,
+                    default_context, distill_options, grpo_metrics_dict, grpo_options, pairs_shape, parse_reduction,
+                    prefixed_errors, preference_metrics_dict, preference_options)
 from ._lib import Dtype, Reduction
 
 __all__ = ["cross_entropy", "forward", "backward", "forward_backward", "CrossEntropyResult", "Gradients",
-           "workspace_size", "grpo_loss", "GRPOResult", "preference_loss", "PreferenceResult"]
+           "workspace_size", "grpo_loss", "GRPOResult", "preference_loss", "PreferenceResult", "distill_loss",
+           "distill_forward_backward", "DistillResult"]
 
 _FP32_HINT = "; fusedhead computes in fp32: use .astype(np.float32)"
 _INPUT_DTYPES = {"fp32": (np.float32, Dtype.F32, _FP32_HINT + " (dtype='bf16' takes bfloat16 bits as uint16)"),
@@ -597,3 +599,127 @@ def preference_loss(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray,
     return PreferenceResult(loss, preference_metrics_dict(metrics), **outs, dhidden=arrays.dx, dweight=arrays.dw,
                             dbias=arrays.db)
 
+
+# ---------------------------------------------------------------------------------------------------------
+# Distillation: forward KL, reverse KL, generalized JSD plus a hard-label cross-entropy (TRL's GKD, Liger's fused
+# linear JSD / distillation losses; mirrors fh_distill_forward / fh_distill_forward_backward)
+# ---------------------------------------------------------------------------------------------------------
+@dataclass
+class DistillResult:
+    """loss: a float for 'mean'/'sum', the per-token losses (the tokens' shape) for 'none'. soft_loss, hard_loss:
+    the divergence and cross-entropy parts, reduced like the loss (summed over tokens for 'none') and before
+    weight_soft_loss / weight_hard_loss (hard_loss: also when weight_hard_loss is 0; 0 without targets).
+    per_token_loss: float32 l_i (0 where ignored). Gradients (the student's, of grad_output * loss) are None unless requested; the teacher
+    gets none."""
+    loss: Union[float, np.ndarray]
+    soft_loss: float
+    hard_loss: float
+    per_token_loss: np.ndarray
+    dhidden: Optional[np.ndarray] = None
+    dweight: Optional[np.ndarray] = None
+    dbias: Optional[np.ndarray] = None
+
+
+def distill_loss(student_hidden: np.ndarray, student_weight: np.ndarray, teacher_hidden: np.ndarray,
+                 teacher_weight: np.ndarray, targets: Optional[np.ndarray] = None,
+                 student_bias: Optional[np.ndarray] = None, teacher_bias: Optional[np.ndarray] = None, *,
+                 divergence: str = "jsd", beta: float = 0.5, temperature: float = 1.0,
+                 weight_soft_loss: float = 1.0, weight_hard_loss: float = 0.0, ignore_index: int = -100,
+                 reduction: str = "mean", student_layout: str = "vh", teacher_layout: str = "vh",
+                 return_grads: Union[bool, Iterable[str]] = False, grad_output=None,
+                 context: Optional[Context] = None, dtype: str = "fp32", teacher_dtype: Optional[str] = None,
+                 grad_dtype: Optional[str] = None) -> DistillResult:
+    """Distillation loss of a student head towards a teacher head over the same vocabulary, without either's
+    logits (include/fusedhead.h, "Distillation", has the formulas): with s, t the student's and teacher's logits
+    over temperature, divergence "forward_kl" KL(q || p), "reverse_kl" KL(p || q) or "jsd" (beta q + (1 - beta) p
+    mixture; beta 0 is forward_kl, 1 reverse_kl, as TRL's generalized_jsd_loss), plus weight_hard_loss times the
+    cross-entropy of the student's untempered logits at targets; tokens whose target is ignore_index are left out,
+    'mean' divides by the tokens counted. No temperature^2 factor (TRL and Liger apply none).
+
+    student_hidden [..., H_s], teacher_hidden [..., H_t] with the same number of tokens N; weights [V, H] (layout
+    "vh") or [H, V] ("hv") each, the same V; biases float32 [V]; targets int64 shaped like the student's leading
+    dimensions (or [N]), optional when weight_hard_loss is 0 (then every token counts). Nothing is copied.
+    dtype="bf16": the student's hidden and weight are bfloat16 bits in uint16 arrays; teacher_dtype (default:
+    dtype) the teacher's. return_grads: False (fh_distill_forward), True (all of the student's gradients) or names
+    among "hidden", "weight", "bias" (fh_distill_forward_backward): gradients of grad_output * loss (a scalar,
+    default 1, or one float32 per token for 'none'), float32 or bf16 bits with grad_dtype="bf16".
+    """
+    opt = distill_options(divergence=divergence, beta=beta, temperature=temperature,
+                          weight_soft_loss=weight_soft_loss, weight_hard_loss=weight_hard_loss,
+                          ignore_index=ignore_index, reduction=reduction)
+    red = Reduction(opt.reduction)
+    if not return_grads and (grad_output is not None or grad_dtype is not None):
+        raise ValueError("grad_output and grad_dtype are only used with return_grads")
+    _wanted(return_grads, student_bias)  # its ValueError names return_grads, not a head
+    student = prefixed_errors("student", _BatchHead, student_hidden, student_weight, student_bias, dtype,
+                              grad_dtype, return_grads)
+    teacher = prefixed_errors("teacher", _BatchHead, teacher_hidden, teacher_weight, teacher_bias,
+                              dtype if teacher_dtype is None else teacher_dtype, None, False)
+    xs = prefixed_errors("student", _flatten_rows, student.hidden, "hidden")
+    xt = prefixed_errors("teacher", _flatten_rows, teacher.hidden, "hidden")
+    n, token_shape = xs.shape[0], tuple(student.hidden.shape[:-1])
+    tg = None
+    if targets is not None:
+        tg = _flatten_vector(_check_array(targets, "targets", np.int64, " (use .astype(np.int64))"), "targets",
+                             token_shape, n, "the student hidden's leading dimensions")
+    g = None
+    if student.dx is not None or student.dw is not None or student.db is not None:
+        g = _distill_grad_output(grad_output, red, token_shape, n)
+    per_token = np.zeros(n, np.float32)
+    if n == 0 and xt.shape[0] == 0:  # nothing to compute: the shapes are checked, the library is not called
+        for name, w in (("student", student), ("teacher", teacher)):
+            dummy = np.zeros((1, w.hidden.shape[-1]), w.hidden.dtype)
+            prefixed_errors(name, LinearHead, _view(dummy, "hidden"), _view(w.weight, "weight"),
+                            None if w.bias is None else _view(w.bias, "bias"),
+                            student_layout if name == "student" else teacher_layout, w.fh_dtype)
+        if student.dw is not None:
+            student.dw[...] = 0
+        loss = per_token.reshape(token_shape) if red == Reduction.NONE else 0.0
+        return DistillResult(loss, 0.0, 0.0, per_token.reshape(token_shape), student.dx, student.dw, student.db)
+    if n == 0 or xt.shape[0] == 0:
+        raise ValueError(f"teacher_hidden: expected as many tokens as the student's ({n}), got {xt.shape[0]}")
+    problem = DistillProblem(prefixed_errors("student", student.linear, student_layout),
+                             prefixed_errors("teacher", teacher.linear, teacher_layout),
+                             None if tg is None else _view(tg, "targets"), opt)
+    ctx = context or default_context()
+    if g is None:
+        loss, soft, hard = problem.forward(ctx, per_token.ctypes.data)
+    else:
+        head = problem.head
+        grads = head.grads(None if student.dx is None else _view(student.dx.reshape(head.n, -1), "dhidden"),
+                           None if student.dw is None else _view(student.dw, "dweight"),
+                           None if student.db is None else _view(student.db, "dbias"), dtypes=(student.grad_fh,) * 3)
+        loss, soft, hard = problem.forward_backward(ctx, g.ctypes.data, grads, per_token.ctypes.data)
+    per_token = per_token.reshape(token_shape)
+    return DistillResult(per_token if red == Reduction.NONE else loss, soft, hard, per_token, student.dx, student.dw,
+                         student.db)
+
+
+def distill_forward_backward(student_hidden: np.ndarray, student_weight: np.ndarray, teacher_hidden: np.ndarray,
+                             teacher_weight: np.ndarray, targets: Optional[np.ndarray] = None,
+                             student_bias: Optional[np.ndarray] = None, teacher_bias: Optional[np.ndarray] = None,
+                             *, wrt: Union[bool, Iterable[str]] = True, **options) -> DistillResult:
+    """fh_distill_forward_backward: distill_loss(..., return_grads=wrt) (wrt: True for every gradient of the
+    student, or names among "hidden", "weight", "bias"); the other arguments as distill_loss's."""
+    if not wrt:
+        raise ValueError("wrt: expected True or names among 'hidden', 'weight', 'bias' (use distill_loss for the "
+                         "loss alone)")
+    return distill_loss(student_hidden, student_weight, teacher_hidden, teacher_weight, targets, student_bias,
+                        teacher_bias, return_grads=wrt, **options)
+
+
+def _distill_grad_output(grad_output, reduction: Reduction, token_shape: Tuple[int, ...], n: int) -> np.ndarray:
+    """The upstream gradient as the library reads it: one float32 for 'mean'/'sum' (default 1), one per token for
+    'none' (default ones; a scalar is broadcast)."""
+    count = n if reduction == Reduction.NONE else 1
+    if grad_output is None:
+        return np.ones(count, np.float32)
+    if isinstance(grad_output, (int, float, np.floating, np.integer)) and not isinstance(grad_output, bool):
+        return np.full(count, grad_output, np.float32)
+    g = _check_array(grad_output, "grad_output", np.float32)
+    if reduction == Reduction.NONE:
+        return _flatten_vector(g, "grad_output", token_shape, n, "one value per token")
+    if g.size != 1:
+        raise ValueError(f"grad_output: expected a scalar for reduction '{reduction.name.lower()}', got shape "
+                         f"{list(g.shape)}")
+    return np.ascontiguousarray(g).reshape(1)

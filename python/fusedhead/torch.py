@@ -55,6 +55,14 @@ Preference: fused_linear_preference_loss / FusedLinearDPOLoss, FusedLinearORPOLo
 FusedLinearCPOLoss / FusedLinearPreferenceLossFunction compute TRL's DPO, ORPO, SimPO and CPO losses from the
 hidden states of 2B sequences, the chosen ones then the rejected ones (Liger's layout); they return (loss,
 metrics with TRL's keys, sequence log-probs, rewards). Gradients as for GRPO (fh_preference_forward_backward).
+
+Distillation: fused_linear_distillation_loss / FusedLinearDistillationLoss, FusedLinearJSDLoss (Liger's
+LigerFusedLinearJSD) / FusedLinearDistillationLossFunction compute forward KL, reverse KL or the generalized JSD
+(TRL's GKD generalized_jsd_loss) between a student head and a teacher head over the same vocabulary, plus a
+weighted hard-label cross-entropy, from both heads' hidden states and weights (the teacher's hidden size, layout
+and dtype may differ). The teacher is detached: it never gets a gradient. 'mean'/'sum': gradients as for GRPO
+(fh_distill_forward_backward, upstream 1, scaled in backward). 'none': the forward runs fh_distill_forward and
+backward fh_distill_forward_backward with the per-token upstream gradient (the logits computed twice).
 """
 from __future__ import annotations
 
@@ -65,8 +73,9 @@ from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ._core import (GRPO_METRIC_KEYS, PREFERENCE_METRIC_KEYS, CEProblem, Context, GRPOProblem, LinearHead,
-                    PreferenceProblem, View, default_context, grpo_metrics_dict, grpo_options, matrix_view_ok,
+from ._core import (GRPO_METRIC_KEYS, PREFERENCE_METRIC_KEYS, CEProblem, Context, DistillProblem, GRPOProblem,
+                    LinearHead, PreferenceProblem, View, default_context, distill_options, grpo_metrics_dict,
+                    grpo_options, matrix_view_ok, prefixed_errors,
                     pairs_shape, parse_grpo_is_level, parse_grpo_loss_type, parse_layout, parse_reduction,
                     preference_metrics_dict, preference_options, rows_view_ok, vector_view_ok)
 from ._lib import Dtype, Reduction
@@ -74,7 +83,9 @@ from ._lib import Dtype, Reduction
 __all__ = ["FusedLinearCrossEntropyFunction", "FusedLinearCrossEntropy", "fused_linear_cross_entropy",
            "FusedLinearGRPOLossFunction", "FusedLinearGRPOLoss", "fused_linear_grpo_loss",
            "FusedLinearPreferenceLossFunction", "fused_linear_preference_loss", "PreferenceLossOutput",
-           "FusedLinearDPOLoss", "FusedLinearORPOLoss", "FusedLinearSimPOLoss", "FusedLinearCPOLoss"]
+           "FusedLinearDPOLoss", "FusedLinearORPOLoss", "FusedLinearSimPOLoss", "FusedLinearCPOLoss",
+           "FusedLinearDistillationLossFunction", "fused_linear_distillation_loss", "FusedLinearDistillationLoss",
+           "FusedLinearJSDLoss"]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -867,3 +878,243 @@ class FusedLinearCPOLoss(_FusedLinearPreferenceLoss):
                  cpo_alpha: float = 1.0, layout: str = "vh", context: Optional[Context] = None):
         super().__init__(layout, context, beta=beta, loss_type=loss_type, label_smoothing=label_smoothing,
                          cpo_alpha=cpo_alpha)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Distillation: forward KL, reverse KL, generalized JSD plus a hard-label cross-entropy (TRL's GKD
+# generalized_jsd_loss, Liger's LigerFusedLinearJSD and chunked distillation losses)
+# ---------------------------------------------------------------------------------------------------------
+DISTILL_OPTION_NAMES = ("divergence", "beta", "temperature", "weight_soft_loss", "weight_hard_loss", "ignore_index",
+                        "reduction")
+
+
+class _Distill:
+    """Everything one distillation call needs, checked and in library form: the student's and the teacher's
+    _TorchLinear (each float32 or bfloat16, hidden [..., H] with the same number of tokens; the teacher detached),
+    targets (int64, the student hidden's leading shape or [N]; None: every token counts) and the options."""
+
+    def __init__(self, student_input, student_weight, teacher_input, teacher_weight, targets, student_bias,
+                 teacher_bias, options: dict, student_layout, teacher_layout):
+        self.options = distill_options(**options)
+        self.reduction = Reduction(self.options.reduction)
+        self.lin = prefixed_errors("student", _TorchLinear, student_input, student_weight, student_bias,
+                                   student_layout)
+        detach = lambda t: t.detach() if isinstance(t, torch.Tensor) else t  # noqa: E731
+        self.teacher = prefixed_errors("teacher", _TorchLinear, detach(teacher_input), detach(teacher_weight),
+                                       detach(teacher_bias), teacher_layout)
+        self.token_shape = self.lin.hidden_shape[:-1]
+        self.targets = None
+        if targets is not None:
+            _check_tensor(targets, "targets", torch.int64, " (use .long())")
+            self.targets = _token_vector(targets.detach(), "targets", self.token_shape, self.lin.n,
+                                         "the student input's leading dimensions")
+        if (self.lin.n == 0) != (self.teacher.n == 0):
+            raise ValueError(f"teacher_input: expected as many tokens as the student's ({self.lin.n}), got "
+                             f"{self.teacher.n}")
+        self.problem = None
+        if self.lin.n > 0:  # N = 0: nothing to compute (the library is not called)
+            self.problem = DistillProblem(self.lin.head, self.teacher.head, _opt_view(self.targets), self.options)
+
+    @property
+    def n(self) -> int:
+        return self.lin.n
+
+    def run(self, context: Optional[Context], need: Sequence[bool]):
+        """'mean'/'sum': (loss, soft_loss, hard_loss, (dx, dw, db)): the loss and its gradients (upstream 1) for
+        the inputs in need (fh_distill_forward_backward), or the loss alone (fh_distill_forward)."""
+        result, grads = _train_step(self.problem, self.lin, context, need)
+        loss, soft, hard = result if result is not None else (0.0, 0.0, 0.0)
+        dtype = self.lin.dtype
+        return _scalar(loss, dtype), _scalar(soft, dtype), _scalar(hard, dtype), grads
+
+    def run_none(self, context: Optional[Context], grad_output: Optional[torch.Tensor] = None, grads=None):
+        """'none': (per-token loss in the student's dtype, soft_loss, hard_loss): fh_distill_forward, or with a
+        per-token grad_output fh_distill_forward_backward into grads (the library's fh_linear_grads)."""
+        per_token = torch.zeros(self.n, dtype=torch.float32)
+        loss = soft = hard = 0.0
+        if self.n > 0:
+            ctx = context or default_context()
+            if grad_output is None:
+                loss, soft, hard = self.problem.forward(ctx, per_token.data_ptr())
+            else:
+                loss, soft, hard = self.problem.forward_backward(ctx, grad_output.data_ptr(), grads,
+                                                                 per_token.data_ptr())
+        dtype = self.lin.dtype
+        return per_token.view(self.token_shape).to(dtype), _scalar(soft, dtype), _scalar(hard, dtype)
+
+
+class FusedLinearDistillationLossFunction(torch.autograd.Function):
+    """apply(student_input, student_weight, teacher_input, teacher_weight, targets=None, student_bias=None,
+    teacher_bias=None, options=None, student_layout="vh", teacher_layout="vh", context=None)
+    -> (loss, soft_loss, hard_loss)
+
+    options: a dict of distill_options values (DISTILL_OPTION_NAMES; missing: the defaults, Liger's and TRL's).
+    soft_loss, hard_loss: the divergence and cross-entropy parts, reduced like the loss (summed for 'none'),
+    before their weights; non-differentiable. 'mean'/'sum': the forward runs fh_distill_forward_backward with
+    upstream gradient 1 for the student inputs whose ctx.needs_input_grad is set and backward scales the saved
+    gradients by the incoming scalar. 'none': the forward runs fh_distill_forward and backward
+    fh_distill_forward_backward with the per-token upstream gradient (the logits are recomputed: the library has
+    no separate distillation backward). The teacher is a constant: it gets no gradient (None)."""
+
+    @staticmethod
+    def forward(ctx, student_input, student_weight, teacher_input, teacher_weight, targets=None, student_bias=None,
+                teacher_bias=None, options=None, student_layout="vh", teacher_layout="vh", context=None):
+        d = _Distill(student_input, student_weight, teacher_input, teacher_weight, targets, student_bias,
+                     teacher_bias, dict(options or {}), student_layout, teacher_layout)
+        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                student_bias is not None and ctx.needs_input_grad[5])
+        ctx.reduction = d.reduction
+        ctx.dweight_pool = _dweight_pool(student_weight) if need[1] else None
+        if d.reduction != Reduction.NONE:
+            loss, soft, hard, (dx, dw, db) = d.run(context, need)
+            ctx.save_for_backward(d.lin.hidden_grad(dx), dw, db)
+        else:
+            loss, soft, hard = d.run_none(context)
+            # What the library saw (views of the inputs, or the copies made for it), for the backward's call.
+            ctx.save_for_backward(d.lin.x, d.lin.weight, d.lin.bias, d.teacher.x, d.teacher.weight, d.teacher.bias,
+                                  d.targets)
+            ctx.need = need
+            ctx.call = (dict(options or {}), student_layout, teacher_layout, context)
+            ctx.hidden_shape = d.lin.hidden_shape
+            ctx.bias_dtype = d.lin.bias_dtype  # the caller's: the saved bias is its fp32 form
+            ctx.weight_owner = student_weight  # the dweight pool of the caller's weight
+        ctx.mark_non_differentiable(soft, hard)
+        return loss, soft, hard
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_soft, _grad_hard):
+        if ctx.reduction != Reduction.NONE:
+            dx, dw, db = _scaled(ctx.saved_tensors, grad_loss, ctx.dweight_pool)
+        else:
+            xs, ws, bs, xt, wt, bt, targets = ctx.saved_tensors  # version-checked
+            options, student_layout, teacher_layout, context = ctx.call
+            d = _Distill(xs, ws, xt, wt, targets, bs, bt, options, student_layout, teacher_layout)
+            d.lin.bias_dtype = ctx.bias_dtype
+            d.lin.owner = ctx.weight_owner
+            dx, dw, db = d.lin.alloc_grads(*ctx.need)
+            if d.n > 0:
+                g = _token_vector(grad_loss.to(torch.float32), "grad_output", tuple(ctx.hidden_shape[:-1]), d.n,
+                                  "per token")
+                d.run_none(context, g, d.lin.grads_struct(dx, dw, db))
+            dx = None if dx is None else dx.view(ctx.hidden_shape)
+        return (dx, dw, None, None, None, db) + (None,) * 5
+
+
+def _distill_option_dict(divergence, beta, temperature, weight_soft_loss, weight_hard_loss, ignore_index,
+                         reduction) -> dict:
+    options = dict(divergence=divergence, beta=beta, temperature=temperature, weight_soft_loss=weight_soft_loss,
+                   weight_hard_loss=weight_hard_loss, ignore_index=ignore_index, reduction=reduction)
+    distill_options(**options)  # bad names, choices and types fail here; values in the library
+    return options
+
+
+def fused_linear_distillation_loss(student_input: torch.Tensor, student_weight: torch.Tensor,
+                                   teacher_input: torch.Tensor, teacher_weight: torch.Tensor,
+                                   targets: Optional[torch.Tensor] = None, *,
+                                   student_bias: Optional[torch.Tensor] = None,
+                                   teacher_bias: Optional[torch.Tensor] = None, divergence: str = "jsd",
+                                   beta: float = 0.5, temperature: float = 1.0, weight_soft_loss: float = 1.0,
+                                   weight_hard_loss: float = 0.0, ignore_index: int = -100, reduction: str = "mean",
+                                   student_layout: str = "vh", teacher_layout: str = "vh",
+                                   return_soft_hard_loss: bool = False, context: Optional[Context] = None):
+    """Distillation of a student lm_head towards a teacher's over the same vocabulary, without either's [N, V]
+    logits (TRL's GKD generalized_jsd_loss, Liger's fused linear JSD / distillation losses; include/fusedhead.h,
+    "Distillation", has the formulas).
+
+    s, t: the student's and teacher's logits (F.linear(input, weight, bias)) over temperature; p, q their
+    softmaxes. divergence "forward_kl": KL(q || p); "reverse_kl": KL(p || q); "jsd": beta KL(q || m) +
+    (1 - beta) KL(p || m) with m = beta q + (1 - beta) p (beta 0 is forward_kl, 1 reverse_kl, as TRL and Liger
+    define them). Per token l = weight_soft_loss D + weight_hard_loss CE(student's untempered logits, target),
+    over the tokens whose target is not ignore_index; 'mean' divides by their count (0 when there is none, with
+    zero gradients), 'sum' adds them, 'none' returns them per token (0 where ignored). No temperature^2 factor.
+
+    student_input [..., H_s] and teacher_input [..., H_t] hold the same N tokens; weights [V, H] (layout "vh",
+    nn.Linear.weight) or [H, V] ("hv"), each its own layout; biases [V]. targets int64 with the student input's
+    leading shape (or [N]); optional when weight_hard_loss is 0 (every token counts). The teacher gets no
+    gradient: its tensors are detached (as TRL and Liger run the teacher under torch.no_grad()). Each head is
+    float32 or bfloat16 (its input and weight alike); the loss comes back in the student's dtype, the student's
+    gradients in its tensors' dtypes. Returns the loss, or (loss, soft_loss, hard_loss) with
+    return_soft_hard_loss=True (the unweighted divergence and cross-entropy parts, reduced like the loss, summed
+    over tokens for 'none'; detached; hard_loss is the cross-entropy also when weight_hard_loss is 0, and 0
+    without targets).
+    """
+    options = _distill_option_dict(divergence, beta, temperature, weight_soft_loss, weight_hard_loss, ignore_index,
+                                   reduction)
+    teacher = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in (teacher_input, teacher_weight,
+                                                                               teacher_bias))
+    if _autograd_needed(student_input, student_weight, student_bias):
+        loss, soft, hard = FusedLinearDistillationLossFunction.apply(
+            student_input, student_weight, teacher[0], teacher[1], targets, student_bias, teacher[2], options,
+            student_layout, teacher_layout, context)
+    else:
+        d = _Distill(student_input, student_weight, teacher[0], teacher[1], targets, student_bias, teacher[2],
+                     options, student_layout, teacher_layout)
+        if d.reduction != Reduction.NONE:
+            loss, soft, hard, _ = d.run(context, (False, False, False))
+        else:
+            loss, soft, hard = d.run_none(context)
+    return (loss, soft, hard) if return_soft_hard_loss else loss
+
+
+class FusedLinearDistillationLoss(torch.nn.Module):
+    """nn.Module form of fused_linear_distillation_loss (options fixed at construction; the weights are forward
+    arguments, as in the other modules):
+
+        loss_fn = FusedLinearDistillationLoss(divergence="jsd", beta=0.5, temperature=2.0, weight_hard_loss=0.5)
+        loss = loss_fn(student_hidden, student.lm_head.weight, teacher_hidden, teacher.lm_head.weight, labels)
+    """
+
+    def __init__(self, divergence: str = "jsd", beta: float = 0.5, temperature: float = 1.0,
+                 weight_soft_loss: float = 1.0, weight_hard_loss: float = 0.0, ignore_index: int = -100,
+                 reduction: str = "mean", student_layout: str = "vh", teacher_layout: str = "vh",
+                 return_soft_hard_loss: bool = False, context: Optional[Context] = None):
+        super().__init__()
+        parse_layout(student_layout)
+        parse_layout(teacher_layout)
+        self.options = _distill_option_dict(divergence, beta, temperature, weight_soft_loss, weight_hard_loss,
+                                            ignore_index, reduction)
+        self.student_layout, self.teacher_layout = student_layout, teacher_layout
+        self.return_soft_hard_loss, self.context = return_soft_hard_loss, context
+
+    def forward(self, student_input: torch.Tensor, student_weight: torch.Tensor, teacher_input: torch.Tensor,
+                teacher_weight: torch.Tensor, targets: Optional[torch.Tensor] = None,
+                student_bias: Optional[torch.Tensor] = None, teacher_bias: Optional[torch.Tensor] = None):
+        return fused_linear_distillation_loss(student_input, student_weight, teacher_input, teacher_weight, targets,
+                                              student_bias=student_bias, teacher_bias=teacher_bias,
+                                              student_layout=self.student_layout, teacher_layout=self.teacher_layout,
+                                              return_soft_hard_loss=self.return_soft_hard_loss, context=self.context,
+                                              **self.options)
+
+    def extra_repr(self) -> str:
+        return (", ".join(f"{k}={v!r}" for k, v in self.options.items()) +
+                f", student_layout={self.student_layout!r}, teacher_layout={self.teacher_layout!r}")
+
+
+class FusedLinearJSDLoss(torch.nn.Module):
+    """Liger's LigerFusedLinearJSD: the generalized JSD between the student's and the teacher's tempered
+    distributions (jsd_beta 0 is forward KL, 1 reverse KL), the mean over the tokens whose shift_labels are not
+    ignore_index (every token without shift_labels); no hard-label term.
+
+        loss_fn = FusedLinearJSDLoss(jsd_beta=0.5, temperature=2.0)
+        loss = loss_fn(student_hidden, student.lm_head.weight, teacher_hidden, teacher.lm_head.weight, labels)
+    """
+
+    def __init__(self, jsd_beta: float = 0.5, ignore_index: int = -100, temperature: float = 1.0,
+                 student_layout: str = "vh", teacher_layout: str = "vh", context: Optional[Context] = None):
+        super().__init__()
+        parse_layout(student_layout)
+        parse_layout(teacher_layout)
+        self.options = _distill_option_dict("jsd", jsd_beta, temperature, 1.0, 0.0, ignore_index, "mean")
+        self.jsd_beta, self.ignore_index, self.temperature = jsd_beta, ignore_index, temperature
+        self.student_layout, self.teacher_layout, self.context = student_layout, teacher_layout, context
+
+    def forward(self, student_input: torch.Tensor, student_weight: torch.Tensor, teacher_input: torch.Tensor,
+                teacher_weight: torch.Tensor, shift_labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return fused_linear_distillation_loss(student_input, student_weight, teacher_input, teacher_weight,
+                                              shift_labels, student_layout=self.student_layout,
+                                              teacher_layout=self.teacher_layout, context=self.context,
+                                              **self.options)
+
+    def extra_repr(self) -> str:
+        return (f"jsd_beta={self.jsd_beta!r}, ignore_index={self.ignore_index!r}, temperature={self.temperature!r}, "
+                f"student_layout={self.student_layout!r}, teacher_layout={self.teacher_layout!r}")
