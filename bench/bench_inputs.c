@@ -230,6 +230,17 @@ int bench_inputs_make(int64_t n, int64_t hidden, int64_t vocab, bench_inputs *in
     return bench_inputs_make_from(&uniform, FH_LAYOUT_HV, n, hidden, vocab, in, why, sizeof why);
 }
 
+int bench_inputs_make_teacher(int64_t n, int64_t hidden, int64_t vocab, float logit_std, bench_inputs *in)
+{
+    *in = (bench_inputs){NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+    in->x = bench_filled((size_t)n * hidden, 2.0f, 7);
+    in->w = bench_filled((size_t)hidden * vocab, 6.0f * logit_std / sqrtf((float)hidden), 8);
+    if (in->x && in->w)
+        return 0;
+    bench_inputs_free(in);
+    return -1;
+}
+
 void bench_inputs_free(bench_inputs *in)
 {
     free(in->x), free(in->w), free(in->dx), free(in->dw), free(in->lse), free(in->targets);

@@ -46,6 +46,11 @@ int bench_inputs_make_from(const bench_distribution *d, fh_layout layout, int64_
 /* The uniform distribution. Returns 0, or -1 when memory runs out. */
 int bench_inputs_make(int64_t n, int64_t hidden, int64_t vocab, bench_inputs *in);
 void bench_inputs_free(bench_inputs *in);
+/* A distillation teacher's inputs, the uniform distribution's with seeds of their own and the logits scaled:
+ * x ~ U(-1, 1) [n, hidden] and w ~ U(-a, a) [hidden, vocab], a = 3 logit_std / sqrt(hidden), so that the logits
+ * have standard deviation ~logit_std (any layout: the entries are independent). dx, dw, lse and targets stay NULL.
+ * Returns 0, or -1 when memory runs out. */
+int bench_inputs_make_teacher(int64_t n, int64_t hidden, int64_t vocab, float logit_std, bench_inputs *in);
 /* Adds bf16 copies of x and w. Returns 0, or -1 when memory runs out. */
 int bench_inputs_add_bf16(int64_t n, int64_t hidden, int64_t vocab, bench_inputs *in);
 

@@ -9,9 +9,9 @@
  * first call and peak memory). A shared machine's speed drifts over minutes; a ceiling measured next to
  * each case keeps the ratio honest where one measured at the start would not.
  *
- * --distribution says what the CE cases compute on: uniform random data (the default: a near-uniform softmax), a
- * synthetic peaked softmax of a chosen mean entropy, or a batch saved from a trained model (real data; a trained
- * head's softmax is what gradient filtering feeds on). Before the cases, a child makes the inputs once, calibrates
+ * --distribution says what the CE cases (and distillation's student) compute on: uniform random data (the default:
+ * a near-uniform softmax), a synthetic peaked softmax of a chosen mean entropy, or a batch saved from a trained model
+ * (real data; a trained head's softmax is what gradient filtering feeds on). Before the cases, a child makes the inputs once, calibrates
  * a peaked distribution and measures the softmax on a sample of rows; the report's first line states the
  * distribution, whether it is real or synthetic, and those measurements. */
 #include "fusedhead.h"
@@ -38,11 +38,15 @@ typedef enum bench_case {
 static const char *case_names[CASE_COUNT] = {"sgemm_2048", "fused_forward", "fused_split", "fused_train_step",
                                              "fused_train_step_filtered", "materialized"};
 static const char *bf16_ceiling_name = "bf16_gemm_2048";
-static const char *case_basis[CASE_COUNT] = {"2*2048^3", "2NHV", "8NHV", "6NHV", "6NHV", "6NHV"};
+static const char *ce_case_basis[CASE_COUNT] = {"2*2048^3", "2NHV", "8NHV", "6NHV", "6NHV", "6NHV"};
 
 enum { CEILING_REPS = 10 };
 
-typedef enum head_kind { HEAD_CE, HEAD_GRPO, HEAD_PREFERENCE } head_kind;
+/* Distillation's teacher: logits of this standard deviation (the student's uniform inputs give about 0.6, a
+ * near-uniform softmax), so that its softmax is well away from uniform. */
+static const float teacher_logit_std = 3.0f;
+
+typedef enum head_kind { HEAD_CE, HEAD_GRPO, HEAD_PREFERENCE, HEAD_DISTILL } head_kind;
 
 typedef struct shape {
     int64_t n, hidden, vocab;
@@ -61,6 +65,9 @@ typedef struct shape {
     bench_softmax_stats stats; /* what the inputs' softmax looks like (describe_inputs) */
     double filter_eps;         /* --grad-filter-eps: 0 = no filtered case */
     int64_t tile_rows;         /* --tile-rows: FH_PARAM_TILE_ROWS of every fused case (0 = the library's choice) */
+    int64_t teacher_hidden;    /* distill: the teacher's hidden size (--teacher-hidden, default H) */
+    fh_distill_options distill;             /* distill: --divergence, --beta, --temperature, --weight-hard-loss */
+    bench_softmax_stats teacher_stats;      /* distill: the teacher's softmax (describe_inputs) */
 } shape;
 
 /* GRPO's cases: the forward, today's streaming step (forward + backward, 8 NHV) and the single-call step
@@ -77,6 +84,12 @@ static const char *preference_case_names[][CASE_COUNT] = {
     {NULL, "simpo_forward", NULL, "simpo_train_step", NULL, NULL},
     {NULL, "cpo_forward", NULL, "cpo_train_step", NULL, NULL}};
 
+/* Distillation's cases: the forward, the single-call step (fh_distill_forward_backward: row blocks of both heads'
+ * logits) and the materialized baseline (materialized_distill_train_step). */
+static const char *distill_case_names[CASE_COUNT] = {NULL, "distill_forward", NULL, "distill_train_step", NULL,
+                                                     "materialized_distill"};
+static const char *divergence_names[] = {"forward_kl", "reverse_kl", "jsd"};
+
 static const char *case_name(bench_case c, const shape *s)
 {
     if (c == CASE_SGEMM)
@@ -84,8 +97,27 @@ static const char *case_name(bench_case c, const shape *s)
     switch (s->head) {
     case HEAD_GRPO: return grpo_case_names[c];
     case HEAD_PREFERENCE: return preference_case_names[s->preference][c];
+    case HEAD_DISTILL: return distill_case_names[c];
     default: return case_names[c];
     }
+}
+
+/* Distillation's forward passes over both heads' tiles: jsd's mixture needs both log-sum-exps first, so it streams
+ * them twice (beta 0 and 1 are the KLs: one pass); the train step's row blocks hold them, one GEMM each. */
+static int distill_passes(const shape *s)
+{
+    const fh_distill_options *o = &s->distill;
+    return o->divergence == FH_DIVERGENCE_JSD && o->beta > 0.0 && o->beta < 1.0 ? 2 : 1;
+}
+
+/* What a case's GFLOP/s and efficiency count (flops_of); distillation adds the teacher's logits GEMMs. */
+static const char *case_basis(bench_case c, const shape *s)
+{
+    if (s->head != HEAD_DISTILL || c == CASE_SGEMM)
+        return ce_case_basis[c];
+    if (c == CASE_FORWARD)
+        return distill_passes(s) == 2 ? "4N(Hs+Ht)V" : "2N(Hs+Ht)V";
+    return "2N(Hs+Ht)V+4NHsV";
 }
 
 static int case_runs(bench_case c, const shape *s)
@@ -149,13 +181,20 @@ static double gemm_best_ms(const shape *s, void *const sg[3])
     return best;
 }
 
-/* The sequence heads' per-token and per-sequence inputs and GRPO's saved log-probs. */
-typedef struct sequence_inputs {
+/* The heads' inputs beside x, w and the targets: the sequence heads' per-token and per-sequence inputs and GRPO's
+ * saved log-probs; distillation's teacher (its x and w, and their bf16 copies in a bf16 run). */
+typedef struct head_inputs {
     float *mask, *advantages, *logp;
-} sequence_inputs;
+    bench_inputs teacher;
+} head_inputs;
 
-static int sequence_inputs_make(const shape *s, sequence_inputs *g)
+static int head_inputs_make(const shape *s, head_inputs *g)
 {
+    if (s->head == HEAD_DISTILL) {
+        if (bench_inputs_make_teacher(s->n, s->teacher_hidden, s->vocab, teacher_logit_std, &g->teacher) != 0)
+            return -1;
+        return s->dtype == FH_DTYPE_BF16 ? bench_inputs_add_bf16(s->n, s->teacher_hidden, s->vocab, &g->teacher) : 0;
+    }
     g->mask = malloc((size_t)s->n * sizeof(float));
     g->logp = malloc((size_t)s->n * sizeof(float));
     g->advantages = malloc((size_t)s->n / s->seq * sizeof(float));
@@ -168,9 +207,18 @@ static int sequence_inputs_make(const shape *s, sequence_inputs *g)
     return 0;
 }
 
+/* The linear over x and w of the inputs (of the given hidden size) in the run's layout and dtype, no bias. */
+static void linear_of(const shape *s, const bench_inputs *in, int64_t hidden, fh_linear *lin)
+{
+    const int bf16 = s->dtype == FH_DTYPE_BF16;
+    fh_linear_init(lin, s->n, hidden, s->vocab, bf16 ? (const void *)in->x_bf16 : in->x,
+                   bf16 ? (const void *)in->w_bf16 : in->w, s->layout, NULL);
+    lin->x_dtype = lin->weight_dtype = s->dtype;
+}
+
 /* One preference-loss call of the case (TRL's defaults for the loss, reference-free). */
 static int run_preference(bench_case c, const shape *s, const fh_linear *lin, const bench_inputs *in,
-                          const sequence_inputs *g, fh_context *ctx, fh_linear_grads *grads, double *loss)
+                          const head_inputs *g, fh_context *ctx, fh_linear_grads *grads, double *loss)
 {
     fh_preference_options o;
     fh_preference_options_init(&o);
@@ -184,7 +232,7 @@ static int run_preference(bench_case c, const shape *s, const fh_linear *lin, co
 }
 
 /* One GRPO call of the case. */
-static int run_grpo(bench_case c, const shape *s, const fh_linear *lin, const bench_inputs *in, const sequence_inputs *g,
+static int run_grpo(bench_case c, const shape *s, const fh_linear *lin, const bench_inputs *in, const head_inputs *g,
                     fh_context *ctx, fh_linear_grads *grads, double *loss)
 {
     fh_grpo_options o;
@@ -203,15 +251,37 @@ static int run_grpo(bench_case c, const shape *s, const fh_linear *lin, const be
     }
 }
 
+/* One distillation call of the case, the teacher's linear beside the student's. */
+static int run_distill(bench_case c, const shape *s, const fh_linear *student, const bench_inputs *in,
+                       const head_inputs *g, fh_context *ctx, const materialized_buffers *mb, fh_linear_grads *grads,
+                       double *loss)
+{
+    fh_linear teacher;
+    linear_of(s, &g->teacher, s->teacher_hidden, &teacher);
+    fh_distill_outputs out = {.loss = loss};
+    const float grad_one = 1.0f;
+    fh_status st;
+    switch (c) {
+    case CASE_FORWARD:
+        st = fh_distill_forward(ctx, student, &teacher, in->targets, &s->distill, &out);
+        return st == FH_OK ? 0 : -1;
+    case CASE_TRAIN:
+        st = fh_distill_forward_backward(ctx, student, &teacher, in->targets, &s->distill, &grad_one, &out, grads);
+        return st == FH_OK ? 0 : -1;
+    case CASE_MATERIALIZED:
+        *loss = materialized_distill_train_step(mb, student, &teacher, in->targets, &s->distill, in->dx, in->dw,
+                                                s->threads);
+        return isfinite(*loss) ? 0 : -1;
+    default: return -1;
+    }
+}
+
 /* One call of the case, its loss in *loss (NaN for the sgemm); returns 0 or -1. */
-static int run_once(bench_case c, const shape *s, const bench_inputs *in, const sequence_inputs *seqs, fh_context *ctx,
+static int run_once(bench_case c, const shape *s, const bench_inputs *in, const head_inputs *heads, fh_context *ctx,
                     const materialized_buffers *mb, void *const gemm_buffers[3], double *loss)
 {
-    const int bf16 = s->dtype == FH_DTYPE_BF16;
     fh_linear lin;
-    fh_linear_init(&lin, s->n, s->hidden, s->vocab, bf16 ? (const void *)in->x_bf16 : in->x,
-                   bf16 ? (const void *)in->w_bf16 : in->w, s->layout, NULL);
-    lin.x_dtype = lin.weight_dtype = s->dtype;
+    linear_of(s, in, s->hidden, &lin);
     fh_ce_options o;
     fh_ce_options_init(&o);
     const float grad_one = 1.0f;
@@ -221,9 +291,11 @@ static int run_once(bench_case c, const shape *s, const bench_inputs *in, const 
     fh_linear_grads g = {.dx = in->dx, .dx_row_stride = s->hidden, .dweight = in->dw, .dx_dtype = s->grad_dtype,
                          .dweight_dtype = s->grad_dtype};
     if (s->head == HEAD_GRPO && c != CASE_SGEMM)
-        return run_grpo(c, s, &lin, in, seqs, ctx, &g, loss);
+        return run_grpo(c, s, &lin, in, heads, ctx, &g, loss);
     if (s->head == HEAD_PREFERENCE && c != CASE_SGEMM)
-        return run_preference(c, s, &lin, in, seqs, ctx, &g, loss);
+        return run_preference(c, s, &lin, in, heads, ctx, &g, loss);
+    if (s->head == HEAD_DISTILL && c != CASE_SGEMM)
+        return run_distill(c, s, &lin, in, heads, ctx, mb, &g, loss);
     switch (c) {
     case CASE_SGEMM:
         return gemm_2048(s, gemm_buffers);
@@ -249,6 +321,10 @@ static int run_once(bench_case c, const shape *s, const bench_inputs *in, const 
 static double flops_of(bench_case c, const shape *s)
 {
     const double nhv = (double)s->n * s->hidden * s->vocab;
+    if (s->head == HEAD_DISTILL && c != CASE_SGEMM) {
+        const double both = (double)s->n * (double)(s->hidden + s->teacher_hidden) * s->vocab;
+        return c == CASE_FORWARD ? 2.0 * distill_passes(s) * both : 2.0 * both + 4.0 * nhv;
+    }
     switch (c) {
     case CASE_SGEMM: return 2.0 * 2048.0 * 2048.0 * 2048.0;
     case CASE_FORWARD: return 2.0 * nhv;
@@ -263,14 +339,14 @@ static result measure_in_child(bench_case c, const shape *s)
     bench_inputs in;
     fh_context *ctx = NULL;
     void *sg[3] = {NULL, NULL, NULL};
-    materialized_buffers mb = {0, NULL, NULL};
-    sequence_inputs seqs = {NULL, NULL, NULL};
+    materialized_buffers mb = {0, NULL, NULL, NULL};
+    head_inputs heads = {NULL, NULL, NULL, {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL}};
     const int bf16 = s->dtype == FH_DTYPE_BF16;
     char why[512];
     if (bench_inputs_make_from(&s->dist, s->layout, s->n, s->hidden, s->vocab, &in, why, sizeof why) != 0 ||
         fh_context_create(&ctx) != FH_OK)
         return r;
-    if (s->head != HEAD_CE && sequence_inputs_make(s, &seqs) != 0)
+    if (s->head != HEAD_CE && head_inputs_make(s, &heads) != 0)
         return r;
     if (bf16 && bench_inputs_add_bf16(s->n, s->hidden, s->vocab, &in) != 0)
         return r;
@@ -290,10 +366,8 @@ static result measure_in_child(bench_case c, const shape *s)
         if (!values)
             return r;
     }
-    fh_linear lin;
-    fh_linear_init(&lin, s->n, s->hidden, s->vocab, bf16 ? (const void *)in.x_bf16 : in.x,
-                   bf16 ? (const void *)in.w_bf16 : in.w, s->layout, NULL);
-    lin.x_dtype = lin.weight_dtype = s->dtype;
+    fh_linear lin, teacher;
+    linear_of(s, &in, s->hidden, &lin);
     fh_ce_options o;
     fh_ce_options_init(&o);
     size_t ws = 0;
@@ -301,6 +375,11 @@ static result measure_in_child(bench_case c, const shape *s)
         fh_grpo_workspace_size(ctx, &lin, &ws);
     else if (s->head == HEAD_PREFERENCE && c != CASE_SGEMM)
         fh_preference_workspace_size(ctx, &lin, &ws);
+    else if (s->head == HEAD_DISTILL) {
+        linear_of(s, &heads.teacher, s->teacher_hidden, &teacher);
+        if (c == CASE_FORWARD || c == CASE_TRAIN)
+            fh_distill_workspace_size(ctx, &lin, &teacher, &ws);
+    }
     else if (c == CASE_FORWARD || c == CASE_SPLIT)
         fh_ce_workspace_size(ctx, &lin, &o, &ws);
     else if (c == CASE_TRAIN || c == CASE_FILTERED)
@@ -311,15 +390,15 @@ static result measure_in_child(bench_case c, const shape *s)
         return r;
     double t = now_ms();
     /* The materialized path's buffers belong to the call: a framework allocates them per step. */
-    if (c == CASE_MATERIALIZED && materialized_alloc(&mb, s->n, s->vocab, bf16) != 0)
+    if (c == CASE_MATERIALIZED && materialized_alloc(&mb, s->n, s->vocab, bf16, s->head == HEAD_DISTILL) != 0)
         return r;
-    if (run_once(c, s, &in, &seqs, ctx, &mb, sg, &r.loss) != 0)
+    if (run_once(c, s, &in, &heads, ctx, &mb, sg, &r.loss) != 0)
         return r;
     r.first_ms = now_ms() - t;
     const int reps = c == CASE_SGEMM && s->reps < CEILING_REPS ? CEILING_REPS : s->reps;
     for (int k = 0; k < reps; k++) {
         t = now_ms();
-        if (run_once(c, s, &in, &seqs, ctx, &mb, sg, &r.loss) != 0)
+        if (run_once(c, s, &in, &heads, ctx, &mb, sg, &r.loss) != 0)
             return r;
         const double ms = now_ms() - t;
         r.best_ms = ms < r.best_ms ? ms : r.best_ms;
@@ -360,7 +439,7 @@ static int in_child(void (*fn)(const void *arg, void *out), const void *arg, voi
 typedef struct description {
     int status;
     float scale; /* peaked: the calibrated scale */
-    bench_softmax_stats stats;
+    bench_softmax_stats stats, teacher_stats;
     char why[512];
 } description;
 
@@ -383,19 +462,30 @@ static void describe_in_child(const void *arg, void *out)
         d->status = -1;
     }
     bench_inputs_free(&in);
+    if (d->status == 0 && s->head == HEAD_DISTILL) {
+        bench_inputs teacher;
+        if (bench_inputs_make_teacher(s->n, s->teacher_hidden, s->vocab, teacher_logit_std, &teacher) != 0 ||
+            bench_softmax_measure(&teacher, s->layout, s->n, s->teacher_hidden, s->vocab, s->threads,
+                                  &d->teacher_stats) != 0) {
+            snprintf(d->why, sizeof d->why, "out of memory");
+            d->status = -1;
+        }
+        bench_inputs_free(&teacher);
+    }
 }
 
 /* Calibrates a peaked distribution for the shape and measures the softmax that the inputs give, once before the
  * cases (whose children then make the same inputs). Returns 0, or -1 with the reason in why. */
 static int describe_inputs(shape *s, char *why, size_t why_size)
 {
-    description d = {-1, 1.0f, {0, 0, 0, 0}, "the child process failed"};
+    description d = {-1, 1.0f, {0, 0, 0, 0}, {0, 0, 0, 0}, "the child process failed"};
     if (in_child(describe_in_child, s, &d, sizeof d) != 0 || d.status != 0) {
         snprintf(why, why_size, "%s", d.why);
         return -1;
     }
     s->dist.scale = d.scale;
     s->stats = d.stats;
+    s->teacher_stats = d.teacher_stats;
     return 0;
 }
 
@@ -451,7 +541,7 @@ static void print_row(FILE *out, const shape *s, bench_case c, const result *r)
 {
     char label[32];
     fprintf(out, "%lld,%lld,%lld,%d,%s,%s,%.3f,%.1f,%.3f,%.3f,%lld,%lld,%.1f,%s,%.4f,%.6f,%.6f,%.4f\n", (long long)s->n,
-            (long long)s->hidden, (long long)s->vocab, s->threads, case_name(c, s), case_basis[c], r->best_ms, gflops(r),
+            (long long)s->hidden, (long long)s->vocab, s->threads, case_name(c, s), case_basis(c, s), r->best_ms, gflops(r),
             efficiency(r), r->first_ms, (long long)r->workspace_bytes, (long long)r->peak_growth_bytes,
             r->ceiling_gflops, distribution_label(&s->dist, label), s->stats.mean_entropy, s->stats.below_2m12,
             s->stats.below_2m28, r->skipped_fraction);
@@ -480,22 +570,33 @@ static void print_report(format f, const shape *s, const result *res, const fh_b
                      "\"budget_bytes\": %lld,\n  \"blis_kernel_set\": \"%s\", \"sgemm_gflops\": %.1f, \"dtype\": \"%s\", "
                      "\"bf16_gemm\": \"%s\",\n  \"distribution\": \"%s\", \"data\": \"%s\", "
                      "\"softmax_sample_rows\": %lld, \"mean_entropy\": %.6g, \"frac_p_below_2m12\": %.6g, "
-                     "\"frac_p_below_2m28\": %.6g,\n  \"cases\": [\n",
+                     "\"frac_p_below_2m28\": %.6g,",
                 (long long)s->n, (long long)s->hidden, (long long)s->vocab, layout_name(s->layout), s->threads,
                 (long long)s->budget, kernels->kernel_set, gflops(&res[CASE_SGEMM]), dtype_name(s->dtype),
                 kernels->bf16_gemm, distribution_label(&s->dist, label), data, (long long)s->stats.rows,
                 s->stats.mean_entropy, s->stats.below_2m12, s->stats.below_2m28);
-        for (int c = 0; c < CASE_COUNT; c++)
-            if (case_runs((bench_case)c, s))
+        if (s->head == HEAD_DISTILL)
+            fprintf(out, "\n  \"teacher_hidden\": %lld, \"divergence\": \"%s\", \"beta\": %.9g, \"temperature\": %.9g, "
+                         "\"weight_hard_loss\": %.9g, \"teacher_mean_entropy\": %.6g,",
+                    (long long)s->teacher_hidden, divergence_names[s->distill.divergence], s->distill.beta,
+                    s->distill.temperature, s->distill.weight_hard_loss, s->teacher_stats.mean_entropy);
+        fprintf(out, "\n  \"cases\": [\n");
+        /* A comma after every case but the last that runs (cases that do not run may sit between). */
+        const char *separator = "";
+        for (int c = 0; c < CASE_COUNT; c++) {
+            if (!case_runs((bench_case)c, s))
+                continue;
             fprintf(out,
-                    "    {\"name\": \"%s\", \"ok\": %s, \"flop_basis\": \"%s\", \"flops\": %.6g, \"best_ms\": %.3f, "
+                    "%s    {\"name\": \"%s\", \"ok\": %s, \"flop_basis\": \"%s\", \"flops\": %.6g, \"best_ms\": %.3f, "
                     "\"gflops\": %.1f, \"efficiency\": %.3f, \"first_call_ms\": %.3f, \"workspace_bytes\": %lld, "
-                    "\"peak_rss_growth_bytes\": %lld, \"ceiling_gflops\": %.1f, \"loss\": %s, \"skipped_fraction\": %.4f}%s\n",
-                    case_name((bench_case)c, s), res[c].ok ? "true" : "false", case_basis[c], res[c].flops, res[c].best_ms,
-                    gflops(&res[c]), efficiency(&res[c]), res[c].first_ms, (long long)res[c].workspace_bytes,
-                    (long long)res[c].peak_growth_bytes, res[c].ceiling_gflops, json_number(res[c].loss, num),
-                    res[c].skipped_fraction, c + 1 < CASE_COUNT && case_runs((bench_case)(c + 1), s) ? "," : "");
-        fprintf(out, "  ]\n}\n");
+                    "\"peak_rss_growth_bytes\": %lld, \"ceiling_gflops\": %.1f, \"loss\": %s, \"skipped_fraction\": %.4f}",
+                    separator, case_name((bench_case)c, s), res[c].ok ? "true" : "false", case_basis((bench_case)c, s),
+                    res[c].flops, res[c].best_ms, gflops(&res[c]), efficiency(&res[c]), res[c].first_ms,
+                    (long long)res[c].workspace_bytes, (long long)res[c].peak_growth_bytes, res[c].ceiling_gflops,
+                    json_number(res[c].loss, num), res[c].skipped_fraction);
+            separator = ",\n";
+        }
+        fprintf(out, "\n  ]\n}\n");
         return;
     }
     if (f == FORMAT_CSV) {
@@ -504,17 +605,32 @@ static void print_report(format f, const shape *s, const result *res, const fh_b
                 print_row(out, s, (bench_case)c, &res[c]);
         return;
     }
-    fprintf(out, "fh_bench: N=%lld H=%lld V=%lld, %s (gradients %s%s), layout %s, %d threads, budget %s, BLIS kernel set "
-                 "%s, bf16 GEMMs %s, best of %d; inputs %s%s%s (%s data): mean softmax entropy %.3f nats, p < 2^-12 "
-                 "%.4f, p < 2^-28 %.4f (%lld rows sampled)\n\n",
-            (long long)s->n, (long long)s->hidden, (long long)s->vocab, dtype_name(s->dtype), dtype_name(s->grad_dtype),
+    /* Distillation's options and teacher, and the teacher's softmax (empty for the other heads). */
+    char distill[160] = "", teacher[80] = "";
+    if (s->head == HEAD_DISTILL) {
+        snprintf(distill, sizeof distill, ", distill %s (beta %g, temperature %g, weight_hard_loss %g), teacher H=%lld",
+                 divergence_names[s->distill.divergence], s->distill.beta, s->distill.temperature,
+                 s->distill.weight_hard_loss, (long long)s->teacher_hidden);
+        snprintf(teacher, sizeof teacher, "; the teacher's mean softmax entropy %.3f nats",
+                 s->teacher_stats.mean_entropy);
+    }
+    fprintf(out, "fh_bench: N=%lld H=%lld V=%lld%s, %s (gradients %s%s), layout %s, %d threads, budget %s, BLIS kernel "
+                 "set %s, bf16 GEMMs %s, best of %d; inputs %s%s%s (%s data): mean softmax entropy %.3f nats, p < "
+                 "2^-12 %.4f, p < 2^-28 %.4f (%lld rows sampled)%s\n\n",
+            (long long)s->n, (long long)s->hidden, (long long)s->vocab, distill, dtype_name(s->dtype),
+            dtype_name(s->grad_dtype),
             s->fp32_dz ? ", fp32 dZ" : "", layout_name(s->layout),
             s->threads, s->budget ? "set" : "default", kernels->kernel_set, kernels->bf16_gemm, s->reps,
             distribution_label(&s->dist, label), s->dist.kind == BENCH_REPLAY ? " of " : "",
             s->dist.kind == BENCH_REPLAY ? s->dist.dir : "", data, s->stats.mean_entropy, s->stats.below_2m12,
-            s->stats.below_2m28, (long long)s->stats.rows);
-    fprintf(out, "%-26s %-9s %10s %9s %9s %6s %10s %12s %14s %8s\n", "case", "basis", "best ms", "GFLOP/s", "ceiling",
-            "eff.", "first ms", "workspace", "peak RSS +", "skipped");
+            s->stats.below_2m28, (long long)s->stats.rows, teacher);
+    /* The basis column is as wide as its longest entry (distillation's), at least 9. */
+    int basis_width = 9;
+    for (int c = 0; c < CASE_COUNT; c++)
+        if (case_runs((bench_case)c, s) && (int)strlen(case_basis((bench_case)c, s)) > basis_width)
+            basis_width = (int)strlen(case_basis((bench_case)c, s));
+    fprintf(out, "%-26s %-*s %10s %9s %9s %6s %10s %12s %14s %8s\n", "case", basis_width, "basis", "best ms", "GFLOP/s",
+            "ceiling", "eff.", "first ms", "workspace", "peak RSS +", "skipped");
     for (int c = 0; c < CASE_COUNT; c++) {
         if (!case_runs((bench_case)c, s))
             continue;
@@ -522,8 +638,8 @@ static void print_report(format f, const shape *s, const result *res, const fh_b
             fprintf(out, "%-26s failed\n", case_name((bench_case)c, s));
             continue;
         }
-        fprintf(out, "%-26s %-9s %10.1f %9.1f %9.1f %6.3f %10.1f %9.1f MiB %10.1f MiB %8.4f\n",
-                case_name((bench_case)c, s), case_basis[c], res[c].best_ms, gflops(&res[c]), res[c].ceiling_gflops,
+        fprintf(out, "%-26s %-*s %10.1f %9.1f %9.1f %6.3f %10.1f %9.1f MiB %10.1f MiB %8.4f\n",
+                case_name((bench_case)c, s), basis_width, case_basis((bench_case)c, s), res[c].best_ms, gflops(&res[c]), res[c].ceiling_gflops,
                 efficiency(&res[c]), res[c].first_ms, res[c].workspace_bytes / 1048576.0,
                 res[c].peak_growth_bytes / 1048576.0, res[c].skipped_fraction);
     }
@@ -596,16 +712,38 @@ static int sweep(const char *what, const char *dir, const shape *base, const cha
     return 0;
 }
 
-/* --loss ce|grpo|dpo|orpo|simpo|cpo */
+/* --loss ce|grpo|dpo|orpo|simpo|cpo|distill */
 static int parse_loss(const char *v, shape *s)
 {
-    s->head = strcmp(v, "ce") == 0 ? HEAD_CE : strcmp(v, "grpo") == 0 ? HEAD_GRPO : HEAD_PREFERENCE;
+    s->head = strcmp(v, "ce") == 0        ? HEAD_CE
+              : strcmp(v, "grpo") == 0    ? HEAD_GRPO
+              : strcmp(v, "distill") == 0 ? HEAD_DISTILL
+                                          : HEAD_PREFERENCE;
     for (int k = 0; s->head == HEAD_PREFERENCE && k < 4; k++)
         if (strcmp(v, preference_names[k]) == 0) {
             s->preference = (fh_preference_loss)k;
             return 0;
         }
     return s->head == HEAD_PREFERENCE ? -1 : 0;
+}
+
+/* --divergence forward_kl|reverse_kl|jsd */
+static int parse_divergence(const char *v, fh_distill_options *o)
+{
+    for (int k = 0; k < 3; k++)
+        if (strcmp(v, divergence_names[k]) == 0) {
+            o->divergence = (fh_divergence)k;
+            return 0;
+        }
+    return -1;
+}
+
+/* A whole argument as a finite number in [lo, hi]. Returns 0, or -1. */
+static int parse_number(const char *v, double lo, double hi, double *x)
+{
+    char *end;
+    *x = strtod(v, &end);
+    return end != v && *end == '\0' && isfinite(*x) && *x >= lo && *x <= hi ? 0 : -1;
 }
 
 static void usage(void)
@@ -617,7 +755,11 @@ static void usage(void)
                     "                [--distribution uniform|peaked[:ENTROPY]|DIR]   (DIR: a saved batch; H, V and at\n"
                     "                most N rows come from its files)\n"
                     "       fh_bench --loss grpo --batch B --seq T [--hidden H] [--vocab V] [the options above but --n]\n"
-                    "       fh_bench --loss dpo|orpo|simpo|cpo --batch PAIRS --seq T [as for grpo]\n");
+                    "       fh_bench --loss dpo|orpo|simpo|cpo --batch PAIRS --seq T [as for grpo]\n"
+                    "       fh_bench --loss distill [--n N] [--hidden H] [--teacher-hidden HT] [--vocab V]\n"
+                    "                [--divergence forward_kl|reverse_kl|jsd] [--beta B] [--temperature T]\n"
+                    "                [--weight-hard-loss W] [the options above but --sweep and --grad-filter-eps]\n"
+                    "                (defaults: HT = H, jsd, B 0.5, T 1, W 0; the teacher's hidden size HT)\n");
 }
 
 int main(int argc, char **argv)
@@ -627,7 +769,8 @@ int main(int argc, char **argv)
     format f = FORMAT_TABLE;
     int grad_dtype = -1;
     const char *sweep_what = NULL, *out_dir = ".";
-    int n_given = 0, hidden_vocab_given = 0;
+    int n_given = 0, hidden_vocab_given = 0, distill_given = 0;
+    fh_distill_options_init(&s.distill);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (strcmp(a, "--json") == 0)
@@ -646,9 +789,33 @@ int main(int argc, char **argv)
         else if (strcmp(a, "--tile-rows") == 0)
             s.tile_rows = atoll(argv[++i]);
         else if (strcmp(a, "--grad-filter-eps") == 0) {
-            char *end;
-            s.filter_eps = strtod(argv[++i], &end);
-            if (*end != '\0' || !(s.filter_eps >= 0.0 && s.filter_eps < 1.0)) {
+            if (parse_number(argv[++i], 0.0, 1.0, &s.filter_eps) != 0 || s.filter_eps == 1.0) {
+                usage();
+                return 2;
+            }
+        }
+        else if (strcmp(a, "--teacher-hidden") == 0) {
+            distill_given = 1;
+            if ((s.teacher_hidden = atoll(argv[++i])) < 1) {
+                usage();
+                return 2;
+            }
+        }
+        else if (strcmp(a, "--divergence") == 0 || strcmp(a, "--beta") == 0 || strcmp(a, "--temperature") == 0 ||
+                 strcmp(a, "--weight-hard-loss") == 0) {
+            fh_distill_options *o = &s.distill;
+            int bad;
+            distill_given = 1;
+            i++;
+            if (strcmp(a, "--divergence") == 0)
+                bad = parse_divergence(v, o);
+            else if (strcmp(a, "--beta") == 0)
+                bad = parse_number(v, 0.0, 1.0, &o->beta);
+            else if (strcmp(a, "--temperature") == 0)
+                bad = parse_number(v, 0.0, INFINITY, &o->temperature) != 0 || o->temperature == 0.0;
+            else
+                bad = parse_number(v, 0.0, INFINITY, &o->weight_hard_loss);
+            if (bad) {
                 usage();
                 return 2;
             }
@@ -693,21 +860,31 @@ int main(int argc, char **argv)
         }
     }
     s.grad_dtype = grad_dtype < 0 ? s.dtype : (fh_dtype)grad_dtype;
-    if (s.head != HEAD_CE) {
+    if (distill_given && s.head != HEAD_DISTILL) {
+        fprintf(stderr, "fh_bench: --teacher-hidden, --divergence, --beta, --temperature and --weight-hard-loss apply "
+                        "to --loss distill only\n");
+        return 2;
+    }
+    if (s.head == HEAD_DISTILL && sweep_what) {
+        usage();
+        return 2;
+    }
+    s.teacher_hidden = s.teacher_hidden ? s.teacher_hidden : s.hidden;
+    if (s.head == HEAD_GRPO || s.head == HEAD_PREFERENCE) {
         if (s.batch < 1 || s.seq < 1 || sweep_what) {
             usage();
             return 2;
         }
         s.n = (s.head == HEAD_PREFERENCE ? 2 : 1) * s.batch * s.seq;
     }
-    if (s.n < 1 || s.hidden < 1 || s.vocab < 1 || s.threads < 1 || s.reps < 1 ||
+    if (s.n < 1 || s.hidden < 1 || s.teacher_hidden < 1 || s.vocab < 1 || s.threads < 1 || s.reps < 1 ||
         (sweep_what && strcmp(sweep_what, "n") && strcmp(sweep_what, "vocab"))) {
         usage();
         return 2;
     }
     char why[512];
-    if (s.dist.kind != BENCH_UNIFORM && s.head != HEAD_CE) {
-        fprintf(stderr, "fh_bench: --distribution applies to --loss ce only\n");
+    if (s.dist.kind != BENCH_UNIFORM && s.head != HEAD_CE && s.head != HEAD_DISTILL) {
+        fprintf(stderr, "fh_bench: --distribution applies to --loss ce and distill (the student's inputs) only\n");
         return 2;
     }
     if (s.dist.kind == BENCH_REPLAY) {
@@ -744,13 +921,15 @@ int main(int argc, char **argv)
         failed |= !res[c].ok;
     }
     /* Every case computes the same loss; a benchmark of different problems would be worthless. The materialized
-     * loss uses fp32 exps summed in double: 1e-5 relative is far above both errors. GRPO's cases are checked
-     * against its forward, and so are the preference losses'. */
-    const double expected = res[s.head != HEAD_CE ? CASE_FORWARD : CASE_MATERIALIZED].loss;
+     * loss uses fp32 exps summed in double: 1e-5 relative is far above both errors (distillation's cases, fp32 and
+     * bf16, agree to 2e-8). GRPO's cases, which have no materialized baseline, are checked against its forward, and
+     * so are the preference losses'. */
+    const bench_case reference = case_runs(CASE_MATERIALIZED, &s) ? CASE_MATERIALIZED : CASE_FORWARD;
+    const double expected = res[reference].loss;
     for (int c = CASE_FORWARD; c <= CASE_FILTERED; c++)
         if (res[c].ok && case_runs((bench_case)c, &s) && !(fabs(res[c].loss - expected) <= 1e-5 * fabs(expected))) {
             fprintf(stderr, "fh_bench: %s loss %.9g differs from the %s %.9g\n", case_name((bench_case)c, &s),
-                    res[c].loss, s.head != HEAD_CE ? "forward's" : "materialized", expected);
+                    res[c].loss, reference == CASE_FORWARD ? "forward's" : "materialized", expected);
             failed = 1;
         }
     if (f == FORMAT_CSV)
