@@ -39,7 +39,6 @@ FH_API fh_status fh_distill_options_init(fh_distill_options *options)
 typedef struct distill_head {
     const fh_distill_options *o;
     const int64_t *targets;  /* NULL: every token counts */
-    int64_t vocab;
     fh_divergence divergence; /* jsd with beta 0 or 1 is the forward or reverse KL */
     float inv_t;
     int hard;                /* weight_hard_loss != 0: the cross-entropy's gradient */
@@ -284,7 +283,7 @@ static fh_status check_backward_inputs(fh_context *ctx, const fh_linear *student
 static distill_head head_of(const fh_workspace *ws, const fh_linear *student, const int64_t *targets,
                             const fh_distill_options *o, const float *grad_output)
 {
-    distill_head h = {o, targets, student->vocab, o->divergence, (float)(1.0 / o->temperature),
+    distill_head h = {o, targets, o->divergence, (float)(1.0 / o->temperature),
                       o->weight_hard_loss != 0.0, 0, 0.0, ws->slot};
     if (h.divergence == FH_DIVERGENCE_JSD && o->beta == 0.0)
         h.divergence = FH_DIVERGENCE_FORWARD_KL;
