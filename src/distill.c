@@ -173,11 +173,11 @@ static void finish(const void *self, int pass, int64_t i)
 static void gradient(const void *self, int64_t i, float *z, const float *cz, int64_t count, int64_t first_column)
 {
     const distill_head *h = self;
-    const fh_pair_row r = row_of(h, i);
     if (h->slot[SLOT_COEF][i] == 0.0) {
         memset(z, 0, (size_t)count * sizeof(float));
         return;
     }
+    const fh_pair_row r = row_of(h, i);
     fh_row_pair_gradient(z, cz, count, &r);
     const int64_t t = target_in(h, i, first_column, count);
     if (h->hard && t >= 0)

@@ -424,7 +424,9 @@ static void begin_statistics(const fh_engine_pass *p)
 {
     const fh_token_stats *stats = p->stats;
     const fh_fold_state initial = fh_fold_state_initial();
-    for (int64_t i = 0; !p->pair && i < p->lin->n; i++) {
+    if (p->pair)
+        return;
+    for (int64_t i = 0; i < p->lin->n; i++) {
         stats->lse[i] = initial.max;
         stats->sum_exp[i] = 0.0;
         stats->z_target[i] = 0.0;
