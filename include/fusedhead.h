@@ -142,17 +142,17 @@ FH_API fh_status fh_context_message(const fh_context *ctx, const char **message)
 FH_API fh_status fh_context_set_workspace(fh_context *ctx, void *workspace, size_t bytes);
 
 /* Gradient filtering (as Cut Cross-Entropy's): in every backward pass (split backward and train step, every
- * head), once a tile's dU = dZ * dz/du is formed, each block of FH_GRAD_FILTER_COLUMNS vocabulary columns where
- * every |dU| is below eps times its row's scale, over the tile's rows, skips its share of the dx and dweight GEMMs.
- * A row's scale is the largest magnitude of its coefficients in dZ = a p + b onehot + e p (z - sum p z) + c w,
- * so that in cross-entropy (a = -b) the test is p dz/du < eps, whatever the reduction's 1/N. Only the softmax
- * terms of dZ (a p and the entropy term) are dropped: the target's term is applied exactly, as one column per
- * row, and the dense rank-one term c w (label smoothing, class weights) exactly, as c (W w) to dx and
- * w (X^T c) to dweight. Skipped dweight columns honour beta (0 writes zeros). With a softcap the c w term is not
- * rank one, so a tile with a nonzero c under a softcap is not filtered. eps 0 (the default) is off: results
- * are bit for bit the unfiltered ones. eps must be finite and in [0, 1); CCE's choice is the dtype's machine
- * epsilon / 32 (2^-12 for bf16, 2^-28 for fp32). README, "Gradient filtering", gives the measured effect. */
-#define FH_GRAD_FILTER_COLUMNS 512
+ * head), once a tile's dU = dZ * dz/du is formed, each vocabulary column where every |dU| is below eps times its
+ * row's scale, over the tile's rows (a row block in the train step), skips its share of the dx and dweight GEMMs:
+ * those run on the kept columns only, gathered. A row's scale is the largest magnitude of its coefficients in
+ * dZ = a p + b onehot + e p (z - sum p z) + c w, so that in cross-entropy (a = -b) the test is p dz/du < eps,
+ * whatever the reduction's 1/N. Only the softmax terms of dZ (a p and the entropy term) are dropped: a column that
+ * holds a row's target is kept, and the dense rank-one term c w (label smoothing, class weights) is applied
+ * exactly over the skipped columns, as c (W w) to dx and w (X^T c) to dweight. Skipped dweight columns honour
+ * beta (0 writes zeros). With a softcap the c w term is not rank one, so a tile with a nonzero c under a softcap
+ * is not filtered. eps 0 (the default) is off: results are bit for bit the unfiltered ones. eps must be finite
+ * and in [0, 1); CCE's choice is the dtype's machine epsilon / 32 (2^-12 for bf16, 2^-28 for fp32). README,
+ * "Gradient filtering", gives the measured effect. */
 FH_API fh_status fh_context_set_grad_filter_eps(fh_context *ctx, double eps);
 FH_API fh_status fh_context_get_grad_filter_eps(const fh_context *ctx, double *eps);
 

@@ -227,22 +227,19 @@ static int64_t min64(int64_t a, int64_t b)
     return a < b ? a : b;
 }
 
-/* The tiles of the fused backward, for the reference's filter: the library's row blocks (balanced heights; bf16
- * ones of at most 256 rows, with dweight after the blocks) or its streaming tiles (default 1024 x 2048). The
+/* The row tiles of the fused backward, for the reference's filter: the library's row blocks (balanced heights;
+ * bf16 ones of at most 256 rows, with dweight after the blocks) or its streaming tiles (default 1024 rows). The
  * default budget holds them for the cases the tests run. */
 static ref_filter filter_of(const ce_case_spec *s)
 {
     const int bf16_du = s->dtype == FH_DTYPE_BF16 && !s->fp32_dz, row_blocks = s->train_step && !s->fp32_dz;
-    ref_filter f = {s->grad_filter_eps, 0, 0, row_blocks && bf16_du, s->softcap > 0.0};
+    ref_filter f = {s->grad_filter_eps, 0, row_blocks && bf16_du, s->softcap > 0.0};
     if (row_blocks) {
         const int64_t rows = min64(s->n, s->tile_rows > 0 ? s->tile_rows : bf16_du ? 256 : s->n);
         const int64_t blocks = (s->n + rows - 1) / rows;
         f.tile_rows = (s->n + blocks - 1) / blocks;
-        f.tile_vocab = s->vocab;
-    } else {
+    } else
         f.tile_rows = min64(s->n, s->tile_rows > 0 ? s->tile_rows : 1024);
-        f.tile_vocab = min64(s->vocab, s->tile_vocab > 0 ? s->tile_vocab : 2048);
-    }
     return f;
 }
 

@@ -26,7 +26,7 @@ typedef struct ce_case_spec {
     fh_dtype grad_dtype;  /* of dx, dweight and dbias (bf16 needs bf16 inputs) */
     int fp32_dz;          /* FH_PARAM_FP32_DZ */
     double grad_filter_eps; /* fh_context_set_grad_filter_eps; the reference then filters as the call's tiles do
-                               (ref_filter), tile_rows and tile_vocab as set or as the library's defaults */
+                               (ref_filter), tile_rows as set or as the library's default */
 } ce_case_spec;
 
 /* Sets every field to a small default case (mean reduction, no options). */

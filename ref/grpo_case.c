@@ -182,16 +182,15 @@ static int64_t min64(int64_t a, int64_t b)
     return a < b ? a : b;
 }
 
-/* The tiles of the fused backward, for the reference's filter: the train step's row blocks of whole sequences
+/* The row tiles of the fused backward, for the reference's filter: the train step's row blocks of whole sequences
  * (plan.c: at most tile_rows rows, or 256 / one sequence in bf16, balanced over the sequences; bf16 ones keep
- * dweight for after the blocks), else the streaming tiles (default 1024 x 2048), in which a train step also runs
+ * dweight for after the blocks), else the streaming tiles (default 1024 rows), in which a train step also runs
  * when not one sequence fits. The default budget holds them for the cases the tests run. */
 static ref_filter filter_of(const grpo_case_spec *s)
 {
     const int64_t n = s->batch * s->seq;
     const int bf16_du = s->dtype == FH_DTYPE_BF16 && !s->fp32_dz;
-    ref_filter f = {s->grad_filter_eps, min64(n, s->tile_rows > 0 ? s->tile_rows : 1024),
-                    min64(s->vocab, s->tile_vocab > 0 ? s->tile_vocab : 2048), 0, 0};
+    ref_filter f = {s->grad_filter_eps, min64(n, s->tile_rows > 0 ? s->tile_rows : 1024), 0, 0};
     if (!s->train_step || s->fp32_dz)
         return f;
     const int64_t rows = min64(n, s->tile_rows > 0 ? s->tile_rows : bf16_du ? (s->seq > 256 ? s->seq : 256) : n);
@@ -200,7 +199,6 @@ static ref_filter filter_of(const grpo_case_spec *s)
         return f;
     const int64_t blocks = (s->batch + fit - 1) / fit;
     f.tile_rows = (s->batch + blocks - 1) / blocks * s->seq;
-    f.tile_vocab = s->vocab;
     f.dweight_after_blocks = bf16_du;
     return f;
 }

@@ -9,10 +9,8 @@
 typedef struct ref_filter {
     double eps;                 /* 0: off */
     int64_t tile_rows;          /* the fused call's row tiles (row blocks) */
-    int64_t tile_vocab;         /* and vocabulary tiles (vocab for row blocks); blocks of FH_GRAD_FILTER_COLUMNS
-                                   columns start at each tile's first column */
-    int dweight_after_blocks;   /* bf16 row blocks: dweight is one product over every row, so a block is dropped
-                                   from it only where every row tile drops it and no row's target lies in it */
+    int dweight_after_blocks;   /* bf16 row blocks: dweight is one product over every row, so a column is dropped
+                                   from it only where every row tile drops it */
     int softcap;                /* a softcap was set: a tile where some row has a nonzero c is not filtered */
 } ref_filter;
 
@@ -24,8 +22,8 @@ typedef struct ref_filter_input {
 } ref_filter_input;
 
 /* du_dx and du_dw [n, vocab]: the dU that the filtered dx and dweight products see, du with soft removed from
- * every entry of a dropped block but the row's target. A block of a row tile is dropped when every |du| of it,
- * targets left out, is below eps times its row's scale (rows of scale 0 hold nothing to drop). */
+ * the dropped columns of each row tile. A column of a row tile is dropped when no row of it holds its target and
+ * every |du| of it is below eps times its row's scale (rows of scale 0 hold nothing to drop). */
 void ref_filter_apply(const ref_filter *f, int64_t n, int64_t vocab, const int64_t *targets, const ref_filter_input *in,
                       double *du_dx, double *du_dw);
 

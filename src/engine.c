@@ -125,28 +125,43 @@ static int dx_in_block(const fh_engine_pass *p)
     return p->ws->dx_block && p->grads->dx_dtype == FH_DTYPE_BF16;
 }
 
+/* dx[i0:i0+nb, :] (+)= du (nb x len) wt (len x H), into the f32 accumulator of a bf16 dx or into dx itself. */
+static fh_status dx_product(const fh_engine_pass *p, int prepare, int64_t i0, int64_t nb, int64_t len,
+                            const fh_gemm_input *du, const fh_gemm_input *wt, int accumulate)
+{
+    const fh_linear_grads *grads = p->grads;
+    const int64_t h = p->lin->hidden;
+    if (dx_accumulated(p) || dx_in_block(p)) {
+        const fh_gemm_output acc = f32_output(dx_in_block(p) ? p->ws->dx_block : p->ws->dx_acc + i0 * h, h, 1);
+        return multiply(p, prepare, nb, h, len, du, wt, accumulate, &acc);
+    }
+    const fh_elem_type type = elem_type(grads->dx_dtype);
+    const fh_gemm_output dx = {(char *)grads->dx + (size_t)(i0 * grads->dx_row_stride) * elem_size(type),
+                               grads->dx_row_stride, 1, type};
+    return multiply(p, prepare, nb, h, len, du, wt, accumulate || grads->dx_beta != 0.0f, &dx);
+}
+
 /* dx[i0:i0+nb, :] (+)= dU[:, j0:j0+len] W[:, v0+j0:v0+j0+len]^T, dU the nb x vb rows of the tile from tile_row.
- * accumulate: a later tile (or column run) of the call. */
+ * accumulate: a later tile of the call. */
 static fh_status add_dx(const fh_engine_pass *p, int prepare, int64_t tile_row, int64_t i0, int64_t nb, int64_t v0,
                         int64_t vb, int64_t j0, int64_t len, int accumulate)
 {
     const fh_linear *lin = p->lin;
-    const fh_linear_grads *grads = p->grads;
-    const int64_t h = lin->hidden;
     const fh_gemm_input du = shifted(du_view(p, tile_row, i0, vb), j0);
     /* fp32_dz: w32 holds the tile's columns row-major, H x vb. */
     const fh_gemm_input wt = p->plan->fp32_dz ? view(p->ws->w32, FH_ELEM_F32, j0, 1, vb)
                                               : view(lin->weight, elem_type(lin->weight_dtype),
                                                      (v0 + j0) * lin->w_stride_vocab, lin->w_stride_vocab,
                                                      lin->w_stride_hidden);
-    if (dx_accumulated(p) || dx_in_block(p)) {
-        const fh_gemm_output acc = f32_output(dx_in_block(p) ? p->ws->dx_block : p->ws->dx_acc + i0 * h, h, 1);
-        return multiply(p, prepare, nb, h, len, &du, &wt, accumulate, &acc);
-    }
-    const fh_elem_type type = elem_type(grads->dx_dtype);
-    const fh_gemm_output dx = {(char *)grads->dx + (size_t)(i0 * grads->dx_row_stride) * elem_size(type),
-                               grads->dx_row_stride, 1, type};
-    return multiply(p, prepare, nb, h, len, &du, &wt, accumulate || grads->dx_beta != 0.0f, &dx);
+    return dx_product(p, prepare, i0, nb, len, &du, &wt, accumulate);
+}
+
+/* X[i0:i0+nb, :]^T as the dweight GEMM reads it (fp32_dz: x32 holds the tile's rows, nb x H). */
+static fh_gemm_input x_transposed(const fh_engine_pass *p, int64_t i0)
+{
+    const fh_linear *lin = p->lin;
+    return p->plan->fp32_dz ? view(p->ws->x32, FH_ELEM_F32, 0, 1, lin->hidden)
+                            : view(lin->x, elem_type(lin->x_dtype), i0 * lin->x_row_stride, 1, lin->x_row_stride);
 }
 
 /* dweight[:, v0+j0:v0+j0+len] (+)= X[i0:i0+nb, :]^T dU[:, j0:j0+len] (tile rows from tile_row). accumulate: a
@@ -157,10 +172,7 @@ static fh_status add_dweight(const fh_engine_pass *p, int prepare, int64_t tile_
     const fh_linear *lin = p->lin;
     const fh_linear_grads *grads = p->grads;
     const int64_t h = lin->hidden;
-    /* fp32_dz: x32 holds the tile's rows, nb x H. */
-    const fh_gemm_input xt = p->plan->fp32_dz
-                                 ? view(p->ws->x32, FH_ELEM_F32, 0, 1, h)
-                                 : view(lin->x, elem_type(lin->x_dtype), i0 * lin->x_row_stride, 1, lin->x_row_stride);
+    const fh_gemm_input xt = x_transposed(p, i0);
     const fh_gemm_input du = shifted(du_view(p, tile_row, i0, vb), j0);
     if (dweight_accumulated(p)) {
         const int by_vocab = dw_acc_by_vocab(lin);
@@ -202,48 +214,70 @@ static int filtering(const fh_engine_pass *p)
     return p->plan->filter_eps > 0.0;
 }
 
-/* Filtering runs the gradient GEMMs on runs of kept column blocks: a whole run when dU is f32 (BLIS takes any
- * shape); when it is bf16, chunks of a power of two of whole blocks and the tile's last, partial block apart, so
- * that the oneDNN primitives have few shapes, all made ready up front (one GEMM per block ran at 0.85 - 0.9 of the
- * unfiltered step with nothing to skip, fh_bench on the example's trained head). */
-static int gemm_by_chunks(const fh_engine_pass *p)
+/* ---- Gathered GEMMs of gradient filtering ----
+ * Filtering runs the gradient GEMMs on the kept columns only, FH_FILTER_CHUNK at a time: their dU (an f32 tile's
+ * rows compacted in place, the kept columns first; a bf16 dU gathered into gathered_du, rows x width, as the bf16
+ * rows of every block stay whole for dweight after the blocks), their weight rows gathered into gathered_w
+ * (width x H) and their dweight out of gathered_dw (H x width, along dweight's contiguous direction), in the
+ * element type of dU. A bf16
+ * chunk is padded with zeros to a power of two of at least 32 columns, so that the oneDNN primitives have few
+ * shapes, all made ready up front; BLIS takes any. */
+static int64_t gathered_width(const fh_engine_pass *p, int64_t count)
 {
-    return filtering(p) && p->plan->bf16_du;
+    if (!p->plan->bf16_du)
+        return count;
+    int64_t width = 32;
+    while (width < count)
+        width *= 2;
+    return width;
 }
 
-static int64_t block_end(int64_t b, int64_t vb)
+static fh_elem_type du_type(const fh_engine_pass *p)
 {
-    return min64((b + 1) * FH_GRAD_FILTER_COLUMNS, vb);
+    return p->plan->bf16_du ? FH_ELEM_BF16 : FH_ELEM_F32;
 }
 
-/* The block after the GEMM that starts at block b of the run [b, e) of a tile of vb columns. */
-static int64_t chunk_end(const fh_engine_pass *p, int64_t b, int64_t e, int64_t vb)
+/* dx rows i0.. (+)= the kept dU (nb x width) times the gathered weight rows: filtered dx GEMMs always add (dx is
+ * zeroed before the first). */
+static fh_status gathered_dx(const fh_engine_pass *p, int prepare, int64_t i0, int64_t nb, int64_t width,
+                             const fh_gemm_input *du)
 {
-    if (!gemm_by_chunks(p))
-        return e;
-    const int64_t whole = vb / FH_GRAD_FILTER_COLUMNS; /* blocks [0, whole) are whole */
-    if (b >= whole)
-        return b + 1;
-    int64_t count = 1;
-    while (2 * count <= min64(e, whole) - b)
-        count *= 2;
-    return b + count;
+    const fh_gemm_input wt = view(p->ws->gathered_w, du_type(p), 0, p->lin->hidden, 1);
+    return dx_product(p, prepare, i0, nb, width, du, &wt, 1);
 }
 
-/* The widths of the GEMMs that cover a tile of `width` columns (at most 64): the tile, or with gemm_by_chunks
- * every chunk of whole blocks and the last, partial block. Returns their number. */
-static int gemm_widths(const fh_engine_pass *p, int64_t width, int64_t out[64])
+/* Element (k, c) of gathered_dw, a chunk of width columns: laid out as dweight runs, so that it is scattered in
+ * order. */
+static float *gathered_dw_at(const fh_engine_pass *p, int64_t k, int64_t c, int64_t width)
 {
-    if (!gemm_by_chunks(p)) {
-        out[0] = width;
-        return 1;
+    return p->ws->gathered_dw + (dw_acc_by_vocab(p->lin) ? k * width + c : c * p->lin->hidden + k);
+}
+
+/* gathered_dw (+)= X[i0:i0+nb, :]^T times the kept dU. */
+static fh_status gathered_dweight(const fh_engine_pass *p, int prepare, int64_t i0, int64_t nb, int64_t width,
+                                  const fh_gemm_input *du, int accumulate)
+{
+    const fh_gemm_input xt = x_transposed(p, i0);
+    const int by_vocab = dw_acc_by_vocab(p->lin);
+    const fh_gemm_output dw = f32_output(p->ws->gathered_dw, by_vocab ? width : 1, by_vocab ? 1 : p->lin->hidden);
+    return multiply(p, prepare, p->lin->hidden, width, nb, &xt, du, accumulate, &dw);
+}
+
+/* Every gathered bf16 GEMM shape of a row tile of nb rows (BLIS makes nothing ready). */
+static fh_status prepare_gathered(const fh_engine_pass *p, int64_t nb)
+{
+    const fh_linear_grads *grads = p->grads;
+    fh_status st = FH_OK;
+    for (int64_t width = gathered_width(p, 1); p->plan->bf16_du && width <= FH_FILTER_CHUNK && st == FH_OK;
+         width *= 2) {
+        const fh_gemm_input du = view(p->ws->gathered_du, FH_ELEM_BF16, 0, width, 1);
+        if (grads->dx)
+            st = gathered_dx(p, 1, 0, nb, width, &du);
+        /* After bf16 row blocks, dweight's chunks add up the row blocks' products. */
+        for (int accumulate = 0; accumulate <= dweight_after_blocks(p) && grads->dweight && st == FH_OK; accumulate++)
+            st = gathered_dweight(p, 1, 0, nb, width, &du, accumulate);
     }
-    int count = 0;
-    for (int64_t w = FH_GRAD_FILTER_COLUMNS; w <= width; w *= 2)
-        out[count++] = w;
-    if (width % FH_GRAD_FILTER_COLUMNS)
-        out[count++] = width % FH_GRAD_FILTER_COLUMNS;
-    return count;
+    return st;
 }
 
 fh_status fh_engine_prepare(const fh_engine_pass *p)
@@ -255,23 +289,21 @@ fh_status fh_engine_prepare(const fh_engine_pass *p)
     const int64_t heights[2] = {rows, span % rows ? span % rows : rows};
     const int64_t widths[2] = {cols, lin->vocab % cols ? lin->vocab % cols : cols};
     fh_status st = FH_OK;
-    for (int h = 0; h < 2; h++)
+    for (int h = 0; h < 2; h++) {
+        if (grads && filtering(p) && st == FH_OK)
+            st = prepare_gathered(p, heights[h]);
         for (int w = 0; w < 2; w++) {
             st = st == FH_OK ? compute_logits(p, 1, p->ws->tile, 0, heights[h], 0, widths[w]) : st;
-            int64_t parts[64];
-            const int count = gemm_widths(p, widths[w], parts);
-            for (int part = 0; grads && part < count; part++)
-                for (int accumulate = 0; accumulate < 2; accumulate++) {
-                    if (st == FH_OK && grads->dx && (accumulate || !filtering(p))) /* filtered dx GEMMs add */
-                        st = add_dx(p, 1, 0, 0, heights[h], 0, widths[w], 0, parts[part], accumulate);
-                    if (st == FH_OK && grads->dweight && !dweight_after_blocks(p))
-                        st = add_dweight(p, 1, 0, 0, heights[h], 0, widths[w], 0, parts[part], accumulate);
-                }
+            for (int accumulate = 0; grads && !filtering(p) && accumulate < 2; accumulate++) {
+                if (st == FH_OK && grads->dx)
+                    st = add_dx(p, 1, 0, 0, heights[h], 0, widths[w], 0, widths[w], accumulate);
+                if (st == FH_OK && grads->dweight && !dweight_after_blocks(p))
+                    st = add_dweight(p, 1, 0, 0, heights[h], 0, widths[w], 0, widths[w], accumulate);
+            }
         }
-    int64_t parts[64];
-    const int count = gemm_widths(p, lin->vocab, parts);
-    for (int part = 0; part < count && st == FH_OK && grads && grads->dweight && dweight_after_blocks(p); part++)
-        st = add_dweight(p, 1, 0, 0, lin->n, 0, lin->vocab, 0, parts[part], 0);
+    }
+    if (st == FH_OK && grads && grads->dweight && dweight_after_blocks(p) && !filtering(p))
+        st = add_dweight(p, 1, 0, 0, lin->n, 0, lin->vocab, 0, lin->vocab, 0);
     return st;
 }
 
@@ -497,14 +529,13 @@ static void round_du_row(const fh_engine_pass *p, const float *row, int64_t i0, 
 }
 
 /* ---- Gradient filtering (fh_context_set_grad_filter_eps) ----
- * dU = a p + e p (z - sum_pz) + c w + b [j = target] (times dz/du). Each tile row records the largest |dU| of every
- * block of FH_GRAD_FILTER_COLUMNS columns, its target's column left out, and its target dU and c. A block whose
- * largest |dU| is below eps over the tile's rows is skipped by the dx and dweight GEMMs; what it held besides
- * the softmax terms is then applied exactly: each skipped target as one column (dx_i += u W[:, y],
- * dW[:, y] += u x_i), and c w, rank one without a softcap (dz/du = 1/T), as dx_i += c_i / T sum_j w_j W[:, j]
- * and dW[:, j] += w_j / T sum_i c_i x_i over the skipped columns. Skipped dweight blocks honour beta through the
- * `used` flags: a block is written (zeroed first when beta is 0) before anything is added to it, and blocks no
- * GEMM or term reached are zeroed at the end. */
+ * dU = a p + e p (z - sum_pz) + c w + b [j = target] (times dz/du). While a row's dU is formed, note_row marks the
+ * columns where |dU| reaches eps times the row's scale, and the row's target column. A column of a tile that no
+ * row of it marked is skipped by the dx and dweight GEMMs, which run on the kept columns gathered (above); its
+ * softmax terms are dropped, and its c w term, rank one without a softcap (dz/du = 1/T), is applied exactly as
+ * dx_i += c_i / T sum_j w_j W[:, j] and dW[:, j] += w_j / T sum_i c_i x_i over the skipped columns. dweight
+ * columns honour beta through the `used` flags: a column is written (zeroed first when beta is 0 or it is an
+ * accumulator) before anything is added to it, and columns nothing reached are zeroed at the end. */
 
 /* The scale of row k's softmax terms, against which filtering measures them: max(|a|, |b|, |e|). A mean over N
  * tokens makes every dU of the order of 1/N, so an absolute eps would skip everything at a large N; relative to
@@ -515,22 +546,54 @@ static double row_scale(const fh_coef *k)
     return a > b ? (a > e ? a : e) : (b > e ? b : e);
 }
 
-/* Records row tile_row's block maxima, target dU, c and scale, after fh_row_gradient and before any rounding. */
-static void note_row(const fh_engine_pass *p, float *row, int64_t tile_row, int64_t vb, int64_t target,
-                     const fh_coef *k)
+/* The marks of segment `segment` made by the calling thread: each thread of the row loop marks its own, so that
+ * no two threads write one byte; keep_columns merges them. */
+static uint8_t *thread_marks(const fh_engine_pass *p, int segment)
+{
+    const int64_t cols = p->plan->tile_vocab;
+    return p->ws->marks + ((int64_t)segment * p->plan->threads + omp_get_thread_num()) * cols;
+}
+
+/* Records row tile_row's c, and marks its columns to keep, after fh_row_gradient and before any rounding. A row of
+ * scale 0 has no softmax terms and marks nothing. */
+static void note_row(const fh_engine_pass *p, const float *row, int64_t tile_row, int segment, int64_t vb,
+                     int64_t target, const fh_coef *k)
 {
     if (!filtering(p))
         return;
-    const int has_target = target >= 0 && target < vb;
-    const float value = has_target ? row[target] : 0.0f;
-    if (has_target)
-        row[target] = 0.0f;
-    fh_row_block_max_abs(row, vb, FH_GRAD_FILTER_COLUMNS, p->ws->block_max + tile_row * p->plan->filter_blocks);
-    if (has_target)
-        row[target] = value;
-    p->ws->target_du[tile_row] = value;
     p->ws->row_c[tile_row] = k->c;
-    p->ws->row_scale[tile_row] = row_scale(k);
+    const double threshold = p->plan->filter_eps * row_scale(k);
+    if (threshold == 0.0)
+        return;
+    /* The least float >= threshold: |dU| < threshold in double is |dU| < it in float. */
+    float at_least = (float)threshold;
+    if (at_least < threshold)
+        at_least = nextafterf(at_least, INFINITY);
+    uint8_t *marks = thread_marks(p, segment);
+    fh_row_mark_at_least(row, vb, at_least, marks);
+    if (target >= 0 && target < vb)
+        marks[target] = 1;
+}
+
+/* The tile's keep flags from the marks of segment `segment` (every column when unfiltered), the marks cleared for
+ * the next tile; the kept columns listed in order. Returns their number. */
+static int64_t keep_columns(const fh_engine_pass *p, int segment, int64_t vb, int unfiltered)
+{
+    const int64_t cols = p->plan->tile_vocab;
+    const int threads = p->plan->threads;
+    uint8_t *marks = p->ws->marks + (int64_t)segment * threads * cols, *keep = p->ws->keep;
+    int64_t count = 0;
+    for (int64_t j = 0; j < vb; j++) {
+        uint8_t kept = (uint8_t)unfiltered;
+        for (int t = 0; t < threads; t++) {
+            kept |= marks[t * cols + j];
+            marks[t * cols + j] = 0;
+        }
+        keep[j] = kept;
+        if (kept)
+            p->ws->kept[count++] = j;
+    }
+    return count;
 }
 
 static float x_at(const fh_linear *lin, int64_t i, int64_t k)
@@ -545,6 +608,61 @@ static float w_at(const fh_linear *lin, int64_t k, int64_t j)
     const int64_t at = k * lin->w_stride_hidden + j * lin->w_stride_vocab;
     return lin->weight_dtype == FH_DTYPE_BF16 ? fh_bf16_to_f32(((const uint16_t *)lin->weight)[at])
                                               : ((const float *)lin->weight)[at];
+}
+
+/* The kept dU of a bf16 chunk: columns[0..count) of the nb bf16 rows at du (stride vb) gathered into gathered_du,
+ * zeros up to width. */
+static fh_gemm_input gather_du(const fh_engine_pass *p, const uint16_t *du, int64_t vb, int64_t nb,
+                               const int64_t *columns, int64_t count, int64_t width)
+{
+#pragma omp parallel for num_threads(p->plan->threads) schedule(static)
+    for (int64_t r = 0; r < nb; r++) {
+        uint16_t *dst = (uint16_t *)p->ws->gathered_du + r * width;
+        for (int64_t c = 0; c < width; c++)
+            dst[c] = c < count ? du[r * vb + columns[c]] : 0;
+    }
+    return view(p->ws->gathered_du, FH_ELEM_BF16, 0, width, 1);
+}
+
+/* An f32 tile's nb rows from tile_row (vb columns) with their kept columns moved to their front, in order (a
+ * kept column never moves right, so one forward pass does it): the GEMMs then read them in place. */
+static void compact_rows(const fh_engine_pass *p, int64_t tile_row, int64_t nb, int64_t vb, int64_t kept)
+{
+    const int64_t *columns = p->ws->kept;
+#pragma omp parallel for num_threads(p->plan->threads) schedule(static)
+    for (int64_t r = 0; r < nb; r++) {
+        float *row = p->ws->tile + (tile_row + r) * vb;
+        for (int64_t c = 0; c < kept; c++)
+            row[c] = row[columns[c]];
+    }
+}
+
+/* gathered_w = the weight's columns v0 + columns[0..count) as rows of H, in dU's element type (converted when
+ * fp32_dz takes bf16 weights), zeros up to width. */
+static void gather_weight(const fh_engine_pass *p, int64_t v0, const int64_t *columns, int64_t count, int64_t width)
+{
+    const fh_linear *lin = p->lin;
+    const int64_t h = lin->hidden;
+    const int same_type = (lin->weight_dtype == FH_DTYPE_BF16) == p->plan->bf16_du;
+#pragma omp parallel for num_threads(p->plan->threads) schedule(static)
+    for (int64_t c = 0; c < width; c++) {
+        const int64_t j = c < count ? v0 + columns[c] : -1;
+        if (p->plan->bf16_du) {
+            uint16_t *dst = (uint16_t *)p->ws->gathered_w + c * h;
+            const uint16_t *src = (const uint16_t *)lin->weight + j * lin->w_stride_vocab;
+            for (int64_t k = 0; k < h; k++)
+                dst[k] = j < 0 ? 0 : src[k * lin->w_stride_hidden];
+        } else if (same_type) {
+            float *dst = (float *)p->ws->gathered_w + c * h;
+            const float *src = (const float *)lin->weight + j * lin->w_stride_vocab;
+            for (int64_t k = 0; k < h; k++)
+                dst[k] = j < 0 ? 0.0f : src[k * lin->w_stride_hidden];
+        } else {
+            float *dst = (float *)p->ws->gathered_w + c * h;
+            for (int64_t k = 0; k < h; k++)
+                dst[k] = j < 0 ? 0.0f : w_at(lin, k, j);
+        }
+    }
 }
 
 /* Where the exact terms of row i (of the segment at i0) add into dx: f32 in every filtered case (dx_acc for a
@@ -569,19 +687,67 @@ static float *dw_f32(const fh_engine_pass *p, int64_t k, int64_t jt, int64_t v0,
     return (float *)p->grads->dweight + k * lin->w_stride_hidden + (v0 + jt) * lin->w_stride_vocab;
 }
 
-/* Makes dweight's block b of the tile written: zeroed first when it holds nothing of this call yet (an
- * accumulator, or beta 0). */
-static void claim_dw_block(const fh_engine_pass *p, int64_t b, int64_t v0, int64_t vb)
+/* Whether a dweight column that holds nothing of this call yet is written rather than added to: an accumulator,
+ * or beta 0. The `used` flags say which columns hold something. */
+static int dw_overwrites(const fh_engine_pass *p)
 {
-    if (p->ws->used[b])
-        return;
-    p->ws->used[b] = 1;
-    if (!dweight_accumulated(p) && p->grads->dweight_beta != 0.0f)
-        return;
+    return dweight_accumulated(p) || p->grads->dweight_beta == 0.0f;
+}
+
+/* dweight (k, tile column j) += value, or = value when the column is not used yet and overwritten. */
+static void dw_add(const fh_engine_pass *p, int64_t k, int64_t j, int64_t v0, int64_t vb, float value)
+{
+    float *d = dw_f32(p, k, j, v0, vb);
+    *d = p->ws->used[j] || !dw_overwrites(p) ? *d + value : value;
+}
+
+/* dweight's kept columns += gathered_dw (columns[0..count) of the tile of width `width`), along dweight's
+ * contiguous direction; then they are used. */
+static void scatter_dweight(const fh_engine_pass *p, int64_t v0, int64_t vb, const int64_t *columns, int64_t count,
+                            int64_t width)
+{
+    const int64_t h = p->lin->hidden;
+    if (dw_acc_by_vocab(p->lin)) {
 #pragma omp parallel for num_threads(p->plan->threads) schedule(static)
-    for (int64_t j = b * FH_GRAD_FILTER_COLUMNS; j < block_end(b, vb); j++)
-        for (int64_t k = 0; k < p->lin->hidden; k++)
-            *dw_f32(p, k, j, v0, vb) = 0.0f;
+        for (int64_t k = 0; k < h; k++)
+            for (int64_t c = 0; c < count; c++)
+                dw_add(p, k, columns[c], v0, vb, *gathered_dw_at(p, k, c, width));
+    } else {
+#pragma omp parallel for num_threads(p->plan->threads) schedule(static)
+        for (int64_t c = 0; c < count; c++)
+            for (int64_t k = 0; k < h; k++)
+                dw_add(p, k, columns[c], v0, vb, *gathered_dw_at(p, k, c, width));
+    }
+    for (int64_t c = 0; c < count; c++)
+        p->ws->used[columns[c]] = 1;
+}
+
+/* The dx and (unless after the blocks) dweight GEMMs of the kept columns of a tile's rows, a chunk at a time. */
+static fh_status kept_column_gemms(const fh_engine_pass *p, int64_t tile_row, int64_t i0, int64_t nb, int64_t v0,
+                                   int64_t vb, int64_t kept)
+{
+    const int dweight = p->grads->dweight && !dweight_after_blocks(p);
+    if (!p->plan->bf16_du)
+        compact_rows(p, tile_row, nb, vb, kept);
+    fh_status st = FH_OK;
+    for (int64_t c0 = 0; c0 < kept && st == FH_OK; c0 += FH_FILTER_CHUNK) {
+        const int64_t *columns = p->ws->kept + c0;
+        const int64_t count = min64(FH_FILTER_CHUNK, kept - c0), width = gathered_width(p, count);
+        const fh_gemm_input du = p->plan->bf16_du
+                                     ? gather_du(p, p->ws->du + (p->plan->row_blocks ? i0 : tile_row) * vb, vb, nb,
+                                                 columns, count, width)
+                                     : view(p->ws->tile, FH_ELEM_F32, tile_row * vb + c0, vb, 1);
+        if (p->grads->dx) {
+            gather_weight(p, v0, columns, count, width);
+            st = gathered_dx(p, 0, i0, nb, width, &du);
+        }
+        if (st == FH_OK && dweight) {
+            st = gathered_dweight(p, 0, i0, nb, width, &du, 0);
+            if (st == FH_OK)
+                scatter_dweight(p, v0, vb, columns, count, width);
+        }
+    }
+    return st;
 }
 
 /* s = sum over the skipped columns j of the tile of w_j W[:, v0 + j]. Each thread owns a range of H and walks the
@@ -590,7 +756,7 @@ static void skipped_weight_sum(const fh_engine_pass *p, int64_t v0, int64_t vb, 
 {
     const fh_linear *lin = p->lin;
     const float *weights = p->class_weights ? p->class_weights + v0 : NULL;
-    const int64_t blocks = (vb + FH_GRAD_FILTER_COLUMNS - 1) / FH_GRAD_FILTER_COLUMNS;
+    const uint8_t *keep = p->ws->keep;
     const int hidden_inner = lin->w_stride_hidden <= lin->w_stride_vocab;
 #pragma omp parallel num_threads(p->plan->threads)
     {
@@ -598,15 +764,14 @@ static void skipped_weight_sum(const fh_engine_pass *p, int64_t v0, int64_t vb, 
         const int64_t k0 = lin->hidden * me / parts, k1 = lin->hidden * (me + 1) / parts;
         for (int64_t k = k0; k < k1; k++)
             s[k] = 0.0;
-        for (int64_t b = 0; b < blocks; b++)
-            for (int64_t j = b * FH_GRAD_FILTER_COLUMNS; !p->ws->keep[b] && j < block_end(b, vb); j++) {
-                const double wj = weights ? weights[j] : 1.0f;
-                for (int64_t k = k0; hidden_inner && k < k1; k++)
-                    s[k] += wj * w_at(lin, k, v0 + j);
-            }
+        for (int64_t j = 0; hidden_inner && j < vb; j++) {
+            const double wj = weights ? weights[j] : 1.0f;
+            for (int64_t k = k0; !keep[j] && k < k1; k++)
+                s[k] += wj * w_at(lin, k, v0 + j);
+        }
         for (int64_t k = k0; !hidden_inner && k < k1; k++)
-            for (int64_t b = 0; b < blocks; b++)
-                for (int64_t j = b * FH_GRAD_FILTER_COLUMNS; !p->ws->keep[b] && j < block_end(b, vb); j++)
+            for (int64_t j = 0; j < vb; j++)
+                if (!keep[j])
                     s[k] += (double)(weights ? weights[j] : 1.0f) * w_at(lin, k, v0 + j);
     }
 }
@@ -627,100 +792,59 @@ static void c_weighted_rows(const fh_engine_pass *p, int64_t tile_row, int64_t i
     }
 }
 
-/* The GEMMs of the kept blocks, on runs of them (chunk_end): for dx, and for dweight unless after the blocks (split
- * where the used flags change, so that each GEMM writes or adds as all its blocks need). */
-static fh_status kept_block_gemms(const fh_engine_pass *p, int64_t tile_row, int64_t i0, int64_t nb, int64_t v0,
-                                  int64_t vb, int64_t blocks)
+/* dweight's skipped columns j of the tile += w_j / T g, along dweight's contiguous direction; then they are used. */
+static void skipped_columns_term(const fh_engine_pass *p, int64_t v0, int64_t vb, const double *g)
 {
+    const int64_t h = p->lin->hidden;
     const uint8_t *keep = p->ws->keep;
-    uint8_t *used = p->ws->used;
-    const int64_t width = FH_GRAD_FILTER_COLUMNS;
-    fh_status st = FH_OK;
-    for (int64_t b = 0; p->grads->dx && b < blocks && st == FH_OK;) {
-        int64_t e = b + 1;
-        while (keep[b] && e < blocks && keep[e])
-            e++;
-        for (int64_t q = b, next; keep[b] && q < e && st == FH_OK; q = next) {
-            next = chunk_end(p, q, e, vb);
-            st = add_dx(p, 0, tile_row, i0, nb, v0, vb, q * width, block_end(next - 1, vb) - q * width, 1);
-        }
-        b = e;
+    const float *weights = p->class_weights ? p->class_weights + v0 : NULL;
+    const double inv_t = p->tf.inv_temperature;
+    if (dw_acc_by_vocab(p->lin)) {
+#pragma omp parallel for num_threads(p->plan->threads) schedule(static)
+        for (int64_t k = 0; k < h; k++)
+            for (int64_t j = 0; j < vb; j++)
+                if (!keep[j])
+                    dw_add(p, k, j, v0, vb, (float)(inv_t * (weights ? weights[j] : 1.0f) * g[k]));
+    } else {
+#pragma omp parallel for num_threads(p->plan->threads) schedule(static)
+        for (int64_t j = 0; j < vb; j++)
+            for (int64_t k = 0; !keep[j] && k < h; k++)
+                dw_add(p, k, j, v0, vb, (float)(inv_t * (weights ? weights[j] : 1.0f) * g[k]));
     }
-    for (int64_t b = 0; p->grads->dweight && !dweight_after_blocks(p) && b < blocks && st == FH_OK;) {
-        int64_t e = b + 1;
-        while (keep[b] && e < blocks && keep[e] && used[e] == used[b])
-            e++;
-        for (int64_t q = b, next; keep[b] && q < e && st == FH_OK; q = next) {
-            next = chunk_end(p, q, e, vb);
-            st = add_dweight(p, 0, tile_row, i0, nb, v0, vb, q * width, block_end(next - 1, vb) - q * width, used[b]);
-        }
-        for (int64_t q = b; keep[b] && q < e; q++)
-            used[q] = 1;
-        b = e;
-    }
-    return st;
+    for (int64_t j = 0; j < vb; j++)
+        p->ws->used[j] |= !keep[j];
 }
 
-/* The filtered gradient GEMMs of a dU tile's rows from tile_row (rows i0.., columns v0..), and the exact terms
- * of the blocks they skip. The dx it adds to holds this call's earlier terms (zeroed at the pass's start, or at
- * the block's when in row blocks). */
-static fh_status filtered_gradients(const fh_engine_pass *p, int64_t tile_row, int64_t i0, int64_t nb, int64_t v0,
-                                    int64_t vb)
+/* The filtered gradient GEMMs of a dU tile's rows from tile_row (rows i0.., columns v0.., marked as segment
+ * `segment`), and the rank-one terms of the columns they skip. The dx it adds to holds this call's earlier terms
+ * (zeroed at the pass's start, or at the block's when in row blocks). */
+static fh_status filtered_gradients(const fh_engine_pass *p, int segment, int64_t tile_row, int64_t i0, int64_t nb,
+                                    int64_t v0, int64_t vb)
 {
     const fh_linear *lin = p->lin;
     const fh_linear_grads *grads = p->grads;
     const fh_workspace *ws = p->ws;
-    const int64_t h = lin->hidden, blocks = (vb + FH_GRAD_FILTER_COLUMNS - 1) / FH_GRAD_FILTER_COLUMNS;
+    const int64_t h = lin->hidden;
     const int after = dweight_after_blocks(p);
     int any_c = 0;
     for (int64_t r = 0; r < nb; r++)
         any_c |= ws->row_c[tile_row + r] != 0.0;
     const int unfiltered = any_c && p->tf.softcap > 0.0f; /* c w is not rank one under a softcap */
-    int64_t skipped_columns = 0;
-    for (int64_t b = 0; b < blocks; b++) {
-        int keep = unfiltered;
-        for (int64_t r = 0; r < nb && !keep; r++) /* a row without softmax terms (scale 0) holds nothing to drop */
-            keep = ws->row_scale[tile_row + r] != 0.0 &&
-                   !(ws->block_max[(tile_row + r) * p->plan->filter_blocks + b] <
-                     p->plan->filter_eps * ws->row_scale[tile_row + r]);
-        ws->keep[b] = (uint8_t)keep;
-        skipped_columns += keep ? 0 : block_end(b, vb) - b * FH_GRAD_FILTER_COLUMNS;
-        if (after && keep)
-            ws->used[b] = 1; /* the dweight GEMM after the blocks needs this block's columns */
-    }
+    const int64_t kept = keep_columns(p, segment, vb, unfiltered), skipped_columns = vb - kept;
+    for (int64_t c = 0; after && c < kept; c++)
+        ws->used[ws->kept[c]] = 1; /* the dweight GEMM after the blocks needs this column */
     const int gemms = (grads->dx != NULL) + (grads->dweight && !after);
     ws->filter_stats->gradient_flops += 2.0 * (double)nb * (double)h * (double)vb * gemms;
     ws->filter_stats->skipped_flops += 2.0 * (double)nb * (double)h * (double)skipped_columns * gemms;
     if (p->plan->fp32_dz)
         copy_x_rows(p, i0, nb);
-    const fh_status st = kept_block_gemms(p, tile_row, i0, nb, v0, vb, blocks);
-    if (st != FH_OK)
+    const fh_status st = kept_column_gemms(p, tile_row, i0, nb, v0, vb, kept);
+    if (st != FH_OK || !any_c)
         return st;
-    for (int64_t r = 0; r < nb; r++) {
-        const int64_t i = i0 + r, t = target_column(p->targets, i, lin->vocab, v0);
-        if (t < 0 || t >= vb || ws->keep[t / FH_GRAD_FILTER_COLUMNS])
-            continue;
-        /* Its c w term is in the rank-one sum below, over every skipped column. */
-        const double c_term = p->tf.inv_temperature * ws->row_c[tile_row + r] *
-                              (p->class_weights ? p->class_weights[v0 + t] : 1.0f);
-        const float u = (float)(ws->target_du[tile_row + r] - c_term);
-        float *dx = grads->dx ? dx_row_f32(p, i, i0) : NULL;
-        for (int64_t k = 0; dx && k < h; k++)
-            dx[k] += u * w_at(lin, k, v0 + t);
-        if (grads->dweight && after)
-            ws->used[t / FH_GRAD_FILTER_COLUMNS] = 1; /* its bf16 dU is in du: the GEMM after the blocks adds it */
-        else if (grads->dweight) {
-            claim_dw_block(p, t / FH_GRAD_FILTER_COLUMNS, v0, vb);
-            for (int64_t k = 0; k < h; k++)
-                *dw_f32(p, k, t, v0, vb) += u * x_at(lin, i, k);
-        }
-    }
-    if (!any_c)
-        return FH_OK;
     const double inv_t = p->tf.inv_temperature;
     double *s = ws->vectors, *g = ws->vectors + h, *g_all = ws->vectors + 2 * h;
     if (grads->dweight && after)
-        c_weighted_rows(p, tile_row, i0, nb, 1, g_all); /* for the blocks that every row block skips */
+        c_weighted_rows(p, tile_row, i0, nb, 1, g_all); /* for the columns that every row block skips */
     if (skipped_columns == 0)
         return FH_OK;
     if (grads->dx) {
@@ -734,27 +858,19 @@ static fh_status filtered_gradients(const fh_engine_pass *p, int64_t tile_row, i
     }
     if (grads->dweight && !after) {
         c_weighted_rows(p, tile_row, i0, nb, 0, g);
-        const float *weights = p->class_weights ? p->class_weights + v0 : NULL;
-        for (int64_t b = 0; b < blocks; b++)
-            if (!ws->keep[b])
-                claim_dw_block(p, b, v0, vb);
-#pragma omp parallel for num_threads(p->plan->threads) schedule(static)
-        for (int64_t j = 0; j < vb; j++) {
-            const double scale = inv_t * (weights ? weights[j] : 1.0f);
-            for (int64_t k = 0; !ws->keep[j / FH_GRAD_FILTER_COLUMNS] && k < h; k++)
-                *dw_f32(p, k, j, v0, vb) += (float)(scale * g[k]);
-        }
+        skipped_columns_term(p, v0, vb, g);
     }
     return FH_OK;
 }
 
-/* Before a filtered pass: dx zeroed where the GEMMs and terms add into it (its accumulator, or an fp32 dx with
- * beta 0), no dweight block used yet, the rank-one sum of the row blocks at zero. */
+/* Before a filtered pass: no column marked or used yet, the rank-one sum of the row blocks at zero, dx zeroed
+ * where the GEMMs and terms add into it (its accumulator, or an fp32 dx with beta 0). */
 static void filter_begin(const fh_engine_pass *p)
 {
     const fh_linear *lin = p->lin;
     const fh_linear_grads *grads = p->grads;
-    memset(p->ws->used, 0, (size_t)p->plan->filter_blocks);
+    memset(p->ws->marks, 0, 2 * (size_t)p->plan->threads * (size_t)p->plan->tile_vocab);
+    memset(p->ws->used, 0, (size_t)p->plan->tile_vocab);
     memset(p->ws->vectors, 0, 3 * (size_t)lin->hidden * sizeof(double));
     if (!grads->dx || p->plan->row_blocks)
         return;
@@ -765,77 +881,130 @@ static void filter_begin(const fh_engine_pass *p)
             memset((float *)grads->dx + i * grads->dx_row_stride, 0, (size_t)lin->hidden * sizeof(float));
 }
 
-/* dweight's blocks of a tile (v0, vb) that nothing reached: written as beta says. */
-static void finish_dw_blocks(const fh_engine_pass *p, int64_t v0, int64_t vb)
+/* dweight's columns of a tile (v0, vb) that nothing reached: zeroed when overwritten (beta 0, an accumulator),
+ * along dweight's contiguous direction. */
+static void finish_dw_columns(const fh_engine_pass *p, int64_t v0, int64_t vb)
 {
-    for (int64_t b = 0; b * FH_GRAD_FILTER_COLUMNS < vb; b++)
-        claim_dw_block(p, b, v0, vb);
-    memset(p->ws->used, 0, (size_t)p->plan->filter_blocks);
+    const int64_t h = p->lin->hidden;
+    const uint8_t *used = p->ws->used;
+    if (dw_overwrites(p) && dw_acc_by_vocab(p->lin)) {
+#pragma omp parallel for num_threads(p->plan->threads) schedule(static)
+        for (int64_t k = 0; k < h; k++)
+            for (int64_t j = 0; j < vb; j++)
+                if (!used[j])
+                    *dw_f32(p, k, j, v0, vb) = 0.0f;
+    } else if (dw_overwrites(p)) {
+#pragma omp parallel for num_threads(p->plan->threads) schedule(static)
+        for (int64_t j = 0; j < vb; j++)
+            for (int64_t k = 0; !used[j] && k < h; k++)
+                *dw_f32(p, k, j, v0, vb) = 0.0f;
+    }
+    memset(p->ws->used, 0, (size_t)vb);
+}
+
+/* dweight (k, j) (+)= value as beta says, rounded once when bf16 (after bf16 row blocks). */
+static void store_dweight(const fh_engine_pass *p, int64_t k, int64_t j, float value)
+{
+    const fh_linear_grads *grads = p->grads;
+    const int accumulate = grads->dweight_beta != 0.0f;
+    const int64_t at = k * p->lin->w_stride_hidden + j * p->lin->w_stride_vocab;
+    if (grads->dweight_dtype == FH_DTYPE_BF16)
+        fh_row_add_to_bf16(&value, 1, accumulate, (uint16_t *)grads->dweight + at);
+    else
+        ((float *)grads->dweight)[at] = accumulate ? ((float *)grads->dweight)[at] + value : value;
 }
 
 /* Columns [j0, j1) of dweight that every row block skipped: only their rank-one c term (0 without one), rounded
  * once, as beta says. */
-static void skipped_dweight_columns(const fh_engine_pass *p, int64_t j0, int64_t j1, int any_c, int64_t *skipped)
+static void skipped_dweight_columns(const fh_engine_pass *p, int64_t j0, int64_t j1, int any_c)
 {
     const fh_linear *lin = p->lin;
-    const fh_linear_grads *grads = p->grads;
     const double *g_all = p->ws->vectors + 2 * lin->hidden;
-    const int accumulate = grads->dweight_beta != 0.0f;
-    *skipped += j1 - j0;
-    if (!any_c && accumulate)
+    if (!any_c && p->grads->dweight_beta != 0.0f)
         return;
+    const double inv_t = p->tf.inv_temperature;
+    const float *weights = p->class_weights;
+    if (dw_acc_by_vocab(lin)) { /* along dweight's contiguous direction */
 #pragma omp parallel for num_threads(p->plan->threads) schedule(static)
-    for (int64_t j = j0; j < j1; j++) {
-        const double scale = p->tf.inv_temperature * (p->class_weights ? p->class_weights[j] : 1.0f);
-        for (int64_t k = 0; k < lin->hidden; k++) {
-            const float value = (float)(scale * g_all[k]);
-            const int64_t at = k * lin->w_stride_hidden + j * lin->w_stride_vocab;
-            if (grads->dweight_dtype == FH_DTYPE_BF16)
-                fh_row_add_to_bf16(&value, 1, accumulate, (uint16_t *)grads->dweight + at);
-            else
-                ((float *)grads->dweight)[at] = accumulate ? ((float *)grads->dweight)[at] + value : value;
-        }
+        for (int64_t k = 0; k < lin->hidden; k++)
+            for (int64_t j = j0; j < j1; j++)
+                store_dweight(p, k, j, (float)(inv_t * (weights ? weights[j] : 1.0f) * g_all[k]));
+    } else {
+#pragma omp parallel for num_threads(p->plan->threads) schedule(static)
+        for (int64_t j = j0; j < j1; j++)
+            for (int64_t k = 0; k < lin->hidden; k++)
+                store_dweight(p, k, j, (float)(inv_t * (weights ? weights[j] : 1.0f) * g_all[k]));
     }
 }
 
-/* bf16 row blocks: dweight after the last block, one GEMM over every row for each block that some row block
- * kept or that holds a skipped target; every other block gets only its rank-one c term (0 without one),
- * rounded once, as beta says. */
+/* dweight's columns[0..count) (+)= gathered_dw (a chunk of width `width`), as beta says (after bf16 row blocks),
+ * along dweight's contiguous direction. */
+static void store_gathered_dweight(const fh_engine_pass *p, const int64_t *columns, int64_t count, int64_t width)
+{
+    const int64_t h = p->lin->hidden;
+    if (dw_acc_by_vocab(p->lin)) {
+#pragma omp parallel for num_threads(p->plan->threads) schedule(static)
+        for (int64_t k = 0; k < h; k++)
+            for (int64_t c = 0; c < count; c++)
+                store_dweight(p, k, columns[c], *gathered_dw_at(p, k, c, width));
+    } else {
+#pragma omp parallel for num_threads(p->plan->threads) schedule(static)
+        for (int64_t c = 0; c < count; c++)
+            for (int64_t k = 0; k < h; k++)
+                store_dweight(p, k, columns[c], *gathered_dw_at(p, k, c, width));
+    }
+}
+
+/* bf16 row blocks: dweight after the last block, over every row, for the columns that some row block kept (in
+ * gathered chunks, the rows in the blocks' segments so that the GEMM shapes are those made ready); every other
+ * column gets only its rank-one c term (0 without one), rounded once, as beta says. */
 static fh_status filtered_dweight_after_blocks(const fh_engine_pass *p)
 {
     const fh_linear *lin = p->lin;
-    const int64_t n = lin->n, h = lin->hidden, vocab = lin->vocab, blocks = p->plan->filter_blocks;
+    const int64_t n = lin->n, h = lin->hidden, vocab = lin->vocab;
+    const int64_t segments = block_segments(p), height = block_segment_rows(p), span = block_span(p);
     const double *g_all = p->ws->vectors + 2 * h;
     int any_c = 0;
     for (int64_t k = 0; k < h; k++)
         any_c |= g_all[k] != 0.0;
-    int64_t skipped_columns = 0;
+    int64_t kept = 0;
+    for (int64_t j = 0; j < vocab; j++)
+        if (p->ws->used[j])
+            p->ws->kept[kept++] = j;
     fh_status st = FH_OK;
-    for (int64_t b = 0; b < blocks && st == FH_OK;) {
-        int64_t e = b + 1;
-        while (e < blocks && p->ws->used[e] == p->ws->used[b])
-            e++;
-        for (int64_t q = b, next; p->ws->used[b] && q < e && st == FH_OK; q = next) {
-            next = chunk_end(p, q, e, vocab);
-            st = add_dweight(p, 0, 0, 0, n, 0, vocab, q * FH_GRAD_FILTER_COLUMNS,
-                             block_end(next - 1, vocab) - q * FH_GRAD_FILTER_COLUMNS, 0);
-        }
-        if (!p->ws->used[b])
-            skipped_dweight_columns(p, b * FH_GRAD_FILTER_COLUMNS, block_end(e - 1, vocab), any_c, &skipped_columns);
-        b = e;
+    for (int64_t c0 = 0; c0 < kept && st == FH_OK; c0 += FH_FILTER_CHUNK) {
+        const int64_t *columns = p->ws->kept + c0;
+        const int64_t count = min64(FH_FILTER_CHUNK, kept - c0), width = gathered_width(p, count);
+        int accumulate = 0;
+        for (int64_t i0 = 0; i0 < span && st == FH_OK; i0 += height)
+            for (int64_t s = 0; s < segments && st == FH_OK; s++, accumulate = 1) {
+                const int64_t first = s * span + i0, nb = min64(height, span - i0);
+                const fh_gemm_input du = gather_du(p, p->ws->du + first * vocab, vocab, nb, columns, count, width);
+                st = gathered_dweight(p, 0, first, nb, width, &du, accumulate);
+            }
+        if (st == FH_OK)
+            store_gathered_dweight(p, columns, count, width);
+    }
+    for (int64_t j0 = 0; j0 < vocab && st == FH_OK;) {
+        int64_t j1 = j0 + 1;
+        while (j1 < vocab && p->ws->used[j1] == p->ws->used[j0])
+            j1++;
+        if (!p->ws->used[j0])
+            skipped_dweight_columns(p, j0, j1, any_c);
+        j0 = j1;
     }
     p->ws->filter_stats->gradient_flops += 2.0 * (double)n * (double)h * (double)vocab;
-    p->ws->filter_stats->skipped_flops += 2.0 * (double)n * (double)h * (double)skipped_columns;
+    p->ws->filter_stats->skipped_flops += 2.0 * (double)n * (double)h * (double)(vocab - kept);
     return st;
 }
 
-/* The gradient GEMMs of a dU tile's rows from tile_row: dx is first written at v0 = 0, dweight at i0 = 0 (or,
- * after bf16 row blocks, once over every row). Filtered when eps > 0. */
-static fh_status add_gradients(const fh_engine_pass *p, int64_t tile_row, int64_t i0, int64_t nb, int64_t v0,
-                               int64_t vb)
+/* The gradient GEMMs of a dU tile's rows from tile_row (marked as segment `segment`): dx is first written at
+ * v0 = 0, dweight at i0 = 0 (or, after bf16 row blocks, once over every row). Filtered when eps > 0. */
+static fh_status add_gradients(const fh_engine_pass *p, int segment, int64_t tile_row, int64_t i0, int64_t nb,
+                               int64_t v0, int64_t vb)
 {
     if (filtering(p))
-        return filtered_gradients(p, tile_row, i0, nb, v0, vb);
+        return filtered_gradients(p, segment, tile_row, i0, nb, v0, vb);
     const fh_linear_grads *grads = p->grads;
     const int gemms = (grads->dx != NULL) + (grads->dweight && !dweight_after_blocks(p));
     p->ws->filter_stats->gradient_flops += 2.0 * (double)nb * (double)p->lin->hidden * (double)vb * gemms;
@@ -888,18 +1057,18 @@ fh_status fh_engine_backward(const fh_engine_pass *p)
                     const int64_t t = target_column(p->targets, i, vocab, v0);
                     fh_row_transform(row, vb, bias, &p->tf);
                     fh_row_gradient(row, vb, t, weights, &k, &p->tf);
-                    note_row(p, row, r, vb, t, &k);
+                    note_row(p, row, r, 0, vb, t, &k);
                 }
                 round_du_row(p, row, i0, r, vb);
             }
             if (grads->dbias)
                 add_column_sums(tile, nb, vb, column, threads);
-            st = add_gradients(p, 0, i0, nb, v0, vb);
+            st = add_gradients(p, 0, 0, i0, nb, v0, vb);
             if (st != FH_OK)
                 return st;
         }
         if (grads->dweight && filtering(p))
-            finish_dw_blocks(p, v0, vb);
+            finish_dw_columns(p, v0, vb);
         if (grads->dweight && dweight_accumulated(p))
             finish_dweight_tile(p, v0, vb);
         if (grads->dbias)
@@ -940,8 +1109,9 @@ static fh_final_stats stored_stats(const fh_token_stats *s, int64_t i)
     return result;
 }
 
-/* Overwrites row r of the segment at i0 (transformed logits, tile row tile_row) with its dU. */
-static void gradient_row(const fh_engine_pass *p, float *row, int64_t tile_row, int64_t i0, int64_t r,
+/* Overwrites row r of the segment at i0 (transformed logits, tile row tile_row, segment `segment` of the block)
+ * with its dU. */
+static void gradient_row(const fh_engine_pass *p, float *row, int64_t tile_row, int segment, int64_t i0, int64_t r,
                          const fh_final_stats *stats)
 {
     const int64_t i = i0 + r;
@@ -949,7 +1119,7 @@ static void gradient_row(const fh_engine_pass *p, float *row, int64_t tile_row, 
     fh_coef k = {stats->lse, 0.0, 0.0, 0.0, 0.0, stats->sum_pz};
     p->source->row(p->source->self, i, stats, &k);
     fh_row_gradient(row, vocab, t, p->class_weights, &k, &p->tf);
-    note_row(p, row, tile_row, vocab, t, &k);
+    note_row(p, row, tile_row, segment, vocab, t, &k);
     round_du_row(p, row, i0, r, vocab);
 }
 
@@ -1040,7 +1210,7 @@ fh_status fh_engine_row_blocks(const fh_engine_pass *p)
             for (int64_t r = 0; r < rows; r++) {
                 const int64_t first = r / nb * span + i0;
                 const fh_final_stats result = fold_row(p, &request, tile + r * vocab, first + r % nb);
-                gradient_row(p, tile + r * vocab, r, first, r % nb, &result);
+                gradient_row(p, tile + r * vocab, r, (int)(r / nb), first, r % nb, &result);
             }
         } else {
             /* The hook needs the whole block's statistics before any row's coefficients. */
@@ -1055,14 +1225,14 @@ fh_status fh_engine_row_blocks(const fh_engine_pass *p)
             for (int64_t r = 0; r < rows; r++) {
                 const int64_t first = r / nb * span + i0;
                 const fh_final_stats result = stored_stats(stats, first + r % nb);
-                gradient_row(p, tile + r * vocab, r, first, r % nb, &result);
+                gradient_row(p, tile + r * vocab, r, (int)(r / nb), first, r % nb, &result);
             }
         }
         if (grads->dbias)
             add_column_sums(tile, rows, vocab, column, threads);
         for (int64_t s = 0; s < segments && st == FH_OK; s++) {
             block_dx_begin(p, s * span + i0, nb);
-            st = add_gradients(p, s * nb, s * span + i0, nb, 0, vocab);
+            st = add_gradients(p, (int)s, s * nb, s * span + i0, nb, 0, vocab);
             if (st == FH_OK)
                 block_dx_end(p, s * span + i0, nb);
         }
@@ -1079,7 +1249,7 @@ fh_status fh_engine_row_blocks(const fh_engine_pass *p)
         if (st != FH_OK)
             return st;
     } else if (grads->dweight && filtering(p))
-        finish_dw_blocks(p, 0, vocab);
+        finish_dw_columns(p, 0, vocab);
     if (grads->dbias)
         write_bias_gradient(grads, column, 0, vocab);
     return FH_OK;

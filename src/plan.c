@@ -40,10 +40,9 @@ static int buffer_bytes(int used, int64_t rows, int64_t cols, size_t elem_size, 
  * size overflows. */
 static int place_buffers(fh_plan *plan, int64_t n)
 {
-    enum { BUFFERS = 16 };
+    enum { BUFFERS = 18 };
     const int64_t rows = plan->tile_rows, cols = plan->tile_vocab, hidden = plan->hidden;
     const int filter = plan->filter_eps > 0.0;
-    plan->filter_blocks = filter ? (cols + FH_GRAD_FILTER_COLUMNS - 1) / FH_GRAD_FILTER_COLUMNS : 0;
     const struct {
         int used;
         int64_t rows, cols;
@@ -59,12 +58,14 @@ static int place_buffers(fh_plan *plan, int64_t n)
         {plan->accumulators, hidden, cols, sizeof(float), &plan->dw_acc_offset},
         {plan->fp32_dz, rows, hidden, sizeof(float), &plan->x32_offset},
         {plan->fp32_dz, hidden, cols, sizeof(float), &plan->w32_offset},
-        {filter, rows, plan->filter_blocks, sizeof(float), &plan->block_max_offset},
-        {filter, rows, 1, sizeof(float), &plan->target_du_offset},
+        {filter, 2 * (int64_t)plan->threads, cols, sizeof(uint8_t), &plan->marks_offset},
+        {filter, 2, cols, sizeof(uint8_t), &plan->flags_offset},
+        {filter, 1, cols, sizeof(int64_t), &plan->kept_offset},
         {filter, rows, 1, sizeof(double), &plan->row_c_offset},
-        {filter, rows, 1, sizeof(double), &plan->row_scale_offset},
-        {filter, 2, plan->filter_blocks, sizeof(uint8_t), &plan->flags_offset},
         {filter, 3, hidden, sizeof(double), &plan->vectors_offset},
+        {filter && plan->bf16_du, rows, FH_FILTER_CHUNK, sizeof(uint16_t), &plan->gathered_du_offset},
+        {filter, FH_FILTER_CHUNK, hidden, sizeof(float), &plan->gathered_w_offset},
+        {filter, FH_FILTER_CHUNK, hidden, sizeof(float), &plan->gathered_dw_offset},
         {filter && plan->row_blocks && plan->bf16_du, rows, hidden, sizeof(float), &plan->dx_block_offset},
     };
     size_t at = 0;
@@ -181,11 +182,13 @@ static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, int64_t 
     plan->tile_rows = 1;
     if (place_buffers(plan, n) != 0 || (int64_t)plan->bytes > budget)
         return -1;
-    /* Each further row costs vocab floats of logits, and with filtering its block maxima, target dU, c, scale and (bf16)
-     * f32 dx row; the buffers' alignment is absorbed by the final check below. */
+    /* Each further row costs vocab floats of logits, and with filtering its c and (bf16) its gathered dU and f32 dx
+     * row; the buffers' alignment is absorbed by the final check below. */
     const int64_t filter_row_bytes =
-        plan->filter_eps > 0.0 ? plan->filter_blocks * (int64_t)sizeof(float) + (int64_t)(sizeof(float) + 2 * sizeof(double)) +
-                                     (plan->bf16_du ? lin->hidden * (int64_t)sizeof(float) : 0)
+        plan->filter_eps > 0.0 ? (int64_t)sizeof(double) +
+                                     (plan->bf16_du ? FH_FILTER_CHUNK * (int64_t)sizeof(uint16_t) +
+                                                          lin->hidden * (int64_t)sizeof(float)
+                                                    : 0)
                                : 0;
     const int64_t row_bytes = (1 + companion) * vocab * (int64_t)sizeof(float) + filter_row_bytes;
     int64_t rows = 1 + (budget - (int64_t)plan->bytes) / row_bytes;
@@ -322,13 +325,15 @@ static fh_workspace carve(const fh_plan *plan, void *base, int64_t n)
     ws.x32 = plan->fp32_dz ? (float *)(aligned + plan->x32_offset) : NULL;
     ws.w32 = plan->fp32_dz ? (float *)(aligned + plan->w32_offset) : NULL;
     const int filter = plan->filter_eps > 0.0;
-    ws.block_max = filter ? (float *)(aligned + plan->block_max_offset) : NULL;
-    ws.target_du = filter ? (float *)(aligned + plan->target_du_offset) : NULL;
-    ws.row_c = filter ? (double *)(aligned + plan->row_c_offset) : NULL;
-    ws.row_scale = filter ? (double *)(aligned + plan->row_scale_offset) : NULL;
+    ws.marks = filter ? (uint8_t *)(aligned + plan->marks_offset) : NULL;
     ws.keep = filter ? (uint8_t *)(aligned + plan->flags_offset) : NULL;
-    ws.used = filter ? ws.keep + plan->filter_blocks : NULL;
+    ws.used = filter ? ws.keep + plan->tile_vocab : NULL;
+    ws.kept = filter ? (int64_t *)(aligned + plan->kept_offset) : NULL;
+    ws.row_c = filter ? (double *)(aligned + plan->row_c_offset) : NULL;
     ws.vectors = filter ? (double *)(aligned + plan->vectors_offset) : NULL;
+    ws.gathered_du = filter && plan->bf16_du ? (void *)(aligned + plan->gathered_du_offset) : NULL;
+    ws.gathered_w = filter ? (void *)(aligned + plan->gathered_w_offset) : NULL;
+    ws.gathered_dw = filter ? (float *)(aligned + plan->gathered_dw_offset) : NULL;
     ws.dx_block = filter && plan->row_blocks && plan->bf16_du ? (float *)(aligned + plan->dx_block_offset) : NULL;
     ws.gemm_cache = NULL;
     ws.filter_stats = NULL;

@@ -10,6 +10,8 @@
 /* Per-token double arrays ("slots") reserved for the head and the engine; each head names the ones it
  * uses (FH_CE_SLOT_*, FH_GRPO_SLOT_*). */
 #define FH_WORKSPACE_SLOTS 10
+/* Gradient filtering runs its GEMMs on the kept columns gathered this many at a time. */
+#define FH_FILTER_CHUNK 512
 
 typedef struct fh_plan {
     int threads;          /* fh_threads of the call, fixed once here */
@@ -25,14 +27,14 @@ typedef struct fh_plan {
      * gradients (dx_acc n x H, dw_acc H x tile_vocab), whatever the call's gradient dtypes, so that the size
      * queries, which do not see them, hold for every call. */
     int bf16_du, fp32_dz, accumulators;
-    /* Gradient filtering (fh_context_set_grad_filter_eps): filter_eps > 0 in gradient passes; each tile row
-     * is filter_blocks blocks of FH_GRAD_FILTER_COLUMNS columns. Its buffers: every tile row's block maxima of
-     * |dU|, target dU, c coefficient and scale; per-block keep and used flags; three H-vectors for the rank-one c term;
-     * in bf16 row blocks an f32 dx of the block (dx_block, tile_rows x H), so that a bf16 dx is rounded once. */
+    /* Gradient filtering (fh_context_set_grad_filter_eps): filter_eps > 0 in gradient passes. Its buffers: the
+     * columns each thread marked, per segment (2 x threads x tile_vocab bytes); per-column keep and used flags and
+     * the kept columns' list; every tile row's c coefficient; three H-vectors for the rank-one c term; the gathered
+     * GEMMs' operands (FH_FILTER_CHUNK x H weight rows and f32 dweight, and with bf16_du tile_rows x FH_FILTER_CHUNK
+     * dU); in bf16 row blocks an f32 dx of the block (dx_block, tile_rows x H), so that a bf16 dx is rounded once. */
     double filter_eps;
-    int64_t filter_blocks;
-    size_t block_max_offset, target_du_offset, row_c_offset, row_scale_offset, flags_offset, vectors_offset,
-        dx_block_offset;
+    size_t marks_offset, flags_offset, kept_offset, row_c_offset, vectors_offset, gathered_du_offset,
+        gathered_w_offset, gathered_dw_offset, dx_block_offset;
     int companion;        /* a pair plan (fh_plan_pair_*): a second tile for the companion head's logits */
     size_t companion_tile_offset;
     size_t slots_offset;  /* FH_WORKSPACE_SLOTS arrays of n doubles */
@@ -89,9 +91,11 @@ typedef struct fh_workspace {
     double *column;
     uint16_t *du;
     float *dx_acc, *dw_acc, *x32, *w32;
-    float *block_max, *target_du, *dx_block; /* filtering's buffers (fh_plan), NULL when it is off */
-    double *row_c, *row_scale, *vectors;
-    uint8_t *keep, *used;
+    float *dx_block, *gathered_dw; /* filtering's buffers (fh_plan), NULL when it is off */
+    double *row_c, *vectors;
+    uint8_t *marks, *keep, *used;
+    int64_t *kept;
+    void *gathered_du, *gathered_w;
     fh_filter_stats *filter_stats;           /* the context's, reset by fh_workspace_acquire */
     fh_gemm_cache **gemm_cache;  /* the context's, for the GEMM providers that keep state */
 } fh_workspace;

@@ -251,20 +251,16 @@ void fh_row_pair_gradient(float *z, const float *cz, int64_t count, const fh_pai
     chosen()->pair_gradient(z, cz, count, r);
 }
 
-/* Portable on purpose: on the bits, |z| is an AND and the maximum an integer one (non-negative floats order as
- * their bits do, and a NaN's bits exceed infinity's), both of which vectorise. */
-void fh_row_block_max_abs(const float *z, int64_t count, int64_t block, float *out)
+/* Portable on purpose: on the bits, |z| is an AND and the comparison an integer one (non-negative floats order
+ * as their bits do, and a NaN's bits exceed infinity's), both of which vectorise. */
+void fh_row_mark_at_least(const float *z, int64_t count, float threshold, uint8_t *marks)
 {
-    for (int64_t j0 = 0; j0 < count; j0 += block) {
-        const int64_t end = count - j0 < block ? count : j0 + block;
-        uint32_t largest = 0;
-        for (int64_t j = j0; j < end; j++) {
-            uint32_t bits;
-            memcpy(&bits, z + j, sizeof bits);
-            bits &= 0x7fffffffu;
-            largest = bits > largest ? bits : largest;
-        }
-        memcpy(out + j0 / block, &largest, sizeof largest);
+    uint32_t least;
+    memcpy(&least, &threshold, sizeof least);
+    for (int64_t j = 0; j < count; j++) {
+        uint32_t bits;
+        memcpy(&bits, z + j, sizeof bits);
+        marks[j] |= (uint8_t)((bits & 0x7fffffffu) >= least);
     }
 }
 

@@ -95,9 +95,9 @@ void fh_row_jsd_sums(const float *z, const float *cz, int64_t count, const fh_pa
  * log m - sum p (log p - log m)) in the terms above). */
 void fh_row_pair_gradient(float *z, const float *cz, int64_t count, const fh_pair_row *r);
 
-/* out[b] = max |z[j]| over the columns j of block b (blocks of `block` columns, the last one shorter), for every
- * block of the count columns; a NaN counts as larger than any number. */
-void fh_row_block_max_abs(const float *z, int64_t count, int64_t block, float *out);
+/* marks[j] = 1 where |z[j]| >= threshold (a non-negative float) or z[j] is a NaN, for j < count; other marks are
+ * left as they are. */
+void fh_row_mark_at_least(const float *z, int64_t count, float threshold, uint8_t *marks);
 
 /* dst[j] = src[j] rounded to the nearest bf16 (ties to even; NaN stays NaN), for j < count. dst may be src's own
  * memory (a row narrowed in place into its first half). */
