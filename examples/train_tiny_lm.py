@@ -3,9 +3,9 @@
 torch's materialized logits, F.cross_entropy(F.linear(h, W), y), (b) with
 fusedhead.torch.fused_linear_cross_entropy, which never forms the [N, V] logits, and (c) the same with gradient
 filtering (Context(grad_filter_eps=--filter-eps), row blocks of --filter-tile-rows tokens), which skips the
-backward GEMM blocks whose softmax terms are below eps. It shows how the three training curves agree, what share
-of the backward work filtering skipped at each step, and how peaked a really trained head's softmax is (what
-filtering can gain depends on that).
+backward GEMMs' vocabulary columns whose softmax terms are below eps in every row of a block. It shows how the
+three training curves agree, what share of the backward work filtering skipped at each step, and how peaked a
+really trained head's softmax is (what filtering can gain depends on that).
 
     FUSEDHEAD_LIBRARY=$PWD/build/libfusedhead.so PYTHONPATH=python /usr/bin/python3 examples/train_tiny_lm.py \
         --out /tmp/tiny-lm --save-batch /tmp/tiny-lm/batch
@@ -97,8 +97,9 @@ def parse_args(argv=None):
     p.add_argument("--save-rows", type=int, default=2048, help="rows of the saved batch")
     p.add_argument("--filter-eps", type=float, default=EPS_BF16,
                    help="run (c)'s grad_filter_eps (default 2^-12, Cut Cross-Entropy's for bf16)")
-    p.add_argument("--filter-tile-rows", type=int, default=64,
-                   help="run (c)'s row blocks: filtering skips a block only when all its rows allow it")
+    p.add_argument("--filter-tile-rows", type=int, default=0,
+                   help="run (c)'s row blocks (0: the library's choice): filtering skips a vocabulary column of a "
+                        "block only when all its rows allow it")
     p.add_argument("--control", action="store_true",
                    help="a third run: materialized logits summed over two halves of H (rounding differences alone)")
     p.add_argument("--no-plot", action="store_true", help="write the gnuplot script but do not run gnuplot")
@@ -254,6 +255,7 @@ def gnuplot_script(args) -> str:
     title = f"V={args.vocab} H={args.hidden}, {args.layers} blocks, {args.batch}x{args.seq} tokens per step"
     control = (", \\\n     '' using 1:($18 > 0 ? $18 : NaN) with linespoints title "
                "'torch vs control (split-H logits: rounding alone)'") if args.control else ""
+    blocks = f", {args.filter_tile_rows}-row blocks" if args.filter_tile_rows else ""
     return f"""# Renders loss.png and distribution.png from curves.csv: run `gnuplot curves.gp` in this folder.
 set datafile separator ','
 set key noenhanced
@@ -264,7 +266,7 @@ set multiplot layout 2,1 title 'tiny LM on the Python standard library ({title})
 set ylabel 'training loss (nats)'
 plot 'curves.csv' using 1:2 with lines lw 2 title 'torch materialized logits', \\
      '' using 1:3 with lines dt 2 lw 2 title 'fusedhead fused cross-entropy', \\
-     '' using 1:13 with lines dt 3 lw 2 title 'fusedhead + filtering (eps {args.filter_eps:g}, {args.filter_tile_rows}-row blocks)'
+     '' using 1:13 with lines dt 3 lw 2 title 'fusedhead + filtering (eps {args.filter_eps:g}{blocks})'
 set logscale y
 set format y '%.0e'
 set xlabel 'step'

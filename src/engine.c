@@ -881,23 +881,43 @@ static void filter_begin(const fh_engine_pass *p)
             memset((float *)grads->dx + i * grads->dx_row_stride, 0, (size_t)lin->hidden * sizeof(float));
 }
 
-/* dweight's columns of a tile (v0, vb) that nothing reached: zeroed when overwritten (beta 0, an accumulator),
- * along dweight's contiguous direction. */
-static void finish_dw_columns(const fh_engine_pass *p, int64_t v0, int64_t vb)
+/* Zeroes columns [j0, j1) of an H-row matrix of elem_size-byte elements, element (k, j) at
+ * base + k * stride_k + j * stride_j elements: memsets along its contiguous direction. */
+static void zero_columns(const fh_engine_pass *p, char *base, size_t elem_size, int64_t stride_k, int64_t stride_j,
+                         int64_t j0, int64_t j1)
 {
     const int64_t h = p->lin->hidden;
-    const uint8_t *used = p->ws->used;
-    if (dw_overwrites(p) && dw_acc_by_vocab(p->lin)) {
+    if (stride_j == 1) {
 #pragma omp parallel for num_threads(p->plan->threads) schedule(static)
         for (int64_t k = 0; k < h; k++)
-            for (int64_t j = 0; j < vb; j++)
-                if (!used[j])
-                    *dw_f32(p, k, j, v0, vb) = 0.0f;
-    } else if (dw_overwrites(p)) {
+            memset(base + (size_t)(k * stride_k + j0) * elem_size, 0, (size_t)(j1 - j0) * elem_size);
+    } else if (stride_k == 1) {
 #pragma omp parallel for num_threads(p->plan->threads) schedule(static)
-        for (int64_t j = 0; j < vb; j++)
-            for (int64_t k = 0; !used[j] && k < h; k++)
-                *dw_f32(p, k, j, v0, vb) = 0.0f;
+        for (int64_t j = j0; j < j1; j++)
+            memset(base + (size_t)(j * stride_j) * elem_size, 0, (size_t)h * elem_size);
+    } else
+        for (int64_t j = j0; j < j1; j++)
+            for (int64_t k = 0; k < h; k++)
+                memset(base + (size_t)(k * stride_k + j * stride_j) * elem_size, 0, elem_size);
+}
+
+/* dweight's columns of a tile (v0, vb) that nothing reached: zeroed when overwritten (beta 0, an accumulator),
+ * a run of them at a time. */
+static void finish_dw_columns(const fh_engine_pass *p, int64_t v0, int64_t vb)
+{
+    const fh_linear *lin = p->lin;
+    const uint8_t *used = p->ws->used;
+    /* dw_f32 (k, j) = dw_f32 (0, 0) + k * stride_k + j * stride_j */
+    const int accumulator = dweight_accumulated(p), by_vocab = dw_acc_by_vocab(lin);
+    const int64_t stride_k = accumulator ? (by_vocab ? vb : 1) : lin->w_stride_hidden;
+    const int64_t stride_j = accumulator ? (by_vocab ? 1 : lin->hidden) : lin->w_stride_vocab;
+    for (int64_t j0 = 0; j0 < vb && dw_overwrites(p);) {
+        int64_t j1 = j0 + 1;
+        while (j1 < vb && used[j1] == used[j0])
+            j1++;
+        if (!used[j0])
+            zero_columns(p, (char *)dw_f32(p, 0, 0, v0, vb), sizeof(float), stride_k, stride_j, j0, j1);
+        j0 = j1;
     }
     memset(p->ws->used, 0, (size_t)vb);
 }
@@ -919,9 +939,15 @@ static void store_dweight(const fh_engine_pass *p, int64_t k, int64_t j, float v
 static void skipped_dweight_columns(const fh_engine_pass *p, int64_t j0, int64_t j1, int any_c)
 {
     const fh_linear *lin = p->lin;
+    const fh_linear_grads *grads = p->grads;
     const double *g_all = p->ws->vectors + 2 * lin->hidden;
-    if (!any_c && p->grads->dweight_beta != 0.0f)
+    if (!any_c && grads->dweight_beta != 0.0f)
         return;
+    if (!any_c) {
+        zero_columns(p, grads->dweight, elem_size(elem_type(grads->dweight_dtype)), lin->w_stride_hidden,
+                     lin->w_stride_vocab, j0, j1);
+        return;
+    }
     const double inv_t = p->tf.inv_temperature;
     const float *weights = p->class_weights;
     if (dw_acc_by_vocab(lin)) { /* along dweight's contiguous direction */

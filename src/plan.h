@@ -11,7 +11,7 @@
  * uses (FH_CE_SLOT_*, FH_GRPO_SLOT_*). */
 #define FH_WORKSPACE_SLOTS 10
 /* Gradient filtering runs its GEMMs on the kept columns gathered this many at a time. */
-#define FH_FILTER_CHUNK 512
+#define FH_FILTER_CHUNK 1024
 
 typedef struct fh_plan {
     int threads;          /* fh_threads of the call, fixed once here */

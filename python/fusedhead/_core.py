@@ -80,8 +80,9 @@ class Context:
     Settings (0 = the library's default): threads (0 = all available), tile_rows, tile_vocab,
     memory_budget (bytes; default 512 MiB), check_finite (1: reject NaN/Inf inputs, if the library has it),
     fp32_dz (1: with bf16 inputs keep dZ in fp32 for the gradient GEMMs: fp32-accurate, at the fp32 rate),
-    grad_filter_eps (a float; 0 = off: gradient filtering skips the backward GEMM blocks whose softmax terms
-    are below eps times their row's scale, as Cut Cross-Entropy does; `filter_stats()` tells what it skipped).
+    grad_filter_eps (a float; 0 = off: gradient filtering skips the backward GEMMs' vocabulary columns whose
+    softmax terms are below eps times their row's scale in every row of a block, as Cut Cross-Entropy does;
+    `filter_stats()` tells what it skipped).
     Calls on one context are serialised by a lock (the library forbids concurrent calls on one context);
     use one context per thread for parallel calls. `default_context()` gives each thread its own.
     """

@@ -1,5 +1,5 @@
 """Smoke run of examples/train_tiny_lm.py: a few training steps of a tiny model on a few standard-library files,
-with a 2048-piece tokenizer (four filtering blocks of columns), in a temporary folder; then fh_bench replays the batch it saved (when fh_bench is
+with a 2048-piece tokenizer, in a temporary folder; then fh_bench replays the batch it saved (when fh_bench is
 built beside the library).
 
 Tolerances:

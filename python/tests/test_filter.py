@@ -56,8 +56,8 @@ def test_default_context_setting():
 @pytest.mark.parametrize("tile_rows", [4, 0], ids=["row-blocks-of-4", "one-row-block"])
 def test_filtered_gradients_within_the_derived_bound(tile_rows):
     x, w, y = peaked(3)
-    # The binding runs the single-call train step: in row blocks of 4 rows many blocks are skipped (about a fifth
-    # of the work here); in the default one block of 64 rows almost none.
+    # The binding runs the single-call train step; a vocabulary column is skipped when no row of its row block
+    # reaches eps there: 99.6% of the work in row blocks of 4 rows, 94% in the default one block of 64 rows.
     ctx = fusedhead.Context(threads=1, tile_rows=tile_rows, grad_filter_eps=EPS)
     xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
     ref = torch.nn.functional.cross_entropy(xd @ wd.T, y)
@@ -67,8 +67,7 @@ def test_filtered_gradients_within_the_derived_bound(tile_rows):
     loss.backward()
     gradient_flops, skipped = ctx.filter_stats()
     assert gradient_flops == 4.0 * N * H * V
-    if tile_rows:
-        assert skipped / gradient_flops > 0.2, skipped / gradient_flops
+    assert skipped / gradient_flops > 0.5, skipped / gradient_flops
     assert abs(float(loss) - float(ref)) <= 1e-6 * abs(float(ref))
     with torch.no_grad():
         du = (torch.softmax(xd @ wd.T, dim=1) - torch.nn.functional.one_hot(y, V).double()) / N
