@@ -294,7 +294,8 @@ fh_status fh_engine_prepare(const fh_engine_pass *p)
             st = prepare_gathered(p, heights[h]);
         for (int w = 0; w < 2; w++) {
             st = st == FH_OK ? compute_logits(p, 1, p->ws->tile, 0, heights[h], 0, widths[w]) : st;
-            for (int accumulate = 0; grads && !filtering(p) && accumulate < 2; accumulate++) {
+            /* Filtering runs these too where it keeps every column (all_kept_gemms). */
+            for (int accumulate = 0; grads && accumulate < 2; accumulate++) {
                 if (st == FH_OK && grads->dx)
                     st = add_dx(p, 1, 0, 0, heights[h], 0, widths[w], 0, widths[w], accumulate);
                 if (st == FH_OK && grads->dweight && !dweight_after_blocks(p))
@@ -302,7 +303,7 @@ fh_status fh_engine_prepare(const fh_engine_pass *p)
             }
         }
     }
-    if (st == FH_OK && grads && grads->dweight && dweight_after_blocks(p) && !filtering(p))
+    if (st == FH_OK && grads && grads->dweight && dweight_after_blocks(p))
         st = add_dweight(p, 1, 0, 0, lin->n, 0, lin->vocab, 0, lin->vocab, 0);
     return st;
 }
@@ -722,12 +723,13 @@ static void scatter_dweight(const fh_engine_pass *p, int64_t v0, int64_t vb, con
         p->ws->used[columns[c]] = 1;
 }
 
-/* The dx and (unless after the blocks) dweight GEMMs of the kept columns of a tile's rows, a chunk at a time. */
+/* The dx (with_dx) and (unless after the blocks) dweight GEMMs of the kept columns of a tile's rows, a chunk at a
+ * time. */
 static fh_status kept_column_gemms(const fh_engine_pass *p, int64_t tile_row, int64_t i0, int64_t nb, int64_t v0,
-                                   int64_t vb, int64_t kept)
+                                   int64_t vb, int64_t kept, int with_dx)
 {
     const int dweight = p->grads->dweight && !dweight_after_blocks(p);
-    if (!p->plan->bf16_du)
+    if (!p->plan->bf16_du && kept < vb)
         compact_rows(p, tile_row, nb, vb, kept);
     fh_status st = FH_OK;
     for (int64_t c0 = 0; c0 < kept && st == FH_OK; c0 += FH_FILTER_CHUNK) {
@@ -737,7 +739,7 @@ static fh_status kept_column_gemms(const fh_engine_pass *p, int64_t tile_row, in
                                      ? gather_du(p, p->ws->du + (p->plan->row_blocks ? i0 : tile_row) * vb, vb, nb,
                                                  columns, count, width)
                                      : view(p->ws->tile, FH_ELEM_F32, tile_row * vb + c0, vb, 1);
-        if (p->grads->dx) {
+        if (p->grads->dx && with_dx) {
             gather_weight(p, v0, columns, count, width);
             st = gathered_dx(p, 0, i0, nb, width, &du);
         }
@@ -747,6 +749,24 @@ static fh_status kept_column_gemms(const fh_engine_pass *p, int64_t tile_row, in
                 scatter_dweight(p, v0, vb, columns, count, width);
         }
     }
+    return st;
+}
+
+/* A tile that keeps every column runs the unfiltered GEMMs in place (nothing to gather): dx adds (it was zeroed),
+ * dweight is written or added to as its columns' used flags say, or gathered when they differ. */
+static fh_status all_kept_gemms(const fh_engine_pass *p, int64_t tile_row, int64_t i0, int64_t nb, int64_t v0,
+                                int64_t vb)
+{
+    fh_status st = p->grads->dx ? add_dx(p, 0, tile_row, i0, nb, v0, vb, 0, vb, 1) : FH_OK;
+    if (st != FH_OK || !p->grads->dweight || dweight_after_blocks(p))
+        return st;
+    int64_t used = 0;
+    for (int64_t j = 0; j < vb; j++)
+        used += p->ws->used[j];
+    if (used != 0 && used != vb)
+        return kept_column_gemms(p, tile_row, i0, nb, v0, vb, vb, 0);
+    st = add_dweight(p, 0, tile_row, i0, nb, v0, vb, 0, vb, used == vb || !dw_overwrites(p));
+    memset(p->ws->used, 1, (size_t)vb);
     return st;
 }
 
@@ -838,7 +858,8 @@ static fh_status filtered_gradients(const fh_engine_pass *p, int segment, int64_
     ws->filter_stats->skipped_flops += 2.0 * (double)nb * (double)h * (double)skipped_columns * gemms;
     if (p->plan->fp32_dz)
         copy_x_rows(p, i0, nb);
-    const fh_status st = kept_column_gemms(p, tile_row, i0, nb, v0, vb, kept);
+    const fh_status st = kept == vb ? all_kept_gemms(p, tile_row, i0, nb, v0, vb)
+                                    : kept_column_gemms(p, tile_row, i0, nb, v0, vb, kept, 1);
     if (st != FH_OK || !any_c)
         return st;
     const double inv_t = p->tf.inv_temperature;
@@ -997,8 +1018,9 @@ static fh_status filtered_dweight_after_blocks(const fh_engine_pass *p)
     for (int64_t j = 0; j < vocab; j++)
         if (p->ws->used[j])
             p->ws->kept[kept++] = j;
-    fh_status st = FH_OK;
-    for (int64_t c0 = 0; c0 < kept && st == FH_OK; c0 += FH_FILTER_CHUNK) {
+    /* Every column kept: the unfiltered GEMM over every row. */
+    fh_status st = kept == vocab ? add_dweight(p, 0, 0, 0, n, 0, vocab, 0, vocab, 0) : FH_OK;
+    for (int64_t c0 = 0; c0 < kept && kept < vocab && st == FH_OK; c0 += FH_FILTER_CHUNK) {
         const int64_t *columns = p->ws->kept + c0;
         const int64_t count = min64(FH_FILTER_CHUNK, kept - c0), width = gathered_width(p, count);
         int accumulate = 0;
