@@ -312,6 +312,7 @@ fh_status fh_engine_prepare(const fh_engine_pass *p)
 static void round_into_bf16(const float *acc, int64_t acc_stride, uint16_t *out, int64_t out_stride, int64_t rows,
                             int64_t cols, int accumulate, int threads)
 {
+    (void)threads; /* read by OpenMP only (the fuzz build has none) */
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; r++)
         fh_row_add_to_bf16(acc + r * acc_stride, cols, accumulate, out + r * out_stride);
@@ -384,6 +385,7 @@ static void write_bias_gradient(const fh_linear_grads *grads, const double *colu
  * so sums are deterministic and the inner loop is unit-stride. */
 static void add_column_sums(const float *tile, int64_t rows, int64_t cols, double *column, int threads)
 {
+    (void)threads; /* read by OpenMP only (the fuzz build has none) */
 #pragma omp parallel num_threads(threads)
     {
         const int64_t parts = omp_get_num_threads(), me = omp_get_thread_num();
