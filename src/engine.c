@@ -640,30 +640,32 @@ static void compact_rows(const fh_engine_pass *p, int64_t tile_row, int64_t nb, 
     }
 }
 
-/* gathered_w = the weight's columns v0 + columns[0..count) as rows of H, in dU's element type (converted when
- * fp32_dz takes bf16 weights), zeros up to width. */
-static void gather_weight(const fh_engine_pass *p, int64_t v0, const int64_t *columns, int64_t count, int64_t width)
+/* gathered_w = the weight's columns v0 + columns[0..count) of the tile as rows of H, in dU's element type (with
+ * fp32_dz, from w32, the tile's columns already in f32), zeros up to width. */
+static void gather_weight(const fh_engine_pass *p, int64_t v0, int64_t vb, const int64_t *columns, int64_t count,
+                          int64_t width)
 {
     const fh_linear *lin = p->lin;
     const int64_t h = lin->hidden;
-    const int same_type = (lin->weight_dtype == FH_DTYPE_BF16) == p->plan->bf16_du;
+    const size_t row_bytes = (size_t)h * elem_size(du_type(p));
+    memset((char *)p->ws->gathered_w + (size_t)count * row_bytes, 0, (size_t)(width - count) * row_bytes);
 #pragma omp parallel for num_threads(p->plan->threads) schedule(static)
-    for (int64_t c = 0; c < width; c++) {
-        const int64_t j = c < count ? v0 + columns[c] : -1;
+    for (int64_t c = 0; c < count; c++) {
+        const int64_t j = columns[c];
         if (p->plan->bf16_du) {
             uint16_t *dst = (uint16_t *)p->ws->gathered_w + c * h;
-            const uint16_t *src = (const uint16_t *)lin->weight + j * lin->w_stride_vocab;
+            const uint16_t *src = (const uint16_t *)lin->weight + (v0 + j) * lin->w_stride_vocab;
             for (int64_t k = 0; k < h; k++)
-                dst[k] = j < 0 ? 0 : src[k * lin->w_stride_hidden];
-        } else if (same_type) {
+                dst[k] = src[k * lin->w_stride_hidden];
+        } else if (p->plan->fp32_dz) {
             float *dst = (float *)p->ws->gathered_w + c * h;
-            const float *src = (const float *)lin->weight + j * lin->w_stride_vocab;
             for (int64_t k = 0; k < h; k++)
-                dst[k] = j < 0 ? 0.0f : src[k * lin->w_stride_hidden];
+                dst[k] = p->ws->w32[k * vb + j];
         } else {
             float *dst = (float *)p->ws->gathered_w + c * h;
+            const float *src = (const float *)lin->weight + (v0 + j) * lin->w_stride_vocab;
             for (int64_t k = 0; k < h; k++)
-                dst[k] = j < 0 ? 0.0f : w_at(lin, k, j);
+                dst[k] = src[k * lin->w_stride_hidden];
         }
     }
 }
@@ -742,7 +744,7 @@ static fh_status kept_column_gemms(const fh_engine_pass *p, int64_t tile_row, in
                                                  columns, count, width)
                                      : view(p->ws->tile, FH_ELEM_F32, tile_row * vb + c0, vb, 1);
         if (p->grads->dx && with_dx) {
-            gather_weight(p, v0, columns, count, width);
+            gather_weight(p, v0, vb, columns, count, width);
             st = gathered_dx(p, 0, i0, nb, width, &du);
         }
         if (st == FH_OK && dweight) {
