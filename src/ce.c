@@ -317,7 +317,7 @@ FH_API fh_status fh_ce_forward_backward(fh_context *ctx, const fh_linear *lin, c
     fh_workspace ws;
     int row_blocks = 0;
     if (st == FH_OK)
-        st = fh_plan_train_step(ctx, lin, &plan, &row_blocks, ctx);
+        st = fh_plan_train_step(ctx, lin, grads, &plan, &row_blocks, ctx);
     if (st == FH_OK)
         st = fh_workspace_acquire(ctx, lin->n, &plan, 1, &ws);
     if (st != FH_OK)

@@ -384,7 +384,7 @@ FH_API fh_status fh_distill_forward_backward(fh_context *ctx, const fh_linear *s
     fh_workspace ws;
     int row_blocks = 0;
     if (st == FH_OK)
-        st = fh_plan_pair_train_step(ctx, student, &plan, &row_blocks, ctx);
+        st = fh_plan_pair_train_step(ctx, student, grads, &plan, &row_blocks, ctx);
     if (st == FH_OK)
         st = fh_workspace_acquire(ctx, student->n, &plan, 1, &ws);
     if (st != FH_OK)

@@ -2,8 +2,9 @@
  * a dweight tile (H x tile_vocab) is finished before moving on, so the H x V accumulator is written
  * once per row block of its own tile and never revisited; dx (N x H, usually the smaller) is the one
  * re-accumulated per vocabulary tile. bf16 gradients that several GEMMs add up go through f32 accumulators
- * (dx_acc, dw_acc) and are rounded once; in row blocks each is one GEMM (dx per block over the whole
- * vocabulary, dweight after the last block over the bf16 dU of every row) and written directly. */
+ * (dx_acc, dw_acc) and are rounded once; in row blocks dx is summed per block over the dU chunks (in f32, dx_block,
+ * when it is bf16) and dweight is one GEMM per chunk after the last block, over the bf16 dU of every row, written
+ * directly. */
 #include "engine.h"
 
 #include "gemm/gemm.h"
@@ -47,19 +48,34 @@ static fh_gemm_output f32_output(float *data, int64_t row_stride, int64_t col_st
     return v;
 }
 
-/* The dU rows of a tile (rows i0.. of the call, from row tile_row of the tile) as the gradient GEMMs read
- * them: the f32 tile itself, or (bf16_du) the rows rounded into the du buffer, which holds one tile when
- * streaming and every row of the call in row blocks. */
-static fh_gemm_input du_view(const fh_engine_pass *p, int64_t tile_row, int64_t i0, int64_t vb)
+/* Columns per dU chunk: the plan's in row blocks (fh_plan), one chunk per tile when streaming. */
+static int64_t du_chunk(const fh_engine_pass *p, int64_t vb)
 {
-    if (p->plan->bf16_du)
-        return view(p->ws->du, FH_ELEM_BF16, (p->plan->row_blocks ? i0 : tile_row) * vb, vb, 1);
-    return view(p->ws->tile, FH_ELEM_F32, tile_row * vb, vb, 1);
+    return p->plan->row_blocks ? p->plan->du_chunk : vb;
 }
 
-static uint16_t *du_row(const fh_engine_pass *p, int64_t i0, int64_t r, int64_t vb)
+/* Every row's bf16 dU in row blocks, chunk c (columns c T .. c T + width - 1 of every row, n x width): the first
+ * du_chunks_in_dweight chunks in dweight's memory, the others in the du buffer. */
+static uint16_t *du_chunk_at(const fh_engine_pass *p, int64_t c)
 {
-    return p->ws->du + ((p->plan->row_blocks ? i0 : 0) + r) * vb;
+    const fh_plan *plan = p->plan;
+    const int64_t n = p->lin->n, t = plan->du_chunk;
+    if (c < plan->du_chunks_in_dweight)
+        return (uint16_t *)p->grads->dweight + plan->du_at_element + n * c * t;
+    return p->ws->du + n * (c - plan->du_chunks_in_dweight) * t;
+}
+
+/* The dU rows of a tile (rows i0.. of the call, from row tile_row of the tile), from column j0 within one chunk, as
+ * the gradient GEMMs read them: the f32 tile itself, or (bf16_du) the rows rounded into the du buffer (one tile
+ * when streaming), or in row blocks the chunk that holds them. */
+static fh_gemm_input du_view(const fh_engine_pass *p, int64_t tile_row, int64_t i0, int64_t vb, int64_t j0)
+{
+    if (!p->plan->bf16_du)
+        return view(p->ws->tile, FH_ELEM_F32, tile_row * vb + j0, vb, 1);
+    if (!p->plan->row_blocks)
+        return view(p->ws->du, FH_ELEM_BF16, tile_row * vb + j0, vb, 1);
+    const int64_t t = p->plan->du_chunk, c = j0 / t, width = min64(t, vb - c * t);
+    return view(du_chunk_at(p, c), FH_ELEM_BF16, i0 * width + j0 - c * t, width, 1);
 }
 
 /* One GEMM of a pass, made ready (prepare) or run. */
@@ -112,14 +128,8 @@ static int dw_acc_by_vocab(const fh_linear *lin)
     return lin->w_stride_vocab <= lin->w_stride_hidden;
 }
 
-/* The view v moved `elems` elements on. */
-static fh_gemm_input shifted(fh_gemm_input v, int64_t elems)
-{
-    v.data = (const char *)v.data + (size_t)elems * elem_size(v.type);
-    return v;
-}
-
-/* A bf16 dx of a filtered row block is formed in f32 (dx_block) and rounded once at the block's end. */
+/* A bf16 dx of a row block summed over several GEMMs (filtered ones, or one per dU chunk) is formed in f32
+ * (dx_block) and rounded once at the block's end. */
 static int dx_in_block(const fh_engine_pass *p)
 {
     return p->ws->dx_block && p->grads->dx_dtype == FH_DTYPE_BF16;
@@ -147,7 +157,7 @@ static fh_status add_dx(const fh_engine_pass *p, int prepare, int64_t tile_row, 
                         int64_t vb, int64_t j0, int64_t len, int accumulate)
 {
     const fh_linear *lin = p->lin;
-    const fh_gemm_input du = shifted(du_view(p, tile_row, i0, vb), j0);
+    const fh_gemm_input du = du_view(p, tile_row, i0, vb, j0);
     /* fp32_dz: w32 holds the tile's columns row-major, H x vb. */
     const fh_gemm_input wt = p->plan->fp32_dz ? view(p->ws->w32, FH_ELEM_F32, j0, 1, vb)
                                               : view(lin->weight, elem_type(lin->weight_dtype),
@@ -173,7 +183,7 @@ static fh_status add_dweight(const fh_engine_pass *p, int prepare, int64_t tile_
     const fh_linear_grads *grads = p->grads;
     const int64_t h = lin->hidden;
     const fh_gemm_input xt = x_transposed(p, i0);
-    const fh_gemm_input du = shifted(du_view(p, tile_row, i0, vb), j0);
+    const fh_gemm_input du = du_view(p, tile_row, i0, vb, j0);
     if (dweight_accumulated(p)) {
         const int by_vocab = dw_acc_by_vocab(lin);
         const fh_gemm_output acc = f32_output(p->ws->dw_acc + (by_vocab ? j0 : j0 * h), by_vocab ? vb : 1,
@@ -294,17 +304,22 @@ fh_status fh_engine_prepare(const fh_engine_pass *p)
             st = prepare_gathered(p, heights[h]);
         for (int w = 0; w < 2; w++) {
             st = st == FH_OK ? compute_logits(p, 1, p->ws->tile, 0, heights[h], 0, widths[w]) : st;
-            /* Filtering runs these too where it keeps every column (all_kept_gemms). */
-            for (int accumulate = 0; grads && accumulate < 2; accumulate++) {
-                if (st == FH_OK && grads->dx)
-                    st = add_dx(p, 1, 0, 0, heights[h], 0, widths[w], 0, widths[w], accumulate);
-                if (st == FH_OK && grads->dweight && !dweight_after_blocks(p))
-                    st = add_dweight(p, 1, 0, 0, heights[h], 0, widths[w], 0, widths[w], accumulate);
-            }
+            /* The tile's first dU chunk and its last, maybe narrower, one. Filtering runs these too where it keeps
+             * every column (all_kept_gemms). */
+            const int64_t t = du_chunk(p, widths[w]), firsts[2] = {0, (widths[w] - 1) / t * t};
+            for (int k = 0; k < 2; k++)
+                for (int accumulate = 0; grads && accumulate < 2; accumulate++) {
+                    const int64_t len = min64(t, widths[w] - firsts[k]);
+                    if (st == FH_OK && grads->dx)
+                        st = add_dx(p, 1, 0, 0, heights[h], 0, widths[w], firsts[k], len, accumulate);
+                    if (st == FH_OK && grads->dweight && !dweight_after_blocks(p))
+                        st = add_dweight(p, 1, 0, 0, heights[h], 0, widths[w], firsts[k], len, accumulate);
+                }
         }
     }
-    if (st == FH_OK && grads && grads->dweight && dweight_after_blocks(p))
-        st = add_dweight(p, 1, 0, 0, lin->n, 0, lin->vocab, 0, lin->vocab, 0);
+    const int64_t vocab = lin->vocab, t = du_chunk(p, vocab);
+    for (int64_t j0 = 0; j0 < vocab && st == FH_OK && grads && grads->dweight && dweight_after_blocks(p); j0 += t)
+        st = add_dweight(p, 1, 0, 0, lin->n, 0, vocab, j0, min64(t, vocab - j0), 0);
     return st;
 }
 
@@ -524,11 +539,21 @@ static fh_coef coef_of(const fh_coef_arrays *coefs, int64_t i)
     return k;
 }
 
-/* With bf16_du, row r of the tile's dU rounded into the du buffer, inside the row loop while it is hot. */
+/* With bf16_du, row r (of the rows at i0) of the tile's dU rounded into its place in the du buffer or its
+ * chunks, inside the row loop while it is hot. */
 static void round_du_row(const fh_engine_pass *p, const float *row, int64_t i0, int64_t r, int64_t vb)
 {
-    if (p->plan->bf16_du)
-        fh_row_to_bf16(row, vb, du_row(p, i0, r, vb));
+    if (!p->plan->bf16_du)
+        return;
+    if (!p->plan->row_blocks) {
+        fh_row_to_bf16(row, vb, p->ws->du + r * vb);
+        return;
+    }
+    const int64_t t = p->plan->du_chunk;
+    for (int64_t c = 0; c * t < vb; c++) {
+        const int64_t width = min64(t, vb - c * t);
+        fh_row_to_bf16(row + c * t, width, du_chunk_at(p, c) + (i0 + r) * width);
+    }
 }
 
 /* ---- Gradient filtering (fh_context_set_grad_filter_eps) ----
@@ -1063,8 +1088,9 @@ static fh_status add_gradients(const fh_engine_pass *p, int segment, int64_t til
     fh_status st = FH_OK;
     if (p->plan->fp32_dz)
         copy_x_rows(p, i0, nb);
-    if (grads->dx)
-        st = add_dx(p, 0, tile_row, i0, nb, v0, vb, 0, vb, v0 > 0);
+    const int64_t t = du_chunk(p, vb);
+    for (int64_t j0 = 0; grads->dx && j0 < vb && st == FH_OK; j0 += t)
+        st = add_dx(p, 0, tile_row, i0, nb, v0, vb, j0, min64(t, vb - j0), v0 > 0 || j0 > 0);
     if (st == FH_OK && grads->dweight && !dweight_after_blocks(p))
         st = add_dweight(p, 0, tile_row, i0, nb, v0, vb, 0, vb, i0 > 0);
     return st;
@@ -1193,7 +1219,7 @@ static void block_dx_begin(const fh_engine_pass *p, int64_t i0, int64_t nb)
 static void block_dx_end(const fh_engine_pass *p, int64_t i0, int64_t nb)
 {
     const fh_linear_grads *grads = p->grads;
-    if (filtering(p) && grads->dx && dx_in_block(p))
+    if (grads->dx && dx_in_block(p))
         round_into_bf16(p->ws->dx_block, p->lin->hidden, (uint16_t *)grads->dx + i0 * grads->dx_row_stride,
                         grads->dx_row_stride, nb, p->lin->hidden, grads->dx_beta != 0.0f, p->plan->threads);
 }
@@ -1225,7 +1251,7 @@ static fh_token_stats stats_from(const fh_token_stats *s, int64_t i0)
     return view;
 }
 
-fh_status fh_engine_row_blocks(const fh_engine_pass *p)
+static fh_status row_blocks(const fh_engine_pass *p)
 {
     const fh_linear *lin = p->lin;
     const fh_linear_grads *grads = p->grads;
@@ -1295,8 +1321,11 @@ fh_status fh_engine_row_blocks(const fh_engine_pass *p)
         if (filtering(p))
             st = filtered_dweight_after_blocks(p);
         else {
+            /* Chunk by chunk in vocabulary order: a chunk kept in dweight's memory is read before it is written. */
             p->ws->filter_stats->gradient_flops += 2.0 * (double)n * (double)lin->hidden * (double)vocab;
-            st = add_dweight(p, 0, 0, 0, n, 0, vocab, 0, vocab, 0);
+            const int64_t t = du_chunk(p, vocab);
+            for (int64_t j0 = 0; j0 < vocab && st == FH_OK; j0 += t)
+                st = add_dweight(p, 0, 0, 0, n, 0, vocab, j0, min64(t, vocab - j0), 0);
         }
         if (st != FH_OK)
             return st;
@@ -1305,4 +1334,16 @@ fh_status fh_engine_row_blocks(const fh_engine_pass *p)
     if (grads->dbias)
         write_bias_gradient(grads, column, 0, vocab);
     return FH_OK;
+}
+
+/* The logits block sits in dweight's memory when the plan put it there. */
+fh_status fh_engine_row_blocks(const fh_engine_pass *p)
+{
+    if (!p->plan->tile_in_dweight)
+        return row_blocks(p);
+    fh_workspace ws = *p->ws;
+    fh_engine_pass pass = *p;
+    ws.tile = (float *)((char *)p->grads->dweight + p->plan->tile_at_byte);
+    pass.ws = &ws;
+    return row_blocks(&pass);
 }

@@ -101,7 +101,8 @@ fh_status fh_engine_backward(const fh_engine_pass *p);
  * the first half's segment):
  * fills p->stats like fh_engine_forward and accumulates p->grads like fh_engine_backward, with the
  * coefficients from p->source. Returns FH_OK, or the first failure of p->source->block: the pass stops at
- * that block (earlier blocks' dx and dweight are written, dbias is not). */
+ * that block (earlier blocks' dx and dweight are written, dbias is not; a dweight whose memory the plan uses for
+ * the logits block and dU chunks holds those). */
 fh_status fh_engine_row_blocks(const fh_engine_pass *p);
 
 #endif

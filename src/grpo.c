@@ -575,7 +575,7 @@ FH_API fh_status fh_grpo_forward_backward(fh_context *ctx, const fh_linear *lin,
     fh_workspace ws[2];
     int row_blocks = 0;
     if (st == FH_OK)
-        st = fh_plan_train_step_groups(ctx, lin, batch->seq, &plans[0], &row_blocks);
+        st = fh_plan_train_step_groups(ctx, lin, grads, batch->seq, &plans[0], &row_blocks);
     if (st == FH_OK && row_blocks) {
         st = fh_workspace_acquire(ctx, lin->n, &plans[0], 1, &ws[0]);
         return st == FH_OK ? fh_gemm_failure(ctx, sequence_block_step(&plans[0], &ws[0], lin, batch, options,

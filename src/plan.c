@@ -36,6 +36,17 @@ static int buffer_bytes(int used, int64_t rows, int64_t cols, size_t elem_size, 
     return 0;
 }
 
+static int64_t du_columns_in_dweight(const fh_plan *plan)
+{
+    return min64(plan->tile_vocab, plan->du_chunks_in_dweight * plan->du_chunk);
+}
+
+/* bf16 row blocks sum a bf16 dx in f32 over several GEMMs (filtered ones, or one per dU chunk) before rounding. */
+static int dx_in_block(const fh_plan *plan)
+{
+    return plan->row_blocks && plan->bf16_du && (plan->filter_eps > 0.0 || plan->du_chunk < plan->tile_vocab);
+}
+
 /* Places the slots, the tile, the column sums, the bf16 path's buffers and filtering's; returns 0, or -1 if a
  * size overflows. */
 static int place_buffers(fh_plan *plan, int64_t n)
@@ -50,10 +61,11 @@ static int place_buffers(fh_plan *plan, int64_t n)
         size_t *offset;
     } buffers[BUFFERS] = {
         {1, n, FH_WORKSPACE_SLOTS, sizeof(double), &plan->slots_offset},
-        {1, rows, cols, sizeof(float), &plan->tile_offset},
+        {!plan->tile_in_dweight, rows, cols, sizeof(float), &plan->tile_offset},
         {plan->companion, rows, cols, sizeof(float), &plan->companion_tile_offset},
         {1, 1, cols, sizeof(double), &plan->column_offset},
-        {plan->bf16_du, plan->row_blocks ? n : rows, cols, sizeof(uint16_t), &plan->du_offset},
+        {plan->bf16_du, plan->row_blocks ? n : rows, cols - du_columns_in_dweight(plan), sizeof(uint16_t),
+         &plan->du_offset},
         {plan->accumulators, n, hidden, sizeof(float), &plan->dx_acc_offset},
         {plan->accumulators, hidden, cols, sizeof(float), &plan->dw_acc_offset},
         {plan->fp32_dz, rows, hidden, sizeof(float), &plan->x32_offset},
@@ -66,7 +78,7 @@ static int place_buffers(fh_plan *plan, int64_t n)
         {filter && plan->bf16_du, rows, FH_FILTER_CHUNK, sizeof(uint16_t), &plan->gathered_du_offset},
         {filter, FH_FILTER_CHUNK, hidden, sizeof(float), &plan->gathered_w_offset},
         {filter, FH_FILTER_CHUNK, hidden, sizeof(float), &plan->gathered_dw_offset},
-        {filter && plan->row_blocks && plan->bf16_du, rows, hidden, sizeof(float), &plan->dx_block_offset},
+        {dx_in_block(plan), rows, hidden, sizeof(float), &plan->dx_block_offset},
     };
     size_t at = 0;
     for (int b = 0; b < BUFFERS; b++) {
@@ -78,6 +90,12 @@ static int place_buffers(fh_plan *plan, int64_t n)
     }
     plan->bytes = at + ALIGN; /* + slack for a caller's base */
     return 0;
+}
+
+/* The weight (and so dweight) stored [V, H] without gaps. */
+static int dense_vh(const fh_linear *lin)
+{
+    return lin->w_stride_hidden == 1 && lin->w_stride_vocab == lin->hidden;
 }
 
 /* What the pass computes and which of the bf16 path's buffers it needs (see fh_plan); companion: a pair plan. */
@@ -93,6 +111,15 @@ static void set_schedule(const fh_context *ctx, const fh_linear *lin, int gradie
     plan->bf16_du = bf16 && !plan->fp32_dz;
     plan->accumulators = bf16 && !row_blocks;
     plan->filter_eps = gradients && !companion ? ctx->grad_filter_eps : 0.0;
+    /* Chunks only where dweight may hold them (see place_in_dweight): in the [H, V] layout oneDNN writes a chunk's
+     * strided dweight through an f32 scratchpad of its size (32 MiB more peak memory at H=1024). */
+    plan->du_chunk = row_blocks && plan->bf16_du && plan->filter_eps == 0.0 && dense_vh(lin)
+                         ? min64(lin->vocab, FH_DU_CHUNK)
+                         : lin->vocab;
+    plan->du_chunks_in_dweight = 0;
+    plan->du_at_element = 0;
+    plan->tile_in_dweight = 0;
+    plan->tile_at_byte = 0;
 }
 
 /* Tile sizes before the budget: parameters, else wisdom, else defaults. */
@@ -215,17 +242,78 @@ static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, int64_t 
     return (int64_t)plan->bytes <= budget ? 0 : -1;
 }
 
-static fh_status plan_train_step(const fh_context *ctx, const fh_linear *lin, int64_t group_rows, int companion,
-                                 fh_plan *plan, int *row_blocks, fh_context *messages)
+/* ---- bf16 row blocks in dweight's memory (fh_plan) ----
+ * A dense bf16 dweight with beta 0 is written only by the chunk GEMMs after the last block, in vocabulary order.
+ * Until then its memory can hold the logits block (dead by then), and in the [V, H] layout dU chunks packed at its
+ * end: chunk c's GEMM writes dweight rows up to the chunk's last column, which must stay below chunk c's own
+ * place. Packed from `start`, chunk c sits at start + n c T, so it fits when that is at least (c T + width_c) H:
+ * true for the leading chunks when H > n, never for the last one (width_c H > n width_c); the chunks that do not
+ * fit stay in the workspace. */
+
+/* How many leading dU chunks fit packed at the end of a [V, H] dweight, above its first `reserved` elements; their
+ * first element in *start. */
+static int64_t chunks_fitting(const fh_plan *plan, int64_t n, int64_t vocab, int64_t hidden, int64_t reserved,
+                              int64_t *start)
+{
+    const int64_t t = plan->du_chunk, chunks = (vocab + t - 1) / t, elements = vocab * hidden;
+    for (int64_t m = chunks; m > 0; m--) {
+        const int64_t at = elements - n * min64(vocab, m * t);
+        int fits = at >= reserved;
+        for (int64_t c = 0; c < m && fits; c++)
+            fits = at + n * c * t >= (c * t + min64(t, vocab - c * t)) * hidden;
+        if (fits) {
+            *start = at;
+            return m;
+        }
+    }
+    return 0;
+}
+
+/* Moves the logits block and the dU chunks that fit into dweight's memory: the placement, with the block there or
+ * not, that leaves the least in the workspace. */
+static void place_in_dweight(fh_plan *plan, const fh_linear *lin, const fh_linear_grads *grads)
+{
+    const int64_t n = lin->n, vocab = lin->vocab, hidden = lin->hidden;
+    if (!grads || !grads->dweight || grads->dweight_dtype != FH_DTYPE_BF16 || grads->dweight_beta != 0.0f ||
+        !plan->row_blocks || !plan->bf16_du || plan->filter_eps > 0.0)
+        return;
+    const int vh = dense_vh(lin);
+    if (!vh && !(lin->w_stride_vocab == 1 && lin->w_stride_hidden == vocab))
+        return;
+    const size_t dweight_bytes = (size_t)(vocab * hidden) * sizeof(uint16_t);
+    const size_t tile_at = (ALIGN - (uintptr_t)grads->dweight % ALIGN) % ALIGN;
+    const size_t tile_bytes = (size_t)(plan->tile_rows * vocab) * sizeof(float);
+    const int tile_fits = tile_at + tile_bytes <= dweight_bytes;
+    int64_t start[2] = {0, 0}, chunks[2] = {0, 0};
+    size_t saved[2] = {0, 0};
+    for (int tile = 0; tile <= tile_fits; tile++) {
+        const int64_t reserved = tile ? (int64_t)((tile_at + tile_bytes + 1) / sizeof(uint16_t)) : 0;
+        chunks[tile] = vh ? chunks_fitting(plan, n, vocab, hidden, reserved, &start[tile]) : 0;
+        saved[tile] = (tile ? tile_bytes : 0) +
+                      (size_t)(n * min64(vocab, chunks[tile] * plan->du_chunk)) * sizeof(uint16_t);
+    }
+    const int best = saved[1] > saved[0];
+    plan->tile_in_dweight = best;
+    plan->tile_at_byte = best ? tile_at : 0;
+    plan->du_chunks_in_dweight = chunks[best];
+    plan->du_at_element = start[best];
+    (void)place_buffers(plan, n); /* smaller than a size that did not overflow */
+}
+
+static fh_status plan_train_step(const fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
+                                 int64_t group_rows, int companion, fh_plan *plan, int *row_blocks,
+                                 fh_context *messages)
 {
     *row_blocks = make_row_blocks(ctx, lin, group_rows, companion, plan) == 0;
+    if (*row_blocks)
+        place_in_dweight(plan, lin, grads);
     return *row_blocks ? FH_OK : plan_make(ctx, lin, FH_CALL_BACKWARD, companion, plan, messages);
 }
 
-fh_status fh_plan_train_step(const fh_context *ctx, const fh_linear *lin, fh_plan *plan, int *row_blocks,
-                             fh_context *messages)
+fh_status fh_plan_train_step(const fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
+                             fh_plan *plan, int *row_blocks, fh_context *messages)
 {
-    return plan_train_step(ctx, lin, 1, 0, plan, row_blocks, messages);
+    return plan_train_step(ctx, lin, grads, 1, 0, plan, row_blocks, messages);
 }
 
 fh_status fh_plan_pair_streaming(const fh_context *ctx, const fh_linear *lin, fh_plan plans[2], fh_context *messages)
@@ -233,10 +321,10 @@ fh_status fh_plan_pair_streaming(const fh_context *ctx, const fh_linear *lin, fh
     return plan_streaming(ctx, lin, 1, plans, messages);
 }
 
-fh_status fh_plan_pair_train_step(const fh_context *ctx, const fh_linear *lin, fh_plan *plan, int *row_blocks,
-                                  fh_context *messages)
+fh_status fh_plan_pair_train_step(const fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
+                                  fh_plan *plan, int *row_blocks, fh_context *messages)
 {
-    return plan_train_step(ctx, lin, 1, 1, plan, row_blocks, messages);
+    return plan_train_step(ctx, lin, grads, 1, 1, plan, row_blocks, messages);
 }
 
 void fh_plan_lower_rows(fh_plan *plan, int64_t n, int64_t rows)
@@ -245,10 +333,10 @@ void fh_plan_lower_rows(fh_plan *plan, int64_t n, int64_t rows)
     (void)place_buffers(plan, n); /* cannot overflow: the taller tile did not */
 }
 
-fh_status fh_plan_train_step_groups(fh_context *ctx, const fh_linear *lin, int64_t group_rows, fh_plan *plan,
-                                    int *row_blocks)
+fh_status fh_plan_train_step_groups(fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
+                                    int64_t group_rows, fh_plan *plan, int *row_blocks)
 {
-    const fh_status st = plan_train_step(ctx, lin, group_rows, 0, plan, row_blocks, ctx);
+    const fh_status st = plan_train_step(ctx, lin, grads, group_rows, 0, plan, row_blocks, ctx);
     if (st != FH_OK || !*row_blocks)
         return st;
     const int64_t groups = lin->n / group_rows, fit = plan->tile_rows / group_rows;
@@ -271,7 +359,7 @@ static fh_status query_bytes(const fh_context *ctx, const fh_linear *lin, int64_
     fh_plan plans[2];
     int row_blocks;
     if (group_rows > 0) {
-        st = plan_train_step(ctx, lin, group_rows, companion, &plans[0], &row_blocks, NULL);
+        st = plan_train_step(ctx, lin, NULL, group_rows, companion, &plans[0], &row_blocks, NULL);
         plans[1] = plans[0];
     } else {
         st = plan_streaming(ctx, lin, companion, plans, NULL);
@@ -316,7 +404,7 @@ static fh_workspace carve(const fh_plan *plan, void *base, int64_t n)
     double *slots = (double *)(aligned + plan->slots_offset);
     for (int a = 0; a < FH_WORKSPACE_SLOTS; a++)
         ws.slot[a] = slots + (size_t)a * (size_t)n;
-    ws.tile = (float *)(aligned + plan->tile_offset);
+    ws.tile = plan->tile_in_dweight ? NULL : (float *)(aligned + plan->tile_offset); /* the engine's then */
     ws.companion_tile = plan->companion ? (float *)(aligned + plan->companion_tile_offset) : NULL;
     ws.column = (double *)(aligned + plan->column_offset);
     ws.du = plan->bf16_du ? (uint16_t *)(aligned + plan->du_offset) : NULL;
@@ -334,7 +422,7 @@ static fh_workspace carve(const fh_plan *plan, void *base, int64_t n)
     ws.gathered_du = filter && plan->bf16_du ? (void *)(aligned + plan->gathered_du_offset) : NULL;
     ws.gathered_w = filter ? (void *)(aligned + plan->gathered_w_offset) : NULL;
     ws.gathered_dw = filter ? (float *)(aligned + plan->gathered_dw_offset) : NULL;
-    ws.dx_block = filter && plan->row_blocks && plan->bf16_du ? (float *)(aligned + plan->dx_block_offset) : NULL;
+    ws.dx_block = dx_in_block(plan) ? (float *)(aligned + plan->dx_block_offset) : NULL;
     ws.gemm_cache = NULL;
     ws.filter_stats = NULL;
     return ws;

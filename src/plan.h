@@ -12,6 +12,8 @@
 #define FH_WORKSPACE_SLOTS 10
 /* Gradient filtering runs its GEMMs on the kept columns gathered this many at a time. */
 #define FH_FILTER_CHUNK 1024
+/* bf16 row blocks keep their dU in chunks of this many vocabulary columns (fh_plan). */
+#define FH_DU_CHUNK 8192
 
 typedef struct fh_plan {
     int threads;          /* fh_threads of the call, fixed once here */
@@ -27,6 +29,17 @@ typedef struct fh_plan {
      * gradients (dx_acc n x H, dw_acc H x tile_vocab), whatever the call's gradient dtypes, so that the size
      * queries, which do not see them, hold for every call. */
     int bf16_du, fp32_dz, accumulators;
+    /* bf16 row blocks keep every row's dU in chunks of du_chunk columns (the last may be narrower), each n x width
+     * row-major: dx is a GEMM per chunk (through dx_block, in f32, for a bf16 dx) and dweight, after the last block,
+     * a GEMM per chunk, written in vocabulary order. One chunk (du_chunk = vocab) unless the weight is dense [V, H]
+     * and filtering is off. When dweight is
+     * a dense bf16 output overwritten (beta 0), its memory is free until those GEMMs (fh_plan_place_in_dweight):
+     * the logits block may sit at its start (tile_in_dweight, tile_at_byte in) and, with the [V, H] layout, the
+     * first du_chunks_in_dweight chunks packed at its end (from element du_at_element), where chunk c is read
+     * before the GEMMs of chunks 0..c write over it; the other chunks stay in the workspace's du. */
+    int64_t du_chunk, du_chunks_in_dweight, du_at_element;
+    int tile_in_dweight;
+    size_t tile_at_byte;
     /* Gradient filtering (fh_context_set_grad_filter_eps): filter_eps > 0 in gradient passes. Its buffers: the
      * columns each thread marked, per segment (2 x threads x tile_vocab bytes); per-column keep and used flags and
      * the kept columns' list; every tile row's c coefficient; three H-vectors for the rank-one c term; the gathered
@@ -53,21 +66,24 @@ fh_status fh_plan_make(const fh_context *ctx, const fh_linear *lin, fh_call call
 fh_status fh_plan_streaming(const fh_context *ctx, const fh_linear *lin, fh_plan plans[2], fh_context *messages);
 
 /* The single-call train step's plan: row blocks of tile_vocab = vocab and as many rows as the budget holds
- * (*row_blocks = 1), else the streaming backward's tiles, in which the fallback runs both passes. */
-fh_status fh_plan_train_step(const fh_context *ctx, const fh_linear *lin, fh_plan *plan, int *row_blocks,
-                             fh_context *messages);
+ * (*row_blocks = 1), else the streaming backward's tiles, in which the fallback runs both passes. In bf16 row
+ * blocks, what fits of the logits block and the dU chunks moves into the memory of grads' dweight when it is a
+ * dense bf16 output with beta 0 and filtering is off (see fh_plan); the workspace only shrinks. The size queries
+ * (grads NULL) keep everything in the workspace. */
+fh_status fh_plan_train_step(const fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
+                             fh_plan *plan, int *row_blocks, fh_context *messages);
 
 /* The train step's plan with row blocks of whole groups of group_rows rows (a sequence, a preference pair),
  * balanced across blocks; *row_blocks = 0 (stream) when not one group fits. */
-fh_status fh_plan_train_step_groups(fh_context *ctx, const fh_linear *lin, int64_t group_rows, fh_plan *plan,
-                                    int *row_blocks);
+fh_status fh_plan_train_step_groups(fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
+                                    int64_t group_rows, fh_plan *plan, int *row_blocks);
 
 /* Plans for a pass with a companion head (fh_pair_kernels): the companion's tile beside lin's, no gradient
  * filtering, and train-step row blocks of at most 224 rows unless FH_PARAM_TILE_ROWS says otherwise (two
  * tiles of logits per row). As fh_plan_streaming and fh_plan_train_step otherwise. */
 fh_status fh_plan_pair_streaming(const fh_context *ctx, const fh_linear *lin, fh_plan plans[2], fh_context *messages);
-fh_status fh_plan_pair_train_step(const fh_context *ctx, const fh_linear *lin, fh_plan *plan, int *row_blocks,
-                                  fh_context *messages);
+fh_status fh_plan_pair_train_step(const fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
+                                  fh_plan *plan, int *row_blocks, fh_context *messages);
 /* Workspace bytes of every call of a head with a companion (the larger of the two above; pure). */
 fh_status fh_plan_pair_query_bytes(const fh_context *ctx, const fh_linear *lin, size_t *bytes);
 

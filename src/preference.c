@@ -489,7 +489,7 @@ FH_API fh_status fh_preference_forward_backward(fh_context *ctx, const fh_linear
     fh_workspace ws[2];
     int row_blocks = 0;
     if (st == FH_OK)
-        st = fh_plan_train_step_groups(ctx, lin, 2 * batch->seq, &plans[0], &row_blocks);
+        st = fh_plan_train_step_groups(ctx, lin, grads, 2 * batch->seq, &plans[0], &row_blocks);
     if (st == FH_OK)
         st = row_blocks ? fh_workspace_acquire(ctx, lin->n, &plans[0], 1, &ws[0])
                         : fh_prepare_streaming(ctx, lin, plans, ws);

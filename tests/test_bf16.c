@@ -161,6 +161,17 @@ static void test_bf16_gradients_are_rounded_fp32(void)
     }
 }
 
+/* Small deterministic bf16 hidden states [n, H] and weight, and targets spread over the vocabulary by `step`. */
+static void fill_problem(uint16_t *x, uint16_t *w, int64_t *targets, int64_t n, int64_t h, int64_t v, int64_t step)
+{
+    for (int64_t i = 0; i < n * h; i++)
+        x[i] = bf16_from_float((float)((i % 7) - 3) * 0.1f);
+    for (int64_t i = 0; i < v * h; i++)
+        w[i] = bf16_from_float((float)((i % 11) - 5) * 0.05f);
+    for (int64_t i = 0; i < n; i++)
+        targets[i] = (i * step) % v;
+}
+
 /* A caller's workspace of exactly the queried size serves bf16 calls whatever their gradient dtypes: the query
  * does not see them, so the plan reserves the accumulators of bf16 gradients. */
 static void test_queried_workspace_serves_bf16_gradients(void)
@@ -169,13 +180,8 @@ static void test_queried_workspace_serves_bf16_gradients(void)
         return;
     enum { N = 50, H = 24, V = 700 };
     static uint16_t x[N * H], w[V * H], dx[N * H], dw[V * H];
-    for (int i = 0; i < N * H; i++)
-        x[i] = bf16_from_float((float)((i % 7) - 3) * 0.1f);
-    for (int i = 0; i < V * H; i++)
-        w[i] = bf16_from_float((float)((i % 11) - 5) * 0.05f);
     int64_t targets[N];
-    for (int i = 0; i < N; i++)
-        targets[i] = (i * 37) % V;
+    fill_problem(x, w, targets, N, H, V, 37);
     fh_ce_options o;
     fh_ce_options_init(&o);
     fh_linear lin;
@@ -205,6 +211,80 @@ static void test_queried_workspace_serves_bf16_gradients(void)
             fh_context_destroy(ctx);
             free(ws);
         }
+}
+
+/* The train step keeps its logits block and its dU chunks in the memory of a dense bf16 dweight with beta 0 (written
+ * only after the last block). At N = 40, H = 160, V = 20000 the dU has three chunks of 8192 columns or fewer: with
+ * [V, H] the first two and the block fit in dweight, the last chunk stays in the workspace; with [H, V] only the
+ * block does; with beta 1 nothing does. Each against the reference (the bf16 tolerances of ref/ce_case.c), in one
+ * row block and in three. */
+static void test_scratch_in_dweight(void)
+{
+    if (!cp_have_bf16())
+        return;
+    for (int layout = 0; layout < 2; layout++)
+        for (int beta = 0; beta < 2; beta++)
+            for (int64_t rows = 0; rows <= 16; rows += 16) {
+                ce_case_spec s = bf16_spec((fh_layout)layout, 1);
+                s.n = 40;
+                s.hidden = 160;
+                s.vocab = 20000;
+                s.grad_dtype = FH_DTYPE_BF16;
+                s.grad_beta = (float)beta;
+                s.tile_rows = rows;
+                s.bias = 1;
+                s.label_smoothing = 0.1;
+                cp_check_spec(&s, beta ? "bf16 train step, beta 1: nothing in dweight"
+                                       : "bf16 train step, logits block and dU chunks in dweight");
+            }
+}
+
+/* The caller's workspace such a train step needs shrinks by what dweight holds: 1 MiB serves [V, H] with beta 0
+ * (about 0.5 MiB: the last dU chunk, 289 KiB, the bias column sums, 160 KiB, and the rest; the logits block is
+ * 3.1 MiB and the dU 1.5 MiB), 2.5 MiB serves [H, V] (the dU stays), and beta 1 needs more than either. */
+static void test_workspace_without_scratch(void)
+{
+    if (!cp_have_bf16())
+        return;
+    enum { N = 40, H = 160, V = 20000 };
+    uint16_t *x = malloc(sizeof(uint16_t) * N * H), *w = malloc(sizeof(uint16_t) * V * H);
+    uint16_t *dx = calloc(N * H, sizeof(uint16_t)), *dw = calloc((size_t)V * H, sizeof(uint16_t));
+    float *bias = calloc(V, sizeof(float)), *db = calloc(V, sizeof(float));
+    void *ws = malloc((size_t)5 << 19);
+    TU_CHECK(x && w && dx && dw && bias && db && ws, "allocations");
+    if (!(x && w && dx && dw && bias && db && ws))
+        goto done;
+    int64_t targets[N];
+    fill_problem(x, w, targets, N, H, V, 997);
+    fh_ce_options o;
+    fh_ce_options_init(&o);
+    for (int layout = 0; layout < 2; layout++)
+        for (int beta = 0; beta < 2; beta++) {
+            const size_t bytes = layout == FH_LAYOUT_VH ? (size_t)1 << 20 : (size_t)5 << 19;
+            fh_linear lin;
+            fh_linear_init(&lin, N, H, V, x, w, (fh_layout)layout, bias);
+            lin.x_dtype = lin.weight_dtype = FH_DTYPE_BF16;
+            fh_context *ctx = tu_context(1, 0, 0, 0);
+            TU_CHECK(fh_context_set_workspace(ctx, ws, bytes) == FH_OK, "set a workspace of %zu bytes", bytes);
+            double loss = 0.0;
+            fh_ce_outputs out = {.loss = &loss};
+            fh_linear_grads g = {.dx = dx, .dx_row_stride = H, .dweight = dw, .dweight_beta = (float)beta,
+                                 .dbias = db, .dx_dtype = FH_DTYPE_BF16, .dweight_dtype = FH_DTYPE_BF16};
+            const float one = 1.0f;
+            const fh_status st = fh_ce_forward_backward(ctx, &lin, targets, &o, &one, &out, &g);
+            const fh_status expected = beta ? FH_ERR_WORKSPACE_TOO_SMALL : FH_OK;
+            TU_CHECK(st == expected, "%s, dweight beta %d, in a workspace of %zu bytes: status %d, expected %d",
+                     layout == FH_LAYOUT_VH ? "[V, H]" : "[H, V]", beta, bytes, (int)st, (int)expected);
+            fh_context_destroy(ctx);
+        }
+done:
+    free(x);
+    free(w);
+    free(dx);
+    free(dw);
+    free(bias);
+    free(db);
+    free(ws);
 }
 
 /* Mixed or unknown dtypes, bf16 without a provider, bf16 gradients of fp32 inputs and unknown gradient dtypes are
@@ -387,6 +467,8 @@ static const tu_test tests[] = {
     {"fp32 and bf16 gradients, fp32 dZ", test_gradient_dtypes},
     {"bf16 gradients are the fp32 ones rounded once", test_bf16_gradients_are_rounded_fp32},
     {"the queried workspace serves bf16 gradients", test_queried_workspace_serves_bf16_gradients},
+    {"logits block and dU chunks in dweight's memory", test_scratch_in_dweight},
+    {"a smaller workspace with scratch in dweight", test_workspace_without_scratch},
     {"dtype contract", test_dtype_contract},
     {"wisdom entries per dtype", test_wisdom_dtype},
     {"non-finite bf16 inputs", test_nonfinite_bf16},

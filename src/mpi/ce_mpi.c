@@ -256,7 +256,7 @@ FH_MPI_API fh_status fh_mpi_ce_forward_backward(fh_context *ctx, fh_mpi_layout *
     if (st == FH_OK)
         st = check_backward(&c, grad_output, grads);
     if (st == FH_OK)
-        st = fh_plan_train_step(ctx, lin, &plans[0], &row_blocks, ctx);
+        st = fh_plan_train_step(ctx, lin, grads, &plans[0], &row_blocks, ctx);
     /* Row blocks only where every rank can, at one height per vocab communicator (uneven shards plan
      * different ones); else every rank streams. */
     int64_t rows;
