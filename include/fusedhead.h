@@ -71,7 +71,10 @@ typedef enum fh_status {
     FH_ERR_TEACHER_MISMATCH = 27,       /* the teacher's n or V differs from the student's */
     /* 30..39: context and parameters */
     FH_ERR_INVALID_PARAM = 30,        /* unknown fh_param */
-    FH_ERR_INVALID_PARAM_VALUE = 31   /* value outside fh_param_bounds() */
+    FH_ERR_INVALID_PARAM_VALUE = 31,  /* value outside fh_param_bounds() */
+    /* 40..49: the GEMM providers */
+    FH_ERR_GEMM_FAILED = 40           /* the bf16 GEMM provider (oneDNN) refused a product's shapes or strides,
+                                         or failed while running it, for a reason other than memory */
 } fh_status;
 
 /* A static, human-readable description of a status; never NULL (unknown values get a generic text). */

@@ -85,8 +85,8 @@ typedef struct fh_engine_pass {
                                      fh_engine_forward runs every pass of the pair's kernels */
 } fh_engine_pass;
 
-/* Every pass makes its GEMMs ready first (fh_gemm_prepare), so that it fails, if it does (FH_ERR_OUT_OF_MEMORY
- * from the bf16 provider), before it writes any output. A caller that runs a forward and then a backward
+/* Every pass makes its GEMMs ready first (fh_gemm_prepare), so that it fails, if it does (FH_ERR_OUT_OF_MEMORY or
+ * FH_ERR_GEMM_FAILED from the bf16 provider), before it writes any output. A caller that runs a forward and then a backward
  * pass with the same plan calls this with the backward's pass (grads set) before the forward. */
 fh_status fh_engine_prepare(const fh_engine_pass *p);
 

@@ -466,5 +466,6 @@ fh_status fh_gemm_failure(fh_context *ctx, fh_status status)
         return FH_OK;
     return fh_fail(ctx, status, "the bf16 GEMM provider (%s) %s", fh_gemm_bf16_provider(),
                    status == FH_ERR_OUT_OF_MEMORY ? "could not allocate a primitive or its memory"
+                   : status == FH_ERR_GEMM_FAILED ? "refused a product's shapes or strides, or failed while running it"
                                                   : "does not multiply these dtypes");
 }

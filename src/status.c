@@ -34,6 +34,7 @@ FH_API const char *fh_status_string(fh_status status)
     case FH_ERR_TEACHER_MISMATCH: return "the teacher's tokens or vocabulary differ from the student's";
     case FH_ERR_INVALID_PARAM: return "unknown parameter";
     case FH_ERR_INVALID_PARAM_VALUE: return "parameter value out of bounds";
+    case FH_ERR_GEMM_FAILED: return "the bf16 GEMM provider refused a product or failed while running it";
     }
     return "unknown status";
 }

@@ -517,6 +517,7 @@ static void test_status_strings(void)
                              FH_ERR_MISSING_OUTPUT,
                              FH_ERR_NONFINITE_INPUT,
                              FH_ERR_INVALID_LAYOUT,
+                             FH_ERR_INVALID_DTYPE,
                              FH_ERR_INVALID_REDUCTION,
                              FH_ERR_INVALID_LABEL_SMOOTHING,
                              FH_ERR_INVALID_SOFTCAP,
@@ -532,8 +533,12 @@ static void test_status_strings(void)
                              FH_ERR_BUDGET_TOO_SMALL,
                              FH_ERR_WISDOM_IO,
                              FH_ERR_INVALID_WISDOM,
+                             FH_ERR_INVALID_PREFERENCE_OPTION,
+                             FH_ERR_INVALID_DISTILL_OPTION,
+                             FH_ERR_TEACHER_MISMATCH,
                              FH_ERR_INVALID_PARAM,
-                             FH_ERR_INVALID_PARAM_VALUE};
+                             FH_ERR_INVALID_PARAM_VALUE,
+                             FH_ERR_GEMM_FAILED};
     for (size_t a = 0; a < TU_COUNT(all); a++) {
         const char *s = fh_status_string(all[a]);
         TU_CHECK(s && s[0], "status %d: empty text", (int)all[a]);
@@ -542,7 +547,7 @@ static void test_status_strings(void)
             TU_CHECK(!t || strcmp(s, t) != 0, "statuses %d and %d share the text \"%s\"", (int)all[a], (int)all[b], s);
         }
     }
-    const fh_status unknown[] = {(fh_status)7, (fh_status)-1, (fh_status)999};
+    const fh_status unknown[] = {(fh_status)28, (fh_status)-1, (fh_status)999};
     for (size_t k = 0; k < TU_COUNT(unknown); k++) {
         const char *s = fh_status_string(unknown[k]);
         TU_CHECK(s && s[0], "unknown status %d: no text", (int)unknown[k]);

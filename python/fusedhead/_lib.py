@@ -63,6 +63,7 @@ class Status(enum.IntEnum):
     ERR_TEACHER_MISMATCH = 27
     ERR_INVALID_PARAM = 30
     ERR_INVALID_PARAM_VALUE = 31
+    ERR_GEMM_FAILED = 40
 
 
 class Param(enum.IntEnum):

@@ -7,6 +7,7 @@ Every failing library call raises a FusedheadError subclass chosen by the status
         TargetOutOfRangeError, ...           options, wisdom entries (one class per status)
       FusedheadMemoryError (+ MemoryError)   statuses 20..22: workspace and memory
       WisdomIOError (+ OSError)              status 23: a wisdom file cannot be read or written
+      GemmFailedError                        status 40: the bf16 GEMM provider refused a product or failed
 
 Argument problems caught in Python before the library is called (wrong dtype, device, shape or layout)
 raise plain TypeError / ValueError that say what was expected.
@@ -75,6 +76,7 @@ class InvalidWisdomError(FusedheadValueError): pass
 class InvalidLayoutError(FusedheadValueError): pass
 class InvalidParamError(FusedheadValueError): pass
 class InvalidParamValueError(FusedheadValueError): pass
+class GemmFailedError(FusedheadError): pass
 
 
 ERROR_CLASSES: Dict[int, Type[FusedheadError]] = {
@@ -107,6 +109,7 @@ ERROR_CLASSES: Dict[int, Type[FusedheadError]] = {
     Status.ERR_TEACHER_MISMATCH: TeacherMismatchError,
     Status.ERR_INVALID_PARAM: InvalidParamError,
     Status.ERR_INVALID_PARAM_VALUE: InvalidParamValueError,
+    Status.ERR_GEMM_FAILED: GemmFailedError,
 }
 
 

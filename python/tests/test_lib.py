@@ -207,7 +207,10 @@ def test_status_strings_and_error_classes():
     for status, cls in fusedhead.errors.ERROR_CLASSES.items():
         e = fusedhead.errors.error_for(status, fusedhead.status_string(status), "detail", "fh_x")
         assert type(e) is cls and e.status == status and isinstance(e, fusedhead.FusedheadError)
-        assert isinstance(e, MemoryError if 20 <= status <= 22 else OSError if status == 23 else ValueError)
+        if status == 40:  # the GEMM provider failed: neither the caller's values nor memory
+            assert not isinstance(e, (ValueError, MemoryError, OSError))
+        else:
+            assert isinstance(e, MemoryError if 20 <= status <= 22 else OSError if status == 23 else ValueError)
         again = pickle.loads(pickle.dumps(e))
         assert type(again) is cls and str(again) == str(e)
     assert type(fusedhead.errors.error_for(999, "?")) is fusedhead.FusedheadError

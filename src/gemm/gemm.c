@@ -26,8 +26,9 @@ fh_status fh_gemm_prepare(fh_gemm_cache **cache, int64_t m, int64_t n, int64_t k
         return c->type == FH_ELEM_F32 ? FH_OK : FH_ERR_INVALID_DTYPE;
 #ifdef FH_HAVE_ONEDNN
     if (is_bf16(a, b)) {
-        if (!*cache && fh_onednn_cache_create(cache) != FH_OK)
-            return FH_ERR_OUT_OF_MEMORY;
+        const fh_status st = *cache ? FH_OK : fh_onednn_cache_create(cache);
+        if (st != FH_OK)
+            return st;
         return fh_onednn_prepare(*cache, m, n, k, a, b, accumulate, c, threads);
     }
 #else

@@ -30,14 +30,14 @@ typedef struct fh_gemm_cache fh_gemm_cache;
 
 /* Makes ready what fh_gemm needs for these shapes, strides, types, accumulate mode and threads (the data
  * pointers do not matter), creating *cache when a provider needs one; so that a pass can fail before it
- * writes any output. FH_ERR_OUT_OF_MEMORY, or FH_ERR_INVALID_DTYPE when no provider multiplies these
- * types. */
+ * writes any output. FH_ERR_OUT_OF_MEMORY, FH_ERR_GEMM_FAILED when the provider refuses them otherwise, or
+ * FH_ERR_INVALID_DTYPE when no provider multiplies these types. */
 fh_status fh_gemm_prepare(fh_gemm_cache **cache, int64_t m, int64_t n, int64_t k, const fh_gemm_input *a,
                           const fh_gemm_input *b, int accumulate, const fh_gemm_output *c, int threads);
 
 /* C = A B (accumulate 0: C is not read) or C += A B (accumulate 1), with A m x k, B k x n and C m x n,
  * on threads threads. After fh_gemm_prepare with the same arguments it fails only if the provider fails
- * inside (FH_ERR_OUT_OF_MEMORY). */
+ * inside (FH_ERR_OUT_OF_MEMORY, FH_ERR_GEMM_FAILED). */
 fh_status fh_gemm(fh_gemm_cache *cache, int64_t m, int64_t n, int64_t k, const fh_gemm_input *a,
                   const fh_gemm_input *b, int accumulate, const fh_gemm_output *c, int threads);
 

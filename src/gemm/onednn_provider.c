@@ -46,19 +46,27 @@ struct fh_gemm_cache {
 
 static const int arguments[3] = {DNNL_ARG_SRC, DNNL_ARG_WEIGHTS, DNNL_ARG_DST};
 
+/* The library's status for a oneDNN failure: memory, or the provider's own. */
+static fh_status status_of(dnnl_status_t s)
+{
+    return s == dnnl_success ? FH_OK : s == dnnl_out_of_memory ? FH_ERR_OUT_OF_MEMORY : FH_ERR_GEMM_FAILED;
+}
+
 fh_status fh_onednn_cache_create(fh_gemm_cache **cache)
 {
     fh_gemm_cache *c = calloc(1, sizeof *c);
     if (!c)
         return FH_ERR_OUT_OF_MEMORY;
-    if (dnnl_engine_create(&c->engine, dnnl_cpu, 0) != dnnl_success) {
+    dnnl_status_t s = dnnl_engine_create(&c->engine, dnnl_cpu, 0);
+    if (s != dnnl_success) {
         free(c);
-        return FH_ERR_OUT_OF_MEMORY;
+        return status_of(s);
     }
-    if (dnnl_stream_create(&c->stream, c->engine, dnnl_stream_default_flags) != dnnl_success) {
+    s = dnnl_stream_create(&c->stream, c->engine, dnnl_stream_default_flags);
+    if (s != dnnl_success) {
         dnnl_engine_destroy(c->engine);
         free(c);
-        return FH_ERR_OUT_OF_MEMORY;
+        return status_of(s);
     }
     *cache = c;
     return FH_OK;
@@ -128,48 +136,56 @@ static gemm_key key_of(int64_t m, int64_t n, int64_t k, const fh_gemm_input *a, 
     return key;
 }
 
-/* Builds entry's primitive and memory objects for key; 0 or -1. */
-static int build(fh_gemm_cache *cache, const gemm_key *key, cache_entry *entry)
+/* Builds entry's primitive and memory objects for key; the first oneDNN failure's status. */
+static dnnl_status_t build(fh_gemm_cache *cache, const gemm_key *key, cache_entry *entry)
 {
     const int64_t rows[3] = {key->m, key->k, key->m}, cols[3] = {key->k, key->n, key->n};
     dnnl_memory_desc_t md[3];
-    for (int o = 0; o < 3; o++) {
+    dnnl_status_t s = dnnl_success;
+    for (int o = 0; o < 3 && s == dnnl_success; o++) {
         const dnnl_dims_t dims = {rows[o], cols[o]};
         const dnnl_dims_t strides = {key->strides[2 * o], key->strides[2 * o + 1]};
-        if (dnnl_memory_desc_init_by_strides(&md[o], 2, dims, dnnl_type(key->types[o]), strides) != dnnl_success)
-            return -1;
+        s = dnnl_memory_desc_init_by_strides(&md[o], 2, dims, dnnl_type(key->types[o]), strides);
     }
     dnnl_matmul_desc_t desc;
     dnnl_primitive_attr_t attr = NULL;
     dnnl_post_ops_t post_ops = NULL;
     dnnl_primitive_desc_t pd = NULL;
-    int ok = dnnl_matmul_desc_init(&desc, &md[0], &md[1], NULL, &md[2]) == dnnl_success &&
-             dnnl_primitive_attr_create(&attr) == dnnl_success;
+    if (s == dnnl_success)
+        s = dnnl_matmul_desc_init(&desc, &md[0], &md[1], NULL, &md[2]);
+    if (s == dnnl_success)
+        s = dnnl_primitive_attr_create(&attr);
     /* C += A B is a matmul with a sum post-op of scale 1. */
-    if (ok && key->accumulate)
-        ok = dnnl_post_ops_create(&post_ops) == dnnl_success && dnnl_post_ops_append_sum(post_ops, 1.0f) == dnnl_success &&
-             dnnl_primitive_attr_set_post_ops(attr, post_ops) == dnnl_success;
-    ok = ok && dnnl_primitive_desc_create(&pd, &desc, attr, cache->engine, NULL) == dnnl_success;
-    ok = ok && dnnl_primitive_create(&entry->primitive, pd) == dnnl_success;
-    for (int o = 0; ok && o < 3; o++)
-        ok = dnnl_memory_create(&entry->memory[o], &md[o], cache->engine, DNNL_MEMORY_NONE) == dnnl_success;
+    if (s == dnnl_success && key->accumulate)
+        s = dnnl_post_ops_create(&post_ops);
+    if (s == dnnl_success && key->accumulate)
+        s = dnnl_post_ops_append_sum(post_ops, 1.0f);
+    if (s == dnnl_success && key->accumulate)
+        s = dnnl_primitive_attr_set_post_ops(attr, post_ops);
+    if (s == dnnl_success)
+        s = dnnl_primitive_desc_create(&pd, &desc, attr, cache->engine, NULL);
+    if (s == dnnl_success)
+        s = dnnl_primitive_create(&entry->primitive, pd);
+    for (int o = 0; o < 3 && s == dnnl_success; o++)
+        s = dnnl_memory_create(&entry->memory[o], &md[o], cache->engine, DNNL_MEMORY_NONE);
     if (pd)
         dnnl_primitive_desc_destroy(pd);
     if (post_ops)
         dnnl_post_ops_destroy(post_ops);
     if (attr)
         dnnl_primitive_attr_destroy(attr);
-    if (!ok) {
+    if (s != dnnl_success)
         release(entry);
-        return -1;
-    }
-    entry->key = *key;
-    return 0;
+    else
+        entry->key = *key;
+    return s;
 }
 
-/* The entry for key, built on a miss in the least recently used place; NULL when oneDNN fails. */
-static cache_entry *lookup(fh_gemm_cache *cache, const gemm_key *key)
+/* The entry for key, built on a miss in the least recently used place; NULL when oneDNN fails (*status says
+ * why). */
+static cache_entry *lookup(fh_gemm_cache *cache, const gemm_key *key, fh_status *status)
 {
+    *status = FH_OK;
     cache_entry *victim = &cache->entries[0];
     cache->clock++;
     for (int e = 0; e < CACHE_ENTRIES; e++) {
@@ -184,9 +200,9 @@ static cache_entry *lookup(fh_gemm_cache *cache, const gemm_key *key)
     release(victim);
     const int saved = omp_get_max_threads();
     omp_set_num_threads(key->threads);
-    const int built = build(cache, key, victim);
+    *status = status_of(build(cache, key, victim));
     omp_set_num_threads(saved);
-    if (built != 0)
+    if (*status != FH_OK)
         return NULL;
     victim->last_use = cache->clock;
     return victim;
@@ -197,7 +213,9 @@ fh_status fh_onednn_prepare(fh_gemm_cache *cache, int64_t m, int64_t n, int64_t 
 {
     int swap;
     const gemm_key key = key_of(m, n, k, a, b, accumulate, c, threads, &swap);
-    return lookup(cache, &key) ? FH_OK : FH_ERR_OUT_OF_MEMORY;
+    fh_status st;
+    lookup(cache, &key, &st);
+    return st;
 }
 
 fh_status fh_onednn_gemm(fh_gemm_cache *cache, int64_t m, int64_t n, int64_t k, const fh_gemm_input *a,
@@ -205,24 +223,28 @@ fh_status fh_onednn_gemm(fh_gemm_cache *cache, int64_t m, int64_t n, int64_t k, 
 {
     int swap;
     const gemm_key key = key_of(m, n, k, a, b, accumulate, c, threads, &swap);
-    cache_entry *entry = lookup(cache, &key);
+    fh_status st;
+    cache_entry *entry = lookup(cache, &key, &st);
     if (!entry)
-        return FH_ERR_OUT_OF_MEMORY;
+        return st;
     /* oneDNN takes non-const handles but does not write A or B. */
     void *const data[3] = {(void *)(swap ? b : a)->data, (void *)(swap ? a : b)->data, c->data};
     dnnl_exec_arg_t exec[3];
-    int ok = 1;
+    dnnl_status_t s = dnnl_success;
     for (int o = 0; o < 3; o++) {
-        ok = ok && dnnl_memory_set_data_handle(entry->memory[o], data[o]) == dnnl_success;
+        if (s == dnnl_success)
+            s = dnnl_memory_set_data_handle(entry->memory[o], data[o]);
         exec[o].arg = arguments[o];
         exec[o].memory = entry->memory[o];
     }
     const int saved = omp_get_max_threads();
     omp_set_num_threads(threads);
-    ok = ok && dnnl_primitive_execute(entry->primitive, cache->stream, 3, exec) == dnnl_success &&
-         dnnl_stream_wait(cache->stream) == dnnl_success;
+    if (s == dnnl_success)
+        s = dnnl_primitive_execute(entry->primitive, cache->stream, 3, exec);
+    if (s == dnnl_success)
+        s = dnnl_stream_wait(cache->stream);
     omp_set_num_threads(saved);
-    return ok ? FH_OK : FH_ERR_OUT_OF_MEMORY;
+    return status_of(s);
 }
 
 static pthread_once_t description_once = PTHREAD_ONCE_INIT;

@@ -4,11 +4,12 @@
 
 #include "gemm.h"
 
-/* FH_OK, or FH_ERR_OUT_OF_MEMORY when the cache or oneDNN's engine cannot be made. */
+/* FH_OK, or when the cache or oneDNN's engine cannot be made FH_ERR_OUT_OF_MEMORY (memory) or FH_ERR_GEMM_FAILED
+ * (any other oneDNN failure), as every function here. */
 fh_status fh_onednn_cache_create(fh_gemm_cache **cache);
 void fh_onednn_cache_destroy(fh_gemm_cache *cache);
 
-/* Builds (once) the primitive for these arguments; FH_ERR_OUT_OF_MEMORY when oneDNN cannot. */
+/* Builds (once) the primitive for these arguments. */
 fh_status fh_onednn_prepare(fh_gemm_cache *cache, int64_t m, int64_t n, int64_t k, const fh_gemm_input *a,
                             const fh_gemm_input *b, int accumulate, const fh_gemm_output *c, int threads);
 
