@@ -140,8 +140,10 @@ FH_API fh_status fh_context_save_wisdom(const fh_context *ctx, const char *path)
 /* Describes the last error returned by a call on this context ("" after success). Valid until the next
  * call on the context. The workspace-size queries are pure and leave it unchanged. */
 FH_API fh_status fh_context_message(const fh_context *ctx, const char **message);
-/* Hands the context a caller-owned workspace; from then on the library never allocates for calls on
- * this context. NULL/0 returns to library-managed workspace (allocated once, reused across calls). */
+/* Hands the context a caller-owned workspace; from then on the library never allocates a workspace for calls
+ * on this context. bf16 calls still build their oneDNN primitives, once per GEMM shape, in a cache the context
+ * owns (made by the first bf16 call; oneDNN allocates what a primitive holds). NULL/0 returns to
+ * library-managed workspace (allocated once, reused across calls). */
 FH_API fh_status fh_context_set_workspace(fh_context *ctx, void *workspace, size_t bytes);
 
 /* Gradient filtering (as Cut Cross-Entropy's): in every backward pass (split backward and train step, every
