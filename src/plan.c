@@ -243,24 +243,24 @@ static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, int64_t 
 }
 
 /* ---- bf16 row blocks in dweight's memory (fh_plan) ----
- * A dense bf16 dweight with beta 0 is written only by the chunk GEMMs after the last block, in vocabulary order.
- * Until then its memory can hold the logits block (dead by then), and in the [V, H] layout dU chunks packed at its
- * end: chunk c's GEMM writes dweight rows up to the chunk's last column, which must stay below chunk c's own
- * place. Packed from `start`, chunk c sits at start + n c T, so it fits when that is at least (c T + width_c) H:
- * true for the leading chunks when H > n, never for the last one (width_c H > n width_c); the chunks that do not
- * fit stay in the workspace. */
+ * A dense dweight (bf16, or fp32) with beta 0 is written only by the chunk GEMMs after the last block, in vocabulary
+ * order. Until then its memory can hold the logits block (dead by then), and in the [V, H] layout dU chunks packed
+ * at its end: chunk c's GEMM writes dweight rows up to the chunk's last column, which must stay below chunk c's own
+ * place. Counted in bf16 elements, with u = 1 (bf16 dweight) or 2 (fp32), chunk c packed from `start` sits at
+ * start + n c T, so it fits when that is at least (c T + width_c) H u: true for the leading chunks when H u > n,
+ * never for the last one (width_c H u > n width_c); the chunks that do not fit stay in the workspace. */
 
-/* How many leading dU chunks fit packed at the end of a [V, H] dweight, above its first `reserved` elements; their
- * first element in *start. */
-static int64_t chunks_fitting(const fh_plan *plan, int64_t n, int64_t vocab, int64_t hidden, int64_t reserved,
-                              int64_t *start)
+/* How many leading dU chunks fit packed at the end of a [V, H] dweight of u bf16 elements per element, above its
+ * first `reserved` bf16 elements; their first element in *start. */
+static int64_t chunks_fitting(const fh_plan *plan, int64_t n, int64_t vocab, int64_t hidden, int64_t u,
+                              int64_t reserved, int64_t *start)
 {
-    const int64_t t = plan->du_chunk, chunks = (vocab + t - 1) / t, elements = vocab * hidden;
+    const int64_t t = plan->du_chunk, chunks = (vocab + t - 1) / t, elements = vocab * hidden * u;
     for (int64_t m = chunks; m > 0; m--) {
         const int64_t at = elements - n * min64(vocab, m * t);
         int fits = at >= reserved;
         for (int64_t c = 0; c < m && fits; c++)
-            fits = at + n * c * t >= (c * t + min64(t, vocab - c * t)) * hidden;
+            fits = at + n * c * t >= (c * t + min64(t, vocab - c * t)) * hidden * u;
         if (fits) {
             *start = at;
             return m;
@@ -274,13 +274,14 @@ static int64_t chunks_fitting(const fh_plan *plan, int64_t n, int64_t vocab, int
 static void place_in_dweight(fh_plan *plan, const fh_linear *lin, const fh_linear_grads *grads)
 {
     const int64_t n = lin->n, vocab = lin->vocab, hidden = lin->hidden;
-    if (!grads || !grads->dweight || grads->dweight_dtype != FH_DTYPE_BF16 || grads->dweight_beta != 0.0f ||
-        !plan->row_blocks || !plan->bf16_du || plan->filter_eps > 0.0)
+    if (!grads || !grads->dweight || grads->dweight_beta != 0.0f || !plan->row_blocks || !plan->bf16_du ||
+        plan->filter_eps > 0.0)
         return;
     const int vh = dense_vh(lin);
     if (!vh && !(lin->w_stride_vocab == 1 && lin->w_stride_hidden == vocab))
         return;
-    const size_t dweight_bytes = (size_t)(vocab * hidden) * sizeof(uint16_t);
+    const int64_t u = grads->dweight_dtype == FH_DTYPE_BF16 ? 1 : 2;
+    const size_t dweight_bytes = (size_t)(vocab * hidden * u) * sizeof(uint16_t);
     const size_t tile_at = (ALIGN - (uintptr_t)grads->dweight % ALIGN) % ALIGN;
     const size_t tile_bytes = (size_t)(plan->tile_rows * vocab) * sizeof(float);
     const int tile_fits = tile_at + tile_bytes <= dweight_bytes;
@@ -288,7 +289,7 @@ static void place_in_dweight(fh_plan *plan, const fh_linear *lin, const fh_linea
     size_t saved[2] = {0, 0};
     for (int tile = 0; tile <= tile_fits; tile++) {
         const int64_t reserved = tile ? (int64_t)((tile_at + tile_bytes + 1) / sizeof(uint16_t)) : 0;
-        chunks[tile] = vh ? chunks_fitting(plan, n, vocab, hidden, reserved, &start[tile]) : 0;
+        chunks[tile] = vh ? chunks_fitting(plan, n, vocab, hidden, u, reserved, &start[tile]) : 0;
         saved[tile] = (tile ? tile_bytes : 0) +
                       (size_t)(n * min64(vocab, chunks[tile] * plan->du_chunk)) * sizeof(uint16_t);
     }

@@ -32,9 +32,8 @@ typedef struct fh_plan {
     /* bf16 row blocks keep every row's dU in chunks of du_chunk columns (the last may be narrower), each n x width
      * row-major: dx is a GEMM per chunk (through dx_block, in f32, for a bf16 dx) and dweight, after the last block,
      * a GEMM per chunk, written in vocabulary order. One chunk (du_chunk = vocab) unless the weight is dense [V, H]
-     * and filtering is off. When dweight is
-     * a dense bf16 output overwritten (beta 0), its memory is free until those GEMMs (fh_plan_place_in_dweight):
-     * the logits block may sit at its start (tile_in_dweight, tile_at_byte in) and, with the [V, H] layout, the
+     * and filtering is off. When dweight is a dense output (bf16 or fp32) overwritten (beta 0), its memory is free
+     * until those GEMMs (plan.c): the logits block may sit at its start (tile_in_dweight, tile_at_byte in) and, with the [V, H] layout, the
      * first du_chunks_in_dweight chunks packed at its end (from element du_at_element), where chunk c is read
      * before the GEMMs of chunks 0..c write over it; the other chunks stay in the workspace's du. */
     int64_t du_chunk, du_chunks_in_dweight, du_at_element;
@@ -68,7 +67,7 @@ fh_status fh_plan_streaming(const fh_context *ctx, const fh_linear *lin, fh_plan
 /* The single-call train step's plan: row blocks of tile_vocab = vocab and as many rows as the budget holds
  * (*row_blocks = 1), else the streaming backward's tiles, in which the fallback runs both passes. In bf16 row
  * blocks, what fits of the logits block and the dU chunks moves into the memory of grads' dweight when it is a
- * dense bf16 output with beta 0 and filtering is off (see fh_plan); the workspace only shrinks. The size queries
+ * dense output with beta 0 and filtering is off (see fh_plan); the workspace only shrinks. The size queries
  * (grads NULL) keep everything in the workspace. */
 fh_status fh_plan_train_step(const fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
                              fh_plan *plan, int *row_blocks, fh_context *messages);

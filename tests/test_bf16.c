@@ -213,71 +213,90 @@ static void test_queried_workspace_serves_bf16_gradients(void)
         }
 }
 
-/* The train step keeps its logits block and its dU chunks in the memory of a dense bf16 dweight with beta 0 (written
+/* The train step keeps its logits block and its dU chunks in the memory of a dense dweight with beta 0 (written
  * only after the last block). At N = 40, H = 160, V = 20000 the dU has three chunks of 8192 columns or fewer: with
- * [V, H] the first two and the block fit in dweight, the last chunk stays in the workspace; with [H, V] only the
- * block does; with beta 1 nothing does. Each against the reference (the bf16 tolerances of ref/ce_case.c), in one
- * row block and in three. */
+ * [V, H] the first two and the block fit in a bf16 or fp32 dweight, the last chunk stays in the workspace; with
+ * [H, V] only the block does; with beta 1 nothing does. At N = 240 (H < N < 2 H) the chunks fit in an fp32
+ * dweight only. Each against the reference (the tolerances of ref/ce_case.c for the gradients' dtype), in one row
+ * block and in three. */
 static void test_scratch_in_dweight(void)
 {
     if (!cp_have_bf16())
         return;
-    for (int layout = 0; layout < 2; layout++)
-        for (int beta = 0; beta < 2; beta++)
-            for (int64_t rows = 0; rows <= 16; rows += 16) {
-                ce_case_spec s = bf16_spec((fh_layout)layout, 1);
-                s.n = 40;
-                s.hidden = 160;
-                s.vocab = 20000;
-                s.grad_dtype = FH_DTYPE_BF16;
-                s.grad_beta = (float)beta;
-                s.tile_rows = rows;
-                s.bias = 1;
-                s.label_smoothing = 0.1;
-                cp_check_spec(&s, beta ? "bf16 train step, beta 1: nothing in dweight"
-                                       : "bf16 train step, logits block and dU chunks in dweight");
-            }
+    ce_case_spec s = bf16_spec(FH_LAYOUT_VH, 1);
+    s.hidden = 160;
+    s.vocab = 20000;
+    s.bias = 1;
+    s.label_smoothing = 0.1;
+    for (int grad_dtype = 0; grad_dtype < 2; grad_dtype++)
+        for (int layout = 0; layout < 2; layout++)
+            for (int beta = 0; beta < 2; beta++)
+                for (int64_t rows = 0; rows <= 16; rows += 16) {
+                    s.n = 40;
+                    s.layout = (fh_layout)layout;
+                    s.grad_dtype = (fh_dtype)grad_dtype;
+                    s.grad_beta = (float)beta;
+                    s.tile_rows = rows;
+                    cp_check_spec(&s, beta ? "bf16 train step, beta 1: nothing in dweight"
+                                           : "bf16 train step, logits block and dU chunks in dweight");
+                }
+    s.n = 240;
+    s.layout = FH_LAYOUT_VH;
+    s.grad_dtype = FH_DTYPE_F32;
+    s.grad_beta = 0.0f;
+    s.tile_rows = 0;
+    cp_check_spec(&s, "bf16 train step, dU chunks in an fp32 dweight, H < N < 2 H");
 }
 
-/* The caller's workspace such a train step needs shrinks by what dweight holds: 1 MiB serves [V, H] with beta 0
- * (about 0.5 MiB: the last dU chunk, 289 KiB, the bias column sums, 160 KiB, and the rest; the logits block is
- * 3.1 MiB and the dU 1.5 MiB), 2.5 MiB serves [H, V] (the dU stays), and beta 1 needs more than either. */
+/* The caller's workspace such a train step needs shrinks by what dweight holds. At N = 40, H = 160, V = 20000: 1 MiB
+ * serves [V, H] with beta 0 (about 0.5 MiB: the last dU chunk, 289 KiB, the bias column sums, 160 KiB, and the
+ * rest; the logits block is 3.1 MiB and the dU 1.5 MiB), bf16 or fp32 gradients; 2.5 MiB serves [H, V] (the dU
+ * stays). At N = 240 in 80-row blocks with an fp32 dweight (12.2 MiB) the block (6.1 MiB) and the first dU chunk
+ * (3.8 MiB of 9.2) fit: 8 MiB serves it. With beta 1 none of these workspaces is enough. */
 static void test_workspace_without_scratch(void)
 {
     if (!cp_have_bf16())
         return;
-    enum { N = 40, H = 160, V = 20000 };
-    uint16_t *x = malloc(sizeof(uint16_t) * N * H), *w = malloc(sizeof(uint16_t) * V * H);
-    uint16_t *dx = calloc(N * H, sizeof(uint16_t)), *dw = calloc((size_t)V * H, sizeof(uint16_t));
+    enum { MAX_N = 240, H = 160, V = 20000 };
+    static const struct {
+        int64_t n, tile_rows;
+        fh_layout layout;
+        fh_dtype grads;
+        size_t bytes;
+    } cases[] = {{40, 0, FH_LAYOUT_VH, FH_DTYPE_BF16, (size_t)1 << 20},
+                 {40, 0, FH_LAYOUT_HV, FH_DTYPE_BF16, (size_t)5 << 19},
+                 {40, 0, FH_LAYOUT_VH, FH_DTYPE_F32, (size_t)1 << 20},
+                 {240, 80, FH_LAYOUT_VH, FH_DTYPE_F32, (size_t)8 << 20}};
+    uint16_t *x = malloc(sizeof(uint16_t) * MAX_N * H), *w = malloc(sizeof(uint16_t) * V * H);
+    float *dx = calloc(MAX_N * H, sizeof(float)), *dw = calloc((size_t)V * H, sizeof(float));
     float *bias = calloc(V, sizeof(float)), *db = calloc(V, sizeof(float));
-    void *ws = malloc((size_t)5 << 19);
-    TU_CHECK(x && w && dx && dw && bias && db && ws, "allocations");
-    if (!(x && w && dx && dw && bias && db && ws))
-        goto done;
-    int64_t targets[N];
-    fill_problem(x, w, targets, N, H, V, 997);
+    void *ws = malloc((size_t)8 << 20);
+    int64_t targets[MAX_N];
     fh_ce_options o;
     fh_ce_options_init(&o);
-    for (int layout = 0; layout < 2; layout++)
+    TU_CHECK(x && w && dx && dw && bias && db && ws, "allocations");
+    for (size_t k = 0; k < TU_COUNT(cases) && x && w && dx && dw && bias && db && ws; k++)
         for (int beta = 0; beta < 2; beta++) {
-            const size_t bytes = layout == FH_LAYOUT_VH ? (size_t)1 << 20 : (size_t)5 << 19;
+            const int64_t n = cases[k].n;
+            fill_problem(x, w, targets, n, H, V, 997);
             fh_linear lin;
-            fh_linear_init(&lin, N, H, V, x, w, (fh_layout)layout, bias);
+            fh_linear_init(&lin, n, H, V, x, w, cases[k].layout, bias);
             lin.x_dtype = lin.weight_dtype = FH_DTYPE_BF16;
-            fh_context *ctx = tu_context(1, 0, 0, 0);
-            TU_CHECK(fh_context_set_workspace(ctx, ws, bytes) == FH_OK, "set a workspace of %zu bytes", bytes);
+            fh_context *ctx = tu_context(1, cases[k].tile_rows, 0, 0);
+            TU_CHECK(fh_context_set_workspace(ctx, ws, cases[k].bytes) == FH_OK, "set a workspace");
             double loss = 0.0;
             fh_ce_outputs out = {.loss = &loss};
             fh_linear_grads g = {.dx = dx, .dx_row_stride = H, .dweight = dw, .dweight_beta = (float)beta,
-                                 .dbias = db, .dx_dtype = FH_DTYPE_BF16, .dweight_dtype = FH_DTYPE_BF16};
+                                 .dbias = db, .dx_dtype = cases[k].grads, .dweight_dtype = cases[k].grads,
+                                 .dbias_dtype = cases[k].grads};
             const float one = 1.0f;
             const fh_status st = fh_ce_forward_backward(ctx, &lin, targets, &o, &one, &out, &g);
             const fh_status expected = beta ? FH_ERR_WORKSPACE_TOO_SMALL : FH_OK;
-            TU_CHECK(st == expected, "%s, dweight beta %d, in a workspace of %zu bytes: status %d, expected %d",
-                     layout == FH_LAYOUT_VH ? "[V, H]" : "[H, V]", beta, bytes, (int)st, (int)expected);
+            TU_CHECK(st == expected, "N = %lld, %s, %s gradients, dweight beta %d, in a workspace of %zu bytes: status %d, "
+                     "expected %d", (long long)n, cases[k].layout == FH_LAYOUT_VH ? "[V, H]" : "[H, V]",
+                     cases[k].grads == FH_DTYPE_BF16 ? "bf16" : "fp32", beta, cases[k].bytes, (int)st, (int)expected);
             fh_context_destroy(ctx);
         }
-done:
     free(x);
     free(w);
     free(dx);
