@@ -255,8 +255,10 @@ FH_MPI_API fh_status fh_mpi_ce_forward_backward(fh_context *ctx, fh_mpi_layout *
         st = fh_ce_check_outputs(ctx, options, out);
     if (st == FH_OK)
         st = check_backward(&c, grad_output, grads);
+    /* Planned with the gradients the engine writes (fhm_grads_begin: staging buffers, beta 0 before a reduction),
+     * whose memory the plan may use. */
     if (st == FH_OK)
-        st = fh_plan_train_step(ctx, lin, grads, &plans[0], &row_blocks, ctx);
+        st = fh_plan_train_step(ctx, lin, &c.call.g.engine, &plans[0], &row_blocks, ctx);
     /* Row blocks only where every rank can, at one height per vocab communicator (uneven shards plan
      * different ones); else every rank streams. */
     int64_t rows;

@@ -245,8 +245,9 @@ FH_MPI_API fh_status fh_mpi_grpo_forward_backward(fh_context *ctx, fh_mpi_layout
     if (st == FH_OK)
         st = check_grads(&c, grad_output, grads);
     int row_blocks = 0;
+    /* Planned with the gradients the engine writes (see fh_mpi_ce_forward_backward). */
     if (st == FH_OK)
-        st = fh_plan_train_step_groups(ctx, lin, grads, batch->seq, &plans[0], &row_blocks);
+        st = fh_plan_train_step_groups(ctx, lin, &c.call.g.engine, batch->seq, &plans[0], &row_blocks);
     /* Row blocks only where every rank can, at one height per vocab communicator (a multiple of seq on every
      * rank, so their minimum is one too); else every rank streams. */
     int64_t rows;

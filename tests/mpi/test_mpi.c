@@ -558,11 +558,16 @@ static void ce_cases(const config *cfg)
          1e-3, 1, 0, 0, 0, 1, 0, 0, 0, 1},
         {"streaming fallback on one rank sum", 64, 16, 290, FH_LAYOUT_HV, 0, 1, 0.1, 3, FH_REDUCTION_SUM, 0.05, 0,
          0, 1, 0, 0, 0, 0, 0, 0, 0, 1},
+        /* H > N and shards of two dU chunks or more: a bf16 train step keeps the first chunk in the memory of the
+         * dweight the engine writes (the caller's, or the fp32 staging buffer of a data-parallel reduction). */
+        {"train step with scratch in dweight", 30, 160, 20000, FH_LAYOUT_VH, 1, 0, 0.1, -100, FH_REDUCTION_MEAN, 0.1,
+         0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0},
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++)
         run_ce(cfg, &cases[k], FH_DTYPE_F32, FH_DTYPE_F32);
-    /* bf16: split and train step, row blocks of uneven heights, the streaming fallback, reduce-scatter. */
-    static const size_t bf16_cases[] = {0, 3, 12, 16, 19};
+    /* bf16: split and train step, row blocks of uneven heights, the streaming fallback, reduce-scatter, scratch in
+     * dweight. */
+    static const size_t bf16_cases[] = {0, 3, 12, 16, 19, 21};
     for (size_t k = 0; have_bf16() && k < sizeof bf16_cases / sizeof bf16_cases[0]; k++)
         for (int grad_dtype = 0; grad_dtype < 2; grad_dtype++)
             run_ce(cfg, &cases[bf16_cases[k]], FH_DTYPE_BF16, (fh_dtype)grad_dtype);
