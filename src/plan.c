@@ -92,6 +92,14 @@ static int place_buffers(fh_plan *plan, int64_t n)
     return 0;
 }
 
+static void nothing_in_dweight(fh_plan *plan)
+{
+    plan->du_chunks_in_dweight = 0;
+    plan->du_at_element = 0;
+    plan->tile_in_dweight = 0;
+    plan->tile_at_byte = 0;
+}
+
 /* The weight (and so dweight) stored [V, H] without gaps. */
 static int dense_vh(const fh_linear *lin)
 {
@@ -116,10 +124,7 @@ static void set_schedule(const fh_context *ctx, const fh_linear *lin, int gradie
     plan->du_chunk = row_blocks && plan->bf16_du && plan->filter_eps == 0.0 && dense_vh(lin)
                          ? min64(lin->vocab, FH_DU_CHUNK)
                          : lin->vocab;
-    plan->du_chunks_in_dweight = 0;
-    plan->du_at_element = 0;
-    plan->tile_in_dweight = 0;
-    plan->tile_at_byte = 0;
+    nothing_in_dweight(plan);
 }
 
 /* Tile sizes before the budget: parameters, else wisdom, else defaults. */
@@ -178,70 +183,6 @@ fh_status fh_plan_streaming(const fh_context *ctx, const fh_linear *lin, fh_plan
     return plan_streaming(ctx, lin, 0, plans, messages);
 }
 
-#define MIN_ROW_BLOCK 256
-/* bf16 row blocks keep every row's bf16 dU (the dweight GEMM runs once, over all rows), so a block's height
- * only sets how often the weight is re-read by the logits and dx GEMMs: 512 and 1024 rows ran no faster than
- * 256 but hold more f32 logits, 128 rows ran 8 - 10% slower (fh_bench --dtype bf16 at N=1024 H=1024 V=32768
- * and N=512 H=1536 V=151643, 2 threads). */
-#define BF16_ROW_BLOCK 256
-/* A pair's block holds two V-wide rows of fp32 logits per row, so its height is capped to keep the workspace a
- * small part of the materialized logits (2 N V floats): at N = 1024, H_s = 1024, H_t = 2048, V = 32768 (fh_bench
- * --loss distill, fp32, 2 threads) blocks of 256, 205, 171 and 128 rows took 2185, 2216, 2513 and 2491 ms; 224
- * makes that 5 blocks of 205 rows, 0.21 of the materialized computation's peak memory at the speed of 256. */
-#define PAIR_ROW_BLOCK 224
-
-/* Row-block plan for the single-call train step: tile_vocab = vocab and as many rows as the budget
- * holds, balanced across blocks. Returns 0 when at least min(n, MIN_ROW_BLOCK) rows fit (a companion's plan:
- * PAIR_ROW_BLOCK, also its cap), else -1 (the caller streams instead). fp32 dZ with bf16 inputs always streams
- * (its f32 copy of the weight would be H x V). bf16 blocks stop at BF16_ROW_BLOCK rows, or at group_rows when a
- * group (a sequence, a pair) is taller, so that it still runs in row blocks. */
-static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, int64_t group_rows, int companion,
-                           fh_plan *plan)
-{
-    const int64_t n = lin->n, vocab = lin->vocab, budget = fh_budget_bytes(ctx);
-    int64_t rows_param, unused;
-    plan->threads = fh_threads(ctx, lin);
-    set_schedule(ctx, lin, 1, 1, companion, plan);
-    if (plan->fp32_dz)
-        return -1;
-    preferred_tiles(ctx, lin, plan->threads, FH_CALL_TRAIN_STEP, &rows_param, &unused);
-    plan->tile_vocab = vocab;
-    plan->tile_rows = 1;
-    if (place_buffers(plan, n) != 0 || (int64_t)plan->bytes > budget)
-        return -1;
-    /* Each further row costs vocab floats of logits, and with filtering its c and (bf16) its gathered dU and f32 dx
-     * row; the buffers' alignment is absorbed by the final check below. */
-    const int64_t filter_row_bytes =
-        plan->filter_eps > 0.0 ? (int64_t)sizeof(double) +
-                                     (plan->bf16_du ? FH_FILTER_CHUNK * (int64_t)sizeof(uint16_t) +
-                                                          lin->hidden * (int64_t)sizeof(float)
-                                                    : 0)
-                               : 0;
-    const int64_t row_bytes = (1 + companion) * vocab * (int64_t)sizeof(float) + filter_row_bytes;
-    int64_t rows = 1 + (budget - (int64_t)plan->bytes) / row_bytes;
-    /* Blocks thinner than MIN_ROW_BLOCK (a pair's PAIR_ROW_BLOCK) lose to streaming (the H x V dweight is re-read
-     * per block); an explicit FH_PARAM_TILE_ROWS (or measured wisdom) is honoured. */
-    const int64_t min_rows = rows_param > 0 ? 1 : min64(n, companion ? PAIR_ROW_BLOCK : MIN_ROW_BLOCK);
-    if (rows_param > 0)
-        rows = min64(rows, rows_param);
-    else if (companion)
-        rows = min64(rows, PAIR_ROW_BLOCK);
-    else if (plan->bf16_du)
-        rows = min64(rows, group_rows > BF16_ROW_BLOCK ? group_rows : BF16_ROW_BLOCK);
-    rows = min64(rows, n);
-    if (rows < min_rows)
-        return -1;
-    const int64_t blocks = (n + rows - 1) / rows;
-    plan->tile_rows = (n + blocks - 1) / blocks;
-    if (place_buffers(plan, n) != 0)
-        return -1;
-    while ((int64_t)plan->bytes > budget && plan->tile_rows > min_rows) {
-        plan->tile_rows--;
-        (void)place_buffers(plan, n); /* smaller than a size that did not overflow */
-    }
-    return (int64_t)plan->bytes <= budget ? 0 : -1;
-}
-
 /* ---- bf16 row blocks in dweight's memory (fh_plan) ----
  * A dense dweight (bf16, or fp32) with beta 0 is written only by the chunk GEMMs after the last block, in vocabulary
  * order. Until then its memory can hold the logits block (dead by then), and in the [V, H] layout dU chunks packed
@@ -270,16 +211,16 @@ static int64_t chunks_fitting(const fh_plan *plan, int64_t n, int64_t vocab, int
 }
 
 /* Moves the logits block and the dU chunks that fit into dweight's memory: the placement, with the block there or
- * not, that leaves the least in the workspace. */
-static void place_in_dweight(fh_plan *plan, const fh_linear *lin, const fh_linear_grads *grads)
+ * not, that leaves the least in the workspace. Returns 1 when something moved. */
+static int place_in_dweight(fh_plan *plan, const fh_linear *lin, const fh_linear_grads *grads)
 {
     const int64_t n = lin->n, vocab = lin->vocab, hidden = lin->hidden;
     if (!grads || !grads->dweight || grads->dweight_beta != 0.0f || !plan->row_blocks || !plan->bf16_du ||
         plan->filter_eps > 0.0)
-        return;
+        return 0;
     const int vh = dense_vh(lin);
     if (!vh && !(lin->w_stride_vocab == 1 && lin->w_stride_hidden == vocab))
-        return;
+        return 0;
     const int64_t u = grads->dweight_dtype == FH_DTYPE_BF16 ? 1 : 2;
     const size_t dweight_bytes = (size_t)(vocab * hidden * u) * sizeof(uint16_t);
     const size_t tile_at = (ALIGN - (uintptr_t)grads->dweight % ALIGN) % ALIGN;
@@ -299,15 +240,88 @@ static void place_in_dweight(fh_plan *plan, const fh_linear *lin, const fh_linea
     plan->du_chunks_in_dweight = chunks[best];
     plan->du_at_element = start[best];
     (void)place_buffers(plan, n); /* smaller than a size that did not overflow */
+    return plan->tile_in_dweight || plan->du_chunks_in_dweight > 0;
+}
+
+#define MIN_ROW_BLOCK 256
+/* bf16 row blocks keep every row's bf16 dU (the dweight GEMM runs once, over all rows), so a block's height
+ * only sets how often the weight is re-read by the logits and dx GEMMs: 512 and 1024 rows ran no faster than
+ * 256 but hold more f32 logits, 128 rows ran 8 - 10% slower (fh_bench --dtype bf16 at N=1024 H=1024 V=32768
+ * and N=512 H=1536 V=151643, 2 threads). */
+#define BF16_ROW_BLOCK 256
+/* A pair's block holds two V-wide rows of fp32 logits per row, so its height is capped to keep the workspace a
+ * small part of the materialized logits (2 N V floats): at N = 1024, H_s = 1024, H_t = 2048, V = 32768 (fh_bench
+ * --loss distill, fp32, 2 threads) blocks of 256, 205, 171 and 128 rows took 2185, 2216, 2513 and 2491 ms; 224
+ * makes that 5 blocks of 205 rows, 0.21 of the materialized computation's peak memory at the speed of 256. */
+#define PAIR_ROW_BLOCK 224
+
+/* Sets the plan to balanced blocks of at most rows rows; -1 if a size overflows. */
+static int balanced_blocks(fh_plan *plan, int64_t n, int64_t rows)
+{
+    const int64_t blocks = (n + rows - 1) / rows;
+    plan->tile_rows = (n + blocks - 1) / blocks;
+    return place_buffers(plan, n);
+}
+
+/* Row-block plan for the single-call train step: tile_vocab = vocab and as many rows as the budget
+ * holds, balanced across blocks. Returns 0 when at least min(n, MIN_ROW_BLOCK) rows fit (a companion's plan:
+ * PAIR_ROW_BLOCK, also its cap), else -1 (the caller streams instead). fp32 dZ with bf16 inputs always streams
+ * (its f32 copy of the weight would be H x V). bf16 blocks stop at BF16_ROW_BLOCK rows, or at group_rows when a
+ * group (a sequence, a pair) is taller, so that it still runs in row blocks. When grads' dweight can hold the
+ * logits block or dU chunks (place_in_dweight), the blocks take their full height if what stays in the workspace
+ * fits the budget; else the budget sets the height, as without. */
+static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
+                           int64_t group_rows, int companion, fh_plan *plan)
+{
+    const int64_t n = lin->n, vocab = lin->vocab, budget = fh_budget_bytes(ctx);
+    int64_t rows_param, unused;
+    plan->threads = fh_threads(ctx, lin);
+    set_schedule(ctx, lin, 1, 1, companion, plan);
+    if (plan->fp32_dz)
+        return -1;
+    preferred_tiles(ctx, lin, plan->threads, FH_CALL_TRAIN_STEP, &rows_param, &unused);
+    plan->tile_vocab = vocab;
+    /* An explicit FH_PARAM_TILE_ROWS (or measured wisdom) is honoured. */
+    const int64_t cap = min64(n, rows_param > 0 ? rows_param
+                                 : companion     ? PAIR_ROW_BLOCK
+                                 : plan->bf16_du ? (group_rows > BF16_ROW_BLOCK ? group_rows : BF16_ROW_BLOCK)
+                                                 : n);
+    if (balanced_blocks(plan, n, cap) == 0 && place_in_dweight(plan, lin, grads) && (int64_t)plan->bytes <= budget)
+        return 0;
+    nothing_in_dweight(plan);
+    plan->tile_rows = 1;
+    if (place_buffers(plan, n) != 0 || (int64_t)plan->bytes > budget)
+        return -1;
+    /* Each further row costs vocab floats of logits, and with filtering its c and (bf16) its gathered dU and f32 dx
+     * row; the buffers' alignment is absorbed by the final check below. */
+    const int64_t filter_row_bytes =
+        plan->filter_eps > 0.0 ? (int64_t)sizeof(double) +
+                                     (plan->bf16_du ? FH_FILTER_CHUNK * (int64_t)sizeof(uint16_t) +
+                                                          lin->hidden * (int64_t)sizeof(float)
+                                                    : 0)
+                               : 0;
+    const int64_t row_bytes = (1 + companion) * vocab * (int64_t)sizeof(float) + filter_row_bytes;
+    const int64_t rows = min64(cap, 1 + (budget - (int64_t)plan->bytes) / row_bytes);
+    /* Blocks thinner than MIN_ROW_BLOCK (a pair's PAIR_ROW_BLOCK) lose to streaming (the H x V dweight is re-read
+     * per block), unless the caller asked for them. */
+    const int64_t min_rows = rows_param > 0 ? 1 : min64(n, companion ? PAIR_ROW_BLOCK : MIN_ROW_BLOCK);
+    if (rows < min_rows || balanced_blocks(plan, n, rows) != 0)
+        return -1;
+    while ((int64_t)plan->bytes > budget && plan->tile_rows > min_rows) {
+        plan->tile_rows--;
+        (void)place_buffers(plan, n); /* smaller than a size that did not overflow */
+    }
+    if ((int64_t)plan->bytes > budget)
+        return -1;
+    (void)place_in_dweight(plan, lin, grads);
+    return 0;
 }
 
 static fh_status plan_train_step(const fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
                                  int64_t group_rows, int companion, fh_plan *plan, int *row_blocks,
                                  fh_context *messages)
 {
-    *row_blocks = make_row_blocks(ctx, lin, group_rows, companion, plan) == 0;
-    if (*row_blocks)
-        place_in_dweight(plan, lin, grads);
+    *row_blocks = make_row_blocks(ctx, lin, grads, group_rows, companion, plan) == 0;
     return *row_blocks ? FH_OK : plan_make(ctx, lin, FH_CALL_BACKWARD, companion, plan, messages);
 }
 

@@ -217,8 +217,9 @@ static void test_queried_workspace_serves_bf16_gradients(void)
  * only after the last block). At N = 40, H = 160, V = 20000 the dU has three chunks of 8192 columns or fewer: with
  * [V, H] the first two and the block fit in a bf16 or fp32 dweight, the last chunk stays in the workspace; with
  * [H, V] only the block does; with beta 1 nothing does. At N = 240 (H < N < 2 H) the chunks fit in an fp32
- * dweight only. Each against the reference (the tolerances of ref/ce_case.c for the gradients' dtype), in one row
- * block and in three. */
+ * dweight only. Under a 1 MiB budget, which cannot hold the block or the dU (4.6 MiB), the step runs in row blocks
+ * with them in dweight, and streams with beta 1. Each against the reference (the tolerances of ref/ce_case.c for
+ * the gradients' dtype), in one row block and in three. */
 static void test_scratch_in_dweight(void)
 {
     if (!cp_have_bf16())
@@ -240,11 +241,20 @@ static void test_scratch_in_dweight(void)
                     cp_check_spec(&s, beta ? "bf16 train step, beta 1: nothing in dweight"
                                            : "bf16 train step, logits block and dU chunks in dweight");
                 }
-    s.n = 240;
+    s.n = 40;
     s.layout = FH_LAYOUT_VH;
+    s.grad_dtype = FH_DTYPE_BF16;
+    s.tile_rows = 0;
+    s.budget = 1 << 20;
+    for (int beta = 0; beta < 2; beta++) {
+        s.grad_beta = (float)beta;
+        cp_check_spec(&s, beta ? "bf16 train step under a 1 MiB budget, beta 1: streams"
+                               : "bf16 train step under a 1 MiB budget: row blocks with scratch in dweight");
+    }
+    s.budget = 0;
+    s.n = 240;
     s.grad_dtype = FH_DTYPE_F32;
     s.grad_beta = 0.0f;
-    s.tile_rows = 0;
     cp_check_spec(&s, "bf16 train step, dU chunks in an fp32 dweight, H < N < 2 H");
 }
 
