@@ -301,9 +301,16 @@ FH_API fh_status fh_ce_forward_backward(fh_context *ctx, const fh_linear *lin, c
 FH_API fh_status fh_ce_workspace_size(const fh_context *ctx, const fh_linear *lin,
                                       const fh_ce_options *options, size_t *bytes);
 
-/* Workspace bytes that fh_ce_forward_backward needs (the row-block schedule when it fits the budget). */
+/* Workspace bytes that fh_ce_forward_backward needs (the row-block schedule when it fits the budget), whatever
+ * its gradients. */
 FH_API fh_status fh_ce_forward_backward_workspace_size(const fh_context *ctx, const fh_linear *lin,
                                                        const fh_ce_options *options, size_t *bytes);
+/* The same for a call with exactly these gradients (pointers included: with bf16 inputs, a dense dweight that the
+ * call overwrites holds the row blocks' logits and dZ until it is written, and where it starts decides what fits):
+ * at most the size above, often far less (README, "bf16"). The gradients are checked as the call checks them. */
+FH_API fh_status fh_ce_forward_backward_workspace_size_with_grads(const fh_context *ctx, const fh_linear *lin,
+                                                                  const fh_ce_options *options,
+                                                                  const fh_linear_grads *grads, size_t *bytes);
 
 /* ---------------------------------------------------------------------------------------------
  * GRPO family (TRL GRPOTrainer._compute_loss semantics, one micro-batch on one process).

@@ -101,23 +101,32 @@ static double safe_inverse(double x)
 }
 
 static fh_status workspace_query(const fh_context *ctx, const fh_linear *lin, const fh_ce_options *options,
-                                 int train_step, size_t *bytes)
+                                 int train_step, const fh_linear_grads *grads, size_t *bytes)
 {
     if (!ctx || !bytes || !options)
         return FH_ERR_NULL_POINTER;
-    return fh_plan_query_bytes(ctx, lin, train_step, bytes);
+    return fh_plan_query_bytes(ctx, lin, train_step, grads, bytes);
 }
 
 FH_API fh_status fh_ce_workspace_size(const fh_context *ctx, const fh_linear *lin, const fh_ce_options *options,
                                       size_t *bytes)
 {
-    return workspace_query(ctx, lin, options, 0, bytes);
+    return workspace_query(ctx, lin, options, 0, NULL, bytes);
 }
 
 FH_API fh_status fh_ce_forward_backward_workspace_size(const fh_context *ctx, const fh_linear *lin,
                                                        const fh_ce_options *options, size_t *bytes)
 {
-    return workspace_query(ctx, lin, options, 1, bytes);
+    return workspace_query(ctx, lin, options, 1, NULL, bytes);
+}
+
+FH_API fh_status fh_ce_forward_backward_workspace_size_with_grads(const fh_context *ctx, const fh_linear *lin,
+                                                                  const fh_ce_options *options,
+                                                                  const fh_linear_grads *grads, size_t *bytes)
+{
+    if (!grads)
+        return FH_ERR_NULL_POINTER;
+    return workspace_query(ctx, lin, options, 1, grads, bytes);
 }
 
 fh_ce_head fh_ce_head_of(const fh_linear *lin, const int64_t *targets, const fh_ce_options *o,

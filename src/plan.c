@@ -364,17 +364,20 @@ fh_status fh_plan_train_step_groups(fh_context *ctx, const fh_linear *lin, const
     return FH_OK;
 }
 
-/* Bytes of the streaming passes (group_rows 0), else of the train step with groups of group_rows rows. */
-static fh_status query_bytes(const fh_context *ctx, const fh_linear *lin, int64_t group_rows, int companion,
-                             size_t *bytes)
+/* Bytes of the streaming passes (group_rows 0), else of the train step with groups of group_rows rows, for the
+ * gradients grads (what their dweight holds not counted) or, NULL, any. */
+static fh_status query_bytes(const fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
+                             int64_t group_rows, int companion, size_t *bytes)
 {
     fh_status st = fh_check_linear(NULL, lin);
+    if (st == FH_OK && grads)
+        st = fh_check_grads(NULL, lin, grads);
     if (st != FH_OK)
         return st;
     fh_plan plans[2];
     int row_blocks;
     if (group_rows > 0) {
-        st = plan_train_step(ctx, lin, NULL, group_rows, companion, &plans[0], &row_blocks, NULL);
+        st = plan_train_step(ctx, lin, grads, group_rows, companion, &plans[0], &row_blocks, NULL);
         plans[1] = plans[0];
     } else {
         st = plan_streaming(ctx, lin, companion, plans, NULL);
@@ -384,17 +387,18 @@ static fh_status query_bytes(const fh_context *ctx, const fh_linear *lin, int64_
     return st;
 }
 
-fh_status fh_plan_query_bytes(const fh_context *ctx, const fh_linear *lin, int train_step, size_t *bytes)
+fh_status fh_plan_query_bytes(const fh_context *ctx, const fh_linear *lin, int train_step,
+                              const fh_linear_grads *grads, size_t *bytes)
 {
-    return query_bytes(ctx, lin, train_step ? 1 : 0, 0, bytes);
+    return query_bytes(ctx, lin, grads, train_step ? 1 : 0, 0, bytes);
 }
 
 fh_status fh_plan_pair_query_bytes(const fh_context *ctx, const fh_linear *lin, size_t *bytes)
 {
     size_t streaming, train_step;
-    fh_status st = query_bytes(ctx, lin, 0, 1, &streaming);
+    fh_status st = query_bytes(ctx, lin, NULL, 0, 1, &streaming);
     if (st == FH_OK)
-        st = query_bytes(ctx, lin, 1, 1, &train_step);
+        st = query_bytes(ctx, lin, NULL, 1, 1, &train_step);
     if (st == FH_OK)
         *bytes = streaming > train_step ? streaming : train_step;
     return st;
@@ -404,9 +408,9 @@ fh_status fh_plan_query_every_bytes(const fh_context *ctx, const fh_linear *lin,
 {
     /* Groups of any height up to n: the bf16 blocks then stop only at the budget, the most any group asks. */
     size_t streaming, grouped;
-    fh_status st = query_bytes(ctx, lin, 0, 0, &streaming);
+    fh_status st = query_bytes(ctx, lin, NULL, 0, 0, &streaming);
     if (st == FH_OK)
-        st = query_bytes(ctx, lin, lin->n, 0, &grouped);
+        st = query_bytes(ctx, lin, NULL, lin->n, 0, &grouped);
     if (st == FH_OK)
         *bytes = streaming > grouped ? streaming : grouped;
     return st;

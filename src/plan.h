@@ -91,8 +91,9 @@ fh_status fh_plan_pair_query_bytes(const fh_context *ctx, const fh_linear *lin, 
 void fh_plan_lower_rows(fh_plan *plan, int64_t n, int64_t rows);
 
 /* Workspace bytes of a call for the size queries (lin checked; nothing is reported): the train step's
- * plan, else the larger of the streaming passes'. */
-fh_status fh_plan_query_bytes(const fh_context *ctx, const fh_linear *lin, int train_step, size_t *bytes);
+ * plan, for the gradients grads (checked) when given, else the larger of the streaming passes'. */
+fh_status fh_plan_query_bytes(const fh_context *ctx, const fh_linear *lin, int train_step,
+                              const fh_linear_grads *grads, size_t *bytes);
 
 /* The larger of the two above, for a head whose calls stream and run the train step in row blocks of whole
  * groups (fh_plan_train_step_groups), whatever the groups' height. */

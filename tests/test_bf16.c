@@ -258,11 +258,11 @@ static void test_scratch_in_dweight(void)
     cp_check_spec(&s, "bf16 train step, dU chunks in an fp32 dweight, H < N < 2 H");
 }
 
-/* The caller's workspace such a train step needs shrinks by what dweight holds. At N = 40, H = 160, V = 20000: 1 MiB
- * serves [V, H] with beta 0 (about 0.5 MiB: the last dU chunk, 289 KiB, the bias column sums, 160 KiB, and the
- * rest; the logits block is 3.1 MiB and the dU 1.5 MiB), bf16 or fp32 gradients; 2.5 MiB serves [H, V] (the dU
- * stays). At N = 240 in 80-row blocks with an fp32 dweight (12.2 MiB) the block (6.1 MiB) and the first dU chunk
- * (3.8 MiB of 9.2) fit: 8 MiB serves it. With beta 1 none of these workspaces is enough. */
+/* The caller's workspace such a train step needs shrinks by what dweight holds, and the query that sees the
+ * gradients says by how much: at N = 40, H = 160, V = 20000 ([V, H] with bf16 or fp32 gradients, [H, V]) and at
+ * N = 240 in 80-row blocks with an fp32 dweight, beta 0, it answers at least the logits block (3.1 and 6.1 MiB)
+ * less than the query that does not (which the test's fixed workspaces then cannot hold), and a workspace of exactly
+ * its answer serves the call; with beta 1 nothing moves, and both queries agree. */
 static void test_workspace_without_scratch(void)
 {
     if (!cp_have_bf16())
@@ -272,7 +272,7 @@ static void test_workspace_without_scratch(void)
         int64_t n, tile_rows;
         fh_layout layout;
         fh_dtype grads;
-        size_t bytes;
+        size_t bytes; /* holds what stays in the workspace, not the logits block */
     } cases[] = {{40, 0, FH_LAYOUT_VH, FH_DTYPE_BF16, (size_t)1 << 20},
                  {40, 0, FH_LAYOUT_HV, FH_DTYPE_BF16, (size_t)5 << 19},
                  {40, 0, FH_LAYOUT_VH, FH_DTYPE_F32, (size_t)1 << 20},
@@ -280,7 +280,7 @@ static void test_workspace_without_scratch(void)
     uint16_t *x = malloc(sizeof(uint16_t) * MAX_N * H), *w = malloc(sizeof(uint16_t) * V * H);
     float *dx = calloc(MAX_N * H, sizeof(float)), *dw = calloc((size_t)V * H, sizeof(float));
     float *bias = calloc(V, sizeof(float)), *db = calloc(V, sizeof(float));
-    void *ws = malloc((size_t)8 << 20);
+    void *ws = malloc((size_t)32 << 20);
     int64_t targets[MAX_N];
     fh_ce_options o;
     fh_ce_options_init(&o);
@@ -292,19 +292,36 @@ static void test_workspace_without_scratch(void)
             fh_linear lin;
             fh_linear_init(&lin, n, H, V, x, w, cases[k].layout, bias);
             lin.x_dtype = lin.weight_dtype = FH_DTYPE_BF16;
-            fh_context *ctx = tu_context(1, cases[k].tile_rows, 0, 0);
-            TU_CHECK(fh_context_set_workspace(ctx, ws, cases[k].bytes) == FH_OK, "set a workspace");
-            double loss = 0.0;
-            fh_ce_outputs out = {.loss = &loss};
             fh_linear_grads g = {.dx = dx, .dx_row_stride = H, .dweight = dw, .dweight_beta = (float)beta,
                                  .dbias = db, .dx_dtype = cases[k].grads, .dweight_dtype = cases[k].grads,
                                  .dbias_dtype = cases[k].grads};
-            const float one = 1.0f;
-            const fh_status st = fh_ce_forward_backward(ctx, &lin, targets, &o, &one, &out, &g);
-            const fh_status expected = beta ? FH_ERR_WORKSPACE_TOO_SMALL : FH_OK;
-            TU_CHECK(st == expected, "N = %lld, %s, %s gradients, dweight beta %d, in a workspace of %zu bytes: status %d, "
-                     "expected %d", (long long)n, cases[k].layout == FH_LAYOUT_VH ? "[V, H]" : "[H, V]",
-                     cases[k].grads == FH_DTYPE_BF16 ? "bf16" : "fp32", beta, cases[k].bytes, (int)st, (int)expected);
+            char what[96];
+            snprintf(what, sizeof what, "N = %lld, %s, %s gradients, dweight beta %d", (long long)n,
+                     cases[k].layout == FH_LAYOUT_VH ? "[V, H]" : "[H, V]",
+                     cases[k].grads == FH_DTYPE_BF16 ? "bf16" : "fp32", beta);
+            fh_context *ctx = tu_context(1, cases[k].tile_rows, 0, 0);
+            size_t any = 0, these = 0;
+            TU_CHECK(fh_ce_forward_backward_workspace_size(ctx, &lin, &o, &any) == FH_OK &&
+                         fh_ce_forward_backward_workspace_size_with_grads(ctx, &lin, &o, &g, &these) == FH_OK,
+                     "%s: queries", what);
+            const size_t block = (size_t)(cases[k].tile_rows ? cases[k].tile_rows : n) * V * sizeof(float);
+            if (beta)
+                TU_CHECK(these == any && any > cases[k].bytes, "%s: queries %zu and %zu, fixed workspace %zu", what,
+                         these, any, cases[k].bytes);
+            else
+                TU_CHECK(these + block <= any && these <= cases[k].bytes, "%s: %zu bytes with the gradients, %zu without,"
+                         " a block of %zu, fixed workspace %zu", what, these, any, block, cases[k].bytes);
+            const size_t sizes[2] = {these, cases[k].bytes};
+            for (int s = 0; s < 2 && these <= ((size_t)32 << 20); s++) {
+                TU_CHECK(fh_context_set_workspace(ctx, ws, sizes[s]) == FH_OK, "set a workspace");
+                double loss = 0.0;
+                fh_ce_outputs out = {.loss = &loss};
+                const float one = 1.0f;
+                const fh_status st = fh_ce_forward_backward(ctx, &lin, targets, &o, &one, &out, &g);
+                const fh_status expected = s == 1 && beta ? FH_ERR_WORKSPACE_TOO_SMALL : FH_OK;
+                TU_CHECK(st == expected, "%s, in a workspace of %zu bytes: status %d, expected %d", what, sizes[s],
+                         (int)st, (int)expected);
+            }
             fh_context_destroy(ctx);
         }
     free(x);
@@ -497,7 +514,7 @@ static const tu_test tests[] = {
     {"bf16 gradients are the fp32 ones rounded once", test_bf16_gradients_are_rounded_fp32},
     {"the queried workspace serves bf16 gradients", test_queried_workspace_serves_bf16_gradients},
     {"logits block and dU chunks in dweight's memory", test_scratch_in_dweight},
-    {"a smaller workspace with scratch in dweight", test_workspace_without_scratch},
+    {"a smaller workspace with scratch in dweight, and the query that sees it", test_workspace_without_scratch},
     {"dtype contract", test_dtype_contract},
     {"wisdom entries per dtype", test_wisdom_dtype},
     {"non-finite bf16 inputs", test_nonfinite_bf16},

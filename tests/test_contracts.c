@@ -447,6 +447,26 @@ static void test_workspace_size_arguments(void)
                  "train step %d: budget 1", train_step);
         fh_context_destroy(f.ctx);
     }
+    /* The train step's query for given gradients checks them as the call does; with fp32 inputs nothing moves into
+     * dweight, so it answers what the other query does. */
+    fixture f;
+    fixture_init(&f);
+    size_t bytes = 777, any = 0;
+    TU_CHECK(fh_ce_forward_backward_workspace_size_with_grads(f.ctx, &f.lin, &f.options, NULL, &bytes) ==
+                     FH_ERR_NULL_POINTER && bytes == 777, "with grads: NULL grads");
+    fh_linear_grads g = f.grads;
+    g.dweight_beta = 0.5f;
+    TU_CHECK(fh_ce_forward_backward_workspace_size_with_grads(f.ctx, &f.lin, &f.options, &g, &bytes) ==
+                     FH_ERR_INVALID_BETA && bytes == 777, "with grads: dweight_beta 0.5");
+    g = f.grads;
+    g.dx_row_stride = H - 1;
+    TU_CHECK(fh_ce_forward_backward_workspace_size_with_grads(f.ctx, &f.lin, &f.options, &g, &bytes) ==
+                     FH_ERR_INVALID_STRIDE && bytes == 777, "with grads: dx stride");
+    TU_CHECK(fh_ce_forward_backward_workspace_size(f.ctx, &f.lin, &f.options, &any) == FH_OK &&
+                 fh_ce_forward_backward_workspace_size_with_grads(f.ctx, &f.lin, &f.options, &f.grads, &bytes) ==
+                     FH_OK && bytes == any,
+             "with grads, fp32: %zu bytes against %zu", bytes, any);
+    fh_context_destroy(f.ctx);
 }
 
 /* fh_context_set/get and fh_param_bounds. */

@@ -24,9 +24,7 @@
  *   - inputs are never written;
  *   - a shape the library must reject is rejected, and so are mismatched or unknown dtypes and bf16 gradients
  *     of fp32 inputs; a distillation teacher whose n or V is not the student's is rejected by the calls;
- *   - a successful train step with a caller workspace had at least the queried number of bytes, unless it could
- *     keep its scratch in dweight's memory (bf16 inputs and dZ, dweight requested with beta 0), which the query
- *     does not see;
+ *   - a successful train step with a caller workspace had at least the bytes queried for its gradients;
  *   - a successful query never exceeds the memory budget; argmax outputs lie in [0, V); a successful
  *     distillation call gives ignored tokens a per-token loss of 0. */
 #include "fusedhead.h"
@@ -624,7 +622,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         query_status = distill              ? fh_distill_workspace_size(ctx, &lin, teacher, &needed)
                        : preference         ? fh_preference_workspace_size(ctx, &lin, &needed)
                        : grpo               ? fh_grpo_workspace_size(ctx, &lin, &needed)
-                       : call == CALL_CE_STEP ? fh_ce_forward_backward_workspace_size(ctx, &lin, &ce, &needed)
+                       : call == CALL_CE_STEP ? fh_ce_forward_backward_workspace_size_with_grads(ctx, &lin, &ce, &g, &needed)
                                               : fh_ce_workspace_size(ctx, &lin, &ce, &needed);
         if (ws_mode >= 3) {
             ws_bytes = ws_mode == 3 ? needed : ws_mode == 4 ? (needed ? needed - 1 : 0) : (size_t)(u64(&r) % 200000);
@@ -666,7 +664,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         st = fh_distill_forward_backward(ctx, &lin, teacher, dtargets, &dopt, grad, &distill_out, null_struct ? NULL : &g);
         break;
     case CALL_CE_QUERY: st = fh_ce_workspace_size(ctx, &lin, &ce, &bytes); break;
-    case CALL_CE_STEP_QUERY: st = fh_ce_forward_backward_workspace_size(ctx, &lin, &ce, &bytes); break;
+    case CALL_CE_STEP_QUERY:
+        st = grads_want & 8 ? fh_ce_forward_backward_workspace_size_with_grads(ctx, &lin, &ce, null_struct ? NULL : &g, &bytes)
+                            : fh_ce_forward_backward_workspace_size(ctx, &lin, &ce, &bytes);
+        break;
     case CALL_GRPO_QUERY: st = fh_grpo_workspace_size(ctx, &lin, &bytes); break;
     case CALL_PREFERENCE_QUERY: st = fh_preference_workspace_size(ctx, &lin, &bytes); break;
     default: st = fh_distill_workspace_size(ctx, &lin, teacher, &bytes); break;
@@ -699,10 +700,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         if (st != FH_OK)
             for (int k = 0; k < OUT_COUNT; k++)
                 CHECK(untouched(&out[k]), "call %d failed with status %d but wrote output %d", call, (int)st, k);
-        /* The train step's query is exact unless the step keeps scratch in dweight; the others are the larger of two
-         * passes' needs. */
-        const int scratch_in_dweight = x_dtype == FH_DTYPE_BF16 && !(dtype_bits & 64) && dw && g.dweight_beta == 0.0f;
-        if (st == FH_OK && workspace && call == CALL_CE_STEP && !scratch_in_dweight)
+        /* The train step's query for its gradients is exact; the others are the larger of two passes' needs. */
+        if (st == FH_OK && workspace && call == CALL_CE_STEP)
             CHECK(query_status == FH_OK && ws_bytes >= needed,
                   "call %d succeeded with a %zu-byte caller workspace; the query said %zu (status %d)", call, ws_bytes,
                   needed, (int)query_status);
