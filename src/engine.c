@@ -196,6 +196,17 @@ static fh_status add_dweight(const fh_engine_pass *p, int prepare, int64_t tile_
     return multiply(p, prepare, h, len, nb, &xt, &du, accumulate || grads->dweight_beta != 0.0f, &dw);
 }
 
+/* dweight after bf16 row blocks (dweight_after_blocks): one GEMM over every row per dU chunk, in vocabulary order, so
+ * that a chunk kept in dweight's memory is read before the GEMMs write that far; made ready (prepare) or run. */
+static fh_status dweight_by_chunks(const fh_engine_pass *p, int prepare)
+{
+    const int64_t vocab = p->lin->vocab, t = du_chunk(p, vocab);
+    fh_status st = FH_OK;
+    for (int64_t j0 = 0; j0 < vocab && st == FH_OK; j0 += t)
+        st = add_dweight(p, prepare, 0, 0, p->lin->n, 0, vocab, j0, min64(t, vocab - j0), 0);
+    return st;
+}
+
 /* Row blocks of paired rows are two segments, one in each half of the rows: their height and the rows they
  * walk. Every other pass has one segment over all n rows. */
 static int64_t block_segments(const fh_engine_pass *p)
@@ -317,9 +328,8 @@ fh_status fh_engine_prepare(const fh_engine_pass *p)
                 }
         }
     }
-    const int64_t vocab = lin->vocab, t = du_chunk(p, vocab);
-    for (int64_t j0 = 0; j0 < vocab && st == FH_OK && grads && grads->dweight && dweight_after_blocks(p); j0 += t)
-        st = add_dweight(p, 1, 0, 0, lin->n, 0, vocab, j0, min64(t, vocab - j0), 0);
+    if (st == FH_OK && grads && grads->dweight && dweight_after_blocks(p))
+        st = dweight_by_chunks(p, 1);
     return st;
 }
 
@@ -1048,7 +1058,7 @@ static fh_status filtered_dweight_after_blocks(const fh_engine_pass *p)
         if (p->ws->used[j])
             p->ws->kept[kept++] = j;
     /* Every column kept: the unfiltered GEMM over every row. */
-    fh_status st = kept == vocab ? add_dweight(p, 0, 0, 0, n, 0, vocab, 0, vocab, 0) : FH_OK;
+    fh_status st = kept == vocab ? dweight_by_chunks(p, 0) : FH_OK;
     for (int64_t c0 = 0; c0 < kept && kept < vocab && st == FH_OK; c0 += FH_FILTER_CHUNK) {
         const int64_t *columns = p->ws->kept + c0;
         const int64_t count = min64(FH_FILTER_CHUNK, kept - c0), width = gathered_width(p, count);
@@ -1321,11 +1331,8 @@ static fh_status row_blocks(const fh_engine_pass *p)
         if (filtering(p))
             st = filtered_dweight_after_blocks(p);
         else {
-            /* Chunk by chunk in vocabulary order: a chunk kept in dweight's memory is read before it is written. */
             p->ws->filter_stats->gradient_flops += 2.0 * (double)n * (double)lin->hidden * (double)vocab;
-            const int64_t t = du_chunk(p, vocab);
-            for (int64_t j0 = 0; j0 < vocab && st == FH_OK; j0 += t)
-                st = add_dweight(p, 0, 0, 0, n, 0, vocab, j0, min64(t, vocab - j0), 0);
+            st = dweight_by_chunks(p, 0);
         }
         if (st != FH_OK)
             return st;
