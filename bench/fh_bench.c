@@ -64,6 +64,7 @@ typedef struct shape {
     bench_distribution dist;   /* --distribution (CE only); a peaked one calibrated once per shape */
     bench_softmax_stats stats; /* what the inputs' softmax looks like (describe_inputs) */
     double filter_eps;         /* --grad-filter-eps: 0 = no filtered case */
+    fh_filter_tail filter_tail; /* --grad-filter-tail estimate|drop (default estimate) */
     int64_t tile_rows;         /* --tile-rows: FH_PARAM_TILE_ROWS of every fused case (0 = the library's choice) */
     int64_t teacher_hidden;    /* distill: the teacher's hidden size (--teacher-hidden, default H) */
     fh_distill_options distill;             /* distill: --divergence, --beta, --temperature, --weight-hard-loss */
@@ -355,7 +356,8 @@ static result measure_in_child(bench_case c, const shape *s)
     fh_context_set(ctx, FH_PARAM_FP32_DZ, s->fp32_dz);
     if (fh_context_set(ctx, FH_PARAM_TILE_ROWS, s->tile_rows) != FH_OK)
         return r;
-    if (c == CASE_FILTERED && fh_context_set_grad_filter_eps(ctx, s->filter_eps) != FH_OK)
+    if (c == CASE_FILTERED && (fh_context_set_grad_filter_eps(ctx, s->filter_eps) != FH_OK ||
+                               fh_context_set_grad_filter_tail(ctx, s->filter_tail) != FH_OK))
         return r;
     for (int k = 0; k < 3; k++) {
         float *values = bench_filled(2048u * 2048u, 1.0f, 10 + k);
@@ -751,7 +753,7 @@ static void usage(void)
     fprintf(stderr, "usage: fh_bench [--n N] [--hidden H] [--vocab V] [--threads T] [--budget BYTES] [--reps K]\n"
                     "                [--layout hv|vh] [--dtype f32|bf16] [--grad-dtype f32|bf16] [--fp32-dz]\n"
                     "                [--json | --csv] [--sweep n|vocab --out DIR] [--grad-filter-eps EPS]\n"
-                    "                [--tile-rows R]\n"
+                    "                [--grad-filter-tail estimate|drop] [--tile-rows R]\n"
                     "                [--distribution uniform|peaked[:ENTROPY]|DIR]   (DIR: a saved batch; H, V and at\n"
                     "                most N rows come from its files)\n"
                     "       fh_bench --loss grpo --batch B --seq T [--hidden H] [--vocab V] [the options above but --n]\n"
@@ -793,6 +795,14 @@ int main(int argc, char **argv)
                 usage();
                 return 2;
             }
+        }
+        else if (strcmp(a, "--grad-filter-tail") == 0) {
+            i++;
+            if (!v || (strcmp(v, "estimate") != 0 && strcmp(v, "drop") != 0)) {
+                usage();
+                return 2;
+            }
+            s.filter_tail = strcmp(v, "drop") == 0 ? FH_FILTER_TAIL_DROP : FH_FILTER_TAIL_ESTIMATE;
         }
         else if (strcmp(a, "--teacher-hidden") == 0) {
             distill_given = 1;

@@ -151,8 +151,9 @@ FH_API fh_status fh_context_set_workspace(fh_context *ctx, void *workspace, size
  * row's scale, over the tile's rows (a row block in the train step), skips its share of the dx and dweight GEMMs:
  * those run on the kept columns only, gathered. A row's scale is the largest magnitude of its coefficients in
  * dZ = a p + b onehot + e p (z - sum p z) + c w, so that in cross-entropy (a = -b) the test is p dz/du < eps,
- * whatever the reduction's 1/N. Only the softmax terms of dZ (a p and the entropy term) are dropped: a column that
- * holds a row's target is kept, and the dense rank-one term c w (label smoothing, class weights) is applied
+ * whatever the reduction's 1/N. Only the softmax terms of dZ (a p and the entropy term) are skipped (and
+ * estimated, fh_context_set_grad_filter_tail): a column that holds a row's target is kept, and the dense
+ * rank-one term c w (label smoothing, class weights) is applied
  * exactly over the skipped columns, as c (W w) to dx and w (X^T c) to dweight. Skipped dweight columns honour
  * beta (0 writes zeros). With a softcap the c w term is not rank one, so a tile with a nonzero c under a softcap
  * is not filtered. eps 0 (the default) is off: results are bit for bit the unfiltered ones. eps must be finite
@@ -160,6 +161,20 @@ FH_API fh_status fh_context_set_workspace(fh_context *ctx, void *workspace, size
  * "Gradient filtering", gives the measured effect. */
 FH_API fh_status fh_context_set_grad_filter_eps(fh_context *ctx, double eps);
 FH_API fh_status fh_context_get_grad_filter_eps(const fh_context *ctx, double *eps);
+
+/* What filtering does with the softmax terms of the columns it skips (the tail: every one below eps, together a
+ * few percent of a trained row's mass). FH_FILTER_TAIL_ESTIMATE (the default) replaces them, per tile, by the
+ * rank-one product of their row sums and their columns' share of the tile's dropped magnitude: dx_i += r_i s and
+ * dweight_j += (nu_j / S) sum_i r_i x_i, with r_i the sum of row i's skipped softmax terms, nu_j the sum of column
+ * j's magnitudes, S that of all of them and s = sum_j (nu_j / S) W[:, j]. Each row's skipped total is kept exactly;
+ * the sums are taken in the pass that marks the columns, and the terms cost H-vectors and a write of the skipped
+ * dweight columns, against the skipped GEMMs' 4 N H V flops. (bf16 row
+ * blocks, whose dweight is one product after the blocks, estimate the columns every block skipped as
+ * nu_j sum_b (sum_{i in b} r_i x_i) / sum_b S_b.) FH_FILTER_TAIL_DROP leaves them out, as Cut Cross-Entropy does:
+ * the gradient then lacks that mass, a bias that slows training on heads whose tail is heavy (README). */
+typedef enum fh_filter_tail { FH_FILTER_TAIL_ESTIMATE = 0, FH_FILTER_TAIL_DROP = 1 } fh_filter_tail;
+FH_API fh_status fh_context_set_grad_filter_tail(fh_context *ctx, fh_filter_tail tail);
+FH_API fh_status fh_context_get_grad_filter_tail(const fh_context *ctx, fh_filter_tail *tail);
 
 /* The gradient GEMM work of the last call on the context (0 for a call with no backward): the flops the
  * unfiltered dx and dweight GEMMs would run (4 N H V per backward pass) and those filtering skipped. */

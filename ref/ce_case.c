@@ -189,6 +189,7 @@ static fh_status run_fused(const ce_case_spec *s, ce_case *c)
     fh_context_set(ctx, FH_PARAM_MEMORY_BUDGET, s->budget);
     fh_context_set(ctx, FH_PARAM_FP32_DZ, s->fp32_dz);
     fh_context_set_grad_filter_eps(ctx, s->grad_filter_eps);
+    fh_context_set_grad_filter_tail(ctx, s->grad_filter_tail);
     const int bf16 = s->dtype == FH_DTYPE_BF16;
     fh_linear lin;
     fh_linear_init(&lin, s->n, s->hidden, s->vocab, bf16 ? (const void *)c->x_bf16 : c->x,
@@ -227,19 +228,22 @@ static int64_t min64(int64_t a, int64_t b)
     return a < b ? a : b;
 }
 
-/* The row tiles of the fused backward, for the reference's filter: the library's row blocks (balanced heights;
- * bf16 ones of at most 256 rows, with dweight after the blocks) or its streaming tiles (default 1024 rows). The
- * default budget holds them for the cases the tests run. */
+/* The tiles of the fused backward, for the reference's filter: the library's row blocks (balanced heights; bf16
+ * ones of at most 256 rows, with dweight after the blocks) over the whole vocabulary, or its streaming tiles
+ * (default 1024 rows x 2048 columns). The default budget holds them for the cases the tests run. */
 static ref_filter filter_of(const ce_case_spec *s)
 {
     const int bf16_du = s->dtype == FH_DTYPE_BF16 && !s->fp32_dz, row_blocks = s->train_step && !s->fp32_dz;
-    ref_filter f = {s->grad_filter_eps, 0, row_blocks && bf16_du, s->softcap > 0.0};
+    ref_filter f = {s->grad_filter_eps, 0, row_blocks && bf16_du, s->softcap > 0.0, 0,
+                    s->grad_filter_tail == FH_FILTER_TAIL_DROP};
     if (row_blocks) {
         const int64_t rows = min64(s->n, s->tile_rows > 0 ? s->tile_rows : bf16_du ? 256 : s->n);
         const int64_t blocks = (s->n + rows - 1) / rows;
         f.tile_rows = (s->n + blocks - 1) / blocks;
-    } else
+    } else {
         f.tile_rows = min64(s->n, s->tile_rows > 0 ? s->tile_rows : 1024);
+        f.tile_vocab = s->tile_vocab > 0 ? s->tile_vocab : 2048;
+    }
     return f;
 }
 

@@ -27,6 +27,7 @@ typedef struct ce_case_spec {
     int fp32_dz;          /* FH_PARAM_FP32_DZ */
     double grad_filter_eps; /* fh_context_set_grad_filter_eps; the reference then filters as the call's tiles do
                                (ref_filter), tile_rows as set or as the library's default */
+    fh_filter_tail grad_filter_tail; /* fh_context_set_grad_filter_tail (0: the tail estimate), the reference's too */
 } ce_case_spec;
 
 /* Sets every field to a small default case (mean reduction, no options). */

@@ -139,6 +139,7 @@ static fh_status run_fused(const grpo_case_spec *s, grpo_case *c)
     fh_context_set(ctx, FH_PARAM_TILE_VOCAB, s->tile_vocab);
     fh_context_set(ctx, FH_PARAM_FP32_DZ, s->fp32_dz);
     fh_context_set_grad_filter_eps(ctx, s->grad_filter_eps);
+    fh_context_set_grad_filter_tail(ctx, s->grad_filter_tail);
     fh_linear lin;
     const int bf16 = s->dtype == FH_DTYPE_BF16;
     fh_linear_init(&lin, (int64_t)n, s->hidden, s->vocab, bf16 ? (const void *)c->x_bf16 : c->x,
@@ -182,15 +183,17 @@ static int64_t min64(int64_t a, int64_t b)
     return a < b ? a : b;
 }
 
-/* The row tiles of the fused backward, for the reference's filter: the train step's row blocks of whole sequences
+/* The tiles of the fused backward, for the reference's filter: the train step's row blocks of whole sequences
  * (plan.c: at most tile_rows rows, or 256 / one sequence in bf16, balanced over the sequences; bf16 ones keep
- * dweight for after the blocks), else the streaming tiles (default 1024 rows), in which a train step also runs
- * when not one sequence fits. The default budget holds them for the cases the tests run. */
+ * dweight for after the blocks) over the whole vocabulary, else the streaming tiles (default 1024 rows x 2048
+ * columns), in which a train step also runs when not one sequence fits. The default budget holds them for the
+ * cases the tests run. */
 static ref_filter filter_of(const grpo_case_spec *s)
 {
     const int64_t n = s->batch * s->seq;
     const int bf16_du = s->dtype == FH_DTYPE_BF16 && !s->fp32_dz;
-    ref_filter f = {s->grad_filter_eps, min64(n, s->tile_rows > 0 ? s->tile_rows : 1024), 0, 0};
+    ref_filter f = {s->grad_filter_eps, min64(n, s->tile_rows > 0 ? s->tile_rows : 1024), 0, 0,
+                    s->tile_vocab > 0 ? s->tile_vocab : 2048, s->grad_filter_tail == FH_FILTER_TAIL_DROP};
     if (!s->train_step || s->fp32_dz)
         return f;
     const int64_t rows = min64(n, s->tile_rows > 0 ? s->tile_rows : bf16_du ? (s->seq > 256 ? s->seq : 256) : n);
@@ -199,6 +202,7 @@ static ref_filter filter_of(const grpo_case_spec *s)
         return f;
     const int64_t blocks = (s->batch + fit - 1) / fit;
     f.tile_rows = (s->batch + blocks - 1) / blocks * s->seq;
+    f.tile_vocab = 0;
     f.dweight_after_blocks = bf16_du;
     return f;
 }

@@ -154,11 +154,17 @@ int ref_ce_backward(const ref_linear *lin, const int64_t *t, const ref_ce_option
     }
     if (o->filter) {
         const ref_filter_input in = {z, soft, row_scale, row_c};
-        ref_filter_apply(o->filter, n, v, t, &in, du_dx, du_dw);
-        ref_linear_backward(lin, du_dx, dx, NULL, NULL);
-        ref_linear_backward(lin, du_dw, NULL, dweight, NULL);
-        ref_linear_backward(lin, z, NULL, NULL, dbias);
+        const int rc = ref_filter_apply(o->filter, n, v, t, &in, du_dx, du_dw);
+        if (rc == 0) {
+            ref_linear_backward(lin, du_dx, dx, NULL, NULL);
+            ref_linear_backward(lin, du_dw, NULL, dweight, NULL);
+            ref_linear_backward(lin, z, NULL, NULL, dbias);
+        }
         free(soft), free(row_c), free(row_scale), free(du_dx), free(du_dw);
+        if (rc != 0) {
+            free(z), free(dzdu);
+            return -1;
+        }
     } else
         ref_linear_backward(lin, z, dx, dweight, dbias);
     free(z);

@@ -12,6 +12,8 @@ typedef struct ref_filter {
     int dweight_after_blocks;   /* bf16 row blocks: dweight is one product over every row, so a column is dropped
                                    from it only where every row tile drops it */
     int softcap;                /* a softcap was set: a tile where some row has a nonzero c is not filtered */
+    int64_t tile_vocab;         /* the fused call's vocabulary tiles (0: the whole vocabulary) */
+    int drop_tail;              /* FH_FILTER_TAIL_DROP: the dropped softmax part is left out, not estimated */
 } ref_filter;
 
 /* A reference head's dU and what filtering needs of it, all [n, vocab] or [n]: soft, its softmax part (the a p
@@ -21,10 +23,13 @@ typedef struct ref_filter_input {
     const double *du, *soft, *row_scale, *row_c;
 } ref_filter_input;
 
-/* du_dx and du_dw [n, vocab]: the dU that the filtered dx and dweight products see, du with soft removed from
- * the dropped columns of each row tile. A column of a row tile is dropped when no row of it holds its target and
- * every |du| of it is below eps times its row's scale (rows of scale 0 hold nothing to drop). */
-void ref_filter_apply(const ref_filter *f, int64_t n, int64_t vocab, const int64_t *targets, const ref_filter_input *in,
-                      double *du_dx, double *du_dw);
+/* du_dx and du_dw [n, vocab]: the dU that the filtered dx and dweight products see. A column of a tile (row tile x
+ * vocabulary tile) is dropped when no row of it holds its target and every |du| of it is below eps times its row's
+ * scale (rows of scale 0 hold nothing to drop). On its dropped columns, soft is removed and, unless drop_tail,
+ * replaced by the tail estimate r_i nu_j / S: r_i the sum of row i's soft there, nu_j the sum of column j's |soft|
+ * over the tile's rows, S the sum of every nu_j. With dweight_after_blocks, du_dw loses soft only on the columns
+ * every row tile drops, where the estimate is r_i nu_j / S with nu_j summed over every row and S over every tile. */
+int ref_filter_apply(const ref_filter *f, int64_t n, int64_t vocab, const int64_t *targets, const ref_filter_input *in,
+                     double *du_dx, double *du_dw);
 
 #endif

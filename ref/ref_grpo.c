@@ -444,12 +444,14 @@ static int filtered_backward(const ref_filter *f, const ref_linear *lin, const i
     const int64_t n = lin->n, v = lin->vocab;
     double *scale = calloc((size_t)n, sizeof(double)), *no_c = calloc((size_t)n, sizeof(double));
     double *du_dx = malloc(sizeof(double) * (size_t)(n * v)), *du_dw = malloc(sizeof(double) * (size_t)(n * v));
-    const int ok = scale && no_c && du_dx && du_dw;
+    int ok = scale && no_c && du_dx && du_dw;
     if (ok) {
         for (int64_t i = 0; i < n; i++)
             scale[i] = fabs(gl[i]) > fabs(gh[i]) ? fabs(gl[i]) : fabs(gh[i]);
         const ref_filter_input in = {du, du, scale, no_c};
-        ref_filter_apply(f, n, v, targets, &in, du_dx, du_dw);
+        ok = ref_filter_apply(f, n, v, targets, &in, du_dx, du_dw) == 0;
+    }
+    if (ok) {
         ref_linear_backward(lin, du_dx, dx, NULL, NULL);
         ref_linear_backward(lin, du_dw, NULL, dweight, NULL);
         ref_linear_backward(lin, du, NULL, NULL, dbias);

@@ -132,6 +132,26 @@ FH_API fh_status fh_context_get_grad_filter_eps(const fh_context *ctx, double *e
     return FH_OK;
 }
 
+FH_API fh_status fh_context_set_grad_filter_tail(fh_context *ctx, fh_filter_tail tail)
+{
+    if (!ctx)
+        return FH_ERR_NULL_POINTER;
+    fh_clear_message(ctx);
+    if (tail != FH_FILTER_TAIL_ESTIMATE && tail != FH_FILTER_TAIL_DROP)
+        return fh_fail(ctx, FH_ERR_INVALID_PARAM_VALUE,
+                       "grad_filter_tail %d is neither FH_FILTER_TAIL_ESTIMATE (0) nor FH_FILTER_TAIL_DROP (1)", (int)tail);
+    ctx->grad_filter_tail = tail;
+    return FH_OK;
+}
+
+FH_API fh_status fh_context_get_grad_filter_tail(const fh_context *ctx, fh_filter_tail *tail)
+{
+    if (!ctx || !tail)
+        return FH_ERR_NULL_POINTER;
+    *tail = ctx->grad_filter_tail;
+    return FH_OK;
+}
+
 FH_API fh_status fh_context_filter_stats(const fh_context *ctx, fh_filter_stats *stats)
 {
     if (!ctx || !stats)

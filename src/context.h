@@ -17,6 +17,7 @@ struct fh_context {
     fh_tile_config wisdom[FH_WISDOM_CAPACITY];
     int wisdom_count;
     double grad_filter_eps;                             /* 0 = off */
+    fh_filter_tail grad_filter_tail;
     fh_filter_stats filter_stats;                       /* the last call's, reset when it acquires its workspace */
     struct fh_gemm_cache *gemm_cache;                   /* the GEMM providers' state, NULL until needed */
     void (*gemm_cache_destroy)(struct fh_gemm_cache *); /* set by the plan layer with the first workspace */

@@ -592,14 +592,28 @@ static uint8_t *thread_marks(const fh_engine_pass *p, int segment)
     return p->ws->marks + ((int64_t)segment * p->plan->threads + omp_get_thread_num()) * cols;
 }
 
-/* Records row tile_row's c, and marks its columns to keep, after fh_row_gradient and before any rounding. A row of
- * scale 0 has no softmax terms and marks nothing. */
+/* The calling thread's profile of segment `segment` for the tail estimate: the magnitudes of its rows' entries
+ * below their thresholds, per column (f32, cleared by tail_profile). */
+static float *thread_profile(const fh_engine_pass *p, int segment)
+{
+    const int64_t cols = p->plan->tile_vocab;
+    return p->ws->tail_nu + ((int64_t)segment * p->plan->threads + omp_get_thread_num()) * cols;
+}
+
+/* Records row tile_row's c, and marks its columns to keep, after fh_row_gradient (the tile's class weights
+ * `weights`) and before any rounding; for the tail estimate, in the same pass, the sum of the row's softmax terms
+ * below its threshold (tail_rows, less the kept columns' share later) and their magnitudes into the thread's
+ * profile. A row of scale 0 has no softmax terms and marks nothing. */
 static void note_row(const fh_engine_pass *p, const float *row, int64_t tile_row, int segment, int64_t vb,
-                     int64_t target, const fh_coef *k)
+                     int64_t target, const float *weights, const fh_coef *k)
 {
     if (!filtering(p))
         return;
-    p->ws->row_c[tile_row] = k->c;
+    const fh_workspace *ws = p->ws;
+    const int tail = p->plan->tail_estimate;
+    ws->row_c[tile_row] = k->c;
+    if (tail)
+        ws->tail_rows[tile_row] = 0.0, ws->row_least[tile_row] = 0.0f;
     const double threshold = p->plan->filter_eps * row_scale(k);
     if (threshold == 0.0)
         return;
@@ -608,7 +622,12 @@ static void note_row(const fh_engine_pass *p, const float *row, int64_t tile_row
     if (at_least < threshold)
         at_least = nextafterf(at_least, INFINITY);
     uint8_t *marks = thread_marks(p, segment);
-    fh_row_mark_at_least(row, vb, at_least, marks);
+    if (tail) {
+        ws->row_least[tile_row] = at_least;
+        ws->tail_rows[tile_row] = fh_row_mark_tail(row, vb, at_least, (float)(k->c * p->tf.inv_temperature), weights,
+                                                   marks, thread_profile(p, segment));
+    } else
+        fh_row_mark_at_least(row, vb, at_least, marks);
     if (target >= 0 && target < vb)
         marks[target] = 1;
 }
@@ -662,16 +681,49 @@ static fh_gemm_input gather_du(const fh_engine_pass *p, const uint16_t *du, int6
     return view(p->ws->gathered_du, FH_ELEM_BF16, 0, width, 1);
 }
 
-/* An f32 tile's nb rows from tile_row (vb columns) with their kept columns moved to their front, in order (a
- * kept column never moves right, so one forward pass does it): the GEMMs then read them in place. */
-static void compact_rows(const fh_engine_pass *p, int64_t tile_row, int64_t nb, int64_t vb, int64_t kept)
+/* The tail estimate's row sums count every entry of a row below its threshold (note_row); those of its kept
+ * columns[0..kept) are not skipped, so they come off (value v at column j). */
+static double kept_below(const fh_engine_pass *p, int64_t tile_row, float v, int64_t j, const float *weights)
+{
+    const float c = (float)(p->ws->row_c[tile_row] * p->tf.inv_temperature);
+    return fabsf(v) < p->ws->row_least[tile_row] ? (double)(v - c * (weights ? weights[j] : 1.0f)) : 0.0;
+}
+
+/* An f32 tile's nb rows from tile_row (vb columns, class weights `weights`) with their kept columns moved to
+ * their front, in order (a kept column never moves right, so one forward pass does it): the GEMMs then read them
+ * in place. With the tail estimate, the kept columns' share comes off each row's sum on the way. */
+static void compact_rows(const fh_engine_pass *p, int64_t tile_row, int64_t nb, int64_t vb, int64_t kept,
+                         const float *weights)
+{
+    const int64_t *columns = p->ws->kept;
+    const int tail = p->plan->tail_estimate;
+#pragma omp parallel for num_threads(p->plan->threads) schedule(static)
+    for (int64_t r = 0; r < nb; r++) {
+        float *row = p->ws->tile + (tile_row + r) * vb;
+        double share = 0.0;
+        for (int64_t c = 0; c < kept; c++) {
+            const float v = row[columns[c]];
+            if (tail)
+                share += kept_below(p, tile_row + r, v, columns[c], weights);
+            row[c] = v;
+        }
+        if (tail)
+            p->ws->tail_rows[tile_row + r] -= share;
+    }
+}
+
+/* The same share off the rows of a tile that is not compacted (bf16 dU: its f32 rows are read in place). */
+static void take_kept_shares(const fh_engine_pass *p, int64_t tile_row, int64_t nb, int64_t vb, int64_t kept,
+                             const float *weights)
 {
     const int64_t *columns = p->ws->kept;
 #pragma omp parallel for num_threads(p->plan->threads) schedule(static)
     for (int64_t r = 0; r < nb; r++) {
-        float *row = p->ws->tile + (tile_row + r) * vb;
+        const float *row = p->ws->tile + (tile_row + r) * vb;
+        double share = 0.0;
         for (int64_t c = 0; c < kept; c++)
-            row[c] = row[columns[c]];
+            share += kept_below(p, tile_row + r, row[columns[c]], columns[c], weights);
+        p->ws->tail_rows[tile_row + r] -= share;
     }
 }
 
@@ -727,6 +779,15 @@ static float *dw_f32(const fh_engine_pass *p, int64_t k, int64_t jt, int64_t v0,
     return (float *)p->grads->dweight + k * lin->w_stride_hidden + (v0 + jt) * lin->w_stride_vocab;
 }
 
+/* dw_f32 (k, j) = dw_f32 (0, 0) + k * stride_k + j * stride_j. */
+static void dw_strides(const fh_engine_pass *p, int64_t vb, int64_t *stride_k, int64_t *stride_j)
+{
+    const fh_linear *lin = p->lin;
+    const int accumulator = dweight_accumulated(p), by_vocab = dw_acc_by_vocab(lin);
+    *stride_k = accumulator ? (by_vocab ? vb : 1) : lin->w_stride_hidden;
+    *stride_j = accumulator ? (by_vocab ? 1 : lin->hidden) : lin->w_stride_vocab;
+}
+
 /* Whether a dweight column that holds nothing of this call yet is written rather than added to: an accumulator,
  * or beta 0. The `used` flags say which columns hold something. */
 static int dw_overwrites(const fh_engine_pass *p)
@@ -769,7 +830,7 @@ static fh_status kept_column_gemms(const fh_engine_pass *p, int64_t tile_row, in
 {
     const int dweight = p->grads->dweight && !dweight_after_blocks(p);
     if (!p->plan->bf16_du && kept < vb)
-        compact_rows(p, tile_row, nb, vb, kept);
+        compact_rows(p, tile_row, nb, vb, kept, p->class_weights ? p->class_weights + v0 : NULL);
     fh_status st = FH_OK;
     for (int64_t c0 = 0; c0 < kept && st == FH_OK; c0 += FH_FILTER_CHUNK) {
         const int64_t *columns = p->ws->kept + c0;
@@ -809,35 +870,54 @@ static fh_status all_kept_gemms(const fh_engine_pass *p, int64_t tile_row, int64
     return st;
 }
 
-/* s = sum over the skipped columns j of the tile of w_j W[:, v0 + j]. Each thread owns a range of H and walks the
- * weight along its contiguous direction. */
-static void skipped_weight_sum(const fh_engine_pass *p, int64_t v0, int64_t vb, double *s)
+/* A rank-one term that filtering applies over a tile's skipped columns: dU_ij ~ rows[r] column(j), with column(j)
+ * = scale * (profile ? profile[j] : weights ? weights[j] : 1). The c w term is exact (rows c, the class weights
+ * over T); the tail estimate replaces the skipped softmax terms (rows r, the profile nu over S). Its H-vectors:
+ * s = sum over the skipped columns of column(j) W[:, v0 + j] (dx_i += rows[r] s), g = sum over the tile's rows of
+ * rows[r] x_i (dweight_j += column(j) g), and g_all, g summed over every row block (after bf16 row blocks). */
+typedef struct skipped_term {
+    const double *rows;
+    const float *weights;
+    const double *profile;
+    double scale;
+    double *s, *g, *g_all;
+} skipped_term;
+
+static double column_factor(const skipped_term *t, int64_t j)
+{
+    return t->scale * (t->profile ? t->profile[j] : t->weights ? (double)t->weights[j] : 1.0);
+}
+
+/* Each term's s over the tile's skipped columns. Each thread owns a range of H and walks the weight along its
+ * contiguous direction. */
+static void skipped_weight_sums(const fh_engine_pass *p, int64_t v0, int64_t vb, const skipped_term *terms, int count)
 {
     const fh_linear *lin = p->lin;
-    const float *weights = p->class_weights ? p->class_weights + v0 : NULL;
     const uint8_t *keep = p->ws->keep;
     const int hidden_inner = lin->w_stride_hidden <= lin->w_stride_vocab;
 #pragma omp parallel num_threads(p->plan->threads)
     {
         const int64_t parts = omp_get_num_threads(), me = omp_get_thread_num();
         const int64_t k0 = lin->hidden * me / parts, k1 = lin->hidden * (me + 1) / parts;
-        for (int64_t k = k0; k < k1; k++)
-            s[k] = 0.0;
-        for (int64_t j = 0; hidden_inner && j < vb; j++) {
-            const double wj = weights ? weights[j] : 1.0f;
-            for (int64_t k = k0; !keep[j] && k < k1; k++)
-                s[k] += wj * w_at(lin, k, v0 + j);
-        }
+        for (int t = 0; t < count; t++)
+            for (int64_t k = k0; k < k1; k++)
+                terms[t].s[k] = 0.0;
+        for (int64_t j = 0; hidden_inner && j < vb; j++)
+            for (int t = 0; !keep[j] && t < count; t++) {
+                const double f = column_factor(&terms[t], j);
+                for (int64_t k = k0; k < k1; k++)
+                    terms[t].s[k] += f * w_at(lin, k, v0 + j);
+            }
         for (int64_t k = k0; !hidden_inner && k < k1; k++)
             for (int64_t j = 0; j < vb; j++)
-                if (!keep[j])
-                    s[k] += (double)(weights ? weights[j] : 1.0f) * w_at(lin, k, v0 + j);
+                for (int t = 0; !keep[j] && t < count; t++)
+                    terms[t].s[k] += column_factor(&terms[t], j) * w_at(lin, k, v0 + j);
     }
 }
 
-/* g (+)= sum over the segment's rows of c_i x_i; each thread owns a range of H. */
-static void c_weighted_rows(const fh_engine_pass *p, int64_t tile_row, int64_t i0, int64_t nb, int accumulate,
-                            double *g)
+/* g (+)= sum over the nb rows from i0 of rows[r] x_i; each thread owns a range of H. */
+static void weighted_rows(const fh_engine_pass *p, const double *rows, int64_t i0, int64_t nb, int accumulate,
+                          double *g)
 {
 #pragma omp parallel num_threads(p->plan->threads)
     {
@@ -847,31 +927,78 @@ static void c_weighted_rows(const fh_engine_pass *p, int64_t tile_row, int64_t i
             g[k] = 0.0;
         for (int64_t r = 0; r < nb; r++)
             for (int64_t k = k0; k < k1; k++)
-                g[k] += p->ws->row_c[tile_row + r] * x_at(p->lin, i0 + r, k);
+                g[k] += rows[r] * x_at(p->lin, i0 + r, k);
     }
 }
 
-/* dweight's skipped columns j of the tile += w_j / T g, along dweight's contiguous direction; then they are used. */
-static void skipped_columns_term(const fh_engine_pass *p, int64_t v0, int64_t vb, const double *g)
+/* dweight's skipped columns j of the tile += sum of the terms' column(j) g, along dweight's contiguous direction
+ * (or = when the column holds nothing yet and is overwritten); then they are used. */
+static void skipped_columns_term(const fh_engine_pass *p, int64_t v0, int64_t vb, const skipped_term *terms,
+                                 int count)
 {
     const int64_t h = p->lin->hidden;
-    const uint8_t *keep = p->ws->keep;
-    const float *weights = p->class_weights ? p->class_weights + v0 : NULL;
-    const double inv_t = p->tf.inv_temperature;
+    const uint8_t *keep = p->ws->keep, *used = p->ws->used;
+    const int overwrites = dw_overwrites(p);
+    float *base = dw_f32(p, 0, 0, v0, vb);
+    int64_t stride_k, stride_j;
+    dw_strides(p, vb, &stride_k, &stride_j);
     if (dw_acc_by_vocab(p->lin)) {
 #pragma omp parallel for num_threads(p->plan->threads) schedule(static)
         for (int64_t k = 0; k < h; k++)
             for (int64_t j = 0; j < vb; j++)
-                if (!keep[j])
-                    dw_add(p, k, j, v0, vb, (float)(inv_t * (weights ? weights[j] : 1.0f) * g[k]));
+                if (!keep[j]) {
+                    double value = 0.0;
+                    for (int t = 0; t < count; t++)
+                        value += column_factor(&terms[t], j) * terms[t].g[k];
+                    float *d = base + k * stride_k + j * stride_j;
+                    *d = used[j] || !overwrites ? *d + (float)value : (float)value;
+                }
     } else {
 #pragma omp parallel for num_threads(p->plan->threads) schedule(static)
-        for (int64_t j = 0; j < vb; j++)
-            for (int64_t k = 0; !keep[j] && k < h; k++)
-                dw_add(p, k, j, v0, vb, (float)(inv_t * (weights ? weights[j] : 1.0f) * g[k]));
+        for (int64_t j = 0; j < vb; j++) {
+            if (keep[j])
+                continue;
+            double factor[2] = {0.0, 0.0}; /* a second factor of 0 with a single term */
+            for (int t = 0; t < count; t++)
+                factor[t] = column_factor(&terms[t], j);
+            const double *g0 = terms[0].g, *g1 = count > 1 ? terms[1].g : terms[0].g;
+            float *d = base + j * stride_j;
+            const int add = used[j] || !overwrites;
+            for (int64_t k = 0; k < h; k++) {
+                const float value = (float)(factor[0] * g0[k] + factor[1] * g1[k]);
+                d[k * stride_k] = add ? d[k * stride_k] + value : value;
+            }
+        }
     }
     for (int64_t j = 0; j < vb; j++)
         p->ws->used[j] |= !keep[j];
+}
+
+/* The tail estimate's column factors of a tile (vb columns) marked as segment `segment`: each skipped column's
+ * sum nu of its rows' magnitudes (tail_columns; 0 for a kept column), from the threads' profiles, which are
+ * cleared for the next tile. Returns S, the sum of every nu. Each thread owns a range of columns. */
+static double tail_profile(const fh_engine_pass *p, int segment, int64_t vb)
+{
+    const fh_workspace *ws = p->ws;
+    const int threads = p->plan->threads;
+    const int64_t cols = p->plan->tile_vocab;
+    float *profiles = ws->tail_nu + (int64_t)segment * threads * cols;
+    double total = 0.0;
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+    {
+        const int64_t parts = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t j0 = vb * me / parts, j1 = vb * (me + 1) / parts;
+        for (int64_t j = j0; j < j1; j++) {
+            double sum = 0.0;
+            for (int t = 0; t < threads; t++) {
+                sum += profiles[t * cols + j];
+                profiles[t * cols + j] = 0.0f;
+            }
+            ws->tail_columns[j] = ws->keep[j] ? 0.0 : sum;
+            total += ws->tail_columns[j];
+        }
+    }
+    return total;
 }
 
 /* The filtered gradient GEMMs of a dU tile's rows from tile_row (rows i0.., columns v0.., marked as segment
@@ -895,35 +1022,59 @@ static fh_status filtered_gradients(const fh_engine_pass *p, int segment, int64_
     const int gemms = (grads->dx != NULL) + (grads->dweight && !after);
     ws->filter_stats->gradient_flops += 2.0 * (double)nb * (double)h * (double)vb * gemms;
     ws->filter_stats->skipped_flops += 2.0 * (double)nb * (double)h * (double)skipped_columns * gemms;
+    /* The tail's row sums lose their kept columns' share when an f32 tile is compacted for the GEMMs, else here. */
+    const double tail_total = p->plan->tail_estimate ? tail_profile(p, segment, vb) : 0.0;
+    if (tail_total > 0.0 && p->plan->bf16_du)
+        take_kept_shares(p, tile_row, nb, vb, kept, p->class_weights ? p->class_weights + v0 : NULL);
     if (p->plan->fp32_dz)
         copy_x_rows(p, i0, nb);
     const fh_status st = kept == vb ? all_kept_gemms(p, tile_row, i0, nb, v0, vb)
                                     : kept_column_gemms(p, tile_row, i0, nb, v0, vb, kept, 1);
-    if (st != FH_OK || !any_c)
+    double *v = ws->vectors;
+    skipped_term terms[2];
+    int count = 0;
+    if (any_c)
+        terms[count++] = (skipped_term){ws->row_c + tile_row, p->class_weights ? p->class_weights + v0 : NULL, NULL,
+                                        p->tf.inv_temperature, v + TERM_S_C * h, v + TERM_G_C * h,
+                                        v + TERM_G_ALL_C * h};
+    if (tail_total > 0.0)
+        terms[count++] = (skipped_term){ws->tail_rows + tile_row, NULL, ws->tail_columns, 1.0 / tail_total,
+                                        v + TERM_S_TAIL * h, v + TERM_G_TAIL * h, v + TERM_G_ALL_TAIL * h};
+    if (st != FH_OK || count == 0)
         return st;
-    const double inv_t = p->tf.inv_temperature;
-    double *s = ws->vectors, *g = ws->vectors + h, *g_all = ws->vectors + 2 * h;
-    if (grads->dweight && after)
-        c_weighted_rows(p, tile_row, i0, nb, 1, g_all); /* for the columns that every row block skips */
+    if (grads->dweight && after) {
+        /* for the columns that every row block skips */
+        for (int t = 0; t < count; t++)
+            weighted_rows(p, terms[t].rows, i0, nb, 1, terms[t].g_all);
+        if (tail_total > 0.0) {
+            for (int64_t j = 0; j < vb; j++)
+                ws->tail_columns[vb + j] += ws->tail_columns[j];
+            v[TERM_VECTORS * h] += tail_total;
+        }
+    }
     if (skipped_columns == 0)
         return FH_OK;
     if (grads->dx) {
-        skipped_weight_sum(p, v0, vb, s);
+        skipped_weight_sums(p, v0, vb, terms, count);
         for (int64_t r = 0; r < nb; r++) {
             float *dx = dx_row_f32(p, i0 + r, i0);
-            const double scale = inv_t * ws->row_c[tile_row + r];
-            for (int64_t k = 0; k < h; k++)
-                dx[k] += (float)(scale * s[k]);
+            for (int64_t k = 0; k < h; k++) {
+                double value = 0.0;
+                for (int t = 0; t < count; t++)
+                    value += terms[t].rows[r] * terms[t].s[k];
+                dx[k] += (float)value;
+            }
         }
     }
     if (grads->dweight && !after) {
-        c_weighted_rows(p, tile_row, i0, nb, 0, g);
-        skipped_columns_term(p, v0, vb, g);
+        for (int t = 0; t < count; t++)
+            weighted_rows(p, terms[t].rows, i0, nb, 0, terms[t].g);
+        skipped_columns_term(p, v0, vb, terms, count);
     }
     return FH_OK;
 }
 
-/* Before a filtered pass: no column marked or used yet, the rank-one sum of the row blocks at zero, dx zeroed
+/* Before a filtered pass: no column marked or used yet, the rank-one sums of the row blocks at zero, dx zeroed
  * where the GEMMs and terms add into it (its accumulator, or an fp32 dx with beta 0). */
 static void filter_begin(const fh_engine_pass *p)
 {
@@ -931,7 +1082,12 @@ static void filter_begin(const fh_engine_pass *p)
     const fh_linear_grads *grads = p->grads;
     memset(p->ws->marks, 0, 2 * (size_t)p->plan->threads * (size_t)p->plan->tile_vocab);
     memset(p->ws->used, 0, (size_t)p->plan->tile_vocab);
-    memset(p->ws->vectors, 0, 3 * (size_t)lin->hidden * sizeof(double));
+    memset(p->ws->vectors, 0, (TERM_VECTORS * (size_t)lin->hidden + 1) * sizeof(double));
+    if (p->plan->tail_estimate) {
+        memset(p->ws->tail_nu, 0, 2 * (size_t)p->plan->threads * (size_t)p->plan->tile_vocab * sizeof(float));
+        if (dweight_after_blocks(p))
+            memset(p->ws->tail_columns + p->plan->tile_vocab, 0, (size_t)p->plan->tile_vocab * sizeof(double));
+    }
     if (!grads->dx || p->plan->row_blocks)
         return;
     if (dx_accumulated(p))
@@ -965,12 +1121,9 @@ static void zero_columns(const fh_engine_pass *p, char *base, size_t elem_size, 
  * a run of them at a time. */
 static void finish_dw_columns(const fh_engine_pass *p, int64_t v0, int64_t vb)
 {
-    const fh_linear *lin = p->lin;
     const uint8_t *used = p->ws->used;
-    /* dw_f32 (k, j) = dw_f32 (0, 0) + k * stride_k + j * stride_j */
-    const int accumulator = dweight_accumulated(p), by_vocab = dw_acc_by_vocab(lin);
-    const int64_t stride_k = accumulator ? (by_vocab ? vb : 1) : lin->w_stride_hidden;
-    const int64_t stride_j = accumulator ? (by_vocab ? 1 : lin->hidden) : lin->w_stride_vocab;
+    int64_t stride_k, stride_j;
+    dw_strides(p, vb, &stride_k, &stride_j);
     for (int64_t j0 = 0; j0 < vb && dw_overwrites(p);) {
         int64_t j1 = j0 + 1;
         while (j1 < vb && used[j1] == used[j0])
@@ -994,32 +1147,38 @@ static void store_dweight(const fh_engine_pass *p, int64_t k, int64_t j, float v
         ((float *)grads->dweight)[at] = accumulate ? ((float *)grads->dweight)[at] + value : value;
 }
 
-/* Columns [j0, j1) of dweight that every row block skipped: only their rank-one c term (0 without one), rounded
- * once, as beta says. */
-static void skipped_dweight_columns(const fh_engine_pass *p, int64_t j0, int64_t j1, int any_c)
+/* Columns [j0, j1) of dweight that every row block skipped: only the terms' column(j) g_all (0 without a term),
+ * rounded once, as beta says. */
+static void skipped_dweight_columns(const fh_engine_pass *p, int64_t j0, int64_t j1, const skipped_term *terms,
+                                    int count)
 {
     const fh_linear *lin = p->lin;
     const fh_linear_grads *grads = p->grads;
-    const double *g_all = p->ws->vectors + 2 * lin->hidden;
-    if (!any_c && grads->dweight_beta != 0.0f)
+    if (count == 0 && grads->dweight_beta != 0.0f)
         return;
-    if (!any_c) {
+    if (count == 0) {
         zero_columns(p, grads->dweight, elem_size(elem_type(grads->dweight_dtype)), lin->w_stride_hidden,
                      lin->w_stride_vocab, j0, j1);
         return;
     }
-    const double inv_t = p->tf.inv_temperature;
-    const float *weights = p->class_weights;
     if (dw_acc_by_vocab(lin)) { /* along dweight's contiguous direction */
 #pragma omp parallel for num_threads(p->plan->threads) schedule(static)
         for (int64_t k = 0; k < lin->hidden; k++)
-            for (int64_t j = j0; j < j1; j++)
-                store_dweight(p, k, j, (float)(inv_t * (weights ? weights[j] : 1.0f) * g_all[k]));
+            for (int64_t j = j0; j < j1; j++) {
+                double value = 0.0;
+                for (int t = 0; t < count; t++)
+                    value += column_factor(&terms[t], j) * terms[t].g_all[k];
+                store_dweight(p, k, j, (float)value);
+            }
     } else {
 #pragma omp parallel for num_threads(p->plan->threads) schedule(static)
         for (int64_t j = j0; j < j1; j++)
-            for (int64_t k = 0; k < lin->hidden; k++)
-                store_dweight(p, k, j, (float)(inv_t * (weights ? weights[j] : 1.0f) * g_all[k]));
+            for (int64_t k = 0; k < lin->hidden; k++) {
+                double value = 0.0;
+                for (int t = 0; t < count; t++)
+                    value += column_factor(&terms[t], j) * terms[t].g_all[k];
+                store_dweight(p, k, j, (float)value);
+            }
     }
 }
 
@@ -1043,16 +1202,25 @@ static void store_gathered_dweight(const fh_engine_pass *p, const int64_t *colum
 
 /* bf16 row blocks: dweight after the last block, over every row, for the columns that some row block kept (in
  * gathered chunks, the rows in the blocks' segments so that the GEMM shapes are those made ready); every other
- * column gets only its rank-one c term (0 without one), rounded once, as beta says. */
+ * column gets only its rank-one terms (0 without them), rounded once, as beta says. */
 static fh_status filtered_dweight_after_blocks(const fh_engine_pass *p)
 {
     const fh_linear *lin = p->lin;
     const int64_t n = lin->n, h = lin->hidden, vocab = lin->vocab;
     const int64_t segments = block_segments(p), height = block_segment_rows(p), span = block_span(p);
-    const double *g_all = p->ws->vectors + 2 * h;
+    double *v = p->ws->vectors;
     int any_c = 0;
     for (int64_t k = 0; k < h; k++)
-        any_c |= g_all[k] != 0.0;
+        any_c |= v[TERM_G_ALL_C * h + k] != 0.0;
+    /* The columns every block skipped: the c w term, and the tail estimate with every block's magnitudes. */
+    skipped_term terms[2];
+    int terms_count = 0;
+    if (any_c)
+        terms[terms_count++] = (skipped_term){NULL, p->class_weights, NULL, p->tf.inv_temperature, NULL, NULL,
+                                              v + TERM_G_ALL_C * h};
+    if (p->plan->tail_estimate && v[TERM_VECTORS * h] > 0.0)
+        terms[terms_count++] = (skipped_term){NULL, NULL, p->ws->tail_columns + vocab, 1.0 / v[TERM_VECTORS * h],
+                                              NULL, NULL, v + TERM_G_ALL_TAIL * h};
     int64_t kept = 0;
     for (int64_t j = 0; j < vocab; j++)
         if (p->ws->used[j])
@@ -1077,7 +1245,7 @@ static fh_status filtered_dweight_after_blocks(const fh_engine_pass *p)
         while (j1 < vocab && p->ws->used[j1] == p->ws->used[j0])
             j1++;
         if (!p->ws->used[j0])
-            skipped_dweight_columns(p, j0, j1, any_c);
+            skipped_dweight_columns(p, j0, j1, terms, terms_count);
         j0 = j1;
     }
     p->ws->filter_stats->gradient_flops += 2.0 * (double)n * (double)h * (double)vocab;
@@ -1145,7 +1313,7 @@ fh_status fh_engine_backward(const fh_engine_pass *p)
                     const int64_t t = target_column(p->targets, i, vocab, v0);
                     fh_row_transform(row, vb, bias, &p->tf);
                     fh_row_gradient(row, vb, t, weights, &k, &p->tf);
-                    note_row(p, row, r, 0, vb, t, &k);
+                    note_row(p, row, r, 0, vb, t, weights, &k);
                 }
                 round_du_row(p, row, i0, r, vb);
             }
@@ -1207,7 +1375,7 @@ static void gradient_row(const fh_engine_pass *p, float *row, int64_t tile_row, 
     fh_coef k = {stats->lse, 0.0, 0.0, 0.0, 0.0, stats->sum_pz};
     p->source->row(p->source->self, i, stats, &k);
     fh_row_gradient(row, vocab, t, p->class_weights, &k, &p->tf);
-    note_row(p, row, tile_row, segment, vocab, t, &k);
+    note_row(p, row, tile_row, segment, vocab, t, p->class_weights, &k);
     round_du_row(p, row, i0, r, vocab);
 }
 

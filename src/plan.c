@@ -51,7 +51,7 @@ static int dx_in_block(const fh_plan *plan)
  * size overflows. */
 static int place_buffers(fh_plan *plan, int64_t n)
 {
-    enum { BUFFERS = 18 };
+    enum { BUFFERS = 22 };
     const int64_t rows = plan->tile_rows, cols = plan->tile_vocab, hidden = plan->hidden;
     const int filter = plan->filter_eps > 0.0;
     const struct {
@@ -74,11 +74,16 @@ static int place_buffers(fh_plan *plan, int64_t n)
         {filter, 2, cols, sizeof(uint8_t), &plan->flags_offset},
         {filter, 1, cols, sizeof(int64_t), &plan->kept_offset},
         {filter, rows, 1, sizeof(double), &plan->row_c_offset},
-        {filter, 3, hidden, sizeof(double), &plan->vectors_offset},
+        {filter, 1, TERM_VECTORS * hidden + 1, sizeof(double), &plan->vectors_offset},
         {filter && plan->bf16_du, rows, FH_FILTER_CHUNK, sizeof(uint16_t), &plan->gathered_du_offset},
         {filter, FH_FILTER_CHUNK, hidden, sizeof(float), &plan->gathered_w_offset},
         {filter, FH_FILTER_CHUNK, hidden, sizeof(float), &plan->gathered_dw_offset},
         {dx_in_block(plan), rows, hidden, sizeof(float), &plan->dx_block_offset},
+        {filter && plan->tail_estimate, rows, 1, sizeof(double), &plan->tail_rows_offset},
+        {filter && plan->tail_estimate, rows, 1, sizeof(float), &plan->row_least_offset},
+        {filter && plan->tail_estimate, 2 * (int64_t)plan->threads, cols, sizeof(float), &plan->tail_nu_offset},
+        {filter && plan->tail_estimate, plan->row_blocks && plan->bf16_du ? 2 : 1, cols, sizeof(double),
+         &plan->tail_columns_offset},
     };
     size_t at = 0;
     for (int b = 0; b < BUFFERS; b++) {
@@ -119,6 +124,7 @@ static void set_schedule(const fh_context *ctx, const fh_linear *lin, int gradie
     plan->bf16_du = bf16 && !plan->fp32_dz;
     plan->accumulators = bf16 && !row_blocks;
     plan->filter_eps = gradients && !companion ? ctx->grad_filter_eps : 0.0;
+    plan->tail_estimate = plan->filter_eps > 0.0 && ctx->grad_filter_tail == FH_FILTER_TAIL_ESTIMATE;
     /* Chunks only where dweight may hold them (see place_in_dweight): in the [H, V] layout oneDNN writes a chunk's
      * strided dweight through an f32 scratchpad of its size (32 MiB more peak memory at H=1024). */
     plan->du_chunk = row_blocks && plan->bf16_du && plan->filter_eps == 0.0 && dense_vh(lin)
@@ -292,10 +298,12 @@ static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, const fh
     plan->tile_rows = 1;
     if (place_buffers(plan, n) != 0 || (int64_t)plan->bytes > budget)
         return -1;
-    /* Each further row costs vocab floats of logits, and with filtering its c and (bf16) its gathered dU and f32 dx
-     * row; the buffers' alignment is absorbed by the final check below. */
+    /* Each further row costs vocab floats of logits, and with filtering its c, its skipped sum and threshold (tail
+     * estimate) and (bf16) its gathered dU and f32 dx row; the buffers' alignment is absorbed by the final check
+     * below. */
     const int64_t filter_row_bytes =
         plan->filter_eps > 0.0 ? (int64_t)sizeof(double) +
+                                     (plan->tail_estimate ? (int64_t)(sizeof(double) + sizeof(float)) : 0) +
                                      (plan->bf16_du ? FH_FILTER_CHUNK * (int64_t)sizeof(uint16_t) +
                                                           lin->hidden * (int64_t)sizeof(float)
                                                     : 0)
@@ -438,6 +446,10 @@ static fh_workspace carve(const fh_plan *plan, void *base, int64_t n)
     ws.kept = filter ? (int64_t *)(aligned + plan->kept_offset) : NULL;
     ws.row_c = filter ? (double *)(aligned + plan->row_c_offset) : NULL;
     ws.vectors = filter ? (double *)(aligned + plan->vectors_offset) : NULL;
+    ws.tail_rows = filter && plan->tail_estimate ? (double *)(aligned + plan->tail_rows_offset) : NULL;
+    ws.tail_columns = filter && plan->tail_estimate ? (double *)(aligned + plan->tail_columns_offset) : NULL;
+    ws.tail_nu = filter && plan->tail_estimate ? (float *)(aligned + plan->tail_nu_offset) : NULL;
+    ws.row_least = filter && plan->tail_estimate ? (float *)(aligned + plan->row_least_offset) : NULL;
     ws.gathered_du = filter && plan->bf16_du ? (void *)(aligned + plan->gathered_du_offset) : NULL;
     ws.gathered_w = filter ? (void *)(aligned + plan->gathered_w_offset) : NULL;
     ws.gathered_dw = filter ? (float *)(aligned + plan->gathered_dw_offset) : NULL;

@@ -10,6 +10,11 @@
 /* Per-token double arrays ("slots") reserved for the head and the engine; each head names the ones it
  * uses (FH_CE_SLOT_*, FH_GRPO_SLOT_*). */
 #define FH_WORKSPACE_SLOTS 10
+/* Gradient filtering's H-vectors (fh_workspace.vectors), each the sum of one rank-one term's factor: over the
+ * skipped weight columns (s), over a tile's rows (g) and over every row block's (g_all, after bf16 row blocks), for
+ * the c w term and for the tail estimate; then the tail estimate's magnitude over every row block (one double). */
+enum { TERM_S_C, TERM_G_C, TERM_G_ALL_C, TERM_S_TAIL, TERM_G_TAIL, TERM_G_ALL_TAIL, TERM_VECTORS };
+
 /* Gradient filtering runs its GEMMs on the kept columns gathered this many at a time. */
 #define FH_FILTER_CHUNK 1024
 /* bf16 row blocks keep their dU in chunks of this many vocabulary columns (fh_plan). */
@@ -41,12 +46,18 @@ typedef struct fh_plan {
     size_t tile_at_byte;
     /* Gradient filtering (fh_context_set_grad_filter_eps): filter_eps > 0 in gradient passes. Its buffers: the
      * columns each thread marked, per segment (2 x threads x tile_vocab bytes); per-column keep and used flags and
-     * the kept columns' list; every tile row's c coefficient; three H-vectors for the rank-one c term; the gathered
-     * GEMMs' operands (FH_FILTER_CHUNK x H weight rows and f32 dweight, and with bf16_du tile_rows x FH_FILTER_CHUNK
-     * dU); in bf16 row blocks an f32 dx of the block (dx_block, tile_rows x H), so that a bf16 dx is rounded once. */
+     * the kept columns' list; every tile row's c coefficient; TERM_VECTORS H-vectors and a sum for the skipped
+     * columns' rank-one terms; the gathered GEMMs' operands (FH_FILTER_CHUNK x H weight rows and f32 dweight, and
+     * with bf16_du tile_rows x FH_FILTER_CHUNK dU); in bf16 row blocks an f32 dx of the block (dx_block, tile_rows x
+     * H), so that a bf16 dx is rounded once. With tail_estimate (FH_FILTER_TAIL_ESTIMATE): every tile row's
+     * skipped sum and threshold, each thread's f32 profile of the magnitudes below the thresholds per segment
+     * (2 x threads x tile_vocab) and the skipped columns' sums of them (tile_vocab doubles, twice after bf16 row
+     * blocks: the block's and its sum over the blocks). */
     double filter_eps;
+    int tail_estimate;
     size_t marks_offset, flags_offset, kept_offset, row_c_offset, vectors_offset, gathered_du_offset,
-        gathered_w_offset, gathered_dw_offset, dx_block_offset;
+        gathered_w_offset, gathered_dw_offset, dx_block_offset, tail_rows_offset, row_least_offset, tail_nu_offset,
+        tail_columns_offset;
     int companion;        /* a pair plan (fh_plan_pair_*): a second tile for the companion head's logits */
     size_t companion_tile_offset;
     size_t slots_offset;  /* FH_WORKSPACE_SLOTS arrays of n doubles */
@@ -109,6 +120,8 @@ typedef struct fh_workspace {
     float *dx_acc, *dw_acc, *x32, *w32;
     float *dx_block, *gathered_dw; /* filtering's buffers (fh_plan), NULL when it is off */
     double *row_c, *vectors;
+    double *tail_rows, *tail_columns; /* tail_estimate's (fh_plan), NULL otherwise */
+    float *row_least, *tail_nu;
     uint8_t *marks, *keep, *used;
     int64_t *kept;
     void *gathered_du, *gathered_w;

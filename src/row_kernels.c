@@ -183,11 +183,12 @@ typedef struct kernel_set {
     void (*jsd_sums)(const float *, const float *, int64_t, const fh_pair_row *, double[2]);
     void (*pair_gradient)(float *, const float *, int64_t, const fh_pair_row *);
     void (*to_bf16)(const void *, int64_t, void *);
+    double (*mark_tail)(const float *, int64_t, float, float, const float *, uint8_t *, float *);
 } kernel_set;
 
 static kernel_set kernels = {fh_row_transform_portable, fh_row_fold_portable,     fh_row_gradient_portable,
                              fh_row_pair_max_portable,  fh_row_exp_sums_portable, fh_row_jsd_sums_portable,
-                             fh_row_pair_gradient_portable, fh_row_to_bf16_portable};
+                             fh_row_pair_gradient_portable, fh_row_to_bf16_portable, fh_row_mark_tail_portable};
 static pthread_once_t kernels_once = PTHREAD_ONCE_INIT;
 
 static void choose_kernels(void)
@@ -197,7 +198,7 @@ static void choose_kernels(void)
     if (!getenv("FH_DISABLE_AVX512") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) {
         const kernel_set avx512 = {fh_row_transform_avx512, fh_row_fold_avx512,     fh_row_gradient_avx512,
                                    fh_row_pair_max_avx512,  fh_row_exp_sums_avx512, fh_row_jsd_sums_avx512,
-                                   fh_row_pair_gradient_avx512, fh_row_to_bf16_avx512};
+                                   fh_row_pair_gradient_avx512, fh_row_to_bf16_avx512, fh_row_mark_tail_avx512};
         kernels = avx512;
     }
 #endif
@@ -300,4 +301,30 @@ void fh_row_add_to_bf16(const float *src, int64_t count, int accumulate, uint16_
 void fh_row_to_bf16(const void *src, int64_t count, void *dst)
 {
     chosen()->to_bf16(src, count, dst);
+}
+
+double fh_row_mark_tail_portable(const float *z, int64_t count, float threshold, float c, const float *weights,
+                                 uint8_t *marks, float *nu)
+{
+    uint32_t least;
+    memcpy(&least, &threshold, sizeof least);
+    double sum = 0.0;
+    for (int64_t j = 0; j < count; j++) {
+        uint32_t bits;
+        memcpy(&bits, z + j, sizeof bits);
+        if ((bits & 0x7fffffffu) >= least) {
+            marks[j] = 1;
+            continue;
+        }
+        const float m = z[j] - c * (weights ? weights[j] : 1.0f);
+        sum += m;
+        nu[j] += fabsf(m);
+    }
+    return sum;
+}
+
+double fh_row_mark_tail(const float *z, int64_t count, float threshold, float c, const float *weights,
+                        uint8_t *marks, float *nu)
+{
+    return chosen()->mark_tail(z, count, threshold, c, weights, marks, nu);
 }

@@ -99,6 +99,12 @@ void fh_row_pair_gradient(float *z, const float *cz, int64_t count, const fh_pai
  * left as they are. */
 void fh_row_mark_at_least(const float *z, int64_t count, float threshold, uint8_t *marks);
 
+/* fh_row_mark_at_least, and over the other columns (|z[j]| below threshold): m = z[j] - c w[j] (w 1 without
+ * weights), in f32, nu[j] += |m|. Returns the sum of those m (in double): what the tail estimate needs of a row's
+ * softmax terms that filtering may skip. */
+double fh_row_mark_tail(const float *z, int64_t count, float threshold, float c, const float *weights,
+                        uint8_t *marks, float *nu);
+
 /* dst[j] = src[j] rounded to the nearest bf16 (ties to even; NaN stays NaN), for j < count. dst may be src's own
  * memory (a row narrowed in place into its first half). */
 void fh_row_to_bf16(const void *src, int64_t count, void *dst);

@@ -4,6 +4,7 @@
 
 #include <immintrin.h>
 #include <math.h>
+#include <string.h>
 #include <sleef.h>
 
 #define LANES 16
@@ -256,4 +257,50 @@ void fh_row_to_bf16_avx512(const void *src, int64_t count, void *dst)
     if (j < count)
         fh_row_to_bf16_portable((const char *)src + j * (int64_t)sizeof(float), count - j,
                                 (char *)dst + j * (int64_t)sizeof(uint16_t));
+}
+
+/* 16 bytes at p, or the first `remaining` of them and zeros after (no read past the end). */
+static __m128i load_bytes(const uint8_t *p, int64_t remaining)
+{
+    if (remaining >= LANES)
+        return _mm_loadu_si128((const __m128i *)(const void *)p);
+    uint8_t bytes[LANES] = {0};
+    memcpy(bytes, p, (size_t)remaining);
+    return _mm_loadu_si128((const __m128i *)(const void *)bytes);
+}
+
+double fh_row_mark_tail_avx512(const float *z, int64_t count, float threshold, float c, const float *weights,
+                               uint8_t *marks, float *nu)
+{
+    uint32_t least_bits;
+    memcpy(&least_bits, &threshold, sizeof least_bits);
+    const __m512i least = _mm512_set1_epi32((int)least_bits), magnitude = _mm512_set1_epi32(0x7fffffff);
+    const __m512i one = _mm512_set1_epi32(1);
+    const __m512 cv = _mm512_set1_ps(c), unit = _mm512_set1_ps(1.0f);
+    __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+    for (int64_t j = 0; j < count; j += LANES) {
+        const int64_t remaining = count - j;
+        const __mmask16 m = tail_mask(remaining);
+        const __m512 v = _mm512_maskz_loadu_ps(m, z + j);
+        const __m512i bits = _mm512_and_si512(_mm512_castps_si512(v), magnitude);
+        const __mmask16 at_least = _mm512_mask_cmpge_epu32_mask(m, bits, least), below = m & ~at_least;
+        if (at_least) {
+            const __m128i old = load_bytes(marks + j, remaining);
+            const __m128i set = _mm_or_si128(old, _mm512_cvtepi32_epi8(_mm512_maskz_mov_epi32(at_least, one)));
+            if (remaining >= LANES)
+                _mm_storeu_si128((__m128i *)(void *)(marks + j), set);
+            else {
+                uint8_t bytes[LANES];
+                _mm_storeu_si128((__m128i *)(void *)bytes, set);
+                memcpy(marks + j, bytes, (size_t)remaining);
+            }
+        }
+        if (!below)
+            continue;
+        const __m512 w = weights ? _mm512_maskz_loadu_ps(below, weights + j) : unit;
+        const __m512 d = _mm512_maskz_sub_ps(below, v, _mm512_mul_ps(cv, w));
+        accumulate_double(d, &lo, &hi);
+        _mm512_mask_storeu_ps(nu + j, below, _mm512_add_ps(_mm512_maskz_loadu_ps(below, nu + j), _mm512_abs_ps(d)));
+    }
+    return sum_as_double(lo, hi);
 }

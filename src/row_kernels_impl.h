@@ -24,6 +24,8 @@ void fh_row_exp_sums_portable(const float *a, const float *b, int64_t count, flo
 void fh_row_jsd_sums_portable(const float *z, const float *cz, int64_t count, const fh_pair_row *r, double sums[2]);
 void fh_row_pair_gradient_portable(float *z, const float *cz, int64_t count, const fh_pair_row *r);
 void fh_row_to_bf16_portable(const void *src, int64_t count, void *dst);
+double fh_row_mark_tail_portable(const float *z, int64_t count, float threshold, float c, const float *weights,
+                                 uint8_t *marks, float *nu);
 
 #ifdef FH_HAVE_AVX512_KERNELS
 void fh_row_transform_avx512(float *z, int64_t count, const float *bias, const fh_transform *tf);
@@ -36,6 +38,8 @@ void fh_row_exp_sums_avx512(const float *a, const float *b, int64_t count, float
 void fh_row_jsd_sums_avx512(const float *z, const float *cz, int64_t count, const fh_pair_row *r, double sums[2]);
 void fh_row_pair_gradient_avx512(float *z, const float *cz, int64_t count, const fh_pair_row *r);
 void fh_row_to_bf16_avx512(const void *src, int64_t count, void *dst);
+double fh_row_mark_tail_avx512(const float *z, int64_t count, float threshold, float c, const float *weights,
+                               uint8_t *marks, float *nu);
 #endif
 
 #endif

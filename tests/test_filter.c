@@ -1,6 +1,6 @@
 /* Gradient filtering (fh_context_set_grad_filter_eps) against the double reference filtered the same way
- * (ref/ref_filter.c: the softmax part of dU removed from the columns the call's row tiles drop, the target and c w
- * terms kept), at the unfiltered tolerances of ref/ce_case.c: filtering changes what is computed, not how
+ * (ref/ref_filter.c: the softmax part of dU replaced by the tail estimate on the columns the call's tiles drop, the
+ * target and c w terms kept), at the unfiltered tolerances of ref/ce_case.c: filtering changes what is computed, not how
  * accurately, so any term dropped or applied twice shows. The inputs are peaked (logits of typical size 10), the
  * row tiles 64 rows and eps 1e-3, so that most columns are dropped and a sizeable part kept (about 600 of a row
  * block's 5003, more than one gathered chunk of FH_FILTER_CHUNK): each case asserts that the skipped fraction of
@@ -30,15 +30,21 @@ static ce_case_spec filter_spec(fh_layout layout, int train_step)
 }
 
 /* Runs the spec, asserts it passes against the filtered reference and that filtering skipped between min_skip and
- * 95% of the gradient GEMMs' flops. */
-static void check_filtered(const ce_case_spec *s, const char *label, double min_skip)
+ * max_skip of the gradient GEMMs' flops. */
+static void check_skipping(const ce_case_spec *s, const char *label, double min_skip, double max_skip)
 {
     fh_filter_stats stats = {0.0, 0.0};
     if (!cp_check_spec_stats(s, label, &stats))
         return;
     const double skipped = stats.skipped_flops / stats.gradient_flops;
-    TU_CHECK(skipped >= min_skip && skipped <= 0.95, "%s (eps %g): %.4f of the gradient flops skipped", label,
+    TU_CHECK(skipped >= min_skip && skipped <= max_skip, "%s (eps %g): %.4f of the gradient flops skipped", label,
              s->grad_filter_eps, skipped);
+}
+
+/* The same with at most 95% skipped, so that the kept columns' GEMMs run too. */
+static void check_filtered(const ce_case_spec *s, const char *label, double min_skip)
+{
+    check_skipping(s, label, min_skip, 0.95);
 }
 
 static void test_fp32_options(void)
@@ -129,6 +135,31 @@ static void test_all_kept_tiles(void)
         }
 }
 
+/* The tail estimate (the default) and FH_FILTER_TAIL_DROP, each against the reference filtered the same way, with
+ * a heavy tail (logits of typical size 2, eps 0.03: most of a row's softmax mass is in the skipped columns), so
+ * that an estimate off by a factor shows beyond the tolerances: in bf16 row blocks, estimating the columns every
+ * block skipped from the last block's magnitudes alone gives a dweight 1.1e-2 off against 2.1e-3 (tolerance 8e-3).
+ * Both schedules, fp32 and bf16 (row blocks with dweight after the blocks), with and without the c w term. */
+static void test_tail(void)
+{
+    for (int dtype = 0; dtype < 2; dtype++)
+        for (int train_step = 0; train_step < 2; train_step++)
+            for (int drop = 0; drop < 2; drop++) {
+                if (dtype && !cp_have_bf16())
+                    continue;
+                ce_case_spec s = filter_spec(FH_LAYOUT_VH, train_step);
+                s.dtype = s.grad_dtype = dtype ? FH_DTYPE_BF16 : FH_DTYPE_F32;
+                s.logit_scale = 2.0;
+                s.grad_filter_eps = 0.03;
+                s.grad_filter_tail = drop ? FH_FILTER_TAIL_DROP : FH_FILTER_TAIL_ESTIMATE;
+                check_skipping(&s, drop ? "heavy tail, dropped" : "heavy tail, estimated", 0.5, 0.99);
+                s.label_smoothing = 0.1;
+                s.layout = FH_LAYOUT_HV;
+                check_skipping(&s, drop ? "heavy tail, dropped, c w term, [H, V]" : "heavy tail, estimated, c w term, [H, V]",
+                               0.5, 0.99);
+            }
+}
+
 /* The bounds, the value kept, and the statistics of the last call. */
 static void test_contract(void)
 {
@@ -143,6 +174,20 @@ static void test_contract(void)
     TU_CHECK(fh_context_get_grad_filter_eps(ctx, &eps) == FH_OK && eps == 0x1p-12, "and kept: %g", eps);
     TU_CHECK(fh_context_set_grad_filter_eps(NULL, 0.0) == FH_ERR_NULL_POINTER, "NULL context");
     TU_CHECK(fh_context_get_grad_filter_eps(ctx, NULL) == FH_ERR_NULL_POINTER, "NULL eps");
+    fh_filter_tail tail = FH_FILTER_TAIL_DROP;
+    TU_CHECK(fh_context_get_grad_filter_tail(ctx, &tail) == FH_OK && tail == FH_FILTER_TAIL_ESTIMATE,
+             "the tail is estimated by default");
+    TU_CHECK(fh_context_set_grad_filter_tail(ctx, (fh_filter_tail)2) == FH_ERR_INVALID_PARAM_VALUE &&
+                 fh_context_set_grad_filter_tail(ctx, (fh_filter_tail)-1) == FH_ERR_INVALID_PARAM_VALUE,
+             "an unknown tail mode is refused");
+    TU_CHECK(fh_context_get_grad_filter_tail(ctx, &tail) == FH_OK && tail == FH_FILTER_TAIL_ESTIMATE,
+             "and leaves the mode as it was");
+    TU_CHECK(fh_context_set_grad_filter_tail(ctx, FH_FILTER_TAIL_DROP) == FH_OK &&
+                 fh_context_get_grad_filter_tail(ctx, &tail) == FH_OK && tail == FH_FILTER_TAIL_DROP,
+             "FH_FILTER_TAIL_DROP is taken and kept");
+    TU_CHECK(fh_context_set_grad_filter_tail(NULL, FH_FILTER_TAIL_DROP) == FH_ERR_NULL_POINTER &&
+                 fh_context_get_grad_filter_tail(ctx, NULL) == FH_ERR_NULL_POINTER,
+             "NULL context or mode");
     fh_filter_stats stats;
     TU_CHECK(fh_context_filter_stats(ctx, NULL) == FH_ERR_NULL_POINTER, "NULL stats");
     TU_CHECK(fh_context_filter_stats(ctx, &stats) == FH_OK && stats.gradient_flops == 0.0 && stats.skipped_flops == 0.0,
@@ -208,7 +253,8 @@ static const tu_test tests[] = {
     {"fp32: the rank-one term with beta 1", test_fp32_accumulate_c_term},
     {"bf16: both schedules, bf16 gradients, fp32 dZ", test_bf16},
     {"tiles that keep every column", test_all_kept_tiles},
-    {"eps bounds and the work statistics", test_contract},
+    {"the tail estimate and dropping the tail", test_tail},
+    {"eps and tail bounds and the work statistics", test_contract},
     {"the queried workspace serves filtered calls", test_queried_workspace},
 };
 const tu_suite suite_filter = {tests, TU_COUNT(tests)};

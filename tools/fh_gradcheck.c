@@ -2,7 +2,7 @@
  * double-precision reference on random inputs, prints the differences as JSON and exits non-zero past tolerance.
  * --dump DIR writes every input and fused output as .npy so other tools can check them independently. */
 #include "ce_case.h"
-#include "dtype_option.h"
+#include "enum_options.h"
 #include "gradcheck_distill.h"
 #include "gradcheck_grpo.h"
 #include "gradcheck_preference.h"
@@ -20,7 +20,8 @@ static void usage(void)
             "       [--label-smoothing E] [--class-weights] [--softcap C] [--z-loss S]\n"
             "       [--reduction mean|sum|none] [--threads T] [--seed S] [--dump DIR]\n"
             "       [--train-step] [--budget BYTES] [--tile-rows R] [--tile-vocab C] [--dtype f32|bf16]\n"
-            "       [--grad-dtype f32|bf16] [--fp32-dz] [--grad-filter-eps EPS] [--logit-scale S]\n"
+            "       [--grad-dtype f32|bf16] [--fp32-dz] [--grad-filter-eps EPS]\n"
+            "       [--grad-filter-tail estimate|drop] [--logit-scale S]\n"
             "       fh_gradcheck --loss grpo ... (fh_gradcheck --loss grpo --help)\n"
             "       fh_gradcheck --loss dpo|orpo|simpo|cpo ... (fh_gradcheck --loss dpo --help)\n"
             "       fh_gradcheck --loss distill ... (fh_gradcheck --loss distill --help)\n");
@@ -78,7 +79,10 @@ static int parse(int argc, char **argv, ce_case_spec *s, const char **dump)
             s->fp32_dz = 1;
         } else if (VALUE_OPTION("--grad-filter-eps"))
             s->grad_filter_eps = atof(v);
-        else if (VALUE_OPTION("--logit-scale"))
+        else if (VALUE_OPTION("--grad-filter-tail")) {
+            if (parse_filter_tail(v, &s->grad_filter_tail) != 0)
+                return -1;
+        } else if (VALUE_OPTION("--logit-scale"))
             s->logit_scale = atof(v);
         else if (VALUE_OPTION("--threads"))
             s->threads = atoi(v);

@@ -19,7 +19,7 @@
  * jsd between nearly disjoint distributions (D close to its maximum, e.g. --logit-scale 3 --temperature 0.5) forms a
  * gradient that is a small difference of fp32 terms: its relative error then exceeds 1e-5 (tests/test_distill.c,
  * "jsd near its maximum"). */
-#include "dtype_option.h"
+#include "enum_options.h"
 #include "gradcheck_distill.h"
 
 #include "bf16.h"

@@ -1,5 +1,5 @@
 /* fh_gradcheck --loss grpo: the fused GRPO head against the double-precision TRL-semantics reference. */
-#include "dtype_option.h"
+#include "enum_options.h"
 #include "gradcheck_grpo.h"
 
 #include "grpo_case.h"
@@ -18,7 +18,8 @@ static void usage(void)
             "       --is-level token|sequence [--beta b] [--epsilon-low e] [--epsilon-high e] [--delta d]\n"
             "       [--temperature t] [--no-old-logps] [--entropy-coef c] [--layout hv|vh] [--bias]\n"
             "       [--threads T] [--seed S] [--train-step] [--tile-rows R] [--tile-vocab C] [--dtype f32|bf16]\n"
-            "       [--grad-dtype f32|bf16] [--fp32-dz] [--dump DIR] [--grad-filter-eps EPS] [--logit-scale S]\n"
+            "       [--grad-dtype f32|bf16] [--fp32-dz] [--dump DIR] [--grad-filter-eps EPS]\n"
+            "       [--grad-filter-tail estimate|drop] [--logit-scale S]\n"
             "  X: grpo bnpo dr_grpo dapo cispo sapo\n");
 }
 
@@ -80,6 +81,9 @@ static int parse(int argc, char **argv, grpo_case_spec *s, const char **dump)
                 return -1;
         } else if (VALUE_OPTION("--grad-filter-eps")) {
             s->grad_filter_eps = atof(v);
+        } else if (VALUE_OPTION("--grad-filter-tail")) {
+            if (parse_filter_tail(v, &s->grad_filter_tail) != 0)
+                return -1;
         } else if (VALUE_OPTION("--logit-scale")) {
             s->logit_scale = atof(v);
         } else if (strcmp(a, "--fp32-dz") == 0) {

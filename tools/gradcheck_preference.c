@@ -2,7 +2,7 @@
  * reference. The single-call step runs in row blocks of whole pairs when --tile-rows holds at least one pair (2 T
  * rows; the default does at these sizes) and streams otherwise; the tolerances, printed with the results, are
  * justified in ref/preference_case.c. */
-#include "dtype_option.h"
+#include "enum_options.h"
 #include "gradcheck_preference.h"
 
 #include "preference_case.h"

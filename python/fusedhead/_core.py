@@ -15,7 +15,7 @@ import threading
 from typing import NamedTuple, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 from . import _lib
-from ._lib import Dtype, Layout, Param, Reduction, c_double_p, c_float_p, c_int64_p, fh_filter_stats, load_library
+from ._lib import Dtype, FilterTail, Layout, Param, Reduction, c_double_p, c_float_p, c_int64_p, fh_filter_stats, load_library
 from .errors import FusedheadError, error_for
 
 
@@ -82,7 +82,9 @@ class Context:
     fp32_dz (1: with bf16 inputs keep dZ in fp32 for the gradient GEMMs: fp32-accurate, at the fp32 rate),
     grad_filter_eps (a float; 0 = off: gradient filtering skips the backward GEMMs' vocabulary columns whose
     softmax terms are below eps times their row's scale in every row of a block, as Cut Cross-Entropy does;
-    `filter_stats()` tells what it skipped).
+    `filter_stats()` tells what it skipped), grad_filter_tail ("estimate", the default: the skipped softmax terms
+    are replaced by a rank-one estimate that keeps each row's skipped total; "drop": left out, as Cut
+    Cross-Entropy does).
     Calls on one context are serialised by a lock (the library forbids concurrent calls on one context);
     use one context per thread for parallel calls. `default_context()` gives each thread its own.
     """
@@ -90,7 +92,7 @@ class Context:
     def __init__(self, *, threads: Optional[int] = None, tile_rows: Optional[int] = None,
                  tile_vocab: Optional[int] = None, memory_budget: Optional[int] = None,
                  check_finite: Optional[bool] = None, fp32_dz: Optional[bool] = None,
-                 grad_filter_eps: Optional[float] = None):
+                 grad_filter_eps: Optional[float] = None, grad_filter_tail: Optional[str] = None):
         self._lib = load_library()
         self._lock = threading.RLock()
         self._workspace = None
@@ -106,6 +108,8 @@ class Context:
                     self.set(name, value)
             if grad_filter_eps is not None:
                 self.grad_filter_eps = grad_filter_eps
+            if grad_filter_tail is not None:
+                self.grad_filter_tail = grad_filter_tail
         except BaseException:
             self.close()
             raise
@@ -199,6 +203,19 @@ class Context:
     def grad_filter_eps(self, eps: float) -> None:
         self.call("fh_context_set_grad_filter_eps", float(eps))
 
+    @property
+    def grad_filter_tail(self) -> str:
+        value = ctypes.c_int()
+        self.call("fh_context_get_grad_filter_tail", ctypes.byref(value), pure=True)
+        return FilterTail(value.value).name.lower()
+
+    @grad_filter_tail.setter
+    def grad_filter_tail(self, tail: str) -> None:
+        names = {t.name.lower(): t for t in FilterTail}
+        if tail not in names:
+            raise ValueError(f"grad_filter_tail: expected one of {sorted(names)}, got {tail!r}")
+        self.call("fh_context_set_grad_filter_tail", int(names[tail]))
+
     def filter_stats(self) -> Tuple[float, float]:
         """fh_context_filter_stats: (gradient_flops, skipped_flops) of the last call on this context: the flops
         of the unfiltered dx and dweight GEMMs, and those gradient filtering skipped."""
@@ -230,7 +247,8 @@ class Context:
 
 
 _thread_local = threading.local()
-_SETTING_NAMES = ("threads", "tile_rows", "tile_vocab", "memory_budget", "check_finite", "fp32_dz", "grad_filter_eps")
+_SETTING_NAMES = ("threads", "tile_rows", "tile_vocab", "memory_budget", "check_finite", "fp32_dz", "grad_filter_eps",
+                  "grad_filter_tail")
 _default_settings: dict = {}
 _default_generation = 0
 

@@ -85,6 +85,11 @@ class Dtype(enum.IntEnum):
     BF16 = 1  # raw bfloat16 bits, as torch.bfloat16 stores them
 
 
+class FilterTail(enum.IntEnum):
+    ESTIMATE = 0  # the skipped softmax terms replaced by a rank-one estimate (the default)
+    DROP = 1      # left out, as Cut Cross-Entropy does
+
+
 class Reduction(enum.IntEnum):
     MEAN = 0
     SUM = 1
@@ -342,6 +347,8 @@ _REQUIRED = {
     "fh_context_set_workspace": (_st, [_ctx_p, ctypes.c_void_p, ctypes.c_size_t]),
     "fh_context_set_grad_filter_eps": (_st, [_ctx_p, ctypes.c_double]),
     "fh_context_get_grad_filter_eps": (_st, [_ctx_p, _P(ctypes.c_double)]),
+    "fh_context_set_grad_filter_tail": (_st, [_ctx_p, ctypes.c_int]),
+    "fh_context_get_grad_filter_tail": (_st, [_ctx_p, _P(ctypes.c_int)]),
     "fh_context_filter_stats": (_st, [_ctx_p, _P(fh_filter_stats)]),
     "fh_blis_query": (_st, [_P(fh_blis_info)]),
     "fh_linear_init": (_st, [_P(fh_linear), ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,

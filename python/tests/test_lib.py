@@ -18,7 +18,8 @@ from conftest import REPO_ROOT, make_data, subprocess_env
 HEADER_DIR = REPO_ROOT / "include"
 ENUMS = ((_lib.Status, "FH_"), (_lib.Param, "FH_PARAM_"), (_lib.Layout, "FH_LAYOUT_"), (_lib.Dtype, "FH_DTYPE_"),
          (_lib.Reduction, "FH_REDUCTION_"), (_lib.GRPOLossType, "FH_GRPO_LOSS_"), (_lib.GRPOISLevel, "FH_GRPO_IS_"),
-         (_lib.PreferenceLoss, "FH_PREFERENCE_"), (_lib.PreferenceLossType, "FH_PREFERENCE_"))
+         (_lib.PreferenceLoss, "FH_PREFERENCE_"), (_lib.PreferenceLossType, "FH_PREFERENCE_"),
+         (_lib.FilterTail, "FH_FILTER_TAIL_"))
 
 
 # ------------------------------------------------------------------------------------------------------------
