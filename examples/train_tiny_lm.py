@@ -2,8 +2,9 @@
 """Trains a tiny language model on the Python standard library's sources, three times from the same seed: (a) with
 torch's materialized logits, F.cross_entropy(F.linear(h, W), y), (b) with
 fusedhead.torch.fused_linear_cross_entropy, which never forms the [N, V] logits, and (c) the same with gradient
-filtering (Context(grad_filter_eps=--filter-eps), row blocks of --filter-tile-rows tokens), which skips the
-backward GEMMs' vocabulary columns whose softmax terms are below eps in every row of a block. It shows how the
+filtering (Context(grad_filter_eps=--filter-eps, grad_filter_tail=--filter-tail), row blocks of
+--filter-tile-rows tokens), which skips the backward GEMMs' vocabulary columns whose softmax terms are below eps in
+every row of a block and by default replaces those terms by the library's rank-one estimate. It shows how the
 three training curves agree, what share of the backward work filtering skipped at each step, and how peaked a
 really trained head's softmax is (what filtering can gain depends on that).
 
@@ -32,6 +33,11 @@ Steps:
        loss_filtered, filtered_rel_diff, ms_filtered
                                  run (c)'s loss, |loss_filtered - loss_fused| / loss_fused, and its time
        skipped                   the share of run (c)'s backward GEMM flops that filtering skipped at this step
+       held_out_torch, held_out_fused, held_out_filtered
+                                 each run's loss after the step on the same --eval-rows held-out tokens (what it
+                                 has learned, where the training losses above are one batch's each)
+       held_out_rel_diff, held_out_filtered_rel_diff
+                                 fused vs torch and filtered vs fused on them
        entropy and the peakedness of run (b)'s softmax p = softmax(h W^T) over the first --stat-rows rows of the
        batch (materialized in float64; cheap): p_lt_2m12 and p_lt_2m28, the fractions of entries below 2^-12
        (bf16's filtering eps) and 2^-28 (fp32's); blocks_lt_2m12, the fraction of blocks of those rows x 256
@@ -93,10 +99,15 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--stat-rows", type=int, default=64, help="rows of the batch the peakedness is measured on")
+    p.add_argument("--eval-rows", type=int, default=2048,
+                   help="held-out tokens each run's loss is measured on at every logged step")
     p.add_argument("--save-batch", metavar="DIR", help="write the trained head's held-out batch as .npy here")
     p.add_argument("--save-rows", type=int, default=2048, help="rows of the saved batch")
     p.add_argument("--filter-eps", type=float, default=EPS_BF16,
                    help="run (c)'s grad_filter_eps (default 2^-12, Cut Cross-Entropy's for bf16)")
+    p.add_argument("--filter-tail", choices=["estimate", "drop"], default="estimate",
+                   help="run (c)'s grad_filter_tail: the skipped softmax terms replaced by the library's rank-one "
+                        "estimate (default), or dropped as Cut Cross-Entropy does")
     p.add_argument("--filter-tile-rows", type=int, default=0,
                    help="run (c)'s row blocks (0: the library's choice): filtering skips a vocabulary column of a "
                         "block only when all its rows allow it")
@@ -212,16 +223,29 @@ def state_statistics(model, inputs, targets, rows: int):
     return stats
 
 
+def held_out_window(held_out, rows: int, seq: int):
+    """Whole sequences of the held-out stream covering its first `rows` tokens (fewer if it is short): inputs
+    [sequences, seq] and the targets of the first `rows` positions."""
+    sequences = min(-(-rows // seq), (len(held_out) - 1) // seq)
+    if sequences < 1:
+        sys.exit(f"train_tiny_lm: {len(held_out)} held-out tokens, fewer than one sequence of {seq}")
+    window = held_out[:sequences * seq + 1]
+    return window[:-1].reshape(sequences, seq), window[1:][:rows].contiguous()
+
+
+def held_out_loss(model, inputs, targets) -> float:
+    """The model's mean loss on the held-out tokens (materialized logits, float64 log-sum-exp)."""
+    with torch.no_grad():
+        hidden = model(inputs)[:len(targets)]
+        return float(F.cross_entropy(F.linear(hidden, model.lm_head.weight).double(), targets))
+
+
 def save_batch(folder: Path, model, held_out, args) -> None:
     """hidden.npy, targets.npy and weight.npy of the model on the first --save-rows held-out tokens."""
-    sequences = min(-(-args.save_rows // args.seq), (len(held_out) - 1) // args.seq)
-    if sequences < 1:
-        sys.exit(f"train_tiny_lm: {len(held_out)} held-out tokens, fewer than one sequence of {args.seq}")
-    window = held_out[:sequences * args.seq + 1]
-    targets = window[1:][:args.save_rows].contiguous()
+    inputs, targets = held_out_window(held_out, args.save_rows, args.seq)
     weight = model.lm_head.weight.detach()
     with torch.no_grad():
-        hidden = model(window[:-1].reshape(sequences, args.seq))[:len(targets)].contiguous()
+        hidden = model(inputs)[:len(targets)].contiguous()
         loss = float(F.cross_entropy(F.linear(hidden, weight), targets))
         # The vocabulary order that sorting would use: by mean logit over the whole batch (as CCE does).
         order = torch.argsort((hidden.mean(0) @ weight.T), descending=True)
@@ -240,7 +264,8 @@ def save_batch(folder: Path, model, held_out, args) -> None:
 
 CSV_COLUMNS = ["step", "loss_torch", "loss_fused", "rel_diff", "same_state_rel_diff", "ms_torch", "ms_fused",
                "entropy", "p_lt_2m12", "p_lt_2m28", "blocks_lt_2m12", "sorted_blocks_lt_2m12", "loss_filtered",
-               "filtered_rel_diff", "ms_filtered", "skipped"]
+               "filtered_rel_diff", "ms_filtered", "skipped", "held_out_torch", "held_out_fused", "held_out_filtered",
+               "held_out_rel_diff", "held_out_filtered_rel_diff"]
 CONTROL_COLUMNS = ["loss_control", "control_rel_diff"]  # last, so that the others keep their gnuplot numbers
 
 
@@ -253,9 +278,9 @@ def write_csv(path: Path, rows, control: bool) -> None:
 
 def gnuplot_script(args) -> str:
     title = f"V={args.vocab} H={args.hidden}, {args.layers} blocks, {args.batch}x{args.seq} tokens per step"
-    control = (", \\\n     '' using 1:($18 > 0 ? $18 : NaN) with linespoints title "
+    control = (", \\\n     '' using 1:($23 > 0 ? $23 : NaN) with linespoints title "
                "'torch vs control (split-H logits: rounding alone)'") if args.control else ""
-    blocks = f", {args.filter_tile_rows}-row blocks" if args.filter_tile_rows else ""
+    blocks = (f", {args.filter_tile_rows}-row blocks" if args.filter_tile_rows else "") + f", tail {args.filter_tail}"
     return f"""# Renders loss.png and distribution.png from curves.csv: run `gnuplot curves.gp` in this folder.
 set datafile separator ','
 set key noenhanced
@@ -273,7 +298,9 @@ set xlabel 'step'
 set ylabel 'relative difference (0 not drawn)'
 plot 'curves.csv' using 1:($4 > 0 ? $4 : NaN) with linespoints title 'torch vs fused (two trajectories)', \\
      '' using 1:($5 > 0 ? $5 : NaN) with linespoints title 'fused vs materialized on the same state', \\
-     '' using 1:($14 > 0 ? $14 : NaN) with linespoints title 'filtered vs fused (two trajectories)'{control}
+     '' using 1:($14 > 0 ? $14 : NaN) with linespoints title 'filtered vs fused (two trajectories)', \\
+     '' using 1:($20 > 0 ? $20 : NaN) with lines dt 2 lc rgb '#9400d3' title 'held-out loss, torch vs fused', \\
+     '' using 1:($21 > 0 ? $21 : NaN) with lines dt 2 lc rgb '#1e90ff' title 'held-out loss, filtered vs fused'{control}
 unset multiplot
 unset logscale y
 set format y '%g'
@@ -321,11 +348,11 @@ def prepare_tokens(out: Path, args):
     return tokens[:split], tokens[split:]
 
 
-def train(train_tokens, args):
+def train(train_tokens, held_out, args):
     """Trains the runs in lockstep; returns the logged rows, each run's mean ms per step and the models."""
     torch.manual_seed(args.seed)
     filter_context = fusedhead.Context(threads=args.threads, tile_rows=args.filter_tile_rows,
-                                       grad_filter_eps=args.filter_eps)
+                                       grad_filter_eps=args.filter_eps, grad_filter_tail=args.filter_tail)
     head = heads(filter_context)
     models = {"torch": TinyLM(args.vocab, args.hidden, args.layers, args.heads, args.seq)}
     for name in ("fused", "filtered", "control") if args.control else ("fused", "filtered"):
@@ -333,6 +360,7 @@ def train(train_tokens, args):
     optimizers = {k: torch.optim.Adam(m.parameters(), lr=args.lr) for k, m in models.items()}
     batches = torch.Generator().manual_seed(args.seed)
     rows, elapsed, total, since = [], dict.fromkeys(models, 0.0), dict.fromkeys(models, 0.0), 0
+    eval_inputs, eval_targets = held_out_window(held_out, args.eval_rows, args.seq)
     for step in range(args.steps):
         starts = torch.randint(0, len(train_tokens) - args.seq - 1, (args.batch,), generator=batches)
         window = torch.stack([train_tokens[s:s + args.seq + 1] for s in starts.tolist()])
@@ -363,6 +391,14 @@ def train(train_tokens, args):
         for name in models:
             row[f"loss_{name}"] = loss[name]
         row["rel_diff"] = abs(loss["fused"] - loss["torch"]) / loss["torch"]
+        # Each run's state after this step, on the same held-out tokens: the training loss above is one batch's,
+        # which differs from run to run as their trajectories part; this mean over held-out text shows what each
+        # has learned.
+        for name in ("torch", "fused", "filtered"):
+            row[f"held_out_{name}"] = held_out_loss(models[name], eval_inputs, eval_targets)
+        row["held_out_rel_diff"] = abs(row["held_out_fused"] - row["held_out_torch"]) / row["held_out_torch"]
+        row["held_out_filtered_rel_diff"] = (abs(row["held_out_filtered"] - row["held_out_fused"]) /
+                                             row["held_out_fused"])
         if args.control:
             row["control_rel_diff"] = abs(loss["control"] - loss["torch"]) / loss["torch"]
         rows.append(row)
@@ -371,7 +407,9 @@ def train(train_tokens, args):
               f"{loss['filtered']:.6f}  rel diff {row['rel_diff']:.1e}{control}, same state "
               f"{row['same_state_rel_diff']:.1e}, filtered {row['filtered_rel_diff']:.1e}  ms/step torch "
               f"{ms['torch']:.0f} fused {ms['fused']:.0f} filtered {ms['filtered']:.0f} (skipped "
-              f"{row['skipped']:.3f})  entropy {row['entropy']:.2f}  p<2^-12 {row['p_lt_2m12']:.4f}", flush=True)
+              f"{row['skipped']:.3f})  entropy {row['entropy']:.2f}  p<2^-12 {row['p_lt_2m12']:.4f}  held-out torch "
+              f"{row['held_out_torch']:.4f} fused {row['held_out_fused']:.4f} filtered {row['held_out_filtered']:.4f}",
+              flush=True)
         elapsed, since = dict.fromkeys(models, 0.0), 0
     return rows, {k: 1e3 * v / args.steps for k, v in total.items()}, models
 
@@ -388,14 +426,19 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     train_tokens, held_out = prepare_tokens(out, args)
-    rows, ms, models = train(train_tokens, args)
+    rows, ms, models = train(train_tokens, held_out, args)
     write_csv(out / "curves.csv", rows, args.control)
     render(out, args)
     control = (f" (torch vs control {max(r['control_rel_diff'] for r in rows):.2e})" if args.control else "")
     print(f"{args.steps} steps: mean ms/step torch {ms['torch']:.0f}, fused {ms['fused']:.0f}, filtered "
           f"{ms['filtered']:.0f}; largest relative difference between the curves {max(r['rel_diff'] for r in rows):.2e}"
           f"{control}, fused vs materialized on the same state {max(r['same_state_rel_diff'] for r in rows):.2e}, "
-          f"filtered vs fused {max(r['filtered_rel_diff'] for r in rows):.2e}; backward work skipped by filtering "
+          f"filtered vs fused {max(r['filtered_rel_diff'] for r in rows):.2e} (mean signed "
+          f"{np.mean([(r['loss_filtered'] - r['loss_fused']) / r['loss_fused'] for r in rows]):+.2e}); held-out loss "
+          f"at the end torch {rows[-1]['held_out_torch']:.4f} fused {rows[-1]['held_out_fused']:.4f} filtered "
+          f"{rows[-1]['held_out_filtered']:.4f}, largest relative difference torch vs fused "
+          f"{max(r['held_out_rel_diff'] for r in rows):.2e}, filtered vs fused "
+          f"{max(r['held_out_filtered_rel_diff'] for r in rows):.2e}; backward work skipped by filtering "
           f"{np.mean([r['skipped'] for r in rows]):.3f} on average over the logged steps; {out / 'curves.csv'}")
     if args.save_batch:
         save_batch(Path(args.save_batch), models["fused"], held_out, args)

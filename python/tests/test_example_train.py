@@ -58,7 +58,7 @@ def run(tmp_path_factory):
 def test_curves_finite_and_decreasing(run):
     _, rows, _ = run
     assert [int(r["step"]) for r in rows] == list(range(STEPS))
-    for name in ("loss_torch", "loss_fused", "loss_filtered"):
+    for name in ("loss_torch", "loss_fused", "loss_filtered", "held_out_torch", "held_out_fused", "held_out_filtered"):
         losses = np.array([r[name] for r in rows])
         assert np.all(np.isfinite(losses)), name
         # From about ln V = 7.6: the last three steps' mean at least 1 nat below the first three's.
@@ -70,6 +70,7 @@ def test_fused_tracks_materialized_at_every_step(run):
     for r in rows:
         assert r["rel_diff"] <= LOSS_RTOL_F32, r
         assert r["same_state_rel_diff"] <= LOSS_RTOL_F32, r
+        assert r["held_out_rel_diff"] <= LOSS_RTOL_F32, r
 
 
 def test_filtered_run(run):
