@@ -570,8 +570,9 @@ static void round_du_row(const fh_engine_pass *p, const float *row, int64_t i0, 
  * dU = a p + e p (z - sum_pz) + c w + b [j = target] (times dz/du). While a row's dU is formed, note_row marks the
  * columns where |dU| reaches eps times the row's scale, and the row's target column. A column of a tile that no
  * row of it marked is skipped by the dx and dweight GEMMs, which run on the kept columns gathered (above); its
- * softmax terms are dropped, and its c w term, rank one without a softcap (dz/du = 1/T), is applied exactly as
- * dx_i += c_i / T sum_j w_j W[:, j] and dW[:, j] += w_j / T sum_i c_i x_i over the skipped columns. dweight
+ * softmax terms are replaced by the tail estimate r_i nu_j / S (or dropped: FH_FILTER_TAIL_DROP), and its c w
+ * term, rank one without a softcap (dz/du = 1/T), is applied exactly as dx_i += c_i / T sum_j w_j W[:, j] and
+ * dW[:, j] += w_j / T sum_i c_i x_i over the skipped columns; both go through skipped_term (below). dweight
  * columns honour beta through the `used` flags: a column is written (zeroed first when beta is 0 or it is an
  * accumulator) before anything is added to it, and columns nothing reached are zeroed at the end. */
 
