@@ -138,26 +138,29 @@ static void test_all_kept_tiles(void)
 /* The tail estimate (the default) and FH_FILTER_TAIL_DROP, each against the reference filtered the same way, with
  * a heavy tail (logits of typical size 2, eps 0.03: most of a row's softmax mass is in the skipped columns), so
  * that an estimate off by a factor shows beyond the tolerances: in bf16 row blocks, estimating the columns every
- * block skipped from the last block's magnitudes alone gives a dweight 1.1e-2 off against 2.1e-3 (tolerance 8e-3).
- * Both schedules, fp32 and bf16 (row blocks with dweight after the blocks), with and without the c w term. */
+ * block skipped from the last block's magnitudes alone gives a dweight 1.2e-2 off against 3.0e-3 (tolerance 8e-3).
+ * Both schedules, fp32 and bf16 (row blocks with dweight after the blocks); the estimate with and without the
+ * c w term. Half filter_spec's rows, in 32-row tiles (five row blocks), to keep it short under the sanitizers. */
 static void test_tail(void)
 {
     for (int dtype = 0; dtype < 2; dtype++)
-        for (int train_step = 0; train_step < 2; train_step++)
-            for (int drop = 0; drop < 2; drop++) {
-                if (dtype && !cp_have_bf16())
-                    continue;
-                ce_case_spec s = filter_spec(FH_LAYOUT_VH, train_step);
-                s.dtype = s.grad_dtype = dtype ? FH_DTYPE_BF16 : FH_DTYPE_F32;
-                s.logit_scale = 2.0;
-                s.grad_filter_eps = 0.03;
-                s.grad_filter_tail = drop ? FH_FILTER_TAIL_DROP : FH_FILTER_TAIL_ESTIMATE;
-                check_skipping(&s, drop ? "heavy tail, dropped" : "heavy tail, estimated", 0.5, 0.99);
-                s.label_smoothing = 0.1;
-                s.layout = FH_LAYOUT_HV;
-                check_skipping(&s, drop ? "heavy tail, dropped, c w term, [H, V]" : "heavy tail, estimated, c w term, [H, V]",
-                               0.5, 0.99);
-            }
+        for (int train_step = 0; train_step < 2; train_step++) {
+            if (dtype && !cp_have_bf16())
+                continue;
+            ce_case_spec s = filter_spec(FH_LAYOUT_VH, train_step);
+            s.n = 129;
+            s.tile_rows = 32;
+            s.dtype = s.grad_dtype = dtype ? FH_DTYPE_BF16 : FH_DTYPE_F32;
+            s.logit_scale = 2.0;
+            s.grad_filter_eps = 0.03;
+            s.grad_filter_tail = FH_FILTER_TAIL_DROP;
+            check_skipping(&s, "heavy tail, dropped", 0.5, 0.995);
+            s.grad_filter_tail = FH_FILTER_TAIL_ESTIMATE;
+            check_skipping(&s, "heavy tail, estimated", 0.5, 0.995);
+            s.label_smoothing = 0.1;
+            s.layout = FH_LAYOUT_HV;
+            check_skipping(&s, "heavy tail, estimated, c w term, [H, V]", 0.5, 0.995);
+        }
 }
 
 /* The bounds, the value kept, and the statistics of the last call. */
