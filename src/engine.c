@@ -613,8 +613,10 @@ static void note_row(const fh_engine_pass *p, const float *row, int64_t tile_row
     const fh_workspace *ws = p->ws;
     const int tail = p->plan->tail_estimate;
     ws->row_c[tile_row] = k->c;
-    if (tail)
-        ws->tail_rows[tile_row] = 0.0, ws->row_least[tile_row] = 0.0f;
+    if (tail) {
+        ws->tail_rows[tile_row] = 0.0;
+        ws->row_least[tile_row] = 0.0f;
+    }
     const double threshold = p->plan->filter_eps * row_scale(k);
     if (threshold == 0.0)
         return;
@@ -683,16 +685,27 @@ static fh_gemm_input gather_du(const fh_engine_pass *p, const uint16_t *du, int6
 }
 
 /* The tail estimate's row sums count every entry of a row below its threshold (note_row); those of its kept
- * columns[0..kept) are not skipped, so they come off (value v at column j). */
-static double kept_below(const fh_engine_pass *p, int64_t tile_row, float v, int64_t j, const float *weights)
+ * columns are not skipped, so they come off. A row's threshold and c w term, as note_row used them. */
+typedef struct row_tail {
+    float least, c;
+} row_tail;
+
+static row_tail row_tail_of(const fh_engine_pass *p, int64_t tile_row)
 {
-    const float c = (float)(p->ws->row_c[tile_row] * p->tf.inv_temperature);
-    return fabsf(v) < p->ws->row_least[tile_row] ? (double)(v - c * (weights ? weights[j] : 1.0f)) : 0.0;
+    const row_tail t = {p->ws->row_least[tile_row], (float)(p->ws->row_c[tile_row] * p->tf.inv_temperature)};
+    return t;
 }
 
-/* An f32 tile's nb rows from tile_row (vb columns, class weights `weights`) with their kept columns moved to
- * their front, in order (a kept column never moves right, so one forward pass does it): the GEMMs then read them
- * in place. With the tail estimate, the kept columns' share comes off each row's sum on the way. */
+/* What the value v at column j (class weights `weights`) added to its row's sum: its softmax part when below the
+ * threshold. */
+static double below_share(const row_tail *t, float v, int64_t j, const float *weights)
+{
+    return fabsf(v) < t->least ? (double)(v - t->c * (weights ? weights[j] : 1.0f)) : 0.0;
+}
+
+/* An f32 tile's nb rows from tile_row (vb columns, class weights `weights`) with their kept columns[0..kept)
+ * moved to their front, in order (a kept column never moves right, so one forward pass does it): the GEMMs then
+ * read them in place. With the tail estimate, the kept columns' share comes off each row's sum on the way. */
 static void compact_rows(const fh_engine_pass *p, int64_t tile_row, int64_t nb, int64_t vb, int64_t kept,
                          const float *weights)
 {
@@ -701,11 +714,12 @@ static void compact_rows(const fh_engine_pass *p, int64_t tile_row, int64_t nb, 
 #pragma omp parallel for num_threads(p->plan->threads) schedule(static)
     for (int64_t r = 0; r < nb; r++) {
         float *row = p->ws->tile + (tile_row + r) * vb;
+        const row_tail t = tail ? row_tail_of(p, tile_row + r) : (row_tail){0.0f, 0.0f};
         double share = 0.0;
         for (int64_t c = 0; c < kept; c++) {
             const float v = row[columns[c]];
             if (tail)
-                share += kept_below(p, tile_row + r, v, columns[c], weights);
+                share += below_share(&t, v, columns[c], weights);
             row[c] = v;
         }
         if (tail)
@@ -721,9 +735,10 @@ static void take_kept_shares(const fh_engine_pass *p, int64_t tile_row, int64_t 
 #pragma omp parallel for num_threads(p->plan->threads) schedule(static)
     for (int64_t r = 0; r < nb; r++) {
         const float *row = p->ws->tile + (tile_row + r) * vb;
+        const row_tail t = row_tail_of(p, tile_row + r);
         double share = 0.0;
         for (int64_t c = 0; c < kept; c++)
-            share += kept_below(p, tile_row + r, row[columns[c]], columns[c], weights);
+            share += below_share(&t, row[columns[c]], columns[c], weights);
         p->ws->tail_rows[tile_row + r] -= share;
     }
 }
@@ -1048,8 +1063,9 @@ static fh_status filtered_gradients(const fh_engine_pass *p, int segment, int64_
         for (int t = 0; t < count; t++)
             weighted_rows(p, terms[t].rows, i0, nb, 1, terms[t].g_all);
         if (tail_total > 0.0) {
+            double *total = ws->tail_columns + p->plan->tile_vocab; /* every block's (tile_vocab = vocab = vb) */
             for (int64_t j = 0; j < vb; j++)
-                ws->tail_columns[vb + j] += ws->tail_columns[j];
+                total[j] += ws->tail_columns[j];
             v[TERM_VECTORS * h] += tail_total;
         }
     }
