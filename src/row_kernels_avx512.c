@@ -1,5 +1,5 @@
-/* AVX-512 versions of the row kernels (same contracts as row_kernels.h), with SLEEF's 1-ulp vector
- * exp and tanh. Built with -mavx512f -mavx512dq -mfma and only called when the CPU has them. */
+/* AVX-512 versions of the row kernels (same contracts as row_kernels.h), with an inline 1-ulp vector exp
+ * and SLEEF's 1-ulp tanh. Built with -mavx512f -mavx512dq -mfma and only called when the CPU has them. */
 #include "row_kernels_impl.h"
 
 #include <immintrin.h>
@@ -12,6 +12,29 @@
 static __mmask16 tail_mask(int64_t remaining)
 {
     return remaining >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << remaining) - 1u);
+}
+
+/* exp of 16 floats to within 1 ulp, inline: SLEEF's is a call, across which the callers' accumulators are spilled
+ * (every vector register is caller-saved). x = n ln2 + r, |r| <= ln2 / 2 (r exact: one fma with the high part of
+ * ln2, which has 9 trailing zero bits, then the low part); e^r by its degree-7 Taylor polynomial (truncation
+ * 3e-9, below half an ulp); scalef multiplies by 2^n, rounding once into the subnormals and saturating to inf. The
+ * clamps keep n finite (x = -inf gives 0) and, with the NaN as their second operand, let a NaN through. */
+static __m512 exp16(__m512 x)
+{
+    x = _mm512_min_ps(_mm512_set1_ps(89.0f), _mm512_max_ps(_mm512_set1_ps(-110.0f), x));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
 }
 
 /* Sum of the 16 floats as doubles. */
@@ -95,7 +118,7 @@ void fh_row_fold_avx512(const float *z, int64_t count, int64_t first_column, int
     for (int64_t j = 0; j < count; j += LANES) {
         const __mmask16 m = tail_mask(count - j);
         const __m512 v = _mm512_mask_loadu_ps(neg_inf, m, z + j);
-        const __m512 e = Sleef_expf16_u10avx512f(_mm512_sub_ps(v, shift));
+        const __m512 e = exp16(_mm512_sub_ps(v, shift));
         accumulate_double(e, &lo, &hi);
         if (request->entropy) /* tail lanes have e = 0; zero their -inf too so 0 * -inf is not NaN */
             accumulate_double(_mm512_mul_ps(e, _mm512_maskz_mov_ps(m, v)), &zlo, &zhi);
@@ -121,7 +144,7 @@ void fh_row_gradient_avx512(float *z, int64_t count, int64_t target_column, cons
     for (int64_t j = 0; j < count; j += LANES) {
         const __mmask16 m = tail_mask(count - j);
         const __m512 v = _mm512_maskz_loadu_ps(m, z + j);
-        const __m512 p = Sleef_expf16_u10avx512f(_mm512_sub_ps(_mm512_sub_ps(v, vhi), vlo));
+        const __m512 p = exp16(_mm512_sub_ps(_mm512_sub_ps(v, vhi), vlo));
         const __m512 w = weights ? _mm512_maskz_loadu_ps(m, weights + j) : one;
         __m512 dz = _mm512_fmadd_ps(va, p, _mm512_mul_ps(vc, w));
         if (entropy_term)
@@ -158,7 +181,7 @@ void fh_row_exp_sums_avx512(const float *a, const float *b, int64_t count, float
     for (int64_t j = 0; j < count; j += LANES) {
         const __mmask16 m = tail_mask(count - j);
         const __m512 sa = _mm512_mul_ps(vscale, _mm512_maskz_loadu_ps(m, a + j));
-        const __m512 e = _mm512_maskz_mov_ps(m, Sleef_expf16_u10avx512f(_mm512_sub_ps(sa, vshift)));
+        const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(sa, vshift)));
         accumulate_double(e, &lo, &hi);
         if (b) {
             const __m512 sb = _mm512_mul_ps(vscale, _mm512_maskz_loadu_ps(m, b + j));
@@ -174,7 +197,7 @@ static void softplus_pair(__m512 x, __m512 *plus, __m512 *minus)
 {
     const __m512 zero = _mm512_setzero_ps();
     const __m512 minus_abs = _mm512_min_ps(x, _mm512_sub_ps(zero, x));
-    const __m512 tail = Sleef_log1pf16_u10avx512f(Sleef_expf16_u10avx512f(minus_abs));
+    const __m512 tail = Sleef_log1pf16_u10avx512f(exp16(minus_abs));
     *plus = _mm512_add_ps(_mm512_max_ps(x, zero), tail);
     *minus = _mm512_add_ps(_mm512_max_ps(_mm512_sub_ps(zero, x), zero), tail);
 }
@@ -196,8 +219,8 @@ void fh_row_jsd_sums_avx512(const float *z, const float *cz, int64_t count, cons
         const __mmask16 m = tail_mask(count - j);
         __m512 ls, lt;
         log_probs(r, z, cz, j, m, &ls, &lt);
-        const __m512 p = _mm512_maskz_mov_ps(m, Sleef_expf16_u10avx512f(ls));
-        const __m512 q = _mm512_maskz_mov_ps(m, Sleef_expf16_u10avx512f(lt));
+        const __m512 p = _mm512_maskz_mov_ps(m, exp16(ls));
+        const __m512 q = _mm512_maskz_mov_ps(m, exp16(lt));
         __m512 sp, spn;
         softplus_pair(_mm512_add_ps(_mm512_set1_ps(r->log_odds), _mm512_sub_ps(lt, ls)), &sp, &spn);
         const __m512 kp = _mm512_mul_ps(p, sp);
@@ -218,9 +241,9 @@ void fh_row_pair_gradient_avx512(float *z, const float *cz, int64_t count, const
         const __mmask16 m = tail_mask(count - j);
         __m512 ls, lt, soft;
         log_probs(r, z, cz, j, m, &ls, &lt);
-        const __m512 p = Sleef_expf16_u10avx512f(ls);
+        const __m512 p = exp16(ls);
         switch (r->divergence) {
-        case FH_PAIR_FORWARD_KL: soft = _mm512_sub_ps(p, Sleef_expf16_u10avx512f(lt)); break;
+        case FH_PAIR_FORWARD_KL: soft = _mm512_sub_ps(p, exp16(lt)); break;
         case FH_PAIR_REVERSE_KL: soft = _mm512_mul_ps(p, _mm512_sub_ps(_mm512_sub_ps(ls, lt), d)); break;
         default: {
             __m512 sp, spn;
@@ -232,7 +255,7 @@ void fh_row_pair_gradient_avx512(float *z, const float *cz, int64_t count, const
         __m512 du = _mm512_mul_ps(g_soft, soft);
         if (r->g_hard != 0.0f) {
             const __m512 u = _mm512_maskz_loadu_ps(m, z + j);
-            du = _mm512_fmadd_ps(g_hard, Sleef_expf16_u10avx512f(_mm512_sub_ps(u, lse_u)), du);
+            du = _mm512_fmadd_ps(g_hard, exp16(_mm512_sub_ps(u, lse_u)), du);
         }
         _mm512_mask_storeu_ps(z + j, m, du);
     }
