@@ -457,7 +457,7 @@ static void fold_tile(const fh_engine_pass *p, int pass, float *tile, int64_t i0
     }
     double *const running_max = stats->lse, *const running_sum_z_exp = stats->sum_pz;
     const fh_fold_request request = {p->class_weights ? p->class_weights + v0 : NULL, stats->sum_weighted_z != NULL,
-                                     running_sum_z_exp != NULL};
+                                     running_sum_z_exp != NULL, 0, NULL};
     const float *bias = p->lin->bias ? p->lin->bias + v0 : NULL;
 #pragma omp parallel for num_threads(p->plan->threads) schedule(static)
     for (int64_t r = 0; r < nb; r++) {
@@ -545,7 +545,7 @@ fh_status fh_engine_forward(const fh_engine_pass *p)
 static fh_coef coef_of(const fh_coef_arrays *coefs, int64_t i)
 {
     const fh_coef k = {coefs->lse[i], coefs->a[i], coefs->b[i], coefs->c[i], coefs->e ? coefs->e[i] : 0.0,
-                       coefs->sum_pz ? coefs->sum_pz[i] : 0.0};
+                       coefs->sum_pz ? coefs->sum_pz[i] : 0.0, 0.0};
     return k;
 }
 
@@ -567,9 +567,9 @@ static void round_du_row(const fh_engine_pass *p, const float *row, int64_t i0, 
 }
 
 /* ---- Gradient filtering (fh_context_set_grad_filter_eps) ----
- * dU = a p + e p (z - sum_pz) + c w + b [j = target] (times dz/du). While a row's dU is formed, note_row marks the
- * columns where |dU| reaches eps times the row's scale, and the row's target column. A column of a tile that no
- * row of it marked is skipped by the dx and dweight GEMMs, which run on the kept columns gathered (above); its
+ * dU = a p + e p (z - sum_pz) + c w + b [j = target] (times dz/du). While a row's dU is formed, gradient_and_marks
+ * marks the columns where |dU| reaches eps times the row's scale, and the row's target column. A column of a tile
+ * that no row of it marked is skipped by the dx and dweight GEMMs, which run on the kept columns gathered (above); its
  * softmax terms are replaced by the tail estimate r_i nu_j / S (or dropped: FH_FILTER_TAIL_DROP), and its c w
  * term, rank one without a softcap (dz/du = 1/T), is applied exactly as dx_i += c_i / T sum_j w_j W[:, j] and
  * dW[:, j] += w_j / T sum_i c_i x_i over the skipped columns; both go through skipped_term (below). dweight
@@ -601,38 +601,43 @@ static float *thread_profile(const fh_engine_pass *p, int segment)
     return p->ws->tail_nu + ((int64_t)segment * p->plan->threads + omp_get_thread_num()) * cols;
 }
 
-/* Records row tile_row's c, and marks its columns to keep, after fh_row_gradient (the tile's class weights
- * `weights`) and before any rounding; for the tail estimate, in the same pass, the sum of the row's softmax terms
+/* Overwrites row tile_row (transformed logits, or their exps with coef->p_scale; columns of the tile's class weights
+ * `weights`) with its dU. When filtering, records the row's c and marks the columns to keep as the dU is formed
+ * (fh_row_marking), before any rounding; for the tail estimate, in the same pass, the sum of the row's softmax terms
  * below its threshold (tail_rows, less the kept columns' share later) and their magnitudes into the thread's
  * profile. A row of scale 0 has no softmax terms and marks nothing. */
-static void note_row(const fh_engine_pass *p, const float *row, int64_t tile_row, int segment, int64_t vb,
-                     int64_t target, const float *weights, const fh_coef *k)
+static void gradient_and_marks(const fh_engine_pass *p, float *row, int64_t tile_row, int segment, int64_t vb,
+                               int64_t target, const float *weights, const fh_coef *k)
 {
-    if (!filtering(p))
-        return;
     const fh_workspace *ws = p->ws;
     const int tail = p->plan->tail_estimate;
-    ws->row_c[tile_row] = k->c;
-    if (tail) {
-        ws->tail_rows[tile_row] = 0.0;
-        ws->row_least[tile_row] = 0.0f;
-    }
     const double threshold = p->plan->filter_eps * row_scale(k);
-    if (threshold == 0.0)
+    fh_row_marking marking = {0.0f, 0.0f, NULL, NULL, 0.0};
+    if (filtering(p)) {
+        ws->row_c[tile_row] = k->c;
+        if (tail) {
+            ws->tail_rows[tile_row] = 0.0;
+            ws->row_least[tile_row] = 0.0f;
+        }
+    }
+    if (filtering(p) && threshold > 0.0) {
+        /* The least float >= threshold: |dU| < threshold in double is |dU| < it in float. */
+        marking.threshold = (float)threshold;
+        if (marking.threshold < threshold)
+            marking.threshold = nextafterf(marking.threshold, INFINITY);
+        marking.c = (float)(k->c * p->tf.inv_temperature);
+        marking.marks = thread_marks(p, segment);
+        marking.nu = tail ? thread_profile(p, segment) : NULL;
+    }
+    fh_row_gradient(row, vb, target, weights, k, &p->tf, marking.marks ? &marking : NULL);
+    if (!marking.marks)
         return;
-    /* The least float >= threshold: |dU| < threshold in double is |dU| < it in float. */
-    float at_least = (float)threshold;
-    if (at_least < threshold)
-        at_least = nextafterf(at_least, INFINITY);
-    uint8_t *marks = thread_marks(p, segment);
     if (tail) {
-        ws->row_least[tile_row] = at_least;
-        ws->tail_rows[tile_row] = fh_row_mark_tail(row, vb, at_least, (float)(k->c * p->tf.inv_temperature), weights,
-                                                   marks, thread_profile(p, segment));
-    } else
-        fh_row_mark_at_least(row, vb, at_least, marks);
+        ws->row_least[tile_row] = marking.threshold;
+        ws->tail_rows[tile_row] = marking.tail;
+    }
     if (target >= 0 && target < vb)
-        marks[target] = 1;
+        marking.marks[target] = 1;
 }
 
 /* The tile's keep flags from the marks of segment `segment` (every column when unfiltered), the marks cleared for
@@ -684,8 +689,8 @@ static fh_gemm_input gather_du(const fh_engine_pass *p, const uint16_t *du, int6
     return view(p->ws->gathered_du, FH_ELEM_BF16, 0, width, 1);
 }
 
-/* The tail estimate's row sums count every entry of a row below its threshold (note_row); those of its kept
- * columns are not skipped, so they come off. A row's threshold and c w term, as note_row used them. */
+/* The tail estimate's row sums count every entry of a row below its threshold (gradient_and_marks); those of its kept
+ * columns are not skipped, so they come off. A row's threshold and c w term, as gradient_and_marks used them. */
 typedef struct row_tail {
     float least, c;
 } row_tail;
@@ -704,24 +709,18 @@ static double below_share(const row_tail *t, float v, int64_t j, const float *we
 }
 
 /* An f32 tile's nb rows from tile_row (vb columns, class weights `weights`) with their kept columns[0..kept)
- * moved to their front, in order (a kept column never moves right, so one forward pass does it): the GEMMs then
- * read them in place. With the tail estimate, the kept columns' share comes off each row's sum on the way. */
+ * moved to their front, in order: the GEMMs then read them in place. With the tail estimate, the kept columns'
+ * share comes off each row's sum on the way. */
 static void compact_rows(const fh_engine_pass *p, int64_t tile_row, int64_t nb, int64_t vb, int64_t kept,
                          const float *weights)
 {
-    const int64_t *columns = p->ws->kept;
     const int tail = p->plan->tail_estimate;
 #pragma omp parallel for num_threads(p->plan->threads) schedule(static)
     for (int64_t r = 0; r < nb; r++) {
-        float *row = p->ws->tile + (tile_row + r) * vb;
         const row_tail t = tail ? row_tail_of(p, tile_row + r) : (row_tail){0.0f, 0.0f};
-        double share = 0.0;
-        for (int64_t c = 0; c < kept; c++) {
-            const float v = row[columns[c]];
-            if (tail)
-                share += below_share(&t, v, columns[c], weights);
-            row[c] = v;
-        }
+        float *row = p->ws->tile + (tile_row + r) * vb;
+        const float *next = r + 1 < nb ? row + vb : NULL;
+        const double share = fh_row_compact(row, p->ws->kept, kept, t.least, t.c, weights, next);
         if (tail)
             p->ws->tail_rows[tile_row + r] -= share;
     }
@@ -1329,8 +1328,7 @@ fh_status fh_engine_backward(const fh_engine_pass *p)
                     const fh_coef k = coef_of(p->coefs, i);
                     const int64_t t = target_column(p->targets, i, vocab, v0);
                     fh_row_transform(row, vb, bias, &p->tf);
-                    fh_row_gradient(row, vb, t, weights, &k, &p->tf);
-                    note_row(p, row, r, 0, vb, t, weights, &k);
+                    gradient_and_marks(p, row, r, 0, vb, t, weights, &k);
                 }
                 round_du_row(p, row, i0, r, vb);
             }
@@ -1382,17 +1380,16 @@ static fh_final_stats stored_stats(const fh_token_stats *s, int64_t i)
     return result;
 }
 
-/* Overwrites row r of the segment at i0 (transformed logits, tile row tile_row, segment `segment` of the block)
- * with its dU. */
+/* Overwrites row r of the segment at i0 (transformed logits, or their exps when `exps`; tile row tile_row, segment
+ * `segment` of the block) with its dU. */
 static void gradient_row(const fh_engine_pass *p, float *row, int64_t tile_row, int segment, int64_t i0, int64_t r,
-                         const fh_final_stats *stats)
+                         const fh_final_stats *stats, int exps)
 {
     const int64_t i = i0 + r;
     const int64_t vocab = p->lin->vocab, t = target_column(p->targets, i, vocab, 0);
-    fh_coef k = {stats->lse, 0.0, 0.0, 0.0, 0.0, stats->sum_pz};
+    fh_coef k = {stats->lse, 0.0, 0.0, 0.0, 0.0, stats->sum_pz, exps ? 1.0 / p->stats->sum_exp[i] : 0.0};
     p->source->row(p->source->self, i, stats, &k);
-    fh_row_gradient(row, vocab, t, p->class_weights, &k, &p->tf);
-    note_row(p, row, tile_row, segment, vocab, t, p->class_weights, &k);
+    gradient_and_marks(p, row, tile_row, segment, vocab, t, p->class_weights, &k);
     round_du_row(p, row, i0, r, vocab);
 }
 
@@ -1454,7 +1451,11 @@ static fh_status row_blocks(const fh_engine_pass *p)
     const int64_t n = lin->n, vocab = lin->vocab;
     const int64_t segments = block_segments(p), height = block_segment_rows(p), span = block_span(p);
     const int threads = p->plan->threads;
-    const fh_fold_request request = {p->class_weights, stats && stats->sum_weighted_z, stats && stats->sum_pz};
+    /* Each row is folded in one tile; its exps replace it when the gradient needs z no more (fh_coef.p_scale) and
+     * no block hook can change its log-sum-exp (a vocabulary-parallel one makes it global). */
+    const int entropy = stats && stats->sum_pz;
+    const fh_fold_request request = {p->class_weights, stats && stats->sum_weighted_z, entropy,
+                                     !entropy && !(p->tf.softcap > 0.0f) && !p->pair && !p->source->block, NULL};
     float *tile = p->ws->tile;
     double *column = p->ws->column;
     fh_status st = fh_engine_prepare(p);
@@ -1482,8 +1483,10 @@ static fh_status row_blocks(const fh_engine_pass *p)
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t r = 0; r < rows; r++) {
                 const int64_t first = r / nb * span + i0;
-                const fh_final_stats result = fold_row(p, &request, tile + r * vocab, first + r % nb);
-                gradient_row(p, tile + r * vocab, r, (int)(r / nb), first, r % nb, &result);
+                fh_fold_request ahead = request;
+                ahead.next = r + 1 < rows ? tile + (r + 1) * vocab : NULL;
+                const fh_final_stats result = fold_row(p, &ahead, tile + r * vocab, first + r % nb);
+                gradient_row(p, tile + r * vocab, r, (int)(r / nb), first, r % nb, &result, request.store_exps);
             }
         } else {
             /* The hook needs the whole block's statistics before any row's coefficients. */
@@ -1498,7 +1501,7 @@ static fh_status row_blocks(const fh_engine_pass *p)
             for (int64_t r = 0; r < rows; r++) {
                 const int64_t first = r / nb * span + i0;
                 const fh_final_stats result = stored_stats(stats, first + r % nb);
-                gradient_row(p, tile + r * vocab, r, (int)(r / nb), first, r % nb, &result);
+                gradient_row(p, tile + r * vocab, r, (int)(r / nb), first, r % nb, &result, request.store_exps);
             }
         }
         if (grads->dbias)

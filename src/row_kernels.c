@@ -54,7 +54,7 @@ void fh_row_transform_portable(float *z, int64_t count, const float *bias, const
             z[j] *= scale;
 }
 
-void fh_row_fold_portable(const float *z, int64_t count, int64_t first_column, int64_t target_column,
+void fh_row_fold_portable(float *z, int64_t count, int64_t first_column, int64_t target_column,
                           const fh_fold_request *request, fh_fold_state *state)
 {
     float tile_max = -INFINITY;
@@ -78,31 +78,57 @@ void fh_row_fold_portable(const float *z, int64_t count, int64_t first_column, i
             state->sum_exp = state->sum_z_exp = NAN;
             return;
         }
-    if (tile_argmax < 0)
-        return; /* every logit is -inf: nothing to add */
+    if (tile_argmax < 0) { /* every logit is -inf: nothing to add */
+        if (request->store_exps)
+            memset(z, 0, (size_t)count * sizeof(float));
+        return;
+    }
     double tile_sum = 0.0, tile_sum_z = 0.0;
     for (int64_t j = 0; j < count; j++) {
         const float e = expf(z[j] - tile_max);
         tile_sum += e;
         if (request->entropy)
             tile_sum_z += (double)e * z[j];
+        if (request->store_exps)
+            z[j] = e;
     }
     fh_row_merge(state, tile_max, first_column + tile_argmax, tile_sum, tile_sum_z);
 }
 
 void fh_row_gradient_portable(float *z, int64_t count, int64_t target_column, const float *weights,
-                              const fh_coef *coef, const fh_transform *tf)
+                              const fh_coef *coef, const fh_transform *tf, fh_row_marking *marking)
 {
     const float a = (float)coef->a, c = (float)coef->c, e = (float)coef->e, sum_pz = (float)coef->sum_pz;
     const int has_target = target_column >= 0 && target_column < count;
-    const float z_target = has_target ? z[target_column] : 0.0f;
-    for (int64_t j = 0; j < count; j++) {
-        const float p = expf((float)((double)z[j] - coef->lse));
-        const float dz = a * p + (weights ? c * weights[j] : c) + e * p * (z[j] - sum_pz);
-        z[j] = dz * fh_dz_du(z[j], tf);
+    const float b_term = has_target ? (float)coef->b * fh_dz_du(z[target_column], tf) : 0.0f;
+    const float p_scale = (float)coef->p_scale;
+    uint32_t least = 0;
+    if (marking) {
+        memcpy(&least, &marking->threshold, sizeof least);
+        marking->tail = 0.0;
     }
-    if (has_target)
-        z[target_column] += (float)coef->b * fh_dz_du(z_target, tf);
+    for (int64_t j = 0; j < count; j++) {
+        const float p = coef->p_scale != 0.0 ? z[j] * p_scale : expf((float)((double)z[j] - coef->lse));
+        const float w = weights ? weights[j] : 1.0f;
+        const float dz = a * p + c * w + e * p * (z[j] - sum_pz);
+        float du = dz * fh_dz_du(z[j], tf);
+        if (j == target_column)
+            du += b_term;
+        z[j] = du;
+        if (!marking)
+            continue;
+        /* On the bits, |dU| is an AND and the comparison an integer one (non-negative floats order as their bits do,
+         * and a NaN's bits exceed infinity's). */
+        uint32_t bits;
+        memcpy(&bits, &du, sizeof bits);
+        if ((bits & 0x7fffffffu) >= least)
+            marking->marks[j] = 1;
+        else if (marking->nu) {
+            const float m = du - marking->c * w;
+            marking->tail += m;
+            marking->nu[j] += fabsf(m);
+        }
+    }
 }
 
 void fh_row_pair_max_portable(const float *z, const float *cz, int64_t count, float *max_z, float *max_cz)
@@ -176,19 +202,20 @@ void fh_row_pair_gradient_portable(float *z, const float *cz, int64_t count, con
 
 typedef struct kernel_set {
     void (*transform)(float *, int64_t, const float *, const fh_transform *);
-    void (*fold)(const float *, int64_t, int64_t, int64_t, const fh_fold_request *, fh_fold_state *);
-    void (*gradient)(float *, int64_t, int64_t, const float *, const fh_coef *, const fh_transform *);
+    void (*fold)(float *, int64_t, int64_t, int64_t, const fh_fold_request *, fh_fold_state *);
+    void (*gradient)(float *, int64_t, int64_t, const float *, const fh_coef *, const fh_transform *,
+                     fh_row_marking *);
     void (*pair_max)(const float *, const float *, int64_t, float *, float *);
     void (*exp_sums)(const float *, const float *, int64_t, float, float, double[2]);
     void (*jsd_sums)(const float *, const float *, int64_t, const fh_pair_row *, double[2]);
     void (*pair_gradient)(float *, const float *, int64_t, const fh_pair_row *);
     void (*to_bf16)(const void *, int64_t, void *);
-    double (*mark_tail)(const float *, int64_t, float, float, const float *, uint8_t *, float *);
+    double (*compact)(float *, const int64_t *, int64_t, float, float, const float *, const float *);
 } kernel_set;
 
 static kernel_set kernels = {fh_row_transform_portable, fh_row_fold_portable,     fh_row_gradient_portable,
                              fh_row_pair_max_portable,  fh_row_exp_sums_portable, fh_row_jsd_sums_portable,
-                             fh_row_pair_gradient_portable, fh_row_to_bf16_portable, fh_row_mark_tail_portable};
+                             fh_row_pair_gradient_portable, fh_row_to_bf16_portable, fh_row_compact_portable};
 static pthread_once_t kernels_once = PTHREAD_ONCE_INIT;
 
 static void choose_kernels(void)
@@ -198,7 +225,7 @@ static void choose_kernels(void)
     if (!getenv("FH_DISABLE_AVX512") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) {
         const kernel_set avx512 = {fh_row_transform_avx512, fh_row_fold_avx512,     fh_row_gradient_avx512,
                                    fh_row_pair_max_avx512,  fh_row_exp_sums_avx512, fh_row_jsd_sums_avx512,
-                                   fh_row_pair_gradient_avx512, fh_row_to_bf16_avx512, fh_row_mark_tail_avx512};
+                                   fh_row_pair_gradient_avx512, fh_row_to_bf16_avx512, fh_row_compact_avx512};
         kernels = avx512;
     }
 #endif
@@ -221,16 +248,16 @@ void fh_row_transform(float *z, int64_t count, const float *bias, const fh_trans
     chosen()->transform(z, count, bias, tf);
 }
 
-void fh_row_fold(const float *z, int64_t count, int64_t first_column, int64_t target_column,
+void fh_row_fold(float *z, int64_t count, int64_t first_column, int64_t target_column,
                  const fh_fold_request *request, fh_fold_state *state)
 {
     chosen()->fold(z, count, first_column, target_column, request, state);
 }
 
 void fh_row_gradient(float *z, int64_t count, int64_t target_column, const float *weights, const fh_coef *coef,
-                     const fh_transform *tf)
+                     const fh_transform *tf, fh_row_marking *marking)
 {
-    chosen()->gradient(z, count, target_column, weights, coef, tf);
+    chosen()->gradient(z, count, target_column, weights, coef, tf, marking);
 }
 
 void fh_row_pair_max(const float *z, const float *cz, int64_t count, float *max_z, float *max_cz)
@@ -251,19 +278,6 @@ void fh_row_jsd_sums(const float *z, const float *cz, int64_t count, const fh_pa
 void fh_row_pair_gradient(float *z, const float *cz, int64_t count, const fh_pair_row *r)
 {
     chosen()->pair_gradient(z, cz, count, r);
-}
-
-/* Portable on purpose: on the bits, |z| is an AND and the comparison an integer one (non-negative floats order
- * as their bits do, and a NaN's bits exceed infinity's), both of which vectorise. */
-void fh_row_mark_at_least(const float *z, int64_t count, float threshold, uint8_t *marks)
-{
-    uint32_t least;
-    memcpy(&least, &threshold, sizeof least);
-    for (int64_t j = 0; j < count; j++) {
-        uint32_t bits;
-        memcpy(&bits, z + j, sizeof bits);
-        marks[j] |= (uint8_t)((bits & 0x7fffffffu) >= least);
-    }
 }
 
 /* Chunks go through local arrays and memcpy, so that narrowing in place is defined: chunk c is written over bytes
@@ -303,28 +317,23 @@ void fh_row_to_bf16(const void *src, int64_t count, void *dst)
     chosen()->to_bf16(src, count, dst);
 }
 
-double fh_row_mark_tail_portable(const float *z, int64_t count, float threshold, float c, const float *weights,
-                                 uint8_t *marks, float *nu)
+double fh_row_compact_portable(float *z, const int64_t *columns, int64_t count, float threshold, float c,
+                               const float *weights, const float *next)
 {
-    uint32_t least;
-    memcpy(&least, &threshold, sizeof least);
+    (void)next; /* left to the hardware */
     double sum = 0.0;
-    for (int64_t j = 0; j < count; j++) {
-        uint32_t bits;
-        memcpy(&bits, z + j, sizeof bits);
-        if ((bits & 0x7fffffffu) >= least) {
-            marks[j] = 1;
-            continue;
-        }
-        const float m = z[j] - c * (weights ? weights[j] : 1.0f);
-        sum += m;
-        nu[j] += fabsf(m);
+    for (int64_t k = 0; k < count; k++) {
+        const int64_t j = columns[k];
+        const float v = z[j];
+        if (fabsf(v) < threshold)
+            sum += v - c * (weights ? weights[j] : 1.0f);
+        z[k] = v;
     }
     return sum;
 }
 
-double fh_row_mark_tail(const float *z, int64_t count, float threshold, float c, const float *weights,
-                        uint8_t *marks, float *nu)
+double fh_row_compact(float *z, const int64_t *columns, int64_t count, float threshold, float c, const float *weights,
+                      const float *next)
 {
-    return chosen()->mark_tail(z, count, threshold, c, weights, marks, nu);
+    return chosen()->compact(z, columns, count, threshold, c, weights, next);
 }

@@ -14,9 +14,11 @@ typedef struct fh_transform {
 } fh_transform;
 
 /* One row's backward coefficients: dZ_j = a p_j + b [j = y] + c w_j + e p_j (z_j - sum_pz), with
- * p = softmax(z) = exp(z - lse); then dU = dZ * dz/du. */
+ * p = softmax(z) = exp(z - lse); then dU = dZ * dz/du. p_scale non-zero: the row holds a fold's exps
+ * exp(z - max) instead of z (fh_fold_request.store_exps), and p = exps * p_scale, p_scale = exp(max - lse); then z is
+ * gone, so e must be 0 and the transform without a softcap. */
 typedef struct fh_coef {
-    double lse, a, b, c, e, sum_pz;
+    double lse, a, b, c, e, sum_pz, p_scale;
 } fh_coef;
 
 /* Running statistics of one token across tiles. */
@@ -34,6 +36,8 @@ typedef struct fh_fold_request {
     const float *weights;  /* class weights for sum_weighted_z, or NULL (all 1) */
     int weighted_sum;      /* update sum_weighted_z */
     int entropy;           /* update sum_z_exp */
+    int store_exps;        /* overwrite z with exp(z - the tile's maximum), once everything else has read it */
+    const float *next;     /* the row to be folded after this one (count floats), prefetched meanwhile, or NULL */
 } fh_fold_request;
 
 /* A fresh state: max -inf, sums 0. */
@@ -48,15 +52,27 @@ const char *fh_row_kernels_name(void);
 void fh_row_transform(float *z, int64_t count, const float *bias, const fh_transform *tf);
 
 /* Folds count transformed logits (vocabulary columns first_column..) into state. target_column is
- * relative to the row (outside [0, count) when the target is not in this tile). */
-void fh_row_fold(const float *z, int64_t count, int64_t first_column, int64_t target_column,
+ * relative to the row (outside [0, count) when the target is not in this tile). z is written only with
+ * store_exps; then a row of one tile holds exps that fh_row_gradient can use without another exp. */
+void fh_row_fold(float *z, int64_t count, int64_t first_column, int64_t target_column,
                  const fh_fold_request *request, fh_fold_state *state);
 
-/* Overwrites transformed logits z with dU = (a p + c w + e p (z - sum_pz) + b [j = target]) * dz/du,
- * p = exp(z - lse); weights may be NULL (all 1). (The target's b term is added after the loop:
- * (x + b) d and x d + b d differ only in rounding.) */
-void fh_row_gradient(float *z, int64_t count, int64_t target_column, const float *weights,
-                     const fh_coef *coef, const fh_transform *tf);
+/* What gradient filtering notes of a row while fh_row_gradient forms its dU (the final values, target term
+ * included): marks[j] = 1 where |dU_j| >= threshold (a non-negative float) or dU_j is a NaN, other marks left as they
+ * are; with nu, over the other columns, m = dU_j - c w_j (w 1 without weights) in f32: nu[j] += |m|, and tail = the
+ * sum of those m (in double): what the tail estimate needs of the softmax terms that filtering may skip. */
+typedef struct fh_row_marking {
+    float threshold, c;
+    uint8_t *marks;
+    float *nu;   /* NULL: marks only */
+    double tail; /* written */
+} fh_row_marking;
+
+/* Overwrites transformed logits z with dU = (a p + c w + e p (z - sum_pz)) * dz/du + b [j = target] dz/du,
+ * p = exp(z - lse) (or from the fold's exps: fh_coef.p_scale); weights may be NULL (all 1). With marking (may be
+ * NULL), notes the row for filtering on the way. */
+void fh_row_gradient(float *z, int64_t count, int64_t target_column, const float *weights, const fh_coef *coef,
+                     const fh_transform *tf, fh_row_marking *marking);
 
 /* ---- Two rows at once: a distillation student's raw logits z and its teacher's cz (bias added, untempered) ----
  * s = inv_t z and t = inv_t cz are the tempered rows, p = softmax(s), q = softmax(t). */
@@ -95,15 +111,12 @@ void fh_row_jsd_sums(const float *z, const float *cz, int64_t count, const fh_pa
  * log m - sum p (log p - log m)) in the terms above). */
 void fh_row_pair_gradient(float *z, const float *cz, int64_t count, const fh_pair_row *r);
 
-/* marks[j] = 1 where |z[j]| >= threshold (a non-negative float) or z[j] is a NaN, for j < count; other marks are
- * left as they are. */
-void fh_row_mark_at_least(const float *z, int64_t count, float threshold, uint8_t *marks);
-
-/* fh_row_mark_at_least, and over the other columns (|z[j]| below threshold): m = z[j] - c w[j] (w 1 without
- * weights), in f32, nu[j] += |m|. Returns the sum of those m (in double): what the tail estimate needs of a row's
- * softmax terms that filtering may skip. */
-double fh_row_mark_tail(const float *z, int64_t count, float threshold, float c, const float *weights,
-                        uint8_t *marks, float *nu);
+/* Moves z[columns[k]] to z[k] for k < count (columns increasing, so columns[k] >= k and one forward pass does it in
+ * place). Returns the sum, over the moved values v with |v| below threshold, of v - c w[columns[k]] (w 1 without
+ * weights): the part of fh_row_marking's tail that the kept columns took (0 with threshold 0). next: the row to be
+ * compacted after this one, whose same columns are prefetched meanwhile, or NULL. */
+double fh_row_compact(float *z, const int64_t *columns, int64_t count, float threshold, float c, const float *weights,
+                      const float *next);
 
 /* dst[j] = src[j] rounded to the nearest bf16 (ties to even; NaN stays NaN), for j < count. dst may be src's own
  * memory (a row narrowed in place into its first half). */

@@ -69,7 +69,7 @@ void fh_row_transform_avx512(float *z, int64_t count, const float *bias, const f
     }
 }
 
-void fh_row_fold_avx512(const float *z, int64_t count, int64_t first_column, int64_t target_column,
+void fh_row_fold_avx512(float *z, int64_t count, int64_t first_column, int64_t target_column,
                         const fh_fold_request *request, fh_fold_state *state)
 {
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
@@ -110,8 +110,11 @@ void fh_row_fold_avx512(const float *z, int64_t count, int64_t first_column, int
         state->sum_exp = state->sum_z_exp = NAN;
         return;
     }
-    if (tile_argmax < 0)
-        return; /* every logit is -inf: nothing to add */
+    if (tile_argmax < 0) { /* every logit is -inf: nothing to add */
+        if (request->store_exps)
+            memset(z, 0, (size_t)count * sizeof(float));
+        return;
+    }
     const __m512 shift = _mm512_set1_ps(tile_max);
     __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
     __m512d zlo = _mm512_setzero_pd(), zhi = _mm512_setzero_pd();
@@ -119,32 +122,83 @@ void fh_row_fold_avx512(const float *z, int64_t count, int64_t first_column, int
         const __mmask16 m = tail_mask(count - j);
         const __m512 v = _mm512_mask_loadu_ps(neg_inf, m, z + j);
         const __m512 e = exp16(_mm512_sub_ps(v, shift));
+        if (request->next) /* one cache line of it per 16 exps, so that it comes from L3 or memory in their shadow */
+            _mm_prefetch((const char *)(request->next + j), _MM_HINT_T1);
         accumulate_double(e, &lo, &hi);
         if (request->entropy) /* tail lanes have e = 0; zero their -inf too so 0 * -inf is not NaN */
             accumulate_double(_mm512_mul_ps(e, _mm512_maskz_mov_ps(m, v)), &zlo, &zhi);
+        if (request->store_exps)
+            _mm512_mask_storeu_ps(z + j, m, e);
     }
     fh_row_merge(state, tile_max, first_column + tile_argmax, sum_as_double(lo, hi), sum_as_double(zlo, zhi));
 }
 
+/* 16 bytes at p, or the first `remaining` of them and zeros after (no read past the end). */
+static __m128i load_bytes(const uint8_t *p, int64_t remaining)
+{
+    if (remaining >= LANES)
+        return _mm_loadu_si128((const __m128i *)(const void *)p);
+    uint8_t bytes[LANES] = {0};
+    memcpy(bytes, p, (size_t)remaining);
+    return _mm_loadu_si128((const __m128i *)(const void *)bytes);
+}
+
+/* marks[j] |= 1 for the lanes of at_least (j.. + remaining; no byte written past the end). */
+static void set_marks(uint8_t *marks, __mmask16 at_least, int64_t remaining)
+{
+    const __m128i set = _mm_or_si128(load_bytes(marks, remaining),
+                                     _mm512_cvtepi32_epi8(_mm512_maskz_mov_epi32(at_least, _mm512_set1_epi32(1))));
+    if (remaining >= LANES)
+        _mm_storeu_si128((__m128i *)(void *)marks, set);
+    else {
+        uint8_t bytes[LANES];
+        _mm_storeu_si128((__m128i *)(void *)bytes, set);
+        memcpy(marks, bytes, (size_t)remaining);
+    }
+}
+
+/* fh_row_marking's work on the dU of columns j.. (lanes m, class weights w): on the bits, |dU| is an AND and the
+ * comparison an integer one (non-negative floats order as their bits do, and a NaN's bits exceed infinity's). */
+static void mark_lanes(fh_row_marking *mk, __m512 du, __m512 w, __mmask16 m, int64_t j, int64_t remaining,
+                       __m512d *lo, __m512d *hi)
+{
+    uint32_t least;
+    memcpy(&least, &mk->threshold, sizeof least);
+    const __m512i bits = _mm512_and_si512(_mm512_castps_si512(du), _mm512_set1_epi32(0x7fffffff));
+    const __mmask16 at_least = _mm512_mask_cmpge_epu32_mask(m, bits, _mm512_set1_epi32((int)least));
+    const __mmask16 below = m & ~at_least;
+    if (at_least)
+        set_marks(mk->marks + j, at_least, remaining);
+    if (!below || !mk->nu)
+        return;
+    const __m512 d = _mm512_maskz_sub_ps(below, du, _mm512_mul_ps(_mm512_set1_ps(mk->c), w));
+    accumulate_double(d, lo, hi);
+    float *nu = mk->nu + j;
+    _mm512_mask_storeu_ps(nu, below, _mm512_add_ps(_mm512_maskz_loadu_ps(below, nu), _mm512_abs_ps(d)));
+}
+
 void fh_row_gradient_avx512(float *z, int64_t count, int64_t target_column, const float *weights,
-                            const fh_coef *coef, const fh_transform *tf)
+                            const fh_coef *coef, const fh_transform *tf, fh_row_marking *marking)
 {
     /* lse = hi + lo in floats: (z - hi) is exact near the maximum, so p keeps double-like accuracy. */
     const float lse_hi = (float)coef->lse, lse_lo = (float)(coef->lse - (double)lse_hi);
     const __m512 vhi = _mm512_set1_ps(lse_hi), vlo = _mm512_set1_ps(lse_lo);
     const __m512 va = _mm512_set1_ps((float)coef->a), vc = _mm512_set1_ps((float)coef->c);
     const __m512 ve = _mm512_set1_ps((float)coef->e), vsum_pz = _mm512_set1_ps((float)coef->sum_pz);
+    const int from_exps = coef->p_scale != 0.0;
+    const __m512 p_scale = _mm512_set1_ps((float)coef->p_scale);
     const int entropy_term = coef->e != 0.0;
     const float scale = tf->inv_temperature, cap = tf->softcap;
     const int capped = cap > 0.0f;
     const __m512 vscale = _mm512_set1_ps(scale), one = _mm512_set1_ps(1.0f);
     const __m512 inv_cap_scaled = _mm512_set1_ps(capped ? 1.0f / (scale * cap) : 0.0f);
     const int has_target = target_column >= 0 && target_column < count;
-    const float z_target = has_target ? z[target_column] : 0.0f;
+    const __m512 b_term = _mm512_set1_ps(has_target ? (float)coef->b * fh_dz_du(z[target_column], tf) : 0.0f);
+    __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
     for (int64_t j = 0; j < count; j += LANES) {
         const __mmask16 m = tail_mask(count - j);
         const __m512 v = _mm512_maskz_loadu_ps(m, z + j);
-        const __m512 p = exp16(_mm512_sub_ps(_mm512_sub_ps(v, vhi), vlo));
+        const __m512 p = from_exps ? _mm512_mul_ps(v, p_scale) : exp16(_mm512_sub_ps(_mm512_sub_ps(v, vhi), vlo));
         const __m512 w = weights ? _mm512_maskz_loadu_ps(m, weights + j) : one;
         __m512 dz = _mm512_fmadd_ps(va, p, _mm512_mul_ps(vc, w));
         if (entropy_term)
@@ -154,10 +208,15 @@ void fh_row_gradient_avx512(float *z, int64_t count, int64_t target_column, cons
             const __m512 t = _mm512_mul_ps(v, inv_cap_scaled);
             dzdu = _mm512_mul_ps(vscale, _mm512_mul_ps(_mm512_sub_ps(one, t), _mm512_add_ps(one, t)));
         }
-        _mm512_mask_storeu_ps(z + j, m, _mm512_mul_ps(dz, dzdu));
+        __m512 du = _mm512_mul_ps(dz, dzdu);
+        if (has_target && target_column >= j && target_column < j + LANES)
+            du = _mm512_mask_add_ps(du, (__mmask16)(1u << (target_column - j)), du, b_term);
+        _mm512_mask_storeu_ps(z + j, m, du);
+        if (marking)
+            mark_lanes(marking, du, w, m, j, count - j, &lo, &hi);
     }
-    if (has_target)
-        z[target_column] += (float)coef->b * fh_dz_du(z_target, tf);
+    if (marking)
+        marking->tail = sum_as_double(lo, hi);
 }
 
 void fh_row_pair_max_avx512(const float *z, const float *cz, int64_t count, float *max_z, float *max_cz)
@@ -282,48 +341,43 @@ void fh_row_to_bf16_avx512(const void *src, int64_t count, void *dst)
                                 (char *)dst + j * (int64_t)sizeof(uint16_t));
 }
 
-/* 16 bytes at p, or the first `remaining` of them and zeros after (no read past the end). */
-static __m128i load_bytes(const uint8_t *p, int64_t remaining)
+/* 16 floats of base at columns[0..16) (the first `remaining` of them, zeros after): two gathers of 8 by 64-bit
+ * index. */
+static __m512 gather_columns(const float *base, const int64_t *columns, int64_t remaining)
 {
-    if (remaining >= LANES)
-        return _mm_loadu_si128((const __m128i *)(const void *)p);
-    uint8_t bytes[LANES] = {0};
-    memcpy(bytes, p, (size_t)remaining);
-    return _mm_loadu_si128((const __m128i *)(const void *)bytes);
+    const __mmask16 m = tail_mask(remaining);
+    const __m512i lo = _mm512_maskz_loadu_epi64((__mmask8)m, columns);
+    const __m512i hi = _mm512_maskz_loadu_epi64((__mmask8)(m >> 8), columns + 8);
+    const __m256 a = _mm512_mask_i64gather_ps(_mm256_setzero_ps(), (__mmask8)m, lo, base, 4);
+    const __m256 b = _mm512_mask_i64gather_ps(_mm256_setzero_ps(), (__mmask8)(m >> 8), hi, base, 4);
+    return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1);
 }
 
-double fh_row_mark_tail_avx512(const float *z, int64_t count, float threshold, float c, const float *weights,
-                               uint8_t *marks, float *nu)
+/* In place: the gather of z[k..k + 16) reads columns >= k, which no earlier store (below k) has touched. The next
+ * row's columns are prefetched to L2 as this row's are read (the rows of a block are read back from L3 or memory). */
+double fh_row_compact_avx512(float *z, const int64_t *columns, int64_t count, float threshold, float c,
+                             const float *weights, const float *next)
 {
     uint32_t least_bits;
     memcpy(&least_bits, &threshold, sizeof least_bits);
     const __m512i least = _mm512_set1_epi32((int)least_bits), magnitude = _mm512_set1_epi32(0x7fffffff);
-    const __m512i one = _mm512_set1_epi32(1);
     const __m512 cv = _mm512_set1_ps(c), unit = _mm512_set1_ps(1.0f);
     __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
-    for (int64_t j = 0; j < count; j += LANES) {
-        const int64_t remaining = count - j;
-        const __mmask16 m = tail_mask(remaining);
-        const __m512 v = _mm512_maskz_loadu_ps(m, z + j);
-        const __m512i bits = _mm512_and_si512(_mm512_castps_si512(v), magnitude);
-        const __mmask16 at_least = _mm512_mask_cmpge_epu32_mask(m, bits, least), below = m & ~at_least;
-        if (at_least) {
-            const __m128i old = load_bytes(marks + j, remaining);
-            const __m128i set = _mm_or_si128(old, _mm512_cvtepi32_epi8(_mm512_maskz_mov_epi32(at_least, one)));
-            if (remaining >= LANES)
-                _mm_storeu_si128((__m128i *)(void *)(marks + j), set);
-            else {
-                uint8_t bytes[LANES];
-                _mm_storeu_si128((__m128i *)(void *)bytes, set);
-                memcpy(marks + j, bytes, (size_t)remaining);
-            }
+    for (int64_t k = 0; k < count; k += LANES) {
+        const __mmask16 m = tail_mask(count - k);
+        const __m512 v = gather_columns(z, columns + k, count - k);
+        if (next) {
+            _mm_prefetch((const char *)(next + columns[k]), _MM_HINT_T1);
+            if (count - k > LANES / 2)
+                _mm_prefetch((const char *)(next + columns[k + LANES / 2]), _MM_HINT_T1);
         }
-        if (!below)
-            continue;
-        const __m512 w = weights ? _mm512_maskz_loadu_ps(below, weights + j) : unit;
-        const __m512 d = _mm512_maskz_sub_ps(below, v, _mm512_mul_ps(cv, w));
-        accumulate_double(d, &lo, &hi);
-        _mm512_mask_storeu_ps(nu + j, below, _mm512_add_ps(_mm512_maskz_loadu_ps(below, nu + j), _mm512_abs_ps(d)));
+        const __m512i bits = _mm512_and_si512(_mm512_castps_si512(v), magnitude);
+        const __mmask16 below = _mm512_mask_cmplt_epu32_mask(m, bits, least);
+        if (below) {
+            const __m512 w = weights ? gather_columns(weights, columns + k, count - k) : unit;
+            accumulate_double(_mm512_maskz_sub_ps(below, v, _mm512_mul_ps(cv, w)), &lo, &hi);
+        }
+        _mm512_mask_storeu_ps(z + k, m, v);
     }
     return sum_as_double(lo, hi);
 }

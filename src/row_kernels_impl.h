@@ -13,10 +13,10 @@ void fh_row_merge(fh_fold_state *state, float tile_max, int64_t tile_argmax, dou
 float fh_dz_du(float z, const fh_transform *tf);
 
 void fh_row_transform_portable(float *z, int64_t count, const float *bias, const fh_transform *tf);
-void fh_row_fold_portable(const float *z, int64_t count, int64_t first_column, int64_t target_column,
+void fh_row_fold_portable(float *z, int64_t count, int64_t first_column, int64_t target_column,
                         const fh_fold_request *request, fh_fold_state *state);
 void fh_row_gradient_portable(float *z, int64_t count, int64_t target_column, const float *weights,
-                            const fh_coef *coef, const fh_transform *tf);
+                              const fh_coef *coef, const fh_transform *tf, fh_row_marking *marking);
 
 void fh_row_pair_max_portable(const float *z, const float *cz, int64_t count, float *max_z, float *max_cz);
 void fh_row_exp_sums_portable(const float *a, const float *b, int64_t count, float scale, float shift,
@@ -24,22 +24,22 @@ void fh_row_exp_sums_portable(const float *a, const float *b, int64_t count, flo
 void fh_row_jsd_sums_portable(const float *z, const float *cz, int64_t count, const fh_pair_row *r, double sums[2]);
 void fh_row_pair_gradient_portable(float *z, const float *cz, int64_t count, const fh_pair_row *r);
 void fh_row_to_bf16_portable(const void *src, int64_t count, void *dst);
-double fh_row_mark_tail_portable(const float *z, int64_t count, float threshold, float c, const float *weights,
-                                 uint8_t *marks, float *nu);
+double fh_row_compact_portable(float *z, const int64_t *columns, int64_t count, float threshold, float c,
+                               const float *weights, const float *next);
 
 #ifdef FH_HAVE_AVX512_KERNELS
 void fh_row_transform_avx512(float *z, int64_t count, const float *bias, const fh_transform *tf);
-void fh_row_fold_avx512(const float *z, int64_t count, int64_t first_column, int64_t target_column,
+void fh_row_fold_avx512(float *z, int64_t count, int64_t first_column, int64_t target_column,
                         const fh_fold_request *request, fh_fold_state *state);
 void fh_row_gradient_avx512(float *z, int64_t count, int64_t target_column, const float *weights,
-                            const fh_coef *coef, const fh_transform *tf);
+                            const fh_coef *coef, const fh_transform *tf, fh_row_marking *marking);
 void fh_row_pair_max_avx512(const float *z, const float *cz, int64_t count, float *max_z, float *max_cz);
 void fh_row_exp_sums_avx512(const float *a, const float *b, int64_t count, float scale, float shift, double sums[2]);
 void fh_row_jsd_sums_avx512(const float *z, const float *cz, int64_t count, const fh_pair_row *r, double sums[2]);
 void fh_row_pair_gradient_avx512(float *z, const float *cz, int64_t count, const fh_pair_row *r);
 void fh_row_to_bf16_avx512(const void *src, int64_t count, void *dst);
-double fh_row_mark_tail_avx512(const float *z, int64_t count, float threshold, float c, const float *weights,
-                               uint8_t *marks, float *nu);
+double fh_row_compact_avx512(float *z, const int64_t *columns, int64_t count, float threshold, float c,
+                             const float *weights, const float *next);
 #endif
 
 #endif
