@@ -619,15 +619,15 @@ static void gradient_and_marks(const fh_engine_pass *p, float *row, int64_t tile
             ws->tail_rows[tile_row] = 0.0;
             ws->row_least[tile_row] = 0.0f;
         }
-    }
-    if (filtering(p) && threshold > 0.0) {
-        /* The least float >= threshold: |dU| < threshold in double is |dU| < it in float. */
-        marking.threshold = (float)threshold;
-        if (marking.threshold < threshold)
-            marking.threshold = nextafterf(marking.threshold, INFINITY);
-        marking.c = (float)(k->c * p->tf.inv_temperature);
-        marking.marks = thread_marks(p, segment);
-        marking.nu = tail ? thread_profile(p, segment) : NULL;
+        if (threshold > 0.0) {
+            /* The least float >= threshold: |dU| < threshold in double is |dU| < it in float. */
+            marking.threshold = (float)threshold;
+            if (marking.threshold < threshold)
+                marking.threshold = nextafterf(marking.threshold, INFINITY);
+            marking.c = (float)(k->c * p->tf.inv_temperature);
+            marking.marks = thread_marks(p, segment);
+            marking.nu = tail ? thread_profile(p, segment) : NULL;
+        }
     }
     fh_row_gradient(row, vb, target, weights, k, &p->tf, marking.marks ? &marking : NULL);
     if (!marking.marks)
@@ -910,6 +910,7 @@ static void skipped_weight_sums(const fh_engine_pass *p, int64_t v0, int64_t vb,
     const fh_linear *lin = p->lin;
     const uint8_t *keep = p->ws->keep;
     const int hidden_inner = lin->w_stride_hidden <= lin->w_stride_vocab;
+    const int f32_columns = lin->weight_dtype == FH_DTYPE_F32 && lin->w_stride_hidden == 1; /* for the row kernel */
 #pragma omp parallel num_threads(p->plan->threads)
     {
         const int64_t parts = omp_get_num_threads(), me = omp_get_thread_num();
@@ -920,8 +921,12 @@ static void skipped_weight_sums(const fh_engine_pass *p, int64_t v0, int64_t vb,
         for (int64_t j = 0; hidden_inner && j < vb; j++)
             for (int t = 0; !keep[j] && t < count; t++) {
                 const double f = column_factor(&terms[t], j);
-                for (int64_t k = k0; k < k1; k++)
-                    terms[t].s[k] += f * w_at(lin, k, v0 + j);
+                if (f32_columns)
+                    fh_row_add_scaled(terms[t].s + k0, (const float *)lin->weight + (v0 + j) * lin->w_stride_vocab + k0,
+                                      k1 - k0, f);
+                else
+                    for (int64_t k = k0; k < k1; k++)
+                        terms[t].s[k] += f * w_at(lin, k, v0 + j);
             }
         for (int64_t k = k0; !hidden_inner && k < k1; k++)
             for (int64_t j = 0; j < vb; j++)

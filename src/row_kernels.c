@@ -211,11 +211,13 @@ typedef struct kernel_set {
     void (*pair_gradient)(float *, const float *, int64_t, const fh_pair_row *);
     void (*to_bf16)(const void *, int64_t, void *);
     double (*compact)(float *, const int64_t *, int64_t, float, float, const float *, const float *);
+    void (*add_scaled)(double *, const float *, int64_t, double);
 } kernel_set;
 
 static kernel_set kernels = {fh_row_transform_portable, fh_row_fold_portable,     fh_row_gradient_portable,
                              fh_row_pair_max_portable,  fh_row_exp_sums_portable, fh_row_jsd_sums_portable,
-                             fh_row_pair_gradient_portable, fh_row_to_bf16_portable, fh_row_compact_portable};
+                             fh_row_pair_gradient_portable, fh_row_to_bf16_portable, fh_row_compact_portable,
+                             fh_row_add_scaled_portable};
 static pthread_once_t kernels_once = PTHREAD_ONCE_INIT;
 
 static void choose_kernels(void)
@@ -225,7 +227,8 @@ static void choose_kernels(void)
     if (!getenv("FH_DISABLE_AVX512") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) {
         const kernel_set avx512 = {fh_row_transform_avx512, fh_row_fold_avx512,     fh_row_gradient_avx512,
                                    fh_row_pair_max_avx512,  fh_row_exp_sums_avx512, fh_row_jsd_sums_avx512,
-                                   fh_row_pair_gradient_avx512, fh_row_to_bf16_avx512, fh_row_compact_avx512};
+                                   fh_row_pair_gradient_avx512, fh_row_to_bf16_avx512, fh_row_compact_avx512,
+                                   fh_row_add_scaled_avx512};
         kernels = avx512;
     }
 #endif
@@ -336,4 +339,15 @@ double fh_row_compact(float *z, const int64_t *columns, int64_t count, float thr
                       const float *next)
 {
     return chosen()->compact(z, columns, count, threshold, c, weights, next);
+}
+
+void fh_row_add_scaled_portable(double *sums, const float *w, int64_t count, double factor)
+{
+    for (int64_t k = 0; k < count; k++)
+        sums[k] += factor * w[k];
+}
+
+void fh_row_add_scaled(double *sums, const float *w, int64_t count, double factor)
+{
+    chosen()->add_scaled(sums, w, count, factor);
 }

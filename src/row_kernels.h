@@ -118,6 +118,9 @@ void fh_row_pair_gradient(float *z, const float *cz, int64_t count, const fh_pai
 double fh_row_compact(float *z, const int64_t *columns, int64_t count, float threshold, float c, const float *weights,
                       const float *next);
 
+/* sums[k] += factor w[k] in double, for k < count. */
+void fh_row_add_scaled(double *sums, const float *w, int64_t count, double factor);
+
 /* dst[j] = src[j] rounded to the nearest bf16 (ties to even; NaN stays NaN), for j < count. dst may be src's own
  * memory (a row narrowed in place into its first half). */
 void fh_row_to_bf16(const void *src, int64_t count, void *dst);

@@ -381,3 +381,17 @@ double fh_row_compact_avx512(float *z, const int64_t *columns, int64_t count, fl
     }
     return sum_as_double(lo, hi);
 }
+
+void fh_row_add_scaled_avx512(double *sums, const float *w, int64_t count, double factor)
+{
+    const __m512d f = _mm512_set1_pd(factor);
+    for (int64_t k = 0; k < count; k += LANES) {
+        const __mmask16 m = tail_mask(count - k);
+        const __m512 v = _mm512_maskz_loadu_ps(m, w + k);
+        const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+        const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+        const __mmask8 m_lo = (__mmask8)m, m_hi = (__mmask8)(m >> 8);
+        _mm512_mask_storeu_pd(sums + k, m_lo, _mm512_fmadd_pd(f, lo, _mm512_maskz_loadu_pd(m_lo, sums + k)));
+        _mm512_mask_storeu_pd(sums + k + 8, m_hi, _mm512_fmadd_pd(f, hi, _mm512_maskz_loadu_pd(m_hi, sums + k + 8)));
+    }
+}
