@@ -11,6 +11,8 @@
  *   p_ij = expf(float(z_ij - lse_i)), lse_i rounded to float between the split passes:
  *       |dp_ij| <= p_ij (u (5 + |z_ij| + 2 |lse_i|) + |dz_ij| + max_j |dz_ij|) + 2^-126   (expf 1 ulp = 2u;
  *                                                                                       fp32 underflow)
+ *   (the train step's p_ij = float(expf(float(z_ij - max_i)) float(1 / sum_i)) errs by at most
+ *   p_ij u (4 + |z_ij - max_i|) + ..., within that: |z - max| <= |z| + |lse|, as max <= lse, or <= |z| if max <= 0)
  *   dZ_ij = a_i p_ij + b_i [j = y_i] + c_i w_j in fp32 (a, b, c: the cross-entropy coefficients, with label
  *   smoothing, class weights and z-loss; see row_coefs in src/):
  *       |d dZ_ij| <= |a_i| (|dp_ij| + 3u p_ij + 2^-126) + 4u |c_i w_j| + 2u |b_i| [j = y_i] + 2u |dZ_ij|
@@ -512,6 +514,23 @@ static void test_target_probability_near_one(void)
     cp_problem_free(&p);
 }
 
+/* Rows [0, -x] with the target on the 0: the per-token loss is log(1 + e^-x), e^-x to within u for large x, so its
+ * bound (about 4u of itself: 3u (1 - p_max) + u) checks the row kernels' exp to about 2 ulps over its normal range,
+ * x up to 86.8 (e^-86.8 ~ 2e-38; beyond 87.3 the loss is subnormal), in the split pair and in the train step (whose
+ * gradient takes p from the fold's exps). Measured: the AVX-512 exp with its Taylor polynomial cut to degree 5
+ * (error up to ~40u) fails it; at degree 6 (~2u) it passes. */
+static void test_exp_range(void)
+{
+    enum { N = 96, V = 2 };
+    float logits[N * V];
+    int64_t targets[N] = {0};
+    for (int64_t i = 0; i < N; i++) {
+        logits[i * V] = 0.0f;
+        logits[i * V + 1] = (float)(-86.0 * (double)(i + 1) / N - 0.37 * (double)(i % 3));
+    }
+    check_elementwise(logits, targets, N, V, NULL, "rows [0, -x], x in (0, 86.8]");
+}
+
 static const tu_test tests[] = {
     {"V = 1", test_vocab_one},
     {"V = 1,000,003, N = 3, H = 4", test_vocab_million},
@@ -523,5 +542,6 @@ static const tu_test tests[] = {
     {"GRPO: one token, exact logits", test_grpo_single_token},
     {"logits x 1e3 (fp32 bounds)", test_logits_times_1e3},
     {"target probability 1 - 1e-7 (fp32 bounds)", test_target_probability_near_one},
+    {"exp over its range: rows [0, -x] (fp32 bounds)", test_exp_range},
 };
 const tu_suite suite_numeric_extremes = {tests, TU_COUNT(tests)};
