@@ -701,18 +701,12 @@ static row_tail row_tail_of(const fh_engine_pass *p, int64_t tile_row)
     return t;
 }
 
-/* What the value v at column j (class weights `weights`) added to its row's sum: its softmax part when below the
- * threshold. */
-static double below_share(const row_tail *t, float v, int64_t j, const float *weights)
-{
-    return fabsf(v) < t->least ? (double)(v - t->c * (weights ? weights[j] : 1.0f)) : 0.0;
-}
-
-/* An f32 tile's nb rows from tile_row (vb columns, class weights `weights`) with their kept columns[0..kept)
- * moved to their front, in order: the GEMMs then read them in place. With the tail estimate, the kept columns'
- * share comes off each row's sum on the way. */
+/* The nb rows of the f32 tile from tile_row (vb columns, class weights `weights`): with move, their kept
+ * columns[0..kept) moved to their front, in order, so that the GEMMs read them in place (an f32 dU); with the tail
+ * estimate, the kept columns' share taken off each row's sum (also without move: a bf16 dU's f32 rows read in
+ * place). */
 static void compact_rows(const fh_engine_pass *p, int64_t tile_row, int64_t nb, int64_t vb, int64_t kept,
-                         const float *weights)
+                         const float *weights, int move)
 {
     const int tail = p->plan->tail_estimate;
 #pragma omp parallel for num_threads(p->plan->threads) schedule(static)
@@ -720,25 +714,9 @@ static void compact_rows(const fh_engine_pass *p, int64_t tile_row, int64_t nb, 
         const row_tail t = tail ? row_tail_of(p, tile_row + r) : (row_tail){0.0f, 0.0f};
         float *row = p->ws->tile + (tile_row + r) * vb;
         const float *next = r + 1 < nb ? row + vb : NULL;
-        const double share = fh_row_compact(row, p->ws->kept, kept, t.least, t.c, weights, next);
+        const double share = fh_row_compact(row, p->ws->kept, kept, move, t.least, t.c, weights, next);
         if (tail)
             p->ws->tail_rows[tile_row + r] -= share;
-    }
-}
-
-/* The same share off the rows of a tile that is not compacted (bf16 dU: its f32 rows are read in place). */
-static void take_kept_shares(const fh_engine_pass *p, int64_t tile_row, int64_t nb, int64_t vb, int64_t kept,
-                             const float *weights)
-{
-    const int64_t *columns = p->ws->kept;
-#pragma omp parallel for num_threads(p->plan->threads) schedule(static)
-    for (int64_t r = 0; r < nb; r++) {
-        const float *row = p->ws->tile + (tile_row + r) * vb;
-        const row_tail t = row_tail_of(p, tile_row + r);
-        double share = 0.0;
-        for (int64_t c = 0; c < kept; c++)
-            share += below_share(&t, row[columns[c]], columns[c], weights);
-        p->ws->tail_rows[tile_row + r] -= share;
     }
 }
 
@@ -845,7 +823,7 @@ static fh_status kept_column_gemms(const fh_engine_pass *p, int64_t tile_row, in
 {
     const int dweight = p->grads->dweight && !dweight_after_blocks(p);
     if (!p->plan->bf16_du && kept < vb)
-        compact_rows(p, tile_row, nb, vb, kept, p->class_weights ? p->class_weights + v0 : NULL);
+        compact_rows(p, tile_row, nb, vb, kept, p->class_weights ? p->class_weights + v0 : NULL, 1);
     fh_status st = FH_OK;
     for (int64_t c0 = 0; c0 < kept && st == FH_OK; c0 += FH_FILTER_CHUNK) {
         const int64_t *columns = p->ws->kept + c0;
@@ -901,6 +879,15 @@ typedef struct skipped_term {
 static double column_factor(const skipped_term *t, int64_t j)
 {
     return t->scale * (t->profile ? t->profile[j] : t->weights ? (double)t->weights[j] : 1.0);
+}
+
+/* dweight (k, j) of the terms: the sum of column(j) g[k], or g_all[k] with all_blocks. */
+static double terms_value(const skipped_term *terms, int count, int64_t j, int64_t k, int all_blocks)
+{
+    double value = 0.0;
+    for (int t = 0; t < count; t++)
+        value += column_factor(&terms[t], j) * (all_blocks ? terms[t].g_all : terms[t].g)[k];
+    return value;
 }
 
 /* Each term's s over the tile's skipped columns. Each thread owns a range of H and walks the weight along its
@@ -967,11 +954,9 @@ static void skipped_columns_term(const fh_engine_pass *p, int64_t v0, int64_t vb
         for (int64_t k = 0; k < h; k++)
             for (int64_t j = 0; j < vb; j++)
                 if (!keep[j]) {
-                    double value = 0.0;
-                    for (int t = 0; t < count; t++)
-                        value += column_factor(&terms[t], j) * terms[t].g[k];
+                    const float value = (float)terms_value(terms, count, j, k, 0);
                     float *d = base + k * stride_k + j * stride_j;
-                    *d = used[j] || !overwrites ? *d + (float)value : (float)value;
+                    *d = used[j] || !overwrites ? *d + value : value;
                 }
     } else {
 #pragma omp parallel for num_threads(p->plan->threads) schedule(static)
@@ -1045,7 +1030,7 @@ static fh_status filtered_gradients(const fh_engine_pass *p, int segment, int64_
     /* The tail's row sums lose their kept columns' share when an f32 tile is compacted for the GEMMs, else here. */
     const double tail_total = p->plan->tail_estimate ? tail_profile(p, segment, vb) : 0.0;
     if (tail_total > 0.0 && p->plan->bf16_du)
-        take_kept_shares(p, tile_row, nb, vb, kept, p->class_weights ? p->class_weights + v0 : NULL);
+        compact_rows(p, tile_row, nb, vb, kept, p->class_weights ? p->class_weights + v0 : NULL, 0);
     if (p->plan->fp32_dz)
         copy_x_rows(p, i0, nb);
     const fh_status st = kept == vb ? all_kept_gemms(p, tile_row, i0, nb, v0, vb)
@@ -1185,21 +1170,13 @@ static void skipped_dweight_columns(const fh_engine_pass *p, int64_t j0, int64_t
     if (dw_acc_by_vocab(lin)) { /* along dweight's contiguous direction */
 #pragma omp parallel for num_threads(p->plan->threads) schedule(static)
         for (int64_t k = 0; k < lin->hidden; k++)
-            for (int64_t j = j0; j < j1; j++) {
-                double value = 0.0;
-                for (int t = 0; t < count; t++)
-                    value += column_factor(&terms[t], j) * terms[t].g_all[k];
-                store_dweight(p, k, j, (float)value);
-            }
+            for (int64_t j = j0; j < j1; j++)
+                store_dweight(p, k, j, (float)terms_value(terms, count, j, k, 1));
     } else {
 #pragma omp parallel for num_threads(p->plan->threads) schedule(static)
         for (int64_t j = j0; j < j1; j++)
-            for (int64_t k = 0; k < lin->hidden; k++) {
-                double value = 0.0;
-                for (int t = 0; t < count; t++)
-                    value += column_factor(&terms[t], j) * terms[t].g_all[k];
-                store_dweight(p, k, j, (float)value);
-            }
+            for (int64_t k = 0; k < lin->hidden; k++)
+                store_dweight(p, k, j, (float)terms_value(terms, count, j, k, 1));
     }
 }
 

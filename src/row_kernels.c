@@ -210,7 +210,7 @@ typedef struct kernel_set {
     void (*jsd_sums)(const float *, const float *, int64_t, const fh_pair_row *, double[2]);
     void (*pair_gradient)(float *, const float *, int64_t, const fh_pair_row *);
     void (*to_bf16)(const void *, int64_t, void *);
-    double (*compact)(float *, const int64_t *, int64_t, float, float, const float *, const float *);
+    double (*compact)(float *, const int64_t *, int64_t, int, float, float, const float *, const float *);
     void (*add_scaled)(double *, const float *, int64_t, double);
 } kernel_set;
 
@@ -320,7 +320,7 @@ void fh_row_to_bf16(const void *src, int64_t count, void *dst)
     chosen()->to_bf16(src, count, dst);
 }
 
-double fh_row_compact_portable(float *z, const int64_t *columns, int64_t count, float threshold, float c,
+double fh_row_compact_portable(float *z, const int64_t *columns, int64_t count, int move, float threshold, float c,
                                const float *weights, const float *next)
 {
     (void)next; /* left to the hardware */
@@ -330,15 +330,16 @@ double fh_row_compact_portable(float *z, const int64_t *columns, int64_t count, 
         const float v = z[j];
         if (fabsf(v) < threshold)
             sum += v - c * (weights ? weights[j] : 1.0f);
-        z[k] = v;
+        if (move)
+            z[k] = v;
     }
     return sum;
 }
 
-double fh_row_compact(float *z, const int64_t *columns, int64_t count, float threshold, float c, const float *weights,
-                      const float *next)
+double fh_row_compact(float *z, const int64_t *columns, int64_t count, int move, float threshold, float c,
+                      const float *weights, const float *next)
 {
-    return chosen()->compact(z, columns, count, threshold, c, weights, next);
+    return chosen()->compact(z, columns, count, move, threshold, c, weights, next);
 }
 
 void fh_row_add_scaled_portable(double *sums, const float *w, int64_t count, double factor)

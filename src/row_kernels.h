@@ -111,12 +111,13 @@ void fh_row_jsd_sums(const float *z, const float *cz, int64_t count, const fh_pa
  * log m - sum p (log p - log m)) in the terms above). */
 void fh_row_pair_gradient(float *z, const float *cz, int64_t count, const fh_pair_row *r);
 
-/* Moves z[columns[k]] to z[k] for k < count (columns increasing, so columns[k] >= k and one forward pass does it in
- * place). Returns the sum, over the moved values v with |v| below threshold, of v - c w[columns[k]] (w 1 without
- * weights): the part of fh_row_marking's tail that the kept columns took (0 with threshold 0). next: the row to be
- * compacted after this one, whose same columns are prefetched meanwhile, or NULL. */
-double fh_row_compact(float *z, const int64_t *columns, int64_t count, float threshold, float c, const float *weights,
-                      const float *next);
+/* Returns the sum, over the values v = z[columns[k]] (k < count, columns increasing) with |v| below threshold, of
+ * v - c w[columns[k]] (w 1 without weights): the part of fh_row_marking's tail that the kept columns took (0 with
+ * threshold 0). With move, also moves each v to z[k] (columns[k] >= k, so one forward pass does it in place); else
+ * z is only read. next: the row to be compacted after this one, whose same columns are prefetched meanwhile, or
+ * NULL. */
+double fh_row_compact(float *z, const int64_t *columns, int64_t count, int move, float threshold, float c,
+                      const float *weights, const float *next);
 
 /* sums[k] += factor w[k] in double, for k < count. */
 void fh_row_add_scaled(double *sums, const float *w, int64_t count, double factor);

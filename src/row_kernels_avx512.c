@@ -355,7 +355,7 @@ static __m512 gather_columns(const float *base, const int64_t *columns, int64_t 
 
 /* In place: the gather of z[k..k + 16) reads columns >= k, which no earlier store (below k) has touched. The next
  * row's columns are prefetched to L2 as this row's are read (the rows of a block are read back from L3 or memory). */
-double fh_row_compact_avx512(float *z, const int64_t *columns, int64_t count, float threshold, float c,
+double fh_row_compact_avx512(float *z, const int64_t *columns, int64_t count, int move, float threshold, float c,
                              const float *weights, const float *next)
 {
     uint32_t least_bits;
@@ -377,7 +377,8 @@ double fh_row_compact_avx512(float *z, const int64_t *columns, int64_t count, fl
             const __m512 w = weights ? gather_columns(weights, columns + k, count - k) : unit;
             accumulate_double(_mm512_maskz_sub_ps(below, v, _mm512_mul_ps(cv, w)), &lo, &hi);
         }
-        _mm512_mask_storeu_ps(z + k, m, v);
+        if (move)
+            _mm512_mask_storeu_ps(z + k, m, v);
     }
     return sum_as_double(lo, hi);
 }

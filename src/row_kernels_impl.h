@@ -24,7 +24,7 @@ void fh_row_exp_sums_portable(const float *a, const float *b, int64_t count, flo
 void fh_row_jsd_sums_portable(const float *z, const float *cz, int64_t count, const fh_pair_row *r, double sums[2]);
 void fh_row_pair_gradient_portable(float *z, const float *cz, int64_t count, const fh_pair_row *r);
 void fh_row_to_bf16_portable(const void *src, int64_t count, void *dst);
-double fh_row_compact_portable(float *z, const int64_t *columns, int64_t count, float threshold, float c,
+double fh_row_compact_portable(float *z, const int64_t *columns, int64_t count, int move, float threshold, float c,
                                const float *weights, const float *next);
 void fh_row_add_scaled_portable(double *sums, const float *w, int64_t count, double factor);
 
@@ -39,7 +39,7 @@ void fh_row_exp_sums_avx512(const float *a, const float *b, int64_t count, float
 void fh_row_jsd_sums_avx512(const float *z, const float *cz, int64_t count, const fh_pair_row *r, double sums[2]);
 void fh_row_pair_gradient_avx512(float *z, const float *cz, int64_t count, const fh_pair_row *r);
 void fh_row_to_bf16_avx512(const void *src, int64_t count, void *dst);
-double fh_row_compact_avx512(float *z, const int64_t *columns, int64_t count, float threshold, float c,
+double fh_row_compact_avx512(float *z, const int64_t *columns, int64_t count, int move, float threshold, float c,
                              const float *weights, const float *next);
 void fh_row_add_scaled_avx512(double *sums, const float *w, int64_t count, double factor);
 #endif
