@@ -647,7 +647,7 @@ static int64_t keep_columns(const fh_engine_pass *p, int segment, int64_t vb, in
     const int64_t cols = p->plan->tile_vocab;
     const int threads = p->plan->threads;
     uint8_t *marks = p->ws->marks + (int64_t)segment * threads * cols, *keep = p->ws->keep;
-    int64_t count = 0;
+#pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t j = 0; j < vb; j++) {
         uint8_t kept = (uint8_t)unfiltered;
         for (int t = 0; t < threads; t++) {
@@ -655,9 +655,11 @@ static int64_t keep_columns(const fh_engine_pass *p, int segment, int64_t vb, in
             marks[t * cols + j] = 0;
         }
         keep[j] = kept;
-        if (kept)
-            p->ws->kept[count++] = j;
     }
+    int64_t count = 0;
+    for (int64_t j = 0; j < vb; j++)
+        if (keep[j])
+            p->ws->kept[count++] = j;
     return count;
 }
 
@@ -683,8 +685,10 @@ static fh_gemm_input gather_du(const fh_engine_pass *p, const uint16_t *du, int6
 #pragma omp parallel for num_threads(p->plan->threads) schedule(static)
     for (int64_t r = 0; r < nb; r++) {
         uint16_t *dst = (uint16_t *)p->ws->gathered_du + r * width;
-        for (int64_t c = 0; c < width; c++)
-            dst[c] = c < count ? du[r * vb + columns[c]] : 0;
+        const uint16_t *src = du + r * vb;
+        for (int64_t c = 0; c < count; c++)
+            dst[c] = src[columns[c]];
+        memset(dst + count, 0, (size_t)(width - count) * sizeof *dst);
     }
     return view(p->ws->gathered_du, FH_ELEM_BF16, 0, width, 1);
 }
@@ -881,44 +885,73 @@ static double column_factor(const skipped_term *t, int64_t j)
     return t->scale * (t->profile ? t->profile[j] : t->weights ? (double)t->weights[j] : 1.0);
 }
 
-/* dweight (k, j) of the terms: the sum of column(j) g[k], or g_all[k] with all_blocks. */
-static double terms_value(const skipped_term *terms, int count, int64_t j, int64_t k, int all_blocks)
+/* The terms' dweight values are formed a run of at most TERMS_RUN elements at a time. */
+enum { TERMS_RUN = 256 };
+
+/* values[e] (e < m) = dweight's value of the terms (1 or 2 of them) at (k, j + e) along the vocabulary, or at
+ * (k + e, j) down a column (its factors then taken once): the sum over the terms of column(j) g[k], or g_all[k]
+ * with all_blocks. */
+static void terms_run(const skipped_term *terms, int count, int64_t k, int64_t j, int along_vocab, int64_t m,
+                      int all_blocks, float *values)
 {
-    double value = 0.0;
-    for (int t = 0; t < count; t++)
-        value += column_factor(&terms[t], j) * (all_blocks ? terms[t].g_all : terms[t].g)[k];
-    return value;
+    const double *g[2];
+    double factor[2] = {0.0, 0.0}; /* a second factor of 0 with a single term */
+    for (int t = 0; t < 2; t++) {
+        const skipped_term *term = &terms[t < count ? t : 0];
+        g[t] = all_blocks ? term->g_all : term->g;
+        if (t < count && !along_vocab)
+            factor[t] = column_factor(term, j);
+    }
+    if (along_vocab)
+        for (int64_t e = 0; e < m; e++) {
+            double value = 0.0;
+            for (int t = 0; t < count; t++)
+                value += column_factor(&terms[t], j + e) * g[t][k];
+            values[e] = (float)value;
+        }
+    else
+        for (int64_t e = 0; e < m; e++)
+            values[e] = (float)(factor[0] * g[0][k + e] + factor[1] * g[1][k + e]);
 }
 
-/* Each term's s over the tile's skipped columns. Each thread owns a range of H and walks the weight along its
- * contiguous direction. */
+/* Each term's s over the tile's skipped columns, from each term's column factors (0 for a kept column). Each thread
+ * owns a range of H and walks the weight along its contiguous direction. */
 static void skipped_weight_sums(const fh_engine_pass *p, int64_t v0, int64_t vb, const skipped_term *terms, int count)
 {
     const fh_linear *lin = p->lin;
     const uint8_t *keep = p->ws->keep;
+    double *factors = p->ws->factors; /* count x vb */
     const int hidden_inner = lin->w_stride_hidden <= lin->w_stride_vocab;
-    const int f32_columns = lin->weight_dtype == FH_DTYPE_F32 && lin->w_stride_hidden == 1; /* for the row kernel */
+    const int bf16 = lin->weight_dtype == FH_DTYPE_BF16;
 #pragma omp parallel num_threads(p->plan->threads)
     {
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < vb; j++)
+            for (int t = 0; t < count; t++)
+                factors[t * vb + j] = keep[j] ? 0.0 : column_factor(&terms[t], j);
         const int64_t parts = omp_get_num_threads(), me = omp_get_thread_num();
         const int64_t k0 = lin->hidden * me / parts, k1 = lin->hidden * (me + 1) / parts;
         for (int t = 0; t < count; t++)
             for (int64_t k = k0; k < k1; k++)
                 terms[t].s[k] = 0.0;
-        for (int64_t j = 0; hidden_inner && j < vb; j++)
-            for (int t = 0; !keep[j] && t < count; t++) {
-                const double f = column_factor(&terms[t], j);
-                if (f32_columns)
-                    fh_row_add_scaled(terms[t].s + k0, (const float *)lin->weight + (v0 + j) * lin->w_stride_vocab + k0,
-                                      k1 - k0, f);
-                else
-                    for (int64_t k = k0; k < k1; k++)
-                        terms[t].s[k] += f * w_at(lin, k, v0 + j);
-            }
-        for (int64_t k = k0; !hidden_inner && k < k1; k++)
+        if (hidden_inner && lin->w_stride_hidden == 1) { /* columns of contiguous elements: the row kernel */
+            const int64_t at = v0 * lin->w_stride_vocab + k0;
+            const void *w = bf16 ? (const void *)((const uint16_t *)lin->weight + at)
+                                 : (const void *)((const float *)lin->weight + at);
+            for (int t = 0; t < count; t++)
+                fh_row_add_columns(terms[t].s + k0, k1 - k0, w, bf16, lin->w_stride_vocab, factors + t * vb, vb);
+        } else if (hidden_inner) {
             for (int64_t j = 0; j < vb; j++)
-                for (int t = 0; !keep[j] && t < count; t++)
-                    terms[t].s[k] += column_factor(&terms[t], j) * w_at(lin, k, v0 + j);
+                for (int t = 0; t < count; t++)
+                    for (int64_t k = k0; factors[t * vb + j] != 0.0 && k < k1; k++)
+                        terms[t].s[k] += factors[t * vb + j] * w_at(lin, k, v0 + j);
+        } else {
+            for (int64_t k = k0; k < k1; k++)
+                for (int64_t j = 0; j < vb; j++)
+                    for (int t = 0; t < count; t++)
+                        if (factors[t * vb + j] != 0.0)
+                            terms[t].s[k] += factors[t * vb + j] * w_at(lin, k, v0 + j);
+        }
     }
 }
 
@@ -949,29 +982,20 @@ static void skipped_columns_term(const fh_engine_pass *p, int64_t v0, int64_t vb
     float *base = dw_f32(p, 0, 0, v0, vb);
     int64_t stride_k, stride_j;
     dw_strides(p, vb, &stride_k, &stride_j);
-    if (dw_acc_by_vocab(p->lin)) {
+    /* runs along the contiguous direction: each row k over the tile, or each skipped column over H */
+    const int by_vocab = dw_acc_by_vocab(p->lin);
+    const int64_t runs = by_vocab ? h : vb, length = by_vocab ? vb : h;
 #pragma omp parallel for num_threads(p->plan->threads) schedule(static)
-        for (int64_t k = 0; k < h; k++)
-            for (int64_t j = 0; j < vb; j++)
-                if (!keep[j]) {
-                    const float value = (float)terms_value(terms, count, j, k, 0);
-                    float *d = base + k * stride_k + j * stride_j;
-                    *d = used[j] || !overwrites ? *d + value : value;
-                }
-    } else {
-#pragma omp parallel for num_threads(p->plan->threads) schedule(static)
-        for (int64_t j = 0; j < vb; j++) {
-            if (keep[j])
-                continue;
-            double factor[2] = {0.0, 0.0}; /* a second factor of 0 with a single term */
-            for (int t = 0; t < count; t++)
-                factor[t] = column_factor(&terms[t], j);
-            const double *g0 = terms[0].g, *g1 = count > 1 ? terms[1].g : terms[0].g;
-            float *d = base + j * stride_j;
-            const int add = used[j] || !overwrites;
-            for (int64_t k = 0; k < h; k++) {
-                const float value = (float)(factor[0] * g0[k] + factor[1] * g1[k]);
-                d[k * stride_k] = add ? d[k * stride_k] + value : value;
+    for (int64_t r = 0; r < runs; r++) {
+        float values[TERMS_RUN];
+        for (int64_t e0 = 0; e0 < length && (by_vocab || !keep[r]); e0 += TERMS_RUN) {
+            const int64_t m = min64(TERMS_RUN, length - e0), k = by_vocab ? r : e0, j = by_vocab ? e0 : r;
+            terms_run(terms, count, k, j, by_vocab, m, 0, values);
+            for (int64_t e = 0; e < m; e++) {
+                const int64_t ke = by_vocab ? k : k + e, je = by_vocab ? j + e : j;
+                float *d = base + ke * stride_k + je * stride_j;
+                if (!keep[je])
+                    *d = used[je] || !overwrites ? *d + values[e] : values[e];
             }
         }
     }
@@ -1062,6 +1086,7 @@ static fh_status filtered_gradients(const fh_engine_pass *p, int segment, int64_
         return FH_OK;
     if (grads->dx) {
         skipped_weight_sums(p, v0, vb, terms, count);
+#pragma omp parallel for num_threads(p->plan->threads) schedule(static)
         for (int64_t r = 0; r < nb; r++) {
             float *dx = dx_row_f32(p, i0 + r, i0);
             for (int64_t k = 0; k < h; k++) {
@@ -1141,16 +1166,25 @@ static void finish_dw_columns(const fh_engine_pass *p, int64_t v0, int64_t vb)
     memset(p->ws->used, 0, (size_t)vb);
 }
 
-/* dweight (k, j) (+)= value as beta says, rounded once when bf16 (after bf16 row blocks). */
-static void store_dweight(const fh_engine_pass *p, int64_t k, int64_t j, float value)
+/* dweight's elements at + e step (e < count) (+)= values[e] as beta says, rounded once when bf16 (after bf16 row
+ * blocks); a contiguous bf16 run in one call of the rounding kernel. */
+static void store_dweight(const fh_engine_pass *p, int64_t at, int64_t step, const float *values, int64_t count)
 {
     const fh_linear_grads *grads = p->grads;
     const int accumulate = grads->dweight_beta != 0.0f;
-    const int64_t at = k * p->lin->w_stride_hidden + j * p->lin->w_stride_vocab;
-    if (grads->dweight_dtype == FH_DTYPE_BF16)
-        fh_row_add_to_bf16(&value, 1, accumulate, (uint16_t *)grads->dweight + at);
-    else
-        ((float *)grads->dweight)[at] = accumulate ? ((float *)grads->dweight)[at] + value : value;
+    const int bf16 = grads->dweight_dtype == FH_DTYPE_BF16;
+    if (bf16 && step == 1) {
+        fh_row_add_to_bf16(values, count, accumulate, (uint16_t *)grads->dweight + at);
+        return;
+    }
+    for (int64_t e = 0; e < count; e++) {
+        if (bf16) {
+            fh_row_add_to_bf16(values + e, 1, accumulate, (uint16_t *)grads->dweight + at + e * step);
+        } else {
+            float *d = (float *)grads->dweight + at + e * step;
+            *d = accumulate ? *d + values[e] : values[e];
+        }
+    }
 }
 
 /* Columns [j0, j1) of dweight that every row block skipped: only the terms' column(j) g_all (0 without a term),
@@ -1167,16 +1201,18 @@ static void skipped_dweight_columns(const fh_engine_pass *p, int64_t j0, int64_t
                      lin->w_stride_vocab, j0, j1);
         return;
     }
-    if (dw_acc_by_vocab(lin)) { /* along dweight's contiguous direction */
+    /* runs along dweight's contiguous direction: each row k over [j0, j1), or each column over H */
+    const int by_vocab = dw_acc_by_vocab(lin);
+    const int64_t runs = by_vocab ? lin->hidden : j1 - j0, length = by_vocab ? j1 - j0 : lin->hidden;
+    const int64_t step = by_vocab ? lin->w_stride_vocab : lin->w_stride_hidden;
 #pragma omp parallel for num_threads(p->plan->threads) schedule(static)
-        for (int64_t k = 0; k < lin->hidden; k++)
-            for (int64_t j = j0; j < j1; j++)
-                store_dweight(p, k, j, (float)terms_value(terms, count, j, k, 1));
-    } else {
-#pragma omp parallel for num_threads(p->plan->threads) schedule(static)
-        for (int64_t j = j0; j < j1; j++)
-            for (int64_t k = 0; k < lin->hidden; k++)
-                store_dweight(p, k, j, (float)terms_value(terms, count, j, k, 1));
+    for (int64_t r = 0; r < runs; r++) {
+        float values[TERMS_RUN];
+        for (int64_t e0 = 0; e0 < length; e0 += TERMS_RUN) {
+            const int64_t m = min64(TERMS_RUN, length - e0), k = by_vocab ? r : e0, j = by_vocab ? j0 + e0 : j0 + r;
+            terms_run(terms, count, k, j, by_vocab, m, 1, values);
+            store_dweight(p, k * lin->w_stride_hidden + j * lin->w_stride_vocab, step, values, m);
+        }
     }
 }
 
@@ -1184,17 +1220,18 @@ static void skipped_dweight_columns(const fh_engine_pass *p, int64_t j0, int64_t
  * along dweight's contiguous direction. */
 static void store_gathered_dweight(const fh_engine_pass *p, const int64_t *columns, int64_t count, int64_t width)
 {
-    const int64_t h = p->lin->hidden;
-    if (dw_acc_by_vocab(p->lin)) {
+    const fh_linear *lin = p->lin;
+    if (dw_acc_by_vocab(lin)) { /* the kept columns of a row k are apart */
 #pragma omp parallel for num_threads(p->plan->threads) schedule(static)
-        for (int64_t k = 0; k < h; k++)
+        for (int64_t k = 0; k < lin->hidden; k++)
             for (int64_t c = 0; c < count; c++)
-                store_dweight(p, k, columns[c], *gathered_dw_at(p, k, c, width));
+                store_dweight(p, k * lin->w_stride_hidden + columns[c] * lin->w_stride_vocab, 1,
+                              gathered_dw_at(p, k, c, width), 1);
     } else {
 #pragma omp parallel for num_threads(p->plan->threads) schedule(static)
         for (int64_t c = 0; c < count; c++)
-            for (int64_t k = 0; k < h; k++)
-                store_dweight(p, k, columns[c], *gathered_dw_at(p, k, c, width));
+            store_dweight(p, columns[c] * lin->w_stride_vocab, lin->w_stride_hidden, gathered_dw_at(p, 0, c, width),
+                          lin->hidden);
     }
 }
 

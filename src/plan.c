@@ -51,7 +51,7 @@ static int dx_in_block(const fh_plan *plan)
  * size overflows. */
 static int place_buffers(fh_plan *plan, int64_t n)
 {
-    enum { BUFFERS = 22 };
+    enum { BUFFERS = 23 };
     const int64_t rows = plan->tile_rows, cols = plan->tile_vocab, hidden = plan->hidden;
     const int filter = plan->filter_eps > 0.0;
     const struct {
@@ -75,6 +75,7 @@ static int place_buffers(fh_plan *plan, int64_t n)
         {filter, 1, cols, sizeof(int64_t), &plan->kept_offset},
         {filter, rows, 1, sizeof(double), &plan->row_c_offset},
         {filter, 1, TERM_VECTORS * hidden + 1, sizeof(double), &plan->vectors_offset},
+        {filter, 2, cols, sizeof(double), &plan->factors_offset},
         {filter && plan->bf16_du, rows, FH_FILTER_CHUNK, sizeof(uint16_t), &plan->gathered_du_offset},
         {filter, FH_FILTER_CHUNK, hidden, sizeof(float), &plan->gathered_w_offset},
         {filter, FH_FILTER_CHUNK, hidden, sizeof(float), &plan->gathered_dw_offset},
@@ -446,6 +447,7 @@ static fh_workspace carve(const fh_plan *plan, void *base, int64_t n)
     ws.kept = filter ? (int64_t *)(aligned + plan->kept_offset) : NULL;
     ws.row_c = filter ? (double *)(aligned + plan->row_c_offset) : NULL;
     ws.vectors = filter ? (double *)(aligned + plan->vectors_offset) : NULL;
+    ws.factors = filter ? (double *)(aligned + plan->factors_offset) : NULL;
     ws.tail_rows = filter && plan->tail_estimate ? (double *)(aligned + plan->tail_rows_offset) : NULL;
     ws.tail_columns = filter && plan->tail_estimate ? (double *)(aligned + plan->tail_columns_offset) : NULL;
     ws.tail_nu = filter && plan->tail_estimate ? (float *)(aligned + plan->tail_nu_offset) : NULL;

@@ -47,7 +47,7 @@ typedef struct fh_plan {
     /* Gradient filtering (fh_context_set_grad_filter_eps): filter_eps > 0 in gradient passes. Its buffers: the
      * columns each thread marked, per segment (2 x threads x tile_vocab bytes); per-column keep and used flags and
      * the kept columns' list; every tile row's c coefficient; TERM_VECTORS H-vectors and a sum for the skipped
-     * columns' rank-one terms; the gathered GEMMs' operands (FH_FILTER_CHUNK x H weight rows and f32 dweight, and
+     * columns' rank-one terms, and their two terms' factors per column (2 x tile_vocab doubles); the gathered GEMMs' operands (FH_FILTER_CHUNK x H weight rows and f32 dweight, and
      * with bf16_du tile_rows x FH_FILTER_CHUNK dU); in bf16 row blocks an f32 dx of the block (dx_block, tile_rows x
      * H), so that a bf16 dx is rounded once. With tail_estimate (FH_FILTER_TAIL_ESTIMATE): every tile row's
      * skipped sum and threshold, each thread's f32 profile of the magnitudes below the thresholds per segment
@@ -55,7 +55,7 @@ typedef struct fh_plan {
      * blocks: the block's and its sum over the blocks). */
     double filter_eps;
     int tail_estimate;
-    size_t marks_offset, flags_offset, kept_offset, row_c_offset, vectors_offset, gathered_du_offset,
+    size_t marks_offset, flags_offset, kept_offset, row_c_offset, vectors_offset, factors_offset, gathered_du_offset,
         gathered_w_offset, gathered_dw_offset, dx_block_offset, tail_rows_offset, row_least_offset, tail_nu_offset,
         tail_columns_offset;
     int companion;        /* a pair plan (fh_plan_pair_*): a second tile for the companion head's logits */
@@ -119,7 +119,7 @@ typedef struct fh_workspace {
     uint16_t *du;
     float *dx_acc, *dw_acc, *x32, *w32;
     float *dx_block, *gathered_dw; /* filtering's buffers (fh_plan), NULL when it is off */
-    double *row_c, *vectors;
+    double *row_c, *vectors, *factors;
     double *tail_rows, *tail_columns; /* tail_estimate's (fh_plan), NULL otherwise */
     float *row_least, *tail_nu;
     uint8_t *marks, *keep, *used;

@@ -211,13 +211,13 @@ typedef struct kernel_set {
     void (*pair_gradient)(float *, const float *, int64_t, const fh_pair_row *);
     void (*to_bf16)(const void *, int64_t, void *);
     double (*compact)(float *, const int64_t *, int64_t, int, float, float, const float *, const float *);
-    void (*add_scaled)(double *, const float *, int64_t, double);
+    void (*add_columns)(double *, int64_t, const void *, int, int64_t, const double *, int64_t);
 } kernel_set;
 
 static kernel_set kernels = {fh_row_transform_portable, fh_row_fold_portable,     fh_row_gradient_portable,
                              fh_row_pair_max_portable,  fh_row_exp_sums_portable, fh_row_jsd_sums_portable,
                              fh_row_pair_gradient_portable, fh_row_to_bf16_portable, fh_row_compact_portable,
-                             fh_row_add_scaled_portable};
+                             fh_row_add_columns_portable};
 static pthread_once_t kernels_once = PTHREAD_ONCE_INIT;
 
 static void choose_kernels(void)
@@ -228,7 +228,7 @@ static void choose_kernels(void)
         const kernel_set avx512 = {fh_row_transform_avx512, fh_row_fold_avx512,     fh_row_gradient_avx512,
                                    fh_row_pair_max_avx512,  fh_row_exp_sums_avx512, fh_row_jsd_sums_avx512,
                                    fh_row_pair_gradient_avx512, fh_row_to_bf16_avx512, fh_row_compact_avx512,
-                                   fh_row_add_scaled_avx512};
+                                   fh_row_add_columns_avx512};
         kernels = avx512;
     }
 #endif
@@ -342,13 +342,18 @@ double fh_row_compact(float *z, const int64_t *columns, int64_t count, int move,
     return chosen()->compact(z, columns, count, move, threshold, c, weights, next);
 }
 
-void fh_row_add_scaled_portable(double *sums, const float *w, int64_t count, double factor)
+void fh_row_add_columns_portable(double *sums, int64_t count, const void *w, int bf16, int64_t stride,
+                                 const double *factors, int64_t columns)
 {
-    for (int64_t k = 0; k < count; k++)
-        sums[k] += factor * w[k];
+    for (int64_t j = 0; j < columns; j++)
+        for (int64_t k = 0; factors[j] != 0.0 && k < count; k++) {
+            const int64_t at = j * stride + k;
+            sums[k] += factors[j] * (bf16 ? fh_bf16_to_f32(((const uint16_t *)w)[at]) : ((const float *)w)[at]);
+        }
 }
 
-void fh_row_add_scaled(double *sums, const float *w, int64_t count, double factor)
+void fh_row_add_columns(double *sums, int64_t count, const void *w, int bf16, int64_t stride, const double *factors,
+                        int64_t columns)
 {
-    chosen()->add_scaled(sums, w, count, factor);
+    chosen()->add_columns(sums, count, w, bf16, stride, factors, columns);
 }

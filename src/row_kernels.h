@@ -119,8 +119,11 @@ void fh_row_pair_gradient(float *z, const float *cz, int64_t count, const fh_pai
 double fh_row_compact(float *z, const int64_t *columns, int64_t count, int move, float threshold, float c,
                       const float *weights, const float *next);
 
-/* sums[k] += factor w[k] in double, for k < count. */
-void fh_row_add_scaled(double *sums, const float *w, int64_t count, double factor);
+/* sums[k] += sum over j < columns of factors[j] w[j stride + k], in double, for k < count; columns whose factor is 0
+ * are not read. w holds floats, or bf16 bits with bf16. A weighted sum of weight columns (a GEMV), whose sums stay in
+ * registers while the columns stream past. */
+void fh_row_add_columns(double *sums, int64_t count, const void *w, int bf16, int64_t stride, const double *factors,
+                        int64_t columns);
 
 /* dst[j] = src[j] rounded to the nearest bf16 (ties to even; NaN stays NaN), for j < count. dst may be src's own
  * memory (a row narrowed in place into its first half). */

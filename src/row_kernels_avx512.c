@@ -383,16 +383,68 @@ double fh_row_compact_avx512(float *z, const int64_t *columns, int64_t count, in
     return sum_as_double(lo, hi);
 }
 
-void fh_row_add_scaled_avx512(double *sums, const float *w, int64_t count, double factor)
+/* The f32 values of 16 bf16 bits (the first `remaining` of them, zeros after): the bits are the high half of their
+ * f32. A short tail goes through a local copy (16-bit masked loads need AVX512BW). */
+static __m512 bf16_lanes(const uint16_t *bits, int64_t remaining)
 {
-    const __m512d f = _mm512_set1_pd(factor);
-    for (int64_t k = 0; k < count; k += LANES) {
-        const __mmask16 m = tail_mask(count - k);
-        const __m512 v = _mm512_maskz_loadu_ps(m, w + k);
-        const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
-        const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-        const __mmask8 m_lo = (__mmask8)m, m_hi = (__mmask8)(m >> 8);
-        _mm512_mask_storeu_pd(sums + k, m_lo, _mm512_fmadd_pd(f, lo, _mm512_maskz_loadu_pd(m_lo, sums + k)));
-        _mm512_mask_storeu_pd(sums + k + 8, m_hi, _mm512_fmadd_pd(f, hi, _mm512_maskz_loadu_pd(m_hi, sums + k + 8)));
+    uint16_t tail[LANES] = {0};
+    if (remaining < LANES) {
+        memcpy(tail, bits, (size_t)(remaining > 0 ? remaining : 0) * sizeof *bits);
+        bits = tail;
+    }
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bits));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+/* 16 values of a weight column from element at (the first `remaining`, zeros after) as f32. */
+static __m512 column_lanes(const void *w, int bf16, int64_t at, int64_t remaining)
+{
+    if (bf16)
+        return bf16_lanes((const uint16_t *)w + at, remaining);
+    return _mm512_maskz_loadu_ps(remaining > 0 ? tail_mask(remaining) : 0, (const float *)w + at);
+}
+
+static __m512d low_half(__m512 v)
+{
+    return _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+}
+
+static __m512d high_half(__m512 v)
+{
+    return _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+/* 32 sums at a time in four registers, over blocks of COLUMN_BLOCK columns: a block's part of the weight (its
+ * columns' count elements) stays within a few pages while the sums' chunks go over it, so that the walk down each
+ * column streams and the pages stay in the TLB (a chunk at a time over every column took one page per element). */
+enum { COLUMN_BLOCK = 64 };
+
+void fh_row_add_columns_avx512(double *sums, int64_t count, const void *w, int bf16, int64_t stride,
+                               const double *factors, int64_t columns)
+{
+    for (int64_t j0 = 0; j0 < columns; j0 += COLUMN_BLOCK) {
+        const int64_t j1 = j0 + COLUMN_BLOCK < columns ? j0 + COLUMN_BLOCK : columns;
+        for (int64_t k = 0; k < count; k += 2 * LANES) {
+            __mmask8 m[4];
+            __m512d acc[4];
+            for (int q = 0; q < 4; q++) {
+                const int64_t left = count - k - 8 * q;
+                m[q] = left >= 8 ? (__mmask8)0xff : left > 0 ? (__mmask8)((1u << left) - 1u) : 0;
+                acc[q] = _mm512_maskz_loadu_pd(m[q], sums + k + 8 * q);
+            }
+            for (int64_t j = j0; j < j1; j++) {
+                if (factors[j] == 0.0)
+                    continue;
+                const __m512d f = _mm512_set1_pd(factors[j]);
+                const __m512 a = column_lanes(w, bf16, j * stride + k, count - k);
+                const __m512 b = column_lanes(w, bf16, j * stride + k + LANES, count - k - LANES);
+                acc[0] = _mm512_fmadd_pd(f, low_half(a), acc[0]);
+                acc[1] = _mm512_fmadd_pd(f, high_half(a), acc[1]);
+                acc[2] = _mm512_fmadd_pd(f, low_half(b), acc[2]);
+                acc[3] = _mm512_fmadd_pd(f, high_half(b), acc[3]);
+            }
+            for (int q = 0; q < 4; q++)
+                _mm512_mask_storeu_pd(sums + k + 8 * q, m[q], acc[q]);
+        }
     }
 }

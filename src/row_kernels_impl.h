@@ -26,7 +26,8 @@ void fh_row_pair_gradient_portable(float *z, const float *cz, int64_t count, con
 void fh_row_to_bf16_portable(const void *src, int64_t count, void *dst);
 double fh_row_compact_portable(float *z, const int64_t *columns, int64_t count, int move, float threshold, float c,
                                const float *weights, const float *next);
-void fh_row_add_scaled_portable(double *sums, const float *w, int64_t count, double factor);
+void fh_row_add_columns_portable(double *sums, int64_t count, const void *w, int bf16, int64_t stride,
+                                 const double *factors, int64_t columns);
 
 #ifdef FH_HAVE_AVX512_KERNELS
 void fh_row_transform_avx512(float *z, int64_t count, const float *bias, const fh_transform *tf);
@@ -41,7 +42,8 @@ void fh_row_pair_gradient_avx512(float *z, const float *cz, int64_t count, const
 void fh_row_to_bf16_avx512(const void *src, int64_t count, void *dst);
 double fh_row_compact_avx512(float *z, const int64_t *columns, int64_t count, int move, float threshold, float c,
                              const float *weights, const float *next);
-void fh_row_add_scaled_avx512(double *sums, const float *w, int64_t count, double factor);
+void fh_row_add_columns_avx512(double *sums, int64_t count, const void *w, int bf16, int64_t stride,
+                               const double *factors, int64_t columns);
 #endif
 
 #endif
