@@ -5,6 +5,9 @@ states and the weight) at the same shape and threads.
 Cases, each in its own process (peak memory does not mix), best of --reps after a warm-up step:
   torch_eager     F.cross_entropy(F.linear(h, W), y).backward(): materializes [N, V] logits and gradient
   torch_chunked   the same over token chunks of --chunk rows (a common memory workaround in torch)
+  torch_compile   torch_eager's loss through torch.compile (torch 2 and later; skipped where torch lacks it). Its
+                  compilation runs in a step before the measurement starts, so neither its time nor the compiler's
+                  memory counts: first ms is the first compiled step
   fusedhead       fusedhead.torch.fused_linear_cross_entropy (the single-call train step inside)
 Reported: ms, GFLOP/s on the 6*N*H*V basis, peak RSS growth of the step, speed-up over torch_eager.
 --dtype bf16 runs every case on bfloat16 hidden states and weight (torch's bf16 linear goes to oneDNN by itself,
@@ -72,6 +75,12 @@ def run_case(args):
                 rows = slice(start, min(n, start + args.chunk))
                 logits = F.linear(hidden[rows], weight)
                 (F.cross_entropy(logits, targets[rows], reduction="sum") / n).backward()
+    elif args.case == "torch_compile":
+        compiled = torch.compile(lambda h, w, y: F.cross_entropy(F.linear(h, w), y))
+
+        def step():
+            compiled(hidden, weight, targets).backward()
+        step()  # compiles
     else:
         import fusedhead
         from fusedhead.torch import fused_linear_cross_entropy
@@ -185,18 +194,22 @@ def main():
         run_case(args)
         return
     try:
-        import torch  # noqa: F401
+        import torch
     except ImportError:
         print("torch_compare: PyTorch is not installed for this interpreter (Debian: python3-torch)", file=sys.stderr)
         sys.exit(2)
     torch_env = None if args.torch_blas_as_installed else torch_blas_env(args.threads)
     results = []
-    for case in ("torch_eager", "torch_chunked", "fusedhead"):
+    cases = ("torch_eager", "torch_chunked") + (("torch_compile",) if hasattr(torch, "compile") else ()) + ("fusedhead",)
+    for case in cases:
         cmd = [sys.executable, os.path.abspath(__file__), "--case", case] + [
             f"--{k}={getattr(args, k)}" for k in ("n", "hidden", "vocab", "threads", "reps", "chunk", "dtype")]
         out = subprocess.run(cmd, capture_output=True, text=True, env=torch_env if case != "fusedhead" else None)
         if out.returncode != 0:
             print(out.stderr, file=sys.stderr)
+            if case == "torch_compile":  # inductor needs a C++ compiler: say so and compare the others
+                print("torch_compare: torch_compile failed (above); left out", file=sys.stderr)
+                continue
             sys.exit(1)
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
     flops = 6.0 * args.n * args.hidden * args.vocab
@@ -208,7 +221,6 @@ def main():
         print(json.dumps({"n": args.n, "hidden": args.hidden, "vocab": args.vocab, "threads": args.threads,
                           "dtype": args.dtype, "cases": results}, indent=2))
         return
-    import torch
     blas = "as installed" if torch_env is None else \
         f"BLIS_ARCH_TYPE={torch_env.get('BLIS_ARCH_TYPE', 'unset')} BLIS_NUM_THREADS={torch_env['BLIS_NUM_THREADS']}"
     print(f"torch_compare: N={args.n} H={args.hidden} V={args.vocab}, {args.dtype}, {args.threads} threads, "
