@@ -567,11 +567,12 @@ static double efficiency(const result *r)
 static void print_row(FILE *out, const shape *s, bench_case c, const result *r)
 {
     char label[32];
-    fprintf(out, "%lld,%lld,%lld,%d,%s,%s,%.3f,%.1f,%.3f,%.3f,%lld,%lld,%.1f,%s,%.4f,%.6f,%.6f,%.4f\n", (long long)s->n,
+    fprintf(out, "%lld,%lld,%lld,%d,%s,%s,%.3f,%.1f,%.3f,%.3f,%lld,%lld,%.1f,%s,%.4f,%.6f,%.6f,%.4f,%.3f,%.3f\n",
+            (long long)s->n,
             (long long)s->hidden, (long long)s->vocab, s->threads, case_name(c, s), case_basis(c, s), r->best_ms, gflops(r),
             efficiency(r), r->first_ms, (long long)r->workspace_bytes, (long long)r->peak_growth_bytes,
             r->ceiling_gflops, distribution_label(&s->dist, label), s->stats.mean_entropy, s->stats.below_2m12,
-            s->stats.below_2m28, r->skipped_fraction);
+            s->stats.below_2m28, r->skipped_fraction, r->paired_exact_ms, r->paired_filtered_ms);
 }
 
 /* %.9g, or null for NaN (the sgemm has no loss). */
@@ -682,7 +683,7 @@ static void print_report(format f, const shape *s, const result *res, const fh_b
 static const char csv_header[] =
     "n,hidden,vocab,threads,case,flop_basis,best_ms,gflops,efficiency,first_call_ms,workspace_bytes,"
     "peak_rss_growth_bytes,ceiling_gflops,distribution,mean_entropy,frac_p_below_2m12,frac_p_below_2m28,"
-    "skipped_fraction\n";
+    "skipped_fraction,paired_exact_ms,paired_filtered_ms\n";
 
 /* Sweeps n or vocab, writes DIR/sweep_<what>.csv (rows grouped by case, so that each case's points are
  * consecutive and gnuplot joins them) and a gnuplot script rendering two PNGs. */
