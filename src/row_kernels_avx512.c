@@ -261,13 +261,15 @@ static void softplus_pair(__m512 x, __m512 *plus, __m512 *minus)
     *minus = _mm512_add_ps(_mm512_max_ps(_mm512_sub_ps(zero, x), zero), tail);
 }
 
-/* Row j's log p and log q: inv_t z - lse_s and inv_t cz - lse_t (tail lanes 0). */
+/* Row j's log p and log q: inv_t z - lse_s and inv_t cz - lse_t (tail lanes 0), inv_t z rounded before the
+ * subtraction as the lse's own sums round it (fh_row_exp_sums): a fused multiply-subtract would leave log p of the
+ * largest entry up to half an ulp of inv_t z above 0 (p = e^32 at inv_t z ~ 1e9). */
 static void log_probs(const fh_pair_row *r, const float *z, const float *cz, int64_t j, __mmask16 m, __m512 *ls,
                       __m512 *lt)
 {
     const __m512 it = _mm512_set1_ps(r->inv_t);
-    *ls = _mm512_maskz_mov_ps(m, _mm512_fmsub_ps(it, _mm512_maskz_loadu_ps(m, z + j), _mm512_set1_ps(r->lse_s)));
-    *lt = _mm512_maskz_mov_ps(m, _mm512_fmsub_ps(it, _mm512_maskz_loadu_ps(m, cz + j), _mm512_set1_ps(r->lse_t)));
+    *ls = _mm512_maskz_sub_ps(m, _mm512_mul_ps(it, _mm512_maskz_loadu_ps(m, z + j)), _mm512_set1_ps(r->lse_s));
+    *lt = _mm512_maskz_sub_ps(m, _mm512_mul_ps(it, _mm512_maskz_loadu_ps(m, cz + j)), _mm512_set1_ps(r->lse_t));
 }
 
 void fh_row_jsd_sums_avx512(const float *z, const float *cz, int64_t count, const fh_pair_row *r, double sums[2])
