@@ -74,7 +74,7 @@ static int place_buffers(fh_plan *plan, int64_t n)
         {filter, 2, cols, sizeof(uint8_t), &plan->flags_offset},
         {filter, 1, cols, sizeof(int64_t), &plan->kept_offset},
         {filter, rows, 1, sizeof(double), &plan->row_c_offset},
-        {filter, 1, TERM_VECTORS * hidden + 1, sizeof(double), &plan->vectors_offset},
+        {filter, TERM_VECTORS + 1, hidden, sizeof(double), &plan->vectors_offset}, /* >= TERM_VECTORS H + 1 */
         {filter, 2, cols, sizeof(double), &plan->factors_offset},
         {filter && plan->bf16_du, rows, FH_FILTER_CHUNK, sizeof(uint16_t), &plan->gathered_du_offset},
         {filter, FH_FILTER_CHUNK, hidden, sizeof(float), &plan->gathered_w_offset},
@@ -229,6 +229,8 @@ static int place_in_dweight(fh_plan *plan, const fh_linear *lin, const fh_linear
     if (!vh && !(lin->w_stride_vocab == 1 && lin->w_stride_hidden == vocab))
         return 0;
     const int64_t u = grads->dweight_dtype == FH_DTYPE_BF16 ? 1 : 2;
+    if (hidden > INT64_MAX / (int64_t)sizeof(uint16_t) / u / vocab) /* no such dweight in memory */
+        return 0;
     const size_t dweight_bytes = (size_t)(vocab * hidden * u) * sizeof(uint16_t);
     const size_t tile_at = (ALIGN - (uintptr_t)grads->dweight % ALIGN) % ALIGN;
     const size_t tile_bytes = (size_t)(plan->tile_rows * vocab) * sizeof(float);
