@@ -346,7 +346,7 @@ static int paired_steps(const shape *s, const bench_inputs *in, const head_input
             if (fh_context_set_grad_filter_eps(ctx, filtered ? s->filter_eps : 0.0) != FH_OK)
                 return -1;
             const double t = now_ms();
-            if (run_once(CASE_FILTERED, s, in, heads, ctx, NULL, gemm_buffers, &loss) != 0)
+            if (run_once(filtered ? CASE_FILTERED : CASE_TRAIN, s, in, heads, ctx, NULL, gemm_buffers, &loss) != 0)
                 return -1;
             const double ms = now_ms() - t;
             if (k > 0 && ms < best[filtered])

@@ -47,12 +47,13 @@ typedef struct fh_plan {
     /* Gradient filtering (fh_context_set_grad_filter_eps): filter_eps > 0 in gradient passes. Its buffers: the
      * columns each thread marked, per segment (2 x threads x tile_vocab bytes); per-column keep and used flags and
      * the kept columns' list; every tile row's c coefficient; TERM_VECTORS H-vectors and a sum for the skipped
-     * columns' rank-one terms, and their two terms' factors per column (2 x tile_vocab doubles); the gathered GEMMs' operands (FH_FILTER_CHUNK x H weight rows and f32 dweight, and
-     * with bf16_du tile_rows x FH_FILTER_CHUNK dU); in bf16 row blocks an f32 dx of the block (dx_block, tile_rows x
-     * H), so that a bf16 dx is rounded once. With tail_estimate (FH_FILTER_TAIL_ESTIMATE): every tile row's
-     * skipped sum and threshold, each thread's f32 profile of the magnitudes below the thresholds per segment
-     * (2 x threads x tile_vocab) and the skipped columns' sums of them (tile_vocab doubles, twice after bf16 row
-     * blocks: the block's and its sum over the blocks). */
+     * columns' rank-one terms, and the terms' factors per column (2 x tile_vocab doubles); the gathered GEMMs'
+     * operands (FH_FILTER_CHUNK x H weight rows and f32 dweight, and with bf16_du tile_rows x FH_FILTER_CHUNK dU);
+     * in bf16 row blocks an f32 dx of the block (dx_block, tile_rows x H), so that a bf16 dx is rounded once.
+     * With tail_estimate (FH_FILTER_TAIL_ESTIMATE): every tile row's skipped sum and threshold, each thread's f32
+     * profile of the magnitudes below the thresholds per segment (2 x threads x tile_vocab) and the skipped
+     * columns' sums of them (tile_vocab doubles, twice after bf16 row blocks: the block's and its sum over the
+     * blocks). */
     double filter_eps;
     int tail_estimate;
     size_t marks_offset, flags_offset, kept_offset, row_c_offset, vectors_offset, factors_offset, gathered_du_offset,

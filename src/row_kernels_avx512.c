@@ -43,10 +43,21 @@ static double sum_as_double(__m512d lo, __m512d hi)
     return _mm512_reduce_add_pd(_mm512_add_pd(lo, hi));
 }
 
+/* The 16 floats' first and last 8 as doubles. */
+static __m512d low_half(__m512 v)
+{
+    return _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+}
+
+static __m512d high_half(__m512 v)
+{
+    return _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
 static void accumulate_double(__m512 v, __m512d *lo, __m512d *hi)
 {
-    *lo = _mm512_add_pd(*lo, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
-    *hi = _mm512_add_pd(*hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+    *lo = _mm512_add_pd(*lo, low_half(v));
+    *hi = _mm512_add_pd(*hi, high_half(v));
 }
 
 void fh_row_transform_avx512(float *z, int64_t count, const float *bias, const fh_transform *tf)
@@ -404,16 +415,6 @@ static __m512 column_lanes(const void *w, int bf16, int64_t at, int64_t remainin
     if (bf16)
         return bf16_lanes((const uint16_t *)w + at, remaining);
     return _mm512_maskz_loadu_ps(remaining > 0 ? tail_mask(remaining) : 0, (const float *)w + at);
-}
-
-static __m512d low_half(__m512 v)
-{
-    return _mm512_cvtps_pd(_mm512_castps512_ps256(v));
-}
-
-static __m512d high_half(__m512 v)
-{
-    return _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
 
 /* 32 sums at a time in four registers, over blocks of COLUMN_BLOCK columns: a block's part of the weight (its
