@@ -43,19 +43,35 @@ typedef struct fh_fold_request {
 /* A fresh state: max -inf, sums 0. */
 fh_fold_state fh_fold_state_initial(void);
 
-/* The implementation (AVX-512 or portable) is chosen once, at the first call of any function below. */
+/* ---- Which set of kernels runs ----
+ * Sets: "portable" (C at the library's base ISA), "avx2" (AVX2 + FMA), "avx512" (AVX-512F/DQ). The choice is made
+ * once, at the first call of any function below: FH_ROW_KERNELS=portable|avx2|avx512 in the environment forces a
+ * set; unset or empty, the best set that this CPU and build support. A forced set that is unknown, not built, or
+ * that this CPU lacks is refused: the portable set runs (nothing crashes) and fh_row_kernels_refusal says why. */
 
-/* "avx512" or "portable". */
+/* "portable", "avx2" or "avx512": the set in use. */
 const char *fh_row_kernels_name(void);
 
+/* NULL when the set in use is the one asked for (or none was); else why FH_ROW_KERNELS was refused, e.g.
+ * "FH_ROW_KERNELS=avx512, but this CPU lacks AVX-512F/DQ (it has: avx2, portable)". A static string. */
+const char *fh_row_kernels_refusal(void);
+
+/* 1 when this CPU and build can run the set called name, else 0 (also for an unknown name or NULL). */
+int fh_row_kernels_supported(const char *name);
+
+/* ---- The kernels: one function type each; every set (row_kernels_impl.h) implements each type, and the functions
+ * declared with it below run the chosen set's. ---- */
+
 /* z[j] = transform(z[j] + bias[j]) for j < count; bias may be NULL. */
-void fh_row_transform(float *z, int64_t count, const float *bias, const fh_transform *tf);
+typedef void fh_row_transform_fn(float *z, int64_t count, const float *bias, const fh_transform *tf);
+fh_row_transform_fn fh_row_transform;
 
 /* Folds count transformed logits (vocabulary columns first_column..) into state. target_column is
  * relative to the row (outside [0, count) when the target is not in this tile). z is written only with
  * store_exps; then a row of one tile holds exps that fh_row_gradient can use without another exp. */
-void fh_row_fold(float *z, int64_t count, int64_t first_column, int64_t target_column,
-                 const fh_fold_request *request, fh_fold_state *state);
+typedef void fh_row_fold_fn(float *z, int64_t count, int64_t first_column, int64_t target_column,
+                            const fh_fold_request *request, fh_fold_state *state);
+fh_row_fold_fn fh_row_fold;
 
 /* What gradient filtering notes of a row while fh_row_gradient forms its dU (the final values, target term
  * included): marks[j] = 1 where |dU_j| >= threshold (a non-negative float) or dU_j is a NaN, other marks left as they
@@ -71,8 +87,9 @@ typedef struct fh_row_marking {
 /* Overwrites transformed logits z with dU = (a p + c w + e p (z - sum_pz)) * dz/du + b [j = target] dz/du,
  * p = exp(z - lse) (or from the fold's exps: fh_coef.p_scale); weights may be NULL (all 1). With marking (may be
  * NULL), notes the row for filtering on the way. */
-void fh_row_gradient(float *z, int64_t count, int64_t target_column, const float *weights, const fh_coef *coef,
-                     const fh_transform *tf, fh_row_marking *marking);
+typedef void fh_row_gradient_fn(float *z, int64_t count, int64_t target_column, const float *weights,
+                                const fh_coef *coef, const fh_transform *tf, fh_row_marking *marking);
+fh_row_gradient_fn fh_row_gradient;
 
 /* ---- Two rows at once: a distillation student's raw logits z and its teacher's cz (bias added, untempered) ----
  * s = inv_t z and t = inv_t cz are the tempered rows, p = softmax(s), q = softmax(t). */
@@ -93,43 +110,53 @@ typedef struct fh_pair_row {
 } fh_pair_row;
 
 /* The largest raw logits of both rows (-inf for none; a NaN is ignored unless it is every value). */
-void fh_row_pair_max(const float *z, const float *cz, int64_t count, float *max_z, float *max_cz);
+typedef void fh_row_pair_max_fn(const float *z, const float *cz, int64_t count, float *max_z, float *max_cz);
+fh_row_pair_max_fn fh_row_pair_max;
 
 /* sums[0] += sum_j exp(scale a_j - shift); with b, also sums[1] += sum_j exp(scale a_j - shift) scale (a_j - b_j):
  * a log-sum-exp's sum and a KL's cross term (a the row whose softmax weighs it). */
-void fh_row_exp_sums(const float *a, const float *b, int64_t count, float scale, float shift, double sums[2]);
+typedef void fh_row_exp_sums_fn(const float *a, const float *b, int64_t count, float scale, float shift,
+                                double sums[2]);
+fh_row_exp_sums_fn fh_row_exp_sums;
 
 /* jsd, with x_j = log_odds + log q_j - log p_j and sp_j = softplus(x_j) = log(1 + beta q_j / ((1 - beta) p_j)), so
  * that log p - log m = -log(1 - beta) - sp and log q - log m = -log(beta) - softplus(-x): the terms stay exact where
  * p and q barely overlap (log p - log m itself would be a tiny difference of numbers near -log(1 - beta)).
  * sums[0] += sum_j -(beta q softplus(-x) + (1 - beta) p sp), so that D = H(beta) + sums[0] with H the binary
  * entropy -beta log beta - (1 - beta) log(1 - beta); sums[1] += sum_j p sp. */
-void fh_row_jsd_sums(const float *z, const float *cz, int64_t count, const fh_pair_row *r, double sums[2]);
+typedef void fh_row_jsd_sums_fn(const float *z, const float *cz, int64_t count, const fh_pair_row *r,
+                                double sums[2]);
+fh_row_jsd_sums_fn fh_row_jsd_sums;
 
 /* Overwrites z with dU = g_soft inv_t dD/ds + g_hard softmax(u) (the caller subtracts g_hard at the target);
  * dD/ds = p - q (forward KL), p (log p - log q - d) (reverse KL), (1 - beta) p (k - sp) (jsd: (1 - beta) p (log p -
  * log m - sum p (log p - log m)) in the terms above). */
-void fh_row_pair_gradient(float *z, const float *cz, int64_t count, const fh_pair_row *r);
+typedef void fh_row_pair_gradient_fn(float *z, const float *cz, int64_t count, const fh_pair_row *r);
+fh_row_pair_gradient_fn fh_row_pair_gradient;
 
 /* Returns the sum, over the values v = z[columns[k]] (k < count, columns increasing) with |v| below threshold, of
  * v - c w[columns[k]] (w 1 without weights): the part of fh_row_marking's tail that the kept columns took (0 with
  * threshold 0). With move, also moves each v to z[k] (columns[k] >= k, so one forward pass does it in place); else
  * z is only read. next: the row to be compacted after this one, whose same columns are prefetched meanwhile, or
  * NULL. */
-double fh_row_compact(float *z, const int64_t *columns, int64_t count, int move, float threshold, float c,
-                      const float *weights, const float *next);
+typedef double fh_row_compact_fn(float *z, const int64_t *columns, int64_t count, int move, float threshold, float c,
+                                 const float *weights, const float *next);
+fh_row_compact_fn fh_row_compact;
 
 /* sums[k] += sum over j < columns of factors[j] w[j stride + k], in double, for k < count; columns whose factor is 0
  * are not read. w holds floats, or bf16 bits with bf16. A weighted sum of weight columns (a GEMV), whose sums stay in
  * registers while the columns stream past. */
-void fh_row_add_columns(double *sums, int64_t count, const void *w, int bf16, int64_t stride, const double *factors,
-                        int64_t columns);
+typedef void fh_row_add_columns_fn(double *sums, int64_t count, const void *w, int bf16, int64_t stride,
+                                   const double *factors, int64_t columns);
+fh_row_add_columns_fn fh_row_add_columns;
 
 /* dst[j] = src[j] rounded to the nearest bf16 (ties to even; NaN stays NaN), for j < count. dst may be src's own
  * memory (a row narrowed in place into its first half). */
-void fh_row_to_bf16(const void *src, int64_t count, void *dst);
+typedef void fh_row_to_bf16_fn(const void *src, int64_t count, void *dst);
+fh_row_to_bf16_fn fh_row_to_bf16;
 
-/* dst[j] = src[j] (+ dst[j] when accumulate, added in f32) rounded once to bf16, for j < count. */
+/* dst[j] = src[j] (+ dst[j] when accumulate, added in f32) rounded once to bf16, for j < count (through
+ * fh_row_to_bf16). */
 void fh_row_add_to_bf16(const float *src, int64_t count, int accumulate, uint16_t *dst);
 
 /* The f32 value of bf16 bits (exact). */

@@ -1,5 +1,6 @@
-/* AVX-512 versions of the row kernels (same contracts as row_kernels.h), with an inline 1-ulp vector exp
- * and SLEEF's 1-ulp tanh. Built with -mavx512f -mavx512dq -mfma and only called when the CPU has them. */
+/* The AVX-512 row kernels (same contracts as row_kernels.h), with an inline 1-ulp vector exp and SLEEF's 1-ulp tanh
+ * and log1p: the table fh_row_kernels_avx512. Built with -mavx512f -mavx512dq -mfma and only run when the CPU has
+ * them. */
 #include "row_kernels_impl.h"
 
 #include <immintrin.h>
@@ -60,7 +61,7 @@ static void accumulate_double(__m512 v, __m512d *lo, __m512d *hi)
     *hi = _mm512_add_pd(*hi, high_half(v));
 }
 
-void fh_row_transform_avx512(float *z, int64_t count, const float *bias, const fh_transform *tf)
+static void transform(float *z, int64_t count, const float *bias, const fh_transform *tf)
 {
     const int capped = tf->softcap > 0.0f, scaled = tf->inv_temperature != 1.0f;
     const __m512 cap = _mm512_set1_ps(tf->softcap), inv_cap = _mm512_set1_ps(capped ? 1.0f / tf->softcap : 0.0f);
@@ -80,8 +81,8 @@ void fh_row_transform_avx512(float *z, int64_t count, const float *bias, const f
     }
 }
 
-void fh_row_fold_avx512(float *z, int64_t count, int64_t first_column, int64_t target_column,
-                        const fh_fold_request *request, fh_fold_state *state)
+static void fold(float *z, int64_t count, int64_t first_column, int64_t target_column, const fh_fold_request *request,
+                 fh_fold_state *state)
 {
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
     __m512 vmax = neg_inf;
@@ -188,8 +189,8 @@ static void mark_lanes(fh_row_marking *mk, __m512 du, __m512 w, __mmask16 m, int
     _mm512_mask_storeu_ps(nu, below, _mm512_add_ps(_mm512_maskz_loadu_ps(below, nu), _mm512_abs_ps(d)));
 }
 
-void fh_row_gradient_avx512(float *z, int64_t count, int64_t target_column, const float *weights,
-                            const fh_coef *coef, const fh_transform *tf, fh_row_marking *marking)
+static void gradient(float *z, int64_t count, int64_t target_column, const float *weights, const fh_coef *coef,
+                     const fh_transform *tf, fh_row_marking *marking)
 {
     /* lse = hi + lo in floats: (z - hi) is exact near the maximum, so p keeps double-like accuracy. */
     const float lse_hi = (float)coef->lse, lse_lo = (float)(coef->lse - (double)lse_hi);
@@ -230,7 +231,7 @@ void fh_row_gradient_avx512(float *z, int64_t count, int64_t target_column, cons
         marking->tail = sum_as_double(lo, hi);
 }
 
-void fh_row_pair_max_avx512(const float *z, const float *cz, int64_t count, float *max_z, float *max_cz)
+static void pair_max(const float *z, const float *cz, int64_t count, float *max_z, float *max_cz)
 {
     const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
     __m512 mz = neg_inf, mc = neg_inf;
@@ -244,7 +245,7 @@ void fh_row_pair_max_avx512(const float *z, const float *cz, int64_t count, floa
     *max_cz = _mm512_reduce_max_ps(mc);
 }
 
-void fh_row_exp_sums_avx512(const float *a, const float *b, int64_t count, float scale, float shift, double sums[2])
+static void exp_sums(const float *a, const float *b, int64_t count, float scale, float shift, double sums[2])
 {
     const __m512 vscale = _mm512_set1_ps(scale), vshift = _mm512_set1_ps(shift);
     __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd(), clo = _mm512_setzero_pd(), chi = _mm512_setzero_pd();
@@ -283,7 +284,7 @@ static void log_probs(const fh_pair_row *r, const float *z, const float *cz, int
     *lt = _mm512_maskz_sub_ps(m, _mm512_mul_ps(it, _mm512_maskz_loadu_ps(m, cz + j)), _mm512_set1_ps(r->lse_t));
 }
 
-void fh_row_jsd_sums_avx512(const float *z, const float *cz, int64_t count, const fh_pair_row *r, double sums[2])
+static void jsd_sums(const float *z, const float *cz, int64_t count, const fh_pair_row *r, double sums[2])
 {
     const __m512 beta = _mm512_set1_ps(r->beta), one_m_beta = _mm512_set1_ps(1.0f - r->beta);
     __m512d dlo = _mm512_setzero_pd(), dhi = _mm512_setzero_pd(), klo = _mm512_setzero_pd(), khi = _mm512_setzero_pd();
@@ -304,7 +305,7 @@ void fh_row_jsd_sums_avx512(const float *z, const float *cz, int64_t count, cons
     sums[1] += sum_as_double(klo, khi);
 }
 
-void fh_row_pair_gradient_avx512(float *z, const float *cz, int64_t count, const fh_pair_row *r)
+static void pair_gradient(float *z, const float *cz, int64_t count, const fh_pair_row *r)
 {
     const __m512 g_soft = _mm512_set1_ps(r->g_soft * r->inv_t), g_hard = _mm512_set1_ps(r->g_hard);
     const __m512 d = _mm512_set1_ps(r->d), k = _mm512_set1_ps(r->k), lse_u = _mm512_set1_ps(r->lse_u);
@@ -335,7 +336,7 @@ void fh_row_pair_gradient_avx512(float *z, const float *cz, int64_t count, const
 
 /* The portable rounding (ties to even, NaN kept quiet), 16 at a time on the bits: each step reads 64 bytes at 4 j and
  * writes 32 at 2 j, so that a row narrowed in place never overwrites what it has yet to read. */
-void fh_row_to_bf16_avx512(const void *src, int64_t count, void *dst)
+static void to_bf16(const void *src, int64_t count, void *dst)
 {
     const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), infinity = _mm512_set1_epi32(0x7f800000);
     const __m512i half = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1), quiet = _mm512_set1_epi32(0x40);
@@ -350,8 +351,8 @@ void fh_row_to_bf16_avx512(const void *src, int64_t count, void *dst)
         _mm256_storeu_si256((__m256i *)((char *)dst + j * (int64_t)sizeof(uint16_t)), _mm512_cvtepi32_epi16(out));
     }
     if (j < count)
-        fh_row_to_bf16_portable((const char *)src + j * (int64_t)sizeof(float), count - j,
-                                (char *)dst + j * (int64_t)sizeof(uint16_t));
+        fh_row_kernels_portable.to_bf16((const char *)src + j * (int64_t)sizeof(float), count - j,
+                                        (char *)dst + j * (int64_t)sizeof(uint16_t));
 }
 
 /* 16 floats of base at columns[0..16) (the first `remaining` of them, zeros after): two gathers of 8 by 64-bit
@@ -368,8 +369,8 @@ static __m512 gather_columns(const float *base, const int64_t *columns, int64_t 
 
 /* In place: the gather of z[k..k + 16) reads columns >= k, which no earlier store (below k) has touched. The next
  * row's columns are prefetched to L2 as this row's are read (the rows of a block are read back from L3 or memory). */
-double fh_row_compact_avx512(float *z, const int64_t *columns, int64_t count, int move, float threshold, float c,
-                             const float *weights, const float *next)
+static double compact(float *z, const int64_t *columns, int64_t count, int move, float threshold, float c,
+                      const float *weights, const float *next)
 {
     uint32_t least_bits;
     memcpy(&least_bits, &threshold, sizeof least_bits);
@@ -422,8 +423,8 @@ static __m512 column_lanes(const void *w, int bf16, int64_t at, int64_t remainin
  * column streams and the pages stay in the TLB (a chunk at a time over every column took one page per element). */
 enum { COLUMN_BLOCK = 64 };
 
-void fh_row_add_columns_avx512(double *sums, int64_t count, const void *w, int bf16, int64_t stride,
-                               const double *factors, int64_t columns)
+static void add_columns(double *sums, int64_t count, const void *w, int bf16, int64_t stride, const double *factors,
+                        int64_t columns)
 {
     for (int64_t j0 = 0; j0 < columns; j0 += COLUMN_BLOCK) {
         const int64_t j1 = j0 + COLUMN_BLOCK < columns ? j0 + COLUMN_BLOCK : columns;
@@ -451,3 +452,17 @@ void fh_row_add_columns_avx512(double *sums, int64_t count, const void *w, int b
         }
     }
 }
+
+const fh_row_kernel_set fh_row_kernels_avx512 = {
+    .name = "avx512",
+    .transform = transform,
+    .fold = fold,
+    .gradient = gradient,
+    .pair_max = pair_max,
+    .exp_sums = exp_sums,
+    .jsd_sums = jsd_sums,
+    .pair_gradient = pair_gradient,
+    .compact = compact,
+    .add_columns = add_columns,
+    .to_bf16 = to_bf16,
+};

@@ -1,9 +1,37 @@
-/* The implementations behind row_kernels.h: portable C and AVX-512 (chosen once at run time), and the
- * scalar helpers both share. */
+/* The sets of row kernels behind row_kernels.h, and the scalar helpers they share. Each set's file defines one table
+ * and nothing else that is visible outside it: row_kernels_portable.c (always), row_kernels_avx2.c
+ * (FH_HAVE_AVX2_KERNELS: built with -mavx2 -mfma) and row_kernels_avx512.c (FH_HAVE_AVX512_KERNELS: -mavx512f
+ * -mavx512dq -mfma). row_kernels.c chooses one at run time. A new kernel: its function type in row_kernels.h, a
+ * field here, an entry in each table, a wrapper in row_kernels.c. */
 #ifndef FH_ROW_KERNELS_IMPL_H
 #define FH_ROW_KERNELS_IMPL_H
 
 #include "row_kernels.h"
+
+typedef struct fh_row_kernel_set {
+    const char *name; /* what fh_row_kernels_name returns while this set runs */
+    fh_row_transform_fn *transform;
+    fh_row_fold_fn *fold;
+    fh_row_gradient_fn *gradient;
+    fh_row_pair_max_fn *pair_max;
+    fh_row_exp_sums_fn *exp_sums;
+    fh_row_jsd_sums_fn *jsd_sums;
+    fh_row_pair_gradient_fn *pair_gradient;
+    fh_row_compact_fn *compact;
+    fh_row_add_columns_fn *add_columns;
+    fh_row_to_bf16_fn *to_bf16;
+} fh_row_kernel_set;
+
+extern const fh_row_kernel_set fh_row_kernels_portable;
+#ifdef FH_HAVE_AVX2_KERNELS
+extern const fh_row_kernel_set fh_row_kernels_avx2;
+#endif
+#ifdef FH_HAVE_AVX512_KERNELS
+extern const fh_row_kernel_set fh_row_kernels_avx512;
+#endif
+
+/* The set that the functions of row_kernels.h run (chosen at the first call of any of them). */
+const fh_row_kernel_set *fh_row_kernels_in_use(void);
 
 /* Merges a tile's maximum, its argmax (absolute column), sum of exp(z - tile_max) and sum of
  * z exp(z - tile_max) into state. */
@@ -11,39 +39,5 @@ void fh_row_merge(fh_fold_state *state, float tile_max, int64_t tile_argmax, dou
 
 /* dz/du of the transform at transformed value z. */
 float fh_dz_du(float z, const fh_transform *tf);
-
-void fh_row_transform_portable(float *z, int64_t count, const float *bias, const fh_transform *tf);
-void fh_row_fold_portable(float *z, int64_t count, int64_t first_column, int64_t target_column,
-                        const fh_fold_request *request, fh_fold_state *state);
-void fh_row_gradient_portable(float *z, int64_t count, int64_t target_column, const float *weights,
-                              const fh_coef *coef, const fh_transform *tf, fh_row_marking *marking);
-
-void fh_row_pair_max_portable(const float *z, const float *cz, int64_t count, float *max_z, float *max_cz);
-void fh_row_exp_sums_portable(const float *a, const float *b, int64_t count, float scale, float shift,
-                              double sums[2]);
-void fh_row_jsd_sums_portable(const float *z, const float *cz, int64_t count, const fh_pair_row *r, double sums[2]);
-void fh_row_pair_gradient_portable(float *z, const float *cz, int64_t count, const fh_pair_row *r);
-void fh_row_to_bf16_portable(const void *src, int64_t count, void *dst);
-double fh_row_compact_portable(float *z, const int64_t *columns, int64_t count, int move, float threshold, float c,
-                               const float *weights, const float *next);
-void fh_row_add_columns_portable(double *sums, int64_t count, const void *w, int bf16, int64_t stride,
-                                 const double *factors, int64_t columns);
-
-#ifdef FH_HAVE_AVX512_KERNELS
-void fh_row_transform_avx512(float *z, int64_t count, const float *bias, const fh_transform *tf);
-void fh_row_fold_avx512(float *z, int64_t count, int64_t first_column, int64_t target_column,
-                        const fh_fold_request *request, fh_fold_state *state);
-void fh_row_gradient_avx512(float *z, int64_t count, int64_t target_column, const float *weights,
-                            const fh_coef *coef, const fh_transform *tf, fh_row_marking *marking);
-void fh_row_pair_max_avx512(const float *z, const float *cz, int64_t count, float *max_z, float *max_cz);
-void fh_row_exp_sums_avx512(const float *a, const float *b, int64_t count, float scale, float shift, double sums[2]);
-void fh_row_jsd_sums_avx512(const float *z, const float *cz, int64_t count, const fh_pair_row *r, double sums[2]);
-void fh_row_pair_gradient_avx512(float *z, const float *cz, int64_t count, const fh_pair_row *r);
-void fh_row_to_bf16_avx512(const void *src, int64_t count, void *dst);
-double fh_row_compact_avx512(float *z, const int64_t *columns, int64_t count, int move, float threshold, float c,
-                             const float *weights, const float *next);
-void fh_row_add_columns_avx512(double *sums, int64_t count, const void *w, int bf16, int64_t stride,
-                               const double *factors, int64_t columns);
-#endif
 
 #endif
