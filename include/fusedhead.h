@@ -7,7 +7,8 @@
  *     On error no output buffer is modified; fh_context_message() tells what was wrong.
  *   - Sizes and strides are int64_t. Matrices are (pointer, strides) views as in BLIS, so the lm_head
  *     in [H, V] (flax) and [V, H] (torch nn.Linear.weight) layouts are the same data, zero copies.
- *   - Hidden states and weight in fp32 (BLIS GEMMs) or bf16 (oneDNN GEMMs, f32 accumulation); logits
+ *   - Hidden states and weight in fp32 (BLIS GEMMs) or bf16 (oneDNN, or BLIS on f32-widened panels; f32
+ *     accumulation either way); logits
  *     leave the GEMM in f32; per-token statistics and reductions in double. Gradients are fp32, or with bf16
  *     inputs each of dx, dweight, dbias fp32 or bf16 (accumulated in f32 within a call, rounded once).
  *   - Gradients take an explicit beta: 0 overwrites (even NaN garbage), 1 accumulates.
@@ -31,7 +32,8 @@ extern "C" {
 #endif
 
 /* ---------------------------------------------------------------------------------------------
- * Status codes. Values are stable; they are grouped by tens.
+ * Status codes, of every module (the MPI one's included). Values are stable; they are grouped by tens, one
+ * decade per kind of failure (renumbered once in 0.1.0, README "Status codes").
  * ------------------------------------------------------------------------------------------- */
 typedef enum fh_status {
     FH_OK = 0,
@@ -64,17 +66,23 @@ typedef enum fh_status {
     FH_ERR_BUDGET_TOO_SMALL = 22,     /* the memory budget cannot hold the smallest tile */
     FH_ERR_WISDOM_IO = 23,            /* the wisdom file cannot be read or written */
     FH_ERR_INVALID_WISDOM = 24,       /* a wisdom file line or entry is malformed, or the table is full */
-    FH_ERR_INVALID_PREFERENCE_OPTION = 25, /* loss, loss_type, beta, label_smoothing, simpo_gamma, rpo_alpha or
-                                              cpo_alpha out of range, or a loss_type the loss does not have */
-    FH_ERR_INVALID_DISTILL_OPTION = 26, /* divergence unknown, beta outside [0, 1], or a loss weight negative
-                                           or not finite */
-    FH_ERR_TEACHER_MISMATCH = 27,       /* the teacher's n or V differs from the student's */
-    /* 30..39: context and parameters */
+    /* 30..39: context, parameters and environment */
     FH_ERR_INVALID_PARAM = 30,        /* unknown fh_param */
     FH_ERR_INVALID_PARAM_VALUE = 31,  /* value outside fh_param_bounds() */
+    FH_ERR_KERNELS_UNAVAILABLE = 32,  /* FH_ROW_KERNELS or FH_BF16_GEMM names a kernel set or bf16 GEMM path that
+                                         is unknown, or that this CPU or build lacks (the message says which) */
     /* 40..49: the GEMM providers */
-    FH_ERR_GEMM_FAILED = 40           /* the bf16 GEMM provider (oneDNN) refused a product's shapes or strides,
+    FH_ERR_GEMM_FAILED = 40,          /* the bf16 GEMM provider (oneDNN) refused a product's shapes or strides,
                                          or failed while running it, for a reason other than memory */
+    /* 50..59: option values of the preference and distillation heads */
+    FH_ERR_INVALID_PREFERENCE_OPTION = 50, /* loss, loss_type, beta, label_smoothing, simpo_gamma, rpo_alpha or
+                                              cpo_alpha out of range, or a loss_type the loss does not have */
+    FH_ERR_INVALID_DISTILL_OPTION = 51, /* divergence unknown, beta outside [0, 1], or a loss weight negative
+                                           or not finite */
+    FH_ERR_TEACHER_MISMATCH = 52,       /* the teacher's n or V differs from the student's */
+    /* 60..69: the MPI module (fusedhead_mpi.h) */
+    FH_ERR_MPI = 60,                  /* an MPI call failed (the message has MPI's error string) */
+    FH_ERR_MPI_LAYOUT = 61            /* communicators, shards or token counts are inconsistent across ranks */
 } fh_status;
 
 /* A static, human-readable description of a status; never NULL (unknown values get a generic text). */
@@ -185,18 +193,24 @@ typedef struct fh_filter_stats {
 FH_API fh_status fh_context_filter_stats(const fh_context *ctx, fh_filter_stats *stats);
 
 /* ---------------------------------------------------------------------------------------------
- * BLIS kernel set. Debian's BLIS 0.9.0 does not recognise recent AMD CPUs and falls back to slow
+ * Kernels in use. Debian's BLIS 0.9.0 does not recognise recent AMD CPUs and falls back to slow
  * generic kernels. Before BLIS initialises, the library selects the best kernel set the CPU supports
- * (skx on AVX-512 CPUs) unless the user set BLIS_ARCH_TYPE. Reports what BLIS is using.
+ * (skx on AVX-512 CPUs) unless the user set BLIS_ARCH_TYPE. fusedhead's own row kernels and its bf16 GEMM path
+ * are chosen once per process from the CPU, unless the environment forces them:
+ *   FH_ROW_KERNELS=portable|avx2|avx512   the row kernels (exp, fold, gradient, rounding, ...)
+ *   FH_BF16_GEMM=native|convert           bf16 GEMMs through oneDNN's bf16 matmul, or widened to f32 for BLIS
+ * A forced choice this CPU or build lacks (or an unknown name) is refused: the calls that need it return
+ * FH_ERR_KERNELS_UNAVAILABLE with `refusal` as their message; nothing else changes.
  * ------------------------------------------------------------------------------------------- */
 typedef struct fh_blis_info {
-    const char *kernel_set; /* BLIS's name for the configuration in use: "skx", "haswell", "generic", ... */
+    const char *kernel_set; /* BLIS's name for the configuration in use: "skx", "haswell", "zen3", "generic", ... */
     int selected_by_library; /* 1 if fusedhead chose it, 0 if BLIS did (or the user did) */
     int user_override;       /* 1 if BLIS_ARCH_TYPE was set in the environment */
-    const char *elementwise; /* fusedhead's own exp/max kernels: "avx512" (SLEEF) or "portable";
-                                FH_DISABLE_AVX512=1 in the environment forces "portable" */
-    const char *bf16_gemm;   /* the bf16 GEMM provider and the implementation it picks on this CPU, e.g.
-                                "oneDNN 2.6.3 brg:avx512_core_bf16"; "none" in a build without oneDNN */
+    const char *elementwise; /* the row kernels in use: "avx512", "avx2" or "portable" */
+    const char *bf16_gemm;   /* the bf16 path and what runs it, e.g. "native (oneDNN 2.6.3 brg:avx512_core_bf16)",
+                                "convert (bf16 widened to f32, BLIS sgemm; oneDNN 2.6.3 unavailable)" */
+    const char *bf16_path;   /* "native", "convert", or "refused" (FH_BF16_GEMM forces what is missing) */
+    const char *refusal;     /* NULL, or why FH_ROW_KERNELS or FH_BF16_GEMM cannot be honoured */
 } fh_blis_info;
 
 FH_API fh_status fh_blis_query(fh_blis_info *info);

@@ -48,12 +48,8 @@ extern "C" {
 #define FH_MPI_API
 #endif
 
-/* Status codes of this module (40..49). */
-#define FH_ERR_MPI ((fh_status)40)        /* an MPI call failed (the message has MPI's error string) */
-#define FH_ERR_MPI_LAYOUT ((fh_status)41) /* communicators, shards or token counts are inconsistent */
-
-/* fh_status_string, plus this module's codes. */
-FH_MPI_API const char *fh_mpi_status_string(fh_status status);
+/* This module's status codes, FH_ERR_MPI and FH_ERR_MPI_LAYOUT, are in fusedhead.h's fh_status (60..69), and
+ * fh_status_string describes them. */
 
 /* ---------------------------------------------------------------------------------------------
  * Layout: the communicators and this rank's vocabulary shard.

@@ -525,7 +525,8 @@ static void test_params(void)
     fh_context_destroy(ctx);
 }
 
-/* Every status has its own non-empty text; unknown values still get one. */
+/* Every status of fusedhead.h and fusedhead_mpi.h (one enum: the MPI module's codes are in it) has its own value in
+ * its decade and its own non-empty text; unknown values still get one. */
 static void test_status_strings(void)
 {
     const fh_status all[] = {FH_OK,
@@ -553,21 +554,43 @@ static void test_status_strings(void)
                              FH_ERR_BUDGET_TOO_SMALL,
                              FH_ERR_WISDOM_IO,
                              FH_ERR_INVALID_WISDOM,
+                             FH_ERR_INVALID_PARAM,
+                             FH_ERR_INVALID_PARAM_VALUE,
+                             FH_ERR_KERNELS_UNAVAILABLE,
+                             FH_ERR_GEMM_FAILED,
                              FH_ERR_INVALID_PREFERENCE_OPTION,
                              FH_ERR_INVALID_DISTILL_OPTION,
                              FH_ERR_TEACHER_MISMATCH,
-                             FH_ERR_INVALID_PARAM,
-                             FH_ERR_INVALID_PARAM_VALUE,
-                             FH_ERR_GEMM_FAILED};
+                             FH_ERR_MPI,
+                             FH_ERR_MPI_LAYOUT};
+    /* The decade of each kind of failure (fusedhead.h), in the order above. */
+    const struct {
+        fh_status first, last;
+        int decade;
+    } decades[] = {{FH_ERR_NULL_POINTER, FH_ERR_INVALID_DTYPE, 0},
+                   {FH_ERR_INVALID_REDUCTION, FH_ERR_INVALID_GRPO_OPTION, 1},
+                   {FH_ERR_WORKSPACE_TOO_SMALL, FH_ERR_INVALID_WISDOM, 2},
+                   {FH_ERR_INVALID_PARAM, FH_ERR_KERNELS_UNAVAILABLE, 3},
+                   {FH_ERR_GEMM_FAILED, FH_ERR_GEMM_FAILED, 4},
+                   {FH_ERR_INVALID_PREFERENCE_OPTION, FH_ERR_TEACHER_MISMATCH, 5},
+                   {FH_ERR_MPI, FH_ERR_MPI_LAYOUT, 6}};
+    for (size_t d = 0; d < TU_COUNT(decades); d++)
+        for (int v = (int)decades[d].first; v <= (int)decades[d].last; v++)
+            TU_CHECK(v / 10 == decades[d].decade, "status %d is outside its decade %d0..%d9", v, decades[d].decade,
+                     decades[d].decade);
     for (size_t a = 0; a < TU_COUNT(all); a++) {
         const char *s = fh_status_string(all[a]);
         TU_CHECK(s && s[0], "status %d: empty text", (int)all[a]);
-        for (size_t b = 0; s && b < a; b++) {
+        TU_CHECK(strcmp(s, fh_status_string((fh_status)999)) != 0, "status %d has the unknown status's text",
+                 (int)all[a]);
+        for (size_t b = 0; b < a; b++) {
+            TU_CHECK(all[a] != all[b], "statuses #%zu and #%zu share the value %d", a, b, (int)all[a]);
             const char *t = fh_status_string(all[b]);
-            TU_CHECK(!t || strcmp(s, t) != 0, "statuses %d and %d share the text \"%s\"", (int)all[a], (int)all[b], s);
+            TU_CHECK(!s || !t || strcmp(s, t) != 0, "statuses %d and %d share the text \"%s\"", (int)all[a],
+                     (int)all[b], s);
         }
     }
-    const fh_status unknown[] = {(fh_status)28, (fh_status)-1, (fh_status)999};
+    const fh_status unknown[] = {(fh_status)25, (fh_status)33, (fh_status)41, (fh_status)-1, (fh_status)999};
     for (size_t k = 0; k < TU_COUNT(unknown); k++) {
         const char *s = fh_status_string(unknown[k]);
         TU_CHECK(s && s[0], "unknown status %d: no text", (int)unknown[k]);
@@ -608,13 +631,13 @@ static void test_small_entry_points(void)
                  (info.user_override == 0 || info.user_override == 1) &&
                  !(info.selected_by_library && info.user_override),
              "flags selected_by_library %d, user_override %d", info.selected_by_library, info.user_override);
-    /* The row kernels: "avx512" or "portable"; FH_DISABLE_AVX512=1 forces "portable" (ctest runs every
-     * suite both ways). */
+    /* The row kernels and bf16 path by name (test_kernel_choice.c checks which ones the CPU and environment give). */
     const char *ew = info.elementwise;
-    TU_CHECK(ew && (strcmp(ew, "avx512") == 0 || strcmp(ew, "portable") == 0), "elementwise = %s", ew ? ew : "NULL");
-    const char *disable = getenv("FH_DISABLE_AVX512");
-    if (disable && strcmp(disable, "1") == 0)
-        TU_CHECK(ew && strcmp(ew, "portable") == 0, "FH_DISABLE_AVX512=1 but elementwise = %s", ew ? ew : "NULL");
+    TU_CHECK(ew && (strcmp(ew, "avx512") == 0 || strcmp(ew, "avx2") == 0 || strcmp(ew, "portable") == 0),
+             "elementwise = %s", ew ? ew : "NULL");
+    TU_CHECK(info.bf16_path && info.bf16_gemm && strncmp(info.bf16_gemm, info.bf16_path, strlen(info.bf16_path)) == 0,
+             "bf16 path %s, bf16_gemm %s", info.bf16_path ? info.bf16_path : "NULL",
+             info.bf16_gemm ? info.bf16_gemm : "NULL");
     TU_CHECK(fh_blis_query(NULL) == FH_ERR_NULL_POINTER, "fh_blis_query(NULL)");
 }
 

@@ -75,7 +75,7 @@ static void fail(fh_status st, fh_context *ctx, const char *what)
         return;
     const char *why = "";
     fh_context_message(ctx, &why);
-    fprintf(stderr, "rank %d: %s: %s (%s)\n", rank, what, fh_mpi_status_string(st), why);
+    fprintf(stderr, "rank %d: %s: %s (%s)\n", rank, what, fh_status_string(st), why);
     MPI_Abort(MPI_COMM_WORLD, 1);
 }
 

@@ -59,7 +59,7 @@ int main(int argc, char **argv)
     if (st != FH_OK) {
         const char *why = "";
         fh_context_message(ctx, &why);
-        fprintf(stderr, "rank %d: %s (%s)\n", rank, fh_mpi_status_string(st), why);
+        fprintf(stderr, "rank %d: %s (%s)\n", rank, fh_status_string(st), why);
     }
 
     /* Rank 0 checks against the single-process library on the whole lm_head. */

@@ -58,12 +58,15 @@ class Status(enum.IntEnum):
     ERR_BUDGET_TOO_SMALL = 22
     ERR_WISDOM_IO = 23
     ERR_INVALID_WISDOM = 24
-    ERR_INVALID_PREFERENCE_OPTION = 25
-    ERR_INVALID_DISTILL_OPTION = 26
-    ERR_TEACHER_MISMATCH = 27
     ERR_INVALID_PARAM = 30
     ERR_INVALID_PARAM_VALUE = 31
+    ERR_KERNELS_UNAVAILABLE = 32
     ERR_GEMM_FAILED = 40
+    ERR_INVALID_PREFERENCE_OPTION = 50
+    ERR_INVALID_DISTILL_OPTION = 51
+    ERR_TEACHER_MISMATCH = 52
+    ERR_MPI = 60
+    ERR_MPI_LAYOUT = 61
 
 
 class Param(enum.IntEnum):
@@ -140,6 +143,8 @@ class fh_blis_info(ctypes.Structure):
         ("user_override", ctypes.c_int),
         ("elementwise", ctypes.c_char_p),
         ("bf16_gemm", ctypes.c_char_p),
+        ("bf16_path", ctypes.c_char_p),
+        ("refusal", ctypes.c_char_p),
     ]
 
 

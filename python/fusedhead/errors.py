@@ -3,11 +3,13 @@
 Every failing library call raises a FusedheadError subclass chosen by the status code:
 
     FusedheadError (RuntimeError)            .status, .status_name, .status_string, .message, .function
-      FusedheadValueError (+ ValueError)     statuses 1..19, 24..27, 30, 31: bad shapes, strides, targets,
+      FusedheadValueError (+ ValueError)     statuses 1..19, 24, 30, 31, 50..52: bad shapes, strides, targets,
         TargetOutOfRangeError, ...           options, wisdom entries (one class per status)
       FusedheadMemoryError (+ MemoryError)   statuses 20..22: workspace and memory
       WisdomIOError (+ OSError)              status 23: a wisdom file cannot be read or written
+      KernelsUnavailableError                status 32: FH_ROW_KERNELS / FH_BF16_GEMM force what this CPU lacks
       GemmFailedError                        status 40: the bf16 GEMM provider refused a product or failed
+      MPIError, MPILayoutError               statuses 60, 61 (the MPI module, not bound in Python)
 
 Argument problems caught in Python before the library is called (wrong dtype, device, shape or layout)
 raise plain TypeError / ValueError that say what was expected.
@@ -76,7 +78,10 @@ class InvalidWisdomError(FusedheadValueError): pass
 class InvalidLayoutError(FusedheadValueError): pass
 class InvalidParamError(FusedheadValueError): pass
 class InvalidParamValueError(FusedheadValueError): pass
+class KernelsUnavailableError(FusedheadError): pass
 class GemmFailedError(FusedheadError): pass
+class MPIError(FusedheadError): pass
+class MPILayoutError(FusedheadValueError): pass
 
 
 ERROR_CLASSES: Dict[int, Type[FusedheadError]] = {
@@ -109,7 +114,10 @@ ERROR_CLASSES: Dict[int, Type[FusedheadError]] = {
     Status.ERR_TEACHER_MISMATCH: TeacherMismatchError,
     Status.ERR_INVALID_PARAM: InvalidParamError,
     Status.ERR_INVALID_PARAM_VALUE: InvalidParamValueError,
+    Status.ERR_KERNELS_UNAVAILABLE: KernelsUnavailableError,
     Status.ERR_GEMM_FAILED: GemmFailedError,
+    Status.ERR_MPI: MPIError,
+    Status.ERR_MPI_LAYOUT: MPILayoutError,
 }
 
 

@@ -88,10 +88,28 @@ def test_version_matches_cmake():
 def test_blis_info():
     info = fusedhead.blis_info()
     assert isinstance(info.kernel_set, str) and info.kernel_set
-    assert info.elementwise in ("avx512", "portable")
+    assert info.elementwise in ("avx512", "avx2", "portable")
     assert isinstance(info.selected_by_library, bool) and isinstance(info.user_override, bool)
-    assert info.bf16_gemm == "none" or info.bf16_gemm.startswith("oneDNN ")
-    assert fusedhead.bf16_available() == (info.bf16_gemm != "none")
+    assert info.bf16_path in ("native", "convert", "refused") and info.bf16_gemm.startswith(info.bf16_path + " (")
+    assert fusedhead.bf16_available() == (info.refusal is None)
+
+
+@pytest.mark.parametrize("variable, value", [("FH_ROW_KERNELS", "sse9"), ("FH_BF16_GEMM", "fast")])
+def test_refused_kernels(variable, value):
+    """A forced kernel choice that cannot run is reported, bf16_available() says so, and a call raises
+    KernelsUnavailableError naming the variable."""
+    code = ("import numpy as np, fusedhead, fusedhead.numpy as fnp\n"
+            "info = fusedhead.blis_info()\n"
+            "print(info.refusal); print(fusedhead.bf16_available())\n"
+            "x = np.full((2, 4), 0x3f80, np.uint16); w = np.full((8, 4), 0x3f80, np.uint16)\n"
+            "try:\n"
+            "    fnp.cross_entropy(x, w, np.zeros(2, np.int64), dtype='bf16')\n"
+            "except fusedhead.errors.KernelsUnavailableError as e:\n"
+            "    print('raised', e.status)\n")
+    r = _run_python(code, **{variable: value})
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert variable in lines[0] and value in lines[0] and lines[1] == "False" and lines[2] == "raised 32", r.stdout
 
 
 def _run_python(code: str, **env):
@@ -208,13 +226,22 @@ def test_status_strings_and_error_classes():
     for status, cls in fusedhead.errors.ERROR_CLASSES.items():
         e = fusedhead.errors.error_for(status, fusedhead.status_string(status), "detail", "fh_x")
         assert type(e) is cls and e.status == status and isinstance(e, fusedhead.FusedheadError)
-        if status == 40:  # the GEMM provider failed: neither the caller's values nor memory
+        if status in (32, 40, 60):  # the CPU, the GEMM provider or MPI: neither the caller's values nor memory
             assert not isinstance(e, (ValueError, MemoryError, OSError))
         else:
             assert isinstance(e, MemoryError if 20 <= status <= 22 else OSError if status == 23 else ValueError)
         again = pickle.loads(pickle.dumps(e))
         assert type(again) is cls and str(again) == str(e)
     assert type(fusedhead.errors.error_for(999, "?")) is fusedhead.FusedheadError
+
+
+def test_status_values_follow_the_header():
+    """fusedhead.Status holds exactly fh_status of include/fusedhead.h (every module's codes, one enum)."""
+    text = (REPO_ROOT / "include" / "fusedhead.h").read_text()
+    enum = text[text.index("typedef enum fh_status"):text.index("} fh_status;")]
+    values = {m.group(1): int(m.group(2)) for m in re.finditer(r"FH_(\w+) = (\d+)", enum)}
+    assert values == {s.name: int(s) for s in fusedhead.Status}
+    assert len(set(values.values())) == len(values)  # no value shared
 
 
 def test_default_context_settings():

@@ -67,7 +67,7 @@ static fh_status agree(fh_mpi_layout *L, fh_context *ctx, fh_status st, int64_t 
                        (long long)-worst[2], (long long)worst[1]);
     if (overall != FH_OK)
         return fh_fail(ctx, (fh_status)overall, "another rank failed this call: %s",
-                       fh_mpi_status_string((fh_status)overall));
+                       fh_status_string((fh_status)overall));
     return FH_OK;
 }
 

@@ -3,15 +3,6 @@
 
 #include "../context.h"
 
-FH_MPI_API const char *fh_mpi_status_string(fh_status status)
-{
-    if (status == FH_ERR_MPI)
-        return "an MPI call failed";
-    if (status == FH_ERR_MPI_LAYOUT)
-        return "communicators, vocabulary shards or token counts are inconsistent across ranks";
-    return fh_status_string(status);
-}
-
 fh_status fhm_mpi_error(fh_context *ctx, int err, const char *what)
 {
     char text[MPI_MAX_ERROR_STRING] = "";

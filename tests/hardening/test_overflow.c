@@ -37,11 +37,16 @@ typedef struct shape_case {
     int64_t x_row_stride, w_stride_hidden, w_stride_vocab; /* 0: contiguous HV */
     int64_t dx_row_stride;                                  /* 0: hidden */
     int64_t batch, seq;                                     /* GRPO; 0: batch 1, seq n */
-    unsigned expected;                                      /* bit per acceptable status */
+    uint64_t expected;                                      /* bit per acceptable status */
     int grads_only;                                         /* the broken part is dx: calls with gradients */
 } shape_case;
 
-#define ST(s) (1u << (s))
+#define ST(s) (UINT64_C(1) << (s))
+
+/* A child's exit code: CODE_STATUS + the call's status (every status is below 64), CODE_WRITTEN more when a failed
+ * call wrote an output, CODE_UNNAMED more (teacher cases) when its message does not name the teacher; below
+ * CODE_STATUS the child itself failed (1, or a sanitizer's report). */
+enum { CODE_STATUS = 2, CODE_WRITTEN = 64, CODE_UNNAMED = 128 };
 
 static const shape_case cases[] = {
     {"n * vocab overflows", P2(32), 1, P2(32), 0, 0, 0, 0, 0, 0, ST(FH_ERR_SIZE_OVERFLOW), 0},
@@ -91,14 +96,14 @@ static void linear_of(const shape_case *c, fh_linear *lin)
         lin->w_stride_vocab = c->w_stride_vocab;
 }
 
-/* Exit code: 50 + status when every output is untouched, 100 + status when one was written. */
+/* Exit code: see CODE_STATUS. */
 static int child(void *arg)
 {
     const child_args *a = arg;
     const shape_case *c = a->c;
     fh_context *ctx = NULL;
     if (fh_context_create(&ctx) != FH_OK || fh_context_set(ctx, FH_PARAM_THREADS, 1) != FH_OK)
-        return 2;
+        return 1;
     fh_linear lin;
     linear_of(c, &lin);
     hu_outputs o;
@@ -131,9 +136,7 @@ static int child(void *arg)
              : hu_call_on_sequences(a->call) ? fh_grpo_workspace_size(ctx, &lin, &bytes)
              : a->call == HU_CE_TRAIN_STEP ? fh_ce_forward_backward_workspace_size(ctx, &lin, &ce, &bytes)
                                            : fh_ce_workspace_size(ctx, &lin, &ce, &bytes);
-        if (st != FH_OK && bytes != 0xA5A5A5A5u)
-            return 100 + (int)st;
-        return 50 + (int)st;
+        return CODE_STATUS + (int)st + (st != FH_OK && bytes != 0xA5A5A5A5u ? CODE_WRITTEN : 0);
     }
     switch (a->call) {
     case HU_CE_FORWARD: st = fh_ce_forward(ctx, &lin, tiny_targets, &ce, &ce_out); break;
@@ -152,20 +155,19 @@ static int child(void *arg)
     default: st = fh_distill_forward_backward(ctx, &lin, &lin, tiny_targets, &dopt, tiny_grad, &distill_out, &g); break;
     }
     const int untouched = hu_outputs_untouched(&o, TU_CANARY);
-    return (untouched ? 50 : 100) + (int)st;
+    return CODE_STATUS + (int)st + (untouched ? 0 : CODE_WRITTEN);
 }
 
 static void describe(int code, char *buf, size_t size)
 {
+    const int status = (code - CODE_STATUS) % CODE_WRITTEN;
     if (code >= 1000)
         snprintf(buf, size, "killed by signal %d", code - 1000);
-    else if (code >= 100)
-        snprintf(buf, size, "status %d (%s) and an output was written", code - 100,
-                 fh_status_string((fh_status)(code - 100)));
-    else if (code >= 50)
-        snprintf(buf, size, "status %d (%s)", code - 50, fh_status_string((fh_status)(code - 50)));
-    else
+    else if (code < CODE_STATUS)
         snprintf(buf, size, "exit code %d (a sanitizer report?)", code);
+    else
+        snprintf(buf, size, "status %d (%s)%s", status, fh_status_string((fh_status)status),
+                 (code - CODE_STATUS) & CODE_WRITTEN ? " and an output was written" : "");
 }
 
 static void test_overflowing_shapes(void)
@@ -191,7 +193,8 @@ static void test_overflowing_shapes(void)
                     continue;
                 child_args a = {c, (hu_call)call, query};
                 const int code = hu_run_isolated(child, &a);
-                const int ok = code >= 50 && code < 100 && (c->expected & ST(code - 50));
+                const int ok = code >= CODE_STATUS && code < CODE_STATUS + CODE_WRITTEN &&
+                               (c->expected & ST(code - CODE_STATUS));
                 char got[96];
                 describe(code, got, sizeof got);
                 TU_CHECK(ok, "%s, %s%s: %s", c->name, hu_call_name((hu_call)call), query ? " workspace query" : "",
@@ -352,14 +355,13 @@ typedef struct teacher_args {
     int which; /* 0: fh_distill_forward, 1: fh_distill_forward_backward, 2: fh_distill_workspace_size */
 } teacher_args;
 
-/* Exit code: 50 + status; + 50 when an output (or *bytes) was written; + 100 when an error's message does not
- * name the teacher. */
+/* Exit code: see CODE_STATUS. */
 static int teacher_child(void *arg)
 {
     const teacher_args *a = arg;
     fh_context *ctx = NULL;
     if (fh_context_create(&ctx) != FH_OK || fh_context_set(ctx, FH_PARAM_THREADS, 1) != FH_OK)
-        return 2;
+        return 1;
     fh_linear student, teacher;
     fh_linear_init(&student, 2, 2, 3, tiny_x, tiny_w, FH_LAYOUT_HV, tiny_b);
     teacher_linear(a->c, &teacher);
@@ -368,7 +370,7 @@ static int teacher_child(void *arg)
     if (a->which == 2) {
         size_t bytes = 0xA5A5A5A5u;
         const fh_status st = fh_distill_workspace_size(ctx, &student, t, &bytes);
-        code = 50 + (int)st + (st != FH_OK && bytes != 0xA5A5A5A5u ? 50 : 0);
+        code = CODE_STATUS + (int)st + (st != FH_OK && bytes != 0xA5A5A5A5u ? CODE_WRITTEN : 0);
     } else {
         hu_outputs o;
         hu_outputs_alloc(&o, 2, 2, 3, 1);
@@ -383,11 +385,11 @@ static int teacher_child(void *arg)
                                  : fh_distill_forward_backward(ctx, &student, t, tiny_targets, &opt, tiny_grad, &out, &g);
         const char *message = "";
         fh_context_message(ctx, &message);
-        code = 50 + (int)st;
+        code = CODE_STATUS + (int)st;
         if (st != FH_OK && !hu_outputs_untouched(&o, TU_CANARY))
-            code += 50;
+            code += CODE_WRITTEN;
         if (st != FH_OK && !tu_mentions(message, "teacher"))
-            code += 100;
+            code += CODE_UNNAMED;
         hu_outputs_free(&o);
     }
     fh_context_destroy(ctx);
@@ -406,13 +408,14 @@ static void test_distill_teacher_shapes(void)
             const fh_status expected = which == 2 ? c->expected_query : c->expected;
             static const char *names[] = {"fh_distill_forward", "fh_distill_forward_backward",
                                           "fh_distill_workspace_size"};
-            if (code < 50 || code >= 1000) {
+            if (code < CODE_STATUS || code >= 1000) {
                 char got[96];
                 describe(code, got, sizeof got);
                 TU_CHECK(0, "%s, %s: %s", c->name, names[which], got);
                 continue;
             }
-            const int unnamed = code - 50 >= 100, written = (code - 50) % 100 >= 50, status = (code - 50) % 50;
+            const int unnamed = (code - CODE_STATUS) & CODE_UNNAMED, written = (code - CODE_STATUS) & CODE_WRITTEN;
+            const int status = (code - CODE_STATUS) % CODE_WRITTEN;
             TU_CHECK(status == (int)expected, "%s, %s: status %d (%s), expected %d (%s)", c->name, names[which],
                      status, fh_status_string((fh_status)status), (int)expected, fh_status_string(expected));
             TU_CHECK(!written, "%s, %s: the call failed with status %d and wrote an output", c->name, names[which],
