@@ -1,7 +1,12 @@
 #include "bench_gemm.h"
 
+#include "bf16.h"
+
 #include <blis.h>
+#include <fusedhead.h>
 #include <omp.h>
+#include <stdlib.h>
+#include <string.h>
 #ifdef FH_HAVE_ONEDNN
 #include <oneapi/dnnl/dnnl.h>
 #endif
@@ -64,6 +69,30 @@ static int bf16_matmul(int64_t m, int64_t n, int64_t k, const void *a, int64_t r
 }
 #endif
 
+/* The convert path's way, done plainly: both operands widened whole to f32 (exact), then sgemm. */
+static int widened_sgemm(int64_t m, int64_t n, int64_t k, const uint16_t *a, int64_t rsa, int64_t csa,
+                         const uint16_t *b, int64_t rsb, int64_t csb, float *c, int64_t rsc, int64_t csc, int threads)
+{
+    float *a32 = malloc((size_t)(m * k) * sizeof(float)), *b32 = malloc((size_t)(k * n) * sizeof(float));
+    if (!a32 || !b32) {
+        free(a32);
+        free(b32);
+        return -1;
+    }
+#pragma omp parallel for num_threads(threads)
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t p = 0; p < k; p++)
+            a32[i * k + p] = bf16_to_float(a[i * rsa + p * csa]);
+#pragma omp parallel for num_threads(threads)
+    for (int64_t p = 0; p < k; p++)
+        for (int64_t j = 0; j < n; j++)
+            b32[p * n + j] = bf16_to_float(b[p * rsb + j * csb]);
+    sgemm(m, n, k, a32, k, 1, b32, n, 1, c, rsc, csc, threads);
+    free(a32);
+    free(b32);
+    return 0;
+}
+
 int bench_gemm(int bf16, int64_t m, int64_t n, int64_t k, const void *a, int64_t rsa, int64_t csa, const void *b,
                int64_t rsb, int64_t csb, float *c, int64_t rsc, int64_t csc, int threads)
 {
@@ -71,6 +100,11 @@ int bench_gemm(int bf16, int64_t m, int64_t n, int64_t k, const void *a, int64_t
         sgemm(m, n, k, a, rsa, csa, b, rsb, csb, c, rsc, csc, threads);
         return 0;
     }
+    fh_blis_info info;
+    if (fh_blis_query(&info) != FH_OK || strcmp(info.bf16_path, "refused") == 0)
+        return -1;
+    if (strcmp(info.bf16_path, "convert") == 0)
+        return widened_sgemm(m, n, k, a, rsa, csa, b, rsb, csb, c, rsc, csc, threads);
 #ifdef FH_HAVE_ONEDNN
     return bf16_matmul(m, n, k, a, rsa, csa, b, rsb, csb, c, rsc, csc, threads);
 #else

@@ -595,13 +595,13 @@ static void print_report(format f, const shape *s, const result *res, const fh_b
     const char *data = s->dist.kind == BENCH_REPLAY ? "real" : "synthetic";
     if (f == FORMAT_JSON) {
         fprintf(out, "{\n  \"n\": %lld, \"hidden\": %lld, \"vocab\": %lld, \"layout\": \"%s\", \"threads\": %d, "
-                     "\"budget_bytes\": %lld,\n  \"blis_kernel_set\": \"%s\", \"sgemm_gflops\": %.1f, \"dtype\": \"%s\", "
-                     "\"bf16_gemm\": \"%s\",\n  \"distribution\": \"%s\", \"data\": \"%s\", "
+                     "\"budget_bytes\": %lld,\n  \"blis_kernel_set\": \"%s\", \"row_kernels\": \"%s\", \"sgemm_gflops\": %.1f, "
+                     "\"dtype\": \"%s\", \"bf16_path\": \"%s\", \"bf16_gemm\": \"%s\",\n  \"distribution\": \"%s\", \"data\": \"%s\", "
                      "\"softmax_sample_rows\": %lld, \"mean_entropy\": %.6g, \"frac_p_below_2m12\": %.6g, "
                      "\"frac_p_below_2m28\": %.6g,",
                 (long long)s->n, (long long)s->hidden, (long long)s->vocab, layout_name(s->layout), s->threads,
-                (long long)s->budget, kernels->kernel_set, gflops(&res[CASE_SGEMM]), dtype_name(s->dtype),
-                kernels->bf16_gemm, distribution_label(&s->dist, label), data, (long long)s->stats.rows,
+                (long long)s->budget, kernels->kernel_set, kernels->elementwise, gflops(&res[CASE_SGEMM]),
+                dtype_name(s->dtype), kernels->bf16_path, kernels->bf16_gemm, distribution_label(&s->dist, label), data, (long long)s->stats.rows,
                 s->stats.mean_entropy, s->stats.below_2m12, s->stats.below_2m28);
         if (s->head == HEAD_DISTILL)
             fprintf(out, "\n  \"teacher_hidden\": %lld, \"divergence\": \"%s\", \"beta\": %.9g, \"temperature\": %.9g, "
@@ -645,12 +645,13 @@ static void print_report(format f, const shape *s, const result *res, const fh_b
                  s->teacher_stats.mean_entropy);
     }
     fprintf(out, "fh_bench: N=%lld H=%lld V=%lld%s, %s (gradients %s%s), layout %s, %d threads, budget %s, BLIS kernel "
-                 "set %s, bf16 GEMMs %s, best of %d; inputs %s%s%s (%s data): mean softmax entropy %.3f nats, p < "
+                 "set %s, row kernels %s, bf16 GEMMs %s, best of %d; inputs %s%s%s (%s data): mean softmax entropy %.3f nats, p < "
                  "2^-12 %.4f, p < 2^-28 %.4f (%lld rows sampled)%s\n\n",
             (long long)s->n, (long long)s->hidden, (long long)s->vocab, distill, dtype_name(s->dtype),
             dtype_name(s->grad_dtype),
             s->fp32_dz ? ", fp32 dZ" : "", layout_name(s->layout),
-            s->threads, s->budget ? "set" : "default", kernels->kernel_set, kernels->bf16_gemm, s->reps,
+            s->threads, s->budget ? "set" : "default", kernels->kernel_set, kernels->elementwise, kernels->bf16_gemm,
+            s->reps,
             distribution_label(&s->dist, label), s->dist.kind == BENCH_REPLAY ? " of " : "",
             s->dist.kind == BENCH_REPLAY ? s->dist.dir : "", data, s->stats.mean_entropy, s->stats.below_2m12,
             s->stats.below_2m28, (long long)s->stats.rows, teacher);

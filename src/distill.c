@@ -358,7 +358,7 @@ FH_API fh_status fh_distill_forward(fh_context *ctx, const fh_linear *student, c
     fh_plan plans[2];
     fh_workspace ws;
     if (st == FH_OK)
-        st = fh_plan_pair_streaming(ctx, student, plans, ctx);
+        st = fh_plan_pair_streaming(ctx, student, teacher, plans, ctx);
     if (st == FH_OK)
         st = fh_workspace_acquire(ctx, student->n, plans, 1, &ws);
     if (st != FH_OK)
@@ -384,7 +384,7 @@ FH_API fh_status fh_distill_forward_backward(fh_context *ctx, const fh_linear *s
     fh_workspace ws;
     int row_blocks = 0;
     if (st == FH_OK)
-        st = fh_plan_pair_train_step(ctx, student, grads, &plan, &row_blocks, ctx);
+        st = fh_plan_pair_train_step(ctx, student, teacher, grads, &plan, &row_blocks, ctx);
     if (st == FH_OK)
         st = fh_workspace_acquire(ctx, student->n, &plan, 1, &ws);
     if (st != FH_OK)
@@ -417,5 +417,5 @@ FH_API fh_status fh_distill_workspace_size(const fh_context *ctx, const fh_linea
         st = fh_check_linear(NULL, teacher);
     if (st == FH_OK)
         st = check_pair_shapes(NULL, student, teacher);
-    return st == FH_OK ? fh_plan_pair_query_bytes(ctx, student, bytes) : st;
+    return st == FH_OK ? fh_plan_pair_query_bytes(ctx, student, teacher, bytes) : st;
 }

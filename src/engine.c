@@ -83,8 +83,8 @@ static fh_status multiply(const fh_engine_pass *p, int prepare, int64_t m, int64
                           const fh_gemm_input *a, const fh_gemm_input *b, int accumulate, const fh_gemm_output *c)
 {
     if (prepare)
-        return fh_gemm_prepare(p->ws->gemm_cache, m, n, k, a, b, accumulate, c, p->plan->threads);
-    return fh_gemm(*p->ws->gemm_cache, m, n, k, a, b, accumulate, c, p->plan->threads);
+        return fh_gemm_prepare(p->ws->gemm_cache, &p->ws->scratch, m, n, k, a, b, accumulate, c, p->plan->threads);
+    return fh_gemm(*p->ws->gemm_cache, &p->ws->scratch, m, n, k, a, b, accumulate, c, p->plan->threads);
 }
 
 /* tile[nb x vb] = X[i0:i0+nb, :] W[:, v0:v0+vb] of lin (the pass's own, or its pair's companion); the transform

@@ -1,4 +1,5 @@
-/* fh_blis_query: which kernels run, from the two layers that choose them (GEMM providers, row kernels). */
+/* fh_blis_query: which kernels run, from the two layers that choose them (GEMM providers, row kernels), and what
+ * the environment forced that cannot run here. */
 #include "gemm/blis_provider.h"
 #include "gemm/gemm.h"
 #include "row_kernels.h"
@@ -10,5 +11,9 @@ FH_API fh_status fh_blis_query(fh_blis_info *info)
     fh_blis_kernel_set(info);
     info->elementwise = fh_row_kernels_name();
     info->bf16_gemm = fh_gemm_bf16_provider();
+    info->bf16_path = fh_gemm_bf16_refusal()                      ? "refused"
+                      : fh_gemm_bf16_path() == FH_BF16_NATIVE ? "native"
+                                                              : "convert";
+    info->refusal = fh_row_kernels_refusal() ? fh_row_kernels_refusal() : fh_gemm_bf16_refusal();
     return FH_OK;
 }

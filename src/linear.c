@@ -63,8 +63,7 @@ static const char *dtype_name(fh_dtype dtype)
     return dtype == FH_DTYPE_F32 ? "fp32" : dtype == FH_DTYPE_BF16 ? "bf16" : "unknown";
 }
 
-/* Known dtypes, the same for x and weight (the GEMMs multiply like with like), and a bf16 provider when
- * they are bf16. */
+/* Known dtypes, the same for x and weight (the GEMMs multiply like with like). */
 static fh_status check_dtypes(fh_context *ctx, const fh_linear *lin)
 {
     const fh_dtype dtypes[2] = {lin->x_dtype, lin->weight_dtype};
@@ -76,11 +75,6 @@ static fh_status check_dtypes(fh_context *ctx, const fh_linear *lin)
     if (lin->x_dtype != lin->weight_dtype)
         return fh_fail(ctx, FH_ERR_INVALID_DTYPE, "x is %s but weight is %s: both must have the same dtype",
                        dtype_name(lin->x_dtype), dtype_name(lin->weight_dtype));
-#ifndef FH_HAVE_ONEDNN
-    if (lin->x_dtype == FH_DTYPE_BF16)
-        return fh_fail(ctx, FH_ERR_INVALID_DTYPE, "x_dtype and weight_dtype are bf16, which needs oneDNN, and this "
-                                                  "build has none (Debian: apt-get install libdnnl-dev, then rebuild)");
-#endif
     return FH_OK;
 }
 

@@ -2,6 +2,7 @@
 #include "plan.h"
 
 #include "linear.h"
+#include "row_kernels.h"
 #include "wisdom.h"
 
 #define ALIGN 64
@@ -51,9 +52,10 @@ static int dx_in_block(const fh_plan *plan)
  * size overflows. */
 static int place_buffers(fh_plan *plan, int64_t n)
 {
-    enum { BUFFERS = 23 };
+    enum { BUFFERS = 24 };
     const int64_t rows = plan->tile_rows, cols = plan->tile_vocab, hidden = plan->hidden;
     const int filter = plan->filter_eps > 0.0;
+    plan->scratch_floats = plan->convert_panels ? fh_gemm_scratch_floats(rows * cols) : 0;
     const struct {
         int used;
         int64_t rows, cols;
@@ -85,6 +87,7 @@ static int place_buffers(fh_plan *plan, int64_t n)
         {filter && plan->tail_estimate, 2 * (int64_t)plan->threads, cols, sizeof(float), &plan->tail_nu_offset},
         {filter && plan->tail_estimate, plan->row_blocks && plan->bf16_du ? 2 : 1, cols, sizeof(double),
          &plan->tail_columns_offset},
+        {plan->scratch_floats > 0, 1, plan->scratch_floats, sizeof(float), &plan->scratch_offset},
     };
     size_t at = 0;
     for (int b = 0; b < BUFFERS; b++) {
@@ -113,10 +116,20 @@ static int dense_vh(const fh_linear *lin)
 }
 
 /* What the pass computes and which of the bf16 path's buffers it needs (see fh_plan); companion: a pair plan. */
+/* What a plan knows of a companion head: none, or its dtype (its GEMMs may need the convert path's panels). */
+enum { NO_COMPANION, COMPANION_F32, COMPANION_BF16 };
+
+static int companion_of(const fh_linear *companion)
+{
+    return companion->x_dtype == FH_DTYPE_BF16 ? COMPANION_BF16 : COMPANION_F32;
+}
+
 static void set_schedule(const fh_context *ctx, const fh_linear *lin, int gradients, int row_blocks, int companion,
                          fh_plan *plan)
 {
-    plan->companion = companion;
+    plan->companion = companion != NO_COMPANION;
+    plan->bf16_gemms = lin->x_dtype == FH_DTYPE_BF16 || companion == COMPANION_BF16;
+    plan->convert_panels = plan->bf16_gemms && fh_gemm_bf16_path() == FH_BF16_CONVERT;
     const int bf16 = lin->x_dtype == FH_DTYPE_BF16 && gradients;
     plan->hidden = lin->hidden;
     plan->gradients = gradients;
@@ -311,7 +324,7 @@ static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, const fh
                                                           lin->hidden * (int64_t)sizeof(float)
                                                     : 0)
                                : 0;
-    const int64_t row_bytes = (1 + companion) * vocab * (int64_t)sizeof(float) + filter_row_bytes;
+    const int64_t row_bytes = (companion ? 2 : 1) * vocab * (int64_t)sizeof(float) + filter_row_bytes;
     const int64_t rows = min64(cap, 1 + (budget - (int64_t)plan->bytes) / row_bytes);
     /* Blocks thinner than MIN_ROW_BLOCK (a pair's PAIR_ROW_BLOCK) lose to streaming (the H x V dweight is re-read
      * per block), unless the caller asked for them. */
@@ -342,15 +355,16 @@ fh_status fh_plan_train_step(const fh_context *ctx, const fh_linear *lin, const 
     return plan_train_step(ctx, lin, grads, 1, 0, plan, row_blocks, messages);
 }
 
-fh_status fh_plan_pair_streaming(const fh_context *ctx, const fh_linear *lin, fh_plan plans[2], fh_context *messages)
+fh_status fh_plan_pair_streaming(const fh_context *ctx, const fh_linear *lin, const fh_linear *companion,
+                                 fh_plan plans[2], fh_context *messages)
 {
-    return plan_streaming(ctx, lin, 1, plans, messages);
+    return plan_streaming(ctx, lin, companion_of(companion), plans, messages);
 }
 
-fh_status fh_plan_pair_train_step(const fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
-                                  fh_plan *plan, int *row_blocks, fh_context *messages)
+fh_status fh_plan_pair_train_step(const fh_context *ctx, const fh_linear *lin, const fh_linear *companion,
+                                  const fh_linear_grads *grads, fh_plan *plan, int *row_blocks, fh_context *messages)
 {
-    return plan_train_step(ctx, lin, grads, 1, 1, plan, row_blocks, messages);
+    return plan_train_step(ctx, lin, grads, 1, companion_of(companion), plan, row_blocks, messages);
 }
 
 void fh_plan_lower_rows(fh_plan *plan, int64_t n, int64_t rows)
@@ -404,12 +418,13 @@ fh_status fh_plan_query_bytes(const fh_context *ctx, const fh_linear *lin, int t
     return query_bytes(ctx, lin, grads, train_step ? 1 : 0, 0, bytes);
 }
 
-fh_status fh_plan_pair_query_bytes(const fh_context *ctx, const fh_linear *lin, size_t *bytes)
+fh_status fh_plan_pair_query_bytes(const fh_context *ctx, const fh_linear *lin, const fh_linear *companion,
+                                   size_t *bytes)
 {
     size_t streaming, train_step;
-    fh_status st = query_bytes(ctx, lin, NULL, 0, 1, &streaming);
+    fh_status st = query_bytes(ctx, lin, NULL, 0, companion_of(companion), &streaming);
     if (st == FH_OK)
-        st = query_bytes(ctx, lin, NULL, 1, 1, &train_step);
+        st = query_bytes(ctx, lin, NULL, 1, companion_of(companion), &train_step);
     if (st == FH_OK)
         *bytes = streaming > train_step ? streaming : train_step;
     return st;
@@ -459,6 +474,8 @@ static fh_workspace carve(const fh_plan *plan, void *base, int64_t n)
     ws.gathered_dw = filter ? (float *)(aligned + plan->gathered_dw_offset) : NULL;
     ws.dx_block = dx_in_block(plan) ? (float *)(aligned + plan->dx_block_offset) : NULL;
     ws.gemm_cache = NULL;
+    ws.scratch.data = plan->scratch_floats > 0 ? (float *)(aligned + plan->scratch_offset) : NULL;
+    ws.scratch.floats = plan->scratch_floats;
     ws.filter_stats = NULL;
     return ws;
 }
@@ -466,8 +483,14 @@ static fh_workspace carve(const fh_plan *plan, void *base, int64_t n)
 fh_status fh_workspace_acquire(fh_context *ctx, int64_t n, const fh_plan *plans, int count, fh_workspace *ws)
 {
     size_t bytes = 0;
-    for (int k = 0; k < count; k++)
+    const char *refused = fh_row_kernels_refusal();
+    for (int k = 0; k < count; k++) {
         bytes = plans[k].bytes > bytes ? plans[k].bytes : bytes;
+        if (!refused && plans[k].bf16_gemms)
+            refused = fh_gemm_bf16_refusal();
+    }
+    if (refused)
+        return fh_fail(ctx, FH_ERR_KERNELS_UNAVAILABLE, "%s", refused);
     void *base = NULL;
     const fh_status st = fh_acquire_workspace(ctx, bytes, &base);
     if (st != FH_OK)

@@ -59,6 +59,12 @@ typedef struct fh_plan {
     size_t marks_offset, flags_offset, kept_offset, row_c_offset, vectors_offset, factors_offset, gathered_du_offset,
         gathered_w_offset, gathered_dw_offset, dx_block_offset, tail_rows_offset, row_least_offset, tail_nu_offset,
         tail_columns_offset;
+    /* bf16_gemms: lin's GEMMs are bf16. On the convert path (fh_gemm_bf16_path) bf16 GEMMs widen their operands
+     * into f32 panels (convert_panels): scratch_floats of them (fh_gemm_scratch_floats of the tile), 0 otherwise.
+     * bf16_gemms: lin's or a companion's are bf16. */
+    int bf16_gemms, convert_panels;
+    int64_t scratch_floats;
+    size_t scratch_offset;
     int companion;        /* a pair plan (fh_plan_pair_*): a second tile for the companion head's logits */
     size_t companion_tile_offset;
     size_t slots_offset;  /* FH_WORKSPACE_SLOTS arrays of n doubles */
@@ -92,11 +98,13 @@ fh_status fh_plan_train_step_groups(fh_context *ctx, const fh_linear *lin, const
 /* Plans for a pass with a companion head (fh_pair_kernels): the companion's tile beside lin's, no gradient
  * filtering, and train-step row blocks of at most 224 rows unless FH_PARAM_TILE_ROWS says otherwise (two
  * tiles of logits per row). As fh_plan_streaming and fh_plan_train_step otherwise. */
-fh_status fh_plan_pair_streaming(const fh_context *ctx, const fh_linear *lin, fh_plan plans[2], fh_context *messages);
-fh_status fh_plan_pair_train_step(const fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
-                                  fh_plan *plan, int *row_blocks, fh_context *messages);
+fh_status fh_plan_pair_streaming(const fh_context *ctx, const fh_linear *lin, const fh_linear *companion,
+                                 fh_plan plans[2], fh_context *messages);
+fh_status fh_plan_pair_train_step(const fh_context *ctx, const fh_linear *lin, const fh_linear *companion,
+                                  const fh_linear_grads *grads, fh_plan *plan, int *row_blocks, fh_context *messages);
 /* Workspace bytes of every call of a head with a companion (the larger of the two above; pure). */
-fh_status fh_plan_pair_query_bytes(const fh_context *ctx, const fh_linear *lin, size_t *bytes);
+fh_status fh_plan_pair_query_bytes(const fh_context *ctx, const fh_linear *lin, const fh_linear *companion,
+                                   size_t *bytes);
 
 /* Lowers a row-block plan to rows (<= plan->tile_rows) per block, e.g. a height agreed with other ranks;
  * its workspace only shrinks. */
@@ -128,11 +136,13 @@ typedef struct fh_workspace {
     void *gathered_du, *gathered_w;
     fh_filter_stats *filter_stats;           /* the context's, reset by fh_workspace_acquire */
     fh_gemm_cache **gemm_cache;  /* the context's, for the GEMM providers that keep state */
+    fh_gemm_scratch scratch;     /* the convert path's panels (fh_plan.scratch_floats), {NULL, 0} otherwise */
 } fh_workspace;
 
 /* One workspace for the passes of a call (plans[0..count)), as large as the largest: ws[k] is it carved
  * for plans[k]. The slots sit at the same offset in every plan, so they carry values from one pass to the
- * next. */
+ * next. FH_ERR_KERNELS_UNAVAILABLE, before anything is computed, when FH_ROW_KERNELS, or for bf16 GEMMs
+ * FH_BF16_GEMM, forces what this CPU or build lacks. */
 fh_status fh_workspace_acquire(fh_context *ctx, int64_t n, const fh_plan *plans, int count, fh_workspace *ws);
 
 /* A streaming call's plan and workspace: one pass (call), or both (plans[0] and ws[0] forward, plans[1]

@@ -39,9 +39,11 @@ class BlisInfo(NamedTuple):
     kernel_set: str  # BLIS configuration in use: "skx", "haswell", "generic", ...
     selected_by_library: bool  # fusedhead chose it (not BLIS or the user)
     user_override: bool  # BLIS_ARCH_TYPE was set in the environment
-    elementwise: str  # fusedhead's exp/max kernels: "avx512" (SLEEF) or "portable"
-    bf16_gemm: str  # the bf16 GEMM provider and its implementation here, e.g. "oneDNN 2.6.3 brg:avx512_core_bf16";
-    #                 "none" in a build without oneDNN (bf16 inputs are then rejected)
+    elementwise: str  # fusedhead's row kernels: "avx512", "avx2" or "portable" (FH_ROW_KERNELS forces one)
+    bf16_gemm: str  # the bf16 path and what runs it, e.g. "native (oneDNN 2.6.3 brg:avx512_core_bf16)" or
+    #                 "convert (bf16 widened to f32, BLIS sgemm; oneDNN 2.6.3 unavailable)"
+    bf16_path: str  # "native", "convert", or "refused" (FH_BF16_GEMM forces one this CPU or build lacks)
+    refusal: Optional[str]  # why FH_ROW_KERNELS or FH_BF16_GEMM cannot be honoured, or None
 
 
 def blis_info() -> BlisInfo:
@@ -50,12 +52,14 @@ def blis_info() -> BlisInfo:
     info = _lib.fh_blis_info()
     check_status(load_library().fh_blis_query(ctypes.byref(info)), "fh_blis_query")
     return BlisInfo((info.kernel_set or b"").decode(), bool(info.selected_by_library), bool(info.user_override),
-                    (info.elementwise or b"").decode(), (info.bf16_gemm or b"none").decode())
+                    (info.elementwise or b"").decode(), (info.bf16_gemm or b"").decode(),
+                    (info.bf16_path or b"").decode(), info.refusal.decode() if info.refusal else None)
 
 
 def bf16_available() -> bool:
-    """Whether the loaded library computes on bf16 hidden states and weights (built with oneDNN)."""
-    return blis_info().bf16_gemm != "none"
+    """Whether bf16 calls run here: true on every CPU (oneDNN's bf16 matmul, or bf16 widened to f32 for BLIS),
+    false only when FH_ROW_KERNELS or FH_BF16_GEMM forces kernels this CPU or build lacks (blis_info().refusal)."""
+    return blis_info().refusal is None
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 /* The GEMM layer: C (+)= A B on strided views. The engine calls only fh_gemm_prepare and fh_gemm; which
- * library multiplies (a provider: BLIS for fp32, oneDNN for bf16) is decided in gemm.c, in one place, from
- * the views' element types, so that the engine and the heads never learn which one ran. */
+ * library multiplies is decided in gemm.c, in one place, from the views' element types and the bf16 path chosen
+ * for this process (fh_gemm_bf16_path), so that the engine and the heads never learn which one ran: BLIS sgemm for
+ * fp32; for bf16 either oneDNN's matmul (native) or BLIS sgemm on panels widened to f32 (convert). */
 #ifndef FH_GEMM_H
 #define FH_GEMM_H
 
@@ -28,22 +29,45 @@ typedef struct fh_gemm_output {
 /* What the providers keep between calls (oneDNN's primitives); owned by a context, created on first need. */
 typedef struct fh_gemm_cache fh_gemm_cache;
 
+/* The convert path's f32 panels, in the caller's workspace (the plan counts them in the memory budget). A
+ * plan with bf16 GEMMs on the convert path reserves fh_gemm_scratch_floats(its tile): as much as the logits tile,
+ * up to the panels' full size (24 MiB), so that each operand element is widened once; at least 3 panels of 4 x 4,
+ * so that a budget that holds a thin tile still holds them. */
+typedef struct fh_gemm_scratch {
+    float *data;
+    int64_t floats;
+} fh_gemm_scratch;
+
+#define FH_GEMM_SCRATCH_MIN_FLOATS 48
+int64_t fh_gemm_scratch_floats(int64_t tile_elements);
+
+/* How this process multiplies bf16: chosen once, by FH_BF16_GEMM=native|convert when set, else native where
+ * oneDNN has a bf16 dot-product kernel on this CPU (AVX512-BF16, AMX) and convert elsewhere. */
+typedef enum fh_bf16_path { FH_BF16_NATIVE, FH_BF16_CONVERT } fh_bf16_path;
+fh_bf16_path fh_gemm_bf16_path(void);
+
+/* NULL, or why bf16 products are refused: FH_BF16_GEMM names no path, or one this CPU or build lacks. */
+const char *fh_gemm_bf16_refusal(void);
+
 /* Makes ready what fh_gemm needs for these shapes, strides, types, accumulate mode and threads (the data
  * pointers do not matter), creating *cache when a provider needs one; so that a pass can fail before it
  * writes any output. FH_ERR_OUT_OF_MEMORY, FH_ERR_GEMM_FAILED when the provider refuses them otherwise, or
  * FH_ERR_INVALID_DTYPE when no provider multiplies these types. */
-fh_status fh_gemm_prepare(fh_gemm_cache **cache, int64_t m, int64_t n, int64_t k, const fh_gemm_input *a,
-                          const fh_gemm_input *b, int accumulate, const fh_gemm_output *c, int threads);
+fh_status fh_gemm_prepare(fh_gemm_cache **cache, const fh_gemm_scratch *scratch, int64_t m, int64_t n, int64_t k,
+                          const fh_gemm_input *a, const fh_gemm_input *b, int accumulate, const fh_gemm_output *c,
+                          int threads);
 
 /* C = A B (accumulate 0: C is not read) or C += A B (accumulate 1), with A m x k, B k x n and C m x n,
  * on threads threads. After fh_gemm_prepare with the same arguments it fails only if the provider fails
  * inside (FH_ERR_OUT_OF_MEMORY, FH_ERR_GEMM_FAILED). */
-fh_status fh_gemm(fh_gemm_cache *cache, int64_t m, int64_t n, int64_t k, const fh_gemm_input *a,
-                  const fh_gemm_input *b, int accumulate, const fh_gemm_output *c, int threads);
+fh_status fh_gemm(fh_gemm_cache *cache, const fh_gemm_scratch *scratch, int64_t m, int64_t n, int64_t k,
+                  const fh_gemm_input *a, const fh_gemm_input *b, int accumulate, const fh_gemm_output *c,
+                  int threads);
 
 void fh_gemm_cache_destroy(fh_gemm_cache *cache);
 
-/* The bf16 provider and the implementation it runs on this CPU, or "none". */
+/* The bf16 path in use and what runs it, e.g. "native: oneDNN 2.6.3 brg:avx512_core_bf16" or "convert: bf16
+ * widened to f32, BLIS sgemm (oneDNN 2.6.3 unavailable)"; "refused: " and the reason when FH_BF16_GEMM is refused. */
 const char *fh_gemm_bf16_provider(void);
 
 #endif

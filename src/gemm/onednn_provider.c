@@ -248,13 +248,15 @@ fh_status fh_onednn_gemm(fh_gemm_cache *cache, int64_t m, int64_t n, int64_t k, 
 }
 
 static pthread_once_t description_once = PTHREAD_ONCE_INIT;
-static char description[96];
+static char version[32];
+static char implementation[64] = "unavailable";
 
 /* Builds a small bf16 matmul to ask oneDNN which implementation this CPU gets. */
 static void describe(void)
 {
     const dnnl_version_t *v = dnnl_version();
-    const char *implementation = "unavailable";
+    snprintf(version, sizeof version, "oneDNN %d.%d.%d", v->major, v->minor, v->patch);
+    const char *found = NULL;
     dnnl_engine_t engine = NULL;
     dnnl_primitive_desc_t pd = NULL;
     dnnl_memory_desc_t md[3];
@@ -266,17 +268,23 @@ static void describe(void)
     dnnl_matmul_desc_t desc;
     ok = ok && dnnl_matmul_desc_init(&desc, &md[0], &md[1], NULL, &md[2]) == dnnl_success &&
          dnnl_primitive_desc_create(&pd, &desc, NULL, engine, NULL) == dnnl_success &&
-         dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, &implementation) == dnnl_success;
-    snprintf(description, sizeof description, "oneDNN %d.%d.%d %s", v->major, v->minor, v->patch,
-             ok ? implementation : "unavailable");
+         dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, &found) == dnnl_success;
+    if (ok && found)
+        snprintf(implementation, sizeof implementation, "%s", found);
     if (pd)
         dnnl_primitive_desc_destroy(pd);
     if (engine)
         dnnl_engine_destroy(engine);
 }
 
-const char *fh_onednn_description(void)
+const char *fh_onednn_version(void)
 {
     pthread_once(&description_once, describe);
-    return description;
+    return version;
+}
+
+const char *fh_onednn_implementation(void)
+{
+    pthread_once(&description_once, describe);
+    return implementation;
 }

@@ -17,7 +17,9 @@ fh_status fh_onednn_prepare(fh_gemm_cache *cache, int64_t m, int64_t n, int64_t 
 fh_status fh_onednn_gemm(fh_gemm_cache *cache, int64_t m, int64_t n, int64_t k, const fh_gemm_input *a,
                          const fh_gemm_input *b, int accumulate, const fh_gemm_output *c, int threads);
 
-/* "oneDNN <version> <implementation of a bf16 matmul on this CPU>", made once. */
-const char *fh_onednn_description(void);
+/* "oneDNN <version>", and the implementation oneDNN picks for a bf16 matmul on this CPU (e.g.
+ * "brg:avx512_core_bf16", "gemm:jit", or "unavailable"); found once. */
+const char *fh_onednn_version(void);
+const char *fh_onednn_implementation(void);
 
 #endif
