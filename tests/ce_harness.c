@@ -139,12 +139,6 @@ void cp_problem_use_bf16(cp_problem *p)
     TU_CHECK(p->x_bf16 && p->weight_bf16, "bf16 copies: out of memory");
 }
 
-int cp_have_bf16(void)
-{
-    fh_blis_info info;
-    return fh_blis_query(&info) == FH_OK && strcmp(info.bf16_gemm, "none") != 0;
-}
-
 void cp_problem_linear(const cp_problem *p, fh_linear *lin)
 {
     const int bf16 = p->x_bf16 != NULL;

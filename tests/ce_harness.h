@@ -48,8 +48,6 @@ void cp_problem_from_logits(cp_problem *p, int64_t n, int64_t vocab, fh_layout l
 void cp_problem_free(cp_problem *p);
 /* Rounds x and weight to bf16 in place and makes the library's calls read their bf16 bits. */
 void cp_problem_use_bf16(cp_problem *p);
-/* 1 when the library has a bf16 GEMM provider (fh_blis_query). */
-int cp_have_bf16(void);
 size_t cp_weight_index(const cp_problem *p, int64_t k, int64_t v);
 void cp_problem_linear(const cp_problem *p, fh_linear *lin);
 

@@ -1,7 +1,9 @@
 /* The CUnit runner of fh_tests and fh_hardening_tests: PROGRAM [SUITE[/TEXT]...] registers the suites of
  * suites.def and runs all of them, or only the named ones (ctest runs one suite per test); SUITE/TEXT runs only
  * that suite's tests whose name contains TEXT. Exits 0 only when every assertion passed; 1 on a failure; 2 on a
- * usage error.
+ * usage error; 77 (ctest's SKIP_RETURN_CODE) when FH_ROW_KERNELS or FH_BF16_GEMM asks for kernels this CPU or build
+ * lacks, after printing why, unless FH_TEST_EXPECT_REFUSAL is set (the kernel_choice suite tests that refusal).
+ * PROGRAM --kernels only prints the kernels of this environment and exits 0, or 77 as above.
  *
  * CMake compiles this file once per program: with FH_RUNNER_HARDENING it takes the FH_HARDENING_SUITE lines (the
  * suites that need the allocation hook linked in), without it the FH_SUITE lines. */
@@ -9,6 +11,7 @@
 
 #include <CUnit/Basic.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #ifdef FH_RUNNER_HARDENING
@@ -45,12 +48,30 @@ static int register_suite(const named_suite *s)
     return 0;
 }
 
+/* Prints the kernels of this run; 1 when the run is to be skipped. */
+static int skip_for_kernels(const char *program)
+{
+    fh_blis_info info;
+    if (fh_blis_query(&info) != FH_OK)
+        return 0;
+    printf("%s: row kernels %s, bf16 GEMMs %s, BLIS %s\n", program, info.elementwise, info.bf16_gemm,
+           info.kernel_set);
+    if (!info.refusal || getenv("FH_TEST_EXPECT_REFUSAL"))
+        return 0;
+    printf("%s: skipped: %s\n", program, info.refusal);
+    return 1;
+}
+
 int main(int argc, char **argv)
 {
     const char *program = argv[0];
     const char *slash = strrchr(program, '/');
     if (slash)
         program = slash + 1;
+    if (skip_for_kernels(program))
+        return 77;
+    if (argc == 2 && strcmp(argv[1], "--kernels") == 0)
+        return 0;
     if (CU_initialize_registry() != CUE_SUCCESS) {
         fprintf(stderr, "%s: %s\n", program, CU_get_error_msg());
         return 2;

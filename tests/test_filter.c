@@ -90,8 +90,6 @@ static void test_fp32_accumulate_c_term(void)
  * dropping only the columns that every row block drops. */
 static void test_bf16(void)
 {
-    if (!cp_have_bf16())
-        return;
     for (int layout = 0; layout < 2; layout++)
         for (int train_step = 0; train_step < 2; train_step++)
             for (int grads = 0; grads < 2; grads++) {
@@ -118,8 +116,6 @@ static void test_all_kept_tiles(void)
 {
     for (int dtype = 0; dtype < 2; dtype++)
         for (int train_step = 0; train_step < 2; train_step++) {
-            if (dtype && !cp_have_bf16())
-                continue;
             ce_case_spec s = filter_spec(FH_LAYOUT_VH, train_step);
             s.dtype = dtype ? FH_DTYPE_BF16 : FH_DTYPE_F32;
             s.vocab = 7;
@@ -145,8 +141,6 @@ static void test_tail(void)
 {
     for (int dtype = 0; dtype < 2; dtype++)
         for (int train_step = 0; train_step < 2; train_step++) {
-            if (dtype && !cp_have_bf16())
-                continue;
             ce_case_spec s = filter_spec(FH_LAYOUT_VH, train_step);
             s.n = 129;
             s.tile_rows = 32;

@@ -1,6 +1,7 @@
 /* fh_gradcheck: runs the fused cross-entropy (--loss grpo, dpo|orpo|simpo|cpo, distill: those heads) and the
  * double-precision reference on random inputs, prints the differences as JSON and exits non-zero past tolerance.
- * --dump DIR writes every input and fused output as .npy so other tools can check them independently. */
+ * --dump DIR writes every input and fused output as .npy so other tools can check them independently. Exits 77 (a
+ * skip for ctest), saying why, when FH_ROW_KERNELS or FH_BF16_GEMM asks for kernels this CPU or build lacks. */
 #include "ce_case.h"
 #include "enum_options.h"
 #include "gradcheck_distill.h"
@@ -135,6 +136,11 @@ static int dump_case(const char *dir, const ce_case *c)
 
 int main(int argc, char **argv)
 {
+    fh_blis_info kernels;
+    if (fh_blis_query(&kernels) == FH_OK && kernels.refusal) {
+        printf("fh_gradcheck: skipped: %s\n", kernels.refusal);
+        return 77;
+    }
     for (int i = 1; i + 1 < argc; i++)
         if (strcmp(argv[i], "--loss") == 0) {
             if (strcmp(argv[i + 1], "grpo") == 0)

@@ -182,10 +182,9 @@ static void problems_init(problems *p)
     p->grpo.options.entropy_coef = 0.01;
     saved_from_forward(HU_CE_FORWARD, &p->ce_mean, NULL, &p->ce_saved_mean);
     saved_from_forward(HU_CE_FORWARD, &p->ce_none, NULL, &p->ce_saved_none);
-    if (cp_have_bf16())
-        saved_from_forward(HU_CE_FORWARD, &p->ce_bf16, NULL, &p->ce_saved_bf16);
+    saved_from_forward(HU_CE_FORWARD, &p->ce_bf16, NULL, &p->ce_saved_bf16);
     saved_from_forward(HU_GRPO_FORWARD, NULL, &p->grpo, &p->grpo_saved);
-    for (int k = 0; k < 3 && cp_have_bf16(); k++) {
+    for (int k = 0; k < 3; k++) {
         hu_grpo_problem_init(&p->distill_bf16[k], 4, 11, 16, 257, FH_LAYOUT_VH, 1, 43);
         hu_distill_use_bf16(&p->distill_bf16[k], k != 1, k != 0);
     }
@@ -279,7 +278,7 @@ static void distill_scenarios(problems *p)
         {"bf16 teacher", &p->distill_bf16[1]},
         {"bf16 student and teacher", &p->distill_bf16[2]},
     };
-    const int count = cp_have_bf16() ? (int)TU_COUNT(problems_of) : 5;
+    const int count = (int)TU_COUNT(problems_of);
     for (int k = 0; k < count; k++) {
         /* bf16 students' streaming backward holds f32 gradient accumulators: a budget of their own. */
         fh_linear student, teacher;
@@ -336,7 +335,7 @@ static void test_every_entry_point(void)
                             8, 64, 0, 0.02};
         run_scenario(&s);
     }
-    for (int call = HU_CE_FORWARD; cp_have_bf16() && call <= HU_CE_TRAIN_STEP; call++)
+    for (int call = HU_CE_FORWARD; call <= HU_CE_TRAIN_STEP; call++)
         for (int variant = 0; variant < 2; variant++) {
             char label[128];
             snprintf(label, sizeof label, "bf16 %s, variant %d", hu_call_name((hu_call)call), variant);
@@ -461,7 +460,7 @@ static void test_caller_workspace_never_allocates(void)
         hu_outputs_free(&o);
     }
     /* Distillation: default tiles (row blocks), the streaming budget, bf16 students and teachers. */
-    for (int k = 0; k < (cp_have_bf16() ? 4 : 1); k++) {
+    for (int k = 0; k < 4; k++) {
         const hu_grpo_problem *g = k == 0 ? &p.grpo : &p.distill_bf16[k - 1];
         fh_linear student, teacher;
         hu_distill_linears(g, &student, &teacher);

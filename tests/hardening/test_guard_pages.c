@@ -229,7 +229,7 @@ static void test_guarded_buffers(void)
     static const int64_t tiles[][2] = {{0, 0}, {4, 16}, {3, 7}, {0, 0}};
     int faults = 0;
     /* fp32; bf16 inputs with fp32 gradients; bf16 inputs and gradients. */
-    const int dtypes = cp_have_bf16() ? 3 : 1;
+    const int dtypes = 3;
     for (int dtype = 0; dtype < dtypes; dtype++)
         for (int call = 0; call < HU_CALL_COUNT; call++)
             for (int layout = 0; layout < 2; layout++)
@@ -239,7 +239,7 @@ static void test_guarded_buffers(void)
                         for (int tail = 1; tail >= 0; tail--) {
                             const fh_dtype xw = dtype ? FH_DTYPE_BF16 : FH_DTYPE_F32;
                             /* The teacher: the student's dtype for even shapes, the other one for odd shapes. */
-                            const fh_dtype other = !cp_have_bf16() || s % 2 == 0 ? xw
+                            const fh_dtype other = s % 2 == 0 ? xw
                                                    : xw == FH_DTYPE_BF16 ? FH_DTYPE_F32 : FH_DTYPE_BF16;
                             const guard_case c = {(hu_call)call, shapes[s][0], shapes[s][1], shapes[s][2], (fh_layout)layout,
                                                   tiles[t][0], tiles[t][1], tail, xw,
