@@ -16,6 +16,10 @@
 #define MC_MAX 2048
 #define KC_MAX 2048
 #define NC_MAX 512
+/* Below this many multiply-adds a panel's product, and below this many elements a widening, runs on one thread:
+ * a second one costs more to wake than it saves (thin tiles under small budgets make many tiny panels). */
+#define PARALLEL_MACS ((int64_t)1 << 21)
+#define PARALLEL_ELEMENTS ((int64_t)1 << 14)
 
 static int64_t min64(int64_t a, int64_t b)
 {
@@ -64,7 +68,7 @@ static panel widen_block(const fh_gemm_input *v, int64_t r0, int64_t c0, int64_t
     const int64_t outer_stride = by_rows ? v->row_stride : v->col_stride;
     const int64_t inner_stride = by_rows ? v->col_stride : v->row_stride;
     const uint16_t *base = (const uint16_t *)v->data + r0 * v->row_stride + c0 * v->col_stride;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * cols >= PARALLEL_ELEMENTS)
     for (int64_t o = 0; o < outer; o++) {
         const uint16_t *src = base + o * outer_stride;
         float *dst = data + o * inner;
@@ -88,7 +92,7 @@ static void round_block(const panel *s, const fh_gemm_output *c, int64_t r0, int
     const int64_t outer_stride = by_rows ? c->row_stride : c->col_stride;
     const int64_t inner_stride = by_rows ? c->col_stride : c->row_stride;
     uint16_t *base = (uint16_t *)c->data + r0 * c->row_stride + c0 * c->col_stride;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * cols >= PARALLEL_ELEMENTS)
     for (int64_t o = 0; o < outer; o++) {
         uint16_t *dst = base + o * outer_stride;
         const float *src = s->data + o * inner;
@@ -102,7 +106,8 @@ static void round_block(const panel *s, const fh_gemm_output *c, int64_t r0, int
 static void sgemm_panels(int64_t m, int64_t n, int64_t k, const panel *a, const panel *b, float beta, float *c,
                          int64_t rsc, int64_t csc, int threads)
 {
-    fh_blis_sgemm(m, n, k, a->data, a->rs, a->cs, b->data, b->rs, b->cs, beta, c, rsc, csc, threads);
+    fh_blis_sgemm(m, n, k, a->data, a->rs, a->cs, b->data, b->rs, b->cs, beta, c, rsc, csc,
+                  m * n * k < PARALLEL_MACS ? 1 : threads);
 }
 
 /* Panel extents that fit floats: the largest extent halved until A's, B's and (staged) C's panels fit. */
