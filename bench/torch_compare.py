@@ -20,6 +20,11 @@ outputs) and the torch binding's step in a trainer's loop, with optimizer.zero_g
 set_to_none=True (torch 2's default: autograd adopts the step's gradient as .grad). Reported: each time and
 its ratio to the C step.
 
+--torch-without-onednn runs torch as it runs on a CPU without AVX-512 (torch.backends.mkldnn.enabled = False):
+torch sends a bf16 matmul to oneDNN only where cpuinfo reports AVX512-BW/VL/DQ (torch 1.13,
+aten/src/ATen/native/mkldnn/Utils.h, mkldnn_bf16_device_check), and to its own scalar bf16 GEMM everywhere else.
+ONEDNN_MAX_CPU_ISA cannot show that: torch still calls oneDNN, which then has no bf16 matmul and fails.
+
 Debian's torch calls BLIS through libblas.so.3, and that BLIS, like the one fusedhead links, does not recognise
 recent AMD CPUs: left alone it runs its generic kernels on one thread (about 30 GFLOP/s here). The torch cases
 therefore get the kernel set fusedhead selects (BLIS_ARCH_TYPE) and --threads BLAS threads (BLIS_NUM_THREADS),
@@ -56,6 +61,8 @@ def run_case(args):
     import torch.nn.functional as F
 
     torch.set_num_threads(args.threads)
+    if args.torch_without_onednn:
+        torch.backends.mkldnn.enabled = False
     torch.manual_seed(0)
     n, h, v = args.n, args.hidden, args.vocab
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
@@ -186,6 +193,8 @@ def main():
     p.add_argument("--json", action="store_true")
     p.add_argument("--torch-blas-as-installed", action="store_true",
                    help="run torch with BLIS as Debian leaves it (generic kernels, one thread here)")
+    p.add_argument("--torch-without-onednn", action="store_true",
+                   help="torch as on a CPU without AVX-512: its bf16 matmul without oneDNN")
     p.add_argument("--case", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.case:
@@ -203,7 +212,8 @@ def main():
     cases = ("torch_eager", "torch_chunked") + (("torch_compile",) if hasattr(torch, "compile") else ()) + ("fusedhead",)
     for case in cases:
         cmd = [sys.executable, os.path.abspath(__file__), "--case", case] + [
-            f"--{k}={getattr(args, k)}" for k in ("n", "hidden", "vocab", "threads", "reps", "chunk", "dtype")]
+            f"--{k}={getattr(args, k)}" for k in ("n", "hidden", "vocab", "threads", "reps", "chunk", "dtype")] + (
+            ["--torch-without-onednn"] if args.torch_without_onednn else [])
         out = subprocess.run(cmd, capture_output=True, text=True, env=torch_env if case != "fusedhead" else None)
         if out.returncode != 0:
             print(out.stderr, file=sys.stderr)
@@ -224,7 +234,7 @@ def main():
     blas = "as installed" if torch_env is None else \
         f"BLIS_ARCH_TYPE={torch_env.get('BLIS_ARCH_TYPE', 'unset')} BLIS_NUM_THREADS={torch_env['BLIS_NUM_THREADS']}"
     print(f"torch_compare: N={args.n} H={args.hidden} V={args.vocab}, {args.dtype}, {args.threads} threads, "
-          f"torch {torch.__version__}"
+          f"torch {torch.__version__}{' without oneDNN' if args.torch_without_onednn else ''}"
           f" (BLAS: {blas}), best of {args.reps}\n")
     print(f"{'case':<15} {'best ms':>10} {'GFLOP/s':>9} {'first ms':>10} {'peak RSS +':>12} {'vs eager':>9}")
     for r in results:

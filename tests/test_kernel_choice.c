@@ -36,8 +36,9 @@ static const char *expected_row_kernels(void)
     return cpu_has("avx512") ? "avx512" : cpu_has("avx2") ? "avx2" : "portable";
 }
 
-/* What oneDNN 2.6 offers for a bf16 matmul here: 0 nothing (it needs AVX-512), 1 an emulation (gemm:jit), 2 bf16
- * dot products (AVX512-BF16 or AMX), within ONEDNN_MAX_CPU_ISA's limit. */
+/* What oneDNN 2.6 offers for a bf16 matmul here: 0 nothing (it needs AVX-512), 1 an emulation (gemm:jit) or bf16
+ * dot products that run no faster than BLIS sgemm (AVX512-BF16 on Intel), 2 faster dot products (AMX, AVX512-BF16
+ * on AMD), within ONEDNN_MAX_CPU_ISA's limit (src/gemm/gemm.c has the measurements). */
 static int onednn_bf16(void)
 {
     const char *limit = env("ONEDNN_MAX_CPU_ISA");
@@ -50,7 +51,8 @@ static int onednn_bf16(void)
                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
     if (!core || below_avx512)
         return 0;
-    const int dot = __builtin_cpu_supports("avx512bf16") || __builtin_cpu_supports("amx-bf16");
+    const int dot = (__builtin_cpu_supports("avx512bf16") && __builtin_cpu_is("amd")) ||
+                    __builtin_cpu_supports("amx-bf16");
     return dot && !below_bf16 ? 2 : 1;
 }
 

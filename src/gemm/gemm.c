@@ -25,14 +25,31 @@ int64_t fh_gemm_scratch_floats(int64_t tile_elements)
 
 /* ---- The bf16 path, chosen once ----
  * oneDNN 2.6 multiplies bf16 natively with AVX512-BF16 (brg:avx512_core_bf16) or AMX (brg:avx512_core_amx); on
- * AVX-512 without BF16 it emulates them (gemm:jit), which runs at a quarter of BLIS sgemm, below the convert path
- * (README, "CPUs": measured side by side); without AVX-512 it has no bf16 matmul. So the default is native exactly
- * when oneDNN's implementation is a bf16 dot-product one. */
+ * AVX-512 without BF16 it emulates them (gemm:jit), and without AVX-512 it has no bf16 matmul. Measured side by
+ * side (README, "CPUs"; fh_bench --dtype bf16 --layout vh, 2 threads, N=1024 H=1024 V=32768, train step):
+ *   gemm:jit (Intel Xeon family 6 model 207, ONEDNN_MAX_CPU_ISA=AVX512_CORE): 3361 ms, convert 882 ms;
+ *   brg:avx512_core_bf16 on that Intel CPU: 1260-1277 ms, convert 923-939 ms (its VDPBF16PS issues on one port, so
+ *   it peaks at fp32 FMA's rate and BLIS sgemm is the better kernel);
+ *   brg:avx512_core_bf16 on AMD EPYC Zen 5: a bf16 matmul at about twice sgemm's rate;
+ *   AMX: 3.5 times sgemm (16-core Intel Xeon).
+ * So the default is native with AMX, and with AVX512-BF16 on AMD; convert everywhere else. */
 static pthread_once_t path_once = PTHREAD_ONCE_INIT;
 static fh_bf16_path path = FH_BF16_CONVERT;
 static const char *refusal;
 static char refusal_text[320];
 static char description[352];
+
+#ifdef FH_HAVE_ONEDNN
+static int cpu_is_amd(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd");
+#else
+    return 0;
+#endif
+}
+#endif
 
 static void choose_path(void)
 {
@@ -40,18 +57,18 @@ static void choose_path(void)
 #ifdef FH_HAVE_ONEDNN
     const char *implementation = fh_onednn_implementation();
     const int available = strcmp(implementation, "unavailable") != 0;
-    const int dot_product = strstr(implementation, "bf16") || strstr(implementation, "amx");
+    const int faster_native = strstr(implementation, "amx") || (strstr(implementation, "bf16") && cpu_is_amd());
     char onednn[96];
     if (available)
         snprintf(onednn, sizeof onednn, "%s: %s", fh_onednn_version(), implementation);
     else
         snprintf(onednn, sizeof onednn, "%s: no bf16 matmul on this CPU", fh_onednn_version());
 #else
-    const int available = 0, dot_product = 0;
+    const int available = 0, faster_native = 0;
     const char *onednn = "no oneDNN in this build";
 #endif
     if (!forced || !forced[0])
-        path = dot_product ? FH_BF16_NATIVE : FH_BF16_CONVERT;
+        path = faster_native ? FH_BF16_NATIVE : FH_BF16_CONVERT;
     else if (strcmp(forced, "convert") == 0)
         path = FH_BF16_CONVERT;
     else if (strcmp(forced, "native") == 0 && available)
