@@ -926,6 +926,16 @@ int main(int argc, char **argv)
         usage();
         return 2;
     }
+    /* The threads the library runs (--threads clamped to the CPUs available), which every case and ceiling uses. */
+    fh_context *probe = NULL;
+    int threads = 0;
+    if (fh_context_create(&probe) == FH_OK && fh_context_set(probe, FH_PARAM_THREADS, s.threads) == FH_OK &&
+        fh_context_threads(probe, &threads) == FH_OK && threads != s.threads) {
+        fprintf(stderr, "fh_bench: --threads %d: %d CPUs available here, so %d threads run\n", s.threads, threads,
+                threads);
+        s.threads = threads;
+    }
+    fh_context_destroy(probe);
     char why[512];
     if (s.dist.kind != BENCH_UNIFORM && s.head != HEAD_CE && s.head != HEAD_DISTILL) {
         fprintf(stderr, "fh_bench: --distribution applies to --loss ce and distill (the student's inputs) only\n");

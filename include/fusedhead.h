@@ -82,7 +82,9 @@ typedef enum fh_status {
     FH_ERR_TEACHER_MISMATCH = 52,       /* the teacher's n or V differs from the student's */
     /* 60..69: the MPI module (fusedhead_mpi.h) */
     FH_ERR_MPI = 60,                  /* an MPI call failed (the message has MPI's error string) */
-    FH_ERR_MPI_LAYOUT = 61            /* communicators, shards or token counts are inconsistent across ranks */
+    FH_ERR_MPI_LAYOUT = 61,           /* communicators, shards or token counts are inconsistent across ranks */
+    FH_ERR_MPI_MISMATCH = 62          /* ranks made one call with different configurations (the message names what
+                                         differs: an option, a gradient asked for on some ranks only, a reduction) */
 } fh_status;
 
 /* A static, human-readable description of a status; never NULL (unknown values get a generic text). */
@@ -98,7 +100,9 @@ typedef struct fh_context fh_context;
 
 typedef enum fh_param {
     FH_PARAM_THREADS = 0,       /* threads for GEMMs and elementwise work; 0 = OpenMP's default
-                                   (OMP_NUM_THREADS, else all processors), 1 for tiny problems */
+                                   (OMP_NUM_THREADS, else all processors), 1 for tiny problems. Either is
+                                   lowered to the CPUs this process may use (affinity mask, cgroup CPU
+                                   quota) unless FH_PARAM_OVERSUBSCRIBE is 1 */
     FH_PARAM_TILE_ROWS = 1,     /* tokens per tile; 0 = default */
     FH_PARAM_TILE_VOCAB = 2,    /* vocabulary columns per tile; 0 = default */
     FH_PARAM_MEMORY_BUDGET = 3, /* max workspace bytes, per-token state included; tiles shrink to fit;
@@ -106,11 +110,13 @@ typedef enum fh_param {
     FH_PARAM_CHECK_FINITE = 4,  /* 1: scan x, weight and bias and return FH_ERR_NONFINITE_INPUT on NaN/Inf
                                    (costs one read of each); 0 (default): NaN/Inf propagate to the loss and
                                    to the gradient rows of the affected tokens */
-    FH_PARAM_FP32_DZ = 5        /* bf16 inputs only. 0 (default): dZ is formed in f32 and rounded once to bf16
+    FH_PARAM_FP32_DZ = 5,       /* bf16 inputs only. 0 (default): dZ is formed in f32 and rounded once to bf16
                                    for the dX and dW GEMMs (bf16 x bf16, oneDNN), as torch's bf16 autograd does;
                                    1: dZ stays f32 and the gradient GEMMs run in fp32 (BLIS) on f32 copies of
                                    the bf16 tiles of x and weight: the fp32 path's accuracy on the bf16 values,
                                    at the fp32 GEMM rate, and the train step streams (8 N H V flops) */
+    FH_PARAM_OVERSUBSCRIBE = 6  /* 1: run FH_PARAM_THREADS threads even beyond the CPUs available (BLIS's barriers
+                                   spin: on 2 cores 3 threads ran 4x slower, 16 threads 28x); 0 (default): clamp */
 } fh_param;
 
 FH_API fh_status fh_context_create(fh_context **ctx);
@@ -120,6 +126,9 @@ FH_API fh_status fh_context_set(fh_context *ctx, fh_param param, int64_t value);
 /* The value set (0 = default) for the parameter. */
 FH_API fh_status fh_context_get(const fh_context *ctx, fh_param param, int64_t *value);
 FH_API fh_status fh_param_bounds(fh_param param, int64_t *min_value, int64_t *max_value);
+/* The threads a call runs (one above the tiny-problem size): FH_PARAM_THREADS or OpenMP's default, clamped to the
+ * CPUs this process may use unless FH_PARAM_OVERSUBSCRIBE. */
+FH_API fh_status fh_context_threads(const fh_context *ctx, int *threads);
 /* Wisdom (FFTW-style): tile configurations measured by fh_tune for a shape, thread count and call. When
  * FH_PARAM_TILE_ROWS / FH_PARAM_TILE_VOCAB are left at 0, a call uses the entry with the same threads,
  * hidden, vocab and call and the nearest n (in log scale), else the built-in defaults; the memory budget
@@ -146,7 +155,8 @@ FH_API fh_status fh_context_load_wisdom(fh_context *ctx, const char *path);
 FH_API fh_status fh_context_save_wisdom(const fh_context *ctx, const char *path);
 
 /* Describes the last error returned by a call on this context ("" after success). Valid until the next
- * call on the context. The workspace-size queries are pure and leave it unchanged. */
+ * call on the context. The workspace-size queries are pure and leave it unchanged. With ctx NULL: why this
+ * thread's last fh_context_create failed ("" if it did not), e.g. the FH_WISDOM file, line and fault. */
 FH_API fh_status fh_context_message(const fh_context *ctx, const char **message);
 /* Hands the context a caller-owned workspace; from then on the library never allocates a workspace for calls
  * on this context. bf16 calls still build their oneDNN primitives, once per GEMM shape, in a cache the context

@@ -48,7 +48,7 @@ extern "C" {
 #define FH_MPI_API
 #endif
 
-/* This module's status codes, FH_ERR_MPI and FH_ERR_MPI_LAYOUT, are in fusedhead.h's fh_status (60..69), and
+/* This module's status codes, FH_ERR_MPI, FH_ERR_MPI_LAYOUT and FH_ERR_MPI_MISMATCH, are in fusedhead.h's fh_status (60..69), and
  * fh_status_string describes them. */
 
 /* ---------------------------------------------------------------------------------------------

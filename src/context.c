@@ -1,6 +1,8 @@
 /* Context: parameters, workspace ownership, last error message. */
 #include "context.h"
 
+#include "cpus.h"
+
 #include <omp.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -8,9 +10,9 @@
 
 #define FH_WORKSPACE_ALIGN 64
 
-static const int64_t param_min[FH_PARAM_COUNT] = {0, 0, 0, 0, 0, 0};
+static const int64_t param_min[FH_PARAM_COUNT] = {0, 0, 0, 0, 0, 0, 0};
 static const int64_t param_max[FH_PARAM_COUNT] = {1024, (int64_t)1 << 24, (int64_t)1 << 30,
-                                                  (int64_t)1 << 50, 1, 1};
+                                                  (int64_t)1 << 50, 1, 1, 1};
 
 fh_status fh_fail(fh_context *ctx, fh_status status, const char *format, ...)
 {
@@ -32,13 +34,28 @@ void fh_clear_message(fh_context *ctx)
 /* Below about 2^24 multiply-adds (~0.1 ms on one core) a second thread costs more than it saves. */
 #define FH_SMALL_PROBLEM_MACS 16777216.0
 
-int fh_threads(const fh_context *ctx, const fh_linear *lin)
+static int threads_of_large_calls(const fh_context *ctx)
 {
     const int64_t t = ctx->params[FH_PARAM_THREADS];
-    if (t > 0)
-        return (int)t;
+    const int requested = t > 0 ? (int)t : omp_get_max_threads();
+    const int cpus = fh_cpus_available();
+    return requested > cpus && !ctx->params[FH_PARAM_OVERSUBSCRIBE] ? cpus : requested;
+}
+
+int fh_threads(const fh_context *ctx, const fh_linear *lin)
+{
     const double macs = (double)lin->n * (double)lin->hidden * (double)lin->vocab;
-    return macs < FH_SMALL_PROBLEM_MACS ? 1 : omp_get_max_threads();
+    if (ctx->params[FH_PARAM_THREADS] == 0 && macs < FH_SMALL_PROBLEM_MACS)
+        return 1;
+    return threads_of_large_calls(ctx);
+}
+
+FH_API fh_status fh_context_threads(const fh_context *ctx, int *threads)
+{
+    if (!ctx || !threads)
+        return FH_ERR_NULL_POINTER;
+    *threads = threads_of_large_calls(ctx);
+    return FH_OK;
 }
 
 int64_t fh_budget_bytes(const fh_context *ctx)
@@ -47,6 +64,9 @@ int64_t fh_budget_bytes(const fh_context *ctx)
     return b > 0 ? b : FH_DEFAULT_MEMORY_BUDGET;
 }
 
+/* Why this thread's last fh_context_create failed: there is no context to hold it. */
+static _Thread_local char creation_message[FH_MESSAGE_CAPACITY + 32];
+
 FH_API fh_status fh_context_create(fh_context **ctx)
 {
     if (!ctx)
@@ -54,9 +74,11 @@ FH_API fh_status fh_context_create(fh_context **ctx)
     fh_context *c = calloc(1, sizeof *c);
     if (!c)
         return FH_ERR_OUT_OF_MEMORY;
+    creation_message[0] = '\0';
     if (getenv("FH_WISDOM")) {
         const fh_status st = fh_context_load_wisdom(c, NULL);
         if (st != FH_OK) {
+            snprintf(creation_message, sizeof creation_message, "fh_context_create: %s", c->message);
             free(c);
             return st;
         }
@@ -162,9 +184,9 @@ FH_API fh_status fh_context_filter_stats(const fh_context *ctx, fh_filter_stats 
 
 FH_API fh_status fh_context_message(const fh_context *ctx, const char **message)
 {
-    if (!ctx || !message)
+    if (!message)
         return FH_ERR_NULL_POINTER;
-    *message = ctx->message;
+    *message = ctx ? ctx->message : creation_message;
     return FH_OK;
 }
 

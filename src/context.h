@@ -6,7 +6,7 @@
 
 #define FH_MESSAGE_CAPACITY 256
 #define FH_WISDOM_CAPACITY 256
-#define FH_PARAM_COUNT 6
+#define FH_PARAM_COUNT 7
 
 struct fh_context {
     int64_t params[FH_PARAM_COUNT];          /* indexed by fh_param; 0 = default */
@@ -33,7 +33,7 @@ void fh_clear_message(fh_context *ctx);
 
 /* Effective values of the parameters (defaults resolved). Threads: the parameter when set, else
  * OpenMP's default (OMP_NUM_THREADS or all processors), except 1 for problems too small to amortise a
- * parallel region. */
+ * parallel region; at most the CPUs available unless FH_PARAM_OVERSUBSCRIBE. */
 int fh_threads(const fh_context *ctx, const fh_linear *lin);
 int64_t fh_budget_bytes(const fh_context *ctx);
 

@@ -39,6 +39,7 @@ FH_API const char *fh_status_string(fh_status status)
     case FH_ERR_GEMM_FAILED: return "the bf16 GEMM provider refused a product or failed while running it";
     case FH_ERR_MPI: return "an MPI call failed";
     case FH_ERR_MPI_LAYOUT: return "communicators, vocabulary shards or token counts are inconsistent across ranks";
+    case FH_ERR_MPI_MISMATCH: return "ranks made the call with different configurations";
     }
     return "unknown status";
 }

@@ -5,10 +5,12 @@
  * (an entry without the last word is fp32, so files written before bf16 read as they did). */
 #include "wisdom.h"
 
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 static const char *call_names[] = {"forward", "backward", "train_step"};
 #define WISDOM_HEADER "fusedhead-wisdom 1"
@@ -62,48 +64,102 @@ static int parse_entry(const char *line, fh_tile_config *e)
     return k < 3 && valid(e) ? 0 : -1;
 }
 
+/* A wisdom file is a few KiB (one short line per measured shape): anything past this is not one. */
+#define WISDOM_MAX_BYTES ((long)1 << 20)
+#define WISDOM_MAX_LINE 511
+
+/* Parses the open file into entries; FH_OK or an error naming `where` and the line. */
+static fh_status parse_file(fh_context *ctx, FILE *f, const char *where, fh_tile_config *entries, int *count)
+{
+    int line_number = 0, header = 0;
+    char line[WISDOM_MAX_LINE + 2];
+    fh_status st = FH_OK;
+    *count = 0;
+    while (st == FH_OK && fgets(line, sizeof line, f)) {
+        line_number++;
+        /* fgets stops at a newline or a full buffer; short of both before the end, the line held a NUL. */
+        const size_t length = strlen(line);
+        const int complete = length > 0 && line[length - 1] == '\n';
+        if (!complete && length == sizeof line - 1)
+            return fh_fail(ctx, FH_ERR_INVALID_WISDOM, "%s:%d: line longer than %d bytes", where, line_number,
+                           WISDOM_MAX_LINE);
+        if (!complete && !feof(f))
+            return fh_fail(ctx, FH_ERR_INVALID_WISDOM, "%s:%d: a NUL byte (not a text file)", where, line_number);
+        const char *p = line + strspn(line, " \t");
+        if (*p == '#' || *p == '\n' || *p == '\0')
+            continue;
+        if (!header) {
+            const size_t h = strlen(WISDOM_HEADER);
+            header = strncmp(p, WISDOM_HEADER, h) == 0 && p[h + strspn(p + h, " \t\r\n")] == '\0';
+            if (!header)
+                st = fh_fail(ctx, FH_ERR_INVALID_WISDOM, "%s:%d: expected \"" WISDOM_HEADER "\"", where, line_number);
+        } else if (*count == FH_WISDOM_CAPACITY) {
+            st = fh_fail(ctx, FH_ERR_INVALID_WISDOM, "%s:%d: more than %d entries", where, line_number,
+                         FH_WISDOM_CAPACITY);
+        } else if (parse_entry(p, &entries[*count]) != 0) {
+            st = fh_fail(ctx, FH_ERR_INVALID_WISDOM, "%s:%d: malformed entry", where, line_number);
+        } else {
+            ++*count;
+        }
+    }
+    if (st == FH_OK && ferror(f))
+        st = fh_fail(ctx, FH_ERR_WISDOM_IO, "%s: read error", where);
+    if (st == FH_OK && !header)
+        st = fh_fail(ctx, FH_ERR_INVALID_WISDOM, "%s: no \"" WISDOM_HEADER "\" line", where);
+    return st;
+}
+
 FH_API fh_status fh_context_load_wisdom(fh_context *ctx, const char *path)
 {
     if (!ctx)
         return FH_ERR_NULL_POINTER;
     fh_clear_message(ctx);
+    const int from_environment = !path;
     if (!path)
         path = getenv("FH_WISDOM");
     if (!path)
         return fh_fail(ctx, FH_ERR_NULL_POINTER, "no wisdom path given and FH_WISDOM is not set");
+    char where[320];
+    snprintf(where, sizeof where, "%s%.300s", from_environment ? "FH_WISDOM=" : "", path);
     FILE *f = fopen(path, "r");
     if (!f)
-        return fh_fail(ctx, FH_ERR_WISDOM_IO, "cannot open wisdom file %s", path);
-    /* Parse everything first so that a malformed file adds nothing. */
-    fh_tile_config entries[FH_WISDOM_CAPACITY];
-    int count = 0, line_number = 0, header = 0;
-    char line[512];
+        return fh_fail(ctx, FH_ERR_WISDOM_IO, "%s: cannot open: %s", where, strerror(errno));
+    /* Only a regular file of bounded size: a device or a FIFO (/dev/zero, a pipe) would never end. */
+    struct stat info;
     fh_status st = FH_OK;
-    while (st == FH_OK && fgets(line, sizeof line, f)) {
-        line_number++;
-        const char *p = line + strspn(line, " \t");
-        if (*p == '#' || *p == '\n' || *p == '\0')
-            continue;
-        if (!header) {
-            header = strncmp(p, WISDOM_HEADER, strlen(WISDOM_HEADER)) == 0;
-            if (!header)
-                st = fh_fail(ctx, FH_ERR_INVALID_WISDOM, "%s:%d: expected \"" WISDOM_HEADER "\"", path, line_number);
-            continue;
-        }
-        if (count == FH_WISDOM_CAPACITY || parse_entry(p, &entries[count]) != 0)
-            st = fh_fail(ctx, FH_ERR_INVALID_WISDOM, "%s:%d: malformed entry (or more than %d)", path, line_number,
-                         FH_WISDOM_CAPACITY);
-        else
-            count++;
-    }
-    if (ferror(f) && st == FH_OK)
-        st = fh_fail(ctx, FH_ERR_WISDOM_IO, "error reading wisdom file %s", path);
+    if (fstat(fileno(f), &info) != 0)
+        st = fh_fail(ctx, FH_ERR_WISDOM_IO, "%s: cannot stat: %s", where, strerror(errno));
+    else if (!S_ISREG(info.st_mode))
+        st = fh_fail(ctx, FH_ERR_WISDOM_IO, "%s: not a regular file", where);
+    else if (info.st_size > WISDOM_MAX_BYTES)
+        st = fh_fail(ctx, FH_ERR_INVALID_WISDOM, "%s: %lld bytes, more than a wisdom file's %ld", where,
+                     (long long)info.st_size, WISDOM_MAX_BYTES);
+    /* Parsed whole, then merged into a copy of the table: a malformed file, or one that would overflow the table,
+     * adds nothing. */
+    fh_tile_config entries[FH_WISDOM_CAPACITY];
+    int count = 0;
+    if (st == FH_OK)
+        st = parse_file(ctx, f, where, entries, &count);
     fclose(f);
-    if (st == FH_OK && !header)
-        st = fh_fail(ctx, FH_ERR_INVALID_WISDOM, "%s: no \"" WISDOM_HEADER "\" line", path);
-    for (int k = 0; st == FH_OK && k < count; k++)
-        st = fh_context_add_wisdom(ctx, &entries[k]);
-    return st;
+    if (st != FH_OK)
+        return st;
+    fh_tile_config table[FH_WISDOM_CAPACITY];
+    int size = ctx->wisdom_count;
+    memcpy(table, ctx->wisdom, (size_t)size * sizeof *table);
+    for (int k = 0; k < count; k++) {
+        int at = 0;
+        while (at < size && !same_key(&table[at], &entries[k]))
+            at++;
+        if (at == FH_WISDOM_CAPACITY)
+            return fh_fail(ctx, FH_ERR_INVALID_WISDOM, "%s: its entries and the %d loaded already exceed the table's %d",
+                           where, ctx->wisdom_count, FH_WISDOM_CAPACITY);
+        table[at] = entries[k];
+        if (at == size)
+            size++;
+    }
+    memcpy(ctx->wisdom, table, (size_t)size * sizeof *table);
+    ctx->wisdom_count = size;
+    return FH_OK;
 }
 
 FH_API fh_status fh_context_save_wisdom(const fh_context *ctx, const char *path)

@@ -5,10 +5,13 @@
  *   - the workspace size query: an exact-size caller workspace works (and nothing past it is written),
  *     one byte less fails with FH_ERR_WORKSPACE_TOO_SMALL, untouched outputs;
  *   - parameters, bounds, status strings, messages, BLIS query, initialisers. */
+#define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #include "ce_case.h"
 #include "test_util.h"
 
 #include <math.h>
+#include <omp.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -318,8 +321,10 @@ static void test_valid_call_and_message_reset(void)
     TU_CHECK(call_forward(&f) == FH_OK, "forward failed");
     fh_context_message(f.ctx, &msg);
     TU_CHECK(msg && msg[0] == '\0', "message not cleared by a success: \"%s\"", msg ? msg : "(null)");
-    TU_CHECK(fh_context_message(NULL, &msg) == FH_ERR_NULL_POINTER && fh_context_message(f.ctx, NULL) == FH_ERR_NULL_POINTER,
-             "fh_context_message accepts NULL");
+    TU_CHECK(fh_context_message(f.ctx, NULL) == FH_ERR_NULL_POINTER, "fh_context_message accepts a NULL message");
+    /* No context: the last fh_context_create's message, "" since it succeeded. */
+    TU_CHECK(fh_context_message(NULL, &msg) == FH_OK && msg && msg[0] == '\0', "creation message \"%s\"",
+             msg ? msg : "(null)");
     fh_context_destroy(f.ctx);
 }
 
@@ -473,7 +478,7 @@ static void test_workspace_size_arguments(void)
 static void test_params(void)
 {
     const fh_param params[] = {FH_PARAM_THREADS, FH_PARAM_TILE_ROWS, FH_PARAM_TILE_VOCAB, FH_PARAM_MEMORY_BUDGET,
-                               FH_PARAM_CHECK_FINITE, FH_PARAM_FP32_DZ};
+                               FH_PARAM_CHECK_FINITE, FH_PARAM_FP32_DZ, FH_PARAM_OVERSUBSCRIBE};
     fh_context *ctx = NULL;
     TU_CHECK(fh_context_create(&ctx) == FH_OK, "create");
     for (size_t k = 0; k < TU_COUNT(params); k++) {
@@ -502,7 +507,7 @@ static void test_params(void)
         TU_CHECK(fh_context_set(ctx, params[k], lo) == FH_OK, "param %d: set min", (int)params[k]);
         TU_CHECK(fh_context_set(ctx, params[k], 0) == FH_OK, "param %d: set 0", (int)params[k]);
     }
-    const fh_param unknown[] = {(fh_param)6, (fh_param)-1, (fh_param)1000};
+    const fh_param unknown[] = {(fh_param)7, (fh_param)-1, (fh_param)1000};
     for (size_t k = 0; k < TU_COUNT(unknown); k++) {
         int64_t lo = 5, hi = 6, value = 7;
         TU_CHECK(fh_context_set(ctx, unknown[k], 0) == FH_ERR_INVALID_PARAM, "set unknown %d", (int)unknown[k]);
@@ -522,6 +527,35 @@ static void test_params(void)
     TU_CHECK(fh_context_get(NULL, FH_PARAM_THREADS, &value) == FH_ERR_NULL_POINTER &&
                  fh_context_get(ctx, FH_PARAM_THREADS, NULL) == FH_ERR_NULL_POINTER,
              "get with NULL");
+    fh_context_destroy(ctx);
+}
+
+/* The threads a call runs: never more than the CPUs this process may use (its affinity mask here; a cgroup quota
+ * may lower it further) unless oversubscription is asked for; OpenMP's default when FH_PARAM_THREADS is 0. */
+static void test_threads_fit_the_machine(void)
+{
+    cpu_set_t set;
+    TU_CHECK(sched_getaffinity(0, sizeof set, &set) == 0, "sched_getaffinity");
+    const int affinity = CPU_COUNT(&set);
+    fh_context *ctx = NULL;
+    TU_CHECK(fh_context_create(&ctx) == FH_OK, "create");
+    int threads = -1, cpus = -1;
+    TU_CHECK(fh_context_set(ctx, FH_PARAM_THREADS, 1024) == FH_OK && fh_context_threads(ctx, &cpus) == FH_OK &&
+                 cpus >= 1 && cpus <= affinity,
+             "1024 threads requested on %d CPUs: %d", affinity, cpus);
+    TU_CHECK(fh_context_set(ctx, FH_PARAM_THREADS, 1) == FH_OK && fh_context_threads(ctx, &threads) == FH_OK &&
+                 threads == 1,
+             "1 thread requested: %d", threads);
+    TU_CHECK(fh_context_set(ctx, FH_PARAM_THREADS, 0) == FH_OK && fh_context_threads(ctx, &threads) == FH_OK &&
+                 threads == (omp_get_max_threads() < cpus ? omp_get_max_threads() : cpus),
+             "default: %d threads (OpenMP %d, %d CPUs)", threads, omp_get_max_threads(), cpus);
+    TU_CHECK(fh_context_set(ctx, FH_PARAM_OVERSUBSCRIBE, 1) == FH_OK &&
+                 fh_context_set(ctx, FH_PARAM_THREADS, 64) == FH_OK && fh_context_threads(ctx, &threads) == FH_OK &&
+                 threads == 64,
+             "64 threads with oversubscription allowed: %d", threads);
+    TU_CHECK(fh_context_threads(NULL, &threads) == FH_ERR_NULL_POINTER &&
+                 fh_context_threads(ctx, NULL) == FH_ERR_NULL_POINTER,
+             "NULL arguments");
     fh_context_destroy(ctx);
 }
 
@@ -562,7 +596,8 @@ static void test_status_strings(void)
                              FH_ERR_INVALID_DISTILL_OPTION,
                              FH_ERR_TEACHER_MISMATCH,
                              FH_ERR_MPI,
-                             FH_ERR_MPI_LAYOUT};
+                             FH_ERR_MPI_LAYOUT,
+                             FH_ERR_MPI_MISMATCH};
     /* The decade of each kind of failure (fusedhead.h), in the order above. */
     const struct {
         fh_status first, last;
@@ -573,7 +608,7 @@ static void test_status_strings(void)
                    {FH_ERR_INVALID_PARAM, FH_ERR_KERNELS_UNAVAILABLE, 3},
                    {FH_ERR_GEMM_FAILED, FH_ERR_GEMM_FAILED, 4},
                    {FH_ERR_INVALID_PREFERENCE_OPTION, FH_ERR_TEACHER_MISMATCH, 5},
-                   {FH_ERR_MPI, FH_ERR_MPI_LAYOUT, 6}};
+                   {FH_ERR_MPI, FH_ERR_MPI_MISMATCH, 6}};
     for (size_t d = 0; d < TU_COUNT(decades); d++)
         for (int v = (int)decades[d].first; v <= (int)decades[d].last; v++)
             TU_CHECK(v / 10 == decades[d].decade, "status %d is outside its decade %d0..%d9", v, decades[d].decade,
@@ -670,6 +705,7 @@ static const tu_test tests[] = {
     {"caller workspace: exact size, size - 1, guards", test_workspace},
     {"workspace size query arguments", test_workspace_size_arguments},
     {"parameters and bounds", test_params},
+    {"threads clamped to the CPUs available", test_threads_fit_the_machine},
     {"status strings", test_status_strings},
     {"context, initialisers, linear views, BLIS query", test_small_entry_points},
     {"optional outputs", test_optional_outputs},

@@ -81,7 +81,8 @@ def _param(param: ParamLike) -> int:
 class Context:
     """An fh_context: threads, tile sizes, memory budget, workspace, last error message.
 
-    Settings (0 = the library's default): threads (0 = all available), tile_rows, tile_vocab,
+    Settings (0 = the library's default): threads (0 = OpenMP's default; either is clamped to the CPUs this
+    process may use unless oversubscribe is set; `threads_in_use` is what calls run), tile_rows, tile_vocab,
     memory_budget (bytes; default 512 MiB), check_finite (1: reject NaN/Inf inputs, if the library has it),
     fp32_dz (1: with bf16 inputs keep dZ in fp32 for the gradient GEMMs: fp32-accurate, at the fp32 rate),
     grad_filter_eps (a float; 0 = off: gradient filtering skips the backward GEMMs' vocabulary columns whose
@@ -96,16 +97,22 @@ class Context:
     def __init__(self, *, threads: Optional[int] = None, tile_rows: Optional[int] = None,
                  tile_vocab: Optional[int] = None, memory_budget: Optional[int] = None,
                  check_finite: Optional[bool] = None, fp32_dz: Optional[bool] = None,
-                 grad_filter_eps: Optional[float] = None, grad_filter_tail: Optional[str] = None):
+                 oversubscribe: Optional[bool] = None, grad_filter_eps: Optional[float] = None, grad_filter_tail: Optional[str] = None):
         self._lib = load_library()
         self._lock = threading.RLock()
         self._workspace = None
         handle = ctypes.c_void_p()
-        check_status(self._lib.fh_context_create(ctypes.byref(handle)), "fh_context_create")
+        status = self._lib.fh_context_create(ctypes.byref(handle))
+        if status != 0:  # no context holds the message: the library keeps this thread's last one (an FH_WISDOM fault)
+            message = ctypes.c_char_p()
+            self._lib.fh_context_message(None, ctypes.byref(message))
+            raise error_for(status, status_string(status), (message.value or b"").decode(errors="replace"),
+                            "fh_context_create")
         self._handle: Optional[ctypes.c_void_p] = handle
         settings = dict(threads=threads, tile_rows=tile_rows, tile_vocab=tile_vocab, memory_budget=memory_budget,
                         check_finite=None if check_finite is None else int(bool(check_finite)),
-                        fp32_dz=None if fp32_dz is None else int(bool(fp32_dz)))
+                        fp32_dz=None if fp32_dz is None else int(bool(fp32_dz)),
+                        oversubscribe=None if oversubscribe is None else int(bool(oversubscribe)))
         try:
             for name, value in settings.items():
                 if value is not None:
@@ -196,6 +203,15 @@ class Context:
     check_finite = property(lambda self: bool(self.get(Param.CHECK_FINITE)),
                             lambda self, v: self.set(Param.CHECK_FINITE, int(bool(v))))
     fp32_dz = property(lambda self: bool(self.get(Param.FP32_DZ)), lambda self, v: self.set(Param.FP32_DZ, int(bool(v))))
+    oversubscribe = property(lambda self: bool(self.get(Param.OVERSUBSCRIBE)),
+                             lambda self, v: self.set(Param.OVERSUBSCRIBE, int(bool(v))))
+
+    @property
+    def threads_in_use(self) -> int:
+        """fh_context_threads: the threads a call runs (above the tiny-problem size)."""
+        value = ctypes.c_int()
+        self.call("fh_context_threads", ctypes.byref(value), pure=True)
+        return value.value
 
     @property
     def grad_filter_eps(self) -> float:
@@ -246,13 +262,13 @@ class Context:
         if self.closed:
             return "<fusedhead.Context (closed)>"
         fields = ", ".join(f"{p.name.lower()}={self.get(p)}" for p in Param
-                           if p not in (Param.CHECK_FINITE, Param.FP32_DZ))
+                           if p not in (Param.CHECK_FINITE, Param.FP32_DZ, Param.OVERSUBSCRIBE))
         return f"<fusedhead.Context {fields}>"
 
 
 _thread_local = threading.local()
-_SETTING_NAMES = ("threads", "tile_rows", "tile_vocab", "memory_budget", "check_finite", "fp32_dz", "grad_filter_eps",
-                  "grad_filter_tail")
+_SETTING_NAMES = ("threads", "tile_rows", "tile_vocab", "memory_budget", "check_finite", "fp32_dz", "oversubscribe",
+                  "grad_filter_eps", "grad_filter_tail")
 _default_settings: dict = {}
 _default_generation = 0
 

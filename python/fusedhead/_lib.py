@@ -67,6 +67,7 @@ class Status(enum.IntEnum):
     ERR_TEACHER_MISMATCH = 52
     ERR_MPI = 60
     ERR_MPI_LAYOUT = 61
+    ERR_MPI_MISMATCH = 62
 
 
 class Param(enum.IntEnum):
@@ -76,6 +77,7 @@ class Param(enum.IntEnum):
     MEMORY_BUDGET = 3
     CHECK_FINITE = 4
     FP32_DZ = 5
+    OVERSUBSCRIBE = 6
 
 
 class Layout(enum.IntEnum):
@@ -352,6 +354,7 @@ _REQUIRED = {
     "fh_context_set_workspace": (_st, [_ctx_p, ctypes.c_void_p, ctypes.c_size_t]),
     "fh_context_set_grad_filter_eps": (_st, [_ctx_p, ctypes.c_double]),
     "fh_context_get_grad_filter_eps": (_st, [_ctx_p, _P(ctypes.c_double)]),
+    "fh_context_threads": (_st, [_ctx_p, _P(ctypes.c_int)]),
     "fh_context_set_grad_filter_tail": (_st, [_ctx_p, ctypes.c_int]),
     "fh_context_get_grad_filter_tail": (_st, [_ctx_p, _P(ctypes.c_int)]),
     "fh_context_filter_stats": (_st, [_ctx_p, _P(fh_filter_stats)]),

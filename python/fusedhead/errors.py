@@ -9,7 +9,7 @@ Every failing library call raises a FusedheadError subclass chosen by the status
       WisdomIOError (+ OSError)              status 23: a wisdom file cannot be read or written
       KernelsUnavailableError                status 32: FH_ROW_KERNELS / FH_BF16_GEMM force what this CPU lacks
       GemmFailedError                        status 40: the bf16 GEMM provider refused a product or failed
-      MPIError, MPILayoutError               statuses 60, 61 (the MPI module, not bound in Python)
+      MPIError, MPILayoutError, MPIMismatchError  statuses 60, 61, 62 (the MPI module, not bound in Python)
 
 Argument problems caught in Python before the library is called (wrong dtype, device, shape or layout)
 raise plain TypeError / ValueError that say what was expected.
@@ -82,6 +82,7 @@ class KernelsUnavailableError(FusedheadError): pass
 class GemmFailedError(FusedheadError): pass
 class MPIError(FusedheadError): pass
 class MPILayoutError(FusedheadValueError): pass
+class MPIMismatchError(FusedheadValueError): pass
 
 
 ERROR_CLASSES: Dict[int, Type[FusedheadError]] = {
@@ -118,6 +119,7 @@ ERROR_CLASSES: Dict[int, Type[FusedheadError]] = {
     Status.ERR_GEMM_FAILED: GemmFailedError,
     Status.ERR_MPI: MPIError,
     Status.ERR_MPI_LAYOUT: MPILayoutError,
+    Status.ERR_MPI_MISMATCH: MPIMismatchError,
 }
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import pickle
 import re
 import shutil
@@ -196,6 +197,25 @@ def test_context_parameters():
     assert ctx.closed and "closed" in repr(ctx)
     with pytest.raises(ValueError, match="closed"):
         ctx.threads = 1
+
+
+def test_threads_clamped_to_the_cpus_available():
+    cpus = len(os.sched_getaffinity(0))
+    with fusedhead.Context(threads=64) as ctx:
+        assert ctx.threads == 64 and 1 <= ctx.threads_in_use <= cpus
+        ctx.oversubscribe = True
+        assert ctx.threads_in_use == 64 and "oversubscribe" not in repr(ctx)
+    with fusedhead.Context(threads=1) as ctx:
+        assert ctx.threads_in_use == 1
+
+
+def test_bad_wisdom_file_fails_context_creation_at_once():
+    # /dev/zero never ends: refused as not a regular file, within the subprocess's timeout, naming FH_WISDOM.
+    r = subprocess.run([sys.executable, "-c", "import fusedhead; fusedhead.Context()"], capture_output=True, text=True,
+                       env=subprocess_env(FH_WISDOM="/dev/zero"), cwd=str(REPO_ROOT), timeout=60)
+    assert r.returncode != 0
+    assert "WisdomIOError" in r.stderr, r.stderr
+    assert "FH_WISDOM=/dev/zero" in r.stderr and "not a regular file" in r.stderr, r.stderr
 
 
 def test_context_budget_too_small():
