@@ -113,6 +113,18 @@ static fh_status check_batch(fh_context *ctx, const fh_linear *lin, const fh_pre
             return fh_fail(ctx, FH_ERR_TARGET_OUT_OF_RANGE, "targets[%lld] = %lld is outside [0, %lld) at an unmasked position",
                            (long long)i, (long long)bt->targets[i], (long long)lin->vocab);
     }
+    /* ORPO's odds are those of exp(the mean log-prob): over no token that mean is undefined (TRL's 0 / 0), and the
+     * sum-over-count-clamped-to-1 the other losses use would make p = 1 and the odds infinite. */
+    for (int64_t s = 0; o->loss == FH_PREFERENCE_ORPO && s < sequences; s++) {
+        double count = 0.0;
+        for (int64_t t = 0; t < bt->seq; t++)
+            count += bt->mask[s * bt->seq + t];
+        if (count == 0.0)
+            return fh_fail(ctx, FH_ERR_INVALID_MASK,
+                           "orpo: sequence %lld (the %s half of pair %lld) has no unmasked token, so its odds are "
+                           "undefined; leave such pairs out of the batch",
+                           (long long)s, s < bt->pairs ? "chosen" : "rejected", (long long)(s % bt->pairs));
+    }
     return FH_OK;
 }
 
@@ -179,13 +191,15 @@ static pair_result pair(const fh_preference_options *o, double c, double r, doub
     double slope;
     switch (o->loss) {
     case FH_PREFERENCE_ORPO: {
-        /* log odds(p) = l - log(1 - exp l); d/dl = 1 / (1 - exp l). */
+        /* log odds(p) = l - log(1 - exp l); d/dl = 1 / (1 - exp l). With D = e^r (1 - e^c) + e^c (1 - e^r),
+         * sigmoid(-log_odds) / (1 - e^c) = e^r / D and sigmoid(-log_odds) / (1 - e^r) = e^r (1 - e^c) / ((1 - e^r) D):
+         * finite where a mean log-prob reaches 0 (p = 1) on one side, where the quotients above are 0 / 0. */
         p.log_odds = (c - r) - (log(-expm1(c)) - log(-expm1(r)));
         p.log_odds_ratio = log_sigmoid(p.log_odds);
         p.loss = -beta * p.log_odds_ratio;
-        slope = -beta * sigmoid(-p.log_odds);
-        p.d_chosen = slope / -expm1(c);
-        p.d_rejected = -slope / -expm1(r);
+        const double d = -exp(r) * expm1(c) - exp(c) * expm1(r);
+        p.d_chosen = -beta * exp(r) / d;
+        p.d_rejected = beta * exp(r) * -expm1(c) / (-expm1(r) * d);
         return p;
     }
     case FH_PREFERENCE_SIMPO: p.loss = margin_loss(o, c - r - o->simpo_gamma / beta, &slope); break;

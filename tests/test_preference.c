@@ -549,6 +549,46 @@ static void test_edge_masks(void)
     }
 }
 
+/* An empty sequence (every token masked), chosen or rejected, for every loss: ORPO's odds of a mean log-prob over no
+ * token are undefined (TRL divides 0 by 0 there), so ORPO refuses the batch with FH_ERR_INVALID_MASK naming the
+ * sequence and writes nothing; every other loss gives a finite loss and finite gradients that match the reference
+ * (the empty sequence's log-prob is 0: a sum over no token, or that sum over its count clamped to 1). */
+static void test_empty_sequences(void)
+{
+    for (size_t v = 0; v < TU_COUNT(variants); v++)
+        for (int half = 0; half < 2; half++) {
+            fixture f;
+            fixture_init(&f);
+            fixture_loss(&f, variants[v].loss, variants[v].type);
+            const int sequence = half * B + 1; /* the second pair's chosen or rejected sequence */
+            for (int t = 0; t < T; t++)
+                f.in.mask[sequence * T + t] = 0.0f;
+            char label[96];
+            snprintf(label, sizeof label, "variant %zu, an empty %s sequence", v, half ? "rejected" : "chosen");
+            if (variants[v].loss == FH_PREFERENCE_ORPO) {
+                outputs before;
+                memcpy(&before, &f.out, sizeof before);
+                for (int which = FWD; which <= STEP; which++) {
+                    const fh_status st = call(&f, which);
+                    const char *msg = "";
+                    fh_context_message(f.ctx, &msg);
+                    char named[32];
+                    snprintf(named, sizeof named, "sequence %d ", sequence);
+                    TU_CHECK(st == FH_ERR_INVALID_MASK && strstr(msg, named) && strstr(msg, "no unmasked"),
+                             "%s, %s: status %d, message '%s'", label, call_name(which), (int)st, msg);
+                    TU_CHECK(memcmp(&before, &f.out, sizeof before) == 0, "%s, %s: outputs written", label,
+                             call_name(which));
+                }
+            } else {
+                check_fixture(&f, label);
+                TU_CHECK(isfinite(f.out.loss) && tu_all_finite_f(f.out.dx, N * H) &&
+                             tu_all_finite_f(f.out.dweight, H * V) && tu_all_finite_f(f.out.dbias, V),
+                         "%s: loss %g, or a gradient not finite", label, f.out.loss);
+            }
+            fh_context_destroy(f.ctx);
+        }
+}
+
 /* The metrics TRL does not log are NaN, as fusedhead.h states: nll_loss for dpo without rpo_alpha (cpo and simpo
  * log 0 with cpo_alpha 0, as TRL's CPOTrainer; orpo always has the term), log_odds_ratio and log_odds_chosen
  * except for orpo; every other metric is a number (both halves have tokens here). The values against the
@@ -932,6 +972,7 @@ static const tu_test tests[] = {
     {"grad_output scales the gradients exactly", test_grad_output_scaling},
     {"gradient beta 1 accumulates", test_accumulation},
     {"edge masks vs reference", test_edge_masks},
+    {"an empty sequence: orpo refuses it, every other loss is finite", test_empty_sequences},
     {"metrics NaN where TRL logs nothing", test_metric_nan_pattern},
     {"each bad argument: own status, untouched outputs, message", test_bad_arguments},
     {"valid calls write their outputs; message reset", test_valid_calls},

@@ -5,9 +5,11 @@
 
 #include "../context.h"
 
+#include <math.h>
+#include <stdio.h>
 #include <string.h>
 
-fh_status fhm_call_start(fhm_call *c, fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin)
+fh_status fhm_call_start(fhm_call *c, fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin, int entry)
 {
     memset(c, 0, sizeof *c);
     if (!ctx || !L)
@@ -15,7 +17,45 @@ fh_status fhm_call_start(fhm_call *c, fh_mpi_layout *L, fh_context *ctx, const f
     c->L = L;
     c->ctx = ctx;
     c->lin = lin;
+    fhm_call_config(c, "the entry point", entry);
+    fhm_call_config(c, "the stats collective", L->params[FH_MPI_PARAM_STATS_COLLECTIVE]);
+    fhm_call_config(c, "the dx reduction", L->params[FH_MPI_PARAM_DX_REDUCTION]);
+    fhm_call_config(c, "the dweight reduction", L->params[FH_MPI_PARAM_DWEIGHT_REDUCTION]);
+    if (lin) {
+        fhm_call_config(c, "the hidden size", lin->hidden);
+        fhm_call_config(c, "x's dtype", lin->x_dtype);
+        fhm_call_config(c, "the weight's dtype", lin->weight_dtype);
+        fhm_call_config(c, "a bias given", lin->bias != NULL);
+    }
     return FH_OK;
+}
+
+void fhm_call_config(fhm_call *c, const char *name, int64_t value)
+{
+    fhm_config *k = &c->config;
+    if (k->count == FHM_CONFIG_MAX) /* a programming error: the tests' mismatch cases would miss a value */
+        return;
+    k->names[k->count] = name;
+    k->real[k->count] = 0;
+    k->values[k->count++] = value;
+}
+
+void fhm_call_config_real(fhm_call *c, const char *name, double value)
+{
+    int64_t bits;
+    const double canonical = isnan(value) ? NAN : value; /* one NaN: any NaN means "unset" */
+    memcpy(&bits, &canonical, sizeof bits);
+    fhm_call_config(c, name, bits);
+    c->config.real[c->config.count - 1] = 1;
+}
+
+void fhm_call_config_grads(fhm_call *c, const fh_linear_grads *grads)
+{
+    fhm_call_config(c, "dx asked for", grads && grads->dx);
+    fhm_call_config(c, "dweight asked for", grads && grads->dweight);
+    fhm_call_config(c, "dbias asked for", grads && grads->dbias);
+    if (grads)
+        fhm_call_config(c, "the gradients' dtypes", grads->dx_dtype * 9 + grads->dweight_dtype * 3 + grads->dbias_dtype);
 }
 
 static size_t round_up_64(size_t bytes)
@@ -41,23 +81,54 @@ fh_status fhm_call_scratch(fhm_call *c, const int64_t *ids, size_t head_bytes)
     return FH_OK;
 }
 
-/* fhm_call_agree without the cleanup. */
-static fh_status agree(fh_mpi_layout *L, fh_context *ctx, fh_status st, int64_t n)
+/* "name: A on one rank, B on another" for the first value of the configuration whose range [lo, hi] is not one
+ * value, into message; 0 when every value agrees. */
+static int disagreement(const fhm_config *k, const int64_t *hi, const int64_t *neg_lo, char *message, size_t size)
 {
-    /* Over vocab: the worst status and the range of n; then the verdict over data. On a grid this
-     * reaches every rank. */
-    int64_t mine[3] = {st, n, -n}, worst[3] = {st, n, -n};
+    for (int i = 0; i < k->count; i++) {
+        const int64_t lo = -neg_lo[i];
+        if (lo == hi[i])
+            continue;
+        if (k->real[i]) {
+            double a, b;
+            memcpy(&a, &lo, sizeof a);
+            memcpy(&b, &hi[i], sizeof b);
+            snprintf(message, size, "%s: %g on one rank, %g on another", k->names[i], a, b);
+        } else {
+            snprintf(message, size, "%s: %lld on one rank, %lld on another", k->names[i], (long long)lo,
+                     (long long)hi[i]);
+        }
+        return 1;
+    }
+    return 0;
+}
+
+/* fhm_call_agree without the cleanup. */
+static fh_status agree(fh_mpi_layout *L, fh_context *ctx, fh_status st, int64_t n, const fhm_config *config)
+{
+    /* Over vocab: the worst status, the range of n and of every configuration value; then the verdict and the
+     * ranges over data. On a grid this reaches every rank; every rank reduces the same FHM_CONFIG_MAX values
+     * (a failed rank's may be partial: they are compared only when every rank succeeded). */
+    enum { K = FHM_CONFIG_MAX };
+    int64_t mine[3 + 2 * K] = {st, n, -n}, worst[3 + 2 * K];
+    for (int i = 0; i < K; i++) {
+        mine[3 + i] = i < config->count ? config->values[i] : 0;
+        mine[3 + K + i] = -mine[3 + i];
+    }
+    memcpy(worst, mine, sizeof worst);
     int err = MPI_SUCCESS;
     if (L->vocab_ranks > 1)
-        err = MPI_Allreduce(mine, worst, 3, MPI_INT64_T, MPI_MAX, L->vocab);
+        err = MPI_Allreduce(mine, worst, 3 + 2 * K, MPI_INT64_T, MPI_MAX, L->vocab);
     if (err != MPI_SUCCESS)
         return fhm_mpi_error(ctx, err, "MPI_Allreduce (agreement)");
     int64_t verdict = worst[0];
     if (verdict == FH_OK && worst[1] != -worst[2])
         verdict = FH_ERR_MPI_LAYOUT;
-    int64_t overall = verdict;
+    int64_t overall[1 + 2 * K];
+    overall[0] = verdict;
+    memcpy(overall + 1, worst + 3, 2 * K * sizeof(int64_t));
     if (L->data_ranks > 1)
-        err = MPI_Allreduce(&verdict, &overall, 1, MPI_INT64_T, MPI_MAX, L->data);
+        err = MPI_Allreduce(MPI_IN_PLACE, overall, 1 + 2 * K, MPI_INT64_T, MPI_MAX, L->data);
     if (err != MPI_SUCCESS)
         return fhm_mpi_error(ctx, err, "MPI_Allreduce (agreement)");
     if (st != FH_OK)
@@ -65,9 +136,12 @@ static fh_status agree(fh_mpi_layout *L, fh_context *ctx, fh_status st, int64_t 
     if (verdict == FH_ERR_MPI_LAYOUT && worst[0] == FH_OK)
         return fh_fail(ctx, FH_ERR_MPI_LAYOUT, "lin->n differs across the vocab communicator (%lld to %lld)",
                        (long long)-worst[2], (long long)worst[1]);
-    if (overall != FH_OK)
-        return fh_fail(ctx, (fh_status)overall, "another rank failed this call: %s",
-                       fh_status_string((fh_status)overall));
+    if (overall[0] != FH_OK)
+        return fh_fail(ctx, (fh_status)overall[0], "another rank failed this call: %s",
+                       fh_status_string((fh_status)overall[0]));
+    char what[200];
+    if (disagreement(config, overall + 1, overall + 1 + K, what, sizeof what))
+        return fh_fail(ctx, FH_ERR_MPI_MISMATCH, "the ranks made this call with different configurations: %s", what);
     return FH_OK;
 }
 
@@ -82,7 +156,7 @@ fh_status fhm_call_agree(fhm_call *c, fh_status st)
 {
     if (!c->L)
         return st;
-    st = agree(c->L, c->ctx, st, st == FH_OK ? c->lin->n : 0);
+    st = agree(c->L, c->ctx, st, st == FH_OK ? c->lin->n : 0, &c->config);
     if (st != FH_OK)
         fhm_grads_free(&c->g);
     return st;

@@ -21,12 +21,20 @@ static int sharded_weights(const ce_call *c)
 }
 
 /* Local checks common to every call, then the per-call scratch. */
-static fh_status begin(ce_call *c, fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin, const int64_t *targets,
-                       const fh_ce_options *o, const float *grad_output)
+static fh_status begin(ce_call *c, int entry, fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin,
+                       const int64_t *targets, const fh_ce_options *o, const float *grad_output)
 {
     c->targets = targets;
     c->o = o;
-    fh_status st = fhm_call_start(&c->call, L, ctx, lin);
+    fh_status st = fhm_call_start(&c->call, L, ctx, lin, entry);
+    if (st == FH_OK && o) {
+        fhm_call_config(&c->call, "the reduction", o->reduction);
+        fhm_call_config(&c->call, "ignore_index", o->ignore_index);
+        fhm_call_config_real(&c->call, "label_smoothing", o->label_smoothing);
+        fhm_call_config(&c->call, "class weights given", o->class_weights != NULL);
+        fhm_call_config_real(&c->call, "softcap", o->softcap);
+        fhm_call_config_real(&c->call, "z_loss", o->z_loss);
+    }
     if (st == FH_OK)
         st = fh_ce_check_call(ctx, lin, targets, o, L->total_vocab);
     if (st == FH_OK)
@@ -144,7 +152,7 @@ FH_MPI_API fh_status fh_mpi_ce_forward(fh_context *ctx, fh_mpi_layout *layout, c
     ce_call c;
     fh_plan plan;
     fh_workspace ws;
-    fh_status st = begin(&c, layout, ctx, lin, targets, options, NULL);
+    fh_status st = begin(&c, FHM_CE_FORWARD, layout, ctx, lin, targets, options, NULL);
     if (st == FH_OK)
         st = fh_ce_check_outputs(ctx, options, out);
     if (st == FH_OK)
@@ -162,6 +170,7 @@ static fh_status check_backward(ce_call *c, const float *grad_output, const fh_l
     fhm_call *call = &c->call;
     if (!grads)
         return fh_fail(call->ctx, FH_ERR_NULL_POINTER, "the fh_linear_grads description is NULL");
+    fhm_call_config_grads(call, grads);
     /* dx is checked by fhm_grads_begin, for the rows it holds (a block with reduce-scatter). */
     fh_linear_grads without_dx = *grads;
     without_dx.dx = NULL;
@@ -178,7 +187,7 @@ FH_MPI_API fh_status fh_mpi_ce_backward(fh_context *ctx, fh_mpi_layout *layout, 
     ce_call c;
     fh_plan plan;
     fh_workspace ws;
-    fh_status st = begin(&c, layout, ctx, lin, targets, options, grad_output);
+    fh_status st = begin(&c, FHM_CE_BACKWARD, layout, ctx, lin, targets, options, grad_output);
     if (st == FH_OK && !lse)
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "lse is NULL");
     if (st == FH_OK)
@@ -250,7 +259,7 @@ FH_MPI_API fh_status fh_mpi_ce_forward_backward(fh_context *ctx, fh_mpi_layout *
     fh_plan plans[2];
     fh_workspace ws[2];
     int row_blocks = 0;
-    fh_status st = begin(&c, layout, ctx, lin, targets, options, grad_output);
+    fh_status st = begin(&c, FHM_CE_TRAIN_STEP, layout, ctx, lin, targets, options, grad_output);
     if (st == FH_OK)
         st = fh_ce_check_outputs(ctx, options, out);
     if (st == FH_OK)

@@ -110,8 +110,10 @@ fh_status fhm_grads_begin(const fh_mpi_layout *L, fh_context *ctx, const fh_line
     g->vocab = lin->vocab;
     g->w_stride_hidden = lin->w_stride_hidden;
     g->w_stride_vocab = lin->w_stride_vocab;
-    g->dx_mode = L->vocab_ranks > 1 ? L->params[FH_MPI_PARAM_DX_REDUCTION] : FH_MPI_NO_REDUCTION;
-    g->dw_mode = L->data_ranks > 1 ? L->params[FH_MPI_PARAM_DWEIGHT_REDUCTION] : FH_MPI_NO_REDUCTION;
+    /* A gradient not asked for is not reduced (every rank leaves it out: the agreement step checks that). */
+    g->dx_mode = L->vocab_ranks > 1 && user->dx ? L->params[FH_MPI_PARAM_DX_REDUCTION] : FH_MPI_NO_REDUCTION;
+    g->dw_mode = L->data_ranks > 1 && (user->dweight || user->dbias) ? L->params[FH_MPI_PARAM_DWEIGHT_REDUCTION]
+                                                                     : FH_MPI_NO_REDUCTION;
     /* The core checks (betas, bias), with dx checked for the rows it will hold. */
     fh_linear_grads without_dx = *user;
     without_dx.dx = NULL;

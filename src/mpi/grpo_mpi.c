@@ -15,12 +15,31 @@ typedef struct grpo_call {
     const fh_grpo_options *o;
 } grpo_call;
 
-static fh_status begin(grpo_call *c, fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin,
+static fh_status begin(grpo_call *c, int entry, fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin,
                        const fh_grpo_batch *bt, const fh_grpo_options *o)
 {
     c->bt = bt;
     c->o = o;
-    fh_status st = fhm_call_start(&c->call, L, ctx, lin);
+    fh_status st = fhm_call_start(&c->call, L, ctx, lin, entry);
+    fhm_call *call = &c->call;
+    if (st == FH_OK && o) {
+        fhm_call_config(call, "loss_type", o->loss_type);
+        fhm_call_config(call, "importance_sampling_level", o->importance_sampling_level);
+        fhm_call_config_real(call, "temperature", o->temperature);
+        fhm_call_config_real(call, "epsilon_low", o->epsilon_low);
+        fhm_call_config_real(call, "epsilon_high", o->epsilon_high);
+        fhm_call_config_real(call, "delta", o->delta);
+        fhm_call_config_real(call, "beta", o->beta);
+        fhm_call_config_real(call, "sapo_temperature_pos", o->sapo_temperature_pos);
+        fhm_call_config_real(call, "sapo_temperature_neg", o->sapo_temperature_neg);
+        fhm_call_config_real(call, "num_items_in_batch", o->num_items_in_batch);
+        fhm_call_config(call, "max_completion_length", o->max_completion_length);
+        fhm_call_config_real(call, "entropy_coef", o->entropy_coef);
+    }
+    if (st == FH_OK && bt) {
+        fhm_call_config(call, "the sequence length", bt->seq);
+        fhm_call_config(call, "old log-probs given", bt->old_per_token_logps != NULL);
+    }
     if (st == FH_OK)
         st = fh_grpo_check_call(ctx, lin, bt, o, L->total_vocab);
     if (st == FH_OK)
@@ -177,7 +196,7 @@ FH_MPI_API fh_status fh_mpi_grpo_forward(fh_context *ctx, fh_mpi_layout *layout,
     grpo_call c;
     fh_plan plan;
     fh_workspace ws;
-    fh_status st = begin(&c, layout, ctx, lin, batch, options);
+    fh_status st = begin(&c, FHM_GRPO_FORWARD, layout, ctx, lin, batch, options);
     if (st == FH_OK && !out)
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
     if (st == FH_OK)
@@ -201,6 +220,7 @@ FH_MPI_API fh_status fh_mpi_grpo_forward(fh_context *ctx, fh_mpi_layout *layout,
 static fh_status check_grads(grpo_call *c, const float *grad_output, const fh_linear_grads *grads)
 {
     fhm_call *call = &c->call;
+    fhm_call_config_grads(call, grads);
     fh_status st = fh_grpo_check_grad_output(call->ctx, grad_output);
     if (st == FH_OK)
         st = fhm_grads_begin(call->L, call->ctx, call->lin, grads, &call->g);
@@ -215,7 +235,7 @@ FH_MPI_API fh_status fh_mpi_grpo_backward(fh_context *ctx, fh_mpi_layout *layout
     grpo_call c;
     fh_plan plan;
     fh_workspace ws;
-    fh_status st = begin(&c, layout, ctx, lin, batch, options);
+    fh_status st = begin(&c, FHM_GRPO_BACKWARD, layout, ctx, lin, batch, options);
     if (st == FH_OK && (!per_token_logp || !lse || (options->entropy_coef != 0.0 && !entropy)))
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "%s is NULL",
                      !per_token_logp ? "per_token_logp" : !lse ? "lse" : "entropy (entropy_coef != 0)");
@@ -239,7 +259,7 @@ FH_MPI_API fh_status fh_mpi_grpo_forward_backward(fh_context *ctx, fh_mpi_layout
     grpo_call c;
     fh_plan plans[2];
     fh_workspace ws[2];
-    fh_status st = begin(&c, layout, ctx, lin, batch, options);
+    fh_status st = begin(&c, FHM_GRPO_TRAIN_STEP, layout, ctx, lin, batch, options);
     if (st == FH_OK && !out)
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
     if (st == FH_OK)

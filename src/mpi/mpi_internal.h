@@ -101,6 +101,19 @@ void fhm_grads_free(fhm_grads *g);
 /* What every fh_mpi_* call shares. A call runs: fhm_call_start, the head's local checks,
  * fhm_call_scratch, (fhm_grads_begin on g), planning, fhm_call_prepare; then fhm_call_agree, which every
  * rank reaches whatever failed locally; then the passes; a backward call ends in fhm_call_finish. */
+/* What every rank of a call must agree on, as named values (a real's bits), compared by fhm_call_agree: the entry
+ * point, shapes, dtypes, options, which gradients are asked for, the layout's reductions. */
+#define FHM_CONFIG_MAX 32
+typedef struct fhm_config {
+    int count;
+    const char *names[FHM_CONFIG_MAX];
+    int64_t values[FHM_CONFIG_MAX];
+    unsigned char real[FHM_CONFIG_MAX];
+} fhm_config;
+
+/* The entry points, as the configuration names them. */
+enum { FHM_CE_FORWARD, FHM_CE_BACKWARD, FHM_CE_TRAIN_STEP, FHM_GRPO_FORWARD, FHM_GRPO_BACKWARD, FHM_GRPO_TRAIN_STEP };
+
 typedef struct fhm_call {
     fh_mpi_layout *L;          /* NULL when the caller passed a NULL ctx or layout */
     fh_context *ctx;
@@ -110,11 +123,19 @@ typedef struct fhm_call {
     void *head_scratch;        /* the head's share of the scratch */
     void *records;             /* fhm_combine_bytes(n) of scratch */
     fhm_grads g;               /* the gradients' reductions (backward calls) */
+    fhm_config config;         /* filled before fhm_call_agree */
 } fhm_call;
 
+/* Adds a value to the call's configuration (fhm_config). */
+void fhm_call_config(fhm_call *c, const char *name, int64_t value);
+void fhm_call_config_real(fhm_call *c, const char *name, double value);
+/* Which gradients the call asks for, and their dtypes. */
+void fhm_call_config_grads(fhm_call *c, const fh_linear_grads *grads);
+
 /* FH_ERR_NULL_POINTER when ctx or L is NULL (then nothing is written and no collective runs, not even in
- * fhm_call_agree), else FH_OK. */
-fh_status fhm_call_start(fhm_call *c, fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin);
+ * fhm_call_agree), else FH_OK. `entry` names the entry point, the first value of the configuration, which then
+ * holds the layout's reductions and lin's hidden size, vocabulary, dtypes and bias. */
+fh_status fhm_call_start(fhm_call *c, fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin, int entry);
 
 /* After the head's checks: the shard check, then the per-call scratch with head_bytes for the head; the
  * engine's ids are the caller's ids until fhm_call_shard_ids. Local. */

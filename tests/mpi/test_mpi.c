@@ -320,12 +320,17 @@ typedef struct ce_case {
     int block_rows;        /* > 0: a budget for this many rows of the widest shard on every rank (row blocks
                               whose heights differ across uneven shards: the ranks must agree) */
     int tight_rank;        /* the last rank's budget holds only streaming tiles: every rank must stream */
+    int omit;              /* gradients left NULL: OMIT_DX | OMIT_DWEIGHT | OMIT_DBIAS */
 } ce_case;
+
+enum { OMIT_DX = 1, OMIT_DWEIGHT = 2, OMIT_DBIAS = 4 };
 
 static void run_ce(const config *cfg, const ce_case *c, fh_dtype dtype, fh_dtype grad_dtype)
 {
-    snprintf(case_name, sizeof case_name, "%s / ce %s%s%s%s", cfg->name, c->name, dtype == FH_DTYPE_BF16 ? " bf16" : "",
-             grad_dtype == FH_DTYPE_BF16 ? ", bf16 gradients" : "", filter_eps > 0.0 ? ", filtered" : "");
+    snprintf(case_name, sizeof case_name, "%s / ce %s%s%s%s%s%s%s", cfg->name, c->name,
+             dtype == FH_DTYPE_BF16 ? " bf16" : "", grad_dtype == FH_DTYPE_BF16 ? ", bf16 gradients" : "",
+             filter_eps > 0.0 ? ", filtered" : "", c->omit & OMIT_DX ? ", no dx" : "",
+             c->omit & OMIT_DWEIGHT ? ", no dweight" : "", c->omit & OMIT_DBIAS ? ", no dbias" : "");
     problem p;
     make_problem(&p, c->n, c->h, c->v, c->layout, 1000 + (uint64_t)c->n + (uint64_t)c->v, dtype);
     p.grad_dtype = grad_dtype;
@@ -442,6 +447,12 @@ static void run_ce(const config *cfg, const ce_case *c, fh_dtype dtype, fh_dtype
                          .dweight_beta = beta,
                          .dbias = c->bias ? (bf16_grads ? (void *)(bits[2] + off) : mine.db + off) : NULL,
                          .dbias_beta = beta, .dx_dtype = grad_dtype, .dweight_dtype = grad_dtype, .dbias_dtype = grad_dtype};
+    if (c->omit & OMIT_DX)
+        g.dx = NULL;
+    if (c->omit & OMIT_DWEIGHT)
+        g.dweight = NULL;
+    if (c->omit & OMIT_DBIAS)
+        g.dbias = NULL;
     fh_ce_outputs out = {&loss, &zl, ptl, logp, lse, argmax};
     const float *local_grad = c->reduction == FH_REDUCTION_NONE ? grad_out + n0 : grad_output;
     if (c->train_step) {
@@ -473,8 +484,9 @@ static void run_ce(const config *cfg, const ce_case *c, fh_dtype dtype, fh_dtype
     if (c->dx_mode == FH_MPI_NO_REDUCTION && cfg->pv > 1)
         for (int64_t i = 0; i < nr; i++)
             MPI_Allreduce(MPI_IN_PLACE, mine.dx + i * dx_stride, (int)h, MPI_FLOAT, MPI_SUM, cfg->vocab);
-    if (!(c->dx_mode == FH_MPI_NO_REDUCTION && cfg->pv > 1 && c->beta1)) /* beta 1 partials: prev counted pv times */
+    if (!(c->dx_mode == FH_MPI_NO_REDUCTION && cfg->pv > 1 && c->beta1) && !(c->omit & OMIT_DX))
         check_rows("dx", mine.dx, dx_stride, ref.dx + (n0 + dx_first) * h, h, dx_rows, h, grad_tol(&p));
+    /* beta 1 partials: prev counted pv times; an omitted gradient: its buffer as it was (NaN, or prev). */
     checks++;
     for (int64_t i = 0; i < dx_rows && c->dx_pad; i++)
         if (mine.dx[i * dx_stride + h] != 123.0f) {
@@ -485,7 +497,9 @@ static void run_ce(const config *cfg, const ce_case *c, fh_dtype dtype, fh_dtype
         MPI_Allreduce(MPI_IN_PLACE, mine.dw, (int)(h * v), MPI_FLOAT, MPI_SUM, cfg->data); /* NaN outside the shard */
         MPI_Allreduce(MPI_IN_PLACE, mine.db, (int)v, MPI_FLOAT, MPI_SUM, cfg->data);
     }
-    if (c->dw_mode == FH_MPI_REDUCE_SCATTER && cfg->pd > 1) {
+    if (c->omit & OMIT_DWEIGHT) {
+        /* not written: checked below with dbias */
+    } else if (c->dw_mode == FH_MPI_REDUCE_SCATTER && cfg->pd > 1) {
         int64_t first, count;
         fh_mpi_dweight_part(L, h, &first, &count);
         const float *base = mine.dw + weight_offset(&p, &lin), *want = ref.dw + weight_offset(&p, &lin);
@@ -493,8 +507,20 @@ static void run_ce(const config *cfg, const ce_case *c, fh_dtype dtype, fh_dtype
     } else if (!(c->dw_mode == FH_MPI_NO_REDUCTION && cfg->pd > 1 && c->beta1)) {
         check_weight_shard("dweight", mine.dw, ref.dw, c->layout, h, v, off, vl, grad_tol(&p));
     }
-    if (c->bias && !(c->dw_mode == FH_MPI_NO_REDUCTION && cfg->pd > 1 && c->beta1))
+    if (c->bias && !(c->dw_mode == FH_MPI_NO_REDUCTION && cfg->pd > 1 && c->beta1) && !(c->omit & OMIT_DBIAS))
         check_rows("dbias", mine.db + off, 1, ref.db + off, 1, vl, 1, dbias_tol(&p));
+    /* Omitted gradients' buffers are left as they were (NaN-filled with beta 0: dx's rows this rank holds). */
+    const struct {
+        int bit;
+        const float *buffer;
+        int64_t count;
+    } omitted[] = {{OMIT_DX, mine.dx, dx_rows * dx_stride}, {OMIT_DWEIGHT, mine.dw, h * v}, {OMIT_DBIAS, mine.db, v}};
+    for (size_t k = 0; k < sizeof omitted / sizeof omitted[0]; k++)
+        for (int64_t i = 0; (c->omit & omitted[k].bit) && !c->beta1 && i < omitted[k].count; i++)
+            if (!isnan(omitted[k].buffer[i]) && !(omitted[k].bit == OMIT_DX && omitted[k].buffer[i] == 123.0f)) {
+                FAIL("an omitted gradient's buffer was written at %lld", (long long)i);
+                break;
+            }
 
     fh_mpi_layout_destroy(L);
     fh_context_destroy(ctx);
@@ -521,56 +547,65 @@ static void ce_cases(const config *cfg)
 {
     const ce_case cases[] = {
         /* name, n h v, layout, bias cw, ignore, ignore_index, reduction, eps softcap zloss, train, stats,
-         * dx dw, beta1, pad, small tiles, block rows, tight rank */
+         * dx dw, beta1, pad, small tiles, block rows, tight rank, omit */
         {"mean split vh", 67, 24, 301, FH_LAYOUT_VH, 0, 0, 0.0, -100, FH_REDUCTION_MEAN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1,
-         0, 0},
+         0, 0, 0},
         {"mean train vh", 67, 24, 301, FH_LAYOUT_VH, 1, 0, 0.1, -100, FH_REDUCTION_MEAN, 0, 0, 0, 1, 0, 0, 0, 0, 0, 1,
-         0, 0},
+         0, 0, 0},
         {"smoothing+class weights hv", 80, 20, 257, FH_LAYOUT_HV, 1, 1, 0.2, -100, FH_REDUCTION_MEAN, 0.1, 0, 0, 0, 0,
-         0, 0, 0, 0, 1, 0, 0},
+         0, 0, 0, 0, 1, 0, 0, 0},
         {"smoothing+class weights train", 80, 20, 257, FH_LAYOUT_VH, 1, 1, 0.2, -100, FH_REDUCTION_MEAN, 0.15, 0, 0, 1,
-         0, 0, 0, 0, 0, 1, 0, 0},
+         0, 0, 0, 0, 0, 1, 0, 0, 0},
         {"smoothing+class weights max-then-sum", 80, 20, 257, FH_LAYOUT_VH, 1, 1, 0.2, -100, FH_REDUCTION_MEAN, 0.1, 0,
-         0, 0, FH_MPI_STATS_MAX_THEN_SUM, 0, 0, 0, 0, 1, 0, 0},
+         0, 0, FH_MPI_STATS_MAX_THEN_SUM, 0, 0, 0, 0, 1, 0, 0, 0},
         {"z-loss softcap sum", 50, 16, 190, FH_LAYOUT_HV, 1, 0, 0.1, -100, FH_REDUCTION_SUM, 0, 3.0, 1e-3, 0, 0, 0, 0,
-         0, 0, 1, 0, 0},
+         0, 0, 1, 0, 0, 0},
         {"z-loss softcap train sum", 50, 16, 190, FH_LAYOUT_VH, 0, 1, 0.1, -100, FH_REDUCTION_SUM, 0.05, 3.0, 1e-3, 1,
-         0, 0, 0, 0, 0, 1, 0, 0},
+         0, 0, 0, 0, 0, 1, 0, 0, 0},
         {"none per-token grads", 45, 16, 170, FH_LAYOUT_VH, 1, 1, 0.2, -100, FH_REDUCTION_NONE, 0.1, 0, 1e-4, 0, 0, 0,
-         0, 0, 0, 1, 0, 0},
+         0, 0, 0, 1, 0, 0, 0},
         {"none train max-then-sum", 45, 16, 170, FH_LAYOUT_HV, 1, 0, 0.2, -100, FH_REDUCTION_NONE, 0, 0, 1e-4, 1,
-         FH_MPI_STATS_MAX_THEN_SUM, 0, 0, 0, 0, 1, 0, 0},
+         FH_MPI_STATS_MAX_THEN_SUM, 0, 0, 0, 0, 1, 0, 0, 0},
         {"in-range ignore_index", 60, 16, 150, FH_LAYOUT_VH, 0, 1, 0.3, 7, FH_REDUCTION_MEAN, 0.1, 0, 0, 0, 0, 0, 0, 0,
-         0, 1, 0, 0},
+         0, 1, 0, 0, 0},
         {"all ignored", 30, 8, 100, FH_LAYOUT_VH, 1, 0, 1.0, -100, FH_REDUCTION_MEAN, 0.1, 0, 1e-3, 1, 0, 0, 0, 0, 0,
-         1, 0, 0},
+         1, 0, 0, 0},
         {"reduce-scatter dx+dw", 70, 24, 230, FH_LAYOUT_VH, 1, 0, 0.1, -100, FH_REDUCTION_MEAN, 0, 0, 0, 0, 0,
-         FH_MPI_REDUCE_SCATTER, FH_MPI_REDUCE_SCATTER, 0, 0, 1, 0, 0},
+         FH_MPI_REDUCE_SCATTER, FH_MPI_REDUCE_SCATTER, 0, 0, 1, 0, 0, 0},
         {"reduce-scatter beta 1 strided dx", 70, 24, 230, FH_LAYOUT_VH, 1, 0, 0.1, -100, FH_REDUCTION_MEAN, 0, 0, 0, 1,
-         0, FH_MPI_REDUCE_SCATTER, FH_MPI_REDUCE_SCATTER, 1, 3, 1, 0, 0},
+         0, FH_MPI_REDUCE_SCATTER, FH_MPI_REDUCE_SCATTER, 1, 3, 1, 0, 0, 0},
         {"allreduce beta 1 strided dx hv", 70, 24, 230, FH_LAYOUT_HV, 1, 1, 0.1, -100, FH_REDUCTION_MEAN, 0.1, 0, 0, 0,
-         0, 0, 0, 1, 5, 1, 0, 0},
+         0, 0, 0, 1, 5, 1, 0, 0, 0},
         {"no reduction", 70, 24, 230, FH_LAYOUT_HV, 1, 0, 0.1, -100, FH_REDUCTION_MEAN, 0, 0, 0, 0, 0,
-         FH_MPI_NO_REDUCTION, FH_MPI_NO_REDUCTION, 0, 0, 1, 0, 0},
+         FH_MPI_NO_REDUCTION, FH_MPI_NO_REDUCTION, 0, 0, 1, 0, 0, 0},
         {"default tiles train", 130, 40, 700, FH_LAYOUT_VH, 1, 1, 0.1, -100, FH_REDUCTION_MEAN, 0.1, 0, 1e-4, 1, 0, 0,
-         0, 0, 0, 0, 0, 0},
+         0, 0, 0, 0, 0, 0, 0},
         {"row blocks of uneven heights smoothing+class weights", 100, 16, 301, FH_LAYOUT_VH, 1, 1, 0.15, -100,
-         FH_REDUCTION_MEAN, 0.1, 0, 1e-3, 1, 0, 0, 0, 0, 0, 0, 15, 0},
+         FH_REDUCTION_MEAN, 0.1, 0, 1e-3, 1, 0, 0, 0, 0, 0, 0, 15, 0, 0},
         {"row blocks of uneven heights none beta 1", 90, 16, 280, FH_LAYOUT_HV, 0, 1, 0.2, 5, FH_REDUCTION_NONE, 0.2,
-         2.0, 1e-4, 1, FH_MPI_STATS_MAX_THEN_SUM, 0, 0, 1, 2, 0, 12, 0},
+         2.0, 1e-4, 1, FH_MPI_STATS_MAX_THEN_SUM, 0, 0, 1, 2, 0, 12, 0, 0},
         {"row blocks of uneven heights sum reduce-scatter", 77, 16, 260, FH_LAYOUT_VH, 1, 1, 0.1, -100,
-         FH_REDUCTION_SUM, 0, 0, 1e-3, 1, 0, FH_MPI_REDUCE_SCATTER, FH_MPI_REDUCE_SCATTER, 0, 0, 0, 20, 0},
+         FH_REDUCTION_SUM, 0, 0, 1e-3, 1, 0, FH_MPI_REDUCE_SCATTER, FH_MPI_REDUCE_SCATTER, 0, 0, 0, 20, 0, 0},
         {"streaming fallback on one rank", 70, 16, 300, FH_LAYOUT_VH, 1, 1, 0.2, -100, FH_REDUCTION_MEAN, 0.1, 0,
-         1e-3, 1, 0, 0, 0, 1, 0, 0, 0, 1},
+         1e-3, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0},
         {"streaming fallback on one rank sum", 64, 16, 290, FH_LAYOUT_HV, 0, 1, 0.1, 3, FH_REDUCTION_SUM, 0.05, 0,
-         0, 1, 0, 0, 0, 0, 0, 0, 0, 1},
+         0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 0},
         /* H > N and shards of two dU chunks or more: a bf16 train step keeps the first chunk in the memory of the
          * dweight the engine writes (the caller's, or the fp32 staging buffer of a data-parallel reduction). */
         {"train step with scratch in dweight", 30, 160, 20000, FH_LAYOUT_VH, 1, 0, 0.1, -100, FH_REDUCTION_MEAN, 0.1,
-         0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0},
+         0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0},
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++)
         run_ce(cfg, &cases[k], FH_DTYPE_F32, FH_DTYPE_F32);
+    /* Every subset of the gradients (NULL skips one), on the split pair and the train step, with either dx
+     * reduction: the loss and the gradients asked for as with all three, the others untouched. */
+    static const size_t subset_cases[] = {0, 1, 11};
+    for (size_t k = 0; k < sizeof subset_cases / sizeof subset_cases[0]; k++)
+        for (int omit = 1; omit < 8; omit++) {
+            ce_case c = cases[subset_cases[k]];
+            c.omit = omit;
+            run_ce(cfg, &c, FH_DTYPE_F32, FH_DTYPE_F32);
+        }
     /* bf16: split and train step, row blocks of uneven heights, the streaming fallback, reduce-scatter, scratch in
      * dweight. */
     static const size_t bf16_cases[] = {0, 3, 12, 16, 19, 21};
@@ -600,15 +635,16 @@ typedef struct grpo_case {
     double beta, entropy_coef, temperature, delta;
     int old, split, bias;
     fh_layout layout;
+    int omit; /* gradients left NULL (OMIT_*) */
 } grpo_case;
 
 static const char *loss_names[] = {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"};
 
 static void run_grpo(const config *cfg, const grpo_case *c, fh_dtype dtype)
 {
-    snprintf(case_name, sizeof case_name, "%s / grpo %s %s beta=%g ent=%g old=%d split=%d%s", cfg->name,
+    snprintf(case_name, sizeof case_name, "%s / grpo %s %s beta=%g ent=%g old=%d split=%d%s omit=%d", cfg->name,
              loss_names[c->loss_type], c->level ? "sequence" : "token", c->beta, c->entropy_coef, c->old, c->split,
-             dtype == FH_DTYPE_BF16 ? " bf16" : "");
+             dtype == FH_DTYPE_BF16 ? " bf16" : "", c->omit);
     const int64_t B = 12, T = 8, n = B * T, h = 16, v = 211;
     problem p;
     make_problem(&p, n, h, v, c->layout, 2000 + (uint64_t)c->loss_type * 7 + (uint64_t)c->level, dtype);
@@ -675,7 +711,10 @@ static void run_grpo(const config *cfg, const grpo_case *c, fh_dtype dtype)
     prefill(mine.dx, nr * h, 0, 0);
     prefill(mine.dw, h * v, 0, 0);
     prefill(mine.db, v, 0, 0);
-    fh_linear_grads g = {.dx = mine.dx, .dx_row_stride = h, .dx_beta = 0.0f, .dweight = mine.dw + weight_offset(&p, &lin), .dweight_beta = 0.0f, .dbias = c->bias ? mine.db + off : NULL, .dbias_beta = 0.0f};
+    fh_linear_grads g = {.dx = c->omit & OMIT_DX ? NULL : mine.dx, .dx_row_stride = h, .dx_beta = 0.0f,
+                         .dweight = c->omit & OMIT_DWEIGHT ? NULL : mine.dw + weight_offset(&p, &lin),
+                         .dweight_beta = 0.0f, .dbias = c->bias && !(c->omit & OMIT_DBIAS) ? mine.db + off : NULL,
+                         .dbias_beta = 0.0f};
     fh_grpo_outputs out = {&loss, &m, logp, ptl, ent, lse};
     if (c->split) {
         check_status("fh_mpi_grpo_forward", fh_mpi_grpo_forward(ctx, L, &lin, &lb, &o, &out), ctx);
@@ -696,9 +735,11 @@ static void run_grpo(const config *cfg, const grpo_case *c, fh_dtype dtype)
     check_rows("per_token_loss", ptl, 1, r_ptl + n0, 1, nr, 1, GRAD_TOL);
     check_rows("entropy", ent, 1, r_ent + n0, 1, nr, 1, GRAD_TOL);
     check_rows("lse", lse, 1, r_lse + n0, 1, nr, 1, GRAD_TOL);
-    check_rows("dx", mine.dx, h, ref.dx + n0 * h, h, nr, h, grad_tol(&p));
-    check_weight_shard("dweight", mine.dw, ref.dw, c->layout, h, v, off, vl, grad_tol(&p));
-    if (c->bias)
+    if (!(c->omit & OMIT_DX))
+        check_rows("dx", mine.dx, h, ref.dx + n0 * h, h, nr, h, grad_tol(&p));
+    if (!(c->omit & OMIT_DWEIGHT))
+        check_weight_shard("dweight", mine.dw, ref.dw, c->layout, h, v, off, vl, grad_tol(&p));
+    if (c->bias && !(c->omit & OMIT_DBIAS))
         check_rows("dbias", mine.db + off, 1, ref.db + off, 1, vl, 1, dbias_tol(&p));
 
     fh_mpi_layout_destroy(L);
@@ -732,10 +773,17 @@ static void grpo_cases(const config *cfg)
             const int k = lt * 2 + level;
             const grpo_case c = {(fh_grpo_loss_type)lt, (fh_grpo_is_level)level, k % 3 == 0 ? 0.04 : 0.0,
                                  k % 4 == 1 ? 0.01 : 0.0, k % 2 ? 0.7 : 1.0, k % 5 == 2 ? 1.3 : NAN, k % 6 != 5,
-                                 k % 3 == 1, k % 2, k % 4 < 2 ? FH_LAYOUT_VH : FH_LAYOUT_HV};
+                                 k % 3 == 1, k % 2, k % 4 < 2 ? FH_LAYOUT_VH : FH_LAYOUT_HV, 0};
             run_grpo(cfg, &c, FH_DTYPE_F32);
             if (have_bf16() && k % 4 == 1)
                 run_grpo(cfg, &c, FH_DTYPE_BF16);
+        }
+    /* Every subset of the gradients, on the split pair and the train step. */
+    for (int omit = 1; omit < 8; omit++)
+        for (int split = 0; split < 2; split++) {
+            const grpo_case c = {FH_GRPO_LOSS_DAPO, FH_GRPO_IS_TOKEN, 0.04, 0.01, 1.0, NAN, 1, split, 1, FH_LAYOUT_VH,
+                                 omit};
+            run_grpo(cfg, &c, FH_DTYPE_F32);
         }
 }
 
@@ -797,6 +845,99 @@ static void error_cases(const config *cfg)
     free_problem(&p);
 }
 
+/* ---- ranks that disagree on a call's configuration --------------------------------------------- */
+
+/* Each kind of disagreement, rank 0 against the others: every rank returns FH_ERR_MPI_MISMATCH naming it, writes
+ * nothing, and none hangs or crashes (ctest's timeout bounds the run). */
+enum { DIFF_NO_DX, DIFF_NO_DWEIGHT, DIFF_CLASS_WEIGHTS, DIFF_STATS, DIFF_DX_REDUCTION, DIFF_DW_REDUCTION,
+       DIFF_REDUCTION, DIFF_SMOOTHING, DIFF_GRPO_LOSS, DIFF_GRPO_BETA, DIFF_COUNT };
+
+static void mismatch_case(const config *cfg, int diff)
+{
+    static const char *const what[DIFF_COUNT] = {"dx asked for", "dweight asked for", "class weights given",
+                                                 "the stats collective", "the dx reduction", "the dweight reduction",
+                                                 "the reduction", "label_smoothing", "loss_type", "beta"};
+    snprintf(case_name, sizeof case_name, "%s / mismatch: %s", cfg->name, what[diff]);
+    const int64_t B = 4, T = 5, n = B * T, h = 8, v = 64;
+    const int odd = world_rank == 0;
+    problem p;
+    make_problem(&p, n, h, v, FH_LAYOUT_VH, 6, FH_DTYPE_F32);
+    fh_context *ctx = make_context(1);
+    int64_t off, vl;
+    fh_mpi_layout *L = make_layout(cfg, v, &off, &vl);
+    if (odd && diff == DIFF_STATS)
+        fh_mpi_layout_set(L, FH_MPI_PARAM_STATS_COLLECTIVE, FH_MPI_STATS_MAX_THEN_SUM);
+    if (odd && diff == DIFF_DX_REDUCTION)
+        fh_mpi_layout_set(L, FH_MPI_PARAM_DX_REDUCTION, FH_MPI_REDUCE_SCATTER);
+    if (odd && diff == DIFF_DW_REDUCTION)
+        fh_mpi_layout_set(L, FH_MPI_PARAM_DWEIGHT_REDUCTION, FH_MPI_REDUCE_SCATTER);
+    const fh_linear lin = shard_linear(&p, 0, n, off, vl, 0);
+    grads mine = {alloc((size_t)(n * h), 4), alloc((size_t)(h * v), 4), alloc((size_t)v, 4)};
+    prefill(mine.dx, n * h, 0, 0);
+    prefill(mine.dw, h * v, 0, 0);
+    fh_linear_grads g = {.dx = odd && diff == DIFF_NO_DX ? NULL : mine.dx, .dx_row_stride = h,
+                         .dweight = odd && diff == DIFF_NO_DWEIGHT ? NULL : mine.dw + weight_offset(&p, &lin)};
+    double loss = -1.0;
+    const float grad_output = 1.0f;
+    fh_status st;
+    if (diff < DIFF_GRPO_LOSS) {
+        int64_t *targets = alloc((size_t)n, sizeof(int64_t));
+        for (int64_t i = 0; i < n; i++)
+            targets[i] = i * 7 % v;
+        fh_ce_options o;
+        fh_ce_options_init(&o);
+        if (odd && diff == DIFF_CLASS_WEIGHTS)
+            o.class_weights = p.cw + off;
+        if (odd && diff == DIFF_REDUCTION)
+            o.reduction = FH_REDUCTION_SUM;
+        if (odd && diff == DIFF_SMOOTHING)
+            o.label_smoothing = 0.1;
+        fh_ce_outputs out = {&loss, NULL, NULL, NULL, NULL, NULL};
+        st = fh_mpi_ce_forward_backward(ctx, L, &lin, targets, &o, &grad_output, &out, &g);
+        free(targets);
+    } else {
+        int64_t *ids = alloc((size_t)n, sizeof(int64_t));
+        float *mask = alloc((size_t)n, 4), *adv = alloc((size_t)B, 4), *refl = alloc((size_t)n, 4);
+        for (int64_t i = 0; i < n; i++) {
+            ids[i] = i * 5 % v;
+            mask[i] = 1.0f;
+            refl[i] = -4.0f;
+        }
+        for (int64_t b = 0; b < B; b++)
+            adv[b] = (float)b - 1.5f;
+        fh_grpo_options o;
+        fh_grpo_options_init(&o);
+        o.beta = 0.04;
+        if (odd && diff == DIFF_GRPO_LOSS)
+            o.loss_type = FH_GRPO_LOSS_DAPO;
+        if (odd && diff == DIFF_GRPO_BETA)
+            o.beta = 0.05;
+        const fh_grpo_batch batch = {B, T, ids, mask, adv, NULL, refl};
+        fh_grpo_outputs out = {&loss, NULL, NULL, NULL, NULL, NULL};
+        st = fh_mpi_grpo_forward_backward(ctx, L, &lin, &batch, &o, &grad_output, &out, &g);
+        free(ids);
+        free(mask);
+        free(adv);
+        free(refl);
+    }
+    const char *message = "";
+    fh_context_message(ctx, &message);
+    checks++;
+    if (world_size > 1 && (st != FH_ERR_MPI_MISMATCH || loss != -1.0 || !strstr(message, what[diff])))
+        FAIL("status %d (expected FH_ERR_MPI_MISMATCH), loss %g, message '%s'", (int)st, loss, message);
+    for (int64_t i = 0; world_size > 1 && i < n * h; i++)
+        if (!isnan(mine.dx[i])) {
+            FAIL("dx written at %lld", (long long)i);
+            break;
+        }
+    fh_mpi_layout_destroy(L);
+    fh_context_destroy(ctx);
+    free(mine.dx);
+    free(mine.dw);
+    free(mine.db);
+    free_problem(&p);
+}
+
 int main(int argc, char **argv)
 {
     int provided;
@@ -824,6 +965,8 @@ int main(int argc, char **argv)
         ce_cases(&configs[k]);
         grpo_cases(&configs[k]);
         error_cases(&configs[k]);
+        for (int diff = 0; diff < DIFF_COUNT; diff++)
+            mismatch_case(&configs[k], diff);
         /* fh_mpi_layout_create_grid gives the same layout as the test's own split. */
         fh_mpi_layout *L = NULL;
         snprintf(case_name, sizeof case_name, "%s / create_grid", configs[k].name);
