@@ -158,35 +158,38 @@ void fh_ce_row_coefs(const void *self, int64_t i, const fh_final_stats *stats, f
     k->c = -g_ce * eps / vocab;
 }
 
+/* Row i's token outputs from its statistics, its loss terms added to totals. */
+static void token_outputs(const fh_ce_head *h, const fh_token_stats *stats, int64_t i, fh_ce_outputs *out,
+                          double totals[2])
+{
+    const fh_ce_options *o = h->o;
+    const double eps = o->label_smoothing, lse = stats->lse[i];
+    double ce = 0.0, zl = 0.0, logp = 0.0;
+    if (h->targets[i] != o->ignore_index) {
+        logp = stats->z_target[i] - lse;
+        ce = -(1.0 - eps) * target_weight(h, i) * logp;
+        if (eps > 0.0)
+            ce += eps / h->vocab * (h->nm.class_weight_total * lse - stats->sum_weighted_z[i]);
+        zl = o->z_loss * lse * lse;
+    }
+    totals[0] += ce;
+    totals[1] += zl;
+    if (out->per_token_loss)
+        out->per_token_loss[i] = (float)(ce + zl);
+    if (out->per_token_logp)
+        out->per_token_logp[i] = (float)logp;
+    if (out->lse)
+        out->lse[i] = (float)lse;
+    if (out->argmax)
+        out->argmax[i] = stats->argmax[i];
+}
+
 void fh_ce_write_token_outputs(const fh_ce_head *h, const fh_token_stats *stats, fh_ce_outputs *out,
                                double totals[2])
 {
-    const fh_ce_options *o = h->o;
-    const double eps = o->label_smoothing, vocab = h->vocab;
-    double ce_total = 0.0, z_total = 0.0;
-    for (int64_t i = 0; i < h->lin->n; i++) {
-        const double lse = stats->lse[i];
-        double ce = 0.0, zl = 0.0, logp = 0.0;
-        if (h->targets[i] != o->ignore_index) {
-            logp = stats->z_target[i] - lse;
-            ce = -(1.0 - eps) * target_weight(h, i) * logp;
-            if (eps > 0.0)
-                ce += eps / vocab * (h->nm.class_weight_total * lse - stats->sum_weighted_z[i]);
-            zl = o->z_loss * lse * lse;
-        }
-        ce_total += ce;
-        z_total += zl;
-        if (out->per_token_loss)
-            out->per_token_loss[i] = (float)(ce + zl);
-        if (out->per_token_logp)
-            out->per_token_logp[i] = (float)logp;
-        if (out->lse)
-            out->lse[i] = (float)lse;
-        if (out->argmax)
-            out->argmax[i] = stats->argmax[i];
-    }
-    totals[0] = ce_total;
-    totals[1] = z_total;
+    totals[0] = totals[1] = 0.0;
+    for (int64_t i = 0; i < h->lin->n; i++)
+        token_outputs(h, stats, i, out, totals);
 }
 
 void fh_ce_write_loss(const fh_ce_head *h, const double totals[2], fh_ce_outputs *out)
@@ -264,6 +267,25 @@ fh_coef_arrays fh_ce_coefs_in(const fh_workspace *ws, const fh_ce_head *h, const
         c[i] = k.c;
     }
     const fh_coef_arrays coefs = {lse, a, b, c, NULL, NULL};
+    return coefs;
+}
+
+fh_coef_arrays fh_ce_outputs_and_coefs(const fh_workspace *ws, const fh_ce_head *h, const fh_token_stats *stats,
+                                       fh_ce_outputs *out, double totals[2])
+{
+    double *a = ws->slot[FH_CE_SLOT_Z_TARGET_THEN_A], *b = ws->slot[FH_CE_SLOT_SUM_WZ_THEN_B],
+           *c = ws->slot[FH_CE_SLOT_SUM_EXP_THEN_C];
+    totals[0] = totals[1] = 0.0;
+    for (int64_t i = 0; i < h->lin->n; i++) {
+        const fh_final_stats final = {stats->lse[i], 0.0, 0.0, 0.0};
+        fh_coef k;
+        fh_ce_row_coefs(h, i, &final, &k);
+        token_outputs(h, stats, i, out, totals);
+        a[i] = k.a;
+        b[i] = k.b;
+        c[i] = k.c;
+    }
+    const fh_coef_arrays coefs = {stats->lse, a, b, c, NULL, NULL};
     return coefs;
 }
 
@@ -349,8 +371,9 @@ FH_API fh_status fh_ce_forward_backward(fh_context *ctx, const fh_linear *lin, c
     st = fh_engine_forward(&pass);
     if (st != FH_OK)
         return fh_gemm_failure(ctx, st);
-    write_outputs(&h, &stats, out);
-    const fh_coef_arrays coefs = fh_ce_coefs_in(&ws, &h, NULL, stats.lse);
+    double totals[2];
+    const fh_coef_arrays coefs = fh_ce_outputs_and_coefs(&ws, &h, &stats, out, totals);
+    fh_ce_write_loss(&h, totals, out);
     pass.coefs = &coefs;
     return fh_gemm_failure(ctx, fh_engine_backward(&pass));
 }

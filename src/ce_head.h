@@ -70,5 +70,11 @@ fh_token_stats fh_ce_stats_in(const fh_workspace *ws, const fh_ce_options *o, co
 /* Backward coefficients for every row into the workspace's slots, from lse (float or double). */
 fh_coef_arrays fh_ce_coefs_in(const fh_workspace *ws, const fh_ce_head *h, const float *lse_float,
                               const double *lse_double);
+/* The streaming train step's token outputs (totals as fh_ce_write_token_outputs) and backward coefficients (as
+ * fh_ce_coefs_in, from stats->lse), row by row, each row read whole before any of its outputs is written: an output
+ * may replace an input of its row (per_token_loss over grad_output, reduction none) on every schedule. The
+ * coefficients overwrite ws's statistics slots. */
+fh_coef_arrays fh_ce_outputs_and_coefs(const fh_workspace *ws, const fh_ce_head *h, const fh_token_stats *stats,
+                                       fh_ce_outputs *out, double totals[2]);
 
 #endif

@@ -591,6 +591,9 @@ FH_API fh_status fh_grpo_forward_backward(fh_context *ctx, const fh_linear *lin,
         st = forward_pass(&plans[0], &ws[0], lin, batch, options);
     if (st != FH_OK)
         return fh_gemm_failure(ctx, st);
-    fh_grpo_write_outputs(&ws[0], lin->n, out);
-    return fh_gemm_failure(ctx, backward_pass(&plans[1], &ws[1], lin, batch, options, grad_output[0], grads, out));
+    st = backward_pass(&plans[1], &ws[1], lin, batch, options, grad_output[0], grads, out);
+    /* Written after the backward has read old_per_token_logps, which per_token_logp may replace (the slots hold). */
+    if (st == FH_OK)
+        fh_grpo_write_outputs(&ws[0], lin->n, out);
+    return fh_gemm_failure(ctx, st);
 }

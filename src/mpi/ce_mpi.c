@@ -120,9 +120,10 @@ static fh_status prepare_step(void *head_call, fh_status st, const fh_plan *plan
     return prepare(c, st, plans, ws, count, &c->call.g.engine);
 }
 
-/* The streaming forward on the shard, combined: stats end up whole-vocabulary, the outputs written. */
+/* The streaming forward on the shard, combined: stats end up whole-vocabulary, the loss written, and the token
+ * outputs when write_tokens (the train step writes them with its coefficients, fh_ce_outputs_and_coefs). */
 static fh_status forward(ce_call *c, const fh_plan *plan, const fh_workspace *ws, const fh_token_stats *stats,
-                         fh_ce_outputs *out)
+                         fh_ce_outputs *out, int write_tokens)
 {
     const fhm_call *call = &c->call;
     fh_engine_pass pass = shard_pass(c, plan, ws);
@@ -135,7 +136,8 @@ static fh_status forward(ce_call *c, const fh_plan *plan, const fh_workspace *ws
     if (st != FH_OK)
         return st;
     double totals[4];
-    fh_ce_write_token_outputs(&c->h, stats, out, totals + 2);
+    fh_ce_outputs loss_only = {out->loss, out->z_loss, NULL, NULL, NULL, NULL};
+    fh_ce_write_token_outputs(&c->h, stats, write_tokens ? out : &loss_only, totals + 2);
     totals[0] = c->h.nm.count;
     totals[1] = c->h.nm.weight_sum;
     st = fhm_sum(call->ctx, call->L->data, call->L->data_ranks, totals, 4);
@@ -162,7 +164,7 @@ FH_MPI_API fh_status fh_mpi_ce_forward(fh_context *ctx, fh_mpi_layout *layout, c
         return st;
     shard_inputs(&c);
     const fh_token_stats stats = fh_ce_stats_in(&ws, options, out);
-    return forward(&c, &plan, &ws, &stats, out);
+    return forward(&c, &plan, &ws, &stats, out, 1);
 }
 
 static fh_status check_backward(ce_call *c, const float *grad_output, const fh_linear_grads *grads)
@@ -280,9 +282,10 @@ FH_MPI_API fh_status fh_mpi_ce_forward_backward(fh_context *ctx, fh_mpi_layout *
         st = row_block_step(&c, &plans[0], &ws[0], &stats, out);
     } else {
         /* Streaming: forward, the statistics' all-reduce, then backward from the double lse. */
-        st = forward(&c, &plans[0], &ws[0], &stats, out);
+        st = forward(&c, &plans[0], &ws[0], &stats, out, 0);
         if (st == FH_OK) {
-            const fh_coef_arrays coefs = fh_ce_coefs_in(&ws[1], &c.h, NULL, stats.lse);
+            double local[2];
+            const fh_coef_arrays coefs = fh_ce_outputs_and_coefs(&ws[1], &c.h, &stats, out, local);
             fh_engine_pass pass = shard_pass(&c, &plans[1], &ws[1]);
             pass.coefs = &coefs;
             pass.grads = &c.call.g.engine;

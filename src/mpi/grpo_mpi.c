@@ -280,6 +280,9 @@ FH_MPI_API fh_status fh_mpi_grpo_forward_backward(fh_context *ctx, fh_mpi_layout
     st = forward_pass(&c, &plans[0], &ws[0]);
     if (st != FH_OK)
         return fhm_call_finish(&c.call, st);
-    fh_grpo_write_outputs(&ws[0], lin->n, out);
-    return backward_pass(&c, &plans[1], &ws[1], grad_output[0], out);
+    st = backward_pass(&c, &plans[1], &ws[1], grad_output[0], out);
+    /* Written after the backward has read old_per_token_logps, which per_token_logp may replace (the slots hold). */
+    if (st == FH_OK)
+        fh_grpo_write_outputs(&ws[0], lin->n, out);
+    return st;
 }
