@@ -66,6 +66,9 @@ typedef enum fh_status {
     FH_ERR_BUDGET_TOO_SMALL = 22,     /* the memory budget cannot hold the smallest tile */
     FH_ERR_WISDOM_IO = 23,            /* the wisdom file cannot be read or written */
     FH_ERR_INVALID_WISDOM = 24,       /* a wisdom file line or entry is malformed, or the table is full */
+    FH_ERR_OVERLAPPING_BUFFERS = 25,  /* a gradient's memory overlaps x, the weight, the bias, another gradient or
+                                         the caller's workspace, or the workspace overlaps an input (the message
+                                         names both) */
     /* 30..39: context, parameters and environment */
     FH_ERR_INVALID_PARAM = 30,        /* unknown fh_param */
     FH_ERR_INVALID_PARAM_VALUE = 31,  /* value outside fh_param_bounds() */

@@ -102,12 +102,77 @@ fh_status fh_check_linear(fh_context *ctx, const fh_linear *lin)
     return st;
 }
 
+/* ---- Overlapping buffers ----
+ * The byte range a view spans, from its first to one past its last element: two views whose ranges intersect are
+ * taken to overlap (interleaved views that never share an element are refused too; no caller needs them). */
+typedef struct span {
+    const char *name;
+    const char *lo, *hi;
+} span;
+
+static size_t dtype_bytes(fh_dtype dtype)
+{
+    return dtype == FH_DTYPE_BF16 ? sizeof(uint16_t) : sizeof(float);
+}
+
+/* rows x cols elements at the strides given (checked by check_matrix, so the extent fits). */
+static span span_of(const char *name, const void *p, int64_t rows, int64_t cols, int64_t row_stride,
+                    int64_t col_stride, size_t element)
+{
+    const int64_t last = (rows - 1) * row_stride + (cols - 1) * col_stride;
+    const span s = {name, p, p ? (const char *)p + (size_t)(last + 1) * element : NULL};
+    return s;
+}
+
+static int intersect(const span *a, const span *b)
+{
+    return a->lo && b->lo && a->lo < b->hi && b->lo < a->hi;
+}
+
+/* FH_ERR_OVERLAPPING_BUFFERS naming the first of `outputs` that overlaps one of `others` or a later output. */
+static fh_status check_spans(fh_context *ctx, const span *outputs, int count, const span *others, int others_count)
+{
+    for (int k = 0; k < count; k++) {
+        for (int j = 0; j < others_count; j++)
+            if (intersect(&outputs[k], &others[j]))
+                return fh_fail(ctx, FH_ERR_OVERLAPPING_BUFFERS, "%s overlaps %s", outputs[k].name, others[j].name);
+        for (int j = k + 1; j < count; j++)
+            if (intersect(&outputs[k], &outputs[j]))
+                return fh_fail(ctx, FH_ERR_OVERLAPPING_BUFFERS, "%s overlaps %s", outputs[k].name, outputs[j].name);
+    }
+    return FH_OK;
+}
+
+/* x, the weight and the bias. */
+static void input_spans(const fh_linear *lin, span s[3])
+{
+    s[0] = span_of("x", lin->x, lin->n, lin->hidden, lin->x_row_stride, 1, dtype_bytes(lin->x_dtype));
+    s[1] = span_of("the weight", lin->weight, lin->hidden, lin->vocab, lin->w_stride_hidden, lin->w_stride_vocab,
+                   dtype_bytes(lin->weight_dtype));
+    s[2] = span_of("the bias", lin->bias, 1, lin->vocab, 0, 1, sizeof(float));
+}
+
+/* The caller's workspace, which every call writes (an empty span for the library's own). */
+static span workspace_span(const fh_context *ctx)
+{
+    const int callers = ctx && ctx->workspace_is_callers && ctx->workspace;
+    const span s = {"the caller's workspace", callers ? ctx->workspace : NULL,
+                    callers ? (const char *)ctx->workspace + ctx->workspace_bytes : NULL};
+    return s;
+}
+
 fh_status fh_check_call(fh_context *ctx, const fh_linear *lin)
 {
     if (!ctx)
         return FH_ERR_NULL_POINTER;
     fh_clear_message(ctx);
-    const fh_status st = fh_check_linear(ctx, lin);
+    fh_status st = fh_check_linear(ctx, lin);
+    if (st == FH_OK) {
+        span inputs[3];
+        input_spans(lin, inputs);
+        const span workspace = workspace_span(ctx);
+        st = check_spans(ctx, &workspace, 1, inputs, 3);
+    }
     return st == FH_OK ? fh_check_finite(ctx, lin) : st;
 }
 
@@ -146,7 +211,15 @@ fh_status fh_check_grads(fh_context *ctx, const fh_linear *lin, const fh_linear_
     }
     if (grads->dbias && !lin->bias)
         return fh_fail(ctx, FH_ERR_NULL_POINTER, "dbias requested but the linear head has no bias");
-    return FH_OK;
+    span others[4];
+    input_spans(lin, others);
+    others[3] = workspace_span(ctx);
+    const span outputs[3] = {
+        span_of("dx", grads->dx, lin->n, lin->hidden, grads->dx_row_stride, 1, dtype_bytes(grads->dx_dtype)),
+        span_of("dweight", grads->dweight, lin->hidden, lin->vocab, lin->w_stride_hidden, lin->w_stride_vocab,
+                dtype_bytes(grads->dweight_dtype)),
+        span_of("dbias", grads->dbias, 1, lin->vocab, 0, 1, dtype_bytes(grads->dbias_dtype))};
+    return check_spans(ctx, outputs, 3, others, 4);
 }
 
 /* First non-finite element of a rows x cols view of dtype elements, or -1. */

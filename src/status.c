@@ -28,6 +28,7 @@ FH_API const char *fh_status_string(fh_status status)
     case FH_ERR_OUT_OF_MEMORY: return "out of memory";
     case FH_ERR_BUDGET_TOO_SMALL: return "the memory budget cannot hold the smallest tile";
     case FH_ERR_WISDOM_IO: return "the wisdom file cannot be read or written";
+    case FH_ERR_OVERLAPPING_BUFFERS: return "an output's memory overlaps an input, another output or the workspace";
     case FH_ERR_INVALID_WISDOM: return "malformed wisdom entry, or the wisdom table is full";
     case FH_ERR_INVALID_PREFERENCE_OPTION: return "a preference-loss option is out of range";
     case FH_ERR_INVALID_DISTILL_OPTION: return "a distillation option is out of range";

@@ -588,6 +588,7 @@ static void test_status_strings(void)
                              FH_ERR_BUDGET_TOO_SMALL,
                              FH_ERR_WISDOM_IO,
                              FH_ERR_INVALID_WISDOM,
+                             FH_ERR_OVERLAPPING_BUFFERS,
                              FH_ERR_INVALID_PARAM,
                              FH_ERR_INVALID_PARAM_VALUE,
                              FH_ERR_KERNELS_UNAVAILABLE,
@@ -604,7 +605,7 @@ static void test_status_strings(void)
         int decade;
     } decades[] = {{FH_ERR_NULL_POINTER, FH_ERR_INVALID_DTYPE, 0},
                    {FH_ERR_INVALID_REDUCTION, FH_ERR_INVALID_GRPO_OPTION, 1},
-                   {FH_ERR_WORKSPACE_TOO_SMALL, FH_ERR_INVALID_WISDOM, 2},
+                   {FH_ERR_WORKSPACE_TOO_SMALL, FH_ERR_OVERLAPPING_BUFFERS, 2},
                    {FH_ERR_INVALID_PARAM, FH_ERR_KERNELS_UNAVAILABLE, 3},
                    {FH_ERR_GEMM_FAILED, FH_ERR_GEMM_FAILED, 4},
                    {FH_ERR_INVALID_PREFERENCE_OPTION, FH_ERR_TEACHER_MISMATCH, 5},
@@ -678,6 +679,78 @@ static void test_small_entry_points(void)
 
 /* Every output but the ones a call needs may be NULL ("Any output pointer may be NULL except as noted";
  * "A NULL pointer skips that gradient"). */
+/* Overlapping buffers (README, Conventions): each kind returns FH_ERR_OVERLAPPING_BUFFERS naming both buffers, and
+ * writes nothing (outputs and inputs compared with copies taken before the call). Each of these gave FH_OK with
+ * wrong results or NaN before the check: dx == x, dweight == weight (rows over more than one tile), a caller's
+ * workspace over x or dx, dx over dweight. */
+enum { OV_N = 40, OV_H = 8, OV_V = 300 };
+static void test_overlapping_buffers(void)
+{
+    /* One arena: x [N, H], weight [V, H], dx, dweight, a spare region, then room for a workspace. */
+    const size_t x_floats = OV_N * OV_H, w_floats = OV_V * OV_H;
+    const size_t arena_floats = 2 * x_floats + 2 * w_floats + (1u << 20);
+    float *arena = tu_alloc(arena_floats, sizeof(float)), *copy = tu_alloc(arena_floats, sizeof(float));
+    float *x = arena, *w = x + x_floats, *dx = w + w_floats, *dw = dx + x_floats;
+    uint64_t rng = 5;
+    tu_fill_uniform(arena, arena_floats, &rng, -1.0, 1.0);
+    int64_t targets[OV_N];
+    for (int i = 0; i < OV_N; i++)
+        targets[i] = (i * 7) % OV_V;
+    fh_ce_options o;
+    fh_ce_options_init(&o);
+    const float grad_output = 1.0f;
+    enum { DX_IS_X, DW_IS_WEIGHT, WORKSPACE_OVER_X, WORKSPACE_OVER_DX, DX_OVER_DWEIGHT, KINDS };
+    static const char *const names[KINDS][2] = {{"dx", "x"}, {"dweight", "the weight"}, {"workspace", "x"},
+                                                 {"dx", "workspace"}, {"dx", "dweight"}};
+    for (int kind = 0; kind < KINDS; kind++) {
+        fh_context *ctx = tu_context(2, 8, 64, 0); /* 8-row tiles: the rows span several */
+        fh_linear lin;
+        fh_linear_init(&lin, OV_N, OV_H, OV_V, x, w, FH_LAYOUT_VH, NULL);
+        fh_linear_grads g = {.dx = dx, .dx_row_stride = OV_H, .dweight = dw};
+        if (kind == DX_IS_X)
+            g.dx = x;
+        if (kind == DW_IS_WEIGHT)
+            g.dweight = w;
+        if (kind == DX_OVER_DWEIGHT)
+            g.dx = dw + w_floats - 3; /* dx's first row over dweight's last three floats */
+        if (kind == WORKSPACE_OVER_X || kind == WORKSPACE_OVER_DX) {
+            size_t bytes = 0;
+            TU_CHECK(fh_ce_forward_backward_workspace_size(ctx, &lin, &o, &bytes) == FH_OK, "workspace size");
+            /* A workspace starting in the spare region and ending over x, or starting inside dx. */
+            float *at = kind == WORKSPACE_OVER_X ? x + x_floats / 2 : dx + 5;
+            TU_CHECK(bytes <= (arena_floats - (size_t)(at - arena)) * sizeof(float), "arena too small");
+            TU_CHECK(fh_context_set_workspace(ctx, at, bytes) == FH_OK, "set workspace");
+        }
+        memcpy(copy, arena, arena_floats * sizeof(float));
+        double loss = -1.0;
+        fh_ce_outputs out = {&loss, NULL, NULL, NULL, NULL, NULL};
+        const fh_status st = fh_ce_forward_backward(ctx, &lin, targets, &o, &grad_output, &out, &g);
+        const char *msg = "";
+        fh_context_message(ctx, &msg);
+        TU_CHECK(st == FH_ERR_OVERLAPPING_BUFFERS && strstr(msg, names[kind][0]) && strstr(msg, names[kind][1]),
+                 "%s over %s: status %d, message '%s'", names[kind][0], names[kind][1], (int)st, msg);
+        TU_CHECK(loss == -1.0 && memcmp(copy, arena, arena_floats * sizeof(float)) == 0,
+                 "%s over %s: something was written", names[kind][0], names[kind][1]);
+        if (kind == WORKSPACE_OVER_X) { /* the forward too: it writes the workspace */
+            const fh_status forward = fh_ce_forward(ctx, &lin, targets, &o, &out);
+            TU_CHECK(forward == FH_ERR_OVERLAPPING_BUFFERS && loss == -1.0, "forward with the workspace over x: %d",
+                     (int)forward);
+        }
+        fh_context_destroy(ctx);
+    }
+    /* Buffers that touch but do not overlap are accepted: dweight right after the weight, dx after dweight. */
+    fh_context *ctx = tu_context(2, 0, 0, 0);
+    fh_linear lin;
+    fh_linear_init(&lin, OV_N, OV_H, OV_V, x, w, FH_LAYOUT_VH, NULL);
+    fh_linear_grads g = {.dx = dw + w_floats, .dx_row_stride = OV_H, .dweight = dx};
+    double loss = -1.0;
+    fh_ce_outputs out = {&loss, NULL, NULL, NULL, NULL, NULL};
+    TU_CHECK(fh_ce_forward_backward(ctx, &lin, targets, &o, &grad_output, &out, &g) == FH_OK, "adjacent buffers");
+    fh_context_destroy(ctx);
+    free(arena);
+    free(copy);
+}
+
 static void test_optional_outputs(void)
 {
     fixture f;
@@ -709,5 +782,6 @@ static const tu_test tests[] = {
     {"status strings", test_status_strings},
     {"context, initialisers, linear views, BLIS query", test_small_entry_points},
     {"optional outputs", test_optional_outputs},
+    {"overlapping buffers refused, nothing written", test_overlapping_buffers},
 };
 const tu_suite suite_contracts = {tests, TU_COUNT(tests)};

@@ -3,7 +3,7 @@
 Every failing library call raises a FusedheadError subclass chosen by the status code:
 
     FusedheadError (RuntimeError)            .status, .status_name, .status_string, .message, .function
-      FusedheadValueError (+ ValueError)     statuses 1..19, 24, 30, 31, 50..52: bad shapes, strides, targets,
+      FusedheadValueError (+ ValueError)     statuses 1..19, 24, 25, 30, 31, 50..52: bad shapes, strides, targets,
         TargetOutOfRangeError, ...           options, wisdom entries (one class per status)
       FusedheadMemoryError (+ MemoryError)   statuses 20..22: workspace and memory
       WisdomIOError (+ OSError)              status 23: a wisdom file cannot be read or written
@@ -75,6 +75,7 @@ class OutOfMemoryError(FusedheadMemoryError): pass
 class BudgetTooSmallError(FusedheadMemoryError): pass
 class WisdomIOError(FusedheadError, OSError): pass
 class InvalidWisdomError(FusedheadValueError): pass
+class OverlappingBuffersError(FusedheadValueError): pass
 class InvalidLayoutError(FusedheadValueError): pass
 class InvalidParamError(FusedheadValueError): pass
 class InvalidParamValueError(FusedheadValueError): pass
@@ -110,6 +111,7 @@ ERROR_CLASSES: Dict[int, Type[FusedheadError]] = {
     Status.ERR_BUDGET_TOO_SMALL: BudgetTooSmallError,
     Status.ERR_WISDOM_IO: WisdomIOError,
     Status.ERR_INVALID_WISDOM: InvalidWisdomError,
+    Status.ERR_OVERLAPPING_BUFFERS: OverlappingBuffersError,
     Status.ERR_INVALID_PREFERENCE_OPTION: InvalidPreferenceOptionError,
     Status.ERR_INVALID_DISTILL_OPTION: InvalidDistillOptionError,
     Status.ERR_TEACHER_MISMATCH: TeacherMismatchError,

@@ -218,6 +218,21 @@ def test_bad_wisdom_file_fails_context_creation_at_once():
     assert "FH_WISDOM=/dev/zero" in r.stderr and "not a regular file" in r.stderr, r.stderr
 
 
+def test_workspace_over_an_input_raises_overlapping_buffers_error():
+    rng = np.random.default_rng(3)
+    arena = np.zeros(1 << 16, np.float32)
+    x = arena[:64].reshape(16, 4)
+    x[:] = rng.uniform(-1, 1, (16, 4))
+    w = rng.uniform(-1, 1, (32, 4)).astype(np.float32)
+    y = np.arange(16) % 32
+    with fusedhead.Context() as ctx:
+        ctx.set_workspace(arena[32:])  # starts inside x
+        before = arena.copy()
+        with pytest.raises(fusedhead.errors.OverlappingBuffersError, match="workspace overlaps x"):
+            fusedhead.numpy.forward_backward(x, w, y, context=ctx)
+        assert np.array_equal(arena, before)  # nothing written
+
+
 def test_context_budget_too_small():
     x, w, t, _, _ = make_data(seed=1)
     with fusedhead.Context(memory_budget=1024) as ctx:
