@@ -49,7 +49,8 @@ static fh_status check_matrix(fh_context *ctx, const char *name, int64_t rows, i
 {
     if (!strides_disjoint(rows, cols, row_stride, col_stride))
         return fh_fail(ctx, FH_ERR_INVALID_STRIDE,
-                       "%s: strides (%lld, %lld) for a %lld x %lld view are < 1 or make elements overlap", name,
+                       "%s: strides (%lld, %lld) for a %lld x %lld view are < 1, or the larger does not step over the "
+                       "other dimension's extent (elements would interleave or overlap)", name,
                        (long long)row_stride, (long long)col_stride, (long long)rows, (long long)cols);
     /* Element offsets become byte offsets in pointer arithmetic: those must fit in ptrdiff_t too. */
     const int64_t last = last_offset(rows, cols, row_stride, col_stride);
@@ -166,6 +167,7 @@ fh_status fh_check_call(fh_context *ctx, const fh_linear *lin)
     if (!ctx)
         return FH_ERR_NULL_POINTER;
     fh_clear_message(ctx);
+    ctx->filter_stats = (fh_filter_stats){0.0, 0.0}; /* the last call's, a refused one included */
     fh_status st = fh_check_linear(ctx, lin);
     if (st == FH_OK) {
         span inputs[3];

@@ -28,6 +28,20 @@ def status_string(status: int) -> str:
     return s.decode() if s else ""
 
 
+def int64(name: str, value) -> int:
+    """value as a C int64_t: an integer (Python, NumPy, 0-d torch) within range, else OverflowError naming it
+    (ctypes would wrap 2**64 + 2 to 2 silently)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name}: expected an integer, got {value!r}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an integer, got {value!r}") from None
+    if not -(1 << 63) <= v < (1 << 63):
+        raise OverflowError(f"{name} = {v} does not fit in a 64-bit signed integer")
+    return v
+
+
 def check_status(status: int, function: str, context: Optional["Context"] = None) -> None:
     """Raise the FusedheadError subclass for a non-zero status (with the context's message if any)."""
     if status != 0:
@@ -180,7 +194,9 @@ class Context:
 
     # -- parameters --
     def set(self, param: ParamLike, value: int) -> None:
-        self.call("fh_context_set", _param(param), int(value))
+        number = _param(param)
+        name = Param(number).name.lower() if number in Param._value2member_map_ else str(param)
+        self.call("fh_context_set", number, int64(name, value))
 
     def get(self, param: ParamLike) -> int:
         value = ctypes.c_int64()
@@ -501,7 +517,7 @@ class CEProblem:
             raise ValueError(f"class_weights: expected a contiguous [V] = [{head.vocab}] float32 vector, got shape "
                              f"{_shape(class_weights.shape)}")
         self.targets = _ip(targets.ptr)
-        self.options = _lib.fh_ce_options(int(ignore_index), int(self.reduction), float(label_smoothing),
+        self.options = _lib.fh_ce_options(int64("ignore_index", ignore_index), int(self.reduction), float(label_smoothing),
                                           _fp(class_weights.ptr if class_weights is not None else None),
                                           float(softcap), float(z_loss))
 
@@ -654,7 +670,8 @@ def grpo_options(*, loss_type="grpo", importance_sampling_level="token", tempera
     opt.sapo_temperature_pos = float(sapo_temperature_pos)
     opt.sapo_temperature_neg = float(sapo_temperature_neg)
     opt.num_items_in_batch = 0.0 if num_items_in_batch is None else float(num_items_in_batch)
-    opt.max_completion_length = 0 if max_completion_length is None else int(max_completion_length)
+    opt.max_completion_length = 0 if max_completion_length is None else int64("max_completion_length",
+                                                                                max_completion_length)
     opt.entropy_coef = float(entropy_coef)
     return opt
 
@@ -797,12 +814,7 @@ def distill_options(*, divergence="jsd", beta=0.5, temperature=1.0, weight_soft_
     opt.temperature = _real(temperature, "temperature")
     opt.weight_soft_loss = _real(weight_soft_loss, "weight_soft_loss")
     opt.weight_hard_loss = _real(weight_hard_loss, "weight_hard_loss")
-    try:
-        if isinstance(ignore_index, bool):
-            raise TypeError
-        opt.ignore_index = operator.index(ignore_index)  # int, NumPy and 0-d torch integers
-    except TypeError:
-        raise TypeError(f"ignore_index: expected an integer, got {ignore_index!r}") from None
+    opt.ignore_index = int64("ignore_index", ignore_index)  # int, NumPy and 0-d torch integers
     opt.reduction = int(parse_reduction(reduction))
     return opt
 

@@ -209,6 +209,29 @@ def test_threads_clamped_to_the_cpus_available():
         assert ctx.threads_in_use == 1
 
 
+def test_integers_beyond_int64_are_refused_not_wrapped():
+    with fusedhead.Context() as ctx:
+        with pytest.raises(OverflowError, match="threads"):
+            ctx.threads = 2**64 + 2
+        assert ctx.threads == 0
+    x = np.zeros((4, 3), np.float32)
+    w = np.zeros((5, 3), np.float32)
+    with pytest.raises(OverflowError, match="ignore_index"):
+        fusedhead.numpy.forward(x, w, np.zeros(4, np.int64), ignore_index=2**64 - 100)
+
+
+def test_filter_stats_describe_the_last_call_even_a_refused_one():
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-1, 1, (64, 16)).astype(np.float32)
+    w = rng.uniform(-1, 1, (500, 16)).astype(np.float32)
+    with fusedhead.Context(grad_filter_eps=1e-3) as ctx:
+        fusedhead.numpy.forward_backward(x, w, rng.integers(0, 500, 64), context=ctx)
+        assert ctx.filter_stats()[0] > 0
+        with pytest.raises(fusedhead.errors.TargetOutOfRangeError):
+            fusedhead.numpy.forward_backward(x, w, np.full(64, 900), context=ctx)
+        assert ctx.filter_stats() == (0.0, 0.0)
+
+
 def test_bad_wisdom_file_fails_context_creation_at_once():
     # /dev/zero never ends: refused as not a regular file, within the subprocess's timeout, naming FH_WISDOM.
     r = subprocess.run([sys.executable, "-c", "import fusedhead; fusedhead.Context()"], capture_output=True, text=True,
