@@ -41,8 +41,9 @@ Gradients: only for inputs that require grad (the library is handed NULL for the
     is handed out again only when no tensor refers to it any more, so .grad, hooks and torch.autograd.grad see
     what a fresh tensor would give them, without a fresh tensor's page faults (see _DweightPool).
   - 'none': the forward (fh_ce_forward) saves lse [N]; backward calls fh_ce_backward with the per-token
-    upstream gradient. The library rejects a non-finite upstream gradient (InvalidGradOutputError) where torch
-    would propagate NaN.
+    upstream gradient. The library refuses a non-finite upstream value, so the binding passes 0 for it and makes
+    that token's dx row and all of dweight and dbias NaN, as torch's NaN propagation does ('mean'/'sum' scale the
+    saved gradients, so a NaN propagates there by itself).
   - Without grad (torch.no_grad, or nothing requires grad): forward only.
 Double backward is not supported.
 
@@ -423,8 +424,21 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             if ce.n > 0:
                 g = _token_vector(grad_loss.to(torch.float32), "grad_output", tuple(ctx.hidden_shape[:-1]), ce.n,
                                   "per token")
+                # A non-finite upstream value propagates, as with 'mean' and in torch (the library refuses it):
+                # its token's dx row, and every dweight and dbias element (X^T dZ and the column sums of dZ mix
+                # that row into all of them), become NaN; torch gives +-inf where dZ has one sign there.
+                finite = torch.isfinite(g)
+                poisoned = not bool(finite.all())
+                if poisoned:
+                    g = torch.where(finite, g, torch.zeros_like(g))
                 ce.problem.backward(ctx.fh_context or default_context(), lse.data_ptr(), g.data_ptr(),
                                     ce.lin.grads_struct(dx, dw, db))
+                if poisoned:
+                    if dx is not None:
+                        dx[~finite] = float("nan")
+                    for t in (dw, db):
+                        if t is not None:
+                            t.fill_(float("nan"))
             dx = None if dx is None else dx.view(ctx.hidden_shape)
         return (dx, dw, None, db) + (None,) * 8
 
