@@ -116,12 +116,15 @@ static size_t dtype_bytes(fh_dtype dtype)
     return dtype == FH_DTYPE_BF16 ? sizeof(uint16_t) : sizeof(float);
 }
 
-/* rows x cols elements at the strides given (checked by check_matrix, so the extent fits). */
+/* rows x cols elements at the strides given (checked by check_matrix when p is not NULL, so the extent fits). */
 static span span_of(const char *name, const void *p, int64_t rows, int64_t cols, int64_t row_stride,
                     int64_t col_stride, size_t element)
 {
-    const int64_t last = (rows - 1) * row_stride + (cols - 1) * col_stride;
-    const span s = {name, p, p ? (const char *)p + (size_t)(last + 1) * element : NULL};
+    span s = {name, NULL, NULL};
+    if (p) {
+        s.lo = p;
+        s.hi = (const char *)p + (size_t)(last_offset(rows, cols, row_stride, col_stride) + 1) * element;
+    }
     return s;
 }
 

@@ -24,7 +24,8 @@
  *   - inputs are never written;
  *   - a shape the library must reject is rejected, and so are mismatched or unknown dtypes and bf16 gradients
  *     of fp32 inputs; a distillation teacher whose n or V is not the student's is rejected by the calls;
- *   - a successful train step with a caller workspace had at least the bytes queried for its gradients;
+ *   - a successful train step with a caller workspace had at least the bytes queried for its gradients, and no
+ *     call of any head refuses a caller workspace of the size its query gave;
  *   - a successful query never exceeds the memory budget; argmax outputs lie in [0, V); a successful
  *     distillation call gives ignored tokens a per-token loss of 0. */
 #include "fusedhead.h"
@@ -706,6 +707,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             CHECK(query_status == FH_OK && ws_bytes >= needed,
                   "call %d succeeded with a %zu-byte caller workspace; the query said %zu (status %d)", call, ws_bytes,
                   needed, (int)query_status);
+        /* Every head: a caller workspace of exactly the queried size is never too small. */
+        if (workspace && ws_mode == 3 && query_status == FH_OK)
+            CHECK(st != FH_ERR_WORKSPACE_TOO_SMALL, "call %d refused a caller workspace of the %zu bytes its query gave",
+                  call, needed);
         if (st == FH_OK && argmax && (call == CALL_CE_FORWARD || call == CALL_CE_STEP))
             for (size_t i = 0; i < un; i++)
                 CHECK(argmax[i] >= 0 && argmax[i] < vocab, "argmax[%zu] = %lld outside [0, %lld)", i,
