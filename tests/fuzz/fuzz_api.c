@@ -26,6 +26,7 @@
  *     of fp32 inputs; a distillation teacher whose n or V is not the student's is rejected by the calls;
  *   - a successful train step with a caller workspace had at least the bytes queried for its gradients, and no
  *     call of any head refuses a caller workspace of the size its query gave;
+ *   - a gradient over x, the weight or another gradient, or a caller workspace over x, is refused;
  *   - a successful query never exceeds the memory budget; argmax outputs lie in [0, V); a successful
  *     distillation call gives ignored tokens a per-token loss of 0. */
 #include "fusedhead.h"
@@ -635,6 +636,25 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         }
     }
 
+    /* Overlapping buffers (README, Conventions): a gradient over x, over the weight or over another gradient, or the
+     * caller's workspace over x. The call must fail (FH_ERR_OVERLAPPING_BUFFERS unless another fault comes first),
+     * with x and the weight unwritten (inputs are checked below) and no output touched. */
+    const uint8_t alias = query ? 0 : u8(&r) % 12;
+    int aliased = 0;
+    if (alias == 1 && has_grads && g.dx && x) {
+        g.dx = x;
+        aliased = 1;
+    } else if (alias == 2 && has_grads && g.dweight && w) {
+        g.dweight = w;
+        aliased = 1;
+    } else if (alias == 3 && has_grads && g.dx && g.dweight) {
+        g.dx = g.dweight;
+        aliased = 1;
+    } else if (alias == 4 && lin.x == x && small && in[IN_X].bytes > 0) {
+        fh_context_set_workspace(ctx, x, in[IN_X].bytes);
+        aliased = 1;
+    }
+
     fh_status st;
     size_t bytes = 0xA5A5A5A5u;
     fh_ce_outputs ce_out = {loss, zl, ptl, logp, lse, argmax};
@@ -707,8 +727,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             CHECK(query_status == FH_OK && ws_bytes >= needed,
                   "call %d succeeded with a %zu-byte caller workspace; the query said %zu (status %d)", call, ws_bytes,
                   needed, (int)query_status);
+        if (aliased)
+            CHECK(st != FH_OK, "call %d accepted overlapping buffers (mode %d)", call, alias);
         /* Every head: a caller workspace of exactly the queried size is never too small. */
-        if (workspace && ws_mode == 3 && query_status == FH_OK)
+        if (workspace && ws_mode == 3 && query_status == FH_OK && !aliased)
             CHECK(st != FH_ERR_WORKSPACE_TOO_SMALL, "call %d refused a caller workspace of the %zu bytes its query gave",
                   call, needed);
         if (st == FH_OK && argmax && (call == CALL_CE_FORWARD || call == CALL_CE_STEP))
