@@ -222,6 +222,26 @@ fh_status fh_ce_check_outputs(fh_context *ctx, const fh_ce_options *o, const fh_
     return FH_OK;
 }
 
+fh_status fh_ce_check_apart(fh_context *ctx, const fh_linear *lin, const int64_t *targets, const fh_ce_options *o,
+                            const float *lse, const float *grad_output, const fh_ce_outputs *out,
+                            const fh_linear_grads *grads)
+{
+    const size_t n = (size_t)lin->n, floats = n * sizeof(float);
+    const int none = o->reduction == FH_REDUCTION_NONE;
+    const int in_place = none && out && grad_output && out->per_token_loss == grad_output;
+    const fh_buffer inputs[] = {{"targets", targets, n * sizeof(int64_t)},
+                                {"class_weights", o->class_weights, (size_t)lin->vocab * sizeof(float)},
+                                {"lse", lse, floats},
+                                {"grad_output", in_place ? NULL : grad_output, none ? floats : sizeof(float)}};
+    const fh_buffer outputs[] = {{"loss", out ? out->loss : NULL, sizeof(double)},
+                                 {"z_loss", out ? out->z_loss : NULL, sizeof(double)},
+                                 {"per_token_loss", out ? out->per_token_loss : NULL, floats},
+                                 {"per_token_logp", out ? out->per_token_logp : NULL, floats},
+                                 {"the lse output", out ? out->lse : NULL, floats},
+                                 {"argmax", out ? out->argmax : NULL, n * sizeof(int64_t)}};
+    return fh_check_apart(ctx, lin, grads, outputs, 6, inputs, 4);
+}
+
 fh_status fh_ce_check_backward_inputs(fh_context *ctx, const fh_linear *lin, const fh_ce_options *o,
                                       const float *grad_output, const fh_linear_grads *grads)
 {
@@ -295,6 +315,8 @@ FH_API fh_status fh_ce_forward(fh_context *ctx, const fh_linear *lin, const int6
     fh_status st = fh_ce_check_call(ctx, lin, targets, options, 0);
     if (st == FH_OK)
         st = fh_ce_check_outputs(ctx, options, out);
+    if (st == FH_OK)
+        st = fh_ce_check_apart(ctx, lin, targets, options, NULL, NULL, out, NULL);
     fh_plan plan;
     fh_workspace ws;
     if (st == FH_OK)
@@ -321,6 +343,8 @@ FH_API fh_status fh_ce_backward(fh_context *ctx, const fh_linear *lin, const int
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "lse is NULL");
     if (st == FH_OK)
         st = fh_ce_check_backward_inputs(ctx, lin, options, grad_output, grads);
+    if (st == FH_OK)
+        st = fh_ce_check_apart(ctx, lin, targets, options, lse, grad_output, NULL, grads);
     fh_plan plan;
     fh_workspace ws;
     if (st == FH_OK)
@@ -344,6 +368,8 @@ FH_API fh_status fh_ce_forward_backward(fh_context *ctx, const fh_linear *lin, c
         st = fh_ce_check_outputs(ctx, options, out);
     if (st == FH_OK)
         st = fh_ce_check_backward_inputs(ctx, lin, options, grad_output, grads);
+    if (st == FH_OK)
+        st = fh_ce_check_apart(ctx, lin, targets, options, NULL, grad_output, out, grads);
     fh_plan plan;
     fh_workspace ws;
     int row_blocks = 0;

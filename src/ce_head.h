@@ -42,6 +42,12 @@ typedef struct fh_ce_head {
 fh_status fh_ce_check_call(fh_context *ctx, const fh_linear *lin, const int64_t *targets, const fh_ce_options *o,
                            int64_t target_vocab);
 fh_status fh_ce_check_outputs(fh_context *ctx, const fh_ce_options *o, const fh_ce_outputs *out);
+/* After the other checks: no output (out's arrays, grads' gradients; either may be NULL) overlaps an input (targets,
+ * class weights, lse and grad_output when given, x, weight, bias), another output or the caller's workspace, except
+ * per_token_loss exactly over grad_output with reduction none (README, Conventions). */
+fh_status fh_ce_check_apart(fh_context *ctx, const fh_linear *lin, const int64_t *targets, const fh_ce_options *o,
+                            const float *lse, const float *grad_output, const fh_ce_outputs *out,
+                            const fh_linear_grads *grads);
 fh_status fh_ce_check_backward_inputs(fh_context *ctx, const fh_linear *lin, const fh_ce_options *o,
                                       const float *grad_output, const fh_linear_grads *grads);
 

@@ -247,6 +247,28 @@ static fh_status check_teacher(fh_context *ctx, const fh_linear *student, const 
     return FH_OK;
 }
 
+/* No output (out's, grads' when not NULL) overlaps an input (targets, grad_output when given, the teacher's x,
+ * weight and bias, the student's), another output or the workspace. */
+static fh_status check_apart(fh_context *ctx, const fh_linear *student, const fh_linear *teacher,
+                             const int64_t *targets, const fh_distill_options *o, const float *grad_output,
+                             const fh_distill_outputs *out, const fh_linear_grads *grads)
+{
+    const size_t n = (size_t)student->n;
+    const fh_buffer inputs[] = {
+        {"targets", targets, n * sizeof(int64_t)},
+        {"grad_output", grad_output, (o->reduction == FH_REDUCTION_NONE ? n : 1) * sizeof(float)},
+        fh_view_buffer("the teacher's x", teacher->x, teacher->n, teacher->hidden, teacher->x_row_stride, 1,
+                       teacher->x_dtype),
+        fh_view_buffer("the teacher's weight", teacher->weight, teacher->hidden, teacher->vocab,
+                       teacher->w_stride_hidden, teacher->w_stride_vocab, teacher->weight_dtype),
+        fh_view_buffer("the teacher's bias", teacher->bias, 1, teacher->vocab, 0, 1, FH_DTYPE_F32)};
+    const fh_buffer outputs[] = {{"loss", out->loss, sizeof(double)},
+                                 {"soft_loss", out->soft_loss, sizeof(double)},
+                                 {"hard_loss", out->hard_loss, sizeof(double)},
+                                 {"per_token_loss", out->per_token_loss, n * sizeof(float)}};
+    return fh_check_apart(ctx, student, grads, outputs, 4, inputs, 5);
+}
+
 static fh_status check_call(fh_context *ctx, const fh_linear *student, const fh_linear *teacher,
                             const int64_t *targets, const fh_distill_options *o, const fh_distill_outputs *out)
 {
@@ -259,6 +281,8 @@ static fh_status check_call(fh_context *ctx, const fh_linear *student, const fh_
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
     if (st == FH_OK && o->reduction == FH_REDUCTION_NONE && !out->per_token_loss)
         st = fh_fail(ctx, FH_ERR_MISSING_OUTPUT, "reduction 'none' needs per_token_loss");
+    if (st == FH_OK)
+        st = check_apart(ctx, student, teacher, targets, o, NULL, out, NULL);
     return st;
 }
 
@@ -380,6 +404,8 @@ FH_API fh_status fh_distill_forward_backward(fh_context *ctx, const fh_linear *s
     fh_status st = check_call(ctx, student, teacher, targets, options, out);
     if (st == FH_OK)
         st = check_backward_inputs(ctx, student, options, grad_output, grads);
+    if (st == FH_OK)
+        st = check_apart(ctx, student, teacher, targets, options, grad_output, out, grads);
     fh_plan plan;
     fh_workspace ws;
     int row_blocks = 0;

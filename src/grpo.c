@@ -432,6 +432,30 @@ static fh_status backward_pass(const fh_plan *plan, const fh_workspace *ws, cons
     return fh_engine_backward(&pass);
 }
 
+fh_status fh_grpo_check_apart(fh_context *ctx, const fh_linear *lin, const fh_grpo_batch *bt,
+                              const float *saved_logp, const float *saved_lse, const float *saved_entropy,
+                              const float *grad_output, const fh_grpo_outputs *out, const fh_linear_grads *grads)
+{
+    const size_t n = (size_t)lin->n, floats = n * sizeof(float);
+    const int in_place = out && out->per_token_logp && out->per_token_logp == bt->old_per_token_logps;
+    const fh_buffer inputs[] = {{"completion_ids", bt->completion_ids, n * sizeof(int64_t)},
+                                {"completion_mask", bt->completion_mask, floats},
+                                {"advantages", bt->advantages, (size_t)bt->batch * sizeof(float)},
+                                {"old_per_token_logps", in_place ? NULL : bt->old_per_token_logps, floats},
+                                {"ref_per_token_logps", bt->ref_per_token_logps, floats},
+                                {"the saved per_token_logp", saved_logp, floats},
+                                {"the saved lse", saved_lse, floats},
+                                {"the saved entropy", saved_entropy, floats},
+                                {"grad_output", grad_output, sizeof(float)}};
+    const fh_buffer outputs[] = {{"loss", out ? out->loss : NULL, sizeof(double)},
+                                 {"metrics", out ? out->metrics : NULL, sizeof(fh_grpo_metrics)},
+                                 {"per_token_logp", out ? out->per_token_logp : NULL, floats},
+                                 {"per_token_loss", out ? out->per_token_loss : NULL, floats},
+                                 {"entropy", out ? out->entropy : NULL, floats},
+                                 {"lse", out ? out->lse : NULL, floats}};
+    return fh_check_apart(ctx, lin, grads, outputs, 6, inputs, 9);
+}
+
 fh_status fh_grpo_check_grad_output(fh_context *ctx, const float *grad_output)
 {
     if (!grad_output)
@@ -447,6 +471,8 @@ FH_API fh_status fh_grpo_forward(fh_context *ctx, const fh_linear *lin, const fh
     fh_status st = fh_grpo_check_call(ctx, lin, batch, options, 0);
     if (st == FH_OK && !out)
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
+    if (st == FH_OK)
+        st = fh_grpo_check_apart(ctx, lin, batch, NULL, NULL, NULL, NULL, out, NULL);
     fh_plan plan;
     fh_workspace ws;
     if (st == FH_OK)
@@ -476,6 +502,8 @@ FH_API fh_status fh_grpo_backward(fh_context *ctx, const fh_linear *lin, const f
         st = fh_grpo_check_grad_output(ctx, grad_output);
     if (st == FH_OK)
         st = fh_check_grads(ctx, lin, grads);
+    if (st == FH_OK)
+        st = fh_grpo_check_apart(ctx, lin, batch, per_token_logp, lse, entropy, grad_output, NULL, grads);
     fh_plan plan;
     fh_workspace ws;
     if (st == FH_OK)
@@ -571,6 +599,8 @@ FH_API fh_status fh_grpo_forward_backward(fh_context *ctx, const fh_linear *lin,
         st = fh_grpo_check_grad_output(ctx, grad_output);
     if (st == FH_OK)
         st = fh_check_grads(ctx, lin, grads);
+    if (st == FH_OK)
+        st = fh_grpo_check_apart(ctx, lin, batch, NULL, NULL, NULL, grad_output, out, grads);
     fh_plan plans[2];
     fh_workspace ws[2];
     int row_blocks = 0;

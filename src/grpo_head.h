@@ -54,6 +54,12 @@ typedef struct fh_grpo_partials {
 fh_status fh_grpo_check_call(fh_context *ctx, const fh_linear *lin, const fh_grpo_batch *bt,
                              const fh_grpo_options *o, int64_t target_vocab);
 fh_status fh_grpo_check_grad_output(fh_context *ctx, const float *grad_output);
+/* After the other checks: no output (out's arrays, grads' gradients; either may be NULL) overlaps an input (the
+ * batch's arrays; the saved per_token_logp, lse, entropy and grad_output when given; x, weight, bias), another
+ * output or the caller's workspace, except per_token_logp exactly over old_per_token_logps (README, Conventions). */
+fh_status fh_grpo_check_apart(fh_context *ctx, const fh_linear *lin, const fh_grpo_batch *bt,
+                              const float *saved_logp, const float *saved_lse, const float *saved_entropy,
+                              const float *grad_output, const fh_grpo_outputs *out, const fh_linear_grads *grads);
 
 /* An engine pass of the head's transform over ids (shard-local ones with vocabulary parallelism); the
  * caller adds stats, or coefs and grads. */

@@ -156,6 +156,15 @@ static void input_spans(const fh_linear *lin, span s[3])
     s[2] = span_of("the bias", lin->bias, 1, lin->vocab, 0, 1, sizeof(float));
 }
 
+/* dx, dweight and dbias (empty spans for those not asked for). */
+static void grad_spans(const fh_linear *lin, const fh_linear_grads *grads, span s[3])
+{
+    s[0] = span_of("dx", grads->dx, lin->n, lin->hidden, grads->dx_row_stride, 1, dtype_bytes(grads->dx_dtype));
+    s[1] = span_of("dweight", grads->dweight, lin->hidden, lin->vocab, lin->w_stride_hidden, lin->w_stride_vocab,
+                   dtype_bytes(grads->dweight_dtype));
+    s[2] = span_of("dbias", grads->dbias, 1, lin->vocab, 0, 1, dtype_bytes(grads->dbias_dtype));
+}
+
 /* The caller's workspace, which every call writes (an empty span for the library's own). */
 static span workspace_span(const fh_context *ctx)
 {
@@ -216,15 +225,43 @@ fh_status fh_check_grads(fh_context *ctx, const fh_linear *lin, const fh_linear_
     }
     if (grads->dbias && !lin->bias)
         return fh_fail(ctx, FH_ERR_NULL_POINTER, "dbias requested but the linear head has no bias");
-    span others[4];
+    span others[4], outputs[3];
     input_spans(lin, others);
     others[3] = workspace_span(ctx);
-    const span outputs[3] = {
-        span_of("dx", grads->dx, lin->n, lin->hidden, grads->dx_row_stride, 1, dtype_bytes(grads->dx_dtype)),
-        span_of("dweight", grads->dweight, lin->hidden, lin->vocab, lin->w_stride_hidden, lin->w_stride_vocab,
-                dtype_bytes(grads->dweight_dtype)),
-        span_of("dbias", grads->dbias, 1, lin->vocab, 0, 1, dtype_bytes(grads->dbias_dtype))};
+    grad_spans(lin, grads, outputs);
     return check_spans(ctx, outputs, 3, others, 4);
+}
+
+fh_buffer fh_view_buffer(const char *name, const void *p, int64_t rows, int64_t cols, int64_t row_stride,
+                         int64_t col_stride, fh_dtype dtype)
+{
+    const span s = span_of(name, p, rows, cols, row_stride, col_stride, dtype_bytes(dtype));
+    const fh_buffer b = {name, s.lo, s.lo ? (size_t)(s.hi - s.lo) : 0};
+    return b;
+}
+
+fh_status fh_check_apart(fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads, const fh_buffer *outputs,
+                         int output_count, const fh_buffer *inputs, int input_count)
+{
+    span outs[FH_MAX_BUFFERS + 4], others[FH_MAX_BUFFERS + 3];
+    int n_out = 0, n_in = 0;
+    for (int k = 0; k < output_count; k++) {
+        const span s = {outputs[k].name, outputs[k].p, outputs[k].p ? (const char *)outputs[k].p + outputs[k].bytes
+                                                                    : NULL};
+        outs[n_out++] = s;
+    }
+    if (grads) {
+        grad_spans(lin, grads, outs + n_out);
+        n_out += 3;
+    }
+    for (int k = 0; k < input_count; k++) {
+        const span s = {inputs[k].name, inputs[k].p, inputs[k].p ? (const char *)inputs[k].p + inputs[k].bytes : NULL};
+        others[n_in++] = s;
+    }
+    input_spans(lin, others + n_in);
+    n_in += 3;
+    outs[n_out++] = workspace_span(ctx);
+    return check_spans(ctx, outs, n_out, others, n_in);
 }
 
 /* First non-finite element of a rows x cols view of dtype elements, or -1. */

@@ -128,6 +128,24 @@ static fh_status check_batch(fh_context *ctx, const fh_linear *lin, const fh_pre
     return FH_OK;
 }
 
+/* No output (out's arrays, grads' gradients when not NULL) overlaps an input, another output or the workspace. */
+static fh_status check_apart(fh_context *ctx, const fh_linear *lin, const fh_preference_batch *bt,
+                             const float *grad_output, const fh_preference_outputs *out, const fh_linear_grads *grads)
+{
+    const size_t n = (size_t)lin->n, sequences = 2 * (size_t)bt->pairs;
+    const fh_buffer inputs[] = {{"targets", bt->targets, n * sizeof(int64_t)},
+                                {"mask", bt->mask, n * sizeof(float)},
+                                {"ref_logps", bt->ref_logps, sequences * sizeof(float)},
+                                {"ref_per_token_logps", bt->ref_per_token_logps, n * sizeof(float)},
+                                {"grad_output", grad_output, sizeof(float)}};
+    const fh_buffer outputs[] = {{"loss", out->loss, sizeof(double)},
+                                 {"metrics", out->metrics, sizeof(fh_preference_metrics)},
+                                 {"sequence_logps", out->sequence_logps, sequences * sizeof(float)},
+                                 {"rewards", out->rewards, sequences * sizeof(float)},
+                                 {"per_token_logp", out->per_token_logp, n * sizeof(float)}};
+    return fh_check_apart(ctx, lin, grads, outputs, 5, inputs, 5);
+}
+
 static fh_status check_call(fh_context *ctx, const fh_linear *lin, const fh_preference_batch *bt,
                             const fh_preference_options *o, fh_preference_outputs *out)
 {
@@ -138,6 +156,8 @@ static fh_status check_call(fh_context *ctx, const fh_linear *lin, const fh_pref
         st = check_batch(ctx, lin, bt, o);
     if (st == FH_OK && !out)
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
+    if (st == FH_OK)
+        st = check_apart(ctx, lin, bt, NULL, out, NULL);
     return st;
 }
 
@@ -499,6 +519,8 @@ FH_API fh_status fh_preference_forward_backward(fh_context *ctx, const fh_linear
         st = fh_fail(ctx, FH_ERR_INVALID_GRAD_OUTPUT, "grad_output = %g is not finite", (double)grad_output[0]);
     if (st == FH_OK)
         st = fh_check_grads(ctx, lin, grads);
+    if (st == FH_OK)
+        st = check_apart(ctx, lin, batch, grad_output, out, grads);
     fh_plan plans[2];
     fh_workspace ws[2];
     int row_blocks = 0;

@@ -174,6 +174,11 @@ MUTATION(dbias_beta_half, f->grads.dbias_beta = 0.5f)
 MUTATION(dx_beta_minus_one, f->grads.dx_beta = -1.0f)
 MUTATION(dweight_beta_nan, f->grads.dweight_beta = NAN)
 MUTATION(grad_output_nan, f->in.grad_output[0] = NAN)
+/* Outputs over inputs (README, Conventions: FH_ERR_OVERLAPPING_BUFFERS). */
+MUTATION(ptl_over_targets, f->fwd_out.per_token_loss = (float *)f->in.targets)
+MUTATION(lse_output_over_x, f->fwd_out.lse = f->in.x + 3)
+MUTATION(dx_over_lse_input, f->grads.dx = f->in.lse)
+MUTATION(argmax_over_grad_output, f->fwd_out.argmax = (int64_t *)f->in.grad_output)
 MUTATION(grad_output_inf, f->in.grad_output[0] = -INFINITY)
 MUTATION(grad_output_none_nan, (f->options.reduction = FH_REDUCTION_NONE, f->in.grad_output[N - 1] = NAN))
 MUTATION(none_without_per_token_loss, (f->options.reduction = FH_REDUCTION_NONE, f->fwd_out.per_token_loss = NULL))
@@ -249,6 +254,10 @@ static const bad_case bad_cases[] = {
     /* The header does not name a status for this one; the required pointer that is NULL is the bias. */
     {"dbias requested without bias", dbias_without_bias, BWD | STEP, FH_ERR_NULL_POINTER, "bias"},
     {"memory budget 1 byte", budget_one, ALL, FH_ERR_BUDGET_TOO_SMALL, "budget"},
+    {"per_token_loss over targets", ptl_over_targets, FWD | STEP, FH_ERR_OVERLAPPING_BUFFERS, "per_token_loss"},
+    {"lse output inside x", lse_output_over_x, FWD | STEP, FH_ERR_OVERLAPPING_BUFFERS, "lse"},
+    {"dx over the lse input", dx_over_lse_input, BWD, FH_ERR_OVERLAPPING_BUFFERS, "dx"},
+    {"argmax over grad_output", argmax_over_grad_output, STEP, FH_ERR_OVERLAPPING_BUFFERS, "argmax"},
 };
 
 static void test_bad_arguments(void)

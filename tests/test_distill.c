@@ -951,6 +951,9 @@ MUTATION(dbias_without_bias, f->student.bias = NULL)
 MUTATION(budget_one, fh_context_set(f->ctx, FH_PARAM_MEMORY_BUDGET, 1))
 MUTATION(nonfinite_teacher_checked, (fh_context_set(f->ctx, FH_PARAM_CHECK_FINITE, 1), f->in.wt[3] = INFINITY))
 MUTATION(nonfinite_student_checked, (fh_context_set(f->ctx, FH_PARAM_CHECK_FINITE, 1), f->in.xs[1] = NAN))
+/* Outputs over inputs (README, Conventions: FH_ERR_OVERLAPPING_BUFFERS). */
+MUTATION(per_token_over_teacher_x, f->dout.per_token_loss = f->in.xt)
+MUTATION(dx_over_targets, f->grads.dx = (float *)f->in.targets)
 
 typedef struct bad_case {
     const char *name;
@@ -1011,6 +1014,9 @@ static const bad_case bad_cases[] = {
      "teacher"},
     {"NaN in the student's x with FH_PARAM_CHECK_FINITE", nonfinite_student_checked, BOTH, FH_ERR_NONFINITE_INPUT,
      NULL},
+    {"per_token_loss over the teacher's x", per_token_over_teacher_x, BOTH, FH_ERR_OVERLAPPING_BUFFERS,
+     "per_token_loss"},
+    {"dx over targets", dx_over_targets, STEP, FH_ERR_OVERLAPPING_BUFFERS, "dx"},
 };
 #undef OPTION
 #undef TEMPERATURE

@@ -199,6 +199,12 @@ MUTATION(dx_stride_short, f->grads.dx_row_stride = H - 1)
 MUTATION(dbias_without_bias, f->lin.bias = NULL)
 MUTATION(budget_one, fh_context_set(f->ctx, FH_PARAM_MEMORY_BUDGET, 1))
 MUTATION(nonfinite_x_checked, (fh_context_set(f->ctx, FH_PARAM_CHECK_FINITE, 1), f->in.x[5] = NAN))
+/* Outputs over inputs (README, Conventions: FH_ERR_OVERLAPPING_BUFFERS); per_token_logp exactly over old is the
+ * allowed in-place form (test_in_place.c), one float off is not. */
+MUTATION(ptl_over_mask, f->fwd_out.per_token_loss = f->in.mask)
+MUTATION(lse_output_over_ref, f->fwd_out.lse = f->in.ref)
+MUTATION(logp_one_off_old, f->fwd_out.per_token_logp = f->in.old + 1)
+MUTATION(dx_over_saved_lse, f->grads.dx = f->in.saved_lse)
 
 typedef struct bad_case {
     const char *name;
@@ -277,6 +283,11 @@ static const bad_case bad_cases[] = {
     {"dbias requested without bias", dbias_without_bias, BWD | STEP, FH_ERR_NULL_POINTER, "bias"},
     {"memory budget 1 byte", budget_one, ALL, FH_ERR_BUDGET_TOO_SMALL, "budget"},
     {"NaN in x with FH_PARAM_CHECK_FINITE", nonfinite_x_checked, ALL, FH_ERR_NONFINITE_INPUT, NULL},
+    {"per_token_loss over the mask", ptl_over_mask, FWD | STEP, FH_ERR_OVERLAPPING_BUFFERS, "per_token_loss"},
+    {"lse output over ref_per_token_logps", lse_output_over_ref, FWD | STEP, FH_ERR_OVERLAPPING_BUFFERS, "lse"},
+    {"per_token_logp one float off old_per_token_logps", logp_one_off_old, FWD | STEP, FH_ERR_OVERLAPPING_BUFFERS,
+     "per_token_logp"},
+    {"dx over the saved lse", dx_over_saved_lse, BWD, FH_ERR_OVERLAPPING_BUFFERS, "dx"},
 };
 
 static void test_bad_arguments(void)

@@ -690,6 +690,9 @@ MUTATION(dx_stride_short, f->grads.dx_row_stride = H - 1)
 MUTATION(dbias_without_bias, f->lin.bias = NULL)
 MUTATION(budget_one, fh_context_set(f->ctx, FH_PARAM_MEMORY_BUDGET, 1))
 MUTATION(nonfinite_x_checked, (fh_context_set(f->ctx, FH_PARAM_CHECK_FINITE, 1), f->in.x[5] = NAN))
+/* Outputs over inputs (README, Conventions: FH_ERR_OVERLAPPING_BUFFERS). */
+MUTATION(logp_over_mask, f->pout.per_token_logp = f->in.mask)
+MUTATION(dweight_over_ref_logps, f->grads.dweight = f->in.ref_logps)
 
 typedef struct bad_case {
     const char *name;
@@ -761,6 +764,8 @@ static const bad_case bad_cases[] = {
     {"dbias requested without bias", dbias_without_bias, STEP, FH_ERR_NULL_POINTER, "bias"},
     {"memory budget 1 byte", budget_one, BOTH, FH_ERR_BUDGET_TOO_SMALL, "budget"},
     {"NaN in x with FH_PARAM_CHECK_FINITE", nonfinite_x_checked, BOTH, FH_ERR_NONFINITE_INPUT, NULL},
+    {"per_token_logp over the mask", logp_over_mask, BOTH, FH_ERR_OVERLAPPING_BUFFERS, "per_token_logp"},
+    {"dweight over ref_logps", dweight_over_ref_logps, STEP, FH_ERR_OVERLAPPING_BUFFERS, "dweight"},
 };
 #undef OPTION
 

@@ -158,6 +158,8 @@ FH_MPI_API fh_status fh_mpi_ce_forward(fh_context *ctx, fh_mpi_layout *layout, c
     if (st == FH_OK)
         st = fh_ce_check_outputs(ctx, options, out);
     if (st == FH_OK)
+        st = fh_ce_check_apart(ctx, lin, targets, options, NULL, NULL, out, NULL);
+    if (st == FH_OK)
         st = fh_prepare_pass(ctx, lin, FH_CALL_FORWARD, &plan, &ws);
     st = fhm_call_agree(&c.call, prepare(&c, st, &plan, &ws, 1, NULL));
     if (st != FH_OK)
@@ -167,7 +169,10 @@ FH_MPI_API fh_status fh_mpi_ce_forward(fh_context *ctx, fh_mpi_layout *layout, c
     return forward(&c, &plan, &ws, &stats, out, 1);
 }
 
-static fh_status check_backward(ce_call *c, const float *grad_output, const fh_linear_grads *grads)
+/* The backward's checks; lse and out (either may be NULL) join the overlap check, which leaves dx out: with
+ * reduce-scatter this rank's dx holds only its block of rows (fhm_grads_begin checks it). */
+static fh_status check_backward(ce_call *c, const float *lse, const float *grad_output, const fh_ce_outputs *out,
+                                const fh_linear_grads *grads)
 {
     fhm_call *call = &c->call;
     if (!grads)
@@ -177,6 +182,8 @@ static fh_status check_backward(ce_call *c, const float *grad_output, const fh_l
     fh_linear_grads without_dx = *grads;
     without_dx.dx = NULL;
     fh_status st = fh_ce_check_backward_inputs(call->ctx, call->lin, c->o, grad_output, &without_dx);
+    if (st == FH_OK)
+        st = fh_ce_check_apart(call->ctx, call->lin, c->targets, c->o, lse, grad_output, out, &without_dx);
     if (st == FH_OK)
         st = fhm_grads_begin(call->L, call->ctx, call->lin, grads, &call->g);
     return st;
@@ -193,7 +200,7 @@ FH_MPI_API fh_status fh_mpi_ce_backward(fh_context *ctx, fh_mpi_layout *layout, 
     if (st == FH_OK && !lse)
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "lse is NULL");
     if (st == FH_OK)
-        st = check_backward(&c, grad_output, grads);
+        st = check_backward(&c, lse, grad_output, NULL, grads);
     if (st == FH_OK)
         st = fh_prepare_pass(ctx, lin, FH_CALL_BACKWARD, &plan, &ws);
     st = fhm_call_agree(&c.call, prepare(&c, st, &plan, &ws, 1, &c.call.g.engine));
@@ -265,7 +272,7 @@ FH_MPI_API fh_status fh_mpi_ce_forward_backward(fh_context *ctx, fh_mpi_layout *
     if (st == FH_OK)
         st = fh_ce_check_outputs(ctx, options, out);
     if (st == FH_OK)
-        st = check_backward(&c, grad_output, grads);
+        st = check_backward(&c, NULL, grad_output, out, grads);
     /* Planned with the gradients the engine writes (fhm_grads_begin: staging buffers, beta 0 before a reduction),
      * whose memory the plan may use. */
     if (st == FH_OK)

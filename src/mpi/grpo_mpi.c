@@ -200,6 +200,8 @@ FH_MPI_API fh_status fh_mpi_grpo_forward(fh_context *ctx, fh_mpi_layout *layout,
     if (st == FH_OK && !out)
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
     if (st == FH_OK)
+        st = fh_grpo_check_apart(ctx, lin, batch, NULL, NULL, NULL, NULL, out, NULL);
+    if (st == FH_OK)
         st = fh_prepare_pass(ctx, lin, FH_CALL_FORWARD, &plan, &ws);
     st = fhm_call_agree(&c.call, prepare(&c, st, &plan, &ws, 1, NULL));
     if (st != FH_OK)
@@ -217,11 +219,20 @@ FH_MPI_API fh_status fh_mpi_grpo_forward(fh_context *ctx, fh_mpi_layout *layout,
     return st;
 }
 
-static fh_status check_grads(grpo_call *c, const float *grad_output, const fh_linear_grads *grads)
+/* The gradients' checks; saved (per_token_logp, lse, entropy; NULL in the train step) and out join the overlap
+ * check, which leaves dx out: with reduce-scatter this rank's dx holds only its block of rows. */
+static fh_status check_grads(grpo_call *c, const float *const saved[3], const float *grad_output,
+                             const fh_grpo_outputs *out, const fh_linear_grads *grads)
 {
     fhm_call *call = &c->call;
     fhm_call_config_grads(call, grads);
     fh_status st = fh_grpo_check_grad_output(call->ctx, grad_output);
+    if (st == FH_OK && grads) {
+        fh_linear_grads without_dx = *grads;
+        without_dx.dx = NULL;
+        st = fh_grpo_check_apart(call->ctx, call->lin, c->bt, saved[0], saved[1], saved[2], grad_output, out,
+                                 &without_dx);
+    }
     if (st == FH_OK)
         st = fhm_grads_begin(call->L, call->ctx, call->lin, grads, &call->g);
     return st;
@@ -239,8 +250,9 @@ FH_MPI_API fh_status fh_mpi_grpo_backward(fh_context *ctx, fh_mpi_layout *layout
     if (st == FH_OK && (!per_token_logp || !lse || (options->entropy_coef != 0.0 && !entropy)))
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "%s is NULL",
                      !per_token_logp ? "per_token_logp" : !lse ? "lse" : "entropy (entropy_coef != 0)");
+    const float *const saved[3] = {per_token_logp, lse, entropy};
     if (st == FH_OK)
-        st = check_grads(&c, grad_output, grads);
+        st = check_grads(&c, saved, grad_output, NULL, grads);
     if (st == FH_OK)
         st = fh_prepare_pass(ctx, lin, FH_CALL_BACKWARD, &plan, &ws);
     st = fhm_call_agree(&c.call, prepare(&c, st, &plan, &ws, 1, &c.call.g.engine));
@@ -262,8 +274,9 @@ FH_MPI_API fh_status fh_mpi_grpo_forward_backward(fh_context *ctx, fh_mpi_layout
     fh_status st = begin(&c, FHM_GRPO_TRAIN_STEP, layout, ctx, lin, batch, options);
     if (st == FH_OK && !out)
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
+    const float *const none[3] = {NULL, NULL, NULL};
     if (st == FH_OK)
-        st = check_grads(&c, grad_output, grads);
+        st = check_grads(&c, none, grad_output, out, grads);
     int row_blocks = 0;
     /* Planned with the gradients the engine writes (see fh_mpi_ce_forward_backward). */
     if (st == FH_OK)

@@ -321,6 +321,7 @@ typedef struct ce_case {
                               whose heights differ across uneven shards: the ranks must agree) */
     int tight_rank;        /* the last rank's budget holds only streaming tiles: every rank must stream */
     int omit;              /* gradients left NULL: OMIT_DX | OMIT_DWEIGHT | OMIT_DBIAS */
+    int in_place;          /* reduction none: per_token_loss written over this rank's grad_output */
 } ce_case;
 
 enum { OMIT_DX = 1, OMIT_DWEIGHT = 2, OMIT_DBIAS = 4 };
@@ -331,6 +332,8 @@ static void run_ce(const config *cfg, const ce_case *c, fh_dtype dtype, fh_dtype
              dtype == FH_DTYPE_BF16 ? " bf16" : "", grad_dtype == FH_DTYPE_BF16 ? ", bf16 gradients" : "",
              filter_eps > 0.0 ? ", filtered" : "", c->omit & OMIT_DX ? ", no dx" : "",
              c->omit & OMIT_DWEIGHT ? ", no dweight" : "", c->omit & OMIT_DBIAS ? ", no dbias" : "");
+    if (c->in_place)
+        strncat(case_name, ", per_token_loss over grad_output", sizeof case_name - strlen(case_name) - 1);
     problem p;
     make_problem(&p, c->n, c->h, c->v, c->layout, 1000 + (uint64_t)c->n + (uint64_t)c->v, dtype);
     p.grad_dtype = grad_dtype;
@@ -455,6 +458,10 @@ static void run_ce(const config *cfg, const ce_case *c, fh_dtype dtype, fh_dtype
         g.dbias = NULL;
     fh_ce_outputs out = {&loss, &zl, ptl, logp, lse, argmax};
     const float *local_grad = c->reduction == FH_REDUCTION_NONE ? grad_out + n0 : grad_output;
+    if (c->in_place) { /* the rank's upstream gradient in the per_token_loss buffer, which the step overwrites */
+        memcpy(ptl, grad_out + n0, (size_t)nr * sizeof(float));
+        local_grad = ptl;
+    }
     if (c->train_step) {
         check_status("fh_mpi_ce_forward_backward",
                      fh_mpi_ce_forward_backward(ctx, L, &lin, targets + n0, &lo, local_grad, &out, &g), ctx);
@@ -547,56 +554,63 @@ static void ce_cases(const config *cfg)
 {
     const ce_case cases[] = {
         /* name, n h v, layout, bias cw, ignore, ignore_index, reduction, eps softcap zloss, train, stats,
-         * dx dw, beta1, pad, small tiles, block rows, tight rank, omit */
+         * dx dw, beta1, pad, small tiles, block rows, tight rank, omit, in place */
         {"mean split vh", 67, 24, 301, FH_LAYOUT_VH, 0, 0, 0.0, -100, FH_REDUCTION_MEAN, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1,
-         0, 0, 0},
+         0, 0, 0, 0},
         {"mean train vh", 67, 24, 301, FH_LAYOUT_VH, 1, 0, 0.1, -100, FH_REDUCTION_MEAN, 0, 0, 0, 1, 0, 0, 0, 0, 0, 1,
-         0, 0, 0},
+         0, 0, 0, 0},
         {"smoothing+class weights hv", 80, 20, 257, FH_LAYOUT_HV, 1, 1, 0.2, -100, FH_REDUCTION_MEAN, 0.1, 0, 0, 0, 0,
-         0, 0, 0, 0, 1, 0, 0, 0},
+         0, 0, 0, 0, 1, 0, 0, 0, 0},
         {"smoothing+class weights train", 80, 20, 257, FH_LAYOUT_VH, 1, 1, 0.2, -100, FH_REDUCTION_MEAN, 0.15, 0, 0, 1,
-         0, 0, 0, 0, 0, 1, 0, 0, 0},
+         0, 0, 0, 0, 0, 1, 0, 0, 0, 0},
         {"smoothing+class weights max-then-sum", 80, 20, 257, FH_LAYOUT_VH, 1, 1, 0.2, -100, FH_REDUCTION_MEAN, 0.1, 0,
-         0, 0, FH_MPI_STATS_MAX_THEN_SUM, 0, 0, 0, 0, 1, 0, 0, 0},
+         0, 0, FH_MPI_STATS_MAX_THEN_SUM, 0, 0, 0, 0, 1, 0, 0, 0, 0},
         {"z-loss softcap sum", 50, 16, 190, FH_LAYOUT_HV, 1, 0, 0.1, -100, FH_REDUCTION_SUM, 0, 3.0, 1e-3, 0, 0, 0, 0,
-         0, 0, 1, 0, 0, 0},
+         0, 0, 1, 0, 0, 0, 0},
         {"z-loss softcap train sum", 50, 16, 190, FH_LAYOUT_VH, 0, 1, 0.1, -100, FH_REDUCTION_SUM, 0.05, 3.0, 1e-3, 1,
-         0, 0, 0, 0, 0, 1, 0, 0, 0},
+         0, 0, 0, 0, 0, 1, 0, 0, 0, 0},
         {"none per-token grads", 45, 16, 170, FH_LAYOUT_VH, 1, 1, 0.2, -100, FH_REDUCTION_NONE, 0.1, 0, 1e-4, 0, 0, 0,
-         0, 0, 0, 1, 0, 0, 0},
+         0, 0, 0, 1, 0, 0, 0, 0},
         {"none train max-then-sum", 45, 16, 170, FH_LAYOUT_HV, 1, 0, 0.2, -100, FH_REDUCTION_NONE, 0, 0, 1e-4, 1,
-         FH_MPI_STATS_MAX_THEN_SUM, 0, 0, 0, 0, 1, 0, 0, 0},
+         FH_MPI_STATS_MAX_THEN_SUM, 0, 0, 0, 0, 1, 0, 0, 0, 0},
         {"in-range ignore_index", 60, 16, 150, FH_LAYOUT_VH, 0, 1, 0.3, 7, FH_REDUCTION_MEAN, 0.1, 0, 0, 0, 0, 0, 0, 0,
-         0, 1, 0, 0, 0},
+         0, 1, 0, 0, 0, 0},
         {"all ignored", 30, 8, 100, FH_LAYOUT_VH, 1, 0, 1.0, -100, FH_REDUCTION_MEAN, 0.1, 0, 1e-3, 1, 0, 0, 0, 0, 0,
-         1, 0, 0, 0},
+         1, 0, 0, 0, 0},
         {"reduce-scatter dx+dw", 70, 24, 230, FH_LAYOUT_VH, 1, 0, 0.1, -100, FH_REDUCTION_MEAN, 0, 0, 0, 0, 0,
-         FH_MPI_REDUCE_SCATTER, FH_MPI_REDUCE_SCATTER, 0, 0, 1, 0, 0, 0},
+         FH_MPI_REDUCE_SCATTER, FH_MPI_REDUCE_SCATTER, 0, 0, 1, 0, 0, 0, 0},
         {"reduce-scatter beta 1 strided dx", 70, 24, 230, FH_LAYOUT_VH, 1, 0, 0.1, -100, FH_REDUCTION_MEAN, 0, 0, 0, 1,
-         0, FH_MPI_REDUCE_SCATTER, FH_MPI_REDUCE_SCATTER, 1, 3, 1, 0, 0, 0},
+         0, FH_MPI_REDUCE_SCATTER, FH_MPI_REDUCE_SCATTER, 1, 3, 1, 0, 0, 0, 0},
         {"allreduce beta 1 strided dx hv", 70, 24, 230, FH_LAYOUT_HV, 1, 1, 0.1, -100, FH_REDUCTION_MEAN, 0.1, 0, 0, 0,
-         0, 0, 0, 1, 5, 1, 0, 0, 0},
+         0, 0, 0, 1, 5, 1, 0, 0, 0, 0},
         {"no reduction", 70, 24, 230, FH_LAYOUT_HV, 1, 0, 0.1, -100, FH_REDUCTION_MEAN, 0, 0, 0, 0, 0,
-         FH_MPI_NO_REDUCTION, FH_MPI_NO_REDUCTION, 0, 0, 1, 0, 0, 0},
+         FH_MPI_NO_REDUCTION, FH_MPI_NO_REDUCTION, 0, 0, 1, 0, 0, 0, 0},
         {"default tiles train", 130, 40, 700, FH_LAYOUT_VH, 1, 1, 0.1, -100, FH_REDUCTION_MEAN, 0.1, 0, 1e-4, 1, 0, 0,
-         0, 0, 0, 0, 0, 0, 0},
+         0, 0, 0, 0, 0, 0, 0, 0},
         {"row blocks of uneven heights smoothing+class weights", 100, 16, 301, FH_LAYOUT_VH, 1, 1, 0.15, -100,
-         FH_REDUCTION_MEAN, 0.1, 0, 1e-3, 1, 0, 0, 0, 0, 0, 0, 15, 0, 0},
+         FH_REDUCTION_MEAN, 0.1, 0, 1e-3, 1, 0, 0, 0, 0, 0, 0, 15, 0, 0, 0},
         {"row blocks of uneven heights none beta 1", 90, 16, 280, FH_LAYOUT_HV, 0, 1, 0.2, 5, FH_REDUCTION_NONE, 0.2,
-         2.0, 1e-4, 1, FH_MPI_STATS_MAX_THEN_SUM, 0, 0, 1, 2, 0, 12, 0, 0},
+         2.0, 1e-4, 1, FH_MPI_STATS_MAX_THEN_SUM, 0, 0, 1, 2, 0, 12, 0, 0, 0},
         {"row blocks of uneven heights sum reduce-scatter", 77, 16, 260, FH_LAYOUT_VH, 1, 1, 0.1, -100,
-         FH_REDUCTION_SUM, 0, 0, 1e-3, 1, 0, FH_MPI_REDUCE_SCATTER, FH_MPI_REDUCE_SCATTER, 0, 0, 0, 20, 0, 0},
+         FH_REDUCTION_SUM, 0, 0, 1e-3, 1, 0, FH_MPI_REDUCE_SCATTER, FH_MPI_REDUCE_SCATTER, 0, 0, 0, 20, 0, 0, 0},
         {"streaming fallback on one rank", 70, 16, 300, FH_LAYOUT_VH, 1, 1, 0.2, -100, FH_REDUCTION_MEAN, 0.1, 0,
-         1e-3, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0},
+         1e-3, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0},
         {"streaming fallback on one rank sum", 64, 16, 290, FH_LAYOUT_HV, 0, 1, 0.1, 3, FH_REDUCTION_SUM, 0.05, 0,
-         0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 0},
+         0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0},
         /* H > N and shards of two dU chunks or more: a bf16 train step keeps the first chunk in the memory of the
          * dweight the engine writes (the caller's, or the fp32 staging buffer of a data-parallel reduction). */
         {"train step with scratch in dweight", 30, 160, 20000, FH_LAYOUT_VH, 1, 0, 0.1, -100, FH_REDUCTION_MEAN, 0.1,
-         0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0},
+         0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++)
         run_ce(cfg, &cases[k], FH_DTYPE_F32, FH_DTYPE_F32);
+    /* In place: reduction none's per_token_loss over grad_output, in row blocks and on the streaming fallback. */
+    for (int tight = 0; tight < 2; tight++) {
+        ce_case c = cases[8];
+        c.in_place = 1;
+        c.tight_rank = tight;
+        run_ce(cfg, &c, FH_DTYPE_F32, FH_DTYPE_F32);
+    }
     /* Every subset of the gradients (NULL skips one), on the split pair and the train step, with either dx
      * reduction: the loss and the gradients asked for as with all three, the others untouched. */
     static const size_t subset_cases[] = {0, 1, 11};
