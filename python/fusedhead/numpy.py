@@ -35,8 +35,9 @@ import numpy as np
 
 from ._core import (CEProblem, Context, DistillProblem, GRPOProblem, LinearHead, PreferenceProblem, View,
                     default_context, distill_options, grpo_metrics_dict, grpo_options, pairs_shape, parse_reduction,
-                    prefixed_errors, preference_metrics_dict, preference_options)
-from ._lib import Dtype, Reduction
+                    prefixed_errors, preference_metrics_dict, preference_options, status_string)
+from ._lib import Dtype, Reduction, Status
+from .errors import error_for
 
 __all__ = ["cross_entropy", "forward", "backward", "forward_backward", "CrossEntropyResult", "Gradients",
            "workspace_size", "grpo_loss", "GRPOResult", "preference_loss", "PreferenceResult", "distill_loss",
@@ -234,8 +235,9 @@ class _Prepared:
                                    " (grad_dtype='bf16': bf16 bits in uint16)" if self.grad_fh == Dtype.BF16 else "")
                 if not buf.flags.writeable:
                     raise ValueError(f"d{name}: expected a writeable array")
-                if any(np.may_share_memory(buf, a) for a in inputs):
-                    raise ValueError(f"d{name}: overlaps an input array")
+                if any(np.may_share_memory(buf, a) for a in inputs):  # the library's status, before it is called
+                    raise error_for(Status.ERR_OVERLAPPING_BUFFERS, status_string(Status.ERR_OVERLAPPING_BUFFERS),
+                                    f"d{name} overlaps an input array", "fusedhead.numpy")
                 if name == "hidden":
                     if buf.shape != self.hidden.shape and buf.shape != (self.n, self.x.shape[1]):
                         raise ValueError(f"dhidden: expected hidden's shape {list(self.hidden.shape)}, got "
