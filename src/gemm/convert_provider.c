@@ -1,5 +1,6 @@
-/* bf16 products on CPUs where oneDNN has no bf16 dot-product kernel: the operands are widened to f32 in panels and
- * multiplied by BLIS sgemm, so the product is exact per term and accumulated in f32, as a native bf16 GEMM's is.
+/* bf16 products where oneDNN's bf16 matmul is missing or slower than BLIS sgemm (gemm.c says where): the operands
+ * are widened to f32 in panels and multiplied by BLIS sgemm, so the product is exact per term and accumulated in
+ * f32, as a native bf16 GEMM's is.
  *
  * Loop order: C is cut into row panels of mc rows; within one, A's panel (mc x kc) is widened once per k panel and
  * B's (kc x nc) once per k and column panel, so with mc = m (every product the engine makes has m <= MC_MAX except

@@ -42,7 +42,7 @@ typedef struct fh_gemm_scratch {
 int64_t fh_gemm_scratch_floats(int64_t tile_elements);
 
 /* How this process multiplies bf16: chosen once, by FH_BF16_GEMM=native|convert when set, else native where
- * oneDNN has a bf16 dot-product kernel on this CPU (AVX512-BF16, AMX) and convert elsewhere. */
+ * oneDNN's bf16 matmul beats BLIS sgemm (AMX; AVX512-BF16 on AMD) and convert elsewhere (gemm.c: the measurements). */
 typedef enum fh_bf16_path { FH_BF16_NATIVE, FH_BF16_CONVERT } fh_bf16_path;
 fh_bf16_path fh_gemm_bf16_path(void);
 
