@@ -33,7 +33,7 @@ extern "C" {
 
 /* ---------------------------------------------------------------------------------------------
  * Status codes, of every module (the MPI one's included). Values are stable; they are grouped by tens, one
- * decade per kind of failure (renumbered once in 0.1.0, README "Status codes").
+ * decade per kind of failure (renumbered once in 0.1.0, README "Conventions").
  * ------------------------------------------------------------------------------------------- */
 typedef enum fh_status {
     FH_OK = 0,
@@ -98,7 +98,7 @@ FH_API const char *fh_status_string(fh_status status);
  * ------------------------------------------------------------------------------------------- */
 typedef struct fh_context fh_context;
 
-/* The workspace cap when FH_PARAM_MEMORY_BUDGET is 0 (README, "Memory budget", says why). */
+/* The workspace cap when FH_PARAM_MEMORY_BUDGET is 0 (docs/performance.md, "Memory budget", says why). */
 #define FH_DEFAULT_MEMORY_BUDGET ((int64_t)512 << 20)
 
 typedef enum fh_param {
@@ -178,8 +178,8 @@ FH_API fh_status fh_context_set_workspace(fh_context *ctx, void *workspace, size
  * exactly over the skipped columns, as c (W w) to dx and w (X^T c) to dweight. Skipped dweight columns honour
  * beta (0 writes zeros). With a softcap the c w term is not rank one, so a tile with a nonzero c under a softcap
  * is not filtered. eps 0 (the default) is off: results are bit for bit the unfiltered ones. eps must be finite
- * and in [0, 1); CCE's choice is the dtype's machine epsilon / 32 (2^-12 for bf16, 2^-28 for fp32). README,
- * "Gradient filtering", gives the measured effect. */
+ * and in [0, 1); CCE's choice is the dtype's machine epsilon / 32 (2^-12 for bf16, 2^-28 for fp32).
+ * docs/filtering.md gives the measured effect. */
 FH_API fh_status fh_context_set_grad_filter_eps(fh_context *ctx, double eps);
 FH_API fh_status fh_context_get_grad_filter_eps(const fh_context *ctx, double *eps);
 
@@ -192,7 +192,7 @@ FH_API fh_status fh_context_get_grad_filter_eps(const fh_context *ctx, double *e
  * dweight columns, against the skipped GEMMs' 4 N H V flops. (bf16 row
  * blocks, whose dweight is one product after the blocks, estimate the columns every block skipped as
  * nu_j sum_b (sum_{i in b} r_i x_i) / sum_b S_b.) FH_FILTER_TAIL_DROP leaves them out, as Cut Cross-Entropy does:
- * the gradient then lacks that mass, a bias that slows training on heads whose tail is heavy (README). */
+ * the gradient then lacks that mass, a bias that slows training on heads whose tail is heavy (docs/filtering.md). */
 typedef enum fh_filter_tail { FH_FILTER_TAIL_ESTIMATE = 0, FH_FILTER_TAIL_DROP = 1 } fh_filter_tail;
 FH_API fh_status fh_context_set_grad_filter_tail(fh_context *ctx, fh_filter_tail tail);
 FH_API fh_status fh_context_get_grad_filter_tail(const fh_context *ctx, fh_filter_tail *tail);
@@ -349,7 +349,7 @@ FH_API fh_status fh_ce_forward_backward_workspace_size(const fh_context *ctx, co
                                                        const fh_ce_options *options, size_t *bytes);
 /* The same for a call with exactly these gradients (pointers included: with bf16 inputs, a dense dweight that the
  * call overwrites holds the row blocks' logits and dZ until it is written, and where it starts decides what fits):
- * at most the size above, often far less (README, "bf16"). The gradients are checked as the call checks them. */
+ * at most the size above, often far less (docs/bf16.md). The gradients are checked as the call checks them. */
 FH_API fh_status fh_ce_forward_backward_workspace_size_with_grads(const fh_context *ctx, const fh_linear *lin,
                                                                   const fh_ce_options *options,
                                                                   const fh_linear_grads *grads, size_t *bytes);

@@ -17,7 +17,7 @@ dtype="bf16" (every function): hidden and weight hold raw bfloat16 bits as uint1
 bfloat16; e.g. torch_bf16_tensor.view(torch.int16).numpy().view(np.uint16)), same shapes and strides rules.
 The rest stays float32. Gradients are float32 unless grad_dtype="bf16" (with dtype="bf16" only): then dhidden,
 dweight and dbias are uint16 arrays of bf16 bits, accumulated in f32 inside the call and rounded once
-(README "### bf16" for the errors of each choice).
+(docs/bf16.md for the errors of each choice).
 Anything else raises TypeError (dtype, byte order, not an ndarray) or ValueError (shape, strides) saying what
 was expected. Library errors raise fusedhead.FusedheadError subclasses with the library's message.
 

@@ -17,7 +17,7 @@ hidden is [..., H] (e.g. [B, T, H]) and targets hidden's leading shape (or flat 
 ValueError saying what was expected.
 
 bfloat16: the library reads the tensors' own bf16 bits with their strides (no float32 copy of hidden or
-weight), runs its GEMMs in bf16 with f32 accumulation and every statistic in fp32/double (README "### bf16").
+weight), runs its GEMMs in bf16 with f32 accumulation and every statistic in fp32/double (docs/bf16.md).
 Outputs follow F.cross_entropy(F.linear(hidden, weight), ...) on bf16 tensors: the loss (and z_loss, and
 the per-token losses of 'none') in bfloat16, the library's value rounded once; the gradients of hidden,
 weight and bias in their own dtypes, written by the library in that dtype (bf16: accumulated in f32 inside
