@@ -622,16 +622,4 @@ static void add_columns(double *sums, int64_t count, const void *w, int bf16, in
     }
 }
 
-const fh_row_kernel_set fh_row_kernels_avx2 = {
-    .name = "avx2",
-    .transform = transform,
-    .fold = fold,
-    .gradient = gradient,
-    .pair_max = pair_max,
-    .exp_sums = exp_sums,
-    .jsd_sums = jsd_sums,
-    .pair_gradient = pair_gradient,
-    .compact = compact,
-    .add_columns = add_columns,
-    .to_bf16 = to_bf16,
-};
+FH_ROW_KERNEL_TABLE(fh_row_kernels_avx2, "avx2");

@@ -2,7 +2,8 @@
  * and nothing else that is visible outside it: row_kernels_portable.c (always), row_kernels_avx2.c
  * (FH_HAVE_AVX2_KERNELS: built with -mavx2 -mfma) and row_kernels_avx512.c (FH_HAVE_AVX512_KERNELS: -mavx512f
  * -mavx512dq -mfma). row_kernels.c chooses one at run time. A new kernel: its function type in row_kernels.h, a
- * field here, an entry in each table, a wrapper in row_kernels.c. */
+ * field and an entry of FH_ROW_KERNEL_TABLE here, a static function of that name in each set's file, a wrapper in
+ * row_kernels.c. */
 #ifndef FH_ROW_KERNELS_IMPL_H
 #define FH_ROW_KERNELS_IMPL_H
 
@@ -21,6 +22,20 @@ typedef struct fh_row_kernel_set {
     fh_row_add_columns_fn *add_columns;
     fh_row_to_bf16_fn *to_bf16;
 } fh_row_kernel_set;
+
+/* A set's table, in the file that defines its kernels as static functions of these names. */
+#define FH_ROW_KERNEL_TABLE(table, set_name)                                                                    \
+    const fh_row_kernel_set table = {.name = set_name,                                                         \
+                                     .transform = transform,                                                   \
+                                     .fold = fold,                                                             \
+                                     .gradient = gradient,                                                     \
+                                     .pair_max = pair_max,                                                     \
+                                     .exp_sums = exp_sums,                                                     \
+                                     .jsd_sums = jsd_sums,                                                     \
+                                     .pair_gradient = pair_gradient,                                           \
+                                     .compact = compact,                                                       \
+                                     .add_columns = add_columns,                                               \
+                                     .to_bf16 = to_bf16}
 
 extern const fh_row_kernel_set fh_row_kernels_portable;
 #ifdef FH_HAVE_AVX2_KERNELS
