@@ -4,6 +4,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 FH_API fh_status fh_linear_init(fh_linear *lin, int64_t n, int64_t hidden, int64_t vocab, const void *x,
                                 const void *weight, fh_layout layout, const float *bias)
@@ -59,6 +60,11 @@ static fh_status check_matrix(fh_context *ctx, const char *name, int64_t rows, i
     return FH_OK;
 }
 
+static size_t dtype_bytes(fh_dtype dtype)
+{
+    return dtype == FH_DTYPE_BF16 ? sizeof(uint16_t) : sizeof(float);
+}
+
 static const char *dtype_name(fh_dtype dtype)
 {
     return dtype == FH_DTYPE_F32 ? "fp32" : dtype == FH_DTYPE_BF16 ? "bf16" : "unknown";
@@ -94,7 +100,7 @@ fh_status fh_check_linear(fh_context *ctx, const fh_linear *lin)
         __builtin_mul_overflow(lin->n, lin->hidden, &product))
         return fh_fail(ctx, FH_ERR_SIZE_OVERFLOW, "n, hidden and vocab products overflow 64 bits");
     fh_status st = check_dtypes(ctx, lin);
-    const size_t element_size = lin->x_dtype == FH_DTYPE_BF16 ? sizeof(uint16_t) : sizeof(float);
+    const size_t element_size = dtype_bytes(lin->x_dtype);
     if (st == FH_OK)
         st = check_matrix(ctx, "x", lin->n, lin->hidden, lin->x_row_stride, 1, element_size);
     if (st == FH_OK)
@@ -104,37 +110,25 @@ fh_status fh_check_linear(fh_context *ctx, const fh_linear *lin)
 }
 
 /* ---- Overlapping buffers ----
- * The byte range a view spans, from its first to one past its last element: two views whose ranges intersect are
+ * A buffer spans its view's bytes from the first element to one past the last: two buffers whose spans intersect are
  * taken to overlap (interleaved views that never share an element are refused too; no caller needs them). */
-typedef struct span {
-    const char *name;
-    const char *lo, *hi;
-} span;
-
-static size_t dtype_bytes(fh_dtype dtype)
+fh_buffer fh_view_buffer(const char *name, const void *p, int64_t rows, int64_t cols, int64_t row_stride,
+                         int64_t col_stride, fh_dtype dtype)
 {
-    return dtype == FH_DTYPE_BF16 ? sizeof(uint16_t) : sizeof(float);
+    const fh_buffer b = {name, p,
+                         p ? (size_t)(last_offset(rows, cols, row_stride, col_stride) + 1) * dtype_bytes(dtype) : 0};
+    return b;
 }
 
-/* rows x cols elements at the strides given (checked by check_matrix when p is not NULL, so the extent fits). */
-static span span_of(const char *name, const void *p, int64_t rows, int64_t cols, int64_t row_stride,
-                    int64_t col_stride, size_t element)
+static int intersect(const fh_buffer *a, const fh_buffer *b)
 {
-    span s = {name, NULL, NULL};
-    if (p) {
-        s.lo = p;
-        s.hi = (const char *)p + (size_t)(last_offset(rows, cols, row_stride, col_stride) + 1) * element;
-    }
-    return s;
-}
-
-static int intersect(const span *a, const span *b)
-{
-    return a->lo && b->lo && a->lo < b->hi && b->lo < a->hi;
+    const char *a0 = a->p, *b0 = b->p;
+    return a0 && b0 && a0 < b0 + b->bytes && b0 < a0 + a->bytes;
 }
 
 /* FH_ERR_OVERLAPPING_BUFFERS naming the first of `outputs` that overlaps one of `others` or a later output. */
-static fh_status check_spans(fh_context *ctx, const span *outputs, int count, const span *others, int others_count)
+static fh_status check_buffers(fh_context *ctx, const fh_buffer *outputs, int count, const fh_buffer *others,
+                               int others_count)
 {
     for (int k = 0; k < count; k++) {
         for (int j = 0; j < others_count; j++)
@@ -148,30 +142,29 @@ static fh_status check_spans(fh_context *ctx, const span *outputs, int count, co
 }
 
 /* x, the weight and the bias. */
-static void input_spans(const fh_linear *lin, span s[3])
+static void input_buffers(const fh_linear *lin, fh_buffer b[3])
 {
-    s[0] = span_of("x", lin->x, lin->n, lin->hidden, lin->x_row_stride, 1, dtype_bytes(lin->x_dtype));
-    s[1] = span_of("the weight", lin->weight, lin->hidden, lin->vocab, lin->w_stride_hidden, lin->w_stride_vocab,
-                   dtype_bytes(lin->weight_dtype));
-    s[2] = span_of("the bias", lin->bias, 1, lin->vocab, 0, 1, sizeof(float));
+    b[0] = fh_view_buffer("x", lin->x, lin->n, lin->hidden, lin->x_row_stride, 1, lin->x_dtype);
+    b[1] = fh_view_buffer("the weight", lin->weight, lin->hidden, lin->vocab, lin->w_stride_hidden,
+                          lin->w_stride_vocab, lin->weight_dtype);
+    b[2] = fh_view_buffer("the bias", lin->bias, 1, lin->vocab, 0, 1, FH_DTYPE_F32);
 }
 
-/* dx, dweight and dbias (empty spans for those not asked for). */
-static void grad_spans(const fh_linear *lin, const fh_linear_grads *grads, span s[3])
+/* dx, dweight and dbias (empty for those not asked for). */
+static void grad_buffers(const fh_linear *lin, const fh_linear_grads *grads, fh_buffer b[3])
 {
-    s[0] = span_of("dx", grads->dx, lin->n, lin->hidden, grads->dx_row_stride, 1, dtype_bytes(grads->dx_dtype));
-    s[1] = span_of("dweight", grads->dweight, lin->hidden, lin->vocab, lin->w_stride_hidden, lin->w_stride_vocab,
-                   dtype_bytes(grads->dweight_dtype));
-    s[2] = span_of("dbias", grads->dbias, 1, lin->vocab, 0, 1, dtype_bytes(grads->dbias_dtype));
+    b[0] = fh_view_buffer("dx", grads->dx, lin->n, lin->hidden, grads->dx_row_stride, 1, grads->dx_dtype);
+    b[1] = fh_view_buffer("dweight", grads->dweight, lin->hidden, lin->vocab, lin->w_stride_hidden,
+                          lin->w_stride_vocab, grads->dweight_dtype);
+    b[2] = fh_view_buffer("dbias", grads->dbias, 1, lin->vocab, 0, 1, grads->dbias_dtype);
 }
 
-/* The caller's workspace, which every call writes (an empty span for the library's own). */
-static span workspace_span(const fh_context *ctx)
+/* The caller's workspace, which every call writes (empty for the library's own). */
+static fh_buffer workspace_buffer(const fh_context *ctx)
 {
     const int callers = ctx && ctx->workspace_is_callers && ctx->workspace;
-    const span s = {"the caller's workspace", callers ? ctx->workspace : NULL,
-                    callers ? (const char *)ctx->workspace + ctx->workspace_bytes : NULL};
-    return s;
+    const fh_buffer b = {"the caller's workspace", callers ? ctx->workspace : NULL, callers ? ctx->workspace_bytes : 0};
+    return b;
 }
 
 fh_status fh_check_call(fh_context *ctx, const fh_linear *lin)
@@ -182,10 +175,10 @@ fh_status fh_check_call(fh_context *ctx, const fh_linear *lin)
     ctx->filter_stats = (fh_filter_stats){0.0, 0.0}; /* the last call's, a refused one included */
     fh_status st = fh_check_linear(ctx, lin);
     if (st == FH_OK) {
-        span inputs[3];
-        input_spans(lin, inputs);
-        const span workspace = workspace_span(ctx);
-        st = check_spans(ctx, &workspace, 1, inputs, 3);
+        fh_buffer inputs[3];
+        input_buffers(lin, inputs);
+        const fh_buffer workspace = workspace_buffer(ctx);
+        st = check_buffers(ctx, &workspace, 1, inputs, 3);
     }
     return st == FH_OK ? fh_check_finite(ctx, lin) : st;
 }
@@ -212,56 +205,40 @@ fh_status fh_check_grads(fh_context *ctx, const fh_linear *lin, const fh_linear_
     }
     if (grads->dx) {
         const fh_status st = check_matrix(ctx, "dx", lin->n, lin->hidden, grads->dx_row_stride, 1,
-                                          grads->dx_dtype == FH_DTYPE_BF16 ? sizeof(uint16_t) : sizeof(float));
+                                          dtype_bytes(grads->dx_dtype));
         if (st != FH_OK)
             return st;
     }
     /* dweight has the weight's strides but its own element size: its byte offsets must fit too. */
     if (grads->dweight) {
-        const fh_status st = check_matrix(ctx, "dweight", lin->hidden, lin->vocab, lin->w_stride_hidden, lin->w_stride_vocab,
-                                          grads->dweight_dtype == FH_DTYPE_BF16 ? sizeof(uint16_t) : sizeof(float));
+        const fh_status st = check_matrix(ctx, "dweight", lin->hidden, lin->vocab, lin->w_stride_hidden,
+                                          lin->w_stride_vocab, dtype_bytes(grads->dweight_dtype));
         if (st != FH_OK)
             return st;
     }
     if (grads->dbias && !lin->bias)
         return fh_fail(ctx, FH_ERR_NULL_POINTER, "dbias requested but the linear head has no bias");
-    span others[4], outputs[3];
-    input_spans(lin, others);
-    others[3] = workspace_span(ctx);
-    grad_spans(lin, grads, outputs);
-    return check_spans(ctx, outputs, 3, others, 4);
-}
-
-fh_buffer fh_view_buffer(const char *name, const void *p, int64_t rows, int64_t cols, int64_t row_stride,
-                         int64_t col_stride, fh_dtype dtype)
-{
-    const span s = span_of(name, p, rows, cols, row_stride, col_stride, dtype_bytes(dtype));
-    const fh_buffer b = {name, s.lo, s.lo ? (size_t)(s.hi - s.lo) : 0};
-    return b;
+    fh_buffer others[4], outputs[3];
+    input_buffers(lin, others);
+    others[3] = workspace_buffer(ctx);
+    grad_buffers(lin, grads, outputs);
+    return check_buffers(ctx, outputs, 3, others, 4);
 }
 
 fh_status fh_check_apart(fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads, const fh_buffer *outputs,
                          int output_count, const fh_buffer *inputs, int input_count)
 {
-    span outs[FH_MAX_BUFFERS + 4], others[FH_MAX_BUFFERS + 3];
-    int n_out = 0, n_in = 0;
-    for (int k = 0; k < output_count; k++) {
-        const span s = {outputs[k].name, outputs[k].p, outputs[k].p ? (const char *)outputs[k].p + outputs[k].bytes
-                                                                    : NULL};
-        outs[n_out++] = s;
-    }
+    fh_buffer outs[FH_MAX_BUFFERS + 4], others[FH_MAX_BUFFERS + 3];
+    memcpy(outs, outputs, (size_t)output_count * sizeof *outs);
+    memcpy(others, inputs, (size_t)input_count * sizeof *others);
+    int n_out = output_count;
     if (grads) {
-        grad_spans(lin, grads, outs + n_out);
+        grad_buffers(lin, grads, outs + n_out);
         n_out += 3;
     }
-    for (int k = 0; k < input_count; k++) {
-        const span s = {inputs[k].name, inputs[k].p, inputs[k].p ? (const char *)inputs[k].p + inputs[k].bytes : NULL};
-        others[n_in++] = s;
-    }
-    input_spans(lin, others + n_in);
-    n_in += 3;
-    outs[n_out++] = workspace_span(ctx);
-    return check_spans(ctx, outs, n_out, others, n_in);
+    outs[n_out++] = workspace_buffer(ctx);
+    input_buffers(lin, others + input_count);
+    return check_buffers(ctx, outs, n_out, others, input_count + 3);
 }
 
 /* First non-finite element of a rows x cols view of dtype elements, or -1. */
