@@ -10,6 +10,7 @@ fh_status fh_check_call(fh_context *ctx, const fh_linear *lin);
 fh_status fh_check_linear(fh_context *ctx, const fh_linear *lin);
 /* With FH_PARAM_CHECK_FINITE set: FH_ERR_NONFINITE_INPUT if x, weight or bias holds NaN or Inf. */
 fh_status fh_check_finite(fh_context *ctx, const fh_linear *lin);
+/* Betas, dtypes, strides and the bias of the gradients asked for; their overlaps are fh_check_apart's. */
 fh_status fh_check_grads(fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads);
 
 /* A head's own buffer for the overlap check: name, first byte, size in bytes (p NULL: absent). x, the weight, the

@@ -130,6 +130,11 @@ fh_status fhm_grads_begin(const fh_mpi_layout *L, fh_context *ctx, const fh_line
         const fh_linear_grads only_dx = {.dx = user->dx, .dx_row_stride = user->dx_row_stride,
                                          .dx_beta = user->dx_beta, .dx_dtype = user->dx_dtype};
         st = fh_check_grads(ctx, &rows, &only_dx);
+        /* The rows it holds, against x, the weight, the bias and the workspace (the head checked the rest). */
+        const fh_buffer dx = fh_view_buffer("dx", user->dx, g->dx_rows, lin->hidden, user->dx_row_stride, 1,
+                                            user->dx_dtype);
+        if (st == FH_OK)
+            st = fh_check_apart(ctx, lin, NULL, &dx, 1, NULL, 0);
         if (st != FH_OK)
             return st;
     }
