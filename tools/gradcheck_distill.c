@@ -21,6 +21,7 @@
  * "jsd near its maximum"). */
 #include "enum_options.h"
 #include "gradcheck_distill.h"
+#include "npy.h"
 
 #include "bf16.h"
 #include "ce_case.h"
@@ -30,6 +31,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #define DISTILL_LOSS_TOL 1e-5
 #define DISTILL_TOKEN_TOL 1e-5
@@ -46,7 +48,7 @@ static void usage(void)
             "       [--vocab V] [--layout hv|vh] [--teacher-layout hv|vh] [--bias] [--teacher-bias]\n"
             "       [--ignore-frac F] [--no-targets] [--reduction mean|sum|none] [--grad-output g] [--threads T]\n"
             "       [--seed S] [--tile-rows R] [--tile-vocab C] [--budget BYTES] [--dtype f32|bf16]\n"
-            "       [--grad-dtype f32|bf16] [--fp32-dz] [--logit-scale S]\n"
+            "       [--grad-dtype f32|bf16] [--fp32-dz] [--logit-scale S] [--dump DIR]\n"
             "  defaults: jsd, beta 0.5, temperature 1, weights 1 and 0, n 64, H 67, Ht = H, V 5003, hv, mean;\n"
             "  --dtype bf16 makes both heads bf16\n");
 }
@@ -62,6 +64,7 @@ typedef struct distill_spec {
     int64_t tile_rows, tile_vocab, budget;
     uint64_t seed;
     fh_dtype dtype, grad_dtype;
+    const char *dump; /* --dump DIR, or NULL */
 } distill_spec;
 
 static int lookup(const char *name, const char *const *names, int count)
@@ -159,6 +162,8 @@ static int parse(int argc, char **argv, distill_spec *s)
             s->fp32_dz = 1;
         else if (VALUE_OPTION("--logit-scale"))
             s->logit_scale = atof(v);
+        else if (VALUE_OPTION("--dump"))
+            s->dump = v;
         else
             return -1;
 #undef VALUE_OPTION
@@ -277,6 +282,29 @@ typedef struct gradients {
 } gradients;
 
 /* Prints the JSON; returns 0 within every tolerance, else 1. */
+/* Both calls' outputs as .npy files in s->dump (gradients flat, dweight in the weight's layout). */
+static int dump_outputs(const distill_spec *s, const fused_outputs *fwd, const fused_outputs *step,
+                        const gradients *gr)
+{
+    const int64_t n[1] = {s->n}, dx[1] = {s->n * s->hidden}, dw[1] = {s->hidden * s->vocab}, v[1] = {s->vocab};
+    const fused_outputs *calls[2] = {fwd, step};
+    const char *const names[2][4] = {{"forward_loss", "forward_soft_loss", "forward_hard_loss", "forward_per_token"},
+                                     {"loss", "soft_loss", "hard_loss", "per_token"}};
+    mkdir(s->dump, 0777);
+    int bad = 0;
+    for (int k = 0; k < 2; k++) {
+        bad |= npy_write(s->dump, names[k][0], "<f8", &calls[k]->loss, 0, NULL);
+        bad |= npy_write(s->dump, names[k][1], "<f8", &calls[k]->soft, 0, NULL);
+        bad |= npy_write(s->dump, names[k][2], "<f8", &calls[k]->hard, 0, NULL);
+        bad |= npy_write(s->dump, names[k][3], "<f4", calls[k]->per_token, 1, n);
+    }
+    bad |= npy_write(s->dump, "dhidden", "<f4", gr->dx, 1, dx);
+    bad |= npy_write(s->dump, "dweight", "<f4", gr->dweight, 1, dw);
+    if (gr->dbias)
+        bad |= npy_write(s->dump, "dbias", "<f4", gr->dbias, 1, v);
+    return bad;
+}
+
 static int report(const distill_spec *s, size_t workspace, const fused_outputs *fwd, const fused_outputs *step,
                   const gradients *gr, const reference *ref)
 {
@@ -395,6 +423,10 @@ int gradcheck_distill(int argc, char **argv)
     if (exit_code == 0) {
         ce_weight_from_reference(s.layout, s.hidden, s.vocab, dw, ref.dweight);
         exit_code = report(&s, workspace, &fwd, &step, &gr, &ref);
+        if (s.dump && dump_outputs(&s, &fwd, &step, &gr) != 0) {
+            fprintf(stderr, "fh_gradcheck: could not write to %s\n", s.dump);
+            exit_code = 2;
+        }
     }
 
     head_free(&student);

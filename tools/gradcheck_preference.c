@@ -5,12 +5,14 @@
 #include "enum_options.h"
 #include "gradcheck_preference.h"
 
+#include "npy.h"
 #include "preference_case.h"
 
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 static const char *const losses[] = {"dpo", "orpo", "simpo", "cpo"}; /* fh_preference_loss order */
 static const char *const loss_types[] = {"sigmoid", "hinge", "ipo", "robust"};
@@ -23,7 +25,7 @@ static void usage(void)
             "       [--loss-type sigmoid|hinge|ipo|robust] [--beta b] [--label-smoothing e] [--simpo-gamma g]\n"
             "       [--rpo-alpha a] [--cpo-alpha a] [--ref none|sequence|token] [--grad-output g] [--layout hv|vh]\n"
             "       [--bias] [--threads T] [--seed S] [--tile-rows R] [--tile-vocab C] [--dtype f32|bf16]\n"
-            "       [--grad-dtype f32|bf16] [--fp32-dz]\n"
+            "       [--grad-dtype f32|bf16] [--fp32-dz] [--dump DIR]\n"
             "  --batch counts pairs (2B sequences); --ref is dpo's reference log-probs (the other losses take none)\n");
 }
 
@@ -41,7 +43,7 @@ int gradcheck_is_preference(const char *loss)
     return lookup(loss, losses, 4) >= 0;
 }
 
-static int parse(int argc, char **argv, preference_case_spec *s)
+static int parse(int argc, char **argv, preference_case_spec *s, const char **dump)
 {
     preference_case_spec_default(s);
     for (int i = 1; i < argc; i++) {
@@ -102,6 +104,8 @@ static int parse(int argc, char **argv, preference_case_spec *s)
             s->tile_vocab = atoll(v);
         else if (VALUE_OPTION("--seed"))
             s->seed = strtoull(v, NULL, 10);
+        else if (VALUE_OPTION("--dump"))
+            *dump = v;
         else
             return -1;
 #undef VALUE_OPTION
@@ -135,10 +139,35 @@ static void print_metrics(const fh_preference_metrics *m)
     json_number("log_odds_chosen", m->log_odds_chosen, "}");
 }
 
+/* Both calls' outputs as .npy files in dir (gradients flat, dweight in the weight's layout). */
+static int dump_case(const char *dir, const preference_case *c)
+{
+    const preference_case_spec *s = &c->spec;
+    const int64_t sequences[1] = {2 * s->pairs}, tokens[1] = {2 * s->pairs * s->seq},
+                  dx[1] = {2 * s->pairs * s->seq * s->hidden}, dw[1] = {s->hidden * s->vocab}, v[1] = {s->vocab};
+    const preference_fused_outputs *calls[2] = {&c->forward, &c->step};
+    const char *const names[2][4] = {{"forward_loss", "forward_sequence_logps", "forward_rewards", "forward_logp"},
+                                     {"loss", "sequence_logps", "rewards", "logp"}};
+    mkdir(dir, 0777);
+    int bad = 0;
+    for (int k = 0; k < 2; k++) {
+        bad |= npy_write(dir, names[k][0], "<f8", &calls[k]->loss, 0, NULL);
+        bad |= npy_write(dir, names[k][1], "<f4", calls[k]->sequence_logps, 1, sequences);
+        bad |= npy_write(dir, names[k][2], "<f4", calls[k]->rewards, 1, sequences);
+        bad |= npy_write(dir, names[k][3], "<f4", calls[k]->logp, 1, tokens);
+    }
+    bad |= npy_write(dir, "dhidden", "<f4", c->dx, 1, dx);
+    bad |= npy_write(dir, "dweight", "<f4", c->dweight, 1, dw);
+    if (c->dbias)
+        bad |= npy_write(dir, "dbias", "<f4", c->dbias, 1, v);
+    return bad;
+}
+
 int gradcheck_preference(int argc, char **argv)
 {
     preference_case_spec spec;
-    if (parse(argc, argv, &spec) != 0) {
+    const char *dump = NULL;
+    if (parse(argc, argv, &spec, &dump) != 0) {
         usage();
         return 2;
     }
@@ -165,6 +194,11 @@ int gradcheck_preference(int argc, char **argv)
            "\"grad_norm_rel\": %g, \"dbias_norm_rel\": %g},\n  \"pass\": %s\n}\n",
            PREFERENCE_LOSS_TOL, PREFERENCE_METRIC_TOL, PREFERENCE_TOKEN_TOL, d.grad_tolerance, d.dbias_tolerance,
            pass ? "true" : "false");
+    int rc = pass ? 0 : 1;
+    if (dump && dump_case(dump, &c) != 0) {
+        fprintf(stderr, "fh_gradcheck: could not write to %s\n", dump);
+        rc = 2;
+    }
     preference_case_free(&c);
-    return pass ? 0 : 1;
+    return rc;
 }
