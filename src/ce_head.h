@@ -4,7 +4,7 @@
 #ifndef FH_CE_HEAD_H
 #define FH_CE_HEAD_H
 
-#include "engine.h"
+#include "engine/engine.h"
 
 /* Workspace slots: the forward's statistics, then (backward) the coefficients in the same slots. */
 enum {

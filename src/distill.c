@@ -4,7 +4,7 @@
  * log-sum-exps of the tempered student (s) and teacher (t) logits, of the untempered student logits (u) when
  * the cross-entropy needs them apart, and the KLs' cross term; the JSD's mixture log m = log(beta q + (1 - beta) p)
  * needs both log-sum-exps first, so it folds in a second pass. */
-#include "engine.h"
+#include "engine/engine.h"
 #include "linear.h"
 
 #include <math.h>

@@ -4,7 +4,7 @@
 #ifndef FH_GRPO_HEAD_H
 #define FH_GRPO_HEAD_H
 
-#include "engine.h"
+#include "engine/engine.h"
 
 /* Workspace slots. The forward's statistics and the head's per-token values, then (backward) the
  * coefficients: some slots change meaning between the passes, as their names say. b is g_logp itself. */

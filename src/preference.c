@@ -2,7 +2,7 @@
  * token log-probs -> sequence log-probs -> per-pair losses, metrics and backward coefficients. The batch is
  * chosen sequences then rejected ones, so pair b's two sequences are rows b T .. and (B + b) T ..: the
  * single-call step runs the engine's paired row blocks, which hold both. Scalar math on [2B, T] vectors. */
-#include "engine.h"
+#include "engine/engine.h"
 #include "linear.h"
 
 #include <math.h>

@@ -73,16 +73,8 @@ typedef void fh_row_fold_fn(float *z, int64_t count, int64_t first_column, int64
                             const fh_fold_request *request, fh_fold_state *state);
 fh_row_fold_fn fh_row_fold;
 
-/* What gradient filtering notes of a row while fh_row_gradient forms its dU (the final values, target term
- * included): marks[j] = 1 where |dU_j| >= threshold (a non-negative float) or dU_j is a NaN, other marks left as they
- * are; with nu, over the other columns, m = dU_j - c w_j (w 1 without weights) in f32: nu[j] += |m|, and tail = the
- * sum of those m (in double): what the tail estimate needs of the softmax terms that filtering may skip. */
-typedef struct fh_row_marking {
-    float threshold, c;
-    uint8_t *marks;
-    float *nu;   /* NULL: marks only */
-    double tail; /* written */
-} fh_row_marking;
+/* What gradient filtering notes of a row on the way (filter_row_kernels.h). */
+typedef struct fh_row_marking fh_row_marking;
 
 /* Overwrites transformed logits z with dU = (a p + c w + e p (z - sum_pz)) * dz/du + b [j = target] dz/du,
  * p = exp(z - lse) (or from the fold's exps: fh_coef.p_scale); weights may be NULL (all 1). With marking (may be
@@ -133,22 +125,6 @@ fh_row_jsd_sums_fn fh_row_jsd_sums;
  * log m - sum p (log p - log m)) in the terms above). */
 typedef void fh_row_pair_gradient_fn(float *z, const float *cz, int64_t count, const fh_pair_row *r);
 fh_row_pair_gradient_fn fh_row_pair_gradient;
-
-/* Returns the sum, over the values v = z[columns[k]] (k < count, columns increasing) with |v| below threshold, of
- * v - c w[columns[k]] (w 1 without weights): the part of fh_row_marking's tail that the kept columns took (0 with
- * threshold 0). With move, also moves each v to z[k] (columns[k] >= k, so one forward pass does it in place); else
- * z is only read. next: the row to be compacted after this one, whose same columns are prefetched meanwhile, or
- * NULL. */
-typedef double fh_row_compact_fn(float *z, const int64_t *columns, int64_t count, int move, float threshold, float c,
-                                 const float *weights, const float *next);
-fh_row_compact_fn fh_row_compact;
-
-/* sums[k] += sum over j < columns of factors[j] w[j stride + k], in double, for k < count; columns whose factor is 0
- * are not read. w holds floats, or bf16 bits with bf16. A weighted sum of weight columns (a GEMV), whose sums stay in
- * registers while the columns stream past. */
-typedef void fh_row_add_columns_fn(double *sums, int64_t count, const void *w, int bf16, int64_t stride,
-                                   const double *factors, int64_t columns);
-fh_row_add_columns_fn fh_row_add_columns;
 
 /* dst[j] = src[j] rounded to the nearest bf16 (ties to even; NaN stays NaN), for j < count. dst may be src's own
  * memory (a row narrowed in place into its first half). */

@@ -7,6 +7,7 @@
 #ifndef FH_ROW_KERNELS_IMPL_H
 #define FH_ROW_KERNELS_IMPL_H
 
+#include "filter_row_kernels.h"
 #include "row_kernels.h"
 
 typedef struct fh_row_kernel_set {

@@ -1,0 +1,136 @@
+/* Inside the engine: a pass as its loops run it, with where its gradients go resolved once (fh_sinks), and the
+ * products on those sinks that the streaming passes (streaming.c), the row blocks (row_blocks.c) and gradient
+ * filtering (../filter/) share. */
+#ifndef FH_ENGINE_PASS_H
+#define FH_ENGINE_PASS_H
+
+#include "engine.h"
+
+#include "../gemm/gemm.h"
+
+/* Where the dx GEMMs write. */
+typedef enum fh_dx_sink {
+    FH_DX_DIRECT,      /* dx itself */
+    FH_DX_ACCUMULATOR, /* a streamed bf16 dx: the f32 dx_acc (n x H), rounded after the last vocabulary tile */
+    FH_DX_BLOCK        /* a bf16 dx in row blocks summed over several GEMMs (filtered ones, or one per dU chunk): the
+                          f32 dx_block, rounded at the block's end */
+} fh_dx_sink;
+
+/* Where the dweight GEMMs write. */
+typedef enum fh_dweight_sink {
+    FH_DWEIGHT_DIRECT,       /* dweight itself */
+    FH_DWEIGHT_ACCUMULATOR,  /* a streamed bf16 dweight: the f32 dw_acc of a vocabulary tile, rounded after its last
+                                row tile */
+    FH_DWEIGHT_AFTER_BLOCKS  /* bf16 row blocks keep every row's dU: dweight is one GEMM per dU chunk over every row
+                                after the last block */
+} fh_dweight_sink;
+
+typedef struct fh_sinks {
+    fh_dx_sink dx;
+    fh_dweight_sink dweight;
+    int by_vocab;      /* dweight runs along the vocabulary (w_stride_vocab <= w_stride_hidden); its accumulator and
+                          filtering's gathered chunks are laid out the same way, so that rounding or scattering them
+                          into dweight reads and writes in order */
+    int dw_overwrites; /* a dweight column that holds nothing of this call yet is written, not added to (beta 0, or
+                          an accumulator) */
+} fh_sinks;
+
+typedef struct fh_pass {
+    fh_engine_pass in; /* as the head described it (in.ws aside: ws below) */
+    fh_workspace ws;   /* the plan's workspace, its tile in dweight's memory where the plan put it there */
+    fh_sinks sinks;
+    int filter;        /* gradient filtering: a gradient pass of a plan with filter_eps > 0 */
+} fh_pass;
+
+/* The pass of `in`, its sinks resolved. */
+void fh_pass_begin(fh_pass *p, const fh_engine_pass *in);
+
+static inline int64_t min64(int64_t a, int64_t b)
+{
+    return a < b ? a : b;
+}
+
+/* Column of row i's target within the tile starting at v0; -1 when there is none in [0, V). */
+static inline int64_t target_column(const int64_t *targets, int64_t i, int64_t vocab, int64_t v0)
+{
+    if (!targets || targets[i] < 0 || targets[i] >= vocab)
+        return -1;
+    return targets[i] - v0;
+}
+
+static inline fh_elem_type elem_type(fh_dtype dtype)
+{
+    return dtype == FH_DTYPE_BF16 ? FH_ELEM_BF16 : FH_ELEM_F32;
+}
+
+static inline size_t elem_size(fh_elem_type type)
+{
+    return type == FH_ELEM_BF16 ? sizeof(uint16_t) : sizeof(float);
+}
+
+/* A view of the matrix at base whose first element is `offset` elements in. */
+static inline fh_gemm_input view(const void *base, fh_elem_type type, int64_t offset, int64_t row_stride,
+                                 int64_t col_stride)
+{
+    const fh_gemm_input v = {(const char *)base + (size_t)offset * elem_size(type), row_stride, col_stride, type};
+    return v;
+}
+
+static inline fh_gemm_output f32_output(float *data, int64_t row_stride, int64_t col_stride)
+{
+    const fh_gemm_output v = {data, row_stride, col_stride, FH_ELEM_F32};
+    return v;
+}
+
+/* Row blocks of paired rows are two segments, one in each half of the rows: their height and the rows they walk.
+ * Every other pass has one segment over all n rows. */
+static inline int64_t block_segments(const fh_pass *p)
+{
+    return p->in.paired_rows ? 2 : 1;
+}
+
+static inline int64_t block_segment_rows(const fh_pass *p)
+{
+    return p->in.plan->tile_rows / block_segments(p);
+}
+
+static inline int64_t block_span(const fh_pass *p)
+{
+    return p->in.paired_rows ? p->in.paired_rows : p->in.lin->n;
+}
+
+/* ---- sinks.c ---- */
+int64_t fh_du_chunk(const fh_pass *p, int64_t vb);
+uint16_t *fh_du_chunk_at(const fh_pass *p, int64_t c);
+fh_gemm_input fh_du_view(const fh_pass *p, int64_t tile_row, int64_t i0, int64_t vb, int64_t j0);
+void fh_round_du_row(const fh_pass *p, const float *row, int64_t i0, int64_t r, int64_t vb);
+float *fh_dx_row_f32(const fh_pass *p, int64_t i, int64_t i0);
+float *fh_dw_f32(const fh_pass *p, int64_t k, int64_t jt, int64_t v0, int64_t vb);
+void fh_dw_strides(const fh_pass *p, int64_t vb, int64_t *stride_k, int64_t *stride_j);
+
+/* ---- products.c ---- */
+fh_status fh_pass_multiply(const fh_pass *p, int prepare, int64_t m, int64_t n, int64_t k, const fh_gemm_input *a,
+                           const fh_gemm_input *b, int accumulate, const fh_gemm_output *c);
+fh_status fh_pass_logits(const fh_pass *p, int prepare, float *tile, int64_t i0, int64_t nb, int64_t v0, int64_t vb);
+fh_status fh_pass_dx_product(const fh_pass *p, int prepare, int64_t i0, int64_t nb, int64_t len,
+                             const fh_gemm_input *du, const fh_gemm_input *wt, int accumulate);
+fh_status fh_pass_add_dx(const fh_pass *p, int prepare, int64_t tile_row, int64_t i0, int64_t nb, int64_t v0,
+                         int64_t vb, int64_t j0, int64_t len, int accumulate);
+fh_gemm_input fh_pass_x_transposed(const fh_pass *p, int64_t i0);
+fh_status fh_pass_add_dweight(const fh_pass *p, int prepare, int64_t tile_row, int64_t i0, int64_t nb, int64_t v0,
+                              int64_t vb, int64_t j0, int64_t len, int accumulate);
+fh_status fh_pass_dweight_by_chunks(const fh_pass *p, int prepare);
+fh_status fh_pass_prepare(const fh_pass *p);
+void fh_round_into_bf16(const float *acc, int64_t acc_stride, uint16_t *out, int64_t out_stride, int64_t rows,
+                        int64_t cols, int accumulate, int threads);
+void fh_copy_x_rows(const fh_pass *p, int64_t i0, int64_t nb);
+void fh_write_bias_gradient(const fh_linear_grads *grads, const double *column, int64_t v0, int64_t count);
+void fh_add_column_sums(const float *tile, int64_t rows, int64_t cols, double *column, int threads);
+float *fh_companion_row(const fh_pass *p, const float *row);
+void fh_pair_rows(const fh_pass *p, float *row, int64_t v0, int64_t vb);
+void fh_pass_row_gradient(const fh_pass *p, float *row, int64_t tile_row, int segment, int64_t vb, int64_t target,
+                          const float *weights, const fh_coef *k);
+fh_status fh_pass_gradients(const fh_pass *p, int segment, int64_t tile_row, int64_t i0, int64_t nb, int64_t v0,
+                            int64_t vb);
+
+#endif

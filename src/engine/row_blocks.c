@@ -1,0 +1,180 @@
+/* The single-call train step in row blocks of tile_rows x V: each block's logits are computed once, folded, turned
+ * into dU while hot in cache and multiplied out. In bf16 row blocks dx is summed per block over the dU chunks (in f32,
+ * dx_block, when it is bf16) and dweight is one GEMM per chunk after the last block, over the bf16 dU of every row,
+ * written directly. */
+#include "pass.h"
+
+#include "../filter/filter.h"
+
+#include <math.h>
+
+/* Transforms row i of the block in place, folds it over lin's columns and stores its final statistics. */
+static fh_final_stats fold_row(const fh_pass *p, const fh_fold_request *request, float *row, int64_t i)
+{
+    const int64_t vocab = p->in.lin->vocab;
+    const fh_token_stats *stats = p->in.stats;
+    fh_row_transform(row, vocab, p->in.lin->bias, &p->in.tf);
+    fh_fold_state st = fh_fold_state_initial();
+    fh_row_fold(row, vocab, 0, target_column(p->in.targets, i, vocab, 0), request, &st);
+    const fh_final_stats result = {st.max + log(st.sum_exp), st.z_target, st.sum_weighted_z,
+                                   st.sum_z_exp / st.sum_exp};
+    stats->lse[i] = result.lse;
+    stats->z_target[i] = result.z_target;
+    stats->sum_exp[i] = st.sum_exp;
+    if (stats->sum_weighted_z)
+        stats->sum_weighted_z[i] = result.sum_weighted_z;
+    if (stats->sum_pz)
+        stats->sum_pz[i] = result.sum_pz;
+    if (stats->argmax)
+        stats->argmax[i] = st.argmax;
+    return result;
+}
+
+/* Row i's statistics as the block hook left them. */
+static fh_final_stats stored_stats(const fh_token_stats *s, int64_t i)
+{
+    const fh_final_stats result = {s->lse[i], s->z_target[i], s->sum_weighted_z ? s->sum_weighted_z[i] : 0.0,
+                                   s->sum_pz ? s->sum_pz[i] : 0.0};
+    return result;
+}
+
+/* Overwrites row r of the segment at i0 (transformed logits, or their exps when `exps`; tile row tile_row, segment
+ * `segment` of the block) with its dU. */
+static void gradient_row(const fh_pass *p, float *row, int64_t tile_row, int segment, int64_t i0, int64_t r,
+                         const fh_final_stats *stats, int exps)
+{
+    const int64_t i = i0 + r;
+    const int64_t vocab = p->in.lin->vocab, t = target_column(p->in.targets, i, vocab, 0);
+    fh_coef k = {stats->lse, 0.0, 0.0, 0.0, 0.0, stats->sum_pz, exps ? 1.0 / p->in.stats->sum_exp[i] : 0.0};
+    p->in.source->row(p->in.source->self, i, stats, &k);
+    fh_pass_row_gradient(p, row, tile_row, segment, vocab, t, p->in.class_weights, &k);
+    fh_round_du_row(p, row, i0, r, vocab);
+}
+
+static void block_dx_end(const fh_pass *p, int64_t i0, int64_t nb)
+{
+    const fh_linear_grads *grads = p->in.grads;
+    if (grads->dx && p->sinks.dx == FH_DX_BLOCK)
+        fh_round_into_bf16(p->ws.dx_block, p->in.lin->hidden, (uint16_t *)grads->dx + i0 * grads->dx_row_stride,
+                        grads->dx_row_stride, nb, p->in.lin->hidden, grads->dx_beta != 0.0f, p->in.plan->threads);
+}
+
+/* Row r of the block at i0 with a pair: both rows made ready, every forward pass of the kernels, then its dU. */
+static void pair_row_block(const fh_pass *p, float *row, int64_t i0, int64_t r)
+{
+    const fh_pair_kernels *k = p->in.pair;
+    const int64_t i = i0 + r, vocab = p->in.lin->vocab;
+    float *crow = fh_companion_row(p, row);
+    fh_pair_rows(p, row, 0, vocab);
+    for (int pass = 0; pass < k->passes; pass++) {
+        k->fold(k->self, pass, i, row, crow, vocab, 0);
+        k->finish(k->self, pass, i);
+    }
+    k->gradient(k->self, i, row, crow, vocab, 0);
+    fh_round_du_row(p, row, i0, r, vocab);
+}
+
+/* The statistics of rows [i0, n) as arrays starting at row i0. */
+static fh_token_stats stats_from(const fh_token_stats *s, int64_t i0)
+{
+    const fh_token_stats view = {s->lse + i0,
+                                 s->z_target + i0,
+                                 s->sum_weighted_z ? s->sum_weighted_z + i0 : NULL,
+                                 s->sum_pz ? s->sum_pz + i0 : NULL,
+                                 s->sum_exp + i0,
+                                 s->argmax ? s->argmax + i0 : NULL};
+    return view;
+}
+
+static fh_status row_blocks(const fh_pass *p)
+{
+    const fh_linear *lin = p->in.lin;
+    const fh_linear_grads *grads = p->in.grads;
+    const fh_token_stats *stats = p->in.stats;
+    const int64_t n = lin->n, vocab = lin->vocab;
+    const int64_t segments = block_segments(p), height = block_segment_rows(p), span = block_span(p);
+    const int threads = p->in.plan->threads;
+    /* Each row is folded in one tile; its exps replace it when the gradient needs z no more (fh_coef.p_scale) and
+     * no block hook can change its log-sum-exp (a vocabulary-parallel one makes it global). */
+    const int entropy = stats && stats->sum_pz;
+    const fh_fold_request request = {p->in.class_weights, stats && stats->sum_weighted_z, entropy,
+                                     !entropy && !(p->in.tf.softcap > 0.0f) && !p->in.pair && !p->in.source->block, NULL};
+    float *tile = p->ws.tile;
+    double *column = p->ws.column;
+    fh_status st = fh_pass_prepare(p);
+    if (st != FH_OK)
+        return st;
+    if (grads->dbias)
+        for (int64_t j = 0; j < vocab; j++)
+            column[j] = 0.0;
+    if (p->filter)
+        fh_filter_begin(p);
+    for (int64_t i0 = 0; i0 < span; i0 += height) {
+        /* Segment s holds rows s * span + i0 .. + nb - 1, from tile row s * nb. */
+        const int64_t nb = min64(height, span - i0), rows = segments * nb;
+        for (int64_t s = 0; s < segments && st == FH_OK; s++)
+            st = fh_pass_logits(p, 0, tile + s * nb * vocab, s * span + i0, nb, 0, vocab);
+        if (st != FH_OK)
+            return st;
+        if (p->in.pair) {
+            /* Every pass over both rows, then the gradient, while they are hot in cache. */
+#pragma omp parallel for num_threads(threads) schedule(static)
+            for (int64_t r = 0; r < rows; r++)
+                pair_row_block(p, tile + r * vocab, i0, r);
+        } else if (!p->in.source->block) {
+            /* Fold, then the gradient while the row is still hot in cache. */
+#pragma omp parallel for num_threads(threads) schedule(static)
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t first = r / nb * span + i0;
+                fh_fold_request ahead = request;
+                ahead.next = r + 1 < rows ? tile + (r + 1) * vocab : NULL;
+                const fh_final_stats result = fold_row(p, &ahead, tile + r * vocab, first + r % nb);
+                gradient_row(p, tile + r * vocab, r, (int)(r / nb), first, r % nb, &result, request.store_exps);
+            }
+        } else {
+            /* The hook needs the whole block's statistics before any row's coefficients. */
+#pragma omp parallel for num_threads(threads) schedule(static)
+            for (int64_t r = 0; r < rows; r++)
+                fold_row(p, &request, tile + r * vocab, r / nb * span + i0 + r % nb);
+            const fh_token_stats block = stats_from(stats, i0);
+            st = p->in.source->block(p->in.source->self, i0, nb, &block);
+            if (st != FH_OK)
+                return st;
+#pragma omp parallel for num_threads(threads) schedule(static)
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t first = r / nb * span + i0;
+                const fh_final_stats result = stored_stats(stats, first + r % nb);
+                gradient_row(p, tile + r * vocab, r, (int)(r / nb), first, r % nb, &result, request.store_exps);
+            }
+        }
+        if (grads->dbias)
+            fh_add_column_sums(tile, rows, vocab, column, threads);
+        for (int64_t s = 0; s < segments && st == FH_OK; s++) {
+            if (p->filter)
+                fh_filter_block_begin(p, s * span + i0, nb);
+            st = fh_pass_gradients(p, (int)s, s * nb, s * span + i0, nb, 0, vocab);
+            if (st == FH_OK)
+                block_dx_end(p, s * span + i0, nb);
+        }
+        if (st != FH_OK)
+            return st;
+    }
+    if (p->filter)
+        st = fh_filter_blocks_end(p);
+    else if (grads->dweight && p->sinks.dweight == FH_DWEIGHT_AFTER_BLOCKS) {
+        p->ws.filter_stats->gradient_flops += 2.0 * (double)n * (double)lin->hidden * (double)vocab;
+        st = fh_pass_dweight_by_chunks(p, 0);
+    }
+    if (st != FH_OK)
+        return st;
+    if (grads->dbias)
+        fh_write_bias_gradient(grads, column, 0, vocab);
+    return FH_OK;
+}
+
+fh_status fh_engine_row_blocks(const fh_engine_pass *in)
+{
+    fh_pass p;
+    fh_pass_begin(&p, in);
+    return row_blocks(&p);
+}

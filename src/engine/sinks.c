@@ -1,0 +1,102 @@
+/* Where a pass's gradients live, resolved once when the pass begins (fh_pass_begin), and the addresses every loop
+ * takes from that: the dU chunks of bf16 row blocks, a dx row or dweight element in f32. */
+#include "pass.h"
+
+void fh_pass_begin(fh_pass *p, const fh_engine_pass *in)
+{
+    const fh_plan *plan = in->plan;
+    const fh_linear_grads *grads = in->grads;
+    p->in = *in;
+    p->ws = *in->ws;
+    if (plan->tile_in_dweight)
+        p->ws.tile = (float *)((char *)grads->dweight + plan->tile_at_byte);
+    p->filter = grads && plan->filter_eps > 0.0;
+    const int bf16_dx = grads && grads->dx_dtype == FH_DTYPE_BF16;
+    const int bf16_dweight = grads && grads->dweight_dtype == FH_DTYPE_BF16;
+    p->sinks.dx = bf16_dx && !plan->row_blocks ? FH_DX_ACCUMULATOR
+                  : bf16_dx && p->ws.dx_block  ? FH_DX_BLOCK
+                                               : FH_DX_DIRECT;
+    p->sinks.dweight = plan->row_blocks && plan->bf16_du ? FH_DWEIGHT_AFTER_BLOCKS
+                       : bf16_dweight && !plan->row_blocks ? FH_DWEIGHT_ACCUMULATOR
+                                                           : FH_DWEIGHT_DIRECT;
+    p->sinks.by_vocab = in->lin->w_stride_vocab <= in->lin->w_stride_hidden;
+    p->sinks.dw_overwrites = p->sinks.dweight == FH_DWEIGHT_ACCUMULATOR || (grads && grads->dweight_beta == 0.0f);
+}
+
+/* Columns per dU chunk: the plan's in row blocks (fh_plan), one chunk per tile when streaming. */
+int64_t fh_du_chunk(const fh_pass *p, int64_t vb)
+{
+    return p->in.plan->row_blocks ? p->in.plan->du_chunk : vb;
+}
+
+/* Every row's bf16 dU in row blocks, chunk c (columns c T .. c T + width - 1 of every row, n x width): the first
+ * du_chunks_in_dweight chunks in dweight's memory, the others in the du buffer. */
+uint16_t *fh_du_chunk_at(const fh_pass *p, int64_t c)
+{
+    const fh_plan *plan = p->in.plan;
+    const int64_t n = p->in.lin->n, t = plan->du_chunk;
+    if (c < plan->du_chunks_in_dweight)
+        return (uint16_t *)p->in.grads->dweight + plan->du_at_element + n * c * t;
+    return p->ws.du + n * (c - plan->du_chunks_in_dweight) * t;
+}
+
+/* The dU rows of a tile (rows i0.. of the call, from row tile_row of the tile), from column j0 within one chunk, as
+ * the gradient GEMMs read them: the f32 tile itself, or (bf16_du) the rows rounded into the du buffer (one tile
+ * when streaming), or in row blocks the chunk that holds them. */
+fh_gemm_input fh_du_view(const fh_pass *p, int64_t tile_row, int64_t i0, int64_t vb, int64_t j0)
+{
+    if (!p->in.plan->bf16_du)
+        return view(p->ws.tile, FH_ELEM_F32, tile_row * vb + j0, vb, 1);
+    if (!p->in.plan->row_blocks)
+        return view(p->ws.du, FH_ELEM_BF16, tile_row * vb + j0, vb, 1);
+    const int64_t t = p->in.plan->du_chunk, c = j0 / t, width = min64(t, vb - c * t);
+    return view(fh_du_chunk_at(p, c), FH_ELEM_BF16, i0 * width + j0 - c * t, width, 1);
+}
+
+/* With bf16_du, row r (of the rows at i0) of the tile's dU rounded into its place in the du buffer or its
+ * chunks, inside the row loop while it is hot. */
+void fh_round_du_row(const fh_pass *p, const float *row, int64_t i0, int64_t r, int64_t vb)
+{
+    if (!p->in.plan->bf16_du)
+        return;
+    if (!p->in.plan->row_blocks) {
+        fh_row_to_bf16(row, vb, p->ws.du + r * vb);
+        return;
+    }
+    const int64_t t = p->in.plan->du_chunk;
+    for (int64_t c = 0; c * t < vb; c++) {
+        const int64_t width = min64(t, vb - c * t);
+        fh_row_to_bf16(row + c * t, width, fh_du_chunk_at(p, c) + (i0 + r) * width);
+    }
+}
+
+/* Where the exact terms of row i (of the segment at i0) add into dx: f32 in every filtered case (dx_acc for a
+ * streamed bf16 dx, dx_block for a bf16 dx in row blocks, else the fp32 dx). */
+float *fh_dx_row_f32(const fh_pass *p, int64_t i, int64_t i0)
+{
+    const int64_t h = p->in.lin->hidden;
+    if (p->sinks.dx == FH_DX_ACCUMULATOR)
+        return p->ws.dx_acc + i * h;
+    if (p->sinks.dx == FH_DX_BLOCK)
+        return p->ws.dx_block + (i - i0) * h;
+    return (float *)p->in.grads->dx + i * p->in.grads->dx_row_stride;
+}
+
+/* Where they add into dweight (k, tile column jt), unless dweight_after_blocks: dw_acc for a streamed bf16
+ * dweight, else the fp32 dweight. */
+float *fh_dw_f32(const fh_pass *p, int64_t k, int64_t jt, int64_t v0, int64_t vb)
+{
+    const fh_linear *lin = p->in.lin;
+    if (p->sinks.dweight == FH_DWEIGHT_ACCUMULATOR)
+        return p->ws.dw_acc + (p->sinks.by_vocab ? k * vb + jt : jt * lin->hidden + k);
+    return (float *)p->in.grads->dweight + k * lin->w_stride_hidden + (v0 + jt) * lin->w_stride_vocab;
+}
+
+/* dw_f32 (k, j) = dw_f32 (0, 0) + k * stride_k + j * stride_j. */
+void fh_dw_strides(const fh_pass *p, int64_t vb, int64_t *stride_k, int64_t *stride_j)
+{
+    const fh_linear *lin = p->in.lin;
+    const int accumulator = p->sinks.dweight == FH_DWEIGHT_ACCUMULATOR, by_vocab = p->sinks.by_vocab;
+    *stride_k = accumulator ? (by_vocab ? vb : 1) : lin->w_stride_hidden;
+    *stride_j = accumulator ? (by_vocab ? 1 : lin->hidden) : lin->w_stride_vocab;
+}

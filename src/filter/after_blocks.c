@@ -1,0 +1,135 @@
+/* dweight after filtered bf16 row blocks: the GEMMs of the columns some block kept, over every row, and the rank-one
+ * terms of the columns every block skipped, rounded once. */
+#include "filter_internal.h"
+
+/* dweight's elements at + e step (e < count) (+)= values[e] as beta says, rounded once when bf16 (after bf16 row
+ * blocks); a contiguous bf16 run in one call of the rounding kernel. */
+static void store_dweight(const fh_pass *p, int64_t at, int64_t step, const float *values, int64_t count)
+{
+    const fh_linear_grads *grads = p->in.grads;
+    const int accumulate = grads->dweight_beta != 0.0f;
+    const int bf16 = grads->dweight_dtype == FH_DTYPE_BF16;
+    if (bf16 && step == 1) {
+        fh_row_add_to_bf16(values, count, accumulate, (uint16_t *)grads->dweight + at);
+        return;
+    }
+    for (int64_t e = 0; e < count; e++) {
+        if (bf16) {
+            fh_row_add_to_bf16(values + e, 1, accumulate, (uint16_t *)grads->dweight + at + e * step);
+        } else {
+            float *d = (float *)grads->dweight + at + e * step;
+            *d = accumulate ? *d + values[e] : values[e];
+        }
+    }
+}
+
+/* Columns [j0, j1) of dweight that every row block skipped: only the terms' column(j) g_all (0 without a term),
+ * rounded once, as beta says. */
+static void fh_skipped_dweight_columns(const fh_pass *p, int64_t j0, int64_t j1, const fh_skipped_term *terms,
+                                    int count)
+{
+    const fh_linear *lin = p->in.lin;
+    const fh_linear_grads *grads = p->in.grads;
+    if (count == 0 && grads->dweight_beta != 0.0f)
+        return;
+    if (count == 0) {
+        fh_zero_columns(p, grads->dweight, elem_size(elem_type(grads->dweight_dtype)), lin->w_stride_hidden,
+                     lin->w_stride_vocab, j0, j1);
+        return;
+    }
+    /* runs along dweight's contiguous direction: each row k over [j0, j1), or each column over H */
+    const int by_vocab = p->sinks.by_vocab;
+    const int64_t runs = by_vocab ? lin->hidden : j1 - j0, length = by_vocab ? j1 - j0 : lin->hidden;
+    const int64_t step = by_vocab ? lin->w_stride_vocab : lin->w_stride_hidden;
+#pragma omp parallel for num_threads(p->in.plan->threads) schedule(static)
+    for (int64_t r = 0; r < runs; r++) {
+        float values[TERMS_RUN];
+        for (int64_t e0 = 0; e0 < length; e0 += TERMS_RUN) {
+            const int64_t m = min64(TERMS_RUN, length - e0), k = by_vocab ? r : e0, j = by_vocab ? j0 + e0 : j0 + r;
+            fh_terms_run(terms, count, k, j, by_vocab, m, 1, values);
+            store_dweight(p, k * lin->w_stride_hidden + j * lin->w_stride_vocab, step, values, m);
+        }
+    }
+}
+
+/* dweight's columns[0..count) (+)= gathered_dw (a chunk of width `width`), as beta says (after bf16 row blocks),
+ * along dweight's contiguous direction. */
+void fh_filter_store_gathered_dweight(const fh_pass *p, const int64_t *columns, int64_t count, int64_t width)
+{
+    const fh_linear *lin = p->in.lin;
+    if (p->sinks.by_vocab) { /* the kept columns of a row k are apart */
+#pragma omp parallel for num_threads(p->in.plan->threads) schedule(static)
+        for (int64_t k = 0; k < lin->hidden; k++)
+            for (int64_t c = 0; c < count; c++)
+                store_dweight(p, k * lin->w_stride_hidden + columns[c] * lin->w_stride_vocab, 1,
+                              fh_gathered_dw_at(p, k, c, width), 1);
+    } else {
+#pragma omp parallel for num_threads(p->in.plan->threads) schedule(static)
+        for (int64_t c = 0; c < count; c++)
+            store_dweight(p, columns[c] * lin->w_stride_vocab, lin->w_stride_hidden, fh_gathered_dw_at(p, 0, c, width),
+                          lin->hidden);
+    }
+}
+
+/* bf16 row blocks: dweight after the last block, over every row, for the columns that some row block kept (in
+ * gathered chunks, the rows in the blocks' segments so that the GEMM shapes are those made ready); every other
+ * column gets only its rank-one terms (0 without them), rounded once, as beta says. */
+static fh_status filtered_dweight_after_blocks(const fh_pass *p)
+{
+    const fh_linear *lin = p->in.lin;
+    const int64_t n = lin->n, h = lin->hidden, vocab = lin->vocab;
+    const int64_t segments = block_segments(p), height = block_segment_rows(p), span = block_span(p);
+    double *v = p->ws.vectors;
+    int any_c = 0;
+    for (int64_t k = 0; k < h; k++)
+        any_c |= v[TERM_G_ALL_C * h + k] != 0.0;
+    /* The columns every block skipped: the c w term, and the tail estimate with every block's magnitudes. */
+    fh_skipped_term terms[2];
+    int terms_count = 0;
+    if (any_c)
+        terms[terms_count++] = (fh_skipped_term){NULL, p->in.class_weights, NULL, p->in.tf.inv_temperature, NULL, NULL,
+                                              v + TERM_G_ALL_C * h};
+    if (p->in.plan->tail_estimate && v[TERM_VECTORS * h] > 0.0)
+        terms[terms_count++] = (fh_skipped_term){NULL, NULL, p->ws.tail_columns + vocab, 1.0 / v[TERM_VECTORS * h],
+                                              NULL, NULL, v + TERM_G_ALL_TAIL * h};
+    int64_t kept = 0;
+    for (int64_t j = 0; j < vocab; j++)
+        if (p->ws.used[j])
+            p->ws.kept[kept++] = j;
+    /* Every column kept: the unfiltered GEMM over every row. */
+    fh_status st = kept == vocab ? fh_pass_dweight_by_chunks(p, 0) : FH_OK;
+    for (int64_t c0 = 0; c0 < kept && kept < vocab && st == FH_OK; c0 += FH_FILTER_CHUNK) {
+        const int64_t *columns = p->ws.kept + c0;
+        const int64_t count = min64(FH_FILTER_CHUNK, kept - c0), width = fh_filter_gathered_width(p, count);
+        int accumulate = 0;
+        for (int64_t i0 = 0; i0 < span && st == FH_OK; i0 += height)
+            for (int64_t s = 0; s < segments && st == FH_OK; s++, accumulate = 1) {
+                const int64_t first = s * span + i0, nb = min64(height, span - i0);
+                const fh_gemm_input du = fh_filter_gather_du(p, p->ws.du + first * vocab, vocab, nb, columns, count, width);
+                st = fh_filter_gathered_dweight(p, 0, first, nb, width, &du, accumulate);
+            }
+        if (st == FH_OK)
+            fh_filter_store_gathered_dweight(p, columns, count, width);
+    }
+    for (int64_t j0 = 0; j0 < vocab && st == FH_OK;) {
+        int64_t j1 = j0 + 1;
+        while (j1 < vocab && p->ws.used[j1] == p->ws.used[j0])
+            j1++;
+        if (!p->ws.used[j0])
+            fh_skipped_dweight_columns(p, j0, j1, terms, terms_count);
+        j0 = j1;
+    }
+    p->ws.filter_stats->gradient_flops += 2.0 * (double)n * (double)h * (double)vocab;
+    p->ws.filter_stats->skipped_flops += 2.0 * (double)n * (double)h * (double)(vocab - kept);
+    return st;
+}
+
+fh_status fh_filter_blocks_end(const fh_pass *p)
+{
+    if (!p->in.grads->dweight)
+        return FH_OK;
+    if (p->sinks.dweight == FH_DWEIGHT_AFTER_BLOCKS)
+        return filtered_dweight_after_blocks(p);
+    fh_filter_finish_columns(p, 0, p->in.lin->vocab);
+    return FH_OK;
+}
