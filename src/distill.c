@@ -61,23 +61,12 @@ static int64_t target_in(const distill_head *h, int64_t i, int64_t first_column,
     return t >= 0 && t < count ? t : -1;
 }
 
-/* Running sum at max `*max` rescaled to the larger of it and `chunk_max` (other: a sum weighted alike). */
-static void rescale(double *max, double *sum, double chunk_max, double *other)
-{
-    if (!(chunk_max > *max))
-        return;
-    const double factor = *max == -INFINITY ? 0.0 : exp(*max - chunk_max);
-    *sum *= factor;
-    if (other)
-        *other *= factor;
-    *max = chunk_max;
-}
-
 /* Adds a chunk's sums of exps (at the running max, raised to the chunk's first) to a row's. */
 static void fold_lse(double *max, double *sum, double *cross, float chunk_max, const float *a, const float *b,
                      int64_t count, float scale)
 {
-    rescale(max, sum, chunk_max, cross);
+    double *const running[2] = {sum, cross};
+    fh_lse_raise(max, chunk_max, running, cross ? 2 : 1);
     double sums[2] = {0.0, 0.0};
     fh_row_exp_sums(a, cross ? b : NULL, count, scale, (float)*max, sums);
     *sum += sums[0];

@@ -14,13 +14,23 @@ fh_fold_state fh_fold_state_initial(void)
     return st;
 }
 
+void fh_lse_raise(double *max, double new_max, double *const *sums, int count)
+{
+    if (!(new_max > *max))
+        return;
+    const double rescale = exp(*max - new_max);
+    for (int k = 0; k < count; k++)
+        *sums[k] *= rescale;
+    *max = new_max;
+}
+
 void fh_row_merge(fh_fold_state *state, float tile_max, int64_t tile_argmax, double tile_sum, double tile_sum_z)
 {
     if (tile_max > state->max) {
-        const double rescale = exp(state->max - (double)tile_max);
-        state->sum_exp = state->sum_exp * rescale + tile_sum;
-        state->sum_z_exp = state->sum_z_exp * rescale + tile_sum_z;
-        state->max = tile_max;
+        double *const sums[2] = {&state->sum_exp, &state->sum_z_exp};
+        fh_lse_raise(&state->max, tile_max, sums, 2);
+        state->sum_exp += tile_sum;
+        state->sum_z_exp += tile_sum_z;
         state->argmax = tile_argmax;
     } else {
         const double rescale = exp((double)tile_max - state->max);

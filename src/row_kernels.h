@@ -40,6 +40,11 @@ typedef struct fh_fold_request {
     const float *next;     /* the row to be folded after this one (count floats), prefetched meanwhile, or NULL */
 } fh_fold_request;
 
+/* The online log-sum-exp's one step: sums of exps taken at a running maximum *max, raised to new_max when that is
+ * larger (sums[k] *= exp(*max - new_max)); a maximum of -inf has empty sums, which stay 0. Every running
+ * log-sum-exp (fh_row_merge, distillation's) goes through it. */
+void fh_lse_raise(double *max, double new_max, double *const *sums, int count);
+
 /* A fresh state: max -inf, sums 0. */
 fh_fold_state fh_fold_state_initial(void);
 
