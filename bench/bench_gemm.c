@@ -100,8 +100,8 @@ int bench_gemm(int bf16, int64_t m, int64_t n, int64_t k, const void *a, int64_t
         sgemm(m, n, k, a, rsa, csa, b, rsb, csb, c, rsc, csc, threads);
         return 0;
     }
-    fh_blis_info info;
-    if (fh_blis_query(&info) != FH_OK || strcmp(info.bf16_path, "refused") == 0)
+    fh_kernel_info info;
+    if (fh_kernel_query(&info) != FH_OK || strcmp(info.bf16_path, "refused") == 0)
         return -1;
     if (strcmp(info.bf16_path, "convert") == 0)
         return widened_sgemm(m, n, k, a, rsa, csa, b, rsb, csb, c, rsc, csc, threads);

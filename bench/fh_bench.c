@@ -343,7 +343,7 @@ static int paired_steps(const shape *s, const bench_inputs *in, const head_input
     double best[2] = {INFINITY, INFINITY}, loss;
     for (int k = 0; k <= s->reps; k++)
         for (int filtered = 0; filtered < 2; filtered++) {
-            if (fh_context_set_grad_filter_eps(ctx, filtered ? s->filter_eps : 0.0) != FH_OK)
+            if (fh_context_set_real(ctx, FH_PARAM_GRAD_FILTER_EPS, filtered ? s->filter_eps : 0.0) != FH_OK)
                 return -1;
             const double t = now_ms();
             if (run_once(filtered ? CASE_FILTERED : CASE_TRAIN, s, in, heads, ctx, NULL, gemm_buffers, &loss) != 0)
@@ -379,8 +379,8 @@ static result measure_in_child(bench_case c, const shape *s)
     fh_context_set(ctx, FH_PARAM_FP32_DZ, s->fp32_dz);
     if (fh_context_set(ctx, FH_PARAM_TILE_ROWS, s->tile_rows) != FH_OK)
         return r;
-    if (c == CASE_FILTERED && (fh_context_set_grad_filter_eps(ctx, s->filter_eps) != FH_OK ||
-                               fh_context_set_grad_filter_tail(ctx, s->filter_tail) != FH_OK))
+    if (c == CASE_FILTERED && (fh_context_set_real(ctx, FH_PARAM_GRAD_FILTER_EPS, s->filter_eps) != FH_OK ||
+                               fh_context_set(ctx, FH_PARAM_GRAD_FILTER_TAIL, s->filter_tail) != FH_OK))
         return r;
     for (int k = 0; k < 3; k++) {
         float *values = bench_filled(2048u * 2048u, 1.0f, 10 + k);
@@ -589,7 +589,7 @@ static const char *dtype_name(fh_dtype dtype)
     return dtype == FH_DTYPE_BF16 ? "bf16" : "fp32";
 }
 
-static void print_report(format f, const shape *s, const result *res, const fh_blis_info *kernels, FILE *out)
+static void print_report(format f, const shape *s, const result *res, const fh_kernel_info *kernels, FILE *out)
 {
     char num[32], pe[32], pf[32], label[32];
     const char *data = s->dist.kind == BENCH_REPLAY ? "real" : "synthetic";
@@ -957,10 +957,10 @@ int main(int argc, char **argv)
         }
         s.n = n_given ? s.n : rows;
     }
-    fh_blis_info blis;
-    fh_blis_query(&blis);
+    fh_kernel_info kernels;
+    fh_kernel_query(&kernels);
     if (sweep_what)
-        return sweep(sweep_what, out_dir, &s, blis.kernel_set) == 0 ? 0 : 1;
+        return sweep(sweep_what, out_dir, &s, kernels.kernel_set) == 0 ? 0 : 1;
     if (describe_inputs(&s, why, sizeof why) != 0) {
         fprintf(stderr, "fh_bench: %s\n", why);
         return 2;
@@ -988,6 +988,6 @@ int main(int argc, char **argv)
         }
     if (f == FORMAT_CSV)
         fputs(csv_header, stdout);
-    print_report(f, &s, res, &blis, stdout);
+    print_report(f, &s, res, &kernels, stdout);
     return failed ? 1 : 0;
 }

@@ -343,7 +343,7 @@ def prepare_tokens(out: Path, args):
     if split <= args.seq + 1:
         sys.exit(f"train_tiny_lm: {split} training tokens, too few for sequences of {args.seq}")
     print(f"tokenizer: {args.vocab} pieces in {t1 - t0:.1f} s; {len(tokens)} tokens in "
-          f"{time.perf_counter() - t1:.1f} s ({split} for training); BLIS {fusedhead.blis_info().kernel_set}, "
+          f"{time.perf_counter() - t1:.1f} s ({split} for training); BLIS {fusedhead.kernel_info().kernel_set}, "
           f"{args.threads} threads")
     return tokens[:split], tokens[split:]
 

@@ -70,8 +70,8 @@ typedef enum fh_status {
                                          the caller's workspace, or the workspace overlaps an input (the message
                                          names both) */
     /* 30..39: context, parameters and environment */
-    FH_ERR_INVALID_PARAM = 30,        /* unknown fh_param */
-    FH_ERR_INVALID_PARAM_VALUE = 31,  /* value outside fh_param_bounds() */
+    FH_ERR_INVALID_PARAM = 30,        /* unknown fh_param, or one of the other kind (integer / real) */
+    FH_ERR_INVALID_PARAM_VALUE = 31,  /* value outside fh_param_bounds() / fh_param_real_bounds(), or NaN */
     FH_ERR_KERNELS_UNAVAILABLE = 32,  /* FH_ROW_KERNELS or FH_BF16_GEMM names a kernel set or bf16 GEMM path that
                                          is unknown, or that this CPU or build lacks (the message says which) */
     /* 40..49: the GEMM providers */
@@ -118,17 +118,28 @@ typedef enum fh_param {
                                    1: dZ stays f32 and the gradient GEMMs run in fp32 (BLIS) on f32 copies of
                                    the bf16 tiles of x and weight: the fp32 path's accuracy on the bf16 values,
                                    at the fp32 GEMM rate, and the train step streams (8 N H V flops) */
-    FH_PARAM_OVERSUBSCRIBE = 6  /* 1: run FH_PARAM_THREADS threads even beyond the CPUs available (BLIS's barriers
+    FH_PARAM_OVERSUBSCRIBE = 6, /* 1: run FH_PARAM_THREADS threads even beyond the CPUs available (BLIS's barriers
                                    spin: on 2 cores 3 threads ran 4x slower, 16 threads 28x); 0 (default): clamp */
+    FH_PARAM_GRAD_FILTER_TAIL = 7, /* an fh_filter_tail: what gradient filtering does with the terms it skips;
+                                      0 = FH_FILTER_TAIL_ESTIMATE (default) */
+    FH_PARAM_GRAD_FILTER_EPS = 8   /* real-valued (fh_context_set_real): gradient filtering's threshold, in [0, 1);
+                                      0 (default) = off */
 } fh_param;
 
 FH_API fh_status fh_context_create(fh_context **ctx);
 /* Frees the context and the workspace it allocated (never a caller's workspace). NULL is accepted. */
 FH_API fh_status fh_context_destroy(fh_context *ctx);
+/* Integer parameters. set refuses a value outside fh_param_bounds (inclusive) with FH_ERR_INVALID_PARAM_VALUE and
+ * leaves the parameter as it was; get gives the value set (0 = default). A real-valued parameter
+ * (FH_PARAM_GRAD_FILTER_EPS) is FH_ERR_INVALID_PARAM here, as is an unknown one. */
 FH_API fh_status fh_context_set(fh_context *ctx, fh_param param, int64_t value);
-/* The value set (0 = default) for the parameter. */
 FH_API fh_status fh_context_get(const fh_context *ctx, fh_param param, int64_t *value);
 FH_API fh_status fh_param_bounds(fh_param param, int64_t *min_value, int64_t *max_value);
+/* Real-valued parameters, the same contract with doubles: bounds inclusive (a half-open range such as eps's [0, 1)
+ * reports its largest double as max), NaN refused, an integer parameter FH_ERR_INVALID_PARAM. */
+FH_API fh_status fh_context_set_real(fh_context *ctx, fh_param param, double value);
+FH_API fh_status fh_context_get_real(const fh_context *ctx, fh_param param, double *value);
+FH_API fh_status fh_param_real_bounds(fh_param param, double *min_value, double *max_value);
 /* The threads a call runs (one above the tiny-problem size): FH_PARAM_THREADS or OpenMP's default, clamped to the
  * CPUs this process may use unless FH_PARAM_OVERSUBSCRIBE. */
 FH_API fh_status fh_context_threads(const fh_context *ctx, int *threads);
@@ -167,23 +178,21 @@ FH_API fh_status fh_context_message(const fh_context *ctx, const char **message)
  * library-managed workspace (allocated once, reused across calls). */
 FH_API fh_status fh_context_set_workspace(fh_context *ctx, void *workspace, size_t bytes);
 
-/* Gradient filtering (as Cut Cross-Entropy's): in every backward pass (split backward and train step, every
- * head), once a tile's dU = dZ * dz/du is formed, each vocabulary column where every |dU| is below eps times its
- * row's scale, over the tile's rows (a row block in the train step), skips its share of the dx and dweight GEMMs:
- * those run on the kept columns only, gathered. A row's scale is the largest magnitude of its coefficients in
- * dZ = a p + b onehot + e p (z - sum p z) + c w, so that in cross-entropy (a = -b) the test is p dz/du < eps,
- * whatever the reduction's 1/N. Only the softmax terms of dZ (a p and the entropy term) are skipped (and
- * estimated, fh_context_set_grad_filter_tail): a column that holds a row's target is kept, and the dense
- * rank-one term c w (label smoothing, class weights) is applied
- * exactly over the skipped columns, as c (W w) to dx and w (X^T c) to dweight. Skipped dweight columns honour
- * beta (0 writes zeros). With a softcap the c w term is not rank one, so a tile with a nonzero c under a softcap
- * is not filtered. eps 0 (the default) is off: results are bit for bit the unfiltered ones. eps must be finite
- * and in [0, 1); CCE's choice is the dtype's machine epsilon / 32 (2^-12 for bf16, 2^-28 for fp32).
- * docs/filtering.md gives the measured effect. */
-FH_API fh_status fh_context_set_grad_filter_eps(fh_context *ctx, double eps);
-FH_API fh_status fh_context_get_grad_filter_eps(const fh_context *ctx, double *eps);
-
-/* What filtering does with the softmax terms of the columns it skips (the tail: every one below eps, together a
+/* Gradient filtering (as Cut Cross-Entropy's; FH_PARAM_GRAD_FILTER_EPS, FH_PARAM_GRAD_FILTER_TAIL): in every
+ * backward pass (split backward and train step, every head), once a tile's dU = dZ * dz/du is formed, each
+ * vocabulary column where every |dU| is below eps times its row's scale, over the tile's rows (a row block in the
+ * train step), skips its share of the dx and dweight GEMMs: those run on the kept columns only, gathered. A row's
+ * scale is the largest magnitude of its coefficients in dZ = a p + b onehot + e p (z - sum p z) + c w, so that in
+ * cross-entropy (a = -b) the test is p dz/du < eps, whatever the reduction's 1/N. Only the softmax terms of dZ
+ * (a p and the entropy term) are skipped (and estimated, FH_PARAM_GRAD_FILTER_TAIL): a column that holds a row's
+ * target is kept, and the dense rank-one term c w (label smoothing, class weights) is applied exactly over the
+ * skipped columns, as c (W w) to dx and w (X^T c) to dweight. Skipped dweight columns honour beta (0 writes
+ * zeros). With a softcap the c w term is not rank one, so a tile with a nonzero c under a softcap is not filtered.
+ * eps 0 (the default) is off: results are bit for bit the unfiltered ones. eps must be in [0, 1)
+ * (fh_context_set_real); CCE's choice is the dtype's machine epsilon / 32 (2^-12 for bf16, 2^-28 for fp32).
+ * docs/filtering.md gives the measured effect.
+ *
+ * What filtering does with the softmax terms of the columns it skips (the tail: every one below eps, together a
  * few percent of a trained row's mass). FH_FILTER_TAIL_ESTIMATE (the default) replaces them, per tile, by the
  * rank-one product of their row sums and their columns' share of the tile's dropped magnitude: dx_i += r_i s and
  * dweight_j += (nu_j / S) sum_i r_i x_i, with r_i the sum of row i's skipped softmax terms, nu_j the sum of column
@@ -194,8 +203,6 @@ FH_API fh_status fh_context_get_grad_filter_eps(const fh_context *ctx, double *e
  * nu_j sum_b (sum_{i in b} r_i x_i) / sum_b S_b.) FH_FILTER_TAIL_DROP leaves them out, as Cut Cross-Entropy does:
  * the gradient then lacks that mass, a bias that slows training on heads whose tail is heavy (docs/filtering.md). */
 typedef enum fh_filter_tail { FH_FILTER_TAIL_ESTIMATE = 0, FH_FILTER_TAIL_DROP = 1 } fh_filter_tail;
-FH_API fh_status fh_context_set_grad_filter_tail(fh_context *ctx, fh_filter_tail tail);
-FH_API fh_status fh_context_get_grad_filter_tail(const fh_context *ctx, fh_filter_tail *tail);
 
 /* The gradient GEMM work of the last call on the context (0 for a call with no backward): the flops the
  * unfiltered dx and dweight GEMMs would run (4 N H V per backward pass) and those filtering skipped. */
@@ -215,7 +222,7 @@ FH_API fh_status fh_context_filter_stats(const fh_context *ctx, fh_filter_stats 
  * A forced choice this CPU or build lacks (or an unknown name) is refused: the calls that need it return
  * FH_ERR_KERNELS_UNAVAILABLE with `refusal` as their message; nothing else changes.
  * ------------------------------------------------------------------------------------------- */
-typedef struct fh_blis_info {
+typedef struct fh_kernel_info {
     const char *kernel_set; /* BLIS's name for the configuration in use: "skx", "haswell", "zen3", "generic", ... */
     int selected_by_library; /* 1 if fusedhead chose it, 0 if BLIS did (or the user did) */
     int user_override;       /* 1 if BLIS_ARCH_TYPE was set in the environment */
@@ -224,9 +231,9 @@ typedef struct fh_blis_info {
                                 "convert (bf16 widened to f32, BLIS sgemm; oneDNN 2.6.3 unavailable)" */
     const char *bf16_path;   /* "native", "convert", or "refused" (FH_BF16_GEMM forces what is missing) */
     const char *refusal;     /* NULL, or why FH_ROW_KERNELS or FH_BF16_GEMM cannot be honoured */
-} fh_blis_info;
+} fh_kernel_info;
 
-FH_API fh_status fh_blis_query(fh_blis_info *info);
+FH_API fh_status fh_kernel_query(fh_kernel_info *info);
 
 /* ---------------------------------------------------------------------------------------------
  * The linear head: hidden states [N, H] times the lm_head weight viewed as [H, V], plus a bias.

@@ -188,8 +188,8 @@ static fh_status run_fused(const ce_case_spec *s, ce_case *c)
     fh_context_set(ctx, FH_PARAM_TILE_VOCAB, s->tile_vocab);
     fh_context_set(ctx, FH_PARAM_MEMORY_BUDGET, s->budget);
     fh_context_set(ctx, FH_PARAM_FP32_DZ, s->fp32_dz);
-    fh_context_set_grad_filter_eps(ctx, s->grad_filter_eps);
-    fh_context_set_grad_filter_tail(ctx, s->grad_filter_tail);
+    fh_context_set_real(ctx, FH_PARAM_GRAD_FILTER_EPS, s->grad_filter_eps);
+    fh_context_set(ctx, FH_PARAM_GRAD_FILTER_TAIL, s->grad_filter_tail);
     const int bf16 = s->dtype == FH_DTYPE_BF16;
     fh_linear lin;
     fh_linear_init(&lin, s->n, s->hidden, s->vocab, bf16 ? (const void *)c->x_bf16 : c->x,

@@ -25,9 +25,9 @@ typedef struct ce_case_spec {
     fh_dtype dtype;       /* of x and weight: FH_DTYPE_BF16 rounds them to bf16 for both sides */
     fh_dtype grad_dtype;  /* of dx, dweight and dbias (bf16 needs bf16 inputs) */
     int fp32_dz;          /* FH_PARAM_FP32_DZ */
-    double grad_filter_eps; /* fh_context_set_grad_filter_eps; the reference then filters as the call's tiles do
+    double grad_filter_eps; /* FH_PARAM_GRAD_FILTER_EPS; the reference then filters as the call's tiles do
                                (ref_filter), tile_rows as set or as the library's default */
-    fh_filter_tail grad_filter_tail; /* fh_context_set_grad_filter_tail (0: the tail estimate), the reference's too */
+    fh_filter_tail grad_filter_tail; /* FH_PARAM_GRAD_FILTER_TAIL (0: the tail estimate), the reference's too */
 } ce_case_spec;
 
 /* Sets every field to a small default case (mean reduction, no options). */

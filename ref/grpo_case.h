@@ -20,9 +20,9 @@ typedef struct grpo_case_spec {
     fh_dtype grad_dtype; /* of dx, dweight and dbias (bf16 needs bf16 inputs) */
     int fp32_dz;       /* FH_PARAM_FP32_DZ */
     double logit_scale;     /* typical |logit|; 0 means 3 */
-    double grad_filter_eps; /* fh_context_set_grad_filter_eps; the reference then filters as the call's tiles
+    double grad_filter_eps; /* FH_PARAM_GRAD_FILTER_EPS; the reference then filters as the call's tiles
                                do (ref_filter) */
-    fh_filter_tail grad_filter_tail; /* fh_context_set_grad_filter_tail (0: the tail estimate), the reference's too */
+    fh_filter_tail grad_filter_tail; /* FH_PARAM_GRAD_FILTER_TAIL (0: the tail estimate), the reference's too */
 } grpo_case_spec;
 
 /* B=3, T=47, H=67, V=5003, TRL defaults, old log-probs on, grad_output 1. */

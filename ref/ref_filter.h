@@ -1,4 +1,4 @@
-/* Gradient filtering as the fused library does it (fh_context_set_grad_filter_eps), emulated on a reference
+/* Gradient filtering as the fused library does it (FH_PARAM_GRAD_FILTER_EPS), emulated on a reference
  * head's dU in double, so that a filtered call is checked against what it should compute rather than against a
  * loose bound. Not part of the installed library. */
 #ifndef FH_REF_FILTER_H

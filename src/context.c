@@ -10,9 +10,43 @@
 
 #define FH_WORKSPACE_ALIGN 64
 
-static const int64_t param_min[FH_PARAM_COUNT] = {0, 0, 0, 0, 0, 0, 0};
-static const int64_t param_max[FH_PARAM_COUNT] = {1024, (int64_t)1 << 24, (int64_t)1 << 30,
-                                                  (int64_t)1 << 50, 1, 1, 1};
+/* Every parameter's name (for messages, as Python spells it), kind and inclusive bounds: one table, so that the
+ * integer and the real entry points agree on which parameter is which kind. 0, the default, is inside each. */
+static const struct param_spec {
+    const char *name;
+    int real;              /* set with fh_context_set_real */
+    int64_t min, max;      /* integer parameters */
+    double real_min, real_max;
+} param_specs[FH_PARAM_COUNT] = {
+    [FH_PARAM_THREADS] = {"threads", 0, 0, 1024, 0, 0},
+    [FH_PARAM_TILE_ROWS] = {"tile_rows", 0, 0, (int64_t)1 << 24, 0, 0},
+    [FH_PARAM_TILE_VOCAB] = {"tile_vocab", 0, 0, (int64_t)1 << 30, 0, 0},
+    [FH_PARAM_MEMORY_BUDGET] = {"memory_budget", 0, 0, (int64_t)1 << 50, 0, 0},
+    [FH_PARAM_CHECK_FINITE] = {"check_finite", 0, 0, 1, 0, 0},
+    [FH_PARAM_FP32_DZ] = {"fp32_dz", 0, 0, 1, 0, 0},
+    [FH_PARAM_OVERSUBSCRIBE] = {"oversubscribe", 0, 0, 1, 0, 0},
+    [FH_PARAM_GRAD_FILTER_TAIL] = {"grad_filter_tail", 0, FH_FILTER_TAIL_ESTIMATE, FH_FILTER_TAIL_DROP, 0, 0},
+    /* [0, 1) as inclusive bounds: the largest double below 1 is the max. */
+    [FH_PARAM_GRAD_FILTER_EPS] = {"grad_filter_eps", 1, 0, 0, 0.0, 0x1.fffffffffffffp-1},
+};
+
+/* NULL for an unknown parameter or one of the other kind. */
+static const struct param_spec *spec_of(fh_param param, int real)
+{
+    if ((unsigned)param >= FH_PARAM_COUNT || param_specs[param].real != real)
+        return NULL;
+    return &param_specs[param];
+}
+
+/* Why spec_of refused param, on ctx's message. */
+static fh_status refuse_param(fh_context *ctx, fh_param param, int real)
+{
+    if ((unsigned)param >= FH_PARAM_COUNT)
+        return fh_fail(ctx, FH_ERR_INVALID_PARAM, "unknown parameter %d", (int)param);
+    return fh_fail(ctx, FH_ERR_INVALID_PARAM, "parameter %d (%s) is %s-valued: use %s", (int)param,
+                   param_specs[param].name, real ? "integer" : "real",
+                   real ? "fh_context_set/fh_context_get" : "fh_context_set_real/fh_context_get_real");
+}
 
 fh_status fh_fail(fh_context *ctx, fh_status status, const char *format, ...)
 {
@@ -103,10 +137,23 @@ FH_API fh_status fh_param_bounds(fh_param param, int64_t *min_value, int64_t *ma
 {
     if (!min_value || !max_value)
         return FH_ERR_NULL_POINTER;
-    if ((unsigned)param >= FH_PARAM_COUNT)
+    const struct param_spec *spec = spec_of(param, 0);
+    if (!spec)
         return FH_ERR_INVALID_PARAM;
-    *min_value = param_min[param];
-    *max_value = param_max[param];
+    *min_value = spec->min;
+    *max_value = spec->max;
+    return FH_OK;
+}
+
+FH_API fh_status fh_param_real_bounds(fh_param param, double *min_value, double *max_value)
+{
+    if (!min_value || !max_value)
+        return FH_ERR_NULL_POINTER;
+    const struct param_spec *spec = spec_of(param, 1);
+    if (!spec)
+        return FH_ERR_INVALID_PARAM;
+    *min_value = spec->real_min;
+    *max_value = spec->real_max;
     return FH_OK;
 }
 
@@ -115,13 +162,17 @@ FH_API fh_status fh_context_set(fh_context *ctx, fh_param param, int64_t value)
     if (!ctx)
         return FH_ERR_NULL_POINTER;
     fh_clear_message(ctx);
-    if ((unsigned)param >= FH_PARAM_COUNT)
-        return fh_fail(ctx, FH_ERR_INVALID_PARAM, "unknown parameter %d", (int)param);
-    if (value < param_min[param] || value > param_max[param])
-        return fh_fail(ctx, FH_ERR_INVALID_PARAM_VALUE, "parameter %d: %lld is outside [%lld, %lld]",
-                       (int)param, (long long)value, (long long)param_min[param],
-                       (long long)param_max[param]);
-    ctx->params[param] = value;
+    const struct param_spec *spec = spec_of(param, 0);
+    if (!spec)
+        return refuse_param(ctx, param, 0);
+    if (value < spec->min || value > spec->max)
+        return fh_fail(ctx, FH_ERR_INVALID_PARAM_VALUE, "parameter %d (%s): %lld is outside [%lld, %lld]", (int)param,
+                       spec->name, (long long)value, (long long)spec->min, (long long)spec->max);
+    /* The filter tail keeps its typed field, which the plan reads. */
+    if (param == FH_PARAM_GRAD_FILTER_TAIL)
+        ctx->grad_filter_tail = (fh_filter_tail)value;
+    else
+        ctx->params[param] = value;
     return FH_OK;
 }
 
@@ -129,48 +180,35 @@ FH_API fh_status fh_context_get(const fh_context *ctx, fh_param param, int64_t *
 {
     if (!ctx || !value)
         return FH_ERR_NULL_POINTER;
-    if ((unsigned)param >= FH_PARAM_COUNT)
+    if (!spec_of(param, 0))
         return FH_ERR_INVALID_PARAM;
-    *value = ctx->params[param];
+    *value = param == FH_PARAM_GRAD_FILTER_TAIL ? (int64_t)ctx->grad_filter_tail : ctx->params[param];
     return FH_OK;
 }
 
-FH_API fh_status fh_context_set_grad_filter_eps(fh_context *ctx, double eps)
+FH_API fh_status fh_context_set_real(fh_context *ctx, fh_param param, double value)
 {
     if (!ctx)
         return FH_ERR_NULL_POINTER;
     fh_clear_message(ctx);
-    if (!(eps >= 0.0 && eps < 1.0))
-        return fh_fail(ctx, FH_ERR_INVALID_PARAM_VALUE, "grad_filter_eps %g is outside [0, 1)", eps);
-    ctx->grad_filter_eps = eps;
+    const struct param_spec *spec = spec_of(param, 1);
+    if (!spec)
+        return refuse_param(ctx, param, 1);
+    /* Written so that NaN fails the test too. */
+    if (!(value >= spec->real_min && value <= spec->real_max))
+        return fh_fail(ctx, FH_ERR_INVALID_PARAM_VALUE, "parameter %d (%s): %g is outside [%g, %.17g]", (int)param,
+                       spec->name, value, spec->real_min, spec->real_max);
+    ctx->grad_filter_eps = value; /* the only real parameter */
     return FH_OK;
 }
 
-FH_API fh_status fh_context_get_grad_filter_eps(const fh_context *ctx, double *eps)
+FH_API fh_status fh_context_get_real(const fh_context *ctx, fh_param param, double *value)
 {
-    if (!ctx || !eps)
+    if (!ctx || !value)
         return FH_ERR_NULL_POINTER;
-    *eps = ctx->grad_filter_eps;
-    return FH_OK;
-}
-
-FH_API fh_status fh_context_set_grad_filter_tail(fh_context *ctx, fh_filter_tail tail)
-{
-    if (!ctx)
-        return FH_ERR_NULL_POINTER;
-    fh_clear_message(ctx);
-    if (tail != FH_FILTER_TAIL_ESTIMATE && tail != FH_FILTER_TAIL_DROP)
-        return fh_fail(ctx, FH_ERR_INVALID_PARAM_VALUE,
-                       "grad_filter_tail %d is neither FH_FILTER_TAIL_ESTIMATE (0) nor FH_FILTER_TAIL_DROP (1)", (int)tail);
-    ctx->grad_filter_tail = tail;
-    return FH_OK;
-}
-
-FH_API fh_status fh_context_get_grad_filter_tail(const fh_context *ctx, fh_filter_tail *tail)
-{
-    if (!ctx || !tail)
-        return FH_ERR_NULL_POINTER;
-    *tail = ctx->grad_filter_tail;
+    if (!spec_of(param, 1))
+        return FH_ERR_INVALID_PARAM;
+    *value = ctx->grad_filter_eps;
     return FH_OK;
 }
 

@@ -6,18 +6,18 @@
 
 #define FH_MESSAGE_CAPACITY 256
 #define FH_WISDOM_CAPACITY 256
-#define FH_PARAM_COUNT 7
+#define FH_PARAM_COUNT 9
 
 struct fh_context {
-    int64_t params[FH_PARAM_COUNT];          /* indexed by fh_param; 0 = default */
+    int64_t params[FH_PARAM_COUNT]; /* indexed by fh_param; 0 = default. The filter's two live in grad_filter_* */
     void *workspace;            /* caller's or ours */
     size_t workspace_bytes;
     int workspace_is_callers;
     char message[FH_MESSAGE_CAPACITY];
     fh_tile_config wisdom[FH_WISDOM_CAPACITY];
     int wisdom_count;
-    double grad_filter_eps;                             /* 0 = off */
-    fh_filter_tail grad_filter_tail;
+    double grad_filter_eps;                             /* FH_PARAM_GRAD_FILTER_EPS; 0 = off */
+    fh_filter_tail grad_filter_tail;                    /* FH_PARAM_GRAD_FILTER_TAIL */
     fh_filter_stats filter_stats;                       /* the last call's, reset when it acquires its workspace */
     struct fh_gemm_cache *gemm_cache;                   /* the GEMM providers' state, NULL until needed */
     void (*gemm_cache_destroy)(struct fh_gemm_cache *); /* set by the plan layer with the first workspace */

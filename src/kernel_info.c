@@ -1,10 +1,10 @@
-/* fh_blis_query: which kernels run, from the two layers that choose them (GEMM providers, row kernels), and what
+/* fh_kernel_query: which kernels run, from the two layers that choose them (GEMM providers, row kernels), and what
  * the environment forced that cannot run here. */
 #include "gemm/blis_provider.h"
 #include "gemm/gemm.h"
 #include "row_kernels.h"
 
-FH_API fh_status fh_blis_query(fh_blis_info *info)
+FH_API fh_status fh_kernel_query(fh_kernel_info *info)
 {
     if (!info)
         return FH_ERR_NULL_POINTER;

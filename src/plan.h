@@ -44,7 +44,7 @@ typedef struct fh_plan {
     int64_t du_chunk, du_chunks_in_dweight, du_at_element;
     int tile_in_dweight;
     size_t tile_at_byte;
-    /* Gradient filtering (fh_context_set_grad_filter_eps): filter_eps > 0 in gradient passes. Its buffers: the
+    /* Gradient filtering (FH_PARAM_GRAD_FILTER_EPS): filter_eps > 0 in gradient passes. Its buffers: the
      * columns each thread marked, per segment (2 x threads x tile_vocab bytes); per-column keep and used flags and
      * the kept columns' list; every tile row's c coefficient; TERM_VECTORS H-vectors and a sum for the skipped
      * columns' rank-one terms, and the terms' factors per column (2 x tile_vocab doubles); the gathered GEMMs'

@@ -51,8 +51,8 @@ static int register_suite(const named_suite *s)
 /* Prints the kernels of this run; 1 when the run is to be skipped. */
 static int skip_for_kernels(const char *program)
 {
-    fh_blis_info info;
-    if (fh_blis_query(&info) != FH_OK)
+    fh_kernel_info info;
+    if (fh_kernel_query(&info) != FH_OK)
         return 0;
     printf("%s: row kernels %s, bf16 GEMMs %s, BLIS %s\n", program, info.elementwise, info.bf16_gemm,
            info.kernel_set);

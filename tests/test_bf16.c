@@ -268,8 +268,8 @@ static void test_workspace_without_scratch(void)
     float *bias = calloc(V, sizeof(float)), *db = calloc(V, sizeof(float));
     void *ws = malloc((size_t)64 << 20);
     int64_t targets[MAX_N];
-    fh_blis_info info;
-    const int convert = fh_blis_query(&info) == FH_OK && strcmp(info.bf16_path, "convert") == 0;
+    fh_kernel_info info;
+    const int convert = fh_kernel_query(&info) == FH_OK && strcmp(info.bf16_path, "convert") == 0;
     fh_ce_options o;
     fh_ce_options_init(&o);
     TU_CHECK(x && w && dx && dw && bias && db && ws, "allocations");

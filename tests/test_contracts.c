@@ -7,6 +7,7 @@
  *   - parameters, bounds, status strings, messages, BLIS query, initialisers. */
 #define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #include "ce_case.h"
+#include "contract_driver.h"
 #include "test_util.h"
 
 #include <math.h>
@@ -119,7 +120,7 @@ static const char *call_name(int which)
 
 /* ---- the invalid arguments ---- */
 #define MUTATION(fn, body) \
-    static void fn(fixture *f) { body; }
+    static void fn(void *fixture_) { fixture *f = fixture_; body; }
 MUTATION(null_ctx, f->call_ctx = NULL)
 MUTATION(null_lin, f->call_lin = NULL)
 MUTATION(null_x, f->lin.x = NULL)
@@ -185,15 +186,7 @@ MUTATION(none_without_per_token_loss, (f->options.reduction = FH_REDUCTION_NONE,
 MUTATION(dbias_without_bias, f->lin.bias = NULL)
 MUTATION(budget_one, fh_context_set(f->ctx, FH_PARAM_MEMORY_BUDGET, 1))
 
-typedef struct bad_case {
-    const char *name;
-    void (*mutate)(fixture *);
-    int calls; /* FWD, BWD, STEP: the entry points that take the broken argument */
-    fh_status expected;
-    const char *mentions; /* a word the context message must contain (NULL: no context to ask) */
-} bad_case;
-
-static const bad_case bad_cases[] = {
+static const cd_case bad_cases[] = {
     {"NULL context", null_ctx, ALL, FH_ERR_NULL_POINTER, NULL},
     {"NULL fh_linear", null_lin, ALL, FH_ERR_NULL_POINTER, "lin"},
     {"NULL x", null_x, ALL, FH_ERR_NULL_POINTER, "x"},
@@ -260,36 +253,29 @@ static const bad_case bad_cases[] = {
     {"argmax over grad_output", argmax_over_grad_output, STEP, FH_ERR_OVERLAPPING_BUFFERS, "argmax"},
 };
 
+/* The driver's view of the fixture (contract_driver.h). */
+static void init_fixture(void *f)
+{
+    fixture_init(f);
+}
+
+static fh_status call_fixture(void *f, int which)
+{
+    return call(f, which);
+}
+
 static void test_bad_arguments(void)
 {
-    for (size_t k = 0; k < TU_COUNT(bad_cases); k++)
-        for (int which_call = FWD; which_call <= STEP; which_call *= 2) {
-            const bad_case *c = &bad_cases[k];
-            if (!(c->calls & which_call))
-                continue;
-            const char *which = call_name(which_call);
-            fixture f;
-            fixture_init(&f);
-            c->mutate(&f);
-            outputs before;
-            inputs in_before;
-            memcpy(&before, &f.out, sizeof before);
-            memcpy(&in_before, &f.in, sizeof in_before);
-            const fh_status st = call(&f, which_call);
-            TU_CHECK(st == c->expected, "%s, %s: status %d (%s), expected %d (%s)", c->name, which, (int)st,
-                     fh_status_string(st), (int)c->expected, fh_status_string(c->expected));
-            TU_CHECK(memcmp(&before, &f.out, sizeof before) == 0, "%s, %s: an output buffer was modified", c->name,
-                     which);
-            TU_CHECK(memcmp(&in_before, &f.in, sizeof in_before) == 0, "%s, %s: an input was modified", c->name,
-                     which);
-            if (c->mentions) {
-                const char *msg = NULL;
-                TU_CHECK(fh_context_message(f.ctx, &msg) == FH_OK && msg, "%s: fh_context_message", c->name);
-                TU_CHECK(msg && msg[0] && tu_mentions(msg, c->mentions), "%s, %s: message \"%s\" does not name '%s'",
-                         c->name, which, msg ? msg : "(null)", c->mentions);
-            }
-            fh_context_destroy(f.ctx);
-        }
+    static const cd_api api = {.fixture_bytes = sizeof(fixture),
+                               .init = init_fixture,
+                               .call = call_fixture,
+                               .call_name = call_name,
+                               .all = ALL,
+                               .outputs = CD_MEMBER(fixture, out),
+                               .inputs = CD_MEMBER(fixture, in),
+                               .ctx_at = offsetof(fixture, ctx),
+                               .call_ctx_at = offsetof(fixture, call_ctx)};
+    cd_run_bad_arguments(&api, bad_cases, TU_COUNT(bad_cases));
 }
 
 /* The unbroken fixture succeeds and writes its outputs (so the canary checks above can fail), leaves
@@ -487,7 +473,7 @@ static void test_workspace_size_arguments(void)
 static void test_params(void)
 {
     const fh_param params[] = {FH_PARAM_THREADS, FH_PARAM_TILE_ROWS, FH_PARAM_TILE_VOCAB, FH_PARAM_MEMORY_BUDGET,
-                               FH_PARAM_CHECK_FINITE, FH_PARAM_FP32_DZ, FH_PARAM_OVERSUBSCRIBE};
+                               FH_PARAM_CHECK_FINITE, FH_PARAM_FP32_DZ, FH_PARAM_OVERSUBSCRIBE, FH_PARAM_GRAD_FILTER_TAIL};
     fh_context *ctx = NULL;
     TU_CHECK(fh_context_create(&ctx) == FH_OK, "create");
     for (size_t k = 0; k < TU_COUNT(params); k++) {
@@ -516,7 +502,7 @@ static void test_params(void)
         TU_CHECK(fh_context_set(ctx, params[k], lo) == FH_OK, "param %d: set min", (int)params[k]);
         TU_CHECK(fh_context_set(ctx, params[k], 0) == FH_OK, "param %d: set 0", (int)params[k]);
     }
-    const fh_param unknown[] = {(fh_param)7, (fh_param)-1, (fh_param)1000};
+    const fh_param unknown[] = {(fh_param)9, (fh_param)-1, (fh_param)1000};
     for (size_t k = 0; k < TU_COUNT(unknown); k++) {
         int64_t lo = 5, hi = 6, value = 7;
         TU_CHECK(fh_context_set(ctx, unknown[k], 0) == FH_ERR_INVALID_PARAM, "set unknown %d", (int)unknown[k]);
@@ -668,9 +654,9 @@ static void test_small_entry_points(void)
              "contiguous [V, H] view");
     TU_CHECK(fh_linear_init(NULL, 2, 3, 4, x, w, FH_LAYOUT_HV, b) == FH_ERR_NULL_POINTER, "linear init NULL");
 
-    fh_blis_info info;
+    fh_kernel_info info;
     memset(&info, 0, sizeof info);
-    TU_CHECK(fh_blis_query(&info) == FH_OK, "fh_blis_query");
+    TU_CHECK(fh_kernel_query(&info) == FH_OK, "fh_kernel_query");
     TU_CHECK(info.kernel_set != NULL && info.kernel_set[0] != '\0', "kernel_set is NULL or empty");
     TU_CHECK((info.selected_by_library == 0 || info.selected_by_library == 1) &&
                  (info.user_override == 0 || info.user_override == 1) &&
@@ -683,7 +669,7 @@ static void test_small_entry_points(void)
     TU_CHECK(info.bf16_path && info.bf16_gemm && strncmp(info.bf16_gemm, info.bf16_path, strlen(info.bf16_path)) == 0,
              "bf16 path %s, bf16_gemm %s", info.bf16_path ? info.bf16_path : "NULL",
              info.bf16_gemm ? info.bf16_gemm : "NULL");
-    TU_CHECK(fh_blis_query(NULL) == FH_ERR_NULL_POINTER, "fh_blis_query(NULL)");
+    TU_CHECK(fh_kernel_query(NULL) == FH_ERR_NULL_POINTER, "fh_kernel_query(NULL)");
 }
 
 /* Every output but the ones a call needs may be NULL ("Any output pointer may be NULL except as noted";

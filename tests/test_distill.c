@@ -43,6 +43,7 @@
 #include "ce_case.h"
 #include "ce_harness.h"
 #include "ref_distill.h"
+#include "contract_driver.h"
 #include "test_util.h"
 
 #include <math.h>
@@ -904,7 +905,7 @@ static void check_fixture(fixture *f, const char *label)
 
 /* ---- the invalid arguments ---- */
 #define MUTATION(fn, body) \
-    static void fn(fixture *f) { body; }
+    static void fn(void *fixture_) { fixture *f = fixture_; body; }
 MUTATION(null_ctx, f->call_ctx = NULL)
 MUTATION(null_student, f->call_student = NULL)
 MUTATION(null_teacher, f->call_teacher = NULL)
@@ -955,17 +956,9 @@ MUTATION(nonfinite_student_checked, (fh_context_set(f->ctx, FH_PARAM_CHECK_FINIT
 MUTATION(per_token_over_teacher_x, f->dout.per_token_loss = f->in.xt)
 MUTATION(dx_over_targets, f->grads.dx = (float *)f->in.targets)
 
-typedef struct bad_case {
-    const char *name;
-    void (*mutate)(fixture *);
-    int calls; /* the entry points that take the broken argument */
-    fh_status expected;
-    const char *mentions; /* a word the message must contain (NULL: no context to ask, or no word to demand) */
-} bad_case;
-
 #define OPTION FH_ERR_INVALID_DISTILL_OPTION
 #define TEMPERATURE FH_ERR_INVALID_TEMPERATURE
-static const bad_case bad_cases[] = {
+static const cd_case bad_cases[] = {
     {"NULL context", null_ctx, BOTH, FH_ERR_NULL_POINTER, NULL},
     {"NULL student", null_student, BOTH, FH_ERR_NULL_POINTER, NULL},
     {"NULL teacher", null_teacher, BOTH, FH_ERR_NULL_POINTER, "teacher"},
@@ -1021,40 +1014,32 @@ static const bad_case bad_cases[] = {
 #undef OPTION
 #undef TEMPERATURE
 
+/* The driver's view of the fixture (contract_driver.h). */
+static void init_fixture(void *f)
+{
+    fixture_init(f);
+}
+
+static fh_status call_fixture(void *f, int which)
+{
+    return call(f, which);
+}
+
 /* Each invalid argument returns its own documented status from each entry point that takes it, leaves every output
  * bit-identical (the canary) and every input untouched, and the context message is nonempty and names the
  * problem. */
 static void test_bad_arguments(void)
 {
-    for (size_t k = 0; k < TU_COUNT(bad_cases); k++)
-        for (int which = FWD; which <= STEP; which++) {
-            const bad_case *c = &bad_cases[k];
-            if (!(c->calls & which))
-                continue;
-            fixture f;
-            fixture_init(&f);
-            c->mutate(&f);
-            outputs before;
-            inputs in_before;
-            memcpy(&before, &f.out, sizeof before);
-            memcpy(&in_before, &f.in, sizeof in_before);
-            const fh_status st = call(&f, which);
-            TU_CHECK(st == c->expected, "%s, %s: status %d (%s), expected %d (%s)", c->name, call_name(which), (int)st,
-                     fh_status_string(st), (int)c->expected, fh_status_string(c->expected));
-            TU_CHECK(memcmp(&before, &f.out, sizeof before) == 0, "%s, %s: an output buffer was modified", c->name,
-                     call_name(which));
-            TU_CHECK(memcmp(&in_before, &f.in, sizeof in_before) == 0, "%s, %s: an input was modified", c->name,
-                     call_name(which));
-            if (c->mutate != null_ctx) {
-                const char *msg = NULL;
-                TU_CHECK(fh_context_message(f.ctx, &msg) == FH_OK && msg && msg[0], "%s, %s: empty message", c->name,
-                         call_name(which));
-                if (c->mentions)
-                    TU_CHECK(msg && tu_mentions(msg, c->mentions), "%s, %s: message \"%s\" does not name '%s'",
-                             c->name, call_name(which), msg ? msg : "(null)", c->mentions);
-            }
-            fh_context_destroy(f.ctx);
-        }
+    static const cd_api api = {.fixture_bytes = sizeof(fixture),
+                               .init = init_fixture,
+                               .call = call_fixture,
+                               .call_name = call_name,
+                               .all = BOTH,
+                               .outputs = CD_MEMBER(fixture, out),
+                               .inputs = CD_MEMBER(fixture, in),
+                               .ctx_at = offsetof(fixture, ctx),
+                               .call_ctx_at = offsetof(fixture, call_ctx)};
+    cd_run_bad_arguments(&api, bad_cases, TU_COUNT(bad_cases));
 }
 
 /* The unbroken fixture succeeds, matches the reference and writes exactly the outputs its call produces (so that the
@@ -1297,7 +1282,7 @@ static void test_grad_filter_ignored(void)
                 TU_CHECK(fh_context_set(f.ctx, FH_PARAM_TILE_ROWS, 2) == FH_OK &&
                              fh_context_set(f.ctx, FH_PARAM_TILE_VOCAB, 3) == FH_OK,
                          "set tiles");
-            TU_CHECK(fh_context_set_grad_filter_eps(f.ctx, filtered ? 0.5 : 0.0) == FH_OK, "set eps");
+            TU_CHECK(fh_context_set_real(f.ctx, FH_PARAM_GRAD_FILTER_EPS, filtered ? 0.5 : 0.0) == FH_OK, "set eps");
             const fh_status st = call(&f, STEP);
             TU_CHECK(st == FH_OK, "eps %g: status %d", filtered ? 0.5 : 0.0, (int)st);
             results[filtered] = f.out;

@@ -1,4 +1,4 @@
-/* Gradient filtering (fh_context_set_grad_filter_eps) against the double reference filtered the same way
+/* Gradient filtering (FH_PARAM_GRAD_FILTER_EPS) against the double reference filtered the same way
  * (ref/ref_filter.c: the softmax part of dU replaced by the tail estimate on the columns the call's tiles drop, the
  * target and c w terms kept), at the unfiltered tolerances of ref/ce_case.c: filtering changes what is computed, not how
  * accurately, so any term dropped or applied twice shows. The inputs are peaked (logits of typical size 10), the
@@ -157,34 +157,96 @@ static void test_tail(void)
         }
 }
 
-/* The bounds, the value kept, and the statistics of the last call. */
+/* The message of ctx's last failure names word. */
+static int message_names(const fh_context *ctx, const char *word)
+{
+    const char *msg = NULL;
+    return fh_context_message(ctx, &msg) == FH_OK && msg && tu_mentions(msg, word);
+}
+
+/* The two settings go through the one parameter interface: eps (real) through fh_context_set_real, the tail
+ * (integer) through fh_context_set. Each refuses the other kind's entry points, values outside its bounds and NaN,
+ * and keeps what it had. */
+static void test_params(void)
+{
+    fh_context *ctx = tu_context(1, 0, 0, 0);
+    const fh_param eps_param = FH_PARAM_GRAD_FILTER_EPS, tail_param = FH_PARAM_GRAD_FILTER_TAIL;
+    double lo = -1.0, hi = -1.0, eps = -1.0;
+    TU_CHECK(fh_param_real_bounds(eps_param, &lo, &hi) == FH_OK && lo == 0.0 && hi == nextafter(1.0, 0.0),
+             "eps bounds [%g, %.17g]: [0, 1) as the largest double below 1", lo, hi);
+    TU_CHECK(fh_context_get_real(ctx, eps_param, &eps) == FH_OK && eps == 0.0, "eps is 0 (off) by default: %g", eps);
+    TU_CHECK(fh_context_set_real(ctx, eps_param, hi) == FH_OK && fh_context_set_real(ctx, eps_param, lo) == FH_OK,
+             "both bounds are taken");
+    TU_CHECK(fh_context_set_real(ctx, eps_param, 0x1p-12) == FH_OK, "2^-12 is taken");
+    TU_CHECK(fh_context_get_real(ctx, eps_param, &eps) == FH_OK && eps == 0x1p-12, "and read back: %g", eps);
+    const double bad[] = {-1e-9, -INFINITY, 1.0, 1.5, INFINITY, NAN};
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+        TU_CHECK(fh_context_set_real(ctx, eps_param, bad[k]) == FH_ERR_INVALID_PARAM_VALUE, "eps %g is refused",
+                 bad[k]);
+        TU_CHECK(message_names(ctx, "grad_filter_eps"), "eps %g: the message names the parameter", bad[k]);
+        TU_CHECK(fh_context_get_real(ctx, eps_param, &eps) == FH_OK && eps == 0x1p-12,
+                 "a refused eps %g leaves 2^-12: %g", bad[k], eps);
+    }
+
+    fh_filter_tail tail_values[2] = {FH_FILTER_TAIL_ESTIMATE, FH_FILTER_TAIL_DROP};
+    int64_t ilo = -1, ihi = -1, tail = -1;
+    TU_CHECK(fh_param_bounds(tail_param, &ilo, &ihi) == FH_OK && ilo == tail_values[0] && ihi == tail_values[1],
+             "tail bounds [%lld, %lld]: the enum's range", (long long)ilo, (long long)ihi);
+    TU_CHECK(fh_context_get(ctx, tail_param, &tail) == FH_OK && tail == FH_FILTER_TAIL_ESTIMATE,
+             "the tail is estimated by default");
+    TU_CHECK(fh_context_set(ctx, tail_param, 2) == FH_ERR_INVALID_PARAM_VALUE &&
+                 fh_context_set(ctx, tail_param, -1) == FH_ERR_INVALID_PARAM_VALUE,
+             "an unknown tail mode is refused");
+    TU_CHECK(message_names(ctx, "grad_filter_tail"), "the message names the parameter");
+    TU_CHECK(fh_context_get(ctx, tail_param, &tail) == FH_OK && tail == FH_FILTER_TAIL_ESTIMATE,
+             "and leaves the mode as it was");
+    TU_CHECK(fh_context_set(ctx, tail_param, FH_FILTER_TAIL_DROP) == FH_OK &&
+                 fh_context_get(ctx, tail_param, &tail) == FH_OK && tail == FH_FILTER_TAIL_DROP,
+             "FH_FILTER_TAIL_DROP is taken and read back");
+
+    /* The wrong kind is FH_ERR_INVALID_PARAM, says which entry point to use, and changes nothing. */
+    int64_t ivalue = 77;
+    double dvalue = 77.0;
+    TU_CHECK(fh_context_set(ctx, eps_param, 0) == FH_ERR_INVALID_PARAM, "fh_context_set on eps");
+    TU_CHECK(message_names(ctx, "real-valued") && message_names(ctx, "fh_context_set_real"),
+             "the message says eps is real-valued and names fh_context_set_real");
+    TU_CHECK(fh_context_get(ctx, eps_param, &ivalue) == FH_ERR_INVALID_PARAM && ivalue == 77, "fh_context_get on eps");
+    TU_CHECK(fh_param_bounds(eps_param, &ilo, &ihi) == FH_ERR_INVALID_PARAM, "fh_param_bounds on eps");
+    const fh_param integers[] = {tail_param, FH_PARAM_THREADS, FH_PARAM_OVERSUBSCRIBE};
+    for (size_t k = 0; k < sizeof integers / sizeof integers[0]; k++) {
+        TU_CHECK(fh_context_set_real(ctx, integers[k], 0.0) == FH_ERR_INVALID_PARAM, "set_real on %d",
+                 (int)integers[k]);
+        TU_CHECK(message_names(ctx, "integer-valued"), "param %d: the message says it is integer-valued",
+                 (int)integers[k]);
+        TU_CHECK(fh_context_get_real(ctx, integers[k], &dvalue) == FH_ERR_INVALID_PARAM && dvalue == 77.0,
+                 "get_real on %d", (int)integers[k]);
+        TU_CHECK(fh_param_real_bounds(integers[k], &lo, &hi) == FH_ERR_INVALID_PARAM, "real bounds of %d",
+                 (int)integers[k]);
+    }
+    const fh_param unknown[] = {(fh_param)9, (fh_param)-1, (fh_param)1000};
+    for (size_t k = 0; k < sizeof unknown / sizeof unknown[0]; k++)
+        TU_CHECK(fh_context_set_real(ctx, unknown[k], 0.0) == FH_ERR_INVALID_PARAM &&
+                     fh_context_get_real(ctx, unknown[k], &dvalue) == FH_ERR_INVALID_PARAM &&
+                     fh_param_real_bounds(unknown[k], &lo, &hi) == FH_ERR_INVALID_PARAM,
+                 "unknown parameter %d", (int)unknown[k]);
+    TU_CHECK(fh_context_get_real(ctx, eps_param, &eps) == FH_OK && eps == 0x1p-12 &&
+                 fh_context_get(ctx, tail_param, &tail) == FH_OK && tail == FH_FILTER_TAIL_DROP,
+             "the wrong kind changed nothing: eps %g, tail %lld", eps, (long long)tail);
+
+    TU_CHECK(fh_context_set_real(NULL, eps_param, 0.0) == FH_ERR_NULL_POINTER &&
+                 fh_context_get_real(NULL, eps_param, &eps) == FH_ERR_NULL_POINTER &&
+                 fh_context_get_real(ctx, eps_param, NULL) == FH_ERR_NULL_POINTER,
+             "NULL context or value");
+    TU_CHECK(fh_param_real_bounds(eps_param, NULL, &hi) == FH_ERR_NULL_POINTER &&
+                 fh_param_real_bounds(eps_param, &lo, NULL) == FH_ERR_NULL_POINTER,
+             "NULL bounds");
+    fh_context_destroy(ctx);
+}
+
+/* The statistics of the last call. */
 static void test_contract(void)
 {
     fh_context *ctx = tu_context(1, 0, 0, 0);
-    double eps = -1.0;
-    const double bad[] = {-1e-9, 1.0, NAN, INFINITY};
-    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++)
-        TU_CHECK(fh_context_set_grad_filter_eps(ctx, bad[k]) == FH_ERR_INVALID_PARAM_VALUE, "eps %g is refused",
-                 bad[k]);
-    TU_CHECK(fh_context_get_grad_filter_eps(ctx, &eps) == FH_OK && eps == 0.0, "a refused eps leaves 0: %g", eps);
-    TU_CHECK(fh_context_set_grad_filter_eps(ctx, 0x1p-12) == FH_OK, "2^-12 is taken");
-    TU_CHECK(fh_context_get_grad_filter_eps(ctx, &eps) == FH_OK && eps == 0x1p-12, "and kept: %g", eps);
-    TU_CHECK(fh_context_set_grad_filter_eps(NULL, 0.0) == FH_ERR_NULL_POINTER, "NULL context");
-    TU_CHECK(fh_context_get_grad_filter_eps(ctx, NULL) == FH_ERR_NULL_POINTER, "NULL eps");
-    fh_filter_tail tail = FH_FILTER_TAIL_DROP;
-    TU_CHECK(fh_context_get_grad_filter_tail(ctx, &tail) == FH_OK && tail == FH_FILTER_TAIL_ESTIMATE,
-             "the tail is estimated by default");
-    TU_CHECK(fh_context_set_grad_filter_tail(ctx, (fh_filter_tail)2) == FH_ERR_INVALID_PARAM_VALUE &&
-                 fh_context_set_grad_filter_tail(ctx, (fh_filter_tail)-1) == FH_ERR_INVALID_PARAM_VALUE,
-             "an unknown tail mode is refused");
-    TU_CHECK(fh_context_get_grad_filter_tail(ctx, &tail) == FH_OK && tail == FH_FILTER_TAIL_ESTIMATE,
-             "and leaves the mode as it was");
-    TU_CHECK(fh_context_set_grad_filter_tail(ctx, FH_FILTER_TAIL_DROP) == FH_OK &&
-                 fh_context_get_grad_filter_tail(ctx, &tail) == FH_OK && tail == FH_FILTER_TAIL_DROP,
-             "FH_FILTER_TAIL_DROP is taken and kept");
-    TU_CHECK(fh_context_set_grad_filter_tail(NULL, FH_FILTER_TAIL_DROP) == FH_ERR_NULL_POINTER &&
-                 fh_context_get_grad_filter_tail(ctx, NULL) == FH_ERR_NULL_POINTER,
-             "NULL context or mode");
     fh_filter_stats stats;
     TU_CHECK(fh_context_filter_stats(ctx, NULL) == FH_ERR_NULL_POINTER, "NULL stats");
     TU_CHECK(fh_context_filter_stats(ctx, &stats) == FH_OK && stats.gradient_flops == 0.0 && stats.skipped_flops == 0.0,
@@ -196,7 +258,7 @@ static void test_contract(void)
     cp_problem p;
     cp_problem_init(&p, N, H, V, FH_LAYOUT_HV, 0);
     cp_problem_randomize(&p, 3, 3.0);
-    TU_CHECK(fh_context_set_grad_filter_eps(ctx, 0.0) == FH_OK, "eps 0");
+    TU_CHECK(fh_context_set_real(ctx, FH_PARAM_GRAD_FILTER_EPS, 0.0) == FH_OK, "eps 0");
     for (int train_step = 0; train_step < 2; train_step++) {
         const cp_config cfg = {1, 0, 0, 0, 0.0f, train_step};
         cp_fused f;
@@ -226,7 +288,7 @@ static void test_queried_workspace(void)
         cp_problem_init(&p, 70, 24, 1500, FH_LAYOUT_VH, CP_BIAS);
         cp_problem_randomize(&p, 8, 10.0);
         fh_context *ctx = tu_context(1, 8, 600, 0);
-        TU_CHECK(fh_context_set_grad_filter_eps(ctx, 0.02) == FH_OK, "eps");
+        TU_CHECK(fh_context_set_real(ctx, FH_PARAM_GRAD_FILTER_EPS, 0.02) == FH_OK, "eps");
         fh_linear lin;
         cp_problem_linear(&p, &lin);
         size_t bytes = 0;
@@ -251,7 +313,8 @@ static const tu_test tests[] = {
     {"bf16: both schedules, bf16 gradients, fp32 dZ", test_bf16},
     {"tiles that keep every column", test_all_kept_tiles},
     {"the tail estimate and dropping the tail", test_tail},
-    {"eps and tail bounds and the work statistics", test_contract},
+    {"eps and tail through the parameter interface: bounds, kind, NaN, read back", test_params},
+    {"the work statistics", test_contract},
     {"the queried workspace serves filtered calls", test_queried_workspace},
 };
 const tu_suite suite_filter = {tests, TU_COUNT(tests)};

@@ -10,6 +10,7 @@
  *     argument checks and purity;
  *   - fh_grpo_options_init's documented defaults; optional outputs. */
 #include "ce_case.h"
+#include "contract_driver.h"
 #include "test_util.h"
 
 #include <float.h>
@@ -130,7 +131,7 @@ static const char *call_name(int which)
 
 /* ---- the invalid arguments ---- */
 #define MUTATION(fn, body) \
-    static void fn(fixture *f) { body; }
+    static void fn(void *fixture_) { fixture *f = fixture_; body; }
 MUTATION(null_ctx, f->call_ctx = NULL)
 MUTATION(null_lin, f->call_lin = NULL)
 MUTATION(null_x, f->lin.x = NULL)
@@ -206,15 +207,7 @@ MUTATION(lse_output_over_ref, f->fwd_out.lse = f->in.ref)
 MUTATION(logp_one_off_old, f->fwd_out.per_token_logp = f->in.old + 1)
 MUTATION(dx_over_saved_lse, f->grads.dx = f->in.saved_lse)
 
-typedef struct bad_case {
-    const char *name;
-    void (*mutate)(fixture *);
-    int calls; /* the entry points that take the broken argument */
-    fh_status expected;
-    const char *mentions; /* a word the message must contain (NULL: no context to ask) */
-} bad_case;
-
-static const bad_case bad_cases[] = {
+static const cd_case bad_cases[] = {
     {"NULL context", null_ctx, ALL, FH_ERR_NULL_POINTER, NULL},
     {"NULL fh_linear", null_lin, ALL, FH_ERR_NULL_POINTER, "lin"},
     {"NULL x", null_x, ALL, FH_ERR_NULL_POINTER, "x"},
@@ -290,37 +283,29 @@ static const bad_case bad_cases[] = {
     {"dx over the saved lse", dx_over_saved_lse, BWD, FH_ERR_OVERLAPPING_BUFFERS, "dx"},
 };
 
+/* The driver's view of the fixture (contract_driver.h). */
+static void init_fixture(void *f)
+{
+    fixture_init(f);
+}
+
+static fh_status call_fixture(void *f, int which)
+{
+    return call(f, which);
+}
+
 static void test_bad_arguments(void)
 {
-    for (size_t k = 0; k < TU_COUNT(bad_cases); k++)
-        for (int which = FWD; which <= STEP; which *= 2) {
-            const bad_case *c = &bad_cases[k];
-            if (!(c->calls & which))
-                continue;
-            fixture f;
-            fixture_init(&f);
-            c->mutate(&f);
-            outputs before;
-            inputs in_before;
-            memcpy(&before, &f.out, sizeof before);
-            memcpy(&in_before, &f.in, sizeof in_before);
-            const fh_status st = call(&f, which);
-            TU_CHECK(st == c->expected, "%s, %s: status %d (%s), expected %d (%s)", c->name, call_name(which), (int)st,
-                     fh_status_string(st), (int)c->expected, fh_status_string(c->expected));
-            TU_CHECK(memcmp(&before, &f.out, sizeof before) == 0, "%s, %s: an output buffer was modified", c->name,
-                     call_name(which));
-            TU_CHECK(memcmp(&in_before, &f.in, sizeof in_before) == 0, "%s, %s: an input was modified", c->name,
-                     call_name(which));
-            if (c->mutate != null_ctx) {
-                const char *msg = NULL;
-                TU_CHECK(fh_context_message(f.ctx, &msg) == FH_OK && msg && msg[0], "%s, %s: empty message", c->name,
-                         call_name(which));
-                if (c->mentions)
-                    TU_CHECK(msg && tu_mentions(msg, c->mentions), "%s, %s: message \"%s\" does not name '%s'",
-                             c->name, call_name(which), msg ? msg : "(null)", c->mentions);
-            }
-            fh_context_destroy(f.ctx);
-        }
+    static const cd_api api = {.fixture_bytes = sizeof(fixture),
+                               .init = init_fixture,
+                               .call = call_fixture,
+                               .call_name = call_name,
+                               .all = ALL,
+                               .outputs = CD_MEMBER(fixture, out),
+                               .inputs = CD_MEMBER(fixture, in),
+                               .ctx_at = offsetof(fixture, ctx),
+                               .call_ctx_at = offsetof(fixture, call_ctx)};
+    cd_run_bad_arguments(&api, bad_cases, TU_COUNT(bad_cases));
 }
 
 /* The unbroken fixture succeeds and writes every output (so the canary comparisons above can fail), leaves the

@@ -69,8 +69,8 @@ static const char *expected_bf16_path(void)
 
 static void test_choice_follows_cpu_and_environment(void)
 {
-    fh_blis_info info;
-    TU_CHECK(fh_blis_query(&info) == FH_OK, "fh_blis_query");
+    fh_kernel_info info;
+    TU_CHECK(fh_kernel_query(&info) == FH_OK, "fh_kernel_query");
     const char *rows = expected_row_kernels(), *path = expected_bf16_path();
     if (rows)
         TU_CHECK(strcmp(info.elementwise, rows) == 0, "row kernels %s, expected %s", info.elementwise, rows);
@@ -138,8 +138,8 @@ static fh_status train_step(int bf16, char *message, size_t capacity, int *untou
 
 static void test_refused_choice_refuses_calls(void)
 {
-    fh_blis_info info;
-    TU_CHECK(fh_blis_query(&info) == FH_OK, "fh_blis_query");
+    fh_kernel_info info;
+    TU_CHECK(fh_kernel_query(&info) == FH_OK, "fh_kernel_query");
     const int rows_refused = expected_row_kernels() == NULL, path_refused = expected_bf16_path() == NULL;
     for (int bf16 = 0; bf16 <= 1; bf16++) {
         char message[256];

@@ -8,6 +8,7 @@
  *     workspace query, the option defaults, optional outputs, masked out-of-range targets. */
 #include "ce_case.h"
 #include "preference_case.h"
+#include "contract_driver.h"
 #include "test_util.h"
 
 #include <float.h>
@@ -626,7 +627,7 @@ static void test_metric_nan_pattern(void)
 
 /* ---- the invalid arguments ---- */
 #define MUTATION(fn, body) \
-    static void fn(fixture *f) { body; }
+    static void fn(void *fixture_) { fixture *f = fixture_; body; }
 MUTATION(null_ctx, f->call_ctx = NULL)
 MUTATION(null_lin, f->call_lin = NULL)
 MUTATION(null_x, f->lin.x = NULL)
@@ -694,16 +695,8 @@ MUTATION(nonfinite_x_checked, (fh_context_set(f->ctx, FH_PARAM_CHECK_FINITE, 1),
 MUTATION(logp_over_mask, f->pout.per_token_logp = f->in.mask)
 MUTATION(dweight_over_ref_logps, f->grads.dweight = f->in.ref_logps)
 
-typedef struct bad_case {
-    const char *name;
-    void (*mutate)(fixture *);
-    int calls; /* the entry points that take the broken argument */
-    fh_status expected;
-    const char *mentions; /* a word the message must contain (NULL: no context to ask, or no word to demand) */
-} bad_case;
-
 #define OPTION FH_ERR_INVALID_PREFERENCE_OPTION
-static const bad_case bad_cases[] = {
+static const cd_case bad_cases[] = {
     {"NULL context", null_ctx, BOTH, FH_ERR_NULL_POINTER, NULL},
     {"NULL fh_linear", null_lin, BOTH, FH_ERR_NULL_POINTER, "lin"},
     {"NULL x", null_x, BOTH, FH_ERR_NULL_POINTER, "x"},
@@ -769,39 +762,31 @@ static const bad_case bad_cases[] = {
 };
 #undef OPTION
 
+/* The driver's view of the fixture (contract_driver.h). */
+static void init_fixture(void *f)
+{
+    fixture_init(f);
+}
+
+static fh_status call_fixture(void *f, int which)
+{
+    return call(f, which);
+}
+
 /* Each invalid argument returns its own documented status from each entry point that takes it, leaves every
  * output bit-identical (the canary) and every input untouched, and the context message names the problem. */
 static void test_bad_arguments(void)
 {
-    for (size_t k = 0; k < TU_COUNT(bad_cases); k++)
-        for (int which = FWD; which <= STEP; which++) {
-            const bad_case *c = &bad_cases[k];
-            if (!(c->calls & which))
-                continue;
-            fixture f;
-            fixture_init(&f);
-            c->mutate(&f);
-            outputs before;
-            inputs in_before;
-            memcpy(&before, &f.out, sizeof before);
-            memcpy(&in_before, &f.in, sizeof in_before);
-            const fh_status st = call(&f, which);
-            TU_CHECK(st == c->expected, "%s, %s: status %d (%s), expected %d (%s)", c->name, call_name(which), (int)st,
-                     fh_status_string(st), (int)c->expected, fh_status_string(c->expected));
-            TU_CHECK(memcmp(&before, &f.out, sizeof before) == 0, "%s, %s: an output buffer was modified", c->name,
-                     call_name(which));
-            TU_CHECK(memcmp(&in_before, &f.in, sizeof in_before) == 0, "%s, %s: an input was modified", c->name,
-                     call_name(which));
-            if (c->mutate != null_ctx) {
-                const char *msg = NULL;
-                TU_CHECK(fh_context_message(f.ctx, &msg) == FH_OK && msg && msg[0], "%s, %s: empty message", c->name,
-                         call_name(which));
-                if (c->mentions)
-                    TU_CHECK(msg && tu_mentions(msg, c->mentions), "%s, %s: message \"%s\" does not name '%s'",
-                             c->name, call_name(which), msg ? msg : "(null)", c->mentions);
-            }
-            fh_context_destroy(f.ctx);
-        }
+    static const cd_api api = {.fixture_bytes = sizeof(fixture),
+                               .init = init_fixture,
+                               .call = call_fixture,
+                               .call_name = call_name,
+                               .all = BOTH,
+                               .outputs = CD_MEMBER(fixture, out),
+                               .inputs = CD_MEMBER(fixture, in),
+                               .ctx_at = offsetof(fixture, ctx),
+                               .call_ctx_at = offsetof(fixture, call_ctx)};
+    cd_run_bad_arguments(&api, bad_cases, TU_COUNT(bad_cases));
 }
 
 /* The unbroken fixture succeeds and writes exactly the outputs its call produces (so that the canary comparisons

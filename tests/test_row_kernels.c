@@ -147,9 +147,9 @@ static void test_choice(void)
         if (known && refusal)
             TU_CHECK(strstr(refusal, "(it has: ") != NULL, "the refusal lists what runs: %s", refusal);
     }
-    fh_blis_info info;
+    fh_kernel_info info;
     memset(&info, 0, sizeof info);
-    TU_CHECK(fh_blis_query(&info) == FH_OK && info.elementwise && strcmp(info.elementwise, name) == 0,
+    TU_CHECK(fh_kernel_query(&info) == FH_OK && info.elementwise && strcmp(info.elementwise, name) == 0,
              "libfusedhead's set %s vs %s", info.elementwise ? info.elementwise : "NULL", name);
     if (refusal)
         TU_CHECK(info.refusal && strcmp(info.refusal, refusal) == 0, "libfusedhead's refusal %s vs %s",

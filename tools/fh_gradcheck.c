@@ -136,8 +136,8 @@ static int dump_case(const char *dir, const ce_case *c)
 
 int main(int argc, char **argv)
 {
-    fh_blis_info kernels;
-    if (fh_blis_query(&kernels) == FH_OK && kernels.refusal) {
+    fh_kernel_info kernels;
+    if (fh_kernel_query(&kernels) == FH_OK && kernels.refusal) {
         printf("fh_gradcheck: skipped: %s\n", kernels.refusal);
         return 77;
     }
@@ -169,8 +169,6 @@ int main(int argc, char **argv)
         return 2;
     }
     const int pass = ce_metrics_pass(&m);
-    fh_blis_info blis;
-    fh_blis_query(&blis);
     printf("{\n  \"loss\": %.17g,\n  \"ref_loss\": %.17g,\n  \"abs_diff_loss\": %.3e,\n  \"rel_diff_loss\": %.3e,\n"
            "  \"abs_diff_z_loss\": %.3e,\n  \"per_token_loss_max_abs\": %.3e,\n  \"logp_max_abs\": %.3e,\n"
            "  \"lse_max_abs\": %.3e,\n  \"dhidden_max_abs\": %.3e,\n  \"dhidden_max_rel\": %.3e,\n"
@@ -181,7 +179,7 @@ int main(int argc, char **argv)
            c.loss, c.ref_loss, m.abs_diff_loss, m.rel_diff_loss, m.abs_diff_z_loss, m.per_token_loss_max_abs,
            m.logp_max_abs, m.lse_max_abs, m.dhidden_max_abs, m.dhidden_max_rel, m.dhidden_norm_rel,
            m.dweight_max_abs, m.dweight_max_rel, m.dweight_norm_rel, m.dbias_norm_rel,
-           (long long)m.argmax_mismatches, CE_LOSS_REL_TOL, m.grad_norm_rel_tol, m.dbias_norm_rel_tol, blis.kernel_set,
+           (long long)m.argmax_mismatches, CE_LOSS_REL_TOL, m.grad_norm_rel_tol, m.dbias_norm_rel_tol, kernels.kernel_set,
            spec.grad_filter_eps,
            c.filter_stats.gradient_flops > 0 ? c.filter_stats.skipped_flops / c.filter_stats.gradient_flops : 0.0,
            pass ? "true" : "false");

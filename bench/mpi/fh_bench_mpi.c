@@ -223,12 +223,12 @@ int main(int argc, char **argv)
     fail(fh_mpi_layout_create(MPI_COMM_WORLD, MPI_COMM_NULL, local, &L), ctx, "fh_mpi_layout_create");
     fh_mpi_layout_set(L, FH_MPI_PARAM_STATS_COLLECTIVE, a.stats);
 
-    fh_blis_info blis;
-    fh_blis_query(&blis);
+    fh_kernel_info kernels;
+    fh_kernel_query(&kernels);
     if (rank == 0 && !a.json)
         printf("# BLIS kernels: %s, element-wise: %s; %d rank(s) x %d thread(s); N=%lld H=%lld V=%lld; stats "
                "collective: %s\n",
-               blis.kernel_set, blis.elementwise, ranks, a.threads, (long long)a.n, (long long)a.hidden,
+               kernels.kernel_set, kernels.elementwise, ranks, a.threads, (long long)a.n, (long long)a.hidden,
                (long long)a.vocab, a.stats == FH_MPI_STATS_PACKED ? "packed" : "max-then-sum");
 
     /* Vocab-parallel. */

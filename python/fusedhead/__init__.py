@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 
 from . import errors
-from ._core import (BlisInfo, Context, bf16_available, blis_info, default_context, default_context_settings,
+from ._core import (KernelInfo, Context, bf16_available, kernel_info, default_context, default_context_settings,
                     set_default_context_settings, status_string)
 from ._lib import Dtype, Layout, LibraryNotFoundError, Param, Reduction, Status, library_path, load_library
 from .errors import FusedheadError, FusedheadMemoryError, FusedheadValueError, TargetOutOfRangeError
@@ -24,7 +24,7 @@ from . import numpy  # noqa: E402  (NumPy only)
 __version__ = "0.1.0"  # the C library's project version (CMakeLists.txt)
 
 __all__ = ["__version__", "Context", "default_context", "set_default_context_settings",
-           "default_context_settings", "blis_info", "BlisInfo", "bf16_available", "status_string", "library_path",
+           "default_context_settings", "kernel_info", "KernelInfo", "bf16_available", "status_string", "library_path",
            "load_library", "LibraryNotFoundError", "FusedheadError", "FusedheadValueError", "FusedheadMemoryError",
            "TargetOutOfRangeError", "errors", "Status", "Param", "Dtype", "Layout", "Reduction", "numpy", "torch"]
 

@@ -49,7 +49,7 @@ def check_status(status: int, function: str, context: Optional["Context"] = None
         raise error_for(status, status_string(status), message, function)
 
 
-class BlisInfo(NamedTuple):
+class KernelInfo(NamedTuple):
     kernel_set: str  # BLIS configuration in use: "skx", "haswell", "generic", ...
     selected_by_library: bool  # fusedhead chose it (not BLIS or the user)
     user_override: bool  # BLIS_ARCH_TYPE was set in the environment
@@ -60,26 +60,27 @@ class BlisInfo(NamedTuple):
     refusal: Optional[str]  # why FH_ROW_KERNELS or FH_BF16_GEMM cannot be honoured, or None
 
 
-def blis_info() -> BlisInfo:
-    """What fh_blis_query reports: the BLIS kernel set in use, fusedhead's element-wise kernels and the bf16
+def kernel_info() -> KernelInfo:
+    """What fh_kernel_query reports: the BLIS kernel set in use, fusedhead's element-wise kernels and the bf16
     GEMM provider."""
-    info = _lib.fh_blis_info()
-    check_status(load_library().fh_blis_query(ctypes.byref(info)), "fh_blis_query")
-    return BlisInfo((info.kernel_set or b"").decode(), bool(info.selected_by_library), bool(info.user_override),
+    info = _lib.fh_kernel_info()
+    check_status(load_library().fh_kernel_query(ctypes.byref(info)), "fh_kernel_query")
+    return KernelInfo((info.kernel_set or b"").decode(), bool(info.selected_by_library), bool(info.user_override),
                     (info.elementwise or b"").decode(), (info.bf16_gemm or b"").decode(),
                     (info.bf16_path or b"").decode(), info.refusal.decode() if info.refusal else None)
 
 
 def bf16_available() -> bool:
     """Whether bf16 calls run here: true on every CPU (oneDNN's bf16 matmul, or bf16 widened to f32 for BLIS),
-    false only when FH_ROW_KERNELS or FH_BF16_GEMM forces kernels this CPU or build lacks (blis_info().refusal)."""
-    return blis_info().refusal is None
+    false only when FH_ROW_KERNELS or FH_BF16_GEMM forces kernels this CPU or build lacks (kernel_info().refusal)."""
+    return kernel_info().refusal is None
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Context
 # ---------------------------------------------------------------------------------------------------------
 ParamLike = Union[Param, int, str]
+_REAL_PARAMS = frozenset({int(Param.GRAD_FILTER_EPS)})  # set with fh_context_set_real
 
 
 def _param(param: ParamLike) -> int:
@@ -192,23 +193,30 @@ class Context:
         with self._lock:
             return self._message_unlocked()
 
-    # -- parameters --
-    def set(self, param: ParamLike, value: int) -> None:
+    # -- parameters (a real-valued one goes through the library's _real entry points) --
+    def set(self, param: ParamLike, value: Union[int, float]) -> None:
         number = _param(param)
+        if number in _REAL_PARAMS:
+            self.call("fh_context_set_real", number, float(value))
+            return
         name = Param(number).name.lower() if number in Param._value2member_map_ else str(param)
         self.call("fh_context_set", number, int64(name, value))
 
-    def get(self, param: ParamLike) -> int:
-        value = ctypes.c_int64()
-        self.call("fh_context_get", _param(param), ctypes.byref(value), pure=True)
+    def get(self, param: ParamLike) -> Union[int, float]:
+        number = _param(param)
+        value = ctypes.c_double() if number in _REAL_PARAMS else ctypes.c_int64()
+        self.call("fh_context_get_real" if number in _REAL_PARAMS else "fh_context_get", number, ctypes.byref(value),
+                  pure=True)
         return value.value
 
     @staticmethod
-    def bounds(param: ParamLike) -> Tuple[int, int]:
-        """fh_param_bounds: the (min, max) accepted for a parameter."""
-        lo, hi = ctypes.c_int64(), ctypes.c_int64()
-        check_status(load_library().fh_param_bounds(_param(param), ctypes.byref(lo), ctypes.byref(hi)),
-                     "fh_param_bounds")
+    def bounds(param: ParamLike) -> Tuple[Union[int, float], Union[int, float]]:
+        """fh_param_bounds (fh_param_real_bounds for a real-valued parameter): the inclusive (min, max) accepted."""
+        number = _param(param)
+        real = number in _REAL_PARAMS
+        lo, hi = (ctypes.c_double(), ctypes.c_double()) if real else (ctypes.c_int64(), ctypes.c_int64())
+        function = "fh_param_real_bounds" if real else "fh_param_bounds"
+        check_status(getattr(load_library(), function)(number, ctypes.byref(lo), ctypes.byref(hi)), function)
         return lo.value, hi.value
 
     threads = property(lambda self: self.get(Param.THREADS), lambda self, v: self.set(Param.THREADS, v))
@@ -229,28 +237,19 @@ class Context:
         self.call("fh_context_threads", ctypes.byref(value), pure=True)
         return value.value
 
-    @property
-    def grad_filter_eps(self) -> float:
-        value = ctypes.c_double()
-        self.call("fh_context_get_grad_filter_eps", ctypes.byref(value), pure=True)
-        return value.value
-
-    @grad_filter_eps.setter
-    def grad_filter_eps(self, eps: float) -> None:
-        self.call("fh_context_set_grad_filter_eps", float(eps))
+    grad_filter_eps = property(lambda self: self.get(Param.GRAD_FILTER_EPS),
+                               lambda self, v: self.set(Param.GRAD_FILTER_EPS, v))
 
     @property
     def grad_filter_tail(self) -> str:
-        value = ctypes.c_int()
-        self.call("fh_context_get_grad_filter_tail", ctypes.byref(value), pure=True)
-        return FilterTail(value.value).name.lower()
+        return FilterTail(self.get(Param.GRAD_FILTER_TAIL)).name.lower()
 
     @grad_filter_tail.setter
     def grad_filter_tail(self, tail: str) -> None:
         names = {t.name.lower(): t for t in FilterTail}
         if tail not in names:
             raise ValueError(f"grad_filter_tail: expected one of {sorted(names)}, got {tail!r}")
-        self.call("fh_context_set_grad_filter_tail", int(names[tail]))
+        self.set(Param.GRAD_FILTER_TAIL, int(names[tail]))
 
     def filter_stats(self) -> Tuple[float, float]:
         """fh_context_filter_stats: (gradient_flops, skipped_flops) of the last call on this context: the flops
@@ -278,7 +277,8 @@ class Context:
         if self.closed:
             return "<fusedhead.Context (closed)>"
         fields = ", ".join(f"{p.name.lower()}={self.get(p)}" for p in Param
-                           if p not in (Param.CHECK_FINITE, Param.FP32_DZ, Param.OVERSUBSCRIBE))
+                           if p not in (Param.CHECK_FINITE, Param.FP32_DZ, Param.OVERSUBSCRIBE, Param.GRAD_FILTER_TAIL,
+                                        Param.GRAD_FILTER_EPS))
         return f"<fusedhead.Context {fields}>"
 
 
@@ -871,7 +871,7 @@ class DistillProblem:
         return size.value
 
 
-__all__ = ["Context", "default_context", "set_default_context_settings", "default_context_settings", "blis_info",
-           "BlisInfo", "bf16_available", "status_string", "View", "LinearHead", "CEProblem", "GRPOProblem",
+__all__ = ["Context", "default_context", "set_default_context_settings", "default_context_settings", "kernel_info",
+           "KernelInfo", "bf16_available", "status_string", "View", "LinearHead", "CEProblem", "GRPOProblem",
            "grpo_options", "grpo_metrics_dict", "PreferenceProblem", "preference_options", "pairs_shape",
            "preference_metrics_dict", "DistillProblem", "distill_options", "prefixed_errors", "FusedheadError"]

@@ -79,6 +79,8 @@ class Param(enum.IntEnum):
     CHECK_FINITE = 4
     FP32_DZ = 5
     OVERSUBSCRIBE = 6
+    GRAD_FILTER_TAIL = 7  # a FilterTail
+    GRAD_FILTER_EPS = 8  # real-valued: fh_context_set_real / fh_context_get_real / fh_param_real_bounds
 
 
 class Layout(enum.IntEnum):
@@ -139,7 +141,7 @@ class Divergence(enum.IntEnum):
 # ---------------------------------------------------------------------------------------------------------
 # Structs
 # ---------------------------------------------------------------------------------------------------------
-class fh_blis_info(ctypes.Structure):
+class fh_kernel_info(ctypes.Structure):
     _fields_ = [
         ("kernel_set", ctypes.c_char_p),
         ("selected_by_library", ctypes.c_int),
@@ -332,7 +334,7 @@ class fh_distill_outputs(ctypes.Structure):
     ]
 
 
-STRUCTS = (fh_blis_info, fh_linear, fh_linear_grads, fh_ce_options, fh_ce_outputs, fh_grpo_options,
+STRUCTS = (fh_kernel_info, fh_linear, fh_linear_grads, fh_ce_options, fh_ce_outputs, fh_grpo_options,
            fh_grpo_batch, fh_grpo_metrics, fh_grpo_outputs, fh_preference_options, fh_preference_batch,
            fh_preference_metrics, fh_preference_outputs, fh_distill_options, fh_distill_outputs)
 
@@ -351,15 +353,14 @@ _REQUIRED = {
     "fh_context_set": (_st, [_ctx_p, ctypes.c_int, ctypes.c_int64]),
     "fh_context_get": (_st, [_ctx_p, ctypes.c_int, c_int64_p]),
     "fh_param_bounds": (_st, [ctypes.c_int, c_int64_p, c_int64_p]),
+    "fh_context_set_real": (_st, [_ctx_p, ctypes.c_int, ctypes.c_double]),
+    "fh_context_get_real": (_st, [_ctx_p, ctypes.c_int, c_double_p]),
+    "fh_param_real_bounds": (_st, [ctypes.c_int, c_double_p, c_double_p]),
     "fh_context_message": (_st, [_ctx_p, _P(ctypes.c_char_p)]),
     "fh_context_set_workspace": (_st, [_ctx_p, ctypes.c_void_p, ctypes.c_size_t]),
-    "fh_context_set_grad_filter_eps": (_st, [_ctx_p, ctypes.c_double]),
-    "fh_context_get_grad_filter_eps": (_st, [_ctx_p, _P(ctypes.c_double)]),
     "fh_context_threads": (_st, [_ctx_p, _P(ctypes.c_int)]),
-    "fh_context_set_grad_filter_tail": (_st, [_ctx_p, ctypes.c_int]),
-    "fh_context_get_grad_filter_tail": (_st, [_ctx_p, _P(ctypes.c_int)]),
     "fh_context_filter_stats": (_st, [_ctx_p, _P(fh_filter_stats)]),
-    "fh_blis_query": (_st, [_P(fh_blis_info)]),
+    "fh_kernel_query": (_st, [_P(fh_kernel_info)]),
     "fh_linear_init": (_st, [_P(fh_linear), ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                              ctypes.c_void_p, ctypes.c_int, c_float_p]),
     "fh_ce_options_init": (_st, [_P(fh_ce_options)]),

@@ -35,7 +35,7 @@ from test_grpo import make_grpo, trl_reference  # noqa: E402
 from test_preference import make_pairs, reference as preference_reference  # noqa: E402
 
 if not fusedhead.bf16_available():
-    pytest.skip(f"bf16 calls are refused here: {fusedhead.blis_info().refusal}", allow_module_level=True)
+    pytest.skip(f"bf16 calls are refused here: {fusedhead.kernel_info().refusal}", allow_module_level=True)
 
 BF = torch.bfloat16
 LOSS_RTOL_BF16 = 1e-5

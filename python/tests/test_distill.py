@@ -420,7 +420,7 @@ def test_numpy_distill_loss():
 # bf16
 # ---------------------------------------------------------------------------------------------------------
 bf16 = pytest.mark.skipif(not fusedhead.bf16_available(), reason=f"bf16 calls are refused here: "
-                                                                 f"{fusedhead.blis_info().refusal}")
+                                                                 f"{fusedhead.kernel_info().refusal}")
 BF = torch.bfloat16
 
 

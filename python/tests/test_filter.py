@@ -17,6 +17,8 @@ point of it; 8x closer on the example's trained head, README).
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -60,6 +62,20 @@ def test_tail_setting():
         assert ctx.grad_filter_tail == "estimate"
     with fusedhead.Context() as ctx:
         assert ctx.grad_filter_tail == "estimate"
+
+
+def test_settings_are_parameters():
+    """Both are fh_params: eps real-valued (fh_context_set_real), the tail an integer, each with its bounds."""
+    assert fusedhead.Context.bounds("grad_filter_eps") == (0.0, math.nextafter(1.0, 0.0))
+    assert fusedhead.Context.bounds(fusedhead.Param.GRAD_FILTER_TAIL) == (0, 1)
+    with fusedhead.Context() as ctx:
+        ctx.set("grad_filter_eps", 2.0 ** -12)
+        ctx.set("grad_filter_tail", 1)
+        assert ctx.get("grad_filter_eps") == ctx.grad_filter_eps == 2.0 ** -12
+        assert ctx.get("grad_filter_tail") == 1 and ctx.grad_filter_tail == "drop"
+        with pytest.raises(fusedhead.errors.InvalidParamValueError, match="grad_filter_tail"):
+            ctx.set("grad_filter_tail", 2)
+        assert ctx.grad_filter_tail == "drop"
 
 
 def test_default_context_setting():

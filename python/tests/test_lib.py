@@ -86,8 +86,8 @@ def test_version_matches_cmake():
     assert m and fusedhead.__version__ == m.group(1)
 
 
-def test_blis_info():
-    info = fusedhead.blis_info()
+def test_kernel_info():
+    info = fusedhead.kernel_info()
     assert isinstance(info.kernel_set, str) and info.kernel_set
     assert info.elementwise in ("avx512", "avx2", "portable")
     assert isinstance(info.selected_by_library, bool) and isinstance(info.user_override, bool)
@@ -100,7 +100,7 @@ def test_refused_kernels(variable, value):
     """A forced kernel choice that cannot run is reported, bf16_available() says so, and a call raises
     KernelsUnavailableError naming the variable."""
     code = ("import numpy as np, fusedhead, fusedhead.numpy as fnp\n"
-            "info = fusedhead.blis_info()\n"
+            "info = fusedhead.kernel_info()\n"
             "print(info.refusal); print(fusedhead.bf16_available())\n"
             "x = np.full((2, 4), 0x3f80, np.uint16); w = np.full((8, 4), 0x3f80, np.uint16)\n"
             "try:\n"
@@ -119,7 +119,7 @@ def _run_python(code: str, **env):
 
 
 def test_import_does_not_import_torch():
-    r = _run_python("import sys, fusedhead; fusedhead.blis_info(); fusedhead.numpy.forward; "
+    r = _run_python("import sys, fusedhead; fusedhead.kernel_info(); fusedhead.numpy.forward; "
                     "print('torch' in sys.modules, fusedhead.library_path())")
     assert r.returncode == 0, r.stderr
     imported, path = r.stdout.split()
@@ -133,7 +133,7 @@ def test_env_var_selects_library():
 
 
 def test_env_var_bad_path_is_an_error():
-    r = _run_python("import fusedhead; fusedhead.blis_info()", FUSEDHEAD_LIBRARY="/nonexistent/libfusedhead.so")
+    r = _run_python("import fusedhead; fusedhead.kernel_info()", FUSEDHEAD_LIBRARY="/nonexistent/libfusedhead.so")
     assert r.returncode != 0
     assert "LibraryNotFoundError" in r.stderr and "FUSEDHEAD_LIBRARY" in r.stderr
 

@@ -5,7 +5,7 @@
 #include <math.h>
 #include <omp.h>
 
-/* ---- Gradient filtering (fh_context_set_grad_filter_eps) ----
+/* ---- Gradient filtering (FH_PARAM_GRAD_FILTER_EPS) ----
  * dU = a p + e p (z - sum_pz) + c w + b [j = target] (times dz/du). While a row's dU is formed, gradient_and_marks
  * marks the columns where |dU| reaches eps times the row's scale, and the row's target column. A column of a tile
  * that no row of it marked is skipped by the dx and dweight GEMMs, which run on the kept columns gathered (above); its

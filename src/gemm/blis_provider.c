@@ -47,7 +47,7 @@ __attribute__((constructor)) static void select_at_load(void)
     ensure_selected();
 }
 
-void fh_blis_kernel_set(fh_blis_info *info)
+void fh_blis_kernel_set(fh_kernel_info *info)
 {
     ensure_selected();
     /* bli_arch_query_id() before initialisation aborts inside BLIS when BLIS_ARCH_TYPE is set. */

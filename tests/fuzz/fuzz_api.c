@@ -402,8 +402,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     fh_context_set(ctx, FH_PARAM_FP32_DZ, (dtype_bits & 64) != 0);
     if (tiles & 16) { /* gradient filtering, including values it must refuse */
         static const double eps[] = {0.0, 0x1p-12, 0.02, 0.5, 0.999, -1.0, 1.0, NAN};
-        fh_context_set_grad_filter_eps(ctx, eps[u8(&r) % 8]);
-        fh_context_set_grad_filter_tail(ctx, (fh_filter_tail)(u8(&r) % 3)); /* 2 must be refused */
+        fh_context_set_real(ctx, FH_PARAM_GRAD_FILTER_EPS, eps[u8(&r) % 8]);
+        fh_context_set(ctx, FH_PARAM_GRAD_FILTER_TAIL, u8(&r) % 3); /* 2 must be refused */
     }
     const int64_t effective_budget = budget > 0 ? budget : FH_DEFAULT_MEMORY_BUDGET;
 

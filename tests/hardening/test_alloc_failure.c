@@ -40,7 +40,7 @@ typedef struct scenario {
     const hu_saved *saved;
     int threads;
     int64_t tile_rows, tile_vocab, budget;
-    double filter_eps; /* fh_context_set_grad_filter_eps */
+    double filter_eps; /* FH_PARAM_GRAD_FILTER_EPS */
 } scenario;
 
 static fh_context *scenario_context(const scenario *s, fh_status *create_status)
@@ -56,7 +56,7 @@ static fh_context *scenario_context(const scenario *s, fh_status *create_status)
     const fh_status b = fh_context_set(ctx, FH_PARAM_TILE_ROWS, s->tile_rows);
     const fh_status c = fh_context_set(ctx, FH_PARAM_TILE_VOCAB, s->tile_vocab);
     const fh_status d = fh_context_set(ctx, FH_PARAM_MEMORY_BUDGET, s->budget);
-    const fh_status e = fh_context_set_grad_filter_eps(ctx, s->filter_eps);
+    const fh_status e = fh_context_set_real(ctx, FH_PARAM_GRAD_FILTER_EPS, s->filter_eps);
     TU_CHECK(a == FH_OK && b == FH_OK && c == FH_OK && d == FH_OK && e == FH_OK, "%s: fh_context_set", s->label);
     return ctx;
 }

@@ -259,8 +259,8 @@ static void test_guarded_buffers(void)
                                          code >= 1000 ? "killed by signal" : "exit code", code >= 1000 ? code - 1000 : code);
                         }
     TU_CHECK(faults == 0, "%d guarded calls failed (first 40 listed)", faults);
-    fh_blis_info info;
-    if (fh_blis_query(&info) == FH_OK)
+    fh_kernel_info info;
+    if (fh_kernel_query(&info) == FH_OK)
         printf("\n    BLIS kernel set: %s", info.kernel_set);
 }
 

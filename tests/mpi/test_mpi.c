@@ -135,8 +135,8 @@ static fh_context *make_context(int small_tiles)
         MPI_Abort(MPI_COMM_WORLD, 3);
     fh_context_set(ctx, FH_PARAM_THREADS, 1);
     if (filter_eps > 0.0) {
-        fh_context_set_grad_filter_eps(ctx, filter_eps);
-        fh_context_set_grad_filter_tail(ctx, FH_FILTER_TAIL_DROP);
+        fh_context_set_real(ctx, FH_PARAM_GRAD_FILTER_EPS, filter_eps);
+        fh_context_set(ctx, FH_PARAM_GRAD_FILTER_TAIL, FH_FILTER_TAIL_DROP);
     }
     if (small_tiles) {
         fh_context_set(ctx, FH_PARAM_TILE_ROWS, 16);
@@ -272,8 +272,8 @@ static int64_t weight_offset(const problem *p, const fh_linear *lin)
 
 static int have_bf16(void)
 {
-    fh_blis_info info;
-    return fh_blis_query(&info) == FH_OK && strcmp(info.bf16_gemm, "none") != 0;
+    fh_kernel_info info;
+    return fh_kernel_query(&info) == FH_OK && strcmp(info.bf16_gemm, "none") != 0;
 }
 
 /* This rank's view: tokens [n0, n0 + nr), vocabulary shard [off, off + vl). */
@@ -960,8 +960,8 @@ int main(int argc, char **argv)
     MPI_Comm_size(MPI_COMM_WORLD, &world_size);
     /* Kernels this CPU or build lacks (FH_ROW_KERNELS, FH_BF16_GEMM; the same on every rank): a skip, 77 on every
      * rank, which ctest takes as one. */
-    fh_blis_info kernels;
-    if (fh_blis_query(&kernels) == FH_OK && kernels.refusal) {
+    fh_kernel_info kernels;
+    if (fh_kernel_query(&kernels) == FH_OK && kernels.refusal) {
         if (world_rank == 0)
             printf("fh_mpi_tests: skipped: %s\n", kernels.refusal);
         MPI_Finalize();
