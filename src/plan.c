@@ -24,15 +24,15 @@ static int64_t min64(int64_t a, int64_t b)
     return a < b ? a : b;
 }
 
-/* *bytes = count * elem_size (0 when !used); 0, or -1 on overflow. */
-static int buffer_bytes(int used, int64_t rows, int64_t cols, size_t elem_size, size_t *bytes)
+/* *bytes of a buffer (0 when unused); 0, or -1 on overflow. */
+static int buffer_bytes(const fh_buffer_size *b, size_t *bytes)
 {
     size_t elems;
     *bytes = 0;
-    if (!used)
+    if (!b->used)
         return 0;
-    if (__builtin_mul_overflow((size_t)rows, (size_t)cols, &elems) || __builtin_mul_overflow(elems, elem_size, bytes) ||
-        *bytes > SIZE_MAX / 16)
+    if (__builtin_mul_overflow((size_t)b->rows, (size_t)b->cols, &elems) ||
+        __builtin_mul_overflow(elems, b->elem_size, bytes) || *bytes > SIZE_MAX / 16)
         return -1;
     return 0;
 }
@@ -42,59 +42,53 @@ static int64_t du_columns_in_dweight(const fh_plan *plan)
     return min64(plan->tile_vocab, plan->du_chunks_in_dweight * plan->du_chunk);
 }
 
-/* bf16 row blocks sum a bf16 dx in f32 over several GEMMs (filtered ones, or one per dU chunk) before rounding. */
-static int dx_in_block(const fh_plan *plan)
+static fh_filter_shape filter_shape(const fh_plan *plan)
 {
-    return plan->row_blocks && plan->bf16_du && (plan->filter_eps > 0.0 || plan->du_chunk < plan->tile_vocab);
+    const fh_filter_shape shape = {plan->filter_eps > 0.0, plan->tail_estimate, plan->bf16_du,  plan->row_blocks,
+                                   plan->threads,          plan->tile_rows,     plan->tile_vocab, plan->hidden};
+    return shape;
 }
 
-/* Places the slots, the tile, the column sums, the bf16 path's buffers and filtering's; returns 0, or -1 if a
- * size overflows. */
+/* The buffer table: every buffer of the workspace, used or not, and its size. */
+static void buffer_table(const fh_plan *plan, int64_t n, fh_buffer_size table[FH_BUFFERS])
+{
+    const int64_t rows = plan->tile_rows, cols = plan->tile_vocab, hidden = plan->hidden;
+    /* bf16 row blocks sum a bf16 dx in f32 over several GEMMs (filtered ones, or one per dU chunk) before rounding. */
+    const int dx_block =
+        plan->row_blocks && plan->bf16_du && (plan->filter_eps > 0.0 || plan->du_chunk < plan->tile_vocab);
+    const fh_buffer_size engine[FH_BUFFER_FILTER] = {
+        [FH_BUFFER_SLOTS] = {1, n, FH_WORKSPACE_SLOTS, sizeof(double)},
+        [FH_BUFFER_TILE] = {!plan->tile_in_dweight, rows, cols, sizeof(float)},
+        [FH_BUFFER_COMPANION_TILE] = {plan->companion, rows, cols, sizeof(float)},
+        [FH_BUFFER_COLUMN] = {1, 1, cols, sizeof(double)},
+        [FH_BUFFER_DU] = {plan->bf16_du, plan->row_blocks ? n : rows, cols - du_columns_in_dweight(plan),
+                          sizeof(uint16_t)},
+        [FH_BUFFER_DX_ACC] = {plan->accumulators, n, hidden, sizeof(float)},
+        [FH_BUFFER_DW_ACC] = {plan->accumulators, hidden, cols, sizeof(float)},
+        [FH_BUFFER_X32] = {plan->fp32_dz, rows, hidden, sizeof(float)},
+        [FH_BUFFER_W32] = {plan->fp32_dz, hidden, cols, sizeof(float)},
+        [FH_BUFFER_DX_BLOCK] = {dx_block, rows, hidden, sizeof(float)},
+        [FH_BUFFER_SCRATCH] = {plan->scratch_floats > 0, 1, plan->scratch_floats, sizeof(float)},
+    };
+    for (int b = 0; b < FH_BUFFER_FILTER; b++)
+        table[b] = engine[b];
+    const fh_filter_shape shape = filter_shape(plan);
+    fh_filter_buffer_sizes(&shape, table + FH_BUFFER_FILTER);
+}
+
+/* Places the buffer table's rows in the workspace; returns 0, or -1 if a size overflows. */
 static int place_buffers(fh_plan *plan, int64_t n)
 {
-    enum { BUFFERS = 24 };
-    const int64_t rows = plan->tile_rows, cols = plan->tile_vocab, hidden = plan->hidden;
-    const int filter = plan->filter_eps > 0.0;
-    plan->scratch_floats = plan->convert_panels ? fh_gemm_scratch_floats(rows * cols) : 0;
-    const struct {
-        int used;
-        int64_t rows, cols;
-        size_t elem_size;
-        size_t *offset;
-    } buffers[BUFFERS] = {
-        {1, n, FH_WORKSPACE_SLOTS, sizeof(double), &plan->slots_offset},
-        {!plan->tile_in_dweight, rows, cols, sizeof(float), &plan->tile_offset},
-        {plan->companion, rows, cols, sizeof(float), &plan->companion_tile_offset},
-        {1, 1, cols, sizeof(double), &plan->column_offset},
-        {plan->bf16_du, plan->row_blocks ? n : rows, cols - du_columns_in_dweight(plan), sizeof(uint16_t),
-         &plan->du_offset},
-        {plan->accumulators, n, hidden, sizeof(float), &plan->dx_acc_offset},
-        {plan->accumulators, hidden, cols, sizeof(float), &plan->dw_acc_offset},
-        {plan->fp32_dz, rows, hidden, sizeof(float), &plan->x32_offset},
-        {plan->fp32_dz, hidden, cols, sizeof(float), &plan->w32_offset},
-        {filter, 2 * (int64_t)plan->threads, cols, sizeof(uint8_t), &plan->marks_offset},
-        {filter, 2, cols, sizeof(uint8_t), &plan->flags_offset},
-        {filter, 1, cols, sizeof(int64_t), &plan->kept_offset},
-        {filter, rows, 1, sizeof(double), &plan->row_c_offset},
-        {filter, TERM_VECTORS + 1, hidden, sizeof(double), &plan->vectors_offset}, /* >= TERM_VECTORS H + 1 */
-        {filter, 2, cols, sizeof(double), &plan->factors_offset},
-        {filter && plan->bf16_du, rows, FH_FILTER_CHUNK, sizeof(uint16_t), &plan->gathered_du_offset},
-        {filter, FH_FILTER_CHUNK, hidden, sizeof(float), &plan->gathered_w_offset},
-        {filter, FH_FILTER_CHUNK, hidden, sizeof(float), &plan->gathered_dw_offset},
-        {dx_in_block(plan), rows, hidden, sizeof(float), &plan->dx_block_offset},
-        {filter && plan->tail_estimate, rows, 1, sizeof(double), &plan->tail_rows_offset},
-        {filter && plan->tail_estimate, rows, 1, sizeof(float), &plan->row_least_offset},
-        {filter && plan->tail_estimate, 2 * (int64_t)plan->threads, cols, sizeof(float), &plan->tail_nu_offset},
-        {filter && plan->tail_estimate, plan->row_blocks && plan->bf16_du ? 2 : 1, cols, sizeof(double),
-         &plan->tail_columns_offset},
-        {plan->scratch_floats > 0, 1, plan->scratch_floats, sizeof(float), &plan->scratch_offset},
-    };
+    plan->scratch_floats = plan->convert_panels ? fh_gemm_scratch_floats(plan->tile_rows * plan->tile_vocab) : 0;
+    fh_buffer_size table[FH_BUFFERS];
+    buffer_table(plan, n, table);
     size_t at = 0;
-    for (int b = 0; b < BUFFERS; b++) {
+    for (int b = 0; b < FH_BUFFERS; b++) {
         size_t bytes;
-        if (buffer_bytes(buffers[b].used, buffers[b].rows, buffers[b].cols, buffers[b].elem_size, &bytes))
+        if (buffer_bytes(&table[b], &bytes))
             return -1;
-        *buffers[b].offset = at;
+        plan->used[b] = (unsigned char)table[b].used;
+        plan->offset[b] = at;
         at += align_up(bytes);
     }
     plan->bytes = at + ALIGN; /* + slack for a caller's base */
@@ -314,16 +308,10 @@ static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, const fh
     plan->tile_rows = 1;
     if (place_buffers(plan, n) != 0 || (int64_t)plan->bytes > budget)
         return -1;
-    /* Each further row costs vocab floats of logits, and with filtering its c, its skipped sum and threshold (tail
-     * estimate) and (bf16) its gathered dU and f32 dx row; the buffers' alignment is absorbed by the final check
-     * below. */
-    const int64_t filter_row_bytes =
-        plan->filter_eps > 0.0 ? (int64_t)sizeof(double) +
-                                     (plan->tail_estimate ? (int64_t)(sizeof(double) + sizeof(float)) : 0) +
-                                     (plan->bf16_du ? FH_FILTER_CHUNK * (int64_t)sizeof(uint16_t) +
-                                                          lin->hidden * (int64_t)sizeof(float)
-                                                    : 0)
-                               : 0;
+    /* Each further row costs vocab floats of logits and filtering's share; the buffers' alignment is absorbed by the
+     * final check below. */
+    const fh_filter_shape shape = filter_shape(plan);
+    const int64_t filter_row_bytes = fh_filter_row_bytes(&shape);
     const int64_t row_bytes = (companion ? 2 : 1) * vocab * (int64_t)sizeof(float) + filter_row_bytes;
     const int64_t rows = min64(cap, 1 + (budget - (int64_t)plan->bytes) / row_bytes);
     /* Blocks thinner than MIN_ROW_BLOCK (a pair's PAIR_ROW_BLOCK) lose to streaming (the H x V dweight is re-read
@@ -445,36 +433,25 @@ fh_status fh_plan_query_every_bytes(const fh_context *ctx, const fh_linear *lin,
 static fh_workspace carve(const fh_plan *plan, void *base, int64_t n)
 {
     char *aligned = (char *)(((uintptr_t)base + ALIGN - 1) / ALIGN * ALIGN);
+    char *at[FH_BUFFERS];
+    for (int b = 0; b < FH_BUFFERS; b++)
+        at[b] = plan->used[b] ? aligned + plan->offset[b] : NULL;
     fh_workspace ws;
-    double *slots = (double *)(aligned + plan->slots_offset);
     for (int a = 0; a < FH_WORKSPACE_SLOTS; a++)
-        ws.slot[a] = slots + (size_t)a * (size_t)n;
-    ws.tile = plan->tile_in_dweight ? NULL : (float *)(aligned + plan->tile_offset); /* the engine's then */
-    ws.companion_tile = plan->companion ? (float *)(aligned + plan->companion_tile_offset) : NULL;
-    ws.column = (double *)(aligned + plan->column_offset);
-    ws.du = plan->bf16_du ? (uint16_t *)(aligned + plan->du_offset) : NULL;
-    ws.dx_acc = plan->accumulators ? (float *)(aligned + plan->dx_acc_offset) : NULL;
-    ws.dw_acc = plan->accumulators ? (float *)(aligned + plan->dw_acc_offset) : NULL;
-    ws.x32 = plan->fp32_dz ? (float *)(aligned + plan->x32_offset) : NULL;
-    ws.w32 = plan->fp32_dz ? (float *)(aligned + plan->w32_offset) : NULL;
-    const int filter = plan->filter_eps > 0.0;
-    ws.marks = filter ? (uint8_t *)(aligned + plan->marks_offset) : NULL;
-    ws.keep = filter ? (uint8_t *)(aligned + plan->flags_offset) : NULL;
-    ws.used = filter ? ws.keep + plan->tile_vocab : NULL;
-    ws.kept = filter ? (int64_t *)(aligned + plan->kept_offset) : NULL;
-    ws.row_c = filter ? (double *)(aligned + plan->row_c_offset) : NULL;
-    ws.vectors = filter ? (double *)(aligned + plan->vectors_offset) : NULL;
-    ws.factors = filter ? (double *)(aligned + plan->factors_offset) : NULL;
-    ws.tail_rows = filter && plan->tail_estimate ? (double *)(aligned + plan->tail_rows_offset) : NULL;
-    ws.tail_columns = filter && plan->tail_estimate ? (double *)(aligned + plan->tail_columns_offset) : NULL;
-    ws.tail_nu = filter && plan->tail_estimate ? (float *)(aligned + plan->tail_nu_offset) : NULL;
-    ws.row_least = filter && plan->tail_estimate ? (float *)(aligned + plan->row_least_offset) : NULL;
-    ws.gathered_du = filter && plan->bf16_du ? (void *)(aligned + plan->gathered_du_offset) : NULL;
-    ws.gathered_w = filter ? (void *)(aligned + plan->gathered_w_offset) : NULL;
-    ws.gathered_dw = filter ? (float *)(aligned + plan->gathered_dw_offset) : NULL;
-    ws.dx_block = dx_in_block(plan) ? (float *)(aligned + plan->dx_block_offset) : NULL;
+        ws.slot[a] = (double *)at[FH_BUFFER_SLOTS] + (size_t)a * (size_t)n;
+    ws.tile = (float *)at[FH_BUFFER_TILE]; /* NULL when it sits in dweight: the engine's then */
+    ws.companion_tile = (float *)at[FH_BUFFER_COMPANION_TILE];
+    ws.column = (double *)at[FH_BUFFER_COLUMN];
+    ws.du = (uint16_t *)at[FH_BUFFER_DU];
+    ws.dx_acc = (float *)at[FH_BUFFER_DX_ACC];
+    ws.dw_acc = (float *)at[FH_BUFFER_DW_ACC];
+    ws.x32 = (float *)at[FH_BUFFER_X32];
+    ws.w32 = (float *)at[FH_BUFFER_W32];
+    ws.dx_block = (float *)at[FH_BUFFER_DX_BLOCK];
+    const fh_filter_shape shape = filter_shape(plan);
+    ws.filter = fh_filter_carve(&shape, at + FH_BUFFER_FILTER);
     ws.gemm_cache = NULL;
-    ws.scratch.data = plan->scratch_floats > 0 ? (float *)(aligned + plan->scratch_offset) : NULL;
+    ws.scratch.data = (float *)at[FH_BUFFER_SCRATCH];
     ws.scratch.floats = plan->scratch_floats;
     ws.filter_stats = NULL;
     return ws;

@@ -5,20 +5,32 @@
 #define FH_PLAN_H
 
 #include "context.h"
+#include "filter/buffers.h"
 #include "gemm/gemm.h"
 
 /* Per-token double arrays ("slots") reserved for the head and the engine; each head names the ones it
  * uses (FH_CE_SLOT_*, FH_GRPO_SLOT_*). */
 #define FH_WORKSPACE_SLOTS 10
-/* Gradient filtering's H-vectors (fh_workspace.vectors), each the sum of one rank-one term's factor: over the
- * skipped weight columns (s), over a tile's rows (g) and over every row block's (g_all, after bf16 row blocks), for
- * the c w term and for the tail estimate; then the tail estimate's magnitude over every row block (one double). */
-enum { TERM_S_C, TERM_G_C, TERM_G_ALL_C, TERM_S_TAIL, TERM_G_TAIL, TERM_G_ALL_TAIL, TERM_VECTORS };
-
-/* Gradient filtering runs its GEMMs on the kept columns gathered this many at a time. */
-#define FH_FILTER_CHUNK 1024
 /* bf16 row blocks keep their dU in chunks of this many vocabulary columns (fh_plan). */
 #define FH_DU_CHUNK 8192
+
+/* The workspace's buffers, each a row of the plan's one buffer table (plan.c), which sizes and places them for
+ * fh_plan_* and carves them for fh_workspace_acquire; gradient filtering's rows follow (filter/buffers.h). */
+enum {
+    FH_BUFFER_SLOTS,          /* FH_WORKSPACE_SLOTS arrays of n doubles */
+    FH_BUFFER_TILE,           /* tile_rows x tile_vocab floats (not when the tile sits in dweight) */
+    FH_BUFFER_COMPANION_TILE, /* pair plans: the companion head's tile */
+    FH_BUFFER_COLUMN,         /* tile_vocab doubles (bias-gradient column sums) */
+    FH_BUFFER_DU,             /* bf16_du: dU in bf16 (what of it does not sit in dweight) */
+    FH_BUFFER_DX_ACC,         /* accumulators: n x H */
+    FH_BUFFER_DW_ACC,         /*   and H x tile_vocab floats */
+    FH_BUFFER_X32,            /* fp32_dz: the tile's x rows (tile_rows x H) */
+    FH_BUFFER_W32,            /*   and weight columns (H x tile_vocab) in f32 */
+    FH_BUFFER_DX_BLOCK,       /* bf16 row blocks summing a bf16 dx over several GEMMs: tile_rows x H floats */
+    FH_BUFFER_SCRATCH,        /* the convert path's panels (scratch_floats) */
+    FH_BUFFER_FILTER,         /* the first of filtering's FH_FILTER_BUFFERS */
+    FH_BUFFERS = FH_BUFFER_FILTER + FH_FILTER_BUFFERS
+};
 
 typedef struct fh_plan {
     int threads;          /* fh_threads of the call, fixed once here */
@@ -44,33 +56,18 @@ typedef struct fh_plan {
     int64_t du_chunk, du_chunks_in_dweight, du_at_element;
     int tile_in_dweight;
     size_t tile_at_byte;
-    /* Gradient filtering (FH_PARAM_GRAD_FILTER_EPS): filter_eps > 0 in gradient passes. Its buffers: the
-     * columns each thread marked, per segment (2 x threads x tile_vocab bytes); per-column keep and used flags and
-     * the kept columns' list; every tile row's c coefficient; TERM_VECTORS H-vectors and a sum for the skipped
-     * columns' rank-one terms, and the terms' factors per column (2 x tile_vocab doubles); the gathered GEMMs'
-     * operands (FH_FILTER_CHUNK x H weight rows and f32 dweight, and with bf16_du tile_rows x FH_FILTER_CHUNK dU);
-     * in bf16 row blocks an f32 dx of the block (dx_block, tile_rows x H), so that a bf16 dx is rounded once.
-     * With tail_estimate (FH_FILTER_TAIL_ESTIMATE): every tile row's skipped sum and threshold, each thread's f32
-     * profile of the magnitudes below the thresholds per segment (2 x threads x tile_vocab) and the skipped
-     * columns' sums of them (tile_vocab doubles, twice after bf16 row blocks: the block's and its sum over the
-     * blocks). */
+    /* Gradient filtering (FH_PARAM_GRAD_FILTER_EPS): filter_eps > 0 in gradient passes; tail_estimate:
+     * FH_FILTER_TAIL_ESTIMATE. Its buffers: filter/buffers.h. */
     double filter_eps;
     int tail_estimate;
-    size_t marks_offset, flags_offset, kept_offset, row_c_offset, vectors_offset, factors_offset, gathered_du_offset,
-        gathered_w_offset, gathered_dw_offset, dx_block_offset, tail_rows_offset, row_least_offset, tail_nu_offset,
-        tail_columns_offset;
     /* bf16_gemms: lin's GEMMs are bf16. On the convert path (fh_gemm_bf16_path) bf16 GEMMs widen their operands
      * into f32 panels (convert_panels): scratch_floats of them (fh_gemm_scratch_floats of the tile), 0 otherwise.
      * bf16_gemms: lin's or a companion's are bf16. */
     int bf16_gemms, convert_panels;
     int64_t scratch_floats;
-    size_t scratch_offset;
     int companion;        /* a pair plan (fh_plan_pair_*): a second tile for the companion head's logits */
-    size_t companion_tile_offset;
-    size_t slots_offset;  /* FH_WORKSPACE_SLOTS arrays of n doubles */
-    size_t tile_offset;   /* tile_rows * tile_vocab floats */
-    size_t column_offset; /* tile_vocab doubles (bias-gradient column sums) */
-    size_t du_offset, dx_acc_offset, dw_acc_offset, x32_offset, w32_offset; /* the buffers above, when used */
+    unsigned char used[FH_BUFFERS]; /* the buffer table's rows that this plan uses */
+    size_t offset[FH_BUFFERS];      /* and where they start */
     size_t bytes;         /* total, including slack to align any caller pointer */
 } fh_plan;
 
@@ -127,13 +124,8 @@ typedef struct fh_workspace {
     double *column;
     uint16_t *du;
     float *dx_acc, *dw_acc, *x32, *w32;
-    float *dx_block, *gathered_dw; /* filtering's buffers (fh_plan), NULL when it is off */
-    double *row_c, *vectors, *factors;
-    double *tail_rows, *tail_columns; /* tail_estimate's (fh_plan), NULL otherwise */
-    float *row_least, *tail_nu;
-    uint8_t *marks, *keep, *used;
-    int64_t *kept;
-    void *gathered_du, *gathered_w;
+    float *dx_block;
+    fh_filter_workspace filter;
     fh_filter_stats *filter_stats;           /* the context's, reset by fh_workspace_acquire */
     fh_gemm_cache **gemm_cache;  /* the context's, for the GEMM providers that keep state */
     fh_gemm_scratch scratch;     /* the convert path's panels (fh_plan.scratch_floats), {NULL, 0} otherwise */

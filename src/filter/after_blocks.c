@@ -79,7 +79,7 @@ static fh_status filtered_dweight_after_blocks(const fh_pass *p)
     const fh_linear *lin = p->in.lin;
     const int64_t n = lin->n, h = lin->hidden, vocab = lin->vocab;
     const int64_t segments = block_segments(p), height = block_segment_rows(p), span = block_span(p);
-    double *v = p->ws.vectors;
+    double *v = p->ws.filter.vectors;
     int any_c = 0;
     for (int64_t k = 0; k < h; k++)
         any_c |= v[TERM_G_ALL_C * h + k] != 0.0;
@@ -90,16 +90,16 @@ static fh_status filtered_dweight_after_blocks(const fh_pass *p)
         terms[terms_count++] = (fh_skipped_term){NULL, p->in.class_weights, NULL, p->in.tf.inv_temperature, NULL, NULL,
                                               v + TERM_G_ALL_C * h};
     if (p->in.plan->tail_estimate && v[TERM_VECTORS * h] > 0.0)
-        terms[terms_count++] = (fh_skipped_term){NULL, NULL, p->ws.tail_columns + vocab, 1.0 / v[TERM_VECTORS * h],
+        terms[terms_count++] = (fh_skipped_term){NULL, NULL, p->ws.filter.tail_columns + vocab, 1.0 / v[TERM_VECTORS * h],
                                               NULL, NULL, v + TERM_G_ALL_TAIL * h};
     int64_t kept = 0;
     for (int64_t j = 0; j < vocab; j++)
-        if (p->ws.used[j])
-            p->ws.kept[kept++] = j;
+        if (p->ws.filter.used[j])
+            p->ws.filter.kept[kept++] = j;
     /* Every column kept: the unfiltered GEMM over every row. */
     fh_status st = kept == vocab ? fh_pass_dweight_by_chunks(p, 0) : FH_OK;
     for (int64_t c0 = 0; c0 < kept && kept < vocab && st == FH_OK; c0 += FH_FILTER_CHUNK) {
-        const int64_t *columns = p->ws.kept + c0;
+        const int64_t *columns = p->ws.filter.kept + c0;
         const int64_t count = min64(FH_FILTER_CHUNK, kept - c0), width = fh_filter_gathered_width(p, count);
         int accumulate = 0;
         for (int64_t i0 = 0; i0 < span && st == FH_OK; i0 += height)
@@ -113,9 +113,9 @@ static fh_status filtered_dweight_after_blocks(const fh_pass *p)
     }
     for (int64_t j0 = 0; j0 < vocab && st == FH_OK;) {
         int64_t j1 = j0 + 1;
-        while (j1 < vocab && p->ws.used[j1] == p->ws.used[j0])
+        while (j1 < vocab && p->ws.filter.used[j1] == p->ws.filter.used[j0])
             j1++;
-        if (!p->ws.used[j0])
+        if (!p->ws.filter.used[j0])
             fh_skipped_dweight_columns(p, j0, j1, terms, terms_count);
         j0 = j1;
     }

@@ -29,7 +29,7 @@ static double row_scale(const fh_coef *k)
 static uint8_t *thread_marks(const fh_pass *p, int segment)
 {
     const int64_t cols = p->in.plan->tile_vocab;
-    return p->ws.marks + ((int64_t)segment * p->in.plan->threads + omp_get_thread_num()) * cols;
+    return p->ws.filter.marks + ((int64_t)segment * p->in.plan->threads + omp_get_thread_num()) * cols;
 }
 
 /* The calling thread's profile of segment `segment` for the tail estimate: the magnitudes of its rows' entries
@@ -37,7 +37,7 @@ static uint8_t *thread_marks(const fh_pass *p, int segment)
 static float *thread_profile(const fh_pass *p, int segment)
 {
     const int64_t cols = p->in.plan->tile_vocab;
-    return p->ws.tail_nu + ((int64_t)segment * p->in.plan->threads + omp_get_thread_num()) * cols;
+    return p->ws.filter.tail_nu + ((int64_t)segment * p->in.plan->threads + omp_get_thread_num()) * cols;
 }
 
 /* Overwrites row tile_row (transformed logits, or their exps with coef->p_scale; columns of the tile's class weights
@@ -52,10 +52,10 @@ void fh_filter_row_gradient(const fh_pass *p, float *row, int64_t tile_row, int 
     const int tail = p->in.plan->tail_estimate;
     const double threshold = p->in.plan->filter_eps * row_scale(k);
     fh_row_marking marking = {0.0f, 0.0f, NULL, NULL, 0.0};
-    ws->row_c[tile_row] = k->c;
+    ws->filter.row_c[tile_row] = k->c;
     if (tail) {
-        ws->tail_rows[tile_row] = 0.0;
-        ws->row_least[tile_row] = 0.0f;
+        ws->filter.tail_rows[tile_row] = 0.0;
+        ws->filter.row_least[tile_row] = 0.0f;
     }
     if (threshold > 0.0) {
         /* The least float >= threshold: |dU| < threshold in double is |dU| < it in float. */
@@ -70,8 +70,8 @@ void fh_filter_row_gradient(const fh_pass *p, float *row, int64_t tile_row, int 
     if (!marking.marks)
         return;
     if (tail) {
-        ws->row_least[tile_row] = marking.threshold;
-        ws->tail_rows[tile_row] = marking.tail;
+        ws->filter.row_least[tile_row] = marking.threshold;
+        ws->filter.tail_rows[tile_row] = marking.tail;
     }
     if (target >= 0 && target < vb)
         marking.marks[target] = 1;
@@ -83,7 +83,7 @@ static int64_t keep_columns(const fh_pass *p, int segment, int64_t vb, int unfil
 {
     const int64_t cols = p->in.plan->tile_vocab;
     const int threads = p->in.plan->threads;
-    uint8_t *marks = p->ws.marks + (int64_t)segment * threads * cols, *keep = p->ws.keep;
+    uint8_t *marks = p->ws.filter.marks + (int64_t)segment * threads * cols, *keep = p->ws.filter.keep;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t j = 0; j < vb; j++) {
         uint8_t kept = (uint8_t)unfiltered;
@@ -96,7 +96,7 @@ static int64_t keep_columns(const fh_pass *p, int segment, int64_t vb, int unfil
     int64_t count = 0;
     for (int64_t j = 0; j < vb; j++)
         if (keep[j])
-            p->ws.kept[count++] = j;
+            p->ws.filter.kept[count++] = j;
     return count;
 }
 
@@ -108,7 +108,7 @@ static double tail_profile(const fh_pass *p, int segment, int64_t vb)
     const fh_workspace *ws = &p->ws;
     const int threads = p->in.plan->threads;
     const int64_t cols = p->in.plan->tile_vocab;
-    float *profiles = ws->tail_nu + (int64_t)segment * threads * cols;
+    float *profiles = ws->filter.tail_nu + (int64_t)segment * threads * cols;
     double total = 0.0;
 #pragma omp parallel num_threads(threads) reduction(+ : total)
     {
@@ -120,8 +120,8 @@ static double tail_profile(const fh_pass *p, int segment, int64_t vb)
                 sum += profiles[t * cols + j];
                 profiles[t * cols + j] = 0.0f;
             }
-            ws->tail_columns[j] = ws->keep[j] ? 0.0 : sum;
-            total += ws->tail_columns[j];
+            ws->filter.tail_columns[j] = ws->filter.keep[j] ? 0.0 : sum;
+            total += ws->filter.tail_columns[j];
         }
     }
     return total;
@@ -140,11 +140,11 @@ fh_status fh_filter_gradients(const fh_pass *p, int segment, int64_t tile_row, i
     const int after = p->sinks.dweight == FH_DWEIGHT_AFTER_BLOCKS;
     int any_c = 0;
     for (int64_t r = 0; r < nb; r++)
-        any_c |= ws->row_c[tile_row + r] != 0.0;
+        any_c |= ws->filter.row_c[tile_row + r] != 0.0;
     const int unfiltered = any_c && p->in.tf.softcap > 0.0f; /* c w is not rank one under a softcap */
     const int64_t kept = keep_columns(p, segment, vb, unfiltered), skipped_columns = vb - kept;
     for (int64_t c = 0; after && c < kept; c++)
-        ws->used[ws->kept[c]] = 1; /* the dweight GEMM after the blocks needs this column */
+        ws->filter.used[ws->filter.kept[c]] = 1; /* the dweight GEMM after the blocks needs this column */
     const int gemms = (grads->dx != NULL) + (grads->dweight && !after);
     ws->filter_stats->gradient_flops += 2.0 * (double)nb * (double)h * (double)vb * gemms;
     ws->filter_stats->skipped_flops += 2.0 * (double)nb * (double)h * (double)skipped_columns * gemms;
@@ -156,15 +156,15 @@ fh_status fh_filter_gradients(const fh_pass *p, int segment, int64_t tile_row, i
         fh_copy_x_rows(p, i0, nb);
     const fh_status st = kept == vb ? fh_filter_all_kept_gemms(p, tile_row, i0, nb, v0, vb)
                                     : fh_filter_kept_gemms(p, tile_row, i0, nb, v0, vb, kept, 1);
-    double *v = ws->vectors;
+    double *v = ws->filter.vectors;
     fh_skipped_term terms[2];
     int count = 0;
     if (any_c)
-        terms[count++] = (fh_skipped_term){ws->row_c + tile_row, p->in.class_weights ? p->in.class_weights + v0 : NULL, NULL,
+        terms[count++] = (fh_skipped_term){ws->filter.row_c + tile_row, p->in.class_weights ? p->in.class_weights + v0 : NULL, NULL,
                                         p->in.tf.inv_temperature, v + TERM_S_C * h, v + TERM_G_C * h,
                                         v + TERM_G_ALL_C * h};
     if (tail_total > 0.0)
-        terms[count++] = (fh_skipped_term){ws->tail_rows + tile_row, NULL, ws->tail_columns, 1.0 / tail_total,
+        terms[count++] = (fh_skipped_term){ws->filter.tail_rows + tile_row, NULL, ws->filter.tail_columns, 1.0 / tail_total,
                                         v + TERM_S_TAIL * h, v + TERM_G_TAIL * h, v + TERM_G_ALL_TAIL * h};
     if (st != FH_OK || count == 0)
         return st;
@@ -173,9 +173,9 @@ fh_status fh_filter_gradients(const fh_pass *p, int segment, int64_t tile_row, i
         for (int t = 0; t < count; t++)
             fh_weighted_rows(p, terms[t].rows, i0, nb, 1, terms[t].g_all);
         if (tail_total > 0.0) {
-            double *total = ws->tail_columns + p->in.plan->tile_vocab; /* every block's (tile_vocab = vocab = vb) */
+            double *total = ws->filter.tail_columns + p->in.plan->tile_vocab; /* every block's (tile_vocab = vocab = vb) */
             for (int64_t j = 0; j < vb; j++)
-                total[j] += ws->tail_columns[j];
+                total[j] += ws->filter.tail_columns[j];
             v[TERM_VECTORS * h] += tail_total;
         }
     }
@@ -208,13 +208,13 @@ void fh_filter_begin(const fh_pass *p)
 {
     const fh_linear *lin = p->in.lin;
     const fh_linear_grads *grads = p->in.grads;
-    memset(p->ws.marks, 0, 2 * (size_t)p->in.plan->threads * (size_t)p->in.plan->tile_vocab);
-    memset(p->ws.used, 0, (size_t)p->in.plan->tile_vocab);
-    memset(p->ws.vectors, 0, (TERM_VECTORS * (size_t)lin->hidden + 1) * sizeof(double));
+    memset(p->ws.filter.marks, 0, 2 * (size_t)p->in.plan->threads * (size_t)p->in.plan->tile_vocab);
+    memset(p->ws.filter.used, 0, (size_t)p->in.plan->tile_vocab);
+    memset(p->ws.filter.vectors, 0, (TERM_VECTORS * (size_t)lin->hidden + 1) * sizeof(double));
     if (p->in.plan->tail_estimate) {
-        memset(p->ws.tail_nu, 0, 2 * (size_t)p->in.plan->threads * (size_t)p->in.plan->tile_vocab * sizeof(float));
+        memset(p->ws.filter.tail_nu, 0, 2 * (size_t)p->in.plan->threads * (size_t)p->in.plan->tile_vocab * sizeof(float));
         if (p->sinks.dweight == FH_DWEIGHT_AFTER_BLOCKS)
-            memset(p->ws.tail_columns + p->in.plan->tile_vocab, 0, (size_t)p->in.plan->tile_vocab * sizeof(double));
+            memset(p->ws.filter.tail_columns + p->in.plan->tile_vocab, 0, (size_t)p->in.plan->tile_vocab * sizeof(double));
     }
     if (!grads->dx || p->in.plan->row_blocks)
         return;
@@ -229,7 +229,7 @@ void fh_filter_begin(const fh_pass *p)
  * a run of them at a time. */
 void fh_filter_finish_columns(const fh_pass *p, int64_t v0, int64_t vb)
 {
-    const uint8_t *used = p->ws.used;
+    const uint8_t *used = p->ws.filter.used;
     int64_t stride_k, stride_j;
     fh_dw_strides(p, vb, &stride_k, &stride_j);
     for (int64_t j0 = 0; j0 < vb && p->sinks.dw_overwrites;) {
@@ -240,7 +240,7 @@ void fh_filter_finish_columns(const fh_pass *p, int64_t v0, int64_t vb)
             fh_zero_columns(p, (char *)fh_dw_f32(p, 0, 0, v0, vb), sizeof(float), stride_k, stride_j, j0, j1);
         j0 = j1;
     }
-    memset(p->ws.used, 0, (size_t)vb);
+    memset(p->ws.filter.used, 0, (size_t)vb);
 }
 
 /* A filtered row block's dx rows (segment at i0): zeroed before its GEMMs and terms add into them (the f32

@@ -31,7 +31,7 @@ static fh_elem_type du_type(const fh_pass *p)
 static fh_status gathered_dx(const fh_pass *p, int prepare, int64_t i0, int64_t nb, int64_t width,
                              const fh_gemm_input *du)
 {
-    const fh_gemm_input wt = view(p->ws.gathered_w, du_type(p), 0, p->in.lin->hidden, 1);
+    const fh_gemm_input wt = view(p->ws.filter.gathered_w, du_type(p), 0, p->in.lin->hidden, 1);
     return fh_pass_dx_product(p, prepare, i0, nb, width, du, &wt, 1);
 }
 
@@ -39,7 +39,7 @@ static fh_status gathered_dx(const fh_pass *p, int prepare, int64_t i0, int64_t 
  * order. */
 float *fh_gathered_dw_at(const fh_pass *p, int64_t k, int64_t c, int64_t width)
 {
-    return p->ws.gathered_dw + (p->sinks.by_vocab ? k * width + c : c * p->in.lin->hidden + k);
+    return p->ws.filter.gathered_dw + (p->sinks.by_vocab ? k * width + c : c * p->in.lin->hidden + k);
 }
 
 /* gathered_dw (+)= X[i0:i0+nb, :]^T times the kept dU. */
@@ -48,7 +48,7 @@ fh_status fh_filter_gathered_dweight(const fh_pass *p, int prepare, int64_t i0, 
 {
     const fh_gemm_input xt = fh_pass_x_transposed(p, i0);
     const int by_vocab = p->sinks.by_vocab;
-    const fh_gemm_output dw = f32_output(p->ws.gathered_dw, by_vocab ? width : 1, by_vocab ? 1 : p->in.lin->hidden);
+    const fh_gemm_output dw = f32_output(p->ws.filter.gathered_dw, by_vocab ? width : 1, by_vocab ? 1 : p->in.lin->hidden);
     return fh_pass_multiply(p, prepare, p->in.lin->hidden, width, nb, &xt, du, accumulate, &dw);
 }
 
@@ -59,7 +59,7 @@ fh_status fh_filter_prepare(const fh_pass *p, int64_t nb)
     fh_status st = FH_OK;
     for (int64_t width = fh_filter_gathered_width(p, 1); p->in.plan->bf16_du && width <= FH_FILTER_CHUNK && st == FH_OK;
          width *= 2) {
-        const fh_gemm_input du = view(p->ws.gathered_du, FH_ELEM_BF16, 0, width, 1);
+        const fh_gemm_input du = view(p->ws.filter.gathered_du, FH_ELEM_BF16, 0, width, 1);
         if (grads->dx)
             st = gathered_dx(p, 1, 0, nb, width, &du);
         /* After bf16 row blocks, dweight's chunks add up the row blocks' products. */
@@ -77,13 +77,13 @@ fh_gemm_input fh_filter_gather_du(const fh_pass *p, const uint16_t *du, int64_t 
 {
 #pragma omp parallel for num_threads(p->in.plan->threads) schedule(static)
     for (int64_t r = 0; r < nb; r++) {
-        uint16_t *dst = (uint16_t *)p->ws.gathered_du + r * width;
+        uint16_t *dst = (uint16_t *)p->ws.filter.gathered_du + r * width;
         const uint16_t *src = du + r * vb;
         for (int64_t c = 0; c < count; c++)
             dst[c] = src[columns[c]];
         memset(dst + count, 0, (size_t)(width - count) * sizeof *dst);
     }
-    return view(p->ws.gathered_du, FH_ELEM_BF16, 0, width, 1);
+    return view(p->ws.filter.gathered_du, FH_ELEM_BF16, 0, width, 1);
 }
 
 /* The tail estimate's row sums count every entry of a row below its threshold (gradient_and_marks); those of its kept
@@ -94,7 +94,7 @@ typedef struct row_tail {
 
 static row_tail row_tail_of(const fh_pass *p, int64_t tile_row)
 {
-    const row_tail t = {p->ws.row_least[tile_row], (float)(p->ws.row_c[tile_row] * p->in.tf.inv_temperature)};
+    const row_tail t = {p->ws.filter.row_least[tile_row], (float)(p->ws.filter.row_c[tile_row] * p->in.tf.inv_temperature)};
     return t;
 }
 
@@ -111,9 +111,9 @@ void fh_filter_compact_rows(const fh_pass *p, int64_t tile_row, int64_t nb, int6
         const row_tail t = tail ? row_tail_of(p, tile_row + r) : (row_tail){0.0f, 0.0f};
         float *row = p->ws.tile + (tile_row + r) * vb;
         const float *next = r + 1 < nb ? row + vb : NULL;
-        const double share = fh_row_compact(row, p->ws.kept, kept, move, t.least, t.c, weights, next);
+        const double share = fh_row_compact(row, p->ws.filter.kept, kept, move, t.least, t.c, weights, next);
         if (tail)
-            p->ws.tail_rows[tile_row + r] -= share;
+            p->ws.filter.tail_rows[tile_row + r] -= share;
     }
 }
 
@@ -125,21 +125,21 @@ static void gather_weight(const fh_pass *p, int64_t v0, int64_t vb, const int64_
     const fh_linear *lin = p->in.lin;
     const int64_t h = lin->hidden;
     const size_t row_bytes = (size_t)h * elem_size(du_type(p));
-    memset((char *)p->ws.gathered_w + (size_t)count * row_bytes, 0, (size_t)(width - count) * row_bytes);
+    memset((char *)p->ws.filter.gathered_w + (size_t)count * row_bytes, 0, (size_t)(width - count) * row_bytes);
 #pragma omp parallel for num_threads(p->in.plan->threads) schedule(static)
     for (int64_t c = 0; c < count; c++) {
         const int64_t j = columns[c];
         if (p->in.plan->bf16_du) {
-            uint16_t *dst = (uint16_t *)p->ws.gathered_w + c * h;
+            uint16_t *dst = (uint16_t *)p->ws.filter.gathered_w + c * h;
             const uint16_t *src = (const uint16_t *)lin->weight + (v0 + j) * lin->w_stride_vocab;
             for (int64_t k = 0; k < h; k++)
                 dst[k] = src[k * lin->w_stride_hidden];
         } else if (p->in.plan->fp32_dz) {
-            float *dst = (float *)p->ws.gathered_w + c * h;
+            float *dst = (float *)p->ws.filter.gathered_w + c * h;
             for (int64_t k = 0; k < h; k++)
                 dst[k] = p->ws.w32[k * vb + j];
         } else {
-            float *dst = (float *)p->ws.gathered_w + c * h;
+            float *dst = (float *)p->ws.filter.gathered_w + c * h;
             const float *src = (const float *)lin->weight + (v0 + j) * lin->w_stride_vocab;
             for (int64_t k = 0; k < h; k++)
                 dst[k] = src[k * lin->w_stride_hidden];
@@ -151,7 +151,7 @@ static void gather_weight(const fh_pass *p, int64_t v0, int64_t vb, const int64_
 static void dw_add(const fh_pass *p, int64_t k, int64_t j, int64_t v0, int64_t vb, float value)
 {
     float *d = fh_dw_f32(p, k, j, v0, vb);
-    *d = p->ws.used[j] || !p->sinks.dw_overwrites ? *d + value : value;
+    *d = p->ws.filter.used[j] || !p->sinks.dw_overwrites ? *d + value : value;
 }
 
 /* dweight's kept columns += gathered_dw (columns[0..count) of the tile of width `width`), along dweight's
@@ -172,7 +172,7 @@ static void scatter_dweight(const fh_pass *p, int64_t v0, int64_t vb, const int6
                 dw_add(p, k, columns[c], v0, vb, *fh_gathered_dw_at(p, k, c, width));
     }
     for (int64_t c = 0; c < count; c++)
-        p->ws.used[columns[c]] = 1;
+        p->ws.filter.used[columns[c]] = 1;
 }
 
 /* The dx (with_dx) and (unless after the blocks) dweight GEMMs of the kept columns of a tile's rows, a chunk at a
@@ -185,7 +185,7 @@ fh_status fh_filter_kept_gemms(const fh_pass *p, int64_t tile_row, int64_t i0, i
         fh_filter_compact_rows(p, tile_row, nb, vb, kept, p->in.class_weights ? p->in.class_weights + v0 : NULL, 1);
     fh_status st = FH_OK;
     for (int64_t c0 = 0; c0 < kept && st == FH_OK; c0 += FH_FILTER_CHUNK) {
-        const int64_t *columns = p->ws.kept + c0;
+        const int64_t *columns = p->ws.filter.kept + c0;
         const int64_t count = min64(FH_FILTER_CHUNK, kept - c0), width = fh_filter_gathered_width(p, count);
         const fh_gemm_input du = p->in.plan->bf16_du
                                      ? fh_filter_gather_du(p, p->ws.du + (p->in.plan->row_blocks ? i0 : tile_row) * vb, vb, nb,
@@ -214,10 +214,10 @@ fh_status fh_filter_all_kept_gemms(const fh_pass *p, int64_t tile_row, int64_t i
         return st;
     int64_t used = 0;
     for (int64_t j = 0; j < vb; j++)
-        used += p->ws.used[j];
+        used += p->ws.filter.used[j];
     if (used != 0 && used != vb)
         return fh_filter_kept_gemms(p, tile_row, i0, nb, v0, vb, vb, 0);
     st = fh_pass_add_dweight(p, 0, tile_row, i0, nb, v0, vb, 0, vb, used == vb || !p->sinks.dw_overwrites);
-    memset(p->ws.used, 1, (size_t)vb);
+    memset(p->ws.filter.used, 1, (size_t)vb);
     return st;
 }

@@ -54,8 +54,8 @@ void fh_terms_run(const fh_skipped_term *terms, int count, int64_t k, int64_t j,
 void fh_skipped_weight_sums(const fh_pass *p, int64_t v0, int64_t vb, const fh_skipped_term *terms, int count)
 {
     const fh_linear *lin = p->in.lin;
-    const uint8_t *keep = p->ws.keep;
-    double *factors = p->ws.factors; /* count x vb */
+    const uint8_t *keep = p->ws.filter.keep;
+    double *factors = p->ws.filter.factors; /* count x vb */
     const int hidden_inner = lin->w_stride_hidden <= lin->w_stride_vocab;
     const int bf16 = lin->weight_dtype == FH_DTYPE_BF16;
 #pragma omp parallel num_threads(p->in.plan->threads)
@@ -112,7 +112,7 @@ void fh_skipped_columns_term(const fh_pass *p, int64_t v0, int64_t vb, const fh_
                                  int count)
 {
     const int64_t h = p->in.lin->hidden;
-    const uint8_t *keep = p->ws.keep, *used = p->ws.used;
+    const uint8_t *keep = p->ws.filter.keep, *used = p->ws.filter.used;
     const int overwrites = p->sinks.dw_overwrites;
     float *base = fh_dw_f32(p, 0, 0, v0, vb);
     int64_t stride_k, stride_j;
@@ -135,7 +135,7 @@ void fh_skipped_columns_term(const fh_pass *p, int64_t v0, int64_t vb, const fh_
         }
     }
     for (int64_t j = 0; j < vb; j++)
-        p->ws.used[j] |= !keep[j];
+        p->ws.filter.used[j] |= !keep[j];
 }
 
 /* Zeroes columns [j0, j1) of an H-row matrix of elem_size-byte elements, element (k, j) at
