@@ -359,6 +359,44 @@ FH_API fh_status fh_ce_backward(fh_context *ctx, const fh_linear *lin, const int
     return fh_gemm_failure(ctx, fh_engine_backward(&pass));
 }
 
+/* The call's arguments, for its train step (fh_engine_train_step). */
+typedef struct ce_step {
+    const fh_linear *lin;
+    const int64_t *targets;
+    const fh_ce_options *options;
+    const float *grad_output;
+    fh_ce_outputs *out;
+} ce_step;
+
+static fh_status ce_step_run(const void *self, int row_blocks, const fh_plan plans[2], const fh_workspace ws[2],
+                             const fh_linear_grads *grads)
+{
+    const ce_step *c = self;
+    const fh_ce_head h = fh_ce_head_of(c->lin, c->targets, c->options, c->grad_output);
+    const fh_token_stats stats = fh_ce_stats_in(&ws[0], c->options, c->out);
+    fh_engine_pass pass = fh_ce_pass(&plans[0], &ws[0], c->lin, c->targets, c->options);
+    pass.stats = &stats;
+    pass.grads = grads;
+    if (row_blocks) {
+        const fh_coef_source source = {fh_ce_row_coefs, NULL, &h};
+        pass.source = &source;
+        const fh_status st = fh_engine_row_blocks(&pass);
+        if (st == FH_OK)
+            write_outputs(&h, &stats, c->out);
+        return st;
+    }
+    /* Streaming fallback: forward, then backward from the double lse (it stays in its slot); the pass holds
+     * grads, so the forward prepares the backward's GEMMs too. */
+    const fh_status st = fh_engine_forward(&pass);
+    if (st != FH_OK)
+        return st;
+    double totals[2];
+    const fh_coef_arrays coefs = fh_ce_outputs_and_coefs(&ws[0], &h, &stats, c->out, totals);
+    fh_ce_write_loss(&h, totals, c->out);
+    pass.coefs = &coefs;
+    return fh_engine_backward(&pass);
+}
+
 FH_API fh_status fh_ce_forward_backward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
                                         const fh_ce_options *options, const float *grad_output,
                                         fh_ce_outputs *out, fh_linear_grads *grads)
@@ -370,36 +408,9 @@ FH_API fh_status fh_ce_forward_backward(fh_context *ctx, const fh_linear *lin, c
         st = fh_ce_check_backward_inputs(ctx, lin, options, grad_output, grads);
     if (st == FH_OK)
         st = fh_ce_check_apart(ctx, lin, targets, options, NULL, grad_output, out, grads);
-    fh_plan plan;
-    fh_workspace ws;
-    int row_blocks = 0;
-    if (st == FH_OK)
-        st = fh_plan_train_step(ctx, lin, grads, &plan, &row_blocks, ctx);
-    if (st == FH_OK)
-        st = fh_workspace_acquire(ctx, lin->n, &plan, 1, &ws);
     if (st != FH_OK)
         return st;
-    const fh_ce_head h = fh_ce_head_of(lin, targets, options, grad_output);
-    const fh_token_stats stats = fh_ce_stats_in(&ws, options, out);
-    fh_engine_pass pass = fh_ce_pass(&plan, &ws, lin, targets, options);
-    pass.stats = &stats;
-    pass.grads = grads;
-    if (row_blocks) {
-        const fh_coef_source source = {fh_ce_row_coefs, NULL, &h};
-        pass.source = &source;
-        st = fh_engine_row_blocks(&pass);
-        if (st == FH_OK)
-            write_outputs(&h, &stats, out);
-        return fh_gemm_failure(ctx, st);
-    }
-    /* Streaming fallback: forward, then backward from the double lse (it stays in its slot); the pass holds
-     * grads, so the forward prepares the backward's GEMMs too. */
-    st = fh_engine_forward(&pass);
-    if (st != FH_OK)
-        return fh_gemm_failure(ctx, st);
-    double totals[2];
-    const fh_coef_arrays coefs = fh_ce_outputs_and_coefs(&ws, &h, &stats, out, totals);
-    fh_ce_write_loss(&h, totals, out);
-    pass.coefs = &coefs;
-    return fh_gemm_failure(ctx, fh_engine_backward(&pass));
+    const ce_step step = {lin, targets, options, grad_output, out};
+    const fh_train_step_head head = {1, NULL, 0, ce_step_run, &step};
+    return fh_engine_train_step(ctx, lin, grads, &head);
 }

@@ -385,29 +385,24 @@ FH_API fh_status fh_distill_forward(fh_context *ctx, const fh_linear *student, c
     return fh_gemm_failure(ctx, st);
 }
 
-FH_API fh_status fh_distill_forward_backward(fh_context *ctx, const fh_linear *student, const fh_linear *teacher,
-                                             const int64_t *targets, const fh_distill_options *options,
-                                             const float *grad_output, fh_distill_outputs *out,
-                                             fh_linear_grads *grads)
+/* The call's arguments, for its train step (fh_engine_train_step). */
+typedef struct distill_step {
+    const fh_linear *student, *teacher;
+    const int64_t *targets;
+    const fh_distill_options *options;
+    const float *grad_output;
+    fh_distill_outputs *out;
+} distill_step;
+
+static fh_status distill_step_run(const void *self, int row_blocks, const fh_plan plans[2], const fh_workspace ws[2],
+                                  const fh_linear_grads *grads)
 {
-    fh_status st = check_call(ctx, student, teacher, targets, options, out);
-    if (st == FH_OK)
-        st = check_backward_inputs(ctx, student, options, grad_output, grads);
-    if (st == FH_OK)
-        st = check_apart(ctx, student, teacher, targets, options, grad_output, out, grads);
-    fh_plan plan;
-    fh_workspace ws;
-    int row_blocks = 0;
-    if (st == FH_OK)
-        st = fh_plan_pair_train_step(ctx, student, teacher, grads, &plan, &row_blocks, ctx);
-    if (st == FH_OK)
-        st = fh_workspace_acquire(ctx, student->n, &plan, 1, &ws);
-    if (st != FH_OK)
-        return st;
-    const distill_head h = head_of(&ws, student, targets, options, grad_output);
-    const fh_pair_kernels kernels = kernels_of(&h, teacher);
-    fh_engine_pass pass = pass_of(&plan, &ws, student, &kernels);
+    const distill_step *c = self;
+    const distill_head h = head_of(&ws[0], c->student, c->targets, c->options, c->grad_output);
+    const fh_pair_kernels kernels = kernels_of(&h, c->teacher);
+    fh_engine_pass pass = pass_of(&plans[0], &ws[0], c->student, &kernels);
     pass.grads = grads;
+    fh_status st;
     if (row_blocks)
         st = fh_engine_row_blocks(&pass);
     else {
@@ -418,8 +413,25 @@ FH_API fh_status fh_distill_forward_backward(fh_context *ctx, const fh_linear *s
             st = fh_engine_backward(&pass);
     }
     if (st == FH_OK)
-        write_outputs(&h, student->n, out);
-    return fh_gemm_failure(ctx, st);
+        write_outputs(&h, c->student->n, c->out);
+    return st;
+}
+
+FH_API fh_status fh_distill_forward_backward(fh_context *ctx, const fh_linear *student, const fh_linear *teacher,
+                                             const int64_t *targets, const fh_distill_options *options,
+                                             const float *grad_output, fh_distill_outputs *out,
+                                             fh_linear_grads *grads)
+{
+    fh_status st = check_call(ctx, student, teacher, targets, options, out);
+    if (st == FH_OK)
+        st = check_backward_inputs(ctx, student, options, grad_output, grads);
+    if (st == FH_OK)
+        st = check_apart(ctx, student, teacher, targets, options, grad_output, out, grads);
+    if (st != FH_OK)
+        return st;
+    const distill_step step = {student, teacher, targets, options, grad_output, out};
+    const fh_train_step_head head = {1, teacher, 0, distill_step_run, &step};
+    return fh_engine_train_step(ctx, student, grads, &head);
 }
 
 FH_API fh_status fh_distill_workspace_size(const fh_context *ctx, const fh_linear *student,

@@ -588,6 +588,32 @@ static fh_status sequence_block_step(const fh_plan *plan, const fh_workspace *ws
     return FH_OK;
 }
 
+/* The call's arguments, for its train step (fh_engine_train_step). */
+typedef struct grpo_step {
+    const fh_linear *lin;
+    const fh_grpo_batch *batch;
+    const fh_grpo_options *options;
+    double grad;
+    fh_grpo_outputs *out;
+} grpo_step;
+
+static fh_status grpo_step_run(const void *self, int row_blocks, const fh_plan plans[2], const fh_workspace ws[2],
+                               const fh_linear_grads *grads)
+{
+    const grpo_step *c = self;
+    if (row_blocks)
+        return sequence_block_step(&plans[0], &ws[0], c->lin, c->batch, c->options, c->grad, grads, c->out);
+    fh_status st = prepare_backward(&plans[1], &ws[1], c->lin, c->batch, c->options, grads);
+    if (st == FH_OK)
+        st = forward_pass(&plans[0], &ws[0], c->lin, c->batch, c->options);
+    if (st == FH_OK)
+        st = backward_pass(&plans[1], &ws[1], c->lin, c->batch, c->options, c->grad, grads, c->out);
+    /* Written after the backward has read old_per_token_logps, which per_token_logp may replace (the slots hold). */
+    if (st == FH_OK)
+        fh_grpo_write_outputs(&ws[0], c->lin->n, c->out);
+    return st;
+}
+
 FH_API fh_status fh_grpo_forward_backward(fh_context *ctx, const fh_linear *lin, const fh_grpo_batch *batch,
                                           const fh_grpo_options *options, const float *grad_output,
                                           fh_grpo_outputs *out, fh_linear_grads *grads)
@@ -601,29 +627,9 @@ FH_API fh_status fh_grpo_forward_backward(fh_context *ctx, const fh_linear *lin,
         st = fh_check_grads(ctx, lin, grads);
     if (st == FH_OK)
         st = fh_grpo_check_apart(ctx, lin, batch, NULL, NULL, NULL, grad_output, out, grads);
-    fh_plan plans[2];
-    fh_workspace ws[2];
-    int row_blocks = 0;
-    if (st == FH_OK)
-        st = fh_plan_train_step_groups(ctx, lin, grads, batch->seq, &plans[0], &row_blocks);
-    if (st == FH_OK && row_blocks) {
-        st = fh_workspace_acquire(ctx, lin->n, &plans[0], 1, &ws[0]);
-        return st == FH_OK ? fh_gemm_failure(ctx, sequence_block_step(&plans[0], &ws[0], lin, batch, options,
-                                                                      grad_output[0], grads, out))
-                           : st;
-    }
-    if (st == FH_OK)
-        st = fh_prepare_streaming(ctx, lin, plans, ws);
     if (st != FH_OK)
         return st;
-    st = prepare_backward(&plans[1], &ws[1], lin, batch, options, grads);
-    if (st == FH_OK)
-        st = forward_pass(&plans[0], &ws[0], lin, batch, options);
-    if (st != FH_OK)
-        return fh_gemm_failure(ctx, st);
-    st = backward_pass(&plans[1], &ws[1], lin, batch, options, grad_output[0], grads, out);
-    /* Written after the backward has read old_per_token_logps, which per_token_logp may replace (the slots hold). */
-    if (st == FH_OK)
-        fh_grpo_write_outputs(&ws[0], lin->n, out);
-    return fh_gemm_failure(ctx, st);
+    const grpo_step step = {lin, batch, options, grad_output[0], out};
+    const fh_train_step_head head = {batch->seq, NULL, 1, grpo_step_run, &step};
+    return fh_engine_train_step(ctx, lin, grads, &head);
 }

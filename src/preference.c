@@ -507,6 +507,27 @@ static fh_status streaming_step(const fh_plan plans[2], const fh_workspace ws[2]
     return fh_engine_backward(&pass);
 }
 
+/* The call's arguments, for its train step (fh_engine_train_step). */
+typedef struct preference_step {
+    const fh_linear *lin;
+    const fh_preference_batch *batch;
+    const fh_preference_options *options;
+    double grad;
+    fh_preference_outputs *out;
+} preference_step;
+
+static fh_status preference_step_run(const void *self, int row_blocks, const fh_plan plans[2],
+                                     const fh_workspace ws[2], const fh_linear_grads *grads)
+{
+    const preference_step *c = self;
+    const head h = head_in(&ws[0], c->batch, c->options);
+    const fh_status st = row_blocks ? pair_block_step(&plans[0], &ws[0], c->lin, &h, c->grad, grads, c->out)
+                                    : streaming_step(plans, ws, c->lin, &h, c->grad, grads, c->out);
+    if (st == FH_OK)
+        head_finish(&h, c->lin->vocab, c->out);
+    return st;
+}
+
 FH_API fh_status fh_preference_forward_backward(fh_context *ctx, const fh_linear *lin,
                                                 const fh_preference_batch *batch,
                                                 const fh_preference_options *options, const float *grad_output,
@@ -521,21 +542,9 @@ FH_API fh_status fh_preference_forward_backward(fh_context *ctx, const fh_linear
         st = fh_check_grads(ctx, lin, grads);
     if (st == FH_OK)
         st = check_apart(ctx, lin, batch, grad_output, out, grads);
-    fh_plan plans[2];
-    fh_workspace ws[2];
-    int row_blocks = 0;
-    if (st == FH_OK)
-        st = fh_plan_train_step_groups(ctx, lin, grads, 2 * batch->seq, &plans[0], &row_blocks);
-    if (st == FH_OK)
-        st = row_blocks ? fh_workspace_acquire(ctx, lin->n, &plans[0], 1, &ws[0])
-                        : fh_prepare_streaming(ctx, lin, plans, ws);
     if (st != FH_OK)
         return st;
-    const head h = head_in(&ws[0], batch, options);
-    st = row_blocks ? pair_block_step(&plans[0], &ws[0], lin, &h, grad_output[0], grads, out)
-                    : streaming_step(plans, ws, lin, &h, grad_output[0], grads, out);
-    if (st != FH_OK)
-        return fh_gemm_failure(ctx, st);
-    head_finish(&h, lin->vocab, out);
-    return FH_OK;
+    const preference_step step = {lin, batch, options, grad_output[0], out};
+    const fh_train_step_head step_head = {2 * batch->seq, NULL, 1, preference_step_run, &step};
+    return fh_engine_train_step(ctx, lin, grads, &step_head);
 }

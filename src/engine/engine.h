@@ -105,4 +105,23 @@ fh_status fh_engine_backward(const fh_engine_pass *p);
  * the logits block and dU chunks holds those). */
 fh_status fh_engine_row_blocks(const fh_engine_pass *p);
 
+/* A head's part of the single-call train step (fh_engine_train_step). */
+typedef struct fh_train_step_head {
+    int64_t group_rows;         /* rows a row block keeps together (a sequence, a preference pair); 1: any */
+    const fh_linear *companion; /* the second head of a pair (fh_pair_kernels), or NULL */
+    int forward_plan;           /* the streaming fallback runs its forward on a plan of its own (fh_plan_streaming)
+                                   rather than on the backward's */
+    /* The step itself, on the plans and workspaces made for it: with row_blocks, one pass over row blocks on
+     * plans[0] and ws[0]; else the streaming fallback, the forward on plans[0] and ws[0], the backward on plans[1] and
+     * ws[1] (the same plan and workspace without forward_plan). A GEMM failure it returns is reported on ctx. */
+    fh_status (*run)(const void *self, int row_blocks, const fh_plan plans[2], const fh_workspace ws[2],
+                     const fh_linear_grads *grads);
+    const void *self;
+} fh_train_step_head;
+
+/* The choreography every head's single-call train step shares, once its checks have passed: the train step's plan
+ * (row blocks of whole groups, with a companion's tile, or the streaming fallback), the workspace, then head->run. */
+fh_status fh_engine_train_step(fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
+                               const fh_train_step_head *head);
+
 #endif

@@ -1,0 +1,27 @@
+/* The single-call train step's plan and workspace, the same for every head (engine.h). */
+#include "engine.h"
+
+fh_status fh_engine_train_step(fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
+                               const fh_train_step_head *head)
+{
+    fh_plan plans[2];
+    fh_workspace ws[2];
+    int row_blocks = 0;
+    fh_status st = head->companion ? fh_plan_pair_train_step(ctx, lin, head->companion, grads, &plans[0], &row_blocks,
+                                                             ctx)
+                   : head->group_rows > 1
+                       ? fh_plan_train_step_groups(ctx, lin, grads, head->group_rows, &plans[0], &row_blocks)
+                       : fh_plan_train_step(ctx, lin, grads, &plans[0], &row_blocks, ctx);
+    if (st != FH_OK)
+        return st;
+    if (row_blocks || !head->forward_plan) {
+        st = fh_workspace_acquire(ctx, lin->n, &plans[0], 1, &ws[0]);
+        plans[1] = plans[0];
+        ws[1] = ws[0];
+    } else {
+        st = fh_prepare_streaming(ctx, lin, plans, ws);
+    }
+    if (st != FH_OK)
+        return st;
+    return fh_gemm_failure(ctx, head->run(head->self, row_blocks, plans, ws, grads));
+}
