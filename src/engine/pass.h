@@ -100,6 +100,44 @@ static inline int64_t block_span(const fh_pass *p)
 }
 
 /* ---- sinks.c ---- */
+
+/* One run of a walk over an H-row matrix (fh_walk): `length` elements from (k, j), along the vocabulary (columns
+ * j + e, or with a column list columns[c + e]) or down hidden (rows k + e of column j, list entry c). */
+typedef struct fh_run {
+    int64_t k, j, c, length;
+    int along_vocab;
+    const int64_t *columns;
+} fh_run;
+
+static inline int64_t fh_run_k(const fh_run *run, int64_t e)
+{
+    return run->along_vocab ? run->k : run->k + e;
+}
+
+static inline int64_t fh_run_j(const fh_run *run, int64_t e)
+{
+    return !run->along_vocab ? run->j : run->columns ? run->columns[run->c + e] : run->j + e;
+}
+
+/* The list entry of element e (with a column list). */
+static inline int64_t fh_run_c(const fh_run *run, int64_t e)
+{
+    return run->along_vocab ? run->c + e : run->c;
+}
+
+typedef void fh_run_fn(const void *self, const fh_run *run);
+
+/* Walks columns j0 .. j0 + count - 1 (or, with columns, the list columns[0..count)) of every row k < hidden of a
+ * matrix whose contiguous direction is the vocabulary (along_vocab: a run per row) or hidden (a run per column), the
+ * runs spread over threads: every walk over dweight, its accumulator or filtering's chunks reads and writes in order
+ * through this. body is called concurrently for different runs. */
+void fh_walk(int threads, int64_t hidden, int along_vocab, int64_t j0, int64_t count, const int64_t *columns,
+             fh_run_fn *body, const void *self);
+
+/* out[e step] (+ itself when accumulate) = values[e] for e < count, in out's dtype: f32 added in f32, bf16 rounded
+ * once (a contiguous run through the rounding kernel). The one store into a gradient that honours beta and bf16. */
+void fh_store(void *out, fh_dtype dtype, int64_t step, const float *values, int64_t count, int accumulate);
+
 int64_t fh_du_chunk(const fh_pass *p, int64_t vb);
 uint16_t *fh_du_chunk_at(const fh_pass *p, int64_t c);
 fh_gemm_input fh_du_view(const fh_pass *p, int64_t tile_row, int64_t i0, int64_t vb, int64_t j0);

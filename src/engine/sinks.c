@@ -100,3 +100,32 @@ void fh_dw_strides(const fh_pass *p, int64_t vb, int64_t *stride_k, int64_t *str
     *stride_k = accumulator ? (by_vocab ? vb : 1) : lin->w_stride_hidden;
     *stride_j = accumulator ? (by_vocab ? 1 : lin->hidden) : lin->w_stride_vocab;
 }
+
+void fh_walk(int threads, int64_t hidden, int along_vocab, int64_t j0, int64_t count, const int64_t *columns,
+             fh_run_fn *body, const void *self)
+{
+    (void)threads; /* read by OpenMP only (the fuzz build has none) */
+    const int64_t runs = along_vocab ? hidden : count;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < runs; r++) {
+        const fh_run run = along_vocab ? (fh_run){r, j0, 0, count, 1, columns}
+                                       : (fh_run){0, columns ? columns[r] : j0 + r, r, hidden, 0, columns};
+        body(self, &run);
+    }
+}
+
+void fh_store(void *out, fh_dtype dtype, int64_t step, const float *values, int64_t count, int accumulate)
+{
+    if (dtype == FH_DTYPE_BF16 && step == 1) {
+        fh_row_add_to_bf16(values, count, accumulate, out);
+        return;
+    }
+    for (int64_t e = 0; e < count; e++) {
+        if (dtype == FH_DTYPE_BF16) {
+            fh_row_add_to_bf16(values + e, 1, accumulate, (uint16_t *)out + e * step);
+        } else {
+            float *d = (float *)out + e * step;
+            *d = accumulate ? *d + values[e] : values[e];
+        }
+    }
+}

@@ -10,22 +10,27 @@
 
 /* The f32 accumulators of a streaming pass rounded into bf16 gradients: dweight's tile (v0, vb) after its
  * last row tile, dx after the last vocabulary tile. */
+typedef struct dweight_tile {
+    const fh_pass *p;
+    int64_t v0, vb;
+} dweight_tile;
+
+/* One run of dw_acc (laid out as dweight runs) rounded into dweight. */
+static void round_dweight_run(const void *self, const fh_run *run)
+{
+    const dweight_tile *t = self;
+    const fh_linear *lin = t->p->in.lin;
+    const fh_linear_grads *grads = t->p->in.grads;
+    const float *acc = t->p->ws.dw_acc + (run->along_vocab ? run->k * t->vb + run->j : run->j * lin->hidden + run->k);
+    uint16_t *out = (uint16_t *)grads->dweight + (t->v0 + run->j) * lin->w_stride_vocab + run->k * lin->w_stride_hidden;
+    fh_store(out, FH_DTYPE_BF16, run->along_vocab ? lin->w_stride_vocab : lin->w_stride_hidden, acc, run->length,
+             grads->dweight_beta != 0.0f);
+}
+
 static void finish_dweight_tile(const fh_pass *p, int64_t v0, int64_t vb)
 {
-    const fh_linear *lin = p->in.lin;
-    const int accumulate = p->in.grads->dweight_beta != 0.0f;
-    uint16_t *out = (uint16_t *)p->in.grads->dweight + v0 * lin->w_stride_vocab;
-    const int64_t h = lin->hidden;
-    const int by_vocab = p->sinks.by_vocab;
-    if (lin->w_stride_vocab == 1) /* acc H x vb row-major; out rows along the vocabulary */
-        fh_round_into_bf16(p->ws.dw_acc, vb, out, lin->w_stride_hidden, h, vb, accumulate, p->in.plan->threads);
-    else if (lin->w_stride_hidden == 1) /* acc column-major; out rows along hidden */
-        fh_round_into_bf16(p->ws.dw_acc, h, out, lin->w_stride_vocab, vb, h, accumulate, p->in.plan->threads);
-    else /* neither stride is 1: element by element */
-        for (int64_t j = 0; j < vb; j++)
-            for (int64_t k = 0; k < h; k++)
-                fh_row_add_to_bf16(p->ws.dw_acc + (by_vocab ? k * vb + j : j * h + k), 1, accumulate,
-                                   out + j * lin->w_stride_vocab + k * lin->w_stride_hidden);
+    const dweight_tile tile = {p, v0, vb};
+    fh_walk(p->in.plan->threads, p->in.lin->hidden, p->sinks.by_vocab, 0, vb, NULL, round_dweight_run, &tile);
 }
 
 static void finish_dx(const fh_pass *p)

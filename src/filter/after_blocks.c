@@ -2,31 +2,31 @@
  * terms of the columns every block skipped, rounded once. */
 #include "filter_internal.h"
 
-/* dweight's elements at + e step (e < count) (+)= values[e] as beta says, rounded once when bf16 (after bf16 row
- * blocks); a contiguous bf16 run in one call of the rounding kernel. */
-static void store_dweight(const fh_pass *p, int64_t at, int64_t step, const float *values, int64_t count)
+/* The columns every row block skipped: only the terms' column(j) g_all, rounded once, as beta says. */
+typedef struct skipped_columns {
+    const fh_pass *p;
+    const fh_skipped_term *terms;
+    int count;
+} skipped_columns;
+
+static void skipped_run(const void *self, const fh_run *run)
 {
-    const fh_linear_grads *grads = p->in.grads;
-    const int accumulate = grads->dweight_beta != 0.0f;
-    const int bf16 = grads->dweight_dtype == FH_DTYPE_BF16;
-    if (bf16 && step == 1) {
-        fh_row_add_to_bf16(values, count, accumulate, (uint16_t *)grads->dweight + at);
-        return;
-    }
-    for (int64_t e = 0; e < count; e++) {
-        if (bf16) {
-            fh_row_add_to_bf16(values + e, 1, accumulate, (uint16_t *)grads->dweight + at + e * step);
-        } else {
-            float *d = (float *)grads->dweight + at + e * step;
-            *d = accumulate ? *d + values[e] : values[e];
-        }
+    const skipped_columns *sc = self;
+    const fh_linear *lin = sc->p->in.lin;
+    const fh_linear_grads *grads = sc->p->in.grads;
+    const size_t bytes = elem_size(elem_type(grads->dweight_dtype));
+    const int64_t step = run->along_vocab ? lin->w_stride_vocab : lin->w_stride_hidden;
+    float values[TERMS_RUN];
+    for (int64_t e0 = 0; e0 < run->length; e0 += TERMS_RUN) {
+        const int64_t m = min64(TERMS_RUN, run->length - e0), k = fh_run_k(run, e0), j = fh_run_j(run, e0);
+        fh_terms_run(sc->terms, sc->count, k, j, run->along_vocab, m, 1, values);
+        fh_store((char *)grads->dweight + (size_t)(k * lin->w_stride_hidden + j * lin->w_stride_vocab) * bytes,
+                 grads->dweight_dtype, step, values, m, grads->dweight_beta != 0.0f);
     }
 }
 
-/* Columns [j0, j1) of dweight that every row block skipped: only the terms' column(j) g_all (0 without a term),
- * rounded once, as beta says. */
-static void fh_skipped_dweight_columns(const fh_pass *p, int64_t j0, int64_t j1, const fh_skipped_term *terms,
-                                    int count)
+/* Columns [j0, j1) of dweight that every row block skipped: the terms' values (0 without a term). */
+static void skipped_dweight_columns(const fh_pass *p, int64_t j0, int64_t j1, const fh_skipped_term *terms, int count)
 {
     const fh_linear *lin = p->in.lin;
     const fh_linear_grads *grads = p->in.grads;
@@ -34,41 +34,11 @@ static void fh_skipped_dweight_columns(const fh_pass *p, int64_t j0, int64_t j1,
         return;
     if (count == 0) {
         fh_zero_columns(p, grads->dweight, elem_size(elem_type(grads->dweight_dtype)), lin->w_stride_hidden,
-                     lin->w_stride_vocab, j0, j1);
+                        lin->w_stride_vocab, j0, j1);
         return;
     }
-    /* runs along dweight's contiguous direction: each row k over [j0, j1), or each column over H */
-    const int by_vocab = p->sinks.by_vocab;
-    const int64_t runs = by_vocab ? lin->hidden : j1 - j0, length = by_vocab ? j1 - j0 : lin->hidden;
-    const int64_t step = by_vocab ? lin->w_stride_vocab : lin->w_stride_hidden;
-#pragma omp parallel for num_threads(p->in.plan->threads) schedule(static)
-    for (int64_t r = 0; r < runs; r++) {
-        float values[TERMS_RUN];
-        for (int64_t e0 = 0; e0 < length; e0 += TERMS_RUN) {
-            const int64_t m = min64(TERMS_RUN, length - e0), k = by_vocab ? r : e0, j = by_vocab ? j0 + e0 : j0 + r;
-            fh_terms_run(terms, count, k, j, by_vocab, m, 1, values);
-            store_dweight(p, k * lin->w_stride_hidden + j * lin->w_stride_vocab, step, values, m);
-        }
-    }
-}
-
-/* dweight's columns[0..count) (+)= gathered_dw (a chunk of width `width`), as beta says (after bf16 row blocks),
- * along dweight's contiguous direction. */
-void fh_filter_store_gathered_dweight(const fh_pass *p, const int64_t *columns, int64_t count, int64_t width)
-{
-    const fh_linear *lin = p->in.lin;
-    if (p->sinks.by_vocab) { /* the kept columns of a row k are apart */
-#pragma omp parallel for num_threads(p->in.plan->threads) schedule(static)
-        for (int64_t k = 0; k < lin->hidden; k++)
-            for (int64_t c = 0; c < count; c++)
-                store_dweight(p, k * lin->w_stride_hidden + columns[c] * lin->w_stride_vocab, 1,
-                              fh_gathered_dw_at(p, k, c, width), 1);
-    } else {
-#pragma omp parallel for num_threads(p->in.plan->threads) schedule(static)
-        for (int64_t c = 0; c < count; c++)
-            store_dweight(p, columns[c] * lin->w_stride_vocab, lin->w_stride_hidden, fh_gathered_dw_at(p, 0, c, width),
-                          lin->hidden);
-    }
+    const skipped_columns sc = {p, terms, count};
+    fh_walk(p->in.plan->threads, lin->hidden, p->sinks.by_vocab, j0, j1 - j0, NULL, skipped_run, &sc);
 }
 
 /* bf16 row blocks: dweight after the last block, over every row, for the columns that some row block kept (in
@@ -116,7 +86,7 @@ static fh_status filtered_dweight_after_blocks(const fh_pass *p)
         while (j1 < vocab && p->ws.filter.used[j1] == p->ws.filter.used[j0])
             j1++;
         if (!p->ws.filter.used[j0])
-            fh_skipped_dweight_columns(p, j0, j1, terms, terms_count);
+            skipped_dweight_columns(p, j0, j1, terms, terms_count);
         j0 = j1;
     }
     p->ws.filter_stats->gradient_flops += 2.0 * (double)n * (double)h * (double)vocab;

@@ -18,6 +18,7 @@ void fh_filter_compact_rows(const fh_pass *p, int64_t tile_row, int64_t nb, int6
                             const float *weights, int move);
 fh_status fh_filter_kept_gemms(const fh_pass *p, int64_t tile_row, int64_t i0, int64_t nb, int64_t v0, int64_t vb,
                                int64_t kept, int with_dx);
+void fh_filter_store_gathered_dweight(const fh_pass *p, const int64_t *columns, int64_t count, int64_t width);
 fh_status fh_filter_all_kept_gemms(const fh_pass *p, int64_t tile_row, int64_t i0, int64_t nb, int64_t v0,
                                    int64_t vb);
 

@@ -154,25 +154,59 @@ static void dw_add(const fh_pass *p, int64_t k, int64_t j, int64_t v0, int64_t v
     *d = p->ws.filter.used[j] || !p->sinks.dw_overwrites ? *d + value : value;
 }
 
+/* A chunk of gathered_dw (its columns[0..count), `width` wide) and where it goes: a tile (v0, vb) of dweight or its
+ * accumulator (scatter_dweight), or after bf16 row blocks dweight itself (fh_filter_store_gathered_dweight). */
+typedef struct gathered_chunk {
+    const fh_pass *p;
+    int64_t v0, vb, width;
+} gathered_chunk;
+
+static void scatter_run(const void *self, const fh_run *run)
+{
+    const gathered_chunk *g = self;
+    for (int64_t e = 0; e < run->length; e++) {
+        const int64_t k = fh_run_k(run, e);
+        dw_add(g->p, k, fh_run_j(run, e), g->v0, g->vb, *fh_gathered_dw_at(g->p, k, fh_run_c(run, e), g->width));
+    }
+}
+
 /* dweight's kept columns += gathered_dw (columns[0..count) of the tile of width `width`), along dweight's
  * contiguous direction; then they are used. */
 static void scatter_dweight(const fh_pass *p, int64_t v0, int64_t vb, const int64_t *columns, int64_t count,
                             int64_t width)
 {
-    const int64_t h = p->in.lin->hidden;
-    if (p->sinks.by_vocab) {
-#pragma omp parallel for num_threads(p->in.plan->threads) schedule(static)
-        for (int64_t k = 0; k < h; k++)
-            for (int64_t c = 0; c < count; c++)
-                dw_add(p, k, columns[c], v0, vb, *fh_gathered_dw_at(p, k, c, width));
-    } else {
-#pragma omp parallel for num_threads(p->in.plan->threads) schedule(static)
-        for (int64_t c = 0; c < count; c++)
-            for (int64_t k = 0; k < h; k++)
-                dw_add(p, k, columns[c], v0, vb, *fh_gathered_dw_at(p, k, c, width));
-    }
+    const gathered_chunk chunk = {p, v0, vb, width};
+    fh_walk(p->in.plan->threads, p->in.lin->hidden, p->sinks.by_vocab, 0, count, columns, scatter_run, &chunk);
     for (int64_t c = 0; c < count; c++)
         p->ws.filter.used[columns[c]] = 1;
+}
+
+static void store_run(const void *self, const fh_run *run)
+{
+    const gathered_chunk *g = self;
+    const fh_linear *lin = g->p->in.lin;
+    const fh_linear_grads *grads = g->p->in.grads;
+    const size_t bytes = elem_size(elem_type(grads->dweight_dtype));
+    const int accumulate = grads->dweight_beta != 0.0f;
+    if (!run->along_vocab) { /* a column: contiguous in the chunk */
+        char *out = (char *)grads->dweight + (size_t)(run->j * lin->w_stride_vocab) * bytes;
+        fh_store(out, grads->dweight_dtype, lin->w_stride_hidden, fh_gathered_dw_at(g->p, 0, run->c, g->width),
+                 run->length, accumulate);
+        return;
+    }
+    for (int64_t e = 0; e < run->length; e++) { /* the kept columns of a row k are apart */
+        const int64_t at = run->k * lin->w_stride_hidden + fh_run_j(run, e) * lin->w_stride_vocab;
+        fh_store((char *)grads->dweight + (size_t)at * bytes, grads->dweight_dtype, 1,
+                 fh_gathered_dw_at(g->p, run->k, fh_run_c(run, e), g->width), 1, accumulate);
+    }
+}
+
+/* dweight's columns[0..count) (+)= gathered_dw (a chunk of width `width`), as beta says (after bf16 row blocks),
+ * along dweight's contiguous direction. */
+void fh_filter_store_gathered_dweight(const fh_pass *p, const int64_t *columns, int64_t count, int64_t width)
+{
+    const gathered_chunk chunk = {p, 0, 0, width};
+    fh_walk(p->in.plan->threads, p->in.lin->hidden, p->sinks.by_vocab, 0, count, columns, store_run, &chunk);
 }
 
 /* The dx (with_dx) and (unless after the blocks) dweight GEMMs of the kept columns of a tile's rows, a chunk at a

@@ -4,7 +4,7 @@
 
 #include <omp.h>
 
-static float fh_x_at(const fh_linear *lin, int64_t i, int64_t k)
+static float x_at(const fh_linear *lin, int64_t i, int64_t k)
 {
     const int64_t at = i * lin->x_row_stride + k;
     return lin->x_dtype == FH_DTYPE_BF16 ? fh_bf16_to_f32(((const uint16_t *)lin->x)[at]) : ((const float *)lin->x)[at];
@@ -102,58 +102,71 @@ void fh_weighted_rows(const fh_pass *p, const double *rows, int64_t i0, int64_t 
             g[k] = 0.0;
         for (int64_t r = 0; r < nb; r++)
             for (int64_t k = k0; k < k1; k++)
-                g[k] += rows[r] * fh_x_at(p->in.lin, i0 + r, k);
+                g[k] += rows[r] * x_at(p->in.lin, i0 + r, k);
+    }
+}
+
+typedef struct skipped_tile {
+    const fh_pass *p;
+    int64_t v0, vb;
+    const fh_skipped_term *terms;
+    int count;
+} skipped_tile;
+
+static void skipped_term_run(const void *self, const fh_run *run)
+{
+    const skipped_tile *t = self;
+    const fh_pass *p = t->p;
+    const uint8_t *keep = p->ws.filter.keep, *used = p->ws.filter.used;
+    const int overwrites = p->sinks.dw_overwrites;
+    if (!run->along_vocab && keep[run->j])
+        return;
+    float values[TERMS_RUN];
+    for (int64_t e0 = 0; e0 < run->length; e0 += TERMS_RUN) {
+        const int64_t m = min64(TERMS_RUN, run->length - e0);
+        fh_terms_run(t->terms, t->count, fh_run_k(run, e0), fh_run_j(run, e0), run->along_vocab, m, 0, values);
+        for (int64_t e = e0; e < e0 + m; e++) {
+            const int64_t j = fh_run_j(run, e);
+            float *d = fh_dw_f32(p, fh_run_k(run, e), j, t->v0, t->vb);
+            if (!keep[j])
+                *d = used[j] || !overwrites ? *d + values[e - e0] : values[e - e0];
+        }
     }
 }
 
 /* dweight's skipped columns j of the tile += sum of the terms' column(j) g, along dweight's contiguous direction
  * (or = when the column holds nothing yet and is overwritten); then they are used. */
-void fh_skipped_columns_term(const fh_pass *p, int64_t v0, int64_t vb, const fh_skipped_term *terms,
-                                 int count)
+void fh_skipped_columns_term(const fh_pass *p, int64_t v0, int64_t vb, const fh_skipped_term *terms, int count)
 {
-    const int64_t h = p->in.lin->hidden;
-    const uint8_t *keep = p->ws.filter.keep, *used = p->ws.filter.used;
-    const int overwrites = p->sinks.dw_overwrites;
-    float *base = fh_dw_f32(p, 0, 0, v0, vb);
-    int64_t stride_k, stride_j;
-    fh_dw_strides(p, vb, &stride_k, &stride_j);
-    /* runs along the contiguous direction: each row k over the tile, or each skipped column over H */
-    const int by_vocab = p->sinks.by_vocab;
-    const int64_t runs = by_vocab ? h : vb, length = by_vocab ? vb : h;
-#pragma omp parallel for num_threads(p->in.plan->threads) schedule(static)
-    for (int64_t r = 0; r < runs; r++) {
-        float values[TERMS_RUN];
-        for (int64_t e0 = 0; e0 < length && (by_vocab || !keep[r]); e0 += TERMS_RUN) {
-            const int64_t m = min64(TERMS_RUN, length - e0), k = by_vocab ? r : e0, j = by_vocab ? e0 : r;
-            fh_terms_run(terms, count, k, j, by_vocab, m, 0, values);
-            for (int64_t e = 0; e < m; e++) {
-                const int64_t ke = by_vocab ? k : k + e, je = by_vocab ? j + e : j;
-                float *d = base + ke * stride_k + je * stride_j;
-                if (!keep[je])
-                    *d = used[je] || !overwrites ? *d + values[e] : values[e];
-            }
-        }
-    }
+    const skipped_tile tile = {p, v0, vb, terms, count};
+    fh_walk(p->in.plan->threads, p->in.lin->hidden, p->sinks.by_vocab, 0, vb, NULL, skipped_term_run, &tile);
     for (int64_t j = 0; j < vb; j++)
-        p->ws.filter.used[j] |= !keep[j];
+        p->ws.filter.used[j] |= !p->ws.filter.keep[j];
+}
+
+typedef struct zeroed {
+    char *base;
+    size_t elem_size;
+    int64_t stride_k, stride_j;
+} zeroed;
+
+static void zero_run(const void *self, const fh_run *run)
+{
+    const zeroed *z = self;
+    const int64_t step = run->along_vocab ? z->stride_j : z->stride_k;
+    char *first = z->base + (size_t)(run->k * z->stride_k + run->j * z->stride_j) * z->elem_size;
+    if (step == 1)
+        memset(first, 0, (size_t)run->length * z->elem_size);
+    else
+        for (int64_t e = 0; e < run->length; e++)
+            memset(first + (size_t)(e * step) * z->elem_size, 0, z->elem_size);
 }
 
 /* Zeroes columns [j0, j1) of an H-row matrix of elem_size-byte elements, element (k, j) at
  * base + k * stride_k + j * stride_j elements: memsets along its contiguous direction. */
-void fh_zero_columns(const fh_pass *p, char *base, size_t elem_size, int64_t stride_k, int64_t stride_j,
-                         int64_t j0, int64_t j1)
+void fh_zero_columns(const fh_pass *p, char *base, size_t elem_size, int64_t stride_k, int64_t stride_j, int64_t j0,
+                     int64_t j1)
 {
-    const int64_t h = p->in.lin->hidden;
-    if (stride_j == 1) {
-#pragma omp parallel for num_threads(p->in.plan->threads) schedule(static)
-        for (int64_t k = 0; k < h; k++)
-            memset(base + (size_t)(k * stride_k + j0) * elem_size, 0, (size_t)(j1 - j0) * elem_size);
-    } else if (stride_k == 1) {
-#pragma omp parallel for num_threads(p->in.plan->threads) schedule(static)
-        for (int64_t j = j0; j < j1; j++)
-            memset(base + (size_t)(j * stride_j) * elem_size, 0, (size_t)h * elem_size);
-    } else
-        for (int64_t j = j0; j < j1; j++)
-            for (int64_t k = 0; k < h; k++)
-                memset(base + (size_t)(k * stride_k + j * stride_j) * elem_size, 0, elem_size);
+    const zeroed z = {base, elem_size, stride_k, stride_j};
+    fh_walk(p->in.plan->threads, p->in.lin->hidden, stride_j <= stride_k, j0, j1 - j0, NULL, zero_run, &z);
 }
