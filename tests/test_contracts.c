@@ -52,8 +52,9 @@ typedef struct fixture {
 } fixture;
 
 /* Valid inputs (bias, lse from a successful forward); outputs filled with the canary. */
-static void fixture_init(fixture *f)
+static void fixture_init(void *fixture_)
 {
+    fixture *f = fixture_;
     memset(f, 0, sizeof *f);
     TU_CHECK(fh_context_create(&f->ctx) == FH_OK, "fh_context_create");
     uint64_t rng = 12345;
@@ -89,34 +90,40 @@ static void fixture_init(fixture *f)
     f->call_grads = &f->grads;
 }
 
-static fh_status call_forward(fixture *f)
-{
-    return fh_ce_forward(f->call_ctx, f->call_lin, f->call_targets, f->call_options, f->call_out);
-}
-
-static fh_status call_backward(fixture *f)
-{
-    return fh_ce_backward(f->call_ctx, f->call_lin, f->call_targets, f->call_options, f->call_lse,
-                          f->call_grad_output, f->call_grads);
-}
-
-static fh_status call_train_step(fixture *f)
-{
-    return fh_ce_forward_backward(f->call_ctx, f->call_lin, f->call_targets, f->call_options, f->call_grad_output,
-                                  f->call_out, f->call_grads);
-}
-
 enum { FWD = 1, BWD = 2, STEP = 4, ALL = 7 };
 
-static fh_status call(fixture *f, int which)
+static fh_status call(void *fixture_, int which)
 {
-    return which == FWD ? call_forward(f) : which == BWD ? call_backward(f) : call_train_step(f);
+    const fixture *f = fixture_;
+    if (which == FWD)
+        return fh_ce_forward(f->call_ctx, f->call_lin, f->call_targets, f->call_options, f->call_out);
+    if (which == BWD)
+        return fh_ce_backward(f->call_ctx, f->call_lin, f->call_targets, f->call_options, f->call_lse,
+                              f->call_grad_output, f->call_grads);
+    return fh_ce_forward_backward(f->call_ctx, f->call_lin, f->call_targets, f->call_options, f->call_grad_output,
+                                  f->call_out, f->call_grads);
 }
 
 static const char *call_name(int which)
 {
     return which == FWD ? "fh_ce_forward" : which == BWD ? "fh_ce_backward" : "fh_ce_forward_backward";
 }
+
+#define OUT(name, member, calls, kind) CD_OUTPUT(fixture, name, member, calls, kind)
+static const cd_output parts[] = {
+    OUT("loss", loss, FWD | STEP, CD_F64),
+    OUT("z_loss", z_loss, FWD | STEP, CD_F64),
+    OUT("per_token_loss", per_token_loss, FWD | STEP, CD_F32),
+    OUT("logp", logp, FWD | STEP, CD_F32),
+    OUT("lse", lse, FWD | STEP, CD_F32),
+    OUT("argmax", argmax, FWD | STEP, CD_BYTES),
+    OUT("dx", dx, BWD | STEP, CD_F32),
+    OUT("dweight", dweight, BWD | STEP, CD_F32),
+    OUT("dbias", dbias, BWD | STEP, CD_F32),
+};
+#undef OUT
+static const cd_api api = {CD_FIXTURE(fixture), .init = fixture_init, .call = call, .call_name = call_name,
+                           .all = ALL, .parts = parts, .part_count = TU_COUNT(parts)};
 
 /* ---- the invalid arguments ---- */
 #define MUTATION(fn, body) \
@@ -253,202 +260,78 @@ static const cd_case bad_cases[] = {
     {"argmax over grad_output", argmax_over_grad_output, STEP, FH_ERR_OVERLAPPING_BUFFERS, "argmax"},
 };
 
-/* The driver's view of the fixture (contract_driver.h). */
-static void init_fixture(void *f)
-{
-    fixture_init(f);
-}
-
-static fh_status call_fixture(void *f, int which)
-{
-    return call(f, which);
-}
-
 static void test_bad_arguments(void)
 {
-    static const cd_api api = {.fixture_bytes = sizeof(fixture),
-                               .init = init_fixture,
-                               .call = call_fixture,
-                               .call_name = call_name,
-                               .all = ALL,
-                               .outputs = CD_MEMBER(fixture, out),
-                               .inputs = CD_MEMBER(fixture, in),
-                               .ctx_at = offsetof(fixture, ctx),
-                               .call_ctx_at = offsetof(fixture, call_ctx)};
     cd_run_bad_arguments(&api, bad_cases, TU_COUNT(bad_cases));
 }
 
-/* The unbroken fixture succeeds and writes its outputs (so the canary checks above can fail), leaves
- * the message empty and the inputs alone; the message is also cleared by a success after an error. */
+/* After a success, an error sets a message and the next success clears it. */
+MUTATION(reduction_nine, f->options.reduction = (fh_reduction)9)
+MUTATION(reduction_sum, f->options.reduction = FH_REDUCTION_SUM)
+static const cd_case error_then_success[] = {
+    {"reduction 9", reduction_nine, ALL, FH_ERR_INVALID_REDUCTION, "reduction"},
+    {"reduction sum", reduction_sum, ALL, FH_OK, NULL},
+};
+
 static void test_valid_call_and_message_reset(void)
 {
-    fixture f;
-    fixture_init(&f);
-    inputs in_before;
-    memcpy(&in_before, &f.in, sizeof in_before);
-    TU_CHECK(call_forward(&f) == FH_OK, "forward failed");
-    TU_CHECK(call_backward(&f) == FH_OK, "backward failed");
-    outputs canary;
-    tu_fill_canary(&canary, sizeof canary);
-    TU_CHECK(memcmp(&canary.loss, &f.out.loss, sizeof canary.loss) != 0 &&
-                 memcmp(canary.dx, f.out.dx, sizeof canary.dx) != 0 &&
-                 memcmp(canary.dweight, f.out.dweight, sizeof canary.dweight) != 0 &&
-                 memcmp(canary.dbias, f.out.dbias, sizeof canary.dbias) != 0 &&
-                 memcmp(canary.lse, f.out.lse, sizeof canary.lse) != 0,
-             "a successful call left outputs at the canary");
-    tu_fill_canary(&f.out, sizeof f.out);
-    TU_CHECK(call_train_step(&f) == FH_OK, "train step failed");
-    TU_CHECK(memcmp(&canary.loss, &f.out.loss, sizeof canary.loss) != 0 &&
-                 memcmp(canary.dx, f.out.dx, sizeof canary.dx) != 0 &&
-                 memcmp(canary.dweight, f.out.dweight, sizeof canary.dweight) != 0 &&
-                 memcmp(canary.dbias, f.out.dbias, sizeof canary.dbias) != 0 &&
-                 memcmp(canary.lse, f.out.lse, sizeof canary.lse) != 0,
-             "a successful train step left outputs at the canary");
-    TU_CHECK(memcmp(&in_before, &f.in, sizeof in_before) == 0, "a successful call modified an input");
-    const char *msg = NULL;
-    fh_context_message(f.ctx, &msg);
-    TU_CHECK(msg && msg[0] == '\0', "message after success: \"%s\"", msg ? msg : "(null)");
-    f.options.reduction = (fh_reduction)9;
-    TU_CHECK(call_forward(&f) == FH_ERR_INVALID_REDUCTION, "reduction 9 accepted");
-    fh_context_message(f.ctx, &msg);
-    TU_CHECK(msg && msg[0] != '\0', "no message after an error");
-    f.options.reduction = FH_REDUCTION_SUM;
-    TU_CHECK(call_forward(&f) == FH_OK, "forward failed");
-    fh_context_message(f.ctx, &msg);
-    TU_CHECK(msg && msg[0] == '\0', "message not cleared by a success: \"%s\"", msg ? msg : "(null)");
-    TU_CHECK(fh_context_message(f.ctx, NULL) == FH_ERR_NULL_POINTER, "fh_context_message accepts a NULL message");
+    cd_run_valid_calls(&api, error_then_success, TU_COUNT(error_then_success), NULL);
+    fh_context *ctx = NULL;
+    TU_CHECK(fh_context_create(&ctx) == FH_OK, "fh_context_create");
+    TU_CHECK(fh_context_message(ctx, NULL) == FH_ERR_NULL_POINTER, "fh_context_message accepts a NULL message");
+    fh_context_destroy(ctx);
     /* No context: the last fh_context_create's message, "" since it succeeded. */
+    const char *msg = NULL;
     TU_CHECK(fh_context_message(NULL, &msg) == FH_OK && msg && msg[0] == '\0', "creation message \"%s\"",
              msg ? msg : "(null)");
-    fh_context_destroy(f.ctx);
 }
 
-/* The size queries and a caller workspace: fh_ce_workspace_size for forward + backward,
- * fh_ce_forward_backward_workspace_size for the train step. The exact size must work wherever the
- * caller's buffer starts (aligned or not: no alignment is documented), the library must write nothing
- * outside it (guard bytes on both sides), and one byte less must fail with FH_ERR_WORKSPACE_TOO_SMALL and
- * untouched outputs. Budgets: the default (the train step's row blocks fit) and 4 KiB (it streams). The
- * queries are pure: a failing one leaves the context's message and *bytes alone. */
-static fh_status size_query(const fixture *f, const fh_linear *lin, int train_step, size_t *bytes)
+/* The size queries and a caller workspace (contract_driver.h): fh_ce_workspace_size for the forward and the
+ * backward, fh_ce_forward_backward_workspace_size for the train step, at offsets 0, 1, 3, 8 and 60 (no alignment is
+ * documented), under the default budget (the train step's row blocks fit) and 4 KiB (it streams), with label
+ * smoothing and class weights (the busiest path). The queries' own refusals are pure. */
+static const char *const settings[] = {"default budget", "budget 4096"};
+static void busiest_path(void *fixture_, size_t k)
 {
-    return train_step ? fh_ce_forward_backward_workspace_size(f->ctx, lin, &f->options, bytes)
-                      : fh_ce_workspace_size(f->ctx, lin, &f->options, bytes);
+    fixture *f = fixture_;
+    f->options.label_smoothing = 0.1;
+    f->options.class_weights = f->in.class_weights;
+    TU_CHECK(fh_context_set(f->ctx, FH_PARAM_MEMORY_BUDGET, k ? 4096 : 0) == FH_OK, "set budget");
 }
 
-static fh_status run_calls(fixture *f, int train_step)
+static fh_status size_query(void *fixture_, int which, size_t *bytes)
 {
-    if (train_step)
-        return call_train_step(f);
-    const fh_status st = call_forward(f);
-    return st != FH_OK ? st : call_backward(f);
+    const fixture *f = fixture_;
+    return which == STEP ? fh_ce_forward_backward_workspace_size(f->call_ctx, f->call_lin, f->call_options, bytes)
+                         : fh_ce_workspace_size(f->call_ctx, f->call_lin, f->call_options, bytes);
 }
+
+/* n = 2^61 tokens: the per-token workspace (n times a few doubles) cannot be sized in 64 bits. The query reads no
+ * data, so the small arrays behind the view do not matter. */
+MUTATION(n_huge, (f->lin.n = (int64_t)1 << 61, f->lin.hidden = f->lin.vocab = f->lin.x_row_stride = 1,
+                  f->lin.w_stride_hidden = 1))
+static const cd_case query_refusals[] = {
+    {"NULL context", null_ctx, ALL, FH_ERR_NULL_POINTER, NULL},
+    {"NULL fh_linear", null_lin, ALL, FH_ERR_NULL_POINTER, NULL},
+    {"NULL options", null_options, ALL, FH_ERR_NULL_POINTER, NULL},
+    {"x_row_stride < hidden", x_stride_short, ALL, FH_ERR_INVALID_STRIDE, NULL},
+    {"n = 0", n_zero, ALL, FH_ERR_INVALID_SIZE, NULL},
+    {"n = 2^61", n_huge, ALL, FH_ERR_SIZE_OVERFLOW, NULL},
+    {"memory budget 1 byte", budget_one, ALL, FH_ERR_BUDGET_TOO_SMALL, NULL},
+};
 
 static void test_workspace(void)
 {
-    enum { GUARD = 256 };
-    const size_t offsets[] = {0, 1, 3, 8, 60};
-    const int64_t budgets[] = {0, 4096};
-    for (size_t o = 0; o < TU_COUNT(offsets); o++)
-        for (size_t bu = 0; bu < TU_COUNT(budgets); bu++)
-            for (int train_step = 0; train_step <= 1; train_step++) {
-                fixture f;
-                fixture_init(&f);
-                f.options.label_smoothing = 0.1; /* the busiest path */
-                f.options.class_weights = f.in.class_weights;
-                TU_CHECK(fh_context_set(f.ctx, FH_PARAM_MEMORY_BUDGET, budgets[bu]) == FH_OK, "set budget");
-                char label[96];
-                snprintf(label, sizeof label, "offset %zu, budget %lld, %s", offsets[o], (long long)budgets[bu],
-                         train_step ? "train step" : "forward + backward");
-                size_t bytes = 0;
-                TU_CHECK(size_query(&f, &f.lin, train_step, &bytes) == FH_OK && bytes > 0, "%s: size query", label);
-                unsigned char *block = malloc(offsets[o] + bytes + GUARD);
-                unsigned char *ws = block + offsets[o];
-                memset(block, 0x5A, offsets[o] + bytes + GUARD);
-
-                /* One byte short: every call of the mode fails, outputs untouched, message names it. */
-                TU_CHECK(fh_context_set_workspace(f.ctx, ws, bytes - 1) == FH_OK, "set_workspace");
-                outputs before;
-                memcpy(&before, &f.out, sizeof before);
-                const int calls[] = {FWD, BWD};
-                for (size_t c = 0; c < (train_step ? 1 : 2); c++) {
-                    const int which = train_step ? STEP : calls[c];
-                    const fh_status st = call(&f, which);
-                    TU_CHECK(st == FH_ERR_WORKSPACE_TOO_SMALL, "%s: %s with bytes - 1: %d", label, call_name(which),
-                             (int)st);
-                    const char *msg = NULL;
-                    fh_context_message(f.ctx, &msg);
-                    TU_CHECK(msg && tu_mentions(msg, "workspace"), "%s: message \"%s\" does not name the workspace",
-                             label, msg ? msg : "");
-                }
-                TU_CHECK(memcmp(&before, &f.out, sizeof before) == 0, "%s: outputs modified by a failed call", label);
-
-                /* Exact size. */
-                TU_CHECK(fh_context_set_workspace(f.ctx, ws, bytes) == FH_OK, "set_workspace");
-                const fh_status st = run_calls(&f, train_step);
-                TU_CHECK(st == FH_OK, "%s: calls with the exact size: %d", label, (int)st);
-                size_t written_outside = 0;
-                for (size_t i = 0; i < offsets[o]; i++)
-                    written_outside += block[i] != 0x5A;
-                for (size_t i = 0; i < GUARD; i++)
-                    written_outside += ws[bytes + i] != 0x5A;
-                TU_CHECK(written_outside == 0, "%s: %zu bytes written outside the workspace", label, written_outside);
-                TU_CHECK(tu_all_finite_f(f.out.dweight, H * V) && isfinite(f.out.loss), "%s: results not finite",
-                         label);
-
-                /* Purity of a failing query. */
-                const char *msg = NULL;
-                fh_context_message(f.ctx, &msg);
-                TU_CHECK(msg && msg[0] == '\0', "%s: message not empty after success", label);
-                fh_linear bad = f.lin;
-                bad.n = 0;
-                size_t untouched = 777;
-                TU_CHECK(size_query(&f, &bad, train_step, &untouched) == FH_ERR_INVALID_SIZE && untouched == 777,
-                         "%s: size query with n = 0", label);
-                fh_context_message(f.ctx, &msg);
-                TU_CHECK(msg && msg[0] == '\0', "%s: the pure size query changed the message to \"%s\"", label,
-                         msg ? msg : "");
-
-                /* Back to library-managed workspace. */
-                TU_CHECK(fh_context_set_workspace(f.ctx, NULL, 0) == FH_OK, "set_workspace(NULL, 0)");
-                TU_CHECK(run_calls(&f, train_step) == FH_OK, "%s: calls with the library's workspace", label);
-                fh_context_destroy(f.ctx);
-                free(block);
-            }
+    static const size_t offsets[] = {0, 1, 3, 8, 60};
+    static const cd_workspace w = {offsets, TU_COUNT(offsets), settings, TU_COUNT(settings), busiest_path, size_query,
+                                   NULL, query_refusals, TU_COUNT(query_refusals)};
+    cd_run_workspace(&api, &w);
 }
 
-/* The size queries' own argument checks, and their budget failure. */
-static void test_workspace_size_arguments(void)
+/* The train step's query for given gradients checks them as the call does; with fp32 inputs nothing moves into
+ * dweight, so it answers what the other query does. */
+static void test_workspace_size_with_grads(void)
 {
-    for (int train_step = 0; train_step <= 1; train_step++) {
-        fh_status (*const query)(const fh_context *, const fh_linear *, const fh_ce_options *, size_t *) =
-            train_step ? fh_ce_forward_backward_workspace_size : fh_ce_workspace_size;
-        fixture f;
-        fixture_init(&f);
-        size_t bytes = 777;
-        TU_CHECK(query(NULL, &f.lin, &f.options, &bytes) == FH_ERR_NULL_POINTER, "train step %d: NULL ctx", train_step);
-        TU_CHECK(query(f.ctx, NULL, &f.options, &bytes) == FH_ERR_NULL_POINTER, "train step %d: NULL lin", train_step);
-        TU_CHECK(query(f.ctx, &f.lin, NULL, &bytes) == FH_ERR_NULL_POINTER, "train step %d: NULL options", train_step);
-        TU_CHECK(query(f.ctx, &f.lin, &f.options, NULL) == FH_ERR_NULL_POINTER, "train step %d: NULL bytes",
-                 train_step);
-        f.lin.x_row_stride = H - 1;
-        TU_CHECK(query(f.ctx, &f.lin, &f.options, &bytes) == FH_ERR_INVALID_STRIDE, "train step %d: bad stride",
-                 train_step);
-        f.lin.x_row_stride = H;
-        TU_CHECK(bytes == 777, "train step %d: a failed query wrote *bytes", train_step);
-        /* n = 2^61 tokens: the per-token workspace (n times a few doubles) cannot be sized in 64 bits. The
-         * query reads no data, so the small arrays behind the view do not matter. */
-        fh_linear huge = f.lin;
-        huge.n = (int64_t)1 << 61;
-        huge.hidden = huge.vocab = huge.x_row_stride = huge.w_stride_hidden = 1;
-        TU_CHECK(query(f.ctx, &huge, &f.options, &bytes) == FH_ERR_SIZE_OVERFLOW && bytes == 777,
-                 "train step %d: n = 2^61", train_step);
-        TU_CHECK(fh_context_set(f.ctx, FH_PARAM_MEMORY_BUDGET, 1) == FH_OK, "set budget");
-        TU_CHECK(query(f.ctx, &f.lin, &f.options, &bytes) == FH_ERR_BUDGET_TOO_SMALL && bytes == 777,
-                 "train step %d: budget 1", train_step);
-        fh_context_destroy(f.ctx);
-    }
-    /* The train step's query for given gradients checks them as the call does; with fp32 inputs nothing moves into
-     * dweight, so it answers what the other query does. */
     fixture f;
     fixture_init(&f);
     size_t bytes = 777, any = 0;
@@ -672,8 +555,6 @@ static void test_small_entry_points(void)
     TU_CHECK(fh_kernel_query(NULL) == FH_ERR_NULL_POINTER, "fh_kernel_query(NULL)");
 }
 
-/* Every output but the ones a call needs may be NULL ("Any output pointer may be NULL except as noted";
- * "A NULL pointer skips that gradient"). */
 /* Overlapping buffers (README, Conventions): each kind returns FH_ERR_OVERLAPPING_BUFFERS naming both buffers, and
  * writes nothing (outputs and inputs compared with copies taken before the call). Each of these gave FH_OK with
  * wrong results or NaN before the check: dx == x, dweight == weight (rows over more than one tile), a caller's
@@ -746,32 +627,28 @@ static void test_overlapping_buffers(void)
     free(copy);
 }
 
+/* Every output but the ones a call needs may be NULL ("Any output pointer may be NULL except as noted";
+ * "A NULL pointer skips that gradient"). */
+MUTATION(no_outputs, (memset(&f->fwd_out, 0, sizeof f->fwd_out), memset(&f->grads, 0, sizeof f->grads)))
+MUTATION(none_per_token_loss_only, (f->options.reduction = FH_REDUCTION_NONE,
+                                    f->fwd_out.per_token_loss = f->out.per_token_loss))
+MUTATION(dweight_only, f->grads.dweight = f->out.dweight)
+static const cd_optional optional_steps[] = {
+    {"every output and gradient NULL", no_outputs, ALL, {NULL}},
+    {"'none' with only per_token_loss", none_per_token_loss_only, FWD, {"per_token_loss"}},
+    {"'none', per_token_loss and dweight only", dweight_only, BWD | STEP, {"per_token_loss", "dweight"}},
+};
+
 static void test_optional_outputs(void)
 {
-    fixture f;
-    fixture_init(&f);
-    fh_ce_outputs none_needed = {NULL, NULL, NULL, NULL, NULL, NULL};
-    fh_linear_grads g = {.dx = NULL, .dx_row_stride = 0, .dx_beta = 0.0f, .dweight = NULL, .dweight_beta = 0.0f, .dbias = NULL, .dbias_beta = 0.0f};
-    f.call_out = &none_needed;
-    f.call_grads = &g;
-    TU_CHECK(call_forward(&f) == FH_OK, "forward with every output NULL");
-    TU_CHECK(call_train_step(&f) == FH_OK, "train step with every output and gradient NULL");
-    TU_CHECK(call_backward(&f) == FH_OK, "backward with every gradient NULL");
-    f.options.reduction = FH_REDUCTION_NONE;
-    none_needed.per_token_loss = f.out.per_token_loss;
-    TU_CHECK(call_forward(&f) == FH_OK, "'none' with only per_token_loss");
-    g.dweight = f.out.dweight;
-    TU_CHECK(call_backward(&f) == FH_OK && tu_all_finite_f(f.out.dweight, H * V), "backward with dweight only");
-    tu_fill_canary(f.out.dweight, sizeof f.out.dweight);
-    TU_CHECK(call_train_step(&f) == FH_OK && tu_all_finite_f(f.out.dweight, H * V), "train step with dweight only");
-    fh_context_destroy(f.ctx);
+    cd_run_optional_outputs(&api, optional_steps, TU_COUNT(optional_steps));
 }
 
 static const tu_test tests[] = {
     {"each bad argument: own status, untouched outputs, message", test_bad_arguments},
     {"valid call writes outputs; message reset", test_valid_call_and_message_reset},
-    {"caller workspace: exact size, size - 1, guards", test_workspace},
-    {"workspace size query arguments", test_workspace_size_arguments},
+    {"caller workspace: exact size, size - 1, guards; size query", test_workspace},
+    {"workspace size query with gradients", test_workspace_size_with_grads},
     {"parameters and bounds", test_params},
     {"threads clamped to the CPUs available", test_threads_fit_the_machine},
     {"status strings", test_status_strings},

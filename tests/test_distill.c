@@ -560,7 +560,7 @@ static void test_layouts_and_shapes(void)
     for (int sl = 0; sl < 2; sl++)
         for (int tl = 0; tl < 2; tl++)
             for (int sched = 0; sched < 3; sched++, k++) {
-                dspec s;
+        dspec s;
                 spec_default(&s);
                 s.seed = 200 + (uint64_t)k;
                 s.o.divergence = FH_DIVERGENCE_JSD;
@@ -613,7 +613,7 @@ static void test_all_ignored(void)
     for (size_t dv = 0; dv < TU_COUNT(divergences); dv++)
         for (int red = 0; red < 3; red++)
             for (int sched = 0; sched < 3; sched++) {
-                dspec s;
+        dspec s;
                 spec_default(&s);
                 s.seed = 400 + (uint64_t)(dv * 9 + (size_t)red * 3 + (size_t)sched);
                 s.n = 9;
@@ -669,7 +669,7 @@ static void test_jsd_near_saturation(void)
     for (size_t ti = 0; ti < TU_COUNT(temperatures); ti++)
         for (size_t bi = 0; bi < TU_COUNT(betas); bi++)
             for (int streaming = 0; streaming < 2; streaming++, k++) {
-                dspec s;
+        dspec s;
                 spec_default(&s);
                 s.seed = 600 + (uint64_t)k;
                 s.logit_scale = 3.0;
@@ -720,7 +720,7 @@ static void test_bf16(void)
     for (size_t dv = 0; dv < TU_COUNT(divergences); dv++)
         for (int gd = 0; gd < 2; gd++)
             for (int streaming = 0; streaming < 2; streaming++, k++) {
-                dspec s;
+        dspec s;
                 spec_default(&s);
                 s.seed = 500 + (uint64_t)k;
                 s.vocab = 2053;
@@ -818,8 +818,9 @@ typedef struct fixture {
 /* A valid call that uses every input: jsd 0.5, temperature 0.7, weight_hard_loss 0.4 (soft 0.6), 'none' with a
  * grad_output per token, both biases, the teacher [V, H] with its own hidden size; token 2 ignored. Outputs hold
  * the canary. */
-static void fixture_init(fixture *f)
+static void fixture_init(void *fixture_)
 {
+    fixture *f = fixture_;
     memset(f, 0, sizeof *f);
     TU_CHECK(fh_context_create(&f->ctx) == FH_OK, "fh_context_create");
     uint64_t rng = 4242;
@@ -857,8 +858,9 @@ static void fixture_init(fixture *f)
 
 enum { FWD = 1, STEP = 2, BOTH = 3 };
 
-static fh_status call(fixture *f, int which)
+static fh_status call(void *fixture_, int which)
 {
+    const fixture *f = fixture_;
     if (which == FWD)
         return fh_distill_forward(f->call_ctx, f->call_student, f->call_teacher, f->call_targets, f->call_options,
                                   f->call_out);
@@ -870,6 +872,20 @@ static const char *call_name(int which)
 {
     return which == FWD ? "fh_distill_forward" : "fh_distill_forward_backward";
 }
+
+#define OUT(name, member, calls, kind) CD_OUTPUT(fixture, name, member, calls, kind)
+static const cd_output parts[] = {
+    OUT("loss", loss, BOTH, CD_F64),
+    OUT("soft_loss", soft, BOTH, CD_F64),
+    OUT("hard_loss", hard, BOTH, CD_F64),
+    OUT("per_token_loss", per_token, BOTH, CD_F32),
+    OUT("dx", dx, STEP, CD_F32),
+    OUT("dweight", dweight, STEP, CD_F32),
+    OUT("dbias", dbias, STEP, CD_F32),
+};
+#undef OUT
+static const cd_api api = {CD_FIXTURE(fixture), .init = fixture_init, .call = call, .call_name = call_name,
+                           .all = BOTH, .parts = parts, .part_count = TU_COUNT(parts)};
 
 /* The fixture's step against the reference, at the drawn cases' tolerances. */
 static void check_fixture(fixture *f, const char *label)
@@ -1014,87 +1030,37 @@ static const cd_case bad_cases[] = {
 #undef OPTION
 #undef TEMPERATURE
 
-/* The driver's view of the fixture (contract_driver.h). */
-static void init_fixture(void *f)
-{
-    fixture_init(f);
-}
-
-static fh_status call_fixture(void *f, int which)
-{
-    return call(f, which);
-}
-
 /* Each invalid argument returns its own documented status from each entry point that takes it, leaves every output
  * bit-identical (the canary) and every input untouched, and the context message is nonempty and names the
  * problem. */
 static void test_bad_arguments(void)
 {
-    static const cd_api api = {.fixture_bytes = sizeof(fixture),
-                               .init = init_fixture,
-                               .call = call_fixture,
-                               .call_name = call_name,
-                               .all = BOTH,
-                               .outputs = CD_MEMBER(fixture, out),
-                               .inputs = CD_MEMBER(fixture, in),
-                               .ctx_at = offsetof(fixture, ctx),
-                               .call_ctx_at = offsetof(fixture, call_ctx)};
     cd_run_bad_arguments(&api, bad_cases, TU_COUNT(bad_cases));
 }
 
+/* After a success, an error sets a message and the next success clears it; the boundary values beta 1, beta 0 and
+ * weight_soft_loss 0 are accepted. */
+MUTATION(temperature_back_beta_one, (f->options.temperature = 0.7, f->options.beta = 1.0))
+MUTATION(beta_zero_soft_zero, (f->options.beta = 0.0, f->options.weight_soft_loss = 0.0))
+static const cd_case error_then_success[] = {
+    {"temperature 0", temperature_zero, BOTH, FH_ERR_INVALID_TEMPERATURE, "temperature"},
+    {"temperature 0.7, beta 1", temperature_back_beta_one, BOTH, FH_OK, NULL},
+    {"beta 0, weight_soft_loss 0", beta_zero_soft_zero, BOTH, FH_OK, NULL},
+};
+
+static void ignored_token_is_zero(void *fixture_, int which)
+{
+    const fixture *f = fixture_;
+    TU_CHECK(f->out.per_token[2] == 0.0f, "%s: the ignored token's per_token_loss is %g", call_name(which),
+             (double)f->out.per_token[2]);
+}
+
 /* The unbroken fixture succeeds, matches the reference and writes exactly the outputs its call produces (so that the
- * canary comparisons above can fail); no message after a success, one after an error. The boundary values beta 0
- * and 1, weights 0, and the targets NULL with weight_hard_loss 0 (hard_loss then 0) are accepted; with targets and
- * weight_hard_loss 0, hard_loss is still reported (and matches the reference). */
+ * canary comparisons above can fail); the targets NULL with weight_hard_loss 0 (hard_loss then 0) are accepted; with
+ * targets and weight_hard_loss 0, hard_loss is still reported (and matches the reference). */
 static void test_valid_calls(void)
 {
-    for (int which = FWD; which <= STEP; which++) {
-        fixture f;
-        fixture_init(&f);
-        outputs canary;
-        tu_fill_canary(&canary, sizeof canary);
-        const fh_status st = call(&f, which);
-        TU_CHECK(st == FH_OK, "%s: status %d", call_name(which), (int)st);
-        const struct {
-            const char *name;
-            const void *a, *b;
-            size_t bytes;
-            int written_by;
-        } parts[] = {
-            {"loss", &f.out.loss, &canary.loss, sizeof canary.loss, BOTH},
-            {"soft_loss", &f.out.soft, &canary.soft, sizeof canary.soft, BOTH},
-            {"hard_loss", &f.out.hard, &canary.hard, sizeof canary.hard, BOTH},
-            {"per_token_loss", f.out.per_token, canary.per_token, sizeof canary.per_token, BOTH},
-            {"dx", f.out.dx, canary.dx, sizeof canary.dx, STEP},
-            {"dweight", f.out.dweight, canary.dweight, sizeof canary.dweight, STEP},
-            {"dbias", f.out.dbias, canary.dbias, sizeof canary.dbias, STEP},
-        };
-        for (size_t k = 0; k < TU_COUNT(parts); k++) {
-            const int same = memcmp(parts[k].a, parts[k].b, parts[k].bytes) == 0;
-            if (parts[k].written_by & which)
-                TU_CHECK(!same, "%s left %s at the canary", call_name(which), parts[k].name);
-            else
-                TU_CHECK(same, "%s wrote %s, which it does not produce", call_name(which), parts[k].name);
-        }
-        TU_CHECK(f.out.per_token[2] == 0.0f, "%s: the ignored token's per_token_loss is %g", call_name(which),
-                 (double)f.out.per_token[2]);
-        const char *msg = NULL;
-        fh_context_message(f.ctx, &msg);
-        TU_CHECK(msg && msg[0] == '\0', "%s: message after success \"%s\"", call_name(which), msg ? msg : "(null)");
-        f.options.temperature = 0.0;
-        TU_CHECK(call(&f, which) == FH_ERR_INVALID_TEMPERATURE, "temperature 0 accepted");
-        fh_context_message(f.ctx, &msg);
-        TU_CHECK(msg && msg[0], "no message after an error");
-        f.options.temperature = 0.7;
-        f.options.beta = 1.0;
-        TU_CHECK(call(&f, which) == FH_OK, "%s with beta 1 failed", call_name(which));
-        fh_context_message(f.ctx, &msg);
-        TU_CHECK(msg && msg[0] == '\0', "message not cleared by a success: \"%s\"", msg ? msg : "(null)");
-        f.options.beta = 0.0;
-        f.options.weight_soft_loss = 0.0;
-        TU_CHECK(call(&f, which) == FH_OK, "%s with beta 0 and weight_soft_loss 0 failed", call_name(which));
-        fh_context_destroy(f.ctx);
-    }
+    cd_run_valid_calls(&api, error_then_success, TU_COUNT(error_then_success), ignored_token_is_zero);
     /* Against the reference: the fixture, its teacher without bias, its student without bias (dbias not asked),
      * weight_hard_loss 0 with targets (hard_loss still reported) and without (hard_loss 0), mean and sum. */
     for (int variant = 0; variant < 6; variant++) {
@@ -1131,50 +1097,46 @@ static void test_valid_calls(void)
  * The fixture at the default budget (one row block), and with 2 x 3 tiles (row blocks of 2 rows; the forward streams
  * 3-column tiles); then drawn cases on the streaming schedule (the budget below 8 V bytes), fp32 and bf16, whose
  * exact-size run is checked against the reference. The query's own checks, and its purity. */
+static const char *const tilings[] = {"default tiles", "2 x 3 tiles"};
+static void set_tiles(void *fixture_, size_t k)
+{
+    fixture *f = fixture_;
+    if (k)
+        TU_CHECK(fh_context_set(f->ctx, FH_PARAM_TILE_ROWS, 2) == FH_OK &&
+                     fh_context_set(f->ctx, FH_PARAM_TILE_VOCAB, 3) == FH_OK,
+                 "set tiles");
+}
+
+static fh_status size_query(void *fixture_, int which, size_t *bytes)
+{
+    const fixture *f = fixture_;
+    (void)which; /* one query for both calls */
+    return fh_distill_workspace_size(f->call_ctx, f->call_student, f->call_teacher, bytes);
+}
+
+/* The step in the exact-size workspace against the reference. */
+static void step_matches_reference(void *fixture_, int which, const char *label)
+{
+    if (which == STEP)
+        check_fixture(fixture_, label);
+}
+
+MUTATION(teacher_n_zero, f->teacher.n = 0)
+static const cd_case query_refusals[] = {
+    {"NULL context", null_ctx, BOTH, FH_ERR_NULL_POINTER, NULL},
+    {"NULL student", null_student, BOTH, FH_ERR_NULL_POINTER, NULL},
+    {"NULL teacher", null_teacher, BOTH, FH_ERR_NULL_POINTER, NULL},
+    {"teacher n = 0", teacher_n_zero, BOTH, FH_ERR_INVALID_SIZE, NULL},
+};
+
 static void test_workspace(void)
 {
-    enum { GUARD = 256 };
-    for (int tiled = 0; tiled < 2; tiled++)
-        for (int which = FWD; which <= STEP; which++) {
-            fixture f;
-            fixture_init(&f);
-            if (tiled)
-                TU_CHECK(fh_context_set(f.ctx, FH_PARAM_TILE_ROWS, 2) == FH_OK &&
-                             fh_context_set(f.ctx, FH_PARAM_TILE_VOCAB, 3) == FH_OK,
-                         "set tiles");
-            char label[96];
-            snprintf(label, sizeof label, "%s, %s", tiled ? "2 x 3 tiles" : "default tiles", call_name(which));
-            size_t bytes = 0;
-            TU_CHECK(fh_distill_workspace_size(f.ctx, &f.student, &f.teacher, &bytes) == FH_OK && bytes > 0,
-                     "%s: size query", label);
-            unsigned char *block = tu_alloc(bytes + GUARD, 1);
-            memset(block, 0x5A, bytes + GUARD);
-            TU_CHECK(fh_context_set_workspace(f.ctx, block, bytes - 1) == FH_OK, "set_workspace");
-            outputs before;
-            memcpy(&before, &f.out, sizeof before);
-            fh_status st = call(&f, which);
-            TU_CHECK(st == FH_ERR_WORKSPACE_TOO_SMALL, "%s: bytes - 1 gives status %d", label, (int)st);
-            const char *msg = NULL;
-            fh_context_message(f.ctx, &msg);
-            TU_CHECK(msg && tu_mentions(msg, "workspace"), "%s: message \"%s\" does not name the workspace", label,
-                     msg ? msg : "");
-            TU_CHECK(memcmp(&before, &f.out, sizeof before) == 0, "%s: outputs modified by a failed call", label);
-            TU_CHECK(fh_context_set_workspace(f.ctx, block, bytes) == FH_OK, "set_workspace");
-            if (which == STEP)
-                check_fixture(&f, label);
-            else {
-                st = call(&f, which);
-                TU_CHECK(st == FH_OK && isfinite(f.out.loss), "%s: exact size gives status %d", label, (int)st);
-            }
-            size_t outside = 0;
-            for (size_t i = 0; i < GUARD; i++)
-                outside += block[bytes + i] != 0x5A;
-            TU_CHECK(outside == 0, "%s: %zu bytes written past the workspace", label, outside);
-            fh_context_destroy(f.ctx);
-            free(block);
-        }
+    static const size_t offsets[] = {0, 1, 8};
+    static const cd_workspace w = {offsets, TU_COUNT(offsets), tilings, TU_COUNT(tilings), set_tiles, size_query,
+                                   step_matches_reference, query_refusals, TU_COUNT(query_refusals)};
+    cd_run_workspace(&api, &w);
     for (int bf16 = 0; bf16 < 2; bf16++) {
-                dspec s;
+        dspec s;
         spec_default(&s);
         s.seed = 700 + (uint64_t)bf16;
         s.sched = STREAMING;
@@ -1218,22 +1180,16 @@ static void test_workspace(void)
         check_case(&s, "caller workspace, streaming");
     }
     print_worst("workspace");
-    fixture f;
-    fixture_init(&f);
-    size_t bytes = 777;
-    TU_CHECK(fh_distill_workspace_size(NULL, &f.student, &f.teacher, &bytes) == FH_ERR_NULL_POINTER, "NULL ctx");
-    TU_CHECK(fh_distill_workspace_size(f.ctx, NULL, &f.teacher, &bytes) == FH_ERR_NULL_POINTER, "NULL student");
-    TU_CHECK(fh_distill_workspace_size(f.ctx, &f.student, NULL, &bytes) == FH_ERR_NULL_POINTER, "NULL teacher");
-    TU_CHECK(fh_distill_workspace_size(f.ctx, &f.student, &f.teacher, NULL) == FH_ERR_NULL_POINTER, "NULL bytes");
-    fh_linear bad = f.teacher;
-    bad.n = 0;
-    TU_CHECK(fh_distill_workspace_size(f.ctx, &f.student, &bad, &bytes) == FH_ERR_INVALID_SIZE, "teacher n = 0");
-    TU_CHECK(bytes == 777, "a failed query wrote *bytes = %zu", bytes);
-    const char *msg = NULL;
-    fh_context_message(f.ctx, &msg);
-    TU_CHECK(msg && msg[0] == '\0', "the pure size query set the message \"%s\"", msg ? msg : "");
-    fh_context_destroy(f.ctx);
 }
+
+/* Optional outputs ('mean': per_token_loss may be NULL too): every one NULL; then only soft_loss and dweight. */
+MUTATION(no_outputs, (f->options.reduction = FH_REDUCTION_MEAN, memset(&f->dout, 0, sizeof f->dout),
+                      memset(&f->grads, 0, sizeof f->grads)))
+MUTATION(soft_loss_and_dweight, (f->dout.soft_loss = &f->out.soft, f->grads.dweight = f->out.dweight))
+static const cd_optional optional_steps[] = {
+    {"'mean', every output and gradient NULL", no_outputs, BOTH, {NULL}},
+    {"soft_loss and dweight only", soft_loss_and_dweight, BOTH, {"soft_loss", "dweight"}},
+};
 
 /* fh_distill_options_init's documented defaults (jsd, beta 0.5, temperature 1, weights 1 and 0, ignore_index -100,
  * mean), NULL; and "any output may be NULL, except per_token_loss for 'none'", "a NULL pointer skips that gradient". */
@@ -1247,26 +1203,7 @@ static void test_options_init_and_optional_outputs(void)
              "documented defaults");
     TU_CHECK(fh_distill_options_init(NULL) == FH_ERR_NULL_POINTER, "fh_distill_options_init(NULL)");
 
-    fixture f;
-    fixture_init(&f);
-    f.options.reduction = FH_REDUCTION_MEAN;
-    fh_distill_outputs none = {NULL, NULL, NULL, NULL};
-    fh_linear_grads no_grads = {.dx = NULL};
-    f.call_out = &none;
-    f.call_grads = &no_grads;
-    TU_CHECK(call(&f, FWD) == FH_OK, "forward with every output NULL");
-    TU_CHECK(call(&f, STEP) == FH_OK, "single-call step with every output and gradient NULL");
-    outputs canary;
-    tu_fill_canary(&canary, sizeof canary);
-    TU_CHECK(memcmp(&canary, &f.out, sizeof canary) == 0, "NULL outputs, yet a buffer was written");
-    no_grads.dweight = f.out.dweight;
-    none.soft_loss = &f.out.soft;
-    TU_CHECK(call(&f, STEP) == FH_OK && tu_all_finite_f(f.out.dweight, HS * V) && isfinite(f.out.soft),
-             "single-call step with soft_loss and dweight only");
-    TU_CHECK(memcmp(&canary.dx, &f.out.dx, sizeof canary.dx) == 0 &&
-                 memcmp(&canary.loss, &f.out.loss, sizeof(double)) == 0,
-             "an output not asked for was written");
-    fh_context_destroy(f.ctx);
+    cd_run_optional_outputs(&api, optional_steps, TU_COUNT(optional_steps));
 }
 
 /* "Gradient filtering does not apply to this head": with a filter eps set, the step's outputs and gradients are bit

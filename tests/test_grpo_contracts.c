@@ -59,8 +59,9 @@ typedef struct fixture {
 
 /* A valid call using every input: bias, old and ref log-probs (beta 0.04), entropy_coef 0.01 (the backward
  * needs the entropy), delta, GSPO off; row 1 padded at its end with an out-of-range id under the mask. */
-static void fixture_init(fixture *f)
+static void fixture_init(void *fixture_)
 {
+    fixture *f = fixture_;
     memset(f, 0, sizeof *f);
     TU_CHECK(fh_context_create(&f->ctx) == FH_OK, "fh_context_create");
     uint64_t rng = 4242;
@@ -111,8 +112,9 @@ static void fixture_init(fixture *f)
 
 enum { FWD = 1, BWD = 2, STEP = 4, ALL = 7 };
 
-static fh_status call(fixture *f, int which)
+static fh_status call(void *fixture_, int which)
 {
+    const fixture *f = fixture_;
     switch (which) {
     case FWD: return fh_grpo_forward(f->call_ctx, f->call_lin, f->call_batch, f->call_options, f->call_out);
     case BWD:
@@ -128,6 +130,22 @@ static const char *call_name(int which)
 {
     return which == FWD ? "fh_grpo_forward" : which == BWD ? "fh_grpo_backward" : "fh_grpo_forward_backward";
 }
+
+#define OUT(name, member, calls, kind) CD_OUTPUT(fixture, name, member, calls, kind)
+static const cd_output parts[] = {
+    OUT("loss", loss, FWD | STEP, CD_F64),
+    OUT("metrics", metrics, FWD | STEP, CD_BYTES),
+    OUT("per_token_logp", logp, FWD | STEP, CD_F32),
+    OUT("per_token_loss", per_token_loss, FWD | STEP, CD_F32),
+    OUT("entropy", entropy, FWD | STEP, CD_F32),
+    OUT("lse", lse, FWD | STEP, CD_F32),
+    OUT("dx", dx, BWD | STEP, CD_F32),
+    OUT("dweight", dweight, BWD | STEP, CD_F32),
+    OUT("dbias", dbias, BWD | STEP, CD_F32),
+};
+#undef OUT
+static const cd_api api = {CD_FIXTURE(fixture), .init = fixture_init, .call = call, .call_name = call_name,
+                           .all = ALL, .parts = parts, .part_count = TU_COUNT(parts)};
 
 /* ---- the invalid arguments ---- */
 #define MUTATION(fn, body) \
@@ -283,85 +301,21 @@ static const cd_case bad_cases[] = {
     {"dx over the saved lse", dx_over_saved_lse, BWD, FH_ERR_OVERLAPPING_BUFFERS, "dx"},
 };
 
-/* The driver's view of the fixture (contract_driver.h). */
-static void init_fixture(void *f)
-{
-    fixture_init(f);
-}
-
-static fh_status call_fixture(void *f, int which)
-{
-    return call(f, which);
-}
-
 static void test_bad_arguments(void)
 {
-    static const cd_api api = {.fixture_bytes = sizeof(fixture),
-                               .init = init_fixture,
-                               .call = call_fixture,
-                               .call_name = call_name,
-                               .all = ALL,
-                               .outputs = CD_MEMBER(fixture, out),
-                               .inputs = CD_MEMBER(fixture, in),
-                               .ctx_at = offsetof(fixture, ctx),
-                               .call_ctx_at = offsetof(fixture, call_ctx)};
     cd_run_bad_arguments(&api, bad_cases, TU_COUNT(bad_cases));
 }
 
-/* The unbroken fixture succeeds and writes every output (so the canary comparisons above can fail), leaves the
- * message empty and the inputs alone; a later error sets a message and a success clears it. */
+/* After a success, an error sets a message and the next success clears it. */
+MUTATION(loss_type_dapo, f->options.loss_type = FH_GRPO_LOSS_DAPO)
+static const cd_case error_then_success[] = {
+    {"loss_type 9", loss_type_nine, ALL, FH_ERR_INVALID_GRPO_OPTION, "loss_type"},
+    {"loss_type dapo", loss_type_dapo, ALL, FH_OK, NULL},
+};
+
 static void test_valid_calls(void)
 {
-    for (int which = FWD; which <= STEP; which *= 2) {
-        fixture f;
-        fixture_init(&f);
-        inputs in_before;
-        memcpy(&in_before, &f.in, sizeof in_before);
-        outputs canary;
-        tu_fill_canary(&canary, sizeof canary);
-        const fh_status st = call(&f, which);
-        TU_CHECK(st == FH_OK, "%s: status %d", call_name(which), (int)st);
-        const struct {
-            const char *name;
-            const void *a, *b;
-            size_t bytes;
-            int written_by; /* calls that write it */
-        } parts[] = {
-            {"loss", &f.out.loss, &canary.loss, sizeof canary.loss, FWD | STEP},
-            {"metrics", &f.out.metrics, &canary.metrics, sizeof canary.metrics, FWD | STEP},
-            {"per_token_logp", f.out.logp, canary.logp, sizeof canary.logp, FWD | STEP},
-            {"per_token_loss", f.out.per_token_loss, canary.per_token_loss, sizeof canary.per_token_loss, FWD | STEP},
-            {"entropy", f.out.entropy, canary.entropy, sizeof canary.entropy, FWD | STEP},
-            {"lse", f.out.lse, canary.lse, sizeof canary.lse, FWD | STEP},
-            {"dx", f.out.dx, canary.dx, sizeof canary.dx, BWD | STEP},
-            {"dweight", f.out.dweight, canary.dweight, sizeof canary.dweight, BWD | STEP},
-            {"dbias", f.out.dbias, canary.dbias, sizeof canary.dbias, BWD | STEP},
-        };
-        for (size_t k = 0; k < TU_COUNT(parts); k++) {
-            const int same = memcmp(parts[k].a, parts[k].b, parts[k].bytes) == 0;
-            if (parts[k].written_by & which)
-                TU_CHECK(!same, "%s left %s at the canary", call_name(which), parts[k].name);
-            else
-                TU_CHECK(same, "%s wrote %s, which it does not produce", call_name(which), parts[k].name);
-        }
-        if (which & BWD)
-            TU_CHECK(tu_all_finite_f(f.out.dx, N * H) && tu_all_finite_f(f.out.dweight, H * V) &&
-                         tu_all_finite_f(f.out.dbias, V),
-                     "%s: gradients not finite", call_name(which));
-        TU_CHECK(memcmp(&in_before, &f.in, sizeof in_before) == 0, "%s modified an input", call_name(which));
-        const char *msg = NULL;
-        fh_context_message(f.ctx, &msg);
-        TU_CHECK(msg && msg[0] == '\0', "%s: message after success \"%s\"", call_name(which), msg ? msg : "(null)");
-        f.options.loss_type = (fh_grpo_loss_type)9;
-        TU_CHECK(call(&f, which) == FH_ERR_INVALID_GRPO_OPTION, "loss_type 9 accepted");
-        fh_context_message(f.ctx, &msg);
-        TU_CHECK(msg && msg[0], "no message after an error");
-        f.options.loss_type = FH_GRPO_LOSS_DAPO;
-        TU_CHECK(call(&f, which) == FH_OK, "%s failed after an error", call_name(which));
-        fh_context_message(f.ctx, &msg);
-        TU_CHECK(msg && msg[0] == '\0', "message not cleared by a success: \"%s\"", msg ? msg : "(null)");
-        fh_context_destroy(f.ctx);
-    }
+    cd_run_valid_calls(&api, error_then_success, TU_COUNT(error_then_success), NULL);
 }
 
 /* Ids outside [0, V) under the mask (-1, V, INT64_MIN, INT64_MAX) are accepted; per_token_logp is 0 there. */
@@ -429,88 +383,47 @@ static void test_equivalent_spellings(void)
         }
 }
 
-/* A caller workspace of exactly fh_grpo_workspace_size bytes works for all three calls, wherever it starts
- * (no alignment is documented), with nothing written outside it (guard bytes on both sides); one byte less fails
- * with FH_ERR_WORKSPACE_TOO_SMALL, untouched outputs and a message naming the workspace. At this shape the
- * forward and backward plans have the same size (both tile the whole 6 x 7 problem), so the query's maximum is
- * what each call needs. Budgets: the default, and 2 KiB. */
+/* A caller workspace of exactly fh_grpo_workspace_size bytes works for all three calls, wherever it starts; one
+ * byte less is refused (contract_driver.h). At this shape the forward and backward plans have the same size (both
+ * tile the whole 6 x 7 problem), so the query's maximum is what each call needs. Budgets: the default, and 2 KiB.
+ * The query's own refusals (NULLs, a bad view, a budget too small) are pure. */
+static const char *const budgets[] = {"default budget", "budget 2048"};
+static void set_budget(void *fixture_, size_t k)
+{
+    fixture *f = fixture_;
+    TU_CHECK(fh_context_set(f->ctx, FH_PARAM_MEMORY_BUDGET, k ? 2048 : 0) == FH_OK, "set budget");
+}
+
+static fh_status size_query(void *fixture_, int which, size_t *bytes)
+{
+    const fixture *f = fixture_;
+    (void)which; /* one query for all three calls */
+    return fh_grpo_workspace_size(f->call_ctx, f->call_lin, bytes);
+}
+
+static const cd_case query_refusals[] = {
+    {"NULL context", null_ctx, ALL, FH_ERR_NULL_POINTER, NULL},
+    {"NULL fh_linear", null_lin, ALL, FH_ERR_NULL_POINTER, NULL},
+    {"x_row_stride < hidden", x_stride_short, ALL, FH_ERR_INVALID_STRIDE, NULL},
+    {"n = 0", n_zero, ALL, FH_ERR_INVALID_SIZE, NULL},
+    {"memory budget 1 byte", budget_one, ALL, FH_ERR_BUDGET_TOO_SMALL, NULL},
+};
+
 static void test_workspace(void)
 {
-    enum { GUARD = 256 };
-    const size_t offsets[] = {0, 1, 8, 60};
-    const int64_t budgets[] = {0, 2048};
-    for (size_t o = 0; o < TU_COUNT(offsets); o++)
-        for (size_t bu = 0; bu < TU_COUNT(budgets); bu++)
-            for (int which = FWD; which <= STEP; which *= 2) {
-                fixture f;
-                fixture_init(&f);
-                TU_CHECK(fh_context_set(f.ctx, FH_PARAM_MEMORY_BUDGET, budgets[bu]) == FH_OK, "set budget");
-                char label[128];
-                snprintf(label, sizeof label, "offset %zu, budget %lld, %s", offsets[o], (long long)budgets[bu],
-                         call_name(which));
-                size_t bytes = 0;
-                TU_CHECK(fh_grpo_workspace_size(f.ctx, &f.lin, &bytes) == FH_OK && bytes > 0, "%s: size query", label);
-                unsigned char *block = malloc(offsets[o] + bytes + GUARD);
-                unsigned char *ws = block + offsets[o];
-                memset(block, 0x5A, offsets[o] + bytes + GUARD);
-
-                TU_CHECK(fh_context_set_workspace(f.ctx, ws, bytes - 1) == FH_OK, "set_workspace");
-                outputs before;
-                memcpy(&before, &f.out, sizeof before);
-                fh_status st = call(&f, which);
-                TU_CHECK(st == FH_ERR_WORKSPACE_TOO_SMALL, "%s: bytes - 1 gives status %d", label, (int)st);
-                const char *msg = NULL;
-                fh_context_message(f.ctx, &msg);
-                TU_CHECK(msg && tu_mentions(msg, "workspace"), "%s: message \"%s\" does not name the workspace", label,
-                         msg ? msg : "");
-                TU_CHECK(memcmp(&before, &f.out, sizeof before) == 0, "%s: outputs modified by a failed call", label);
-
-                TU_CHECK(fh_context_set_workspace(f.ctx, ws, bytes) == FH_OK, "set_workspace");
-                st = call(&f, which);
-                TU_CHECK(st == FH_OK, "%s: exact size gives status %d", label, (int)st);
-                size_t outside = 0;
-                for (size_t i = 0; i < offsets[o]; i++)
-                    outside += block[i] != 0x5A;
-                for (size_t i = 0; i < GUARD; i++)
-                    outside += ws[bytes + i] != 0x5A;
-                TU_CHECK(outside == 0, "%s: %zu bytes written outside the workspace", label, outside);
-                if (which != BWD)
-                    TU_CHECK(isfinite(f.out.loss), "%s: loss not finite", label);
-                if (which != FWD)
-                    TU_CHECK(tu_all_finite_f(f.out.dweight, H * V), "%s: dweight not finite", label);
-                fh_context_message(f.ctx, &msg);
-                TU_CHECK(msg && msg[0] == '\0', "%s: message not empty after success", label);
-                TU_CHECK(fh_context_set_workspace(f.ctx, NULL, 0) == FH_OK, "set_workspace(NULL, 0)");
-                TU_CHECK(call(&f, which) == FH_OK, "%s: library-managed workspace again", label);
-                fh_context_destroy(f.ctx);
-                free(block);
-            }
+    static const size_t offsets[] = {0, 1, 8, 60};
+    static const cd_workspace w = {offsets, TU_COUNT(offsets), budgets, TU_COUNT(budgets), set_budget, size_query,
+                                   NULL, query_refusals, TU_COUNT(query_refusals)};
+    cd_run_workspace(&api, &w);
 }
 
-/* fh_grpo_workspace_size's own checks: NULLs, a bad view, a budget too small; a failing query writes nothing to
- * *bytes and leaves the context's message alone (it is documented as pure). */
-static void test_workspace_size_arguments(void)
-{
-    fixture f;
-    fixture_init(&f);
-    size_t bytes = 777;
-    TU_CHECK(fh_grpo_workspace_size(NULL, &f.lin, &bytes) == FH_ERR_NULL_POINTER, "NULL ctx");
-    TU_CHECK(fh_grpo_workspace_size(f.ctx, NULL, &bytes) == FH_ERR_NULL_POINTER, "NULL lin");
-    TU_CHECK(fh_grpo_workspace_size(f.ctx, &f.lin, NULL) == FH_ERR_NULL_POINTER, "NULL bytes");
-    fh_linear bad = f.lin;
-    bad.x_row_stride = H - 1;
-    TU_CHECK(fh_grpo_workspace_size(f.ctx, &bad, &bytes) == FH_ERR_INVALID_STRIDE, "bad stride");
-    bad = f.lin;
-    bad.n = 0;
-    TU_CHECK(fh_grpo_workspace_size(f.ctx, &bad, &bytes) == FH_ERR_INVALID_SIZE, "n = 0");
-    const char *msg = NULL;
-    fh_context_message(f.ctx, &msg);
-    TU_CHECK(msg && msg[0] == '\0', "the pure size query set the message \"%s\"", msg ? msg : "");
-    TU_CHECK(fh_context_set(f.ctx, FH_PARAM_MEMORY_BUDGET, 1) == FH_OK, "set budget");
-    TU_CHECK(fh_grpo_workspace_size(f.ctx, &f.lin, &bytes) == FH_ERR_BUDGET_TOO_SMALL, "budget 1");
-    TU_CHECK(bytes == 777, "a failed query wrote *bytes = %zu", bytes);
-    fh_context_destroy(f.ctx);
-}
+/* Optional outputs: every one NULL; then only the loss and dweight. */
+MUTATION(no_outputs, (memset(&f->fwd_out, 0, sizeof f->fwd_out), memset(&f->grads, 0, sizeof f->grads)))
+MUTATION(loss_and_dweight, (f->fwd_out.loss = &f->out.loss, f->grads.dweight = f->out.dweight))
+static const cd_optional optional_steps[] = {
+    {"every output and gradient NULL", no_outputs, ALL, {NULL}},
+    {"the loss and dweight only", loss_and_dweight, ALL, {"loss", "dweight"}},
+};
 
 /* Documented defaults (fusedhead.h: TRL GRPOConfig's), NULL, and optional outputs. */
 static void test_options_init_and_optional_outputs(void)
@@ -527,24 +440,7 @@ static void test_options_init_and_optional_outputs(void)
     TU_CHECK(fh_grpo_options_init(NULL) == FH_ERR_NULL_POINTER, "fh_grpo_options_init(NULL)");
 
     /* "any may be NULL" (outputs); "A NULL pointer skips that gradient". */
-    fixture f;
-    fixture_init(&f);
-    fh_grpo_outputs none = {NULL, NULL, NULL, NULL, NULL, NULL};
-    fh_linear_grads no_grads = {.dx = NULL, .dx_row_stride = 0, .dx_beta = 0.0f, .dweight = NULL, .dweight_beta = 0.0f, .dbias = NULL, .dbias_beta = 0.0f};
-    f.call_out = &none;
-    f.call_grads = &no_grads;
-    TU_CHECK(call(&f, FWD) == FH_OK, "forward with every output NULL");
-    TU_CHECK(call(&f, STEP) == FH_OK, "train step with every output and gradient NULL");
-    TU_CHECK(call(&f, BWD) == FH_OK, "backward with every gradient NULL");
-    outputs canary;
-    tu_fill_canary(&canary, sizeof canary);
-    TU_CHECK(memcmp(&canary, &f.out, sizeof canary) == 0, "NULL outputs, yet a buffer was written");
-    /* Only dweight, and only the loss. */
-    no_grads.dweight = f.out.dweight;
-    none.loss = &f.out.loss;
-    TU_CHECK(call(&f, STEP) == FH_OK && tu_all_finite_f(f.out.dweight, H * V) && isfinite(f.out.loss),
-             "train step with loss and dweight only");
-    fh_context_destroy(f.ctx);
+    cd_run_optional_outputs(&api, optional_steps, TU_COUNT(optional_steps));
 }
 
 static const tu_test tests[] = {
@@ -552,8 +448,7 @@ static const tu_test tests[] = {
     {"valid calls write their outputs; message reset", test_valid_calls},
     {"out-of-range ids under the mask accepted", test_masked_out_of_range_ids_accepted},
     {"equivalent option spellings are bitwise identical", test_equivalent_spellings},
-    {"caller workspace: exact size, size - 1, guards", test_workspace},
-    {"workspace size query arguments", test_workspace_size_arguments},
+    {"caller workspace: exact size, size - 1, guards; size query", test_workspace},
     {"options init and optional outputs", test_options_init_and_optional_outputs},
 };
 const tu_suite suite_grpo_contracts = {tests, TU_COUNT(tests)};

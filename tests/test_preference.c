@@ -400,8 +400,9 @@ typedef struct fixture {
 
 /* A valid dpo call that uses every input: bias, sequence reference log-probs, label smoothing 0.1, rpo_alpha 0.5;
  * the last token of each rejected sequence masked, the very last with target -100. Outputs hold the canary. */
-static void fixture_init(fixture *f)
+static void fixture_init(void *fixture_)
 {
+    fixture *f = fixture_;
     memset(f, 0, sizeof *f);
     TU_CHECK(fh_context_create(&f->ctx) == FH_OK, "fh_context_create");
     uint64_t rng = 9191;
@@ -448,8 +449,9 @@ static void fixture_loss(fixture *f, fh_preference_loss loss, fh_preference_loss
 
 enum { FWD = 1, STEP = 2, BOTH = 3 };
 
-static fh_status call(fixture *f, int which)
+static fh_status call(void *fixture_, int which)
 {
+    const fixture *f = fixture_;
     if (which == FWD)
         return fh_preference_forward(f->call_ctx, f->call_lin, f->call_batch, f->call_options, f->call_out);
     return fh_preference_forward_backward(f->call_ctx, f->call_lin, f->call_batch, f->call_options,
@@ -460,6 +462,21 @@ static const char *call_name(int which)
 {
     return which == FWD ? "fh_preference_forward" : "fh_preference_forward_backward";
 }
+
+#define OUT(name, member, calls, kind) CD_OUTPUT(fixture, name, member, calls, kind)
+static const cd_output parts[] = {
+    OUT("loss", loss, BOTH, CD_F64),
+    OUT("metrics", metrics, BOTH, CD_BYTES), /* NaN where TRL logs nothing */
+    OUT("sequence_logps", sequence_logps, BOTH, CD_F32),
+    OUT("rewards", rewards, BOTH, CD_F32),
+    OUT("per_token_logp", logp, BOTH, CD_F32),
+    OUT("dx", dx, STEP, CD_F32),
+    OUT("dweight", dweight, STEP, CD_F32),
+    OUT("dbias", dbias, STEP, CD_F32),
+};
+#undef OUT
+static const cd_api api = {CD_FIXTURE(fixture), .init = fixture_init, .call = call, .call_name = call_name,
+                           .all = BOTH, .parts = parts, .part_count = TU_COUNT(parts)};
 
 /* The fixture's call (the single-call step) against the reference on the same inputs, with preference_case's
  * tolerances (ref/preference_case.c): loss, metrics (NaN only against NaN), per-sequence and per-token outputs,
@@ -762,90 +779,26 @@ static const cd_case bad_cases[] = {
 };
 #undef OPTION
 
-/* The driver's view of the fixture (contract_driver.h). */
-static void init_fixture(void *f)
-{
-    fixture_init(f);
-}
-
-static fh_status call_fixture(void *f, int which)
-{
-    return call(f, which);
-}
-
 /* Each invalid argument returns its own documented status from each entry point that takes it, leaves every
  * output bit-identical (the canary) and every input untouched, and the context message names the problem. */
 static void test_bad_arguments(void)
 {
-    static const cd_api api = {.fixture_bytes = sizeof(fixture),
-                               .init = init_fixture,
-                               .call = call_fixture,
-                               .call_name = call_name,
-                               .all = BOTH,
-                               .outputs = CD_MEMBER(fixture, out),
-                               .inputs = CD_MEMBER(fixture, in),
-                               .ctx_at = offsetof(fixture, ctx),
-                               .call_ctx_at = offsetof(fixture, call_ctx)};
     cd_run_bad_arguments(&api, bad_cases, TU_COUNT(bad_cases));
 }
 
-/* The unbroken fixture succeeds and writes exactly the outputs its call produces (so that the canary comparisons
- * above can fail), finite gradients, no message; a later error sets a message and a success clears it. The
- * boundary values label_smoothing 0.5 (sigmoid) and 0 are accepted. */
+/* After a success, an error sets a message and the next success clears it; the boundary values label_smoothing
+ * 0.5 (sigmoid) and 0 are accepted. */
+MUTATION(beta_back_ls_half, (f->options.beta = 0.1, f->options.label_smoothing = 0.5))
+MUTATION(ls_zero, f->options.label_smoothing = 0.0)
+static const cd_case error_then_success[] = {
+    {"beta 0", beta_zero, BOTH, FH_ERR_INVALID_PREFERENCE_OPTION, "beta"},
+    {"beta 0.1, label_smoothing 0.5 (sigmoid)", beta_back_ls_half, BOTH, FH_OK, NULL},
+    {"label_smoothing 0", ls_zero, BOTH, FH_OK, NULL},
+};
+
 static void test_valid_calls(void)
 {
-    for (int which = FWD; which <= STEP; which++) {
-        fixture f;
-        fixture_init(&f);
-        inputs in_before;
-        memcpy(&in_before, &f.in, sizeof in_before);
-        outputs canary;
-        tu_fill_canary(&canary, sizeof canary);
-        const fh_status st = call(&f, which);
-        TU_CHECK(st == FH_OK, "%s: status %d", call_name(which), (int)st);
-        const struct {
-            const char *name;
-            const void *a, *b;
-            size_t bytes;
-            int written_by;
-        } parts[] = {
-            {"loss", &f.out.loss, &canary.loss, sizeof canary.loss, BOTH},
-            {"metrics", &f.out.metrics, &canary.metrics, sizeof canary.metrics, BOTH},
-            {"sequence_logps", f.out.sequence_logps, canary.sequence_logps, sizeof canary.sequence_logps, BOTH},
-            {"rewards", f.out.rewards, canary.rewards, sizeof canary.rewards, BOTH},
-            {"per_token_logp", f.out.logp, canary.logp, sizeof canary.logp, BOTH},
-            {"dx", f.out.dx, canary.dx, sizeof canary.dx, STEP},
-            {"dweight", f.out.dweight, canary.dweight, sizeof canary.dweight, STEP},
-            {"dbias", f.out.dbias, canary.dbias, sizeof canary.dbias, STEP},
-        };
-        for (size_t k = 0; k < TU_COUNT(parts); k++) {
-            const int same = memcmp(parts[k].a, parts[k].b, parts[k].bytes) == 0;
-            if (parts[k].written_by & which)
-                TU_CHECK(!same, "%s left %s at the canary", call_name(which), parts[k].name);
-            else
-                TU_CHECK(same, "%s wrote %s, which it does not produce", call_name(which), parts[k].name);
-        }
-        if (which == STEP)
-            TU_CHECK(tu_all_finite_f(f.out.dx, N * H) && tu_all_finite_f(f.out.dweight, H * V) &&
-                         tu_all_finite_f(f.out.dbias, V),
-                     "%s: gradients not finite", call_name(which));
-        TU_CHECK(memcmp(&in_before, &f.in, sizeof in_before) == 0, "%s modified an input", call_name(which));
-        const char *msg = NULL;
-        fh_context_message(f.ctx, &msg);
-        TU_CHECK(msg && msg[0] == '\0', "%s: message after success \"%s\"", call_name(which), msg ? msg : "(null)");
-        f.options.beta = 0.0;
-        TU_CHECK(call(&f, which) == FH_ERR_INVALID_PREFERENCE_OPTION, "beta 0 accepted");
-        fh_context_message(f.ctx, &msg);
-        TU_CHECK(msg && msg[0], "no message after an error");
-        f.options.beta = 0.1;
-        f.options.label_smoothing = 0.5;
-        TU_CHECK(call(&f, which) == FH_OK, "%s with label_smoothing 0.5 (sigmoid) failed", call_name(which));
-        fh_context_message(f.ctx, &msg);
-        TU_CHECK(msg && msg[0] == '\0', "message not cleared by a success: \"%s\"", msg ? msg : "(null)");
-        f.options.label_smoothing = 0.0;
-        TU_CHECK(call(&f, which) == FH_OK, "%s with label_smoothing 0 failed", call_name(which));
-        fh_context_destroy(f.ctx);
-    }
+    cd_run_valid_calls(&api, error_then_success, TU_COUNT(error_then_success), NULL);
 }
 
 /* Targets outside [0, V) under the mask (-1, V, INT64_MIN, INT64_MAX, -100) are accepted, in either half;
@@ -868,62 +821,44 @@ static void test_masked_out_of_range_targets(void)
         }
 }
 
-/* A caller workspace of exactly fh_preference_workspace_size bytes works for both calls with nothing written
- * outside it; one byte less fails with FH_ERR_WORKSPACE_TOO_SMALL, untouched outputs and a message naming the
- * workspace. Budgets: the default (row blocks) and 2 KiB. The query's own checks, and its purity. */
+/* A caller workspace of exactly fh_preference_workspace_size bytes works for both calls; one byte less is refused
+ * (contract_driver.h). Budgets: the default (row blocks) and 2 KiB. The query's own refusals are pure. */
+static const char *const budgets[] = {"default budget", "budget 2048"};
+static void set_budget(void *fixture_, size_t k)
+{
+    fixture *f = fixture_;
+    TU_CHECK(fh_context_set(f->ctx, FH_PARAM_MEMORY_BUDGET, k ? 2048 : 0) == FH_OK, "set budget");
+}
+
+static fh_status size_query(void *fixture_, int which, size_t *bytes)
+{
+    const fixture *f = fixture_;
+    (void)which; /* one query for both calls */
+    return fh_preference_workspace_size(f->call_ctx, f->call_lin, bytes);
+}
+
+static const cd_case query_refusals[] = {
+    {"NULL context", null_ctx, BOTH, FH_ERR_NULL_POINTER, NULL},
+    {"NULL fh_linear", null_lin, BOTH, FH_ERR_NULL_POINTER, NULL},
+    {"n = 0", n_zero, BOTH, FH_ERR_INVALID_SIZE, NULL},
+    {"memory budget 1 byte", budget_one, BOTH, FH_ERR_BUDGET_TOO_SMALL, NULL},
+};
+
 static void test_workspace(void)
 {
-    enum { GUARD = 256 };
-    static const int64_t budgets[] = {0, 2048};
-    for (size_t bu = 0; bu < TU_COUNT(budgets); bu++)
-        for (int which = FWD; which <= STEP; which++) {
-            fixture f;
-            fixture_init(&f);
-            TU_CHECK(fh_context_set(f.ctx, FH_PARAM_MEMORY_BUDGET, budgets[bu]) == FH_OK, "set budget");
-            char label[96];
-            snprintf(label, sizeof label, "budget %lld, %s", (long long)budgets[bu], call_name(which));
-            size_t bytes = 0;
-            TU_CHECK(fh_preference_workspace_size(f.ctx, &f.lin, &bytes) == FH_OK && bytes > 0, "%s: size query",
-                     label);
-            unsigned char *block = tu_alloc(bytes + GUARD, 1);
-            memset(block, 0x5A, bytes + GUARD);
-            TU_CHECK(fh_context_set_workspace(f.ctx, block, bytes - 1) == FH_OK, "set_workspace");
-            outputs before;
-            memcpy(&before, &f.out, sizeof before);
-            fh_status st = call(&f, which);
-            TU_CHECK(st == FH_ERR_WORKSPACE_TOO_SMALL, "%s: bytes - 1 gives status %d", label, (int)st);
-            const char *msg = NULL;
-            fh_context_message(f.ctx, &msg);
-            TU_CHECK(msg && tu_mentions(msg, "workspace"), "%s: message \"%s\" does not name the workspace", label,
-                     msg ? msg : "");
-            TU_CHECK(memcmp(&before, &f.out, sizeof before) == 0, "%s: outputs modified by a failed call", label);
-            TU_CHECK(fh_context_set_workspace(f.ctx, block, bytes) == FH_OK, "set_workspace");
-            st = call(&f, which);
-            TU_CHECK(st == FH_OK && isfinite(f.out.loss), "%s: exact size gives status %d", label, (int)st);
-            size_t outside = 0;
-            for (size_t i = 0; i < GUARD; i++)
-                outside += block[bytes + i] != 0x5A;
-            TU_CHECK(outside == 0, "%s: %zu bytes written past the workspace", label, outside);
-            fh_context_destroy(f.ctx);
-            free(block);
-        }
-    fixture f;
-    fixture_init(&f);
-    size_t bytes = 777;
-    TU_CHECK(fh_preference_workspace_size(NULL, &f.lin, &bytes) == FH_ERR_NULL_POINTER, "NULL ctx");
-    TU_CHECK(fh_preference_workspace_size(f.ctx, NULL, &bytes) == FH_ERR_NULL_POINTER, "NULL lin");
-    TU_CHECK(fh_preference_workspace_size(f.ctx, &f.lin, NULL) == FH_ERR_NULL_POINTER, "NULL bytes");
-    fh_linear bad = f.lin;
-    bad.n = 0;
-    TU_CHECK(fh_preference_workspace_size(f.ctx, &bad, &bytes) == FH_ERR_INVALID_SIZE, "n = 0");
-    const char *msg = NULL;
-    fh_context_message(f.ctx, &msg);
-    TU_CHECK(msg && msg[0] == '\0', "the pure size query set the message \"%s\"", msg ? msg : "");
-    TU_CHECK(fh_context_set(f.ctx, FH_PARAM_MEMORY_BUDGET, 1) == FH_OK, "set budget");
-    TU_CHECK(fh_preference_workspace_size(f.ctx, &f.lin, &bytes) == FH_ERR_BUDGET_TOO_SMALL, "budget 1");
-    TU_CHECK(bytes == 777, "a failed query wrote *bytes = %zu", bytes);
-    fh_context_destroy(f.ctx);
+    static const size_t offsets[] = {0, 1, 8};
+    static const cd_workspace w = {offsets, TU_COUNT(offsets), budgets, TU_COUNT(budgets), set_budget, size_query,
+                                   NULL, query_refusals, TU_COUNT(query_refusals)};
+    cd_run_workspace(&api, &w);
 }
+
+/* Optional outputs: every one NULL; then only the loss and dweight. */
+MUTATION(no_outputs, (memset(&f->pout, 0, sizeof f->pout), memset(&f->grads, 0, sizeof f->grads)))
+MUTATION(loss_and_dweight, (f->pout.loss = &f->out.loss, f->grads.dweight = f->out.dweight))
+static const cd_optional optional_steps[] = {
+    {"every output and gradient NULL", no_outputs, BOTH, {NULL}},
+    {"the loss and dweight only", loss_and_dweight, BOTH, {"loss", "dweight"}},
+};
 
 /* fh_preference_options_init's documented defaults (TRL's), NULL; and "any may be NULL" for the outputs, "a NULL
  * pointer skips that gradient". */
@@ -937,22 +872,7 @@ static void test_options_init_and_optional_outputs(void)
              "documented defaults");
     TU_CHECK(fh_preference_options_init(NULL) == FH_ERR_NULL_POINTER, "fh_preference_options_init(NULL)");
 
-    fixture f;
-    fixture_init(&f);
-    fh_preference_outputs none = {NULL, NULL, NULL, NULL, NULL};
-    fh_linear_grads no_grads = {.dx = NULL};
-    f.call_out = &none;
-    f.call_grads = &no_grads;
-    TU_CHECK(call(&f, FWD) == FH_OK, "forward with every output NULL");
-    TU_CHECK(call(&f, STEP) == FH_OK, "single-call step with every output and gradient NULL");
-    outputs canary;
-    tu_fill_canary(&canary, sizeof canary);
-    TU_CHECK(memcmp(&canary, &f.out, sizeof canary) == 0, "NULL outputs, yet a buffer was written");
-    no_grads.dweight = f.out.dweight;
-    none.loss = &f.out.loss;
-    TU_CHECK(call(&f, STEP) == FH_OK && tu_all_finite_f(f.out.dweight, H * V) && isfinite(f.out.loss),
-             "single-call step with the loss and dweight only");
-    fh_context_destroy(f.ctx);
+    cd_run_optional_outputs(&api, optional_steps, TU_COUNT(optional_steps));
 }
 
 static const tu_test tests[] = {
