@@ -64,12 +64,12 @@ static fh_status filtered_dweight_after_blocks(const fh_pass *p)
                                               NULL, NULL, v + TERM_G_ALL_TAIL * h};
     int64_t kept = 0;
     for (int64_t j = 0; j < vocab; j++)
-        if (p->ws.filter.used[j])
-            p->ws.filter.kept[kept++] = j;
+        if (p->ws.filter.dw_holds[j])
+            p->ws.filter.kept_columns[kept++] = j;
     /* Every column kept: the unfiltered GEMM over every row. */
     fh_status st = kept == vocab ? fh_pass_dweight_by_chunks(p, 0) : FH_OK;
     for (int64_t c0 = 0; c0 < kept && kept < vocab && st == FH_OK; c0 += FH_FILTER_CHUNK) {
-        const int64_t *columns = p->ws.filter.kept + c0;
+        const int64_t *columns = p->ws.filter.kept_columns + c0;
         const int64_t count = min64(FH_FILTER_CHUNK, kept - c0), width = fh_filter_gathered_width(p, count);
         int accumulate = 0;
         for (int64_t i0 = 0; i0 < span && st == FH_OK; i0 += height)
@@ -83,9 +83,9 @@ static fh_status filtered_dweight_after_blocks(const fh_pass *p)
     }
     for (int64_t j0 = 0; j0 < vocab && st == FH_OK;) {
         int64_t j1 = j0 + 1;
-        while (j1 < vocab && p->ws.filter.used[j1] == p->ws.filter.used[j0])
+        while (j1 < vocab && p->ws.filter.dw_holds[j1] == p->ws.filter.dw_holds[j0])
             j1++;
-        if (!p->ws.filter.used[j0])
+        if (!p->ws.filter.dw_holds[j0])
             skipped_dweight_columns(p, j0, j1, terms, terms_count);
         j0 = j1;
     }

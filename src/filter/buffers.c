@@ -35,10 +35,10 @@ int64_t fh_filter_row_bytes(const fh_filter_shape *s)
 fh_filter_workspace fh_filter_carve(const fh_filter_shape *s, char *const at[FH_FILTER_BUFFERS])
 {
     fh_filter_workspace w;
-    w.marks = (uint8_t *)at[FH_FILTER_MARKS];
-    w.keep = (uint8_t *)at[FH_FILTER_FLAGS];
-    w.used = w.keep ? w.keep + s->tile_vocab : NULL;
-    w.kept = (int64_t *)at[FH_FILTER_KEPT];
+    w.thread_marks = (uint8_t *)at[FH_FILTER_MARKS];
+    w.kept_flag = (uint8_t *)at[FH_FILTER_FLAGS];
+    w.dw_holds = w.kept_flag ? w.kept_flag + s->tile_vocab : NULL;
+    w.kept_columns = (int64_t *)at[FH_FILTER_KEPT];
     w.row_c = (double *)at[FH_FILTER_ROW_C];
     w.vectors = (double *)at[FH_FILTER_VECTORS];
     w.factors = (double *)at[FH_FILTER_FACTORS];

@@ -30,7 +30,7 @@ typedef struct fh_filter_shape {
 
 enum {
     FH_FILTER_MARKS,        /* the columns each thread marked, per segment: 2 x threads x tile_vocab bytes */
-    FH_FILTER_FLAGS,        /* per-column keep and used flags */
+    FH_FILTER_FLAGS,        /* per-column kept_flag and dw_holds */
     FH_FILTER_KEPT,         /* the kept columns' list */
     FH_FILTER_ROW_C,        /* every tile row's c coefficient */
     FH_FILTER_VECTORS,      /* TERM_VECTORS H-vectors and a sum */
@@ -48,8 +48,10 @@ enum {
 
 /* Pointers into a carved workspace (all NULL when filtering is off, the tail's when it drops the tail). */
 typedef struct fh_filter_workspace {
-    uint8_t *marks, *keep, *used;
-    int64_t *kept;
+    uint8_t *thread_marks; /* the columns each thread marked as large, per segment */
+    uint8_t *kept_flag;    /* per column of the tile: some row marked it, its GEMMs run */
+    uint8_t *dw_holds;     /* per column: dweight (or its accumulator) holds something of this call already */
+    int64_t *kept_columns; /* the kept columns' list, in order */
     double *row_c, *vectors, *factors;
     void *gathered_du, *gathered_w;
     float *gathered_dw;

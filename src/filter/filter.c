@@ -12,7 +12,7 @@
  * softmax terms are replaced by the tail estimate r_i nu_j / S (or dropped: FH_FILTER_TAIL_DROP), and its c w
  * term, rank one without a softcap (dz/du = 1/T), is applied exactly as dx_i += c_i / T sum_j w_j W[:, j] and
  * dW[:, j] += w_j / T sum_i c_i x_i over the skipped columns; both go through fh_skipped_term (below). dweight
- * columns honour beta through the `used` flags: a column is written (zeroed first when beta is 0 or it is an
+ * columns honour beta through the `dw_holds` flags: a column is written (zeroed first when beta is 0 or it is an
  * accumulator) before anything is added to it, and columns nothing reached are zeroed at the end. */
 
 /* The scale of row k's softmax terms, against which filtering measures them: max(|a|, |b|, |e|). A mean over N
@@ -29,7 +29,7 @@ static double row_scale(const fh_coef *k)
 static uint8_t *thread_marks(const fh_pass *p, int segment)
 {
     const int64_t cols = p->in.plan->tile_vocab;
-    return p->ws.filter.marks + ((int64_t)segment * p->in.plan->threads + omp_get_thread_num()) * cols;
+    return p->ws.filter.thread_marks + ((int64_t)segment * p->in.plan->threads + omp_get_thread_num()) * cols;
 }
 
 /* The calling thread's profile of segment `segment` for the tail estimate: the magnitudes of its rows' entries
@@ -77,13 +77,13 @@ void fh_filter_row_gradient(const fh_pass *p, float *row, int64_t tile_row, int 
         marking.marks[target] = 1;
 }
 
-/* The tile's keep flags from the marks of segment `segment` (every column when unfiltered), the marks cleared for
+/* The tile's kept_flag from the thread marks of segment `segment` (every column when unfiltered), the marks cleared for
  * the next tile; the kept columns listed in order. Returns their number. */
 static int64_t keep_columns(const fh_pass *p, int segment, int64_t vb, int unfiltered)
 {
     const int64_t cols = p->in.plan->tile_vocab;
     const int threads = p->in.plan->threads;
-    uint8_t *marks = p->ws.filter.marks + (int64_t)segment * threads * cols, *keep = p->ws.filter.keep;
+    uint8_t *marks = p->ws.filter.thread_marks + (int64_t)segment * threads * cols, *keep = p->ws.filter.kept_flag;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t j = 0; j < vb; j++) {
         uint8_t kept = (uint8_t)unfiltered;
@@ -96,7 +96,7 @@ static int64_t keep_columns(const fh_pass *p, int segment, int64_t vb, int unfil
     int64_t count = 0;
     for (int64_t j = 0; j < vb; j++)
         if (keep[j])
-            p->ws.filter.kept[count++] = j;
+            p->ws.filter.kept_columns[count++] = j;
     return count;
 }
 
@@ -120,7 +120,7 @@ static double tail_profile(const fh_pass *p, int segment, int64_t vb)
                 sum += profiles[t * cols + j];
                 profiles[t * cols + j] = 0.0f;
             }
-            ws->filter.tail_columns[j] = ws->filter.keep[j] ? 0.0 : sum;
+            ws->filter.tail_columns[j] = ws->filter.kept_flag[j] ? 0.0 : sum;
             total += ws->filter.tail_columns[j];
         }
     }
@@ -144,7 +144,7 @@ fh_status fh_filter_gradients(const fh_pass *p, int segment, int64_t tile_row, i
     const int unfiltered = any_c && p->in.tf.softcap > 0.0f; /* c w is not rank one under a softcap */
     const int64_t kept = keep_columns(p, segment, vb, unfiltered), skipped_columns = vb - kept;
     for (int64_t c = 0; after && c < kept; c++)
-        ws->filter.used[ws->filter.kept[c]] = 1; /* the dweight GEMM after the blocks needs this column */
+        ws->filter.dw_holds[ws->filter.kept_columns[c]] = 1; /* the dweight GEMM after the blocks needs this column */
     const int gemms = (grads->dx != NULL) + (grads->dweight && !after);
     ws->filter_stats->gradient_flops += 2.0 * (double)nb * (double)h * (double)vb * gemms;
     ws->filter_stats->skipped_flops += 2.0 * (double)nb * (double)h * (double)skipped_columns * gemms;
@@ -208,8 +208,8 @@ void fh_filter_begin(const fh_pass *p)
 {
     const fh_linear *lin = p->in.lin;
     const fh_linear_grads *grads = p->in.grads;
-    memset(p->ws.filter.marks, 0, 2 * (size_t)p->in.plan->threads * (size_t)p->in.plan->tile_vocab);
-    memset(p->ws.filter.used, 0, (size_t)p->in.plan->tile_vocab);
+    memset(p->ws.filter.thread_marks, 0, 2 * (size_t)p->in.plan->threads * (size_t)p->in.plan->tile_vocab);
+    memset(p->ws.filter.dw_holds, 0, (size_t)p->in.plan->tile_vocab);
     memset(p->ws.filter.vectors, 0, (TERM_VECTORS * (size_t)lin->hidden + 1) * sizeof(double));
     if (p->in.plan->tail_estimate) {
         memset(p->ws.filter.tail_nu, 0, 2 * (size_t)p->in.plan->threads * (size_t)p->in.plan->tile_vocab * sizeof(float));
@@ -229,7 +229,7 @@ void fh_filter_begin(const fh_pass *p)
  * a run of them at a time. */
 void fh_filter_finish_columns(const fh_pass *p, int64_t v0, int64_t vb)
 {
-    const uint8_t *used = p->ws.filter.used;
+    const uint8_t *used = p->ws.filter.dw_holds;
     int64_t stride_k, stride_j;
     fh_dw_strides(p, vb, &stride_k, &stride_j);
     for (int64_t j0 = 0; j0 < vb && p->sinks.dw_overwrites;) {
@@ -240,7 +240,7 @@ void fh_filter_finish_columns(const fh_pass *p, int64_t v0, int64_t vb)
             fh_zero_columns(p, (char *)fh_dw_f32(p, 0, 0, v0, vb), sizeof(float), stride_k, stride_j, j0, j1);
         j0 = j1;
     }
-    memset(p->ws.filter.used, 0, (size_t)vb);
+    memset(p->ws.filter.dw_holds, 0, (size_t)vb);
 }
 
 /* A filtered row block's dx rows (segment at i0): zeroed before its GEMMs and terms add into them (the f32

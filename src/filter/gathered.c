@@ -111,7 +111,7 @@ void fh_filter_compact_rows(const fh_pass *p, int64_t tile_row, int64_t nb, int6
         const row_tail t = tail ? row_tail_of(p, tile_row + r) : (row_tail){0.0f, 0.0f};
         float *row = p->ws.tile + (tile_row + r) * vb;
         const float *next = r + 1 < nb ? row + vb : NULL;
-        const double share = fh_row_compact(row, p->ws.filter.kept, kept, move, t.least, t.c, weights, next);
+        const double share = fh_row_compact(row, p->ws.filter.kept_columns, kept, move, t.least, t.c, weights, next);
         if (tail)
             p->ws.filter.tail_rows[tile_row + r] -= share;
     }
@@ -151,7 +151,7 @@ static void gather_weight(const fh_pass *p, int64_t v0, int64_t vb, const int64_
 static void dw_add(const fh_pass *p, int64_t k, int64_t j, int64_t v0, int64_t vb, float value)
 {
     float *d = fh_dw_f32(p, k, j, v0, vb);
-    *d = p->ws.filter.used[j] || !p->sinks.dw_overwrites ? *d + value : value;
+    *d = p->ws.filter.dw_holds[j] || !p->sinks.dw_overwrites ? *d + value : value;
 }
 
 /* A chunk of gathered_dw (its columns[0..count), `width` wide) and where it goes: a tile (v0, vb) of dweight or its
@@ -178,7 +178,7 @@ static void scatter_dweight(const fh_pass *p, int64_t v0, int64_t vb, const int6
     const gathered_chunk chunk = {p, v0, vb, width};
     fh_walk(p->in.plan->threads, p->in.lin->hidden, p->sinks.by_vocab, 0, count, columns, scatter_run, &chunk);
     for (int64_t c = 0; c < count; c++)
-        p->ws.filter.used[columns[c]] = 1;
+        p->ws.filter.dw_holds[columns[c]] = 1;
 }
 
 static void store_run(const void *self, const fh_run *run)
@@ -219,7 +219,7 @@ fh_status fh_filter_kept_gemms(const fh_pass *p, int64_t tile_row, int64_t i0, i
         fh_filter_compact_rows(p, tile_row, nb, vb, kept, p->in.class_weights ? p->in.class_weights + v0 : NULL, 1);
     fh_status st = FH_OK;
     for (int64_t c0 = 0; c0 < kept && st == FH_OK; c0 += FH_FILTER_CHUNK) {
-        const int64_t *columns = p->ws.filter.kept + c0;
+        const int64_t *columns = p->ws.filter.kept_columns + c0;
         const int64_t count = min64(FH_FILTER_CHUNK, kept - c0), width = fh_filter_gathered_width(p, count);
         const fh_gemm_input du = p->in.plan->bf16_du
                                      ? fh_filter_gather_du(p, p->ws.du + (p->in.plan->row_blocks ? i0 : tile_row) * vb, vb, nb,
@@ -239,7 +239,7 @@ fh_status fh_filter_kept_gemms(const fh_pass *p, int64_t tile_row, int64_t i0, i
 }
 
 /* A tile that keeps every column runs the unfiltered GEMMs in place (nothing to gather): dx adds (it was zeroed),
- * dweight is written or added to as its columns' used flags say, or gathered when they differ. */
+ * dweight is written or added to as its columns' dw_holds flags say, or gathered when they differ. */
 fh_status fh_filter_all_kept_gemms(const fh_pass *p, int64_t tile_row, int64_t i0, int64_t nb, int64_t v0,
                                 int64_t vb)
 {
@@ -248,10 +248,10 @@ fh_status fh_filter_all_kept_gemms(const fh_pass *p, int64_t tile_row, int64_t i
         return st;
     int64_t used = 0;
     for (int64_t j = 0; j < vb; j++)
-        used += p->ws.filter.used[j];
+        used += p->ws.filter.dw_holds[j];
     if (used != 0 && used != vb)
         return fh_filter_kept_gemms(p, tile_row, i0, nb, v0, vb, vb, 0);
     st = fh_pass_add_dweight(p, 0, tile_row, i0, nb, v0, vb, 0, vb, used == vb || !p->sinks.dw_overwrites);
-    memset(p->ws.filter.used, 1, (size_t)vb);
+    memset(p->ws.filter.dw_holds, 1, (size_t)vb);
     return st;
 }

@@ -54,7 +54,7 @@ void fh_terms_run(const fh_skipped_term *terms, int count, int64_t k, int64_t j,
 void fh_skipped_weight_sums(const fh_pass *p, int64_t v0, int64_t vb, const fh_skipped_term *terms, int count)
 {
     const fh_linear *lin = p->in.lin;
-    const uint8_t *keep = p->ws.filter.keep;
+    const uint8_t *keep = p->ws.filter.kept_flag;
     double *factors = p->ws.filter.factors; /* count x vb */
     const int hidden_inner = lin->w_stride_hidden <= lin->w_stride_vocab;
     const int bf16 = lin->weight_dtype == FH_DTYPE_BF16;
@@ -117,7 +117,7 @@ static void skipped_term_run(const void *self, const fh_run *run)
 {
     const skipped_tile *t = self;
     const fh_pass *p = t->p;
-    const uint8_t *keep = p->ws.filter.keep, *used = p->ws.filter.used;
+    const uint8_t *keep = p->ws.filter.kept_flag, *used = p->ws.filter.dw_holds;
     const int overwrites = p->sinks.dw_overwrites;
     if (!run->along_vocab && keep[run->j])
         return;
@@ -141,7 +141,7 @@ void fh_skipped_columns_term(const fh_pass *p, int64_t v0, int64_t vb, const fh_
     const skipped_tile tile = {p, v0, vb, terms, count};
     fh_walk(p->in.plan->threads, p->in.lin->hidden, p->sinks.by_vocab, 0, vb, NULL, skipped_term_run, &tile);
     for (int64_t j = 0; j < vb; j++)
-        p->ws.filter.used[j] |= !p->ws.filter.keep[j];
+        p->ws.filter.dw_holds[j] |= !p->ws.filter.kept_flag[j];
 }
 
 typedef struct zeroed {
