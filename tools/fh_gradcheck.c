@@ -3,7 +3,7 @@
  * --dump DIR writes every input and fused output as .npy so other tools can check them independently. Exits 77 (a
  * skip for ctest), saying why, when FH_ROW_KERNELS or FH_BF16_GEMM asks for kernels this CPU or build lacks. */
 #include "ce_case.h"
-#include "enum_options.h"
+#include "gradcheck_common.h"
 #include "gradcheck_distill.h"
 #include "gradcheck_grpo.h"
 #include "gradcheck_preference.h"
@@ -12,7 +12,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 static void usage(void)
 {
@@ -28,88 +27,67 @@ static void usage(void)
             "       fh_gradcheck --loss distill ... (fh_gradcheck --loss distill --help)\n");
 }
 
-static int parse(int argc, char **argv, ce_case_spec *s, const char **dump)
+/* The cross-entropy case, as gradcheck_main runs it. */
+typedef struct ce_check {
+    ce_case_spec spec;
+    ce_case c;
+    ce_metrics m;
+    const char *kernel_set; /* the row kernels in use, for the JSON */
+} ce_check;
+
+/* CE's own options (gradcheck_own_option). */
+static int ce_option(void *spec, const char *a, const char *v)
 {
+    ce_case_spec *s = spec;
+    if (strcmp(a, "--class-weights") == 0) {
+        s->class_weights = 1;
+        return 1;
+    }
+    if (!v)
+        return 0;
+    if (strcmp(a, "--loss") == 0)
+        return 2; /* "ce" (checked in main) */
+    if (strcmp(a, "--label-smoothing") == 0)
+        s->label_smoothing = atof(v);
+    else if (strcmp(a, "--softcap") == 0)
+        s->softcap = atof(v);
+    else if (strcmp(a, "--z-loss") == 0)
+        s->z_loss = atof(v);
+    else
+        return 0;
+    return 2;
+}
+
+static int parse(void *check, int argc, char **argv, const char **dump)
+{
+    ce_case_spec *s = &((ce_check *)check)->spec;
     ce_case_spec_default(s);
     s->n = 257;
     s->hidden = 129;
     s->vocab = 5003;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-#define VALUE_OPTION(name) (strcmp(a, name) == 0 && v && ++i)
-        if (VALUE_OPTION("--loss"))
-            continue; /* "ce" (checked in main) */
-        else if (VALUE_OPTION("--n"))
-            s->n = atoll(v);
-        else if (VALUE_OPTION("--hidden"))
-            s->hidden = atoll(v);
-        else if (VALUE_OPTION("--vocab"))
-            s->vocab = atoll(v);
-        else if (VALUE_OPTION("--layout")) {
-            if (strcmp(v, "hv") && strcmp(v, "vh"))
-                return -1;
-            s->layout = strcmp(v, "vh") == 0 ? FH_LAYOUT_VH : FH_LAYOUT_HV;
-        } else if (strcmp(a, "--bias") == 0)
-            s->bias = 1;
-        else if (VALUE_OPTION("--ignore-frac"))
-            s->ignore_frac = atof(v);
-        else if (VALUE_OPTION("--label-smoothing"))
-            s->label_smoothing = atof(v);
-        else if (strcmp(a, "--class-weights") == 0)
-            s->class_weights = 1;
-        else if (VALUE_OPTION("--softcap"))
-            s->softcap = atof(v);
-        else if (VALUE_OPTION("--z-loss"))
-            s->z_loss = atof(v);
-        else if (VALUE_OPTION("--reduction")) {
-            if (strcmp(v, "mean") == 0)
-                s->reduction = FH_REDUCTION_MEAN;
-            else if (strcmp(v, "sum") == 0)
-                s->reduction = FH_REDUCTION_SUM;
-            else if (strcmp(v, "none") == 0)
-                s->reduction = FH_REDUCTION_NONE;
-            else
-                return -1;
-        } else if (VALUE_OPTION("--dtype")) {
-            if (parse_dtype(v, &s->dtype) != 0)
-                return -1;
-        } else if (VALUE_OPTION("--grad-dtype")) {
-            if (parse_dtype(v, &s->grad_dtype) != 0)
-                return -1;
-        } else if (strcmp(a, "--fp32-dz") == 0) {
-            s->fp32_dz = 1;
-        } else if (VALUE_OPTION("--grad-filter-eps"))
-            s->grad_filter_eps = atof(v);
-        else if (VALUE_OPTION("--grad-filter-tail")) {
-            if (parse_filter_tail(v, &s->grad_filter_tail) != 0)
-                return -1;
-        } else if (VALUE_OPTION("--logit-scale"))
-            s->logit_scale = atof(v);
-        else if (VALUE_OPTION("--threads"))
-            s->threads = atoi(v);
-        else if (strcmp(a, "--train-step") == 0)
-            s->train_step = 1;
-        else if (VALUE_OPTION("--tile-rows"))
-            s->tile_rows = atoll(v);
-        else if (VALUE_OPTION("--tile-vocab"))
-            s->tile_vocab = atoll(v);
-        else if (VALUE_OPTION("--budget"))
-            s->budget = atoll(v);
-        else if (VALUE_OPTION("--seed"))
-            s->seed = strtoull(v, NULL, 10);
-        else if (VALUE_OPTION("--dump"))
-            *dump = v;
-        else
-            return -1;
-#undef VALUE_OPTION
-    }
-    return 0;
+    const gradcheck_options shared = {GRADCHECK_EVERY_LOSS_OPTIONS(s, dump),
+                                      .n = &s->n,
+                                      .ignore_frac = &s->ignore_frac,
+                                      .reduction = &s->reduction,
+                                      .train_step = &s->train_step,
+                                      .budget = &s->budget,
+                                      .grad_filter_eps = &s->grad_filter_eps,
+                                      .grad_filter_tail = &s->grad_filter_tail,
+                                      .logit_scale = &s->logit_scale};
+    return gradcheck_parse(argc, argv, &shared, ce_option, s);
 }
 
-static int dump_case(const char *dir, const ce_case *c)
+static int run(void *check)
 {
+    ce_check *k = check;
+    const fh_status st = ce_case_run(&k->spec, &k->c, &k->m);
+    return st == FH_OK ? 0 : gradcheck_library_failed(st, NULL);
+}
+
+static int dump_case(const void *check, const char *dir)
+{
+    const ce_case *c = &((const ce_check *)check)->c;
     const ce_case_spec *s = &c->spec;
-    mkdir(dir, 0777);
     const int64_t nh[2] = {s->n, s->hidden}, n1[1] = {s->n}, v1[1] = {s->vocab};
     const int64_t w2[2] = {s->layout == FH_LAYOUT_HV ? s->hidden : s->vocab,
                            s->layout == FH_LAYOUT_HV ? s->vocab : s->hidden};
@@ -134,6 +112,32 @@ static int dump_case(const char *dir, const ce_case *c)
     return bad;
 }
 
+static int report(const void *check)
+{
+    const ce_check *k = check;
+    const ce_case *c = &k->c;
+    const ce_metrics *m = &k->m;
+    const int pass = ce_metrics_pass(m);
+    printf("{\n  \"loss\": %.17g,\n  \"ref_loss\": %.17g,\n  \"abs_diff_loss\": %.3e,\n  \"rel_diff_loss\": %.3e,\n"
+           "  \"abs_diff_z_loss\": %.3e,\n  \"per_token_loss_max_abs\": %.3e,\n  \"logp_max_abs\": %.3e,\n"
+           "  \"lse_max_abs\": %.3e,\n  \"dhidden_max_abs\": %.3e,\n  \"dhidden_max_rel\": %.3e,\n"
+           "  \"dhidden_norm_rel\": %.3e,\n  \"dweight_max_abs\": %.3e,\n  \"dweight_max_rel\": %.3e,\n"
+           "  \"dweight_norm_rel\": %.3e,\n  \"dbias_norm_rel\": %.3e,\n  \"argmax_mismatches\": %lld,\n"
+           "  \"tolerance\": {\"loss_rel\": %g, \"grad_norm_rel\": %g, \"dbias_norm_rel\": %g},\n  \"blis_kernel_set\": \"%s\",\n"
+           "  \"grad_filter_eps\": %g,\n  \"filter_skipped_fraction\": %.4f,\n  \"pass\": %s\n}\n",
+           c->loss, c->ref_loss, m->abs_diff_loss, m->rel_diff_loss, m->abs_diff_z_loss, m->per_token_loss_max_abs,
+           m->logp_max_abs, m->lse_max_abs, m->dhidden_max_abs, m->dhidden_max_rel, m->dhidden_norm_rel,
+           m->dweight_max_abs, m->dweight_max_rel, m->dweight_norm_rel, m->dbias_norm_rel,
+           (long long)m->argmax_mismatches, CE_LOSS_REL_TOL, m->grad_norm_rel_tol, m->dbias_norm_rel_tol, k->kernel_set,
+           k->spec.grad_filter_eps, gradcheck_skipped_fraction(&c->filter_stats), pass ? "true" : "false");
+    return pass;
+}
+
+static void free_check(void *check)
+{
+    ce_case_free(&((ce_check *)check)->c);
+}
+
 int main(int argc, char **argv)
 {
     fh_kernel_info kernels;
@@ -154,40 +158,7 @@ int main(int argc, char **argv)
                 return 2;
             }
         }
-    ce_case_spec spec;
-    const char *dump = NULL;
-    if (parse(argc, argv, &spec, &dump) != 0) {
-        usage();
-        return 2;
-    }
-    ce_case c;
-    ce_metrics m;
-    const fh_status st = ce_case_run(&spec, &c, &m);
-    if (st != FH_OK) {
-        fprintf(stderr, "fh_gradcheck: the library returned %d (%s)\n", (int)st, fh_status_string(st));
-        ce_case_free(&c);
-        return 2;
-    }
-    const int pass = ce_metrics_pass(&m);
-    printf("{\n  \"loss\": %.17g,\n  \"ref_loss\": %.17g,\n  \"abs_diff_loss\": %.3e,\n  \"rel_diff_loss\": %.3e,\n"
-           "  \"abs_diff_z_loss\": %.3e,\n  \"per_token_loss_max_abs\": %.3e,\n  \"logp_max_abs\": %.3e,\n"
-           "  \"lse_max_abs\": %.3e,\n  \"dhidden_max_abs\": %.3e,\n  \"dhidden_max_rel\": %.3e,\n"
-           "  \"dhidden_norm_rel\": %.3e,\n  \"dweight_max_abs\": %.3e,\n  \"dweight_max_rel\": %.3e,\n"
-           "  \"dweight_norm_rel\": %.3e,\n  \"dbias_norm_rel\": %.3e,\n  \"argmax_mismatches\": %lld,\n"
-           "  \"tolerance\": {\"loss_rel\": %g, \"grad_norm_rel\": %g, \"dbias_norm_rel\": %g},\n  \"blis_kernel_set\": \"%s\",\n"
-           "  \"grad_filter_eps\": %g,\n  \"filter_skipped_fraction\": %.4f,\n  \"pass\": %s\n}\n",
-           c.loss, c.ref_loss, m.abs_diff_loss, m.rel_diff_loss, m.abs_diff_z_loss, m.per_token_loss_max_abs,
-           m.logp_max_abs, m.lse_max_abs, m.dhidden_max_abs, m.dhidden_max_rel, m.dhidden_norm_rel,
-           m.dweight_max_abs, m.dweight_max_rel, m.dweight_norm_rel, m.dbias_norm_rel,
-           (long long)m.argmax_mismatches, CE_LOSS_REL_TOL, m.grad_norm_rel_tol, m.dbias_norm_rel_tol, kernels.kernel_set,
-           spec.grad_filter_eps,
-           c.filter_stats.gradient_flops > 0 ? c.filter_stats.skipped_flops / c.filter_stats.gradient_flops : 0.0,
-           pass ? "true" : "false");
-    int rc = pass ? 0 : 1;
-    if (dump && dump_case(dump, &c) != 0) {
-        fprintf(stderr, "fh_gradcheck: could not write to %s\n", dump);
-        rc = 2;
-    }
-    ce_case_free(&c);
-    return rc;
+    static const gradcheck_loss ce = {usage, parse, run, report, dump_case, free_check};
+    ce_check check = {.kernel_set = kernels.kernel_set};
+    return gradcheck_main(&ce, &check, argc, argv);
 }

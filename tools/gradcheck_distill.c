@@ -20,6 +20,7 @@
  * gradient that is a small difference of fp32 terms: its relative error then exceeds 1e-5 (tests/test_distill.c,
  * "jsd near its maximum"). */
 #include "enum_options.h"
+#include "gradcheck_common.h"
 #include "gradcheck_distill.h"
 #include "npy.h"
 
@@ -31,7 +32,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 #define DISTILL_LOSS_TOL 1e-5
 #define DISTILL_TOKEN_TOL 1e-5
@@ -64,26 +64,48 @@ typedef struct distill_spec {
     int64_t tile_rows, tile_vocab, budget;
     uint64_t seed;
     fh_dtype dtype, grad_dtype;
-    const char *dump; /* --dump DIR, or NULL */
 } distill_spec;
 
-static int lookup(const char *name, const char *const *names, int count)
+/* Distillation's own options (gradcheck_own_option). */
+static int distill_option(void *spec, const char *a, const char *v)
 {
-    for (int k = 0; k < count; k++)
-        if (strcmp(name, names[k]) == 0)
-            return k;
-    return -1;
+    distill_spec *s = spec;
+    int k;
+    if (strcmp(a, "--teacher-bias") == 0) {
+        s->teacher_bias = 1;
+        return 1;
+    }
+    if (strcmp(a, "--no-targets") == 0) {
+        s->no_targets = 1;
+        return 1;
+    }
+    if (!v)
+        return 0;
+    if (strcmp(a, "--loss") == 0)
+        return strcmp(v, "distill") ? -1 : 2;
+    if (strcmp(a, "--divergence") == 0) {
+        if ((k = option_index(v, divergences, 3)) < 0)
+            return -1;
+        s->options.divergence = (fh_divergence)k;
+    } else if (strcmp(a, "--teacher-layout") == 0) {
+        if (parse_layout(v, &s->teacher_layout) != 0)
+            return -1;
+    } else if (strcmp(a, "--beta") == 0)
+        s->options.beta = atof(v);
+    else if (strcmp(a, "--temperature") == 0)
+        s->options.temperature = atof(v);
+    else if (strcmp(a, "--weight-soft-loss") == 0)
+        s->options.weight_soft_loss = atof(v);
+    else if (strcmp(a, "--weight-hard-loss") == 0)
+        s->options.weight_hard_loss = atof(v);
+    else if (strcmp(a, "--teacher-hidden") == 0)
+        s->teacher_hidden = atoll(v);
+    else
+        return 0;
+    return 2;
 }
 
-static int parse_layout(const char *v, fh_layout *layout)
-{
-    if (strcmp(v, "hv") && strcmp(v, "vh"))
-        return -1;
-    *layout = strcmp(v, "vh") == 0 ? FH_LAYOUT_VH : FH_LAYOUT_HV;
-    return 0;
-}
-
-static int parse(int argc, char **argv, distill_spec *s)
+static int parse_spec(distill_spec *s, int argc, char **argv, const char **dump)
 {
     memset(s, 0, sizeof *s);
     s->n = 64;
@@ -95,79 +117,15 @@ static int parse(int argc, char **argv, distill_spec *s)
     s->grad_output = 1.0f;
     s->seed = 1;
     fh_distill_options_init(&s->options);
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        int k;
-#define VALUE_OPTION(name) (strcmp(a, name) == 0 && v && ++i)
-        if (VALUE_OPTION("--loss")) {
-            if (strcmp(v, "distill"))
-                return -1;
-        } else if (VALUE_OPTION("--divergence")) {
-            if ((k = lookup(v, divergences, 3)) < 0)
-                return -1;
-            s->options.divergence = (fh_divergence)k;
-        } else if (VALUE_OPTION("--beta"))
-            s->options.beta = atof(v);
-        else if (VALUE_OPTION("--temperature"))
-            s->options.temperature = atof(v);
-        else if (VALUE_OPTION("--weight-soft-loss"))
-            s->options.weight_soft_loss = atof(v);
-        else if (VALUE_OPTION("--weight-hard-loss"))
-            s->options.weight_hard_loss = atof(v);
-        else if (VALUE_OPTION("--reduction")) {
-            if ((k = lookup(v, reductions, 3)) < 0)
-                return -1;
-            s->options.reduction = (fh_reduction)k;
-        } else if (VALUE_OPTION("--n"))
-            s->n = atoll(v);
-        else if (VALUE_OPTION("--hidden"))
-            s->hidden = atoll(v);
-        else if (VALUE_OPTION("--teacher-hidden"))
-            s->teacher_hidden = atoll(v);
-        else if (VALUE_OPTION("--vocab"))
-            s->vocab = atoll(v);
-        else if (VALUE_OPTION("--layout")) {
-            if (parse_layout(v, &s->layout) != 0)
-                return -1;
-        } else if (VALUE_OPTION("--teacher-layout")) {
-            if (parse_layout(v, &s->teacher_layout) != 0)
-                return -1;
-        } else if (strcmp(a, "--bias") == 0)
-            s->bias = 1;
-        else if (strcmp(a, "--teacher-bias") == 0)
-            s->teacher_bias = 1;
-        else if (VALUE_OPTION("--ignore-frac"))
-            s->ignore_frac = atof(v);
-        else if (strcmp(a, "--no-targets") == 0)
-            s->no_targets = 1;
-        else if (VALUE_OPTION("--grad-output"))
-            s->grad_output = (float)atof(v);
-        else if (VALUE_OPTION("--threads"))
-            s->threads = atoi(v);
-        else if (VALUE_OPTION("--seed"))
-            s->seed = strtoull(v, NULL, 10);
-        else if (VALUE_OPTION("--tile-rows"))
-            s->tile_rows = atoll(v);
-        else if (VALUE_OPTION("--tile-vocab"))
-            s->tile_vocab = atoll(v);
-        else if (VALUE_OPTION("--budget"))
-            s->budget = atoll(v);
-        else if (VALUE_OPTION("--dtype")) {
-            if (parse_dtype(v, &s->dtype) != 0)
-                return -1;
-        } else if (VALUE_OPTION("--grad-dtype")) {
-            if (parse_dtype(v, &s->grad_dtype) != 0)
-                return -1;
-        } else if (strcmp(a, "--fp32-dz") == 0)
-            s->fp32_dz = 1;
-        else if (VALUE_OPTION("--logit-scale"))
-            s->logit_scale = atof(v);
-        else if (VALUE_OPTION("--dump"))
-            s->dump = v;
-        else
-            return -1;
-#undef VALUE_OPTION
-    }
+    const gradcheck_options shared = {GRADCHECK_EVERY_LOSS_OPTIONS(s, dump),
+                                      .n = &s->n,
+                                      .ignore_frac = &s->ignore_frac,
+                                      .reduction = &s->options.reduction,
+                                      .grad_output = &s->grad_output,
+                                      .budget = &s->budget,
+                                      .logit_scale = &s->logit_scale};
+    if (gradcheck_parse(argc, argv, &shared, distill_option, s) != 0)
+        return -1;
     if (s->teacher_hidden == 0)
         s->teacher_hidden = s->hidden;
     return s->n > 0 && s->hidden > 0 && s->teacher_hidden > 0 && s->vocab > 0 && s->logit_scale > 0.0 ? 0 : -1;
@@ -281,33 +239,55 @@ typedef struct gradients {
     float *dx, *dweight, *dbias;
 } gradients;
 
-/* Prints the JSON; returns 0 within every tolerance, else 1. */
-/* Both calls' outputs as .npy files in s->dump (gradients flat, dweight in the weight's layout). */
-static int dump_outputs(const distill_spec *s, const fused_outputs *fwd, const fused_outputs *step,
-                        const gradients *gr)
+/* The distillation case, as gradcheck_main runs it. */
+typedef struct distill_check {
+    distill_spec spec;
+    head student, teacher;
+    int64_t *targets;
+    float *grad_output;
+    fused_outputs fwd, step; /* fh_distill_forward's, fh_distill_forward_backward's */
+    gradients gr;
+    size_t workspace;
+    reference ref;
+    double *dw, *g; /* the reference's dweight ([H, V]) and grad_output */
+} distill_check;
+
+static int parse(void *check, int argc, char **argv, const char **dump)
 {
+    return parse_spec(&((distill_check *)check)->spec, argc, argv, dump);
+}
+
+/* Both calls' outputs as .npy files in dir (gradients flat, dweight in the weight's layout). */
+static int dump_case(const void *check, const char *dir)
+{
+    const distill_check *k = check;
+    const distill_spec *s = &k->spec;
     const int64_t n[1] = {s->n}, dx[1] = {s->n * s->hidden}, dw[1] = {s->hidden * s->vocab}, v[1] = {s->vocab};
-    const fused_outputs *calls[2] = {fwd, step};
+    const fused_outputs *calls[2] = {&k->fwd, &k->step};
     const char *const names[2][4] = {{"forward_loss", "forward_soft_loss", "forward_hard_loss", "forward_per_token"},
                                      {"loss", "soft_loss", "hard_loss", "per_token"}};
-    mkdir(s->dump, 0777);
     int bad = 0;
-    for (int k = 0; k < 2; k++) {
-        bad |= npy_write(s->dump, names[k][0], "<f8", &calls[k]->loss, 0, NULL);
-        bad |= npy_write(s->dump, names[k][1], "<f8", &calls[k]->soft, 0, NULL);
-        bad |= npy_write(s->dump, names[k][2], "<f8", &calls[k]->hard, 0, NULL);
-        bad |= npy_write(s->dump, names[k][3], "<f4", calls[k]->per_token, 1, n);
+    for (int j = 0; j < 2; j++) {
+        bad |= npy_write(dir, names[j][0], "<f8", &calls[j]->loss, 0, NULL);
+        bad |= npy_write(dir, names[j][1], "<f8", &calls[j]->soft, 0, NULL);
+        bad |= npy_write(dir, names[j][2], "<f8", &calls[j]->hard, 0, NULL);
+        bad |= npy_write(dir, names[j][3], "<f4", calls[j]->per_token, 1, n);
     }
-    bad |= npy_write(s->dump, "dhidden", "<f4", gr->dx, 1, dx);
-    bad |= npy_write(s->dump, "dweight", "<f4", gr->dweight, 1, dw);
-    if (gr->dbias)
-        bad |= npy_write(s->dump, "dbias", "<f4", gr->dbias, 1, v);
+    bad |= npy_write(dir, "dhidden", "<f4", k->gr.dx, 1, dx);
+    bad |= npy_write(dir, "dweight", "<f4", k->gr.dweight, 1, dw);
+    if (k->gr.dbias)
+        bad |= npy_write(dir, "dbias", "<f4", k->gr.dbias, 1, v);
     return bad;
 }
 
-static int report(const distill_spec *s, size_t workspace, const fused_outputs *fwd, const fused_outputs *step,
-                  const gradients *gr, const reference *ref)
+/* Prints the JSON; returns 1 within every tolerance. */
+static int report(const void *check)
 {
+    const distill_check *k = check;
+    const distill_spec *s = &k->spec;
+    const fused_outputs *fwd = &k->fwd, *step = &k->step;
+    const gradients *gr = &k->gr;
+    const reference *ref = &k->ref;
     const size_t n = (size_t)s->n, h = (size_t)s->hidden, v = (size_t)s->vocab;
     const ref_distill_result *r = &ref->r;
     const int bf16 = s->dtype == FH_DTYPE_BF16;
@@ -329,7 +309,8 @@ static int report(const distill_spec *s, size_t workspace, const fused_outputs *
            "  \"weight_hard_loss\": %g,\n  \"reduction\": \"%s\",\n  \"dtype\": \"%s\",\n  \"grad_dtype\": \"%s\",\n"
            "  \"workspace_bytes\": %zu,\n  \"streaming\": %s,\n",
            divergences[o->divergence], o->beta, o->temperature, o->weight_soft_loss, o->weight_hard_loss,
-           reductions[o->reduction], bf16 ? "bf16" : "f32", s->grad_dtype == FH_DTYPE_BF16 ? "bf16" : "f32", workspace,
+           reductions[o->reduction], bf16 ? "bf16" : "f32", s->grad_dtype == FH_DTYPE_BF16 ? "bf16" : "f32",
+           k->workspace,
            streaming ? "true" : "false");
     printf("  \"loss\": %.17g,\n  \"forward_loss\": %.17g,\n  \"ref_loss\": %.17g,\n  \"soft_loss\": %.17g,\n"
            "  \"ref_soft_loss\": %.17g,\n  \"hard_loss\": %.17g,\n  \"ref_hard_loss\": %.17g,\n"
@@ -340,32 +321,29 @@ static int report(const distill_spec *s, size_t workspace, const fused_outputs *
            "  \"pass\": %s\n}\n",
            step->loss, fwd->loss, r->loss, step->soft, r->soft_loss, step->hard, r->hard_loss, e_step, e_fwd, e_tok,
            e_dx, e_dw, e_db, DISTILL_LOSS_TOL, DISTILL_TOKEN_TOL, grad_tol, dbias_tol, pass ? "true" : "false");
-    return pass ? 0 : 1;
+    return pass;
 }
 
-int gradcheck_distill(int argc, char **argv)
+/* Draws the inputs, runs both fused calls and the reference: 0, or 2 having said why. */
+static int run(void *check)
 {
-    distill_spec s;
-    if (parse(argc, argv, &s) != 0) {
-        usage();
-        return 2;
-    }
-    const size_t n = (size_t)s.n, h = (size_t)s.hidden, v = (size_t)s.vocab;
-    uint64_t rng = s.seed * 104729 + 3;
-    head student, teacher;
-    head_make(&student, &rng, &s, s.hidden, s.layout, s.bias);
-    head_make(&teacher, &rng, &s, s.teacher_hidden, s.teacher_layout, s.teacher_bias);
-    int64_t *targets = xcalloc(n, sizeof(int64_t));
+    distill_check *k = check;
+    const distill_spec *s = &k->spec;
+    const size_t n = (size_t)s->n, h = (size_t)s->hidden, v = (size_t)s->vocab;
+    uint64_t rng = s->seed * 104729 + 3;
+    head_make(&k->student, &rng, s, s->hidden, s->layout, s->bias);
+    head_make(&k->teacher, &rng, s, s->teacher_hidden, s->teacher_layout, s->teacher_bias);
+    k->targets = xcalloc(n, sizeof(int64_t));
     for (size_t i = 0; i < n; i++) {
-        targets[i] = (int64_t)(ce_uniform(&rng) * (double)s.vocab);
-        if (ce_uniform(&rng) < s.ignore_frac)
-            targets[i] = s.options.ignore_index;
+        k->targets[i] = (int64_t)(ce_uniform(&rng) * (double)s->vocab);
+        if (ce_uniform(&rng) < s->ignore_frac)
+            k->targets[i] = s->options.ignore_index;
     }
-    const int64_t *call_targets = s.no_targets ? NULL : targets;
-    float *grad_output = xcalloc(n, sizeof(float));
+    const int64_t *call_targets = s->no_targets ? NULL : k->targets;
+    k->grad_output = xcalloc(n, sizeof(float));
     for (size_t i = 0; i < n; i++)
-        grad_output[i] =
-            s.options.reduction == FH_REDUCTION_NONE ? (float)(3.0 * ce_uniform(&rng) - 1.5) : s.grad_output;
+        k->grad_output[i] =
+            s->options.reduction == FH_REDUCTION_NONE ? (float)(3.0 * ce_uniform(&rng) - 1.5) : s->grad_output;
 
     /* The fused calls: fh_distill_forward, then fh_distill_forward_backward into NaN-filled gradients (beta 0 must
      * overwrite them). */
@@ -374,66 +352,74 @@ int gradcheck_distill(int argc, char **argv)
     const struct {
         fh_param param;
         int64_t value;
-    } settings[] = {{FH_PARAM_THREADS, s.threads},     {FH_PARAM_TILE_ROWS, s.tile_rows},
-                    {FH_PARAM_TILE_VOCAB, s.tile_vocab}, {FH_PARAM_MEMORY_BUDGET, s.budget},
-                    {FH_PARAM_FP32_DZ, s.fp32_dz}};
-    for (size_t k = 0; st == FH_OK && k < sizeof settings / sizeof settings[0]; k++)
-        st = fh_context_set(ctx, settings[k].param, settings[k].value);
-    fused_outputs fwd = {0.0, 0.0, 0.0, xcalloc(n, sizeof(float))}, step = {0.0, 0.0, 0.0, xcalloc(n, sizeof(float))};
-    gradients gr;
-    ce_alloc_grads(n, h, v, s.bias, 0.0f, &gr.dx, &gr.dweight, &gr.dbias);
+    } settings[] = {{FH_PARAM_THREADS, s->threads},     {FH_PARAM_TILE_ROWS, s->tile_rows},
+                    {FH_PARAM_TILE_VOCAB, s->tile_vocab}, {FH_PARAM_MEMORY_BUDGET, s->budget},
+                    {FH_PARAM_FP32_DZ, s->fp32_dz}};
+    for (size_t j = 0; st == FH_OK && j < sizeof settings / sizeof settings[0]; j++)
+        st = fh_context_set(ctx, settings[j].param, settings[j].value);
+    k->fwd.per_token = xcalloc(n, sizeof(float));
+    k->step.per_token = xcalloc(n, sizeof(float));
+    gradients *gr = &k->gr;
+    ce_alloc_grads(n, h, v, s->bias, 0.0f, &gr->dx, &gr->dweight, &gr->dbias);
     if (st == FH_OK) {
-        fh_distill_outputs out = {&fwd.loss, &fwd.soft, &fwd.hard, fwd.per_token};
-        st = fh_distill_forward(ctx, &student.lin, &teacher.lin, call_targets, &s.options, &out);
+        fh_distill_outputs out = {&k->fwd.loss, &k->fwd.soft, &k->fwd.hard, k->fwd.per_token};
+        st = fh_distill_forward(ctx, &k->student.lin, &k->teacher.lin, call_targets, &s->options, &out);
     }
     if (st == FH_OK) {
         ce_grads_io io;
-        ce_grads_io_begin(&io, s.grad_dtype, n, h, v, 0.0f, gr.dx, gr.dweight, gr.dbias);
-        fh_distill_outputs out = {&step.loss, &step.soft, &step.hard, step.per_token};
-        st = fh_distill_forward_backward(ctx, &student.lin, &teacher.lin, call_targets, &s.options, grad_output, &out,
-                                         &io.grads);
+        ce_grads_io_begin(&io, s->grad_dtype, n, h, v, 0.0f, gr->dx, gr->dweight, gr->dbias);
+        fh_distill_outputs out = {&k->step.loss, &k->step.soft, &k->step.hard, k->step.per_token};
+        st = fh_distill_forward_backward(ctx, &k->student.lin, &k->teacher.lin, call_targets, &s->options,
+                                         k->grad_output, &out, &io.grads);
         ce_grads_io_finish(&io);
     }
-    size_t workspace = 0;
     if (st == FH_OK)
-        st = fh_distill_workspace_size(ctx, &student.lin, &teacher.lin, &workspace);
+        st = fh_distill_workspace_size(ctx, &k->student.lin, &k->teacher.lin, &k->workspace);
     if (st != FH_OK) {
         const char *message = "";
         if (ctx)
             fh_context_message(ctx, &message);
-        fprintf(stderr, "fh_gradcheck: the library returned %d (%s)%s%s\n", (int)st, fh_status_string(st),
-                message[0] ? ": " : "", message);
+        gradcheck_library_failed(st, message);
     }
     fh_context_destroy(ctx);
 
-    /* The reference, and the comparison. */
-    const ref_distill_options ro = {(ref_divergence)s.options.divergence, s.options.beta, s.options.temperature,
-                                    s.options.weight_soft_loss, s.options.weight_hard_loss, s.options.ignore_index,
-                                    (int)s.options.reduction};
-    reference ref = {.per_token = xcalloc(n, sizeof(double)), .dx = xcalloc(n * h, sizeof(double)),
-                     .dweight = xcalloc(h * v, sizeof(double)), .dbias = s.bias ? xcalloc(v, sizeof(double)) : NULL};
-    ref.r.per_token_loss = ref.per_token;
-    double *dw = xcalloc(h * v, sizeof(double)), *g = doubles(grad_output, n);
-    int exit_code = st == FH_OK ? 0 : 2;
-    if (exit_code == 0 &&
-        ref_distill_linear(&student.ref, &teacher.ref, call_targets, &ro, g, &ref.r, ref.dx, dw, ref.dbias) != 0) {
+    /* The reference, in the student's layout for the comparison. */
+    const ref_distill_options ro = {(ref_divergence)s->options.divergence, s->options.beta, s->options.temperature,
+                                    s->options.weight_soft_loss, s->options.weight_hard_loss, s->options.ignore_index,
+                                    (int)s->options.reduction};
+    reference *ref = &k->ref;
+    ref->per_token = xcalloc(n, sizeof(double));
+    ref->dx = xcalloc(n * h, sizeof(double));
+    ref->dweight = xcalloc(h * v, sizeof(double));
+    ref->dbias = s->bias ? xcalloc(v, sizeof(double)) : NULL;
+    ref->r.per_token_loss = ref->per_token;
+    k->dw = xcalloc(h * v, sizeof(double));
+    k->g = doubles(k->grad_output, n);
+    if (st != FH_OK)
+        return 2;
+    if (ref_distill_linear(&k->student.ref, &k->teacher.ref, call_targets, &ro, k->g, &ref->r, ref->dx, k->dw,
+                           ref->dbias) != 0) {
         fprintf(stderr, "fh_gradcheck: the reference failed where the library succeeded\n");
-        exit_code = 2;
+        return 2;
     }
-    if (exit_code == 0) {
-        ce_weight_from_reference(s.layout, s.hidden, s.vocab, dw, ref.dweight);
-        exit_code = report(&s, workspace, &fwd, &step, &gr, &ref);
-        if (s.dump && dump_outputs(&s, &fwd, &step, &gr) != 0) {
-            fprintf(stderr, "fh_gradcheck: could not write to %s\n", s.dump);
-            exit_code = 2;
-        }
-    }
+    ce_weight_from_reference(s->layout, s->hidden, s->vocab, k->dw, ref->dweight);
+    return 0;
+}
 
-    head_free(&student);
-    head_free(&teacher);
-    void *p[] = {targets, grad_output, fwd.per_token, step.per_token, gr.dx, gr.dweight, gr.dbias, ref.per_token,
-                 ref.dx, ref.dweight, ref.dbias, dw, g};
-    for (size_t k = 0; k < sizeof p / sizeof p[0]; k++)
-        free(p[k]);
-    return exit_code;
+static void free_check(void *check)
+{
+    distill_check *k = check;
+    head_free(&k->student);
+    head_free(&k->teacher);
+    void *p[] = {k->targets, k->grad_output, k->fwd.per_token, k->step.per_token, k->gr.dx, k->gr.dweight,
+                 k->gr.dbias, k->ref.per_token, k->ref.dx, k->ref.dweight, k->ref.dbias, k->dw, k->g};
+    for (size_t j = 0; j < sizeof p / sizeof p[0]; j++)
+        free(p[j]);
+}
+
+int gradcheck_distill(int argc, char **argv)
+{
+    static const gradcheck_loss distill = {usage, parse, run, report, dump_case, free_check};
+    distill_check check = {0};
+    return gradcheck_main(&distill, &check, argc, argv);
 }
