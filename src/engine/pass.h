@@ -136,15 +136,46 @@ void fh_walk(int threads, int64_t hidden, int along_vocab, int64_t j0, int64_t c
 
 /* out[e step] (+ itself when accumulate) = values[e] for e < count, in out's dtype: f32 added in f32, bf16 rounded
  * once (a contiguous run through the rounding kernel). The one store into a gradient that honours beta and bf16. */
-void fh_store(void *out, fh_dtype dtype, int64_t step, const float *values, int64_t count, int accumulate);
+static inline void fh_store(void *out, fh_dtype dtype, int64_t step, const float *values, int64_t count, int accumulate)
+{
+    if (dtype == FH_DTYPE_BF16 && step == 1) {
+        fh_row_add_to_bf16(values, count, accumulate, out);
+        return;
+    }
+    for (int64_t e = 0; e < count; e++) {
+        if (dtype == FH_DTYPE_BF16) {
+            fh_row_add_to_bf16(values + e, 1, accumulate, (uint16_t *)out + e * step);
+        } else {
+            float *d = (float *)out + e * step;
+            *d = accumulate ? *d + values[e] : values[e];
+        }
+    }
+}
 
 int64_t fh_du_chunk(const fh_pass *p, int64_t vb);
 uint16_t *fh_du_chunk_at(const fh_pass *p, int64_t c);
 fh_gemm_input fh_du_view(const fh_pass *p, int64_t tile_row, int64_t i0, int64_t vb, int64_t j0);
 void fh_round_du_row(const fh_pass *p, const float *row, int64_t i0, int64_t r, int64_t vb);
 float *fh_dx_row_f32(const fh_pass *p, int64_t i, int64_t i0);
-float *fh_dw_f32(const fh_pass *p, int64_t k, int64_t jt, int64_t v0, int64_t vb);
-void fh_dw_strides(const fh_pass *p, int64_t vb, int64_t *stride_k, int64_t *stride_j);
+
+/* Where they add into dweight (k, tile column jt), unless dweight_after_blocks: dw_acc for a streamed bf16
+ * dweight, else the fp32 dweight. */
+static inline float *fh_dw_f32(const fh_pass *p, int64_t k, int64_t jt, int64_t v0, int64_t vb)
+{
+    const fh_linear *lin = p->in.lin;
+    if (p->sinks.dweight == FH_DWEIGHT_ACCUMULATOR)
+        return p->ws.dw_acc + (p->sinks.by_vocab ? k * vb + jt : jt * lin->hidden + k);
+    return (float *)p->in.grads->dweight + k * lin->w_stride_hidden + (v0 + jt) * lin->w_stride_vocab;
+}
+
+/* dw_f32 (k, j) = dw_f32 (0, 0) + k * stride_k + j * stride_j. */
+static inline void fh_dw_strides(const fh_pass *p, int64_t vb, int64_t *stride_k, int64_t *stride_j)
+{
+    const fh_linear *lin = p->in.lin;
+    const int accumulator = p->sinks.dweight == FH_DWEIGHT_ACCUMULATOR, by_vocab = p->sinks.by_vocab;
+    *stride_k = accumulator ? (by_vocab ? vb : 1) : lin->w_stride_hidden;
+    *stride_j = accumulator ? (by_vocab ? 1 : lin->hidden) : lin->w_stride_vocab;
+}
 
 /* ---- products.c ---- */
 fh_status fh_pass_multiply(const fh_pass *p, int prepare, int64_t m, int64_t n, int64_t k, const fh_gemm_input *a,

@@ -82,25 +82,6 @@ float *fh_dx_row_f32(const fh_pass *p, int64_t i, int64_t i0)
     return (float *)p->in.grads->dx + i * p->in.grads->dx_row_stride;
 }
 
-/* Where they add into dweight (k, tile column jt), unless dweight_after_blocks: dw_acc for a streamed bf16
- * dweight, else the fp32 dweight. */
-float *fh_dw_f32(const fh_pass *p, int64_t k, int64_t jt, int64_t v0, int64_t vb)
-{
-    const fh_linear *lin = p->in.lin;
-    if (p->sinks.dweight == FH_DWEIGHT_ACCUMULATOR)
-        return p->ws.dw_acc + (p->sinks.by_vocab ? k * vb + jt : jt * lin->hidden + k);
-    return (float *)p->in.grads->dweight + k * lin->w_stride_hidden + (v0 + jt) * lin->w_stride_vocab;
-}
-
-/* dw_f32 (k, j) = dw_f32 (0, 0) + k * stride_k + j * stride_j. */
-void fh_dw_strides(const fh_pass *p, int64_t vb, int64_t *stride_k, int64_t *stride_j)
-{
-    const fh_linear *lin = p->in.lin;
-    const int accumulator = p->sinks.dweight == FH_DWEIGHT_ACCUMULATOR, by_vocab = p->sinks.by_vocab;
-    *stride_k = accumulator ? (by_vocab ? vb : 1) : lin->w_stride_hidden;
-    *stride_j = accumulator ? (by_vocab ? 1 : lin->hidden) : lin->w_stride_vocab;
-}
-
 void fh_walk(int threads, int64_t hidden, int along_vocab, int64_t j0, int64_t count, const int64_t *columns,
              fh_run_fn *body, const void *self)
 {
@@ -111,21 +92,5 @@ void fh_walk(int threads, int64_t hidden, int along_vocab, int64_t j0, int64_t c
         const fh_run run = along_vocab ? (fh_run){r, j0, 0, count, 1, columns}
                                        : (fh_run){0, columns ? columns[r] : j0 + r, r, hidden, 0, columns};
         body(self, &run);
-    }
-}
-
-void fh_store(void *out, fh_dtype dtype, int64_t step, const float *values, int64_t count, int accumulate)
-{
-    if (dtype == FH_DTYPE_BF16 && step == 1) {
-        fh_row_add_to_bf16(values, count, accumulate, out);
-        return;
-    }
-    for (int64_t e = 0; e < count; e++) {
-        if (dtype == FH_DTYPE_BF16) {
-            fh_row_add_to_bf16(values + e, 1, accumulate, (uint16_t *)out + e * step);
-        } else {
-            float *d = (float *)out + e * step;
-            *d = accumulate ? *d + values[e] : values[e];
-        }
     }
 }

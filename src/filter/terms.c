@@ -121,15 +121,19 @@ static void skipped_term_run(const void *self, const fh_run *run)
     const int overwrites = p->sinks.dw_overwrites;
     if (!run->along_vocab && keep[run->j])
         return;
+    int64_t stride_k, stride_j;
+    fh_dw_strides(p, t->vb, &stride_k, &stride_j);
+    const int64_t step = run->along_vocab ? stride_j : stride_k, dj = run->along_vocab;
+    float *const first = fh_dw_f32(p, run->k, run->j, t->v0, t->vb);
     float values[TERMS_RUN];
     for (int64_t e0 = 0; e0 < run->length; e0 += TERMS_RUN) {
         const int64_t m = min64(TERMS_RUN, run->length - e0);
         fh_terms_run(t->terms, t->count, fh_run_k(run, e0), fh_run_j(run, e0), run->along_vocab, m, 0, values);
-        for (int64_t e = e0; e < e0 + m; e++) {
-            const int64_t j = fh_run_j(run, e);
-            float *d = fh_dw_f32(p, fh_run_k(run, e), j, t->v0, t->vb);
+        for (int64_t e = 0; e < m; e++) {
+            const int64_t j = run->j + (e0 + e) * dj;
+            float *d = first + (e0 + e) * step;
             if (!keep[j])
-                *d = used[j] || !overwrites ? *d + values[e - e0] : values[e - e0];
+                *d = used[j] || !overwrites ? *d + values[e] : values[e];
         }
     }
 }
