@@ -57,7 +57,7 @@ typedef struct shape {
     int reps;
     fh_dtype dtype; /* of x and weight (the ceiling's and the materialized baseline's GEMMs follow it) */
     fh_dtype grad_dtype; /* of the fused cases' dx and dweight: x's unless --grad-dtype says */
-    int fp32_dz;         /* FH_PARAM_FP32_DZ */
+    int fp32_du;         /* FH_PARAM_FP32_DU */
     head_kind head;      /* --loss: ce, grpo (n = batch * seq tokens, TRL defaults, on-policy) or a preference loss
                             (n = 2 batch seq: batch pairs, TRL defaults, reference-free) */
     fh_preference_loss preference;
@@ -376,7 +376,7 @@ static result measure_in_child(bench_case c, const shape *s)
         return r;
     fh_context_set(ctx, FH_PARAM_THREADS, s->threads);
     fh_context_set(ctx, FH_PARAM_MEMORY_BUDGET, s->budget);
-    fh_context_set(ctx, FH_PARAM_FP32_DZ, s->fp32_dz);
+    fh_context_set(ctx, FH_PARAM_FP32_DU, s->fp32_du);
     if (fh_context_set(ctx, FH_PARAM_TILE_ROWS, s->tile_rows) != FH_OK)
         return r;
     if (c == CASE_FILTERED && (fh_context_set_real(ctx, FH_PARAM_GRAD_FILTER_EPS, s->filter_eps) != FH_OK ||
@@ -649,7 +649,7 @@ static void print_report(format f, const shape *s, const result *res, const fh_k
                  "2^-12 %.4f, p < 2^-28 %.4f (%lld rows sampled)%s\n\n",
             (long long)s->n, (long long)s->hidden, (long long)s->vocab, distill, dtype_name(s->dtype),
             dtype_name(s->grad_dtype),
-            s->fp32_dz ? ", fp32 dZ" : "", layout_name(s->layout),
+            s->fp32_du ? ", fp32 dU" : "", layout_name(s->layout),
             s->threads, s->budget ? "set" : "default", kernels->kernel_set, kernels->elementwise, kernels->bf16_gemm,
             s->reps,
             distribution_label(&s->dist, label), s->dist.kind == BENCH_REPLAY ? " of " : "",
@@ -785,7 +785,7 @@ static int parse_number(const char *v, double lo, double hi, double *x)
 static void usage(void)
 {
     fprintf(stderr, "usage: fh_bench [--n N] [--hidden H] [--vocab V] [--threads T] [--budget BYTES] [--reps K]\n"
-                    "                [--layout hv|vh] [--dtype f32|bf16] [--grad-dtype f32|bf16] [--fp32-dz]\n"
+                    "                [--layout hv|vh] [--dtype f32|bf16] [--grad-dtype f32|bf16] [--fp32-du]\n"
                     "                [--json | --csv] [--sweep n|vocab --out DIR] [--grad-filter-eps EPS]\n"
                     "                [--grad-filter-tail estimate|drop] [--tile-rows R]\n"
                     "                [--distribution uniform|peaked[:ENTROPY]|DIR]   (DIR: a saved batch; H, V and at\n"
@@ -811,8 +811,8 @@ int main(int argc, char **argv)
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (strcmp(a, "--json") == 0)
             f = FORMAT_JSON;
-        else if (strcmp(a, "--fp32-dz") == 0)
-            s.fp32_dz = 1;
+        else if (strcmp(a, "--fp32-du") == 0)
+            s.fp32_du = 1;
         else if (strcmp(a, "--csv") == 0)
             f = FORMAT_CSV;
         else if (!v) {

@@ -113,9 +113,11 @@ typedef enum fh_param {
     FH_PARAM_CHECK_FINITE = 4,  /* 1: scan x, weight and bias and return FH_ERR_NONFINITE_INPUT on NaN/Inf
                                    (costs one read of each); 0 (default): NaN/Inf propagate to the loss and
                                    to the gradient rows of the affected tokens */
-    FH_PARAM_FP32_DZ = 5,       /* bf16 inputs only. 0 (default): dZ is formed in f32 and rounded once to bf16
-                                   for the dX and dW GEMMs (bf16 x bf16, oneDNN), as torch's bf16 autograd does;
-                                   1: dZ stays f32 and the gradient GEMMs run in fp32 (BLIS) on f32 copies of
+    FH_PARAM_FP32_DU = 5,       /* bf16 inputs only. dU is the loss's gradient with respect to the logits
+                                   X W + b, what the gradient GEMMs take (dU = dZ dz/du, below). 0 (default): dU is
+                                   formed in f32 and rounded once to bf16 for the dX and dW GEMMs (bf16 x bf16,
+                                   oneDNN), as torch's bf16 autograd does;
+                                   1: dU stays f32 and the gradient GEMMs run in fp32 (BLIS) on f32 copies of
                                    the bf16 tiles of x and weight: the fp32 path's accuracy on the bf16 values,
                                    at the fp32 GEMM rate, and the train step streams (8 N H V flops) */
     FH_PARAM_OVERSUBSCRIBE = 6, /* 1: run FH_PARAM_THREADS threads even beyond the CPUs available (BLIS's barriers
@@ -338,7 +340,7 @@ FH_API fh_status fh_ce_backward(fh_context *ctx, const fh_linear *lin, const int
 /* Single-call train step, for callers who know the upstream gradient up front (mean/sum in a training
  * step, or per-token weights for 'none'): the forward outputs and the gradients in one call.
  * Row-block schedule: logits for a block of rows across the whole vocabulary (within the memory
- * budget), their statistics, dZ in place, then both gradient GEMMs: 6 N H V flops instead of the 8 of
+ * budget), their statistics, dU in place, then both gradient GEMMs: 6 N H V flops instead of the 8 of
  * forward + backward. When the budget cannot hold a useful row block it streams (forward, then
  * backward) instead; the results are the same either way. */
 FH_API fh_status fh_ce_forward_backward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
@@ -355,7 +357,7 @@ FH_API fh_status fh_ce_workspace_size(const fh_context *ctx, const fh_linear *li
 FH_API fh_status fh_ce_forward_backward_workspace_size(const fh_context *ctx, const fh_linear *lin,
                                                        const fh_ce_options *options, size_t *bytes);
 /* The same for a call with exactly these gradients (pointers included: with bf16 inputs, a dense dweight that the
- * call overwrites holds the row blocks' logits and dZ until it is written, and where it starts decides what fits):
+ * call overwrites holds the row blocks' logits and dU until it is written, and where it starts decides what fits):
  * at most the size above, often far less (docs/bf16.md). The gradients are checked as the call checks them. */
 FH_API fh_status fh_ce_forward_backward_workspace_size_with_grads(const fh_context *ctx, const fh_linear *lin,
                                                                   const fh_ce_options *options,
@@ -451,7 +453,7 @@ FH_API fh_status fh_grpo_backward(fh_context *ctx, const fh_linear *lin, const f
 
 /* Forward and backward in one call. Row blocks of whole sequences (6 N H V flops, as fh_ce_forward_backward):
  * a block's logits across the whole vocabulary, its tokens' statistics, then its sequences' GSPO log-ratios and
- * its rows' coefficients, dZ and both gradient GEMMs; the per-sequence normalisers come from the mask alone.
+ * its rows' coefficients, dU and both gradient GEMMs; the per-sequence normalisers come from the mask alone.
  * When the memory budget cannot hold one sequence's rows it streams both passes instead (8 N H V flops); the
  * results are the same either way. */
 FH_API fh_status fh_grpo_forward_backward(fh_context *ctx, const fh_linear *lin, const fh_grpo_batch *batch,

@@ -135,7 +135,7 @@ FH_MPI_API fh_status fh_mpi_ce_backward(fh_context *ctx, fh_mpi_layout *layout, 
 
 /* fusedhead's row-block train step on this rank's shard (6 N H V / vocab ranks flops): per block of rows,
  * the shard's logits, their statistics combined across the vocab communicator (one all-reduce of the
- * block's rows), then dZ and both gradient GEMMs. The ranks of a vocab communicator walk the same blocks,
+ * block's rows), then dU and both gradient GEMMs. The ranks of a vocab communicator walk the same blocks,
  * the lowest of the heights their budgets plan. If any rank of the grid cannot plan a row block, every
  * rank streams: forward, the statistics' all-reduce, backward (8 N H V / vocab ranks flops). An MPI
  * failure during the pass returns FH_ERR_MPI with the gradients partly accumulated. */

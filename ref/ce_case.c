@@ -13,7 +13,7 @@
  * normwise; the GEMMs carry that normwise error into dx and dweight (random rounding errors partly cancel:
  * fh_gradcheck measures 1.3e-3 to 1.8e-3, the higher with label smoothing). CE_BF16_GRAD_NORM_REL_TOL = 4e-3
  * is that 2^-8 bound, 2.2x above the largest measured error. dbias sums the fp32 dU and keeps the fp32
- * tolerance. With FH_PARAM_FP32_DZ the gradient GEMMs multiply the f32 dU by the exact f32 values of the bf16
+ * tolerance. With FH_PARAM_FP32_DU the gradient GEMMs multiply the f32 dU by the exact f32 values of the bf16
  * inputs, so the fp32 tolerance holds. A gradient written in bf16 is rounded once more at the end: each element
  * moves by at most 2^-8 relative, the norm of the difference by at most 2^-8 of the norm, so that rounding adds
  * CE_BF16_GRAD_NORM_REL_TOL to the tolerance. */
@@ -187,7 +187,7 @@ static fh_status run_fused(const ce_case_spec *s, ce_case *c)
     fh_context_set(ctx, FH_PARAM_TILE_ROWS, s->tile_rows);
     fh_context_set(ctx, FH_PARAM_TILE_VOCAB, s->tile_vocab);
     fh_context_set(ctx, FH_PARAM_MEMORY_BUDGET, s->budget);
-    fh_context_set(ctx, FH_PARAM_FP32_DZ, s->fp32_dz);
+    fh_context_set(ctx, FH_PARAM_FP32_DU, s->fp32_du);
     fh_context_set_real(ctx, FH_PARAM_GRAD_FILTER_EPS, s->grad_filter_eps);
     fh_context_set(ctx, FH_PARAM_GRAD_FILTER_TAIL, s->grad_filter_tail);
     const int bf16 = s->dtype == FH_DTYPE_BF16;
@@ -233,7 +233,7 @@ static int64_t min64(int64_t a, int64_t b)
  * (default 1024 rows x 2048 columns). The default budget holds them for the cases the tests run. */
 static ref_filter filter_of(const ce_case_spec *s)
 {
-    const int bf16_du = s->dtype == FH_DTYPE_BF16 && !s->fp32_dz, row_blocks = s->train_step && !s->fp32_dz;
+    const int bf16_du = s->dtype == FH_DTYPE_BF16 && !s->fp32_du, row_blocks = s->train_step && !s->fp32_du;
     ref_filter f = {s->grad_filter_eps, 0, row_blocks && bf16_du, s->softcap > 0.0, 0,
                     s->grad_filter_tail == FH_FILTER_TAIL_DROP};
     if (row_blocks) {
@@ -323,7 +323,7 @@ static void measure(const ce_case_spec *s, const ce_case *c, ce_metrics *m)
     const size_t n = (size_t)s->n, h = (size_t)s->hidden, v = (size_t)s->vocab;
     memset(m, 0, sizeof *m);
     m->grad_norm_rel_tol =
-        ce_grad_tolerance(CE_GRAD_NORM_REL_TOL, s->dtype == FH_DTYPE_BF16 && !s->fp32_dz, s->grad_dtype);
+        ce_grad_tolerance(CE_GRAD_NORM_REL_TOL, s->dtype == FH_DTYPE_BF16 && !s->fp32_du, s->grad_dtype);
     m->dbias_norm_rel_tol = ce_grad_tolerance(CE_GRAD_NORM_REL_TOL, 0, s->grad_dtype);
     m->abs_diff_loss = fabs(c->loss - c->ref_loss);
     m->rel_diff_loss = relative(m->abs_diff_loss, fabs(c->ref_loss));

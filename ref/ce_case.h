@@ -24,7 +24,7 @@ typedef struct ce_case_spec {
     int64_t budget;       /* FH_PARAM_MEMORY_BUDGET; 0 = library default */
     fh_dtype dtype;       /* of x and weight: FH_DTYPE_BF16 rounds them to bf16 for both sides */
     fh_dtype grad_dtype;  /* of dx, dweight and dbias (bf16 needs bf16 inputs) */
-    int fp32_dz;          /* FH_PARAM_FP32_DZ */
+    int fp32_du;          /* FH_PARAM_FP32_DU */
     double grad_filter_eps; /* FH_PARAM_GRAD_FILTER_EPS; the reference then filters as the call's tiles do
                                (ref_filter), tile_rows as set or as the library's default */
     fh_filter_tail grad_filter_tail; /* FH_PARAM_GRAD_FILTER_TAIL (0: the tail estimate), the reference's too */
@@ -67,7 +67,7 @@ typedef struct ce_metrics {
 #define CE_BF16_GRAD_NORM_REL_TOL 4e-3
 
 /* A gradient's normwise tolerance: fp32_tol, or CE_BF16_GRAD_NORM_REL_TOL when its GEMMs read dU rounded to
- * bf16 (bf16 inputs without fp32 dZ), plus CE_BF16_GRAD_NORM_REL_TOL when the gradient itself is written in
+ * bf16 (bf16 inputs without fp32 dU), plus CE_BF16_GRAD_NORM_REL_TOL when the gradient itself is written in
  * bf16 (ce_case.c says why). */
 double ce_grad_tolerance(double fp32_tol, int du_rounded, fh_dtype grad_dtype);
 

@@ -137,7 +137,7 @@ static fh_status run_fused(const grpo_case_spec *s, grpo_case *c)
     fh_context_set(ctx, FH_PARAM_THREADS, s->threads);
     fh_context_set(ctx, FH_PARAM_TILE_ROWS, s->tile_rows);
     fh_context_set(ctx, FH_PARAM_TILE_VOCAB, s->tile_vocab);
-    fh_context_set(ctx, FH_PARAM_FP32_DZ, s->fp32_dz);
+    fh_context_set(ctx, FH_PARAM_FP32_DU, s->fp32_du);
     fh_context_set_real(ctx, FH_PARAM_GRAD_FILTER_EPS, s->grad_filter_eps);
     fh_context_set(ctx, FH_PARAM_GRAD_FILTER_TAIL, s->grad_filter_tail);
     fh_linear lin;
@@ -191,10 +191,10 @@ static int64_t min64(int64_t a, int64_t b)
 static ref_filter filter_of(const grpo_case_spec *s)
 {
     const int64_t n = s->batch * s->seq;
-    const int bf16_du = s->dtype == FH_DTYPE_BF16 && !s->fp32_dz;
+    const int bf16_du = s->dtype == FH_DTYPE_BF16 && !s->fp32_du;
     ref_filter f = {s->grad_filter_eps, min64(n, s->tile_rows > 0 ? s->tile_rows : 1024), 0, 0,
                     s->tile_vocab > 0 ? s->tile_vocab : 2048, s->grad_filter_tail == FH_FILTER_TAIL_DROP};
-    if (!s->train_step || s->fp32_dz)
+    if (!s->train_step || s->fp32_du)
         return f;
     const int64_t rows = min64(n, s->tile_rows > 0 ? s->tile_rows : bf16_du ? (s->seq > 256 ? s->seq : 256) : n);
     const int64_t fit = rows / s->seq;
@@ -250,7 +250,7 @@ static void measure(const grpo_case_spec *s, const grpo_case *c, grpo_metrics_di
     const size_t n = (size_t)(s->batch * s->seq), h = (size_t)s->hidden, v = (size_t)s->vocab;
     memset(d, 0, sizeof *d);
     d->grad_norm_rel_tol =
-        ce_grad_tolerance(GRPO_GRAD_NORM_REL_TOL, s->dtype == FH_DTYPE_BF16 && !s->fp32_dz, s->grad_dtype);
+        ce_grad_tolerance(GRPO_GRAD_NORM_REL_TOL, s->dtype == FH_DTYPE_BF16 && !s->fp32_du, s->grad_dtype);
     d->dbias_norm_rel_tol = ce_grad_tolerance(GRPO_GRAD_NORM_REL_TOL, 0, s->grad_dtype);
     d->abs_diff_loss = fabs(c->loss - c->ref_loss);
     d->loss_tolerance = GRPO_LOSS_TOL * fmax(1.0, fabs(c->ref_loss));

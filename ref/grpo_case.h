@@ -18,7 +18,7 @@ typedef struct grpo_case_spec {
     float grad_output;
     fh_dtype dtype;    /* of x and weight: FH_DTYPE_BF16 rounds them to bf16 for both sides */
     fh_dtype grad_dtype; /* of dx, dweight and dbias (bf16 needs bf16 inputs) */
-    int fp32_dz;       /* FH_PARAM_FP32_DZ */
+    int fp32_du;       /* FH_PARAM_FP32_DU */
     double logit_scale;     /* typical |logit|; 0 means 3 */
     double grad_filter_eps; /* FH_PARAM_GRAD_FILTER_EPS; the reference then filters as the call's tiles
                                do (ref_filter) */

@@ -236,7 +236,7 @@ static fh_context *case_context(const preference_case_spec *s)
     fh_context_set(ctx, FH_PARAM_THREADS, s->threads);
     fh_context_set(ctx, FH_PARAM_TILE_ROWS, s->tile_rows);
     fh_context_set(ctx, FH_PARAM_TILE_VOCAB, s->tile_vocab);
-    fh_context_set(ctx, FH_PARAM_FP32_DZ, s->fp32_dz);
+    fh_context_set(ctx, FH_PARAM_FP32_DU, s->fp32_du);
     return ctx;
 }
 
@@ -375,7 +375,7 @@ static void measure(const preference_case_spec *s, const preference_case *c, pre
     const size_t n = (size_t)case_n(s), h = (size_t)s->hidden, v = (size_t)s->vocab;
     memset(d, 0, sizeof *d);
     d->grad_tolerance =
-        ce_grad_tolerance(PREFERENCE_GRAD_NORM_REL_TOL, s->dtype == FH_DTYPE_BF16 && !s->fp32_dz, s->grad_dtype);
+        ce_grad_tolerance(PREFERENCE_GRAD_NORM_REL_TOL, s->dtype == FH_DTYPE_BF16 && !s->fp32_du, s->grad_dtype);
     d->dbias_tolerance = ce_grad_tolerance(PREFERENCE_GRAD_NORM_REL_TOL, 0, s->grad_dtype);
     d->loss_tolerance = PREFERENCE_LOSS_TOL * fmax(1.0, fabs(c->ref_loss));
     measure_outputs(c, &c->forward, d);

@@ -25,7 +25,7 @@ typedef struct preference_case_spec {
     float grad_output;
     fh_dtype dtype;      /* of x and weight: FH_DTYPE_BF16 rounds them to bf16 for both sides */
     fh_dtype grad_dtype; /* of dx, dweight and dbias (bf16 needs bf16 inputs) */
-    int fp32_dz;         /* FH_PARAM_FP32_DZ */
+    int fp32_du;         /* FH_PARAM_FP32_DU */
 } preference_case_spec;
 
 /* B = 4 pairs, T = 23, H = 67, V = 5003, TRL's dpo defaults, reference-free, grad_output 1. */

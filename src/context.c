@@ -23,7 +23,7 @@ static const struct param_spec {
     [FH_PARAM_TILE_VOCAB] = {"tile_vocab", 0, 0, (int64_t)1 << 30, 0, 0},
     [FH_PARAM_MEMORY_BUDGET] = {"memory_budget", 0, 0, (int64_t)1 << 50, 0, 0},
     [FH_PARAM_CHECK_FINITE] = {"check_finite", 0, 0, 1, 0, 0},
-    [FH_PARAM_FP32_DZ] = {"fp32_dz", 0, 0, 1, 0, 0},
+    [FH_PARAM_FP32_DU] = {"fp32_du", 0, 0, 1, 0, 0},
     [FH_PARAM_OVERSUBSCRIBE] = {"oversubscribe", 0, 0, 1, 0, 0},
     [FH_PARAM_GRAD_FILTER_TAIL] = {"grad_filter_tail", 0, FH_FILTER_TAIL_ESTIMATE, FH_FILTER_TAIL_DROP, 0, 0},
     /* [0, 1) as inclusive bounds: the largest double below 1 is the max. */

@@ -65,8 +65,8 @@ static void buffer_table(const fh_plan *plan, int64_t n, fh_buffer_size table[FH
                           sizeof(uint16_t)},
         [FH_BUFFER_DX_ACC] = {plan->accumulators, n, hidden, sizeof(float)},
         [FH_BUFFER_DW_ACC] = {plan->accumulators, hidden, cols, sizeof(float)},
-        [FH_BUFFER_X32] = {plan->fp32_dz, rows, hidden, sizeof(float)},
-        [FH_BUFFER_W32] = {plan->fp32_dz, hidden, cols, sizeof(float)},
+        [FH_BUFFER_X32] = {plan->fp32_du, rows, hidden, sizeof(float)},
+        [FH_BUFFER_W32] = {plan->fp32_du, hidden, cols, sizeof(float)},
         [FH_BUFFER_DX_BLOCK] = {dx_block, rows, hidden, sizeof(float)},
         [FH_BUFFER_SCRATCH] = {plan->scratch_floats > 0, 1, plan->scratch_floats, sizeof(float)},
     };
@@ -128,8 +128,8 @@ static void set_schedule(const fh_context *ctx, const fh_linear *lin, int gradie
     plan->hidden = lin->hidden;
     plan->gradients = gradients;
     plan->row_blocks = row_blocks;
-    plan->fp32_dz = bf16 && ctx->params[FH_PARAM_FP32_DZ] != 0;
-    plan->bf16_du = bf16 && !plan->fp32_dz;
+    plan->fp32_du = bf16 && ctx->params[FH_PARAM_FP32_DU] != 0;
+    plan->bf16_du = bf16 && !plan->fp32_du;
     plan->accumulators = bf16 && !row_blocks;
     plan->filter_eps = gradients && !companion ? ctx->grad_filter_eps : 0.0;
     plan->tail_estimate = plan->filter_eps > 0.0 && ctx->grad_filter_tail == FH_FILTER_TAIL_ESTIMATE;
@@ -281,7 +281,7 @@ static int balanced_blocks(fh_plan *plan, int64_t n, int64_t rows)
 
 /* Row-block plan for the single-call train step: tile_vocab = vocab and as many rows as the budget
  * holds, balanced across blocks. Returns 0 when at least min(n, MIN_ROW_BLOCK) rows fit (a companion's plan:
- * PAIR_ROW_BLOCK, also its cap), else -1 (the caller streams instead). fp32 dZ with bf16 inputs always streams
+ * PAIR_ROW_BLOCK, also its cap), else -1 (the caller streams instead). fp32 dU with bf16 inputs always streams
  * (its f32 copy of the weight would be H x V). bf16 blocks stop at BF16_ROW_BLOCK rows, or at group_rows when a
  * group (a sequence, a pair) is taller, so that it still runs in row blocks. When grads' dweight can hold the
  * logits block or dU chunks (place_in_dweight), the blocks take their full height if what stays in the workspace
@@ -293,7 +293,7 @@ static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, const fh
     int64_t rows_param, unused;
     plan->threads = fh_threads(ctx, lin);
     set_schedule(ctx, lin, 1, 1, companion, plan);
-    if (plan->fp32_dz)
+    if (plan->fp32_du)
         return -1;
     preferred_tiles(ctx, lin, plan->threads, FH_CALL_TRAIN_STEP, &rows_param, &unused);
     plan->tile_vocab = vocab;

@@ -24,7 +24,7 @@ enum {
     FH_BUFFER_DU,             /* bf16_du: dU in bf16 (what of it does not sit in dweight) */
     FH_BUFFER_DX_ACC,         /* accumulators: n x H */
     FH_BUFFER_DW_ACC,         /*   and H x tile_vocab floats */
-    FH_BUFFER_X32,            /* fp32_dz: the tile's x rows (tile_rows x H) */
+    FH_BUFFER_X32,            /* fp32_du: the tile's x rows (tile_rows x H) */
     FH_BUFFER_W32,            /*   and weight columns (H x tile_vocab) in f32 */
     FH_BUFFER_DX_BLOCK,       /* bf16 row blocks summing a bf16 dx over several GEMMs: tile_rows x H floats */
     FH_BUFFER_SCRATCH,        /* the convert path's panels (scratch_floats) */
@@ -41,17 +41,17 @@ typedef struct fh_plan {
     int row_blocks;       /* the train step's row blocks (tile_vocab = vocab) */
     /* bf16 inputs. bf16_du: dU rounded to bf16 into its own buffer (du), tile_rows x tile_vocab when
      * streaming, all n rows in row blocks (so that dweight is one GEMM over every row, rounded once);
-     * fp32_dz (FH_PARAM_FP32_DZ): dU stays f32 and the gradient GEMMs take f32 copies of the x rows (x32) and
+     * fp32_du (FH_PARAM_FP32_DU): dU stays f32 and the gradient GEMMs take f32 copies of the x rows (x32) and
      * weight columns (w32) of the tile. Streaming with bf16 inputs reserves the f32 accumulators of bf16
      * gradients (dx_acc n x H, dw_acc H x tile_vocab), whatever the call's gradient dtypes, so that the size
      * queries, which do not see them, hold for every call. */
-    int bf16_du, fp32_dz, accumulators;
+    int bf16_du, fp32_du, accumulators;
     /* bf16 row blocks keep every row's dU in chunks of du_chunk columns (the last may be narrower), each n x width
      * row-major: dx is a GEMM per chunk (through dx_block, in f32, for a bf16 dx) and dweight, after the last block,
      * a GEMM per chunk, written in vocabulary order. One chunk (du_chunk = vocab) unless the weight is dense [V, H]
      * and filtering is off. When dweight is a dense output (bf16 or fp32) overwritten (beta 0), its memory is free
-     * until those GEMMs (plan.c): the logits block may sit at its start (tile_in_dweight, tile_at_byte in) and, with the [V, H] layout, the
-     * first du_chunks_in_dweight chunks packed at its end (from element du_at_element), where chunk c is read
+     * until those GEMMs (plan.c): the logits block may sit at its start (tile_in_dweight, tile_at_byte in) and,
+     * with the [V, H] layout, the first du_chunks_in_dweight chunks packed at its end (from element du_at_element), where chunk c is read
      * before the GEMMs of chunks 0..c write over it; the other chunks stay in the workspace's du. */
     int64_t du_chunk, du_chunks_in_dweight, du_at_element;
     int tile_in_dweight;

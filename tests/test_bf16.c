@@ -1,5 +1,5 @@
 /* bf16 hidden states and weight: every cross-entropy option, both layouts, both schedules and their tile
- * edges, with fp32 or bf16 gradients and with fp32 dZ, against the double reference run on the same
+ * edges, with fp32 or bf16 gradients and with fp32 dU, against the double reference run on the same
  * bf16-valued inputs (tolerances in ref/ce_case.c); and the dtype contract. In a build without oneDNN, bf16 must
  * be refused with FH_ERR_INVALID_DTYPE. */
 #include "bf16.h"
@@ -73,15 +73,15 @@ static void test_tiles_and_beta(void)
     }
 }
 
-/* bf16 gradients (f32 accumulators while streaming, direct in row blocks) and fp32 dZ (BLIS on f32 copies of the
+/* bf16 gradients (f32 accumulators while streaming, direct in row blocks) and fp32 dU (BLIS on f32 copies of the
  * tiles), with every option, in check_schedules (beta 1: the old bf16 value added in f32). */
 static void test_gradient_dtypes(void)
 {
-    for (int fp32_dz = 0; fp32_dz < 2; fp32_dz++)
+    for (int fp32_du = 0; fp32_du < 2; fp32_du++)
         for (int grad_dtype = 0; grad_dtype < 2; grad_dtype++)
             for (int layout = 0; layout < 2; layout++) {
                 ce_case_spec s = bf16_spec((fh_layout)layout, 0);
-                s.fp32_dz = fp32_dz;
+                s.fp32_du = fp32_du;
                 s.grad_dtype = (fh_dtype)grad_dtype;
                 s.bias = 1;
                 s.ignore_frac = 0.1;
@@ -499,7 +499,7 @@ static void test_wisdom_dtype(void)
 static const tu_test tests[] = {
     {"every option, both layouts and schedules", test_options},
     {"edge tiles, row blocks, streaming fallback, beta 1", test_tiles_and_beta},
-    {"fp32 and bf16 gradients, fp32 dZ", test_gradient_dtypes},
+    {"fp32 and bf16 gradients, fp32 dU", test_gradient_dtypes},
     {"bf16 gradients are the fp32 ones rounded once", test_bf16_gradients_are_rounded_fp32},
     {"the queried workspace serves bf16 gradients", test_queried_workspace_serves_bf16_gradients},
     {"logits block and dU chunks in dweight's memory", test_scratch_in_dweight},

@@ -356,7 +356,7 @@ static void test_workspace_size_with_grads(void)
 static void test_params(void)
 {
     const fh_param params[] = {FH_PARAM_THREADS, FH_PARAM_TILE_ROWS, FH_PARAM_TILE_VOCAB, FH_PARAM_MEMORY_BUDGET,
-                               FH_PARAM_CHECK_FINITE, FH_PARAM_FP32_DZ, FH_PARAM_OVERSUBSCRIBE, FH_PARAM_GRAD_FILTER_TAIL};
+                               FH_PARAM_CHECK_FINITE, FH_PARAM_FP32_DU, FH_PARAM_OVERSUBSCRIBE, FH_PARAM_GRAD_FILTER_TAIL};
     fh_context *ctx = NULL;
     TU_CHECK(fh_context_create(&ctx) == FH_OK, "create");
     for (size_t k = 0; k < TU_COUNT(params); k++) {

@@ -104,9 +104,9 @@ static void test_bf16(void)
             }
     ce_case_spec s = filter_spec(FH_LAYOUT_HV, 1);
     s.dtype = FH_DTYPE_BF16;
-    s.fp32_dz = 1; /* streams, with f32 GEMMs on gathered f32 copies of the bf16 weight */
+    s.fp32_du = 1; /* streams, with f32 GEMMs on gathered f32 copies of the bf16 weight */
     s.label_smoothing = 0.1;
-    check_filtered(&s, "bf16 inputs, fp32 dZ", 0.05);
+    check_filtered(&s, "bf16 inputs, fp32 dU", 0.05);
 }
 
 /* Tiles that keep every column run the unfiltered GEMMs in place, beside tiles that keep some (a small vocabulary
@@ -310,7 +310,7 @@ static void test_queried_workspace(void)
 static const tu_test tests[] = {
     {"fp32: every option, both layouts and schedules", test_fp32_options},
     {"fp32: the rank-one term with beta 1", test_fp32_accumulate_c_term},
-    {"bf16: both schedules, bf16 gradients, fp32 dZ", test_bf16},
+    {"bf16: both schedules, bf16 gradients, fp32 dU", test_bf16},
     {"tiles that keep every column", test_all_kept_tiles},
     {"the tail estimate and dropping the tail", test_tail},
     {"eps and tail through the parameter interface: bounds, kind, NaN, read back", test_params},

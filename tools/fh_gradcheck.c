@@ -20,7 +20,7 @@ static void usage(void)
             "       [--label-smoothing E] [--class-weights] [--softcap C] [--z-loss S]\n"
             "       [--reduction mean|sum|none] [--threads T] [--seed S] [--dump DIR]\n"
             "       [--train-step] [--budget BYTES] [--tile-rows R] [--tile-vocab C] [--dtype f32|bf16]\n"
-            "       [--grad-dtype f32|bf16] [--fp32-dz] [--grad-filter-eps EPS]\n"
+            "       [--grad-dtype f32|bf16] [--fp32-du] [--grad-filter-eps EPS]\n"
             "       [--grad-filter-tail estimate|drop] [--logit-scale S]\n"
             "       fh_gradcheck --loss grpo ... (fh_gradcheck --loss grpo --help)\n"
             "       fh_gradcheck --loss dpo|orpo|simpo|cpo ... (fh_gradcheck --loss dpo --help)\n"

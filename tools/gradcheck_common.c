@@ -13,7 +13,7 @@ static int shared_option(const gradcheck_options *o, const char *a, const char *
     const struct {
         const char *name;
         int *field;
-    } flags[] = {{"--bias", o->bias}, {"--train-step", o->train_step}, {"--fp32-dz", o->fp32_dz}};
+    } flags[] = {{"--bias", o->bias}, {"--train-step", o->train_step}, {"--fp32-du", o->fp32_du}};
     for (size_t k = 0; k < sizeof flags / sizeof flags[0]; k++)
         if (flags[k].field && strcmp(a, flags[k].name) == 0) {
             *flags[k].field = 1;

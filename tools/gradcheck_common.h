@@ -13,7 +13,7 @@
 typedef struct gradcheck_options {
     int64_t *n, *batch, *seq, *hidden, *vocab;
     fh_layout *layout;
-    int *bias, *train_step, *fp32_dz, *threads;
+    int *bias, *train_step, *fp32_du, *threads;
     double *ignore_frac, *grad_filter_eps, *logit_scale;
     fh_reduction *reduction;
     fh_filter_tail *grad_filter_tail;
@@ -28,7 +28,7 @@ typedef struct gradcheck_options {
 #define GRADCHECK_EVERY_LOSS_OPTIONS(s, dump_dir)                                                                   \
     .hidden = &(s)->hidden, .vocab = &(s)->vocab, .layout = &(s)->layout, .bias = &(s)->bias,                      \
     .threads = &(s)->threads, .seed = &(s)->seed, .tile_rows = &(s)->tile_rows, .tile_vocab = &(s)->tile_vocab,    \
-    .dtype = &(s)->dtype, .grad_dtype = &(s)->grad_dtype, .fp32_dz = &(s)->fp32_dz, .dump = (dump_dir)
+    .dtype = &(s)->dtype, .grad_dtype = &(s)->grad_dtype, .fp32_du = &(s)->fp32_du, .dump = (dump_dir)
 
 /* A loss's own option a with the argument after it, v (NULL after the last one): 2 when a took v as its value, 1
  * for a flag, 0 when a is not one of its options (or lacks its value), -1 for a value it refuses. */

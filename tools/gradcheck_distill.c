@@ -8,12 +8,12 @@
  * The single-call step runs in row blocks unless the memory budget cannot hold one (--budget, with --tile-rows and
  * --tile-vocab for the streaming tiles): a row block holds both heads' V-wide fp32 logits rows (8 V bytes per row),
  * and with bf16 inputs every row's bf16 dU (2 n V bytes), so a budget below that streams ("streaming": true in the
- * output; with --fp32-dz the step always streams).
+ * output; with --fp32-du the step always streams).
  *
  * Tolerances (tests/test_distill.c derives them and gives the measured worst cases):
  *   loss, soft_loss, hard_loss: |fused - reference| <= 1e-5 max(1, |reference|): the head's fp32 exps and
  *     log-probabilities carry an absolute error of ~1e-6 whatever D's size; per_token_loss: 1e-5 (1 + |r|);
- *   dx, dweight, dbias: normwise relative 1e-5 (CE_GRAD_NORM_REL_TOL); with bf16 inputs (unless --fp32-dz) dx and
+ *   dx, dweight, dbias: normwise relative 1e-5 (CE_GRAD_NORM_REL_TOL); with bf16 inputs (unless --fp32-du) dx and
  *     dweight take CE_BF16_GRAD_NORM_REL_TOL = 2^-8 ~ 4e-3 (dU rounded once to bf16), and bf16 gradients add 2^-8
  *     for their own rounding (ce_grad_tolerance, ref/ce_case.c).
  * jsd between nearly disjoint distributions (D close to its maximum, e.g. --logit-scale 3 --temperature 0.5) forms a
@@ -48,7 +48,7 @@ static void usage(void)
             "       [--vocab V] [--layout hv|vh] [--teacher-layout hv|vh] [--bias] [--teacher-bias]\n"
             "       [--ignore-frac F] [--no-targets] [--reduction mean|sum|none] [--grad-output g] [--threads T]\n"
             "       [--seed S] [--tile-rows R] [--tile-vocab C] [--budget BYTES] [--dtype f32|bf16]\n"
-            "       [--grad-dtype f32|bf16] [--fp32-dz] [--logit-scale S] [--dump DIR]\n"
+            "       [--grad-dtype f32|bf16] [--fp32-du] [--logit-scale S] [--dump DIR]\n"
             "  defaults: jsd, beta 0.5, temperature 1, weights 1 and 0, n 64, H 67, Ht = H, V 5003, hv, mean;\n"
             "  --dtype bf16 makes both heads bf16\n");
 }
@@ -60,7 +60,7 @@ typedef struct distill_spec {
     double ignore_frac, logit_scale;
     fh_distill_options options;
     float grad_output;
-    int threads, fp32_dz;
+    int threads, fp32_du;
     int64_t tile_rows, tile_vocab, budget;
     uint64_t seed;
     fh_dtype dtype, grad_dtype;
@@ -291,7 +291,7 @@ static int report(const void *check)
     const size_t n = (size_t)s->n, h = (size_t)s->hidden, v = (size_t)s->vocab;
     const ref_distill_result *r = &ref->r;
     const int bf16 = s->dtype == FH_DTYPE_BF16;
-    const double grad_tol = ce_grad_tolerance(DISTILL_GRAD_TOL, bf16 && !s->fp32_dz, s->grad_dtype);
+    const double grad_tol = ce_grad_tolerance(DISTILL_GRAD_TOL, bf16 && !s->fp32_du, s->grad_dtype);
     const double dbias_tol = ce_grad_tolerance(DISTILL_GRAD_TOL, 0, s->grad_dtype);
     const double e_fwd = outputs_diff(fwd, r), e_step = outputs_diff(step, r);
     const double e_tok =
@@ -299,9 +299,9 @@ static int report(const void *check)
     const double e_dx = norm_rel(gr->dx, ref->dx, n * h), e_dw = norm_rel(gr->dweight, ref->dweight, h * v);
     const double e_db = gr->dbias ? norm_rel(gr->dbias, ref->dbias, v) : 0.0;
     /* A row block holds both heads' V-wide fp32 rows, and with bf16 inputs every row's bf16 dU: a budget below that
-     * cannot hold one, so the step streams (as it always does with fp32 dZ). */
+     * cannot hold one, so the step streams (as it always does with fp32 dU). */
     const double row_block_floor = 8.0 * (double)v + (bf16 ? 2.0 * (double)n * (double)v : 0.0);
-    const int streaming = (bf16 && s->fp32_dz) || (s->budget > 0 && (double)s->budget < row_block_floor);
+    const int streaming = (bf16 && s->fp32_du) || (s->budget > 0 && (double)s->budget < row_block_floor);
     const int pass = e_fwd <= DISTILL_LOSS_TOL && e_step <= DISTILL_LOSS_TOL && e_tok <= DISTILL_TOKEN_TOL &&
                      e_dx <= grad_tol && e_dw <= grad_tol && e_db <= dbias_tol;
     const fh_distill_options *o = &s->options;
@@ -354,7 +354,7 @@ static int run(void *check)
         int64_t value;
     } settings[] = {{FH_PARAM_THREADS, s->threads},     {FH_PARAM_TILE_ROWS, s->tile_rows},
                     {FH_PARAM_TILE_VOCAB, s->tile_vocab}, {FH_PARAM_MEMORY_BUDGET, s->budget},
-                    {FH_PARAM_FP32_DZ, s->fp32_dz}};
+                    {FH_PARAM_FP32_DU, s->fp32_du}};
     for (size_t j = 0; st == FH_OK && j < sizeof settings / sizeof settings[0]; j++)
         st = fh_context_set(ctx, settings[j].param, settings[j].value);
     k->fwd.per_token = xcalloc(n, sizeof(float));

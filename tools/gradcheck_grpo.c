@@ -17,7 +17,7 @@ static void usage(void)
             "       --is-level token|sequence [--beta b] [--epsilon-low e] [--epsilon-high e] [--delta d]\n"
             "       [--temperature t] [--no-old-logps] [--entropy-coef c] [--layout hv|vh] [--bias]\n"
             "       [--threads T] [--seed S] [--train-step] [--tile-rows R] [--tile-vocab C] [--dtype f32|bf16]\n"
-            "       [--grad-dtype f32|bf16] [--fp32-dz] [--dump DIR] [--grad-filter-eps EPS]\n"
+            "       [--grad-dtype f32|bf16] [--fp32-du] [--dump DIR] [--grad-filter-eps EPS]\n"
             "       [--grad-filter-tail estimate|drop] [--logit-scale S]\n"
             "  X: grpo bnpo dr_grpo dapo cispo sapo\n");
 }

@@ -24,7 +24,7 @@ static void usage(void)
             "       [--loss-type sigmoid|hinge|ipo|robust] [--beta b] [--label-smoothing e] [--simpo-gamma g]\n"
             "       [--rpo-alpha a] [--cpo-alpha a] [--ref none|sequence|token] [--grad-output g] [--layout hv|vh]\n"
             "       [--bias] [--threads T] [--seed S] [--tile-rows R] [--tile-vocab C] [--dtype f32|bf16]\n"
-            "       [--grad-dtype f32|bf16] [--fp32-dz] [--dump DIR]\n"
+            "       [--grad-dtype f32|bf16] [--fp32-du] [--dump DIR]\n"
             "  --batch counts pairs (2B sequences); --ref is dpo's reference log-probs (the other losses take none)\n");
 }
 

@@ -99,7 +99,7 @@ class Context:
     Settings (0 = the library's default): threads (0 = OpenMP's default; either is clamped to the CPUs this
     process may use unless oversubscribe is set; `threads_in_use` is what calls run), tile_rows, tile_vocab,
     memory_budget (bytes; default 512 MiB), check_finite (1: reject NaN/Inf inputs, if the library has it),
-    fp32_dz (1: with bf16 inputs keep dZ in fp32 for the gradient GEMMs: fp32-accurate, at the fp32 rate),
+    fp32_du (1: with bf16 inputs keep dU (the logits' gradient) in fp32 for the gradient GEMMs: fp32-accurate, at the fp32 rate),
     grad_filter_eps (a float; 0 = off: gradient filtering skips the backward GEMMs' vocabulary columns whose
     softmax terms are below eps times their row's scale in every row of a block, as Cut Cross-Entropy does;
     `filter_stats()` tells what it skipped), grad_filter_tail ("estimate", the default: the skipped softmax terms
@@ -111,7 +111,7 @@ class Context:
 
     def __init__(self, *, threads: Optional[int] = None, tile_rows: Optional[int] = None,
                  tile_vocab: Optional[int] = None, memory_budget: Optional[int] = None,
-                 check_finite: Optional[bool] = None, fp32_dz: Optional[bool] = None,
+                 check_finite: Optional[bool] = None, fp32_du: Optional[bool] = None,
                  oversubscribe: Optional[bool] = None, grad_filter_eps: Optional[float] = None, grad_filter_tail: Optional[str] = None):
         self._lib = load_library()
         self._lock = threading.RLock()
@@ -126,7 +126,7 @@ class Context:
         self._handle: Optional[ctypes.c_void_p] = handle
         settings = dict(threads=threads, tile_rows=tile_rows, tile_vocab=tile_vocab, memory_budget=memory_budget,
                         check_finite=None if check_finite is None else int(bool(check_finite)),
-                        fp32_dz=None if fp32_dz is None else int(bool(fp32_dz)),
+                        fp32_du=None if fp32_du is None else int(bool(fp32_du)),
                         oversubscribe=None if oversubscribe is None else int(bool(oversubscribe)))
         try:
             for name, value in settings.items():
@@ -226,7 +226,7 @@ class Context:
                              lambda self, v: self.set(Param.MEMORY_BUDGET, v))
     check_finite = property(lambda self: bool(self.get(Param.CHECK_FINITE)),
                             lambda self, v: self.set(Param.CHECK_FINITE, int(bool(v))))
-    fp32_dz = property(lambda self: bool(self.get(Param.FP32_DZ)), lambda self, v: self.set(Param.FP32_DZ, int(bool(v))))
+    fp32_du = property(lambda self: bool(self.get(Param.FP32_DU)), lambda self, v: self.set(Param.FP32_DU, int(bool(v))))
     oversubscribe = property(lambda self: bool(self.get(Param.OVERSUBSCRIBE)),
                              lambda self, v: self.set(Param.OVERSUBSCRIBE, int(bool(v))))
 
@@ -277,13 +277,13 @@ class Context:
         if self.closed:
             return "<fusedhead.Context (closed)>"
         fields = ", ".join(f"{p.name.lower()}={self.get(p)}" for p in Param
-                           if p not in (Param.CHECK_FINITE, Param.FP32_DZ, Param.OVERSUBSCRIBE, Param.GRAD_FILTER_TAIL,
+                           if p not in (Param.CHECK_FINITE, Param.FP32_DU, Param.OVERSUBSCRIBE, Param.GRAD_FILTER_TAIL,
                                         Param.GRAD_FILTER_EPS))
         return f"<fusedhead.Context {fields}>"
 
 
 _thread_local = threading.local()
-_SETTING_NAMES = ("threads", "tile_rows", "tile_vocab", "memory_budget", "check_finite", "fp32_dz", "oversubscribe",
+_SETTING_NAMES = ("threads", "tile_rows", "tile_vocab", "memory_budget", "check_finite", "fp32_du", "oversubscribe",
                   "grad_filter_eps", "grad_filter_tail")
 _default_settings: dict = {}
 _default_generation = 0

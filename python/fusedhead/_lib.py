@@ -77,7 +77,7 @@ class Param(enum.IntEnum):
     TILE_VOCAB = 2
     MEMORY_BUDGET = 3
     CHECK_FINITE = 4
-    FP32_DZ = 5
+    FP32_DU = 5
     OVERSUBSCRIBE = 6
     GRAD_FILTER_TAIL = 7  # a FilterTail
     GRAD_FILTER_EPS = 8  # real-valued: fh_context_set_real / fh_context_get_real / fh_param_real_bounds

@@ -15,7 +15,7 @@ Tolerances:
     1.8e-3); rounding each element of the result to bf16 (8 significant bits) adds at most bf16's unit
     roundoff u = 2^-8 = 3.9e-3 relative per element, hence at most u normwise (about u / sqrt(3) on
     average: 2.1e-3 measured for a bf16 dbias). 4e-3 + 3.9e-3 < 8e-3. Measured: 1.7e-3 - 2.8e-3.
-  - dbias: column sums of the fp32 dZ (never rounded to bf16): fp32 accuracy, GRAD_RTOL_F64 = 1e-5, for an
+  - dbias: column sums of the fp32 dU (never rounded to bf16): fp32 accuracy, GRAD_RTOL_F64 = 1e-5, for an
     fp32 bias (measured 1.2e-7 - 2.0e-7); for a bf16 bias the output rounding adds u = 2^-8.
 """
 from __future__ import annotations
@@ -480,10 +480,10 @@ def test_numpy_bf16_gradients_accumulate_and_check_buffers():
         fusedhead.numpy.forward_backward(x, w, t, grad_dtype="bf16")
 
 
-def test_fp32_dz_gives_fp32_accurate_gradients():
-    """Context(fp32_dz=True): dZ stays f32 for the gradient GEMMs (BLIS on f32 copies of the bf16 tiles), so the
+def test_fp32_du_gives_fp32_accurate_gradients():
+    """Context(fp32_du=True): dZ stays f32 for the gradient GEMMs (BLIS on f32 copies of the bf16 tiles), so the
     fp32 gradients of bf16 inputs match float64 at fp32's tolerance (GRAD_RTOL_F64 = 1e-5; fh_gradcheck
-    --fp32-dz measures 2e-7 - 4e-7), where the default's bf16 dZ errs by about 1e-3 (checked above 1e-4, so that
+    --fp32-du measures 2e-7 - 4e-7), where the default's bf16 dZ errs by about 1e-3 (checked above 1e-4, so that
     the setting is seen to act). The loss does not depend on it."""
     x, w, t, b, _ = make_data(seed=21, bias=True)
     xb, wb = bf16_bits(x), bf16_bits(w)
@@ -491,10 +491,10 @@ def test_fp32_dz_gives_fp32_accurate_gradients():
     ref = reference_loss(X64, W64, torch.from_numpy(t), B64, label_smoothing=0.1)
     ref.backward()
     errors = {}
-    for fp32_dz in (False, True):
+    for fp32_du in (False, True):
         r = fusedhead.numpy.forward_backward(xb, wb, t, b, label_smoothing=0.1, dtype="bf16",
-                                             context=fusedhead.Context(fp32_dz=fp32_dz))
+                                             context=fusedhead.Context(fp32_du=fp32_du))
         assert abs(r.loss - ref.item()) <= LOSS_RTOL_BF16 * abs(ref.item())
-        errors[fp32_dz] = max(normwise(r.dhidden, X64.grad.numpy()), normwise(r.dweight, W64.grad.numpy()))
+        errors[fp32_du] = max(normwise(r.dhidden, X64.grad.numpy()), normwise(r.dweight, W64.grad.numpy()))
     assert errors[True] <= GRAD_RTOL_F64 and errors[False] > 10 * GRAD_RTOL_F64, errors
-    assert fusedhead.Context(fp32_dz=True).fp32_dz is True
+    assert fusedhead.Context(fp32_du=True).fp32_du is True

@@ -1,6 +1,6 @@
-/* The engine: streams vocabulary tiles of Z = transform(X W + bias) through the GEMM layer and either
- * folds them into per-token statistics (forward) or turns them into dZ from per-token coefficients and
- * accumulates the gradient GEMMs (backward). Heads never touch tiles; the engine knows no loss. */
+/* The engine: streams vocabulary tiles of Z = transform(X W + bias) through the GEMM layer and either folds them into
+ * per-token statistics (forward) or turns them into dU (the gradient with respect to X W + bias) from per-token
+ * coefficients and accumulates the gradient GEMMs (backward). Heads never touch tiles; the engine knows no loss. */
 #ifndef FH_ENGINE_H
 #define FH_ENGINE_H
 

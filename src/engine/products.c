@@ -62,19 +62,19 @@ fh_status fh_pass_add_dx(const fh_pass *p, int prepare, int64_t tile_row, int64_
 {
     const fh_linear *lin = p->in.lin;
     const fh_gemm_input du = fh_du_view(p, tile_row, i0, vb, j0);
-    /* fp32_dz: w32 holds the tile's columns row-major, H x vb. */
-    const fh_gemm_input wt = p->in.plan->fp32_dz ? view(p->ws.w32, FH_ELEM_F32, j0, 1, vb)
+    /* fp32_du: w32 holds the tile's columns row-major, H x vb. */
+    const fh_gemm_input wt = p->in.plan->fp32_du ? view(p->ws.w32, FH_ELEM_F32, j0, 1, vb)
                                               : view(lin->weight, elem_type(lin->weight_dtype),
                                                      (v0 + j0) * lin->w_stride_vocab, lin->w_stride_vocab,
                                                      lin->w_stride_hidden);
     return fh_pass_dx_product(p, prepare, i0, nb, len, &du, &wt, accumulate);
 }
 
-/* X[i0:i0+nb, :]^T as the dweight GEMM reads it (fp32_dz: x32 holds the tile's rows, nb x H). */
+/* X[i0:i0+nb, :]^T as the dweight GEMM reads it (fp32_du: x32 holds the tile's rows, nb x H). */
 fh_gemm_input fh_pass_x_transposed(const fh_pass *p, int64_t i0)
 {
     const fh_linear *lin = p->in.lin;
-    return p->in.plan->fp32_dz ? view(p->ws.x32, FH_ELEM_F32, 0, 1, lin->hidden)
+    return p->in.plan->fp32_du ? view(p->ws.x32, FH_ELEM_F32, 0, 1, lin->hidden)
                             : view(lin->x, elem_type(lin->x_dtype), i0 * lin->x_row_stride, 1, lin->x_row_stride);
 }
 
@@ -240,7 +240,7 @@ fh_status fh_pass_gradients(const fh_pass *p, int segment, int64_t tile_row, int
     const int gemms = (grads->dx != NULL) + (grads->dweight && p->sinks.dweight != FH_DWEIGHT_AFTER_BLOCKS);
     p->ws.filter_stats->gradient_flops += 2.0 * (double)nb * (double)p->in.lin->hidden * (double)vb * gemms;
     fh_status st = FH_OK;
-    if (p->in.plan->fp32_dz)
+    if (p->in.plan->fp32_du)
         fh_copy_x_rows(p, i0, nb);
     const int64_t t = fh_du_chunk(p, vb);
     for (int64_t j0 = 0; grads->dx && j0 < vb && st == FH_OK; j0 += t)

@@ -40,7 +40,7 @@ static void finish_dx(const fh_pass *p)
                     p->in.grads->dx_beta != 0.0f, p->in.plan->threads);
 }
 
-/* fp32_dz: the f32 copies of the weight tile's columns (per vocabulary tile) and of the x rows (per tile). */
+/* fp32_du: the f32 copies of the weight tile's columns (per vocabulary tile) and of the x rows (per tile). */
 static void copy_weight_columns(const fh_pass *p, int64_t v0, int64_t vb)
 {
     const fh_linear *lin = p->in.lin;
@@ -180,7 +180,7 @@ static fh_status backward(const fh_pass *p)
         if (grads->dbias)
             for (int64_t j = 0; j < vb; j++)
                 column[j] = 0.0;
-        if (p->in.plan->fp32_dz)
+        if (p->in.plan->fp32_du)
             copy_weight_columns(p, v0, vb);
         for (int64_t i0 = 0; i0 < n; i0 += p->in.plan->tile_rows) {
             const int64_t nb = min64(p->in.plan->tile_rows, n - i0);

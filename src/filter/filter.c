@@ -152,7 +152,7 @@ fh_status fh_filter_gradients(const fh_pass *p, int segment, int64_t tile_row, i
     const double tail_total = p->in.plan->tail_estimate ? tail_profile(p, segment, vb) : 0.0;
     if (tail_total > 0.0 && p->in.plan->bf16_du)
         fh_filter_compact_rows(p, tile_row, nb, vb, kept, p->in.class_weights ? p->in.class_weights + v0 : NULL, 0);
-    if (p->in.plan->fp32_dz)
+    if (p->in.plan->fp32_du)
         fh_copy_x_rows(p, i0, nb);
     const fh_status st = kept == vb ? fh_filter_all_kept_gemms(p, tile_row, i0, nb, v0, vb)
                                     : fh_filter_kept_gemms(p, tile_row, i0, nb, v0, vb, kept, 1);

@@ -118,7 +118,7 @@ void fh_filter_compact_rows(const fh_pass *p, int64_t tile_row, int64_t nb, int6
 }
 
 /* gathered_w = the weight's columns v0 + columns[0..count) of the tile as rows of H, in dU's element type (with
- * fp32_dz, from w32, the tile's columns already in f32), zeros up to width. */
+ * fp32_du, from w32, the tile's columns already in f32), zeros up to width. */
 static void gather_weight(const fh_pass *p, int64_t v0, int64_t vb, const int64_t *columns, int64_t count,
                           int64_t width)
 {
@@ -134,7 +134,7 @@ static void gather_weight(const fh_pass *p, int64_t v0, int64_t vb, const int64_
             const uint16_t *src = (const uint16_t *)lin->weight + (v0 + j) * lin->w_stride_vocab;
             for (int64_t k = 0; k < h; k++)
                 dst[k] = src[k * lin->w_stride_hidden];
-        } else if (p->in.plan->fp32_dz) {
+        } else if (p->in.plan->fp32_du) {
             float *dst = (float *)p->ws.filter.gathered_w + c * h;
             for (int64_t k = 0; k < h; k++)
                 dst[k] = p->ws.w32[k * vb + j];

@@ -235,7 +235,7 @@ static fh_status combine_block(const void *self, int64_t first_row, int64_t rows
 }
 
 /* Per row block: the shard's logits and statistics, combined across the vocab communicator (one
- * all-reduce of the block's rows), then dZ and both gradient GEMMs on the shard. */
+ * all-reduce of the block's rows), then dU and both gradient GEMMs on the shard. */
 static fh_status row_block_step(ce_call *c, const fh_plan *plan, const fh_workspace *ws,
                                 const fh_token_stats *stats, fh_ce_outputs *out)
 {

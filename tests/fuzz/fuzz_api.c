@@ -6,7 +6,7 @@
  * negative, 2^31.., 2^62, INT64_MIN/MAX, arbitrary), strides (padded, overlapping, zero, negative, huge),
  * options (every field, valid or not), targets/ids/masks, special float values in every input, dtypes (fp32 or
  * bf16 x and weight, sometimes mismatched or unknown; each gradient fp32, bf16 or unknown), context parameters
- * (threads, tiles, memory budget, CHECK_FINITE, FP32_DZ) and an optional caller workspace of a random size.
+ * (threads, tiles, memory budget, CHECK_FINITE, FP32_DU) and an optional caller workspace of a random size.
  * A distillation call also draws its teacher (hidden size, layout, strides, dtypes and bias of its own; n and V
  * the student's or, now and then, others; sometimes NULL pointers) with the same rules for its buffers.
  *
@@ -265,7 +265,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                           call == CALL_GRPO_STEP || call == CALL_PREFERENCE_STEP || call == CALL_DISTILL_STEP;
 
     /* dtypes: x fp32 or bf16, the weight the same, the other one or unknown; each gradient fp32 or bf16 (dx
-     * unknown when all three bits are set); fp32 dZ. */
+     * unknown when all three bits are set); fp32 dU. */
     const uint8_t dtype_bits = u8(&r);
     const fh_dtype other = dtype_bits & 1 ? FH_DTYPE_F32 : FH_DTYPE_BF16;
     const fh_dtype x_dtype = dtype_bits & 1 ? FH_DTYPE_BF16 : FH_DTYPE_F32;
@@ -399,7 +399,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         fh_context_destroy(ctx);
         return 0;
     }
-    fh_context_set(ctx, FH_PARAM_FP32_DZ, (dtype_bits & 64) != 0);
+    fh_context_set(ctx, FH_PARAM_FP32_DU, (dtype_bits & 64) != 0);
     if (tiles & 16) { /* gradient filtering, including values it must refuse */
         static const double eps[] = {0.0, 0x1p-12, 0.02, 0.5, 0.999, -1.0, 1.0, NAN};
         fh_context_set_real(ctx, FH_PARAM_GRAD_FILTER_EPS, eps[u8(&r) % 8]);

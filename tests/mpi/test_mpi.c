@@ -227,7 +227,7 @@ static void make_problem(problem *p, int64_t n, int64_t h, int64_t v, fh_layout 
     }
 }
 
-/* The library's gradient tolerance for the problem's dtypes (file comment); dbias sums the fp32 dZ. */
+/* The library's gradient tolerance for the problem's dtypes (file comment); dbias sums the fp32 dU. */
 static double grad_tol(const problem *p)
 {
     return (p->dtype == FH_DTYPE_BF16 ? BF16_GRAD_TOL : GRAD_TOL) + (p->grad_dtype == FH_DTYPE_BF16 ? BF16_GRAD_TOL : 0.0);
