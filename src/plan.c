@@ -355,10 +355,24 @@ fh_status fh_plan_pair_train_step(const fh_context *ctx, const fh_linear *lin, c
     return plan_train_step(ctx, lin, grads, 1, companion_of(companion), plan, row_blocks, messages);
 }
 
-void fh_plan_lower_rows(fh_plan *plan, int64_t n, int64_t rows)
+/* Lowers a row-block plan being made to blocks of `rows` rows (<= its own); its workspace only shrinks. */
+static void lower_rows(fh_plan *plan, int64_t n, int64_t rows)
 {
     plan->tile_rows = rows;
     (void)place_buffers(plan, n); /* cannot overflow: the taller tile did not */
+}
+
+fh_status fh_plan_train_step_rows(const fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
+                                  int64_t rows, fh_plan *plan, fh_context *messages)
+{
+    plan->threads = fh_threads(ctx, lin);
+    set_schedule(ctx, lin, 1, 1, NO_COMPANION, plan);
+    plan->tile_vocab = lin->vocab;
+    plan->tile_rows = rows;
+    if (place_buffers(plan, lin->n) != 0)
+        return fh_fail(messages, FH_ERR_SIZE_OVERFLOW, "workspace size for n = %lld overflows", (long long)lin->n);
+    (void)place_in_dweight(plan, lin, grads);
+    return FH_OK;
 }
 
 fh_status fh_plan_train_step_groups(fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
@@ -373,7 +387,7 @@ fh_status fh_plan_train_step_groups(fh_context *ctx, const fh_linear *lin, const
         return FH_OK;
     }
     const int64_t blocks = (groups + fit - 1) / fit;
-    fh_plan_lower_rows(plan, lin->n, (groups + blocks - 1) / blocks * group_rows);
+    lower_rows(plan, lin->n, (groups + blocks - 1) / blocks * group_rows);
     return FH_OK;
 }
 

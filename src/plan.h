@@ -103,9 +103,10 @@ fh_status fh_plan_pair_train_step(const fh_context *ctx, const fh_linear *lin, c
 fh_status fh_plan_pair_query_bytes(const fh_context *ctx, const fh_linear *lin, const fh_linear *companion,
                                    size_t *bytes);
 
-/* Lowers a row-block plan to rows (<= plan->tile_rows) per block, e.g. a height agreed with other ranks;
- * its workspace only shrinks. */
-void fh_plan_lower_rows(fh_plan *plan, int64_t n, int64_t rows);
+/* The train step's row-block plan with blocks of exactly `rows` rows: a height agreed with other ranks, no taller
+ * than this rank's own fh_plan_train_step or fh_plan_train_step_groups plan, so that it fits the budget as that did. */
+fh_status fh_plan_train_step_rows(const fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
+                                  int64_t rows, fh_plan *plan, fh_context *messages);
 
 /* Workspace bytes of a call for the size queries (lin checked; nothing is reported): the train step's
  * plan, for the gradients grads (checked) when given, else the larger of the streaming passes'. */

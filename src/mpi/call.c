@@ -189,8 +189,9 @@ fh_status fhm_call_schedule(fhm_call *c, fh_status st, int row_blocks, fh_plan p
     *rows = row_blocks ? plans[0].tile_rows : 0;
     st = agree_rows(c, st, rows);
     if (st == FH_OK && *rows > 0) {
-        fh_plan_lower_rows(&plans[0], c->lin->n, *rows);
-        st = fh_workspace_acquire(c->ctx, c->lin->n, plans, 1, ws);
+        st = fh_plan_train_step_rows(c->ctx, c->lin, &c->g.engine, *rows, &plans[0], c->ctx);
+        if (st == FH_OK)
+            st = fh_workspace_acquire(c->ctx, c->lin->n, plans, 1, ws);
         st = prepare(head_call, st, plans, ws, 1);
     } else if (st == FH_OK) {
         st = fh_prepare_streaming(c->ctx, c->lin, plans, ws);
