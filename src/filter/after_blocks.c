@@ -2,45 +2,6 @@
  * terms of the columns every block skipped, rounded once. */
 #include "filter_internal.h"
 
-/* The columns every row block skipped: only the terms' column(j) g_all, rounded once, as beta says. */
-typedef struct skipped_columns {
-    const fh_pass *p;
-    const fh_skipped_term *terms;
-    int count;
-} skipped_columns;
-
-static void skipped_run(const void *self, const fh_run *run)
-{
-    const skipped_columns *sc = self;
-    const fh_linear *lin = sc->p->in.lin;
-    const fh_linear_grads *grads = sc->p->in.grads;
-    const size_t bytes = elem_size(elem_type(grads->dweight_dtype));
-    const int64_t step = run->along_vocab ? lin->w_stride_vocab : lin->w_stride_hidden;
-    float values[TERMS_RUN];
-    for (int64_t e0 = 0; e0 < run->length; e0 += TERMS_RUN) {
-        const int64_t m = min64(TERMS_RUN, run->length - e0), k = fh_run_k(run, e0), j = fh_run_j(run, e0);
-        fh_terms_run(sc->terms, sc->count, k, j, run->along_vocab, m, 1, values);
-        fh_store((char *)grads->dweight + (size_t)(k * lin->w_stride_hidden + j * lin->w_stride_vocab) * bytes,
-                 grads->dweight_dtype, step, values, m, grads->dweight_beta != 0.0f);
-    }
-}
-
-/* Columns [j0, j1) of dweight that every row block skipped: the terms' values (0 without a term). */
-static void skipped_dweight_columns(const fh_pass *p, int64_t j0, int64_t j1, const fh_skipped_term *terms, int count)
-{
-    const fh_linear *lin = p->in.lin;
-    const fh_linear_grads *grads = p->in.grads;
-    if (count == 0 && grads->dweight_beta != 0.0f)
-        return;
-    if (count == 0) {
-        fh_zero_columns(p, grads->dweight, elem_size(elem_type(grads->dweight_dtype)), lin->w_stride_hidden,
-                        lin->w_stride_vocab, j0, j1);
-        return;
-    }
-    const skipped_columns sc = {p, terms, count};
-    fh_walk(p->in.plan->threads, lin->hidden, p->sinks.by_vocab, j0, j1 - j0, NULL, skipped_run, &sc);
-}
-
 /* bf16 row blocks: dweight after the last block, over every row, for the columns that some row block kept (in
  * gathered chunks, the rows in the blocks' segments so that the GEMM shapes are those made ready); every other
  * column gets only its rank-one terms (0 without them), rounded once, as beta says. */
@@ -86,7 +47,7 @@ static fh_status filtered_dweight_after_blocks(const fh_pass *p)
         while (j1 < vocab && p->ws.filter.dw_holds[j1] == p->ws.filter.dw_holds[j0])
             j1++;
         if (!p->ws.filter.dw_holds[j0])
-            skipped_dweight_columns(p, j0, j1, terms, terms_count);
+            fh_skipped_dweight_columns(p, j0, j1, terms, terms_count);
         j0 = j1;
     }
     p->ws.filter_stats->gradient_flops += 2.0 * (double)n * (double)h * (double)vocab;

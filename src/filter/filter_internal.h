@@ -36,14 +36,12 @@ typedef struct fh_skipped_term {
     double *s, *g, *g_all;
 } fh_skipped_term;
 
-/* The terms' dweight values are formed a run of at most TERMS_RUN elements at a time. */
-enum { TERMS_RUN = 256 };
-
-void fh_terms_run(const fh_skipped_term *terms, int count, int64_t k, int64_t j, int along_vocab, int64_t m,
-                  int all_blocks, float *values);
 void fh_skipped_weight_sums(const fh_pass *p, int64_t v0, int64_t vb, const fh_skipped_term *terms, int count);
 void fh_weighted_rows(const fh_pass *p, const double *rows, int64_t i0, int64_t nb, int accumulate, double *g);
 void fh_skipped_columns_term(const fh_pass *p, int64_t v0, int64_t vb, const fh_skipped_term *terms, int count);
+/* Columns [j0, j1) of dweight that every bf16 row block skipped: the terms' column(j) g_all (0 without a term),
+ * rounded once, as beta says. */
+void fh_skipped_dweight_columns(const fh_pass *p, int64_t j0, int64_t j1, const fh_skipped_term *terms, int count);
 void fh_zero_columns(const fh_pass *p, char *base, size_t elem_size, int64_t stride_k, int64_t stride_j, int64_t j0,
                      int64_t j1);
 

@@ -23,10 +23,13 @@ static double column_factor(const fh_skipped_term *t, int64_t j)
     return t->scale * (t->profile ? t->profile[j] : t->weights ? (double)t->weights[j] : 1.0);
 }
 
+/* The terms' dweight values are formed a run of at most TERMS_RUN elements at a time. */
+enum { TERMS_RUN = 256 };
+
 /* values[e] (e < m) = dweight's value of the terms (1 or 2 of them) at (k, j + e) along the vocabulary, or at
  * (k + e, j) down a column (its factors then taken once): the sum over the terms of column(j) g[k], or g_all[k]
  * with all_blocks. */
-void fh_terms_run(const fh_skipped_term *terms, int count, int64_t k, int64_t j, int along_vocab, int64_t m,
+static void terms_run(const fh_skipped_term *terms, int count, int64_t k, int64_t j, int along_vocab, int64_t m,
                       int all_blocks, float *values)
 {
     const double *g[2];
@@ -128,7 +131,7 @@ static void skipped_term_run(const void *self, const fh_run *run)
     float values[TERMS_RUN];
     for (int64_t e0 = 0; e0 < run->length; e0 += TERMS_RUN) {
         const int64_t m = min64(TERMS_RUN, run->length - e0);
-        fh_terms_run(t->terms, t->count, fh_run_k(run, e0), fh_run_j(run, e0), run->along_vocab, m, 0, values);
+        terms_run(t->terms, t->count, fh_run_k(run, e0), fh_run_j(run, e0), run->along_vocab, m, 0, values);
         for (int64_t e = 0; e < m; e++) {
             const int64_t j = run->j + (e0 + e) * dj;
             float *d = first + (e0 + e) * step;
@@ -173,4 +176,43 @@ void fh_zero_columns(const fh_pass *p, char *base, size_t elem_size, int64_t str
 {
     const zeroed z = {base, elem_size, stride_k, stride_j};
     fh_walk(p->in.plan->threads, p->in.lin->hidden, stride_j <= stride_k, j0, j1 - j0, NULL, zero_run, &z);
+}
+
+/* The columns every row block skipped: only the terms' column(j) g_all, rounded once, as beta says. */
+typedef struct skipped_columns {
+    const fh_pass *p;
+    const fh_skipped_term *terms;
+    int count;
+} skipped_columns;
+
+static void skipped_run(const void *self, const fh_run *run)
+{
+    const skipped_columns *sc = self;
+    const fh_linear *lin = sc->p->in.lin;
+    const fh_linear_grads *grads = sc->p->in.grads;
+    const size_t bytes = elem_size(elem_type(grads->dweight_dtype));
+    const int64_t step = run->along_vocab ? lin->w_stride_vocab : lin->w_stride_hidden;
+    float values[TERMS_RUN];
+    for (int64_t e0 = 0; e0 < run->length; e0 += TERMS_RUN) {
+        const int64_t m = min64(TERMS_RUN, run->length - e0), k = fh_run_k(run, e0), j = fh_run_j(run, e0);
+        terms_run(sc->terms, sc->count, k, j, run->along_vocab, m, 1, values);
+        fh_store((char *)grads->dweight + (size_t)(k * lin->w_stride_hidden + j * lin->w_stride_vocab) * bytes,
+                 grads->dweight_dtype, step, values, m, grads->dweight_beta != 0.0f);
+    }
+}
+
+/* Columns [j0, j1) of dweight that every row block skipped: the terms' values (0 without a term). */
+void fh_skipped_dweight_columns(const fh_pass *p, int64_t j0, int64_t j1, const fh_skipped_term *terms, int count)
+{
+    const fh_linear *lin = p->in.lin;
+    const fh_linear_grads *grads = p->in.grads;
+    if (count == 0 && grads->dweight_beta != 0.0f)
+        return;
+    if (count == 0) {
+        fh_zero_columns(p, grads->dweight, elem_size(elem_type(grads->dweight_dtype)), lin->w_stride_hidden,
+                        lin->w_stride_vocab, j0, j1);
+        return;
+    }
+    const skipped_columns sc = {p, terms, count};
+    fh_walk(p->in.plan->threads, lin->hidden, p->sinks.by_vocab, j0, j1 - j0, NULL, skipped_run, &sc);
 }
