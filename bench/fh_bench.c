@@ -289,7 +289,7 @@ static int run_once(bench_case c, const shape *s, const bench_inputs *in, const 
     fh_ce_options_init(&o);
     const float grad_one = 1.0f;
     *loss = NAN;
-    fh_ce_outputs out = {loss, NULL, NULL, NULL, NULL, NULL};
+    fh_ce_outputs out = {loss, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     /* in->dx and in->dw are float buffers, large enough for bf16 gradients too. */
     fh_linear_grads g = {.dx = in->dx, .dx_row_stride = s->hidden, .dweight = in->dw, .dx_dtype = s->grad_dtype,
                          .dweight_dtype = s->grad_dtype};

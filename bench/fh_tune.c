@@ -48,7 +48,7 @@ static fh_status run_call(fh_context *ctx, fh_call call, problem *p)
 {
     double loss;
     const float grad = 1.0f;
-    fh_ce_outputs out = {&loss, NULL, NULL, NULL, p->in.lse, NULL};
+    fh_ce_outputs out = {&loss, NULL, NULL, NULL, p->in.lse, NULL, NULL, NULL};
     fh_linear_grads g = {.dx = p->in.dx, .dx_row_stride = p->lin.hidden, .dx_beta = 0.0f, .dweight = p->in.dw, .dweight_beta = 0.0f, .dbias = NULL, .dbias_beta = 0.0f};
     switch (call) {
     case FH_CALL_FORWARD: return fh_ce_forward(ctx, &p->lin, p->in.targets, &p->options, &out);

@@ -77,12 +77,14 @@ typedef enum fh_status {
     /* 40..49: the GEMM providers */
     FH_ERR_GEMM_FAILED = 40,          /* the bf16 GEMM provider (oneDNN) refused a product's shapes or strides,
                                          or failed while running it, for a reason other than memory */
-    /* 50..59: option values of the preference and distillation heads */
+    /* 50..59: option values of the preference and distillation heads, and logit_scale */
     FH_ERR_INVALID_PREFERENCE_OPTION = 50, /* loss, loss_type, beta, label_smoothing, simpo_gamma, rpo_alpha or
                                               cpo_alpha out of range, or a loss_type the loss does not have */
     FH_ERR_INVALID_DISTILL_OPTION = 51, /* divergence unknown, beta outside [0, 1], or a loss weight negative
                                            or not finite */
     FH_ERR_TEACHER_MISMATCH = 52,       /* the teacher's n or V differs from the student's */
+    FH_ERR_INVALID_LOGIT_SCALE = 53,    /* logit_scale not a positive normal fp32 value, or softcap / logit_scale
+                                           or logit_scale / temperature outside fp32's normal range */
     /* 60..69: the MPI module (fusedhead_mpi.h) */
     FH_ERR_MPI = 60,                  /* an MPI call failed (the message has MPI's error string) */
     FH_ERR_MPI_LAYOUT = 61,           /* communicators, shards or token counts are inconsistent across ranks */
@@ -289,12 +291,14 @@ typedef struct fh_linear_grads {
 } fh_linear_grads;
 
 /* ---------------------------------------------------------------------------------------------
- * Cross-entropy (torch.nn.functional.cross_entropy semantics, plus softcap and z-loss).
+ * Cross-entropy (torch.nn.functional.cross_entropy semantics, plus softcap, logit scale, z-loss and DFT).
  *
- *   z_j      = softcap > 0 ? softcap * tanh(u_j / softcap) : u_j,    u = x W + bias
+ *   v_j      = logit_scale u_j,    u = x W + bias          (Cohere's logit_scale; Granite's 1 / logits_scaling)
+ *   z_j      = softcap > 0 ? softcap * tanh(v_j / softcap) : v_j
  *   lse      = log sum_j exp(z_j)
  *   ce_i     = (1 - eps) w_y (lse - z_y) + (eps / V) sum_j w_j (lse - z_j)     (w = class weights or 1)
  *   zl_i     = z_loss * lse^2
+ *   token_scaling (DFT): ce_i and zl_i multiplied by sg(p_y) = exp(z_y - lse), no gradient through it
  *   mean:    loss = sum_i ce_i / sum_i w_{y_i}  +  sum_i zl_i / count     (over non-ignored tokens)
  *   sum:     loss = sum_i ce_i + sum_i zl_i
  *   none:    per_token_loss_i = ce_i + zl_i (0 for ignored tokens)
@@ -313,6 +317,9 @@ typedef struct fh_ce_options {
     const float *class_weights;  /* [V] non-negative, or NULL */
     double softcap;              /* 0 = off; else a positive normal fp32 value */
     double z_loss;               /* coefficient of lse^2; 0 = off */
+    double logit_scale;          /* multiplies x W + bias before the softcap; default 1 */
+    int token_scaling;           /* 1: DFT, each token's loss times sg(p_target) (Liger use_token_scaling, TRL
+                                    SFT loss_type "dft"); default 0 */
 } fh_ce_options;
 
 FH_API fh_status fh_ce_options_init(fh_ce_options *options);
@@ -324,6 +331,9 @@ typedef struct fh_ce_outputs {
     float *per_token_logp;   /* [N] log p(target); 0 for ignored tokens */
     float *lse;              /* [N] log-sum-exp of the (softcapped) logits; needed by fh_ce_backward */
     int64_t *argmax;         /* [N] index of the largest logit (lowest index on ties) */
+    float *entropy;          /* [N] entropy of softmax(z), -sum_j p_j log p_j; 0 for ignored tokens; no gradient */
+    int64_t *correct;        /* scalar: non-ignored tokens whose argmax is their target (token accuracy = correct /
+                                their count) */
 } fh_ce_outputs;
 
 /* Streaming forward: holds at most one tile of logits. Any output pointer may be NULL except as noted. */
@@ -362,6 +372,54 @@ FH_API fh_status fh_ce_forward_backward_workspace_size(const fh_context *ctx, co
 FH_API fh_status fh_ce_forward_backward_workspace_size_with_grads(const fh_context *ctx, const fh_linear *lin,
                                                                   const fh_ce_options *options,
                                                                   const fh_linear_grads *grads, size_t *bytes);
+
+/* ---------------------------------------------------------------------------------------------
+ * Log-probs: the per-token statistics every policy-gradient and preference loss is a function of, and their
+ * gradients back, so that any such loss is a few lines on [N] vectors and no [N, V] logits exist.
+ *
+ *   u = x W + bias,  v = logit_scale u,  z = softcap > 0 ? softcap tanh(v / softcap) : v,  s = z / temperature
+ *   lse_i  = log sum_j exp(s_ij),  p_i = softmax(s_i)
+ *   logp_i = s_{i, y_i} - lse_i,   H_i = -sum_j p_ij log p_ij = lse_i - sum_j p_ij s_ij
+ *   backward, from upstream g_logp, g_entropy, g_lse (each [N], or NULL for 0):
+ *   dL/ds_ij = g_logp_i ([j = y_i] - p_ij) - g_entropy_i p_ij (s_ij - lse_i + H_i) + g_lse_i p_ij
+ * Tokens whose target is ignore_index get logp, entropy and lse 0 and no gradient; every other target is in
+ * [0, V).
+ * ------------------------------------------------------------------------------------------- */
+typedef struct fh_logprob_options { /* defaults from fh_logprob_options_init */
+    int64_t ignore_index;           /* -100 */
+    double temperature;             /* 1.0; > 0 */
+    double softcap;                 /* 0 = off; else a positive normal fp32 value */
+    double logit_scale;             /* 1.0 */
+} fh_logprob_options;
+
+FH_API fh_status fh_logprob_options_init(fh_logprob_options *options);
+
+typedef struct fh_logprob_outputs { /* [N] each; any may be NULL */
+    float *logp;
+    float *entropy;
+    float *lse;                     /* fh_logprob_backward needs it */
+} fh_logprob_outputs;
+
+/* Streaming forward. */
+FH_API fh_status fh_logprob_forward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
+                                    const fh_logprob_options *options, fh_logprob_outputs *out);
+
+/* Streaming backward from what fh_logprob_forward wrote: lse, and entropy when g_entropy is given (else it may be
+ * NULL). g_logp, g_entropy, g_lse: [N] upstream gradients or NULL (0); each must be finite. */
+FH_API fh_status fh_logprob_backward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
+                                     const fh_logprob_options *options, const float *lse, const float *entropy,
+                                     const float *g_logp, const float *g_entropy, const float *g_lse,
+                                     fh_linear_grads *grads);
+
+/* Forward and backward in one call, for callers who know the upstream gradients up front: row blocks (6 N H V
+ * flops) as fh_ce_forward_backward, streaming when the budget cannot hold a block; the same results either way. */
+FH_API fh_status fh_logprob_forward_backward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
+                                             const fh_logprob_options *options, const float *g_logp,
+                                             const float *g_entropy, const float *g_lse, fh_logprob_outputs *out,
+                                             fh_linear_grads *grads);
+
+/* Workspace bytes the log-prob calls need, the largest of the three (pure). */
+FH_API fh_status fh_logprob_workspace_size(const fh_context *ctx, const fh_linear *lin, size_t *bytes);
 
 /* ---------------------------------------------------------------------------------------------
  * GRPO family (TRL GRPOTrainer._compute_loss semantics, one micro-batch on one process).

@@ -206,7 +206,7 @@ static fh_status run_fused(const ce_case_spec *s, ce_case *c)
     c->logp = xcalloc(n, sizeof(float));
     c->lse = xcalloc(n, sizeof(float));
     c->argmax = xcalloc(n, sizeof(int64_t));
-    fh_ce_outputs out = {&c->loss, &c->z_loss, c->per_token_loss, c->logp, c->lse, c->argmax};
+    fh_ce_outputs out = {&c->loss, &c->z_loss, c->per_token_loss, c->logp, c->lse, c->argmax, NULL, NULL};
     ce_alloc_grads(n, h, v, c->bias != NULL, s->grad_beta, &c->dx, &c->dweight, &c->dbias);
     ce_grads_io io;
     ce_grads_io_begin(&io, s->grad_dtype, n, h, v, s->grad_beta, c->dx, c->dweight, c->dbias);

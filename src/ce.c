@@ -11,7 +11,7 @@ FH_API fh_status fh_ce_options_init(fh_ce_options *options)
 {
     if (!options)
         return FH_ERR_NULL_POINTER;
-    const fh_ce_options defaults = {-100, FH_REDUCTION_MEAN, 0.0, NULL, 0.0, 0.0};
+    const fh_ce_options defaults = {-100, FH_REDUCTION_MEAN, 0.0, NULL, 0.0, 0.0, 1.0, 0};
     *options = defaults;
     return FH_OK;
 }

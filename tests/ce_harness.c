@@ -165,7 +165,7 @@ fh_status cp_run_fused_on(fh_context *ctx, const cp_problem *p, const cp_config 
     ce_alloc_grads(n, h, v, p->bias != NULL, grad_beta, &f->dx, &f->dweight, &f->dbias);
     fh_linear lin;
     cp_problem_linear(p, &lin);
-    fh_ce_outputs out = {&f->loss, &f->z_loss, f->per_token_loss, f->logp, f->lse, f->argmax};
+    fh_ce_outputs out = {&f->loss, &f->z_loss, f->per_token_loss, f->logp, f->lse, f->argmax, NULL, NULL};
     fh_linear_grads g = {.dx = f->dx, .dx_row_stride = p->hidden, .dx_beta = grad_beta, .dweight = f->dweight, .dweight_beta = grad_beta, .dbias = f->dbias, .dbias_beta = grad_beta};
     if (cfg->train_step)
         return fh_ce_forward_backward(ctx, &lin, p->targets, &p->options, p->grad_output, &out, &g);

@@ -519,7 +519,7 @@ class CEProblem:
         self.targets = _ip(targets.ptr)
         self.options = _lib.fh_ce_options(int64("ignore_index", ignore_index), int(self.reduction), float(label_smoothing),
                                           _fp(class_weights.ptr if class_weights is not None else None),
-                                          float(softcap), float(z_loss))
+                                          float(softcap), float(z_loss), 1.0, 0)
 
     @property
     def grad_count(self) -> int:

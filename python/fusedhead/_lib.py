@@ -66,6 +66,7 @@ class Status(enum.IntEnum):
     ERR_INVALID_PREFERENCE_OPTION = 50
     ERR_INVALID_DISTILL_OPTION = 51
     ERR_TEACHER_MISMATCH = 52
+    ERR_INVALID_LOGIT_SCALE = 53
     ERR_MPI = 60
     ERR_MPI_LAYOUT = 61
     ERR_MPI_MISMATCH = 62
@@ -196,6 +197,8 @@ class fh_ce_options(ctypes.Structure):
         ("class_weights", c_float_p),
         ("softcap", ctypes.c_double),
         ("z_loss", ctypes.c_double),
+        ("logit_scale", ctypes.c_double),
+        ("token_scaling", ctypes.c_int),
     ]
 
 
@@ -207,7 +210,23 @@ class fh_ce_outputs(ctypes.Structure):
         ("per_token_logp", c_float_p),
         ("lse", c_float_p),
         ("argmax", c_int64_p),
+        ("entropy", c_float_p),
+        ("correct", c_int64_p),
     ]
+
+
+# Log-probs (fh_logprob_*)
+class fh_logprob_options(ctypes.Structure):
+    _fields_ = [
+        ("ignore_index", ctypes.c_int64),
+        ("temperature", ctypes.c_double),
+        ("softcap", ctypes.c_double),
+        ("logit_scale", ctypes.c_double),
+    ]
+
+
+class fh_logprob_outputs(ctypes.Structure):
+    _fields_ = [("logp", c_float_p), ("entropy", c_float_p), ("lse", c_float_p)]
 
 
 # GRPO (fh_grpo_*)
@@ -334,7 +353,8 @@ class fh_distill_outputs(ctypes.Structure):
     ]
 
 
-STRUCTS = (fh_kernel_info, fh_linear, fh_linear_grads, fh_ce_options, fh_ce_outputs, fh_grpo_options,
+STRUCTS = (fh_kernel_info, fh_linear, fh_linear_grads, fh_ce_options, fh_ce_outputs, fh_logprob_options,
+           fh_logprob_outputs, fh_grpo_options,
            fh_grpo_batch, fh_grpo_metrics, fh_grpo_outputs, fh_preference_options, fh_preference_batch,
            fh_preference_metrics, fh_preference_outputs, fh_distill_options, fh_distill_outputs)
 
@@ -375,6 +395,14 @@ _REQUIRED = {
 }
 # Bound when present (a library built before they existed still serves cross-entropy).
 _OPTIONAL = {
+    "fh_logprob_options_init": (_st, [_P(fh_logprob_options)]),
+    "fh_logprob_forward": (_st, [_ctx_p, _P(fh_linear), c_int64_p, _P(fh_logprob_options),
+                                 _P(fh_logprob_outputs)]),
+    "fh_logprob_backward": (_st, [_ctx_p, _P(fh_linear), c_int64_p, _P(fh_logprob_options), c_float_p,
+                                  c_float_p, c_float_p, c_float_p, c_float_p, _P(fh_linear_grads)]),
+    "fh_logprob_forward_backward": (_st, [_ctx_p, _P(fh_linear), c_int64_p, _P(fh_logprob_options), c_float_p,
+                                          c_float_p, c_float_p, _P(fh_logprob_outputs), _P(fh_linear_grads)]),
+    "fh_logprob_workspace_size": (_st, [_ctx_p, _P(fh_linear), _P(ctypes.c_size_t)]),
     "fh_grpo_options_init": (_st, [_P(fh_grpo_options)]),
     "fh_grpo_forward": (_st, [_ctx_p, _P(fh_linear), _P(fh_grpo_batch), _P(fh_grpo_options),
                               _P(fh_grpo_outputs)]),

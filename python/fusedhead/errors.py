@@ -3,7 +3,7 @@
 Every failing library call raises a FusedheadError subclass chosen by the status code:
 
     FusedheadError (RuntimeError)            .status, .status_name, .status_string, .message, .function
-      FusedheadValueError (+ ValueError)     statuses 1..19, 24, 25, 30, 31, 50..52: bad shapes, strides, targets,
+      FusedheadValueError (+ ValueError)     statuses 1..19, 24, 25, 30, 31, 50..53: bad shapes, strides, targets,
         TargetOutOfRangeError, ...           options, wisdom entries (one class per status)
       FusedheadMemoryError (+ MemoryError)   statuses 20..22: workspace and memory
       WisdomIOError (+ OSError)              status 23: a wisdom file cannot be read or written
@@ -70,6 +70,7 @@ class InvalidGRPOOptionError(FusedheadValueError): pass
 class InvalidPreferenceOptionError(FusedheadValueError): pass
 class InvalidDistillOptionError(FusedheadValueError): pass
 class TeacherMismatchError(FusedheadValueError): pass
+class InvalidLogitScaleError(FusedheadValueError): pass
 class WorkspaceTooSmallError(FusedheadMemoryError): pass
 class OutOfMemoryError(FusedheadMemoryError): pass
 class BudgetTooSmallError(FusedheadMemoryError): pass
@@ -115,6 +116,7 @@ ERROR_CLASSES: Dict[int, Type[FusedheadError]] = {
     Status.ERR_INVALID_PREFERENCE_OPTION: InvalidPreferenceOptionError,
     Status.ERR_INVALID_DISTILL_OPTION: InvalidDistillOptionError,
     Status.ERR_TEACHER_MISMATCH: TeacherMismatchError,
+    Status.ERR_INVALID_LOGIT_SCALE: InvalidLogitScaleError,
     Status.ERR_INVALID_PARAM: InvalidParamError,
     Status.ERR_INVALID_PARAM_VALUE: InvalidParamValueError,
     Status.ERR_KERNELS_UNAVAILABLE: KernelsUnavailableError,

@@ -70,7 +70,7 @@ def test_options_init_defaults_match_python_defaults():
     opts = _lib.fh_ce_options()
     assert fusedhead.load_library().fh_ce_options_init(ctypes.byref(opts)) == 0
     assert (opts.ignore_index, opts.reduction, opts.label_smoothing, bool(opts.class_weights), opts.softcap,
-            opts.z_loss) == (-100, 0, 0.0, False, 0.0, 0.0)
+            opts.z_loss, opts.logit_scale, opts.token_scaling) == (-100, 0, 0.0, False, 0.0, 0.0, 1.0, 0)
     # the preference front ends' defaults are TRL's, which fh_preference_options_init also sets
     init = _lib.fh_preference_options()
     assert fusedhead.load_library().fh_preference_options_init(ctypes.byref(init)) == 0

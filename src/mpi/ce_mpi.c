@@ -136,7 +136,7 @@ static fh_status forward(ce_call *c, const fh_plan *plan, const fh_workspace *ws
     if (st != FH_OK)
         return st;
     double totals[4];
-    fh_ce_outputs loss_only = {out->loss, out->z_loss, NULL, NULL, NULL, NULL};
+    fh_ce_outputs loss_only = {out->loss, out->z_loss, NULL, NULL, NULL, NULL, NULL, NULL};
     fh_ce_write_token_outputs(&c->h, stats, write_tokens ? out : &loss_only, totals + 2);
     totals[0] = c->h.nm.count;
     totals[1] = c->h.nm.weight_sum;

@@ -366,7 +366,7 @@ static void run_ce(const config *cfg, const ce_case *c, fh_dtype dtype, fh_dtype
     float *ref_ptl = alloc((size_t)n, 4), *ref_logp = alloc((size_t)n, 4), *ref_lse = alloc((size_t)n, 4);
     int64_t *ref_argmax = alloc((size_t)n, 8);
     grads ref = {alloc((size_t)(n * h), 4), alloc((size_t)(h * v), 4), alloc((size_t)v, 4)};
-    fh_ce_outputs rout = {&ref_loss, &ref_zl, ref_ptl, ref_logp, ref_lse, ref_argmax};
+    fh_ce_outputs rout = {&ref_loss, &ref_zl, ref_ptl, ref_logp, ref_lse, ref_argmax, NULL, NULL};
     fh_linear_grads rg = {.dx = ref.dx, .dx_row_stride = h, .dx_beta = 0.0f, .dweight = ref.dw, .dweight_beta = 0.0f, .dbias = c->bias ? ref.db : NULL, .dbias_beta = 0.0f};
     check_status("reference fh_ce_forward_backward", fh_ce_forward_backward(ctx, &full, targets, &o, grad_output, &rout, &rg),
                  ctx);
@@ -456,7 +456,7 @@ static void run_ce(const config *cfg, const ce_case *c, fh_dtype dtype, fh_dtype
         g.dweight = NULL;
     if (c->omit & OMIT_DBIAS)
         g.dbias = NULL;
-    fh_ce_outputs out = {&loss, &zl, ptl, logp, lse, argmax};
+    fh_ce_outputs out = {&loss, &zl, ptl, logp, lse, argmax, NULL, NULL};
     const float *local_grad = c->reduction == FH_REDUCTION_NONE ? grad_out + n0 : grad_output;
     if (c->in_place) { /* the rank's upstream gradient in the per_token_loss buffer, which the step overwrites */
         memcpy(ptl, grad_out + n0, (size_t)nr * sizeof(float));
@@ -818,7 +818,7 @@ static void error_cases(const config *cfg)
     fh_ce_options o;
     fh_ce_options_init(&o);
     double loss = -1.0;
-    fh_ce_outputs out = {&loss, NULL, NULL, NULL, NULL, NULL};
+    fh_ce_outputs out = {&loss, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     /* The last rank of the world passes a target outside [0, V): every rank must fail, none may hang. */
     if (world_rank == world_size - 1)
         targets[0] = v;
@@ -906,7 +906,7 @@ static void mismatch_case(const config *cfg, int diff)
             o.reduction = FH_REDUCTION_SUM;
         if (odd && diff == DIFF_SMOOTHING)
             o.label_smoothing = 0.1;
-        fh_ce_outputs out = {&loss, NULL, NULL, NULL, NULL, NULL};
+        fh_ce_outputs out = {&loss, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
         st = fh_mpi_ce_forward_backward(ctx, L, &lin, targets, &o, &grad_output, &out, &g);
         free(targets);
     } else {
