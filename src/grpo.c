@@ -316,9 +316,8 @@ FH_API fh_status fh_grpo_workspace_size(const fh_context *ctx, const fh_linear *
 fh_engine_pass fh_grpo_pass(const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin, const int64_t *ids,
                             const fh_grpo_options *o)
 {
-    const fh_engine_pass p = {
-        .plan = plan, .ws = ws, .lin = lin, .tf = {0.0f, (float)(1.0 / o->temperature)}, .targets = ids};
-    return p;
+    const fh_transform tf = {0.0f, (float)(1.0 / o->temperature)};
+    return fh_logprob_pass(plan, ws, lin, ids, tf);
 }
 
 fh_grpo_head fh_grpo_head_in(const fh_workspace *ws, const fh_grpo_batch *bt, const fh_grpo_options *o)
@@ -328,60 +327,23 @@ fh_grpo_head fh_grpo_head_in(const fh_workspace *ws, const fh_grpo_batch *bt, co
     return h;
 }
 
-fh_token_stats fh_grpo_stats_in(const fh_workspace *ws)
-{
-    double *const *slot = ws->slot;
-    const fh_token_stats stats = {slot[FH_GRPO_SLOT_LSE],    slot[FH_GRPO_SLOT_Z_TARGET_THEN_A], NULL,
-                                  slot[FH_GRPO_SLOT_SUM_PZ], slot[FH_GRPO_SLOT_SUM_EXP_THEN_C],  NULL};
-    return stats;
-}
-
-void fh_grpo_token_values(const fh_workspace *ws, const fh_grpo_batch *bt, int64_t i0, int64_t i1, int64_t vocab)
-{
-    const fh_token_stats stats = fh_grpo_stats_in(ws);
-    for (int64_t i = i0; i < i1; i++) {
-        const int64_t id = bt->completion_ids[i];
-        ws->slot[FH_GRPO_SLOT_LOGP][i] = id >= 0 && id < vocab ? stats.z_target[i] - stats.lse[i] : 0.0;
-        ws->slot[FH_GRPO_SLOT_ENTROPY][i] = stats.lse[i] - stats.sum_pz[i];
-    }
-}
-
 /* Streams the forward; leaves lse, sum_pz, logp and entropy (double) in the workspace. */
 static fh_status forward_pass(const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin, const fh_grpo_batch *bt,
                          const fh_grpo_options *o)
 {
-    const fh_token_stats stats = fh_grpo_stats_in(ws);
+    const fh_token_stats stats = fh_logprob_stats_in(ws, 1);
     fh_engine_pass pass = fh_grpo_pass(plan, ws, lin, bt->completion_ids, o);
     pass.stats = &stats;
     const fh_status st = fh_engine_forward(&pass);
     if (st == FH_OK)
-        fh_grpo_token_values(ws, bt, 0, lin->n, lin->vocab);
+        fh_logprob_token_values(ws, bt->completion_ids, 0, lin->n, lin->vocab, 1);
     return st;
 }
 
 void fh_grpo_write_outputs(const fh_workspace *ws, int64_t n, fh_grpo_outputs *out)
 {
-    for (int64_t i = 0; i < n; i++) {
-        if (out->per_token_logp)
-            out->per_token_logp[i] = (float)ws->slot[FH_GRPO_SLOT_LOGP][i];
-        if (out->entropy)
-            out->entropy[i] = (float)ws->slot[FH_GRPO_SLOT_ENTROPY][i];
-        if (out->lse)
-            out->lse[i] = (float)ws->slot[FH_GRPO_SLOT_LSE][i];
-    }
-}
-
-void fh_grpo_load_saved(const fh_workspace *ws, int64_t n, const float *per_token_logp, const float *lse,
-                        const float *entropy)
-{
-    double *const *slot = ws->slot;
-    for (int64_t i = 0; i < n; i++) {
-        slot[FH_GRPO_SLOT_LSE][i] = lse[i];
-        slot[FH_GRPO_SLOT_LOGP][i] = per_token_logp[i];
-        slot[FH_GRPO_SLOT_ENTROPY][i] = entropy ? entropy[i] : 0.0;
-        /* only used when e != 0 */
-        slot[FH_GRPO_SLOT_SUM_PZ][i] = slot[FH_GRPO_SLOT_LSE][i] - slot[FH_GRPO_SLOT_ENTROPY][i];
-    }
+    const fh_logprob_rows every_row = {NULL, 0};
+    fh_logprob_write_outputs(ws, n, every_row, out->per_token_logp, out->entropy, out->lse);
 }
 
 fh_grpo_head_outputs fh_grpo_backward_outputs(const fh_workspace *ws, fh_grpo_outputs *forward_out)
@@ -389,21 +351,21 @@ fh_grpo_head_outputs fh_grpo_backward_outputs(const fh_workspace *ws, fh_grpo_ou
     const fh_grpo_head_outputs hout = {forward_out ? forward_out->loss : NULL,
                                        forward_out ? forward_out->metrics : NULL,
                                        forward_out ? forward_out->per_token_loss : NULL,
-                                       ws->slot[FH_GRPO_SLOT_G_LOGP_AS_B], ws->slot[FH_GRPO_SLOT_G_ENTROPY_THEN_E]};
+                                       ws->slot[FH_LOGPROB_SLOT_G_LOGP_AS_B], ws->slot[FH_LOGPROB_SLOT_G_ENTROPY_THEN_E]};
     return hout;
 }
 
 fh_coef_arrays fh_grpo_coefs_in(const fh_workspace *ws, int64_t n)
 {
-    double *a = ws->slot[FH_GRPO_SLOT_Z_TARGET_THEN_A], *b = ws->slot[FH_GRPO_SLOT_G_LOGP_AS_B],
-           *c = ws->slot[FH_GRPO_SLOT_SUM_EXP_THEN_C], *e = ws->slot[FH_GRPO_SLOT_G_ENTROPY_THEN_E];
+    double *a = ws->slot[FH_LOGPROB_SLOT_Z_TARGET_THEN_A], *b = ws->slot[FH_LOGPROB_SLOT_G_LOGP_AS_B],
+           *c = ws->slot[FH_LOGPROB_SLOT_SUM_EXP_THEN_C], *e = ws->slot[FH_LOGPROB_SLOT_G_ENTROPY_THEN_E];
     /* dZ_j = g_logp (onehot_j - p_j) - g_H p_j (z_j - sum_pz): a = -g_logp, b = g_logp, e = -g_H. */
     for (int64_t i = 0; i < n; i++) {
         a[i] = -b[i];
         c[i] = 0.0;
         e[i] = -e[i];
     }
-    const fh_coef_arrays coefs = {ws->slot[FH_GRPO_SLOT_LSE], a, b, c, e, ws->slot[FH_GRPO_SLOT_SUM_PZ]};
+    const fh_coef_arrays coefs = {ws->slot[FH_LOGPROB_SLOT_LSE], a, b, c, e, ws->slot[FH_LOGPROB_SLOT_SUM_PZ]};
     return coefs;
 }
 
@@ -422,9 +384,9 @@ static fh_status backward_pass(const fh_plan *plan, const fh_workspace *ws, cons
                                const fh_linear_grads *grads, fh_grpo_outputs *forward_out)
 {
     fh_grpo_head h = fh_grpo_head_in(ws, bt, o);
-    fh_grpo_head_prepare(&h, ws->slot[FH_GRPO_SLOT_LOGP]);
+    fh_grpo_head_prepare(&h, ws->slot[FH_LOGPROB_SLOT_LOGP]);
     const fh_grpo_head_outputs hout = fh_grpo_backward_outputs(ws, forward_out);
-    head_evaluate(&h, ws->slot[FH_GRPO_SLOT_LOGP], ws->slot[FH_GRPO_SLOT_ENTROPY], grad, &hout);
+    head_evaluate(&h, ws->slot[FH_LOGPROB_SLOT_LOGP], ws->slot[FH_LOGPROB_SLOT_ENTROPY], grad, &hout);
     const fh_coef_arrays coefs = fh_grpo_coefs_in(ws, lin->n);
     fh_engine_pass pass = fh_grpo_pass(plan, ws, lin, bt->completion_ids, o);
     pass.coefs = &coefs;
@@ -483,9 +445,9 @@ FH_API fh_status fh_grpo_forward(fh_context *ctx, const fh_linear *lin, const fh
     if (st != FH_OK)
         return fh_gemm_failure(ctx, st);
     fh_grpo_head h = fh_grpo_head_in(&ws, batch, options);
-    fh_grpo_head_prepare(&h, ws.slot[FH_GRPO_SLOT_LOGP]);
+    fh_grpo_head_prepare(&h, ws.slot[FH_LOGPROB_SLOT_LOGP]);
     const fh_grpo_head_outputs hout = {out->loss, out->metrics, out->per_token_loss, NULL, NULL};
-    head_evaluate(&h, ws.slot[FH_GRPO_SLOT_LOGP], ws.slot[FH_GRPO_SLOT_ENTROPY], 1.0, &hout);
+    head_evaluate(&h, ws.slot[FH_LOGPROB_SLOT_LOGP], ws.slot[FH_LOGPROB_SLOT_ENTROPY], 1.0, &hout);
     fh_grpo_write_outputs(&ws, lin->n, out);
     return FH_OK;
 }
@@ -513,7 +475,7 @@ FH_API fh_status fh_grpo_backward(fh_context *ctx, const fh_linear *lin, const f
     st = prepare_backward(&plan, &ws, lin, batch, options, grads);
     if (st != FH_OK)
         return fh_gemm_failure(ctx, st);
-    fh_grpo_load_saved(&ws, lin->n, per_token_logp, lse, entropy);
+    fh_logprob_load_saved(&ws, lin->n, per_token_logp, lse, entropy);
     return fh_gemm_failure(ctx, backward_pass(&plan, &ws, lin, batch, options, grad_output[0], grads, NULL));
 }
 
@@ -525,21 +487,21 @@ void fh_grpo_block_coefficients(fh_grpo_head *h, const fh_workspace *ws, int64_t
     const fh_grpo_batch *bt = h->bt;
     double *const *slot = ws->slot;
     const int64_t b0 = first_row / bt->seq, b1 = (first_row + rows) / bt->seq;
-    fh_grpo_token_values(ws, bt, first_row, first_row + rows, vocab);
-    fh_grpo_head_log_ratios(h, slot[FH_GRPO_SLOT_LOGP], b0, b1);
-    const fh_grpo_head_outputs coefs = {NULL, NULL, NULL, slot[FH_GRPO_SLOT_G_LOGP_AS_B],
-                                        slot[FH_GRPO_SLOT_G_ENTROPY_THEN_E]};
+    fh_logprob_token_values(ws, bt->completion_ids, first_row, first_row + rows, vocab, 1);
+    fh_grpo_head_log_ratios(h, slot[FH_LOGPROB_SLOT_LOGP], b0, b1);
+    const fh_grpo_head_outputs coefs = {NULL, NULL, NULL, slot[FH_LOGPROB_SLOT_G_LOGP_AS_B],
+                                        slot[FH_LOGPROB_SLOT_G_ENTROPY_THEN_E]};
     fh_grpo_partials unused;
-    fh_grpo_head_evaluate(h, b0, b1, slot[FH_GRPO_SLOT_LOGP], slot[FH_GRPO_SLOT_ENTROPY], grad, &coefs, &unused);
+    fh_grpo_head_evaluate(h, b0, b1, slot[FH_LOGPROB_SLOT_LOGP], slot[FH_LOGPROB_SLOT_ENTROPY], grad, &coefs, &unused);
 }
 
 void fh_grpo_row_coefficients(const fh_workspace *ws, int64_t i, fh_coef *k)
 {
-    const double g_logp = ws->slot[FH_GRPO_SLOT_G_LOGP_AS_B][i];
+    const double g_logp = ws->slot[FH_LOGPROB_SLOT_G_LOGP_AS_B][i];
     k->a = -g_logp;
     k->b = g_logp;
     k->c = 0.0;
-    k->e = -ws->slot[FH_GRPO_SLOT_G_ENTROPY_THEN_E][i];
+    k->e = -ws->slot[FH_LOGPROB_SLOT_G_ENTROPY_THEN_E][i];
 }
 
 /* The single-process pass's hook and rows (self: the sequence_blocks below). */
@@ -574,7 +536,7 @@ static fh_status sequence_block_step(const fh_plan *plan, const fh_workspace *ws
     fh_grpo_head_count(&h);
     const sequence_blocks self = {&h, ws, lin->vocab, grad};
     const fh_coef_source source = {row_coefficients, block_coefficients, &self};
-    const fh_token_stats stats = fh_grpo_stats_in(ws);
+    const fh_token_stats stats = fh_logprob_stats_in(ws, 1);
     fh_engine_pass pass = fh_grpo_pass(plan, ws, lin, bt->completion_ids, o);
     pass.stats = &stats;
     pass.source = &source;
@@ -583,7 +545,7 @@ static fh_status sequence_block_step(const fh_plan *plan, const fh_workspace *ws
     if (st != FH_OK)
         return st;
     const fh_grpo_head_outputs hout = {out->loss, out->metrics, out->per_token_loss, NULL, NULL};
-    head_evaluate(&h, ws->slot[FH_GRPO_SLOT_LOGP], ws->slot[FH_GRPO_SLOT_ENTROPY], grad, &hout);
+    head_evaluate(&h, ws->slot[FH_LOGPROB_SLOT_LOGP], ws->slot[FH_LOGPROB_SLOT_ENTROPY], grad, &hout);
     fh_grpo_write_outputs(ws, lin->n, out);
     return FH_OK;
 }

@@ -4,21 +4,12 @@
 #ifndef FH_GRPO_HEAD_H
 #define FH_GRPO_HEAD_H
 
-#include "engine/engine.h"
+#include "logprob_head.h"
 
-/* Workspace slots. The forward's statistics and the head's per-token values, then (backward) the
- * coefficients: some slots change meaning between the passes, as their names say. b is g_logp itself. */
+/* Workspace slots: the log-prob head's (logprob_head.h), then the per-sequence ones. */
 enum {
-    FH_GRPO_SLOT_LSE,
-    FH_GRPO_SLOT_Z_TARGET_THEN_A,
-    FH_GRPO_SLOT_G_LOGP_AS_B,
-    FH_GRPO_SLOT_SUM_EXP_THEN_C,
-    FH_GRPO_SLOT_G_ENTROPY_THEN_E,
-    FH_GRPO_SLOT_SUM_PZ,
-    FH_GRPO_SLOT_LOGP,
-    FH_GRPO_SLOT_ENTROPY,
-    FH_GRPO_SLOT_SEQ_COUNT,      /* [B] */
-    FH_GRPO_SLOT_SEQ_LOG_RATIO,  /* [B] */
+    FH_GRPO_SLOT_SEQ_COUNT = FH_LOGPROB_SLOTS, /* [B] */
+    FH_GRPO_SLOT_SEQ_LOG_RATIO,                /* [B] */
     FH_GRPO_SLOTS
 };
 _Static_assert(FH_GRPO_SLOTS <= FH_WORKSPACE_SLOTS, "the plan reserves too few workspace slots");
@@ -65,16 +56,8 @@ fh_status fh_grpo_check_apart(fh_context *ctx, const fh_linear *lin, const fh_gr
  * caller adds stats, or coefs and grads. */
 fh_engine_pass fh_grpo_pass(const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin, const int64_t *ids,
                             const fh_grpo_options *o);
-/* The engine's statistics arrays in the workspace. */
-fh_token_stats fh_grpo_stats_in(const fh_workspace *ws);
-/* logp (0 where the id is outside [0, vocab)) and entropy of tokens [i0, i1) from the final statistics in
- * the workspace. */
-void fh_grpo_token_values(const fh_workspace *ws, const fh_grpo_batch *bt, int64_t i0, int64_t i1, int64_t vocab);
+/* The per-token outputs (logp, entropy, lse) from the workspace's slots. */
 void fh_grpo_write_outputs(const fh_workspace *ws, int64_t n, fh_grpo_outputs *out);
-
-/* What fh_grpo_forward saved (lse, logp, entropy or NULL) into the workspace's slots. */
-void fh_grpo_load_saved(const fh_workspace *ws, int64_t n, const float *per_token_logp, const float *lse,
-                        const float *entropy);
 
 /* The head over the workspace's per-sequence arrays; whole-batch totals are bt's until changed. */
 fh_grpo_head fh_grpo_head_in(const fh_workspace *ws, const fh_grpo_batch *bt, const fh_grpo_options *o);

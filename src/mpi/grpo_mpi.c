@@ -70,13 +70,13 @@ static fh_status prepare_step(void *head_call, fh_status st, const fh_plan *plan
 static fh_status forward_pass(grpo_call *c, const fh_plan *plan, const fh_workspace *ws)
 {
     const fhm_call *call = &c->call;
-    const fh_token_stats stats = fh_grpo_stats_in(ws);
+    const fh_token_stats stats = fh_logprob_stats_in(ws, 1);
     fh_engine_pass pass = fh_grpo_pass(plan, ws, call->lin, call->engine_ids, c->o);
     pass.stats = &stats;
     (void)fh_engine_forward(&pass); /* prepared (fhm_call_prepare): cannot fail */
     const fh_status st = fhm_combine_stats(call->L, call->ctx, call->lin->n, &stats, NULL, call->records);
     if (st == FH_OK)
-        fh_grpo_token_values(ws, c->bt, 0, call->lin->n, call->L->total_vocab);
+        fh_logprob_token_values(ws, c->bt->completion_ids, 0, call->lin->n, call->L->total_vocab, 1);
     return st;
 }
 
@@ -95,7 +95,7 @@ static fh_status sum_totals(grpo_call *c, fh_grpo_head *h)
 static fh_status prepare_head(grpo_call *c, fh_grpo_head *h, const fh_workspace *ws)
 {
     *h = fh_grpo_head_in(ws, c->bt, c->o);
-    fh_grpo_head_prepare(h, ws->slot[FH_GRPO_SLOT_LOGP]);
+    fh_grpo_head_prepare(h, ws->slot[FH_LOGPROB_SLOT_LOGP]);
     return sum_totals(c, h);
 }
 
@@ -104,7 +104,7 @@ static fh_status run_head(grpo_call *c, const fh_grpo_head *h, const fh_workspac
                           const fh_grpo_head_outputs *hout, int finish)
 {
     fh_grpo_partials p;
-    fh_grpo_head_evaluate(h, 0, c->bt->batch, ws->slot[FH_GRPO_SLOT_LOGP], ws->slot[FH_GRPO_SLOT_ENTROPY], grad, hout,
+    fh_grpo_head_evaluate(h, 0, c->bt->batch, ws->slot[FH_LOGPROB_SLOT_LOGP], ws->slot[FH_LOGPROB_SLOT_ENTROPY], grad, hout,
                           &p);
     if (!finish)
         return FH_OK;
@@ -174,7 +174,7 @@ static fh_status row_block_step(grpo_call *c, const fh_plan *plan, const fh_work
     if (st == FH_OK) {
         const sequence_blocks self = {c, &h, ws, grad};
         const fh_coef_source source = {row_coefficients, block_coefficients, &self};
-        const fh_token_stats stats = fh_grpo_stats_in(ws);
+        const fh_token_stats stats = fh_logprob_stats_in(ws, 1);
         fh_engine_pass pass = fh_grpo_pass(plan, ws, call->lin, call->engine_ids, c->o);
         pass.stats = &stats;
         pass.source = &source;
@@ -259,7 +259,7 @@ FH_MPI_API fh_status fh_mpi_grpo_backward(fh_context *ctx, fh_mpi_layout *layout
     if (st != FH_OK)
         return st;
     fhm_call_shard_ids(&c.call, batch->completion_ids, NULL);
-    fh_grpo_load_saved(&ws, lin->n, per_token_logp, lse, entropy);
+    fh_logprob_load_saved(&ws, lin->n, per_token_logp, lse, entropy);
     return backward_pass(&c, &plan, &ws, grad_output[0], NULL);
 }
 

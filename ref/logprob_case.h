@@ -1,0 +1,43 @@
+/* One log-prob check: random inputs from a spec, fh_logprob_*'s outputs and gradients, the double reference's
+ * (ref_logprob) and their differences. Shared by the CUnit suite (tests/test_logprob.c). */
+#ifndef FH_LOGPROB_CASE_H
+#define FH_LOGPROB_CASE_H
+
+#include "fusedhead.h"
+
+typedef struct logprob_case_spec {
+    int64_t n, hidden, vocab;
+    fh_layout layout;
+    int bias;
+    double ignore_frac;
+    fh_logprob_options options;
+    int g_entropy, g_lse; /* give those upstream gradients (g_logp always) */
+    int train_step;       /* 1: fh_logprob_forward_backward; 0: forward, then backward */
+    int threads;
+    int64_t tile_rows, tile_vocab, budget;
+    uint64_t seed;
+    double data_scale;    /* typical |x W| (before logit_scale and the temperature); 0 means 3 */
+    float grad_beta;
+    fh_dtype dtype, grad_dtype;
+    int fp32_du;
+} logprob_case_spec;
+
+/* n=97 H=67 V=3001, vh layout with bias, 20% ignored, temperature 1, both extra gradients, forward + backward. */
+void logprob_case_spec_default(logprob_case_spec *spec);
+
+typedef struct logprob_diff {
+    double logp_max_abs, entropy_max_abs, lse_max_abs, value_tol;
+    double dhidden_norm_rel, dweight_norm_rel, dbias_norm_rel, grad_tol, dbias_tol;
+    int ignored_outputs_zero; /* ignored rows: logp, entropy, lse 0, and dx 0 (beta 0) or untouched (beta 1) */
+} logprob_diff;
+
+/* Tolerances, justified in logprob_case.c. */
+#define LOGPROB_VALUE_TOL 1e-5
+#define LOGPROB_BF16_VALUE_TOL 2e-5
+#define LOGPROB_GRAD_NORM_REL_TOL 1e-5
+
+/* Runs the case; FH_OK or the library's status. */
+fh_status logprob_case_run(const logprob_case_spec *spec, logprob_diff *d);
+int logprob_diff_pass(const logprob_diff *d);
+
+#endif

@@ -1,0 +1,101 @@
+/* ref_logprob_fdcheck: checks ref_logprob's gradients against central finite differences of its objective
+ * L = sum_i g_logp_i logp_i + g_entropy_i H_i + g_lse_i lse_i (ref_logprob.h), over temperatures 0.3, 1 and 2.5,
+ * softcap off and 2, logit_scale 1 and 0.7, and the entropy and lse gradients each on and off, with two ignored
+ * tokens. Prints one line per case, exits non-zero on any failure.
+ *
+ * Tolerance. For each gradient entry g (analytic) and f (finite difference) the error is
+ * |f - g| / max(|f|, |g|, 1e-2 S), S the largest |g| of the case; every case must stay <= 1e-6. L is a smooth sum of
+ * O(1) terms (logits O(1) before the temperature: at 0.3 they reach ~7, third derivatives stay O(10)): central
+ * differences with h = 1e-6 have truncation error ~h^2 |L'''| / 6 ~ 2e-12 and rounding error ~1e-16 |L| / h ~ 1e-10,
+ * so a correct gradient lands at 1e-8 to 2e-7 (the largest seen over the cases), while a wrong term (a missing 1/temperature, the
+ * softcap's or the scale's chain factor, the entropy's lse - H shift, a gradient on an ignored row) is off by at
+ * least a tenth of S. */
+#include "ref_logprob.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+enum { N = 6, HID = 4, V = 7 };
+static const double STEP = 1e-6, TOLERANCE = 1e-6;
+
+static uint64_t rng_state = 12345;
+static double uniform(double lo, double hi) /* splitmix64 */
+{
+    uint64_t z = (rng_state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return lo + (hi - lo) * (double)(z >> 11) * (1.0 / 9007199254740992.0);
+}
+
+/* The largest scaled error over the entries of one parameter array p (analytic gradient grad). */
+static double check_array(ref_linear *lin, double *p, const double *grad, size_t count, const int64_t *targets,
+                          const ref_logprob_options *o, const ref_logprob_grads *g, double scale)
+{
+    double worst = 0.0;
+    for (size_t k = 0; k < count; k++) {
+        const double keep = p[k];
+        p[k] = keep + STEP;
+        const double up = ref_logprob_objective(lin, targets, o, g);
+        p[k] = keep - STEP;
+        const double down = ref_logprob_objective(lin, targets, o, g);
+        p[k] = keep;
+        const double f = (up - down) / (2.0 * STEP);
+        const double err = fabs(f - grad[k]) / fmax(fmax(fabs(f), fabs(grad[k])), 1e-2 * scale);
+        worst = fmax(worst, err);
+    }
+    return worst;
+}
+
+static double largest(const double *a, size_t count, double m)
+{
+    for (size_t k = 0; k < count; k++)
+        m = fmax(m, fabs(a[k]));
+    return m;
+}
+
+int main(void)
+{
+    double x[N * HID], w[HID * V], b[V], g_logp[N], g_entropy[N], g_lse[N];
+    for (size_t k = 0; k < N * HID; k++)
+        x[k] = uniform(-1.0, 1.0);
+    for (size_t k = 0; k < HID * V; k++)
+        w[k] = uniform(-1.0, 1.0);
+    for (size_t k = 0; k < V; k++)
+        b[k] = uniform(-0.5, 0.5);
+    int64_t targets[N];
+    for (int i = 0; i < N; i++) {
+        targets[i] = (int64_t)uniform(0.0, V);
+        g_logp[i] = uniform(-1.0, 1.0);
+        g_entropy[i] = uniform(-1.0, 1.0);
+        g_lse[i] = uniform(-1.0, 1.0);
+    }
+    targets[1] = targets[4] = -100;
+    ref_linear lin = {N, HID, V, x, w, b};
+    static const double temperatures[] = {0.3, 1.0, 2.5}, softcaps[] = {0.0, 2.0}, scales[] = {1.0, 0.7};
+    int failures = 0;
+    for (int ti = 0; ti < 3; ti++)
+        for (int ci = 0; ci < 2; ci++)
+            for (int si = 0; si < 2; si++)
+                for (int with = 0; with < 4; with++) {
+                    const ref_logprob_options o = {-100, temperatures[ti], softcaps[ci], scales[si]};
+                    const ref_logprob_grads g = {g_logp, with & 1 ? g_entropy : NULL, with & 2 ? g_lse : NULL};
+                    double dx[N * HID], dw[HID * V], db[V];
+                    if (ref_logprob(&lin, targets, &o, NULL, NULL, NULL, &g, dx, dw, db) != 0)
+                        return 2;
+                    int ignored_rows_clean = 1;
+                    for (int k = 0; k < HID; k++)
+                        ignored_rows_clean &= dx[1 * HID + k] == 0.0 && dx[4 * HID + k] == 0.0;
+                    const double scale = largest(db, V, largest(dw, HID * V, largest(dx, N * HID, 0.0)));
+                    double err = check_array(&lin, x, dx, N * HID, targets, &o, &g, scale);
+                    err = fmax(err, check_array(&lin, w, dw, HID * V, targets, &o, &g, scale));
+                    err = fmax(err, check_array(&lin, b, db, V, targets, &o, &g, scale));
+                    const int ok = err <= TOLERANCE && ignored_rows_clean;
+                    failures += !ok;
+                    printf("%s temperature %.1f softcap %.0f logit_scale %.1f g_entropy %s g_lse %s: error %.2e%s\n",
+                           ok ? "ok  " : "FAIL", o.temperature, o.softcap, o.logit_scale, with & 1 ? "on " : "off",
+                           with & 2 ? "on " : "off", err, ignored_rows_clean ? "" : " (an ignored row has dx)");
+                }
+    return failures != 0;
+}
