@@ -565,6 +565,40 @@ class CEProblem:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Log-probs
+# ---------------------------------------------------------------------------------------------------------
+class LogprobProblem:
+    """A linear head, targets [N] and log-prob options: the arguments every fh_logprob_* call shares. Outputs and
+    upstream gradients are addresses of [N] float32 vectors (or None)."""
+
+    def __init__(self, head: LinearHead, targets: View, *, ignore_index: int = -100, temperature: float = 1.0,
+                 softcap: Optional[float] = None, logit_scale: Optional[float] = None):
+        self.head = head
+        if tuple(targets.shape) != (head.n,) or not vector_view_ok(targets.shape, targets.strides):
+            raise ValueError(f"targets: expected a contiguous [N] = [{head.n}] int64 vector, got shape "
+                             f"{_shape(targets.shape)} strides {targets.strides}")
+        self.targets = _ip(targets.ptr)
+        self.options = _lib.fh_logprob_options(int64("ignore_index", ignore_index), float(temperature),
+                                               float(softcap or 0.0), 1.0 if logit_scale is None else float(logit_scale))
+
+    def forward(self, ctx: Context, *, logp=None, entropy=None, lse=None) -> None:
+        out = _lib.fh_logprob_outputs(_fp(logp), _fp(entropy), _fp(lse))
+        ctx.call("fh_logprob_forward", ctypes.byref(self.head.c), self.targets, ctypes.byref(self.options),
+                 ctypes.byref(out))
+
+    def backward(self, ctx: Context, lse: int, entropy: Optional[int], g_logp: Optional[int],
+                 g_entropy: Optional[int], g_lse: Optional[int], grads: _lib.fh_linear_grads) -> None:
+        ctx.call("fh_logprob_backward", ctypes.byref(self.head.c), self.targets, ctypes.byref(self.options),
+                 _fp(lse), _fp(entropy), _fp(g_logp), _fp(g_entropy), _fp(g_lse), ctypes.byref(grads))
+
+    def forward_backward(self, ctx: Context, g_logp: Optional[int], g_entropy: Optional[int], g_lse: Optional[int],
+                         grads: _lib.fh_linear_grads, *, logp=None, entropy=None, lse=None) -> None:
+        out = _lib.fh_logprob_outputs(_fp(logp), _fp(entropy), _fp(lse))
+        ctx.call("fh_logprob_forward_backward", ctypes.byref(self.head.c), self.targets, ctypes.byref(self.options),
+                 _fp(g_logp), _fp(g_entropy), _fp(g_lse), ctypes.byref(out), ctypes.byref(grads))
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Shared by the batch heads (GRPO, preference)
 # ---------------------------------------------------------------------------------------------------------
 E = TypeVar("E", bound=enum.IntEnum)

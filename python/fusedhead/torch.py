@@ -64,6 +64,12 @@ weighted hard-label cross-entropy, from both heads' hidden states and weights (t
 and dtype may differ). The teacher is detached: it never gets a gradient. 'mean'/'sum': gradients as for GRPO
 (fh_distill_forward_backward, upstream 1, scaled in backward). 'none': the forward runs fh_distill_forward and
 backward fh_distill_forward_backward with the per-token upstream gradient (the logits computed twice).
+
+Log-probs: fused_linear_logprobs / FusedLinearLogprobsFunction give per-token log p(target) (and the entropy and
+log-sum-exp) of softmax(softcap(logit_scale (x W + b)) / temperature), differentiable, so that any loss on [N]
+vectors (a GRPO variant, a preference loss) backpropagates into hidden, weight and bias without [N, V] logits: the
+forward runs fh_logprob_forward (saving lse and the entropy), backward fh_logprob_backward with the upstream
+gradients of the outputs used (8 N H V flops in all). Outputs are float32 whatever the inputs' dtype.
 """
 from __future__ import annotations
 
@@ -75,6 +81,7 @@ import numpy as np
 import torch
 
 from ._core import (GRPO_METRIC_KEYS, PREFERENCE_METRIC_KEYS, CEProblem, Context, DistillProblem, GRPOProblem,
+                    LogprobProblem,
                     LinearHead, PreferenceProblem, View, default_context, distill_options, grpo_metrics_dict,
                     grpo_options, matrix_view_ok, prefixed_errors,
                     pairs_shape, parse_grpo_is_level, parse_grpo_loss_type, parse_layout, parse_reduction,
@@ -86,7 +93,7 @@ __all__ = ["FusedLinearCrossEntropyFunction", "FusedLinearCrossEntropy", "fused_
            "FusedLinearPreferenceLossFunction", "fused_linear_preference_loss", "PreferenceLossOutput",
            "FusedLinearDPOLoss", "FusedLinearORPOLoss", "FusedLinearSimPOLoss", "FusedLinearCPOLoss",
            "FusedLinearDistillationLossFunction", "fused_linear_distillation_loss", "FusedLinearDistillationLoss",
-           "FusedLinearJSDLoss"]
+           "FusedLinearJSDLoss", "FusedLinearLogprobsFunction", "fused_linear_logprobs"]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -474,6 +481,97 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
         else:
             loss, z, _ = _forward_none(ce, context)
     return (loss, z) if return_z_loss else loss
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Log-probs
+# ---------------------------------------------------------------------------------------------------------
+class _Logprobs:
+    """Everything one log-prob call needs, checked and in library form."""
+
+    def __init__(self, hidden, weight, targets, bias, ignore_index, temperature, softcap, logit_scale, layout):
+        self.lin = _TorchLinear(hidden, weight, bias, layout)
+        _check_tensor(targets, "targets", torch.int64, " (use .long())")
+        self.token_shape = self.lin.hidden_shape[:-1]
+        self.targets = _token_vector(targets, "targets", self.token_shape, self.lin.n, "hidden's leading dimensions")
+        targets_view = _view(self.targets) if self.lin.n > 0 else View(0, (1,), (1,))
+        self.problem = LogprobProblem(self.lin.head, targets_view, ignore_index=ignore_index,
+                                      temperature=temperature, softcap=softcap, logit_scale=logit_scale)
+
+    def vectors(self, count: int):
+        return [torch.zeros(self.lin.n, dtype=torch.float32) for _ in range(count)]
+
+
+class FusedLinearLogprobsFunction(torch.autograd.Function):
+    """apply(hidden, weight, targets, bias=None, ignore_index=-100, temperature=1.0, softcap=None, logit_scale=None,
+    layout="vh", context=None) -> (logp, entropy, lse), each float32 of the targets' shape. Positional arguments
+    only; prefer fused_linear_logprobs."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, bias=None, ignore_index=-100, temperature=1.0, softcap=None,
+                logit_scale=None, layout="vh", context=None):
+        ctx.set_materialize_grads(False)  # unused outputs' gradients arrive as None, the library's NULL
+        lp = _Logprobs(hidden, weight, targets, bias, ignore_index, temperature, softcap, logit_scale, layout)
+        logp, entropy, lse = lp.vectors(3)
+        if lp.lin.n > 0:
+            lp.problem.forward(context or default_context(), logp=logp.data_ptr(), entropy=entropy.data_ptr(),
+                               lse=lse.data_ptr())
+        # What the library saw (views of the inputs, or the copies made for it), for fh_logprob_backward.
+        ctx.save_for_backward(lp.lin.x, lp.lin.weight, lp.targets, lp.lin.bias, entropy, lse)
+        ctx.need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
+        ctx.options = (ignore_index, temperature, softcap, logit_scale, layout)
+        ctx.hidden_shape, ctx.bias_dtype, ctx.fh_context = lp.lin.hidden_shape, lp.lin.bias_dtype, context
+        shape = lp.token_shape
+        return logp.view(shape), entropy.view(shape), lse.view(shape)
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy, grad_lse):
+        x, weight, targets, bias, entropy, lse = ctx.saved_tensors
+        lp = _Logprobs(x, weight, targets, bias, *ctx.options)
+        lp.lin.bias_dtype = ctx.bias_dtype  # the caller's, for dbias: the saved bias is its fp32 form
+        dx, dw, db = lp.lin.alloc_grads(*ctx.need)
+        if lp.lin.n > 0 and any(ctx.need):
+            g = [None if t is None else _contiguous_vector(t.reshape(lp.lin.n).to(torch.float32))
+                 for t in (grad_logp, grad_entropy, grad_lse)]
+            lp.problem.backward(ctx.fh_context or default_context(), lse.data_ptr(),
+                                entropy.data_ptr() if g[1] is not None else None,
+                                *(None if t is None else t.data_ptr() for t in g), lp.lin.grads_struct(dx, dw, db))
+        dx = None if dx is None else dx.view(ctx.hidden_shape)
+        return (dx, dw, None, db) + (None,) * 6
+
+
+def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                          bias: Optional[torch.Tensor] = None, temperature: float = 1.0, return_entropy: bool = False,
+                          return_lse: bool = False, *, ignore_index: int = -100, softcap: Optional[float] = None,
+                          logit_scale: Optional[float] = None, layout: str = "vh",
+                          context: Optional[Context] = None):
+    """log_softmax(s).gather(-1, targets) with s = softcap(logit_scale F.linear(hidden, weight, bias)) / temperature,
+    without the logits; differentiable with respect to hidden, weight and bias.
+
+    Returns logp (float32, the targets' shape; 0 where the target is ignore_index), or a tuple (logp, entropy[,
+    lse]) with return_entropy / return_lse: the entropy -sum p log p of softmax(s) and its log-sum-exp, also
+    differentiable (0 and no gradient at ignored tokens). E.g. a GRPO-style loss:
+
+        logp, entropy = fused_linear_logprobs(h, W, ids, temperature=0.9, return_entropy=True)
+        ratio = torch.exp(logp - old_logp)
+        loss = -(torch.min(ratio * adv, ratio.clamp(0.8, 1.2) * adv) * mask).sum() / mask.sum()
+        loss.backward()
+
+    A non-finite upstream gradient raises InvalidGradOutputError (the library refuses it) instead of propagating.
+    """
+    if _autograd_needed(hidden, weight, bias):
+        logp, entropy, lse = FusedLinearLogprobsFunction.apply(hidden, weight, targets, bias, ignore_index,
+                                                               temperature, softcap, logit_scale, layout, context)
+    else:
+        lp = _Logprobs(hidden, weight, targets, bias, ignore_index, temperature, softcap, logit_scale, layout)
+        logp, entropy, lse = lp.vectors(3)
+        if lp.lin.n > 0:
+            lp.problem.forward(context or default_context(), logp=logp.data_ptr(),
+                               entropy=entropy.data_ptr() if return_entropy else None, lse=lse.data_ptr())
+        logp, entropy, lse = (t.view(lp.token_shape) for t in (logp, entropy, lse))
+    if not (return_entropy or return_lse):
+        return logp
+    return (logp, entropy, lse) if return_entropy and return_lse else (logp, entropy) if return_entropy else (logp, lse)
 
 
 class FusedLinearCrossEntropy(torch.nn.Module):

@@ -1,0 +1,112 @@
+"""fused_linear_logprobs against torch in float64: log_softmax(softcap(scale F.linear(h, W, b)) / T).gather(...) and
+the entropy -sum p log p, with autograd, through losses built on the [N] outputs.
+
+Tolerances: 1e-5 on values and 1e-4 relative (normwise) on gradients, the issue's; the fused path computes fp32
+logits (errors ~1e-6 at these scales), so a wrong term (a missing 1/temperature, the entropy's shift, a gradient at
+an ignored token) is far outside them. bf16 inputs: the reference runs on the same bf16 values in float64; the
+GEMMs read dU rounded to bf16, so gradients get 1e-2 (docs/bf16.md: ~4e-3 normwise typical)."""
+import pytest
+import torch
+
+from fusedhead.torch import fused_linear_logprobs
+
+torch.manual_seed(0)
+
+
+def reference(h, w, b, targets, temperature, softcap, logit_scale, ignore_index=-100):
+    u = torch.nn.functional.linear(h, w, b) * (logit_scale or 1.0)
+    if softcap:
+        u = softcap * torch.tanh(u / softcap)
+    s = u / temperature
+    logq = torch.log_softmax(s, dim=-1)
+    keep = targets != ignore_index
+    safe = torch.where(keep, targets, torch.zeros_like(targets))
+    logp = logq.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logq.exp() * logq).sum(-1)
+    lse = torch.logsumexp(s, dim=-1)
+    zero = torch.zeros((), dtype=s.dtype)
+    return tuple(torch.where(keep, t, zero) for t in (logp, entropy, lse))
+
+
+def inputs(B=3, T=11, H=24, V=301, dtype=torch.float32, bias=True, ignore=0.25):
+    h = torch.randn(B, T, H, dtype=torch.float64)
+    w = torch.randn(V, H, dtype=torch.float64) * 0.3
+    b = torch.randn(V, dtype=torch.float64) * 0.1 if bias else None
+    targets = torch.randint(0, V, (B, T))
+    targets[torch.rand(B, T) < ignore] = -100
+    if dtype == torch.bfloat16:
+        h, w = h.to(torch.bfloat16).to(torch.float64), w.to(torch.bfloat16).to(torch.float64)
+    return h, w, b, targets
+
+
+def rel(a, b):
+    return float((a.double() - b).norm() / max(float(b.norm()), 1e-30))
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
+@pytest.mark.parametrize("with_entropy", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_float64_autograd(temperature, with_entropy, dtype):
+    h, w, b, targets = inputs(dtype=dtype)
+    adv = torch.randn(3, 1, dtype=torch.float64)
+    coef = torch.randn(3, 11, dtype=torch.float64)
+
+    def objective(logp, entropy, lse):
+        # A policy-gradient-style loss on the [B, T] vectors, plus lse (z-loss style) and the entropy bonus.
+        loss = -(logp * adv).sum() + 0.01 * (lse ** 2).sum()
+        return loss - 0.1 * (entropy * coef).sum() if with_entropy else loss
+
+    hr, wr, br = (t.clone().requires_grad_() for t in (h, w, b))
+    ref = reference(hr, wr, br, targets, temperature, None, None)
+    objective(*ref).backward()
+    hf, wf = h.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
+    bf = b.to(torch.float32).requires_grad_()
+    logp, entropy, lse = fused_linear_logprobs(hf, wf, targets, bf, temperature, return_entropy=True,
+                                               return_lse=True)
+    assert logp.shape == (3, 11) and logp.dtype == torch.float32
+    vtol = 1e-5 * max(1.0, 1.0 / temperature) if dtype == torch.float32 else 2e-4
+    for got, want in zip((logp, entropy, lse), ref):
+        assert float((got.double() - want).abs().max()) <= vtol
+    objective(logp.double(), entropy.double(), lse.double()).backward()
+    gtol = 1e-4 if dtype == torch.float32 else 1e-2
+    assert rel(hf.grad, hr.grad) <= gtol and rel(wf.grad, wr.grad) <= gtol and rel(bf.grad, br.grad) <= gtol
+    ignored = targets == -100
+    assert bool((logp[ignored] == 0).all() and (entropy[ignored] == 0).all())
+    assert bool((hf.grad[ignored] == 0).all())
+
+
+@pytest.mark.parametrize("softcap, logit_scale", [(5.0, None), (None, 0.5), (5.0, 2.0)])
+def test_softcap_and_logit_scale(softcap, logit_scale):
+    h, w, b, targets = inputs(bias=False)
+    hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ref_logp, ref_entropy, _ = reference(hr, wr, None, targets, 0.8, softcap, logit_scale)
+    (ref_logp.sum() + ref_entropy.sum()).backward()
+    hf, wf = h.float().requires_grad_(), w.float().requires_grad_()
+    logp, entropy = fused_linear_logprobs(hf, wf, targets, temperature=0.8, return_entropy=True, softcap=softcap,
+                                          logit_scale=logit_scale)
+    scale = max(1.0, (logit_scale or 1.0) / 0.8)
+    assert float((logp.double() - ref_logp).abs().max()) <= 1e-5 * scale
+    (logp.sum() + entropy.sum()).backward()
+    assert rel(hf.grad, hr.grad) <= 1e-4 and rel(wf.grad, wr.grad) <= 1e-4
+
+
+def test_only_logp_used_and_no_grad():
+    """Only logp used: the other outputs' gradients are NULL (not computed); under no_grad, the forward alone."""
+    h, w, b, targets = inputs(bias=False)
+    hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+    reference(hr, wr, None, targets, 1.0, None, None)[0].sum().backward()
+    hf, wf = h.float().requires_grad_(), w.float().requires_grad_()
+    fused_linear_logprobs(hf, wf, targets).sum().backward()
+    assert rel(hf.grad, hr.grad) <= 1e-4 and rel(wf.grad, wr.grad) <= 1e-4
+    with torch.no_grad():
+        logp = fused_linear_logprobs(hf, wf, targets)
+    assert not logp.requires_grad
+    assert float((logp.double() - reference(h, w, None, targets, 1.0, None, None)[0]).abs().max()) <= 1e-5
+
+
+def test_flat_inputs_and_layout_hv():
+    h, w, b, targets = inputs()
+    logp = fused_linear_logprobs(h.float().reshape(-1, 24), w.float().t().contiguous(), targets.reshape(-1),
+                                 b.float(), layout="hv")
+    assert logp.shape == (33,)
+    assert float((logp.double() - reference(h, w, b, targets, 1.0, None, None)[0].reshape(-1)).abs().max()) <= 1e-5
