@@ -1,6 +1,6 @@
-"""NumPy front end: fused linear cross-entropy, GRPO (grpo_loss), preference losses (preference_loss: DPO,
-ORPO, SimPO, CPO) and distillation (distill_loss, distill_forward_backward: forward KL, reverse KL, JSD) on
-float32 (or bf16) arrays, zero-copy.
+"""NumPy front end: fused linear cross-entropy, per-token log-probs (logprobs), GRPO (grpo_loss), preference losses
+(preference_loss: DPO, ORPO, SimPO, CPO) and distillation (distill_loss, distill_forward_backward: forward KL,
+reverse KL, JSD) on float32 (or bf16) arrays, zero-copy.
 
     import fusedhead.numpy as fhnp
     r = fhnp.cross_entropy(hidden, weight, targets, return_grads=True)   # weight [V, H] (layout="vh")
@@ -33,15 +33,15 @@ from typing import Iterable, Optional, Tuple, Union
 
 import numpy as np
 
-from ._core import (CEProblem, Context, DistillProblem, GRPOProblem, LinearHead, PreferenceProblem, View,
-                    default_context, distill_options, grpo_metrics_dict, grpo_options, pairs_shape, parse_reduction,
+from ._core import (CEProblem, Context, DistillProblem, GRPOProblem, LinearHead, LogprobProblem, PreferenceProblem,
+                    View, default_context, distill_options, grpo_metrics_dict, grpo_options, pairs_shape, parse_reduction,
                     prefixed_errors, preference_metrics_dict, preference_options, status_string)
 from ._lib import Dtype, Reduction, Status
 from .errors import error_for
 
 __all__ = ["cross_entropy", "forward", "backward", "forward_backward", "CrossEntropyResult", "Gradients",
            "workspace_size", "grpo_loss", "GRPOResult", "preference_loss", "PreferenceResult", "distill_loss",
-           "distill_forward_backward", "DistillResult"]
+           "distill_forward_backward", "DistillResult", "logprobs", "LogprobsResult"]
 
 _FP32_HINT = "; fusedhead computes in fp32: use .astype(np.float32)"
 _INPUT_DTYPES = {"fp32": (np.float32, Dtype.F32, _FP32_HINT + " (dtype='bf16' takes bfloat16 bits as uint16)"),
@@ -411,6 +411,59 @@ def workspace_size(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, 
     if p.n == 0:
         return 0
     return p.problem.workspace_size(context or default_context(), train_step)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Log-probs (fh_logprob_*)
+# ---------------------------------------------------------------------------------------------------------
+@dataclass
+class LogprobsResult:
+    """Per token (targets' shape): logp = log p(target) and the entropy and log-sum-exp of softmax(s), each 0
+    where the target is ignore_index. Gradients (of sum g_logp logp + g_entropy entropy + g_lse lse) are None
+    unless an upstream gradient was given."""
+    logp: np.ndarray
+    entropy: np.ndarray
+    lse: np.ndarray
+    dhidden: Optional[np.ndarray] = None
+    dweight: Optional[np.ndarray] = None
+    dbias: Optional[np.ndarray] = None
+
+
+def logprobs(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, bias: Optional[np.ndarray] = None, *,
+             temperature: float = 1.0, softcap: Optional[float] = None, logit_scale: Optional[float] = None,
+             ignore_index: int = -100, g_logp: Optional[np.ndarray] = None, g_entropy: Optional[np.ndarray] = None,
+             g_lse: Optional[np.ndarray] = None, layout: str = "vh", context: Optional[Context] = None,
+             dtype: str = "fp32", grad_dtype: Optional[str] = None) -> LogprobsResult:
+    """Per-token log-probs, entropies and log-sum-exps of s = softcap(logit_scale (hidden W^T + bias)) / temperature
+    without the logits (fh_logprob_forward); with any of g_logp, g_entropy, g_lse (float32, the targets' shape),
+    also the gradients of every input in one call (fh_logprob_forward_backward)."""
+    p = _Prepared(hidden, weight, targets, bias, layout, ignore_index, "mean", 0.0, None, 0.0, 0.0, dtype, grad_dtype)
+    upstream = [None if g is None else _flatten_vector(_check_array(g, name, np.float32), name, p.token_shape, p.n,
+                                                        "one value per token")
+                for g, name in ((g_logp, "g_logp"), (g_entropy, "g_entropy"), (g_lse, "g_lse"))]
+    values = [p.tokens(np.float32) for _ in range(3)]
+    bufs = p.grad_buffers(p.wanted(True, None, None, None), None, None, None, False) \
+        if any(g is not None for g in upstream) else None
+    if p.n == 0:
+        for a in values:
+            a[...] = 0
+        if bufs is not None:
+            p.zero_grads(bufs, False)
+    else:
+        problem = LogprobProblem(p.head, _view(p.targets, "targets"), ignore_index=ignore_index,
+                                 temperature=temperature, softcap=softcap, logit_scale=logit_scale)
+        ctx = context or default_context()
+        outs = dict(logp=values[0].ctypes.data, entropy=values[1].ctypes.data, lse=values[2].ctypes.data)
+        if bufs is None:
+            problem.forward(ctx, **outs)
+        else:
+            problem.forward_backward(ctx, *(None if g is None else g.ctypes.data for g in upstream),
+                                     p.grads_struct(bufs, False), **outs)
+    r = LogprobsResult(*(p.shaped(a) for a in values))
+    if bufs is not None:
+        grads = p.shaped_grads(bufs, None)
+        r.dhidden, r.dweight, r.dbias = grads.dhidden, grads.dweight, grads.dbias
+    return r
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -110,3 +110,24 @@ def test_flat_inputs_and_layout_hv():
                                  b.float(), layout="hv")
     assert logp.shape == (33,)
     assert float((logp.double() - reference(h, w, b, targets, 1.0, None, None)[0].reshape(-1)).abs().max()) <= 1e-5
+
+
+def test_numpy_forward_and_gradients():
+    """fusedhead.numpy.logprobs: the forward alone, and with upstream gradients the single call's gradients, against
+    the float64 reference (same tolerances)."""
+    import numpy as np
+    import fusedhead.numpy as fhnp
+    h, w, b, targets = inputs()
+    g = [torch.randn(3, 11, dtype=torch.float64) for _ in range(3)]
+    hr, wr, br = (t.clone().requires_grad_() for t in (h, w, b))
+    ref = reference(hr, wr, br, targets, 0.7, None, None)
+    sum(gi * r for gi, r in zip(g, ref)).sum().backward()
+    args = (h.float().numpy(), w.float().numpy(), targets.numpy(), b.float().numpy())
+    r = fhnp.logprobs(*args, temperature=0.7)
+    assert r.dhidden is None and r.logp.shape == (3, 11)
+    for got, want in zip((r.logp, r.entropy, r.lse), ref):
+        assert np.abs(got - want.detach().numpy()).max() <= 1e-5 / 0.7
+    r = fhnp.logprobs(*args, temperature=0.7, g_logp=g[0].float().numpy(), g_entropy=g[1].float().numpy(),
+                      g_lse=g[2].float().numpy())
+    for got, want in ((r.dhidden, hr.grad), (r.dweight, wr.grad), (r.dbias, br.grad)):
+        assert rel(torch.from_numpy(got), want) <= 1e-4
