@@ -145,6 +145,26 @@ FH_MPI_API fh_status fh_mpi_ce_forward_backward(fh_context *ctx, fh_mpi_layout *
                                                 fh_linear_grads *grads);
 
 /* ---------------------------------------------------------------------------------------------
+ * Log-probs: fh_logprob_* of fusedhead.h across the layout. Every output and upstream gradient is per token (this
+ * rank's tokens); with vocabulary parallelism each rank's outputs are the whole vocabulary's. The single call runs in
+ * row blocks with one statistics all-reduce per block when every rank of the grid can, else it streams.
+ * ------------------------------------------------------------------------------------------- */
+FH_MPI_API fh_status fh_mpi_logprob_forward(fh_context *ctx, fh_mpi_layout *layout, const fh_linear *lin,
+                                            const int64_t *targets, const fh_logprob_options *options,
+                                            fh_logprob_outputs *out);
+
+FH_MPI_API fh_status fh_mpi_logprob_backward(fh_context *ctx, fh_mpi_layout *layout, const fh_linear *lin,
+                                             const int64_t *targets, const fh_logprob_options *options,
+                                             const float *lse, const float *entropy, const float *g_logp,
+                                             const float *g_entropy, const float *g_lse, fh_linear_grads *grads);
+
+FH_MPI_API fh_status fh_mpi_logprob_forward_backward(fh_context *ctx, fh_mpi_layout *layout, const fh_linear *lin,
+                                                     const int64_t *targets, const fh_logprob_options *options,
+                                                     const float *g_logp, const float *g_entropy,
+                                                     const float *g_lse, fh_logprob_outputs *out,
+                                                     fh_linear_grads *grads);
+
+/* ---------------------------------------------------------------------------------------------
  * GRPO: fh_grpo_* of fusedhead.h across the layout. With data parallelism each rank holds whole
  * sequences (its fh_grpo_batch); the loss is that of the concatenated batch: B is the sum of the ranks'
  * B, the mask count (bnpo, the entropy and KL means, dapo/cispo's default num_items_in_batch) is summed,

@@ -801,6 +801,111 @@ static void grpo_cases(const config *cfg)
         }
 }
 
+/* ---- log-probs --------------------------------------------------------------------------------- */
+
+typedef struct logprob_case {
+    double temperature, softcap;
+    int g_entropy, split, bias;
+    fh_layout layout;
+    int64_t ignore_index;
+} logprob_case;
+
+/* fh_mpi_logprob_* on this rank's tokens and shard against fh_logprob_forward_backward on the whole problem. */
+static void run_logprob(const config *cfg, const logprob_case *c, fh_dtype dtype)
+{
+    snprintf(case_name, sizeof case_name, "%s / logprob T=%g softcap=%g g_entropy=%d split=%d ignore=%lld%s",
+             cfg->name, c->temperature, c->softcap, c->g_entropy, c->split, (long long)c->ignore_index,
+             dtype == FH_DTYPE_BF16 ? " bf16" : "");
+    const int64_t n = 45, h = 16, v = 211;
+    problem p;
+    make_problem(&p, n, h, v, c->layout, 3000 + (uint64_t)(c->temperature * 10), dtype);
+    int64_t *targets = alloc((size_t)n, 8);
+    float *g[3];
+    for (int k = 0; k < 3; k++)
+        g[k] = alloc((size_t)n, 4);
+    for (int64_t i = 0; i < n; i++) {
+        targets[i] = (int64_t)((uniform(41, (uint64_t)i) + 1.0) * 0.5 * (double)v) % v;
+        if (uniform(42, (uint64_t)i) < -0.6)
+            targets[i] = c->ignore_index;
+        for (int k = 0; k < 3; k++)
+            g[k][i] = (float)uniform(43 + (uint64_t)k, (uint64_t)i);
+    }
+    const float *g_entropy = c->g_entropy ? g[1] : NULL;
+    fh_logprob_options o;
+    fh_logprob_options_init(&o);
+    o.temperature = c->temperature;
+    o.softcap = c->softcap;
+    o.ignore_index = c->ignore_index;
+    fh_context *ctx = make_context(1);
+    const fh_linear full = shard_linear(&p, 0, n, 0, v, c->bias);
+    float *ref_values = alloc((size_t)(3 * n), 4);
+    grads ref = {alloc((size_t)(n * h), 4), alloc((size_t)(h * v), 4), alloc((size_t)v, 4)};
+    fh_logprob_outputs rout = {ref_values, ref_values + n, ref_values + 2 * n};
+    fh_linear_grads rg = {.dx = ref.dx, .dx_row_stride = h, .dweight = ref.dw, .dbias = c->bias ? ref.db : NULL};
+    check_status("reference fh_logprob_forward_backward",
+                 fh_logprob_forward_backward(ctx, &full, targets, &o, g[0], g_entropy, g[2], &rout, &rg), ctx);
+
+    int64_t off, vl, n0, nr;
+    fh_mpi_layout *L = make_layout(cfg, v, &off, &vl);
+    share(n, cfg->pd, cfg->dr, 1, &n0, &nr);
+    const fh_linear lin = shard_linear(&p, n0, nr, off, vl, c->bias);
+    float *values = alloc((size_t)(3 * nr), 4);
+    grads mine = {alloc((size_t)(nr * h), 4), alloc((size_t)(h * v), 4), alloc((size_t)v, 4)};
+    prefill(mine.dx, nr * h, 0, 0);
+    prefill(mine.dw, h * v, 0, 0);
+    prefill(mine.db, v, 0, 0);
+    fh_linear_grads lg = {.dx = mine.dx, .dx_row_stride = h, .dweight = mine.dw + weight_offset(&p, &lin),
+                          .dbias = c->bias ? mine.db + off : NULL};
+    fh_logprob_outputs out = {values, values + nr, values + 2 * nr};
+    const float *lg_entropy = g_entropy ? g_entropy + n0 : NULL;
+    if (c->split) {
+        check_status("fh_mpi_logprob_forward", fh_mpi_logprob_forward(ctx, L, &lin, targets + n0, &o, &out), ctx);
+        check_status("fh_mpi_logprob_backward",
+                     fh_mpi_logprob_backward(ctx, L, &lin, targets + n0, &o, out.lse, out.entropy, g[0] + n0,
+                                             lg_entropy, g[2] + n0, &lg),
+                     ctx);
+    } else {
+        check_status("fh_mpi_logprob_forward_backward",
+                     fh_mpi_logprob_forward_backward(ctx, L, &lin, targets + n0, &o, g[0] + n0, lg_entropy, g[2] + n0,
+                                                     &out, &lg),
+                     ctx);
+    }
+    check_rows("logp", values, 1, ref_values + n0, 1, nr, 1, GRAD_TOL);
+    check_rows("entropy", values + nr, 1, ref_values + n + n0, 1, nr, 1, GRAD_TOL);
+    check_rows("lse", values + 2 * nr, 1, ref_values + 2 * n + n0, 1, nr, 1, GRAD_TOL);
+    check_rows("dx", mine.dx, h, ref.dx + n0 * h, h, nr, h, grad_tol(&p));
+    check_weight_shard("dweight", mine.dw, ref.dw, c->layout, h, v, off, vl, grad_tol(&p));
+    if (c->bias)
+        check_rows("dbias", mine.db + off, 1, ref.db + off, 1, vl, 1, dbias_tol(&p));
+
+    fh_mpi_layout_destroy(L);
+    fh_context_destroy(ctx);
+    free(values);
+    free(ref_values);
+    free(mine.dx);
+    free(mine.dw);
+    free(mine.db);
+    free(ref.dx);
+    free(ref.dw);
+    free(ref.db);
+    free(targets);
+    for (int k = 0; k < 3; k++)
+        free(g[k]);
+    free_problem(&p);
+}
+
+static void logprob_cases(const config *cfg)
+{
+    static const double temperatures[] = {0.3, 1.0, 2.5};
+    for (int k = 0; k < 6; k++) {
+        const logprob_case c = {temperatures[k % 3], k == 4 ? 5.0 : 0.0, k % 2, k / 3, k % 3 != 1,
+                                k % 2 ? FH_LAYOUT_HV : FH_LAYOUT_VH, k == 5 ? 0 : -100};
+        run_logprob(cfg, &c, FH_DTYPE_F32);
+        if (have_bf16() && k % 3 == 0)
+            run_logprob(cfg, &c, FH_DTYPE_BF16);
+    }
+}
+
 /* ---- agreement on errors ----------------------------------------------------------------------- */
 
 static void error_cases(const config *cfg)
@@ -978,6 +1083,7 @@ int main(int argc, char **argv)
             printf("%s: %d vocab ranks x %d data ranks\n", configs[k].name, configs[k].pv, configs[k].pd);
         ce_cases(&configs[k]);
         grpo_cases(&configs[k]);
+        logprob_cases(&configs[k]);
         error_cases(&configs[k]);
         for (int diff = 0; diff < DIFF_COUNT; diff++)
             mismatch_case(&configs[k], diff);
