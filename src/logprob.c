@@ -3,6 +3,7 @@
  * the GRPO head too. The engine does every tile; this file is checks and [N] vectors. */
 #include "logprob_head.h"
 
+#include "counted_rows.h"
 #include "linear.h"
 
 #include <float.h>
@@ -198,16 +199,153 @@ FH_API fh_status fh_logprob_workspace_size(const fh_context *ctx, const fh_linea
     return fh_plan_query_every_bytes(ctx, lin, bytes);
 }
 
+/* One fh_logprob_* call after its checks: what it computes (kind) and on what; the run functions below take it on the
+ * whole problem or on its counted rows (run_counted). */
+typedef enum logprob_kind { LOGPROB_FORWARD, LOGPROB_BACKWARD, LOGPROB_STEP } logprob_kind;
+
+typedef struct logprob_call {
+    logprob_kind kind;
+    const fh_linear *lin;
+    const int64_t *targets;
+    fh_transform tf;
+    fh_logprob_rows rows;
+    const float *lse, *entropy; /* backward: what the forward saved */
+    fh_logprob_grads g;         /* backward, train step */
+    fh_logprob_outputs out;     /* forward, train step */
+    const fh_linear_grads *grads;
+} logprob_call;
+
 /* Streams the forward; leaves lse, sum_pz, logp and entropy (double) in the workspace. */
-static fh_status forward_pass(const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin,
-                              const int64_t *targets, fh_transform tf, int entropy)
+static fh_status forward_pass(const fh_plan *plan, const fh_workspace *ws, const logprob_call *c, int entropy)
 {
     const fh_token_stats stats = fh_logprob_stats_in(ws, entropy);
-    fh_engine_pass pass = fh_logprob_pass(plan, ws, lin, targets, tf);
+    fh_engine_pass pass = fh_logprob_pass(plan, ws, c->lin, c->targets, c->tf);
     pass.stats = &stats;
     const fh_status st = fh_engine_forward(&pass);
     if (st == FH_OK)
-        fh_logprob_token_values(ws, targets, 0, lin->n, lin->vocab, entropy);
+        fh_logprob_token_values(ws, c->targets, 0, c->lin->n, c->lin->vocab, entropy);
+    return st;
+}
+
+static fh_status run_forward(fh_context *ctx, const logprob_call *c)
+{
+    fh_plan plan;
+    fh_workspace ws;
+    fh_status st = fh_prepare_pass(ctx, c->lin, FH_CALL_FORWARD, &plan, &ws);
+    if (st != FH_OK)
+        return st;
+    st = forward_pass(&plan, &ws, c, c->out.entropy != NULL);
+    if (st != FH_OK)
+        return fh_gemm_failure(ctx, st);
+    fh_logprob_write_outputs(&ws, c->lin->n, c->rows, c->out.logp, c->out.entropy, c->out.lse);
+    return FH_OK;
+}
+
+static fh_status run_backward(fh_context *ctx, const logprob_call *c)
+{
+    fh_plan plan;
+    fh_workspace ws;
+    fh_status st = fh_prepare_pass(ctx, c->lin, FH_CALL_BACKWARD, &plan, &ws);
+    if (st != FH_OK)
+        return st;
+    fh_engine_pass pass = fh_logprob_pass(&plan, &ws, c->lin, c->targets, c->tf);
+    pass.grads = c->grads;
+    st = fh_engine_prepare(&pass);
+    if (st != FH_OK)
+        return fh_gemm_failure(ctx, st);
+    fh_logprob_load_saved(&ws, c->lin->n, NULL, c->lse, c->entropy);
+    const fh_coef_arrays coefs = fh_logprob_coefs_in(&ws, c->lin->n, &c->g, c->rows);
+    pass.coefs = &coefs;
+    return fh_gemm_failure(ctx, fh_engine_backward(&pass));
+}
+
+static void row_coefficients(const void *self, int64_t i, const fh_final_stats *stats, fh_coef *k)
+{
+    (void)stats;
+    const logprob_call *c = self;
+    fh_logprob_coefficients(&c->g, c->rows, i, k);
+}
+
+static fh_status step_run(const void *self, int row_blocks, const fh_plan plans[2], const fh_workspace ws[2],
+                          const fh_linear_grads *grads)
+{
+    const logprob_call *c = self;
+    const int entropy = c->out.entropy || c->g.entropy;
+    fh_status st;
+    if (row_blocks) {
+        const fh_token_stats stats = fh_logprob_stats_in(&ws[0], entropy);
+        const fh_coef_source source = {row_coefficients, NULL, c};
+        fh_engine_pass pass = fh_logprob_pass(&plans[0], &ws[0], c->lin, c->targets, c->tf);
+        pass.stats = &stats;
+        pass.source = &source;
+        pass.grads = grads;
+        st = fh_engine_row_blocks(&pass);
+        if (st == FH_OK)
+            fh_logprob_token_values(&ws[0], c->targets, 0, c->lin->n, c->lin->vocab, entropy);
+    } else {
+        /* Streaming fallback: forward, then backward on the same plan (the pass holds grads, so the forward
+         * prepares the backward's GEMMs too). The coefficients overwrite z_target and sum_exp, read by then. */
+        const fh_token_stats stats = fh_logprob_stats_in(&ws[0], entropy);
+        fh_engine_pass pass = fh_logprob_pass(&plans[0], &ws[0], c->lin, c->targets, c->tf);
+        pass.stats = &stats;
+        pass.grads = grads;
+        st = fh_engine_forward(&pass);
+        if (st == FH_OK) {
+            fh_logprob_token_values(&ws[0], c->targets, 0, c->lin->n, c->lin->vocab, entropy);
+            const fh_coef_arrays coefs = fh_logprob_coefs_in(&ws[0], c->lin->n, &c->g, c->rows);
+            pass.coefs = &coefs;
+            st = fh_engine_backward(&pass);
+        }
+    }
+    if (st == FH_OK)
+        fh_logprob_write_outputs(&ws[0], c->lin->n, c->rows, c->out.logp, c->out.entropy, c->out.lse);
+    return st;
+}
+
+static fh_status run(fh_context *ctx, const logprob_call *c)
+{
+    if (c->kind == LOGPROB_FORWARD)
+        return run_forward(ctx, c);
+    if (c->kind == LOGPROB_BACKWARD)
+        return run_backward(ctx, c);
+    const fh_train_step_head head = {1, NULL, 0, step_run, c};
+    return fh_engine_train_step(ctx, c->lin, c->grads, &head);
+}
+
+/* The call on its counted rows (counted_rows.h): ignored rows have outputs 0 and no gradient, so their GEMMs are
+ * skipped. Per-row arrays in the scratch: targets, then lse, entropy, the three upstream gradients and the three
+ * outputs, count floats each. */
+static fh_status run_counted(fh_context *ctx, const logprob_call *c)
+{
+    fh_counted_rows cr;
+    fh_status st = fh_counted_rows_begin(ctx, c->lin, c->grads, c->targets, c->rows.ignore_index,
+                                         sizeof(int64_t) + 8 * sizeof(float), &cr);
+    if (st != FH_OK || !cr.active)
+        return st == FH_OK ? run(ctx, c) : st;
+    int64_t *targets = cr.scratch;
+    float *arrays = (float *)(targets + cr.count);
+    const float *inputs[5] = {c->lse, c->entropy, c->g.logp, c->g.entropy, c->g.lse};
+    float *outputs[3] = {c->out.logp, c->out.entropy, c->out.lse};
+    float *in[5], *out[3];
+    fh_counted_rows_gather(&cr, c->targets, sizeof(int64_t), targets);
+    for (int k = 0; k < 5; k++) {
+        in[k] = inputs[k] ? arrays + k * cr.count : NULL;
+        if (in[k])
+            fh_counted_rows_gather(&cr, inputs[k], sizeof(float), in[k]);
+    }
+    for (int k = 0; k < 3; k++)
+        out[k] = outputs[k] ? arrays + (5 + k) * cr.count : NULL;
+    const logprob_call counted = {c->kind, &cr.lin, targets, c->tf, {NULL, 0}, in[0], in[1], {in[2], in[3], in[4]},
+                                  {out[0], out[1], out[2]}, c->grads ? &cr.grads : NULL};
+    st = run(ctx, &counted);
+    if (st == FH_OK) {
+        const float zero = 0.0f;
+        for (int k = 0; k < 3; k++)
+            if (out[k])
+                fh_counted_rows_scatter(&cr, out[k], sizeof(float), &zero, outputs[k]);
+        fh_counted_rows_write_dx(&cr, c->grads);
+    }
+    fh_counted_rows_free(&cr);
     return st;
 }
 
@@ -221,18 +359,11 @@ FH_API fh_status fh_logprob_forward(fh_context *ctx, const fh_linear *lin, const
     const fh_logprob_grads none = {NULL, NULL, NULL};
     if (st == FH_OK)
         st = fh_logprob_check_backward(ctx, lin, targets, NULL, NULL, &none, out, NULL);
-    fh_plan plan;
-    fh_workspace ws;
-    if (st == FH_OK)
-        st = fh_prepare_pass(ctx, lin, FH_CALL_FORWARD, &plan, &ws);
     if (st != FH_OK)
         return st;
-    st = forward_pass(&plan, &ws, lin, targets, tf, out->entropy != NULL);
-    if (st != FH_OK)
-        return fh_gemm_failure(ctx, st);
-    const fh_logprob_rows rows = {targets, options->ignore_index};
-    fh_logprob_write_outputs(&ws, lin->n, rows, out->logp, out->entropy, out->lse);
-    return FH_OK;
+    const logprob_call c = {LOGPROB_FORWARD, lin, targets, tf, {targets, options->ignore_index}, NULL, NULL, none,
+                            *out, NULL};
+    return run_counted(ctx, &c);
 }
 
 FH_API fh_status fh_logprob_backward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
@@ -247,71 +378,11 @@ FH_API fh_status fh_logprob_backward(fh_context *ctx, const fh_linear *lin, cons
     const fh_logprob_grads g = {g_logp, g_entropy, g_lse};
     if (st == FH_OK)
         st = fh_logprob_check_backward(ctx, lin, targets, lse, entropy, &g, NULL, grads);
-    fh_plan plan;
-    fh_workspace ws;
-    if (st == FH_OK)
-        st = fh_prepare_pass(ctx, lin, FH_CALL_BACKWARD, &plan, &ws);
     if (st != FH_OK)
         return st;
-    fh_engine_pass pass = fh_logprob_pass(&plan, &ws, lin, targets, tf);
-    pass.grads = grads;
-    st = fh_engine_prepare(&pass);
-    if (st != FH_OK)
-        return fh_gemm_failure(ctx, st);
-    fh_logprob_load_saved(&ws, lin->n, NULL, lse, entropy);
-    const fh_logprob_rows rows = {targets, options->ignore_index};
-    const fh_coef_arrays coefs = fh_logprob_coefs_in(&ws, lin->n, &g, rows);
-    pass.coefs = &coefs;
-    return fh_gemm_failure(ctx, fh_engine_backward(&pass));
-}
-
-/* The call's arguments, for its train step (fh_engine_train_step) and its rows' coefficients. */
-typedef struct logprob_step {
-    const fh_linear *lin;
-    const int64_t *targets;
-    fh_transform tf;
-    fh_logprob_grads g;
-    fh_logprob_rows rows;
-    fh_logprob_outputs *out;
-} logprob_step;
-
-static void row_coefficients(const void *self, int64_t i, const fh_final_stats *stats, fh_coef *k)
-{
-    (void)stats;
-    const logprob_step *c = self;
-    fh_logprob_coefficients(&c->g, c->rows, i, k);
-}
-
-static fh_status logprob_step_run(const void *self, int row_blocks, const fh_plan plans[2], const fh_workspace ws[2],
-                                  const fh_linear_grads *grads)
-{
-    const logprob_step *c = self;
-    const int entropy = c->out->entropy || c->g.entropy;
-    const fh_token_stats stats = fh_logprob_stats_in(&ws[0], entropy);
-    fh_engine_pass pass = fh_logprob_pass(&plans[0], &ws[0], c->lin, c->targets, c->tf);
-    pass.stats = &stats;
-    pass.grads = grads;
-    fh_status st;
-    if (row_blocks) {
-        const fh_coef_source source = {row_coefficients, NULL, c};
-        pass.source = &source;
-        st = fh_engine_row_blocks(&pass);
-        if (st == FH_OK)
-            fh_logprob_token_values(&ws[0], c->targets, 0, c->lin->n, c->lin->vocab, entropy);
-    } else {
-        /* Streaming fallback: forward, then backward on the same plan (the pass holds grads, so the forward
-         * prepares the backward's GEMMs too). The coefficients overwrite z_target and sum_exp, read by then. */
-        st = fh_engine_forward(&pass);
-        if (st == FH_OK) {
-            fh_logprob_token_values(&ws[0], c->targets, 0, c->lin->n, c->lin->vocab, entropy);
-            const fh_coef_arrays coefs = fh_logprob_coefs_in(&ws[0], c->lin->n, &c->g, c->rows);
-            pass.coefs = &coefs;
-            st = fh_engine_backward(&pass);
-        }
-    }
-    if (st == FH_OK)
-        fh_logprob_write_outputs(&ws[0], c->lin->n, c->rows, c->out->logp, c->out->entropy, c->out->lse);
-    return st;
+    const logprob_call c = {LOGPROB_BACKWARD, lin, targets, tf, {targets, options->ignore_index}, lse,
+                            g_entropy ? entropy : NULL, g, {NULL, NULL, NULL}, grads};
+    return run_counted(ctx, &c);
 }
 
 FH_API fh_status fh_logprob_forward_backward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
@@ -328,7 +399,7 @@ FH_API fh_status fh_logprob_forward_backward(fh_context *ctx, const fh_linear *l
         st = fh_logprob_check_backward(ctx, lin, targets, NULL, NULL, &g, out, grads);
     if (st != FH_OK)
         return st;
-    const logprob_step step = {lin, targets, tf, g, {targets, options->ignore_index}, out};
-    const fh_train_step_head head = {1, NULL, 0, logprob_step_run, &step};
-    return fh_engine_train_step(ctx, lin, grads, &head);
+    const logprob_call c = {LOGPROB_STEP, lin, targets, tf, {targets, options->ignore_index}, NULL, NULL, g, *out,
+                            grads};
+    return run_counted(ctx, &c);
 }
