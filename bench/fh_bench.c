@@ -70,7 +70,13 @@ typedef struct shape {
     int64_t teacher_hidden;    /* distill: the teacher's hidden size (--teacher-hidden, default H) */
     fh_distill_options distill;             /* distill: --divergence, --beta, --temperature, --weight-hard-loss */
     bench_softmax_stats teacher_stats;      /* distill: the teacher's softmax (describe_inputs) */
+    double ignore_frac;        /* --ignore-frac (CE): this share of the rows get ignore_index */
+    int ignore_scattered;      /* --ignore-pattern scattered: single rows at random; runs (default): the first
+                                  ignore_frac of every IGNORE_RUN_ROWS rows, as masked prompts */
 } shape;
+
+/* The period of --ignore-pattern runs: a sequence of this many tokens whose first part is its prompt. */
+#define IGNORE_RUN_ROWS 256
 
 /* GRPO's cases: the forward, today's streaming step (forward + backward, 8 NHV) and the single-call step
  * (fh_grpo_forward_backward: row blocks of whole sequences); no materialized baseline. */
@@ -133,6 +139,8 @@ typedef struct result {
     double skipped_fraction; /* of the gradient GEMMs' flops, by filtering (fh_context_filter_stats) */
     int64_t workspace_bytes, peak_growth_bytes;
     double paired_exact_ms, paired_filtered_ms; /* CASE_FILTERED: best of the alternating calls; else NaN */
+    double paired_counted_ms, paired_ignored_ms; /* CASE_TRAIN with --ignore-frac: every row counted and the ignored
+                                                   rows, best of the alternating calls; else NaN */
 } result;
 
 static double now_ms(void)
@@ -189,7 +197,21 @@ static double gemm_best_ms(const shape *s, void *const sg[3])
 typedef struct head_inputs {
     float *mask, *advantages, *logp;
     bench_inputs teacher;
+    int64_t *ignored_targets; /* CE with --ignore-frac: the targets with the ignored rows, which the fused cases take */
 } head_inputs;
+
+/* The CE targets with --ignore-frac's rows set to ignore_index (-100). */
+static int64_t *ignored_targets(const shape *s, const int64_t *targets)
+{
+    int64_t *t = malloc((size_t)s->n * sizeof(int64_t));
+    for (int64_t i = 0; t && i < s->n; i++) {
+        /* scattered: a fixed hash of the row in [0, 1) (Knuth's multiplicative constant) */
+        const double u = s->ignore_scattered ? (double)((uint32_t)(i * 2654435761u) >> 8) / 16777216.0
+                                             : (double)(i % IGNORE_RUN_ROWS) / IGNORE_RUN_ROWS;
+        t[i] = u < s->ignore_frac ? -100 : targets[i];
+    }
+    return t;
+}
 
 static int head_inputs_make(const shape *s, head_inputs *g)
 {
@@ -299,22 +321,23 @@ static int run_once(bench_case c, const shape *s, const bench_inputs *in, const 
         return run_preference(c, s, &lin, in, heads, ctx, &g, loss);
     if (s->head == HEAD_DISTILL && c != CASE_SGEMM)
         return run_distill(c, s, &lin, in, heads, ctx, mb, &g, loss);
+    const int64_t *targets = heads->ignored_targets ? heads->ignored_targets : in->targets;
     switch (c) {
     case CASE_SGEMM:
         return gemm_2048(s, gemm_buffers);
     case CASE_FORWARD:
-        return fh_ce_forward(ctx, &lin, in->targets, &o, &out) == FH_OK ? 0 : -1;
+        return fh_ce_forward(ctx, &lin, targets, &o, &out) == FH_OK ? 0 : -1;
     case CASE_SPLIT:
         out.lse = in->lse;
-        if (fh_ce_forward(ctx, &lin, in->targets, &o, &out) != FH_OK)
+        if (fh_ce_forward(ctx, &lin, targets, &o, &out) != FH_OK)
             return -1;
-        return fh_ce_backward(ctx, &lin, in->targets, &o, in->lse, &grad_one, &g) == FH_OK ? 0 : -1;
+        return fh_ce_backward(ctx, &lin, targets, &o, in->lse, &grad_one, &g) == FH_OK ? 0 : -1;
     case CASE_TRAIN:
     case CASE_FILTERED:
-        return fh_ce_forward_backward(ctx, &lin, in->targets, &o, &grad_one, &out, &g) == FH_OK ? 0 : -1;
+        return fh_ce_forward_backward(ctx, &lin, targets, &o, &grad_one, &out, &g) == FH_OK ? 0 : -1;
     case CASE_MATERIALIZED:
         *loss = materialized_train_step(mb, s->n, s->hidden, s->vocab, lin.x, lin.weight, lin.w_stride_hidden,
-                                        lin.w_stride_vocab, in->targets, in->dx, in->dw, s->threads);
+                                        lin.w_stride_vocab, targets, in->dx, in->dw, s->threads);
         return isfinite(*loss) ? 0 : -1;
     default:
         return -1;
@@ -357,20 +380,45 @@ static int paired_steps(const shape *s, const bench_inputs *in, const head_input
     return 0;
 }
 
+/* The train step with every row counted and with --ignore-frac's rows ignored, alternately, after a round that warms
+ * both up: best of s->reps each. */
+static int paired_ignored(const shape *s, const bench_inputs *in, head_inputs *heads, fh_context *ctx,
+                          void *const gemm_buffers[3], result *r)
+{
+    int64_t *const ignored = heads->ignored_targets;
+    double best[2] = {INFINITY, INFINITY}, loss;
+    int failed = 0;
+    for (int k = 0; k <= s->reps && !failed; k++)
+        for (int ignoring = 0; ignoring < 2 && !failed; ignoring++) {
+            heads->ignored_targets = ignoring ? ignored : NULL;
+            const double t = now_ms();
+            failed = run_once(CASE_TRAIN, s, in, heads, ctx, NULL, gemm_buffers, &loss) != 0;
+            const double ms = now_ms() - t;
+            if (k > 0 && ms < best[ignoring])
+                best[ignoring] = ms;
+        }
+    heads->ignored_targets = ignored;
+    r->paired_counted_ms = best[0];
+    r->paired_ignored_ms = best[1];
+    return failed ? -1 : 0;
+}
+
 static result measure_in_child(bench_case c, const shape *s)
 {
-    result r = {0, flops_of(c, s), INFINITY, 0.0, 0.0, NAN, 0.0, 0, 0, NAN, NAN};
+    result r = {0, flops_of(c, s), INFINITY, 0.0, 0.0, NAN, 0.0, 0, 0, NAN, NAN, NAN, NAN};
     bench_inputs in;
     fh_context *ctx = NULL;
     void *sg[3] = {NULL, NULL, NULL};
     materialized_buffers mb = {0, NULL, NULL, NULL};
-    head_inputs heads = {NULL, NULL, NULL, {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL}};
+    head_inputs heads = {NULL, NULL, NULL, {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL}, NULL};
     const int bf16 = s->dtype == FH_DTYPE_BF16;
     char why[512];
     if (bench_inputs_make_from(&s->dist, s->layout, s->n, s->hidden, s->vocab, &in, why, sizeof why) != 0 ||
         fh_context_create(&ctx) != FH_OK)
         return r;
     if (s->head != HEAD_CE && head_inputs_make(s, &heads) != 0)
+        return r;
+    if (s->head == HEAD_CE && s->ignore_frac > 0.0 && !(heads.ignored_targets = ignored_targets(s, in.targets)))
         return r;
     if (bf16 && bench_inputs_add_bf16(s->n, s->hidden, s->vocab, &in) != 0)
         return r;
@@ -434,6 +482,8 @@ static result measure_in_child(bench_case c, const shape *s)
     r.skipped_fraction = filtered.gradient_flops > 0 ? filtered.skipped_flops / filtered.gradient_flops : 0.0;
     r.ceiling_gflops = flops_of(CASE_SGEMM, s) / (gemm_best_ms(s, sg) * 1e6);
     if (c == CASE_FILTERED && paired_steps(s, &in, &heads, ctx, sg, &r) != 0)
+        return r;
+    if (c == CASE_TRAIN && heads.ignored_targets && paired_ignored(s, &in, &heads, ctx, sg, &r) != 0)
         return r;
     r.ok = 1;
     return r;
@@ -539,7 +589,7 @@ static void measure_case(const void *arg, void *out)
 
 static result run_case(bench_case c, const shape *s)
 {
-    result r = {0, 0, 0, 0, 0, NAN, 0.0, 0, 0, NAN, NAN};
+    result r = {0, 0, 0, 0, 0, NAN, 0.0, 0, 0, NAN, NAN, NAN, NAN};
     const case_request q = {c, s};
     if (in_child(measure_case, &q, &r, sizeof r) != 0)
         r.ok = 0;
@@ -591,18 +641,19 @@ static const char *dtype_name(fh_dtype dtype)
 
 static void print_report(format f, const shape *s, const result *res, const fh_kernel_info *kernels, FILE *out)
 {
-    char num[32], pe[32], pf[32], label[32];
+    char num[32], pe[32], pf[32], pc[32], pi[32], label[32];
     const char *data = s->dist.kind == BENCH_REPLAY ? "real" : "synthetic";
     if (f == FORMAT_JSON) {
         fprintf(out, "{\n  \"n\": %lld, \"hidden\": %lld, \"vocab\": %lld, \"layout\": \"%s\", \"threads\": %d, "
                      "\"budget_bytes\": %lld,\n  \"blis_kernel_set\": \"%s\", \"row_kernels\": \"%s\", \"sgemm_gflops\": %.1f, "
                      "\"dtype\": \"%s\", \"bf16_path\": \"%s\", \"bf16_gemm\": \"%s\",\n  \"distribution\": \"%s\", \"data\": \"%s\", "
                      "\"softmax_sample_rows\": %lld, \"mean_entropy\": %.6g, \"frac_p_below_2m12\": %.6g, "
-                     "\"frac_p_below_2m28\": %.6g,",
+                     "\"frac_p_below_2m28\": %.6g, \"ignore_frac\": %.6g, \"ignore_pattern\": \"%s\",",
                 (long long)s->n, (long long)s->hidden, (long long)s->vocab, layout_name(s->layout), s->threads,
                 (long long)s->budget, kernels->kernel_set, kernels->elementwise, gflops(&res[CASE_SGEMM]),
                 dtype_name(s->dtype), kernels->bf16_path, kernels->bf16_gemm, distribution_label(&s->dist, label), data, (long long)s->stats.rows,
-                s->stats.mean_entropy, s->stats.below_2m12, s->stats.below_2m28);
+                s->stats.mean_entropy, s->stats.below_2m12, s->stats.below_2m28, s->ignore_frac,
+                s->ignore_scattered ? "scattered" : "runs");
         if (s->head == HEAD_DISTILL)
             fprintf(out, "\n  \"teacher_hidden\": %lld, \"divergence\": \"%s\", \"beta\": %.9g, \"temperature\": %.9g, "
                          "\"weight_hard_loss\": %.9g, \"teacher_mean_entropy\": %.6g,",
@@ -618,12 +669,14 @@ static void print_report(format f, const shape *s, const result *res, const fh_k
                     "%s    {\"name\": \"%s\", \"ok\": %s, \"flop_basis\": \"%s\", \"flops\": %.6g, \"best_ms\": %.3f, "
                     "\"gflops\": %.1f, \"efficiency\": %.3f, \"first_call_ms\": %.3f, \"workspace_bytes\": %lld, "
                     "\"peak_rss_growth_bytes\": %lld, \"ceiling_gflops\": %.1f, \"loss\": %s, \"skipped_fraction\": %.4f, "
-                    "\"paired_exact_ms\": %s, \"paired_filtered_ms\": %s}",
+                    "\"paired_exact_ms\": %s, \"paired_filtered_ms\": %s, \"paired_counted_ms\": %s, "
+                    "\"paired_ignored_ms\": %s}",
                     separator, case_name((bench_case)c, s), res[c].ok ? "true" : "false", case_basis((bench_case)c, s),
                     res[c].flops, res[c].best_ms, gflops(&res[c]), efficiency(&res[c]), res[c].first_ms,
                     (long long)res[c].workspace_bytes, (long long)res[c].peak_growth_bytes, res[c].ceiling_gflops,
                     json_number(res[c].loss, num), res[c].skipped_fraction, json_number(res[c].paired_exact_ms, pe),
-                    json_number(res[c].paired_filtered_ms, pf));
+                    json_number(res[c].paired_filtered_ms, pf), json_number(res[c].paired_counted_ms, pc),
+                    json_number(res[c].paired_ignored_ms, pi));
             separator = ",\n";
         }
         fprintf(out, "\n  ]\n}\n");
@@ -679,6 +732,13 @@ static void print_report(format f, const shape *s, const result *res, const fh_k
         fprintf(out, "\n%s and %s alternating in one process, best of %d each: %.1f and %.1f ms, %.2fx\n",
                 case_name(CASE_TRAIN, s), case_name(CASE_FILTERED, s), s->reps, filtered->paired_exact_ms,
                 filtered->paired_filtered_ms, filtered->paired_exact_ms / filtered->paired_filtered_ms);
+    const result *train = &res[CASE_TRAIN];
+    if (case_runs(CASE_TRAIN, s) && train->ok && s->head == HEAD_CE && s->ignore_frac > 0.0)
+        fprintf(out, "\n%s with %.0f%% of the rows ignored (%s) and with every row counted, alternating in one process, "
+                     "best of %d each: %.1f and %.1f ms, ratio %.3f\n",
+                case_name(CASE_TRAIN, s), 100.0 * s->ignore_frac,
+                s->ignore_scattered ? "scattered" : "prompt-like runs", s->reps, train->paired_ignored_ms,
+                train->paired_counted_ms, train->paired_ignored_ms / train->paired_counted_ms);
 }
 
 static const char csv_header[] =
@@ -788,6 +848,9 @@ static void usage(void)
                     "                [--layout hv|vh] [--dtype f32|bf16] [--grad-dtype f32|bf16] [--fp32-du]\n"
                     "                [--json | --csv] [--sweep n|vocab --out DIR] [--grad-filter-eps EPS]\n"
                     "                [--grad-filter-tail estimate|drop] [--tile-rows R]\n"
+                    "                [--ignore-frac F [--ignore-pattern runs|scattered]]   (CE: F of the rows ignored,\n"
+                    "                the first F of every 256 rows, or scattered; the train step also measured against\n"
+                    "                every row counted)\n"
                     "                [--distribution uniform|peaked[:ENTROPY]|DIR]   (DIR: a saved batch; H, V and at\n"
                     "                most N rows come from its files)\n"
                     "       fh_bench --loss grpo --batch B --seq T [--hidden H] [--vocab V] [the options above but --n]\n"
@@ -824,6 +887,18 @@ int main(int argc, char **argv)
             s.hidden = atoll(argv[++i]), hidden_vocab_given = 1;
         else if (strcmp(a, "--tile-rows") == 0)
             s.tile_rows = atoll(argv[++i]);
+        else if (strcmp(a, "--ignore-frac") == 0) {
+            if (parse_number(argv[++i], 0.0, 1.0, &s.ignore_frac) != 0) {
+                usage();
+                return 2;
+            }
+        } else if (strcmp(a, "--ignore-pattern") == 0) {
+            if (strcmp(v, "runs") && strcmp(v, "scattered")) {
+                usage();
+                return 2;
+            }
+            s.ignore_scattered = strcmp(argv[++i], "scattered") == 0;
+        }
         else if (strcmp(a, "--grad-filter-eps") == 0) {
             if (parse_number(argv[++i], 0.0, 1.0, &s.filter_eps) != 0 || s.filter_eps == 1.0) {
                 usage();

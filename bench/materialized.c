@@ -37,12 +37,22 @@ double materialized_train_step(const materialized_buffers *b, int64_t n, int64_t
     if (bench_gemm(b->bf16, n, vocab, hidden, x, hidden, 1, w, sh, sv, b->logits, vocab, 1, threads) != 0)
         return NAN;
     double loss = 0.0;
-    const float inv_n = 1.0f / (float)n;
+    int64_t counted = 0;
+    for (int64_t i = 0; i < n; i++)
+        counted += targets[i] != MATERIALIZED_IGNORE_INDEX;
+    const float inv_n = counted ? 1.0f / (float)counted : 0.0f;
 #pragma omp parallel for num_threads(threads) reduction(+ : loss) schedule(static)
     for (int64_t i = 0; i < n; i++) {
         float *z = b->logits + i * vocab;
         /* bf16: the gradient overwrites the logits row, then is rounded into dlogits. */
         float *dz = b->bf16 ? z : (float *)b->dlogits + i * vocab;
+        if (targets[i] == MATERIALIZED_IGNORE_INDEX) { /* as torch: the row is computed, its gradient is 0 */
+            for (int64_t j = 0; j < vocab; j++)
+                dz[j] = 0.0f;
+            for (int64_t j = 0; b->bf16 && j < vocab; j++)
+                ((uint16_t *)b->dlogits)[i * vocab + j] = 0;
+            continue;
+        }
         float m = -INFINITY;
         for (int64_t j = 0; j < vocab; j++)
             m = z[j] > m ? z[j] : m;
@@ -60,7 +70,7 @@ double materialized_train_step(const materialized_buffers *b, int64_t n, int64_t
     if (bench_gemm(b->bf16, n, hidden, vocab, b->dlogits, vocab, 1, w, sv, sh, dx, hidden, 1, threads) != 0 ||
         bench_gemm(b->bf16, hidden, vocab, n, x, 1, hidden, b->dlogits, vocab, 1, dw, sh, sv, threads) != 0)
         return NAN;
-    return loss / (double)n;
+    return counted ? loss / (double)counted : 0.0;
 }
 
 /* The logits z [n, vocab] = x W of a linear (no bias), into an fp32 buffer. Returns 0, or -1 when the GEMM fails. */

@@ -21,9 +21,13 @@ typedef struct materialized_buffers {
 int materialized_alloc(materialized_buffers *b, int64_t n, int64_t vocab, int bf16, int distill);
 void materialized_free(materialized_buffers *b);
 
-/* Forward and backward. x [n, hidden] row-major; w the hidden x vocab view with fh_linear's strides (either
- * layout), both fp32 or (b->bf16) bf16 bits; dw the same view in fp32; dx, dw overwritten. Returns the loss, or
- * NaN when a GEMM fails. */
+/* The target of a row that torch's cross_entropy ignores (its default ignore_index). */
+#define MATERIALIZED_IGNORE_INDEX (-100)
+
+/* Forward and backward of the mean cross-entropy over the rows whose target is not MATERIALIZED_IGNORE_INDEX (every
+ * row's logits computed, as torch does). x [n, hidden] row-major; w the hidden x vocab view with fh_linear's strides
+ * (either layout), both fp32 or (b->bf16) bf16 bits; dw the same view in fp32; dx, dw overwritten. Returns the loss,
+ * or NaN when a GEMM fails. */
 double materialized_train_step(const materialized_buffers *b, int64_t n, int64_t hidden, int64_t vocab,
                                const void *x, const void *w, int64_t w_stride_hidden, int64_t w_stride_vocab,
                                const int64_t *targets, float *dx, float *dw, int threads);
