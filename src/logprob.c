@@ -136,7 +136,7 @@ fh_status fh_logprob_check_call(fh_context *ctx, const fh_linear *lin, const int
 
 fh_status fh_logprob_check_backward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
                                     const float *saved_lse, const float *saved_entropy, const fh_logprob_grads *g,
-                                    const fh_logprob_outputs *out, const fh_linear_grads *grads)
+                                    const fh_logprob_outputs *out, int gradients, const fh_linear_grads *grads)
 {
     const float *const arrays[3] = {g->logp, g->entropy, g->lse};
     static const char *const names[3] = {"g_logp", "g_entropy", "g_lse"};
@@ -145,7 +145,7 @@ fh_status fh_logprob_check_backward(fh_context *ctx, const fh_linear *lin, const
             if (!isfinite(arrays[k][i]))
                 return fh_fail(ctx, FH_ERR_INVALID_GRAD_OUTPUT, "%s[%lld] = %g is not finite", names[k], (long long)i,
                                (double)arrays[k][i]);
-    if (grads) {
+    if (gradients) {
         const fh_status st = fh_check_grads(ctx, lin, grads);
         if (st != FH_OK)
             return st;
@@ -358,7 +358,7 @@ FH_API fh_status fh_logprob_forward(fh_context *ctx, const fh_linear *lin, const
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
     const fh_logprob_grads none = {NULL, NULL, NULL};
     if (st == FH_OK)
-        st = fh_logprob_check_backward(ctx, lin, targets, NULL, NULL, &none, out, NULL);
+        st = fh_logprob_check_backward(ctx, lin, targets, NULL, NULL, &none, out, 0, NULL);
     if (st != FH_OK)
         return st;
     const logprob_call c = {LOGPROB_FORWARD, lin, targets, tf, {targets, options->ignore_index}, NULL, NULL, none,
@@ -377,7 +377,7 @@ FH_API fh_status fh_logprob_backward(fh_context *ctx, const fh_linear *lin, cons
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "%s is NULL", !lse ? "lse" : "entropy (g_entropy is given)");
     const fh_logprob_grads g = {g_logp, g_entropy, g_lse};
     if (st == FH_OK)
-        st = fh_logprob_check_backward(ctx, lin, targets, lse, entropy, &g, NULL, grads);
+        st = fh_logprob_check_backward(ctx, lin, targets, lse, entropy, &g, NULL, 1, grads);
     if (st != FH_OK)
         return st;
     const logprob_call c = {LOGPROB_BACKWARD, lin, targets, tf, {targets, options->ignore_index}, lse,
@@ -396,7 +396,7 @@ FH_API fh_status fh_logprob_forward_backward(fh_context *ctx, const fh_linear *l
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
     const fh_logprob_grads g = {g_logp, g_entropy, g_lse};
     if (st == FH_OK)
-        st = fh_logprob_check_backward(ctx, lin, targets, NULL, NULL, &g, out, grads);
+        st = fh_logprob_check_backward(ctx, lin, targets, NULL, NULL, &g, out, 1, grads);
     if (st != FH_OK)
         return st;
     const logprob_call c = {LOGPROB_STEP, lin, targets, tf, {targets, options->ignore_index}, NULL, NULL, g, *out,

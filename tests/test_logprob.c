@@ -302,6 +302,9 @@ static void test_contract(void)
     TU_CHECK(fh_logprob_backward(ctx, &lin, targets, &o, lse, NULL, g, g, NULL, &grads) == FH_ERR_NULL_POINTER,
              "g_entropy without the saved entropy");
     TU_CHECK(fh_logprob_forward(ctx, &lin, targets, &o, NULL) == FH_ERR_NULL_POINTER, "forward without outputs");
+    TU_CHECK(fh_logprob_forward_backward(ctx, &lin, targets, &o, g, NULL, NULL, &out, NULL) == FH_ERR_NULL_POINTER &&
+                 fh_logprob_backward(ctx, &lin, targets, &o, lse, NULL, g, NULL, NULL, NULL) == FH_ERR_NULL_POINTER,
+             "the gradient calls without grads");
     TU_CHECK(fh_logprob_forward_backward(ctx, &lin, targets, &o, g, NULL, NULL, &out, &grads) == FH_OK,
              "a valid single call");
     fh_linear_grads overlapping = {.dx = (void *)g, .dx_row_stride = H};

@@ -93,7 +93,7 @@ FH_MPI_API fh_status fh_mpi_logprob_forward(fh_context *ctx, fh_mpi_layout *layo
     if (st == FH_OK && !out)
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
     if (st == FH_OK)
-        st = fh_logprob_check_backward(ctx, lin, targets, NULL, NULL, &c.g, out, NULL);
+        st = fh_logprob_check_backward(ctx, lin, targets, NULL, NULL, &c.g, out, 0, NULL);
     if (st == FH_OK)
         st = fh_prepare_pass(ctx, lin, FH_CALL_FORWARD, &plan, &ws);
     if (c.call.L)
@@ -120,14 +120,10 @@ static fh_status check_grads(logprob_call *c, const float *lse, const float *ent
     fhm_call_config(call, "g_logp given", c->g.logp != NULL);
     fhm_call_config(call, "g_entropy given", c->g.entropy != NULL);
     fhm_call_config(call, "g_lse given", c->g.lse != NULL);
-    fh_status st = FH_OK;
-    if (grads) {
-        fh_linear_grads without_dx = *grads;
-        without_dx.dx = NULL;
-        st = fh_logprob_check_backward(call->ctx, call->lin, c->targets, lse, entropy, &c->g, out, &without_dx);
-    } else {
-        st = fh_fail(call->ctx, FH_ERR_NULL_POINTER, "grads are NULL");
-    }
+    fh_linear_grads without_dx = grads ? *grads : (fh_linear_grads){0};
+    without_dx.dx = NULL;
+    fh_status st = fh_logprob_check_backward(call->ctx, call->lin, c->targets, lse, entropy, &c->g, out, 1,
+                                             grads ? &without_dx : NULL);
     if (st == FH_OK)
         st = fhm_grads_begin(call->L, call->ctx, call->lin, grads, &call->g);
     return st;

@@ -1,8 +1,8 @@
 /* libFuzzer harness over fusedhead's public API (tests/hardening/README.md, "Fuzzing").
  *
  * Each input is decoded into one call: an entry point (fh_ce_forward, fh_ce_backward,
- * fh_ce_forward_backward, the three GRPO calls, the two preference calls, the two distillation calls, or one of
- * the five workspace queries), sizes (small, 0,
+ * fh_ce_forward_backward, the three log-prob calls, the three GRPO calls, the two preference calls, the two
+ * distillation calls, or one of the six workspace queries), sizes (small, 0,
  * negative, 2^31.., 2^62, INT64_MIN/MAX, arbitrary), strides (padded, overlapping, zero, negative, huge),
  * options (every field, valid or not), targets/ids/masks, special float values in every input, dtypes (fp32 or
  * bf16 x and weight, sometimes mismatched or unknown; each gradient fp32, bf16 or unknown), context parameters
@@ -239,9 +239,10 @@ static void release(buffer *b)
     memset(b, 0, sizeof *b);
 }
 
-enum { CALL_CE_FORWARD, CALL_CE_BACKWARD, CALL_CE_STEP, CALL_GRPO_FORWARD, CALL_GRPO_BACKWARD, CALL_GRPO_STEP,
-       CALL_PREFERENCE_FORWARD, CALL_PREFERENCE_STEP, CALL_DISTILL_FORWARD, CALL_DISTILL_STEP, CALL_CE_QUERY,
-       CALL_CE_STEP_QUERY, CALL_GRPO_QUERY, CALL_PREFERENCE_QUERY, CALL_DISTILL_QUERY, CALL_KINDS };
+enum { CALL_CE_FORWARD, CALL_CE_BACKWARD, CALL_CE_STEP, CALL_LOGPROB_FORWARD, CALL_LOGPROB_BACKWARD, CALL_LOGPROB_STEP,
+       CALL_GRPO_FORWARD, CALL_GRPO_BACKWARD, CALL_GRPO_STEP, CALL_PREFERENCE_FORWARD, CALL_PREFERENCE_STEP,
+       CALL_DISTILL_FORWARD, CALL_DISTILL_STEP, CALL_CE_QUERY, CALL_CE_STEP_QUERY, CALL_GRPO_QUERY,
+       CALL_PREFERENCE_QUERY, CALL_DISTILL_QUERY, CALL_LOGPROB_QUERY, CALL_KINDS };
 
 enum { IN_X, IN_W, IN_BIAS, IN_CW, IN_TARGETS, IN_GRAD, IN_LSE, IN_LOGP, IN_ENTROPY, IN_MASK, IN_ADV, IN_OLD, IN_REF,
        IN_TEACHER_X, IN_TEACHER_W, IN_TEACHER_BIAS, IN_COUNT };
@@ -260,8 +261,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     const int grpo = call == CALL_GRPO_FORWARD || call == CALL_GRPO_BACKWARD || call == CALL_GRPO_STEP ||
                      call == CALL_GRPO_QUERY || preference;
     const int distill = call == CALL_DISTILL_FORWARD || call == CALL_DISTILL_STEP || call == CALL_DISTILL_QUERY;
+    const int logprob = call == CALL_LOGPROB_FORWARD || call == CALL_LOGPROB_BACKWARD || call == CALL_LOGPROB_STEP;
     const int query = call >= CALL_CE_QUERY;
-    const int has_grads = call == CALL_CE_BACKWARD || call == CALL_CE_STEP || call == CALL_GRPO_BACKWARD ||
+    const int has_grads = call == CALL_CE_BACKWARD || call == CALL_CE_STEP || call == CALL_LOGPROB_BACKWARD ||
+                          call == CALL_LOGPROB_STEP || call == CALL_GRPO_BACKWARD ||
                           call == CALL_GRPO_STEP || call == CALL_PREFERENCE_STEP || call == CALL_DISTILL_STEP;
 
     /* dtypes: x fp32 or bf16, the weight the same, the other one or unknown; each gradient fp32 or bf16 (dx
@@ -498,6 +501,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     go.max_completion_length = (int64_t)(u8(&r) % 8) - 2;
     static const double coefs[] = {0.0, 0.01, -0.5, 1e300, NAN};
     go.entropy_coef = pick_double(&r, coefs, 5);
+    /* Log-prob options: CE's ignore_index and softcap, GRPO's temperature, a logit scale of its own. */
+    fh_logprob_options lo;
+    fh_logprob_options_init(&lo);
+    lo.ignore_index = ce.ignore_index;
+    lo.temperature = go.temperature;
+    lo.softcap = ce.softcap;
+    static const double scales[] = {1.0, 1.0, 0.5, 1e-30, 1e30, 0.0, -1.0, NAN};
+    lo.logit_scale = pick_double(&r, scales, 8);
     float *mask = alloc_exact(&in[IN_MASK], un * sizeof(float));
     for (size_t i = 0; i < un; i++) {
         const uint8_t m = u8(&r);
@@ -625,6 +636,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         query_status = distill              ? fh_distill_workspace_size(ctx, &lin, teacher, &needed)
                        : preference         ? fh_preference_workspace_size(ctx, &lin, &needed)
                        : grpo               ? fh_grpo_workspace_size(ctx, &lin, &needed)
+                       : logprob            ? fh_logprob_workspace_size(ctx, &lin, &needed)
                        : call == CALL_CE_STEP ? fh_ce_forward_backward_workspace_size_with_grads(ctx, &lin, &ce, &g, &needed)
                                               : fh_ce_workspace_size(ctx, &lin, &ce, &needed);
         if (ws_mode >= 3) {
@@ -657,10 +669,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 
     fh_status st;
     size_t bytes = 0xA5A5A5A5u;
-    fh_ce_outputs ce_out = {loss, zl, ptl, logp, lse, argmax};
+    fh_ce_outputs ce_out = {loss, zl, ptl, logp, lse, argmax, NULL, NULL};
     fh_grpo_outputs grpo_out = {loss, metrics, logp, ptl, entropy, lse};
     fh_preference_outputs pref_out = {loss, pref_metrics, seq_logps, rewards, logp};
     fh_distill_outputs distill_out = {loss, soft_loss, hard_loss, ptl};
+    fh_logprob_outputs lp_out = {logp, entropy, lse};
     const int null_struct = u8(&r) % 64 == 0;
     switch (call) {
     case CALL_CE_FORWARD: st = fh_ce_forward(ctx, &lin, targets, &ce, null_struct ? NULL : &ce_out); break;
@@ -668,6 +681,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         st = fh_ce_backward(ctx, &lin, targets, &ce, lse_in, grad, null_struct ? NULL : &g);
         break;
     case CALL_CE_STEP: st = fh_ce_forward_backward(ctx, &lin, targets, &ce, grad, &ce_out, null_struct ? NULL : &g); break;
+    case CALL_LOGPROB_FORWARD: st = fh_logprob_forward(ctx, &lin, targets, &lo, null_struct ? NULL : &lp_out); break;
+    case CALL_LOGPROB_BACKWARD:
+        st = fh_logprob_backward(ctx, &lin, targets, &lo, lse_in, entropy_in, grad, grads_want & 1 ? grad : NULL,
+                                 grads_want & 2 ? grad : NULL, null_struct ? NULL : &g);
+        break;
+    case CALL_LOGPROB_STEP:
+        st = fh_logprob_forward_backward(ctx, &lin, targets, &lo, grad, grads_want & 1 ? grad : NULL,
+                                         grads_want & 2 ? grad : NULL, &lp_out, null_struct ? NULL : &g);
+        break;
+    case CALL_LOGPROB_QUERY: st = fh_logprob_workspace_size(ctx, &lin, &bytes); break;
     case CALL_GRPO_FORWARD: st = fh_grpo_forward(ctx, &lin, null_struct ? NULL : &gb, &go, &grpo_out); break;
     case CALL_GRPO_BACKWARD:
         st = fh_grpo_backward(ctx, &lin, &gb, &go, logp_in, lse_in, entropy_in, grad, null_struct ? NULL : &g);

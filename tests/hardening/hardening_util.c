@@ -13,7 +13,9 @@
 const char *hu_call_name(hu_call call)
 {
     static const char *names[HU_CALL_COUNT] = {"fh_ce_forward",         "fh_ce_backward",
-                                               "fh_ce_forward_backward", "fh_grpo_forward",
+                                               "fh_ce_forward_backward", "fh_logprob_forward",
+                                               "fh_logprob_backward",    "fh_logprob_forward_backward",
+                                               "fh_grpo_forward",
                                                "fh_grpo_backward",       "fh_grpo_forward_backward",
                                                "fh_preference_forward",  "fh_preference_forward_backward",
                                                "fh_distill_forward",     "fh_distill_forward_backward"};
@@ -37,7 +39,8 @@ int hu_call_is_distill(hu_call call)
 
 int hu_call_has_grads(hu_call call)
 {
-    return call == HU_CE_BACKWARD || call == HU_CE_TRAIN_STEP || call == HU_GRPO_BACKWARD ||
+    return call == HU_CE_BACKWARD || call == HU_CE_TRAIN_STEP || call == HU_LOGPROB_BACKWARD ||
+           call == HU_LOGPROB_TRAIN_STEP || call == HU_GRPO_BACKWARD ||
            call == HU_GRPO_TRAIN_STEP || call == HU_PREFERENCE_TRAIN_STEP || call == HU_DISTILL_TRAIN_STEP;
 }
 
@@ -314,8 +317,19 @@ fh_status hu_run(fh_context *ctx, hu_call call, const cp_problem *p_ce, const hu
     fh_linear_grads g = {.dx = o->dx, .dx_row_stride = o->hidden, .dx_beta = 0.0f, .dweight = o->dweight, .dweight_beta = 0.0f, .dbias = o->dbias, .dbias_beta = 0.0f};
     if (!hu_call_on_sequences(call)) {
         cp_problem_linear(p_ce, &lin);
-        fh_ce_outputs out = {&o->loss, &o->z_loss, o->per_token_loss, o->logp, o->lse, o->argmax};
+        fh_ce_outputs out = {&o->loss, &o->z_loss, o->per_token_loss, o->logp, o->lse, o->argmax, NULL, NULL};
+        fh_logprob_options lo;
+        fh_logprob_options_init(&lo);
+        lo.ignore_index = p_ce->options.ignore_index;
+        lo.softcap = p_ce->options.softcap;
+        fh_logprob_outputs lout = {o->logp, o->entropy, o->lse};
+        const float *up = p_ce->grad_output;
         switch (call) {
+        case HU_LOGPROB_FORWARD: return fh_logprob_forward(ctx, &lin, p_ce->targets, &lo, &lout);
+        case HU_LOGPROB_BACKWARD:
+            return fh_logprob_backward(ctx, &lin, p_ce->targets, &lo, saved->lse, NULL, up, NULL, up, &g);
+        case HU_LOGPROB_TRAIN_STEP:
+            return fh_logprob_forward_backward(ctx, &lin, p_ce->targets, &lo, up, up, up, &lout, &g);
         case HU_CE_FORWARD: return fh_ce_forward(ctx, &lin, p_ce->targets, &p_ce->options, &out);
         case HU_CE_BACKWARD:
             return fh_ce_backward(ctx, &lin, p_ce->targets, &p_ce->options, saved->lse, p_ce->grad_output, &g);

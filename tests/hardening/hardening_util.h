@@ -15,6 +15,9 @@ typedef enum hu_call {
     HU_CE_FORWARD = 0,
     HU_CE_BACKWARD,
     HU_CE_TRAIN_STEP,
+    HU_LOGPROB_FORWARD,
+    HU_LOGPROB_BACKWARD,
+    HU_LOGPROB_TRAIN_STEP,
     HU_GRPO_FORWARD,
     HU_GRPO_BACKWARD,
     HU_GRPO_TRAIN_STEP,
@@ -26,7 +29,8 @@ typedef enum hu_call {
 } hu_call;
 const char *hu_call_name(hu_call call);
 /* GRPO, preference and distillation calls run on a hu_grpo_problem (preference: its even batch as pairs;
- * distillation: its n tokens, ids as targets, and its teacher), the others on a cp_problem. */
+ * distillation: its n tokens, ids as targets, and its teacher), the others on a cp_problem (log-probs: its targets,
+ * ignore_index and softcap, temperature 1, grad_output as each upstream gradient). */
 int hu_call_on_sequences(hu_call call);
 int hu_call_is_preference(hu_call call);
 int hu_call_is_distill(hu_call call);
@@ -106,8 +110,9 @@ typedef struct hu_saved {
 void hu_saved_from(hu_saved *s, const hu_outputs *forward, int64_t n);
 void hu_saved_free(hu_saved *s);
 
-/* One call of `call` on ctx, writing into o (beta 0 gradients). Cross-entropy calls use p_ce, GRPO,
- * preference and distillation calls p_grpo; backward calls read `saved`. */
+/* One call of `call` on ctx, writing into o (beta 0 gradients). Cross-entropy and log-prob calls use p_ce, GRPO,
+ * preference and distillation calls p_grpo; backward calls read `saved` (the log-prob backward its lse, as a CE
+ * forward with the same softcap writes it, and no entropy gradient). */
 fh_status hu_run(fh_context *ctx, hu_call call, const cp_problem *p_ce, const hu_grpo_problem *p_grpo,
                  const hu_saved *saved, hu_outputs *o);
 

@@ -440,8 +440,9 @@ static void test_caller_workspace_never_allocates(void)
                                           : fh_grpo_workspace_size(ctx, &lin, &bytes);
         } else {
             cp_problem_linear(&p.ce_mean, &lin);
-            st = c == HU_CE_TRAIN_STEP ? fh_ce_forward_backward_workspace_size(ctx, &lin, &p.ce_mean.options, &bytes)
-                                       : fh_ce_workspace_size(ctx, &lin, &p.ce_mean.options, &bytes);
+            st = c >= HU_LOGPROB_FORWARD ? fh_logprob_workspace_size(ctx, &lin, &bytes)
+                 : c == HU_CE_TRAIN_STEP ? fh_ce_forward_backward_workspace_size(ctx, &lin, &p.ce_mean.options, &bytes)
+                                         : fh_ce_workspace_size(ctx, &lin, &p.ce_mean.options, &bytes);
         }
         TU_CHECK(st == FH_OK, "%s: workspace query: %d", hu_call_name(c), (int)st);
         void *ws = malloc(bytes);

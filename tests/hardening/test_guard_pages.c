@@ -158,10 +158,15 @@ static int guarded_call(void *arg)
     o.softcap = 20.0;
     double loss, z_loss;
     fh_grpo_metrics metrics;
-    fh_ce_outputs ce_out = {&loss, &z_loss, ptl, ologp, olse, argmax};
+    fh_ce_outputs ce_out = {&loss, &z_loss, ptl, ologp, olse, argmax, NULL, NULL};
     fh_grpo_outputs grpo_out = {&loss, &metrics, ologp, ptl, oent, olse};
     fh_linear_grads grads = {.dx = dx, .dx_row_stride = h, .dweight = dw, .dbias = db, .dx_dtype = c->grad_dtype,
                              .dweight_dtype = c->grad_dtype, .dbias_dtype = c->grad_dtype};
+    fh_logprob_options lo;
+    fh_logprob_options_init(&lo);
+    lo.temperature = 0.8;
+    lo.softcap = 20.0;
+    fh_logprob_outputs logprob_out = {ologp, oent, olse};
     fh_grpo_options go;
     fh_grpo_options_init(&go);
     go.beta = 0.04;
@@ -201,6 +206,11 @@ static int guarded_call(void *arg)
     case HU_CE_FORWARD: st = fh_ce_forward(ctx, &lin, t, &o, &ce_out); break;
     case HU_CE_BACKWARD: st = fh_ce_backward(ctx, &lin, t, &o, lse, grad, &grads); break;
     case HU_CE_TRAIN_STEP: st = fh_ce_forward_backward(ctx, &lin, t, &o, grad, &ce_out, &grads); break;
+    case HU_LOGPROB_FORWARD: st = fh_logprob_forward(ctx, &lin, t, &lo, &logprob_out); break;
+    case HU_LOGPROB_BACKWARD: st = fh_logprob_backward(ctx, &lin, t, &lo, lse, ent, grad, grad, grad, &grads); break;
+    case HU_LOGPROB_TRAIN_STEP:
+        st = fh_logprob_forward_backward(ctx, &lin, t, &lo, grad, grad, grad, &logprob_out, &grads);
+        break;
     case HU_GRPO_FORWARD: st = fh_grpo_forward(ctx, &lin, &batch, &go, &grpo_out); break;
     case HU_GRPO_BACKWARD: st = fh_grpo_backward(ctx, &lin, &batch, &go, logp, lse, ent, grad, &grads); break;
     case HU_GRPO_TRAIN_STEP: st = fh_grpo_forward_backward(ctx, &lin, &batch, &go, grad, &grpo_out, &grads); break;

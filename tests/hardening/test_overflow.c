@@ -112,11 +112,14 @@ static int child(void *arg)
     fh_linear_grads g = {.dx = o.dx, .dx_row_stride = c->dx_row_stride ? c->dx_row_stride : c->hidden, .dx_beta = 0.0f, .dweight = o.dweight, .dweight_beta = 0.0f, .dbias = o.dbias, .dbias_beta = 0.0f};
     fh_ce_options ce;
     fh_ce_options_init(&ce);
+    fh_logprob_options lo;
+    fh_logprob_options_init(&lo);
+    fh_logprob_outputs lp_out = {o.logp, o.entropy, o.lse};
     fh_grpo_options go;
     fh_grpo_options_init(&go);
     const fh_grpo_batch batch = {c->batch ? c->batch : 1, c->batch ? c->seq : c->n, tiny_targets, tiny_mask,
                                  tiny_adv, tiny_logps, tiny_logps};
-    fh_ce_outputs ce_out = {&o.loss, &o.z_loss, o.per_token_loss, o.logp, o.lse, o.argmax};
+    fh_ce_outputs ce_out = {&o.loss, &o.z_loss, o.per_token_loss, o.logp, o.lse, o.argmax, NULL, NULL};
     fh_grpo_outputs grpo_out = {&o.loss, &o.metrics, o.logp, o.per_token_loss, o.entropy, o.lse};
     /* A preference batch: the same sequences as one pair when no batch is given. */
     const fh_preference_batch pairs = {c->batch ? c->batch : 1, c->batch ? c->seq : c->n / 2, tiny_targets, tiny_mask,
@@ -134,6 +137,7 @@ static int child(void *arg)
         st = hu_call_is_distill(a->call)      ? fh_distill_workspace_size(ctx, &lin, &lin, &bytes)
              : hu_call_is_preference(a->call) ? fh_preference_workspace_size(ctx, &lin, &bytes)
              : hu_call_on_sequences(a->call) ? fh_grpo_workspace_size(ctx, &lin, &bytes)
+             : a->call >= HU_LOGPROB_FORWARD ? fh_logprob_workspace_size(ctx, &lin, &bytes)
              : a->call == HU_CE_TRAIN_STEP ? fh_ce_forward_backward_workspace_size(ctx, &lin, &ce, &bytes)
                                            : fh_ce_workspace_size(ctx, &lin, &ce, &bytes);
         return CODE_STATUS + (int)st + (st != FH_OK && bytes != 0xA5A5A5A5u ? CODE_WRITTEN : 0);
@@ -142,6 +146,13 @@ static int child(void *arg)
     case HU_CE_FORWARD: st = fh_ce_forward(ctx, &lin, tiny_targets, &ce, &ce_out); break;
     case HU_CE_BACKWARD: st = fh_ce_backward(ctx, &lin, tiny_targets, &ce, tiny_lse, tiny_grad, &g); break;
     case HU_CE_TRAIN_STEP: st = fh_ce_forward_backward(ctx, &lin, tiny_targets, &ce, tiny_grad, &ce_out, &g); break;
+    case HU_LOGPROB_FORWARD: st = fh_logprob_forward(ctx, &lin, tiny_targets, &lo, &lp_out); break;
+    case HU_LOGPROB_BACKWARD:
+        st = fh_logprob_backward(ctx, &lin, tiny_targets, &lo, tiny_lse, NULL, tiny_grad, NULL, tiny_grad, &g);
+        break;
+    case HU_LOGPROB_TRAIN_STEP:
+        st = fh_logprob_forward_backward(ctx, &lin, tiny_targets, &lo, tiny_grad, tiny_grad, NULL, &lp_out, &g);
+        break;
     case HU_GRPO_FORWARD: st = fh_grpo_forward(ctx, &lin, &batch, &go, &grpo_out); break;
     case HU_GRPO_BACKWARD:
         st = fh_grpo_backward(ctx, &lin, &batch, &go, tiny_logps, tiny_lse, tiny_logps, tiny_grad, &g);
@@ -187,7 +198,8 @@ static void test_overflowing_shapes(void)
                 continue;
             for (int query = 0; query <= 1; query++) {
                 /* Workspace queries take no batch and no gradients; one query per kind of call. */
-                if (query && (grpo_only || c->grads_only || call == HU_CE_BACKWARD || call == HU_GRPO_BACKWARD ||
+                if (query && (grpo_only || c->grads_only || call == HU_CE_BACKWARD || call == HU_LOGPROB_BACKWARD ||
+                              call == HU_LOGPROB_TRAIN_STEP || call == HU_GRPO_BACKWARD ||
                               call == HU_GRPO_TRAIN_STEP || call == HU_PREFERENCE_TRAIN_STEP ||
                               call == HU_DISTILL_TRAIN_STEP))
                     continue;
