@@ -4,6 +4,7 @@
  * log-sum-exps of the tempered student (s) and teacher (t) logits, of the untempered student logits (u) when
  * the cross-entropy needs them apart, and the KLs' cross term; the JSD's mixture log m = log(beta q + (1 - beta) p)
  * needs both log-sum-exps first, so it folds in a second pass. */
+#include "counted_rows.h"
 #include "engine/engine.h"
 #include "linear.h"
 
@@ -363,41 +364,38 @@ static fh_engine_pass pass_of(const fh_plan *plan, const fh_workspace *ws, const
     return p;
 }
 
-FH_API fh_status fh_distill_forward(fh_context *ctx, const fh_linear *student, const fh_linear *teacher,
-                                    const int64_t *targets, const fh_distill_options *options,
-                                    fh_distill_outputs *out)
-{
-    fh_status st = check_call(ctx, student, teacher, targets, options, out);
-    fh_plan plans[2];
-    fh_workspace ws;
-    if (st == FH_OK)
-        st = fh_plan_pair_streaming(ctx, student, teacher, plans, ctx);
-    if (st == FH_OK)
-        st = fh_workspace_acquire(ctx, student->n, plans, 1, &ws);
-    if (st != FH_OK)
-        return st;
-    const distill_head h = head_of(&ws, student, targets, options, NULL);
-    const fh_pair_kernels kernels = kernels_of(&h, teacher);
-    const fh_engine_pass pass = pass_of(&plans[0], &ws, student, &kernels);
-    st = fh_engine_forward(&pass);
-    if (st == FH_OK)
-        write_outputs(&h, student->n, out);
-    return fh_gemm_failure(ctx, st);
-}
-
-/* The call's arguments, for its train step (fh_engine_train_step). */
-typedef struct distill_step {
+/* One call after its checks (grads NULL: the forward), on the whole problem or on its counted rows. */
+typedef struct distill_call {
     const fh_linear *student, *teacher;
     const int64_t *targets;
     const fh_distill_options *options;
     const float *grad_output;
     fh_distill_outputs *out;
-} distill_step;
+    const fh_linear_grads *grads;
+} distill_call;
 
-static fh_status distill_step_run(const void *self, int row_blocks, const fh_plan plans[2], const fh_workspace ws[2],
-                                  const fh_linear_grads *grads)
+static fh_status forward(fh_context *ctx, const distill_call *c)
 {
-    const distill_step *c = self;
+    fh_plan plans[2];
+    fh_workspace ws;
+    fh_status st = fh_plan_pair_streaming(ctx, c->student, c->teacher, plans, ctx);
+    if (st == FH_OK)
+        st = fh_workspace_acquire(ctx, c->student->n, plans, 1, &ws);
+    if (st != FH_OK)
+        return st;
+    const distill_head h = head_of(&ws, c->student, c->targets, c->options, NULL);
+    const fh_pair_kernels kernels = kernels_of(&h, c->teacher);
+    const fh_engine_pass pass = pass_of(&plans[0], &ws, c->student, &kernels);
+    st = fh_engine_forward(&pass);
+    if (st == FH_OK)
+        write_outputs(&h, c->student->n, c->out);
+    return fh_gemm_failure(ctx, st);
+}
+
+static fh_status step_run(const void *self, int row_blocks, const fh_plan plans[2], const fh_workspace ws[2],
+                          const fh_linear_grads *grads)
+{
+    const distill_call *c = self;
     const distill_head h = head_of(&ws[0], c->student, c->targets, c->options, c->grad_output);
     const fh_pair_kernels kernels = kernels_of(&h, c->teacher);
     fh_engine_pass pass = pass_of(&plans[0], &ws[0], c->student, &kernels);
@@ -417,6 +415,64 @@ static fh_status distill_step_run(const void *self, int row_blocks, const fh_pla
     return st;
 }
 
+static fh_status run(fh_context *ctx, const distill_call *c)
+{
+    if (!c->grads)
+        return forward(ctx, c);
+    const fh_train_step_head head = {1, c->teacher, 0, step_run, c};
+    return fh_engine_train_step(ctx, c->student, c->grads, &head);
+}
+
+/* The call on its counted rows (counted_rows.h): an ignored token has no loss and no gradient, so the GEMMs of both
+ * heads skip it. Per-row arrays in the student's scratch: targets, then the per-token upstream gradient ('none') and
+ * the per-token losses. */
+static fh_status run_counted(fh_context *ctx, const distill_call *c)
+{
+    fh_counted_rows student, teacher;
+    const size_t row_bytes = sizeof(int64_t) + 2 * sizeof(float);
+    fh_status st = c->targets ? fh_counted_rows_begin(ctx, c->student, c->grads, c->targets,
+                                                      c->options->ignore_index, row_bytes, &student)
+                              : FH_OK;
+    if (st != FH_OK || !c->targets || !student.active)
+        return st == FH_OK ? run(ctx, c) : st;
+    st = fh_counted_rows_begin(ctx, c->teacher, NULL, c->targets, c->options->ignore_index, 0, &teacher);
+    if (st != FH_OK) {
+        fh_counted_rows_free(&student);
+        return st;
+    }
+    int64_t *targets = student.scratch;
+    float *grad = (float *)(targets + student.count), *losses = grad + student.count;
+    fh_counted_rows_gather(&student, c->targets, sizeof(int64_t), targets);
+    const int per_token = c->options->reduction == FH_REDUCTION_NONE;
+    if (c->grad_output && per_token)
+        fh_counted_rows_gather(&student, c->grad_output, sizeof(float), grad);
+    fh_distill_outputs out = *c->out;
+    out.per_token_loss = c->out->per_token_loss ? losses : NULL;
+    const distill_call counted = {&student.lin, &teacher.lin, targets, c->options,
+                                  per_token ? grad : c->grad_output, &out, c->grads ? &student.grads : NULL};
+    st = run(ctx, &counted);
+    if (st == FH_OK) {
+        const float zero = 0.0f;
+        if (c->out->per_token_loss)
+            fh_counted_rows_scatter(&student, losses, sizeof(float), &zero, c->out->per_token_loss);
+        fh_counted_rows_write_dx(&student, c->grads);
+    }
+    fh_counted_rows_free(&student);
+    fh_counted_rows_free(&teacher);
+    return st;
+}
+
+FH_API fh_status fh_distill_forward(fh_context *ctx, const fh_linear *student, const fh_linear *teacher,
+                                    const int64_t *targets, const fh_distill_options *options,
+                                    fh_distill_outputs *out)
+{
+    const fh_status st = check_call(ctx, student, teacher, targets, options, out);
+    if (st != FH_OK)
+        return st;
+    const distill_call c = {student, teacher, targets, options, NULL, out, NULL};
+    return run_counted(ctx, &c);
+}
+
 FH_API fh_status fh_distill_forward_backward(fh_context *ctx, const fh_linear *student, const fh_linear *teacher,
                                              const int64_t *targets, const fh_distill_options *options,
                                              const float *grad_output, fh_distill_outputs *out,
@@ -429,9 +485,8 @@ FH_API fh_status fh_distill_forward_backward(fh_context *ctx, const fh_linear *s
         st = check_apart(ctx, student, teacher, targets, options, grad_output, out, grads);
     if (st != FH_OK)
         return st;
-    const distill_step step = {student, teacher, targets, options, grad_output, out};
-    const fh_train_step_head head = {1, teacher, 0, distill_step_run, &step};
-    return fh_engine_train_step(ctx, student, grads, &head);
+    const distill_call c = {student, teacher, targets, options, grad_output, out, grads};
+    return run_counted(ctx, &c);
 }
 
 FH_API fh_status fh_distill_workspace_size(const fh_context *ctx, const fh_linear *student,
