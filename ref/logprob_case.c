@@ -3,7 +3,7 @@
  * Tolerances. Values: logp, entropy and lse are formed in double from fp32 logits u whose GEMM rounding is about
  * eps_f32 sqrt(H) |u| (~1.5e-6 at |u| ~ 3, H = 67); s = u logit_scale / temperature carries that error times
  * logit_scale / temperature, and so do logp, H and lse. The tolerance is LOGPROB_VALUE_TOL (1e-5, about 2.5x the
- * largest error seen per unit of that factor: 4.1e-6, at temperature 0.3) times max(1, logit_scale / temperature). bf16 inputs are exact bf16 values
+ * largest error seen per unit of that factor: 4.4e-6, at temperature 0.3) times max(1, logit_scale / temperature). bf16 inputs are exact bf16 values
  * multiplied in f32 as in fp32, but the convert path and oneDNN sum in another order: LOGPROB_BF16_VALUE_TOL. Gradients: the normwise relative error of dx, dweight and dbias, as cross-entropy's
  * (CE_GRAD_NORM_REL_TOL, with ce_grad_tolerance's allowance when dU or the gradient is rounded to bf16): the
  * coefficients are the same kind of fp32 softmax terms as CE's. */
@@ -48,14 +48,7 @@ static double *to_double(const float *f, size_t count)
     return d;
 }
 
-/* The inputs of one case, fp32 (bf16-valued for a bf16 case) and as the library reads them. */
-typedef struct inputs {
-    float *x, *weight, *bias, *g[3];
-    uint16_t *x_bf16, *weight_bf16;
-    int64_t *targets;
-} inputs;
-
-static void make_inputs(const logprob_case_spec *s, inputs *in)
+static void make_inputs(const logprob_case_spec *s, logprob_case *in)
 {
     const size_t n = (size_t)s->n, h = (size_t)s->hidden, v = (size_t)s->vocab;
     uint64_t rng = s->seed * 7919 + 29;
@@ -82,20 +75,18 @@ static void make_inputs(const logprob_case_spec *s, inputs *in)
     }
 }
 
-static void free_inputs(inputs *in)
+void logprob_case_free(logprob_case *c)
 {
-    free(in->x);
-    free(in->weight);
-    free(in->bias);
-    free(in->x_bf16);
-    free(in->weight_bf16);
-    free(in->targets);
-    for (int k = 0; k < 3; k++)
-        free(in->g[k]);
+    void *const arrays[] = {c->x,      c->weight,   c->bias,     c->g[0],         c->g[1],         c->g[2],
+                            c->x_bf16, c->weight_bf16, c->targets, c->values,    c->grads[0],     c->grads[1],
+                            c->grads[2], c->ref_values, c->ref_grads[0], c->ref_grads[1], c->ref_grads[2]};
+    for (size_t k = 0; k < sizeof arrays / sizeof arrays[0]; k++)
+        free(arrays[k]);
+    memset(c, 0, sizeof *c);
 }
 
 /* The fused values (logp, entropy, lse: 3 n floats) and gradients (dx, dweight, dbias as ce_alloc_grads). */
-static fh_status run_fused(const logprob_case_spec *s, const inputs *in, float *values, float *grads[3])
+static fh_status run_fused(const logprob_case_spec *s, const logprob_case *in, float *values, float *const grads[3])
 {
     const size_t n = (size_t)s->n, h = (size_t)s->hidden, v = (size_t)s->vocab;
     fh_context *ctx = NULL;
@@ -130,7 +121,7 @@ static fh_status run_fused(const logprob_case_spec *s, const inputs *in, float *
 }
 
 /* The reference's values (3 n doubles) and gradients (dweight in the weight's layout; beta 1 adds onto 1.0). */
-static void run_reference(const logprob_case_spec *s, const inputs *in, double *values, double *grads[3])
+static void run_reference(const logprob_case_spec *s, const logprob_case *in, double *values, double *const grads[3])
 {
     const size_t n = (size_t)s->n, h = (size_t)s->hidden, v = (size_t)s->vocab;
     double *x = to_double(in->x, n * h), *w = ce_weight_to_reference(s->layout, s->hidden, s->vocab, in->weight);
@@ -157,50 +148,45 @@ static void run_reference(const logprob_case_spec *s, const inputs *in, double *
         free(g[k]);
 }
 
-fh_status logprob_case_run(const logprob_case_spec *s, logprob_diff *d)
+fh_status logprob_case_run(const logprob_case_spec *s, logprob_case *c, logprob_diff *d)
 {
     const size_t n = (size_t)s->n, h = (size_t)s->hidden, v = (size_t)s->vocab;
-    inputs in;
-    memset(&in, 0, sizeof in);
+    memset(c, 0, sizeof *c);
     memset(d, 0, sizeof *d);
-    make_inputs(s, &in);
-    float *values = xcalloc(3 * n, sizeof(float)), *grads[3];
-    ce_alloc_grads(n, h, v, in.bias != NULL, s->grad_beta, &grads[0], &grads[1], &grads[2]);
-    const fh_status st = run_fused(s, &in, values, grads);
-    if (st == FH_OK) {
-        double *ref_values = xcalloc(3 * n, sizeof(double));
-        double *ref_grads[3] = {xcalloc(n * h, sizeof(double)), xcalloc(h * v, sizeof(double)),
-                                in.bias ? xcalloc(v, sizeof(double)) : NULL};
-        run_reference(s, &in, ref_values, ref_grads);
-        d->logp_max_abs = ce_compare(values, ref_values, n).max_abs;
-        d->entropy_max_abs = ce_compare(values + n, ref_values + n, n).max_abs;
-        d->lse_max_abs = ce_compare(values + 2 * n, ref_values + 2 * n, n).max_abs;
-        d->value_tol = (s->dtype == FH_DTYPE_BF16 ? LOGPROB_BF16_VALUE_TOL : LOGPROB_VALUE_TOL) *
-                       fmax(1.0, s->options.logit_scale / s->options.temperature);
-        d->dhidden_norm_rel = ce_compare(grads[0], ref_grads[0], n * h).norm_rel;
-        d->dweight_norm_rel = ce_compare(grads[1], ref_grads[1], h * v).norm_rel;
-        d->dbias_norm_rel = in.bias ? ce_compare(grads[2], ref_grads[2], v).norm_rel : 0.0;
-        d->grad_tol = ce_grad_tolerance(LOGPROB_GRAD_NORM_REL_TOL, s->dtype == FH_DTYPE_BF16 && !s->fp32_du,
-                                        s->grad_dtype);
-        d->dbias_tol = ce_grad_tolerance(LOGPROB_GRAD_NORM_REL_TOL, 0, s->grad_dtype);
-        /* Exact, not within tolerance: an ignored row's outputs are written as 0 and its dx row gets no term. */
-        d->ignored_outputs_zero = 1;
-        for (size_t i = 0; i < n; i++) {
-            if (in.targets[i] != s->options.ignore_index)
-                continue;
-            d->ignored_outputs_zero &= values[i] == 0.0f && values[n + i] == 0.0f && values[2 * n + i] == 0.0f;
-            for (size_t k = 0; k < h; k++)
-                d->ignored_outputs_zero &= grads[0][i * h + k] == s->grad_beta;
-        }
-        free(ref_values);
-        for (int k = 0; k < 3; k++)
-            free(ref_grads[k]);
+    make_inputs(s, c);
+    c->values = xcalloc(3 * n, sizeof(float));
+    ce_alloc_grads(n, h, v, c->bias != NULL, s->grad_beta, &c->grads[0], &c->grads[1], &c->grads[2]);
+    const fh_status st = run_fused(s, c, c->values, c->grads);
+    if (st != FH_OK)
+        return st;
+    const float *values = c->values, *const *grads = (const float *const *)c->grads;
+    c->ref_values = xcalloc(3 * n, sizeof(double));
+    c->ref_grads[0] = xcalloc(n * h, sizeof(double));
+    c->ref_grads[1] = xcalloc(h * v, sizeof(double));
+    c->ref_grads[2] = c->bias ? xcalloc(v, sizeof(double)) : NULL;
+    run_reference(s, c, c->ref_values, c->ref_grads);
+    const double *ref_values = c->ref_values, *const *ref_grads = (const double *const *)c->ref_grads;
+    d->logp_max_abs = ce_compare(values, ref_values, n).max_abs;
+    d->entropy_max_abs = ce_compare(values + n, ref_values + n, n).max_abs;
+    d->lse_max_abs = ce_compare(values + 2 * n, ref_values + 2 * n, n).max_abs;
+    d->value_tol = (s->dtype == FH_DTYPE_BF16 ? LOGPROB_BF16_VALUE_TOL : LOGPROB_VALUE_TOL) *
+                   fmax(1.0, s->options.logit_scale / s->options.temperature);
+    d->dhidden_norm_rel = ce_compare(grads[0], ref_grads[0], n * h).norm_rel;
+    d->dweight_norm_rel = ce_compare(grads[1], ref_grads[1], h * v).norm_rel;
+    d->dbias_norm_rel = c->bias ? ce_compare(grads[2], ref_grads[2], v).norm_rel : 0.0;
+    d->grad_tol =
+        ce_grad_tolerance(LOGPROB_GRAD_NORM_REL_TOL, s->dtype == FH_DTYPE_BF16 && !s->fp32_du, s->grad_dtype);
+    d->dbias_tol = ce_grad_tolerance(LOGPROB_GRAD_NORM_REL_TOL, 0, s->grad_dtype);
+    /* Exact, not within tolerance: an ignored row's outputs are written as 0 and its dx row gets no term. */
+    d->ignored_outputs_zero = 1;
+    for (size_t i = 0; i < n; i++) {
+        if (c->targets[i] != s->options.ignore_index)
+            continue;
+        d->ignored_outputs_zero &= values[i] == 0.0f && values[n + i] == 0.0f && values[2 * n + i] == 0.0f;
+        for (size_t k = 0; k < h; k++)
+            d->ignored_outputs_zero &= grads[0][i * h + k] == s->grad_beta;
     }
-    free(values);
-    for (int k = 0; k < 3; k++)
-        free(grads[k]);
-    free_inputs(&in);
-    return st;
+    return FH_OK;
 }
 
 int logprob_diff_pass(const logprob_diff *d)

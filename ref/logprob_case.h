@@ -1,5 +1,5 @@
 /* One log-prob check: random inputs from a spec, fh_logprob_*'s outputs and gradients, the double reference's
- * (ref_logprob) and their differences. Shared by the CUnit suite (tests/test_logprob.c). */
+ * (ref_logprob) and their differences. Shared by the CUnit suite (tests/test_logprob.c) and fh_gradcheck. */
 #ifndef FH_LOGPROB_CASE_H
 #define FH_LOGPROB_CASE_H
 
@@ -36,8 +36,20 @@ typedef struct logprob_diff {
 #define LOGPROB_BF16_VALUE_TOL 2e-5
 #define LOGPROB_GRAD_NORM_REL_TOL 1e-5
 
-/* Runs the case; FH_OK or the library's status. */
-fh_status logprob_case_run(const logprob_case_spec *spec, logprob_diff *d);
+/* A run's inputs (fp32, bf16-valued for a bf16 case, and the bits the library reads), the fused values (logp,
+ * entropy, lse: 3 n floats) and gradients (dweight in the weight's layout), and the reference's. */
+typedef struct logprob_case {
+    float *x, *weight, *bias, *g[3];
+    uint16_t *x_bf16, *weight_bf16;
+    int64_t *targets;
+    float *values, *grads[3];
+    double *ref_values, *ref_grads[3];
+} logprob_case;
+
+/* Runs the case into c (logprob_case_free frees it whatever the status); FH_OK or the library's status (then only
+ * the inputs are set). */
+fh_status logprob_case_run(const logprob_case_spec *spec, logprob_case *c, logprob_diff *d);
 int logprob_diff_pass(const logprob_diff *d);
+void logprob_case_free(logprob_case *c);
 
 #endif

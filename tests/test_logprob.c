@@ -12,8 +12,10 @@
 
 static void check(const logprob_case_spec *s, const char *what)
 {
+    logprob_case c;
     logprob_diff d;
-    const fh_status st = logprob_case_run(s, &d);
+    const fh_status st = logprob_case_run(s, &c, &d);
+    logprob_case_free(&c);
     TU_CHECK(st == FH_OK, "%s: status %d (%s)", what, (int)st, fh_status_string(st));
     if (st != FH_OK)
         return;

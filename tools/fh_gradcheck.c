@@ -1,4 +1,4 @@
-/* fh_gradcheck: runs the fused cross-entropy (--loss grpo, dpo|orpo|simpo|cpo, distill: those heads) and the
+/* fh_gradcheck: runs the fused cross-entropy (--loss grpo, logprob, dpo|orpo|simpo|cpo, distill: those heads) and the
  * double-precision reference on random inputs, prints the differences as JSON and exits non-zero past tolerance.
  * --dump DIR writes every input and fused output as .npy so other tools can check them independently. Exits 77 (a
  * skip for ctest), saying why, when FH_ROW_KERNELS or FH_BF16_GEMM asks for kernels this CPU or build lacks. */
@@ -6,6 +6,7 @@
 #include "gradcheck_common.h"
 #include "gradcheck_distill.h"
 #include "gradcheck_grpo.h"
+#include "gradcheck_logprob.h"
 #include "gradcheck_preference.h"
 #include "npy.h"
 
@@ -23,6 +24,7 @@ static void usage(void)
             "       [--grad-dtype f32|bf16] [--fp32-du] [--grad-filter-eps EPS]\n"
             "       [--grad-filter-tail estimate|drop] [--logit-scale S]\n"
             "       fh_gradcheck --loss grpo ... (fh_gradcheck --loss grpo --help)\n"
+            "       fh_gradcheck --loss logprob ... (fh_gradcheck --loss logprob --help)\n"
             "       fh_gradcheck --loss dpo|orpo|simpo|cpo ... (fh_gradcheck --loss dpo --help)\n"
             "       fh_gradcheck --loss distill ... (fh_gradcheck --loss distill --help)\n");
 }
@@ -149,6 +151,8 @@ int main(int argc, char **argv)
         if (strcmp(argv[i], "--loss") == 0) {
             if (strcmp(argv[i + 1], "grpo") == 0)
                 return gradcheck_grpo(argc, argv);
+            if (strcmp(argv[i + 1], "logprob") == 0)
+                return gradcheck_logprob(argc, argv);
             if (gradcheck_is_preference(argv[i + 1]))
                 return gradcheck_preference(argc, argv);
             if (strcmp(argv[i + 1], "distill") == 0)
