@@ -158,7 +158,7 @@ static void test_strided_views(void)
         f.dbias = calloc(V, sizeof(float));
         const cp_config cfg = {.threads = 2, .tile_rows = 4, .tile_vocab = 16};
         fh_context *ctx = cp_context(&cfg);
-        fh_ce_outputs out = {&f.loss, &f.z_loss, f.per_token_loss, f.logp, f.lse, f.argmax};
+        fh_ce_outputs out = {&f.loss, &f.z_loss, f.per_token_loss, f.logp, f.lse, f.argmax, NULL, NULL};
         fh_linear_grads g = {.dx = dx, .dx_row_stride = H + DXPAD, .dx_beta = 0.0f, .dweight = dw, .dweight_beta = 0.0f, .dbias = f.dbias, .dbias_beta = 0.0f};
         fh_status st;
         if (train_step)

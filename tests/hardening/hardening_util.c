@@ -314,7 +314,7 @@ fh_status hu_run(fh_context *ctx, hu_call call, const cp_problem *p_ce, const hu
     fh_linear_grads g = {.dx = o->dx, .dx_row_stride = o->hidden, .dx_beta = 0.0f, .dweight = o->dweight, .dweight_beta = 0.0f, .dbias = o->dbias, .dbias_beta = 0.0f};
     if (!hu_call_on_sequences(call)) {
         cp_problem_linear(p_ce, &lin);
-        fh_ce_outputs out = {&o->loss, &o->z_loss, o->per_token_loss, o->logp, o->lse, o->argmax};
+        fh_ce_outputs out = {&o->loss, &o->z_loss, o->per_token_loss, o->logp, o->lse, o->argmax, NULL, NULL};
         switch (call) {
         case HU_CE_FORWARD: return fh_ce_forward(ctx, &lin, p_ce->targets, &p_ce->options, &out);
         case HU_CE_BACKWARD:

@@ -158,7 +158,7 @@ static int guarded_call(void *arg)
     o.softcap = 20.0;
     double loss, z_loss;
     fh_grpo_metrics metrics;
-    fh_ce_outputs ce_out = {&loss, &z_loss, ptl, ologp, olse, argmax};
+    fh_ce_outputs ce_out = {&loss, &z_loss, ptl, ologp, olse, argmax, NULL, NULL};
     fh_grpo_outputs grpo_out = {&loss, &metrics, ologp, ptl, oent, olse};
     fh_linear_grads grads = {.dx = dx, .dx_row_stride = h, .dweight = dw, .dbias = db, .dx_dtype = c->grad_dtype,
                              .dweight_dtype = c->grad_dtype, .dbias_dtype = c->grad_dtype};

@@ -339,7 +339,7 @@ static void test_nan_padding_is_never_read(void)
                     lin.w_stride_vocab = ws;
                 hu_outputs o;
                 hu_outputs_alloc(&o, N, H, V, 1);
-                fh_ce_outputs out = {&o.loss, &o.z_loss, o.per_token_loss, o.logp, o.lse, o.argmax};
+                fh_ce_outputs out = {&o.loss, &o.z_loss, o.per_token_loss, o.logp, o.lse, o.argmax, NULL, NULL};
                 fh_linear_grads g = {.dx = dx, .dx_row_stride = dxs, .dx_beta = 0.0f, .dweight = dw, .dweight_beta = 0.0f, .dbias = o.dbias, .dbias_beta = 0.0f};
                 fh_context *ctx = tu_context(2, 4, 16, 0);
                 fh_context_set(ctx, FH_PARAM_CHECK_FINITE, check);
