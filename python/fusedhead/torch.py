@@ -8,7 +8,8 @@ Semantics: F.cross_entropy(F.linear(hidden, weight, bias).view(-1, V), targets.v
 ignore_index=..., reduction=..., label_smoothing=...), plus a logit scale (m * u, before the softcap), Gemma-style
 logit softcap (c * tanh(m u / c)), z-loss (z_loss * lse^2, averaged over non-ignored tokens for 'mean', never
 class-weighted, added to the loss) and DFT's token scaling (each token's loss times its target's probability,
-detached); return_entropy / return_correct add the per-token entropy and the correct count.
+detached); return_entropy / return_correct add the per-token entropy and the correct count. causal_lm_loss is Hugging
+Face's ForCausalLMLoss (labels shifted by one, sum over num_items_in_batch or mean) on the same call.
 One documented difference: when every token is ignored (or every target has class weight 0), 'mean' gives
 loss 0 and zero gradients where torch gives NaN. N = 0 tokens behaves the same way.
 
@@ -84,7 +85,7 @@ from ._core import (GRPO_METRIC_KEYS, PREFERENCE_METRIC_KEYS, CEProblem, Context
 from ._lib import Dtype, Reduction
 
 __all__ = ["FusedLinearCrossEntropyFunction", "FusedLinearCrossEntropy", "fused_linear_cross_entropy",
-           "CrossEntropyOutput",
+           "CrossEntropyOutput", "causal_lm_loss",
            "FusedLinearGRPOLossFunction", "FusedLinearGRPOLoss", "fused_linear_grpo_loss",
            "FusedLinearPreferenceLossFunction", "fused_linear_preference_loss", "PreferenceLossOutput",
            "FusedLinearDPOLoss", "FusedLinearORPOLoss", "FusedLinearSimPOLoss", "FusedLinearCPOLoss",
@@ -534,6 +535,40 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     if extras is not None:
         return CrossEntropyOutput(loss, z, extras.entropy, extras.correct)
     return (loss, z) if return_z_loss else loss
+
+
+def causal_lm_loss(hidden_states: torch.Tensor, lm_head_weight: torch.Tensor, labels: Optional[torch.Tensor],
+                   num_items_in_batch=None, ignore_index: int = -100, shift_labels: Optional[torch.Tensor] = None,
+                   final_logit_softcapping: Optional[float] = None, logit_scale: Optional[float] = None,
+                   bias: Optional[torch.Tensor] = None, *, context: Optional[Context] = None) -> torch.Tensor:
+    """Hugging Face transformers' causal-LM loss without the logits: ForCausalLMLoss and fixed_cross_entropy of
+    src/transformers/loss/loss_utils.py (commit 0114da07ec0e101b420a923dedeb6032b6ac3a44) on
+    logits = F.linear(hidden_states, lm_head_weight, bias), times logit_scale (Cohere) and softcapped by
+    final_logit_softcapping (Gemma 2) as the models do before calling it.
+
+    hidden_states [B, T, H] (or [..., H]) is viewed as [B*T, H], never copied or shifted; the shift is on the labels:
+    labels [B, T] padded on the right with ignore_index and shifted by one (F.pad(labels, (0, 1),
+    value=ignore_index)[..., 1:]), unless shift_labels (the labels' shape, already shifted) is given, when labels is
+    not read (it may be None). Reduction "sum" divided by num_items_in_batch when it is given (a tensor or an int, as
+    the Trainer passes it for gradient accumulation), else "mean" over the tokens that are not ignore_index. The
+    loss is float32 whatever the inputs' dtype (the function upcasts the logits); bf16 hidden states and weight are
+    read as they are, their gradients come back in bf16. One difference: when every token is ignored, "mean" gives 0
+    (Hugging Face, through torch, gives NaN).
+    """
+    if shift_labels is None:
+        if labels is None:
+            raise TypeError("causal_lm_loss: labels is None and no shift_labels was given")
+        _check_tensor(labels, "labels", torch.int64, " (use .long())")
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss, _ = _cross_entropy(hidden_states, lm_head_weight, shift_labels, bias, None, ignore_index, reduction, 0.0,
+                             0.0 if final_logit_softcapping is None else final_logit_softcapping, 0.0, "vh", context,
+                             logit_scale, False, None, float32_loss=True)
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss
 
 
 class FusedLinearCrossEntropy(torch.nn.Module):
