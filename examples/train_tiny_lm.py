@@ -1,7 +1,8 @@
 #!/usr/bin/python3
 """Trains a tiny language model on the Python standard library's sources, three times from the same seed: (a) with
-torch's materialized logits, F.cross_entropy(F.linear(h, W), y), (b) with
-fusedhead.torch.fused_linear_cross_entropy, which never forms the [N, V] logits, and (c) the same with gradient
+torch's materialized logits, F.cross_entropy(F.linear(h, W), y), (b) with fusedhead.torch.causal_lm_loss (Hugging
+Face's causal-LM loss, here on the batch's already shifted labels: shift_labels=y), which never forms the [N, V]
+logits, and (c) the same with gradient
 filtering (Context(grad_filter_eps=--filter-eps, grad_filter_tail=--filter-tail), row blocks of
 --filter-tile-rows tokens), which skips the backward GEMMs' vocabulary columns whose softmax terms are below eps in
 every row of a block and by default replaces those terms by the library's rank-one estimate. It shows how the
@@ -70,7 +71,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fusedhead
-from fusedhead.torch import fused_linear_cross_entropy
+from fusedhead.torch import causal_lm_loss
 
 try:
     import sentencepiece as spm
@@ -187,8 +188,9 @@ def split_k_cross_entropy(hidden, weight, targets):
 
 def heads(filter_context):
     """Each run's head: (h, w, y) -> loss."""
-    return {"torch": lambda h, w, y: F.cross_entropy(F.linear(h, w), y), "fused": fused_linear_cross_entropy,
-            "filtered": lambda h, w, y: fused_linear_cross_entropy(h, w, y, context=filter_context),
+    return {"torch": lambda h, w, y: F.cross_entropy(F.linear(h, w), y),
+            "fused": lambda h, w, y: causal_lm_loss(h, w, None, shift_labels=y),
+            "filtered": lambda h, w, y: causal_lm_loss(h, w, None, shift_labels=y, context=filter_context),
             "control": split_k_cross_entropy}
 
 

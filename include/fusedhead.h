@@ -303,6 +303,9 @@ typedef struct fh_linear_grads {
  *   sum:     loss = sum_i ce_i + sum_i zl_i
  *   none:    per_token_loss_i = ce_i + zl_i (0 for ignored tokens)
  * If every token is ignored the loss is 0 and every gradient is 0 (never NaN).
+ * DFT scales as Liger-Kernel's use_token_scaling does (ops/fused_linear_cross_entropy.py): the whole per-token loss,
+ * label smoothing and z-loss included (so the z_loss output too), and its whole gradient row, by softmax(z)[y]
+ * detached; without label smoothing and z-loss it is TRL's SFT loss_type "dft", -sg(p_y) log p_y.
  * ------------------------------------------------------------------------------------------- */
 typedef enum fh_reduction {
     FH_REDUCTION_MEAN = 0,
@@ -318,8 +321,8 @@ typedef struct fh_ce_options {
     double softcap;              /* 0 = off; else a positive normal fp32 value */
     double z_loss;               /* coefficient of lse^2; 0 = off */
     double logit_scale;          /* multiplies x W + bias before the softcap; default 1 */
-    int token_scaling;           /* 1: DFT, each token's loss times sg(p_target) (Liger use_token_scaling, TRL
-                                    SFT loss_type "dft"); default 0 */
+    int token_scaling;           /* non-zero: DFT, each token's loss times sg(p_target) (Liger use_token_scaling,
+                                    TRL SFT loss_type "dft"); default 0 */
 } fh_ce_options;
 
 FH_API fh_status fh_ce_options_init(fh_ce_options *options);
@@ -329,7 +332,7 @@ typedef struct fh_ce_outputs {
     double *z_loss;          /* the z-loss part of loss, reduced like it. May be NULL. */
     float *per_token_loss;   /* [N]; required for 'none' */
     float *per_token_logp;   /* [N] log p(target); 0 for ignored tokens */
-    float *lse;              /* [N] log-sum-exp of the (softcapped) logits; needed by fh_ce_backward */
+    float *lse;              /* [N] log-sum-exp of z (the scaled, softcapped logits); needed by fh_ce_backward */
     int64_t *argmax;         /* [N] index of the largest logit (lowest index on ties) */
     float *entropy;          /* [N] entropy of softmax(z), -sum_j p_j log p_j; 0 for ignored tokens; no gradient */
     int64_t *correct;        /* scalar: non-ignored tokens whose argmax is their target (token accuracy = correct /
@@ -340,7 +343,9 @@ typedef struct fh_ce_outputs {
 FH_API fh_status fh_ce_forward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
                                const fh_ce_options *options, fh_ce_outputs *out);
 
-/* Streaming backward: recomputes each tile from lse (as written by fh_ce_forward).
+/* Streaming backward: recomputes each tile from lse (as written by fh_ce_forward). With token_scaling it first
+ * recomputes each token's target logit z_y (one dot product of its x row and the target's weight column, 2 N H
+ * flops) for p_y = exp(z_y - lse), which scales its row before the first tile.
  * grad_output: one value for mean/sum, N values for 'none'; NaN/Inf is rejected
  * (FH_ERR_INVALID_GRAD_OUTPUT) rather than propagated. */
 FH_API fh_status fh_ce_backward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,

@@ -16,7 +16,19 @@
  * tolerance. With FH_PARAM_FP32_DU the gradient GEMMs multiply the f32 dU by the exact f32 values of the bf16
  * inputs, so the fp32 tolerance holds. A gradient written in bf16 is rounded once more at the end: each element
  * moves by at most 2^-8 relative, the norm of the difference by at most 2^-8 of the norm, so that rounding adds
- * CE_BF16_GRAD_NORM_REL_TOL to the tolerance. */
+ * CE_BF16_GRAD_NORM_REL_TOL to the tolerance.
+ * token_scaling (DFT) multiplies each token's loss and its gradient row by p_y = exp(log p_y), computed from the fp32
+ * logits: its relative error is the absolute error of log p_y = z_y - lse, at most 2 max_j |dz_j| with dz the logit
+ * error, ~sqrt(H) * 6e-8 * |z| per logit and 3 sigma over a row's thousands: 1.6e-5 at H = 129 and |z| ~ 7.5 (logits
+ * of size 3 times logit_scale 2.5; fh_gradcheck measures log p errors up to 2.0e-5 there). The p_y-weighted sum is
+ * dominated by the few confident tokens, so these errors are not averaged down as the plain mean's are:
+ * CE_DFT_REL_TOL = 4e-5, 2 max |dz| at that size, is added to the loss's and the gradients' tolerances (measured: loss
+ * 6.5e-6, gradients 9.2e-6 normwise at that size; 4.6e-7 and 1.9e-6 at |z| ~ 3).
+ * entropy: H = lse - sum_j p_j z_j from the same fp32 logits; to first order its error is sum_j p_j (z_j - zbar) dz_j,
+ * at most max |dz| times the spread sum_j p_j |z_j - zbar| (zbar = sum p z), which is at most about the logits'
+ * standard deviation: ~1.6e-5 x 1.5 at the size above (the softmax is peaked there) and ~5e-6 x 3 at |z| ~ 3.
+ * CE_ENTROPY_ABS_TOL = 5e-5 per token is twice that; measured at most 8.4e-6 (fh_gradcheck, fp32 and bf16, with and
+ * without softcap and logit_scale). */
 #include "ce_case.h"
 
 #include "bf16.h"
@@ -106,6 +118,16 @@ void ce_alloc_grads(size_t n, size_t h, size_t v, int has_bias, float beta, floa
     }
 }
 
+double ce_loss_tolerance(int token_scaling)
+{
+    return CE_LOSS_REL_TOL + (token_scaling ? CE_DFT_REL_TOL : 0.0);
+}
+
+double ce_fp32_grad_tolerance(int token_scaling)
+{
+    return CE_GRAD_NORM_REL_TOL + (token_scaling ? CE_DFT_REL_TOL : 0.0);
+}
+
 double ce_grad_tolerance(double fp32_tol, int du_rounded, fh_dtype grad_dtype)
 {
     return (du_rounded ? CE_BF16_GRAD_NORM_REL_TOL : fp32_tol) +
@@ -176,6 +198,11 @@ static void make_inputs(const ce_case_spec *s, ce_case *c)
         c->grad_output[i] = (float)(s->reduction == FH_REDUCTION_NONE ? 2.0 * ce_uniform(&rng) - 1.0 : 0.75);
 }
 
+static double ce_logit_scale_of(const ce_case_spec *s)
+{
+    return s->ce_logit_scale > 0.0 ? s->ce_logit_scale : 1.0;
+}
+
 static fh_status run_fused(const ce_case_spec *s, ce_case *c)
 {
     const size_t n = (size_t)s->n, h = (size_t)s->hidden, v = (size_t)s->vocab;
@@ -202,11 +229,15 @@ static fh_status run_fused(const ce_case_spec *s, ce_case *c)
     o.class_weights = c->class_weights;
     o.softcap = s->softcap;
     o.z_loss = s->z_loss;
+    o.logit_scale = ce_logit_scale_of(s);
+    o.token_scaling = s->token_scaling;
     c->per_token_loss = xcalloc(n, sizeof(float));
     c->logp = xcalloc(n, sizeof(float));
     c->lse = xcalloc(n, sizeof(float));
     c->argmax = xcalloc(n, sizeof(int64_t));
-    fh_ce_outputs out = {&c->loss, &c->z_loss, c->per_token_loss, c->logp, c->lse, c->argmax, NULL, NULL};
+    c->entropy = s->entropy ? xcalloc(n, sizeof(float)) : NULL;
+    fh_ce_outputs out = {&c->loss, &c->z_loss, c->per_token_loss, c->logp, c->lse, c->argmax, c->entropy,
+                         &c->correct};
     ce_alloc_grads(n, h, v, c->bias != NULL, s->grad_beta, &c->dx, &c->dweight, &c->dbias);
     ce_grads_io io;
     ce_grads_io_begin(&io, s->grad_dtype, n, h, v, s->grad_beta, c->dx, c->dweight, c->dbias);
@@ -247,6 +278,21 @@ static ref_filter filter_of(const ce_case_spec *s)
     return f;
 }
 
+/* The reference's options for a spec's case (ignore_index -100, as the library's default). */
+static ref_ce_options ce_reference_options(const ce_case_spec *s, const double *class_weights, const ref_filter *filter)
+{
+    const ref_ce_options o = {.ignore_index = -100,
+                              .reduction = (int)s->reduction,
+                              .label_smoothing = s->label_smoothing,
+                              .class_weights = class_weights,
+                              .softcap = s->softcap,
+                              .z_loss = s->z_loss,
+                              .logit_scale = ce_logit_scale_of(s),
+                              .token_scaling = s->token_scaling,
+                              .filter = filter};
+    return o;
+}
+
 static void run_reference(const ce_case_spec *s, ce_case *c)
 {
     const size_t n = (size_t)s->n, h = (size_t)s->hidden, v = (size_t)s->vocab;
@@ -256,16 +302,17 @@ static void run_reference(const ce_case_spec *s, ce_case *c)
     double *g = to_double(c->grad_output, n);
     const ref_linear lin = {s->n, s->hidden, s->vocab, x, w, b};
     const ref_filter filter = filter_of(s);
-    const ref_ce_options o = {-100, (int)s->reduction, s->label_smoothing, cw, s->softcap, s->z_loss,
-                              s->grad_filter_eps > 0.0 ? &filter : NULL};
+    const ref_ce_options o = ce_reference_options(s, cw, s->grad_filter_eps > 0.0 ? &filter : NULL);
     c->ref_per_token_loss = xcalloc(n, sizeof(double));
     c->ref_logp = xcalloc(n, sizeof(double));
     c->ref_lse = xcalloc(n, sizeof(double));
+    c->ref_entropy = xcalloc(n, sizeof(double));
     c->ref_argmax = xcalloc(n, sizeof(int64_t));
-    ref_ce_result r = {0, 0, c->ref_per_token_loss, c->ref_logp, c->ref_lse, c->ref_argmax};
+    ref_ce_result r = {0, 0, c->ref_per_token_loss, c->ref_logp, c->ref_lse, c->ref_entropy, c->ref_argmax, 0};
     ref_ce_forward(&lin, c->targets, &o, &r);
     c->ref_loss = r.loss;
     c->ref_z_loss = r.z_loss;
+    c->ref_correct = r.correct;
     c->ref_dx = xcalloc(n * h, sizeof(double));
     double *dw_canonical = xcalloc(h * v, sizeof(double));
     c->ref_dbias = b ? xcalloc(v, sizeof(double)) : NULL;
@@ -309,22 +356,43 @@ ce_diff ce_compare(const float *fused, const double *reference, size_t count)
     return d;
 }
 
-/* The reference logit (i, j), for judging near-ties of the argmax. */
-static double logit_in_double(const ce_case_spec *s, const ce_case *c, int64_t i, int64_t j)
+void ce_measure_argmax(const ce_argmax_check *k, ce_metrics *m)
 {
+    int64_t correct = 0;
+    for (int64_t i = 0; i < k->n; i++) {
+        const int64_t a = k->argmax[i], r = k->ref_argmax[i];
+        if (a < 0 || a >= k->vocab)
+            m->argmax_mismatches++;
+        else if (a != r) {
+            const double za = k->logit(k->self, i, a), zr = k->logit(k->self, i, r);
+            if (za < zr - 1e-5 * (1.0 + fabs(zr)))
+                m->argmax_mismatches++;
+        }
+        correct += k->targets[i] != k->ignore_index && a == k->targets[i];
+    }
+    m->correct_mismatch = llabs(k->correct - correct);
+}
+
+/* The reference logit (i, j) of a case (self), for judging near-ties of the argmax. */
+static double logit_in_double(const void *self, int64_t i, int64_t j)
+{
+    const ce_case *c = self;
+    const ce_case_spec *s = &c->spec;
     double u = c->bias ? c->bias[j] : 0.0;
     for (int64_t k = 0; k < s->hidden; k++)
         u += (double)c->x[i * s->hidden + k] * c->weight[widx(s, k, j)];
-    return s->softcap > 0.0 ? s->softcap * tanh(u / s->softcap) : u;
+    const ref_ce_options o = ce_reference_options(s, NULL, NULL);
+    return ref_ce_transform(&o, u, NULL);
 }
 
 static void measure(const ce_case_spec *s, const ce_case *c, ce_metrics *m)
 {
     const size_t n = (size_t)s->n, h = (size_t)s->hidden, v = (size_t)s->vocab;
     memset(m, 0, sizeof *m);
-    m->grad_norm_rel_tol =
-        ce_grad_tolerance(CE_GRAD_NORM_REL_TOL, s->dtype == FH_DTYPE_BF16 && !s->fp32_du, s->grad_dtype);
-    m->dbias_norm_rel_tol = ce_grad_tolerance(CE_GRAD_NORM_REL_TOL, 0, s->grad_dtype);
+    const double fp32_tol = ce_fp32_grad_tolerance(s->token_scaling);
+    m->loss_rel_tol = ce_loss_tolerance(s->token_scaling);
+    m->grad_norm_rel_tol = ce_grad_tolerance(fp32_tol, s->dtype == FH_DTYPE_BF16 && !s->fp32_du, s->grad_dtype);
+    m->dbias_norm_rel_tol = ce_grad_tolerance(fp32_tol, 0, s->grad_dtype);
     m->abs_diff_loss = fabs(c->loss - c->ref_loss);
     m->rel_diff_loss = relative(m->abs_diff_loss, fabs(c->ref_loss));
     m->abs_diff_z_loss = fabs(c->z_loss - c->ref_z_loss);
@@ -340,24 +408,19 @@ static void measure(const ce_case_spec *s, const ce_case *c, ce_metrics *m)
     m->dweight_norm_rel = dw.norm_rel;
     if (c->dbias)
         m->dbias_norm_rel = ce_compare(c->dbias, c->ref_dbias, v).norm_rel;
-    /* The fused argmax must be a maximal logit up to fp32 rounding: near-ties may break either way. */
-    for (size_t i = 0; i < n; i++) {
-        const int64_t a = c->argmax[i];
-        if (a < 0 || a >= s->vocab)
-            m->argmax_mismatches++;
-        else if (a != c->ref_argmax[i]) {
-            const double za = logit_in_double(s, c, (int64_t)i, a), zr = logit_in_double(s, c, (int64_t)i, c->ref_argmax[i]);
-            if (za < zr - 1e-5 * (1.0 + fabs(zr)))
-                m->argmax_mismatches++;
-        }
-    }
+    const ce_argmax_check k = {s->n, s->vocab, -100, c->targets, c->argmax, c->ref_argmax, c->correct,
+                               logit_in_double, c};
+    ce_measure_argmax(&k, m);
+    m->entropy_tol = CE_ENTROPY_ABS_TOL;
+    if (c->entropy)
+        m->entropy_max_abs = ce_compare(c->entropy, c->ref_entropy, n).max_abs;
 }
 
 int ce_metrics_pass(const ce_metrics *m)
 {
-    return m->rel_diff_loss <= CE_LOSS_REL_TOL && m->dhidden_norm_rel <= m->grad_norm_rel_tol &&
+    return m->rel_diff_loss <= m->loss_rel_tol && m->dhidden_norm_rel <= m->grad_norm_rel_tol &&
            m->dweight_norm_rel <= m->grad_norm_rel_tol && m->dbias_norm_rel <= m->dbias_norm_rel_tol &&
-           m->argmax_mismatches == 0;
+           m->argmax_mismatches == 0 && m->correct_mismatch == 0 && m->entropy_max_abs <= m->entropy_tol;
 }
 
 fh_status ce_case_run(const ce_case_spec *spec, ce_case *c, ce_metrics *m)
@@ -376,8 +439,9 @@ fh_status ce_case_run(const ce_case_spec *spec, ce_case *c, ce_metrics *m)
 void ce_case_free(ce_case *c)
 {
     void *p[] = {c->x, c->weight, c->bias, c->class_weights, c->grad_output, c->targets, c->per_token_loss,
-                 c->logp, c->lse, c->dx, c->dweight, c->dbias, c->argmax, c->ref_per_token_loss, c->ref_logp,
-                 c->ref_lse, c->ref_dx, c->ref_dweight, c->ref_dbias, c->ref_argmax, c->x_bf16, c->weight_bf16};
+                 c->logp, c->lse, c->entropy, c->dx, c->dweight, c->dbias, c->argmax, c->ref_per_token_loss,
+                 c->ref_logp, c->ref_lse, c->ref_entropy, c->ref_dx, c->ref_dweight, c->ref_dbias, c->ref_argmax,
+                 c->x_bf16, c->weight_bf16};
     for (size_t i = 0; i < sizeof p / sizeof p[0]; i++)
         free(p[i]);
     memset(c, 0, sizeof *c);

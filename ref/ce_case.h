@@ -14,10 +14,13 @@ typedef struct ce_case_spec {
     int class_weights;
     double softcap;
     double z_loss;
+    double ce_logit_scale; /* fh_ce_options.logit_scale; 0 means 1 */
+    int token_scaling;    /* fh_ce_options.token_scaling (DFT) */
+    int entropy;          /* ask for the entropy output (the forward then folds sum_j p_j z_j) */
     fh_reduction reduction;
     int threads;          /* 0 = library default */
     uint64_t seed;
-    double logit_scale;   /* typical |logit|; 0 means 3 */
+    double logit_scale;   /* typical |x W|, before ce_logit_scale; 0 means 3 */
     int64_t tile_rows, tile_vocab; /* 0 = library default */
     float grad_beta;      /* 0: gradients overwrite NaN-filled buffers; 1: accumulate onto known values */
     int train_step;       /* 1: one fh_ce_forward_backward call instead of fh_ce_forward + fh_ce_backward */
@@ -39,15 +42,15 @@ typedef struct ce_case {
     float *x, *weight, *bias, *class_weights, *grad_output; /* bf16-valued for a bf16 case */
     uint16_t *x_bf16, *weight_bf16;                         /* what the library reads in a bf16 case */
     int64_t *targets;
-    /* fused outputs */
+    /* fused outputs (entropy only when the spec asks for it) */
     double loss, z_loss;
-    float *per_token_loss, *logp, *lse, *dx, *dweight, *dbias;
-    int64_t *argmax;
+    float *per_token_loss, *logp, *lse, *entropy, *dx, *dweight, *dbias;
+    int64_t *argmax, correct;
     fh_filter_stats filter_stats; /* the fused backward's (fh_context_filter_stats) */
     /* reference outputs (dweight in the same layout as weight) */
     double ref_loss, ref_z_loss;
-    double *ref_per_token_loss, *ref_logp, *ref_lse, *ref_dx, *ref_dweight, *ref_dbias;
-    int64_t *ref_argmax;
+    double *ref_per_token_loss, *ref_logp, *ref_lse, *ref_entropy, *ref_dx, *ref_dweight, *ref_dbias;
+    int64_t *ref_argmax, ref_correct;
 } ce_case;
 
 typedef struct ce_metrics {
@@ -57,6 +60,10 @@ typedef struct ce_metrics {
     double dweight_max_abs, dweight_max_rel, dweight_norm_rel;
     double dbias_norm_rel;
     int64_t argmax_mismatches; /* rows whose fused argmax is not a (near-)maximal reference logit */
+    int64_t correct_mismatch;  /* |correct - counted rows whose fused argmax is their target| */
+    double entropy_max_abs;    /* largest |entropy - reference| (0 when not asked for) */
+    double entropy_tol;        /* its tolerance (ce_case.c) */
+    double loss_rel_tol;       /* CE_LOSS_REL_TOL, plus CE_DFT_REL_TOL with token_scaling */
     double grad_norm_rel_tol;  /* ce_grad_tolerance of dx and dweight */
     double dbias_norm_rel_tol; /* and of dbias (which sums the f32 dU) */
 } ce_metrics;
@@ -65,11 +72,30 @@ typedef struct ce_metrics {
 #define CE_LOSS_REL_TOL 1e-6
 #define CE_GRAD_NORM_REL_TOL 1e-5
 #define CE_BF16_GRAD_NORM_REL_TOL 4e-3
+#define CE_DFT_REL_TOL 4e-5     /* added to the loss's and the gradients' with token_scaling */
+#define CE_ENTROPY_ABS_TOL 5e-5
 
 /* A gradient's normwise tolerance: fp32_tol, or CE_BF16_GRAD_NORM_REL_TOL when its GEMMs read dU rounded to
  * bf16 (bf16 inputs without fp32 dU), plus CE_BF16_GRAD_NORM_REL_TOL when the gradient itself is written in
  * bf16 (ce_case.c says why). */
 double ce_grad_tolerance(double fp32_tol, int du_rounded, fh_dtype grad_dtype);
+
+/* The loss's and the fp32 gradients' tolerances of a call with or without token_scaling (ce_case.c says why). */
+double ce_loss_tolerance(int token_scaling);
+double ce_fp32_grad_tolerance(int token_scaling);
+
+/* The argmax and correct-count metrics (argmax_mismatches, correct_mismatch) of n rows: the fused argmax must be a
+ * maximal logit up to fp32 rounding (near-ties may break either way; logit(self, i, j) is z_ij in double from the
+ * inputs), and correct exactly the count of rows not ignored whose fused argmax is their target. */
+typedef double ce_logit_fn(const void *self, int64_t i, int64_t j);
+typedef struct ce_argmax_check {
+    int64_t n, vocab, ignore_index;
+    const int64_t *targets, *argmax, *ref_argmax;
+    int64_t correct;
+    ce_logit_fn *logit;
+    const void *self;
+} ce_argmax_check;
+void ce_measure_argmax(const ce_argmax_check *check, ce_metrics *m);
 
 /* Runs the case. Returns FH_OK, or the library's status (then the case holds only its inputs). */
 fh_status ce_case_run(const ce_case_spec *spec, ce_case *c, ce_metrics *m);

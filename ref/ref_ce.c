@@ -1,10 +1,24 @@
-/* The reference: logits = cap(x W + b), log-softmax, torch's formulas, all in double, all materialized. */
+/* The reference: logits = cap(m (x W + b)), log-softmax, torch's formulas, all in double, all materialized. */
 #include "ref_ce.h"
 
 #include <math.h>
 #include <stdlib.h>
 
-/* z = cap(u) over the linear's logits u, in place. Also returns dz/du if dzdu != NULL. */
+double ref_ce_transform(const ref_ce_options *o, double u, double *dzdu)
+{
+    const double m = o->logit_scale, c = o->softcap;
+    double z = m * u, d = m;
+    if (c > 0.0) {
+        const double t = tanh(m * u / c);
+        z = c * t;
+        d = m * (1.0 - t * t);
+    }
+    if (dzdu)
+        *dzdu = d;
+    return z;
+}
+
+/* z = cap(m u) over the linear's logits u, in place. Also returns dz/du if dzdu != NULL. */
 static double *logits(const ref_linear *lin, const ref_ce_options *o, double **dzdu)
 {
     const int64_t n = lin->n, v = lin->vocab;
@@ -15,19 +29,8 @@ static double *logits(const ref_linear *lin, const ref_ce_options *o, double **d
         free(d);
         return NULL;
     }
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t j = 0; j < v; j++) {
-            const double u = z[i * v + j];
-            double zij = u, dij = 1.0;
-            if (o->softcap > 0.0) {
-                const double t = tanh(u / o->softcap);
-                zij = o->softcap * t;
-                dij = 1.0 - t * t;
-            }
-            z[i * v + j] = zij;
-            if (d)
-                d[i * v + j] = dij;
-        }
+    for (int64_t i = 0; i < n * v; i++)
+        z[i] = ref_ce_transform(o, z[i], d ? &d[i] : NULL);
     if (dzdu)
         *dzdu = d;
     return z;
@@ -36,6 +39,14 @@ static double *logits(const ref_linear *lin, const ref_ce_options *o, double **d
 static double weight_of(const ref_ce_options *o, int64_t j)
 {
     return o->class_weights ? o->class_weights[j] : 1.0;
+}
+
+/* DFT's factor of token i (1 without token_scaling): the given constant, or p_y = exp(z_y - lse). */
+static double token_scale(const ref_ce_options *o, int64_t i, double z_target, double lse)
+{
+    if (!o->token_scaling)
+        return 1.0;
+    return o->token_scales ? o->token_scales[i] : exp(z_target - lse);
 }
 
 /* Mean denominators: sum of the targets' weights (CE part), count of non-ignored tokens (z-loss). */
@@ -58,6 +69,7 @@ int ref_ce_forward(const ref_linear *lin, const int64_t *t, const ref_ce_options
         return -1;
     const double eps = o->label_smoothing;
     double ce_sum = 0.0, zl_sum = 0.0;
+    r->correct = 0;
     for (int64_t i = 0; i < n; i++) {
         const double *zi = z + i * v;
         const double lse = ref_linear_row_lse(zi, v);
@@ -65,13 +77,19 @@ int ref_ce_forward(const ref_linear *lin, const int64_t *t, const ref_ce_options
         for (int64_t j = 1; j < v; j++)
             if (zi[j] > zi[am])
                 am = j;
-        double ce = 0.0, zl = 0.0, logp = 0.0;
+        double ce = 0.0, zl = 0.0, logp = 0.0, entropy = 0.0;
         if (t[i] != o->ignore_index) {
             logp = zi[t[i]] - lse;
             ce = -(1.0 - eps) * weight_of(o, t[i]) * logp;
-            for (int64_t j = 0; j < v; j++)
+            for (int64_t j = 0; j < v; j++) {
                 ce -= eps / (double)v * weight_of(o, j) * (zi[j] - lse);
+                entropy -= exp(zi[j] - lse) * (zi[j] - lse);
+            }
             zl = o->z_loss * lse * lse;
+            const double scale = token_scale(o, i, zi[t[i]], lse);
+            ce *= scale;
+            zl *= scale;
+            r->correct += am == t[i];
         }
         ce_sum += ce;
         zl_sum += zl;
@@ -81,6 +99,8 @@ int ref_ce_forward(const ref_linear *lin, const int64_t *t, const ref_ce_options
             r->logp[i] = logp;
         if (r->lse)
             r->lse[i] = lse;
+        if (r->entropy)
+            r->entropy[i] = entropy;
         if (r->argmax)
             r->argmax[i] = am;
     }
@@ -128,7 +148,8 @@ int ref_ce_backward(const ref_linear *lin, const int64_t *t, const ref_ce_option
                 zi[j] = 0.0;
             continue;
         }
-        const double g = o->reduction == 2 ? grad_output[i] : grad_output[0];
+        /* DFT scales the token's loss by a constant: its gradient, by the same constant. */
+        const double g = (o->reduction == 2 ? grad_output[i] : grad_output[0]) * token_scale(o, i, zi[t[i]], lse);
         const double g_ce = o->reduction == 0 ? (wsum > 0.0 ? g / wsum : 0.0) : g;
         const double g_z = o->reduction == 0 ? (count > 0.0 ? g / count : 0.0) : g;
         double wtotal = 0.0;

@@ -15,15 +15,24 @@ typedef struct ref_ce_options {
     const double *class_weights; /* [vocab] or NULL */
     double softcap;
     double z_loss;
+    double logit_scale;         /* m of z = softcap > 0 ? c tanh(m u / c) : m u; 1 for none */
+    int token_scaling;          /* DFT: each token's loss times p_y, as a constant (no gradient through it) */
+    const double *token_scales; /* with token_scaling: [n] constants in place of p_y (finite differences hold them
+                                   fixed at p_y); NULL: p_y */
     const ref_filter *filter; /* NULL: exact gradients; else dx and dweight as that filter leaves them */
 } ref_ce_options;
 
 typedef struct ref_ce_result {
     double loss;   /* reduced (sum of per-token losses for none) */
     double z_loss; /* z-loss part, reduced like the loss */
-    double *per_token_loss, *logp, *lse; /* [n] each, caller-allocated, may be NULL */
-    int64_t *argmax;                     /* [n] or NULL */
+    double *per_token_loss, *logp, *lse, *entropy; /* [n] each, caller-allocated, may be NULL; entropy 0 where
+                                                       ignored */
+    int64_t *argmax;                                /* [n] or NULL */
+    int64_t correct; /* non-ignored tokens whose argmax (lowest index of the largest z) is their target */
 } ref_ce_result;
+
+/* z of one logit u (o's logit_scale and softcap), and dz/du when dzdu is not NULL. */
+double ref_ce_transform(const ref_ce_options *o, double u, double *dzdu);
 
 /* Returns 0, or -1 if memory runs out. */
 int ref_ce_forward(const ref_linear *lin, const int64_t *targets, const ref_ce_options *o, ref_ce_result *r);

@@ -16,6 +16,12 @@ FH_API fh_status fh_ce_options_init(fh_ce_options *options)
     return FH_OK;
 }
 
+/* A positive normal fp32 value (NaN is not). */
+static int fp32_normal(double value)
+{
+    return value >= FLT_MIN && value <= FLT_MAX;
+}
+
 static fh_status check_options(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
                                const fh_ce_options *o, int64_t target_vocab)
 {
@@ -29,9 +35,17 @@ static fh_status check_options(fh_context *ctx, const fh_linear *lin, const int6
                        o->label_smoothing);
     /* The cap is applied in fp32: it must be 0 (off) or a normal float, or it would silently become
      * inf (NaN logits) or 0 (no cap). */
-    if (!(o->softcap == 0.0 || (o->softcap >= FLT_MIN && o->softcap <= FLT_MAX)))
+    if (!(o->softcap == 0.0 || fp32_normal(o->softcap)))
         return fh_fail(ctx, FH_ERR_INVALID_SOFTCAP, "softcap = %g must be 0 (off) or in [%g, %g] (fp32 range)",
                        o->softcap, (double)FLT_MIN, (double)FLT_MAX);
+    /* So are the scale and the cap the engine applies (fh_ce_pass: softcap / logit_scale). */
+    if (!fp32_normal(o->logit_scale))
+        return fh_fail(ctx, FH_ERR_INVALID_LOGIT_SCALE, "logit_scale = %g must be in [%g, %g] (fp32 range)",
+                       o->logit_scale, (double)FLT_MIN, (double)FLT_MAX);
+    if (o->softcap > 0.0 && !fp32_normal(o->softcap / o->logit_scale))
+        return fh_fail(ctx, FH_ERR_INVALID_LOGIT_SCALE,
+                       "softcap / logit_scale = %g / %g = %g must be in [%g, %g] (fp32 range)", o->softcap,
+                       o->logit_scale, o->softcap / o->logit_scale, (double)FLT_MIN, (double)FLT_MAX);
     if (!(o->z_loss >= 0.0 && isfinite(o->z_loss)))
         return fh_fail(ctx, FH_ERR_INVALID_Z_LOSS, "z_loss = %g must be finite and >= 0 (0 disables)", o->z_loss);
     if (target_vocab <= 0)
@@ -62,7 +76,7 @@ fh_engine_pass fh_ce_pass(const fh_plan *plan, const fh_workspace *ws, const fh_
     const fh_engine_pass p = {.plan = plan,
                               .ws = ws,
                               .lin = lin,
-                              .tf = {(float)o->softcap, 1.0f},
+                              .tf = {(float)(o->softcap / o->logit_scale), (float)o->logit_scale},
                               .targets = targets,
                               .class_weights = o->label_smoothing > 0.0 ? o->class_weights : NULL};
     return p;
@@ -138,8 +152,18 @@ fh_ce_head fh_ce_head_of(const fh_linear *lin, const int64_t *targets, const fh_
     return h;
 }
 
+/* DFT's factor of a non-ignored token's loss, sg(p_y) = exp(z_y - lse), as Liger-Kernel's use_token_scaling
+ * applies it (src/liger_kernel/ops/fused_linear_cross_entropy.py at ead96b61: the whole per-token loss, its
+ * label-smoothing and z-loss terms included, and the whole logits-gradient row, by softmax(z)[y] detached) and TRL's
+ * SFT loss_type "dft" (trl/trainer/sft_trainer.py dft_loss at f2cd5771: -p.detach() log p); 1 without
+ * token_scaling. */
+static double token_scale(const fh_ce_options *o, double z_target, double lse)
+{
+    return o->token_scaling ? exp(z_target - lse) : 1.0;
+}
+
 /* d ce_i / d z_j = (1-eps) w_y (p_j - [j=y]) + eps/V (W p_j - w_j),  d zl_i / d z_j = 2 s lse p_j,
- * scaled by the upstream gradient and the mean's denominators. */
+ * scaled by the upstream gradient, the mean's denominators and DFT's sg(p_y). */
 void fh_ce_row_coefs(const void *self, int64_t i, const fh_final_stats *stats, fh_coef *k)
 {
     const fh_ce_head *h = self;
@@ -149,7 +173,7 @@ void fh_ce_row_coefs(const void *self, int64_t i, const fh_final_stats *stats, f
     if (h->targets[i] == o->ignore_index)
         return;
     const int mean = o->reduction == FH_REDUCTION_MEAN;
-    const double g = h->grad_output[h->grad_count == 1 ? 0 : i];
+    const double g = h->grad_output[h->grad_count == 1 ? 0 : i] * token_scale(o, stats->z_target, lse);
     const double g_ce = mean ? g * safe_inverse(h->nm.weight_sum) : g;
     const double g_z = mean ? g * safe_inverse(h->nm.count) : g;
     const double eps = o->label_smoothing, vocab = h->vocab, w_y = target_weight(h, i);
@@ -158,22 +182,26 @@ void fh_ce_row_coefs(const void *self, int64_t i, const fh_final_stats *stats, f
     k->c = -g_ce * eps / vocab;
 }
 
-/* Row i's token outputs from its statistics, its loss terms added to totals. */
+/* Row i's token outputs from its statistics, its loss terms and its correct prediction added to totals. */
 static void token_outputs(const fh_ce_head *h, const fh_token_stats *stats, int64_t i, fh_ce_outputs *out,
-                          double totals[2])
+                          double totals[FH_CE_TOTALS])
 {
     const fh_ce_options *o = h->o;
     const double eps = o->label_smoothing, lse = stats->lse[i];
+    const int counted = h->targets[i] != o->ignore_index;
     double ce = 0.0, zl = 0.0, logp = 0.0;
-    if (h->targets[i] != o->ignore_index) {
+    if (counted) {
         logp = stats->z_target[i] - lse;
         ce = -(1.0 - eps) * target_weight(h, i) * logp;
         if (eps > 0.0)
             ce += eps / h->vocab * (h->nm.class_weight_total * lse - stats->sum_weighted_z[i]);
         zl = o->z_loss * lse * lse;
+        const double scale = token_scale(o, stats->z_target[i], lse);
+        ce *= scale;
+        zl *= scale;
     }
-    totals[0] += ce;
-    totals[1] += zl;
+    totals[FH_CE_TOTAL_CE] += ce;
+    totals[FH_CE_TOTAL_Z] += zl;
     if (out->per_token_loss)
         out->per_token_loss[i] = (float)(ce + zl);
     if (out->per_token_logp)
@@ -182,19 +210,29 @@ static void token_outputs(const fh_ce_head *h, const fh_token_stats *stats, int6
         out->lse[i] = (float)lse;
     if (out->argmax)
         out->argmax[i] = stats->argmax[i];
+    if (out->entropy)
+        out->entropy[i] = counted ? (float)(lse - stats->sum_pz[i]) : 0.0f;
+    if (out->correct && counted && stats->argmax[i] == h->targets[i])
+        totals[FH_CE_TOTAL_CORRECT] += 1.0;
+}
+
+static void clear_totals(double totals[FH_CE_TOTALS])
+{
+    for (int t = 0; t < FH_CE_TOTALS; t++)
+        totals[t] = 0.0;
 }
 
 void fh_ce_write_token_outputs(const fh_ce_head *h, const fh_token_stats *stats, fh_ce_outputs *out,
-                               double totals[2])
+                               double totals[FH_CE_TOTALS])
 {
-    totals[0] = totals[1] = 0.0;
+    clear_totals(totals);
     for (int64_t i = 0; i < h->lin->n; i++)
         token_outputs(h, stats, i, out, totals);
 }
 
-void fh_ce_write_loss(const fh_ce_head *h, const double totals[2], fh_ce_outputs *out)
+void fh_ce_write_loss(const fh_ce_head *h, const double totals[FH_CE_TOTALS], fh_ce_outputs *out)
 {
-    double ce_total = totals[0], z_total = totals[1];
+    double ce_total = totals[FH_CE_TOTAL_CE], z_total = totals[FH_CE_TOTAL_Z];
     if (h->o->reduction == FH_REDUCTION_MEAN) {
         ce_total *= safe_inverse(h->nm.weight_sum);
         z_total *= safe_inverse(h->nm.count);
@@ -203,12 +241,14 @@ void fh_ce_write_loss(const fh_ce_head *h, const double totals[2], fh_ce_outputs
         *out->loss = ce_total + z_total;
     if (out->z_loss)
         *out->z_loss = z_total;
+    if (out->correct)
+        *out->correct = (int64_t)totals[FH_CE_TOTAL_CORRECT];
 }
 
 /* Per-token losses from the statistics, reduced, written to the requested outputs. */
 static void write_outputs(const fh_ce_head *h, const fh_token_stats *stats, fh_ce_outputs *out)
 {
-    double totals[2];
+    double totals[FH_CE_TOTALS];
     fh_ce_write_token_outputs(h, stats, out, totals);
     fh_ce_write_loss(h, totals, out);
 }
@@ -238,8 +278,10 @@ fh_status fh_ce_check_apart(fh_context *ctx, const fh_linear *lin, const int64_t
                                  {"per_token_loss", out ? out->per_token_loss : NULL, floats},
                                  {"per_token_logp", out ? out->per_token_logp : NULL, floats},
                                  {"the lse output", out ? out->lse : NULL, floats},
-                                 {"argmax", out ? out->argmax : NULL, n * sizeof(int64_t)}};
-    return fh_check_apart(ctx, lin, grads, outputs, 6, inputs, 4);
+                                 {"argmax", out ? out->argmax : NULL, n * sizeof(int64_t)},
+                                 {"entropy", out ? out->entropy : NULL, floats},
+                                 {"correct", out ? out->correct : NULL, sizeof(int64_t)}};
+    return fh_check_apart(ctx, lin, grads, outputs, 8, inputs, 4);
 }
 
 fh_status fh_ce_check_backward_inputs(fh_context *ctx, const fh_linear *lin, const fh_ce_options *o,
@@ -258,28 +300,35 @@ fh_status fh_ce_check_backward_inputs(fh_context *ctx, const fh_linear *lin, con
     return FH_OK;
 }
 
-/* Statistics arrays in the workspace; sum_weighted_z only with label smoothing, argmax only on request. */
 fh_token_stats fh_ce_stats_in(const fh_workspace *ws, const fh_ce_options *o, const fh_ce_outputs *out)
 {
     double *const *slot = ws->slot;
     const fh_token_stats stats = {slot[FH_CE_SLOT_LSE],
                                   slot[FH_CE_SLOT_Z_TARGET_THEN_A],
                                   o->label_smoothing > 0.0 ? slot[FH_CE_SLOT_SUM_WZ_THEN_B] : NULL,
-                                  NULL,
+                                  out->entropy ? slot[FH_CE_SLOT_SUM_PZ] : NULL,
                                   slot[FH_CE_SLOT_SUM_EXP_THEN_C],
-                                  out->argmax ? (int64_t *)slot[FH_CE_SLOT_ARGMAX] : NULL};
+                                  out->argmax || out->correct ? (int64_t *)slot[FH_CE_SLOT_ARGMAX] : NULL};
     return stats;
 }
 
-/* Backward coefficients for every row into the workspace, from lse (the caller's, or the forward's). */
-fh_coef_arrays fh_ce_coefs_in(const fh_workspace *ws, const fh_ce_head *h, const float *lse_float,
-                              const double *lse_double)
+double *fh_ce_target_logits_in(const fh_workspace *ws, const fh_ce_options *o, const fh_engine_pass *pass)
+{
+    if (!o->token_scaling)
+        return NULL;
+    double *z_target = ws->slot[FH_CE_SLOT_Z_TARGET_THEN_A];
+    fh_engine_target_logits(pass, z_target);
+    return z_target;
+}
+
+fh_coef_arrays fh_ce_coefs_in(const fh_workspace *ws, const fh_ce_head *h, const float *lse_in,
+                              const double *z_target)
 {
     double *lse = ws->slot[FH_CE_SLOT_LSE], *a = ws->slot[FH_CE_SLOT_Z_TARGET_THEN_A],
            *b = ws->slot[FH_CE_SLOT_SUM_WZ_THEN_B], *c = ws->slot[FH_CE_SLOT_SUM_EXP_THEN_C];
     for (int64_t i = 0; i < h->lin->n; i++) {
-        lse[i] = lse_float ? (double)lse_float[i] : lse_double[i];
-        const fh_final_stats stats = {lse[i], 0.0, 0.0, 0.0};
+        lse[i] = lse_in[i];
+        const fh_final_stats stats = {lse[i], z_target ? z_target[i] : 0.0, 0.0, 0.0};
         fh_coef k;
         fh_ce_row_coefs(h, i, &stats, &k);
         a[i] = k.a;
@@ -291,13 +340,13 @@ fh_coef_arrays fh_ce_coefs_in(const fh_workspace *ws, const fh_ce_head *h, const
 }
 
 fh_coef_arrays fh_ce_outputs_and_coefs(const fh_workspace *ws, const fh_ce_head *h, const fh_token_stats *stats,
-                                       fh_ce_outputs *out, double totals[2])
+                                       fh_ce_outputs *out, double totals[FH_CE_TOTALS])
 {
     double *a = ws->slot[FH_CE_SLOT_Z_TARGET_THEN_A], *b = ws->slot[FH_CE_SLOT_SUM_WZ_THEN_B],
            *c = ws->slot[FH_CE_SLOT_SUM_EXP_THEN_C];
-    totals[0] = totals[1] = 0.0;
+    clear_totals(totals);
     for (int64_t i = 0; i < h->lin->n; i++) {
-        const fh_final_stats final = {stats->lse[i], 0.0, 0.0, 0.0};
+        const fh_final_stats final = {stats->lse[i], stats->z_target[i], 0.0, 0.0};
         fh_coef k;
         fh_ce_row_coefs(h, i, &final, &k);
         token_outputs(h, stats, i, out, totals);
@@ -352,8 +401,8 @@ FH_API fh_status fh_ce_backward(fh_context *ctx, const fh_linear *lin, const int
     if (st != FH_OK)
         return st;
     const fh_ce_head h = fh_ce_head_of(lin, targets, options, grad_output);
-    const fh_coef_arrays coefs = fh_ce_coefs_in(&ws, &h, lse, NULL);
     fh_engine_pass pass = fh_ce_pass(&plan, &ws, lin, targets, options);
+    const fh_coef_arrays coefs = fh_ce_coefs_in(&ws, &h, lse, fh_ce_target_logits_in(&ws, options, &pass));
     pass.coefs = &coefs;
     pass.grads = grads;
     return fh_gemm_failure(ctx, fh_engine_backward(&pass));
@@ -390,7 +439,7 @@ static fh_status ce_step_run(const void *self, int row_blocks, const fh_plan pla
     const fh_status st = fh_engine_forward(&pass);
     if (st != FH_OK)
         return st;
-    double totals[2];
+    double totals[FH_CE_TOTALS];
     const fh_coef_arrays coefs = fh_ce_outputs_and_coefs(&ws[0], &h, &stats, c->out, totals);
     fh_ce_write_loss(&h, totals, c->out);
     pass.coefs = &coefs;

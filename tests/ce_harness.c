@@ -16,21 +16,24 @@ void cp_format_spec(const ce_case_spec *s, char *buf, size_t size)
 {
     snprintf(buf, size,
              "n=%lld h=%lld v=%lld layout=%s bias=%d ignore=%g ls=%g cw=%d softcap=%g z=%g red=%s threads=%d "
-             "seed=%llu scale=%g tiles=%lldx%lld beta=%g train_step=%d budget=%lld",
+             "seed=%llu scale=%g tiles=%lldx%lld beta=%g train_step=%d budget=%lld logit_scale=%g "
+             "token_scaling=%d entropy=%d dtype=%s",
              (long long)s->n, (long long)s->hidden, (long long)s->vocab, s->layout == FH_LAYOUT_HV ? "hv" : "vh",
              s->bias, s->ignore_frac, s->label_smoothing, s->class_weights, s->softcap, s->z_loss,
              reduction_name(s->reduction), s->threads, (unsigned long long)s->seed, s->logit_scale,
              (long long)s->tile_rows, (long long)s->tile_vocab, (double)s->grad_beta, s->train_step,
-             (long long)s->budget);
+             (long long)s->budget, s->ce_logit_scale, s->token_scaling, s->entropy,
+             s->dtype == FH_DTYPE_BF16 ? "bf16" : "f32");
 }
 
 void cp_format_metrics(const ce_metrics *m, char *buf, size_t size)
 {
     snprintf(buf, size,
              "rel_loss=%.3e (tol %g) dx_norm_rel=%.3e dw_norm_rel=%.3e db_norm_rel=%.3e (tol %g) "
-             "argmax_mismatches=%lld",
-             m->rel_diff_loss, CE_LOSS_REL_TOL, m->dhidden_norm_rel, m->dweight_norm_rel, m->dbias_norm_rel,
-             m->grad_norm_rel_tol, (long long)m->argmax_mismatches);
+             "argmax_mismatches=%lld correct_mismatch=%lld entropy_max_abs=%.3e (tol %g)",
+             m->rel_diff_loss, m->loss_rel_tol, m->dhidden_norm_rel, m->dweight_norm_rel, m->dbias_norm_rel,
+             m->grad_norm_rel_tol, (long long)m->argmax_mismatches, (long long)m->correct_mismatch,
+             m->entropy_max_abs, m->entropy_tol);
 }
 
 int cp_check_spec(const ce_case_spec *spec, const char *label)
@@ -165,7 +168,7 @@ fh_status cp_run_fused_on(fh_context *ctx, const cp_problem *p, const cp_config 
     ce_alloc_grads(n, h, v, p->bias != NULL, grad_beta, &f->dx, &f->dweight, &f->dbias);
     fh_linear lin;
     cp_problem_linear(p, &lin);
-    fh_ce_outputs out = {&f->loss, &f->z_loss, f->per_token_loss, f->logp, f->lse, f->argmax, NULL, NULL};
+    fh_ce_outputs out = {&f->loss, &f->z_loss, f->per_token_loss, f->logp, f->lse, f->argmax, NULL, &f->correct};
     fh_linear_grads g = {.dx = f->dx, .dx_row_stride = p->hidden, .dx_beta = grad_beta, .dweight = f->dweight, .dweight_beta = grad_beta, .dbias = f->dbias, .dbias_beta = grad_beta};
     if (cfg->train_step)
         return fh_ce_forward_backward(ctx, &lin, p->targets, &p->options, p->grad_output, &out, &g);
@@ -195,6 +198,21 @@ void cp_fused_free(cp_fused *f)
     memset(f, 0, sizeof *f);
 }
 
+/* The problem's options as the reference takes them (class weights in double: cw). */
+static ref_ce_options reference_options(const cp_problem *p, const double *cw)
+{
+    const fh_ce_options *f = &p->options;
+    const ref_ce_options o = {.ignore_index = f->ignore_index,
+                              .reduction = (int)f->reduction,
+                              .label_smoothing = f->label_smoothing,
+                              .class_weights = cw,
+                              .softcap = f->softcap,
+                              .z_loss = f->z_loss,
+                              .logit_scale = f->logit_scale,
+                              .token_scaling = f->token_scaling};
+    return o;
+}
+
 void cp_run_reference(const cp_problem *p, float grad_beta, cp_reference *r)
 {
     const size_t n = (size_t)p->n, h = (size_t)p->hidden, v = (size_t)p->vocab;
@@ -202,16 +220,16 @@ void cp_run_reference(const cp_problem *p, float grad_beta, cp_reference *r)
     double *x = tu_doubles(p->x, n * h), *w = ce_weight_to_reference(p->layout, p->hidden, p->vocab, p->weight);
     double *b = tu_doubles(p->bias, v), *cw = tu_doubles(p->class_weights, v), *g = tu_doubles(p->grad_output, n);
     const ref_linear lin = {p->n, p->hidden, p->vocab, x, w, b};
-    const ref_ce_options o = {p->options.ignore_index, (int)p->options.reduction, p->options.label_smoothing, cw,
-                              p->options.softcap, p->options.z_loss, NULL};
+    const ref_ce_options o = reference_options(p, cw);
     r->per_token_loss = tu_alloc(n, sizeof(double));
     r->logp = tu_alloc(n, sizeof(double));
     r->lse = tu_alloc(n, sizeof(double));
     r->argmax = tu_alloc(n, sizeof(int64_t));
-    ref_ce_result res = {0, 0, r->per_token_loss, r->logp, r->lse, r->argmax};
+    ref_ce_result res = {0, 0, r->per_token_loss, r->logp, r->lse, NULL, r->argmax, 0};
     int rc = ref_ce_forward(&lin, p->targets, &o, &res);
     r->loss = res.loss;
     r->z_loss = res.z_loss;
+    r->correct = res.correct;
     r->dx = tu_alloc(n * h, sizeof(double));
     r->dbias = b ? tu_alloc(v, sizeof(double)) : NULL;
     double *dw = tu_alloc(h * v, sizeof(double));
@@ -265,15 +283,22 @@ double cp_logit(const cp_problem *p, int64_t i, int64_t j)
     double u = p->bias ? p->bias[j] : 0.0;
     for (int64_t k = 0; k < p->hidden; k++)
         u += (double)p->x[i * p->hidden + k] * p->weight[cp_weight_index(p, k, j)];
-    const double c = p->options.softcap;
-    return c > 0.0 ? c * tanh(u / c) : u;
+    const ref_ce_options o = reference_options(p, NULL);
+    return ref_ce_transform(&o, u, NULL);
+}
+
+static double problem_logit(const void *self, int64_t i, int64_t j)
+{
+    return cp_logit(self, i, j);
 }
 
 void cp_measure(const cp_problem *p, const cp_fused *f, const cp_reference *r, ce_metrics *m)
 {
     const size_t n = (size_t)p->n, h = (size_t)p->hidden, v = (size_t)p->vocab;
     memset(m, 0, sizeof *m);
-    m->grad_norm_rel_tol = m->dbias_norm_rel_tol = CE_GRAD_NORM_REL_TOL; /* the harness's problems are fp32 */
+    /* the harness's problems are fp32 */
+    m->loss_rel_tol = ce_loss_tolerance(p->options.token_scaling);
+    m->grad_norm_rel_tol = m->dbias_norm_rel_tol = ce_fp32_grad_tolerance(p->options.token_scaling);
     m->abs_diff_loss = fabs(f->loss - r->loss);
     m->rel_diff_loss = fabs(r->loss) > 0.0 ? m->abs_diff_loss / fabs(r->loss) : m->abs_diff_loss;
     if (isnan(f->loss))
@@ -288,17 +313,9 @@ void cp_measure(const cp_problem *p, const cp_fused *f, const cp_reference *r, c
     m->dweight_norm_rel = ce_compare(f->dweight, r->dweight, h * v).norm_rel;
     if (f->dbias)
         m->dbias_norm_rel = ce_compare(f->dbias, r->dbias, v).norm_rel;
-    /* Same rule as ce_case: the fused argmax must be maximal up to fp32 rounding of the logits. */
-    for (int64_t i = 0; i < p->n; i++) {
-        const int64_t a = f->argmax[i], b = r->argmax[i];
-        if (a < 0 || a >= p->vocab)
-            m->argmax_mismatches++;
-        else if (a != b) {
-            const double za = cp_logit(p, i, a), zb = cp_logit(p, i, b);
-            if (za < zb - 1e-5 * (1.0 + fabs(zb)))
-                m->argmax_mismatches++;
-        }
-    }
+    const ce_argmax_check k = {p->n, p->vocab, p->options.ignore_index, p->targets, f->argmax, r->argmax, f->correct,
+                               problem_logit, p};
+    ce_measure_argmax(&k, m);
 }
 
 int cp_check_against_reference(const cp_problem *p, const cp_config *cfg, const char *label)

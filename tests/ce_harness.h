@@ -64,7 +64,7 @@ fh_context *cp_context(const cp_config *cfg);
 typedef struct cp_fused {
     double loss, z_loss;
     float *per_token_loss, *logp, *lse, *dx, *dweight, *dbias;
-    int64_t *argmax;
+    int64_t *argmax, correct;
 } cp_fused;
 
 /* Forward then backward (or the train step) on a fresh context (cp_run_fused) or a given one, whose
@@ -77,7 +77,7 @@ void cp_fused_free(cp_fused *f);
 typedef struct cp_reference {
     double loss, z_loss;
     double *per_token_loss, *logp, *lse, *dx, *dweight, *dbias; /* dweight in the problem's layout */
-    int64_t *argmax;
+    int64_t *argmax, correct;
 } cp_reference;
 
 /* ref_ce_forward/ref_ce_backward on the inputs converted to double; with grad_beta 1 the gradients
@@ -90,7 +90,7 @@ void cp_reference_free(cp_reference *r);
 int cp_run_fused_and_reference(const cp_problem *p, const cp_config *cfg, const char *label, cp_fused *f,
                                cp_reference *r);
 
-/* The logit z_ij in double from the fp32 inputs (softcap applied). */
+/* The logit z_ij in double from the fp32 inputs (logit_scale and softcap applied). */
 double cp_logit(const cp_problem *p, int64_t i, int64_t j);
 
 /* The same metrics as ce_case (judged by ce_metrics_pass). */

@@ -73,6 +73,33 @@ static void test_tiles_and_beta(void)
     }
 }
 
+/* logit_scale (with and without softcap), DFT, the entropy and the correct count in bf16: both layouts, every
+ * reduction, fp32 and bf16 gradients, through check_schedules (streaming over edge tiles, three row blocks, beta 1)
+ * and the train step's streaming fallback under a small budget. Tolerances: ce_metrics_pass (ref/ce_case.c: the
+ * bf16 gradient bounds plus CE_DFT_REL_TOL with DFT). */
+static void test_logit_scale_dft_entropy(void)
+{
+    const fh_reduction reductions[] = {FH_REDUCTION_MEAN, FH_REDUCTION_SUM, FH_REDUCTION_NONE};
+    for (int layout = 0; layout < 2; layout++)
+        for (size_t r = 0; r < TU_COUNT(reductions); r++) {
+            ce_case_spec s = bf16_spec((fh_layout)layout, 1);
+            s.bias = 1;
+            s.ignore_frac = 0.1;
+            s.reduction = reductions[r];
+            s.grad_dtype = (fh_dtype)((layout + (int)r) % 2);
+            s.ce_logit_scale = r == 1 ? 0.5 : 2.0;
+            s.softcap = r == 2 ? 0.0 : 15.0;
+            s.token_scaling = r != 1;
+            s.entropy = 1;
+            s.seed = 40 + r;
+            check_schedules(s);
+            s.tile_rows = 0;
+            s.grad_beta = 0.0f;
+            s.budget = 64 << 10;
+            cp_check_spec(&s, "bf16 train step, streaming fallback under a small budget");
+        }
+}
+
 /* bf16 gradients (f32 accumulators while streaming, direct in row blocks) and fp32 dU (BLIS on f32 copies of the
  * tiles), with every option, in check_schedules (beta 1: the old bf16 value added in f32). */
 static void test_gradient_dtypes(void)
@@ -500,6 +527,7 @@ static const tu_test tests[] = {
     {"every option, both layouts and schedules", test_options},
     {"edge tiles, row blocks, streaming fallback, beta 1", test_tiles_and_beta},
     {"fp32 and bf16 gradients, fp32 dU", test_gradient_dtypes},
+    {"logit_scale, DFT, entropy and correct count", test_logit_scale_dft_entropy},
     {"bf16 gradients are the fp32 ones rounded once", test_bf16_gradients_are_rounded_fp32},
     {"the queried workspace serves bf16 gradients", test_queried_workspace_serves_bf16_gradients},
     {"logits block and dU chunks in dweight's memory", test_scratch_in_dweight},

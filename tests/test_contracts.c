@@ -23,8 +23,8 @@ enum { N = 5, H = 4, V = 7 };
 /* Everything a call writes, in one block so that one memcmp covers it. */
 typedef struct outputs {
     double loss, z_loss;
-    float per_token_loss[N], logp[N], lse[N];
-    int64_t argmax[N];
+    float per_token_loss[N], logp[N], lse[N], entropy[N];
+    int64_t argmax[N], correct;
     float dx[N * H], dweight[H * V], dbias[V];
 } outputs;
 
@@ -72,7 +72,7 @@ static void fixture_init(void *fixture_)
     fh_linear_init(&f->lin, N, H, V, f->in.x, f->in.weight, FH_LAYOUT_HV, f->in.bias);
     fh_ce_options_init(&f->options);
     const fh_ce_outputs fo = {&f->out.loss, &f->out.z_loss, f->out.per_token_loss, f->out.logp, f->out.lse,
-                              f->out.argmax};
+                              f->out.argmax, f->out.entropy, &f->out.correct};
     f->fwd_out = fo;
     const fh_linear_grads g = {.dx = f->out.dx, .dx_row_stride = H, .dx_beta = 0.0f, .dweight = f->out.dweight, .dweight_beta = 0.0f, .dbias = f->out.dbias, .dbias_beta = 0.0f};
     f->grads = g;
@@ -117,6 +117,8 @@ static const cd_output parts[] = {
     OUT("logp", logp, FWD | STEP, CD_F32),
     OUT("lse", lse, FWD | STEP, CD_F32),
     OUT("argmax", argmax, FWD | STEP, CD_BYTES),
+    OUT("entropy", entropy, FWD | STEP, CD_F32),
+    OUT("correct", correct, FWD | STEP, CD_BYTES),
     OUT("dx", dx, BWD | STEP, CD_F32),
     OUT("dweight", dweight, BWD | STEP, CD_F32),
     OUT("dbias", dbias, BWD | STEP, CD_F32),
@@ -173,6 +175,15 @@ MUTATION(softcap_below_fp32, f->options.softcap = 1e-50)
 MUTATION(z_loss_negative, f->options.z_loss = -1.0)
 MUTATION(z_loss_inf, f->options.z_loss = INFINITY)
 MUTATION(z_loss_nan, f->options.z_loss = NAN)
+MUTATION(logit_scale_zero, f->options.logit_scale = 0.0)
+MUTATION(logit_scale_negative, f->options.logit_scale = -1.0)
+MUTATION(logit_scale_nan, f->options.logit_scale = NAN)
+MUTATION(logit_scale_inf, f->options.logit_scale = INFINITY)
+/* Applied in fp32 too, as the engine's scale, and softcap / logit_scale as its cap. */
+MUTATION(logit_scale_above_fp32, f->options.logit_scale = 1e39)
+MUTATION(logit_scale_below_fp32, f->options.logit_scale = 1e-50)
+MUTATION(softcap_over_scale_above_fp32, (f->options.softcap = 1e38, f->options.logit_scale = 1e-3))
+MUTATION(softcap_over_scale_below_fp32, (f->options.softcap = 1e-37, f->options.logit_scale = 1e3))
 MUTATION(class_weight_negative, (f->options.class_weights = f->in.class_weights, f->in.class_weights[V - 1] = -0.5f))
 MUTATION(class_weight_nan, (f->options.class_weights = f->in.class_weights, f->in.class_weights[0] = NAN))
 MUTATION(class_weight_inf, (f->options.class_weights = f->in.class_weights, f->in.class_weights[3] = INFINITY))
@@ -187,6 +198,8 @@ MUTATION(ptl_over_targets, f->fwd_out.per_token_loss = (float *)f->in.targets)
 MUTATION(lse_output_over_x, f->fwd_out.lse = f->in.x + 3)
 MUTATION(dx_over_lse_input, f->grads.dx = f->in.lse)
 MUTATION(argmax_over_grad_output, f->fwd_out.argmax = (int64_t *)f->in.grad_output)
+MUTATION(entropy_over_targets, f->fwd_out.entropy = (float *)f->in.targets)
+MUTATION(correct_over_argmax, f->fwd_out.correct = f->out.argmax + 2)
 MUTATION(grad_output_inf, f->in.grad_output[0] = -INFINITY)
 MUTATION(grad_output_none_nan, (f->options.reduction = FH_REDUCTION_NONE, f->in.grad_output[N - 1] = NAN))
 MUTATION(none_without_per_token_loss, (f->options.reduction = FH_REDUCTION_NONE, f->fwd_out.per_token_loss = NULL))
@@ -238,6 +251,16 @@ static const cd_case bad_cases[] = {
     {"z_loss -1", z_loss_negative, ALL, FH_ERR_INVALID_Z_LOSS, "z_loss"},
     {"z_loss inf", z_loss_inf, ALL, FH_ERR_INVALID_Z_LOSS, "z_loss"},
     {"z_loss NaN", z_loss_nan, ALL, FH_ERR_INVALID_Z_LOSS, "z_loss"},
+    {"logit_scale 0", logit_scale_zero, ALL, FH_ERR_INVALID_LOGIT_SCALE, "logit_scale"},
+    {"logit_scale -1", logit_scale_negative, ALL, FH_ERR_INVALID_LOGIT_SCALE, "logit_scale"},
+    {"logit_scale NaN", logit_scale_nan, ALL, FH_ERR_INVALID_LOGIT_SCALE, "logit_scale"},
+    {"logit_scale inf", logit_scale_inf, ALL, FH_ERR_INVALID_LOGIT_SCALE, "logit_scale"},
+    {"logit_scale 1e39 (above FLT_MAX)", logit_scale_above_fp32, ALL, FH_ERR_INVALID_LOGIT_SCALE, "logit_scale"},
+    {"logit_scale 1e-50 (below FLT_MIN)", logit_scale_below_fp32, ALL, FH_ERR_INVALID_LOGIT_SCALE, "logit_scale"},
+    {"softcap / logit_scale 1e41", softcap_over_scale_above_fp32, ALL, FH_ERR_INVALID_LOGIT_SCALE,
+     "softcap / logit_scale"},
+    {"softcap / logit_scale 1e-40", softcap_over_scale_below_fp32, ALL, FH_ERR_INVALID_LOGIT_SCALE,
+     "softcap / logit_scale"},
     {"class weight -0.5", class_weight_negative, ALL, FH_ERR_INVALID_CLASS_WEIGHT, "class_weight"},
     {"class weight NaN", class_weight_nan, ALL, FH_ERR_INVALID_CLASS_WEIGHT, "class_weight"},
     {"class weight inf", class_weight_inf, ALL, FH_ERR_INVALID_CLASS_WEIGHT, "class_weight"},
@@ -258,6 +281,8 @@ static const cd_case bad_cases[] = {
     {"lse output inside x", lse_output_over_x, FWD | STEP, FH_ERR_OVERLAPPING_BUFFERS, "lse"},
     {"dx over the lse input", dx_over_lse_input, BWD, FH_ERR_OVERLAPPING_BUFFERS, "dx"},
     {"argmax over grad_output", argmax_over_grad_output, STEP, FH_ERR_OVERLAPPING_BUFFERS, "argmax"},
+    {"entropy over targets", entropy_over_targets, FWD | STEP, FH_ERR_OVERLAPPING_BUFFERS, "entropy"},
+    {"correct inside argmax", correct_over_argmax, FWD | STEP, FH_ERR_OVERLAPPING_BUFFERS, "correct"},
 };
 
 static void test_bad_arguments(void)
@@ -289,13 +314,15 @@ static void test_valid_call_and_message_reset(void)
 /* The size queries and a caller workspace (contract_driver.h): fh_ce_workspace_size for the forward and the
  * backward, fh_ce_forward_backward_workspace_size for the train step, at offsets 0, 1, 3, 8 and 60 (no alignment is
  * documented), under the default budget (the train step's row blocks fit) and 4 KiB (it streams), with label
- * smoothing and class weights (the busiest path). The queries' own refusals are pure. */
+ * smoothing, class weights and DFT (the busiest path: every statistic, and the backward's target logits). The
+ * queries' own refusals are pure. */
 static const char *const settings[] = {"default budget", "budget 4096"};
 static void busiest_path(void *fixture_, size_t k)
 {
     fixture *f = fixture_;
     f->options.label_smoothing = 0.1;
     f->options.class_weights = f->in.class_weights;
+    f->options.token_scaling = 1;
     TU_CHECK(fh_context_set(f->ctx, FH_PARAM_MEMORY_BUDGET, k ? 4096 : 0) == FH_OK, "set budget");
 }
 
@@ -474,6 +501,7 @@ static void test_status_strings(void)
                              FH_ERR_INVALID_PREFERENCE_OPTION,
                              FH_ERR_INVALID_DISTILL_OPTION,
                              FH_ERR_TEACHER_MISMATCH,
+                             FH_ERR_INVALID_LOGIT_SCALE,
                              FH_ERR_MPI,
                              FH_ERR_MPI_LAYOUT,
                              FH_ERR_MPI_MISMATCH};
@@ -486,7 +514,7 @@ static void test_status_strings(void)
                    {FH_ERR_WORKSPACE_TOO_SMALL, FH_ERR_OVERLAPPING_BUFFERS, 2},
                    {FH_ERR_INVALID_PARAM, FH_ERR_KERNELS_UNAVAILABLE, 3},
                    {FH_ERR_GEMM_FAILED, FH_ERR_GEMM_FAILED, 4},
-                   {FH_ERR_INVALID_PREFERENCE_OPTION, FH_ERR_TEACHER_MISMATCH, 5},
+                   {FH_ERR_INVALID_PREFERENCE_OPTION, FH_ERR_INVALID_LOGIT_SCALE, 5},
                    {FH_ERR_MPI, FH_ERR_MPI_MISMATCH, 6}};
     for (size_t d = 0; d < TU_COUNT(decades); d++)
         for (int v = (int)decades[d].first; v <= (int)decades[d].last; v++)
@@ -522,7 +550,8 @@ static void test_small_entry_points(void)
     memset(&o, 0x5A, sizeof o);
     TU_CHECK(fh_ce_options_init(&o) == FH_OK, "options init");
     TU_CHECK(o.ignore_index == -100 && o.reduction == FH_REDUCTION_MEAN && o.label_smoothing == 0.0 &&
-                 o.class_weights == NULL && o.softcap == 0.0 && o.z_loss == 0.0,
+                 o.class_weights == NULL && o.softcap == 0.0 && o.z_loss == 0.0 && o.logit_scale == 1.0 &&
+                 o.token_scaling == 0,
              "documented option defaults");
     TU_CHECK(fh_ce_options_init(NULL) == FH_ERR_NULL_POINTER, "options init NULL");
 
@@ -599,7 +628,7 @@ static void test_overlapping_buffers(void)
         }
         memcpy(copy, arena, arena_floats * sizeof(float));
         double loss = -1.0;
-        fh_ce_outputs out = {&loss, NULL, NULL, NULL, NULL, NULL};
+        fh_ce_outputs out = {&loss, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
         const fh_status st = fh_ce_forward_backward(ctx, &lin, targets, &o, &grad_output, &out, &g);
         const char *msg = "";
         fh_context_message(ctx, &msg);
@@ -620,7 +649,7 @@ static void test_overlapping_buffers(void)
     fh_linear_init(&lin, OV_N, OV_H, OV_V, x, w, FH_LAYOUT_VH, NULL);
     fh_linear_grads g = {.dx = dw + w_floats, .dx_row_stride = OV_H, .dweight = dx};
     double loss = -1.0;
-    fh_ce_outputs out = {&loss, NULL, NULL, NULL, NULL, NULL};
+    fh_ce_outputs out = {&loss, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     TU_CHECK(fh_ce_forward_backward(ctx, &lin, targets, &o, &grad_output, &out, &g) == FH_OK, "adjacent buffers");
     fh_context_destroy(ctx);
     free(arena);
@@ -633,7 +662,11 @@ MUTATION(no_outputs, (memset(&f->fwd_out, 0, sizeof f->fwd_out), memset(&f->grad
 MUTATION(none_per_token_loss_only, (f->options.reduction = FH_REDUCTION_NONE,
                                     f->fwd_out.per_token_loss = f->out.per_token_loss))
 MUTATION(dweight_only, f->grads.dweight = f->out.dweight)
+MUTATION(correct_only, (memset(&f->fwd_out, 0, sizeof f->fwd_out), f->fwd_out.correct = &f->out.correct))
+MUTATION(entropy_only, (memset(&f->fwd_out, 0, sizeof f->fwd_out), f->fwd_out.entropy = f->out.entropy))
 static const cd_optional optional_steps[] = {
+    {"only correct", correct_only, FWD, {"correct"}},
+    {"only entropy", entropy_only, FWD, {"entropy"}},
     {"every output and gradient NULL", no_outputs, ALL, {NULL}},
     {"'none' with only per_token_loss", none_per_token_loss_only, FWD, {"per_token_loss"}},
     {"'none', per_token_loss and dweight only", dweight_only, BWD | STEP, {"per_token_loss", "dweight"}},

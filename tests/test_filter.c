@@ -69,6 +69,10 @@ static void test_fp32_options(void)
             check_filtered(&s, "softcap (no c term: filtered)", 0.05);
             s.label_smoothing = 0.1;
             check_filtered(&s, "softcap and label smoothing (c w is not rank one: nothing skipped)", 0.0);
+            s.label_smoothing = 0.0;
+            s.ce_logit_scale = 1.5;
+            s.token_scaling = 1;
+            check_filtered(&s, "logit_scale 1.5 under softcap 30 (the transform's scale in dz/du), DFT", 0.05);
         }
 }
 

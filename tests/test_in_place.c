@@ -56,7 +56,7 @@ static void test_ce_per_token_loss_over_grad_output(void)
         double loss[2];
         memcpy(shared, upstream, sizeof shared);
         for (int in_place = 0; in_place < 2; in_place++) {
-            fh_ce_outputs out = {&loss[in_place], NULL, in_place ? shared : ptl[0], NULL, NULL, NULL};
+            fh_ce_outputs out = {&loss[in_place], NULL, in_place ? shared : ptl[0], NULL, NULL, NULL, NULL, NULL};
             fh_linear_grads g = {.dx = dx[in_place], .dx_row_stride = H, .dweight = dw[in_place]};
             const fh_status st = fh_ce_forward_backward(ctx, &lin, targets, &o, in_place ? shared : upstream, &out, &g);
             TU_CHECK(st == FH_OK, "schedule %d, in place %d: status %d", streaming, in_place, (int)st);

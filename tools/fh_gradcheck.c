@@ -22,7 +22,8 @@ static void usage(void)
             "       [--reduction mean|sum|none] [--threads T] [--seed S] [--dump DIR]\n"
             "       [--train-step] [--budget BYTES] [--tile-rows R] [--tile-vocab C] [--dtype f32|bf16]\n"
             "       [--grad-dtype f32|bf16] [--fp32-du] [--grad-filter-eps EPS]\n"
-            "       [--grad-filter-tail estimate|drop] [--logit-scale S]\n"
+            "       [--grad-filter-tail estimate|drop] [--logit-scale S] [--ce-logit-scale M] [--token-scaling]\n"
+            "       [--entropy]\n"
             "       fh_gradcheck --loss grpo ... (fh_gradcheck --loss grpo --help)\n"
             "       fh_gradcheck --loss logprob ... (fh_gradcheck --loss logprob --help)\n"
             "       fh_gradcheck --loss dpo|orpo|simpo|cpo ... (fh_gradcheck --loss dpo --help)\n"
@@ -41,10 +42,16 @@ typedef struct ce_check {
 static int ce_option(void *spec, const char *a, const char *v)
 {
     ce_case_spec *s = spec;
-    if (strcmp(a, "--class-weights") == 0) {
-        s->class_weights = 1;
-        return 1;
-    }
+    const struct {
+        const char *name;
+        int *field;
+    } flags[] = {{"--class-weights", &s->class_weights}, {"--token-scaling", &s->token_scaling},
+                 {"--entropy", &s->entropy}};
+    for (size_t k = 0; k < sizeof flags / sizeof flags[0]; k++)
+        if (strcmp(a, flags[k].name) == 0) {
+            *flags[k].field = 1;
+            return 1;
+        }
     if (!v)
         return 0;
     if (strcmp(a, "--loss") == 0)
@@ -55,6 +62,8 @@ static int ce_option(void *spec, const char *a, const char *v)
         s->softcap = atof(v);
     else if (strcmp(a, "--z-loss") == 0)
         s->z_loss = atof(v);
+    else if (strcmp(a, "--ce-logit-scale") == 0)
+        s->ce_logit_scale = atof(v);
     else
         return 0;
     return 2;
@@ -103,6 +112,9 @@ static int dump_case(const void *check, const char *dir)
     bad |= npy_write(dir, "per_token_loss", "<f4", c->per_token_loss, 1, n1);
     bad |= npy_write(dir, "per_token_logp", "<f4", c->logp, 1, n1);
     bad |= npy_write(dir, "lse", "<f4", c->lse, 1, n1);
+    bad |= npy_write(dir, "correct", "<i8", &c->correct, 0, NULL);
+    if (c->entropy)
+        bad |= npy_write(dir, "entropy", "<f4", c->entropy, 1, n1);
     bad |= npy_write(dir, "dhidden", "<f4", c->dx, 2, nh);
     bad |= npy_write(dir, "dweight", "<f4", c->dweight, 2, w2);
     if (c->bias) {
@@ -125,12 +137,16 @@ static int report(const void *check)
            "  \"lse_max_abs\": %.3e,\n  \"dhidden_max_abs\": %.3e,\n  \"dhidden_max_rel\": %.3e,\n"
            "  \"dhidden_norm_rel\": %.3e,\n  \"dweight_max_abs\": %.3e,\n  \"dweight_max_rel\": %.3e,\n"
            "  \"dweight_norm_rel\": %.3e,\n  \"dbias_norm_rel\": %.3e,\n  \"argmax_mismatches\": %lld,\n"
-           "  \"tolerance\": {\"loss_rel\": %g, \"grad_norm_rel\": %g, \"dbias_norm_rel\": %g},\n  \"blis_kernel_set\": \"%s\",\n"
+           "  \"correct\": %lld,\n  \"ref_correct\": %lld,\n  \"correct_mismatch\": %lld,\n  \"entropy_max_abs\": %.3e,\n"
+           "  \"tolerance\": {\"loss_rel\": %g, \"grad_norm_rel\": %g, \"dbias_norm_rel\": %g, \"entropy_abs\": %g},\n"
+           "  \"blis_kernel_set\": \"%s\",\n"
            "  \"grad_filter_eps\": %g,\n  \"filter_skipped_fraction\": %.4f,\n  \"pass\": %s\n}\n",
            c->loss, c->ref_loss, m->abs_diff_loss, m->rel_diff_loss, m->abs_diff_z_loss, m->per_token_loss_max_abs,
            m->logp_max_abs, m->lse_max_abs, m->dhidden_max_abs, m->dhidden_max_rel, m->dhidden_norm_rel,
            m->dweight_max_abs, m->dweight_max_rel, m->dweight_norm_rel, m->dbias_norm_rel,
-           (long long)m->argmax_mismatches, CE_LOSS_REL_TOL, m->grad_norm_rel_tol, m->dbias_norm_rel_tol, k->kernel_set,
+           (long long)m->argmax_mismatches, (long long)c->correct, (long long)c->ref_correct,
+           (long long)m->correct_mismatch, m->entropy_max_abs, m->loss_rel_tol, m->grad_norm_rel_tol,
+           m->dbias_norm_rel_tol, m->entropy_tol, k->kernel_set,
            k->spec.grad_filter_eps, gradcheck_skipped_fraction(&c->filter_stats), pass ? "true" : "false");
     return pass;
 }

@@ -506,7 +506,8 @@ class CEProblem:
 
     def __init__(self, head: LinearHead, targets: View, *, ignore_index: int = -100,
                  reduction: Union[str, Reduction] = "mean", label_smoothing: float = 0.0,
-                 class_weights: Optional[View] = None, softcap: float = 0.0, z_loss: float = 0.0):
+                 class_weights: Optional[View] = None, softcap: float = 0.0, z_loss: float = 0.0,
+                 logit_scale: Optional[float] = None, token_scaling: bool = False):
         self.head = head
         self.reduction = parse_reduction(reduction)
         if tuple(targets.shape) != (head.n,) or not vector_view_ok(targets.shape, targets.strides):
@@ -519,24 +520,28 @@ class CEProblem:
         self.targets = _ip(targets.ptr)
         self.options = _lib.fh_ce_options(int64("ignore_index", ignore_index), int(self.reduction), float(label_smoothing),
                                           _fp(class_weights.ptr if class_weights is not None else None),
-                                          float(softcap), float(z_loss), 1.0, 0)
+                                          float(softcap), float(z_loss),
+                                          1.0 if logit_scale is None else _real(logit_scale, "logit_scale"),
+                                          int(bool(token_scaling)))
 
     @property
     def grad_count(self) -> int:
         """How many upstream-gradient values the library reads: N for 'none', else 1."""
         return self.head.n if self.reduction == Reduction.NONE else 1
 
-    def _outputs(self, loss: ctypes.c_double, z: ctypes.c_double, per_token_loss, per_token_logp, lse, argmax):
+    def _outputs(self, loss: ctypes.c_double, z: ctypes.c_double, per_token_loss, per_token_logp, lse, argmax,
+                 entropy, correct):
         return _lib.fh_ce_outputs(ctypes.cast(ctypes.byref(loss), c_double_p),
                                   ctypes.cast(ctypes.byref(z), c_double_p), _fp(per_token_loss),
-                                  _fp(per_token_logp), _fp(lse), _ip(argmax))
+                                  _fp(per_token_logp), _fp(lse), _ip(argmax), _fp(entropy), _ip(correct))
 
     def forward(self, ctx: Context, *, per_token_loss: Optional[int] = None, per_token_logp: Optional[int] = None,
-                lse: Optional[int] = None, argmax: Optional[int] = None) -> Tuple[float, float]:
-        """fh_ce_forward; output addresses may be None (per_token_loss is required for 'none').
+                lse: Optional[int] = None, argmax: Optional[int] = None, entropy: Optional[int] = None,
+                correct: Optional[int] = None) -> Tuple[float, float]:
+        """fh_ce_forward; output addresses may be None (per_token_loss is required for 'none'; correct: one int64).
         Returns (loss, z_loss) as Python floats (for 'none': their sums over tokens)."""
         loss, z = ctypes.c_double(), ctypes.c_double()
-        out = self._outputs(loss, z, per_token_loss, per_token_logp, lse, argmax)
+        out = self._outputs(loss, z, per_token_loss, per_token_logp, lse, argmax, entropy, correct)
         ctx.call("fh_ce_forward", ctypes.byref(self.head.c), self.targets, ctypes.byref(self.options),
                  ctypes.byref(out))
         return loss.value, z.value
@@ -548,10 +553,11 @@ class CEProblem:
 
     def forward_backward(self, ctx: Context, grad_output: int, grads: _lib.fh_linear_grads, *,
                          per_token_loss: Optional[int] = None, per_token_logp: Optional[int] = None,
-                         lse: Optional[int] = None, argmax: Optional[int] = None) -> Tuple[float, float]:
+                         lse: Optional[int] = None, argmax: Optional[int] = None, entropy: Optional[int] = None,
+                         correct: Optional[int] = None) -> Tuple[float, float]:
         """fh_ce_forward_backward: the forward outputs and the gradients in one call."""
         loss, z = ctypes.c_double(), ctypes.c_double()
-        out = self._outputs(loss, z, per_token_loss, per_token_logp, lse, argmax)
+        out = self._outputs(loss, z, per_token_loss, per_token_logp, lse, argmax, entropy, correct)
         ctx.call("fh_ce_forward_backward", ctypes.byref(self.head.c), self.targets, ctypes.byref(self.options),
                  _fp(grad_output), ctypes.byref(out), ctypes.byref(grads))
         return loss.value, z.value

@@ -21,8 +21,12 @@ dweight and dbias are uint16 arrays of bf16 bits, accumulated in f32 inside the 
 Anything else raises TypeError (dtype, byte order, not an ndarray) or ValueError (shape, strides) saying what
 was expected. Library errors raise fusedhead.FusedheadError subclasses with the library's message.
 
-Per-token outputs (per_token_loss, per_token_logp, lse, argmax) have the targets' shape; gradients have
+Per-token outputs (per_token_loss, per_token_logp, lse, argmax, entropy) have the targets' shape; gradients have
 their input's shape (dweight also its strides: the library writes dweight with the weight's strides).
+Cross-entropy options beyond torch's: softcap (Gemma), logit_scale (multiplies the logits before the softcap: Cohere's
+logit_scale, Granite's 1 / logits_scaling), z_loss, token_scaling (DFT: each token's loss times its detached target
+probability, Liger's use_token_scaling / TRL's SFT loss_type "dft"); return_entropy=True adds the per-token entropy
+of the softmax, and every result carries the correct count (tokens whose argmax is their target).
 Calls with N = 0 tokens return loss 0 and zero gradients without calling the library (as when every token is
 ignored); preference_loss, a mean over pairs, needs at least one pair and one token (ValueError).
 """
@@ -138,7 +142,8 @@ class _Prepared:
     """Checked arrays and the CEProblem describing them (keeps every array alive while the library runs)."""
 
     def __init__(self, hidden, weight, targets, bias, layout, ignore_index, reduction, label_smoothing,
-                 class_weights, softcap, z_loss, dtype="fp32", grad_dtype=None):
+                 class_weights, softcap, z_loss, dtype="fp32", grad_dtype=None, *, logit_scale=None,
+                 token_scaling=False):
         fp32_hint = "; fusedhead computes in fp32: use .astype(np.float32)"
         input_dtype, self.dtype, hint = _input_dtype(dtype)
         self.grad_np, self.grad_fh = _grad_dtype(grad_dtype, self.dtype)
@@ -165,7 +170,8 @@ class _Prepared:
         self.problem = CEProblem(self.head, _view(self.targets, "targets"), ignore_index=ignore_index,
                                  reduction=self.reduction, label_smoothing=label_smoothing,
                                  class_weights=_view(class_weights, "class_weights")
-                                 if class_weights is not None else None, softcap=softcap, z_loss=z_loss)
+                                 if class_weights is not None else None, softcap=softcap, z_loss=z_loss,
+                                 logit_scale=logit_scale, token_scaling=token_scaling)
 
     def _check_empty(self, layout):
         # Shape checks for N = 0 (the library is not called): a dummy 1-row head checks weight and bias.
@@ -277,14 +283,18 @@ class CrossEntropyResult:
     """loss: a float for 'mean'/'sum', the per-token losses (targets' shape) for 'none'.
     z_loss: the z-loss part of the loss, reduced like it (summed over tokens for 'none').
     per_token_loss: CE + z-loss per token, 0 where ignored; per_token_logp: log p(target), 0 where ignored;
-    lse: log-sum-exp of the (softcapped) logits, what backward() needs; argmax: lowest index of the largest
-    logit. Gradients are None unless requested."""
+    lse: log-sum-exp of the (scaled, softcapped) logits, what backward() needs; argmax: lowest index of the largest
+    logit; correct: how many tokens, ignored ones aside, have their target as argmax (token accuracy = correct /
+    their count); entropy: of the softmax per token, 0 where ignored (with return_entropy=True, else None).
+    Gradients are None unless requested."""
     loss: Union[float, np.ndarray]
     z_loss: float
     per_token_loss: np.ndarray
     per_token_logp: np.ndarray
     lse: np.ndarray
     argmax: np.ndarray
+    correct: int = 0
+    entropy: Optional[np.ndarray] = None
     dhidden: Optional[np.ndarray] = None
     dweight: Optional[np.ndarray] = None
     dbias: Optional[np.ndarray] = None
@@ -294,20 +304,25 @@ class CrossEntropyResult:
         return Gradients(self.dhidden, self.dweight, self.dbias)
 
 
-def _run_forward(p: _Prepared, ctx: Optional[Context], grad=None, grad_struct=None) -> CrossEntropyResult:
+def _run_forward(p: _Prepared, ctx: Optional[Context], grad=None, grad_struct=None,
+                 return_entropy: bool = False) -> CrossEntropyResult:
     ptl, logp, lse, am = (p.tokens(np.float32), p.tokens(np.float32), p.tokens(np.float32), p.tokens(np.int64))
+    correct = np.zeros(1, np.int64)
+    entropy = np.zeros(p.n, np.float32) if return_entropy else None  # the entropy's statistic only when asked for
     if p.n == 0:
         loss, z = 0.0, 0.0
     else:
         ctx = ctx or default_context()
         outs = dict(per_token_loss=ptl.ctypes.data, per_token_logp=logp.ctypes.data, lse=lse.ctypes.data,
-                    argmax=am.ctypes.data)
+                    argmax=am.ctypes.data, correct=correct.ctypes.data,
+                    entropy=entropy.ctypes.data if entropy is not None else None)
         if grad_struct is None:
             loss, z = p.problem.forward(ctx, **outs)
         else:
             loss, z = p.problem.forward_backward(ctx, grad.ctypes.data, grad_struct, **outs)
     ptl, logp, lse, am = (p.shaped(a) for a in (ptl, logp, lse, am))
-    return CrossEntropyResult(ptl if p.reduction == Reduction.NONE else loss, z, ptl, logp, lse, am)
+    return CrossEntropyResult(ptl if p.reduction == Reduction.NONE else loss, z, ptl, logp, lse, am, int(correct[0]),
+                              p.shaped(entropy) if entropy is not None else None)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -316,21 +331,24 @@ def _run_forward(p: _Prepared, ctx: Optional[Context], grad=None, grad_struct=No
 def forward(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, bias: Optional[np.ndarray] = None, *,
             layout: str = "vh", ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
             class_weights: Optional[np.ndarray] = None, softcap: float = 0.0, z_loss: float = 0.0,
+            logit_scale: Optional[float] = None, token_scaling: bool = False, return_entropy: bool = False,
             context: Optional[Context] = None, dtype: str = "fp32") -> CrossEntropyResult:
     """fh_ce_forward: loss and per-token outputs (keep .lse for backward())."""
     p = _Prepared(hidden, weight, targets, bias, layout, ignore_index, reduction, label_smoothing, class_weights,
-                  softcap, z_loss, dtype)
-    return _run_forward(p, context)
+                  softcap, z_loss, dtype, logit_scale=logit_scale, token_scaling=token_scaling)
+    return _run_forward(p, context, return_entropy=return_entropy)
 
 
 def backward(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, bias: Optional[np.ndarray] = None, *,
              lse: np.ndarray, grad_output=None, layout: str = "vh", ignore_index: int = -100,
              reduction: str = "mean", label_smoothing: float = 0.0, class_weights: Optional[np.ndarray] = None,
-             softcap: float = 0.0, z_loss: float = 0.0, wrt: Optional[Iterable[str]] = None,
+             softcap: float = 0.0, z_loss: float = 0.0, logit_scale: Optional[float] = None,
+             token_scaling: bool = False, wrt: Optional[Iterable[str]] = None,
              dhidden: Optional[np.ndarray] = None, dweight: Optional[np.ndarray] = None,
              dbias: Optional[np.ndarray] = None, accumulate: bool = False,
              context: Optional[Context] = None, dtype: str = "fp32", grad_dtype: Optional[str] = None) -> Gradients:
-    """fh_ce_backward from forward()'s lse. Options must be those of the forward call.
+    """fh_ce_backward from forward()'s lse. Options must be those of the forward call (with token_scaling the
+    library recomputes each token's target logit for its factor: 2 N H flops).
 
     grad_output: d(objective)/d(loss): a scalar for 'mean'/'sum' (default 1), one float32 per token for
     'none' (default ones). wrt: which gradients (subset of "hidden", "weight", "bias"); default: those whose
@@ -339,7 +357,7 @@ def backward(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, bias: 
     accumulate=True adds to them (beta 1) instead of overwriting (beta 0).
     """
     p = _Prepared(hidden, weight, targets, bias, layout, ignore_index, reduction, label_smoothing, class_weights,
-                  softcap, z_loss, dtype, grad_dtype)
+                  softcap, z_loss, dtype, grad_dtype, logit_scale=logit_scale, token_scaling=token_scaling)
     want = p.wanted(wrt, dhidden, dweight, dbias)
     g = p.grad_output(grad_output)
     bufs = p.grad_buffers(want, dhidden, dweight, dbias, accumulate)
@@ -357,22 +375,23 @@ def forward_backward(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray
                      bias: Optional[np.ndarray] = None, *, grad_output=None, layout: str = "vh",
                      ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                      class_weights: Optional[np.ndarray] = None, softcap: float = 0.0, z_loss: float = 0.0,
+                     logit_scale: Optional[float] = None, token_scaling: bool = False, return_entropy: bool = False,
                      wrt: Optional[Iterable[str]] = None, dhidden: Optional[np.ndarray] = None,
                      dweight: Optional[np.ndarray] = None, dbias: Optional[np.ndarray] = None,
                      accumulate: bool = False, context: Optional[Context] = None,
                      dtype: str = "fp32", grad_dtype: Optional[str] = None) -> CrossEntropyResult:
     """fh_ce_forward_backward: forward outputs and gradients in one call (the training step: 6 NHV flops
-    instead of 8). Arguments as in backward()."""
+    instead of 8). Arguments as in backward() and forward()."""
     p = _Prepared(hidden, weight, targets, bias, layout, ignore_index, reduction, label_smoothing, class_weights,
-                  softcap, z_loss, dtype, grad_dtype)
+                  softcap, z_loss, dtype, grad_dtype, logit_scale=logit_scale, token_scaling=token_scaling)
     want = p.wanted(wrt, dhidden, dweight, dbias)
     g = p.grad_output(grad_output)
     bufs = p.grad_buffers(want, dhidden, dweight, dbias, accumulate)
     if p.n == 0:
         p.zero_grads(bufs, accumulate)
-        r = _run_forward(p, context)
+        r = _run_forward(p, context, return_entropy=return_entropy)
     else:
-        r = _run_forward(p, context, g, p.grads_struct(bufs, accumulate))
+        r = _run_forward(p, context, g, p.grads_struct(bufs, accumulate), return_entropy)
     grads = p.shaped_grads(bufs, dhidden)
     r.dhidden, r.dweight, r.dbias = grads.dhidden, grads.dweight, grads.dbias
     return r
@@ -383,23 +402,23 @@ def cross_entropy(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, b
                   label_smoothing: float = 0.0, class_weights: Optional[np.ndarray] = None, softcap: float = 0.0,
                   z_loss: float = 0.0, return_grads: Union[bool, Iterable[str]] = False, grad_output=None,
                   context: Optional[Context] = None, dtype: str = "fp32",
-                  grad_dtype: Optional[str] = None) -> CrossEntropyResult:
-    """F.cross_entropy(hidden @ W.T + bias, targets, ...) without the logits, plus softcap and z-loss.
+                  grad_dtype: Optional[str] = None, *, logit_scale: Optional[float] = None,
+                  token_scaling: bool = False, return_entropy: bool = False) -> CrossEntropyResult:
+    """F.cross_entropy(hidden @ W.T + bias, targets, ...) without the logits, plus softcap, logit_scale, z-loss
+    and DFT's token scaling.
 
     return_grads: False (forward only), True (all available gradients) or names among "hidden", "weight",
     "bias"; gradients of grad_output * loss (default grad_output 1, or ones per token for 'none').
     """
+    options = dict(layout=layout, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+                   class_weights=class_weights, softcap=softcap, z_loss=z_loss, logit_scale=logit_scale,
+                   token_scaling=token_scaling, return_entropy=return_entropy, context=context, dtype=dtype)
     if return_grads is False or return_grads is None:
         if grad_output is not None or grad_dtype is not None:
             raise ValueError("grad_output and grad_dtype are only used with return_grads")
-        return forward(hidden, weight, targets, bias, layout=layout, ignore_index=ignore_index, reduction=reduction,
-                       label_smoothing=label_smoothing, class_weights=class_weights, softcap=softcap, z_loss=z_loss,
-                       context=context, dtype=dtype)
-    return forward_backward(hidden, weight, targets, bias, grad_output=grad_output, layout=layout,
-                            ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
-                            class_weights=class_weights, softcap=softcap, z_loss=z_loss,
-                            wrt=None if return_grads is True else return_grads, context=context, dtype=dtype,
-                            grad_dtype=grad_dtype)
+        return forward(hidden, weight, targets, bias, **options)
+    return forward_backward(hidden, weight, targets, bias, grad_output=grad_output,
+                            wrt=None if return_grads is True else return_grads, grad_dtype=grad_dtype, **options)
 
 
 def workspace_size(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, bias: Optional[np.ndarray] = None,

@@ -5,8 +5,11 @@
     loss.backward()
 
 Semantics: F.cross_entropy(F.linear(hidden, weight, bias).view(-1, V), targets.view(-1), weight=class_weights,
-ignore_index=..., reduction=..., label_smoothing=...), plus Gemma-style logit softcap (c * tanh(u / c)) and
-z-loss (z_loss * lse^2, averaged over non-ignored tokens for 'mean', never class-weighted, added to the loss).
+ignore_index=..., reduction=..., label_smoothing=...), plus a logit scale (m * u, before the softcap), Gemma-style
+logit softcap (c * tanh(m u / c)), z-loss (z_loss * lse^2, averaged over non-ignored tokens for 'mean', never
+class-weighted, added to the loss) and DFT's token scaling (each token's loss times its target's probability,
+detached); return_entropy / return_correct add the per-token entropy and the correct count. causal_lm_loss is Hugging
+Face's ForCausalLMLoss (labels shifted by one, sum over num_items_in_batch or mean) on the same call.
 One documented difference: when every token is ignored (or every target has class weight 0), 'mean' gives
 loss 0 and zero gradients where torch gives NaN. N = 0 tokens behaves the same way.
 
@@ -89,6 +92,7 @@ from ._core import (GRPO_METRIC_KEYS, PREFERENCE_METRIC_KEYS, CEProblem, Context
 from ._lib import Dtype, Reduction
 
 __all__ = ["FusedLinearCrossEntropyFunction", "FusedLinearCrossEntropy", "fused_linear_cross_entropy",
+           "CrossEntropyOutput", "causal_lm_loss",
            "FusedLinearGRPOLossFunction", "FusedLinearGRPOLoss", "fused_linear_grpo_loss",
            "FusedLinearPreferenceLossFunction", "fused_linear_preference_loss", "PreferenceLossOutput",
            "FusedLinearDPOLoss", "FusedLinearORPOLoss", "FusedLinearSimPOLoss", "FusedLinearCPOLoss",
@@ -294,10 +298,11 @@ def _token_vector(t: torch.Tensor, name: str, token_shape: Tuple[int, ...], n: i
 # Cross-entropy
 # ---------------------------------------------------------------------------------------------------------
 class _CE:
-    """Everything one cross-entropy call needs, checked and in library form."""
+    """Everything one cross-entropy call needs, checked and in library form. The losses come back in the inputs'
+    dtype, or in float32 with float32_loss (as Hugging Face's loss, which upcasts the logits)."""
 
     def __init__(self, hidden, weight, targets, bias, class_weights, ignore_index, reduction, label_smoothing,
-                 softcap, z_loss, layout):
+                 softcap, z_loss, layout, logit_scale=None, token_scaling=False, float32_loss=False):
         self.lin = _TorchLinear(hidden, weight, bias, layout)
         _check_tensor(targets, "targets", torch.int64, " (use .long())")
         self.token_shape = self.lin.hidden_shape[:-1]
@@ -306,21 +311,45 @@ class _CE:
             class_weights = _contiguous_vector(_fp32_operand(class_weights, "class_weights", self.lin.dtype).detach())
         self.class_weights = class_weights
         self.reduction = parse_reduction(reduction)
-        self.ignore_index, self.z_loss = int(ignore_index), float(z_loss)
+        self.ignore_index, self.z_loss, self.token_scaling = int(ignore_index), float(z_loss), bool(token_scaling)
+        self.loss_dtype = torch.float32 if float32_loss else self.lin.dtype
         # N = 0: a placeholder of the 1-row head's size, for the shape checks only (the library is not called)
         targets_view = _view(self.targets) if self.lin.n > 0 else View(0, (1,), (1,))
         self.problem = CEProblem(self.lin.head, targets_view, ignore_index=ignore_index, reduction=self.reduction,
                                  label_smoothing=label_smoothing, class_weights=_opt_view(class_weights),
-                                 softcap=softcap, z_loss=z_loss)
+                                 softcap=softcap, z_loss=z_loss, logit_scale=logit_scale, token_scaling=token_scaling)
 
     @property
     def n(self) -> int:
         return self.lin.n
 
-    def per_token_z(self, lse: torch.Tensor) -> torch.Tensor:
-        """z_loss * lse^2 per token (0 where ignored), from the forward's fp32 lse."""
-        return torch.where(self.targets != self.ignore_index, self.z_loss * lse * lse,
-                           torch.zeros((), dtype=lse.dtype)).view(self.token_shape).to(self.lin.dtype)
+    def per_token_z(self, lse: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+        """z_loss * lse^2 per token (0 where ignored), times DFT's p_y = exp(logp) with token_scaling, from the
+        forward's fp32 lse and log-probs."""
+        zl = self.z_loss * lse * lse * (torch.exp(logp) if self.token_scaling else 1.0)
+        return torch.where(self.targets != self.ignore_index, zl,
+                           torch.zeros((), dtype=lse.dtype)).view(self.token_shape).to(self.loss_dtype)
+
+
+class _Extras:
+    """The optional outputs a call fills when asked for: the entropy (float32, the targets' shape, 0 where ignored) and
+    the correct count (an int64 scalar); None where not asked for. No gradient flows through them."""
+
+    def __init__(self, entropy: bool, correct: bool):
+        self.want_entropy, self.want_correct = entropy, correct
+        self.entropy: Optional[torch.Tensor] = None
+        self.correct: Optional[torch.Tensor] = None
+
+    def outputs(self, ce: _CE) -> dict:
+        """Fresh (zeroed) tensors for ce's tokens; their addresses by the library's output names."""
+        self.entropy = torch.zeros(ce.token_shape, dtype=torch.float32) if self.want_entropy else None
+        self.correct = torch.zeros((), dtype=torch.int64) if self.want_correct else None
+        return {name: t.data_ptr() for name, t in (("entropy", self.entropy), ("correct", self.correct))
+                if t is not None}
+
+
+def _extra_outputs(ce: _CE, extras: Optional[_Extras]) -> dict:
+    return extras.outputs(ce) if extras is not None else {}
 
 
 def _scaled(saved, grad_loss: torch.Tensor, pool: Optional[_DweightPool]):
@@ -368,50 +397,55 @@ def _metrics_tensor(metrics, keys) -> torch.Tensor:
                         dtype=torch.float64)
 
 
-def _forward_reduced(ce: _CE, context: Optional[Context], need: Sequence[bool]):
-    """'mean'/'sum': (loss, z_loss, (dx, dw, db)); gradients of loss (upstream 1) for the inputs in need."""
-    result, grads = _train_step(ce.problem, ce.lin, context, need)
+def _forward_reduced(ce: _CE, context: Optional[Context], need: Sequence[bool], extras: Optional[_Extras] = None):
+    """'mean'/'sum': (loss, z_loss, (dx, dw, db)); gradients of loss (upstream 1) for the inputs in need; extras
+    filled."""
+    result, grads = _train_step(ce.problem, ce.lin, context, need, **_extra_outputs(ce, extras))
     loss, z = result if result is not None else (0.0, 0.0)
-    return _scalar(loss, ce.lin.dtype), _scalar(z, ce.lin.dtype), grads
+    return _scalar(loss, ce.loss_dtype), _scalar(z, ce.loss_dtype), grads
 
 
-def _forward_none(ce: _CE, context: Optional[Context]):
-    """'none': (per-token loss, per-token z-loss, lse [N])."""
-    per_token = torch.zeros(ce.n, dtype=torch.float32)
-    lse = torch.zeros(ce.n, dtype=torch.float32)
+def _forward_none(ce: _CE, context: Optional[Context], extras: Optional[_Extras] = None):
+    """'none': (per-token loss, per-token z-loss, lse [N]); extras filled."""
+    per_token, lse, logp = (torch.zeros(ce.n, dtype=torch.float32) for _ in range(3))
+    outputs = _extra_outputs(ce, extras)
     if ce.n > 0:
-        ce.problem.forward(context or default_context(), per_token_loss=per_token.data_ptr(), lse=lse.data_ptr())
-    return per_token.view(ce.token_shape).to(ce.lin.dtype), ce.per_token_z(lse), lse
+        ce.problem.forward(context or default_context(), per_token_loss=per_token.data_ptr(), lse=lse.data_ptr(),
+                           per_token_logp=logp.data_ptr(), **outputs)
+    return per_token.view(ce.token_shape).to(ce.loss_dtype), ce.per_token_z(lse, logp), lse
 
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     """apply(hidden, weight, targets, bias=None, class_weights=None, ignore_index=-100, reduction="mean",
-    label_smoothing=0.0, softcap=0.0, z_loss=0.0, layout="vh", context=None) -> (loss, z_loss)
+    label_smoothing=0.0, softcap=0.0, z_loss=0.0, layout="vh", context=None, logit_scale=None, token_scaling=False,
+    extras=None, float32_loss=False) -> (loss, z_loss)
 
     z_loss is the z-loss part of loss (reduced like it; per token for 'none'); it is not differentiable
-    (its gradient flows through loss). Positional arguments only (torch.autograd.Function.apply).
-    Gradients are computed for the inputs whose ctx.needs_input_grad is set, which torch fills from
-    requires_grad even under torch.no_grad(): prefer fused_linear_cross_entropy, which runs the forward
-    alone when no gradient can be needed."""
+    (its gradient flows through loss). extras: the entropy and correct-count outputs to fill (fused_linear_cross_entropy
+    makes them); float32_loss: the losses in float32 whatever the inputs' dtype (causal_lm_loss). Positional arguments
+    only (torch.autograd.Function.apply). Gradients are computed for the inputs whose ctx.needs_input_grad is set,
+    which torch fills from requires_grad even under torch.no_grad(): prefer fused_linear_cross_entropy, which runs the
+    forward alone when no gradient can be needed."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, bias=None, class_weights=None, ignore_index=-100, reduction="mean",
-                label_smoothing=0.0, softcap=0.0, z_loss=0.0, layout="vh", context=None):
+                label_smoothing=0.0, softcap=0.0, z_loss=0.0, layout="vh", context=None, logit_scale=None,
+                token_scaling=False, extras=None, float32_loss=False):
         ce = _CE(hidden, weight, targets, bias, class_weights, ignore_index, reduction, label_smoothing, softcap,
-                 z_loss, layout)
+                 z_loss, layout, logit_scale, token_scaling, float32_loss)
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
         ctx.reduction = ce.reduction
         ctx.fh_context = context
         ctx.dweight_pool = _dweight_pool(weight) if need[1] else None
         if ce.reduction != Reduction.NONE:
-            loss, z, (dx, dw, db) = _forward_reduced(ce, context, need)
+            loss, z, (dx, dw, db) = _forward_reduced(ce, context, need, extras)
             ctx.save_for_backward(ce.lin.hidden_grad(dx), dw, db)
         else:
-            loss, z, lse = _forward_none(ce, context)
+            loss, z, lse = _forward_none(ce, context, extras)
             # What the library saw (views of the inputs, or the copies made for it), for fh_ce_backward.
             ctx.save_for_backward(ce.lin.x, ce.lin.weight, ce.targets, ce.lin.bias, ce.class_weights, lse)
             ctx.need = need
-            ctx.options = (ignore_index, label_smoothing, softcap, z_loss, layout)
+            ctx.options = (ignore_index, label_smoothing, softcap, z_loss, layout, logit_scale, token_scaling)
             ctx.hidden_shape = ce.lin.hidden_shape
             ctx.bias_dtype = ce.lin.bias_dtype  # the caller's: the saved bias is its fp32 form
         ctx.mark_non_differentiable(z)
@@ -423,9 +457,9 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             dx, dw, db = _scaled(ctx.saved_tensors, grad_loss, ctx.dweight_pool)
         else:
             x, weight, targets, bias, class_weights, lse = ctx.saved_tensors  # version-checked
-            ignore_index, label_smoothing, softcap, z_loss, layout = ctx.options
+            ignore_index, label_smoothing, softcap, z_loss, layout, logit_scale, token_scaling = ctx.options
             ce = _CE(x, weight, targets, bias, class_weights, ignore_index, Reduction.NONE, label_smoothing, softcap,
-                     z_loss, layout)
+                     z_loss, layout, logit_scale, token_scaling)
             ce.lin.bias_dtype = ctx.bias_dtype  # the caller's, for dbias: the saved bias is its fp32 form
             dx, dw, db = ce.lin.alloc_grads(*ctx.need)
             if ce.n > 0:
@@ -447,39 +481,66 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                         if t is not None:
                             t.fill_(float("nan"))
             dx = None if dx is None else dx.view(ctx.hidden_shape)
-        return (dx, dw, None, db) + (None,) * 8
+        return (dx, dw, None, db) + (None,) * 12
+
+
+class CrossEntropyOutput(NamedTuple):
+    """fused_linear_cross_entropy's result with return_entropy or return_correct: the loss, the z-loss part of it
+    (detached), the per-token entropy of the softmax (float32, the targets' shape, 0 where ignored; None unless
+    asked for) and the correct count (an int64 scalar: tokens, ignored ones aside, whose argmax is their target;
+    None unless asked for). Neither has a gradient."""
+    loss: torch.Tensor
+    z_loss: torch.Tensor
+    entropy: Optional[torch.Tensor]
+    correct: Optional[torch.Tensor]
+
+
+def _cross_entropy(hidden, weight, targets, bias, class_weights, ignore_index, reduction, label_smoothing, softcap,
+                   z_loss, layout, context, logit_scale, token_scaling, extras, float32_loss=False):
+    """(loss, z_loss) through the autograd Function when a gradient can be needed, else the forward alone."""
+    parse_reduction(reduction)
+    if _autograd_needed(class_weights):
+        raise ValueError("class_weights: gradients with respect to class weights are not supported "
+                         "(torch's cross_entropy does not implement them either); pass class_weights.detach()")
+    if _autograd_needed(hidden, weight, bias):
+        return FusedLinearCrossEntropyFunction.apply(hidden, weight, targets, bias, class_weights, ignore_index,
+                                                     reduction, label_smoothing, softcap, z_loss, layout, context,
+                                                     logit_scale, token_scaling, extras, float32_loss)
+    ce = _CE(hidden, weight, targets, bias, class_weights, ignore_index, reduction, label_smoothing, softcap, z_loss,
+             layout, logit_scale, token_scaling, float32_loss)
+    if ce.reduction != Reduction.NONE:
+        loss, z, _ = _forward_reduced(ce, context, (False, False, False), extras)
+    else:
+        loss, z, _ = _forward_none(ce, context, extras)
+    return loss, z
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                                bias: Optional[torch.Tensor] = None, ignore_index: int = -100,
                                reduction: str = "mean", label_smoothing: float = 0.0,
                                class_weights: Optional[torch.Tensor] = None, softcap: float = 0.0,
-                               z_loss: float = 0.0, *, weight_classes: Optional[torch.Tensor] = None,
-                               layout: str = "vh", return_z_loss: bool = False, context: Optional[Context] = None):
+                               z_loss: float = 0.0, *, logit_scale: Optional[float] = None,
+                               token_scaling: bool = False, weight_classes: Optional[torch.Tensor] = None,
+                               layout: str = "vh", return_z_loss: bool = False, return_entropy: bool = False,
+                               return_correct: bool = False, context: Optional[Context] = None):
     """F.cross_entropy(F.linear(hidden, weight, bias), targets, weight=class_weights, ...) without the logits.
 
-    class_weights is torch's `weight=` (alias: weight_classes). Returns the loss (a scalar, or the targets'
-    shape for 'none'), or (loss, z_loss) with return_z_loss=True (z_loss: the z-loss part, detached).
+    class_weights is torch's `weight=` (alias: weight_classes). logit_scale multiplies the logits before the softcap
+    (Cohere's logit_scale, Granite's 1 / logits_scaling); token_scaling=True is DFT (Liger's use_token_scaling, TRL's
+    SFT loss_type "dft"): each token's loss, its label-smoothing and z-loss terms included, times its target's
+    probability, detached. Returns the loss (a scalar, or the targets' shape for 'none'), or (loss, z_loss) with
+    return_z_loss=True (z_loss: the z-loss part, detached), or a CrossEntropyOutput (loss, z_loss, entropy, correct)
+    with return_entropy or return_correct.
     """
     if weight_classes is not None:
         if class_weights is not None:
             raise ValueError("pass class_weights or weight_classes, not both")
         class_weights = weight_classes
-    parse_reduction(reduction)
-    if _autograd_needed(class_weights):
-        raise ValueError("class_weights: gradients with respect to class weights are not supported "
-                         "(torch's cross_entropy does not implement them either); pass class_weights.detach()")
-    if _autograd_needed(hidden, weight, bias):
-        loss, z = FusedLinearCrossEntropyFunction.apply(hidden, weight, targets, bias, class_weights, ignore_index,
-                                                        reduction, label_smoothing, softcap, z_loss, layout,
-                                                        context)
-    else:
-        ce = _CE(hidden, weight, targets, bias, class_weights, ignore_index, reduction, label_smoothing, softcap,
-                 z_loss, layout)
-        if ce.reduction != Reduction.NONE:
-            loss, z, _ = _forward_reduced(ce, context, (False, False, False))
-        else:
-            loss, z, _ = _forward_none(ce, context)
+    extras = _Extras(return_entropy, return_correct) if return_entropy or return_correct else None
+    loss, z = _cross_entropy(hidden, weight, targets, bias, class_weights, ignore_index, reduction, label_smoothing,
+                             softcap, z_loss, layout, context, logit_scale, token_scaling, extras)
+    if extras is not None:
+        return CrossEntropyOutput(loss, z, extras.entropy, extras.correct)
     return (loss, z) if return_z_loss else loss
 
 
@@ -574,6 +635,40 @@ def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     return (logp, entropy, lse) if return_entropy and return_lse else (logp, entropy) if return_entropy else (logp, lse)
 
 
+def causal_lm_loss(hidden_states: torch.Tensor, lm_head_weight: torch.Tensor, labels: Optional[torch.Tensor],
+                   num_items_in_batch=None, ignore_index: int = -100, shift_labels: Optional[torch.Tensor] = None,
+                   final_logit_softcapping: Optional[float] = None, logit_scale: Optional[float] = None,
+                   bias: Optional[torch.Tensor] = None, *, context: Optional[Context] = None) -> torch.Tensor:
+    """Hugging Face transformers' causal-LM loss without the logits: ForCausalLMLoss and fixed_cross_entropy of
+    src/transformers/loss/loss_utils.py (commit 0114da07ec0e101b420a923dedeb6032b6ac3a44) on
+    logits = F.linear(hidden_states, lm_head_weight, bias), times logit_scale (Cohere) and softcapped by
+    final_logit_softcapping (Gemma 2) as the models do before calling it.
+
+    hidden_states [B, T, H] (or [..., H]) is viewed as [B*T, H], never copied or shifted; the shift is on the labels:
+    labels [B, T] padded on the right with ignore_index and shifted by one (F.pad(labels, (0, 1),
+    value=ignore_index)[..., 1:]), unless shift_labels (the labels' shape, already shifted) is given, when labels is
+    not read (it may be None). Reduction "sum" divided by num_items_in_batch when it is given (a tensor or an int, as
+    the Trainer passes it for gradient accumulation), else "mean" over the tokens that are not ignore_index. The
+    loss is float32 whatever the inputs' dtype (the function upcasts the logits); bf16 hidden states and weight are
+    read as they are, their gradients come back in bf16. One difference: when every token is ignored, "mean" gives 0
+    (Hugging Face, through torch, gives NaN).
+    """
+    if shift_labels is None:
+        if labels is None:
+            raise TypeError("causal_lm_loss: labels is None and no shift_labels was given")
+        _check_tensor(labels, "labels", torch.int64, " (use .long())")
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss, _ = _cross_entropy(hidden_states, lm_head_weight, shift_labels, bias, None, ignore_index, reduction, 0.0,
+                             0.0 if final_logit_softcapping is None else final_logit_softcapping, 0.0, "vh", context,
+                             logit_scale, False, None, float32_loss=True)
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss
+
+
 class FusedLinearCrossEntropy(torch.nn.Module):
     """nn.Module form (options fixed at construction; the lm_head weight is a forward argument, as in Liger's
     LigerFusedLinearCrossEntropyLoss):
@@ -584,12 +679,16 @@ class FusedLinearCrossEntropy(torch.nn.Module):
 
     def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                  class_weights: Optional[torch.Tensor] = None, softcap: float = 0.0, z_loss: float = 0.0,
-                 layout: str = "vh", return_z_loss: bool = False, context: Optional[Context] = None):
+                 layout: str = "vh", return_z_loss: bool = False, context: Optional[Context] = None, *,
+                 logit_scale: Optional[float] = None, token_scaling: bool = False, return_entropy: bool = False,
+                 return_correct: bool = False):
         super().__init__()
         parse_reduction(reduction)
         parse_layout(layout)
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
         self.softcap, self.z_loss, self.layout, self.return_z_loss = softcap, z_loss, layout, return_z_loss
+        self.logit_scale, self.token_scaling = logit_scale, token_scaling
+        self.return_entropy, self.return_correct = return_entropy, return_correct
         self.context = context
         self.register_buffer("class_weights", class_weights)
 
@@ -597,13 +696,17 @@ class FusedLinearCrossEntropy(torch.nn.Module):
                 bias: Optional[torch.Tensor] = None):
         return fused_linear_cross_entropy(hidden, weight, targets, bias, self.ignore_index, self.reduction,
                                           self.label_smoothing, self.class_weights, self.softcap, self.z_loss,
+                                          logit_scale=self.logit_scale, token_scaling=self.token_scaling,
                                           layout=self.layout, return_z_loss=self.return_z_loss,
+                                          return_entropy=self.return_entropy, return_correct=self.return_correct,
                                           context=self.context)
 
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
                 f"label_smoothing={self.label_smoothing}, softcap={self.softcap}, z_loss={self.z_loss}, "
-                f"layout={self.layout!r}, return_z_loss={self.return_z_loss}")
+                f"logit_scale={self.logit_scale}, token_scaling={self.token_scaling}, layout={self.layout!r}, "
+                f"return_z_loss={self.return_z_loss}, return_entropy={self.return_entropy}, "
+                f"return_correct={self.return_correct}")
 
 
 # ---------------------------------------------------------------------------------------------------------

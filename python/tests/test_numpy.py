@@ -7,19 +7,21 @@ import pytest
 
 import fusedhead
 import fusedhead.numpy as fhnp
-from conftest import GRAD_RTOL_F64, LOSS_RTOL_F64, make_data, normwise
+from conftest import ENTROPY_ATOL, GRAD_RTOL_F64, LOSS_RTOL_F64, make_data, normwise
 
 
 def np_reference(x, w, t, b=None, *, layout="vh", ignore_index=-100, reduction="mean", label_smoothing=0.0,
-                 class_weights=None, softcap=0.0, z_loss=0.0):
-    """float64 NumPy: loss, per-token loss, logp, lse, argmax, and the gradients of the loss
-    (upstream 1 / ones) with respect to x, w (in w's layout) and b."""
+                 class_weights=None, softcap=0.0, z_loss=0.0, logit_scale=None, token_scaling=False):
+    """float64 NumPy: loss, per-token loss, logp, lse, argmax, entropy, correct count, and the gradients of the loss
+    (upstream 1 / ones) with respect to x, w (in w's layout) and b. token_scaling (DFT): each token's loss and its
+    gradient times p(target), a constant."""
     x, w = x.astype(np.float64), w.astype(np.float64)
     W = w if layout == "vh" else w.T  # [V, H]
+    m = 1.0 if logit_scale is None else logit_scale
     u = x @ W.T + (0 if b is None else b.astype(np.float64))
-    z = softcap * np.tanh(u / softcap) if softcap else u
-    m = z.max(axis=1, keepdims=True)
-    lse = (m + np.log(np.exp(z - m).sum(axis=1, keepdims=True)))[:, 0]
+    z = softcap * np.tanh(m * u / softcap) if softcap else m * u
+    top = z.max(axis=1, keepdims=True)
+    lse = (top + np.log(np.exp(z - top).sum(axis=1, keepdims=True)))[:, 0]
     p = np.exp(z - lse[:, None])
     n, v = z.shape
     keep = t != ignore_index
@@ -35,6 +37,9 @@ def np_reference(x, w, t, b=None, *, layout="vh", ignore_index=-100, reduction="
     dce = ((1 - eps) * wy[:, None] + eps / v * cw.sum() * keep[:, None]) * p - (1 - eps) * wy[:, None] * onehot \
         - eps / v * cw[None, :] * keep[:, None]
     dzl = 2 * z_loss * lse[:, None] * p * keep[:, None]
+    if token_scaling:
+        scale = np.exp(logp)
+        ce, zl, dce, dzl = ce * scale, zl * scale, dce * scale[:, None], dzl * scale[:, None]
     if reduction == "mean":
         sw, cnt = wy.sum(), keep.sum()
         loss = ce.sum() / sw + zl.sum() / cnt
@@ -42,17 +47,22 @@ def np_reference(x, w, t, b=None, *, layout="vh", ignore_index=-100, reduction="
     else:
         loss = ce.sum() + zl.sum() if reduction == "sum" else ce + zl
         dz = dce + dzl
-    if softcap:
-        dz = dz * (1 - np.tanh(u / softcap) ** 2)
+    dz = dz * (m * (1 - np.tanh(m * u / softcap) ** 2) if softcap else m)
     dx, dW, db = dz @ W, dz.T @ x, dz.sum(axis=0)
+    entropy = -(p * (z - lse[:, None])).sum(axis=1) * keep
     return dict(loss=loss, per_token_loss=ce + zl, logp=logp, lse=lse, argmax=z.argmax(axis=1), dhidden=dx,
-                dweight=dW if layout == "vh" else dW.T, dbias=db)
+                dweight=dW if layout == "vh" else dW.T, dbias=db, entropy=entropy,
+                correct=int(((z.argmax(axis=1) == t) & keep).sum()))
 
 
+# ce_logit_scale: the option logit_scale (make_data's logit_scale is the data's typical logit size)
 OPTION_SETS = [
     dict(),
     dict(ignore_frac=0.3, label_smoothing=0.1, class_weights=True),
     dict(bias=True, softcap=5.0, z_loss=1e-3, ignore_frac=0.2),
+    dict(ce_logit_scale=0.5, ignore_frac=0.2, token_scaling=True),
+    dict(bias=True, softcap=30.0, ce_logit_scale=2.0, z_loss=1e-3, label_smoothing=0.1, class_weights=True,
+         ignore_frac=0.2, token_scaling=True),
 ]
 
 
@@ -61,6 +71,8 @@ def _data_and_opts(spec, seed, **extra):
     data_keys = ("bias", "class_weights", "ignore_frac", "layout", "logit_scale")
     x, w, t, b, cw = make_data(seed=seed, **{k: spec[k] for k in data_keys if k in spec})
     opts = {k: v for k, v in spec.items() if k not in data_keys}
+    if "ce_logit_scale" in opts:
+        opts["logit_scale"] = opts.pop("ce_logit_scale")
     return x, w, t, b, dict(opts, class_weights=cw)
 
 
@@ -70,7 +82,11 @@ def _data_and_opts(spec, seed, **extra):
 def test_cross_entropy_matches_float64(spec, reduction, layout):
     x, w, t, b, opts = _data_and_opts(OPTION_SETS[spec], seed=spec, layout=layout)
     ref = np_reference(x, w, t, b, layout=layout, reduction=reduction, **opts)
-    r = fhnp.cross_entropy(x, w, t, b, layout=layout, reduction=reduction, return_grads=True, **opts)
+    r = fhnp.cross_entropy(x, w, t, b, layout=layout, reduction=reduction, return_grads=True, return_entropy=True,
+                           **opts)
+    # the entropy within conftest's ENTROPY_ATOL; the count exactly where the argmaxes agree (asserted below)
+    assert np.abs(r.entropy - ref["entropy"]).max() <= ENTROPY_ATOL and r.entropy.shape == t.shape
+    assert isinstance(r.correct, int) and r.correct == ref["correct"]
     if reduction == "none":
         assert isinstance(r.loss, np.ndarray) and r.loss.shape == t.shape
     else:
@@ -87,9 +103,10 @@ def test_cross_entropy_matches_float64(spec, reduction, layout):
             continue
         assert got.shape == ref[name].shape
         assert normwise(got, ref[name]) <= GRAD_RTOL_F64, name
-    # forward only: the same loss, no gradients
+    # forward only: the same loss, no gradients; no entropy unless asked for
     f = fhnp.cross_entropy(x, w, t, b, layout=layout, reduction=reduction, **opts)
     assert f.dhidden is None and normwise(f.loss, ref["loss"]) <= LOSS_RTOL_F64
+    assert f.entropy is None and f.correct == ref["correct"]
 
 
 def test_cross_entropy_matches_torch():
@@ -109,9 +126,11 @@ def test_cross_entropy_matches_torch():
         assert normwise(got, ref.grad.numpy()) <= GRAD_RTOL_F64
 
 
+@pytest.mark.parametrize("spec", [1, 4])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_split_matches_single_call(reduction, small_tiles):
-    x, w, t, b, opts = _data_and_opts(OPTION_SETS[1], seed=3, bias=True)
+def test_split_matches_single_call(spec, reduction, small_tiles):
+    """Set 4 has DFT: the split backward recomputes the target logits for p_y."""
+    x, w, t, b, opts = _data_and_opts(OPTION_SETS[spec], seed=3, bias=True)
     rng = np.random.default_rng(0)
     g = rng.standard_normal(t.shape).astype(np.float32) if reduction == "none" else 0.7
     for ctx in (None, small_tiles):
@@ -311,5 +330,12 @@ def test_error_options(data):
         fhnp.cross_entropy(x, w, t, class_weights=bad)
     with pytest.raises(fusedhead.errors.InvalidZLossError):
         fhnp.cross_entropy(x, w, t, z_loss=-1.0)
+    with pytest.raises(fusedhead.errors.InvalidLogitScaleError) as info:
+        fhnp.cross_entropy(x, w, t, logit_scale=0.0)
+    assert info.value.status == 53 and "logit_scale = 0" in info.value.message
+    with pytest.raises(fusedhead.errors.InvalidLogitScaleError, match="softcap / logit_scale"):
+        fhnp.cross_entropy(x, w, t, softcap=1e-37, logit_scale=1e3)
+    with pytest.raises(TypeError, match="logit_scale"):
+        fhnp.cross_entropy(x, w, t, logit_scale="large")
     with pytest.raises(fusedhead.errors.InvalidGradOutputError):
         fhnp.cross_entropy(x, w, t, return_grads=True, grad_output=float("inf"))

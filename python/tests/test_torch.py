@@ -10,9 +10,9 @@ torch = pytest.importorskip("torch")
 
 import fusedhead  # noqa: E402
 import fusedhead.torch as fht  # noqa: E402
-from conftest import (GRAD_RTOL_F32, GRAD_RTOL_F64, LOSS_RTOL_F32, LOSS_RTOL_F64, make_data,  # noqa: E402
-                      normwise)
-from reference import reference_loss  # noqa: E402
+from conftest import (ENTROPY_ATOL, GRAD_RTOL_F32, GRAD_RTOL_F64, LOSS_RTOL_F32, LOSS_RTOL_F64,  # noqa: E402
+                      make_data, normwise)
+from reference import reference_entropy_correct, reference_logits, reference_loss  # noqa: E402
 
 torch.manual_seed(0)
 
@@ -30,6 +30,12 @@ CASES = {
     "bias": dict(bias=True),
     "everything": dict(bias=True, class_weights=True, ignore_frac=0.2, label_smoothing=0.1, softcap=5.0,
                        z_loss=1e-3, logit_scale=5.0),
+    # ce_logit_scale is the option logit_scale (logit_scale above is the data's typical logit size)
+    "logit_scale": dict(ce_logit_scale=0.5, ignore_frac=0.2),
+    "logit_scale_softcap": dict(ce_logit_scale=2.5, softcap=4.0),
+    "dft": dict(token_scaling=True, ignore_frac=0.3),
+    "dft_everything": dict(bias=True, class_weights=True, ignore_frac=0.2, label_smoothing=0.1, softcap=5.0,
+                           z_loss=1e-3, logit_scale=5.0, ce_logit_scale=1.5, token_scaling=True),
 }
 DATA_KEYS = ("bias", "class_weights", "ignore_frac", "ignore_index", "logit_scale", "layout")
 
@@ -39,6 +45,8 @@ def split(case):
     opts = {k: v for k, v in case.items() if k not in DATA_KEYS and k != "ignore_frac"}
     if "ignore_index" in case:
         opts["ignore_index"] = case["ignore_index"]
+    if "ce_logit_scale" in opts:
+        opts["logit_scale"] = opts.pop("ce_logit_scale")
     return data, opts
 
 
@@ -85,12 +93,13 @@ def test_matches_torch(case, reduction):
     compare(arrays, dict(opts, reduction=reduction), upstream)
 
 
+@pytest.mark.parametrize("case", ["everything", "dft_everything"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("schedule", ["small_tiles", "streaming"])
-def test_tiling_and_schedules(reduction, schedule, request):
+def test_tiling_and_schedules(case, reduction, schedule, request):
     """Several vocabulary tiles and row blocks; and a budget too small for the train step's row blocks, so
     fh_ce_forward_backward streams (forward, then backward)."""
-    data, opts = split(CASES["everything"])
+    data, opts = split(CASES[case])
     arrays = make_data(seed=3, n=70, v=517, **data)
     ctx = request.getfixturevalue(schedule)
     compare(arrays, dict(opts, reduction=reduction), None, context=ctx)
@@ -273,6 +282,55 @@ def test_return_z_loss(reduction):
     assert normwise(loss.detach().numpy(), ref_loss.detach().numpy()) <= LOSS_RTOL_F64
 
 
+# Options for the entropy and the correct count whose logits do not saturate the softcap (no near-ties of the argmax).
+EXTRA_OUTPUT_CASES = {
+    "plain": dict(),
+    "logit_scale_softcap": dict(ce_logit_scale=2.5, softcap=30.0),
+    "dft_everything": dict(bias=True, class_weights=True, ignore_frac=0.2, label_smoothing=0.1, softcap=30.0,
+                           z_loss=1e-3, ce_logit_scale=1.5, token_scaling=True),
+}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("case", list(EXTRA_OUTPUT_CASES))
+def test_entropy_and_correct(case, reduction):
+    """The entropy and correct-count outputs against float64 torch on the materialized logits, with the loss and its
+    gradients as without them. Half the targets are set to the float64 argmax, so that the count is neither 0 nor
+    all. Entropy: absolute 1e-5 per token (conftest ENTROPY_ATOL); the count exactly: the float64 top two logits of
+    every row differ by more than 1e-5, ten times the fp32 logit error here (conftest), so no argmax can flip."""
+    data, opts = split(EXTRA_OUTPUT_CASES[case])
+    x, w, t, b, cw = make_data(seed=61, **data)
+    X64, W64, _, B64, _ = leaves((x, w, t, b, cw), torch.float64)
+    shape = dict(logit_scale=opts.get("logit_scale"), softcap=opts.get("softcap", 0.0))
+    z = reference_logits(X64, W64, B64, **shape)
+    top2 = z.topk(2, dim=-1).values
+    assert float((top2[:, 0] - top2[:, 1]).min()) > 1e-5
+    t[::2] = z.argmax(-1).numpy()[::2]
+    t[t == -100] = -100
+    X, W, T, B, CW = leaves((x, w, t, b, cw), torch.float32)
+    out = fht.fused_linear_cross_entropy(X, W, T, B, class_weights=CW, reduction=reduction, return_entropy=True,
+                                         return_correct=True, **opts)
+    assert isinstance(out, fht.CrossEntropyOutput)
+    assert out.entropy.dtype == torch.float32 and out.entropy.shape == T.shape and not out.entropy.requires_grad
+    assert out.correct.dtype == torch.int64 and out.correct.shape == ()
+    ref_entropy, ref_correct = reference_entropy_correct(X64, W64, T, B64, **shape)
+    assert float((out.entropy.double() - ref_entropy).abs().max()) <= ENTROPY_ATOL
+    assert 0 < ref_correct < len(t) and int(out.correct) == ref_correct
+    # the loss and its gradients beside them, as ever (conftest's float64 tolerances)
+    out.loss.sum().backward()
+    X64, W64, _, B64, CW64 = leaves((x, w, t, b, cw), torch.float64)
+    ref = reference_loss(X64, W64, T, B64, class_weights=CW64, reduction=reduction, **opts)
+    ref.sum().backward()
+    assert normwise(out.loss.detach().numpy(), ref.detach().numpy()) <= LOSS_RTOL_F64
+    for got, want in ((X, X64), (W, W64)):
+        assert normwise(got.grad.numpy(), want.grad.numpy()) <= GRAD_RTOL_F64
+    # only one of them asked for: the other is None; under no_grad the same values
+    with torch.no_grad():
+        only = fht.fused_linear_cross_entropy(X, W, T, B, class_weights=CW, reduction=reduction, return_correct=True,
+                                              **opts)
+    assert only.entropy is None and int(only.correct) == ref_correct
+
+
 def test_autograd_function_direct():
     arrays = make_data(seed=52, bias=True)
     X, W, T, B, _ = leaves(arrays, torch.float32)
@@ -444,6 +502,9 @@ def test_error_options_from_library(ok):
         fht.fused_linear_cross_entropy(X, W, T, softcap=-1.0)
     with pytest.raises(fusedhead.errors.InvalidZLossError):
         fht.fused_linear_cross_entropy(X, W, T, z_loss=float("nan"))
+    for scale, softcap in ((0.0, 0.0), (-1.0, 0.0), (float("nan"), 0.0), (1e39, 0.0), (1e-3, 1e38)):
+        with pytest.raises(fusedhead.errors.InvalidLogitScaleError, match="logit_scale"):
+            fht.fused_linear_cross_entropy(X, W, T, logit_scale=scale, softcap=softcap)
     bad = CW.clone()
     bad[4] = -1.0
     with pytest.raises(fusedhead.errors.InvalidClassWeightError, match=r"class_weights\[4\]"):

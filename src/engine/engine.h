@@ -96,6 +96,12 @@ fh_status fh_engine_forward(const fh_engine_pass *p);
 /* Accumulates p->grads from p->coefs. */
 fh_status fh_engine_backward(const fh_engine_pass *p);
 
+/* z_target[i] = row i's transformed logit at its target (0 where targets[i] is outside [0, V)), each from one dot
+ * product of x's row and the weight's column in double, rounded to fp32 as the GEMM's logit is, then transformed
+ * like a tile (2 N H flops, no tile): for a backward that needs the target's probability before its first tile.
+ * Uses plan (threads), lin, tf and targets. */
+void fh_engine_target_logits(const fh_engine_pass *p, double *z_target);
+
 /* Single-call train step over row blocks of plan->tile_rows x V (a row-block plan of fh_plan_train_step;
  * with paired_rows, two segments of tile_rows / 2 rows, one in each half, and the block hook is called with
  * the first half's segment):

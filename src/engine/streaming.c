@@ -1,7 +1,8 @@
 /* The streaming passes. Both walk vocabulary tiles in the outer loop and token blocks in the inner one: a dweight tile
  * (H x tile_vocab) is finished before moving on, so the H x V accumulator is written once per row block of its own
  * tile and never revisited; dx (N x H, usually the smaller) is the one re-accumulated per vocabulary tile. bf16
- * gradients that several GEMMs add up go through f32 accumulators (dx_acc, dw_acc) and are rounded once. */
+ * gradients that several GEMMs add up go through f32 accumulators (dx_acc, dw_acc) and are rounded once.
+ * Also the target logits a streaming backward may need before its first tile (fh_engine_target_logits). */
 #include "pass.h"
 
 #include "../filter/filter.h"
@@ -219,6 +220,30 @@ static fh_status backward(const fh_pass *p)
     if (grads->dx && p->sinks.dx == FH_DX_ACCUMULATOR)
         finish_dx(p);
     return FH_OK;
+}
+
+/* Element `offset` of fp32 or bf16 storage, widened to double. */
+static double element(const void *base, fh_dtype dtype, int64_t offset)
+{
+    return dtype == FH_DTYPE_BF16 ? (double)fh_bf16_to_f32(((const uint16_t *)base)[offset])
+                                  : (double)((const float *)base)[offset];
+}
+
+void fh_engine_target_logits(const fh_engine_pass *p, double *z_target)
+{
+    const fh_linear *lin = p->lin;
+#pragma omp parallel for num_threads(p->plan->threads) schedule(static)
+    for (int64_t i = 0; i < lin->n; i++) {
+        const int64_t y = target_column(p->targets, i, lin->vocab, 0);
+        double u = 0.0;
+        for (int64_t k = 0; y >= 0 && k < lin->hidden; k++)
+            u += element(lin->x, lin->x_dtype, i * lin->x_row_stride + k) *
+                 element(lin->weight, lin->weight_dtype, k * lin->w_stride_hidden + y * lin->w_stride_vocab);
+        float z = (float)u;
+        if (y >= 0)
+            fh_row_transform(&z, 1, lin->bias ? lin->bias + y : NULL, &p->tf);
+        z_target[i] = y >= 0 ? z : 0.0;
+    }
 }
 
 fh_status fh_engine_forward(const fh_engine_pass *in)

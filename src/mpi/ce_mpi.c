@@ -34,6 +34,8 @@ static fh_status begin(ce_call *c, int entry, fh_mpi_layout *L, fh_context *ctx,
         fhm_call_config(&c->call, "class weights given", o->class_weights != NULL);
         fhm_call_config_real(&c->call, "softcap", o->softcap);
         fhm_call_config_real(&c->call, "z_loss", o->z_loss);
+        fhm_call_config_real(&c->call, "logit_scale", o->logit_scale);
+        fhm_call_config(&c->call, "token_scaling", o->token_scaling != 0);
     }
     if (st == FH_OK)
         st = fh_ce_check_call(ctx, lin, targets, o, L->total_vocab);
@@ -95,6 +97,14 @@ static fh_status global_norms(ce_call *c, int data)
     return st == FH_OK ? norms(c, data) : st;
 }
 
+/* The outputs' checks. Every rank asks for the argmax statistic alike (the argmax or correct output): the two-step
+ * statistics collective reduces it only when asked for. */
+static fh_status check_outputs(ce_call *c, const fh_ce_outputs *out)
+{
+    fhm_call_config(&c->call, "argmax or correct asked for", out && (out->argmax || out->correct));
+    return fh_ce_check_outputs(c->call.ctx, c->o, out);
+}
+
 /* An engine pass over the shard with the engine's ids. */
 static fh_engine_pass shard_pass(const ce_call *c, const fh_plan *plan, const fh_workspace *ws)
 {
@@ -135,12 +145,13 @@ static fh_status forward(ce_call *c, const fh_plan *plan, const fh_workspace *ws
         st = norms(c, 0);
     if (st != FH_OK)
         return st;
-    double totals[4];
-    fh_ce_outputs loss_only = {out->loss, out->z_loss, NULL, NULL, NULL, NULL, NULL, NULL};
-    fh_ce_write_token_outputs(&c->h, stats, write_tokens ? out : &loss_only, totals + 2);
+    /* The norms, then the head's totals, summed over the data communicator in one call. */
+    double totals[2 + FH_CE_TOTALS];
+    fh_ce_outputs reduced_only = {out->loss, out->z_loss, NULL, NULL, NULL, NULL, NULL, out->correct};
+    fh_ce_write_token_outputs(&c->h, stats, write_tokens ? out : &reduced_only, totals + 2);
     totals[0] = c->h.nm.count;
     totals[1] = c->h.nm.weight_sum;
-    st = fhm_sum(call->ctx, call->L->data, call->L->data_ranks, totals, 4);
+    st = fhm_sum(call->ctx, call->L->data, call->L->data_ranks, totals, 2 + FH_CE_TOTALS);
     c->h.nm.count = totals[0];
     c->h.nm.weight_sum = totals[1];
     if (st == FH_OK)
@@ -156,7 +167,7 @@ FH_MPI_API fh_status fh_mpi_ce_forward(fh_context *ctx, fh_mpi_layout *layout, c
     fh_workspace ws;
     fh_status st = begin(&c, FHM_CE_FORWARD, layout, ctx, lin, targets, options, NULL);
     if (st == FH_OK)
-        st = fh_ce_check_outputs(ctx, options, out);
+        st = check_outputs(&c, out);
     if (st == FH_OK)
         st = fh_ce_check_apart(ctx, lin, targets, options, NULL, NULL, out, NULL);
     if (st == FH_OK)
@@ -208,11 +219,15 @@ FH_MPI_API fh_status fh_mpi_ce_backward(fh_context *ctx, fh_mpi_layout *layout, 
         return st;
     shard_inputs(&c);
     st = global_norms(&c, options->reduction == FH_REDUCTION_MEAN);
+    fh_engine_pass pass = shard_pass(&c, &plan, &ws);
+    pass.grads = &c.call.g.engine;
+    /* DFT's target logits: each from the shard that holds the target (the others' are 0), summed. */
+    double *z_target = st == FH_OK ? fh_ce_target_logits_in(&ws, options, &pass) : NULL;
+    if (z_target)
+        st = fhm_sum(ctx, layout->vocab, layout->vocab_ranks, z_target, (int)lin->n);
     if (st == FH_OK) {
-        const fh_coef_arrays coefs = fh_ce_coefs_in(&ws, &c.h, lse, NULL);
-        fh_engine_pass pass = shard_pass(&c, &plan, &ws);
+        const fh_coef_arrays coefs = fh_ce_coefs_in(&ws, &c.h, lse, z_target);
         pass.coefs = &coefs;
-        pass.grads = &c.call.g.engine;
         (void)fh_engine_backward(&pass); /* prepared (fhm_call_prepare): cannot fail */
     }
     return fhm_call_finish(&c.call, st);
@@ -250,9 +265,9 @@ static fh_status row_block_step(ce_call *c, const fh_plan *plan, const fh_worksp
         st = fh_engine_row_blocks(&pass);
     }
     if (st == FH_OK) {
-        double totals[2];
+        double totals[FH_CE_TOTALS];
         fh_ce_write_token_outputs(&c->h, stats, out, totals);
-        st = fhm_sum(call->ctx, call->L->data, call->L->data_ranks, totals, 2);
+        st = fhm_sum(call->ctx, call->L->data, call->L->data_ranks, totals, FH_CE_TOTALS);
         if (st == FH_OK)
             fh_ce_write_loss(&c->h, totals, out);
     }
@@ -270,7 +285,7 @@ FH_MPI_API fh_status fh_mpi_ce_forward_backward(fh_context *ctx, fh_mpi_layout *
     int row_blocks = 0;
     fh_status st = begin(&c, FHM_CE_TRAIN_STEP, layout, ctx, lin, targets, options, grad_output);
     if (st == FH_OK)
-        st = fh_ce_check_outputs(ctx, options, out);
+        st = check_outputs(&c, out);
     if (st == FH_OK)
         st = check_backward(&c, NULL, grad_output, out, grads);
     /* Planned with the gradients the engine writes (fhm_grads_begin: staging buffers, beta 0 before a reduction),
@@ -291,7 +306,7 @@ FH_MPI_API fh_status fh_mpi_ce_forward_backward(fh_context *ctx, fh_mpi_layout *
         /* Streaming: forward, the statistics' all-reduce, then backward from the double lse. */
         st = forward(&c, &plans[0], &ws[0], &stats, out, 0);
         if (st == FH_OK) {
-            double local[2];
+            double local[FH_CE_TOTALS];
             const fh_coef_arrays coefs = fh_ce_outputs_and_coefs(&ws[1], &c.h, &stats, out, local);
             fh_engine_pass pass = shard_pass(&c, &plans[1], &ws[1]);
             pass.coefs = &coefs;

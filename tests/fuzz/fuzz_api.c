@@ -247,7 +247,7 @@ enum { CALL_CE_FORWARD, CALL_CE_BACKWARD, CALL_CE_STEP, CALL_LOGPROB_FORWARD, CA
 enum { IN_X, IN_W, IN_BIAS, IN_CW, IN_TARGETS, IN_GRAD, IN_LSE, IN_LOGP, IN_ENTROPY, IN_MASK, IN_ADV, IN_OLD, IN_REF,
        IN_TEACHER_X, IN_TEACHER_W, IN_TEACHER_BIAS, IN_COUNT };
 enum { OUT_LOSS, OUT_ZLOSS, OUT_METRICS, OUT_PTL, OUT_LOGP, OUT_LSE, OUT_ENTROPY, OUT_ARGMAX, OUT_DX, OUT_DW, OUT_DB,
-       OUT_PREFERENCE_METRICS, OUT_SEQUENCE_LOGPS, OUT_REWARDS, OUT_SOFT_LOSS, OUT_HARD_LOSS, OUT_COUNT };
+       OUT_PREFERENCE_METRICS, OUT_SEQUENCE_LOGPS, OUT_REWARDS, OUT_SOFT_LOSS, OUT_HARD_LOSS, OUT_CORRECT, OUT_COUNT };
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -455,6 +455,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     ce.softcap = pick_double(&r, softcaps, 9);
     static const double zlosses[] = {0.0, 0.0, 1e-4, 1.0, 1e300, -1e-4, NAN, INFINITY};
     ce.z_loss = pick_double(&r, zlosses, 8);
+    /* logit_scale: valid, or out of fp32's normal range alone or as softcap / logit_scale (1e-3 with softcap 1e-38). */
+    static const double logit_scales[] = {1.0, 1.0, 0.5, 4.0, 1e-3, 1e38, 0.0, -1.0, 1e-50, 1e39, NAN, INFINITY};
+    ce.logit_scale = pick_double(&r, logit_scales, 12);
+    ce.token_scaling = u8(&r) % 4 == 0;
     if (u8(&r) % 4 == 0) {
         float *cw = alloc_exact(&in[IN_CW], uv * sizeof(float));
         for (size_t j = 0; j < uv; j++)
@@ -604,6 +608,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     float *lse = (want & 32) ? alloc_exact(&out[OUT_LSE], un * sizeof(float)) : NULL;
     float *entropy = (want & 64) ? alloc_exact(&out[OUT_ENTROPY], un * sizeof(float)) : NULL;
     int64_t *argmax = (want & 128) ? alloc_exact(&out[OUT_ARGMAX], un * sizeof(int64_t)) : NULL;
+    int64_t *correct = (want & 64) ? alloc_exact(&out[OUT_CORRECT], sizeof(int64_t)) : NULL;
     fh_preference_metrics *pref_metrics =
         (want & 4) ? alloc_exact(&out[OUT_PREFERENCE_METRICS], sizeof(fh_preference_metrics)) : NULL;
     double *soft_loss = distill && (want & 2) ? alloc_exact(&out[OUT_SOFT_LOSS], sizeof(double)) : NULL;
@@ -669,7 +674,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 
     fh_status st;
     size_t bytes = 0xA5A5A5A5u;
-    fh_ce_outputs ce_out = {loss, zl, ptl, logp, lse, argmax, NULL, NULL};
+    fh_ce_outputs ce_out = {loss, zl, ptl, logp, lse, argmax, entropy, correct};
     fh_grpo_outputs grpo_out = {loss, metrics, logp, ptl, entropy, lse};
     fh_preference_outputs pref_out = {loss, pref_metrics, seq_logps, rewards, logp};
     fh_distill_outputs distill_out = {loss, soft_loss, hard_loss, ptl};
@@ -760,6 +765,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             for (size_t i = 0; i < un; i++)
                 CHECK(argmax[i] >= 0 && argmax[i] < vocab, "argmax[%zu] = %lld outside [0, %lld)", i,
                       (long long)argmax[i], (long long)vocab);
+        if (st == FH_OK && correct && (call == CALL_CE_FORWARD || call == CALL_CE_STEP))
+            CHECK(*correct >= 0 && *correct <= n, "correct = %lld outside [0, %lld]", (long long)*correct, (long long)n);
         if (st == FH_OK && distill && ptl && dtargets)
             for (size_t i = 0; i < un; i++)
                 CHECK(dtargets[i] != dopt.ignore_index || ptl[i] == 0.0f,

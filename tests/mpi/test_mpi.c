@@ -23,7 +23,7 @@
 #define BF16_GRAD_TOL 4e-3
 
 static int world_rank, world_size, failures, checks;
-static char case_name[160];
+static char case_name[256];
 /* > 0: gradient filtering at this eps, tail dropped, on the contexts make_context creates (filtered_ce_cases). */
 static double filter_eps;
 
@@ -324,6 +324,13 @@ typedef struct ce_case {
     int in_place;          /* reduction none: per_token_loss written over this rank's grad_output */
 } ce_case;
 
+/* Set around ce_cases' scaled runs (as filter_eps around the filtered ones): fh_ce_options.logit_scale (0: 1),
+ * token_scaling (DFT), and the entropy and correct outputs asked for (extras). */
+static struct {
+    double logit_scale;
+    int token_scaling, extras;
+} scaling;
+
 enum { OMIT_DX = 1, OMIT_DWEIGHT = 2, OMIT_DBIAS = 4 };
 
 static void run_ce(const config *cfg, const ce_case *c, fh_dtype dtype, fh_dtype grad_dtype)
@@ -334,6 +341,12 @@ static void run_ce(const config *cfg, const ce_case *c, fh_dtype dtype, fh_dtype
              c->omit & OMIT_DWEIGHT ? ", no dweight" : "", c->omit & OMIT_DBIAS ? ", no dbias" : "");
     if (c->in_place)
         strncat(case_name, ", per_token_loss over grad_output", sizeof case_name - strlen(case_name) - 1);
+    if (scaling.logit_scale > 0.0 || scaling.token_scaling || scaling.extras) {
+        char more[80];
+        snprintf(more, sizeof more, ", logit_scale %g%s%s", scaling.logit_scale > 0.0 ? scaling.logit_scale : 1.0,
+                 scaling.token_scaling ? ", DFT" : "", scaling.extras ? ", entropy and correct" : "");
+        strncat(case_name, more, sizeof case_name - strlen(case_name) - 1);
+    }
     problem p;
     make_problem(&p, c->n, c->h, c->v, c->layout, 1000 + (uint64_t)c->n + (uint64_t)c->v, dtype);
     p.grad_dtype = grad_dtype;
@@ -357,6 +370,8 @@ static void run_ce(const config *cfg, const ce_case *c, fh_dtype dtype, fh_dtype
     o.softcap = c->softcap;
     o.z_loss = c->z_loss;
     o.class_weights = c->class_weights ? p.cw : NULL;
+    o.logit_scale = scaling.logit_scale > 0.0 ? scaling.logit_scale : 1.0;
+    o.token_scaling = scaling.token_scaling;
     const float *grad_output = c->reduction == FH_REDUCTION_NONE ? grad_out : grad_out + 1;
 
     /* The single process on the whole problem. */
@@ -364,9 +379,11 @@ static void run_ce(const config *cfg, const ce_case *c, fh_dtype dtype, fh_dtype
     const fh_linear full = shard_linear(&p, 0, n, 0, v, c->bias);
     double ref_loss = 0.0, ref_zl = 0.0;
     float *ref_ptl = alloc((size_t)n, 4), *ref_logp = alloc((size_t)n, 4), *ref_lse = alloc((size_t)n, 4);
-    int64_t *ref_argmax = alloc((size_t)n, 8);
+    int64_t *ref_argmax = alloc((size_t)n, 8), ref_correct = -1;
+    float *ref_entropy = alloc((size_t)n, 4);
     grads ref = {alloc((size_t)(n * h), 4), alloc((size_t)(h * v), 4), alloc((size_t)v, 4)};
-    fh_ce_outputs rout = {&ref_loss, &ref_zl, ref_ptl, ref_logp, ref_lse, ref_argmax, NULL, NULL};
+    fh_ce_outputs rout = {&ref_loss, &ref_zl, ref_ptl, ref_logp, ref_lse, ref_argmax,
+                          scaling.extras ? ref_entropy : NULL, scaling.extras ? &ref_correct : NULL};
     fh_linear_grads rg = {.dx = ref.dx, .dx_row_stride = h, .dx_beta = 0.0f, .dweight = ref.dw, .dweight_beta = 0.0f, .dbias = c->bias ? ref.db : NULL, .dbias_beta = 0.0f};
     check_status("reference fh_ce_forward_backward", fh_ce_forward_backward(ctx, &full, targets, &o, grad_output, &rout, &rg),
                  ctx);
@@ -421,7 +438,8 @@ static void run_ce(const config *cfg, const ce_case *c, fh_dtype dtype, fh_dtype
     }
     double loss = NAN, zl = NAN;
     float *ptl = alloc((size_t)nr, 4), *logp = alloc((size_t)nr, 4), *lse = alloc((size_t)nr, 4);
-    int64_t *argmax = alloc((size_t)nr, 8);
+    int64_t *argmax = alloc((size_t)nr, 8), correct = -2;
+    float *entropy = alloc((size_t)nr, 4);
     int64_t dx_first = 0, dx_rows = nr;
     if (c->dx_mode == FH_MPI_REDUCE_SCATTER && cfg->pv > 1)
         fh_mpi_dx_rows(L, nr, &dx_first, &dx_rows);
@@ -456,7 +474,8 @@ static void run_ce(const config *cfg, const ce_case *c, fh_dtype dtype, fh_dtype
         g.dweight = NULL;
     if (c->omit & OMIT_DBIAS)
         g.dbias = NULL;
-    fh_ce_outputs out = {&loss, &zl, ptl, logp, lse, argmax, NULL, NULL};
+    fh_ce_outputs out = {&loss, &zl, ptl, logp, lse, argmax, scaling.extras ? entropy : NULL,
+                         scaling.extras ? &correct : NULL};
     const float *local_grad = c->reduction == FH_REDUCTION_NONE ? grad_out + n0 : grad_output;
     if (c->in_place) { /* the rank's upstream gradient in the per_token_loss buffer, which the step overwrites */
         memcpy(ptl, grad_out + n0, (size_t)nr * sizeof(float));
@@ -480,6 +499,13 @@ static void run_ce(const config *cfg, const ce_case *c, fh_dtype dtype, fh_dtype
     check_rows("per_token_loss", ptl, 1, ref_ptl + n0, 1, nr, 1, GRAD_TOL);
     check_rows("per_token_logp", logp, 1, ref_logp + n0, 1, nr, 1, GRAD_TOL);
     check_rows("lse", lse, 1, ref_lse + n0, 1, nr, 1, GRAD_TOL);
+    if (scaling.extras) {
+        /* Entropy as the per-token values; the correct count is the whole batch's, of argmaxes that agree exactly. */
+        check_rows("entropy", entropy, 1, ref_entropy + n0, 1, nr, 1, GRAD_TOL);
+        checks++;
+        if (correct != ref_correct)
+            FAIL("correct = %lld, single process %lld", (long long)correct, (long long)ref_correct);
+    }
     checks++;
     for (int64_t i = 0; i < nr; i++)
         if (argmax[i] != ref_argmax[n0 + i]) {
@@ -535,6 +561,7 @@ static void run_ce(const config *cfg, const ce_case *c, fh_dtype dtype, fh_dtype
     free(logp);
     free(lse);
     free(argmax);
+    free(entropy);
     free(mine.dx);
     free(mine.dw);
     free(mine.db);
@@ -545,6 +572,7 @@ static void run_ce(const config *cfg, const ce_case *c, fh_dtype dtype, fh_dtype
     free(ref_logp);
     free(ref_lse);
     free(ref_argmax);
+    free(ref_entropy);
     free(targets);
     free(grad_out);
     free_problem(&p);
@@ -620,6 +648,21 @@ static void ce_cases(const config *cfg)
             c.omit = omit;
             run_ce(cfg, &c, FH_DTYPE_F32, FH_DTYPE_F32);
         }
+    /* logit_scale (with softcap), DFT, the entropy and the correct count: the split pair (DFT's target logits from the
+     * shard that holds each target, summed over the vocab communicator), the train step, both statistics
+     * collectives, every reduction, row blocks of uneven heights, the streaming fallback on one rank; fp32 and
+     * bf16. */
+    static const size_t scaled_cases[] = {0, 4, 6, 8, 17, 19};
+    for (size_t k = 0; k < sizeof scaled_cases / sizeof scaled_cases[0]; k++) {
+        const ce_case *c = &cases[scaled_cases[k]];
+        scaling.logit_scale = k % 2 ? 0.5 : 2.0;
+        scaling.token_scaling = k != 3;
+        scaling.extras = 1;
+        run_ce(cfg, c, FH_DTYPE_F32, FH_DTYPE_F32);
+        if (have_bf16() && k % 3 == 0)
+            run_ce(cfg, c, FH_DTYPE_BF16, (fh_dtype)(k / 3));
+    }
+    memset(&scaling, 0, sizeof scaling);
     /* bf16: split and train step, row blocks of uneven heights, the streaming fallback, reduce-scatter, scratch in
      * dweight. */
     static const size_t bf16_cases[] = {0, 3, 12, 16, 19, 21};
@@ -969,13 +1012,15 @@ static void error_cases(const config *cfg)
 /* Each kind of disagreement, rank 0 against the others: every rank returns FH_ERR_MPI_MISMATCH naming it, writes
  * nothing, and none hangs or crashes (ctest's timeout bounds the run). */
 enum { DIFF_NO_DX, DIFF_NO_DWEIGHT, DIFF_CLASS_WEIGHTS, DIFF_STATS, DIFF_DX_REDUCTION, DIFF_DW_REDUCTION,
-       DIFF_REDUCTION, DIFF_SMOOTHING, DIFF_GRPO_LOSS, DIFF_GRPO_BETA, DIFF_COUNT };
+       DIFF_REDUCTION, DIFF_SMOOTHING, DIFF_LOGIT_SCALE, DIFF_TOKEN_SCALING, DIFF_CORRECT, DIFF_GRPO_LOSS,
+       DIFF_GRPO_BETA, DIFF_COUNT };
 
 static void mismatch_case(const config *cfg, int diff)
 {
     static const char *const what[DIFF_COUNT] = {"dx asked for", "dweight asked for", "class weights given",
                                                  "the stats collective", "the dx reduction", "the dweight reduction",
-                                                 "the reduction", "label_smoothing", "loss_type", "beta"};
+                                                 "the reduction", "label_smoothing", "logit_scale", "token_scaling",
+                                                 "argmax or correct asked for", "loss_type", "beta"};
     snprintf(case_name, sizeof case_name, "%s / mismatch: %s", cfg->name, what[diff]);
     const int64_t B = 4, T = 5, n = B * T, h = 8, v = 64;
     const int odd = world_rank == 0;
@@ -1011,7 +1056,12 @@ static void mismatch_case(const config *cfg, int diff)
             o.reduction = FH_REDUCTION_SUM;
         if (odd && diff == DIFF_SMOOTHING)
             o.label_smoothing = 0.1;
-        fh_ce_outputs out = {&loss, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+        if (odd && diff == DIFF_LOGIT_SCALE)
+            o.logit_scale = 2.0;
+        if (odd && diff == DIFF_TOKEN_SCALING)
+            o.token_scaling = 1;
+        int64_t correct = -1;
+        fh_ce_outputs out = {&loss, NULL, NULL, NULL, NULL, NULL, NULL, odd && diff == DIFF_CORRECT ? &correct : NULL};
         st = fh_mpi_ce_forward_backward(ctx, L, &lin, targets, &o, &grad_output, &out, &g);
         free(targets);
     } else {
