@@ -2,6 +2,7 @@
  * Never touches tiles or GEMMs; the engine does. */
 #include "ce_head.h"
 
+#include "counted_rows.h"
 #include "linear.h"
 
 #include <float.h>
@@ -358,69 +359,58 @@ fh_coef_arrays fh_ce_outputs_and_coefs(const fh_workspace *ws, const fh_ce_head 
     return coefs;
 }
 
-FH_API fh_status fh_ce_forward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
-                               const fh_ce_options *options, fh_ce_outputs *out)
+/* One call after its checks: what it computes (kind) and on what; run() takes it on the whole problem, run_counted()
+ * on its counted rows. */
+typedef enum ce_kind { CE_FORWARD, CE_BACKWARD, CE_STEP } ce_kind;
+
+typedef struct ce_call {
+    ce_kind kind;
+    const fh_linear *lin;
+    const int64_t *targets;
+    const fh_ce_options *options;
+    const float *lse;         /* backward: what the forward saved */
+    const float *grad_output; /* backward, train step */
+    fh_ce_outputs *out;       /* forward, train step */
+    const fh_linear_grads *grads;
+} ce_call;
+
+static fh_status run_forward(fh_context *ctx, const ce_call *c)
 {
-    fh_status st = fh_ce_check_call(ctx, lin, targets, options, 0);
-    if (st == FH_OK)
-        st = fh_ce_check_outputs(ctx, options, out);
-    if (st == FH_OK)
-        st = fh_ce_check_apart(ctx, lin, targets, options, NULL, NULL, out, NULL);
     fh_plan plan;
     fh_workspace ws;
-    if (st == FH_OK)
-        st = fh_prepare_pass(ctx, lin, FH_CALL_FORWARD, &plan, &ws);
+    fh_status st = fh_prepare_pass(ctx, c->lin, FH_CALL_FORWARD, &plan, &ws);
     if (st != FH_OK)
         return st;
-    const fh_ce_head h = fh_ce_head_of(lin, targets, options, NULL);
-    const fh_token_stats stats = fh_ce_stats_in(&ws, options, out);
-    fh_engine_pass pass = fh_ce_pass(&plan, &ws, lin, targets, options);
+    const fh_ce_head h = fh_ce_head_of(c->lin, c->targets, c->options, NULL);
+    const fh_token_stats stats = fh_ce_stats_in(&ws, c->options, c->out);
+    fh_engine_pass pass = fh_ce_pass(&plan, &ws, c->lin, c->targets, c->options);
     pass.stats = &stats;
     st = fh_engine_forward(&pass);
     if (st != FH_OK)
         return fh_gemm_failure(ctx, st);
-    write_outputs(&h, &stats, out);
+    write_outputs(&h, &stats, c->out);
     return FH_OK;
 }
 
-FH_API fh_status fh_ce_backward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
-                                const fh_ce_options *options, const float *lse, const float *grad_output,
-                                fh_linear_grads *grads)
+static fh_status run_backward(fh_context *ctx, const ce_call *c)
 {
-    fh_status st = fh_ce_check_call(ctx, lin, targets, options, 0);
-    if (st == FH_OK && !lse)
-        st = fh_fail(ctx, FH_ERR_NULL_POINTER, "lse is NULL");
-    if (st == FH_OK)
-        st = fh_ce_check_backward_inputs(ctx, lin, options, grad_output, grads);
-    if (st == FH_OK)
-        st = fh_ce_check_apart(ctx, lin, targets, options, lse, grad_output, NULL, grads);
     fh_plan plan;
     fh_workspace ws;
-    if (st == FH_OK)
-        st = fh_prepare_pass(ctx, lin, FH_CALL_BACKWARD, &plan, &ws);
+    const fh_status st = fh_prepare_pass(ctx, c->lin, FH_CALL_BACKWARD, &plan, &ws);
     if (st != FH_OK)
         return st;
-    const fh_ce_head h = fh_ce_head_of(lin, targets, options, grad_output);
-    fh_engine_pass pass = fh_ce_pass(&plan, &ws, lin, targets, options);
-    const fh_coef_arrays coefs = fh_ce_coefs_in(&ws, &h, lse, fh_ce_target_logits_in(&ws, options, &pass));
+    const fh_ce_head h = fh_ce_head_of(c->lin, c->targets, c->options, c->grad_output);
+    fh_engine_pass pass = fh_ce_pass(&plan, &ws, c->lin, c->targets, c->options);
+    const fh_coef_arrays coefs = fh_ce_coefs_in(&ws, &h, c->lse, fh_ce_target_logits_in(&ws, c->options, &pass));
     pass.coefs = &coefs;
-    pass.grads = grads;
+    pass.grads = c->grads;
     return fh_gemm_failure(ctx, fh_engine_backward(&pass));
 }
 
-/* The call's arguments, for its train step (fh_engine_train_step). */
-typedef struct ce_step {
-    const fh_linear *lin;
-    const int64_t *targets;
-    const fh_ce_options *options;
-    const float *grad_output;
-    fh_ce_outputs *out;
-} ce_step;
-
-static fh_status ce_step_run(const void *self, int row_blocks, const fh_plan plans[2], const fh_workspace ws[2],
-                             const fh_linear_grads *grads)
+static fh_status step_run(const void *self, int row_blocks, const fh_plan plans[2], const fh_workspace ws[2],
+                          const fh_linear_grads *grads)
 {
-    const ce_step *c = self;
+    const ce_call *c = self;
     const fh_ce_head h = fh_ce_head_of(c->lin, c->targets, c->options, c->grad_output);
     const fh_token_stats stats = fh_ce_stats_in(&ws[0], c->options, c->out);
     fh_engine_pass pass = fh_ce_pass(&plans[0], &ws[0], c->lin, c->targets, c->options);
@@ -446,6 +436,96 @@ static fh_status ce_step_run(const void *self, int row_blocks, const fh_plan pla
     return fh_engine_backward(&pass);
 }
 
+static fh_status run(fh_context *ctx, const ce_call *c)
+{
+    if (c->kind == CE_FORWARD)
+        return run_forward(ctx, c);
+    if (c->kind == CE_BACKWARD)
+        return run_backward(ctx, c);
+    const fh_train_step_head head = {1, NULL, 0, step_run, c};
+    return fh_engine_train_step(ctx, c->lin, c->grads, &head);
+}
+
+/* The call on its counted rows (counted_rows.h) when no output needs an ignored row's logits (the lse and argmax
+ * outputs do; the others are 0 there): ignored rows add nothing to the loss, its normalisers or the gradients, so
+ * their GEMMs are skipped. Per-row arrays in the scratch: targets, then the saved lse, the upstream gradient
+ * ('none') and the per-token loss, log-prob and entropy outputs, count floats each. */
+static fh_status run_counted(fh_context *ctx, const ce_call *c)
+{
+    const fh_ce_outputs *o = c->out;
+    if (o && (o->lse || o->argmax))
+        return run(ctx, c);
+    fh_counted_rows cr;
+    fh_status st = fh_counted_rows_begin(ctx, c->lin, c->grads, c->targets, c->options->ignore_index,
+                                         sizeof(int64_t) + 5 * sizeof(float), &cr);
+    if (st != FH_OK || !cr.active)
+        return st == FH_OK ? run(ctx, c) : st;
+    int64_t *targets = cr.scratch;
+    float *arrays = (float *)(targets + cr.count);
+    const int per_token = c->options->reduction == FH_REDUCTION_NONE;
+    const float *inputs[2] = {c->lse, per_token ? c->grad_output : NULL};
+    float *outputs[3] = {o ? o->per_token_loss : NULL, o ? o->per_token_logp : NULL, o ? o->entropy : NULL};
+    float *in[2], *out[3];
+    fh_counted_rows_gather(&cr, c->targets, sizeof(int64_t), targets);
+    for (int k = 0; k < 2; k++) {
+        in[k] = inputs[k] ? arrays + k * cr.count : NULL;
+        if (in[k])
+            fh_counted_rows_gather(&cr, inputs[k], sizeof(float), in[k]);
+    }
+    for (int k = 0; k < 3; k++)
+        out[k] = outputs[k] ? arrays + (2 + k) * cr.count : NULL;
+    fh_ce_outputs counted_out;
+    if (o) {
+        counted_out = *o;
+        counted_out.per_token_loss = out[0];
+        counted_out.per_token_logp = out[1];
+        counted_out.entropy = out[2];
+    }
+    const ce_call counted = {c->kind,      &cr.lin, targets, c->options, in[0], per_token ? in[1] : c->grad_output,
+                             o ? &counted_out : NULL, c->grads ? &cr.grads : NULL};
+    st = run(ctx, &counted);
+    if (st == FH_OK) {
+        const float zero = 0.0f;
+        for (int k = 0; k < 3; k++)
+            if (out[k])
+                fh_counted_rows_scatter(&cr, out[k], sizeof(float), &zero, outputs[k]);
+        fh_counted_rows_write_dx(&cr, c->grads);
+    }
+    fh_counted_rows_free(&cr);
+    return st;
+}
+
+FH_API fh_status fh_ce_forward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
+                               const fh_ce_options *options, fh_ce_outputs *out)
+{
+    fh_status st = fh_ce_check_call(ctx, lin, targets, options, 0);
+    if (st == FH_OK)
+        st = fh_ce_check_outputs(ctx, options, out);
+    if (st == FH_OK)
+        st = fh_ce_check_apart(ctx, lin, targets, options, NULL, NULL, out, NULL);
+    if (st != FH_OK)
+        return st;
+    const ce_call c = {CE_FORWARD, lin, targets, options, NULL, NULL, out, NULL};
+    return run_counted(ctx, &c);
+}
+
+FH_API fh_status fh_ce_backward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
+                                const fh_ce_options *options, const float *lse, const float *grad_output,
+                                fh_linear_grads *grads)
+{
+    fh_status st = fh_ce_check_call(ctx, lin, targets, options, 0);
+    if (st == FH_OK && !lse)
+        st = fh_fail(ctx, FH_ERR_NULL_POINTER, "lse is NULL");
+    if (st == FH_OK)
+        st = fh_ce_check_backward_inputs(ctx, lin, options, grad_output, grads);
+    if (st == FH_OK)
+        st = fh_ce_check_apart(ctx, lin, targets, options, lse, grad_output, NULL, grads);
+    if (st != FH_OK)
+        return st;
+    const ce_call c = {CE_BACKWARD, lin, targets, options, lse, grad_output, NULL, grads};
+    return run_counted(ctx, &c);
+}
+
 FH_API fh_status fh_ce_forward_backward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
                                         const fh_ce_options *options, const float *grad_output,
                                         fh_ce_outputs *out, fh_linear_grads *grads)
@@ -459,7 +539,6 @@ FH_API fh_status fh_ce_forward_backward(fh_context *ctx, const fh_linear *lin, c
         st = fh_ce_check_apart(ctx, lin, targets, options, NULL, grad_output, out, grads);
     if (st != FH_OK)
         return st;
-    const ce_step step = {lin, targets, options, grad_output, out};
-    const fh_train_step_head head = {1, NULL, 0, ce_step_run, &step};
-    return fh_engine_train_step(ctx, lin, grads, &head);
+    const ce_call c = {CE_STEP, lin, targets, options, NULL, grad_output, out, grads};
+    return run_counted(ctx, &c);
 }

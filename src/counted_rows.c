@@ -19,7 +19,8 @@ fh_status fh_counted_rows_begin(fh_context *ctx, const fh_linear *lin, const fh_
     c->n = lin->n;
     for (int64_t i = 0; i < lin->n; i++)
         c->count += targets[i] != ignore_index;
-    if (c->count == 0 || c->count == lin->n || ctx->workspace_is_callers)
+    /* Gradient filtering decides per tile of rows what it skips: its tiles stay those of every row. */
+    if (c->count == 0 || c->count == lin->n || ctx->workspace_is_callers || (grads && ctx->grad_filter_eps > 0.0))
         return FH_OK;
     const int64_t h = lin->hidden;
     const size_t row_bytes = (size_t)h * x_elem(lin);

@@ -21,8 +21,9 @@ typedef struct fh_counted_rows {
                               first) */
 } fh_counted_rows;
 
-/* Compacts lin and grads to the rows whose target is not ignore_index when some row is ignored, some counts and the
- * library manages the context's workspace (a caller's workspace is all a call may use); else leaves c inactive. With
+/* Compacts lin and grads to the rows whose target is not ignore_index when some row is ignored, some counts, the
+ * library manages the context's workspace (a caller's workspace is all a call may use) and, in a call with
+ * gradients, gradient filtering is off (it decides per tile of rows what to skip); else leaves c inactive. With
  * scratch_row_bytes, c->scratch holds that many bytes per counted row for the head's compacted per-row arrays.
  * FH_ERR_OUT_OF_MEMORY (on ctx) leaves nothing allocated. */
 fh_status fh_counted_rows_begin(fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,

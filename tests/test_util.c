@@ -85,6 +85,17 @@ int tu_all_equal_f(const float *a, size_t count, float value)
     return 1;
 }
 
+double tu_norm_rel_f(const float *a, const float *b, size_t count)
+{
+    double diff = 0.0, norm = 0.0;
+    for (size_t i = 0; i < count; i++) {
+        const double d = (double)a[i] - b[i];
+        diff += d * d;
+        norm += (double)b[i] * b[i];
+    }
+    return norm > 0.0 ? sqrt(diff / norm) : sqrt(diff);
+}
+
 double tu_max_abs_diff(const float *f, const double *r, size_t count)
 {
     double m = 0.0;

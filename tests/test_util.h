@@ -50,6 +50,8 @@ fh_context *tu_context(int threads, int64_t tile_rows, int64_t tile_vocab, int64
 int tu_all_finite_f(const float *a, size_t count);
 int tu_all_equal_f(const float *a, size_t count, float value); /* a[i] == value for all i (NaN fails) */
 double tu_max_abs_diff(const float *f, const double *r, size_t count);
+/* ||a - b|| / ||b|| (Frobenius; the absolute norm when b is 0). */
+double tu_norm_rel_f(const float *a, const float *b, size_t count);
 double tu_max_abs_d(const double *a, size_t count);
 
 /* 1 if `word` occurs in `text` starting at a word boundary (start, or after a non-alphanumeric
