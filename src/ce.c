@@ -448,47 +448,36 @@ static fh_status run(fh_context *ctx, const ce_call *c)
 
 /* The call on its counted rows (counted_rows.h) when no output needs an ignored row's logits (the lse and argmax
  * outputs do; the others are 0 there): ignored rows add nothing to the loss, its normalisers or the gradients, so
- * their GEMMs are skipped. Per-row arrays in the scratch: targets, then the saved lse, the upstream gradient
- * ('none') and the per-token loss, log-prob and entropy outputs, count floats each. */
+ * their GEMMs are skipped. Its per-row arrays: the saved lse and the upstream gradient ('none'), then the per-token
+ * loss, log-prob and entropy outputs. */
 static fh_status run_counted(fh_context *ctx, const ce_call *c)
 {
-    const fh_ce_outputs *o = c->out;
+    enum { INPUTS = 2, ARRAYS = 5 };
+    fh_ce_outputs *const o = c->out;
     if (o && (o->lse || o->argmax))
         return run(ctx, c);
     fh_counted_rows cr;
     fh_status st = fh_counted_rows_begin(ctx, c->lin, c->grads, c->targets, c->options->ignore_index,
-                                         sizeof(int64_t) + 5 * sizeof(float), &cr);
+                                         c->grads != NULL, sizeof(int64_t) + ARRAYS * sizeof(float), &cr);
     if (st != FH_OK || !cr.active)
         return st == FH_OK ? run(ctx, c) : st;
-    int64_t *targets = cr.scratch;
-    float *arrays = (float *)(targets + cr.count);
     const int per_token = c->options->reduction == FH_REDUCTION_NONE;
-    const float *inputs[2] = {c->lse, per_token ? c->grad_output : NULL};
-    float *outputs[3] = {o ? o->per_token_loss : NULL, o ? o->per_token_logp : NULL, o ? o->entropy : NULL};
-    float *in[2], *out[3];
-    fh_counted_rows_gather(&cr, c->targets, sizeof(int64_t), targets);
-    for (int k = 0; k < 2; k++) {
-        in[k] = inputs[k] ? arrays + k * cr.count : NULL;
-        if (in[k])
-            fh_counted_rows_gather(&cr, inputs[k], sizeof(float), in[k]);
-    }
-    for (int k = 0; k < 3; k++)
-        out[k] = outputs[k] ? arrays + (2 + k) * cr.count : NULL;
+    float *const all[ARRAYS] = {(float *)c->lse, per_token ? (float *)c->grad_output : NULL,
+                                o ? o->per_token_loss : NULL, o ? o->per_token_logp : NULL, o ? o->entropy : NULL};
+    float *a[ARRAYS];
+    const int64_t *targets = fh_counted_rows_arrays(&cr, c->targets, (const float *const *)all, INPUTS, ARRAYS, a);
     fh_ce_outputs counted_out;
     if (o) {
         counted_out = *o;
-        counted_out.per_token_loss = out[0];
-        counted_out.per_token_logp = out[1];
-        counted_out.entropy = out[2];
+        counted_out.per_token_loss = a[2];
+        counted_out.per_token_logp = a[3];
+        counted_out.entropy = a[4];
     }
-    const ce_call counted = {c->kind,      &cr.lin, targets, c->options, in[0], per_token ? in[1] : c->grad_output,
+    const ce_call counted = {c->kind, &cr.lin, targets, c->options, a[0], per_token ? a[1] : c->grad_output,
                              o ? &counted_out : NULL, c->grads ? &cr.grads : NULL};
     st = run(ctx, &counted);
     if (st == FH_OK) {
-        const float zero = 0.0f;
-        for (int k = 0; k < 3; k++)
-            if (out[k])
-                fh_counted_rows_scatter(&cr, out[k], sizeof(float), &zero, outputs[k]);
+        fh_counted_rows_scatter_outputs(&cr, all, INPUTS, ARRAYS, a);
         fh_counted_rows_write_dx(&cr, c->grads);
     }
     fh_counted_rows_free(&cr);

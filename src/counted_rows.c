@@ -12,7 +12,7 @@ static size_t x_elem(const fh_linear *lin)
 }
 
 fh_status fh_counted_rows_begin(fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
-                                const int64_t *targets, int64_t ignore_index, size_t scratch_row_bytes,
+                                const int64_t *targets, int64_t ignore_index, int filtered, size_t scratch_row_bytes,
                                 fh_counted_rows *c)
 {
     memset(c, 0, sizeof *c);
@@ -20,7 +20,7 @@ fh_status fh_counted_rows_begin(fh_context *ctx, const fh_linear *lin, const fh_
     for (int64_t i = 0; i < lin->n; i++)
         c->count += targets[i] != ignore_index;
     /* Gradient filtering decides per tile of rows what it skips: its tiles stay those of every row. */
-    if (c->count == 0 || c->count == lin->n || ctx->workspace_is_callers || (grads && ctx->grad_filter_eps > 0.0))
+    if (c->count == 0 || c->count == lin->n || ctx->workspace_is_callers || (filtered && ctx->grad_filter_eps > 0.0))
         return FH_OK;
     const int64_t h = lin->hidden;
     const size_t row_bytes = (size_t)h * x_elem(lin);
@@ -74,6 +74,29 @@ void fh_counted_rows_scatter(const fh_counted_rows *c, const void *counted, size
         const int counts = k < c->count && c->rows[k] == i;
         memcpy((char *)all + (size_t)i * elem, counts ? (const char *)counted + (size_t)(k++) * elem : fill, elem);
     }
+}
+
+int64_t *fh_counted_rows_arrays(const fh_counted_rows *c, const int64_t *targets, const float *const *all,
+                                int inputs, int arrays, float **counted)
+{
+    int64_t *const counted_targets = c->scratch;
+    float *const base = (float *)(counted_targets + c->count);
+    fh_counted_rows_gather(c, targets, sizeof(int64_t), counted_targets);
+    for (int k = 0; k < arrays; k++) {
+        counted[k] = all[k] ? base + k * c->count : NULL;
+        if (all[k] && k < inputs)
+            fh_counted_rows_gather(c, all[k], sizeof(float), counted[k]);
+    }
+    return counted_targets;
+}
+
+void fh_counted_rows_scatter_outputs(const fh_counted_rows *c, float *const *all, int inputs, int arrays,
+                                     float *const *counted)
+{
+    const float zero = 0.0f;
+    for (int k = inputs; k < arrays; k++)
+        if (all[k])
+            fh_counted_rows_scatter(c, counted[k], sizeof(float), &zero, all[k]);
 }
 
 void fh_counted_rows_write_dx(const fh_counted_rows *c, const fh_linear_grads *grads)

@@ -22,18 +22,28 @@ typedef struct fh_counted_rows {
 } fh_counted_rows;
 
 /* Compacts lin and grads to the rows whose target is not ignore_index when some row is ignored, some counts, the
- * library manages the context's workspace (a caller's workspace is all a call may use) and, in a call with
- * gradients, gradient filtering is off (it decides per tile of rows what to skip); else leaves c inactive. With
+ * library manages the context's workspace (a caller's workspace is all a call may use) and, for a call whose
+ * gradients gradient filtering would thin (filtered), filtering is off (it decides per tile of rows what to skip);
+ * else leaves c inactive. With
  * scratch_row_bytes, c->scratch holds that many bytes per counted row for the head's compacted per-row arrays.
  * FH_ERR_OUT_OF_MEMORY (on ctx) leaves nothing allocated. */
 fh_status fh_counted_rows_begin(fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
-                                const int64_t *targets, int64_t ignore_index, size_t scratch_row_bytes,
+                                const int64_t *targets, int64_t ignore_index, int filtered, size_t scratch_row_bytes,
                                 fh_counted_rows *c);
 
 /* counted[k] = all[rows[k]] for per-row values of elem bytes. */
 void fh_counted_rows_gather(const fh_counted_rows *c, const void *all, size_t elem, void *counted);
 /* all[rows[k]] = counted[k], and *fill in every other row. */
 void fh_counted_rows_scatter(const fh_counted_rows *c, const void *counted, size_t elem, const void *fill, void *all);
+
+/* The compacted call's per-row float arrays, laid out in the scratch after the compacted targets (which these
+ * gather first): counted[k] = NULL for all[k] NULL, else count floats, holding all[k]'s counted rows for the first
+ * `inputs` arrays (the call's inputs) and written by the call for the others (its outputs). Returns the targets. */
+int64_t *fh_counted_rows_arrays(const fh_counted_rows *c, const int64_t *targets, const float *const *all,
+                                int inputs, int arrays, float **counted);
+/* Each output array all[k] (k from `inputs`, not NULL) from counted[k], 0 in the rows that do not count. */
+void fh_counted_rows_scatter_outputs(const fh_counted_rows *c, float *const *all, int inputs, int arrays,
+                                     float *const *counted);
 
 /* After the compacted call succeeded: its dx rows into the caller's dx (grads, as given to begin: its beta and dtype
  * honoured); the other rows 0 with beta 0, untouched with beta 1. */

@@ -424,37 +424,33 @@ static fh_status run(fh_context *ctx, const distill_call *c)
 }
 
 /* The call on its counted rows (counted_rows.h): an ignored token has no loss and no gradient, so the GEMMs of both
- * heads skip it. Per-row arrays in the student's scratch: targets, then the per-token upstream gradient ('none') and
- * the per-token losses. */
+ * heads skip it. Its per-row arrays: the upstream gradient ('none'), then the per-token losses. */
 static fh_status run_counted(fh_context *ctx, const distill_call *c)
 {
+    enum { INPUTS = 1, ARRAYS = 2 };
     fh_counted_rows student, teacher;
-    const size_t row_bytes = sizeof(int64_t) + 2 * sizeof(float);
-    fh_status st = c->targets ? fh_counted_rows_begin(ctx, c->student, c->grads, c->targets,
-                                                      c->options->ignore_index, row_bytes, &student)
+    /* Gradient filtering does not apply to this head. */
+    fh_status st = c->targets ? fh_counted_rows_begin(ctx, c->student, c->grads, c->targets, c->options->ignore_index,
+                                                      0, sizeof(int64_t) + ARRAYS * sizeof(float), &student)
                               : FH_OK;
     if (st != FH_OK || !c->targets || !student.active)
         return st == FH_OK ? run(ctx, c) : st;
-    st = fh_counted_rows_begin(ctx, c->teacher, NULL, c->targets, c->options->ignore_index, 0, &teacher);
+    st = fh_counted_rows_begin(ctx, c->teacher, NULL, c->targets, c->options->ignore_index, 0, 0, &teacher);
     if (st != FH_OK) {
         fh_counted_rows_free(&student);
         return st;
     }
-    int64_t *targets = student.scratch;
-    float *grad = (float *)(targets + student.count), *losses = grad + student.count;
-    fh_counted_rows_gather(&student, c->targets, sizeof(int64_t), targets);
     const int per_token = c->options->reduction == FH_REDUCTION_NONE;
-    if (c->grad_output && per_token)
-        fh_counted_rows_gather(&student, c->grad_output, sizeof(float), grad);
+    float *const all[ARRAYS] = {per_token ? (float *)c->grad_output : NULL, c->out->per_token_loss};
+    float *a[ARRAYS];
+    const int64_t *targets = fh_counted_rows_arrays(&student, c->targets, (const float *const *)all, INPUTS, ARRAYS, a);
     fh_distill_outputs out = *c->out;
-    out.per_token_loss = c->out->per_token_loss ? losses : NULL;
-    const distill_call counted = {&student.lin, &teacher.lin, targets, c->options,
-                                  per_token ? grad : c->grad_output, &out, c->grads ? &student.grads : NULL};
+    out.per_token_loss = a[1];
+    const distill_call counted = {&student.lin, &teacher.lin, targets, c->options, per_token ? a[0] : c->grad_output,
+                                  &out, c->grads ? &student.grads : NULL};
     st = run(ctx, &counted);
     if (st == FH_OK) {
-        const float zero = 0.0f;
-        if (c->out->per_token_loss)
-            fh_counted_rows_scatter(&student, losses, sizeof(float), &zero, c->out->per_token_loss);
+        fh_counted_rows_scatter_outputs(&student, all, INPUTS, ARRAYS, a);
         fh_counted_rows_write_dx(&student, c->grads);
     }
     fh_counted_rows_free(&student);

@@ -313,36 +313,24 @@ static fh_status run(fh_context *ctx, const logprob_call *c)
 }
 
 /* The call on its counted rows (counted_rows.h): ignored rows have outputs 0 and no gradient, so their GEMMs are
- * skipped. Per-row arrays in the scratch: targets, then lse, entropy, the three upstream gradients and the three
- * outputs, count floats each. */
+ * skipped. Its per-row arrays: lse, entropy and the three upstream gradients, then the three outputs. */
 static fh_status run_counted(fh_context *ctx, const logprob_call *c)
 {
+    enum { INPUTS = 5, ARRAYS = 8 };
     fh_counted_rows cr;
     fh_status st = fh_counted_rows_begin(ctx, c->lin, c->grads, c->targets, c->rows.ignore_index,
-                                         sizeof(int64_t) + 8 * sizeof(float), &cr);
+                                         c->grads != NULL, sizeof(int64_t) + ARRAYS * sizeof(float), &cr);
     if (st != FH_OK || !cr.active)
         return st == FH_OK ? run(ctx, c) : st;
-    int64_t *targets = cr.scratch;
-    float *arrays = (float *)(targets + cr.count);
-    const float *inputs[5] = {c->lse, c->entropy, c->g.logp, c->g.entropy, c->g.lse};
-    float *outputs[3] = {c->out.logp, c->out.entropy, c->out.lse};
-    float *in[5], *out[3];
-    fh_counted_rows_gather(&cr, c->targets, sizeof(int64_t), targets);
-    for (int k = 0; k < 5; k++) {
-        in[k] = inputs[k] ? arrays + k * cr.count : NULL;
-        if (in[k])
-            fh_counted_rows_gather(&cr, inputs[k], sizeof(float), in[k]);
-    }
-    for (int k = 0; k < 3; k++)
-        out[k] = outputs[k] ? arrays + (5 + k) * cr.count : NULL;
-    const logprob_call counted = {c->kind, &cr.lin, targets, c->tf, {NULL, 0}, in[0], in[1], {in[2], in[3], in[4]},
-                                  {out[0], out[1], out[2]}, c->grads ? &cr.grads : NULL};
+    float *const all[ARRAYS] = {(float *)c->lse,  (float *)c->entropy, (float *)c->g.logp, (float *)c->g.entropy,
+                                (float *)c->g.lse, c->out.logp,        c->out.entropy,     c->out.lse};
+    float *a[ARRAYS];
+    const int64_t *targets = fh_counted_rows_arrays(&cr, c->targets, (const float *const *)all, INPUTS, ARRAYS, a);
+    const logprob_call counted = {c->kind, &cr.lin, targets, c->tf, {NULL, 0}, a[0], a[1], {a[2], a[3], a[4]},
+                                  {a[5], a[6], a[7]}, c->grads ? &cr.grads : NULL};
     st = run(ctx, &counted);
     if (st == FH_OK) {
-        const float zero = 0.0f;
-        for (int k = 0; k < 3; k++)
-            if (out[k])
-                fh_counted_rows_scatter(&cr, out[k], sizeof(float), &zero, outputs[k]);
+        fh_counted_rows_scatter_outputs(&cr, all, INPUTS, ARRAYS, a);
         fh_counted_rows_write_dx(&cr, c->grads);
     }
     fh_counted_rows_free(&cr);
