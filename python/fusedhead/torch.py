@@ -601,10 +601,10 @@ class FusedLinearLogprobsFunction(torch.autograd.Function):
         return (dx, dw, None, db) + (None,) * 6
 
 
-def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                          bias: Optional[torch.Tensor] = None, temperature: float = 1.0, return_entropy: bool = False,
-                          return_lse: bool = False, *, ignore_index: int = -100, softcap: Optional[float] = None,
-                          logit_scale: Optional[float] = None, layout: str = "vh",
+def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                          return_entropy: bool = False, return_lse: bool = False, *,
+                          bias: Optional[torch.Tensor] = None, ignore_index: int = -100,
+                          softcap: Optional[float] = None, logit_scale: Optional[float] = None, layout: str = "vh",
                           context: Optional[Context] = None):
     """log_softmax(s).gather(-1, targets) with s = softcap(logit_scale F.linear(hidden, weight, bias)) / temperature,
     without the logits; differentiable with respect to hidden, weight and bias.

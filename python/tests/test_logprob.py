@@ -61,8 +61,8 @@ def test_matches_float64_autograd(temperature, with_entropy, dtype):
     objective(*ref).backward()
     hf, wf = h.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
     bf = b.to(torch.float32).requires_grad_()
-    logp, entropy, lse = fused_linear_logprobs(hf, wf, targets, bf, temperature, return_entropy=True,
-                                               return_lse=True)
+    logp, entropy, lse = fused_linear_logprobs(hf, wf, targets, temperature, return_entropy=True, return_lse=True,
+                                               bias=bf)
     assert logp.shape == (3, 11) and logp.dtype == torch.float32
     vtol = 1e-5 * max(1.0, 1.0 / temperature) if dtype == torch.float32 else 2e-4
     for got, want in zip((logp, entropy, lse), ref):
@@ -107,7 +107,7 @@ def test_only_logp_used_and_no_grad():
 def test_flat_inputs_and_layout_hv():
     h, w, b, targets = inputs()
     logp = fused_linear_logprobs(h.float().reshape(-1, 24), w.float().t().contiguous(), targets.reshape(-1),
-                                 b.float(), layout="hv")
+                                 bias=b.float(), layout="hv")
     assert logp.shape == (33,)
     assert float((logp.double() - reference(h, w, b, targets, 1.0, None, None)[0].reshape(-1)).abs().max()) <= 1e-5
 
