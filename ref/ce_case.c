@@ -203,25 +203,43 @@ static double ce_logit_scale_of(const ce_case_spec *s)
     return s->ce_logit_scale > 0.0 ? s->ce_logit_scale : 1.0;
 }
 
+fh_status ce_case_context(const ce_case_settings *settings, fh_context **ctx)
+{
+    const fh_status st = fh_context_create(ctx);
+    if (st != FH_OK)
+        return st;
+    fh_context_set(*ctx, FH_PARAM_THREADS, settings->threads);
+    fh_context_set(*ctx, FH_PARAM_TILE_ROWS, settings->tile_rows);
+    fh_context_set(*ctx, FH_PARAM_TILE_VOCAB, settings->tile_vocab);
+    fh_context_set(*ctx, FH_PARAM_MEMORY_BUDGET, settings->budget);
+    fh_context_set(*ctx, FH_PARAM_FP32_DU, settings->fp32_du);
+    fh_context_set_real(*ctx, FH_PARAM_GRAD_FILTER_EPS, settings->grad_filter_eps);
+    fh_context_set(*ctx, FH_PARAM_GRAD_FILTER_TAIL, settings->grad_filter_tail);
+    return FH_OK;
+}
+
+fh_linear ce_case_linear(int64_t n, int64_t hidden, int64_t vocab, fh_layout layout, fh_dtype dtype, const float *x,
+                         const uint16_t *x_bf16, const float *weight, const uint16_t *weight_bf16, const float *bias)
+{
+    const int bf16 = dtype == FH_DTYPE_BF16;
+    fh_linear lin;
+    fh_linear_init(&lin, n, hidden, vocab, bf16 ? (const void *)x_bf16 : x, bf16 ? (const void *)weight_bf16 : weight,
+                   layout, bias);
+    lin.x_dtype = lin.weight_dtype = dtype;
+    return lin;
+}
+
 static fh_status run_fused(const ce_case_spec *s, ce_case *c)
 {
     const size_t n = (size_t)s->n, h = (size_t)s->hidden, v = (size_t)s->vocab;
+    const ce_case_settings settings = {s->threads,  s->tile_rows,       s->tile_vocab,       s->budget,
+                                       s->fp32_du, s->grad_filter_eps, s->grad_filter_tail};
     fh_context *ctx = NULL;
-    fh_status st = fh_context_create(&ctx);
+    fh_status st = ce_case_context(&settings, &ctx);
     if (st != FH_OK)
         return st;
-    fh_context_set(ctx, FH_PARAM_THREADS, s->threads);
-    fh_context_set(ctx, FH_PARAM_TILE_ROWS, s->tile_rows);
-    fh_context_set(ctx, FH_PARAM_TILE_VOCAB, s->tile_vocab);
-    fh_context_set(ctx, FH_PARAM_MEMORY_BUDGET, s->budget);
-    fh_context_set(ctx, FH_PARAM_FP32_DU, s->fp32_du);
-    fh_context_set_real(ctx, FH_PARAM_GRAD_FILTER_EPS, s->grad_filter_eps);
-    fh_context_set(ctx, FH_PARAM_GRAD_FILTER_TAIL, s->grad_filter_tail);
-    const int bf16 = s->dtype == FH_DTYPE_BF16;
-    fh_linear lin;
-    fh_linear_init(&lin, s->n, s->hidden, s->vocab, bf16 ? (const void *)c->x_bf16 : c->x,
-                   bf16 ? (const void *)c->weight_bf16 : c->weight, s->layout, c->bias);
-    lin.x_dtype = lin.weight_dtype = s->dtype;
+    const fh_linear lin = ce_case_linear(s->n, s->hidden, s->vocab, s->layout, s->dtype, c->x, c->x_bf16, c->weight,
+                                   c->weight_bf16, c->bias);
     fh_ce_options o;
     fh_ce_options_init(&o);
     o.reduction = s->reduction;

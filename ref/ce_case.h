@@ -105,6 +105,22 @@ int ce_metrics_pass(const ce_metrics *m);
 
 void ce_case_free(ce_case *c);
 
+/* What a case sets on its context (0: the library's default). */
+typedef struct ce_case_settings {
+    int threads;
+    int64_t tile_rows, tile_vocab, budget;
+    int fp32_du;
+    double grad_filter_eps;
+    fh_filter_tail grad_filter_tail;
+} ce_case_settings;
+
+/* A context with those settings, or the status of a failed fh_context_create. */
+fh_status ce_case_context(const ce_case_settings *settings, fh_context **ctx);
+
+/* The linear over a case's inputs in `layout`: the fp32 arrays, or with dtype bf16 the bits they were rounded to. */
+fh_linear ce_case_linear(int64_t n, int64_t hidden, int64_t vocab, fh_layout layout, fh_dtype dtype, const float *x,
+                         const uint16_t *x_bf16, const float *weight, const uint16_t *weight_bf16, const float *bias);
+
 /* Deterministic uniform random numbers in [0, 1) (splitmix64). */
 double ce_uniform(uint64_t *state);
 

@@ -130,21 +130,14 @@ static void make_inputs(const grpo_case_spec *s, grpo_case *c)
 static fh_status run_fused(const grpo_case_spec *s, grpo_case *c)
 {
     const size_t n = (size_t)(s->batch * s->seq), h = (size_t)s->hidden, v = (size_t)s->vocab;
+    const ce_case_settings settings = {s->threads, s->tile_rows, s->tile_vocab, 0, s->fp32_du, s->grad_filter_eps,
+                                       s->grad_filter_tail};
     fh_context *ctx = NULL;
-    fh_status st = fh_context_create(&ctx);
+    fh_status st = ce_case_context(&settings, &ctx);
     if (st != FH_OK)
         return st;
-    fh_context_set(ctx, FH_PARAM_THREADS, s->threads);
-    fh_context_set(ctx, FH_PARAM_TILE_ROWS, s->tile_rows);
-    fh_context_set(ctx, FH_PARAM_TILE_VOCAB, s->tile_vocab);
-    fh_context_set(ctx, FH_PARAM_FP32_DU, s->fp32_du);
-    fh_context_set_real(ctx, FH_PARAM_GRAD_FILTER_EPS, s->grad_filter_eps);
-    fh_context_set(ctx, FH_PARAM_GRAD_FILTER_TAIL, s->grad_filter_tail);
-    fh_linear lin;
-    const int bf16 = s->dtype == FH_DTYPE_BF16;
-    fh_linear_init(&lin, (int64_t)n, s->hidden, s->vocab, bf16 ? (const void *)c->x_bf16 : c->x,
-                   bf16 ? (const void *)c->weight_bf16 : c->weight, s->layout, c->bias);
-    lin.x_dtype = lin.weight_dtype = s->dtype;
+    const fh_linear lin = ce_case_linear((int64_t)n, s->hidden, s->vocab, s->layout, s->dtype, c->x, c->x_bf16, c->weight,
+                                   c->weight_bf16, c->bias);
     const fh_grpo_batch batch = {s->batch, s->seq, c->ids, c->mask, c->advantages, c->old_logps,
                                  s->options.beta != 0.0 ? c->ref_logps : NULL};
     c->logp = zalloc(n, sizeof(float));

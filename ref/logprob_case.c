@@ -89,20 +89,14 @@ void logprob_case_free(logprob_case *c)
 static fh_status run_fused(const logprob_case_spec *s, const logprob_case *in, float *values, float *const grads[3])
 {
     const size_t n = (size_t)s->n, h = (size_t)s->hidden, v = (size_t)s->vocab;
+    const ce_case_settings settings = {s->threads, s->tile_rows, s->tile_vocab, s->budget, s->fp32_du, 0.0,
+                                       FH_FILTER_TAIL_ESTIMATE};
     fh_context *ctx = NULL;
-    fh_status st = fh_context_create(&ctx);
+    fh_status st = ce_case_context(&settings, &ctx);
     if (st != FH_OK)
         return st;
-    fh_context_set(ctx, FH_PARAM_THREADS, s->threads);
-    fh_context_set(ctx, FH_PARAM_TILE_ROWS, s->tile_rows);
-    fh_context_set(ctx, FH_PARAM_TILE_VOCAB, s->tile_vocab);
-    fh_context_set(ctx, FH_PARAM_MEMORY_BUDGET, s->budget);
-    fh_context_set(ctx, FH_PARAM_FP32_DU, s->fp32_du);
-    const int bf16 = s->dtype == FH_DTYPE_BF16;
-    fh_linear lin;
-    fh_linear_init(&lin, s->n, s->hidden, s->vocab, bf16 ? (const void *)in->x_bf16 : in->x,
-                   bf16 ? (const void *)in->weight_bf16 : in->weight, s->layout, in->bias);
-    lin.x_dtype = lin.weight_dtype = s->dtype;
+    const fh_linear lin = ce_case_linear(s->n, s->hidden, s->vocab, s->layout, s->dtype, in->x, in->x_bf16, in->weight,
+                                   in->weight_bf16, in->bias);
     fh_logprob_outputs out = {values, values + n, values + 2 * n};
     ce_grads_io io;
     ce_grads_io_begin(&io, s->grad_dtype, n, h, v, s->grad_beta, grads[0], grads[1], grads[2]);

@@ -452,20 +452,20 @@ static fh_status run(fh_context *ctx, const ce_call *c)
  * loss, log-prob and entropy outputs. */
 static fh_status run_counted(fh_context *ctx, const ce_call *c)
 {
-    enum { INPUTS = 2, ARRAYS = 5 };
+    enum { INPUTS = 2, OUTPUTS = 3 };
     fh_ce_outputs *const o = c->out;
     if (o && (o->lse || o->argmax))
         return run(ctx, c);
     fh_counted_rows cr;
     fh_status st = fh_counted_rows_begin(ctx, c->lin, c->grads, c->targets, c->options->ignore_index,
-                                         c->grads != NULL, sizeof(int64_t) + ARRAYS * sizeof(float), &cr);
+                                         c->grads != NULL, sizeof(int64_t) + (INPUTS + OUTPUTS) * sizeof(float), &cr);
     if (st != FH_OK || !cr.active)
         return st == FH_OK ? run(ctx, c) : st;
     const int per_token = c->options->reduction == FH_REDUCTION_NONE;
-    float *const all[ARRAYS] = {(float *)c->lse, per_token ? (float *)c->grad_output : NULL,
-                                o ? o->per_token_loss : NULL, o ? o->per_token_logp : NULL, o ? o->entropy : NULL};
-    float *a[ARRAYS];
-    const int64_t *targets = fh_counted_rows_arrays(&cr, c->targets, (const float *const *)all, INPUTS, ARRAYS, a);
+    const float *const in[INPUTS] = {c->lse, per_token ? c->grad_output : NULL};
+    float *const out[OUTPUTS] = {o ? o->per_token_loss : NULL, o ? o->per_token_logp : NULL, o ? o->entropy : NULL};
+    float *a[INPUTS + OUTPUTS];
+    const int64_t *targets = fh_counted_rows_arrays(&cr, c->targets, in, INPUTS, out, OUTPUTS, a);
     fh_ce_outputs counted_out;
     if (o) {
         counted_out = *o;
@@ -477,7 +477,7 @@ static fh_status run_counted(fh_context *ctx, const ce_call *c)
                              o ? &counted_out : NULL, c->grads ? &cr.grads : NULL};
     st = run(ctx, &counted);
     if (st == FH_OK) {
-        fh_counted_rows_scatter_outputs(&cr, all, INPUTS, ARRAYS, a);
+        fh_counted_rows_scatter_outputs(&cr, out, INPUTS, OUTPUTS, a);
         fh_counted_rows_write_dx(&cr, c->grads);
     }
     fh_counted_rows_free(&cr);

@@ -76,27 +76,28 @@ void fh_counted_rows_scatter(const fh_counted_rows *c, const void *counted, size
     }
 }
 
-int64_t *fh_counted_rows_arrays(const fh_counted_rows *c, const int64_t *targets, const float *const *all,
-                                int inputs, int arrays, float **counted)
+int64_t *fh_counted_rows_arrays(const fh_counted_rows *c, const int64_t *targets, const float *const *in, int inputs,
+                                float *const *out, int outputs, float **counted)
 {
     int64_t *const counted_targets = c->scratch;
     float *const base = (float *)(counted_targets + c->count);
     fh_counted_rows_gather(c, targets, sizeof(int64_t), counted_targets);
-    for (int k = 0; k < arrays; k++) {
-        counted[k] = all[k] ? base + k * c->count : NULL;
-        if (all[k] && k < inputs)
-            fh_counted_rows_gather(c, all[k], sizeof(float), counted[k]);
+    for (int k = 0; k < inputs + outputs; k++) {
+        const int given = k < inputs ? in[k] != NULL : out[k - inputs] != NULL;
+        counted[k] = given ? base + k * c->count : NULL;
+        if (given && k < inputs)
+            fh_counted_rows_gather(c, in[k], sizeof(float), counted[k]);
     }
     return counted_targets;
 }
 
-void fh_counted_rows_scatter_outputs(const fh_counted_rows *c, float *const *all, int inputs, int arrays,
+void fh_counted_rows_scatter_outputs(const fh_counted_rows *c, float *const *out, int inputs, int outputs,
                                      float *const *counted)
 {
     const float zero = 0.0f;
-    for (int k = inputs; k < arrays; k++)
-        if (all[k])
-            fh_counted_rows_scatter(c, counted[k], sizeof(float), &zero, all[k]);
+    for (int k = 0; k < outputs; k++)
+        if (out[k])
+            fh_counted_rows_scatter(c, counted[inputs + k], sizeof(float), &zero, out[k]);
 }
 
 void fh_counted_rows_write_dx(const fh_counted_rows *c, const fh_linear_grads *grads)

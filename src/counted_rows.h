@@ -36,13 +36,14 @@ void fh_counted_rows_gather(const fh_counted_rows *c, const void *all, size_t el
 /* all[rows[k]] = counted[k], and *fill in every other row. */
 void fh_counted_rows_scatter(const fh_counted_rows *c, const void *counted, size_t elem, const void *fill, void *all);
 
-/* The compacted call's per-row float arrays, laid out in the scratch after the compacted targets (which these
- * gather first): counted[k] = NULL for all[k] NULL, else count floats, holding all[k]'s counted rows for the first
- * `inputs` arrays (the call's inputs) and written by the call for the others (its outputs). Returns the targets. */
-int64_t *fh_counted_rows_arrays(const fh_counted_rows *c, const int64_t *targets, const float *const *all,
-                                int inputs, int arrays, float **counted);
-/* Each output array all[k] (k from `inputs`, not NULL) from counted[k], 0 in the rows that do not count. */
-void fh_counted_rows_scatter_outputs(const fh_counted_rows *c, float *const *all, int inputs, int arrays,
+/* The compacted call's per-row float arrays, laid out in the scratch after the compacted targets (which this gathers
+ * first): counted[k] is NULL where the call's array is, else count floats. The first `inputs` arrays are the call's
+ * inputs (in[k]), gathered; the next `outputs` its outputs (out[k - inputs]), which the call writes. Returns the
+ * compacted targets. */
+int64_t *fh_counted_rows_arrays(const fh_counted_rows *c, const int64_t *targets, const float *const *in, int inputs,
+                                float *const *out, int outputs, float **counted);
+/* Each output array out[k] (not NULL) from counted[inputs + k], 0 in the rows that do not count. */
+void fh_counted_rows_scatter_outputs(const fh_counted_rows *c, float *const *out, int inputs, int outputs,
                                      float *const *counted);
 
 /* After the compacted call succeeded: its dx rows into the caller's dx (grads, as given to begin: its beta and dtype

@@ -427,11 +427,11 @@ static fh_status run(fh_context *ctx, const distill_call *c)
  * heads skip it. Its per-row arrays: the upstream gradient ('none'), then the per-token losses. */
 static fh_status run_counted(fh_context *ctx, const distill_call *c)
 {
-    enum { INPUTS = 1, ARRAYS = 2 };
+    enum { INPUTS = 1, OUTPUTS = 1 };
     fh_counted_rows student, teacher;
     /* Gradient filtering does not apply to this head. */
     fh_status st = c->targets ? fh_counted_rows_begin(ctx, c->student, c->grads, c->targets, c->options->ignore_index,
-                                                      0, sizeof(int64_t) + ARRAYS * sizeof(float), &student)
+                                                      0, sizeof(int64_t) + (INPUTS + OUTPUTS) * sizeof(float), &student)
                               : FH_OK;
     if (st != FH_OK || !c->targets || !student.active)
         return st == FH_OK ? run(ctx, c) : st;
@@ -441,16 +441,17 @@ static fh_status run_counted(fh_context *ctx, const distill_call *c)
         return st;
     }
     const int per_token = c->options->reduction == FH_REDUCTION_NONE;
-    float *const all[ARRAYS] = {per_token ? (float *)c->grad_output : NULL, c->out->per_token_loss};
-    float *a[ARRAYS];
-    const int64_t *targets = fh_counted_rows_arrays(&student, c->targets, (const float *const *)all, INPUTS, ARRAYS, a);
-    fh_distill_outputs out = *c->out;
-    out.per_token_loss = a[1];
+    const float *const in[INPUTS] = {per_token ? c->grad_output : NULL};
+    float *const out[OUTPUTS] = {c->out->per_token_loss};
+    float *a[INPUTS + OUTPUTS];
+    const int64_t *targets = fh_counted_rows_arrays(&student, c->targets, in, INPUTS, out, OUTPUTS, a);
+    fh_distill_outputs counted_out = *c->out;
+    counted_out.per_token_loss = a[1];
     const distill_call counted = {&student.lin, &teacher.lin, targets, c->options, per_token ? a[0] : c->grad_output,
-                                  &out, c->grads ? &student.grads : NULL};
+                                  &counted_out, c->grads ? &student.grads : NULL};
     st = run(ctx, &counted);
     if (st == FH_OK) {
-        fh_counted_rows_scatter_outputs(&student, all, INPUTS, ARRAYS, a);
+        fh_counted_rows_scatter_outputs(&student, out, INPUTS, OUTPUTS, a);
         fh_counted_rows_write_dx(&student, c->grads);
     }
     fh_counted_rows_free(&student);

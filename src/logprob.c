@@ -316,21 +316,21 @@ static fh_status run(fh_context *ctx, const logprob_call *c)
  * skipped. Its per-row arrays: lse, entropy and the three upstream gradients, then the three outputs. */
 static fh_status run_counted(fh_context *ctx, const logprob_call *c)
 {
-    enum { INPUTS = 5, ARRAYS = 8 };
+    enum { INPUTS = 5, OUTPUTS = 3 };
     fh_counted_rows cr;
     fh_status st = fh_counted_rows_begin(ctx, c->lin, c->grads, c->targets, c->rows.ignore_index,
-                                         c->grads != NULL, sizeof(int64_t) + ARRAYS * sizeof(float), &cr);
+                                         c->grads != NULL, sizeof(int64_t) + (INPUTS + OUTPUTS) * sizeof(float), &cr);
     if (st != FH_OK || !cr.active)
         return st == FH_OK ? run(ctx, c) : st;
-    float *const all[ARRAYS] = {(float *)c->lse,  (float *)c->entropy, (float *)c->g.logp, (float *)c->g.entropy,
-                                (float *)c->g.lse, c->out.logp,        c->out.entropy,     c->out.lse};
-    float *a[ARRAYS];
-    const int64_t *targets = fh_counted_rows_arrays(&cr, c->targets, (const float *const *)all, INPUTS, ARRAYS, a);
+    const float *const in[INPUTS] = {c->lse, c->entropy, c->g.logp, c->g.entropy, c->g.lse};
+    float *const out[OUTPUTS] = {c->out.logp, c->out.entropy, c->out.lse};
+    float *a[INPUTS + OUTPUTS];
+    const int64_t *targets = fh_counted_rows_arrays(&cr, c->targets, in, INPUTS, out, OUTPUTS, a);
     const logprob_call counted = {c->kind, &cr.lin, targets, c->tf, {NULL, 0}, a[0], a[1], {a[2], a[3], a[4]},
                                   {a[5], a[6], a[7]}, c->grads ? &cr.grads : NULL};
     st = run(ctx, &counted);
     if (st == FH_OK) {
-        fh_counted_rows_scatter_outputs(&cr, all, INPUTS, ARRAYS, a);
+        fh_counted_rows_scatter_outputs(&cr, out, INPUTS, OUTPUTS, a);
         fh_counted_rows_write_dx(&cr, c->grads);
     }
     fh_counted_rows_free(&cr);
