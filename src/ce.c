@@ -4,8 +4,8 @@
 
 #include "counted_rows.h"
 #include "linear.h"
+#include "logprob_head.h"
 
-#include <float.h>
 #include <math.h>
 
 FH_API fh_status fh_ce_options_init(fh_ce_options *options)
@@ -15,12 +15,6 @@ FH_API fh_status fh_ce_options_init(fh_ce_options *options)
     const fh_ce_options defaults = {-100, FH_REDUCTION_MEAN, 0.0, NULL, 0.0, 0.0, 1.0, 0};
     *options = defaults;
     return FH_OK;
-}
-
-/* A positive normal fp32 value (NaN is not). */
-static int fp32_normal(double value)
-{
-    return value >= FLT_MIN && value <= FLT_MAX;
 }
 
 static fh_status check_options(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
@@ -34,19 +28,12 @@ static fh_status check_options(fh_context *ctx, const fh_linear *lin, const int6
     if (!(o->label_smoothing >= 0.0 && o->label_smoothing <= 1.0))
         return fh_fail(ctx, FH_ERR_INVALID_LABEL_SMOOTHING, "label_smoothing = %g is outside [0, 1]",
                        o->label_smoothing);
-    /* The cap is applied in fp32: it must be 0 (off) or a normal float, or it would silently become
-     * inf (NaN logits) or 0 (no cap). */
-    if (!(o->softcap == 0.0 || fp32_normal(o->softcap)))
-        return fh_fail(ctx, FH_ERR_INVALID_SOFTCAP, "softcap = %g must be 0 (off) or in [%g, %g] (fp32 range)",
-                       o->softcap, (double)FLT_MIN, (double)FLT_MAX);
-    /* So are the scale and the cap the engine applies (fh_ce_pass: softcap / logit_scale). */
-    if (!fp32_normal(o->logit_scale))
-        return fh_fail(ctx, FH_ERR_INVALID_LOGIT_SCALE, "logit_scale = %g must be in [%g, %g] (fp32 range)",
-                       o->logit_scale, (double)FLT_MIN, (double)FLT_MAX);
-    if (o->softcap > 0.0 && !fp32_normal(o->softcap / o->logit_scale))
-        return fh_fail(ctx, FH_ERR_INVALID_LOGIT_SCALE,
-                       "softcap / logit_scale = %g / %g = %g must be in [%g, %g] (fp32 range)", o->softcap,
-                       o->logit_scale, o->softcap / o->logit_scale, (double)FLT_MIN, (double)FLT_MAX);
+    /* The cap and the scale are applied in fp32, as the engine's transform (fh_ce_pass): each must be a normal float,
+     * or it would silently become inf (NaN logits) or 0 (no cap). */
+    fh_transform tf;
+    const fh_status st = fh_logprob_transform(ctx, 1.0, o->softcap, o->logit_scale, &tf);
+    if (st != FH_OK)
+        return st;
     if (!(o->z_loss >= 0.0 && isfinite(o->z_loss)))
         return fh_fail(ctx, FH_ERR_INVALID_Z_LOSS, "z_loss = %g must be finite and >= 0 (0 disables)", o->z_loss);
     if (target_vocab <= 0)
@@ -77,7 +64,7 @@ fh_engine_pass fh_ce_pass(const fh_plan *plan, const fh_workspace *ws, const fh_
     const fh_engine_pass p = {.plan = plan,
                               .ws = ws,
                               .lin = lin,
-                              .tf = {(float)(o->softcap / o->logit_scale), (float)o->logit_scale},
+                              .tf = fh_logprob_transform_of(1.0, o->softcap, o->logit_scale),
                               .targets = targets,
                               .class_weights = o->label_smoothing > 0.0 ? o->class_weights : NULL};
     return p;

@@ -5,7 +5,6 @@
 
 #include "linear.h"
 
-#include <float.h>
 #include <math.h>
 
 FH_API fh_status fh_grpo_options_init(fh_grpo_options *options)
@@ -44,10 +43,11 @@ static fh_status check_options(fh_context *ctx, const fh_grpo_options *o)
         return fh_fail(ctx, FH_ERR_INVALID_GRPO_OPTION,
                        "importance_sampling_level = %d is neither token (0) nor sequence (1)",
                        (int)o->importance_sampling_level);
-    /* 1 / temperature is applied in fp32: it must be a normal float. */
-    if (!(o->temperature > 0.0 && 1.0 / o->temperature >= FLT_MIN && 1.0 / o->temperature <= FLT_MAX))
-        return fh_fail(ctx, FH_ERR_INVALID_TEMPERATURE, "temperature = %g must be > 0 with 1/temperature in fp32 range",
-                       o->temperature);
+    /* 1 / temperature is applied in fp32 (the engine's transform): it must be a normal float. */
+    fh_transform tf;
+    const fh_status st = fh_logprob_transform(ctx, o->temperature, 0.0, 1.0, &tf);
+    if (st != FH_OK)
+        return st;
     const double eh = epsilon_high(o);
     if (!(o->epsilon_low >= 0.0 && isfinite(o->epsilon_low)) || !(eh >= 0.0 && isfinite(eh)))
         return fh_fail(ctx, FH_ERR_INVALID_GRPO_OPTION, "epsilon_low = %g, epsilon_high = %g must be finite and >= 0",
@@ -316,8 +316,7 @@ FH_API fh_status fh_grpo_workspace_size(const fh_context *ctx, const fh_linear *
 fh_engine_pass fh_grpo_pass(const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin, const int64_t *ids,
                             const fh_grpo_options *o)
 {
-    const fh_transform tf = {0.0f, (float)(1.0 / o->temperature)};
-    return fh_logprob_pass(plan, ws, lin, ids, tf);
+    return fh_logprob_pass(plan, ws, lin, ids, fh_logprob_transform_of(o->temperature, 0.0, 1.0));
 }
 
 fh_grpo_head fh_grpo_head_in(const fh_workspace *ws, const fh_grpo_batch *bt, const fh_grpo_options *o)

@@ -42,9 +42,14 @@ fh_status fh_logprob_transform(fh_context *ctx, double temperature, double softc
                        "logit_scale = %g puts %s = %g outside fp32's normal range", logit_scale,
                        normal_float(scale) ? "softcap / logit_scale" : "logit_scale / temperature",
                        normal_float(scale) ? cap : scale);
-    tf->softcap = (float)cap;
-    tf->inv_temperature = (float)scale;
+    *tf = fh_logprob_transform_of(temperature, softcap, logit_scale);
     return FH_OK;
+}
+
+fh_transform fh_logprob_transform_of(double temperature, double softcap, double logit_scale)
+{
+    const fh_transform tf = {(float)(softcap / logit_scale), (float)(logit_scale / temperature)};
+    return tf;
 }
 
 fh_engine_pass fh_logprob_pass(const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin, const int64_t *ids,
