@@ -58,8 +58,9 @@ typedef enum fh_status {
     FH_ERR_INVALID_GRAD_OUTPUT = 16,     /* the upstream gradient is not finite */
     FH_ERR_INVALID_MASK = 17,            /* a completion-mask value is negative or not finite */
     FH_ERR_INVALID_TEMPERATURE = 18,     /* temperature <= 0, or 1/temperature outside fp32 range */
-    FH_ERR_INVALID_GRPO_OPTION = 19,     /* loss_type, importance_sampling_level, epsilon, delta, beta,
-                                            SAPO temperatures or entropy_coef out of range */
+    FH_ERR_INVALID_GRPO_OPTION = 19,     /* loss_type, importance_sampling_level, epsilon, delta, beta, SAPO or
+                                            VESPO parameters, entropy_coef, top_entropy_quantile, the off-policy
+                                            threshold or the vLLM importance-sampling mode and bounds out of range */
     /* 20..29: workspace and memory */
     FH_ERR_WORKSPACE_TOO_SMALL = 20,  /* the caller's workspace is smaller than fh_workspace_size() */
     FH_ERR_OUT_OF_MEMORY = 21,
@@ -427,25 +428,43 @@ FH_API fh_status fh_logprob_forward_backward(fh_context *ctx, const fh_linear *l
 FH_API fh_status fh_logprob_workspace_size(const fh_context *ctx, const fh_linear *lin, size_t *bytes);
 
 /* ---------------------------------------------------------------------------------------------
- * GRPO family (TRL GRPOTrainer._compute_loss semantics, one micro-batch on one process).
+ * GRPO family: TRL GRPOTrainer._compute_loss (huggingface/trl trl/trainer/grpo_trainer.py and grpo_config.py at
+ * f2cd57710ae345ea6428ae95363267fcf38a3dc8) for one micro-batch on one process, every option that changes the
+ * loss or its gradient. docs/losses.md has the derivation; TRL's quirks are kept and marked [TRL].
  *
  *   z      = (x W + bias) / temperature                  token i = b*T + t predicts completion_ids[i]
- *   logp_i = log_softmax(z_i)[completion_ids_i],  H_i = lse_i - sum_j p_ij z_ij (entropy)
+ *   logp_i = log_softmax(z_i)[completion_ids_i],  H_i = lse_i - sum_j p_ij z_ij (entropy);  m_i = mask
  *   old    = old_per_token_logps, or logp detached when NULL (on-policy: ratio 1, gradient still flows)
  *   log-ratio: token level  logp_i - old_i;
  *              sequence level (GSPO)  s_b = sum_t m (logp - old) / max(sum_t m, 1), gradient flowing
  *              through the mean into every token of the sequence, as in TRL
- *   r_i = exp(log-ratio)
- *   grpo, bnpo, dr_grpo, dapo: pol_i = -min(c1 A_b, clamp(r, 1 - eps_low, 1 + eps_high) A_b),
+ *   r_i = exp(log-ratio)                                  (TRL's coef_1)
+ *   grpo, bnpo, dr_grpo, dapo, luspo: pol_i = -min(c1 A_b, clamp(r, 1 - eps_low, 1 + eps_high) A_b),
  *                              c1 = min(r, delta) when delta is set, else r
  *   cispo: pol_i = -sg(min(r, eps_high)) A_b logp_i          (eps_high is an absolute cap here)
  *   sapo:  pol_i = -sigmoid(tau (r - 1)) (4 / tau) A_b,       tau = A_b > 0 ? tau_pos : tau_neg
+ *   vespo: pol_i = -sg(phi_b) A_b logp_i, phi_b = exp(lam + k log w - lam w), log w = clamp(sum_t m clamp(logp - old,
+ *          -20, 20) [+ sum_t clamp(log is_t, log 1e-8, 20)], log 1e-8, 20); (k, lam) = A_b >= 0 ? (k_pos, lam_pos)
+ *          : (k_neg, lam_neg), lam >= 1e-4; a non-finite phi is 0 (TRL's get_gamma_weights)
+ *   pol_i *= keep_b (off_policy_mask_threshold: keep_b = A_b >= 0 or sum_t m (samp - sg(logp)) / max(sum_t m, 1)
+ *            <= threshold, samp = sampling_per_token_logps, else old)
+ *          * e_i    (top_entropy_quantile q < 1: e_i = m_i != 0 and H_i m_i >= Q, Q the (1 - q) quantile (linear,
+ *                    as torch.quantile) of the entropies of every token with m != 0 in the whole batch)
+ *          * is_i   (the batch has sampling_per_token_logps and vllm_importance_sampling_correction, not vespo)
+ *   is: token modes exp((old_i - samp_i) m_i); sequence modes exp(sum_t (old - samp) m) for every token of b;
+ *       *_truncate clamps to [clip_min, clip_max]; *_mask sets a ratio outside them to 0 (an absent bound: none)
  *   l_i  = pol_i + beta kl_i,  kl_i = exp(ref_i - logp_i) - (ref_i - logp_i) - 1     (k3)
+ *          [* r_i with use_bias_correction_kl, the gradient flowing through r as well]
  *   loss  grpo, sapo: mean over sequences of sum_t m l / max(sum_t m, 1)
  *         bnpo: sum m l / max(sum m, 1);   dr_grpo: sum m l / (B max_completion_length)
- *         dapo, cispo: sum m l / num_items_in_batch
- *         minus entropy_coef * sum m H / max(sum m, 1)  (TRL's entropy bonus)
- * Ties in min() split the gradient in halves and clamp() passes it at its bounds, as torch does.
+ *         dapo, cispo, vespo: sum m l / N,  N = num_items_in_batch, or max(sum m, 1) when it is <= 0
+ *         luspo: sum_{b,t} l_{b,t} (sum_t m) / (B T)   [TRL: the mean over every position, padding included, of
+ *                l times the sequence's length; at the sequence level l is one value per sequence (the same)]
+ *         minus entropy_coef times the entropy bonus, over the tokens e_i m_i (m_i without the quantile):
+ *               dapo, cispo, vespo: sum e m H / N;   the others: sum e m H / max(sum e m, 1)
+ * Ties in min() split the gradient in halves and clamp() passes it at its bounds, as torch does. Not in the head:
+ * TRL's adaptive entropy controller (trainer state across steps: pass its current coefficient as entropy_coef),
+ * the division by gradient-accumulation steps (scale grad_output) and the MoE auxiliary loss.
  * ------------------------------------------------------------------------------------------- */
 typedef enum fh_grpo_loss_type {
     FH_GRPO_LOSS_GRPO = 0,
@@ -453,7 +472,9 @@ typedef enum fh_grpo_loss_type {
     FH_GRPO_LOSS_DR_GRPO = 2,
     FH_GRPO_LOSS_DAPO = 3,
     FH_GRPO_LOSS_CISPO = 4,
-    FH_GRPO_LOSS_SAPO = 5
+    FH_GRPO_LOSS_SAPO = 5,
+    FH_GRPO_LOSS_LUSPO = 6,
+    FH_GRPO_LOSS_VESPO = 7
 } fh_grpo_loss_type;
 
 typedef enum fh_grpo_is_level {
@@ -461,8 +482,15 @@ typedef enum fh_grpo_is_level {
     FH_GRPO_IS_SEQUENCE = 1 /* GSPO */
 } fh_grpo_is_level;
 
+typedef enum fh_grpo_vllm_is_mode {     /* TRL vllm_importance_sampling_mode */
+    FH_GRPO_VLLM_IS_TOKEN_TRUNCATE = 0,
+    FH_GRPO_VLLM_IS_TOKEN_MASK = 1,
+    FH_GRPO_VLLM_IS_SEQUENCE_TRUNCATE = 2,
+    FH_GRPO_VLLM_IS_SEQUENCE_MASK = 3
+} fh_grpo_vllm_is_mode;
+
 typedef struct fh_grpo_options {        /* TRL GRPOConfig names; defaults from fh_grpo_options_init */
-    fh_grpo_loss_type loss_type;        /* grpo */
+    fh_grpo_loss_type loss_type;        /* dapo (TRL's default) */
     fh_grpo_is_level importance_sampling_level; /* token */
     double temperature;                 /* 1.0 */
     double epsilon_low;                 /* TRL `epsilon`: 0.2 */
@@ -471,9 +499,18 @@ typedef struct fh_grpo_options {        /* TRL GRPOConfig names; defaults from f
     double beta;                        /* KL coefficient; 0: no KL and no reference log-probs needed */
     double sapo_temperature_pos;        /* 1.0 */
     double sapo_temperature_neg;        /* 1.05 */
-    double num_items_in_batch;          /* dapo/cispo normaliser; <= 0: max(sum of mask, 1) */
+    double num_items_in_batch;          /* dapo/cispo/vespo normaliser; <= 0: max(sum of mask, 1) */
     int64_t max_completion_length;      /* dr_grpo's constant; <= 0: T */
     double entropy_coef;                /* entropy bonus; 0 */
+    double top_entropy_quantile;        /* 1.0: every token carries the policy term; in [0, 1] */
+    double off_policy_mask_threshold;   /* NaN: no off-policy sequence mask */
+    int use_bias_correction_kl;         /* 0 */
+    int vllm_importance_sampling_correction; /* 1; applies only to a batch with sampling_per_token_logps */
+    fh_grpo_vllm_is_mode vllm_importance_sampling_mode; /* sequence_mask */
+    double vllm_importance_sampling_clip_min; /* NaN: no lower bound */
+    double vllm_importance_sampling_clip_max; /* 3.0; NaN: no upper bound (a *_truncate mode needs one bound) */
+    double vespo_k_pos, vespo_lambda_pos; /* 2.0, 3.0 */
+    double vespo_k_neg, vespo_lambda_neg; /* 3.0, 2.0 */
 } fh_grpo_options;
 
 FH_API fh_status fh_grpo_options_init(fh_grpo_options *options);
@@ -485,15 +522,25 @@ typedef struct fh_grpo_batch {
     const float *advantages;            /* [B] */
     const float *old_per_token_logps;   /* [B, T] or NULL (on-policy) */
     const float *ref_per_token_logps;   /* [B, T]; required when beta != 0 */
+    const float *sampling_per_token_logps; /* [B, T] the sampler's (vLLM's) log-probs, or NULL */
 } fh_grpo_batch;
 
 typedef struct fh_grpo_metrics {        /* TRL's logged metrics; NaN where TRL logs nothing */
-    double kl;                          /* masked mean of kl (beta != 0) */
+    double kl;                          /* masked mean of kl (times r with use_bias_correction_kl) (beta != 0) */
     double entropy;                     /* masked mean of H */
-    double clip_ratio_low_mean;         /* r < 1 - eps_low and A < 0   (clipped family) */
-    double clip_ratio_high_mean;        /* r > 1 + eps_high and A > 0  (clipped family) */
+    double clip_ratio_low_mean;         /* r < 1 - eps_low and A < 0   (clipped family, luspo) */
+    double clip_ratio_high_mean;        /* r > 1 + eps_high and A > 0  (clipped family, luspo) */
     double clip_ratio_region_mean;      /* either */
     double cispo_clip_ratio;            /* r > eps_high and A > 0      (cispo) */
+    double clip_ratio_low_min;          /* the least over sequences of a sequence's masked mean of the low flag */
+    double clip_ratio_high_max;         /* the largest over sequences of the high flag's */
+    double policy_loss;                 /* the loss before the entropy bonus (entropy_coef != 0) */
+    double entropy_coef;                /* (entropy_coef != 0) */
+    double vespo_phi_seq_mean;          /* vespo/phi_seq_mean: the mean of phi_b over sequences (vespo) */
+    /* sampling/...: with the importance-sampling correction applied. Over this call's tokens with m != 0 (the
+     * ratio's over sequences in the sequence modes); 0 when there are none, as TRL. */
+    double sampling_logp_difference_mean, sampling_logp_difference_max; /* |old - samp| */
+    double importance_sampling_ratio_min, importance_sampling_ratio_mean, importance_sampling_ratio_max;
 } fh_grpo_metrics;
 
 typedef struct fh_grpo_outputs {        /* any may be NULL */
@@ -508,17 +555,18 @@ typedef struct fh_grpo_outputs {        /* any may be NULL */
 FH_API fh_status fh_grpo_forward(fh_context *ctx, const fh_linear *lin, const fh_grpo_batch *batch,
                                  const fh_grpo_options *options, fh_grpo_outputs *out);
 
-/* Backward from what fh_grpo_forward saved: per_token_logp and lse, and entropy when entropy_coef != 0
- * (else it may be NULL). grad_output: one value, d(objective)/d(loss). */
+/* Backward from what fh_grpo_forward saved: per_token_logp and lse, and entropy when entropy_coef != 0 or
+ * top_entropy_quantile < 1 (else it may be NULL). grad_output: one value, d(objective)/d(loss). */
 FH_API fh_status fh_grpo_backward(fh_context *ctx, const fh_linear *lin, const fh_grpo_batch *batch,
                                   const fh_grpo_options *options, const float *per_token_logp, const float *lse,
                                   const float *entropy, const float *grad_output, fh_linear_grads *grads);
 
 /* Forward and backward in one call. Row blocks of whole sequences (6 N H V flops, as fh_ce_forward_backward):
- * a block's logits across the whole vocabulary, its tokens' statistics, then its sequences' GSPO log-ratios and
- * its rows' coefficients, dU and both gradient GEMMs; the per-sequence normalisers come from the mask alone.
- * When the memory budget cannot hold one sequence's rows it streams both passes instead (8 N H V flops); the
- * results are the same either way. */
+ * a block's logits across the whole vocabulary, its tokens' statistics, then its sequences' values (GSPO
+ * log-ratios, off-policy masks, VESPO weights, importance-sampling ratios) and its rows' coefficients, dU and both
+ * gradient GEMMs; the per-sequence normalisers come from the mask alone. It streams both passes instead (8 N H V
+ * flops) when the memory budget cannot hold one sequence's rows, and with top_entropy_quantile < 1, whose
+ * threshold needs every token's entropy before any coefficient. The results are the same either way. */
 FH_API fh_status fh_grpo_forward_backward(fh_context *ctx, const fh_linear *lin, const fh_grpo_batch *batch,
                                           const fh_grpo_options *options, const float *grad_output,
                                           fh_grpo_outputs *out, fh_linear_grads *grads);
