@@ -262,7 +262,7 @@ static int run_grpo(bench_case c, const shape *s, const fh_linear *lin, const be
 {
     fh_grpo_options o;
     fh_grpo_options_init(&o);
-    const fh_grpo_batch batch = {s->batch, s->seq, in->targets, g->mask, g->advantages, NULL, NULL};
+    const fh_grpo_batch batch = {s->batch, s->seq, in->targets, g->mask, g->advantages, NULL, NULL, NULL};
     fh_grpo_outputs out = {.loss = loss, .per_token_logp = g->logp, .lse = in->lse};
     const float grad_one = 1.0f;
     switch (c) {
