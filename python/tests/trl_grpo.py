@@ -132,7 +132,8 @@ def trl_grpo_loss(h, W, b, ids, mask, A, old=None, ref=None, sampling=None, *, l
     h [B, T, H], W [V, H], b [V] or None: float64 (leaves with requires_grad for the gradients); ids int64 [B, T];
     mask, old, ref, sampling float64 [B, T] (old / ref / sampling may be None); A float64 [B]. Options: TRL's
     GRPOConfig names and defaults. return_details: also a dict of intermediate values (the entropy threshold, the
-    off-policy mask and the least distance of a negative-advantage sequence's mean gap from its threshold).
+    off-policy mask, the least distance of a negative-advantage sequence's mean gap from its threshold, and
+    loss_scale: the loss's reduction applied to the absolute per-token losses, plus the entropy term's size).
     """
     eps_high = epsilon_low if epsilon_high is None else epsilon_high
     Bn, Tn = ids.shape
@@ -212,19 +213,24 @@ def trl_grpo_loss(h, W, b, ids, mask, A, old=None, ref=None, sampling=None, *, l
     if beta != 0.0:
         per_token = per_token + beta * kl
 
-    if loss_type in ("grpo", "sapo"):
-        loss = ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
-    elif loss_type == "bnpo":
-        loss = (per_token * m).sum() / m.sum().clamp(min=1.0)
-    elif loss_type == "dr_grpo":
-        loss = (per_token * m).sum() / (per_token.size(0) * (max_completion_length or Tn))
-    elif loss_type in TOKEN_SUM:
-        nib = m.sum() if num_items_in_batch is None else torch.as_tensor(float(num_items_in_batch), dtype=m.dtype)
-        normalizer = nib.clamp(min=1.0)
-        loss = (per_token * m).sum() / normalizer
-    else:  # luspo: a mean over B (a per-sequence loss) or over every B*T position (one with a token axis)
-        loss = (per_token * m.sum(1, keepdim=True)).mean()
+    def reduce(pt):  # the loss type's reduction of a per-token loss
+        if loss_type in ("grpo", "sapo"):
+            return ((pt * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+        if loss_type == "bnpo":
+            return (pt * m).sum() / m.sum().clamp(min=1.0)
+        if loss_type == "dr_grpo":
+            return (pt * m).sum() / (pt.size(0) * (max_completion_length or Tn))
+        if loss_type in TOKEN_SUM:
+            return (pt * m).sum() / normalizer
+        # luspo: a mean over B (a per-sequence loss) or over every B*T position (one with a token axis)
+        return (pt * m.sum(1, keepdim=True)).mean()
+
+    nib = m.sum() if num_items_in_batch is None else torch.as_tensor(float(num_items_in_batch), dtype=m.dtype)
+    normalizer = nib.clamp(min=1.0)  # cispo, dapo, vespo
+    loss = reduce(per_token)
     policy_loss = loss.detach()
+    # the loss's scale without cancellation: the same reduction of |per-token loss| (and of the entropy bonus)
+    details["loss_scale"] = reduce(per_token.detach().abs()).item()
 
     if entropy_coef != 0.0:
         effective = m if entropy_mask is None else m * entropy_mask
@@ -233,6 +239,7 @@ def trl_grpo_loss(h, W, b, ids, mask, A, old=None, ref=None, sampling=None, *, l
         else:
             bonus = (entropies * effective).sum() / effective.sum().clamp(min=1.0)
         loss = loss - entropy_coef * bonus
+        details["loss_scale"] += abs(entropy_coef) * bonus.item()
         metrics["policy_loss"] = policy_loss.item()
         metrics["entropy_coef"] = float(entropy_coef)
 
