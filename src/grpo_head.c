@@ -316,7 +316,8 @@ static double sequence_weight(const fh_grpo_head *h, int64_t b, double length)
 
 double fh_grpo_items(const fh_grpo_head *h)
 {
-    return h->o->num_items_in_batch > 0.0 ? h->o->num_items_in_batch : h->mask_total;
+    /* TRL: num_items_in_batch.clamp(min=1.0) */
+    return h->o->num_items_in_batch > 0.0 ? fmax(h->o->num_items_in_batch, 1.0) : h->mask_total;
 }
 
 /* The entropy bonus's denominator: N for the item-normalised types, else the count of the tokens it covers. */

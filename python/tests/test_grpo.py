@@ -475,9 +475,7 @@ def test_fractional_mask(loss_type):
         check(lib, ref, d["mask"])
 
 
-@pytest.mark.xfail(strict=True, reason="TRL clamps num_items_in_batch to >= 1 (grpo_trainer.py: "
-                   "inputs['num_items_in_batch'].clamp(min=1.0)); the library divides by a value in (0, 1) as it is "
-                   "(reported to the C side; remove this marker when it clamps)")
+# TRL clamps num_items_in_batch to >= 1 (grpo_trainer.py: inputs['num_items_in_batch'].clamp(min=1.0)).
 @pytest.mark.parametrize("loss_type", ["dapo", "cispo", "vespo"])
 def test_num_items_below_one(loss_type):
     d = make_grpo(seed=99, bias=True)
