@@ -281,8 +281,9 @@ fh_status fh_grpo_head_entropy_threshold(fh_grpo_head *h, const double *entropy,
                 low[k] = mid[k] + 1;
         }
     }
-    const double below = key_value(low[0]), above = key_value(low[1]), w = (double)(position - (float)rank[0]);
-    h->entropy_threshold = w < 0.5 ? below + w * (above - below) : above - (above - below) * (1.0 - w); /* torch.lerp */
+    /* torch.lerp in fp32 (the entropies are fp32 values, so the keys' values are exact) */
+    const float below = (float)key_value(low[0]), above = (float)key_value(low[1]), w = position - (float)rank[0];
+    h->entropy_threshold = w < 0.5f ? below + w * (above - below) : above - (above - below) * (1.0f - w);
     double kept = 0.0;
     for (int64_t i = 0; i < n; i++)
         kept += fh_grpo_entropy_kept(h, entropy, i) * bt->completion_mask[i];
@@ -296,7 +297,7 @@ int fh_grpo_entropy_kept(const fh_grpo_head *h, const double *entropy, int64_t i
     const double m = h->bt->completion_mask[i];
     if (isnan(h->entropy_threshold))
         return 1;
-    return m != 0.0 && stored_entropy(entropy, i) * m >= h->entropy_threshold;
+    return m != 0.0 && (float)stored_entropy(entropy, i) * (float)m >= h->entropy_threshold; /* fp32, as TRL */
 }
 
 /* d loss / d l_i per unit of token weight: the loss type's normalisation of sequence b. */
