@@ -67,7 +67,7 @@ static ref_grpo_problem ref_problem(const grpo_case *c, ref_inputs *in)
     in->old = doubles(c->old_logps, n);
     in->ref = doubles(c->ref_logps, n);
     const ref_grpo_problem p = {s->batch, s->seq, s->hidden, s->vocab, in->x, in->w, in->b, c->ids,
-                                in->mask, in->adv, in->old, in->ref, NULL};
+                                in->mask, in->adv, in->old, in->ref, NULL, NULL, NULL};
     return p;
 }
 

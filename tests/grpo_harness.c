@@ -294,7 +294,7 @@ static ref_grpo_problem gp_ref_problem(const gp_problem *p, const fh_grpo_option
     a->old = tu_doubles(p->old, n);
     a->ref = o->beta != 0.0 ? tu_doubles(p->ref, n) : NULL;
     const ref_grpo_problem rp = {p->batch, p->seq, p->hidden, p->vocab, a->x, a->w, a->b, p->ids,
-                                 a->mask, a->adv, a->old, a->ref, NULL};
+                                 a->mask, a->adv, a->old, a->ref, NULL, NULL, NULL};
     return rp;
 }
 
@@ -361,7 +361,7 @@ void gp_reference_backward_from_logp(const gp_problem *p, const fh_grpo_options 
     double *mask = tu_doubles(p->mask, (size_t)n), *adv = tu_doubles(p->adv, (size_t)p->batch);
     double *old = tu_doubles(p->old, (size_t)n), *ref = o->beta != 0.0 ? tu_doubles(p->ref, (size_t)n) : NULL;
     double *gl = tu_alloc((size_t)n, sizeof(double)), *ge = tu_alloc((size_t)n, sizeof(double));
-    const ref_grpo_tokens tk = {p->batch, p->seq, logp, entropy, mask, adv, old, ref, NULL};
+    const ref_grpo_tokens tk = {p->batch, p->seq, logp, entropy, mask, adv, old, ref, NULL, NULL, NULL};
     const ref_grpo_options ro = grpo_ref_options(o);
     const int rc = ref_grpo_head(&tk, &ro, grad, NULL, gl, ge);
     TU_CHECK(rc == 0, "ref_grpo_head: %d", rc);
