@@ -73,6 +73,11 @@ typedef struct shape {
     double ignore_frac;        /* --ignore-frac (CE): this share of the rows get ignore_index */
     int ignore_scattered;      /* --ignore-pattern scattered: single rows at random; runs (default): the first
                                   ignore_frac of every IGNORE_RUN_ROWS rows, as masked prompts */
+    fh_grpo_options grpo;      /* grpo: TRL's defaults, --grpo-loss-type, --top-entropy-quantile, and with
+                                  --grpo-trl-options the sampler's log-probs (vLLM importance sampling, TRL's
+                                  sequence_mask), off_policy_mask_threshold 0.5, beta 0.04 with the bias-corrected KL
+                                  and entropy_coef 0.01 */
+    int grpo_trl_options;
 } shape;
 
 /* The period of --ignore-pattern runs: a sequence of this many tokens whose first part is its prompt. */
@@ -80,6 +85,8 @@ typedef struct shape {
 
 /* GRPO's cases: the forward, today's streaming step (forward + backward, 8 NHV) and the single-call step
  * (fh_grpo_forward_backward: row blocks of whole sequences); no materialized baseline. */
+static const char *grpo_loss_names[] = {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"};
+
 static const char *grpo_case_names[CASE_COUNT] = {NULL, "grpo_forward", "grpo_streaming", "grpo_train_step", NULL,
                                                   NULL};
 
@@ -196,6 +203,8 @@ static double gemm_best_ms(const shape *s, void *const sg[3])
  * saved log-probs; distillation's teacher (its x and w, and their bf16 copies in a bf16 run). */
 typedef struct head_inputs {
     float *mask, *advantages, *logp;
+    float *sampling_logp, *ref_logp; /* grpo with --grpo-trl-options */
+    float *entropy;                  /* grpo: the forward's, for the split backward */
     bench_inputs teacher;
     int64_t *ignored_targets; /* CE with --ignore-frac: the targets with the ignored rows, which the fused cases take */
 } head_inputs;
@@ -222,13 +231,25 @@ static int head_inputs_make(const shape *s, head_inputs *g)
     }
     g->mask = malloc((size_t)s->n * sizeof(float));
     g->logp = malloc((size_t)s->n * sizeof(float));
+    g->entropy = malloc((size_t)s->n * sizeof(float));
     g->advantages = malloc((size_t)s->n / s->seq * sizeof(float));
-    if (!g->mask || !g->logp || !g->advantages)
+    if (!g->mask || !g->logp || !g->entropy || !g->advantages)
         return -1;
     for (int64_t i = 0; i < s->n; i++)
         g->mask[i] = i % s->seq < s->seq - s->seq / 8 ? 1.0f : 0.0f; /* the last eighth of each sequence is padding */
     for (int64_t b = 0; b < s->n / s->seq; b++)
         g->advantages[b] = b % 2 ? -1.0f : 1.0f;
+    if (s->head == HEAD_GRPO && s->grpo_trl_options) {
+        /* Near the uniform inputs' log-probs, -log V, so that ratios and masks see both sides of their bounds. */
+        g->sampling_logp = bench_filled((size_t)s->n, 0.2f, 21);
+        g->ref_logp = bench_filled((size_t)s->n, 0.2f, 22);
+        if (!g->sampling_logp || !g->ref_logp)
+            return -1;
+        for (int64_t i = 0; i < s->n; i++) {
+            g->sampling_logp[i] -= (float)log((double)s->vocab);
+            g->ref_logp[i] -= (float)log((double)s->vocab);
+        }
+    }
     return 0;
 }
 
@@ -260,17 +281,17 @@ static int run_preference(bench_case c, const shape *s, const fh_linear *lin, co
 static int run_grpo(bench_case c, const shape *s, const fh_linear *lin, const bench_inputs *in, const head_inputs *g,
                     fh_context *ctx, fh_linear_grads *grads, double *loss)
 {
-    fh_grpo_options o;
-    fh_grpo_options_init(&o);
-    const fh_grpo_batch batch = {s->batch, s->seq, in->targets, g->mask, g->advantages, NULL, NULL};
-    fh_grpo_outputs out = {.loss = loss, .per_token_logp = g->logp, .lse = in->lse};
+    const fh_grpo_options o = s->grpo;
+    const fh_grpo_batch batch = {s->batch, s->seq, in->targets, g->mask, g->advantages, NULL, g->ref_logp,
+                                 g->sampling_logp};
+    fh_grpo_outputs out = {.loss = loss, .per_token_logp = g->logp, .entropy = g->entropy, .lse = in->lse};
     const float grad_one = 1.0f;
     switch (c) {
     case CASE_FORWARD: return fh_grpo_forward(ctx, lin, &batch, &o, &out) == FH_OK ? 0 : -1;
     case CASE_SPLIT:
         if (fh_grpo_forward(ctx, lin, &batch, &o, &out) != FH_OK)
             return -1;
-        return fh_grpo_backward(ctx, lin, &batch, &o, g->logp, in->lse, NULL, &grad_one, grads) == FH_OK ? 0 : -1;
+        return fh_grpo_backward(ctx, lin, &batch, &o, g->logp, in->lse, g->entropy, &grad_one, grads) == FH_OK ? 0 : -1;
     case CASE_TRAIN: return fh_grpo_forward_backward(ctx, lin, &batch, &o, &grad_one, &out, grads) == FH_OK ? 0 : -1;
     default: return -1;
     }
@@ -410,7 +431,7 @@ static result measure_in_child(bench_case c, const shape *s)
     fh_context *ctx = NULL;
     void *sg[3] = {NULL, NULL, NULL};
     materialized_buffers mb = {0, NULL, NULL, NULL};
-    head_inputs heads = {NULL, NULL, NULL, {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL}, NULL};
+    head_inputs heads = {NULL, NULL, NULL, NULL, NULL, NULL, {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL}, NULL};
     const int bf16 = s->dtype == FH_DTYPE_BF16;
     char why[512];
     if (bench_inputs_make_from(&s->dist, s->layout, s->n, s->hidden, s->vocab, &in, why, sizeof why) != 0 ||
@@ -654,6 +675,10 @@ static void print_report(format f, const shape *s, const result *res, const fh_k
                 dtype_name(s->dtype), kernels->bf16_path, kernels->bf16_gemm, distribution_label(&s->dist, label), data, (long long)s->stats.rows,
                 s->stats.mean_entropy, s->stats.below_2m12, s->stats.below_2m28, s->ignore_frac,
                 s->ignore_scattered ? "scattered" : "runs");
+        if (s->head == HEAD_GRPO)
+            fprintf(out, "\n  \"grpo_loss_type\": \"%s\", \"top_entropy_quantile\": %.9g, \"grpo_trl_options\": %s,",
+                    grpo_loss_names[s->grpo.loss_type], s->grpo.top_entropy_quantile,
+                    s->grpo_trl_options ? "true" : "false");
         if (s->head == HEAD_DISTILL)
             fprintf(out, "\n  \"teacher_hidden\": %lld, \"divergence\": \"%s\", \"beta\": %.9g, \"temperature\": %.9g, "
                          "\"weight_hard_loss\": %.9g, \"teacher_mean_entropy\": %.6g,",
@@ -697,6 +722,9 @@ static void print_report(format f, const shape *s, const result *res, const fh_k
         snprintf(teacher, sizeof teacher, "; the teacher's mean softmax entropy %.3f nats",
                  s->teacher_stats.mean_entropy);
     }
+    if (s->head == HEAD_GRPO)
+        snprintf(distill, sizeof distill, ", grpo %s (top_entropy_quantile %g%s)", grpo_loss_names[s->grpo.loss_type],
+                 s->grpo.top_entropy_quantile, s->grpo_trl_options ? ", sampler IS, off-policy mask, KL" : "");
     fprintf(out, "fh_bench: N=%lld H=%lld V=%lld%s, %s (gradients %s%s), layout %s, %d threads, budget %s, BLIS kernel "
                  "set %s, row kernels %s, bf16 GEMMs %s, best of %d; inputs %s%s%s (%s data): mean softmax entropy %.3f nats, p < "
                  "2^-12 %.4f, p < 2^-28 %.4f (%lld rows sampled)%s\n\n",
@@ -823,6 +851,17 @@ static int parse_loss(const char *v, shape *s)
     return s->head == HEAD_PREFERENCE ? -1 : 0;
 }
 
+/* --grpo-loss-type grpo|bnpo|dr_grpo|dapo|cispo|sapo|luspo|vespo */
+static int parse_grpo_loss_type(const char *v, fh_grpo_options *o)
+{
+    for (int k = 0; k < 8; k++)
+        if (strcmp(v, grpo_loss_names[k]) == 0) {
+            o->loss_type = (fh_grpo_loss_type)k;
+            return 0;
+        }
+    return -1;
+}
+
 /* --divergence forward_kl|reverse_kl|jsd */
 static int parse_divergence(const char *v, fh_distill_options *o)
 {
@@ -854,6 +893,10 @@ static void usage(void)
                     "                [--distribution uniform|peaked[:ENTROPY]|DIR]   (DIR: a saved batch; H, V and at\n"
                     "                most N rows come from its files)\n"
                     "       fh_bench --loss grpo --batch B --seq T [--hidden H] [--vocab V] [the options above but --n]\n"
+                    "                [--grpo-loss-type grpo|bnpo|dr_grpo|dapo|cispo|sapo|luspo|vespo]\n"
+                    "                [--top-entropy-quantile Q] [--grpo-trl-options]   (TRL's defaults, dapo; with\n"
+                    "                --grpo-trl-options: sampler log-probs with sequence_mask importance sampling, the\n"
+                    "                off-policy mask at 0.5, beta 0.04 with the bias-corrected KL, entropy_coef 0.01)\n"
                     "       fh_bench --loss dpo|orpo|simpo|cpo --batch PAIRS --seq T [as for grpo]\n"
                     "       fh_bench --loss distill [--n N] [--hidden H] [--teacher-hidden HT] [--vocab V]\n"
                     "                [--divergence forward_kl|reverse_kl|jsd] [--beta B] [--temperature T]\n"
@@ -868,8 +911,9 @@ int main(int argc, char **argv)
     format f = FORMAT_TABLE;
     int grad_dtype = -1;
     const char *sweep_what = NULL, *out_dir = ".";
-    int n_given = 0, hidden_vocab_given = 0, distill_given = 0;
+    int n_given = 0, hidden_vocab_given = 0, distill_given = 0, grpo_given = 0;
     fh_distill_options_init(&s.distill);
+    fh_grpo_options_init(&s.grpo);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (strcmp(a, "--json") == 0)
@@ -878,6 +922,8 @@ int main(int argc, char **argv)
             s.fp32_du = 1;
         else if (strcmp(a, "--csv") == 0)
             f = FORMAT_CSV;
+        else if (strcmp(a, "--grpo-trl-options") == 0)
+            s.grpo_trl_options = grpo_given = 1;
         else if (!v) {
             usage();
             return 2;
@@ -967,6 +1013,15 @@ int main(int argc, char **argv)
         }
         else if (strcmp(a, "--batch") == 0)
             s.batch = atoll(argv[++i]);
+        else if (strcmp(a, "--grpo-loss-type") == 0 || strcmp(a, "--top-entropy-quantile") == 0) {
+            grpo_given = 1;
+            i++;
+            if (strcmp(a, "--grpo-loss-type") == 0 ? parse_grpo_loss_type(v, &s.grpo)
+                                                   : parse_number(v, 0.0, 1.0, &s.grpo.top_entropy_quantile)) {
+                usage();
+                return 2;
+            }
+        }
         else if (strcmp(a, "--seq") == 0)
             s.seq = atoll(argv[++i]);
         else if (strcmp(a, "--sweep") == 0)
@@ -987,6 +1042,17 @@ int main(int argc, char **argv)
     if (s.head == HEAD_DISTILL && sweep_what) {
         usage();
         return 2;
+    }
+    if (grpo_given && s.head != HEAD_GRPO) {
+        fprintf(stderr, "fh_bench: --grpo-loss-type, --top-entropy-quantile and --grpo-trl-options apply to --loss grpo "
+                        "only\n");
+        return 2;
+    }
+    if (s.grpo_trl_options) {
+        s.grpo.off_policy_mask_threshold = 0.5;
+        s.grpo.beta = 0.04;
+        s.grpo.use_bias_correction_kl = 1;
+        s.grpo.entropy_coef = 0.01;
     }
     s.teacher_hidden = s.teacher_hidden ? s.teacher_hidden : s.hidden;
     if (s.head == HEAD_GRPO || s.head == HEAD_PREFERENCE) {

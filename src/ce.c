@@ -429,7 +429,7 @@ static fh_status run(fh_context *ctx, const ce_call *c)
         return run_forward(ctx, c);
     if (c->kind == CE_BACKWARD)
         return run_backward(ctx, c);
-    const fh_train_step_head head = {1, NULL, 0, step_run, c};
+    const fh_train_step_head head = {1, NULL, 0, 0, step_run, c};
     return fh_engine_train_step(ctx, c->lin, c->grads, &head);
 }
 

@@ -419,7 +419,7 @@ static fh_status run(fh_context *ctx, const distill_call *c)
 {
     if (!c->grads)
         return forward(ctx, c);
-    const fh_train_step_head head = {1, c->teacher, 0, step_run, c};
+    const fh_train_step_head head = {1, c->teacher, 0, 0, step_run, c};
     return fh_engine_train_step(ctx, c->student, c->grads, &head);
 }
 

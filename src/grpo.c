@@ -1,6 +1,6 @@
-/* GRPO head (TRL GRPOTrainer semantics, formulas in fusedhead.h): option and batch checks, per-token
- * log-probs and entropies -> loss, metrics and backward coefficients. The engine does every tile; this
- * file is scalar math on [B, T] vectors. */
+/* GRPO calls (TRL GRPOTrainer semantics, formulas in fusedhead.h): option and batch checks, then the engine's
+ * passes around the head's math (grpo_head.c): streaming forward, backward from saved values, and the single-call
+ * step in row blocks of whole sequences. */
 #include "grpo_head.h"
 
 #include "linear.h"
@@ -11,33 +11,61 @@ FH_API fh_status fh_grpo_options_init(fh_grpo_options *options)
 {
     if (!options)
         return FH_ERR_NULL_POINTER;
-    const fh_grpo_options defaults = {FH_GRPO_LOSS_GRPO, FH_GRPO_IS_TOKEN, 1.0, 0.2, NAN, NAN, 0.0, 1.0, 1.05,
-                                      0.0, 0, 0.0};
+    const fh_grpo_options defaults = {FH_GRPO_LOSS_DAPO,
+                                      FH_GRPO_IS_TOKEN,
+                                      1.0,
+                                      0.2,
+                                      NAN,
+                                      NAN,
+                                      0.0,
+                                      1.0,
+                                      1.05,
+                                      0.0,
+                                      0,
+                                      0.0,
+                                      1.0,
+                                      NAN,
+                                      0,
+                                      1,
+                                      FH_GRPO_VLLM_IS_SEQUENCE_MASK,
+                                      NAN,
+                                      3.0,
+                                      2.0,
+                                      3.0,
+                                      3.0,
+                                      2.0};
     *options = defaults;
     return FH_OK;
 }
 
-static double epsilon_high(const fh_grpo_options *o)
+/* TRL's GRPOConfig checks of the vLLM importance-sampling options, made whenever the correction is on. */
+static fh_status check_importance_sampling(fh_context *ctx, const fh_grpo_options *o)
 {
-    return isnan(o->epsilon_high) ? o->epsilon_low : o->epsilon_high;
-}
-
-static int delta_on(const fh_grpo_options *o)
-{
-    return o->delta > 0.0; /* NaN and 0 are off */
-}
-
-static int clipped_family(fh_grpo_loss_type t)
-{
-    return t == FH_GRPO_LOSS_GRPO || t == FH_GRPO_LOSS_BNPO || t == FH_GRPO_LOSS_DR_GRPO || t == FH_GRPO_LOSS_DAPO;
+    if (!o->vllm_importance_sampling_correction)
+        return FH_OK;
+    const double lo = o->vllm_importance_sampling_clip_min, hi = o->vllm_importance_sampling_clip_max;
+    if ((unsigned)o->vllm_importance_sampling_mode > FH_GRPO_VLLM_IS_SEQUENCE_MASK)
+        return fh_fail(ctx, FH_ERR_INVALID_GRPO_OPTION,
+                       "vllm_importance_sampling_mode = %d is not one of token_truncate (0) .. sequence_mask (3)",
+                       (int)o->vllm_importance_sampling_mode);
+    if (isinf(lo) || isinf(hi) || (!isnan(lo) && !isnan(hi) && !(lo < hi)))
+        return fh_fail(ctx, FH_ERR_INVALID_GRPO_OPTION,
+                       "vllm_importance_sampling_clip_min = %g, clip_max = %g: each NaN (none) or finite, min < max", lo,
+                       hi);
+    const int truncate = o->vllm_importance_sampling_mode == FH_GRPO_VLLM_IS_TOKEN_TRUNCATE ||
+                         o->vllm_importance_sampling_mode == FH_GRPO_VLLM_IS_SEQUENCE_TRUNCATE;
+    if (truncate && isnan(lo) && isnan(hi))
+        return fh_fail(ctx, FH_ERR_INVALID_GRPO_OPTION,
+                       "a *_truncate vllm_importance_sampling_mode needs clip_min or clip_max");
+    return FH_OK;
 }
 
 static fh_status check_options(fh_context *ctx, const fh_grpo_options *o)
 {
     if (!o)
         return fh_fail(ctx, FH_ERR_NULL_POINTER, "options are NULL");
-    if ((unsigned)o->loss_type > FH_GRPO_LOSS_SAPO)
-        return fh_fail(ctx, FH_ERR_INVALID_GRPO_OPTION, "loss_type = %d is not one of grpo (0) .. sapo (5)",
+    if ((unsigned)o->loss_type > FH_GRPO_LOSS_VESPO)
+        return fh_fail(ctx, FH_ERR_INVALID_GRPO_OPTION, "loss_type = %d is not one of grpo (0) .. vespo (7)",
                        (int)o->loss_type);
     if ((unsigned)o->importance_sampling_level > FH_GRPO_IS_SEQUENCE)
         return fh_fail(ctx, FH_ERR_INVALID_GRPO_OPTION,
@@ -48,7 +76,7 @@ static fh_status check_options(fh_context *ctx, const fh_grpo_options *o)
     const fh_status st = fh_logprob_transform(ctx, o->temperature, 0.0, 1.0, &tf);
     if (st != FH_OK)
         return st;
-    const double eh = epsilon_high(o);
+    const double eh = fh_grpo_epsilon_high(o);
     if (!(o->epsilon_low >= 0.0 && isfinite(o->epsilon_low)) || !(eh >= 0.0 && isfinite(eh)))
         return fh_fail(ctx, FH_ERR_INVALID_GRPO_OPTION, "epsilon_low = %g, epsilon_high = %g must be finite and >= 0",
                        o->epsilon_low, eh);
@@ -63,7 +91,17 @@ static fh_status check_options(fh_context *ctx, const fh_grpo_options *o)
     if (!isfinite(o->entropy_coef) || isnan(o->num_items_in_batch) || isinf(o->num_items_in_batch))
         return fh_fail(ctx, FH_ERR_INVALID_GRPO_OPTION, "entropy_coef = %g and num_items_in_batch = %g must be finite",
                        o->entropy_coef, o->num_items_in_batch);
-    return FH_OK;
+    if (!(o->top_entropy_quantile >= 0.0 && o->top_entropy_quantile <= 1.0))
+        return fh_fail(ctx, FH_ERR_INVALID_GRPO_OPTION, "top_entropy_quantile = %g is outside [0, 1]",
+                       o->top_entropy_quantile);
+    if (isinf(o->off_policy_mask_threshold))
+        return fh_fail(ctx, FH_ERR_INVALID_GRPO_OPTION, "off_policy_mask_threshold = %g must be NaN (off) or finite",
+                       o->off_policy_mask_threshold);
+    if (!isfinite(o->vespo_k_pos) || !isfinite(o->vespo_lambda_pos) || !isfinite(o->vespo_k_neg) ||
+        !isfinite(o->vespo_lambda_neg))
+        return fh_fail(ctx, FH_ERR_INVALID_GRPO_OPTION, "VESPO k and lambda (%g, %g, %g, %g) must be finite",
+                       o->vespo_k_pos, o->vespo_lambda_pos, o->vespo_k_neg, o->vespo_lambda_neg);
+    return check_importance_sampling(ctx, o);
 }
 
 static fh_status check_batch(fh_context *ctx, const fh_linear *lin, const fh_grpo_batch *bt, const fh_grpo_options *o,
@@ -76,6 +114,11 @@ static fh_status check_batch(fh_context *ctx, const fh_linear *lin, const fh_grp
                        !bt->completion_ids ? "completion_ids" : !bt->completion_mask ? "completion_mask" : "advantages");
     if (o->beta != 0.0 && !bt->ref_per_token_logps)
         return fh_fail(ctx, FH_ERR_NULL_POINTER, "beta = %g needs ref_per_token_logps", o->beta);
+    if (o->loss_type == FH_GRPO_LOSS_VESPO && fh_grpo_is_correction(bt, o) &&
+        fh_grpo_is_sequence_mode(o->vllm_importance_sampling_mode))
+        return fh_fail(ctx, FH_ERR_INVALID_GRPO_OPTION,
+                       "vespo takes the importance-sampling ratio per token: vllm_importance_sampling_mode must be "
+                       "token_truncate or token_mask (TRL)");
     int64_t n;
     if (bt->batch < 1 || bt->seq < 1 || __builtin_mul_overflow(bt->batch, bt->seq, &n) || n != lin->n)
         return fh_fail(ctx, FH_ERR_INVALID_SIZE, "batch = %lld x seq = %lld must be >= 1 and equal n = %lld",
@@ -104,206 +147,6 @@ fh_status fh_grpo_check_call(fh_context *ctx, const fh_linear *lin, const fh_grp
     return st;
 }
 
-/* ---- per-token policy math ---------------------------------------------------------------- */
-
-typedef struct token_policy {
-    double ratio; /* forward value of r */
-    double loss;  /* pol_i */
-    double slope; /* d pol / d r (clipped family, sapo), or d pol / d logp (cispo) */
-} token_policy;
-
-/* torch.min / torch.clamp semantics: NaN propagates (fmin and fmax would drop it and hide a NaN log-prob). */
-static double min_nan(double x, double y)
-{
-    return isnan(x) || isnan(y) ? NAN : x < y ? x : y;
-}
-
-static double max_nan(double x, double y)
-{
-    return isnan(x) || isnan(y) ? NAN : x > y ? x : y;
-}
-
-/* torch.min(x, y) backward: the whole gradient to the smaller, halves on a tie. */
-static double share_of_first(double x, double y)
-{
-    return x < y ? 1.0 : x > y ? 0.0 : 0.5;
-}
-
-static token_policy policy(const fh_grpo_options *o, double log_ratio, double logp, double advantage)
-{
-    token_policy p;
-    p.ratio = exp(log_ratio);
-    const double r = p.ratio, a = advantage;
-    if (o->loss_type == FH_GRPO_LOSS_CISPO) {
-        const double capped = min_nan(r, epsilon_high(o)); /* detached */
-        p.loss = -capped * a * logp;
-        p.slope = -capped * a;
-    } else if (o->loss_type == FH_GRPO_LOSS_SAPO) {
-        const double tau = a > 0.0 ? o->sapo_temperature_pos : o->sapo_temperature_neg;
-        const double sig = 1.0 / (1.0 + exp(-tau * (r - 1.0)));
-        p.loss = -sig * (4.0 / tau) * a;
-        p.slope = -4.0 * sig * (1.0 - sig) * a;
-    } else {
-        const double lo = 1.0 - o->epsilon_low, hi = 1.0 + epsilon_high(o);
-        const double c2 = min_nan(max_nan(r, lo), hi), dc2 = (r >= lo && r <= hi) ? 1.0 : 0.0;
-        const double c1 = delta_on(o) && r > o->delta ? o->delta : r;
-        const double dc1 = delta_on(o) && r > o->delta ? 0.0 : 1.0;
-        const double share = share_of_first(c1 * a, c2 * a);
-        p.loss = -min_nan(c1 * a, c2 * a);
-        p.slope = -(share * dc1 + (1.0 - share) * dc2) * a;
-    }
-    return p;
-}
-
-/* ---- the head: [B, T] vectors -> loss, metrics, coefficients ------------------------------- */
-
-static double old_logp(const fh_grpo_head *h, int64_t i, const double *logp)
-{
-    return h->bt->old_per_token_logps ? (double)h->bt->old_per_token_logps[i] : logp[i];
-}
-
-void fh_grpo_head_count(fh_grpo_head *h)
-{
-    const fh_grpo_batch *bt = h->bt;
-    double total = 0.0;
-    for (int64_t b = 0; b < bt->batch; b++) {
-        double count = 0.0;
-        for (int64_t t = 0; t < bt->seq; t++)
-            count += bt->completion_mask[b * bt->seq + t];
-        total += count;
-        h->seq_count[b] = fmax(count, 1.0);
-    }
-    h->mask_sum = total;
-    h->mask_total = fmax(total, 1.0);
-    h->batch_total = (double)bt->batch;
-}
-
-void fh_grpo_head_log_ratios(fh_grpo_head *h, const double *logp, int64_t b0, int64_t b1)
-{
-    const fh_grpo_batch *bt = h->bt;
-    for (int64_t b = b0; b < b1; b++) {
-        double acc = 0.0;
-        for (int64_t t = 0; t < bt->seq; t++) {
-            const int64_t i = b * bt->seq + t;
-            acc += (logp[i] - old_logp(h, i, logp)) * bt->completion_mask[i];
-        }
-        h->seq_log_ratio[b] = acc / h->seq_count[b];
-    }
-}
-
-void fh_grpo_head_prepare(fh_grpo_head *h, const double *logp)
-{
-    fh_grpo_head_count(h);
-    fh_grpo_head_log_ratios(h, logp, 0, h->bt->batch);
-}
-
-/* d loss / d l_i per unit of mask: the loss type's normalisation. */
-static double sequence_weight(const fh_grpo_head *h, int64_t b)
-{
-    const fh_grpo_options *o = h->o;
-    const double batch = h->batch_total;
-    switch (o->loss_type) {
-    case FH_GRPO_LOSS_GRPO:
-    case FH_GRPO_LOSS_SAPO: return 1.0 / (batch * h->seq_count[b]);
-    case FH_GRPO_LOSS_BNPO: return 1.0 / h->mask_total;
-    case FH_GRPO_LOSS_DR_GRPO:
-        return 1.0 / (batch * (double)(o->max_completion_length > 0 ? o->max_completion_length : h->bt->seq));
-    default: return 1.0 / (o->num_items_in_batch > 0.0 ? o->num_items_in_batch : h->mask_total);
-    }
-}
-
-void fh_grpo_head_evaluate(const fh_grpo_head *h, int64_t b0, int64_t b1, const double *logp, const double *entropy,
-                           double grad, const fh_grpo_head_outputs *out, fh_grpo_partials *partials)
-{
-    const fh_grpo_batch *bt = h->bt;
-    const fh_grpo_options *o = h->o;
-    const int sequence_level = o->importance_sampling_level == FH_GRPO_IS_SEQUENCE;
-    const double lo = 1.0 - o->epsilon_low, hi = 1.0 + epsilon_high(o);
-    double loss = 0.0, kl_sum = 0.0, entropy_sum = 0.0, clip_low = 0.0, clip_high = 0.0, clip_region = 0.0,
-           cispo_clip = 0.0;
-    for (int64_t b = b0; b < b1; b++) {
-        const double a = bt->advantages[b], weight = sequence_weight(h, b);
-        double seq_loss = 0.0, seq_slope = 0.0;
-        for (int64_t t = 0; t < bt->seq; t++) {
-            const int64_t i = b * bt->seq + t;
-            const double m = bt->completion_mask[i];
-            const double log_ratio = sequence_level ? h->seq_log_ratio[b] : logp[i] - old_logp(h, i, logp);
-            const token_policy p = policy(o, log_ratio, logp[i], a);
-            double l = p.loss, dl_dlogp = 0.0;
-            if (o->beta != 0.0) {
-                const double d = (double)bt->ref_per_token_logps[i] - logp[i];
-                const double kl = exp(d) - d - 1.0;
-                l += o->beta * kl;
-                kl_sum += kl * m;
-                dl_dlogp += o->beta * (1.0 - exp(d));
-            }
-            if (o->loss_type == FH_GRPO_LOSS_CISPO)
-                dl_dlogp += p.slope;
-            else if (sequence_level)
-                seq_slope += weight * m * p.slope * p.ratio; /* d loss / d s_b */
-            else
-                dl_dlogp += p.slope * p.ratio; /* d r / d logp = r */
-            seq_loss += l * m;
-            if (entropy)
-                entropy_sum += entropy[i] * m;
-            if (out->per_token_loss)
-                out->per_token_loss[i] = (float)l;
-            if (out->g_logp)
-                out->g_logp[i] = grad * weight * m * dl_dlogp;
-            /* Metrics: masked means over tokens, or over sequences (one value each) at sequence level. */
-            if (!sequence_level || t == 0) {
-                const double w = sequence_level ? 1.0 : m;
-                const double c1 = delta_on(o) && p.ratio > o->delta ? o->delta : p.ratio;
-                const int low = c1 < lo && a < 0.0, high = c1 > hi && a > 0.0;
-                clip_low += low * w;
-                clip_high += high * w;
-                clip_region += (low || high) * w;
-                cispo_clip += (p.ratio > epsilon_high(o) && a > 0.0) * w;
-            }
-        }
-        loss += seq_loss * weight;
-        if (out->g_logp && seq_slope != 0.0)
-            for (int64_t t = 0; t < bt->seq; t++) {
-                const int64_t i = b * bt->seq + t;
-                out->g_logp[i] += grad * seq_slope * bt->completion_mask[i] / h->seq_count[b];
-            }
-    }
-    if (out->g_entropy)
-        for (int64_t i = b0 * bt->seq; i < b1 * bt->seq; i++)
-            out->g_entropy[i] = -grad * o->entropy_coef * bt->completion_mask[i] / h->mask_total;
-    const fh_grpo_partials p = {loss, kl_sum, entropy ? entropy_sum : NAN, clip_low, clip_high, clip_region,
-                                cispo_clip};
-    *partials = p;
-}
-
-void fh_grpo_head_finish(const fh_grpo_head *h, const fh_grpo_partials *p, const fh_grpo_head_outputs *out)
-{
-    const fh_grpo_options *o = h->o;
-    const double entropy_mean = p->entropy / h->mask_total;
-    double loss = p->loss;
-    if (o->entropy_coef != 0.0)
-        loss -= o->entropy_coef * entropy_mean;
-    if (out->loss)
-        *out->loss = loss;
-    if (out->metrics) {
-        const double den = o->importance_sampling_level == FH_GRPO_IS_SEQUENCE ? h->batch_total : h->mask_total;
-        const int clipped = clipped_family(o->loss_type), cispo = o->loss_type == FH_GRPO_LOSS_CISPO;
-        const fh_grpo_metrics m = {o->beta != 0.0 ? p->kl / h->mask_total : NAN, entropy_mean,
-                                   clipped ? p->clip_low / den : NAN, clipped ? p->clip_high / den : NAN,
-                                   clipped ? p->clip_region / den : NAN, cispo ? p->cispo_clip / den : NAN};
-        *out->metrics = m;
-    }
-}
-
-/* The whole head on one process: evaluate, then finish. */
-static void head_evaluate(const fh_grpo_head *h, const double *logp, const double *entropy, double grad,
-                          const fh_grpo_head_outputs *out)
-{
-    fh_grpo_partials p;
-    fh_grpo_head_evaluate(h, 0, h->bt->batch, logp, entropy, grad, out, &p);
-    fh_grpo_head_finish(h, &p, out);
-}
-
 /* ---- calls ---------------------------------------------------------------------------------- */
 
 FH_API fh_status fh_grpo_workspace_size(const fh_context *ctx, const fh_linear *lin, size_t *bytes)
@@ -319,11 +162,31 @@ fh_engine_pass fh_grpo_pass(const fh_plan *plan, const fh_workspace *ws, const f
     return fh_logprob_pass(plan, ws, lin, ids, fh_logprob_transform_of(o->temperature, 0.0, 1.0));
 }
 
-fh_grpo_head fh_grpo_head_in(const fh_workspace *ws, const fh_grpo_batch *bt, const fh_grpo_options *o)
+fh_grpo_head fh_grpo_head_in(const fh_workspace *ws, const fh_grpo_batch *bt, const fh_grpo_options *o,
+                             int64_t vocab)
 {
-    const fh_grpo_head h = {bt,  o,   ws->slot[FH_GRPO_SLOT_SEQ_COUNT], ws->slot[FH_GRPO_SLOT_SEQ_LOG_RATIO],
-                            0.0, 1.0, (double)bt->batch};
+    const fh_grpo_head h = {bt,  o,   vocab, ws->slot[FH_GRPO_SLOT_SEQ_COUNT], ws->slot[FH_GRPO_SLOT_SEQ_LOG_RATIO],
+                            0.0, 1.0, (double)bt->batch, NAN, 1.0};
     return h;
+}
+
+/* The head over the whole batch on one process, from logp and entropy in the workspace: evaluate, then finish. */
+static void evaluate_all(const fh_grpo_head *h, const fh_workspace *ws, double grad, const fh_grpo_head_outputs *out)
+{
+    fh_grpo_partials p;
+    fh_grpo_head_evaluate(h, 0, h->bt->batch, ws->slot[FH_LOGPROB_SLOT_LOGP], ws->slot[FH_LOGPROB_SLOT_ENTROPY], grad,
+                          out, &p);
+    fh_grpo_head_finish(h, &p, out);
+}
+
+/* Counts, log-ratios and the entropy threshold, then evaluate_all. */
+static void run_head(const fh_workspace *ws, const fh_grpo_batch *bt, const fh_grpo_options *o, int64_t vocab,
+                     double grad, const fh_grpo_head_outputs *out)
+{
+    fh_grpo_head h = fh_grpo_head_in(ws, bt, o, vocab);
+    fh_grpo_head_prepare(&h, ws->slot[FH_LOGPROB_SLOT_LOGP]);
+    (void)fh_grpo_head_entropy_threshold(&h, ws->slot[FH_LOGPROB_SLOT_ENTROPY], NULL); /* cannot fail alone */
+    evaluate_all(&h, ws, grad, out);
 }
 
 /* Streams the forward; leaves lse, sum_pz, logp and entropy (double) in the workspace. */
@@ -382,10 +245,8 @@ static fh_status backward_pass(const fh_plan *plan, const fh_workspace *ws, cons
                                const fh_grpo_batch *bt, const fh_grpo_options *o, double grad,
                                const fh_linear_grads *grads, fh_grpo_outputs *forward_out)
 {
-    fh_grpo_head h = fh_grpo_head_in(ws, bt, o);
-    fh_grpo_head_prepare(&h, ws->slot[FH_LOGPROB_SLOT_LOGP]);
     const fh_grpo_head_outputs hout = fh_grpo_backward_outputs(ws, forward_out);
-    head_evaluate(&h, ws->slot[FH_LOGPROB_SLOT_LOGP], ws->slot[FH_LOGPROB_SLOT_ENTROPY], grad, &hout);
+    run_head(ws, bt, o, lin->vocab, grad, &hout);
     const fh_coef_arrays coefs = fh_grpo_coefs_in(ws, lin->n);
     fh_engine_pass pass = fh_grpo_pass(plan, ws, lin, bt->completion_ids, o);
     pass.coefs = &coefs;
@@ -404,6 +265,7 @@ fh_status fh_grpo_check_apart(fh_context *ctx, const fh_linear *lin, const fh_gr
                                 {"advantages", bt->advantages, (size_t)bt->batch * sizeof(float)},
                                 {"old_per_token_logps", in_place ? NULL : bt->old_per_token_logps, floats},
                                 {"ref_per_token_logps", bt->ref_per_token_logps, floats},
+                                {"sampling_per_token_logps", bt->sampling_per_token_logps, floats},
                                 {"the saved per_token_logp", saved_logp, floats},
                                 {"the saved lse", saved_lse, floats},
                                 {"the saved entropy", saved_entropy, floats},
@@ -414,7 +276,19 @@ fh_status fh_grpo_check_apart(fh_context *ctx, const fh_linear *lin, const fh_gr
                                  {"per_token_loss", out ? out->per_token_loss : NULL, floats},
                                  {"entropy", out ? out->entropy : NULL, floats},
                                  {"lse", out ? out->lse : NULL, floats}};
-    return fh_check_apart(ctx, lin, grads, outputs, 6, inputs, 9);
+    return fh_check_apart(ctx, lin, grads, outputs, 6, inputs, 10);
+}
+
+fh_status fh_grpo_check_saved(fh_context *ctx, const fh_grpo_options *o, const float *per_token_logp,
+                              const float *lse, const float *entropy)
+{
+    const int needs_entropy = o->entropy_coef != 0.0 || o->top_entropy_quantile < 1.0;
+    if (!per_token_logp || !lse || (needs_entropy && !entropy))
+        return fh_fail(ctx, FH_ERR_NULL_POINTER, "%s is NULL",
+                       !per_token_logp ? "per_token_logp"
+                       : !lse          ? "lse"
+                                       : "entropy (entropy_coef != 0 or top_entropy_quantile < 1)");
+    return FH_OK;
 }
 
 fh_status fh_grpo_check_grad_output(fh_context *ctx, const float *grad_output)
@@ -443,10 +317,8 @@ FH_API fh_status fh_grpo_forward(fh_context *ctx, const fh_linear *lin, const fh
     st = forward_pass(&plan, &ws, lin, batch, options);
     if (st != FH_OK)
         return fh_gemm_failure(ctx, st);
-    fh_grpo_head h = fh_grpo_head_in(&ws, batch, options);
-    fh_grpo_head_prepare(&h, ws.slot[FH_LOGPROB_SLOT_LOGP]);
     const fh_grpo_head_outputs hout = {out->loss, out->metrics, out->per_token_loss, NULL, NULL};
-    head_evaluate(&h, ws.slot[FH_LOGPROB_SLOT_LOGP], ws.slot[FH_LOGPROB_SLOT_ENTROPY], 1.0, &hout);
+    run_head(&ws, batch, options, lin->vocab, 1.0, &hout);
     fh_grpo_write_outputs(&ws, lin->n, out);
     return FH_OK;
 }
@@ -456,9 +328,8 @@ FH_API fh_status fh_grpo_backward(fh_context *ctx, const fh_linear *lin, const f
                                   const float *entropy, const float *grad_output, fh_linear_grads *grads)
 {
     fh_status st = fh_grpo_check_call(ctx, lin, batch, options, 0);
-    if (st == FH_OK && (!per_token_logp || !lse || (options->entropy_coef != 0.0 && !entropy)))
-        st = fh_fail(ctx, FH_ERR_NULL_POINTER, "%s is NULL",
-                     !per_token_logp ? "per_token_logp" : !lse ? "lse" : "entropy (entropy_coef != 0)");
+    if (st == FH_OK)
+        st = fh_grpo_check_saved(ctx, options, per_token_logp, lse, entropy);
     if (st == FH_OK)
         st = fh_grpo_check_grad_output(ctx, grad_output);
     if (st == FH_OK)
@@ -531,7 +402,7 @@ static fh_status sequence_block_step(const fh_plan *plan, const fh_workspace *ws
                                      const fh_grpo_batch *bt, const fh_grpo_options *o, double grad,
                                      const fh_linear_grads *grads, fh_grpo_outputs *out)
 {
-    fh_grpo_head h = fh_grpo_head_in(ws, bt, o);
+    fh_grpo_head h = fh_grpo_head_in(ws, bt, o, lin->vocab);
     fh_grpo_head_count(&h);
     const sequence_blocks self = {&h, ws, lin->vocab, grad};
     const fh_coef_source source = {row_coefficients, block_coefficients, &self};
@@ -544,7 +415,7 @@ static fh_status sequence_block_step(const fh_plan *plan, const fh_workspace *ws
     if (st != FH_OK)
         return st;
     const fh_grpo_head_outputs hout = {out->loss, out->metrics, out->per_token_loss, NULL, NULL};
-    head_evaluate(&h, ws->slot[FH_LOGPROB_SLOT_LOGP], ws->slot[FH_LOGPROB_SLOT_ENTROPY], grad, &hout);
+    evaluate_all(&h, ws, grad, &hout);
     fh_grpo_write_outputs(ws, lin->n, out);
     return FH_OK;
 }
@@ -591,6 +462,7 @@ FH_API fh_status fh_grpo_forward_backward(fh_context *ctx, const fh_linear *lin,
     if (st != FH_OK)
         return st;
     const grpo_step step = {lin, batch, options, grad_output[0], out};
-    const fh_train_step_head head = {batch->seq, NULL, 1, grpo_step_run, &step};
+    /* The entropy threshold needs every token's entropy before any coefficient: the streaming passes. */
+    const fh_train_step_head head = {batch->seq, NULL, 1, options->top_entropy_quantile < 1.0, grpo_step_run, &step};
     return fh_engine_train_step(ctx, lin, grads, &head);
 }

@@ -545,6 +545,6 @@ FH_API fh_status fh_preference_forward_backward(fh_context *ctx, const fh_linear
     if (st != FH_OK)
         return st;
     const preference_step step = {lin, batch, options, grad_output[0], out};
-    const fh_train_step_head step_head = {2 * batch->seq, NULL, 1, preference_step_run, &step};
+    const fh_train_step_head step_head = {2 * batch->seq, NULL, 1, 0, preference_step_run, &step};
     return fh_engine_train_step(ctx, lin, grads, &step_head);
 }

@@ -117,6 +117,8 @@ typedef struct fh_train_step_head {
     const fh_linear *companion; /* the second head of a pair (fh_pair_kernels), or NULL */
     int forward_plan;           /* the streaming fallback runs its forward on a plan of its own (fh_plan_streaming)
                                    rather than on the backward's */
+    int streaming_only;         /* the streaming passes whatever the budget (coefficients that need every row's
+                                   statistics first); needs forward_plan */
     /* The step itself, on the plans and workspaces made for it: with row_blocks, one pass over row blocks on
      * plans[0] and ws[0]; else the streaming fallback, the forward on plans[0] and ws[0], the backward on plans[1] and
      * ws[1] (the same plan and workspace without forward_plan). A GEMM failure it returns is reported on ctx. */

@@ -39,3 +39,11 @@ fh_status fhm_sum(fh_context *ctx, MPI_Comm comm, int ranks, double *values, int
     const int err = MPI_Allreduce(MPI_IN_PLACE, values, n, MPI_DOUBLE, MPI_SUM, comm);
     return err == MPI_SUCCESS ? FH_OK : fhm_mpi_error(ctx, err, "MPI_Allreduce (sums)");
 }
+
+fh_status fhm_max(fh_context *ctx, MPI_Comm comm, int ranks, double *values, int n)
+{
+    if (ranks == 1)
+        return FH_OK;
+    const int err = MPI_Allreduce(MPI_IN_PLACE, values, n, MPI_DOUBLE, MPI_MAX, comm);
+    return err == MPI_SUCCESS ? FH_OK : fhm_mpi_error(ctx, err, "MPI_Allreduce (maxima)");
+}

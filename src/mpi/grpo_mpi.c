@@ -35,10 +35,22 @@ static fh_status begin(grpo_call *c, int entry, fh_mpi_layout *L, fh_context *ct
         fhm_call_config_real(call, "num_items_in_batch", o->num_items_in_batch);
         fhm_call_config(call, "max_completion_length", o->max_completion_length);
         fhm_call_config_real(call, "entropy_coef", o->entropy_coef);
+        fhm_call_config_real(call, "top_entropy_quantile", o->top_entropy_quantile);
+        fhm_call_config_real(call, "off_policy_mask_threshold", o->off_policy_mask_threshold);
+        fhm_call_config(call, "use_bias_correction_kl", o->use_bias_correction_kl != 0);
+        fhm_call_config(call, "vllm_importance_sampling_correction", o->vllm_importance_sampling_correction != 0);
+        fhm_call_config(call, "vllm_importance_sampling_mode", o->vllm_importance_sampling_mode);
+        fhm_call_config_real(call, "vllm_importance_sampling_clip_min", o->vllm_importance_sampling_clip_min);
+        fhm_call_config_real(call, "vllm_importance_sampling_clip_max", o->vllm_importance_sampling_clip_max);
+        fhm_call_config_real(call, "vespo_k_pos", o->vespo_k_pos);
+        fhm_call_config_real(call, "vespo_lambda_pos", o->vespo_lambda_pos);
+        fhm_call_config_real(call, "vespo_k_neg", o->vespo_k_neg);
+        fhm_call_config_real(call, "vespo_lambda_neg", o->vespo_lambda_neg);
     }
     if (st == FH_OK && bt) {
         fhm_call_config(call, "the sequence length", bt->seq);
         fhm_call_config(call, "old log-probs given", bt->old_per_token_logps != NULL);
+        fhm_call_config(call, "sampling log-probs given", bt->sampling_per_token_logps != NULL);
     }
     if (st == FH_OK)
         st = fh_grpo_check_call(ctx, lin, bt, o, L->total_vocab);
@@ -91,12 +103,23 @@ static fh_status sum_totals(grpo_call *c, fh_grpo_head *h)
     return st;
 }
 
-/* Per-sequence values, and the whole batch's totals. */
+/* Sums over the data communicator, for the entropy threshold (self: grpo_call). */
+static fh_status sum_over_data(void *self, double *values, int n)
+{
+    const grpo_call *c = self;
+    return fhm_sum(c->call.ctx, c->call.L->data, c->call.L->data_ranks, values, n);
+}
+
+/* Per-sequence values, the whole batch's totals and its entropy threshold. */
 static fh_status prepare_head(grpo_call *c, fh_grpo_head *h, const fh_workspace *ws)
 {
-    *h = fh_grpo_head_in(ws, c->bt, c->o);
+    *h = fh_grpo_head_in(ws, c->bt, c->o, c->call.L->total_vocab);
     fh_grpo_head_prepare(h, ws->slot[FH_LOGPROB_SLOT_LOGP]);
-    return sum_totals(c, h);
+    fh_status st = sum_totals(c, h);
+    const fh_grpo_reducer data = {sum_over_data, c};
+    if (st == FH_OK)
+        st = fh_grpo_head_entropy_threshold(h, ws->slot[FH_LOGPROB_SLOT_ENTROPY], &data);
+    return st;
 }
 
 /* The head's per-token work; with finish, the loss and metrics from partial sums over the data ranks. */
@@ -108,8 +131,11 @@ static fh_status run_head(grpo_call *c, const fh_grpo_head *h, const fh_workspac
                           &p);
     if (!finish)
         return FH_OK;
-    const fh_status st = fhm_sum(c->call.ctx, c->call.L->data, c->call.L->data_ranks, (double *)&p,
-                                 (int)(sizeof p / sizeof(double)));
+    fh_status st = fhm_sum(c->call.ctx, c->call.L->data, c->call.L->data_ranks, (double *)&p.sum,
+                           (int)(sizeof p.sum / sizeof(double)));
+    if (st == FH_OK)
+        st = fhm_max(c->call.ctx, c->call.L->data, c->call.L->data_ranks, (double *)&p.max,
+                     (int)(sizeof p.max / sizeof(double)));
     if (st == FH_OK)
         fh_grpo_head_finish(h, &p, hout);
     return st;
@@ -168,7 +194,7 @@ static fh_status row_block_step(grpo_call *c, const fh_plan *plan, const fh_work
                                 fh_grpo_outputs *out)
 {
     fhm_call *call = &c->call;
-    fh_grpo_head h = fh_grpo_head_in(ws, c->bt, c->o);
+    fh_grpo_head h = fh_grpo_head_in(ws, c->bt, c->o, call->L->total_vocab);
     fh_grpo_head_count(&h);
     fh_status st = sum_totals(c, &h);
     if (st == FH_OK) {
@@ -247,9 +273,8 @@ FH_MPI_API fh_status fh_mpi_grpo_backward(fh_context *ctx, fh_mpi_layout *layout
     fh_plan plan;
     fh_workspace ws;
     fh_status st = begin(&c, FHM_GRPO_BACKWARD, layout, ctx, lin, batch, options);
-    if (st == FH_OK && (!per_token_logp || !lse || (options->entropy_coef != 0.0 && !entropy)))
-        st = fh_fail(ctx, FH_ERR_NULL_POINTER, "%s is NULL",
-                     !per_token_logp ? "per_token_logp" : !lse ? "lse" : "entropy (entropy_coef != 0)");
+    if (st == FH_OK)
+        st = fh_grpo_check_saved(ctx, options, per_token_logp, lse, entropy);
     const float *const saved[3] = {per_token_logp, lse, entropy};
     if (st == FH_OK)
         st = check_grads(&c, saved, grad_output, NULL, grads);
@@ -284,7 +309,9 @@ FH_MPI_API fh_status fh_mpi_grpo_forward_backward(fh_context *ctx, fh_mpi_layout
     /* Row blocks only where every rank can, at one height per vocab communicator (a multiple of seq on every
      * rank, so their minimum is one too); else every rank streams. */
     int64_t rows;
-    st = fhm_call_schedule(&c.call, st, row_blocks, plans, ws, &rows, prepare_step, &c);
+    /* The entropy threshold needs every token's entropy before any coefficient: every rank streams. */
+    const int streaming_only = options && options->top_entropy_quantile < 1.0;
+    st = fhm_call_schedule(&c.call, st, row_blocks && !streaming_only, plans, ws, &rows, prepare_step, &c);
     if (st != FH_OK)
         return st;
     fhm_call_shard_ids(&c.call, batch->completion_ids, NULL);

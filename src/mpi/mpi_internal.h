@@ -34,6 +34,8 @@ int fhm_allreduce_sum(void *buf, int64_t count, MPI_Datatype type, MPI_Comm comm
 
 /* Sums n doubles over a communicator in place (nothing to do with one rank). */
 fh_status fhm_sum(fh_context *ctx, MPI_Comm comm, int ranks, double *values, int n);
+/* The same with MPI_MAX (element-wise maxima). */
+fh_status fhm_max(fh_context *ctx, MPI_Comm comm, int ranks, double *values, int n);
 
 /* Part r of count items split in parts contiguous blocks whose sizes differ by at most one. */
 void fhm_split(int64_t count, int parts, int r, int64_t *first, int64_t *size);

@@ -693,21 +693,28 @@ typedef struct grpo_case {
     int old, split, bias;
     fh_layout layout;
     int omit; /* gradients left NULL (OMIT_*) */
+    /* TRL's newer options: the sampler's log-probs with a vLLM importance-sampling mode (-1: none), the top-entropy
+     * quantile (< 1 streams: its threshold is reduced over the data ranks), the off-policy threshold (NaN: off), the
+     * bias-corrected KL. */
+    int is_mode;
+    double top_entropy_quantile, off_policy, bias_kl;
 } grpo_case;
 
-static const char *loss_names[] = {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"};
+static const char *loss_names[] = {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"};
 
 static void run_grpo(const config *cfg, const grpo_case *c, fh_dtype dtype)
 {
-    snprintf(case_name, sizeof case_name, "%s / grpo %s %s beta=%g ent=%g old=%d split=%d%s omit=%d", cfg->name,
+    snprintf(case_name, sizeof case_name,
+             "%s / grpo %s %s beta=%g ent=%g old=%d split=%d%s omit=%d is=%d q=%g opm=%g bias_kl=%g", cfg->name,
              loss_names[c->loss_type], c->level ? "sequence" : "token", c->beta, c->entropy_coef, c->old, c->split,
-             dtype == FH_DTYPE_BF16 ? " bf16" : "", c->omit);
+             dtype == FH_DTYPE_BF16 ? " bf16" : "", c->omit, c->is_mode, c->top_entropy_quantile, c->off_policy,
+             c->bias_kl);
     const int64_t B = 12, T = 8, n = B * T, h = 16, v = 211;
     problem p;
     make_problem(&p, n, h, v, c->layout, 2000 + (uint64_t)c->loss_type * 7 + (uint64_t)c->level, dtype);
     int64_t *ids = alloc((size_t)n, 8);
     float *mask = alloc((size_t)n, 4), *adv = alloc((size_t)B, 4), *old = alloc((size_t)n, 4),
-          *refl = alloc((size_t)n, 4);
+          *refl = alloc((size_t)n, 4), *samp = alloc((size_t)n, 4);
     for (int64_t b = 0; b < B; b++) {
         adv[b] = (float)uniform(31, (uint64_t)b);
         const int64_t length = T - (b % 4); /* trailing padding */
@@ -725,12 +732,20 @@ static void run_grpo(const config *cfg, const grpo_case *c, fh_dtype dtype)
     o.entropy_coef = c->entropy_coef;
     o.temperature = c->temperature;
     o.delta = c->delta;
+    o.vllm_importance_sampling_correction = c->is_mode >= 0;
+    if (c->is_mode >= 0)
+        o.vllm_importance_sampling_mode = (fh_grpo_vllm_is_mode)c->is_mode;
+    o.vllm_importance_sampling_clip_min = c->is_mode % 2 ? 0.8 : NAN;
+    o.vllm_importance_sampling_clip_max = 1.25;
+    o.top_entropy_quantile = c->top_entropy_quantile;
+    o.off_policy_mask_threshold = c->off_policy;
+    o.use_bias_correction_kl = c->bias_kl != 0.0;
     fh_context *ctx = make_context(1);
     const fh_linear full = shard_linear(&p, 0, n, 0, v, c->bias);
     /* Old and reference log-probs near the current ones, so that ratios straddle the clip bounds. */
     {
         float *logp0 = alloc((size_t)n, 4);
-        const fh_grpo_batch b0 = {B, T, ids, mask, adv, NULL, NULL};
+        const fh_grpo_batch b0 = {B, T, ids, mask, adv, NULL, NULL, NULL};
         fh_grpo_outputs o0 = {NULL, NULL, logp0, NULL, NULL, NULL};
         fh_grpo_options plain = o;
         plain.beta = 0.0;
@@ -738,10 +753,12 @@ static void run_grpo(const config *cfg, const grpo_case *c, fh_dtype dtype)
         for (int64_t i = 0; i < n; i++) {
             old[i] = logp0[i] + (float)(0.25 * uniform(34, (uint64_t)i));
             refl[i] = logp0[i] + (float)(0.3 * uniform(35, (uint64_t)i));
+            samp[i] = old[i] + (float)(0.15 * uniform(36, (uint64_t)i));
         }
         free(logp0);
     }
-    const fh_grpo_batch batch = {B, T, ids, mask, adv, c->old ? old : NULL, c->beta != 0.0 ? refl : NULL};
+    float *const sampling = c->is_mode >= 0 || !isnan(c->off_policy) ? samp : NULL;
+    const fh_grpo_batch batch = {B, T, ids, mask, adv, c->old ? old : NULL, c->beta != 0.0 ? refl : NULL, sampling};
     const float grad = 0.8f;
     double ref_loss;
     fh_grpo_metrics ref_m;
@@ -758,8 +775,14 @@ static void run_grpo(const config *cfg, const grpo_case *c, fh_dtype dtype)
     share(B, cfg->pd, cfg->dr, 1, &b0, &br);
     const int64_t n0 = b0 * T, nr = br * T;
     const fh_linear lin = shard_linear(&p, n0, nr, off, vl, c->bias);
-    const fh_grpo_batch lb = {br, T, ids + n0, mask + n0, adv + b0, c->old ? old + n0 : NULL,
-                              c->beta != 0.0 ? refl + n0 : NULL};
+    const fh_grpo_batch lb = {br,
+                              T,
+                              ids + n0,
+                              mask + n0,
+                              adv + b0,
+                              c->old ? old + n0 : NULL,
+                              c->beta != 0.0 ? refl + n0 : NULL,
+                              sampling ? sampling + n0 : NULL};
     double loss = NAN;
     fh_grpo_metrics m;
     float *logp = alloc((size_t)nr, 4), *ptl = alloc((size_t)nr, 4), *ent = alloc((size_t)nr, 4),
@@ -788,6 +811,21 @@ static void run_grpo(const config *cfg, const grpo_case *c, fh_dtype dtype)
     check_scalar("metrics.clip_ratio_high_mean", m.clip_ratio_high_mean, ref_m.clip_ratio_high_mean, LOSS_TOL);
     check_scalar("metrics.clip_ratio_region_mean", m.clip_ratio_region_mean, ref_m.clip_ratio_region_mean, LOSS_TOL);
     check_scalar("metrics.cispo_clip_ratio", m.cispo_clip_ratio, ref_m.cispo_clip_ratio, LOSS_TOL);
+    check_scalar("metrics.clip_ratio_low_min", m.clip_ratio_low_min, ref_m.clip_ratio_low_min, LOSS_TOL);
+    check_scalar("metrics.clip_ratio_high_max", m.clip_ratio_high_max, ref_m.clip_ratio_high_max, LOSS_TOL);
+    check_scalar("metrics.policy_loss", m.policy_loss, ref_m.policy_loss, LOSS_TOL);
+    check_scalar("metrics.entropy_coef", m.entropy_coef, ref_m.entropy_coef, LOSS_TOL);
+    check_scalar("metrics.vespo_phi_seq_mean", m.vespo_phi_seq_mean, ref_m.vespo_phi_seq_mean, LOSS_TOL);
+    check_scalar("metrics.sampling_logp_difference_mean", m.sampling_logp_difference_mean,
+                 ref_m.sampling_logp_difference_mean, LOSS_TOL);
+    check_scalar("metrics.sampling_logp_difference_max", m.sampling_logp_difference_max,
+                 ref_m.sampling_logp_difference_max, LOSS_TOL);
+    check_scalar("metrics.importance_sampling_ratio_min", m.importance_sampling_ratio_min,
+                 ref_m.importance_sampling_ratio_min, LOSS_TOL);
+    check_scalar("metrics.importance_sampling_ratio_mean", m.importance_sampling_ratio_mean,
+                 ref_m.importance_sampling_ratio_mean, LOSS_TOL);
+    check_scalar("metrics.importance_sampling_ratio_max", m.importance_sampling_ratio_max,
+                 ref_m.importance_sampling_ratio_max, LOSS_TOL);
     check_rows("per_token_logp", logp, 1, r_logp + n0, 1, nr, 1, GRAD_TOL);
     check_rows("per_token_loss", ptl, 1, r_ptl + n0, 1, nr, 1, GRAD_TOL);
     check_rows("entropy", ent, 1, r_ent + n0, 1, nr, 1, GRAD_TOL);
@@ -820,17 +858,32 @@ static void run_grpo(const config *cfg, const grpo_case *c, fh_dtype dtype)
     free(adv);
     free(old);
     free(refl);
+    free(samp);
     free_problem(&p);
 }
 
 static void grpo_cases(const config *cfg)
 {
-    for (int lt = FH_GRPO_LOSS_GRPO; lt <= FH_GRPO_LOSS_SAPO; lt++)
+    for (int lt = FH_GRPO_LOSS_GRPO; lt <= FH_GRPO_LOSS_VESPO; lt++)
         for (int level = 0; level < 2; level++) {
             const int k = lt * 2 + level;
-            const grpo_case c = {(fh_grpo_loss_type)lt, (fh_grpo_is_level)level, k % 3 == 0 ? 0.04 : 0.0,
-                                 k % 4 == 1 ? 0.01 : 0.0, k % 2 ? 0.7 : 1.0, k % 5 == 2 ? 1.3 : NAN, k % 6 != 5,
-                                 k % 3 == 1, k % 2, k % 4 < 2 ? FH_LAYOUT_VH : FH_LAYOUT_HV, 0};
+            /* vespo takes only the token modes */
+            const int is_mode = k % 3 == 2 ? -1 : lt == FH_GRPO_LOSS_VESPO ? k % 4 / 2 : k / 3 % 4;
+            const grpo_case c = {(fh_grpo_loss_type)lt,
+                                 (fh_grpo_is_level)level,
+                                 k % 3 == 0 ? 0.04 : 0.0,
+                                 k % 4 == 1 ? 0.01 : 0.0,
+                                 k % 2 ? 0.7 : 1.0,
+                                 k % 5 == 2 ? 1.3 : NAN,
+                                 k % 6 != 5,
+                                 k % 3 == 1,
+                                 k % 2,
+                                 k % 4 < 2 ? FH_LAYOUT_VH : FH_LAYOUT_HV,
+                                 0,
+                                 is_mode,
+                                 k % 4 == 3 ? 0.5 : 1.0,
+                                 k % 5 == 0 ? 0.02 : NAN,
+                                 k % 6 == 0};
             run_grpo(cfg, &c, FH_DTYPE_F32);
             if (have_bf16() && k % 4 == 1)
                 run_grpo(cfg, &c, FH_DTYPE_BF16);
@@ -839,7 +892,7 @@ static void grpo_cases(const config *cfg)
     for (int omit = 1; omit < 8; omit++)
         for (int split = 0; split < 2; split++) {
             const grpo_case c = {FH_GRPO_LOSS_DAPO, FH_GRPO_IS_TOKEN, 0.04, 0.01, 1.0, NAN, 1, split, 1, FH_LAYOUT_VH,
-                                 omit};
+                                 omit, -1, 1.0, NAN, 0.0};
             run_grpo(cfg, &c, FH_DTYPE_F32);
         }
 }
@@ -1078,10 +1131,10 @@ static void mismatch_case(const config *cfg, int diff)
         fh_grpo_options_init(&o);
         o.beta = 0.04;
         if (odd && diff == DIFF_GRPO_LOSS)
-            o.loss_type = FH_GRPO_LOSS_DAPO;
+            o.loss_type = FH_GRPO_LOSS_BNPO;
         if (odd && diff == DIFF_GRPO_BETA)
             o.beta = 0.05;
-        const fh_grpo_batch batch = {B, T, ids, mask, adv, NULL, refl};
+        const fh_grpo_batch batch = {B, T, ids, mask, adv, NULL, refl, NULL};
         fh_grpo_outputs out = {&loss, NULL, NULL, NULL, NULL, NULL};
         st = fh_mpi_grpo_forward_backward(ctx, L, &lin, &batch, &o, &grad_output, &out, &g);
         free(ids);
