@@ -52,7 +52,7 @@ static double *doubles(const float *f, size_t count)
 
 /* The reference problem in double with the canonical [H, V] weight. Arrays owned by the caller. */
 typedef struct ref_inputs {
-    double *x, *w, *b, *mask, *adv, *old, *ref;
+    double *x, *w, *b, *mask, *adv, *old, *ref, *samp;
 } ref_inputs;
 
 static ref_grpo_problem ref_problem(const grpo_case *c, ref_inputs *in)
@@ -66,14 +66,16 @@ static ref_grpo_problem ref_problem(const grpo_case *c, ref_inputs *in)
     in->adv = doubles(c->advantages, (size_t)s->batch);
     in->old = doubles(c->old_logps, n);
     in->ref = doubles(c->ref_logps, n);
-    const ref_grpo_problem p = {s->batch, s->seq, s->hidden, s->vocab, in->x, in->w, in->b, c->ids,
-                                in->mask, in->adv, in->old, in->ref, NULL, NULL, NULL};
+    in->samp = doubles(c->sampling_logps, n);
+    const ref_grpo_problem p = {s->batch, s->seq, s->hidden, s->vocab, in->x,    in->w, in->b, c->ids,
+                                in->mask,  in->adv, in->old,   in->ref,   NULL, in->samp, NULL};
     return p;
 }
 
 static void ref_inputs_free(ref_inputs *in)
 {
     free(in->x), free(in->w), free(in->b), free(in->mask), free(in->adv), free(in->old), free(in->ref);
+    free(in->samp);
 }
 
 static void make_inputs(const grpo_case_spec *s, grpo_case *c)
@@ -109,9 +111,9 @@ static void make_inputs(const grpo_case_spec *s, grpo_case *c)
     /* Old and reference log-probs near the current ones: the reference's on-policy logp plus noise. */
     ref_inputs in;
     const ref_grpo_problem p = ref_problem(c, &in);
-    ref_grpo_options o = grpo_ref_options(&s->options);
-    o.beta = 0.0;
-    o.entropy_coef = 0.0;
+    ref_grpo_options o;
+    ref_grpo_options_default(&o); /* the log-probs only: no option that needs more inputs */
+    o.temperature = s->options.temperature;
     double *logp = zalloc((size_t)n, sizeof(double));
     ref_grpo_result r = {0};
     r.logp = logp;
@@ -124,22 +126,27 @@ static void make_inputs(const grpo_case_spec *s, grpo_case *c)
         if (c->old_logps)
             c->old_logps[i] = (float)(logp[i] + 0.8 * (ce_uniform(&rng) - 0.5));
     }
+    c->sampling_logps = s->sampling_logps ? zalloc((size_t)n, sizeof(float)) : NULL;
+    for (int64_t i = 0; c->sampling_logps && i < n; i++)
+        c->sampling_logps[i] = (float)((c->old_logps ? (double)c->old_logps[i] : logp[i]) +
+                                       0.3 * (ce_uniform(&rng) - 0.5));
     free(logp);
 }
 
 static fh_status run_fused(const grpo_case_spec *s, grpo_case *c)
 {
     const size_t n = (size_t)(s->batch * s->seq), h = (size_t)s->hidden, v = (size_t)s->vocab;
-    const ce_case_settings settings = {s->threads, s->tile_rows, s->tile_vocab, 0, s->fp32_du, s->grad_filter_eps,
-                                       s->grad_filter_tail};
+    const ce_case_settings settings = {s->threads,  s->tile_rows,       s->tile_vocab,      s->budget,
+                                       s->fp32_du,  s->grad_filter_eps, s->grad_filter_tail};
     fh_context *ctx = NULL;
     fh_status st = ce_case_context(&settings, &ctx);
     if (st != FH_OK)
         return st;
     const fh_linear lin = ce_case_linear((int64_t)n, s->hidden, s->vocab, s->layout, s->dtype, c->x, c->x_bf16, c->weight,
                                    c->weight_bf16, c->bias);
-    const fh_grpo_batch batch = {s->batch, s->seq, c->ids, c->mask, c->advantages, c->old_logps,
-                                 s->options.beta != 0.0 ? c->ref_logps : NULL};
+    const fh_grpo_batch batch = {s->batch,     s->seq,       c->ids,
+                                 c->mask,      c->advantages, c->old_logps,
+                                 s->options.beta != 0.0 ? c->ref_logps : NULL, c->sampling_logps};
     c->logp = zalloc(n, sizeof(float));
     c->per_token_loss = zalloc(n, sizeof(float));
     c->entropy = zalloc(n, sizeof(float));
@@ -217,6 +224,10 @@ static void run_reference(const grpo_case_spec *s, grpo_case *c)
     r.logp = c->ref_logp;
     r.per_token_loss = c->ref_per_token_loss;
     r.entropy = c->ref_entropy;
+    c->ref_vespo_phi = zalloc(n, sizeof(double));
+    c->ref_vespo_log_w = zalloc(n, sizeof(double));
+    r.vespo_phi = c->ref_vespo_phi;
+    r.vespo_log_w = c->ref_vespo_log_w;
     ref_grpo_forward(&p, &o, &r);
     c->ref_loss = r.loss;
     c->ref_metrics = grpo_fh_metrics(&r.metrics);
@@ -228,6 +239,37 @@ static void run_reference(const grpo_case_spec *s, grpo_case *c)
     ce_weight_from_reference(s->layout, s->hidden, s->vocab, dw, c->ref_dweight);
     free(dw);
     ref_inputs_free(&in);
+}
+
+grpo_vespo_slack grpo_vespo_slack_of(const fh_grpo_options *o, int64_t batch, int64_t seq, const float *mask,
+                                     const float *advantages, const double *ref_logp, const float *logp,
+                                     const double *phi, const double *log_w)
+{
+    grpo_vespo_slack v = {0.0, 0.0, 0.0};
+    if (o->loss_type != FH_GRPO_LOSS_VESPO)
+        return v;
+    double msum = 0.0;
+    for (int64_t i = 0; i < batch * seq; i++)
+        msum += mask[i];
+    const double items = o->num_items_in_batch > 0.0 ? o->num_items_in_batch : fmax(msum, 1.0);
+    for (int64_t b = 0; b < batch; b++) {
+        const int64_t first = b * seq;
+        const double a = advantages[b];
+        const double k = a >= 0.0 ? o->vespo_k_pos : o->vespo_k_neg;
+        const double lam = fmax(a >= 0.0 ? o->vespo_lambda_pos : o->vespo_lambda_neg, 1e-4);
+        double e = 0.0, lp = 0.0;
+        for (int64_t t = 0; t < seq; t++) {
+            const int64_t i = first + t;
+            e += mask[i] * (fabs((double)logp[i] - ref_logp[i]) + ldexp(fabs(ref_logp[i]), -24));
+            lp += mask[i] * ref_logp[i];
+        }
+        const double sb = fabs(k - lam * exp(log_w[first])) * e;
+        v.loss += phi[first] * sb * fabs(a) * fabs(lp) / items;
+        v.phi_mean += phi[first] * sb / (double)batch;
+        if (phi[first] * a != 0.0)
+            v.grad_rel = fmax(v.grad_rel, sb);
+    }
+    return v;
 }
 
 /* |a - b|, with NaN equal to NaN (a metric TRL does not log) and NaN against a number infinite. */
@@ -242,22 +284,28 @@ static void measure(const grpo_case_spec *s, const grpo_case *c, grpo_metrics_di
 {
     const size_t n = (size_t)(s->batch * s->seq), h = (size_t)s->hidden, v = (size_t)s->vocab;
     memset(d, 0, sizeof *d);
+    const grpo_vespo_slack slack =
+        grpo_vespo_slack_of(&s->options, s->batch, s->seq, c->mask, c->advantages, c->ref_logp, c->logp,
+                            c->ref_vespo_phi, c->ref_vespo_log_w);
     d->grad_norm_rel_tol =
-        ce_grad_tolerance(GRPO_GRAD_NORM_REL_TOL, s->dtype == FH_DTYPE_BF16 && !s->fp32_du, s->grad_dtype);
-    d->dbias_norm_rel_tol = ce_grad_tolerance(GRPO_GRAD_NORM_REL_TOL, 0, s->grad_dtype);
+        ce_grad_tolerance(GRPO_GRAD_NORM_REL_TOL, s->dtype == FH_DTYPE_BF16 && !s->fp32_du, s->grad_dtype) +
+        2.0 * slack.grad_rel;
+    d->dbias_norm_rel_tol = ce_grad_tolerance(GRPO_GRAD_NORM_REL_TOL, 0, s->grad_dtype) + 2.0 * slack.grad_rel;
     d->abs_diff_loss = fabs(c->loss - c->ref_loss);
-    d->loss_tolerance = GRPO_LOSS_TOL * fmax(1.0, fabs(c->ref_loss));
+    d->loss_tolerance = GRPO_LOSS_TOL * fmax(1.0, fabs(c->ref_loss)) + 2.0 * slack.loss;
     d->logp_max_abs = ce_compare(c->logp, c->ref_logp, n).max_abs;
     d->per_token_loss_max_abs = ce_compare(c->per_token_loss, c->ref_per_token_loss, n).max_abs;
     d->entropy_max_abs = ce_compare(c->entropy, c->ref_entropy, n).max_abs;
-    const double pairs[6][2] = {{c->metrics.kl, c->ref_metrics.kl},
-                                {c->metrics.entropy, c->ref_metrics.entropy},
-                                {c->metrics.clip_ratio_low_mean, c->ref_metrics.clip_ratio_low_mean},
-                                {c->metrics.clip_ratio_high_mean, c->ref_metrics.clip_ratio_high_mean},
-                                {c->metrics.clip_ratio_region_mean, c->ref_metrics.clip_ratio_region_mean},
-                                {c->metrics.cispo_clip_ratio, c->ref_metrics.cispo_clip_ratio}};
-    for (int k = 0; k < 6; k++)
-        d->metrics_max_abs = fmax(d->metrics_max_abs, metric_diff(pairs[k][0], pairs[k][1]));
+    double fused[GRPO_METRIC_COUNT], ref[GRPO_METRIC_COUNT];
+    grpo_metrics_fields(&c->metrics, fused);
+    grpo_metrics_fields(&c->ref_metrics, ref);
+    const double policy_loss_slack = 2.0 * slack.loss, phi_slack = 2.0 * slack.phi_mean;
+    for (int k = 0; k < GRPO_METRIC_COUNT; k++) {
+        const double extra = k == GRPO_METRIC_POLICY_LOSS          ? policy_loss_slack
+                             : k == GRPO_METRIC_VESPO_PHI_SEQ_MEAN ? phi_slack
+                                                                   : 0.0;
+        d->metrics_max_abs = fmax(d->metrics_max_abs, fmax(0.0, metric_diff(fused[k], ref[k]) - extra));
+    }
     const ce_diff dx = ce_compare(c->dx, c->ref_dx, n * h), dw = ce_compare(c->dweight, c->ref_dweight, h * v);
     d->dhidden_max_abs = dx.max_abs;
     d->dhidden_max_rel = dx.max_rel;
@@ -294,7 +342,7 @@ void grpo_case_free(grpo_case *c)
     void *p[] = {c->x, c->weight, c->bias, c->mask, c->advantages, c->old_logps, c->ref_logps, c->ids, c->logp,
                  c->per_token_loss, c->entropy, c->lse, c->dx, c->dweight, c->dbias, c->ref_logp,
                  c->ref_per_token_loss, c->ref_entropy, c->ref_dx, c->ref_dweight, c->ref_dbias, c->x_bf16,
-                 c->weight_bf16};
+                 c->weight_bf16, c->sampling_logps, c->ref_vespo_phi, c->ref_vespo_log_w};
     for (size_t i = 0; i < sizeof p / sizeof p[0]; i++)
         free(p[i]);
     memset(c, 0, sizeof *c);

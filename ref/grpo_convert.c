@@ -1,5 +1,7 @@
 #include "grpo_convert.h"
 
+#include <stddef.h>
+
 ref_grpo_options grpo_ref_options(const fh_grpo_options *o)
 {
     ref_grpo_options r;
@@ -96,3 +98,6 @@ const char *const grpo_metric_keys[GRPO_METRIC_COUNT] = {"kl",
 
 _Static_assert(sizeof(fh_grpo_metrics) == GRPO_METRIC_COUNT * sizeof(double),
                "grpo_metrics_fields must list every field of fh_grpo_metrics");
+_Static_assert(offsetof(fh_grpo_metrics, policy_loss) == GRPO_METRIC_POLICY_LOSS * sizeof(double) &&
+                   offsetof(fh_grpo_metrics, vespo_phi_seq_mean) == GRPO_METRIC_VESPO_PHI_SEQ_MEAN * sizeof(double),
+               "GRPO_METRIC_* index grpo_metrics_fields' order");

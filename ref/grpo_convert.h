@@ -16,6 +16,8 @@ fh_grpo_metrics grpo_fh_metrics(const ref_grpo_metrics *m);
 /* Every metric of fh_grpo_metrics as an array in declaration order (the one list every comparison and printout
  * walks, so that a metric cannot be left out of one), and TRL's key of each. */
 #define GRPO_METRIC_COUNT 16
+#define GRPO_METRIC_POLICY_LOSS 8        /* the indices the comparisons single out */
+#define GRPO_METRIC_VESPO_PHI_SEQ_MEAN 10
 int grpo_metrics_fields(const fh_grpo_metrics *m, double values[GRPO_METRIC_COUNT]);
 extern const char *const grpo_metric_keys[GRPO_METRIC_COUNT];
 

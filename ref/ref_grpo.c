@@ -182,20 +182,20 @@ double ref_grpo_quantile(double *values, int64_t n, double q)
 /* Scratch of the head: one allocation for every per-token and per-row array. */
 typedef struct head_scratch {
     double *rt, *l, *w, *dlw, *ddir, *factor, *is, *e, *entq; /* [n]; entq: the quantile's sorted entropies */
-    double *nb, *nclamp, *s, *s_sg, *keep, *phi;              /* [B] */
+    double *nb, *nclamp, *s, *s_sg, *keep, *phi, *log_w;      /* [B] */
     double *block;
 } head_scratch;
 
 static int scratch_alloc(head_scratch *h, int64_t B, int64_t n)
 {
-    h->block = malloc(sizeof(double) * (size_t)(9 * n + 6 * B));
+    h->block = malloc(sizeof(double) * (size_t)(9 * n + 7 * B));
     if (!h->block)
         return -1;
     double *p = h->block;
     double **per_token[] = {&h->rt, &h->l, &h->w, &h->dlw, &h->ddir, &h->factor, &h->is, &h->e, &h->entq};
     for (size_t k = 0; k < sizeof per_token / sizeof per_token[0]; k++, p += n)
         *per_token[k] = p;
-    double **per_row[] = {&h->nb, &h->nclamp, &h->s, &h->s_sg, &h->keep, &h->phi};
+    double **per_row[] = {&h->nb, &h->nclamp, &h->s, &h->s_sg, &h->keep, &h->phi, &h->log_w};
     for (size_t k = 0; k < sizeof per_row / sizeof per_row[0]; k++, p += B)
         *per_row[k] = p;
     return 0;
@@ -257,9 +257,9 @@ static void entropy_mask(const ref_grpo_tokens *tk, double q, const double *H, d
         e[i] = m[i] != 0.0 && H[i] * m[i] >= threshold ? 1.0 : 0.0;
 }
 
-/* TRL's get_gamma_weights for row b (detached: from sg_logp). */
+/* TRL's get_gamma_weights for row b (detached: from sg_logp); *log_w_out: its log w after the clamp. */
 static double gamma_weight(const ref_grpo_tokens *tk, const ref_grpo_options *o, const double *sg, const double *is,
-                           int applies, int64_t b)
+                           int applies, int64_t b, double *log_w_out)
 {
     const int64_t T = tk->seq;
     const double lower = log(1e-8);
@@ -273,6 +273,7 @@ static double gamma_weight(const ref_grpo_tokens *tk, const ref_grpo_options *o,
         for (int64_t t = 0; t < T; t++)
             acc += clamp(log(is[b * T + t]), lower, 20.0);
     const double log_w = clamp(acc, lower, 20.0), w = exp(log_w);
+    *log_w_out = log_w;
     const int nonneg = tk->advantages[b] >= 0.0;
     const double k = nonneg ? o->vespo_k_pos : o->vespo_k_neg;
     double lam = nonneg ? o->vespo_lambda_pos : o->vespo_lambda_neg;
@@ -345,7 +346,9 @@ int ref_grpo_head(const ref_grpo_tokens *tk, const ref_grpo_options *o, double g
             }
             h.keep[b] = adv[b] >= 0.0 || acc / h.nclamp[b] <= o->off_policy_mask_threshold ? 1.0 : 0.0;
         }
-        h.phi[b] = lt == REF_GRPO_LOSS_VESPO ? gamma_weight(tk, o, sg, h.is, applies, b) : NAN;
+        h.phi[b] = h.log_w[b] = NAN;
+        if (lt == REF_GRPO_LOSS_VESPO)
+            h.phi[b] = gamma_weight(tk, o, sg, h.is, applies, b, &h.log_w[b]);
     }
     entropy_mask(tk, o->top_entropy_quantile, tk->sg_entropy ? tk->sg_entropy : H, h.entq, h.e);
 
@@ -418,6 +421,8 @@ int ref_grpo_head(const ref_grpo_tokens *tk, const ref_grpo_options *o, double g
                 r->policy_factor[i] = factor;
             if (r && r->vespo_phi)
                 r->vespo_phi[i] = h.phi[b];
+            if (r && r->vespo_log_w)
+                r->vespo_log_w[i] = h.log_w[b];
             switch (lt) {
             case REF_GRPO_LOSS_GRPO:
             case REF_GRPO_LOSS_SAPO:

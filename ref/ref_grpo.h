@@ -188,9 +188,9 @@ typedef struct ref_grpo_result {
      * on); ratio is coef_1 = exp(lw_i) before any clamp; per_token_kl is 0 when beta == 0. */
     double *logp, *entropy, *per_token_loss, *ratio, *per_token_kl;
     /* [batch*seq] each, may be NULL: the detached factors of the policy term, keep_b * e_i * is_i as l_i applies
-     * them (1 where an option is off; is_i only where it multiplies, i.e. not for vespo), and vespo's phi_b
-     * broadcast over the row (NaN unless vespo). */
-    double *policy_factor, *vespo_phi;
+     * them (1 where an option is off; is_i only where it multiplies, i.e. not for vespo), and vespo's phi_b and
+     * log w_b (after its clamp) broadcast over the row (NaN unless vespo). */
+    double *policy_factor, *vespo_phi, *vespo_log_w;
 } ref_grpo_result;
 
 /* Return values of the functions below: 0, -1 if memory runs out, -2 on invalid arguments (a NULL required

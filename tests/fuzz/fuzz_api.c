@@ -532,7 +532,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     /* The batch's arrays are [batch, seq]; when batch * seq differs from n the library must say so before
      * reading them, so n-sized arrays are enough. */
-    const fh_grpo_batch gb = {batch, seq, targets, mask, adv, old, ref};
+    const fh_grpo_batch gb = {batch, seq, targets, mask, adv, old, ref, NULL};
 
     /* Preference options and batch: batch sequences as batch / 2 pairs (an odd batch cannot match n), the
      * reference none, per sequence (adv's ub >= batch values) or per token, sometimes both. */

@@ -229,7 +229,7 @@ void hu_grpo_linear(const hu_grpo_problem *p, fh_linear *lin)
 
 void hu_grpo_batch(const hu_grpo_problem *p, fh_grpo_batch *batch)
 {
-    const fh_grpo_batch b = {p->batch, p->seq, p->ids, p->mask, p->advantages, p->old_logps, p->ref_logps};
+    const fh_grpo_batch b = {p->batch, p->seq, p->ids, p->mask, p->advantages, p->old_logps, p->ref_logps, NULL};
     *batch = b;
 }
 

@@ -171,7 +171,7 @@ static int guarded_call(void *arg)
     fh_grpo_options_init(&go);
     go.beta = 0.04;
     go.entropy_coef = 0.01;
-    const fh_grpo_batch batch = {1, n, t, mask, adv, old, ref};
+    const fh_grpo_batch batch = {1, n, t, mask, adv, old, ref, NULL};
     fh_preference_options po;
     fh_preference_options_init(&po);
     po.rpo_alpha = 0.5;
