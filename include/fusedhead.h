@@ -457,7 +457,7 @@ FH_API fh_status fh_logprob_workspace_size(const fh_context *ctx, const fh_linea
  *          [* r_i with use_bias_correction_kl, the gradient flowing through r as well]
  *   loss  grpo, sapo: mean over sequences of sum_t m l / max(sum_t m, 1)
  *         bnpo: sum m l / max(sum m, 1);   dr_grpo: sum m l / (B max_completion_length)
- *         dapo, cispo, vespo: sum m l / N,  N = num_items_in_batch, or max(sum m, 1) when it is <= 0
+ *         dapo, cispo, vespo: sum m l / N,  N = max(num_items_in_batch, 1), or max(sum m, 1) when it is <= 0
  *         luspo: sum_{b,t} l_{b,t} (sum_t m) / (B T)   [TRL: the mean over every position, padding included, of
  *                l times the sequence's length; at the sequence level l is one value per sequence (the same)]
  *         minus entropy_coef times the entropy bonus, over the tokens e_i m_i (m_i without the quantile):
@@ -499,7 +499,8 @@ typedef struct fh_grpo_options {        /* TRL GRPOConfig names; defaults from f
     double beta;                        /* KL coefficient; 0: no KL and no reference log-probs needed */
     double sapo_temperature_pos;        /* 1.0 */
     double sapo_temperature_neg;        /* 1.05 */
-    double num_items_in_batch;          /* dapo/cispo/vespo normaliser; <= 0: max(sum of mask, 1) */
+    double num_items_in_batch;          /* dapo/cispo/vespo normaliser, at least 1 (TRL clamps it); <= 0: max(sum of
+                                           mask, 1) */
     int64_t max_completion_length;      /* dr_grpo's constant; <= 0: T */
     double entropy_coef;                /* entropy bonus; 0 */
     double top_entropy_quantile;        /* 1.0: every token carries the policy term; in [0, 1] */

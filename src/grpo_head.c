@@ -252,10 +252,11 @@ fh_status fh_grpo_head_entropy_threshold(fh_grpo_head *h, const double *entropy,
         h->kept_total = 1.0;
         return FH_OK;
     }
-    /* torch.quantile: linear interpolation between the order statistics at floor and ceil of q (count - 1), each
-     * found exactly by bisecting the keys with one (all-reduced) count per step, so no rank gathers entropies. */
-    const double position = (1.0 - h->o->top_entropy_quantile) * (count - 1.0);
-    const double rank[2] = {floor(position), ceil(position)};
+    /* torch.quantile of an fp32 tensor: the rank q (count - 1) in fp32, then linear interpolation between the
+     * order statistics at its floor and ceil, each found exactly by bisecting the keys with one (all-reduced) count
+     * per step, so no rank gathers entropies. */
+    const float position = (float)(1.0 - h->o->top_entropy_quantile) * (float)(count - 1.0);
+    const double rank[2] = {floorf(position), ceilf(position)};
     uint64_t low[2] = {0, 0}, high[2] = {UINT64_MAX, UINT64_MAX};
     while (low[0] < high[0] || low[1] < high[1]) {
         uint64_t mid[2];
@@ -280,7 +281,7 @@ fh_status fh_grpo_head_entropy_threshold(fh_grpo_head *h, const double *entropy,
                 low[k] = mid[k] + 1;
         }
     }
-    const double below = key_value(low[0]), above = key_value(low[1]), w = position - rank[0];
+    const double below = key_value(low[0]), above = key_value(low[1]), w = (double)(position - (float)rank[0]);
     h->entropy_threshold = w < 0.5 ? below + w * (above - below) : above - (above - below) * (1.0 - w); /* torch.lerp */
     double kept = 0.0;
     for (int64_t i = 0; i < n; i++)
@@ -316,7 +317,8 @@ static double sequence_weight(const fh_grpo_head *h, int64_t b, double length)
 
 double fh_grpo_items(const fh_grpo_head *h)
 {
-    return h->o->num_items_in_batch > 0.0 ? h->o->num_items_in_batch : h->mask_total;
+    /* TRL: num_items_in_batch.clamp(min=1.0) */
+    return h->o->num_items_in_batch > 0.0 ? fmax(h->o->num_items_in_batch, 1.0) : h->mask_total;
 }
 
 /* The entropy bonus's denominator: N for the item-normalised types, else the count of the tokens it covers. */

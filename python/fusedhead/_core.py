@@ -12,6 +12,7 @@ import enum
 import operator
 import os
 import threading
+import warnings
 from typing import NamedTuple, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 from . import _lib
@@ -679,10 +680,32 @@ class _BatchProblem:
 # ---------------------------------------------------------------------------------------------------------
 # GRPO (TRL GRPOTrainer._compute_loss semantics)
 # ---------------------------------------------------------------------------------------------------------
-# fh_grpo_metrics field -> TRL's logged key
+# fh_grpo_metrics field -> TRL's logged key (huggingface/trl f2cd5771 GRPOTrainer: _compute_loss and the sampling/...
+# metrics of _generate_and_score_completions), in the struct's field order
 GRPO_METRIC_KEYS = (("kl", "kl"), ("entropy", "entropy"), ("clip_ratio_low_mean", "clip_ratio/low_mean"),
                     ("clip_ratio_high_mean", "clip_ratio/high_mean"),
-                    ("clip_ratio_region_mean", "clip_ratio/region_mean"), ("cispo_clip_ratio", "cispo_clip_ratio"))
+                    ("clip_ratio_region_mean", "clip_ratio/region_mean"), ("cispo_clip_ratio", "cispo_clip_ratio"),
+                    ("clip_ratio_low_min", "clip_ratio/low_min"), ("clip_ratio_high_max", "clip_ratio/high_max"),
+                    ("policy_loss", "policy_loss"), ("entropy_coef", "entropy_coef"),
+                    ("vespo_phi_seq_mean", "vespo/phi_seq_mean"),
+                    ("sampling_logp_difference_mean", "sampling/sampling_logp_difference/mean"),
+                    ("sampling_logp_difference_max", "sampling/sampling_logp_difference/max"),
+                    ("importance_sampling_ratio_min", "sampling/importance_sampling_ratio/min"),
+                    ("importance_sampling_ratio_mean", "sampling/importance_sampling_ratio/mean"),
+                    ("importance_sampling_ratio_max", "sampling/importance_sampling_ratio/max"))
+
+# TRL GRPOConfig's names and defaults for every fh_grpo_options field (f2cd5771; loss_type "dapo" as TRL's). The
+# front ends take these keywords; None: absent (epsilon_high: = epsilon_low; delta, off_policy_mask_threshold: off;
+# the importance-sampling bounds: no bound; num_items_in_batch: the mask's sum; max_completion_length: T).
+GRPO_OPTION_DEFAULTS = dict(
+    loss_type="dapo", importance_sampling_level="token", temperature=1.0, epsilon_low=0.2, epsilon_high=None,
+    delta=None, beta=0.0, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, num_items_in_batch=None,
+    max_completion_length=None, entropy_coef=0.0, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+    use_bias_correction_kl=False, vllm_importance_sampling_correction=True,
+    vllm_importance_sampling_mode="sequence_mask", vllm_importance_sampling_clip_min=None,
+    vllm_importance_sampling_clip_max=3.0, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
+    vespo_lambda_neg=2.0)
+GRPO_OPTION_NAMES = tuple(GRPO_OPTION_DEFAULTS)
 
 
 def parse_grpo_loss_type(loss_type) -> "_lib.GRPOLossType":
@@ -693,44 +716,94 @@ def parse_grpo_is_level(level) -> "_lib.GRPOISLevel":
     return parse_choice(level, _lib.GRPOISLevel, "importance_sampling_level")
 
 
-def grpo_options(*, loss_type="grpo", importance_sampling_level="token", temperature=1.0, epsilon_low=0.2,
-                 epsilon_high=None, delta=None, beta=0.0, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
-                 num_items_in_batch=None, max_completion_length=None, entropy_coef=0.0) -> _lib.fh_grpo_options:
-    """fh_grpo_options from TRL-named keyword arguments (None: the library's default / off). The library
-    validates the values (InvalidGRPOOptionError / InvalidTemperatureError)."""
+def parse_grpo_vllm_is_mode(mode) -> "_lib.GRPOVllmISMode":
+    return parse_choice(mode, _lib.GRPOVllmISMode, "vllm_importance_sampling_mode")
+
+
+def _optional_float(value) -> float:
+    """None -> NaN (the library's "absent"), else the float."""
+    return float("nan") if value is None else float(value)
+
+
+def grpo_option_dict(*, epsilon=None, vllm_importance_sampling_cap=None, **options) -> dict:
+    """TRL-named GRPO options with TRL's defaults filled in and TRL's aliases resolved: `epsilon` is
+    `epsilon_low` (passing both with different values is a ValueError), the deprecated
+    `vllm_importance_sampling_cap` sets `vllm_importance_sampling_clip_max` (as GRPOConfig.__post_init__ does,
+    with its FutureWarning); a tensor num_items_in_batch (what TRL passes) becomes a float. Names and choices
+    are checked (ValueError / TypeError); the values are the library's to check."""
+    unknown = set(options) - set(GRPO_OPTION_NAMES)
+    if unknown:
+        raise TypeError(f"unknown GRPO option(s) {sorted(unknown)}; expected some of {list(GRPO_OPTION_NAMES)}")
+    if epsilon is not None:
+        if options.get("epsilon_low") is not None and float(options["epsilon_low"]) != float(epsilon):
+            raise ValueError("pass epsilon or epsilon_low (its alias), not both")
+        options["epsilon_low"] = epsilon
+    if options.get("epsilon_low", 0.2) is None:
+        options["epsilon_low"] = 0.2
+    if vllm_importance_sampling_cap is not None:
+        warnings.warn("vllm_importance_sampling_cap is deprecated (as in TRL): use vllm_importance_sampling_clip_max",
+                      FutureWarning, stacklevel=3)
+        options["vllm_importance_sampling_clip_max"] = vllm_importance_sampling_cap
+    out = dict(GRPO_OPTION_DEFAULTS)
+    out.update(options)
+    nib = out["num_items_in_batch"]
+    if nib is not None and hasattr(nib, "item") and not isinstance(nib, (int, float)):  # a tensor / NumPy scalar
+        out["num_items_in_batch"] = float(nib.item())
+    parse_grpo_loss_type(out["loss_type"])
+    parse_grpo_is_level(out["importance_sampling_level"])
+    parse_grpo_vllm_is_mode(out["vllm_importance_sampling_mode"])
+    return out
+
+
+def grpo_options(**options) -> _lib.fh_grpo_options:
+    """fh_grpo_options from TRL-named keyword arguments (grpo_option_dict: TRL's defaults and aliases; None:
+    absent). The library validates the values (InvalidGRPOOptionError / InvalidTemperatureError)."""
+    o = grpo_option_dict(**options)
     opt = _lib.fh_grpo_options()
     check_status(load_library().fh_grpo_options_init(ctypes.byref(opt)), "fh_grpo_options_init")
-    opt.loss_type = int(parse_grpo_loss_type(loss_type))
-    opt.importance_sampling_level = int(parse_grpo_is_level(importance_sampling_level))
-    opt.temperature = float(temperature)
-    opt.epsilon_low = float(epsilon_low)
-    opt.epsilon_high = float("nan") if epsilon_high is None else float(epsilon_high)
-    opt.delta = float("nan") if delta is None else float(delta)
-    opt.beta = float(beta)
-    opt.sapo_temperature_pos = float(sapo_temperature_pos)
-    opt.sapo_temperature_neg = float(sapo_temperature_neg)
-    opt.num_items_in_batch = 0.0 if num_items_in_batch is None else float(num_items_in_batch)
-    opt.max_completion_length = 0 if max_completion_length is None else int64("max_completion_length",
-                                                                                max_completion_length)
-    opt.entropy_coef = float(entropy_coef)
+    opt.loss_type = int(parse_grpo_loss_type(o["loss_type"]))
+    opt.importance_sampling_level = int(parse_grpo_is_level(o["importance_sampling_level"]))
+    opt.temperature = float(o["temperature"])
+    opt.epsilon_low = float(o["epsilon_low"])
+    opt.epsilon_high = _optional_float(o["epsilon_high"])
+    opt.delta = _optional_float(o["delta"])
+    opt.beta = float(o["beta"])
+    opt.sapo_temperature_pos = float(o["sapo_temperature_pos"])
+    opt.sapo_temperature_neg = float(o["sapo_temperature_neg"])
+    opt.num_items_in_batch = 0.0 if o["num_items_in_batch"] is None else float(o["num_items_in_batch"])
+    mcl = o["max_completion_length"]
+    opt.max_completion_length = 0 if mcl is None else int64("max_completion_length", mcl)
+    opt.entropy_coef = float(o["entropy_coef"])
+    opt.top_entropy_quantile = float(o["top_entropy_quantile"])
+    opt.off_policy_mask_threshold = _optional_float(o["off_policy_mask_threshold"])
+    opt.use_bias_correction_kl = int(bool(o["use_bias_correction_kl"]))
+    opt.vllm_importance_sampling_correction = int(bool(o["vllm_importance_sampling_correction"]))
+    opt.vllm_importance_sampling_mode = int(parse_grpo_vllm_is_mode(o["vllm_importance_sampling_mode"]))
+    opt.vllm_importance_sampling_clip_min = _optional_float(o["vllm_importance_sampling_clip_min"])
+    opt.vllm_importance_sampling_clip_max = _optional_float(o["vllm_importance_sampling_clip_max"])
+    opt.vespo_k_pos = float(o["vespo_k_pos"])
+    opt.vespo_lambda_pos = float(o["vespo_lambda_pos"])
+    opt.vespo_k_neg = float(o["vespo_k_neg"])
+    opt.vespo_lambda_neg = float(o["vespo_lambda_neg"])
     return opt
 
 
 def grpo_metrics_dict(values) -> dict:
-    """TRL's metric names -> values (a fh_grpo_metrics or 6 numbers in its order), NaN entries omitted."""
+    """TRL's metric names -> values (a fh_grpo_metrics or its numbers in field order), NaN entries omitted."""
     return _metrics_dict(GRPO_METRIC_KEYS, values)
 
 
 class GRPOProblem(_BatchProblem):
     """A linear head over B*T tokens and a GRPO micro-batch: the arguments every fh_grpo_* call shares.
-    Token vectors (completion_ids int64, completion_mask, old/ref logps float32) are contiguous [B*T] views,
+    Token vectors (completion_ids int64, completion_mask, old/ref/sampling logps float32) are contiguous [B*T] views,
     advantages a contiguous [B] view. forward / forward_backward take the fh_grpo_outputs arrays by name
     (per_token_logp, per_token_loss, entropy, lse: float32 [B*T] addresses)."""
     _prefix, _metrics_struct, _outputs_struct = "fh_grpo", _lib.fh_grpo_metrics, _lib.fh_grpo_outputs
 
     def __init__(self, head: LinearHead, batch: int, seq: int, completion_ids: View, completion_mask: View,
                  advantages: View, old_per_token_logps: Optional[View] = None,
-                 ref_per_token_logps: Optional[View] = None, options: Optional[_lib.fh_grpo_options] = None):
+                 ref_per_token_logps: Optional[View] = None, options: Optional[_lib.fh_grpo_options] = None,
+                 sampling_per_token_logps: Optional[View] = None):
         b, t = int(batch), int(seq)
         if b * t != head.n:
             raise ValueError(f"hidden: expected B*T = {b}*{t} = {b * t} rows, got {head.n}")
@@ -739,14 +812,17 @@ class GRPOProblem(_BatchProblem):
         mask = _vector_ptr(completion_mask, "completion_mask", n, f"{bt} float32 array")
         old = _vector_ptr(old_per_token_logps, "old_per_token_logps", n, f"{bt} float32 array")
         ref = _vector_ptr(ref_per_token_logps, "ref_per_token_logps", n, f"{bt} float32 array")
+        samp = _vector_ptr(sampling_per_token_logps, "sampling_per_token_logps", n, f"{bt} float32 array")
         adv = _vector_ptr(advantages, "advantages", b, f"[B] = [{b}] float32 vector")
         self.batch, self.seq = b, t
-        super().__init__(head, _lib.fh_grpo_batch(b, t, _ip(ids), _fp(mask), _fp(adv), _fp(old), _fp(ref)),
+        super().__init__(head, _lib.fh_grpo_batch(b, t, _ip(ids), _fp(mask), _fp(adv), _fp(old), _fp(ref),
+                                                   _fp(samp)),
                          options if options is not None else grpo_options())
 
     def backward(self, ctx: Context, per_token_logp: int, lse: int, entropy: Optional[int], grad_output: int,
                  grads: _lib.fh_linear_grads) -> None:
-        """fh_grpo_backward from the forward's per_token_logp, lse (and entropy when entropy_coef != 0)."""
+        """fh_grpo_backward from the forward's per_token_logp, lse (and entropy when entropy_coef != 0 or
+        top_entropy_quantile < 1)."""
         ctx.call("fh_grpo_backward", ctypes.byref(self.head.c), ctypes.byref(self.c), ctypes.byref(self.options),
                  _fp(per_token_logp), _fp(lse), _fp(entropy), _fp(grad_output), ctypes.byref(grads))
 
@@ -913,5 +989,6 @@ class DistillProblem:
 
 __all__ = ["Context", "default_context", "set_default_context_settings", "default_context_settings", "kernel_info",
            "KernelInfo", "bf16_available", "status_string", "View", "LinearHead", "CEProblem", "GRPOProblem",
-           "grpo_options", "grpo_metrics_dict", "PreferenceProblem", "preference_options", "pairs_shape",
+           "grpo_options", "grpo_option_dict", "GRPO_OPTION_NAMES", "GRPO_OPTION_DEFAULTS", "grpo_metrics_dict",
+           "PreferenceProblem", "preference_options", "pairs_shape",
            "preference_metrics_dict", "DistillProblem", "distill_options", "prefixed_errors", "FusedheadError"]

@@ -112,11 +112,20 @@ class GRPOLossType(enum.IntEnum):
     DAPO = 3
     CISPO = 4
     SAPO = 5
+    LUSPO = 6
+    VESPO = 7
 
 
 class GRPOISLevel(enum.IntEnum):
     TOKEN = 0
     SEQUENCE = 1
+
+
+class GRPOVllmISMode(enum.IntEnum):  # TRL vllm_importance_sampling_mode
+    TOKEN_TRUNCATE = 0
+    TOKEN_MASK = 1
+    SEQUENCE_TRUNCATE = 2
+    SEQUENCE_MASK = 3
 
 
 class PreferenceLoss(enum.IntEnum):
@@ -244,6 +253,17 @@ class fh_grpo_options(ctypes.Structure):
         ("num_items_in_batch", ctypes.c_double),
         ("max_completion_length", ctypes.c_int64),
         ("entropy_coef", ctypes.c_double),
+        ("top_entropy_quantile", ctypes.c_double),
+        ("off_policy_mask_threshold", ctypes.c_double),  # NaN: off
+        ("use_bias_correction_kl", ctypes.c_int),
+        ("vllm_importance_sampling_correction", ctypes.c_int),
+        ("vllm_importance_sampling_mode", ctypes.c_int),  # fh_grpo_vllm_is_mode
+        ("vllm_importance_sampling_clip_min", ctypes.c_double),  # NaN: no bound
+        ("vllm_importance_sampling_clip_max", ctypes.c_double),  # NaN: no bound
+        ("vespo_k_pos", ctypes.c_double),
+        ("vespo_lambda_pos", ctypes.c_double),
+        ("vespo_k_neg", ctypes.c_double),
+        ("vespo_lambda_neg", ctypes.c_double),
     ]
 
 
@@ -256,6 +276,7 @@ class fh_grpo_batch(ctypes.Structure):
         ("advantages", c_float_p),
         ("old_per_token_logps", c_float_p),
         ("ref_per_token_logps", c_float_p),
+        ("sampling_per_token_logps", c_float_p),
     ]
 
 
@@ -267,6 +288,16 @@ class fh_grpo_metrics(ctypes.Structure):
         ("clip_ratio_high_mean", ctypes.c_double),
         ("clip_ratio_region_mean", ctypes.c_double),
         ("cispo_clip_ratio", ctypes.c_double),
+        ("clip_ratio_low_min", ctypes.c_double),
+        ("clip_ratio_high_max", ctypes.c_double),
+        ("policy_loss", ctypes.c_double),
+        ("entropy_coef", ctypes.c_double),
+        ("vespo_phi_seq_mean", ctypes.c_double),
+        ("sampling_logp_difference_mean", ctypes.c_double),
+        ("sampling_logp_difference_max", ctypes.c_double),
+        ("importance_sampling_ratio_min", ctypes.c_double),
+        ("importance_sampling_ratio_mean", ctypes.c_double),
+        ("importance_sampling_ratio_max", ctypes.c_double),
     ]
 
 

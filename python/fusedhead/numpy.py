@@ -552,8 +552,9 @@ class _BatchHead:
 # ---------------------------------------------------------------------------------------------------------
 @dataclass
 class GRPOResult:
-    """loss: float; metrics: TRL's logged keys ("kl", "entropy", "clip_ratio/low_mean", ...), only those TRL
-    logs for the options; per_token_logp, per_token_loss, entropy, lse: [B, T] float32 (per_token_loss before
+    """loss: float; metrics: TRL's logged keys ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/low_min",
+    "policy_loss", "vespo/phi_seq_mean", "sampling/importance_sampling_ratio/mean", ...), only those TRL logs for
+    the options and inputs; per_token_logp, per_token_loss, entropy, lse: [B, T] float32 (per_token_loss before
     masking; lse of the tempered logits). Gradients (of grad_output * loss) are None unless requested."""
     loss: float
     metrics: dict
@@ -569,22 +570,26 @@ class GRPOResult:
 def grpo_loss(hidden: np.ndarray, weight: np.ndarray, completion_ids: np.ndarray, completion_mask: np.ndarray,
               advantages: np.ndarray, bias: Optional[np.ndarray] = None,
               old_per_token_logps: Optional[np.ndarray] = None, ref_per_token_logps: Optional[np.ndarray] = None,
-              *, layout: str = "vh", return_grads: Union[bool, Iterable[str]] = False, grad_output: float = 1.0,
-              context: Optional[Context] = None, epsilon: Optional[float] = None, dtype: str = "fp32",
-              grad_dtype: Optional[str] = None, **options) -> GRPOResult:
-    """TRL's GRPO loss from hidden [B, T, H] float32 (position t predicts completion_ids[b, t], int64 [B, T]),
-    completion_mask float32 [B, T], advantages float32 [B], optional old/ref per-token log-probs float32 [B, T],
-    without the logits. Nothing is copied (C-contiguous token arrays expected). dtype="bf16": hidden and
-    weight are bfloat16 bits in uint16 arrays (the rest float32; the gradients too unless grad_dtype="bf16").
+              sampling_per_token_logps: Optional[np.ndarray] = None, *, layout: str = "vh",
+              return_grads: Union[bool, Iterable[str]] = False, grad_output: float = 1.0,
+              context: Optional[Context] = None, dtype: str = "fp32", grad_dtype: Optional[str] = None,
+              **options) -> GRPOResult:
+    """TRL's GRPO loss (GRPOTrainer._compute_loss at huggingface/trl f2cd5771) from hidden [B, T, H] float32
+    (position t predicts completion_ids[b, t], int64 [B, T]), completion_mask float32 [B, T], advantages float32
+    [B], optional old / ref / sampling (the sampler's, vLLM's) per-token log-probs float32 [B, T], without the
+    logits. Nothing is copied (C-contiguous token arrays expected). dtype="bf16": hidden and weight are bfloat16
+    bits in uint16 arrays (the rest float32; the gradients too unless grad_dtype="bf16").
 
-    options: TRL GRPOConfig names (loss_type, importance_sampling_level, temperature, epsilon_low (alias
+    options: TRL GRPOConfig names and defaults (fusedhead._core.GRPO_OPTION_DEFAULTS): loss_type ("dapo"; grpo,
+    bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo), importance_sampling_level, temperature, epsilon_low (alias
     epsilon), epsilon_high, delta, beta, sapo_temperature_pos/neg, num_items_in_batch, max_completion_length,
-    entropy_coef). return_grads: False, True (all) or names among "hidden", "weight", "bias".
+    entropy_coef, top_entropy_quantile, off_policy_mask_threshold, use_bias_correction_kl,
+    vllm_importance_sampling_correction (True: applies when sampling_per_token_logps is given),
+    vllm_importance_sampling_mode ("sequence_mask"; token_truncate, token_mask, sequence_truncate),
+    vllm_importance_sampling_clip_min / _clip_max (None: no bound; _cap: TRL's deprecated alias of clip_max),
+    vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg. return_grads: False, True (all) or names among
+    "hidden", "weight", "bias".
     """
-    if epsilon is not None:
-        if "epsilon_low" in options and options["epsilon_low"] != epsilon:
-            raise ValueError("pass epsilon or epsilon_low (its alias), not both")
-        options["epsilon_low"] = epsilon
     opt = grpo_options(**options)
     arrays = _BatchHead(hidden, weight, bias, dtype, grad_dtype, return_grads)
     if arrays.hidden.ndim != 3:
@@ -595,6 +600,8 @@ def grpo_loss(hidden: np.ndarray, weight: np.ndarray, completion_ids: np.ndarray
                         " (use .astype(np.float32))")
     old = _token_array(old_per_token_logps, "old_per_token_logps", np.float32, (b, t), "[B, T]", _FP32_HINT)
     ref = _token_array(ref_per_token_logps, "ref_per_token_logps", np.float32, (b, t), "[B, T]", _FP32_HINT)
+    samp = _token_array(sampling_per_token_logps, "sampling_per_token_logps", np.float32, (b, t), "[B, T]",
+                        _FP32_HINT)
     adv = _check_array(advantages, "advantages", np.float32, _FP32_HINT)
     if adv.shape != (b,):
         raise ValueError(f"advantages: expected shape [B] = [{b}], got {list(adv.shape)}")
@@ -604,9 +611,10 @@ def grpo_loss(hidden: np.ndarray, weight: np.ndarray, completion_ids: np.ndarray
         if arrays.dw is not None:
             arrays.dw[...] = 0
         return GRPOResult(0.0, {}, **outs, **grads)
+    opt_view = lambda a, name: None if a is None else _view(a, name)  # noqa: E731
     problem = GRPOProblem(arrays.linear(layout), b, t, _view(ids, "completion_ids"), _view(mask, "completion_mask"),
-                          _view(adv, "advantages"), None if old is None else _view(old, "old_per_token_logps"),
-                          None if ref is None else _view(ref, "ref_per_token_logps"), opt)
+                          _view(adv, "advantages"), opt_view(old, "old_per_token_logps"),
+                          opt_view(ref, "ref_per_token_logps"), opt, opt_view(samp, "sampling_per_token_logps"))
     loss, m = arrays.run(problem, grad_output, context, outs)
     return GRPOResult(loss, grpo_metrics_dict(m), **outs, **grads)
 

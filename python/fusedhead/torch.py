@@ -51,8 +51,10 @@ Gradients: only for inputs that require grad (the library is handed NULL for the
 Double backward is not supported.
 
 GRPO: fused_linear_grpo_loss / FusedLinearGRPOLoss / FusedLinearGRPOLossFunction compute TRL's
-GRPOTrainer._compute_loss (every loss_type, token or sequence importance sampling, KL, entropy bonus) from
-hidden [B, T, H]; returns (loss, metrics with TRL's keys). With grad enabled the forward calls
+GRPOTrainer._compute_loss at huggingface/trl f2cd5771 (every loss_type, luspo and vespo included, token or sequence
+importance sampling, KL and its bias correction, the entropy bonus, top_entropy_quantile, the off-policy mask, the
+vLLM importance-sampling correction from sampling_per_token_logps) from hidden [B, T, H]; returns (loss, metrics
+with TRL's keys). With grad enabled the forward calls
 fh_grpo_forward_backward (upstream 1) and backward scales the saved gradients, as for 'mean'/'sum' above.
 
 Preference: fused_linear_preference_loss / FusedLinearDPOLoss, FusedLinearORPOLoss, FusedLinearSimPOLoss,
@@ -86,8 +88,8 @@ import torch
 from ._core import (GRPO_METRIC_KEYS, PREFERENCE_METRIC_KEYS, CEProblem, Context, DistillProblem, GRPOProblem,
                     LogprobProblem,
                     LinearHead, PreferenceProblem, View, default_context, distill_options, grpo_metrics_dict,
-                    grpo_options, matrix_view_ok, prefixed_errors,
-                    pairs_shape, parse_grpo_is_level, parse_grpo_loss_type, parse_layout, parse_reduction,
+                    grpo_option_dict, grpo_options, matrix_view_ok, prefixed_errors,
+                    pairs_shape, parse_layout, parse_reduction,
                     preference_metrics_dict, preference_options, rows_view_ok, vector_view_ok)
 from ._lib import Dtype, Reduction
 
@@ -712,11 +714,6 @@ class FusedLinearCrossEntropy(torch.nn.Module):
 # ---------------------------------------------------------------------------------------------------------
 # GRPO (TRL GRPOTrainer._compute_loss semantics)
 # ---------------------------------------------------------------------------------------------------------
-GRPO_OPTION_NAMES = ("loss_type", "importance_sampling_level", "temperature", "epsilon_low", "epsilon_high",
-                     "delta", "beta", "sapo_temperature_pos", "sapo_temperature_neg", "num_items_in_batch",
-                     "max_completion_length", "entropy_coef")
-
-
 def _bt_tensor(t, name: str, dtype: torch.dtype, bt: Tuple[int, int], n: int, hint: str = "",
                dims: str = "[B, T]", source: str = "hidden's leading dimensions") -> torch.Tensor:
     """A token tensor of the batch's shape bt, as a contiguous [n] vector (detached)."""
@@ -746,11 +743,11 @@ def _fp32_vector(t, name: str, dtype: torch.dtype, length: int, dims: str) -> to
 class _GRPO:
     """Everything one GRPO call needs, checked and in library form. hidden [B, T, H]; completion_ids int64
     [B, T]; completion_mask [B, T] (bool, integer or floating: converted to float32); advantages float32 [B];
-    old/ref per-token log-probs float32 [B, T] or None (advantages and old/ref may be bfloat16 with bfloat16
-    inputs: converted)."""
+    old / ref / sampling per-token log-probs float32 [B, T] or None (advantages and the log-probs may be bfloat16
+    with bfloat16 inputs: converted). options: TRL-named (grpo_option_dict)."""
 
     def __init__(self, hidden, weight, completion_ids, completion_mask, advantages, bias, old, ref, options: dict,
-                 layout):
+                 layout, sampling=None):
         dtype = _check_inputs(hidden, weight)
         if hidden.dim() != 3:
             raise ValueError(f"hidden: expected [B, T, H] (the hidden states of the completion tokens), got shape "
@@ -761,16 +758,17 @@ class _GRPO:
         self.completion_ids = _bt_tensor(completion_ids, "completion_ids", torch.int64, self.bt, n, " (use .long())")
         self.completion_mask = _mask_tensor(completion_mask, "completion_mask", self.bt, n)
         self.advantages = _fp32_vector(advantages, "advantages", dtype, b, "[B]")
-        self.old = None if old is None else _bt_tensor(_fp32_operand(old, "old_per_token_logps", dtype),
-                                                       "old_per_token_logps", torch.float32, self.bt, n)
-        self.ref = None if ref is None else _bt_tensor(_fp32_operand(ref, "ref_per_token_logps", dtype),
-                                                       "ref_per_token_logps", torch.float32, self.bt, n)
+        logps = lambda v, name: None if v is None else _bt_tensor(  # noqa: E731
+            _fp32_operand(v, name, dtype), name, torch.float32, self.bt, n)
+        self.old = logps(old, "old_per_token_logps")
+        self.ref = logps(ref, "ref_per_token_logps")
+        self.sampling = logps(sampling, "sampling_per_token_logps")
         self.options = grpo_options(**options)
         self.problem = None
         if n > 0:  # N = 0: nothing to compute (the library is not called)
             self.problem = GRPOProblem(self.lin.head, b, t, _view(self.completion_ids), _view(self.completion_mask),
                                        _view(self.advantages), _opt_view(self.old), _opt_view(self.ref),
-                                       self.options)
+                                       self.options, _opt_view(self.sampling))
 
     @property
     def n(self) -> int:
@@ -778,7 +776,7 @@ class _GRPO:
 
 
 def _grpo_run(g: _GRPO, context: Optional[Context], need: Sequence[bool]):
-    """(loss, metrics float64 [6] in fh_grpo_metrics order, per-token logp [B, T], (dx, dw, db)); gradients of
+    """(loss, metrics float64 [16] in fh_grpo_metrics order, per-token logp [B, T], (dx, dw, db)); gradients of
     the loss (upstream 1) for the inputs in need."""
     logp = torch.zeros(g.n, dtype=torch.float32)
     result, grads = _train_step(g.problem, g.lin, context, need, per_token_logp=logp.data_ptr())
@@ -788,20 +786,23 @@ def _grpo_run(g: _GRPO, context: Optional[Context], need: Sequence[bool]):
 
 class FusedLinearGRPOLossFunction(torch.autograd.Function):
     """apply(hidden, weight, completion_ids, completion_mask, advantages, bias=None, old_per_token_logps=None,
-    ref_per_token_logps=None, options=None, layout="vh", context=None) -> (loss, metrics, per_token_logps)
+    ref_per_token_logps=None, options=None, layout="vh", context=None, sampling_per_token_logps=None)
+    -> (loss, metrics, per_token_logps)
 
-    options: a dict of fh_grpo_options values by TRL name (GRPO_OPTION_NAMES; missing: TRL defaults).
-    metrics: float64 [6] in fh_grpo_metrics order (NaN where TRL logs nothing); per_token_logps: float32 [B, T]
-    under the current policy (0 at out-of-range ids of masked padding). Both non-differentiable.
-    The forward runs fh_grpo_forward_backward with upstream gradient 1 for the inputs whose
-    ctx.needs_input_grad is set; backward scales the saved gradients by the incoming scalar. advantages and
-    the old/reference log-probs are constants (as in TRL): they get no gradient."""
+    options: a dict of GRPO options by TRL name (fusedhead._core.GRPO_OPTION_NAMES; missing: TRL's defaults,
+    GRPO_OPTION_DEFAULTS). metrics: float64 [16] in fh_grpo_metrics order (GRPO_METRIC_KEYS; NaN where TRL logs
+    nothing); per_token_logps: float32 [B, T] under the current policy (0 at out-of-range ids of masked padding).
+    Both non-differentiable. sampling_per_token_logps (the sampler's log-probs, TRL's input of that name) comes
+    last, as the field it fills does in fh_grpo_batch. The forward runs fh_grpo_forward_backward with upstream
+    gradient 1 for the inputs whose ctx.needs_input_grad is set; backward scales the saved gradients by the
+    incoming scalar. advantages and the old / reference / sampling log-probs are constants (as in TRL): they get
+    no gradient."""
 
     @staticmethod
     def forward(ctx, hidden, weight, completion_ids, completion_mask, advantages, bias=None, old_per_token_logps=None,
-                ref_per_token_logps=None, options=None, layout="vh", context=None):
+                ref_per_token_logps=None, options=None, layout="vh", context=None, sampling_per_token_logps=None):
         g = _GRPO(hidden, weight, completion_ids, completion_mask, advantages, bias, old_per_token_logps,
-                  ref_per_token_logps, dict(options or {}), layout)
+                  ref_per_token_logps, grpo_option_dict(**dict(options or {})), layout, sampling_per_token_logps)
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[5])
         loss, metrics, logp, (dx, dw, db) = _grpo_run(g, context, need)
         ctx.save_for_backward(g.lin.hidden_grad(dx), dw, db)
@@ -812,98 +813,138 @@ class FusedLinearGRPOLossFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_metrics, _grad_logp):
         dx, dw, db = _scaled(ctx.saved_tensors, grad_loss, ctx.dweight_pool)
-        return (dx, dw, None, None, None, db) + (None,) * 5
-
-
-def _grpo_option_dict(loss_type, importance_sampling_level, temperature, epsilon_low, epsilon_high, delta, beta,
-                      sapo_temperature_pos, sapo_temperature_neg, num_items_in_batch, max_completion_length,
-                      entropy_coef) -> dict:
-    if isinstance(num_items_in_batch, torch.Tensor):  # TRL passes a tensor
-        num_items_in_batch = float(num_items_in_batch.item())
-    parse_grpo_loss_type(loss_type)
-    parse_grpo_is_level(importance_sampling_level)
-    return dict(loss_type=loss_type, importance_sampling_level=importance_sampling_level, temperature=temperature,
-                epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta,
-                sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
-                num_items_in_batch=num_items_in_batch, max_completion_length=max_completion_length,
-                entropy_coef=entropy_coef)
+        return (dx, dw, None, None, None, db) + (None,) * 6
 
 
 def fused_linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.Tensor,
                            completion_mask: torch.Tensor, advantages: torch.Tensor,
                            bias: Optional[torch.Tensor] = None, old_per_token_logps: Optional[torch.Tensor] = None,
-                           ref_per_token_logps: Optional[torch.Tensor] = None, *, loss_type: str = "grpo",
+                           ref_per_token_logps: Optional[torch.Tensor] = None,
+                           sampling_per_token_logps: Optional[torch.Tensor] = None, *, loss_type: str = "dapo",
                            importance_sampling_level: str = "token", temperature: float = 1.0,
                            epsilon_low: Optional[float] = None, epsilon: Optional[float] = None,
                            epsilon_high: Optional[float] = None, delta: Optional[float] = None, beta: float = 0.0,
                            sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
                            num_items_in_batch=None, max_completion_length: Optional[int] = None,
-                           entropy_coef: float = 0.0, layout: str = "vh", return_per_token_logps: bool = False,
+                           entropy_coef: float = 0.0, top_entropy_quantile: float = 1.0,
+                           off_policy_mask_threshold: Optional[float] = None, use_bias_correction_kl: bool = False,
+                           vllm_importance_sampling_correction: bool = True,
+                           vllm_importance_sampling_mode: str = "sequence_mask",
+                           vllm_importance_sampling_clip_min: Optional[float] = None,
+                           vllm_importance_sampling_clip_max: Optional[float] = 3.0,
+                           vllm_importance_sampling_cap: Optional[float] = None, vespo_k_pos: float = 2.0,
+                           vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
+                           layout: str = "vh", return_per_token_logps: bool = False,
                            context: Optional[Context] = None):
-    """TRL GRPOTrainer._compute_loss from hidden [B, T, H] (position t predicts completion_ids[b, t]) and the
-    lm_head weight, without the [B*T, V] logits.
+    """TRL GRPOTrainer._compute_loss (huggingface/trl f2cd5771) from hidden [B, T, H] (position t predicts
+    completion_ids[b, t]) and the lm_head weight, without the [B*T, V] logits.
 
-    Options use TRL's GRPOConfig names (epsilon is an alias of epsilon_low, default 0.2; epsilon_high None:
-    = epsilon_low; delta None: off). old_per_token_logps None: on-policy (old = logp detached);
-    ref_per_token_logps is required when beta != 0. Returns (loss, metrics) where metrics has TRL's keys
-    "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-    "cispo_clip_ratio" (only those TRL logs for these options), or (loss, metrics, per_token_logps) with
+    Options use TRL's GRPOConfig names and defaults (include/fusedhead.h has the formulas):
+      loss_type "dapo" (grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo); importance_sampling_level "token"
+      or "sequence" (GSPO); temperature; epsilon (alias epsilon_low, 0.2) and epsilon_high (None: = epsilon_low;
+      cispo's absolute cap); delta (None: off); beta (KL, ref_per_token_logps required when != 0);
+      sapo_temperature_pos/neg; num_items_in_batch (dapo, cispo and vespo's normaliser, an int, float or tensor;
+      None: the mask's sum); max_completion_length (dr_grpo; None: T); entropy_coef (the entropy bonus,
+      normalised per loss type as TRL does); top_entropy_quantile (< 1: only the tokens whose entropy is in that
+      top quantile of the batch carry the policy term); off_policy_mask_threshold (None: off);
+      use_bias_correction_kl; vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg.
+      vLLM importance sampling (TRL's use_vllm is "sampling_per_token_logps was given"):
+      vllm_importance_sampling_correction (True), vllm_importance_sampling_mode ("sequence_mask";
+      "token_truncate", "token_mask", "sequence_truncate"), vllm_importance_sampling_clip_min (None) and
+      vllm_importance_sampling_clip_max (3.0) (None: no bound); vllm_importance_sampling_cap is TRL's deprecated
+      alias of clip_max (FutureWarning).
+    Inputs: old_per_token_logps None: on-policy (old = logp detached); sampling_per_token_logps: the sampler's
+    per-token log-probs [B, T] or None (then no importance-sampling correction, and the off-policy mask compares
+    with old).
+    Returns (loss, metrics) where metrics has TRL's keys, only those TRL logs for these options: "kl", "entropy",
+    "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
+    "clip_ratio/high_max", "cispo_clip_ratio", "vespo/phi_seq_mean", "policy_loss" and "entropy_coef" (with an
+    entropy bonus), "sampling/sampling_logp_difference/mean" and "/max", "sampling/importance_sampling_ratio/min",
+    "/mean" and "/max" (with the importance-sampling correction); or (loss, metrics, per_token_logps) with
     return_per_token_logps=True (detached float32 [B, T]).
     """
-    if epsilon is not None and epsilon_low is not None and float(epsilon) != float(epsilon_low):
-        raise ValueError("pass epsilon or epsilon_low (its alias), not both")
-    eps_low = epsilon_low if epsilon_low is not None else (epsilon if epsilon is not None else 0.2)
-    options = _grpo_option_dict(loss_type, importance_sampling_level, temperature, eps_low, epsilon_high, delta,
-                                beta, sapo_temperature_pos, sapo_temperature_neg, num_items_in_batch,
-                                max_completion_length, entropy_coef)
+    options = grpo_option_dict(
+        loss_type=loss_type, importance_sampling_level=importance_sampling_level, temperature=temperature,
+        epsilon_low=epsilon_low, epsilon=epsilon, epsilon_high=epsilon_high, delta=delta, beta=beta,
+        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+        num_items_in_batch=num_items_in_batch, max_completion_length=max_completion_length,
+        entropy_coef=entropy_coef, top_entropy_quantile=top_entropy_quantile,
+        off_policy_mask_threshold=off_policy_mask_threshold, use_bias_correction_kl=use_bias_correction_kl,
+        vllm_importance_sampling_correction=vllm_importance_sampling_correction,
+        vllm_importance_sampling_mode=vllm_importance_sampling_mode,
+        vllm_importance_sampling_clip_min=vllm_importance_sampling_clip_min,
+        vllm_importance_sampling_clip_max=vllm_importance_sampling_clip_max,
+        vllm_importance_sampling_cap=vllm_importance_sampling_cap, vespo_k_pos=vespo_k_pos,
+        vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg)
+    return _grpo_loss(hidden, weight, completion_ids, completion_mask, advantages, bias, old_per_token_logps,
+                      ref_per_token_logps, sampling_per_token_logps, options, layout, return_per_token_logps, context)
+
+
+def _grpo_loss(hidden, weight, completion_ids, completion_mask, advantages, bias, old, ref, sampling, options: dict,
+               layout, return_per_token_logps, context):
     if _autograd_needed(hidden, weight, bias):
         loss, metrics, logp = FusedLinearGRPOLossFunction.apply(hidden, weight, completion_ids, completion_mask,
-                                                                advantages, bias, old_per_token_logps,
-                                                                ref_per_token_logps, options, layout, context)
+                                                                advantages, bias, old, ref, options, layout, context,
+                                                                sampling)
     else:
-        g = _GRPO(hidden, weight, completion_ids, completion_mask, advantages, bias, old_per_token_logps,
-                  ref_per_token_logps, options, layout)
+        g = _GRPO(hidden, weight, completion_ids, completion_mask, advantages, bias, old, ref, options, layout,
+                  sampling)
         loss, metrics, logp, _ = _grpo_run(g, context, (False, False, False))
     metrics = grpo_metrics_dict(metrics.tolist())
     return (loss, metrics, logp) if return_per_token_logps else (loss, metrics)
 
 
 class FusedLinearGRPOLoss(torch.nn.Module):
-    """nn.Module form (options fixed at construction, TRL GRPOConfig names; num_items_in_batch may also be
-    given per call, as TRL does):
+    """nn.Module form (options fixed at construction, TRL GRPOConfig names and defaults as
+    fused_linear_grpo_loss's; num_items_in_batch may also be given per call, as TRL does):
 
         loss_fn = FusedLinearGRPOLoss(loss_type="dapo", beta=0.04, temperature=0.7)
         loss, metrics = loss_fn(hidden, model.lm_head.weight, completion_ids, completion_mask, advantages,
-                                old_per_token_logps=old, ref_per_token_logps=ref)
+                                old_per_token_logps=old, ref_per_token_logps=ref,
+                                sampling_per_token_logps=vllm_logps, num_items_in_batch=num_items)
     """
 
-    def __init__(self, loss_type: str = "grpo", importance_sampling_level: str = "token", temperature: float = 1.0,
+    def __init__(self, loss_type: str = "dapo", importance_sampling_level: str = "token", temperature: float = 1.0,
                  epsilon_low: Optional[float] = None, epsilon: Optional[float] = None,
                  epsilon_high: Optional[float] = None, delta: Optional[float] = None, beta: float = 0.0,
                  sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
                  num_items_in_batch=None, max_completion_length: Optional[int] = None, entropy_coef: float = 0.0,
-                 layout: str = "vh", return_per_token_logps: bool = False, context: Optional[Context] = None):
+                 layout: str = "vh", return_per_token_logps: bool = False, context: Optional[Context] = None, *,
+                 top_entropy_quantile: float = 1.0, off_policy_mask_threshold: Optional[float] = None,
+                 use_bias_correction_kl: bool = False, vllm_importance_sampling_correction: bool = True,
+                 vllm_importance_sampling_mode: str = "sequence_mask",
+                 vllm_importance_sampling_clip_min: Optional[float] = None,
+                 vllm_importance_sampling_clip_max: Optional[float] = 3.0,
+                 vllm_importance_sampling_cap: Optional[float] = None, vespo_k_pos: float = 2.0,
+                 vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0):
         super().__init__()
-        if epsilon is not None and epsilon_low is not None and float(epsilon) != float(epsilon_low):
-            raise ValueError("pass epsilon or epsilon_low (its alias), not both")
-        eps_low = epsilon_low if epsilon_low is not None else (epsilon if epsilon is not None else 0.2)
         parse_layout(layout)
-        self.options = _grpo_option_dict(loss_type, importance_sampling_level, temperature, eps_low, epsilon_high,
-                                         delta, beta, sapo_temperature_pos, sapo_temperature_neg,
-                                         num_items_in_batch, max_completion_length, entropy_coef)
+        self.options = grpo_option_dict(
+            loss_type=loss_type, importance_sampling_level=importance_sampling_level, temperature=temperature,
+            epsilon_low=epsilon_low, epsilon=epsilon, epsilon_high=epsilon_high, delta=delta, beta=beta,
+            sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+            num_items_in_batch=num_items_in_batch, max_completion_length=max_completion_length,
+            entropy_coef=entropy_coef, top_entropy_quantile=top_entropy_quantile,
+            off_policy_mask_threshold=off_policy_mask_threshold, use_bias_correction_kl=use_bias_correction_kl,
+            vllm_importance_sampling_correction=vllm_importance_sampling_correction,
+            vllm_importance_sampling_mode=vllm_importance_sampling_mode,
+            vllm_importance_sampling_clip_min=vllm_importance_sampling_clip_min,
+            vllm_importance_sampling_clip_max=vllm_importance_sampling_clip_max,
+            vllm_importance_sampling_cap=vllm_importance_sampling_cap, vespo_k_pos=vespo_k_pos,
+            vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg)
         self.layout, self.return_per_token_logps, self.context = layout, return_per_token_logps, context
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.Tensor,
                 completion_mask: torch.Tensor, advantages: torch.Tensor, bias: Optional[torch.Tensor] = None,
                 old_per_token_logps: Optional[torch.Tensor] = None,
-                ref_per_token_logps: Optional[torch.Tensor] = None, num_items_in_batch=None):
+                ref_per_token_logps: Optional[torch.Tensor] = None, num_items_in_batch=None,
+                sampling_per_token_logps: Optional[torch.Tensor] = None):
         opts = dict(self.options)
         if num_items_in_batch is not None:
-            opts["num_items_in_batch"] = num_items_in_batch
-        return fused_linear_grpo_loss(hidden, weight, completion_ids, completion_mask, advantages, bias,
-                                      old_per_token_logps, ref_per_token_logps, layout=self.layout,
-                                      return_per_token_logps=self.return_per_token_logps, context=self.context,
-                                      **opts)
+            opts = grpo_option_dict(**dict(opts, num_items_in_batch=num_items_in_batch))
+        return _grpo_loss(hidden, weight, completion_ids, completion_mask, advantages, bias, old_per_token_logps,
+                          ref_per_token_logps, sampling_per_token_logps, opts, self.layout,
+                          self.return_per_token_logps, self.context)
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.options.items()) + f", layout={self.layout!r}"

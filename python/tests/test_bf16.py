@@ -31,7 +31,8 @@ import fusedhead.torch as fht  # noqa: E402
 from conftest import GRAD_RTOL_F64, make_data, normwise  # noqa: E402
 from fusedhead import _core  # noqa: E402
 from reference import reference_loss  # noqa: E402
-from test_grpo import make_grpo, trl_reference  # noqa: E402
+from test_grpo import make_grpo, trl_reference, well_conditioned  # noqa: E402
+from trl_grpo import trl_grpo_loss  # noqa: E402
 from test_preference import make_pairs, reference as preference_reference  # noqa: E402
 
 if not fusedhead.bf16_available():
@@ -236,25 +237,44 @@ def grpo_leaves(d, side_dtype=torch.float32):
     return h, W, torch.tensor(d["ids"]), side(d["mask"]), side(d["A"]), side(d["old"]), side(d["ref"])
 
 
-@pytest.mark.parametrize("loss_type, opts", [
-    ("grpo", dict(beta=0.04)),
-    ("dapo", dict(beta=0.04, epsilon_high=0.28)),
-    ("cispo", dict(epsilon_high=5.0)),
-    ("grpo", dict(importance_sampling_level="sequence")),
-], ids=["grpo_kl", "dapo", "cispo", "gspo"])
+GRPO_BF16_CASES = {
+    "grpo_kl": ("grpo", dict(beta=0.04)),
+    "dapo": ("dapo", dict(beta=0.04, epsilon_high=0.28)),
+    "cispo": ("cispo", dict(epsilon_high=5.0)),
+    "gspo": ("grpo", dict(importance_sampling_level="sequence")),
+    # TRL f2cd5771's options (test_grpo.py has them in fp32)
+    "dapo_entropy_num_items": ("dapo", dict(entropy_coef=0.05, num_items_in_batch=37)),
+    "luspo": ("luspo", dict(beta=0.04, entropy_coef=0.02)),
+    "luspo_sequence": ("luspo", dict(importance_sampling_level="sequence", beta=0.04)),
+    "vespo_is": ("vespo", dict(vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_min=0.6,
+                               _sampling=True)),
+    "top_entropy": ("dapo", dict(top_entropy_quantile=0.2, entropy_coef=0.02)),
+    "off_policy_is_kl": ("grpo", dict(off_policy_mask_threshold=0.05, beta=0.04, use_bias_correction_kl=True,
+                                      vllm_importance_sampling_clip_min=0.5, _sampling=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(GRPO_BF16_CASES))
 @pytest.mark.parametrize("side_dtype", [torch.float32, BF], ids=["fp32_side", "bf16_side"])
-def test_grpo_matches_float64(loss_type, opts, side_dtype):
-    d = make_grpo(seed=2, temperature=0.7)
+def test_grpo_matches_float64(case, side_dtype):
+    loss_type, opts = GRPO_BF16_CASES[case]
+    opts = dict(opts)
+    with_sampling = opts.pop("_sampling", False)
+    d = make_grpo(seed=2, temperature=0.7, sampling=True)
     h, W, ids, mask, A, old, ref_lp = grpo_leaves(d, side_dtype)
-    loss, metrics, logp = fht.fused_linear_grpo_loss(h, W, ids, mask, A, None, old, ref_lp, loss_type=loss_type,
-                                                     temperature=0.7, return_per_token_logps=True, **opts)
+    samp = torch.tensor(d["samp"], dtype=side_dtype) if with_sampling else None
+    loss, metrics, logp = fht.fused_linear_grpo_loss(h, W, ids, mask, A, None, old, ref_lp, samp,
+                                                     loss_type=loss_type, temperature=0.7,
+                                                     return_per_token_logps=True, **opts)
     assert loss.dtype == BF and logp.dtype == torch.float32
     loss.backward()
     h64, W64 = float64_twins(h, W)
     d64 = lambda t: None if t is None else t.double()  # noqa: E731  (the values the library received)
-    rloss, rmetrics, rlogp = trl_reference(h64, W64, None, ids, d64(mask), d64(A), d64(old), d64(ref_lp),
-                                           loss_type=loss_type, temperature=0.7, **opts)
+    rloss, rmetrics, rlogp, details = trl_grpo_loss(h64, W64, None, ids, d64(mask), d64(A), d64(old), d64(ref_lp),
+                                                    d64(samp), loss_type=loss_type, temperature=0.7,
+                                                    return_details=True, **opts)
     rloss.backward()
+    well_conditioned(d, details, dict(opts, temperature=0.7), h64, W64)
     assert_rounds_from(loss, rloss)
     assert set(metrics) == set(rmetrics)
     for k in rmetrics:  # double statistics, never rounded to bf16

@@ -19,6 +19,7 @@ from conftest import REPO_ROOT, make_data, subprocess_env
 HEADER_DIR = REPO_ROOT / "include"
 ENUMS = ((_lib.Status, "FH_"), (_lib.Param, "FH_PARAM_"), (_lib.Layout, "FH_LAYOUT_"), (_lib.Dtype, "FH_DTYPE_"),
          (_lib.Reduction, "FH_REDUCTION_"), (_lib.GRPOLossType, "FH_GRPO_LOSS_"), (_lib.GRPOISLevel, "FH_GRPO_IS_"),
+         (_lib.GRPOVllmISMode, "FH_GRPO_VLLM_IS_"),
          (_lib.PreferenceLoss, "FH_PREFERENCE_"), (_lib.PreferenceLossType, "FH_PREFERENCE_"),
          (_lib.FilterTail, "FH_FILTER_TAIL_"))
 
@@ -76,6 +77,14 @@ def test_options_init_defaults_match_python_defaults():
     assert fusedhead.load_library().fh_preference_options_init(ctypes.byref(init)) == 0
     ours = _core.preference_options()
     assert [getattr(ours, f) for f, _ in init._fields_] == [getattr(init, f) for f, _ in init._fields_]
+    # GRPO: TRL GRPOConfig's defaults (loss_type dapo, sequence_mask, clip_max 3, VESPO's k and lambda, ...) in both,
+    # None (absent) being the library's NaN
+    init = _lib.fh_grpo_options()
+    assert fusedhead.load_library().fh_grpo_options_init(ctypes.byref(init)) == 0
+    ours = _core.grpo_options()
+    same = lambda a, b: a == b or (a != a and b != b)  # noqa: E731
+    for field, _ in init._fields_:
+        assert same(getattr(ours, field), getattr(init, field)), (field, getattr(ours, field), getattr(init, field))
 
 
 # ------------------------------------------------------------------------------------------------------------
