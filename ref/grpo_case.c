@@ -1,13 +1,24 @@
 /* Inputs: logits with standard deviation ~3; completion masks with a random-length tail of padding per
  * sequence and one all-zero sequence (when B > 1); advantages of both signs and one exactly zero; padding
  * ids out of range on half the padded positions; old log-probs = current log-probs (from the reference)
- * plus U(-0.4, 0.4), so ratios fall on both sides of the clip range; reference log-probs likewise.
+ * plus U(-0.4, 0.4), so ratios fall on both sides of the clip range; reference log-probs likewise; with
+ * sampling_logps, the sampler's log-probs = the old ones (the current ones on-policy) plus U(-0.15, 0.15), so the
+ * importance-sampling ratios fall on both sides of bounds near 1.
  * Tolerances:
  *   loss: absolute 1e-6 * max(1, |loss|). Every term is advantage x (ratio, sigmoid or clamped ratio, or
  *     for cispo a log-prob of size log V) x normaliser; fp32 logits put ~sqrt(H) 6e-8 |z| ~ 1e-6 on each
  *     log-prob, which averages down over the tokens.
  *   metrics: absolute 1e-5 (kl and entropy carry the fp32 log-prob error; clip ratios are counts and
- *     match exactly unless a ratio sits within ~1e-6 of a bound, which these random draws avoid).
+ *     match exactly unless a ratio sits within ~1e-6 of a bound, which these random draws avoid; so do
+ *     clip_ratio/low_min and high_max; policy_loss is the loss before the bonus; the sampling metrics are
+ *     functions of the inputs alone when old log-probs are given, else of the log-probs, like kl; the masks'
+ *     decisions (off-policy, top-entropy, importance-sampling bounds) flip only for a value within ~1e-6 of its
+ *     threshold, which these draws do not come near: the seeds are fixed, so a flip would fail every run).
+ *   the detached factors exponential in a row's sum of log-probs (vespo's phi; on-policy, the sequence modes'
+ *     importance-sampling ratio) amplify the log-prob error instead of averaging it: grpo_slack (grpo_case.h)
+ *     derives the first-order effect from the measured per-token differences and every comparison adds twice it
+ *     (worst seen with it: 0.61 of the loss tolerance over the grpo_trl_* gradchecks, 0.44 over the grpo_trl
+ *     suite).
  *   gradients: normwise relative 1e-5, as for cross-entropy (same engine, same fp32 GEMMs); bf16 cases
  *     round dU to bf16 for the gradient GEMMs as cross-entropy does, and share its bf16 tolerance. */
 #include "grpo_case.h"
@@ -207,6 +218,16 @@ static ref_filter filter_of(const grpo_case_spec *s)
     return f;
 }
 
+/* Where the reference writes them. */
+static void grpo_ref_detail_attach(const grpo_ref_detail *d, ref_grpo_result *r)
+{
+    r->policy_term = d->policy_term;
+    r->is_ratio = d->is_ratio;
+    r->vespo_phi = d->vespo_phi;
+    r->vespo_log_w = d->vespo_log_w;
+    r->loss_weight = d->loss_weight;
+}
+
 static void run_reference(const grpo_case_spec *s, grpo_case *c)
 {
     const size_t n = (size_t)(s->batch * s->seq), h = (size_t)s->hidden, v = (size_t)s->vocab;
@@ -224,10 +245,8 @@ static void run_reference(const grpo_case_spec *s, grpo_case *c)
     r.logp = c->ref_logp;
     r.per_token_loss = c->ref_per_token_loss;
     r.entropy = c->ref_entropy;
-    c->ref_vespo_phi = zalloc(n, sizeof(double));
-    c->ref_vespo_log_w = zalloc(n, sizeof(double));
-    r.vespo_phi = c->ref_vespo_phi;
-    r.vespo_log_w = c->ref_vespo_log_w;
+    grpo_ref_detail_alloc(&c->ref_detail, n);
+    grpo_ref_detail_attach(&c->ref_detail, &r);
     ref_grpo_forward(&p, &o, &r);
     c->ref_loss = r.loss;
     c->ref_metrics = grpo_fh_metrics(&r.metrics);
@@ -241,35 +260,71 @@ static void run_reference(const grpo_case_spec *s, grpo_case *c)
     ref_inputs_free(&in);
 }
 
-grpo_vespo_slack grpo_vespo_slack_of(const fh_grpo_options *o, int64_t batch, int64_t seq, const float *mask,
-                                     const float *advantages, const double *ref_logp, const float *logp,
-                                     const double *phi, const double *log_w)
+void grpo_ref_detail_alloc(grpo_ref_detail *d, size_t n)
 {
-    grpo_vespo_slack v = {0.0, 0.0, 0.0};
-    if (o->loss_type != FH_GRPO_LOSS_VESPO)
+    d->policy_term = zalloc(n, sizeof(double));
+    d->is_ratio = zalloc(n, sizeof(double));
+    d->vespo_phi = zalloc(n, sizeof(double));
+    d->vespo_log_w = zalloc(n, sizeof(double));
+    d->loss_weight = zalloc(n, sizeof(double));
+}
+
+void grpo_ref_detail_free(grpo_ref_detail *d)
+{
+    free(d->policy_term), free(d->is_ratio), free(d->vespo_phi), free(d->vespo_log_w), free(d->loss_weight);
+    memset(d, 0, sizeof *d);
+}
+
+grpo_slack grpo_slack_of(const fh_grpo_options *o, const fh_grpo_batch *batch, const float *logp,
+                         const double *ref_logp, const grpo_ref_detail *d)
+{
+    grpo_slack v = {0.0, 0.0, 0.0, 0.0};
+    const int vespo = o->loss_type == FH_GRPO_LOSS_VESPO;
+    const int sequence_is = batch->sampling_per_token_logps && o->vllm_importance_sampling_correction &&
+                            !batch->old_per_token_logps &&
+                            (o->vllm_importance_sampling_mode == FH_GRPO_VLLM_IS_SEQUENCE_TRUNCATE ||
+                             o->vllm_importance_sampling_mode == FH_GRPO_VLLM_IS_SEQUENCE_MASK);
+    if (!vespo && !sequence_is)
         return v;
-    double msum = 0.0;
-    for (int64_t i = 0; i < batch * seq; i++)
-        msum += mask[i];
-    const double items = o->num_items_in_batch > 0.0 ? o->num_items_in_batch : fmax(msum, 1.0);
-    for (int64_t b = 0; b < batch; b++) {
-        const int64_t first = b * seq;
-        const double a = advantages[b];
-        const double k = a >= 0.0 ? o->vespo_k_pos : o->vespo_k_neg;
-        const double lam = fmax(a >= 0.0 ? o->vespo_lambda_pos : o->vespo_lambda_neg, 1e-4);
-        double e = 0.0, lp = 0.0;
-        for (int64_t t = 0; t < seq; t++) {
+    const int64_t B = batch->batch, T = batch->seq;
+    const float *mask = batch->completion_mask;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t first = b * T;
+        const double a = batch->advantages[b];
+        double c = 1.0;
+        if (vespo) {
+            const double k = a >= 0.0 ? o->vespo_k_pos : o->vespo_k_neg;
+            const double lam = fmax(a >= 0.0 ? o->vespo_lambda_pos : o->vespo_lambda_neg, 1e-4);
+            c = fabs(k - lam * exp(d->vespo_log_w[first]));
+        }
+        double e = 0.0, policy = 0.0;
+        for (int64_t t = 0; t < T; t++) {
             const int64_t i = first + t;
             e += mask[i] * (fabs((double)logp[i] - ref_logp[i]) + ldexp(fabs(ref_logp[i]), -24));
-            lp += mask[i] * ref_logp[i];
+            policy += fabs(d->loss_weight[i] * d->policy_term[i]);
         }
-        const double sb = fabs(k - lam * exp(log_w[first])) * e;
-        v.loss += phi[first] * sb * fabs(a) * fabs(lp) / items;
-        v.phi_mean += phi[first] * sb / (double)batch;
-        if (phi[first] * a != 0.0)
-            v.grad_rel = fmax(v.grad_rel, sb);
+        const double s = c * e;
+        v.loss += s * policy;
+        if (vespo)
+            v.phi_mean += d->vespo_phi[first] * s / (double)B;
+        else
+            v.is_ratio = fmax(v.is_ratio, d->is_ratio[first] * s);
+        if (policy != 0.0)
+            v.grad_rel = fmax(v.grad_rel, s);
     }
     return v;
+}
+
+double grpo_metric_slack(const grpo_slack *slack, int k)
+{
+    switch (k) {
+    case GRPO_METRIC_POLICY_LOSS: return 2.0 * slack->loss;
+    case GRPO_METRIC_VESPO_PHI_SEQ_MEAN: return 2.0 * slack->phi_mean;
+    case GRPO_METRIC_IS_RATIO_MIN:
+    case GRPO_METRIC_IS_RATIO_MEAN:
+    case GRPO_METRIC_IS_RATIO_MAX: return 2.0 * slack->is_ratio;
+    default: return 0.0;
+    }
 }
 
 /* |a - b|, with NaN equal to NaN (a metric TRL does not log) and NaN against a number infinite. */
@@ -284,9 +339,9 @@ static void measure(const grpo_case_spec *s, const grpo_case *c, grpo_metrics_di
 {
     const size_t n = (size_t)(s->batch * s->seq), h = (size_t)s->hidden, v = (size_t)s->vocab;
     memset(d, 0, sizeof *d);
-    const grpo_vespo_slack slack =
-        grpo_vespo_slack_of(&s->options, s->batch, s->seq, c->mask, c->advantages, c->ref_logp, c->logp,
-                            c->ref_vespo_phi, c->ref_vespo_log_w);
+    const fh_grpo_batch batch = {s->batch,     s->seq,        c->ids,       c->mask,
+                                 c->advantages, c->old_logps, c->ref_logps, c->sampling_logps};
+    const grpo_slack slack = grpo_slack_of(&s->options, &batch, c->logp, c->ref_logp, &c->ref_detail);
     d->grad_norm_rel_tol =
         ce_grad_tolerance(GRPO_GRAD_NORM_REL_TOL, s->dtype == FH_DTYPE_BF16 && !s->fp32_du, s->grad_dtype) +
         2.0 * slack.grad_rel;
@@ -299,13 +354,9 @@ static void measure(const grpo_case_spec *s, const grpo_case *c, grpo_metrics_di
     double fused[GRPO_METRIC_COUNT], ref[GRPO_METRIC_COUNT];
     grpo_metrics_fields(&c->metrics, fused);
     grpo_metrics_fields(&c->ref_metrics, ref);
-    const double policy_loss_slack = 2.0 * slack.loss, phi_slack = 2.0 * slack.phi_mean;
-    for (int k = 0; k < GRPO_METRIC_COUNT; k++) {
-        const double extra = k == GRPO_METRIC_POLICY_LOSS          ? policy_loss_slack
-                             : k == GRPO_METRIC_VESPO_PHI_SEQ_MEAN ? phi_slack
-                                                                   : 0.0;
-        d->metrics_max_abs = fmax(d->metrics_max_abs, fmax(0.0, metric_diff(fused[k], ref[k]) - extra));
-    }
+    for (int k = 0; k < GRPO_METRIC_COUNT; k++)
+        d->metrics_max_abs =
+            fmax(d->metrics_max_abs, fmax(0.0, metric_diff(fused[k], ref[k]) - grpo_metric_slack(&slack, k)));
     const ce_diff dx = ce_compare(c->dx, c->ref_dx, n * h), dw = ce_compare(c->dweight, c->ref_dweight, h * v);
     d->dhidden_max_abs = dx.max_abs;
     d->dhidden_max_rel = dx.max_rel;
@@ -342,8 +393,9 @@ void grpo_case_free(grpo_case *c)
     void *p[] = {c->x, c->weight, c->bias, c->mask, c->advantages, c->old_logps, c->ref_logps, c->ids, c->logp,
                  c->per_token_loss, c->entropy, c->lse, c->dx, c->dweight, c->dbias, c->ref_logp,
                  c->ref_per_token_loss, c->ref_entropy, c->ref_dx, c->ref_dweight, c->ref_dbias, c->x_bf16,
-                 c->weight_bf16, c->sampling_logps, c->ref_vespo_phi, c->ref_vespo_log_w};
+                 c->weight_bf16, c->sampling_logps};
     for (size_t i = 0; i < sizeof p / sizeof p[0]; i++)
         free(p[i]);
+    grpo_ref_detail_free(&c->ref_detail);
     memset(c, 0, sizeof *c);
 }

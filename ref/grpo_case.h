@@ -5,6 +5,8 @@
 
 #include "fusedhead.h"
 
+#include <stddef.h>
+
 typedef struct grpo_case_spec {
     int64_t batch, seq, hidden, vocab;
     fh_layout layout;
@@ -32,11 +34,45 @@ typedef struct grpo_case_spec {
 /* B=3, T=47, H=67, V=5003, TRL defaults, old log-probs on, grad_output 1. */
 void grpo_case_spec_default(grpo_case_spec *spec);
 
+/* Detached factors exponential in a row's SUM of log-probs. vespo's phi_b = exp(lam + k log w_b - lam w_b) with
+ * log w_b = sum_t m (logp - old) [+ sum_t log is_t, which carry logp on-policy], d log phi_b / d log w_b = k -
+ * lam w_b; and, on-policy (no old log-probs), the sequence modes' importance-sampling ratio exp(sum_t m (logp -
+ * samp)), d log is_b / d (sum) = 1. A sum over the row, not a mean: every token's log-prob error e_t adds to it. To
+ * first order the two sides' factor differs by the relative s_b = c_b sum_t m (|e_t| + 2^-24 |logp_t|) (c_b: |k -
+ * lam w_b|, or 1; e_t: the per-token log-prob difference as output, plus the output's own fp32 rounding, since
+ * the head sees the unrounded value), which moves
+ *   the loss and policy_loss by             sum_b s_b sum_t |d loss / d l_t| |policy term_t|,
+ *   vespo/phi_seq_mean by                   sum_b phi_b s_b / B,
+ *   sampling/importance_sampling_ratio/{min,mean,max} by max_b is_b s_b,
+ *   the gradients by at most                max_b s_b relative (each token's policy coefficient scales with it).
+ * No gradient carries this (the factors are detached), so nothing averages it down: at T = 47 and |k - lam w| ~ 5 it
+ * is ~4e-5 relative, above the generic tolerances. The comparisons add twice these (second-order terms, and rows
+ * where a clamp makes the factor flat count as if it were not). 0 for every other case. */
+typedef struct grpo_slack {
+    double loss, phi_mean, is_ratio, grad_rel;
+} grpo_slack;
+
+/* The reference's per-token values the slack needs (ref_grpo_result's outputs of the same names). */
+typedef struct grpo_ref_detail {
+    double *policy_term, *is_ratio, *vespo_phi, *vespo_log_w, *loss_weight;
+} grpo_ref_detail;
+
+void grpo_ref_detail_alloc(grpo_ref_detail *d, size_t n);
+void grpo_ref_detail_free(grpo_ref_detail *d);
+
+/* The problem: the batch's mask, advantages, whether it has old and sampler log-probs; the fused and the
+ * reference per-token log-probs; the reference's details. */
+grpo_slack grpo_slack_of(const fh_grpo_options *o, const fh_grpo_batch *batch, const float *logp,
+                         const double *ref_logp, const grpo_ref_detail *d);
+
+/* Twice the slack of metric k (grpo_metrics_fields' order); 0 for the metrics it does not move. */
+double grpo_metric_slack(const grpo_slack *slack, int k);
+
 typedef struct grpo_metrics_diff {
     double abs_diff_loss, loss_tolerance;
     double logp_max_abs, per_token_loss_max_abs, entropy_max_abs;
     double metrics_max_abs; /* over every metric of fh_grpo_metrics (NaN must match NaN), less its conditioning
-                               slack (grpo_vespo_slack: vespo's phi mean and policy loss; 0 for the others) */
+                               slack (grpo_slack: policy_loss, vespo/phi_seq_mean, the IS ratios) */
     double dhidden_max_abs, dhidden_max_rel, dhidden_norm_rel;
     double dweight_max_abs, dweight_max_rel, dweight_norm_rel;
     double dbias_norm_rel;
@@ -56,27 +92,8 @@ typedef struct grpo_case {
     double ref_loss;
     fh_grpo_metrics ref_metrics;
     double *ref_logp, *ref_per_token_loss, *ref_entropy, *ref_dx, *ref_dweight, *ref_dbias;
-    double *ref_vespo_phi, *ref_vespo_log_w; /* [B*T], vespo's phi_b and log w_b per token (NaN otherwise) */
+    grpo_ref_detail ref_detail; /* for grpo_slack_of */
 } grpo_case;
-
-/* vespo's weight phi_b = exp(lam + k log w_b - lam w_b) is detached and exponential in log w_b = sum_t m
- * (logp - old) [+ the importance-sampling logs, which carry logp on-policy]: a sum over the row, not a mean, so
- * every token's log-prob error e_t adds to it, and d log phi_b / d log w_b = k - lam w_b. To first order the two
- * sides' phi_b differ by phi_b s_b, s_b = |k - lam w_b| sum_t m (|e_t| + 2^-24 |logp_t|) (e_t: the per-token
- * log-prob difference as output, plus the output's own fp32 rounding), which moves
- *   the loss and policy_loss by      sum_b phi_b s_b |A_b| |sum_t m logp_t| / N,
- *   vespo/phi_seq_mean by            sum_b phi_b s_b / B,
- *   the policy part of the gradients by at most max_b s_b relative (each token's coefficient -phi_b A_b m / N).
- * No gradient carries this (phi is detached), so nothing averages it down: at T = 47 and |k - lam w| ~ 5 it is
- * ~4e-5 relative, above the generic tolerances. The comparisons add twice these (second-order terms, and rows
- * where the clamp of log w or the nan_to_num make phi flat count as if it were not). 0 for the other losses. */
-typedef struct grpo_vespo_slack {
-    double loss, phi_mean, grad_rel;
-} grpo_vespo_slack;
-
-grpo_vespo_slack grpo_vespo_slack_of(const fh_grpo_options *o, int64_t batch, int64_t seq, const float *mask,
-                                     const float *advantages, const double *ref_logp, const float *logp,
-                                     const double *phi, const double *log_w);
 
 /* Tolerances, justified in grpo_case.c. */
 #define GRPO_LOSS_TOL 1e-6

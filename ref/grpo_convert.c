@@ -101,3 +101,6 @@ _Static_assert(sizeof(fh_grpo_metrics) == GRPO_METRIC_COUNT * sizeof(double),
 _Static_assert(offsetof(fh_grpo_metrics, policy_loss) == GRPO_METRIC_POLICY_LOSS * sizeof(double) &&
                    offsetof(fh_grpo_metrics, vespo_phi_seq_mean) == GRPO_METRIC_VESPO_PHI_SEQ_MEAN * sizeof(double),
                "GRPO_METRIC_* index grpo_metrics_fields' order");
+_Static_assert(offsetof(fh_grpo_metrics, importance_sampling_ratio_min) == GRPO_METRIC_IS_RATIO_MIN * sizeof(double) &&
+                   offsetof(fh_grpo_metrics, importance_sampling_ratio_max) == GRPO_METRIC_IS_RATIO_MAX * sizeof(double),
+               "GRPO_METRIC_IS_* index grpo_metrics_fields' order");

@@ -18,6 +18,9 @@ fh_grpo_metrics grpo_fh_metrics(const ref_grpo_metrics *m);
 #define GRPO_METRIC_COUNT 16
 #define GRPO_METRIC_POLICY_LOSS 8        /* the indices the comparisons single out */
 #define GRPO_METRIC_VESPO_PHI_SEQ_MEAN 10
+#define GRPO_METRIC_IS_RATIO_MIN 13
+#define GRPO_METRIC_IS_RATIO_MEAN 14
+#define GRPO_METRIC_IS_RATIO_MAX 15
 int grpo_metrics_fields(const fh_grpo_metrics *m, double values[GRPO_METRIC_COUNT]);
 extern const char *const grpo_metric_keys[GRPO_METRIC_COUNT];
 

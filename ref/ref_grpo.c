@@ -33,9 +33,9 @@
  *    per_token_loss after the off-policy and entropy masks, before the KL is added, for every loss but vespo.
  *  - get_off_policy_mask: sampling = inputs.get("sampling_per_token_logps", old); kl = sampling -
  *    per_token_logps.detach(); keep = (A >= 0) | ((kl * mask).sum(1) / mask.sum(1).clamp(min=1) <= threshold).
- *  - get_high_entropy_mask: torch.quantile(entropies[mask.bool()], 1 - top_entropy_quantile) (linear: ranks
- *    q (n - 1) in the entropies' fp32, the two neighbours lerped); entropy_mask = entropies * mask >= threshold
- *    & mask.bool(); none valid: all False. Only applied when top_entropy_quantile < 1.
+ *  - get_high_entropy_mask: torch.quantile(entropies[mask.bool()], 1 - top_entropy_quantile) (linear: the rank
+ *    q (n - 1) in the entropies' fp32, the two neighbours lerped in fp32); entropy_mask = entropies * mask >=
+ *    threshold & mask.bool(), in fp32; none valid: all False. Only applied when top_entropy_quantile < 1.
  *  - KL (beta != 0): exp(ref - logp) - (ref - logp) - 1, times coef_1 (before the delta clamp, not detached)
  *    with use_bias_correction_kl; added as beta * kl after the policy term and its masks.
  *  - reductions: grpo and sapo ((l * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean(); bnpo
@@ -165,18 +165,23 @@ static int compare_doubles(const void *a, const void *b)
     return x < y ? -1 : x > y ? 1 : 0;
 }
 
-/* torch.quantile(values, q) with linear interpolation, as torch 1.13 computes it for an fp32 tensor and a Python
- * float q: q becomes an fp32 scalar, rank = q (n - 1) in fp32, below = (int64) rank, weight = rank - below,
- * above = ceil(rank), then torch.lerp(v[below], v[above], weight) (lerp's two forms split at weight 0.5). The
- * values themselves stay in double. values are sorted in place; n >= 1. */
+/* torch.quantile(values, q) with linear interpolation, as torch 1.13 computes it for TRL's fp32 entropies and a
+ * Python float q: q becomes an fp32 scalar, rank = q (n - 1) in fp32, below = (int64) rank, weight = rank - below,
+ * above = ceil(rank), then torch.lerp(v[below], v[above], weight) in fp32 (lerp's two forms split at weight 0.5).
+ * The fp32 rank matters: (1 - 0.7) * 30 is 9.000000000000002 in double but 0.3f * 30 rounds to 9 exactly, so the
+ * threshold is the 10th entropy itself and that token is kept. values are rounded to fp32 and sorted in place;
+ * n >= 1. */
 double ref_grpo_quantile(double *values, int64_t n, double q)
 {
+    for (int64_t i = 0; i < n; i++)
+        values[i] = (float)values[i];
     qsort(values, (size_t)n, sizeof *values, compare_doubles);
     const float rank = (float)q * (float)(n - 1);
     const int64_t below = (int64_t)rank, above = (int64_t)ceilf(rank);
     const float weight = rank - (float)below;
-    const double a = values[below], b = values[above], w = (double)weight;
-    return w < 0.5 ? a + w * (b - a) : b - (b - a) * (1.0 - w);
+    const float a = (float)values[below], b = (float)values[above], d = b - a;
+    const float lerp = weight < 0.5f ? a + weight * d : b - d * (1.0f - weight);
+    return lerp;
 }
 
 /* Scratch of the head: one allocation for every per-token and per-row array. */
@@ -233,7 +238,8 @@ static void importance_sampling_ratios(const ref_grpo_tokens *tk, const ref_grpo
     }
 }
 
-/* TRL's get_high_entropy_mask on the anchor entropies: e_i in {0, 1}. */
+/* TRL's get_high_entropy_mask on the anchor entropies: e_i in {0, 1}, in fp32 as TRL's entropies are
+ * (entropies * mask >= threshold). */
 static void entropy_mask(const ref_grpo_tokens *tk, double q, const double *H, double *scratch, double *e)
 {
     const int64_t n = tk->batch * tk->seq;
@@ -254,7 +260,7 @@ static void entropy_mask(const ref_grpo_tokens *tk, double q, const double *H, d
     }
     const double threshold = ref_grpo_quantile(scratch, count, 1.0 - q);
     for (int64_t i = 0; i < n; i++)
-        e[i] = m[i] != 0.0 && H[i] * m[i] >= threshold ? 1.0 : 0.0;
+        e[i] = m[i] != 0.0 && (float)((float)H[i] * (float)m[i]) >= (float)threshold ? 1.0 : 0.0;
 }
 
 /* TRL's get_gamma_weights for row b (detached: from sg_logp); *log_w_out: its log w after the clamp. */
@@ -330,7 +336,8 @@ int ref_grpo_head(const ref_grpo_tokens *tk, const ref_grpo_options *o, double g
     }
     const double mclamp = msum < 1.0 ? 1.0 : msum;
     const double tmax = o->max_completion_length > 0 ? (double)o->max_completion_length : (double)T;
-    const double nitems = o->num_items_in_batch > 0.0 ? o->num_items_in_batch : mclamp;
+    /* TRL: inputs["num_items_in_batch"].clamp(min=1.0) */
+    const double nitems = o->num_items_in_batch > 0.0 ? fmax(o->num_items_in_batch, 1.0) : mclamp;
 
     /* The detached factors: importance-sampling ratios, the off-policy mask, the entropy mask, vespo's phi. */
     importance_sampling_ratios(tk, o, sg, applies, h.is);
@@ -419,6 +426,10 @@ int ref_grpo_head(const ref_grpo_tokens *tk, const ref_grpo_options *o, double g
                 r->per_token_kl[i] = kl;
             if (r && r->policy_factor)
                 r->policy_factor[i] = factor;
+            if (r && r->policy_term)
+                r->policy_term[i] = pol * factor;
+            if (r && r->is_ratio)
+                r->is_ratio[i] = h.is[i];
             if (r && r->vespo_phi)
                 r->vespo_phi[i] = h.phi[b];
             if (r && r->vespo_log_w)
@@ -442,6 +453,10 @@ int ref_grpo_head(const ref_grpo_tokens *tk, const ref_grpo_options *o, double g
                 break;
             }
         }
+
+    if (r && r->loss_weight)
+        for (int64_t i = 0; i < n; i++)
+            r->loss_weight[i] = h.w[i];
 
     /* The loss, summed in TRL's order. */
     double loss = 0.0;

@@ -32,14 +32,16 @@
  *   keep_b (off_policy_mask_threshold set): A_b >= 0 or sum_t m (samp - sg(logp)) / n'_b <= threshold, samp =
  *           sampling_logp, else old
  *   e_i    (top_entropy_quantile q < 1): m_i != 0 and H_i m_i >= Q, Q = torch.quantile (linear) at 1 - q of the
- *           entropies of the tokens with m != 0 (none: e = 0); e_i = 1 when q = 1. A comparison: no gradient.
+ *           entropies of the tokens with m != 0 (none: e = 0), all in fp32 as TRL's entropies are; e_i = 1 when
+ *           q = 1. A comparison: no gradient.
  *   l_i    = pol_i keep_b e_i [is_i, not for vespo] + beta kl_i [r_i with use_bias_correction_kl, the gradient
  *            flowing through r too]   (kl_i = exp(ref - logp) - (ref - logp) - 1, only when beta != 0)
  *            [- entropy_coef H_i with REF_GRPO_ENTROPY_PER_TOKEN]
  *   loss   grpo, sapo: mean_b( sum_t m l / n'_b )
  *          bnpo:       sum m l / max(sum m, 1)
  *          dr_grpo:    sum m l / (B * max_completion_length)
- *          dapo, cispo, vespo: sum m l / N,  N = num_items_in_batch, or max(sum m, 1) when it is <= 0 or NaN
+ *          dapo, cispo, vespo: sum m l / N,  N = max(num_items_in_batch, 1) (TRL clamps it), or max(sum m, 1)
+ *                      when it is <= 0 or NaN
  *          luspo:      sum_{b,t} l_{b,t} n_b / (B T)   [TRL: the mean over every position, padding included]
  *          [- entropy_coef sum e m H / (dapo, cispo, vespo: N; the others: max(sum e m, 1)) with
  *           REF_GRPO_ENTROPY_TRL]
@@ -98,8 +100,8 @@ typedef struct ref_grpo_options {
     double sapo_temperature_pos;               /* 1.0 */
     double sapo_temperature_neg;               /* 1.05 */
     double num_items_in_batch;                 /* dapo/cispo/vespo normaliser as TRL finally divides by it (already
-                                                  divided by processes etc.); <= 0 or NaN (default):
-                                                  max(sum of mask, 1) */
+                                                  divided by processes etc.), clamped to >= 1 as TRL does; <= 0 or
+                                                  NaN (default): max(sum of mask, 1) */
     int64_t max_completion_length;             /* dr_grpo's constant; <= 0 (default): T */
     double entropy_coef;                       /* entropy bonus, 0.0 */
     ref_grpo_entropy_bonus entropy_bonus;      /* how the bonus enters; default TRL's */
@@ -188,9 +190,12 @@ typedef struct ref_grpo_result {
      * on); ratio is coef_1 = exp(lw_i) before any clamp; per_token_kl is 0 when beta == 0. */
     double *logp, *entropy, *per_token_loss, *ratio, *per_token_kl;
     /* [batch*seq] each, may be NULL: the detached factors of the policy term, keep_b * e_i * is_i as l_i applies
-     * them (1 where an option is off; is_i only where it multiplies, i.e. not for vespo), and vespo's phi_b and
-     * log w_b (after its clamp) broadcast over the row (NaN unless vespo). */
-    double *policy_factor, *vespo_phi, *vespo_log_w;
+     * them (1 where an option is off; is_i only where it multiplies, i.e. not for vespo); the policy term itself
+     * (pol_i times those factors: l_i without the KL and the per-token entropy term); the vLLM importance-sampling
+     * ratio after its bounds (1 where the correction does not apply; the row's in the sequence modes); vespo's phi_b
+     * and log w_b (after its clamp) broadcast over the row (NaN unless vespo); and d loss / d l_i, the weight of
+     * l_i in the loss type's reduction. */
+    double *policy_factor, *policy_term, *is_ratio, *vespo_phi, *vespo_log_w, *loss_weight;
 } ref_grpo_result;
 
 /* Return values of the functions below: 0, -1 if memory runs out, -2 on invalid arguments (a NULL required
@@ -212,8 +217,9 @@ int ref_grpo_head(const ref_grpo_tokens *tk, const ref_grpo_options *o, double g
 void ref_grpo_row_grad(const double *u, int64_t vocab, double temperature, int64_t target, double g_logp,
                        double g_entropy, double *du);
 
-/* torch.quantile(values, q) (linear interpolation) as torch computes it for fp32 entropies: the rank q (n - 1) in
- * fp32, torch.lerp of its two neighbours in double. Sorts values[0..n) in place; n >= 1. */
+/* torch.quantile(values, q) (linear interpolation) as torch computes it for fp32 entropies: the values rounded to
+ * fp32, the rank q (n - 1) in fp32, torch.lerp of its two neighbours in fp32. Rounds and sorts values[0..n) in
+ * place; n >= 1. */
 double ref_grpo_quantile(double *values, int64_t n, double q);
 
 /* Materializes the logits, computes logp and entropy, then the head. */

@@ -336,14 +336,16 @@ void gp_run_reference(const gp_problem *p, const fh_grpo_options *o, double grad
     r->dx = tu_alloc(n * h, sizeof(double));
     r->dweight = tu_alloc(h * v, sizeof(double));
     r->dbias = p->bias ? tu_alloc(v, sizeof(double)) : NULL;
-    r->vespo_phi = tu_alloc(n, sizeof(double));
-    r->vespo_log_w = tu_alloc(n, sizeof(double));
+    grpo_ref_detail_alloc(&r->detail, n);
     ref_grpo_result res = {0};
     res.logp = r->logp;
     res.per_token_loss = r->per_token_loss;
     res.entropy = r->entropy;
-    res.vespo_phi = r->vespo_phi;
-    res.vespo_log_w = r->vespo_log_w;
+    res.policy_term = r->detail.policy_term;
+    res.is_ratio = r->detail.is_ratio;
+    res.vespo_phi = r->detail.vespo_phi;
+    res.vespo_log_w = r->detail.vespo_log_w;
+    res.loss_weight = r->detail.loss_weight;
     int rc = ref_grpo_forward(&rp, &ro, &res);
     r->loss = res.loss;
     r->metrics = grpo_fh_metrics(&res.metrics);
@@ -373,10 +375,10 @@ void gp_run_reference(const gp_problem *p, const fh_grpo_options *o, double grad
 
 void gp_reference_free(gp_reference *r)
 {
-    void *a[] = {r->logp, r->per_token_loss, r->entropy, r->lse, r->dx, r->dweight, r->dbias, r->vespo_phi,
-                 r->vespo_log_w};
+    void *a[] = {r->logp, r->per_token_loss, r->entropy, r->lse, r->dx, r->dweight, r->dbias};
     for (size_t k = 0; k < TU_COUNT(a); k++)
         free(a[k]);
+    grpo_ref_detail_free(&r->detail);
     memset(r, 0, sizeof *r);
 }
 
@@ -435,23 +437,26 @@ static double gp_metric_diff(double a, double b)
 
 double gp_metrics_diff(const fh_grpo_metrics *a, const fh_grpo_metrics *b)
 {
-    const grpo_vespo_slack none = {0.0, 0.0, 0.0};
+    const grpo_slack none = {0.0, 0.0, 0.0, 0.0};
     return gp_metrics_diff_slack(a, b, &none);
 }
 
-double gp_metrics_diff_slack(const fh_grpo_metrics *a, const fh_grpo_metrics *b, const grpo_vespo_slack *slack)
+double gp_metrics_diff_slack(const fh_grpo_metrics *a, const fh_grpo_metrics *b, const grpo_slack *slack)
 {
     double va[GRPO_METRIC_COUNT], vb[GRPO_METRIC_COUNT], m = 0.0;
     grpo_metrics_fields(a, va);
     grpo_metrics_fields(b, vb);
     for (int k = 0; k < GRPO_METRIC_COUNT; k++) {
-        const double extra = k == GRPO_METRIC_POLICY_LOSS          ? 2.0 * slack->loss
-                             : k == GRPO_METRIC_VESPO_PHI_SEQ_MEAN ? 2.0 * slack->phi_mean
-                                                                   : 0.0;
-        const double d = fmax(0.0, gp_metric_diff(va[k], vb[k]) - extra);
+        const double d = fmax(0.0, gp_metric_diff(va[k], vb[k]) - grpo_metric_slack(slack, k));
         m = d > m ? d : m;
     }
     return m;
+}
+
+grpo_slack gp_slack(const gp_problem *p, const fh_grpo_options *o, const gp_fused *f, const gp_reference *r)
+{
+    const fh_grpo_batch batch = gp_batch(p, o);
+    return grpo_slack_of(o, &batch, f->logp, r->logp, &r->detail);
 }
 
 static void gp_measure(const gp_problem *p, const fh_grpo_options *o, const gp_fused *f, const gp_reference *r,
@@ -459,8 +464,7 @@ static void gp_measure(const gp_problem *p, const fh_grpo_options *o, const gp_f
 {
     const size_t n = (size_t)gp_n(p), h = (size_t)p->hidden, v = (size_t)p->vocab;
     const int luspo = o->loss_type == FH_GRPO_LOSS_LUSPO;
-    const grpo_vespo_slack slack = grpo_vespo_slack_of(o, p->batch, p->seq, p->mask, p->adv, r->logp, f->logp,
-                                                       r->vespo_phi, r->vespo_log_w);
+    const grpo_slack slack = gp_slack(p, o, f, r);
     memset(d, 0, sizeof *d);
     d->loss = fabs(f->loss - r->loss);
     if (isnan(f->loss) || isnan(r->loss))

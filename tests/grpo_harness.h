@@ -12,6 +12,8 @@
  *                   differ by at most GP_TOKEN_TOL (1 + |logp|) < 2e-4 (asserted; ~1e-6 (1 + |logp|) in practice);
  *                   or the ratio sits exactly on the bound in both (grpo_clip).
  *   gradients       GRPO_GRAD_NORM_REL_TOL normwise relative (same engine and fp32 GEMMs as cross-entropy).
+ *   vespo's phi and the on-policy sequence importance-sampling ratio: each of the above plus twice the derived
+ *                   grpo_slack (grpo_case.h): detached factors exponential in a row's sum of log-probs.
  *   per-token       GP_TOKEN_TOL * (1 + |ref|) on per_token_logp, entropy, lse and per_token_loss (see below). */
 #ifndef FH_GRPO_HARNESS_H
 #define FH_GRPO_HARNESS_H
@@ -63,13 +65,13 @@ typedef struct gp_reference {
     double loss;
     fh_grpo_metrics metrics;
     double *logp, *per_token_loss, *entropy, *lse, *dx, *dweight, *dbias; /* dweight in the problem's layout */
-    double *vespo_phi, *vespo_log_w; /* per token (NaN unless vespo), for grpo_vespo_slack_of */
+    grpo_ref_detail detail; /* for grpo_slack_of */
 } gp_reference;
 
 typedef struct gp_diff {
     double loss, loss_tol;
-    double metrics; /* the largest metric difference beyond its vespo slack (grpo_case.h: grpo_vespo_slack) */
-    double grad_tol; /* GRPO_GRAD_NORM_REL_TOL plus twice vespo's grad_rel slack */
+    double metrics; /* the largest metric difference beyond its slack (grpo_case.h: grpo_slack) */
+    double grad_tol; /* GRPO_GRAD_NORM_REL_TOL plus twice the grad_rel slack */
     double logp, entropy, lse, per_token_loss;
     double dx, dweight, dbias;
     int64_t masked_rows_touched; /* dx rows of mask-0 tokens that are not exactly the prefill (0 or 1) */
@@ -148,8 +150,11 @@ void gp_reference_backward_from_logp(const gp_problem *p, const fh_grpo_options 
                                      double *dbias);
 
 double gp_metrics_diff(const fh_grpo_metrics *a, const fh_grpo_metrics *b);
-/* The same, each metric less twice its vespo slack (grpo_case.h). */
-double gp_metrics_diff_slack(const fh_grpo_metrics *a, const fh_grpo_metrics *b, const grpo_vespo_slack *slack);
+/* The same, each metric less its slack (grpo_case.h: grpo_metric_slack). */
+double gp_metrics_diff_slack(const fh_grpo_metrics *a, const fh_grpo_metrics *b, const grpo_slack *slack);
+
+/* The slack of a fused run against the reference on problem p (grpo_case.h). */
+grpo_slack gp_slack(const gp_problem *p, const fh_grpo_options *o, const gp_fused *f, const gp_reference *r);
 
 const char *gp_loss_name(fh_grpo_loss_type t);
 

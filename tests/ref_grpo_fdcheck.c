@@ -501,11 +501,21 @@ static void hand_checks(void)
         static const double torch_values[5] = {0.25, 0.90000003576278687, 1.0, 2.0999999046325684, 3.0};
         for (int k = 0; k < 5; k++) {
             double v[7] = {0.5, 2.0, 1.0, 3.0, 0.25, 1.5, 2.5};
-            expect(fabs(ref_grpo_quantile(v, 7, qs[k]) - torch_values[k]) <= 2e-7 * torch_values[k],
-                   "hand: quantile as torch.quantile");
+            expect(ref_grpo_quantile(v, 7, qs[k]) == torch_values[k], "hand: quantile as torch.quantile");
         }
         double one = 4.0;
         expect(ref_grpo_quantile(&one, 1, 0.3) == 4.0, "hand: quantile of one value");
+        /* 1 - 0.7 = 0.30000000000000004 in double, 0.3f in torch: 0.3f * 30 rounds to 9 exactly, and the quantile of
+         * 0, 0.1, ..., 3 (as fp32) is the 10th value itself (torch: 0.90000003576278687), kept by >=. At 50 the
+         * fp32 rank is 15.000001: torch.quantile(arange(51) * 0.1, 0.3) = 1.5000001192092896. */
+        double tenths[51];
+        for (int k = 0; k < 31; k++)
+            tenths[k] = (float)(0.1f * (float)k);
+        expect(ref_grpo_quantile(tenths, 31, 1.0 - 0.7) == (double)(float)(0.1f * 9.0f),
+               "hand: the quantile's rank rounds to an integer in fp32");
+        for (int k = 0; k < 51; k++)
+            tenths[k] = (float)(0.1f * (float)k);
+        expect(ref_grpo_quantile(tenths, 51, 1.0 - 0.7) == 1.5000001192092896, "hand: the quantile's fp32 rank");
     }
 
     /* Top-entropy mask and the entropy bonus's normalisers. H = (0.5, 2, 1, 3 | 9, 9), the quantile at 1 - q = 0.5 of
@@ -540,6 +550,16 @@ static void hand_checks(void)
         o.top_entropy_quantile = 0.0; /* the largest entropy only */
         ref_grpo_head(&te, &o, 1.0, &rs, NULL, ge);
         expect(factor[3] == 1.0 && factor[1] == 0.0, "hand: quantile 0 keeps the largest");
+        /* num_items_in_batch is clamped to >= 1 (TRL): 0.25 normalises as 1 */
+        ref_grpo_options_default(&o);
+        o.entropy_coef = 0.1;
+        o.num_items_in_batch = 0.25;
+        ref_grpo_head(&te, &o, 1.0, &rs, NULL, NULL);
+        const double quarter = rs.loss;
+        o.num_items_in_batch = 1.0;
+        ref_grpo_head(&te, &o, 1.0, &rs, NULL, NULL);
+        expect(quarter == rs.loss && fabs(rs.loss - (rs.metrics.policy_loss - 0.1 * 6.5)) < 1e-15,
+               "hand: num_items_in_batch clamped to 1");
     }
 
     /* Bias-corrected KL: kl r, the metric too. logp = 0, ref = 0.3: k3 = e^0.3 - 1.3 on every token. */

@@ -5,9 +5,9 @@
  *   - out-of-range ids under the mask are accepted; so are the option combinations TRL's checks let through (the
  *     vLLM importance-sampling options when the correction is off, vespo with a sequence mode on a batch without
  *     sampler log-probs, a negative VESPO lambda, which TRL clamps); documented equivalent option spellings
- *     (delta NaN / 0, epsilon_high NaN / epsilon_low, num_items_in_batch 0 / negative, max_completion_length 0 /
- *     negative / T, the correction off / no sampler log-probs, VESPO lambda below 1e-4 / 1e-4) give bitwise
- *     identical results;
+ *     (delta NaN / 0, epsilon_high NaN / epsilon_low, num_items_in_batch 0 / negative and 0.25 / 1,
+ *     max_completion_length 0 / negative / T, the correction off / no sampler log-probs, VESPO lambda below 1e-4 /
+ *     1e-4) give bitwise identical results;
  *   - fh_grpo_workspace_size: a caller workspace of exactly that size works for all three calls (nothing written
  *     outside it), one byte less fails with FH_ERR_WORKSPACE_TOO_SMALL and untouched outputs; the query's own
  *     argument checks and purity;
@@ -456,6 +456,8 @@ SPELLING(dapo_items_mask_sum, (o->loss_type = FH_GRPO_LOSS_DAPO, o->num_items_in
 SPELLING(dr_length_zero, (o->loss_type = FH_GRPO_LOSS_DR_GRPO, o->max_completion_length = 0))
 SPELLING(dr_length_negative, (o->loss_type = FH_GRPO_LOSS_DR_GRPO, o->max_completion_length = -1))
 SPELLING(dr_length_t, (o->loss_type = FH_GRPO_LOSS_DR_GRPO, o->max_completion_length = T))
+SPELLING(dapo_items_quarter, (o->loss_type = FH_GRPO_LOSS_DAPO, o->num_items_in_batch = 0.25))
+SPELLING(dapo_items_one, (o->loss_type = FH_GRPO_LOSS_DAPO, o->num_items_in_batch = 1.0))
 SPELLING(correction_off, (o->vllm_importance_sampling_correction = 0))
 SPELLING(no_samp_logps, (in->samp[0] = NAN)) /* marks the fixture's batch for no sampler log-probs (below) */
 SPELLING(vespo_lambda_negative, (o->loss_type = FH_GRPO_LOSS_VESPO, o->vespo_lambda_pos = -1.0,
@@ -475,6 +477,7 @@ static void test_equivalent_spellings(void)
         {"num_items_in_batch 0 vs sum of mask", dapo_items_zero, dapo_items_mask_sum},
         {"max_completion_length 0 vs -1", dr_length_zero, dr_length_negative},
         {"max_completion_length 0 vs T", dr_length_zero, dr_length_t},
+        {"num_items_in_batch 0.25 vs 1 (TRL clamps it to >= 1)", dapo_items_quarter, dapo_items_one},
         {"the correction off vs no sampler log-probs", correction_off, no_samp_logps},
         {"VESPO lambda -1 / 0 vs 1e-4 (clamped)", vespo_lambda_negative, vespo_lambda_floor},
     };

@@ -6,8 +6,10 @@
 
 /* For each loss type, level, beta, old/on-policy and delta (off; 1.5 above the clip range; 1.1 inside it, where
  * the clip flags must use c1 = min(r, delta) and not r; 0.7 below 1 - eps_low):
- *   - NaN exactly where TRL logs nothing: kl when beta == 0, the three clip ratios outside the clipped family,
- *     cispo_clip_ratio outside cispo, entropy never;
+ *   - NaN exactly where TRL logs nothing: kl when beta == 0, the five clip metrics (low/high/region mean, low_min,
+ *     high_max) outside the clipped family (luspo in it), cispo_clip_ratio outside cispo, vespo/phi_seq_mean
+ *     outside vespo, policy_loss and entropy_coef without the entropy bonus, the sampling metrics without sampler
+ *     log-probs, entropy never (the new metrics' values: grpo_trl);
  *   - the values against the reference (GRPO_METRIC_TOL; old log-probs guarded away from the bounds);
  *   - region == low + high (A's sign makes low and high disjoint; 1e-15 for the two divisions);
  *   - with old log-probs at the token level the clipped family sees both clip sides (the high one unless delta
@@ -83,8 +85,7 @@ static void test_metrics(void)
                              "[%s]: sampling metrics without sampler log-probs", desc);
                     gp_reference r;
                     gp_run_reference(&p, &o, 1.0, 0.0, &r);
-                    const grpo_vespo_slack slack = grpo_vespo_slack_of(&o, p.batch, p.seq, p.mask, p.adv, r.logp,
-                                                                       f.logp, r.vespo_phi, r.vespo_log_w);
+                    const grpo_slack slack = gp_slack(&p, &o, &f, &r);
                     const double diff = gp_metrics_diff_slack(m, &r.metrics, &slack);
                     TU_CHECK(diff <= GRPO_METRIC_TOL,
                              "[%s]: metrics differ by %.2e: kl %g/%g entropy %g/%g low %g/%g high %g/%g region %g/%g "
