@@ -1,9 +1,12 @@
 /* The GRPO reference: TRL's GRPOTrainer._compute_loss written out in double, all logits materialized.
  *
- * TRL facts this follows (huggingface/trl, trl/trainer/grpo_trainer.py, _compute_loss; GRPOConfig in
- * trl/trainer/grpo_config.py; GSPO-token in trl/experimental/gspo_token/grpo_trainer.py):
+ * TRL facts this follows (huggingface/trl at f2cd57710ae345ea6428ae95363267fcf38a3dc8: trl/trainer/grpo_trainer.py,
+ * _compute_loss, get_off_policy_mask, get_gamma_weights, get_high_entropy_mask and the vLLM importance-sampling
+ * ratio in _generate_and_score_completions; GRPOConfig in trl/trainer/grpo_config.py; GSPO-token in
+ * trl/experimental/gspo_token/grpo_trainer.py):
  *  - logits are divided by the sampling temperature before log_softmax (selective_log_softmax) and the
- *    entropy (entropy_from_logits: -sum p log p of the tempered distribution).
+ *    entropy (entropy_from_logits: -sum p log p of the tempered distribution). The entropies carry a gradient
+ *    when the entropy bonus is on.
  *  - old_per_token_logps absent: old = per_token_logps.detach(), so the ratio is exactly 1 and the gradient
  *    still flows through the numerator.
  *  - "sequence": log_importance_weights = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0), unsqueezed
@@ -14,22 +17,44 @@
  *    equally: sum_t' w_t' * mask_t / n_b = w_t); they differ in the clip metrics (row mean vs token mean) and,
  *    for rows whose mask sums to less than 1, in the gradient.
  *  - coef_1 = exp(log_importance_weights); coef_2 = clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high);
- *    with delta set, coef_1 = clamp(coef_1, max=delta) (after coef_2 was taken); per_token_loss =
- *    -min(coef_1 * A, coef_2 * A). epsilon_high defaults to epsilon.
+ *    with delta set, coef_1 = clamp(coef_1, max=delta) (after coef_2 and the KL were taken); per_token_loss =
+ *    -min(coef_1 * A, coef_2 * A) for grpo, bnpo, dr_grpo, dapo and luspo. epsilon_high defaults to epsilon.
  *  - cispo: -clamp(coef_1, max=epsilon_high).detach() * A * per_token_logps.
  *  - sapo: temperatures = where(A > 0, sapo_temperature_pos, sapo_temperature_neg);
  *    -sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures * A  (A == 0 takes the negative temperature).
- *  - KL (beta != 0): exp(ref - logp) - (ref - logp) - 1, added as beta * kl after the policy term.
+ *  - vespo: -phi_seq * A * per_token_logps, phi_seq from get_gamma_weights (@torch.no_grad) on log_ratio =
+ *    per_token_logps - old (per token, whatever the level), the mask, and inputs["importance_sampling_ratio"]
+ *    (present whenever the vLLM correction is on, summed over every position of the row, padding included;
+ *    the trainer refuses vespo with a sequence mode then). lambda is clamped to >= 1e-4, phi's NaN and
+ *    infinities become 0.
+ *  - vLLM importance sampling (computed at generation time, no gradient): (old - sampling) * mask per token,
+ *    summed over the row in the sequence modes (B, 1), exp; *_truncate: clamp(min=clip_min, max=clip_max)
+ *    (None: no bound); *_mask: masked_fill(ratio < min | ratio > max, 0) (None: +-inf). It multiplies
+ *    per_token_loss after the off-policy and entropy masks, before the KL is added, for every loss but vespo.
+ *  - get_off_policy_mask: sampling = inputs.get("sampling_per_token_logps", old); kl = sampling -
+ *    per_token_logps.detach(); keep = (A >= 0) | ((kl * mask).sum(1) / mask.sum(1).clamp(min=1) <= threshold).
+ *  - get_high_entropy_mask: torch.quantile(entropies[mask.bool()], 1 - top_entropy_quantile) (linear: the rank
+ *    q (n - 1) in the entropies' fp32, the two neighbours lerped in fp32); entropy_mask = entropies * mask >=
+ *    threshold & mask.bool(), in fp32; none valid: all False. Only applied when top_entropy_quantile < 1.
+ *  - KL (beta != 0): exp(ref - logp) - (ref - logp) - 1, times coef_1 (before the delta clamp, not detached)
+ *    with use_bias_correction_kl; added as beta * kl after the policy term and its masks.
  *  - reductions: grpo and sapo ((l * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean(); bnpo
  *    (l * mask).sum() / mask.sum().clamp(min=1); dr_grpo (l * mask).sum() / (B * max_completion_length);
- *    dapo and cispo (l * mask).sum() / normalizer, normalizer from num_items_in_batch (the completion tokens
- *    of the whole generation batch, clamped to >= 1, over processes and accumulation steps).
- *  - metrics: masked_batch_mean = (x * mask).sum() / mask.sum().clamp(min=1), except for (B, 1) tensors
+ *    dapo, cispo and vespo (l * mask).sum() / normalizer, normalizer from num_items_in_batch (the completion
+ *    tokens of the whole generation batch, clamped to >= 1, over processes and accumulation steps); luspo
+ *    (l * mask.sum(1, keepdim=True)).mean(), over every (b, t) once l has a token axis, padding included (at the
+ *    sequence level without a token-axis factor l is (B, 1) and the mean over B is the same value).
+ *  - entropy bonus (entropy_coef != 0): effective_mask = mask * entropy_mask (mask alone without the quantile);
+ *    cispo, dapo, vespo: (entropies * effective_mask).sum() / normalizer; the others: ... /
+ *    effective_mask.sum().clamp(min=1); loss -= entropy_coef * that. policy_loss (the loss before it) and
+ *    entropy_coef are logged only then.
+ *  - metrics: global_masked_mean = (x * mask).sum() / mask.sum().clamp(min=1), except for (B, 1) tensors
  *    (sequence level) where it is x.mean() over the rows; the clip flags use coef_1 after the delta clamp;
- *    clip metrics exist for the clipped family only, cispo logs cispo_clip_ratio, sapo no clip metric.
- *  - entropy bonus: TRL's GRPOTrainer had none for most of its history; recent GRPOConfig has entropy_coef
- *    (default 0) entering as loss -= coef * masked mean entropy, independent of loss_type. The issue's
- *    per-token form (l_i -= coef H_i before the reduction) is not a TRL term; both are offered.
+ *    clip metrics (low/high/region mean, low_min, high_max) exist for the clipped family and luspo, cispo logs
+ *    cispo_clip_ratio, vespo vespo/phi_seq_mean (mean over the (B, 1) phi), sapo nothing. masked_seq_mean =
+ *    (x * mask).sum(-1) / mask.sum(-1), unclamped (NaN for an empty row), reduced by nanmin / nanmax. The
+ *    sampling metrics: |old - sampling| over mask.bool(), the ratio over mask.bool() (token modes) or flattened
+ *    (sequence modes), 0 for an empty selection.
  *
  * Autograd semantics reproduced in the coefficients: torch.min(a, b) sends the whole gradient to the smaller
  * operand and half to each on a tie; clamp passes the gradient on its closed interval [lo, hi] and blocks it
@@ -43,7 +68,7 @@
 
 void ref_grpo_options_default(ref_grpo_options *o)
 {
-    o->loss_type = REF_GRPO_LOSS_GRPO;
+    o->loss_type = REF_GRPO_LOSS_DAPO;
     o->filter = NULL;
     o->importance_sampling_level = REF_GRPO_IS_TOKEN;
     o->temperature = 1.0;
@@ -56,21 +81,61 @@ void ref_grpo_options_default(ref_grpo_options *o)
     o->num_items_in_batch = NAN;
     o->max_completion_length = 0;
     o->entropy_coef = 0.0;
-    o->entropy_bonus = REF_GRPO_ENTROPY_PER_TOKEN;
+    o->entropy_bonus = REF_GRPO_ENTROPY_TRL;
+    o->top_entropy_quantile = 1.0;
+    o->off_policy_mask_threshold = NAN;
+    o->use_bias_correction_kl = 0;
+    o->vllm_importance_sampling_correction = 1;
+    o->vllm_importance_sampling_mode = REF_GRPO_VLLM_IS_SEQUENCE_MASK;
+    o->vllm_importance_sampling_clip_min = NAN;
+    o->vllm_importance_sampling_clip_max = 3.0;
+    o->vespo_k_pos = 2.0;
+    o->vespo_lambda_pos = 3.0;
+    o->vespo_k_neg = 3.0;
+    o->vespo_lambda_neg = 2.0;
 }
 
+/* The losses of -min(c1 A, c2 A) and TRL's clip metrics. */
 static int clipped_family(ref_grpo_loss_type t)
 {
-    return t == REF_GRPO_LOSS_GRPO || t == REF_GRPO_LOSS_BNPO || t == REF_GRPO_LOSS_DR_GRPO || t == REF_GRPO_LOSS_DAPO;
+    return t == REF_GRPO_LOSS_GRPO || t == REF_GRPO_LOSS_BNPO || t == REF_GRPO_LOSS_DR_GRPO ||
+           t == REF_GRPO_LOSS_DAPO || t == REF_GRPO_LOSS_LUSPO;
+}
+
+/* The losses that divide by num_items_in_batch (policy term and entropy bonus). */
+static int token_count_normalised(ref_grpo_loss_type t)
+{
+    return t == REF_GRPO_LOSS_DAPO || t == REF_GRPO_LOSS_CISPO || t == REF_GRPO_LOSS_VESPO;
+}
+
+static int sequence_is_mode(ref_grpo_vllm_is_mode m)
+{
+    return m == REF_GRPO_VLLM_IS_SEQUENCE_TRUNCATE || m == REF_GRPO_VLLM_IS_SEQUENCE_MASK;
 }
 
 static int options_valid(const ref_grpo_options *o)
 {
-    return o && o->loss_type >= REF_GRPO_LOSS_GRPO && o->loss_type <= REF_GRPO_LOSS_SAPO &&
+    return o && o->loss_type >= REF_GRPO_LOSS_GRPO && o->loss_type <= REF_GRPO_LOSS_VESPO &&
            o->importance_sampling_level >= REF_GRPO_IS_TOKEN &&
            o->importance_sampling_level <= REF_GRPO_IS_SEQUENCE_TOKEN &&
-           (o->entropy_bonus == REF_GRPO_ENTROPY_PER_TOKEN || o->entropy_bonus == REF_GRPO_ENTROPY_MASKED_MEAN) &&
-           o->temperature > 0.0;
+           (o->entropy_bonus == REF_GRPO_ENTROPY_PER_TOKEN || o->entropy_bonus == REF_GRPO_ENTROPY_TRL) &&
+           o->vllm_importance_sampling_mode >= REF_GRPO_VLLM_IS_TOKEN_TRUNCATE &&
+           o->vllm_importance_sampling_mode <= REF_GRPO_VLLM_IS_SEQUENCE_MASK && o->top_entropy_quantile >= 0.0 &&
+           o->top_entropy_quantile <= 1.0 && o->temperature > 0.0;
+}
+
+/* What TRL refuses where the importance-sampling correction applies (GRPOConfig.__post_init__ and
+ * GRPOTrainer.__init__). */
+static int is_options_valid(const ref_grpo_options *o)
+{
+    const double lo = o->vllm_importance_sampling_clip_min, hi = o->vllm_importance_sampling_clip_max;
+    const int truncate = o->vllm_importance_sampling_mode == REF_GRPO_VLLM_IS_TOKEN_TRUNCATE ||
+                         o->vllm_importance_sampling_mode == REF_GRPO_VLLM_IS_SEQUENCE_TRUNCATE;
+    if (truncate && isnan(lo) && isnan(hi))
+        return 0;
+    if (!isnan(lo) && !isnan(hi) && lo >= hi)
+        return 0;
+    return !(o->loss_type == REF_GRPO_LOSS_VESPO && sequence_is_mode(o->vllm_importance_sampling_mode));
 }
 
 /* torch.clamp: NaN stays NaN. */
@@ -94,6 +159,135 @@ static double min_with_share(double a, double b, double *share_a)
     return a == b ? a : NAN;
 }
 
+static int compare_doubles(const void *a, const void *b)
+{
+    const double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y ? 1 : 0;
+}
+
+/* torch.quantile(values, q) with linear interpolation, as torch 1.13 computes it for TRL's fp32 entropies and a
+ * Python float q: q becomes an fp32 scalar, rank = q (n - 1) in fp32, below = (int64) rank, weight = rank - below,
+ * above = ceil(rank), then torch.lerp(v[below], v[above], weight) in fp32 (lerp's two forms split at weight 0.5).
+ * The fp32 rank matters: (1 - 0.7) * 30 is 9.000000000000002 in double but 0.3f * 30 rounds to 9 exactly, so the
+ * threshold is the 10th entropy itself and that token is kept. values are rounded to fp32 and sorted in place;
+ * n >= 1. */
+double ref_grpo_quantile(double *values, int64_t n, double q)
+{
+    for (int64_t i = 0; i < n; i++)
+        values[i] = (float)values[i];
+    qsort(values, (size_t)n, sizeof *values, compare_doubles);
+    const float rank = (float)q * (float)(n - 1);
+    const int64_t below = (int64_t)rank, above = (int64_t)ceilf(rank);
+    const float weight = rank - (float)below;
+    const float a = (float)values[below], b = (float)values[above], d = b - a;
+    const float lerp = weight < 0.5f ? a + weight * d : b - d * (1.0f - weight);
+    return lerp;
+}
+
+/* Scratch of the head: one allocation for every per-token and per-row array. */
+typedef struct head_scratch {
+    double *rt, *l, *w, *dlw, *ddir, *factor, *is, *e, *entq; /* [n]; entq: the quantile's sorted entropies */
+    double *nb, *nclamp, *s, *s_sg, *keep, *phi, *log_w;      /* [B] */
+    double *block;
+} head_scratch;
+
+static int scratch_alloc(head_scratch *h, int64_t B, int64_t n)
+{
+    h->block = malloc(sizeof(double) * (size_t)(9 * n + 7 * B));
+    if (!h->block)
+        return -1;
+    double *p = h->block;
+    double **per_token[] = {&h->rt, &h->l, &h->w, &h->dlw, &h->ddir, &h->factor, &h->is, &h->e, &h->entq};
+    for (size_t k = 0; k < sizeof per_token / sizeof per_token[0]; k++, p += n)
+        *per_token[k] = p;
+    double **per_row[] = {&h->nb, &h->nclamp, &h->s, &h->s_sg, &h->keep, &h->phi, &h->log_w};
+    for (size_t k = 0; k < sizeof per_row / sizeof per_row[0]; k++, p += B)
+        *per_row[k] = p;
+    return 0;
+}
+
+/* The vLLM importance-sampling ratio of every token (detached; 1 everywhere when the correction does not apply),
+ * truncated or masked by the mode's bounds. */
+static void importance_sampling_ratios(const ref_grpo_tokens *tk, const ref_grpo_options *o, const double *sg,
+                                       int applies, double *is)
+{
+    const int64_t B = tk->batch, T = tk->seq;
+    const double lo = isnan(o->vllm_importance_sampling_clip_min) ? -INFINITY : o->vllm_importance_sampling_clip_min;
+    const double hi = isnan(o->vllm_importance_sampling_clip_max) ? INFINITY : o->vllm_importance_sampling_clip_max;
+    const ref_grpo_vllm_is_mode mode = o->vllm_importance_sampling_mode;
+    for (int64_t b = 0; b < B; b++) {
+        double seq = 0.0;
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t i = b * T + t;
+            const double old = tk->old_logp ? tk->old_logp[i] : sg[i];
+            const double d = applies ? (old - tk->sampling_logp[i]) * tk->completion_mask[i] : 0.0;
+            is[i] = exp(d);
+            seq += d;
+        }
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t i = b * T + t;
+            double v = sequence_is_mode(mode) ? exp(seq) : is[i];
+            if (applies) {
+                if (mode == REF_GRPO_VLLM_IS_TOKEN_TRUNCATE || mode == REF_GRPO_VLLM_IS_SEQUENCE_TRUNCATE)
+                    v = clamp(v, lo, hi);
+                else if (v < lo || v > hi)
+                    v = 0.0;
+            }
+            is[i] = applies ? v : 1.0;
+        }
+    }
+}
+
+/* TRL's get_high_entropy_mask on the anchor entropies: e_i in {0, 1}, in fp32 as TRL's entropies are
+ * (entropies * mask >= threshold). */
+static void entropy_mask(const ref_grpo_tokens *tk, double q, const double *H, double *scratch, double *e)
+{
+    const int64_t n = tk->batch * tk->seq;
+    const double *m = tk->completion_mask;
+    if (!(q < 1.0)) {
+        for (int64_t i = 0; i < n; i++)
+            e[i] = 1.0;
+        return;
+    }
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (m[i] != 0.0)
+            scratch[count++] = H[i];
+    if (count == 0) {
+        for (int64_t i = 0; i < n; i++)
+            e[i] = 0.0;
+        return;
+    }
+    const double threshold = ref_grpo_quantile(scratch, count, 1.0 - q);
+    for (int64_t i = 0; i < n; i++)
+        e[i] = m[i] != 0.0 && (float)((float)H[i] * (float)m[i]) >= (float)threshold ? 1.0 : 0.0;
+}
+
+/* TRL's get_gamma_weights for row b (detached: from sg_logp); *log_w_out: its log w after the clamp. */
+static double gamma_weight(const ref_grpo_tokens *tk, const ref_grpo_options *o, const double *sg, const double *is,
+                           int applies, int64_t b, double *log_w_out)
+{
+    const int64_t T = tk->seq;
+    const double lower = log(1e-8);
+    double acc = 0.0;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t i = b * T + t;
+        const double old = tk->old_logp ? tk->old_logp[i] : sg[i];
+        acc += clamp(sg[i] - old, -20.0, 20.0) * tk->completion_mask[i];
+    }
+    if (applies)
+        for (int64_t t = 0; t < T; t++)
+            acc += clamp(log(is[b * T + t]), lower, 20.0);
+    const double log_w = clamp(acc, lower, 20.0), w = exp(log_w);
+    *log_w_out = log_w;
+    const int nonneg = tk->advantages[b] >= 0.0;
+    const double k = nonneg ? o->vespo_k_pos : o->vespo_k_neg;
+    double lam = nonneg ? o->vespo_lambda_pos : o->vespo_lambda_neg;
+    lam = lam < 1e-4 ? 1e-4 : lam;
+    const double phi = exp(lam + k * log_w - lam * w);
+    return isfinite(phi) ? phi : 0.0;
+}
+
 int ref_grpo_head(const ref_grpo_tokens *tk, const ref_grpo_options *o, double grad_output, ref_grpo_result *r,
                   double *g_logp, double *g_entropy)
 {
@@ -102,7 +296,10 @@ int ref_grpo_head(const ref_grpo_tokens *tk, const ref_grpo_options *o, double g
         return -2;
     if (o->beta != 0.0 && !tk->ref_logp)
         return -2;
-    if (o->entropy_coef != 0.0 && !tk->entropy)
+    if ((o->entropy_coef != 0.0 || o->top_entropy_quantile < 1.0) && !tk->entropy)
+        return -2;
+    const int applies = tk->sampling_logp && o->vllm_importance_sampling_correction;
+    if (applies && !is_options_valid(o))
         return -2;
 
     const int64_t B = tk->batch, T = tk->seq, n = B * T;
@@ -113,22 +310,12 @@ int ref_grpo_head(const ref_grpo_tokens *tk, const ref_grpo_options *o, double g
     const double el = o->epsilon_low, eh = isnan(o->epsilon_high) ? o->epsilon_low : o->epsilon_high;
     const int has_delta = !isnan(o->delta) && o->delta > 0.0;
     const int ent_per_token = o->entropy_coef != 0.0 && o->entropy_bonus == REF_GRPO_ENTROPY_PER_TOKEN;
-    const int ent_mean = o->entropy_coef != 0.0 && o->entropy_bonus == REF_GRPO_ENTROPY_MASKED_MEAN;
+    const int ent_trl = o->entropy_coef != 0.0 && o->entropy_bonus == REF_GRPO_ENTROPY_TRL;
+    const int bias_kl = o->beta != 0.0 && o->use_bias_correction_kl;
 
-    /* Per token: ratio r (forward value), the per-token loss l, d pol / d r (clipped family, sapo) or
-     * d pol / d logp (cispo), d kl / d logp, and the reduction weight w = d loss / d l. Per row: n_b, s_b. */
-    double *rt = malloc(sizeof(double) * (size_t)n);
-    double *l = malloc(sizeof(double) * (size_t)n);
-    double *dpol = malloc(sizeof(double) * (size_t)n);
-    double *dkl = malloc(sizeof(double) * (size_t)n);
-    double *w = malloc(sizeof(double) * (size_t)n);
-    double *nclamp = malloc(sizeof(double) * (size_t)B);
-    double *s = malloc(sizeof(double) * (size_t)B);
-    double *s_sg = malloc(sizeof(double) * (size_t)B);
-    if (!rt || !l || !dpol || !dkl || !w || !nclamp || !s || !s_sg) {
-        free(rt), free(l), free(dpol), free(dkl), free(w), free(nclamp), free(s), free(s_sg);
+    head_scratch h;
+    if (scratch_alloc(&h, B, n))
         return -1;
-    }
 
     /* Row lengths and sequence log-ratios (from logp, and from the stop-gradient anchor). */
     double msum = 0.0;
@@ -142,15 +329,37 @@ int ref_grpo_head(const ref_grpo_tokens *tk, const ref_grpo_options *o, double g
             acc_sg += (sg[i] - old) * mask[i];
         }
         msum += nb;
-        nclamp[b] = nb < 1.0 ? 1.0 : nb;
-        s[b] = acc / nclamp[b];
-        s_sg[b] = acc_sg / nclamp[b];
+        h.nb[b] = nb;
+        h.nclamp[b] = nb < 1.0 ? 1.0 : nb;
+        h.s[b] = acc / h.nclamp[b];
+        h.s_sg[b] = acc_sg / h.nclamp[b];
     }
     const double mclamp = msum < 1.0 ? 1.0 : msum;
     const double tmax = o->max_completion_length > 0 ? (double)o->max_completion_length : (double)T;
-    const double nitems = o->num_items_in_batch > 0.0 ? o->num_items_in_batch : mclamp;
+    /* TRL: inputs["num_items_in_batch"].clamp(min=1.0) */
+    const double nitems = o->num_items_in_batch > 0.0 ? fmax(o->num_items_in_batch, 1.0) : mclamp;
 
-    /* Per-token values. */
+    /* The detached factors: importance-sampling ratios, the off-policy mask, the entropy mask, vespo's phi. */
+    importance_sampling_ratios(tk, o, sg, applies, h.is);
+    for (int64_t b = 0; b < B; b++) {
+        h.keep[b] = 1.0;
+        if (!isnan(o->off_policy_mask_threshold)) {
+            double acc = 0.0;
+            for (int64_t t = 0; t < T; t++) {
+                const int64_t i = b * T + t;
+                const double old = tk->old_logp ? tk->old_logp[i] : sg[i];
+                const double samp = tk->sampling_logp ? tk->sampling_logp[i] : old;
+                acc += (samp - sg[i]) * mask[i];
+            }
+            h.keep[b] = adv[b] >= 0.0 || acc / h.nclamp[b] <= o->off_policy_mask_threshold ? 1.0 : 0.0;
+        }
+        h.phi[b] = h.log_w[b] = NAN;
+        if (lt == REF_GRPO_LOSS_VESPO)
+            h.phi[b] = gamma_weight(tk, o, sg, h.is, applies, b, &h.log_w[b]);
+    }
+    entropy_mask(tk, o->top_entropy_quantile, tk->sg_entropy ? tk->sg_entropy : H, h.entq, h.e);
+
+    /* Per token: ratio, l, d l / d lw (through the log-ratio), d l / d logp (direct), reduction weight. */
     for (int64_t b = 0; b < B; b++)
         for (int64_t t = 0; t < T; t++) {
             const int64_t i = b * T + t;
@@ -161,14 +370,14 @@ int ref_grpo_head(const ref_grpo_tokens *tk, const ref_grpo_options *o, double g
                 lw = logp[i] - old;
                 lw_sg = sg[i] - old;
             } else if (lvl == REF_GRPO_IS_SEQUENCE) {
-                lw = s[b];
-                lw_sg = s_sg[b];
+                lw = h.s[b];
+                lw_sg = h.s_sg[b];
             } else {
-                lw = logp[i] - sg[i] + s_sg[b];
-                lw_sg = s_sg[b];
+                lw = logp[i] - sg[i] + h.s_sg[b];
+                lw_sg = h.s_sg[b];
             }
             const double ratio = exp(lw);
-            double pol, dp;
+            double pol, dp_dr = 0.0, dp_dlogp = 0.0;
             if (clipped_family(lt)) {
                 const double c2 = clamp(ratio, 1.0 - el, 1.0 + eh);
                 const double c1 = has_delta ? (ratio > o->delta ? o->delta : ratio) : ratio;
@@ -176,52 +385,78 @@ int ref_grpo_head(const ref_grpo_tokens *tk, const ref_grpo_options *o, double g
                 const double dc2 = ratio >= 1.0 - el && ratio <= 1.0 + eh ? 1.0 : 0.0;
                 double share1;
                 pol = -min_with_share(c1 * A, c2 * A, &share1);
-                dp = -(share1 * dc1 * A + (1.0 - share1) * dc2 * A);
+                dp_dr = -(share1 * dc1 * A + (1.0 - share1) * dc2 * A);
             } else if (lt == REF_GRPO_LOSS_CISPO) {
                 const double rs = exp(lw_sg), cr = rs > eh ? eh : rs; /* clamp(max=eps_high).detach() */
                 pol = -cr * A * logp[i];
-                dp = -cr * A;
-            } else { /* sapo */
+                dp_dlogp = -cr * A;
+            } else if (lt == REF_GRPO_LOSS_SAPO) {
                 const double tau = A > 0.0 ? o->sapo_temperature_pos : o->sapo_temperature_neg;
                 const double sig = 1.0 / (1.0 + exp(-(tau * (ratio - 1.0))));
                 pol = -(sig * 4.0 / tau) * A;
-                dp = -(4.0 * sig * (1.0 - sig)) * A;
+                dp_dr = -(4.0 * sig * (1.0 - sig)) * A;
+            } else { /* vespo */
+                pol = -h.phi[b] * A * logp[i];
+                dp_dlogp = -h.phi[b] * A;
             }
-            double li = pol, kl = 0.0, dk = 0.0;
+            const double factor = h.keep[b] * h.e[i] * (lt != REF_GRPO_LOSS_VESPO ? h.is[i] : 1.0);
+            double li = pol * factor, kl = 0.0;
+            double dlw = factor * dp_dr * ratio, ddir = factor * dp_dlogp;
             if (o->beta != 0.0) {
                 const double d = tk->ref_logp[i] - logp[i];
-                kl = exp(d) - d - 1.0;
-                dk = 1.0 - exp(d);
-                li = li + o->beta * kl;
+                const double k3 = exp(d) - d - 1.0, dk3 = 1.0 - exp(d);
+                kl = bias_kl ? k3 * ratio : k3;
+                ddir += o->beta * (bias_kl ? dk3 * ratio : dk3);
+                if (bias_kl)
+                    dlw += o->beta * k3 * ratio;
+                li += o->beta * kl;
             }
             if (ent_per_token)
                 li -= o->entropy_coef * H[i];
-            rt[i] = ratio;
-            l[i] = li;
-            dpol[i] = dp;
-            dkl[i] = dk;
+            h.rt[i] = ratio;
+            h.l[i] = li;
+            h.dlw[i] = dlw;
+            h.ddir[i] = ddir;
+            h.factor[i] = factor;
             if (r && r->per_token_loss)
                 r->per_token_loss[i] = li;
             if (r && r->ratio)
                 r->ratio[i] = ratio;
             if (r && r->per_token_kl)
                 r->per_token_kl[i] = kl;
+            if (r && r->policy_factor)
+                r->policy_factor[i] = factor;
+            if (r && r->policy_term)
+                r->policy_term[i] = pol * factor;
+            if (r && r->is_ratio)
+                r->is_ratio[i] = h.is[i];
+            if (r && r->vespo_phi)
+                r->vespo_phi[i] = h.phi[b];
+            if (r && r->vespo_log_w)
+                r->vespo_log_w[i] = h.log_w[b];
             switch (lt) {
             case REF_GRPO_LOSS_GRPO:
             case REF_GRPO_LOSS_SAPO:
-                w[i] = mask[i] / nclamp[b] / (double)B;
+                h.w[i] = mask[i] / h.nclamp[b] / (double)B;
                 break;
             case REF_GRPO_LOSS_BNPO:
-                w[i] = mask[i] / mclamp;
+                h.w[i] = mask[i] / mclamp;
                 break;
             case REF_GRPO_LOSS_DR_GRPO:
-                w[i] = mask[i] / ((double)B * tmax);
+                h.w[i] = mask[i] / ((double)B * tmax);
                 break;
-            default: /* dapo, cispo */
-                w[i] = mask[i] / nitems;
+            case REF_GRPO_LOSS_LUSPO:
+                h.w[i] = h.nb[b] / ((double)B * (double)T);
+                break;
+            default: /* dapo, cispo, vespo */
+                h.w[i] = mask[i] / nitems;
                 break;
             }
         }
+
+    if (r && r->loss_weight)
+        for (int64_t i = 0; i < n; i++)
+            r->loss_weight[i] = h.w[i];
 
     /* The loss, summed in TRL's order. */
     double loss = 0.0;
@@ -229,25 +464,32 @@ int ref_grpo_head(const ref_grpo_tokens *tk, const ref_grpo_options *o, double g
         for (int64_t b = 0; b < B; b++) {
             double acc = 0.0;
             for (int64_t t = 0; t < T; t++)
-                acc += l[b * T + t] * mask[b * T + t];
-            loss += acc / nclamp[b];
+                acc += h.l[b * T + t] * mask[b * T + t];
+            loss += acc / h.nclamp[b];
         }
         loss /= (double)B;
+    } else if (lt == REF_GRPO_LOSS_LUSPO) {
+        for (int64_t i = 0; i < n; i++)
+            loss += h.l[i] * h.nb[i / T];
+        loss /= (double)B * (double)T;
     } else {
         double acc = 0.0;
         for (int64_t i = 0; i < n; i++)
-            acc += l[i] * mask[i];
+            acc += h.l[i] * mask[i];
         loss = acc / (lt == REF_GRPO_LOSS_BNPO ? mclamp : lt == REF_GRPO_LOSS_DR_GRPO ? (double)B * tmax : nitems);
     }
-    double ent_mean_value = NAN;
-    if (H) {
-        double acc = 0.0;
-        for (int64_t i = 0; i < n; i++)
-            acc += H[i] * mask[i];
-        ent_mean_value = acc / mclamp;
+    const double policy_loss = loss;
+    /* TRL's entropy bonus over e m: its normaliser. */
+    double ent_norm = 1.0;
+    if (ent_trl) {
+        double em = 0.0, acc = 0.0;
+        for (int64_t i = 0; i < n; i++) {
+            em += h.e[i] * mask[i];
+            acc += H[i] * h.e[i] * mask[i];
+        }
+        ent_norm = token_count_normalised(lt) ? nitems : (em < 1.0 ? 1.0 : em);
+        loss -= o->entropy_coef * (acc / ent_norm);
     }
-    if (ent_mean)
-        loss -= o->entropy_coef * ent_mean_value;
 
     /* Coefficients: g_logp = d(grad_output loss)/d logp, g_entropy = d(grad_output loss)/d H. */
     if (g_logp) {
@@ -255,70 +497,122 @@ int ref_grpo_head(const ref_grpo_tokens *tk, const ref_grpo_options *o, double g
             double gs = 0.0; /* sequence level: d loss / d s_b */
             for (int64_t t = 0; t < T; t++) {
                 const int64_t i = b * T + t;
-                const double gl = grad_output * w[i]; /* d loss / d l_i */
-                double g = 0.0;
-                if (o->beta != 0.0)
-                    g += gl * o->beta * dkl[i];
-                if (lt == REF_GRPO_LOSS_CISPO)
-                    g += gl * dpol[i];
-                else if (lvl == REF_GRPO_IS_SEQUENCE)
-                    gs += gl * dpol[i] * rt[i];
-                else /* token, sequence_token: d lw_i / d logp_i = 1, d r / d lw = r */
-                    g += gl * dpol[i] * rt[i];
+                const double gl = grad_output * h.w[i]; /* d loss / d l_i */
+                double g = gl * h.ddir[i];
+                if (lvl == REF_GRPO_IS_SEQUENCE)
+                    gs += gl * h.dlw[i];
+                else /* token, sequence_token: d lw_i / d logp_i = 1 */
+                    g += gl * h.dlw[i];
                 g_logp[i] = g;
             }
-            if (lt != REF_GRPO_LOSS_CISPO && lvl == REF_GRPO_IS_SEQUENCE)
+            if (lvl == REF_GRPO_IS_SEQUENCE)
                 for (int64_t t = 0; t < T; t++)
-                    g_logp[b * T + t] += gs * mask[b * T + t] / nclamp[b];
+                    g_logp[b * T + t] += gs * mask[b * T + t] / h.nclamp[b];
         }
     }
     if (g_entropy)
         for (int64_t i = 0; i < n; i++)
-            g_entropy[i] = ent_per_token ? -o->entropy_coef * grad_output * w[i]
-                           : ent_mean    ? -o->entropy_coef * grad_output * mask[i] / mclamp
+            g_entropy[i] = ent_per_token ? -o->entropy_coef * grad_output * h.w[i]
+                           : ent_trl     ? -o->entropy_coef * grad_output * h.e[i] * mask[i] / ent_norm
                                          : 0.0;
 
     if (r) {
         ref_grpo_metrics *m = &r->metrics;
         r->loss = loss;
-        m->entropy = ent_mean_value;
+        m->entropy = NAN;
+        if (H) {
+            double acc = 0.0;
+            for (int64_t i = 0; i < n; i++)
+                acc += H[i] * mask[i];
+            m->entropy = acc / mclamp;
+        }
         m->kl = NAN;
         if (o->beta != 0.0) {
             double acc = 0.0;
             for (int64_t i = 0; i < n; i++) {
                 const double d = tk->ref_logp[i] - logp[i];
-                acc += (exp(d) - d - 1.0) * mask[i];
+                acc += (exp(d) - d - 1.0) * (bias_kl ? h.rt[i] : 1.0) * mask[i];
             }
             m->kl = acc / mclamp;
         }
         m->clip_low_mean = m->clip_high_mean = m->clip_region_mean = m->cispo_clip_ratio = NAN;
+        m->clip_low_min = m->clip_high_max = NAN;
         if (clipped_family(lt) || lt == REF_GRPO_LOSS_CISPO) {
             double lo = 0.0, hi = 0.0, region = 0.0, cispo = 0.0;
-            for (int64_t b = 0; b < B; b++)
+            for (int64_t b = 0; b < B; b++) {
+                double row_lo = 0.0, row_hi = 0.0;
                 for (int64_t t = 0; t < T; t++) {
                     const int64_t i = b * T + t;
                     /* sequence level: one (B, 1) value per row, averaged over rows with weight 1 */
                     if (lvl == REF_GRPO_IS_SEQUENCE && t > 0)
                         break;
                     const double wt = lvl == REF_GRPO_IS_SEQUENCE ? 1.0 : mask[i];
-                    const double c1 = has_delta ? (rt[i] > o->delta ? o->delta : rt[i]) : rt[i];
+                    const double c1 = has_delta ? (h.rt[i] > o->delta ? o->delta : h.rt[i]) : h.rt[i];
                     const int is_lo = c1 < 1.0 - el && adv[b] < 0.0, is_hi = c1 > 1.0 + eh && adv[b] > 0.0;
                     lo += is_lo * wt;
                     hi += is_hi * wt;
+                    row_lo += is_lo * wt;
+                    row_hi += is_hi * wt;
                     region += (is_lo || is_hi) * wt;
-                    cispo += (rt[i] > eh && adv[b] > 0.0) * wt;
+                    cispo += (h.rt[i] > eh && adv[b] > 0.0) * wt;
                 }
+                /* masked_seq_mean, unclamped (0 / 0 = NaN for an empty row), then nanmin / nanmax */
+                const double den = lvl == REF_GRPO_IS_SEQUENCE ? 1.0 : h.nb[b];
+                const double seq_lo = row_lo / den, seq_hi = row_hi / den;
+                if (!isnan(seq_lo) && !(seq_lo >= m->clip_low_min))
+                    m->clip_low_min = seq_lo;
+                if (!isnan(seq_hi) && !(seq_hi <= m->clip_high_max))
+                    m->clip_high_max = seq_hi;
+            }
             const double den = lvl == REF_GRPO_IS_SEQUENCE ? (double)B : mclamp;
-            if (lt == REF_GRPO_LOSS_CISPO)
+            if (lt == REF_GRPO_LOSS_CISPO) {
                 m->cispo_clip_ratio = cispo / den;
-            else {
+                m->clip_low_min = m->clip_high_max = NAN;
+            } else {
                 m->clip_low_mean = lo / den;
                 m->clip_high_mean = hi / den;
                 m->clip_region_mean = region / den;
             }
         }
+        m->policy_loss = o->entropy_coef != 0.0 ? policy_loss : NAN;
+        m->entropy_coef = o->entropy_coef != 0.0 ? o->entropy_coef : NAN;
+        m->vespo_phi_seq_mean = NAN;
+        if (lt == REF_GRPO_LOSS_VESPO) {
+            double acc = 0.0;
+            for (int64_t b = 0; b < B; b++)
+                acc += h.phi[b];
+            m->vespo_phi_seq_mean = acc / (double)B;
+        }
+        m->sampling_logp_diff_mean = m->sampling_logp_diff_max = NAN;
+        m->is_ratio_min = m->is_ratio_mean = m->is_ratio_max = NAN;
+        if (applies) {
+            double dsum = 0.0, dmax = 0.0, rsum = 0.0, rmin = INFINITY, rmax = -INFINITY, count = 0.0, rcount = 0.0;
+            const int seq_mode = sequence_is_mode(o->vllm_importance_sampling_mode);
+            for (int64_t i = 0; i < n; i++) {
+                if (mask[i] == 0.0)
+                    continue;
+                const double old = tk->old_logp ? tk->old_logp[i] : sg[i];
+                const double d = fabs(old - tk->sampling_logp[i]);
+                dsum += d;
+                dmax = count == 0.0 || d > dmax ? d : dmax;
+                count += 1.0;
+            }
+            for (int64_t i = 0; i < n; i++) {
+                if (seq_mode ? i % T != 0 : mask[i] == 0.0)
+                    continue;
+                rsum += h.is[i];
+                rmin = h.is[i] < rmin ? h.is[i] : rmin;
+                rmax = h.is[i] > rmax ? h.is[i] : rmax;
+                rcount += 1.0;
+            }
+            m->sampling_logp_diff_mean = count > 0.0 ? dsum / count : 0.0;
+            m->sampling_logp_diff_max = count > 0.0 ? dmax : 0.0;
+            m->is_ratio_min = rcount > 0.0 ? rmin : 0.0;
+            m->is_ratio_mean = rcount > 0.0 ? rsum / rcount : 0.0;
+            m->is_ratio_max = rcount > 0.0 ? rmax : 0.0;
+        }
     }
-    free(rt), free(l), free(dpol), free(dkl), free(w), free(nclamp), free(s), free(s_sg);
+    free(h.block);
     return 0;
 }
 
@@ -360,11 +654,13 @@ void ref_grpo_row_grad(const double *u, int64_t v, double temperature, int64_t t
     }
     /* d logp / d z_j = onehot_j - p_j.
      * d H / d z_j = -p_j (log p_j + H) = -p_j (z_j - sum_k p_k z_k)   (H = lse - sum p z, d lse / d z_j = p_j,
-     * d (sum_k p_k z_k) / d z_j = p_j + p_j z_j - p_j sum_k p_k z_k).  dz / du = 1 / temperature. */
+     * d (sum_k p_k z_k) / d z_j = p_j + p_j z_j - p_j sum_k p_k z_k).  dz / du = 1 / temperature.
+     * An id outside the vocabulary has the constant log-prob 0: no g_logp term (luspo weighs padded positions). */
+    const double in_range = target >= 0 && target < v ? 1.0 : 0.0;
     for (int64_t j = 0; j < v; j++) {
         const double lp = u[j] / temperature - lse, p = exp(lp);
         const double onehot = j == target ? 1.0 : 0.0;
-        du[j] = (g_logp * (onehot - p) - g_entropy * p * (lp + h)) / temperature;
+        du[j] = (in_range * g_logp * (onehot - p) - g_entropy * p * (lp + h)) / temperature;
     }
 }
 
@@ -409,8 +705,9 @@ static int materialize(const ref_grpo_problem *p, const ref_grpo_options *o, dou
 
 static ref_grpo_tokens tokens_of(const ref_grpo_problem *p, const double *logp, const double *ent)
 {
-    ref_grpo_tokens tk = {p->batch, p->seq, logp, ent, p->completion_mask, p->advantages,
-                          p->old_logp, p->ref_logp, p->sg_logp};
+    ref_grpo_tokens tk = {p->batch,      p->seq,      logp,          ent,          p->completion_mask,
+                          p->advantages, p->old_logp, p->ref_logp,   p->sg_logp,   p->sampling_logp,
+                          p->sg_entropy};
     return tk;
 }
 

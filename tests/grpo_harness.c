@@ -61,7 +61,7 @@ void gp_fix_ids(gp_problem *p)
 
 void gp_free(gp_problem *p)
 {
-    void *a[] = {p->x, p->weight, p->bias, p->ids, p->mask, p->adv, p->old, p->ref};
+    void *a[] = {p->x, p->weight, p->bias, p->ids, p->mask, p->adv, p->old, p->ref, p->samp};
     for (size_t k = 0; k < TU_COUNT(a); k++)
         free(a[k]);
     memset(p, 0, sizeof *p);
@@ -70,12 +70,12 @@ void gp_free(gp_problem *p)
 /* The problem's inputs in double for the reference, the weight in its canonical [H, V] layout; what a problem
  * does not have stays NULL. */
 typedef struct gp_ref_arrays {
-    double *x, *w, *b, *mask, *adv, *old, *ref;
+    double *x, *w, *b, *mask, *adv, *old, *ref, *samp;
 } gp_ref_arrays;
 
 static void gp_ref_arrays_free(gp_ref_arrays *a)
 {
-    free(a->x), free(a->w), free(a->b), free(a->mask), free(a->adv), free(a->old), free(a->ref);
+    free(a->x), free(a->w), free(a->b), free(a->mask), free(a->adv), free(a->old), free(a->ref), free(a->samp);
 }
 
 /* The problem's linear layer in double (x, w, b filled in a). */
@@ -183,6 +183,21 @@ void gp_set_old(gp_problem *p, const fh_grpo_options *o)
     free(logp);
 }
 
+void gp_set_sampling(gp_problem *p, double temperature, double spread)
+{
+    const int64_t n = gp_n(p);
+    double *logp = NULL;
+    if (!p->old) {
+        logp = tu_alloc((size_t)n, sizeof(double));
+        gp_reference_logp(p, temperature, logp);
+    }
+    free(p->samp);
+    p->samp = tu_alloc((size_t)n, sizeof(float));
+    for (int64_t i = 0; i < n; i++)
+        p->samp[i] = (float)((p->old ? (double)p->old[i] : logp[i]) + spread * (2.0 * ce_uniform(&p->rng) - 1.0));
+    free(logp);
+}
+
 void gp_set_ref(gp_problem *p, double temperature)
 {
     const int64_t n = gp_n(p);
@@ -197,7 +212,8 @@ void gp_set_ref(gp_problem *p, double temperature)
 
 fh_grpo_batch gp_batch(const gp_problem *p, const fh_grpo_options *o)
 {
-    const fh_grpo_batch b = {p->batch, p->seq, p->ids, p->mask, p->adv, p->old, o->beta != 0.0 ? p->ref : NULL};
+    const fh_grpo_batch b = {p->batch, p->seq, p->ids, p->mask, p->adv, p->old, o->beta != 0.0 ? p->ref : NULL,
+                             p->samp};
     return b;
 }
 
@@ -241,9 +257,10 @@ void gp_fused_alloc(const gp_problem *p, float grad_beta, gp_fused *f)
         f->logp[i] = f->per_token_loss[i] = f->entropy[i] = f->lse[i] = NAN;
     ce_alloc_grads(n, h, v, p->bias != NULL, grad_beta, &f->dx, &f->dweight, &f->dbias);
     f->loss = NAN;
-    const fh_grpo_metrics m = {NAN, NAN, NAN, NAN, NAN, NAN};
-    f->metrics = m;
-    f->metrics.kl = -1.0; /* a value every call must replace (with NaN when beta == 0) */
+    double fields[GRPO_METRIC_COUNT]; /* fh_grpo_metrics is GRPO_METRIC_COUNT doubles (grpo_convert.c) */
+    for (int k = 0; k < GRPO_METRIC_COUNT; k++)
+        fields[k] = -1.0; /* a value every call must replace (with NaN where TRL logs nothing) */
+    memcpy(&f->metrics, fields, sizeof f->metrics);
 }
 
 void gp_fused_free(gp_fused *f)
@@ -252,6 +269,11 @@ void gp_fused_free(gp_fused *f)
     for (size_t k = 0; k < TU_COUNT(a); k++)
         free(a[k]);
     memset(f, 0, sizeof *f);
+}
+
+int gp_needs_entropy(const fh_grpo_options *o)
+{
+    return o->entropy_coef != 0.0 || o->top_entropy_quantile < 1.0;
 }
 
 fh_status gp_run_fused_on(fh_context *ctx, const gp_problem *p, const fh_grpo_options *o, const gp_config *c,
@@ -268,8 +290,8 @@ fh_status gp_run_fused_on(fh_context *ctx, const gp_problem *p, const fh_grpo_op
         return fh_grpo_forward_backward(ctx, &lin, &batch, o, &grad, &out, &g);
     fh_status st = fh_grpo_forward(ctx, &lin, &batch, o, &out);
     if (st == FH_OK)
-        st = fh_grpo_backward(ctx, &lin, &batch, o, f->logp, f->lse, o->entropy_coef != 0.0 ? f->entropy : NULL,
-                              &grad, &g);
+        st = fh_grpo_backward(ctx, &lin, &batch, o, f->logp, f->lse,
+                              gp_needs_entropy(o) ? f->entropy : NULL, &grad, &g);
     return st;
 }
 
@@ -293,8 +315,9 @@ static ref_grpo_problem gp_ref_problem(const gp_problem *p, const fh_grpo_option
     a->adv = tu_doubles(p->adv, (size_t)p->batch);
     a->old = tu_doubles(p->old, n);
     a->ref = o->beta != 0.0 ? tu_doubles(p->ref, n) : NULL;
-    const ref_grpo_problem rp = {p->batch, p->seq, p->hidden, p->vocab, a->x, a->w, a->b, p->ids,
-                                 a->mask, a->adv, a->old, a->ref, NULL};
+    a->samp = tu_doubles(p->samp, n);
+    const ref_grpo_problem rp = {p->batch, p->seq,  p->hidden, p->vocab, a->x, a->w,    a->b, p->ids,
+                                 a->mask,  a->adv,  a->old,    a->ref,   NULL, a->samp, NULL};
     return rp;
 }
 
@@ -313,10 +336,16 @@ void gp_run_reference(const gp_problem *p, const fh_grpo_options *o, double grad
     r->dx = tu_alloc(n * h, sizeof(double));
     r->dweight = tu_alloc(h * v, sizeof(double));
     r->dbias = p->bias ? tu_alloc(v, sizeof(double)) : NULL;
+    grpo_ref_detail_alloc(&r->detail, n);
     ref_grpo_result res = {0};
     res.logp = r->logp;
     res.per_token_loss = r->per_token_loss;
     res.entropy = r->entropy;
+    res.policy_term = r->detail.policy_term;
+    res.is_ratio = r->detail.is_ratio;
+    res.vespo_phi = r->detail.vespo_phi;
+    res.vespo_log_w = r->detail.vespo_log_w;
+    res.loss_weight = r->detail.loss_weight;
     int rc = ref_grpo_forward(&rp, &ro, &res);
     r->loss = res.loss;
     r->metrics = grpo_fh_metrics(&res.metrics);
@@ -349,6 +378,7 @@ void gp_reference_free(gp_reference *r)
     void *a[] = {r->logp, r->per_token_loss, r->entropy, r->lse, r->dx, r->dweight, r->dbias};
     for (size_t k = 0; k < TU_COUNT(a); k++)
         free(a[k]);
+    grpo_ref_detail_free(&r->detail);
     memset(r, 0, sizeof *r);
 }
 
@@ -360,8 +390,9 @@ void gp_reference_backward_from_logp(const gp_problem *p, const fh_grpo_options 
     double *logp = tu_doubles(logp_f, (size_t)n), *entropy = tu_doubles(entropy_f, (size_t)n);
     double *mask = tu_doubles(p->mask, (size_t)n), *adv = tu_doubles(p->adv, (size_t)p->batch);
     double *old = tu_doubles(p->old, (size_t)n), *ref = o->beta != 0.0 ? tu_doubles(p->ref, (size_t)n) : NULL;
+    double *samp = tu_doubles(p->samp, (size_t)n);
     double *gl = tu_alloc((size_t)n, sizeof(double)), *ge = tu_alloc((size_t)n, sizeof(double));
-    const ref_grpo_tokens tk = {p->batch, p->seq, logp, entropy, mask, adv, old, ref, NULL};
+    const ref_grpo_tokens tk = {p->batch, p->seq, logp, entropy, mask, adv, old, ref, NULL, samp, NULL};
     const ref_grpo_options ro = grpo_ref_options(o);
     const int rc = ref_grpo_head(&tk, &ro, grad, NULL, gl, ge);
     TU_CHECK(rc == 0, "ref_grpo_head: %d", rc);
@@ -374,7 +405,7 @@ void gp_reference_backward_from_logp(const gp_problem *p, const fh_grpo_options 
     ref_linear_backward(&lin, du, dx, dw, dbias);
     ce_weight_from_reference(p->layout, p->hidden, V, dw, dweight);
     gp_ref_arrays_free(&la);
-    void *a[] = {logp, entropy, mask, adv, old, ref, gl, ge, u, du, dw};
+    void *a[] = {logp, entropy, mask, adv, old, ref, samp, gl, ge, u, du, dw};
     for (size_t k = 0; k < TU_COUNT(a); k++)
         free(a[k]);
 }
@@ -406,27 +437,41 @@ static double gp_metric_diff(double a, double b)
 
 double gp_metrics_diff(const fh_grpo_metrics *a, const fh_grpo_metrics *b)
 {
-    const double d[6] = {gp_metric_diff(a->kl, b->kl),
-                         gp_metric_diff(a->entropy, b->entropy),
-                         gp_metric_diff(a->clip_ratio_low_mean, b->clip_ratio_low_mean),
-                         gp_metric_diff(a->clip_ratio_high_mean, b->clip_ratio_high_mean),
-                         gp_metric_diff(a->clip_ratio_region_mean, b->clip_ratio_region_mean),
-                         gp_metric_diff(a->cispo_clip_ratio, b->cispo_clip_ratio)};
-    double m = 0.0;
-    for (int k = 0; k < 6; k++)
-        m = d[k] > m ? d[k] : m;
+    const grpo_slack none = {0.0, 0.0, 0.0, 0.0};
+    return gp_metrics_diff_slack(a, b, &none);
+}
+
+double gp_metrics_diff_slack(const fh_grpo_metrics *a, const fh_grpo_metrics *b, const grpo_slack *slack)
+{
+    double va[GRPO_METRIC_COUNT], vb[GRPO_METRIC_COUNT], m = 0.0;
+    grpo_metrics_fields(a, va);
+    grpo_metrics_fields(b, vb);
+    for (int k = 0; k < GRPO_METRIC_COUNT; k++) {
+        const double d = fmax(0.0, gp_metric_diff(va[k], vb[k]) - grpo_metric_slack(slack, k));
+        m = d > m ? d : m;
+    }
     return m;
 }
 
-static void gp_measure(const gp_problem *p, const gp_fused *f, const gp_reference *r, float grad_beta, gp_diff *d)
+grpo_slack gp_slack(const gp_problem *p, const fh_grpo_options *o, const gp_fused *f, const gp_reference *r)
+{
+    const fh_grpo_batch batch = gp_batch(p, o);
+    return grpo_slack_of(o, &batch, f->logp, r->logp, &r->detail);
+}
+
+static void gp_measure(const gp_problem *p, const fh_grpo_options *o, const gp_fused *f, const gp_reference *r,
+                       float grad_beta, gp_diff *d)
 {
     const size_t n = (size_t)gp_n(p), h = (size_t)p->hidden, v = (size_t)p->vocab;
+    const int luspo = o->loss_type == FH_GRPO_LOSS_LUSPO;
+    const grpo_slack slack = gp_slack(p, o, f, r);
     memset(d, 0, sizeof *d);
     d->loss = fabs(f->loss - r->loss);
     if (isnan(f->loss) || isnan(r->loss))
         d->loss = NAN;
-    d->loss_tol = GRPO_LOSS_TOL * fmax(1.0, fabs(r->loss));
-    d->metrics = gp_metrics_diff(&f->metrics, &r->metrics);
+    d->loss_tol = GRPO_LOSS_TOL * fmax(1.0, fabs(r->loss)) + 2.0 * slack.loss;
+    d->grad_tol = GRPO_GRAD_NORM_REL_TOL + 2.0 * slack.grad_rel;
+    d->metrics = gp_metrics_diff_slack(&f->metrics, &r->metrics, &slack);
     d->logp = gp_token_diff(f->logp, r->logp, n);
     d->entropy = gp_token_diff(f->entropy, r->entropy, n);
     d->lse = gp_token_diff(f->lse, r->lse, n);
@@ -436,23 +481,26 @@ static void gp_measure(const gp_problem *p, const gp_fused *f, const gp_referenc
     if (f->dbias)
         d->dbias = ce_compare(f->dbias, r->dbias, v).norm_rel;
     /* A token outside the mask has zero coefficients: its dZ row is 0, so its dx row is exactly 0 (overwrite)
-     * or exactly the 1.0 it accumulates onto. */
-    for (size_t i = 0; i < n; i++)
-        if (p->mask[i] == 0.0f && !tu_all_equal_f(f->dx + i * h, h, grad_beta))
+     * or exactly the 1.0 it accumulates onto. Under luspo (TRL's mean over every position) only where its id is
+     * outside the vocabulary (log-prob the constant 0; the entropy bonus covers masked tokens only). */
+    for (size_t i = 0; i < n; i++) {
+        const int id_out = p->ids[i] < 0 || p->ids[i] >= p->vocab;
+        if (p->mask[i] == 0.0f && (luspo == 0 || id_out) && !tu_all_equal_f(f->dx + i * h, h, grad_beta))
             d->masked_rows_touched++;
+    }
 }
 
 static int gp_diff_pass(const gp_diff *d)
 {
     return d->loss <= d->loss_tol && d->metrics <= GRPO_METRIC_TOL && d->logp <= GP_TOKEN_TOL &&
            d->entropy <= GP_TOKEN_TOL && d->lse <= GP_TOKEN_TOL && d->per_token_loss <= GP_TOKEN_TOL &&
-           d->dx <= GRPO_GRAD_NORM_REL_TOL && d->dweight <= GRPO_GRAD_NORM_REL_TOL &&
-           d->dbias <= GRPO_GRAD_NORM_REL_TOL && d->masked_rows_touched == 0;
+           d->dx <= d->grad_tol && d->dweight <= d->grad_tol && d->dbias <= d->grad_tol &&
+           d->masked_rows_touched == 0;
 }
 
 const char *gp_loss_name(fh_grpo_loss_type t)
 {
-    static const char *names[] = {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"};
+    static const char *names[] = {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"};
     return (unsigned)t < TU_COUNT(names) ? names[t] : "?";
 }
 
@@ -460,12 +508,17 @@ void gp_describe(const gp_problem *p, const fh_grpo_options *o, const gp_config 
 {
     snprintf(buf, size,
              "B=%lld T=%lld H=%lld V=%lld %s bias=%d | %s %s old=%d beta=%g delta=%g eps=(%g,%g) temp=%g ent=%g "
-             "nib=%g mcl=%lld | tiles=%lldx%lld threads=%d step=%d g=%g gbeta=%g",
+             "nib=%g mcl=%lld q=%g opm=%g bias_kl=%d samp=%d is=%d:%d[%g,%g] vespo=(%g,%g,%g,%g) | tiles=%lldx%lld "
+             "threads=%d step=%d g=%g gbeta=%g",
              (long long)p->batch, (long long)p->seq, (long long)p->hidden, (long long)p->vocab,
              p->layout == FH_LAYOUT_HV ? "hv" : "vh", p->bias != NULL, gp_loss_name(o->loss_type),
              o->importance_sampling_level == FH_GRPO_IS_SEQUENCE ? "sequence" : "token", p->old != NULL, o->beta,
              o->delta, o->epsilon_low, o->epsilon_high, o->temperature, o->entropy_coef, o->num_items_in_batch,
-             (long long)o->max_completion_length, (long long)c->tile_rows, (long long)c->tile_vocab, c->threads,
+             (long long)o->max_completion_length, o->top_entropy_quantile, o->off_policy_mask_threshold,
+             o->use_bias_correction_kl, p->samp != NULL, o->vllm_importance_sampling_correction,
+             (int)o->vllm_importance_sampling_mode, o->vllm_importance_sampling_clip_min,
+             o->vllm_importance_sampling_clip_max, o->vespo_k_pos, o->vespo_lambda_pos, o->vespo_k_neg,
+             o->vespo_lambda_neg, (long long)c->tile_rows, (long long)c->tile_vocab, c->threads,
              c->train_step, (double)gp_grad_output(c), (double)c->grad_beta);
 }
 
@@ -512,15 +565,15 @@ int gp_check(const gp_problem *p, const fh_grpo_options *o, const gp_config *c, 
         gp_reference r;
         gp_diff d;
         gp_run_reference(p, o, gp_grad_output(c), c->grad_beta, &r);
-        gp_measure(p, &f, &r, c->grad_beta, &d);
+        gp_measure(p, o, &f, &r, c->grad_beta, &d);
         gp_track(&d);
         pass = gp_diff_pass(&d);
         TU_CHECK(pass,
                  "%s [%s]: loss %.17g vs %.17g (diff %.2e, tol %.2e); metrics %.2e (tol %g); logp %.2e entropy %.2e "
-                 "lse %.2e per_token_loss %.2e (tol %g); dx %.2e dweight %.2e dbias %.2e (tol %g); %lld masked dx "
+                 "lse %.2e per_token_loss %.2e (tol %g); dx %.2e dweight %.2e dbias %.2e (tol %.3g); %lld masked dx "
                  "rows not exactly %g",
                  label, desc, f.loss, r.loss, d.loss, d.loss_tol, d.metrics, GRPO_METRIC_TOL, d.logp, d.entropy,
-                 d.lse, d.per_token_loss, GP_TOKEN_TOL, d.dx, d.dweight, d.dbias, GRPO_GRAD_NORM_REL_TOL,
+                 d.lse, d.per_token_loss, GP_TOKEN_TOL, d.dx, d.dweight, d.dbias, d.grad_tol,
                  (long long)d.masked_rows_touched, (double)c->grad_beta);
         gp_reference_free(&r);
     }
@@ -535,6 +588,12 @@ void gp_options(fh_grpo_options *o, fh_grpo_loss_type type, fh_grpo_is_level lev
     o->importance_sampling_level = level;
 }
 
+int gp_clipped(fh_grpo_loss_type t)
+{
+    return t == FH_GRPO_LOSS_GRPO || t == FH_GRPO_LOSS_BNPO || t == FH_GRPO_LOSS_DR_GRPO || t == FH_GRPO_LOSS_DAPO ||
+           t == FH_GRPO_LOSS_LUSPO;
+}
+
 int gp_pick(int k, unsigned salt, unsigned one_in)
 {
     uint64_t h = ((uint64_t)(unsigned)k + 1) * 0x9E3779B97F4A7C15ull ^ (uint64_t)salt * 0xC2B2AE3D27D4EB4Full;
@@ -544,6 +603,7 @@ int gp_pick(int k, unsigned salt, unsigned one_in)
     return h % one_in == 0;
 }
 
-const fh_grpo_loss_type gp_all_losses[GP_LOSS_TYPES] = {FH_GRPO_LOSS_GRPO, FH_GRPO_LOSS_BNPO,  FH_GRPO_LOSS_DR_GRPO,
-                                                      FH_GRPO_LOSS_DAPO, FH_GRPO_LOSS_CISPO, FH_GRPO_LOSS_SAPO};
+const fh_grpo_loss_type gp_all_losses[GP_LOSS_TYPES] = {
+    FH_GRPO_LOSS_GRPO,  FH_GRPO_LOSS_BNPO, FH_GRPO_LOSS_DR_GRPO, FH_GRPO_LOSS_DAPO,
+    FH_GRPO_LOSS_CISPO, FH_GRPO_LOSS_SAPO, FH_GRPO_LOSS_LUSPO,   FH_GRPO_LOSS_VESPO};
 const fh_grpo_is_level gp_all_levels[GP_IS_LEVELS] = {FH_GRPO_IS_TOKEN, FH_GRPO_IS_SEQUENCE};

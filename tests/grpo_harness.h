@@ -12,6 +12,8 @@
  *                   differ by at most GP_TOKEN_TOL (1 + |logp|) < 2e-4 (asserted; ~1e-6 (1 + |logp|) in practice);
  *                   or the ratio sits exactly on the bound in both (grpo_clip).
  *   gradients       GRPO_GRAD_NORM_REL_TOL normwise relative (same engine and fp32 GEMMs as cross-entropy).
+ *   vespo's phi and the on-policy sequence importance-sampling ratio: each of the above plus twice the derived
+ *                   grpo_slack (grpo_case.h): detached factors exponential in a row's sum of log-probs.
  *   per-token       GP_TOKEN_TOL * (1 + |ref|) on per_token_logp, entropy, lse and per_token_loss (see below). */
 #ifndef FH_GRPO_HARNESS_H
 #define FH_GRPO_HARNESS_H
@@ -41,6 +43,7 @@ typedef struct gp_problem {
     float *mask, *adv;
     float *old;  /* NULL: on-policy */
     float *ref;  /* always filled; passed to the library only when beta != 0 */
+    float *samp; /* the sampler's log-probs (sampling_per_token_logps), or NULL */
     uint64_t rng;
 } gp_problem;
 
@@ -62,10 +65,13 @@ typedef struct gp_reference {
     double loss;
     fh_grpo_metrics metrics;
     double *logp, *per_token_loss, *entropy, *lse, *dx, *dweight, *dbias; /* dweight in the problem's layout */
+    grpo_ref_detail detail; /* for grpo_slack_of */
 } gp_reference;
 
 typedef struct gp_diff {
-    double loss, loss_tol, metrics;
+    double loss, loss_tol;
+    double metrics; /* the largest metric difference beyond its slack (grpo_case.h: grpo_slack) */
+    double grad_tol; /* GRPO_GRAD_NORM_REL_TOL plus twice the grad_rel slack */
     double logp, entropy, lse, per_token_loss;
     double dx, dweight, dbias;
     int64_t masked_rows_touched; /* dx rows of mask-0 tokens that are not exactly the prefill (0 or 1) */
@@ -99,6 +105,11 @@ void gp_set_old(gp_problem *p, const fh_grpo_options *o);
  * over grpo_shapes with U(-0.4, 0.4): 4.7e-6 normwise; with this draw: < 3e-6). */
 void gp_set_ref(gp_problem *p, double temperature);
 
+/* The sampler's log-probs: the old ones (the reference's current ones on-policy: call after gp_set_old) plus
+ * U(-spread, spread). Importance-sampling ratios e^+-spread per token; in the sequence modes the row sums of
+ * those gaps. */
+void gp_set_sampling(gp_problem *p, double temperature, double spread);
+
 fh_grpo_batch gp_batch(const gp_problem *p, const fh_grpo_options *o);
 
 void gp_linear(const gp_problem *p, fh_linear *lin);
@@ -122,6 +133,9 @@ fh_status gp_run_fused_on(fh_context *ctx, const gp_problem *p, const fh_grpo_op
 
 fh_status gp_run_fused(const gp_problem *p, const fh_grpo_options *o, const gp_config *c, gp_fused *f);
 
+/* Whether fh_grpo_backward needs the saved entropy (the entropy bonus or the top-entropy mask). */
+int gp_needs_entropy(const fh_grpo_options *o);
+
 /* ref_grpo_forward / ref_grpo_backward, plus the lse of the tempered logits. */
 void gp_run_reference(const gp_problem *p, const fh_grpo_options *o, double grad_output, double grad_beta,
                       gp_reference *r);
@@ -136,6 +150,11 @@ void gp_reference_backward_from_logp(const gp_problem *p, const fh_grpo_options 
                                      double *dbias);
 
 double gp_metrics_diff(const fh_grpo_metrics *a, const fh_grpo_metrics *b);
+/* The same, each metric less its slack (grpo_case.h: grpo_metric_slack). */
+double gp_metrics_diff_slack(const fh_grpo_metrics *a, const fh_grpo_metrics *b, const grpo_slack *slack);
+
+/* The slack of a fused run against the reference on problem p (grpo_case.h). */
+grpo_slack gp_slack(const gp_problem *p, const fh_grpo_options *o, const gp_fused *f, const gp_reference *r);
 
 const char *gp_loss_name(fh_grpo_loss_type t);
 
@@ -150,12 +169,15 @@ int gp_check(const gp_problem *p, const fh_grpo_options *o, const gp_config *c, 
 
 void gp_options(fh_grpo_options *o, fh_grpo_loss_type type, fh_grpo_is_level level);
 
+/* TRL's clipped family, which logs the clip metrics: grpo, bnpo, dr_grpo, dapo, luspo. */
+int gp_clipped(fh_grpo_loss_type t);
+
 /* A deterministic pseudo-random choice for case k (one time in `one_in`), so that the options spread over a
  * matrix by its counter do not line up with the matrix's own loops (as k & 1 would with the innermost one). */
 int gp_pick(int k, unsigned salt, unsigned one_in);
 
 /* Every loss type and importance-sampling level, for the suites' option matrices. */
-#define GP_LOSS_TYPES 6
+#define GP_LOSS_TYPES 8
 #define GP_IS_LEVELS 2
 extern const fh_grpo_loss_type gp_all_losses[GP_LOSS_TYPES];
 extern const fh_grpo_is_level gp_all_levels[GP_IS_LEVELS];

@@ -58,7 +58,7 @@ static void test_on_policy_bounds(void)
         {"eps_low = eps_high = 0, delta = 1", 0.0, 0.0, 1.0, -1e-9, -1e-9, 1.0 - 1e-9},
     };
     static const fh_grpo_loss_type clipped[] = {FH_GRPO_LOSS_GRPO, FH_GRPO_LOSS_BNPO, FH_GRPO_LOSS_DR_GRPO,
-                                                FH_GRPO_LOSS_DAPO};
+                                                FH_GRPO_LOSS_DAPO, FH_GRPO_LOSS_LUSPO};
     int k = 0;
     for (size_t vi = 0; vi < TU_COUNT(variants); vi++) {
         for (size_t lt = 0; lt < TU_COUNT(clipped); lt++)
@@ -258,7 +258,7 @@ static void test_off_policy_exact_bounds(void)
                     gp_track(&d);
                 }
                 /* Teeth (clipped family, where the bounds carry gradient): the open-interval answer. */
-                if (lt < 4) {
+                if (gp_clipped(gp_all_losses[lt])) {
                     fh_grpo_options open = o;
                     open.epsilon_low = o.epsilon_low - 1e-9;
                     open.epsilon_high = o.epsilon_high - 1e-9;

@@ -2,9 +2,12 @@
  *   - each invalid argument returns its own documented status from fh_grpo_forward, fh_grpo_backward and
  *     fh_grpo_forward_backward (where the call takes it), leaves every output buffer bit-identical (pre-filled
  *     with a canary) and every input untouched, and the context message is non-empty and names the problem;
- *   - out-of-range ids under the mask are accepted; documented equivalent option spellings (delta NaN / 0,
- *     epsilon_high NaN / epsilon_low, num_items_in_batch 0 / negative, max_completion_length 0 / negative / T)
- *     give bitwise identical results;
+ *   - out-of-range ids under the mask are accepted; so are the option combinations TRL's checks let through (the
+ *     vLLM importance-sampling options when the correction is off, vespo with a sequence mode on a batch without
+ *     sampler log-probs, a negative VESPO lambda, which TRL clamps); documented equivalent option spellings
+ *     (delta NaN / 0, epsilon_high NaN / epsilon_low, num_items_in_batch 0 / negative and 0.25 / 1,
+ *     max_completion_length 0 / negative / T, the correction off / no sampler log-probs, VESPO lambda below 1e-4 /
+ *     1e-4) give bitwise identical results;
  *   - fh_grpo_workspace_size: a caller workspace of exactly that size works for all three calls (nothing written
  *     outside it), one byte less fails with FH_ERR_WORKSPACE_TOO_SMALL and untouched outputs; the query's own
  *     argument checks and purity;
@@ -34,7 +37,7 @@ typedef struct outputs {
 typedef struct inputs {
     float x[N * H], weight[H * V], bias[V];
     int64_t ids[N];
-    float mask[N], adv[B], old[N], ref[N], grad_output[1];
+    float mask[N], adv[B], old[N], ref[N], samp[N], grad_output[1];
     float saved_logp[N], saved_lse[N], saved_entropy[N];
 } inputs;
 
@@ -57,8 +60,9 @@ typedef struct fixture {
     fh_linear_grads *call_grads;
 } fixture;
 
-/* A valid call using every input: bias, old and ref log-probs (beta 0.04), entropy_coef 0.01 (the backward
- * needs the entropy), delta, GSPO off; row 1 padded at its end with an out-of-range id under the mask. */
+/* A valid call using every input: bias, old, ref and sampler log-probs (beta 0.04; the vLLM importance-sampling
+ * correction at its defaults, sequence_mask below 3), entropy_coef 0.01 (the backward needs the entropy), delta,
+ * GSPO off, dapo (the default); row 1 padded at its end with an out-of-range id under the mask. */
 static void fixture_init(void *fixture_)
 {
     fixture *f = fixture_;
@@ -73,6 +77,7 @@ static void fixture_init(void *fixture_)
         f->in.ids[i] = (int64_t)(ce_uniform(&rng) * V);
         f->in.mask[i] = 1.0f;
         f->in.old[i] = (float)(-2.0 + ce_uniform(&rng));
+        f->in.samp[i] = f->in.old[i] + (float)(0.2 * (ce_uniform(&rng) - 0.5));
         f->in.ref[i] = (float)(-2.0 + ce_uniform(&rng));
     }
     f->in.mask[N - 1] = 0.0f;
@@ -81,7 +86,7 @@ static void fixture_init(void *fixture_)
     f->in.adv[1] = -0.75f;
     f->in.grad_output[0] = 1.0f;
     fh_linear_init(&f->lin, N, H, V, f->in.x, f->in.weight, FH_LAYOUT_HV, f->in.bias);
-    const fh_grpo_batch batch = {B, T, f->in.ids, f->in.mask, f->in.adv, f->in.old, f->in.ref};
+    const fh_grpo_batch batch = {B, T, f->in.ids, f->in.mask, f->in.adv, f->in.old, f->in.ref, f->in.samp};
     f->batch = batch;
     fh_grpo_options_init(&f->options);
     f->options.beta = 0.04;
@@ -224,6 +229,38 @@ MUTATION(ptl_over_mask, f->fwd_out.per_token_loss = f->in.mask)
 MUTATION(lse_output_over_ref, f->fwd_out.lse = f->in.ref)
 MUTATION(logp_one_off_old, f->fwd_out.per_token_logp = f->in.old + 1)
 MUTATION(dx_over_saved_lse, f->grads.dx = f->in.saved_lse)
+/* The options TRL added up to f2cd5771 (fusedhead.h: FH_ERR_INVALID_GRPO_OPTION). */
+MUTATION(quantile_above_one, f->options.top_entropy_quantile = 1.5)
+MUTATION(quantile_negative, f->options.top_entropy_quantile = -0.1)
+MUTATION(quantile_nan, f->options.top_entropy_quantile = NAN)
+MUTATION(off_policy_inf, f->options.off_policy_mask_threshold = INFINITY)
+MUTATION(vespo_k_nan, (f->options.loss_type = FH_GRPO_LOSS_VESPO, f->options.vespo_k_pos = NAN))
+MUTATION(vespo_lambda_inf, f->options.vespo_lambda_neg = INFINITY)
+MUTATION(is_mode_four, f->options.vllm_importance_sampling_mode = (fh_grpo_vllm_is_mode)4)
+MUTATION(is_mode_negative, f->options.vllm_importance_sampling_mode = (fh_grpo_vllm_is_mode)-1)
+MUTATION(truncate_without_bounds, (f->options.vllm_importance_sampling_mode = FH_GRPO_VLLM_IS_TOKEN_TRUNCATE,
+                                   f->options.vllm_importance_sampling_clip_max = NAN))
+MUTATION(sequence_truncate_without_bounds,
+         (f->options.vllm_importance_sampling_mode = FH_GRPO_VLLM_IS_SEQUENCE_TRUNCATE,
+          f->options.vllm_importance_sampling_clip_max = NAN))
+/* ... made whenever the correction is on, as TRL's GRPOConfig does, with or without sampler log-probs */
+MUTATION(truncate_without_bounds_no_samp, (f->options.vllm_importance_sampling_mode = FH_GRPO_VLLM_IS_TOKEN_TRUNCATE,
+                                           f->options.vllm_importance_sampling_clip_max = NAN,
+                                           f->batch.sampling_per_token_logps = NULL))
+MUTATION(clip_min_equals_max, f->options.vllm_importance_sampling_clip_min = 3.0)
+MUTATION(clip_min_above_max, (f->options.vllm_importance_sampling_clip_min = 2.0,
+                              f->options.vllm_importance_sampling_clip_max = 1.0))
+MUTATION(clip_min_inf, (f->options.vllm_importance_sampling_clip_min = -INFINITY))
+MUTATION(clip_max_inf, (f->options.vllm_importance_sampling_clip_max = INFINITY))
+MUTATION(vespo_sequence_mode, f->options.loss_type = FH_GRPO_LOSS_VESPO) /* the default mode is sequence_mask */
+MUTATION(vespo_sequence_truncate, (f->options.loss_type = FH_GRPO_LOSS_VESPO,
+                                   f->options.vllm_importance_sampling_mode = FH_GRPO_VLLM_IS_SEQUENCE_TRUNCATE))
+MUTATION(null_entropy_with_quantile, (f->options.entropy_coef = 0.0, f->options.top_entropy_quantile = 0.5,
+                                      f->call_entropy = NULL))
+MUTATION(ptl_over_samp, f->fwd_out.per_token_loss = f->in.samp)
+MUTATION(logp_over_samp, f->fwd_out.per_token_logp = f->in.samp)
+MUTATION(samp_over_entropy_output, f->batch.sampling_per_token_logps = f->out.entropy)
+MUTATION(dx_over_samp, f->grads.dx = f->in.samp)
 
 static const cd_case bad_cases[] = {
     {"NULL context", null_ctx, ALL, FH_ERR_NULL_POINTER, NULL},
@@ -299,6 +336,38 @@ static const cd_case bad_cases[] = {
     {"per_token_logp one float off old_per_token_logps", logp_one_off_old, FWD | STEP, FH_ERR_OVERLAPPING_BUFFERS,
      "per_token_logp"},
     {"dx over the saved lse", dx_over_saved_lse, BWD, FH_ERR_OVERLAPPING_BUFFERS, "dx"},
+    {"top_entropy_quantile 1.5", quantile_above_one, ALL, FH_ERR_INVALID_GRPO_OPTION, "top_entropy_quantile"},
+    {"top_entropy_quantile -0.1", quantile_negative, ALL, FH_ERR_INVALID_GRPO_OPTION, "top_entropy_quantile"},
+    {"top_entropy_quantile NaN", quantile_nan, ALL, FH_ERR_INVALID_GRPO_OPTION, "top_entropy_quantile"},
+    {"off_policy_mask_threshold inf", off_policy_inf, ALL, FH_ERR_INVALID_GRPO_OPTION, "off_policy_mask_threshold"},
+    {"vespo_k_pos NaN", vespo_k_nan, ALL, FH_ERR_INVALID_GRPO_OPTION, "VESPO"},
+    {"vespo_lambda_neg inf (any loss type)", vespo_lambda_inf, ALL, FH_ERR_INVALID_GRPO_OPTION, "VESPO"},
+    {"vllm_importance_sampling_mode 4", is_mode_four, ALL, FH_ERR_INVALID_GRPO_OPTION,
+     "vllm_importance_sampling_mode"},
+    {"vllm_importance_sampling_mode -1", is_mode_negative, ALL, FH_ERR_INVALID_GRPO_OPTION,
+     "vllm_importance_sampling_mode"},
+    {"token_truncate without a bound", truncate_without_bounds, ALL, FH_ERR_INVALID_GRPO_OPTION, "truncate"},
+    {"sequence_truncate without a bound", sequence_truncate_without_bounds, ALL, FH_ERR_INVALID_GRPO_OPTION,
+     "truncate"},
+    {"token_truncate without a bound, no sampler log-probs", truncate_without_bounds_no_samp, ALL,
+     FH_ERR_INVALID_GRPO_OPTION, "truncate"},
+    {"clip_min == clip_max", clip_min_equals_max, ALL, FH_ERR_INVALID_GRPO_OPTION, "clip_min"},
+    {"clip_min > clip_max", clip_min_above_max, ALL, FH_ERR_INVALID_GRPO_OPTION, "clip_min"},
+    {"clip_min -inf", clip_min_inf, ALL, FH_ERR_INVALID_GRPO_OPTION, "clip_min"},
+    {"clip_max inf", clip_max_inf, ALL, FH_ERR_INVALID_GRPO_OPTION, "clip_max"},
+    {"vespo with sequence_mask where the correction applies", vespo_sequence_mode, ALL, FH_ERR_INVALID_GRPO_OPTION,
+     "vespo"},
+    {"vespo with sequence_truncate where the correction applies", vespo_sequence_truncate, ALL,
+     FH_ERR_INVALID_GRPO_OPTION, "vespo"},
+    {"backward without entropy, top_entropy_quantile < 1", null_entropy_with_quantile, BWD, FH_ERR_NULL_POINTER,
+     "entropy"},
+    {"per_token_loss over sampling_per_token_logps", ptl_over_samp, FWD | STEP, FH_ERR_OVERLAPPING_BUFFERS,
+     "per_token_loss"},
+    {"per_token_logp over sampling_per_token_logps", logp_over_samp, FWD | STEP, FH_ERR_OVERLAPPING_BUFFERS,
+     "per_token_logp"},
+    {"sampling_per_token_logps over the entropy output", samp_over_entropy_output, FWD | STEP,
+     FH_ERR_OVERLAPPING_BUFFERS, "entropy"},
+    {"dx over sampling_per_token_logps", dx_over_samp, BWD | STEP, FH_ERR_OVERLAPPING_BUFFERS, "dx"},
 };
 
 static void test_bad_arguments(void)
@@ -336,6 +405,42 @@ static void test_masked_out_of_range_ids_accepted(void)
         }
 }
 
+/* What TRL lets through is accepted by every call: the importance-sampling options are not checked with the
+ * correction off; vespo takes a sequence mode where the correction does not apply (no sampler log-probs, or the
+ * correction off); a VESPO lambda below 1e-4 (TRL clamps it); the entropy mask with q = 0 (the largest entropy)
+ * and q = 1 (off). */
+MUTATION(correction_off_bad_bounds, (f->options.vllm_importance_sampling_correction = 0,
+                                     f->options.vllm_importance_sampling_mode = FH_GRPO_VLLM_IS_TOKEN_TRUNCATE,
+                                     f->options.vllm_importance_sampling_clip_min = 5.0,
+                                     f->options.vllm_importance_sampling_clip_max = NAN))
+MUTATION(vespo_sequence_no_samp, (f->options.loss_type = FH_GRPO_LOSS_VESPO, f->batch.sampling_per_token_logps = NULL))
+MUTATION(vespo_sequence_correction_off, (f->options.loss_type = FH_GRPO_LOSS_VESPO,
+                                         f->options.vllm_importance_sampling_correction = 0))
+MUTATION(vespo_token_mode_negative_lambda,
+         (f->options.loss_type = FH_GRPO_LOSS_VESPO,
+          f->options.vllm_importance_sampling_mode = FH_GRPO_VLLM_IS_TOKEN_MASK, f->options.vespo_lambda_pos = -2.0,
+          f->options.vespo_lambda_neg = 0.0))
+MUTATION(quantile_zero, f->options.top_entropy_quantile = 0.0)
+MUTATION(quantile_one_luspo, (f->options.top_entropy_quantile = 1.0, f->options.loss_type = FH_GRPO_LOSS_LUSPO))
+MUTATION(every_option, (f->options.top_entropy_quantile = 0.5, f->options.off_policy_mask_threshold = 0.0,
+                        f->options.use_bias_correction_kl = 1,
+                        f->options.vllm_importance_sampling_mode = FH_GRPO_VLLM_IS_SEQUENCE_TRUNCATE,
+                        f->options.vllm_importance_sampling_clip_min = 0.5))
+static const cd_case accepted[] = {
+    {"the correction off: its options unchecked", correction_off_bad_bounds, ALL, FH_OK, NULL},
+    {"vespo, sequence_mask, no sampler log-probs", vespo_sequence_no_samp, ALL, FH_OK, NULL},
+    {"vespo, sequence_mask, correction off", vespo_sequence_correction_off, ALL, FH_OK, NULL},
+    {"vespo, token_mask, lambda -2 and 0", vespo_token_mode_negative_lambda, ALL, FH_OK, NULL},
+    {"top_entropy_quantile 0", quantile_zero, ALL, FH_OK, NULL},
+    {"luspo, top_entropy_quantile 1", quantile_one_luspo, ALL, FH_OK, NULL},
+    {"every new option at once", every_option, ALL, FH_OK, NULL},
+};
+
+static void test_accepted_options(void)
+{
+    cd_run_valid_calls(&api, accepted, TU_COUNT(accepted), NULL);
+}
+
 /* Documented spellings of the same option give bitwise identical outputs (forward and train step):
  * delta NaN == 0 (off); epsilon_high NaN == epsilon_low; num_items_in_batch 0 == -3 == max(sum of mask, 1) (the
  * fixture's mask sums to 5); max_completion_length 0 == -1 == T. */
@@ -351,6 +456,14 @@ SPELLING(dapo_items_mask_sum, (o->loss_type = FH_GRPO_LOSS_DAPO, o->num_items_in
 SPELLING(dr_length_zero, (o->loss_type = FH_GRPO_LOSS_DR_GRPO, o->max_completion_length = 0))
 SPELLING(dr_length_negative, (o->loss_type = FH_GRPO_LOSS_DR_GRPO, o->max_completion_length = -1))
 SPELLING(dr_length_t, (o->loss_type = FH_GRPO_LOSS_DR_GRPO, o->max_completion_length = T))
+SPELLING(dapo_items_quarter, (o->loss_type = FH_GRPO_LOSS_DAPO, o->num_items_in_batch = 0.25))
+SPELLING(dapo_items_one, (o->loss_type = FH_GRPO_LOSS_DAPO, o->num_items_in_batch = 1.0))
+SPELLING(correction_off, (o->vllm_importance_sampling_correction = 0))
+SPELLING(no_samp_logps, (in->samp[0] = NAN)) /* marks the fixture's batch for no sampler log-probs (below) */
+SPELLING(vespo_lambda_negative, (o->loss_type = FH_GRPO_LOSS_VESPO, o->vespo_lambda_pos = -1.0,
+                                 o->vespo_lambda_neg = 0.0, o->vllm_importance_sampling_correction = 0))
+SPELLING(vespo_lambda_floor, (o->loss_type = FH_GRPO_LOSS_VESPO, o->vespo_lambda_pos = 1e-4,
+                              o->vespo_lambda_neg = 1e-4, o->vllm_importance_sampling_correction = 0))
 
 static void test_equivalent_spellings(void)
 {
@@ -364,6 +477,9 @@ static void test_equivalent_spellings(void)
         {"num_items_in_batch 0 vs sum of mask", dapo_items_zero, dapo_items_mask_sum},
         {"max_completion_length 0 vs -1", dr_length_zero, dr_length_negative},
         {"max_completion_length 0 vs T", dr_length_zero, dr_length_t},
+        {"num_items_in_batch 0.25 vs 1 (TRL clamps it to >= 1)", dapo_items_quarter, dapo_items_one},
+        {"the correction off vs no sampler log-probs", correction_off, no_samp_logps},
+        {"VESPO lambda -1 / 0 vs 1e-4 (clamped)", vespo_lambda_negative, vespo_lambda_floor},
     };
     for (size_t k = 0; k < TU_COUNT(pairs); k++)
         for (int which = FWD; which <= STEP; which *= 4) {
@@ -372,6 +488,8 @@ static void test_equivalent_spellings(void)
                 fixture f;
                 fixture_init(&f);
                 (side ? pairs[k].b : pairs[k].a)(&f.options, &f.in);
+                if (isnan(f.in.samp[0]))
+                    f.batch.sampling_per_token_logps = NULL;
                 const fh_status st = call(&f, which);
                 TU_CHECK(st == FH_OK, "%s (%d), %s: status %d", pairs[k].name, side, call_name(which), (int)st);
                 results[side] = f.out;
@@ -431,12 +549,19 @@ static void test_options_init_and_optional_outputs(void)
     fh_grpo_options o;
     memset(&o, 0x5A, sizeof o);
     TU_CHECK(fh_grpo_options_init(&o) == FH_OK, "fh_grpo_options_init");
-    TU_CHECK(o.loss_type == FH_GRPO_LOSS_GRPO && o.importance_sampling_level == FH_GRPO_IS_TOKEN &&
+    TU_CHECK(o.loss_type == FH_GRPO_LOSS_DAPO && o.importance_sampling_level == FH_GRPO_IS_TOKEN &&
                  o.temperature == 1.0 && o.epsilon_low == 0.2 && isnan(o.epsilon_high) &&
                  (isnan(o.delta) || o.delta == 0.0) && o.beta == 0.0 && o.sapo_temperature_pos == 1.0 &&
                  o.sapo_temperature_neg == 1.05 && o.num_items_in_batch <= 0.0 && o.max_completion_length <= 0 &&
                  o.entropy_coef == 0.0,
              "documented defaults");
+    TU_CHECK(o.top_entropy_quantile == 1.0 && isnan(o.off_policy_mask_threshold) && o.use_bias_correction_kl == 0 &&
+                 o.vllm_importance_sampling_correction == 1 &&
+                 o.vllm_importance_sampling_mode == FH_GRPO_VLLM_IS_SEQUENCE_MASK &&
+                 isnan(o.vllm_importance_sampling_clip_min) && o.vllm_importance_sampling_clip_max == 3.0 &&
+                 o.vespo_k_pos == 2.0 && o.vespo_lambda_pos == 3.0 && o.vespo_k_neg == 3.0 &&
+                 o.vespo_lambda_neg == 2.0,
+             "documented defaults of the options TRL added up to f2cd5771");
     TU_CHECK(fh_grpo_options_init(NULL) == FH_ERR_NULL_POINTER, "fh_grpo_options_init(NULL)");
 
     /* "any may be NULL" (outputs); "A NULL pointer skips that gradient". */
@@ -447,6 +572,7 @@ static const tu_test tests[] = {
     {"each bad argument: own status, untouched outputs, message", test_bad_arguments},
     {"valid calls write their outputs; message reset", test_valid_calls},
     {"out-of-range ids under the mask accepted", test_masked_out_of_range_ids_accepted},
+    {"option combinations TRL lets through accepted", test_accepted_options},
     {"equivalent option spellings are bitwise identical", test_equivalent_spellings},
     {"caller workspace: exact size, size - 1, guards; size query", test_workspace},
     {"options init and optional outputs", test_options_init_and_optional_outputs},

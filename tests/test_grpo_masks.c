@@ -139,7 +139,7 @@ static void test_fully_masked_batch(void)
                 TU_CHECK(st == FH_OK, "%s level %d: status %d", name, (int)o.importance_sampling_level, (int)st);
                 if (st == FH_OK) {
                     const fh_grpo_metrics *m = &f.metrics;
-                    const int clipped = lt < 4, cispo = o.loss_type == FH_GRPO_LOSS_CISPO;
+                    const int clipped = gp_clipped(o.loss_type), cispo = o.loss_type == FH_GRPO_LOSS_CISPO;
                     TU_CHECK(f.loss == 0.0, "%s: loss %g, expected exactly 0", name, f.loss);
                     TU_CHECK(tu_all_equal_f(f.dx, n * h, 0.0f) && tu_all_equal_f(f.dweight, h * v, 0.0f) &&
                                  tu_all_equal_f(f.dbias, v, 0.0f),
@@ -154,6 +154,19 @@ static void test_fully_masked_batch(void)
                                            isnan(m->clip_ratio_region_mean),
                              "%s: clip ratios %g %g %g", name, m->clip_ratio_low_mean, m->clip_ratio_high_mean,
                              m->clip_ratio_region_mean);
+                    /* nanmin / nanmax over rows that are all empty: NaN at the token level (0 / 0 per row); the
+                     * rows' flags, 0 (r = 1), at the sequence level */
+                    TU_CHECK(clipped && lv == 1 ? m->clip_ratio_low_min == 0.0 && m->clip_ratio_high_max == 0.0
+                                                : isnan(m->clip_ratio_low_min) && isnan(m->clip_ratio_high_max),
+                             "%s level %zu: low_min %g high_max %g", name, lv, m->clip_ratio_low_min,
+                             m->clip_ratio_high_max);
+                    TU_CHECK(m->policy_loss == 0.0 && m->entropy_coef == 0.1,
+                             "%s: policy_loss %g entropy_coef %g, expected 0 and 0.1", name, m->policy_loss,
+                             m->entropy_coef);
+                    TU_CHECK(o.loss_type == FH_GRPO_LOSS_VESPO ? m->vespo_phi_seq_mean == 1.0
+                                                                : isnan(m->vespo_phi_seq_mean),
+                             "%s: vespo/phi_seq_mean %g (on-policy: phi = 1 on every row)", name,
+                             m->vespo_phi_seq_mean);
                     const double cispo_expected = lv == 1 ? 1.0 / 3.0 : 0.0;
                     TU_CHECK(cispo ? m->cispo_clip_ratio == cispo_expected : isnan(m->cispo_clip_ratio),
                              "%s level %zu: cispo_clip_ratio %g", name, lv, m->cispo_clip_ratio);
@@ -164,7 +177,9 @@ static void test_fully_masked_batch(void)
 }
 
 /* Out-of-range ids under the mask: per_token_logp is exactly 0 there, and the loss, metrics and gradients are
- * bitwise those of the same problem with in-range ids at those positions (a masked token contributes nothing). */
+ * bitwise those of the same problem with in-range ids at those positions (a masked token contributes nothing).
+ * Except under luspo, whose mean over every position (TRL) weighs a padded token's l by its row's length: there the
+ * id changes l (logp 0 against the real one), and gp_check compares each form with the reference instead. */
 static void test_masked_out_of_range_ids(void)
 {
     static const int64_t bad_ids[] = {-1, -100, 19, INT64_MAX, INT64_MIN};
@@ -191,7 +206,9 @@ static void test_masked_out_of_range_ids(void)
                 const fh_status s2 = gp_run_fused(&p, &o, &c, &out_of_range);
                 const char *name = gp_loss_name(o.loss_type);
                 TU_CHECK(s1 == FH_OK && s2 == FH_OK, "%s: status %d, %d", name, (int)s1, (int)s2);
-                if (s1 == FH_OK && s2 == FH_OK) {
+                if (o.loss_type == FH_GRPO_LOSS_LUSPO)
+                    gp_check(&p, &o, &c, "luspo, out-of-range ids under the mask");
+                if (s1 == FH_OK && s2 == FH_OK && o.loss_type != FH_GRPO_LOSS_LUSPO) {
                     const size_t n = (size_t)gp_n(&p), h = (size_t)p.hidden, v = (size_t)p.vocab;
                     int zero_logp = 1;
                     for (size_t i = 0; i < n; i++)

@@ -6,8 +6,10 @@
 
 /* For each loss type, level, beta, old/on-policy and delta (off; 1.5 above the clip range; 1.1 inside it, where
  * the clip flags must use c1 = min(r, delta) and not r; 0.7 below 1 - eps_low):
- *   - NaN exactly where TRL logs nothing: kl when beta == 0, the three clip ratios outside the clipped family,
- *     cispo_clip_ratio outside cispo, entropy never;
+ *   - NaN exactly where TRL logs nothing: kl when beta == 0, the five clip metrics (low/high/region mean, low_min,
+ *     high_max) outside the clipped family (luspo in it), cispo_clip_ratio outside cispo, vespo/phi_seq_mean
+ *     outside vespo, policy_loss and entropy_coef without the entropy bonus, the sampling metrics without sampler
+ *     log-probs, entropy never (the new metrics' values: grpo_trl);
  *   - the values against the reference (GRPO_METRIC_TOL; old log-probs guarded away from the bounds);
  *   - region == low + high (A's sign makes low and high disjoint; 1e-15 for the two divisions);
  *   - with old log-probs at the token level the clipped family sees both clip sides (the high one unless delta
@@ -30,7 +32,8 @@ static void test_metrics(void)
                     o.temperature = 0.7;
                     o.beta = with_beta ? 0.04 : 0.0;
                     o.delta = deltas[di];
-                    const int clipped = lt < 4, cispo = o.loss_type == FH_GRPO_LOSS_CISPO;
+                    const int clipped = gp_clipped(o.loss_type), cispo = o.loss_type == FH_GRPO_LOSS_CISPO;
+                    const int vespo = o.loss_type == FH_GRPO_LOSS_VESPO;
                     const int seq = o.importance_sampling_level == FH_GRPO_IS_SEQUENCE;
                     const gp_config c = {.threads = 1, .tile_rows = 8, .tile_vocab = 16};
                     gp_problem p;
@@ -70,9 +73,20 @@ static void test_metrics(void)
                              m->clip_ratio_region_mean);
                     TU_CHECK(gp_isnan(m->cispo_clip_ratio) != cispo, "[%s]: cispo_clip_ratio %g", desc,
                              m->cispo_clip_ratio);
+                    TU_CHECK(gp_isnan(m->clip_ratio_low_min) != clipped && gp_isnan(m->clip_ratio_high_max) != clipped,
+                             "[%s]: low_min %g high_max %g", desc, m->clip_ratio_low_min, m->clip_ratio_high_max);
+                    TU_CHECK(isnan(m->policy_loss) && isnan(m->entropy_coef), "[%s]: policy_loss %g entropy_coef %g "
+                             "without the entropy bonus", desc, m->policy_loss, m->entropy_coef);
+                    TU_CHECK(gp_isnan(m->vespo_phi_seq_mean) != vespo, "[%s]: vespo/phi_seq_mean %g", desc,
+                             m->vespo_phi_seq_mean);
+                    TU_CHECK(isnan(m->sampling_logp_difference_mean) && isnan(m->sampling_logp_difference_max) &&
+                                 isnan(m->importance_sampling_ratio_min) && isnan(m->importance_sampling_ratio_mean) &&
+                                 isnan(m->importance_sampling_ratio_max),
+                             "[%s]: sampling metrics without sampler log-probs", desc);
                     gp_reference r;
                     gp_run_reference(&p, &o, 1.0, 0.0, &r);
-                    const double diff = gp_metrics_diff(m, &r.metrics);
+                    const grpo_slack slack = gp_slack(&p, &o, &f, &r);
+                    const double diff = gp_metrics_diff_slack(m, &r.metrics, &slack);
                     TU_CHECK(diff <= GRPO_METRIC_TOL,
                              "[%s]: metrics differ by %.2e: kl %g/%g entropy %g/%g low %g/%g high %g/%g region %g/%g "
                              "cispo %g/%g",

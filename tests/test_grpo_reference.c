@@ -4,7 +4,7 @@
  * Tolerances: grpo_harness.h. */
 #include "grpo_harness.h"
 
-/* 6 loss types x 2 levels x {old, on-policy} x beta {0, 0.04} x delta {off, 1.5} = 96 problems, each checked
+/* 8 loss types x 2 levels x {old, on-policy} x beta {0, 0.04} x delta {off, 1.5} = 128 problems, each checked
  * with separate calls and about a third also with the train step; layout (half), bias (half), eps_high 0.28
  * (half of the clipped cases), 2 threads (1/40, gp_two_threads), grad_output -0.5 (1/5) and gradient
  * accumulation (1/6) spread over the matrix by gp_pick. B = 5 rows with advantages +, -, 0, + and the last row
@@ -23,7 +23,7 @@ static void test_option_matrix(void)
                         o.temperature = 0.7;
                         o.beta = with_beta ? 0.04 : 0.0;
                         o.delta = with_delta ? 1.5 : NAN;
-                        if (lt < 4 && gp_pick(k, 1, 2))
+                        if (gp_clipped(o.loss_type) && gp_pick(k, 1, 2))
                             o.epsilon_high = 0.28;
                         gp_problem p;
                         gp_init(&p, 5, 7, 11, 37, gp_pick(k, 2, 2) ? FH_LAYOUT_HV : FH_LAYOUT_VH, gp_pick(k, 3, 2),

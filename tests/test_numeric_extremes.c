@@ -33,6 +33,7 @@
  * printed, is of that order; torch's fp32 softmax - onehot has the same); N = 1 (no averaging over rows). */
 #include "ce_harness.h"
 #include "grpo_case.h"
+#include "grpo_convert.h"
 #include "ref_grpo.h"
 
 #include <math.h>
@@ -140,7 +141,7 @@ static void check_grpo(grpo_case_spec s, const char *label)
 
 static void test_grpo_extreme_vocab(void)
 {
-    for (int loss_type = FH_GRPO_LOSS_GRPO; loss_type <= FH_GRPO_LOSS_SAPO; loss_type++)
+    for (int loss_type = FH_GRPO_LOSS_GRPO; loss_type <= FH_GRPO_LOSS_VESPO; loss_type++)
         for (int level = 0; level <= 1; level++) {
             grpo_case_spec s;
             grpo_case_spec_default(&s);
@@ -183,7 +184,7 @@ static void test_grpo_single_token(void)
     double wd[V];
     for (int j = 0; j < V; j++)
         wd[j] = w[j];
-    for (int loss_type = FH_GRPO_LOSS_GRPO; loss_type <= FH_GRPO_LOSS_SAPO; loss_type++)
+    for (int loss_type = FH_GRPO_LOSS_GRPO; loss_type <= FH_GRPO_LOSS_VESPO; loss_type++)
         for (int level = 0; level <= 1; level++)
             for (int sign = 0; sign <= 1; sign++)
                 for (int train_step = 0; train_step <= 1; train_step++) {
@@ -197,7 +198,7 @@ static void test_grpo_single_token(void)
                     advantage = sign ? -0.7f : 0.8f;
                     old_logp = -6.0f + 0.3f * (float)sign;
                     ref_logp = -5.5f;
-                    const fh_grpo_batch batch = {1, 1, &id, &mask, &advantage, &old_logp, &ref_logp};
+                    const fh_grpo_batch batch = {1, 1, &id, &mask, &advantage, &old_logp, &ref_logp, NULL};
                     fh_linear lin;
                     fh_linear_init(&lin, 1, 1, V, &x, w, FH_LAYOUT_HV, NULL);
                     double loss = 0.0;
@@ -213,16 +214,9 @@ static void test_grpo_single_token(void)
                         st = fh_grpo_backward(ctx, &lin, &batch, &o, &logp, &lse, &entropy, &one, &g);
                     fh_context_destroy(ctx);
                     /* Reference. */
-                    ref_grpo_options ro;
-                    ref_grpo_options_default(&ro);
-                    ro.loss_type = (ref_grpo_loss_type)loss_type;
-                    ro.importance_sampling_level = level ? REF_GRPO_IS_SEQUENCE : REF_GRPO_IS_TOKEN;
-                    ro.beta = o.beta;
-                    ro.entropy_coef = o.entropy_coef;
-                    ro.entropy_bonus = REF_GRPO_ENTROPY_MASKED_MEAN;
-                    ro.temperature = o.temperature;
+                    const ref_grpo_options ro = grpo_ref_options(&o);
                     const double xd = 1.0, md = 1.0, ad = advantage, od = old_logp, rd = ref_logp;
-                    const ref_grpo_problem rp = {1, 1, 1, V, &xd, wd, NULL, &id, &md, &ad, &od, &rd, NULL};
+                    const ref_grpo_problem rp = {1, 1, 1, V, &xd, wd, NULL, &id, &md, &ad, &od, &rd, NULL, NULL, NULL};
                     double rlogp = 0.0, rdx = 0.0, rdw[V];
                     ref_grpo_result rr = {0};
                     rr.logp = &rlogp;

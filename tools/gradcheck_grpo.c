@@ -4,8 +4,10 @@
 #include "gradcheck_grpo.h"
 
 #include "grpo_case.h"
+#include "grpo_convert.h"
 #include "npy.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,11 +20,32 @@ static void usage(void)
             "       [--temperature t] [--no-old-logps] [--entropy-coef c] [--layout hv|vh] [--bias]\n"
             "       [--threads T] [--seed S] [--train-step] [--tile-rows R] [--tile-vocab C] [--dtype f32|bf16]\n"
             "       [--grad-dtype f32|bf16] [--fp32-du] [--dump DIR] [--grad-filter-eps EPS]\n"
-            "       [--grad-filter-tail estimate|drop] [--logit-scale S]\n"
-            "  X: grpo bnpo dr_grpo dapo cispo sapo\n");
+            "       [--grad-filter-tail estimate|drop] [--logit-scale S] [--budget BYTES]\n"
+            "       [--num-items-in-batch N] [--max-completion-length L] [--top-entropy-quantile q]\n"
+            "       [--off-policy-mask-threshold t] [--bias-correction-kl] [--sampling-logps]\n"
+            "       [--vllm-is-mode M] [--vllm-is-clip-min c|none] [--vllm-is-clip-max c|none]\n"
+            "       [--no-vllm-is-correction] [--vespo-k-pos k] [--vespo-lambda-pos l] [--vespo-k-neg k]\n"
+            "       [--vespo-lambda-neg l] [--sapo-temperature-pos t] [--sapo-temperature-neg t]\n"
+            "  X: grpo bnpo dr_grpo dapo cispo sapo luspo vespo (default dapo, TRL's)\n"
+            "  M: token_truncate token_mask sequence_truncate sequence_mask (default sequence_mask); the correction\n"
+            "     applies with --sampling-logps (the sampler's log-probs: the old ones, or the current ones with\n"
+            "     --no-old-logps, plus U(-0.15, 0.15))\n");
 }
 
-static const char *const loss_types[] = {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"};
+static const char *const loss_types[] = {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"};
+static const char *const is_modes[] = {"token_truncate", "token_mask", "sequence_truncate", "sequence_mask"};
+
+/* A bound of the vLLM importance-sampling ratio: a number, or "none" (NaN). 0, or -1 for neither. */
+static int parse_bound(const char *v, double *bound)
+{
+    if (strcmp(v, "none") == 0) {
+        *bound = NAN;
+        return 0;
+    }
+    char *end;
+    *bound = strtod(v, &end);
+    return *end == '\0' && end != v ? 0 : -1;
+}
 
 /* The GRPO case, as gradcheck_main runs it. */
 typedef struct grpo_check {
@@ -39,12 +62,24 @@ static int grpo_option(void *spec, const char *a, const char *v)
         s->old_logps = 0;
         return 1;
     }
+    if (strcmp(a, "--sampling-logps") == 0) {
+        s->sampling_logps = 1;
+        return 1;
+    }
+    if (strcmp(a, "--bias-correction-kl") == 0) {
+        s->options.use_bias_correction_kl = 1;
+        return 1;
+    }
+    if (strcmp(a, "--no-vllm-is-correction") == 0) {
+        s->options.vllm_importance_sampling_correction = 0;
+        return 1;
+    }
     if (!v)
         return 0;
     if (strcmp(a, "--loss") == 0)
         return strcmp(v, "grpo") ? -1 : 2;
     if (strcmp(a, "--loss-type") == 0) {
-        const int k = option_index(v, loss_types, 6);
+        const int k = option_index(v, loss_types, 8);
         if (k < 0)
             return -1;
         s->options.loss_type = (fh_grpo_loss_type)k;
@@ -64,6 +99,37 @@ static int grpo_option(void *spec, const char *a, const char *v)
         s->options.temperature = atof(v);
     else if (strcmp(a, "--entropy-coef") == 0)
         s->options.entropy_coef = atof(v);
+    else if (strcmp(a, "--num-items-in-batch") == 0)
+        s->options.num_items_in_batch = atof(v);
+    else if (strcmp(a, "--max-completion-length") == 0)
+        s->options.max_completion_length = atoll(v);
+    else if (strcmp(a, "--top-entropy-quantile") == 0)
+        s->options.top_entropy_quantile = atof(v);
+    else if (strcmp(a, "--off-policy-mask-threshold") == 0)
+        s->options.off_policy_mask_threshold = atof(v);
+    else if (strcmp(a, "--vllm-is-mode") == 0) {
+        const int k = option_index(v, is_modes, 4);
+        if (k < 0)
+            return -1;
+        s->options.vllm_importance_sampling_mode = (fh_grpo_vllm_is_mode)k;
+    } else if (strcmp(a, "--vllm-is-clip-min") == 0) {
+        if (parse_bound(v, &s->options.vllm_importance_sampling_clip_min))
+            return -1;
+    } else if (strcmp(a, "--vllm-is-clip-max") == 0) {
+        if (parse_bound(v, &s->options.vllm_importance_sampling_clip_max))
+            return -1;
+    } else if (strcmp(a, "--vespo-k-pos") == 0)
+        s->options.vespo_k_pos = atof(v);
+    else if (strcmp(a, "--vespo-lambda-pos") == 0)
+        s->options.vespo_lambda_pos = atof(v);
+    else if (strcmp(a, "--vespo-k-neg") == 0)
+        s->options.vespo_k_neg = atof(v);
+    else if (strcmp(a, "--vespo-lambda-neg") == 0)
+        s->options.vespo_lambda_neg = atof(v);
+    else if (strcmp(a, "--sapo-temperature-pos") == 0)
+        s->options.sapo_temperature_pos = atof(v);
+    else if (strcmp(a, "--sapo-temperature-neg") == 0)
+        s->options.sapo_temperature_neg = atof(v);
     else
         return 0;
     return 2;
@@ -79,7 +145,8 @@ static int parse(void *check, int argc, char **argv, const char **dump)
                                       .train_step = &s->train_step,
                                       .grad_filter_eps = &s->grad_filter_eps,
                                       .grad_filter_tail = &s->grad_filter_tail,
-                                      .logit_scale = &s->logit_scale};
+                                      .logit_scale = &s->logit_scale,
+                                      .budget = &s->budget};
     if (gradcheck_parse(argc, argv, &shared, grpo_option, s) != 0)
         return -1;
     return s->batch > 0 && s->seq > 0 && s->hidden > 0 && s->vocab > 0 ? 0 : -1;
@@ -92,15 +159,14 @@ static int run(void *check)
     return st == FH_OK ? 0 : gradcheck_library_failed(st, NULL);
 }
 
+/* Every metric under TRL's key (grpo_metrics_fields). */
 static void print_metrics(FILE *f, const fh_grpo_metrics *m)
 {
+    double values[GRPO_METRIC_COUNT];
+    grpo_metrics_fields(m, values);
     fputc('{', f);
-    gradcheck_json_number(f, "kl", m->kl, ", ");
-    gradcheck_json_number(f, "entropy", m->entropy, ", ");
-    gradcheck_json_number(f, "clip_ratio/low_mean", m->clip_ratio_low_mean, ", ");
-    gradcheck_json_number(f, "clip_ratio/high_mean", m->clip_ratio_high_mean, ", ");
-    gradcheck_json_number(f, "clip_ratio/region_mean", m->clip_ratio_region_mean, ", ");
-    gradcheck_json_number(f, "cispo_clip_ratio", m->cispo_clip_ratio, "}");
+    for (int k = 0; k < GRPO_METRIC_COUNT; k++)
+        gradcheck_json_number(f, grpo_metric_keys[k], values[k], k + 1 < GRPO_METRIC_COUNT ? ", " : "}");
 }
 
 static int dump_case(const void *check, const char *dir)
@@ -119,6 +185,8 @@ static int dump_case(const void *check, const char *dir)
     if (c->old_logps)
         bad |= npy_write(dir, "old_per_token_logps", "<f4", c->old_logps, 2, bt);
     bad |= npy_write(dir, "ref_per_token_logps", "<f4", c->ref_logps, 2, bt);
+    if (c->sampling_logps)
+        bad |= npy_write(dir, "sampling_per_token_logps", "<f4", c->sampling_logps, 2, bt);
     bad |= npy_write(dir, "per_token_logp", "<f4", c->logp, 2, bt);
     bad |= npy_write(dir, "per_token_loss", "<f4", c->per_token_loss, 2, bt);
     bad |= npy_write(dir, "entropy", "<f4", c->entropy, 2, bt);

@@ -245,7 +245,7 @@ enum { CALL_CE_FORWARD, CALL_CE_BACKWARD, CALL_CE_STEP, CALL_LOGPROB_FORWARD, CA
        CALL_PREFERENCE_QUERY, CALL_DISTILL_QUERY, CALL_LOGPROB_QUERY, CALL_KINDS };
 
 enum { IN_X, IN_W, IN_BIAS, IN_CW, IN_TARGETS, IN_GRAD, IN_LSE, IN_LOGP, IN_ENTROPY, IN_MASK, IN_ADV, IN_OLD, IN_REF,
-       IN_TEACHER_X, IN_TEACHER_W, IN_TEACHER_BIAS, IN_COUNT };
+       IN_SAMP, IN_TEACHER_X, IN_TEACHER_W, IN_TEACHER_BIAS, IN_COUNT };
 enum { OUT_LOSS, OUT_ZLOSS, OUT_METRICS, OUT_PTL, OUT_LOGP, OUT_LSE, OUT_ENTROPY, OUT_ARGMAX, OUT_DX, OUT_DW, OUT_DB,
        OUT_PREFERENCE_METRICS, OUT_SEQUENCE_LOGPS, OUT_REWARDS, OUT_SOFT_LOSS, OUT_HARD_LOSS, OUT_CORRECT, OUT_COUNT };
 
@@ -486,7 +486,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     /* GRPO options and batch. */
     fh_grpo_options go;
     fh_grpo_options_init(&go);
-    go.loss_type = (fh_grpo_loss_type)(u8(&r) % 7);
+    go.loss_type = (fh_grpo_loss_type)(u8(&r) % 9);
     go.importance_sampling_level = (fh_grpo_is_level)(u8(&r) % 3);
     static const double temps[] = {1.0, 0.7, 1e-3, 1e-40, 1e40, 0.0, -1.0, NAN};
     go.temperature = pick_double(&r, temps, 8);
@@ -505,6 +505,22 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     go.max_completion_length = (int64_t)(u8(&r) % 8) - 2;
     static const double coefs[] = {0.0, 0.01, -0.5, 1e300, NAN};
     go.entropy_coef = pick_double(&r, coefs, 5);
+    /* TRL's options up to f2cd5771, valid and not. */
+    static const double quantiles[] = {1.0, 1.0, 0.5, 0.0, 1.5, -0.1, NAN};
+    go.top_entropy_quantile = pick_double(&r, quantiles, 7);
+    static const double thresholds[] = {NAN, NAN, 0.0, -1e300, 0.1, INFINITY};
+    go.off_policy_mask_threshold = pick_double(&r, thresholds, 6);
+    go.use_bias_correction_kl = u8(&r) % 2;
+    go.vllm_importance_sampling_correction = u8(&r) % 4 != 0;
+    go.vllm_importance_sampling_mode = (fh_grpo_vllm_is_mode)(u8(&r) % 5);
+    static const double bounds[] = {NAN, NAN, 3.0, 0.5, 1.0, 0.0, -1.0, INFINITY};
+    go.vllm_importance_sampling_clip_min = pick_double(&r, bounds, 8);
+    go.vllm_importance_sampling_clip_max = pick_double(&r, bounds, 8);
+    static const double vespo[] = {2.0, 3.0, 0.0, -1.0, 1e300, NAN, INFINITY};
+    go.vespo_k_pos = pick_double(&r, vespo, 7);
+    go.vespo_lambda_pos = pick_double(&r, vespo, 7);
+    go.vespo_k_neg = pick_double(&r, vespo, 7);
+    go.vespo_lambda_neg = pick_double(&r, vespo, 7);
     /* Log-prob options: CE's ignore_index and softcap, GRPO's temperature, a logit scale of its own. */
     fh_logprob_options lo;
     fh_logprob_options_init(&lo);
@@ -524,15 +540,18 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         adv[b] = pick_float(&r);
     float *old = u8(&r) % 2 ? alloc_exact(&in[IN_OLD], un * sizeof(float)) : NULL;
     float *ref = u8(&r) % 4 ? alloc_exact(&in[IN_REF], un * sizeof(float)) : NULL;
+    float *samp = u8(&r) % 2 ? alloc_exact(&in[IN_SAMP], un * sizeof(float)) : NULL;
     for (size_t i = 0; i < un; i++) {
         if (old)
             old[i] = u8(&r) % 8 == 0 ? pick_float(&r) : -3.0f + (float)(u8(&r) % 16) / 16.0f;
         if (ref)
             ref[i] = u8(&r) % 8 == 0 ? pick_float(&r) : -3.0f + (float)(u8(&r) % 16) / 16.0f;
+        if (samp)
+            samp[i] = u8(&r) % 8 == 0 ? pick_float(&r) : -3.0f + (float)(u8(&r) % 16) / 16.0f;
     }
     /* The batch's arrays are [batch, seq]; when batch * seq differs from n the library must say so before
      * reading them, so n-sized arrays are enough. */
-    const fh_grpo_batch gb = {batch, seq, targets, mask, adv, old, ref};
+    const fh_grpo_batch gb = {batch, seq, targets, mask, adv, old, ref, samp};
 
     /* Preference options and batch: batch sequences as batch / 2 pairs (an odd batch cannot match n), the
      * reference none, per sequence (adv's ub >= batch values) or per token, sometimes both. */
@@ -776,8 +795,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     CHECK(fh_context_message(ctx, &message) == FH_OK && message && strlen(message) < 256, "message");
     CHECK(strlen(fh_status_string(st)) > 0, "status string");
     static const char *in_names[IN_COUNT] = {"x", "weight", "bias", "class_weights", "targets", "grad_output", "lse",
-                                             "logp", "entropy", "mask", "advantages", "old", "ref", "teacher x",
-                                             "teacher weight", "teacher bias"};
+                                             "logp", "entropy", "mask", "advantages", "old", "ref", "sampling",
+                                             "teacher x", "teacher weight", "teacher bias"};
     for (int k = 0; k < IN_COUNT; k++)
         check_input(&in[k], in_names[k]);
 

@@ -197,6 +197,12 @@ void hu_grpo_problem_init(hu_grpo_problem *p, int64_t batch, int64_t seq, int64_
     p->distill.temperature = 2.0;
     p->distill.weight_soft_loss = 0.8;
     p->distill.weight_hard_loss = 0.4;
+    /* TRL's sampler log-probs, from a generator of their own too; the off-policy mask reads them as well. */
+    uint64_t sampling_rng = seed * 6151 + 43;
+    p->sampling_logps = tu_alloc((size_t)n, sizeof(float));
+    for (int64_t i = 0; i < n; i++)
+        p->sampling_logps[i] = p->old_logps[i] + (float)(0.2 * (ce_uniform(&sampling_rng) - 0.5));
+    p->options.off_policy_mask_threshold = 0.0;
 }
 
 void hu_grpo_problem_free(hu_grpo_problem *p)
@@ -208,6 +214,7 @@ void hu_grpo_problem_free(hu_grpo_problem *p)
     free(p->mask);
     free(p->advantages);
     free(p->old_logps);
+    free(p->sampling_logps);
     free(p->ref_logps);
     free(p->teacher_x);
     free(p->teacher_weight);
@@ -229,7 +236,8 @@ void hu_grpo_linear(const hu_grpo_problem *p, fh_linear *lin)
 
 void hu_grpo_batch(const hu_grpo_problem *p, fh_grpo_batch *batch)
 {
-    const fh_grpo_batch b = {p->batch, p->seq, p->ids, p->mask, p->advantages, p->old_logps, p->ref_logps};
+    const fh_grpo_batch b = {p->batch,      p->seq,        p->ids,        p->mask,
+                             p->advantages, p->old_logps, p->ref_logps, p->sampling_logps};
     *batch = b;
 }
 

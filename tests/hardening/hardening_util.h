@@ -70,6 +70,8 @@ typedef struct hu_grpo_problem {
     float *x, *weight, *bias; /* bias may be NULL */
     int64_t *ids;
     float *mask, *advantages, *old_logps, *ref_logps;
+    float *sampling_logps; /* the sampler's: the old ones + U(-0.1, 0.1); the default options' importance-sampling
+                              correction (sequence_mask below 3) applies */
     fh_grpo_options options;
     fh_preference_options preference;
     float grad_output;
@@ -85,7 +87,8 @@ typedef struct hu_grpo_problem {
 } hu_grpo_problem;
 
 /* Random inputs (logits of standard deviation ~3, masks with a padded tail, advantages of both signs, old
- * and reference log-probs within +-0.4 of log(1/V)), TRL default options with beta 0.04; DPO with label
+ * and reference log-probs within +-0.4 of log(1/V), sampler log-probs within +-0.1 of the old ones), TRL default
+ * options with beta 0.04 and the off-policy mask at 0; DPO with label
  * smoothing 0.1 and rpo_alpha 0.5. */
 void hu_grpo_problem_init(hu_grpo_problem *p, int64_t batch, int64_t seq, int64_t hidden, int64_t vocab,
                           fh_layout layout, int bias, uint64_t seed);

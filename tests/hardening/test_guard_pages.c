@@ -73,7 +73,7 @@ typedef struct guard_case {
     int streaming; /* a memory budget under which the train step streams (tiles then follow the budget) */
 } guard_case;
 
-enum { G_X, G_W, G_B, G_CW, G_T, G_GRAD, G_LSE, G_LOGP, G_ENT, G_MASK, G_ADV, G_OLD, G_REF,
+enum { G_X, G_W, G_B, G_CW, G_T, G_GRAD, G_LSE, G_LOGP, G_ENT, G_MASK, G_ADV, G_OLD, G_REF, G_SAMP,
        G_PTL, G_OLOGP, G_OLSE, G_OENT, G_ARGMAX, G_DX, G_DW, G_DB, G_SEQ_LOGPS, G_REWARDS, G_TX, G_TW, G_TB,
        G_COUNT };
 
@@ -121,6 +121,7 @@ static int guarded_call(void *arg)
     float *adv = fill(guard_alloc(&g[G_ADV], 4, c->tail), 1, &rng, 1.0, 0.0);
     float *old = fill(guard_alloc(&g[G_OLD], un * 4, c->tail), un, &rng, 0.4, -4.0);
     float *ref = fill(guard_alloc(&g[G_REF], un * 4, c->tail), un, &rng, 0.4, -4.0);
+    float *samp = fill(guard_alloc(&g[G_SAMP], un * 4, c->tail), un, &rng, 0.4, -4.0);
     float *ptl = guard_alloc(&g[G_PTL], un * 4, c->tail), *ologp = guard_alloc(&g[G_OLOGP], un * 4, c->tail);
     float *olse = guard_alloc(&g[G_OLSE], un * 4, c->tail), *oent = guard_alloc(&g[G_OENT], un * 4, c->tail);
     int64_t *argmax = guard_alloc(&g[G_ARGMAX], un * 8, c->tail);
@@ -171,7 +172,8 @@ static int guarded_call(void *arg)
     fh_grpo_options_init(&go);
     go.beta = 0.04;
     go.entropy_coef = 0.01;
-    const fh_grpo_batch batch = {1, n, t, mask, adv, old, ref};
+    go.off_policy_mask_threshold = 0.0; /* reads the sampler's log-probs, as the importance-sampling correction does */
+    const fh_grpo_batch batch = {1, n, t, mask, adv, old, ref, samp};
     fh_preference_options po;
     fh_preference_options_init(&po);
     po.rpo_alpha = 0.5;

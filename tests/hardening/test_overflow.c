@@ -118,7 +118,7 @@ static int child(void *arg)
     fh_grpo_options go;
     fh_grpo_options_init(&go);
     const fh_grpo_batch batch = {c->batch ? c->batch : 1, c->batch ? c->seq : c->n, tiny_targets, tiny_mask,
-                                 tiny_adv, tiny_logps, tiny_logps};
+                                 tiny_adv, tiny_logps, tiny_logps, tiny_logps};
     fh_ce_outputs ce_out = {&o.loss, &o.z_loss, o.per_token_loss, o.logp, o.lse, o.argmax, NULL, NULL};
     fh_grpo_outputs grpo_out = {&o.loss, &o.metrics, o.logp, o.per_token_loss, o.entropy, o.lse};
     /* A preference batch: the same sequences as one pair when no batch is given. */
