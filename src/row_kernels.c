@@ -48,6 +48,15 @@ float fh_dz_du(float z, const fh_transform *tf)
     return tf->inv_temperature * (1.0f - t) * (1.0f + t);
 }
 
+/* Why a set this library knows is not in this build (its name the argument). */
+#if defined(__x86_64__) || defined(__i386__)
+#define FH_SET_NOT_BUILT "this build has no %s set (no SLEEF or compiler support when it was built)"
+#elif defined(__aarch64__)
+#define FH_SET_NOT_BUILT "%s is an x86-64 set, and this library is built for aarch64"
+#else
+#define FH_SET_NOT_BUILT "%s is an x86-64 set, and this library is built for another architecture"
+#endif
+
 /* The sets this library knows, best first: the table (NULL when not built) and what the CPU needs for it. */
 typedef struct known_set {
     const char *name;
@@ -121,8 +130,7 @@ static void choose_kernels(void)
             continue;
         char why[96];
         if (!set->table) {
-            snprintf(why, sizeof why, "this build has no %s set (no SLEEF or compiler support when it was built)",
-                     set->name);
+            snprintf(why, sizeof why, FH_SET_NOT_BUILT, set->name);
             refuse(asked, why);
         } else if (!cpu_runs(set)) {
             snprintf(why, sizeof why, "this CPU lacks %s", set->needs);

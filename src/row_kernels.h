@@ -49,10 +49,11 @@ void fh_lse_raise(double *max, double new_max, double *const *sums, int count);
 fh_fold_state fh_fold_state_initial(void);
 
 /* ---- Which set of kernels runs ----
- * Sets: "portable" (C at the library's base ISA), "avx2" (AVX2 + FMA), "avx512" (AVX-512F/DQ). The choice is made
- * once, at the first call of any function below: FH_ROW_KERNELS=portable|avx2|avx512 in the environment forces a
- * set; unset or empty, the best set that this CPU and build support. A forced set that is unknown, not built, or
- * that this CPU lacks is refused: the portable set runs (nothing crashes) and fh_row_kernels_refusal says why. */
+ * Sets: "portable" (C at the library's base ISA), "avx2" (AVX2 + FMA), "avx512" (AVX-512F/DQ); the last two are
+ * built on x86-64 only (on aarch64 "portable" is the one set, docs/aarch64.md). The choice is made once, at the first
+ * call of any function below: FH_ROW_KERNELS=portable|avx2|avx512 in the environment forces a set; unset or empty,
+ * the best set that this CPU and build support. A forced set that is unknown, not built, or that this CPU lacks is
+ * refused: the portable set runs (nothing crashes) and fh_row_kernels_refusal says why. */
 
 /* "portable", "avx2" or "avx512": the set in use. */
 const char *fh_row_kernels_name(void);

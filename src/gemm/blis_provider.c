@@ -3,7 +3,8 @@
  * BLIS_ARCH_TYPE (an integer arch_t id in 0.9.0) once, when it initialises, and its per-configuration
  * context functions are not exported; so the only way to choose is to set that variable before BLIS
  * initialises. We do it when the library is loaded (and again, idempotently, before any BLIS call of
- * ours), and never when the user has set BLIS_ARCH_TYPE. */
+ * ours), and never when the user has set BLIS_ARCH_TYPE. On other architectures (aarch64) BLIS's own
+ * choice stands. */
 #include "blis_provider.h"
 
 #include <blis.h>
@@ -17,10 +18,14 @@ static int library_choice = -1; /* arch_t id we asked for, or -1 */
 
 static int cpu_has_skx_features(void)
 {
+#if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
            __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl");
+#else
+    return 0;
+#endif
 }
 
 static void select_kernels(void)

@@ -34,6 +34,13 @@ int64_t fh_gemm_scratch_floats(int64_t tile_elements)
  *   AMX: 3.5 times sgemm (16-core Intel Xeon).
  * So the default is native with AMX, and with AVX512-BF16 on AMD; convert everywhere else. */
 static pthread_once_t path_once = PTHREAD_ONCE_INIT;
+/* What oneDNN's bf16 matmul needs, as a refusal says it. Debian's oneDNN 2.6 for aarch64 has none (it is built without
+ * the Arm Compute Library, docs/aarch64.md). */
+#if defined(__x86_64__) || defined(__i386__)
+#define NATIVE_NEEDS ", it needs AVX-512"
+#else
+#define NATIVE_NEEDS ""
+#endif
 static fh_bf16_path path = FH_BF16_CONVERT;
 static const char *refusal;
 static char refusal_text[320];
@@ -76,8 +83,8 @@ static void choose_path(void)
     else {
         if (strcmp(forced, "native") == 0)
             snprintf(refusal_text, sizeof refusal_text,
-                     "FH_BF16_GEMM=native, but there is no native bf16 GEMM here (%s, it needs AVX-512): unset "
-                     "FH_BF16_GEMM or set it to convert", onednn);
+                     "FH_BF16_GEMM=native, but there is no native bf16 GEMM here (%s%s): unset "
+                     "FH_BF16_GEMM or set it to convert", onednn, NATIVE_NEEDS);
         else
             snprintf(refusal_text, sizeof refusal_text, "FH_BF16_GEMM=%.40s is not one of native, convert", forced);
         refusal = refusal_text;
