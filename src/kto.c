@@ -2,18 +2,12 @@
  * checks, the log-prob head's token values (logprob_head.h) -> sequence log-probs -> per-sequence losses, metrics
  * and backward coefficients. The KL term is an input, so each sequence's loss depends on its own tokens only:
  * the single-call step runs the engine's row blocks of whole sequences, as GRPO's. */
+#include "grpo_head.h"
+#include "kto_head.h"
 #include "linear.h"
-#include "logprob_head.h"
 
 #include <math.h>
-
-/* Workspace slots: the log-prob head's, then sum_j z_j (logits metrics) and the sequence log-probs [B]. */
-enum {
-    SLOT_SUM_Z = FH_LOGPROB_SLOTS,
-    SLOT_SEQ_LOGP,
-    SLOTS
-};
-_Static_assert(SLOTS <= FH_WORKSPACE_SLOTS, "the plan reserves too few workspace slots");
+#include <string.h>
 
 FH_API fh_status fh_kto_options_init(fh_kto_options *options)
 {
@@ -63,7 +57,8 @@ static fh_status check_kl(fh_context *ctx, const fh_kto_batch *bt, const fh_kto_
     return FH_OK;
 }
 
-static fh_status check_batch(fh_context *ctx, const fh_linear *lin, const fh_kto_batch *bt, const fh_kto_options *o)
+static fh_status check_batch(fh_context *ctx, const fh_linear *lin, const fh_kto_batch *bt, const fh_kto_options *o,
+                             int64_t target_vocab)
 {
     if (!bt)
         return fh_fail(ctx, FH_ERR_NULL_POINTER, "the fh_kto_batch is NULL");
@@ -86,16 +81,15 @@ static fh_status check_batch(fh_context *ctx, const fh_linear *lin, const fh_kto
         const float m = bt->mask[i];
         if (!(m >= 0.0f && isfinite(m)))
             return fh_fail(ctx, FH_ERR_INVALID_MASK, "mask[%lld] = %g must be finite and >= 0", (long long)i, (double)m);
-        if (m != 0.0f && (bt->targets[i] < 0 || bt->targets[i] >= lin->vocab))
+        if (m != 0.0f && (bt->targets[i] < 0 || bt->targets[i] >= target_vocab))
             return fh_fail(ctx, FH_ERR_TARGET_OUT_OF_RANGE,
                            "targets[%lld] = %lld is outside [0, %lld) at an unmasked position", (long long)i,
-                           (long long)bt->targets[i], (long long)lin->vocab);
+                           (long long)bt->targets[i], (long long)target_vocab);
     }
     return check_kl(ctx, bt, o);
 }
 
-/* No output (out's arrays, grads' gradients when not NULL) overlaps an input, another output or the workspace. */
-static fh_status check_apart(fh_context *ctx, const fh_linear *lin, const fh_kto_batch *bt, const float *grad_output,
+fh_status fh_kto_check_apart(fh_context *ctx, const fh_linear *lin, const fh_kto_batch *bt, const float *grad_output,
                              const fh_kto_outputs *out, const fh_linear_grads *grads)
 {
     const size_t n = (size_t)lin->n, B = (size_t)bt->batch;
@@ -115,57 +109,54 @@ static fh_status check_apart(fh_context *ctx, const fh_linear *lin, const fh_kto
     return fh_check_apart(ctx, lin, grads, outputs, 5, inputs, 8);
 }
 
-static fh_status check_call(fh_context *ctx, const fh_linear *lin, const fh_kto_batch *bt, const fh_kto_options *o,
-                            fh_kto_outputs *out)
+fh_status fh_kto_check_call(fh_context *ctx, const fh_linear *lin, const fh_kto_batch *bt, const fh_kto_options *o,
+                            const fh_kto_outputs *out, int64_t target_vocab)
 {
     fh_status st = fh_check_call(ctx, lin);
     if (st == FH_OK)
         st = check_options(ctx, o);
     if (st == FH_OK)
-        st = check_batch(ctx, lin, bt, o);
+        st = check_batch(ctx, lin, bt, o, target_vocab > 0 ? target_vocab : lin->vocab);
     if (st == FH_OK && !out)
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
     if (st == FH_OK)
-        st = check_apart(ctx, lin, bt, NULL, out, NULL);
+        st = fh_kto_check_apart(ctx, lin, bt, NULL, out, NULL);
     return st;
 }
 
 /* ---- the head: [B, T] vectors -> loss, metrics, coefficients ------------------------------------- */
-
-typedef struct head {
-    const fh_kto_batch *bt;
-    const fh_kto_options *o;
-    const fh_workspace *ws;
-    int64_t vocab;
-    double kl; /* the KL term the losses use */
-} head;
 
 static double sigmoid(double x)
 {
     return x >= 0.0 ? 1.0 / (1.0 + exp(-x)) : exp(x) / (1.0 + exp(x));
 }
 
-/* TRL's kl: the given value, or mean(kl_logratios).clamp(min=0); 0 for apo_zero_unpaired. */
-static double kl_term(const fh_kto_batch *bt)
+fh_kto_head fh_kto_head_in(const fh_workspace *ws, const fh_kto_batch *bt, const fh_kto_options *o, int64_t vocab)
 {
-    if (bt->kl)
-        return bt->kl[0];
-    if (!bt->kl_logratios)
-        return 0.0;
-    double sum = 0.0;
-    for (int64_t s = 0; s < bt->batch; s++)
-        sum += bt->kl_logratios[s];
-    return fmax(sum / (double)bt->batch, 0.0);
-}
-
-static head head_in(const fh_workspace *ws, const fh_linear *lin, const fh_kto_batch *bt, const fh_kto_options *o)
-{
-    const head h = {bt, o, ws, lin->vocab, kl_term(bt)};
+    fh_kto_head h = {bt, o, ws, vocab, 0.0, 0.0};
+    double sums[2];
+    fh_kto_head_sums(&h, sums);
+    fh_kto_head_set_totals(&h, sums);
     return h;
 }
 
-/* r_s = l_s - ref_s of sequence s from its tokens' logp (in the LOGP slot). */
-static double log_ratio(const head *h, int64_t s)
+void fh_kto_head_sums(const fh_kto_head *h, double sums[2])
+{
+    sums[0] = 0.0;
+    for (int64_t s = 0; h->bt->kl_logratios && s < h->bt->batch; s++)
+        sums[0] += h->bt->kl_logratios[s];
+    sums[1] = (double)h->bt->batch;
+}
+
+/* TRL's kl: the given value, or mean(kl_logratios).clamp(min=0) over the whole batch; 0 for apo_zero_unpaired. */
+void fh_kto_head_set_totals(fh_kto_head *h, const double sums[2])
+{
+    h->batch_total = sums[1];
+    h->kl = h->bt->kl ? (double)h->bt->kl[0] : h->bt->kl_logratios ? fmax(sums[0] / sums[1], 0.0) : 0.0;
+}
+
+/* r_s = l_s - ref_s of sequence s from its tokens' logp (in the LOGP slot); l_s into the SEQ_LOGP slot. */
+static double log_ratio(const fh_kto_head *h, int64_t s)
 {
     const fh_kto_batch *bt = h->bt;
     const double *logp = h->ws->slot[FH_LOGPROB_SLOT_LOGP];
@@ -176,12 +167,12 @@ static double log_ratio(const head *h, int64_t s)
         if (bt->ref_per_token_logps)
             ref += bt->mask[i] * (double)bt->ref_per_token_logps[i];
     }
-    h->ws->slot[SLOT_SEQ_LOGP][s] = l;
+    h->ws->slot[FH_KTO_SLOT_SEQ_LOGP][s] = l;
     return l - (bt->ref_logps ? (double)bt->ref_logps[s] : ref);
 }
 
 /* Sequence s's weighted loss w_s L_s, and d (w_s L_s) / d r_s in *slope. */
-static double sequence_loss(const head *h, int64_t s, double r, double *slope)
+static double sequence_loss(const fh_kto_head *h, int64_t s, double r, double *slope)
 {
     const fh_kto_options *o = h->o;
     const int desirable = h->bt->labels[s] != 0;
@@ -196,9 +187,7 @@ static double sequence_loss(const head *h, int64_t s, double r, double *slope)
     return w * sigmoid(x); /* kto: 1 - sig(beta (kl - r)) = sig(beta (r - kl)) */
 }
 
-/* Sequences [s0, s1): their tokens' logp (rows from the engine's statistics), sequence log-probs, and g_logp =
- * grad d loss / d logp of each token: the sequence's slope spread over its mask. */
-static void sequence_coefficients(const head *h, int64_t s0, int64_t s1, double grad)
+void fh_kto_sequence_coefficients(const fh_kto_head *h, int64_t s0, int64_t s1, double grad)
 {
     const fh_kto_batch *bt = h->bt;
     const int64_t T = bt->seq;
@@ -207,62 +196,87 @@ static void sequence_coefficients(const head *h, int64_t s0, int64_t s1, double 
     for (int64_t s = s0; s < s1; s++) {
         double slope;
         (void)sequence_loss(h, s, log_ratio(h, s), &slope);
-        const double d = grad * slope / (double)bt->batch;
+        const double d = grad * slope / h->batch_total;
         for (int64_t t = 0; t < T; t++)
             g_logp[s * T + t] = d * bt->mask[s * T + t];
     }
 }
 
-/* Loss, metrics and per-sequence outputs from the tokens' logp (and, for the metrics, entropies and sum_z). */
-static void head_finish(const head *h, fh_kto_outputs *out)
+void fh_kto_row_coefficients(const fh_workspace *ws, int64_t i, fh_coef *k)
+{
+    const double g_logp = ws->slot[FH_LOGPROB_SLOT_G_LOGP_AS_B][i];
+    k->a = -g_logp;
+    k->b = g_logp;
+    k->c = 0.0;
+    k->e = 0.0;
+}
+
+fh_coef_arrays fh_kto_coefs_in(const fh_workspace *ws, int64_t n)
+{
+    double *const *slot = ws->slot;
+    /* z_target and sum_exp are read by now: they take a and c. */
+    for (int64_t i = 0; i < n; i++) {
+        slot[FH_LOGPROB_SLOT_Z_TARGET_THEN_A][i] = -slot[FH_LOGPROB_SLOT_G_LOGP_AS_B][i];
+        slot[FH_LOGPROB_SLOT_SUM_EXP_THEN_C][i] = 0.0;
+    }
+    const fh_coef_arrays coefs = {slot[FH_LOGPROB_SLOT_LSE], slot[FH_LOGPROB_SLOT_Z_TARGET_THEN_A],
+                                  slot[FH_LOGPROB_SLOT_G_LOGP_AS_B], slot[FH_LOGPROB_SLOT_SUM_EXP_THEN_C], NULL, NULL};
+    return coefs;
+}
+
+void fh_kto_head_partials(const fh_kto_head *h, int metrics, fh_kto_partials *p, fh_kto_outputs *out)
 {
     const fh_kto_batch *bt = h->bt;
     const int64_t B = bt->batch, T = bt->seq;
     double *const *slot = h->ws->slot;
-    double loss = 0.0, count[2] = {0.0, 0.0}, rewards[2] = {0.0, 0.0}, logps[2] = {0.0, 0.0};
+    memset(p, 0, sizeof *p);
     for (int64_t s = 0; s < B; s++) {
         const double r = log_ratio(h, s), reward = h->o->beta * r;
         double slope;
         const int half = bt->labels[s] ? 0 : 1; /* 0: chosen (desirable), 1: rejected */
-        loss += sequence_loss(h, s, r, &slope);
-        count[half] += 1.0;
-        rewards[half] += reward;
-        logps[half] += slot[SLOT_SEQ_LOGP][s];
+        p->loss += sequence_loss(h, s, r, &slope);
+        p->count[half] += 1.0;
+        p->rewards[half] += reward;
+        p->logps[half] += slot[FH_KTO_SLOT_SEQ_LOGP][s];
         if (out->rewards)
             out->rewards[s] = (float)reward;
         if (out->sequence_logps)
-            out->sequence_logps[s] = (float)slot[SLOT_SEQ_LOGP][s];
+            out->sequence_logps[s] = (float)slot[FH_KTO_SLOT_SEQ_LOGP][s];
     }
-    if (out->loss)
-        *out->loss = loss / (double)B;
-    if (out->metrics) {
-        /* KTOTrainer._compute_loss: logits/<half> = (sum over the half's tokens with m != 0 of mean_j z) / sum of
-         * the half's m; entropy = sum m H / sum m, 0 without tokens. */
-        double z_sum[2] = {0.0, 0.0}, m_sum[2] = {0.0, 0.0}, h_sum = 0.0;
-        for (int64_t i = 0; i < B * T; i++) {
-            const double m = bt->mask[i];
-            const int half = bt->labels[i / T] ? 0 : 1;
-            m_sum[half] += m;
-            h_sum += m * slot[FH_LOGPROB_SLOT_ENTROPY][i];
-            if (m != 0.0)
-                z_sum[half] += slot[SLOT_SUM_Z][i] / (double)h->vocab;
-        }
-        const double both = m_sum[0] + m_sum[1];
-        fh_kto_metrics m = {h->kl,
-                            count[0] > 0.0 ? rewards[0] / count[0] : NAN,
-                            count[1] > 0.0 ? rewards[1] / count[1] : NAN,
-                            NAN,
-                            count[0] > 0.0 ? logps[0] / count[0] : NAN,
-                            count[1] > 0.0 ? logps[1] / count[1] : NAN,
-                            m_sum[0] > 0.0 ? z_sum[0] / m_sum[0] : NAN,
-                            m_sum[1] > 0.0 ? z_sum[1] / m_sum[1] : NAN,
-                            both > 0.0 ? h_sum / both : 0.0};
-        if (count[0] > 0.0 && count[1] > 0.0)
-            m.rewards_margins = m.rewards_chosen - m.rewards_rejected;
-        *out->metrics = m;
+    /* KTOTrainer._compute_loss: logits/<half> = (sum over the half's tokens with m != 0 of mean_j z) / sum of the
+     * half's m; entropy = sum m H / sum m. */
+    for (int64_t i = 0; metrics && i < B * T; i++) {
+        const double m = bt->mask[i];
+        const int half = bt->labels[i / T] ? 0 : 1;
+        p->mask_sum[half] += m;
+        p->entropy_sum += m * slot[FH_LOGPROB_SLOT_ENTROPY][i];
+        if (m != 0.0)
+            p->z_sum[half] += slot[FH_KTO_SLOT_SUM_Z][i] / (double)h->vocab;
     }
     for (int64_t i = 0; i < B * T && out->per_token_logp; i++)
         out->per_token_logp[i] = (float)slot[FH_LOGPROB_SLOT_LOGP][i];
+}
+
+void fh_kto_head_finish(const fh_kto_head *h, const fh_kto_partials *p, fh_kto_outputs *out)
+{
+    if (out->loss)
+        *out->loss = p->loss / h->batch_total;
+    if (!out->metrics)
+        return;
+    /* NaN where TRL logs nothing: no sequence (or no token) of a kind; the entropy is 0 without tokens. */
+    const double tokens = p->mask_sum[0] + p->mask_sum[1];
+    fh_kto_metrics m = {h->kl,
+                        p->count[0] > 0.0 ? p->rewards[0] / p->count[0] : NAN,
+                        p->count[1] > 0.0 ? p->rewards[1] / p->count[1] : NAN,
+                        NAN,
+                        p->count[0] > 0.0 ? p->logps[0] / p->count[0] : NAN,
+                        p->count[1] > 0.0 ? p->logps[1] / p->count[1] : NAN,
+                        p->mask_sum[0] > 0.0 ? p->z_sum[0] / p->mask_sum[0] : NAN,
+                        p->mask_sum[1] > 0.0 ? p->z_sum[1] / p->mask_sum[1] : NAN,
+                        tokens > 0.0 ? p->entropy_sum / tokens : 0.0};
+    if (p->count[0] > 0.0 && p->count[1] > 0.0)
+        m.rewards_margins = m.rewards_chosen - m.rewards_rejected;
+    *out->metrics = m;
 }
 
 /* ---- calls ------------------------------------------------------------------------------------------ */
@@ -274,43 +288,51 @@ FH_API fh_status fh_kto_workspace_size(const fh_context *ctx, const fh_linear *l
     return fh_plan_query_every_bytes(ctx, lin, bytes);
 }
 
-/* The engine's statistics: sum_pz (entropy) and sum_z only for the metrics. */
-static fh_token_stats stats_in(const fh_workspace *ws, const fh_kto_outputs *out)
+fh_token_stats fh_kto_stats_in(const fh_workspace *ws, int metrics)
 {
-    fh_token_stats stats = fh_logprob_stats_in(ws, out->metrics != NULL);
-    stats.sum_weighted_z = out->metrics ? ws->slot[SLOT_SUM_Z] : NULL;
+    fh_token_stats stats = fh_logprob_stats_in(ws, metrics);
+    stats.sum_weighted_z = metrics ? ws->slot[FH_KTO_SLOT_SUM_Z] : NULL;
     return stats;
 }
 
-static fh_engine_pass pass_of(const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin, const head *h)
+fh_engine_pass fh_kto_pass(const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin, const int64_t *ids)
 {
-    return fh_logprob_pass(plan, ws, lin, h->bt->targets, fh_logprob_transform_of(1.0, 0.0, 1.0));
+    return fh_logprob_pass(plan, ws, lin, ids, fh_logprob_transform_of(1.0, 0.0, 1.0));
 }
 
 /* Streams the forward; leaves the statistics and the tokens' logp (and entropies for the metrics) in the
  * workspace. */
-static fh_status forward_pass(const fh_plan *plan, const fh_linear *lin, const head *h, const fh_kto_outputs *out)
+static fh_status forward_pass(const fh_plan *plan, const fh_linear *lin, const fh_kto_head *h,
+                              const fh_kto_outputs *out)
 {
-    const fh_token_stats stats = stats_in(h->ws, out);
-    fh_engine_pass pass = pass_of(plan, h->ws, lin, h);
+    const fh_token_stats stats = fh_kto_stats_in(h->ws, out->metrics != NULL);
+    fh_engine_pass pass = fh_kto_pass(plan, h->ws, lin, h->bt->targets);
     pass.stats = &stats;
     const fh_status st = fh_engine_forward(&pass);
     if (st == FH_OK)
-        fh_logprob_token_values(h->ws, h->bt->targets, 0, lin->n, lin->vocab, out->metrics != NULL);
+        fh_logprob_token_values(h->ws, h->bt->targets, 0, lin->n, h->vocab, out->metrics != NULL);
     return st;
+}
+
+/* The loss, metrics and outputs of a single-process call. */
+static void head_finish(const fh_kto_head *h, fh_kto_outputs *out)
+{
+    fh_kto_partials p;
+    fh_kto_head_partials(h, out->metrics != NULL, &p, out);
+    fh_kto_head_finish(h, &p, out);
 }
 
 FH_API fh_status fh_kto_forward(fh_context *ctx, const fh_linear *lin, const fh_kto_batch *batch,
                                 const fh_kto_options *options, fh_kto_outputs *out)
 {
-    fh_status st = check_call(ctx, lin, batch, options, out);
+    fh_status st = fh_kto_check_call(ctx, lin, batch, options, out, 0);
     fh_plan plan;
     fh_workspace ws;
     if (st == FH_OK)
         st = fh_prepare_pass(ctx, lin, FH_CALL_FORWARD, &plan, &ws);
     if (st != FH_OK)
         return st;
-    const head h = head_in(&ws, lin, batch, options);
+    const fh_kto_head h = fh_kto_head_in(&ws, batch, options, lin->vocab);
     st = forward_pass(&plan, lin, &h, out);
     if (st != FH_OK)
         return fh_gemm_failure(ctx, st);
@@ -318,9 +340,9 @@ FH_API fh_status fh_kto_forward(fh_context *ctx, const fh_linear *lin, const fh_
     return FH_OK;
 }
 
-/* The single-call step's hook and rows (self: the head). */
+/* The single-call step's hook and rows (self: the sequence_blocks). */
 typedef struct sequence_blocks {
-    const head *h;
+    const fh_kto_head *h;
     double grad;
 } sequence_blocks;
 
@@ -329,57 +351,47 @@ static fh_status block_coefficients(const void *self, int64_t first_row, int64_t
     const sequence_blocks *s = self;
     const int64_t T = s->h->bt->seq;
     (void)stats; /* the same arrays as the workspace's slots */
-    sequence_coefficients(s->h, first_row / T, (first_row + rows) / T, s->grad);
+    fh_kto_sequence_coefficients(s->h, first_row / T, (first_row + rows) / T, s->grad);
     return FH_OK;
 }
 
 static void row_coefficients(const void *self, int64_t i, const fh_final_stats *stats, fh_coef *k)
 {
     (void)stats;
-    const double g_logp = ((const sequence_blocks *)self)->h->ws->slot[FH_LOGPROB_SLOT_G_LOGP_AS_B][i];
-    k->a = -g_logp; /* dZ_j = g_logp (onehot_j - p_j) */
-    k->b = g_logp;
-    k->c = 0.0;
-    k->e = 0.0;
+    fh_kto_row_coefficients(((const sequence_blocks *)self)->h->ws, i, k);
 }
 
-static fh_status sequence_block_step(const fh_plan *plan, const fh_linear *lin, const head *h, double grad,
+static fh_status sequence_block_step(const fh_plan *plan, const fh_linear *lin, const fh_kto_head *h, double grad,
                                      const fh_linear_grads *grads, const fh_kto_outputs *out)
 {
     const sequence_blocks self = {h, grad};
     const fh_coef_source source = {row_coefficients, block_coefficients, &self};
-    const fh_token_stats stats = stats_in(h->ws, out);
-    fh_engine_pass pass = pass_of(plan, h->ws, lin, h);
+    const fh_token_stats stats = fh_kto_stats_in(h->ws, out->metrics != NULL);
+    fh_engine_pass pass = fh_kto_pass(plan, h->ws, lin, h->bt->targets);
     pass.stats = &stats;
     pass.source = &source;
     pass.grads = grads;
     const fh_status st = fh_engine_row_blocks(&pass);
     if (st == FH_OK && out->metrics) /* the entropies (block_coefficients made logp) */
-        fh_logprob_token_values(h->ws, h->bt->targets, 0, lin->n, lin->vocab, 1);
+        fh_logprob_token_values(h->ws, h->bt->targets, 0, lin->n, h->vocab, 1);
     return st;
 }
 
 /* Streaming, on the streaming plans (fh_engine_train_step's forward_plan): the backward's GEMMs made ready, the
  * forward, every sequence's coefficients, then the engine's backward. The two workspaces share their slots. */
-static fh_status streaming_step(const fh_plan plans[2], const fh_workspace ws[2], const fh_linear *lin, const head *h,
-                                double grad, const fh_linear_grads *grads, const fh_kto_outputs *out)
+static fh_status streaming_step(const fh_plan plans[2], const fh_workspace ws[2], const fh_linear *lin,
+                                const fh_kto_head *h, double grad, const fh_linear_grads *grads,
+                                const fh_kto_outputs *out)
 {
-    fh_engine_pass pass = pass_of(&plans[1], &ws[1], lin, h);
+    fh_engine_pass pass = fh_kto_pass(&plans[1], &ws[1], lin, h->bt->targets);
     pass.grads = grads;
     fh_status st = fh_engine_prepare(&pass);
     if (st == FH_OK)
         st = forward_pass(&plans[0], lin, h, out);
     if (st != FH_OK)
         return st;
-    sequence_coefficients(h, 0, h->bt->batch, grad);
-    double *const *slot = ws[1].slot;
-    /* z_target and sum_exp are read by now: they take a and c. */
-    for (int64_t i = 0; i < lin->n; i++) {
-        slot[FH_LOGPROB_SLOT_Z_TARGET_THEN_A][i] = -slot[FH_LOGPROB_SLOT_G_LOGP_AS_B][i];
-        slot[FH_LOGPROB_SLOT_SUM_EXP_THEN_C][i] = 0.0;
-    }
-    const fh_coef_arrays coefs = {slot[FH_LOGPROB_SLOT_LSE], slot[FH_LOGPROB_SLOT_Z_TARGET_THEN_A],
-                                  slot[FH_LOGPROB_SLOT_G_LOGP_AS_B], slot[FH_LOGPROB_SLOT_SUM_EXP_THEN_C], NULL, NULL};
+    fh_kto_sequence_coefficients(h, 0, h->bt->batch, grad);
+    const fh_coef_arrays coefs = fh_kto_coefs_in(&ws[1], lin->n);
     pass.coefs = &coefs;
     return fh_engine_backward(&pass);
 }
@@ -397,7 +409,7 @@ static fh_status kto_step_run(const void *self, int row_blocks, const fh_plan pl
                               const fh_linear_grads *grads)
 {
     const kto_step *c = self;
-    const head h = head_in(&ws[0], c->lin, c->batch, c->options);
+    const fh_kto_head h = fh_kto_head_in(&ws[0], c->batch, c->options, c->lin->vocab);
     const fh_status st = row_blocks ? sequence_block_step(&plans[0], c->lin, &h, c->grad, grads, c->out)
                                     : streaming_step(plans, ws, c->lin, &h, c->grad, grads, c->out);
     if (st == FH_OK)
@@ -409,15 +421,13 @@ FH_API fh_status fh_kto_forward_backward(fh_context *ctx, const fh_linear *lin, 
                                          const fh_kto_options *options, const float *grad_output,
                                          fh_kto_outputs *out, fh_linear_grads *grads)
 {
-    fh_status st = check_call(ctx, lin, batch, options, out);
-    if (st == FH_OK && !grad_output)
-        st = fh_fail(ctx, FH_ERR_NULL_POINTER, "grad_output is NULL");
-    if (st == FH_OK && !isfinite(grad_output[0]))
-        st = fh_fail(ctx, FH_ERR_INVALID_GRAD_OUTPUT, "grad_output = %g is not finite", (double)grad_output[0]);
+    fh_status st = fh_kto_check_call(ctx, lin, batch, options, out, 0);
+    if (st == FH_OK)
+        st = fh_grpo_check_grad_output(ctx, grad_output);
     if (st == FH_OK)
         st = fh_check_grads(ctx, lin, grads);
     if (st == FH_OK)
-        st = check_apart(ctx, lin, batch, grad_output, out, grads);
+        st = fh_kto_check_apart(ctx, lin, batch, grad_output, out, grads);
     if (st != FH_OK)
         return st;
     const kto_step step = {lin, batch, options, grad_output[0], out};
