@@ -63,7 +63,8 @@ static fh_status check_batch(fh_context *ctx, const fh_linear *lin, const fh_kto
     if (!bt)
         return fh_fail(ctx, FH_ERR_NULL_POINTER, "the fh_kto_batch is NULL");
     if (!bt->targets || !bt->mask || !bt->labels)
-        return fh_fail(ctx, FH_ERR_NULL_POINTER, "%s is NULL", !bt->targets ? "targets" : !bt->mask ? "mask" : "labels");
+        return fh_fail(ctx, FH_ERR_NULL_POINTER, "%s is NULL",
+                       !bt->targets ? "targets" : !bt->mask ? "mask" : "labels");
     if ((bt->ref_logps != NULL) == (bt->ref_per_token_logps != NULL))
         return fh_fail(ctx, FH_ERR_INVALID_PREFERENCE_OPTION,
                        "kto needs exactly one of ref_logps and ref_per_token_logps (%s given; TRL's KTO has no "

@@ -1,6 +1,6 @@
 """NumPy front end: fused linear cross-entropy, per-token log-probs (logprobs), GRPO (grpo_loss), preference losses
-(preference_loss: DPO, ORPO, SimPO, CPO; kto_loss: KTO, APO-zero unpaired) and distillation (distill_loss, distill_forward_backward: forward KL,
-reverse KL, JSD) on float32 (or bf16) arrays, zero-copy.
+(preference_loss: DPO, ORPO, SimPO, CPO; kto_loss: KTO, APO-zero unpaired) and distillation (distill_loss,
+distill_forward_backward: forward KL, reverse KL, JSD) on float32 (or bf16) arrays, zero-copy.
 
     import fusedhead.numpy as fhnp
     r = fhnp.cross_entropy(hidden, weight, targets, return_grads=True)   # weight [V, H] (layout="vh")

@@ -1,14 +1,14 @@
 """fusedhead's KTO head through fusedhead.torch and fusedhead.numpy, against a float64 transcription of TRL's
 KTOTrainer._compute_loss (trl_kto.py) on materialised logits, autograd for the gradients.
 
-Tolerances (LOSS_TOL, GRAD_TOL, as test_preference.py's): the library runs fp32 GEMMs on the same fp32 inputs and
-keeps per-token and per-sequence values in double, so its token log-probs err by about 1e-7 relative and a
-sequence log-prob, a sum of T of them, by about T times that in absolute terms. Each sequence's loss is a sigmoid of
-beta times such a sum (slope at most beta / 4, times the weight), so the loss and the metrics are compared at
-relative 1e-5 (metrics also absolute 1e-5: margins and kl can be near 0), the float32 per-sequence outputs at rtol
-1e-5, and the gradients normwise at 1e-4 (measured over test_matches_trl: loss 4e-8 relative, gradients 2e-7
-normwise). Masks are TRL's 0/1 completion masks, ragged: a masked prompt token in
-some rows, right padding in others (targets -100 there: TRL's ignored tokens), one sequence fully masked.
+Tolerances (test_preference.py's LOSS_TOL and GRAD_TOL, through its check()): the library runs fp32 GEMMs on the
+same fp32 inputs and keeps per-token and per-sequence values in double, so its token log-probs err by about 1e-7
+relative and a sequence log-prob, a sum of T of them, by about T times that in absolute terms. Each sequence's loss
+is a sigmoid of beta times such a sum (slope at most beta / 4, times the weight), so the loss and the metrics are
+compared at relative 1e-5 (metrics also absolute 1e-5: margins and kl can be near 0), the float32 per-sequence
+outputs at rtol 1e-5, and the gradients normwise at 1e-4 (measured over test_matches_trl: loss 4e-8 relative,
+gradients 2e-7 normwise). Masks are TRL's 0/1 completion masks, ragged: a masked prompt token in some rows, right
+padding in others (targets -100 there: TRL's ignored tokens), one sequence fully masked.
 """
 from __future__ import annotations
 
@@ -23,10 +23,8 @@ F = torch.nn.functional
 import fusedhead  # noqa: E402
 import fusedhead.numpy as fhnp  # noqa: E402
 import fusedhead.torch as fht  # noqa: E402
-from conftest import normwise  # noqa: E402
+from test_preference import check, f32, f64  # noqa: E402  (the same outputs: loss, metrics, logps, rewards)
 from trl_kto import kto_loss as trl_kto_loss  # noqa: E402
-
-LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
 LABELS = np.array([True, False, True, True, False, False, True])
 
 
@@ -69,14 +67,6 @@ def make_batch(seed=0, T=7, H=16, V=97, *, bias=False, layout="vh", beta_scale=1
     return d
 
 
-def f32(a):
-    return None if a is None else torch.tensor(a, dtype=torch.float32)
-
-
-def f64(a, grad=False):
-    return None if a is None else torch.tensor(a, dtype=torch.float64, requires_grad=grad)
-
-
 def _references(d, ref):
     return {"ref_logps": d["ref_logps"]} if ref == "sequence" else {"ref_per_token_logps": d["ref_per_token_logps"]}
 
@@ -114,22 +104,6 @@ def run_both(d, ref="sequence", kl="logratios", upstream=1.0, hidden_2d=False, *
                         **opts)
     (rout[0] * upstream).backward()
     return (out, grads), (rout, [h64.grad, W64.grad, None if b64 is None else b64.grad])
-
-
-def check(lib, ref):
-    (out, grads), ((rloss, rmetrics, rlogps, rrewards), rgrads) = lib, ref
-    assert out.loss.dtype == torch.float32 and out.loss.dim() == 0
-    assert abs(out.loss.item() - rloss.item()) <= LOSS_TOL * abs(rloss.item()), (out.loss.item(), rloss.item())
-    assert set(out.metrics) == set(rmetrics), (out.metrics, rmetrics)
-    for k in rmetrics:
-        assert out.metrics[k] == pytest.approx(rmetrics[k], rel=LOSS_TOL, abs=LOSS_TOL), k
-    for got, want in ((out.logps, rlogps), (out.rewards, rrewards)):
-        assert got.dtype == torch.float32 and not got.requires_grad
-        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=LOSS_TOL, atol=LOSS_TOL)
-    for g, rg in zip(grads, rgrads):
-        assert (g is None) == (rg is None)
-        if g is not None:
-            assert normwise(g.numpy(), rg.numpy()) <= GRAD_TOL
 
 
 CASES = [("kto", ref, kl) for ref in ("sequence", "token") for kl in ("value", "logratios")] + \
