@@ -23,6 +23,7 @@ F = torch.nn.functional
 import fusedhead  # noqa: E402
 import fusedhead.numpy as fhnp  # noqa: E402
 import fusedhead.torch as fht  # noqa: E402
+from conftest import normwise  # noqa: E402
 from test_preference import check, f32, f64  # noqa: E402  (the same outputs: loss, metrics, logps, rewards)
 from trl_kto import kto_loss as trl_kto_loss  # noqa: E402
 LABELS = np.array([True, False, True, True, False, False, True])
@@ -218,3 +219,35 @@ def test_errors_name_their_argument():
         fht.fused_linear_kto_loss(*args, labels, ref_logps=f32(d["ref_logps"]), kl=0.1, loss_type="sigmoid")
     with pytest.raises(ValueError, match="ref_logps"):
         fht.fused_linear_kto_loss(*args, labels, ref_logps=f32(d["ref_logps"][:-1]), kl=0.1)
+
+
+@pytest.mark.skipif(not fusedhead.bf16_available(), reason="bf16 calls are refused here")
+def test_bf16_matches_trl():
+    """bf16 hidden and weight ([H, V] layout), bf16 reference log-probs (converted, as a bf16 model gives them),
+    against the transcription in float64 on the same bf16 values. The loss comes back in bf16 (one rounding: within
+    2^-8, bf16's unit roundoff, of the library's value, itself within 1e-5 of the reference); metrics, log-probs and
+    rewards are the library's double / fp32 values (1e-5, as in fp32: the logits are exact bf16 products accumulated
+    in f32); the bf16 gradients carry dZ's rounding to bf16 and their own (test_bf16.py's GRAD_RTOL_BF16 = 8e-3
+    normwise)."""
+    d = make_batch(seed=9)
+    h = torch.tensor(d["h"], dtype=torch.bfloat16, requires_grad=True)
+    W = torch.tensor(d["W"].T, dtype=torch.bfloat16, requires_grad=True)
+    ref_tok = torch.tensor(d["ref_per_token_logps"], dtype=torch.bfloat16)
+    out = fht.fused_linear_kto_loss(h, W, torch.tensor(d["targets"]), f32(d["mask"]), torch.tensor(d["labels"]),
+                                    ref_per_token_logps=ref_tok, kl_logratios=f32(d["kl_logratios"]), layout="hv")
+    assert out.loss.dtype == torch.bfloat16 and out.logps.dtype == torch.float32
+    out.loss.backward()
+    h64, W64 = h.detach().double().requires_grad_(), W.detach().double().t().contiguous().requires_grad_()
+    rloss, rmetrics, rlogps, rrewards = trl_kto_loss(
+        F.linear(h64, W64), torch.tensor(d["targets"]), f64(d["mask"]), torch.tensor(d["labels"]),
+        ref_per_token_logps=ref_tok.double(), kl_policy_logps=f64(d["kl_policy_logps"]),
+        kl_ref_logps=f64(d["kl_ref_logps"]))
+    rloss.backward()
+    assert abs(out.loss.double().item() - rloss.item()) <= (2.0 ** -8 + 1e-5) * abs(rloss.item())
+    assert set(out.metrics) == set(rmetrics)
+    for k in rmetrics:
+        assert out.metrics[k] == pytest.approx(rmetrics[k], rel=1e-5, abs=1e-5), k
+    for got, want in ((out.logps, rlogps), (out.rewards, rrewards)):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+    assert normwise(h.grad.double().numpy(), h64.grad.numpy()) <= 8e-3
+    assert normwise(W.grad.double().t().numpy(), W64.grad.numpy()) <= 8e-3
