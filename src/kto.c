@@ -1,8 +1,9 @@
 /* KTO head (TRL's KTOTrainer, loss types kto and apo_zero_unpaired; formulas in fusedhead.h): option and batch
  * checks, the log-prob head's token values (logprob_head.h) -> sequence log-probs -> per-sequence losses, metrics
- * and backward coefficients. The KL term is an input, so each sequence's loss depends on its own tokens only:
- * the single-call step runs the engine's row blocks of whole sequences, as GRPO's. */
-#include "grpo_head.h"
+ * and backward coefficients (the pieces of kto_head.h, which src/mpi/ drives too), then the two calls. The KL term is
+ * an input, so each sequence's loss depends on its own tokens only: the single-call step runs the engine's row
+ * blocks of whole sequences, as GRPO's. */
+#include "grpo_head.h" /* fh_grpo_check_grad_output */
 #include "kto_head.h"
 #include "linear.h"
 
