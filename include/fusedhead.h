@@ -80,7 +80,8 @@ typedef enum fh_status {
                                          or failed while running it, for a reason other than memory */
     /* 50..59: option values of the preference and distillation heads, and logit_scale */
     FH_ERR_INVALID_PREFERENCE_OPTION = 50, /* loss, loss_type, beta, label_smoothing, simpo_gamma, rpo_alpha or
-                                              cpo_alpha out of range, or a loss_type the loss does not have */
+                                              cpo_alpha out of range, or a loss_type the loss does not have; KTO's
+                                              loss_type, beta, weights, labels, KL inputs or reference missing */
     FH_ERR_INVALID_DISTILL_OPTION = 51, /* divergence unknown, beta outside [0, 1], or a loss weight negative
                                            or not finite */
     FH_ERR_TEACHER_MISMATCH = 52,       /* the teacher's n or V differs from the student's */
@@ -724,6 +725,81 @@ FH_API fh_status fh_distill_forward_backward(fh_context *ctx, const fh_linear *s
 /* Workspace bytes the distillation calls need (pure). */
 FH_API fh_status fh_distill_workspace_size(const fh_context *ctx, const fh_linear *student,
                                            const fh_linear *teacher, size_t *bytes);
+
+/* ---------------------------------------------------------------------------------------------
+ * KTO: unpaired preference optimisation (TRL's KTOTrainer, loss_type "kto" and "apo_zero_unpaired"), one
+ * micro-batch on one process.
+ *
+ *   B sequences of T tokens (rows s T ..), each desirable (labels[s] = 1) or undesirable (0). z = x W + bias;
+ *   logp_t = log_softmax(z_t)[targets_t] (0 where masked and the target is outside [0, V)).
+ *   l_s = sum_t m_t logp_t;  ref_s = ref_logps[s], or sum_t m_t ref_per_token_logps_t;  r_s = l_s - ref_s
+ *   kl:  kto: the batch's KL term, given either as TRL uses it (kl, already clamped at 0), or as each sequence's
+ *        KL log-ratio (kl_logratios: policy minus reference log-prob of its mismatched KL completion, e.g. from
+ *        fh_logprob), from which the head forms TRL's max(mean_s kl_logratios_s, 0);  apo_zero_unpaired: 0
+ *   kto:               desirable  1 - sig(beta (r_s - kl)),   undesirable  1 - sig(beta (kl - r_s))
+ *   apo_zero_unpaired: desirable  1 - sig(beta r_s),          undesirable  sig(beta r_s)
+ *   loss = (1 / B) sum_s w_s L_s,  w_s = desirable_weight or undesirable_weight;  rewards_s = beta r_s
+ * Nothing is differentiated through the reference or the KL term; rewards and metrics carry no gradient.
+ * TRL's KTO has no reference-free mode: one of the two reference inputs is required.
+ * ------------------------------------------------------------------------------------------- */
+typedef enum fh_kto_loss_type {
+    FH_KTO_LOSS_KTO = 0,
+    FH_KTO_LOSS_APO_ZERO_UNPAIRED = 1
+} fh_kto_loss_type;
+
+typedef struct fh_kto_options { /* TRL's KTOConfig names; defaults from fh_kto_options_init */
+    fh_kto_loss_type loss_type; /* kto */
+    double beta;                /* 0.1; > 0 */
+    double desirable_weight;    /* 1.0; >= 0 */
+    double undesirable_weight;  /* 1.0; >= 0 */
+} fh_kto_options;
+
+FH_API fh_status fh_kto_options_init(fh_kto_options *options);
+
+typedef struct fh_kto_batch {
+    int64_t batch, seq;                /* B, T; the fh_linear's n must be B T */
+    const int64_t *targets;            /* [B, T], in [0, V) wherever the mask is non-zero */
+    const float *mask;                 /* [B, T] completion mask, 0/1 (any finite value >= 0 weighs the token) */
+    const uint8_t *labels;             /* [B] 1: desirable, 0: undesirable */
+    const float *ref_logps;            /* [B] reference sequence log-probs; or NULL */
+    const float *ref_per_token_logps;  /* [B, T] reference token log-probs, summed here under the mask; or NULL
+                                          (exactly one of the two) */
+    const float *kl;                   /* kto: one value, the KL term as TRL uses it (finite, >= 0); or NULL */
+    const float *kl_logratios;         /* kto: [B] KL log-ratios (finite); or NULL (exactly one of kl and
+                                          kl_logratios for kto; neither for apo_zero_unpaired) */
+} fh_kto_batch;
+
+typedef struct fh_kto_metrics { /* TRL's logged metrics (KTOTrainer without Liger); NaN where TRL logs nothing */
+    double kl;                              /* the KL term used (0 for apo_zero_unpaired) */
+    double rewards_chosen, rewards_rejected; /* means of beta r over the desirable / undesirable sequences */
+    double rewards_margins;                 /* their difference, when the batch has both */
+    double logps_chosen, logps_rejected;    /* means of l over the desirable / undesirable sequences */
+    double logits_chosen, logits_rejected;  /* sum over the half's tokens with m != 0 of the mean of z over the
+                                               vocabulary, divided by the half's sum of m; NaN when that is 0 */
+    double entropy;                         /* sum_t m_t H_t / sum_t m_t over the batch (0 when the sum is 0) */
+} fh_kto_metrics;
+
+typedef struct fh_kto_outputs { /* any may be NULL */
+    double *loss;
+    fh_kto_metrics *metrics;
+    float *sequence_logps;      /* [B] l */
+    float *rewards;             /* [B] beta r */
+    float *per_token_logp;      /* [B, T] */
+} fh_kto_outputs;
+
+FH_API fh_status fh_kto_forward(fh_context *ctx, const fh_linear *lin, const fh_kto_batch *batch,
+                                const fh_kto_options *options, fh_kto_outputs *out);
+
+/* Forward and backward in one call (grad_output: one value, d(objective)/d(loss)). Row blocks of whole sequences
+ * (6 N H V flops): a sequence's loss and its tokens' coefficients follow from the block's statistics, since the
+ * KL term is an input. When the memory budget cannot hold one sequence's rows it streams both passes instead
+ * (8 N H V flops); the results are the same either way. */
+FH_API fh_status fh_kto_forward_backward(fh_context *ctx, const fh_linear *lin, const fh_kto_batch *batch,
+                                         const fh_kto_options *options, const float *grad_output,
+                                         fh_kto_outputs *out, fh_linear_grads *grads);
+
+/* Workspace bytes the KTO calls need (pure). */
+FH_API fh_status fh_kto_workspace_size(const fh_context *ctx, const fh_linear *lin, size_t *bytes);
 
 #ifdef __cplusplus
 }

@@ -322,8 +322,7 @@ static void run_reference(const preference_case_spec *s, preference_case *c)
     ref_inputs_free(&in);
 }
 
-/* |f - r| / max(1, |r|), NaN equal to NaN (a metric TRL does not log) and NaN against a number infinite. */
-static double metric_diff(double f, double r)
+double preference_value_diff(double f, double r)
 {
     if (isnan(f) || isnan(r))
         return isnan(f) && isnan(r) ? 0.0 : INFINITY;
@@ -345,7 +344,7 @@ double preference_metrics_diff(const fh_preference_metrics *f, const fh_preferen
                                {f->log_odds_chosen, r->log_odds_chosen}};
     double m = 0.0;
     for (size_t k = 0; k < sizeof pairs / sizeof pairs[0]; k++)
-        m = fmax(m, metric_diff(pairs[k][0], pairs[k][1]));
+        m = fmax(m, preference_value_diff(pairs[k][0], pairs[k][1]));
     return m;
 }
 

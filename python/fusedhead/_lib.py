@@ -142,6 +142,11 @@ class PreferenceLossType(enum.IntEnum):
     ROBUST = 3
 
 
+class KTOLossType(enum.IntEnum):
+    KTO = 0
+    APO_ZERO_UNPAIRED = 1
+
+
 class Divergence(enum.IntEnum):
     FORWARD_KL = 0
     REVERSE_KL = 1
@@ -362,6 +367,54 @@ class fh_preference_outputs(ctypes.Structure):
     ]
 
 
+# KTO (fh_kto_*: TRL's KTOTrainer, loss types kto and apo_zero_unpaired)
+class fh_kto_options(ctypes.Structure):
+    _fields_ = [
+        ("loss_type", ctypes.c_int),  # fh_kto_loss_type
+        ("beta", ctypes.c_double),
+        ("desirable_weight", ctypes.c_double),
+        ("undesirable_weight", ctypes.c_double),
+    ]
+
+
+class fh_kto_batch(ctypes.Structure):
+    _fields_ = [
+        ("batch", ctypes.c_int64),
+        ("seq", ctypes.c_int64),
+        ("targets", c_int64_p),
+        ("mask", c_float_p),
+        ("labels", ctypes.POINTER(ctypes.c_uint8)),
+        ("ref_logps", c_float_p),
+        ("ref_per_token_logps", c_float_p),
+        ("kl", c_float_p),
+        ("kl_logratios", c_float_p),
+    ]
+
+
+class fh_kto_metrics(ctypes.Structure):
+    _fields_ = [
+        ("kl", ctypes.c_double),
+        ("rewards_chosen", ctypes.c_double),
+        ("rewards_rejected", ctypes.c_double),
+        ("rewards_margins", ctypes.c_double),
+        ("logps_chosen", ctypes.c_double),
+        ("logps_rejected", ctypes.c_double),
+        ("logits_chosen", ctypes.c_double),
+        ("logits_rejected", ctypes.c_double),
+        ("entropy", ctypes.c_double),
+    ]
+
+
+class fh_kto_outputs(ctypes.Structure):
+    _fields_ = [
+        ("loss", c_double_p),
+        ("metrics", ctypes.POINTER(fh_kto_metrics)),
+        ("sequence_logps", c_float_p),
+        ("rewards", c_float_p),
+        ("per_token_logp", c_float_p),
+    ]
+
+
 # Distillation (fh_distill_*: forward KL, reverse KL, generalized JSD, plus a hard-label cross-entropy)
 class fh_distill_options(ctypes.Structure):
     _fields_ = [
@@ -388,6 +441,7 @@ STRUCTS = (fh_kernel_info, fh_linear, fh_linear_grads, fh_ce_options, fh_ce_outp
            fh_logprob_outputs, fh_grpo_options,
            fh_grpo_batch, fh_grpo_metrics, fh_grpo_outputs, fh_preference_options, fh_preference_batch,
            fh_preference_metrics, fh_preference_outputs, fh_distill_options, fh_distill_outputs)
+STRUCTS += (fh_kto_options, fh_kto_batch, fh_kto_metrics, fh_kto_outputs)
 
 # ---------------------------------------------------------------------------------------------------------
 # Prototypes
@@ -455,6 +509,11 @@ _OPTIONAL = {
     "fh_distill_forward_backward": (_st, [_ctx_p, _P(fh_linear), _P(fh_linear), c_int64_p, _P(fh_distill_options),
                                           c_float_p, _P(fh_distill_outputs), _P(fh_linear_grads)]),
     "fh_distill_workspace_size": (_st, [_ctx_p, _P(fh_linear), _P(fh_linear), _P(ctypes.c_size_t)]),
+    "fh_kto_options_init": (_st, [_P(fh_kto_options)]),
+    "fh_kto_forward": (_st, [_ctx_p, _P(fh_linear), _P(fh_kto_batch), _P(fh_kto_options), _P(fh_kto_outputs)]),
+    "fh_kto_forward_backward": (_st, [_ctx_p, _P(fh_linear), _P(fh_kto_batch), _P(fh_kto_options), c_float_p,
+                                      _P(fh_kto_outputs), _P(fh_linear_grads)]),
+    "fh_kto_workspace_size": (_st, [_ctx_p, _P(fh_linear), _P(ctypes.c_size_t)]),
 }
 
 

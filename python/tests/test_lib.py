@@ -21,7 +21,7 @@ ENUMS = ((_lib.Status, "FH_"), (_lib.Param, "FH_PARAM_"), (_lib.Layout, "FH_LAYO
          (_lib.Reduction, "FH_REDUCTION_"), (_lib.GRPOLossType, "FH_GRPO_LOSS_"), (_lib.GRPOISLevel, "FH_GRPO_IS_"),
          (_lib.GRPOVllmISMode, "FH_GRPO_VLLM_IS_"),
          (_lib.PreferenceLoss, "FH_PREFERENCE_"), (_lib.PreferenceLossType, "FH_PREFERENCE_"),
-         (_lib.FilterTail, "FH_FILTER_TAIL_"))
+         (_lib.FilterTail, "FH_FILTER_TAIL_"), (_lib.KTOLossType, "FH_KTO_LOSS_"))
 
 
 # ------------------------------------------------------------------------------------------------------------
