@@ -51,8 +51,14 @@ void preference_case_spec_default(preference_case_spec *spec)
 
 ref_preference_options preference_ref_options(const fh_preference_options *o)
 {
-    const ref_preference_options r = {(ref_preference_loss)o->loss, (ref_preference_loss_type)o->loss_type, o->beta,
-                                      o->label_smoothing, o->simpo_gamma, o->rpo_alpha, o->cpo_alpha};
+    ref_preference_options r = {(ref_preference_loss)o->loss, (ref_preference_loss_type)o->loss_type, o->beta,
+                                o->label_smoothing, o->simpo_gamma, o->rpo_alpha, o->cpo_alpha,
+                                (ref_preference_dpo_semantics)o->dpo_semantics, o->loss_type_count, {0}, {0},
+                                o->discopop_tau};
+    for (int k = 0; k < o->loss_type_count && k < FH_PREFERENCE_MAX_LOSS_TYPES; k++) {
+        r.types[k] = (ref_preference_loss_type)o->loss_types[k];
+        r.weights[k] = o->loss_weights[k];
+    }
     return r;
 }
 
@@ -60,7 +66,8 @@ fh_preference_metrics preference_fh_metrics(const ref_preference_metrics *m)
 {
     const fh_preference_metrics f = {m->rewards_chosen, m->rewards_rejected, m->rewards_accuracies,
                                      m->rewards_margins, m->logps_chosen, m->logps_rejected, m->logits_chosen,
-                                     m->logits_rejected, m->nll_loss, m->log_odds_ratio, m->log_odds_chosen};
+                                     m->logits_rejected, m->nll_loss, m->log_odds_ratio, m->log_odds_chosen,
+                                     m->entropy, m->mean_token_accuracy};
     return f;
 }
 
@@ -166,11 +173,39 @@ static void draw_references(const preference_case_spec *s, preference_case *c, u
     free(l), free(logp);
 }
 
+/* 1 when the options' loss type (or list, TRL's current dpo) names type. */
+static int lists_type(const fh_preference_options *o, fh_preference_loss_type type)
+{
+    int found = o->loss_type_count == 0 && o->loss_type == type;
+    for (int k = 0; k < o->loss_type_count && k < FH_PREFERENCE_MAX_LOSS_TYPES; k++)
+        found |= o->loss_types[k] == type;
+    return found;
+}
+
 /* Pairs whose reward margin beta u (dpo, cpo) sits within the guard of 0, or of hinge's kink. */
 static int near_kink(const preference_case_spec *s, double margin)
 {
     return fabs(margin) < PREFERENCE_KINK_GUARD ||
-           (s->options.loss_type == FH_PREFERENCE_HINGE && fabs(1.0 - margin) < PREFERENCE_KINK_GUARD);
+           (lists_type(&s->options, FH_PREFERENCE_HINGE) && fabs(1.0 - margin) < PREFERENCE_KINK_GUARD);
+}
+
+/* aot and aot_unpaired sort the pairs by c - r and ref_c - ref_r, or by cs and rs: pair b's keys within the guard
+ * of another pair's, where fused and reference values could sort differently (and the gradient jumps). */
+static int near_sort_tie(const preference_case_spec *s, const double *l, const double *rewards, int64_t b)
+{
+    const int aot = lists_type(&s->options, FH_PREFERENCE_AOT), unpaired = lists_type(&s->options, FH_PREFERENCE_AOT_UNPAIRED);
+    const int64_t B = s->pairs;
+    const double beta = s->options.beta;
+    for (int64_t j = 0; j < B && (aot || unpaired); j++) {
+        const double lr_b = l[b] - l[B + b], lr_j = l[j] - l[B + j];
+        const double ref_b = lr_b - (rewards[b] - rewards[B + b]) / beta, ref_j = lr_j - (rewards[j] - rewards[B + j]) / beta;
+        const double near = PREFERENCE_KINK_GUARD;
+        if (j != b && ((aot && (fabs(lr_b - lr_j) < near || fabs(ref_b - ref_j) < near)) ||
+                       (unpaired && (fabs(rewards[b] - rewards[j]) < near * beta ||
+                                     fabs(rewards[B + b] - rewards[B + j]) < near * beta))))
+            return 1;
+    }
+    return 0;
 }
 
 static void make_inputs(const preference_case_spec *s, preference_case *c)
@@ -199,14 +234,14 @@ static void make_inputs(const preference_case_spec *s, preference_case *c)
         draw_sequence(s, c, &rng, b, chosen);
         draw_sequence(s, c, &rng, B + b, rejected);
     }
-    double *rewards = zalloc((size_t)(2 * B), sizeof(double));
+    double *rewards = zalloc((size_t)(2 * B), sizeof(double)), *l = zalloc((size_t)(2 * B), sizeof(double));
     for (int attempt = 0; attempt < 100; attempt++) {
         draw_references(s, c, &rng);
-        if (reference_values(c, NULL, rewards, NULL) != 0)
+        if (reference_values(c, l, rewards, NULL) != 0)
             break; /* invalid options: the library's call will say so */
         int redrawn = 0;
         for (int64_t b = 0; b < B; b++)
-            if (near_kink(s, rewards[b] - rewards[B + b])) {
+            if (near_kink(s, rewards[b] - rewards[B + b]) || near_sort_tie(s, l, rewards, b)) {
                 draw_sequence(s, c, &rng, b, lengths[b]);
                 redrawn = 1;
             }
@@ -214,6 +249,7 @@ static void make_inputs(const preference_case_spec *s, preference_case *c)
             break;
     }
     free(rewards);
+    free(l);
     free(lengths);
 }
 
@@ -342,7 +378,9 @@ double preference_metrics_diff(const fh_preference_metrics *f, const fh_preferen
                                {f->logits_rejected, r->logits_rejected},
                                {f->nll_loss, r->nll_loss},
                                {f->log_odds_ratio, r->log_odds_ratio},
-                               {f->log_odds_chosen, r->log_odds_chosen}};
+                               {f->log_odds_chosen, r->log_odds_chosen},
+                               {f->entropy, r->entropy},
+                               {f->mean_token_accuracy, r->mean_token_accuracy}};
     double m = 0.0;
     for (size_t k = 0; k < sizeof pairs / sizeof pairs[0]; k++)
         m = fmax(m, metric_diff(pairs[k][0], pairs[k][1]));
