@@ -132,10 +132,12 @@ static fh_status check_options(fh_context *ctx, const fh_preference_options *o)
                        o->loss_type_count, FH_PREFERENCE_MAX_LOSS_TYPES);
     for (int k = 0; k < fh_dpo_type_count(o); k++) {
         const fh_preference_loss_type type = fh_dpo_type(o, k);
+        if ((unsigned)type > FH_PREFERENCE_SIGMOID_NORM && o->loss_type_count)
+            return fh_fail(ctx, FH_ERR_INVALID_PREFERENCE_OPTION,
+                           "loss_types[%d] = %d is not one of sigmoid (0) .. sigmoid_norm (14)", k, (int)type);
         if ((unsigned)type > FH_PREFERENCE_SIGMOID_NORM)
             return fh_fail(ctx, FH_ERR_INVALID_PREFERENCE_OPTION,
-                           "loss_type%s = %d is not one of sigmoid (0) .. sigmoid_norm (14)",
-                           o->loss_type_count ? "s[k]" : "", (int)type);
+                           "loss_type = %d is not one of sigmoid (0) .. sigmoid_norm (14)", (int)type);
         if (!has_loss_type(o, type))
             return fh_fail(ctx, FH_ERR_INVALID_PREFERENCE_OPTION, "%s%s has no loss_type %s", loss_name(o->loss),
                            o->loss == FH_PREFERENCE_DPO ? " at TRL v0.28's semantics" : "", type_name(type));
