@@ -9,7 +9,8 @@
  * Pairs are redrawn (the chosen sequence's targets) until |1 - beta u| >= PREFERENCE_KINK_GUARD under hinge and
  * |reward margin| >= PREFERENCE_KINK_GUARD: the fused and reference margins then lie on the same side of relu's
  * kink and of the accuracy's comparison (they differ by beta times the margin's error, ~1e-6; see the loss
- * tolerance).
+ * tolerance). With aot or aot_unpaired listed, also until no two pairs' sorted values (c - r and ref_c - ref_r, or
+ * cs and rs) lie within the guard of each other, so that both sides sort the pairs alike.
  *
  * Tolerances (fh_gradcheck's ctest cases and the preference suite; the worst fraction of each seen over them is in
  * brackets):
@@ -17,7 +18,9 @@
  *     error, ~1e-7 of |logp| here; a sequence log-prob sums up to T of them (partly cancelling), and a pair's loss
  *     moves by its slope times its margin's error: |slope| <= beta for sigmoid, robust (/(1 - 2 ls)), hinge and
  *     orpo's log-odds term, 2 |u - 1 / (2 beta)| <= 2 sqrt(loss) for ipo (on averaged log-probs); the NLL is a mean
- *     of log-probs. The worst case, dpo ipo at loss ~25, is 1.2e-7 of |loss|.
+ *     of log-probs. The worst case, dpo ipo at loss ~25, is 1.2e-7 of |loss|. TRL's current DPO types
+ *     (ctest preference_trl_*) [0.10]: their slopes are beta times sigmoids, or, for the quadratic ipo and
+ *     sppo_hard, 2 sqrt(term) (sppo_hard on summed log-ratios reaches loss ~100, at 0.28 of the tolerance).
  *   metrics: PREFERENCE_METRIC_TOL = 1e-5 of max(1, |value|) [0.013]: rewards and log-probs are (means of) the
  *     sequence log-probs above, the logits means average fp32 logits; accuracies are counts, exact thanks to the
  *     guard.
@@ -26,7 +29,8 @@
  *   gradients: normwise relative PREFERENCE_GRAD_NORM_REL_TOL = 1e-5 [0.044], as cross-entropy and GRPO (same
  *     engine and fp32 GEMMs; dZ = g (onehot - p) with g from the pair's slope, whose own error is the slope's
  *     derivative times the margin's ~1e-6); bf16 cases take cross-entropy's bf16 tolerances (ce_grad_tolerance,
- *     ref/ce_case.c) [0.54: 2.2e-3 against 4e-3; with bf16 gradients 2.3e-3 against 8e-3, as cross-entropy's]. */
+ *     ref/ce_case.c) [0.54: 2.2e-3 against 4e-3; with bf16 gradients 2.3e-3 against 8e-3, as cross-entropy's; TRL's
+ *     current DPO types and lists 0.44]. */
 #include "preference_case.h"
 
 #include "bf16.h"
