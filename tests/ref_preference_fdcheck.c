@@ -206,17 +206,25 @@ static int close_to(double a, double b)
 
 /* Hand-worked values. One pair of T = 2 tokens: chosen logp (-1, -2), rejected (-3, -1), every mask 1, so
  * c = -3, r = -4 summed and -1.5, -2 averaged. */
+static const double logp[4] = {-1.0, -2.0, -3.0, -1.0}, ones[4] = {1, 1, 1, 1};
+
+/* A result writing the pair's l and rewards into seq and rewards. */
+static ref_preference_result hand_result(double *seq, double *rewards)
+{
+    ref_preference_result r;
+    memset(&r, 0, sizeof r);
+    r.sequence_logps = seq;
+    r.rewards = rewards;
+    return r;
+}
+
 static void hand_checks(void)
 {
-    const double logp[4] = {-1.0, -2.0, -3.0, -1.0}, ones[4] = {1, 1, 1, 1};
     ref_preference_tokens tk = {1, 2, logp, ones, NULL, NULL, NULL, NULL, NULL};
     ref_preference_options o;
     legacy_defaults(&o);
-    ref_preference_result r;
-    memset(&r, 0, sizeof r);
     double g[4], seq[2], rewards[2];
-    r.sequence_logps = seq;
-    r.rewards = rewards;
+    ref_preference_result r = hand_result(seq, rewards);
 
     /* dpo sigmoid, reference-free: u = 1, loss = log(1 + e^-0.1), d/dc = -beta sig(-beta) on both chosen tokens,
      * the opposite on the rejected ones; rewards beta l; no NLL term: nll_loss NaN; no logits: NaN. */
@@ -344,15 +352,11 @@ static void hand_checks(void)
 /* Hand-worked values at TRL's current semantics, on hand_checks' pair (c = -3, r = -4 summed, 2 tokens each). */
 static void current_hand_checks(void)
 {
-    const double logp[4] = {-1.0, -2.0, -3.0, -1.0}, ones[4] = {1, 1, 1, 1};
     ref_preference_tokens tk = {1, 2, logp, ones, NULL, NULL, NULL, NULL, NULL};
     ref_preference_options o;
     ref_preference_options_default(&o);
-    ref_preference_result r;
-    memset(&r, 0, sizeof r);
     double g[4], seq[2], rewards[2];
-    r.sequence_logps = seq;
-    r.rewards = rewards;
+    ref_preference_result r = hand_result(seq, rewards);
 
     /* ipo sums its log-probs and divides inside: u = -3/2 - -4/2 = 0.5, loss (0.5 - 5)^2; d/dc = 2 (0.5 - 5) / 2 on
      * each chosen token; l and rewards stay sums (v0.28 averaged them). */
