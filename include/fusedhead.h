@@ -660,7 +660,8 @@ typedef struct fh_preference_options { /* TRL config names; defaults from fh_pre
     fh_preference_loss_type loss_types[FH_PREFERENCE_MAX_LOSS_TYPES];
     double loss_weights[FH_PREFERENCE_MAX_LOSS_TYPES]; /* TRL's loss_weights (finite), one per listed type */
     double discopop_tau;               /* 0.05; > 0 (discopop) */
-    int use_weighting;                 /* 0; TRL's WPO weighting: not implemented, 1 is refused */
+    int use_weighting;                 /* 0; TRL's WPO weighting (DPOTrainer, both versions): not implemented, any
+                                          other value is refused */
 } fh_preference_options;
 
 FH_API fh_status fh_preference_options_init(fh_preference_options *options);

@@ -87,8 +87,8 @@ static double nll_weight(const fh_preference_options *o)
     return o->loss == FH_PREFERENCE_DPO ? o->rpo_alpha : o->loss == FH_PREFERENCE_ORPO ? 1.0 : o->cpo_alpha;
 }
 
-/* The options of TRL's current DPO (the list, its weights, rpo_alpha gone, exo_pair's smoothing, discopop's tau,
- * WPO), once loss and dpo_semantics are known good. */
+/* The options of TRL's current DPO (the list, its weights, rpo_alpha gone, exo_pair's smoothing, discopop's tau),
+ * once loss and dpo_semantics are known good. */
 static fh_status check_current(fh_context *ctx, const fh_preference_options *o)
 {
     for (int k = 0; k < o->loss_type_count; k++)
@@ -106,10 +106,6 @@ static fh_status check_current(fh_context *ctx, const fh_preference_options *o)
     if (fh_dpo_lists(o, FH_PREFERENCE_DISCOPOP) && !(o->discopop_tau > 0.0 && isfinite(o->discopop_tau)))
         return fh_fail(ctx, FH_ERR_INVALID_PREFERENCE_OPTION, "discopop_tau = %g must be finite and > 0",
                        o->discopop_tau);
-    if (o->use_weighting)
-        return fh_fail(ctx, FH_ERR_INVALID_PREFERENCE_OPTION,
-                       "use_weighting (TRL's WPO weights) is not implemented: they need log sum_j p_j^2 of every "
-                       "token, a statistic the engine does not fold");
     return FH_OK;
 }
 
@@ -153,6 +149,10 @@ static fh_status check_options(fh_context *ctx, const fh_preference_options *o)
     if (!(o->rpo_alpha >= 0.0 && isfinite(o->rpo_alpha)) || !(o->cpo_alpha >= 0.0 && isfinite(o->cpo_alpha)))
         return fh_fail(ctx, FH_ERR_INVALID_PREFERENCE_OPTION, "rpo_alpha = %g and cpo_alpha = %g must be finite and >= 0",
                        o->rpo_alpha, o->cpo_alpha);
+    if (o->use_weighting)
+        return fh_fail(ctx, FH_ERR_INVALID_PREFERENCE_OPTION,
+                       "use_weighting (TRL's WPO weights) is not implemented: they need log sum_j p_j^2 of every "
+                       "token, a statistic the engine does not fold");
     return current(o) ? check_current(ctx, o) : FH_OK;
 }
 

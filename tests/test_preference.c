@@ -751,6 +751,7 @@ MUTATION(robust_listed_half, (fixture_current(f), f->options.loss_type_count = 2
 MUTATION(discopop_tau_zero,
          (fixture_current(f), f->options.loss_type = FH_PREFERENCE_DISCOPOP, f->options.discopop_tau = 0.0))
 MUTATION(use_weighting, (fixture_current(f), f->options.use_weighting = 1))
+MUTATION(use_weighting_at_0_28, f->options.use_weighting = 1)
 
 #define OPTION FH_ERR_INVALID_PREFERENCE_OPTION
 static const cd_case bad_cases[] = {
@@ -767,6 +768,7 @@ static const cd_case bad_cases[] = {
     {"robust listed, label_smoothing 0.5", robust_listed_half, BOTH, OPTION, "label_smoothing"},
     {"discopop_tau 0", discopop_tau_zero, BOTH, OPTION, "discopop_tau"},
     {"use_weighting (WPO)", use_weighting, BOTH, OPTION, "use_weighting"},
+    {"use_weighting (WPO) at v0.28", use_weighting_at_0_28, BOTH, OPTION, "use_weighting"},
     {"NULL context", null_ctx, BOTH, FH_ERR_NULL_POINTER, NULL},
     {"NULL fh_linear", null_lin, BOTH, FH_ERR_NULL_POINTER, "lin"},
     {"NULL x", null_x, BOTH, FH_ERR_NULL_POINTER, "x"},
