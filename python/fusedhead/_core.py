@@ -837,7 +837,8 @@ PREFERENCE_METRIC_KEYS = (("rewards_chosen", "rewards/chosen"), ("rewards_reject
                           ("logps_chosen", "logps/chosen"), ("logps_rejected", "logps/rejected"),
                           ("logits_chosen", "logits/chosen"), ("logits_rejected", "logits/rejected"),
                           ("nll_loss", "nll_loss"), ("log_odds_ratio", "log_odds_ratio"),
-                          ("log_odds_chosen", "log_odds_chosen"))
+                          ("log_odds_chosen", "log_odds_chosen"), ("entropy", "entropy"),
+                          ("mean_token_accuracy", "mean_token_accuracy"))
 
 
 def _real(value, name: str) -> float:
@@ -848,23 +849,42 @@ def _real(value, name: str) -> float:
 
 
 def preference_options(*, loss="dpo", loss_type="sigmoid", beta=0.1, label_smoothing=0.0, simpo_gamma=0.5,
-                       rpo_alpha=0.0, cpo_alpha=1.0) -> _lib.fh_preference_options:
+                       rpo_alpha=0.0, cpo_alpha=1.0, loss_weights=None, dpo_semantics="current",
+                       discopop_tau=0.05, use_weighting=False) -> _lib.fh_preference_options:
     """fh_preference_options from TRL-named keyword arguments (rpo_alpha None, TRL's default, is 0: no NLL term).
+    loss_type: a name, or TRL's current list of names (dpo), combined with loss_weights (default 1 each);
+    dpo_semantics: "current" (TRL >= v0.29.0, as at f2cd5771) or "trl_0_28" (v0.28.0's DPOTrainer).
     The library validates the values (InvalidPreferenceOptionError)."""
     opt = _lib.fh_preference_options()
     check_status(load_library().fh_preference_options_init(ctypes.byref(opt)), "fh_preference_options_init")
     opt.loss = int(parse_choice(loss, _lib.PreferenceLoss, "loss"))
-    opt.loss_type = int(parse_choice(loss_type, _lib.PreferenceLossType, "loss_type"))
+    types = [loss_type] if isinstance(loss_type, (str, _lib.PreferenceLossType)) else list(loss_type)
+    if not types or len(types) > _lib.PREFERENCE_MAX_LOSS_TYPES:
+        raise ValueError(f"loss_type: expected a name or a list of 1 .. {_lib.PREFERENCE_MAX_LOSS_TYPES} names, "
+                         f"got {loss_type!r}")
+    parsed = [int(parse_choice(t, _lib.PreferenceLossType, "loss_type")) for t in types]
+    opt.loss_type = parsed[0]
+    if len(parsed) > 1 or loss_weights is not None:
+        weights = [1.0] * len(parsed) if loss_weights is None else [_real(w, "loss_weights") for w in loss_weights]
+        if len(weights) != len(parsed):
+            raise ValueError(f"loss_weights: expected {len(parsed)} weights (one per loss type), got {len(weights)}")
+        opt.loss_type_count = len(parsed)
+        for k, (t, w) in enumerate(zip(parsed, weights)):
+            opt.loss_types[k], opt.loss_weights[k] = t, w
     opt.beta = _real(beta, "beta")
     opt.label_smoothing = _real(label_smoothing, "label_smoothing")
     opt.simpo_gamma = _real(simpo_gamma, "simpo_gamma")
     opt.rpo_alpha = 0.0 if rpo_alpha is None else _real(rpo_alpha, "rpo_alpha")
     opt.cpo_alpha = _real(cpo_alpha, "cpo_alpha")
+    semantics = "trl_current" if isinstance(dpo_semantics, str) and dpo_semantics.lower() == "current" else dpo_semantics
+    opt.dpo_semantics = int(parse_choice(semantics, _lib.DPOSemantics, "dpo_semantics"))
+    opt.discopop_tau = _real(discopop_tau, "discopop_tau")
+    opt.use_weighting = int(bool(use_weighting))
     return opt
 
 
 def preference_metrics_dict(values) -> dict:
-    """TRL's metric names -> values (a fh_preference_metrics or 11 numbers in its order), NaN entries omitted."""
+    """TRL's metric names -> values (a fh_preference_metrics or 13 numbers in its order), NaN entries omitted."""
     return _metrics_dict(PREFERENCE_METRIC_KEYS, values)
 
 

@@ -140,6 +140,25 @@ class PreferenceLossType(enum.IntEnum):
     HINGE = 1
     IPO = 2
     ROBUST = 3
+    EXO_PAIR = 4
+    NCA_PAIR = 5
+    BCO_PAIR = 6
+    SPPO_HARD = 7
+    AOT = 8
+    AOT_UNPAIRED = 9
+    APO_ZERO = 10
+    APO_DOWN = 11
+    DISCOPOP = 12
+    SFT = 13
+    SIGMOID_NORM = 14
+
+
+class DPOSemantics(enum.IntEnum):  # fh_preference_dpo_semantics: which TRL DPOTrainer dpo follows
+    TRL_CURRENT = 0  # TRL >= v0.29.0 (the DPO refactor), as at f2cd5771
+    TRL_0_28 = 1     # TRL v0.28.0
+
+
+PREFERENCE_MAX_LOSS_TYPES = 16
 
 
 class KTOLossType(enum.IntEnum):
@@ -327,6 +346,12 @@ class fh_preference_options(ctypes.Structure):
         ("simpo_gamma", ctypes.c_double),
         ("rpo_alpha", ctypes.c_double),
         ("cpo_alpha", ctypes.c_double),
+        ("dpo_semantics", ctypes.c_int),  # fh_preference_dpo_semantics
+        ("loss_type_count", ctypes.c_int),
+        ("loss_types", ctypes.c_int * PREFERENCE_MAX_LOSS_TYPES),
+        ("loss_weights", ctypes.c_double * PREFERENCE_MAX_LOSS_TYPES),
+        ("discopop_tau", ctypes.c_double),
+        ("use_weighting", ctypes.c_int),
     ]
 
 
@@ -354,6 +379,8 @@ class fh_preference_metrics(ctypes.Structure):
         ("nll_loss", ctypes.c_double),
         ("log_odds_ratio", ctypes.c_double),
         ("log_odds_chosen", ctypes.c_double),
+        ("entropy", ctypes.c_double),
+        ("mean_token_accuracy", ctypes.c_double),
     ]
 
 

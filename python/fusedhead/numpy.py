@@ -627,7 +627,7 @@ def grpo_loss(hidden: np.ndarray, weight: np.ndarray, completion_ids: np.ndarray
 class PreferenceResult:
     """loss: float; metrics: TRL's logged keys ("rewards/chosen", "rewards/rejected", "rewards/accuracies",
     "rewards/margins", "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "nll_loss",
-    "log_odds_ratio", "log_odds_chosen"), only those TRL logs for the options; sequence_logps and rewards: float32
+    "log_odds_ratio", "log_odds_chosen", "entropy", "mean_token_accuracy"), only those TRL logs for the options; sequence_logps and rewards: float32
     [2B], the chosen sequences' then the rejected ones'; per_token_logp: float32 [2B, T]. Gradients (of
     grad_output * loss) are None unless requested."""
     loss: float
@@ -649,12 +649,15 @@ def preference_loss(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray,
     """TRL's DPO, ORPO, SimPO or CPO loss from hidden [2B, T, H] or [2B*T, H] float32 (the chosen sequences, then
     the rejected ones: pair b is sequences b and B + b; position t predicts targets[s, t], int64 [2B, T]) and the
     loss mask float32 [2B, T], without the logits. dpo's reference log-probs: ref_logps float32 [2B] (aggregated
-    as the loss aggregates its own) or ref_per_token_logps float32 [2B, T], at most one; neither: reference-free.
+    as the loss aggregates its own) or ref_per_token_logps float32 [2B, T], at most one; neither: 0 (reference-free).
     Nothing is copied (C-contiguous token arrays expected). dtype="bf16": hidden and weight are bfloat16 bits in
     uint16 arrays (the rest float32; the gradients too unless grad_dtype="bf16").
 
-    options: loss ("dpo", "orpo", "simpo", "cpo") and TRL's config names: loss_type ("sigmoid", "hinge", "ipo",
-    "robust"), beta, label_smoothing, simpo_gamma, rpo_alpha, cpo_alpha (include/fusedhead.h has the formulas).
+    options: loss ("dpo", "orpo", "simpo", "cpo") and TRL's config names: loss_type (a name, or for dpo at TRL's
+    current semantics a list of them, with loss_weights), beta, label_smoothing, simpo_gamma, rpo_alpha (dpo at
+    v0.28 only), cpo_alpha, discopop_tau, use_weighting (refused); dpo_semantics "current" (TRL >= v0.29.0, the
+    default) or "trl_0_28" (include/fusedhead.h has the formulas; fusedhead.torch.fused_linear_preference_loss the
+    loss types).
     return_grads: False, True (all) or names among "hidden", "weight", "bias".
     """
     opt = preference_options(**options)

@@ -987,7 +987,7 @@ class _Preference:
 
 
 def _preference_run(p: _Preference, context: Optional[Context], need: Sequence[bool]):
-    """(loss, metrics float64 [11] in fh_preference_metrics order, sequence log-probs [2B], rewards [2B],
+    """(loss, metrics float64 [13] in fh_preference_metrics order, sequence log-probs [2B], rewards [2B],
     (dx, dw, db)); gradients of the loss (upstream 1) for the inputs in need."""
     logps = torch.empty(2 * p.pairs, dtype=torch.float32)
     rewards = torch.empty(2 * p.pairs, dtype=torch.float32)
@@ -1001,7 +1001,7 @@ class FusedLinearPreferenceLossFunction(torch.autograd.Function):
     layout="vh", context=None) -> (loss, metrics, logps, rewards)
 
     options: a dict of preference_options values (loss and TRL's names; missing: TRL defaults). metrics: float64
-    [11] in fh_preference_metrics order (NaN where TRL logs nothing); logps, rewards: float32 [2B], the chosen
+    [13] in fh_preference_metrics order (NaN where TRL logs nothing); logps, rewards: float32 [2B], the chosen
     sequences' then the rejected ones'. All three non-differentiable. The forward runs
     fh_preference_forward_backward with upstream gradient 1 for the inputs whose ctx.needs_input_grad is set;
     backward scales the saved gradients by the incoming scalar. The reference log-probs are constants (as in
@@ -1039,6 +1039,8 @@ def fused_linear_preference_loss(hidden: torch.Tensor, weight: torch.Tensor, tar
                                  mask: torch.Tensor, *, loss: str = "dpo", loss_type: str = "sigmoid",
                                  beta: float = 0.1, label_smoothing: float = 0.0, simpo_gamma: float = 0.5,
                                  rpo_alpha: Optional[float] = 0.0, cpo_alpha: float = 1.0,
+                                 loss_weights: Optional[Sequence[float]] = None, dpo_semantics: str = "current",
+                                 discopop_tau: float = 0.05, use_weighting: bool = False,
                                  ref_logps: Optional[torch.Tensor] = None,
                                  ref_per_token_logps: Optional[torch.Tensor] = None,
                                  bias: Optional[torch.Tensor] = None, layout: str = "vh",
@@ -1049,16 +1051,21 @@ def fused_linear_preference_loss(hidden: torch.Tensor, weight: torch.Tensor, tar
 
     hidden [2B, T, H] or [2B*T, H] (position t predicts targets[s, t]); targets int64 [2B, T]; mask [2B, T], the
     loss mask (TRL's labels != -100; targets where it is 0 may be anything). loss: "dpo", "orpo", "simpo", "cpo";
-    options by TRL's names (loss_type "sigmoid", "hinge", "ipo", "robust" as each trainer has them; rpo_alpha
-    None or 0: no NLL term). dpo's reference log-probs: ref_logps [2B] (the reference model's sequence log-probs,
-    aggregated as the loss aggregates: averaged for ipo) or ref_per_token_logps [2B, T], at most one; neither:
-    reference-free. include/fusedhead.h has the formulas. Returns (loss, metrics, logps, rewards), a
-    PreferenceLossOutput: metrics with TRL's keys "rewards/chosen", "rewards/rejected", "rewards/accuracies",
-    "rewards/margins", "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "nll_loss",
-    "log_odds_ratio", "log_odds_chosen" (those TRL logs for the options).
+    options by TRL's names. dpo follows TRL's current DPOTrainer (dpo_semantics "current": loss_type a name or a
+    list of them among "sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "aot",
+    "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm", with loss_weights; discopop_tau;
+    rpo_alpha must be None or 0, the "sft" type replaces it; use_weighting is refused) or v0.28.0's ("trl_0_28":
+    "sigmoid", "hinge", "ipo", "robust" and rpo_alpha); cpo and simpo take "sigmoid", "hinge", "ipo" as CPOTrainer
+    does. dpo's reference log-probs: ref_logps [2B] (the reference model's sequence log-probs, aggregated as the
+    loss aggregates: sums, or at v0.28 averages for ipo) or ref_per_token_logps [2B, T], at most one; neither: 0.
+    include/fusedhead.h has the formulas. Returns (loss, metrics, logps, rewards), a PreferenceLossOutput: metrics
+    with TRL's keys "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+    "logps/rejected", "logits/chosen", "logits/rejected", "nll_loss", "log_odds_ratio", "log_odds_chosen",
+    "entropy", "mean_token_accuracy" (those TRL logs for the options).
     """
     options = dict(loss=loss, loss_type=loss_type, beta=beta, label_smoothing=label_smoothing,
-                   simpo_gamma=simpo_gamma, rpo_alpha=rpo_alpha, cpo_alpha=cpo_alpha)
+                   simpo_gamma=simpo_gamma, rpo_alpha=rpo_alpha, cpo_alpha=cpo_alpha, loss_weights=loss_weights,
+                   dpo_semantics=dpo_semantics, discopop_tau=discopop_tau, use_weighting=use_weighting)
     if _autograd_needed(hidden, weight, bias):
         value, metrics, logps, rewards = FusedLinearPreferenceLossFunction.apply(
             hidden, weight, targets, mask, bias, ref_logps, ref_per_token_logps, options, layout, context)
@@ -1100,10 +1107,13 @@ class FusedLinearDPOLoss(_FusedLinearPreferenceLoss):
     """
     _loss = "dpo"
 
-    def __init__(self, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
-                 rpo_alpha: Optional[float] = None, layout: str = "vh", context: Optional[Context] = None):
+    def __init__(self, beta: float = 0.1, loss_type="sigmoid", label_smoothing: float = 0.0,
+                 rpo_alpha: Optional[float] = None, layout: str = "vh", context: Optional[Context] = None,
+                 loss_weights: Optional[Sequence[float]] = None, dpo_semantics: str = "current",
+                 discopop_tau: float = 0.05, use_weighting: bool = False):
         super().__init__(layout, context, beta=beta, loss_type=loss_type, label_smoothing=label_smoothing,
-                         rpo_alpha=rpo_alpha)
+                         rpo_alpha=rpo_alpha, loss_weights=loss_weights, dpo_semantics=dpo_semantics,
+                         discopop_tau=discopop_tau, use_weighting=use_weighting)
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
                 bias: Optional[torch.Tensor] = None, ref_logps: Optional[torch.Tensor] = None,
