@@ -5,19 +5,8 @@
 #define FH_DPO_LOSS_TYPES_H
 
 #include "fusedhead.h"
+#include "sigmoid.h"
 
-#include <math.h>
-
-/* log sigmoid(x) and sigmoid(x) without overflow. */
-static inline double fh_log_sigmoid(double x)
-{
-    return x >= 0.0 ? -log1p(exp(-x)) : x - log1p(exp(x));
-}
-
-static inline double fh_sigmoid(double x)
-{
-    return x >= 0.0 ? 1.0 / (1.0 + exp(-x)) : exp(x) / (1.0 + exp(x));
-}
 
 /* The options' loss-type list: loss_types[0 .. loss_type_count), or the one loss_type with weight 1. */
 int fh_dpo_type_count(const fh_preference_options *o);

@@ -6,6 +6,7 @@
 #include "grpo_head.h" /* fh_grpo_check_grad_output */
 #include "kto_head.h"
 #include "linear.h"
+#include "sigmoid.h"
 
 #include <math.h>
 #include <string.h>
@@ -128,11 +129,6 @@ fh_status fh_kto_check_call(fh_context *ctx, const fh_linear *lin, const fh_kto_
 
 /* ---- the head: [B, T] vectors -> loss, metrics, coefficients ------------------------------------- */
 
-static double sigmoid(double x)
-{
-    return x >= 0.0 ? 1.0 / (1.0 + exp(-x)) : exp(x) / (1.0 + exp(x));
-}
-
 fh_kto_head fh_kto_head_in(const fh_workspace *ws, const fh_kto_batch *bt, const fh_kto_options *o, int64_t vocab)
 {
     fh_kto_head h = {bt, o, ws, vocab, 0.0, 0.0};
@@ -182,11 +178,11 @@ static double sequence_loss(const fh_kto_head *h, int64_t s, double r, double *s
     /* d sig(x) / dx = sig(x) sig(-x). kto: L = 1 - sig(+-beta (r - kl)); apo: 1 - sig(beta r) or sig(beta r). */
     const double x = beta * (o->loss_type == FH_KTO_LOSS_KTO ? r - h->kl : r);
     if (desirable) {
-        *slope = -w * beta * sigmoid(x) * sigmoid(-x);
-        return w * sigmoid(-x);
+        *slope = -w * beta * fh_sigmoid(x) * fh_sigmoid(-x);
+        return w * fh_sigmoid(-x);
     }
-    *slope = w * beta * sigmoid(x) * sigmoid(-x);
-    return w * sigmoid(x); /* kto: 1 - sig(beta (kl - r)) = sig(beta (r - kl)) */
+    *slope = w * beta * fh_sigmoid(x) * fh_sigmoid(-x);
+    return w * fh_sigmoid(x); /* kto: 1 - sig(beta (kl - r)) = sig(beta (r - kl)) */
 }
 
 void fh_kto_sequence_coefficients(const fh_kto_head *h, int64_t s0, int64_t s1, double grad)
