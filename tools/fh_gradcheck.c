@@ -5,6 +5,7 @@
 #include "ce_case.h"
 #include "gradcheck_common.h"
 #include "gradcheck_distill.h"
+#include "gradcheck_distill_topk.h"
 #include "gradcheck_grpo.h"
 #include "gradcheck_logprob.h"
 #include "gradcheck_preference.h"
@@ -27,7 +28,8 @@ static void usage(void)
             "       fh_gradcheck --loss grpo ... (fh_gradcheck --loss grpo --help)\n"
             "       fh_gradcheck --loss logprob ... (fh_gradcheck --loss logprob --help)\n"
             "       fh_gradcheck --loss dpo|orpo|simpo|cpo ... (fh_gradcheck --loss dpo --help)\n"
-            "       fh_gradcheck --loss distill ... (fh_gradcheck --loss distill --help)\n");
+            "       fh_gradcheck --loss distill ... (fh_gradcheck --loss distill --help)\n"
+            "       fh_gradcheck --loss distill_topk ... (fh_gradcheck --loss distill_topk --help)\n");
 }
 
 /* The cross-entropy case, as gradcheck_main runs it. */
@@ -173,6 +175,8 @@ int main(int argc, char **argv)
                 return gradcheck_preference(argc, argv);
             if (strcmp(argv[i + 1], "distill") == 0)
                 return gradcheck_distill(argc, argv);
+            if (strcmp(argv[i + 1], "distill_topk") == 0)
+                return gradcheck_distill_topk(argc, argv);
             if (strcmp(argv[i + 1], "ce") != 0) {
                 usage();
                 return 2;
