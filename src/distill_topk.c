@@ -211,12 +211,10 @@ static void gradient(const void *self, int64_t i, float *z, const float *cz, int
     }
     const double g_soft = coef * h->o->weight_soft_loss, g_hard = h->hard ? coef * h->o->weight_hard_loss : 0.0;
     if (a != 0.0 || g_hard != 0.0) {
-        /* g_soft a inv_t p + g_hard softmax(u): the pair kernel's reverse-KL form p (log p - log q - d) with the row
-         * as its own teacher (log q = log p) and d = -1 is p. */
-        const float lse_u = (float)slot[SLOT_U_MAX_THEN_LSE][i];
-        const fh_pair_row r = {FH_PAIR_REVERSE_KL, h->inv_t, 0.0f, 0.0f, (float)lse_s, (float)lse_s, lse_u,
-                               -1.0f, 0.0f, (float)(g_soft * a), (float)g_hard};
-        fh_row_pair_gradient(z, z, count, &r);
+        /* g_soft a inv_t p + g_hard softmax(u) */
+        const fh_softmax_pair r = {h->inv_t, (float)lse_s, (float)(g_soft * a * h->inv_t),
+                                   (float)slot[SLOT_U_MAX_THEN_LSE][i], (float)g_hard};
+        fh_row_softmax_pair(z, count, &r);
     } else {
         memset(z, 0, (size_t)count * sizeof(float));
     }
