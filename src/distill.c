@@ -17,12 +17,12 @@ enum {
     SLOT_S_MAX_THEN_LSE,
     SLOT_S_SUM,         /* sum exp(s - max) */
     SLOT_T_MAX_THEN_LSE,
-    SLOT_T_SUM,
+    SLOT_T_SUM_THEN_JSD_K_SP, /* then (jsd) sum_j p_j sp_j (fh_row_jsd_sums' sums[2]) */
     SLOT_CROSS_THEN_D,  /* forward KL: sum exp(t - max) (t - s); reverse KL: sum exp(s - max) (s - t); then D */
     SLOT_U_MAX_THEN_LSE,
     SLOT_U_SUM,
     SLOT_U_TARGET,      /* u at the target */
-    SLOT_JSD_K,         /* sum_j p_j (log p_j - log m_j), the JSD gradient's row term */
+    SLOT_JSD_K,         /* sum_j p_j log(m_j / p_j) (sums[1]): jsd's gradient term, or the one above */
     SLOT_COEF,          /* d objective / d l_i: the upstream gradient over the mean's count; 0 when ignored */
     SLOTS
 };
@@ -45,7 +45,7 @@ typedef struct distill_head {
     int hard;                /* weight_hard_loss != 0: the cross-entropy's gradient */
     int separate_u;          /* targets (the cross-entropy is reported) and temperature != 1: u's statistics are
                                 not s's */
-    double log_odds;         /* jsd: log(beta / (1 - beta)) */
+    double log_beta, log_1m_beta; /* jsd: log(beta) and log(1 - beta) */
     double *const *slot;
 } distill_head;
 
@@ -88,7 +88,7 @@ static void fold_statistics(const distill_head *h, int64_t i, const float *z, co
     /* inv_t > 0: the largest of inv_t z is inv_t times the largest z */
     fold_lse(&slot[SLOT_S_MAX_THEN_LSE][i], &slot[SLOT_S_SUM][i], d == FH_DIVERGENCE_REVERSE_KL ? cross : NULL,
              it * max_z, z, cz, count, it);
-    fold_lse(&slot[SLOT_T_MAX_THEN_LSE][i], &slot[SLOT_T_SUM][i], d == FH_DIVERGENCE_FORWARD_KL ? cross : NULL,
+    fold_lse(&slot[SLOT_T_MAX_THEN_LSE][i], &slot[SLOT_T_SUM_THEN_JSD_K_SP][i], d == FH_DIVERGENCE_FORWARD_KL ? cross : NULL,
              it * max_cz, cz, z, count, it);
     if (h->separate_u)
         fold_lse(&slot[SLOT_U_MAX_THEN_LSE][i], &slot[SLOT_U_SUM][i], NULL, max_z, z, NULL, count, 1.0f);
@@ -103,17 +103,24 @@ static fh_pair_row row_of(const distill_head *h, int64_t i)
     double *const *slot = h->slot;
     static const fh_pair_divergence kinds[] = {FH_PAIR_FORWARD_KL, FH_PAIR_REVERSE_KL, FH_PAIR_JSD};
     const double coef = slot[SLOT_COEF][i];
-    const fh_pair_row r = {kinds[h->divergence],
-                           h->inv_t,
-                           (float)h->o->beta,
-                           (float)h->log_odds,
-                           (float)slot[SLOT_S_MAX_THEN_LSE][i],
-                           (float)slot[SLOT_T_MAX_THEN_LSE][i],
-                           (float)slot[SLOT_U_MAX_THEN_LSE][i],
-                           (float)slot[SLOT_CROSS_THEN_D][i],
-                           (float)slot[SLOT_JSD_K][i],
-                           (float)(coef * h->o->weight_soft_loss),
-                           (float)(coef * h->o->weight_hard_loss)};
+    /* jsd's gradient takes the term whose sum is nearer 0 (fh_row_pair_gradient); set once the second pass is done */
+    const int k_of_softplus = h->divergence == FH_DIVERGENCE_JSD &&
+                              fabs(slot[SLOT_T_SUM_THEN_JSD_K_SP][i]) < fabs(slot[SLOT_JSD_K][i]);
+    const fh_pair_row r = {.divergence = kinds[h->divergence],
+                           .inv_t = h->inv_t,
+                           .beta = (float)h->o->beta,
+                           .log_odds = (float)(h->log_beta - h->log_1m_beta),
+                           .log_beta = (float)h->log_beta,
+                           .log_1m_beta = (float)h->log_1m_beta,
+                           .lse_s = (float)slot[SLOT_S_MAX_THEN_LSE][i],
+                           .lse_t = (float)slot[SLOT_T_MAX_THEN_LSE][i],
+                           .lse_u = (float)slot[SLOT_U_MAX_THEN_LSE][i],
+                           .lse_t_minus_s = (float)(slot[SLOT_T_MAX_THEN_LSE][i] - slot[SLOT_S_MAX_THEN_LSE][i]),
+                           .d = (float)slot[SLOT_CROSS_THEN_D][i],
+                           .k = (float)slot[k_of_softplus ? SLOT_T_SUM_THEN_JSD_K_SP : SLOT_JSD_K][i],
+                           .g_soft = (float)(coef * h->o->weight_soft_loss),
+                           .g_hard = (float)(coef * h->o->weight_hard_loss),
+                           .k_of_softplus = k_of_softplus};
     return r;
 }
 
@@ -127,10 +134,11 @@ static void fold(const void *self, int pass, int64_t i, const float *z, const fl
     }
     /* Pass 1 (jsd): D and K over the row, from its final log-sum-exps. */
     const fh_pair_row r = row_of(h, i);
-    double sums[2] = {0.0, 0.0};
+    double sums[3] = {0.0, 0.0, 0.0};
     fh_row_jsd_sums(z, cz, count, &r, sums);
     h->slot[SLOT_CROSS_THEN_D][i] += sums[0];
     h->slot[SLOT_JSD_K][i] += sums[1];
+    h->slot[SLOT_T_SUM_THEN_JSD_K_SP][i] += sums[2];
 }
 
 static void finish(const void *self, int pass, int64_t i)
@@ -140,18 +148,17 @@ static void finish(const void *self, int pass, int64_t i)
     if (pass != 0)
         return;
     const double lse_s = slot[SLOT_S_MAX_THEN_LSE][i] + log(slot[SLOT_S_SUM][i]);
-    const double lse_t = slot[SLOT_T_MAX_THEN_LSE][i] + log(slot[SLOT_T_SUM][i]);
+    const double lse_t = slot[SLOT_T_MAX_THEN_LSE][i] + log(slot[SLOT_T_SUM_THEN_JSD_K_SP][i]);
     slot[SLOT_S_MAX_THEN_LSE][i] = lse_s;
     slot[SLOT_T_MAX_THEN_LSE][i] = lse_t;
     double *d = &slot[SLOT_CROSS_THEN_D][i];
     if (h->divergence == FH_DIVERGENCE_FORWARD_KL) /* sum q (t - s) - lse_t + lse_s */
-        *d = *d / slot[SLOT_T_SUM][i] - lse_t + lse_s;
+        *d = *d / slot[SLOT_T_SUM_THEN_JSD_K_SP][i] - lse_t + lse_s;
     else if (h->divergence == FH_DIVERGENCE_REVERSE_KL)
         *d = *d / slot[SLOT_S_SUM][i] - lse_s + lse_t;
-    else { /* the second pass adds its sums: D = H(beta) + sums[0] (fh_row_jsd_sums) */
-        const double beta = h->o->beta;
-        *d = -beta * log(beta) - (1.0 - beta) * log1p(-beta);
-        slot[SLOT_JSD_K][i] = 0.0;
+    else { /* the second pass sums D and both gradient terms (fh_row_jsd_sums) */
+        *d = 0.0;
+        slot[SLOT_JSD_K][i] = slot[SLOT_T_SUM_THEN_JSD_K_SP][i] = 0.0;
     }
     if (h->separate_u)
         slot[SLOT_U_MAX_THEN_LSE][i] += log(slot[SLOT_U_SUM][i]);
@@ -298,13 +305,14 @@ static distill_head head_of(const fh_workspace *ws, const fh_linear *student, co
                             const fh_distill_options *o, const float *grad_output)
 {
     distill_head h = {o, targets, o->divergence, (float)(1.0 / o->temperature),
-                      o->weight_hard_loss != 0.0, 0, 0.0, ws->slot};
+                      o->weight_hard_loss != 0.0, 0, 0.0, 0.0, ws->slot};
     if (h.divergence == FH_DIVERGENCE_JSD && o->beta == 0.0)
         h.divergence = FH_DIVERGENCE_FORWARD_KL;
     else if (h.divergence == FH_DIVERGENCE_JSD && o->beta == 1.0)
         h.divergence = FH_DIVERGENCE_REVERSE_KL;
     h.separate_u = targets && h.inv_t != 1.0f;
-    h.log_odds = log(o->beta) - log1p(-o->beta);
+    h.log_beta = log(o->beta);
+    h.log_1m_beta = log1p(-o->beta);
     double count = 0.0;
     for (int64_t i = 0; i < student->n; i++) {
         for (int s = 0; s < SLOTS; s++)

@@ -195,7 +195,7 @@ void fh_row_exp_sums(const float *a, const float *b, int64_t count, float scale,
     fh_row_kernels_in_use()->exp_sums(a, b, count, scale, shift, sums);
 }
 
-void fh_row_jsd_sums(const float *z, const float *cz, int64_t count, const fh_pair_row *r, double sums[2])
+void fh_row_jsd_sums(const float *z, const float *cz, int64_t count, const fh_pair_row *r, double sums[3])
 {
     fh_row_kernels_in_use()->jsd_sums(z, cz, count, r, sums);
 }

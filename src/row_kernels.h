@@ -102,9 +102,12 @@ typedef struct fh_pair_row {
     fh_pair_divergence divergence;
     float inv_t;
     float beta, log_odds;               /* jsd: beta and log(beta / (1 - beta)) */
+    float log_beta, log_1m_beta;        /* jsd: log(beta) and log(1 - beta) */
     float lse_s, lse_t, lse_u;          /* log-sum-exps of s, t and the untempered u = z */
-    float d, k;                         /* the row's divergence; jsd's sum_j p_j sp_j (below) */
+    float lse_t_minus_s;                /* lse_t - lse_s, rounded once from their double values */
+    float d, k;                         /* the row's divergence; jsd's gradient term sums[1] or sums[2] (below) */
     float g_soft, g_hard;               /* the gradient's weights of dD/ds / T and of softmax(u) - onehot */
+    int k_of_softplus;                  /* jsd: k is sums[2], over sp_j, rather than sums[1], over lp_j */
 } fh_pair_row;
 
 /* The largest raw logits of both rows (-inf for none; a NaN is ignored unless it is every value). */
@@ -117,18 +120,23 @@ typedef void fh_row_exp_sums_fn(const float *a, const float *b, int64_t count, f
                                 double sums[2]);
 fh_row_exp_sums_fn fh_row_exp_sums;
 
-/* jsd, with x_j = log_odds + log q_j - log p_j and sp_j = softplus(x_j) = log(1 + beta q_j / ((1 - beta) p_j)), so
- * that log p - log m = -log(1 - beta) - sp and log q - log m = -log(beta) - softplus(-x): the terms stay exact where
- * p and q barely overlap (log p - log m itself would be a tiny difference of numbers near -log(1 - beta)).
- * sums[0] += sum_j -(beta q softplus(-x) + (1 - beta) p sp), so that D = H(beta) + sums[0] with H the binary
- * entropy -beta log beta - (1 - beta) log(1 - beta); sums[1] += sum_j p sp. */
+/* jsd, per column: with delta_j = log q_j - log p_j = inv_t (cz_j - z_j) - lse_t_minus_s, the logs lp_j = log(m_j / p_j)
+ * and lq_j = log(m_j / q_j), and the term -(beta q_j lq_j + (1 - beta) p_j lp_j), whose sum is D. Near delta = 0
+ * lp = log1p(beta expm1(delta)) and lq = log1p(-(1 - beta) expm1(delta) / (1 + expm1(delta))) carry their own
+ * O(delta) size, so a term is O(p delta^2) with no constant to cancel: D of nearly identical heads (1e-6 per
+ * token) comes out to ~1e-11, where summing constant-sized terms against the binary entropy left ~1e-8. Where
+ * |delta| >= 1 (expm1 may overflow) lp = log(1 - beta) + softplus(x) and lq = log(beta) + softplus(-x), x =
+ * log_odds + delta: exact where p and q barely overlap. sums[0] += sum_j of the terms; sums[1] += sum_j p_j lp_j;
+ * sums[2] += sum_j p_j sp_j with sp_j = lp_j - log(1 - beta) (softplus(x) itself where |delta| >= 1). */
 typedef void fh_row_jsd_sums_fn(const float *z, const float *cz, int64_t count, const fh_pair_row *r,
-                                double sums[2]);
+                                double sums[3]);
 fh_row_jsd_sums_fn fh_row_jsd_sums;
 
 /* Overwrites z with dU = g_soft inv_t dD/ds + g_hard softmax(u) (the caller subtracts g_hard at the target);
- * dD/ds = p - q (forward KL), p (log p - log q - d) (reverse KL), (1 - beta) p (k - sp) (jsd: (1 - beta) p (log p -
- * log m - sum p (log p - log m)) in the terms above). */
+ * dD/ds = p - q (forward KL), p (log p - log q - d) (reverse KL), (1 - beta) p (k - lp) = (1 - beta) p (k' - sp) (jsd,
+ * lp and sp as fh_row_jsd_sums forms them, k and k' their p-weighted sums). The gradient is a difference of k and a
+ * column's value; the row takes the form whose sum is nearer 0, where that difference does not cancel: lp where p
+ * and q are close (lp ~ beta delta), sp where they barely overlap (lp ~ log(1 - beta) wherever p is not small). */
 typedef void fh_row_pair_gradient_fn(float *z, const float *cz, int64_t count, const fh_pair_row *r);
 fh_row_pair_gradient_fn fh_row_pair_gradient;
 

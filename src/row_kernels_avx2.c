@@ -412,31 +412,59 @@ BLOCK void log_probs(const fh_pair_row *r, const float *z, const float *cz, int6
     *lt = keep(_mm256_sub_ps(_mm256_mul_ps(it, load(cz, remaining)), _mm256_set1_ps(r->lse_t)), remaining);
 }
 
-BLOCK void jsd_block(const float *z, const float *cz, int64_t remaining, const fh_pair_row *r, __m256d *dlo,
-                     __m256d *dhi, __m256d *klo, __m256d *khi)
+/* jsd's lp, lq and sp of 8 columns (fh_row_jsd_sums): each of the two forms only where a lane needs it. */
+BLOCK void jsd_logs(const fh_pair_row *r, const float *z, const float *cz, int64_t remaining, __m256 *lp, __m256 *lq,
+                    __m256 *sp)
 {
-    const __m256 beta = _mm256_set1_ps(r->beta), one_m_beta = _mm256_set1_ps(1.0f - r->beta);
-    __m256 ls, lt;
-    log_probs(r, z, cz, remaining, &ls, &lt);
-    const __m256 p = keep(exp8(ls), remaining), q = keep(exp8(lt), remaining);
-    __m256 sp, spn;
-    softplus_pair(_mm256_add_ps(_mm256_set1_ps(r->log_odds), _mm256_sub_ps(lt, ls)), &sp, &spn);
-    const __m256 kp = _mm256_mul_ps(p, sp);
-    const __m256 d = _mm256_fmadd_ps(_mm256_mul_ps(beta, q), spn, _mm256_mul_ps(one_m_beta, kp));
-    accumulate_double(_mm256_sub_ps(_mm256_setzero_ps(), d), dlo, dhi);
-    accumulate_double(kp, klo, khi);
+    const __m256 diff = _mm256_sub_ps(load(cz, remaining), load(z, remaining));
+    const __m256 delta = _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(r->inv_t), diff), _mm256_set1_ps(r->lse_t_minus_s));
+    const __m256 log_1m_beta = _mm256_set1_ps(r->log_1m_beta);
+    const __m256 magnitude = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), delta);
+    const __m256 near = _mm256_cmp_ps(magnitude, _mm256_set1_ps(1.0f), _CMP_LT_OQ);
+    const int near_bits = _mm256_movemask_ps(near);
+    *lp = *lq = *sp = _mm256_setzero_ps();
+    if (near_bits) {
+        const __m256 e = Sleef_expm1f8_u10avx2(delta);
+        *lp = Sleef_log1pf8_u10avx2(_mm256_mul_ps(_mm256_set1_ps(r->beta), e));
+        *lq = Sleef_log1pf8_u10avx2(
+            _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(r->beta - 1.0f), e), _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+        *sp = _mm256_sub_ps(*lp, log_1m_beta);
+    }
+    if (near_bits != 0xff) {
+        __m256 far_sp, far_spn;
+        softplus_pair(_mm256_add_ps(_mm256_set1_ps(r->log_odds), delta), &far_sp, &far_spn);
+        *lp = _mm256_blendv_ps(_mm256_add_ps(log_1m_beta, far_sp), *lp, near);
+        *lq = _mm256_blendv_ps(_mm256_add_ps(_mm256_set1_ps(r->log_beta), far_spn), *lq, near);
+        *sp = _mm256_blendv_ps(far_sp, *sp, near);
+    }
 }
 
-static void jsd_sums(const float *z, const float *cz, int64_t count, const fh_pair_row *r, double sums[2])
+BLOCK void jsd_block(const float *z, const float *cz, int64_t remaining, const fh_pair_row *r, __m256d acc[6])
 {
-    __m256d dlo = _mm256_setzero_pd(), dhi = _mm256_setzero_pd(), klo = _mm256_setzero_pd(), khi = _mm256_setzero_pd();
+    const __m256 beta = _mm256_set1_ps(r->beta), one_m_beta = _mm256_set1_ps(1.0f - r->beta);
+    __m256 ls, lt, lp, lq, sp;
+    log_probs(r, z, cz, remaining, &ls, &lt);
+    const __m256 p = keep(exp8(ls), remaining), q = keep(exp8(lt), remaining);
+    jsd_logs(r, z, cz, remaining, &lp, &lq, &sp);
+    const __m256 kp = _mm256_mul_ps(p, lp);
+    const __m256 d = _mm256_fmadd_ps(_mm256_mul_ps(beta, q), lq, _mm256_mul_ps(one_m_beta, kp));
+    accumulate_double(_mm256_sub_ps(_mm256_setzero_ps(), d), &acc[0], &acc[1]);
+    accumulate_double(kp, &acc[2], &acc[3]);
+    accumulate_double(_mm256_mul_ps(p, sp), &acc[4], &acc[5]);
+}
+
+static void jsd_sums(const float *z, const float *cz, int64_t count, const fh_pair_row *r, double sums[3])
+{
+    __m256d acc[6];
+    for (int a = 0; a < 6; a++)
+        acc[a] = _mm256_setzero_pd();
     int64_t j = 0;
     for (; j + LANES <= count; j += LANES)
-        jsd_block(z + j, cz + j, LANES, r, &dlo, &dhi, &klo, &khi);
+        jsd_block(z + j, cz + j, LANES, r, acc);
     if (j < count)
-        jsd_block(z + j, cz + j, count - j, r, &dlo, &dhi, &klo, &khi);
-    sums[0] += sum_as_double(dlo, dhi);
-    sums[1] += sum_as_double(klo, khi);
+        jsd_block(z + j, cz + j, count - j, r, acc);
+    for (int a = 0; a < 3; a++)
+        sums[a] += sum_as_double(acc[2 * a], acc[2 * a + 1]);
 }
 
 BLOCK void pair_gradient_block(float *z, const float *cz, int64_t remaining, const fh_pair_row *r)
@@ -451,9 +479,10 @@ BLOCK void pair_gradient_block(float *z, const float *cz, int64_t remaining, con
         soft = _mm256_mul_ps(p, _mm256_sub_ps(_mm256_sub_ps(ls, lt), _mm256_set1_ps(r->d)));
         break;
     default: {
-        __m256 sp, spn;
-        softplus_pair(_mm256_add_ps(_mm256_set1_ps(r->log_odds), _mm256_sub_ps(lt, ls)), &sp, &spn);
-        soft = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(1.0f - r->beta), p), _mm256_sub_ps(_mm256_set1_ps(r->k), sp));
+        __m256 lp, lq, sp;
+        jsd_logs(r, z, cz, remaining, &lp, &lq, &sp);
+        const __m256 x = r->k_of_softplus ? sp : lp;
+        soft = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(1.0f - r->beta), p), _mm256_sub_ps(_mm256_set1_ps(r->k), x));
         break;
     }
     }

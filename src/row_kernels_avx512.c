@@ -284,25 +284,52 @@ static void log_probs(const fh_pair_row *r, const float *z, const float *cz, int
     *lt = _mm512_maskz_sub_ps(m, _mm512_mul_ps(it, _mm512_maskz_loadu_ps(m, cz + j)), _mm512_set1_ps(r->lse_t));
 }
 
-static void jsd_sums(const float *z, const float *cz, int64_t count, const fh_pair_row *r, double sums[2])
+/* jsd's lp, lq and sp of 16 columns (fh_row_jsd_sums): each of the two forms only where a lane needs it. */
+static void jsd_logs(const fh_pair_row *r, const float *z, const float *cz, int64_t j, __mmask16 m, __m512 *lp,
+                     __m512 *lq, __m512 *sp)
+{
+    const __m512 diff = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, cz + j), _mm512_maskz_loadu_ps(m, z + j));
+    const __m512 delta = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(r->inv_t), diff), _mm512_set1_ps(r->lse_t_minus_s));
+    const __m512 log_1m_beta = _mm512_set1_ps(r->log_1m_beta);
+    const __mmask16 near = _mm512_cmp_ps_mask(_mm512_abs_ps(delta), _mm512_set1_ps(1.0f), _CMP_LT_OQ);
+    *lp = *lq = *sp = _mm512_setzero_ps();
+    if (near) {
+        const __m512 e = Sleef_expm1f16_u10avx512f(delta);
+        *lp = Sleef_log1pf16_u10avx512f(_mm512_mul_ps(_mm512_set1_ps(r->beta), e));
+        *lq = Sleef_log1pf16_u10avx512f(
+            _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(r->beta - 1.0f), e), _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+        *sp = _mm512_sub_ps(*lp, log_1m_beta);
+    }
+    if (near != (__mmask16)0xffff) {
+        __m512 far_sp, far_spn;
+        softplus_pair(_mm512_add_ps(_mm512_set1_ps(r->log_odds), delta), &far_sp, &far_spn);
+        *lp = _mm512_mask_blend_ps(near, _mm512_add_ps(log_1m_beta, far_sp), *lp);
+        *lq = _mm512_mask_blend_ps(near, _mm512_add_ps(_mm512_set1_ps(r->log_beta), far_spn), *lq);
+        *sp = _mm512_mask_blend_ps(near, far_sp, *sp);
+    }
+}
+
+static void jsd_sums(const float *z, const float *cz, int64_t count, const fh_pair_row *r, double sums[3])
 {
     const __m512 beta = _mm512_set1_ps(r->beta), one_m_beta = _mm512_set1_ps(1.0f - r->beta);
     __m512d dlo = _mm512_setzero_pd(), dhi = _mm512_setzero_pd(), klo = _mm512_setzero_pd(), khi = _mm512_setzero_pd();
+    __m512d slo = _mm512_setzero_pd(), shi = _mm512_setzero_pd();
     for (int64_t j = 0; j < count; j += LANES) {
         const __mmask16 m = tail_mask(count - j);
-        __m512 ls, lt;
+        __m512 ls, lt, lp, lq, sp;
         log_probs(r, z, cz, j, m, &ls, &lt);
         const __m512 p = _mm512_maskz_mov_ps(m, exp16(ls));
         const __m512 q = _mm512_maskz_mov_ps(m, exp16(lt));
-        __m512 sp, spn;
-        softplus_pair(_mm512_add_ps(_mm512_set1_ps(r->log_odds), _mm512_sub_ps(lt, ls)), &sp, &spn);
-        const __m512 kp = _mm512_mul_ps(p, sp);
-        const __m512 d = _mm512_fmadd_ps(_mm512_mul_ps(beta, q), spn, _mm512_mul_ps(one_m_beta, kp));
+        jsd_logs(r, z, cz, j, m, &lp, &lq, &sp);
+        const __m512 kp = _mm512_mul_ps(p, lp);
+        const __m512 d = _mm512_fmadd_ps(_mm512_mul_ps(beta, q), lq, _mm512_mul_ps(one_m_beta, kp));
         accumulate_double(_mm512_sub_ps(_mm512_setzero_ps(), d), &dlo, &dhi);
         accumulate_double(kp, &klo, &khi);
+        accumulate_double(_mm512_mul_ps(p, sp), &slo, &shi);
     }
     sums[0] += sum_as_double(dlo, dhi);
     sums[1] += sum_as_double(klo, khi);
+    sums[2] += sum_as_double(slo, shi);
 }
 
 static void pair_gradient(float *z, const float *cz, int64_t count, const fh_pair_row *r)
@@ -319,9 +346,9 @@ static void pair_gradient(float *z, const float *cz, int64_t count, const fh_pai
         case FH_PAIR_FORWARD_KL: soft = _mm512_sub_ps(p, exp16(lt)); break;
         case FH_PAIR_REVERSE_KL: soft = _mm512_mul_ps(p, _mm512_sub_ps(_mm512_sub_ps(ls, lt), d)); break;
         default: {
-            __m512 sp, spn;
-            softplus_pair(_mm512_add_ps(_mm512_set1_ps(r->log_odds), _mm512_sub_ps(lt, ls)), &sp, &spn);
-            soft = _mm512_mul_ps(_mm512_mul_ps(one_m_beta, p), _mm512_sub_ps(k, sp));
+            __m512 lp, lq, sp;
+            jsd_logs(r, z, cz, j, m, &lp, &lq, &sp);
+            soft = _mm512_mul_ps(_mm512_mul_ps(one_m_beta, p), _mm512_sub_ps(k, r->k_of_softplus ? sp : lp));
             break;
         }
         }

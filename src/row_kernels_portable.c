@@ -130,19 +130,37 @@ static void softplus_pair(float x, float *plus, float *minus)
     *minus = fmaxf(-x, 0.0f) + tail;
 }
 
-static void jsd_sums(const float *z, const float *cz, int64_t count, const fh_pair_row *r, double sums[2])
+/* jsd's lp = log(m / p), lq = log(m / q) and sp = lp - log(1 - beta) at column j (fh_row_jsd_sums). */
+static void jsd_logs(const float *z, const float *cz, int64_t j, const fh_pair_row *r, float *lp, float *lq, float *sp)
 {
-    double sum_d = 0.0, sum_k = 0.0;
+    const float delta = r->inv_t * (cz[j] - z[j]) - r->lse_t_minus_s;
+    if (fabsf(delta) < 1.0f) {
+        const float e = expm1f(delta);
+        *lp = log1pf(r->beta * e);
+        *lq = log1pf(-(1.0f - r->beta) * e / (1.0f + e));
+        *sp = *lp - r->log_1m_beta;
+    } else {
+        float spn;
+        softplus_pair(r->log_odds + delta, sp, &spn);
+        *lp = r->log_1m_beta + *sp;
+        *lq = r->log_beta + spn;
+    }
+}
+
+static void jsd_sums(const float *z, const float *cz, int64_t count, const fh_pair_row *r, double sums[3])
+{
+    double sum_d = 0.0, sum_k = 0.0, sum_k_sp = 0.0;
     for (int64_t j = 0; j < count; j++) {
-        const float ls = r->inv_t * z[j] - r->lse_s, lt = r->inv_t * cz[j] - r->lse_t;
-        const float p = expf(ls), q = expf(lt);
-        float sp, spn;
-        softplus_pair(r->log_odds + lt - ls, &sp, &spn);
-        sum_d -= r->beta * q * spn + (1.0f - r->beta) * p * sp;
-        sum_k += p * sp;
+        const float p = expf(r->inv_t * z[j] - r->lse_s), q = expf(r->inv_t * cz[j] - r->lse_t);
+        float lp, lq, sp;
+        jsd_logs(z, cz, j, r, &lp, &lq, &sp);
+        sum_d -= r->beta * q * lq + (1.0f - r->beta) * p * lp;
+        sum_k += p * lp;
+        sum_k_sp += p * sp;
     }
     sums[0] += sum_d;
     sums[1] += sum_k;
+    sums[2] += sum_k_sp;
 }
 
 static void pair_gradient(float *z, const float *cz, int64_t count, const fh_pair_row *r)
@@ -155,9 +173,9 @@ static void pair_gradient(float *z, const float *cz, int64_t count, const fh_pai
         case FH_PAIR_FORWARD_KL: soft = p - expf(lt); break;
         case FH_PAIR_REVERSE_KL: soft = p * (ls - lt - r->d); break;
         default: {
-            float sp, spn;
-            softplus_pair(r->log_odds + lt - ls, &sp, &spn);
-            soft = (1.0f - r->beta) * p * (r->k - sp);
+            float lp, lq, sp;
+            jsd_logs(z, cz, j, r, &lp, &lq, &sp);
+            soft = (1.0f - r->beta) * p * (r->k - (r->k_of_softplus ? sp : lp));
             break;
         }
         }

@@ -656,10 +656,11 @@ static void test_all_ignored(void)
  * 0.5), p and q barely overlap and D approaches its bound -beta log beta - (1 - beta) log(1 - beta). There
  * log p - log m is ~ -log(1 - beta) wherever p is not negligible, and the gradient (1 - beta) p (log p - log m - K)
  * written that way is a difference of nearly equal values of size ~1: formed in fp32 it was off by 1e-5 to 1e-4
- * normwise here (2e-3 for a single row). The kernels form it as (1 - beta) p (sum p sp - sp) with
+ * normwise here (2e-3 for a single row). In such rows the kernels form it as (1 - beta) p (sum p sp - sp) with
  * sp = softplus(log(beta / (1 - beta)) + log q - log p), small where the distributions do not overlap and exact to
- * fp32 (fh_row_jsd_sums), so the usual tolerances hold: this test checks them in that regime, both schedules and
- * kernel sets alike, and that D is within 20% of its bound (the regime is the one described). */
+ * fp32 (fh_row_pair_gradient picks that form per row), so the usual tolerances hold: this test checks them in that
+ * regime, both schedules and kernel sets alike, and that D is within 20% of its bound (the regime is the one
+ * described). */
 static void test_jsd_near_saturation(void)
 {
     static const double temperatures[] = {0.7, 0.5};

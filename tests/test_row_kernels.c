@@ -209,7 +209,7 @@ static double pair_exp_errors(const fh_row_kernel_set *set, const float *x, int6
     float *row = floats(ROW), *teacher = floats(ROW);
     for (int64_t j = 0; j < ROW; j++)
         teacher[j] = -INFINITY;
-    const fh_pair_row r = {FH_PAIR_FORWARD_KL, 1.0f, 0.5f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 1.0f, 0.0f};
+    const fh_pair_row r = {.divergence = FH_PAIR_FORWARD_KL, .inv_t = 1.0f, .beta = 0.5f, .g_soft = 1.0f};
     double worst = 0.0;
     int64_t worst_at = -1;
     for (int64_t i0 = 0; i0 < count; i0 += ROW) {
@@ -610,11 +610,9 @@ static void test_pair_max(void)
     }
 }
 
-/* A student and teacher row with their tempered log-sum-exps. */
-static fh_pair_row pair_rows(float *z, float *cz, int64_t n, uint64_t *s, fh_pair_divergence divergence)
+/* The tempered log-sum-exps of a student and teacher row. */
+static fh_pair_row pair_row_of(const float *z, const float *cz, int64_t n, fh_pair_divergence divergence)
 {
-    fill(z, n, s, -15.0, 15.0);
-    fill(cz, n, s, -15.0, 15.0);
     const float inv_t = 1.0f / 1.5f, beta = 0.3f;
     double ms = -INFINITY, mt = -INFINITY, mu = -INFINITY, ss = 0.0, st = 0.0, su = 0.0;
     for (int64_t j = 0; j < n; j++) {
@@ -627,18 +625,37 @@ static fh_pair_row pair_rows(float *z, float *cz, int64_t n, uint64_t *s, fh_pai
         st += exp(inv_t * cz[j] - mt);
         su += exp(z[j] - mu);
     }
-    const fh_pair_row r = {divergence,
-                           inv_t,
-                           beta,
-                           logf(beta / (1.0f - beta)),
-                           (float)(ms + log(ss)),
-                           (float)(mt + log(st)),
-                           (float)(mu + log(su)),
-                           0.4f,
-                           0.3f,
-                           0.8f,
-                           0.0f};
+    const fh_pair_row r = {.divergence = divergence,
+                           .inv_t = inv_t,
+                           .beta = beta,
+                           .log_odds = logf(beta / (1.0f - beta)),
+                           .log_beta = logf(beta),
+                           .log_1m_beta = log1pf(-beta),
+                           .lse_s = (float)(ms + log(ss)),
+                           .lse_t = (float)(mt + log(st)),
+                           .lse_u = (float)(mu + log(su)),
+                           .lse_t_minus_s = (float)((mt + log(st)) - (ms + log(ss))),
+                           .d = 0.4f,
+                           .k = 0.3f,
+                           .g_soft = 0.8f};
     return r;
+}
+
+/* A random student and teacher row, and its constants. */
+static fh_pair_row pair_rows(float *z, float *cz, int64_t n, uint64_t *s, fh_pair_divergence divergence)
+{
+    fill(z, n, s, -15.0, 15.0);
+    fill(cz, n, s, -15.0, 15.0);
+    return pair_row_of(z, cz, n, divergence);
+}
+
+/* jsd's log(m / p) and log(m / q) in double from the row's float constants. */
+static void jsd_logs_double(const fh_pair_row *r, float z, float cz, double *lp, double *lq)
+{
+    const double ls = r->inv_t * z - (double)r->lse_s, lt = r->inv_t * cz - (double)r->lse_t;
+    const double m = r->beta * exp(lt) + (1.0 - r->beta) * exp(ls);
+    *lp = log(m) - ls;
+    *lq = log(m) - lt;
 }
 
 static void test_exp_sums(void)
@@ -675,22 +692,72 @@ static void test_jsd_sums(void)
         const int64_t n = lengths[li];
         float *z = floats(n), *cz = floats(n);
         const fh_pair_row r = pair_rows(z, cz, n, &s, FH_PAIR_JSD);
-        double a[2] = {0.0, 0.0}, b[2] = {0.0, 0.0}, magnitude_d = 0.0, magnitude_k = 0.0;
+        double a[3] = {0.0, 0.0, 0.0}, b[3] = {0.0, 0.0, 0.0}, magnitude_d = 0.0, magnitude_k = 0.0,
+               magnitude_k_sp = 0.0;
         set->jsd_sums(z, cz, n, &r, a);
         portable()->jsd_sums(z, cz, n, &r, b);
         for (int64_t j = 0; j < n; j++) {
             const double ls = r.inv_t * z[j] - r.lse_s, lt = r.inv_t * cz[j] - r.lse_t;
-            const double x = r.log_odds + lt - ls, tail = log1p(exp(-fabs(x)));
-            const double sp = fmax(x, 0.0) + tail, spn = fmax(-x, 0.0) + tail;
-            magnitude_d += r.beta * exp(lt) * spn + (1.0 - r.beta) * exp(ls) * sp;
-            magnitude_k += exp(ls) * sp;
+            double lp, lq;
+            jsd_logs_double(&r, z[j], cz[j], &lp, &lq);
+            magnitude_d += r.beta * exp(lt) * fabs(lq) + (1.0 - r.beta) * exp(ls) * fabs(lp);
+            magnitude_k += exp(ls) * fabs(lp);
+            magnitude_k_sp += exp(ls) * (fabs(lp) + fabs(r.log_1m_beta));
         }
-        /* Tolerance: per term, p and q 2 floats apart, exp(-|x|) and log1p within 1 ulp in each set, then up to 4
-         * roundings: 2^-19 of the terms' magnitudes (sums of positive terms, in double). */
-        TU_CHECK(close_to(a[0], b[0], 0x1.0p-19 * magnitude_d) && close_to(a[1], b[1], 0x1.0p-19 * magnitude_k),
-                 "jsd_sums n %lld: %.17g %.17g vs %.17g %.17g", (long long)n, a[0], a[1], b[0], b[1]);
+        /* Tolerance: per term, p and q 2 floats apart, the logs' expm1/exp and log1p within 1 ulp in each set, then
+         * up to 4 roundings: 2^-19 of the terms' magnitudes (in double). */
+        TU_CHECK(close_to(a[0], b[0], 0x1.0p-19 * magnitude_d) && close_to(a[1], b[1], 0x1.0p-19 * magnitude_k) &&
+                     close_to(a[2], b[2], 0x1.0p-19 * magnitude_k_sp),
+                 "jsd_sums n %lld: %.17g %.17g %.17g vs %.17g %.17g %.17g", (long long)n, a[0], a[1], a[2], b[0], b[1],
+                 b[2]);
         free(z);
         free(cz);
+    }
+}
+
+/* Nearly identical rows (log q - log p ~ 3e-3, D ~ 1e-6): jsd_sums' D against double from the same floats. */
+static void test_jsd_sums_near_identical(void)
+{
+    const fh_row_kernel_set *set = set_in_use();
+    uint64_t s = 61;
+    for (size_t li = 0; li < TU_COUNT(lengths); li++) {
+        const int64_t n = lengths[li];
+        float *z = floats(n), *cz = floats(n), *noise = floats(n);
+        fill(z, n, &s, -15.0, 15.0);
+        fill(noise, n, &s, -6e-3, 6e-3);
+        for (int64_t j = 0; j < n; j++)
+            cz[j] = z[j] + noise[j];
+        const fh_pair_row r = pair_row_of(z, cz, n, FH_PAIR_JSD);
+        double sums[3] = {0.0, 0.0, 0.0}, exact = 0.0, magnitude = 0.0, lse_s = -INFINITY, lse_t = -INFINITY;
+        set->jsd_sums(z, cz, n, &r, sums);
+        for (int64_t j = 0; j < n; j++) { /* the tempered rows' log-sum-exps, in double throughout */
+            lse_s = fmax(lse_s, (double)r.inv_t * z[j]);
+            lse_t = fmax(lse_t, (double)r.inv_t * cz[j]);
+        }
+        double sum_s = 0.0, sum_t = 0.0;
+        for (int64_t j = 0; j < n; j++) {
+            sum_s += exp((double)r.inv_t * z[j] - lse_s);
+            sum_t += exp((double)r.inv_t * cz[j] - lse_t);
+        }
+        lse_s += log(sum_s);
+        lse_t += log(sum_t);
+        for (int64_t j = 0; j < n; j++) {
+            const double ls = (double)r.inv_t * z[j] - lse_s, lt = (double)r.inv_t * cz[j] - lse_t;
+            const double log_m = log(r.beta * exp(lt) + (1.0 - r.beta) * exp(ls));
+            exact -= r.beta * exp(lt) * (log_m - lt) + (1.0 - r.beta) * exp(ls) * (log_m - ls);
+            magnitude += r.beta * exp(lt) * fabs(log_m - lt) + (1.0 - r.beta) * exp(ls) * fabs(log_m - ls);
+        }
+        /* Tolerance: each term's logs are O(delta) and carry their own size to a few ulps (expm1, log1p), so the
+         * error is a few roundings of the terms' magnitudes, 2^-19 of them (~2e-9 here, where D ~ 1e-6; summing
+         * constant-sized terms against the binary entropy, as the softplus form alone would, is off by ~1e-8);
+         * plus 2^-40 for the row's float constants (log-sum-exps of rounded inv_t z), which move delta by ~1e-7
+         * and a single column's D by its square. */
+        const double tol = 0x1.0p-19 * magnitude + 0x1.0p-40;
+        TU_CHECK(close_to(sums[0], exact, tol), "jsd_sums of nearly identical rows, n %lld: %.17g vs %.17g (tol %.3g)",
+                 (long long)n, sums[0], exact, tol);
+        free(z);
+        free(cz);
+        free(noise);
     }
 }
 
@@ -703,9 +770,11 @@ static void test_pair_gradient(void)
         const int64_t n = lengths[li];
         float *z = floats(n), *cz = floats(n);
         for (size_t d = 0; d < TU_COUNT(divergences); d++)
-            for (int hard = 0; hard < 2; hard++) {
+            for (int variant = 0; variant < 4; variant++) {
+                const int hard = variant & 1;
                 fh_pair_row r = pair_rows(z, cz, n, &s, divergences[d]);
                 r.g_hard = hard ? 0.25f : 0.0f;
+                r.k_of_softplus = variant >> 1;
                 float *a = copy_of(z, n), *b = copy_of(z, n);
                 set->pair_gradient(a, cz, n, &r);
                 portable()->pair_gradient(b, cz, n, &r);
@@ -713,13 +782,15 @@ static void test_pair_gradient(void)
                 double tol_bad = 0.0;
                 for (int64_t j = 0; j < n && bad < 0; j++) {
                     const double ls = r.inv_t * z[j] - r.lse_s, lt = r.inv_t * cz[j] - r.lse_t;
-                    const double p = exp(ls), q = exp(lt), x = r.log_odds + lt - ls;
-                    const double sp = fmax(x, 0.0) + log1p(exp(-fabs(x)));
+                    const double p = exp(ls), q = exp(lt);
+                    double lp, lq;
+                    jsd_logs_double(&r, z[j], cz[j], &lp, &lq);
                     const double soft = divergences[d] == FH_PAIR_FORWARD_KL   ? p + q
                                         : divergences[d] == FH_PAIR_REVERSE_KL ? p * (fabs(ls - lt) + fabs(r.d))
-                                                                               : p * (fabs(r.k) + sp);
-                    /* Tolerance: the exps 2 floats apart and softplus as in jsd_sums, a few roundings: 2^-19 of the
-                     * terms' magnitudes; the hard term's exp likewise. */
+                                                                               : p * (fabs(r.k) + fabs(lp) + 1.0);
+                    /* Tolerance: the exps 2 floats apart and jsd's logs as in jsd_sums, a few roundings: 2^-19 of
+                     * the terms' magnitudes (jsd's lp: 2^-19 of max(|lp|, 1), as its softplus form rounds log(1 -
+                     * beta) + sp); the hard term's exp likewise. */
                     const double tol = 0x1.0p-19 * (fabs(r.g_soft * r.inv_t) * soft +
                                                     fabs(r.g_hard) * exp((double)z[j] - r.lse_u)) +
                                        0x1.0p-140;
@@ -728,8 +799,9 @@ static void test_pair_gradient(void)
                         tol_bad = tol;
                     }
                 }
-                TU_CHECK(bad < 0, "pair_gradient n %lld, divergence %d, hard %d: column %lld %a vs %a (tol %g)",
-                         (long long)n, (int)divergences[d], hard, (long long)(bad < 0 ? 0 : bad),
+                TU_CHECK(bad < 0,
+                         "pair_gradient n %lld, divergence %d, hard %d, k of softplus %d: column %lld %a vs %a (tol %g)",
+                         (long long)n, (int)divergences[d], hard, r.k_of_softplus, (long long)(bad < 0 ? 0 : bad),
                          a[bad < 0 ? 0 : bad], b[bad < 0 ? 0 : bad], tol_bad);
                 free(a);
                 free(b);
@@ -910,6 +982,7 @@ static const tu_test tests[] = {
     {"pair_max vs portable", test_pair_max},
     {"exp_sums vs portable", test_exp_sums},
     {"jsd_sums vs portable", test_jsd_sums},
+    {"jsd_sums of nearly identical rows vs double", test_jsd_sums_near_identical},
     {"pair_gradient vs portable: every divergence, hard term", test_pair_gradient},
     {"softmax_pair vs double and portable: one and two terms", test_softmax_pair},
     {"compact vs portable: thresholds, weights, in place", test_compact},
