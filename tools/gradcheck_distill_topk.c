@@ -91,16 +91,6 @@ static int topk_option(void *spec, const char *a, const char *v)
     return 2;
 }
 
-static void *xcalloc(size_t count, size_t size)
-{
-    void *p = calloc(count ? count : 1, size);
-    if (!p) {
-        fprintf(stderr, "fh_gradcheck: out of memory\n");
-        exit(2);
-    }
-    return p;
-}
-
 typedef struct topk_check {
     topk_spec spec;
     float *x, *weight, *bias;
@@ -224,8 +214,8 @@ static void make_teacher(topk_check *c, uint64_t *rng)
 {
     const topk_spec *s = &c->spec;
     const int64_t k = s->k, v = s->vocab;
-    double *lp = xcalloc((size_t)v, sizeof(double));
-    int64_t *order = xcalloc((size_t)v, sizeof(int64_t));
+    double *lp = gradcheck_calloc((size_t)v, sizeof(double));
+    int64_t *order = gradcheck_calloc((size_t)v, sizeof(int64_t));
     for (int64_t i = 0; i < s->n; i++) {
         double max = -INFINITY, sum = 0.0;
         for (int64_t j = 0; j < v; j++) {
@@ -258,9 +248,9 @@ static int run(void *check)
     const topk_spec *s = &c->spec;
     const size_t n = (size_t)s->n, h = (size_t)s->hidden, v = (size_t)s->vocab, nk = n * (size_t)s->k;
     uint64_t rng = s->seed * 104729 + 5;
-    c->x = xcalloc(n * h, sizeof(float));
-    c->weight = xcalloc(h * v, sizeof(float));
-    c->bias = s->bias ? xcalloc(v, sizeof(float)) : NULL;
+    c->x = gradcheck_calloc(n * h, sizeof(float));
+    c->weight = gradcheck_calloc(h * v, sizeof(float));
+    c->bias = s->bias ? gradcheck_calloc(v, sizeof(float)) : NULL;
     ce_fill_linear(&rng, s->n, s->hidden, s->vocab, s->logit_scale, c->x, c->weight, c->bias);
     const int bf16 = s->dtype == FH_DTYPE_BF16;
     if (bf16 && (!(c->x_bf16 = bf16_round_in_place(c->x, n * h)) ||
@@ -270,35 +260,27 @@ static int run(void *check)
     }
     c->lin = ce_case_linear(s->n, s->hidden, s->vocab, s->layout, s->dtype, c->x, c->x_bf16, c->weight,
                             c->weight_bf16, c->bias);
-    c->ids = xcalloc(nk, sizeof(int64_t));
-    c->logprobs = xcalloc(nk, sizeof(float));
-    c->ref_logprobs = xcalloc(nk, sizeof(double));
+    c->ids = gradcheck_calloc(nk, sizeof(int64_t));
+    c->logprobs = gradcheck_calloc(nk, sizeof(float));
+    c->ref_logprobs = gradcheck_calloc(nk, sizeof(double));
     make_teacher(c, &rng);
-    c->targets = xcalloc(n, sizeof(int64_t));
+    c->targets = gradcheck_calloc(n, sizeof(int64_t));
     for (size_t i = 0; i < n; i++) {
         c->targets[i] = (int64_t)(ce_uniform(&rng) * (double)s->vocab);
         if (ce_uniform(&rng) < s->ignore_frac)
             c->targets[i] = s->options.ignore_index;
     }
     const int64_t *targets = s->no_targets ? NULL : c->targets;
-    c->grad_output = xcalloc(n, sizeof(float));
+    c->grad_output = gradcheck_calloc(n, sizeof(float));
     for (size_t i = 0; i < n; i++)
         c->grad_output[i] =
             s->options.reduction == FH_REDUCTION_NONE ? (float)(3.0 * ce_uniform(&rng) - 1.5) : s->grad_output;
     const fh_topk_teacher teacher = {s->k, c->ids, c->logprobs};
 
-    fh_context *ctx = NULL;
-    fh_status st = fh_context_create(&ctx);
-    const struct {
-        fh_param param;
-        int64_t value;
-    } settings[] = {{FH_PARAM_THREADS, s->threads},     {FH_PARAM_TILE_ROWS, s->tile_rows},
-                    {FH_PARAM_TILE_VOCAB, s->tile_vocab}, {FH_PARAM_MEMORY_BUDGET, s->budget},
-                    {FH_PARAM_FP32_DU, s->fp32_du}};
-    for (size_t j = 0; st == FH_OK && j < sizeof settings / sizeof settings[0]; j++)
-        st = fh_context_set(ctx, settings[j].param, settings[j].value);
-    c->per_token[0] = xcalloc(n, sizeof(float));
-    c->per_token[1] = xcalloc(n, sizeof(float));
+    fh_context *ctx;
+    fh_status st = gradcheck_context(&ctx, s->threads, s->tile_rows, s->tile_vocab, s->budget, s->fp32_du);
+    c->per_token[0] = gradcheck_calloc(n, sizeof(float));
+    c->per_token[1] = gradcheck_calloc(n, sizeof(float));
     ce_alloc_grads(n, h, v, s->bias, 0.0f, &c->dx, &c->dweight, &c->dbias);
     if (st == FH_OK) {
         fh_distill_outputs out = {&c->loss[0], &c->soft[0], &c->hard[0], c->per_token[0]};
@@ -328,24 +310,16 @@ static int run(void *check)
     const ref_distill_topk_options ro = {o->add_tail, o->temperature, o->weight_soft_loss, o->weight_hard_loss,
                                          o->ignore_index, (int)o->reduction};
     const ref_topk_teacher rt = {s->k, c->ids, c->ref_logprobs};
-    c->rx = xcalloc(n * h, sizeof(double));
-    for (size_t j = 0; j < n * h; j++)
-        c->rx[j] = c->x[j];
+    c->rx = gradcheck_doubles(c->x, n * h);
     c->rw = ce_weight_to_reference(s->layout, s->hidden, s->vocab, c->weight);
-    if (c->bias) {
-        c->rb = xcalloc(v, sizeof(double));
-        for (size_t j = 0; j < v; j++)
-            c->rb[j] = c->bias[j];
-    }
+    c->rb = gradcheck_doubles(c->bias, v);
     const ref_linear student = {s->n, s->hidden, s->vocab, c->rx, c->rw, c->rb};
-    c->ref_per_token = xcalloc(n, sizeof(double));
-    c->ref_dx = xcalloc(n * h, sizeof(double));
-    c->ref_dw_hv = xcalloc(h * v, sizeof(double));
-    c->ref_dweight = xcalloc(h * v, sizeof(double));
-    c->ref_dbias = c->bias ? xcalloc(v, sizeof(double)) : NULL;
-    c->g = xcalloc(n, sizeof(double));
-    for (size_t i = 0; i < n; i++)
-        c->g[i] = c->grad_output[i];
+    c->ref_per_token = gradcheck_calloc(n, sizeof(double));
+    c->ref_dx = gradcheck_calloc(n * h, sizeof(double));
+    c->ref_dw_hv = gradcheck_calloc(h * v, sizeof(double));
+    c->ref_dweight = gradcheck_calloc(h * v, sizeof(double));
+    c->ref_dbias = c->bias ? gradcheck_calloc(v, sizeof(double)) : NULL;
+    c->g = gradcheck_doubles(c->grad_output, n);
     c->r.per_token_loss = c->ref_per_token;
     if (ref_distill_topk_linear(&student, &rt, targets, &ro, c->g, &c->r, c->ref_dx, c->ref_dw_hv, c->ref_dbias)) {
         fprintf(stderr, "fh_gradcheck: the reference failed where the library succeeded\n");

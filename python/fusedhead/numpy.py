@@ -763,18 +763,7 @@ def distill_loss(student_hidden: np.ndarray, student_weight: np.ndarray, teacher
     problem = DistillProblem(prefixed_errors("student", student.linear, student_layout),
                              prefixed_errors("teacher", teacher.linear, teacher_layout),
                              None if tg is None else _view(tg, "targets"), opt)
-    ctx = context or default_context()
-    if g is None:
-        loss, soft, hard = problem.forward(ctx, per_token.ctypes.data)
-    else:
-        head = problem.head
-        grads = head.grads(None if student.dx is None else _view(student.dx.reshape(head.n, -1), "dhidden"),
-                           None if student.dw is None else _view(student.dw, "dweight"),
-                           None if student.db is None else _view(student.db, "dbias"), dtypes=(student.grad_fh,) * 3)
-        loss, soft, hard = problem.forward_backward(ctx, g.ctypes.data, grads, per_token.ctypes.data)
-    per_token = per_token.reshape(token_shape)
-    return DistillResult(per_token if red == Reduction.NONE else loss, soft, hard, per_token, student.dx, student.dw,
-                         student.db)
+    return _distill_run(problem, student, g, per_token, token_shape, red, context)
 
 
 def distill_forward_backward(student_hidden: np.ndarray, student_weight: np.ndarray, teacher_hidden: np.ndarray,
@@ -788,6 +777,23 @@ def distill_forward_backward(student_hidden: np.ndarray, student_weight: np.ndar
                          "loss alone)")
     return distill_loss(student_hidden, student_weight, teacher_hidden, teacher_weight, targets, student_bias,
                         teacher_bias, return_grads=wrt, **options)
+
+
+def _distill_run(problem, student: _BatchHead, g: Optional[np.ndarray], per_token: np.ndarray,
+                 token_shape: Tuple[int, ...], red: Reduction, context: Optional[Context]) -> DistillResult:
+    """A distillation problem's forward (g None) or forward_backward into the student's gradient arrays."""
+    ctx = context or default_context()
+    if g is None:
+        loss, soft, hard = problem.forward(ctx, per_token.ctypes.data)
+    else:
+        head = problem.head
+        grads = head.grads(None if student.dx is None else _view(student.dx.reshape(head.n, -1), "dhidden"),
+                           None if student.dw is None else _view(student.dw, "dweight"),
+                           None if student.db is None else _view(student.db, "dbias"), dtypes=(student.grad_fh,) * 3)
+        loss, soft, hard = problem.forward_backward(ctx, g.ctypes.data, grads, per_token.ctypes.data)
+    per_token = per_token.reshape(token_shape)
+    return DistillResult(per_token if red == Reduction.NONE else loss, soft, hard, per_token, student.dx, student.dw,
+                         student.db)
 
 
 def _distill_grad_output(grad_output, reduction: Reduction, token_shape: Tuple[int, ...], n: int) -> np.ndarray:
@@ -864,15 +870,4 @@ def distill_topk_loss(hidden: np.ndarray, weight: np.ndarray, teacher_ids: np.nd
     problem = DistillTopkProblem(student.linear(layout), _view(ids.reshape(n, k), "teacher_ids"),
                                  _view(lps.reshape(n, k), "teacher_logprobs"),
                                  None if tg is None else _view(tg, "targets"), opt)
-    ctx = context or default_context()
-    if g is None:
-        loss, soft, hard = problem.forward(ctx, per_token.ctypes.data)
-    else:
-        head = problem.head
-        grads = head.grads(None if student.dx is None else _view(student.dx.reshape(head.n, -1), "dhidden"),
-                           None if student.dw is None else _view(student.dw, "dweight"),
-                           None if student.db is None else _view(student.db, "dbias"), dtypes=(student.grad_fh,) * 3)
-        loss, soft, hard = problem.forward_backward(ctx, g.ctypes.data, grads, per_token.ctypes.data)
-    per_token = per_token.reshape(token_shape)
-    return DistillResult(per_token if red == Reduction.NONE else loss, soft, hard, per_token, student.dx, student.dw,
-                         student.db)
+    return _distill_run(problem, student, g, per_token, token_shape, red, context)
