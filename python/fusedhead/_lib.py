@@ -385,9 +385,6 @@ class fh_distill_outputs(ctypes.Structure):
 
 
 # Top-k teacher distillation (fh_distill_topk_*: TRL's server-distillation forward KL on the teacher's top-k)
-DISTILL_TOPK_MAX_K = 1024  # FH_DISTILL_TOPK_MAX_K
-
-
 class fh_topk_teacher(ctypes.Structure):
     _fields_ = [
         ("k", ctypes.c_int64),
