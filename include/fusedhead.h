@@ -82,8 +82,7 @@ typedef enum fh_status {
     FH_ERR_INVALID_PREFERENCE_OPTION = 50, /* loss, loss_type, beta, label_smoothing, simpo_gamma, rpo_alpha or
                                               cpo_alpha out of range, or a loss_type the loss does not have */
     FH_ERR_INVALID_DISTILL_OPTION = 51, /* divergence unknown, beta outside [0, 1], or a loss weight negative
-                                           or not finite; a top-k teacher's k outside [1, FH_DISTILL_TOPK_MAX_K]
-                                           or a log-prob NaN or +inf (an id outside [0, V): 5) */
+                                           or not finite */
     FH_ERR_TEACHER_MISMATCH = 52,       /* the teacher's n or V differs from the student's */
     FH_ERR_INVALID_LOGIT_SCALE = 53,    /* logit_scale not a positive normal fp32 value, or softcap / logit_scale
                                            or logit_scale / temperature outside fp32's normal range */
@@ -746,6 +745,9 @@ FH_API fh_status fh_distill_workspace_size(const fh_context *ctx, const fh_linea
  * which needs the teacher's log-prob of the target: not provided here.
  * ------------------------------------------------------------------------------------------- */
 #define FH_DISTILL_TOPK_MAX_K 1024
+/* Refusals besides the distillation head's: a k outside [1, FH_DISTILL_TOPK_MAX_K], a log-prob NaN or +inf, or
+ * add_tail not 0 or 1 (FH_ERR_INVALID_DISTILL_OPTION); a valid entry's id outside [0, V)
+ * (FH_ERR_TARGET_OUT_OF_RANGE). */
 
 typedef struct fh_topk_teacher {
     int64_t k;                      /* entries per token, 1 .. FH_DISTILL_TOPK_MAX_K */
