@@ -47,7 +47,7 @@ enum { CEILING_REPS = 10 };
  * near-uniform softmax), so that its softmax is well away from uniform. */
 static const float teacher_logit_std = 3.0f;
 
-typedef enum head_kind { HEAD_CE, HEAD_GRPO, HEAD_PREFERENCE, HEAD_DISTILL, HEAD_DISTILL_TOPK } head_kind;
+typedef enum head_kind { HEAD_CE, HEAD_GRPO, HEAD_PREFERENCE, HEAD_DISTILL, HEAD_KTO, HEAD_DISTILL_TOPK } head_kind;
 
 typedef struct shape {
     int64_t n, hidden, vocab;
@@ -101,6 +101,10 @@ static const char *preference_case_names[][CASE_COUNT] = {
     {NULL, "simpo_forward", NULL, "simpo_train_step", NULL, NULL},
     {NULL, "cpo_forward", NULL, "cpo_train_step", NULL, NULL}};
 
+/* KTO's cases: the forward and the single-call step (fh_kto_forward_backward: row blocks of whole sequences); no
+ * materialized baseline. */
+static const char *kto_case_names[CASE_COUNT] = {NULL, "kto_forward", NULL, "kto_train_step", NULL, NULL};
+
 /* Distillation's cases: the forward, the single-call step (fh_distill_forward_backward: row blocks of both heads'
  * logits) and the materialized baseline (materialized_distill_train_step). */
 static const char *distill_case_names[CASE_COUNT] = {NULL, "distill_forward", NULL, "distill_train_step", NULL,
@@ -120,6 +124,7 @@ static const char *case_name(bench_case c, const shape *s)
     case HEAD_GRPO: return grpo_case_names[c];
     case HEAD_PREFERENCE: return preference_case_names[s->preference][c];
     case HEAD_DISTILL: return distill_case_names[c];
+    case HEAD_KTO: return kto_case_names[c];
     case HEAD_DISTILL_TOPK: return distill_topk_case_names[c];
     default: return case_names[c];
     }
@@ -215,6 +220,8 @@ typedef struct head_inputs {
     float *entropy;                  /* grpo: the forward's, for the split backward */
     bench_inputs teacher;
     int64_t *ignored_targets; /* CE with --ignore-frac: the targets with the ignored rows, which the fused cases take */
+    uint8_t *labels;          /* kto: desirable and undesirable sequences alternating */
+    float *ref_logps;         /* kto: per-sequence reference log-probs */
     int64_t *topk_ids;        /* distill_topk: the teacher's [N, k] ids and log-probs */
     float *topk_logprobs;
 } head_inputs;
@@ -267,6 +274,18 @@ static int head_inputs_make(const shape *s, head_inputs *g)
         g->mask[i] = i % s->seq < s->seq - s->seq / 8 ? 1.0f : 0.0f; /* the last eighth of each sequence is padding */
     for (int64_t b = 0; b < s->n / s->seq; b++)
         g->advantages[b] = b % 2 ? -1.0f : 1.0f;
+    if (s->head == HEAD_KTO) {
+        /* The uniform inputs' sequence log-probs are about -log V per unmasked token: references around them. */
+        const int64_t sequences = s->n / s->seq;
+        g->labels = malloc((size_t)sequences);
+        g->ref_logps = bench_filled((size_t)sequences, 1.0f, 23);
+        if (!g->labels || !g->ref_logps)
+            return -1;
+        for (int64_t b = 0; b < sequences; b++) {
+            g->labels[b] = b % 2 == 0;
+            g->ref_logps[b] -= (float)((double)(s->seq - s->seq / 8) * log((double)s->vocab));
+        }
+    }
     if (s->head == HEAD_GRPO && s->grpo_trl_options) {
         /* Near the uniform inputs' log-probs, -log V, so that ratios and masks see both sides of their bounds. */
         g->sampling_logp = bench_filled((size_t)s->n, 0.2f, 21);
@@ -303,6 +322,20 @@ static int run_preference(bench_case c, const shape *s, const fh_linear *lin, co
     if (c == CASE_FORWARD)
         return fh_preference_forward(ctx, lin, &batch, &o, &out) == FH_OK ? 0 : -1;
     return fh_preference_forward_backward(ctx, lin, &batch, &o, &grad_one, &out, grads) == FH_OK ? 0 : -1;
+}
+
+/* One KTO call of the case (TRL's defaults, loss_type kto, a per-sequence reference, a KL value). */
+static int run_kto(bench_case c, const shape *s, const fh_linear *lin, const bench_inputs *in, const head_inputs *g,
+                   fh_context *ctx, fh_linear_grads *grads, double *loss)
+{
+    fh_kto_options o;
+    fh_kto_options_init(&o);
+    const float kl = 0.1f, grad_one = 1.0f;
+    const fh_kto_batch batch = {s->batch, s->seq, in->targets, g->mask, g->labels, g->ref_logps, NULL, &kl, NULL};
+    fh_kto_outputs out = {.loss = loss};
+    if (c == CASE_FORWARD)
+        return fh_kto_forward(ctx, lin, &batch, &o, &out) == FH_OK ? 0 : -1;
+    return fh_kto_forward_backward(ctx, lin, &batch, &o, &grad_one, &out, grads) == FH_OK ? 0 : -1;
 }
 
 /* One GRPO call of the case. */
@@ -387,6 +420,8 @@ static int run_once(bench_case c, const shape *s, const bench_inputs *in, const 
         return run_preference(c, s, &lin, in, heads, ctx, &g, loss);
     if (s->head == HEAD_DISTILL && c != CASE_SGEMM)
         return run_distill(c, s, &lin, in, heads, ctx, mb, &g, loss);
+    if (s->head == HEAD_KTO && c != CASE_SGEMM)
+        return run_kto(c, s, &lin, in, heads, ctx, &g, loss);
     if (s->head == HEAD_DISTILL_TOPK && c != CASE_SGEMM)
         return run_distill_topk(c, s, &lin, in, heads, ctx, &g, loss);
     const int64_t *targets = heads->ignored_targets ? heads->ignored_targets : in->targets;
@@ -478,7 +513,7 @@ static result measure_in_child(bench_case c, const shape *s)
     fh_context *ctx = NULL;
     void *sg[3] = {NULL, NULL, NULL};
     materialized_buffers mb = {0, NULL, NULL, NULL};
-    head_inputs heads = {NULL, NULL, NULL, NULL, NULL, NULL, {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL}, NULL,
+    head_inputs heads = {NULL, NULL, NULL, NULL, NULL, NULL, {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL}, NULL, NULL, NULL,
                          NULL, NULL};
     const int bf16 = s->dtype == FH_DTYPE_BF16;
     char why[512];
@@ -517,6 +552,8 @@ static result measure_in_child(bench_case c, const shape *s)
         fh_grpo_workspace_size(ctx, &lin, &ws);
     else if (s->head == HEAD_PREFERENCE && c != CASE_SGEMM)
         fh_preference_workspace_size(ctx, &lin, &ws);
+    else if (s->head == HEAD_KTO && c != CASE_SGEMM)
+        fh_kto_workspace_size(ctx, &lin, &ws);
     else if (s->head == HEAD_DISTILL) {
         linear_of(s, &heads.teacher, s->teacher_hidden, &teacher);
         if (c == CASE_FORWARD || c == CASE_TRAIN)
@@ -892,12 +929,13 @@ static int sweep(const char *what, const char *dir, const shape *base, const cha
     return 0;
 }
 
-/* --loss ce|grpo|dpo|orpo|simpo|cpo|distill|distill_topk */
+/* --loss ce|grpo|dpo|orpo|simpo|cpo|distill|kto|distill_topk */
 static int parse_loss(const char *v, shape *s)
 {
     s->head = strcmp(v, "ce") == 0             ? HEAD_CE
               : strcmp(v, "grpo") == 0         ? HEAD_GRPO
               : strcmp(v, "distill") == 0      ? HEAD_DISTILL
+              : strcmp(v, "kto") == 0          ? HEAD_KTO
               : strcmp(v, "distill_topk") == 0 ? HEAD_DISTILL_TOPK
                                                : HEAD_PREFERENCE;
     for (int k = 0; s->head == HEAD_PREFERENCE && k < 4; k++)
@@ -955,6 +993,8 @@ static void usage(void)
                     "                --grpo-trl-options: sampler log-probs with sequence_mask importance sampling, the\n"
                     "                off-policy mask at 0.5, beta 0.04 with the bias-corrected KL, entropy_coef 0.01)\n"
                     "       fh_bench --loss dpo|orpo|simpo|cpo --batch PAIRS --seq T [as for grpo]\n"
+                    "       fh_bench --loss kto --batch B --seq T [as for grpo]   (TRL's defaults, a per-sequence\n"
+                    "                reference, the KL term 0.1)\n"
                     "       fh_bench --loss distill [--n N] [--hidden H] [--teacher-hidden HT] [--vocab V]\n"
                     "                [--divergence forward_kl|reverse_kl|jsd] [--beta B] [--temperature T]\n"
                     "                [--weight-hard-loss W] [the options above but --sweep and --grad-filter-eps]\n"
@@ -1133,7 +1173,7 @@ int main(int argc, char **argv)
         s.grpo.entropy_coef = 0.01;
     }
     s.teacher_hidden = s.teacher_hidden ? s.teacher_hidden : s.hidden;
-    if (s.head == HEAD_GRPO || s.head == HEAD_PREFERENCE) {
+    if (s.head == HEAD_GRPO || s.head == HEAD_PREFERENCE || s.head == HEAD_KTO) {
         if (s.batch < 1 || s.seq < 1 || sweep_what) {
             usage();
             return 2;

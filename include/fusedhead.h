@@ -80,7 +80,8 @@ typedef enum fh_status {
                                          or failed while running it, for a reason other than memory */
     /* 50..59: option values of the preference and distillation heads, and logit_scale */
     FH_ERR_INVALID_PREFERENCE_OPTION = 50, /* loss, loss_type, beta, label_smoothing, simpo_gamma, rpo_alpha or
-                                              cpo_alpha out of range, or a loss_type the loss does not have */
+                                              cpo_alpha out of range, or a loss_type the loss does not have; KTO's
+                                              loss_type, beta, weights, labels, KL inputs or reference missing */
     FH_ERR_INVALID_DISTILL_OPTION = 51, /* divergence unknown, beta outside [0, 1], or a loss weight negative
                                            or not finite */
     FH_ERR_TEACHER_MISMATCH = 52,       /* the teacher's n or V differs from the student's */
@@ -581,20 +582,37 @@ FH_API fh_status fh_grpo_workspace_size(const fh_context *ctx, const fh_linear *
  *
  *   The batch is 2B sequences of T tokens: chosen ones first (rows 0 .. B T - 1), then rejected ones; pair b
  *   is sequences b and B + b. z = x W + bias; logp_t = log_softmax(z_t)[targets_t] (0 where masked and the
- *   target is outside [0, V)).
- *   Sequence log-prob  l_s = sum_t m_t logp_t, or its average  / max(sum_t m_t, 1)  for ipo, simpo and orpo.
- *   c_b, r_b: l of chosen and rejected sequence b;  beta, ls = label_smoothing.
- *   dpo:    u_b = (c_b - ref_c_b) - (r_b - ref_r_b)   (reference log-probs aggregated as l; none: 0)
+ *   target is outside [0, V)). n_s = max(sum_t m_t, 1), the sequence's token count.
+ *   c_b, r_b: the sequence log-probs of chosen and rejected sequence b;  beta, ls = label_smoothing.
+ *   NLL = -sum over chosen tokens of m logp / max(sum of chosen m, 1)  (cross-entropy on the chosen half)
+ *
+ *   dpo at TRL's current semantics (dpo_semantics FH_PREFERENCE_TRL_CURRENT, the default: DPOTrainer since v0.29.0,
+ *   as at commit f2cd5771): l_s = sum_t m_t logp_t for every loss type; ref_s the reference's, summed likewise
+ *   (none given: 0); cs = c - ref_c, rs = r - ref_r, d = cs - rs; loss = sum_k loss_weights[k] mean_b term_k:
+ *     sigmoid -log sig(beta d)            hinge relu(1 - beta d)        robust as below
+ *     ipo  (cs/n_c - rs/n_r - 1/(2 beta))^2            sigmoid_norm  -log sig(beta (cs/n_c - rs/n_r))
+ *     exo_pair  sig(beta d)(log sig(beta d) - log(1 - ls)) + sig(-beta d)(log sig(-beta d) - log ls)   (ls > 0)
+ *     nca_pair  -log sig(beta cs) - log sig(-beta cs) / 2 - log sig(-beta rs) / 2
+ *     bco_pair  -log sig(beta cs) - log sig(-beta rs)   sppo_hard  (cs - 1/(2 beta))^2 + (rs + 1/(2 beta))^2
+ *     apo_zero  1 - sig(beta cs) + sig(beta rs)          apo_down   sig(beta cs) + 1 - sig(beta d)
+ *     discopop  with L = beta d, q = sig(L / discopop_tau):  -log sig(L) (1 - q) + exp(-L) q
+ *     aot  S(c - r)_k - S(ref_c - ref_r)_k;  aot_unpaired  S(cs)_k - S(rs)_k: S sorts the call's B values
+ *          ascending (ties by index), and term_k = -(1 - ls) log sig(beta delta_k) - ls log sig(-beta delta_k)
+ *     sft  NLL                                   (rpo_alpha must be 0: TRL's rpo_alpha became this term)
+ *   rewards = beta (l - ref).
+ *   dpo at TRL v0.28.0 (FH_PREFERENCE_TRL_0_28, DPOTrainer before its refactor; sigmoid, hinge, ipo, robust only):
+ *           l_s = sum_t m_t logp_t, or that / n_s for ipo; ref aggregated as l;  u_b = (c_b - ref_c_b) - (r_b - ref_r_b)
  *           sigmoid: -(1 - ls) log sig(beta u) - ls log sig(-beta u)
  *           robust:  (-(1 - ls) log sig(beta u) + ls log sig(-beta u)) / (1 - 2 ls)
  *           hinge:   relu(1 - beta u);   ipo: (u - 1 / (2 beta))^2
  *           loss = mean_b + rpo_alpha * NLL;  rewards = beta (l - ref)
- *   cpo:    u_b = c_b - r_b; sigmoid, hinge, ipo as dpo;  loss = mean_b + cpo_alpha * NLL;  rewards = beta l
- *   simpo:  u_b = c_b - r_b - simpo_gamma / beta (averaged l), sigmoid as dpo; loss = mean_b + cpo_alpha * NLL
+ *   cpo:    u_b = c_b - r_b (l summed, averaged for ipo); sigmoid, hinge, ipo as v0.28's dpo;
+ *           loss = mean_b + cpo_alpha * NLL;  rewards = beta l
+ *   simpo:  u_b = c_b - r_b - simpo_gamma / beta (averaged l), sigmoid as v0.28's dpo; loss = mean_b + cpo_alpha * NLL
  *   orpo:   o_b = (c_b - r_b) - (log(1 - exp c_b) - log(1 - exp r_b)) (averaged l);
  *           loss = NLL - mean_b beta log sig(o_b);  rewards = beta l
- *   NLL = -sum over chosen tokens of m logp / max(sum of chosen m, 1)  (cross-entropy on the chosen half)
- * Nothing is differentiated through the reference log-probs; rewards and metrics carry no gradient.
+ * Nothing is differentiated through the reference log-probs; rewards and metrics carry no gradient. aot and
+ * aot_unpaired sort over the whole call, so fh_preference_forward_backward streams with them (8 N H V flops).
  * ------------------------------------------------------------------------------------------- */
 typedef enum fh_preference_loss {
     FH_PREFERENCE_DPO = 0,
@@ -603,21 +621,48 @@ typedef enum fh_preference_loss {
     FH_PREFERENCE_CPO = 3
 } fh_preference_loss;
 
-typedef enum fh_preference_loss_type { /* TRL's loss_type: dpo has all four, cpo all but robust, */
-    FH_PREFERENCE_SIGMOID = 0,         /* simpo and orpo only sigmoid (their own formulas above) */
-    FH_PREFERENCE_HINGE = 1,
+typedef enum fh_preference_loss_type { /* TRL's loss_type: dpo at TRL's current semantics has all of them; dpo at */
+    FH_PREFERENCE_SIGMOID = 0,         /* v0.28 the first four, cpo all but robust, simpo and orpo only sigmoid */
+    FH_PREFERENCE_HINGE = 1,           /* (their own formulas above) */
     FH_PREFERENCE_IPO = 2,
-    FH_PREFERENCE_ROBUST = 3
+    FH_PREFERENCE_ROBUST = 3,
+    FH_PREFERENCE_EXO_PAIR = 4,
+    FH_PREFERENCE_NCA_PAIR = 5,
+    FH_PREFERENCE_BCO_PAIR = 6,
+    FH_PREFERENCE_SPPO_HARD = 7,
+    FH_PREFERENCE_AOT = 8,
+    FH_PREFERENCE_AOT_UNPAIRED = 9,
+    FH_PREFERENCE_APO_ZERO = 10,
+    FH_PREFERENCE_APO_DOWN = 11,
+    FH_PREFERENCE_DISCOPOP = 12,
+    FH_PREFERENCE_SFT = 13,
+    FH_PREFERENCE_SIGMOID_NORM = 14
 } fh_preference_loss_type;
+
+typedef enum fh_preference_dpo_semantics { /* which TRL DPOTrainer dpo follows */
+    FH_PREFERENCE_TRL_CURRENT = 0,         /* TRL >= v0.29.0 (the DPO refactor), as at commit f2cd5771 */
+    FH_PREFERENCE_TRL_0_28 = 1             /* TRL v0.28.0, the last release before it */
+} fh_preference_dpo_semantics;
+
+/* The longest loss_types list. */
+#define FH_PREFERENCE_MAX_LOSS_TYPES 16
 
 typedef struct fh_preference_options { /* TRL config names; defaults from fh_preference_options_init */
     fh_preference_loss loss;           /* dpo */
-    fh_preference_loss_type loss_type; /* sigmoid */
+    fh_preference_loss_type loss_type; /* sigmoid; read only when loss_type_count is 0 */
     double beta;                       /* 0.1; > 0 */
-    double label_smoothing;            /* 0; in [0, 0.5], < 0.5 for robust */
+    double label_smoothing;            /* 0; in [0, 0.5], < 0.5 with robust, > 0 with exo_pair */
     double simpo_gamma;                /* 0.5 (simpo) */
-    double rpo_alpha;                  /* 0: no NLL term (dpo; TRL's None) */
+    double rpo_alpha;                  /* 0: no NLL term (dpo at v0.28; TRL's None); must be 0 at current semantics */
     double cpo_alpha;                  /* 1.0 (cpo and simpo; 0 for the SimPO paper's loss) */
+    /* dpo at TRL's current semantics: */
+    fh_preference_dpo_semantics dpo_semantics;  /* FH_PREFERENCE_TRL_CURRENT */
+    int loss_type_count;                        /* 0: the one loss_type above, weight 1; else TRL's loss_type list */
+    fh_preference_loss_type loss_types[FH_PREFERENCE_MAX_LOSS_TYPES];
+    double loss_weights[FH_PREFERENCE_MAX_LOSS_TYPES]; /* TRL's loss_weights (finite), one per listed type */
+    double discopop_tau;               /* 0.05; > 0 (discopop) */
+    int use_weighting;                 /* 0; TRL's WPO weighting (DPOTrainer, both versions): not implemented, any
+                                          other value is refused */
 } fh_preference_options;
 
 FH_API fh_status fh_preference_options_init(fh_preference_options *options);
@@ -628,16 +673,22 @@ typedef struct fh_preference_batch {
     const float *mask;                 /* [2B, T] loss mask, 0/1 (any finite value >= 0 weighs the token) */
     const float *ref_logps;            /* dpo: [2B] reference sequence log-probs, aggregated as l; or NULL */
     const float *ref_per_token_logps;  /* dpo: [2B, T] reference token log-probs, aggregated here; or NULL
-                                          (at most one of the two; neither: reference-free) */
+                                          (at most one of the two; neither: reference log-probs
+                                          0, v0.28's reference_free) */
 } fh_preference_batch;
 
 typedef struct fh_preference_metrics { /* TRL's logged metrics (means over pairs); NaN where TRL logs nothing */
     double rewards_chosen, rewards_rejected, rewards_accuracies, rewards_margins;
     double logps_chosen, logps_rejected;   /* means of c and r */
     double logits_chosen, logits_rejected; /* mean of z over the whole vocabulary and the half's tokens: masked
-                                              for dpo (DPOTrainer), all of them for the others (CPO/ORPOTrainer) */
-    double nll_loss;                       /* dpo: NaN without rpo_alpha; cpo, simpo: 0 when cpo_alpha is 0 (TRL) */
+                                              for dpo (DPOTrainer; 0 over no token at current semantics, NaN at
+                                              v0.28), all of them for the others (CPO/ORPOTrainer) */
+    double nll_loss;                       /* dpo at v0.28: NaN without rpo_alpha; cpo, simpo: 0 when cpo_alpha is
+                                              0 (TRL); NaN for dpo at current semantics (TRL logs none) */
     double log_odds_ratio, log_odds_chosen; /* orpo: means of log sig(o) and of o */
+    double entropy;                        /* dpo at current semantics: masked mean of every token's entropy */
+    double mean_token_accuracy;            /* dpo at current semantics: the chosen half's masked share of tokens
+                                              whose argmax is the target (0 over no token, as TRL) */
 } fh_preference_metrics;
 
 typedef struct fh_preference_outputs { /* any may be NULL */
@@ -782,6 +833,81 @@ FH_API fh_status fh_distill_topk_forward_backward(fh_context *ctx, const fh_line
 
 /* Workspace bytes the top-k distillation calls need (pure). */
 FH_API fh_status fh_distill_topk_workspace_size(const fh_context *ctx, const fh_linear *student, size_t *bytes);
+
+/* ---------------------------------------------------------------------------------------------
+ * KTO: unpaired preference optimisation (TRL's KTOTrainer, loss_type "kto" and "apo_zero_unpaired"), one
+ * micro-batch on one process.
+ *
+ *   B sequences of T tokens (rows s T ..), each desirable (labels[s] = 1) or undesirable (0). z = x W + bias;
+ *   logp_t = log_softmax(z_t)[targets_t] (0 where masked and the target is outside [0, V)).
+ *   l_s = sum_t m_t logp_t;  ref_s = ref_logps[s], or sum_t m_t ref_per_token_logps_t;  r_s = l_s - ref_s
+ *   kl:  kto: the batch's KL term, given either as TRL uses it (kl, already clamped at 0), or as each sequence's
+ *        KL log-ratio (kl_logratios: policy minus reference log-prob of its mismatched KL completion, e.g. from
+ *        fh_logprob), from which the head forms TRL's max(mean_s kl_logratios_s, 0);  apo_zero_unpaired: 0
+ *   kto:               desirable  1 - sig(beta (r_s - kl)),   undesirable  1 - sig(beta (kl - r_s))
+ *   apo_zero_unpaired: desirable  1 - sig(beta r_s),          undesirable  sig(beta r_s)
+ *   loss = (1 / B) sum_s w_s L_s,  w_s = desirable_weight or undesirable_weight;  rewards_s = beta r_s
+ * Nothing is differentiated through the reference or the KL term; rewards and metrics carry no gradient.
+ * TRL's KTO has no reference-free mode: one of the two reference inputs is required.
+ * ------------------------------------------------------------------------------------------- */
+typedef enum fh_kto_loss_type {
+    FH_KTO_LOSS_KTO = 0,
+    FH_KTO_LOSS_APO_ZERO_UNPAIRED = 1
+} fh_kto_loss_type;
+
+typedef struct fh_kto_options { /* TRL's KTOConfig names; defaults from fh_kto_options_init */
+    fh_kto_loss_type loss_type; /* kto */
+    double beta;                /* 0.1; > 0 */
+    double desirable_weight;    /* 1.0; >= 0 */
+    double undesirable_weight;  /* 1.0; >= 0 */
+} fh_kto_options;
+
+FH_API fh_status fh_kto_options_init(fh_kto_options *options);
+
+typedef struct fh_kto_batch {
+    int64_t batch, seq;                /* B, T; the fh_linear's n must be B T */
+    const int64_t *targets;            /* [B, T], in [0, V) wherever the mask is non-zero */
+    const float *mask;                 /* [B, T] completion mask, 0/1 (any finite value >= 0 weighs the token) */
+    const uint8_t *labels;             /* [B] 1: desirable, 0: undesirable */
+    const float *ref_logps;            /* [B] reference sequence log-probs; or NULL */
+    const float *ref_per_token_logps;  /* [B, T] reference token log-probs, summed here under the mask; or NULL
+                                          (exactly one of the two) */
+    const float *kl;                   /* kto: one value, the KL term as TRL uses it (finite, >= 0); or NULL */
+    const float *kl_logratios;         /* kto: [B] KL log-ratios (finite); or NULL (exactly one of kl and
+                                          kl_logratios for kto; neither for apo_zero_unpaired) */
+} fh_kto_batch;
+
+typedef struct fh_kto_metrics { /* TRL's logged metrics (KTOTrainer without Liger); NaN where TRL logs nothing */
+    double kl;                              /* the KL term used (0 for apo_zero_unpaired) */
+    double rewards_chosen, rewards_rejected; /* means of beta r over the desirable / undesirable sequences */
+    double rewards_margins;                 /* their difference, when the batch has both */
+    double logps_chosen, logps_rejected;    /* means of l over the desirable / undesirable sequences */
+    double logits_chosen, logits_rejected;  /* sum over the half's tokens with m != 0 of the mean of z over the
+                                               vocabulary, divided by the half's sum of m; NaN when that is 0 */
+    double entropy;                         /* sum_t m_t H_t / sum_t m_t over the batch (0 when the sum is 0) */
+} fh_kto_metrics;
+
+typedef struct fh_kto_outputs { /* any may be NULL */
+    double *loss;
+    fh_kto_metrics *metrics;
+    float *sequence_logps;      /* [B] l */
+    float *rewards;             /* [B] beta r */
+    float *per_token_logp;      /* [B, T] */
+} fh_kto_outputs;
+
+FH_API fh_status fh_kto_forward(fh_context *ctx, const fh_linear *lin, const fh_kto_batch *batch,
+                                const fh_kto_options *options, fh_kto_outputs *out);
+
+/* Forward and backward in one call (grad_output: one value, d(objective)/d(loss)). Row blocks of whole sequences
+ * (6 N H V flops): a sequence's loss and its tokens' coefficients follow from the block's statistics, since the
+ * KL term is an input. When the memory budget cannot hold one sequence's rows it streams both passes instead
+ * (8 N H V flops); the results are the same either way. */
+FH_API fh_status fh_kto_forward_backward(fh_context *ctx, const fh_linear *lin, const fh_kto_batch *batch,
+                                         const fh_kto_options *options, const float *grad_output,
+                                         fh_kto_outputs *out, fh_linear_grads *grads);
+
+/* Workspace bytes the KTO calls need (pure). */
+FH_API fh_status fh_kto_workspace_size(const fh_context *ctx, const fh_linear *lin, size_t *bytes);
 
 #ifdef __cplusplus
 }

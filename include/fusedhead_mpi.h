@@ -187,6 +187,22 @@ FH_MPI_API fh_status fh_mpi_grpo_forward_backward(fh_context *ctx, fh_mpi_layout
                                                   const float *grad_output, fh_grpo_outputs *out,
                                                   fh_linear_grads *grads);
 
+/* ---------------------------------------------------------------------------------------------
+ * KTO: fh_kto_* of fusedhead.h across the layout. With data parallelism each rank holds whole sequences (its
+ * fh_kto_batch); the loss is that of the concatenated batch: B is the sum of the ranks' B, and kl_logratios are
+ * averaged over every rank's sequences before the clamp (TRL's gather); a kl value must be the same on every rank.
+ * The metrics are the whole batch's.
+ * ------------------------------------------------------------------------------------------- */
+FH_MPI_API fh_status fh_mpi_kto_forward(fh_context *ctx, fh_mpi_layout *layout, const fh_linear *lin,
+                                        const fh_kto_batch *batch, const fh_kto_options *options, fh_kto_outputs *out);
+
+/* Row blocks of whole sequences, as fh_kto_forward_backward, with the agreement and the per-block all-reduce of
+ * fh_mpi_ce_forward_backward; streams on every rank when any rank of the grid cannot hold one sequence. */
+FH_MPI_API fh_status fh_mpi_kto_forward_backward(fh_context *ctx, fh_mpi_layout *layout, const fh_linear *lin,
+                                                 const fh_kto_batch *batch, const fh_kto_options *options,
+                                                 const float *grad_output, fh_kto_outputs *out,
+                                                 fh_linear_grads *grads);
+
 #ifdef __cplusplus
 }
 #endif

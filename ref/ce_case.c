@@ -464,3 +464,18 @@ void ce_case_free(ce_case *c)
         free(p[i]);
     memset(c, 0, sizeof *c);
 }
+
+void *ce_zalloc(size_t count, size_t size)
+{
+    return calloc(count ? count : 1, size);
+}
+
+double *ce_doubles(const float *f, size_t count)
+{
+    if (!f)
+        return NULL;
+    double *d = ce_zalloc(count, sizeof *d);
+    for (size_t i = 0; i < count && d; i++)
+        d[i] = f[i];
+    return d;
+}

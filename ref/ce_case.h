@@ -121,6 +121,11 @@ fh_status ce_case_context(const ce_case_settings *settings, fh_context **ctx);
 fh_linear ce_case_linear(int64_t n, int64_t hidden, int64_t vocab, fh_layout layout, fh_dtype dtype, const float *x,
                          const uint16_t *x_bf16, const float *weight, const uint16_t *weight_bf16, const float *bias);
 
+/* calloc that never returns NULL for a zero count (the cases' arrays), and a float array as doubles (NULL: NULL);
+ * the caller frees either. */
+void *ce_zalloc(size_t count, size_t size);
+double *ce_doubles(const float *f, size_t count);
+
 /* Deterministic uniform random numbers in [0, 1) (splitmix64). */
 double ce_uniform(uint64_t *state);
 

@@ -9,7 +9,8 @@
  * Pairs are redrawn (the chosen sequence's targets) until |1 - beta u| >= PREFERENCE_KINK_GUARD under hinge and
  * |reward margin| >= PREFERENCE_KINK_GUARD: the fused and reference margins then lie on the same side of relu's
  * kink and of the accuracy's comparison (they differ by beta times the margin's error, ~1e-6; see the loss
- * tolerance).
+ * tolerance). With aot or aot_unpaired listed, also until no two pairs' sorted values (c - r and ref_c - ref_r, or
+ * cs and rs) lie within the guard of each other, so that both sides sort the pairs alike.
  *
  * Tolerances (fh_gradcheck's ctest cases and the preference suite; the worst fraction of each seen over them is in
  * brackets):
@@ -17,7 +18,9 @@
  *     error, ~1e-7 of |logp| here; a sequence log-prob sums up to T of them (partly cancelling), and a pair's loss
  *     moves by its slope times its margin's error: |slope| <= beta for sigmoid, robust (/(1 - 2 ls)), hinge and
  *     orpo's log-odds term, 2 |u - 1 / (2 beta)| <= 2 sqrt(loss) for ipo (on averaged log-probs); the NLL is a mean
- *     of log-probs. The worst case, dpo ipo at loss ~25, is 1.2e-7 of |loss|.
+ *     of log-probs. The worst case, dpo ipo at loss ~25, is 1.2e-7 of |loss|. TRL's current DPO types
+ *     (ctest preference_trl_*) [0.10]: their slopes are beta times sigmoids, or, for the quadratic ipo and
+ *     sppo_hard, 2 sqrt(term) (sppo_hard on summed log-ratios reaches loss ~100, at 0.28 of the tolerance).
  *   metrics: PREFERENCE_METRIC_TOL = 1e-5 of max(1, |value|) [0.013]: rewards and log-probs are (means of) the
  *     sequence log-probs above, the logits means average fp32 logits; accuracies are counts, exact thanks to the
  *     guard.
@@ -26,7 +29,8 @@
  *   gradients: normwise relative PREFERENCE_GRAD_NORM_REL_TOL = 1e-5 [0.044], as cross-entropy and GRPO (same
  *     engine and fp32 GEMMs; dZ = g (onehot - p) with g from the pair's slope, whose own error is the slope's
  *     derivative times the margin's ~1e-6); bf16 cases take cross-entropy's bf16 tolerances (ce_grad_tolerance,
- *     ref/ce_case.c) [0.54: 2.2e-3 against 4e-3; with bf16 gradients 2.3e-3 against 8e-3, as cross-entropy's]. */
+ *     ref/ce_case.c) [0.54: 2.2e-3 against 4e-3; with bf16 gradients 2.3e-3 against 8e-3, as cross-entropy's; TRL's
+ *     current DPO types and lists 0.44]. */
 #include "preference_case.h"
 
 #include "bf16.h"
@@ -51,8 +55,14 @@ void preference_case_spec_default(preference_case_spec *spec)
 
 ref_preference_options preference_ref_options(const fh_preference_options *o)
 {
-    const ref_preference_options r = {(ref_preference_loss)o->loss, (ref_preference_loss_type)o->loss_type, o->beta,
-                                      o->label_smoothing, o->simpo_gamma, o->rpo_alpha, o->cpo_alpha};
+    ref_preference_options r = {(ref_preference_loss)o->loss, (ref_preference_loss_type)o->loss_type, o->beta,
+                                o->label_smoothing, o->simpo_gamma, o->rpo_alpha, o->cpo_alpha,
+                                (ref_preference_dpo_semantics)o->dpo_semantics, o->loss_type_count, {0}, {0},
+                                o->discopop_tau};
+    for (int k = 0; k < o->loss_type_count && k < FH_PREFERENCE_MAX_LOSS_TYPES; k++) {
+        r.types[k] = (ref_preference_loss_type)o->loss_types[k];
+        r.weights[k] = o->loss_weights[k];
+    }
     return r;
 }
 
@@ -60,7 +70,8 @@ fh_preference_metrics preference_fh_metrics(const ref_preference_metrics *m)
 {
     const fh_preference_metrics f = {m->rewards_chosen, m->rewards_rejected, m->rewards_accuracies,
                                      m->rewards_margins, m->logps_chosen, m->logps_rejected, m->logits_chosen,
-                                     m->logits_rejected, m->nll_loss, m->log_odds_ratio, m->log_odds_chosen};
+                                     m->logits_rejected, m->nll_loss, m->log_odds_ratio, m->log_odds_chosen,
+                                     m->entropy, m->mean_token_accuracy};
     return f;
 }
 
@@ -166,11 +177,39 @@ static void draw_references(const preference_case_spec *s, preference_case *c, u
     free(l), free(logp);
 }
 
+/* 1 when the options' loss type (or list, TRL's current dpo) names type. */
+static int lists_type(const fh_preference_options *o, fh_preference_loss_type type)
+{
+    int found = o->loss_type_count == 0 && o->loss_type == type;
+    for (int k = 0; k < o->loss_type_count && k < FH_PREFERENCE_MAX_LOSS_TYPES; k++)
+        found |= o->loss_types[k] == type;
+    return found;
+}
+
 /* Pairs whose reward margin beta u (dpo, cpo) sits within the guard of 0, or of hinge's kink. */
 static int near_kink(const preference_case_spec *s, double margin)
 {
     return fabs(margin) < PREFERENCE_KINK_GUARD ||
-           (s->options.loss_type == FH_PREFERENCE_HINGE && fabs(1.0 - margin) < PREFERENCE_KINK_GUARD);
+           (lists_type(&s->options, FH_PREFERENCE_HINGE) && fabs(1.0 - margin) < PREFERENCE_KINK_GUARD);
+}
+
+/* aot and aot_unpaired sort the pairs by c - r and ref_c - ref_r, or by cs and rs: pair b's keys within the guard
+ * of another pair's, where fused and reference values could sort differently (and the gradient jumps). */
+static int near_sort_tie(const preference_case_spec *s, const double *l, const double *rewards, int64_t b)
+{
+    const int aot = lists_type(&s->options, FH_PREFERENCE_AOT), unpaired = lists_type(&s->options, FH_PREFERENCE_AOT_UNPAIRED);
+    const int64_t B = s->pairs;
+    const double beta = s->options.beta;
+    for (int64_t j = 0; j < B && (aot || unpaired); j++) {
+        const double lr_b = l[b] - l[B + b], lr_j = l[j] - l[B + j];
+        const double ref_b = lr_b - (rewards[b] - rewards[B + b]) / beta, ref_j = lr_j - (rewards[j] - rewards[B + j]) / beta;
+        const double near = PREFERENCE_KINK_GUARD;
+        if (j != b && ((aot && (fabs(lr_b - lr_j) < near || fabs(ref_b - ref_j) < near)) ||
+                       (unpaired && (fabs(rewards[b] - rewards[j]) < near * beta ||
+                                     fabs(rewards[B + b] - rewards[B + j]) < near * beta))))
+            return 1;
+    }
+    return 0;
 }
 
 static void make_inputs(const preference_case_spec *s, preference_case *c)
@@ -199,14 +238,14 @@ static void make_inputs(const preference_case_spec *s, preference_case *c)
         draw_sequence(s, c, &rng, b, chosen);
         draw_sequence(s, c, &rng, B + b, rejected);
     }
-    double *rewards = zalloc((size_t)(2 * B), sizeof(double));
+    double *rewards = zalloc((size_t)(2 * B), sizeof(double)), *l = zalloc((size_t)(2 * B), sizeof(double));
     for (int attempt = 0; attempt < 100; attempt++) {
         draw_references(s, c, &rng);
-        if (reference_values(c, NULL, rewards, NULL) != 0)
+        if (reference_values(c, l, rewards, NULL) != 0)
             break; /* invalid options: the library's call will say so */
         int redrawn = 0;
         for (int64_t b = 0; b < B; b++)
-            if (near_kink(s, rewards[b] - rewards[B + b])) {
+            if (near_kink(s, rewards[b] - rewards[B + b]) || near_sort_tie(s, l, rewards, b)) {
                 draw_sequence(s, c, &rng, b, lengths[b]);
                 redrawn = 1;
             }
@@ -214,6 +253,7 @@ static void make_inputs(const preference_case_spec *s, preference_case *c)
             break;
     }
     free(rewards);
+    free(l);
     free(lengths);
 }
 
@@ -322,8 +362,7 @@ static void run_reference(const preference_case_spec *s, preference_case *c)
     ref_inputs_free(&in);
 }
 
-/* |f - r| / max(1, |r|), NaN equal to NaN (a metric TRL does not log) and NaN against a number infinite. */
-static double metric_diff(double f, double r)
+double preference_value_diff(double f, double r)
 {
     if (isnan(f) || isnan(r))
         return isnan(f) && isnan(r) ? 0.0 : INFINITY;
@@ -342,10 +381,12 @@ double preference_metrics_diff(const fh_preference_metrics *f, const fh_preferen
                                {f->logits_rejected, r->logits_rejected},
                                {f->nll_loss, r->nll_loss},
                                {f->log_odds_ratio, r->log_odds_ratio},
-                               {f->log_odds_chosen, r->log_odds_chosen}};
+                               {f->log_odds_chosen, r->log_odds_chosen},
+                               {f->entropy, r->entropy},
+                               {f->mean_token_accuracy, r->mean_token_accuracy}};
     double m = 0.0;
     for (size_t k = 0; k < sizeof pairs / sizeof pairs[0]; k++)
-        m = fmax(m, metric_diff(pairs[k][0], pairs[k][1]));
+        m = fmax(m, preference_value_diff(pairs[k][0], pairs[k][1]));
     return m;
 }
 

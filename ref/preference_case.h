@@ -85,6 +85,9 @@ fh_status preference_case_step(const preference_case *c, float grad_output, floa
 /* The comparisons behind preference_diff: max over the metrics of |f - r| / max(1, |r|) (NaN equal to NaN, NaN
  * against a number infinite), and max |f - r| / (1 + |r|) over an array (NaN anywhere gives NaN). */
 double preference_metrics_diff(const fh_preference_metrics *f, const fh_preference_metrics *r);
+/* One metric's: |f - r| / max(1, |r|), NaN equal to NaN (a metric TRL does not log), NaN against a number infinite
+ * (the KTO case's metrics too). */
+double preference_value_diff(double f, double r);
 double preference_token_diff(const float *f, const double *r, size_t count);
 
 int preference_diff_pass(const preference_diff *d);

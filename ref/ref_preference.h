@@ -17,6 +17,10 @@
  *   NLL    = -sum_{chosen i} m logp / max(sum_{chosen} m, 1)
  *   loss   = mean_b pair loss + alpha NLL,  alpha = rpo_alpha (dpo), cpo_alpha (cpo, simpo), 1 (orpo)
  *   rewards: beta (l - ref) for dpo, beta l otherwise
+ * That is dpo at TRL v0.28.0 (dpo_semantics REF_PREFERENCE_TRL_0_28). At TRL's current semantics (the default) l and
+ * ref are sums for every loss type, the loss is the weighted sum of the listed types' terms (fusedhead.h's formulas;
+ * sft is NLL, rpo_alpha must be 0), logits means over no token are 0, nll_loss is NaN (not logged), and entropy and
+ * mean_token_accuracy are logged.
  * The reference log-probs are constants (nothing is differentiated through them); rewards and metrics carry no
  * gradient. relu's gradient at 0 is 0, as torch's. */
 #ifndef FH_REF_PREFERENCE_H
@@ -35,8 +39,24 @@ typedef enum ref_preference_loss_type {
     REF_PREFERENCE_SIGMOID = 0, /* every loss */
     REF_PREFERENCE_HINGE,       /* dpo, cpo */
     REF_PREFERENCE_IPO,         /* dpo, cpo */
-    REF_PREFERENCE_ROBUST       /* dpo */
+    REF_PREFERENCE_ROBUST,      /* dpo */
+    /* dpo at TRL's current semantics only: */
+    REF_PREFERENCE_EXO_PAIR,
+    REF_PREFERENCE_NCA_PAIR,
+    REF_PREFERENCE_BCO_PAIR,
+    REF_PREFERENCE_SPPO_HARD,
+    REF_PREFERENCE_AOT,
+    REF_PREFERENCE_AOT_UNPAIRED,
+    REF_PREFERENCE_APO_ZERO,
+    REF_PREFERENCE_APO_DOWN,
+    REF_PREFERENCE_DISCOPOP,
+    REF_PREFERENCE_SFT,
+    REF_PREFERENCE_SIGMOID_NORM,
+    REF_PREFERENCE_LOSS_TYPES
 } ref_preference_loss_type;
+
+/* Which TRL DPOTrainer dpo follows: TRL's current one (since v0.29.0, as at f2cd5771), or v0.28.0's. */
+typedef enum ref_preference_dpo_semantics { REF_PREFERENCE_TRL_CURRENT = 0, REF_PREFERENCE_TRL_0_28 } ref_preference_dpo_semantics;
 
 typedef struct ref_preference_options {
     ref_preference_loss loss;           /* dpo */
@@ -46,6 +66,13 @@ typedef struct ref_preference_options {
     double simpo_gamma;                 /* 0.5 */
     double rpo_alpha;                   /* 0 (TRL's None): no NLL term for dpo */
     double cpo_alpha;                   /* 1.0 */
+    ref_preference_dpo_semantics dpo_semantics; /* current */
+    /* dpo at current semantics: loss = sum_k weights[k] term_k over the types listed (types[0 .. count), or
+     * loss_type with weight 1 when count is 0), each term as fusedhead.h writes it */
+    int count;
+    ref_preference_loss_type types[16];
+    double weights[16];
+    double discopop_tau;                /* 0.05 */
 } ref_preference_options;
 
 /* Sets TRL's defaults (listed above). */
@@ -62,6 +89,9 @@ typedef struct ref_preference_tokens {
     const double *ref_logps;           /* [2 pairs] reference l, already aggregated; or NULL */
     const double *ref_per_token_logps; /* reference token log-probs, aggregated here like l; or NULL */
     const double *logit_means;         /* (1/V) sum_j z_ij per token, for the logits metrics; or NULL (NaN) */
+    const double *entropy;             /* per token, for the entropy metric (current dpo); or NULL (NaN) */
+    const double *correct;             /* 1 where the argmax (lowest index of the largest z) is the target, else 0;
+                                          for mean_token_accuracy (current dpo); or NULL (NaN) */
 } ref_preference_tokens;
 
 /* The full problem: hidden states, lm_head and the per-token data. */
@@ -82,6 +112,9 @@ typedef struct ref_preference_metrics { /* TRL's logged metrics: means over the 
                                               nothing) */
     double nll_loss;                       /* NaN when the loss has no NLL term (its alpha is 0) */
     double log_odds_ratio, log_odds_chosen; /* orpo: means of log sig(o) and of o; NaN otherwise */
+    double entropy, mean_token_accuracy;   /* current dpo: masked mean of the entropies over every token, masked
+                                              share of the chosen half's correct argmaxes (0 over no token); NaN
+                                              otherwise */
 } ref_preference_metrics;
 
 typedef struct ref_preference_result {

@@ -383,9 +383,9 @@ fh_status fh_plan_train_step_groups(fh_context *ctx, const fh_linear *lin, const
     if (st != FH_OK || !*row_blocks)
         return st;
     const int64_t groups = lin->n / group_rows, fit = plan->tile_rows / group_rows;
-    if (fit < 1) {
+    if (fit < 1) { /* not one group per block: the streaming plan, as when no block fits (its buffers, none in dweight) */
         *row_blocks = 0;
-        return FH_OK;
+        return plan_make(ctx, lin, FH_CALL_BACKWARD, NO_COMPANION, plan, ctx);
     }
     const int64_t blocks = (groups + fit - 1) / fit;
     lower_rows(plan, lin->n, (groups + blocks - 1) / blocks * group_rows);

@@ -1,8 +1,10 @@
 /* ref_preference_fdcheck: checks ref_preference_backward against central finite differences of
  * ref_preference_forward, and values worked out by hand, over dpo {sigmoid, hinge, ipo, robust} x reference
  * {none, sequence, token} x rpo_alpha {0, 0.5}, cpo {sigmoid, hinge, ipo} x cpo_alpha {0, 1}, simpo x cpo_alpha
- * {0, 1} and orpo; label smoothing 0.1 on half of the sigmoid and robust cases. Prints one line per case, exits
- * non-zero on any failure.
+ * {0, 1} and orpo; label smoothing 0.1 on half of the sigmoid and robust cases (dpo at TRL v0.28's semantics); and
+ * dpo at TRL's current semantics: each of its 15 loss types alone (beta 0.5) and three weighted lists (MPO's
+ * sigmoid + bco_pair + sft; aot + aot_unpaired + nca_pair; ipo + sigmoid_norm + discopop + apo_down with a negative
+ * weight). Prints one line per case, exits non-zero on any failure.
  *
  *   gcc -std=c11 -Wall -Wextra -O2 -Iref ref/ref_linear.c ref/ref_grpo.c ref/ref_preference.c \
  *       tests/ref_preference_fdcheck.c -lm -o ref_preference_fdcheck
@@ -46,7 +48,9 @@ static double uniform(double lo, double hi) /* splitmix64 */
 }
 
 static const char *loss_name[] = {"dpo", "orpo", "simpo", "cpo"};
-static const char *type_name[] = {"sigmoid", "hinge", "ipo", "robust"};
+static const char *type_name[] = {"sigmoid",  "hinge",    "ipo",       "robust", "exo_pair",
+                                  "nca_pair", "bco_pair", "sppo_hard", "aot",    "aot_unpaired",
+                                  "apo_zero", "apo_down", "discopop",  "sft",    "sigmoid_norm"};
 static const char *ref_name[] = {"none", "seq", "token"};
 
 static int failures;
@@ -147,7 +151,10 @@ static void fd_case(int index, const ref_preference_options *o, int ref_mode)
     p.ref_per_token_logps = ref_mode == REF_TOKEN ? ref_tok : NULL;
 
     const ref_preference_result r0 = forward_or_die(&p, o, NULL, rewards, NULL);
-    if (o->loss_type == REF_PREFERENCE_HINGE)
+    int hinge = o->loss_type == REF_PREFERENCE_HINGE;
+    for (int k = 0; k < o->count; k++)
+        hinge |= o->types[k] == REF_PREFERENCE_HINGE;
+    if (hinge)
         for (int b = 0; b < B; b++)
             expect(fabs(1.0 - (rewards[b] - rewards[B + b])) >= HINGE_GUARD, "a hinge pair sits at its kink");
     expect(isfinite(r0.loss), "the loss is not finite");
@@ -170,12 +177,26 @@ static void fd_case(int index, const ref_preference_options *o, int ref_mode)
     const double ew = fd_tensor(&p, o, w, dw, HID * V, floor);
     const double eb = fd_tensor(&p, o, bias, db, V, floor);
     const double worst = fmax(ex, fmax(ew, eb));
-    printf("%3d %-5s %-7s ref=%-5s ls=%-3g rpo=%-3g cpo=%-3g  loss=%9.4f |g|max=%.2e  rel dx=%.1e dW=%.1e "
+    char types[160] = "";
+    for (int k = 0; k < (o->count ? o->count : 1); k++)
+        snprintf(types + strlen(types), sizeof types - strlen(types), "%s%s", k ? "," : "",
+                 type_name[o->count ? o->types[k] : o->loss_type]);
+    printf("%3d %-5s %-4s %-26s ref=%-5s ls=%-4g rpo=%-3g cpo=%-3g  loss=%9.4f |g|max=%.2e  rel dx=%.1e dW=%.1e "
            "db=%.1e  %s\n",
-           index, loss_name[o->loss], type_name[o->loss_type], ref_name[ref_mode], o->label_smoothing, o->rpo_alpha,
-           o->cpo_alpha, r0.loss, scale, ex, ew, eb, worst <= TOLERANCE ? "ok" : "FAIL");
+           index, loss_name[o->loss], o->loss == REF_PREFERENCE_DPO && o->dpo_semantics == REF_PREFERENCE_TRL_CURRENT
+                                          ? "now"
+                                          : o->loss == REF_PREFERENCE_DPO ? "0.28" : "",
+           types, ref_name[ref_mode], o->label_smoothing, o->rpo_alpha, o->cpo_alpha, r0.loss, scale, ex, ew, eb,
+           worst <= TOLERANCE ? "ok" : "FAIL");
     if (!(worst <= TOLERANCE))
         failures++;
+}
+
+/* TRL v0.28's DPO (the cases and hand checks written for it; cpo, simpo and orpo ignore the semantics). */
+static void legacy_defaults(ref_preference_options *o)
+{
+    ref_preference_options_default(o);
+    o->dpo_semantics = REF_PREFERENCE_TRL_0_28;
 }
 
 static int close_to(double a, double b)
@@ -185,17 +206,25 @@ static int close_to(double a, double b)
 
 /* Hand-worked values. One pair of T = 2 tokens: chosen logp (-1, -2), rejected (-3, -1), every mask 1, so
  * c = -3, r = -4 summed and -1.5, -2 averaged. */
-static void hand_checks(void)
+static const double logp[4] = {-1.0, -2.0, -3.0, -1.0}, ones[4] = {1, 1, 1, 1};
+
+/* A result writing the pair's l and rewards into seq and rewards. */
+static ref_preference_result hand_result(double *seq, double *rewards)
 {
-    const double logp[4] = {-1.0, -2.0, -3.0, -1.0}, ones[4] = {1, 1, 1, 1};
-    ref_preference_tokens tk = {1, 2, logp, ones, NULL, NULL, NULL};
-    ref_preference_options o;
-    ref_preference_options_default(&o);
     ref_preference_result r;
     memset(&r, 0, sizeof r);
-    double g[4], seq[2], rewards[2];
     r.sequence_logps = seq;
     r.rewards = rewards;
+    return r;
+}
+
+static void hand_checks(void)
+{
+    ref_preference_tokens tk = {1, 2, logp, ones, NULL, NULL, NULL, NULL, NULL};
+    ref_preference_options o;
+    legacy_defaults(&o);
+    double g[4], seq[2], rewards[2];
+    ref_preference_result r = hand_result(seq, rewards);
 
     /* dpo sigmoid, reference-free: u = 1, loss = log(1 + e^-0.1), d/dc = -beta sig(-beta) on both chosen tokens,
      * the opposite on the rejected ones; rewards beta l; no NLL term: nll_loss NaN; no logits: NaN. */
@@ -249,7 +278,7 @@ static void hand_checks(void)
     expect(r.loss == 0.0 && g[0] == 0.0 && g[2] == 0.0, "hand: hinge inactive");
 
     /* robust with ls 0: the sigmoid loss. */
-    ref_preference_options_default(&o);
+    legacy_defaults(&o);
     o.loss_type = REF_PREFERENCE_ROBUST;
     ref_preference_head(&tk, &o, 1.0, &r, NULL);
     expect(close_to(r.loss, log1p(exp(-0.1))), "hand: robust at ls 0 is sigmoid");
@@ -272,8 +301,8 @@ static void hand_checks(void)
 
     /* Every token masked: l = 0 (no 0 / 0), NLL 0, logits means NaN; the loss is finite for dpo. */
     const double zeros[4] = {0, 0, 0, 0}, means[4] = {0.5, 0.5, 0.5, 0.5};
-    ref_preference_tokens empty = {1, 2, logp, zeros, NULL, NULL, means};
-    ref_preference_options_default(&o);
+    ref_preference_tokens empty = {1, 2, logp, zeros, NULL, NULL, means, NULL, NULL};
+    legacy_defaults(&o);
     o.rpo_alpha = 1.0;
     ref_preference_head(&empty, &o, 1.0, &r, g);
     expect(close_to(r.loss, log(2.0)) && r.metrics.nll_loss == 0.0 && isnan(r.metrics.logits_chosen) &&
@@ -281,7 +310,7 @@ static void hand_checks(void)
            "hand: every token masked");
     /* The logits means: mask-weighted over the half's tokens. */
     const double half_mask[4] = {1, 0, 1, 1}, spread[4] = {1.0, 7.0, 2.0, 4.0};
-    ref_preference_tokens weighted = {1, 2, logp, half_mask, NULL, NULL, spread};
+    ref_preference_tokens weighted = {1, 2, logp, half_mask, NULL, NULL, spread, NULL, NULL};
     ref_preference_head(&weighted, &o, 1.0, &r, NULL);
     expect(r.metrics.logits_chosen == 1.0 && r.metrics.logits_rejected == 3.0, "hand: logits means");
 
@@ -302,14 +331,14 @@ static void hand_checks(void)
         {"label_smoothing -0.1", REF_PREFERENCE_DPO, REF_PREFERENCE_SIGMOID, 0.1, -0.1},
     };
     for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
-        ref_preference_options_default(&o);
+        legacy_defaults(&o);
         o.loss = bad[k].loss;
         o.loss_type = bad[k].type;
         o.beta = bad[k].beta;
         o.label_smoothing = bad[k].ls;
         expect(ref_preference_head(&tk, &o, 1.0, &r, NULL) == -2, bad[k].what);
     }
-    ref_preference_options_default(&o);
+    legacy_defaults(&o);
     o.label_smoothing = 0.5;
     expect(ref_preference_head(&tk, &o, 1.0, &r, NULL) == 0, "label_smoothing 0.5 for sigmoid is accepted");
     tk.ref_logps = ref_seq;
@@ -320,16 +349,121 @@ static void hand_checks(void)
     expect(ref_preference_head(&tk, &o, 1.0, &r, NULL) == -2, "a reference for cpo is rejected");
 }
 
+/* Hand-worked values at TRL's current semantics, on hand_checks' pair (c = -3, r = -4 summed, 2 tokens each). */
+static void current_hand_checks(void)
+{
+    ref_preference_tokens tk = {1, 2, logp, ones, NULL, NULL, NULL, NULL, NULL};
+    ref_preference_options o;
+    ref_preference_options_default(&o);
+    double g[4], seq[2], rewards[2];
+    ref_preference_result r = hand_result(seq, rewards);
+
+    /* ipo sums its log-probs and divides inside: u = -3/2 - -4/2 = 0.5, loss (0.5 - 5)^2; d/dc = 2 (0.5 - 5) / 2 on
+     * each chosen token; l and rewards stay sums (v0.28 averaged them). */
+    o.loss_type = REF_PREFERENCE_IPO;
+    expect(ref_preference_head(&tk, &o, 1.0, &r, g) == 0, "current: head failed");
+    expect(close_to(r.loss, 20.25) && close_to(g[0], -4.5) && close_to(g[3], 4.5) && seq[0] == -3.0 &&
+               close_to(rewards[1], -0.4),
+           "current: ipo divides inside, l summed");
+    /* sigmoid ignores label smoothing now; sft adds the NLL (1.5) with its weight; nll_loss is not logged. */
+    o.loss_type = REF_PREFERENCE_SIGMOID;
+    o.label_smoothing = 0.1;
+    ref_preference_head(&tk, &o, 1.0, &r, NULL);
+    expect(close_to(r.loss, log1p(exp(-0.1))), "current: sigmoid without label smoothing");
+    o.count = 2;
+    o.types[0] = REF_PREFERENCE_SIGMOID, o.weights[0] = 2.0;
+    o.types[1] = REF_PREFERENCE_SFT, o.weights[1] = 0.5;
+    ref_preference_head(&tk, &o, 1.0, &r, g);
+    expect(close_to(r.loss, 2.0 * log1p(exp(-0.1)) + 0.75) && isnan(r.metrics.nll_loss) &&
+               close_to(g[0], 2.0 * -0.1 / (1.0 + exp(0.1)) - 0.25),
+           "current: weighted sigmoid + sft");
+    /* entropy over every masked token, accuracy over the chosen half's; 0 over no token, as the logits means. */
+    const double entropy[4] = {1.0, 2.0, 3.0, 4.0}, correct[4] = {1.0, 0.0, 1.0, 1.0}, mask[4] = {1, 1, 1, 0};
+    const double means[4] = {0.5, 0.5, 0.5, 0.5}, zeros[4] = {0, 0, 0, 0};
+    ref_preference_tokens metered = {1, 2, logp, mask, NULL, NULL, means, entropy, correct};
+    ref_preference_head(&metered, &o, 1.0, &r, NULL);
+    expect(r.metrics.entropy == 2.0 && r.metrics.mean_token_accuracy == 0.5, "current: entropy and token accuracy");
+    metered.mask = zeros;
+    ref_preference_head(&metered, &o, 1.0, &r, NULL);
+    expect(r.metrics.entropy == 0.0 && r.metrics.mean_token_accuracy == 0.0 && r.metrics.logits_chosen == 0.0,
+           "current: metrics over no token are 0");
+
+    /* aot sorts: 2 pairs of 1 token, c = (-1, -2), r = (-3, -1), ref_c = 0, ref_r = (-0.2, -0.5). c - r = (2, -1)
+     * sorts to (-1, 2) (pairs 1, 0), ref_c - ref_r = (0.2, 0.5) to (0.2, 0.5) (pairs 0, 1): deltas -1.2 and 1.5,
+     * where the pairs unsorted would give 1.8 and -1.5. The gradient of position 0 reaches pair 1's c and r. */
+    const double logp2[4] = {-1.0, -2.0, -3.0, -1.0}, ref2[4] = {0.0, 0.0, -0.2, -0.5};
+    ref_preference_tokens two = {2, 1, logp2, ones, ref2, NULL, NULL, NULL, NULL};
+    ref_preference_options_default(&o);
+    o.loss_type = REF_PREFERENCE_AOT;
+    ref_preference_head(&two, &o, 1.0, &r, g);
+    expect(close_to(r.loss, (log1p(exp(0.12)) + log1p(exp(-0.15))) / 2.0) &&
+               close_to(g[1], -0.05 / (1.0 + exp(-0.12))) && close_to(g[3], 0.05 / (1.0 + exp(-0.12))) &&
+               close_to(g[0], -0.05 / (1.0 + exp(0.15))),
+           "current: aot sorts over the pairs");
+
+    /* Refused: rpo_alpha (now sft), exo_pair without label smoothing, a list at v0.28 or for cpo, a v0.28 dpo type
+     * beyond robust. */
+    ref_preference_options_default(&o);
+    o.rpo_alpha = 0.5;
+    expect(ref_preference_head(&tk, &o, 1.0, &r, NULL) == -2, "current: rpo_alpha is refused");
+    ref_preference_options_default(&o);
+    o.loss_type = REF_PREFERENCE_EXO_PAIR;
+    expect(ref_preference_head(&tk, &o, 1.0, &r, NULL) == -2, "current: exo_pair needs label smoothing");
+    o.dpo_semantics = REF_PREFERENCE_TRL_0_28;
+    o.label_smoothing = 0.1;
+    expect(ref_preference_head(&tk, &o, 1.0, &r, NULL) == -2, "v0.28: no exo_pair");
+    o.loss_type = REF_PREFERENCE_SIGMOID;
+    o.count = 1;
+    o.types[0] = REF_PREFERENCE_SIGMOID, o.weights[0] = 1.0;
+    expect(ref_preference_head(&tk, &o, 1.0, &r, NULL) == -2, "v0.28: no list");
+    o.loss = REF_PREFERENCE_CPO;
+    expect(ref_preference_head(&tk, &o, 1.0, &r, NULL) == -2, "cpo: no list");
+}
+
+/* TRL's current DPO: each loss type alone (label smoothing 0.1 where a type reads it, reference per sequence or per
+ * token in turn, none once), and weighted lists. */
+static int current_cases(int index)
+{
+    ref_preference_options o;
+    for (int type = REF_PREFERENCE_SIGMOID; type < REF_PREFERENCE_LOSS_TYPES; type++) {
+        ref_preference_options_default(&o);
+        o.loss_type = (ref_preference_loss_type)type;
+        o.label_smoothing = 0.1;
+        o.beta = 0.5; /* at 0.1 discopop's and nca_pair's |g| ~ 1e-2 put the noise floor near the tolerance */
+        fd_case(index++, &o, type == REF_PREFERENCE_SIGMOID ? REF_NONE : 1 + type % 2);
+    }
+    static const struct {
+        int count;
+        ref_preference_loss_type types[4];
+        double weights[4];
+    } lists[] = {
+        {3, {REF_PREFERENCE_SIGMOID, REF_PREFERENCE_BCO_PAIR, REF_PREFERENCE_SFT}, {0.8, 0.2, 1.0}}, /* MPO */
+        {3, {REF_PREFERENCE_AOT, REF_PREFERENCE_AOT_UNPAIRED, REF_PREFERENCE_NCA_PAIR}, {1.0, 0.5, 0.25}},
+        {4, {REF_PREFERENCE_IPO, REF_PREFERENCE_SIGMOID_NORM, REF_PREFERENCE_DISCOPOP, REF_PREFERENCE_APO_DOWN},
+         {0.1, 2.0, 1.0, -0.5}},
+    };
+    for (size_t k = 0; k < sizeof lists / sizeof lists[0]; k++) {
+        ref_preference_options_default(&o);
+        o.count = lists[k].count;
+        for (int j = 0; j < o.count; j++)
+            o.types[j] = lists[k].types[j], o.weights[j] = lists[k].weights[j];
+        o.label_smoothing = 0.05;
+        fd_case(index++, &o, 1 + (int)k % 2);
+    }
+    return index;
+}
+
 int main(void)
 {
     hand_checks();
+    current_hand_checks();
     printf("hand-worked checks: %s\n", failures ? "FAIL" : "ok");
     int index = 0;
     ref_preference_options o;
     for (int type = REF_PREFERENCE_SIGMOID; type <= REF_PREFERENCE_ROBUST; type++)
         for (int ref_mode = REF_NONE; ref_mode <= REF_TOKEN; ref_mode++)
             for (int rpo = 0; rpo < 2; rpo++) {
-                ref_preference_options_default(&o);
+                legacy_defaults(&o);
                 o.loss_type = (ref_preference_loss_type)type;
                 o.rpo_alpha = rpo ? 0.5 : 0.0;
                 if ((type == REF_PREFERENCE_SIGMOID || type == REF_PREFERENCE_ROBUST) && ((ref_mode + rpo) & 1))
@@ -338,7 +472,7 @@ int main(void)
             }
     for (int type = REF_PREFERENCE_SIGMOID; type <= REF_PREFERENCE_IPO; type++)
         for (int alpha = 0; alpha < 2; alpha++) {
-            ref_preference_options_default(&o);
+            legacy_defaults(&o);
             o.loss = REF_PREFERENCE_CPO;
             o.loss_type = (ref_preference_loss_type)type;
             o.cpo_alpha = alpha;
@@ -346,7 +480,7 @@ int main(void)
             fd_case(index++, &o, REF_NONE);
         }
     for (int alpha = 0; alpha < 2; alpha++) {
-        ref_preference_options_default(&o);
+        legacy_defaults(&o);
         o.loss = REF_PREFERENCE_SIMPO;
         o.beta = 2.0; /* the SimPO paper's scale: beta 0.1 leaves |g| ~ 1e-2 and the noise floor near 1e-6 */
         o.simpo_gamma = 1.0;
@@ -354,9 +488,10 @@ int main(void)
         o.label_smoothing = alpha ? 0.1 : 0.0;
         fd_case(index++, &o, REF_NONE);
     }
-    ref_preference_options_default(&o);
+    legacy_defaults(&o);
     o.loss = REF_PREFERENCE_ORPO;
     fd_case(index++, &o, REF_NONE);
+    index = current_cases(index);
     printf("%d finite-difference cases, %d failures\n", index, failures);
     return failures ? 1 : 0;
 }

@@ -1,7 +1,9 @@
 /* preference: the fused preference head (fh_preference_forward, fh_preference_forward_backward) against the
  * double-precision TRL-semantics reference (ref/ref_preference.h):
- *   - every loss with every loss_type TRL gives it, reference modes, NLL weights and label smoothing, in both
- *     schedules of the single-call step (ref/preference_case.c has the inputs and the tolerances);
+ *   - every loss with every loss_type TRL gives it (dpo at TRL v0.28's semantics), reference modes, NLL weights and
+ *     label smoothing, in both schedules of the single-call step (ref/preference_case.c has the inputs and the
+ *     tolerances); dpo at TRL's current semantics: each of its 15 loss types alone and weighted lists, both
+ *     schedules, its metrics (entropy, token accuracy, means over no token), its refusals;
  *   - the two schedules against each other; grad_output scaling; gradient accumulation (beta 1);
  *   - edge masks (every token masked, a whole half masked, fractional weights) and the metrics' NaN pattern;
  *   - the API contracts: each bad argument's own status with every output untouched and a message naming it, the
@@ -37,13 +39,21 @@ static const struct {
 static void describe(const preference_case_spec *s, char *buf, size_t size)
 {
     static const char *const losses[] = {"dpo", "orpo", "simpo", "cpo"};
-    static const char *const types[] = {"sigmoid", "hinge", "ipo", "robust"};
+    static const char *const types[] = {"sigmoid",  "hinge",    "ipo",       "robust", "exo_pair",
+                                        "nca_pair", "bco_pair", "sppo_hard", "aot",    "aot_unpaired",
+                                        "apo_zero", "apo_down", "discopop",  "sft",    "sigmoid_norm"};
     static const char *const refs[] = {"none", "sequence", "token"};
     const fh_preference_options *o = &s->options;
+    char list[256] = "";
+    for (int k = 0; k < (o->loss_type_count ? o->loss_type_count : 1); k++)
+        snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s*%g", k ? "," : "",
+                 types[o->loss_type_count ? o->loss_types[k] : o->loss_type],
+                 o->loss_type_count ? o->loss_weights[k] : 1.0);
     snprintf(buf, size,
-             "%s/%s ref=%s beta=%g ls=%g gamma=%g rpo=%g cpo=%g | B=%lld T=%lld H=%lld V=%lld %s bias=%d | "
+             "%s(%s)/%s ref=%s beta=%g ls=%g gamma=%g rpo=%g cpo=%g | B=%lld T=%lld H=%lld V=%lld %s bias=%d | "
              "tiles=%lldx%lld threads=%d g=%g seed=%llu",
-             losses[o->loss], types[o->loss_type], refs[s->ref], o->beta, o->label_smoothing, o->simpo_gamma,
+             losses[o->loss], o->dpo_semantics == FH_PREFERENCE_TRL_0_28 ? "trl 0.28" : "trl now", list, refs[s->ref],
+             o->beta, o->label_smoothing, o->simpo_gamma,
              o->rpo_alpha, o->cpo_alpha, (long long)s->pairs, (long long)s->seq, (long long)s->hidden,
              (long long)s->vocab, s->layout == FH_LAYOUT_HV ? "hv" : "vh", s->bias, (long long)s->tile_rows,
              (long long)s->tile_vocab, s->threads, (double)s->grad_output, (unsigned long long)s->seed);
@@ -68,6 +78,7 @@ static void small_spec(preference_case_spec *s, size_t variant, int streaming, u
     s->bias = (int)((seed >> 1) & 1);
     s->options.loss = variants[variant].loss;
     s->options.loss_type = variants[variant].type;
+    s->options.dpo_semantics = FH_PREFERENCE_TRL_0_28; /* the variants' dpo */
     if (s->options.loss == FH_PREFERENCE_SIMPO) { /* the SimPO paper's scale */
         s->options.beta = 2.0;
         s->options.simpo_gamma = 1.0;
@@ -398,7 +409,8 @@ typedef struct fixture {
     fh_linear_grads *call_grads;
 } fixture;
 
-/* A valid dpo call that uses every input: bias, sequence reference log-probs, label smoothing 0.1, rpo_alpha 0.5;
+/* A valid dpo call (TRL v0.28's) that uses every input: bias, sequence reference log-probs, label smoothing 0.1,
+ * rpo_alpha 0.5;
  * the last token of each rejected sequence masked, the very last with target -100. Outputs hold the canary. */
 static void fixture_init(void *fixture_)
 {
@@ -421,6 +433,7 @@ static void fixture_init(void *fixture_)
     const fh_preference_batch batch = {B, T, f->in.targets, f->in.mask, f->in.ref_logps, NULL};
     f->batch = batch;
     fh_preference_options_init(&f->options);
+    f->options.dpo_semantics = FH_PREFERENCE_TRL_0_28;
     f->options.label_smoothing = 0.1;
     f->options.rpo_alpha = 0.5;
     const fh_preference_outputs po = {&f->out.loss, &f->out.metrics, f->out.sequence_logps, f->out.rewards,
@@ -712,8 +725,50 @@ MUTATION(nonfinite_x_checked, (fh_context_set(f->ctx, FH_PARAM_CHECK_FINITE, 1),
 MUTATION(logp_over_mask, f->pout.per_token_logp = f->in.mask)
 MUTATION(dweight_over_ref_logps, f->grads.dweight = f->in.ref_logps)
 
+/* dpo at TRL's current semantics: the fixture's call without rpo_alpha, and its own options. */
+static void fixture_current(fixture *f)
+{
+    f->options.dpo_semantics = FH_PREFERENCE_TRL_CURRENT;
+    f->options.rpo_alpha = 0.0;
+}
+MUTATION(semantics_two, f->options.dpo_semantics = (fh_preference_dpo_semantics)2)
+MUTATION(rpo_alpha_current, (fixture_current(f), f->options.rpo_alpha = 0.5))
+MUTATION(list_too_long, (fixture_current(f), f->options.loss_type_count = FH_PREFERENCE_MAX_LOSS_TYPES + 1))
+MUTATION(list_negative, (fixture_current(f), f->options.loss_type_count = -1))
+MUTATION(list_at_0_28, (f->options.loss_type_count = 1, f->options.loss_weights[0] = 1.0))
+MUTATION(list_for_cpo, (fixture_loss(f, FH_PREFERENCE_CPO, FH_PREFERENCE_SIGMOID), f->options.loss_type_count = 1,
+                        f->options.loss_weights[0] = 1.0))
+MUTATION(list_type_fifteen, (fixture_current(f), f->options.loss_type_count = 2, f->options.loss_weights[0] = 1.0,
+                             f->options.loss_weights[1] = 1.0, f->options.loss_types[1] = (fh_preference_loss_type)15))
+MUTATION(list_weight_nan, (fixture_current(f), f->options.loss_type_count = 2, f->options.loss_weights[0] = 1.0,
+                           f->options.loss_types[1] = FH_PREFERENCE_SFT, f->options.loss_weights[1] = NAN))
+MUTATION(exo_pair_at_0_28, f->options.loss_type = FH_PREFERENCE_EXO_PAIR)
+MUTATION(exo_pair_unsmoothed,
+         (fixture_current(f), f->options.loss_type = FH_PREFERENCE_EXO_PAIR, f->options.label_smoothing = 0.0))
+MUTATION(robust_listed_half, (fixture_current(f), f->options.loss_type_count = 2, f->options.loss_weights[0] = 1.0,
+                              f->options.loss_types[1] = FH_PREFERENCE_ROBUST, f->options.loss_weights[1] = 1.0,
+                              f->options.label_smoothing = 0.5))
+MUTATION(discopop_tau_zero,
+         (fixture_current(f), f->options.loss_type = FH_PREFERENCE_DISCOPOP, f->options.discopop_tau = 0.0))
+MUTATION(use_weighting, (fixture_current(f), f->options.use_weighting = 1))
+MUTATION(use_weighting_at_0_28, f->options.use_weighting = 1)
+
 #define OPTION FH_ERR_INVALID_PREFERENCE_OPTION
 static const cd_case bad_cases[] = {
+    {"dpo_semantics 2", semantics_two, BOTH, OPTION, "dpo_semantics"},
+    {"rpo_alpha at TRL's current semantics", rpo_alpha_current, BOTH, OPTION, "sft"},
+    {"loss_type_count 17", list_too_long, BOTH, OPTION, "loss_type_count"},
+    {"loss_type_count -1", list_negative, BOTH, OPTION, "loss_type_count"},
+    {"a loss_type list at v0.28", list_at_0_28, BOTH, OPTION, "loss_type_count"},
+    {"a loss_type list for cpo", list_for_cpo, BOTH, OPTION, "loss_type_count"},
+    {"loss_types[1] 15", list_type_fifteen, BOTH, OPTION, "loss_types"},
+    {"loss_weights[1] NaN", list_weight_nan, BOTH, OPTION, "loss_weights[1]"},
+    {"exo_pair at v0.28", exo_pair_at_0_28, BOTH, OPTION, "exo_pair"},
+    {"exo_pair without label smoothing", exo_pair_unsmoothed, BOTH, OPTION, "label_smoothing"},
+    {"robust listed, label_smoothing 0.5", robust_listed_half, BOTH, OPTION, "label_smoothing"},
+    {"discopop_tau 0", discopop_tau_zero, BOTH, OPTION, "discopop_tau"},
+    {"use_weighting (WPO)", use_weighting, BOTH, OPTION, "use_weighting"},
+    {"use_weighting (WPO) at v0.28", use_weighting_at_0_28, BOTH, OPTION, "use_weighting"},
     {"NULL context", null_ctx, BOTH, FH_ERR_NULL_POINTER, NULL},
     {"NULL fh_linear", null_lin, BOTH, FH_ERR_NULL_POINTER, "lin"},
     {"NULL x", null_x, BOTH, FH_ERR_NULL_POINTER, "x"},
@@ -868,11 +923,97 @@ static void test_options_init_and_optional_outputs(void)
     memset(&o, 0x5A, sizeof o);
     TU_CHECK(fh_preference_options_init(&o) == FH_OK, "fh_preference_options_init");
     TU_CHECK(o.loss == FH_PREFERENCE_DPO && o.loss_type == FH_PREFERENCE_SIGMOID && o.beta == 0.1 &&
-                 o.label_smoothing == 0.0 && o.simpo_gamma == 0.5 && o.rpo_alpha == 0.0 && o.cpo_alpha == 1.0,
+                 o.label_smoothing == 0.0 && o.simpo_gamma == 0.5 && o.rpo_alpha == 0.0 && o.cpo_alpha == 1.0 &&
+                 o.dpo_semantics == FH_PREFERENCE_TRL_CURRENT && o.loss_type_count == 0 && o.discopop_tau == 0.05 &&
+                 o.use_weighting == 0,
              "documented defaults");
     TU_CHECK(fh_preference_options_init(NULL) == FH_ERR_NULL_POINTER, "fh_preference_options_init(NULL)");
 
     cd_run_optional_outputs(&api, optional_steps, TU_COUNT(optional_steps));
+}
+
+/* ---- dpo at TRL's current semantics ---- */
+
+/* Each of TRL's 15 current loss types alone and four weighted lists (MPO's sigmoid + bco_pair + sft; both aot
+ * kinds with nca_pair; ipo + sigmoid_norm + discopop + apo_down with a negative weight; every pair-local type at
+ * once), x both schedules (aot streams in either), reference per sequence, per token or none in turn, label
+ * smoothing 0.1 (robust, exo_pair, aot read it; sigmoid no longer does), beta 0.5 on every third: 38 problems.
+ * Tolerances: ref/preference_case.c. */
+static void test_current_matrix(void)
+{
+    static const struct {
+        int count;
+        fh_preference_loss_type types[12];
+        double weights[12];
+    } lists[] = {
+        {3, {FH_PREFERENCE_SIGMOID, FH_PREFERENCE_BCO_PAIR, FH_PREFERENCE_SFT}, {0.8, 0.2, 1.0}},
+        {3, {FH_PREFERENCE_AOT, FH_PREFERENCE_AOT_UNPAIRED, FH_PREFERENCE_NCA_PAIR}, {1.0, 0.5, 0.25}},
+        {4, {FH_PREFERENCE_IPO, FH_PREFERENCE_SIGMOID_NORM, FH_PREFERENCE_DISCOPOP, FH_PREFERENCE_APO_DOWN},
+         {0.1, 2.0, 1.0, -0.5}},
+        {12,
+         {FH_PREFERENCE_SIGMOID, FH_PREFERENCE_HINGE, FH_PREFERENCE_IPO, FH_PREFERENCE_ROBUST, FH_PREFERENCE_EXO_PAIR,
+          FH_PREFERENCE_NCA_PAIR, FH_PREFERENCE_BCO_PAIR, FH_PREFERENCE_SPPO_HARD, FH_PREFERENCE_APO_ZERO,
+          FH_PREFERENCE_APO_DOWN, FH_PREFERENCE_DISCOPOP, FH_PREFERENCE_SIGMOID_NORM},
+         {1.0, 0.5, 0.01, 1.0, 1.0, 1.0, 1.0, 0.01, 1.0, 1.0, 1.0, 1.0}},
+    };
+    int k = 0;
+    for (int entry = 0; entry < 15 + (int)TU_COUNT(lists); entry++)
+        for (int streaming = 0; streaming < 2; streaming++, k++) {
+            preference_case_spec s;
+            small_spec(&s, 0, streaming, 700 + (uint64_t)k);
+            s.options.dpo_semantics = FH_PREFERENCE_TRL_CURRENT;
+            s.options.label_smoothing = 0.1;
+            s.ref = (preference_ref_mode)((k / 2) % 3);
+            if (k % 3 == 1)
+                s.options.beta = 0.5;
+            if (entry < 15)
+                s.options.loss_type = (fh_preference_loss_type)entry;
+            else {
+                const int l = entry - 15;
+                s.options.loss_type_count = lists[l].count;
+                for (int j = 0; j < lists[l].count; j++) {
+                    s.options.loss_types[j] = lists[l].types[j];
+                    s.options.loss_weights[j] = lists[l].weights[j];
+                }
+            }
+            check_case(&s, "current matrix");
+        }
+    print_worst("current matrix");
+}
+
+/* The current DPOTrainer's means over no token are 0 (logits, entropy, token accuracy), not NaN; nll_loss is not
+ * logged; with some tokens the entropy and accuracy match the reference's (check_fixture), and a fully masked batch
+ * has exactly zero gradients. */
+static void test_current_metrics(void)
+{
+    fixture f;
+    fixture_init(&f);
+    fixture_current(&f);
+    f.options.loss_type_count = 2;
+    f.options.loss_types[0] = FH_PREFERENCE_SIGMOID, f.options.loss_weights[0] = 1.0;
+    f.options.loss_types[1] = FH_PREFERENCE_SFT, f.options.loss_weights[1] = 0.5;
+    check_fixture(&f, "current: sigmoid + sft");
+    const fh_preference_metrics *m = &f.out.metrics;
+    TU_CHECK(isnan(m->nll_loss) && m->entropy > 0.0 && m->mean_token_accuracy >= 0.0 && m->mean_token_accuracy <= 1.0,
+             "current: nll_loss %g (NaN), entropy %g, accuracy %g", m->nll_loss, m->entropy, m->mean_token_accuracy);
+    for (int i = 0; i < N; i++)
+        f.in.mask[i] = 0.0f;
+    check_fixture(&f, "current: every token masked");
+    TU_CHECK(m->logits_chosen == 0.0 && m->logits_rejected == 0.0 && m->entropy == 0.0 &&
+                 m->mean_token_accuracy == 0.0 && isfinite(f.out.loss),
+             "current, every token masked: logits %g %g, entropy %g, accuracy %g (all 0), loss %g",
+             m->logits_chosen, m->logits_rejected, m->entropy, m->mean_token_accuracy, f.out.loss);
+    TU_CHECK(tu_all_equal_f(f.out.dx, N * H, 0.0f) && tu_all_equal_f(f.out.dweight, H * V, 0.0f),
+             "current, every token masked: a gradient is not exactly 0");
+    fh_context_destroy(f.ctx);
+    /* Fractional mask weights weigh the entropy, accuracy and logits means as they weigh the log-probs. */
+    static const float weights[N] = {0.25f, 2.0f, 1.0f, 0.5f, 0.0f, 1.5f, 1.0f, 0.75f, 0.0f, 2.0f, 0.5f, 0.0f};
+    fixture_init(&f);
+    fixture_current(&f);
+    memcpy(f.in.mask, weights, sizeof weights);
+    f.options.loss_type = FH_PREFERENCE_SIGMOID_NORM;
+    check_fixture(&f, "current: fractional weights");
+    fh_context_destroy(f.ctx);
 }
 
 static const tu_test tests[] = {
@@ -889,5 +1030,7 @@ static const tu_test tests[] = {
     {"out-of-range targets under the mask accepted", test_masked_out_of_range_targets},
     {"caller workspace: exact size, size - 1; size query", test_workspace},
     {"options init and optional outputs", test_options_init_and_optional_outputs},
+    {"TRL's current DPO: every loss type and lists vs reference, both schedules", test_current_matrix},
+    {"TRL's current DPO: metrics over no token, fractional weights", test_current_metrics},
 };
 const tu_suite suite_preference = {tests, TU_COUNT(tests)};

@@ -1,4 +1,4 @@
-/* fh_gradcheck: runs the fused cross-entropy (--loss grpo, logprob, dpo|orpo|simpo|cpo, distill: those heads) and the
+/* fh_gradcheck: runs the fused cross-entropy (--loss grpo, logprob, dpo|orpo|simpo|cpo, distill, distill_topk, kto: those heads) and the
  * double-precision reference on random inputs, prints the differences as JSON and exits non-zero past tolerance.
  * --dump DIR writes every input and fused output as .npy so other tools can check them independently. Exits 77 (a
  * skip for ctest), saying why, when FH_ROW_KERNELS or FH_BF16_GEMM asks for kernels this CPU or build lacks. */
@@ -9,6 +9,7 @@
 #include "gradcheck_grpo.h"
 #include "gradcheck_logprob.h"
 #include "gradcheck_preference.h"
+#include "gradcheck_kto.h"
 #include "npy.h"
 
 #include <stdio.h>
@@ -29,7 +30,8 @@ static void usage(void)
             "       fh_gradcheck --loss logprob ... (fh_gradcheck --loss logprob --help)\n"
             "       fh_gradcheck --loss dpo|orpo|simpo|cpo ... (fh_gradcheck --loss dpo --help)\n"
             "       fh_gradcheck --loss distill ... (fh_gradcheck --loss distill --help)\n"
-            "       fh_gradcheck --loss distill_topk ... (fh_gradcheck --loss distill_topk --help)\n");
+            "       fh_gradcheck --loss distill_topk ... (fh_gradcheck --loss distill_topk --help)\n"
+            "       fh_gradcheck --loss kto ... (fh_gradcheck --loss kto --help)\n");
 }
 
 /* The cross-entropy case, as gradcheck_main runs it. */
@@ -175,6 +177,8 @@ int main(int argc, char **argv)
                 return gradcheck_preference(argc, argv);
             if (strcmp(argv[i + 1], "distill") == 0)
                 return gradcheck_distill(argc, argv);
+            if (strcmp(argv[i + 1], "kto") == 0)
+                return gradcheck_kto(argc, argv);
             if (strcmp(argv[i + 1], "distill_topk") == 0)
                 return gradcheck_distill_topk(argc, argv);
             if (strcmp(argv[i + 1], "ce") != 0) {

@@ -14,18 +14,25 @@
 #include <string.h>
 
 static const char *const losses[] = {"dpo", "orpo", "simpo", "cpo"}; /* fh_preference_loss order */
-static const char *const loss_types[] = {"sigmoid", "hinge", "ipo", "robust"};
+static const char *const loss_types[] = {"sigmoid",  "hinge",    "ipo",      "robust",   "exo_pair",
+                                         "nca_pair", "bco_pair", "sppo_hard", "aot",     "aot_unpaired",
+                                         "apo_zero", "apo_down", "discopop", "sft",      "sigmoid_norm"};
+static const char *const semantics[] = {"current", "0.28"}; /* fh_preference_dpo_semantics order */
 static const char *const ref_modes[] = {"none", "sequence", "token"};
 
 static void usage(void)
 {
     fprintf(stderr,
             "usage: fh_gradcheck --loss dpo|orpo|simpo|cpo --batch B --seq T --hidden H --vocab V\n"
-            "       [--loss-type sigmoid|hinge|ipo|robust] [--beta b] [--label-smoothing e] [--simpo-gamma g]\n"
-            "       [--rpo-alpha a] [--cpo-alpha a] [--ref none|sequence|token] [--grad-output g] [--layout hv|vh]\n"
+            "       [--loss-type TYPE[,TYPE...]] [--loss-weights w[,w...]] [--trl current|0.28] [--beta b]\n"
+            "       [--label-smoothing e] [--simpo-gamma g] [--discopop-tau t] [--rpo-alpha a] [--cpo-alpha a]\n"
+            "       [--ref none|sequence|token] [--grad-output g] [--layout hv|vh]\n"
             "       [--bias] [--threads T] [--seed S] [--tile-rows R] [--tile-vocab C] [--dtype f32|bf16]\n"
             "       [--grad-dtype f32|bf16] [--fp32-du] [--dump DIR]\n"
-            "  --batch counts pairs (2B sequences); --ref is dpo's reference log-probs (the other losses take none)\n");
+            "  --batch counts pairs (2B sequences); --ref is dpo's reference log-probs (the other losses take none);\n"
+            "  TYPE: sigmoid hinge ipo robust exo_pair nca_pair bco_pair sppo_hard aot aot_unpaired apo_zero\n"
+            "  apo_down discopop sft sigmoid_norm; a list, or --loss-weights, is TRL's current loss_type list\n"
+            "  (dpo at --trl current, the default)\n");
 }
 
 int gradcheck_is_preference(const char *loss)
@@ -40,6 +47,55 @@ typedef struct preference_check {
     preference_diff d;
 } preference_check;
 
+/* The next comma-separated item of *at into item (truncated to its size); 0 at the end of the list. */
+static int next_item(const char **at, char *item, size_t size)
+{
+    if (!**at)
+        return 0;
+    const size_t length = strcspn(*at, ",");
+    snprintf(item, size, "%.*s", (int)length, *at);
+    *at += length + ((*at)[length] == ',');
+    return 1;
+}
+
+/* --loss-type: one name (loss_type), or a comma-separated list (TRL's current loss_type list, weights 1 until
+ * --loss-weights says otherwise). 0, or -1 for an unknown name or too long a list. */
+static int parse_types(preference_case_spec *s, const char *list)
+{
+    char name[32];
+    int count = 0;
+    for (const char *at = list; next_item(&at, name, sizeof name);) {
+        const int k = option_index(name, loss_types, 15);
+        if (k < 0 || count == FH_PREFERENCE_MAX_LOSS_TYPES)
+            return -1;
+        s->options.loss_types[count] = (fh_preference_loss_type)k;
+        if (s->options.loss_type_count <= count)
+            s->options.loss_weights[count] = 1.0;
+        count++;
+    }
+    if (count == 0)
+        return -1;
+    s->options.loss_type = s->options.loss_types[0];
+    s->options.loss_type_count = count > 1 || s->options.loss_type_count ? count : 0;
+    return 0;
+}
+
+/* --loss-weights: one weight per listed type, comma-separated; makes the list explicit. */
+static int parse_weights(preference_case_spec *s, const char *list)
+{
+    char w[32];
+    int count = 0;
+    for (const char *at = list; next_item(&at, w, sizeof w);) {
+        if (count == FH_PREFERENCE_MAX_LOSS_TYPES)
+            return -1;
+        s->options.loss_weights[count++] = atof(w);
+    }
+    if (s->options.loss_type_count == 0)
+        s->options.loss_types[0] = s->options.loss_type;
+    s->options.loss_type_count = count;
+    return 0;
+}
+
 /* The preference losses' own options (gradcheck_own_option); every one takes a value. */
 static int preference_option(void *spec, const char *a, const char *v)
 {
@@ -51,10 +107,14 @@ static int preference_option(void *spec, const char *a, const char *v)
         if ((k = option_index(v, losses, 4)) < 0)
             return -1;
         s->options.loss = (fh_preference_loss)k;
-    } else if (strcmp(a, "--loss-type") == 0) {
-        if ((k = option_index(v, loss_types, 4)) < 0)
+    } else if (strcmp(a, "--loss-type") == 0)
+        return parse_types(s, v) ? -1 : 2;
+    else if (strcmp(a, "--loss-weights") == 0)
+        return parse_weights(s, v) ? -1 : 2;
+    else if (strcmp(a, "--trl") == 0) {
+        if ((k = option_index(v, semantics, 2)) < 0)
             return -1;
-        s->options.loss_type = (fh_preference_loss_type)k;
+        s->options.dpo_semantics = (fh_preference_dpo_semantics)k;
     } else if (strcmp(a, "--ref") == 0) {
         if ((k = option_index(v, ref_modes, 3)) < 0)
             return -1;
@@ -69,6 +129,8 @@ static int preference_option(void *spec, const char *a, const char *v)
         s->options.rpo_alpha = atof(v);
     else if (strcmp(a, "--cpo-alpha") == 0)
         s->options.cpo_alpha = atof(v);
+    else if (strcmp(a, "--discopop-tau") == 0)
+        s->options.discopop_tau = atof(v);
     else
         return 0;
     return 2;
@@ -106,7 +168,9 @@ static void print_metrics(const fh_preference_metrics *m)
     gradcheck_json_number(stdout, "logits/rejected", m->logits_rejected, ", ");
     gradcheck_json_number(stdout, "nll_loss", m->nll_loss, ", ");
     gradcheck_json_number(stdout, "log_odds_ratio", m->log_odds_ratio, ", ");
-    gradcheck_json_number(stdout, "log_odds_chosen", m->log_odds_chosen, "}");
+    gradcheck_json_number(stdout, "log_odds_chosen", m->log_odds_chosen, ", ");
+    gradcheck_json_number(stdout, "entropy", m->entropy, ", ");
+    gradcheck_json_number(stdout, "mean_token_accuracy", m->mean_token_accuracy, "}");
 }
 
 /* Both calls' outputs as .npy files in dir (gradients flat, dweight in the weight's layout). */

@@ -837,7 +837,8 @@ PREFERENCE_METRIC_KEYS = (("rewards_chosen", "rewards/chosen"), ("rewards_reject
                           ("logps_chosen", "logps/chosen"), ("logps_rejected", "logps/rejected"),
                           ("logits_chosen", "logits/chosen"), ("logits_rejected", "logits/rejected"),
                           ("nll_loss", "nll_loss"), ("log_odds_ratio", "log_odds_ratio"),
-                          ("log_odds_chosen", "log_odds_chosen"))
+                          ("log_odds_chosen", "log_odds_chosen"), ("entropy", "entropy"),
+                          ("mean_token_accuracy", "mean_token_accuracy"))
 
 
 def _real(value, name: str) -> float:
@@ -848,23 +849,42 @@ def _real(value, name: str) -> float:
 
 
 def preference_options(*, loss="dpo", loss_type="sigmoid", beta=0.1, label_smoothing=0.0, simpo_gamma=0.5,
-                       rpo_alpha=0.0, cpo_alpha=1.0) -> _lib.fh_preference_options:
+                       rpo_alpha=0.0, cpo_alpha=1.0, loss_weights=None, dpo_semantics="current",
+                       discopop_tau=0.05, use_weighting=False) -> _lib.fh_preference_options:
     """fh_preference_options from TRL-named keyword arguments (rpo_alpha None, TRL's default, is 0: no NLL term).
+    loss_type: a name, or TRL's current list of names (dpo), combined with loss_weights (default 1 each);
+    dpo_semantics: "current" (TRL >= v0.29.0, as at f2cd5771) or "trl_0_28" (v0.28.0's DPOTrainer).
     The library validates the values (InvalidPreferenceOptionError)."""
     opt = _lib.fh_preference_options()
     check_status(load_library().fh_preference_options_init(ctypes.byref(opt)), "fh_preference_options_init")
     opt.loss = int(parse_choice(loss, _lib.PreferenceLoss, "loss"))
-    opt.loss_type = int(parse_choice(loss_type, _lib.PreferenceLossType, "loss_type"))
+    types = [loss_type] if isinstance(loss_type, (str, _lib.PreferenceLossType)) else list(loss_type)
+    if not types or len(types) > _lib.PREFERENCE_MAX_LOSS_TYPES:
+        raise ValueError(f"loss_type: expected a name or a list of 1 .. {_lib.PREFERENCE_MAX_LOSS_TYPES} names, "
+                         f"got {loss_type!r}")
+    parsed = [int(parse_choice(t, _lib.PreferenceLossType, "loss_type")) for t in types]
+    opt.loss_type = parsed[0]
+    if len(parsed) > 1 or loss_weights is not None:
+        weights = [1.0] * len(parsed) if loss_weights is None else [_real(w, "loss_weights") for w in loss_weights]
+        if len(weights) != len(parsed):
+            raise ValueError(f"loss_weights: expected {len(parsed)} weights (one per loss type), got {len(weights)}")
+        opt.loss_type_count = len(parsed)
+        for k, (t, w) in enumerate(zip(parsed, weights)):
+            opt.loss_types[k], opt.loss_weights[k] = t, w
     opt.beta = _real(beta, "beta")
     opt.label_smoothing = _real(label_smoothing, "label_smoothing")
     opt.simpo_gamma = _real(simpo_gamma, "simpo_gamma")
     opt.rpo_alpha = 0.0 if rpo_alpha is None else _real(rpo_alpha, "rpo_alpha")
     opt.cpo_alpha = _real(cpo_alpha, "cpo_alpha")
+    semantics = "trl_current" if isinstance(dpo_semantics, str) and dpo_semantics.lower() == "current" else dpo_semantics
+    opt.dpo_semantics = int(parse_choice(semantics, _lib.DPOSemantics, "dpo_semantics"))
+    opt.discopop_tau = _real(discopop_tau, "discopop_tau")
+    opt.use_weighting = int(bool(use_weighting))
     return opt
 
 
 def preference_metrics_dict(values) -> dict:
-    """TRL's metric names -> values (a fh_preference_metrics or 11 numbers in its order), NaN entries omitted."""
+    """TRL's metric names -> values (a fh_preference_metrics or 13 numbers in its order), NaN entries omitted."""
     return _metrics_dict(PREFERENCE_METRIC_KEYS, values)
 
 
@@ -901,6 +921,62 @@ class PreferenceProblem(_BatchProblem):
         self.pairs, self.seq = b, t
         super().__init__(head, _lib.fh_preference_batch(b, t, _ip(ids), _fp(m), _fp(ref), _fp(ref_tok)),
                          options if options is not None else preference_options())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# KTO (TRL KTOTrainer semantics: loss types kto and apo_zero_unpaired; each sequence desirable or undesirable)
+# ---------------------------------------------------------------------------------------------------------
+# fh_kto_metrics field -> TRL's logged key (KTOTrainer._compute_loss, huggingface/trl f2cd5771)
+KTO_METRIC_KEYS = (("kl", "kl"), ("rewards_chosen", "rewards/chosen"), ("rewards_rejected", "rewards/rejected"),
+                   ("rewards_margins", "rewards/margins"), ("logps_chosen", "logps/chosen"),
+                   ("logps_rejected", "logps/rejected"), ("logits_chosen", "logits/chosen"),
+                   ("logits_rejected", "logits/rejected"), ("entropy", "entropy"))
+
+
+def kto_options(*, loss_type="kto", beta=0.1, desirable_weight=1.0, undesirable_weight=1.0) -> _lib.fh_kto_options:
+    """fh_kto_options from TRL KTOConfig's names. The library validates the values (InvalidPreferenceOptionError)."""
+    opt = _lib.fh_kto_options()
+    check_status(load_library().fh_kto_options_init(ctypes.byref(opt)), "fh_kto_options_init")
+    opt.loss_type = int(parse_choice(loss_type, _lib.KTOLossType, "loss_type"))
+    opt.beta = _real(beta, "beta")
+    opt.desirable_weight = _real(desirable_weight, "desirable_weight")
+    opt.undesirable_weight = _real(undesirable_weight, "undesirable_weight")
+    return opt
+
+
+def kto_metrics_dict(values) -> dict:
+    """TRL's metric names -> values (a fh_kto_metrics or 9 numbers in its order), NaN entries omitted."""
+    return _metrics_dict(KTO_METRIC_KEYS, values)
+
+
+class KTOProblem(_BatchProblem):
+    """A linear head over B*T tokens and a KTO micro-batch: the arguments every fh_kto_* call shares. targets
+    (int64) and mask (float32) are contiguous [B*T] views, labels a contiguous [B] uint8 view (1: desirable); the
+    reference either ref_logps [B] or ref_per_token_logps [B*T]; kto's KL term either kl (one float32) or
+    kl_logratios [B]. forward / forward_backward take the fh_kto_outputs arrays by name (sequence_logps, rewards:
+    float32 [B]; per_token_logp [B*T])."""
+    _prefix, _metrics_struct, _outputs_struct = "fh_kto", _lib.fh_kto_metrics, _lib.fh_kto_outputs
+
+    def __init__(self, head: LinearHead, batch: int, seq: int, targets: View, mask: View, labels: View,
+                 ref_logps: Optional[View] = None, ref_per_token_logps: Optional[View] = None,
+                 kl: Optional[View] = None, kl_logratios: Optional[View] = None,
+                 options: Optional[_lib.fh_kto_options] = None):
+        b, t = int(batch), int(seq)
+        if b * t != head.n:
+            raise ValueError(f"hidden: expected B*T = {b}*{t} = {b * t} rows, got {head.n}")
+        n, bt = head.n, f"[B, T] = [{b}, {t}]"
+        ids = _vector_ptr(targets, "targets", n, f"{bt} int64 array")
+        m = _vector_ptr(mask, "mask", n, f"{bt} float32 array")
+        lab = _vector_ptr(labels, "labels", b, f"[B] = [{b}] uint8 vector")
+        ref = _vector_ptr(ref_logps, "ref_logps", b, f"[B] = [{b}] float32 vector")
+        ref_tok = _vector_ptr(ref_per_token_logps, "ref_per_token_logps", n, f"{bt} float32 array")
+        kl_ptr = _vector_ptr(kl, "kl", 1, "[1] float32 value")
+        klr = _vector_ptr(kl_logratios, "kl_logratios", b, f"[B] = [{b}] float32 vector")
+        self.batch, self.seq = b, t
+        labels_p = ctypes.cast(lab, ctypes.POINTER(ctypes.c_uint8)) if lab else None
+        super().__init__(head, _lib.fh_kto_batch(b, t, _ip(ids), _fp(m), labels_p, _fp(ref), _fp(ref_tok),
+                                                 _fp(kl_ptr), _fp(klr)),
+                         options if options is not None else kto_options())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1042,5 +1118,6 @@ __all__ = ["Context", "default_context", "set_default_context_settings", "defaul
            "KernelInfo", "bf16_available", "status_string", "View", "LinearHead", "CEProblem", "GRPOProblem",
            "grpo_options", "grpo_option_dict", "GRPO_OPTION_NAMES", "GRPO_OPTION_DEFAULTS", "grpo_metrics_dict",
            "PreferenceProblem", "preference_options", "pairs_shape",
-           "preference_metrics_dict", "DistillProblem", "distill_options", "prefixed_errors", "FusedheadError",
-           "DistillTopkProblem", "distill_topk_options"]
+           "preference_metrics_dict", "KTOProblem", "kto_options", "kto_metrics_dict", "KTO_METRIC_KEYS",
+           "DistillProblem", "distill_options", "prefixed_errors", "FusedheadError", "DistillTopkProblem",
+           "distill_topk_options"]

@@ -140,6 +140,30 @@ class PreferenceLossType(enum.IntEnum):
     HINGE = 1
     IPO = 2
     ROBUST = 3
+    EXO_PAIR = 4
+    NCA_PAIR = 5
+    BCO_PAIR = 6
+    SPPO_HARD = 7
+    AOT = 8
+    AOT_UNPAIRED = 9
+    APO_ZERO = 10
+    APO_DOWN = 11
+    DISCOPOP = 12
+    SFT = 13
+    SIGMOID_NORM = 14
+
+
+class DPOSemantics(enum.IntEnum):  # fh_preference_dpo_semantics: which TRL DPOTrainer dpo follows
+    TRL_CURRENT = 0  # TRL >= v0.29.0 (the DPO refactor), as at f2cd5771
+    TRL_0_28 = 1     # TRL v0.28.0
+
+
+PREFERENCE_MAX_LOSS_TYPES = 16
+
+
+class KTOLossType(enum.IntEnum):
+    KTO = 0
+    APO_ZERO_UNPAIRED = 1
 
 
 class Divergence(enum.IntEnum):
@@ -322,6 +346,12 @@ class fh_preference_options(ctypes.Structure):
         ("simpo_gamma", ctypes.c_double),
         ("rpo_alpha", ctypes.c_double),
         ("cpo_alpha", ctypes.c_double),
+        ("dpo_semantics", ctypes.c_int),  # fh_preference_dpo_semantics
+        ("loss_type_count", ctypes.c_int),
+        ("loss_types", ctypes.c_int * PREFERENCE_MAX_LOSS_TYPES),
+        ("loss_weights", ctypes.c_double * PREFERENCE_MAX_LOSS_TYPES),
+        ("discopop_tau", ctypes.c_double),
+        ("use_weighting", ctypes.c_int),
     ]
 
 
@@ -349,6 +379,8 @@ class fh_preference_metrics(ctypes.Structure):
         ("nll_loss", ctypes.c_double),
         ("log_odds_ratio", ctypes.c_double),
         ("log_odds_chosen", ctypes.c_double),
+        ("entropy", ctypes.c_double),
+        ("mean_token_accuracy", ctypes.c_double),
     ]
 
 
@@ -356,6 +388,54 @@ class fh_preference_outputs(ctypes.Structure):
     _fields_ = [
         ("loss", c_double_p),
         ("metrics", ctypes.POINTER(fh_preference_metrics)),
+        ("sequence_logps", c_float_p),
+        ("rewards", c_float_p),
+        ("per_token_logp", c_float_p),
+    ]
+
+
+# KTO (fh_kto_*: TRL's KTOTrainer, loss types kto and apo_zero_unpaired)
+class fh_kto_options(ctypes.Structure):
+    _fields_ = [
+        ("loss_type", ctypes.c_int),  # fh_kto_loss_type
+        ("beta", ctypes.c_double),
+        ("desirable_weight", ctypes.c_double),
+        ("undesirable_weight", ctypes.c_double),
+    ]
+
+
+class fh_kto_batch(ctypes.Structure):
+    _fields_ = [
+        ("batch", ctypes.c_int64),
+        ("seq", ctypes.c_int64),
+        ("targets", c_int64_p),
+        ("mask", c_float_p),
+        ("labels", ctypes.POINTER(ctypes.c_uint8)),
+        ("ref_logps", c_float_p),
+        ("ref_per_token_logps", c_float_p),
+        ("kl", c_float_p),
+        ("kl_logratios", c_float_p),
+    ]
+
+
+class fh_kto_metrics(ctypes.Structure):
+    _fields_ = [
+        ("kl", ctypes.c_double),
+        ("rewards_chosen", ctypes.c_double),
+        ("rewards_rejected", ctypes.c_double),
+        ("rewards_margins", ctypes.c_double),
+        ("logps_chosen", ctypes.c_double),
+        ("logps_rejected", ctypes.c_double),
+        ("logits_chosen", ctypes.c_double),
+        ("logits_rejected", ctypes.c_double),
+        ("entropy", ctypes.c_double),
+    ]
+
+
+class fh_kto_outputs(ctypes.Structure):
+    _fields_ = [
+        ("loss", c_double_p),
+        ("metrics", ctypes.POINTER(fh_kto_metrics)),
         ("sequence_logps", c_float_p),
         ("rewards", c_float_p),
         ("per_token_logp", c_float_p),
@@ -409,6 +489,7 @@ STRUCTS = (fh_kernel_info, fh_linear, fh_linear_grads, fh_ce_options, fh_ce_outp
            fh_grpo_batch, fh_grpo_metrics, fh_grpo_outputs, fh_preference_options, fh_preference_batch,
            fh_preference_metrics, fh_preference_outputs, fh_distill_options, fh_distill_outputs, fh_topk_teacher,
            fh_distill_topk_options)
+STRUCTS += (fh_kto_options, fh_kto_batch, fh_kto_metrics, fh_kto_outputs)
 
 # ---------------------------------------------------------------------------------------------------------
 # Prototypes
@@ -476,6 +557,11 @@ _OPTIONAL = {
     "fh_distill_forward_backward": (_st, [_ctx_p, _P(fh_linear), _P(fh_linear), c_int64_p, _P(fh_distill_options),
                                           c_float_p, _P(fh_distill_outputs), _P(fh_linear_grads)]),
     "fh_distill_workspace_size": (_st, [_ctx_p, _P(fh_linear), _P(fh_linear), _P(ctypes.c_size_t)]),
+    "fh_kto_options_init": (_st, [_P(fh_kto_options)]),
+    "fh_kto_forward": (_st, [_ctx_p, _P(fh_linear), _P(fh_kto_batch), _P(fh_kto_options), _P(fh_kto_outputs)]),
+    "fh_kto_forward_backward": (_st, [_ctx_p, _P(fh_linear), _P(fh_kto_batch), _P(fh_kto_options), c_float_p,
+                                      _P(fh_kto_outputs), _P(fh_linear_grads)]),
+    "fh_kto_workspace_size": (_st, [_ctx_p, _P(fh_linear), _P(ctypes.c_size_t)]),
     "fh_distill_topk_options_init": (_st, [_P(fh_distill_topk_options)]),
     "fh_distill_topk_forward": (_st, [_ctx_p, _P(fh_linear), _P(fh_topk_teacher), c_int64_p,
                                       _P(fh_distill_topk_options), _P(fh_distill_outputs)]),

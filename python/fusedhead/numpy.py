@@ -1,6 +1,6 @@
 """NumPy front end: fused linear cross-entropy, per-token log-probs (logprobs), GRPO (grpo_loss), preference losses
-(preference_loss: DPO, ORPO, SimPO, CPO) and distillation (distill_loss, distill_forward_backward: forward KL,
-reverse KL, JSD) on float32 (or bf16) arrays, zero-copy.
+(preference_loss: DPO, ORPO, SimPO, CPO; kto_loss: KTO, APO-zero unpaired) and distillation (distill_loss,
+distill_forward_backward: forward KL, reverse KL, JSD) on float32 (or bf16) arrays, zero-copy.
 
     import fusedhead.numpy as fhnp
     r = fhnp.cross_entropy(hidden, weight, targets, return_grads=True)   # weight [V, H] (layout="vh")
@@ -37,7 +37,8 @@ from typing import Iterable, Optional, Tuple, Union
 
 import numpy as np
 
-from ._core import (CEProblem, Context, DistillProblem, DistillTopkProblem, GRPOProblem, LinearHead, LogprobProblem, PreferenceProblem,
+from ._core import (CEProblem, Context, DistillProblem, DistillTopkProblem, GRPOProblem, KTOProblem, LinearHead,
+                    LogprobProblem, PreferenceProblem, kto_metrics_dict, kto_options,
                     View, default_context, distill_options, grpo_metrics_dict, grpo_options, pairs_shape, parse_reduction,
                     prefixed_errors, preference_metrics_dict, preference_options, status_string, distill_topk_options)
 from ._lib import Dtype, Reduction, Status
@@ -45,7 +46,8 @@ from .errors import error_for
 
 __all__ = ["cross_entropy", "forward", "backward", "forward_backward", "CrossEntropyResult", "Gradients",
            "workspace_size", "grpo_loss", "GRPOResult", "preference_loss", "PreferenceResult", "distill_loss",
-           "distill_forward_backward", "DistillResult", "logprobs", "LogprobsResult", "distill_topk_loss"]
+           "distill_forward_backward", "DistillResult", "logprobs", "LogprobsResult", "kto_loss", "KTOResult",
+           "distill_topk_loss"]
 
 _FP32_HINT = "; fusedhead computes in fp32: use .astype(np.float32)"
 _INPUT_DTYPES = {"fp32": (np.float32, Dtype.F32, _FP32_HINT + " (dtype='bf16' takes bfloat16 bits as uint16)"),
@@ -626,7 +628,7 @@ def grpo_loss(hidden: np.ndarray, weight: np.ndarray, completion_ids: np.ndarray
 class PreferenceResult:
     """loss: float; metrics: TRL's logged keys ("rewards/chosen", "rewards/rejected", "rewards/accuracies",
     "rewards/margins", "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "nll_loss",
-    "log_odds_ratio", "log_odds_chosen"), only those TRL logs for the options; sequence_logps and rewards: float32
+    "log_odds_ratio", "log_odds_chosen", "entropy", "mean_token_accuracy"), only those TRL logs for the options; sequence_logps and rewards: float32
     [2B], the chosen sequences' then the rejected ones'; per_token_logp: float32 [2B, T]. Gradients (of
     grad_output * loss) are None unless requested."""
     loss: float
@@ -648,12 +650,15 @@ def preference_loss(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray,
     """TRL's DPO, ORPO, SimPO or CPO loss from hidden [2B, T, H] or [2B*T, H] float32 (the chosen sequences, then
     the rejected ones: pair b is sequences b and B + b; position t predicts targets[s, t], int64 [2B, T]) and the
     loss mask float32 [2B, T], without the logits. dpo's reference log-probs: ref_logps float32 [2B] (aggregated
-    as the loss aggregates its own) or ref_per_token_logps float32 [2B, T], at most one; neither: reference-free.
+    as the loss aggregates its own) or ref_per_token_logps float32 [2B, T], at most one; neither: 0 (reference-free).
     Nothing is copied (C-contiguous token arrays expected). dtype="bf16": hidden and weight are bfloat16 bits in
     uint16 arrays (the rest float32; the gradients too unless grad_dtype="bf16").
 
-    options: loss ("dpo", "orpo", "simpo", "cpo") and TRL's config names: loss_type ("sigmoid", "hinge", "ipo",
-    "robust"), beta, label_smoothing, simpo_gamma, rpo_alpha, cpo_alpha (include/fusedhead.h has the formulas).
+    options: loss ("dpo", "orpo", "simpo", "cpo") and TRL's config names: loss_type (a name, or for dpo at TRL's
+    current semantics a list of them, with loss_weights), beta, label_smoothing, simpo_gamma, rpo_alpha (dpo at
+    v0.28 only), cpo_alpha, discopop_tau, use_weighting (refused); dpo_semantics "current" (TRL >= v0.29.0, the
+    default) or "trl_0_28" (include/fusedhead.h has the formulas; fusedhead.torch.fused_linear_preference_loss the
+    loss types).
     return_grads: False, True (all) or names among "hidden", "weight", "bias".
     """
     opt = preference_options(**options)
@@ -680,6 +685,83 @@ def preference_loss(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray,
     loss, metrics = arrays.run(problem, grad_output, context, outs)
     return PreferenceResult(loss, preference_metrics_dict(metrics), **outs, dhidden=arrays.dx, dweight=arrays.dw,
                             dbias=arrays.db)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# KTO (TRL KTOTrainer semantics; mirrors fh_kto_forward / fh_kto_forward_backward)
+# ---------------------------------------------------------------------------------------------------------
+@dataclass
+class KTOResult:
+    """loss: float; metrics: TRL's logged keys ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins",
+    "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "entropy"), only those TRL logs for the
+    batch; sequence_logps and rewards: float32 [B]; per_token_logp: float32 [B, T]. Gradients (of grad_output *
+    loss) are None unless requested."""
+    loss: float
+    metrics: dict
+    sequence_logps: np.ndarray
+    rewards: np.ndarray
+    per_token_logp: np.ndarray
+    dhidden: Optional[np.ndarray] = None
+    dweight: Optional[np.ndarray] = None
+    dbias: Optional[np.ndarray] = None
+
+
+def _sequence_vector(a, name: str, dtype, b: int, hint: str = "") -> Optional[np.ndarray]:
+    """A contiguous per-sequence [B] array (None stays None)."""
+    if a is None:
+        return None
+    a = _check_array(a, name, dtype, hint)
+    if a.shape != (b,) or not a.flags.c_contiguous:
+        raise ValueError(f"{name}: expected a contiguous array of shape [B] = [{b}], got shape {list(a.shape)}")
+    return a
+
+
+def kto_loss(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, mask: np.ndarray, labels: np.ndarray,
+             bias: Optional[np.ndarray] = None, ref_logps: Optional[np.ndarray] = None,
+             ref_per_token_logps: Optional[np.ndarray] = None, kl: Optional[float] = None,
+             kl_logratios: Optional[np.ndarray] = None, *, layout: str = "vh",
+             return_grads: Union[bool, Iterable[str]] = False, grad_output: float = 1.0,
+             context: Optional[Context] = None, dtype: str = "fp32", grad_dtype: Optional[str] = None,
+             **options) -> KTOResult:
+    """TRL's KTO loss (KTOTrainer._compute_loss at huggingface/trl f2cd5771) from hidden [B, T, H] or [B*T, H]
+    float32 (position t predicts targets[b, t], int64 [B, T]), the completion mask float32 [B, T] and labels [B]
+    (bool or uint8, 1 / True: desirable), without the logits. The reference: ref_logps float32 [B] or
+    ref_per_token_logps float32 [B, T] (summed under the mask), exactly one. loss_type "kto" takes the batch's KL
+    term either as kl (a number, as TRL uses it: already clamped at 0) or as kl_logratios float32 [B] (each
+    sequence's mismatched-completion log-ratio, policy minus reference; the head forms max(mean, 0));
+    "apo_zero_unpaired" takes neither. Nothing is copied (C-contiguous arrays expected). dtype="bf16": hidden and
+    weight are bfloat16 bits in uint16 arrays (the rest float32; the gradients too unless grad_dtype="bf16").
+
+    options: TRL KTOConfig's names: loss_type ("kto", "apo_zero_unpaired"), beta, desirable_weight,
+    undesirable_weight (include/fusedhead.h has the formulas). return_grads: False, True (all) or names among
+    "hidden", "weight", "bias".
+    """
+    opt = kto_options(**options)
+    arrays = _BatchHead(hidden, weight, bias, dtype, grad_dtype, return_grads)
+    tg = _check_array(targets, "targets", np.int64, " (use .astype(np.int64))")
+    if tg.ndim != 2 or 0 in tg.shape:
+        raise ValueError(f"targets: expected [B, T] with B, T >= 1, got shape {list(tg.shape)}")
+    b, t = int(tg.shape[0]), int(tg.shape[1])
+    if arrays.hidden.shape[:-1] not in ((b, t), (b * t,)):
+        raise ValueError(f"hidden: expected [B, T, H] = [{b}, {t}, H] or [B*T, H] = [{b * t}, H] (targets are "
+                         f"[B, T] = {[b, t]}), got shape {list(arrays.hidden.shape)}")
+    ids = _token_array(tg, "targets", np.int64, (b, t), "[B, T]")
+    m = _token_array(mask, "mask", np.float32, (b, t), "[B, T]", " (use .astype(np.float32))")
+    if isinstance(labels, np.ndarray) and labels.dtype == np.bool_:
+        labels = labels.view(np.uint8)  # the same bytes: False 0, True 1
+    lab = _sequence_vector(labels, "labels", np.uint8, b, " (bool or uint8)")
+    ref = _sequence_vector(ref_logps, "ref_logps", np.float32, b, _FP32_HINT)
+    ref_tok = _token_array(ref_per_token_logps, "ref_per_token_logps", np.float32, (b, t), "[B, T]", _FP32_HINT)
+    klr = _sequence_vector(kl_logratios, "kl_logratios", np.float32, b, _FP32_HINT)
+    kl_value = None if kl is None else np.array([kl], np.float32)
+    outs = dict(sequence_logps=np.zeros(b, np.float32), rewards=np.zeros(b, np.float32),
+                per_token_logp=np.zeros((b, t), np.float32))
+    opt_view = lambda a, name: None if a is None else _view(a, name)  # noqa: E731
+    problem = KTOProblem(arrays.linear(layout), b, t, _view(ids, "targets"), _view(m, "mask"), _view(lab, "labels"),
+                         opt_view(ref, "ref_logps"), opt_view(ref_tok, "ref_per_token_logps"),
+                         opt_view(kl_value, "kl"), opt_view(klr, "kl_logratios"), opt)
+    loss, metrics = arrays.run(problem, grad_output, context, outs)
+    return KTOResult(loss, kto_metrics_dict(metrics), **outs, dhidden=arrays.dx, dweight=arrays.dw, dbias=arrays.db)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -62,6 +62,11 @@ FusedLinearCPOLoss / FusedLinearPreferenceLossFunction compute TRL's DPO, ORPO, 
 hidden states of 2B sequences, the chosen ones then the rejected ones (Liger's layout); they return (loss,
 metrics with TRL's keys, sequence log-probs, rewards). Gradients as for GRPO (fh_preference_forward_backward).
 
+KTO: fused_linear_kto_loss / FusedLinearKTOLoss / FusedLinearKTOLossFunction compute TRL's KTO loss (KTOTrainer,
+loss types "kto" and "apo_zero_unpaired") from the hidden states of B sequences, each desirable or undesirable;
+they return (loss, metrics with TRL's keys, sequence log-probs, rewards). Gradients as for GRPO
+(fh_kto_forward_backward).
+
 Distillation: fused_linear_distillation_loss / FusedLinearDistillationLoss, FusedLinearJSDLoss (Liger's
 LigerFusedLinearJSD) / FusedLinearDistillationLossFunction compute forward KL, reverse KL or the generalized JSD
 (TRL's GKD generalized_jsd_loss) between a student head and a teacher head over the same vocabulary, plus a
@@ -88,8 +93,8 @@ import numpy as np
 import torch
 
 from ._core import (GRPO_METRIC_KEYS, PREFERENCE_METRIC_KEYS, CEProblem, Context, DistillProblem, DistillTopkProblem,
-                    GRPOProblem, distill_topk_options,
-                    LogprobProblem,
+                    GRPOProblem, KTO_METRIC_KEYS, KTOProblem, LogprobProblem, distill_topk_options, kto_metrics_dict,
+                    kto_options,
                     LinearHead, PreferenceProblem, View, default_context, distill_options, grpo_metrics_dict,
                     grpo_option_dict, grpo_options, matrix_view_ok, prefixed_errors,
                     pairs_shape, parse_layout, parse_reduction,
@@ -103,6 +108,7 @@ __all__ = ["FusedLinearCrossEntropyFunction", "FusedLinearCrossEntropy", "fused_
            "FusedLinearDPOLoss", "FusedLinearORPOLoss", "FusedLinearSimPOLoss", "FusedLinearCPOLoss",
            "FusedLinearDistillationLossFunction", "fused_linear_distillation_loss", "FusedLinearDistillationLoss",
            "FusedLinearJSDLoss", "FusedLinearLogprobsFunction", "fused_linear_logprobs",
+           "FusedLinearKTOLossFunction", "fused_linear_kto_loss", "FusedLinearKTOLoss", "KTOLossOutput",
            "FusedLinearDistillationTopkLossFunction", "fused_linear_distillation_topk_loss"]
 
 
@@ -985,7 +991,7 @@ class _Preference:
 
 
 def _preference_run(p: _Preference, context: Optional[Context], need: Sequence[bool]):
-    """(loss, metrics float64 [11] in fh_preference_metrics order, sequence log-probs [2B], rewards [2B],
+    """(loss, metrics float64 [13] in fh_preference_metrics order, sequence log-probs [2B], rewards [2B],
     (dx, dw, db)); gradients of the loss (upstream 1) for the inputs in need."""
     logps = torch.empty(2 * p.pairs, dtype=torch.float32)
     rewards = torch.empty(2 * p.pairs, dtype=torch.float32)
@@ -999,7 +1005,7 @@ class FusedLinearPreferenceLossFunction(torch.autograd.Function):
     layout="vh", context=None) -> (loss, metrics, logps, rewards)
 
     options: a dict of preference_options values (loss and TRL's names; missing: TRL defaults). metrics: float64
-    [11] in fh_preference_metrics order (NaN where TRL logs nothing); logps, rewards: float32 [2B], the chosen
+    [13] in fh_preference_metrics order (NaN where TRL logs nothing); logps, rewards: float32 [2B], the chosen
     sequences' then the rejected ones'. All three non-differentiable. The forward runs
     fh_preference_forward_backward with upstream gradient 1 for the inputs whose ctx.needs_input_grad is set;
     backward scales the saved gradients by the incoming scalar. The reference log-probs are constants (as in
@@ -1037,6 +1043,8 @@ def fused_linear_preference_loss(hidden: torch.Tensor, weight: torch.Tensor, tar
                                  mask: torch.Tensor, *, loss: str = "dpo", loss_type: str = "sigmoid",
                                  beta: float = 0.1, label_smoothing: float = 0.0, simpo_gamma: float = 0.5,
                                  rpo_alpha: Optional[float] = 0.0, cpo_alpha: float = 1.0,
+                                 loss_weights: Optional[Sequence[float]] = None, dpo_semantics: str = "current",
+                                 discopop_tau: float = 0.05, use_weighting: bool = False,
                                  ref_logps: Optional[torch.Tensor] = None,
                                  ref_per_token_logps: Optional[torch.Tensor] = None,
                                  bias: Optional[torch.Tensor] = None, layout: str = "vh",
@@ -1047,16 +1055,21 @@ def fused_linear_preference_loss(hidden: torch.Tensor, weight: torch.Tensor, tar
 
     hidden [2B, T, H] or [2B*T, H] (position t predicts targets[s, t]); targets int64 [2B, T]; mask [2B, T], the
     loss mask (TRL's labels != -100; targets where it is 0 may be anything). loss: "dpo", "orpo", "simpo", "cpo";
-    options by TRL's names (loss_type "sigmoid", "hinge", "ipo", "robust" as each trainer has them; rpo_alpha
-    None or 0: no NLL term). dpo's reference log-probs: ref_logps [2B] (the reference model's sequence log-probs,
-    aggregated as the loss aggregates: averaged for ipo) or ref_per_token_logps [2B, T], at most one; neither:
-    reference-free. include/fusedhead.h has the formulas. Returns (loss, metrics, logps, rewards), a
-    PreferenceLossOutput: metrics with TRL's keys "rewards/chosen", "rewards/rejected", "rewards/accuracies",
-    "rewards/margins", "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "nll_loss",
-    "log_odds_ratio", "log_odds_chosen" (those TRL logs for the options).
+    options by TRL's names. dpo follows TRL's current DPOTrainer (dpo_semantics "current": loss_type a name or a
+    list of them among "sigmoid", "hinge", "ipo", "robust", "exo_pair", "nca_pair", "bco_pair", "sppo_hard", "aot",
+    "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm", with loss_weights; discopop_tau;
+    rpo_alpha must be None or 0, the "sft" type replaces it; use_weighting is refused) or v0.28.0's ("trl_0_28":
+    "sigmoid", "hinge", "ipo", "robust" and rpo_alpha); cpo and simpo take "sigmoid", "hinge", "ipo" as CPOTrainer
+    does. dpo's reference log-probs: ref_logps [2B] (the reference model's sequence log-probs, aggregated as the
+    loss aggregates: sums, or at v0.28 averages for ipo) or ref_per_token_logps [2B, T], at most one; neither: 0.
+    include/fusedhead.h has the formulas. Returns (loss, metrics, logps, rewards), a PreferenceLossOutput: metrics
+    with TRL's keys "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+    "logps/rejected", "logits/chosen", "logits/rejected", "nll_loss", "log_odds_ratio", "log_odds_chosen",
+    "entropy", "mean_token_accuracy" (those TRL logs for the options).
     """
     options = dict(loss=loss, loss_type=loss_type, beta=beta, label_smoothing=label_smoothing,
-                   simpo_gamma=simpo_gamma, rpo_alpha=rpo_alpha, cpo_alpha=cpo_alpha)
+                   simpo_gamma=simpo_gamma, rpo_alpha=rpo_alpha, cpo_alpha=cpo_alpha, loss_weights=loss_weights,
+                   dpo_semantics=dpo_semantics, discopop_tau=discopop_tau, use_weighting=use_weighting)
     if _autograd_needed(hidden, weight, bias):
         value, metrics, logps, rewards = FusedLinearPreferenceLossFunction.apply(
             hidden, weight, targets, mask, bias, ref_logps, ref_per_token_logps, options, layout, context)
@@ -1098,10 +1111,13 @@ class FusedLinearDPOLoss(_FusedLinearPreferenceLoss):
     """
     _loss = "dpo"
 
-    def __init__(self, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
-                 rpo_alpha: Optional[float] = None, layout: str = "vh", context: Optional[Context] = None):
+    def __init__(self, beta: float = 0.1, loss_type="sigmoid", label_smoothing: float = 0.0,
+                 rpo_alpha: Optional[float] = None, layout: str = "vh", context: Optional[Context] = None,
+                 loss_weights: Optional[Sequence[float]] = None, dpo_semantics: str = "current",
+                 discopop_tau: float = 0.05, use_weighting: bool = False):
         super().__init__(layout, context, beta=beta, loss_type=loss_type, label_smoothing=label_smoothing,
-                         rpo_alpha=rpo_alpha)
+                         rpo_alpha=rpo_alpha, loss_weights=loss_weights, dpo_semantics=dpo_semantics,
+                         discopop_tau=discopop_tau, use_weighting=use_weighting)
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
                 bias: Optional[torch.Tensor] = None, ref_logps: Optional[torch.Tensor] = None,
@@ -1138,6 +1154,161 @@ class FusedLinearCPOLoss(_FusedLinearPreferenceLoss):
                  cpo_alpha: float = 1.0, layout: str = "vh", context: Optional[Context] = None):
         super().__init__(layout, context, beta=beta, loss_type=loss_type, label_smoothing=label_smoothing,
                          cpo_alpha=cpo_alpha)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# KTO (TRL KTOTrainer semantics: loss types kto and apo_zero_unpaired)
+# ---------------------------------------------------------------------------------------------------------
+class _KTO:
+    """Everything one KTO call needs, checked and in library form. targets int64 [B, T]; hidden [B, T, H] or
+    [B*T, H]; mask [B, T] (bool, integer or floating: converted to float32); labels [B] (bool or integer 0 / 1:
+    converted to uint8); the reference ref_logps [B] or ref_per_token_logps [B, T]; kto's KL term kl (a number or
+    a one-element tensor) or kl_logratios [B]; float32 values (bfloat16 too with bfloat16 inputs: converted)."""
+
+    def __init__(self, hidden, weight, targets, mask, labels, bias, ref_logps, ref_per_token_logps, kl, kl_logratios,
+                 options: dict, layout):
+        dtype = _check_inputs(hidden, weight)
+        _check_tensor(targets, "targets", torch.int64, " (use .long())")
+        if targets.dim() != 2 or 0 in targets.shape:
+            raise ValueError(f"targets: expected [B, T] with B, T >= 1, got shape {list(targets.shape)}")
+        b, t = int(targets.shape[0]), int(targets.shape[1])
+        if tuple(hidden.shape[:-1]) not in ((b, t), (b * t,)):
+            raise ValueError(f"hidden: expected [B, T, H] = [{b}, {t}, H] or [B*T, H] = [{b * t}, H] (targets are "
+                             f"[B, T] = {[b, t]}), got shape {list(hidden.shape)}")
+        self.lin = _TorchLinear(hidden, weight, bias, layout)
+        self.batch, n, dims = b, b * t, dict(dims="[B, T]", source="the targets' shape")
+        self.targets = _bt_tensor(targets, "targets", torch.int64, (b, t), n, **dims)
+        self.mask = _mask_tensor(mask, "mask", (b, t), n, **dims)
+        if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.is_complex():
+            raise TypeError(f"labels: expected a bool or integer torch.Tensor, got "
+                            f"{getattr(labels, 'dtype', type(labels).__name__)}")
+        if tuple(labels.shape) != (b,):
+            raise ValueError(f"labels: expected shape [B] = [{b}], got {list(labels.shape)}")
+        if labels.dtype != torch.bool and bool(((labels != 0) & (labels != 1)).any()):
+            raise ValueError("labels: expected 0 (undesirable) or 1 (desirable) in every entry")
+        self.labels = _contiguous_vector(labels.detach().to(torch.uint8))
+        self.ref_logps = None if ref_logps is None else _fp32_vector(ref_logps, "ref_logps", dtype, b, "[B]")
+        self.ref_per_token_logps = None if ref_per_token_logps is None else _bt_tensor(
+            _fp32_operand(ref_per_token_logps, "ref_per_token_logps", dtype), "ref_per_token_logps", torch.float32,
+            (b, t), n, **dims)
+        self.kl = None if kl is None else torch.tensor([float(kl)], dtype=torch.float32)
+        self.kl_logratios = None if kl_logratios is None else _fp32_vector(kl_logratios, "kl_logratios", dtype, b,
+                                                                           "[B]")
+        self.problem = KTOProblem(self.lin.head, b, t, _view(self.targets), _view(self.mask), _view(self.labels),
+                                  _opt_view(self.ref_logps), _opt_view(self.ref_per_token_logps),
+                                  _opt_view(self.kl), _opt_view(self.kl_logratios), kto_options(**options))
+
+
+def _kto_run(k: _KTO, context: Optional[Context], need: Sequence[bool]):
+    """(loss, metrics float64 [9] in fh_kto_metrics order, sequence log-probs [B], rewards [B], (dx, dw, db));
+    gradients of the loss (upstream 1) for the inputs in need."""
+    logps = torch.empty(k.batch, dtype=torch.float32)
+    rewards = torch.empty(k.batch, dtype=torch.float32)
+    (loss, m), grads = _train_step(k.problem, k.lin, context, need, sequence_logps=logps.data_ptr(),
+                                   rewards=rewards.data_ptr())
+    return _scalar(loss, k.lin.dtype), _metrics_tensor(m, KTO_METRIC_KEYS), logps, rewards, grads
+
+
+class FusedLinearKTOLossFunction(torch.autograd.Function):
+    """apply(hidden, weight, targets, mask, labels, bias=None, ref_logps=None, ref_per_token_logps=None, kl=None,
+    kl_logratios=None, options=None, layout="vh", context=None) -> (loss, metrics, logps, rewards)
+
+    options: a dict of kto_options values (TRL KTOConfig's names; missing: TRL defaults). metrics: float64 [9] in
+    fh_kto_metrics order (NaN where TRL logs nothing); logps, rewards: float32 [B]. All three non-differentiable.
+    The forward runs fh_kto_forward_backward with upstream gradient 1 for the inputs whose ctx.needs_input_grad is
+    set; backward scales the saved gradients by the incoming scalar. The reference log-probs and the KL term are
+    constants (as in TRL): they get no gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, mask, labels, bias=None, ref_logps=None, ref_per_token_logps=None,
+                kl=None, kl_logratios=None, options=None, layout="vh", context=None):
+        k = _KTO(hidden, weight, targets, mask, labels, bias, ref_logps, ref_per_token_logps, kl, kl_logratios,
+                 dict(options or {}), layout)
+        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[5])
+        loss, metrics, logps, rewards, (dx, dw, db) = _kto_run(k, context, need)
+        ctx.save_for_backward(k.lin.hidden_grad(dx), dw, db)
+        ctx.dweight_pool = _dweight_pool(weight) if need[1] else None
+        ctx.mark_non_differentiable(metrics, logps, rewards)
+        return loss, metrics, logps, rewards
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_metrics, _grad_logps, _grad_rewards):
+        dx, dw, db = _scaled(ctx.saved_tensors, grad_loss, ctx.dweight_pool)
+        return (dx, dw, None, None, None, db) + (None,) * 7
+
+
+class KTOLossOutput(NamedTuple):
+    """loss: a scalar in the inputs' dtype, differentiable; metrics: TRL's logged keys -> floats, only those TRL
+    logs for the batch; logps, rewards: float32 [B], detached: the sequence log-probs l and TRL's rewards."""
+    loss: torch.Tensor
+    metrics: dict
+    logps: torch.Tensor
+    rewards: torch.Tensor
+
+
+def fused_linear_kto_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
+                          labels: torch.Tensor, *, loss_type: str = "kto", beta: float = 0.1,
+                          desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
+                          ref_logps: Optional[torch.Tensor] = None,
+                          ref_per_token_logps: Optional[torch.Tensor] = None, kl=None,
+                          kl_logratios: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+                          layout: str = "vh", context: Optional[Context] = None) -> KTOLossOutput:
+    """TRL's KTO loss (KTOTrainer, loss_type "kto" or "apo_zero_unpaired") from the hidden states of B sequences
+    and the lm_head weight, without the [B*T, V] logits.
+
+    hidden [B, T, H] or [B*T, H] (position t predicts targets[b, t]); targets int64 [B, T]; mask [B, T], the
+    completion mask (targets where it is 0 may be anything); labels [B], True / 1 for a desirable sequence. The
+    reference model's log-probs: ref_logps [B] (summed over the completion) or ref_per_token_logps [B, T], exactly
+    one. kto's KL term (TRL computes it from mismatched completions, without gradient): kl, the value as TRL uses
+    it (already clamped at 0), or kl_logratios [B], each sequence's KL completion log-prob under the policy minus
+    the reference's (e.g. from fused_linear_logprobs under torch.no_grad()), of which the head takes
+    max(mean, 0); apo_zero_unpaired takes neither. include/fusedhead.h has the formulas. Returns (loss, metrics,
+    logps, rewards), a KTOLossOutput: metrics with TRL's keys "kl", "rewards/chosen", "rewards/rejected",
+    "rewards/margins", "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "entropy" (those
+    TRL logs for the batch).
+    """
+    options = dict(loss_type=loss_type, beta=beta, desirable_weight=desirable_weight,
+                   undesirable_weight=undesirable_weight)
+    if isinstance(kl, torch.Tensor):
+        kl = float(kl.detach().reshape(-1)[0]) if kl.numel() == 1 else kl
+    if _autograd_needed(hidden, weight, bias):
+        value, metrics, logps, rewards = FusedLinearKTOLossFunction.apply(
+            hidden, weight, targets, mask, labels, bias, ref_logps, ref_per_token_logps, kl, kl_logratios, options,
+            layout, context)
+    else:
+        k = _KTO(hidden, weight, targets, mask, labels, bias, ref_logps, ref_per_token_logps, kl, kl_logratios,
+                 options, layout)
+        value, metrics, logps, rewards, _ = _kto_run(k, context, (False, False, False))
+    return KTOLossOutput(value, kto_metrics_dict(metrics.tolist()), logps, rewards)
+
+
+class FusedLinearKTOLoss(torch.nn.Module):
+    """TRL KTOTrainer's loss (KTOConfig names), the lm_head weight a forward argument as in the other modules:
+
+        loss_fn = FusedLinearKTOLoss(beta=0.1)
+        loss, metrics, logps, rewards = loss_fn(hidden, model.lm_head.weight, targets, mask, labels,
+                                                ref_logps=ref, kl_logratios=kl_logratios)
+    """
+
+    def __init__(self, beta: float = 0.1, loss_type: str = "kto", desirable_weight: float = 1.0,
+                 undesirable_weight: float = 1.0, layout: str = "vh", context: Optional[Context] = None):
+        super().__init__()
+        parse_layout(layout)
+        self.options = dict(beta=beta, loss_type=loss_type, desirable_weight=desirable_weight,
+                            undesirable_weight=undesirable_weight)
+        kto_options(**self.options)  # bad names and choices fail here; values in the library
+        self.layout, self.context = layout, context
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
+                labels: torch.Tensor, bias: Optional[torch.Tensor] = None, ref_logps: Optional[torch.Tensor] = None,
+                ref_per_token_logps: Optional[torch.Tensor] = None, kl=None,
+                kl_logratios: Optional[torch.Tensor] = None) -> KTOLossOutput:
+        return fused_linear_kto_loss(hidden, weight, targets, mask, labels, bias=bias, ref_logps=ref_logps,
+                                     ref_per_token_logps=ref_per_token_logps, kl=kl, kl_logratios=kl_logratios,
+                                     layout=self.layout, context=self.context, **self.options)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.options.items()) + f", layout={self.layout!r}"
 
 
 # ---------------------------------------------------------------------------------------------------------

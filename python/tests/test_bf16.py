@@ -288,8 +288,8 @@ def test_grpo_matches_float64(case, side_dtype):
 # Preference heads (DPO, ORPO, SimPO, CPO)
 # ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("loss, opts, ref", [
-    ("dpo", dict(rpo_alpha=0.5), "ref_per_token_logps"),
-    ("dpo", dict(loss_type="ipo"), "ref_logps"),
+    ("dpo", dict(rpo_alpha=0.5, dpo_semantics="trl_0_28"), "ref_per_token_logps"),  # the reference's v0.28
+    ("dpo", dict(loss_type="ipo", dpo_semantics="trl_0_28"), "ref_logps"),
     ("orpo", dict(beta=0.2), None),
     ("simpo", dict(cpo_alpha=0.0, label_smoothing=0.1), None),
     ("cpo", dict(loss_type="hinge", beta=1.0), None),

@@ -21,7 +21,8 @@ ENUMS = ((_lib.Status, "FH_"), (_lib.Param, "FH_PARAM_"), (_lib.Layout, "FH_LAYO
          (_lib.Reduction, "FH_REDUCTION_"), (_lib.GRPOLossType, "FH_GRPO_LOSS_"), (_lib.GRPOISLevel, "FH_GRPO_IS_"),
          (_lib.GRPOVllmISMode, "FH_GRPO_VLLM_IS_"),
          (_lib.PreferenceLoss, "FH_PREFERENCE_"), (_lib.PreferenceLossType, "FH_PREFERENCE_"),
-         (_lib.FilterTail, "FH_FILTER_TAIL_"))
+         (_lib.DPOSemantics, "FH_PREFERENCE_"),
+         (_lib.FilterTail, "FH_FILTER_TAIL_"), (_lib.KTOLossType, "FH_KTO_LOSS_"))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -76,7 +77,8 @@ def test_options_init_defaults_match_python_defaults():
     init = _lib.fh_preference_options()
     assert fusedhead.load_library().fh_preference_options_init(ctypes.byref(init)) == 0
     ours = _core.preference_options()
-    assert [getattr(ours, f) for f, _ in init._fields_] == [getattr(init, f) for f, _ in init._fields_]
+    value = lambda o, f: list(getattr(o, f)) if isinstance(getattr(o, f), ctypes.Array) else getattr(o, f)  # noqa: E731
+    assert [value(ours, f) for f, _ in init._fields_] == [value(init, f) for f, _ in init._fields_]
     # GRPO: TRL GRPOConfig's defaults (loss_type dapo, sequence_mask, clip_max 3, VESPO's k and lambda, ...) in both,
     # None (absent) being the library's NaN
     init = _lib.fh_grpo_options()

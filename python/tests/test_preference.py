@@ -32,6 +32,20 @@ import fusedhead.torch as fht  # noqa: E402
 from conftest import normwise  # noqa: E402
 
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
+# This file checks dpo at TRL v0.28.0's semantics (the reference below); test_preference_trl.py the current ones.
+LEGACY = "trl_0_28"
+
+
+def preference(*args, **kw):
+    """fusedhead.torch.fused_linear_preference_loss with dpo at TRL v0.28.0's semantics."""
+    kw.setdefault("dpo_semantics", LEGACY)
+    return fht.fused_linear_preference_loss(*args, **kw)
+
+
+def numpy_preference(*args, **kw):
+    """fusedhead.numpy.preference_loss with dpo at TRL v0.28.0's semantics."""
+    kw.setdefault("dpo_semantics", LEGACY)
+    return fhnp.preference_loss(*args, **kw)
 # (loss, loss_type) pairs TRL has: DPOTrainer all four, CPOTrainer all but robust, SimPO and ORPO their own
 COMBOS = [("dpo", t) for t in ("sigmoid", "hinge", "ipo", "robust")] + \
          [("cpo", t) for t in ("sigmoid", "hinge", "ipo")] + [("simpo", "sigmoid"), ("orpo", "sigmoid")]
@@ -44,9 +58,11 @@ HINGE_BETA = 1.0  # the kink at u = 1 / beta = 1 lies inside the data's margins 
 # The reference: TRL's losses and metrics in float64
 # ---------------------------------------------------------------------------------------------------------
 def reference(h, W, b, targets, mask, *, loss="dpo", loss_type="sigmoid", beta=0.1, label_smoothing=0.0,
-              simpo_gamma=0.5, rpo_alpha=None, cpo_alpha=1.0, ref_logps=None, ref_per_token_logps=None):
+              simpo_gamma=0.5, rpo_alpha=None, cpo_alpha=1.0, ref_logps=None, ref_per_token_logps=None,
+              dpo_semantics=LEGACY):
     """(loss, metrics dict, sequence log-probs [2B], rewards [2B]); h [2B, T, H], W [V, H], b [V] float64 leaves,
-    targets [2B, T] (any value where mask is 0), mask [2B, T] of 0/1."""
+    targets [2B, T] (any value where mask is 0), mask [2B, T] of 0/1. dpo at TRL v0.28.0's semantics only."""
+    assert dpo_semantics == LEGACY, "this reference is TRL v0.28.0's DPO (trl_dpo.py has the current one)"
     rows = targets.shape[0]
     B, ls = rows // 2, label_smoothing
     logits = F.linear(h, W, b)
@@ -163,7 +179,7 @@ def run_both(d, ref="none", upstream=1.0, hidden_2d=False, context=None, **opts)
     """(library output, grads), (reference output, grads); grads of upstream * loss, weight's as [V, H]."""
     refs = references(d, ref)
     h, W, b = library_inputs(d, hidden_2d)
-    out = fht.fused_linear_preference_loss(h, W, torch.tensor(d["targets"]), f32(d["mask"]), bias=b,
+    out = preference(h, W, torch.tensor(d["targets"]), f32(d["mask"]), bias=b,
                                            layout=d["layout"], context=context,
                                            **{k: f32(v) for k, v in refs.items()}, **opts)
     (out.loss * upstream).backward()
@@ -282,7 +298,7 @@ def test_empty_sequence_and_masked_targets():
     assert lib[0].logps[4].item() == 0.0
     padded = np.where(d["mask"] > 0, d["targets"], -100)
     h, W, _ = library_inputs(d)
-    out = fht.fused_linear_preference_loss(h, W, torch.tensor(padded), f32(d["mask"]), loss="dpo",
+    out = preference(h, W, torch.tensor(padded), f32(d["mask"]), loss="dpo",
                                            loss_type="ipo", ref_logps=f32(d["ref_logps"]))
     assert out.loss.item() == lib[0].loss.item()
 
@@ -308,7 +324,7 @@ def test_metric_keys(loss, opts, extra):
     d = make_pairs(seed=12)
     h, W, _ = library_inputs(d)
     with torch.no_grad():
-        out = fht.fused_linear_preference_loss(h, W, torch.tensor(d["targets"]), f32(d["mask"]), loss=loss, **opts)
+        out = preference(h, W, torch.tensor(d["targets"]), f32(d["mask"]), loss=loss, **opts)
     assert set(out.metrics) == COMMON | extra
     if opts.get("cpo_alpha") == 0.0:
         assert out.metrics["nll_loss"] == 0.0
@@ -327,20 +343,21 @@ def test_no_grad_and_partial_grads():
     args = (torch.tensor(d["targets"]), f32(d["mask"]))
     opts = dict(loss="dpo", ref_per_token_logps=f32(d["ref_per_token_logps"]), rpo_alpha=0.3, bias=b)
     with torch.no_grad():
-        out0 = fht.fused_linear_preference_loss(h, W.requires_grad_(), *args, **opts)
+        out0 = preference(h, W.requires_grad_(), *args, **opts)
     assert out0.loss.grad_fn is None
-    out1 = fht.fused_linear_preference_loss(h, W, *args, **opts)
+    out1 = preference(h, W, *args, **opts)
     assert out1.loss.item() == out0.loss.item() and out1.metrics == out0.metrics
     assert torch.equal(out1.logps, out0.logps) and torch.equal(out1.rewards, out0.rewards)
     out1.loss.backward()
     assert h.grad is None and b.grad is None and W.grad is not None
     # bool and integer masks are converted to float32
     for m in (args[1].bool(), args[1].long()):
-        assert fht.fused_linear_preference_loss(h, W, args[0], m, **opts).loss.item() == out0.loss.item()
+        assert preference(h, W, args[0], m, **opts).loss.item() == out0.loss.item()
 
 
 @pytest.mark.parametrize("module, loss, opts", [
-    (fht.FusedLinearDPOLoss, "dpo", dict(beta=0.2, loss_type="robust", label_smoothing=0.1, rpo_alpha=0.5)),
+    (fht.FusedLinearDPOLoss, "dpo", dict(beta=0.2, loss_type="robust", label_smoothing=0.1, rpo_alpha=0.5,
+                                         dpo_semantics=LEGACY)),
     (fht.FusedLinearORPOLoss, "orpo", dict(beta=0.3)),
     (fht.FusedLinearSimPOLoss, "simpo", dict(beta=2.0, simpo_gamma=1.0, label_smoothing=0.05, cpo_alpha=0.0)),
     (fht.FusedLinearCPOLoss, "cpo", dict(beta=0.2, loss_type="hinge", label_smoothing=0.0, cpo_alpha=0.5)),
@@ -378,7 +395,7 @@ def test_training_loop_weight_buffer(set_to_none):
         opt64.zero_grad(set_to_none=set_to_none)
         for micro in range(2):
             d = make_pairs(seed=16 + 2 * step + micro)
-            out = fht.fused_linear_preference_loss(f32(d["h"]), W, torch.tensor(d["targets"]), f32(d["mask"]),
+            out = preference(f32(d["h"]), W, torch.tensor(d["targets"]), f32(d["mask"]),
                                                    loss="cpo")
             (0.5 * out.loss).backward()
             (0.5 * reference(f64(d["h"]), W64, None, torch.tensor(d["targets"]), f64(d["mask"]), loss="cpo")[0]
@@ -403,7 +420,7 @@ def test_numpy_preference_loss():
          for k, v in d.items()}
     w = np.ascontiguousarray(a["W"].T)
     opts = dict(loss="dpo", loss_type="sigmoid", beta=0.2, rpo_alpha=0.4)
-    r = fhnp.preference_loss(a["h"], w, a["targets"], a["mask"], a["b"], None, a["ref_per_token_logps"],
+    r = numpy_preference(a["h"], w, a["targets"], a["mask"], a["b"], None, a["ref_per_token_logps"],
                              layout="hv", return_grads=True, grad_output=-2.0, **opts)
     h64, W64, b64 = f64(d["h"], True), f64(d["W"], True), f64(d["b"], True)
     rloss, rmetrics, rseq, rrewards = reference(h64, W64, b64, torch.tensor(d["targets"]), f64(d["mask"]),
@@ -420,12 +437,12 @@ def test_numpy_preference_loss():
     assert r.dhidden.shape == d["h"].shape and r.dweight.shape == w.shape
     for got, want in ((r.dhidden, h64.grad), (r.dweight.T, W64.grad), (r.dbias, b64.grad)):
         assert normwise(got, want.numpy()) <= GRAD_TOL
-    flat = fhnp.preference_loss(a["h"].reshape(-1, a["h"].shape[-1]), w, a["targets"], a["mask"], a["b"], None,
+    flat = numpy_preference(a["h"].reshape(-1, a["h"].shape[-1]), w, a["targets"], a["mask"], a["b"], None,
                                 a["ref_per_token_logps"], layout="hv", return_grads=["weight"], **opts)
     assert flat.loss == pytest.approx(r.loss, rel=1e-12) and flat.dhidden is None
     assert normwise(flat.dweight, -0.5 * r.dweight) <= 1e-6
     h, W, b = library_inputs(d)
-    out = fht.fused_linear_preference_loss(h, W, torch.tensor(d["targets"]), f32(d["mask"]), bias=b, layout="hv",
+    out = preference(h, W, torch.tensor(d["targets"]), f32(d["mask"]), bias=b, layout="hv",
                                            ref_per_token_logps=f32(d["ref_per_token_logps"]), **opts)
     assert out.loss.item() == pytest.approx(r.loss, rel=1e-7) and out.metrics == pytest.approx(r.metrics)
 
@@ -453,17 +470,17 @@ def test_library_errors():
     ]
     for opts, cls, text in cases:
         with pytest.raises(cls) as e:
-            fht.fused_linear_preference_loss(h, W, tg, m, **opts)
+            preference(h, W, tg, m, **opts)
         assert e.value.status == fusedhead.Status.ERR_INVALID_PREFERENCE_OPTION
         assert text in e.value.message and e.value.message in str(e.value), (opts, e.value.message)
     bad = tg.clone()
     bad[0, 3] = 10_000  # an unmasked target out of range (make_pairs leaves position 3 in every sequence)
     with pytest.raises(fusedhead.TargetOutOfRangeError, match="targets"):
-        fht.fused_linear_preference_loss(h, W.requires_grad_(), bad, m)
+        preference(h, W.requires_grad_(), bad, m)
     neg = m.clone()
     neg[1, 1] = -1.0
     with pytest.raises(fusedhead.errors.InvalidMaskError, match="mask"):
-        fht.fused_linear_preference_loss(h, W, tg, neg)
+        preference(h, W, tg, neg)
 
 
 def test_argument_errors():
@@ -475,7 +492,7 @@ def test_argument_errors():
     with pytest.raises(ValueError, match="loss must be one of 'dpo', 'orpo', 'simpo', 'cpo', got 'kto'"):
         fn(h, W, tg, m, loss="kto")
     with pytest.raises(ValueError, match="loss_type must be one of"):
-        fn(h, W, tg, m, loss_type="exo_pair")
+        fn(h, W, tg, m, loss_type="kto_pair")
     with pytest.raises(TypeError, match="beta: expected a real number"):
         fn(h, W, tg, m, beta="0.1x")
     with pytest.raises(TypeError, match="hidden: expected dtype torch.float32"):
@@ -500,8 +517,8 @@ def test_argument_errors():
         fn(h, W[:, :-1], tg, m)
     a = lambda t: t.numpy()  # noqa: E731
     with pytest.raises(ValueError, match=r"hidden: expected \[2B, T, H\]"):
-        fhnp.preference_loss(a(h)[:, 1:], a(W), d["targets"], a(m))
+        numpy_preference(a(h)[:, 1:], a(W), d["targets"], a(m))
     with pytest.raises(TypeError, match="mask: expected dtype float32"):
-        fhnp.preference_loss(a(h), a(W), d["targets"], d["mask"])
+        numpy_preference(a(h), a(W), d["targets"], d["mask"])
     with pytest.raises(ValueError, match="return_grads"):
-        fhnp.preference_loss(a(h), a(W), d["targets"], a(m), return_grads=["bias"])
+        numpy_preference(a(h), a(W), d["targets"], a(m), return_grads=["bias"])

@@ -2,7 +2,7 @@
  * module only moves their inputs and outputs between ranks. Files, bottom to top: comm.c (errors, sums,
  * splits), stats_reduce.c (per-token statistics across the vocab communicator), grid.c (the
  * fh_mpi_layout object: communicators, shard, parameters, scratch), grads_reduce.c (gradient reductions),
- * call.c (what every entry point shares), ce_mpi.c, logprob_mpi.c and grpo_mpi.c (the entry points). */
+ * call.c (what every entry point shares), ce_mpi.c, logprob_mpi.c, grpo_mpi.c and kto_mpi.c (the entry points). */
 #ifndef FH_MPI_INTERNAL_H
 #define FH_MPI_INTERNAL_H
 
@@ -123,7 +123,9 @@ enum {
     FHM_GRPO_TRAIN_STEP,
     FHM_LOGPROB_FORWARD,
     FHM_LOGPROB_BACKWARD,
-    FHM_LOGPROB_TRAIN_STEP
+    FHM_LOGPROB_TRAIN_STEP,
+    FHM_KTO_FORWARD,
+    FHM_KTO_TRAIN_STEP
 };
 
 typedef struct fhm_call {

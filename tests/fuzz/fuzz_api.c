@@ -558,7 +558,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     fh_preference_options po;
     fh_preference_options_init(&po);
     po.loss = (fh_preference_loss)(u8(&r) % 5);
-    po.loss_type = (fh_preference_loss_type)(u8(&r) % 5);
+    po.loss_type = (fh_preference_loss_type)(u8(&r) % 16);
+    po.dpo_semantics = (fh_preference_dpo_semantics)(u8(&r) % 3);
+    po.loss_type_count = u8(&r) % 4 == 0 ? (int)(u8(&r) % 18) - 1 : 0; /* a list, sometimes too long or negative */
+    for (int k = 0; k < FH_PREFERENCE_MAX_LOSS_TYPES; k++) {
+        po.loss_types[k] = (fh_preference_loss_type)(u8(&r) % 16);
+        po.loss_weights[k] = pick_double(&r, (const double[]){1.0, 0.5, -0.3, 0.0, NAN}, 5);
+    }
+    po.discopop_tau = pick_double(&r, (const double[]){0.05, 1.0, 0.0, -1.0, NAN}, 5);
+    po.use_weighting = u8(&r) % 8 == 0;
     static const double pref_betas[] = {0.1, 2.0, 1e-300, 0.0, -0.1, NAN, INFINITY};
     po.beta = pick_double(&r, pref_betas, 7);
     static const double pref_smoothing[] = {0.0, 0.1, 0.5, 0.6, -0.1, NAN};
@@ -566,7 +574,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     static const double gammas[] = {0.5, 0.0, -3.0, NAN, INFINITY};
     po.simpo_gamma = pick_double(&r, gammas, 5);
     static const double alphas[] = {0.0, 1.0, 0.5, -1.0, NAN, INFINITY};
-    po.rpo_alpha = pick_double(&r, alphas, 6);
+    po.rpo_alpha = u8(&r) % 2 ? 0.0 : pick_double(&r, alphas, 6); /* nonzero only at TRL v0.28's semantics */
     po.cpo_alpha = pick_double(&r, alphas, 6);
     const uint8_t ref_mode = u8(&r) % 4;
     const int64_t pairs = batch / 2 ? batch / 2 : batch;

@@ -179,8 +179,11 @@ void hu_grpo_problem_init(hu_grpo_problem *p, int64_t batch, int64_t seq, int64_
     fh_grpo_options_init(&p->options);
     p->options.beta = 0.04;
     fh_preference_options_init(&p->preference);
-    p->preference.label_smoothing = 0.1;
-    p->preference.rpo_alpha = 0.5;
+    p->preference.label_smoothing = 0.1; /* TRL's current DPO: MPO's list, robust reading the smoothing */
+    p->preference.loss_type_count = 3;
+    p->preference.loss_types[0] = FH_PREFERENCE_SIGMOID, p->preference.loss_weights[0] = 0.8;
+    p->preference.loss_types[1] = FH_PREFERENCE_ROBUST, p->preference.loss_weights[1] = 0.2;
+    p->preference.loss_types[2] = FH_PREFERENCE_SFT, p->preference.loss_weights[2] = 0.5;
     p->grad_output = 1.0f;
     /* The teacher, from a generator of its own (the GRPO inputs above stay those of earlier versions). */
     uint64_t teacher_rng = seed * 104729 + 29;

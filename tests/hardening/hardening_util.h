@@ -88,8 +88,8 @@ typedef struct hu_grpo_problem {
 
 /* Random inputs (logits of standard deviation ~3, masks with a padded tail, advantages of both signs, old
  * and reference log-probs within +-0.4 of log(1/V), sampler log-probs within +-0.1 of the old ones), TRL default
- * options with beta 0.04 and the off-policy mask at 0; DPO with label
- * smoothing 0.1 and rpo_alpha 0.5. */
+ * options with beta 0.04 and the off-policy mask at 0; DPO at TRL's current semantics, label smoothing 0.1 and the
+ * loss types sigmoid, robust and sft weighted 0.8, 0.2 and 0.5. */
 void hu_grpo_problem_init(hu_grpo_problem *p, int64_t batch, int64_t seq, int64_t hidden, int64_t vocab,
                           fh_layout layout, int bias, uint64_t seed);
 void hu_grpo_problem_free(hu_grpo_problem *p);

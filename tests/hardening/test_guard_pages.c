@@ -176,7 +176,9 @@ static int guarded_call(void *arg)
     const fh_grpo_batch batch = {1, n, t, mask, adv, old, ref, samp};
     fh_preference_options po;
     fh_preference_options_init(&po);
-    po.rpo_alpha = 0.5;
+    po.loss_type_count = 2; /* TRL's current DPO with its NLL term (sft), as rpo_alpha was */
+    po.loss_types[0] = FH_PREFERENCE_SIGMOID, po.loss_weights[0] = 1.0;
+    po.loss_types[1] = FH_PREFERENCE_SFT, po.loss_weights[1] = 0.5;
     const fh_preference_batch pairs = {1, n / 2, t, mask, NULL, ref};
     fh_preference_metrics pref_metrics;
     fh_preference_outputs pref_out = {&loss, &pref_metrics, seq_logps, rewards, ologp};

@@ -1004,6 +1004,130 @@ static void logprob_cases(const config *cfg)
 
 /* ---- agreement on errors ----------------------------------------------------------------------- */
 
+/* ---- KTO --------------------------------------------------------------------------------------- */
+
+/* One KTO case: the single-process fh_kto_forward_backward on the whole batch against this rank's share through
+ * fh_mpi_kto_forward and fh_mpi_kto_forward_backward (sequences split over the data ranks, unevenly with 3). */
+typedef struct kto_case {
+    fh_kto_loss_type loss_type;
+    int token_ref, kl_logratios, bias, small_tiles, metrics;
+    fh_layout layout;
+} kto_case;
+
+static void run_kto(const config *cfg, const kto_case *c)
+{
+    snprintf(case_name, sizeof case_name, "%s / kto %s ref=%s kl=%s bias=%d tiles=%s metrics=%d", cfg->name,
+             c->loss_type == FH_KTO_LOSS_KTO ? "kto" : "apo_zero_unpaired", c->token_ref ? "token" : "sequence",
+             c->loss_type != FH_KTO_LOSS_KTO ? "none" : c->kl_logratios ? "logratios" : "value", c->bias,
+             c->small_tiles ? "small" : "default", c->metrics);
+    const int64_t B = 11, T = 20, n = B * T, h = 16, v = 211; /* small tiles: 16 rows < T, streaming */
+    problem p;
+    make_problem(&p, n, h, v, c->layout, 4000 + (uint64_t)c->loss_type * 5 + (uint64_t)c->token_ref, FH_DTYPE_F32);
+    int64_t *ids = alloc((size_t)n, 8);
+    uint8_t *labels = alloc((size_t)B, 1);
+    float *mask = alloc((size_t)n, 4), *ref = alloc((size_t)B, 4), *ref_tok = alloc((size_t)n, 4),
+          *klr = alloc((size_t)B, 4);
+    for (int64_t b = 0; b < B; b++) {
+        labels[b] = b % 3 != 1;
+        ref[b] = (float)(-5.0 * (double)T + 3.0 * uniform(41, (uint64_t)b));
+        klr[b] = (float)(1.0 + uniform(42, (uint64_t)b));
+        const int64_t length = T - (b % 4); /* trailing padding */
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t i = b * T + t;
+            mask[i] = t < length ? 1.0f : 0.0f;
+            ids[i] = t < length ? (int64_t)((uniform(43, (uint64_t)i) + 1.0) * 0.5 * (double)v) % v : -100;
+            ref_tok[i] = (float)(-5.0 + 0.5 * uniform(44, (uint64_t)i));
+        }
+    }
+    const float kl = 0.4f, grad = 0.8f;
+    const int kto = c->loss_type == FH_KTO_LOSS_KTO;
+    fh_kto_options o;
+    fh_kto_options_init(&o);
+    o.loss_type = c->loss_type;
+    o.beta = 0.3;
+    o.desirable_weight = 1.3;
+    fh_context *ctx = make_context(c->small_tiles);
+    const fh_linear full = shard_linear(&p, 0, n, 0, v, c->bias);
+    const fh_kto_batch batch = {B, T, ids, mask, labels, c->token_ref ? NULL : ref, c->token_ref ? ref_tok : NULL,
+                                kto && !c->kl_logratios ? &kl : NULL, kto && c->kl_logratios ? klr : NULL};
+    double ref_loss;
+    fh_kto_metrics ref_m;
+    float *r_logp = alloc((size_t)n, 4), *r_seq = alloc((size_t)B, 4), *r_rew = alloc((size_t)B, 4);
+    grads rg_buf = {alloc((size_t)(n * h), 4), alloc((size_t)(h * v), 4), alloc((size_t)v, 4)};
+    fh_kto_outputs rout = {&ref_loss, c->metrics ? &ref_m : NULL, r_seq, r_rew, r_logp};
+    fh_linear_grads rg = {.dx = rg_buf.dx, .dx_row_stride = h, .dweight = rg_buf.dw, .dbias = c->bias ? rg_buf.db : NULL};
+    check_status("reference fh_kto_forward_backward", fh_kto_forward_backward(ctx, &full, &batch, &o, &grad, &rout, &rg),
+                 ctx);
+
+    int64_t off, vl, b0, br;
+    fh_mpi_layout *L = make_layout(cfg, v, &off, &vl);
+    share(B, cfg->pd, cfg->dr, 1, &b0, &br);
+    const int64_t n0 = b0 * T, nr = br * T;
+    const fh_linear lin = shard_linear(&p, n0, nr, off, vl, c->bias);
+    const fh_kto_batch lb = {br,
+                             T,
+                             ids + n0,
+                             mask + n0,
+                             labels + b0,
+                             c->token_ref ? NULL : ref + b0,
+                             c->token_ref ? ref_tok + n0 : NULL,
+                             batch.kl,
+                             batch.kl_logratios ? klr + b0 : NULL};
+    grads mine = {alloc((size_t)(nr * h), 4), alloc((size_t)(h * v), 4), alloc((size_t)v, 4)};
+    prefill(mine.dx, nr * h, 0, 0);
+    prefill(mine.dw, h * v, 0, 0);
+    prefill(mine.db, v, 0, 0);
+    fh_linear_grads g = {.dx = mine.dx, .dx_row_stride = h, .dweight = mine.dw + weight_offset(&p, &lin),
+                         .dbias = c->bias ? mine.db + off : NULL};
+    float *logp = alloc((size_t)nr, 4), *seq = alloc((size_t)B, 4), *rew = alloc((size_t)B, 4);
+    for (int call = 0; call < 2; call++) {
+        double loss = NAN;
+        fh_kto_metrics m;
+        fh_kto_outputs out = {&loss, c->metrics ? &m : NULL, seq, rew, logp};
+        if (call == 0)
+            check_status("fh_mpi_kto_forward", fh_mpi_kto_forward(ctx, L, &lin, &lb, &o, &out), ctx);
+        else
+            check_status("fh_mpi_kto_forward_backward",
+                         fh_mpi_kto_forward_backward(ctx, L, &lin, &lb, &o, &grad, &out, &g), ctx);
+        check_scalar("loss", loss, ref_loss, LOSS_TOL);
+        if (c->metrics) {
+            const double got[] = {m.kl, m.rewards_chosen, m.rewards_rejected, m.rewards_margins, m.logps_chosen,
+                                  m.logps_rejected, m.logits_chosen, m.logits_rejected, m.entropy};
+            const double want[] = {ref_m.kl, ref_m.rewards_chosen, ref_m.rewards_rejected, ref_m.rewards_margins,
+                                   ref_m.logps_chosen, ref_m.logps_rejected, ref_m.logits_chosen,
+                                   ref_m.logits_rejected, ref_m.entropy};
+            for (size_t k = 0; k < sizeof got / sizeof got[0]; k++)
+                check_scalar("a metric", got[k], want[k], LOSS_TOL);
+        }
+        check_rows("sequence_logps", seq, 1, r_seq + b0, 1, br, 1, GRAD_TOL);
+        check_rows("rewards", rew, 1, r_rew + b0, 1, br, 1, GRAD_TOL);
+        check_rows("per_token_logp", logp, 1, r_logp + n0, 1, nr, 1, GRAD_TOL);
+    }
+    check_rows("dx", mine.dx, h, rg_buf.dx + n0 * h, h, nr, h, grad_tol(&p));
+    check_weight_shard("dweight", mine.dw, rg_buf.dw, c->layout, h, v, off, vl, grad_tol(&p));
+    if (c->bias)
+        check_rows("dbias", mine.db + off, 1, rg_buf.db + off, 1, vl, 1, dbias_tol(&p));
+
+    fh_mpi_layout_destroy(L);
+    fh_context_destroy(ctx);
+    void *ptrs[] = {ids, labels, mask, ref, ref_tok, klr, r_logp, r_seq, r_rew, rg_buf.dx, rg_buf.dw, rg_buf.db,
+                    mine.dx, mine.dw, mine.db, logp, seq, rew};
+    for (size_t k = 0; k < sizeof ptrs / sizeof ptrs[0]; k++)
+        free(ptrs[k]);
+    free_problem(&p);
+}
+
+/* Both loss types, both references, both KL inputs, row blocks (default tiles) and streaming (small tiles), with
+ * and without the metrics. */
+static void kto_cases(const config *cfg)
+{
+    for (int k = 0; k < 6; k++) {
+        const kto_case c = {k < 4 ? FH_KTO_LOSS_KTO : FH_KTO_LOSS_APO_ZERO_UNPAIRED, k % 2, k / 2 % 2, k % 3 == 0,
+                            k % 2 == 0, k != 3, k % 3 == 1 ? FH_LAYOUT_HV : FH_LAYOUT_VH};
+        run_kto(cfg, &c);
+    }
+}
+
 static void error_cases(const config *cfg)
 {
     snprintf(case_name, sizeof case_name, "%s / errors", cfg->name);
@@ -1187,6 +1311,7 @@ int main(int argc, char **argv)
         ce_cases(&configs[k]);
         grpo_cases(&configs[k]);
         logprob_cases(&configs[k]);
+        kto_cases(&configs[k]);
         error_cases(&configs[k]);
         for (int diff = 0; diff < DIFF_COUNT; diff++)
             mismatch_case(&configs[k], diff);
