@@ -13,17 +13,19 @@
 #include <math.h>
 #include <string.h>
 
-/* Workspace slots, [n] each. The running maxima become log-sum-exps when a row's pass ends. */
+/* Workspace slots, [n] each. The running maxima become log-sum-exps when a row's pass ends; the sums of exps, no
+ * longer needed then, hold the gradient's row constants. */
 enum {
     SLOT_S_MAX_THEN_LSE,
-    SLOT_S_SUM,         /* sum exp(s - max) */
+    SLOT_S_SUM_THEN_A,   /* sum exp(s - max), then the dense coefficient a (gradient) */
     SLOT_B_MAX_THEN_LSE, /* B = logsumexp of s over the valid ids */
-    SLOT_B_SUM,
-    SLOT_CROSS_THEN_D,  /* sum_k qt_k s[id_k] over the valid entries, then D */
+    SLOT_B_SUM_THEN_M,   /* then the support terms' m (gradient) */
+    SLOT_CROSS_THEN_D,   /* sum_k qt_k s[id_k] over the valid entries, then D */
     SLOT_U_MAX_THEN_LSE,
     SLOT_U_SUM,
     SLOT_U_TARGET,
-    SLOT_COEF,          /* d objective / d l_i: the upstream gradient over the mean's count; 0 when ignored */
+    SLOT_SHIFT,          /* teacher_row's shift, set before the passes: qt_k = exp(a_k - shift) without another scan */
+    SLOT_COEF,           /* d objective / d l_i: the upstream gradient over the mean's count; 0 when ignored */
     SLOTS
 };
 _Static_assert(SLOTS <= FH_WORKSPACE_SLOTS, "the plan reserves too few workspace slots");
@@ -133,7 +135,7 @@ static void fold(const void *self, int pass, int64_t i, const float *z, const fl
     float max_z, unused;
     fh_row_pair_max(z, z, count, &max_z, &unused);
     /* inv_t > 0: the largest of inv_t z is inv_t times the largest z */
-    fold_lse(&slot[SLOT_S_MAX_THEN_LSE][i], &slot[SLOT_S_SUM][i], h->inv_t * max_z, z, count, h->inv_t);
+    fold_lse(&slot[SLOT_S_MAX_THEN_LSE][i], &slot[SLOT_S_SUM_THEN_A][i], h->inv_t * max_z, z, count, h->inv_t);
     if (h->separate_u)
         fold_lse(&slot[SLOT_U_MAX_THEN_LSE][i], &slot[SLOT_U_SUM][i], max_z, z, count, 1.0f);
     if (h->targets && fh_distill_counted(h->targets, h->o->ignore_index, i)) {
@@ -141,30 +143,33 @@ static void fold(const void *self, int pass, int64_t i, const float *z, const fl
         if (t >= 0 && t < count)
             slot[SLOT_U_TARGET][i] = z[t];
     }
-    const teacher_row tr = teacher_of(h, i);
     const int64_t k = h->teacher->k;
     for (int64_t e = 0; e < k; e++) {
         const int64_t c = entry_column(h, i, e, first_column, count);
         if (c < 0)
             continue;
         const double s = tempered(h, z, c);
-        double *const b_sum[1] = {&slot[SLOT_B_SUM][i]};
+        double *const b_sum[1] = {&slot[SLOT_B_SUM_THEN_M][i]};
         fh_lse_raise(&slot[SLOT_B_MAX_THEN_LSE][i], s, b_sum, 1);
-        slot[SLOT_B_SUM][i] += exp(s - slot[SLOT_B_MAX_THEN_LSE][i]);
-        slot[SLOT_CROSS_THEN_D][i] += exp(h->teacher->logprobs[i * k + e] - tr.shift) * s;
+        slot[SLOT_B_SUM_THEN_M][i] += exp(s - slot[SLOT_B_MAX_THEN_LSE][i]);
+        slot[SLOT_CROSS_THEN_D][i] += exp(h->teacher->logprobs[i * k + e] - slot[SLOT_SHIFT][i]) * s;
     }
 }
 
-/* Row i's log-sum-exps and D once every column is folded:
+/* Row i's log-sum-exps, D and the gradient's row constants once every column is folded:
  *   D = sum_k qt_k (xt_k - xs_k) (+ tail) = sum qt xt - sum_k qt_k s_k + Q c (- qt_tail xs_tail), with xs_k = s_k - c,
- *   c = B without the tail, lse_s with it. */
+ *   c = B without the tail, lse_s with it;
+ *   dD/ds_j = a p_j + sum_k G_k [j = id_k],  G_k = -qt_k + m pi_k,  pi_k = exp(s_k - B),
+ *   without the tail: a = 0, m = Q;  with it, through L = B - lse_s (constant where TRL's clamp holds it):
+ *   c = dxs_tail/dL = -exp(L) / (1 - exp(L)) for L <= -1e-7 (else 0), a = Q + qt_tail c, m = -qt_tail c. */
 static void finish(const void *self, int pass, int64_t i)
 {
     (void)pass;
     const topk_head *h = self;
     double *const *slot = h->slot;
-    const double lse_s = slot[SLOT_S_MAX_THEN_LSE][i] + log(slot[SLOT_S_SUM][i]);
-    const double b = slot[SLOT_B_SUM][i] > 0.0 ? slot[SLOT_B_MAX_THEN_LSE][i] + log(slot[SLOT_B_SUM][i]) : -INFINITY;
+    const double lse_s = slot[SLOT_S_MAX_THEN_LSE][i] + log(slot[SLOT_S_SUM_THEN_A][i]);
+    const double b_sum = slot[SLOT_B_SUM_THEN_M][i];
+    const double b = b_sum > 0.0 ? slot[SLOT_B_MAX_THEN_LSE][i] + log(b_sum) : -INFINITY;
     slot[SLOT_S_MAX_THEN_LSE][i] = lse_s;
     slot[SLOT_B_MAX_THEN_LSE][i] = b;
     const teacher_row tr = teacher_of(h, i);
@@ -175,16 +180,22 @@ static void finish(const void *self, int pass, int64_t i)
         *d = tr.sum_qx - *d + tr.mass * b;
     else
         *d = tr.sum_qx - *d + tr.mass * lse_s - tr.q_tail * log(-expm1(fmin(b - lse_s, TAIL_CLAMP)));
+    double a = 0.0, m = tr.mass;
+    if (h->o->add_tail) {
+        const double l = b - lse_s, c = tr.valid && l <= TAIL_CLAMP ? -exp(l) / -expm1(l) : 0.0;
+        a = tr.mass + tr.q_tail * c;
+        m = -tr.q_tail * c;
+    }
+    slot[SLOT_S_SUM_THEN_A][i] = a;
+    slot[SLOT_B_SUM_THEN_M][i] = m;
     if (h->separate_u)
         slot[SLOT_U_MAX_THEN_LSE][i] += log(slot[SLOT_U_SUM][i]);
     else
         slot[SLOT_U_MAX_THEN_LSE][i] = lse_s; /* temperature 1 (or no targets): u is s */
 }
 
-/* dU of row i (columns first_column ..): coef (weight_soft dD/ds / T + weight_hard (softmax(u) - onehot)), with
- *   dD/ds_j = a p_j + sum_k G_k [j = id_k],  G_k = -qt_k + m pi_k,  pi_k = exp(s_k - B),
- *   without the tail: a = 0, m = Q;  with it, through L = B - lse_s (constant where TRL's clamp holds it):
- *   c = dxs_tail/dL = -exp(L) / (1 - exp(L)) for L <= -1e-7 (else 0), a = Q + qt_tail c, m = -qt_tail c. */
+/* dU of row i (columns first_column ..): coef (weight_soft dD/ds / T + weight_hard (softmax(u) - onehot)), dD/ds
+ * from the row constants of finish. */
 static void gradient(const void *self, int64_t i, float *z, const float *cz, int64_t count, int64_t first_column)
 {
     (void)cz;
@@ -195,21 +206,15 @@ static void gradient(const void *self, int64_t i, float *z, const float *cz, int
         memset(z, 0, (size_t)count * sizeof(float));
         return;
     }
-    const teacher_row tr = teacher_of(h, i);
     const double lse_s = slot[SLOT_S_MAX_THEN_LSE][i], b = slot[SLOT_B_MAX_THEN_LSE][i];
-    double a = 0.0, m = tr.mass;
-    if (h->o->add_tail) {
-        const double l = b - lse_s, c = tr.valid && l <= TAIL_CLAMP ? -exp(l) / -expm1(l) : 0.0;
-        a = tr.mass + tr.q_tail * c;
-        m = -tr.q_tail * c;
-    }
+    const double a = slot[SLOT_S_SUM_THEN_A][i], m = slot[SLOT_B_SUM_THEN_M][i], shift = slot[SLOT_SHIFT][i];
     /* The support's terms from s before the dense part overwrites the row. */
     const int64_t k = h->teacher->k;
     float support[FH_DISTILL_TOPK_MAX_K];
     for (int64_t e = 0; e < k; e++) {
         const int64_t c = entry_column(h, i, e, first_column, count);
         if (c >= 0)
-            support[e] = (float)(-exp(h->teacher->logprobs[i * k + e] - tr.shift) + m * exp(tempered(h, z, c) - b));
+            support[e] = (float)(-exp(h->teacher->logprobs[i * k + e] - shift) + m * exp(tempered(h, z, c) - b));
     }
     const double g_soft = coef * h->o->weight_soft_loss, g_hard = h->hard ? coef * h->o->weight_hard_loss : 0.0;
     if (a != 0.0 || g_hard != 0.0) {
@@ -320,6 +325,7 @@ static topk_head head_of(const fh_workspace *ws, const fh_linear *student, const
             ws->slot[s][i] = 0.0;
         ws->slot[SLOT_S_MAX_THEN_LSE][i] = ws->slot[SLOT_B_MAX_THEN_LSE][i] = ws->slot[SLOT_U_MAX_THEN_LSE][i] =
             -INFINITY;
+        ws->slot[SLOT_SHIFT][i] = teacher_of(&h, i).shift;
     }
     const fh_distill_terms t = terms_of(o);
     if (grad_output)
