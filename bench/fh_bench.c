@@ -47,7 +47,7 @@ enum { CEILING_REPS = 10 };
  * near-uniform softmax), so that its softmax is well away from uniform. */
 static const float teacher_logit_std = 3.0f;
 
-typedef enum head_kind { HEAD_CE, HEAD_GRPO, HEAD_PREFERENCE, HEAD_DISTILL, HEAD_KTO } head_kind;
+typedef enum head_kind { HEAD_CE, HEAD_GRPO, HEAD_PREFERENCE, HEAD_DISTILL, HEAD_KTO, HEAD_DISTILL_TOPK } head_kind;
 
 typedef struct shape {
     int64_t n, hidden, vocab;
@@ -78,6 +78,8 @@ typedef struct shape {
                                   sequence_mask), off_policy_mask_threshold 0.5, beta 0.04 with the bias-corrected KL
                                   and entropy_coef 0.01 */
     int grpo_trl_options;
+    int64_t topk_k;            /* distill_topk: the teacher's entries per token (--k, default 20) */
+    int topk_no_tail;          /* distill_topk: --no-tail (TRL's loss_add_tail False) */
 } shape;
 
 /* The period of --ignore-pattern runs: a sequence of this many tokens whose first part is its prompt. */
@@ -109,6 +111,11 @@ static const char *distill_case_names[CASE_COUNT] = {NULL, "distill_forward", NU
                                                      "materialized_distill"};
 static const char *divergence_names[] = {"forward_kl", "reverse_kl", "jsd"};
 
+/* Top-k distillation's cases: the forward and the single-call step (fh_distill_topk_forward_backward: row blocks of
+ * the student's logits, 6 NHV); no materialized baseline. */
+static const char *distill_topk_case_names[CASE_COUNT] = {NULL, "distill_topk_forward", NULL,
+                                                          "distill_topk_train_step", NULL, NULL};
+
 static const char *case_name(bench_case c, const shape *s)
 {
     if (c == CASE_SGEMM)
@@ -118,6 +125,7 @@ static const char *case_name(bench_case c, const shape *s)
     case HEAD_PREFERENCE: return preference_case_names[s->preference][c];
     case HEAD_DISTILL: return distill_case_names[c];
     case HEAD_KTO: return kto_case_names[c];
+    case HEAD_DISTILL_TOPK: return distill_topk_case_names[c];
     default: return case_names[c];
     }
 }
@@ -214,6 +222,8 @@ typedef struct head_inputs {
     int64_t *ignored_targets; /* CE with --ignore-frac: the targets with the ignored rows, which the fused cases take */
     uint8_t *labels;          /* kto: desirable and undesirable sequences alternating */
     float *ref_logps;         /* kto: per-sequence reference log-probs */
+    int64_t *topk_ids;        /* distill_topk: the teacher's [N, k] ids and log-probs */
+    float *topk_logprobs;
 } head_inputs;
 
 /* The CE targets with --ignore-frac's rows set to ignore_index (-100). */
@@ -229,8 +239,26 @@ static int64_t *ignored_targets(const shape *s, const int64_t *targets)
     return t;
 }
 
+/* The top-k teacher: k distinct ids per row (odd steps through the vocabulary) holding 0.9 of the mass evenly. */
+static int topk_teacher_make(const shape *s, head_inputs *g)
+{
+    const int64_t k = s->topk_k;
+    g->topk_ids = malloc((size_t)(s->n * k) * sizeof(int64_t));
+    g->topk_logprobs = malloc((size_t)(s->n * k) * sizeof(float));
+    if (!g->topk_ids || !g->topk_logprobs)
+        return -1;
+    for (int64_t i = 0; i < s->n; i++)
+        for (int64_t e = 0; e < k; e++) {
+            g->topk_ids[i * k + e] = (i * 31 + e * 97) % s->vocab;
+            g->topk_logprobs[i * k + e] = (float)log(0.9 / (double)k);
+        }
+    return 0;
+}
+
 static int head_inputs_make(const shape *s, head_inputs *g)
 {
+    if (s->head == HEAD_DISTILL_TOPK)
+        return topk_teacher_make(s, g);
     if (s->head == HEAD_DISTILL) {
         if (bench_inputs_make_teacher(s->n, s->teacher_hidden, s->vocab, teacher_logit_std, &g->teacher) != 0)
             return -1;
@@ -355,6 +383,23 @@ static int run_distill(bench_case c, const shape *s, const fh_linear *student, c
     }
 }
 
+/* One top-k distillation call of the case (TRL's defaults: the tail, temperature 1, soft loss only). */
+static int run_distill_topk(bench_case c, const shape *s, const fh_linear *student, const bench_inputs *in,
+                            const head_inputs *g, fh_context *ctx, fh_linear_grads *grads, double *loss)
+{
+    fh_distill_topk_options o;
+    fh_distill_topk_options_init(&o);
+    o.add_tail = !s->topk_no_tail;
+    const fh_topk_teacher teacher = {s->topk_k, g->topk_ids, g->topk_logprobs};
+    fh_distill_outputs out = {.loss = loss};
+    const float grad_one = 1.0f;
+    if (c == CASE_FORWARD)
+        return fh_distill_topk_forward(ctx, student, &teacher, in->targets, &o, &out) == FH_OK ? 0 : -1;
+    return fh_distill_topk_forward_backward(ctx, student, &teacher, in->targets, &o, &grad_one, &out, grads) == FH_OK
+               ? 0
+               : -1;
+}
+
 /* One call of the case, its loss in *loss (NaN for the sgemm); returns 0 or -1. */
 static int run_once(bench_case c, const shape *s, const bench_inputs *in, const head_inputs *heads, fh_context *ctx,
                     const materialized_buffers *mb, void *const gemm_buffers[3], double *loss)
@@ -377,6 +422,8 @@ static int run_once(bench_case c, const shape *s, const bench_inputs *in, const 
         return run_distill(c, s, &lin, in, heads, ctx, mb, &g, loss);
     if (s->head == HEAD_KTO && c != CASE_SGEMM)
         return run_kto(c, s, &lin, in, heads, ctx, &g, loss);
+    if (s->head == HEAD_DISTILL_TOPK && c != CASE_SGEMM)
+        return run_distill_topk(c, s, &lin, in, heads, ctx, &g, loss);
     const int64_t *targets = heads->ignored_targets ? heads->ignored_targets : in->targets;
     switch (c) {
     case CASE_SGEMM:
@@ -466,7 +513,8 @@ static result measure_in_child(bench_case c, const shape *s)
     fh_context *ctx = NULL;
     void *sg[3] = {NULL, NULL, NULL};
     materialized_buffers mb = {0, NULL, NULL, NULL};
-    head_inputs heads = {NULL, NULL, NULL, NULL, NULL, NULL, {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL}, NULL, NULL, NULL};
+    head_inputs heads = {NULL, NULL, NULL, NULL, NULL, NULL, {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL}, NULL, NULL, NULL,
+                         NULL, NULL};
     const int bf16 = s->dtype == FH_DTYPE_BF16;
     char why[512];
     if (bench_inputs_make_from(&s->dist, s->layout, s->n, s->hidden, s->vocab, &in, why, sizeof why) != 0 ||
@@ -511,6 +559,8 @@ static result measure_in_child(bench_case c, const shape *s)
         if (c == CASE_FORWARD || c == CASE_TRAIN)
             fh_distill_workspace_size(ctx, &lin, &teacher, &ws);
     }
+    else if (s->head == HEAD_DISTILL_TOPK && c != CASE_SGEMM)
+        fh_distill_topk_workspace_size(ctx, &lin, &ws);
     else if (c == CASE_FORWARD || c == CASE_SPLIT)
         fh_ce_workspace_size(ctx, &lin, &o, &ws);
     else if (c == CASE_TRAIN || c == CASE_FILTERED)
@@ -716,6 +766,9 @@ static void print_report(format f, const shape *s, const result *res, const fh_k
             fprintf(out, "\n  \"grpo_loss_type\": \"%s\", \"top_entropy_quantile\": %.9g, \"grpo_trl_options\": %s,",
                     grpo_loss_names[s->grpo.loss_type], s->grpo.top_entropy_quantile,
                     s->grpo_trl_options ? "true" : "false");
+        if (s->head == HEAD_DISTILL_TOPK)
+            fprintf(out, "\n  \"topk_k\": %lld, \"add_tail\": %s,", (long long)s->topk_k,
+                    s->topk_no_tail ? "false" : "true");
         if (s->head == HEAD_DISTILL)
             fprintf(out, "\n  \"teacher_hidden\": %lld, \"divergence\": \"%s\", \"beta\": %.9g, \"temperature\": %.9g, "
                          "\"weight_hard_loss\": %.9g, \"teacher_mean_entropy\": %.6g,",
@@ -759,6 +812,9 @@ static void print_report(format f, const shape *s, const result *res, const fh_k
         snprintf(teacher, sizeof teacher, "; the teacher's mean softmax entropy %.3f nats",
                  s->teacher_stats.mean_entropy);
     }
+    if (s->head == HEAD_DISTILL_TOPK)
+        snprintf(distill, sizeof distill, ", distill_topk k %lld%s", (long long)s->topk_k,
+                 s->topk_no_tail ? " without the tail" : " with the tail");
     if (s->head == HEAD_GRPO)
         snprintf(distill, sizeof distill, ", grpo %s (top_entropy_quantile %g%s)", grpo_loss_names[s->grpo.loss_type],
                  s->grpo.top_entropy_quantile, s->grpo_trl_options ? ", sampler IS, off-policy mask, KL" : "");
@@ -873,14 +929,15 @@ static int sweep(const char *what, const char *dir, const shape *base, const cha
     return 0;
 }
 
-/* --loss ce|grpo|dpo|orpo|simpo|cpo|distill|kto */
+/* --loss ce|grpo|dpo|orpo|simpo|cpo|distill|kto|distill_topk */
 static int parse_loss(const char *v, shape *s)
 {
-    s->head = strcmp(v, "ce") == 0        ? HEAD_CE
-              : strcmp(v, "grpo") == 0    ? HEAD_GRPO
-              : strcmp(v, "distill") == 0 ? HEAD_DISTILL
-              : strcmp(v, "kto") == 0     ? HEAD_KTO
-                                          : HEAD_PREFERENCE;
+    s->head = strcmp(v, "ce") == 0             ? HEAD_CE
+              : strcmp(v, "grpo") == 0         ? HEAD_GRPO
+              : strcmp(v, "distill") == 0      ? HEAD_DISTILL
+              : strcmp(v, "kto") == 0          ? HEAD_KTO
+              : strcmp(v, "distill_topk") == 0 ? HEAD_DISTILL_TOPK
+                                               : HEAD_PREFERENCE;
     for (int k = 0; s->head == HEAD_PREFERENCE && k < 4; k++)
         if (strcmp(v, preference_names[k]) == 0) {
             s->preference = (fh_preference_loss)k;
@@ -941,7 +998,10 @@ static void usage(void)
                     "       fh_bench --loss distill [--n N] [--hidden H] [--teacher-hidden HT] [--vocab V]\n"
                     "                [--divergence forward_kl|reverse_kl|jsd] [--beta B] [--temperature T]\n"
                     "                [--weight-hard-loss W] [the options above but --sweep and --grad-filter-eps]\n"
-                    "                (defaults: HT = H, jsd, B 0.5, T 1, W 0; the teacher's hidden size HT)\n");
+                    "                (defaults: HT = H, jsd, B 0.5, T 1, W 0; the teacher's hidden size HT)\n"
+                    "       fh_bench --loss distill_topk [--k K] [--no-tail] [--n N] [--hidden H] [--vocab V]\n"
+                    "                [the options above but --sweep and --grad-filter-eps]   (the teacher's top-K ids and\n"
+                    "                log-probs, K 20, with the tail unless --no-tail)\n");
 }
 
 int main(int argc, char **argv)
@@ -951,7 +1011,7 @@ int main(int argc, char **argv)
     format f = FORMAT_TABLE;
     int grad_dtype = -1;
     const char *sweep_what = NULL, *out_dir = ".";
-    int n_given = 0, hidden_vocab_given = 0, distill_given = 0, grpo_given = 0;
+    int n_given = 0, hidden_vocab_given = 0, distill_given = 0, grpo_given = 0, topk_given = 0;
     fh_distill_options_init(&s.distill);
     fh_grpo_options_init(&s.grpo);
     for (int i = 1; i < argc; i++) {
@@ -964,6 +1024,8 @@ int main(int argc, char **argv)
             f = FORMAT_CSV;
         else if (strcmp(a, "--grpo-trl-options") == 0)
             s.grpo_trl_options = grpo_given = 1;
+        else if (strcmp(a, "--no-tail") == 0)
+            s.topk_no_tail = topk_given = 1;
         else if (!v) {
             usage();
             return 2;
@@ -998,6 +1060,13 @@ int main(int argc, char **argv)
                 return 2;
             }
             s.filter_tail = strcmp(v, "drop") == 0 ? FH_FILTER_TAIL_DROP : FH_FILTER_TAIL_ESTIMATE;
+        }
+        else if (strcmp(a, "--k") == 0) {
+            topk_given = 1;
+            if ((s.topk_k = atoll(argv[++i])) < 1 || s.topk_k > FH_DISTILL_TOPK_MAX_K) {
+                usage();
+                return 2;
+            }
         }
         else if (strcmp(a, "--teacher-hidden") == 0) {
             distill_given = 1;
@@ -1077,6 +1146,15 @@ int main(int argc, char **argv)
     if (distill_given && s.head != HEAD_DISTILL) {
         fprintf(stderr, "fh_bench: --teacher-hidden, --divergence, --beta, --temperature and --weight-hard-loss apply "
                         "to --loss distill only\n");
+        return 2;
+    }
+    if (topk_given && s.head != HEAD_DISTILL_TOPK) {
+        fprintf(stderr, "fh_bench: --k and --no-tail apply to --loss distill_topk only\n");
+        return 2;
+    }
+    s.topk_k = s.topk_k ? s.topk_k : 20;
+    if (s.head == HEAD_DISTILL_TOPK && (sweep_what || s.topk_k > s.vocab || s.filter_eps > 0.0)) {
+        usage();
         return 2;
     }
     if (s.head == HEAD_DISTILL && sweep_what) {

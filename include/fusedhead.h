@@ -777,6 +777,64 @@ FH_API fh_status fh_distill_workspace_size(const fh_context *ctx, const fh_linea
                                            const fh_linear *teacher, size_t *bytes);
 
 /* ---------------------------------------------------------------------------------------------
+ * Top-k teacher distillation: the teacher given per token as k token ids and log-probs (what a vLLM server
+ * returns), no teacher head. TRL's ServerDistillationTrainer._compute_server_forward_kl_loss (loss_top_k,
+ * loss_add_tail; trl/experimental/server_distillation/server_distillation_trainer.py at f2cd5771): the forward
+ * KL over the teacher's support. Per counted token i, with S its valid entries (log-prob > -inf; an entry with
+ * log-prob -inf is padding, as TRL's fill, and its id is not read), a_k the teacher's log-probs as given (the
+ * server applied its temperature; only the student is tempered):
+ *
+ *   s = (x W + b) / temperature,  log p = log_softmax(s) over the whole vocabulary
+ *   without the tail: xs_k = log p[id_k] - logsumexp_S(log p[id]),  xt_k = a_k - logsumexp_S(a)
+ *   with the tail:    xs_k = log p[id_k], xt_k = a_k, and one more entry on each side:
+ *                     tail = log(1 - exp(min(logsumexp_S(.), -1e-7)))
+ *   D_i = sum over the entries (and the tail) of exp(xt) (xt - xs);  0 when S is empty
+ *   hard_i, l_i and the reductions as fh_distill (hard on the untempered logits; mean over the counted tokens).
+ * A token with no valid entry contributes 0 and is counted (TRL's batchmean). k = 1 without the tail is exactly 0.
+ * Each entry is its own support element: a repeated id counts twice (TRL's gather; vLLM's top-k has none).
+ * TRL defines JSD and reverse KL on a server's teacher only on the support {teacher's top-1, sampled token},
+ * which needs the teacher's log-prob of the target: not provided here.
+ * ------------------------------------------------------------------------------------------- */
+#define FH_DISTILL_TOPK_MAX_K 1024
+/* Refusals besides the distillation head's: a k outside [1, FH_DISTILL_TOPK_MAX_K], a log-prob NaN or +inf, or
+ * add_tail not 0 or 1 (FH_ERR_INVALID_DISTILL_OPTION); a valid entry's id outside [0, V)
+ * (FH_ERR_TARGET_OUT_OF_RANGE). */
+
+typedef struct fh_topk_teacher {
+    int64_t k;                      /* entries per token, 1 .. FH_DISTILL_TOPK_MAX_K */
+    const int64_t *ids;             /* [N, k] token ids in [0, V) where the log-prob is > -inf */
+    const float *logprobs;          /* [N, k] finite, or -inf for a padded entry */
+} fh_topk_teacher;
+
+typedef struct fh_distill_topk_options { /* defaults from fh_distill_topk_options_init (TRL's) */
+    int add_tail;                   /* 1 (loss_add_tail) */
+    double temperature;             /* 1.0; > 0, the student's */
+    double weight_soft_loss;        /* 1.0; >= 0 */
+    double weight_hard_loss;        /* 0.0; >= 0 (needs targets) */
+    int64_t ignore_index;           /* -100 */
+    fh_reduction reduction;         /* mean */
+} fh_distill_topk_options;
+
+FH_API fh_status fh_distill_topk_options_init(fh_distill_topk_options *options);
+
+/* The loss only (streams the student's tiles once). targets may be NULL when weight_hard_loss is 0 (every token
+ * counts). */
+FH_API fh_status fh_distill_topk_forward(fh_context *ctx, const fh_linear *student, const fh_topk_teacher *teacher,
+                                         const int64_t *targets, const fh_distill_topk_options *options,
+                                         fh_distill_outputs *out);
+
+/* Loss and the student's gradients in one call: row blocks of the student's logits over the whole vocabulary
+ * (6 N H V flops, the row work O(V + k)); streams when the budget cannot hold a block. Gradient filtering does
+ * not apply to this head. */
+FH_API fh_status fh_distill_topk_forward_backward(fh_context *ctx, const fh_linear *student,
+                                                  const fh_topk_teacher *teacher, const int64_t *targets,
+                                                  const fh_distill_topk_options *options, const float *grad_output,
+                                                  fh_distill_outputs *out, fh_linear_grads *grads);
+
+/* Workspace bytes the top-k distillation calls need (pure). */
+FH_API fh_status fh_distill_topk_workspace_size(const fh_context *ctx, const fh_linear *student, size_t *bytes);
+
+/* ---------------------------------------------------------------------------------------------
  * KTO: unpaired preference optimisation (TRL's KTOTrainer, loss_type "kto" and "apo_zero_unpaired"), one
  * micro-batch on one process.
  *

@@ -5,6 +5,7 @@
  * the cross-entropy needs them apart, and the KLs' cross term; the JSD's mixture log m = log(beta q + (1 - beta) p)
  * needs both log-sum-exps first, so it folds in a second pass. */
 #include "counted_rows.h"
+#include "distill_shared.h"
 #include "engine/engine.h"
 #include "linear.h"
 
@@ -51,7 +52,13 @@ typedef struct distill_head {
 
 static int counted(const distill_head *h, int64_t i)
 {
-    return !h->targets || h->targets[i] != h->o->ignore_index;
+    return fh_distill_counted(h->targets, h->o->ignore_index, i);
+}
+
+static fh_distill_terms terms_of(const fh_distill_options *o)
+{
+    const fh_distill_terms t = {o->temperature, o->weight_soft_loss, o->weight_hard_loss, o->ignore_index, o->reduction};
+    return t;
 }
 
 static int64_t target_in(const distill_head *h, int64_t i, int64_t first_column, int64_t count)
@@ -191,28 +198,8 @@ static fh_status check_options(fh_context *ctx, const fh_linear *student, const 
                        "divergence = %d is not forward_kl (0), reverse_kl (1) or jsd (2)", (int)o->divergence);
     if (!(o->beta >= 0.0 && o->beta <= 1.0))
         return fh_fail(ctx, FH_ERR_INVALID_DISTILL_OPTION, "beta = %g is outside [0, 1]", o->beta);
-    if (!(o->weight_soft_loss >= 0.0 && isfinite(o->weight_soft_loss)) ||
-        !(o->weight_hard_loss >= 0.0 && isfinite(o->weight_hard_loss)))
-        return fh_fail(ctx, FH_ERR_INVALID_DISTILL_OPTION,
-                       "weight_soft_loss = %g and weight_hard_loss = %g must be finite and >= 0", o->weight_soft_loss,
-                       o->weight_hard_loss);
-    /* 1/temperature scales fp32 logits: it must be a finite, nonzero fp32 value. */
-    if (!(o->temperature > 0.0 && isfinite(o->temperature) && isfinite((float)(1.0 / o->temperature)) &&
-          (float)(1.0 / o->temperature) > 0.0f))
-        return fh_fail(ctx, FH_ERR_INVALID_TEMPERATURE, "temperature = %g must be > 0 with 1/temperature in fp32 range",
-                       o->temperature);
-    if (o->reduction != FH_REDUCTION_MEAN && o->reduction != FH_REDUCTION_SUM && o->reduction != FH_REDUCTION_NONE)
-        return fh_fail(ctx, FH_ERR_INVALID_REDUCTION, "reduction = %d is not mean (0), sum (1) or none (2)",
-                       (int)o->reduction);
-    if (!targets && o->weight_hard_loss != 0.0)
-        return fh_fail(ctx, FH_ERR_NULL_POINTER, "targets are NULL and weight_hard_loss = %g needs them",
-                       o->weight_hard_loss);
-    for (int64_t i = 0; targets && i < student->n; i++)
-        if (targets[i] != o->ignore_index && (targets[i] < 0 || targets[i] >= student->vocab))
-            return fh_fail(ctx, FH_ERR_TARGET_OUT_OF_RANGE,
-                           "targets[%lld] = %lld is outside [0, %lld) and is not ignore_index (%lld)", (long long)i,
-                           (long long)targets[i], (long long)student->vocab, (long long)o->ignore_index);
-    return FH_OK;
+    const fh_distill_terms t = terms_of(o);
+    return fh_distill_check_terms(ctx, student, targets, &t);
 }
 
 static fh_status check_pair_shapes(fh_context *ctx, const fh_linear *student, const fh_linear *teacher)
@@ -283,22 +270,6 @@ static fh_status check_call(fh_context *ctx, const fh_linear *student, const fh_
     return st;
 }
 
-static fh_status check_backward_inputs(fh_context *ctx, const fh_linear *student, const fh_distill_options *o,
-                                       const float *grad_output, const fh_linear_grads *grads)
-{
-    if (!grad_output)
-        return fh_fail(ctx, FH_ERR_NULL_POINTER, "grad_output is NULL");
-    const fh_status st = fh_check_grads(ctx, student, grads);
-    if (st != FH_OK)
-        return st;
-    const int64_t count = o->reduction == FH_REDUCTION_NONE ? student->n : 1;
-    for (int64_t i = 0; i < count; i++)
-        if (!isfinite(grad_output[i]))
-            return fh_fail(ctx, FH_ERR_INVALID_GRAD_OUTPUT, "grad_output[%lld] = %g is not finite", (long long)i,
-                           (double)grad_output[i]);
-    return FH_OK;
-}
-
 /* The head over the workspace's slots, every row's running state at its start, and (grad_output not NULL) every
  * row's coefficient. */
 static distill_head head_of(const fh_workspace *ws, const fh_linear *student, const int64_t *targets,
@@ -313,50 +284,23 @@ static distill_head head_of(const fh_workspace *ws, const fh_linear *student, co
     h.separate_u = targets && h.inv_t != 1.0f;
     h.log_beta = log(o->beta);
     h.log_1m_beta = log1p(-o->beta);
-    double count = 0.0;
     for (int64_t i = 0; i < student->n; i++) {
         for (int s = 0; s < SLOTS; s++)
             ws->slot[s][i] = 0.0;
         ws->slot[SLOT_S_MAX_THEN_LSE][i] = ws->slot[SLOT_T_MAX_THEN_LSE][i] = ws->slot[SLOT_U_MAX_THEN_LSE][i] =
             -INFINITY;
-        count += counted(&h, i);
     }
-    for (int64_t i = 0; grad_output && i < student->n; i++) {
-        const double g = grad_output[o->reduction == FH_REDUCTION_NONE ? i : 0];
-        /* A mean over no token is 0 with zero gradients, never NaN. */
-        const double scale = o->reduction == FH_REDUCTION_MEAN ? (count > 0.0 ? 1.0 / count : 0.0) : 1.0;
-        ws->slot[SLOT_COEF][i] = counted(&h, i) ? g * scale : 0.0;
-    }
+    const fh_distill_terms t = terms_of(o);
+    if (grad_output)
+        fh_distill_coefficients(student->n, targets, &t, grad_output, ws->slot[SLOT_COEF]);
     return h;
 }
 
 static void write_outputs(const distill_head *h, int64_t n, fh_distill_outputs *out)
 {
-    double *const *slot = h->slot;
-    const fh_distill_options *o = h->o;
-    double soft = 0.0, hard = 0.0, count = 0.0;
-    for (int64_t i = 0; i < n; i++) {
-        double d = 0.0, ce = 0.0;
-        if (counted(h, i)) {
-            d = slot[SLOT_CROSS_THEN_D][i];
-            ce = h->targets ? slot[SLOT_U_MAX_THEN_LSE][i] - slot[SLOT_U_TARGET][i] : 0.0;
-            count += 1.0;
-        }
-        soft += d;
-        hard += ce;
-        if (out->per_token_loss)
-            out->per_token_loss[i] = (float)(o->weight_soft_loss * d + o->weight_hard_loss * ce);
-    }
-    if (o->reduction == FH_REDUCTION_MEAN) {
-        soft = count > 0.0 ? soft / count : 0.0;
-        hard = count > 0.0 ? hard / count : 0.0;
-    }
-    if (out->loss)
-        *out->loss = o->weight_soft_loss * soft + o->weight_hard_loss * hard;
-    if (out->soft_loss)
-        *out->soft_loss = soft;
-    if (out->hard_loss)
-        *out->hard_loss = hard;
+    const fh_distill_terms t = terms_of(h->o);
+    fh_distill_write_outputs(n, h->targets, &t, h->slot[SLOT_CROSS_THEN_D], h->slot[SLOT_U_MAX_THEN_LSE],
+                             h->slot[SLOT_U_TARGET], out);
 }
 
 static fh_pair_kernels kernels_of(const distill_head *h, const fh_linear *teacher)
@@ -485,7 +429,7 @@ FH_API fh_status fh_distill_forward_backward(fh_context *ctx, const fh_linear *s
 {
     fh_status st = check_call(ctx, student, teacher, targets, options, out);
     if (st == FH_OK)
-        st = check_backward_inputs(ctx, student, options, grad_output, grads);
+        st = fh_distill_check_backward(ctx, student, options->reduction, grad_output, grads);
     if (st == FH_OK)
         st = check_apart(ctx, student, teacher, targets, options, grad_output, out, grads);
     if (st != FH_OK)

@@ -110,18 +110,19 @@ static int dense_vh(const fh_linear *lin)
 }
 
 /* What the pass computes and which of the bf16 path's buffers it needs (see fh_plan); companion: a pair plan. */
-/* What a plan knows of a companion head: none, or its dtype (its GEMMs may need the convert path's panels). */
-enum { NO_COMPANION, COMPANION_F32, COMPANION_BF16 };
+/* What a plan knows of a companion head: none, its dtype (its GEMMs may need the convert path's panels), or none
+ * for a head that runs its own pair kernels over lin's tile alone (no filtering, as with a companion). */
+enum { NO_COMPANION, COMPANION_F32, COMPANION_BF16, OWN_KERNELS };
 
 static int companion_of(const fh_linear *companion)
 {
-    return companion->x_dtype == FH_DTYPE_BF16 ? COMPANION_BF16 : COMPANION_F32;
+    return !companion ? OWN_KERNELS : companion->x_dtype == FH_DTYPE_BF16 ? COMPANION_BF16 : COMPANION_F32;
 }
 
 static void set_schedule(const fh_context *ctx, const fh_linear *lin, int gradients, int row_blocks, int companion,
                          fh_plan *plan)
 {
-    plan->companion = companion != NO_COMPANION;
+    plan->companion = companion == COMPANION_F32 || companion == COMPANION_BF16;
     plan->bf16_gemms = lin->x_dtype == FH_DTYPE_BF16 || companion == COMPANION_BF16;
     plan->convert_panels = plan->bf16_gemms && fh_gemm_bf16_path() == FH_BF16_CONVERT;
     const int bf16 = lin->x_dtype == FH_DTYPE_BF16 && gradients;
@@ -131,7 +132,7 @@ static void set_schedule(const fh_context *ctx, const fh_linear *lin, int gradie
     plan->fp32_du = bf16 && ctx->params[FH_PARAM_FP32_DU] != 0;
     plan->bf16_du = bf16 && !plan->fp32_du;
     plan->accumulators = bf16 && !row_blocks;
-    plan->filter_eps = gradients && !companion ? ctx->grad_filter_eps : 0.0;
+    plan->filter_eps = gradients && companion == NO_COMPANION ? ctx->grad_filter_eps : 0.0;
     plan->tail_estimate = plan->filter_eps > 0.0 && ctx->grad_filter_tail == FH_FILTER_TAIL_ESTIMATE;
     /* Chunks only where dweight may hold them (see place_in_dweight): in the [H, V] layout oneDNN writes a chunk's
      * strided dweight through an f32 scratchpad of its size (32 MiB more peak memory at H=1024). */
@@ -299,7 +300,7 @@ static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, const fh
     plan->tile_vocab = vocab;
     /* An explicit FH_PARAM_TILE_ROWS (or measured wisdom) is honoured. */
     const int64_t cap = min64(n, rows_param > 0 ? rows_param
-                                 : companion     ? PAIR_ROW_BLOCK
+                                 : plan->companion ? PAIR_ROW_BLOCK
                                  : plan->bf16_du ? (group_rows > BF16_ROW_BLOCK ? group_rows : BF16_ROW_BLOCK)
                                                  : n);
     if (balanced_blocks(plan, n, cap) == 0 && place_in_dweight(plan, lin, grads) && (int64_t)plan->bytes <= budget)
@@ -312,11 +313,11 @@ static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, const fh
      * final check below. */
     const fh_filter_shape shape = filter_shape(plan);
     const int64_t filter_row_bytes = fh_filter_row_bytes(&shape);
-    const int64_t row_bytes = (companion ? 2 : 1) * vocab * (int64_t)sizeof(float) + filter_row_bytes;
+    const int64_t row_bytes = (plan->companion ? 2 : 1) * vocab * (int64_t)sizeof(float) + filter_row_bytes;
     const int64_t rows = min64(cap, 1 + (budget - (int64_t)plan->bytes) / row_bytes);
     /* Blocks thinner than MIN_ROW_BLOCK (a pair's PAIR_ROW_BLOCK) lose to streaming (the H x V dweight is re-read
      * per block), unless the caller asked for them. */
-    const int64_t min_rows = rows_param > 0 ? 1 : min64(n, companion ? PAIR_ROW_BLOCK : MIN_ROW_BLOCK);
+    const int64_t min_rows = rows_param > 0 ? 1 : min64(n, plan->companion ? PAIR_ROW_BLOCK : MIN_ROW_BLOCK);
     if (rows < min_rows || balanced_blocks(plan, n, rows) != 0)
         return -1;
     while ((int64_t)plan->bytes > budget && plan->tile_rows > min_rows) {

@@ -94,7 +94,8 @@ fh_status fh_plan_train_step_groups(fh_context *ctx, const fh_linear *lin, const
 
 /* Plans for a pass with a companion head (fh_pair_kernels): the companion's tile beside lin's, no gradient
  * filtering, and train-step row blocks of at most 224 rows unless FH_PARAM_TILE_ROWS says otherwise (two
- * tiles of logits per row). As fh_plan_streaming and fh_plan_train_step otherwise. */
+ * tiles of logits per row). As fh_plan_streaming and fh_plan_train_step otherwise. companion NULL: a head's own
+ * pair kernels over lin's tile alone, no filtering, lin's tile and row blocks as fh_plan_train_step's. */
 fh_status fh_plan_pair_streaming(const fh_context *ctx, const fh_linear *lin, const fh_linear *companion,
                                  fh_plan plans[2], fh_context *messages);
 fh_status fh_plan_pair_train_step(const fh_context *ctx, const fh_linear *lin, const fh_linear *companion,

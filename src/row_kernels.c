@@ -205,6 +205,11 @@ void fh_row_pair_gradient(float *z, const float *cz, int64_t count, const fh_pai
     fh_row_kernels_in_use()->pair_gradient(z, cz, count, r);
 }
 
+void fh_row_softmax_pair(float *z, int64_t count, const fh_softmax_pair *r)
+{
+    fh_row_kernels_in_use()->softmax_pair(z, count, r);
+}
+
 double fh_row_compact(float *z, const int64_t *columns, int64_t count, int move, float threshold, float c,
                       const float *weights, const float *next)
 {

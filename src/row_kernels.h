@@ -140,6 +140,18 @@ fh_row_jsd_sums_fn fh_row_jsd_sums;
 typedef void fh_row_pair_gradient_fn(float *z, const float *cz, int64_t count, const fh_pair_row *r);
 fh_row_pair_gradient_fn fh_row_pair_gradient;
 
+/* ---- Two softmaxes of one row of raw logits u (a head with a tempered and an untempered term: top-k
+ * distillation's tail and cross-entropy) ---- */
+typedef struct fh_softmax_pair {
+    float scale, shift_a, a; /* a exp(scale u - shift_a) */
+    float shift_b, b;        /* + b exp(u - shift_b); b = 0 skips it */
+} fh_softmax_pair;
+
+/* Overwrites u with a exp(scale u_j - shift_a) + b exp(u_j - shift_b); scale u - shift_a is rounded twice (the
+ * product, then the difference), as the log-probabilities of the pair kernels. */
+typedef void fh_row_softmax_pair_fn(float *z, int64_t count, const fh_softmax_pair *r);
+fh_row_softmax_pair_fn fh_row_softmax_pair;
+
 /* dst[j] = src[j] rounded to the nearest bf16 (ties to even; NaN stays NaN), for j < count. dst may be src's own
  * memory (a row narrowed in place into its first half). */
 typedef void fh_row_to_bf16_fn(const void *src, int64_t count, void *dst);

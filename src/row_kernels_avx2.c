@@ -503,6 +503,27 @@ static void pair_gradient(float *z, const float *cz, int64_t count, const fh_pai
         pair_gradient_block(z + j, cz + j, count - j, r);
 }
 
+BLOCK void softmax_pair_block(float *z, int64_t remaining, const fh_softmax_pair *r)
+{
+    const __m256 u = load(z, remaining);
+    const __m256 second = r->b != 0.0f ? _mm256_mul_ps(_mm256_set1_ps(r->b),
+                                                       exp8(_mm256_sub_ps(u, _mm256_set1_ps(r->shift_b))))
+                                       : _mm256_setzero_ps();
+    const __m256 scaled = _mm256_mul_ps(_mm256_set1_ps(r->scale), u);
+    store(z,
+          _mm256_fmadd_ps(_mm256_set1_ps(r->a), exp8(_mm256_sub_ps(scaled, _mm256_set1_ps(r->shift_a))), second),
+          remaining);
+}
+
+static void softmax_pair(float *z, int64_t count, const fh_softmax_pair *r)
+{
+    int64_t j = 0;
+    for (; j + LANES <= count; j += LANES)
+        softmax_pair_block(z + j, LANES, r);
+    if (j < count)
+        softmax_pair_block(z + j, count - j, r);
+}
+
 /* The portable rounding (ties to even, NaN kept quiet), 8 at a time on the bits: each step reads 32 bytes at 4 j and
  * writes 16 at 2 j, so that a row narrowed in place never overwrites what it has yet to read. */
 static void to_bf16(const void *src, int64_t count, void *dst)

@@ -361,6 +361,19 @@ static void pair_gradient(float *z, const float *cz, int64_t count, const fh_pai
     }
 }
 
+static void softmax_pair(float *z, int64_t count, const fh_softmax_pair *r)
+{
+    const __m512 scale = _mm512_set1_ps(r->scale), shift_a = _mm512_set1_ps(r->shift_a), a = _mm512_set1_ps(r->a);
+    const __m512 shift_b = _mm512_set1_ps(r->shift_b), b = _mm512_set1_ps(r->b);
+    for (int64_t j = 0; j < count; j += LANES) {
+        const __mmask16 m = tail_mask(count - j);
+        const __m512 u = _mm512_maskz_loadu_ps(m, z + j);
+        const __m512 second = r->b != 0.0f ? _mm512_mul_ps(b, exp16(_mm512_sub_ps(u, shift_b))) : _mm512_setzero_ps();
+        const __m512 du = _mm512_fmadd_ps(a, exp16(_mm512_sub_ps(_mm512_mul_ps(scale, u), shift_a)), second);
+        _mm512_mask_storeu_ps(z + j, m, du);
+    }
+}
+
 /* The portable rounding (ties to even, NaN kept quiet), 16 at a time on the bits: each step reads 64 bytes at 4 j and
  * writes 32 at 2 j, so that a row narrowed in place never overwrites what it has yet to read. */
 static void to_bf16(const void *src, int64_t count, void *dst)

@@ -19,6 +19,7 @@ typedef struct fh_row_kernel_set {
     fh_row_exp_sums_fn *exp_sums;
     fh_row_jsd_sums_fn *jsd_sums;
     fh_row_pair_gradient_fn *pair_gradient;
+    fh_row_softmax_pair_fn *softmax_pair;
     fh_row_compact_fn *compact;
     fh_row_add_columns_fn *add_columns;
     fh_row_to_bf16_fn *to_bf16;
@@ -34,6 +35,7 @@ typedef struct fh_row_kernel_set {
                                      .exp_sums = exp_sums,                                                     \
                                      .jsd_sums = jsd_sums,                                                     \
                                      .pair_gradient = pair_gradient,                                           \
+                                     .softmax_pair = softmax_pair,                                             \
                                      .compact = compact,                                                       \
                                      .add_columns = add_columns,                                               \
                                      .to_bf16 = to_bf16}

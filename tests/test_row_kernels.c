@@ -811,6 +811,41 @@ static void test_pair_gradient(void)
     }
 }
 
+/* softmax_pair against the formula in double on the same float arguments (scale u, then - shift, rounded as the
+ * kernel documents) and against the portable set: each exp within 1 ulp (2 floats between sets), then a product and
+ * an fma or a product and a sum: 2^-20 of the terms' magnitudes. Without the second term (b = 0) it contributes
+ * nothing, also where its exp would overflow (shift_b far below u). */
+static void test_softmax_pair(void)
+{
+    const fh_row_kernel_set *set = set_in_use();
+    uint64_t s = 61;
+    for (size_t li = 0; li < TU_COUNT(lengths); li++) {
+        const int64_t n = lengths[li];
+        float *z = floats(n);
+        fill(z, n, &s, -6.0, 6.0);
+        for (int second = 0; second < 2; second++) {
+            const fh_softmax_pair r = {1.0f / 0.7f, 7.5f, -0.8f, second ? 5.0f : -200.0f, second ? 0.3f : 0.0f};
+            float *a = copy_of(z, n), *b = copy_of(z, n);
+            set->softmax_pair(a, n, &r);
+            portable()->softmax_pair(b, n, &r);
+            int64_t bad = -1;
+            for (int64_t j = 0; j < n && bad < 0; j++) {
+                const float arg_a = r.scale * z[j] - r.shift_a, arg_b = z[j] - r.shift_b;
+                const double ta = fabs(r.a) * exp(arg_a), tb = second ? fabs(r.b) * exp(arg_b) : 0.0;
+                const double want = r.a * exp(arg_a) + (second ? r.b * exp(arg_b) : 0.0);
+                const double tol = 0x1.0p-20 * (ta + tb) + 0x1.0p-140;
+                if (!close_to(a[j], want, tol) || !close_to(a[j], b[j], tol))
+                    bad = j;
+            }
+            TU_CHECK(bad < 0, "softmax_pair n %lld, second term %d: column %lld %a vs portable %a", (long long)n, second,
+                     (long long)(bad < 0 ? 0 : bad), a[bad < 0 ? 0 : bad], b[bad < 0 ? 0 : bad]);
+            free(a);
+            free(b);
+        }
+        free(z);
+    }
+}
+
 /* ---- filtering's compaction and column sums ---- */
 
 static void test_compact(void)
@@ -949,6 +984,7 @@ static const tu_test tests[] = {
     {"jsd_sums vs portable", test_jsd_sums},
     {"jsd_sums of nearly identical rows vs double", test_jsd_sums_near_identical},
     {"pair_gradient vs portable: every divergence, hard term", test_pair_gradient},
+    {"softmax_pair vs double and portable: one and two terms", test_softmax_pair},
     {"compact vs portable: thresholds, weights, in place", test_compact},
     {"add_columns vs portable: f32 and bf16 columns", test_add_columns},
     {"to_bf16 vs portable: every class of float, in place", test_to_bf16},

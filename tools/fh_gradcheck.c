@@ -1,10 +1,11 @@
-/* fh_gradcheck: runs the fused cross-entropy (--loss grpo, logprob, dpo|orpo|simpo|cpo, distill, kto: those heads) and the
+/* fh_gradcheck: runs the fused cross-entropy (--loss grpo, logprob, dpo|orpo|simpo|cpo, distill, distill_topk, kto: those heads) and the
  * double-precision reference on random inputs, prints the differences as JSON and exits non-zero past tolerance.
  * --dump DIR writes every input and fused output as .npy so other tools can check them independently. Exits 77 (a
  * skip for ctest), saying why, when FH_ROW_KERNELS or FH_BF16_GEMM asks for kernels this CPU or build lacks. */
 #include "ce_case.h"
 #include "gradcheck_common.h"
 #include "gradcheck_distill.h"
+#include "gradcheck_distill_topk.h"
 #include "gradcheck_grpo.h"
 #include "gradcheck_logprob.h"
 #include "gradcheck_preference.h"
@@ -29,6 +30,7 @@ static void usage(void)
             "       fh_gradcheck --loss logprob ... (fh_gradcheck --loss logprob --help)\n"
             "       fh_gradcheck --loss dpo|orpo|simpo|cpo ... (fh_gradcheck --loss dpo --help)\n"
             "       fh_gradcheck --loss distill ... (fh_gradcheck --loss distill --help)\n"
+            "       fh_gradcheck --loss distill_topk ... (fh_gradcheck --loss distill_topk --help)\n"
             "       fh_gradcheck --loss kto ... (fh_gradcheck --loss kto --help)\n");
 }
 
@@ -177,6 +179,8 @@ int main(int argc, char **argv)
                 return gradcheck_distill(argc, argv);
             if (strcmp(argv[i + 1], "kto") == 0)
                 return gradcheck_kto(argc, argv);
+            if (strcmp(argv[i + 1], "distill_topk") == 0)
+                return gradcheck_distill_topk(argc, argv);
             if (strcmp(argv[i + 1], "ce") != 0) {
                 usage();
                 return 2;

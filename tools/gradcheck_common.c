@@ -104,6 +104,44 @@ int gradcheck_main(const gradcheck_loss *loss, void *check, int argc, char **arg
     return rc;
 }
 
+void *gradcheck_calloc(size_t count, size_t size)
+{
+    void *p = calloc(count ? count : 1, size);
+    if (!p) {
+        fprintf(stderr, "fh_gradcheck: out of memory\n");
+        exit(2);
+    }
+    return p;
+}
+
+double *gradcheck_doubles(const float *f, size_t count)
+{
+    if (!f)
+        return NULL;
+    double *d = gradcheck_calloc(count, sizeof *d);
+    for (size_t i = 0; i < count; i++)
+        d[i] = f[i];
+    return d;
+}
+
+fh_status gradcheck_context(fh_context **ctx, int threads, int64_t tile_rows, int64_t tile_vocab, int64_t budget,
+                            int fp32_du)
+{
+    *ctx = NULL;
+    fh_status st = fh_context_create(ctx);
+    const struct {
+        fh_param param;
+        int64_t value;
+    } settings[] = {{FH_PARAM_THREADS, threads},
+                    {FH_PARAM_TILE_ROWS, tile_rows},
+                    {FH_PARAM_TILE_VOCAB, tile_vocab},
+                    {FH_PARAM_MEMORY_BUDGET, budget},
+                    {FH_PARAM_FP32_DU, fp32_du}};
+    for (size_t j = 0; st == FH_OK && j < sizeof settings / sizeof settings[0]; j++)
+        st = fh_context_set(*ctx, settings[j].param, settings[j].value);
+    return st;
+}
+
 int gradcheck_library_failed(fh_status st, const char *message)
 {
     const int has_message = message && message[0];

@@ -55,6 +55,17 @@ int gradcheck_main(const gradcheck_loss *loss, void *check, int argc, char **arg
 /* Says on stderr that the library returned st (with the context's message, when not NULL or empty); returns 2. */
 int gradcheck_library_failed(fh_status st, const char *message);
 
+/* calloc that exits with 2 (a failed run) when memory runs out; count 0 allocates one element. */
+void *gradcheck_calloc(size_t count, size_t size);
+
+/* The floats as doubles (gradcheck_calloc'd); NULL for NULL. */
+double *gradcheck_doubles(const float *f, size_t count);
+
+/* A context with these parameters (0: the library's default): FH_OK, or the failing call's status with *ctx NULL
+ * or to be destroyed. */
+fh_status gradcheck_context(fh_context **ctx, int threads, int64_t tile_rows, int64_t tile_vocab, int64_t budget,
+                            int fp32_du);
+
 /* "name": x followed by tail, or null for NaN (JSON has none: metrics TRL does not log). */
 void gradcheck_json_number(FILE *f, const char *name, double x, const char *tail);
 

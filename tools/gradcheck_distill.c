@@ -141,33 +141,13 @@ typedef struct head {
     ref_linear ref;
 } head;
 
-static void *xcalloc(size_t count, size_t size)
-{
-    void *p = calloc(count ? count : 1, size);
-    if (!p) {
-        fprintf(stderr, "fh_gradcheck: out of memory\n");
-        exit(2);
-    }
-    return p;
-}
-
-static double *doubles(const float *f, size_t count)
-{
-    if (!f)
-        return NULL;
-    double *d = xcalloc(count, sizeof *d);
-    for (size_t i = 0; i < count; i++)
-        d[i] = f[i];
-    return d;
-}
-
 static void head_make(head *h, uint64_t *rng, const distill_spec *s, int64_t hidden, fh_layout layout, int bias)
 {
     const size_t nh = (size_t)(s->n * hidden), hv = (size_t)(hidden * s->vocab);
     memset(h, 0, sizeof *h);
-    h->x = xcalloc(nh, sizeof(float));
-    h->weight = xcalloc(hv, sizeof(float));
-    h->bias = bias ? xcalloc((size_t)s->vocab, sizeof(float)) : NULL;
+    h->x = gradcheck_calloc(nh, sizeof(float));
+    h->weight = gradcheck_calloc(hv, sizeof(float));
+    h->bias = bias ? gradcheck_calloc((size_t)s->vocab, sizeof(float)) : NULL;
     ce_fill_linear(rng, s->n, hidden, s->vocab, s->logit_scale, h->x, h->weight, h->bias);
     const int bf16 = s->dtype == FH_DTYPE_BF16;
     if (bf16) {
@@ -181,9 +161,9 @@ static void head_make(head *h, uint64_t *rng, const distill_spec *s, int64_t hid
     fh_linear_init(&h->lin, s->n, hidden, s->vocab, bf16 ? (const void *)h->x_bf16 : h->x,
                    bf16 ? (const void *)h->weight_bf16 : h->weight, layout, h->bias);
     h->lin.x_dtype = h->lin.weight_dtype = s->dtype;
-    h->rx = doubles(h->x, nh);
+    h->rx = gradcheck_doubles(h->x, nh);
     h->rw = ce_weight_to_reference(layout, hidden, s->vocab, h->weight);
-    h->rb = doubles(h->bias, (size_t)s->vocab);
+    h->rb = gradcheck_doubles(h->bias, (size_t)s->vocab);
     const ref_linear r = {s->n, hidden, s->vocab, h->rx, h->rw, h->rb};
     h->ref = r;
 }
@@ -333,32 +313,24 @@ static int run(void *check)
     uint64_t rng = s->seed * 104729 + 3;
     head_make(&k->student, &rng, s, s->hidden, s->layout, s->bias);
     head_make(&k->teacher, &rng, s, s->teacher_hidden, s->teacher_layout, s->teacher_bias);
-    k->targets = xcalloc(n, sizeof(int64_t));
+    k->targets = gradcheck_calloc(n, sizeof(int64_t));
     for (size_t i = 0; i < n; i++) {
         k->targets[i] = (int64_t)(ce_uniform(&rng) * (double)s->vocab);
         if (ce_uniform(&rng) < s->ignore_frac)
             k->targets[i] = s->options.ignore_index;
     }
     const int64_t *call_targets = s->no_targets ? NULL : k->targets;
-    k->grad_output = xcalloc(n, sizeof(float));
+    k->grad_output = gradcheck_calloc(n, sizeof(float));
     for (size_t i = 0; i < n; i++)
         k->grad_output[i] =
             s->options.reduction == FH_REDUCTION_NONE ? (float)(3.0 * ce_uniform(&rng) - 1.5) : s->grad_output;
 
     /* The fused calls: fh_distill_forward, then fh_distill_forward_backward into NaN-filled gradients (beta 0 must
      * overwrite them). */
-    fh_context *ctx = NULL;
-    fh_status st = fh_context_create(&ctx);
-    const struct {
-        fh_param param;
-        int64_t value;
-    } settings[] = {{FH_PARAM_THREADS, s->threads},     {FH_PARAM_TILE_ROWS, s->tile_rows},
-                    {FH_PARAM_TILE_VOCAB, s->tile_vocab}, {FH_PARAM_MEMORY_BUDGET, s->budget},
-                    {FH_PARAM_FP32_DU, s->fp32_du}};
-    for (size_t j = 0; st == FH_OK && j < sizeof settings / sizeof settings[0]; j++)
-        st = fh_context_set(ctx, settings[j].param, settings[j].value);
-    k->fwd.per_token = xcalloc(n, sizeof(float));
-    k->step.per_token = xcalloc(n, sizeof(float));
+    fh_context *ctx;
+    fh_status st = gradcheck_context(&ctx, s->threads, s->tile_rows, s->tile_vocab, s->budget, s->fp32_du);
+    k->fwd.per_token = gradcheck_calloc(n, sizeof(float));
+    k->step.per_token = gradcheck_calloc(n, sizeof(float));
     gradients *gr = &k->gr;
     ce_alloc_grads(n, h, v, s->bias, 0.0f, &gr->dx, &gr->dweight, &gr->dbias);
     if (st == FH_OK) {
@@ -388,13 +360,13 @@ static int run(void *check)
                                     s->options.weight_soft_loss, s->options.weight_hard_loss, s->options.ignore_index,
                                     (int)s->options.reduction};
     reference *ref = &k->ref;
-    ref->per_token = xcalloc(n, sizeof(double));
-    ref->dx = xcalloc(n * h, sizeof(double));
-    ref->dweight = xcalloc(h * v, sizeof(double));
-    ref->dbias = s->bias ? xcalloc(v, sizeof(double)) : NULL;
+    ref->per_token = gradcheck_calloc(n, sizeof(double));
+    ref->dx = gradcheck_calloc(n * h, sizeof(double));
+    ref->dweight = gradcheck_calloc(h * v, sizeof(double));
+    ref->dbias = s->bias ? gradcheck_calloc(v, sizeof(double)) : NULL;
     ref->r.per_token_loss = ref->per_token;
-    k->dw = xcalloc(h * v, sizeof(double));
-    k->g = doubles(k->grad_output, n);
+    k->dw = gradcheck_calloc(h * v, sizeof(double));
+    k->g = gradcheck_doubles(k->grad_output, n);
     if (st != FH_OK)
         return 2;
     if (ref_distill_linear(&k->student.ref, &k->teacher.ref, call_targets, &ro, k->g, &ref->r, ref->dx, k->dw,

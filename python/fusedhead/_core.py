@@ -1037,7 +1037,7 @@ class DistillProblem:
         loss, soft, hard = ctypes.c_double(), ctypes.c_double(), ctypes.c_double()
         out = _lib.fh_distill_outputs(*(ctypes.cast(ctypes.byref(v), c_double_p) for v in (loss, soft, hard)),
                                       _fp(per_token_loss))
-        args = (ctypes.byref(self.head.c), ctypes.byref(self.teacher.c), self.targets, ctypes.byref(self.options))
+        args = self._inputs()
         if gradient_args:
             grad_output, grads = gradient_args
             ctx.call(function, *args, _fp(grad_output), ctypes.byref(out), ctypes.byref(grads))
@@ -1045,16 +1045,21 @@ class DistillProblem:
             ctx.call(function, *args, ctypes.byref(out))
         return loss.value, soft.value, hard.value
 
+    PREFIX = "fh_distill"  # the calls: PREFIX_forward, PREFIX_forward_backward
+
+    def _inputs(self) -> tuple:
+        return ctypes.byref(self.head.c), ctypes.byref(self.teacher.c), self.targets, ctypes.byref(self.options)
+
     def forward(self, ctx: Context, per_token_loss: Optional[int] = None) -> Tuple[float, float, float]:
         """fh_distill_forward; returns (loss, soft_loss, hard_loss) (for 'none': sums over tokens, and the
         float32 [N] per_token_loss address is required)."""
-        return self._call(ctx, "fh_distill_forward", per_token_loss)
+        return self._call(ctx, self.PREFIX + "_forward", per_token_loss)
 
     def forward_backward(self, ctx: Context, grad_output: int, grads: _lib.fh_linear_grads,
                          per_token_loss: Optional[int] = None) -> Tuple[float, float, float]:
         """fh_distill_forward_backward: the loss and the student's gradients (grad_output: grad_count float32
         values, d(objective)/d(loss)); returns (loss, soft_loss, hard_loss)."""
-        return self._call(ctx, "fh_distill_forward_backward", per_token_loss, (grad_output, grads))
+        return self._call(ctx, self.PREFIX + "_forward_backward", per_token_loss, (grad_output, grads))
 
     def workspace_size(self, ctx: Context) -> int:
         size = ctypes.c_size_t()
@@ -1063,9 +1068,56 @@ class DistillProblem:
         return size.value
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Top-k teacher distillation: the teacher as k token ids and log-probs per token (TRL's server distillation)
+# ---------------------------------------------------------------------------------------------------------
+def distill_topk_options(*, add_tail=True, temperature=1.0, weight_soft_loss=1.0, weight_hard_loss=0.0,
+                         ignore_index=-100, reduction="mean") -> _lib.fh_distill_topk_options:
+    """fh_distill_topk_options from TRL-named keyword arguments (add_tail: ServerDistillationConfig's
+    loss_add_tail). The library validates the values (InvalidDistillOptionError, InvalidTemperatureError)."""
+    opt = _lib.fh_distill_topk_options()
+    check_status(load_library().fh_distill_topk_options_init(ctypes.byref(opt)), "fh_distill_topk_options_init")
+    if not isinstance(add_tail, (bool, int)) or add_tail not in (0, 1):
+        raise TypeError(f"add_tail: expected a bool, got {add_tail!r}")
+    opt.add_tail = int(add_tail)
+    opt.temperature = _real(temperature, "temperature")
+    opt.weight_soft_loss = _real(weight_soft_loss, "weight_soft_loss")
+    opt.weight_hard_loss = _real(weight_hard_loss, "weight_hard_loss")
+    opt.ignore_index = int64("ignore_index", ignore_index)
+    opt.reduction = int(parse_reduction(reduction))
+    return opt
+
+
+class DistillTopkProblem(DistillProblem):
+    """A student head over N tokens, the teacher's contiguous [N, k] int64 ids and float32 log-probs (-inf marks a
+    padded entry), optional targets and options: the arguments every fh_distill_topk_* call shares."""
+    PREFIX = "fh_distill_topk"
+
+    def __init__(self, student: LinearHead, ids: View, logprobs: View, targets: Optional[View] = None,
+                 options: Optional[_lib.fh_distill_topk_options] = None):
+        n = student.n
+        for name, v in (("teacher_ids", ids), ("teacher_logprobs", logprobs)):
+            if len(v.shape) != 2 or v.shape[0] != n or v.strides != (v.shape[1], 1):
+                raise ValueError(f"{name}: expected a C-contiguous [N, k] = [{n}, k] array, got shape "
+                                 f"{_shape(v.shape)} strides {v.strides}")
+        if ids.shape != logprobs.shape:
+            raise ValueError(f"teacher_ids {_shape(ids.shape)} and teacher_logprobs {_shape(logprobs.shape)} differ")
+        super().__init__(student, None, targets, options if options is not None else distill_topk_options())
+        self.teacher = _lib.fh_topk_teacher(ids.shape[1], _ip(ids.ptr), _fp(logprobs.ptr))
+
+    def _inputs(self) -> tuple:
+        return ctypes.byref(self.head.c), ctypes.byref(self.teacher), self.targets, ctypes.byref(self.options)
+
+    def workspace_size(self, ctx: Context) -> int:
+        size = ctypes.c_size_t()
+        ctx.call("fh_distill_topk_workspace_size", ctypes.byref(self.head.c), ctypes.byref(size), pure=True)
+        return size.value
+
+
 __all__ = ["Context", "default_context", "set_default_context_settings", "default_context_settings", "kernel_info",
            "KernelInfo", "bf16_available", "status_string", "View", "LinearHead", "CEProblem", "GRPOProblem",
            "grpo_options", "grpo_option_dict", "GRPO_OPTION_NAMES", "GRPO_OPTION_DEFAULTS", "grpo_metrics_dict",
            "PreferenceProblem", "preference_options", "pairs_shape",
            "preference_metrics_dict", "KTOProblem", "kto_options", "kto_metrics_dict", "KTO_METRIC_KEYS",
-           "DistillProblem", "distill_options", "prefixed_errors", "FusedheadError"]
+           "DistillProblem", "distill_options", "prefixed_errors", "FusedheadError", "DistillTopkProblem",
+           "distill_topk_options"]

@@ -464,10 +464,31 @@ class fh_distill_outputs(ctypes.Structure):
     ]
 
 
+# Top-k teacher distillation (fh_distill_topk_*: TRL's server-distillation forward KL on the teacher's top-k)
+class fh_topk_teacher(ctypes.Structure):
+    _fields_ = [
+        ("k", ctypes.c_int64),
+        ("ids", c_int64_p),
+        ("logprobs", c_float_p),
+    ]
+
+
+class fh_distill_topk_options(ctypes.Structure):
+    _fields_ = [
+        ("add_tail", ctypes.c_int),
+        ("temperature", ctypes.c_double),
+        ("weight_soft_loss", ctypes.c_double),
+        ("weight_hard_loss", ctypes.c_double),
+        ("ignore_index", ctypes.c_int64),
+        ("reduction", ctypes.c_int),  # fh_reduction
+    ]
+
+
 STRUCTS = (fh_kernel_info, fh_linear, fh_linear_grads, fh_ce_options, fh_ce_outputs, fh_logprob_options,
            fh_logprob_outputs, fh_grpo_options,
            fh_grpo_batch, fh_grpo_metrics, fh_grpo_outputs, fh_preference_options, fh_preference_batch,
-           fh_preference_metrics, fh_preference_outputs, fh_distill_options, fh_distill_outputs)
+           fh_preference_metrics, fh_preference_outputs, fh_distill_options, fh_distill_outputs, fh_topk_teacher,
+           fh_distill_topk_options)
 STRUCTS += (fh_kto_options, fh_kto_batch, fh_kto_metrics, fh_kto_outputs)
 
 # ---------------------------------------------------------------------------------------------------------
@@ -541,6 +562,13 @@ _OPTIONAL = {
     "fh_kto_forward_backward": (_st, [_ctx_p, _P(fh_linear), _P(fh_kto_batch), _P(fh_kto_options), c_float_p,
                                       _P(fh_kto_outputs), _P(fh_linear_grads)]),
     "fh_kto_workspace_size": (_st, [_ctx_p, _P(fh_linear), _P(ctypes.c_size_t)]),
+    "fh_distill_topk_options_init": (_st, [_P(fh_distill_topk_options)]),
+    "fh_distill_topk_forward": (_st, [_ctx_p, _P(fh_linear), _P(fh_topk_teacher), c_int64_p,
+                                      _P(fh_distill_topk_options), _P(fh_distill_outputs)]),
+    "fh_distill_topk_forward_backward": (_st, [_ctx_p, _P(fh_linear), _P(fh_topk_teacher), c_int64_p,
+                                               _P(fh_distill_topk_options), c_float_p, _P(fh_distill_outputs),
+                                               _P(fh_linear_grads)]),
+    "fh_distill_topk_workspace_size": (_st, [_ctx_p, _P(fh_linear), _P(ctypes.c_size_t)]),
 }
 
 

@@ -37,16 +37,17 @@ from typing import Iterable, Optional, Tuple, Union
 
 import numpy as np
 
-from ._core import (CEProblem, Context, DistillProblem, GRPOProblem, KTOProblem, LinearHead, LogprobProblem,
-                    PreferenceProblem, kto_metrics_dict, kto_options,
+from ._core import (CEProblem, Context, DistillProblem, DistillTopkProblem, GRPOProblem, KTOProblem, LinearHead,
+                    LogprobProblem, PreferenceProblem, kto_metrics_dict, kto_options,
                     View, default_context, distill_options, grpo_metrics_dict, grpo_options, pairs_shape, parse_reduction,
-                    prefixed_errors, preference_metrics_dict, preference_options, status_string)
+                    prefixed_errors, preference_metrics_dict, preference_options, status_string, distill_topk_options)
 from ._lib import Dtype, Reduction, Status
 from .errors import error_for
 
 __all__ = ["cross_entropy", "forward", "backward", "forward_backward", "CrossEntropyResult", "Gradients",
            "workspace_size", "grpo_loss", "GRPOResult", "preference_loss", "PreferenceResult", "distill_loss",
-           "distill_forward_backward", "DistillResult", "logprobs", "LogprobsResult", "kto_loss", "KTOResult"]
+           "distill_forward_backward", "DistillResult", "logprobs", "LogprobsResult", "kto_loss", "KTOResult",
+           "distill_topk_loss"]
 
 _FP32_HINT = "; fusedhead computes in fp32: use .astype(np.float32)"
 _INPUT_DTYPES = {"fp32": (np.float32, Dtype.F32, _FP32_HINT + " (dtype='bf16' takes bfloat16 bits as uint16)"),
@@ -844,18 +845,7 @@ def distill_loss(student_hidden: np.ndarray, student_weight: np.ndarray, teacher
     problem = DistillProblem(prefixed_errors("student", student.linear, student_layout),
                              prefixed_errors("teacher", teacher.linear, teacher_layout),
                              None if tg is None else _view(tg, "targets"), opt)
-    ctx = context or default_context()
-    if g is None:
-        loss, soft, hard = problem.forward(ctx, per_token.ctypes.data)
-    else:
-        head = problem.head
-        grads = head.grads(None if student.dx is None else _view(student.dx.reshape(head.n, -1), "dhidden"),
-                           None if student.dw is None else _view(student.dw, "dweight"),
-                           None if student.db is None else _view(student.db, "dbias"), dtypes=(student.grad_fh,) * 3)
-        loss, soft, hard = problem.forward_backward(ctx, g.ctypes.data, grads, per_token.ctypes.data)
-    per_token = per_token.reshape(token_shape)
-    return DistillResult(per_token if red == Reduction.NONE else loss, soft, hard, per_token, student.dx, student.dw,
-                         student.db)
+    return _distill_run(problem, student, g, per_token, token_shape, red, context)
 
 
 def distill_forward_backward(student_hidden: np.ndarray, student_weight: np.ndarray, teacher_hidden: np.ndarray,
@@ -869,6 +859,23 @@ def distill_forward_backward(student_hidden: np.ndarray, student_weight: np.ndar
                          "loss alone)")
     return distill_loss(student_hidden, student_weight, teacher_hidden, teacher_weight, targets, student_bias,
                         teacher_bias, return_grads=wrt, **options)
+
+
+def _distill_run(problem, student: _BatchHead, g: Optional[np.ndarray], per_token: np.ndarray,
+                 token_shape: Tuple[int, ...], red: Reduction, context: Optional[Context]) -> DistillResult:
+    """A distillation problem's forward (g None) or forward_backward into the student's gradient arrays."""
+    ctx = context or default_context()
+    if g is None:
+        loss, soft, hard = problem.forward(ctx, per_token.ctypes.data)
+    else:
+        head = problem.head
+        grads = head.grads(None if student.dx is None else _view(student.dx.reshape(head.n, -1), "dhidden"),
+                           None if student.dw is None else _view(student.dw, "dweight"),
+                           None if student.db is None else _view(student.db, "dbias"), dtypes=(student.grad_fh,) * 3)
+        loss, soft, hard = problem.forward_backward(ctx, g.ctypes.data, grads, per_token.ctypes.data)
+    per_token = per_token.reshape(token_shape)
+    return DistillResult(per_token if red == Reduction.NONE else loss, soft, hard, per_token, student.dx, student.dw,
+                         student.db)
 
 
 def _distill_grad_output(grad_output, reduction: Reduction, token_shape: Tuple[int, ...], n: int) -> np.ndarray:
@@ -886,3 +893,63 @@ def _distill_grad_output(grad_output, reduction: Reduction, token_shape: Tuple[i
         raise ValueError(f"grad_output: expected a scalar for reduction '{reduction.name.lower()}', got shape "
                          f"{list(g.shape)}")
     return np.ascontiguousarray(g).reshape(1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Top-k teacher distillation: the teacher as k token ids and log-probs per token (TRL's server distillation,
+# forward KL on the teacher's support; mirrors fh_distill_topk_forward / fh_distill_topk_forward_backward)
+# ---------------------------------------------------------------------------------------------------------
+def distill_topk_loss(hidden: np.ndarray, weight: np.ndarray, teacher_ids: np.ndarray,
+                      teacher_logprobs: np.ndarray, targets: Optional[np.ndarray] = None,
+                      bias: Optional[np.ndarray] = None, *, add_tail: bool = True, temperature: float = 1.0,
+                      weight_soft_loss: float = 1.0, weight_hard_loss: float = 0.0, ignore_index: int = -100,
+                      reduction: str = "mean", layout: str = "vh", return_grads: Union[bool, Iterable[str]] = False,
+                      grad_output=None, context: Optional[Context] = None, dtype: str = "fp32",
+                      grad_dtype: Optional[str] = None) -> DistillResult:
+    """Forward KL of the student's head towards a teacher given per token as its top-k token ids and log-probs (a
+    vLLM server's answer), without the student's logits (include/fusedhead.h, "Top-k teacher distillation", has
+    the formulas; TRL's ServerDistillationTrainer with loss_top_k = k, loss_add_tail = add_tail, beta 0). The
+    teacher's log-probs are taken as given (its temperature already applied); only the student is tempered.
+
+    hidden [..., H]; weight [V, H] ("vh") or [H, V] ("hv"); bias float32 [V]; teacher_ids int64 and
+    teacher_logprobs float32, both [..., k] with the hidden's leading shape (or [N, k]), C-contiguous, a log-prob of
+    -inf marking a padded entry (TRL's fill; its id is not read); targets int64 like the hidden's leading shape (or
+    [N]), optional when weight_hard_loss is 0 (then every token counts); ignore_index tokens are left out and 'mean'
+    divides by the tokens counted (a token with no valid entry adds 0 and counts). dtype, return_grads,
+    grad_output, grad_dtype as distill_loss's. Returns a DistillResult (soft_loss the KL part, hard_loss the
+    cross-entropy part).
+    """
+    opt = distill_topk_options(add_tail=add_tail, temperature=temperature, weight_soft_loss=weight_soft_loss,
+                               weight_hard_loss=weight_hard_loss, ignore_index=ignore_index, reduction=reduction)
+    red = Reduction(opt.reduction)
+    if not return_grads and (grad_output is not None or grad_dtype is not None):
+        raise ValueError("grad_output and grad_dtype are only used with return_grads")
+    student = _BatchHead(hidden, weight, bias, dtype, grad_dtype, return_grads)
+    x = _flatten_rows(student.hidden, "hidden")
+    n, token_shape = x.shape[0], tuple(student.hidden.shape[:-1])
+    ids = _check_array(teacher_ids, "teacher_ids", np.int64, " (use .astype(np.int64))")
+    lps = _check_array(teacher_logprobs, "teacher_logprobs", np.float32, _FP32_HINT)
+    k = ids.shape[-1] if ids.ndim > 0 else 0
+    if ids.shape != lps.shape or ids.shape[:-1] not in (token_shape, (n,)):
+        raise ValueError(f"teacher_ids {list(ids.shape)} and teacher_logprobs {list(lps.shape)}: expected both "
+                         f"{list(token_shape) + ['k']} (the hidden's leading dimensions) or [{n}, k]")
+    for name, a in (("teacher_ids", ids), ("teacher_logprobs", lps)):
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{name}: expected a C-contiguous array (np.ascontiguousarray({name}))")
+    tg = None
+    if targets is not None:
+        tg = _flatten_vector(_check_array(targets, "targets", np.int64, " (use .astype(np.int64))"), "targets",
+                             token_shape, n, "the hidden's leading dimensions")
+    g = None
+    if student.dx is not None or student.dw is not None or student.db is not None:
+        g = _distill_grad_output(grad_output, red, token_shape, n)
+    per_token = np.zeros(n, np.float32)
+    if n == 0:  # nothing to compute
+        if student.dw is not None:
+            student.dw[...] = 0
+        loss = per_token.reshape(token_shape) if red == Reduction.NONE else 0.0
+        return DistillResult(loss, 0.0, 0.0, per_token.reshape(token_shape), student.dx, student.dw, student.db)
+    problem = DistillTopkProblem(student.linear(layout), _view(ids.reshape(n, k), "teacher_ids"),
+                                 _view(lps.reshape(n, k), "teacher_logprobs"),
+                                 None if tg is None else _view(tg, "targets"), opt)
+    return _distill_run(problem, student, g, per_token, token_shape, red, context)

@@ -74,6 +74,8 @@ weighted hard-label cross-entropy, from both heads' hidden states and weights (t
 and dtype may differ). The teacher is detached: it never gets a gradient. 'mean'/'sum': gradients as for GRPO
 (fh_distill_forward_backward, upstream 1, scaled in backward). 'none': the forward runs fh_distill_forward and
 backward fh_distill_forward_backward with the per-token upstream gradient (the logits computed twice).
+fused_linear_distillation_topk_loss / FusedLinearDistillationTopkLossFunction: the same towards a teacher given per
+token as its top-k ids and log-probs (a vLLM server's answer; TRL's server distillation), no teacher head.
 
 Log-probs: fused_linear_logprobs / FusedLinearLogprobsFunction give per-token log p(target) (and the entropy and
 log-sum-exp) of softmax(softcap(logit_scale (x W + b)) / temperature), differentiable, so that any loss on [N]
@@ -90,8 +92,9 @@ from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from ._core import (GRPO_METRIC_KEYS, PREFERENCE_METRIC_KEYS, CEProblem, Context, DistillProblem, GRPOProblem,
-                    KTO_METRIC_KEYS, KTOProblem, LogprobProblem, kto_metrics_dict, kto_options,
+from ._core import (GRPO_METRIC_KEYS, PREFERENCE_METRIC_KEYS, CEProblem, Context, DistillProblem, DistillTopkProblem,
+                    GRPOProblem, KTO_METRIC_KEYS, KTOProblem, LogprobProblem, distill_topk_options, kto_metrics_dict,
+                    kto_options,
                     LinearHead, PreferenceProblem, View, default_context, distill_options, grpo_metrics_dict,
                     grpo_option_dict, grpo_options, matrix_view_ok, prefixed_errors,
                     pairs_shape, parse_layout, parse_reduction,
@@ -105,7 +108,8 @@ __all__ = ["FusedLinearCrossEntropyFunction", "FusedLinearCrossEntropy", "fused_
            "FusedLinearDPOLoss", "FusedLinearORPOLoss", "FusedLinearSimPOLoss", "FusedLinearCPOLoss",
            "FusedLinearDistillationLossFunction", "fused_linear_distillation_loss", "FusedLinearDistillationLoss",
            "FusedLinearJSDLoss", "FusedLinearLogprobsFunction", "fused_linear_logprobs",
-           "FusedLinearKTOLossFunction", "fused_linear_kto_loss", "FusedLinearKTOLoss", "KTOLossOutput"]
+           "FusedLinearKTOLossFunction", "fused_linear_kto_loss", "FusedLinearKTOLoss", "KTOLossOutput",
+           "FusedLinearDistillationTopkLossFunction", "fused_linear_distillation_topk_loss"]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1545,3 +1549,128 @@ class FusedLinearJSDLoss(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"jsd_beta={self.jsd_beta!r}, ignore_index={self.ignore_index!r}, temperature={self.temperature!r}, "
                 f"student_layout={self.student_layout!r}, teacher_layout={self.teacher_layout!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Top-k teacher distillation: the teacher as k token ids and log-probs per token (TRL's server distillation,
+# forward KL on the teacher's support)
+# ---------------------------------------------------------------------------------------------------------
+DISTILL_TOPK_OPTION_NAMES = ("add_tail", "temperature", "weight_soft_loss", "weight_hard_loss", "ignore_index",
+                             "reduction")
+
+
+class _DistillTopk(_Distill):
+    """One top-k distillation call, checked and in library form: the student's _TorchLinear, the teacher's ids
+    (int64) and log-probs (float32), both [..., k] with the input's leading shape or [N, k] (contiguous copies only
+    where needed), targets and the options. run and run_none are _Distill's."""
+
+    def __init__(self, input, weight, teacher_ids, teacher_logprobs, targets, bias, options: dict, layout):
+        self.options = distill_topk_options(**options)
+        self.reduction = Reduction(self.options.reduction)
+        self.lin = _TorchLinear(input, weight, bias, layout)
+        self.token_shape = self.lin.hidden_shape[:-1]
+        n = self.lin.n
+        _check_tensor(teacher_ids, "teacher_ids", torch.int64, " (use .long())")
+        _check_tensor(teacher_logprobs, "teacher_logprobs", torch.float32, _FP32_HINT)
+        shape = tuple(teacher_ids.shape)
+        if shape != tuple(teacher_logprobs.shape) or len(shape) < 1 or shape[:-1] not in (self.token_shape, (n,)):
+            raise ValueError(f"teacher_ids {list(teacher_ids.shape)} and teacher_logprobs "
+                             f"{list(teacher_logprobs.shape)}: expected both {list(self.token_shape) + ['k']} (the "
+                             f"input's leading dimensions) or [{n}, k]")
+        k = shape[-1]
+        self.ids = teacher_ids.detach().reshape(n, k).contiguous()
+        self.logprobs = teacher_logprobs.detach().reshape(n, k).contiguous()
+        self.targets = None
+        if targets is not None:
+            _check_tensor(targets, "targets", torch.int64, " (use .long())")
+            self.targets = _token_vector(targets.detach(), "targets", self.token_shape, n,
+                                         "the input's leading dimensions")
+        self.problem = None
+        if n > 0:  # N = 0: nothing to compute (the library is not called)
+            self.problem = DistillTopkProblem(self.lin.head, _view(self.ids), _view(self.logprobs),
+                                              _opt_view(self.targets), self.options)
+
+
+class FusedLinearDistillationTopkLossFunction(torch.autograd.Function):
+    """apply(input, weight, teacher_ids, teacher_logprobs, targets=None, bias=None, options=None, layout="vh",
+    context=None) -> (loss, soft_loss, hard_loss)
+
+    options: a dict of distill_topk_options values (DISTILL_TOPK_OPTION_NAMES; missing: the defaults, TRL's).
+    Gradients as FusedLinearDistillationLossFunction's: 'mean'/'sum' run fh_distill_topk_forward_backward in the
+    forward and scale in backward; 'none' runs fh_distill_topk_forward, then fh_distill_topk_forward_backward with
+    the per-token upstream gradient in backward. The teacher's ids and log-probs get no gradient."""
+
+    @staticmethod
+    def forward(ctx, input, weight, teacher_ids, teacher_logprobs, targets=None, bias=None, options=None,
+                layout="vh", context=None):
+        d = _DistillTopk(input, weight, teacher_ids, teacher_logprobs, targets, bias, dict(options or {}), layout)
+        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[5])
+        ctx.reduction = d.reduction
+        ctx.dweight_pool = _dweight_pool(weight) if need[1] else None
+        if d.reduction != Reduction.NONE:
+            loss, soft, hard, (dx, dw, db) = d.run(context, need)
+            ctx.save_for_backward(d.lin.hidden_grad(dx), dw, db)
+        else:
+            loss, soft, hard = d.run_none(context)
+            ctx.save_for_backward(d.lin.x, d.lin.weight, d.lin.bias, d.ids, d.logprobs, d.targets)
+            ctx.need = need
+            ctx.call = (dict(options or {}), layout, context)
+            ctx.hidden_shape = d.lin.hidden_shape
+            ctx.bias_dtype = d.lin.bias_dtype
+            ctx.weight_owner = weight
+        ctx.mark_non_differentiable(soft, hard)
+        return loss, soft, hard
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_soft, _grad_hard):
+        if ctx.reduction != Reduction.NONE:
+            dx, dw, db = _scaled(ctx.saved_tensors, grad_loss, ctx.dweight_pool)
+        else:
+            x, w, b, ids, logprobs, targets = ctx.saved_tensors  # version-checked
+            options, layout, context = ctx.call
+            d = _DistillTopk(x, w, ids, logprobs, targets, b, options, layout)
+            d.lin.bias_dtype = ctx.bias_dtype
+            d.lin.owner = ctx.weight_owner
+            dx, dw, db = d.lin.alloc_grads(*ctx.need)
+            if d.n > 0:
+                g = _token_vector(grad_loss.to(torch.float32), "grad_output", tuple(ctx.hidden_shape[:-1]), d.n,
+                                  "per token")
+                d.run_none(context, g, d.lin.grads_struct(dx, dw, db))
+            dx = None if dx is None else dx.view(ctx.hidden_shape)
+        return (dx, dw, None, None, None, db) + (None,) * 3
+
+
+def fused_linear_distillation_topk_loss(input: torch.Tensor, weight: torch.Tensor, teacher_ids: torch.Tensor,
+                                        teacher_logprobs: torch.Tensor, targets: Optional[torch.Tensor] = None, *,
+                                        bias: Optional[torch.Tensor] = None, add_tail: bool = True,
+                                        temperature: float = 1.0, weight_soft_loss: float = 1.0,
+                                        weight_hard_loss: float = 0.0, ignore_index: int = -100,
+                                        reduction: str = "mean", layout: str = "vh",
+                                        return_soft_hard_loss: bool = False, context: Optional[Context] = None):
+    """Forward KL of a student lm_head towards a teacher given per token as its top-k token ids and log-probs (a
+    vLLM server's top_logprobs; TRL's ServerDistillationTrainer with loss_top_k = k, loss_add_tail = add_tail,
+    beta 0; include/fusedhead.h, "Top-k teacher distillation", has the formulas), without the [N, V] logits.
+
+    The student's log-probs are log_softmax(F.linear(input, weight, bias) / temperature); the teacher's are taken
+    as given (the server applied its temperature). With add_tail both sides get a (k+1)-th entry for the mass
+    outside the support, log(1 - exp(min(logsumexp, -1e-7))); without it both renormalise over the support (k = 1
+    is then 0). A log-prob of -inf marks a padded entry (its id is not read); a token with none left adds 0 and is
+    counted. Per token l = weight_soft_loss D + weight_hard_loss CE(untempered logits, target), over the tokens
+    whose target is not ignore_index; 'mean' divides by their count (TRL's batchmean), 'sum' adds, 'none' returns
+    them per token. input [..., H]; weight [V, H] ("vh") or [H, V] ("hv"); teacher_ids int64 and teacher_logprobs
+    float32 [..., k] (or [N, k]); targets int64 with the input's leading shape (or [N]), optional when
+    weight_hard_loss is 0. Returns the loss, or (loss, soft_loss, hard_loss) with return_soft_hard_loss=True.
+    """
+    options = dict(add_tail=add_tail, temperature=temperature, weight_soft_loss=weight_soft_loss,
+                   weight_hard_loss=weight_hard_loss, ignore_index=ignore_index, reduction=reduction)
+    distill_topk_options(**options)  # bad names, choices and types fail here; values in the library
+    if _autograd_needed(input, weight, bias):
+        loss, soft, hard = FusedLinearDistillationTopkLossFunction.apply(
+            input, weight, teacher_ids, teacher_logprobs, targets, bias, options, layout, context)
+    else:
+        d = _DistillTopk(input, weight, teacher_ids, teacher_logprobs, targets, bias, options, layout)
+        if d.reduction != Reduction.NONE:
+            loss, soft, hard, _ = d.run(context, (False, False, False))
+        else:
+            loss, soft, hard = d.run_none(context)
+    return (loss, soft, hard) if return_soft_hard_loss else loss

@@ -49,9 +49,9 @@ typedef struct fh_coef_source {
 /* A second linear head over the same rows and vocabulary (a distillation teacher): the engine computes its logits
  * tile beside lin's (its bias added, no transform), and the head's kernels, which see both rows, take the place of
  * the statistics fold and of the coefficient form. Every function is called concurrently for different rows and
- * may only touch row i's state. */
+ * may only touch row i's state. A head may run its own kernels over lin's tile alone: companion NULL (cz NULL). */
 typedef struct fh_pair_kernels {
-    const fh_linear *companion; /* n and vocab as lin's */
+    const fh_linear *companion; /* n and vocab as lin's, or NULL */
     int passes;                 /* forward passes over every row (a statistic that needs another's final value) */
     /* Folds columns first_column .. first_column + count - 1 of row i (z: lin's transformed logits, cz: the
      * companion's) in forward pass `pass`. */

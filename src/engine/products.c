@@ -33,7 +33,7 @@ fh_status fh_pass_logits(const fh_pass *p, int prepare, float *tile, int64_t i0,
                                 int64_t v0, int64_t vb)
 {
     fh_status st = linear_logits(p, p->in.lin, prepare, tile, i0, nb, v0, vb);
-    if (st == FH_OK && p->in.pair)
+    if (st == FH_OK && p->in.pair && p->in.pair->companion)
         st = linear_logits(p, p->in.pair->companion, prepare, p->ws.companion_tile + (tile - p->ws.tile), i0, nb, v0,
                            vb);
     return st;
@@ -202,10 +202,10 @@ void fh_add_column_sums(const float *tile, int64_t rows, int64_t cols, double *c
 
 /* ---- A pair of heads (fh_pair_kernels) ---- */
 
-/* The companion's row beside a row of the pass's tile. */
+/* The companion's row beside a row of the pass's tile (NULL without a companion). */
 float *fh_companion_row(const fh_pass *p, const float *row)
 {
-    return p->ws.companion_tile + (row - p->ws.tile);
+    return p->ws.companion_tile ? p->ws.companion_tile + (row - p->ws.tile) : NULL;
 }
 
 /* Both rows of a tile row (columns v0..v0 + vb - 1) made ready for the pair's kernels: lin's transformed, the
@@ -215,7 +215,8 @@ void fh_pair_rows(const fh_pass *p, float *row, int64_t v0, int64_t vb)
     static const fh_transform identity = {0.0f, 1.0f};
     const fh_linear *c = p->in.pair->companion;
     fh_row_transform(row, vb, p->in.lin->bias ? p->in.lin->bias + v0 : NULL, &p->in.tf);
-    fh_row_transform(fh_companion_row(p, row), vb, c->bias ? c->bias + v0 : NULL, &identity);
+    if (c)
+        fh_row_transform(fh_companion_row(p, row), vb, c->bias ? c->bias + v0 : NULL, &identity);
 }
 
 /* Overwrites row tile_row (transformed logits, or their exps with k->p_scale) with its dU; a filtered pass also marks
