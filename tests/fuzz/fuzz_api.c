@@ -1,14 +1,15 @@
 /* libFuzzer harness over fusedhead's public API (tests/hardening/README.md, "Fuzzing").
  *
  * Each input is decoded into one call: an entry point (fh_ce_forward, fh_ce_backward,
- * fh_ce_forward_backward, the three log-prob calls, the three GRPO calls, the two preference calls, the two
- * distillation calls, or one of the six workspace queries), sizes (small, 0,
+ * fh_ce_forward_backward, the three log-prob calls, the three GRPO calls, the two preference calls, the two KTO
+ * calls, the two distillation calls, or one of the seven workspace queries), sizes (small, 0,
  * negative, 2^31.., 2^62, INT64_MIN/MAX, arbitrary), strides (padded, overlapping, zero, negative, huge),
  * options (every field, valid or not), targets/ids/masks, special float values in every input, dtypes (fp32 or
  * bf16 x and weight, sometimes mismatched or unknown; each gradient fp32, bf16 or unknown), context parameters
  * (threads, tiles, memory budget, CHECK_FINITE, FP32_DU) and an optional caller workspace of a random size.
  * A distillation call also draws its teacher (hidden size, layout, strides, dtypes and bias of its own; n and V
- * the student's or, now and then, others; sometimes NULL pointers) with the same rules for its buffers.
+ * the student's or, now and then, others; sometimes NULL pointers) with the same rules for its buffers. A KTO call
+ * also draws its options, labels (sometimes neither 0 nor 1) and which reference and KL inputs it passes.
  *
  * Allocations stay bounded: when the shape is small (n <= 48, hidden <= 48, vocab <= 700, every view
  * <= 2^16 elements) every buffer is allocated with exactly the size its view needs, so ASan sees any
@@ -241,13 +242,14 @@ static void release(buffer *b)
 
 enum { CALL_CE_FORWARD, CALL_CE_BACKWARD, CALL_CE_STEP, CALL_LOGPROB_FORWARD, CALL_LOGPROB_BACKWARD, CALL_LOGPROB_STEP,
        CALL_GRPO_FORWARD, CALL_GRPO_BACKWARD, CALL_GRPO_STEP, CALL_PREFERENCE_FORWARD, CALL_PREFERENCE_STEP,
-       CALL_DISTILL_FORWARD, CALL_DISTILL_STEP, CALL_CE_QUERY, CALL_CE_STEP_QUERY, CALL_GRPO_QUERY,
-       CALL_PREFERENCE_QUERY, CALL_DISTILL_QUERY, CALL_LOGPROB_QUERY, CALL_KINDS };
+       CALL_KTO_FORWARD, CALL_KTO_STEP, CALL_DISTILL_FORWARD, CALL_DISTILL_STEP, CALL_CE_QUERY, CALL_CE_STEP_QUERY,
+       CALL_GRPO_QUERY, CALL_PREFERENCE_QUERY, CALL_KTO_QUERY, CALL_DISTILL_QUERY, CALL_LOGPROB_QUERY, CALL_KINDS };
 
 enum { IN_X, IN_W, IN_BIAS, IN_CW, IN_TARGETS, IN_GRAD, IN_LSE, IN_LOGP, IN_ENTROPY, IN_MASK, IN_ADV, IN_OLD, IN_REF,
-       IN_SAMP, IN_TEACHER_X, IN_TEACHER_W, IN_TEACHER_BIAS, IN_COUNT };
+       IN_SAMP, IN_TEACHER_X, IN_TEACHER_W, IN_TEACHER_BIAS, IN_LABELS, IN_KL, IN_KL_LOGRATIOS, IN_COUNT };
 enum { OUT_LOSS, OUT_ZLOSS, OUT_METRICS, OUT_PTL, OUT_LOGP, OUT_LSE, OUT_ENTROPY, OUT_ARGMAX, OUT_DX, OUT_DW, OUT_DB,
-       OUT_PREFERENCE_METRICS, OUT_SEQUENCE_LOGPS, OUT_REWARDS, OUT_SOFT_LOSS, OUT_HARD_LOSS, OUT_CORRECT, OUT_COUNT };
+       OUT_PREFERENCE_METRICS, OUT_SEQUENCE_LOGPS, OUT_REWARDS, OUT_SOFT_LOSS, OUT_HARD_LOSS, OUT_CORRECT,
+       OUT_KTO_METRICS, OUT_COUNT };
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -257,15 +259,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     const int call = u8(&r) % CALL_KINDS;
     const int preference = call == CALL_PREFERENCE_FORWARD || call == CALL_PREFERENCE_STEP ||
                            call == CALL_PREFERENCE_QUERY;
-    /* grpo: a batch of sequences (GRPO's, or the preference calls' 2 x pairs) */
+    const int kto = call == CALL_KTO_FORWARD || call == CALL_KTO_STEP || call == CALL_KTO_QUERY;
+    /* grpo: a batch of sequences (GRPO's, the preference calls' 2 x pairs, or KTO's) */
     const int grpo = call == CALL_GRPO_FORWARD || call == CALL_GRPO_BACKWARD || call == CALL_GRPO_STEP ||
-                     call == CALL_GRPO_QUERY || preference;
+                     call == CALL_GRPO_QUERY || preference || kto;
     const int distill = call == CALL_DISTILL_FORWARD || call == CALL_DISTILL_STEP || call == CALL_DISTILL_QUERY;
     const int logprob = call == CALL_LOGPROB_FORWARD || call == CALL_LOGPROB_BACKWARD || call == CALL_LOGPROB_STEP;
     const int query = call >= CALL_CE_QUERY;
     const int has_grads = call == CALL_CE_BACKWARD || call == CALL_CE_STEP || call == CALL_LOGPROB_BACKWARD ||
                           call == CALL_LOGPROB_STEP || call == CALL_GRPO_BACKWARD ||
-                          call == CALL_GRPO_STEP || call == CALL_PREFERENCE_STEP || call == CALL_DISTILL_STEP;
+                          call == CALL_GRPO_STEP || call == CALL_PREFERENCE_STEP || call == CALL_KTO_STEP ||
+                          call == CALL_DISTILL_STEP;
 
     /* dtypes: x fp32 or bf16, the weight the same, the other one or unknown; each gradient fp32 or bf16 (dx
      * unknown when all three bits are set); fp32 dU. */
@@ -581,6 +585,43 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     const fh_preference_batch pb = {pairs, seq, targets, mask, ref_mode & 1 ? adv : NULL,
                                     ref_mode & 2 ? ref : NULL};
 
+    /* KTO options and batch (read for KTO calls only): every option valid or not; batch sequences with labels
+     * mostly 0 or 1; the reference as the preference batch's (none, per sequence, per token or both); the KL term
+     * none, one value, per-sequence log-ratios (ub >= batch values) or both. */
+    fh_kto_options ko;
+    fh_kto_options_init(&ko);
+    fh_kto_batch kb;
+    memset(&kb, 0, sizeof kb);
+    if (kto) {
+        const size_t kto_first_byte = r.at;
+        const uint8_t kt = u8(&r);
+        ko.loss_type = (fh_kto_loss_type)(kt % 8 == 7 ? -1 : kt % 3);
+        static const double kto_betas[] = {0.1, 2.0, 1e-300, 0.0, -0.1, NAN, INFINITY};
+        ko.beta = pick_double(&r, kto_betas, 7);
+        static const double kto_weights[] = {1.0, 1.33, 0.0, 1e300, -1.0, NAN, INFINITY};
+        ko.desirable_weight = pick_double(&r, kto_weights, 7);
+        ko.undesirable_weight = pick_double(&r, kto_weights, 7);
+        uint8_t *labels = alloc_exact(&in[IN_LABELS], ub);
+        for (size_t b = 0; b < ub; b++) {
+            const uint8_t l = u8(&r);
+            labels[b] = l % 16 == 15 ? (uint8_t)(2 + l / 16) : l & 1;
+        }
+        const uint8_t kl_mode = u8(&r);
+        float *kl = kl_mode & 1 ? alloc_exact(&in[IN_KL], sizeof(float)) : NULL;
+        if (kl)
+            *kl = u8(&r) % 8 == 0 ? pick_float(&r) : (float)(u8(&r) % 16) / 16.0f;
+        float *kl_logratios = kl_mode & 2 ? alloc_exact(&in[IN_KL_LOGRATIOS], ub * sizeof(float)) : NULL;
+        for (size_t b = 0; kl_logratios && b < ub; b++)
+            kl_logratios[b] = u8(&r) % 8 == 0 ? pick_float(&r) : (float)((int)(u8(&r) % 16) - 4) / 16.0f;
+        const fh_kto_batch k = {batch, seq, targets, mask, labels, ref_mode & 1 ? adv : NULL, ref_mode & 2 ? ref : NULL,
+                                kl, kl_logratios};
+        kb = k;
+        if (getenv("FH_FUZZ_DEBUG"))
+            fprintf(stderr, "kto (input bytes %zu..%zu) loss_type %d beta %g weights %g %g reference mode %d kl mode %d\n",
+                    kto_first_byte, r.at, (int)ko.loss_type, ko.beta, ko.desirable_weight, ko.undesirable_weight,
+                    ref_mode, kl_mode % 4);
+    }
+
     /* The distillation teacher's buffers (late in the input: a short input then runs out in the teacher's values,
      * not in the student's pointers): exact sizes when its view is small, tiny ones otherwise (then the calls must
      * refuse it). */
@@ -638,9 +679,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     int64_t *correct = (want & 64) ? alloc_exact(&out[OUT_CORRECT], sizeof(int64_t)) : NULL;
     fh_preference_metrics *pref_metrics =
         (want & 4) ? alloc_exact(&out[OUT_PREFERENCE_METRICS], sizeof(fh_preference_metrics)) : NULL;
+    fh_kto_metrics *kto_metrics = kto && (want & 4) ? alloc_exact(&out[OUT_KTO_METRICS], sizeof(fh_kto_metrics)) : NULL;
     double *soft_loss = distill && (want & 2) ? alloc_exact(&out[OUT_SOFT_LOSS], sizeof(double)) : NULL;
     double *hard_loss = distill && (want & 4) ? alloc_exact(&out[OUT_HARD_LOSS], sizeof(double)) : NULL;
-    const size_t sequences = small && pairs >= 1 && 2 * pairs <= (int64_t)ub ? (size_t)(2 * pairs) : 4;
+    /* KTO: one per sequence (ub >= batch wherever the batch can match n). */
+    const size_t sequences = kto ? ub : small && pairs >= 1 && 2 * pairs <= (int64_t)ub ? (size_t)(2 * pairs) : 4;
     float *seq_logps = (want & 8) ? alloc_exact(&out[OUT_SEQUENCE_LOGPS], sequences * sizeof(float)) : NULL;
     float *rewards = (want & 32) ? alloc_exact(&out[OUT_REWARDS], sequences * sizeof(float)) : NULL;
     const int grads_want = u8(&r);
@@ -667,6 +710,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (!query && small) {
         query_status = distill              ? fh_distill_workspace_size(ctx, &lin, teacher, &needed)
                        : preference         ? fh_preference_workspace_size(ctx, &lin, &needed)
+                       : kto                ? fh_kto_workspace_size(ctx, &lin, &needed)
                        : grpo               ? fh_grpo_workspace_size(ctx, &lin, &needed)
                        : logprob            ? fh_logprob_workspace_size(ctx, &lin, &needed)
                        : call == CALL_CE_STEP ? fh_ce_forward_backward_workspace_size_with_grads(ctx, &lin, &ce, &g, &needed)
@@ -704,6 +748,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     fh_ce_outputs ce_out = {loss, zl, ptl, logp, lse, argmax, entropy, correct};
     fh_grpo_outputs grpo_out = {loss, metrics, logp, ptl, entropy, lse};
     fh_preference_outputs pref_out = {loss, pref_metrics, seq_logps, rewards, logp};
+    fh_kto_outputs kto_out = {loss, kto_metrics, seq_logps, rewards, logp};
     fh_distill_outputs distill_out = {loss, soft_loss, hard_loss, ptl};
     fh_logprob_outputs lp_out = {logp, entropy, lse};
     const int null_struct = u8(&r) % 64 == 0;
@@ -734,6 +779,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     case CALL_PREFERENCE_STEP:
         st = fh_preference_forward_backward(ctx, &lin, &pb, &po, grad, &pref_out, null_struct ? NULL : &g);
         break;
+    case CALL_KTO_FORWARD: st = fh_kto_forward(ctx, &lin, null_struct ? NULL : &kb, &ko, &kto_out); break;
+    case CALL_KTO_STEP: st = fh_kto_forward_backward(ctx, &lin, &kb, &ko, grad, &kto_out, null_struct ? NULL : &g); break;
     case CALL_DISTILL_FORWARD:
         st = fh_distill_forward(ctx, &lin, teacher, dtargets, &dopt, null_struct ? NULL : &distill_out);
         break;
@@ -747,9 +794,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         break;
     case CALL_GRPO_QUERY: st = fh_grpo_workspace_size(ctx, &lin, &bytes); break;
     case CALL_PREFERENCE_QUERY: st = fh_preference_workspace_size(ctx, &lin, &bytes); break;
+    case CALL_KTO_QUERY: st = fh_kto_workspace_size(ctx, &lin, &bytes); break;
     default: st = fh_distill_workspace_size(ctx, &lin, teacher, &bytes); break;
     }
 
+    if (getenv("FH_FUZZ_DEBUG"))
+        fprintf(stderr, "status %d\n", (int)st);
     /* dx is validated only when it is requested (and the grads struct is passed). */
     if ((lin_bad || (dx_bad && dx && !null_struct)) && lin.x && lin.weight)
         CHECK(st != FH_OK, "call %d accepted a shape it must reject (n=%lld h=%lld v=%lld strides %lld %lld %lld "
@@ -804,7 +854,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     CHECK(strlen(fh_status_string(st)) > 0, "status string");
     static const char *in_names[IN_COUNT] = {"x", "weight", "bias", "class_weights", "targets", "grad_output", "lse",
                                              "logp", "entropy", "mask", "advantages", "old", "ref", "sampling",
-                                             "teacher x", "teacher weight", "teacher bias"};
+                                             "teacher x", "teacher weight", "teacher bias", "labels", "kl",
+                                             "kl_logratios"};
     for (int k = 0; k < IN_COUNT; k++)
         check_input(&in[k], in_names[k]);
 

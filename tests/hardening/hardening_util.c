@@ -18,6 +18,7 @@ const char *hu_call_name(hu_call call)
                                                "fh_grpo_forward",
                                                "fh_grpo_backward",       "fh_grpo_forward_backward",
                                                "fh_preference_forward",  "fh_preference_forward_backward",
+                                               "fh_kto_forward",         "fh_kto_forward_backward",
                                                "fh_distill_forward",     "fh_distill_forward_backward"};
     return (unsigned)call < HU_CALL_COUNT ? names[call] : "?";
 }
@@ -32,6 +33,11 @@ int hu_call_is_preference(hu_call call)
     return call == HU_PREFERENCE_FORWARD || call == HU_PREFERENCE_TRAIN_STEP;
 }
 
+int hu_call_is_kto(hu_call call)
+{
+    return call == HU_KTO_FORWARD || call == HU_KTO_TRAIN_STEP;
+}
+
 int hu_call_is_distill(hu_call call)
 {
     return call == HU_DISTILL_FORWARD || call == HU_DISTILL_TRAIN_STEP;
@@ -41,7 +47,8 @@ int hu_call_has_grads(hu_call call)
 {
     return call == HU_CE_BACKWARD || call == HU_CE_TRAIN_STEP || call == HU_LOGPROB_BACKWARD ||
            call == HU_LOGPROB_TRAIN_STEP || call == HU_GRPO_BACKWARD ||
-           call == HU_GRPO_TRAIN_STEP || call == HU_PREFERENCE_TRAIN_STEP || call == HU_DISTILL_TRAIN_STEP;
+           call == HU_GRPO_TRAIN_STEP || call == HU_PREFERENCE_TRAIN_STEP || call == HU_KTO_TRAIN_STEP ||
+           call == HU_DISTILL_TRAIN_STEP;
 }
 
 void hu_outputs_alloc(hu_outputs *o, int64_t n, int64_t hidden, int64_t vocab, int has_bias)
@@ -96,6 +103,7 @@ static size_t parts_of(const hu_outputs *o, part *p)
         {"hard_loss", &m->hard_loss, sizeof m->hard_loss},
         {"metrics", &m->metrics, sizeof m->metrics},
         {"preference_metrics", &m->preference_metrics, sizeof m->preference_metrics},
+        {"kto_metrics", &m->kto_metrics, sizeof m->kto_metrics},
         {"sequence_logps", m->sequence_logps, n * sizeof(float)},
         {"rewards", m->rewards, n * sizeof(float)},
         {"per_token_loss", m->per_token_loss, n * sizeof(float)},
@@ -206,6 +214,22 @@ void hu_grpo_problem_init(hu_grpo_problem *p, int64_t batch, int64_t seq, int64_
     for (int64_t i = 0; i < n; i++)
         p->sampling_logps[i] = p->old_logps[i] + (float)(0.2 * (ce_uniform(&sampling_rng) - 0.5));
     p->options.off_policy_mask_threshold = 0.0;
+    /* KTO, from a generator of its own as well: labels alternate (both kinds in any batch of two or more). */
+    uint64_t kto_rng = seed * 7727 + 61;
+    fh_kto_options_init(&p->kto);
+    p->kto.undesirable_weight = 1.5;
+    p->kto_labels = tu_alloc((size_t)batch, sizeof(uint8_t));
+    p->kto_ref_logps = tu_alloc((size_t)batch, sizeof(float));
+    p->kto_kl_logratios = tu_alloc((size_t)batch, sizeof(float));
+    p->kto_kl = (float)(0.5 * ce_uniform(&kto_rng));
+    for (int64_t b = 0; b < batch; b++) {
+        double sum = 0.0;
+        for (int64_t t = 0; t < seq; t++)
+            sum += (double)p->mask[b * seq + t] * (double)p->ref_logps[b * seq + t];
+        p->kto_labels[b] = b % 2 == 0;
+        p->kto_ref_logps[b] = (float)(sum + 2.0 * ce_uniform(&kto_rng) - 1.0);
+        p->kto_kl_logratios[b] = (float)(ce_uniform(&kto_rng) - 0.3);
+    }
 }
 
 void hu_grpo_problem_free(hu_grpo_problem *p)
@@ -223,6 +247,9 @@ void hu_grpo_problem_free(hu_grpo_problem *p)
     free(p->teacher_weight);
     free(p->teacher_bias);
     free(p->distill_grad);
+    free(p->kto_labels);
+    free(p->kto_ref_logps);
+    free(p->kto_kl_logratios);
     free(p->x_bf16);
     free(p->weight_bf16);
     free(p->teacher_x_bf16);
@@ -241,6 +268,21 @@ void hu_grpo_batch(const hu_grpo_problem *p, fh_grpo_batch *batch)
 {
     const fh_grpo_batch b = {p->batch,      p->seq,        p->ids,        p->mask,
                              p->advantages, p->old_logps, p->ref_logps, p->sampling_logps};
+    *batch = b;
+}
+
+void hu_kto_batch(const hu_grpo_problem *p, fh_kto_batch *batch)
+{
+    const int kl = p->kto.loss_type == FH_KTO_LOSS_KTO;
+    const fh_kto_batch b = {p->batch,
+                            p->seq,
+                            p->ids,
+                            p->mask,
+                            p->kto_labels,
+                            p->kto_ref_per_sequence ? p->kto_ref_logps : NULL,
+                            p->kto_ref_per_sequence ? NULL : p->ref_logps,
+                            kl && !p->kto_kl_per_sequence ? &p->kto_kl : NULL,
+                            kl && p->kto_kl_per_sequence ? p->kto_kl_logratios : NULL};
     *batch = b;
 }
 
@@ -367,6 +409,14 @@ fh_status hu_run(fh_context *ctx, hu_call call, const cp_problem *p_ce, const hu
         if (call == HU_PREFERENCE_FORWARD)
             return fh_preference_forward(ctx, &lin, &pairs, &p_grpo->preference, &out);
         return fh_preference_forward_backward(ctx, &lin, &pairs, &p_grpo->preference, &p_grpo->grad_output, &out, &g);
+    }
+    if (hu_call_is_kto(call)) {
+        fh_kto_batch batch;
+        hu_kto_batch(p_grpo, &batch);
+        fh_kto_outputs out = {&o->loss, &o->kto_metrics, o->sequence_logps, o->rewards, o->logp};
+        if (call == HU_KTO_FORWARD)
+            return fh_kto_forward(ctx, &lin, &batch, &p_grpo->kto, &out);
+        return fh_kto_forward_backward(ctx, &lin, &batch, &p_grpo->kto, &p_grpo->grad_output, &out, &g);
     }
     fh_grpo_batch batch;
     hu_grpo_batch(p_grpo, &batch);

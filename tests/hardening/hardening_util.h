@@ -1,7 +1,7 @@
 /* Helpers shared by the hardening suites: every output a call can write gathered in one place (so that a
- * canary fill and a bitwise comparison cover all of them), cross-entropy, GRPO, preference and distillation calls
- * run from a problem, and a GRPO problem with random inputs (also a preference batch, and with its teacher a
- * distillation problem). Cross-entropy problems are tests/ce_harness.h's. */
+ * canary fill and a bitwise comparison cover all of them), cross-entropy, GRPO, preference, KTO and distillation
+ * calls run from a problem, and a GRPO problem with random inputs (also a preference batch, a KTO batch, and with
+ * its teacher a distillation problem). Cross-entropy problems are tests/ce_harness.h's. */
 #ifndef FH_HARDENING_UTIL_H
 #define FH_HARDENING_UTIL_H
 
@@ -23,16 +23,20 @@ typedef enum hu_call {
     HU_GRPO_TRAIN_STEP,
     HU_PREFERENCE_FORWARD,
     HU_PREFERENCE_TRAIN_STEP,
+    HU_KTO_FORWARD,
+    HU_KTO_TRAIN_STEP,
     HU_DISTILL_FORWARD,
     HU_DISTILL_TRAIN_STEP,
     HU_CALL_COUNT
 } hu_call;
 const char *hu_call_name(hu_call call);
-/* GRPO, preference and distillation calls run on a hu_grpo_problem (preference: its even batch as pairs;
- * distillation: its n tokens, ids as targets, and its teacher), the others on a cp_problem (log-probs: its targets,
- * ignore_index and softcap, temperature 1, grad_output as each upstream gradient). */
+/* GRPO, preference, KTO and distillation calls run on a hu_grpo_problem (preference: its even batch as pairs; KTO:
+ * its sequences with their labels; distillation: its n tokens, ids as targets, and its teacher), the others on a
+ * cp_problem (log-probs: its targets, ignore_index and softcap, temperature 1, grad_output as each upstream
+ * gradient). */
 int hu_call_on_sequences(hu_call call);
 int hu_call_is_preference(hu_call call);
+int hu_call_is_kto(hu_call call);
 int hu_call_is_distill(hu_call call);
 /* The calls with gradients (backward or train step). */
 int hu_call_has_grads(hu_call call);
@@ -45,8 +49,9 @@ typedef struct hu_outputs {
     double soft_loss, hard_loss; /* distillation */
     fh_grpo_metrics metrics;
     fh_preference_metrics preference_metrics;
+    fh_kto_metrics kto_metrics;
     float *per_token_loss, *logp, *lse, *entropy;
-    float *sequence_logps, *rewards; /* n each (a preference batch has 2B <= n sequences) */
+    float *sequence_logps, *rewards; /* n each (a preference batch has 2B <= n sequences, a KTO batch B <= n) */
     int64_t *argmax;
     float *dx, *dweight, *dbias;
 } hu_outputs;
@@ -61,8 +66,10 @@ const char *hu_outputs_diff(const hu_outputs *a, const hu_outputs *b);
 int hu_outputs_untouched(const hu_outputs *o, unsigned char byte);
 
 /* A GRPO problem with every input the batch can have. With an even batch it is also a preference batch:
- * sequences b and batch/2 + b a pair, the reference log-probs per token, `preference` options. With its teacher
- * it is a distillation problem: the student is the GRPO linear, the targets are the ids (-100 ignored, or NULL
+ * sequences b and batch/2 + b a pair, the reference log-probs per token, `preference` options. It is a KTO batch
+ * too: sequence b desirable for even b, undesirable for odd b, `kto` options, the reference log-probs per token
+ * (ref_logps) or per sequence (kto_ref_logps), the KL term as one value or as per-sequence log-ratios (neither for
+ * apo_zero_unpaired). With its teacher it is a distillation problem: the student is the GRPO linear, the targets are the ids (-100 ignored, or NULL
  * with distill_no_targets), the teacher has its own hidden size, the other layout and a bias. */
 typedef struct hu_grpo_problem {
     int64_t batch, seq, hidden, vocab;
@@ -74,6 +81,14 @@ typedef struct hu_grpo_problem {
                               correction (sequence_mask below 3) applies */
     fh_grpo_options options;
     fh_preference_options preference;
+    /* KTO. */
+    fh_kto_options kto;
+    uint8_t *kto_labels;        /* [batch] */
+    float *kto_ref_logps;       /* [batch] reference sequence log-probs */
+    float kto_kl;               /* the KL term as TRL uses it (>= 0) */
+    float *kto_kl_logratios;    /* [batch] */
+    int kto_ref_per_sequence;   /* 1: kto_ref_logps, 0: ref_logps per token */
+    int kto_kl_per_sequence;    /* 1: kto_kl_logratios, 0: kto_kl (kto only) */
     float grad_output;
     /* Distillation. */
     int64_t teacher_hidden;   /* hidden + 3 */
@@ -89,12 +104,16 @@ typedef struct hu_grpo_problem {
 /* Random inputs (logits of standard deviation ~3, masks with a padded tail, advantages of both signs, old
  * and reference log-probs within +-0.4 of log(1/V), sampler log-probs within +-0.1 of the old ones), TRL default
  * options with beta 0.04 and the off-policy mask at 0; DPO at TRL's current semantics, label smoothing 0.1 and the
- * loss types sigmoid, robust and sft weighted 0.8, 0.2 and 0.5. */
+ * loss types sigmoid, robust and sft weighted 0.8, 0.2 and 0.5; KTO's loss kto, beta 0.1, undesirable_weight 1.5,
+ * reference sequence log-probs within +-1 of the masked sums of the token ones, a KL value in [0, 0.5) and KL
+ * log-ratios in [-0.3, 0.7), the reference per token and the KL as one value. */
 void hu_grpo_problem_init(hu_grpo_problem *p, int64_t batch, int64_t seq, int64_t hidden, int64_t vocab,
                           fh_layout layout, int bias, uint64_t seed);
 void hu_grpo_problem_free(hu_grpo_problem *p);
 void hu_grpo_linear(const hu_grpo_problem *p, fh_linear *lin);
 void hu_grpo_batch(const hu_grpo_problem *p, fh_grpo_batch *batch);
+/* The KTO batch: the reference and KL inputs the problem's switches and loss type choose. */
+void hu_kto_batch(const hu_grpo_problem *p, fh_kto_batch *batch);
 /* The distillation calls' student and teacher (bf16 views where hu_distill_use_bf16 made them). */
 void hu_distill_linears(const hu_grpo_problem *p, fh_linear *student, fh_linear *teacher);
 /* Rounds the student's and/or the teacher's x and weight to bf16 in place; the distillation calls then read

@@ -11,7 +11,8 @@
  * thread is failed in turn, and they must return FH_ERR_WISDOM_IO / FH_ERR_OUT_OF_MEMORY or succeed.
  * Distillation: both schedules of its train step (row blocks, and streaming under a budget too small for its
  * row blocks, hu_distill_streaming_budget), every divergence and reduction, no targets, and bf16 students,
- * teachers or both. */
+ * teachers or both. KTO: the reference per token and the KL as one value, and (variant 1) the reference per
+ * sequence and the KL as per-sequence log-ratios. */
 #include "alloc_hook.h"
 #include "hardening_util.h"
 
@@ -145,6 +146,7 @@ static void run_scenario(const scenario *s)
 typedef struct problems {
     cp_problem ce_mean, ce_none, ce_bf16;
     hu_grpo_problem grpo;
+    hu_grpo_problem kto_per_sequence; /* grpo with KTO's reference and KL per sequence (shares its arrays) */
     hu_grpo_problem distill_bf16[3]; /* bf16 student; bf16 teacher; both (fp32 otherwise; empty without bf16) */
     hu_saved ce_saved_mean, ce_saved_none, ce_saved_bf16, grpo_saved;
 } problems;
@@ -180,6 +182,9 @@ static void problems_init(problems *p)
     cp_problem_use_bf16(&p->ce_bf16);
     hu_grpo_problem_init(&p->grpo, 4, 11, 16, 257, FH_LAYOUT_VH, 1, 43);
     p->grpo.options.entropy_coef = 0.01;
+    p->kto_per_sequence = p->grpo;
+    p->kto_per_sequence.kto_ref_per_sequence = 1;
+    p->kto_per_sequence.kto_kl_per_sequence = 1;
     saved_from_forward(HU_CE_FORWARD, &p->ce_mean, NULL, &p->ce_saved_mean);
     saved_from_forward(HU_CE_FORWARD, &p->ce_none, NULL, &p->ce_saved_none);
     saved_from_forward(HU_CE_FORWARD, &p->ce_bf16, NULL, &p->ce_saved_bf16);
@@ -310,13 +315,14 @@ static void test_every_entry_point(void)
              * to stream (and small tiles elsewhere). */
             const int grpo = hu_call_on_sequences((hu_call)call);
             const int none = !grpo && variant == 1;
+            const int kto_per_sequence = hu_call_is_kto((hu_call)call) && variant == 1;
             char label[128];
-            snprintf(label, sizeof label, "%s, variant %d%s", hu_call_name((hu_call)call), variant,
-                     none ? " (reduction none)" : "");
+            snprintf(label, sizeof label, "%s, variant %d%s%s", hu_call_name((hu_call)call), variant,
+                     none ? " (reduction none)" : "", kto_per_sequence ? " (reference and KL per sequence)" : "");
             const scenario s = {label,
                                 (hu_call)call,
                                 none ? &p.ce_none : &p.ce_mean,
-                                &p.grpo,
+                                kto_per_sequence ? &p.kto_per_sequence : &p.grpo,
                                 grpo ? &p.grpo_saved : none ? &p.ce_saved_none : &p.ce_saved_mean,
                                 variant == 1 ? 1 : 2,
                                 variant == 1 ? 0 : 8,
@@ -437,6 +443,7 @@ static void test_caller_workspace_never_allocates(void)
         } else if (grpo) {
             hu_grpo_linear(&p.grpo, &lin);
             st = hu_call_is_preference(c) ? fh_preference_workspace_size(ctx, &lin, &bytes)
+                 : hu_call_is_kto(c)      ? fh_kto_workspace_size(ctx, &lin, &bytes)
                                           : fh_grpo_workspace_size(ctx, &lin, &bytes);
         } else {
             cp_problem_linear(&p.ce_mean, &lin);

@@ -4,7 +4,9 @@
  * odd hidden sizes and row counts (the edge cases of BLIS's small-matrix kernels), default and small tiles,
  * fp32 and (where the build has oneDNN) bf16 x and weight, with fp32 and with bf16 gradients. Distillation also
  * guards its teacher's x, weight and bias, in both teacher layouts, with a teacher of another hidden size and
- * (every other shape) the other dtype, and runs its train step in row blocks and streaming.
+ * (every other shape) the other dtype, and runs its train step in row blocks and streaming. KTO guards its labels,
+ * both kinds of reference log-probs and of KL input (per token and one value for even shapes, per sequence for odd
+ * ones).
  * Each call runs in a forked child; a fault fails the test with the call and shape.
  *
  * ctest runs this suite on the default BLIS kernel set and, as hardening_guard_pages_haswell, with
@@ -71,11 +73,13 @@ typedef struct guard_case {
     fh_layout teacher_layout;
     fh_dtype teacher_dtype;
     int streaming; /* a memory budget under which the train step streams (tiles then follow the budget) */
+    int kto_per_sequence; /* KTO: the reference log-probs and the KL log-ratios per sequence (else per token, one
+                             KL value) */
 } guard_case;
 
 enum { G_X, G_W, G_B, G_CW, G_T, G_GRAD, G_LSE, G_LOGP, G_ENT, G_MASK, G_ADV, G_OLD, G_REF, G_SAMP,
        G_PTL, G_OLOGP, G_OLSE, G_OENT, G_ARGMAX, G_DX, G_DW, G_DB, G_SEQ_LOGPS, G_REWARDS, G_TX, G_TW, G_TB,
-       G_COUNT };
+       G_LABELS, G_REF_SEQ, G_KL, G_KL_RATIOS, G_COUNT };
 
 static float *fill(float *p, size_t count, uint64_t *rng, double scale, double offset)
 {
@@ -133,7 +137,16 @@ static int guarded_call(void *arg)
     const int preference = hu_call_is_preference(c->call);
     if (preference && n % 2)
         return 0;
-    float *seq_logps = guard_alloc(&g[G_SEQ_LOGPS], 2 * 4, c->tail), *rewards = guard_alloc(&g[G_REWARDS], 2 * 4, c->tail);
+    /* KTO: two sequences of n / 2 (odd n: n sequences of one token), desirable and undesirable in turn. */
+    const int64_t kto_batch = n % 2 ? n : 2, kto_seq = n / kto_batch;
+    const size_t sequences = hu_call_is_kto(c->call) ? (size_t)kto_batch : 2;
+    float *seq_logps = guard_alloc(&g[G_SEQ_LOGPS], sequences * 4, c->tail);
+    float *rewards = guard_alloc(&g[G_REWARDS], sequences * 4, c->tail);
+    uint8_t *labels = guard_alloc(&g[G_LABELS], (size_t)kto_batch, c->tail);
+    float *ref_seq = fill(guard_alloc(&g[G_REF_SEQ], (size_t)kto_batch * 4, c->tail), (size_t)kto_batch, &rng, 2.0,
+                          -4.0 * (double)kto_seq);
+    float *kl = fill(guard_alloc(&g[G_KL], 4, c->tail), 1, &rng, 0.2, 0.2);
+    float *kl_ratios = fill(guard_alloc(&g[G_KL_RATIOS], (size_t)kto_batch * 4, c->tail), (size_t)kto_batch, &rng, 0.5, 0.1);
     for (int k = 0; k < G_COUNT; k++)
         if (!g[k].p)
             return 2;
@@ -141,6 +154,8 @@ static int guarded_call(void *arg)
         t[i] = i % 5 == 3 ? -100 : (int64_t)(ce_uniform(&rng) * (double)v);
         mask[i] = i % 4 == 3 ? 0.0f : 1.0f;
     }
+    for (int64_t s = 0; s < kto_batch; s++)
+        labels[s] = s % 2 == 0;
     fh_context *ctx = NULL;
     if (fh_context_create(&ctx) != FH_OK)
         return 2;
@@ -182,6 +197,21 @@ static int guarded_call(void *arg)
     const fh_preference_batch pairs = {1, n / 2, t, mask, NULL, ref};
     fh_preference_metrics pref_metrics;
     fh_preference_outputs pref_out = {&loss, &pref_metrics, seq_logps, rewards, ologp};
+    fh_kto_options ko;
+    fh_kto_options_init(&ko);
+    ko.undesirable_weight = 1.5;
+    const int kto_per_sequence = c->kto_per_sequence;
+    const fh_kto_batch kto = {kto_batch,
+                              kto_seq,
+                              t,
+                              mask,
+                              labels,
+                              kto_per_sequence ? ref_seq : NULL,
+                              kto_per_sequence ? NULL : ref,
+                              kto_per_sequence ? NULL : kl,
+                              kto_per_sequence ? kl_ratios : NULL};
+    fh_kto_metrics kto_metrics;
+    fh_kto_outputs kto_out = {&loss, &kto_metrics, seq_logps, rewards, ologp};
     /* Distillation: jsd with the hard loss; reduction 'none' (every grad_output read) with the guard before the
      * buffers, mean after them. */
     fh_linear teacher;
@@ -220,6 +250,8 @@ static int guarded_call(void *arg)
     case HU_GRPO_TRAIN_STEP: st = fh_grpo_forward_backward(ctx, &lin, &batch, &go, grad, &grpo_out, &grads); break;
     case HU_PREFERENCE_FORWARD: st = fh_preference_forward(ctx, &lin, &pairs, &po, &pref_out); break;
     case HU_PREFERENCE_TRAIN_STEP: st = fh_preference_forward_backward(ctx, &lin, &pairs, &po, grad, &pref_out, &grads); break;
+    case HU_KTO_FORWARD: st = fh_kto_forward(ctx, &lin, &kto, &ko, &kto_out); break;
+    case HU_KTO_TRAIN_STEP: st = fh_kto_forward_backward(ctx, &lin, &kto, &ko, grad, &kto_out, &grads); break;
     case HU_DISTILL_FORWARD: st = fh_distill_forward(ctx, &lin, &teacher, t, &dopt, &distill_out); break;
     default: st = fh_distill_forward_backward(ctx, &lin, &teacher, t, &dopt, grad, &distill_out, &grads); break;
     }
@@ -252,13 +284,14 @@ static void test_guarded_buffers(void)
                     for (size_t t = 0; t < TU_COUNT(tiles) - !hu_call_is_distill((hu_call)call); t++)
                         for (int tail = 1; tail >= 0; tail--) {
                             const fh_dtype xw = dtype ? FH_DTYPE_BF16 : FH_DTYPE_F32;
-                            /* The teacher: the student's dtype for even shapes, the other one for odd shapes. */
+                            /* The teacher: the student's dtype for even shapes, the other one for odd shapes; KTO's
+                             * reference and KL per token and one value for even shapes, per sequence for odd ones. */
                             const fh_dtype other = s % 2 == 0 ? xw
                                                    : xw == FH_DTYPE_BF16 ? FH_DTYPE_F32 : FH_DTYPE_BF16;
                             const guard_case c = {(hu_call)call, shapes[s][0], shapes[s][1], shapes[s][2], (fh_layout)layout,
                                                   tiles[t][0], tiles[t][1], tail, xw,
                                                   dtype == 2 ? FH_DTYPE_BF16 : FH_DTYPE_F32, (fh_layout)teacher_layout,
-                                                  other, t == 3};
+                                                  other, t == 3, (int)(s % 2)};
                             const int code = hu_run_isolated(guarded_call, (void *)&c);
                             if (code != 0 && faults++ < 40)
                                 TU_CHECK(0, "%s %s, layout %s, n=%lld hidden=%lld vocab=%lld, tiles %lld x %lld%s, guard %s"

@@ -1,6 +1,6 @@
 /* Determinism beyond tests/test_determinism.c: every entry point (cross-entropy forward, backward, train
  * step on both schedules; GRPO forward, backward, train step at both importance-sampling levels; the preference
- * calls; the distillation calls, their train step in row blocks and (budget 300000) streaming, with a teacher of
+ * and KTO calls (KTO: its reference per token and one KL value); the distillation calls, their train step in row blocks and (budget 300000) streaming, with a teacher of
  * another hidden size and layout, on both problems) gives
  * bitwise-identical outputs across repeated runs with the same thread count (1, 2, and 0 = OpenMP's
  * default) and configuration, on fresh contexts and on one reused context, at a shape where BLIS splits

@@ -30,6 +30,7 @@ enum { TINY = 64 };
 static float tiny_x[TINY], tiny_w[TINY], tiny_b[TINY], tiny_mask[TINY], tiny_adv[TINY], tiny_logps[TINY];
 static float tiny_grad[TINY], tiny_lse[TINY];
 static int64_t tiny_targets[TINY];
+static uint8_t tiny_labels[TINY];
 
 typedef struct shape_case {
     const char *name;
@@ -73,7 +74,7 @@ static const shape_case cases[] = {
     {"dx last offset 2^61 (bytes overflow ptrdiff_t)", 2, 1, 1, 1, 0, 0, P2(61), 0, 0, ST(FH_ERR_SIZE_OVERFLOW), 1},
     {"dx_row_stride = 2^62 + 1 (bytes wrap to 4)", 2, 1, 1, 1, 0, 0, P2(62) + 1, 0, 0, ST(FH_ERR_SIZE_OVERFLOW), 1},
     {"dx_row_stride = INT64_MIN", 2, 1, 1, 1, 0, 0, INT64_MIN, 0, 0, ST(FH_ERR_INVALID_STRIDE), 1},
-    /* GRPO and preference only: batch * seq (pairs * seq). An overflowing product cannot equal n; the library reports the mismatch. */
+    /* GRPO, preference and KTO only: batch * seq (pairs * seq). An overflowing product cannot equal n; the library reports the mismatch. */
     {"batch * seq overflows", 4, 1, 1, 0, 0, 0, 0, P2(32), P2(32) + 1, ST(FH_ERR_INVALID_SIZE) | ST(FH_ERR_SIZE_OVERFLOW), 0},
     {"batch = -1, seq = -4 (product = n)", 4, 1, 1, 0, 0, 0, 0, -1, -4, ST(FH_ERR_INVALID_SIZE), 0},
     {"batch = INT64_MIN, seq = -1", 4, 1, 1, 0, 0, 0, 0, INT64_MIN, -1, ST(FH_ERR_INVALID_SIZE), 0},
@@ -127,6 +128,12 @@ static int child(void *arg)
     fh_preference_options po;
     fh_preference_options_init(&po);
     fh_preference_outputs pref_out = {&o.loss, &o.preference_metrics, o.sequence_logps, o.rewards, o.logp};
+    /* A KTO batch: GRPO's sequences, undesirable, the reference per sequence and the KL value 0. */
+    const fh_kto_batch kto_batch = {c->batch ? c->batch : 1, c->batch ? c->seq : c->n, tiny_targets, tiny_mask,
+                                    tiny_labels, tiny_logps, NULL, tiny_logps, NULL};
+    fh_kto_options ko;
+    fh_kto_options_init(&ko);
+    fh_kto_outputs kto_out = {&o.loss, &o.kto_metrics, o.sequence_logps, o.rewards, o.logp};
     /* Distillation: the teacher is the student's view (the student is checked first). */
     fh_distill_options dopt;
     fh_distill_options_init(&dopt);
@@ -136,6 +143,7 @@ static int child(void *arg)
     if (a->query) {
         st = hu_call_is_distill(a->call)      ? fh_distill_workspace_size(ctx, &lin, &lin, &bytes)
              : hu_call_is_preference(a->call) ? fh_preference_workspace_size(ctx, &lin, &bytes)
+             : hu_call_is_kto(a->call)        ? fh_kto_workspace_size(ctx, &lin, &bytes)
              : hu_call_on_sequences(a->call) ? fh_grpo_workspace_size(ctx, &lin, &bytes)
              : a->call >= HU_LOGPROB_FORWARD ? fh_logprob_workspace_size(ctx, &lin, &bytes)
              : a->call == HU_CE_TRAIN_STEP ? fh_ce_forward_backward_workspace_size(ctx, &lin, &ce, &bytes)
@@ -162,6 +170,8 @@ static int child(void *arg)
     case HU_PREFERENCE_TRAIN_STEP:
         st = fh_preference_forward_backward(ctx, &lin, &pairs, &po, tiny_grad, &pref_out, &g);
         break;
+    case HU_KTO_FORWARD: st = fh_kto_forward(ctx, &lin, &kto_batch, &ko, &kto_out); break;
+    case HU_KTO_TRAIN_STEP: st = fh_kto_forward_backward(ctx, &lin, &kto_batch, &ko, tiny_grad, &kto_out, &g); break;
     case HU_DISTILL_FORWARD: st = fh_distill_forward(ctx, &lin, &lin, tiny_targets, &dopt, &distill_out); break;
     default: st = fh_distill_forward_backward(ctx, &lin, &lin, tiny_targets, &dopt, tiny_grad, &distill_out, &g); break;
     }
@@ -189,7 +199,7 @@ static void test_overflowing_shapes(void)
         const shape_case *c = &cases[k];
         const int grpo_only = c->batch != 0;
         for (int call = 0; call < HU_CALL_COUNT; call++) {
-            /* A batch of sequences: GRPO and preference calls (distillation takes none). */
+            /* A batch of sequences: GRPO, preference and KTO calls (distillation takes none). */
             const int batched = hu_call_on_sequences((hu_call)call) && !hu_call_is_distill((hu_call)call);
             if (grpo_only && !batched)
                 continue;
@@ -201,7 +211,7 @@ static void test_overflowing_shapes(void)
                 if (query && (grpo_only || c->grads_only || call == HU_CE_BACKWARD || call == HU_LOGPROB_BACKWARD ||
                               call == HU_LOGPROB_TRAIN_STEP || call == HU_GRPO_BACKWARD ||
                               call == HU_GRPO_TRAIN_STEP || call == HU_PREFERENCE_TRAIN_STEP ||
-                              call == HU_DISTILL_TRAIN_STEP))
+                              call == HU_KTO_TRAIN_STEP || call == HU_DISTILL_TRAIN_STEP))
                     continue;
                 child_args a = {c, (hu_call)call, query};
                 const int code = hu_run_isolated(child, &a);
