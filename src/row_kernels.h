@@ -122,8 +122,8 @@ fh_row_exp_sums_fn fh_row_exp_sums;
 
 /* jsd, per column: with delta_j = log q_j - log p_j = inv_t (cz_j - z_j) - lse_t_minus_s, the logs lp_j = log(m_j / p_j)
  * and lq_j = log(m_j / q_j), and the term -(beta q_j lq_j + (1 - beta) p_j lp_j), whose sum is D. Near delta = 0
- * lp = log1p(beta expm1(delta)) and lq = log1p(-(1 - beta) expm1(delta) / (1 + expm1(delta))) carry their own
- * O(delta) size, so a term is O(p delta^2) with no constant to cancel: D of nearly identical heads (1e-6 per
+ * lp = log1p(beta expm1(delta)) and lq = lp - delta carry their own O(delta) size (to a few ulps of delta), so a term
+ * is O(p delta^2) with no constant to cancel: D of nearly identical heads (1e-6 per
  * token) comes out to ~1e-11, where summing constant-sized terms against the binary entropy left ~1e-8. Where
  * |delta| >= 1 (expm1 may overflow) lp = log(1 - beta) + softplus(x) and lq = log(beta) + softplus(-x), x =
  * log_odds + delta: exact where p and q barely overlap. sums[0] += sum_j of the terms; sums[1] += sum_j p_j lp_j;

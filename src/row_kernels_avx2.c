@@ -426,8 +426,7 @@ BLOCK void jsd_logs(const fh_pair_row *r, const float *z, const float *cz, int64
     if (near_bits) {
         const __m256 e = Sleef_expm1f8_u10avx2(delta);
         *lp = Sleef_log1pf8_u10avx2(_mm256_mul_ps(_mm256_set1_ps(r->beta), e));
-        *lq = Sleef_log1pf8_u10avx2(
-            _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(r->beta - 1.0f), e), _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+        *lq = _mm256_sub_ps(*lp, delta);
         *sp = _mm256_sub_ps(*lp, log_1m_beta);
     }
     if (near_bits != 0xff) {

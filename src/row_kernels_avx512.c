@@ -296,8 +296,7 @@ static void jsd_logs(const fh_pair_row *r, const float *z, const float *cz, int6
     if (near) {
         const __m512 e = Sleef_expm1f16_u10avx512f(delta);
         *lp = Sleef_log1pf16_u10avx512f(_mm512_mul_ps(_mm512_set1_ps(r->beta), e));
-        *lq = Sleef_log1pf16_u10avx512f(
-            _mm512_div_ps(_mm512_mul_ps(_mm512_set1_ps(r->beta - 1.0f), e), _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+        *lq = _mm512_sub_ps(*lp, delta);
         *sp = _mm512_sub_ps(*lp, log_1m_beta);
     }
     if (near != (__mmask16)0xffff) {

@@ -137,7 +137,7 @@ static void jsd_logs(const float *z, const float *cz, int64_t j, const fh_pair_r
     if (fabsf(delta) < 1.0f) {
         const float e = expm1f(delta);
         *lp = log1pf(r->beta * e);
-        *lq = log1pf(-(1.0f - r->beta) * e / (1.0f + e));
+        *lq = *lp - delta; /* log(m / q) = log(m / p) - delta, both O(delta): no cancellation of note */
         *sp = *lp - r->log_1m_beta;
     } else {
         float spn;
