@@ -79,11 +79,12 @@ typedef enum fh_status {
     FH_ERR_GEMM_FAILED = 40,          /* the bf16 GEMM provider (oneDNN) refused a product's shapes or strides,
                                          or failed while running it, for a reason other than memory */
     /* 50..59: option values of the preference and distillation heads, and logit_scale */
-    FH_ERR_INVALID_PREFERENCE_OPTION = 50, /* loss, loss_type, beta, label_smoothing, simpo_gamma, rpo_alpha or
-                                              cpo_alpha out of range, or a loss_type the loss does not have; KTO's
+    FH_ERR_INVALID_PREFERENCE_OPTION = 50, /* loss, loss_type (or the list and its weights), dpo_semantics, beta,
+                                              label_smoothing, simpo_gamma, rpo_alpha, cpo_alpha or discopop_tau out
+                                              of range, a loss_type the loss does not have, use_weighting; KTO's
                                               loss_type, beta, weights, labels, KL inputs or reference missing */
     FH_ERR_INVALID_DISTILL_OPTION = 51, /* divergence unknown, beta outside [0, 1], or a loss weight negative
-                                           or not finite */
+                                           or not finite; top-k: add_tail, the teacher's k or a NaN or +inf log-prob */
     FH_ERR_TEACHER_MISMATCH = 52,       /* the teacher's n or V differs from the student's */
     FH_ERR_INVALID_LOGIT_SCALE = 53,    /* logit_scale not a positive normal fp32 value, or softcap / logit_scale
                                            or logit_scale / temperature outside fp32's normal range */
