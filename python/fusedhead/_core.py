@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import itertools
 import operator
 import os
 import threading
 import warnings
+import weakref
 from typing import NamedTuple, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 from . import _lib
@@ -117,6 +119,9 @@ class Context:
         self._lib = load_library()
         self._lock = threading.RLock()
         self._workspace = None
+        # names this context in a torch op's arguments (an integer, which a trace can hold; context_by_key)
+        self.key = next(_context_keys)
+        _contexts_by_key[self.key] = self
         handle = ctypes.c_void_p()
         status = self._lib.fh_context_create(ctypes.byref(handle))
         if status != 0:  # no context holds the message: the library keeps this thread's last one (an FH_WISDOM fault)
@@ -284,6 +289,19 @@ class Context:
 
 
 _thread_local = threading.local()
+_context_keys = itertools.count(1)  # 0: the calling thread's default context
+_contexts_by_key: "weakref.WeakValueDictionary[int, Context]" = weakref.WeakValueDictionary()
+
+
+def context_by_key(key: int) -> "Context":
+    """The Context whose `key` this is (0: this thread's default context); ValueError once it was freed."""
+    if key == 0:
+        return default_context()
+    ctx = _contexts_by_key.get(key)
+    if ctx is None:
+        raise ValueError(f"the fusedhead Context with key {key} no longer exists (keep it alive while it is used)")
+    return ctx
+
 _SETTING_NAMES = ("threads", "tile_rows", "tile_vocab", "memory_budget", "check_finite", "fp32_du", "oversubscribe",
                   "grad_filter_eps", "grad_filter_tail")
 _default_settings: dict = {}

@@ -15,6 +15,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import fusedhead  # noqa: E402
 import fusedhead.torch as fht  # noqa: E402
+from fusedhead.torch import _tensors as fh_tensors  # noqa: E402
 from conftest import GRAD_RTOL_F64, LOSS_RTOL_F64, normwise  # noqa: E402
 
 B, T, H, V = 3, 13, 24, 257
@@ -101,13 +102,13 @@ def test_matches_hugging_face(name, monkeypatch):
     leaves64 = [t.double().requires_grad_() for t in (hidden, weight, bias)]
     # hidden reaches the library as a view of the caller's tensor: the shift is on the labels only
     seen = []
-    init = fht._TorchLinear.__init__
+    init = fh_tensors.TorchLinear.__init__
 
     def spy(self, *args):
         init(self, *args)
         seen.append(self.x.data_ptr())
 
-    monkeypatch.setattr(fht._TorchLinear, "__init__", spy)
+    monkeypatch.setattr(fh_tensors.TorchLinear, "__init__", spy)
     loss = fht.causal_lm_loss(leaves[0], leaves[1], labels, **dict(kw, bias=leaves[2] if "bias" in kw else None))
     monkeypatch.undo()
     assert seen == [leaves[0].data_ptr()]

@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch")
 
 import fusedhead  # noqa: E402
 import fusedhead.torch as fht  # noqa: E402
+from fusedhead.torch import _tensors as fh_tensors  # noqa: E402
 from conftest import (ENTROPY_ATOL, GRAD_RTOL_F32, GRAD_RTOL_F64, LOSS_RTOL_F32, LOSS_RTOL_F64,  # noqa: E402
                       make_data, normwise)
 from reference import reference_entropy_correct, reference_logits, reference_loss  # noqa: E402
@@ -149,13 +150,13 @@ def test_unbatched_hidden():
 def test_gradients_only_where_required(requires, reduction, monkeypatch):
     """Frozen inputs get no gradient, and the library is not asked for it (NULL in fh_linear_grads)."""
     asked = []
-    original = fht._TorchLinear.alloc_grads
+    original = fh_tensors.TorchLinear.alloc_grads
 
     def spy(self, need_x, need_w, need_b):
         asked.append((need_x, need_w, need_b))
         return original(self, need_x, need_w, need_b)
 
-    monkeypatch.setattr(fht._TorchLinear, "alloc_grads", spy)
+    monkeypatch.setattr(fh_tensors.TorchLinear, "alloc_grads", spy)
     arrays = make_data(seed=21, bias=True, ignore_frac=0.1)
     upstream = torch.randn(arrays[0].shape[0], dtype=torch.float64) if reduction == "none" else None
     compare(arrays, dict(reduction=reduction, z_loss=1e-3), upstream, requires)
@@ -331,18 +332,6 @@ def test_entropy_and_correct(case, reduction):
     assert only.entropy is None and int(only.correct) == ref_correct
 
 
-def test_autograd_function_direct():
-    arrays = make_data(seed=52, bias=True)
-    X, W, T, B, _ = leaves(arrays, torch.float32)
-    loss, z = fht.FusedLinearCrossEntropyFunction.apply(X, W, T, B)
-    loss.backward()
-    X64, W64, _, B64, _ = leaves(arrays, torch.float64)
-    reference_loss(X64, W64, T, B64).backward()
-    assert z.item() == 0.0
-    for a, r in ((X, X64), (W, W64), (B, B64)):
-        assert normwise(a.grad.numpy(), r.grad.numpy()) <= GRAD_RTOL_F64
-
-
 def test_module():
     arrays = make_data(seed=61, bias=True, class_weights=True, ignore_frac=0.2)
     X, W, T, B, CW = leaves(arrays, torch.float32)
@@ -388,7 +377,7 @@ def test_strided_inputs_zero_copy_and_copies():
     Xp = wide[:, :20]  # row stride 32
     W_hv = torch.tensor(w.T.copy(), requires_grad=True)  # [H, V] storage
     Wv = W_hv.t()  # a [V, H] view with strides (1, V)
-    lin = fht._TorchLinear(Xp, Wv, None, "vh")
+    lin = fh_tensors.TorchLinear(Xp, Wv, None, "vh")
     assert lin.x.data_ptr() == Xp.data_ptr() and lin.weight.data_ptr() == Wv.data_ptr()
     fht.fused_linear_cross_entropy(Xp, Wv, torch.from_numpy(t)).backward()
     assert normwise(wide.grad[:, :20].numpy(), X64.grad.numpy()) <= GRAD_RTOL_F64
@@ -399,7 +388,7 @@ def test_strided_inputs_zero_copy_and_copies():
     big[:, ::2] = torch.from_numpy(x)
     big.requires_grad_()
     Xs = big[:, ::2]  # column stride 2: copied
-    assert fht._TorchLinear(Xs, Wv, None, "vh").x.data_ptr() != Xs.data_ptr()
+    assert fh_tensors.TorchLinear(Xs, Wv, None, "vh").x.data_ptr() != Xs.data_ptr()
     fht.fused_linear_cross_entropy(Xs, Wv.detach(), torch.from_numpy(t)).backward()
     assert normwise(big.grad[:, ::2].numpy(), X64.grad.numpy()) <= GRAD_RTOL_F64
 

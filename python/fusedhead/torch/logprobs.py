@@ -1,0 +1,84 @@
+"""Per-token log-probs (and entropies and log-sum-exps), differentiable: fused_linear_logprobs, the primitive for a
+loss fusedhead has no head for."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .._core import Context, LogprobProblem, View, default_context
+from ._ops import SplitStep
+from ._tensors import INT64_HINT, TorchLinear, check_tensor, contiguous_vector, token_vector, view
+
+_ARGS = (("Tensor", "hidden"), ("Tensor", "weight"), ("Tensor", "targets"), ("Tensor?", "bias"),
+         ("int", "ignore_index"), ("float", "temperature"), ("float?", "softcap"), ("float?", "logit_scale"),
+         ("str", "layout"), ("bool", "want_entropy"))
+
+
+class _Logprobs:
+    """Everything one log-prob call needs, checked and in library form."""
+
+    def __init__(self, a: dict):
+        self.lin = TorchLinear(a["hidden"], a["weight"], a["bias"], a["layout"])
+        check_tensor(a["targets"], "targets", torch.int64, INT64_HINT)
+        self.token_shape = self.lin.hidden_shape[:-1]
+        self.targets = token_vector(a["targets"], "targets", self.token_shape, self.lin.n,
+                                    "hidden's leading dimensions")
+        targets_view = view(self.targets) if self.lin.n > 0 else View(0, (1,), (1,))
+        self.problem = LogprobProblem(self.lin.head, targets_view, ignore_index=a["ignore_index"],
+                                      temperature=a["temperature"], softcap=a["softcap"],
+                                      logit_scale=a["logit_scale"])
+
+
+def _forward(a: dict, context: Optional[Context]):
+    """(logp, entropy, lse), float32 of the targets' shape; the entropy is computed only when asked for (0 else)."""
+    lp = _Logprobs(a)
+    logp, entropy, lse = (torch.zeros(lp.lin.n, dtype=torch.float32) for _ in range(3))
+    if lp.lin.computes:
+        lp.problem.forward(context or default_context(), logp=logp.data_ptr(),
+                           entropy=entropy.data_ptr() if a["want_entropy"] else None, lse=lse.data_ptr())
+    return tuple(t.view(lp.token_shape) for t in (logp, entropy, lse))
+
+
+def _backward(a: dict, saved, upstream, need, context: Optional[Context]):
+    """fh_logprob_backward with the upstream gradients of the outputs used (None: unused, the library's NULL)."""
+    lp = _Logprobs(a)
+    entropy, lse = saved
+    dx, dw, db = lp.lin.alloc_grads(*need)
+    if lp.lin.computes and any(need):
+        g = [None if t is None else contiguous_vector(t.reshape(lp.lin.n).to(torch.float32)) for t in upstream]
+        lp.problem.backward(context or default_context(), lse.data_ptr(),
+                            entropy.data_ptr() if g[1] is not None else None,
+                            *(None if t is None else t.data_ptr() for t in g), lp.lin.grads_struct(dx, dw, db))
+    return dx, dw, db
+
+
+_LOGPROBS = SplitStep("logprobs", _ARGS, 3, differentiable=(0, 1, 2), saved=(1, 2), forward=_forward,
+                      backward=_backward)
+
+
+def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                          return_entropy: bool = False, return_lse: bool = False, *,
+                          bias: Optional[torch.Tensor] = None, ignore_index: int = -100,
+                          softcap: Optional[float] = None, logit_scale: Optional[float] = None, layout: str = "vh",
+                          context: Optional[Context] = None):
+    """log_softmax(s).gather(-1, targets) with s = softcap(logit_scale F.linear(hidden, weight, bias)) / temperature,
+    without the logits; differentiable with respect to hidden, weight and bias.
+
+    Returns logp (float32, the targets' shape; 0 where the target is ignore_index), or a tuple (logp, entropy[,
+    lse]) with return_entropy / return_lse: the entropy -sum p log p of softmax(s) and its log-sum-exp, also
+    differentiable (0 and no gradient at ignored tokens). E.g. a GRPO-style loss:
+
+        logp, entropy = fused_linear_logprobs(h, W, ids, temperature=0.9, return_entropy=True)
+        ratio = torch.exp(logp - old_logp)
+        loss = -(torch.min(ratio * adv, ratio.clamp(0.8, 1.2) * adv) * mask).sum() / mask.sum()
+        loss.backward()
+
+    A non-finite upstream gradient raises InvalidGradOutputError (the library refuses it) instead of propagating.
+    """
+    logp, entropy, lse = _LOGPROBS(context, hidden=hidden, weight=weight, targets=targets, bias=bias,
+                                   ignore_index=ignore_index, temperature=temperature, softcap=softcap,
+                                   logit_scale=logit_scale, layout=layout, want_entropy=return_entropy)
+    if not (return_entropy or return_lse):
+        return logp
+    return (logp, entropy, lse) if return_entropy and return_lse else (logp, entropy) if return_entropy else (logp, lse)
