@@ -97,6 +97,17 @@ def test_version_matches_cmake():
     assert m and fusedhead.__version__ == m.group(1)
 
 
+def test_wheel_version_comes_from_cmake():
+    """pyproject.toml's version regex reads the same version from CMakeLists.txt (an installed wheel's
+    __version__ is its metadata's; python/tests/test_wheel.py checks that)."""
+    tomllib = pytest.importorskip("tomllib")
+    with open(REPO_ROOT / "pyproject.toml", "rb") as f:
+        config = tomllib.load(f)["tool"]["scikit-build"]["metadata"]["version"]
+    assert config["input"] == "CMakeLists.txt"
+    m = re.search(config["regex"], (REPO_ROOT / "CMakeLists.txt").read_text())
+    assert m and m.group("value") == fusedhead.__version__
+
+
 def test_kernel_info():
     info = fusedhead.kernel_info()
     assert isinstance(info.kernel_set, str) and info.kernel_set
