@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
 import os
 import pickle
 import re
@@ -95,6 +96,20 @@ def test_options_init_defaults_match_python_defaults():
 def test_version_matches_cmake():
     m = re.search(r"project\(fusedhead VERSION ([0-9.]+)", (REPO_ROOT / "CMakeLists.txt").read_text())
     assert m and fusedhead.__version__ == m.group(1)
+
+
+def test_version_of_a_package_outside_a_checkout(tmp_path):
+    """Away from CMakeLists.txt, __version__ is the installed distribution's, or "unknown" for a copy made by hand."""
+    shutil.copytree(REPO_ROOT / "python" / "fusedhead", tmp_path / "fusedhead",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    r = subprocess.run([sys.executable, "-c", "import fusedhead; print(fusedhead.__version__)"], capture_output=True,
+                       text=True, env=subprocess_env(PYTHONPATH=str(tmp_path)), cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    try:
+        expected = importlib.metadata.version("fusedhead")
+    except importlib.metadata.PackageNotFoundError:
+        expected = "unknown"
+    assert r.stdout.strip() == expected
 
 
 def test_wheel_version_comes_from_cmake():
