@@ -7,12 +7,15 @@ sizeof/offsetof with these definitions.
 
 Library lookup order (first hit wins):
   1. the environment variable FUSEDHEAD_LIBRARY: a path to libfusedhead.so (an error if it does not load);
-  2. the build tree the package was imported from: CMake links <build>/fusedhead to python/fusedhead, so
+  2. the copy inside the package directory, which `pip install .` puts there: an installed package loads the
+     library built with it (a checkout's python/fusedhead holds none);
+  3. the build tree the package was imported from: CMake links <build>/fusedhead to python/fusedhead, so
      `python3 -c "import fusedhead"` in a build directory loads that build's library;
-  3. the build tree next to the package: <repo>/build/libfusedhead.so*, then <repo>/build*/libfusedhead.so*
+  4. the build tree next to the package: <repo>/build/libfusedhead.so*, then <repo>/build*/libfusedhead.so*
      in name order (<repo> is the directory holding python/; the directory holding the package is tried too);
-  4. a copy bundled inside the package directory (wheels built by packagers);
   5. the system: ctypes.util.find_library("fusedhead"), then "libfusedhead.so.0".
+A library that is found but needs a shared library the system lacks (BLIS, SLEEF, oneDNN, OpenMP: the
+distribution's, never bundled) raises MissingDependencyError naming it and the Debian package that provides it.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import ctypes
 import ctypes.util
 import enum
 import os
+import re
 import threading
 from pathlib import Path
 from typing import List, Optional
@@ -576,6 +580,45 @@ class LibraryNotFoundError(ImportError):
     """libfusedhead.so could not be found or loaded; the message lists every place tried."""
 
 
+class MissingDependencyError(LibraryNotFoundError):
+    """libfusedhead.so was found, but a shared library it needs is not installed.
+
+    .dependency is that library's file name (e.g. "libblis.so.4"), .package the Debian package that provides it
+    (None when it is not one of DEPENDENCY_PACKAGES)."""
+
+    def __init__(self, message: str, dependency: str, package: Optional[str]):
+        super().__init__(message)
+        self.dependency = dependency
+        self.package = package
+
+
+# The distribution's shared libraries that libfusedhead links (ldd build/libfusedhead.so), with the Debian package
+# that provides each (dpkg -S); a wheel bundles none of them.
+DEPENDENCY_PACKAGES = {
+    "libblis.so.4": "libblis4",
+    "libsleef.so.3": "libsleef3",
+    "libdnnl.so.2": "libdnnl2",
+    "libgomp.so.1": "libgomp1",
+}
+# What the dynamic loader says, through ctypes's OSError, when a file it looks for does not exist.
+_CANNOT_OPEN = re.compile(r"^(?P<name>.+?): cannot open shared object file")
+
+
+def dependency_error(library: str, message: str) -> Optional[MissingDependencyError]:
+    """The error to raise when `message` (ctypes's OSError text on loading `library`) says that a library it needs,
+    not `library` itself, is missing; None otherwise."""
+    m = _CANNOT_OPEN.match(message)
+    if m is None or os.path.basename(m.group("name")) == os.path.basename(library):
+        return None
+    dependency = os.path.basename(m.group("name"))
+    package = DEPENDENCY_PACKAGES.get(dependency)
+    how = (f"on Debian, apt-get install {package}" if package
+           else f"install the package that provides it (Debian: apt-file search {dependency})")
+    return MissingDependencyError(
+        f"{library} needs {dependency}, which is not installed: {how}. fusedhead's package holds only libfusedhead; "
+        "BLIS, SLEEF, oneDNN and OpenMP come from the system.", dependency, package)
+
+
 ENV_VAR = "FUSEDHEAD_LIBRARY"
 _PACKAGE_DIR = Path(__file__).resolve().parent
 # Where the package was imported from, links not followed: <build>/fusedhead when imported from a build tree.
@@ -641,28 +684,33 @@ def load_library(path: Optional[str] = None) -> ctypes.CDLL:
             try:
                 cdll = ctypes.CDLL(os.fspath(explicit))
             except OSError as e:
-                raise LibraryNotFoundError(f"{source} = {explicit!r} could not be loaded: {e}") from None
+                raise (dependency_error(os.fspath(explicit), str(e))
+                       or LibraryNotFoundError(f"{source} = {explicit!r} could not be loaded: {e}")) from None
             _lib, _lib_path = _bind(cdll), os.fspath(explicit)
             return _lib
-        found = _libs_in(_IMPORT_DIR.parent) + build_tree_candidates() + _libs_in(_PACKAGE_DIR)
+        found = _libs_in(_PACKAGE_DIR) + _libs_in(_IMPORT_DIR.parent) + build_tree_candidates()
         candidates = [str(p) for p in found]
         system = ctypes.util.find_library("fusedhead")
         candidates += [c for c in (system, "libfusedhead.so.0") if c]
+        missing: Optional[MissingDependencyError] = None
         for candidate in candidates:
             try:
                 cdll = ctypes.CDLL(candidate)
             except OSError as e:
                 tried.append(f"  {candidate}: {e}")
+                missing = missing or dependency_error(candidate, str(e))
                 continue
             _lib, _lib_path = _bind(cdll), candidate
             return _lib
+        if missing is not None:  # the first library found lacks a dependency: that, not "not found", is the problem
+            raise missing
         raise LibraryNotFoundError(
             "libfusedhead.so not found. Build it (cmake -S . -B build && cmake --build build --target fusedhead), "
             f"set {ENV_VAR}=/path/to/libfusedhead.so, or install it system-wide. Tried:\n" + "\n".join(tried))
 
 
 def library_path() -> str:
-    """Path (or soname) of the loaded library; loads it if needed."""
+    """Path of the loaded library (the soname when the system's was loaded); loads it if needed."""
     load_library()
     assert _lib_path is not None
     return _lib_path

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
 import os
 import pickle
 import re
@@ -97,6 +98,31 @@ def test_version_matches_cmake():
     assert m and fusedhead.__version__ == m.group(1)
 
 
+def test_version_of_a_package_outside_a_checkout(tmp_path):
+    """Away from CMakeLists.txt, __version__ is the installed distribution's, or "unknown" for a copy made by hand."""
+    shutil.copytree(REPO_ROOT / "python" / "fusedhead", tmp_path / "fusedhead",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    r = subprocess.run([sys.executable, "-c", "import fusedhead; print(fusedhead.__version__)"], capture_output=True,
+                       text=True, env=subprocess_env(PYTHONPATH=str(tmp_path)), cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    try:
+        expected = importlib.metadata.version("fusedhead")
+    except importlib.metadata.PackageNotFoundError:
+        expected = "unknown"
+    assert r.stdout.strip() == expected
+
+
+def test_wheel_version_comes_from_cmake():
+    """pyproject.toml's version regex reads the same version from CMakeLists.txt (an installed wheel's
+    __version__ is its metadata's; python/tests/test_wheel.py checks that)."""
+    tomllib = pytest.importorskip("tomllib")
+    with open(REPO_ROOT / "pyproject.toml", "rb") as f:
+        config = tomllib.load(f)["tool"]["scikit-build"]["metadata"]["version"]
+    assert config["input"] == "CMakeLists.txt"
+    m = re.search(config["regex"], (REPO_ROOT / "CMakeLists.txt").read_text())
+    assert m and m.group("value") == fusedhead.__version__
+
+
 def test_kernel_info():
     info = fusedhead.kernel_info()
     assert isinstance(info.kernel_set, str) and info.kernel_set
@@ -181,6 +207,96 @@ def test_build_tree_candidate_order(tmp_path):
     got = [str(p.relative_to(tmp_path)) for p in _lib.build_tree_candidates(pkg)]
     assert got == ["build/libfusedhead.so.0", "build/libfusedhead.so.0.1.0", "build-a/libfusedhead.so",
                    "build-a/libfusedhead.so.0", "build-z/libfusedhead.so"]
+
+
+def _package_copy(root, library=None):
+    """A copy of the package at root/python/fusedhead, with `library` copied in as its bundled libfusedhead.so, as
+    `pip install .` puts it; root/CMakeLists.txt makes root a checkout for __version__."""
+    package = root / "python" / "fusedhead"
+    shutil.copytree(REPO_ROOT / "python" / "fusedhead", package,
+                    ignore=shutil.ignore_patterns("__pycache__", "libfusedhead*"))
+    shutil.copy(REPO_ROOT / "CMakeLists.txt", root / "CMakeLists.txt")
+    if library is not None:
+        shutil.copy(library, package / "libfusedhead.so")
+    return package
+
+
+def test_bundled_library_comes_before_the_build_tree(tmp_path):
+    # An installed package loads the library built with it, even beside a build tree.
+    package = _package_copy(tmp_path, fusedhead.library_path())
+    (tmp_path / "build").mkdir()
+    shutil.copy(fusedhead.library_path(), tmp_path / "build" / "libfusedhead.so")
+    env = subprocess_env(FUSEDHEAD_LIBRARY=None, PYTHONPATH=str(package.parent))
+    r = subprocess.run([sys.executable, "-c", "import fusedhead; print(fusedhead.library_path())"],
+                       capture_output=True, text=True, env=env, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(package / "libfusedhead.so")
+
+
+@pytest.mark.parametrize("dependency, package", sorted(_lib.DEPENDENCY_PACKAGES.items()))
+def test_dependency_error_names_the_debian_package(dependency, package):
+    message = f"{dependency}: cannot open shared object file: No such file or directory"
+    e = _lib.dependency_error("/site-packages/fusedhead/libfusedhead.so", message)
+    assert isinstance(e, fusedhead.MissingDependencyError) and isinstance(e, fusedhead.LibraryNotFoundError)
+    assert (e.dependency, e.package) == (dependency, package)
+    assert f"needs {dependency}" in str(e) and f"apt-get install {package}" in str(e)
+
+
+def test_dependency_error_only_for_dependencies():
+    library = "/x/libfusedhead.so"
+    assert _lib.dependency_error(library, f"{library}: cannot open shared object file: No such file or directory") \
+        is None  # the library itself is missing
+    assert _lib.dependency_error(library, f"{library}: invalid ELF header") is None
+    e = _lib.dependency_error(library, "libquux.so.7: cannot open shared object file: No such file or directory")
+    assert e is not None and (e.dependency, e.package) == ("libquux.so.7", None)
+    assert "apt-file search libquux.so.7" in str(e)
+
+
+def test_dependency_table_covers_the_library():
+    """Every shared library libfusedhead needs, glibc's aside, has its Debian package in DEPENDENCY_PACKAGES."""
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        pytest.skip("readelf (binutils) not found")
+    dynamic = subprocess.run([readelf, "-d", fusedhead.library_path()], capture_output=True, text=True,
+                             check=True).stdout
+    needed = set(re.findall(r"\(NEEDED\)\s+Shared library: \[(.+?)\]", dynamic))
+    glibc = {n for n in needed if re.match(r"(libc|libm|libpthread|libdl|ld-linux[-\w]*)\.so", n)}
+    assert needed - glibc and needed - glibc <= set(_lib.DEPENDENCY_PACKAGES), needed
+
+
+@pytest.mark.parametrize("how", ["env_var", "bundled"])
+def test_missing_dependency_raises_missing_dependency_error(tmp_path, how):
+    """A libfusedhead.so whose dependency is absent raises MissingDependencyError naming it, not ctypes's OSError,
+    whether named by FUSEDHEAD_LIBRARY or found bundled in the package."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build a library with a missing dependency")
+    dep_dir = tmp_path / "dep"
+    dep_dir.mkdir()
+    (tmp_path / "dep.c").write_text("int fh_absent_dep(void) { return 1; }\n")
+    (tmp_path / "lib.c").write_text("int fh_absent_dep(void);\nint fh_lib(void) { return fh_absent_dep(); }\n")
+    dep = dep_dir / "libfh_absent_dep.so.1"
+    subprocess.run([cc, "-shared", "-fPIC", "-Wl,-soname,libfh_absent_dep.so.1", "-o", str(dep),
+                    str(tmp_path / "dep.c")], check=True, capture_output=True)
+    lib = tmp_path / "libfusedhead.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib), str(tmp_path / "lib.c"), str(dep)], check=True,
+                   capture_output=True)
+    shutil.rmtree(dep_dir)
+    if how == "env_var":
+        env = subprocess_env(FUSEDHEAD_LIBRARY=str(lib))
+    else:
+        env = subprocess_env(FUSEDHEAD_LIBRARY=None, PYTHONPATH=str(_package_copy(tmp_path / "repo", lib).parent))
+    code = ("import fusedhead\n"
+            "try:\n"
+            "    fusedhead.load_library()\n"
+            "except fusedhead.MissingDependencyError as e:\n"
+            "    print(e.dependency, e.package)\n"
+            "    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "libfh_absent_dep.so.1 None", r.stdout
+    assert "needs libfh_absent_dep.so.1, which is not installed" in lines[1], r.stdout
 
 
 # ------------------------------------------------------------------------------------------------------------
