@@ -91,9 +91,16 @@ def _distill_topk(h, w, d):
                                                    weight_hard_loss=0.3)
 
 
+def _distill_topk_none(h, w, d):
+    per_token = fht.fused_linear_distillation_topk_loss(h, w, d["topk_ids"], d["topk_logprobs"], add_tail=False,
+                                                        reduction="none")
+    return (per_token * d["mask"]).sum()
+
+
 HEADS: Dict[str, Callable] = dict(cross_entropy=_ce, cross_entropy_none=_ce_none, causal_lm=_causal_lm,
                                   logprobs=_logprobs, grpo=_grpo, dpo=_dpo, kto=_kto, distill=_distill,
-                                  distill_none=_distill_none, distill_topk=_distill_topk)
+                                  distill_none=_distill_none, distill_topk=_distill_topk,
+                                  distill_topk_none=_distill_topk_none)
 
 
 class HeadModule(torch.nn.Module):
@@ -250,8 +257,40 @@ def test_opcheck_every_op(dtype, monkeypatch):
         torch.library.opcheck(op, opcheck_args)
     expected = {n for n in ("cross_entropy", "cross_entropy_none", "cross_entropy_none_backward",
                                              "logprobs", "logprobs_backward", "grpo", "preference", "kto", "distill",
-                                             "distill_none", "distill_none_backward", "distill_topk")}
+                                             "distill_none", "distill_none_backward", "distill_topk", "distill_topk_none",
+                                             "distill_topk_none_backward")}
     assert expected <= checked, expected - checked
+
+
+MODULES = dict(
+    cross_entropy=(lambda: fht.FusedLinearCrossEntropy(label_smoothing=0.1, return_z_loss=True),
+                   lambda d: (d["targets"],)),
+    grpo=(lambda: fht.FusedLinearGRPOLoss(loss_type="grpo", beta=0.04),
+          lambda d: (d["ids"], d["mask"], d["advantages"], None, d["old"], d["ref"])),
+    dpo=(lambda: fht.FusedLinearDPOLoss(beta=0.2), lambda d: (d["ids"], d["mask"], None, d["ref_seq"])),
+    orpo=(lambda: fht.FusedLinearORPOLoss(), lambda d: (d["ids"], d["mask"])),
+    kto=(lambda: fht.FusedLinearKTOLoss(), lambda d: (d["ids"], d["mask"], d["labels"], None, d["ref_seq"], None,
+                                                      0.1)),
+    distill=(lambda: fht.FusedLinearDistillationLoss(divergence="forward_kl"),
+             lambda d: (d["teacher_hidden"], d["teacher_weight"], d["targets"])),
+    jsd=(lambda: fht.FusedLinearJSDLoss(jsd_beta=0.3), lambda d: (d["teacher_hidden"], d["teacher_weight"])),
+)
+
+
+@pytest.mark.parametrize("name", list(MODULES))
+def test_module_forms_compile(name):
+    """The library's own nn.Module forms, options held as attributes, under torch.compile(fullgraph=True)."""
+    torch._dynamo.reset()
+    make, args = MODULES[name]
+    loss_fn, data = make(), _data(8)
+    weight = torch.nn.Parameter(torch.randn(V, H) * 0.3)
+
+    def run(h):
+        return loss_fn(h, weight, *args(data))
+
+    assert torch._dynamo.explain(run)(data["hidden"]).graph_break_count == 0
+    eager = _loss_of(run(data["hidden"]))
+    assert torch.equal(_loss_of(torch.compile(run, fullgraph=True, backend="aot_eager")(data["hidden"])), eager)
 
 
 def test_trace_time_errors():

@@ -43,7 +43,7 @@ Gradients: only for inputs that require grad (the library is handed NULL for the
     gradients (dweight is V x H) are held from forward to backward.
   - dweight buffers (in the weight's dtype) are recycled per weight (at most two, freed with the weight): one
     is handed out again only when no tensor refers to it any more, so .grad, hooks and torch.autograd.grad see
-    what a fresh tensor would give them, without a fresh tensor's page faults (see _DweightPool).
+    what a fresh tensor would give them, without a fresh tensor's page faults (see _tensors.DweightPool).
   - 'none': the forward (fh_ce_forward) saves lse [N]; backward calls fh_ce_backward with the per-token
     upstream gradient. The library refuses a non-finite upstream value, so the binding passes 0 for it and makes
     that token's dx row and all of dweight and dbias NaN, as torch's NaN propagation does ('mean'/'sum' scale the
