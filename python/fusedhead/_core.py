@@ -18,7 +18,7 @@ import weakref
 from typing import NamedTuple, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 from . import _lib
-from ._lib import Dtype, FilterTail, Layout, Param, Reduction, c_double_p, c_float_p, c_int64_p, fh_filter_stats, load_library
+from ._lib import Dtype, FilterTail, Layout, Param, Reduction, Status, c_double_p, c_float_p, c_int64_p, fh_filter_stats, load_library
 from .errors import FusedheadError, error_for
 
 
@@ -432,6 +432,14 @@ def _shape(shape) -> str:
     return "[" + ", ".join(str(int(s)) for s in shape) + "]"
 
 
+def check_sizes(hidden: int, vocab: int) -> None:
+    """A zero hidden or vocabulary size raises the library's own error (InvalidSizeError, its message) before an
+    array library reports something about strides or reshapes."""
+    if hidden < 1 or vocab < 1:
+        raise error_for(Status.ERR_INVALID_SIZE, status_string(Status.ERR_INVALID_SIZE),
+                        f"sizes must be >= 1: hidden = {int(hidden)}, vocab = {int(vocab)}")
+
+
 class LinearHead:
     """hidden [N, H] x weight (either layout) + bias [V], checked and described as an fh_linear. hidden and
     weight hold `dtype` elements (fp32, or bf16 bits: strides count elements either way); bias is fp32.
@@ -460,6 +468,7 @@ class LinearHead:
         if wh != h:
             raise ValueError(f"weight: expected shape {expect}, got {_shape(weight.shape)} (hidden is "
                              f"{_shape(x.shape)})")
+        check_sizes(h, v)
         if not rows_view_ok(x.shape, x.strides):
             raise ValueError(f"hidden: expected rows with unit element stride (C-contiguous rows; a row stride "
                              f">= H is fine), got strides {x.strides} elements for shape {_shape(x.shape)}")
@@ -1114,6 +1123,9 @@ class DistillTopkProblem(DistillProblem):
     def __init__(self, student: LinearHead, ids: View, logprobs: View, targets: Optional[View] = None,
                  options: Optional[_lib.fh_distill_topk_options] = None):
         n = student.n
+        if len(ids.shape) == 2 and ids.shape[1] == 0:  # the library's own refusal, before a stride complaint
+            raise error_for(Status.ERR_INVALID_DISTILL_OPTION, status_string(Status.ERR_INVALID_DISTILL_OPTION),
+                            f"the teacher's k = 0 is outside [1, {_lib.DISTILL_TOPK_MAX_K}]")
         for name, v in (("teacher_ids", ids), ("teacher_logprobs", logprobs)):
             if len(v.shape) != 2 or v.shape[0] != n or v.strides != (v.shape[1], 1):
                 raise ValueError(f"{name}: expected a C-contiguous [N, k] = [{n}, k] array, got shape "

@@ -163,6 +163,7 @@ class DPOSemantics(enum.IntEnum):  # fh_preference_dpo_semantics: which TRL DPOT
 
 
 PREFERENCE_MAX_LOSS_TYPES = 16
+DISTILL_TOPK_MAX_K = 1024  # FH_DISTILL_TOPK_MAX_K: the teacher's entries per token
 
 
 class KTOLossType(enum.IntEnum):

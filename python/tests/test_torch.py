@@ -549,3 +549,21 @@ def test_error_meta_device(ok):
     X, W, T, _, _ = ok
     with pytest.raises(ValueError, match="runs on the CPU; got a tensor on meta"):
         fht.fused_linear_cross_entropy(X.to("meta"), W, T)
+
+
+@pytest.mark.parametrize("hidden, vocab", [(0, 10), (3, 0)])
+def test_zero_sizes_raise_the_library_error(hidden, vocab):
+    """A zero H or V is the library's InvalidSizeError with its message, in every front end (not an error about a
+    reshape or strides from the array library)."""
+    x, w, t = torch.randn(4, hidden), torch.randn(vocab, hidden), torch.zeros(4, dtype=torch.long)
+    message = f"sizes must be >= 1: hidden = {hidden}, vocab = {vocab}"
+    for call in (lambda: fht.fused_linear_cross_entropy(x, w, t), lambda: fht.fused_linear_logprobs(x, w, t),
+                 lambda: fusedhead.numpy.cross_entropy(x.numpy(), w.numpy(), t.numpy())):
+        with pytest.raises(fusedhead.errors.InvalidSizeError, match=message):
+            call()
+
+
+def test_zero_k_raises_the_library_error():
+    x, w = torch.randn(4, 3), torch.randn(10, 3)
+    with pytest.raises(fusedhead.errors.InvalidDistillOptionError, match="the teacher's k = 0 is outside"):
+        fht.fused_linear_distillation_topk_loss(x, w, torch.zeros(4, 0, dtype=torch.long), torch.zeros(4, 0))

@@ -15,8 +15,8 @@ from typing import Dict, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .._core import View, LinearHead, matrix_view_ok, parse_layout, rows_view_ok, vector_view_ok
-from .._lib import Dtype
+from .._core import View, LinearHead, check_sizes, matrix_view_ok, parse_layout, rows_view_ok, vector_view_ok
+from .._lib import Dtype, Layout
 
 _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
@@ -185,6 +185,7 @@ class TorchLinear:
             raise ValueError(f"weight: expected a 2-D tensor ([V, H] for layout 'vh', [H, V] for 'hv'), got shape "
                              f"{list(weight.shape)}")
         self.layout = parse_layout(layout)
+        check_sizes(hidden.shape[-1], weight.shape[0 if self.layout == Layout.VH else 1])
         self.hidden_shape = tuple(hidden.shape)
         self.owner = weight  # the caller's tensor (before any copy): its dweight pool outlives this call
         self.fake = is_fake(hidden)
