@@ -257,8 +257,8 @@ def test_opcheck_every_op(dtype, monkeypatch):
         torch.library.opcheck(op, opcheck_args)
     expected = {n for n in ("cross_entropy", "cross_entropy_none", "cross_entropy_none_backward",
                                              "logprobs", "logprobs_backward", "grpo", "preference", "kto", "distill",
-                                             "distill_none", "distill_none_backward", "distill_topk", "distill_topk_none",
-                                             "distill_topk_none_backward")}
+                                             "distill_none", "distill_none_backward", "distill_topk",
+                                             "distill_topk_none", "distill_topk_none_backward")}
     assert expected <= checked, expected - checked
 
 

@@ -32,7 +32,8 @@ from ._tensors import DweightPool, TorchLinear, compiling, dweight_pool, is_fake
 # torch.library.custom_op and register_autograd arrived in torch 2.4
 TORCH_OPS = hasattr(torch, "library") and hasattr(torch.library, "custom_op")
 
-Args = Sequence[Tuple[str, str]]  # (schema type, name): "Tensor", "float", "int", "bool", "str", "float[]"; "?": or None
+# (schema type, name); types "Tensor", "float", "int", "bool", "str", "float[]", with "?": or None
+Args = Sequence[Tuple[str, str]]
 Grads = Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]
 
 

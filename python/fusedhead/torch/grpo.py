@@ -8,8 +8,8 @@ import torch
 from .._core import (GRPO_METRIC_KEYS, GRPO_OPTION_DEFAULTS, Context, GRPOProblem, grpo_option_dict, grpo_options,
                      parse_layout)
 from ._ops import TrainStep, train_step
-from ._tensors import (INT64_HINT, TorchLinear, address, bt_tensor, check_inputs, fp32_operand, fp32_vector, mask_tensor,
-                       metrics_dict, metrics_tensors, opt_view, scalar, view)
+from ._tensors import (INT64_HINT, TorchLinear, address, bt_tensor, check_inputs, fp32_operand, fp32_vector,
+                       mask_tensor, metrics_dict, metrics_tensors, opt_view, scalar, view)
 
 # TRL's GRPOConfig names, their schema types, and TRL's aliases (epsilon, vllm_importance_sampling_cap)
 _OPTION_TYPES = dict(

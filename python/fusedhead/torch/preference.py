@@ -121,10 +121,9 @@ def fused_linear_preference_loss(hidden: torch.Tensor, weight: torch.Tensor, tar
     options = dict(loss=loss, loss_type=loss_type, beta=beta, label_smoothing=label_smoothing,
                    simpo_gamma=simpo_gamma, rpo_alpha=rpo_alpha, cpo_alpha=cpo_alpha, loss_weights=loss_weights,
                    dpo_semantics=dpo_semantics, discopop_tau=discopop_tau, use_weighting=use_weighting)
-    value, metrics, present, logps, rewards = _PREFERENCE(context, hidden=hidden, weight=weight, targets=targets, mask=mask,
-                                                 bias=bias, ref_logps=ref_logps,
-                                                 ref_per_token_logps=ref_per_token_logps, layout=layout,
-                                                 **_option_values(options))
+    value, metrics, present, logps, rewards = _PREFERENCE(
+        context, hidden=hidden, weight=weight, targets=targets, mask=mask, bias=bias, ref_logps=ref_logps,
+        ref_per_token_logps=ref_per_token_logps, layout=layout, **_option_values(options))
     return PreferenceLossOutput(value, metrics_dict(PREFERENCE_METRIC_KEYS, metrics, present), logps, rewards)
 
 
