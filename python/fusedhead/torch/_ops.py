@@ -37,8 +37,8 @@ Args = Sequence[Tuple[str, str]]
 Grads = Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]
 
 
-def _option_value(kind: str, name: str, value):
-    """An option as its schema type; TypeError naming it when it is not one."""
+def _argument(kind: str, name: str, value):
+    """An op argument as its schema type; TypeError naming it when it is not one."""
     if value is None and kind.endswith("?"):
         return None
     kind = kind.rstrip("?")
@@ -68,12 +68,12 @@ def _option_value(kind: str, name: str, value):
     if kind == "float[]":
         if isinstance(value, (str, torch.Tensor)) or not hasattr(value, "__iter__"):
             raise TypeError(f"{name}: expected a sequence of numbers, got {value!r}")
-        return [_option_value("float", name, v) for v in value]
-    return value  # a tensor, checked by the head
+        return [_argument("float", name, v) for v in value]
+    raise ValueError(f"{name}: unknown schema type {kind!r}")
 
 
 def _values(args: Args, values: Dict[str, object]) -> List[object]:
-    return [_option_value(kind, name, values[name]) for kind, name in args]
+    return [_argument(kind, name, values[name]) for kind, name in args]
 
 
 def _needs_grad(t) -> bool:
@@ -122,6 +122,14 @@ def _scaled(saved: Grads, grad_loss: torch.Tensor, pool: Optional[DweightPool]) 
     return dx, dw, db
 
 
+def _input_grads(positions: Sequence[int], grads: Grads, count: int) -> tuple:
+    """Backward's result: dx, dw, db at the positions of hidden, weight and bias among count inputs, None elsewhere."""
+    out: List[Optional[torch.Tensor]] = [None] * count
+    for position, g in zip(positions, grads):
+        out[position] = g
+    return tuple(out)
+
+
 def _schema(args: Args, extra: str, outputs: int) -> str:
     inputs = ", ".join(f"{kind} {name}" for kind, name in args)
     return f"({inputs}, {extra}) -> ({', '.join(['Tensor'] * outputs)})"
@@ -163,11 +171,9 @@ class TrainStep:
         return self._run(vals, need, context)[0]
 
     def _register(self):
-        step = self
-
         def impl(*vals):
             *vals, key, need_x, need_w, need_b = vals
-            outputs, grads = step._run(vals, (need_x, need_w, need_b), context_by_key(key))
+            outputs, grads = self._run(vals, (need_x, need_w, need_b), context_by_key(key))
             return (*outputs, *_empty_if_none(grads))
 
         op = _register(self.name, _schema(self.args, "int context, bool need_x, bool need_w, bool need_b",
@@ -184,16 +190,10 @@ class TrainStep:
         def backward(ctx, grad_loss, *_):
             refuse_double_backward()
             saved = tuple(g if n else None for g, n in zip(ctx.saved_tensors, ctx.need))
-            return self._input_grads(_scaled(saved, grad_loss, ctx.pool), len(self.args) + 4)
+            return _input_grads(self.grad_positions, _scaled(saved, grad_loss, ctx.pool), len(self.args) + 4)
 
         op.register_autograd(backward, setup_context=setup_context)
         return op
-
-    def _input_grads(self, grads: Grads, count: int) -> tuple:
-        out: List[Optional[torch.Tensor]] = [None] * count
-        for position, g in zip(self.grad_positions, grads):
-            out[position] = g
-        return tuple(out)
 
 
 class _LegacyTrain(torch.autograd.Function):
@@ -212,7 +212,7 @@ class _LegacyTrain(torch.autograd.Function):
     def backward(ctx, grad_loss, *_):
         refuse_double_backward()
         grads = _scaled(ctx.saved_tensors, grad_loss, ctx.pool)
-        return (None, None, None) + ctx.step._input_grads(grads, len(ctx.step.args))
+        return (None, None, None) + _input_grads(ctx.step.grad_positions, grads, len(ctx.step.args))
 
 
 class SplitStep:
@@ -259,12 +259,6 @@ class SplitStep:
         ctx.mark_non_differentiable(*(o for i, o in enumerate(output) if i not in self.differentiable))
         ctx.set_materialize_grads(False)  # unused outputs' gradients arrive as None, the library's NULL
 
-    def _input_grads(self, grads: Grads, count: int) -> tuple:
-        out: List[Optional[torch.Tensor]] = [None] * count
-        for position, g in zip(self.grad_positions, grads):
-            out[position] = g
-        return tuple(out)
-
     def _register(self):
         step = self
 
@@ -301,7 +295,7 @@ class SplitStep:
             need = tuple(bool(ctx.needs_input_grad[p]) for p in step.grad_positions)
             upstream = [grads[i] for i in step.differentiable]
             result = backward_op(*vals, *saved, *upstream, ctx.key, *need)
-            return step._input_grads(tuple(g if n else None for g, n in zip(result, need)), count + 1)
+            return _input_grads(step.grad_positions, tuple(g if n else None for g, n in zip(result, need)), count + 1)
 
         forward_op.register_autograd(backward, setup_context=setup_context)
         return forward_op, backward_op
@@ -325,4 +319,4 @@ class _LegacySplit(torch.autograd.Function):
         need = tuple(bool(ctx.needs_input_grad[2 + p]) for p in step.grad_positions)
         upstream = [grads[i] for i in step.differentiable]
         result = step._backward(vals, saved, upstream, need, ctx.context)
-        return (None, None) + step._input_grads(result, len(step.args))
+        return (None, None) + _input_grads(step.grad_positions, result, len(step.args))
