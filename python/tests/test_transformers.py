@@ -43,6 +43,8 @@ def _config(family):
         return c.Qwen2Config(**COMMON)
     if family == "qwen3":
         return c.Qwen3Config(**COMMON, head_dim=16)
+    if family == "gemma":  # tied embeddings, no softcapping
+        return c.GemmaConfig(**COMMON, head_dim=16)
     if family == "gemma2":  # tied embeddings, final_logit_softcapping 30 by default: 3 to make it bite
         return c.Gemma2Config(**COMMON, head_dim=16, final_logit_softcapping=3.0)
     if family == "gemma3":
@@ -60,7 +62,7 @@ def _config(family):
     raise KeyError(family)
 
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "cohere", "granite", "phi", "gpt2"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "cohere", "granite", "phi", "gpt2"]
 
 
 def build(family, seed=0, dtype=torch.float32):
@@ -115,7 +117,7 @@ def test_family_matches_stock(family):
     model = build(family)
     patched = fhtr.patch(copy.deepcopy(model), strict=True)
     assert fhtr.is_patched(patched) and not fhtr.is_patched(model)
-    if family in ("gpt2", "gemma2", "gemma3"):  # tied: the gradient must reach the embedding through the head
+    if family in ("gpt2", "gemma", "gemma2", "gemma3"):  # tied: the gradient must reach the embedding through the head
         assert patched.lm_head.weight is patched.get_input_embeddings().weight
     ids, labels = batch()
     compare(run(model, ids, labels), run(patched, ids, labels), LOSS_RTOL_F32, GRAD_RTOL_F32)
