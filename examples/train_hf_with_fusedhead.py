@@ -170,7 +170,8 @@ def main():
         results[kind] = json.loads(out.stdout.strip().splitlines()[-1])
     s, f = results["stock"], results["fused"]
     print(f"{args.family}: {args.layers} layers, hidden {args.hidden}, vocabulary {args.vocab}; {args.steps} steps of "
-          f"{args.grad_accum} x {args.batch} sequences x {args.seq} tokens; {'bf16 autocast' if args.bf16 else 'fp32'}; "
+          f"{args.grad_accum} x {args.batch} sequences x {args.seq} tokens; "
+          f"{'bf16 autocast' if args.bf16 else 'fp32'}; "
           f"{args.threads} threads; torch {torch.__version__}, transformers {transformers.__version__}")
     print(f"{'step':>4} {'loss stock':>12} {'loss fused':>12} {'rel diff':>9} {'gnorm stock':>12} "
           f"{'gnorm fused':>12} {'rel diff':>9} {'ms stock':>9} {'ms fused':>9}")
@@ -180,7 +181,8 @@ def main():
               f"{1e3 * s['times'][i]:9.1f} {1e3 * f['times'][i]:9.1f}")
     worst = max(rel(a, b) for a, b in zip(s["loss"], f["loss"]))
     print(f"max loss rel diff {worst:.2e}; step-0 grad norm rel diff {rel(s['grad_norm'][0], f['grad_norm'][0]):.2e}")
-    print(f"peak RSS growth during training: stock {s['peak_growth_mib']:.0f} MiB, fused {f['peak_growth_mib']:.0f} MiB")
+    print(f"peak RSS growth during training: stock {s['peak_growth_mib']:.0f} MiB, "
+          f"fused {f['peak_growth_mib']:.0f} MiB")
     med = {k: 1e3 * statistics.median(r["times"][1:]) for k, r in results.items()}
     print(f"median time per step (steps 1..): stock {med['stock']:.0f} ms, fused {med['fused']:.0f} ms")
 
