@@ -23,6 +23,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+# The tests build their models and data locally: no Hugging Face Hub look-up (none can succeed on a machine without
+# network access, and a look-up that waits for a timeout would only slow the suite).
+for _offline in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY"):
+    os.environ.setdefault(_offline, "1")
+
 PYTHON_DIR = Path(__file__).resolve().parents[1]
 REPO_ROOT = PYTHON_DIR.parent
 if str(PYTHON_DIR) not in sys.path:
