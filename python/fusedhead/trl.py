@@ -25,26 +25,30 @@ bf16, as TRL's function computes in the autocast dtype.
 """
 from __future__ import annotations
 
+import contextlib
+import types
 import warnings
+from typing import Optional
+
 import numpy as np
 import torch
 
-from .torch import fused_linear_logprobs
+from .torch import fused_linear_distillation_loss, fused_linear_grpo_loss, fused_linear_logprobs
 from .transformers import NotRoutedError, RoutingWarning, _autocast_dtype, _autocast_off
 
-__all__ = ["patch", "unpatch", "is_patched", "RoutingWarning", "NotRoutedError"]
+__all__ = ["patch", "unpatch", "is_patched", "fuse_loss", "RoutingWarning", "NotRoutedError"]
 
 TESTED_TRL = "1.16.0"
 _state = {"original": None, "strict": False, "warned": set()}
 
 
-def _refuse(reason: str):
+def _refuse(reason: str, fallback: str = "; TRL's own function computes it"):
     message = f"fusedhead.trl: {reason}"
     if _state["strict"]:
         raise NotRoutedError(message)
     if reason not in _state["warned"]:
         _state["warned"].add(reason)
-        warnings.warn(message + "; TRL's own function computes it", RoutingWarning, stacklevel=4)
+        warnings.warn(message + fallback, RoutingWarning, stacklevel=4)
 
 
 def _top1(hidden, weight, bias, targets, softcap, logit_scale) -> torch.Tensor:
@@ -136,3 +140,176 @@ def unpatch():
 
 def is_patched() -> bool:
     return _state["original"] is not None
+
+
+# --- The whole loss: GRPOTrainer's and GKDTrainer's compute_loss on fusedhead's heads ------------------------------
+
+_SCALED = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
+_GRPO_MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+                    "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
+
+def _head_reason(model) -> Optional[str]:
+    """Why the model's head cannot go to fusedhead's GRPO / distillation heads (None: it can)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    for name in _SCALED:
+        if getattr(config, name, None) not in (None, 1.0):
+            return f"{type(model).__name__} has {name}={getattr(config, name)!r} (fusedhead's GRPO and " \
+                   f"distillation heads take no logit scale or softcap; the per-token seam, patch(), does)"
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:
+        return f"{type(model).__name__}'s output embedding is a {type(head).__name__}, not a torch.nn.Linear"
+    if type(head.weight) is not torch.nn.Parameter or head.weight.device.type != "cpu":
+        return f"{type(model).__name__}'s lm_head weight is a {type(head.weight).__name__} on {head.weight.device}"
+    return None
+
+
+def _hidden_and_head(model, input_ids, attention_mask, autocast_ctx):
+    """The backbone's last hidden states [B, L, H] and lm_head's weight and bias, in one dtype (bf16 under CPU
+    autocast to bf16, as TRL's head computes in the autocast dtype)."""
+    head = model.get_output_embeddings()
+    with autocast_ctx:
+        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        hidden = hidden.last_hidden_state
+        dtype = _autocast_dtype("cpu") or head.weight.dtype
+    w, b = head.weight, head.bias
+    if dtype not in (torch.float32, torch.bfloat16):
+        return None, f"{dtype} compute dtype (fusedhead takes float32 or bfloat16)"
+    return (hidden.to(dtype), w.to(dtype), None if b is None else b.to(dtype)), None
+
+
+def _grpo_reason(trainer, model, inputs) -> Optional[str]:
+    if trainer.accelerator.num_processes != 1:
+        return f"{trainer.accelerator.num_processes} processes (the fused GRPO loss logs one process's metrics)"
+    if trainer.use_vllm:
+        return "use_vllm (the fused GRPO loss is tested without vLLM's importance-sampling inputs)"
+    if "tool_mask" in inputs:
+        return "a tool_mask"
+    if any(inputs.get(k) is not None for k in _GRPO_MULTIMODAL):
+        return "multimodal inputs"
+    if trainer.aux_loss_enabled:
+        return "an MoE auxiliary loss"
+    if trainer.use_adaptive_entropy:
+        return "use_adaptive_entropy (TRL's entropy controller)"
+    if inputs["advantages"].dim() != 1:
+        return "per-token advantages"
+    if trainer.loss_type == "luspo" and trainer.importance_sampling_level == "token":
+        return "luspo at importance_sampling_level='token' (TRL 1.16.0 reduces it per sequence, fusedhead's " \
+               "head at TRL f2cd5771's mean over positions)"
+    return _head_reason(model)
+
+
+def _grpo_compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    """GRPOTrainer.compute_loss (TRL 1.16.0, trl/trainer/grpo_trainer.py _compute_loss) through
+    fusedhead.torch.fused_linear_grpo_loss: the backbone's hidden states and lm_head's weight, no logits."""
+    original = type(self).compute_loss
+    reason = None if return_outputs else _grpo_reason(self, model, inputs)
+    mode = "train" if self.model.training else "eval"
+    accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+    token_sum = self.loss_type in ("cispo", "dapo", "vespo")
+    mask = inputs["completion_mask"]
+    nib = None
+    if reason is None and token_sum:
+        # TRL: num_items_in_batch spans the generation batch; rescaled to one accumulation window
+        nib = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+        if mode == "train":
+            nib = nib * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+        if self.entropy_coef != 0.0 and (self.top_entropy_quantile < 1.0
+                                         or float(nib) != float(mask.sum().clamp(min=1.0)) * accumulation):
+            reason = (f"the entropy bonus of {self.loss_type} with a normaliser other than this micro-batch's token "
+                      f"count (TRL 1.16.0 divides the bonus by the active token count, fusedhead's head by "
+                      f"num_items_in_batch)")
+    if reason is None:
+        completion_ids = inputs["completion_ids"]
+        c = completion_ids.size(1)
+        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], mask], dim=1)
+        got, reason = _hidden_and_head(model, input_ids, attention_mask, self.accelerator.autocast())
+    if reason is not None:
+        _refuse(f"GRPO loss: {reason}", "; TRL's own compute_loss computes it")
+        return original(self, model, inputs, return_outputs, num_items_in_batch)
+
+    hidden, weight, bias = got
+    args = self.args
+    with _autocast_off():
+        loss, metrics = fused_linear_grpo_loss(
+            hidden[:, -c - 1:-1], weight, completion_ids, mask, inputs["advantages"], bias=bias,
+            old_per_token_logps=inputs.get("old_per_token_logps"),
+            ref_per_token_logps=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
+            loss_type=self.loss_type, importance_sampling_level=self.importance_sampling_level,
+            temperature=self.temperature, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
+            delta=args.delta, beta=self.beta, sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg, num_items_in_batch=nib,
+            max_completion_length=self.max_completion_length, entropy_coef=self.entropy_coef,
+            top_entropy_quantile=self.top_entropy_quantile, off_policy_mask_threshold=self.off_policy_mask_threshold,
+            use_bias_correction_kl=args.use_bias_correction_kl, vespo_k_pos=args.vespo_k_pos,
+            vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg,
+            vespo_lambda_neg=args.vespo_lambda_neg)
+    if not token_sum:
+        loss = loss / accumulation   # TRL divides these loss types (and every entropy bonus) by the accumulation
+    for key, value in metrics.items():
+        if key == "entropy_coef" and not (mode == "train" and self.accelerator.sync_gradients):
+            continue
+        self._metrics[mode][key].append(float(value))
+    return loss
+
+
+def _gkd_compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    """GKDTrainer.compute_loss (TRL 1.16.0, trl/experimental/gkd/gkd_trainer.py: generalized_jsd_loss of the shifted
+    student and teacher logits, beta=self.beta, temperature 1, labels -100 ignored, summed over num_items_in_batch
+    or averaged over the labelled tokens) through fusedhead.torch.fused_linear_distillation_loss."""
+    original = type(self).compute_loss
+    teacher = self.teacher_model
+    reason = "return_outputs (the student's logits)" if return_outputs else None
+    reason = reason or _head_reason(model) or _head_reason(teacher)
+    if reason is None and model.get_output_embeddings().weight.shape[0] != \
+            teacher.get_output_embeddings().weight.shape[0]:
+        reason = "the student's and the teacher's lm_head have different vocabulary sizes"
+    if reason is None:
+        # Trainer.training_step already runs compute_loss under the accelerator's autocast
+        student, reason = _hidden_and_head(model, inputs["input_ids"], inputs["attention_mask"],
+                                           contextlib.nullcontext())
+    if reason is None:
+        teacher.eval()
+        with torch.no_grad():
+            teacher_out, reason = _hidden_and_head(teacher, inputs["input_ids"], inputs["attention_mask"],
+                                                   contextlib.nullcontext())
+    if reason is not None:
+        _refuse(f"GKD loss: {reason}", "; TRL's own compute_loss computes it")
+        return original(self, model, inputs, return_outputs, num_items_in_batch)
+    (hs, ws, bs), (ht, wt, bt) = student, teacher_out
+    labels = inputs["labels"][:, 1:]
+    with _autocast_off():
+        loss = fused_linear_distillation_loss(
+            hs[:, :-1], ws, ht[:, :-1], wt, labels, student_bias=bs, teacher_bias=bt, divergence="jsd",
+            beta=self.beta, temperature=1.0, reduction="mean" if num_items_in_batch is None else "sum")
+    if num_items_in_batch is not None:
+        loss = loss / num_items_in_batch
+    return loss
+
+
+def fuse_loss(trainer, strict: bool = False):
+    """Give a TRL trainer instance fusedhead's head for its whole loss, where TRL's loss is one fusedhead head
+    (tested with TRL 1.16.0):
+      - GRPOTrainer (and RLOO-free subclasses): compute_loss -> fusedhead.torch.fused_linear_grpo_loss on the
+        backbone's hidden states of the completion and lm_head's weight: the per-token log-probs, entropies and the
+        whole clipped objective, KL, entropy bonus, masks and metrics in one pass (TRL's _compute_loss otherwise).
+      - GKDTrainer: compute_loss -> fusedhead.torch.fused_linear_distillation_loss (generalized JSD between the
+        student's and the teacher's heads; neither's [N, V] logits).
+    Other trainers (SFT, DPO, KTO): their losses are built from TRL's per-token function, which patch() routes.
+    A call fusedhead cannot take (see the reasons in _grpo_reason / _head_reason) goes to TRL's own compute_loss
+    with a RoutingWarning (strict=True: NotRoutedError). Returns the trainer (changed in place)."""
+    from trl.trainer.grpo_trainer import GRPOTrainer
+    _state["strict"] = strict
+    if isinstance(trainer, GRPOTrainer):
+        trainer.compute_loss = types.MethodType(_grpo_compute_loss, trainer)
+        return trainer
+    try:
+        from trl.experimental.gkd import GKDTrainer
+    except ImportError:  # pragma: no cover
+        GKDTrainer = ()
+    if GKDTrainer and isinstance(trainer, GKDTrainer):
+        trainer.compute_loss = types.MethodType(_gkd_compute_loss, trainer)
+        return trainer
+    raise TypeError(f"fusedhead.trl.fuse_loss: {type(trainer).__name__} has no whole-loss fusedhead head "
+                    f"(GRPOTrainer, GKDTrainer); its per-token log-probs go through fusedhead.trl.patch()")

@@ -1,0 +1,223 @@
+"""TRL's trainers end to end (TRL 1.16.0, python/requirements-test.txt), stock and with fusedhead on the same model,
+data and seed: DPOTrainer and KTOTrainer through fusedhead.trl.patch() (their losses are built from TRL's per-token
+function), GRPOTrainer with generation through patch() and through fuse_loss() (the whole loss on
+fused_linear_grpo_loss), GKDTrainer with a teacher through fuse_loss() (fused_linear_distillation_loss). SFTTrainer
+is in test_trl.py.
+
+Each run: a Llama from a small config (random init, fp32: bf16=False, where TRL's default is bf16 autocast), 2
+optimizer steps, CPU. Step 0's logged loss, gradient norm and metrics agree with stock within 1e-5 relative
+(LOSS_RTOL_F32; 1e-5 absolute for values near 0); step 1 (after one update computed from slightly different
+gradients) within 1e-4 relative: two stock runs agree exactly on this machine (same seed, deterministic CPU kernels),
+so a drift between stock runs gives no looser bound. examples/trl_with_fusedhead.py runs 10 steps of each and prints
+the per-step differences.
+"""
+from __future__ import annotations
+
+import copy
+import tempfile
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers", reason="python/requirements-test.txt installs transformers")
+trl = pytest.importorskip("trl", reason="trl not importable (python/requirements-test.txt installs it)")
+datasets = pytest.importorskip("datasets")
+
+import fusedhead.trl as fhtrl  # noqa: E402
+from conftest import LOSS_RTOL_F32  # noqa: E402
+
+V = 4096
+STEPS = 2
+
+
+@pytest.fixture(autouse=True)
+def unpatched():
+    fhtrl.unpatch()
+    yield
+    fhtrl.unpatch()
+
+
+def tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(V)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t1", eos_token="t2", unk_token="t0")
+
+
+def model(seed=0, layers=2, hidden=64):
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=V, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=1, eos_token_id=2, bos_token_id=0))
+
+
+def words(g, lo, hi):
+    n = int(torch.randint(lo, hi + 1, (1,), generator=g))
+    return " ".join(f"t{i}" for i in torch.randint(3, V, (n,), generator=g).tolist())
+
+
+def preference_data(rows=8):
+    g = torch.Generator().manual_seed(11)
+    return datasets.Dataset.from_dict({"prompt": [words(g, 2, 5) for _ in range(rows)],
+                                       "chosen": [words(g, 3, 8) for _ in range(rows)],
+                                       "rejected": [words(g, 3, 8) for _ in range(rows)]})
+
+
+def kto_data(rows=8):
+    g = torch.Generator().manual_seed(12)
+    return datasets.Dataset.from_dict({"prompt": [words(g, 2, 5) for _ in range(rows)],
+                                       "completion": [words(g, 3, 8) for _ in range(rows)],
+                                       "label": [i % 3 != 0 for i in range(rows)]})
+
+
+def prompt_data(rows=8):
+    g = torch.Generator().manual_seed(13)
+    return datasets.Dataset.from_dict({"prompt": [words(g, 2, 5) for _ in range(rows)]})
+
+
+def reward_len_parity(completions, **kwargs):
+    """A trivial reward: how many of a completion's tokens have an even id."""
+    return [float(sum(int(w[1:]) % 2 == 0 for w in c.split())) for c in completions]
+
+
+class _IdsCollator:
+    """GKD's batches from token ids (TRL's ChatML collator needs a chat template): input_ids, attention_mask and
+    labels with the prompt and padding at -100."""
+
+    def __init__(self, pad_id=1):
+        self.pad_id = pad_id
+
+    def __call__(self, rows):
+        n = max(len(r["input_ids"]) for r in rows)
+        ids = torch.full((len(rows), n), self.pad_id)
+        attention = torch.zeros(len(rows), n, dtype=torch.int64)
+        labels = torch.full((len(rows), n), -100)
+        for i, r in enumerate(rows):
+            k, p = len(r["input_ids"]), r["prompt_len"]
+            ids[i, :k] = torch.tensor(r["input_ids"])
+            attention[i, :k] = 1
+            labels[i, p:k] = ids[i, p:k]
+        return {"input_ids": ids, "attention_mask": attention, "labels": labels}
+
+
+def gkd_data(rows=8):
+    g = torch.Generator().manual_seed(14)
+    data = {"input_ids": [], "prompt_len": []}
+    for _ in range(rows):
+        p, c = int(torch.randint(2, 5, (1,), generator=g)), int(torch.randint(3, 9, (1,), generator=g))
+        data["input_ids"].append(torch.randint(3, V, (p + c,), generator=g).tolist())
+        data["prompt_len"].append(p)
+    return datasets.Dataset.from_dict(data)
+
+
+COMMON = dict(max_steps=STEPS, logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", learning_rate=1e-3,
+              seed=0, dataloader_num_workers=0, disable_tqdm=True, bf16=False)
+
+
+def make_trainer(kind, base, out, teacher=None, **overrides):
+    """A TRL trainer of the given kind on a copy of base (and of teacher), its config from COMMON and overrides.
+    The copy's config names a local directory holding base, from which TRL loads its reference model (DPO, KTO,
+    GRPO with beta != 0: no Hub)."""
+    tok = tokenizer()
+    policy = copy.deepcopy(base)
+    policy.save_pretrained(f"{out}/base")
+    policy.config._name_or_path = f"{out}/base"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TRLExperimentalWarning (GKD), deprecations of TrainingArguments' names
+        if kind == "dpo":
+            args = trl.DPOConfig(output_dir=out, per_device_train_batch_size=4, beta=0.1,
+                                 **dict(COMMON, **overrides))
+            return trl.DPOTrainer(model=policy, args=args, train_dataset=preference_data(),
+                                  processing_class=tok)
+        if kind == "kto":
+            args = trl.KTOConfig(output_dir=out, per_device_train_batch_size=4, beta=0.1,
+                                 **dict(COMMON, **overrides))
+            return trl.KTOTrainer(model=policy, args=args, train_dataset=kto_data(),
+                                  processing_class=tok)
+        if kind == "grpo":
+            args = trl.GRPOConfig(output_dir=out, per_device_train_batch_size=4, num_generations=2,
+                                  max_completion_length=5, temperature=1.0, **dict(COMMON, **overrides))
+            return trl.GRPOTrainer(model=policy, reward_funcs=reward_len_parity, args=args,
+                                   train_dataset=prompt_data(), processing_class=tok)
+        if kind == "gkd":
+            from trl.experimental.gkd import GKDConfig, GKDTrainer
+            args = GKDConfig(output_dir=out, per_device_train_batch_size=4, lmbda=0.0, beta=0.5,
+                             **dict(COMMON, **overrides))
+            return GKDTrainer(model=policy, teacher_model=copy.deepcopy(teacher), args=args,
+                              train_dataset=gkd_data(), processing_class=tok, data_collator=_IdsCollator())
+    raise ValueError(kind)
+
+
+def run(kind, base, route, teacher=None, **overrides):
+    """The logged history of STEPS steps: route None (stock), "patch" (fusedhead.trl.patch(strict=True)) or
+    "fuse_loss" (fusedhead.trl.fuse_loss(trainer, strict=True))."""
+    with tempfile.TemporaryDirectory() as d:
+        if route == "patch":
+            fhtrl.patch(strict=True)
+        trainer = make_trainer(kind, base, d, teacher, **overrides)
+        if route == "fuse_loss":
+            fhtrl.fuse_loss(trainer, strict=True)
+        trainer.train()
+        fhtrl.unpatch()
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+def compare(stock, fused, keys=None):
+    assert len(stock) == len(fused) == STEPS
+    keys = keys or sorted(k for k in stock[0] if k not in ("epoch", "step", "learning_rate", "num_tokens")
+                          and not k.startswith("profiling") and "time" not in k and "/std" not in k)
+    assert set(keys) <= set(fused[0]), sorted(set(keys) - set(fused[0]))
+    for k in keys:
+        a, b = stock[0][k], fused[0][k]
+        assert abs(a - b) <= LOSS_RTOL_F32 * max(abs(a), 1.0), (k, a, b)
+    a, b = stock[1]["loss"], fused[1]["loss"]
+    assert abs(a - b) <= 1e-4 * max(abs(a), 1e-2), ("step 1 loss", a, b)
+    return keys
+
+
+@pytest.mark.parametrize("loss_type", [["sigmoid"], ["sigmoid", "bco_pair", "sft"]])
+def test_dpo_trainer_patched_matches_stock(loss_type):
+    base = model()
+    keys = compare(run("dpo", base, None, loss_type=loss_type), run("dpo", base, "patch", loss_type=loss_type))
+    assert {"rewards/margins", "logps/chosen", "logits/chosen", "entropy", "mean_token_accuracy"} <= set(keys)
+
+
+def test_kto_trainer_patched_matches_stock():
+    base = model()
+    keys = compare(run("kto", base, None), run("kto", base, "patch"))
+    assert {"kl", "rewards/chosen", "logps/rejected", "logits/chosen", "entropy"} <= set(keys)
+
+
+@pytest.mark.parametrize("route,options", [("patch", {}), ("fuse_loss", {}),
+                                           ("fuse_loss", dict(loss_type="grpo", beta=0.05, entropy_coef=0.01,
+                                                              num_iterations=2, epsilon=0.05))])
+def test_grpo_trainer_with_generation_matches_stock(route, options):
+    """Generation (sampling, 5 new tokens) from the same weights and seed: the same completions at step 0.
+    num_iterations=2: step 1 reuses step 0's completions with the updated policy, so old_per_token_logps (computed
+    through TRL's per-token function) differ from the current ones and the clipped objective is off-policy."""
+    base = model()
+    keys = compare(run("grpo", base, None, **options), run("grpo", base, route, **options))
+    assert {"reward", "entropy", "clip_ratio/region_mean", "completions/mean_length"} <= set(keys)
+    if options.get("beta"):
+        assert "kl" in keys
+
+
+def test_gkd_trainer_fused_matches_stock():
+    base, teacher = model(seed=0), model(seed=1, layers=3, hidden=96)
+    compare(run("gkd", base, None, teacher=teacher), run("gkd", base, "fuse_loss", teacher=teacher))
+
+
+def test_fuse_loss_refuses_loudly():
+    base = model()
+    with tempfile.TemporaryDirectory() as d:
+        trainer = make_trainer("dpo", base, d)
+        with pytest.raises(TypeError, match="patch"):
+            fhtrl.fuse_loss(trainer)
+        trainer = make_trainer("grpo", base, d, max_steps=1, loss_type="luspo")
+        fhtrl.fuse_loss(trainer, strict=True)
+        with pytest.raises(fhtrl.NotRoutedError, match="luspo"):
+            trainer.train()
+        fhtrl.fuse_loss(trainer, strict=False)
+        with pytest.warns(fhtrl.RoutingWarning, match="luspo"):
+            trainer.train()
