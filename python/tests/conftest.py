@@ -114,3 +114,18 @@ def subprocess_env(**extra):
         if v is None:
             env.pop(k, None)
     return env
+
+
+# The Hugging Face integration tests exercise fusedhead's glue to transformers and TRL, not the kernels: scripts/test
+# runs them in one kernel variant and sets FH_SKIP_INTEGRATIONS=1 in the others (about 1.5 minutes each).
+INTEGRATION_MODULES = {"test_transformers", "test_trl", "test_trl_own_losses", "test_trl_trainers"}
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("FH_SKIP_INTEGRATIONS") != "1":
+        return
+    skip = pytest.mark.skip(reason="transformers/TRL integration tests run in one kernel variant (scripts/test: the "
+                                   "first); FH_SKIP_INTEGRATIONS=1 skips them here")
+    for item in items:
+        if item.module.__name__.rsplit(".", 1)[-1] in INTEGRATION_MODULES:
+            item.add_marker(skip)
