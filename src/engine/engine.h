@@ -4,8 +4,8 @@
 #ifndef FH_ENGINE_H
 #define FH_ENGINE_H
 
-#include "../plan.h"
-#include "../row_kernels.h"
+#include "plan/plan.h"
+#include "kernels/row_kernels.h"
 
 /* Per-token statistics of the transformed logits rows, as arrays of n; optional ones may be NULL. */
 typedef struct fh_token_stats {

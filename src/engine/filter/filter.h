@@ -5,7 +5,7 @@
 #ifndef FH_FILTER_H
 #define FH_FILTER_H
 
-#include "../engine/pass.h"
+#include "engine/pass.h"
 
 /* Makes ready the gathered GEMMs of a row tile of `rows` rows (fh_pass_prepare). */
 fh_status fh_filter_prepare(const fh_pass *p, int64_t rows);

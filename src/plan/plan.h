@@ -4,8 +4,8 @@
 #ifndef FH_PLAN_H
 #define FH_PLAN_H
 
-#include "context.h"
-#include "filter/buffers.h"
+#include "core/context.h"
+#include "filter_buffers.h"
 #include "gemm/gemm.h"
 
 /* Per-token double arrays ("slots") reserved for the head and the engine; each head names the ones it
@@ -15,7 +15,7 @@
 #define FH_DU_CHUNK 8192
 
 /* The workspace's buffers, each a row of the plan's one buffer table (plan.c), which sizes and places them for
- * fh_plan_* and carves them for fh_workspace_acquire; gradient filtering's rows follow (filter/buffers.h). */
+ * fh_plan_* and carves them for fh_workspace_acquire; gradient filtering's rows follow (filter_buffers.h). */
 enum {
     FH_BUFFER_SLOTS,          /* FH_WORKSPACE_SLOTS arrays of n doubles */
     FH_BUFFER_TILE,           /* tile_rows x tile_vocab floats (not when the tile sits in dweight) */
@@ -57,7 +57,7 @@ typedef struct fh_plan {
     int tile_in_dweight;
     size_t tile_at_byte;
     /* Gradient filtering (FH_PARAM_GRAD_FILTER_EPS): filter_eps > 0 in gradient passes; tail_estimate:
-     * FH_FILTER_TAIL_ESTIMATE. Its buffers: filter/buffers.h. */
+     * FH_FILTER_TAIL_ESTIMATE. Its buffers: filter_buffers.h. */
     double filter_eps;
     int tail_estimate;
     /* bf16_gemms: lin's GEMMs are bf16. On the convert path (fh_gemm_bf16_path) bf16 GEMMs widen their operands

@@ -5,7 +5,7 @@
  * (aot), which streams. Scalar math on [2B, T] vectors; TRL's current DPO loss types are dpo_loss_types.c's. */
 #include "dpo_loss_types.h"
 #include "engine/engine.h"
-#include "linear.h"
+#include "core/linear.h"
 
 #include <math.h>
 

@@ -7,7 +7,7 @@
 #ifndef FH_COUNTED_ROWS_H
 #define FH_COUNTED_ROWS_H
 
-#include "context.h"
+#include "core/context.h"
 
 typedef struct fh_counted_rows {
     int active;            /* 0: run the call as it is (every row counts, none does, or compaction does not apply) */

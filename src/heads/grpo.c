@@ -3,7 +3,7 @@
  * step in row blocks of whole sequences. */
 #include "grpo_head.h"
 
-#include "linear.h"
+#include "core/linear.h"
 
 #include <math.h>
 

@@ -5,7 +5,7 @@
  * blocks of whole sequences, as GRPO's. */
 #include "grpo_head.h" /* fh_grpo_check_grad_output */
 #include "kto_head.h"
-#include "linear.h"
+#include "core/linear.h"
 #include "sigmoid.h"
 
 #include <math.h>

@@ -3,7 +3,7 @@
 #include "ce_head.h"
 
 #include "counted_rows.h"
-#include "linear.h"
+#include "core/linear.h"
 #include "logprob_head.h"
 
 #include <math.h>

@@ -7,7 +7,7 @@
 #include "counted_rows.h"
 #include "distill_shared.h"
 #include "engine/engine.h"
-#include "linear.h"
+#include "core/linear.h"
 
 #include <math.h>
 #include <stdio.h>

@@ -4,7 +4,7 @@
 #include "logprob_head.h"
 
 #include "counted_rows.h"
-#include "linear.h"
+#include "core/linear.h"
 
 #include <float.h>
 #include <math.h>

@@ -1,6 +1,6 @@
 /* Gradient filtering's buffers: its rows of the plan's buffer table and its view of a carved workspace. The one file
- * of the filter in the plan's layer (4): plan.c sizes, places and carves these with its own, and knows nothing else
- * of filtering. */
+ * of filtering in the plan's layer (plan/; the rest is engine/filter/): plan.c sizes, places and carves these with its
+ * own, and knows nothing else of filtering. */
 #ifndef FH_FILTER_BUFFERS_H
 #define FH_FILTER_BUFFERS_H
 

@@ -5,7 +5,7 @@
 
 #include "filter.h"
 
-#include "../filter_row_kernels.h"
+#include "kernels/filter_row_kernels.h"
 
 /* ---- gathered.c ---- */
 int64_t fh_filter_gathered_width(const fh_pass *p, int64_t count);

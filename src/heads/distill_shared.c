@@ -1,7 +1,7 @@
 /* What the two distillation heads share (distill_shared.h). */
 #include "distill_shared.h"
 
-#include "linear.h"
+#include "core/linear.h"
 
 #include <math.h>
 

@@ -1,5 +1,5 @@
-/* Gradient filtering's buffers (buffers.h). */
-#include "buffers.h"
+/* Gradient filtering's buffers (filter_buffers.h). */
+#include "filter_buffers.h"
 
 void fh_filter_buffer_sizes(const fh_filter_shape *s, fh_buffer_size sizes[FH_FILTER_BUFFERS])
 {

@@ -1,7 +1,7 @@
 /* The rows that count, compacted (counted_rows.h). */
 #include "counted_rows.h"
 
-#include "row_kernels.h"
+#include "kernels/row_kernels.h"
 
 #include <stdlib.h>
 #include <string.h>

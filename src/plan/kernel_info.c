@@ -2,7 +2,7 @@
  * the environment forced that cannot run here. */
 #include "gemm/blis_provider.h"
 #include "gemm/gemm.h"
-#include "row_kernels.h"
+#include "kernels/row_kernels.h"
 
 FH_API fh_status fh_kernel_query(fh_kernel_info *info)
 {

@@ -1,4 +1,4 @@
-/* The row kernels of gradient filtering (../filter/): noting a row's large columns while its dU is formed
+/* The row kernels of gradient filtering (engine/filter/): noting a row's large columns while its dU is formed
  * (fh_row_gradient's marking), compacting a row to its kept columns, and the weighted sum of the skipped weight
  * columns. Every set implements them beside the others (row_kernels_impl.h). */
 #ifndef FH_FILTER_ROW_KERNELS_H

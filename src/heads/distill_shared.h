@@ -4,7 +4,7 @@
 #ifndef FH_DISTILL_SHARED_H
 #define FH_DISTILL_SHARED_H
 
-#include "context.h"
+#include "core/context.h"
 
 /* The options both heads have, by value. */
 typedef struct fh_distill_terms {

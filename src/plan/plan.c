@@ -1,9 +1,9 @@
 /* Tile sizing under the memory budget, buffer placement in the workspace, and acquiring it. */
 #include "plan.h"
 
-#include "linear.h"
-#include "row_kernels.h"
-#include "wisdom.h"
+#include "core/linear.h"
+#include "kernels/row_kernels.h"
+#include "core/wisdom.h"
 
 #define ALIGN 64
 #define DEFAULT_TILE_ROWS 1024
