@@ -29,7 +29,7 @@
  *   gradients: normwise relative PREFERENCE_GRAD_NORM_REL_TOL = 1e-5 [0.044], as cross-entropy and GRPO (same
  *     engine and fp32 GEMMs; dZ = g (onehot - p) with g from the pair's slope, whose own error is the slope's
  *     derivative times the margin's ~1e-6); bf16 cases take cross-entropy's bf16 tolerances (ce_grad_tolerance,
- *     ref/ce_case.c) [0.54: 2.2e-3 against 4e-3; with bf16 gradients 2.3e-3 against 8e-3, as cross-entropy's; TRL's
+ *     tests/cases/ce_case.c) [0.54: 2.2e-3 against 4e-3; with bf16 gradients 2.3e-3 against 8e-3, as cross-entropy's; TRL's
  *     current DPO types and lists 0.44]. */
 #include "preference_case.h"
 
@@ -143,8 +143,8 @@ static void draw_sequence(const preference_case_spec *s, preference_case *c, uin
     for (int64_t t = 0; t < s->seq; t++) {
         const int64_t i = seq_index * s->seq + t;
         c->mask[i] = t < length ? 1.0f : 0.0f;
-        c->targets[i] = (int64_t)(ce_uniform(rng) * (double)s->vocab);
-        if (t >= length && ce_uniform(rng) < 0.5)
+        c->targets[i] = (int64_t)(ref_uniform(rng) * (double)s->vocab);
+        if (t >= length && ref_uniform(rng) < 0.5)
             c->targets[i] = t & 1 ? -100 : s->vocab + t;
     }
 }
@@ -165,13 +165,13 @@ static void draw_references(const preference_case_spec *s, preference_case *c, u
     if (s->ref == PREFERENCE_REF_SEQUENCE) {
         c->ref_logps = zalloc((size_t)S, sizeof(float));
         for (int64_t q = 0; q < S; q++)
-            c->ref_logps[q] = (float)(l[q] + spread * (2.0 * ce_uniform(rng) - 1.0));
+            c->ref_logps[q] = (float)(l[q] + spread * (2.0 * ref_uniform(rng) - 1.0));
     } else {
         c->ref_per_token_logps = zalloc((size_t)n, sizeof(float));
         for (int64_t q = 0; q < S; q++) {
-            const double offset = 2.0 * ce_uniform(rng) - 1.0;
+            const double offset = 2.0 * ref_uniform(rng) - 1.0;
             for (int64_t t = 0; t < T; t++)
-                c->ref_per_token_logps[q * T + t] = (float)(logp[q * T + t] + offset + 0.8 * (ce_uniform(rng) - 0.5));
+                c->ref_per_token_logps[q * T + t] = (float)(logp[q * T + t] + offset + 0.8 * (ref_uniform(rng) - 0.5));
         }
     }
     free(l), free(logp);
@@ -229,8 +229,8 @@ static void make_inputs(const preference_case_spec *s, preference_case *c)
     c->mask = zalloc((size_t)n, sizeof(float));
     int64_t *lengths = zalloc((size_t)B, sizeof(int64_t));
     for (int64_t b = 0; b < B; b++) {
-        const int64_t chosen = 1 + (int64_t)(ce_uniform(&rng) * (double)T);
-        int64_t rejected = chosen + (int64_t)(ce_uniform(&rng) * 7.0) - 3;
+        const int64_t chosen = 1 + (int64_t)(ref_uniform(&rng) * (double)T);
+        int64_t rejected = chosen + (int64_t)(ref_uniform(&rng) * 7.0) - 3;
         rejected = rejected < 1 ? 1 : rejected > T ? T : rejected;
         if (B > 1 && b == B - 1 && s->options.loss != FH_PREFERENCE_ORPO)
             rejected = 0;

@@ -1,5 +1,5 @@
 /* The library's GRPO types as the reference's, and back: the one conversion every fused-vs-reference
- * comparison uses (ref/grpo_case.c, the CUnit harness), so that no test can check against a drifted copy. */
+ * comparison uses (tests/cases/grpo_case.c, the CUnit harness), so that no test can check against a drifted copy. */
 #ifndef FH_GRPO_CONVERT_H
 #define FH_GRPO_CONVERT_H
 

@@ -107,13 +107,13 @@ static void make_inputs(const grpo_case_spec *s, grpo_case *c)
     c->mask = zalloc((size_t)n, sizeof(float));
     c->advantages = zalloc((size_t)B, sizeof(float));
     for (int64_t b = 0; b < B; b++) {
-        const int64_t length = B > 1 && b == B - 1 ? 0 : 1 + (int64_t)(ce_uniform(&rng) * (double)T);
-        c->advantages[b] = b == 0 ? 0.0f : (float)(2.0 * ce_uniform(&rng) - 1.0);
+        const int64_t length = B > 1 && b == B - 1 ? 0 : 1 + (int64_t)(ref_uniform(&rng) * (double)T);
+        c->advantages[b] = b == 0 ? 0.0f : (float)(2.0 * ref_uniform(&rng) - 1.0);
         for (int64_t t = 0; t < T; t++) {
             const int64_t i = b * T + t;
             c->mask[i] = t < length ? 1.0f : 0.0f;
-            c->ids[i] = (int64_t)(ce_uniform(&rng) * (double)s->vocab);
-            if (t >= length && ce_uniform(&rng) < 0.5)
+            c->ids[i] = (int64_t)(ref_uniform(&rng) * (double)s->vocab);
+            if (t >= length && ref_uniform(&rng) < 0.5)
                 c->ids[i] = -100; /* padding id outside the vocabulary */
         }
     }
@@ -133,14 +133,14 @@ static void make_inputs(const grpo_case_spec *s, grpo_case *c)
     c->ref_logps = zalloc((size_t)n, sizeof(float));
     c->old_logps = s->old_logps ? zalloc((size_t)n, sizeof(float)) : NULL;
     for (int64_t i = 0; i < n; i++) {
-        c->ref_logps[i] = (float)(logp[i] + 0.8 * (ce_uniform(&rng) - 0.5));
+        c->ref_logps[i] = (float)(logp[i] + 0.8 * (ref_uniform(&rng) - 0.5));
         if (c->old_logps)
-            c->old_logps[i] = (float)(logp[i] + 0.8 * (ce_uniform(&rng) - 0.5));
+            c->old_logps[i] = (float)(logp[i] + 0.8 * (ref_uniform(&rng) - 0.5));
     }
     c->sampling_logps = s->sampling_logps ? zalloc((size_t)n, sizeof(float)) : NULL;
     for (int64_t i = 0; c->sampling_logps && i < n; i++)
         c->sampling_logps[i] = (float)((c->old_logps ? (double)c->old_logps[i] : logp[i]) +
-                                       0.3 * (ce_uniform(&rng) - 0.5));
+                                       0.3 * (ref_uniform(&rng) - 0.5));
     free(logp);
 }
 

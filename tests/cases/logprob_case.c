@@ -63,15 +63,15 @@ static void make_inputs(const logprob_case_spec *s, logprob_case *in)
     }
     in->targets = xcalloc(n, sizeof(int64_t));
     for (size_t i = 0; i < n; i++) {
-        in->targets[i] = (int64_t)(ce_uniform(&rng) * (double)v);
-        if (ce_uniform(&rng) < s->ignore_frac)
+        in->targets[i] = (int64_t)(ref_uniform(&rng) * (double)v);
+        if (ref_uniform(&rng) < s->ignore_frac)
             in->targets[i] = s->options.ignore_index;
     }
     const int given[3] = {1, s->g_entropy, s->g_lse};
     for (int k = 0; k < 3; k++) {
         in->g[k] = given[k] ? xcalloc(n, sizeof(float)) : NULL;
         for (size_t i = 0; in->g[k] && i < n; i++)
-            in->g[k][i] = (float)(2.0 * ce_uniform(&rng) - 1.0);
+            in->g[k][i] = (float)(2.0 * ref_uniform(&rng) - 1.0);
     }
 }
 

@@ -38,15 +38,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-double ce_uniform(uint64_t *state)
-{
-    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    z ^= z >> 31;
-    return (double)(z >> 11) * 0x1.0p-53;
-}
-
 void ce_case_spec_default(ce_case_spec *spec)
 {
     const ce_case_spec d = {.n = 7, .hidden = 5, .vocab = 11, .layout = FH_LAYOUT_HV, .seed = 1};
@@ -96,13 +87,13 @@ void ce_fill_linear(uint64_t *rng, int64_t n, int64_t h, int64_t v, double logit
                     float *bias)
 {
     for (int64_t i = 0; i < n * h; i++)
-        x[i] = (float)(2.0 * ce_uniform(rng) - 1.0);
+        x[i] = (float)(2.0 * ref_uniform(rng) - 1.0);
     /* x_k ~ U(-1,1) has variance 1/3 and w ~ U(-a, a) has a^2/3: a = 3 scale / sqrt(h) gives std ~scale. */
     const double a = 3.0 * logit_scale / sqrt((double)h);
     for (int64_t i = 0; i < h * v; i++)
-        weight[i] = (float)((2.0 * ce_uniform(rng) - 1.0) * a);
+        weight[i] = (float)((2.0 * ref_uniform(rng) - 1.0) * a);
     for (int64_t j = 0; bias && j < v; j++)
-        bias[j] = (float)(ce_uniform(rng) - 0.5);
+        bias[j] = (float)(ref_uniform(rng) - 0.5);
 }
 
 void ce_alloc_grads(size_t n, size_t h, size_t v, int has_bias, float beta, float **dx, float **dweight,
@@ -187,15 +178,15 @@ static void make_inputs(const ce_case_spec *s, ce_case *c)
     if (s->class_weights) {
         c->class_weights = xcalloc(v, sizeof(float));
         for (size_t j = 0; j < v; j++)
-            c->class_weights[j] = (float)(0.5 + ce_uniform(&rng));
+            c->class_weights[j] = (float)(0.5 + ref_uniform(&rng));
     }
     for (size_t i = 0; i < n; i++) {
-        c->targets[i] = (int64_t)(ce_uniform(&rng) * (double)v);
-        if (ce_uniform(&rng) < s->ignore_frac)
+        c->targets[i] = (int64_t)(ref_uniform(&rng) * (double)v);
+        if (ref_uniform(&rng) < s->ignore_frac)
             c->targets[i] = -100;
     }
     for (size_t i = 0; i < n; i++)
-        c->grad_output[i] = (float)(s->reduction == FH_REDUCTION_NONE ? 2.0 * ce_uniform(&rng) - 1.0 : 0.75);
+        c->grad_output[i] = (float)(s->reduction == FH_REDUCTION_NONE ? 2.0 * ref_uniform(&rng) - 1.0 : 0.75);
 }
 
 static double ce_logit_scale_of(const ce_case_spec *s)

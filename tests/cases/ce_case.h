@@ -4,6 +4,7 @@
 #define FH_CE_CASE_H
 
 #include "fusedhead.h"
+#include "rng.h"
 
 typedef struct ce_case_spec {
     int64_t n, hidden, vocab;
@@ -125,9 +126,6 @@ fh_linear ce_case_linear(int64_t n, int64_t hidden, int64_t vocab, fh_layout lay
  * the caller frees either. */
 void *ce_zalloc(size_t count, size_t size);
 double *ce_doubles(const float *f, size_t count);
-
-/* Deterministic uniform random numbers in [0, 1) (splitmix64). */
-double ce_uniform(uint64_t *state);
 
 /* Random linear-head inputs: x [n, h] in U(-1, 1), weight (h x v, any layout: same distribution) scaled so
  * that logits have standard deviation ~logit_scale, bias (if not NULL) in U(-0.5, 0.5). */

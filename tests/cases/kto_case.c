@@ -13,7 +13,7 @@
  *   metrics: KTO_METRIC_TOL = 1e-5 of max(1, |value|): rewards and log-probs are means of the sequence log-probs
  *     above, the logits means and the entropy average fp32 logits' functions; kl is an input's mean.
  *   per-sequence and per-token outputs: KTO_TOKEN_TOL = 1e-5 of 1 + |value| (the preference head's reasoning,
- *     ref/preference_case.c: fp32 storage, log-probs 1-Lipschitz in the logits' error).
+ *     tests/cases/preference_case.c: fp32 storage, log-probs 1-Lipschitz in the logits' error).
  *   gradients: normwise relative KTO_GRAD_NORM_REL_TOL = 1e-5, as cross-entropy, GRPO and the preference losses
  *     (same engine and fp32 GEMMs; dZ = g (onehot - p) with g the sequence's slope, whose own error is the slope's
  *     derivative times r's ~1e-6); bf16 cases take cross-entropy's bf16 tolerances (ce_grad_tolerance). */
@@ -152,13 +152,13 @@ static void make_inputs(const kto_case_spec *s, kto_case *c)
     c->mask = ce_zalloc((size_t)n, sizeof(float));
     c->labels = ce_zalloc((size_t)B, 1);
     for (int64_t b = 0; b < B; b++) {
-        const int64_t length = B > 1 && b == B - 1 ? 0 : 1 + (int64_t)(ce_uniform(&rng) * (double)T);
-        c->labels[b] = b == 0 ? 1 : b == 1 ? 0 : ce_uniform(&rng) < 0.5;
+        const int64_t length = B > 1 && b == B - 1 ? 0 : 1 + (int64_t)(ref_uniform(&rng) * (double)T);
+        c->labels[b] = b == 0 ? 1 : b == 1 ? 0 : ref_uniform(&rng) < 0.5;
         for (int64_t t = 0; t < T; t++) {
             const int64_t i = b * T + t;
             c->mask[i] = t < length ? 1.0f : 0.0f;
-            c->targets[i] = (int64_t)(ce_uniform(&rng) * (double)s->vocab);
-            if (t >= length && ce_uniform(&rng) < 0.5)
+            c->targets[i] = (int64_t)(ref_uniform(&rng) * (double)s->vocab);
+            if (t >= length && ref_uniform(&rng) < 0.5)
                 c->targets[i] = t & 1 ? -100 : s->vocab + t;
         }
     }
@@ -167,23 +167,23 @@ static void make_inputs(const kto_case_spec *s, kto_case *c)
     if (s->ref == KTO_REF_SEQUENCE) {
         c->ref_logps = ce_zalloc((size_t)B, sizeof(float));
         for (int64_t b = 0; b < B; b++)
-            c->ref_logps[b] = (float)(l[b] + 10.0 * (2.0 * ce_uniform(&rng) - 1.0));
+            c->ref_logps[b] = (float)(l[b] + 10.0 * (2.0 * ref_uniform(&rng) - 1.0));
     } else {
         c->ref_per_token_logps = ce_zalloc((size_t)n, sizeof(float));
         for (int64_t b = 0; b < B; b++) {
-            const double offset = 2.0 * ce_uniform(&rng) - 1.0;
+            const double offset = 2.0 * ref_uniform(&rng) - 1.0;
             for (int64_t t = 0; t < T; t++)
-                c->ref_per_token_logps[b * T + t] = (float)(logp[b * T + t] + offset + 0.8 * (ce_uniform(&rng) - 0.5));
+                c->ref_per_token_logps[b * T + t] = (float)(logp[b * T + t] + offset + 0.8 * (ref_uniform(&rng) - 0.5));
         }
     }
     free(l), free(logp);
     if (s->options.loss_type == FH_KTO_LOSS_KTO && s->kl == KTO_KL_VALUE) {
         c->kl = ce_zalloc(1, sizeof(float));
-        c->kl[0] = (float)(2.0 * ce_uniform(&rng));
+        c->kl[0] = (float)(2.0 * ref_uniform(&rng));
     } else if (s->options.loss_type == FH_KTO_LOSS_KTO) {
         c->kl_logratios = ce_zalloc((size_t)B, sizeof(float));
         for (int64_t b = 0; b < B; b++)
-            c->kl_logratios[b] = (float)(4.0 * ce_uniform(&rng) - 1.0);
+            c->kl_logratios[b] = (float)(4.0 * ref_uniform(&rng) - 1.0);
     }
 }
 
