@@ -171,7 +171,7 @@ float *fh_companion_row(const fh_pass *p, const float *row)
  * companion's with its bias added (the kernels scale both). */
 void fh_pair_rows(const fh_pass *p, float *row, int64_t v0, int64_t vb)
 {
-    static const fh_transform identity = {0.0f, 1.0f};
+    static const fh_transform identity = FH_IDENTITY_TRANSFORM;
     const fh_linear *c = p->in.pair->companion;
     fh_row_transform(row, vb, p->in.lin->bias ? p->in.lin->bias + v0 : NULL, &p->in.tf);
     if (c)

@@ -4,7 +4,6 @@
 
 #include "counted_rows.h"
 #include "core/linear.h"
-#include "logprob_head.h"
 
 #include <math.h>
 
@@ -31,7 +30,7 @@ static fh_status check_options(fh_context *ctx, const fh_linear *lin, const int6
     /* The cap and the scale are applied in fp32, as the engine's transform (fh_ce_pass): each must be a normal float,
      * or it would silently become inf (NaN logits) or 0 (no cap). */
     fh_transform tf;
-    const fh_status st = fh_logprob_transform(ctx, 1.0, o->softcap, o->logit_scale, &tf);
+    const fh_status st = fh_engine_transform(ctx, 1.0, o->softcap, o->logit_scale, &tf);
     if (st != FH_OK)
         return st;
     if (!(o->z_loss >= 0.0 && isfinite(o->z_loss)))
@@ -64,7 +63,7 @@ fh_engine_pass fh_ce_pass(const fh_plan *plan, const fh_workspace *ws, const fh_
     const fh_engine_pass p = {.plan = plan,
                               .ws = ws,
                               .lin = lin,
-                              .tf = fh_logprob_transform_of(1.0, o->softcap, o->logit_scale),
+                              .tf = fh_engine_transform_of(1.0, o->softcap, o->logit_scale),
                               .targets = targets,
                               .class_weights = o->label_smoothing > 0.0 ? o->class_weights : NULL};
     return p;
@@ -429,7 +428,7 @@ static fh_status run(fh_context *ctx, const ce_call *c)
         return run_forward(ctx, c);
     if (c->kind == CE_BACKWARD)
         return run_backward(ctx, c);
-    const fh_train_step_head head = {1, NULL, 0, 0, step_run, c};
+    const fh_train_step_head head = {.group_rows = 1, .run = step_run, .self = c};
     return fh_engine_train_step(ctx, c->lin, c->grads, &head);
 }
 
@@ -437,38 +436,46 @@ static fh_status run(fh_context *ctx, const ce_call *c)
  * outputs do; the others are 0 there): ignored rows add nothing to the loss, its normalisers or the gradients, so
  * their GEMMs are skipped. Its per-row arrays: the saved lse and the upstream gradient ('none'), then the per-token
  * loss, log-prob and entropy outputs. */
-static fh_status run_counted(fh_context *ctx, const ce_call *c)
+static fh_status run_on(fh_context *ctx, const void *self, const fh_counted_rows *rows, const int64_t *targets,
+                        float *const *a, void *extra)
 {
-    enum { INPUTS = 2, OUTPUTS = 3 };
-    fh_ce_outputs *const o = c->out;
-    if (o && (o->lse || o->argmax))
+    (void)extra;
+    const ce_call *c = self;
+    if (!rows)
         return run(ctx, c);
-    fh_counted_rows cr;
-    fh_status st = fh_counted_rows_begin(ctx, c->lin, c->grads, c->targets, c->options->ignore_index,
-                                         c->grads != NULL, sizeof(int64_t) + (INPUTS + OUTPUTS) * sizeof(float), &cr);
-    if (st != FH_OK || !cr.active)
-        return st == FH_OK ? run(ctx, c) : st;
-    const int per_token = c->options->reduction == FH_REDUCTION_NONE;
-    const float *const in[INPUTS] = {c->lse, per_token ? c->grad_output : NULL};
-    float *const out[OUTPUTS] = {o ? o->per_token_loss : NULL, o ? o->per_token_logp : NULL, o ? o->entropy : NULL};
-    float *a[INPUTS + OUTPUTS];
-    const int64_t *targets = fh_counted_rows_arrays(&cr, c->targets, in, INPUTS, out, OUTPUTS, a);
     fh_ce_outputs counted_out;
-    if (o) {
-        counted_out = *o;
+    if (c->out) {
+        counted_out = *c->out;
         counted_out.per_token_loss = a[2];
         counted_out.per_token_logp = a[3];
         counted_out.entropy = a[4];
     }
-    const ce_call counted = {c->kind, &cr.lin, targets, c->options, a[0], per_token ? a[1] : c->grad_output,
-                             o ? &counted_out : NULL, c->grads ? &cr.grads : NULL};
-    st = run(ctx, &counted);
-    if (st == FH_OK) {
-        fh_counted_rows_scatter_outputs(&cr, out, INPUTS, OUTPUTS, a);
-        fh_counted_rows_write_dx(&cr, c->grads);
-    }
-    fh_counted_rows_free(&cr);
-    return st;
+    const int per_token = c->options->reduction == FH_REDUCTION_NONE;
+    const ce_call counted = {c->kind, &rows->lin, targets, c->options, a[0], per_token ? a[1] : c->grad_output,
+                             c->out ? &counted_out : NULL, c->grads ? &rows->grads : NULL};
+    return run(ctx, &counted);
+}
+
+static fh_status run_counted(fh_context *ctx, const ce_call *c)
+{
+    fh_ce_outputs *const o = c->out;
+    if (o && (o->lse || o->argmax))
+        return run(ctx, c);
+    const int per_token = c->options->reduction == FH_REDUCTION_NONE;
+    const float *const in[] = {c->lse, per_token ? c->grad_output : NULL};
+    float *const out[] = {o ? o->per_token_loss : NULL, o ? o->per_token_logp : NULL, o ? o->entropy : NULL};
+    const fh_counted_call call = {.lin = c->lin,
+                                  .grads = c->grads,
+                                  .targets = c->targets,
+                                  .ignore_index = c->options->ignore_index,
+                                  .filtered = c->grads != NULL,
+                                  .in = in,
+                                  .inputs = 2,
+                                  .out = out,
+                                  .outputs = 3,
+                                  .run = run_on,
+                                  .self = c};
+    return fh_counted_rows_run(ctx, &call);
 }
 
 FH_API fh_status fh_ce_forward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,

@@ -76,8 +76,11 @@ void fh_counted_rows_scatter(const fh_counted_rows *c, const void *counted, size
     }
 }
 
-int64_t *fh_counted_rows_arrays(const fh_counted_rows *c, const int64_t *targets, const float *const *in, int inputs,
-                                float *const *out, int outputs, float **counted)
+/* The compacted call's per-row float arrays, laid out in the scratch after the compacted targets (which this gathers
+ * first): counted[k] is NULL where the call's array is, else count floats; the inputs gathered. Returns the compacted
+ * targets. */
+static int64_t *compacted_arrays(const fh_counted_rows *c, const int64_t *targets, const float *const *in,
+                                 int inputs, float *const *out, int outputs, float **counted)
 {
     int64_t *const counted_targets = c->scratch;
     float *const base = (float *)(counted_targets + c->count);
@@ -91,8 +94,9 @@ int64_t *fh_counted_rows_arrays(const fh_counted_rows *c, const int64_t *targets
     return counted_targets;
 }
 
-void fh_counted_rows_scatter_outputs(const fh_counted_rows *c, float *const *out, int inputs, int outputs,
-                                     float *const *counted)
+/* Each output array out[k] (not NULL) from counted[inputs + k], 0 in the rows that do not count. */
+static void scatter_outputs(const fh_counted_rows *c, float *const *out, int inputs, int outputs,
+                            float *const *counted)
 {
     const float zero = 0.0f;
     for (int k = 0; k < outputs; k++)
@@ -100,7 +104,8 @@ void fh_counted_rows_scatter_outputs(const fh_counted_rows *c, float *const *out
             fh_counted_rows_scatter(c, counted[inputs + k], sizeof(float), &zero, out[k]);
 }
 
-void fh_counted_rows_write_dx(const fh_counted_rows *c, const fh_linear_grads *grads)
+/* The compacted call's dx rows into the caller's dx (grads, as given to begin). */
+static void write_dx(const fh_counted_rows *c, const fh_linear_grads *grads)
 {
     if (!grads || !grads->dx)
         return;
@@ -132,4 +137,27 @@ void fh_counted_rows_free(fh_counted_rows *c)
     c->dx = NULL;
     c->scratch = NULL;
     c->active = 0;
+}
+
+fh_status fh_counted_rows_run(fh_context *ctx, const fh_counted_call *call)
+{
+    const size_t arrays_row_bytes = sizeof(int64_t) + (size_t)(call->inputs + call->outputs) * sizeof(float);
+    fh_counted_rows rows;
+    fh_status st = call->targets ? fh_counted_rows_begin(ctx, call->lin, call->grads, call->targets,
+                                                         call->ignore_index, call->filtered,
+                                                         arrays_row_bytes + call->extra_row_bytes, &rows)
+                                 : FH_OK;
+    if (st != FH_OK || !call->targets || !rows.active)
+        return st == FH_OK ? call->run(ctx, call->self, NULL, NULL, NULL, NULL) : st;
+    float *arrays[FH_COUNTED_ARRAYS];
+    const int64_t *targets = compacted_arrays(&rows, call->targets, call->in, call->inputs, call->out, call->outputs,
+                                              arrays);
+    void *extra = (char *)rows.scratch + (size_t)rows.count * arrays_row_bytes;
+    st = call->run(ctx, call->self, &rows, targets, arrays, extra);
+    if (st == FH_OK) {
+        scatter_outputs(&rows, call->out, call->inputs, call->outputs, arrays);
+        write_dx(&rows, call->grads);
+    }
+    fh_counted_rows_free(&rows);
+    return st;
 }

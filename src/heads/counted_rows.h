@@ -36,20 +36,35 @@ void fh_counted_rows_gather(const fh_counted_rows *c, const void *all, size_t el
 /* all[rows[k]] = counted[k], and *fill in every other row. */
 void fh_counted_rows_scatter(const fh_counted_rows *c, const void *counted, size_t elem, const void *fill, void *all);
 
-/* The compacted call's per-row float arrays, laid out in the scratch after the compacted targets (which this gathers
- * first): counted[k] is NULL where the call's array is, else count floats. The first `inputs` arrays are the call's
- * inputs (in[k]), gathered; the next `outputs` its outputs (out[k - inputs]), which the call writes. Returns the
- * compacted targets. */
-int64_t *fh_counted_rows_arrays(const fh_counted_rows *c, const int64_t *targets, const float *const *in, int inputs,
-                                float *const *out, int outputs, float **counted);
-/* Each output array out[k] (not NULL) from counted[inputs + k], 0 in the rows that do not count. */
-void fh_counted_rows_scatter_outputs(const fh_counted_rows *c, float *const *out, int inputs, int outputs,
-                                     float *const *counted);
-
-/* After the compacted call succeeded: its dx rows into the caller's dx (grads, as given to begin: its beta and dtype
- * honoured); the other rows 0 with beta 0, untouched with beta 1. */
-void fh_counted_rows_write_dx(const fh_counted_rows *c, const fh_linear_grads *grads);
 /* Frees what begin allocated (safe on an inactive c). */
 void fh_counted_rows_free(fh_counted_rows *c);
+
+/* The most per-row float arrays a counted call has (inputs and outputs together). */
+#define FH_COUNTED_ARRAYS 8
+
+/* What a head gives the counted-rows driver: its problem, its per-row arrays, and its call. */
+typedef struct fh_counted_call {
+    const fh_linear *lin;         /* the head's linear (a distillation's student), whose rows are compacted */
+    const fh_linear_grads *grads; /* or NULL */
+    const int64_t *targets;       /* NULL: every row counts */
+    int64_t ignore_index;
+    int filtered;                 /* gradient filtering may thin grads (fh_counted_rows_begin) */
+    const float *const *in;       /* the call's per-row inputs (NULL entries: not given), gathered */
+    int inputs;
+    float *const *out;            /* its per-row outputs, written by the call, 0 in the rows that do not count */
+    int outputs;
+    size_t extra_row_bytes;       /* more scratch per counted row for the head's own compacted arrays */
+    /* The head's call: on the whole problem (rows NULL), or on the compacted one: rows->lin and rows->grads, the
+     * compacted targets, arrays[k] for in[k] then out[k - inputs] (NULL where those are), and extra_row_bytes per
+     * counted row at extra (after the float arrays: 8-byte aligned when inputs + outputs is even). */
+    fh_status (*run)(fh_context *ctx, const void *self, const fh_counted_rows *rows, const int64_t *targets,
+                     float *const *arrays, void *extra);
+    const void *self;
+} fh_counted_call;
+
+/* Runs call->run on the counted rows when fh_counted_rows_begin compacts them, else on the whole problem; after a
+ * compacted call that succeeded, its outputs and its dx rows go back to the caller's (grads' beta and dtype
+ * honoured; the other rows 0 with beta 0, untouched with beta 1). */
+fh_status fh_counted_rows_run(fh_context *ctx, const fh_counted_call *call);
 
 #endif

@@ -312,7 +312,7 @@ static fh_pair_kernels kernels_of(const distill_head *h, const fh_linear *teache
 static fh_engine_pass pass_of(const fh_plan *plan, const fh_workspace *ws, const fh_linear *student,
                               const fh_pair_kernels *kernels)
 {
-    const fh_engine_pass p = {.plan = plan, .ws = ws, .lin = student, .tf = {0.0f, 1.0f}, .pair = kernels};
+    const fh_engine_pass p = {.plan = plan, .ws = ws, .lin = student, .tf = FH_IDENTITY_TRANSFORM, .pair = kernels};
     return p;
 }
 
@@ -371,44 +371,50 @@ static fh_status run(fh_context *ctx, const distill_call *c)
 {
     if (!c->grads)
         return forward(ctx, c);
-    const fh_train_step_head head = {1, c->teacher, 0, 0, step_run, c};
+    const fh_train_step_head head = {.group_rows = 1, .companion = c->teacher, .run = step_run, .self = c};
     return fh_engine_train_step(ctx, c->student, c->grads, &head);
 }
 
 /* The call on its counted rows (counted_rows.h): an ignored token has no loss and no gradient, so the GEMMs of both
  * heads skip it. Its per-row arrays: the upstream gradient ('none'), then the per-token losses. */
-static fh_status run_counted(fh_context *ctx, const distill_call *c)
+static fh_status run_on(fh_context *ctx, const void *self, const fh_counted_rows *student, const int64_t *targets,
+                        float *const *a, void *extra)
 {
-    enum { INPUTS = 1, OUTPUTS = 1 };
-    fh_counted_rows student, teacher;
-    /* Gradient filtering does not apply to this head. */
-    fh_status st = c->targets ? fh_counted_rows_begin(ctx, c->student, c->grads, c->targets, c->options->ignore_index,
-                                                      0, sizeof(int64_t) + (INPUTS + OUTPUTS) * sizeof(float), &student)
-                              : FH_OK;
-    if (st != FH_OK || !c->targets || !student.active)
-        return st == FH_OK ? run(ctx, c) : st;
-    st = fh_counted_rows_begin(ctx, c->teacher, NULL, c->targets, c->options->ignore_index, 0, 0, &teacher);
-    if (st != FH_OK) {
-        fh_counted_rows_free(&student);
+    (void)extra;
+    const distill_call *c = self;
+    if (!student)
+        return run(ctx, c);
+    /* The teacher's counted rows: the same rows, compacted as the student's are. */
+    fh_counted_rows teacher;
+    fh_status st = fh_counted_rows_begin(ctx, c->teacher, NULL, c->targets, c->options->ignore_index, 0, 0, &teacher);
+    if (st != FH_OK)
         return st;
-    }
-    const int per_token = c->options->reduction == FH_REDUCTION_NONE;
-    const float *const in[INPUTS] = {per_token ? c->grad_output : NULL};
-    float *const out[OUTPUTS] = {c->out->per_token_loss};
-    float *a[INPUTS + OUTPUTS];
-    const int64_t *targets = fh_counted_rows_arrays(&student, c->targets, in, INPUTS, out, OUTPUTS, a);
     fh_distill_outputs counted_out = *c->out;
     counted_out.per_token_loss = a[1];
-    const distill_call counted = {&student.lin, &teacher.lin, targets, c->options, per_token ? a[0] : c->grad_output,
-                                  &counted_out, c->grads ? &student.grads : NULL};
+    const int per_token = c->options->reduction == FH_REDUCTION_NONE;
+    const distill_call counted = {&student->lin, &teacher.lin, targets, c->options, per_token ? a[0] : c->grad_output,
+                                  &counted_out, c->grads ? &student->grads : NULL};
     st = run(ctx, &counted);
-    if (st == FH_OK) {
-        fh_counted_rows_scatter_outputs(&student, out, INPUTS, OUTPUTS, a);
-        fh_counted_rows_write_dx(&student, c->grads);
-    }
-    fh_counted_rows_free(&student);
     fh_counted_rows_free(&teacher);
     return st;
+}
+
+static fh_status run_counted(fh_context *ctx, const distill_call *c)
+{
+    const float *const in[] = {c->options->reduction == FH_REDUCTION_NONE ? c->grad_output : NULL};
+    float *const out[] = {c->out->per_token_loss};
+    /* Gradient filtering does not apply to this head. */
+    const fh_counted_call call = {.lin = c->student,
+                                  .grads = c->grads,
+                                  .targets = c->targets,
+                                  .ignore_index = c->options->ignore_index,
+                                  .in = in,
+                                  .inputs = 1,
+                                  .out = out,
+                                  .outputs = 1,
+                                  .run = run_on,
+                                  .self = c};
+    return fh_counted_rows_run(ctx, &call);
 }
 
 FH_API fh_status fh_distill_forward(fh_context *ctx, const fh_linear *student, const fh_linear *teacher,

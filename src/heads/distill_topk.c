@@ -354,7 +354,7 @@ typedef struct topk_call {
 static fh_engine_pass pass_of(const fh_plan *plan, const fh_workspace *ws, const fh_linear *student,
                               const fh_pair_kernels *kernels)
 {
-    const fh_engine_pass p = {.plan = plan, .ws = ws, .lin = student, .tf = {0.0f, 1.0f}, .pair = kernels};
+    const fh_engine_pass p = {.plan = plan, .ws = ws, .lin = student, .tf = FH_IDENTITY_TRANSFORM, .pair = kernels};
     return p;
 }
 
@@ -408,40 +408,44 @@ static fh_status run(fh_context *ctx, const topk_call *c)
 
 /* The call on its counted rows (counted_rows.h): an ignored token has no loss and no gradient, so the GEMMs skip it.
  * Its per-row arrays: the upstream gradient ('none'), the per-token losses, then the teacher's k ids and log-probs. */
-static fh_status run_counted(fh_context *ctx, const topk_call *c)
+static fh_status run_on(fh_context *ctx, const void *self, const fh_counted_rows *rows, const int64_t *targets,
+                        float *const *a, void *extra)
 {
-    enum { INPUTS = 1, OUTPUTS = 1 };
-    const size_t k = (size_t)c->teacher->k, arrays_row_bytes = sizeof(int64_t) + (INPUTS + OUTPUTS) * sizeof(float);
-    fh_counted_rows rows;
-    fh_status st = c->targets ? fh_counted_rows_begin(ctx, c->student, c->grads, c->targets, c->options->ignore_index,
-                                                      0, arrays_row_bytes + k * (sizeof(int64_t) + sizeof(float)),
-                                                      &rows)
-                              : FH_OK;
-    if (st != FH_OK || !c->targets || !rows.active)
-        return st == FH_OK ? run(ctx, c) : st;
-    const int per_token = c->options->reduction == FH_REDUCTION_NONE;
-    const float *const in[INPUTS] = {per_token ? c->grad_output : NULL};
-    float *const out[OUTPUTS] = {c->out->per_token_loss};
-    float *a[INPUTS + OUTPUTS];
-    const int64_t *targets = fh_counted_rows_arrays(&rows, c->targets, in, INPUTS, out, OUTPUTS, a);
-    /* The teacher's rows after fh_counted_rows_arrays' (its targets, then its float arrays; 8-byte aligned: the
-     * scratch's row bytes so far are a multiple of 8). */
-    int64_t *ids = (int64_t *)((char *)rows.scratch + (size_t)rows.count * arrays_row_bytes);
-    float *logprobs = (float *)(ids + (size_t)rows.count * k);
-    fh_counted_rows_gather(&rows, c->teacher->ids, k * sizeof(int64_t), ids);
-    fh_counted_rows_gather(&rows, c->teacher->logprobs, k * sizeof(float), logprobs);
+    const topk_call *c = self;
+    if (!rows)
+        return run(ctx, c);
+    /* The teacher's k ids and log-probs of each counted row, in the extra scratch (8-byte aligned: one input and one
+     * output array). */
+    const size_t k = (size_t)c->teacher->k;
+    int64_t *ids = extra;
+    float *logprobs = (float *)(ids + (size_t)rows->count * k);
+    fh_counted_rows_gather(rows, c->teacher->ids, k * sizeof(int64_t), ids);
+    fh_counted_rows_gather(rows, c->teacher->logprobs, k * sizeof(float), logprobs);
     const fh_topk_teacher teacher = {c->teacher->k, ids, logprobs};
     fh_distill_outputs counted_out = *c->out;
     counted_out.per_token_loss = a[1];
-    const topk_call counted = {&rows.lin, &teacher, targets, c->options, per_token ? a[0] : c->grad_output,
-                               &counted_out, c->grads ? &rows.grads : NULL};
-    st = run(ctx, &counted);
-    if (st == FH_OK) {
-        fh_counted_rows_scatter_outputs(&rows, out, INPUTS, OUTPUTS, a);
-        fh_counted_rows_write_dx(&rows, c->grads);
-    }
-    fh_counted_rows_free(&rows);
-    return st;
+    const int per_token = c->options->reduction == FH_REDUCTION_NONE;
+    const topk_call counted = {&rows->lin, &teacher, targets, c->options, per_token ? a[0] : c->grad_output,
+                               &counted_out, c->grads ? &rows->grads : NULL};
+    return run(ctx, &counted);
+}
+
+static fh_status run_counted(fh_context *ctx, const topk_call *c)
+{
+    const float *const in[] = {c->options->reduction == FH_REDUCTION_NONE ? c->grad_output : NULL};
+    float *const out[] = {c->out->per_token_loss};
+    const fh_counted_call call = {.lin = c->student,
+                                  .grads = c->grads,
+                                  .targets = c->targets,
+                                  .ignore_index = c->options->ignore_index,
+                                  .in = in,
+                                  .inputs = 1,
+                                  .out = out,
+                                  .outputs = 1,
+                                  .extra_row_bytes = (size_t)c->teacher->k * (sizeof(int64_t) + sizeof(float)),
+                                  .run = run_on,
+                                  .self = c};
+    return fh_counted_rows_run(ctx, &call);
 }
 
 FH_API fh_status fh_distill_topk_forward(fh_context *ctx, const fh_linear *student, const fh_topk_teacher *teacher,

@@ -73,7 +73,7 @@ static fh_status check_options(fh_context *ctx, const fh_grpo_options *o)
                        (int)o->importance_sampling_level);
     /* 1 / temperature is applied in fp32 (the engine's transform): it must be a normal float. */
     fh_transform tf;
-    const fh_status st = fh_logprob_transform(ctx, o->temperature, 0.0, 1.0, &tf);
+    const fh_status st = fh_engine_transform(ctx, o->temperature, 0.0, 1.0, &tf);
     if (st != FH_OK)
         return st;
     const double eh = fh_grpo_epsilon_high(o);
@@ -159,7 +159,7 @@ FH_API fh_status fh_grpo_workspace_size(const fh_context *ctx, const fh_linear *
 fh_engine_pass fh_grpo_pass(const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin, const int64_t *ids,
                             const fh_grpo_options *o)
 {
-    return fh_logprob_pass(plan, ws, lin, ids, fh_logprob_transform_of(o->temperature, 0.0, 1.0));
+    return fh_logprob_pass(plan, ws, lin, ids, fh_engine_transform_of(o->temperature, 0.0, 1.0));
 }
 
 fh_grpo_head fh_grpo_head_in(const fh_workspace *ws, const fh_grpo_batch *bt, const fh_grpo_options *o,
@@ -463,6 +463,10 @@ FH_API fh_status fh_grpo_forward_backward(fh_context *ctx, const fh_linear *lin,
         return st;
     const grpo_step step = {lin, batch, options, grad_output[0], out};
     /* The entropy threshold needs every token's entropy before any coefficient: the streaming passes. */
-    const fh_train_step_head head = {batch->seq, NULL, 1, options->top_entropy_quantile < 1.0, grpo_step_run, &step};
+    const fh_train_step_head head = {.group_rows = batch->seq,
+                                     .forward_plan = 1,
+                                     .streaming_only = options->top_entropy_quantile < 1.0,
+                                     .run = grpo_step_run,
+                                     .self = &step};
     return fh_engine_train_step(ctx, lin, grads, &head);
 }

@@ -5,6 +5,7 @@
  * blocks of whole sequences, as GRPO's. */
 #include "grpo_head.h" /* fh_grpo_check_grad_output */
 #include "kto_head.h"
+#include "sequences.h"
 #include "core/linear.h"
 #include "sigmoid.h"
 
@@ -295,7 +296,8 @@ fh_token_stats fh_kto_stats_in(const fh_workspace *ws, int metrics)
 
 fh_engine_pass fh_kto_pass(const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin, const int64_t *ids)
 {
-    return fh_logprob_pass(plan, ws, lin, ids, fh_logprob_transform_of(1.0, 0.0, 1.0));
+    const fh_transform identity = FH_IDENTITY_TRANSFORM;
+    return fh_logprob_pass(plan, ws, lin, ids, identity);
 }
 
 /* Streams the forward; leaves the statistics and the tokens' logp (and entropies for the metrics) in the
@@ -344,18 +346,14 @@ typedef struct sequence_blocks {
     double grad;
 } sequence_blocks;
 
-static fh_status block_coefficients(const void *self, int64_t first_row, int64_t rows, const fh_token_stats *stats)
+static void sequence_coefficients(const void *self, int64_t s0, int64_t s1)
 {
     const sequence_blocks *s = self;
-    const int64_t T = s->h->bt->seq;
-    (void)stats; /* the same arrays as the workspace's slots */
-    fh_kto_sequence_coefficients(s->h, first_row / T, (first_row + rows) / T, s->grad);
-    return FH_OK;
+    fh_kto_sequence_coefficients(s->h, s0, s1, s->grad);
 }
 
-static void row_coefficients(const void *self, int64_t i, const fh_final_stats *stats, fh_coef *k)
+static void row_coefficients(const void *self, int64_t i, fh_coef *k)
 {
-    (void)stats;
     fh_kto_row_coefficients(((const sequence_blocks *)self)->h->ws, i, k);
 }
 
@@ -363,14 +361,13 @@ static fh_status sequence_block_step(const fh_plan *plan, const fh_linear *lin, 
                                      const fh_linear_grads *grads, const fh_kto_outputs *out)
 {
     const sequence_blocks self = {h, grad};
-    const fh_coef_source source = {row_coefficients, block_coefficients, &self};
+    const fh_sequence_coefs coefs = {h->bt->seq, sequence_coefficients, row_coefficients, &self};
     const fh_token_stats stats = fh_kto_stats_in(h->ws, out->metrics != NULL);
     fh_engine_pass pass = fh_kto_pass(plan, h->ws, lin, h->bt->targets);
     pass.stats = &stats;
-    pass.source = &source;
     pass.grads = grads;
-    const fh_status st = fh_engine_row_blocks(&pass);
-    if (st == FH_OK && out->metrics) /* the entropies (block_coefficients made logp) */
+    const fh_status st = fh_sequence_row_blocks(&pass, &coefs);
+    if (st == FH_OK && out->metrics) /* the entropies (sequence_coefficients made logp) */
         fh_logprob_token_values(h->ws, h->bt->targets, 0, lin->n, h->vocab, 1);
     return st;
 }
@@ -429,6 +426,7 @@ FH_API fh_status fh_kto_forward_backward(fh_context *ctx, const fh_linear *lin, 
     if (st != FH_OK)
         return st;
     const kto_step step = {lin, batch, options, grad_output[0], out};
-    const fh_train_step_head step_head = {batch->seq, NULL, 1, 0, kto_step_run, &step};
+    const fh_train_step_head step_head = {
+        .group_rows = batch->seq, .forward_plan = 1, .run = kto_step_run, .self = &step};
     return fh_engine_train_step(ctx, lin, grads, &step_head);
 }

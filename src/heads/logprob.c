@@ -1,12 +1,11 @@
 /* Log-prob head: per-token log-probs, entropies and log-sum-exps of a tempered head, and the gradients back from
- * upstream gradients of each (formulas in fusedhead.h). The shared pieces (transform, slots, token values) serve
- * the GRPO head too. The engine does every tile; this file is checks and [N] vectors. */
+ * upstream gradients of each (formulas in fusedhead.h). The shared pieces (slots, token values) serve the GRPO and
+ * KTO heads too. The engine does every tile; this file is checks and [N] vectors. */
 #include "logprob_head.h"
 
 #include "counted_rows.h"
 #include "core/linear.h"
 
-#include <float.h>
 #include <math.h>
 
 FH_API fh_status fh_logprob_options_init(fh_logprob_options *options)
@@ -16,40 +15,6 @@ FH_API fh_status fh_logprob_options_init(fh_logprob_options *options)
     const fh_logprob_options defaults = {-100, 1.0, 0.0, 1.0};
     *options = defaults;
     return FH_OK;
-}
-
-static int normal_float(double v)
-{
-    return v >= FLT_MIN && v <= FLT_MAX;
-}
-
-fh_status fh_logprob_transform(fh_context *ctx, double temperature, double softcap, double logit_scale,
-                               fh_transform *tf)
-{
-    /* 1 / temperature and the cap are applied in fp32: each must be a normal float. */
-    if (!(temperature > 0.0 && normal_float(1.0 / temperature)))
-        return fh_fail(ctx, FH_ERR_INVALID_TEMPERATURE, "temperature = %g must be > 0 with 1/temperature in fp32 range",
-                       temperature);
-    if (!(softcap == 0.0 || normal_float(softcap)))
-        return fh_fail(ctx, FH_ERR_INVALID_SOFTCAP, "softcap = %g must be 0 (off) or in [%g, %g] (fp32 range)", softcap,
-                       (double)FLT_MIN, (double)FLT_MAX);
-    if (!normal_float(logit_scale))
-        return fh_fail(ctx, FH_ERR_INVALID_LOGIT_SCALE, "logit_scale = %g must be in [%g, %g] (fp32 range)",
-                       logit_scale, (double)FLT_MIN, (double)FLT_MAX);
-    const double scale = logit_scale / temperature, cap = softcap / logit_scale;
-    if (!normal_float(scale) || !(softcap == 0.0 || normal_float(cap)))
-        return fh_fail(ctx, FH_ERR_INVALID_LOGIT_SCALE,
-                       "logit_scale = %g puts %s = %g outside fp32's normal range", logit_scale,
-                       normal_float(scale) ? "softcap / logit_scale" : "logit_scale / temperature",
-                       normal_float(scale) ? cap : scale);
-    *tf = fh_logprob_transform_of(temperature, softcap, logit_scale);
-    return FH_OK;
-}
-
-fh_transform fh_logprob_transform_of(double temperature, double softcap, double logit_scale)
-{
-    const fh_transform tf = {(float)(softcap / logit_scale), (float)(logit_scale / temperature)};
-    return tf;
 }
 
 fh_engine_pass fh_logprob_pass(const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin, const int64_t *ids,
@@ -126,7 +91,7 @@ fh_status fh_logprob_check_call(fh_context *ctx, const fh_linear *lin, const int
     if (st == FH_OK && (!targets || !o))
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "%s is NULL", !targets ? "targets" : "options");
     if (st == FH_OK)
-        st = fh_logprob_transform(ctx, o->temperature, o->softcap, o->logit_scale, tf);
+        st = fh_engine_transform(ctx, o->temperature, o->softcap, o->logit_scale, tf);
     if (st != FH_OK)
         return st;
     if (target_vocab <= 0)
@@ -313,33 +278,40 @@ static fh_status run(fh_context *ctx, const logprob_call *c)
         return run_forward(ctx, c);
     if (c->kind == LOGPROB_BACKWARD)
         return run_backward(ctx, c);
-    const fh_train_step_head head = {1, NULL, 0, 0, step_run, c};
+    const fh_train_step_head head = {.group_rows = 1, .run = step_run, .self = c};
     return fh_engine_train_step(ctx, c->lin, c->grads, &head);
 }
 
 /* The call on its counted rows (counted_rows.h): ignored rows have outputs 0 and no gradient, so their GEMMs are
  * skipped. Its per-row arrays: lse, entropy and the three upstream gradients, then the three outputs. */
+static fh_status run_on(fh_context *ctx, const void *self, const fh_counted_rows *rows, const int64_t *targets,
+                        float *const *a, void *extra)
+{
+    (void)extra;
+    const logprob_call *c = self;
+    if (!rows)
+        return run(ctx, c);
+    const logprob_call counted = {c->kind, &rows->lin, targets, c->tf, {NULL, 0}, a[0], a[1], {a[2], a[3], a[4]},
+                                  {a[5], a[6], a[7]}, c->grads ? &rows->grads : NULL};
+    return run(ctx, &counted);
+}
+
 static fh_status run_counted(fh_context *ctx, const logprob_call *c)
 {
-    enum { INPUTS = 5, OUTPUTS = 3 };
-    fh_counted_rows cr;
-    fh_status st = fh_counted_rows_begin(ctx, c->lin, c->grads, c->targets, c->rows.ignore_index,
-                                         c->grads != NULL, sizeof(int64_t) + (INPUTS + OUTPUTS) * sizeof(float), &cr);
-    if (st != FH_OK || !cr.active)
-        return st == FH_OK ? run(ctx, c) : st;
-    const float *const in[INPUTS] = {c->lse, c->entropy, c->g.logp, c->g.entropy, c->g.lse};
-    float *const out[OUTPUTS] = {c->out.logp, c->out.entropy, c->out.lse};
-    float *a[INPUTS + OUTPUTS];
-    const int64_t *targets = fh_counted_rows_arrays(&cr, c->targets, in, INPUTS, out, OUTPUTS, a);
-    const logprob_call counted = {c->kind, &cr.lin, targets, c->tf, {NULL, 0}, a[0], a[1], {a[2], a[3], a[4]},
-                                  {a[5], a[6], a[7]}, c->grads ? &cr.grads : NULL};
-    st = run(ctx, &counted);
-    if (st == FH_OK) {
-        fh_counted_rows_scatter_outputs(&cr, out, INPUTS, OUTPUTS, a);
-        fh_counted_rows_write_dx(&cr, c->grads);
-    }
-    fh_counted_rows_free(&cr);
-    return st;
+    const float *const in[] = {c->lse, c->entropy, c->g.logp, c->g.entropy, c->g.lse};
+    float *const out[] = {c->out.logp, c->out.entropy, c->out.lse};
+    const fh_counted_call call = {.lin = c->lin,
+                                  .grads = c->grads,
+                                  .targets = c->targets,
+                                  .ignore_index = c->rows.ignore_index,
+                                  .filtered = c->grads != NULL,
+                                  .in = in,
+                                  .inputs = 5,
+                                  .out = out,
+                                  .outputs = 3,
+                                  .run = run_on,
+                                  .self = c};
+    return fh_counted_rows_run(ctx, &call);
 }
 
 FH_API fh_status fh_logprob_forward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,

@@ -22,15 +22,6 @@ enum {
 };
 _Static_assert(FH_LOGPROB_SLOTS <= FH_WORKSPACE_SLOTS, "the plan reserves too few workspace slots");
 
-/* s = softcap(logit_scale u) / temperature as the engine's transform: c tanh(m u / c) = m (c / m) tanh(u / (c / m)),
- * so the transform caps at c / m and scales by m / T (rounded once to fp32 each). Every head's transform is one of
- * these (cross-entropy's at temperature 1, GRPO's without softcap and scale). */
-fh_transform fh_logprob_transform_of(double temperature, double softcap, double logit_scale);
-/* The same after checking the three values are usable in fp32 (FH_ERR_INVALID_TEMPERATURE, FH_ERR_INVALID_SOFTCAP,
- * FH_ERR_INVALID_LOGIT_SCALE); tf is written on success. */
-fh_status fh_logprob_transform(fh_context *ctx, double temperature, double softcap, double logit_scale,
-                               fh_transform *tf);
-
 /* An engine pass of transform tf over ids (shard-local ones with vocabulary parallelism); the caller adds stats, or
  * coefs and grads. */
 fh_engine_pass fh_logprob_pass(const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin, const int64_t *ids,

@@ -4,6 +4,7 @@
  * single-call step runs the engine's paired row blocks, which hold both, unless a loss type sorts over every pair
  * (aot), which streams. Scalar math on [2B, T] vectors; TRL's current DPO loss types are dpo_loss_types.c's. */
 #include "dpo_loss_types.h"
+#include "sequences.h"
 #include "engine/engine.h"
 #include "core/linear.h"
 
@@ -509,7 +510,7 @@ static fh_token_stats stats_in(const head *h)
 static fh_engine_pass pass_of(const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin,
                               const fh_preference_batch *bt)
 {
-    const fh_engine_pass p = {.plan = plan, .ws = ws, .lin = lin, .tf = {0.0f, 1.0f}, .targets = bt->targets};
+    const fh_engine_pass p = {.plan = plan, .ws = ws, .lin = lin, .tf = FH_IDENTITY_TRANSFORM, .targets = bt->targets};
     return p;
 }
 
@@ -552,18 +553,15 @@ typedef struct pair_blocks {
     double grad;
 } pair_blocks;
 
-static fh_status block_coefficients(const void *self, int64_t first_row, int64_t rows, const fh_token_stats *stats)
+/* Row blocks of whole pairs: the chosen sequences' rows are the first segment, so its sequences are the pairs. */
+static void block_pairs(const void *self, int64_t b0, int64_t b1)
 {
     const pair_blocks *s = self;
-    const int64_t T = s->h->bt->seq;
-    (void)stats; /* the same arrays as the workspace's slots */
-    pair_coefficients(s->h, first_row / T, (first_row + rows) / T, s->grad);
-    return FH_OK;
+    pair_coefficients(s->h, b0, b1, s->grad);
 }
 
-static void row_coefficients(const void *self, int64_t i, const fh_final_stats *stats, fh_coef *k)
+static void row_coefficients(const void *self, int64_t i, fh_coef *k)
 {
-    (void)stats;
     const double g_logp = token_gradient(((const pair_blocks *)self)->h, i);
     k->a = -g_logp; /* dZ_j = g_logp (onehot_j - p_j) */
     k->b = g_logp;
@@ -573,14 +571,13 @@ static fh_status pair_block_step(const fh_plan *plan, const fh_workspace *ws, co
                                  double grad, const fh_linear_grads *grads)
 {
     const pair_blocks self = {h, grad};
-    const fh_coef_source source = {row_coefficients, block_coefficients, &self};
+    const fh_sequence_coefs coefs = {h->bt->seq, block_pairs, row_coefficients, &self};
     const fh_token_stats stats = stats_in(h);
     fh_engine_pass pass = pass_of(plan, ws, lin, h->bt);
     pass.stats = &stats;
-    pass.source = &source;
     pass.grads = grads;
     pass.paired_rows = lin->n / 2;
-    const fh_status st = fh_engine_row_blocks(&pass);
+    const fh_status st = fh_sequence_row_blocks(&pass, &coefs);
     if (st == FH_OK)
         take_totals(h);
     return st;
@@ -653,6 +650,7 @@ FH_API fh_status fh_preference_forward_backward(fh_context *ctx, const fh_linear
     /* aot and aot_unpaired sort every pair's values before any coefficient: the streaming passes. */
     const int sorts = current(options) && (fh_dpo_lists(options, FH_PREFERENCE_AOT) ||
                                            fh_dpo_lists(options, FH_PREFERENCE_AOT_UNPAIRED));
-    const fh_train_step_head step_head = {2 * batch->seq, NULL, 1, sorts, preference_step_run, &step};
+    const fh_train_step_head step_head = {
+        .group_rows = 2 * batch->seq, .forward_plan = 1, .streaming_only = sorts, .run = preference_step_run, .self = &step};
     return fh_engine_train_step(ctx, lin, grads, &step_head);
 }
