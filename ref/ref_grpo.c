@@ -288,8 +288,21 @@ static double gamma_weight(const ref_grpo_tokens *tk, const ref_grpo_options *o,
     return isfinite(phi) ? phi : 0.0;
 }
 
-int ref_grpo_head(const ref_grpo_tokens *tk, const ref_grpo_options *o, double grad_output, ref_grpo_result *r,
-                  double *g_logp, double *g_entropy)
+/* One call of the head: its inputs, what the options make of them, the normalisers and the scratch. */
+typedef struct head_call {
+    const ref_grpo_tokens *tk;
+    const ref_grpo_options *o;
+    int64_t B, T, n;
+    const double *logp, *mask, *adv, *H, *sg; /* sg: the stop-gradient anchor (logp without one) */
+    double el, eh;                            /* the clip bounds */
+    int has_delta, ent_per_token, ent_trl, bias_kl;
+    int applies;                              /* the vLLM importance-sampling correction */
+    double mclamp, tmax, nitems;              /* the reductions' denominators (sequence_sums) */
+    head_scratch h;
+} head_call;
+
+/* The call's checks and constants, and its scratch: 0, -2 for a refused call, -1 without memory. */
+static int head_begin(head_call *c, const ref_grpo_tokens *tk, const ref_grpo_options *o)
 {
     if (!tk || !options_valid(o) || tk->batch <= 0 || tk->seq <= 0 || !tk->logp || !tk->completion_mask ||
         !tk->advantages)
@@ -298,32 +311,46 @@ int ref_grpo_head(const ref_grpo_tokens *tk, const ref_grpo_options *o, double g
         return -2;
     if ((o->entropy_coef != 0.0 || o->top_entropy_quantile < 1.0) && !tk->entropy)
         return -2;
-    const int applies = tk->sampling_logp && o->vllm_importance_sampling_correction;
-    if (applies && !is_options_valid(o))
+    c->applies = tk->sampling_logp && o->vllm_importance_sampling_correction;
+    if (c->applies && !is_options_valid(o))
         return -2;
+    c->tk = tk;
+    c->o = o;
+    c->B = tk->batch;
+    c->T = tk->seq;
+    c->n = c->B * c->T;
+    c->logp = tk->logp;
+    c->mask = tk->completion_mask;
+    c->adv = tk->advantages;
+    c->H = tk->entropy;
+    c->sg = tk->sg_logp ? tk->sg_logp : tk->logp;
+    c->el = o->epsilon_low;
+    c->eh = isnan(o->epsilon_high) ? o->epsilon_low : o->epsilon_high;
+    c->has_delta = !isnan(o->delta) && o->delta > 0.0;
+    c->ent_per_token = o->entropy_coef != 0.0 && o->entropy_bonus == REF_GRPO_ENTROPY_PER_TOKEN;
+    c->ent_trl = o->entropy_coef != 0.0 && o->entropy_bonus == REF_GRPO_ENTROPY_TRL;
+    c->bias_kl = o->beta != 0.0 && o->use_bias_correction_kl;
+    return scratch_alloc(&c->h, c->B, c->n);
+}
 
-    const int64_t B = tk->batch, T = tk->seq, n = B * T;
-    const ref_grpo_loss_type lt = o->loss_type;
-    const ref_grpo_is_level lvl = o->importance_sampling_level;
-    const double *logp = tk->logp, *mask = tk->completion_mask, *adv = tk->advantages, *H = tk->entropy;
-    const double *sg = tk->sg_logp ? tk->sg_logp : tk->logp;
-    const double el = o->epsilon_low, eh = isnan(o->epsilon_high) ? o->epsilon_low : o->epsilon_high;
-    const int has_delta = !isnan(o->delta) && o->delta > 0.0;
-    const int ent_per_token = o->entropy_coef != 0.0 && o->entropy_bonus == REF_GRPO_ENTROPY_PER_TOKEN;
-    const int ent_trl = o->entropy_coef != 0.0 && o->entropy_bonus == REF_GRPO_ENTROPY_TRL;
-    const int bias_kl = o->beta != 0.0 && o->use_bias_correction_kl;
+/* The old log-prob of token i: the anchor's when the call is on-policy. */
+static double old_logp(const head_call *c, int64_t i)
+{
+    return c->tk->old_logp ? c->tk->old_logp[i] : c->sg[i];
+}
 
-    head_scratch h;
-    if (scratch_alloc(&h, B, n))
-        return -1;
-
-    /* Row lengths and sequence log-ratios (from logp, and from the stop-gradient anchor). */
+/* Row lengths and sequence log-ratios (from logp, and from the stop-gradient anchor); the reductions' denominators. */
+static void sequence_sums(head_call *c)
+{
+    const int64_t B = c->B, T = c->T;
+    const double *logp = c->logp, *mask = c->mask, *sg = c->sg;
+    const head_scratch h = c->h;
     double msum = 0.0;
     for (int64_t b = 0; b < B; b++) {
         double nb = 0.0, acc = 0.0, acc_sg = 0.0;
         for (int64_t t = 0; t < T; t++) {
             const int64_t i = b * T + t;
-            const double old = tk->old_logp ? tk->old_logp[i] : sg[i];
+            const double old = old_logp(c, i);
             nb += mask[i];
             acc += (logp[i] - old) * mask[i];
             acc_sg += (sg[i] - old) * mask[i];
@@ -334,37 +361,107 @@ int ref_grpo_head(const ref_grpo_tokens *tk, const ref_grpo_options *o, double g
         h.s[b] = acc / h.nclamp[b];
         h.s_sg[b] = acc_sg / h.nclamp[b];
     }
-    const double mclamp = msum < 1.0 ? 1.0 : msum;
-    const double tmax = o->max_completion_length > 0 ? (double)o->max_completion_length : (double)T;
+    c->mclamp = msum < 1.0 ? 1.0 : msum;
+    c->tmax = c->o->max_completion_length > 0 ? (double)c->o->max_completion_length : (double)T;
     /* TRL: inputs["num_items_in_batch"].clamp(min=1.0) */
-    const double nitems = o->num_items_in_batch > 0.0 ? fmax(o->num_items_in_batch, 1.0) : mclamp;
+    c->nitems = c->o->num_items_in_batch > 0.0 ? fmax(c->o->num_items_in_batch, 1.0) : c->mclamp;
+}
 
-    /* The detached factors: importance-sampling ratios, the off-policy mask, the entropy mask, vespo's phi. */
-    importance_sampling_ratios(tk, o, sg, applies, h.is);
+/* The detached factors: importance-sampling ratios, the off-policy mask, the entropy mask, vespo's phi. */
+static void detached_factors(const head_call *c)
+{
+    const ref_grpo_tokens *tk = c->tk;
+    const ref_grpo_options *o = c->o;
+    const int64_t B = c->B, T = c->T;
+    const head_scratch h = c->h;
+    importance_sampling_ratios(tk, o, c->sg, c->applies, h.is);
     for (int64_t b = 0; b < B; b++) {
         h.keep[b] = 1.0;
         if (!isnan(o->off_policy_mask_threshold)) {
             double acc = 0.0;
             for (int64_t t = 0; t < T; t++) {
                 const int64_t i = b * T + t;
-                const double old = tk->old_logp ? tk->old_logp[i] : sg[i];
+                const double old = old_logp(c, i);
                 const double samp = tk->sampling_logp ? tk->sampling_logp[i] : old;
-                acc += (samp - sg[i]) * mask[i];
+                acc += (samp - c->sg[i]) * c->mask[i];
             }
-            h.keep[b] = adv[b] >= 0.0 || acc / h.nclamp[b] <= o->off_policy_mask_threshold ? 1.0 : 0.0;
+            h.keep[b] = c->adv[b] >= 0.0 || acc / h.nclamp[b] <= o->off_policy_mask_threshold ? 1.0 : 0.0;
         }
         h.phi[b] = h.log_w[b] = NAN;
-        if (lt == REF_GRPO_LOSS_VESPO)
-            h.phi[b] = gamma_weight(tk, o, sg, h.is, applies, b, &h.log_w[b]);
+        if (o->loss_type == REF_GRPO_LOSS_VESPO)
+            h.phi[b] = gamma_weight(tk, o, c->sg, h.is, c->applies, b, &h.log_w[b]);
     }
-    entropy_mask(tk, o->top_entropy_quantile, tk->sg_entropy ? tk->sg_entropy : H, h.entq, h.e);
+    entropy_mask(tk, o->top_entropy_quantile, tk->sg_entropy ? tk->sg_entropy : c->H, h.entq, h.e);
+}
 
-    /* Per token: ratio, l, d l / d lw (through the log-ratio), d l / d logp (direct), reduction weight. */
+/* The policy term of token i in row b at ratio exp(lw) (lw_sg: lw with logp := sg_logp), with its derivatives
+ * through the ratio (*dp_dr) and directly in logp (*dp_dlogp). */
+static double policy_term(const head_call *c, int64_t b, int64_t i, double ratio, double lw_sg, double *dp_dr,
+                          double *dp_dlogp)
+{
+    const ref_grpo_options *o = c->o;
+    const ref_grpo_loss_type lt = o->loss_type;
+    const double A = c->adv[b], el = c->el, eh = c->eh;
+    *dp_dr = *dp_dlogp = 0.0;
+    if (clipped_family(lt)) {
+        const double c2 = clamp(ratio, 1.0 - el, 1.0 + eh);
+        const double c1 = c->has_delta ? (ratio > o->delta ? o->delta : ratio) : ratio;
+        const double dc1 = c->has_delta ? (ratio <= o->delta ? 1.0 : 0.0) : 1.0;
+        const double dc2 = ratio >= 1.0 - el && ratio <= 1.0 + eh ? 1.0 : 0.0;
+        double share1;
+        const double pol = -min_with_share(c1 * A, c2 * A, &share1);
+        *dp_dr = -(share1 * dc1 * A + (1.0 - share1) * dc2 * A);
+        return pol;
+    }
+    if (lt == REF_GRPO_LOSS_CISPO) {
+        const double rs = exp(lw_sg), cr = rs > eh ? eh : rs; /* clamp(max=eps_high).detach() */
+        *dp_dlogp = -cr * A;
+        return -cr * A * c->logp[i];
+    }
+    if (lt == REF_GRPO_LOSS_SAPO) {
+        const double tau = A > 0.0 ? o->sapo_temperature_pos : o->sapo_temperature_neg;
+        const double sig = 1.0 / (1.0 + exp(-(tau * (ratio - 1.0))));
+        *dp_dr = -(4.0 * sig * (1.0 - sig)) * A;
+        return -(sig * 4.0 / tau) * A;
+    }
+    /* vespo */
+    *dp_dlogp = -c->h.phi[b] * A;
+    return -c->h.phi[b] * A * c->logp[i];
+}
+
+/* Token i's weight in the loss type's reduction. */
+static double reduction_weight(const head_call *c, int64_t b, int64_t i)
+{
+    const double *mask = c->mask;
+    switch (c->o->loss_type) {
+    case REF_GRPO_LOSS_GRPO:
+    case REF_GRPO_LOSS_SAPO:
+        return mask[i] / c->h.nclamp[b] / (double)c->B;
+    case REF_GRPO_LOSS_BNPO:
+        return mask[i] / c->mclamp;
+    case REF_GRPO_LOSS_DR_GRPO:
+        return mask[i] / ((double)c->B * c->tmax);
+    case REF_GRPO_LOSS_LUSPO:
+        return c->h.nb[b] / ((double)c->B * (double)c->T);
+    default: /* dapo, cispo, vespo */
+        return mask[i] / c->nitems;
+    }
+}
+
+/* Per token: ratio, l, d l / d lw (through the log-ratio), d l / d logp (direct), reduction weight; and the result's
+ * per-token outputs that r asks for. */
+static void token_terms(const head_call *c, ref_grpo_result *r)
+{
+    const ref_grpo_tokens *tk = c->tk;
+    const ref_grpo_options *o = c->o;
+    const ref_grpo_is_level lvl = o->importance_sampling_level;
+    const int64_t B = c->B, T = c->T;
+    const double *logp = c->logp, *sg = c->sg;
+    const head_scratch h = c->h;
     for (int64_t b = 0; b < B; b++)
         for (int64_t t = 0; t < T; t++) {
             const int64_t i = b * T + t;
-            const double A = adv[b];
-            const double old = tk->old_logp ? tk->old_logp[i] : sg[i];
+            const double old = old_logp(c, i);
             double lw, lw_sg; /* log importance weight, and its value with logp := sg_logp */
             if (lvl == REF_GRPO_IS_TOKEN) {
                 lw = logp[i] - old;
@@ -377,47 +474,28 @@ int ref_grpo_head(const ref_grpo_tokens *tk, const ref_grpo_options *o, double g
                 lw_sg = h.s_sg[b];
             }
             const double ratio = exp(lw);
-            double pol, dp_dr = 0.0, dp_dlogp = 0.0;
-            if (clipped_family(lt)) {
-                const double c2 = clamp(ratio, 1.0 - el, 1.0 + eh);
-                const double c1 = has_delta ? (ratio > o->delta ? o->delta : ratio) : ratio;
-                const double dc1 = has_delta ? (ratio <= o->delta ? 1.0 : 0.0) : 1.0;
-                const double dc2 = ratio >= 1.0 - el && ratio <= 1.0 + eh ? 1.0 : 0.0;
-                double share1;
-                pol = -min_with_share(c1 * A, c2 * A, &share1);
-                dp_dr = -(share1 * dc1 * A + (1.0 - share1) * dc2 * A);
-            } else if (lt == REF_GRPO_LOSS_CISPO) {
-                const double rs = exp(lw_sg), cr = rs > eh ? eh : rs; /* clamp(max=eps_high).detach() */
-                pol = -cr * A * logp[i];
-                dp_dlogp = -cr * A;
-            } else if (lt == REF_GRPO_LOSS_SAPO) {
-                const double tau = A > 0.0 ? o->sapo_temperature_pos : o->sapo_temperature_neg;
-                const double sig = 1.0 / (1.0 + exp(-(tau * (ratio - 1.0))));
-                pol = -(sig * 4.0 / tau) * A;
-                dp_dr = -(4.0 * sig * (1.0 - sig)) * A;
-            } else { /* vespo */
-                pol = -h.phi[b] * A * logp[i];
-                dp_dlogp = -h.phi[b] * A;
-            }
-            const double factor = h.keep[b] * h.e[i] * (lt != REF_GRPO_LOSS_VESPO ? h.is[i] : 1.0);
+            double dp_dr, dp_dlogp;
+            const double pol = policy_term(c, b, i, ratio, lw_sg, &dp_dr, &dp_dlogp);
+            const double factor = h.keep[b] * h.e[i] * (o->loss_type != REF_GRPO_LOSS_VESPO ? h.is[i] : 1.0);
             double li = pol * factor, kl = 0.0;
             double dlw = factor * dp_dr * ratio, ddir = factor * dp_dlogp;
             if (o->beta != 0.0) {
                 const double d = tk->ref_logp[i] - logp[i];
                 const double k3 = exp(d) - d - 1.0, dk3 = 1.0 - exp(d);
-                kl = bias_kl ? k3 * ratio : k3;
-                ddir += o->beta * (bias_kl ? dk3 * ratio : dk3);
-                if (bias_kl)
+                kl = c->bias_kl ? k3 * ratio : k3;
+                ddir += o->beta * (c->bias_kl ? dk3 * ratio : dk3);
+                if (c->bias_kl)
                     dlw += o->beta * k3 * ratio;
                 li += o->beta * kl;
             }
-            if (ent_per_token)
-                li -= o->entropy_coef * H[i];
+            if (c->ent_per_token)
+                li -= o->entropy_coef * c->H[i];
             h.rt[i] = ratio;
             h.l[i] = li;
             h.dlw[i] = dlw;
             h.ddir[i] = ddir;
             h.factor[i] = factor;
+            h.w[i] = reduction_weight(c, b, i);
             if (r && r->per_token_loss)
                 r->per_token_loss[i] = li;
             if (r && r->ratio)
@@ -434,31 +512,19 @@ int ref_grpo_head(const ref_grpo_tokens *tk, const ref_grpo_options *o, double g
                 r->vespo_phi[i] = h.phi[b];
             if (r && r->vespo_log_w)
                 r->vespo_log_w[i] = h.log_w[b];
-            switch (lt) {
-            case REF_GRPO_LOSS_GRPO:
-            case REF_GRPO_LOSS_SAPO:
-                h.w[i] = mask[i] / h.nclamp[b] / (double)B;
-                break;
-            case REF_GRPO_LOSS_BNPO:
-                h.w[i] = mask[i] / mclamp;
-                break;
-            case REF_GRPO_LOSS_DR_GRPO:
-                h.w[i] = mask[i] / ((double)B * tmax);
-                break;
-            case REF_GRPO_LOSS_LUSPO:
-                h.w[i] = h.nb[b] / ((double)B * (double)T);
-                break;
-            default: /* dapo, cispo, vespo */
-                h.w[i] = mask[i] / nitems;
-                break;
-            }
         }
-
     if (r && r->loss_weight)
-        for (int64_t i = 0; i < n; i++)
+        for (int64_t i = 0; i < c->n; i++)
             r->loss_weight[i] = h.w[i];
+}
 
-    /* The loss, summed in TRL's order. */
+/* The loss before TRL's entropy bonus, summed in TRL's order. */
+static double policy_loss(const head_call *c)
+{
+    const ref_grpo_loss_type lt = c->o->loss_type;
+    const int64_t B = c->B, T = c->T, n = c->n;
+    const double *mask = c->mask;
+    const head_scratch h = c->h;
     double loss = 0.0;
     if (lt == REF_GRPO_LOSS_GRPO || lt == REF_GRPO_LOSS_SAPO) {
         for (int64_t b = 0; b < B; b++) {
@@ -467,31 +533,39 @@ int ref_grpo_head(const ref_grpo_tokens *tk, const ref_grpo_options *o, double g
                 acc += h.l[b * T + t] * mask[b * T + t];
             loss += acc / h.nclamp[b];
         }
-        loss /= (double)B;
-    } else if (lt == REF_GRPO_LOSS_LUSPO) {
+        return loss / (double)B;
+    }
+    if (lt == REF_GRPO_LOSS_LUSPO) {
         for (int64_t i = 0; i < n; i++)
             loss += h.l[i] * h.nb[i / T];
-        loss /= (double)B * (double)T;
-    } else {
-        double acc = 0.0;
-        for (int64_t i = 0; i < n; i++)
-            acc += h.l[i] * mask[i];
-        loss = acc / (lt == REF_GRPO_LOSS_BNPO ? mclamp : lt == REF_GRPO_LOSS_DR_GRPO ? (double)B * tmax : nitems);
+        return loss / ((double)B * (double)T);
     }
-    const double policy_loss = loss;
-    /* TRL's entropy bonus over e m: its normaliser. */
-    double ent_norm = 1.0;
-    if (ent_trl) {
-        double em = 0.0, acc = 0.0;
-        for (int64_t i = 0; i < n; i++) {
-            em += h.e[i] * mask[i];
-            acc += H[i] * h.e[i] * mask[i];
-        }
-        ent_norm = token_count_normalised(lt) ? nitems : (em < 1.0 ? 1.0 : em);
-        loss -= o->entropy_coef * (acc / ent_norm);
-    }
+    double acc = 0.0;
+    for (int64_t i = 0; i < n; i++)
+        acc += h.l[i] * mask[i];
+    return acc / (lt == REF_GRPO_LOSS_BNPO ? c->mclamp : lt == REF_GRPO_LOSS_DR_GRPO ? (double)B * c->tmax : c->nitems);
+}
 
-    /* Coefficients: g_logp = d(grad_output loss)/d logp, g_entropy = d(grad_output loss)/d H. */
+/* TRL's entropy bonus over e m, to subtract from the loss; *norm: its normaliser. */
+static double trl_entropy_bonus(const head_call *c, double *norm)
+{
+    double em = 0.0, acc = 0.0;
+    for (int64_t i = 0; i < c->n; i++) {
+        em += c->h.e[i] * c->mask[i];
+        acc += c->H[i] * c->h.e[i] * c->mask[i];
+    }
+    *norm = token_count_normalised(c->o->loss_type) ? c->nitems : (em < 1.0 ? 1.0 : em);
+    return c->o->entropy_coef * (acc / *norm);
+}
+
+/* Coefficients: g_logp = d(grad_output loss)/d logp, g_entropy = d(grad_output loss)/d H (ent_norm: TRL's entropy
+ * bonus's normaliser). */
+static void coefficients(const head_call *c, double grad_output, double ent_norm, double *g_logp, double *g_entropy)
+{
+    const int64_t B = c->B, T = c->T;
+    const double *mask = c->mask;
+    const head_scratch h = c->h;
+    const int sequence_level = c->o->importance_sampling_level == REF_GRPO_IS_SEQUENCE;
     if (g_logp) {
         for (int64_t b = 0; b < B; b++) {
             double gs = 0.0; /* sequence level: d loss / d s_b */
@@ -499,120 +573,160 @@ int ref_grpo_head(const ref_grpo_tokens *tk, const ref_grpo_options *o, double g
                 const int64_t i = b * T + t;
                 const double gl = grad_output * h.w[i]; /* d loss / d l_i */
                 double g = gl * h.ddir[i];
-                if (lvl == REF_GRPO_IS_SEQUENCE)
+                if (sequence_level)
                     gs += gl * h.dlw[i];
                 else /* token, sequence_token: d lw_i / d logp_i = 1 */
                     g += gl * h.dlw[i];
                 g_logp[i] = g;
             }
-            if (lvl == REF_GRPO_IS_SEQUENCE)
+            if (sequence_level)
                 for (int64_t t = 0; t < T; t++)
                     g_logp[b * T + t] += gs * mask[b * T + t] / h.nclamp[b];
         }
     }
     if (g_entropy)
-        for (int64_t i = 0; i < n; i++)
-            g_entropy[i] = ent_per_token ? -o->entropy_coef * grad_output * h.w[i]
-                           : ent_trl     ? -o->entropy_coef * grad_output * h.e[i] * mask[i] / ent_norm
-                                         : 0.0;
+        for (int64_t i = 0; i < c->n; i++)
+            g_entropy[i] = c->ent_per_token ? -c->o->entropy_coef * grad_output * h.w[i]
+                           : c->ent_trl     ? -c->o->entropy_coef * grad_output * h.e[i] * mask[i] / ent_norm
+                                            : 0.0;
+}
 
-    if (r) {
-        ref_grpo_metrics *m = &r->metrics;
-        r->loss = loss;
-        m->entropy = NAN;
-        if (H) {
-            double acc = 0.0;
-            for (int64_t i = 0; i < n; i++)
-                acc += H[i] * mask[i];
-            m->entropy = acc / mclamp;
+/* The clip metrics (TRL's clip_ratio/low_mean ... region_mean, nanmin / nanmax over rows; cispo's clip ratio). */
+static void clip_metrics(const head_call *c, ref_grpo_metrics *m)
+{
+    const ref_grpo_options *o = c->o;
+    const ref_grpo_is_level lvl = o->importance_sampling_level;
+    const int64_t B = c->B, T = c->T;
+    const double *mask = c->mask, *adv = c->adv, el = c->el, eh = c->eh;
+    const head_scratch h = c->h;
+    double lo = 0.0, hi = 0.0, region = 0.0, cispo = 0.0;
+    for (int64_t b = 0; b < B; b++) {
+        double row_lo = 0.0, row_hi = 0.0;
+        for (int64_t t = 0; t < T; t++) {
+            const int64_t i = b * T + t;
+            /* sequence level: one (B, 1) value per row, averaged over rows with weight 1 */
+            if (lvl == REF_GRPO_IS_SEQUENCE && t > 0)
+                break;
+            const double wt = lvl == REF_GRPO_IS_SEQUENCE ? 1.0 : mask[i];
+            const double c1 = c->has_delta ? (h.rt[i] > o->delta ? o->delta : h.rt[i]) : h.rt[i];
+            const int is_lo = c1 < 1.0 - el && adv[b] < 0.0, is_hi = c1 > 1.0 + eh && adv[b] > 0.0;
+            lo += is_lo * wt;
+            hi += is_hi * wt;
+            row_lo += is_lo * wt;
+            row_hi += is_hi * wt;
+            region += (is_lo || is_hi) * wt;
+            cispo += (h.rt[i] > eh && adv[b] > 0.0) * wt;
         }
-        m->kl = NAN;
-        if (o->beta != 0.0) {
-            double acc = 0.0;
-            for (int64_t i = 0; i < n; i++) {
-                const double d = tk->ref_logp[i] - logp[i];
-                acc += (exp(d) - d - 1.0) * (bias_kl ? h.rt[i] : 1.0) * mask[i];
-            }
-            m->kl = acc / mclamp;
-        }
-        m->clip_low_mean = m->clip_high_mean = m->clip_region_mean = m->cispo_clip_ratio = NAN;
-        m->clip_low_min = m->clip_high_max = NAN;
-        if (clipped_family(lt) || lt == REF_GRPO_LOSS_CISPO) {
-            double lo = 0.0, hi = 0.0, region = 0.0, cispo = 0.0;
-            for (int64_t b = 0; b < B; b++) {
-                double row_lo = 0.0, row_hi = 0.0;
-                for (int64_t t = 0; t < T; t++) {
-                    const int64_t i = b * T + t;
-                    /* sequence level: one (B, 1) value per row, averaged over rows with weight 1 */
-                    if (lvl == REF_GRPO_IS_SEQUENCE && t > 0)
-                        break;
-                    const double wt = lvl == REF_GRPO_IS_SEQUENCE ? 1.0 : mask[i];
-                    const double c1 = has_delta ? (h.rt[i] > o->delta ? o->delta : h.rt[i]) : h.rt[i];
-                    const int is_lo = c1 < 1.0 - el && adv[b] < 0.0, is_hi = c1 > 1.0 + eh && adv[b] > 0.0;
-                    lo += is_lo * wt;
-                    hi += is_hi * wt;
-                    row_lo += is_lo * wt;
-                    row_hi += is_hi * wt;
-                    region += (is_lo || is_hi) * wt;
-                    cispo += (h.rt[i] > eh && adv[b] > 0.0) * wt;
-                }
-                /* masked_seq_mean, unclamped (0 / 0 = NaN for an empty row), then nanmin / nanmax */
-                const double den = lvl == REF_GRPO_IS_SEQUENCE ? 1.0 : h.nb[b];
-                const double seq_lo = row_lo / den, seq_hi = row_hi / den;
-                if (!isnan(seq_lo) && !(seq_lo >= m->clip_low_min))
-                    m->clip_low_min = seq_lo;
-                if (!isnan(seq_hi) && !(seq_hi <= m->clip_high_max))
-                    m->clip_high_max = seq_hi;
-            }
-            const double den = lvl == REF_GRPO_IS_SEQUENCE ? (double)B : mclamp;
-            if (lt == REF_GRPO_LOSS_CISPO) {
-                m->cispo_clip_ratio = cispo / den;
-                m->clip_low_min = m->clip_high_max = NAN;
-            } else {
-                m->clip_low_mean = lo / den;
-                m->clip_high_mean = hi / den;
-                m->clip_region_mean = region / den;
-            }
-        }
-        m->policy_loss = o->entropy_coef != 0.0 ? policy_loss : NAN;
-        m->entropy_coef = o->entropy_coef != 0.0 ? o->entropy_coef : NAN;
-        m->vespo_phi_seq_mean = NAN;
-        if (lt == REF_GRPO_LOSS_VESPO) {
-            double acc = 0.0;
-            for (int64_t b = 0; b < B; b++)
-                acc += h.phi[b];
-            m->vespo_phi_seq_mean = acc / (double)B;
-        }
-        m->sampling_logp_diff_mean = m->sampling_logp_diff_max = NAN;
-        m->is_ratio_min = m->is_ratio_mean = m->is_ratio_max = NAN;
-        if (applies) {
-            double dsum = 0.0, dmax = 0.0, rsum = 0.0, rmin = INFINITY, rmax = -INFINITY, count = 0.0, rcount = 0.0;
-            const int seq_mode = sequence_is_mode(o->vllm_importance_sampling_mode);
-            for (int64_t i = 0; i < n; i++) {
-                if (mask[i] == 0.0)
-                    continue;
-                const double old = tk->old_logp ? tk->old_logp[i] : sg[i];
-                const double d = fabs(old - tk->sampling_logp[i]);
-                dsum += d;
-                dmax = count == 0.0 || d > dmax ? d : dmax;
-                count += 1.0;
-            }
-            for (int64_t i = 0; i < n; i++) {
-                if (seq_mode ? i % T != 0 : mask[i] == 0.0)
-                    continue;
-                rsum += h.is[i];
-                rmin = h.is[i] < rmin ? h.is[i] : rmin;
-                rmax = h.is[i] > rmax ? h.is[i] : rmax;
-                rcount += 1.0;
-            }
-            m->sampling_logp_diff_mean = count > 0.0 ? dsum / count : 0.0;
-            m->sampling_logp_diff_max = count > 0.0 ? dmax : 0.0;
-            m->is_ratio_min = rcount > 0.0 ? rmin : 0.0;
-            m->is_ratio_mean = rcount > 0.0 ? rsum / rcount : 0.0;
-            m->is_ratio_max = rcount > 0.0 ? rmax : 0.0;
-        }
+        /* masked_seq_mean, unclamped (0 / 0 = NaN for an empty row), then nanmin / nanmax */
+        const double den = lvl == REF_GRPO_IS_SEQUENCE ? 1.0 : h.nb[b];
+        const double seq_lo = row_lo / den, seq_hi = row_hi / den;
+        if (!isnan(seq_lo) && !(seq_lo >= m->clip_low_min))
+            m->clip_low_min = seq_lo;
+        if (!isnan(seq_hi) && !(seq_hi <= m->clip_high_max))
+            m->clip_high_max = seq_hi;
     }
-    free(h.block);
+    const double den = lvl == REF_GRPO_IS_SEQUENCE ? (double)B : c->mclamp;
+    if (o->loss_type == REF_GRPO_LOSS_CISPO) {
+        m->cispo_clip_ratio = cispo / den;
+        m->clip_low_min = m->clip_high_max = NAN;
+    } else {
+        m->clip_low_mean = lo / den;
+        m->clip_high_mean = hi / den;
+        m->clip_region_mean = region / den;
+    }
+}
+
+/* The sampler's metrics where the correction applies: |old - sampling| log-prob differences over the completion
+ * tokens, and the importance-sampling ratios (one per row in the sequence modes). */
+static void sampling_metrics(const head_call *c, ref_grpo_metrics *m)
+{
+    const int64_t T = c->T, n = c->n;
+    const double *mask = c->mask, *is = c->h.is;
+    double dsum = 0.0, dmax = 0.0, rsum = 0.0, rmin = INFINITY, rmax = -INFINITY, count = 0.0, rcount = 0.0;
+    const int seq_mode = sequence_is_mode(c->o->vllm_importance_sampling_mode);
+    for (int64_t i = 0; i < n; i++) {
+        if (mask[i] == 0.0)
+            continue;
+        const double d = fabs(old_logp(c, i) - c->tk->sampling_logp[i]);
+        dsum += d;
+        dmax = count == 0.0 || d > dmax ? d : dmax;
+        count += 1.0;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        if (seq_mode ? i % T != 0 : mask[i] == 0.0)
+            continue;
+        rsum += is[i];
+        rmin = is[i] < rmin ? is[i] : rmin;
+        rmax = is[i] > rmax ? is[i] : rmax;
+        rcount += 1.0;
+    }
+    m->sampling_logp_diff_mean = count > 0.0 ? dsum / count : 0.0;
+    m->sampling_logp_diff_max = count > 0.0 ? dmax : 0.0;
+    m->is_ratio_min = rcount > 0.0 ? rmin : 0.0;
+    m->is_ratio_mean = rcount > 0.0 ? rsum / rcount : 0.0;
+    m->is_ratio_max = rcount > 0.0 ? rmax : 0.0;
+}
+
+/* Every metric TRL logs, NaN where it logs none (before_bonus: the loss before TRL's entropy bonus). */
+static void metrics(const head_call *c, double before_bonus, ref_grpo_metrics *m)
+{
+    const ref_grpo_options *o = c->o;
+    const int64_t n = c->n;
+    const double *mask = c->mask, *logp = c->logp;
+    m->entropy = NAN;
+    if (c->H) {
+        double acc = 0.0;
+        for (int64_t i = 0; i < n; i++)
+            acc += c->H[i] * mask[i];
+        m->entropy = acc / c->mclamp;
+    }
+    m->kl = NAN;
+    if (o->beta != 0.0) {
+        double acc = 0.0;
+        for (int64_t i = 0; i < n; i++) {
+            const double d = c->tk->ref_logp[i] - logp[i];
+            acc += (exp(d) - d - 1.0) * (c->bias_kl ? c->h.rt[i] : 1.0) * mask[i];
+        }
+        m->kl = acc / c->mclamp;
+    }
+    m->clip_low_mean = m->clip_high_mean = m->clip_region_mean = m->cispo_clip_ratio = NAN;
+    m->clip_low_min = m->clip_high_max = NAN;
+    if (clipped_family(o->loss_type) || o->loss_type == REF_GRPO_LOSS_CISPO)
+        clip_metrics(c, m);
+    m->policy_loss = o->entropy_coef != 0.0 ? before_bonus : NAN;
+    m->entropy_coef = o->entropy_coef != 0.0 ? o->entropy_coef : NAN;
+    m->vespo_phi_seq_mean = NAN;
+    if (o->loss_type == REF_GRPO_LOSS_VESPO) {
+        double acc = 0.0;
+        for (int64_t b = 0; b < c->B; b++)
+            acc += c->h.phi[b];
+        m->vespo_phi_seq_mean = acc / (double)c->B;
+    }
+    m->sampling_logp_diff_mean = m->sampling_logp_diff_max = NAN;
+    m->is_ratio_min = m->is_ratio_mean = m->is_ratio_max = NAN;
+    if (c->applies)
+        sampling_metrics(c, m);
+}
+
+int ref_grpo_head(const ref_grpo_tokens *tk, const ref_grpo_options *o, double grad_output, ref_grpo_result *r,
+                  double *g_logp, double *g_entropy)
+{
+    head_call c;
+    const int status = head_begin(&c, tk, o);
+    if (status)
+        return status;
+    sequence_sums(&c);
+    detached_factors(&c);
+    token_terms(&c, r);
+    const double before_bonus = policy_loss(&c);
+    double ent_norm = 1.0;
+    const double loss = c.ent_trl ? before_bonus - trl_entropy_bonus(&c, &ent_norm) : before_bonus;
+    coefficients(&c, grad_output, ent_norm, g_logp, g_entropy);
+    if (r) {
+        r->loss = loss;
+        metrics(&c, before_bonus, &r->metrics);
+    }
+    free(c.h.block);
     return 0;
 }
 

@@ -94,20 +94,20 @@ void cp_problem_randomize(cp_problem *p, uint64_t seed, double logit_scale)
     uint64_t rng = seed * 104729 + 3;
     const int64_t n = p->n, h = p->hidden, v = p->vocab;
     for (int64_t i = 0; i < n * h; i++)
-        p->x[i] = (float)(2.0 * ce_uniform(&rng) - 1.0);
+        p->x[i] = (float)(2.0 * ref_uniform(&rng) - 1.0);
     /* x ~ U(-1, 1) has variance 1/3; w ~ U(-a, a) has variance a^2/3: a = 3 scale / sqrt(h) gives logits
      * with standard deviation ~scale. */
     const double a = logit_scale * 3.0 / sqrt((double)h);
     for (int64_t i = 0; i < h * v; i++)
-        p->weight[i] = (float)((2.0 * ce_uniform(&rng) - 1.0) * a);
+        p->weight[i] = (float)((2.0 * ref_uniform(&rng) - 1.0) * a);
     for (int64_t j = 0; p->bias && j < v; j++)
-        p->bias[j] = (float)(ce_uniform(&rng) - 0.5);
+        p->bias[j] = (float)(ref_uniform(&rng) - 0.5);
     for (int64_t j = 0; p->class_weights && j < v; j++)
-        p->class_weights[j] = (float)(0.5 + ce_uniform(&rng));
+        p->class_weights[j] = (float)(0.5 + ref_uniform(&rng));
     for (int64_t i = 0; i < n; i++) {
-        p->targets[i] = (int64_t)(ce_uniform(&rng) * (double)v);
+        p->targets[i] = (int64_t)(ref_uniform(&rng) * (double)v);
         /* |g| in [0.25, 1), either sign: element 0 serves mean and sum, all of them 'none'. */
-        const double u = ce_uniform(&rng);
+        const double u = ref_uniform(&rng);
         p->grad_output[i] = (float)((u < 0.5 ? -1.0 : 1.0) * (0.25 + 1.5 * fabs(u - 0.5)));
     }
 }

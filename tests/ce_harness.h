@@ -1,7 +1,7 @@
-/* The cross-entropy suites' harness: ce_case specs (ref/ce_case.h, random inputs) run and judged with the
+/* The cross-entropy suites' harness: ce_case specs (tests/cases/ce_case.h, random inputs) run and judged with the
  * failure text naming the spec, and "problems" with caller-chosen inputs (targets, logits, ignore_index...) run
  * through the fused library and the double reference (ref/ref_ce.h). Tolerances: those of ce_case
- * (CE_LOSS_REL_TOL, CE_GRAD_NORM_REL_TOL, justified in ref/ce_case.c), through ce_metrics_pass. */
+ * (CE_LOSS_REL_TOL, CE_GRAD_NORM_REL_TOL, justified in tests/cases/ce_case.c), through ce_metrics_pass. */
 #ifndef FH_CE_HARNESS_H
 #define FH_CE_HARNESS_H
 
@@ -13,7 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* Runs a ce_case spec and asserts FH_OK and ce_metrics_pass (tolerances justified in ref/ce_case.c);
+/* Runs a ce_case spec and asserts FH_OK and ce_metrics_pass (tolerances justified in tests/cases/ce_case.c);
  * the failure text names the spec and every metric. Returns 1 on pass. */
 int cp_check_spec(const ce_case_spec *spec, const char *label);
 /* The same, and the call's gradient-filtering statistics in *filter_stats (when it ran). */

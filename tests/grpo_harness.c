@@ -39,13 +39,13 @@ void gp_init(gp_problem *p, int64_t B, int64_t T, int64_t H, int64_t V, fh_layou
     p->rng = seed * 7919 + 11;
     ce_fill_linear(&p->rng, (int64_t)n, H, V, 3.0, p->x, p->weight, p->bias);
     for (int64_t b = 0; b < B; b++) {
-        const int64_t length = B > 1 && b == B - 1 ? 0 : 1 + (int64_t)(ce_uniform(&p->rng) * (double)T);
-        const double magnitude = 0.25 + ce_uniform(&p->rng);
+        const int64_t length = B > 1 && b == B - 1 ? 0 : 1 + (int64_t)(ref_uniform(&p->rng) * (double)T);
+        const double magnitude = 0.25 + ref_uniform(&p->rng);
         p->adv[b] = (float)(b % 3 == 0 ? magnitude : b % 3 == 1 ? -magnitude : 0.0);
         for (int64_t t = 0; t < T; t++) {
             const int64_t i = b * T + t;
             p->mask[i] = t < length ? 1.0f : 0.0f;
-            p->ids[i] = (int64_t)(ce_uniform(&p->rng) * (double)V);
+            p->ids[i] = (int64_t)(ref_uniform(&p->rng) * (double)V);
             if (t >= length && (t & 1))
                 p->ids[i] = -100;
         }
@@ -56,7 +56,7 @@ void gp_fix_ids(gp_problem *p)
 {
     for (int64_t i = 0; i < gp_n(p); i++)
         if (p->mask[i] != 0.0f && (p->ids[i] < 0 || p->ids[i] >= p->vocab))
-            p->ids[i] = (int64_t)(ce_uniform(&p->rng) * (double)p->vocab);
+            p->ids[i] = (int64_t)(ref_uniform(&p->rng) * (double)p->vocab);
 }
 
 void gp_free(gp_problem *p)
@@ -162,7 +162,7 @@ void gp_set_old(gp_problem *p, const fh_grpo_options *o)
     for (int64_t b = 0; b < B; b++) {
         int attempts = 0, ok = 0;
         while (!ok && attempts++ < 1000) {
-            const double offset = 1.2 * (ce_uniform(&p->rng) - 0.5);
+            const double offset = 1.2 * (ref_uniform(&p->rng) - 0.5);
             double acc = 0.0, count = 0.0;
             ok = 1;
             for (int64_t t = 0; t < T; t++) {
@@ -170,7 +170,7 @@ void gp_set_old(gp_problem *p, const fh_grpo_options *o)
                 double lr;
                 int tries = 0;
                 do {
-                    p->old[i] = (float)(logp[i] - offset - 0.8 * (ce_uniform(&p->rng) - 0.5));
+                    p->old[i] = (float)(logp[i] - offset - 0.8 * (ref_uniform(&p->rng) - 0.5));
                     lr = logp[i] - (double)p->old[i];
                 } while (p->mask[i] != 0.0f && gp_near_bound(lr, bounds, nb) && ++tries < 1000);
                 acc += lr * p->mask[i];
@@ -194,7 +194,7 @@ void gp_set_sampling(gp_problem *p, double temperature, double spread)
     free(p->samp);
     p->samp = tu_alloc((size_t)n, sizeof(float));
     for (int64_t i = 0; i < n; i++)
-        p->samp[i] = (float)((p->old ? (double)p->old[i] : logp[i]) + spread * (2.0 * ce_uniform(&p->rng) - 1.0));
+        p->samp[i] = (float)((p->old ? (double)p->old[i] : logp[i]) + spread * (2.0 * ref_uniform(&p->rng) - 1.0));
     free(logp);
 }
 
@@ -204,7 +204,7 @@ void gp_set_ref(gp_problem *p, double temperature)
     double *logp = tu_alloc((size_t)n, sizeof(double));
     gp_reference_logp(p, temperature, logp);
     for (int64_t i = 0; i < n; i++) {
-        const double u = ce_uniform(&p->rng);
+        const double u = ref_uniform(&p->rng);
         p->ref[i] = (float)(logp[i] + (u < 0.5 ? -1.0 : 1.0) * (0.3 + 0.8 * fabs(u - 0.5)));
     }
     free(logp);

@@ -4,7 +4,7 @@
  * and the comparison with every tolerance below.
  *
  * Tolerances (every comparison in the GRPO suites uses these, or says why it is exact):
- *   loss            GRPO_LOSS_TOL * max(1, |loss|)   (ref/grpo_case.c: every term is advantage x ratio-like
+ *   loss            GRPO_LOSS_TOL * max(1, |loss|)   (tests/cases/grpo_case.c: every term is advantage x ratio-like
  *                   factor x normaliser; the fp32 logits put ~1e-6 on each log-prob)
  *   metrics         GRPO_METRIC_TOL absolute, NaN only against NaN. The clip counts are exact as long as no ratio
  *                   sits within the fused-vs-reference log-prob difference of a bound: old log-probs are drawn here

@@ -23,6 +23,7 @@
  * the h = 1e-5 used here (reverse KL, T = 2, mean, S = 0.1). A wrong formula (a missing 1 / T, the mixture's
  * weights swapped, the reverse KL without its -D, the hard part on tempered logits, an ignored token counted) is
  * off by at least ~1e-2 of S, over four orders above the tolerance. */
+#include "fdcheck.h"
 #include "ref_distill.h"
 
 #include <math.h>
@@ -34,48 +35,6 @@ enum { N = 6, HS = 5, HT = 7, V = 11 };
 static const double STEP = 1e-5, TOLERANCE = 1e-6;
 static const int64_t IGNORE = -100;
 
-static uint64_t rng_state;
-static double uniform(double lo, double hi) /* splitmix64 */
-{
-    uint64_t z = (rng_state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    return lo + (hi - lo) * (double)(z >> 11) * (1.0 / 9007199254740992.0);
-}
-
-static int failures;
-
-static void expect(int ok, const char *what)
-{
-    if (!ok) {
-        printf("FAIL: %s\n", what);
-        failures++;
-    }
-}
-
-static int close_to(double a, double b, double tol)
-{
-    return fabs(a - b) <= tol * fmax(1.0, fabs(b));
-}
-
-static double rel_err(double f, double g, double floor)
-{
-    double d = fabs(f) > fabs(g) ? fabs(f) : fabs(g);
-    if (d < floor)
-        d = floor;
-    return d > 0.0 ? fabs(f - g) / d : fabs(f - g);
-}
-
-static double max_abs(const double *a, int count)
-{
-    double m = 0.0;
-    for (int k = 0; k < count; k++)
-        if (fabs(a[k]) > m || isnan(a[k]))
-            m = isnan(a[k]) ? INFINITY : fabs(a[k]);
-    return m;
-}
-
 /* One problem: both heads' parameters, the targets (or none) and the upstream gradient. */
 typedef struct problem {
     double xs[N * HS], ws[HS * V], bs[V], xt[N * HT], wt[HT * V], bt[V];
@@ -86,21 +45,15 @@ typedef struct problem {
 
 static void make_problem(problem *p, uint64_t seed)
 {
-    rng_state = seed;
-    for (int k = 0; k < N * HS; k++)
-        p->xs[k] = uniform(-1.0, 1.0);
-    for (int k = 0; k < HS * V; k++)
-        p->ws[k] = uniform(-1.5, 1.5);
-    for (int k = 0; k < V; k++)
-        p->bs[k] = uniform(-0.5, 0.5);
-    for (int k = 0; k < N * HT; k++)
-        p->xt[k] = uniform(-1.0, 1.0);
-    for (int k = 0; k < HT * V; k++)
-        p->wt[k] = uniform(-1.5, 1.5);
-    for (int k = 0; k < V; k++)
-        p->bt[k] = uniform(-0.5, 0.5);
+    fd_rng_state = seed;
+    fd_fill(p->xs, N * HS, -1.0, 1.0);
+    fd_fill(p->ws, HS * V, -1.5, 1.5);
+    fd_fill(p->bs, V, -0.5, 0.5);
+    fd_fill(p->xt, N * HT, -1.0, 1.0);
+    fd_fill(p->wt, HT * V, -1.5, 1.5);
+    fd_fill(p->bt, V, -0.5, 0.5);
     for (int i = 0; i < N; i++)
-        p->targets[i] = i == 1 || i == 4 ? IGNORE : (int64_t)(uniform(0.0, 1.0) * V) % V;
+        p->targets[i] = i == 1 || i == 4 ? IGNORE : (int64_t)(fd_uniform(0.0, 1.0) * V) % V;
     p->tg = p->targets;
     static const double g_none[N] = {0.7, -1.1, 1.9, 0.4, 1.3, -0.6};
     memcpy(p->grad, g_none, sizeof g_none);
@@ -150,7 +103,7 @@ static double fd_tensor(problem *p, const ref_distill_options *o, double *param,
         param[k] = keep - STEP;
         const double down = objective(p, o);
         param[k] = keep;
-        const double e = rel_err((up - down) / (2.0 * STEP), g[k], floor);
+        const double e = fd_rel_err((up - down) / (2.0 * STEP), g[k], floor);
         if (e > worst || isnan(e))
             worst = isnan(e) ? INFINITY : e;
     }
@@ -177,7 +130,7 @@ static void fd_case(int index, const ref_distill_options *o, int mode)
         printf("FAIL: forward-backward returned an error\n");
         exit(2);
     }
-    expect(isfinite(r.loss) && r.soft_loss > 0.0 && (p.tg ? r.hard_loss > 0.0 : r.hard_loss == 0.0),
+    fd_expect(isfinite(r.loss) && r.soft_loss > 0.0 && (p.tg ? r.hard_loss > 0.0 : r.hard_loss == 0.0),
            "the loss is not finite, or a part is not positive");
     /* The parts and the per-token losses add up to the loss. */
     double sum = 0.0;
@@ -186,22 +139,22 @@ static void fd_case(int index, const ref_distill_options *o, int mode)
         sum += per[i];
         counted += !p.tg || p.tg[i] != IGNORE;
     }
-    expect(close_to(r.loss, o->reduction == 0 ? sum / counted : sum, 1e-14), "the per-token losses do not add up");
-    expect(close_to(r.loss, o->weight_soft_loss * r.soft_loss + o->weight_hard_loss * r.hard_loss, 1e-14),
+    fd_expect(fd_close_to(r.loss, o->reduction == 0 ? sum / counted : sum, 1e-14), "the per-token losses do not add up");
+    fd_expect(fd_close_to(r.loss, o->weight_soft_loss * r.soft_loss + o->weight_hard_loss * r.hard_loss, 1e-14),
            "the loss is not its weighted parts");
     /* Ignored tokens: per-token loss and hidden-state gradient exactly 0. */
     int ignored_zero = 1;
     for (int i = 0; p.tg && i < N; i++)
         for (int k = 0; k < HS; k++)
             ignored_zero &= p.tg[i] != IGNORE || (dx[i * HS + k] == 0.0 && per[i] == 0.0);
-    expect(ignored_zero, "an ignored token has a loss or a dx");
+    fd_expect(ignored_zero, "an ignored token has a loss or a dx");
     /* The teacher is live: its weights move the loss. */
     const double base = objective(&p, o);
     p.wt[3] += 1e-3;
-    expect(fabs(objective(&p, o) - base) > 1e-9, "the loss does not depend on the teacher");
+    fd_expect(fabs(objective(&p, o) - base) > 1e-9, "the loss does not depend on the teacher");
     p.wt[3] -= 1e-3;
 
-    const double scale = fmax(max_abs(dx, N * HS), fmax(max_abs(dw, HS * V), max_abs(db, V)));
+    const double scale = fmax(fd_max_abs(dx, N * HS), fmax(fd_max_abs(dw, HS * V), fd_max_abs(db, V)));
     const double floor = 1e-2 * scale;
     const double ex = fd_tensor(&p, o, p.xs, dx, N * HS, floor);
     const double ew = fd_tensor(&p, o, p.ws, dw, HS * V, floor);
@@ -213,7 +166,7 @@ static void fd_case(int index, const ref_distill_options *o, int mode)
            div_name[o->divergence], o->beta, o->temperature, mode_name[mode], red_name[o->reduction], r.loss, scale,
            ex, ew, eb, worst <= TOLERANCE ? "ok" : "FAIL");
     if (!(worst <= TOLERANCE))
-        failures++;
+        fd_failures++;
 }
 
 /* jsd at beta 0 and 1 takes the KLs' paths: identical bits, loss and gradient. */
@@ -239,7 +192,7 @@ static void beta_ends(void)
             ref_distill_result ra = {0.0, 0.0, 0.0, pa}, rb = {0.0, 0.0, 0.0, pb};
             ref_distill_linear(&s, &t, p.tg, &a, grad_of(&p, &a), &ra, dxa, dwa, NULL);
             ref_distill_linear(&s, &t, p.tg, &b, grad_of(&p, &b), &rb, dxb, dwb, NULL);
-            expect(ra.loss == rb.loss && ra.soft_loss == rb.soft_loss && !memcmp(pa, pb, sizeof pa) &&
+            fd_expect(ra.loss == rb.loss && ra.soft_loss == rb.soft_loss && !memcmp(pa, pb, sizeof pa) &&
                        !memcmp(dxa, dxb, sizeof dxa) && !memcmp(dwa, dwb, sizeof dwa),
                    end ? "jsd beta 1 is not reverse_kl" : "jsd beta 0 is not forward_kl");
         }
@@ -269,14 +222,14 @@ static void teacher_equals_student(void)
                 o.temperature = temp ? 0.7 : 1.0;
                 double per[N], dx[N * HS], dw[HS * V];
                 ref_distill_result r = {0.0, 0.0, 0.0, per};
-                expect(ref_distill_linear(&s, &s, p.tg, &o, grad_of(&p, &o), &r, dx, dw, NULL) == 0,
+                fd_expect(ref_distill_linear(&s, &s, p.tg, &o, grad_of(&p, &o), &r, dx, dw, NULL) == 0,
                        "teacher == student: error");
-                worst = fmax(worst, fmax(fabs(r.loss), fmax(max_abs(per, N), fmax(max_abs(dx, N * HS),
-                                                                                  max_abs(dw, HS * V)))));
+                worst = fmax(worst, fmax(fabs(r.loss), fmax(fd_max_abs(per, N), fmax(fd_max_abs(dx, N * HS),
+                                                                                  fd_max_abs(dw, HS * V)))));
             }
     /* The KLs are exactly 0 (identical log-probs); jsd's mixture log m = log p up to rounding. */
     printf("teacher == student: largest |loss|, |l_i|, |dx|, |dW| = %.1e\n", worst);
-    expect(worst <= 1e-14, "teacher == student: the loss or gradient is not 0");
+    fd_expect(worst <= 1e-14, "teacher == student: the loss or gradient is not 0");
 }
 
 /* Every token ignored: loss, parts, per-token losses and gradients exactly 0, for every reduction. */
@@ -297,9 +250,9 @@ static void all_ignored(void)
         for (int i = 0; i < N; i++)
             per[i] = 1.0;
         ref_distill_result r = {1.0, 1.0, 1.0, per};
-        expect(ref_distill_linear(&s, &t, p.tg, &o, grad_of(&p, &o), &r, dx, dw, db) == 0, "all ignored: error");
-        expect(r.loss == 0.0 && r.soft_loss == 0.0 && r.hard_loss == 0.0 && max_abs(per, N) == 0.0 &&
-                   max_abs(dx, N * HS) == 0.0 && max_abs(dw, HS * V) == 0.0 && max_abs(db, V) == 0.0,
+        fd_expect(ref_distill_linear(&s, &t, p.tg, &o, grad_of(&p, &o), &r, dx, dw, db) == 0, "all ignored: error");
+        fd_expect(r.loss == 0.0 && r.soft_loss == 0.0 && r.hard_loss == 0.0 && fd_max_abs(per, N) == 0.0 &&
+                   fd_max_abs(dx, N * HS) == 0.0 && fd_max_abs(dw, HS * V) == 0.0 && fd_max_abs(db, V) == 0.0,
                "all ignored: something is not 0");
     }
 }
@@ -307,17 +260,17 @@ static void all_ignored(void)
 /* jsd's log-space mixture against the plain probability-space formula on random rows. */
 static void jsd_probability_space(void)
 {
-    rng_state = 0x75D0000ull;
+    fd_rng_state = 0x75D0000ull;
     double worst = 0.0;
     for (int trial = 0; trial < 20; trial++) {
         double us[V], ut[V], p[V], q[V], zs = 0.0, zt = 0.0;
         for (int j = 0; j < V; j++) {
-            us[j] = uniform(-3.0, 3.0);
-            ut[j] = uniform(-3.0, 3.0);
+            us[j] = fd_uniform(-3.0, 3.0);
+            ut[j] = fd_uniform(-3.0, 3.0);
             zs += exp(us[j]);
             zt += exp(ut[j]);
         }
-        const double beta = uniform(0.05, 0.95);
+        const double beta = fd_uniform(0.05, 0.95);
         double d = 0.0;
         for (int j = 0; j < V; j++) {
             p[j] = exp(us[j]) / zs;
@@ -333,7 +286,7 @@ static void jsd_probability_space(void)
         worst = fmax(worst, fabs(r.loss - d) / d);
     }
     printf("jsd against its probability-space formula: largest relative difference %.1e\n", worst);
-    expect(worst <= 1e-12, "jsd differs from its probability-space formula");
+    fd_expect(worst <= 1e-12, "jsd differs from its probability-space formula");
 }
 
 /* Hand-worked values. V = 2, one token: student logits (0, 0), so p = (1/2, 1/2); teacher (log 3, 0), so
@@ -350,20 +303,20 @@ static void hand_checks(void)
     /* forward KL = 3/4 log(3/2) + 1/4 log(1/2); d/ds = p - q = (-1/4, 1/4). */
     const double fkl = 0.75 * log(1.5) + 0.25 * log(0.5);
     o.divergence = REF_DIVERGENCE_FORWARD_KL;
-    expect(ref_distill_head(1, 2, us, ut, NULL, &o, &one, &r, g) == 0, "hand: head failed");
-    expect(close_to(r.loss, fkl, 1e-15) && close_to(g[0], -0.25, 1e-15) && close_to(g[1], 0.25, 1e-15),
+    fd_expect(ref_distill_head(1, 2, us, ut, NULL, &o, &one, &r, g) == 0, "hand: head failed");
+    fd_expect(fd_close_to(r.loss, fkl, 1e-15) && fd_close_to(g[0], -0.25, 1e-15) && fd_close_to(g[1], 0.25, 1e-15),
            "hand: forward_kl");
     /* Temperature 2 on doubled teacher logits: the same q; p stays uniform; d/du = (1/2) d/ds. */
     o.temperature = 2.0;
     ref_distill_head(1, 2, us, ut2, NULL, &o, &one, &r, g);
-    expect(close_to(r.loss, fkl, 1e-15) && close_to(g[0], -0.125, 1e-15), "hand: forward_kl at temperature 2");
+    fd_expect(fd_close_to(r.loss, fkl, 1e-15) && fd_close_to(g[0], -0.125, 1e-15), "hand: forward_kl at temperature 2");
     o.temperature = 1.0;
 
     /* reverse KL = 1/2 log(2/3) + 1/2 log 2; d/ds_j = p_j (log p_j - log q_j - D). */
     const double rkl = 0.5 * log(2.0 / 3.0) + 0.5 * log(2.0);
     o.divergence = REF_DIVERGENCE_REVERSE_KL;
     ref_distill_head(1, 2, us, ut, NULL, &o, &one, &r, g);
-    expect(close_to(r.loss, rkl, 1e-15) && close_to(g[0], 0.5 * (log(2.0 / 3.0) - rkl), 1e-15),
+    fd_expect(fd_close_to(r.loss, rkl, 1e-15) && fd_close_to(g[0], 0.5 * (log(2.0 / 3.0) - rkl), 1e-15),
            "hand: reverse_kl");
 
     /* jsd beta 1/2: m = (5/8, 3/8); D = 1/2 (3/4 log(6/5) + 1/4 log(2/3)) + 1/2 (1/2 log(4/5) + 1/2 log(4/3)). */
@@ -371,7 +324,7 @@ static void hand_checks(void)
     o.divergence = REF_DIVERGENCE_JSD;
     ref_distill_head(1, 2, us, ut, NULL, &o, &one, &r, g);
     const double k = 0.5 * log(0.8) + 0.5 * log(4.0 / 3.0);
-    expect(close_to(r.loss, jsd, 1e-15) && close_to(g[0], 0.5 * 0.5 * (log(0.8) - k), 1e-15), "hand: jsd");
+    fd_expect(fd_close_to(r.loss, jsd, 1e-15) && fd_close_to(g[0], 0.5 * 0.5 * (log(0.8) - k), 1e-15), "hand: jsd");
 
     /* Soft 0.6 + hard 0.4 with the target: loss = 0.6 jsd + 0.4 log 2; parts before their weights; the hard part
      * is on the untempered logits, so temperature 2 with the doubled teacher changes nothing. */
@@ -379,9 +332,9 @@ static void hand_checks(void)
     o.weight_hard_loss = 0.4;
     o.temperature = 2.0;
     ref_distill_head(1, 2, us, ut2, &target, &o, &one, &r, g);
-    expect(close_to(r.loss, 0.6 * jsd + 0.4 * log(2.0), 1e-15) && close_to(r.soft_loss, jsd, 1e-15) &&
-               close_to(r.hard_loss, log(2.0), 1e-15) &&
-               close_to(g[0], 0.6 * 0.5 * 0.25 * (log(0.8) - k) - 0.4 * 0.5, 1e-15),
+    fd_expect(fd_close_to(r.loss, 0.6 * jsd + 0.4 * log(2.0), 1e-15) && fd_close_to(r.soft_loss, jsd, 1e-15) &&
+               fd_close_to(r.hard_loss, log(2.0), 1e-15) &&
+               fd_close_to(g[0], 0.6 * 0.5 * 0.25 * (log(0.8) - k) - 0.4 * 0.5, 1e-15),
            "hand: soft and hard parts");
 
     /* Underflow: a student probability of e^-1000 = 0 and a teacher logit of -inf add 0, not NaN. */
@@ -391,7 +344,7 @@ static void hand_checks(void)
         ref_distill_options_default(&o);
         o.divergence = (ref_divergence)div;
         ref_distill_head(1, 3, us3, ut3, NULL, &o, &one, &r, g3);
-        expect(isfinite(r.loss) && r.loss > 0.0 && isfinite(g3[0]) && isfinite(g3[1]) && isfinite(g3[2]) &&
+        fd_expect(isfinite(r.loss) && r.loss > 0.0 && isfinite(g3[0]) && isfinite(g3[1]) && isfinite(g3[2]) &&
                    g3[1] == 0.0,
                "hand: an underflowed or -inf entry is not a 0 contribution");
     }
@@ -404,12 +357,12 @@ static void hand_checks(void)
     ref_distill_options_default(&o);
     o.weight_hard_loss = 0.4;
     ref_distill_head(2, 2, us_2, ut_2, t2, &o, &one, &r, g4);
-    expect(close_to(r.loss, jsd + 0.4 * log(2.0), 1e-15) && g4[2] == 0.0 && g4[3] == 0.0, "hand: mean of one");
+    fd_expect(fd_close_to(r.loss, jsd + 0.4 * log(2.0), 1e-15) && g4[2] == 0.0 && g4[3] == 0.0, "hand: mean of one");
     o.reduction = 2;
     r.per_token_loss = per;
     ref_distill_head(2, 2, us_2, ut_2, t2, &o, go, &r, g4);
-    expect(close_to(per[0], jsd + 0.4 * log(2.0), 1e-15) && per[1] == 0.0 &&
-               close_to(g4[0], -2.0 * (0.25 * (log(0.8) - k) - 0.4 * 0.5), 1e-15) && g4[2] == 0.0,
+    fd_expect(fd_close_to(per[0], jsd + 0.4 * log(2.0), 1e-15) && per[1] == 0.0 &&
+               fd_close_to(g4[0], -2.0 * (0.25 * (log(0.8) - k) - 0.4 * 0.5), 1e-15) && g4[2] == 0.0,
            "hand: none");
 
     /* Invalid arguments. */
@@ -432,17 +385,17 @@ static void hand_checks(void)
         o.weight_soft_loss = bad[k2].ws;
         o.weight_hard_loss = bad[k2].wh;
         o.reduction = bad[k2].reduction;
-        expect(ref_distill_head(1, 2, us, ut, NULL, &o, &one, &r, NULL) == -2, bad[k2].what);
+        fd_expect(ref_distill_head(1, 2, us, ut, NULL, &o, &one, &r, NULL) == -2, bad[k2].what);
     }
     ref_distill_options_default(&o);
-    expect(ref_distill_head(1, 2, us, ut, &bad_target, &o, &one, &r, NULL) == -2, "a target out of range");
-    expect(ref_distill_head(1, 2, us, ut, NULL, &o, NULL, &r, g) == -2, "gradients without grad_output");
+    fd_expect(ref_distill_head(1, 2, us, ut, &bad_target, &o, &one, &r, NULL) == -2, "a target out of range");
+    fd_expect(ref_distill_head(1, 2, us, ut, NULL, &o, NULL, &r, g) == -2, "gradients without grad_output");
     problem p;
     make_problem(&p, 1);
     ref_linear s, t;
     linears(&p, &s, &t);
     t.n = N - 1;
-    expect(ref_distill_linear(&s, &t, p.tg, &o, NULL, &r, NULL, NULL, NULL) == -2, "student and teacher n differ");
+    fd_expect(ref_distill_linear(&s, &t, p.tg, &o, NULL, &r, NULL, NULL, NULL) == -2, "student and teacher n differ");
 }
 
 int main(void)
@@ -450,7 +403,7 @@ int main(void)
     hand_checks();
     beta_ends();
     all_ignored();
-    printf("hand-worked checks, beta 0 / 1, all ignored: %s\n", failures ? "FAIL" : "ok");
+    printf("hand-worked checks, beta 0 / 1, all ignored: %s\n", fd_failures ? "FAIL" : "ok");
     teacher_equals_student();
     jsd_probability_space();
     static const struct {
@@ -477,6 +430,6 @@ int main(void)
                     fd_case(index++, &o, mode);
                 }
     printf("%d finite-difference cases, largest error %.1e (tolerance %.0e), %d failures\n", index,
-           worst_case_error, TOLERANCE, failures);
-    return failures ? 1 : 0;
+           worst_case_error, TOLERANCE, fd_failures);
+    return fd_failures ? 1 : 0;
 }

@@ -17,6 +17,7 @@
  * Known values: k = 1 without the tail gives D = 0 exactly and a zero soft gradient; with k = V and distinct ids,
  * without the tail, D is the full forward KL(q || p) of ref_distill_head with the teacher's logits; the padded token 3
  * adds 0. */
+#include "fdcheck.h"
 #include "ref_distill_topk.h"
 
 #include <math.h>
@@ -27,26 +28,6 @@
 enum { N = 6, H = 5, V = 11 };
 static const double STEP = 1e-5, TOLERANCE = 1e-6;
 static const int64_t IGNORE = -100;
-
-static uint64_t rng_state;
-static double uniform(double lo, double hi) /* splitmix64 */
-{
-    uint64_t z = (rng_state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    return lo + (hi - lo) * (double)(z >> 11) * (1.0 / 9007199254740992.0);
-}
-
-static int failures;
-
-static void expect(int ok, const char *what)
-{
-    if (!ok) {
-        printf("FAIL: %s\n", what);
-        failures++;
-    }
-}
 
 typedef struct problem {
     double x[N * H], w[H * V], b[V], teacher_logits[N * V];
@@ -60,17 +41,13 @@ typedef struct problem {
 /* Token i's teacher: log_softmax(logits / 0.6) over V, the k largest in order. */
 static void make_problem(problem *p, uint64_t seed, int64_t k)
 {
-    rng_state = seed;
-    for (int j = 0; j < N * H; j++)
-        p->x[j] = uniform(-1.0, 1.0);
-    for (int j = 0; j < H * V; j++)
-        p->w[j] = uniform(-1.5, 1.5);
-    for (int j = 0; j < V; j++)
-        p->b[j] = uniform(-0.5, 0.5);
+    fd_rng_state = seed;
+    fd_fill(p->x, N * H, -1.0, 1.0);
+    fd_fill(p->w, H * V, -1.5, 1.5);
+    fd_fill(p->b, V, -0.5, 0.5);
     for (int i = 0; i < N; i++) {
         double *l = p->teacher_logits + i * V, lp[V];
-        for (int j = 0; j < V; j++)
-            l[j] = uniform(-2.0, 2.0);
+        fd_fill(l, V, -2.0, 2.0);
         double scaled[V];
         for (int j = 0; j < V; j++)
             scaled[j] = l[j] / 0.6;
@@ -87,7 +64,7 @@ static void make_problem(problem *p, uint64_t seed, int64_t k)
             p->ids[i * k + e] = best;
             p->logprobs[i * k + e] = lp[best];
         }
-        p->targets[i] = i == 1 || i == 4 ? IGNORE : (int64_t)(uniform(0.0, 1.0) * V) % V;
+        p->targets[i] = i == 1 || i == 4 ? IGNORE : (int64_t)(fd_uniform(0.0, 1.0) * V) % V;
     }
     if (k > 1) {
         p->logprobs[2 * k + k - 1] = -INFINITY;
@@ -161,8 +138,8 @@ static void fd_case(int index, const ref_distill_topk_options *o, int mode, int6
         printf("FAIL: forward-backward returned an error\n");
         exit(2);
     }
-    expect(isfinite(r.loss), "the loss is not finite");
-    expect(o->weight_hard_loss != 0.0 || per[3] == 0.0, "the token without a valid entry has a soft loss");
+    fd_expect(isfinite(r.loss), "the loss is not finite");
+    fd_expect(o->weight_hard_loss != 0.0 || per[3] == 0.0, "the token without a valid entry has a soft loss");
     double scale = 0.0;
     for (int j = 0; j < N * H; j++)
         scale = fmax(scale, fabs(dx[j]));
@@ -177,7 +154,7 @@ static void fd_case(int index, const ref_distill_topk_options *o, int mode, int6
     static const char *red[] = {"mean", "sum", "none"}, *modes[] = {"soft", "soft+ign", "soft+hard"};
     printf("tail %d T %.1f %-9s %-4s k %2lld: loss %+.6f  max rel err %.2e  (S %.3g)\n", o->add_tail, o->temperature,
            modes[mode], red[o->reduction], (long long)k, r.loss, e, scale);
-    expect(e <= TOLERANCE, "a gradient disagrees with finite differences");
+    fd_expect(e <= TOLERANCE, "a gradient disagrees with finite differences");
     worst_case_error = fmax(worst_case_error, e);
 }
 
@@ -193,12 +170,12 @@ static void known_values(void)
     double dx[N * H], per[N];
     ref_distill_result r = {0.0, 0.0, 0.0, per};
     const double one = 1.0;
-    expect(ref_distill_topk_linear(&s, &p.t, NULL, &o, &one, &r, dx, NULL, NULL) == 0 && r.loss == 0.0,
+    fd_expect(ref_distill_topk_linear(&s, &p.t, NULL, &o, &one, &r, dx, NULL, NULL) == 0 && r.loss == 0.0,
            "k = 1 without the tail is not exactly 0");
     int zero = 1;
     for (int j = 0; j < N * H; j++)
         zero &= dx[j] == 0.0;
-    expect(zero, "k = 1 without the tail has a gradient");
+    fd_expect(zero, "k = 1 without the tail has a gradient");
 
     for (int reps = 0; reps < 2; reps++) {
         o.temperature = reps ? 0.7 : 1.0;
@@ -221,7 +198,7 @@ static void known_values(void)
         ref_distill_options_default(&fo);
         fo.divergence = REF_DIVERGENCE_FORWARD_KL;
         fo.temperature = o.temperature;
-        expect(u && ref_distill_topk_head(N, V, u, &p.t, NULL, &o, NULL, &topk, NULL) == 0 &&
+        fd_expect(u && ref_distill_topk_head(N, V, u, &p.t, NULL, &o, NULL, &topk, NULL) == 0 &&
                    ref_distill_head(N, V, u, teacher_logits, NULL, &fo, NULL, &full, NULL) == 0 &&
                    fabs(topk.loss - full.loss) <= 1e-13 * fmax(1.0, full.loss),
                "k = V without the tail is not the full forward KL");
@@ -253,6 +230,6 @@ int main(void)
                         fd_case(index++, &o, mode, ks[ki]);
                     }
     printf("%d cases, worst relative error %.2e (tolerance %.0e): %s\n", index, worst_case_error, TOLERANCE,
-           failures ? "FAIL" : "ok");
-    return failures ? 1 : 0;
+           fd_failures ? "FAIL" : "ok");
+    return fd_failures ? 1 : 0;
 }

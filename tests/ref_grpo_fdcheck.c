@@ -43,6 +43,7 @@
  * an order of magnitude of slack, while a wrong formula (a missing mask or 1/temperature, a wrong normaliser,
  * a gradient through a detached term, a clamp that does not block) is off by at least ~1e-2 of S (the entropy
  * bonus and the KL, the smallest terms, are of that size), four orders above the tolerance. */
+#include "fdcheck.h"
 #include "ref_grpo.h"
 
 #include <math.h>
@@ -53,37 +54,9 @@
 enum { B = 3, T = 5, HID = 4, V = 7, N = B * T };
 static const double TEMPERATURE = 0.7, STEP = 1e-6, TOLERANCE = 1e-6;
 
-static uint64_t rng_state;
-static double uniform(double lo, double hi) /* splitmix64 */
-{
-    uint64_t z = (rng_state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    return lo + (hi - lo) * (double)(z >> 11) * (1.0 / 9007199254740992.0);
-}
-
 static const char *loss_name[] = {"grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"};
 static const char *level_name[] = {"token", "sequence", "seq_token"};
 static const char *is_mode_name[] = {"tok_trunc", "tok_mask", "seq_trunc", "seq_mask"};
-
-static int failures;
-
-static void expect(int ok, const char *what)
-{
-    if (!ok) {
-        printf("FAIL: %s\n", what);
-        failures++;
-    }
-}
-
-static double rel_err(double f, double g, double floor)
-{
-    double d = fabs(f) > fabs(g) ? fabs(f) : fabs(g);
-    if (d < floor)
-        d = floor;
-    return d > 0.0 ? fabs(f - g) / d : fabs(f - g);
-}
 
 /* Loss at the current parameters, every sg(.) (and the entropy mask's entropies) frozen at the anchors. */
 static double loss_at(const ref_grpo_problem *base, const ref_grpo_options *o, const double *anchor,
@@ -113,20 +86,11 @@ static double fd_tensor(const ref_grpo_problem *p, const ref_grpo_options *o, co
         param[k] = keep - STEP;
         const double down = loss_at(p, o, anchor, entropy_anchor);
         param[k] = keep;
-        const double e = rel_err((up - down) / (2.0 * STEP), g[k], floor);
+        const double e = fd_rel_err((up - down) / (2.0 * STEP), g[k], floor);
         if (e > worst || isnan(e))
             worst = isnan(e) ? INFINITY : e;
     }
     return worst;
-}
-
-static double max_abs(const double *a, int count)
-{
-    double m = 0.0;
-    for (int k = 0; k < count; k++)
-        if (fabs(a[k]) > m)
-            m = fabs(a[k]);
-    return m;
 }
 
 /* One finite-difference case: the base options and the TRL options added at f2cd5771. */
@@ -154,17 +118,14 @@ static fd_config fd_base(ref_grpo_loss_type lt, ref_grpo_is_level lvl, int with_
 static int fd_case(int index, const fd_config *cfg)
 {
     const ref_grpo_loss_type lt = cfg->lt;
-    rng_state = 0x5EED0000ull + (uint64_t)index * 7919u;
+    fd_rng_state = 0x5EED0000ull + (uint64_t)index * 7919u;
     double x[N * HID], w[HID * V], bias[V], mask[N], adv[B], old[N], ref[N], samp[N], logp0[N], ent0[N];
     int64_t ids[N];
-    for (int k = 0; k < N * HID; k++)
-        x[k] = uniform(-1.0, 1.0);
-    for (int k = 0; k < HID * V; k++)
-        w[k] = uniform(-1.2, 1.2);
-    for (int k = 0; k < V; k++)
-        bias[k] = uniform(-0.5, 0.5);
+    fd_fill(x, N * HID, -1.0, 1.0);
+    fd_fill(w, HID * V, -1.2, 1.2);
+    fd_fill(bias, V, -0.5, 0.5);
     for (int k = 0; k < N; k++)
-        ids[k] = (int64_t)(uniform(0.0, 1.0) * V) % V;
+        ids[k] = (int64_t)(fd_uniform(0.0, 1.0) * V) % V;
     /* Row 0 has a padded tail, row 1 is full, row 2 is all padding in even cases and short in odd ones. */
     static const double mask_rows[2][B][T] = {{{1, 1, 1, 1, 0}, {1, 1, 1, 1, 1}, {0, 0, 0, 0, 0}},
                                               {{1, 1, 1, 1, 0}, {1, 1, 1, 1, 1}, {1, 1, 0, 0, 0}}};
@@ -229,14 +190,14 @@ static int fd_case(int index, const fd_config *cfg)
     for (int b = 0; b < B; b++) {
         const double d = log(b == 1 ? regions[1 + index % 2] : regions[(index + 2 * b) % 5]);
         for (int t = 0; t < T; t++)
-            old[b * T + t] = logp0[b * T + t] - (d + uniform(-0.04, 0.04));
+            old[b * T + t] = logp0[b * T + t] - (d + fd_uniform(-0.04, 0.04));
     }
     for (int k = 0; k < N; k++)
-        ref[k] = logp0[k] + uniform(-0.3, 0.3);
+        ref[k] = logp0[k] + fd_uniform(-0.3, 0.3);
     /* The sampler's log-probs near the old ones (the current ones on-policy): token ratios exp(old - samp) in
      * [0.74, 1.35], row sums of up to +-1.5 in the log. */
     for (int k = 0; k < N; k++)
-        samp[k] = (cfg->with_old ? old[k] : logp0[k]) + uniform(-0.3, 0.3);
+        samp[k] = (cfg->with_old ? old[k] : logp0[k]) + fd_uniform(-0.3, 0.3);
     p.old_logp = cfg->with_old ? old : NULL;
     p.ref_logp = cfg->beta != 0.0 ? ref : NULL;
     p.sampling_logp = cfg->sampling ? samp : NULL;
@@ -254,7 +215,7 @@ static int fd_case(int index, const fd_config *cfg)
             for (int k = 0; k < HID; k++)
                 if (mask[i] == 0.0 && dx[i * HID + k] != 0.0)
                     padded_zero = 0;
-        expect(padded_zero, "dx of a padded token is not exactly 0");
+        fd_expect(padded_zero, "dx of a padded token is not exactly 0");
     }
 
     /* The anchored forward is TRL's forward at the base point. */
@@ -266,7 +227,7 @@ static int fd_case(int index, const fd_config *cfg)
     pa.sg_logp = logp0;
     pa.sg_entropy = ent0;
     ref_grpo_forward(&pa, &o, &anchored);
-    expect(plain.loss == anchored.loss, "the anchored forward differs from the forward at the base point");
+    fd_expect(plain.loss == anchored.loss, "the anchored forward differs from the forward at the base point");
 
     /* On-policy, beta 0, no entropy bonus, no new option: the ratio is 1 and the loss is minus the mean advantage
      * of the non-empty rows (grpo/sapo-style per-row mean: sapo's gate is 4/tau * sigmoid(0) = 2/tau). */
@@ -281,10 +242,10 @@ static int fd_case(int index, const fd_config *cfg)
             if (nb > 0.0)
                 expected -= (lt == REF_GRPO_LOSS_SAPO ? 2.0 / tau : 1.0) * adv[b] / B;
         }
-        expect(fabs(plain.loss - expected) <= 1e-15, "on-policy loss is not -mean(A)");
+        fd_expect(fabs(plain.loss - expected) <= 1e-15, "on-policy loss is not -mean(A)");
     }
 
-    const double scale = fmax(max_abs(dx, N * HID), fmax(max_abs(dw, HID * V), max_abs(db, V)));
+    const double scale = fmax(fd_max_abs(dx, N * HID), fmax(fd_max_abs(dw, HID * V), fd_max_abs(db, V)));
     const double floor = 1e-2 * scale;
     const double ex = fd_tensor(&p, &o, logp0, ent0, x, dx, N * HID, floor);
     const double ew = fd_tensor(&p, &o, logp0, ent0, w, dw, HID * V, floor);
@@ -309,7 +270,7 @@ static int fd_case(int index, const fd_config *cfg)
     printf("%3d %s  |g|max=%.2e  rel dx=%.1e dW=%.1e db=%.1e  %s\n", index, name, scale, ex, ew, eb,
            worst <= TOLERANCE ? "ok" : "FAIL");
     if (!(worst <= TOLERANCE))
-        failures++;
+        fd_failures++;
     return 0;
 }
 
@@ -329,23 +290,23 @@ static void hand_checks(void)
 
     /* Token level grpo: row 0 = (-1.2 - 1 - 1) / 3, row 1 = -min(-0.61, -0.8) = 0.8; loss = mean of rows.
      * Clipped tokens get no gradient, the two r = 1 tokens (min tie) get -A * w = -1/6. */
-    expect(ref_grpo_head(&tk, &o, 1.0, &r, g, gh) == 0, "head failed");
-    expect(fabs(r.loss - (-3.2 / 3.0 + 0.8) / 2.0) < 1e-15, "hand: token grpo loss");
-    expect(g[0] == 0.0 && fabs(g[1] + 1.0 / 6.0) < 1e-16 && fabs(g[2] + 1.0 / 6.0) < 1e-16 && g[3] == 0.0 &&
+    fd_expect(ref_grpo_head(&tk, &o, 1.0, &r, g, gh) == 0, "head failed");
+    fd_expect(fabs(r.loss - (-3.2 / 3.0 + 0.8) / 2.0) < 1e-15, "hand: token grpo loss");
+    fd_expect(g[0] == 0.0 && fabs(g[1] + 1.0 / 6.0) < 1e-16 && fabs(g[2] + 1.0 / 6.0) < 1e-16 && g[3] == 0.0 &&
                g[4] == 0.0 && g[5] == 0.0,
            "hand: token grpo g_logp");
-    expect(r.metrics.clip_high_mean == 0.25 && r.metrics.clip_low_mean == 0.25 &&
+    fd_expect(r.metrics.clip_high_mean == 0.25 && r.metrics.clip_low_mean == 0.25 &&
                r.metrics.clip_region_mean == 0.5,
            "hand: token clip ratios are masked token means");
-    expect(isnan(r.metrics.kl) && isnan(r.metrics.entropy) && isnan(r.metrics.cispo_clip_ratio),
+    fd_expect(isnan(r.metrics.kl) && isnan(r.metrics.entropy) && isnan(r.metrics.cispo_clip_ratio),
            "hand: absent metrics are NaN");
 
     /* delta = 1.1 clamps coef_1 to 1.1 before the flags: the high clip disappears from the metric. */
     o.delta = 1.1;
     ref_grpo_head(&tk, &o, 1.0, &r, NULL, NULL);
-    expect(r.metrics.clip_high_mean == 0.0 && r.metrics.clip_low_mean == 0.25, "hand: delta-clamped flags");
+    fd_expect(r.metrics.clip_high_mean == 0.0 && r.metrics.clip_low_mean == 0.25, "hand: delta-clamped flags");
     /* and token 0 now takes the c1 branch: -min(1.1, 1.2) = -1.1 with gradient 0 (clamp past delta). */
-    expect(fabs(r.loss - (-3.1 / 3.0 + 0.8) / 2.0) < 1e-15, "hand: delta loss");
+    fd_expect(fabs(r.loss - (-3.1 / 3.0 + 0.8) / 2.0) < 1e-15, "hand: delta loss");
     o.delta = NAN;
 
     /* Sequence level: s_0 = 0.5 / 3 (r = 1.18, inside), s_1 = -0.5 (r = 0.61, clipped low, A < 0). The flags
@@ -354,17 +315,17 @@ static void hand_checks(void)
     o.importance_sampling_level = REF_GRPO_IS_SEQUENCE;
     ref_grpo_head(&tk, &o, 1.0, &r, g, NULL);
     const double r0 = exp(0.5 / 3.0);
-    expect(r.metrics.clip_low_mean == 0.5 && r.metrics.clip_high_mean == 0.0 && r.metrics.clip_region_mean == 0.5,
+    fd_expect(r.metrics.clip_low_mean == 0.5 && r.metrics.clip_high_mean == 0.0 && r.metrics.clip_region_mean == 0.5,
            "hand: sequence clip ratios are row means");
-    expect(fabs(r.loss - (-r0 + 0.8) / 2.0) < 1e-15, "hand: sequence loss");
-    expect(fabs(g[0] + r0 / 6.0) < 1e-15 && fabs(g[1] - g[0]) == 0.0 && fabs(g[2] - g[0]) == 0.0 && g[3] == 0.0,
+    fd_expect(fabs(r.loss - (-r0 + 0.8) / 2.0) < 1e-15, "hand: sequence loss");
+    fd_expect(fabs(g[0] + r0 / 6.0) < 1e-15 && fabs(g[1] - g[0]) == 0.0 && fabs(g[2] - g[0]) == 0.0 && g[3] == 0.0,
            "hand: sequence g_logp spreads over the row");
 
     /* GSPO-token: same value, but each token only gets its own share: d/dlogp_t = -A r_0 * w_t = -r_0 / 6. */
     o.importance_sampling_level = REF_GRPO_IS_SEQUENCE_TOKEN;
     ref_grpo_head(&tk, &o, 1.0, &r, g, NULL);
-    expect(fabs(r.loss - (-r0 + 0.8) / 2.0) < 1e-15, "hand: sequence_token loss");
-    expect(fabs(g[0] + r0 / 6.0) < 1e-15 && g[1] == g[0] && g[2] == g[0], "hand: sequence_token g_logp");
+    fd_expect(fabs(r.loss - (-r0 + 0.8) / 2.0) < 1e-15, "hand: sequence_token loss");
+    fd_expect(fabs(g[0] + r0 / 6.0) < 1e-15 && g[1] == g[0] && g[2] == g[0], "hand: sequence_token g_logp");
 
     /* An all-padding batch: every clamp(min=1) guard holds, loss 0, metrics 0 (TRL: 0 / 1). */
     const double none[6] = {0, 0, 0, 0, 0, 0};
@@ -373,7 +334,7 @@ static void hand_checks(void)
         ref_grpo_options_default(&o);
         o.loss_type = (ref_grpo_loss_type)lt;
         ref_grpo_head(&empty, &o, 1.0, &r, g, gh);
-        expect(r.loss == 0.0 && r.metrics.entropy == 0.0, "hand: all-padding loss is 0");
+        fd_expect(r.loss == 0.0 && r.metrics.entropy == 0.0, "hand: all-padding loss is 0");
     }
 
     /* clip_ratio/low_min and high_max: nanmin / nanmax over the rows of the row's masked mean. Token level: row 0
@@ -382,14 +343,14 @@ static void hand_checks(void)
     ref_grpo_options_default(&o);
     o.loss_type = REF_GRPO_LOSS_GRPO;
     ref_grpo_head(&tk, &o, 1.0, &r, NULL, NULL);
-    expect(r.metrics.clip_low_min == 0.0 && fabs(r.metrics.clip_high_max - 1.0 / 3.0) < 1e-16,
+    fd_expect(r.metrics.clip_low_min == 0.0 && fabs(r.metrics.clip_high_max - 1.0 / 3.0) < 1e-16,
            "hand: token low_min / high_max");
-    expect(isnan(r.metrics.policy_loss) && isnan(r.metrics.entropy_coef) && isnan(r.metrics.vespo_phi_seq_mean) &&
+    fd_expect(isnan(r.metrics.policy_loss) && isnan(r.metrics.entropy_coef) && isnan(r.metrics.vespo_phi_seq_mean) &&
                isnan(r.metrics.sampling_logp_diff_mean) && isnan(r.metrics.is_ratio_mean),
            "hand: metrics of options that are off are NaN");
     o.importance_sampling_level = REF_GRPO_IS_SEQUENCE;
     ref_grpo_head(&tk, &o, 1.0, &r, NULL, NULL);
-    expect(r.metrics.clip_low_min == 0.0 && r.metrics.clip_high_max == 0.0, "hand: sequence low_min / high_max");
+    fd_expect(r.metrics.clip_low_min == 0.0 && r.metrics.clip_high_max == 0.0, "hand: sequence low_min / high_max");
     /* An empty row is NaN in masked_seq_mean and skipped: with row 1 empty, both come from row 0 alone. */
     {
         const double mask0[6] = {1, 1, 1, 0, 0, 0};
@@ -397,12 +358,12 @@ static void hand_checks(void)
         t0.completion_mask = mask0;
         o.importance_sampling_level = REF_GRPO_IS_TOKEN;
         ref_grpo_head(&t0, &o, 1.0, &r, NULL, NULL);
-        expect(r.metrics.clip_low_min == 0.0 && fabs(r.metrics.clip_high_max - 1.0 / 3.0) < 1e-16,
+        fd_expect(r.metrics.clip_low_min == 0.0 && fabs(r.metrics.clip_high_max - 1.0 / 3.0) < 1e-16,
                "hand: an empty row is skipped by nanmin / nanmax");
         const double none0[6] = {0, 0, 0, 0, 0, 0};
         t0.completion_mask = none0;
         ref_grpo_head(&t0, &o, 1.0, &r, NULL, NULL);
-        expect(isnan(r.metrics.clip_low_min) && isnan(r.metrics.clip_high_max),
+        fd_expect(isnan(r.metrics.clip_low_min) && isnan(r.metrics.clip_high_max),
                "hand: every row empty: low_min and high_max NaN");
     }
 
@@ -412,11 +373,11 @@ static void hand_checks(void)
     ref_grpo_options_default(&o);
     o.loss_type = REF_GRPO_LOSS_LUSPO;
     ref_grpo_head(&tk, &o, 1.0, &r, g, NULL);
-    expect(fabs(r.loss - (-9.6 + 2.8) / 6.0) < 1e-15, "hand: luspo loss");
-    expect(g[0] == 0.0 && fabs(g[1] + 0.5) < 1e-16 && fabs(g[4] - 1.0 / 6.0) < 1e-16 &&
+    fd_expect(fabs(r.loss - (-9.6 + 2.8) / 6.0) < 1e-15, "hand: luspo loss");
+    fd_expect(g[0] == 0.0 && fabs(g[1] + 0.5) < 1e-16 && fabs(g[4] - 1.0 / 6.0) < 1e-16 &&
                fabs(g[5] - 1.0 / 6.0) < 1e-16,
            "hand: luspo's padded positions carry a gradient");
-    expect(fabs(r.metrics.clip_high_mean - 0.25) < 1e-16 && r.metrics.clip_low_min == 0.0,
+    fd_expect(fabs(r.metrics.clip_high_mean - 0.25) < 1e-16 && r.metrics.clip_low_min == 0.0,
            "hand: luspo logs the clip metrics");
 
     /* vespo: on-policy, log w = 0, phi = e^(lam - lam) = 1: loss = -sum m A logp / N. With old = logp + 0.1 on
@@ -427,18 +388,18 @@ static void hand_checks(void)
         ref_grpo_options_default(&o);
         o.loss_type = REF_GRPO_LOSS_VESPO;
         ref_grpo_head(&tv, &o, 1.0, &r, g, NULL);
-        expect(fabs(r.loss - 0.5) < 1e-15 && r.metrics.vespo_phi_seq_mean == 1.0, "hand: on-policy vespo");
-        expect(g[0] == -0.25 && g[3] == 0.25 && g[4] == 0.0, "hand: on-policy vespo g_logp");
+        fd_expect(fabs(r.loss - 0.5) < 1e-15 && r.metrics.vespo_phi_seq_mean == 1.0, "hand: on-policy vespo");
+        fd_expect(g[0] == -0.25 && g[3] == 0.25 && g[4] == 0.0, "hand: on-policy vespo g_logp");
         tv.old_logp = old0;
         ref_grpo_head(&tv, &o, 1.0, &r, g, NULL);
         const double phi0 = exp(3.0 + 2.0 * -0.3 - 3.0 * exp(-0.3));
-        expect(fabs(r.metrics.vespo_phi_seq_mean - (phi0 + 1.0) / 2.0) < 1e-14 && fabs(g[0] + phi0 / 4.0) < 1e-15,
+        fd_expect(fabs(r.metrics.vespo_phi_seq_mean - (phi0 + 1.0) / 2.0) < 1e-14 && fabs(g[0] + phi0 / 4.0) < 1e-15,
                "hand: vespo's gamma weight");
         /* lambda below 1e-4 is clamped: phi = exp(1e-4 + k log w - 1e-4 w) */
         o.vespo_lambda_pos = -2.0;
         ref_grpo_head(&tv, &o, 1.0, &r, g, NULL);
         const double phi1 = exp(1e-4 + 2.0 * -0.3 - 1e-4 * exp(-0.3));
-        expect(fabs(g[0] + phi1 / 4.0) < 1e-15, "hand: vespo's lambda clamped to 1e-4");
+        fd_expect(fabs(g[0] + phi1 / 4.0) < 1e-15, "hand: vespo's lambda clamped to 1e-4");
     }
 
     /* The vLLM importance-sampling ratio: old - samp = (0.5, -0.5, 0, 1 | masked) gives token ratios
@@ -457,42 +418,42 @@ static void hand_checks(void)
         o.vllm_importance_sampling_clip_min = 0.7;
         o.vllm_importance_sampling_clip_max = 2.0;
         ref_grpo_head(&ts, &o, 1.0, &rs, NULL, NULL);
-        expect(fabs(factor[0] - exp(0.5)) < 1e-15 && factor[1] == 0.7 && factor[2] == 1.0 && factor[3] == 2.0 &&
+        fd_expect(fabs(factor[0] - exp(0.5)) < 1e-15 && factor[1] == 0.7 && factor[2] == 1.0 && factor[3] == 2.0 &&
                    factor[4] == 1.0 && factor[5] == 1.0,
                "hand: token_truncate ratios");
-        expect(rs.metrics.is_ratio_min == 0.7 && rs.metrics.is_ratio_max == 2.0 &&
+        fd_expect(rs.metrics.is_ratio_min == 0.7 && rs.metrics.is_ratio_max == 2.0 &&
                    fabs(rs.metrics.is_ratio_mean - (exp(0.5) + 3.7) / 4.0) < 1e-15 &&
                    rs.metrics.sampling_logp_diff_mean == 0.5 && rs.metrics.sampling_logp_diff_max == 1.0,
                "hand: token-mode sampling metrics over the masked tokens");
         o.vllm_importance_sampling_mode = REF_GRPO_VLLM_IS_TOKEN_MASK;
         ref_grpo_head(&ts, &o, 1.0, &rs, NULL, NULL);
-        expect(fabs(factor[0] - exp(0.5)) < 1e-15 && factor[1] == 0.0 && factor[2] == 1.0 && factor[3] == 0.0,
+        fd_expect(fabs(factor[0] - exp(0.5)) < 1e-15 && factor[1] == 0.0 && factor[2] == 1.0 && factor[3] == 0.0,
                "hand: token_mask ratios");
         o.vllm_importance_sampling_mode = REF_GRPO_VLLM_IS_SEQUENCE_TRUNCATE;
         ref_grpo_head(&ts, &o, 1.0, &rs, NULL, NULL);
-        expect(factor[0] == 1.0 && factor[2] == 1.0 && factor[3] == 2.0 && factor[5] == 2.0 &&
+        fd_expect(factor[0] == 1.0 && factor[2] == 1.0 && factor[3] == 2.0 && factor[5] == 2.0 &&
                    rs.metrics.is_ratio_min == 1.0 && rs.metrics.is_ratio_max == 2.0 && rs.metrics.is_ratio_mean == 1.5,
                "hand: sequence_truncate ratios and their metrics over the rows");
         o.vllm_importance_sampling_mode = REF_GRPO_VLLM_IS_SEQUENCE_MASK;
         ref_grpo_head(&ts, &o, 1.0, &rs, NULL, NULL);
-        expect(factor[0] == 1.0 && factor[3] == 0.0 && rs.metrics.is_ratio_mean == 0.5,
+        fd_expect(factor[0] == 1.0 && factor[3] == 0.0 && rs.metrics.is_ratio_mean == 0.5,
                "hand: sequence_mask ratios");
         o.vllm_importance_sampling_correction = 0;
         ref_grpo_head(&ts, &o, 1.0, &rs, NULL, NULL);
-        expect(factor[3] == 1.0 && isnan(rs.metrics.is_ratio_mean) && isnan(rs.metrics.sampling_logp_diff_max),
+        fd_expect(factor[3] == 1.0 && isnan(rs.metrics.is_ratio_mean) && isnan(rs.metrics.sampling_logp_diff_max),
                "hand: correction off: no ratio, no sampling metrics");
         /* Off-policy mask: row 1 (A < 0) has mean(samp - logp) = -0.5: kept at threshold -0.5, dropped below. */
         o.off_policy_mask_threshold = -0.5;
         ref_grpo_head(&ts, &o, 1.0, &rs, NULL, NULL);
-        expect(factor[3] == 1.0 && factor[0] == 1.0, "hand: off-policy mask keeps");
+        fd_expect(factor[3] == 1.0 && factor[0] == 1.0, "hand: off-policy mask keeps");
         o.off_policy_mask_threshold = -0.51;
         ref_grpo_head(&ts, &o, 1.0, &rs, NULL, NULL);
-        expect(factor[3] == 0.0 && factor[5] == 0.0 && factor[0] == 1.0, "hand: off-policy mask drops A < 0");
+        fd_expect(factor[3] == 0.0 && factor[5] == 0.0 && factor[0] == 1.0, "hand: off-policy mask drops A < 0");
         /* Without sampling log-probs it measures old - sg(logp) = (-0.5, 0, 0 | 0.5): row 1 is dropped at 0.4. */
         ts.sampling_logp = NULL;
         o.off_policy_mask_threshold = 0.4;
         ref_grpo_head(&ts, &o, 1.0, &rs, NULL, NULL);
-        expect(factor[3] == 0.0 && factor[0] == 1.0, "hand: off-policy mask from the old log-probs");
+        fd_expect(factor[3] == 0.0 && factor[0] == 1.0, "hand: off-policy mask from the old log-probs");
     }
 
     /* torch.quantile (values from torch 1.13 on the fp32 tensor). */
@@ -501,21 +462,21 @@ static void hand_checks(void)
         static const double torch_values[5] = {0.25, 0.90000003576278687, 1.0, 2.0999999046325684, 3.0};
         for (int k = 0; k < 5; k++) {
             double v[7] = {0.5, 2.0, 1.0, 3.0, 0.25, 1.5, 2.5};
-            expect(ref_grpo_quantile(v, 7, qs[k]) == torch_values[k], "hand: quantile as torch.quantile");
+            fd_expect(ref_grpo_quantile(v, 7, qs[k]) == torch_values[k], "hand: quantile as torch.quantile");
         }
         double one = 4.0;
-        expect(ref_grpo_quantile(&one, 1, 0.3) == 4.0, "hand: quantile of one value");
+        fd_expect(ref_grpo_quantile(&one, 1, 0.3) == 4.0, "hand: quantile of one value");
         /* 1 - 0.7 = 0.30000000000000004 in double, 0.3f in torch: 0.3f * 30 rounds to 9 exactly, and the quantile of
          * 0, 0.1, ..., 3 (as fp32) is the 10th value itself (torch: 0.90000003576278687), kept by >=. At 50 the
          * fp32 rank is 15.000001: torch.quantile(arange(51) * 0.1, 0.3) = 1.5000001192092896. */
         double tenths[51];
         for (int k = 0; k < 31; k++)
             tenths[k] = (float)(0.1f * (float)k);
-        expect(ref_grpo_quantile(tenths, 31, 1.0 - 0.7) == (double)(float)(0.1f * 9.0f),
+        fd_expect(ref_grpo_quantile(tenths, 31, 1.0 - 0.7) == (double)(float)(0.1f * 9.0f),
                "hand: the quantile's rank rounds to an integer in fp32");
         for (int k = 0; k < 51; k++)
             tenths[k] = (float)(0.1f * (float)k);
-        expect(ref_grpo_quantile(tenths, 51, 1.0 - 0.7) == 1.5000001192092896, "hand: the quantile's fp32 rank");
+        fd_expect(ref_grpo_quantile(tenths, 51, 1.0 - 0.7) == 1.5000001192092896, "hand: the quantile's fp32 rank");
     }
 
     /* Top-entropy mask and the entropy bonus's normalisers. H = (0.5, 2, 1, 3 | 9, 9), the quantile at 1 - q = 0.5 of
@@ -534,22 +495,22 @@ static void hand_checks(void)
         o.entropy_coef = 0.1;
         o.num_items_in_batch = 10.0;
         ref_grpo_head(&te, &o, 1.0, &rs, NULL, ge);
-        expect(factor[0] == 0.0 && factor[1] == 1.0 && factor[2] == 0.0 && factor[3] == 1.0 && factor[4] == 0.0,
+        fd_expect(factor[0] == 0.0 && factor[1] == 1.0 && factor[2] == 0.0 && factor[3] == 1.0 && factor[4] == 0.0,
                "hand: top-entropy mask");
-        expect(fabs(rs.loss - (rs.metrics.policy_loss - 0.1 * 0.5)) < 1e-15 && rs.metrics.entropy_coef == 0.1 &&
+        fd_expect(fabs(rs.loss - (rs.metrics.policy_loss - 0.1 * 0.5)) < 1e-15 && rs.metrics.entropy_coef == 0.1 &&
                    ge[0] == 0.0 && fabs(ge[1] + 0.01) < 1e-17 && ge[4] == 0.0,
                "hand: dapo's entropy bonus over N");
         o.loss_type = REF_GRPO_LOSS_GRPO;
         ref_grpo_head(&te, &o, 1.0, &rs, NULL, ge);
-        expect(fabs(rs.loss - (rs.metrics.policy_loss - 0.1 * 2.5)) < 1e-15 && fabs(ge[1] + 0.05) < 1e-17,
+        fd_expect(fabs(rs.loss - (rs.metrics.policy_loss - 0.1 * 2.5)) < 1e-15 && fabs(ge[1] + 0.05) < 1e-17,
                "hand: grpo's entropy bonus over sum(e m)");
-        expect(rs.metrics.entropy == 6.5 / 4.0, "hand: the entropy metric ignores the entropy mask");
+        fd_expect(rs.metrics.entropy == 6.5 / 4.0, "hand: the entropy metric ignores the entropy mask");
         o.top_entropy_quantile = 1.0;
         ref_grpo_head(&te, &o, 1.0, &rs, NULL, ge);
-        expect(fabs(rs.loss - (rs.metrics.policy_loss - 0.1 * 6.5 / 4.0)) < 1e-15, "hand: masked mean bonus");
+        fd_expect(fabs(rs.loss - (rs.metrics.policy_loss - 0.1 * 6.5 / 4.0)) < 1e-15, "hand: masked mean bonus");
         o.top_entropy_quantile = 0.0; /* the largest entropy only */
         ref_grpo_head(&te, &o, 1.0, &rs, NULL, ge);
-        expect(factor[3] == 1.0 && factor[1] == 0.0, "hand: quantile 0 keeps the largest");
+        fd_expect(factor[3] == 1.0 && factor[1] == 0.0, "hand: quantile 0 keeps the largest");
         /* num_items_in_batch is clamped to >= 1 (TRL): 0.25 normalises as 1 */
         ref_grpo_options_default(&o);
         o.entropy_coef = 0.1;
@@ -558,7 +519,7 @@ static void hand_checks(void)
         const double quarter = rs.loss;
         o.num_items_in_batch = 1.0;
         ref_grpo_head(&te, &o, 1.0, &rs, NULL, NULL);
-        expect(quarter == rs.loss && fabs(rs.loss - (rs.metrics.policy_loss - 0.1 * 6.5)) < 1e-15,
+        fd_expect(quarter == rs.loss && fabs(rs.loss - (rs.metrics.policy_loss - 0.1 * 6.5)) < 1e-15,
                "hand: num_items_in_batch clamped to 1");
     }
 
@@ -573,7 +534,7 @@ static void hand_checks(void)
         o.use_bias_correction_kl = 1;
         ref_grpo_head(&tb, &o, 1.0, &r, NULL, NULL);
         const double k3 = exp(0.3) - 1.3;
-        expect(fabs(r.metrics.kl - k3 * (exp(0.5) + 2.0 + exp(-0.5)) / 4.0) < 1e-15, "hand: bias-corrected kl");
+        fd_expect(fabs(r.metrics.kl - k3 * (exp(0.5) + 2.0 + exp(-0.5)) / 4.0) < 1e-15, "hand: bias-corrected kl");
     }
 
     /* Invalid arguments. */
@@ -585,31 +546,31 @@ static void hand_checks(void)
         for (int k = 0; k < 3; k++) {
             ref_grpo_options_default(&o);
             o.top_entropy_quantile = qs[k];
-            expect(ref_grpo_head(&tk, &o, 1.0, &r, NULL, NULL) == -2, "top_entropy_quantile outside [0, 1]");
+            fd_expect(ref_grpo_head(&tk, &o, 1.0, &r, NULL, NULL) == -2, "top_entropy_quantile outside [0, 1]");
         }
         ref_grpo_options_default(&o);
         o.top_entropy_quantile = 0.5;
-        expect(ref_grpo_head(&tk, &o, 1.0, &r, NULL, NULL) == -2, "an entropy mask without entropies is rejected");
+        fd_expect(ref_grpo_head(&tk, &o, 1.0, &r, NULL, NULL) == -2, "an entropy mask without entropies is rejected");
         ref_grpo_options_default(&o);
         o.vllm_importance_sampling_mode = REF_GRPO_VLLM_IS_TOKEN_TRUNCATE;
         o.vllm_importance_sampling_clip_max = NAN;
-        expect(ref_grpo_head(&ts, &o, 1.0, &r, NULL, NULL) == -2, "truncate without bounds is rejected");
-        expect(ref_grpo_head(&tk, &o, 1.0, &r, NULL, NULL) == 0, "... but only where the correction applies");
+        fd_expect(ref_grpo_head(&ts, &o, 1.0, &r, NULL, NULL) == -2, "truncate without bounds is rejected");
+        fd_expect(ref_grpo_head(&tk, &o, 1.0, &r, NULL, NULL) == 0, "... but only where the correction applies");
         ref_grpo_options_default(&o);
         o.vllm_importance_sampling_clip_min = 3.0;
-        expect(ref_grpo_head(&ts, &o, 1.0, &r, NULL, NULL) == -2, "clip_min >= clip_max is rejected");
+        fd_expect(ref_grpo_head(&ts, &o, 1.0, &r, NULL, NULL) == -2, "clip_min >= clip_max is rejected");
         ref_grpo_options_default(&o);
         o.loss_type = REF_GRPO_LOSS_VESPO;
-        expect(ref_grpo_head(&ts, &o, 1.0, &r, NULL, NULL) == -2, "vespo with a sequence mode is rejected");
+        fd_expect(ref_grpo_head(&ts, &o, 1.0, &r, NULL, NULL) == -2, "vespo with a sequence mode is rejected");
         o.vllm_importance_sampling_correction = 0;
-        expect(ref_grpo_head(&ts, &o, 1.0, &r, NULL, NULL) == 0, "... but not without the correction");
+        fd_expect(ref_grpo_head(&ts, &o, 1.0, &r, NULL, NULL) == 0, "... but not without the correction");
     }
     ref_grpo_options_default(&o);
     o.beta = 0.04;
-    expect(ref_grpo_head(&tk, &o, 1.0, &r, NULL, NULL) == -2, "beta without ref_logp is rejected");
+    fd_expect(ref_grpo_head(&tk, &o, 1.0, &r, NULL, NULL) == -2, "beta without ref_logp is rejected");
     ref_grpo_options_default(&o);
     o.entropy_coef = 0.1;
-    expect(ref_grpo_head(&tk, &o, 1.0, &r, NULL, NULL) == -2, "entropy bonus without entropies is rejected");
+    fd_expect(ref_grpo_head(&tk, &o, 1.0, &r, NULL, NULL) == -2, "entropy bonus without entropies is rejected");
 }
 
 /* The options TRL added up to f2cd5771, each at every level, with and without old log-probs, in combinations that
@@ -646,7 +607,7 @@ int main(void)
     static const ref_grpo_is_level levels[3] = {REF_GRPO_IS_TOKEN, REF_GRPO_IS_SEQUENCE, REF_GRPO_IS_SEQUENCE_TOKEN};
     int index = 0, cases = 0;
     hand_checks();
-    printf("hand-worked checks: %s\n", failures ? "FAIL" : "ok");
+    printf("hand-worked checks: %s\n", fd_failures ? "FAIL" : "ok");
     for (int lt = REF_GRPO_LOSS_GRPO; lt <= REF_GRPO_LOSS_SAPO; lt++)
         for (int l = 0; l < 3; l++)
             for (int with_old = 1; with_old >= 0; with_old--)
@@ -676,6 +637,6 @@ int main(void)
                 fd_case(index++, &c);
                 cases++;
             }
-    printf("%d finite-difference cases, %d failures\n", cases, failures);
-    return failures ? 1 : 0;
+    printf("%d finite-difference cases, %d failures\n", cases, fd_failures);
+    return fd_failures ? 1 : 0;
 }

@@ -15,6 +15,7 @@
  * is ~1e-12 and the rounding error eps |L| / h ~ 1e-10 against S ~ 1e-2 .. 1e-1, so the floor resolves every entry
  * well below 1e-6. A wrong formula (a missing mask or weight, a sign, the KL on the wrong side, a gradient through
  * the reference) is off by ~1e-2 of S or more. */
+#include "fdcheck.h"
 #include "ref_kto.h"
 
 #include <math.h>
@@ -24,27 +25,9 @@
 
 enum { B = 6, T = 5, N = B * T, HID = 4, V = 7 };
 static const double STEP = 1e-6, TOLERANCE = 1e-6;
+/* Hand-worked values: a few operations in double, so within a few ulps. */
+static const double HAND_TOL = 1e-14;
 static const uint8_t LABELS[B] = {1, 0, 1, 1, 0, 0};
-
-static uint64_t rng_state;
-static double uniform(double lo, double hi) /* splitmix64 */
-{
-    uint64_t z = (rng_state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    return lo + (hi - lo) * (double)(z >> 11) * (1.0 / 9007199254740992.0);
-}
-
-static int failures;
-
-static void expect(int ok, const char *what)
-{
-    if (!ok) {
-        printf("FAIL: %s\n", what);
-        failures++;
-    }
-}
 
 static ref_kto_result forward_or_die(const ref_kto_problem *p, const ref_kto_options *o, double *seq_logps,
                                      double *logp)
@@ -79,49 +62,37 @@ static double fd_tensor(const ref_kto_problem *p, const ref_kto_options *o, doub
     return worst;
 }
 
-static double max_abs(const double *a, int count)
-{
-    double m = 0.0;
-    for (int k = 0; k < count; k++)
-        m = fmax(m, fabs(a[k]));
-    return m;
-}
-
 static void fd_case(int index, const ref_kto_options *o, int token_ref, int kl_logratios)
 {
-    rng_state = 0x4B70000ull + (uint64_t)index * 7919u;
+    fd_rng_state = 0x4B70000ull + (uint64_t)index * 7919u;
     double x[N * HID], w[HID * V], bias[V], mask[N], ref_seq[B], ref_tok[N], logp0[N], l0[B], kl, klr[B];
     int64_t targets[N];
-    for (int k = 0; k < N * HID; k++)
-        x[k] = uniform(-1.0, 1.0);
-    for (int k = 0; k < HID * V; k++)
-        w[k] = uniform(-1.2, 1.2);
-    for (int k = 0; k < V; k++)
-        bias[k] = uniform(-0.5, 0.5);
+    fd_fill(x, N * HID, -1.0, 1.0);
+    fd_fill(w, HID * V, -1.2, 1.2);
+    fd_fill(bias, V, -0.5, 0.5);
     static const int lengths[B] = {5, 3, 4, 2, 5, 0};
     for (int s = 0; s < B; s++)
         for (int t = 0; t < T; t++) {
             const int i = s * T + t;
             mask[i] = t < lengths[s] ? 1.0 : 0.0;
-            targets[i] = (int64_t)(uniform(0.0, 1.0) * V) % V;
+            targets[i] = (int64_t)(fd_uniform(0.0, 1.0) * V) % V;
             if (t >= lengths[s] && (t & 1))
                 targets[i] = t == 1 ? -100 : V + t; /* padding outside the vocabulary */
         }
-    kl = uniform(0.0, 1.0);
-    for (int s = 0; s < B; s++)
-        klr[s] = uniform(-1.0, 2.0);
+    kl = fd_uniform(0.0, 1.0);
+    fd_fill(klr, B, -1.0, 2.0);
     const int kto = o->loss_type == REF_KTO_LOSS_KTO;
     ref_kto_problem p = {B,    T,     HID,  V,    x,    w, bias, targets, mask, LABELS, ref_seq, NULL,
                          kto && !kl_logratios ? &kl : NULL, kto && kl_logratios ? klr : NULL};
     forward_or_die(&p, o, l0, logp0);
     for (int s = 0; s < B; s++)
-        ref_seq[s] = l0[s] + uniform(-1.0, 1.0);
+        ref_seq[s] = l0[s] + fd_uniform(-1.0, 1.0);
     for (int i = 0; i < N; i++)
-        ref_tok[i] = logp0[i] + uniform(-0.5, 0.5);
+        ref_tok[i] = logp0[i] + fd_uniform(-0.5, 0.5);
     p.ref_logps = token_ref ? NULL : ref_seq;
     p.ref_per_token_logps = token_ref ? ref_tok : NULL;
     const ref_kto_result r0 = forward_or_die(&p, o, NULL, NULL);
-    expect(isfinite(r0.loss), "the loss is not finite");
+    fd_expect(isfinite(r0.loss), "the loss is not finite");
 
     double dx[N * HID], dw[HID * V], db[V];
     if (ref_kto_backward(&p, o, 1.0, dx, dw, db)) {
@@ -132,8 +103,8 @@ static void fd_case(int index, const ref_kto_options *o, int token_ref, int kl_l
     for (int i = 0; i < N; i++)
         for (int k = 0; k < HID; k++)
             padded_zero &= mask[i] != 0.0 || dx[i * HID + k] == 0.0;
-    expect(padded_zero, "dx of a padded token is not exactly 0");
-    const double scale = fmax(max_abs(dx, N * HID), fmax(max_abs(dw, HID * V), max_abs(db, V)));
+    fd_expect(padded_zero, "dx of a padded token is not exactly 0");
+    const double scale = fmax(fd_max_abs(dx, N * HID), fmax(fd_max_abs(dw, HID * V), fd_max_abs(db, V)));
     const double ex = fd_tensor(&p, o, x, dx, N * HID, 1e-2 * scale);
     const double ew = fd_tensor(&p, o, w, dw, HID * V, 1e-2 * scale);
     const double eb = fd_tensor(&p, o, bias, db, V, 1e-2 * scale);
@@ -143,12 +114,7 @@ static void fd_case(int index, const ref_kto_options *o, int token_ref, int kl_l
            !kto ? "none" : kl_logratios ? "logratios" : "value", o->desirable_weight, o->undesirable_weight, r0.loss,
            scale, ex, ew, eb, worst <= TOLERANCE ? "ok" : "FAIL");
     if (!(worst <= TOLERANCE))
-        failures++;
-}
-
-static int close_to(double a, double b)
-{
-    return fabs(a - b) <= 1e-14 * fmax(1.0, fabs(b));
+        fd_failures++;
 }
 
 static double sig(double x)
@@ -174,16 +140,16 @@ static void hand_checks(void)
 
     /* kto, kl 0.5: desirable 1 - sig(-1 - 0.5), undesirable 1 - sig(0.5 - 1); d/dr: -sig(-1.5) sig(1.5) and
      * +sig(-0.5) sig(0.5), halved by the mean over B = 2, on every token. */
-    expect(ref_kto_head(&tk, &o, 1.0, &r, g) == 0, "head failed");
-    expect(close_to(r.loss, (1.0 - sig(-1.5) + 1.0 - sig(-0.5)) / 2.0), "hand: kto loss");
-    expect(close_to(g[0], -sig(-1.5) * sig(1.5) / 2.0) && g[1] == g[0] && close_to(g[2], sig(-0.5) * sig(0.5) / 2.0) &&
+    fd_expect(ref_kto_head(&tk, &o, 1.0, &r, g) == 0, "head failed");
+    fd_expect(fd_close_to(r.loss, (1.0 - sig(-1.5) + 1.0 - sig(-0.5)) / 2.0, HAND_TOL), "hand: kto loss");
+    fd_expect(fd_close_to(g[0], -sig(-1.5) * sig(1.5) / 2.0, HAND_TOL) && g[1] == g[0] && fd_close_to(g[2], sig(-0.5) * sig(0.5) / 2.0, HAND_TOL) &&
                g[3] == g[2],
            "hand: kto g_logp");
-    expect(seq[0] == -3.0 && seq[1] == -4.0 && rewards[0] == -1.0 && rewards[1] == 1.0, "hand: l and rewards");
-    expect(r.metrics.kl == 0.5 && r.metrics.rewards_chosen == -1.0 && r.metrics.rewards_rejected == 1.0 &&
+    fd_expect(seq[0] == -3.0 && seq[1] == -4.0 && rewards[0] == -1.0 && rewards[1] == 1.0, "hand: l and rewards");
+    fd_expect(r.metrics.kl == 0.5 && r.metrics.rewards_chosen == -1.0 && r.metrics.rewards_rejected == 1.0 &&
                r.metrics.rewards_margins == -2.0 && r.metrics.logps_chosen == -3.0 && r.metrics.logps_rejected == -4.0,
            "hand: reward metrics");
-    expect(r.metrics.logits_chosen == 1.5 && r.metrics.logits_rejected == 4.0 && r.metrics.entropy == 2.5,
+    fd_expect(r.metrics.logits_chosen == 1.5 && r.metrics.logits_rejected == 4.0 && r.metrics.entropy == 2.5,
            "hand: logits and entropy metrics");
 
     /* The same reference per token; log-ratios with a negative mean: kl clamped to 0. */
@@ -192,7 +158,7 @@ static void hand_checks(void)
     tk.kl = NULL;
     tk.kl_logratios = klr;
     ref_kto_head(&tk, &o, 1.0, &r, NULL);
-    expect(r.metrics.kl == 0.0 && rewards[0] == -1.0 && close_to(r.loss, (1.0 - sig(-1.0) + 1.0 - sig(-1.0)) / 2.0),
+    fd_expect(r.metrics.kl == 0.0 && rewards[0] == -1.0 && fd_close_to(r.loss, (1.0 - sig(-1.0) + 1.0 - sig(-1.0)) / 2.0, HAND_TOL),
            "hand: per-token reference, clamped kl");
 
     /* apo_zero_unpaired, weights 2 / 0.5, grad_output 3: (2 (1 - sig(-1)) + 0.5 sig(1)) / 2. */
@@ -201,10 +167,10 @@ static void hand_checks(void)
     o.undesirable_weight = 0.5;
     tk.kl_logratios = NULL;
     ref_kto_head(&tk, &o, 3.0, &r, g);
-    expect(close_to(r.loss, (2.0 * (1.0 - sig(-1.0)) + 0.5 * sig(1.0)) / 2.0) && r.metrics.kl == 0.0,
+    fd_expect(fd_close_to(r.loss, (2.0 * (1.0 - sig(-1.0)) + 0.5 * sig(1.0)) / 2.0, HAND_TOL) && r.metrics.kl == 0.0,
            "hand: apo_zero_unpaired loss");
-    expect(close_to(g[0], -3.0 * 2.0 * sig(-1.0) * sig(1.0) / 2.0) &&
-               close_to(g[3], 3.0 * 0.5 * sig(1.0) * sig(-1.0) / 2.0),
+    fd_expect(fd_close_to(g[0], -3.0 * 2.0 * sig(-1.0) * sig(1.0) / 2.0, HAND_TOL) &&
+               fd_close_to(g[3], 3.0 * 0.5 * sig(1.0) * sig(-1.0) / 2.0, HAND_TOL),
            "hand: apo_zero_unpaired g_logp");
 
     /* Only desirable sequences: the rejected metrics and the margin are NaN (TRL logs none). No tokens: logits
@@ -213,36 +179,36 @@ static void hand_checks(void)
     const double zeros[4] = {0, 0, 0, 0};
     ref_kto_tokens one_sided = {2, 2, logp, zeros, both_desirable, ref, NULL, NULL, NULL, means, ent};
     ref_kto_head(&one_sided, &o, 1.0, &r, g);
-    expect(isnan(r.metrics.rewards_rejected) && isnan(r.metrics.logps_rejected) && isnan(r.metrics.rewards_margins) &&
+    fd_expect(isnan(r.metrics.rewards_rejected) && isnan(r.metrics.logps_rejected) && isnan(r.metrics.rewards_margins) &&
                isnan(r.metrics.logits_chosen) && isnan(r.metrics.logits_rejected) && r.metrics.entropy == 0.0 &&
                g[0] == 0.0,
            "hand: one-sided batch without tokens");
 
     /* Invalid arguments. */
     o.loss_type = REF_KTO_LOSS_KTO;
-    expect(ref_kto_head(&one_sided, &o, 1.0, &r, NULL) == -2, "kto without a KL input is rejected");
+    fd_expect(ref_kto_head(&one_sided, &o, 1.0, &r, NULL) == -2, "kto without a KL input is rejected");
     one_sided.kl = &kl;
     one_sided.kl_logratios = klr;
-    expect(ref_kto_head(&one_sided, &o, 1.0, &r, NULL) == -2, "both KL inputs are rejected");
+    fd_expect(ref_kto_head(&one_sided, &o, 1.0, &r, NULL) == -2, "both KL inputs are rejected");
     o.loss_type = REF_KTO_LOSS_APO_ZERO_UNPAIRED;
     one_sided.kl_logratios = NULL;
-    expect(ref_kto_head(&one_sided, &o, 1.0, &r, NULL) == -2, "a KL input for apo_zero_unpaired is rejected");
+    fd_expect(ref_kto_head(&one_sided, &o, 1.0, &r, NULL) == -2, "a KL input for apo_zero_unpaired is rejected");
     one_sided.kl = NULL;
     one_sided.ref_logps = NULL;
-    expect(ref_kto_head(&one_sided, &o, 1.0, &r, NULL) == -2, "no reference is rejected");
+    fd_expect(ref_kto_head(&one_sided, &o, 1.0, &r, NULL) == -2, "no reference is rejected");
     one_sided.ref_logps = ref;
     o.beta = 0.0;
-    expect(ref_kto_head(&one_sided, &o, 1.0, &r, NULL) == -2, "beta 0 is rejected");
+    fd_expect(ref_kto_head(&one_sided, &o, 1.0, &r, NULL) == -2, "beta 0 is rejected");
     o.beta = 1.0;
     const uint8_t bad_labels[2] = {1, 2};
     one_sided.labels = bad_labels;
-    expect(ref_kto_head(&one_sided, &o, 1.0, &r, NULL) == -2, "a label 2 is rejected");
+    fd_expect(ref_kto_head(&one_sided, &o, 1.0, &r, NULL) == -2, "a label 2 is rejected");
 }
 
 int main(void)
 {
     hand_checks();
-    printf("hand-worked checks: %s\n", failures ? "FAIL" : "ok");
+    printf("hand-worked checks: %s\n", fd_failures ? "FAIL" : "ok");
     int index = 0;
     for (int type = REF_KTO_LOSS_KTO; type <= REF_KTO_LOSS_APO_ZERO_UNPAIRED; type++)
         for (int token_ref = 0; token_ref < 2; token_ref++)
@@ -252,6 +218,6 @@ int main(void)
                                                weighted ? 0.7 : 1.0};
                     fd_case(index++, &o, token_ref, kl_logratios);
                 }
-    printf("%d finite-difference cases, %d failures\n", index, failures);
-    return failures ? 1 : 0;
+    printf("%d finite-difference cases, %d failures\n", index, fd_failures);
+    return fd_failures ? 1 : 0;
 }

@@ -10,6 +10,7 @@
  * so a correct gradient lands at 1e-8 to 2e-7 (the largest seen over the cases), while a wrong term (a missing 1/temperature, the
  * softcap's or the scale's chain factor, the entropy's lse - H shift, a gradient on an ignored row) is off by at
  * least a tenth of S. */
+#include "fdcheck.h"
 #include "ref_logprob.h"
 
 #include <math.h>
@@ -18,16 +19,6 @@
 
 enum { N = 6, HID = 4, V = 7 };
 static const double STEP = 1e-6, TOLERANCE = 1e-6;
-
-static uint64_t rng_state = 12345;
-static double uniform(double lo, double hi) /* splitmix64 */
-{
-    uint64_t z = (rng_state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    return lo + (hi - lo) * (double)(z >> 11) * (1.0 / 9007199254740992.0);
-}
 
 /* The largest scaled error over the entries of one parameter array p (analytic gradient grad). */
 static double check_array(ref_linear *lin, double *p, const double *grad, size_t count, const int64_t *targets,
@@ -58,23 +49,20 @@ static double largest(const double *a, size_t count, double m)
 int main(void)
 {
     double x[N * HID], w[HID * V], b[V], g_logp[N], g_entropy[N], g_lse[N];
-    for (size_t k = 0; k < N * HID; k++)
-        x[k] = uniform(-1.0, 1.0);
-    for (size_t k = 0; k < HID * V; k++)
-        w[k] = uniform(-1.0, 1.0);
-    for (size_t k = 0; k < V; k++)
-        b[k] = uniform(-0.5, 0.5);
+    fd_rng_state = 12345;
+    fd_fill(x, N * HID, -1.0, 1.0);
+    fd_fill(w, HID * V, -1.0, 1.0);
+    fd_fill(b, V, -0.5, 0.5);
     int64_t targets[N];
     for (int i = 0; i < N; i++) {
-        targets[i] = (int64_t)uniform(0.0, V);
-        g_logp[i] = uniform(-1.0, 1.0);
-        g_entropy[i] = uniform(-1.0, 1.0);
-        g_lse[i] = uniform(-1.0, 1.0);
+        targets[i] = (int64_t)fd_uniform(0.0, V);
+        g_logp[i] = fd_uniform(-1.0, 1.0);
+        g_entropy[i] = fd_uniform(-1.0, 1.0);
+        g_lse[i] = fd_uniform(-1.0, 1.0);
     }
     targets[1] = targets[4] = -100;
     ref_linear lin = {N, HID, V, x, w, b};
     static const double temperatures[] = {0.3, 1.0, 2.5}, softcaps[] = {0.0, 2.0}, scales[] = {1.0, 0.7};
-    int failures = 0;
     for (int ti = 0; ti < 3; ti++)
         for (int ci = 0; ci < 2; ci++)
             for (int si = 0; si < 2; si++)
@@ -92,10 +80,10 @@ int main(void)
                     err = fmax(err, check_array(&lin, w, dw, HID * V, targets, &o, &g, scale));
                     err = fmax(err, check_array(&lin, b, db, V, targets, &o, &g, scale));
                     const int ok = err <= TOLERANCE && ignored_rows_clean;
-                    failures += !ok;
+                    fd_failures += !ok;
                     printf("%s temperature %.1f softcap %.0f logit_scale %.1f g_entropy %s g_lse %s: error %.2e%s\n",
                            ok ? "ok  " : "FAIL", o.temperature, o.softcap, o.logit_scale, with & 1 ? "on " : "off",
                            with & 2 ? "on " : "off", err, ignored_rows_clean ? "" : " (an ignored row has dx)");
                 }
-    return failures != 0;
+    return fd_failures != 0;
 }

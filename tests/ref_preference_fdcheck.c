@@ -27,6 +27,7 @@
  * reaches 6e-7 of the floor). So the floor 1e-2 S resolves every entry to < 1e-6 and most far better (the largest
  * printed error is 1.9e-7). A wrong formula (a missing mask, a wrong average or sign, the NLL on the wrong half, a
  * gradient through the reference) is off by at least ~1e-2 of S, four orders above the tolerance. */
+#include "fdcheck.h"
 #include "ref_preference.h"
 
 #include <math.h>
@@ -36,40 +37,14 @@
 
 enum { B = 3, T = 5, S = 2 * B, N = S * T, HID = 4, V = 7 };
 static const double STEP = 1e-6, TOLERANCE = 1e-6, HINGE_GUARD = 0.02;
-
-static uint64_t rng_state;
-static double uniform(double lo, double hi) /* splitmix64 */
-{
-    uint64_t z = (rng_state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    z ^= z >> 31;
-    return lo + (hi - lo) * (double)(z >> 11) * (1.0 / 9007199254740992.0);
-}
+/* Hand-worked values: a few operations in double, so within a few ulps. */
+static const double HAND_TOL = 1e-14;
 
 static const char *loss_name[] = {"dpo", "orpo", "simpo", "cpo"};
 static const char *type_name[] = {"sigmoid",  "hinge",    "ipo",       "robust", "exo_pair",
                                   "nca_pair", "bco_pair", "sppo_hard", "aot",    "aot_unpaired",
                                   "apo_zero", "apo_down", "discopop",  "sft",    "sigmoid_norm"};
 static const char *ref_name[] = {"none", "seq", "token"};
-
-static int failures;
-
-static void expect(int ok, const char *what)
-{
-    if (!ok) {
-        printf("FAIL: %s\n", what);
-        failures++;
-    }
-}
-
-static double rel_err(double f, double g, double floor)
-{
-    double d = fabs(f) > fabs(g) ? fabs(f) : fabs(g);
-    if (d < floor)
-        d = floor;
-    return d > 0.0 ? fabs(f - g) / d : fabs(f - g);
-}
 
 static ref_preference_result forward_or_die(const ref_preference_problem *p, const ref_preference_options *o,
                                             double *seq_logps, double *rewards, double *logp)
@@ -98,35 +73,23 @@ static double fd_tensor(const ref_preference_problem *p, const ref_preference_op
         param[k] = keep - STEP;
         const double down = forward_or_die(p, o, NULL, NULL, NULL).loss;
         param[k] = keep;
-        const double e = rel_err((up - down) / (2.0 * STEP), g[k], floor);
+        const double e = fd_rel_err((up - down) / (2.0 * STEP), g[k], floor);
         if (e > worst || isnan(e))
             worst = isnan(e) ? INFINITY : e;
     }
     return worst;
 }
 
-static double max_abs(const double *a, int count)
-{
-    double m = 0.0;
-    for (int k = 0; k < count; k++)
-        if (fabs(a[k]) > m)
-            m = fabs(a[k]);
-    return m;
-}
-
 enum { REF_NONE, REF_SEQUENCE, REF_TOKEN };
 
 static void fd_case(int index, const ref_preference_options *o, int ref_mode)
 {
-    rng_state = 0x9A1F0000ull + (uint64_t)index * 7919u;
+    fd_rng_state = 0x9A1F0000ull + (uint64_t)index * 7919u;
     double x[N * HID], w[HID * V], bias[V], mask[N], ref_seq[S], ref_tok[N], logp0[N], l0[S], rewards[S];
     int64_t targets[N];
-    for (int k = 0; k < N * HID; k++)
-        x[k] = uniform(-1.0, 1.0);
-    for (int k = 0; k < HID * V; k++)
-        w[k] = uniform(-1.2, 1.2);
-    for (int k = 0; k < V; k++)
-        bias[k] = uniform(-0.5, 0.5);
+    fd_fill(x, N * HID, -1.0, 1.0);
+    fd_fill(w, HID * V, -1.2, 1.2);
+    fd_fill(bias, V, -0.5, 0.5);
     /* Sequence lengths, chosen then rejected; the last rejected one is empty unless the loss is orpo. */
     static const int lengths[2][S] = {{5, 3, 4, 4, 5, 0}, {4, 5, 2, 3, 4, 0}};
     for (int s = 0; s < S; s++) {
@@ -136,7 +99,7 @@ static void fd_case(int index, const ref_preference_options *o, int ref_mode)
         for (int t = 0; t < T; t++) {
             const int i = s * T + t;
             mask[i] = t < length ? 1.0 : 0.0;
-            targets[i] = (int64_t)(uniform(0.0, 1.0) * V) % V;
+            targets[i] = (int64_t)(fd_uniform(0.0, 1.0) * V) % V;
             if (t >= length && (t & 1))
                 targets[i] = t == 1 ? -100 : V + t; /* padding outside the vocabulary */
         }
@@ -144,9 +107,9 @@ static void fd_case(int index, const ref_preference_options *o, int ref_mode)
     ref_preference_problem p = {B, T, HID, V, x, w, bias, targets, mask, NULL, NULL};
     forward_or_die(&p, o, l0, NULL, logp0);
     for (int s = 0; s < S; s++)
-        ref_seq[s] = l0[s] + uniform(-1.0, 1.0);
+        ref_seq[s] = l0[s] + fd_uniform(-1.0, 1.0);
     for (int i = 0; i < N; i++)
-        ref_tok[i] = logp0[i] + uniform(-0.5, 0.5);
+        ref_tok[i] = logp0[i] + fd_uniform(-0.5, 0.5);
     p.ref_logps = ref_mode == REF_SEQUENCE ? ref_seq : NULL;
     p.ref_per_token_logps = ref_mode == REF_TOKEN ? ref_tok : NULL;
 
@@ -156,8 +119,8 @@ static void fd_case(int index, const ref_preference_options *o, int ref_mode)
         hinge |= o->types[k] == REF_PREFERENCE_HINGE;
     if (hinge)
         for (int b = 0; b < B; b++)
-            expect(fabs(1.0 - (rewards[b] - rewards[B + b])) >= HINGE_GUARD, "a hinge pair sits at its kink");
-    expect(isfinite(r0.loss), "the loss is not finite");
+            fd_expect(fabs(1.0 - (rewards[b] - rewards[B + b])) >= HINGE_GUARD, "a hinge pair sits at its kink");
+    fd_expect(isfinite(r0.loss), "the loss is not finite");
 
     double dx[N * HID], dw[HID * V], db[V];
     if (ref_preference_backward(&p, o, 1.0, dx, dw, db)) {
@@ -169,9 +132,9 @@ static void fd_case(int index, const ref_preference_options *o, int ref_mode)
     for (int i = 0; i < N; i++)
         for (int k = 0; k < HID; k++)
             padded_zero &= mask[i] != 0.0 || dx[i * HID + k] == 0.0;
-    expect(padded_zero, "dx of a padded token is not exactly 0");
+    fd_expect(padded_zero, "dx of a padded token is not exactly 0");
 
-    const double scale = fmax(max_abs(dx, N * HID), fmax(max_abs(dw, HID * V), max_abs(db, V)));
+    const double scale = fmax(fd_max_abs(dx, N * HID), fmax(fd_max_abs(dw, HID * V), fd_max_abs(db, V)));
     const double floor = 1e-2 * scale;
     const double ex = fd_tensor(&p, o, x, dx, N * HID, floor);
     const double ew = fd_tensor(&p, o, w, dw, HID * V, floor);
@@ -189,7 +152,7 @@ static void fd_case(int index, const ref_preference_options *o, int ref_mode)
            types, ref_name[ref_mode], o->label_smoothing, o->rpo_alpha, o->cpo_alpha, r0.loss, scale, ex, ew, eb,
            worst <= TOLERANCE ? "ok" : "FAIL");
     if (!(worst <= TOLERANCE))
-        failures++;
+        fd_failures++;
 }
 
 /* TRL v0.28's DPO (the cases and hand checks written for it; cpo, simpo and orpo ignore the semantics). */
@@ -197,11 +160,6 @@ static void legacy_defaults(ref_preference_options *o)
 {
     ref_preference_options_default(o);
     o->dpo_semantics = REF_PREFERENCE_TRL_0_28;
-}
-
-static int close_to(double a, double b)
-{
-    return fabs(a - b) <= 1e-14 * fmax(1.0, fabs(b));
 }
 
 /* Hand-worked values. One pair of T = 2 tokens: chosen logp (-1, -2), rejected (-3, -1), every mask 1, so
@@ -228,24 +186,24 @@ static void hand_checks(void)
 
     /* dpo sigmoid, reference-free: u = 1, loss = log(1 + e^-0.1), d/dc = -beta sig(-beta) on both chosen tokens,
      * the opposite on the rejected ones; rewards beta l; no NLL term: nll_loss NaN; no logits: NaN. */
-    expect(ref_preference_head(&tk, &o, 1.0, &r, g) == 0, "head failed");
+    fd_expect(ref_preference_head(&tk, &o, 1.0, &r, g) == 0, "head failed");
     const double d = -0.1 / (1.0 + exp(0.1));
-    expect(close_to(r.loss, log1p(exp(-0.1))), "hand: dpo sigmoid loss");
-    expect(close_to(g[0], d) && g[1] == g[0] && close_to(g[2], -d) && g[3] == g[2], "hand: dpo sigmoid g_logp");
-    expect(seq[0] == -3.0 && seq[1] == -4.0 && close_to(rewards[0], -0.3) && close_to(rewards[1], -0.4),
+    fd_expect(fd_close_to(r.loss, log1p(exp(-0.1)), HAND_TOL), "hand: dpo sigmoid loss");
+    fd_expect(fd_close_to(g[0], d, HAND_TOL) && g[1] == g[0] && fd_close_to(g[2], -d, HAND_TOL) && g[3] == g[2], "hand: dpo sigmoid g_logp");
+    fd_expect(seq[0] == -3.0 && seq[1] == -4.0 && fd_close_to(rewards[0], -0.3, HAND_TOL) && fd_close_to(rewards[1], -0.4, HAND_TOL),
            "hand: summed l and rewards");
-    expect(r.metrics.rewards_accuracies == 1.0 && close_to(r.metrics.rewards_margins, 0.1) &&
+    fd_expect(r.metrics.rewards_accuracies == 1.0 && fd_close_to(r.metrics.rewards_margins, 0.1, HAND_TOL) &&
                r.metrics.logps_chosen == -3.0 && r.metrics.logps_rejected == -4.0,
            "hand: reward metrics");
-    expect(isnan(r.metrics.nll_loss) && isnan(r.metrics.logits_chosen) && isnan(r.metrics.log_odds_ratio) &&
+    fd_expect(isnan(r.metrics.nll_loss) && isnan(r.metrics.logits_chosen) && isnan(r.metrics.log_odds_ratio) &&
                isnan(r.metrics.log_odds_chosen),
            "hand: absent metrics are NaN");
 
     /* rpo_alpha 0.5: NLL = 1.5 (mean of the chosen tokens' -logp), loss += 0.75, chosen g_logp -= 0.5 / 2. */
     o.rpo_alpha = 0.5;
     ref_preference_head(&tk, &o, 1.0, &r, g);
-    expect(close_to(r.loss, log1p(exp(-0.1)) + 0.75) && r.metrics.nll_loss == 1.5, "hand: rpo loss and nll");
-    expect(close_to(g[0], d - 0.25) && close_to(g[2], -d), "hand: rpo g_logp");
+    fd_expect(fd_close_to(r.loss, log1p(exp(-0.1)) + 0.75, HAND_TOL) && r.metrics.nll_loss == 1.5, "hand: rpo loss and nll");
+    fd_expect(fd_close_to(g[0], d - 0.25, HAND_TOL) && fd_close_to(g[2], -d, HAND_TOL), "hand: rpo g_logp");
 
     /* A sequence reference: u = (c - (-2)) - (r - (-4)) = -1; rewards beta (l - ref). The same reference per token
      * (chosen -1, -1; rejected -2, -2) gives the same loss and rewards. */
@@ -254,49 +212,49 @@ static void hand_checks(void)
     tk.ref_logps = ref_seq;
     ref_preference_head(&tk, &o, 1.0, &r, NULL);
     const double loss_seq = r.loss;
-    expect(close_to(loss_seq, log1p(exp(0.1))) && close_to(rewards[0], -0.1) && close_to(rewards[1], 0.0),
+    fd_expect(fd_close_to(loss_seq, log1p(exp(0.1)), HAND_TOL) && fd_close_to(rewards[0], -0.1, HAND_TOL) && fd_close_to(rewards[1], 0.0, HAND_TOL),
            "hand: dpo with reference log-probs");
     tk.ref_logps = NULL;
     tk.ref_per_token_logps = ref_tok;
     ref_preference_head(&tk, &o, 1.0, &r, NULL);
-    expect(r.loss == loss_seq && close_to(rewards[0], -0.1), "hand: per-token reference aggregated like l");
+    fd_expect(r.loss == loss_seq && fd_close_to(rewards[0], -0.1, HAND_TOL), "hand: per-token reference aggregated like l");
 
     /* ipo averages, with the reference too: u = (-1.5 + 1) - (-2 + 2) = -0.5; loss (u - 5)^2; d/dc = 2 (u - 5)
      * spread as 1/2 per token. */
     o.loss_type = REF_PREFERENCE_IPO;
     ref_preference_head(&tk, &o, 1.0, &r, g);
-    expect(close_to(r.loss, 30.25) && seq[0] == -1.5 && close_to(g[0], -5.5) && close_to(g[3], 5.5),
+    fd_expect(fd_close_to(r.loss, 30.25, HAND_TOL) && seq[0] == -1.5 && fd_close_to(g[0], -5.5, HAND_TOL) && fd_close_to(g[3], 5.5, HAND_TOL),
            "hand: dpo ipo");
     tk.ref_per_token_logps = NULL;
 
     /* hinge: u = 1, beta u = 0.1 < 1: loss 0.9, d/dc = -beta; with beta 2, beta u = 2 > 1: loss 0 and no gradient. */
     o.loss_type = REF_PREFERENCE_HINGE;
     ref_preference_head(&tk, &o, 1.0, &r, g);
-    expect(close_to(r.loss, 0.9) && close_to(g[0], -0.1), "hand: hinge active");
+    fd_expect(fd_close_to(r.loss, 0.9, HAND_TOL) && fd_close_to(g[0], -0.1, HAND_TOL), "hand: hinge active");
     o.beta = 2.0;
     ref_preference_head(&tk, &o, 1.0, &r, g);
-    expect(r.loss == 0.0 && g[0] == 0.0 && g[2] == 0.0, "hand: hinge inactive");
+    fd_expect(r.loss == 0.0 && g[0] == 0.0 && g[2] == 0.0, "hand: hinge inactive");
 
     /* robust with ls 0: the sigmoid loss. */
     legacy_defaults(&o);
     o.loss_type = REF_PREFERENCE_ROBUST;
     ref_preference_head(&tk, &o, 1.0, &r, NULL);
-    expect(close_to(r.loss, log1p(exp(-0.1))), "hand: robust at ls 0 is sigmoid");
+    fd_expect(fd_close_to(r.loss, log1p(exp(-0.1)), HAND_TOL), "hand: robust at ls 0 is sigmoid");
 
     /* simpo (averaged): u = 0.5 - 0.5 / 0.1 = -4.5; loss -log sig(-0.45) + NLL (cpo_alpha 1). */
     o.loss = REF_PREFERENCE_SIMPO;
     o.loss_type = REF_PREFERENCE_SIGMOID;
     ref_preference_head(&tk, &o, 1.0, &r, NULL);
-    expect(close_to(r.loss, log1p(exp(0.45)) + 1.5) && r.metrics.nll_loss == 1.5 && close_to(rewards[0], -0.15),
+    fd_expect(fd_close_to(r.loss, log1p(exp(0.45)) + 1.5, HAND_TOL) && r.metrics.nll_loss == 1.5 && fd_close_to(rewards[0], -0.15, HAND_TOL),
            "hand: simpo");
 
     /* orpo (averaged): o = 0.5 - (log(1 - e^-1.5) - log(1 - e^-2)); loss = NLL - beta log sig(o). */
     o.loss = REF_PREFERENCE_ORPO;
     ref_preference_head(&tk, &o, 1.0, &r, NULL);
     const double odds = 0.5 - (log(1.0 - exp(-1.5)) - log(1.0 - exp(-2.0)));
-    expect(close_to(r.metrics.log_odds_chosen, odds) &&
-               close_to(r.metrics.log_odds_ratio, -log1p(exp(-odds))) &&
-               close_to(r.loss, 1.5 + 0.1 * log1p(exp(-odds))),
+    fd_expect(fd_close_to(r.metrics.log_odds_chosen, odds, HAND_TOL) &&
+               fd_close_to(r.metrics.log_odds_ratio, -log1p(exp(-odds)), HAND_TOL) &&
+               fd_close_to(r.loss, 1.5 + 0.1 * log1p(exp(-odds)), HAND_TOL),
            "hand: orpo");
 
     /* Every token masked: l = 0 (no 0 / 0), NLL 0, logits means NaN; the loss is finite for dpo. */
@@ -305,14 +263,14 @@ static void hand_checks(void)
     legacy_defaults(&o);
     o.rpo_alpha = 1.0;
     ref_preference_head(&empty, &o, 1.0, &r, g);
-    expect(close_to(r.loss, log(2.0)) && r.metrics.nll_loss == 0.0 && isnan(r.metrics.logits_chosen) &&
+    fd_expect(fd_close_to(r.loss, log(2.0), HAND_TOL) && r.metrics.nll_loss == 0.0 && isnan(r.metrics.logits_chosen) &&
                g[0] == 0.0 && g[3] == 0.0,
            "hand: every token masked");
     /* The logits means: mask-weighted over the half's tokens. */
     const double half_mask[4] = {1, 0, 1, 1}, spread[4] = {1.0, 7.0, 2.0, 4.0};
     ref_preference_tokens weighted = {1, 2, logp, half_mask, NULL, NULL, spread, NULL, NULL};
     ref_preference_head(&weighted, &o, 1.0, &r, NULL);
-    expect(r.metrics.logits_chosen == 1.0 && r.metrics.logits_rejected == 3.0, "hand: logits means");
+    fd_expect(r.metrics.logits_chosen == 1.0 && r.metrics.logits_rejected == 3.0, "hand: logits means");
 
     /* Invalid arguments. */
     const struct {
@@ -336,17 +294,17 @@ static void hand_checks(void)
         o.loss_type = bad[k].type;
         o.beta = bad[k].beta;
         o.label_smoothing = bad[k].ls;
-        expect(ref_preference_head(&tk, &o, 1.0, &r, NULL) == -2, bad[k].what);
+        fd_expect(ref_preference_head(&tk, &o, 1.0, &r, NULL) == -2, bad[k].what);
     }
     legacy_defaults(&o);
     o.label_smoothing = 0.5;
-    expect(ref_preference_head(&tk, &o, 1.0, &r, NULL) == 0, "label_smoothing 0.5 for sigmoid is accepted");
+    fd_expect(ref_preference_head(&tk, &o, 1.0, &r, NULL) == 0, "label_smoothing 0.5 for sigmoid is accepted");
     tk.ref_logps = ref_seq;
     tk.ref_per_token_logps = ref_tok;
-    expect(ref_preference_head(&tk, &o, 1.0, &r, NULL) == -2, "both reference arrays are rejected");
+    fd_expect(ref_preference_head(&tk, &o, 1.0, &r, NULL) == -2, "both reference arrays are rejected");
     tk.ref_per_token_logps = NULL;
     o.loss = REF_PREFERENCE_CPO;
-    expect(ref_preference_head(&tk, &o, 1.0, &r, NULL) == -2, "a reference for cpo is rejected");
+    fd_expect(ref_preference_head(&tk, &o, 1.0, &r, NULL) == -2, "a reference for cpo is rejected");
 }
 
 /* Hand-worked values at TRL's current semantics, on hand_checks' pair (c = -3, r = -4 summed, 2 tokens each). */
@@ -361,31 +319,31 @@ static void current_hand_checks(void)
     /* ipo sums its log-probs and divides inside: u = -3/2 - -4/2 = 0.5, loss (0.5 - 5)^2; d/dc = 2 (0.5 - 5) / 2 on
      * each chosen token; l and rewards stay sums (v0.28 averaged them). */
     o.loss_type = REF_PREFERENCE_IPO;
-    expect(ref_preference_head(&tk, &o, 1.0, &r, g) == 0, "current: head failed");
-    expect(close_to(r.loss, 20.25) && close_to(g[0], -4.5) && close_to(g[3], 4.5) && seq[0] == -3.0 &&
-               close_to(rewards[1], -0.4),
+    fd_expect(ref_preference_head(&tk, &o, 1.0, &r, g) == 0, "current: head failed");
+    fd_expect(fd_close_to(r.loss, 20.25, HAND_TOL) && fd_close_to(g[0], -4.5, HAND_TOL) && fd_close_to(g[3], 4.5, HAND_TOL) && seq[0] == -3.0 &&
+               fd_close_to(rewards[1], -0.4, HAND_TOL),
            "current: ipo divides inside, l summed");
     /* sigmoid ignores label smoothing now; sft adds the NLL (1.5) with its weight; nll_loss is not logged. */
     o.loss_type = REF_PREFERENCE_SIGMOID;
     o.label_smoothing = 0.1;
     ref_preference_head(&tk, &o, 1.0, &r, NULL);
-    expect(close_to(r.loss, log1p(exp(-0.1))), "current: sigmoid without label smoothing");
+    fd_expect(fd_close_to(r.loss, log1p(exp(-0.1)), HAND_TOL), "current: sigmoid without label smoothing");
     o.count = 2;
     o.types[0] = REF_PREFERENCE_SIGMOID, o.weights[0] = 2.0;
     o.types[1] = REF_PREFERENCE_SFT, o.weights[1] = 0.5;
     ref_preference_head(&tk, &o, 1.0, &r, g);
-    expect(close_to(r.loss, 2.0 * log1p(exp(-0.1)) + 0.75) && isnan(r.metrics.nll_loss) &&
-               close_to(g[0], 2.0 * -0.1 / (1.0 + exp(0.1)) - 0.25),
+    fd_expect(fd_close_to(r.loss, 2.0 * log1p(exp(-0.1)) + 0.75, HAND_TOL) && isnan(r.metrics.nll_loss) &&
+               fd_close_to(g[0], 2.0 * -0.1 / (1.0 + exp(0.1)) - 0.25, HAND_TOL),
            "current: weighted sigmoid + sft");
     /* entropy over every masked token, accuracy over the chosen half's; 0 over no token, as the logits means. */
     const double entropy[4] = {1.0, 2.0, 3.0, 4.0}, correct[4] = {1.0, 0.0, 1.0, 1.0}, mask[4] = {1, 1, 1, 0};
     const double means[4] = {0.5, 0.5, 0.5, 0.5}, zeros[4] = {0, 0, 0, 0};
     ref_preference_tokens metered = {1, 2, logp, mask, NULL, NULL, means, entropy, correct};
     ref_preference_head(&metered, &o, 1.0, &r, NULL);
-    expect(r.metrics.entropy == 2.0 && r.metrics.mean_token_accuracy == 0.5, "current: entropy and token accuracy");
+    fd_expect(r.metrics.entropy == 2.0 && r.metrics.mean_token_accuracy == 0.5, "current: entropy and token accuracy");
     metered.mask = zeros;
     ref_preference_head(&metered, &o, 1.0, &r, NULL);
-    expect(r.metrics.entropy == 0.0 && r.metrics.mean_token_accuracy == 0.0 && r.metrics.logits_chosen == 0.0,
+    fd_expect(r.metrics.entropy == 0.0 && r.metrics.mean_token_accuracy == 0.0 && r.metrics.logits_chosen == 0.0,
            "current: metrics over no token are 0");
 
     /* aot sorts: 2 pairs of 1 token, c = (-1, -2), r = (-3, -1), ref_c = 0, ref_r = (-0.2, -0.5). c - r = (2, -1)
@@ -396,28 +354,28 @@ static void current_hand_checks(void)
     ref_preference_options_default(&o);
     o.loss_type = REF_PREFERENCE_AOT;
     ref_preference_head(&two, &o, 1.0, &r, g);
-    expect(close_to(r.loss, (log1p(exp(0.12)) + log1p(exp(-0.15))) / 2.0) &&
-               close_to(g[1], -0.05 / (1.0 + exp(-0.12))) && close_to(g[3], 0.05 / (1.0 + exp(-0.12))) &&
-               close_to(g[0], -0.05 / (1.0 + exp(0.15))),
+    fd_expect(fd_close_to(r.loss, (log1p(exp(0.12)) + log1p(exp(-0.15))) / 2.0, HAND_TOL) &&
+               fd_close_to(g[1], -0.05 / (1.0 + exp(-0.12)), HAND_TOL) && fd_close_to(g[3], 0.05 / (1.0 + exp(-0.12)), HAND_TOL) &&
+               fd_close_to(g[0], -0.05 / (1.0 + exp(0.15)), HAND_TOL),
            "current: aot sorts over the pairs");
 
     /* Refused: rpo_alpha (now sft), exo_pair without label smoothing, a list at v0.28 or for cpo, a v0.28 dpo type
      * beyond robust. */
     ref_preference_options_default(&o);
     o.rpo_alpha = 0.5;
-    expect(ref_preference_head(&tk, &o, 1.0, &r, NULL) == -2, "current: rpo_alpha is refused");
+    fd_expect(ref_preference_head(&tk, &o, 1.0, &r, NULL) == -2, "current: rpo_alpha is refused");
     ref_preference_options_default(&o);
     o.loss_type = REF_PREFERENCE_EXO_PAIR;
-    expect(ref_preference_head(&tk, &o, 1.0, &r, NULL) == -2, "current: exo_pair needs label smoothing");
+    fd_expect(ref_preference_head(&tk, &o, 1.0, &r, NULL) == -2, "current: exo_pair needs label smoothing");
     o.dpo_semantics = REF_PREFERENCE_TRL_0_28;
     o.label_smoothing = 0.1;
-    expect(ref_preference_head(&tk, &o, 1.0, &r, NULL) == -2, "v0.28: no exo_pair");
+    fd_expect(ref_preference_head(&tk, &o, 1.0, &r, NULL) == -2, "v0.28: no exo_pair");
     o.loss_type = REF_PREFERENCE_SIGMOID;
     o.count = 1;
     o.types[0] = REF_PREFERENCE_SIGMOID, o.weights[0] = 1.0;
-    expect(ref_preference_head(&tk, &o, 1.0, &r, NULL) == -2, "v0.28: no list");
+    fd_expect(ref_preference_head(&tk, &o, 1.0, &r, NULL) == -2, "v0.28: no list");
     o.loss = REF_PREFERENCE_CPO;
-    expect(ref_preference_head(&tk, &o, 1.0, &r, NULL) == -2, "cpo: no list");
+    fd_expect(ref_preference_head(&tk, &o, 1.0, &r, NULL) == -2, "cpo: no list");
 }
 
 /* TRL's current DPO: each loss type alone (label smoothing 0.1 where a type reads it, reference per sequence or per
@@ -457,7 +415,7 @@ int main(void)
 {
     hand_checks();
     current_hand_checks();
-    printf("hand-worked checks: %s\n", failures ? "FAIL" : "ok");
+    printf("hand-worked checks: %s\n", fd_failures ? "FAIL" : "ok");
     int index = 0;
     ref_preference_options o;
     for (int type = REF_PREFERENCE_SIGMOID; type <= REF_PREFERENCE_ROBUST; type++)
@@ -492,6 +450,6 @@ int main(void)
     o.loss = REF_PREFERENCE_ORPO;
     fd_case(index++, &o, REF_NONE);
     index = current_cases(index);
-    printf("%d finite-difference cases, %d failures\n", index, failures);
-    return failures ? 1 : 0;
+    printf("%d finite-difference cases, %d failures\n", index, fd_failures);
+    return fd_failures ? 1 : 0;
 }

@@ -1,6 +1,6 @@
 /* bf16 hidden states and weight: every cross-entropy option, both layouts, both schedules and their tile
  * edges, with fp32 or bf16 gradients and with fp32 dU, against the double reference run on the same
- * bf16-valued inputs (tolerances in ref/ce_case.c); and the dtype contract. In a build without oneDNN, bf16 must
+ * bf16-valued inputs (tolerances in tests/cases/ce_case.c); and the dtype contract. In a build without oneDNN, bf16 must
  * be refused with FH_ERR_INVALID_DTYPE. */
 #include "bf16.h"
 #include "ce_case.h"
@@ -75,7 +75,7 @@ static void test_tiles_and_beta(void)
 
 /* logit_scale (with and without softcap), DFT, the entropy and the correct count in bf16: both layouts, every
  * reduction, fp32 and bf16 gradients, through check_schedules (streaming over edge tiles, three row blocks, beta 1)
- * and the train step's streaming fallback under a small budget. Tolerances: ce_metrics_pass (ref/ce_case.c: the
+ * and the train step's streaming fallback under a small budget. Tolerances: ce_metrics_pass (tests/cases/ce_case.c: the
  * bf16 gradient bounds plus CE_DFT_REL_TOL with DFT). */
 static void test_logit_scale_dft_entropy(void)
 {
@@ -130,7 +130,7 @@ static void test_bf16_gradients_are_rounded_fp32(void)
     uint64_t rng = 5;
     uint16_t x[N * H];
     for (int i = 0; i < N * H; i++)
-        x[i] = bf16_from_float((float)(2.0 * ce_uniform(&rng) - 1.0));
+        x[i] = bf16_from_float((float)(2.0 * ref_uniform(&rng) - 1.0));
     int64_t targets[N];
     for (int i = 0; i < N; i++)
         targets[i] = (i * 53) % V;
@@ -144,7 +144,7 @@ static void test_bf16_gradients_are_rounded_fp32(void)
         float dx32[N * H], lse[N];
         for (int64_t j = 0; j < V; j++)
             for (int64_t h = 0; h < H; h++)
-                w[h * sh + j * sv] = bf16_from_float((float)(0.6 * ce_uniform(&rng) - 0.3));
+                w[h * sh + j * sv] = bf16_from_float((float)(0.6 * ref_uniform(&rng) - 0.3));
         fh_linear lin;
         fh_linear_init(&lin, N, H, V, x, w, FH_LAYOUT_HV, NULL);
         lin.w_stride_hidden = sh;
@@ -235,7 +235,7 @@ static void test_queried_workspace_serves_bf16_gradients(void)
  * [V, H] the first two and the block fit in a bf16 or fp32 dweight, the last chunk stays in the workspace; with
  * [H, V] only the block does; with beta 1 nothing does. At N = 240 (H < N < 2 H) the chunks fit in an fp32
  * dweight only. Under a 1 MiB budget, which cannot hold the block or the dU (4.6 MiB), the step runs in row blocks
- * with them in dweight, and streams with beta 1. Each against the reference (the tolerances of ref/ce_case.c for
+ * with them in dweight, and streams with beta 1. Each against the reference (the tolerances of tests/cases/ce_case.c for
  * the gradients' dtype), in one row block and in three. */
 static void test_scratch_in_dweight(void)
 {
@@ -429,9 +429,9 @@ static void test_nonfinite_bf16(void)
     uint16_t x[N * H], w[H * V];
     uint64_t rng = 77;
     for (int i = 0; i < N * H; i++)
-        x[i] = bf16_from_float((float)(2.0 * ce_uniform(&rng) - 1.0));
+        x[i] = bf16_from_float((float)(2.0 * ref_uniform(&rng) - 1.0));
     for (int i = 0; i < H * V; i++)
-        w[i] = bf16_from_float((float)(2.0 * ce_uniform(&rng) - 1.0));
+        w[i] = bf16_from_float((float)(2.0 * ref_uniform(&rng) - 1.0));
     const int64_t targets[N] = {0, 1, 2, 3, 4};
     fh_ce_options o;
     fh_ce_options_init(&o);

@@ -10,7 +10,7 @@
  * each used by two rows so that the rows also cross tile_rows = 3. Plain and with every option that
  * reads per-column data (class weights, label smoothing) or transforms logits (softcap, z-loss);
  * mean and none, both layouts, separate calls and the train step (which spans the whole vocabulary
- * per row block, so there only the row edges are exercised). Tolerances: ce_metrics_pass (ref/ce_case.c). */
+ * per row block, so there only the row edges are exercised). Tolerances: ce_metrics_pass (tests/cases/ce_case.c). */
 static void test_targets_on_tile_boundaries(void)
 {
     static const struct {
@@ -67,7 +67,7 @@ static void test_argmax_ties_across_tiles(void)
     uint64_t rng = 99;
     for (int64_t i = 0; i < N; i++) {
         for (int64_t j = 0; j < V; j++)
-            logits[i * V + j] = maxima[i][0] == -2 ? 0.5f : (float)(-ce_uniform(&rng));
+            logits[i * V + j] = maxima[i][0] == -2 ? 0.5f : (float)(-ref_uniform(&rng));
         for (int k = 0; k < 4 && maxima[i][k] >= 0; k++)
             logits[i * V + maxima[i][k]] = 2.0f;
     }

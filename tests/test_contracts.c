@@ -61,11 +61,11 @@ static void fixture_init(void *fixture_)
     tu_fill_uniform(f->in.x, N * H, &rng, -1.0, 1.0);
     tu_fill_uniform(f->in.weight, H * V, &rng, -1.0, 1.0);
     for (int j = 0; j < V; j++) {
-        f->in.bias[j] = (float)(ce_uniform(&rng) - 0.5);
-        f->in.class_weights[j] = (float)(0.5 + ce_uniform(&rng));
+        f->in.bias[j] = (float)(ref_uniform(&rng) - 0.5);
+        f->in.class_weights[j] = (float)(0.5 + ref_uniform(&rng));
     }
     for (int i = 0; i < N; i++) {
-        f->in.targets[i] = (int64_t)(ce_uniform(&rng) * V);
+        f->in.targets[i] = (int64_t)(ref_uniform(&rng) * V);
         f->in.grad_output[i] = 1.0f;
     }
     f->in.targets[1] = -100;

@@ -106,7 +106,7 @@ static void test_reused_and_caller_workspaces(void)
             TU_CHECK(d1 == NULL, "reduction %d, train step %d: %s differs on a reused context", (int)reductions[r],
                      train_step, d1 ? d1 : "");
             /* The split backward skips the ignored rows on the library's workspace and not on a caller's, where it
-             * allocates nothing (src/counted_rows.h): every per-row result is still bitwise the same, and dweight and
+             * allocates nothing (src/heads/counted_rows.h): every per-row result is still bitwise the same, and dweight and
              * dbias sum the same terms without the zeros, in another grouping, so they agree to 1e-6 normwise
              * (measured 8e-8; dbias bitwise) instead of bitwise. */
             const int compacted = !train_step;

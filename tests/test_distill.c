@@ -27,14 +27,14 @@
  *   per_token_loss: |f - r| <= DISTILL_TOKEN_TOL (1 + |r|), 1e-5 [3.9e-7]: the same per-token error, plus fp32
  *     storage (2^-24).
  *   dx, dweight, dbias: normwise relative DISTILL_GRAD_TOL = 1e-5 [3.9e-6, jsd at temperature 0.7], CE's bound
- *     (ref/ce_case.c): dU = g (w_s dD/ds / T + w_h (softmax(u) - onehot)) is formed in fp32 from the same fp32
+ *     (tests/cases/ce_case.c): dU = g (w_s dD/ds / T + w_h (softmax(u) - onehot)) is formed in fp32 from the same fp32
  *     log-probabilities (reverse kl's p (log p - log q - D) and jsd's (1 - beta) p (log p - log m - K) subtract values
  *     of a few units to get less than one: ~1e-6 relative, the most for jsd), then two fp32 GEMMs (~sqrt(K) 2^-24
  *     normwise).
  *   bf16 inputs: x and weight rounded to bf16 for both sides, so the loss keeps the fp32 tolerance (products of bf16
  *     values are exact in fp32); the gradient GEMMs read dU rounded once to bf16, whose unit roundoff 2^-8 bounds the
  *     normwise error: ce_grad_tolerance(DISTILL_GRAD_TOL, 1, grad dtype) = 4e-3 [2.4e-3], and + 2^-8 (8e-3) when the
- *     gradient itself is written in bf16 [3.0e-3], as test_bf16.c and ref/ce_case.c justify; dbias sums the f32 dU
+ *     gradient itself is written in bf16 [3.0e-3], as test_bf16.c and tests/cases/ce_case.c justify; dbias sums the f32 dU
  *     and keeps the fp32 bound [3.3e-6], + 2^-8 in bf16 [2.0e-3]. An fp32 student with a bf16 teacher keeps the fp32
  *     bounds (the teacher's logits are exact fp32 sums of bf16 products).
  * FH_TEST_VERBOSE=1 prints each test's largest errors (and as fractions of the tolerances), FH_TEST_VERBOSE=2 every
@@ -332,14 +332,14 @@ static void make_inputs(const dspec *s, dcase *c)
     head_make(&c->t, &rng, s->n, s->ht, s->vocab, s->t_layout, s->t_bias, s->t_pad, t_dtype, s->logit_scale);
     c->targets = tu_alloc((size_t)s->n, sizeof(int64_t));
     for (int64_t i = 0; i < s->n; i++) {
-        c->targets[i] = (int64_t)(ce_uniform(&rng) * (double)s->vocab);
-        if (ce_uniform(&rng) < 0.2)
+        c->targets[i] = (int64_t)(ref_uniform(&rng) * (double)s->vocab);
+        if (ref_uniform(&rng) < 0.2)
             c->targets[i] = s->o.ignore_index;
     }
     c->targets[0] = s->vocab - 1; /* the last column (the edge tile's) counts */
     c->grad_output = tu_alloc((size_t)s->n, sizeof(float));
     for (int64_t i = 0; i < s->n; i++)
-        c->grad_output[i] = s->varied_grad ? (float)(3.0 * ce_uniform(&rng) - 1.5) : s->grad_value;
+        c->grad_output[i] = s->varied_grad ? (float)(3.0 * ref_uniform(&rng) - 1.5) : s->grad_value;
 }
 
 static double loss_err(double f, double r)
@@ -833,7 +833,7 @@ static void fixture_init(void *fixture_)
     tu_fill_uniform(f->in.bt, V, &rng, -0.5, 0.5);
     tu_fill_uniform(f->in.grad_output, N, &rng, -1.5, 1.5);
     for (int i = 0; i < N; i++)
-        f->in.targets[i] = (int64_t)(ce_uniform(&rng) * V);
+        f->in.targets[i] = (int64_t)(ref_uniform(&rng) * V);
     f->in.targets[2] = -100;
     fh_linear_init(&f->student, N, HS, V, f->in.xs, f->in.ws, FH_LAYOUT_HV, f->in.bs);
     fh_linear_init(&f->teacher, N, HT, V, f->in.xt, f->in.wt, FH_LAYOUT_VH, f->in.bt);

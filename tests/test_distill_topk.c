@@ -108,7 +108,7 @@ static void problem_make(problem *p, const spec *s)
     for (int64_t i = 0; i < N; i++) {
         double max = -INFINITY, sum = 0.0;
         for (int64_t j = 0; j < V; j++)
-            max = fmax(max, lp[j] = 2.0 * 1.7320508075688772 * (2.0 * ce_uniform(&rng) - 1.0));
+            max = fmax(max, lp[j] = 2.0 * 1.7320508075688772 * (2.0 * ref_uniform(&rng) - 1.0));
         for (int64_t j = 0; j < V; j++)
             sum += exp(lp[j] - max);
         for (int64_t j = 0; j < V; j++) {
@@ -130,11 +130,11 @@ static void problem_make(problem *p, const spec *s)
         p->ref_logprobs[e] = p->logprobs[e];
     p->targets = tu_alloc(N, sizeof(int64_t));
     for (int64_t i = 0; i < N; i++)
-        p->targets[i] = i == 2 || i == 9 || i == 17 ? s->o.ignore_index : (int64_t)(ce_uniform(&rng) * V);
+        p->targets[i] = i == 2 || i == 9 || i == 17 ? s->o.ignore_index : (int64_t)(ref_uniform(&rng) * V);
     p->targets[0] = V - 1; /* the last column counts */
     p->grad_output = tu_alloc(N, sizeof(float));
     for (int64_t i = 0; i < N; i++)
-        p->grad_output[i] = s->o.reduction == FH_REDUCTION_NONE ? (float)(3.0 * ce_uniform(&rng) - 1.5) : 1.3f;
+        p->grad_output[i] = s->o.reduction == FH_REDUCTION_NONE ? (float)(3.0 * ref_uniform(&rng) - 1.5) : 1.3f;
 }
 
 static void problem_free(problem *p)

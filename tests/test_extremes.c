@@ -117,7 +117,7 @@ static void test_target_200_below_max(void)
     uint64_t rng = 5;
     for (int64_t i = 0; i < N; i++) {
         for (int64_t j = 0; j < V; j++)
-            logits[i * V + j] = (float)(2.0 * ce_uniform(&rng) - 1.0);
+            logits[i * V + j] = (float)(2.0 * ref_uniform(&rng) - 1.0);
         logits[i * V + max_col[i]] = 100.0f;
         logits[i * V + target_col[i]] = -100.0f;
     }
@@ -161,7 +161,7 @@ static void test_logits_around_1e4(void)
     float logits[N * V];
     uint64_t rng = 11;
     for (int64_t j = 0; j < V; j++) {
-        const double u = ce_uniform(&rng);
+        const double u = ref_uniform(&rng);
         logits[0 * V + j] = (float)(2e4 * u - 1e4);          /* spread over [-1e4, 1e4] */
         logits[1 * V + j] = (float)(-1e4 - 4.0 * u);         /* all near -1e4 */
         logits[2 * V + j] = -1e4f;                           /* one at +1e4, the rest at -1e4 */

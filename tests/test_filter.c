@@ -1,6 +1,6 @@
 /* Gradient filtering (FH_PARAM_GRAD_FILTER_EPS) against the double reference filtered the same way
  * (ref/ref_filter.c: the softmax part of dU replaced by the tail estimate on the columns the call's tiles drop, the
- * target and c w terms kept), at the unfiltered tolerances of ref/ce_case.c: filtering changes what is computed, not how
+ * target and c w terms kept), at the unfiltered tolerances of tests/cases/ce_case.c: filtering changes what is computed, not how
  * accurately, so any term dropped or applied twice shows. The inputs are peaked (logits of typical size 10), the
  * row tiles 64 rows and eps 1e-3, so that most columns are dropped and a sizeable part kept (about 600 of a row
  * block's 5003, more than one gathered chunk of FH_FILTER_CHUNK): each case asserts that the skipped fraction of

@@ -72,13 +72,13 @@ static void fixture_init(void *fixture_)
     tu_fill_uniform(f->in.x, N * H, &rng, -1.0, 1.0);
     tu_fill_uniform(f->in.weight, H * V, &rng, -1.0, 1.0);
     for (int j = 0; j < V; j++)
-        f->in.bias[j] = (float)(ce_uniform(&rng) - 0.5);
+        f->in.bias[j] = (float)(ref_uniform(&rng) - 0.5);
     for (int i = 0; i < N; i++) {
-        f->in.ids[i] = (int64_t)(ce_uniform(&rng) * V);
+        f->in.ids[i] = (int64_t)(ref_uniform(&rng) * V);
         f->in.mask[i] = 1.0f;
-        f->in.old[i] = (float)(-2.0 + ce_uniform(&rng));
-        f->in.samp[i] = f->in.old[i] + (float)(0.2 * (ce_uniform(&rng) - 0.5));
-        f->in.ref[i] = (float)(-2.0 + ce_uniform(&rng));
+        f->in.old[i] = (float)(-2.0 + ref_uniform(&rng));
+        f->in.samp[i] = f->in.old[i] + (float)(0.2 * (ref_uniform(&rng) - 0.5));
+        f->in.ref[i] = (float)(-2.0 + ref_uniform(&rng));
     }
     f->in.mask[N - 1] = 0.0f;
     f->in.ids[N - 1] = -100;

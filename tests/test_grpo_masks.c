@@ -62,7 +62,7 @@ static void test_empty_rows_and_advantage_signs(void)
     gp_print_worst("grpo_masks");
 }
 
-/* The shared harness (ref/grpo_case, also behind fh_gradcheck) at B = 3, T = 9, H = 11, V = 37, tiles 4 x 16: it
+/* The shared harness (tests/cases/grpo_case, also behind fh_gradcheck) at B = 3, T = 9, H = 11, V = 37, tiles 4 x 16: it
  * leaves the last row empty, so that row's dx rows must be exactly 0 (beta-0 overwrite of NaN-filled buffers), and
  * its own tolerances must pass (grpo_metrics_pass: GRPO_LOSS_TOL, GRPO_METRIC_TOL, GRPO_GRAD_NORM_REL_TOL). */
 static void test_grpo_case_empty_last_row(void)

@@ -103,7 +103,7 @@ static void test_every_row_ignored_harness(void)
 
 /* Every other row ignored, under several ignore_index values (default, inside [0, V), negative other
  * than -100, above V): the ignored rows are exactly 0 in per_token_loss, logp and dx (or exactly 1 with
- * beta 1), and everything matches the reference (ce_metrics_pass, ref/ce_case.c). */
+ * beta 1), and everything matches the reference (ce_metrics_pass, tests/cases/ce_case.c). */
 static void test_some_rows_ignored(void)
 {
     enum { N = 13, H = 6, V = 23 };

@@ -1,7 +1,7 @@
 /* kto: the fused KTO head (fh_kto_forward, fh_kto_forward_backward) against the double-precision TRL-semantics
  * reference (ref/ref_kto.h):
  *   - both loss types, reference per sequence and per token, the KL term as a value and as log-ratios, unequal
- *     weights, in both schedules of the single-call step (ref/kto_case.c has the inputs and the tolerances);
+ *     weights, in both schedules of the single-call step (tests/cases/kto_case.c has the inputs and the tolerances);
  *   - grad_output scaling; gradient accumulation (beta 1);
  *   - edge batches (one-sided labels, every token masked, fractional mask weights, a negative KL mean) against the
  *     reference, and the metrics' NaN pattern;
@@ -241,7 +241,7 @@ static void fixture_init(void *fixture_)
     tu_fill_uniform(f->in.ref_per_token_logps, N, &rng, -2.5, -1.5);
     tu_fill_uniform(f->in.kl_logratios, B, &rng, -1.0, 2.0);
     for (int i = 0; i < N; i++) {
-        f->in.targets[i] = (int64_t)(ce_uniform(&rng) * V);
+        f->in.targets[i] = (int64_t)(ref_uniform(&rng) * V);
         f->in.mask[i] = (i / T) % 2 == 1 && i % T == T - 1 ? 0.0f : 1.0f;
     }
     static const uint8_t labels[B] = {1, 0, 0, 1};
@@ -301,7 +301,7 @@ static const cd_api api = {CD_FIXTURE(fixture), .init = fixture_init, .call = ca
                            .all = BOTH, .parts = parts, .part_count = TU_COUNT(parts)};
 
 /* The fixture's forward and single-call step against the reference on the same inputs, with kto_case's tolerances
- * (ref/kto_case.c); returns the reference's metrics. */
+ * (tests/cases/kto_case.c); returns the reference's metrics. */
 static ref_kto_metrics check_fixture(fixture *f, const char *label)
 {
     ref_kto_result r = {0};

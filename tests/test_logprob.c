@@ -1,4 +1,4 @@
-/* logprob: fh_logprob_* against the double reference (ref/logprob_case.c, tolerances there): temperatures 0.3, 1 and
+/* logprob: fh_logprob_* against the double reference (tests/cases/logprob_case.c, tolerances there): temperatures 0.3, 1 and
  * 2.5, the entropy and lse gradients on and off, ignored tokens, softcap and logit_scale, both layouts, forward +
  * backward and the single call (row blocks, and the streaming fallback under a small budget), edge tiles, beta 1,
  * fp32 and bf16 (bf16 gradients, fp32 dU); and the call contract. */

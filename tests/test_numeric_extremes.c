@@ -1,6 +1,6 @@
 /* Numerical extremes against the double reference (ref/).
  *
- * Generic tolerances (ref/ce_case.c, ref/grpo_case.c: loss relative 1e-6, gradients normwise relative
+ * Generic tolerances (tests/cases/ce_case.c, tests/cases/grpo_case.c: loss relative 1e-6, gradients normwise relative
  * 1e-5) apply to: V = 1 without options (the gradient is exactly 0); V = 1,000,003 with N = 3, H = 4;
  * label_smoothing = 1; softcap 1e-3 with logits of the cap's size (|u / cap| ~ 1); GRPO with V = 1 and
  * V = 1,000,003.
@@ -179,7 +179,7 @@ static void test_grpo_single_token(void)
     float x = 1.0f, w[V], old_logp, ref_logp, advantage, mask = 1.0f;
     uint64_t rng = 2600;
     for (int j = 0; j < V; j++)
-        w[j] = (float)(6.0 * ce_uniform(&rng) - 3.0);
+        w[j] = (float)(6.0 * ref_uniform(&rng) - 3.0);
     int64_t id = 123;
     double wd[V];
     for (int j = 0; j < V; j++)
@@ -361,7 +361,7 @@ static void check_elementwise(const float *logits, const int64_t *targets, int64
                 p.class_weights = malloc(sizeof(float) * (size_t)v);
                 uint64_t rng = 99;
                 for (int64_t j = 0; j < v; j++)
-                    p.class_weights[j] = (float)(0.5 + ce_uniform(&rng));
+                    p.class_weights[j] = (float)(0.5 + ref_uniform(&rng));
                 p.options.class_weights = p.class_weights;
             }
             for (int64_t i = 0; i < n; i++) {
@@ -393,7 +393,7 @@ static void test_vocab_one(void)
     int64_t targets[N] = {0};
     uint64_t rng = 2010;
     for (int i = 0; i < N; i++)
-        logits[i] = (float)(20.0 * ce_uniform(&rng) - 10.0);
+        logits[i] = (float)(20.0 * ref_uniform(&rng) - 10.0);
     const hand_options every = {0.1, 5.0, 1e-3, 1, 4};
     check_elementwise(logits, targets, N, 1, &every, "V = 1, smoothing, class weights, softcap 5, z-loss");
     const hand_options z_only = {0.0, 0.0, 1e-3, 0, -1};
@@ -408,9 +408,9 @@ static void test_tiny_softcap_saturated(void)
     int64_t targets[N];
     uint64_t rng = 2310;
     for (int64_t i = 0; i < N; i++) {
-        targets[i] = (int64_t)(ce_uniform(&rng) * V);
+        targets[i] = (int64_t)(ref_uniform(&rng) * V);
         for (int64_t j = 0; j < V; j++)
-            logits[i * V + j] = (float)(0.02 * (2.0 * ce_uniform(&rng) - 1.0) * (double)(i + 1) / N);
+            logits[i * V + j] = (float)(0.02 * (2.0 * ref_uniform(&rng) - 1.0) * (double)(i + 1) / N);
     }
     const hand_options cap = {0.0, 1e-3, 0.0, 0, -1};
     check_elementwise(logits, targets, N, V, &cap, "softcap 1e-3, |u / cap| up to 20");
@@ -425,7 +425,7 @@ static void test_single_token(void)
     float logits[V];
     uint64_t rng = 2400;
     for (int j = 0; j < V; j++)
-        logits[j] = (float)(6.0 * ce_uniform(&rng) - 3.0);
+        logits[j] = (float)(6.0 * ref_uniform(&rng) - 3.0);
     const int64_t target = 400;
     check_elementwise(logits, &target, 1, V, NULL, "N = 1");
     const hand_options every = {0.2, 10.0, 1e-3, 1, -1};
@@ -452,7 +452,7 @@ static void test_logits_times_1e3(void)
     uint64_t rng = 77;
     for (int64_t i = 0; i < N; i++)
         for (int64_t j = 0; j < V; j++)
-            logits[i * V + j] = (float)(2e3 * ce_uniform(&rng) - 1e3);
+            logits[i * V + j] = (float)(2e3 * ref_uniform(&rng) - 1e3);
     static const int64_t top[N] = {0, 15, 16, 40, 31, 7}, second[N] = {1, 16, 15, 39, 32, 33};
     for (int64_t i = 0; i < N; i++) {
         logits[i * V + top[i]] = (float)(1000.0 + 0.5 * (double)i);
@@ -478,7 +478,7 @@ static void test_target_probability_near_one(void)
         for (int64_t j = 0; j < V; j++) {
             const double c = log(tail / (double)(V - 1));
             /* rows 2 and 3: spread by +-1 around c (the tail's sum then differs slightly from 1e-7). */
-            logits[i * V + j] = j == targets[i] ? 0.0f : (float)(c + (i >= 2 ? 2.0 * ce_uniform(&rng) - 1.0 : 0.0));
+            logits[i * V + j] = j == targets[i] ? 0.0f : (float)(c + (i >= 2 ? 2.0 * ref_uniform(&rng) - 1.0 : 0.0));
         }
     check_elementwise(logits, targets, N, V, NULL, "target probability 1 - 1e-7");
     /* Report the measured relative errors of the loss and of dZ_y (dweight at (i, y)). */

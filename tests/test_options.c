@@ -2,7 +2,7 @@
  * pre-filled with NaN must be overwritten) and 1 (accumulate onto 1.0), both weight layouts, separate
  * forward + backward calls and the single-call train step (row blocks of 8 rows, and its streaming fallback under a
  * small budget for logit_scale and DFT); the entropy and correct-count outputs beside logit_scale and DFT.
- * Tolerances: ce_metrics_pass (justified in ref/ce_case.c; with token_scaling CE_DFT_REL_TOL is added to the loss's
+ * Tolerances: ce_metrics_pass (justified in tests/cases/ce_case.c; with token_scaling CE_DFT_REL_TOL is added to the loss's
  * and the gradients', the entropy's is CE_ENTROPY_ABS_TOL). */
 #include "ce_harness.h"
 

@@ -1,7 +1,7 @@
 /* preference: the fused preference head (fh_preference_forward, fh_preference_forward_backward) against the
  * double-precision TRL-semantics reference (ref/ref_preference.h):
  *   - every loss with every loss_type TRL gives it (dpo at TRL v0.28's semantics), reference modes, NLL weights and
- *     label smoothing, in both schedules of the single-call step (ref/preference_case.c has the inputs and the
+ *     label smoothing, in both schedules of the single-call step (tests/cases/preference_case.c has the inputs and the
  *     tolerances); dpo at TRL's current semantics: each of its 15 loss types alone and weighted lists, both
  *     schedules, its metrics (entropy, token accuracy, means over no token), its refusals;
  *   - the two schedules against each other; grad_output scaling; gradient accumulation (beta 1);
@@ -141,7 +141,7 @@ static void check_case(const preference_case_spec *s, const char *label)
 /* Every variant x reference mode (dpo: none, sequence, token) x NLL weight (rpo_alpha 0 / 0.5, cpo_alpha 0 / 1;
  * orpo: a second draw) x schedule = 66 problems; label smoothing (0.1, robust 0.2) on half of the sigmoid and
  * robust ones, beta 0.5 on a third of the non-simpo ones, grad_output -0.7 on a fifth, two threads with the default
- * tiles (row blocks) on a few. Tolerances: ref/preference_case.c. */
+ * tiles (row blocks) on a few. Tolerances: tests/cases/preference_case.c. */
 static void test_reference_matrix(void)
 {
     int k = 0;
@@ -424,7 +424,7 @@ static void fixture_init(void *fixture_)
     tu_fill_uniform(f->in.ref_logps, S, &rng, -7.0, -5.0);
     tu_fill_uniform(f->in.ref_per_token_logps, N, &rng, -2.5, -1.5);
     for (int i = 0; i < N; i++) {
-        f->in.targets[i] = (int64_t)(ce_uniform(&rng) * V);
+        f->in.targets[i] = (int64_t)(ref_uniform(&rng) * V);
         f->in.mask[i] = i >= B * T && i % T == T - 1 ? 0.0f : 1.0f;
     }
     f->in.targets[N - 1] = -100;
@@ -492,7 +492,7 @@ static const cd_api api = {CD_FIXTURE(fixture), .init = fixture_init, .call = ca
                            .all = BOTH, .parts = parts, .part_count = TU_COUNT(parts)};
 
 /* The fixture's call (the single-call step) against the reference on the same inputs, with preference_case's
- * tolerances (ref/preference_case.c): loss, metrics (NaN only against NaN), per-sequence and per-token outputs,
+ * tolerances (tests/cases/preference_case.c): loss, metrics (NaN only against NaN), per-sequence and per-token outputs,
  * gradients normwise. */
 static void check_fixture(fixture *f, const char *label)
 {
@@ -938,7 +938,7 @@ static void test_options_init_and_optional_outputs(void)
  * kinds with nca_pair; ipo + sigmoid_norm + discopop + apo_down with a negative weight; every pair-local type at
  * once), x both schedules (aot streams in either), reference per sequence, per token or none in turn, label
  * smoothing 0.1 (robust, exo_pair, aot read it; sigmoid no longer does), beta 0.5 on every third: 38 problems.
- * Tolerances: ref/preference_case.c. */
+ * Tolerances: tests/cases/preference_case.c. */
 static void test_current_matrix(void)
 {
     static const struct {

@@ -30,16 +30,16 @@ static void dproblem_make(dproblem *d, int options, int reduction, uint64_t seed
     uint64_t rng = seed;
     memset(d, 0, sizeof *d);
     for (int i = 0; i < N * H; i++)
-        d->x[i] = 2.0 * ce_uniform(&rng) - 1.0;
+        d->x[i] = 2.0 * ref_uniform(&rng) - 1.0;
     for (int i = 0; i < H * V; i++)
-        d->w[i] = 3.0 * (2.0 * ce_uniform(&rng) - 1.0); /* logits of size ~3 */
+        d->w[i] = 3.0 * (2.0 * ref_uniform(&rng) - 1.0); /* logits of size ~3 */
     for (int j = 0; j < V; j++) {
-        d->b[j] = ce_uniform(&rng) - 0.5;
-        d->cw[j] = 0.5 + ce_uniform(&rng);
+        d->b[j] = ref_uniform(&rng) - 0.5;
+        d->cw[j] = 0.5 + ref_uniform(&rng);
     }
     for (int i = 0; i < N; i++) {
-        d->t[i] = (int64_t)(ce_uniform(&rng) * V);
-        d->g[i] = 2.0 * ce_uniform(&rng) - 1.0;
+        d->t[i] = (int64_t)(ref_uniform(&rng) * V);
+        d->g[i] = 2.0 * ref_uniform(&rng) - 1.0;
     }
     d->g[0] = 0.75; /* serves mean and sum */
     /* logit_scale 0.7 with softcap 2.5: m u / c ~ 0.8, tanh well into its nonlinear range. */

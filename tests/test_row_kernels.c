@@ -1,4 +1,4 @@
-/* The row kernels themselves (src/row_kernels_impl.h): the set in use (FH_ROW_KERNELS, or the best set this CPU and
+/* The row kernels themselves (src/kernels/row_kernels_impl.h): the set in use (FH_ROW_KERNELS, or the best set this CPU and
  * build run) against double precision and against the portable set, kernel by kernel, on rows of odd lengths (every
  * vector tail). With FH_ROW_KERNELS=portable the comparisons are of the portable set with itself, and the exp sweep
  * checks libm's expf.
@@ -15,7 +15,7 @@
  *     differ between sets (fma against a product and a sum, 1 / (scale cap) against a division): 2^-20. */
 #include "test_util.h"
 
-#include "../src/row_kernels_impl.h"
+#include "../src/kernels/row_kernels_impl.h"
 
 #include <float.h>
 #include <math.h>

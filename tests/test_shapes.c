@@ -2,7 +2,7 @@
  * every size in {1, tile - 1, tile, tile + 1, odd primes} land on a different edge; both weight layouts,
  * with and without bias, 1 and 2 threads, separate forward + backward calls and the single-call train
  * step (row blocks across the whole vocabulary, or streaming when they do not fit).
- * Tolerances: ce_metrics_pass (justified in ref/ce_case.c). */
+ * Tolerances: ce_metrics_pass (justified in tests/cases/ce_case.c). */
 #include "ce_harness.h"
 
 #include <math.h>

@@ -133,5 +133,5 @@ int tu_mentions(const char *text, const char *word)
 void tu_fill_uniform(float *p, size_t count, uint64_t *rng, double lo, double hi)
 {
     for (size_t i = 0; i < count; i++)
-        p[i] = (float)(lo + (hi - lo) * ce_uniform(rng));
+        p[i] = (float)(lo + (hi - lo) * ref_uniform(rng));
 }

@@ -35,7 +35,7 @@ typedef struct tu_suite {
 #define TU_CANARY 0xA5
 void tu_fill_canary(void *p, size_t bytes);
 
-/* p[i] = lo + (hi - lo) u_i for u_i from ce_uniform(rng), i < count. */
+/* p[i] = lo + (hi - lo) u_i for u_i from ref_uniform(rng), i < count. */
 void tu_fill_uniform(float *p, size_t count, uint64_t *rng, double lo, double hi);
 
 /* calloc that aborts the run when memory runs out (count 0 allocates one element). */

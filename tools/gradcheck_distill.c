@@ -1,7 +1,7 @@
 /* fh_gradcheck --loss distill: the fused distillation head (fh_distill_forward, fh_distill_forward_backward) against
  * the double-precision reference ref_distill_linear (ref/ref_distill.h; TRL GKD / Liger semantics) on the same random
  * inputs: both heads' x in U(-1, 1) and weights scaled so that their logits have standard deviation --logit-scale
- * (default 2; ref/ce_case.c's ce_fill_linear), the teacher independent of the student; a fraction --ignore-frac of the
+ * (default 2; tests/cases/ce_case.c's ce_fill_linear), the teacher independent of the student; a fraction --ignore-frac of the
  * targets ignore_index (or no targets at all with --no-targets); grad_output --grad-output for mean and sum, U(-1.5,
  * 1.5) per token for none.
  *
@@ -15,7 +15,7 @@
  *     log-probabilities carry an absolute error of ~1e-6 whatever D's size; per_token_loss: 1e-5 (1 + |r|);
  *   dx, dweight, dbias: normwise relative 1e-5 (CE_GRAD_NORM_REL_TOL); with bf16 inputs (unless --fp32-du) dx and
  *     dweight take CE_BF16_GRAD_NORM_REL_TOL = 2^-8 ~ 4e-3 (dU rounded once to bf16), and bf16 gradients add 2^-8
- *     for their own rounding (ce_grad_tolerance, ref/ce_case.c).
+ *     for their own rounding (ce_grad_tolerance, tests/cases/ce_case.c).
  * jsd between nearly disjoint distributions (D close to its maximum, e.g. --logit-scale 3 --temperature 0.5) forms a
  * gradient that is a small difference of fp32 terms: its relative error then exceeds 1e-5 (tests/test_distill.c,
  * "jsd near its maximum"). */
@@ -315,15 +315,15 @@ static int run(void *check)
     head_make(&k->teacher, &rng, s, s->teacher_hidden, s->teacher_layout, s->teacher_bias);
     k->targets = gradcheck_calloc(n, sizeof(int64_t));
     for (size_t i = 0; i < n; i++) {
-        k->targets[i] = (int64_t)(ce_uniform(&rng) * (double)s->vocab);
-        if (ce_uniform(&rng) < s->ignore_frac)
+        k->targets[i] = (int64_t)(ref_uniform(&rng) * (double)s->vocab);
+        if (ref_uniform(&rng) < s->ignore_frac)
             k->targets[i] = s->options.ignore_index;
     }
     const int64_t *call_targets = s->no_targets ? NULL : k->targets;
     k->grad_output = gradcheck_calloc(n, sizeof(float));
     for (size_t i = 0; i < n; i++)
         k->grad_output[i] =
-            s->options.reduction == FH_REDUCTION_NONE ? (float)(3.0 * ce_uniform(&rng) - 1.5) : s->grad_output;
+            s->options.reduction == FH_REDUCTION_NONE ? (float)(3.0 * ref_uniform(&rng) - 1.5) : s->grad_output;
 
     /* The fused calls: fh_distill_forward, then fh_distill_forward_backward into NaN-filled gradients (beta 0 must
      * overwrite them). */

@@ -219,7 +219,7 @@ static void make_teacher(topk_check *c, uint64_t *rng)
     for (int64_t i = 0; i < s->n; i++) {
         double max = -INFINITY, sum = 0.0;
         for (int64_t j = 0; j < v; j++) {
-            lp[j] = s->logit_scale * 1.7320508075688772 * (2.0 * ce_uniform(rng) - 1.0); /* std logit_scale */
+            lp[j] = s->logit_scale * 1.7320508075688772 * (2.0 * ref_uniform(rng) - 1.0); /* std logit_scale */
             max = fmax(max, lp[j]);
         }
         for (int64_t j = 0; j < v; j++)
@@ -230,7 +230,7 @@ static void make_teacher(topk_check *c, uint64_t *rng)
         }
         sort_keys = lp;
         qsort(order, (size_t)v, sizeof(int64_t), by_logprob);
-        const int64_t padded = i % 5 == 3 && s->pad_frac > 0.0 ? k : (int64_t)(ce_uniform(rng) * s->pad_frac * (double)k);
+        const int64_t padded = i % 5 == 3 && s->pad_frac > 0.0 ? k : (int64_t)(ref_uniform(rng) * s->pad_frac * (double)k);
         for (int64_t e = 0; e < k; e++) {
             const int pad = e >= k - padded;
             c->ids[i * k + e] = pad ? 0 : order[e];
@@ -266,15 +266,15 @@ static int run(void *check)
     make_teacher(c, &rng);
     c->targets = gradcheck_calloc(n, sizeof(int64_t));
     for (size_t i = 0; i < n; i++) {
-        c->targets[i] = (int64_t)(ce_uniform(&rng) * (double)s->vocab);
-        if (ce_uniform(&rng) < s->ignore_frac)
+        c->targets[i] = (int64_t)(ref_uniform(&rng) * (double)s->vocab);
+        if (ref_uniform(&rng) < s->ignore_frac)
             c->targets[i] = s->options.ignore_index;
     }
     const int64_t *targets = s->no_targets ? NULL : c->targets;
     c->grad_output = gradcheck_calloc(n, sizeof(float));
     for (size_t i = 0; i < n; i++)
         c->grad_output[i] =
-            s->options.reduction == FH_REDUCTION_NONE ? (float)(3.0 * ce_uniform(&rng) - 1.5) : s->grad_output;
+            s->options.reduction == FH_REDUCTION_NONE ? (float)(3.0 * ref_uniform(&rng) - 1.5) : s->grad_output;
     const fh_topk_teacher teacher = {s->k, c->ids, c->logprobs};
 
     fh_context *ctx;

@@ -1,7 +1,7 @@
 /* fh_gradcheck --loss kto: the fused KTO head against the double-precision TRL-semantics reference. The single-call
  * step runs in row blocks of whole sequences when --tile-rows holds at least one sequence (T rows; the default does
  * at these sizes) and streams otherwise; the tolerances, printed with the results, are justified in
- * ref/kto_case.c. */
+ * tests/cases/kto_case.c. */
 #include "enum_options.h"
 #include "gradcheck_common.h"
 #include "gradcheck_kto.h"

@@ -1,6 +1,6 @@
 /* fh_gradcheck --loss logprob: the fused log-prob head against the double-precision reference (ref/ref_logprob.h):
  * logp, entropy and lse, and the gradients of sum g_logp logp + g_entropy H + g_lse lse for random upstream gradients;
- * the tolerances, printed with the results, are justified in ref/logprob_case.c. */
+ * the tolerances, printed with the results, are justified in tests/cases/logprob_case.c. */
 #include "gradcheck_common.h"
 #include "gradcheck_logprob.h"
 

@@ -1,7 +1,7 @@
 /* fh_gradcheck --loss dpo|orpo|simpo|cpo: the fused preference head against the double-precision TRL-semantics
  * reference. The single-call step runs in row blocks of whole pairs when --tile-rows holds at least one pair (2 T
  * rows; the default does at these sizes) and streams otherwise; the tolerances, printed with the results, are
- * justified in ref/preference_case.c. */
+ * justified in tests/cases/preference_case.c. */
 #include "enum_options.h"
 #include "gradcheck_common.h"
 #include "gradcheck_preference.h"

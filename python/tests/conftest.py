@@ -39,7 +39,7 @@ LOSS_RTOL_F32, GRAD_RTOL_F32 = 1e-5, 1e-4
 LOSS_RTOL_F64, GRAD_RTOL_F64 = 1e-6, 1e-5
 # The per-token entropy against float64: its error is sum_j p_j (z_j - sum p z) dz_j, at most the fp32 logit error
 # (~sqrt(H) 6e-8 |z| ~ 1e-6 at H = 24, |z| ~ 3-7) times the logits' spread (a few): ~5e-6 at worst here; 1e-5
-# absolute, as ref/ce_case.c's CE_ENTROPY_ABS_TOL for larger H.
+# absolute, as tests/cases/ce_case.c's CE_ENTROPY_ABS_TOL for larger H.
 ENTROPY_ATOL = 1e-5
 
 

@@ -3,7 +3,7 @@ computing in float64 on the same bf16 values (the bf16 tensors upcast exactly).
 
 Tolerances:
   - loss: the library's statistics are fp32/double and its logits exact bf16 products accumulated in f32
-    (tests/ref/ce_case.c), so its loss is within LOSS_RTOL_BF16 = 1e-5 relative of the float64 reference
+    (tests/cases/ce_case.c), so its loss is within LOSS_RTOL_BF16 = 1e-5 relative of the float64 reference
     (measured 5e-10 - 3e-8 by fh_gradcheck). The binding returns it in bf16, as F.cross_entropy does for bf16
     logits: `assert_rounds_from` checks the bf16 result is the rounding of a value within 1e-5 of the
     reference (rounding is monotone, so it lies between the roundings of reference -/+ 1e-5), i.e. the

@@ -7,7 +7,7 @@ Tolerances (the issue's acceptance bounds, and test_preference.py's / conftest.p
   - LOSS_TOL = 1e-5 relative for the loss and its soft / hard parts (fp32 inputs): the library runs fp32 GEMMs on
     the same fp32-representable inputs (about sqrt(H) * 6e-8 relative per logit) and keeps per-token statistics
     in double, but its per-element divergence terms (log p - log m, the mixture's log-add-exp) are formed in fp32
-    (src/distill.c), about 1e-7 relative of terms of order log V; D_i is O(0.1 - 1) on this data (independent
+    (src/heads/distill.c), about 1e-7 relative of terms of order log V; D_i is O(0.1 - 1) on this data (independent
     random heads), so the relative error stays near 1e-6.
   - GRAD_TOL = 1e-4 normwise for the student's dx, dweight, dbias (fp32): dU is formed in fp32 from those fp32
     terms, then the fp32 gradient GEMMs (sums over V or N) add their rounding.

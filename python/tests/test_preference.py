@@ -279,7 +279,7 @@ SCHEDULES = {  # T = 7, so a pair is 14 rows; n = 2B T = 42 rows of V = 517
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_schedules_and_negative_upstream(schedule):
-    """fh_preference_forward_backward's schedules (src/plan.c: row blocks need min(n, 256) full-vocabulary rows
+    """fh_preference_forward_backward's schedules (src/plan/plan.c: row blocks need min(n, 256) full-vocabulary rows
     in the budget, or an explicit tile_rows of whole pairs; otherwise it streams) give the reference's answers,
     here with an upstream gradient of -2.5 and two threads."""
     d = make_pairs(seed=8, bias=True, V=517)

@@ -4,8 +4,20 @@
 #ifndef FH_ENGINE_H
 #define FH_ENGINE_H
 
-#include "../plan.h"
-#include "../row_kernels.h"
+#include "plan/plan.h"
+#include "kernels/row_kernels.h"
+
+/* The logits as they are: no cap, scale 1 (fh_transform). */
+#define FH_IDENTITY_TRANSFORM {.softcap = 0.0f, .inv_temperature = 1.0f}
+
+/* s = softcap(logit_scale u) / temperature as the engine's transform: c tanh(m u / c) = m (c / m) tanh(u / (c / m)),
+ * so the transform caps at c / m and scales by m / T (rounded once to fp32 each). Every head's transform is one of
+ * these (cross-entropy's at temperature 1, GRPO's without softcap and scale) or the identity. */
+fh_transform fh_engine_transform_of(double temperature, double softcap, double logit_scale);
+/* The same after checking the three values are usable in fp32 (FH_ERR_INVALID_TEMPERATURE, FH_ERR_INVALID_SOFTCAP,
+ * FH_ERR_INVALID_LOGIT_SCALE); tf is written on success. */
+fh_status fh_engine_transform(fh_context *ctx, double temperature, double softcap, double logit_scale,
+                              fh_transform *tf);
 
 /* Per-token statistics of the transformed logits rows, as arrays of n; optional ones may be NULL. */
 typedef struct fh_token_stats {

@@ -1,12 +1,12 @@
 /* Inside the engine: a pass as its loops run it, with where its gradients go resolved once (fh_sinks), and the
  * products on those sinks that the streaming passes (streaming.c), the row blocks (row_blocks.c) and gradient
- * filtering (../filter/) share. */
+ * filtering (filter/) share. */
 #ifndef FH_ENGINE_PASS_H
 #define FH_ENGINE_PASS_H
 
 #include "engine.h"
 
-#include "../gemm/gemm.h"
+#include "gemm/gemm.h"
 
 /* Where the dx GEMMs write. */
 typedef enum fh_dx_sink {
@@ -189,7 +189,6 @@ fh_gemm_input fh_pass_x_transposed(const fh_pass *p, int64_t i0);
 fh_status fh_pass_add_dweight(const fh_pass *p, int prepare, int64_t tile_row, int64_t i0, int64_t nb, int64_t v0,
                               int64_t vb, int64_t j0, int64_t len, int accumulate);
 fh_status fh_pass_dweight_by_chunks(const fh_pass *p, int prepare);
-fh_status fh_pass_prepare(const fh_pass *p);
 void fh_round_into_bf16(const float *acc, int64_t acc_stride, uint16_t *out, int64_t out_stride, int64_t rows,
                         int64_t cols, int accumulate, int threads);
 void fh_copy_x_rows(const fh_pass *p, int64_t i0, int64_t nb);
@@ -197,6 +196,9 @@ void fh_write_bias_gradient(const fh_linear_grads *grads, const double *column, 
 void fh_add_column_sums(const float *tile, int64_t rows, int64_t cols, double *column, int threads);
 float *fh_companion_row(const fh_pass *p, const float *row);
 void fh_pair_rows(const fh_pass *p, float *row, int64_t v0, int64_t vb);
+
+/* ---- gradients.c ---- */
+fh_status fh_pass_prepare(const fh_pass *p);
 void fh_pass_row_gradient(const fh_pass *p, float *row, int64_t tile_row, int segment, int64_t vb, int64_t target,
                           const float *weights, const fh_coef *k);
 fh_status fh_pass_gradients(const fh_pass *p, int segment, int64_t tile_row, int64_t i0, int64_t nb, int64_t v0,

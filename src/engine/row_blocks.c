@@ -4,7 +4,7 @@
  * written directly. */
 #include "pass.h"
 
-#include "../filter/filter.h"
+#include "filter/filter.h"
 
 #include <math.h>
 

@@ -5,7 +5,7 @@
  * Also the target logits a streaming backward may need before its first tile (fh_engine_target_logits). */
 #include "pass.h"
 
-#include "../filter/filter.h"
+#include "filter/filter.h"
 
 #include <math.h>
 

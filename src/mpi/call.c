@@ -3,7 +3,7 @@
  * from reduced values, so that all of them return the same status), and the failure path. */
 #include "mpi_internal.h"
 
-#include "../context.h"
+#include "core/context.h"
 
 #include <math.h>
 #include <stdio.h>

@@ -3,8 +3,8 @@
  * gradient reductions. */
 #include "mpi_internal.h"
 
-#include "../ce_head.h"
-#include "../context.h"
+#include "heads/ce_head.h"
+#include "core/context.h"
 
 /* One call's state. */
 typedef struct ce_call {

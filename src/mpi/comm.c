@@ -1,7 +1,7 @@
 /* MPI helpers every file of the module uses: error messages, sums, splits. */
 #include "mpi_internal.h"
 
-#include "../context.h"
+#include "core/context.h"
 
 fh_status fhm_mpi_error(fh_context *ctx, int err, const char *what)
 {

@@ -2,9 +2,9 @@
  * all-reduced or reduce-scattered (fh_mpi_reduction). */
 #include "mpi_internal.h"
 
-#include "../context.h"
-#include "../linear.h"
-#include "../row_kernels.h"
+#include "core/context.h"
+#include "core/linear.h"
+#include "kernels/row_kernels.h"
 
 #include <limits.h>
 #include <stdlib.h>

@@ -2,7 +2,7 @@
  * name): this rank's shard, parameters, per-call scratch. */
 #include "mpi_internal.h"
 
-#include "../context.h"
+#include "core/context.h"
 
 #include <limits.h>
 #include <stdlib.h>

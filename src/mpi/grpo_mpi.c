@@ -4,8 +4,8 @@
  * statistics all-reduce per block, when every rank of the grid can; else it streams. */
 #include "mpi_internal.h"
 
-#include "../context.h"
-#include "../grpo_head.h"
+#include "core/context.h"
+#include "heads/grpo_head.h"
 
 #include <math.h>
 

@@ -5,9 +5,9 @@
  * statistics all-reduce per block, when every rank of the grid can; else it streams. */
 #include "mpi_internal.h"
 
-#include "../context.h"
-#include "../grpo_head.h"
-#include "../kto_head.h"
+#include "core/context.h"
+#include "heads/grpo_head.h"
+#include "heads/kto_head.h"
 
 typedef struct kto_call {
     fhm_call call;

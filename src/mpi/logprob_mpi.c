@@ -4,8 +4,8 @@
  * all-reduce per block, when every rank of the grid can; else it streams. */
 #include "mpi_internal.h"
 
-#include "../context.h"
-#include "../logprob_head.h"
+#include "core/context.h"
+#include "heads/logprob_head.h"
 
 #include <string.h>
 

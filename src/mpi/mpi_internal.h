@@ -8,7 +8,7 @@
 
 #include "fusedhead_mpi.h"
 
-#include "../engine/engine.h"
+#include "engine/engine.h"
 
 #define FH_MPI_PARAM_COUNT 3
 

@@ -174,14 +174,14 @@ void hu_grpo_problem_init(hu_grpo_problem *p, int64_t batch, int64_t seq, int64_
     ce_fill_linear(&rng, n, hidden, vocab, 3.0, p->x, p->weight, p->bias);
     const double base = -log((double)vocab);
     for (int64_t b = 0; b < batch; b++) {
-        const int64_t length = 1 + (int64_t)(ce_uniform(&rng) * (double)seq);
-        p->advantages[b] = (float)(2.0 * ce_uniform(&rng) - 1.0);
+        const int64_t length = 1 + (int64_t)(ref_uniform(&rng) * (double)seq);
+        p->advantages[b] = (float)(2.0 * ref_uniform(&rng) - 1.0);
         for (int64_t t = 0; t < seq; t++) {
             const int64_t i = b * seq + t;
             p->mask[i] = t < length ? 1.0f : 0.0f;
-            p->ids[i] = t >= length && ce_uniform(&rng) < 0.5 ? -100 : (int64_t)(ce_uniform(&rng) * (double)vocab);
-            p->old_logps[i] = (float)(base + 0.8 * (ce_uniform(&rng) - 0.5));
-            p->ref_logps[i] = (float)(base + 0.8 * (ce_uniform(&rng) - 0.5));
+            p->ids[i] = t >= length && ref_uniform(&rng) < 0.5 ? -100 : (int64_t)(ref_uniform(&rng) * (double)vocab);
+            p->old_logps[i] = (float)(base + 0.8 * (ref_uniform(&rng) - 0.5));
+            p->ref_logps[i] = (float)(base + 0.8 * (ref_uniform(&rng) - 0.5));
         }
     }
     fh_grpo_options_init(&p->options);
@@ -212,7 +212,7 @@ void hu_grpo_problem_init(hu_grpo_problem *p, int64_t batch, int64_t seq, int64_
     uint64_t sampling_rng = seed * 6151 + 43;
     p->sampling_logps = tu_alloc((size_t)n, sizeof(float));
     for (int64_t i = 0; i < n; i++)
-        p->sampling_logps[i] = p->old_logps[i] + (float)(0.2 * (ce_uniform(&sampling_rng) - 0.5));
+        p->sampling_logps[i] = p->old_logps[i] + (float)(0.2 * (ref_uniform(&sampling_rng) - 0.5));
     p->options.off_policy_mask_threshold = 0.0;
     /* KTO, from a generator of its own as well: labels alternate (both kinds in any batch of two or more). */
     uint64_t kto_rng = seed * 7727 + 61;
@@ -221,14 +221,14 @@ void hu_grpo_problem_init(hu_grpo_problem *p, int64_t batch, int64_t seq, int64_
     p->kto_labels = tu_alloc((size_t)batch, sizeof(uint8_t));
     p->kto_ref_logps = tu_alloc((size_t)batch, sizeof(float));
     p->kto_kl_logratios = tu_alloc((size_t)batch, sizeof(float));
-    p->kto_kl = (float)(0.5 * ce_uniform(&kto_rng));
+    p->kto_kl = (float)(0.5 * ref_uniform(&kto_rng));
     for (int64_t b = 0; b < batch; b++) {
         double sum = 0.0;
         for (int64_t t = 0; t < seq; t++)
             sum += (double)p->mask[b * seq + t] * (double)p->ref_logps[b * seq + t];
         p->kto_labels[b] = b % 2 == 0;
-        p->kto_ref_logps[b] = (float)(sum + 2.0 * ce_uniform(&kto_rng) - 1.0);
-        p->kto_kl_logratios[b] = (float)(ce_uniform(&kto_rng) - 0.3);
+        p->kto_ref_logps[b] = (float)(sum + 2.0 * ref_uniform(&kto_rng) - 1.0);
+        p->kto_kl_logratios[b] = (float)(ref_uniform(&kto_rng) - 0.3);
     }
 }
 

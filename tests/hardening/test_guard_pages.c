@@ -84,7 +84,7 @@ enum { G_X, G_W, G_B, G_CW, G_T, G_GRAD, G_LSE, G_LOGP, G_ENT, G_MASK, G_ADV, G_
 static float *fill(float *p, size_t count, uint64_t *rng, double scale, double offset)
 {
     for (size_t i = 0; p && i < count; i++)
-        p[i] = (float)(offset + scale * (2.0 * ce_uniform(rng) - 1.0));
+        p[i] = (float)(offset + scale * (2.0 * ref_uniform(rng) - 1.0));
     return p;
 }
 
@@ -95,7 +95,7 @@ static void *fill_operand(guarded *g, size_t count, const guard_case *c, fh_dtyp
         return fill(guard_alloc(g, count * 4, c->tail), count, rng, 1.0, 0.0);
     uint16_t *h = guard_alloc(g, count * 2, c->tail);
     for (size_t i = 0; h && i < count; i++)
-        h[i] = bf16_from_float((float)(2.0 * ce_uniform(rng) - 1.0));
+        h[i] = bf16_from_float((float)(2.0 * ref_uniform(rng) - 1.0));
     return h;
 }
 
@@ -151,7 +151,7 @@ static int guarded_call(void *arg)
         if (!g[k].p)
             return 2;
     for (int64_t i = 0; i < n; i++) {
-        t[i] = i % 5 == 3 ? -100 : (int64_t)(ce_uniform(&rng) * (double)v);
+        t[i] = i % 5 == 3 ? -100 : (int64_t)(ref_uniform(&rng) * (double)v);
         mask[i] = i % 4 == 3 ? 0.0f : 1.0f;
     }
     for (int64_t s = 0; s < kto_batch; s++)

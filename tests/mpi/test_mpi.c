@@ -3,7 +3,7 @@
  * share: loss and metrics within 1e-6 relative, per-token outputs and gradients within 1e-5 normwise,
  * argmax exactly; bf16 inputs (a subset of the cases, where the library has oneDNN) against the single-process
  * bf16 result, gradients within 4e-3 normwise: shards change the GEMMs' shapes, and a logit one fp32 ulp apart
- * may round dZ to the neighbouring bf16 value (2^-8 relative, the bound of ref/ce_case.c); with bf16 gradients
+ * may round dZ to the neighbouring bf16 value (2^-8 relative, the bound of tests/cases/ce_case.c); with bf16 gradients
  * (summed in fp32 across ranks, rounded once) 2^-8 more, each element's own rounding. Layouts: vocab-parallel
  * over the world (uneven shards), data-parallel over the world
  * (uneven token batches), and a 2 x (size/2) grid when the size is even and >= 4.

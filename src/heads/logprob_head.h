@@ -1,0 +1,75 @@
+/* The log-prob head's pieces: per-token log-probs, entropies and log-sum-exps of a tempered head from the engine's
+ * statistics, in workspace slots that the GRPO head (grpo_head.h) shares, since its losses are functions of the
+ * same values; and the checks and coefficients of fh_logprob_* (logprob.c), for callers that drive the engine
+ * themselves (src/mpi/). */
+#ifndef FH_LOGPROB_HEAD_H
+#define FH_LOGPROB_HEAD_H
+
+#include "engine/engine.h"
+
+/* Workspace slots. The forward's statistics and the per-token values, then (backward) the coefficients: some slots
+ * change meaning between the passes, as their names say. */
+enum {
+    FH_LOGPROB_SLOT_LSE,
+    FH_LOGPROB_SLOT_Z_TARGET_THEN_A,
+    FH_LOGPROB_SLOT_G_LOGP_AS_B,
+    FH_LOGPROB_SLOT_SUM_EXP_THEN_C,
+    FH_LOGPROB_SLOT_G_ENTROPY_THEN_E,
+    FH_LOGPROB_SLOT_SUM_PZ,
+    FH_LOGPROB_SLOT_LOGP,
+    FH_LOGPROB_SLOT_ENTROPY,
+    FH_LOGPROB_SLOTS
+};
+_Static_assert(FH_LOGPROB_SLOTS <= FH_WORKSPACE_SLOTS, "the plan reserves too few workspace slots");
+
+/* An engine pass of transform tf over ids (shard-local ones with vocabulary parallelism); the caller adds stats, or
+ * coefs and grads. */
+fh_engine_pass fh_logprob_pass(const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin, const int64_t *ids,
+                               fh_transform tf);
+/* The engine's statistics arrays in the workspace (lse, z_target, sum_exp; sum_pz with entropy: without it the row
+ * blocks keep a row's exps for its gradient instead of recomputing them). */
+fh_token_stats fh_logprob_stats_in(const fh_workspace *ws, int entropy);
+/* logp (0 where the id is outside [0, vocab)) and, with entropy, the entropy of tokens [i0, i1) from the final
+ * statistics in the workspace, into its LOGP and ENTROPY slots. */
+void fh_logprob_token_values(const fh_workspace *ws, const int64_t *ids, int64_t i0, int64_t i1, int64_t vocab,
+                             int entropy);
+/* Saved lse and entropy (NULL: 0) into the workspace, with sum_pz = lse - entropy; and logp when given. */
+void fh_logprob_load_saved(const fh_workspace *ws, int64_t n, const float *logp, const float *lse,
+                           const float *entropy);
+
+/* The outputs of fh_logprob_*, from the workspace's slots; a row for which ignored() holds (targets given, target ==
+ * ignore_index) gets 0 in each. */
+typedef struct fh_logprob_rows {
+    const int64_t *targets; /* or NULL: every row counts */
+    int64_t ignore_index;
+} fh_logprob_rows;
+void fh_logprob_write_outputs(const fh_workspace *ws, int64_t n, fh_logprob_rows rows, float *logp, float *entropy,
+                              float *lse);
+
+/* ---- fh_logprob_* ---- */
+
+/* Shape, strides, finiteness (if asked), options (tf written); targets in [0, target_vocab) unless ignored
+ * (target_vocab <= 0: lin->vocab). */
+fh_status fh_logprob_check_call(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
+                                const fh_logprob_options *o, int64_t target_vocab, fh_transform *tf);
+
+/* The upstream gradients of a backward (each [N] or NULL), finite. */
+typedef struct fh_logprob_grads {
+    const float *logp, *entropy, *lse;
+} fh_logprob_grads;
+
+/* The upstream gradients finite and, for a call with gradients, grads valid (NULL refused); then no output (out's
+ * arrays, grads; either may be NULL) overlaps an input (targets, the saved lse and entropy, g's arrays, x, weight,
+ * bias), another output or the caller's workspace. */
+fh_status fh_logprob_check_backward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
+                                    const float *saved_lse, const float *saved_entropy, const fh_logprob_grads *g,
+                                    const fh_logprob_outputs *out, int gradients, const fh_linear_grads *grads);
+
+/* Row i's engine coefficients from its upstream gradients (0 for an ignored row):
+ * dZ_j = g_logp ([j = y] - p_j) - g_H p_j (z_j - sum_pz) + g_lse p_j: a = g_lse - g_logp, b = g_logp, e = -g_H. */
+void fh_logprob_coefficients(const fh_logprob_grads *g, fh_logprob_rows rows, int64_t i, fh_coef *k);
+/* Every row's, into the workspace's coefficient slots (lse and sum_pz already there). */
+fh_coef_arrays fh_logprob_coefs_in(const fh_workspace *ws, int64_t n, const fh_logprob_grads *g,
+                                   fh_logprob_rows rows);
+
+#endif

@@ -1,0 +1,19 @@
+/* fh_kernel_query: which kernels run, from the two layers that choose them (GEMM providers, row kernels), and what
+ * the environment forced that cannot run here. */
+#include "gemm/blis_provider.h"
+#include "gemm/gemm.h"
+#include "kernels/row_kernels.h"
+
+FH_API fh_status fh_kernel_query(fh_kernel_info *info)
+{
+    if (!info)
+        return FH_ERR_NULL_POINTER;
+    fh_blis_kernel_set(info);
+    info->elementwise = fh_row_kernels_name();
+    info->bf16_gemm = fh_gemm_bf16_provider();
+    info->bf16_path = fh_gemm_bf16_refusal()                      ? "refused"
+                      : fh_gemm_bf16_path() == FH_BF16_NATIVE ? "native"
+                                                              : "convert";
+    info->refusal = fh_row_kernels_refusal() ? fh_row_kernels_refusal() : fh_gemm_bf16_refusal();
+    return FH_OK;
+}
