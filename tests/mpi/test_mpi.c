@@ -289,6 +289,14 @@ static fh_linear shard_linear(const problem *p, int64_t n0, int64_t nr, int64_t 
     return l;
 }
 
+static int all_finite(const float *a, int64_t count)
+{
+    for (int64_t i = 0; i < count; i++)
+        if (!isfinite(a[i]))
+            return 0;
+    return 1;
+}
+
 /* Gradient buffers of the problem's shapes, prefilled (beta 1: known values; beta 0: NaN garbage). */
 typedef struct grads {
     float *dx, *dw, *db;
@@ -904,17 +912,20 @@ typedef struct logprob_case {
     int g_entropy, split, bias;
     fh_layout layout;
     int64_t ignore_index;
+    int cold; /* biases to +-150: at temperature 0.05, ignored rows' logits far past exp's range from lse 0 */
 } logprob_case;
 
 /* fh_mpi_logprob_* on this rank's tokens and shard against fh_logprob_forward_backward on the whole problem. */
 static void run_logprob(const config *cfg, const logprob_case *c, fh_dtype dtype)
 {
-    snprintf(case_name, sizeof case_name, "%s / logprob T=%g softcap=%g g_entropy=%d split=%d ignore=%lld%s",
+    snprintf(case_name, sizeof case_name, "%s / logprob T=%g softcap=%g g_entropy=%d split=%d ignore=%lld%s%s",
              cfg->name, c->temperature, c->softcap, c->g_entropy, c->split, (long long)c->ignore_index,
-             dtype == FH_DTYPE_BF16 ? " bf16" : "");
+             dtype == FH_DTYPE_BF16 ? " bf16" : "", c->cold ? " logits to +-160" : "");
     const int64_t n = 45, h = 16, v = 211;
     problem p;
     make_problem(&p, n, h, v, c->layout, 3000 + (uint64_t)(c->temperature * 10), dtype);
+    for (int64_t j = 0; c->cold && j < v; j++)
+        p.b[j] *= 500.0f;
     int64_t *targets = alloc((size_t)n, 8);
     float *g[3];
     for (int k = 0; k < 3; k++)
@@ -966,13 +977,21 @@ static void run_logprob(const config *cfg, const logprob_case *c, fh_dtype dtype
                                                      &out, &lg),
                      ctx);
     }
-    check_rows("logp", values, 1, ref_values + n0, 1, nr, 1, GRAD_TOL);
-    check_rows("entropy", values + nr, 1, ref_values + n + n0, 1, nr, 1, GRAD_TOL);
-    check_rows("lse", values + 2 * nr, 1, ref_values + 2 * n + n0, 1, nr, 1, GRAD_TOL);
-    check_rows("dx", mine.dx, h, ref.dx + n0 * h, h, nr, h, grad_tol(&p));
-    check_weight_shard("dweight", mine.dw, ref.dw, c->layout, h, v, off, vl, grad_tol(&p));
+    checks++;
+    const int64_t shard_elements = c->layout == FH_LAYOUT_VH ? vl * h : 0; /* the [V, H] shard is contiguous */
+    if (!all_finite(mine.dx, nr * h) || !all_finite(mine.dw + off * h, shard_elements) ||
+        (c->bias && !all_finite(mine.db + off, vl)))
+        FAIL("a gradient is not finite");
+    /* Logits s up to 3200: fp32 rounds s, and the lse the split call saves, by up to 3200 2^-24 = 1.9e-4 absolute,
+     * which is p's relative error (and the entropy's absolute one, lse - sum p s): 1e-3 there. */
+    const double value_tol = c->cold ? 1e-3 : GRAD_TOL, gtol = c->cold ? 1e-3 : grad_tol(&p);
+    check_rows("logp", values, 1, ref_values + n0, 1, nr, 1, value_tol);
+    check_rows("entropy", values + nr, 1, ref_values + n + n0, 1, nr, 1, value_tol);
+    check_rows("lse", values + 2 * nr, 1, ref_values + 2 * n + n0, 1, nr, 1, value_tol);
+    check_rows("dx", mine.dx, h, ref.dx + n0 * h, h, nr, h, gtol);
+    check_weight_shard("dweight", mine.dw, ref.dw, c->layout, h, v, off, vl, gtol);
     if (c->bias)
-        check_rows("dbias", mine.db + off, 1, ref.db + off, 1, vl, 1, dbias_tol(&p));
+        check_rows("dbias", mine.db + off, 1, ref.db + off, 1, vl, 1, c->cold ? gtol : dbias_tol(&p));
 
     fh_mpi_layout_destroy(L);
     fh_context_destroy(ctx);
@@ -995,11 +1014,14 @@ static void logprob_cases(const config *cfg)
     static const double temperatures[] = {0.3, 1.0, 2.5};
     for (int k = 0; k < 6; k++) {
         const logprob_case c = {temperatures[k % 3], k == 4 ? 5.0 : 0.0, k % 2, k / 3, k % 3 != 1,
-                                k % 2 ? FH_LAYOUT_HV : FH_LAYOUT_VH, k == 5 ? 0 : -100};
+                                k % 2 ? FH_LAYOUT_HV : FH_LAYOUT_VH, k == 5 ? 0 : -100, 0};
         run_logprob(cfg, &c, FH_DTYPE_F32);
         if (have_bf16() && k % 3 == 0)
             run_logprob(cfg, &c, FH_DTYPE_BF16);
     }
+    /* The split backward computes every row: ignored ones must not form p from the placeholder lse 0. */
+    const logprob_case cold = {0.05, 0.0, 1, 1, 1, FH_LAYOUT_VH, -100, 1};
+    run_logprob(cfg, &cold, FH_DTYPE_F32);
 }
 
 /* ---- agreement on errors ----------------------------------------------------------------------- */
