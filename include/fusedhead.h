@@ -172,8 +172,9 @@ typedef struct fh_tile_config {
 FH_API fh_status fh_context_add_wisdom(fh_context *ctx, const fh_tile_config *entry);
 /* Adds the entries of a wisdom file; path NULL reads $FH_WISDOM. */
 FH_API fh_status fh_context_load_wisdom(fh_context *ctx, const char *path);
-/* Writes every entry of the context to a wisdom file (a text file, one entry per line). */
-FH_API fh_status fh_context_save_wisdom(const fh_context *ctx, const char *path);
+/* Writes every entry of the context to a wisdom file (a text file, one entry per line); on failure
+ * FH_ERR_WISDOM_IO with the path and the system's reason in the context's message. */
+FH_API fh_status fh_context_save_wisdom(fh_context *ctx, const char *path);
 
 /* Describes the last error returned by a call on this context ("" after success). Valid until the next
  * call on the context. The workspace-size queries are pure and leave it unchanged. With ctx NULL: why this

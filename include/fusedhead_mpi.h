@@ -19,7 +19,12 @@
  * Conventions (beyond fusedhead.h's)
  *   - Every fh_mpi_* call taking a layout is collective over its communicators: every rank of the grid
  *     calls it, with the same options. If any rank fails its checks, every rank returns an error (its
- *     own status, or else the largest status of the others) and no output is modified.
+ *     own status, or else the largest status of the others) and no output is modified: a rank whose
+ *     argument is bad (a NULL context, lin, options, targets or batch included) still joins the others'
+ *     agreement before it returns. A NULL layout is the exception: it holds the communicators, so that
+ *     rank returns FH_ERR_NULL_POINTER alone and the others wait for it.
+ *   - Options and shapes are compared across the ranks by their exact encodings: values that differ in
+ *     any bit (-0.0 and 0.0, NaNs of other payloads) give FH_ERR_MPI_MISMATCH on every rank.
  *   - In a call, lin describes this rank: lin->n its tokens (the same on every rank of the vocab
  *     communicator), lin->vocab its shard's size (as given to fh_mpi_layout_create), lin->weight and
  *     lin->bias its shard. fh_ce_options.class_weights is this rank's shard of the weights ([lin->vocab]).
@@ -60,13 +65,15 @@ typedef struct fh_mpi_layout fh_mpi_layout;
  * parallelism of that kind. Both are duplicated (the caller's communicators may be freed afterwards).
  * local_vocab: this rank's shard size (>= 1); the shard's offset is the sum of the sizes of the lower
  * ranks of vocab_comm. Ranks of data_comm must hold the same shard (else FH_ERR_MPI_LAYOUT). With both
- * communicators, they must form a grid: every data_comm is made of one rank of each vocab_comm. */
+ * communicators, they must form a grid: every data_comm is made of one rank of each vocab_comm. A NULL
+ * layout or a local_vocab < 1 on any rank fails every rank (FH_ERR_NULL_POINTER, FH_ERR_INVALID_SIZE). */
 FH_MPI_API fh_status fh_mpi_layout_create(MPI_Comm vocab_comm, MPI_Comm data_comm, int64_t local_vocab,
                                           fh_mpi_layout **layout);
 
 /* Convenience: splits comm into a grid of vocab_ranks-wide vocab communicators (consecutive ranks, as
  * Megatron's tensor-parallel groups) and size/vocab_ranks-wide data communicators (FH_ERR_MPI_LAYOUT if
- * vocab_ranks does not divide the size). Collective over comm. */
+ * vocab_ranks does not divide the size, or differs across the ranks). Collective over comm; a NULL layout on
+ * any rank fails every rank. */
 FH_MPI_API fh_status fh_mpi_layout_create_grid(MPI_Comm comm, int vocab_ranks, int64_t local_vocab,
                                                fh_mpi_layout **layout);
 
@@ -191,7 +198,8 @@ FH_MPI_API fh_status fh_mpi_grpo_forward_backward(fh_context *ctx, fh_mpi_layout
  * KTO: fh_kto_* of fusedhead.h across the layout. With data parallelism each rank holds whole sequences (its
  * fh_kto_batch); the loss is that of the concatenated batch: B is the sum of the ranks' B, and kl_logratios are
  * averaged over every rank's sequences before the clamp (TRL's gather); a kl value must be the same on every rank.
- * The metrics are the whole batch's.
+ * The metrics are the whole batch's. KTO does not depend on T: data ranks may pad their sequences to different
+ * lengths (batch->seq, lin->n); the ranks of a vocab communicator hold the same tokens, so the same T.
  * ------------------------------------------------------------------------------------------- */
 FH_MPI_API fh_status fh_mpi_kto_forward(fh_context *ctx, fh_mpi_layout *layout, const fh_linear *lin,
                                         const fh_kto_batch *batch, const fh_kto_options *options, fh_kto_outputs *out);

@@ -574,6 +574,80 @@ static void test_contracts(void)
         }
 }
 
+/* Ignored rows at temperature 0.05, logits to +-160 (s to +-3200): a call that computes every row (a caller's
+ * workspace, gradient filtering on the context) gives finite gradients equal to the default context's, which compacts
+ * the ignored rows away: no ignored row's gradient is formed from a statistic it does not have (issue 41). dx bit for
+ * bit (a row's dx depends on its own logits only), dweight and dbias to fp32 summation order (1e-6 normwise, as the
+ * counted-rows comparisons). */
+static void test_ignored_rows_cold_temperature(void)
+{
+    enum { ROWS = 48, HID = 16, COLS = 300, K = 4 };
+    uint64_t rng = 4144;
+    float *x = tu_alloc(ROWS * HID, sizeof(float)), *w = tu_alloc(HID * COLS, sizeof(float));
+    float *b = tu_alloc(COLS, sizeof(float));
+    tu_fill_uniform(x, ROWS * HID, &rng, -1.0, 1.0);
+    tu_fill_uniform(w, HID * COLS, &rng, -0.5, 0.5);
+    tu_fill_uniform(b, COLS, &rng, -150.0, 150.0);
+    int64_t targets[ROWS], ids[ROWS * K];
+    float logprobs[ROWS * K];
+    for (int64_t i = 0; i < ROWS; i++) {
+        targets[i] = i % 3 == 0 ? -100 : (i * 31) % COLS;
+        for (int k = 0; k < K; k++) {
+            ids[i * K + k] = (i * 7 + k * 53) % COLS;
+            logprobs[i * K + k] = -0.5f - (float)k;
+        }
+    }
+    fh_linear student;
+    fh_linear_init(&student, ROWS, HID, COLS, x, w, FH_LAYOUT_VH, b);
+    const fh_topk_teacher teacher = {K, ids, logprobs};
+    fh_distill_topk_options o;
+    fh_distill_topk_options_init(&o);
+    o.temperature = 0.05;
+    o.weight_hard_loss = 0.5;
+    static const char *const names[3] = {"the default context", "a caller's workspace", "gradient filtering"};
+    const size_t counts[3] = {ROWS * HID, HID * COLS, COLS};
+    const float one = 1.0f;
+    float *grads[3][3];
+    for (int run = 0; run < 3; run++) {
+        for (int j = 0; j < 3; j++)
+            grads[run][j] = tu_alloc(counts[j], sizeof(float));
+        fh_context *ctx = tu_context(2, 0, 0, 0);
+        void *workspace = NULL;
+        size_t bytes = 0;
+        if (run == 1) {
+            TU_CHECK(fh_distill_topk_workspace_size(ctx, &student, &bytes) == FH_OK, "workspace size");
+            workspace = tu_alloc(bytes, 1);
+            TU_CHECK(fh_context_set_workspace(ctx, workspace, bytes) == FH_OK, "caller's workspace");
+        }
+        if (run == 2)
+            TU_CHECK(fh_context_set_real(ctx, FH_PARAM_GRAD_FILTER_EPS, 0x1.0p-28) == FH_OK, "filtering on");
+        double loss = 0.0;
+        fh_distill_outputs out = {.loss = &loss};
+        fh_linear_grads gr = {.dx = grads[run][0], .dx_row_stride = HID, .dweight = grads[run][1],
+                              .dbias = grads[run][2]};
+        const fh_status st = fh_distill_topk_forward_backward(ctx, &student, &teacher, targets, &o, &one, &out, &gr);
+        TU_CHECK(st == FH_OK, "%s: status %d", names[run], (int)st);
+        for (int j = 0; j < 3; j++)
+            TU_CHECK(tu_all_finite_f(grads[run][j], counts[j]), "%s: gradient %d finite", names[run], j);
+        if (run > 0) {
+            TU_CHECK(memcmp(grads[run][0], grads[0][0], counts[0] * sizeof(float)) == 0,
+                     "%s: dx bit for bit the default context's", names[run]);
+            for (int j = 0; j < 3; j++) {
+                const double d = tu_norm_rel_f(grads[run][j], grads[0][j], counts[j]);
+                TU_CHECK(d <= 1e-6, "%s: gradient %d %.2e normwise from the default context's", names[run], j, d);
+            }
+        }
+        fh_context_destroy(ctx);
+        free(workspace);
+    }
+    for (int run = 0; run < 3; run++)
+        for (int j = 0; j < 3; j++)
+            free(grads[run][j]);
+    free(x);
+    free(w);
+    free(b);
+}
+
 static const tu_test tests[] = {
     {"fused vs reference: tail x k x temperature x schedule (hard, reduction cycling)", test_reference_matrix},
     {"k = 1 without the tail is exactly 0, with zero gradients", test_k1_without_tail_is_zero},
@@ -583,5 +657,7 @@ static const tu_test tests[] = {
     {"every token ignored: loss 0, gradients 0", test_all_ignored},
     {"workspace: the query's size works (ignored entries unread), one byte less fails", test_workspace_query},
     {"contracts: status, message, untouched outputs", test_contracts},
+    {"ignored rows at temperature 0.05, logits to +-160: finite gradients in every schedule",
+     test_ignored_rows_cold_temperature},
 };
 const tu_suite suite_distill_topk = {tests, TU_COUNT(tests)};

@@ -6,6 +6,8 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 static const fh_reduction reductions[] = {FH_REDUCTION_MEAN, FH_REDUCTION_SUM, FH_REDUCTION_NONE};
 
@@ -146,9 +148,90 @@ static void test_some_rows_ignored(void)
             }
 }
 
+/* Ignored rows at logit_scale 20 (a temperature of 0.05), logits to +-160 (s to +-3200): a call that computes every
+ * row (a caller's workspace, gradient filtering) gives finite gradients equal to the default context's, which compacts
+ * the ignored rows away: no ignored row's gradient is formed from a statistic it does not have (issue 41). dx bit for
+ * bit (a row's dx depends on its own logits only), dweight and dbias to fp32 summation order (1e-6 normwise, as the
+ * counted-rows comparisons). */
+static void test_ignored_rows_cold_scale(void)
+{
+    enum { N = 48, H = 16, V = 300 };
+    uint64_t rng = 4142;
+    float *x = tu_alloc(N * H, sizeof(float)), *w = tu_alloc(H * V, sizeof(float)), *b = tu_alloc(V, sizeof(float));
+    tu_fill_uniform(x, N * H, &rng, -1.0, 1.0);
+    tu_fill_uniform(w, H * V, &rng, -0.5, 0.5);
+    tu_fill_uniform(b, V, &rng, -150.0, 150.0);
+    int64_t targets[N];
+    for (int64_t i = 0; i < N; i++)
+        targets[i] = i % 3 == 0 ? -100 : (i * 31) % V;
+    fh_linear lin;
+    fh_linear_init(&lin, N, H, V, x, w, FH_LAYOUT_VH, b);
+    fh_ce_options o;
+    fh_ce_options_init(&o);
+    o.logit_scale = 20.0;
+    const float one = 1.0f;
+    const size_t counts[3] = {N * H, H * V, V};
+    static const char *const names[3] = {"the default context", "a caller's workspace", "gradient filtering"};
+    for (int step = 0; step <= 1; step++) {
+        float *grads[3][3];
+        for (int run = 0; run < 3; run++) {
+            for (int j = 0; j < 3; j++)
+                grads[run][j] = tu_alloc(counts[j], sizeof(float));
+            fh_context *ctx = tu_context(2, 0, 0, 0);
+            void *workspace = NULL;
+            size_t bytes = 0;
+            if (run == 1) {
+                TU_CHECK((step ? fh_ce_forward_backward_workspace_size(ctx, &lin, &o, &bytes)
+                               : fh_ce_workspace_size(ctx, &lin, &o, &bytes)) == FH_OK,
+                         "workspace size");
+                workspace = tu_alloc(bytes, 1);
+                TU_CHECK(fh_context_set_workspace(ctx, workspace, bytes) == FH_OK, "caller's workspace");
+            }
+            if (run == 2)
+                TU_CHECK(fh_context_set_real(ctx, FH_PARAM_GRAD_FILTER_EPS, 0x1.0p-28) == FH_OK, "filtering on");
+            double loss = 0.0;
+            float lse[N];
+            fh_ce_outputs out = {.loss = &loss, .lse = step ? NULL : lse};
+            fh_linear_grads gr = {.dx = grads[run][0], .dx_row_stride = H, .dweight = grads[run][1],
+                                  .dbias = grads[run][2]};
+            fh_status st;
+            if (step) {
+                st = fh_ce_forward_backward(ctx, &lin, targets, &o, &one, &out, &gr);
+            } else {
+                st = fh_ce_forward(ctx, &lin, targets, &o, &out);
+                if (st == FH_OK)
+                    st = fh_ce_backward(ctx, &lin, targets, &o, lse, &one, &gr);
+            }
+            TU_CHECK(st == FH_OK, "%s, train step %d: status %d", names[run], step, (int)st);
+            for (int j = 0; j < 3; j++)
+                TU_CHECK(tu_all_finite_f(grads[run][j], counts[j]), "%s, train step %d: gradient %d finite",
+                         names[run], step, j);
+            if (run > 0) {
+                TU_CHECK(run == 2 || memcmp(grads[run][0], grads[0][0], counts[0] * sizeof(float)) == 0,
+                         "%s, train step %d: dx bit for bit the default context's", names[run], step);
+                for (int j = 0; j < 3; j++) {
+                    const double d = tu_norm_rel_f(grads[run][j], grads[0][j], counts[j]);
+                    TU_CHECK(d <= 1e-6, "%s, train step %d: gradient %d %.2e normwise from the default context's",
+                             names[run], step, j, d);
+                }
+            }
+            fh_context_destroy(ctx);
+            free(workspace);
+        }
+        for (int run = 0; run < 3; run++)
+            for (int j = 0; j < 3; j++)
+                free(grads[run][j]);
+    }
+    free(x);
+    free(w);
+    free(b);
+}
+
 static const tu_test tests[] = {
     {"every row ignored: exact zeros", test_every_row_ignored},
     {"every row ignored via ce_case (ignore_frac 1)", test_every_row_ignored_harness},
     {"some rows ignored, several ignore_index values", test_some_rows_ignored},
+    {"ignored rows at logit_scale 20, logits to +-160: finite gradients in every schedule",
+     test_ignored_rows_cold_scale},
 };
 const tu_suite suite_ignored = {tests, TU_COUNT(tests)};

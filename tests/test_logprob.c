@@ -231,6 +231,77 @@ static void test_counted_rows_bit_for_bit(void)
 }
 
 /* Bad arguments: each refused with its status, outputs untouched. */
+/* Ignored rows' lse is a placeholder (0): a backward that computes every row (a caller's workspace, gradient
+ * filtering) must not recompute their p = exp(s - lse) from it, which overflows once an ignored token's tempered logit
+ * passes ~88.7 (inf x the zero coefficient = NaN in dx, dweight and dbias). Temperature 0.05 with logits up to +-160
+ * (s up to +-3200): every gradient finite, and equal to the default context's, which compacts those rows away: dx bit
+ * for bit (a row's dx depends on its own logits only), dweight and dbias to fp32 summation order (1e-6 normwise, as in
+ * the counted-rows test; filtering at eps 2^-28 drops terms below 2^-28 of a row's scale: measured <= 1e-7 here). */
+static void test_ignored_rows_cold_temperature(void)
+{
+    enum { N = 48, H = 16, V = 300 };
+    uint64_t rng = 4141;
+    float *x = tu_alloc(N * H, sizeof(float)), *w = tu_alloc(H * V, sizeof(float)), *b = tu_alloc(V, sizeof(float));
+    tu_fill_uniform(x, N * H, &rng, -1.0, 1.0);
+    tu_fill_uniform(w, H * V, &rng, -1.0, 1.0);
+    tu_fill_uniform(b, V, &rng, -150.0, 150.0);
+    int64_t targets[N];
+    float g[3][N];
+    for (int64_t i = 0; i < N; i++)
+        targets[i] = i % 3 == 0 ? -100 : (i * 31) % V;
+    for (int j = 0; j < 3; j++)
+        tu_fill_uniform(g[j], N, &rng, -1.0, 1.0);
+    fh_linear lin;
+    fh_linear_init(&lin, N, H, V, x, w, FH_LAYOUT_VH, b);
+    fh_logprob_options o;
+    fh_logprob_options_init(&o);
+    o.temperature = 0.05;
+    const size_t counts[3] = {N * H, H * V, V};
+    float *grads[3][3];
+    static const char *const names[3] = {"the default context", "a caller's workspace", "gradient filtering"};
+    for (int run = 0; run < 3; run++) {
+        for (int j = 0; j < 3; j++)
+            grads[run][j] = tu_alloc(counts[j], sizeof(float));
+        fh_context *ctx = tu_context(2, 0, 0, 0);
+        void *workspace = NULL;
+        size_t bytes = 0;
+        if (run == 1) {
+            TU_CHECK(fh_logprob_workspace_size(ctx, &lin, &bytes) == FH_OK, "workspace size");
+            workspace = tu_alloc(bytes, 1);
+            TU_CHECK(fh_context_set_workspace(ctx, workspace, bytes) == FH_OK, "caller's workspace");
+        }
+        if (run == 2)
+            TU_CHECK(fh_context_set_real(ctx, FH_PARAM_GRAD_FILTER_EPS, 0x1.0p-28) == FH_OK, "filtering on");
+        float logp[N], entropy[N], lse[N];
+        fh_logprob_outputs out = {logp, entropy, lse};
+        fh_linear_grads gr = {.dx = grads[run][0], .dx_row_stride = H, .dweight = grads[run][1],
+                              .dbias = grads[run][2]};
+        fh_status st = fh_logprob_forward(ctx, &lin, targets, &o, &out);
+        if (st == FH_OK)
+            st = fh_logprob_backward(ctx, &lin, targets, &o, lse, entropy, g[0], g[1], g[2], &gr);
+        TU_CHECK(st == FH_OK, "%s: status %d", names[run], (int)st);
+        for (int j = 0; j < 3; j++)
+            TU_CHECK(tu_all_finite_f(grads[run][j], counts[j]), "%s: %s finite", names[run],
+                     j == 0 ? "dx" : j == 1 ? "dweight" : "dbias");
+        if (run > 0) {
+            TU_CHECK(run == 2 || memcmp(grads[run][0], grads[0][0], counts[0] * sizeof(float)) == 0,
+                     "%s: dx bit for bit the default context's", names[run]);
+            for (int j = 0; j < 3; j++) {
+                const double d = tu_norm_rel_f(grads[run][j], grads[0][j], counts[j]);
+                TU_CHECK(d <= 1e-6, "%s: gradient %d %.2e normwise from the default context's", names[run], j, d);
+            }
+        }
+        fh_context_destroy(ctx);
+        free(workspace);
+    }
+    for (int run = 0; run < 3; run++)
+        for (int j = 0; j < 3; j++)
+            free(grads[run][j]);
+    free(x);
+    free(w);
+    free(b);
+}
+
 static void test_contract(void)
 {
     enum { N = 5, H = 3, V = 11 };
@@ -322,6 +393,8 @@ static const tu_test tests[] = {
     {"softcap, logit_scale and ignored tokens", test_transforms_and_ignored},
     {"schedules, tiles, beta 1, bf16 gradients and fp32 dU", test_schedules},
     {"counted rows: per-row results bit for bit", test_counted_rows_bit_for_bit},
+    {"ignored rows at temperature 0.05, logits to +-160: finite gradients in every schedule",
+     test_ignored_rows_cold_temperature},
     {"call contract", test_contract},
 };
 const tu_suite suite_logprob = {tests, TU_COUNT(tests)};

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #define HEADER "fusedhead-wisdom 1\n"
@@ -19,7 +20,7 @@ static void write_file(char path[64], const char *text, size_t length)
     TU_CHECK(f && fwrite(text, 1, length, f) == length && fclose(f) == 0, "writing %s", path);
 }
 
-static int entries(const fh_context *ctx)
+static int entries(fh_context *ctx)
 {
     /* Probe through the public API: save, then count the entry lines. */
     char path[64];
@@ -85,6 +86,15 @@ static void test_refused(void)
     expect_refused("a malformed entry", malformed, strlen(malformed), FH_ERR_INVALID_WISDOM, ":2: malformed");
     const char nul[] = HEADER "2 128 64 1000 forward 64 512\0 junk\n";
     expect_refused("a NUL byte", nul, sizeof nul - 1, FH_ERR_INVALID_WISDOM, ":2: a NUL byte");
+    /* The same on an unterminated last line: what follows the NUL was dropped silently (issue 41). */
+    const char nul_last[] = HEADER "2 128 64 1000 forward 64 512\0 junk";
+    expect_refused("a NUL byte on an unterminated last line", nul_last, sizeof nul_last - 1, FH_ERR_INVALID_WISDOM,
+                   ":2: a NUL byte");
+    /* Numbers beyond int64 are malformed, not saturated to INT64_MAX (issue 41). */
+    const char huge[] = HEADER "2 100000000000000000000000 64 1000 forward 64 512\n";
+    expect_refused("n = 1e23", huge, sizeof huge - 1, FH_ERR_INVALID_WISDOM, ":2: malformed");
+    const char huge_tile[] = HEADER "2 128 64 1000 forward 64 -100000000000000000000000\n";
+    expect_refused("tile_vocab = -1e23", huge_tile, sizeof huge_tile - 1, FH_ERR_INVALID_WISDOM, ":2: malformed");
     /* A long comment: not split into a second, misreported line. */
     char long_line[700] = HEADER "#";
     memset(long_line + strlen(long_line), 'x', 600);
@@ -115,6 +125,53 @@ static void test_not_regular_files(void)
         fh_context_message(ctx, &msg);
         TU_CHECK(st == FH_ERR_WISDOM_IO && strstr(msg, paths[k]), "%s: status %d, message '%s'", paths[k], (int)st, msg);
     }
+    fh_context_destroy(ctx);
+}
+
+/* A FIFO without a writer: opening it for reading would block until one comes; the load refuses it at once, as does
+ * FH_WISDOM at context creation (issue 41). A watchdog turns a hang into a failed run. */
+static void test_fifo(void)
+{
+    char path[64];
+    snprintf(path, sizeof path, "/tmp/fh_wisdom_fifo_%ld", (long)getpid());
+    unlink(path);
+    TU_CHECK(mkfifo(path, 0600) == 0, "mkfifo %s", path);
+    fh_context *ctx = tu_context(0, 0, 0, 0);
+    alarm(30);
+    const fh_status st = fh_context_load_wisdom(ctx, path);
+    alarm(0);
+    const char *msg = "";
+    fh_context_message(ctx, &msg);
+    TU_CHECK(st == FH_ERR_WISDOM_IO && strstr(msg, path) && strstr(msg, "not a regular file"),
+             "a FIFO: status %d, message '%s'", (int)st, msg);
+    fh_context_destroy(ctx);
+    const char *saved = getenv("FH_WISDOM");
+    char *keep = saved ? strdup(saved) : NULL;
+    setenv("FH_WISDOM", path, 1);
+    fh_context *created = NULL;
+    alarm(30);
+    const fh_status create = fh_context_create(&created);
+    alarm(0);
+    TU_CHECK(create == FH_ERR_WISDOM_IO && !created, "FH_WISDOM=a FIFO: status %d", (int)create);
+    fh_context_destroy(created);
+    if (keep)
+        setenv("FH_WISDOM", keep, 1);
+    else
+        unsetenv("FH_WISDOM");
+    free(keep);
+    unlink(path);
+}
+
+/* A save that fails says why, with the path (issue 41: it returned FH_ERR_WISDOM_IO with no message). */
+static void test_save_failure(void)
+{
+    fh_context *ctx = tu_context(0, 0, 0, 0);
+    const char *path = "/nonexistent/fh.wisdom", *msg = "";
+    const fh_status st = fh_context_save_wisdom(ctx, path);
+    fh_context_message(ctx, &msg);
+    TU_CHECK(st == FH_ERR_WISDOM_IO && strstr(msg, path) && strstr(msg, "cannot open"),
+             "save to %s: status %d, message '%s'", path, (int)st, msg);
+    TU_CHECK(fh_context_save_wisdom(ctx, NULL) == FH_ERR_NULL_POINTER, "save to NULL");
     fh_context_destroy(ctx);
 }
 
@@ -150,5 +207,7 @@ static const tu_test tests[] = {
     {"refused with path and line, adding nothing", test_refused},
     {"devices, directories and missing files end at once", test_not_regular_files},
     {"FH_WISDOM at fh_context_create", test_environment},
+    {"a FIFO without a writer ends at once (load and FH_WISDOM)", test_fifo},
+    {"a failed save says why", test_save_failure},
 };
 const tu_suite suite_wisdom = {tests, TU_COUNT(tests)};

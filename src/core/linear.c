@@ -99,6 +99,10 @@ fh_status fh_check_linear(fh_context *ctx, const fh_linear *lin)
         __builtin_mul_overflow(lin->hidden, lin->vocab, &product) ||
         __builtin_mul_overflow(lin->n, lin->hidden, &product))
         return fh_fail(ctx, FH_ERR_SIZE_OVERFLOW, "n, hidden and vocab products overflow 64 bits");
+    /* The heads' per-token arrays (targets, ids, the workspace's doubles) span n x 8 bytes. */
+    if (lin->n > PTRDIFF_MAX / (int64_t)sizeof(int64_t))
+        return fh_fail(ctx, FH_ERR_SIZE_OVERFLOW, "n = %lld: its per-token arrays' bytes (n x 8) overflow 64 bits",
+                       (long long)lin->n);
     fh_status st = check_dtypes(ctx, lin);
     const size_t element_size = dtype_bytes(lin->x_dtype);
     if (st == FH_OK)
@@ -225,8 +229,11 @@ fh_status fh_check_apart(fh_context *ctx, const fh_linear *lin, const fh_linear_
                          int output_count, const fh_buffer *inputs, int input_count)
 {
     fh_buffer outs[FH_MAX_BUFFERS + 4], others[FH_MAX_BUFFERS + 3];
-    memcpy(outs, outputs, (size_t)output_count * sizeof *outs);
-    memcpy(others, inputs, (size_t)input_count * sizeof *others);
+    /* outputs or inputs may be NULL with a count of 0 (the MPI calls): memcpy's arguments must not be NULL. */
+    if (output_count > 0)
+        memcpy(outs, outputs, (size_t)output_count * sizeof *outs);
+    if (input_count > 0)
+        memcpy(others, inputs, (size_t)input_count * sizeof *others);
     int n_out = output_count;
     if (grads) {
         grad_buffers(lin, grads, outs + n_out);

@@ -6,11 +6,13 @@
 #include "wisdom.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 static const char *call_names[] = {"forward", "backward", "train_step"};
 #define WISDOM_HEADER "fusedhead-wisdom 1"
@@ -45,9 +47,30 @@ FH_API fh_status fh_context_add_wisdom(fh_context *ctx, const fh_tile_config *en
     return FH_OK;
 }
 
+/* Whether the line's numbers (fields 1-4, 6 and 7) fit a long long: sscanf's %lld would saturate (1e23 as
+ * 100000000000000000000000 read as LLONG_MAX). */
+static int numbers_fit(const char *line)
+{
+    const char *p = line;
+    for (int field = 0; field < 7 && *p; field++) {
+        p += strspn(p, " \t");
+        if (field != 4) {
+            char *end;
+            errno = 0;
+            (void)strtoll(p, &end, 10);
+            if (errno == ERANGE)
+                return 0;
+        }
+        p += strcspn(p, " \t\r\n");
+    }
+    return 1;
+}
+
 /* Parses one entry line; returns 0 or -1. */
 static int parse_entry(const char *line, fh_tile_config *e)
 {
+    if (!numbers_fit(line))
+        return -1;
     char call[32], dtype[32];
     long long threads, n, hidden, vocab, rows, cols;
     char extra;
@@ -75,16 +98,20 @@ static fh_status parse_file(fh_context *ctx, FILE *f, const char *where, fh_tile
     char line[WISDOM_MAX_LINE + 2];
     fh_status st = FH_OK;
     *count = 0;
+    long start = ftell(f);
     while (st == FH_OK && fgets(line, sizeof line, f)) {
         line_number++;
-        /* fgets stops at a newline or a full buffer; short of both before the end, the line held a NUL. */
+        /* fgets stops at a newline, a full buffer or the end; fewer characters before the first NUL than it read
+         * (an unterminated last line included): the line held a NUL. */
         const size_t length = strlen(line);
+        const long end = ftell(f);
         const int complete = length > 0 && line[length - 1] == '\n';
         if (!complete && length == sizeof line - 1)
             return fh_fail(ctx, FH_ERR_INVALID_WISDOM, "%s:%d: line longer than %d bytes", where, line_number,
                            WISDOM_MAX_LINE);
-        if (!complete && !feof(f))
+        if (end - start != (long)length)
             return fh_fail(ctx, FH_ERR_INVALID_WISDOM, "%s:%d: a NUL byte (not a text file)", where, line_number);
+        start = end;
         const char *p = line + strspn(line, " \t");
         if (*p == '#' || *p == '\n' || *p == '\0')
             continue;
@@ -121,19 +148,28 @@ FH_API fh_status fh_context_load_wisdom(fh_context *ctx, const char *path)
         return fh_fail(ctx, FH_ERR_NULL_POINTER, "no wisdom path given and FH_WISDOM is not set");
     char where[320];
     snprintf(where, sizeof where, "%s%.300s", from_environment ? "FH_WISDOM=" : "", path);
-    FILE *f = fopen(path, "r");
-    if (!f)
+    /* O_NONBLOCK: opening a FIFO without a writer would block in open itself, before any check. Then only a
+     * regular file of bounded size: a device or a FIFO (/dev/zero, a pipe) would never end. */
+    const int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0)
         return fh_fail(ctx, FH_ERR_WISDOM_IO, "%s: cannot open: %s", where, strerror(errno));
-    /* Only a regular file of bounded size: a device or a FIFO (/dev/zero, a pipe) would never end. */
     struct stat info;
     fh_status st = FH_OK;
-    if (fstat(fileno(f), &info) != 0)
+    if (fstat(fd, &info) != 0)
         st = fh_fail(ctx, FH_ERR_WISDOM_IO, "%s: cannot stat: %s", where, strerror(errno));
     else if (!S_ISREG(info.st_mode))
         st = fh_fail(ctx, FH_ERR_WISDOM_IO, "%s: not a regular file", where);
     else if (info.st_size > WISDOM_MAX_BYTES)
         st = fh_fail(ctx, FH_ERR_INVALID_WISDOM, "%s: %lld bytes, more than a wisdom file's %ld", where,
                      (long long)info.st_size, WISDOM_MAX_BYTES);
+    FILE *f = st == FH_OK ? fdopen(fd, "r") : NULL;
+    if (st == FH_OK && !f)
+        st = fh_fail(ctx, errno == ENOMEM ? FH_ERR_OUT_OF_MEMORY : FH_ERR_WISDOM_IO, "%s: cannot open: %s", where,
+                     strerror(errno));
+    if (!f) {
+        close(fd);
+        return st;
+    }
     /* Parsed whole, then merged into a copy of the table: a malformed file, or one that would overflow the table,
      * adds nothing. */
     fh_tile_config entries[FH_WISDOM_CAPACITY];
@@ -162,13 +198,16 @@ FH_API fh_status fh_context_load_wisdom(fh_context *ctx, const char *path)
     return FH_OK;
 }
 
-FH_API fh_status fh_context_save_wisdom(const fh_context *ctx, const char *path)
+FH_API fh_status fh_context_save_wisdom(fh_context *ctx, const char *path)
 {
-    if (!ctx || !path)
+    if (!ctx)
         return FH_ERR_NULL_POINTER;
+    fh_clear_message(ctx);
+    if (!path)
+        return fh_fail(ctx, FH_ERR_NULL_POINTER, "no wisdom path given");
     FILE *f = fopen(path, "w");
     if (!f)
-        return FH_ERR_WISDOM_IO;
+        return fh_fail(ctx, FH_ERR_WISDOM_IO, "%.300s: cannot open for writing: %s", path, strerror(errno));
     int ok = fprintf(f, "# written by fusedhead: threads n hidden vocab call tile_rows tile_vocab [bf16]\n" WISDOM_HEADER
                         "\n") > 0;
     for (int k = 0; ok && k < ctx->wisdom_count; k++) {
@@ -177,8 +216,11 @@ FH_API fh_status fh_context_save_wisdom(const fh_context *ctx, const char *path)
                      (long long)e->hidden, (long long)e->vocab, call_names[e->call], (long long)e->tile_rows,
                      (long long)e->tile_vocab, e->dtype == FH_DTYPE_BF16 ? " bf16" : "") > 0;
     }
-    ok = (fclose(f) == 0) && ok;
-    return ok ? FH_OK : FH_ERR_WISDOM_IO;
+    const int error = errno;
+    const int closed = fclose(f) == 0;
+    if (!ok || !closed)
+        return fh_fail(ctx, FH_ERR_WISDOM_IO, "%.300s: cannot write: %s", path, strerror(ok ? errno : error));
+    return FH_OK;
 }
 
 const fh_tile_config *fh_wisdom_lookup(const fh_context *ctx, int64_t threads, int64_t n, int64_t hidden,

@@ -11,6 +11,7 @@
 #include "core/linear.h"
 
 #include <math.h>
+#include <stdint.h>
 #include <string.h>
 
 /* Workspace slots, [n] each. The running maxima become log-sum-exps when a row's pass ends; the sums of exps, no
@@ -258,6 +259,11 @@ static fh_status check_teacher(fh_context *ctx, const fh_linear *student, const 
     if (t->k < 1 || t->k > FH_DISTILL_TOPK_MAX_K)
         return fh_fail(ctx, FH_ERR_INVALID_DISTILL_OPTION, "the teacher's k = %lld is outside [1, %d]",
                        (long long)t->k, FH_DISTILL_TOPK_MAX_K);
+    /* Its [n, k] arrays' bytes (8 per id), before any entry is read or the overlap check sizes them. */
+    int64_t entries;
+    if (__builtin_mul_overflow(student->n, t->k, &entries) || entries > PTRDIFF_MAX / (int64_t)sizeof(int64_t))
+        return fh_fail(ctx, FH_ERR_SIZE_OVERFLOW, "the teacher's [n, k] = [%lld, %lld] arrays' bytes overflow 64 bits",
+                       (long long)student->n, (long long)t->k);
     for (int64_t i = 0; i < student->n; i++) {
         if (targets && targets[i] == o->ignore_index)
             continue;

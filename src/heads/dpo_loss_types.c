@@ -147,15 +147,42 @@ static double key_of(sort_key key, int64_t pairs, const double *l, const double 
     }
 }
 
-/* order[0 .. B): the pairs by ascending key, ties by index (an insertion sort: B is a micro-batch's pair count). */
+/* Whether pair a sorts before pair b: by ascending key, ties by index (so a total order, and the order a stable sort
+ * gives: -0.0 and 0.0 tie). */
+static int before(sort_key key, int64_t pairs, const double *l, const double *ref, int64_t a, int64_t b)
+{
+    const double ka = key_of(key, pairs, l, ref, a), kb = key_of(key, pairs, l, ref, b);
+    return ka < kb || (!(ka > kb) && a < b);
+}
+
+/* order[0 .. B): the pairs by ascending key, ties by index. A heap sort, O(B log B) in place (B may be a large
+ * batch's pair count; the order slots hold nothing else). */
 static void sort_pairs(sort_key key, int64_t pairs, const double *l, const double *ref, int64_t *order)
 {
-    for (int64_t k = 0; k < pairs; k++) {
-        const double v = key_of(key, pairs, l, ref, k);
-        int64_t j = k;
-        for (; j > 0 && key_of(key, pairs, l, ref, order[j - 1]) > v; j--)
-            order[j] = order[j - 1];
-        order[j] = k;
+    for (int64_t k = 0; k < pairs; k++)
+        order[k] = k;
+    for (int64_t end = pairs, start = pairs / 2; end > 1;) {
+        if (start > 0) {
+            start--; /* building the heap */
+        } else {
+            end--; /* the largest to the end */
+            const int64_t top = order[0];
+            order[0] = order[end];
+            order[end] = top;
+        }
+        for (int64_t root = start;;) { /* sift down within [0, end) */
+            int64_t child = 2 * root + 1;
+            if (child >= end)
+                break;
+            if (child + 1 < end && before(key, pairs, l, ref, order[child], order[child + 1]))
+                child++;
+            if (!before(key, pairs, l, ref, order[root], order[child]))
+                break;
+            const int64_t t = order[root];
+            order[root] = order[child];
+            order[child] = t;
+            root = child;
+        }
     }
 }
 

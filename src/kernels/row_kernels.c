@@ -182,6 +182,13 @@ void fh_row_fold(float *z, int64_t count, int64_t first_column, int64_t target_c
 void fh_row_gradient(float *z, int64_t count, int64_t target_column, const float *weights, const fh_coef *coef,
                      const fh_transform *tf, fh_row_marking *marking)
 {
+    /* A row whose coefficients are all 0 (an ignored or masked token) has dU = 0 whatever its p: set without
+     * computing p, whose lse may be a placeholder (an ignored row's saved lse is 0: exp(z - 0) overflows, and inf x 0
+     * would be NaN). Such a row marks nothing for filtering either. */
+    if (coef->a == 0.0 && coef->b == 0.0 && coef->c == 0.0 && coef->e == 0.0) {
+        memset(z, 0, (size_t)count * sizeof *z);
+        return;
+    }
     fh_row_kernels_in_use()->gradient(z, count, target_column, weights, coef, tf, marking);
 }
 

@@ -5,17 +5,18 @@
 
 #include "core/context.h"
 
-#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
 fh_status fhm_call_start(fhm_call *c, fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin, int entry)
 {
     memset(c, 0, sizeof *c);
-    if (!ctx || !L)
-        return FH_ERR_NULL_POINTER;
+    /* A NULL context still joins the agreement (fhm_call_agree), so that every rank fails; a NULL layout cannot: it
+     * holds the communicators. */
     c->L = L;
     c->ctx = ctx;
+    if (!ctx || !L)
+        return FH_ERR_NULL_POINTER;
     c->lin = lin;
     fhm_call_config(c, "the entry point", entry);
     fhm_call_config(c, "the stats collective", L->params[FH_MPI_PARAM_STATS_COLLECTIVE]);
@@ -30,23 +31,40 @@ fh_status fhm_call_start(fhm_call *c, fh_mpi_layout *L, fh_context *ctx, const f
     return FH_OK;
 }
 
-void fhm_call_config(fhm_call *c, const char *name, int64_t value)
+/* Appends a value's exact encoding (bits) of the given kind and scope. */
+static void add(fhm_call *c, const char *name, uint64_t bits, unsigned char kind, unsigned char vocab_only)
 {
     fhm_config *k = &c->config;
     if (k->count == FHM_CONFIG_MAX) /* a programming error: the tests' mismatch cases would miss a value */
         return;
     k->names[k->count] = name;
-    k->real[k->count] = 0;
-    k->values[k->count++] = value;
+    k->kind[k->count] = kind;
+    k->vocab_only[k->count] = vocab_only;
+    k->bits[k->count++] = bits;
+}
+
+void fhm_call_config(fhm_call *c, const char *name, int64_t value)
+{
+    add(c, name, (uint64_t)value, FHM_INTEGER, 0);
+}
+
+void fhm_call_config_vocab(fhm_call *c, const char *name, int64_t value)
+{
+    add(c, name, (uint64_t)value, FHM_INTEGER, 1);
 }
 
 void fhm_call_config_real(fhm_call *c, const char *name, double value)
 {
-    int64_t bits;
-    const double canonical = isnan(value) ? NAN : value; /* one NaN: any NaN means "unset" */
-    memcpy(&bits, &canonical, sizeof bits);
-    fhm_call_config(c, name, bits);
-    c->config.real[c->config.count - 1] = 1;
+    uint64_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    add(c, name, bits, FHM_DOUBLE, 0);
+}
+
+void fhm_call_config_float(fhm_call *c, const char *name, float value)
+{
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    add(c, name, bits, FHM_FLOAT, 0);
 }
 
 void fhm_call_config_grads(fhm_call *c, const fh_linear_grads *grads)
@@ -81,23 +99,38 @@ fh_status fhm_call_scratch(fhm_call *c, const int64_t *ids, size_t head_bytes)
     return FH_OK;
 }
 
-/* "name: A on one rank, B on another" for the first value of the configuration whose range [lo, hi] is not one
- * value, into message; 0 when every value agrees. */
-static int disagreement(const fhm_config *k, const int64_t *hi, const int64_t *neg_lo, char *message, size_t size)
+/* One value's encoding as the message shows it. */
+static void show(const fhm_config *k, int i, uint64_t bits, char *text, size_t size)
+{
+    if (k->kind[i] == FHM_INTEGER) {
+        snprintf(text, size, "%lld", (long long)(int64_t)bits);
+    } else if (k->kind[i] == FHM_DOUBLE) {
+        double v;
+        memcpy(&v, &bits, sizeof v);
+        snprintf(text, size, "%.17g (bits 0x%016llx)", v, (unsigned long long)bits);
+    } else {
+        const uint32_t b32 = (uint32_t)bits;
+        float v;
+        memcpy(&v, &b32, sizeof v);
+        snprintf(text, size, "%.9g (bits 0x%08lx)", (double)v, (unsigned long)b32);
+    }
+}
+
+/* "name: A on one rank, B on another" for the first value of the scope (vocab_only or not) whose encodings differ
+ * across the ranks, into message; 0 when every one agrees. hi and not_lo: the maxima of every value's bits and of
+ * their complements (~ of the minimum), as unsigned integers: no arithmetic on the encodings, so every bit pattern
+ * (-0.0, a NaN's payload, INT64_MIN) is its own value. */
+static int disagreement(const fhm_config *k, const uint64_t *hi, const uint64_t *not_lo, int vocab_only,
+                        char *message, size_t size)
 {
     for (int i = 0; i < k->count; i++) {
-        const int64_t lo = -neg_lo[i];
-        if (lo == hi[i])
+        const uint64_t lo = ~not_lo[i];
+        if (k->vocab_only[i] != vocab_only || lo == hi[i])
             continue;
-        if (k->real[i]) {
-            double a, b;
-            memcpy(&a, &lo, sizeof a);
-            memcpy(&b, &hi[i], sizeof b);
-            snprintf(message, size, "%s: %g on one rank, %g on another", k->names[i], a, b);
-        } else {
-            snprintf(message, size, "%s: %lld on one rank, %lld on another", k->names[i], (long long)lo,
-                     (long long)hi[i]);
-        }
+        char a[64], b[64];
+        show(k, i, lo, a, sizeof a);
+        show(k, i, hi[i], b, sizeof b);
+        snprintf(message, size, "%s: %s on one rank, %s on another", k->names[i], a, b);
         return 1;
     }
     return 0;
@@ -106,41 +139,49 @@ static int disagreement(const fhm_config *k, const int64_t *hi, const int64_t *n
 /* fhm_call_agree without the cleanup. */
 static fh_status agree(fh_mpi_layout *L, fh_context *ctx, fh_status st, int64_t n, const fhm_config *config)
 {
-    /* Over vocab: the worst status, the range of n and of every configuration value; then the verdict and the
-     * ranges over data. On a grid this reaches every rank; every rank reduces the same FHM_CONFIG_MAX values
-     * (a failed rank's may be partial: they are compared only when every rank succeeded). */
+    /* Over vocab, as unsigned maxima: the worst status, n and ~n, every configuration value's bits and their
+     * complements (min = ~max(~bits)); then the verdict and the ranges over data. On a grid this reaches every rank;
+     * every rank reduces the same FHM_CONFIG_MAX values (a failed rank's may be partial: they are compared only when
+     * every rank succeeded). The vocab_only values (shapes of the tokens a vocab communicator shares) are compared
+     * over vocab only. */
     enum { K = FHM_CONFIG_MAX };
-    int64_t mine[3 + 2 * K] = {st, n, -n}, worst[3 + 2 * K];
+    uint64_t mine[3 + 2 * K] = {(uint64_t)st, (uint64_t)n, ~(uint64_t)n}, worst[3 + 2 * K];
     for (int i = 0; i < K; i++) {
-        mine[3 + i] = i < config->count ? config->values[i] : 0;
-        mine[3 + K + i] = -mine[3 + i];
+        mine[3 + i] = i < config->count ? config->bits[i] : 0;
+        mine[3 + K + i] = ~mine[3 + i];
     }
     memcpy(worst, mine, sizeof worst);
     int err = MPI_SUCCESS;
     if (L->vocab_ranks > 1)
-        err = MPI_Allreduce(mine, worst, 3 + 2 * K, MPI_INT64_T, MPI_MAX, L->vocab);
+        err = MPI_Allreduce(mine, worst, 3 + 2 * K, MPI_UINT64_T, MPI_MAX, L->vocab);
     if (err != MPI_SUCCESS)
         return fhm_mpi_error(ctx, err, "MPI_Allreduce (agreement)");
-    int64_t verdict = worst[0];
-    if (verdict == FH_OK && worst[1] != -worst[2])
+    char vocab_what[200];
+    uint64_t verdict = worst[0];
+    if (verdict == FH_OK && worst[1] != ~worst[2])
         verdict = FH_ERR_MPI_LAYOUT;
-    int64_t overall[1 + 2 * K];
+    else if (verdict == FH_OK && disagreement(config, worst + 3, worst + 3 + K, 1, vocab_what, sizeof vocab_what))
+        verdict = FH_ERR_MPI_MISMATCH;
+    uint64_t overall[1 + 2 * K];
     overall[0] = verdict;
-    memcpy(overall + 1, worst + 3, 2 * K * sizeof(int64_t));
+    memcpy(overall + 1, worst + 3, 2 * K * sizeof(uint64_t));
     if (L->data_ranks > 1)
-        err = MPI_Allreduce(MPI_IN_PLACE, overall, 1 + 2 * K, MPI_INT64_T, MPI_MAX, L->data);
+        err = MPI_Allreduce(MPI_IN_PLACE, overall, 1 + 2 * K, MPI_UINT64_T, MPI_MAX, L->data);
     if (err != MPI_SUCCESS)
         return fhm_mpi_error(ctx, err, "MPI_Allreduce (agreement)");
     if (st != FH_OK)
         return st;
     if (verdict == FH_ERR_MPI_LAYOUT && worst[0] == FH_OK)
         return fh_fail(ctx, FH_ERR_MPI_LAYOUT, "lin->n differs across the vocab communicator (%lld to %lld)",
-                       (long long)-worst[2], (long long)worst[1]);
+                       (long long)~worst[2], (long long)worst[1]);
+    if (verdict == FH_ERR_MPI_MISMATCH && worst[0] == FH_OK)
+        return fh_fail(ctx, FH_ERR_MPI_MISMATCH, "the ranks of the vocab communicator made this call with different "
+                       "configurations: %s", vocab_what);
     if (overall[0] != FH_OK)
         return fh_fail(ctx, (fh_status)overall[0], "another rank failed this call: %s",
                        fh_status_string((fh_status)overall[0]));
     char what[200];
-    if (disagreement(config, overall + 1, overall + 1 + K, what, sizeof what))
+    if (disagreement(config, overall + 1, overall + 1 + K, 0, what, sizeof what))
         return fh_fail(ctx, FH_ERR_MPI_MISMATCH, "the ranks made this call with different configurations: %s", what);
     return FH_OK;
 }

@@ -35,8 +35,6 @@ static void free_layout(fh_mpi_layout *L)
 FH_MPI_API fh_status fh_mpi_layout_create(MPI_Comm vocab_comm, MPI_Comm data_comm, int64_t local_vocab,
                                           fh_mpi_layout **layout)
 {
-    if (!layout)
-        return FH_ERR_NULL_POINTER;
     int initialized = 0, finalized = 0;
     MPI_Initialized(&initialized);
     MPI_Finalized(&finalized);
@@ -66,10 +64,11 @@ FH_MPI_API fh_status fh_mpi_layout_create(MPI_Comm vocab_comm, MPI_Comm data_com
     MPI_Comm_size(vocab, &vn);
     MPI_Comm_rank(data, &dr);
     MPI_Comm_size(data, &dn);
-    /* Over vocab: [failed, -local_vocab] max, sum of sizes, and the exclusive prefix sum. */
-    int64_t mine[2] = {L == NULL, -local_vocab}, worst[2];
+    /* Over vocab: [layout NULL, out of memory, a size < 1] max (a NULL layout joins too, so that every rank
+     * fails), sum of sizes, and the exclusive prefix sum. */
+    int64_t mine[3] = {layout == NULL, L == NULL, local_vocab < 1}, worst[3];
     int64_t total = 0, offset = 0, size = local_vocab > 0 ? local_vocab : 0;
-    err = MPI_Allreduce(mine, worst, 2, MPI_INT64_T, MPI_MAX, vocab);
+    err = MPI_Allreduce(mine, worst, 3, MPI_INT64_T, MPI_MAX, vocab);
     if (err == MPI_SUCCESS)
         err = MPI_Allreduce(&size, &total, 1, MPI_INT64_T, MPI_SUM, vocab);
     if (err == MPI_SUCCESS)
@@ -77,27 +76,26 @@ FH_MPI_API fh_status fh_mpi_layout_create(MPI_Comm vocab_comm, MPI_Comm data_com
     if (vr == 0)
         offset = 0; /* MPI_Exscan leaves rank 0's result undefined */
     fh_status st = err != MPI_SUCCESS ? FH_ERR_MPI
-                   : worst[0]         ? FH_ERR_OUT_OF_MEMORY
-                   : worst[1] >= 0    ? FH_ERR_INVALID_SIZE
+                   : worst[0]         ? FH_ERR_NULL_POINTER
+                   : worst[1]         ? FH_ERR_OUT_OF_MEMORY
+                   : worst[2]         ? FH_ERR_INVALID_SIZE
                                       : FH_OK;
-    /* Over data: the same shard everywhere ([offset, size, total, vocab ranks] min and max), the vocab
-     * communicator's verdict, and every rank's vocab communicator the same size. */
-    int64_t shard[5] = {offset, size, total, vn, st}, lo[5], hi[5];
+    /* Over data: the same shard everywhere ([offset, size, total, vocab ranks] min and max, as unsigned maxima of
+     * the values and of their complements), the vocab communicator's verdict, and every rank's vocab communicator
+     * the same size. */
+    enum { S = 5 };
+    uint64_t shard[2 * S] = {(uint64_t)offset, (uint64_t)size, (uint64_t)total, (uint64_t)vn, (uint64_t)st}, hi[2 * S];
+    for (int k = 0; k < S; k++)
+        shard[S + k] = ~shard[k];
     if (err == MPI_SUCCESS)
-        err = MPI_Allreduce(shard, hi, 5, MPI_INT64_T, MPI_MAX, data);
-    for (int k = 0; k < 5; k++)
-        shard[k] = -shard[k];
-    if (err == MPI_SUCCESS)
-        err = MPI_Allreduce(shard, lo, 5, MPI_INT64_T, MPI_MAX, data);
+        err = MPI_Allreduce(shard, hi, 2 * S, MPI_UINT64_T, MPI_MAX, data);
     if (err != MPI_SUCCESS)
         st = FH_ERR_MPI;
     else if (hi[4] != FH_OK)
-        st = (fh_status)hi[4];
-    else if (-lo[4] != FH_OK)
-        st = (fh_status)-lo[4];
+        st = (fh_status)hi[4]; /* the worst status of any vocab communicator */
     else
         for (int k = 0; k < 4; k++)
-            if (hi[k] != -lo[k])
+            if (hi[k] != ~hi[S + k])
                 st = FH_ERR_MPI_LAYOUT;
     /* The data verdict back over vocab, so that every rank of the grid agrees. */
     int64_t verdict = st, overall = st;
@@ -131,8 +129,6 @@ FH_MPI_API fh_status fh_mpi_layout_create(MPI_Comm vocab_comm, MPI_Comm data_com
 FH_MPI_API fh_status fh_mpi_layout_create_grid(MPI_Comm comm, int vocab_ranks, int64_t local_vocab,
                                                fh_mpi_layout **layout)
 {
-    if (!layout)
-        return FH_ERR_NULL_POINTER;
     int initialized = 0;
     MPI_Initialized(&initialized);
     if (!initialized || comm == MPI_COMM_NULL)
@@ -140,8 +136,16 @@ FH_MPI_API fh_status fh_mpi_layout_create_grid(MPI_Comm comm, int vocab_ranks, i
     int rank, size;
     MPI_Comm_rank(comm, &rank);
     MPI_Comm_size(comm, &size);
-    if (vocab_ranks < 1 || size % vocab_ranks != 0)
-        return FH_ERR_MPI_LAYOUT; /* every rank sees the same size: no collective needed to agree */
+    /* Agreed before the splits, which every rank must make alike: a NULL layout and vocab_ranks (valid, and the
+     * same on every rank: unsigned maxima of its bits and of their complements). */
+    const uint64_t ranks_bits = (uint64_t)(int64_t)vocab_ranks;
+    uint64_t args[4] = {layout == NULL, vocab_ranks < 1 || size % vocab_ranks != 0, ranks_bits, ~ranks_bits};
+    if (MPI_Allreduce(MPI_IN_PLACE, args, 4, MPI_UINT64_T, MPI_MAX, comm) != MPI_SUCCESS)
+        return FH_ERR_MPI;
+    if (args[0])
+        return FH_ERR_NULL_POINTER;
+    if (args[1] || args[2] != ~args[3])
+        return FH_ERR_MPI_LAYOUT;
     MPI_Comm vocab = MPI_COMM_NULL, data = MPI_COMM_NULL;
     int err = MPI_Comm_split(comm, rank / vocab_ranks, rank, &vocab);
     if (err == MPI_SUCCESS)

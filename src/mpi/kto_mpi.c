@@ -31,11 +31,12 @@ static fh_status begin(kto_call *c, int entry, fh_mpi_layout *L, fh_context *ctx
         fhm_call_config_real(call, "undesirable_weight", o->undesirable_weight);
     }
     if (st == FH_OK && bt) {
-        fhm_call_config(call, "the sequence length", bt->seq);
+        /* KTO does not depend on T: data ranks may pad their sequences to different lengths. */
+        fhm_call_config_vocab(call, "the sequence length", bt->seq);
         fhm_call_config(call, "per-token reference log-probs given", bt->ref_per_token_logps != NULL);
         fhm_call_config(call, "KL log-ratios given", bt->kl_logratios != NULL);
         fhm_call_config(call, "a KL value given", bt->kl != NULL);
-        fhm_call_config_real(call, "the KL value", bt->kl ? (double)bt->kl[0] : 0.0);
+        fhm_call_config_float(call, "the KL value", bt->kl ? bt->kl[0] : 0.0f);
     }
     if (st == FH_OK)
         fhm_call_config(call, "metrics asked for", c->metrics);

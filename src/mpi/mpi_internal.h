@@ -103,14 +103,17 @@ void fhm_grads_free(fhm_grads *g);
 /* What every fh_mpi_* call shares. A call runs: fhm_call_start, the head's local checks,
  * fhm_call_scratch, (fhm_grads_begin on g), planning, fhm_call_prepare; then fhm_call_agree, which every
  * rank reaches whatever failed locally; then the passes; a backward call ends in fhm_call_finish. */
-/* What every rank of a call must agree on, as named values (a real's bits), compared by fhm_call_agree: the entry
- * point, shapes, dtypes, options, which gradients are asked for, the layout's reductions. */
+/* What every rank of a call must agree on, as named values, compared by fhm_call_agree on their exact encodings (a
+ * real's bits: -0.0 is not 0.0, NaNs of other payloads differ): the entry point, shapes, dtypes, options, which
+ * gradients are asked for, the layout's reductions. */
 #define FHM_CONFIG_MAX 32
+enum { FHM_INTEGER, FHM_DOUBLE, FHM_FLOAT }; /* how a value's bits are shown in a message */
 typedef struct fhm_config {
     int count;
     const char *names[FHM_CONFIG_MAX];
-    int64_t values[FHM_CONFIG_MAX];
-    unsigned char real[FHM_CONFIG_MAX];
+    uint64_t bits[FHM_CONFIG_MAX];
+    unsigned char kind[FHM_CONFIG_MAX];
+    unsigned char vocab_only[FHM_CONFIG_MAX]; /* compared across the vocab communicator only */
 } fhm_config;
 
 /* The entry points, as the configuration names them. */
@@ -129,7 +132,7 @@ enum {
 };
 
 typedef struct fhm_call {
-    fh_mpi_layout *L;          /* NULL when the caller passed a NULL ctx or layout */
+    fh_mpi_layout *L;          /* NULL when the caller passed a NULL layout */
     fh_context *ctx;
     const fh_linear *lin;
     const int64_t *engine_ids; /* shard-local with vocab parallelism (fhm_call_shard_ids), else the caller's */
@@ -143,11 +146,14 @@ typedef struct fhm_call {
 /* Adds a value to the call's configuration (fhm_config). */
 void fhm_call_config(fhm_call *c, const char *name, int64_t value);
 void fhm_call_config_real(fhm_call *c, const char *name, double value);
+void fhm_call_config_float(fhm_call *c, const char *name, float value);
+/* A shape that the ranks of a vocab communicator share (they hold the same tokens) and data ranks need not. */
+void fhm_call_config_vocab(fhm_call *c, const char *name, int64_t value);
 /* Which gradients the call asks for, and their dtypes. */
 void fhm_call_config_grads(fhm_call *c, const fh_linear_grads *grads);
 
-/* FH_ERR_NULL_POINTER when ctx or L is NULL (then nothing is written and no collective runs, not even in
- * fhm_call_agree), else FH_OK. `entry` names the entry point, the first value of the configuration, which then
+/* FH_ERR_NULL_POINTER when ctx or L is NULL, else FH_OK. With a NULL ctx (and a layout) the call still joins the
+ * agreement, so that every rank returns an error; with a NULL L no collective runs (it names the communicators). `entry` names the entry point, the first value of the configuration, which then
  * holds the layout's reductions and lin's hidden size, vocabulary, dtypes and bias. */
 fh_status fhm_call_start(fhm_call *c, fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin, int entry);
 

@@ -8,14 +8,16 @@
  *       0); per_token_loss[i] = logp[i] = 0, lse[i] NaN. A call that runs its GEMMs on the rows that count only
  *       (the split backward here; docs/losses.md, "Rows that count") never reads row i: dx row i is 0 and dweight and
  *       dbias are bitwise the clean run's. A call that computes every row (the train step asked for the lse
- *       output) poisons the gradients as above (dZ row i is 0 * NaN), as torch does (its log_softmax backward
- *       computes 0 - exp(NaN) * 0 for that row).
+ *       output) gives the row dZ exactly 0 (all its coefficients are 0: no p is formed), so dx row i is 0 and dbias
+ *       the clean run's; only dweight's hidden row k is NaN (x^T dZ: NaN * 0). Torch poisons every gradient there
+ *       (its log_softmax backward computes 0 - exp(NaN) * 0 for that row).
  *   x[i][k] = +-Inf: as NaN (the row's logits hold +-Inf, exp(Inf - Inf) = NaN). With a softcap the logits
  *       saturate to +-cap instead: token i's loss stays finite, dx row i is 0 (dz/du = 1 - tanh^2 = 0) and
  *       only row k of dweight (the hidden unit holding the Inf: Inf * 0) is NaN.
  *   weight (k, v) or bias[v] NaN: column v of every token's logits is NaN: every token's lse is NaN, every
- *       non-ignored token's loss, the reduced loss, every gradient element (but the dx rows of ignored tokens in a
- *       call that skips them: 0).
+ *       non-ignored token's loss, the reduced loss, every gradient element but the dx rows of ignored tokens (their
+ *       dZ rows are 0 in every schedule: 0, or NaN only at the NaN weight's hidden unit in a call that computes
+ *       every row, 0 x NaN in dZ W).
  *   GRPO, x row of an unmasked token i NaN: token i's logp, entropy and lse are NaN, the loss is NaN. Token
  *       level: dx rows other than i unchanged. Sequence level (GSPO): the sequence's log-ratio is NaN, so
  *       every dx row of that sequence is NaN; other sequences unchanged. dweight and dbias NaN.
@@ -165,6 +167,20 @@ static void check_x_row(int64_t row, float value, double softcap)
                     TU_CHECK(memcmp(dirty.dweight, clean.dweight, (size_t)(H * V) * fb) == 0 &&
                                  memcmp(dirty.dbias, clean.dbias, (size_t)V * fb) == 0,
                              "%s: dweight or dbias differs from the clean run's", label);
+                } else if (row == IGNORED) {
+                    /* Every row computed: the ignored row's dZ is exactly 0 (its coefficients are), so only the NaN
+                     * itself reaches dweight, through x^T dZ: hidden row 2, NaN x 0. */
+                    TU_CHECK(tu_all_equal_f(dirty.dx + row * H, H, 0.0f), "%s: dx row %lld is not 0", label,
+                             (long long)row);
+                    int pattern = 1;
+                    for (int k = 0; k < H; k++)
+                        for (int j = 0; j < V; j++) {
+                            const float g = dirty.dweight[(size_t)j * H + k]; /* VH layout */
+                            pattern &= k == 2 ? isnan(g) : isfinite(g);
+                        }
+                    TU_CHECK(pattern, "%s: dweight is not NaN exactly on hidden row 2", label);
+                    TU_CHECK(memcmp(dirty.dbias, clean.dbias, (size_t)V * fb) == 0,
+                             "%s: dbias differs from the clean run's", label);
                 } else {
                     TU_CHECK(none_finite(dirty.dx + row * H, H), "%s: dx row %lld has a finite element", label,
                              (long long)row);
@@ -216,14 +232,20 @@ static void test_nan_in_weight_or_bias(void)
                 for (int64_t i = 0; i < N; i++)
                     TU_CHECK(i == IGNORED ? o.per_token_loss[i] == 0.0f : isnan(o.per_token_loss[i]),
                              "%s NaN: per-token loss %lld = %g", what, (long long)i, (double)o.per_token_loss[i]);
-                /* The split backward skips the ignored token's row: its dx row is 0, every other element NaN. */
+                /* The ignored token's row adds nothing: the split backward skips it, the train step gives it a dZ
+                 * row of 0, whose dx row dZ W is 0 but for the NaN weight's hidden unit 1 (0 x NaN). Every other
+                 * element is NaN. */
                 int dx_pattern = 1;
                 for (int64_t i = 0; i < N; i++)
-                    dx_pattern &= i == IGNORED && !train_step ? tu_all_equal_f(o.dx + i * H, H, 0.0f)
-                                                               : all_nan(o.dx + i * H, H);
+                    for (int64_t k = 0; k < H; k++) {
+                        const float d = o.dx[i * H + k];
+                        dx_pattern &= i != IGNORED                            ? isnan(d)
+                                      : train_step && where == 0 && k == 1 ? isnan(d)
+                                                                           : d == 0.0f;
+                    }
                 TU_CHECK(dx_pattern && all_nan(o.dweight, H * V) && all_nan(o.dbias, V),
-                         "%s NaN, reduction %d, train step %d: a gradient element is not NaN", what, (int)reductions[r],
-                         train_step);
+                         "%s NaN, reduction %d, train step %d: a gradient element is not as expected", what,
+                         (int)reductions[r], train_step);
                 hu_outputs_free(&o);
                 cp_problem_free(&p);
             }

@@ -75,6 +75,10 @@ static const shape_case cases[] = {
     {"dx_row_stride = 2^62 + 1 (bytes wrap to 4)", 2, 1, 1, 1, 0, 0, P2(62) + 1, 0, 0, ST(FH_ERR_SIZE_OVERFLOW), 1},
     {"dx_row_stride = INT64_MIN", 2, 1, 1, 1, 0, 0, INT64_MIN, 0, 0, ST(FH_ERR_INVALID_STRIDE), 1},
     /* GRPO, preference and KTO only: batch * seq (pairs * seq). An overflowing product cannot equal n; the library reports the mismatch. */
+    /* Per-token arrays (targets, ids, outputs, the workspace's doubles) of n x 8 bytes: every pairwise product and
+     * x's view fit, their bytes do not (issue 41). */
+    {"n = 2^60: n x 8 bytes overflow ptrdiff_t", P2(60), 1, 1, 0, 0, 0, 0, 0, 0, ST(FH_ERR_SIZE_OVERFLOW), 0},
+    {"n = 2^61: n x 8 bytes overflow 64 bits", P2(61), 1, 1, 0, 0, 0, 0, 0, 0, ST(FH_ERR_SIZE_OVERFLOW), 0},
     {"batch * seq overflows", 4, 1, 1, 0, 0, 0, 0, P2(32), P2(32) + 1, ST(FH_ERR_INVALID_SIZE) | ST(FH_ERR_SIZE_OVERFLOW), 0},
     {"batch = -1, seq = -4 (product = n)", 4, 1, 1, 0, 0, 0, 0, -1, -4, ST(FH_ERR_INVALID_SIZE), 0},
     {"batch = INT64_MIN, seq = -1", 4, 1, 1, 0, 0, 0, 0, INT64_MIN, -1, ST(FH_ERR_INVALID_SIZE), 0},
@@ -659,8 +663,52 @@ static void test_distill_accepted_limits(void)
     hu_grpo_problem_free(&g);
 }
 
+/* Top-k distillation: the teacher's [n, k] ids and log-probs, whose bytes overflow while n's own products fit (n =
+ * 2^54, k = 1024: n k = 2^64; n = 2^50: n k 8 = 2^63; issue 41: they were read past the tiny buffers), both calls. */
+typedef struct topk_args {
+    int64_t n, k;
+    int train_step;
+} topk_args;
+
+static int topk_child(void *arg)
+{
+    const topk_args *a = arg;
+    fh_context *ctx = NULL;
+    if (fh_context_create(&ctx) != FH_OK || fh_context_set(ctx, FH_PARAM_THREADS, 1) != FH_OK)
+        return 1;
+    fh_linear lin;
+    fh_linear_init(&lin, a->n, 1, 2, tiny_x, tiny_w, FH_LAYOUT_HV, NULL);
+    hu_outputs o;
+    hu_outputs_alloc(&o, 4, 4, 4, 1);
+    hu_outputs_fill(&o, TU_CANARY);
+    fh_linear_grads g = {.dx = o.dx, .dx_row_stride = 1, .dweight = o.dweight};
+    const fh_topk_teacher teacher = {a->k, tiny_targets, tiny_logps};
+    fh_distill_topk_options opt;
+    fh_distill_topk_options_init(&opt);
+    fh_distill_outputs out = {&o.loss, &o.soft_loss, &o.hard_loss, o.per_token_loss};
+    const fh_status st = a->train_step
+                             ? fh_distill_topk_forward_backward(ctx, &lin, &teacher, NULL, &opt, tiny_grad, &out, &g)
+                             : fh_distill_topk_forward(ctx, &lin, &teacher, NULL, &opt, &out);
+    return CODE_STATUS + (int)st + (hu_outputs_untouched(&o, TU_CANARY) ? 0 : CODE_WRITTEN);
+}
+
+static void test_topk_teacher_sizes(void)
+{
+    const int64_t shapes[][2] = {{P2(54), 1024}, {P2(50), 1024}, {P2(53), 1024}, {INT64_MAX / 2, 3}};
+    for (size_t k = 0; k < TU_COUNT(shapes); k++)
+        for (int step = 0; step <= 1; step++) {
+            topk_args a = {shapes[k][0], shapes[k][1], step};
+            const int code = hu_run_isolated(topk_child, &a);
+            char got[96];
+            describe(code, got, sizeof got);
+            TU_CHECK(code == CODE_STATUS + FH_ERR_SIZE_OVERFLOW, "n = %lld, k = %lld, %s: %s", (long long)a.n,
+                     (long long)a.k, step ? "fh_distill_topk_forward_backward" : "fh_distill_topk_forward", got);
+        }
+}
+
 static const tu_test tests[] = {
     {"overflowing shapes and strides on tiny buffers", test_overflowing_shapes},
+    {"top-k distillation: teacher arrays whose bytes overflow", test_topk_teacher_sizes},
     {"workspace queries on huge shapes", test_workspace_queries_on_huge_shapes},
     {"distillation: broken or mismatched teachers", test_distill_teacher_shapes},
     {"distillation: refused options and inputs", test_distill_refused_inputs},

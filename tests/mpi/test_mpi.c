@@ -14,7 +14,9 @@
 #include "bf16.h"
 
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
+#include <unistd.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -287,6 +289,20 @@ static fh_linear shard_linear(const problem *p, int64_t n0, int64_t nr, int64_t 
     l.w_stride_hidden = p->layout == FH_LAYOUT_HV ? p->v : 1;
     l.w_stride_vocab = p->layout == FH_LAYOUT_HV ? 1 : p->h;
     return l;
+}
+
+static void fill_nan(float *a, int64_t count)
+{
+    for (int64_t i = 0; i < count; i++)
+        a[i] = NAN;
+}
+
+static int all_finite(const float *a, int64_t count)
+{
+    for (int64_t i = 0; i < count; i++)
+        if (!isfinite(a[i]))
+            return 0;
+    return 1;
 }
 
 /* Gradient buffers of the problem's shapes, prefilled (beta 1: known values; beta 0: NaN garbage). */
@@ -904,17 +920,20 @@ typedef struct logprob_case {
     int g_entropy, split, bias;
     fh_layout layout;
     int64_t ignore_index;
+    int cold; /* biases to +-150: at temperature 0.05, ignored rows' logits far past exp's range from lse 0 */
 } logprob_case;
 
 /* fh_mpi_logprob_* on this rank's tokens and shard against fh_logprob_forward_backward on the whole problem. */
 static void run_logprob(const config *cfg, const logprob_case *c, fh_dtype dtype)
 {
-    snprintf(case_name, sizeof case_name, "%s / logprob T=%g softcap=%g g_entropy=%d split=%d ignore=%lld%s",
+    snprintf(case_name, sizeof case_name, "%s / logprob T=%g softcap=%g g_entropy=%d split=%d ignore=%lld%s%s",
              cfg->name, c->temperature, c->softcap, c->g_entropy, c->split, (long long)c->ignore_index,
-             dtype == FH_DTYPE_BF16 ? " bf16" : "");
+             dtype == FH_DTYPE_BF16 ? " bf16" : "", c->cold ? " logits to +-160" : "");
     const int64_t n = 45, h = 16, v = 211;
     problem p;
     make_problem(&p, n, h, v, c->layout, 3000 + (uint64_t)(c->temperature * 10), dtype);
+    for (int64_t j = 0; c->cold && j < v; j++)
+        p.b[j] *= 500.0f;
     int64_t *targets = alloc((size_t)n, 8);
     float *g[3];
     for (int k = 0; k < 3; k++)
@@ -966,13 +985,21 @@ static void run_logprob(const config *cfg, const logprob_case *c, fh_dtype dtype
                                                      &out, &lg),
                      ctx);
     }
-    check_rows("logp", values, 1, ref_values + n0, 1, nr, 1, GRAD_TOL);
-    check_rows("entropy", values + nr, 1, ref_values + n + n0, 1, nr, 1, GRAD_TOL);
-    check_rows("lse", values + 2 * nr, 1, ref_values + 2 * n + n0, 1, nr, 1, GRAD_TOL);
-    check_rows("dx", mine.dx, h, ref.dx + n0 * h, h, nr, h, grad_tol(&p));
-    check_weight_shard("dweight", mine.dw, ref.dw, c->layout, h, v, off, vl, grad_tol(&p));
+    checks++;
+    const int64_t shard_elements = c->layout == FH_LAYOUT_VH ? vl * h : 0; /* the [V, H] shard is contiguous */
+    if (!all_finite(mine.dx, nr * h) || !all_finite(mine.dw + off * h, shard_elements) ||
+        (c->bias && !all_finite(mine.db + off, vl)))
+        FAIL("a gradient is not finite");
+    /* Logits s up to 3200: fp32 rounds s, and the lse the split call saves, by up to 3200 2^-24 = 1.9e-4 absolute,
+     * which is p's relative error (and the entropy's absolute one, lse - sum p s): 1e-3 there. */
+    const double value_tol = c->cold ? 1e-3 : GRAD_TOL, gtol = c->cold ? 1e-3 : grad_tol(&p);
+    check_rows("logp", values, 1, ref_values + n0, 1, nr, 1, value_tol);
+    check_rows("entropy", values + nr, 1, ref_values + n + n0, 1, nr, 1, value_tol);
+    check_rows("lse", values + 2 * nr, 1, ref_values + 2 * n + n0, 1, nr, 1, value_tol);
+    check_rows("dx", mine.dx, h, ref.dx + n0 * h, h, nr, h, gtol);
+    check_weight_shard("dweight", mine.dw, ref.dw, c->layout, h, v, off, vl, gtol);
     if (c->bias)
-        check_rows("dbias", mine.db + off, 1, ref.db + off, 1, vl, 1, dbias_tol(&p));
+        check_rows("dbias", mine.db + off, 1, ref.db + off, 1, vl, 1, c->cold ? gtol : dbias_tol(&p));
 
     fh_mpi_layout_destroy(L);
     fh_context_destroy(ctx);
@@ -995,11 +1022,14 @@ static void logprob_cases(const config *cfg)
     static const double temperatures[] = {0.3, 1.0, 2.5};
     for (int k = 0; k < 6; k++) {
         const logprob_case c = {temperatures[k % 3], k == 4 ? 5.0 : 0.0, k % 2, k / 3, k % 3 != 1,
-                                k % 2 ? FH_LAYOUT_HV : FH_LAYOUT_VH, k == 5 ? 0 : -100};
+                                k % 2 ? FH_LAYOUT_HV : FH_LAYOUT_VH, k == 5 ? 0 : -100, 0};
         run_logprob(cfg, &c, FH_DTYPE_F32);
         if (have_bf16() && k % 3 == 0)
             run_logprob(cfg, &c, FH_DTYPE_BF16);
     }
+    /* The split backward computes every row: ignored ones must not form p from the placeholder lse 0. */
+    const logprob_case cold = {0.05, 0.0, 1, 1, 1, FH_LAYOUT_VH, -100, 1};
+    run_logprob(cfg, &cold, FH_DTYPE_F32);
 }
 
 /* ---- agreement on errors ----------------------------------------------------------------------- */
@@ -1012,14 +1042,15 @@ typedef struct kto_case {
     fh_kto_loss_type loss_type;
     int token_ref, kl_logratios, bias, small_tiles, metrics;
     fh_layout layout;
+    int padded; /* data rank r pads its sequences with r more masked tokens: T differs across data ranks */
 } kto_case;
 
 static void run_kto(const config *cfg, const kto_case *c)
 {
-    snprintf(case_name, sizeof case_name, "%s / kto %s ref=%s kl=%s bias=%d tiles=%s metrics=%d", cfg->name,
+    snprintf(case_name, sizeof case_name, "%s / kto %s ref=%s kl=%s bias=%d tiles=%s metrics=%d%s", cfg->name,
              c->loss_type == FH_KTO_LOSS_KTO ? "kto" : "apo_zero_unpaired", c->token_ref ? "token" : "sequence",
              c->loss_type != FH_KTO_LOSS_KTO ? "none" : c->kl_logratios ? "logratios" : "value", c->bias,
-             c->small_tiles ? "small" : "default", c->metrics);
+             c->small_tiles ? "small" : "default", c->metrics, c->padded ? " T per data rank" : "");
     const int64_t B = 11, T = 20, n = B * T, h = 16, v = 211; /* small tiles: 16 rows < T, streaming */
     problem p;
     make_problem(&p, n, h, v, c->layout, 4000 + (uint64_t)c->loss_type * 5 + (uint64_t)c->token_ref, FH_DTYPE_F32);
@@ -1063,23 +1094,39 @@ static void run_kto(const config *cfg, const kto_case *c)
     fh_mpi_layout *L = make_layout(cfg, v, &off, &vl);
     share(B, cfg->pd, cfg->dr, 1, &b0, &br);
     const int64_t n0 = b0 * T, nr = br * T;
-    const fh_linear lin = shard_linear(&p, n0, nr, off, vl, c->bias);
+    /* This rank's sequences, padded to tl tokens (masked, ids outside [0, V), hidden states that must not count). */
+    const int64_t tl = T + (c->padded ? cfg->dr : 0), nl = br * tl;
+    float *xl = alloc((size_t)(nl * h), 4), *maskl = alloc((size_t)nl, 4), *ref_tokl = alloc((size_t)nl, 4);
+    int64_t *idsl = alloc((size_t)nl, 8);
+    for (int64_t b = 0; b < br; b++)
+        for (int64_t t = 0; t < tl; t++) {
+            const int64_t i = b * tl + t, src = n0 + b * T + t;
+            for (int64_t k = 0; k < h; k++)
+                xl[i * h + k] = t < T ? p.x[src * h + k] : (float)uniform(45, (uint64_t)(i * h + k));
+            maskl[i] = t < T ? mask[src] : 0.0f;
+            idsl[i] = t < T ? ids[src] : -100;
+            ref_tokl[i] = t < T ? ref_tok[src] : 0.0f;
+        }
+    fh_linear lin = shard_linear(&p, n0, nr, off, vl, c->bias);
+    lin.n = nl;
+    lin.x = xl;
     const fh_kto_batch lb = {br,
-                             T,
-                             ids + n0,
-                             mask + n0,
+                             tl,
+                             idsl,
+                             maskl,
                              labels + b0,
                              c->token_ref ? NULL : ref + b0,
-                             c->token_ref ? ref_tok + n0 : NULL,
+                             c->token_ref ? ref_tokl : NULL,
                              batch.kl,
                              batch.kl_logratios ? klr + b0 : NULL};
-    grads mine = {alloc((size_t)(nr * h), 4), alloc((size_t)(h * v), 4), alloc((size_t)v, 4)};
-    prefill(mine.dx, nr * h, 0, 0);
+    grads mine = {alloc((size_t)(nl * h), 4), alloc((size_t)(h * v), 4), alloc((size_t)v, 4)};
+    prefill(mine.dx, nl * h, 0, 0);
     prefill(mine.dw, h * v, 0, 0);
     prefill(mine.db, v, 0, 0);
     fh_linear_grads g = {.dx = mine.dx, .dx_row_stride = h, .dweight = mine.dw + weight_offset(&p, &lin),
                          .dbias = c->bias ? mine.db + off : NULL};
-    float *logp = alloc((size_t)nr, 4), *seq = alloc((size_t)B, 4), *rew = alloc((size_t)B, 4);
+    float *logp = alloc((size_t)nl, 4), *seq = alloc((size_t)B, 4), *rew = alloc((size_t)B, 4);
+    float *unpadded = alloc((size_t)(nr * h), 4); /* a padded array's first T rows of each sequence */
     for (int call = 0; call < 2; call++) {
         double loss = NAN;
         fh_kto_metrics m;
@@ -1101,9 +1148,20 @@ static void run_kto(const config *cfg, const kto_case *c)
         }
         check_rows("sequence_logps", seq, 1, r_seq + b0, 1, br, 1, GRAD_TOL);
         check_rows("rewards", rew, 1, r_rew + b0, 1, br, 1, GRAD_TOL);
-        check_rows("per_token_logp", logp, 1, r_logp + n0, 1, nr, 1, GRAD_TOL);
+        for (int64_t b = 0; b < br; b++)
+            memcpy(unpadded + b * T, logp + b * tl, (size_t)T * sizeof(float));
+        check_rows("per_token_logp", unpadded, 1, r_logp + n0, 1, nr, 1, GRAD_TOL);
     }
-    check_rows("dx", mine.dx, h, rg_buf.dx + n0 * h, h, nr, h, grad_tol(&p));
+    int padding_dx_zero = 1;
+    for (int64_t b = 0; b < br; b++) {
+        memcpy(unpadded + b * T * h, mine.dx + b * tl * h, (size_t)(T * h) * sizeof(float));
+        for (int64_t e = T * h; e < tl * h; e++)
+            padding_dx_zero &= mine.dx[b * tl * h + e] == 0.0f;
+    }
+    checks++;
+    if (!padding_dx_zero)
+        FAIL("a padded token's dx is not 0");
+    check_rows("dx", unpadded, h, rg_buf.dx + n0 * h, h, nr, h, grad_tol(&p));
     check_weight_shard("dweight", mine.dw, rg_buf.dw, c->layout, h, v, off, vl, grad_tol(&p));
     if (c->bias)
         check_rows("dbias", mine.db + off, 1, rg_buf.db + off, 1, vl, 1, dbias_tol(&p));
@@ -1111,7 +1169,7 @@ static void run_kto(const config *cfg, const kto_case *c)
     fh_mpi_layout_destroy(L);
     fh_context_destroy(ctx);
     void *ptrs[] = {ids, labels, mask, ref, ref_tok, klr, r_logp, r_seq, r_rew, rg_buf.dx, rg_buf.dw, rg_buf.db,
-                    mine.dx, mine.dw, mine.db, logp, seq, rew};
+                    mine.dx, mine.dw, mine.db, logp, seq, rew, xl, maskl, ref_tokl, idsl, unpadded};
     for (size_t k = 0; k < sizeof ptrs / sizeof ptrs[0]; k++)
         free(ptrs[k]);
     free_problem(&p);
@@ -1123,7 +1181,12 @@ static void kto_cases(const config *cfg)
 {
     for (int k = 0; k < 6; k++) {
         const kto_case c = {k < 4 ? FH_KTO_LOSS_KTO : FH_KTO_LOSS_APO_ZERO_UNPAIRED, k % 2, k / 2 % 2, k % 3 == 0,
-                            k % 2 == 0, k != 3, k % 3 == 1 ? FH_LAYOUT_HV : FH_LAYOUT_VH};
+                            k % 2 == 0, k != 3, k % 3 == 1 ? FH_LAYOUT_HV : FH_LAYOUT_VH, 0};
+        run_kto(cfg, &c);
+    }
+    /* KTO does not depend on T: data ranks may pad to different lengths (both schedules, both KL inputs). */
+    for (int k = 0; k < 2; k++) {
+        const kto_case c = {FH_KTO_LOSS_KTO, k, k, 1, k, 1, FH_LAYOUT_VH, 1};
         run_kto(cfg, &c);
     }
 }
@@ -1184,20 +1247,160 @@ static void error_cases(const config *cfg)
     free_problem(&p);
 }
 
+/* ---- one rank's bad argument, before any collective ------------------------------------------------ */
+
+/* Every entry point with one bad argument on the last rank only: a NULL context, lin, options or data (targets,
+ * batch), or a hidden size of 0. Every rank returns an error and writes nothing; none may hang, which a watchdog
+ * (alarm) turns into a failed run within seconds rather than ctest's timeout. */
+enum { E_CE_FORWARD, E_CE_BACKWARD, E_CE_STEP, E_LOGPROB_FORWARD, E_LOGPROB_BACKWARD, E_LOGPROB_STEP, E_GRPO_FORWARD,
+       E_GRPO_BACKWARD, E_GRPO_STEP, E_KTO_FORWARD, E_KTO_STEP, E_COUNT };
+enum { BAD_CONTEXT, BAD_LIN, BAD_OPTIONS, BAD_DATA, BAD_HIDDEN, BAD_COUNT };
+#define WATCHDOG_SECONDS 60
+
+static void early_failure_case(const config *cfg, int entry, int bad)
+{
+    static const char *const entries[E_COUNT] = {
+        "fh_mpi_ce_forward",      "fh_mpi_ce_backward",   "fh_mpi_ce_forward_backward",   "fh_mpi_logprob_forward",
+        "fh_mpi_logprob_backward", "fh_mpi_logprob_forward_backward", "fh_mpi_grpo_forward", "fh_mpi_grpo_backward",
+        "fh_mpi_grpo_forward_backward", "fh_mpi_kto_forward", "fh_mpi_kto_forward_backward"};
+    static const char *const bads[BAD_COUNT] = {"NULL context", "NULL lin", "NULL options", "NULL targets or batch",
+                                                "hidden 0"};
+    snprintf(case_name, sizeof case_name, "%s / %s with a %s on the last rank", cfg->name, entries[entry], bads[bad]);
+    enum { B = 4, T = 5, N = B * T };
+    const int64_t h = 8, v = 64;
+    const int odd = world_rank == world_size - 1;
+    problem p;
+    make_problem(&p, N, h, v, FH_LAYOUT_VH, 7, FH_DTYPE_F32);
+    fh_context *ctx = make_context(1);
+    int64_t off, vl;
+    fh_mpi_layout *L = make_layout(cfg, v, &off, &vl);
+    fh_linear lin = shard_linear(&p, 0, N, off, vl, 0);
+    if (odd && bad == BAD_HIDDEN)
+        lin.hidden = 0;
+    fh_context *const c = odd && bad == BAD_CONTEXT ? NULL : ctx;
+    const fh_linear *const l = odd && bad == BAD_LIN ? NULL : &lin;
+    const int no_options = odd && bad == BAD_OPTIONS, no_data = odd && bad == BAD_DATA;
+    int64_t targets[N];
+    float mask[N], saved[3][N], upstream[N], adv[B], ref[B], values[3 * N];
+    uint8_t labels[B];
+    for (int64_t i = 0; i < N; i++) {
+        targets[i] = i * 7 % v;
+        mask[i] = 1.0f;
+        saved[0][i] = -3.0f; /* per-token log-prob */
+        saved[1][i] = 4.0f;  /* lse */
+        saved[2][i] = 1.0f;  /* entropy */
+        upstream[i] = 0.5f;
+    }
+    for (int b = 0; b < B; b++) {
+        adv[b] = (float)b - 1.5f;
+        ref[b] = -15.0f;
+        labels[b] = b % 2;
+    }
+    grads mine = {alloc((size_t)(N * h), 4), alloc((size_t)(h * v), 4), alloc((size_t)v, 4)};
+    prefill(mine.dx, N * h, 0, 0);
+    prefill(mine.dw, h * v, 0, 0);
+    fh_linear_grads g = {.dx = mine.dx, .dx_row_stride = h, .dweight = mine.dw + weight_offset(&p, &lin)};
+    double loss = -1.0;
+    const float one = 1.0f, kl = 0.2f;
+    fh_ce_options co;
+    fh_ce_options_init(&co);
+    fh_logprob_options lo;
+    fh_logprob_options_init(&lo);
+    fh_grpo_options go;
+    fh_grpo_options_init(&go);
+    go.beta = 0.0;
+    fh_kto_options ko;
+    fh_kto_options_init(&ko);
+    const fh_grpo_batch gb = {B, T, targets, mask, adv, NULL, NULL, NULL};
+    const fh_kto_batch kb = {B, T, targets, mask, labels, ref, NULL, &kl, NULL};
+    const fh_ce_options *const cop = no_options ? NULL : &co;
+    const fh_logprob_options *const lop = no_options ? NULL : &lo;
+    const fh_grpo_options *const gop = no_options ? NULL : &go;
+    const fh_kto_options *const kop = no_options ? NULL : &ko;
+    const int64_t *const t = no_data ? NULL : targets;
+    const fh_grpo_batch *const gbp = no_data ? NULL : &gb;
+    const fh_kto_batch *const kbp = no_data ? NULL : &kb;
+    fh_ce_outputs ce_out = {&loss, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+    fh_logprob_outputs lp_out = {values, values + N, values + 2 * N};
+    fh_grpo_outputs grpo_out = {&loss, NULL, NULL, NULL, NULL, NULL};
+    fh_kto_outputs kto_out = {&loss, NULL, NULL, NULL, NULL};
+    fill_nan(values, 3 * N);
+    alarm(WATCHDOG_SECONDS);
+    fh_status st = FH_OK;
+    switch (entry) {
+    case E_CE_FORWARD: st = fh_mpi_ce_forward(c, L, l, t, cop, &ce_out); break;
+    case E_CE_BACKWARD: st = fh_mpi_ce_backward(c, L, l, t, cop, saved[1], &one, &g); break;
+    case E_CE_STEP: st = fh_mpi_ce_forward_backward(c, L, l, t, cop, &one, &ce_out, &g); break;
+    case E_LOGPROB_FORWARD: st = fh_mpi_logprob_forward(c, L, l, t, lop, &lp_out); break;
+    case E_LOGPROB_BACKWARD:
+        st = fh_mpi_logprob_backward(c, L, l, t, lop, saved[1], NULL, upstream, NULL, NULL, &g);
+        break;
+    case E_LOGPROB_STEP: st = fh_mpi_logprob_forward_backward(c, L, l, t, lop, upstream, NULL, NULL, &lp_out, &g); break;
+    case E_GRPO_FORWARD: st = fh_mpi_grpo_forward(c, L, l, gbp, gop, &grpo_out); break;
+    case E_GRPO_BACKWARD: st = fh_mpi_grpo_backward(c, L, l, gbp, gop, saved[0], saved[1], NULL, &one, &g); break;
+    case E_GRPO_STEP: st = fh_mpi_grpo_forward_backward(c, L, l, gbp, gop, &one, &grpo_out, &g); break;
+    case E_KTO_FORWARD: st = fh_mpi_kto_forward(c, L, l, kbp, kop, &kto_out); break;
+    case E_KTO_STEP: st = fh_mpi_kto_forward_backward(c, L, l, kbp, kop, &one, &kto_out, &g); break;
+    }
+    alarm(0);
+    checks++;
+    if (world_size > 1 && (st == FH_OK || loss != -1.0))
+        FAIL("status %d, loss %g: expected an error and no output", (int)st, loss);
+    int written = 0;
+    for (int64_t i = 0; i < N * h; i++)
+        written |= !isnan(mine.dx[i]);
+    for (int64_t i = 0; i < 3 * N; i++)
+        written |= !isnan(values[i]);
+    if (world_size > 1 && written)
+        FAIL("an output was written");
+    fh_mpi_layout_destroy(L);
+    fh_context_destroy(ctx);
+    free(mine.dx);
+    free(mine.dw);
+    free(mine.db);
+    free_problem(&p);
+}
+
+/* The layout's constructors with one rank's bad argument: a NULL result pointer, a size INT64_MIN (whose negation
+ * the agreement once took), vocab_ranks unlike the others'. Every rank fails alike. */
+static void layout_failure_cases(const config *cfg)
+{
+    const int odd = world_rank == world_size - 1;
+    snprintf(case_name, sizeof case_name, "%s / layout constructors with a bad argument on the last rank", cfg->name);
+    fh_mpi_layout *L = NULL, **const out = odd ? NULL : &L;
+    MPI_Comm vocab = cfg->pv > 1 ? cfg->vocab : MPI_COMM_NULL, data = cfg->pd > 1 ? cfg->data : MPI_COMM_NULL;
+    alarm(WATCHDOG_SECONDS);
+    const fh_status null_create = fh_mpi_layout_create(vocab, data, 10, out);
+    const fh_status size_min = fh_mpi_layout_create(vocab, data, odd ? INT64_MIN : 10, &L);
+    const fh_status null_grid = fh_mpi_layout_create_grid(MPI_COMM_WORLD, cfg->pv, 10, out);
+    const int other_ranks = cfg->pv == 1 ? world_size : 1; /* a valid grid, but not the others' */
+    const fh_status ranks_differ = fh_mpi_layout_create_grid(MPI_COMM_WORLD, odd ? other_ranks : cfg->pv, 10, &L);
+    alarm(0);
+    checks++;
+    if (world_size > 1 && (null_create != FH_ERR_NULL_POINTER || size_min != FH_ERR_INVALID_SIZE ||
+                           null_grid != FH_ERR_NULL_POINTER || ranks_differ != FH_ERR_MPI_LAYOUT || L))
+        FAIL("statuses %d, %d, %d, %d (expected %d, %d, %d, %d), layout %p", (int)null_create, (int)size_min,
+             (int)null_grid, (int)ranks_differ, FH_ERR_NULL_POINTER, FH_ERR_INVALID_SIZE, FH_ERR_NULL_POINTER,
+             FH_ERR_MPI_LAYOUT, (void *)L);
+    fh_mpi_layout_destroy(L);
+}
+
 /* ---- ranks that disagree on a call's configuration --------------------------------------------- */
 
 /* Each kind of disagreement, rank 0 against the others: every rank returns FH_ERR_MPI_MISMATCH naming it, writes
  * nothing, and none hangs or crashes (ctest's timeout bounds the run). */
 enum { DIFF_NO_DX, DIFF_NO_DWEIGHT, DIFF_CLASS_WEIGHTS, DIFF_STATS, DIFF_DX_REDUCTION, DIFF_DW_REDUCTION,
-       DIFF_REDUCTION, DIFF_SMOOTHING, DIFF_LOGIT_SCALE, DIFF_TOKEN_SCALING, DIFF_CORRECT, DIFF_GRPO_LOSS,
-       DIFF_GRPO_BETA, DIFF_COUNT };
+       DIFF_REDUCTION, DIFF_SMOOTHING, DIFF_LOGIT_SCALE, DIFF_TOKEN_SCALING, DIFF_CORRECT, DIFF_SOFTCAP_MINUS_ZERO,
+       DIFF_SMOOTHING_SIGNED_ZERO, DIFF_IGNORE_INT64_MIN, DIFF_GRPO_LOSS, DIFF_GRPO_BETA, DIFF_GRPO_NAN_PAYLOAD,
+       DIFF_COUNT };
 
 static void mismatch_case(const config *cfg, int diff)
 {
     static const char *const what[DIFF_COUNT] = {"dx asked for", "dweight asked for", "class weights given",
                                                  "the stats collective", "the dx reduction", "the dweight reduction",
                                                  "the reduction", "label_smoothing", "logit_scale", "token_scaling",
-                                                 "argmax or correct asked for", "loss_type", "beta"};
+                                                 "argmax or correct asked for", "softcap", "label_smoothing",
+                                                 "ignore_index", "loss_type", "beta", "delta"};
     snprintf(case_name, sizeof case_name, "%s / mismatch: %s", cfg->name, what[diff]);
     const int64_t B = 4, T = 5, n = B * T, h = 8, v = 64;
     const int odd = world_rank == 0;
@@ -1237,6 +1440,13 @@ static void mismatch_case(const config *cfg, int diff)
             o.logit_scale = 2.0;
         if (odd && diff == DIFF_TOKEN_SCALING)
             o.token_scaling = 1;
+        /* Exact encodings (issue 41): -0.0's bits are INT64_MIN's, which a comparison through negation missed. */
+        if (diff == DIFF_SOFTCAP_MINUS_ZERO)
+            o.softcap = odd ? -0.0 : 3.0;
+        if (odd && diff == DIFF_SMOOTHING_SIGNED_ZERO)
+            o.label_smoothing = -0.0;
+        if (diff == DIFF_IGNORE_INT64_MIN)
+            o.ignore_index = odd ? INT64_MIN : 5;
         int64_t correct = -1;
         fh_ce_outputs out = {&loss, NULL, NULL, NULL, NULL, NULL, NULL, odd && diff == DIFF_CORRECT ? &correct : NULL};
         st = fh_mpi_ce_forward_backward(ctx, L, &lin, targets, &o, &grad_output, &out, &g);
@@ -1258,6 +1468,10 @@ static void mismatch_case(const config *cfg, int diff)
             o.loss_type = FH_GRPO_LOSS_BNPO;
         if (odd && diff == DIFF_GRPO_BETA)
             o.beta = 0.05;
+        if (diff == DIFF_GRPO_NAN_PAYLOAD) { /* both mean "no two-sided clipping", but are not the same bits */
+            const uint64_t bits = odd ? 0x7ff8000000000001u : 0x7ff8000000000000u;
+            memcpy(&o.delta, &bits, sizeof o.delta);
+        }
         const fh_grpo_batch batch = {B, T, ids, mask, adv, NULL, refl, NULL};
         fh_grpo_outputs out = {&loss, NULL, NULL, NULL, NULL, NULL};
         st = fh_mpi_grpo_forward_backward(ctx, L, &lin, &batch, &o, &grad_output, &out, &g);
@@ -1315,6 +1529,10 @@ int main(int argc, char **argv)
         error_cases(&configs[k]);
         for (int diff = 0; diff < DIFF_COUNT; diff++)
             mismatch_case(&configs[k], diff);
+        for (int entry = 0; entry < E_COUNT; entry++)
+            for (int bad = 0; bad < BAD_COUNT; bad++)
+                early_failure_case(&configs[k], entry, bad);
+        layout_failure_cases(&configs[k]);
         /* fh_mpi_layout_create_grid gives the same layout as the test's own split. */
         fh_mpi_layout *L = NULL;
         snprintf(case_name, sizeof case_name, "%s / create_grid", configs[k].name);
