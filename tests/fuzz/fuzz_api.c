@@ -564,7 +564,10 @@ static void fuzz_setup_call(setup_call call, reader *r)
         must_refuse = 0;
         break;
     }
-    case SETUP_fh_ce_options_init: st = fh_ce_options_init(null_out ? NULL : &options.ce); must_refuse = null_out; break;
+    case SETUP_fh_ce_options_init:
+        st = fh_ce_options_init(null_out ? NULL : &options.ce);
+        must_refuse = null_out;
+        break;
     case SETUP_fh_logprob_options_init:
         st = fh_logprob_options_init(null_out ? NULL : &options.logprob);
         must_refuse = null_out;
@@ -1121,7 +1124,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                        : kto                ? fh_kto_workspace_size(ctx, &lin, &needed)
                        : grpo               ? fh_grpo_workspace_size(ctx, &lin, &needed)
                        : logprob            ? fh_logprob_workspace_size(ctx, &lin, &needed)
-                       : call == CALL_fh_ce_forward_backward ? fh_ce_forward_backward_workspace_size_with_grads(ctx, &lin, &ce, &g, &needed)
+                       : call == CALL_fh_ce_forward_backward
+                           ? fh_ce_forward_backward_workspace_size_with_grads(ctx, &lin, &ce, &g, &needed)
                                               : fh_ce_workspace_size(ctx, &lin, &ce, &needed);
         if (ws_mode >= 3) {
             ws_bytes = ws_mode == 3 ? needed : ws_mode == 4 ? (needed ? needed - 1 : 0) : (size_t)(u64(&r) % 200000);
@@ -1205,7 +1209,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         st = fh_distill_forward(ctx, &lin, teacher, dtargets, &dopt, null_struct ? NULL : &distill_out);
         break;
     case CALL_fh_distill_forward_backward:
-        st = fh_distill_forward_backward(ctx, &lin, teacher, dtargets, &dopt, grad, &distill_out, null_struct ? NULL : &g);
+        st = fh_distill_forward_backward(ctx, &lin, teacher, dtargets, &dopt, grad, &distill_out,
+                                         null_struct ? NULL : &g);
         break;
     case CALL_fh_distill_workspace_size: st = fh_distill_workspace_size(ctx, &lin, teacher, &bytes); break;
     case CALL_fh_distill_topk_forward:
