@@ -1,14 +1,16 @@
 /* libFuzzer harness over fusedhead's public API (tests/hardening/README.md, "Fuzzing").
  *
- * Each input is decoded into one call: an entry point (fh_ce_forward, fh_ce_backward,
- * fh_ce_forward_backward, the three log-prob calls, the three GRPO calls, the two preference calls, the two KTO
- * calls, the two distillation calls, or one of the seven workspace queries), sizes (small, 0,
- * negative, 2^31.., 2^62, INT64_MIN/MAX, arbitrary), strides (padded, overlapping, zero, negative, huge),
+ * Each input is decoded into one call of an entry point of tests/entry_points.def (a listed entry point without an
+ * action here does not compile). One input in eight drives a setup call (fuzz_setup_call: parameters, wisdom
+ * entries and files, views, option defaults, status strings, with NULL pointers). The others drive a head call or a
+ * workspace query, with sizes (small, 0, negative, 2^31.., 2^62, INT64_MIN/MAX, arbitrary), strides (padded,
+ * overlapping, zero, negative, huge),
  * options (every field, valid or not), targets/ids/masks, special float values in every input, dtypes (fp32 or
  * bf16 x and weight, sometimes mismatched or unknown; each gradient fp32, bf16 or unknown), context parameters
  * (threads, tiles, memory budget, CHECK_FINITE, FP32_DU) and an optional caller workspace of a random size.
  * A distillation call also draws its teacher (hidden size, layout, strides, dtypes and bias of its own; n and V
- * the student's or, now and then, others; sometimes NULL pointers) with the same rules for its buffers. A KTO call
+ * the student's or, now and then, others; sometimes NULL pointers) with the same rules for its buffers; a top-k
+ * distillation call its k (valid or not), ids and log-probs (padded, out of range, not finite, NULL). A KTO call
  * also draws its options, labels (sometimes neither 0 nor 1) and which reference and KL inputs it passes.
  *
  * Allocations stay bounded: when the shape is small (n <= 48, hidden <= 48, vocab <= 700, every view
@@ -24,12 +26,13 @@
  *     workspace queries leave *bytes untouched on error;
  *   - inputs are never written;
  *   - a shape the library must reject is rejected, and so are mismatched or unknown dtypes and bf16 gradients
- *     of fp32 inputs; a distillation teacher whose n or V is not the student's is rejected by the calls;
+ *     of fp32 inputs; a distillation teacher whose n or V is not the student's is rejected by the calls, and so
+ *     are a top-k teacher with k outside [1, FH_DISTILL_TOPK_MAX_K] and NULL teachers, ids or log-probs;
  *   - a successful train step with a caller workspace had at least the bytes queried for its gradients, and no
  *     call of any head refuses a caller workspace of the size its query gave;
  *   - a gradient over x, the weight or another gradient, or a caller workspace over x, is refused;
  *   - a successful query never exceeds the memory budget; argmax outputs lie in [0, V); a successful
- *     distillation call gives ignored tokens a per-token loss of 0. */
+ *     distillation call (top-k too) gives ignored tokens a per-token loss of 0. */
 #include "fusedhead.h"
 
 #include <float.h>
@@ -38,6 +41,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define CANARY 0xA5
 #define CHECK(cond, ...)                                                                                          \
@@ -240,13 +244,367 @@ static void release(buffer *b)
     memset(b, 0, sizeof *b);
 }
 
-enum { CALL_CE_FORWARD, CALL_CE_BACKWARD, CALL_CE_STEP, CALL_LOGPROB_FORWARD, CALL_LOGPROB_BACKWARD, CALL_LOGPROB_STEP,
-       CALL_GRPO_FORWARD, CALL_GRPO_BACKWARD, CALL_GRPO_STEP, CALL_PREFERENCE_FORWARD, CALL_PREFERENCE_STEP,
-       CALL_KTO_FORWARD, CALL_KTO_STEP, CALL_DISTILL_FORWARD, CALL_DISTILL_STEP, CALL_CE_QUERY, CALL_CE_STEP_QUERY,
-       CALL_GRPO_QUERY, CALL_PREFERENCE_QUERY, CALL_KTO_QUERY, CALL_DISTILL_QUERY, CALL_LOGPROB_QUERY, CALL_KINDS };
+/* The entry points, from tests/entry_points.def. Head calls and workspace queries run on one decoded linear problem
+ * (LLVMFuzzerTestOneInput); setup calls have actions of their own (fuzz_setup_call). Both dispatch in a switch with no
+ * default, and -Wswitch is an error here: a listed entry point without a fuzz action does not compile. */
+#pragma GCC diagnostic error "-Wswitch"
+#define FH_SETUP_CALL(name)
+#define FH_HEAD_CALL(name) CALL_##name,
+#define FH_WORKSPACE_QUERY(name) CALL_##name,
+typedef enum linear_call {
+#include "entry_points.def"
+} linear_call;
+#undef FH_HEAD_CALL
+#undef FH_WORKSPACE_QUERY
+#define FH_HEAD_CALL(name) 0,
+#define FH_WORKSPACE_QUERY(name) 1,
+static const unsigned char call_is_query[] = {
+#include "entry_points.def"
+};
+#undef FH_SETUP_CALL
+#undef FH_HEAD_CALL
+#undef FH_WORKSPACE_QUERY
+#define FH_SETUP_CALL(name) SETUP_##name,
+#define FH_HEAD_CALL(name)
+#define FH_WORKSPACE_QUERY(name)
+typedef enum setup_call {
+#include "entry_points.def"
+} setup_call;
+#undef FH_SETUP_CALL
+#define FH_SETUP_CALL(name) #name,
+static const char *const setup_names[] = {
+#include "entry_points.def"
+};
+#undef FH_SETUP_CALL
+#undef FH_HEAD_CALL
+#undef FH_WORKSPACE_QUERY
+/* The counts are the tables' lengths: a count in the enums would be a value the switches cannot handle. */
+#define LINEAR_CALLS (sizeof call_is_query / sizeof *call_is_query)
+#define SETUP_CALLS (sizeof setup_names / sizeof *setup_names)
+
+/* ---- setup calls ---- */
+
+/* An fh_param: the nine, and unknown ones on both sides. */
+static fh_param pick_param(reader *r)
+{
+    return (fh_param)((int)(u8(r) % 12) - 1);
+}
+
+static int64_t pick_int64(reader *r)
+{
+    static const int64_t values[] = {0, 1, 2, 7, -1, 64, 4096, (int64_t)1 << 40, INT64_MAX, INT64_MIN};
+    const uint8_t m = u8(r);
+    return m % 16 < 10 ? values[m % 16] : (int64_t)u64(r);
+}
+
+static const double real_values[] = {0.0, 0x1p-12, 0.5, 1.0, -1.0, -0.0, NAN, INFINITY};
+
+static fh_tile_config pick_wisdom_entry(reader *r)
+{
+    static const int64_t tile_values[] = {1, 2, 7, 64, 1000, (int64_t)1 << 40, INT64_MAX, 0, -1};
+    const fh_tile_config e = {pick_size(r, 8), pick_size(r, 4096), pick_size(r, 4096), pick_size(r, 1 << 17),
+                              (fh_call)((int)(u8(r) % 5) - 1), tile_values[u8(r) % 9], tile_values[u8(r) % 9],
+                              (int)(u8(r) % 3)};
+    return e;
+}
+
+/* A wisdom file for the load and save actions, made once per process and removed at exit. */
+static char wisdom_path[] = "/tmp/fh_fuzz_wisdom_XXXXXX";
+
+static void remove_wisdom_file(void)
+{
+    unlink(wisdom_path);
+}
+
+static const char *wisdom_file(void)
+{
+    static int made;
+    if (!made) {
+        const int fd = mkstemp(wisdom_path);
+        CHECK(fd >= 0, "cannot create %s", wisdom_path);
+        close(fd);
+        atexit(remove_wisdom_file);
+        made = 1;
+    }
+    return wisdom_path;
+}
+
+/* A context's wisdom saved by fh_context_save_wisdom loads back into a fresh one. */
+static void check_saved_wisdom_loads(const char *path)
+{
+    fh_context *fresh = NULL;
+    CHECK(fh_context_create(&fresh) == FH_OK, "fh_context_create");
+    const fh_status st = fh_context_load_wisdom(fresh, path);
+    const char *message = "";
+    fh_context_message(fresh, &message);
+    CHECK(st == FH_OK, "a saved wisdom file does not load back: status %d (%s)", (int)st, message);
+    fh_context_destroy(fresh);
+}
+
+/* One setup entry point with fuzzed arguments, NULL pointers included, on a fresh context. Invariants besides
+ * ASan's and UBSan's: a refused call leaves its outputs untouched; set then get gives the value back, a refused set
+ * leaves it as it was, and a value set lies within the parameter's bounds; bounds are ordered; strings are never
+ * NULL; a saved wisdom file loads back; a NULL context or required pointer is refused. */
+static void fuzz_setup_call(setup_call call, reader *r)
+{
+    fh_context *ctx = NULL;
+    CHECK(fh_context_create(&ctx) == FH_OK && ctx, "fh_context_create");
+    fh_context *const arg = u8(r) % 16 == 0 ? NULL : ctx; /* the context argument */
+    const int null_out = u8(r) % 16 == 0;                /* the output (or entry, path) pointer NULL */
+    const fh_param param = pick_param(r);
+    const int64_t sentinel = (int64_t)0x5A5A5A5A5A5A5A5A;
+    int64_t before = sentinel, after = sentinel, lo = sentinel, hi = sentinel;
+    double real_before = -7.0, real_after = -7.0, real_lo = -7.0, real_hi = -7.0;
+    union {
+        fh_ce_options ce;
+        fh_logprob_options logprob;
+        fh_grpo_options grpo;
+        fh_preference_options preference;
+        fh_distill_options distill;
+        fh_distill_topk_options distill_topk;
+        fh_kto_options kto;
+    } options;
+    /* Most calls must refuse a NULL context or output; the cases that differ say so. */
+    int must_refuse = !arg || null_out;
+    fh_status st = FH_OK;
+    switch (call) {
+    case SETUP_fh_status_string: {
+        static const int statuses[] = {0, 1, 10, 59, 69, -1, 1000, INT32_MIN, INT32_MAX};
+        const uint8_t m = u8(r);
+        const int status = m % 2 ? statuses[(m >> 1) % 9] : (int)u8(r) - 128;
+        const char *s = fh_status_string((fh_status)status);
+        CHECK(s && *s, "fh_status_string(%d) is empty", status);
+        must_refuse = 0;
+        break;
+    }
+    case SETUP_fh_context_create: {
+        fh_context *made = NULL;
+        st = fh_context_create(null_out ? NULL : &made);
+        CHECK(st != FH_OK || made, "fh_context_create: OK without a context");
+        fh_context_destroy(made);
+        must_refuse = null_out;
+        break;
+    }
+    case SETUP_fh_context_destroy:
+        /* ctx itself is destroyed below, in whatever state the input left it: here with wisdom and a parameter */
+        for (int k = u8(r) % 4; k > 0; k--) {
+            const fh_tile_config e = pick_wisdom_entry(r);
+            fh_context_add_wisdom(ctx, &e);
+        }
+        fh_context_set(ctx, param, pick_int64(r));
+        st = fh_context_destroy(NULL);
+        CHECK(st == FH_OK, "fh_context_destroy(NULL): status %d", (int)st);
+        must_refuse = 0;
+        break;
+    case SETUP_fh_context_set: {
+        const int64_t value = pick_int64(r);
+        const fh_status got = fh_context_get(ctx, param, &before);
+        st = fh_context_set(arg, param, value);
+        must_refuse = !arg;
+        CHECK(fh_context_get(ctx, param, &after) == got, "fh_context_get's status changed with a set");
+        if (st == FH_OK)
+            CHECK(after == value && fh_param_bounds(param, &lo, &hi) == FH_OK && lo <= value && value <= hi,
+                  "parameter %d set to %lld: reads %lld, bounds [%lld, %lld]", (int)param, (long long)value,
+                  (long long)after, (long long)lo, (long long)hi);
+        else
+            CHECK(after == before, "a refused set of parameter %d changed it", (int)param);
+        break;
+    }
+    case SETUP_fh_context_get:
+        fh_context_set(ctx, param, pick_int64(r));
+        st = fh_context_get(arg, param, null_out ? NULL : &after);
+        if (st == FH_OK)
+            CHECK(fh_param_bounds(param, &lo, &hi) == FH_OK && lo <= after && after <= hi,
+                  "parameter %d reads %lld outside [%lld, %lld]", (int)param, (long long)after, (long long)lo,
+                  (long long)hi);
+        else
+            CHECK(after == sentinel, "a refused fh_context_get wrote its output");
+        break;
+    case SETUP_fh_param_bounds:
+        st = fh_param_bounds(param, null_out ? NULL : &lo, &hi);
+        CHECK(st == FH_OK ? lo <= hi : lo == sentinel && hi == sentinel, "parameter %d: status %d, bounds %lld %lld",
+              (int)param, (int)st, (long long)lo, (long long)hi);
+        must_refuse = null_out;
+        break;
+    case SETUP_fh_context_set_real: {
+        const double value = pick_double(r, real_values, 8);
+        const fh_status got = fh_context_get_real(ctx, param, &real_before);
+        st = fh_context_set_real(arg, param, value);
+        must_refuse = !arg;
+        CHECK(fh_context_get_real(ctx, param, &real_after) == got, "fh_context_get_real's status changed with a set");
+        if (st == FH_OK)
+            CHECK(real_after == value && fh_param_real_bounds(param, &real_lo, &real_hi) == FH_OK &&
+                  real_lo <= value && value <= real_hi, "real parameter %d set to %g: reads %g, bounds [%g, %g]",
+                  (int)param, value, real_after, real_lo, real_hi);
+        else
+            CHECK(memcmp(&real_after, &real_before, sizeof real_after) == 0,
+                  "a refused set of real parameter %d changed it", (int)param);
+        break;
+    }
+    case SETUP_fh_context_get_real:
+        fh_context_set_real(ctx, param, pick_double(r, real_values, 8));
+        st = fh_context_get_real(arg, param, null_out ? NULL : &real_after);
+        if (st == FH_OK)
+            CHECK(fh_param_real_bounds(param, &real_lo, &real_hi) == FH_OK && real_lo <= real_after &&
+                  real_after <= real_hi, "real parameter %d reads %g outside [%g, %g]", (int)param, real_after,
+                  real_lo, real_hi);
+        else
+            CHECK(real_after == -7.0, "a refused fh_context_get_real wrote its output");
+        break;
+    case SETUP_fh_param_real_bounds:
+        st = fh_param_real_bounds(param, null_out ? NULL : &real_lo, &real_hi);
+        CHECK(st == FH_OK ? real_lo <= real_hi : real_lo == -7.0 && real_hi == -7.0,
+              "real parameter %d: status %d, bounds %g %g", (int)param, (int)st, real_lo, real_hi);
+        must_refuse = null_out;
+        break;
+    case SETUP_fh_context_threads: {
+        fh_context_set(ctx, FH_PARAM_THREADS, pick_int64(r));
+        fh_context_set(ctx, FH_PARAM_OVERSUBSCRIBE, u8(r) % 2);
+        int threads = -7;
+        st = fh_context_threads(arg, null_out ? NULL : &threads);
+        CHECK(st == FH_OK ? threads >= 1 : threads == -7, "fh_context_threads: status %d, %d threads", (int)st,
+              threads);
+        break;
+    }
+    case SETUP_fh_context_add_wisdom: {
+        const int fill = u8(r) % 16 == 0; /* 300 distinct entries, past the table's 256 */
+        for (int k = fill ? 300 : 1 + u8(r) % 4; k > 0; k--) {
+            fh_tile_config e = pick_wisdom_entry(r);
+            if (fill)
+                e.n = k;
+            st = fh_context_add_wisdom(arg, null_out ? NULL : &e);
+        }
+        if (arg && !null_out)
+            CHECK(fh_context_save_wisdom(ctx, wisdom_file()) == FH_OK, "fh_context_save_wisdom");
+        if (arg && !null_out)
+            check_saved_wisdom_loads(wisdom_file());
+        break;
+    }
+    case SETUP_fh_context_load_wisdom: {
+        /* the rest of the input is the file */
+        const char *path = wisdom_file();
+        FILE *f = fopen(path, "wb");
+        CHECK(f && fwrite(r->data + r->at, 1, r->size - r->at, f) == r->size - r->at && fclose(f) == 0,
+              "cannot write %s", path);
+        st = fh_context_load_wisdom(arg, null_out ? NULL : path); /* NULL reads $FH_WISDOM, unset here */
+        must_refuse = !arg;
+        break;
+    }
+    case SETUP_fh_context_save_wisdom: {
+        for (int k = u8(r) % 4; k > 0; k--) {
+            const fh_tile_config e = pick_wisdom_entry(r);
+            fh_context_add_wisdom(ctx, &e);
+        }
+        const int unwritable = u8(r) % 8 == 0;
+        st = fh_context_save_wisdom(arg, null_out ? NULL : unwritable ? "/nonexistent/fh_fuzz/wisdom" : wisdom_file());
+        if (unwritable && arg && !null_out)
+            CHECK(st == FH_ERR_WISDOM_IO, "saving to a missing directory: status %d", (int)st);
+        if (st == FH_OK)
+            check_saved_wisdom_loads(wisdom_file());
+        break;
+    }
+    case SETUP_fh_context_message: {
+        fh_context_set(ctx, param, pick_int64(r)); /* sometimes refused: a message to read */
+        const char *message = NULL;
+        st = fh_context_message(u8(r) % 2 ? arg : NULL, null_out ? NULL : &message); /* NULL: creation's message */
+        CHECK(st != FH_OK || (message && strlen(message) < 1024), "fh_context_message");
+        must_refuse = null_out;
+        break;
+    }
+    case SETUP_fh_context_set_workspace: {
+        static const size_t sizes[] = {0, 1, 63, 4096};
+        const uint8_t m = u8(r);
+        const size_t bytes = m % 8 < 4 ? sizes[m % 8] : (size_t)(u64(r) % 200000);
+        void *workspace = m & 8 ? NULL : malloc(bytes ? bytes : 1);
+        st = fh_context_set_workspace(arg, workspace, bytes);
+        must_refuse = !arg;
+        CHECK(st != FH_OK || workspace || bytes == 0, "a NULL workspace of %zu bytes was accepted", bytes);
+        fh_context_destroy(ctx); /* before the workspace it may hold */
+        ctx = NULL;
+        free(workspace);
+        break;
+    }
+    case SETUP_fh_context_filter_stats: {
+        fh_filter_stats stats = {-7.0, -7.0};
+        st = fh_context_filter_stats(arg, null_out ? NULL : &stats);
+        CHECK(st == FH_OK ? stats.gradient_flops == 0.0 && stats.skipped_flops == 0.0
+                          : stats.gradient_flops == -7.0 && stats.skipped_flops == -7.0,
+              "fh_context_filter_stats on a fresh context: status %d, %g %g", (int)st, stats.gradient_flops,
+              stats.skipped_flops);
+        break;
+    }
+    case SETUP_fh_kernel_query: {
+        fh_kernel_info info;
+        memset(&info, 0, sizeof info);
+        st = fh_kernel_query(null_out ? NULL : &info);
+        CHECK(st != FH_OK || (info.kernel_set && info.elementwise && info.bf16_gemm && info.bf16_path),
+              "fh_kernel_query: a NULL name");
+        must_refuse = null_out;
+        break;
+    }
+    case SETUP_fh_linear_init: {
+        static const float storage[4];
+        fh_linear lin, canary;
+        memset(&canary, CANARY, sizeof canary);
+        lin = canary;
+        const int64_t n = pick_size(r, 48), hidden = pick_size(r, 48), vocab = pick_size(r, 700);
+        const fh_layout layout = (fh_layout)((int)(u8(r) % 4) - 1);
+        const uint8_t m = u8(r);
+        st = fh_linear_init(null_out ? NULL : &lin, n, hidden, vocab, m & 1 ? NULL : storage, m & 2 ? NULL : storage,
+                            layout, m & 4 ? NULL : storage);
+        const int valid_layout = layout == FH_LAYOUT_HV || layout == FH_LAYOUT_VH;
+        CHECK((st == FH_OK) == (!null_out && valid_layout), "fh_linear_init: status %d", (int)st);
+        if (st == FH_OK)
+            CHECK(lin.n == n && lin.hidden == hidden && lin.vocab == vocab && lin.x_row_stride == hidden &&
+                  lin.w_stride_hidden == (layout == FH_LAYOUT_HV ? vocab : 1) &&
+                  lin.w_stride_vocab == (layout == FH_LAYOUT_HV ? 1 : hidden),
+                  "fh_linear_init: the view does not describe the arguments");
+        else
+            CHECK(memcmp(&lin, &canary, sizeof lin) == 0, "a refused fh_linear_init wrote the view");
+        must_refuse = 0;
+        break;
+    }
+    case SETUP_fh_ce_options_init:
+        st = fh_ce_options_init(null_out ? NULL : &options.ce);
+        must_refuse = null_out;
+        break;
+    case SETUP_fh_logprob_options_init:
+        st = fh_logprob_options_init(null_out ? NULL : &options.logprob);
+        must_refuse = null_out;
+        break;
+    case SETUP_fh_grpo_options_init:
+        st = fh_grpo_options_init(null_out ? NULL : &options.grpo);
+        must_refuse = null_out;
+        break;
+    case SETUP_fh_preference_options_init:
+        st = fh_preference_options_init(null_out ? NULL : &options.preference);
+        must_refuse = null_out;
+        break;
+    case SETUP_fh_distill_options_init:
+        st = fh_distill_options_init(null_out ? NULL : &options.distill);
+        must_refuse = null_out;
+        break;
+    case SETUP_fh_distill_topk_options_init:
+        st = fh_distill_topk_options_init(null_out ? NULL : &options.distill_topk);
+        must_refuse = null_out;
+        break;
+    case SETUP_fh_kto_options_init:
+        st = fh_kto_options_init(null_out ? NULL : &options.kto);
+        must_refuse = null_out;
+        break;
+    }
+    if (must_refuse)
+        CHECK(st != FH_OK, "%s accepted a NULL context or output", setup_names[call]);
+    const char *message = NULL;
+    CHECK(!ctx || (fh_context_message(ctx, &message) == FH_OK && message && strlen(message) < 1024), "message");
+    fh_context_destroy(ctx);
+}
+
+/* ---- head calls and workspace queries ---- */
 
 enum { IN_X, IN_W, IN_BIAS, IN_CW, IN_TARGETS, IN_GRAD, IN_LSE, IN_LOGP, IN_ENTROPY, IN_MASK, IN_ADV, IN_OLD, IN_REF,
-       IN_SAMP, IN_TEACHER_X, IN_TEACHER_W, IN_TEACHER_BIAS, IN_LABELS, IN_KL, IN_KL_LOGRATIOS, IN_COUNT };
+       IN_SAMP, IN_TEACHER_X, IN_TEACHER_W, IN_TEACHER_BIAS, IN_LABELS, IN_KL, IN_KL_LOGRATIOS, IN_TOPK_IDS,
+       IN_TOPK_LOGPROBS, IN_COUNT };
 enum { OUT_LOSS, OUT_ZLOSS, OUT_METRICS, OUT_PTL, OUT_LOGP, OUT_LSE, OUT_ENTROPY, OUT_ARGMAX, OUT_DX, OUT_DW, OUT_DB,
        OUT_PREFERENCE_METRICS, OUT_SEQUENCE_LOGPS, OUT_REWARDS, OUT_SOFT_LOSS, OUT_HARD_LOSS, OUT_CORRECT,
        OUT_KTO_METRICS, OUT_COUNT };
@@ -256,20 +614,32 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     reader r = {data, size, 0};
-    const int call = u8(&r) % CALL_KINDS;
-    const int preference = call == CALL_PREFERENCE_FORWARD || call == CALL_PREFERENCE_STEP ||
-                           call == CALL_PREFERENCE_QUERY;
-    const int kto = call == CALL_KTO_FORWARD || call == CALL_KTO_STEP || call == CALL_KTO_QUERY;
+    /* One input in eight (first byte 224..255) drives a setup call, the others a head call or workspace query. */
+    const uint8_t pick = u8(&r);
+    if (pick >= 224) {
+        fuzz_setup_call((setup_call)(pick % SETUP_CALLS), &r);
+        return 0;
+    }
+    const linear_call call = (linear_call)(pick % LINEAR_CALLS);
+    const int preference = call == CALL_fh_preference_forward || call == CALL_fh_preference_forward_backward ||
+                           call == CALL_fh_preference_workspace_size;
+    const int kto = call == CALL_fh_kto_forward || call == CALL_fh_kto_forward_backward ||
+                    call == CALL_fh_kto_workspace_size;
     /* grpo: a batch of sequences (GRPO's, the preference calls' 2 x pairs, or KTO's) */
-    const int grpo = call == CALL_GRPO_FORWARD || call == CALL_GRPO_BACKWARD || call == CALL_GRPO_STEP ||
-                     call == CALL_GRPO_QUERY || preference || kto;
-    const int distill = call == CALL_DISTILL_FORWARD || call == CALL_DISTILL_STEP || call == CALL_DISTILL_QUERY;
-    const int logprob = call == CALL_LOGPROB_FORWARD || call == CALL_LOGPROB_BACKWARD || call == CALL_LOGPROB_STEP;
-    const int query = call >= CALL_CE_QUERY;
-    const int has_grads = call == CALL_CE_BACKWARD || call == CALL_CE_STEP || call == CALL_LOGPROB_BACKWARD ||
-                          call == CALL_LOGPROB_STEP || call == CALL_GRPO_BACKWARD ||
-                          call == CALL_GRPO_STEP || call == CALL_PREFERENCE_STEP || call == CALL_KTO_STEP ||
-                          call == CALL_DISTILL_STEP;
+    const int grpo = call == CALL_fh_grpo_forward || call == CALL_fh_grpo_backward ||
+                     call == CALL_fh_grpo_forward_backward || call == CALL_fh_grpo_workspace_size || preference || kto;
+    const int distill = call == CALL_fh_distill_forward || call == CALL_fh_distill_forward_backward ||
+                        call == CALL_fh_distill_workspace_size;
+    const int topk = call == CALL_fh_distill_topk_forward || call == CALL_fh_distill_topk_forward_backward ||
+                     call == CALL_fh_distill_topk_workspace_size;
+    const int logprob = call == CALL_fh_logprob_forward || call == CALL_fh_logprob_backward ||
+                        call == CALL_fh_logprob_forward_backward;
+    const int query = call_is_query[call];
+    const int has_grads = call == CALL_fh_ce_backward || call == CALL_fh_ce_forward_backward ||
+                          call == CALL_fh_logprob_backward || call == CALL_fh_logprob_forward_backward ||
+                          call == CALL_fh_grpo_backward || call == CALL_fh_grpo_forward_backward ||
+                          call == CALL_fh_preference_forward_backward || call == CALL_fh_kto_forward_backward ||
+                          call == CALL_fh_distill_forward_backward || call == CALL_fh_distill_topk_forward_backward;
 
     /* dtypes: x fp32 or bf16, the weight the same, the other one or unknown; each gradient fp32 or bf16 (dx
      * unknown when all three bits are set); fp32 dU. */
@@ -340,6 +710,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     const int64_t tx_last = !distill || t_lin_bad ? 0 : last_offset(tn, th, t_x_rs, 1);
     const int64_t tw_last = !distill || t_lin_bad ? 0 : last_offset(th, tv, t_w_rs, t_w_cs);
     const int t_small = !t_lin_bad && tn <= 48 && th <= 48 && tv <= 700 && tx_last < 65536 && tw_last < 65536;
+
+    /* Top-k distillation's teacher: k entries per token (mostly 1..8; now and then 0, negative, past
+     * FH_DISTILL_TOPK_MAX_K or huge); now and then a NULL teacher, ids or log-probs. */
+    int64_t topk_k = 1;
+    int topk_pointer = 0; /* 1: teacher NULL, 2: its ids NULL, 3: its log-probs NULL */
+    if (topk && !query) {
+        const uint8_t kb = u8(&r);
+        topk_k = kb % 4 == 0 ? pick_size(&r, FH_DISTILL_TOPK_MAX_K + 1) : 1 + (kb >> 2) % 8;
+        topk_pointer = kb >> 5 == 7 ? 1 + u8(&r) % 3 : 0;
+    }
+    const int topk_k_bad = topk_k < 1 || topk_k > FH_DISTILL_TOPK_MAX_K;
 
     const int sizes_bad = n < 1 || hidden < 1 || vocab < 1;
     const int overflow = !sizes_bad && (product_overflows(n, vocab) || product_overflows(hidden, vocab) ||
@@ -643,12 +1024,30 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     const fh_linear *teacher = t_pointer == 1 ? NULL : &teacher_lin;
 
-    /* Distillation options (read for distillation calls only): every field valid or not; the targets drawn
-     * above (with the cross-entropy ignore_index, mostly the same here), or NULL. */
+    /* The top-k teacher's [n, k] ids and log-probs: exact sizes for a small student and a valid k, tiny ones
+     * otherwise (then the calls must refuse). Mostly valid entries (a zero byte gives id 0 and log-prob 0), some
+     * padded (-inf), some out of range or not finite. */
+    fh_topk_teacher topk_teacher = {topk_k, NULL, NULL};
+    if (topk && !query) {
+        const size_t entries = small && !topk_k_bad ? (size_t)n * (size_t)topk_k : 4;
+        int64_t *ids = alloc_exact(&in[IN_TOPK_IDS], entries * sizeof(int64_t));
+        float *logprobs = alloc_exact(&in[IN_TOPK_LOGPROBS], entries * sizeof(float));
+        for (size_t e = 0; e < entries; e++) {
+            const uint8_t m = u8(&r);
+            ids[e] = m % 32 == 31 ? (m & 32 ? vocab : -1) : (int64_t)(u8(&r) % (uint64_t)(small ? vocab : 4));
+            logprobs[e] = m % 16 == 15 ? pick_float(&r) : m % 16 == 14 ? -INFINITY : -0.25f * (float)(m % 16);
+        }
+        topk_teacher.ids = topk_pointer == 2 ? NULL : ids;
+        topk_teacher.logprobs = topk_pointer == 3 ? NULL : logprobs;
+    }
+
+    /* Distillation options (read for distillation and top-k distillation calls only): every field valid or not; the
+     * targets drawn above (with the cross-entropy ignore_index, mostly the same here), or NULL. Top-k's options are
+     * the shared fields and add_tail (0, 1, or neither). */
     fh_distill_options dopt;
     fh_distill_options_init(&dopt);
     const int64_t *dtargets = targets;
-    if (distill) {
+    if (distill || topk) {
         const uint8_t dv = u8(&r);
         dopt.divergence = (fh_divergence)(dv % 8 == 7 ? -1 : dv % 4);
         static const double dbetas[] = {0.5, 0.0, 1.0, 0.3, -0.1, 1.0000001, NAN, INFINITY};
@@ -663,6 +1062,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         dopt.reduction = (fh_reduction)(dm >> 4 == 15 ? 7 : (dm >> 4) % 3);
         if (u8(&r) % 8 == 7)
             dtargets = NULL;
+    }
+    fh_distill_topk_options topt;
+    fh_distill_topk_options_init(&topt);
+    if (topk) {
+        const uint8_t tail = u8(&r);
+        topt.add_tail = tail % 8 == 7 ? (int)(tail >> 3) - 16 : tail % 2;
+        topt.temperature = dopt.temperature;
+        topt.weight_soft_loss = dopt.weight_soft_loss;
+        topt.weight_hard_loss = dopt.weight_hard_loss;
+        topt.ignore_index = dopt.ignore_index;
+        topt.reduction = dopt.reduction;
     }
 
     /* Outputs, canary-filled. */
@@ -680,8 +1090,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     fh_preference_metrics *pref_metrics =
         (want & 4) ? alloc_exact(&out[OUT_PREFERENCE_METRICS], sizeof(fh_preference_metrics)) : NULL;
     fh_kto_metrics *kto_metrics = kto && (want & 4) ? alloc_exact(&out[OUT_KTO_METRICS], sizeof(fh_kto_metrics)) : NULL;
-    double *soft_loss = distill && (want & 2) ? alloc_exact(&out[OUT_SOFT_LOSS], sizeof(double)) : NULL;
-    double *hard_loss = distill && (want & 4) ? alloc_exact(&out[OUT_HARD_LOSS], sizeof(double)) : NULL;
+    double *soft_loss = (distill || topk) && (want & 2) ? alloc_exact(&out[OUT_SOFT_LOSS], sizeof(double)) : NULL;
+    double *hard_loss = (distill || topk) && (want & 4) ? alloc_exact(&out[OUT_HARD_LOSS], sizeof(double)) : NULL;
     /* KTO: one per sequence (ub >= batch wherever the batch can match n). */
     const size_t sequences = kto ? ub : small && pairs >= 1 && 2 * pairs <= (int64_t)ub ? (size_t)(2 * pairs) : 4;
     float *seq_logps = (want & 8) ? alloc_exact(&out[OUT_SEQUENCE_LOGPS], sequences * sizeof(float)) : NULL;
@@ -709,11 +1119,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     fh_status query_status = FH_ERR_INVALID_SIZE;
     if (!query && small) {
         query_status = distill              ? fh_distill_workspace_size(ctx, &lin, teacher, &needed)
+                       : topk               ? fh_distill_topk_workspace_size(ctx, &lin, &needed)
                        : preference         ? fh_preference_workspace_size(ctx, &lin, &needed)
                        : kto                ? fh_kto_workspace_size(ctx, &lin, &needed)
                        : grpo               ? fh_grpo_workspace_size(ctx, &lin, &needed)
                        : logprob            ? fh_logprob_workspace_size(ctx, &lin, &needed)
-                       : call == CALL_CE_STEP ? fh_ce_forward_backward_workspace_size_with_grads(ctx, &lin, &ce, &g, &needed)
+                       : call == CALL_fh_ce_forward_backward
+                           ? fh_ce_forward_backward_workspace_size_with_grads(ctx, &lin, &ce, &g, &needed)
                                               : fh_ce_workspace_size(ctx, &lin, &ce, &needed);
         if (ws_mode >= 3) {
             ws_bytes = ws_mode == 3 ? needed : ws_mode == 4 ? (needed ? needed - 1 : 0) : (size_t)(u64(&r) % 200000);
@@ -752,50 +1164,68 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     fh_distill_outputs distill_out = {loss, soft_loss, hard_loss, ptl};
     fh_logprob_outputs lp_out = {logp, entropy, lse};
     const int null_struct = u8(&r) % 64 == 0;
+    const fh_topk_teacher *topk_arg = topk_pointer == 1 ? NULL : &topk_teacher;
     switch (call) {
-    case CALL_CE_FORWARD: st = fh_ce_forward(ctx, &lin, targets, &ce, null_struct ? NULL : &ce_out); break;
-    case CALL_CE_BACKWARD:
+    case CALL_fh_ce_forward: st = fh_ce_forward(ctx, &lin, targets, &ce, null_struct ? NULL : &ce_out); break;
+    case CALL_fh_ce_backward:
         st = fh_ce_backward(ctx, &lin, targets, &ce, lse_in, grad, null_struct ? NULL : &g);
         break;
-    case CALL_CE_STEP: st = fh_ce_forward_backward(ctx, &lin, targets, &ce, grad, &ce_out, null_struct ? NULL : &g); break;
-    case CALL_LOGPROB_FORWARD: st = fh_logprob_forward(ctx, &lin, targets, &lo, null_struct ? NULL : &lp_out); break;
-    case CALL_LOGPROB_BACKWARD:
+    case CALL_fh_ce_forward_backward:
+        st = fh_ce_forward_backward(ctx, &lin, targets, &ce, grad, &ce_out, null_struct ? NULL : &g);
+        break;
+    case CALL_fh_ce_workspace_size: st = fh_ce_workspace_size(ctx, &lin, &ce, &bytes); break;
+    case CALL_fh_ce_forward_backward_workspace_size:
+        st = fh_ce_forward_backward_workspace_size(ctx, &lin, &ce, &bytes);
+        break;
+    case CALL_fh_ce_forward_backward_workspace_size_with_grads:
+        st = fh_ce_forward_backward_workspace_size_with_grads(ctx, &lin, &ce, null_struct ? NULL : &g, &bytes);
+        break;
+    case CALL_fh_logprob_forward: st = fh_logprob_forward(ctx, &lin, targets, &lo, null_struct ? NULL : &lp_out); break;
+    case CALL_fh_logprob_backward:
         st = fh_logprob_backward(ctx, &lin, targets, &lo, lse_in, entropy_in, grad, grads_want & 1 ? grad : NULL,
                                  grads_want & 2 ? grad : NULL, null_struct ? NULL : &g);
         break;
-    case CALL_LOGPROB_STEP:
+    case CALL_fh_logprob_forward_backward:
         st = fh_logprob_forward_backward(ctx, &lin, targets, &lo, grad, grads_want & 1 ? grad : NULL,
                                          grads_want & 2 ? grad : NULL, &lp_out, null_struct ? NULL : &g);
         break;
-    case CALL_LOGPROB_QUERY: st = fh_logprob_workspace_size(ctx, &lin, &bytes); break;
-    case CALL_GRPO_FORWARD: st = fh_grpo_forward(ctx, &lin, null_struct ? NULL : &gb, &go, &grpo_out); break;
-    case CALL_GRPO_BACKWARD:
+    case CALL_fh_logprob_workspace_size: st = fh_logprob_workspace_size(ctx, &lin, &bytes); break;
+    case CALL_fh_grpo_forward: st = fh_grpo_forward(ctx, &lin, null_struct ? NULL : &gb, &go, &grpo_out); break;
+    case CALL_fh_grpo_backward:
         st = fh_grpo_backward(ctx, &lin, &gb, &go, logp_in, lse_in, entropy_in, grad, null_struct ? NULL : &g);
         break;
-    case CALL_GRPO_STEP: st = fh_grpo_forward_backward(ctx, &lin, &gb, &go, grad, &grpo_out, null_struct ? NULL : &g); break;
-    case CALL_PREFERENCE_FORWARD:
+    case CALL_fh_grpo_forward_backward:
+        st = fh_grpo_forward_backward(ctx, &lin, &gb, &go, grad, &grpo_out, null_struct ? NULL : &g);
+        break;
+    case CALL_fh_grpo_workspace_size: st = fh_grpo_workspace_size(ctx, &lin, &bytes); break;
+    case CALL_fh_preference_forward:
         st = fh_preference_forward(ctx, &lin, null_struct ? NULL : &pb, &po, &pref_out);
         break;
-    case CALL_PREFERENCE_STEP:
+    case CALL_fh_preference_forward_backward:
         st = fh_preference_forward_backward(ctx, &lin, &pb, &po, grad, &pref_out, null_struct ? NULL : &g);
         break;
-    case CALL_KTO_FORWARD: st = fh_kto_forward(ctx, &lin, null_struct ? NULL : &kb, &ko, &kto_out); break;
-    case CALL_KTO_STEP: st = fh_kto_forward_backward(ctx, &lin, &kb, &ko, grad, &kto_out, null_struct ? NULL : &g); break;
-    case CALL_DISTILL_FORWARD:
+    case CALL_fh_preference_workspace_size: st = fh_preference_workspace_size(ctx, &lin, &bytes); break;
+    case CALL_fh_distill_forward:
         st = fh_distill_forward(ctx, &lin, teacher, dtargets, &dopt, null_struct ? NULL : &distill_out);
         break;
-    case CALL_DISTILL_STEP:
-        st = fh_distill_forward_backward(ctx, &lin, teacher, dtargets, &dopt, grad, &distill_out, null_struct ? NULL : &g);
+    case CALL_fh_distill_forward_backward:
+        st = fh_distill_forward_backward(ctx, &lin, teacher, dtargets, &dopt, grad, &distill_out,
+                                         null_struct ? NULL : &g);
         break;
-    case CALL_CE_QUERY: st = fh_ce_workspace_size(ctx, &lin, &ce, &bytes); break;
-    case CALL_CE_STEP_QUERY:
-        st = grads_want & 8 ? fh_ce_forward_backward_workspace_size_with_grads(ctx, &lin, &ce, null_struct ? NULL : &g, &bytes)
-                            : fh_ce_forward_backward_workspace_size(ctx, &lin, &ce, &bytes);
+    case CALL_fh_distill_workspace_size: st = fh_distill_workspace_size(ctx, &lin, teacher, &bytes); break;
+    case CALL_fh_distill_topk_forward:
+        st = fh_distill_topk_forward(ctx, &lin, topk_arg, dtargets, &topt, null_struct ? NULL : &distill_out);
         break;
-    case CALL_GRPO_QUERY: st = fh_grpo_workspace_size(ctx, &lin, &bytes); break;
-    case CALL_PREFERENCE_QUERY: st = fh_preference_workspace_size(ctx, &lin, &bytes); break;
-    case CALL_KTO_QUERY: st = fh_kto_workspace_size(ctx, &lin, &bytes); break;
-    default: st = fh_distill_workspace_size(ctx, &lin, teacher, &bytes); break;
+    case CALL_fh_distill_topk_forward_backward:
+        st = fh_distill_topk_forward_backward(ctx, &lin, topk_arg, dtargets, &topt, grad, &distill_out,
+                                              null_struct ? NULL : &g);
+        break;
+    case CALL_fh_distill_topk_workspace_size: st = fh_distill_topk_workspace_size(ctx, &lin, &bytes); break;
+    case CALL_fh_kto_forward: st = fh_kto_forward(ctx, &lin, null_struct ? NULL : &kb, &ko, &kto_out); break;
+    case CALL_fh_kto_forward_backward:
+        st = fh_kto_forward_backward(ctx, &lin, &kb, &ko, grad, &kto_out, null_struct ? NULL : &g);
+        break;
+    case CALL_fh_kto_workspace_size: st = fh_kto_workspace_size(ctx, &lin, &bytes); break;
     }
 
     if (getenv("FH_FUZZ_DEBUG"))
@@ -812,6 +1242,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
               (int)dw_dtype, (int)db_dtype, (int)x_dtype);
     /* The teacher: a NULL pointer, an invalid view or a dtype mismatch always; n or V not the student's in the
      * calls (the query sizes the student's workspace and does not compare them). */
+    if (topk && !query && (topk_pointer || topk_k_bad) && lin.x && lin.weight)
+        CHECK(st != FH_OK, "call %d accepted a top-k teacher it must reject (k=%lld, pointer %d)", call,
+              (long long)topk_k, topk_pointer);
     if (distill && (t_pointer || t_lin_bad || t_dtype_bad || (t_mismatch && !query)))
         CHECK(st != FH_OK, "call %d accepted a teacher it must reject (n=%lld h=%lld v=%lld strides %lld %lld %lld "
               "dtypes %d %d pointer %d; student n=%lld v=%lld)", call, (long long)tn, (long long)th, (long long)tv,
@@ -828,7 +1261,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             for (int k = 0; k < OUT_COUNT; k++)
                 CHECK(untouched(&out[k]), "call %d failed with status %d but wrote output %d", call, (int)st, k);
         /* The train step's query for its gradients is exact; the others are the larger of two passes' needs. */
-        if (st == FH_OK && workspace && call == CALL_CE_STEP)
+        if (st == FH_OK && workspace && call == CALL_fh_ce_forward_backward)
             CHECK(query_status == FH_OK && ws_bytes >= needed,
                   "call %d succeeded with a %zu-byte caller workspace; the query said %zu (status %d)", call, ws_bytes,
                   needed, (int)query_status);
@@ -838,13 +1271,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         if (workspace && ws_mode == 3 && query_status == FH_OK && !aliased)
             CHECK(st != FH_ERR_WORKSPACE_TOO_SMALL, "call %d refused a caller workspace of the %zu bytes its query gave",
                   call, needed);
-        if (st == FH_OK && argmax && (call == CALL_CE_FORWARD || call == CALL_CE_STEP))
+        if (st == FH_OK && argmax && (call == CALL_fh_ce_forward || call == CALL_fh_ce_forward_backward))
             for (size_t i = 0; i < un; i++)
                 CHECK(argmax[i] >= 0 && argmax[i] < vocab, "argmax[%zu] = %lld outside [0, %lld)", i,
                       (long long)argmax[i], (long long)vocab);
-        if (st == FH_OK && correct && (call == CALL_CE_FORWARD || call == CALL_CE_STEP))
+        if (st == FH_OK && correct && (call == CALL_fh_ce_forward || call == CALL_fh_ce_forward_backward))
             CHECK(*correct >= 0 && *correct <= n, "correct = %lld outside [0, %lld]", (long long)*correct, (long long)n);
-        if (st == FH_OK && distill && ptl && dtargets)
+        if (st == FH_OK && (distill || topk) && ptl && dtargets)
             for (size_t i = 0; i < un; i++)
                 CHECK(dtargets[i] != dopt.ignore_index || ptl[i] == 0.0f,
                       "distillation: ignored token %zu has a per-token loss of %g", i, (double)ptl[i]);
@@ -855,7 +1288,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     static const char *in_names[IN_COUNT] = {"x", "weight", "bias", "class_weights", "targets", "grad_output", "lse",
                                              "logp", "entropy", "mask", "advantages", "old", "ref", "sampling",
                                              "teacher x", "teacher weight", "teacher bias", "labels", "kl",
-                                             "kl_logratios"};
+                                             "kl_logratios", "top-k ids", "top-k log-probs"};
     for (int k = 0; k < IN_COUNT; k++)
         check_input(&in[k], in_names[k]);
 

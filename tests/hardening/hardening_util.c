@@ -12,43 +12,51 @@
 
 const char *hu_call_name(hu_call call)
 {
-    static const char *names[HU_CALL_COUNT] = {"fh_ce_forward",         "fh_ce_backward",
-                                               "fh_ce_forward_backward", "fh_logprob_forward",
-                                               "fh_logprob_backward",    "fh_logprob_forward_backward",
-                                               "fh_grpo_forward",
-                                               "fh_grpo_backward",       "fh_grpo_forward_backward",
-                                               "fh_preference_forward",  "fh_preference_forward_backward",
-                                               "fh_kto_forward",         "fh_kto_forward_backward",
-                                               "fh_distill_forward",     "fh_distill_forward_backward"};
+#define FH_SETUP_CALL(name)
+#define FH_HEAD_CALL(name) #name,
+#define FH_WORKSPACE_QUERY(name)
+    static const char *const names[HU_CALL_COUNT] = {
+#include "entry_points.def"
+    };
+#undef FH_SETUP_CALL
+#undef FH_HEAD_CALL
+#undef FH_WORKSPACE_QUERY
     return (unsigned)call < HU_CALL_COUNT ? names[call] : "?";
 }
 
 int hu_call_on_sequences(hu_call call)
 {
-    return call >= HU_GRPO_FORWARD;
+    return call != HU_fh_ce_forward && call != HU_fh_ce_backward && call != HU_fh_ce_forward_backward &&
+           call != HU_fh_logprob_forward && call != HU_fh_logprob_backward && call != HU_fh_logprob_forward_backward;
 }
 
 int hu_call_is_preference(hu_call call)
 {
-    return call == HU_PREFERENCE_FORWARD || call == HU_PREFERENCE_TRAIN_STEP;
+    return call == HU_fh_preference_forward || call == HU_fh_preference_forward_backward;
 }
 
 int hu_call_is_kto(hu_call call)
 {
-    return call == HU_KTO_FORWARD || call == HU_KTO_TRAIN_STEP;
+    return call == HU_fh_kto_forward || call == HU_fh_kto_forward_backward;
 }
 
 int hu_call_is_distill(hu_call call)
 {
-    return call == HU_DISTILL_FORWARD || call == HU_DISTILL_TRAIN_STEP;
+    return call == HU_fh_distill_forward || call == HU_fh_distill_forward_backward;
+}
+
+int hu_call_is_distill_topk(hu_call call)
+{
+    return call == HU_fh_distill_topk_forward || call == HU_fh_distill_topk_forward_backward;
 }
 
 int hu_call_has_grads(hu_call call)
 {
-    return call == HU_CE_BACKWARD || call == HU_CE_TRAIN_STEP || call == HU_LOGPROB_BACKWARD ||
-           call == HU_LOGPROB_TRAIN_STEP || call == HU_GRPO_BACKWARD ||
-           call == HU_GRPO_TRAIN_STEP || call == HU_PREFERENCE_TRAIN_STEP || call == HU_KTO_TRAIN_STEP ||
-           call == HU_DISTILL_TRAIN_STEP;
+    return call == HU_fh_ce_backward || call == HU_fh_ce_forward_backward || call == HU_fh_logprob_backward ||
+           call == HU_fh_logprob_forward_backward || call == HU_fh_grpo_backward ||
+           call == HU_fh_grpo_forward_backward || call == HU_fh_preference_forward_backward ||
+           call == HU_fh_kto_forward_backward || call == HU_fh_distill_forward_backward ||
+           call == HU_fh_distill_topk_forward_backward;
 }
 
 void hu_outputs_alloc(hu_outputs *o, int64_t n, int64_t hidden, int64_t vocab, int has_bias)
@@ -208,6 +216,20 @@ void hu_grpo_problem_init(hu_grpo_problem *p, int64_t batch, int64_t seq, int64_
     p->distill.temperature = 2.0;
     p->distill.weight_soft_loss = 0.8;
     p->distill.weight_hard_loss = 0.4;
+    /* The top-k teacher, from the teacher's generator (after the teacher's values). */
+    p->topk_ids = tu_alloc((size_t)(n * HU_TOPK_K), sizeof(int64_t));
+    p->topk_logprobs = tu_alloc((size_t)(n * HU_TOPK_K), sizeof(float));
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t padded = i == 3 ? HU_TOPK_K : i % 3 == 1 ? 2 : 0;
+        for (int64_t e = 0; e < HU_TOPK_K; e++) {
+            const int pad = e >= HU_TOPK_K - padded;
+            p->topk_ids[i * HU_TOPK_K + e] = pad ? 0 : (int64_t)(ref_uniform(&teacher_rng) * (double)vocab);
+            p->topk_logprobs[i * HU_TOPK_K + e] = pad ? -INFINITY : (float)(-1.0 - 0.4 * (double)e);
+        }
+    }
+    fh_distill_topk_options_init(&p->distill_topk);
+    p->distill_topk.temperature = 0.7;
+    p->distill_topk.weight_hard_loss = 0.3;
     /* TRL's sampler log-probs, from a generator of their own too; the off-policy mask reads them as well. */
     uint64_t sampling_rng = seed * 6151 + 43;
     p->sampling_logps = tu_alloc((size_t)n, sizeof(float));
@@ -247,6 +269,8 @@ void hu_grpo_problem_free(hu_grpo_problem *p)
     free(p->teacher_weight);
     free(p->teacher_bias);
     free(p->distill_grad);
+    free(p->topk_ids);
+    free(p->topk_logprobs);
     free(p->kto_labels);
     free(p->kto_ref_logps);
     free(p->kto_kl_logratios);
@@ -316,6 +340,19 @@ void hu_distill_use_bf16(hu_grpo_problem *p, int student, int teacher)
     }
 }
 
+void hu_topk_teacher(const hu_grpo_problem *p, fh_topk_teacher *teacher)
+{
+    const fh_topk_teacher t = {HU_TOPK_K, p->topk_ids, p->topk_logprobs};
+    *teacher = t;
+}
+
+/* The distillation query with a teacher, top-k's without. */
+static fh_status distill_query(const fh_context *ctx, const fh_linear *student, const fh_linear *teacher, size_t *bytes)
+{
+    return teacher ? fh_distill_workspace_size(ctx, student, teacher, bytes)
+                   : fh_distill_topk_workspace_size(ctx, student, bytes);
+}
+
 int64_t hu_distill_streaming_budget(const fh_linear *student, const fh_linear *teacher, int threads)
 {
     fh_context *ctx = NULL;
@@ -325,23 +362,23 @@ int64_t hu_distill_streaming_budget(const fh_linear *student, const fh_linear *t
     int64_t lo = 0, hi = (int64_t)1 << 30; /* lo fails (0 is the default budget: never tried), hi works */
     size_t bytes;
     fh_context_set(ctx, FH_PARAM_MEMORY_BUDGET, hi);
-    if (fh_distill_workspace_size(ctx, student, teacher, &bytes) != FH_OK) {
+    if (distill_query(ctx, student, teacher, &bytes) != FH_OK) {
         fh_context_destroy(ctx);
         return 0;
     }
     while (hi - lo > 1) {
         const int64_t mid = lo + (hi - lo) / 2;
         fh_context_set(ctx, FH_PARAM_MEMORY_BUDGET, mid);
-        if (fh_distill_workspace_size(ctx, student, teacher, &bytes) == FH_OK)
+        if (distill_query(ctx, student, teacher, &bytes) == FH_OK)
             hi = mid;
         else
             lo = mid;
     }
     fh_context_destroy(ctx);
-    /* Half of what the row blocks' logits alone take (min(n, 256) rows of both heads): larger streaming tiles
-     * than the smallest (faster), still too small for row blocks. */
+    /* Half of what the row blocks' logits alone take (min(n, 256) rows of both heads, or of the student's for
+     * top-k): larger streaming tiles than the smallest (faster), still too small for row blocks. */
     const int64_t rows = student->n < 256 ? student->n : 256;
-    const int64_t half = rows * student->vocab * 4;
+    const int64_t half = rows * student->vocab * (teacher ? 4 : 2);
     return half > hi ? half : hi;
 }
 
@@ -363,71 +400,128 @@ void hu_saved_free(hu_saved *s)
     memset(s, 0, sizeof *s);
 }
 
+/* The calls of a cp_problem: cross-entropy and log-probs. */
+static fh_status run_on_tokens(fh_context *ctx, hu_call call, const cp_problem *p_ce, const hu_saved *saved,
+                               hu_outputs *o, fh_linear_grads *g)
+{
+    fh_linear lin;
+    cp_problem_linear(p_ce, &lin);
+    fh_ce_outputs out = {&o->loss, &o->z_loss, o->per_token_loss, o->logp, o->lse, o->argmax, NULL, NULL};
+    fh_logprob_options lo;
+    fh_logprob_options_init(&lo);
+    lo.ignore_index = p_ce->options.ignore_index;
+    lo.softcap = p_ce->options.softcap;
+    fh_logprob_outputs lout = {o->logp, o->entropy, o->lse};
+    const float *up = p_ce->grad_output;
+    switch (call) {
+    case HU_fh_logprob_forward: return fh_logprob_forward(ctx, &lin, p_ce->targets, &lo, &lout);
+    case HU_fh_logprob_backward:
+        return fh_logprob_backward(ctx, &lin, p_ce->targets, &lo, saved->lse, NULL, up, NULL, up, g);
+    case HU_fh_logprob_forward_backward:
+        return fh_logprob_forward_backward(ctx, &lin, p_ce->targets, &lo, up, up, up, &lout, g);
+    case HU_fh_ce_forward: return fh_ce_forward(ctx, &lin, p_ce->targets, &p_ce->options, &out);
+    case HU_fh_ce_backward:
+        return fh_ce_backward(ctx, &lin, p_ce->targets, &p_ce->options, saved->lse, p_ce->grad_output, g);
+    default: return fh_ce_forward_backward(ctx, &lin, p_ce->targets, &p_ce->options, p_ce->grad_output, &out, g);
+    }
+}
+
+static fh_status run_distill(fh_context *ctx, hu_call call, const hu_grpo_problem *p, hu_outputs *o,
+                             fh_linear_grads *g)
+{
+    fh_linear lin, teacher;
+    hu_distill_linears(p, &lin, &teacher);
+    const int64_t *targets = p->distill_no_targets ? NULL : p->ids;
+    fh_distill_outputs out = {&o->loss, &o->soft_loss, &o->hard_loss, o->per_token_loss};
+    if (call == HU_fh_distill_forward)
+        return fh_distill_forward(ctx, &lin, &teacher, targets, &p->distill, &out);
+    return fh_distill_forward_backward(ctx, &lin, &teacher, targets, &p->distill, p->distill_grad, &out, g);
+}
+
+static fh_status run_distill_topk(fh_context *ctx, hu_call call, const hu_grpo_problem *p, hu_outputs *o,
+                                  fh_linear_grads *g)
+{
+    fh_linear lin, unused;
+    hu_distill_linears(p, &lin, &unused); /* the student, bf16 where hu_distill_use_bf16 made it */
+    fh_topk_teacher teacher;
+    hu_topk_teacher(p, &teacher);
+    const int64_t *targets = p->distill_no_targets ? NULL : p->ids;
+    fh_distill_outputs out = {&o->loss, &o->soft_loss, &o->hard_loss, o->per_token_loss};
+    if (call == HU_fh_distill_topk_forward)
+        return fh_distill_topk_forward(ctx, &lin, &teacher, targets, &p->distill_topk, &out);
+    return fh_distill_topk_forward_backward(ctx, &lin, &teacher, targets, &p->distill_topk, p->distill_grad, &out, g);
+}
+
+static fh_status run_preference(fh_context *ctx, hu_call call, const hu_grpo_problem *p, hu_outputs *o,
+                                fh_linear_grads *g)
+{
+    TU_CHECK(p->batch % 2 == 0, "a preference call needs an even batch, got %lld", (long long)p->batch);
+    fh_linear lin;
+    hu_grpo_linear(p, &lin);
+    const fh_preference_batch pairs = {p->batch / 2, p->seq, p->ids, p->mask, NULL, p->ref_logps};
+    fh_preference_outputs out = {&o->loss, &o->preference_metrics, o->sequence_logps, o->rewards, o->logp};
+    if (call == HU_fh_preference_forward)
+        return fh_preference_forward(ctx, &lin, &pairs, &p->preference, &out);
+    return fh_preference_forward_backward(ctx, &lin, &pairs, &p->preference, &p->grad_output, &out, g);
+}
+
+static fh_status run_kto(fh_context *ctx, hu_call call, const hu_grpo_problem *p, hu_outputs *o, fh_linear_grads *g)
+{
+    fh_linear lin;
+    hu_grpo_linear(p, &lin);
+    fh_kto_batch batch;
+    hu_kto_batch(p, &batch);
+    fh_kto_outputs out = {&o->loss, &o->kto_metrics, o->sequence_logps, o->rewards, o->logp};
+    if (call == HU_fh_kto_forward)
+        return fh_kto_forward(ctx, &lin, &batch, &p->kto, &out);
+    return fh_kto_forward_backward(ctx, &lin, &batch, &p->kto, &p->grad_output, &out, g);
+}
+
+static fh_status run_grpo(fh_context *ctx, hu_call call, const hu_grpo_problem *p, const hu_saved *saved,
+                          hu_outputs *o, fh_linear_grads *g)
+{
+    fh_linear lin;
+    hu_grpo_linear(p, &lin);
+    fh_grpo_batch batch;
+    hu_grpo_batch(p, &batch);
+    fh_grpo_outputs out = {&o->loss, &o->metrics, o->logp, o->per_token_loss, o->entropy, o->lse};
+    switch (call) {
+    case HU_fh_grpo_forward: return fh_grpo_forward(ctx, &lin, &batch, &p->options, &out);
+    case HU_fh_grpo_backward:
+        return fh_grpo_backward(ctx, &lin, &batch, &p->options, saved->logp, saved->lse, saved->entropy,
+                                &p->grad_output, g);
+    default: return fh_grpo_forward_backward(ctx, &lin, &batch, &p->options, &p->grad_output, &out, g);
+    }
+}
+
+/* Every head call is a case here, and a listed one without a case does not compile. */
+#pragma GCC diagnostic error "-Wswitch"
 fh_status hu_run(fh_context *ctx, hu_call call, const cp_problem *p_ce, const hu_grpo_problem *p_grpo,
                  const hu_saved *saved, hu_outputs *o)
 {
-    fh_linear lin;
-    fh_linear_grads g = {.dx = o->dx, .dx_row_stride = o->hidden, .dx_beta = 0.0f, .dweight = o->dweight, .dweight_beta = 0.0f, .dbias = o->dbias, .dbias_beta = 0.0f};
-    if (!hu_call_on_sequences(call)) {
-        cp_problem_linear(p_ce, &lin);
-        fh_ce_outputs out = {&o->loss, &o->z_loss, o->per_token_loss, o->logp, o->lse, o->argmax, NULL, NULL};
-        fh_logprob_options lo;
-        fh_logprob_options_init(&lo);
-        lo.ignore_index = p_ce->options.ignore_index;
-        lo.softcap = p_ce->options.softcap;
-        fh_logprob_outputs lout = {o->logp, o->entropy, o->lse};
-        const float *up = p_ce->grad_output;
-        switch (call) {
-        case HU_LOGPROB_FORWARD: return fh_logprob_forward(ctx, &lin, p_ce->targets, &lo, &lout);
-        case HU_LOGPROB_BACKWARD:
-            return fh_logprob_backward(ctx, &lin, p_ce->targets, &lo, saved->lse, NULL, up, NULL, up, &g);
-        case HU_LOGPROB_TRAIN_STEP:
-            return fh_logprob_forward_backward(ctx, &lin, p_ce->targets, &lo, up, up, up, &lout, &g);
-        case HU_CE_FORWARD: return fh_ce_forward(ctx, &lin, p_ce->targets, &p_ce->options, &out);
-        case HU_CE_BACKWARD:
-            return fh_ce_backward(ctx, &lin, p_ce->targets, &p_ce->options, saved->lse, p_ce->grad_output, &g);
-        default:
-            return fh_ce_forward_backward(ctx, &lin, p_ce->targets, &p_ce->options, p_ce->grad_output, &out, &g);
-        }
-    }
-    if (hu_call_is_distill(call)) {
-        fh_linear teacher;
-        hu_distill_linears(p_grpo, &lin, &teacher);
-        const int64_t *targets = p_grpo->distill_no_targets ? NULL : p_grpo->ids;
-        fh_distill_outputs out = {&o->loss, &o->soft_loss, &o->hard_loss, o->per_token_loss};
-        if (call == HU_DISTILL_FORWARD)
-            return fh_distill_forward(ctx, &lin, &teacher, targets, &p_grpo->distill, &out);
-        return fh_distill_forward_backward(ctx, &lin, &teacher, targets, &p_grpo->distill, p_grpo->distill_grad, &out,
-                                           &g);
-    }
-    hu_grpo_linear(p_grpo, &lin);
-    if (hu_call_is_preference(call)) {
-        TU_CHECK(p_grpo->batch % 2 == 0, "a preference call needs an even batch, got %lld", (long long)p_grpo->batch);
-        const fh_preference_batch pairs = {p_grpo->batch / 2, p_grpo->seq, p_grpo->ids, p_grpo->mask, NULL,
-                                           p_grpo->ref_logps};
-        fh_preference_outputs out = {&o->loss, &o->preference_metrics, o->sequence_logps, o->rewards, o->logp};
-        if (call == HU_PREFERENCE_FORWARD)
-            return fh_preference_forward(ctx, &lin, &pairs, &p_grpo->preference, &out);
-        return fh_preference_forward_backward(ctx, &lin, &pairs, &p_grpo->preference, &p_grpo->grad_output, &out, &g);
-    }
-    if (hu_call_is_kto(call)) {
-        fh_kto_batch batch;
-        hu_kto_batch(p_grpo, &batch);
-        fh_kto_outputs out = {&o->loss, &o->kto_metrics, o->sequence_logps, o->rewards, o->logp};
-        if (call == HU_KTO_FORWARD)
-            return fh_kto_forward(ctx, &lin, &batch, &p_grpo->kto, &out);
-        return fh_kto_forward_backward(ctx, &lin, &batch, &p_grpo->kto, &p_grpo->grad_output, &out, &g);
-    }
-    fh_grpo_batch batch;
-    hu_grpo_batch(p_grpo, &batch);
-    fh_grpo_outputs out = {&o->loss, &o->metrics, o->logp, o->per_token_loss, o->entropy, o->lse};
+    fh_linear_grads g = {.dx = o->dx, .dx_row_stride = o->hidden, .dx_beta = 0.0f, .dweight = o->dweight,
+                         .dweight_beta = 0.0f, .dbias = o->dbias, .dbias_beta = 0.0f};
     switch (call) {
-    case HU_GRPO_FORWARD: return fh_grpo_forward(ctx, &lin, &batch, &p_grpo->options, &out);
-    case HU_GRPO_BACKWARD:
-        return fh_grpo_backward(ctx, &lin, &batch, &p_grpo->options, saved->logp, saved->lse, saved->entropy,
-                                &p_grpo->grad_output, &g);
-    default: return fh_grpo_forward_backward(ctx, &lin, &batch, &p_grpo->options, &p_grpo->grad_output, &out, &g);
+    case HU_fh_ce_forward:
+    case HU_fh_ce_backward:
+    case HU_fh_ce_forward_backward:
+    case HU_fh_logprob_forward:
+    case HU_fh_logprob_backward:
+    case HU_fh_logprob_forward_backward: return run_on_tokens(ctx, call, p_ce, saved, o, &g);
+    case HU_fh_grpo_forward:
+    case HU_fh_grpo_backward:
+    case HU_fh_grpo_forward_backward: return run_grpo(ctx, call, p_grpo, saved, o, &g);
+    case HU_fh_preference_forward:
+    case HU_fh_preference_forward_backward: return run_preference(ctx, call, p_grpo, o, &g);
+    case HU_fh_distill_forward:
+    case HU_fh_distill_forward_backward: return run_distill(ctx, call, p_grpo, o, &g);
+    case HU_fh_distill_topk_forward:
+    case HU_fh_distill_topk_forward_backward: return run_distill_topk(ctx, call, p_grpo, o, &g);
+    case HU_fh_kto_forward:
+    case HU_fh_kto_forward_backward: return run_kto(ctx, call, p_grpo, o, &g);
     }
+    TU_CHECK(0, "hu_run: %d is no head call", (int)call);
+    return FH_ERR_NULL_POINTER;
 }
 
 int hu_run_isolated(int (*body)(void *), void *arg)

@@ -1,7 +1,7 @@
 /* Helpers shared by the hardening suites: every output a call can write gathered in one place (so that a
- * canary fill and a bitwise comparison cover all of them), cross-entropy, GRPO, preference, KTO and distillation
- * calls run from a problem, and a GRPO problem with random inputs (also a preference batch, a KTO batch, and with
- * its teacher a distillation problem). Cross-entropy problems are tests/ce_harness.h's. */
+ * canary fill and a bitwise comparison cover all of them), every head call run from a problem, and a GRPO problem
+ * with random inputs (also a preference batch, a KTO batch, and with its teachers a distillation and a top-k
+ * distillation problem). Cross-entropy problems are tests/ce_harness.h's. */
 #ifndef FH_HARDENING_UTIL_H
 #define FH_HARDENING_UTIL_H
 
@@ -10,34 +10,33 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* The entry points. */
+/* The head calls: the FH_HEAD_CALL lines of tests/entry_points.def, as HU_<entry point>, so that the suites that loop
+ * over them take a new head call in. hu_run dispatches them in a switch with no default and -Wswitch an error: a
+ * listed head call that hu_run cannot run does not compile. */
+#define FH_SETUP_CALL(name)
+#define FH_HEAD_CALL(name) HU_##name,
+#define FH_WORKSPACE_QUERY(name)
 typedef enum hu_call {
-    HU_CE_FORWARD = 0,
-    HU_CE_BACKWARD,
-    HU_CE_TRAIN_STEP,
-    HU_LOGPROB_FORWARD,
-    HU_LOGPROB_BACKWARD,
-    HU_LOGPROB_TRAIN_STEP,
-    HU_GRPO_FORWARD,
-    HU_GRPO_BACKWARD,
-    HU_GRPO_TRAIN_STEP,
-    HU_PREFERENCE_FORWARD,
-    HU_PREFERENCE_TRAIN_STEP,
-    HU_KTO_FORWARD,
-    HU_KTO_TRAIN_STEP,
-    HU_DISTILL_FORWARD,
-    HU_DISTILL_TRAIN_STEP,
-    HU_CALL_COUNT
+#include "entry_points.def"
 } hu_call;
+#undef FH_HEAD_CALL
+#define FH_HEAD_CALL(name) +1
+enum { HU_CALL_COUNT = 0
+#include "entry_points.def"
+};
+#undef FH_SETUP_CALL
+#undef FH_HEAD_CALL
+#undef FH_WORKSPACE_QUERY
 const char *hu_call_name(hu_call call);
-/* GRPO, preference, KTO and distillation calls run on a hu_grpo_problem (preference: its even batch as pairs; KTO:
- * its sequences with their labels; distillation: its n tokens, ids as targets, and its teacher), the others on a
- * cp_problem (log-probs: its targets, ignore_index and softcap, temperature 1, grad_output as each upstream
- * gradient). */
+/* GRPO, preference, KTO, distillation and top-k distillation calls run on a hu_grpo_problem (preference: its even
+ * batch as pairs; KTO: its sequences with their labels; distillation: its n tokens, ids as targets, and its teacher;
+ * top-k: its n tokens, ids as targets, and its top-k teacher), the others on a cp_problem (log-probs: its targets,
+ * ignore_index and softcap, temperature 1, grad_output as each upstream gradient). */
 int hu_call_on_sequences(hu_call call);
 int hu_call_is_preference(hu_call call);
 int hu_call_is_kto(hu_call call);
 int hu_call_is_distill(hu_call call);
+int hu_call_is_distill_topk(hu_call call);
 /* The calls with gradients (backward or train step). */
 int hu_call_has_grads(hu_call call);
 
@@ -99,7 +98,14 @@ typedef struct hu_grpo_problem {
     float *distill_grad;      /* [n] grad_output; element 0 serves mean and sum */
     /* Set by hu_distill_use_bf16: the distillation calls read these bf16 bits, else NULL (fp32). */
     uint16_t *x_bf16, *weight_bf16, *teacher_x_bf16, *teacher_weight_bf16;
+    /* Top-k distillation (the student's bf16 bits too): HU_TOPK_K entries per token, ragged (the last two of tokens
+     * 1, 4, 7, ... padded, token 3's all: no valid entry), the ids as targets unless distill_no_targets, grad_output
+     * distill_grad. */
+    int64_t *topk_ids;    /* [n, HU_TOPK_K] */
+    float *topk_logprobs; /* [n, HU_TOPK_K] */
+    fh_distill_topk_options distill_topk;
 } hu_grpo_problem;
+enum { HU_TOPK_K = 7 };
 
 /* Random inputs (logits of standard deviation ~3, masks with a padded tail, advantages of both signs, old
  * and reference log-probs within +-0.4 of log(1/V), sampler log-probs within +-0.1 of the old ones), TRL default
@@ -119,10 +125,13 @@ void hu_distill_linears(const hu_grpo_problem *p, fh_linear *student, fh_linear 
 /* Rounds the student's and/or the teacher's x and weight to bf16 in place; the distillation calls then read
  * their bf16 bits. */
 void hu_distill_use_bf16(hu_grpo_problem *p, int student, int teacher);
-/* A memory budget under which the distillation calls run on a context with `threads` and default tiles, and
- * their train step streams: half of what its row blocks' logits take (min(n, 256) rows of both heads' logits
- * across the vocabulary), or the smallest budget the calls accept when that is more (tiny shapes, where the
- * row blocks may then fit too). 0 when no budget up to 2^30 suffices. */
+/* The top-k distillation calls' teacher. */
+void hu_topk_teacher(const hu_grpo_problem *p, fh_topk_teacher *teacher);
+/* A memory budget under which the distillation calls (teacher given) or the top-k distillation calls (teacher NULL)
+ * run on a context with `threads` and default tiles, and their train step streams: half of what its row blocks'
+ * logits take (min(n, 256) rows of both heads' logits across the vocabulary; top-k: the student's), or the smallest
+ * budget the calls accept when that is more (tiny shapes, where the row blocks may then fit too). 0 when no budget
+ * up to 2^30 suffices. */
 int64_t hu_distill_streaming_budget(const fh_linear *student, const fh_linear *teacher, int threads);
 
 /* Saved forward state that the backward calls read (lse, logp, entropy): from a successful forward. */
@@ -132,9 +141,9 @@ typedef struct hu_saved {
 void hu_saved_from(hu_saved *s, const hu_outputs *forward, int64_t n);
 void hu_saved_free(hu_saved *s);
 
-/* One call of `call` on ctx, writing into o (beta 0 gradients). Cross-entropy and log-prob calls use p_ce, GRPO,
- * preference and distillation calls p_grpo; backward calls read `saved` (the log-prob backward its lse, as a CE
- * forward with the same softcap writes it, and no entropy gradient). */
+/* One call of `call` on ctx, writing into o (beta 0 gradients). Cross-entropy and log-prob calls use p_ce, the others
+ * p_grpo; backward calls read `saved` (the log-prob backward its lse, as a CE forward with the same softcap writes it,
+ * and no entropy gradient). */
 fh_status hu_run(fh_context *ctx, hu_call call, const cp_problem *p_ce, const hu_grpo_problem *p_grpo,
                  const hu_saved *saved, hu_outputs *o);
 

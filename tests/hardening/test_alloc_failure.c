@@ -185,10 +185,10 @@ static void problems_init(problems *p)
     p->kto_per_sequence = p->grpo;
     p->kto_per_sequence.kto_ref_per_sequence = 1;
     p->kto_per_sequence.kto_kl_per_sequence = 1;
-    saved_from_forward(HU_CE_FORWARD, &p->ce_mean, NULL, &p->ce_saved_mean);
-    saved_from_forward(HU_CE_FORWARD, &p->ce_none, NULL, &p->ce_saved_none);
-    saved_from_forward(HU_CE_FORWARD, &p->ce_bf16, NULL, &p->ce_saved_bf16);
-    saved_from_forward(HU_GRPO_FORWARD, NULL, &p->grpo, &p->grpo_saved);
+    saved_from_forward(HU_fh_ce_forward, &p->ce_mean, NULL, &p->ce_saved_mean);
+    saved_from_forward(HU_fh_ce_forward, &p->ce_none, NULL, &p->ce_saved_none);
+    saved_from_forward(HU_fh_ce_forward, &p->ce_bf16, NULL, &p->ce_saved_bf16);
+    saved_from_forward(HU_fh_grpo_forward, NULL, &p->grpo, &p->grpo_saved);
     for (int k = 0; k < 3; k++) {
         hu_grpo_problem_init(&p->distill_bf16[k], 4, 11, 16, 257, FH_LAYOUT_VH, 1, 43);
         hu_distill_use_bf16(&p->distill_bf16[k], k != 1, k != 0);
@@ -234,9 +234,9 @@ static int64_t distill_streaming_budget(const hu_grpo_problem *g)
     hu_grpo_problem kl = *g;
     kl.distill.divergence = FH_DIVERGENCE_FORWARD_KL;
     hu_outputs forward, streamed, blocks;
-    distill_outputs_under(&kl, HU_DISTILL_FORWARD, budget, &forward);
-    distill_outputs_under(&kl, HU_DISTILL_TRAIN_STEP, budget, &streamed);
-    distill_outputs_under(&kl, HU_DISTILL_TRAIN_STEP, 0, &blocks);
+    distill_outputs_under(&kl, HU_fh_distill_forward, budget, &forward);
+    distill_outputs_under(&kl, HU_fh_distill_forward_backward, budget, &streamed);
+    distill_outputs_under(&kl, HU_fh_distill_forward_backward, 0, &blocks);
     const size_t bytes = (size_t)forward.n * sizeof(float);
     TU_CHECK(memcmp(forward.per_token_loss, streamed.per_token_loss, bytes) == 0 &&
                  memcmp(&forward.soft_loss, &streamed.soft_loss, sizeof(double)) == 0,
@@ -250,6 +250,22 @@ static int64_t distill_streaming_budget(const hu_grpo_problem *g)
     hu_outputs_free(&forward);
     hu_outputs_free(&streamed);
     hu_outputs_free(&blocks);
+    return budget;
+}
+
+/* The budget under which the top-k train step streams, checked: below the workspace its row blocks take. */
+static int64_t topk_streaming_budget(const hu_grpo_problem *g)
+{
+    fh_linear student, teacher;
+    hu_distill_linears(g, &student, &teacher);
+    const int64_t budget = hu_distill_streaming_budget(&student, NULL, 2);
+    fh_context *ctx = tu_context(2, 0, 0, 0);
+    size_t row_blocks = 0;
+    const fh_status st = fh_distill_topk_workspace_size(ctx, &student, &row_blocks);
+    fh_context_destroy(ctx);
+    TU_CHECK(budget > 0 && st == FH_OK && (size_t)budget < row_blocks,
+             "top-k: a streaming budget of %lld bytes, row blocks take %zu (status %d)", (long long)budget, row_blocks,
+             (int)st);
     return budget;
 }
 
@@ -290,7 +306,7 @@ static void distill_scenarios(problems *p)
         hu_distill_linears(problems_of[k].g, &student, &teacher);
         const int64_t budget = k < 5 ? streaming : hu_distill_streaming_budget(&student, &teacher, 2);
         TU_CHECK(budget > 0, "%s: no streaming budget", problems_of[k].what);
-        for (int call = HU_DISTILL_FORWARD; call <= HU_DISTILL_TRAIN_STEP; call++)
+        for (int call = HU_fh_distill_forward; call <= HU_fh_distill_forward_backward; call++)
             for (int schedule = 0; schedule < 2; schedule++) {
                 /* 0: row blocks of 8 rows on 2 threads (small tiles for the forward); 1: streaming. */
                 char label[160];
@@ -298,6 +314,27 @@ static void distill_scenarios(problems *p)
                          schedule ? "streaming budget" : "row blocks / small tiles");
                 const scenario s = {label,      (hu_call)call, &p->ce_mean, problems_of[k].g, NULL, 2, schedule ? 0 : 8,
                                     schedule ? 0 : 64, schedule ? budget : 0, 0.0};
+                run_scenario(&s);
+            }
+    }
+    /* Top-k distillation: without the tail and reduction none, and a bf16 student, in both schedules. */
+    hu_grpo_problem no_tail = p->grpo;
+    no_tail.distill_topk.add_tail = 0;
+    no_tail.distill_topk.reduction = FH_REDUCTION_NONE;
+    const struct {
+        const char *what;
+        const hu_grpo_problem *g;
+    } topk_problems[] = {{"tail, mean", &p->grpo}, {"no tail, none", &no_tail}, {"bf16 student", &p->distill_bf16[0]}};
+    for (size_t k = 0; k < TU_COUNT(topk_problems); k++) {
+        const int64_t budget = topk_streaming_budget(topk_problems[k].g);
+        for (int call = HU_fh_distill_topk_forward; call <= HU_fh_distill_topk_forward_backward; call++)
+            for (int schedule = 0; schedule < 2; schedule++) {
+                char label[160];
+                snprintf(label, sizeof label, "%s (%s), %s", hu_call_name((hu_call)call), topk_problems[k].what,
+                         schedule ? "streaming budget" : "row blocks / small tiles");
+                const scenario s = {label,     (hu_call)call,      &p->ce_mean,          topk_problems[k].g,
+                                    NULL,      2,                  schedule ? 0 : 8,     schedule ? 0 : 64,
+                                    schedule ? budget : 0, 0.0};
                 run_scenario(&s);
             }
     }
@@ -341,7 +378,7 @@ static void test_every_entry_point(void)
                             8, 64, 0, 0.02};
         run_scenario(&s);
     }
-    for (int call = HU_CE_FORWARD; call <= HU_CE_TRAIN_STEP; call++)
+    for (int call = HU_fh_ce_forward; call <= HU_fh_ce_forward_backward; call++)
         for (int variant = 0; variant < 2; variant++) {
             char label[128];
             snprintf(label, sizeof label, "bf16 %s, variant %d", hu_call_name((hu_call)call), variant);
@@ -369,11 +406,11 @@ static void test_failed_growth_keeps_workspace(void)
     cp_problem_randomize(&small, 51, 3.0);
     cp_problem_init(&large, 300, 8, 3000, FH_LAYOUT_HV, CP_BIAS);
     cp_problem_randomize(&large, 52, 3.0);
-    for (int call = HU_CE_FORWARD; call <= HU_CE_TRAIN_STEP; call++) {
+    for (int call = HU_fh_ce_forward; call <= HU_fh_ce_forward_backward; call++) {
         const hu_call c = (hu_call)call;
         hu_saved saved_small, saved_large;
-        saved_from_forward(HU_CE_FORWARD, &small, NULL, &saved_small);
-        saved_from_forward(HU_CE_FORWARD, &large, NULL, &saved_large);
+        saved_from_forward(HU_fh_ce_forward, &small, NULL, &saved_small);
+        saved_from_forward(HU_fh_ce_forward, &large, NULL, &saved_large);
         hu_outputs out_small, ref_small, out_large, ref_large;
         hu_outputs_alloc(&out_small, small.n, small.hidden, small.vocab, 1);
         hu_outputs_alloc(&ref_small, small.n, small.hidden, small.vocab, 1);
@@ -440,6 +477,9 @@ static void test_caller_workspace_never_allocates(void)
             fh_linear teacher;
             hu_distill_linears(&p.grpo, &lin, &teacher);
             st = fh_distill_workspace_size(ctx, &lin, &teacher, &bytes);
+        } else if (hu_call_is_distill_topk(c)) {
+            hu_grpo_linear(&p.grpo, &lin);
+            st = fh_distill_topk_workspace_size(ctx, &lin, &bytes);
         } else if (grpo) {
             hu_grpo_linear(&p.grpo, &lin);
             st = hu_call_is_preference(c) ? fh_preference_workspace_size(ctx, &lin, &bytes)
@@ -447,8 +487,9 @@ static void test_caller_workspace_never_allocates(void)
                                           : fh_grpo_workspace_size(ctx, &lin, &bytes);
         } else {
             cp_problem_linear(&p.ce_mean, &lin);
-            st = c >= HU_LOGPROB_FORWARD ? fh_logprob_workspace_size(ctx, &lin, &bytes)
-                 : c == HU_CE_TRAIN_STEP ? fh_ce_forward_backward_workspace_size(ctx, &lin, &p.ce_mean.options, &bytes)
+            st = c >= HU_fh_logprob_forward ? fh_logprob_workspace_size(ctx, &lin, &bytes)
+                 : c == HU_fh_ce_forward_backward
+                     ? fh_ce_forward_backward_workspace_size(ctx, &lin, &p.ce_mean.options, &bytes)
                                          : fh_ce_workspace_size(ctx, &lin, &p.ce_mean.options, &bytes);
         }
         TU_CHECK(st == FH_OK, "%s: workspace query: %d", hu_call_name(c), (int)st);
@@ -467,18 +508,24 @@ static void test_caller_workspace_never_allocates(void)
         free(ws);
         hu_outputs_free(&o);
     }
-    /* Distillation: default tiles (row blocks), the streaming budget, bf16 students and teachers. */
+    /* Both distillations: default tiles (row blocks), the streaming budget, bf16 students and teachers (top-k has
+     * no teacher head: its query and budget take none). */
+    static const hu_call distill_calls[] = {HU_fh_distill_forward, HU_fh_distill_forward_backward,
+                                            HU_fh_distill_topk_forward, HU_fh_distill_topk_forward_backward};
     for (int k = 0; k < 4; k++) {
         const hu_grpo_problem *g = k == 0 ? &p.grpo : &p.distill_bf16[k - 1];
-        fh_linear student, teacher;
-        hu_distill_linears(g, &student, &teacher);
+        fh_linear student, teacher_head;
+        hu_distill_linears(g, &student, &teacher_head);
         for (int schedule = 0; schedule < 2; schedule++)
-            for (int call = HU_DISTILL_FORWARD; call <= HU_DISTILL_TRAIN_STEP; call++) {
-                const int64_t budget = schedule ? hu_distill_streaming_budget(&student, &teacher, 2) : 0;
+            for (size_t c = 0; c < TU_COUNT(distill_calls); c++) {
+                const hu_call call = distill_calls[c];
+                const fh_linear *teacher = hu_call_is_distill(call) ? &teacher_head : NULL;
+                const int64_t budget = schedule ? hu_distill_streaming_budget(&student, teacher, 2) : 0;
                 fh_context *ctx = tu_context(2, 0, 0, budget);
                 size_t bytes = 0;
-                fh_status st = fh_distill_workspace_size(ctx, &student, &teacher, &bytes);
-                TU_CHECK(st == FH_OK, "distillation workspace query: %d", (int)st);
+                fh_status st = teacher ? fh_distill_workspace_size(ctx, &student, teacher, &bytes)
+                                       : fh_distill_topk_workspace_size(ctx, &student, &bytes);
+                TU_CHECK(st == FH_OK, "%s workspace query: %d", hu_call_name(call), (int)st);
                 void *ws = malloc(bytes);
                 TU_CHECK(fh_context_set_workspace(ctx, ws, bytes) == FH_OK, "set_workspace");
                 hu_outputs o;
@@ -488,18 +535,18 @@ static void test_caller_workspace_never_allocates(void)
                      * allocation, kept by the context), caller workspace or not; the calls after it allocate
                      * nothing. */
                     ah_reset(AH_LIBRARY);
-                    st = hu_run(ctx, (hu_call)call, NULL, g, NULL, &o);
+                    st = hu_run(ctx, call, NULL, g, NULL, &o);
                     TU_CHECK(st == FH_OK && ah_counted() <= 1, "%s (problem %d): first bf16 call with a caller "
                              "workspace: status %d, %ld library allocations (at most the GEMM cache expected)",
-                             hu_call_name((hu_call)call), k, (int)st, ah_counted());
+                             hu_call_name(call), k, (int)st, ah_counted());
                 }
                 ah_arm(0, AH_LIBRARY);
-                st = hu_run(ctx, (hu_call)call, NULL, g, NULL, &o);
+                st = hu_run(ctx, call, NULL, g, NULL, &o);
                 const long counted = ah_counted();
                 ah_disarm();
                 TU_CHECK(st == FH_OK && counted == 0,
                          "%s (problem %d, %s) with a caller workspace of %zu bytes: status %d, %ld library "
-                         "allocations", hu_call_name((hu_call)call), k, schedule ? "streaming" : "row blocks", bytes,
+                         "allocations", hu_call_name(call), k, schedule ? "streaming" : "row blocks", bytes,
                          (int)st, counted);
                 fh_context_destroy(ctx);
                 free(ws);

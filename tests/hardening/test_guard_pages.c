@@ -4,7 +4,9 @@
  * odd hidden sizes and row counts (the edge cases of BLIS's small-matrix kernels), default and small tiles,
  * fp32 and (where the build has oneDNN) bf16 x and weight, with fp32 and with bf16 gradients. Distillation also
  * guards its teacher's x, weight and bias, in both teacher layouts, with a teacher of another hidden size and
- * (every other shape) the other dtype, and runs its train step in row blocks and streaming. KTO guards its labels,
+ * (every other shape) the other dtype, and runs its train step in row blocks and streaming; top-k distillation
+ * guards its teacher's ids and log-probs (ragged, a fully padded token), with and without the tail, and streams
+ * too. KTO guards its labels,
  * both kinds of reference log-probs and of KL input (per token and one value for even shapes, per sequence for odd
  * ones).
  * Each call runs in a forked child; a fault fails the test with the call and shape.
@@ -79,7 +81,7 @@ typedef struct guard_case {
 
 enum { G_X, G_W, G_B, G_CW, G_T, G_GRAD, G_LSE, G_LOGP, G_ENT, G_MASK, G_ADV, G_OLD, G_REF, G_SAMP,
        G_PTL, G_OLOGP, G_OLSE, G_OENT, G_ARGMAX, G_DX, G_DW, G_DB, G_SEQ_LOGPS, G_REWARDS, G_TX, G_TW, G_TB,
-       G_LABELS, G_REF_SEQ, G_KL, G_KL_RATIOS, G_COUNT };
+       G_LABELS, G_REF_SEQ, G_KL, G_KL_RATIOS, G_TOPK_IDS, G_TOPK_LOGPROBS, G_COUNT };
 
 static float *fill(float *p, size_t count, uint64_t *rng, double scale, double offset)
 {
@@ -147,6 +149,8 @@ static int guarded_call(void *arg)
                           -4.0 * (double)kto_seq);
     float *kl = fill(guard_alloc(&g[G_KL], 4, c->tail), 1, &rng, 0.2, 0.2);
     float *kl_ratios = fill(guard_alloc(&g[G_KL_RATIOS], (size_t)kto_batch * 4, c->tail), (size_t)kto_batch, &rng, 0.5, 0.1);
+    int64_t *topk_ids = guard_alloc(&g[G_TOPK_IDS], un * HU_TOPK_K * 8, c->tail);
+    float *topk_logprobs = guard_alloc(&g[G_TOPK_LOGPROBS], un * HU_TOPK_K * 4, c->tail);
     for (int k = 0; k < G_COUNT; k++)
         if (!g[k].p)
             return 2;
@@ -156,6 +160,14 @@ static int guarded_call(void *arg)
     }
     for (int64_t s = 0; s < kto_batch; s++)
         labels[s] = s % 2 == 0;
+    /* The top-k teacher as hu_grpo_problem's: the last two entries of tokens 1, 4, 7, ... padded, token 3's all
+     * (the last token's are valid, so that they are read up to the last byte). */
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t e = 0; e < HU_TOPK_K; e++) {
+            const int pad = e >= HU_TOPK_K - (i == 3 ? HU_TOPK_K : i % 3 == 1 ? 2 : 0);
+            topk_ids[i * HU_TOPK_K + e] = pad ? 0 : (int64_t)(ref_uniform(&rng) * (double)v);
+            topk_logprobs[i * HU_TOPK_K + e] = pad ? -INFINITY : (float)(-1.0 - 0.4 * (double)e);
+        }
     fh_context *ctx = NULL;
     if (fh_context_create(&ctx) != FH_OK)
         return 2;
@@ -225,8 +237,16 @@ static int guarded_call(void *arg)
     dopt.reduction = c->tail ? FH_REDUCTION_MEAN : FH_REDUCTION_NONE;
     double soft_loss, hard_loss;
     fh_distill_outputs distill_out = {&loss, &soft_loss, &hard_loss, ptl};
+    /* Top-k distillation: the same reductions and hard loss, with and without the tail (odd and even n). */
+    const fh_topk_teacher topk = {HU_TOPK_K, topk_ids, topk_logprobs};
+    fh_distill_topk_options topt;
+    fh_distill_topk_options_init(&topt);
+    topt.add_tail = (int)(n % 2);
+    topt.temperature = 0.7;
+    topt.weight_hard_loss = 0.3;
+    topt.reduction = dopt.reduction;
     if (c->streaming) {
-        const int64_t budget = hu_distill_streaming_budget(&lin, &teacher, 1);
+        const int64_t budget = hu_distill_streaming_budget(&lin, hu_call_is_distill(c->call) ? &teacher : NULL, 1);
         if (budget <= 0 || fh_context_set(ctx, FH_PARAM_MEMORY_BUDGET, budget) != FH_OK)
             return 3;
     }
@@ -235,30 +255,43 @@ static int guarded_call(void *arg)
     for (int64_t i = 0; i < n && hu_call_on_sequences(c->call); i++)
         if (t[i] < 0)
             mask[i] = 0.0f;
-    fh_status st;
+    fh_status st = FH_ERR_NULL_POINTER; /* set by the switch below, which has every head call */
+#pragma GCC diagnostic error "-Wswitch" /* every head call guarded: a listed one without a case does not compile */
     switch (c->call) {
-    case HU_CE_FORWARD: st = fh_ce_forward(ctx, &lin, t, &o, &ce_out); break;
-    case HU_CE_BACKWARD: st = fh_ce_backward(ctx, &lin, t, &o, lse, grad, &grads); break;
-    case HU_CE_TRAIN_STEP: st = fh_ce_forward_backward(ctx, &lin, t, &o, grad, &ce_out, &grads); break;
-    case HU_LOGPROB_FORWARD: st = fh_logprob_forward(ctx, &lin, t, &lo, &logprob_out); break;
-    case HU_LOGPROB_BACKWARD: st = fh_logprob_backward(ctx, &lin, t, &lo, lse, ent, grad, grad, grad, &grads); break;
-    case HU_LOGPROB_TRAIN_STEP:
+    case HU_fh_ce_forward: st = fh_ce_forward(ctx, &lin, t, &o, &ce_out); break;
+    case HU_fh_ce_backward: st = fh_ce_backward(ctx, &lin, t, &o, lse, grad, &grads); break;
+    case HU_fh_ce_forward_backward: st = fh_ce_forward_backward(ctx, &lin, t, &o, grad, &ce_out, &grads); break;
+    case HU_fh_logprob_forward: st = fh_logprob_forward(ctx, &lin, t, &lo, &logprob_out); break;
+    case HU_fh_logprob_backward: st = fh_logprob_backward(ctx, &lin, t, &lo, lse, ent, grad, grad, grad, &grads); break;
+    case HU_fh_logprob_forward_backward:
         st = fh_logprob_forward_backward(ctx, &lin, t, &lo, grad, grad, grad, &logprob_out, &grads);
         break;
-    case HU_GRPO_FORWARD: st = fh_grpo_forward(ctx, &lin, &batch, &go, &grpo_out); break;
-    case HU_GRPO_BACKWARD: st = fh_grpo_backward(ctx, &lin, &batch, &go, logp, lse, ent, grad, &grads); break;
-    case HU_GRPO_TRAIN_STEP: st = fh_grpo_forward_backward(ctx, &lin, &batch, &go, grad, &grpo_out, &grads); break;
-    case HU_PREFERENCE_FORWARD: st = fh_preference_forward(ctx, &lin, &pairs, &po, &pref_out); break;
-    case HU_PREFERENCE_TRAIN_STEP: st = fh_preference_forward_backward(ctx, &lin, &pairs, &po, grad, &pref_out, &grads); break;
-    case HU_KTO_FORWARD: st = fh_kto_forward(ctx, &lin, &kto, &ko, &kto_out); break;
-    case HU_KTO_TRAIN_STEP: st = fh_kto_forward_backward(ctx, &lin, &kto, &ko, grad, &kto_out, &grads); break;
-    case HU_DISTILL_FORWARD: st = fh_distill_forward(ctx, &lin, &teacher, t, &dopt, &distill_out); break;
-    default: st = fh_distill_forward_backward(ctx, &lin, &teacher, t, &dopt, grad, &distill_out, &grads); break;
+    case HU_fh_grpo_forward: st = fh_grpo_forward(ctx, &lin, &batch, &go, &grpo_out); break;
+    case HU_fh_grpo_backward: st = fh_grpo_backward(ctx, &lin, &batch, &go, logp, lse, ent, grad, &grads); break;
+    case HU_fh_grpo_forward_backward: st = fh_grpo_forward_backward(ctx, &lin, &batch, &go, grad, &grpo_out, &grads); break;
+    case HU_fh_preference_forward: st = fh_preference_forward(ctx, &lin, &pairs, &po, &pref_out); break;
+    case HU_fh_preference_forward_backward: st = fh_preference_forward_backward(ctx, &lin, &pairs, &po, grad, &pref_out, &grads); break;
+    case HU_fh_kto_forward: st = fh_kto_forward(ctx, &lin, &kto, &ko, &kto_out); break;
+    case HU_fh_kto_forward_backward: st = fh_kto_forward_backward(ctx, &lin, &kto, &ko, grad, &kto_out, &grads); break;
+    case HU_fh_distill_forward: st = fh_distill_forward(ctx, &lin, &teacher, t, &dopt, &distill_out); break;
+    case HU_fh_distill_forward_backward:
+        st = fh_distill_forward_backward(ctx, &lin, &teacher, t, &dopt, grad, &distill_out, &grads);
+        break;
+    case HU_fh_distill_topk_forward: st = fh_distill_topk_forward(ctx, &lin, &topk, t, &topt, &distill_out); break;
+    case HU_fh_distill_topk_forward_backward:
+        st = fh_distill_topk_forward_backward(ctx, &lin, &topk, t, &topt, grad, &distill_out, &grads);
+        break;
     }
     fh_context_destroy(ctx);
     for (int k = 0; k < G_COUNT; k++)
         guard_free(&g[k]);
     return st == FH_OK ? 0 : 1;
+}
+
+/* The calls that get a streaming budget of their own (hu_distill_streaming_budget). */
+static int streams(hu_call call)
+{
+    return hu_call_is_distill(call) || hu_call_is_distill_topk(call);
 }
 
 static void test_guarded_buffers(void)
@@ -271,7 +304,7 @@ static void test_guarded_buffers(void)
     }
     static const int64_t shapes[][3] = {{1, 7, 61},  {4, 7, 61},  {10, 7, 61}, {13, 9, 17}, {7, 100, 33},
                                         {16, 8, 64}, {3, 1, 1},   {5, 2, 300}, {9, 15, 1},  {31, 129, 40}};
-    /* The last entry (distillation only): the streaming budget, default tiles. */
+    /* The last entry (both distillations only): the streaming budget, default tiles. */
     static const int64_t tiles[][2] = {{0, 0}, {4, 16}, {3, 7}, {0, 0}};
     int faults = 0;
     /* fp32; bf16 inputs with fp32 gradients; bf16 inputs and gradients. */
@@ -281,7 +314,7 @@ static void test_guarded_buffers(void)
             for (int layout = 0; layout < 2; layout++)
                 for (int teacher_layout = 0; teacher_layout < (hu_call_is_distill((hu_call)call) ? 2 : 1); teacher_layout++)
                 for (size_t s = 0; s < TU_COUNT(shapes); s++)
-                    for (size_t t = 0; t < TU_COUNT(tiles) - !hu_call_is_distill((hu_call)call); t++)
+                    for (size_t t = 0; t < TU_COUNT(tiles) - !streams((hu_call)call); t++)
                         for (int tail = 1; tail >= 0; tail--) {
                             const fh_dtype xw = dtype ? FH_DTYPE_BF16 : FH_DTYPE_F32;
                             /* The teacher: the student's dtype for even shapes, the other one for odd shapes; KTO's

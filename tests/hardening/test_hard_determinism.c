@@ -67,13 +67,13 @@ static void problems_init(problems *p)
     const config one = {1, 0, 0, 0};
     hu_outputs o;
     hu_outputs_alloc(&o, N, H, V, 1);
-    TU_CHECK(run_fresh(&one, HU_CE_FORWARD, p, 0, &o) == FH_OK, "CE forward");
+    TU_CHECK(run_fresh(&one, HU_fh_ce_forward, p, 0, &o) == FH_OK, "CE forward");
     hu_saved_from(&p->ce_saved, &o, N);
     hu_outputs_free(&o);
     hu_outputs_alloc(&o, B * T, H, V, 1);
-    TU_CHECK(run_fresh(&one, HU_GRPO_FORWARD, p, 0, &o) == FH_OK, "GRPO forward");
+    TU_CHECK(run_fresh(&one, HU_fh_grpo_forward, p, 0, &o) == FH_OK, "GRPO forward");
     hu_saved_from(&p->token_saved, &o, B * T);
-    TU_CHECK(run_fresh(&one, HU_GRPO_FORWARD, p, 1, &o) == FH_OK, "GSPO forward");
+    TU_CHECK(run_fresh(&one, HU_fh_grpo_forward, p, 1, &o) == FH_OK, "GSPO forward");
     hu_saved_from(&p->sequence_saved, &o, B * T);
     hu_outputs_free(&o);
 }

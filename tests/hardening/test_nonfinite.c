@@ -85,13 +85,13 @@ static fh_status run_ce(const cp_problem *p, int train_step, hu_outputs *o)
     fh_context *ctx = tu_context(2, 4, 16, 0);
     fh_status st;
     if (train_step) {
-        st = hu_run(ctx, HU_CE_TRAIN_STEP, p, NULL, NULL, o);
+        st = hu_run(ctx, HU_fh_ce_forward_backward, p, NULL, NULL, o);
     } else {
-        st = hu_run(ctx, HU_CE_FORWARD, p, NULL, NULL, o);
+        st = hu_run(ctx, HU_fh_ce_forward, p, NULL, NULL, o);
         hu_saved saved;
         hu_saved_from(&saved, o, p->n);
         if (st == FH_OK)
-            st = hu_run(ctx, HU_CE_BACKWARD, p, NULL, &saved, o);
+            st = hu_run(ctx, HU_fh_ce_backward, p, NULL, &saved, o);
         hu_saved_free(&saved);
     }
     fh_context_destroy(ctx);
@@ -266,12 +266,12 @@ static void finite_problem_init(finite_problem *f)
     hu_outputs o;
     hu_outputs_alloc(&o, N, H, V, 1);
     fh_context *ctx = tu_context(1, 0, 0, 0);
-    TU_CHECK(hu_run(ctx, HU_CE_FORWARD, &f->ce, NULL, NULL, &o) == FH_OK, "CE forward");
+    TU_CHECK(hu_run(ctx, HU_fh_ce_forward, &f->ce, NULL, NULL, &o) == FH_OK, "CE forward");
     hu_saved_from(&f->ce_saved, &o, N);
     hu_outputs_free(&o);
     const int64_t n = f->grpo.batch * f->grpo.seq;
     hu_outputs_alloc(&o, n, H, V, 1);
-    TU_CHECK(hu_run(ctx, HU_GRPO_FORWARD, NULL, &f->grpo, NULL, &o) == FH_OK, "GRPO forward");
+    TU_CHECK(hu_run(ctx, HU_fh_grpo_forward, NULL, &f->grpo, NULL, &o) == FH_OK, "GRPO forward");
     hu_saved_from(&f->grpo_saved, &o, n);
     fh_context_destroy(ctx);
     hu_outputs_free(&o);
@@ -431,13 +431,13 @@ static fh_status run_grpo(const hu_grpo_problem *p, int train_step, hu_outputs *
     fh_context *ctx = tu_context(2, 4, 16, 0);
     fh_status st;
     if (train_step) {
-        st = hu_run(ctx, HU_GRPO_TRAIN_STEP, NULL, p, NULL, o);
+        st = hu_run(ctx, HU_fh_grpo_forward_backward, NULL, p, NULL, o);
     } else {
-        st = hu_run(ctx, HU_GRPO_FORWARD, NULL, p, NULL, o);
+        st = hu_run(ctx, HU_fh_grpo_forward, NULL, p, NULL, o);
         hu_saved saved;
         hu_saved_from(&saved, o, n);
         if (st == FH_OK)
-            st = hu_run(ctx, HU_GRPO_BACKWARD, NULL, p, &saved, o);
+            st = hu_run(ctx, HU_fh_grpo_backward, NULL, p, &saved, o);
         hu_saved_free(&saved);
     }
     fh_context_destroy(ctx);
@@ -518,7 +518,7 @@ static void test_grpo_nan_in_token_data(void)
             fh_context *ctx = tu_context(1, 0, 0, 0);
             fh_context_set(ctx, FH_PARAM_CHECK_FINITE, 1);
             hu_outputs_alloc(&o, B * T, H, V, 0);
-            const fh_status st = hu_run(ctx, HU_GRPO_TRAIN_STEP, NULL, &p, NULL, &o);
+            const fh_status st = hu_run(ctx, HU_fh_grpo_forward_backward, NULL, &p, NULL, &o);
             fh_context_destroy(ctx);
             static const char *names[] = {"old logp NaN", "ref logp NaN", "advantage NaN", "old logp -inf"};
             TU_CHECK(st == FH_OK, "%s, masked %d: status %d", names[what], masked, (int)st);
@@ -553,7 +553,7 @@ static void test_distill_nan_in_x_row(void)
     enum { B = 3, T = 5, ACTIVE = 1 * T + 1, IGNORED_ROW = 2 * T + 3 };
     for (int teacher = 0; teacher <= 1; teacher++)
         for (int ignored = 0; ignored <= 1; ignored++)
-            for (int call = HU_DISTILL_FORWARD; call <= HU_DISTILL_TRAIN_STEP; call++)
+            for (int call = HU_fh_distill_forward; call <= HU_fh_distill_forward_backward; call++)
                 for (int streaming = 0; streaming <= 1; streaming++)
                     for (int none = 0; none <= 1; none++) {
                         hu_grpo_problem p;
@@ -578,7 +578,7 @@ static void test_distill_nan_in_x_row(void)
                         const fh_status st = run_distill(&p, (hu_call)call, streaming, &dirty);
                         TU_CHECK(st == FH_OK, "%s: status %d", label, (int)st);
                         const size_t fb = sizeof(float);
-                        const int grads = call == HU_DISTILL_TRAIN_STEP;
+                        const int grads = call == HU_fh_distill_forward_backward;
                         if (ignored) {
                             /* The head runs on the rows that count: an ignored token's rows are never read. */
                             const char *d = hu_outputs_diff(&clean, &dirty);

@@ -8,7 +8,8 @@
  * pointer arithmetic, so it must be rejected with FH_ERR_SIZE_OVERFLOW like an offset that overflows
  * int64. For fp32 views that is an element offset above PTRDIFF_MAX / 4 = 2^61 - 1.
  *
- * Distillation: the student gets every case above (its teacher the same view); then the teacher alone gets
+ * Distillation and top-k distillation: the student gets every case above (distillation's teacher the same view,
+ * top-k's one entry per token); then distillation's teacher alone gets
  * broken sizes, products, strides, dtypes and pointers (its status, and a message naming the teacher), a
  * teacher whose n or V differs from the student's (FH_ERR_TEACHER_MISMATCH), and the calls get every refused
  * option and input (temperature, beta, loss weights, divergence, reduction, targets, outputs, grad_output,
@@ -142,42 +143,56 @@ static int child(void *arg)
     fh_distill_options dopt;
     fh_distill_options_init(&dopt);
     fh_distill_outputs distill_out = {&o.loss, &o.soft_loss, &o.hard_loss, o.per_token_loss};
+    /* Top-k distillation: one entry per token, in the tiny buffers (the student is checked first). */
+    const fh_topk_teacher topk = {1, tiny_targets, tiny_logps};
+    fh_distill_topk_options topt;
+    fh_distill_topk_options_init(&topt);
     size_t bytes = 0xA5A5A5A5u;
-    fh_status st;
+    fh_status st = FH_ERR_NULL_POINTER; /* set by the switch below, which has every head call */
     if (a->query) {
         st = hu_call_is_distill(a->call)      ? fh_distill_workspace_size(ctx, &lin, &lin, &bytes)
+             : hu_call_is_distill_topk(a->call) ? fh_distill_topk_workspace_size(ctx, &lin, &bytes)
              : hu_call_is_preference(a->call) ? fh_preference_workspace_size(ctx, &lin, &bytes)
              : hu_call_is_kto(a->call)        ? fh_kto_workspace_size(ctx, &lin, &bytes)
              : hu_call_on_sequences(a->call) ? fh_grpo_workspace_size(ctx, &lin, &bytes)
-             : a->call >= HU_LOGPROB_FORWARD ? fh_logprob_workspace_size(ctx, &lin, &bytes)
-             : a->call == HU_CE_TRAIN_STEP ? fh_ce_forward_backward_workspace_size(ctx, &lin, &ce, &bytes)
+             : a->call >= HU_fh_logprob_forward ? fh_logprob_workspace_size(ctx, &lin, &bytes)
+             : a->call == HU_fh_ce_forward_backward ? fh_ce_forward_backward_workspace_size(ctx, &lin, &ce, &bytes)
                                            : fh_ce_workspace_size(ctx, &lin, &ce, &bytes);
         return CODE_STATUS + (int)st + (st != FH_OK && bytes != 0xA5A5A5A5u ? CODE_WRITTEN : 0);
     }
+#pragma GCC diagnostic error "-Wswitch" /* every head call tried: a listed one without a case does not compile */
     switch (a->call) {
-    case HU_CE_FORWARD: st = fh_ce_forward(ctx, &lin, tiny_targets, &ce, &ce_out); break;
-    case HU_CE_BACKWARD: st = fh_ce_backward(ctx, &lin, tiny_targets, &ce, tiny_lse, tiny_grad, &g); break;
-    case HU_CE_TRAIN_STEP: st = fh_ce_forward_backward(ctx, &lin, tiny_targets, &ce, tiny_grad, &ce_out, &g); break;
-    case HU_LOGPROB_FORWARD: st = fh_logprob_forward(ctx, &lin, tiny_targets, &lo, &lp_out); break;
-    case HU_LOGPROB_BACKWARD:
+    case HU_fh_ce_forward: st = fh_ce_forward(ctx, &lin, tiny_targets, &ce, &ce_out); break;
+    case HU_fh_ce_backward: st = fh_ce_backward(ctx, &lin, tiny_targets, &ce, tiny_lse, tiny_grad, &g); break;
+    case HU_fh_ce_forward_backward: st = fh_ce_forward_backward(ctx, &lin, tiny_targets, &ce, tiny_grad, &ce_out, &g); break;
+    case HU_fh_logprob_forward: st = fh_logprob_forward(ctx, &lin, tiny_targets, &lo, &lp_out); break;
+    case HU_fh_logprob_backward:
         st = fh_logprob_backward(ctx, &lin, tiny_targets, &lo, tiny_lse, NULL, tiny_grad, NULL, tiny_grad, &g);
         break;
-    case HU_LOGPROB_TRAIN_STEP:
+    case HU_fh_logprob_forward_backward:
         st = fh_logprob_forward_backward(ctx, &lin, tiny_targets, &lo, tiny_grad, tiny_grad, NULL, &lp_out, &g);
         break;
-    case HU_GRPO_FORWARD: st = fh_grpo_forward(ctx, &lin, &batch, &go, &grpo_out); break;
-    case HU_GRPO_BACKWARD:
+    case HU_fh_grpo_forward: st = fh_grpo_forward(ctx, &lin, &batch, &go, &grpo_out); break;
+    case HU_fh_grpo_backward:
         st = fh_grpo_backward(ctx, &lin, &batch, &go, tiny_logps, tiny_lse, tiny_logps, tiny_grad, &g);
         break;
-    case HU_GRPO_TRAIN_STEP: st = fh_grpo_forward_backward(ctx, &lin, &batch, &go, tiny_grad, &grpo_out, &g); break;
-    case HU_PREFERENCE_FORWARD: st = fh_preference_forward(ctx, &lin, &pairs, &po, &pref_out); break;
-    case HU_PREFERENCE_TRAIN_STEP:
+    case HU_fh_grpo_forward_backward: st = fh_grpo_forward_backward(ctx, &lin, &batch, &go, tiny_grad, &grpo_out, &g); break;
+    case HU_fh_preference_forward: st = fh_preference_forward(ctx, &lin, &pairs, &po, &pref_out); break;
+    case HU_fh_preference_forward_backward:
         st = fh_preference_forward_backward(ctx, &lin, &pairs, &po, tiny_grad, &pref_out, &g);
         break;
-    case HU_KTO_FORWARD: st = fh_kto_forward(ctx, &lin, &kto_batch, &ko, &kto_out); break;
-    case HU_KTO_TRAIN_STEP: st = fh_kto_forward_backward(ctx, &lin, &kto_batch, &ko, tiny_grad, &kto_out, &g); break;
-    case HU_DISTILL_FORWARD: st = fh_distill_forward(ctx, &lin, &lin, tiny_targets, &dopt, &distill_out); break;
-    default: st = fh_distill_forward_backward(ctx, &lin, &lin, tiny_targets, &dopt, tiny_grad, &distill_out, &g); break;
+    case HU_fh_kto_forward: st = fh_kto_forward(ctx, &lin, &kto_batch, &ko, &kto_out); break;
+    case HU_fh_kto_forward_backward: st = fh_kto_forward_backward(ctx, &lin, &kto_batch, &ko, tiny_grad, &kto_out, &g); break;
+    case HU_fh_distill_forward: st = fh_distill_forward(ctx, &lin, &lin, tiny_targets, &dopt, &distill_out); break;
+    case HU_fh_distill_forward_backward:
+        st = fh_distill_forward_backward(ctx, &lin, &lin, tiny_targets, &dopt, tiny_grad, &distill_out, &g);
+        break;
+    case HU_fh_distill_topk_forward:
+        st = fh_distill_topk_forward(ctx, &lin, &topk, tiny_targets, &topt, &distill_out);
+        break;
+    case HU_fh_distill_topk_forward_backward:
+        st = fh_distill_topk_forward_backward(ctx, &lin, &topk, tiny_targets, &topt, tiny_grad, &distill_out, &g);
+        break;
     }
     const int untouched = hu_outputs_untouched(&o, TU_CANARY);
     return CODE_STATUS + (int)st + (untouched ? 0 : CODE_WRITTEN);
@@ -203,8 +218,9 @@ static void test_overflowing_shapes(void)
         const shape_case *c = &cases[k];
         const int grpo_only = c->batch != 0;
         for (int call = 0; call < HU_CALL_COUNT; call++) {
-            /* A batch of sequences: GRPO, preference and KTO calls (distillation takes none). */
-            const int batched = hu_call_on_sequences((hu_call)call) && !hu_call_is_distill((hu_call)call);
+            /* A batch of sequences: GRPO, preference and KTO calls (neither distillation takes one). */
+            const int batched = hu_call_on_sequences((hu_call)call) && !hu_call_is_distill((hu_call)call) &&
+                                !hu_call_is_distill_topk((hu_call)call);
             if (grpo_only && !batched)
                 continue;
             const int has_grads = hu_call_has_grads((hu_call)call);
@@ -212,10 +228,11 @@ static void test_overflowing_shapes(void)
                 continue;
             for (int query = 0; query <= 1; query++) {
                 /* Workspace queries take no batch and no gradients; one query per kind of call. */
-                if (query && (grpo_only || c->grads_only || call == HU_CE_BACKWARD || call == HU_LOGPROB_BACKWARD ||
-                              call == HU_LOGPROB_TRAIN_STEP || call == HU_GRPO_BACKWARD ||
-                              call == HU_GRPO_TRAIN_STEP || call == HU_PREFERENCE_TRAIN_STEP ||
-                              call == HU_KTO_TRAIN_STEP || call == HU_DISTILL_TRAIN_STEP))
+                if (query && (grpo_only || c->grads_only || call == HU_fh_ce_backward || call == HU_fh_logprob_backward ||
+                              call == HU_fh_logprob_forward_backward || call == HU_fh_grpo_backward ||
+                              call == HU_fh_grpo_forward_backward || call == HU_fh_preference_forward_backward ||
+                              call == HU_fh_kto_forward_backward || call == HU_fh_distill_forward_backward ||
+                              call == HU_fh_distill_topk_forward_backward))
                     continue;
                 child_args a = {c, (hu_call)call, query};
                 const int code = hu_run_isolated(child, &a);
@@ -522,9 +539,9 @@ static void test_distill_refused_inputs(void)
     hu_grpo_problem_init(&g, B, T, H, V, FH_LAYOUT_HV, 1, 77);
     const int64_t n = B * T;
     for (size_t k = 0; k < TU_COUNT(refused_cases); k++)
-        for (int call = HU_DISTILL_FORWARD; call <= HU_DISTILL_TRAIN_STEP; call++) {
+        for (int call = HU_fh_distill_forward; call <= HU_fh_distill_forward_backward; call++) {
             const refused_case *c = &refused_cases[k];
-            if (c->grads_only && call == HU_DISTILL_FORWARD)
+            if (c->grads_only && call == HU_fh_distill_forward)
                 continue;
             fh_linear student, teacher;
             hu_distill_linears(&g, &student, &teacher);
@@ -582,7 +599,7 @@ static void test_distill_refused_inputs(void)
             case R_GRAD_DTYPE: gr.dweight_dtype = FH_DTYPE_BF16; break;
             default: student.bias = NULL; break; /* R_DBIAS_WITHOUT_BIAS */
             }
-            const fh_status st = call == HU_DISTILL_FORWARD
+            const fh_status st = call == HU_fh_distill_forward
                                      ? fh_distill_forward(call_ctx, &student, t, tp, op, dp)
                                      : fh_distill_forward_backward(call_ctx, &student, t, tp, op, gp, dp, &gr);
             const char *message = "";
@@ -615,7 +632,7 @@ static void test_distill_accepted_limits(void)
     hu_grpo_problem_init(&g, B, T, H, V, FH_LAYOUT_VH, 0, 78);
     const int64_t n = B * T;
     for (int k = 0; k < 8; k++)
-        for (int call = HU_DISTILL_FORWARD; call <= HU_DISTILL_TRAIN_STEP; call++) {
+        for (int call = HU_fh_distill_forward; call <= HU_fh_distill_forward_backward; call++) {
             hu_grpo_problem p = g; /* shallow: options only */
             int64_t *ids = malloc(sizeof(int64_t) * (size_t)n);
             memcpy(ids, g.ids, sizeof(int64_t) * (size_t)n);
@@ -651,7 +668,7 @@ static void test_distill_accepted_limits(void)
             const int judged = k != 3 && k != 5;
             const int zero = k == 2 || k == 6;
             if (judged && zero)
-                TU_CHECK(o.loss == 0.0 && (call == HU_DISTILL_FORWARD || (tu_all_equal_f(o.dx, (size_t)(n * H), 0.0f) &&
+                TU_CHECK(o.loss == 0.0 && (call == HU_fh_distill_forward || (tu_all_equal_f(o.dx, (size_t)(n * H), 0.0f) &&
                                                                              tu_all_equal_f(o.dweight, H * V, 0.0f))),
                          "%s, %s: loss %g, expected 0 and zero gradients", names[k], hu_call_name((hu_call)call), o.loss);
             if (judged && !zero)

@@ -47,11 +47,11 @@ static void alloc_outputs(const job *j, hu_outputs *o)
 /* The job's call; for a backward, the matching forward first (into scratch outputs) for lse/logp/entropy. */
 static fh_status run_job(fh_context *ctx, const job *j, hu_outputs *o)
 {
-    if (j->call != HU_CE_BACKWARD && j->call != HU_GRPO_BACKWARD)
+    if (j->call != HU_fh_ce_backward && j->call != HU_fh_grpo_backward)
         return hu_run(ctx, j->call, j->ce, j->grpo, NULL, o);
     hu_outputs forward;
     alloc_outputs(j, &forward);
-    const hu_call fwd = j->call == HU_CE_BACKWARD ? HU_CE_FORWARD : HU_GRPO_FORWARD;
+    const hu_call fwd = j->call == HU_fh_ce_backward ? HU_fh_ce_forward : HU_fh_grpo_forward;
     fh_status st = hu_run(ctx, fwd, j->ce, j->grpo, NULL, &forward);
     hu_saved saved;
     hu_saved_from(&saved, &forward, forward.n);
@@ -144,15 +144,15 @@ static void test_concurrent_contexts(void)
     static worker workers[WORKERS];
     memset(workers, 0, sizeof workers);
     const job plan[WORKERS][JOBS] = {
-        {{HU_CE_FORWARD, &ce_a, NULL}, {HU_CE_BACKWARD, &ce_a, NULL}, {HU_CE_TRAIN_STEP, &ce_a, NULL},
-         {HU_GRPO_TRAIN_STEP, NULL, &g_b}, {HU_DISTILL_TRAIN_STEP, NULL, &g_a}},
+        {{HU_fh_ce_forward, &ce_a, NULL}, {HU_fh_ce_backward, &ce_a, NULL}, {HU_fh_ce_forward_backward, &ce_a, NULL},
+         {HU_fh_grpo_forward_backward, NULL, &g_b}, {HU_fh_distill_forward_backward, NULL, &g_a}},
         /* Same inputs as worker 0, other order and tiles. */
-        {{HU_CE_TRAIN_STEP, &ce_a, NULL}, {HU_DISTILL_FORWARD, NULL, &g_a}, {HU_CE_FORWARD, &ce_a, NULL},
-         {HU_GRPO_FORWARD, NULL, &g_a}, {HU_CE_BACKWARD, &ce_a, NULL}},
-        {{HU_CE_FORWARD, &ce_b, NULL}, {HU_CE_TRAIN_STEP, &ce_b, NULL}, {HU_DISTILL_TRAIN_STEP, NULL, &g_b},
-         {HU_CE_BACKWARD, &ce_b, NULL}, {HU_GRPO_BACKWARD, NULL, &g_b}},
-        {{HU_GRPO_FORWARD, NULL, &g_a}, {HU_GRPO_BACKWARD, NULL, &g_a}, {HU_GRPO_TRAIN_STEP, NULL, &g_a},
-         {HU_CE_TRAIN_STEP, &ce_b, NULL}, {HU_DISTILL_FORWARD, NULL, &g_b}},
+        {{HU_fh_ce_forward_backward, &ce_a, NULL}, {HU_fh_distill_forward, NULL, &g_a}, {HU_fh_ce_forward, &ce_a, NULL},
+         {HU_fh_grpo_forward, NULL, &g_a}, {HU_fh_ce_backward, &ce_a, NULL}},
+        {{HU_fh_ce_forward, &ce_b, NULL}, {HU_fh_ce_forward_backward, &ce_b, NULL}, {HU_fh_distill_forward_backward, NULL, &g_b},
+         {HU_fh_ce_backward, &ce_b, NULL}, {HU_fh_grpo_backward, NULL, &g_b}},
+        {{HU_fh_grpo_forward, NULL, &g_a}, {HU_fh_grpo_backward, NULL, &g_a}, {HU_fh_grpo_forward_backward, NULL, &g_a},
+         {HU_fh_ce_forward_backward, &ce_b, NULL}, {HU_fh_distill_forward, NULL, &g_b}},
     };
     static const int64_t tiles[WORKERS][2] = {{0, 0}, {16, 128}, {8, 64}, {32, 256}};
     for (int w = 0; w < WORKERS; w++) {
