@@ -255,6 +255,13 @@ fh_status fh_acquire_workspace(fh_context *ctx, size_t bytes, void **workspace)
     }
     if (ctx->workspace_bytes < bytes) {
         const size_t rounded = (bytes + FH_WORKSPACE_ALIGN - 1) / FH_WORKSPACE_ALIGN * FH_WORKSPACE_ALIGN;
+        /* A failed growth keeps the old workspace, unless the two together would pass the budget: then the old one
+         * (its contents dead between calls) goes first. */
+        if ((int64_t)(ctx->workspace_bytes + rounded) > fh_budget_bytes(ctx)) {
+            free(ctx->workspace);
+            ctx->workspace = NULL;
+            ctx->workspace_bytes = 0;
+        }
         void *fresh = aligned_alloc(FH_WORKSPACE_ALIGN, rounded);
         if (!fresh)
             return fh_fail(ctx, FH_ERR_OUT_OF_MEMORY, "could not allocate %zu bytes of workspace", bytes);

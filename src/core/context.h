@@ -38,7 +38,8 @@ int fh_threads(const fh_context *ctx, const fh_linear *lin);
 int64_t fh_budget_bytes(const fh_context *ctx);
 
 /* Returns a workspace of at least `bytes`: the caller's (FH_ERR_WORKSPACE_TOO_SMALL if short) or the
- * context's own, grown (and kept for reuse) when needed. */
+ * context's own, grown (and kept for reuse) when needed; the old one is freed before the new one is allocated when
+ * the two together would pass the budget. */
 fh_status fh_acquire_workspace(fh_context *ctx, size_t bytes, void **workspace);
 
 #endif
