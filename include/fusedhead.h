@@ -113,7 +113,8 @@ typedef enum fh_param {
                                    quota) unless FH_PARAM_OVERSUBSCRIBE is 1 */
     FH_PARAM_TILE_ROWS = 1,     /* tokens per tile; 0 = default */
     FH_PARAM_TILE_VOCAB = 2,    /* vocabulary columns per tile; 0 = default */
-    FH_PARAM_MEMORY_BUDGET = 3, /* max workspace bytes, per-token state included; tiles shrink to fit;
+    FH_PARAM_MEMORY_BUDGET = 3, /* max bytes a call allocates: the workspace, per-token state included, and the
+                                   copies of the rows that count (at most half); tiles shrink to fit;
                                    0 = FH_DEFAULT_MEMORY_BUDGET */
     FH_PARAM_CHECK_FINITE = 4,  /* 1: scan x, weight and bias and return FH_ERR_NONFINITE_INPUT on NaN/Inf
                                    (costs one read of each); 0 (default): NaN/Inf propagate to the loss and

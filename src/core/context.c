@@ -95,7 +95,27 @@ FH_API fh_status fh_context_threads(const fh_context *ctx, int *threads)
 int64_t fh_budget_bytes(const fh_context *ctx)
 {
     const int64_t b = ctx->params[FH_PARAM_MEMORY_BUDGET];
-    return b > 0 ? b : FH_DEFAULT_MEMORY_BUDGET;
+    return (b > 0 ? b : FH_DEFAULT_MEMORY_BUDGET) - (int64_t)ctx->budget_held;
+}
+
+/* The context's own workspace goes (contents are dead between calls). */
+static void drop_workspace(fh_context *ctx)
+{
+    free(ctx->workspace);
+    ctx->workspace = NULL;
+    ctx->workspace_bytes = 0;
+}
+
+void fh_budget_hold(fh_context *ctx, size_t bytes)
+{
+    ctx->budget_held += bytes;
+    if (!ctx->workspace_is_callers && (int64_t)ctx->workspace_bytes > fh_budget_bytes(ctx))
+        drop_workspace(ctx);
+}
+
+void fh_budget_release(fh_context *ctx, size_t bytes)
+{
+    ctx->budget_held -= bytes;
 }
 
 /* Why this thread's last fh_context_create failed: there is no context to hold it. */
@@ -255,6 +275,10 @@ fh_status fh_acquire_workspace(fh_context *ctx, size_t bytes, void **workspace)
     }
     if (ctx->workspace_bytes < bytes) {
         const size_t rounded = (bytes + FH_WORKSPACE_ALIGN - 1) / FH_WORKSPACE_ALIGN * FH_WORKSPACE_ALIGN;
+        /* A failed growth keeps the old workspace, unless the two together would pass the budget: then the old one
+         * (its contents dead between calls) goes first. */
+        if ((int64_t)(ctx->workspace_bytes + rounded) > fh_budget_bytes(ctx))
+            drop_workspace(ctx);
         void *fresh = aligned_alloc(FH_WORKSPACE_ALIGN, rounded);
         if (!fresh)
             return fh_fail(ctx, FH_ERR_OUT_OF_MEMORY, "could not allocate %zu bytes of workspace", bytes);

@@ -11,40 +11,72 @@ static size_t x_elem(const fh_linear *lin)
     return lin->x_dtype == FH_DTYPE_BF16 ? sizeof(uint16_t) : sizeof(float);
 }
 
-fh_status fh_counted_rows_begin(fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
-                                const int64_t *targets, int64_t ignore_index, int filtered, size_t scratch_row_bytes,
-                                fh_counted_rows *c)
+size_t fh_counted_rows_x_row_bytes(const fh_linear *lin)
+{
+    return (size_t)lin->hidden * x_elem(lin);
+}
+
+fh_linear fh_counted_rows_linear(const fh_counted_rows *c, const fh_linear *lin, void *x)
+{
+    const size_t row_bytes = fh_counted_rows_x_row_bytes(lin), stride_bytes = (size_t)lin->x_row_stride * x_elem(lin);
+    for (int64_t k = 0; k < c->count; k++)
+        memcpy((char *)x + (size_t)k * row_bytes, (const char *)lin->x + (size_t)c->rows[k] * stride_bytes, row_bytes);
+    fh_linear compacted = *lin;
+    compacted.n = c->count;
+    compacted.x = x;
+    compacted.x_row_stride = lin->hidden;
+    return compacted;
+}
+
+/* Frees what begin allocated and gives its share of the budget back (safe on an inactive c). */
+static void counted_rows_free(fh_context *ctx, fh_counted_rows *c)
+{
+    free(c->rows);
+    free(c->x);
+    free(c->dx);
+    free(c->scratch);
+    fh_budget_release(ctx, c->held);
+    memset(c, 0, sizeof *c);
+}
+
+/* Compacts lin and grads to the rows whose target is not ignore_index when fh_counted_rows_run's conditions hold,
+ * else leaves c inactive; c->scratch holds scratch_row_bytes per counted row. The copies are held against the budget
+ * before they are allocated (the kept workspace may go first). FH_ERR_OUT_OF_MEMORY (on ctx) leaves nothing
+ * allocated or held. */
+static fh_status counted_rows_begin(fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
+                                    const int64_t *targets, int64_t ignore_index, int filtered,
+                                    size_t scratch_row_bytes, fh_counted_rows *c)
 {
     memset(c, 0, sizeof *c);
     c->n = lin->n;
     for (int64_t i = 0; i < lin->n; i++)
         c->count += targets[i] != ignore_index;
-    /* Gradient filtering decides per tile of rows what it skips: its tiles stay those of every row. */
     if (c->count == 0 || c->count == lin->n || ctx->workspace_is_callers || (filtered && ctx->grad_filter_eps > 0.0))
         return FH_OK;
     const int64_t h = lin->hidden;
-    const size_t row_bytes = (size_t)h * x_elem(lin);
-    c->rows = malloc((size_t)c->count * sizeof(int64_t));
-    c->x = malloc((size_t)c->count * row_bytes);
-    c->dx = grads && grads->dx ? malloc((size_t)(c->count * h) * sizeof(float)) : NULL;
-    c->scratch = malloc((size_t)c->count * scratch_row_bytes + 1);
-    if (!c->rows || !c->x || (grads && grads->dx && !c->dx) || !c->scratch) {
-        fh_counted_rows_free(c);
+    const size_t row_bytes = fh_counted_rows_x_row_bytes(lin), count = (size_t)c->count;
+    size_t dx_row_bytes = 0, per_row, bytes;
+    if ((grads && grads->dx && __builtin_mul_overflow((size_t)h, sizeof(float), &dx_row_bytes)) ||
+        __builtin_add_overflow(row_bytes, dx_row_bytes, &per_row) ||
+        __builtin_add_overflow(per_row, sizeof(int64_t) + scratch_row_bytes, &per_row) ||
+        __builtin_mul_overflow(count, per_row, &bytes) || bytes >= (size_t)(fh_budget_bytes(ctx) / 2))
+        return FH_OK;
+    fh_budget_hold(ctx, bytes + 1);
+    c->held = bytes + 1;
+    c->rows = malloc(count * sizeof(int64_t));
+    c->x = malloc(count * row_bytes);
+    c->dx = dx_row_bytes ? malloc(count * dx_row_bytes) : NULL;
+    c->scratch = malloc(count * scratch_row_bytes + 1);
+    if (!c->rows || !c->x || (dx_row_bytes && !c->dx) || !c->scratch) {
+        counted_rows_free(ctx, c);
         return fh_fail(ctx, FH_ERR_OUT_OF_MEMORY, "cannot allocate the %lld counted rows' hidden states and dx",
-                       (long long)c->count);
+                       (long long)count);
     }
     int64_t k = 0;
     for (int64_t i = 0; i < lin->n; i++)
         if (targets[i] != ignore_index)
             c->rows[k++] = i;
-    const size_t stride_bytes = (size_t)lin->x_row_stride * x_elem(lin);
-    for (k = 0; k < c->count; k++)
-        memcpy((char *)c->x + (size_t)k * row_bytes, (const char *)lin->x + (size_t)c->rows[k] * stride_bytes,
-               row_bytes);
-    c->lin = *lin;
-    c->lin.n = c->count;
-    c->lin.x = c->x;
-    c->lin.x_row_stride = h;
+    c->lin = fh_counted_rows_linear(c, lin, c->x);
     if (grads) {
         /* An fp32 dx that accumulates starts from its old rows, so that the GEMMs add onto them as they would in
          * place; a bf16 one is summed in f32 from 0 and rounded once with its old value, as the engine does. */
@@ -126,26 +158,12 @@ static void write_dx(const fh_counted_rows *c, const fh_linear_grads *grads)
     }
 }
 
-void fh_counted_rows_free(fh_counted_rows *c)
-{
-    free(c->rows);
-    free(c->x);
-    free(c->dx);
-    free(c->scratch);
-    c->rows = NULL;
-    c->x = NULL;
-    c->dx = NULL;
-    c->scratch = NULL;
-    c->active = 0;
-}
-
 fh_status fh_counted_rows_run(fh_context *ctx, const fh_counted_call *call)
 {
     const size_t arrays_row_bytes = sizeof(int64_t) + (size_t)(call->inputs + call->outputs) * sizeof(float);
     fh_counted_rows rows;
-    fh_status st = call->targets ? fh_counted_rows_begin(ctx, call->lin, call->grads, call->targets,
-                                                         call->ignore_index, call->filtered,
-                                                         arrays_row_bytes + call->extra_row_bytes, &rows)
+    fh_status st = call->targets ? counted_rows_begin(ctx, call->lin, call->grads, call->targets, call->ignore_index,
+                                                      call->filtered, arrays_row_bytes + call->extra_row_bytes, &rows)
                                  : FH_OK;
     if (st != FH_OK || !call->targets || !rows.active)
         return st == FH_OK ? call->run(ctx, call->self, NULL, NULL, NULL, NULL) : st;
@@ -158,6 +176,11 @@ fh_status fh_counted_rows_run(fh_context *ctx, const fh_counted_call *call)
         scatter_outputs(&rows, call->out, call->inputs, call->outputs, arrays);
         write_dx(&rows, call->grads);
     }
-    fh_counted_rows_free(&rows);
-    return st;
+    counted_rows_free(ctx, &rows);
+    if (st != FH_ERR_BUDGET_TOO_SMALL)
+        return st;
+    /* The copies' share of the budget left the compacted call too little (a plan fails before writing anything):
+     * the whole problem may fit the whole budget. */
+    fh_clear_message(ctx);
+    return call->run(ctx, call->self, NULL, NULL, NULL, NULL);
 }

@@ -17,27 +17,18 @@ typedef struct fh_counted_rows {
     float *dx;             /* [count, H] their dx in fp32, or NULL */
     fh_linear lin;         /* the compacted problem: lin over x */
     fh_linear_grads grads; /* the caller's gradients, dx replaced by the dense rows */
-    void *scratch;         /* count x scratch_row_bytes for the head's per-row arrays (malloc's alignment; int64 ones
-                              first) */
+    void *scratch;         /* the head's per-row arrays for the counted rows (malloc's alignment; int64 ones first) */
+    size_t held;           /* bytes held against the budget for all of these (fh_budget_hold) */
 } fh_counted_rows;
 
-/* Compacts lin and grads to the rows whose target is not ignore_index when some row is ignored, some counts, the
- * library manages the context's workspace (a caller's workspace is all a call may use) and, for a call whose
- * gradients gradient filtering would thin (filtered), filtering is off (it decides per tile of rows what to skip);
- * else leaves c inactive. With
- * scratch_row_bytes, c->scratch holds that many bytes per counted row for the head's compacted per-row arrays.
- * FH_ERR_OUT_OF_MEMORY (on ctx) leaves nothing allocated. */
-fh_status fh_counted_rows_begin(fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
-                                const int64_t *targets, int64_t ignore_index, int filtered, size_t scratch_row_bytes,
-                                fh_counted_rows *c);
+/* lin's counted rows (c's rows) copied into x, dense (fh_counted_rows_x_row_bytes each): lin over them. */
+fh_linear fh_counted_rows_linear(const fh_counted_rows *c, const fh_linear *lin, void *x);
+size_t fh_counted_rows_x_row_bytes(const fh_linear *lin);
 
 /* counted[k] = all[rows[k]] for per-row values of elem bytes. */
 void fh_counted_rows_gather(const fh_counted_rows *c, const void *all, size_t elem, void *counted);
 /* all[rows[k]] = counted[k], and *fill in every other row. */
 void fh_counted_rows_scatter(const fh_counted_rows *c, const void *counted, size_t elem, const void *fill, void *all);
-
-/* Frees what begin allocated (safe on an inactive c). */
-void fh_counted_rows_free(fh_counted_rows *c);
 
 /* The most per-row float arrays a counted call has (inputs and outputs together). */
 #define FH_COUNTED_ARRAYS 8
@@ -48,7 +39,7 @@ typedef struct fh_counted_call {
     const fh_linear_grads *grads; /* or NULL */
     const int64_t *targets;       /* NULL: every row counts */
     int64_t ignore_index;
-    int filtered;                 /* gradient filtering may thin grads (fh_counted_rows_begin) */
+    int filtered;                 /* gradient filtering may thin grads (then nothing is compacted) */
     const float *const *in;       /* the call's per-row inputs (NULL entries: not given), gathered */
     int inputs;
     float *const *out;            /* its per-row outputs, written by the call, 0 in the rows that do not count */
@@ -62,9 +53,15 @@ typedef struct fh_counted_call {
     const void *self;
 } fh_counted_call;
 
-/* Runs call->run on the counted rows when fh_counted_rows_begin compacts them, else on the whole problem; after a
+/* Runs call->run on the counted rows when some row is ignored and some counts, else on the whole problem; after a
  * compacted call that succeeded, its outputs and its dx rows go back to the caller's (grads' beta and dtype
- * honoured; the other rows 0 with beta 0, untouched with beta 1). */
+ * honoured; the other rows 0 with beta 0, untouched with beta 1). Not compacted: a caller's workspace (all that a
+ * call may use), a filtered call with gradient filtering on (it decides per tile of rows what to skip), and copies
+ * (the rows' x, fp32 dx, targets and per-row arrays, extra_row_bytes) over half the memory budget. The copies are
+ * held against the budget (fh_budget_hold) so that they and the call's workspace stay within it; at most half of
+ * it, so that the call's tiles and row blocks keep at least half their size (at most twice the blocks, each one
+ * more pass over dweight, small against its GEMMs). A compacted call that the rest of the budget cannot hold
+ * (FH_ERR_BUDGET_TOO_SMALL) runs again on the whole problem. FH_ERR_OUT_OF_MEMORY leaves nothing allocated. */
 fh_status fh_counted_rows_run(fh_context *ctx, const fh_counted_call *call);
 
 #endif

@@ -376,27 +376,22 @@ static fh_status run(fh_context *ctx, const distill_call *c)
 }
 
 /* The call on its counted rows (counted_rows.h): an ignored token has no loss and no gradient, so the GEMMs of both
- * heads skip it. Its per-row arrays: the upstream gradient ('none'), then the per-token losses. */
+ * heads skip it. Its per-row arrays: the upstream gradient ('none'), then the per-token losses; the teacher's
+ * counted rows of x in the extra scratch. */
 static fh_status run_on(fh_context *ctx, const void *self, const fh_counted_rows *student, const int64_t *targets,
                         float *const *a, void *extra)
 {
-    (void)extra;
     const distill_call *c = self;
     if (!student)
         return run(ctx, c);
-    /* The teacher's counted rows: the same rows, compacted as the student's are. */
-    fh_counted_rows teacher;
-    fh_status st = fh_counted_rows_begin(ctx, c->teacher, NULL, c->targets, c->options->ignore_index, 0, 0, &teacher);
-    if (st != FH_OK)
-        return st;
+    /* The same rows as the student's (extra is 8-byte aligned: one input and one output array). */
+    const fh_linear teacher = fh_counted_rows_linear(student, c->teacher, extra);
     fh_distill_outputs counted_out = *c->out;
     counted_out.per_token_loss = a[1];
     const int per_token = c->options->reduction == FH_REDUCTION_NONE;
-    const distill_call counted = {&student->lin, &teacher.lin, targets, c->options, per_token ? a[0] : c->grad_output,
+    const distill_call counted = {&student->lin, &teacher, targets, c->options, per_token ? a[0] : c->grad_output,
                                   &counted_out, c->grads ? &student->grads : NULL};
-    st = run(ctx, &counted);
-    fh_counted_rows_free(&teacher);
-    return st;
+    return run(ctx, &counted);
 }
 
 static fh_status run_counted(fh_context *ctx, const distill_call *c)
@@ -412,6 +407,7 @@ static fh_status run_counted(fh_context *ctx, const distill_call *c)
                                   .inputs = 1,
                                   .out = out,
                                   .outputs = 1,
+                                  .extra_row_bytes = fh_counted_rows_x_row_bytes(c->teacher),
                                   .run = run_on,
                                   .self = c};
     return fh_counted_rows_run(ctx, &call);

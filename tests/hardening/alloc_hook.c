@@ -81,6 +81,7 @@ static pthread_mutex_t records_lock = PTHREAD_MUTEX_INITIALIZER;
 static void *record_ptr[MAX_RECORDS];
 static size_t record_size[MAX_RECORDS];
 static atomic_long live_blocks;
+static size_t live_bytes, peak_bytes; /* under records_lock */
 
 static int from_library(const void *caller)
 {
@@ -113,6 +114,8 @@ static void record(void *p, size_t bytes)
             record_ptr[k] = p;
             record_size[k] = bytes;
             atomic_fetch_add(&live_blocks, 1);
+            live_bytes += bytes;
+            peak_bytes = live_bytes > peak_bytes ? live_bytes : peak_bytes;
             break;
         }
     pthread_mutex_unlock(&records_lock);
@@ -125,6 +128,7 @@ static void forget(void *p)
     pthread_mutex_lock(&records_lock);
     for (int k = 0; k < MAX_RECORDS; k++)
         if (record_ptr[k] == p) {
+            live_bytes -= record_size[k];
             record_ptr[k] = NULL;
             record_size[k] = 0;
             atomic_fetch_sub(&live_blocks, 1);
@@ -310,4 +314,19 @@ size_t ah_live_library_bytes(void)
         total += record_size[k];
     pthread_mutex_unlock(&records_lock);
     return total;
+}
+
+void ah_reset_peak(void)
+{
+    pthread_mutex_lock(&records_lock);
+    peak_bytes = live_bytes;
+    pthread_mutex_unlock(&records_lock);
+}
+
+size_t ah_peak_library_bytes(void)
+{
+    pthread_mutex_lock(&records_lock);
+    const size_t peak = peak_bytes;
+    pthread_mutex_unlock(&records_lock);
+    return peak;
 }

@@ -41,5 +41,8 @@ void ah_reset(ah_mode mode);
 /* Blocks allocated by libfusedhead (whatever the mode) and not yet freed. */
 long ah_live_library_blocks(void);
 size_t ah_live_library_bytes(void);
+/* The most bytes libfusedhead held at once since the last ah_reset_peak (which starts it at what it holds now). */
+void ah_reset_peak(void);
+size_t ah_peak_library_bytes(void);
 
 #endif
