@@ -1249,23 +1249,38 @@ static void error_cases(const config *cfg)
 
 /* ---- one rank's bad argument, before any collective ------------------------------------------------ */
 
-/* Every entry point with one bad argument on the last rank only: a NULL context, lin, options or data (targets,
- * batch), or a hidden size of 0. Every rank returns an error and writes nothing; none may hang, which a watchdog
- * (alarm) turns into a failed run within seconds rather than ctest's timeout. */
-enum { E_CE_FORWARD, E_CE_BACKWARD, E_CE_STEP, E_LOGPROB_FORWARD, E_LOGPROB_BACKWARD, E_LOGPROB_STEP, E_GRPO_FORWARD,
-       E_GRPO_BACKWARD, E_GRPO_STEP, E_KTO_FORWARD, E_KTO_STEP, E_COUNT };
+/* Every head entry point (the FH_MPI_HEAD_CALL lines of tests/mpi/entry_points.def) with one bad argument on the last
+ * rank only: a NULL context, lin, options or data (targets, batch), or a hidden size of 0. Every rank returns an
+ * error and writes nothing; none may hang, which a watchdog (alarm) turns into a failed run within seconds rather than
+ * ctest's timeout. The calls dispatch in a switch with no default, and -Wswitch is an error here: a listed entry point
+ * without its case does not compile. The layout's own calls: layout_failure_cases. */
+#pragma GCC diagnostic error "-Wswitch"
+#define FH_MPI_LAYOUT_CALL(name)
+#define FH_MPI_HEAD_CALL(name) E_##name,
+typedef enum head_call {
+#include "entry_points.def"
+} head_call;
+#undef FH_MPI_HEAD_CALL
+#define FH_MPI_HEAD_CALL(name) +1
+enum { E_COUNT = 0
+#include "entry_points.def"
+};
+#undef FH_MPI_HEAD_CALL
+#define FH_MPI_HEAD_CALL(name) #name,
+static const char *const head_call_names[E_COUNT] = {
+#include "entry_points.def"
+};
+#undef FH_MPI_LAYOUT_CALL
+#undef FH_MPI_HEAD_CALL
 enum { BAD_CONTEXT, BAD_LIN, BAD_OPTIONS, BAD_DATA, BAD_HIDDEN, BAD_COUNT };
 #define WATCHDOG_SECONDS 60
 
-static void early_failure_case(const config *cfg, int entry, int bad)
+static void early_failure_case(const config *cfg, head_call entry, int bad)
 {
-    static const char *const entries[E_COUNT] = {
-        "fh_mpi_ce_forward",      "fh_mpi_ce_backward",   "fh_mpi_ce_forward_backward",   "fh_mpi_logprob_forward",
-        "fh_mpi_logprob_backward", "fh_mpi_logprob_forward_backward", "fh_mpi_grpo_forward", "fh_mpi_grpo_backward",
-        "fh_mpi_grpo_forward_backward", "fh_mpi_kto_forward", "fh_mpi_kto_forward_backward"};
     static const char *const bads[BAD_COUNT] = {"NULL context", "NULL lin", "NULL options", "NULL targets or batch",
                                                 "hidden 0"};
-    snprintf(case_name, sizeof case_name, "%s / %s with a %s on the last rank", cfg->name, entries[entry], bads[bad]);
+    snprintf(case_name, sizeof case_name, "%s / %s with a %s on the last rank", cfg->name, head_call_names[entry],
+             bads[bad]);
     enum { B = 4, T = 5, N = B * T };
     const int64_t h = 8, v = 64;
     const int odd = world_rank == world_size - 1;
@@ -1328,19 +1343,19 @@ static void early_failure_case(const config *cfg, int entry, int bad)
     alarm(WATCHDOG_SECONDS);
     fh_status st = FH_OK;
     switch (entry) {
-    case E_CE_FORWARD: st = fh_mpi_ce_forward(c, L, l, t, cop, &ce_out); break;
-    case E_CE_BACKWARD: st = fh_mpi_ce_backward(c, L, l, t, cop, saved[1], &one, &g); break;
-    case E_CE_STEP: st = fh_mpi_ce_forward_backward(c, L, l, t, cop, &one, &ce_out, &g); break;
-    case E_LOGPROB_FORWARD: st = fh_mpi_logprob_forward(c, L, l, t, lop, &lp_out); break;
-    case E_LOGPROB_BACKWARD:
+    case E_fh_mpi_ce_forward: st = fh_mpi_ce_forward(c, L, l, t, cop, &ce_out); break;
+    case E_fh_mpi_ce_backward: st = fh_mpi_ce_backward(c, L, l, t, cop, saved[1], &one, &g); break;
+    case E_fh_mpi_ce_forward_backward: st = fh_mpi_ce_forward_backward(c, L, l, t, cop, &one, &ce_out, &g); break;
+    case E_fh_mpi_logprob_forward: st = fh_mpi_logprob_forward(c, L, l, t, lop, &lp_out); break;
+    case E_fh_mpi_logprob_backward:
         st = fh_mpi_logprob_backward(c, L, l, t, lop, saved[1], NULL, upstream, NULL, NULL, &g);
         break;
-    case E_LOGPROB_STEP: st = fh_mpi_logprob_forward_backward(c, L, l, t, lop, upstream, NULL, NULL, &lp_out, &g); break;
-    case E_GRPO_FORWARD: st = fh_mpi_grpo_forward(c, L, l, gbp, gop, &grpo_out); break;
-    case E_GRPO_BACKWARD: st = fh_mpi_grpo_backward(c, L, l, gbp, gop, saved[0], saved[1], NULL, &one, &g); break;
-    case E_GRPO_STEP: st = fh_mpi_grpo_forward_backward(c, L, l, gbp, gop, &one, &grpo_out, &g); break;
-    case E_KTO_FORWARD: st = fh_mpi_kto_forward(c, L, l, kbp, kop, &kto_out); break;
-    case E_KTO_STEP: st = fh_mpi_kto_forward_backward(c, L, l, kbp, kop, &one, &kto_out, &g); break;
+    case E_fh_mpi_logprob_forward_backward: st = fh_mpi_logprob_forward_backward(c, L, l, t, lop, upstream, NULL, NULL, &lp_out, &g); break;
+    case E_fh_mpi_grpo_forward: st = fh_mpi_grpo_forward(c, L, l, gbp, gop, &grpo_out); break;
+    case E_fh_mpi_grpo_backward: st = fh_mpi_grpo_backward(c, L, l, gbp, gop, saved[0], saved[1], NULL, &one, &g); break;
+    case E_fh_mpi_grpo_forward_backward: st = fh_mpi_grpo_forward_backward(c, L, l, gbp, gop, &one, &grpo_out, &g); break;
+    case E_fh_mpi_kto_forward: st = fh_mpi_kto_forward(c, L, l, kbp, kop, &kto_out); break;
+    case E_fh_mpi_kto_forward_backward: st = fh_mpi_kto_forward_backward(c, L, l, kbp, kop, &one, &kto_out, &g); break;
     }
     alarm(0);
     checks++;
@@ -1531,7 +1546,7 @@ int main(int argc, char **argv)
             mismatch_case(&configs[k], diff);
         for (int entry = 0; entry < E_COUNT; entry++)
             for (int bad = 0; bad < BAD_COUNT; bad++)
-                early_failure_case(&configs[k], entry, bad);
+                early_failure_case(&configs[k], (head_call)entry, bad);
         layout_failure_cases(&configs[k]);
         /* fh_mpi_layout_create_grid gives the same layout as the test's own split. */
         fh_mpi_layout *L = NULL;
