@@ -1,6 +1,6 @@
 # Cross build for aarch64 (ARM64) Linux on a Debian x86-64 machine: Debian's cross compiler (gcc-aarch64-linux-gnu)
 # and the arm64 multiarch libraries (dpkg --add-architecture arm64; libblis-dev:arm64, libcunit1-dev:arm64,
-# libdnnl2:arm64, ...; scripts/install-deps --aarch64 installs them). Tests run under qemu-user: ctest prefixes every
+# libdnnl2:arm64, ...; scripts/install-deps installs them). Tests run under qemu-user: ctest prefixes every
 # test command with CMAKE_CROSSCOMPILING_EMULATOR. docs/aarch64.md has the whole procedure.
 #
 #   cmake -S . -B build-aarch64 -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON
