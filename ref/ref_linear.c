@@ -45,14 +45,9 @@ void ref_linear_backward(const ref_linear *lin, const double *du, double *dx, do
                 const int64_t m = h - k0 < SUMS ? h - k0 : SUMS;
                 const double *g = du + i * v, *w = lin->weight + k0 * v;
                 double acc[SUMS] = {0.0, 0.0, 0.0, 0.0};
-                if (m == SUMS)
-                    for (int64_t j = 0; j < v; j++)
-                        for (int q = 0; q < SUMS; q++)
-                            acc[q] += g[j] * w[q * v + j];
-                else
-                    for (int64_t j = 0; j < v; j++)
-                        for (int q = 0; q < m; q++)
-                            acc[q] += g[j] * w[q * v + j];
+                for (int64_t j = 0; j < v; j++)
+                    for (int q = 0; q < m; q++)
+                        acc[q] += g[j] * w[q * v + j];
                 for (int q = 0; q < m; q++)
                     dx[i * h + k0 + q] = acc[q];
             }
