@@ -300,116 +300,101 @@ fh_engine_pass fh_kto_pass(const fh_plan *plan, const fh_workspace *ws, const fh
     return fh_logprob_pass(plan, ws, lin, ids, identity);
 }
 
-/* Streams the forward; leaves the statistics and the tokens' logp (and entropies for the metrics) in the
- * workspace. */
-static fh_status forward_pass(const fh_plan *plan, const fh_linear *lin, const fh_kto_head *h,
-                              const fh_kto_outputs *out)
+/* One call's head over whole sequences (sequences.h): the arguments, and the head over the workspace from begin. */
+typedef struct kto_call {
+    const fh_linear *lin;
+    const fh_kto_batch *batch;
+    const fh_kto_options *options;
+    fh_kto_outputs *out;
+    fh_kto_head h;
+} kto_call;
+
+static void begin(void *state, const fh_workspace *ws, double grad)
 {
-    const fh_token_stats stats = fh_kto_stats_in(h->ws, out->metrics != NULL);
-    fh_engine_pass pass = fh_kto_pass(plan, h->ws, lin, h->bt->targets);
-    pass.stats = &stats;
-    const fh_status st = fh_engine_forward(&pass);
-    if (st == FH_OK)
-        fh_logprob_token_values(h->ws, h->bt->targets, 0, lin->n, h->vocab, out->metrics != NULL);
-    return st;
+    kto_call *c = state;
+    (void)grad;
+    c->h = fh_kto_head_in(ws, c->batch, c->options, c->lin->vocab);
+}
+
+static fh_engine_pass pass_of(const void *state, const fh_plan *plan, const fh_workspace *ws)
+{
+    const kto_call *c = state;
+    return fh_kto_pass(plan, ws, c->lin, c->batch->targets);
+}
+
+static fh_token_stats stats_of(const void *state)
+{
+    const kto_call *c = state;
+    return fh_kto_stats_in(c->h.ws, c->out->metrics != NULL);
+}
+
+/* The tokens' logp (and the entropies for the metrics). */
+static void after_forward(void *state)
+{
+    const kto_call *c = state;
+    fh_logprob_token_values(c->h.ws, c->batch->targets, 0, c->lin->n, c->h.vocab, c->out->metrics != NULL);
+}
+
+static void sequences(void *state, int64_t s0, int64_t s1, double grad)
+{
+    fh_kto_sequence_coefficients(&((const kto_call *)state)->h, s0, s1, grad);
+}
+
+static void row_coefficients(const void *state, int64_t i, fh_coef *k)
+{
+    fh_kto_row_coefficients(((const kto_call *)state)->h.ws, i, k);
+}
+
+/* The entropies for the metrics (sequences() made logp). */
+static void after_blocks(void *state)
+{
+    const kto_call *c = state;
+    if (c->out->metrics)
+        fh_logprob_token_values(c->h.ws, c->batch->targets, 0, c->lin->n, c->h.vocab, 1);
+}
+
+static fh_coef_arrays streaming_coefs(void *state, const fh_workspace *ws, double grad)
+{
+    const kto_call *c = state;
+    fh_kto_sequence_coefficients(&c->h, 0, c->batch->batch, grad);
+    return fh_kto_coefs_in(ws, c->lin->n);
 }
 
 /* The loss, metrics and outputs of a single-process call. */
-static void head_finish(const fh_kto_head *h, fh_kto_outputs *out)
+static void finish(const void *state)
 {
+    const kto_call *c = state;
     fh_kto_partials p;
-    fh_kto_head_partials(h, out->metrics != NULL, &p, out);
-    fh_kto_head_finish(h, &p, out);
+    fh_kto_head_partials(&c->h, c->out->metrics != NULL, &p, c->out);
+    fh_kto_head_finish(&c->h, &p, c->out);
+}
+
+static fh_sequence_head sequence_head(kto_call *c)
+{
+    const fh_sequence_head hd = {.seq = c->batch->seq,
+                                 .group_rows = c->batch->seq,
+                                 .state = c,
+                                 .begin = begin,
+                                 .pass = pass_of,
+                                 .stats = stats_of,
+                                 .after_forward = after_forward,
+                                 .sequences = sequences,
+                                 .row = row_coefficients,
+                                 .after_blocks = after_blocks,
+                                 .streaming_coefs = streaming_coefs,
+                                 .finish = finish};
+    return hd;
 }
 
 FH_API fh_status fh_kto_forward(fh_context *ctx, const fh_linear *lin, const fh_kto_batch *batch,
                                 const fh_kto_options *options, fh_kto_outputs *out)
 {
-    fh_status st = fh_kto_check_call(ctx, lin, batch, options, out, 0);
-    fh_plan plan;
-    fh_workspace ws;
-    if (st == FH_OK)
-        st = fh_prepare_pass(ctx, lin, FH_CALL_FORWARD, &plan, &ws);
+    const fh_status st = fh_kto_check_call(ctx, lin, batch, options, out, 0);
     if (st != FH_OK)
         return st;
-    const fh_kto_head h = fh_kto_head_in(&ws, batch, options, lin->vocab);
-    st = forward_pass(&plan, lin, &h, out);
-    if (st != FH_OK)
-        return fh_gemm_failure(ctx, st);
-    head_finish(&h, out);
-    return FH_OK;
-}
-
-/* The single-call step's hook and rows (self: the sequence_blocks). */
-typedef struct sequence_blocks {
-    const fh_kto_head *h;
-    double grad;
-} sequence_blocks;
-
-static void sequence_coefficients(const void *self, int64_t s0, int64_t s1)
-{
-    const sequence_blocks *s = self;
-    fh_kto_sequence_coefficients(s->h, s0, s1, s->grad);
-}
-
-static void row_coefficients(const void *self, int64_t i, fh_coef *k)
-{
-    fh_kto_row_coefficients(((const sequence_blocks *)self)->h->ws, i, k);
-}
-
-static fh_status sequence_block_step(const fh_plan *plan, const fh_linear *lin, const fh_kto_head *h, double grad,
-                                     const fh_linear_grads *grads, const fh_kto_outputs *out)
-{
-    const sequence_blocks self = {h, grad};
-    const fh_sequence_coefs coefs = {h->bt->seq, sequence_coefficients, row_coefficients, &self};
-    const fh_token_stats stats = fh_kto_stats_in(h->ws, out->metrics != NULL);
-    fh_engine_pass pass = fh_kto_pass(plan, h->ws, lin, h->bt->targets);
-    pass.stats = &stats;
-    pass.grads = grads;
-    const fh_status st = fh_sequence_row_blocks(&pass, &coefs);
-    if (st == FH_OK && out->metrics) /* the entropies (sequence_coefficients made logp) */
-        fh_logprob_token_values(h->ws, h->bt->targets, 0, lin->n, h->vocab, 1);
-    return st;
-}
-
-/* Streaming, on the streaming plans (fh_engine_train_step's forward_plan): the backward's GEMMs made ready, the
- * forward, every sequence's coefficients, then the engine's backward. The two workspaces share their slots. */
-static fh_status streaming_step(const fh_plan plans[2], const fh_workspace ws[2], const fh_linear *lin,
-                                const fh_kto_head *h, double grad, const fh_linear_grads *grads,
-                                const fh_kto_outputs *out)
-{
-    fh_engine_pass pass = fh_kto_pass(&plans[1], &ws[1], lin, h->bt->targets);
-    pass.grads = grads;
-    fh_status st = fh_engine_prepare(&pass);
-    if (st == FH_OK)
-        st = forward_pass(&plans[0], lin, h, out);
-    if (st != FH_OK)
-        return st;
-    fh_kto_sequence_coefficients(h, 0, h->bt->batch, grad);
-    const fh_coef_arrays coefs = fh_kto_coefs_in(&ws[1], lin->n);
-    pass.coefs = &coefs;
-    return fh_engine_backward(&pass);
-}
-
-/* The call's arguments, for its train step (fh_engine_train_step). */
-typedef struct kto_step {
-    const fh_linear *lin;
-    const fh_kto_batch *batch;
-    const fh_kto_options *options;
-    double grad;
-    fh_kto_outputs *out;
-} kto_step;
-
-static fh_status kto_step_run(const void *self, int row_blocks, const fh_plan plans[2], const fh_workspace ws[2],
-                              const fh_linear_grads *grads)
-{
-    const kto_step *c = self;
-    const fh_kto_head h = fh_kto_head_in(&ws[0], c->batch, c->options, c->lin->vocab);
-    const fh_status st = row_blocks ? sequence_block_step(&plans[0], c->lin, &h, c->grad, grads, c->out)
-                                    : streaming_step(plans, ws, c->lin, &h, c->grad, grads, c->out);
-    if (st == FH_OK)
-        head_finish(&h, c->out);
-    return st;
+    kto_call c = {lin, batch, options, out, {0}};
+    const fh_sequence_head hd = sequence_head(&c);
+    return fh_sequence_forward(ctx, lin, &hd);
 }
 
 FH_API fh_status fh_kto_forward_backward(fh_context *ctx, const fh_linear *lin, const fh_kto_batch *batch,
@@ -425,8 +410,7 @@ FH_API fh_status fh_kto_forward_backward(fh_context *ctx, const fh_linear *lin, 
         st = fh_kto_check_apart(ctx, lin, batch, grad_output, out, grads);
     if (st != FH_OK)
         return st;
-    const kto_step step = {lin, batch, options, grad_output[0], out};
-    const fh_train_step_head step_head = {
-        .group_rows = batch->seq, .forward_plan = 1, .run = kto_step_run, .self = &step};
-    return fh_engine_train_step(ctx, lin, grads, &step_head);
+    kto_call c = {lin, batch, options, out, {0}};
+    const fh_sequence_head hd = sequence_head(&c);
+    return fh_sequence_train_step(ctx, lin, grads, &hd, grad_output[0]);
 }

@@ -482,20 +482,31 @@ FH_API fh_status fh_preference_workspace_size(const fh_context *ctx, const fh_li
     return fh_plan_query_every_bytes(ctx, lin, bytes);
 }
 
-static head head_in(const fh_workspace *ws, const fh_preference_batch *bt, const fh_preference_options *o,
-                    int64_t vocab, const fh_preference_outputs *out, double grad)
+/* One call's head over whole sequences (sequences.h): the arguments, and the head over the workspace from begin. */
+typedef struct preference_call {
+    const fh_linear *lin;
+    const fh_preference_batch *batch;
+    const fh_preference_options *options;
+    fh_preference_outputs *out;
+    head h;
+} preference_call;
+
+static void begin(void *state, const fh_workspace *ws, double grad)
 {
-    head h = {.bt = bt, .o = o, .slot = ws->slot, .vocab = vocab, .metrics = out->metrics != NULL};
+    preference_call *c = state;
+    const fh_preference_batch *bt = c->batch;
+    head h = {.bt = bt, .o = c->options, .slot = ws->slot, .vocab = c->lin->vocab, .metrics = c->out->metrics != NULL};
     for (int64_t s = 0; s < bt->pairs; s++)
         for (int64_t t = 0; t < bt->seq; t++)
             h.chosen_mask += bt->mask[s * bt->seq + t];
-    h.nll_coef = grad * nll_weight(o) / fmax(h.chosen_mask, 1.0);
-    return h;
+    h.nll_coef = grad * nll_weight(c->options) / fmax(h.chosen_mask, 1.0);
+    c->h = h;
 }
 
 /* The engine's statistics: sum_z for the metrics, sum_pz and argmax for the current DPOTrainer's. */
-static fh_token_stats stats_in(const head *h)
+static fh_token_stats stats_of(const void *state)
 {
+    const head *h = &((const preference_call *)state)->h;
     double *const *slot = h->slot;
     const int token_metrics = h->metrics && current(h->o);
     const fh_token_stats stats = {slot[SLOT_LSE],
@@ -507,97 +518,50 @@ static fh_token_stats stats_in(const head *h)
     return stats;
 }
 
-static fh_engine_pass pass_of(const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin,
-                              const fh_preference_batch *bt)
+static fh_engine_pass pass_of(const void *state, const fh_plan *plan, const fh_workspace *ws)
 {
-    const fh_engine_pass p = {.plan = plan, .ws = ws, .lin = lin, .tf = FH_IDENTITY_TRANSFORM, .targets = bt->targets};
+    const preference_call *c = state;
+    const fh_engine_pass p = {
+        .plan = plan, .ws = ws, .lin = c->lin, .tf = FH_IDENTITY_TRANSFORM, .targets = c->batch->targets};
     return p;
 }
 
-/* Streams the forward; leaves the statistics, sequence log-probs and token totals in the workspace and head. */
-static fh_status forward_pass(const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin, head *h)
+/* Every sequence's log-prob, and the token totals. */
+static void after_forward(void *state)
 {
-    const fh_token_stats stats = stats_in(h);
-    fh_engine_pass pass = pass_of(plan, ws, lin, h->bt);
-    pass.stats = &stats;
-    const fh_status st = fh_engine_forward(&pass);
-    if (st == FH_OK) {
-        for (int64_t s = 0; s < 2 * h->bt->pairs; s++)
-            sequence_logp(h, s);
-        take_totals(h);
-    }
-    return st;
+    head *h = &((preference_call *)state)->h;
+    for (int64_t s = 0; s < 2 * h->bt->pairs; s++)
+        sequence_logp(h, s);
+    take_totals(h);
 }
-
-FH_API fh_status fh_preference_forward(fh_context *ctx, const fh_linear *lin, const fh_preference_batch *batch,
-                                       const fh_preference_options *options, fh_preference_outputs *out)
-{
-    fh_status st = check_call(ctx, lin, batch, options, out);
-    fh_plan plan;
-    fh_workspace ws;
-    if (st == FH_OK)
-        st = fh_prepare_pass(ctx, lin, FH_CALL_FORWARD, &plan, &ws);
-    if (st != FH_OK)
-        return st;
-    head h = head_in(&ws, batch, options, lin->vocab, out, 0.0);
-    st = forward_pass(&plan, &ws, lin, &h);
-    if (st != FH_OK)
-        return fh_gemm_failure(ctx, st);
-    head_finish(&h, out);
-    return FH_OK;
-}
-
-/* The single-call step's hook and rows (self: the head). */
-typedef struct pair_blocks {
-    const head *h;
-    double grad;
-} pair_blocks;
 
 /* Row blocks of whole pairs: the chosen sequences' rows are the first segment, so its sequences are the pairs. */
-static void block_pairs(const void *self, int64_t b0, int64_t b1)
+static void block_pairs(void *state, int64_t b0, int64_t b1, double grad)
 {
-    const pair_blocks *s = self;
-    pair_coefficients(s->h, b0, b1, s->grad);
+    pair_coefficients(&((const preference_call *)state)->h, b0, b1, grad);
 }
 
-static void row_coefficients(const void *self, int64_t i, fh_coef *k)
+static void row_coefficients(const void *state, int64_t i, fh_coef *k)
 {
-    const double g_logp = token_gradient(((const pair_blocks *)self)->h, i);
+    const double g_logp = token_gradient(&((const preference_call *)state)->h, i);
     k->a = -g_logp; /* dZ_j = g_logp (onehot_j - p_j) */
     k->b = g_logp;
 }
 
-static fh_status pair_block_step(const fh_plan *plan, const fh_workspace *ws, const fh_linear *lin, head *h,
-                                 double grad, const fh_linear_grads *grads)
+static void after_blocks(void *state)
 {
-    const pair_blocks self = {h, grad};
-    const fh_sequence_coefs coefs = {h->bt->seq, block_pairs, row_coefficients, &self};
-    const fh_token_stats stats = stats_in(h);
-    fh_engine_pass pass = pass_of(plan, ws, lin, h->bt);
-    pass.stats = &stats;
-    pass.grads = grads;
-    pass.paired_rows = lin->n / 2;
-    const fh_status st = fh_sequence_row_blocks(&pass, &coefs);
-    if (st == FH_OK)
-        take_totals(h);
-    return st;
+    take_totals(&((preference_call *)state)->h);
 }
 
-/* Streaming: the forward, every pair's coefficients (aot's need them all), then the engine's backward. */
-static fh_status streaming_step(const fh_plan plans[2], const fh_workspace ws[2], const fh_linear *lin, head *h,
-                                double grad, const fh_linear_grads *grads)
+/* Every pair's coefficients (aot's need them all), then each row's. */
+static fh_coef_arrays streaming_coefs(void *state, const fh_workspace *ws, double grad)
 {
-    fh_engine_pass pass = pass_of(&plans[1], &ws[1], lin, h->bt);
-    pass.grads = grads;
-    fh_status st = fh_engine_prepare(&pass);
-    if (st == FH_OK)
-        st = forward_pass(&plans[0], &ws[0], lin, h);
-    if (st != FH_OK)
-        return st;
+    const preference_call *c = state;
+    const head *h = &c->h;
     pair_coefficients(h, 0, h->bt->pairs, grad);
     sorted_terms(h, grad, 1);
-    double *const *slot = ws[1].slot;
-    for (int64_t i = 0; i < lin->n; i++) {
+    double *const *slot = ws->slot;
+    for (int64_t i = 0; i < c->lin->n; i++) {
         const double g_logp = token_gradient(h, i);
         slot[SLOT_SUM_Z_THEN_A][i] = -g_logp;
         slot[SLOT_SUM_PZ_THEN_B][i] = g_logp;
@@ -605,29 +569,47 @@ static fh_status streaming_step(const fh_plan plans[2], const fh_workspace ws[2]
     }
     const fh_coef_arrays coefs = {slot[SLOT_LSE], slot[SLOT_SUM_Z_THEN_A], slot[SLOT_SUM_PZ_THEN_B],
                                   slot[SLOT_ARGMAX_THEN_C], NULL, NULL};
-    pass.coefs = &coefs;
-    return fh_engine_backward(&pass);
+    return coefs;
 }
 
-/* The call's arguments, for its train step (fh_engine_train_step). */
-typedef struct preference_step {
-    const fh_linear *lin;
-    const fh_preference_batch *batch;
-    const fh_preference_options *options;
-    double grad;
-    fh_preference_outputs *out;
-} preference_step;
-
-static fh_status preference_step_run(const void *self, int row_blocks, const fh_plan plans[2],
-                                     const fh_workspace ws[2], const fh_linear_grads *grads)
+static void finish(const void *state)
 {
-    const preference_step *c = self;
-    head h = head_in(&ws[0], c->batch, c->options, c->lin->vocab, c->out, c->grad);
-    const fh_status st = row_blocks ? pair_block_step(&plans[0], &ws[0], c->lin, &h, c->grad, grads)
-                                    : streaming_step(plans, ws, c->lin, &h, c->grad, grads);
-    if (st == FH_OK)
-        head_finish(&h, c->out);
-    return st;
+    const preference_call *c = state;
+    head_finish(&c->h, c->out);
+}
+
+static fh_sequence_head sequence_head(preference_call *c)
+{
+    const fh_preference_options *o = c->options;
+    /* aot and aot_unpaired sort every pair's values before any coefficient: the streaming passes. */
+    const int sorts =
+        current(o) && (fh_dpo_lists(o, FH_PREFERENCE_AOT) || fh_dpo_lists(o, FH_PREFERENCE_AOT_UNPAIRED));
+    const fh_sequence_head hd = {.seq = c->batch->seq,
+                                 .group_rows = 2 * c->batch->seq,
+                                 .paired_rows = c->lin->n / 2,
+                                 .streaming_only = sorts,
+                                 .state = c,
+                                 .begin = begin,
+                                 .pass = pass_of,
+                                 .stats = stats_of,
+                                 .after_forward = after_forward,
+                                 .sequences = block_pairs,
+                                 .row = row_coefficients,
+                                 .after_blocks = after_blocks,
+                                 .streaming_coefs = streaming_coefs,
+                                 .finish = finish};
+    return hd;
+}
+
+FH_API fh_status fh_preference_forward(fh_context *ctx, const fh_linear *lin, const fh_preference_batch *batch,
+                                       const fh_preference_options *options, fh_preference_outputs *out)
+{
+    const fh_status st = check_call(ctx, lin, batch, options, out);
+    if (st != FH_OK)
+        return st;
+    preference_call c = {lin, batch, options, out, {0}};
+    const fh_sequence_head hd = sequence_head(&c);
+    return fh_sequence_forward(ctx, lin, &hd);
 }
 
 FH_API fh_status fh_preference_forward_backward(fh_context *ctx, const fh_linear *lin,
@@ -646,11 +628,7 @@ FH_API fh_status fh_preference_forward_backward(fh_context *ctx, const fh_linear
         st = check_apart(ctx, lin, batch, grad_output, out, grads);
     if (st != FH_OK)
         return st;
-    const preference_step step = {lin, batch, options, grad_output[0], out};
-    /* aot and aot_unpaired sort every pair's values before any coefficient: the streaming passes. */
-    const int sorts = current(options) && (fh_dpo_lists(options, FH_PREFERENCE_AOT) ||
-                                           fh_dpo_lists(options, FH_PREFERENCE_AOT_UNPAIRED));
-    const fh_train_step_head step_head = {
-        .group_rows = 2 * batch->seq, .forward_plan = 1, .streaming_only = sorts, .run = preference_step_run, .self = &step};
-    return fh_engine_train_step(ctx, lin, grads, &step_head);
+    preference_call c = {lin, batch, options, out, {0}};
+    const fh_sequence_head hd = sequence_head(&c);
+    return fh_sequence_train_step(ctx, lin, grads, &hd, grad_output[0]);
 }

@@ -1,19 +1,43 @@
-/* Heads over whole sequences of T rows (preference pairs, KTO's sequences): in row blocks of whole sequences, a
- * block's coefficients come per sequence, once its rows' statistics are in the workspace's slots, and each row's from
- * its sequence's. */
+/* Heads over whole sequences of T rows (preference pairs, KTO's sequences): a sequence's coefficients need every one
+ * of its rows' statistics, so the train step's row blocks hold whole sequences (or whole pairs), and the streaming
+ * fallback takes every sequence's coefficients between its forward and its backward. The head gives its state and
+ * hooks; the forward and the train step around them are these. */
 #ifndef FH_SEQUENCES_H
 #define FH_SEQUENCES_H
 
 #include "engine/engine.h"
 
-typedef struct fh_sequence_coefs {
-    int64_t seq;                                                  /* T, the rows of a sequence */
-    void (*sequences)(const void *self, int64_t s0, int64_t s1); /* the coefficients of sequences s0 .. s1 - 1 */
-    void (*row)(const void *self, int64_t i, fh_coef *k);        /* row i's, after its sequence's */
-    const void *self;
-} fh_sequence_coefs;
+typedef struct fh_sequence_head {
+    int64_t seq;         /* T, the rows of a sequence */
+    int64_t group_rows;  /* rows a row block keeps together: a sequence, or a pair's two */
+    int64_t paired_rows; /* the row blocks' paired_rows (0: none) */
+    int streaming_only;  /* the train step streams (coefficients that need every sequence's values first) */
+    void *state;         /* the head's own; its hooks take it */
+    /* The state over the workspace the forward's statistics go to; grad: the upstream gradient (0: forward). */
+    void (*begin)(void *state, const fh_workspace *ws, double grad);
+    /* The engine pass over plan and ws (no statistics, no gradients), and the statistics it folds into the state's
+     * workspace. */
+    fh_engine_pass (*pass)(const void *state, const fh_plan *plan, const fh_workspace *ws);
+    fh_token_stats (*stats)(const void *state);
+    /* Once the streaming forward's statistics are final: every sequence's values. */
+    void (*after_forward)(void *state);
+    /* Row blocks: the coefficients of sequences s0 .. s1 - 1 once their rows' statistics are final, then row i's;
+     * after the last block, what the outputs need of every row. */
+    void (*sequences)(void *state, int64_t s0, int64_t s1, double grad);
+    void (*row)(const void *state, int64_t i, fh_coef *k);
+    void (*after_blocks)(void *state);
+    /* Streaming: every sequence's coefficients, as the backward's coefficient arrays in ws (the backward's). */
+    fh_coef_arrays (*streaming_coefs)(void *state, const fh_workspace *ws, double grad);
+    /* The outputs (loss, metrics, per-sequence and per-token values). */
+    void (*finish)(const void *state);
+} fh_sequence_head;
 
-/* fh_engine_row_blocks on pass (its stats, grads and paired_rows set by the head), the coefficients from coefs. */
-fh_status fh_sequence_row_blocks(fh_engine_pass *pass, const fh_sequence_coefs *coefs);
+/* The forward, once the head's checks have passed: plan and workspace, begin, the streaming forward, finish. */
+fh_status fh_sequence_forward(fh_context *ctx, const fh_linear *lin, const fh_sequence_head *head);
+
+/* The single-call train step (fh_engine_train_step) with the upstream gradient grad: row blocks of whole groups, or
+ * the streaming fallback on its own forward plan; then finish. */
+fh_status fh_sequence_train_step(fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
+                                 const fh_sequence_head *head, double grad);
 
 #endif
