@@ -8,9 +8,12 @@
 #include <stdio.h>
 #include <string.h>
 
-fh_status fhm_call_start(fhm_call *c, fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin, int entry)
+fh_status fhm_call_start(fhm_call *c, fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin, int entry,
+                         fhm_pass_fn pass, const void *head)
 {
     memset(c, 0, sizeof *c);
+    c->pass = pass;
+    c->head = head;
     /* A NULL context still joins the agreement (fhm_call_agree), so that every rank fails; a NULL layout cannot: it
      * holds the communicators. */
     c->L = L;
@@ -186,10 +189,19 @@ static fh_status agree(fh_mpi_layout *L, fh_context *ctx, fh_status st, int64_t 
     return FH_OK;
 }
 
-fh_status fhm_call_prepare(fhm_call *c, fh_status st, const fh_engine_pass *passes, int count)
+static fh_engine_pass call_pass(const fhm_call *c, const fh_plan *plan, const fh_workspace *ws)
 {
-    for (int k = 0; st == FH_OK && k < count; k++)
-        st = fh_gemm_failure(c->ctx, fh_engine_prepare(&passes[k]));
+    return c->pass(c->head, plan, ws);
+}
+
+fh_status fhm_call_prepare(fhm_call *c, fh_status st, const fh_plan *plans, const fh_workspace *ws, int count,
+                           const fh_linear_grads *grads)
+{
+    for (int k = 0; st == FH_OK && k < count; k++) {
+        fh_engine_pass pass = call_pass(c, &plans[k], &ws[k]);
+        pass.grads = k == count - 1 ? grads : NULL;
+        st = fh_gemm_failure(c->ctx, fh_engine_prepare(&pass));
+    }
     return st;
 }
 
@@ -225,7 +237,7 @@ static fh_status agree_rows(fhm_call *c, fh_status st, int64_t *rows)
 }
 
 fh_status fhm_call_schedule(fhm_call *c, fh_status st, int row_blocks, fh_plan plans[2], fh_workspace ws[2],
-                            int64_t *rows, fhm_prepare_fn prepare, void *head_call)
+                            int64_t *rows)
 {
     *rows = row_blocks ? plans[0].tile_rows : 0;
     st = agree_rows(c, st, rows);
@@ -233,12 +245,17 @@ fh_status fhm_call_schedule(fhm_call *c, fh_status st, int row_blocks, fh_plan p
         st = fh_plan_train_step_rows(c->ctx, c->lin, &c->g.engine, *rows, &plans[0], c->ctx);
         if (st == FH_OK)
             st = fh_workspace_acquire(c->ctx, c->lin->n, plans, 1, ws);
-        st = prepare(head_call, st, plans, ws, 1);
+        st = fhm_call_prepare(c, st, plans, ws, 1, &c->g.engine);
     } else if (st == FH_OK) {
         st = fh_prepare_streaming(c->ctx, c->lin, plans, ws);
-        st = prepare(head_call, st, plans, ws, 2);
+        st = fhm_call_prepare(c, st, plans, ws, 2, &c->g.engine);
     }
     return fhm_call_agree(c, st);
+}
+
+fh_status fhm_call_combine_block(const fhm_call *c, int64_t rows, const fh_token_stats *stats)
+{
+    return c->L->vocab_ranks > 1 ? fhm_combine_stats(c->L, c->ctx, rows, stats, NULL, c->records) : FH_OK;
 }
 
 void fhm_call_shard_ids(fhm_call *c, const int64_t *ids, const int64_t *ignore)

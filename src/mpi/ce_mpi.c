@@ -20,13 +20,20 @@ static int sharded_weights(const ce_call *c)
     return c->o->class_weights && c->call.L->vocab_ranks > 1;
 }
 
+/* An engine pass over the shard with the engine's ids. */
+static fh_engine_pass shard_pass(const void *head, const fh_plan *plan, const fh_workspace *ws)
+{
+    const ce_call *c = head;
+    return fh_ce_pass(plan, ws, c->call.lin, c->call.engine_ids, c->o);
+}
+
 /* Local checks common to every call, then the per-call scratch. */
 static fh_status begin(ce_call *c, int entry, fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin,
                        const int64_t *targets, const fh_ce_options *o, const float *grad_output)
 {
     c->targets = targets;
     c->o = o;
-    fh_status st = fhm_call_start(&c->call, L, ctx, lin, entry);
+    fh_status st = fhm_call_start(&c->call, L, ctx, lin, entry, shard_pass, c);
     if (st == FH_OK && o) {
         fhm_call_config(&c->call, "the reduction", o->reduction);
         fhm_call_config(&c->call, "ignore_index", o->ignore_index);
@@ -105,31 +112,6 @@ static fh_status check_outputs(ce_call *c, const fh_ce_outputs *out)
     return fh_ce_check_outputs(c->call.ctx, c->o, out);
 }
 
-/* An engine pass over the shard with the engine's ids. */
-static fh_engine_pass shard_pass(const ce_call *c, const fh_plan *plan, const fh_workspace *ws)
-{
-    return fh_ce_pass(plan, ws, c->call.lin, c->call.engine_ids, c->o);
-}
-
-/* The GEMMs of passes over plans[k] and ws[k] made ready, the last with the gradients grads (or none). */
-static fh_status prepare(ce_call *c, fh_status st, const fh_plan *plans, const fh_workspace *ws, int count,
-                         const fh_linear_grads *grads)
-{
-    fh_engine_pass passes[2];
-    for (int k = 0; st == FH_OK && k < count; k++) {
-        passes[k] = shard_pass(c, &plans[k], &ws[k]);
-        passes[k].grads = k == count - 1 ? grads : NULL;
-    }
-    return fhm_call_prepare(&c->call, st, passes, count);
-}
-
-/* prepare() with the call's engine gradients, for fhm_call_schedule. */
-static fh_status prepare_step(void *head_call, fh_status st, const fh_plan *plans, const fh_workspace *ws, int count)
-{
-    ce_call *c = head_call;
-    return prepare(c, st, plans, ws, count, &c->call.g.engine);
-}
-
 /* The streaming forward on the shard, combined: stats end up whole-vocabulary, the loss written, and the token
  * outputs when write_tokens (the train step writes them with its coefficients, fh_ce_outputs_and_coefs). */
 static fh_status forward(ce_call *c, const fh_plan *plan, const fh_workspace *ws, const fh_token_stats *stats,
@@ -172,7 +154,7 @@ FH_MPI_API fh_status fh_mpi_ce_forward(fh_context *ctx, fh_mpi_layout *layout, c
         st = fh_ce_check_apart(ctx, lin, targets, options, NULL, NULL, out, NULL);
     if (st == FH_OK)
         st = fh_prepare_pass(ctx, lin, FH_CALL_FORWARD, &plan, &ws);
-    st = fhm_call_agree(&c.call, prepare(&c, st, &plan, &ws, 1, NULL));
+    st = fhm_call_agree(&c.call, fhm_call_prepare(&c.call, st, &plan, &ws, 1, NULL));
     if (st != FH_OK)
         return st;
     shard_inputs(&c);
@@ -214,7 +196,7 @@ FH_MPI_API fh_status fh_mpi_ce_backward(fh_context *ctx, fh_mpi_layout *layout, 
         st = check_backward(&c, lse, grad_output, NULL, grads);
     if (st == FH_OK)
         st = fh_prepare_pass(ctx, lin, FH_CALL_BACKWARD, &plan, &ws);
-    st = fhm_call_agree(&c.call, prepare(&c, st, &plan, &ws, 1, &c.call.g.engine));
+    st = fhm_call_agree(&c.call, fhm_call_prepare(&c.call, st, &plan, &ws, 1, &c.call.g.engine));
     if (st != FH_OK)
         return st;
     shard_inputs(&c);
@@ -246,7 +228,7 @@ static fh_status combine_block(const void *self, int64_t first_row, int64_t rows
 {
     const ce_call *c = self;
     (void)first_row;
-    return fhm_combine_stats(c->call.L, c->call.ctx, rows, stats, NULL, c->call.records);
+    return fhm_call_combine_block(&c->call, rows, stats);
 }
 
 /* Per row block: the shard's logits and statistics, combined across the vocab communicator (one
@@ -295,7 +277,7 @@ FH_MPI_API fh_status fh_mpi_ce_forward_backward(fh_context *ctx, fh_mpi_layout *
     /* Row blocks only where every rank can, at one height per vocab communicator (uneven shards plan
      * different ones); else every rank streams. */
     int64_t rows;
-    st = fhm_call_schedule(&c.call, st, row_blocks, plans, ws, &rows, prepare_step, &c);
+    st = fhm_call_schedule(&c.call, st, row_blocks, plans, ws, &rows);
     if (st != FH_OK)
         return st;
     shard_inputs(&c);

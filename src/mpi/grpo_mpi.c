@@ -15,12 +15,19 @@ typedef struct grpo_call {
     const fh_grpo_options *o;
 } grpo_call;
 
+/* An engine pass over the shard with the engine's ids. */
+static fh_engine_pass shard_pass(const void *head, const fh_plan *plan, const fh_workspace *ws)
+{
+    const grpo_call *c = head;
+    return fh_grpo_pass(plan, ws, c->call.lin, c->call.engine_ids, c->o);
+}
+
 static fh_status begin(grpo_call *c, int entry, fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin,
                        const fh_grpo_batch *bt, const fh_grpo_options *o)
 {
     c->bt = bt;
     c->o = o;
-    fh_status st = fhm_call_start(&c->call, L, ctx, lin, entry);
+    fh_status st = fhm_call_start(&c->call, L, ctx, lin, entry, shard_pass, c);
     fhm_call *call = &c->call;
     if (st == FH_OK && o) {
         fhm_call_config(call, "loss_type", o->loss_type);
@@ -59,31 +66,12 @@ static fh_status begin(grpo_call *c, int entry, fh_mpi_layout *L, fh_context *ct
     return st;
 }
 
-/* The GEMMs of passes over plans[k] and ws[k] made ready, the last with the gradients grads (or none). */
-static fh_status prepare(grpo_call *c, fh_status st, const fh_plan *plans, const fh_workspace *ws, int count,
-                         const fh_linear_grads *grads)
-{
-    fh_engine_pass passes[2];
-    for (int k = 0; st == FH_OK && k < count; k++) {
-        passes[k] = fh_grpo_pass(&plans[k], &ws[k], c->call.lin, c->call.engine_ids, c->o);
-        passes[k].grads = k == count - 1 ? grads : NULL;
-    }
-    return fhm_call_prepare(&c->call, st, passes, count);
-}
-
-/* prepare() with the call's engine gradients, for fhm_call_schedule. */
-static fh_status prepare_step(void *head_call, fh_status st, const fh_plan *plans, const fh_workspace *ws, int count)
-{
-    grpo_call *c = head_call;
-    return prepare(c, st, plans, ws, count, &c->call.g.engine);
-}
-
 /* Streaming forward on the shard; leaves whole-vocabulary lse, sum_pz, logp and entropy in ws. */
 static fh_status forward_pass(grpo_call *c, const fh_plan *plan, const fh_workspace *ws)
 {
     const fhm_call *call = &c->call;
     const fh_token_stats stats = fh_logprob_stats_in(ws, 1);
-    fh_engine_pass pass = fh_grpo_pass(plan, ws, call->lin, call->engine_ids, c->o);
+    fh_engine_pass pass = shard_pass(c, plan, ws);
     pass.stats = &stats;
     (void)fh_engine_forward(&pass); /* prepared (fhm_call_prepare): cannot fail */
     const fh_status st = fhm_combine_stats(call->L, call->ctx, call->lin->n, &stats, NULL, call->records);
@@ -153,7 +141,7 @@ static fh_status backward_pass(grpo_call *c, const fh_plan *plan, const fh_works
         st = run_head(c, &h, ws, grad, &hout, forward_out != NULL);
     if (st == FH_OK) {
         const fh_coef_arrays coefs = fh_grpo_coefs_in(ws, call->lin->n);
-        fh_engine_pass pass = fh_grpo_pass(plan, ws, call->lin, call->engine_ids, c->o);
+        fh_engine_pass pass = shard_pass(c, plan, ws);
         pass.coefs = &coefs;
         pass.grads = &call->g.engine;
         (void)fh_engine_backward(&pass); /* prepared (fhm_call_prepare): cannot fail */
@@ -175,9 +163,7 @@ static fh_status block_coefficients(const void *self, int64_t first_row, int64_t
 {
     const sequence_blocks *s = self;
     const fhm_call *call = &s->c->call;
-    fh_status st = FH_OK;
-    if (call->L->vocab_ranks > 1)
-        st = fhm_combine_stats(call->L, call->ctx, rows, stats, NULL, call->records);
+    const fh_status st = fhm_call_combine_block(call, rows, stats);
     if (st == FH_OK)
         fh_grpo_block_coefficients(s->h, s->ws, call->L->total_vocab, s->grad, first_row, rows);
     return st;
@@ -201,7 +187,7 @@ static fh_status row_block_step(grpo_call *c, const fh_plan *plan, const fh_work
         const sequence_blocks self = {c, &h, ws, grad};
         const fh_coef_source source = {row_coefficients, block_coefficients, &self};
         const fh_token_stats stats = fh_logprob_stats_in(ws, 1);
-        fh_engine_pass pass = fh_grpo_pass(plan, ws, call->lin, call->engine_ids, c->o);
+        fh_engine_pass pass = shard_pass(c, plan, ws);
         pass.stats = &stats;
         pass.source = &source;
         pass.grads = &call->g.engine;
@@ -229,7 +215,7 @@ FH_MPI_API fh_status fh_mpi_grpo_forward(fh_context *ctx, fh_mpi_layout *layout,
         st = fh_grpo_check_apart(ctx, lin, batch, NULL, NULL, NULL, NULL, out, NULL);
     if (st == FH_OK)
         st = fh_prepare_pass(ctx, lin, FH_CALL_FORWARD, &plan, &ws);
-    st = fhm_call_agree(&c.call, prepare(&c, st, &plan, &ws, 1, NULL));
+    st = fhm_call_agree(&c.call, fhm_call_prepare(&c.call, st, &plan, &ws, 1, NULL));
     if (st != FH_OK)
         return st;
     fhm_call_shard_ids(&c.call, batch->completion_ids, NULL);
@@ -280,7 +266,7 @@ FH_MPI_API fh_status fh_mpi_grpo_backward(fh_context *ctx, fh_mpi_layout *layout
         st = check_grads(&c, saved, grad_output, NULL, grads);
     if (st == FH_OK)
         st = fh_prepare_pass(ctx, lin, FH_CALL_BACKWARD, &plan, &ws);
-    st = fhm_call_agree(&c.call, prepare(&c, st, &plan, &ws, 1, &c.call.g.engine));
+    st = fhm_call_agree(&c.call, fhm_call_prepare(&c.call, st, &plan, &ws, 1, &c.call.g.engine));
     if (st != FH_OK)
         return st;
     fhm_call_shard_ids(&c.call, batch->completion_ids, NULL);
@@ -311,7 +297,7 @@ FH_MPI_API fh_status fh_mpi_grpo_forward_backward(fh_context *ctx, fh_mpi_layout
     int64_t rows;
     /* The entropy threshold needs every token's entropy before any coefficient: every rank streams. */
     const int streaming_only = options && options->top_entropy_quantile < 1.0;
-    st = fhm_call_schedule(&c.call, st, row_blocks && !streaming_only, plans, ws, &rows, prepare_step, &c);
+    st = fhm_call_schedule(&c.call, st, row_blocks && !streaming_only, plans, ws, &rows);
     if (st != FH_OK)
         return st;
     fhm_call_shard_ids(&c.call, batch->completion_ids, NULL);

@@ -16,13 +16,20 @@ typedef struct kto_call {
     int metrics; /* the metrics are asked for: their statistics are combined and summed */
 } kto_call;
 
+/* An engine pass over the shard with the engine's ids. */
+static fh_engine_pass shard_pass(const void *head, const fh_plan *plan, const fh_workspace *ws)
+{
+    const kto_call *c = head;
+    return fh_kto_pass(plan, ws, c->call.lin, c->call.engine_ids);
+}
+
 static fh_status begin(kto_call *c, int entry, fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin,
                        const fh_kto_batch *bt, const fh_kto_options *o, const fh_kto_outputs *out)
 {
     c->bt = bt;
     c->o = o;
     c->metrics = out && out->metrics;
-    fh_status st = fhm_call_start(&c->call, L, ctx, lin, entry);
+    fh_status st = fhm_call_start(&c->call, L, ctx, lin, entry, shard_pass, c);
     fhm_call *call = &c->call;
     if (st == FH_OK && o) {
         fhm_call_config(call, "loss_type", o->loss_type);
@@ -47,31 +54,12 @@ static fh_status begin(kto_call *c, int entry, fh_mpi_layout *L, fh_context *ctx
     return st;
 }
 
-/* The GEMMs of passes over plans[k] and ws[k] made ready, the last with the gradients grads (or none). */
-static fh_status prepare(kto_call *c, fh_status st, const fh_plan *plans, const fh_workspace *ws, int count,
-                         const fh_linear_grads *grads)
-{
-    fh_engine_pass passes[2];
-    for (int k = 0; st == FH_OK && k < count; k++) {
-        passes[k] = fh_kto_pass(&plans[k], &ws[k], c->call.lin, c->call.engine_ids);
-        passes[k].grads = k == count - 1 ? grads : NULL;
-    }
-    return fhm_call_prepare(&c->call, st, passes, count);
-}
-
-/* prepare() with the call's engine gradients, for fhm_call_schedule. */
-static fh_status prepare_step(void *head_call, fh_status st, const fh_plan *plans, const fh_workspace *ws, int count)
-{
-    kto_call *c = head_call;
-    return prepare(c, st, plans, ws, count, &c->call.g.engine);
-}
-
 /* Streaming forward on the shard; leaves the whole vocabulary's statistics, logp (and the entropies) in ws. */
 static fh_status forward_pass(kto_call *c, const fh_plan *plan, const fh_workspace *ws)
 {
     const fhm_call *call = &c->call;
     const fh_token_stats stats = fh_kto_stats_in(ws, c->metrics);
-    fh_engine_pass pass = fh_kto_pass(plan, ws, call->lin, call->engine_ids);
+    fh_engine_pass pass = shard_pass(c, plan, ws);
     pass.stats = &stats;
     (void)fh_engine_forward(&pass); /* prepared (fhm_call_prepare): cannot fail */
     const fh_status st = fhm_combine_stats(call->L, call->ctx, call->lin->n, &stats, NULL, call->records);
@@ -112,7 +100,7 @@ FH_MPI_API fh_status fh_mpi_kto_forward(fh_context *ctx, fh_mpi_layout *layout, 
     fh_status st = begin(&c, FHM_KTO_FORWARD, layout, ctx, lin, batch, options, out);
     if (st == FH_OK)
         st = fh_prepare_pass(ctx, lin, FH_CALL_FORWARD, &plan, &ws);
-    st = fhm_call_agree(&c.call, prepare(&c, st, &plan, &ws, 1, NULL));
+    st = fhm_call_agree(&c.call, fhm_call_prepare(&c.call, st, &plan, &ws, 1, NULL));
     if (st != FH_OK)
         return st;
     fhm_call_shard_ids(&c.call, batch->targets, NULL);
@@ -138,9 +126,7 @@ static fh_status block_coefficients(const void *self, int64_t first_row, int64_t
 {
     const sequence_blocks *s = self;
     const fhm_call *call = &s->c->call;
-    fh_status st = FH_OK;
-    if (call->L->vocab_ranks > 1)
-        st = fhm_combine_stats(call->L, call->ctx, rows, stats, NULL, call->records);
+    const fh_status st = fhm_call_combine_block(call, rows, stats);
     const int64_t T = s->h->bt->seq;
     if (st == FH_OK)
         fh_kto_sequence_coefficients(s->h, first_row / T, (first_row + rows) / T, s->grad);
@@ -164,7 +150,7 @@ static fh_status row_block_step(kto_call *c, const fh_plan *plan, const fh_works
         const sequence_blocks self = {c, &h, grad};
         const fh_coef_source source = {row_coefficients, block_coefficients, &self};
         const fh_token_stats stats = fh_kto_stats_in(ws, c->metrics);
-        fh_engine_pass pass = fh_kto_pass(plan, ws, call->lin, call->engine_ids);
+        fh_engine_pass pass = shard_pass(c, plan, ws);
         pass.stats = &stats;
         pass.source = &source;
         pass.grads = &call->g.engine;
@@ -193,7 +179,7 @@ static fh_status streaming_step(kto_call *c, const fh_plan plans[2], const fh_wo
     }
     if (st == FH_OK) {
         const fh_coef_arrays coefs = fh_kto_coefs_in(&ws[1], call->lin->n);
-        fh_engine_pass pass = fh_kto_pass(&plans[1], &ws[1], call->lin, call->engine_ids);
+        fh_engine_pass pass = shard_pass(c, &plans[1], &ws[1]);
         pass.coefs = &coefs;
         pass.grads = &call->g.engine;
         (void)fh_engine_backward(&pass); /* prepared (fhm_call_prepare): cannot fail */
@@ -227,7 +213,7 @@ FH_MPI_API fh_status fh_mpi_kto_forward_backward(fh_context *ctx, fh_mpi_layout 
     if (st == FH_OK)
         st = fh_plan_train_step_groups(ctx, lin, &c.call.g.engine, batch->seq, &plans[0], &row_blocks);
     int64_t rows;
-    st = fhm_call_schedule(&c.call, st, row_blocks, plans, ws, &rows, prepare_step, &c);
+    st = fhm_call_schedule(&c.call, st, row_blocks, plans, ws, &rows);
     if (st != FH_OK)
         return st;
     fhm_call_shard_ids(&c.call, batch->targets, NULL);

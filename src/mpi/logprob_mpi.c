@@ -19,12 +19,19 @@ typedef struct logprob_call {
     fh_logprob_grads g;    /* the upstream gradients */
 } logprob_call;
 
+/* An engine pass over the shard with the engine's ids. */
+static fh_engine_pass shard_pass(const void *head, const fh_plan *plan, const fh_workspace *ws)
+{
+    const logprob_call *c = head;
+    return fh_logprob_pass(plan, ws, c->call.lin, c->call.engine_ids, c->tf);
+}
+
 static fh_status begin(logprob_call *c, int entry, fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin,
                        const int64_t *targets, const fh_logprob_options *o)
 {
     memset(c, 0, sizeof *c);
     c->targets = targets;
-    fh_status st = fhm_call_start(&c->call, L, ctx, lin, entry);
+    fh_status st = fhm_call_start(&c->call, L, ctx, lin, entry, shard_pass, c);
     if (st == FH_OK && o) {
         fhm_call_config(&c->call, "ignore_index", o->ignore_index);
         fhm_call_config_real(&c->call, "temperature", o->temperature);
@@ -39,23 +46,6 @@ static fh_status begin(logprob_call *c, int entry, fh_mpi_layout *L, fh_context 
         st = fhm_call_scratch(&c->call, targets, 0);
     }
     return st;
-}
-
-static fh_engine_pass shard_pass(const logprob_call *c, const fh_plan *plan, const fh_workspace *ws)
-{
-    return fh_logprob_pass(plan, ws, c->call.lin, c->call.engine_ids, c->tf);
-}
-
-/* The GEMMs of passes over plans[k] and ws[k] made ready, the last with the call's engine gradients (or none). */
-static fh_status prepare(void *head_call, fh_status st, const fh_plan *plans, const fh_workspace *ws, int count)
-{
-    logprob_call *c = head_call;
-    fh_engine_pass passes[2];
-    for (int k = 0; st == FH_OK && k < count; k++) {
-        passes[k] = shard_pass(c, &plans[k], &ws[k]);
-        passes[k].grads = k == count - 1 && c->gradients ? &c->call.g.engine : NULL;
-    }
-    return fhm_call_prepare(&c->call, st, passes, count);
 }
 
 /* Streaming forward on the shard; leaves the whole vocabulary's lse, sum_pz, logp and entropy in ws. */
@@ -98,7 +88,7 @@ FH_MPI_API fh_status fh_mpi_logprob_forward(fh_context *ctx, fh_mpi_layout *layo
         st = fh_prepare_pass(ctx, lin, FH_CALL_FORWARD, &plan, &ws);
     if (c.call.L)
         fhm_call_config(&c.call, "entropy output", out && out->entropy);
-    st = fhm_call_agree(&c.call, prepare(&c, st, &plan, &ws, 1));
+    st = fhm_call_agree(&c.call, fhm_call_prepare(&c.call, st, &plan, &ws, 1, c.gradients ? &c.call.g.engine : NULL));
     if (st != FH_OK)
         return st;
     c.entropy = out->entropy != NULL;
@@ -146,7 +136,7 @@ FH_MPI_API fh_status fh_mpi_logprob_backward(fh_context *ctx, fh_mpi_layout *lay
         st = check_grads(&c, lse, entropy, NULL, grads);
     if (st == FH_OK)
         st = fh_prepare_pass(ctx, lin, FH_CALL_BACKWARD, &plan, &ws);
-    st = fhm_call_agree(&c.call, prepare(&c, st, &plan, &ws, 1));
+    st = fhm_call_agree(&c.call, fhm_call_prepare(&c.call, st, &plan, &ws, 1, c.gradients ? &c.call.g.engine : NULL));
     if (st != FH_OK)
         return st;
     fhm_call_shard_ids(&c.call, targets, &options->ignore_index);
@@ -167,7 +157,7 @@ static fh_status combine_block(const void *self, int64_t first_row, int64_t rows
 {
     const logprob_call *c = self;
     (void)first_row;
-    return fhm_combine_stats(c->call.L, c->call.ctx, rows, stats, NULL, c->call.records);
+    return fhm_call_combine_block(&c->call, rows, stats);
 }
 
 FH_MPI_API fh_status fh_mpi_logprob_forward_backward(fh_context *ctx, fh_mpi_layout *layout, const fh_linear *lin,
@@ -193,7 +183,7 @@ FH_MPI_API fh_status fh_mpi_logprob_forward_backward(fh_context *ctx, fh_mpi_lay
     if (st == FH_OK)
         st = fh_plan_train_step(ctx, lin, &c.call.g.engine, &plans[0], &row_blocks, ctx);
     int64_t rows;
-    st = fhm_call_schedule(&c.call, st, row_blocks, plans, ws, &rows, prepare, &c);
+    st = fhm_call_schedule(&c.call, st, row_blocks, plans, ws, &rows);
     if (st != FH_OK)
         return st;
     c.entropy = out->entropy || g_entropy;

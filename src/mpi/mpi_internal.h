@@ -131,6 +131,10 @@ enum {
     FHM_KTO_TRAIN_STEP
 };
 
+/* The head's engine pass over plan and ws, on the call's lin and engine ids, without gradients (head: the head's
+ * own call, which holds its fhm_call). */
+typedef fh_engine_pass (*fhm_pass_fn)(const void *head, const fh_plan *plan, const fh_workspace *ws);
+
 typedef struct fhm_call {
     fh_mpi_layout *L;          /* NULL when the caller passed a NULL layout */
     fh_context *ctx;
@@ -141,6 +145,8 @@ typedef struct fhm_call {
     void *records;             /* fhm_combine_bytes(n) of scratch */
     fhm_grads g;               /* the gradients' reductions (backward calls) */
     fhm_config config;         /* filled before fhm_call_agree */
+    fhm_pass_fn pass;          /* the head's pass, and its call */
+    const void *head;
 } fhm_call;
 
 /* Adds a value to the call's configuration (fhm_config). */
@@ -155,34 +161,37 @@ void fhm_call_config_grads(fhm_call *c, const fh_linear_grads *grads);
 /* FH_ERR_NULL_POINTER when ctx or L is NULL, else FH_OK. With a NULL ctx (and a layout) the call still joins the
  * agreement, so that every rank returns an error; with a NULL L no collective runs (it names the communicators). `entry` names the entry point, the first value of the configuration, which then
  * holds the layout's reductions and lin's hidden size, vocabulary, dtypes and bias. */
-fh_status fhm_call_start(fhm_call *c, fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin, int entry);
+fh_status fhm_call_start(fhm_call *c, fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin, int entry,
+                         fhm_pass_fn pass, const void *head);
 
 /* After the head's checks: the shard check, then the per-call scratch with head_bytes for the head; the
  * engine's ids are the caller's ids until fhm_call_shard_ids. Local. */
 fh_status fhm_call_scratch(fhm_call *c, const int64_t *ids, size_t head_bytes);
 
-/* Local, before fhm_call_agree: the engine GEMMs of the call's passes made ready (fh_engine_prepare), so that a
- * GEMM provider's failure (bf16: oneDNN out of memory) is agreed on like any other error and no rank's pass
- * fails once the collectives have started. Returns st when it is an error. */
-fh_status fhm_call_prepare(fhm_call *c, fh_status st, const fh_engine_pass *passes, int count);
+/* Local, before fhm_call_agree: the engine GEMMs of the head's passes over plans[k] and ws[k] made ready
+ * (fh_engine_prepare), the last with the gradients grads (or none), so that a GEMM provider's failure (bf16: oneDNN
+ * out of memory) is agreed on like any other error and no rank's pass fails once the collectives have started.
+ * Returns st when it is an error. */
+fh_status fhm_call_prepare(fhm_call *c, fh_status st, const fh_plan *plans, const fh_workspace *ws, int count,
+                           const fh_linear_grads *grads);
 
 /* Collective over the grid: every rank learns whether any rank failed. Returns st when it is an error,
  * else the largest error of the other ranks (with a message saying so), else FH_ERR_MPI_LAYOUT when n
  * differs across the vocab communicator, else FH_OK. On failure the gradient buffers are freed. */
 fh_status fhm_call_agree(fhm_call *c, fh_status st);
 
-/* A head's fhm_call_prepare of passes over plans[0..count) and ws (with the call's engine gradients). */
-typedef fh_status (*fhm_prepare_fn)(void *head_call, fh_status st, const fh_plan *plans, const fh_workspace *ws,
-                                    int count);
-
 /* The single-call step's schedule, collective over the grid whatever the local status. row_blocks: whether
  * this rank planned row blocks (plans[0], when st is FH_OK). The ranks agree on the smallest height over the
  * vocab communicator (its ranks must walk the same blocks: one statistics all-reduce each), or on streaming
  * everywhere when any rank of the grid cannot (the streaming schedule makes other data collectives); then the
- * workspace (plans[0] lowered to that height, or plans[0..1] the streaming passes), prepare, and
- * fhm_call_agree. *rows: the agreed height, 0 for streaming. */
+ * workspace (plans[0] lowered to that height, or plans[0..1] the streaming passes), fhm_call_prepare with the
+ * call's engine gradients, and fhm_call_agree. *rows: the agreed height, 0 for streaming. */
 fh_status fhm_call_schedule(fhm_call *c, fh_status st, int row_blocks, fh_plan plans[2], fh_workspace ws[2],
-                            int64_t *rows, fhm_prepare_fn prepare, void *head_call);
+                            int64_t *rows);
+
+/* A row block's shard statistics become the whole vocabulary's: one all-reduce over the vocab communicator when the
+ * vocabulary is split. */
+fh_status fhm_call_combine_block(const fhm_call *c, int64_t rows, const fh_token_stats *stats);
 
 /* After agreement: the engine's ids become shard-local when the vocabulary is split (ignore: the id
  * that is never local, or NULL). */
