@@ -276,3 +276,13 @@ fh_status fh_check_finite(fh_context *ctx, const fh_linear *lin)
         return fh_fail(ctx, FH_ERR_NONFINITE_INPUT, "bias[%lld] is not finite", (long long)at);
     return FH_OK;
 }
+
+fh_status fh_check_targets(fh_context *ctx, const int64_t *targets, int64_t n, int64_t ignore_index, int64_t vocab)
+{
+    for (int64_t i = 0; i < n; i++)
+        if (targets[i] != ignore_index && (targets[i] < 0 || targets[i] >= vocab))
+            return fh_fail(ctx, FH_ERR_TARGET_OUT_OF_RANGE,
+                           "targets[%lld] = %lld is outside [0, %lld) and is not ignore_index (%lld)", (long long)i,
+                           (long long)targets[i], (long long)vocab, (long long)ignore_index);
+    return FH_OK;
+}

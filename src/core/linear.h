@@ -10,6 +10,9 @@ fh_status fh_check_call(fh_context *ctx, const fh_linear *lin);
 fh_status fh_check_linear(fh_context *ctx, const fh_linear *lin);
 /* With FH_PARAM_CHECK_FINITE set: FH_ERR_NONFINITE_INPUT if x, weight or bias holds NaN or Inf. */
 fh_status fh_check_finite(fh_context *ctx, const fh_linear *lin);
+/* Each of the n targets in [0, vocab) or ignore_index (FH_ERR_TARGET_OUT_OF_RANGE names the first that is not). */
+fh_status fh_check_targets(fh_context *ctx, const int64_t *targets, int64_t n, int64_t ignore_index, int64_t vocab);
+
 /* Betas, dtypes, strides and the bias of the gradients asked for; their overlaps are fh_check_apart's. */
 fh_status fh_check_grads(fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads);
 

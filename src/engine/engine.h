@@ -144,4 +144,18 @@ typedef struct fh_train_step_head {
 fh_status fh_engine_train_step(fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
                                const fh_train_step_head *head);
 
+/* A per-token head's calls, by kind (fh_call): the streaming forward and backward, each on the plan and workspace
+ * made for it (fh_prepare_pass), and the single-call train step's run (fh_train_step_head's, rows in any grouping).
+ * Each returns what its passes return. */
+typedef struct fh_head_calls {
+    fh_status (*forward)(const void *self, const fh_plan *plan, const fh_workspace *ws);
+    fh_status (*backward)(const void *self, const fh_plan *plan, const fh_workspace *ws);
+    fh_status (*step)(const void *self, int row_blocks, const fh_plan plans[2], const fh_workspace ws[2],
+                      const fh_linear_grads *grads);
+} fh_head_calls;
+
+/* Runs the call of kind on lin, the backward and the train step with grads; a GEMM failure is reported on ctx. */
+fh_status fh_engine_run_call(fh_context *ctx, fh_call kind, const fh_head_calls *calls, const fh_linear *lin,
+                             const fh_linear_grads *grads, const void *self);
+
 #endif

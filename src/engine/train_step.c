@@ -1,4 +1,5 @@
-/* The single-call train step's plan and workspace, the same for every head (engine.h). */
+/* The single-call train step's plan and workspace, the same for every head, and a per-token head's calls by kind
+ * (engine.h). */
 #include "engine.h"
 
 fh_status fh_engine_train_step(fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
@@ -25,4 +26,19 @@ fh_status fh_engine_train_step(fh_context *ctx, const fh_linear *lin, const fh_l
     if (st != FH_OK)
         return st;
     return fh_gemm_failure(ctx, head->run(head->self, row_blocks, plans, ws, grads));
+}
+
+fh_status fh_engine_run_call(fh_context *ctx, fh_call kind, const fh_head_calls *calls, const fh_linear *lin,
+                             const fh_linear_grads *grads, const void *self)
+{
+    if (kind == FH_CALL_TRAIN_STEP) {
+        const fh_train_step_head head = {.group_rows = 1, .run = calls->step, .self = self};
+        return fh_engine_train_step(ctx, lin, grads, &head);
+    }
+    fh_plan plan;
+    fh_workspace ws;
+    const fh_status st = fh_prepare_pass(ctx, lin, kind, &plan, &ws);
+    if (st != FH_OK)
+        return st;
+    return fh_gemm_failure(ctx, (kind == FH_CALL_FORWARD ? calls->forward : calls->backward)(self, &plan, &ws));
 }

@@ -42,12 +42,7 @@ static fh_status check_options(fh_context *ctx, const fh_linear *lin, const int6
             if (!(o->class_weights[j] >= 0.0f && isfinite(o->class_weights[j])))
                 return fh_fail(ctx, FH_ERR_INVALID_CLASS_WEIGHT, "class_weights[%lld] = %g must be finite and >= 0",
                                (long long)j, (double)o->class_weights[j]);
-    for (int64_t i = 0; i < lin->n; i++)
-        if (targets[i] != o->ignore_index && (targets[i] < 0 || targets[i] >= target_vocab))
-            return fh_fail(ctx, FH_ERR_TARGET_OUT_OF_RANGE,
-                           "targets[%lld] = %lld is outside [0, %lld) and is not ignore_index (%lld)", (long long)i,
-                           (long long)targets[i], (long long)target_vocab, (long long)o->ignore_index);
-    return FH_OK;
+    return fh_check_targets(ctx, targets, lin->n, o->ignore_index, target_vocab);
 }
 
 fh_status fh_ce_check_call(fh_context *ctx, const fh_linear *lin, const int64_t *targets, const fh_ce_options *o,
@@ -347,10 +342,8 @@ fh_coef_arrays fh_ce_outputs_and_coefs(const fh_workspace *ws, const fh_ce_head 
 
 /* One call after its checks: what it computes (kind) and on what; run() takes it on the whole problem, run_counted()
  * on its counted rows. */
-typedef enum ce_kind { CE_FORWARD, CE_BACKWARD, CE_STEP } ce_kind;
-
 typedef struct ce_call {
-    ce_kind kind;
+    fh_call kind; /* FH_CALL_TRAIN_STEP: the single-call train step */
     const fh_linear *lin;
     const int64_t *targets;
     const fh_ce_options *options;
@@ -360,37 +353,28 @@ typedef struct ce_call {
     const fh_linear_grads *grads;
 } ce_call;
 
-static fh_status run_forward(fh_context *ctx, const ce_call *c)
+static fh_status run_forward(const void *self, const fh_plan *plan, const fh_workspace *ws)
 {
-    fh_plan plan;
-    fh_workspace ws;
-    fh_status st = fh_prepare_pass(ctx, c->lin, FH_CALL_FORWARD, &plan, &ws);
-    if (st != FH_OK)
-        return st;
+    const ce_call *c = self;
     const fh_ce_head h = fh_ce_head_of(c->lin, c->targets, c->options, NULL);
-    const fh_token_stats stats = fh_ce_stats_in(&ws, c->options, c->out);
-    fh_engine_pass pass = fh_ce_pass(&plan, &ws, c->lin, c->targets, c->options);
+    const fh_token_stats stats = fh_ce_stats_in(ws, c->options, c->out);
+    fh_engine_pass pass = fh_ce_pass(plan, ws, c->lin, c->targets, c->options);
     pass.stats = &stats;
-    st = fh_engine_forward(&pass);
-    if (st != FH_OK)
-        return fh_gemm_failure(ctx, st);
-    write_outputs(&h, &stats, c->out);
-    return FH_OK;
+    const fh_status st = fh_engine_forward(&pass);
+    if (st == FH_OK)
+        write_outputs(&h, &stats, c->out);
+    return st;
 }
 
-static fh_status run_backward(fh_context *ctx, const ce_call *c)
+static fh_status run_backward(const void *self, const fh_plan *plan, const fh_workspace *ws)
 {
-    fh_plan plan;
-    fh_workspace ws;
-    const fh_status st = fh_prepare_pass(ctx, c->lin, FH_CALL_BACKWARD, &plan, &ws);
-    if (st != FH_OK)
-        return st;
+    const ce_call *c = self;
     const fh_ce_head h = fh_ce_head_of(c->lin, c->targets, c->options, c->grad_output);
-    fh_engine_pass pass = fh_ce_pass(&plan, &ws, c->lin, c->targets, c->options);
-    const fh_coef_arrays coefs = fh_ce_coefs_in(&ws, &h, c->lse, fh_ce_target_logits_in(&ws, c->options, &pass));
+    fh_engine_pass pass = fh_ce_pass(plan, ws, c->lin, c->targets, c->options);
+    const fh_coef_arrays coefs = fh_ce_coefs_in(ws, &h, c->lse, fh_ce_target_logits_in(ws, c->options, &pass));
     pass.coefs = &coefs;
     pass.grads = c->grads;
-    return fh_gemm_failure(ctx, fh_engine_backward(&pass));
+    return fh_engine_backward(&pass);
 }
 
 static fh_status step_run(const void *self, int row_blocks, const fh_plan plans[2], const fh_workspace ws[2],
@@ -422,14 +406,11 @@ static fh_status step_run(const void *self, int row_blocks, const fh_plan plans[
     return fh_engine_backward(&pass);
 }
 
-static fh_status run(fh_context *ctx, const ce_call *c)
+static fh_status run(fh_context *ctx, const void *self)
 {
-    if (c->kind == CE_FORWARD)
-        return run_forward(ctx, c);
-    if (c->kind == CE_BACKWARD)
-        return run_backward(ctx, c);
-    const fh_train_step_head head = {.group_rows = 1, .run = step_run, .self = c};
-    return fh_engine_train_step(ctx, c->lin, c->grads, &head);
+    static const fh_head_calls calls = {run_forward, run_backward, step_run};
+    const ce_call *c = self;
+    return fh_engine_run_call(ctx, c->kind, &calls, c->lin, c->grads, c);
 }
 
 /* The call on its counted rows (counted_rows.h) when no output needs an ignored row's logits (the lse and argmax
@@ -441,8 +422,6 @@ static fh_status run_on(fh_context *ctx, const void *self, const fh_counted_rows
 {
     (void)extra;
     const ce_call *c = self;
-    if (!rows)
-        return run(ctx, c);
     fh_ce_outputs counted_out;
     if (c->out) {
         counted_out = *c->out;
@@ -464,17 +443,10 @@ static fh_status run_counted(fh_context *ctx, const ce_call *c)
     const int per_token = c->options->reduction == FH_REDUCTION_NONE;
     const float *const in[] = {c->lse, per_token ? c->grad_output : NULL};
     float *const out[] = {o ? o->per_token_loss : NULL, o ? o->per_token_logp : NULL, o ? o->entropy : NULL};
-    const fh_counted_call call = {.lin = c->lin,
-                                  .grads = c->grads,
-                                  .targets = c->targets,
-                                  .ignore_index = c->options->ignore_index,
-                                  .filtered = c->grads != NULL,
-                                  .in = in,
-                                  .inputs = 2,
-                                  .out = out,
-                                  .outputs = 3,
-                                  .run = run_on,
-                                  .self = c};
+    const fh_counted_call call = {.lin = c->lin, .grads = c->grads, .filtered = c->grads != NULL,
+                                  .targets = c->targets, .ignore_index = c->options->ignore_index,
+                                  .in = in, .inputs = 2, .out = out, .outputs = 3,
+                                  .whole = run, .counted = run_on, .self = c};
     return fh_counted_rows_run(ctx, &call);
 }
 
@@ -488,7 +460,7 @@ FH_API fh_status fh_ce_forward(fh_context *ctx, const fh_linear *lin, const int6
         st = fh_ce_check_apart(ctx, lin, targets, options, NULL, NULL, out, NULL);
     if (st != FH_OK)
         return st;
-    const ce_call c = {CE_FORWARD, lin, targets, options, NULL, NULL, out, NULL};
+    const ce_call c = {FH_CALL_FORWARD, lin, targets, options, NULL, NULL, out, NULL};
     return run_counted(ctx, &c);
 }
 
@@ -505,7 +477,7 @@ FH_API fh_status fh_ce_backward(fh_context *ctx, const fh_linear *lin, const int
         st = fh_ce_check_apart(ctx, lin, targets, options, lse, grad_output, NULL, grads);
     if (st != FH_OK)
         return st;
-    const ce_call c = {CE_BACKWARD, lin, targets, options, lse, grad_output, NULL, grads};
+    const ce_call c = {FH_CALL_BACKWARD, lin, targets, options, lse, grad_output, NULL, grads};
     return run_counted(ctx, &c);
 }
 
@@ -522,6 +494,6 @@ FH_API fh_status fh_ce_forward_backward(fh_context *ctx, const fh_linear *lin, c
         st = fh_ce_check_apart(ctx, lin, targets, options, NULL, grad_output, out, grads);
     if (st != FH_OK)
         return st;
-    const ce_call c = {CE_STEP, lin, targets, options, NULL, grad_output, out, grads};
+    const ce_call c = {FH_CALL_TRAIN_STEP, lin, targets, options, NULL, grad_output, out, grads};
     return run_counted(ctx, &c);
 }

@@ -166,12 +166,12 @@ fh_status fh_counted_rows_run(fh_context *ctx, const fh_counted_call *call)
                                                       call->filtered, arrays_row_bytes + call->extra_row_bytes, &rows)
                                  : FH_OK;
     if (st != FH_OK || !call->targets || !rows.active)
-        return st == FH_OK ? call->run(ctx, call->self, NULL, NULL, NULL, NULL) : st;
+        return st == FH_OK ? call->whole(ctx, call->self) : st;
     float *arrays[FH_COUNTED_ARRAYS];
     const int64_t *targets = compacted_arrays(&rows, call->targets, call->in, call->inputs, call->out, call->outputs,
                                               arrays);
     void *extra = (char *)rows.scratch + (size_t)rows.count * arrays_row_bytes;
-    st = call->run(ctx, call->self, &rows, targets, arrays, extra);
+    st = call->counted(ctx, call->self, &rows, targets, arrays, extra);
     if (st == FH_OK) {
         scatter_outputs(&rows, call->out, call->inputs, call->outputs, arrays);
         write_dx(&rows, call->grads);
@@ -182,5 +182,5 @@ fh_status fh_counted_rows_run(fh_context *ctx, const fh_counted_call *call)
     /* The copies' share of the budget left the compacted call too little (a plan fails before writing anything):
      * the whole problem may fit the whole budget. */
     fh_clear_message(ctx);
-    return call->run(ctx, call->self, NULL, NULL, NULL, NULL);
+    return call->whole(ctx, call->self);
 }

@@ -45,15 +45,17 @@ typedef struct fh_counted_call {
     float *const *out;            /* its per-row outputs, written by the call, 0 in the rows that do not count */
     int outputs;
     size_t extra_row_bytes;       /* more scratch per counted row for the head's own compacted arrays */
-    /* The head's call: on the whole problem (rows NULL), or on the compacted one: rows->lin and rows->grads, the
-     * compacted targets, arrays[k] for in[k] then out[k - inputs] (NULL where those are), and extra_row_bytes per
-     * counted row at extra (after the float arrays: 8-byte aligned when inputs + outputs is even). */
-    fh_status (*run)(fh_context *ctx, const void *self, const fh_counted_rows *rows, const int64_t *targets,
-                     float *const *arrays, void *extra);
+    /* The head's call on the whole problem, as self gives it. */
+    fh_status (*whole)(fh_context *ctx, const void *self);
+    /* The head's call on the compacted problem: rows->lin and rows->grads, the compacted targets, arrays[k] for in[k]
+     * then out[k - inputs] (NULL where those are), and extra_row_bytes per counted row at extra (after the float
+     * arrays: 8-byte aligned when inputs + outputs is even). */
+    fh_status (*counted)(fh_context *ctx, const void *self, const fh_counted_rows *rows, const int64_t *targets,
+                         float *const *arrays, void *extra);
     const void *self;
 } fh_counted_call;
 
-/* Runs call->run on the counted rows when some row is ignored and some counts, else on the whole problem; after a
+/* Runs call->counted on the counted rows when some row is ignored and some counts, else call->whole; after a
  * compacted call that succeeded, its outputs and its dx rows go back to the caller's (grads' beta and dtype
  * honoured; the other rows 0 with beta 0, untouched with beta 1). Not compacted: a caller's workspace (all that a
  * call may use), a filtered call with gradient filtering on (it decides per tile of rows what to skip), and copies

@@ -231,26 +231,18 @@ static fh_status check_teacher(fh_context *ctx, const fh_linear *student, const 
     return FH_OK;
 }
 
-/* No output (out's, grads' when not NULL) overlaps an input (targets, grad_output when given, the teacher's x,
- * weight and bias, the student's), another output or the workspace. */
+/* The overlap check, the teacher's x, weight and bias among the inputs. */
 static fh_status check_apart(fh_context *ctx, const fh_linear *student, const fh_linear *teacher,
                              const int64_t *targets, const fh_distill_options *o, const float *grad_output,
                              const fh_distill_outputs *out, const fh_linear_grads *grads)
 {
-    const size_t n = (size_t)student->n;
-    const fh_buffer inputs[] = {
-        {"targets", targets, n * sizeof(int64_t)},
-        {"grad_output", grad_output, (o->reduction == FH_REDUCTION_NONE ? n : 1) * sizeof(float)},
+    const fh_buffer teacher_buffers[] = {
         fh_view_buffer("the teacher's x", teacher->x, teacher->n, teacher->hidden, teacher->x_row_stride, 1,
                        teacher->x_dtype),
         fh_view_buffer("the teacher's weight", teacher->weight, teacher->hidden, teacher->vocab,
                        teacher->w_stride_hidden, teacher->w_stride_vocab, teacher->weight_dtype),
         fh_view_buffer("the teacher's bias", teacher->bias, 1, teacher->vocab, 0, 1, FH_DTYPE_F32)};
-    const fh_buffer outputs[] = {{"loss", out->loss, sizeof(double)},
-                                 {"soft_loss", out->soft_loss, sizeof(double)},
-                                 {"hard_loss", out->hard_loss, sizeof(double)},
-                                 {"per_token_loss", out->per_token_loss, n * sizeof(float)}};
-    return fh_check_apart(ctx, student, grads, outputs, 4, inputs, 5);
+    return fh_distill_check_apart(ctx, student, targets, o->reduction, grad_output, teacher_buffers, 3, out, grads);
 }
 
 static fh_status check_call(fh_context *ctx, const fh_linear *student, const fh_linear *teacher,
@@ -261,10 +253,8 @@ static fh_status check_call(fh_context *ctx, const fh_linear *student, const fh_
         st = check_teacher(ctx, student, teacher);
     if (st == FH_OK)
         st = check_options(ctx, student, targets, o);
-    if (st == FH_OK && !out)
-        st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
-    if (st == FH_OK && o->reduction == FH_REDUCTION_NONE && !out->per_token_loss)
-        st = fh_fail(ctx, FH_ERR_MISSING_OUTPUT, "reduction 'none' needs per_token_loss");
+    if (st == FH_OK)
+        st = fh_distill_check_outputs(ctx, o->reduction, out);
     if (st == FH_OK)
         st = check_apart(ctx, student, teacher, targets, o, NULL, out, NULL);
     return st;
@@ -375,42 +365,28 @@ static fh_status run(fh_context *ctx, const distill_call *c)
     return fh_engine_train_step(ctx, c->student, c->grads, &head);
 }
 
-/* The call on its counted rows (counted_rows.h): an ignored token has no loss and no gradient, so the GEMMs of both
- * heads skip it. Its per-row arrays: the upstream gradient ('none'), then the per-token losses; the teacher's
- * counted rows of x in the extra scratch. */
-static fh_status run_on(fh_context *ctx, const void *self, const fh_counted_rows *student, const int64_t *targets,
-                        float *const *a, void *extra)
+static fh_status run_whole(fh_context *ctx, const void *self)
+{
+    return run(ctx, self);
+}
+
+/* On the counted rows (fh_distill_run_counted), the teacher's too. */
+static fh_status run_on(fh_context *ctx, const void *self, const fh_counted_rows *rows, const int64_t *targets,
+                        const float *grad_output, fh_distill_outputs *out, void *teacher_rows)
 {
     const distill_call *c = self;
-    if (!student)
-        return run(ctx, c);
-    /* The same rows as the student's (extra is 8-byte aligned: one input and one output array). */
-    const fh_linear teacher = fh_counted_rows_linear(student, c->teacher, extra);
-    fh_distill_outputs counted_out = *c->out;
-    counted_out.per_token_loss = a[1];
-    const int per_token = c->options->reduction == FH_REDUCTION_NONE;
-    const distill_call counted = {&student->lin, &teacher, targets, c->options, per_token ? a[0] : c->grad_output,
-                                  &counted_out, c->grads ? &student->grads : NULL};
+    const fh_linear teacher = fh_counted_rows_linear(rows, c->teacher, teacher_rows);
+    const distill_call counted = {&rows->lin, &teacher, targets, c->options, grad_output, out,
+                                  c->grads ? &rows->grads : NULL};
     return run(ctx, &counted);
 }
 
 static fh_status run_counted(fh_context *ctx, const distill_call *c)
 {
-    const float *const in[] = {c->options->reduction == FH_REDUCTION_NONE ? c->grad_output : NULL};
-    float *const out[] = {c->out->per_token_loss};
-    /* Gradient filtering does not apply to this head. */
-    const fh_counted_call call = {.lin = c->student,
-                                  .grads = c->grads,
-                                  .targets = c->targets,
-                                  .ignore_index = c->options->ignore_index,
-                                  .in = in,
-                                  .inputs = 1,
-                                  .out = out,
-                                  .outputs = 1,
-                                  .extra_row_bytes = fh_counted_rows_x_row_bytes(c->teacher),
-                                  .run = run_on,
-                                  .self = c};
-    return fh_counted_rows_run(ctx, &call);
+    const fh_distill_counted_call call = {c->student, c->grads, c->targets, c->options->ignore_index,
+                                     c->options->reduction, c->grad_output, c->out,
+                                     fh_counted_rows_x_row_bytes(c->teacher), run_whole, run_on, c};
+    return fh_distill_run_counted(ctx, &call);
 }
 
 FH_API fh_status fh_distill_forward(fh_context *ctx, const fh_linear *student, const fh_linear *teacher,

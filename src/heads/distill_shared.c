@@ -24,12 +24,33 @@ fh_status fh_distill_check_terms(fh_context *ctx, const fh_linear *student, cons
     if (!targets && t->weight_hard_loss != 0.0)
         return fh_fail(ctx, FH_ERR_NULL_POINTER, "targets are NULL and weight_hard_loss = %g needs them",
                        t->weight_hard_loss);
-    for (int64_t i = 0; targets && i < student->n; i++)
-        if (targets[i] != t->ignore_index && (targets[i] < 0 || targets[i] >= student->vocab))
-            return fh_fail(ctx, FH_ERR_TARGET_OUT_OF_RANGE,
-                           "targets[%lld] = %lld is outside [0, %lld) and is not ignore_index (%lld)", (long long)i,
-                           (long long)targets[i], (long long)student->vocab, (long long)t->ignore_index);
+    return targets ? fh_check_targets(ctx, targets, student->n, t->ignore_index, student->vocab) : FH_OK;
+}
+
+fh_status fh_distill_check_outputs(fh_context *ctx, fh_reduction reduction, const fh_distill_outputs *out)
+{
+    if (!out)
+        return fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
+    if (reduction == FH_REDUCTION_NONE && !out->per_token_loss)
+        return fh_fail(ctx, FH_ERR_MISSING_OUTPUT, "reduction 'none' needs per_token_loss");
     return FH_OK;
+}
+
+fh_status fh_distill_check_apart(fh_context *ctx, const fh_linear *student, const int64_t *targets,
+                                 fh_reduction reduction, const float *grad_output, const fh_buffer *teacher,
+                                 int teacher_count, const fh_distill_outputs *out, const fh_linear_grads *grads)
+{
+    const size_t n = (size_t)student->n;
+    fh_buffer inputs[2 + FH_DISTILL_TEACHER_BUFFERS] = {
+        {"targets", targets, n * sizeof(int64_t)},
+        {"grad_output", grad_output, (reduction == FH_REDUCTION_NONE ? n : 1) * sizeof(float)}};
+    for (int k = 0; k < teacher_count; k++)
+        inputs[2 + k] = teacher[k];
+    const fh_buffer outputs[] = {{"loss", out->loss, sizeof(double)},
+                                 {"soft_loss", out->soft_loss, sizeof(double)},
+                                 {"hard_loss", out->hard_loss, sizeof(double)},
+                                 {"per_token_loss", out->per_token_loss, n * sizeof(float)}};
+    return fh_check_apart(ctx, student, grads, outputs, 4, inputs, 2 + teacher_count);
 }
 
 fh_status fh_distill_check_backward(fh_context *ctx, const fh_linear *student, fh_reduction reduction,
@@ -88,4 +109,34 @@ void fh_distill_write_outputs(int64_t n, const int64_t *targets, const fh_distil
         *out->soft_loss = soft;
     if (out->hard_loss)
         *out->hard_loss = hard;
+}
+
+static fh_status whole(fh_context *ctx, const void *self)
+{
+    const fh_distill_counted_call *d = self;
+    return d->whole(ctx, d->self);
+}
+
+/* The arrays: the upstream gradient ('none') in a[0], the per-token losses in a[1]. */
+static fh_status counted(fh_context *ctx, const void *self, const fh_counted_rows *rows, const int64_t *targets,
+                         float *const *a, void *extra)
+{
+    const fh_distill_counted_call *d = self;
+    fh_distill_outputs out = *d->out;
+    out.per_token_loss = a[1];
+    return d->counted(ctx, d->self, rows, targets, d->reduction == FH_REDUCTION_NONE ? a[0] : d->grad_output, &out,
+                      extra);
+}
+
+fh_status fh_distill_run_counted(fh_context *ctx, const fh_distill_counted_call *d)
+{
+    const float *const in[] = {d->reduction == FH_REDUCTION_NONE ? d->grad_output : NULL};
+    float *const out[] = {d->out->per_token_loss};
+    /* Gradient filtering does not apply to distillation; one input and one output keep extra 8-byte aligned. */
+    const fh_counted_call call = {.lin = d->student, .grads = d->grads,
+                                  .targets = d->targets, .ignore_index = d->ignore_index,
+                                  .in = in, .inputs = 1, .out = out, .outputs = 1,
+                                  .extra_row_bytes = d->teacher_row_bytes,
+                                  .whole = whole, .counted = counted, .self = d};
+    return fh_counted_rows_run(ctx, &call);
 }

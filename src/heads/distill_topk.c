@@ -283,23 +283,15 @@ static fh_status check_teacher(fh_context *ctx, const fh_linear *student, const 
     return FH_OK;
 }
 
-/* No output overlaps an input (targets, grad_output when given, the teacher's arrays, the student's), another output
- * or the workspace. */
+/* The overlap check, the teacher's ids and log-probs among the inputs. */
 static fh_status check_apart(fh_context *ctx, const fh_linear *student, const fh_topk_teacher *teacher,
                              const int64_t *targets, const fh_distill_topk_options *o, const float *grad_output,
                              const fh_distill_outputs *out, const fh_linear_grads *grads)
 {
-    const size_t n = (size_t)student->n, entries = n * (size_t)teacher->k;
-    const fh_buffer inputs[] = {
-        {"targets", targets, n * sizeof(int64_t)},
-        {"grad_output", grad_output, (o->reduction == FH_REDUCTION_NONE ? n : 1) * sizeof(float)},
-        {"the teacher's ids", teacher->ids, entries * sizeof(int64_t)},
-        {"the teacher's logprobs", teacher->logprobs, entries * sizeof(float)}};
-    const fh_buffer outputs[] = {{"loss", out->loss, sizeof(double)},
-                                 {"soft_loss", out->soft_loss, sizeof(double)},
-                                 {"hard_loss", out->hard_loss, sizeof(double)},
-                                 {"per_token_loss", out->per_token_loss, n * sizeof(float)}};
-    return fh_check_apart(ctx, student, grads, outputs, 4, inputs, 4);
+    const size_t entries = (size_t)student->n * (size_t)teacher->k;
+    const fh_buffer teacher_buffers[] = {{"the teacher's ids", teacher->ids, entries * sizeof(int64_t)},
+                                         {"the teacher's logprobs", teacher->logprobs, entries * sizeof(float)}};
+    return fh_distill_check_apart(ctx, student, targets, o->reduction, grad_output, teacher_buffers, 2, out, grads);
 }
 
 static fh_status check_call(fh_context *ctx, const fh_linear *student, const fh_topk_teacher *teacher,
@@ -310,10 +302,8 @@ static fh_status check_call(fh_context *ctx, const fh_linear *student, const fh_
         st = check_options(ctx, student, targets, o);
     if (st == FH_OK)
         st = check_teacher(ctx, student, teacher, targets, o);
-    if (st == FH_OK && !out)
-        st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
-    if (st == FH_OK && o->reduction == FH_REDUCTION_NONE && !out->per_token_loss)
-        st = fh_fail(ctx, FH_ERR_MISSING_OUTPUT, "reduction 'none' needs per_token_loss");
+    if (st == FH_OK)
+        st = fh_distill_check_outputs(ctx, o->reduction, out);
     if (st == FH_OK)
         st = check_apart(ctx, student, teacher, targets, o, NULL, out, NULL);
     return st;
@@ -412,46 +402,33 @@ static fh_status run(fh_context *ctx, const topk_call *c)
     return c->grads ? train_step(ctx, c) : forward(ctx, c);
 }
 
-/* The call on its counted rows (counted_rows.h): an ignored token has no loss and no gradient, so the GEMMs skip it.
- * Its per-row arrays: the upstream gradient ('none'), the per-token losses, then the teacher's k ids and log-probs. */
+static fh_status run_whole(fh_context *ctx, const void *self)
+{
+    return run(ctx, self);
+}
+
+/* On the counted rows (fh_distill_run_counted), with the teacher's k ids and log-probs of each. */
 static fh_status run_on(fh_context *ctx, const void *self, const fh_counted_rows *rows, const int64_t *targets,
-                        float *const *a, void *extra)
+                        const float *grad_output, fh_distill_outputs *out, void *teacher_rows)
 {
     const topk_call *c = self;
-    if (!rows)
-        return run(ctx, c);
-    /* The teacher's k ids and log-probs of each counted row, in the extra scratch (8-byte aligned: one input and one
-     * output array). */
     const size_t k = (size_t)c->teacher->k;
-    int64_t *ids = extra;
+    int64_t *ids = teacher_rows;
     float *logprobs = (float *)(ids + (size_t)rows->count * k);
     fh_counted_rows_gather(rows, c->teacher->ids, k * sizeof(int64_t), ids);
     fh_counted_rows_gather(rows, c->teacher->logprobs, k * sizeof(float), logprobs);
     const fh_topk_teacher teacher = {c->teacher->k, ids, logprobs};
-    fh_distill_outputs counted_out = *c->out;
-    counted_out.per_token_loss = a[1];
-    const int per_token = c->options->reduction == FH_REDUCTION_NONE;
-    const topk_call counted = {&rows->lin, &teacher, targets, c->options, per_token ? a[0] : c->grad_output,
-                               &counted_out, c->grads ? &rows->grads : NULL};
+    const topk_call counted = {&rows->lin, &teacher, targets, c->options, grad_output, out,
+                               c->grads ? &rows->grads : NULL};
     return run(ctx, &counted);
 }
 
 static fh_status run_counted(fh_context *ctx, const topk_call *c)
 {
-    const float *const in[] = {c->options->reduction == FH_REDUCTION_NONE ? c->grad_output : NULL};
-    float *const out[] = {c->out->per_token_loss};
-    const fh_counted_call call = {.lin = c->student,
-                                  .grads = c->grads,
-                                  .targets = c->targets,
-                                  .ignore_index = c->options->ignore_index,
-                                  .in = in,
-                                  .inputs = 1,
-                                  .out = out,
-                                  .outputs = 1,
-                                  .extra_row_bytes = (size_t)c->teacher->k * (sizeof(int64_t) + sizeof(float)),
-                                  .run = run_on,
-                                  .self = c};
-    return fh_counted_rows_run(ctx, &call);
+    const fh_distill_counted_call call = {c->student, c->grads, c->targets, c->options->ignore_index,
+                                     c->options->reduction, c->grad_output, c->out,
+                                     (size_t)c->teacher->k * (sizeof(int64_t) + sizeof(float)), run_whole, run_on, c};
+    return fh_distill_run_counted(ctx, &call);
 }
 
 FH_API fh_status fh_distill_topk_forward(fh_context *ctx, const fh_linear *student, const fh_topk_teacher *teacher,

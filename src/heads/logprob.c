@@ -96,12 +96,7 @@ fh_status fh_logprob_check_call(fh_context *ctx, const fh_linear *lin, const int
         return st;
     if (target_vocab <= 0)
         target_vocab = lin->vocab;
-    for (int64_t i = 0; i < lin->n; i++)
-        if (targets[i] != o->ignore_index && (targets[i] < 0 || targets[i] >= target_vocab))
-            return fh_fail(ctx, FH_ERR_TARGET_OUT_OF_RANGE,
-                           "targets[%lld] = %lld is outside [0, %lld) and is not ignore_index (%lld)", (long long)i,
-                           (long long)targets[i], (long long)target_vocab, (long long)o->ignore_index);
-    return FH_OK;
+    return fh_check_targets(ctx, targets, lin->n, o->ignore_index, target_vocab);
 }
 
 fh_status fh_logprob_check_backward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
@@ -171,10 +166,8 @@ FH_API fh_status fh_logprob_workspace_size(const fh_context *ctx, const fh_linea
 
 /* One fh_logprob_* call after its checks: what it computes (kind) and on what; the run functions below take it on the
  * whole problem or on its counted rows (run_counted). */
-typedef enum logprob_kind { LOGPROB_FORWARD, LOGPROB_BACKWARD, LOGPROB_STEP } logprob_kind;
-
 typedef struct logprob_call {
-    logprob_kind kind;
+    fh_call kind; /* FH_CALL_TRAIN_STEP: the single-call train step */
     const fh_linear *lin;
     const int64_t *targets;
     fh_transform tf;
@@ -197,36 +190,27 @@ static fh_status forward_pass(const fh_plan *plan, const fh_workspace *ws, const
     return st;
 }
 
-static fh_status run_forward(fh_context *ctx, const logprob_call *c)
+static fh_status run_forward(const void *self, const fh_plan *plan, const fh_workspace *ws)
 {
-    fh_plan plan;
-    fh_workspace ws;
-    fh_status st = fh_prepare_pass(ctx, c->lin, FH_CALL_FORWARD, &plan, &ws);
-    if (st != FH_OK)
-        return st;
-    st = forward_pass(&plan, &ws, c, c->out.entropy != NULL);
-    if (st != FH_OK)
-        return fh_gemm_failure(ctx, st);
-    fh_logprob_write_outputs(&ws, c->lin->n, c->rows, c->out.logp, c->out.entropy, c->out.lse);
-    return FH_OK;
+    const logprob_call *c = self;
+    const fh_status st = forward_pass(plan, ws, c, c->out.entropy != NULL);
+    if (st == FH_OK)
+        fh_logprob_write_outputs(ws, c->lin->n, c->rows, c->out.logp, c->out.entropy, c->out.lse);
+    return st;
 }
 
-static fh_status run_backward(fh_context *ctx, const logprob_call *c)
+static fh_status run_backward(const void *self, const fh_plan *plan, const fh_workspace *ws)
 {
-    fh_plan plan;
-    fh_workspace ws;
-    fh_status st = fh_prepare_pass(ctx, c->lin, FH_CALL_BACKWARD, &plan, &ws);
+    const logprob_call *c = self;
+    fh_engine_pass pass = fh_logprob_pass(plan, ws, c->lin, c->targets, c->tf);
+    pass.grads = c->grads;
+    const fh_status st = fh_engine_prepare(&pass);
     if (st != FH_OK)
         return st;
-    fh_engine_pass pass = fh_logprob_pass(&plan, &ws, c->lin, c->targets, c->tf);
-    pass.grads = c->grads;
-    st = fh_engine_prepare(&pass);
-    if (st != FH_OK)
-        return fh_gemm_failure(ctx, st);
-    fh_logprob_load_saved(&ws, c->lin->n, NULL, c->lse, c->entropy);
-    const fh_coef_arrays coefs = fh_logprob_coefs_in(&ws, c->lin->n, &c->g, c->rows);
+    fh_logprob_load_saved(ws, c->lin->n, NULL, c->lse, c->entropy);
+    const fh_coef_arrays coefs = fh_logprob_coefs_in(ws, c->lin->n, &c->g, c->rows);
     pass.coefs = &coefs;
-    return fh_gemm_failure(ctx, fh_engine_backward(&pass));
+    return fh_engine_backward(&pass);
 }
 
 static void row_coefficients(const void *self, int64_t i, const fh_final_stats *stats, fh_coef *k)
@@ -272,14 +256,11 @@ static fh_status step_run(const void *self, int row_blocks, const fh_plan plans[
     return st;
 }
 
-static fh_status run(fh_context *ctx, const logprob_call *c)
+static fh_status run(fh_context *ctx, const void *self)
 {
-    if (c->kind == LOGPROB_FORWARD)
-        return run_forward(ctx, c);
-    if (c->kind == LOGPROB_BACKWARD)
-        return run_backward(ctx, c);
-    const fh_train_step_head head = {.group_rows = 1, .run = step_run, .self = c};
-    return fh_engine_train_step(ctx, c->lin, c->grads, &head);
+    static const fh_head_calls calls = {run_forward, run_backward, step_run};
+    const logprob_call *c = self;
+    return fh_engine_run_call(ctx, c->kind, &calls, c->lin, c->grads, c);
 }
 
 /* The call on its counted rows (counted_rows.h): ignored rows have outputs 0 and no gradient, so their GEMMs are
@@ -289,8 +270,6 @@ static fh_status run_on(fh_context *ctx, const void *self, const fh_counted_rows
 {
     (void)extra;
     const logprob_call *c = self;
-    if (!rows)
-        return run(ctx, c);
     const logprob_call counted = {c->kind, &rows->lin, targets, c->tf, {NULL, 0}, a[0], a[1], {a[2], a[3], a[4]},
                                   {a[5], a[6], a[7]}, c->grads ? &rows->grads : NULL};
     return run(ctx, &counted);
@@ -300,17 +279,10 @@ static fh_status run_counted(fh_context *ctx, const logprob_call *c)
 {
     const float *const in[] = {c->lse, c->entropy, c->g.logp, c->g.entropy, c->g.lse};
     float *const out[] = {c->out.logp, c->out.entropy, c->out.lse};
-    const fh_counted_call call = {.lin = c->lin,
-                                  .grads = c->grads,
-                                  .targets = c->targets,
-                                  .ignore_index = c->rows.ignore_index,
-                                  .filtered = c->grads != NULL,
-                                  .in = in,
-                                  .inputs = 5,
-                                  .out = out,
-                                  .outputs = 3,
-                                  .run = run_on,
-                                  .self = c};
+    const fh_counted_call call = {.lin = c->lin, .grads = c->grads, .filtered = c->grads != NULL,
+                                  .targets = c->targets, .ignore_index = c->rows.ignore_index,
+                                  .in = in, .inputs = 5, .out = out, .outputs = 3,
+                                  .whole = run, .counted = run_on, .self = c};
     return fh_counted_rows_run(ctx, &call);
 }
 
@@ -326,7 +298,7 @@ FH_API fh_status fh_logprob_forward(fh_context *ctx, const fh_linear *lin, const
         st = fh_logprob_check_backward(ctx, lin, targets, NULL, NULL, &none, out, 0, NULL);
     if (st != FH_OK)
         return st;
-    const logprob_call c = {LOGPROB_FORWARD, lin, targets, tf, {targets, options->ignore_index}, NULL, NULL, none,
+    const logprob_call c = {FH_CALL_FORWARD, lin, targets, tf, {targets, options->ignore_index}, NULL, NULL, none,
                             *out, NULL};
     return run_counted(ctx, &c);
 }
@@ -345,7 +317,7 @@ FH_API fh_status fh_logprob_backward(fh_context *ctx, const fh_linear *lin, cons
         st = fh_logprob_check_backward(ctx, lin, targets, lse, entropy, &g, NULL, 1, grads);
     if (st != FH_OK)
         return st;
-    const logprob_call c = {LOGPROB_BACKWARD, lin, targets, tf, {targets, options->ignore_index}, lse,
+    const logprob_call c = {FH_CALL_BACKWARD, lin, targets, tf, {targets, options->ignore_index}, lse,
                             g_entropy ? entropy : NULL, g, {NULL, NULL, NULL}, grads};
     return run_counted(ctx, &c);
 }
@@ -364,7 +336,7 @@ FH_API fh_status fh_logprob_forward_backward(fh_context *ctx, const fh_linear *l
         st = fh_logprob_check_backward(ctx, lin, targets, NULL, NULL, &g, out, 1, grads);
     if (st != FH_OK)
         return st;
-    const logprob_call c = {LOGPROB_STEP, lin, targets, tf, {targets, options->ignore_index}, NULL, NULL, g, *out,
+    const logprob_call c = {FH_CALL_TRAIN_STEP, lin, targets, tf, {targets, options->ignore_index}, NULL, NULL, g, *out,
                             grads};
     return run_counted(ctx, &c);
 }
