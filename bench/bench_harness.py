@@ -92,11 +92,22 @@ def import_fusedhead():
     return fusedhead
 
 
-def fusedhead_setup(threads: int) -> Dict[str, str]:
-    """Sets fusedhead's default context to `threads` threads and says which library and kernels it runs (as
-    fh_bench's first line): the report keys fusedhead_library and fusedhead_kernels."""
+def fusedhead_setup(threads: int, dtype=None) -> Dict[str, str]:
+    """Sets fusedhead's default context to `threads` threads, runs one tiny train step in `dtype` (a torch dtype;
+    None: float32) and says which library and kernels it runs (as fh_bench's first line): the report keys
+    fusedhead_library and fusedhead_kernels.
+
+    The tiny step keeps one-time set-up out of the measurement, as the compile cases compile before it: the first
+    call in a process starts OpenMP's threads and BLIS's packing-buffer pools (about 75 MiB of RSS here, whatever
+    the shape), which a training run pays once, not per step. The context's workspace is not among it: sized for
+    the tiny step, it grows in the measured steps, which count it."""
     fusedhead = import_fusedhead()
     fusedhead.set_default_context_settings(threads=threads)
+    import torch
+    from fusedhead.torch import fused_linear_cross_entropy
+    hidden, weight = (torch.ones(shape, dtype=dtype or torch.float32, requires_grad=True)
+                      for shape in ((2, 8), (16, 8)))
+    fused_linear_cross_entropy(hidden, weight, torch.zeros(2, dtype=torch.int64)).backward()
     k = fusedhead.kernel_info()
     blis = k.kernel_set + (" (selected by fusedhead)" if k.selected_by_library else
                            " (BLIS_ARCH_TYPE set)" if k.user_override else "")

@@ -8,7 +8,9 @@ Each case runs in a process of its own (peak memory does not mix; bench/bench_ha
 cases of one head, dtype and shape alternate: --rounds rounds, each running every case once, in reverse order every
 other round, so that a machine whose speed drifts favours none; reported: the best time over the rounds and the
 largest peak. One-time set-up stays out of the measurement: compiled cases (torch.compile, Liger's chunked losses,
-which compile their loss math) compile in a step before it, and their peak leaves out what compiling kept.
+which compile their loss math) compile in a step before it, and their peak leaves out what compiling kept; the
+fusedhead cases first run a 2-row step (the library's first call in a process starts OpenMP's threads and BLIS's
+buffer pools, about 75 MiB once).
 
 Reported per case: time per train step (ms), GFLOP/s on the 6*N*H*V basis (the logits GEMM and the two gradient
 GEMMs; distillation's teacher forward, another 2*N*H_t*V, is not counted), peak RSS growth (MiB), the ratio to the
@@ -266,7 +268,7 @@ def logprobs_trl(args, d):
 
 
 def logprobs_fusedhead(args, d):
-    d.report.update(harness.fusedhead_setup(args.threads))
+    d.report.update(harness.fusedhead_setup(args.threads, d.dtype))
     from fusedhead.torch import fused_linear_logprobs
     n = d.targets.shape[0]
     return backward_step(lambda: logprobs_loss(*fused_linear_logprobs(d.hidden, d.weight, d.targets,
@@ -318,7 +320,7 @@ def grpo_trl(args, d):
 
 
 def grpo_fusedhead(args, d):
-    d.report.update(harness.fusedhead_setup(args.threads))
+    d.report.update(harness.fusedhead_setup(args.threads, d.dtype))
     from fusedhead.torch import fused_linear_grpo_loss
     items = float(d.mask.sum())
     return backward_step(lambda: fused_linear_grpo_loss(d.hidden_bt, d.weight, d.targets_bt, d.mask, d.advantages,
@@ -335,7 +337,7 @@ def dpo_liger(args, d):
 
 
 def dpo_fusedhead(args, d):
-    d.report.update(harness.fusedhead_setup(args.threads))
+    d.report.update(harness.fusedhead_setup(args.threads, d.dtype))
     from fusedhead.torch import fused_linear_preference_loss
     return backward_step(lambda: fused_linear_preference_loss(d.hidden_bt, d.weight, d.targets_bt, d.mask, loss="dpo",
                                                               loss_type="sigmoid", beta=0.1)), ""
@@ -350,7 +352,7 @@ def kto_liger(args, d):
 
 def kto_fusedhead(args, d):
     import torch
-    d.report.update(harness.fusedhead_setup(args.threads))
+    d.report.update(harness.fusedhead_setup(args.threads, d.dtype))
     from fusedhead.torch import fused_linear_kto_loss
     ref = torch.zeros(d.b)
     return backward_step(lambda: fused_linear_kto_loss(d.hidden_bt, d.weight, d.targets_bt, d.mask, d.labels,
@@ -365,7 +367,7 @@ def distill_liger(args, d):
 
 
 def distill_fusedhead(args, d):
-    d.report.update(harness.fusedhead_setup(args.threads))
+    d.report.update(harness.fusedhead_setup(args.threads, d.dtype))
     from fusedhead.torch import fused_linear_distillation_loss
     return backward_step(lambda: fused_linear_distillation_loss(
         d.hidden, d.weight, d.teacher_hidden, d.teacher_weight, d.targets, divergence="jsd", beta=0.5,
@@ -471,7 +473,8 @@ def table(block: Dict[str, Any]) -> str:
     seq = (f", {block['sequences']} sequences of {block['tokens_per_sequence']} tokens"
            if "sequences" in block else "")
     lines = [f"### {block['head']}, {block['dtype']}, N={block['n']} H={block['hidden']} V={block['vocab']}{seq}",
-             "", "| case | ms | GFLOP/s | peak RSS + MiB | vs fastest peer | loss | note |", "|---|---|---|---|---|---|---|"]
+             "", "| case | ms | GFLOP/s | peak RSS + MiB | vs fastest peer | loss | note |",
+             "|---|---|---|---|---|---|---|"]
     for r in block["cases"]:
         if r["status"] != "ok":
             lines.append(f"| {r['case']} | — | — | — | — | — | **{r['status']}**: {r.get('error', '')} |")
@@ -507,8 +510,7 @@ def plot(out: str, report: Dict[str, Any]) -> List[str]:
     fusedhead's bars in a colour of their own); returns the files written, or none where gnuplot is missing."""
     gnuplot = shutil.which("gnuplot")
     written: List[str] = []
-    shapes = sorted({(b["n"], b["hidden"], b["vocab"]) for b in report["blocks"]}, key=lambda s: report["shapes"].index(list(s)))
-    for n, h, v in shapes:
+    for n, h, v in report["shapes"]:
         stem = os.path.join(out, f"peers_{n}x{h}x{v}")
         rows = []
         for b in report["blocks"]:
@@ -519,6 +521,8 @@ def plot(out: str, report: Dict[str, Any]) -> List[str]:
                 rows.append((f"{b['head']} {b['dtype']}: {r['case']}", r["best_ms"] if ok else float("nan"),
                              r["peak_rss_growth_bytes"] / 2**20 if ok else float("nan"),
                              1 if r["case"].startswith("fusedhead") else 0))
+        if not rows:
+            continue
         with open(stem + ".dat", "w") as f:
             f.write("# case\tms\tpeak_rss_growth_MiB\tfusedhead\n")
             for label, ms, mib, fh in rows:
@@ -533,12 +537,14 @@ set title "fusedhead and peers: N={n} H={h} V={v}, {report['threads']} threads (
 set style fill solid 0.8 border -1
 set boxwidth 0.7
 set xtics rotate by -60 noenhanced
+set bmargin 14
+set rmargin 12
 set ylabel "{ylabel}"
 set grid ytics
 {"set logscale y" if log else "set yrange [0:*]"}
 set datafile missing "nan"
 set key off
-plot "{stem}.dat" using 0:${column}:($4 ? 0xd62728 : 0x1f77b4):xtic(1) with boxes lc rgb variable
+plot "{stem}.dat" using 0:{column}:($4 > 0 ? 0xd62728 : 0x1f77b4):xtic(1) with boxes lc rgb variable
 """)
             if gnuplot:
                 subprocess.run([gnuplot, gp], check=True)

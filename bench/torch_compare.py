@@ -30,7 +30,8 @@ both compile cases compile in a step before it, so neither the compilation's tim
 recompilations that a real training loop would pay too; their peak RSS growth leaves out what the compile step
 kept, fusedhead's workspace and recycled gradient buffer among it: the fusedhead row has those), and the
 torch_lce cases first call the op on a 2-row slice (its first call in a process sets up torch's custom-op
-machinery: about 1.4 s and 80 MiB here).
+machinery: about 1.4 s and 80 MiB here), and the fusedhead cases first run a 2-row train step (the library's first call
+starts OpenMP's threads and BLIS's buffer pools: about 75 MiB, once per process).
 --dtype bf16 runs every case on bfloat16 hidden states and weight, gradients in bf16 (fusedhead writes them in bf16
 itself, the C step as well). --dtype takes several dtypes and --shapes readme the README's two shapes (N=1024
 H=1024 V=32768 and N=512 H=1536 V=151643, in place of --n/--hidden/--vocab): one report (one --json object, a JSON
@@ -169,7 +170,7 @@ def case_torch_compile(args, d):
 
 def fusedhead_loss(args, d):
     """fused_linear_cross_entropy at --threads; records the library and its kernels in d.report."""
-    d.report.update(fusedhead_setup(args.threads))
+    d.report.update(fusedhead_setup(args.threads, d.hidden.dtype))
     from fusedhead.torch import fused_linear_cross_entropy
     return fused_linear_cross_entropy
 
