@@ -30,7 +30,8 @@ both compile cases compile in a step before it, so neither the compilation's tim
 recompilations that a real training loop would pay too; their peak RSS growth leaves out what the compile step
 kept, fusedhead's workspace and recycled gradient buffer among it: the fusedhead row has those), and the
 torch_lce cases first call the op on a 2-row slice (its first call in a process sets up torch's custom-op
-machinery: about 1.4 s and 80 MiB here).
+machinery: about 1.4 s and 80 MiB here), and the fusedhead cases first run a 2-row train step (the library's first call
+starts OpenMP's threads and BLIS's buffer pools: about 75 MiB, once per process).
 --dtype bf16 runs every case on bfloat16 hidden states and weight, gradients in bf16 (fusedhead writes them in bf16
 itself, the C step as well). --dtype takes several dtypes and --shapes readme the README's two shapes (N=1024
 H=1024 V=32768 and N=512 H=1536 V=151643, in place of --n/--hidden/--vocab): one report (one --json object, a JSON
@@ -66,31 +67,17 @@ Run with the interpreter of the torch to compare against, the library built in b
   /usr/bin/python3 bench/torch_compare.py --n 1024 --hidden 1024 --vocab 32768     # Debian's torch 1.13
 """
 import argparse
-import ctypes
 import json
 import os
-import re
-import subprocess
 import sys
 import time
+
+from bench_harness import (fusedhead_setup, import_fusedhead, measure, run_case_process, torch_env, torch_gemm)
 
 README_SHAPES = ((1024, 1024, 32768), (512, 1536, 151643))
 # Case kinds in report order; torch_lce runs once per options spec ("auto" and each --lce-options).
 KINDS = ("torch_eager", "torch_chunked", "torch_lce", "torch_compile", "fusedhead", "fusedhead_compile")
 OPTIONAL_KINDS = ("torch_compile", "fusedhead_compile")  # a failure leaves the case out (inductor needs a compiler)
-
-
-def rss_bytes(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    return -1
-
-
-def reset_peak():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -101,7 +88,9 @@ def case_torch_eager(args, d):
     import torch.nn.functional as F
 
     def step():
-        F.cross_entropy(F.linear(d.hidden, d.weight), d.targets).backward()
+        loss = F.cross_entropy(F.linear(d.hidden, d.weight), d.targets)
+        loss.backward()
+        return loss
     return step, ""
 
 
@@ -146,7 +135,9 @@ def case_torch_lce(args, d):
     F.linear_cross_entropy(*tiny, d.targets[:2] % 2, options=options).backward()
 
     def step():
-        F.linear_cross_entropy(d.hidden, d.weight, d.targets, options=options).backward()
+        loss = F.linear_cross_entropy(d.hidden, d.weight, d.targets, options=options)
+        loss.backward()
+        return loss
     return step, note
 
 
@@ -158,7 +149,9 @@ def compiled_step(torch, fn, d, **options):
     compiled = torch.compile(fn, **options)
 
     def step():
-        compiled(d.hidden, d.weight, d.targets).backward()
+        loss = compiled(d.hidden, d.weight, d.targets)
+        loss.backward()
+        return loss
     step()  # compiles
     start = counters["frames"]["total"]
 
@@ -177,15 +170,8 @@ def case_torch_compile(args, d):
 
 def fusedhead_loss(args, d):
     """fused_linear_cross_entropy at --threads; records the library and its kernels in d.report."""
-    import fusedhead
+    d.report.update(fusedhead_setup(args.threads, d.hidden.dtype))
     from fusedhead.torch import fused_linear_cross_entropy
-
-    fusedhead.set_default_context_settings(threads=args.threads)
-    k = fusedhead.kernel_info()
-    blis = k.kernel_set + (" (selected by fusedhead)" if k.selected_by_library else
-                           " (BLIS_ARCH_TYPE set)" if k.user_override else "")
-    d.report["fusedhead_library"] = fusedhead.library_path()
-    d.report["fusedhead_kernels"] = f"BLIS {blis}, row kernels {k.elementwise}, bf16 GEMM {k.bf16_gemm}"
     return fused_linear_cross_entropy
 
 
@@ -193,7 +179,9 @@ def case_fusedhead(args, d):
     loss = fusedhead_loss(args, d)
 
     def step():
-        loss(d.hidden, d.weight, d.targets).backward()
+        value = loss(d.hidden, d.weight, d.targets)
+        value.backward()
+        return value
     return step, ""
 
 
@@ -232,21 +220,11 @@ def run_case(args):
     d.weight.grad = torch.zeros_like(d.weight)
     step, note = globals()["case_" + args.case](args, d)
 
-    base = rss_bytes("VmRSS:")
-    reset_peak()
-    t = time.perf_counter()
-    step()
-    first = time.perf_counter() - t
-    best = float("inf")
-    for _ in range(args.reps):
+    def zero_grads():
         d.hidden.grad.zero_()
         d.weight.grad.zero_()
-        t = time.perf_counter()
-        step()
-        best = min(best, time.perf_counter() - t)
-    peak = rss_bytes("VmHWM:") - base
-    result = {"case": case_label(args.case, args.lce), "best_ms": best * 1e3, "first_ms": first * 1e3,
-              "peak_rss_growth_bytes": peak, "note": note() if callable(note) else note,
+    measured = measure(step, args.reps, zero_grads)
+    result = {"case": case_label(args.case, args.lce), **measured, "note": note() if callable(note) else note,
               "threads": torch.get_num_threads(), **d.report}
     if args.case == "fusedhead":
         result["binding_overhead"] = binding_overhead(args, d.hidden, d.weight, d.targets, step)
@@ -303,13 +281,6 @@ def case_label(kind, lce):
     return f"torch_lce[{lce}]" if kind == "torch_lce" else kind
 
 
-def import_fusedhead():
-    # The package from this checkout (and the library it finds in build/) unless one is on the path already.
-    sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "python"))
-    import fusedhead
-    return fusedhead
-
-
 def skip_reason(torch, kind):
     """Why this torch cannot run a case kind, or None."""
     if kind == "torch_lce" and not (hasattr(torch.nn.functional, "linear_cross_entropy")
@@ -318,43 +289,6 @@ def skip_reason(torch, kind):
     if kind in OPTIONAL_KINDS and not hasattr(torch, "compile"):
         return f"torch {torch.__version__} has no torch.compile (torch 2 and later)"
     return None
-
-
-def torch_gemm(torch):
-    """(description of what runs torch's GEMMs, whether its BLAS is a BLIS libblas), from its build configuration
-    and the libraries it mapped."""
-    config = torch.__config__.show()
-
-    def find(pattern):
-        m = re.search(pattern, config)
-        return m.group(1) if m else None
-    blas_info = find(r"BLAS_INFO=(\w+)") or "unknown"
-    with open("/proc/self/maps") as f:
-        libblas = sorted({line.split()[-1] for line in f if "/libblas" in line})
-    mkl, onednn = find(r"Math Kernel Library Version ([\w.]+)"), find(r"MKL-DNN (v[\d.]+)")
-    fp32 = (f"MKL {mkl}" if blas_info == "mkl" and mkl else
-            ", ".join(libblas) if blas_info == "generic" and libblas else "BLAS_INFO=" + blas_info)
-    text = f"fp32 GEMM {fp32} (BLAS_INFO={blas_info}), bf16 GEMM oneDNN {onednn or '?'}"
-    return text, any("blis" in path for path in libblas)
-
-
-def torch_env(args, blis):
-    """The environment of the torch cases. For a BLIS libblas: BLIS_ARCH_TYPE as fusedhead sets it when it loads
-    (read back from the C environment, which os.environ does not see) and BLIS_NUM_THREADS, each unless already
-    set. Always a copy of os.environ: a child started without env= would inherit the C environment, and with it
-    the BLIS_ARCH_TYPE that loading fusedhead here sets."""
-    env = dict(os.environ)
-    if not blis or args.torch_blas_as_installed:
-        return env
-    env.setdefault("BLIS_NUM_THREADS", str(args.threads))
-    if "BLIS_ARCH_TYPE" not in env:
-        import_fusedhead().load_library()
-        libc = ctypes.CDLL(None)
-        libc.getenv.restype = ctypes.c_char_p
-        arch = libc.getenv(b"BLIS_ARCH_TYPE")
-        if arch is not None:
-            env["BLIS_ARCH_TYPE"] = arch.decode()
-    return env
 
 
 def run_shape(args, torch, n, hidden, vocab, dtype, env):
@@ -374,15 +308,13 @@ def run_shape(args, torch, n, hidden, vocab, dtype, env):
                    f"--vocab={vocab}", f"--dtype={dtype}"] + [
                 f"--{k}={getattr(args, k)}" for k in ("threads", "reps", "chunk")] + (
                 ["--lce", spec] if spec else []) + (["--torch-without-onednn"] if args.torch_without_onednn else [])
-            out = subprocess.run(cmd, capture_output=True, text=True,
-                                 env=env if kind.startswith("torch") else dict(os.environ))
-            if out.returncode != 0:
-                print(out.stderr, file=sys.stderr)
+            result, error = run_case_process(cmd, env if kind.startswith("torch") else dict(os.environ))
+            if result is None:
                 if kind in OPTIONAL_KINDS:
-                    block["skipped"][label] = "failed (its stderr above)"
+                    block["skipped"][label] = f"failed: {error}"
                     continue
-                sys.exit(f"torch_compare: {label} failed (above)")
-            block["cases"].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                sys.exit(f"torch_compare: {label} failed: {error}")
+            block["cases"].append(result)
     flops = 6.0 * n * hidden * vocab
     eager = block["cases"][0]["best_ms"]
     for r in block["cases"]:
@@ -455,7 +387,7 @@ def main():
               file=sys.stderr)
         sys.exit(2)
     gemm, blis = torch_gemm(torch)
-    env = torch_env(args, blis)
+    env = torch_env(args.threads, blis, args.torch_blas_as_installed)
     if not blis:
         blas = "BLIS_* not set (torch does not use BLIS)"
     elif args.torch_blas_as_installed:

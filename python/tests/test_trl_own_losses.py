@@ -39,7 +39,6 @@ import contextlib
 import math
 import types
 import warnings
-from collections import defaultdict
 
 import pytest
 
@@ -49,20 +48,18 @@ trl = pytest.importorskip("trl", reason="trl not importable (python/requirements
 if trl.__version__ != "1.16.0":
     pytest.skip(f"TRL {trl.__version__}: these tests are read against TRL 1.16.0's code", allow_module_level=True)
 
-import accelerate  # noqa: E402
-import transformers  # noqa: E402
 with warnings.catch_warnings():  # TRLExperimentalWarning: GKD lives in trl.experimental at 1.16.0
     warnings.simplefilter("ignore")
     from trl.experimental.gkd import GKDTrainer  # noqa: E402
 from trl.trainer.dpo_trainer import DPOTrainer  # noqa: E402
 from trl.trainer.grpo_trainer import GRPOTrainer  # noqa: E402
 from trl.trainer.kto_trainer import KTOTrainer  # noqa: E402
-from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
 import fusedhead.torch as fht  # noqa: E402
 import fusedhead.trl as fhtrl  # noqa: E402
 from conftest import GRAD_RTOL_F32, LOSS_RTOL_F32, normwise  # noqa: E402
 import trl_grpo  # noqa: E402  (the vLLM importance-sampling ratio only; see above)
+from trl_standin import StandInLM, grpo_trainer_self, trainer_self  # noqa: E402
 
 F = torch.nn.functional
 
@@ -75,62 +72,6 @@ def trl_unpatched():
 
 
 # --- TRL's side: a stand-in model with TRL's fused LM head, and a stand-in trainer `self` ---------------------------
-
-def _key(ids: torch.Tensor):
-    return tuple(ids.shape), tuple(ids.flatten().tolist())
-
-
-class _Backbone(torch.nn.Module):
-    """The decoder body: the hidden states registered for the input ids it is called with."""
-
-    def __init__(self):
-        super().__init__()
-        self.table = {}
-
-    def forward(self, input_ids=None, attention_mask=None, **kwargs):
-        return types.SimpleNamespace(last_hidden_state=self.table[_key(input_ids)])
-
-
-class _StandInLM(torch.nn.Module):
-    """A causal LM whose body returns given hidden states and whose lm_head holds the given weight and bias, with
-    TRL's fused LM head (add_fused_lm_head) at the given temperature."""
-
-    def __init__(self, weight, bias=None, temperature=1.0):
-        super().__init__()
-        self.config = transformers.PretrainedConfig()
-        self.backbone = _Backbone()
-        self.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
-        with torch.no_grad():
-            self.lm_head.weight.copy_(weight)
-            if bias is not None:
-                self.lm_head.bias.copy_(bias)
-        add_fused_lm_head(self, temperature=temperature,
-                          outputs=("entropy", "log_sum_sq_probs", "mean_logits", "is_top1"))
-
-    @property
-    def base_model(self):
-        return self.backbone
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def forward(self, input_ids=None, attention_mask=None, **kwargs):  # replaced by add_fused_lm_head's forward
-        raise NotImplementedError
-
-    def register(self, input_ids, hidden):
-        self.backbone.table[_key(input_ids)] = hidden
-
-
-def _trainer_self(model, **attributes):
-    """What the trainers' loss methods read from self, as their __init__ sets it for one CPU process."""
-    accelerator = accelerate.Accelerator(cpu=True)
-    ns = types.SimpleNamespace(model=model, accelerator=accelerator, state=types.SimpleNamespace(global_step=0),
-                               _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
-                               _total_train_tokens=0, _tp_size=1, aux_loss_enabled=False)
-    for name, value in attributes.items():
-        setattr(ns, name, value)
-    return ns
-
 
 def _trl_metrics(ns, skip=("num_tokens",)):
     return {k: v[-1] for k, v in ns._metrics["train"].items() if k not in skip}
@@ -193,27 +134,17 @@ def _grpo_trl(d, *, temperature, loss_type, importance_sampling_level, epsilon, 
               vllm_importance_sampling_correction, vllm_importance_sampling_mode, vllm_importance_sampling_clip_min,
               vllm_importance_sampling_clip_max, vespo, old, ref, sampling):
     """GRPOTrainer._compute_loss on TRL's own fused head: (loss, metrics, grads of hidden [full], weight, bias)."""
-    model = _StandInLM(d["weight"], d["bias"], temperature=temperature)
+    model = StandInLM(d["weight"], d["bias"], temperature=temperature)
     hidden = d["hidden"].clone().requires_grad_()
     model.register(torch.cat([d["prompt_ids"], d["completion_ids"]], 1), hidden)
-    args = types.SimpleNamespace(use_bias_correction_kl=use_bias_correction_kl, delta=delta,
-                                 sapo_temperature_pos=sapo_temperature_pos,
-                                 sapo_temperature_neg=sapo_temperature_neg, steps_per_generation=1,
-                                 entropy_target=0.0, report_to=[], **vespo)
-    ns = _trainer_self(model, args=args, loss_type=loss_type, importance_sampling_level=importance_sampling_level,
-                       epsilon_low=epsilon, epsilon_high=epsilon if epsilon_high is None else epsilon_high,
-                       beta=beta, top_entropy_quantile=top_entropy_quantile,
-                       off_policy_mask_threshold=off_policy_mask_threshold, use_vllm=use_vllm,
-                       vllm_importance_sampling_correction=vllm_importance_sampling_correction,
-                       # GRPOConfig's max_completion_length is never None (256 by default); fusedhead's None is T
-                       max_completion_length=max_completion_length or GRPO_C, current_gradient_accumulation_steps=1,
-                       entropy_coef=entropy_coef, use_adaptive_entropy=False,
-                       _entropy_bonus_enabled=entropy_coef != 0.0, _last_world_entropy=float("inf"),
-                       _entropy_window_stats=None,
-                       get_off_policy_mask=GRPOTrainer.get_off_policy_mask,
-                       get_gamma_weights=GRPOTrainer.get_gamma_weights)
-    ns._get_per_token_logps_and_entropies = types.MethodType(GRPOTrainer._get_per_token_logps_and_entropies, ns)
-    ns.get_high_entropy_mask = types.MethodType(GRPOTrainer.get_high_entropy_mask, ns)
+    ns = grpo_trainer_self(model, loss_type=loss_type, importance_sampling_level=importance_sampling_level,
+                           epsilon=epsilon, epsilon_high=epsilon_high, delta=delta, beta=beta,
+                           use_bias_correction_kl=use_bias_correction_kl, sapo_temperature_pos=sapo_temperature_pos,
+                           sapo_temperature_neg=sapo_temperature_neg,
+                           max_completion_length=max_completion_length or GRPO_C, entropy_coef=entropy_coef,
+                           top_entropy_quantile=top_entropy_quantile,
+                           off_policy_mask_threshold=off_policy_mask_threshold, use_vllm=use_vllm,
+                           vllm_importance_sampling_correction=vllm_importance_sampling_correction, vespo=vespo)
     cmask = d["completion_mask"]
     inputs = {"prompt_ids": d["prompt_ids"], "prompt_mask": d["prompt_mask"], "completion_ids": d["completion_ids"],
               "completion_mask": cmask, "advantages": d["advantages"],
@@ -364,7 +295,7 @@ def _pref_data(seed, rows, L=11, H=24, V=601, bias=False, empty_last=True):
 
 def _model_for(d):
     """(the stand-in model, its hidden-state leaf) for a preference batch."""
-    model = _StandInLM(d["weight"], d["bias"])
+    model = StandInLM(d["weight"], d["bias"])
     hidden = d["hidden"].clone().requires_grad_()
     model.register(d["input_ids"], hidden)
     return model, hidden
@@ -373,7 +304,7 @@ def _model_for(d):
 def _dpo_both(d, loss_types, loss_weights, *, beta, label_smoothing, discopop_tau):
     rows = d["input_ids"].shape[0]
     model, leaf = _model_for(d)
-    ns = _trainer_self(model, args=types.SimpleNamespace(discopop_tau=discopop_tau, gradient_checkpointing_kwargs=None),
+    ns = trainer_self(model, args=types.SimpleNamespace(discopop_tau=discopop_tau, gradient_checkpointing_kwargs=None),
                        ld_alpha=None, precompute_ref_logps=True, f_divergence_type="reverse_kl",
                        loss_types=list(loss_types), loss_weights=list(loss_weights), beta=beta,
                        label_smoothing=label_smoothing, use_weighting=False)
@@ -428,7 +359,7 @@ def test_kto_matches_trl_compute_loss(loss_type, desirable_weight, undesirable_w
     beta = 0.15
     model, leaf = _model_for(d)
     model.register(kl["input_ids"], kl["hidden"])
-    ns = _trainer_self(model, args=types.SimpleNamespace(gradient_checkpointing_kwargs=None),
+    ns = trainer_self(model, args=types.SimpleNamespace(gradient_checkpointing_kwargs=None),
                        calculate_KL=calculate_kl, loss_type=loss_type, beta=beta,
                        desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
                        precompute_ref_logps=True)
