@@ -55,8 +55,9 @@ static int counted(const distill_head *h, int64_t i)
     return fh_distill_counted(h->targets, h->o->ignore_index, i);
 }
 
-static fh_distill_terms terms_of(const fh_distill_options *o)
+static fh_distill_terms terms_of(const void *options)
 {
+    const fh_distill_options *o = options;
     const fh_distill_terms t = {o->temperature, o->weight_soft_loss, o->weight_hard_loss, o->ignore_index, o->reduction};
     return t;
 }
@@ -231,33 +232,22 @@ static fh_status check_teacher(fh_context *ctx, const fh_linear *student, const 
     return FH_OK;
 }
 
-/* The overlap check, the teacher's x, weight and bias among the inputs. */
-static fh_status check_apart(fh_context *ctx, const fh_linear *student, const fh_linear *teacher,
-                             const int64_t *targets, const fh_distill_options *o, const float *grad_output,
-                             const fh_distill_outputs *out, const fh_linear_grads *grads)
+static fh_status check(fh_context *ctx, const fh_distill_call *c)
 {
-    const fh_buffer teacher_buffers[] = {
-        fh_view_buffer("the teacher's x", teacher->x, teacher->n, teacher->hidden, teacher->x_row_stride, 1,
-                       teacher->x_dtype),
-        fh_view_buffer("the teacher's weight", teacher->weight, teacher->hidden, teacher->vocab,
-                       teacher->w_stride_hidden, teacher->w_stride_vocab, teacher->weight_dtype),
-        fh_view_buffer("the teacher's bias", teacher->bias, 1, teacher->vocab, 0, 1, FH_DTYPE_F32)};
-    return fh_distill_check_apart(ctx, student, targets, o->reduction, grad_output, teacher_buffers, 3, out, grads);
+    const fh_status st = check_teacher(ctx, c->student, c->teacher);
+    return st == FH_OK ? check_options(ctx, c->student, c->targets, c->options) : st;
 }
 
-static fh_status check_call(fh_context *ctx, const fh_linear *student, const fh_linear *teacher,
-                            const int64_t *targets, const fh_distill_options *o, const fh_distill_outputs *out)
+/* The teacher's x, weight and bias. */
+static int teacher_buffers(const fh_distill_call *c, fh_buffer *b)
 {
-    fh_status st = fh_check_call(ctx, student);
-    if (st == FH_OK)
-        st = check_teacher(ctx, student, teacher);
-    if (st == FH_OK)
-        st = check_options(ctx, student, targets, o);
-    if (st == FH_OK)
-        st = fh_distill_check_outputs(ctx, o->reduction, out);
-    if (st == FH_OK)
-        st = check_apart(ctx, student, teacher, targets, o, NULL, out, NULL);
-    return st;
+    const fh_linear *teacher = c->teacher;
+    b[0] = fh_view_buffer("the teacher's x", teacher->x, teacher->n, teacher->hidden, teacher->x_row_stride, 1,
+                          teacher->x_dtype);
+    b[1] = fh_view_buffer("the teacher's weight", teacher->weight, teacher->hidden, teacher->vocab,
+                          teacher->w_stride_hidden, teacher->w_stride_vocab, teacher->weight_dtype);
+    b[2] = fh_view_buffer("the teacher's bias", teacher->bias, 1, teacher->vocab, 0, 1, FH_DTYPE_F32);
+    return 3;
 }
 
 /* The head over the workspace's slots, every row's running state at its start, and (grad_output not NULL) every
@@ -299,24 +289,7 @@ static fh_pair_kernels kernels_of(const distill_head *h, const fh_linear *teache
     return k;
 }
 
-static fh_engine_pass pass_of(const fh_plan *plan, const fh_workspace *ws, const fh_linear *student,
-                              const fh_pair_kernels *kernels)
-{
-    const fh_engine_pass p = {.plan = plan, .ws = ws, .lin = student, .tf = FH_IDENTITY_TRANSFORM, .pair = kernels};
-    return p;
-}
-
-/* One call after its checks (grads NULL: the forward), on the whole problem or on its counted rows. */
-typedef struct distill_call {
-    const fh_linear *student, *teacher;
-    const int64_t *targets;
-    const fh_distill_options *options;
-    const float *grad_output;
-    fh_distill_outputs *out;
-    const fh_linear_grads *grads;
-} distill_call;
-
-static fh_status forward(fh_context *ctx, const distill_call *c)
+static fh_status forward(fh_context *ctx, const fh_distill_call *c)
 {
     fh_plan plans[2];
     fh_workspace ws;
@@ -327,7 +300,7 @@ static fh_status forward(fh_context *ctx, const distill_call *c)
         return st;
     const distill_head h = head_of(&ws, c->student, c->targets, c->options, NULL);
     const fh_pair_kernels kernels = kernels_of(&h, c->teacher);
-    const fh_engine_pass pass = pass_of(&plans[0], &ws, c->student, &kernels);
+    const fh_engine_pass pass = fh_distill_pass(&plans[0], &ws, c->student, &kernels);
     st = fh_engine_forward(&pass);
     if (st == FH_OK)
         write_outputs(&h, c->student->n, c->out);
@@ -337,10 +310,10 @@ static fh_status forward(fh_context *ctx, const distill_call *c)
 static fh_status step_run(const void *self, int row_blocks, const fh_plan plans[2], const fh_workspace ws[2],
                           const fh_linear_grads *grads)
 {
-    const distill_call *c = self;
+    const fh_distill_call *c = self;
     const distill_head h = head_of(&ws[0], c->student, c->targets, c->options, c->grad_output);
     const fh_pair_kernels kernels = kernels_of(&h, c->teacher);
-    fh_engine_pass pass = pass_of(&plans[0], &ws[0], c->student, &kernels);
+    fh_engine_pass pass = fh_distill_pass(&plans[0], &ws[0], c->student, &kernels);
     pass.grads = grads;
     fh_status st;
     if (row_blocks)
@@ -357,7 +330,7 @@ static fh_status step_run(const void *self, int row_blocks, const fh_plan plans[
     return st;
 }
 
-static fh_status run(fh_context *ctx, const distill_call *c)
+static fh_status run(fh_context *ctx, const fh_distill_call *c)
 {
     if (!c->grads)
         return forward(ctx, c);
@@ -365,39 +338,29 @@ static fh_status run(fh_context *ctx, const distill_call *c)
     return fh_engine_train_step(ctx, c->student, c->grads, &head);
 }
 
-static fh_status run_whole(fh_context *ctx, const void *self)
+/* On the counted rows, the teacher's too. */
+static fh_status run_counted(fh_context *ctx, const fh_distill_call *counted, const fh_counted_rows *rows,
+                             void *teacher_rows)
 {
-    return run(ctx, self);
+    const fh_linear teacher = fh_counted_rows_linear(rows, counted->teacher, teacher_rows);
+    fh_distill_call c = *counted;
+    c.teacher = &teacher;
+    return run(ctx, &c);
 }
 
-/* On the counted rows (fh_distill_run_counted), the teacher's too. */
-static fh_status run_on(fh_context *ctx, const void *self, const fh_counted_rows *rows, const int64_t *targets,
-                        const float *grad_output, fh_distill_outputs *out, void *teacher_rows)
+static size_t teacher_row_bytes(const void *teacher)
 {
-    const distill_call *c = self;
-    const fh_linear teacher = fh_counted_rows_linear(rows, c->teacher, teacher_rows);
-    const distill_call counted = {&rows->lin, &teacher, targets, c->options, grad_output, out,
-                                  c->grads ? &rows->grads : NULL};
-    return run(ctx, &counted);
+    return fh_counted_rows_x_row_bytes(teacher);
 }
 
-static fh_status run_counted(fh_context *ctx, const distill_call *c)
-{
-    const fh_distill_counted_call call = {c->student, c->grads, c->targets, c->options->ignore_index,
-                                     c->options->reduction, c->grad_output, c->out,
-                                     fh_counted_rows_x_row_bytes(c->teacher), run_whole, run_on, c};
-    return fh_distill_run_counted(ctx, &call);
-}
+static const fh_distill_kind kind = {check, terms_of, teacher_buffers, teacher_row_bytes, run, run_counted};
 
 FH_API fh_status fh_distill_forward(fh_context *ctx, const fh_linear *student, const fh_linear *teacher,
                                     const int64_t *targets, const fh_distill_options *options,
                                     fh_distill_outputs *out)
 {
-    const fh_status st = check_call(ctx, student, teacher, targets, options, out);
-    if (st != FH_OK)
-        return st;
-    const distill_call c = {student, teacher, targets, options, NULL, out, NULL};
-    return run_counted(ctx, &c);
+    const fh_distill_call c = {student, teacher, targets, options, NULL, out, NULL};
+    return fh_distill_entry(ctx, &kind, &c, 0);
 }
 
 FH_API fh_status fh_distill_forward_backward(fh_context *ctx, const fh_linear *student, const fh_linear *teacher,
@@ -405,15 +368,8 @@ FH_API fh_status fh_distill_forward_backward(fh_context *ctx, const fh_linear *s
                                              const float *grad_output, fh_distill_outputs *out,
                                              fh_linear_grads *grads)
 {
-    fh_status st = check_call(ctx, student, teacher, targets, options, out);
-    if (st == FH_OK)
-        st = fh_distill_check_backward(ctx, student, options->reduction, grad_output, grads);
-    if (st == FH_OK)
-        st = check_apart(ctx, student, teacher, targets, options, grad_output, out, grads);
-    if (st != FH_OK)
-        return st;
-    const distill_call c = {student, teacher, targets, options, grad_output, out, grads};
-    return run_counted(ctx, &c);
+    const fh_distill_call c = {student, teacher, targets, options, grad_output, out, grads};
+    return fh_distill_entry(ctx, &kind, &c, 1);
 }
 
 FH_API fh_status fh_distill_workspace_size(const fh_context *ctx, const fh_linear *student,

@@ -27,7 +27,7 @@ fh_status fh_distill_check_terms(fh_context *ctx, const fh_linear *student, cons
     return targets ? fh_check_targets(ctx, targets, student->n, t->ignore_index, student->vocab) : FH_OK;
 }
 
-fh_status fh_distill_check_outputs(fh_context *ctx, fh_reduction reduction, const fh_distill_outputs *out)
+static fh_status check_outputs(fh_context *ctx, fh_reduction reduction, const fh_distill_outputs *out)
 {
     if (!out)
         return fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
@@ -36,24 +36,25 @@ fh_status fh_distill_check_outputs(fh_context *ctx, fh_reduction reduction, cons
     return FH_OK;
 }
 
-fh_status fh_distill_check_apart(fh_context *ctx, const fh_linear *student, const int64_t *targets,
-                                 fh_reduction reduction, const float *grad_output, const fh_buffer *teacher,
-                                 int teacher_count, const fh_distill_outputs *out, const fh_linear_grads *grads)
+/* No output (out's, grads' when not NULL) overlaps an input (targets, grad_output when given, the teacher's
+ * buffers, the student's), another output or the workspace. */
+static fh_status check_apart(fh_context *ctx, const fh_distill_kind *kind, const fh_distill_call *c,
+                             fh_reduction reduction, const fh_linear_grads *grads)
 {
-    const size_t n = (size_t)student->n;
+    const size_t n = (size_t)c->student->n;
     fh_buffer inputs[2 + FH_DISTILL_TEACHER_BUFFERS] = {
-        {"targets", targets, n * sizeof(int64_t)},
-        {"grad_output", grad_output, (reduction == FH_REDUCTION_NONE ? n : 1) * sizeof(float)}};
-    for (int k = 0; k < teacher_count; k++)
-        inputs[2 + k] = teacher[k];
+        {"targets", c->targets, n * sizeof(int64_t)},
+        {"grad_output", c->grad_output, (reduction == FH_REDUCTION_NONE ? n : 1) * sizeof(float)}};
+    const int teacher_count = kind->teacher_buffers(c, inputs + 2);
+    const fh_distill_outputs *out = c->out;
     const fh_buffer outputs[] = {{"loss", out->loss, sizeof(double)},
                                  {"soft_loss", out->soft_loss, sizeof(double)},
                                  {"hard_loss", out->hard_loss, sizeof(double)},
                                  {"per_token_loss", out->per_token_loss, n * sizeof(float)}};
-    return fh_check_apart(ctx, student, grads, outputs, 4, inputs, 2 + teacher_count);
+    return fh_check_apart(ctx, c->student, grads, outputs, 4, inputs, 2 + teacher_count);
 }
 
-fh_status fh_distill_check_backward(fh_context *ctx, const fh_linear *student, fh_reduction reduction,
+static fh_status check_backward(fh_context *ctx, const fh_linear *student, fh_reduction reduction,
                                     const float *grad_output, const fh_linear_grads *grads)
 {
     if (!grad_output)
@@ -111,32 +112,65 @@ void fh_distill_write_outputs(int64_t n, const int64_t *targets, const fh_distil
         *out->hard_loss = hard;
 }
 
+fh_engine_pass fh_distill_pass(const fh_plan *plan, const fh_workspace *ws, const fh_linear *student,
+                               const fh_pair_kernels *kernels)
+{
+    const fh_engine_pass p = {.plan = plan, .ws = ws, .lin = student, .tf = FH_IDENTITY_TRANSFORM, .pair = kernels};
+    return p;
+}
+
+/* The counted-rows driver's view of a call. */
+typedef struct counted_call {
+    const fh_distill_kind *kind;
+    const fh_distill_call *c;
+    fh_reduction reduction;
+} counted_call;
+
 static fh_status whole(fh_context *ctx, const void *self)
 {
-    const fh_distill_counted_call *d = self;
-    return d->whole(ctx, d->self);
+    const counted_call *d = self;
+    return d->kind->run(ctx, d->c);
 }
 
 /* The arrays: the upstream gradient ('none') in a[0], the per-token losses in a[1]. */
 static fh_status counted(fh_context *ctx, const void *self, const fh_counted_rows *rows, const int64_t *targets,
                          float *const *a, void *extra)
 {
-    const fh_distill_counted_call *d = self;
-    fh_distill_outputs out = *d->out;
+    const counted_call *d = self;
+    const fh_distill_call *c = d->c;
+    fh_distill_outputs out = *c->out;
     out.per_token_loss = a[1];
-    return d->counted(ctx, d->self, rows, targets, d->reduction == FH_REDUCTION_NONE ? a[0] : d->grad_output, &out,
-                      extra);
+    const fh_distill_call compacted = {&rows->lin, c->teacher, targets, c->options,
+                                       d->reduction == FH_REDUCTION_NONE ? a[0] : c->grad_output, &out,
+                                       c->grads ? &rows->grads : NULL};
+    return d->kind->run_counted(ctx, &compacted, rows, extra);
 }
 
-fh_status fh_distill_run_counted(fh_context *ctx, const fh_distill_counted_call *d)
+fh_status fh_distill_entry(fh_context *ctx, const fh_distill_kind *kind, const fh_distill_call *c, int train_step)
 {
-    const float *const in[] = {d->reduction == FH_REDUCTION_NONE ? d->grad_output : NULL};
-    float *const out[] = {d->out->per_token_loss};
+    fh_status st = fh_check_call(ctx, c->student);
+    if (st == FH_OK)
+        st = kind->check(ctx, c);
+    if (st != FH_OK)
+        return st;
+    const fh_distill_terms t = kind->terms(c->options);
+    st = check_outputs(ctx, t.reduction, c->out);
+    if (st == FH_OK)
+        st = check_apart(ctx, kind, c, t.reduction, NULL);
+    if (st == FH_OK && train_step)
+        st = check_backward(ctx, c->student, t.reduction, c->grad_output, c->grads);
+    if (st == FH_OK && train_step)
+        st = check_apart(ctx, kind, c, t.reduction, c->grads);
+    if (st != FH_OK)
+        return st;
+    const counted_call d = {kind, c, t.reduction};
+    const float *const in[] = {t.reduction == FH_REDUCTION_NONE ? c->grad_output : NULL};
+    float *const out[] = {c->out->per_token_loss};
     /* Gradient filtering does not apply to distillation; one input and one output keep extra 8-byte aligned. */
-    const fh_counted_call call = {.lin = d->student, .grads = d->grads,
-                                  .targets = d->targets, .ignore_index = d->ignore_index,
+    const fh_counted_call call = {.lin = c->student, .grads = c->grads,
+                                  .targets = c->targets, .ignore_index = t.ignore_index,
                                   .in = in, .inputs = 1, .out = out, .outputs = 1,
-                                  .extra_row_bytes = d->teacher_row_bytes,
-                                  .whole = whole, .counted = counted, .self = d};
+                                  .extra_row_bytes = kind->teacher_row_bytes(c->teacher),
+                                  .whole = whole, .counted = counted, .self = &d};
     return fh_counted_rows_run(ctx, &call);
 }

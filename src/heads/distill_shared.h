@@ -1,11 +1,13 @@
 /* What the two distillation heads (distill.c: a teacher head; distill_topk.c: a teacher's top-k) share: the options
  * they have alike, checked alike; the rows that count and their upstream coefficients; the reduced outputs from each
- * row's divergence and cross-entropy. */
+ * row's divergence and cross-entropy; the entry points' checks and their call on the counted rows, around what a head
+ * gives of its own (fh_distill_kind). */
 #ifndef FH_DISTILL_SHARED_H
 #define FH_DISTILL_SHARED_H
 
 #include "core/linear.h"
 #include "counted_rows.h"
+#include "engine/engine.h"
 
 /* The options both heads have, by value. */
 typedef struct fh_distill_terms {
@@ -18,22 +20,6 @@ typedef struct fh_distill_terms {
  * (NULL only without a hard loss; each in [0, V) or ignore_index). */
 fh_status fh_distill_check_terms(fh_context *ctx, const fh_linear *student, const int64_t *targets,
                                  const fh_distill_terms *t);
-
-/* out not NULL, with per_token_loss for 'none'. */
-fh_status fh_distill_check_outputs(fh_context *ctx, fh_reduction reduction, const fh_distill_outputs *out);
-
-/* The most buffers a teacher has (a teacher head's x, weight and bias). */
-#define FH_DISTILL_TEACHER_BUFFERS 3
-
-/* No output (out's, grads' when not NULL) overlaps an input (targets, grad_output when given, the head's teacher_count
- * teacher buffers, the student's), another output or the workspace. */
-fh_status fh_distill_check_apart(fh_context *ctx, const fh_linear *student, const int64_t *targets,
-                                 fh_reduction reduction, const float *grad_output, const fh_buffer *teacher,
-                                 int teacher_count, const fh_distill_outputs *out, const fh_linear_grads *grads);
-
-/* grad_output (not NULL, finite: one value, or N for 'none') and the gradients. */
-fh_status fh_distill_check_backward(fh_context *ctx, const fh_linear *student, fh_reduction reduction,
-                                    const float *grad_output, const fh_linear_grads *grads);
 
 /* Row i counts: no targets, or its target is not ignore_index. */
 static inline int fh_distill_counted(const int64_t *targets, int64_t ignore_index, int64_t i)
@@ -51,27 +37,49 @@ void fh_distill_coefficients(int64_t n, const int64_t *targets, const fh_distill
 void fh_distill_write_outputs(int64_t n, const int64_t *targets, const fh_distill_terms *t, const double *d,
                               const double *lse_u, const double *u_target, fh_distill_outputs *out);
 
-/* A distillation call on its counted rows (counted_rows.h): an ignored token has no loss and no gradient, so the
- * GEMMs of both heads skip it. Its per-row arrays are the upstream gradient ('none') and the per-token losses. */
-typedef struct fh_distill_counted_call {
-    const fh_linear *student;
-    const fh_linear_grads *grads;
-    const int64_t *targets;
-    int64_t ignore_index;
-    fh_reduction reduction;
-    const float *grad_output;
-    fh_distill_outputs *out;
-    size_t teacher_row_bytes; /* the scratch a counted row of the head's teacher needs */
-    /* The head's call on the whole problem (as self gives it) ... */
-    fh_status (*whole)(fh_context *ctx, const void *self);
-    /* ... and on the counted rows: their targets, upstream gradient and outputs, and teacher_row_bytes per row at
-     * teacher_rows (8-byte aligned) for the teacher's counted rows. */
-    fh_status (*counted)(fh_context *ctx, const void *self, const fh_counted_rows *rows, const int64_t *targets,
-                         const float *grad_output, fh_distill_outputs *out, void *teacher_rows);
-    const void *self;
-} fh_distill_counted_call;
+/* A pass over the student's logits with the head's pair kernels (no logit transform: the temperature is the
+ * kernels'). */
+fh_engine_pass fh_distill_pass(const fh_plan *plan, const fh_workspace *ws, const fh_linear *student,
+                               const fh_pair_kernels *kernels);
 
-/* fh_counted_rows_run for a distillation call. */
-fh_status fh_distill_run_counted(fh_context *ctx, const fh_distill_counted_call *call);
+/* One distillation call, either head's: its teacher and options are the head's own (distill.c: an fh_linear and
+ * fh_distill_options; distill_topk.c: an fh_topk_teacher and fh_distill_topk_options). */
+typedef struct fh_distill_call {
+    const fh_linear *student;
+    const void *teacher;
+    const int64_t *targets;
+    const void *options;
+    const float *grad_output; /* the train step's; NULL in the forward */
+    fh_distill_outputs *out;
+    const fh_linear_grads *grads; /* NULL: the forward */
+} fh_distill_call;
+
+/* The most buffers a teacher has (a teacher head's x, weight and bias). */
+#define FH_DISTILL_TEACHER_BUFFERS 3
+
+/* What a head gives the entry points they share. */
+typedef struct fh_distill_kind {
+    /* The teacher's and the options' checks (after fh_check_call), in the head's order. */
+    fh_status (*check)(fh_context *ctx, const fh_distill_call *c);
+    /* What the options of both heads have. */
+    fh_distill_terms (*terms)(const void *options);
+    /* The teacher's buffers for the overlap check (at most FH_DISTILL_TEACHER_BUFFERS): returns their count. */
+    int (*teacher_buffers)(const fh_distill_call *c, fh_buffer *buffers);
+    /* The scratch one counted row of the teacher takes. */
+    size_t (*teacher_row_bytes)(const void *teacher);
+    /* The call on the whole problem ... */
+    fh_status (*run)(fh_context *ctx, const fh_distill_call *c);
+    /* ... and on the counted rows (counted_rows.h): counted is the compacted call but for its teacher, whose counted
+     * rows go to teacher_rows (teacher_row_bytes each, 8-byte aligned). */
+    fh_status (*run_counted)(fh_context *ctx, const fh_distill_call *counted, const fh_counted_rows *rows,
+                             void *teacher_rows);
+} fh_distill_kind;
+
+/* A distillation entry point (train_step: forward_backward): fh_check_call, the head's checks, the outputs (out not
+ * NULL; per_token_loss for 'none'), no output overlapping an input; for the train step grad_output (not NULL,
+ * finite: one value, or N for 'none') and the gradients, then the overlaps again with them. Then the call, on the
+ * counted rows when some row is ignored and some counts: an ignored token has no loss and no gradient, so the GEMMs
+ * of both heads skip it (the per-row arrays: the upstream gradient for 'none', the per-token losses). */
+fh_status fh_distill_entry(fh_context *ctx, const fh_distill_kind *kind, const fh_distill_call *c, int train_step);
 
 #endif

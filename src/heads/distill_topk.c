@@ -53,8 +53,9 @@ typedef struct topk_head {
     double *const *slot;
 } topk_head;
 
-static fh_distill_terms terms_of(const fh_distill_topk_options *o)
+static fh_distill_terms terms_of(const void *options)
 {
+    const fh_distill_topk_options *o = options;
     const fh_distill_terms t = {o->temperature, o->weight_soft_loss, o->weight_hard_loss, o->ignore_index, o->reduction};
     return t;
 }
@@ -283,30 +284,20 @@ static fh_status check_teacher(fh_context *ctx, const fh_linear *student, const 
     return FH_OK;
 }
 
-/* The overlap check, the teacher's ids and log-probs among the inputs. */
-static fh_status check_apart(fh_context *ctx, const fh_linear *student, const fh_topk_teacher *teacher,
-                             const int64_t *targets, const fh_distill_topk_options *o, const float *grad_output,
-                             const fh_distill_outputs *out, const fh_linear_grads *grads)
+static fh_status check(fh_context *ctx, const fh_distill_call *c)
 {
-    const size_t entries = (size_t)student->n * (size_t)teacher->k;
-    const fh_buffer teacher_buffers[] = {{"the teacher's ids", teacher->ids, entries * sizeof(int64_t)},
-                                         {"the teacher's logprobs", teacher->logprobs, entries * sizeof(float)}};
-    return fh_distill_check_apart(ctx, student, targets, o->reduction, grad_output, teacher_buffers, 2, out, grads);
+    const fh_status st = check_options(ctx, c->student, c->targets, c->options);
+    return st == FH_OK ? check_teacher(ctx, c->student, c->teacher, c->targets, c->options) : st;
 }
 
-static fh_status check_call(fh_context *ctx, const fh_linear *student, const fh_topk_teacher *teacher,
-                            const int64_t *targets, const fh_distill_topk_options *o, const fh_distill_outputs *out)
+/* The teacher's ids and log-probs. */
+static int teacher_buffers(const fh_distill_call *c, fh_buffer *b)
 {
-    fh_status st = fh_check_call(ctx, student);
-    if (st == FH_OK)
-        st = check_options(ctx, student, targets, o);
-    if (st == FH_OK)
-        st = check_teacher(ctx, student, teacher, targets, o);
-    if (st == FH_OK)
-        st = fh_distill_check_outputs(ctx, o->reduction, out);
-    if (st == FH_OK)
-        st = check_apart(ctx, student, teacher, targets, o, NULL, out, NULL);
-    return st;
+    const fh_topk_teacher *teacher = c->teacher;
+    const size_t entries = (size_t)c->student->n * (size_t)teacher->k;
+    b[0] = (fh_buffer){"the teacher's ids", teacher->ids, entries * sizeof(int64_t)};
+    b[1] = (fh_buffer){"the teacher's logprobs", teacher->logprobs, entries * sizeof(float)};
+    return 2;
 }
 
 /* The head over the workspace's slots, every row's running state at its start, and (grad_output not NULL) every
@@ -336,25 +327,7 @@ static void write_outputs(const topk_head *h, int64_t n, fh_distill_outputs *out
                              h->slot[SLOT_U_TARGET], out);
 }
 
-/* One call after its checks (grads NULL: the forward), on the whole problem or on its counted rows. */
-typedef struct topk_call {
-    const fh_linear *student;
-    const fh_topk_teacher *teacher;
-    const int64_t *targets;
-    const fh_distill_topk_options *options;
-    const float *grad_output;
-    fh_distill_outputs *out;
-    const fh_linear_grads *grads;
-} topk_call;
-
-static fh_engine_pass pass_of(const fh_plan *plan, const fh_workspace *ws, const fh_linear *student,
-                              const fh_pair_kernels *kernels)
-{
-    const fh_engine_pass p = {.plan = plan, .ws = ws, .lin = student, .tf = FH_IDENTITY_TRANSFORM, .pair = kernels};
-    return p;
-}
-
-static fh_status forward(fh_context *ctx, const topk_call *c)
+static fh_status forward(fh_context *ctx, const fh_distill_call *c)
 {
     fh_plan plans[2];
     fh_workspace ws;
@@ -365,7 +338,7 @@ static fh_status forward(fh_context *ctx, const topk_call *c)
         return st;
     const topk_head h = head_of(&ws, c->student, c->teacher, c->targets, c->options, NULL);
     const fh_pair_kernels kernels = {NULL, 1, fold, finish, gradient, &h};
-    const fh_engine_pass pass = pass_of(&plans[0], &ws, c->student, &kernels);
+    const fh_engine_pass pass = fh_distill_pass(&plans[0], &ws, c->student, &kernels);
     st = fh_engine_forward(&pass);
     if (st == FH_OK)
         write_outputs(&h, c->student->n, c->out);
@@ -374,7 +347,7 @@ static fh_status forward(fh_context *ctx, const topk_call *c)
 
 /* The train step on the pair plan without a companion: row blocks, or the streaming fallback (the forward, then the
  * backward recomputing the tiles; the pass holds grads, so the forward prepares the backward's GEMMs too). */
-static fh_status train_step(fh_context *ctx, const topk_call *c)
+static fh_status train_step(fh_context *ctx, const fh_distill_call *c)
 {
     fh_plan plan;
     fh_workspace ws;
@@ -386,7 +359,7 @@ static fh_status train_step(fh_context *ctx, const topk_call *c)
         return st;
     const topk_head h = head_of(&ws, c->student, c->teacher, c->targets, c->options, c->grad_output);
     const fh_pair_kernels kernels = {NULL, 1, fold, finish, gradient, &h};
-    fh_engine_pass pass = pass_of(&plan, &ws, c->student, &kernels);
+    fh_engine_pass pass = fh_distill_pass(&plan, &ws, c->student, &kernels);
     pass.grads = c->grads;
     if (row_blocks)
         st = fh_engine_row_blocks(&pass);
@@ -397,49 +370,40 @@ static fh_status train_step(fh_context *ctx, const topk_call *c)
     return fh_gemm_failure(ctx, st);
 }
 
-static fh_status run(fh_context *ctx, const topk_call *c)
+static fh_status run(fh_context *ctx, const fh_distill_call *c)
 {
     return c->grads ? train_step(ctx, c) : forward(ctx, c);
 }
 
-static fh_status run_whole(fh_context *ctx, const void *self)
+/* On the counted rows, with the teacher's k ids and log-probs of each. */
+static fh_status run_counted(fh_context *ctx, const fh_distill_call *counted, const fh_counted_rows *rows,
+                             void *teacher_rows)
 {
-    return run(ctx, self);
-}
-
-/* On the counted rows (fh_distill_run_counted), with the teacher's k ids and log-probs of each. */
-static fh_status run_on(fh_context *ctx, const void *self, const fh_counted_rows *rows, const int64_t *targets,
-                        const float *grad_output, fh_distill_outputs *out, void *teacher_rows)
-{
-    const topk_call *c = self;
-    const size_t k = (size_t)c->teacher->k;
+    const fh_topk_teacher *all = counted->teacher;
+    const size_t k = (size_t)all->k;
     int64_t *ids = teacher_rows;
     float *logprobs = (float *)(ids + (size_t)rows->count * k);
-    fh_counted_rows_gather(rows, c->teacher->ids, k * sizeof(int64_t), ids);
-    fh_counted_rows_gather(rows, c->teacher->logprobs, k * sizeof(float), logprobs);
-    const fh_topk_teacher teacher = {c->teacher->k, ids, logprobs};
-    const topk_call counted = {&rows->lin, &teacher, targets, c->options, grad_output, out,
-                               c->grads ? &rows->grads : NULL};
-    return run(ctx, &counted);
+    fh_counted_rows_gather(rows, all->ids, k * sizeof(int64_t), ids);
+    fh_counted_rows_gather(rows, all->logprobs, k * sizeof(float), logprobs);
+    const fh_topk_teacher teacher = {all->k, ids, logprobs};
+    fh_distill_call c = *counted;
+    c.teacher = &teacher;
+    return run(ctx, &c);
 }
 
-static fh_status run_counted(fh_context *ctx, const topk_call *c)
+static size_t teacher_row_bytes(const void *teacher)
 {
-    const fh_distill_counted_call call = {c->student, c->grads, c->targets, c->options->ignore_index,
-                                     c->options->reduction, c->grad_output, c->out,
-                                     (size_t)c->teacher->k * (sizeof(int64_t) + sizeof(float)), run_whole, run_on, c};
-    return fh_distill_run_counted(ctx, &call);
+    return (size_t)((const fh_topk_teacher *)teacher)->k * (sizeof(int64_t) + sizeof(float));
 }
+
+static const fh_distill_kind kind = {check, terms_of, teacher_buffers, teacher_row_bytes, run, run_counted};
 
 FH_API fh_status fh_distill_topk_forward(fh_context *ctx, const fh_linear *student, const fh_topk_teacher *teacher,
                                          const int64_t *targets, const fh_distill_topk_options *options,
                                          fh_distill_outputs *out)
 {
-    const fh_status st = check_call(ctx, student, teacher, targets, options, out);
-    if (st != FH_OK)
-        return st;
-    const topk_call c = {student, teacher, targets, options, NULL, out, NULL};
-    return run_counted(ctx, &c);
+    const fh_distill_call c = {student, teacher, targets, options, NULL, out, NULL};
+    return fh_distill_entry(ctx, &kind, &c, 0);
 }
 
 FH_API fh_status fh_distill_topk_forward_backward(fh_context *ctx, const fh_linear *student,
@@ -447,15 +411,8 @@ FH_API fh_status fh_distill_topk_forward_backward(fh_context *ctx, const fh_line
                                                   const fh_distill_topk_options *options, const float *grad_output,
                                                   fh_distill_outputs *out, fh_linear_grads *grads)
 {
-    fh_status st = check_call(ctx, student, teacher, targets, options, out);
-    if (st == FH_OK)
-        st = fh_distill_check_backward(ctx, student, options->reduction, grad_output, grads);
-    if (st == FH_OK)
-        st = check_apart(ctx, student, teacher, targets, options, grad_output, out, grads);
-    if (st != FH_OK)
-        return st;
-    const topk_call c = {student, teacher, targets, options, grad_output, out, grads};
-    return run_counted(ctx, &c);
+    const fh_distill_call c = {student, teacher, targets, options, grad_output, out, grads};
+    return fh_distill_entry(ctx, &kind, &c, 1);
 }
 
 FH_API fh_status fh_distill_topk_workspace_size(const fh_context *ctx, const fh_linear *student, size_t *bytes)
