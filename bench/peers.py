@@ -511,7 +511,8 @@ def plot(out: str, report: Dict[str, Any]) -> List[str]:
     gnuplot = shutil.which("gnuplot")
     written: List[str] = []
     for n, h, v in report["shapes"]:
-        stem = os.path.join(out, f"peers_{n}x{h}x{v}")
+        name = f"peers_{n}x{h}x{v}"  # the .gp files name their .dat and .png relative to out (gnuplot runs there)
+        stem = os.path.join(out, name)
         rows = []
         for b in report["blocks"]:
             if (b["n"], b["hidden"], b["vocab"]) != (n, h, v):
@@ -532,7 +533,7 @@ def plot(out: str, report: Dict[str, Any]) -> List[str]:
             gp = f"{stem}_{what}.gp"
             with open(gp, "w") as f:
                 f.write(f"""set terminal pngcairo size {max(900, 40 * len(rows) + 200)},700 font ",10"
-set output "{stem}_{what}.png"
+set output "{name}_{what}.png"
 set title "fusedhead and peers: N={n} H={h} V={v}, {report['threads']} threads ({what}; gaps: peer not run)" noenhanced
 set style fill solid 0.8 border -1
 set boxwidth 0.7
@@ -544,10 +545,10 @@ set grid ytics
 {"set logscale y" if log else "set yrange [0:*]"}
 set datafile missing "nan"
 set key off
-plot "{stem}.dat" using 0:{column}:($4 > 0 ? 0xd62728 : 0x1f77b4):xtic(1) with boxes lc rgb variable
+plot "{name}.dat" using 0:{column}:($4 > 0 ? 0xd62728 : 0x1f77b4):xtic(1) with boxes lc rgb variable
 """)
             if gnuplot:
-                subprocess.run([gnuplot, gp], check=True)
+                subprocess.run([gnuplot, os.path.basename(gp)], check=True, cwd=out)
                 written.append(f"{stem}_{what}.png")
     if not gnuplot:
         print("peers: no gnuplot on PATH (Debian: gnuplot-nox): .gp and .dat written, no PNG", file=sys.stderr)
