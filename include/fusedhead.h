@@ -432,9 +432,10 @@ FH_API fh_status fh_logprob_forward_backward(fh_context *ctx, const fh_linear *l
 FH_API fh_status fh_logprob_workspace_size(const fh_context *ctx, const fh_linear *lin, size_t *bytes);
 
 /* ---------------------------------------------------------------------------------------------
- * GRPO family: TRL GRPOTrainer._compute_loss (huggingface/trl trl/trainer/grpo_trainer.py and grpo_config.py at
- * f2cd57710ae345ea6428ae95363267fcf38a3dc8) for one micro-batch on one process, every option that changes the
- * loss or its gradient. docs/losses.md has the derivation; TRL's quirks are kept and marked [TRL].
+ * GRPO family: TRL GRPOTrainer._compute_loss (trl/trainer/grpo_trainer.py and grpo_config.py of TRL 1.16.0; written
+ * to commit f2cd57710ae345ea6428ae95363267fcf38a3dc8, whose luspo reduction and entropy-bonus normaliser 1.16.0
+ * changed) for one micro-batch on one process, every option that changes the loss or its gradient. docs/losses.md
+ * has the derivation; TRL's quirks are kept and marked [TRL].
  *
  *   z      = (x W + bias) / temperature                  token i = b*T + t predicts completion_ids[i]
  *   logp_i = log_softmax(z_i)[completion_ids_i],  H_i = lse_i - sum_j p_ij z_ij (entropy);  m_i = mask
@@ -462,13 +463,15 @@ FH_API fh_status fh_logprob_workspace_size(const fh_context *ctx, const fh_linea
  *   loss  grpo, sapo: mean over sequences of sum_t m l / max(sum_t m, 1)
  *         bnpo: sum m l / max(sum m, 1);   dr_grpo: sum m l / (B max_completion_length)
  *         dapo, cispo, vespo: sum m l / N,  N = max(num_items_in_batch, 1), or max(sum m, 1) when it is <= 0
- *         luspo: sum_{b,t} l_{b,t} (sum_t m) / (B T)   [TRL: the mean over every position, padding included, of
- *                l times the sequence's length; at the sequence level l is one value per sequence (the same)]
- *         minus entropy_coef times the entropy bonus, over the tokens e_i m_i (m_i without the quantile):
- *               dapo, cispo, vespo: sum e m H / N;   the others: sum e m H / max(sum e m, 1)
+ *         luspo: mean over sequences of sum_t m l   (a sequence's sum, not its mean)
+ *         minus entropy_coef times the entropy bonus, for every loss type the mean entropy over the tokens e_i m_i
+ *         (m_i without the quantile): sum e m H / max(sum e m, 1), whatever num_items_in_batch [TRL: the count is
+ *         the micro-batch's own, not gathered over processes]
  * Ties in min() split the gradient in halves and clamp() passes it at its bounds, as torch does. Not in the head:
  * TRL's adaptive entropy controller (trainer state across steps: pass its current coefficient as entropy_coef),
- * the division by gradient-accumulation steps (scale grad_output) and the MoE auxiliary loss.
+ * the division by gradient-accumulation steps and the MoE auxiliary loss. TRL divides the grpo, bnpo, dr_grpo, sapo
+ * and luspo losses and every entropy bonus by the accumulation steps (scale grad_output); dapo, cispo and vespo
+ * carry them in num_items_in_batch instead, so their bonus alone needs them: pass entropy_coef / steps.
  * ------------------------------------------------------------------------------------------- */
 typedef enum fh_grpo_loss_type {
     FH_GRPO_LOSS_GRPO = 0,
@@ -503,8 +506,8 @@ typedef struct fh_grpo_options {        /* TRL GRPOConfig names; defaults from f
     double beta;                        /* KL coefficient; 0: no KL and no reference log-probs needed */
     double sapo_temperature_pos;        /* 1.0 */
     double sapo_temperature_neg;        /* 1.05 */
-    double num_items_in_batch;          /* dapo/cispo/vespo normaliser, at least 1 (TRL clamps it); <= 0: max(sum of
-                                           mask, 1) */
+    double num_items_in_batch;          /* dapo/cispo/vespo policy normaliser, at least 1 (TRL clamps it); <= 0:
+                                           max(sum of mask, 1). Not the entropy bonus's */
     int64_t max_completion_length;      /* dr_grpo's constant; <= 0: T */
     double entropy_coef;                /* entropy bonus; 0 */
     double top_entropy_quantile;        /* 1.0: every token carries the policy term; in [0, 1] */

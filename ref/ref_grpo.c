@@ -1,9 +1,10 @@
 /* The GRPO reference: TRL's GRPOTrainer._compute_loss written out in double, all logits materialized.
  *
- * TRL facts this follows (huggingface/trl at f2cd57710ae345ea6428ae95363267fcf38a3dc8: trl/trainer/grpo_trainer.py,
- * _compute_loss, get_off_policy_mask, get_gamma_weights, get_high_entropy_mask and the vLLM importance-sampling
- * ratio in _generate_and_score_completions; GRPOConfig in trl/trainer/grpo_config.py; GSPO-token in
- * trl/experimental/gspo_token/grpo_trainer.py):
+ * TRL facts this follows (TRL 1.16.0, first read at huggingface/trl f2cd57710ae345ea6428ae95363267fcf38a3dc8:
+ * trl/trainer/grpo_trainer.py, _compute_loss, get_off_policy_mask, get_gamma_weights, get_high_entropy_mask and the
+ * vLLM importance-sampling ratio in _generate_and_score_completions; GRPOConfig in trl/trainer/grpo_config.py;
+ * GSPO-token in trl/experimental/gspo_token/grpo_trainer.py; 1.16.0 changed luspo's reduction and the entropy
+ * bonus's normaliser, below with their 1.16.0 lines):
  *  - logits are divided by the sampling temperature before log_softmax (selective_log_softmax) and the
  *    entropy (entropy_from_logits: -sum p log p of the tempered distribution). The entropies carry a gradient
  *    when the entropy bonus is on.
@@ -42,12 +43,11 @@
  *    (l * mask).sum() / mask.sum().clamp(min=1); dr_grpo (l * mask).sum() / (B * max_completion_length);
  *    dapo, cispo and vespo (l * mask).sum() / normalizer, normalizer from num_items_in_batch (the completion
  *    tokens of the whole generation batch, clamped to >= 1, over processes and accumulation steps); luspo
- *    (l * mask.sum(1, keepdim=True)).mean(), over every (b, t) once l has a token axis, padding included (at the
- *    sequence level without a token-axis factor l is (B, 1) and the mean over B is the same value).
- *  - entropy bonus (entropy_coef != 0): effective_mask = mask * entropy_mask (mask alone without the quantile);
- *    cispo, dapo, vespo: (entropies * effective_mask).sum() / normalizer; the others: ... /
- *    effective_mask.sum().clamp(min=1); loss -= entropy_coef * that. policy_loss (the loss before it) and
- *    entropy_coef are logged only then.
+ *    (l * mask).sum(-1).mean() (grpo_trainer.py:3179 at 1.16.0: each sequence's masked sum, the mean over B).
+ *  - entropy bonus (entropy_coef != 0), every loss type alike (grpo_trainer.py:3189-3211 at 1.16.0):
+ *    effective_mask = mask * entropy_mask (mask alone without the quantile); (entropies * effective_mask).sum() /
+ *    effective_mask.sum().clamp(min=1) / current_gradient_accumulation_steps (1 here), never num_items_in_batch;
+ *    loss -= entropy_coef * that. policy_loss (the loss before it) and entropy_coef are logged only then.
  *  - metrics: global_masked_mean = (x * mask).sum() / mask.sum().clamp(min=1), except for (B, 1) tensors
  *    (sequence level) where it is x.mean() over the rows; the clip flags use coef_1 after the delta clamp;
  *    clip metrics (low/high/region mean, low_min, high_max) exist for the clipped family and luspo, cispo logs
@@ -100,12 +100,6 @@ static int clipped_family(ref_grpo_loss_type t)
 {
     return t == REF_GRPO_LOSS_GRPO || t == REF_GRPO_LOSS_BNPO || t == REF_GRPO_LOSS_DR_GRPO ||
            t == REF_GRPO_LOSS_DAPO || t == REF_GRPO_LOSS_LUSPO;
-}
-
-/* The losses that divide by num_items_in_batch (policy term and entropy bonus). */
-static int token_count_normalised(ref_grpo_loss_type t)
-{
-    return t == REF_GRPO_LOSS_DAPO || t == REF_GRPO_LOSS_CISPO || t == REF_GRPO_LOSS_VESPO;
 }
 
 static int sequence_is_mode(ref_grpo_vllm_is_mode m)
@@ -437,12 +431,12 @@ static double reduction_weight(const head_call *c, int64_t b, int64_t i)
     case REF_GRPO_LOSS_GRPO:
     case REF_GRPO_LOSS_SAPO:
         return mask[i] / c->h.nclamp[b] / (double)c->B;
+    case REF_GRPO_LOSS_LUSPO:
+        return mask[i] / (double)c->B;
     case REF_GRPO_LOSS_BNPO:
         return mask[i] / c->mclamp;
     case REF_GRPO_LOSS_DR_GRPO:
         return mask[i] / ((double)c->B * c->tmax);
-    case REF_GRPO_LOSS_LUSPO:
-        return c->h.nb[b] / ((double)c->B * (double)c->T);
     default: /* dapo, cispo, vespo */
         return mask[i] / c->nitems;
     }
@@ -526,19 +520,14 @@ static double policy_loss(const head_call *c)
     const double *mask = c->mask;
     const head_scratch h = c->h;
     double loss = 0.0;
-    if (lt == REF_GRPO_LOSS_GRPO || lt == REF_GRPO_LOSS_SAPO) {
+    if (lt == REF_GRPO_LOSS_GRPO || lt == REF_GRPO_LOSS_SAPO || lt == REF_GRPO_LOSS_LUSPO) {
         for (int64_t b = 0; b < B; b++) {
             double acc = 0.0;
             for (int64_t t = 0; t < T; t++)
                 acc += h.l[b * T + t] * mask[b * T + t];
-            loss += acc / h.nclamp[b];
+            loss += lt == REF_GRPO_LOSS_LUSPO ? acc : acc / h.nclamp[b];
         }
         return loss / (double)B;
-    }
-    if (lt == REF_GRPO_LOSS_LUSPO) {
-        for (int64_t i = 0; i < n; i++)
-            loss += h.l[i] * h.nb[i / T];
-        return loss / ((double)B * (double)T);
     }
     double acc = 0.0;
     for (int64_t i = 0; i < n; i++)
@@ -554,7 +543,7 @@ static double trl_entropy_bonus(const head_call *c, double *norm)
         em += c->h.e[i] * c->mask[i];
         acc += c->H[i] * c->h.e[i] * c->mask[i];
     }
-    *norm = token_count_normalised(c->o->loss_type) ? c->nitems : (em < 1.0 ? 1.0 : em);
+    *norm = em < 1.0 ? 1.0 : em;
     return c->o->entropy_coef * (acc / *norm);
 }
 
@@ -769,7 +758,7 @@ void ref_grpo_row_grad(const double *u, int64_t v, double temperature, int64_t t
     /* d logp / d z_j = onehot_j - p_j.
      * d H / d z_j = -p_j (log p_j + H) = -p_j (z_j - sum_k p_k z_k)   (H = lse - sum p z, d lse / d z_j = p_j,
      * d (sum_k p_k z_k) / d z_j = p_j + p_j z_j - p_j sum_k p_k z_k).  dz / du = 1 / temperature.
-     * An id outside the vocabulary has the constant log-prob 0: no g_logp term (luspo weighs padded positions). */
+     * An id outside the vocabulary has the constant log-prob 0: no g_logp term. */
     const double in_range = target >= 0 && target < v ? 1.0 : 0.0;
     for (int64_t j = 0; j < v; j++) {
         const double lp = u[j] / temperature - lse, p = exp(lp);

@@ -1,8 +1,9 @@
 /* The GRPO loss family over materialized logits in double: the obviously-right path that the fused library's
  * GRPO head and the finite-difference checks are compared against. Not part of the installed library.
  *
- * Semantics are those of TRL's GRPOTrainer._compute_loss (huggingface/trl at f2cd57710ae345ea6428ae95363267fcf38a3dc8,
- * trl/trainer/grpo_trainer.py) for one micro-batch on one process (current_gradient_accumulation_steps = 1,
+ * Semantics are those of TRL's GRPOTrainer._compute_loss (TRL 1.16.0, trl/trainer/grpo_trainer.py; first written to
+ * huggingface/trl f2cd57710ae345ea6428ae95363267fcf38a3dc8, whose luspo reduction and entropy-bonus normaliser
+ * 1.16.0 changed) for one micro-batch on one process (current_gradient_accumulation_steps = 1,
  * num_processes = 1), every option that changes the loss or its gradient; include/fusedhead.h states the same
  * formulas for the library:
  *
@@ -42,12 +43,10 @@
  *          dr_grpo:    sum m l / (B * max_completion_length)
  *          dapo, cispo, vespo: sum m l / N,  N = max(num_items_in_batch, 1) (TRL clamps it), or max(sum m, 1)
  *                      when it is <= 0 or NaN
- *          luspo:      sum_{b,t} l_{b,t} n_b / (B T)   [TRL: the mean over every position, padding included]
- *          [- entropy_coef sum e m H / (dapo, cispo, vespo: N; the others: max(sum e m, 1)) with
- *           REF_GRPO_ENTROPY_TRL]
+ *          luspo:      mean_b( sum_t m l )
+ *          [- entropy_coef sum e m H / max(sum e m, 1), every loss type, with REF_GRPO_ENTROPY_TRL]
  *
- * The mask multiplies literally, as in TRL: a non-finite per-token loss at a masked position poisons the loss, and
- * luspo's padded positions carry their l (and a gradient where their id is in the vocabulary).
+ * The mask multiplies literally, as in TRL: a non-finite per-token loss at a masked position poisons the loss.
  * The full derivation and the list of TRL facts this follows are in ref_grpo.c. */
 #ifndef FH_REF_GRPO_H
 #define FH_REF_GRPO_H
@@ -81,9 +80,8 @@ typedef enum ref_grpo_vllm_is_mode { /* TRL vllm_importance_sampling_mode */
 } ref_grpo_vllm_is_mode;
 
 typedef enum ref_grpo_entropy_bonus {
-    /* TRL's entropy_coef at f2cd5771: loss -= entropy_coef * sum(e m H) / normaliser, the normaliser
-     * num_items_in_batch for dapo, cispo and vespo and max(sum e m, 1) for the others (e: the top-entropy mask;
-     * static coefficient only, the adaptive controller is trainer state, not a loss). */
+    /* TRL 1.16.0's entropy_coef: loss -= entropy_coef * sum(e m H) / max(sum e m, 1) for every loss type (e: the
+     * top-entropy mask; static coefficient only, the adaptive controller is trainer state, not a loss). */
     REF_GRPO_ENTROPY_TRL = 0,
     /* The original issue's form: l_i -= entropy_coef * H_i, then the loss_type's reduction. Not in TRL. */
     REF_GRPO_ENTROPY_PER_TOKEN

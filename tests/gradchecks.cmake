@@ -85,9 +85,8 @@ fh_gradcheck_test(logprob_streaming_fallback ${FH_GRADCHECK_LOGPROB} --train-ste
 # Gradient filtering against the reference filtered as the call's tiles are (ref/ref_filter.c), at the unfiltered
 # tolerances: peaked logits (typical size 10), thin row tiles and eps 0.2 skip about 40% to 80% of the gradient
 # GEMMs here (the JSON's filter_skipped_fraction). Streaming and row blocks of whole sequences, entropy bonus and
-# temperature (the e term and dz/du in the row scale), every loss type at the token level (luspo: the padded
-# positions' rows carry coefficients too; vespo: its tolerance adds the conditioning slack of tests/cases/grpo_case.h, large
-# here, where logits of size 10 make |logp| large).
+# temperature (the e term and dz/du in the row scale), every loss type at the token level (vespo: its tolerance adds
+# the conditioning slack of tests/cases/grpo_case.h, large here, where logits of size 10 make |logp| large).
 foreach(loss_type grpo bnpo dr_grpo dapo cispo sapo luspo vespo)
   fh_gradcheck_test(grpo_filtered_${loss_type} --loss grpo --batch 4 --seq 37 --hidden 40 --vocab 3001 --loss-type ${loss_type}
                    --is-level token --tile-rows 4 --tile-vocab 1024 --logit-scale 10 --grad-filter-eps 0.2
@@ -101,7 +100,7 @@ fh_gradcheck_test(grpo_row_blocks_sequence_too_tall --loss grpo --loss-type grpo
 
 # GRPO at TRL f2cd5771: every option TRL added (luspo, vespo, the vLLM importance-sampling correction in each of its
 # four modes with sampler log-probs, the off-policy mask, top_entropy_quantile, the bias-corrected KL, the entropy
-# bonus over N or over the masked (kept) tokens) at both importance-sampling levels, fp32 and bf16, in row blocks of
+# bonus over the masked (kept) tokens) at both importance-sampling levels, fp32 and bf16, in row blocks of
 # whole sequences (--train-step --tile-rows 64: blocks of 3, 3 and 2 of the 8 sequences of 20 tokens) and streaming
 # (--tile-rows 10: no sequence fits a block). Four bundles put each option in every cell (vespo takes only the token
 # modes, TRL's rule): luspo with sequence_mask, vespo with token_mask and its own k and lambda, sapo on-policy (the

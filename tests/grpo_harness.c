@@ -463,7 +463,6 @@ static void gp_measure(const gp_problem *p, const fh_grpo_options *o, const gp_f
                        float grad_beta, gp_diff *d)
 {
     const size_t n = (size_t)gp_n(p), h = (size_t)p->hidden, v = (size_t)p->vocab;
-    const int luspo = o->loss_type == FH_GRPO_LOSS_LUSPO;
     const grpo_slack slack = gp_slack(p, o, f, r);
     memset(d, 0, sizeof *d);
     d->loss = fabs(f->loss - r->loss);
@@ -481,13 +480,10 @@ static void gp_measure(const gp_problem *p, const fh_grpo_options *o, const gp_f
     if (f->dbias)
         d->dbias = ce_compare(f->dbias, r->dbias, v).norm_rel;
     /* A token outside the mask has zero coefficients: its dZ row is 0, so its dx row is exactly 0 (overwrite)
-     * or exactly the 1.0 it accumulates onto. Under luspo (TRL's mean over every position) only where its id is
-     * outside the vocabulary (log-prob the constant 0; the entropy bonus covers masked tokens only). */
-    for (size_t i = 0; i < n; i++) {
-        const int id_out = p->ids[i] < 0 || p->ids[i] >= p->vocab;
-        if (p->mask[i] == 0.0f && (luspo == 0 || id_out) && !tu_all_equal_f(f->dx + i * h, h, grad_beta))
+     * or exactly the 1.0 it accumulates onto. */
+    for (size_t i = 0; i < n; i++)
+        if (p->mask[i] == 0.0f && !tu_all_equal_f(f->dx + i * h, h, grad_beta))
             d->masked_rows_touched++;
-    }
 }
 
 static int gp_diff_pass(const gp_diff *d)

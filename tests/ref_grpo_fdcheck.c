@@ -1,5 +1,5 @@
 /* ref_grpo_fdcheck: checks ref_grpo_backward against central finite differences of ref_grpo_forward, and values
- * that can be worked out by hand (TRL's quirks: metric denominators, luspo's padded positions, vespo's gamma
+ * that can be worked out by hand (TRL's quirks: metric denominators, luspo's per-sequence sums, vespo's gamma
  * weight, the importance-sampling modes and their metrics, the off-policy and top-entropy masks, torch.quantile,
  * the entropy bonus's normalisers, the refused option combinations). Finite differences over every loss_type up
  * to sapo x importance-sampling level x {old logps given, on-policy} x {beta 0, 0.04} x {no delta, delta 1.5}
@@ -207,16 +207,14 @@ static int fd_case(int index, const fd_config *cfg)
         printf("FAIL: backward returned an error\n");
         exit(2);
     }
-    /* Every gradient path carries the mask: padded tokens' hidden states get exactly nothing, except under
-     * luspo, whose mean over every position weighs a padded token's l by its row's length (TRL). */
-    if (lt != REF_GRPO_LOSS_LUSPO) {
-        int padded_zero = 1;
-        for (int i = 0; i < N; i++)
-            for (int k = 0; k < HID; k++)
-                if (mask[i] == 0.0 && dx[i * HID + k] != 0.0)
-                    padded_zero = 0;
-        fd_expect(padded_zero, "dx of a padded token is not exactly 0");
-    }
+    /* Every gradient path carries the mask: padded tokens' hidden states get exactly nothing (luspo too, since
+     * TRL 1.16.0 masks before its reduction). */
+    int padded_zero = 1;
+    for (int i = 0; i < N; i++)
+        for (int k = 0; k < HID; k++)
+            if (mask[i] == 0.0 && dx[i * HID + k] != 0.0)
+                padded_zero = 0;
+    fd_expect(padded_zero, "dx of a padded token is not exactly 0");
 
     /* The anchored forward is TRL's forward at the base point. */
     ref_grpo_result plain, anchored;
@@ -367,16 +365,17 @@ static void hand_checks(void)
                "hand: every row empty: low_min and high_max NaN");
     }
 
-    /* luspo: (l * n_b).mean() over all B T positions, padding included. l = (-1.2, -1, -1 | 0.8, 1, 1) (the
-     * padded positions of row 1 have r = 1: -min(-1, -1) = 1), n = (3, 1): loss = (3 (-3.2) + 1 (2.8)) / 6. The
-     * padded positions get d/dlogp = -A r w = 1 / 6 (a min tie inside the clip range: half to each operand). */
+    /* luspo (TRL 1.16.0): (l * m).sum(-1).mean(), each row's masked sum averaged over B. l = (-1.2, -1, -1 | 0.8,
+     * 1, 1) (the padded positions of row 1 have r = 1: -min(-1, -1) = 1, masked out): loss = (-3.2 + 0.8) / 2. The
+     * r = 1 tokens of row 0 get d/dlogp = -A r / B = -0.5 (a min tie inside the clip range: half to each operand),
+     * the padded positions nothing. */
     ref_grpo_options_default(&o);
     o.loss_type = REF_GRPO_LOSS_LUSPO;
     ref_grpo_head(&tk, &o, 1.0, &r, g, NULL);
-    fd_expect(fabs(r.loss - (-9.6 + 2.8) / 6.0) < 1e-15, "hand: luspo loss");
-    fd_expect(g[0] == 0.0 && fabs(g[1] + 0.5) < 1e-16 && fabs(g[4] - 1.0 / 6.0) < 1e-16 &&
-               fabs(g[5] - 1.0 / 6.0) < 1e-16,
-           "hand: luspo's padded positions carry a gradient");
+    fd_expect(fabs(r.loss - (-3.2 + 0.8) / 2.0) < 1e-15, "hand: luspo loss");
+    fd_expect(g[0] == 0.0 && fabs(g[1] + 0.5) < 1e-16 && fabs(g[2] + 0.5) < 1e-16 && g[3] == 0.0 && g[4] == 0.0 &&
+                  g[5] == 0.0,
+              "hand: luspo's g_logp (the padded positions get none)");
     fd_expect(fabs(r.metrics.clip_high_mean - 0.25) < 1e-16 && r.metrics.clip_low_min == 0.0,
            "hand: luspo logs the clip metrics");
 
@@ -479,9 +478,9 @@ static void hand_checks(void)
         fd_expect(ref_grpo_quantile(tenths, 51, 1.0 - 0.7) == 1.5000001192092896, "hand: the quantile's fp32 rank");
     }
 
-    /* Top-entropy mask and the entropy bonus's normalisers. H = (0.5, 2, 1, 3 | 9, 9), the quantile at 1 - q = 0.5 of
-     * the four valid entropies is 1.5: e = (0, 1, 0, 1 | 0, 0). dapo (N = num_items_in_batch = 10):
-     * bonus = 5 / 10; grpo: 5 / sum(e m) = 5 / 2. */
+    /* Top-entropy mask and the entropy bonus's normaliser. H = (0.5, 2, 1, 3 | 9, 9), the quantile at 1 - q = 0.5 of
+     * the four valid entropies is 1.5: e = (0, 1, 0, 1 | 0, 0). Every loss type (TRL 1.16.0), dapo with
+     * num_items_in_batch = 10 too: bonus = 5 / sum(e m) = 5 / 2. */
     {
         const double H[6] = {0.5, 2.0, 1.0, 3.0, 9.0, 9.0};
         ref_grpo_tokens te = tk;
@@ -497,9 +496,9 @@ static void hand_checks(void)
         ref_grpo_head(&te, &o, 1.0, &rs, NULL, ge);
         fd_expect(factor[0] == 0.0 && factor[1] == 1.0 && factor[2] == 0.0 && factor[3] == 1.0 && factor[4] == 0.0,
                "hand: top-entropy mask");
-        fd_expect(fabs(rs.loss - (rs.metrics.policy_loss - 0.1 * 0.5)) < 1e-15 && rs.metrics.entropy_coef == 0.1 &&
-                   ge[0] == 0.0 && fabs(ge[1] + 0.01) < 1e-17 && ge[4] == 0.0,
-               "hand: dapo's entropy bonus over N");
+        fd_expect(fabs(rs.loss - (rs.metrics.policy_loss - 0.1 * 2.5)) < 1e-15 && rs.metrics.entropy_coef == 0.1 &&
+                      ge[0] == 0.0 && fabs(ge[1] + 0.05) < 1e-17 && ge[4] == 0.0,
+                  "hand: dapo's entropy bonus over sum(e m), not N");
         o.loss_type = REF_GRPO_LOSS_GRPO;
         ref_grpo_head(&te, &o, 1.0, &rs, NULL, ge);
         fd_expect(fabs(rs.loss - (rs.metrics.policy_loss - 0.1 * 2.5)) < 1e-15 && fabs(ge[1] + 0.05) < 1e-17,
@@ -519,8 +518,8 @@ static void hand_checks(void)
         const double quarter = rs.loss;
         o.num_items_in_batch = 1.0;
         ref_grpo_head(&te, &o, 1.0, &rs, NULL, NULL);
-        fd_expect(quarter == rs.loss && fabs(rs.loss - (rs.metrics.policy_loss - 0.1 * 6.5)) < 1e-15,
-               "hand: num_items_in_batch clamped to 1");
+        fd_expect(quarter == rs.loss && fabs(rs.loss - (rs.metrics.policy_loss - 0.1 * 6.5 / 4.0)) < 1e-15,
+                  "hand: num_items_in_batch clamped to 1 (the bonus over sum m)");
     }
 
     /* Bias-corrected KL: kl r, the metric too. logp = 0, ref = 0.3: k3 = e^0.3 - 1.3 on every token. */

@@ -1,7 +1,7 @@
 /* grpo_trl: the options TRL's GRPOTrainer gained up to f2cd5771 (fusedhead.h) against the reference (ref_grpo, which
  * ref_grpo_fdcheck checks by finite differences and hand-worked values): the vLLM importance-sampling correction in
  * each mode with one or two bounds, the off-policy mask from the sampler's or the old log-probs, the top-entropy
- * mask, the bias-corrected KL, luspo and vespo, the entropy bonus over N or over the kept tokens; every loss type at
+ * mask, the bias-corrected KL, luspo and vespo, the entropy bonus over the kept tokens; every loss type at
  * both levels, with and without old log-probs, in split calls and in the train step (row blocks of whole sequences
  * or streaming); hand-worked values of the new metrics; the top-entropy threshold at an exact order statistic.
  * Tolerances: grpo_harness.h (vespo's conditioning slack: grpo_case.h). */
@@ -237,7 +237,8 @@ static void test_quantile_rank_as_torch(void)
  *     m != 0 in the token modes, over all B rows (the empty one too) in the sequence modes;
  *   - clip_ratio/low_min, high_max: nanmin / nanmax over rows of the row's masked mean of the flag, from the
  *     fused log-probs' ratios (old log-probs drawn GP_BOUND_GUARD away from the bounds: exact);
- *   - policy_loss = loss + entropy_coef * the bonus (sum e m H / N, the fused entropies: 1e-6), entropy_coef.
+ *   - policy_loss = loss + entropy_coef * the bonus (sum m H / max(sum m, 1) for dapo too, whose N = 17 is not
+ *     sum m: TRL 1.16.0; the fused entropies: 1e-6), entropy_coef.
  * Every row but the empty last one has a token. */
 static void test_new_metrics_by_hand(void)
 {
@@ -328,7 +329,8 @@ static void test_new_metrics_by_hand(void)
             double msum = 0.0;
             for (int64_t i = 0; i < B * T; i++)
                 msum += p.mask[i];
-            bonus /= o.loss_type == FH_GRPO_LOSS_DAPO ? o.num_items_in_batch : fmax(msum, 1.0);
+            TU_CHECK(msum != o.num_items_in_batch, "%s: sum m = N = %g cannot tell the normalisers apart", name, msum);
+            bonus /= fmax(msum, 1.0);
             TU_CHECK(fabs(mt->policy_loss - (f.loss + o.entropy_coef * bonus)) <= 1e-6 * fmax(1.0, fabs(f.loss)) &&
                          mt->entropy_coef == o.entropy_coef,
                      "%s: policy_loss %.17g, loss %.17g + %g x bonus %.17g; entropy_coef %g", name, mt->policy_loss,

@@ -576,7 +576,7 @@ def grpo_loss(hidden: np.ndarray, weight: np.ndarray, completion_ids: np.ndarray
               return_grads: Union[bool, Iterable[str]] = False, grad_output: float = 1.0,
               context: Optional[Context] = None, dtype: str = "fp32", grad_dtype: Optional[str] = None,
               **options) -> GRPOResult:
-    """TRL's GRPO loss (GRPOTrainer._compute_loss at huggingface/trl f2cd5771) from hidden [B, T, H] float32
+    """TRL's GRPO loss (GRPOTrainer._compute_loss of TRL 1.16.0) from hidden [B, T, H] float32
     (position t predicts completion_ids[b, t], int64 [B, T]), completion_mask float32 [B, T], advantages float32
     [B], optional old / ref / sampling (the sampler's, vLLM's) per-token log-probs float32 [B, T], without the
     logits. Nothing is copied (C-contiguous token arrays expected). dtype="bf16": hidden and weight are bfloat16

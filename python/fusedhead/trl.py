@@ -193,9 +193,6 @@ def _grpo_reason(trainer, model, inputs) -> Optional[str]:
         return "use_adaptive_entropy (TRL's entropy controller)"
     if inputs["advantages"].dim() != 1:
         return "per-token advantages"
-    if trainer.loss_type == "luspo" and trainer.importance_sampling_level == "token":
-        return "luspo at importance_sampling_level='token' (TRL 1.16.0 reduces it per sequence, fusedhead's " \
-               "head at TRL f2cd5771's mean over positions)"
     return _head_reason(model)
 
 
@@ -209,16 +206,15 @@ def _grpo_compute_loss(self, model, inputs, return_outputs=False, num_items_in_b
     token_sum = self.loss_type in ("cispo", "dapo", "vespo")
     mask = inputs["completion_mask"]
     nib = None
+    entropy_coef = self.entropy_coef
     if reason is None and token_sum:
         # TRL: num_items_in_batch spans the generation batch; rescaled to one accumulation window
         nib = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
         if mode == "train":
             nib = nib * self.current_gradient_accumulation_steps / self.args.steps_per_generation
-        if self.entropy_coef != 0.0 and (self.top_entropy_quantile < 1.0
-                                         or float(nib) != float(mask.sum().clamp(min=1.0)) * accumulation):
-            reason = (f"the entropy bonus of {self.loss_type} with a normaliser other than this micro-batch's token "
-                      f"count (TRL 1.16.0 divides the bonus by the active token count, fusedhead's head by "
-                      f"num_items_in_batch)")
+        # the policy term's accumulation is in nib; TRL divides the entropy bonus by the accumulation steps
+        # too (grpo_trainer.py:3198-3200 at 1.16.0), and the head applies no accumulation of its own
+        entropy_coef = self.entropy_coef / accumulation
     if reason is None:
         completion_ids = inputs["completion_ids"]
         c = completion_ids.size(1)
@@ -240,7 +236,7 @@ def _grpo_compute_loss(self, model, inputs, return_outputs=False, num_items_in_b
             temperature=self.temperature, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
             delta=args.delta, beta=self.beta, sapo_temperature_pos=args.sapo_temperature_pos,
             sapo_temperature_neg=args.sapo_temperature_neg, num_items_in_batch=nib,
-            max_completion_length=self.max_completion_length, entropy_coef=self.entropy_coef,
+            max_completion_length=self.max_completion_length, entropy_coef=entropy_coef,
             top_entropy_quantile=self.top_entropy_quantile, off_policy_mask_threshold=self.off_policy_mask_threshold,
             use_bias_correction_kl=args.use_bias_correction_kl, vespo_k_pos=args.vespo_k_pos,
             vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg,
@@ -248,8 +244,10 @@ def _grpo_compute_loss(self, model, inputs, return_outputs=False, num_items_in_b
     if not token_sum:
         loss = loss / accumulation   # TRL divides these loss types (and every entropy bonus) by the accumulation
     for key, value in metrics.items():
-        if key == "entropy_coef" and not (mode == "train" and self.accelerator.sync_gradients):
-            continue
+        if key == "entropy_coef":
+            if not (mode == "train" and self.accelerator.sync_gradients):
+                continue
+            value = self.entropy_coef  # the trainer's, not the one scaled for accumulation above
         self._metrics[mode][key].append(float(value))
     return loss
 

@@ -23,10 +23,10 @@ What runs on TRL's side, on the same fp32 hidden states and lm_head weight as fu
         _compute_loss), loss types kto and apo_zero_unpaired, desirable / undesirable weights.
       GKD: GKDTrainer.generalized_jsd_loss (static), every beta regime, temperature, reductions and
         num_items_in_batch.
-Found here: fusedhead's GRPO head follows TRL at f2cd5771, and TRL 1.16.0 changed two reductions since (GRPO_DIVERGES,
-strict xfails): luspo with a token axis, and the entropy bonus of dapo / cispo / vespo, which 1.16.0 divides by the
-active token count and f2cd5771 (so fusedhead) by num_items_in_batch (they agree when the two are equal: no entropy
-mask, num_items_in_batch the micro-batch's token count, as in a one-process run without accumulation).
+Found here (and fixed): fusedhead's GRPO head was written to TRL at f2cd5771, and TRL 1.16.0 changed two reductions
+since: luspo with a token axis (each sequence's masked sum averaged over B, not a mean over every B*T position), and
+the entropy bonus of dapo / cispo / vespo, which 1.16.0 divides by the active token count, not num_items_in_batch.
+The cases luspo, entropy_bonus_*_num_items and top_entropy_quantile_bonus_* hold the head to 1.16.0 there.
 Options TRL has and fusedhead's heads do not take are not here (DPO's f_divergence_type other than reverse_kl,
 ld_alpha, use_weighting, which the head refuses; GRPO's adaptive entropy controller and MoE aux loss; tool masks).
 
@@ -199,9 +199,14 @@ GRPO_CASES = {
     "entropy_bonus_grpo": dict(loss_type="grpo", entropy_coef=0.05),
     "entropy_bonus_dapo": dict(loss_type="dapo", entropy_coef=0.05),
     "entropy_bonus_dapo_num_items": dict(loss_type="dapo", entropy_coef=0.05, num_items_in_batch=50),
+    "entropy_bonus_cispo_num_items": dict(loss_type="cispo", entropy_coef=-0.04, num_items_in_batch=80),
     "top_entropy_quantile": dict(loss_type="bnpo", top_entropy_quantile=0.4),
     "top_entropy_quantile_bonus": dict(loss_type="grpo", top_entropy_quantile=0.5, entropy_coef=0.03),
     "top_entropy_quantile_bonus_dapo": dict(loss_type="dapo", top_entropy_quantile=0.5, entropy_coef=0.03),
+    "top_entropy_quantile_bonus_vespo": dict(loss_type="vespo", top_entropy_quantile=0.6, entropy_coef=0.03,
+                                             num_items_in_batch=40),
+    "luspo_kl_bonus_quantile": dict(loss_type="luspo", importance_sampling_level="sequence", beta=0.04,
+                                    entropy_coef=0.02, top_entropy_quantile=0.7),
     "off_policy_mask": dict(loss_type="dapo", off_policy_mask_threshold=0.02),
     "vllm_sequence_mask": dict(sampling=True),
     "vllm_sequence_truncate": dict(sampling=True, vllm_importance_sampling_mode="sequence_truncate",
@@ -218,26 +223,7 @@ GRPO_CASES = {
 }
 
 
-# Where fusedhead's GRPO head (the C library's, written to TRL at f2cd5771) and TRL 1.16.0's _compute_loss differ:
-# strict xfails, so that a library that follows 1.16.0 turns them into failures to remove from here.
-GRPO_DIVERGES = {
-    "luspo": "luspo with a token axis: TRL 1.16.0 reduces (per_token_loss * mask).sum(-1).mean(); fusedhead (TRL "
-             "f2cd5771) (per_token_loss * mask.sum(-1, keepdim=True)).mean() over all B*T positions",
-    "entropy_bonus_dapo_num_items": "the entropy bonus of dapo/cispo/vespo: TRL 1.16.0 divides it by the active "
-                                    "token count; fusedhead (TRL f2cd5771) by num_items_in_batch",
-    "top_entropy_quantile_bonus_dapo": "the entropy bonus of dapo/cispo/vespo: TRL 1.16.0 divides it by the count "
-                                       "of tokens the entropy mask keeps; fusedhead (TRL f2cd5771) by "
-                                       "num_items_in_batch",
-}
-
-
-def _grpo_case(c):
-    if c not in GRPO_DIVERGES:
-        return c
-    return pytest.param(c, marks=pytest.mark.xfail(strict=True, raises=AssertionError, reason=GRPO_DIVERGES[c]))
-
-
-@pytest.mark.parametrize("case", [_grpo_case(c) for c in sorted(GRPO_CASES)])
+@pytest.mark.parametrize("case", sorted(GRPO_CASES))
 def test_grpo_matches_trl_compute_loss(case):
     spec = dict(GRPO_CASES[case])
     d = _grpo_data(seed=sorted(GRPO_CASES).index(case), bias=spec.pop("bias", False))

@@ -191,11 +191,17 @@ def test_kto_trainer_patched_matches_stock():
 
 @pytest.mark.parametrize("route,options", [("patch", {}), ("fuse_loss", {}),
                                            ("fuse_loss", dict(loss_type="grpo", beta=0.05, entropy_coef=0.01,
-                                                              num_iterations=2, epsilon=0.05))])
+                                                              num_iterations=2, epsilon=0.05)),
+                                           ("fuse_loss", dict(loss_type="dapo", entropy_coef=0.05,
+                                                              gradient_accumulation_steps=2)),
+                                           ("fuse_loss", dict(loss_type="luspo", entropy_coef=0.02))])
 def test_grpo_trainer_with_generation_matches_stock(route, options):
     """Generation (sampling, 5 new tokens) from the same weights and seed: the same completions at step 0.
     num_iterations=2: step 1 reuses step 0's completions with the updated policy, so old_per_token_logps (computed
-    through TRL's per-token function) differ from the current ones and the clipped objective is off-policy."""
+    through TRL's per-token function) differ from the current ones and the clipped objective is off-policy.
+    dapo with 2 accumulation steps: num_items_in_batch spans both micro-batches while TRL 1.16.0 divides the entropy
+    bonus by each micro-batch's token count and the steps. luspo at the token level (TRL's default): each sequence's
+    masked sum, with ragged completions."""
     base = model()
     keys = compare(run("grpo", base, None, **options), run("grpo", base, route, **options))
     assert {"reward", "entropy", "clip_ratio/region_mean", "completions/mean_length"} <= set(keys)
@@ -214,10 +220,10 @@ def test_fuse_loss_refuses_loudly():
         trainer = make_trainer("dpo", base, d)
         with pytest.raises(TypeError, match="patch"):
             fhtrl.fuse_loss(trainer)
-        trainer = make_trainer("grpo", base, d, max_steps=1, loss_type="luspo")
+        trainer = make_trainer("grpo", base, d, max_steps=1, use_adaptive_entropy=True)
         fhtrl.fuse_loss(trainer, strict=True)
-        with pytest.raises(fhtrl.NotRoutedError, match="luspo"):
+        with pytest.raises(fhtrl.NotRoutedError, match="use_adaptive_entropy"):
             trainer.train()
         fhtrl.fuse_loss(trainer, strict=False)
-        with pytest.warns(fhtrl.RoutingWarning, match="luspo"):
+        with pytest.warns(fhtrl.RoutingWarning, match="use_adaptive_entropy"):
             trainer.train()

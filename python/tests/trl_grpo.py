@@ -2,11 +2,20 @@
 fusedhead to.
 
 Transcribed (written anew from reading the code, not copied) from huggingface/trl at commit
-f2cd57710ae345ea6428ae95363267fcf38a3dc8:
+f2cd57710ae345ea6428ae95363267fcf38a3dc8, and brought to TRL 1.16.0 (the version python/requirements-test.txt pins),
+which changed two reductions in trl/trainer/grpo_trainer.py GRPOTrainer._compute_loss:
+  - luspo: loss = (per_token_loss * mask).sum(-1).mean() (line 3179), each sequence's masked sum averaged over B
+    (f2cd5771: (per_token_loss * mask.sum(-1, keepdim=True)).mean(), over every B*T position);
+  - the entropy bonus, for every loss type: (entropies * effective_mask).sum() / effective_mask.sum().clamp(min=1.0)
+    / accumulation_factor (lines 3192-3201), effective_mask = mask * entropy_mask (mask alone without it); the count
+    is this micro-batch's, not gathered over processes, and num_items_in_batch plays no part (f2cd5771 divided the
+    bonus of cispo, dapo and vespo by the policy term's normaliser).
+What else is read:
   - trl/trainer/grpo_trainer.py  GRPOTrainer._compute_loss (the loss and the metrics it logs),
     get_off_policy_mask, get_gamma_weights (VESPO), get_high_entropy_mask (top_entropy_quantile),
     _generate_and_score_completions (the vLLM importance-sampling ratio from sampling_per_token_logps, lines
-    ~2579-2620, and the sampling/... metrics, ~2779-2812), _get_per_token_logps_and_entropies (logits / temperature)
+    ~2579-2620 at f2cd5771, 2659-2708 at 1.16.0, and the sampling/... metrics, ~2779-2812 at f2cd5771, 2860-2896 at
+    1.16.0), _get_per_token_logps_and_entropies (logits / temperature)
   - trl/trainer/grpo_config.py   option names and defaults (loss_type "dapo", vllm_importance_sampling_mode
     "sequence_mask", clip_max 3.0, VESPO's k and lambda, ...).
 
@@ -15,8 +24,7 @@ current_gradient_accumulation_steps = 1 (the head leaves that division to the ca
 auxiliary loss, the static entropy coefficient (no adaptive controller), "train" mode. TRL's use_vllm is "a
 sampling_per_token_logps was given". Where TRL has no old_per_token_logps it uses the current log-probs detached;
 the importance-sampling ratio (computed by TRL at generation time from its old log-probs) is computed here from that
-same old. Quirks of TRL kept as they are: luspo's mean over every one of the B*T positions once its per-token loss
-has a token axis (padding positions included, with their own log-probs and gradients); the token-level clip-ratio
+same old. Quirks of TRL kept as they are: the token-level clip-ratio
 sequence means divide by an unclamped token count (an empty sequence gives NaN, which nanmin / nanmax skip);
 VESPO's weight sums the log of the token importance ratios over every position, padding included; TRL computes the
 entropy quantile in float32 (here float64: the tests keep entropies away from the threshold, see
@@ -30,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the two-sided clipped objective and its clip metrics
-TOKEN_SUM = ("cispo", "dapo", "vespo")                   # normalised by num_items_in_batch
+TOKEN_SUM = ("cispo", "dapo", "vespo")                   # the policy term normalised by num_items_in_batch
 
 
 def _nanmin(x):
@@ -222,8 +230,8 @@ def trl_grpo_loss(h, W, b, ids, mask, A, old=None, ref=None, sampling=None, *, l
             return (pt * m).sum() / (pt.size(0) * (max_completion_length or Tn))
         if loss_type in TOKEN_SUM:
             return (pt * m).sum() / normalizer
-        # luspo: a mean over B (a per-sequence loss) or over every B*T position (one with a token axis)
-        return (pt * m.sum(1, keepdim=True)).mean()
+        # luspo (TRL 1.16.0 grpo_trainer.py:3179): each sequence's masked sum, the mean over B
+        return (pt * m).sum(-1).mean()
 
     nib = m.sum() if num_items_in_batch is None else torch.as_tensor(float(num_items_in_batch), dtype=m.dtype)
     normalizer = nib.clamp(min=1.0)  # cispo, dapo, vespo
@@ -233,11 +241,9 @@ def trl_grpo_loss(h, W, b, ids, mask, A, old=None, ref=None, sampling=None, *, l
     details["loss_scale"] = reduce(per_token.detach().abs()).item()
 
     if entropy_coef != 0.0:
+        # TRL 1.16.0 grpo_trainer.py:3192-3201, every loss type (accumulation_factor 1: one micro-batch)
         effective = m if entropy_mask is None else m * entropy_mask
-        if loss_type in TOKEN_SUM:
-            bonus = (entropies * effective).sum() / normalizer
-        else:
-            bonus = (entropies * effective).sum() / effective.sum().clamp(min=1.0)
+        bonus = (entropies * effective).sum() / effective.sum().clamp(min=1.0)
         loss = loss - entropy_coef * bonus
         details["loss_scale"] += abs(entropy_coef) * bonus.item()
         metrics["policy_loss"] = policy_loss.item()

@@ -22,12 +22,6 @@ static int clipped_family(fh_grpo_loss_type t)
            t == FH_GRPO_LOSS_LUSPO;
 }
 
-/* The loss types TRL normalises by num_items_in_batch (its policy term and its entropy bonus alike). */
-static int item_normalised(fh_grpo_loss_type t)
-{
-    return t == FH_GRPO_LOSS_DAPO || t == FH_GRPO_LOSS_CISPO || t == FH_GRPO_LOSS_VESPO;
-}
-
 int fh_grpo_is_sequence_mode(fh_grpo_vllm_is_mode mode)
 {
     return mode == FH_GRPO_VLLM_IS_SEQUENCE_TRUNCATE || mode == FH_GRPO_VLLM_IS_SEQUENCE_MASK;
@@ -300,8 +294,8 @@ int fh_grpo_entropy_kept(const fh_grpo_head *h, const double *entropy, int64_t i
     return m != 0.0 && (float)stored_entropy(entropy, i) * (float)m >= h->entropy_threshold; /* fp32, as TRL */
 }
 
-/* d loss / d l_i per unit of token weight: the loss type's normalisation of sequence b. */
-static double sequence_weight(const fh_grpo_head *h, int64_t b, double length)
+/* d loss / d l_i per unit of mask weight: the loss type's normalisation of sequence b. */
+static double sequence_weight(const fh_grpo_head *h, int64_t b)
 {
     const fh_grpo_options *o = h->o;
     const double batch = h->batch_total;
@@ -311,7 +305,7 @@ static double sequence_weight(const fh_grpo_head *h, int64_t b, double length)
     case FH_GRPO_LOSS_BNPO: return 1.0 / h->mask_total;
     case FH_GRPO_LOSS_DR_GRPO:
         return 1.0 / (batch * (double)(o->max_completion_length > 0 ? o->max_completion_length : h->bt->seq));
-    case FH_GRPO_LOSS_LUSPO: return length / (batch * (double)h->bt->seq);
+    case FH_GRPO_LOSS_LUSPO: return 1.0 / batch; /* TRL 1.16.0: (l m).sum(-1).mean() */
     default: return 1.0 / fh_grpo_items(h);
     }
 }
@@ -322,11 +316,10 @@ double fh_grpo_items(const fh_grpo_head *h)
     return h->o->num_items_in_batch > 0.0 ? fmax(h->o->num_items_in_batch, 1.0) : h->mask_total;
 }
 
-/* The entropy bonus's denominator: N for the item-normalised types, else the count of the tokens it covers. */
+/* The entropy bonus's denominator, whatever the loss type (TRL 1.16.0): the count of the tokens it covers,
+ * max(sum e m, 1), never num_items_in_batch. */
 static double bonus_scale(const fh_grpo_head *h)
 {
-    if (item_normalised(h->o->loss_type))
-        return fh_grpo_items(h);
     return isnan(h->entropy_threshold) ? h->mask_total : h->kept_total;
 }
 
@@ -369,7 +362,6 @@ void fh_grpo_head_evaluate(const fh_grpo_head *h, int64_t b0, int64_t b1, const 
     const int token_is = correction && !fh_grpo_is_sequence_mode(o->vllm_importance_sampling_mode);
     const int is_weighs_policy = correction && o->loss_type != FH_GRPO_LOSS_VESPO;
     const int direct = o->loss_type == FH_GRPO_LOSS_CISPO || o->loss_type == FH_GRPO_LOSS_VESPO;
-    const int luspo = o->loss_type == FH_GRPO_LOSS_LUSPO;
     const double lo = 1.0 - o->epsilon_low, hi = 1.0 + fh_grpo_epsilon_high(o), eh = fh_grpo_epsilon_high(o);
     const double bonus_denominator = bonus_scale(h);
     fh_grpo_partials p;
@@ -377,14 +369,14 @@ void fh_grpo_head_evaluate(const fh_grpo_head *h, int64_t b0, int64_t b1, const 
     for (int64_t b = b0; b < b1; b++) {
         const double a = bt->advantages[b];
         const sequence_values sv = sequence_values_of(h, b, logp);
-        const double weight = sequence_weight(h, b, sv.length);
+        const double weight = sequence_weight(h, b);
         double seq_loss = 0.0, seq_slope = 0.0, seq_low = 0.0, seq_high = 0.0;
         p.sum.phi += sv.phi;
         if (correction && !token_is)
             count_is_ratio(&p, sv.is_ratio);
         for (int64_t t = 0; t < bt->seq; t++) {
             const int64_t i = b * bt->seq + t;
-            const double m = bt->completion_mask[i], token_weight = luspo ? 1.0 : m;
+            const double m = bt->completion_mask[i];
             const double log_ratio = sequence_level ? h->seq_log_ratio[b] : logp[i] - old_logp(h, i, logp);
             const token_policy pol = policy(o, log_ratio, logp[i], a, sv.phi);
             const double is_ratio = token_is ? token_is_ratio(h, i, logp) : sv.is_ratio;
@@ -405,10 +397,10 @@ void fh_grpo_head_evaluate(const fh_grpo_head *h, int64_t b0, int64_t b1, const 
                     dl_dratio += o->beta * kl; /* d (kl r) / d r */
             }
             if (sequence_level)
-                seq_slope += weight * token_weight * dl_dratio * pol.ratio; /* d loss / d s_b */
+                seq_slope += weight * m * dl_dratio * pol.ratio; /* d loss / d s_b */
             else
                 dl_dlogp += dl_dratio * pol.ratio; /* d r / d logp = r */
-            seq_loss += l * token_weight;
+            seq_loss += l * m;
             if (entropy) {
                 p.sum.entropy += entropy[i] * m;
                 p.sum.bonus_entropy += entropy[i] * m * kept;
@@ -417,7 +409,7 @@ void fh_grpo_head_evaluate(const fh_grpo_head *h, int64_t b0, int64_t b1, const 
                 out->per_token_loss[i] = (float)l;
             if (out->g_logp) /* logp is the constant 0 where the id is outside the vocabulary (masked padding) */
                 out->g_logp[i] = bt->completion_ids[i] >= 0 && bt->completion_ids[i] < h->vocab
-                                     ? grad * weight * token_weight * dl_dlogp
+                                     ? grad * weight * m * dl_dlogp
                                      : 0.0;
             if (out->g_entropy)
                 out->g_entropy[i] = -grad * o->entropy_coef * m * kept / bonus_denominator;

@@ -61,7 +61,7 @@ upstream scalar (eagerly, an upstream 1 returns them as they are). On older torc
 inside an autograd.Function.
 
 GRPO: fused_linear_grpo_loss / FusedLinearGRPOLoss compute TRL's
-GRPOTrainer._compute_loss at huggingface/trl f2cd5771 (every loss_type, luspo and vespo included, token or sequence
+GRPOTrainer._compute_loss of TRL 1.16.0 (every loss_type, luspo and vespo included, token or sequence
 importance sampling, KL and its bias correction, the entropy bonus, top_entropy_quantile, the off-policy mask, the
 vLLM importance-sampling correction from sampling_per_token_logps) from hidden [B, T, H]; returns (loss, metrics
 with TRL's keys). With grad enabled the forward calls

@@ -110,16 +110,17 @@ def fused_linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completio
                            vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
                            layout: str = "vh", return_per_token_logps: bool = False,
                            context: Optional[Context] = None):
-    """TRL GRPOTrainer._compute_loss (huggingface/trl f2cd5771) from hidden [B, T, H] (position t predicts
+    """TRL GRPOTrainer._compute_loss (TRL 1.16.0) from hidden [B, T, H] (position t predicts
     completion_ids[b, t]) and the lm_head weight, without the [B*T, V] logits.
 
     Options use TRL's GRPOConfig names and defaults (include/fusedhead.h has the formulas):
       loss_type "dapo" (grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo); importance_sampling_level "token"
       or "sequence" (GSPO); temperature; epsilon (alias epsilon_low, 0.2) and epsilon_high (None: = epsilon_low;
       cispo's absolute cap); delta (None: off); beta (KL, ref_per_token_logps required when != 0);
-      sapo_temperature_pos/neg; num_items_in_batch (dapo, cispo and vespo's normaliser, an int, float or tensor;
-      None: the mask's sum); max_completion_length (dr_grpo; None: T); entropy_coef (the entropy bonus,
-      normalised per loss type as TRL does); top_entropy_quantile (< 1: only the tokens whose entropy is in that
+      sapo_temperature_pos/neg; num_items_in_batch (dapo, cispo and vespo's policy normaliser, an int, float or
+      tensor; None: the mask's sum); max_completion_length (dr_grpo; None: T); entropy_coef (the entropy bonus:
+      the mean entropy over the masked tokens, those the entropy mask keeps with top_entropy_quantile < 1, for
+      every loss type, as TRL 1.16.0); top_entropy_quantile (< 1: only the tokens whose entropy is in that
       top quantile of the batch carry the policy term); off_policy_mask_threshold (None: off);
       use_bias_correction_kl; vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg.
       vLLM importance sampling (TRL's use_vllm is "sampling_per_token_logps was given"):
