@@ -122,6 +122,14 @@ def _scaled(saved: Grads, grad_loss: torch.Tensor, pool: Optional[DweightPool]) 
     return dx, dw, db
 
 
+def _no_zero_grads(ctx) -> None:
+    """A train step's outputs other than the loss get no gradient, but autograd would hand backward a zero tensor for
+    each (materialized grads): one of them is the saved dweight, so backward would start by filling a second
+    weight-sized buffer (931 MB at V=151643 H=1536 in fp32) that it never reads. Backward runs only when the loss has
+    a gradient, so grad_loss is always a tensor."""
+    ctx.set_materialize_grads(False)
+
+
 def _input_grads(positions: Sequence[int], grads: Grads, count: int) -> tuple:
     """Backward's result: dx, dw, db at the positions of hidden, weight and bias among count inputs, None elsewhere."""
     out: List[Optional[torch.Tensor]] = [None] * count
@@ -186,6 +194,7 @@ class TrainStep:
             ctx.pool = dweight_pool(weight) if need[1] and not is_fake(weight) else None
             ctx.save_for_backward(*output[-3:])
             ctx.mark_non_differentiable(*output[1:])
+            _no_zero_grads(ctx)
 
         def backward(ctx, grad_loss, *_):
             refuse_double_backward()
@@ -206,6 +215,7 @@ class _LegacyTrain(torch.autograd.Function):
         ctx.pool = dweight_pool(vals[step.grad_positions[1]]) if need[1] else None
         ctx.save_for_backward(*grads)
         ctx.mark_non_differentiable(*outputs[1:])
+        _no_zero_grads(ctx)
         return outputs
 
     @staticmethod
