@@ -73,23 +73,13 @@ static const char *expected_bf16_path(void)
 }
 
 /* The fp32 path expected, or NULL when FH_FP32_GEMM must be refused. Debian's oneDNN 2.6 has an f32 matmul on every
- * CPU here (gemm:jit below AVX-512 and on aarch64); it is the default where it is its brgemm (AVX-512) on an Intel
- * CPU (src/gemm/gemm.c has the measurements). */
-static int intel(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_cpu_init();
-    return __builtin_cpu_is("intel");
-#else
-    return 0;
-#endif
-}
-
+ * CPU here (brgemm with AVX-512, gemm:jit below it and on aarch64); BLIS is the default everywhere (src/gemm/gemm.c
+ * has the measurements). */
 static const char *expected_fp32_path(void)
 {
     const char *forced = env("FH_FP32_GEMM");
     if (!forced)
-        return onednn_avx512_core() && intel() ? "onednn" : "blis";
+        return "blis";
     return strcmp(forced, "blis") == 0 || strcmp(forced, "onednn") == 0 ? forced : NULL;
 }
 

@@ -26,11 +26,11 @@ int64_t fh_gemm_scratch_floats(int64_t tile_elements)
 /* ---- The paths, chosen once ----
  * Each element type has two paths: the library's own BLIS one (fp32: BLIS sgemm; bf16: convert) and oneDNN's matmul
  * (fp32: onednn; bf16: native). Measured side by side (2 threads unless said):
- * fp32 (oneDNN 2.6.3 brg:avx512_core against BLIS 0.9.0 skx, the fused train step's three products at N=1024
- * H=1024 V=32768, docs/performance.md "The fp32 GEMM"): on an Intel Xeon Cascade Lake (family 6 model 85) oneDNN
- * takes 0.51-0.74 of BLIS's time; on a 16-core Emerald Rapids (family 6 model 207) BLIS sgemm was level with MKL.
- * Not measured against oneDNN: AMD CPUs, AVX2-only CPUs, aarch64; they keep BLIS. So the default is onednn where
- * oneDNN's f32 matmul is its brgemm on an Intel CPU, blis elsewhere.
+ * fp32 (oneDNN 2.6.3 brg:avx512_core against BLIS 0.9.0 skx, each product of the CE train step timed in the library,
+ * docs/performance.md "The fp32 GEMM"): on an Intel Xeon Cascade Lake (family 6 model 85) oneDNN is 1.08-1.16 times
+ * faster on the logits product, 1.8-2.9 times slower on dx = dU W (a long inner dimension) and between 0.83 and 1.06
+ * times BLIS's speed on dweight: the train step is no faster. On a 16-core Emerald Rapids (family 6 model 207) BLIS
+ * sgemm was level with MKL. So the default is blis on every CPU measured; onednn is there to force and measure.
  * bf16 (fh_bench --dtype bf16 --layout vh, N=1024 H=1024 V=32768, train step): oneDNN 2.6 multiplies bf16 natively
  * with AVX512-BF16 (brg:avx512_core_bf16) or AMX (brg:avx512_core_amx); on AVX-512 without BF16 it emulates them
  * (gemm:jit), and without AVX-512 it has no bf16 matmul.
@@ -68,13 +68,12 @@ static path_choice bf16_choice = {.once = PTHREAD_ONCE_INIT, .variable = "FH_BF1
                                   .type = FH_ELEM_BF16};
 
 #ifdef FH_HAVE_ONEDNN
-static int cpu_is(const char *vendor)
+static int cpu_is_amd(void)
 {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
-    return strcmp(vendor, "amd") == 0 ? __builtin_cpu_is("amd") : __builtin_cpu_is("intel");
+    return __builtin_cpu_is("amd");
 #else
-    (void)vendor;
     return 0;
 #endif
 }
@@ -87,10 +86,8 @@ static void onednn_offer(fh_elem_type type, int *available, int *faster, char *o
 #ifdef FH_HAVE_ONEDNN
     const char *implementation = fh_onednn_implementation(type);
     *available = strcmp(implementation, "unavailable") != 0 && strncmp(implementation, "ref", 3) != 0;
-    if (type == FH_ELEM_F32)
-        *faster = *available && strncmp(implementation, "brg:", 4) == 0 && cpu_is("intel");
-    else
-        *faster = *available && (strstr(implementation, "amx") || (strstr(implementation, "bf16") && cpu_is("amd")));
+    *faster = type == FH_ELEM_BF16 && *available &&
+              (strstr(implementation, "amx") || (strstr(implementation, "bf16") && cpu_is_amd()));
     if (*available)
         snprintf(onednn, size, "%s: %s", fh_onednn_version(), implementation);
     else

@@ -42,8 +42,8 @@ typedef struct fh_gemm_scratch {
 #define FH_GEMM_SCRATCH_MIN_FLOATS 48
 int64_t fh_gemm_scratch_floats(int64_t tile_elements);
 
-/* How this process multiplies fp32: chosen once, by FH_FP32_GEMM=blis|onednn when set, else oneDNN's matmul where
- * it beats BLIS sgemm (its brgemm kernels on Intel AVX-512 CPUs) and BLIS elsewhere (gemm.c: the measurements). */
+/* How this process multiplies fp32: chosen once, by FH_FP32_GEMM=blis|onednn when set, else BLIS sgemm, which
+ * oneDNN's f32 matmul does not beat on any CPU measured (gemm.c: the measurements). */
 typedef enum fh_fp32_path { FH_FP32_BLIS, FH_FP32_ONEDNN } fh_fp32_path;
 fh_fp32_path fh_gemm_fp32_path(void);
 
