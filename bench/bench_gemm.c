@@ -24,18 +24,18 @@ static void sgemm(int64_t m, int64_t n, int64_t k, const float *a, int64_t rsa, 
 #ifdef FH_HAVE_ONEDNN
 /* One primitive per call: building it costs milliseconds, against the seconds the benchmark's GEMMs take. A
  * column-major C runs as C^T = B^T A^T (oneDNN 2.6 has no fast kernel for it), as the library does. */
-static int bf16_matmul(int64_t m, int64_t n, int64_t k, const void *a, int64_t rsa, int64_t csa, const void *b,
-                       int64_t rsb, int64_t csb, float *c, int64_t rsc, int64_t csc, int threads)
+static int onednn_matmul(int bf16, int64_t m, int64_t n, int64_t k, const void *a, int64_t rsa, int64_t csa,
+                         const void *b, int64_t rsb, int64_t csb, float *c, int64_t rsc, int64_t csc, int threads)
 {
     if (rsc < csc && m > 1)
-        return bf16_matmul(n, m, k, b, csb, rsb, a, csa, rsa, c, csc, rsc, threads);
+        return onednn_matmul(bf16, n, m, k, b, csb, rsb, a, csa, rsa, c, csc, rsc, threads);
     static dnnl_engine_t engine;
     static dnnl_stream_t stream;
     if (!engine && (dnnl_engine_create(&engine, dnnl_cpu, 0) != dnnl_success ||
                     dnnl_stream_create(&stream, engine, dnnl_stream_default_flags) != dnnl_success))
         return -1;
     const dnnl_dims_t dims[3] = {{m, k}, {k, n}, {m, n}}, strides[3] = {{rsa, csa}, {rsb, csb}, {rsc, csc}};
-    const dnnl_data_type_t types[3] = {dnnl_bf16, dnnl_bf16, dnnl_f32};
+    const dnnl_data_type_t operands = bf16 ? dnnl_bf16 : dnnl_f32, types[3] = {operands, operands, dnnl_f32};
     void *const data[3] = {(void *)a, (void *)b, c};
     const int args[3] = {DNNL_ARG_SRC, DNNL_ARG_WEIGHTS, DNNL_ARG_DST};
     dnnl_memory_desc_t md[3];
@@ -93,21 +93,43 @@ static int widened_sgemm(int64_t m, int64_t n, int64_t k, const uint16_t *a, int
     return 0;
 }
 
+int bench_gemm_on(bench_provider provider, int64_t m, int64_t n, int64_t k, const void *a, int64_t rsa, int64_t csa,
+                  const void *b, int64_t rsb, int64_t csb, float *c, int64_t rsc, int64_t csc, int threads)
+{
+    switch (provider) {
+    case BENCH_BLIS:
+        sgemm(m, n, k, a, rsa, csa, b, rsb, csb, c, rsc, csc, threads);
+        return 0;
+    case BENCH_WIDENED:
+        return widened_sgemm(m, n, k, a, rsa, csa, b, rsb, csb, c, rsc, csc, threads);
+    case BENCH_ONEDNN_F32:
+    case BENCH_ONEDNN_BF16:
+#ifdef FH_HAVE_ONEDNN
+        return onednn_matmul(provider == BENCH_ONEDNN_BF16, m, n, k, a, rsa, csa, b, rsb, csb, c, rsc, csc, threads);
+#else
+        return -1;
+#endif
+    }
+    return -1;
+}
+
+int bench_library_provider(int bf16, bench_provider *provider)
+{
+    fh_kernel_info info;
+    if (fh_kernel_query(&info) != FH_OK || strcmp(bf16 ? info.bf16_path : info.fp32_path, "refused") == 0)
+        return -1;
+    if (bf16)
+        *provider = strcmp(info.bf16_path, "convert") == 0 ? BENCH_WIDENED : BENCH_ONEDNN_BF16;
+    else
+        *provider = strcmp(info.fp32_path, "blis") == 0 ? BENCH_BLIS : BENCH_ONEDNN_F32;
+    return 0;
+}
+
 int bench_gemm(int bf16, int64_t m, int64_t n, int64_t k, const void *a, int64_t rsa, int64_t csa, const void *b,
                int64_t rsb, int64_t csb, float *c, int64_t rsc, int64_t csc, int threads)
 {
-    if (!bf16) {
-        sgemm(m, n, k, a, rsa, csa, b, rsb, csb, c, rsc, csc, threads);
-        return 0;
-    }
-    fh_kernel_info info;
-    if (fh_kernel_query(&info) != FH_OK || strcmp(info.bf16_path, "refused") == 0)
+    bench_provider provider;
+    if (bench_library_provider(bf16, &provider) != 0)
         return -1;
-    if (strcmp(info.bf16_path, "convert") == 0)
-        return widened_sgemm(m, n, k, a, rsa, csa, b, rsb, csb, c, rsc, csc, threads);
-#ifdef FH_HAVE_ONEDNN
-    return bf16_matmul(m, n, k, a, rsa, csa, b, rsb, csb, c, rsc, csc, threads);
-#else
-    return -1;
-#endif
+    return bench_gemm_on(provider, m, n, k, a, rsa, csa, b, rsb, csb, c, rsc, csc, threads);
 }

@@ -112,7 +112,8 @@ def fusedhead_setup(threads: int, dtype=None) -> Dict[str, str]:
     blis = k.kernel_set + (" (selected by fusedhead)" if k.selected_by_library else
                            " (BLIS_ARCH_TYPE set)" if k.user_override else "")
     return {"fusedhead_library": fusedhead.library_path(),
-            "fusedhead_kernels": f"BLIS {blis}, row kernels {k.elementwise}, bf16 GEMM {k.bf16_gemm}"}
+            "fusedhead_kernels": f"BLIS {blis}, row kernels {k.elementwise}, fp32 GEMM {k.fp32_gemm}, "
+                                 f"bf16 GEMM {k.bf16_gemm}"}
 
 
 def torch_gemm(torch) -> Tuple[str, bool]:

@@ -73,10 +73,11 @@ typedef enum fh_status {
     /* 30..39: context, parameters and environment */
     FH_ERR_INVALID_PARAM = 30,        /* unknown fh_param, or one of the other kind (integer / real) */
     FH_ERR_INVALID_PARAM_VALUE = 31,  /* value outside fh_param_bounds() / fh_param_real_bounds(), or NaN */
-    FH_ERR_KERNELS_UNAVAILABLE = 32,  /* FH_ROW_KERNELS or FH_BF16_GEMM names a kernel set or bf16 GEMM path that
-                                         is unknown, or that this CPU or build lacks (the message says which) */
+    FH_ERR_KERNELS_UNAVAILABLE = 32,  /* FH_ROW_KERNELS, FH_FP32_GEMM or FH_BF16_GEMM names a kernel set or GEMM
+                                         path that is unknown, or that this CPU or build lacks (the message says
+                                         which) */
     /* 40..49: the GEMM providers */
-    FH_ERR_GEMM_FAILED = 40,          /* the bf16 GEMM provider (oneDNN) refused a product's shapes or strides,
+    FH_ERR_GEMM_FAILED = 40,          /* a GEMM provider (oneDNN) refused a product's shapes or strides,
                                          or failed while running it, for a reason other than memory */
     /* 50..59: option values of the preference and distillation heads, and logit_scale */
     FH_ERR_INVALID_PREFERENCE_OPTION = 50, /* loss, loss_type (or the list and its weights), dpo_semantics, beta,
@@ -182,8 +183,9 @@ FH_API fh_status fh_context_save_wisdom(fh_context *ctx, const char *path);
  * thread's last fh_context_create failed ("" if it did not), e.g. the FH_WISDOM file, line and fault. */
 FH_API fh_status fh_context_message(const fh_context *ctx, const char **message);
 /* Hands the context a caller-owned workspace; from then on the library never allocates a workspace for calls
- * on this context. bf16 calls still build their oneDNN primitives, once per GEMM shape, in a cache the context
- * owns (made by the first bf16 call; oneDNN allocates what a primitive holds). NULL/0 returns to
+ * on this context. Calls whose GEMMs run on oneDNN (the native bf16 path, the onednn fp32 path: fh_kernel_query)
+ * still build their primitives, once per GEMM shape, in a cache the context owns (made by the first such call;
+ * oneDNN allocates what a primitive holds). NULL/0 returns to
  * library-managed workspace (allocated once, reused across calls). */
 FH_API fh_status fh_context_set_workspace(fh_context *ctx, void *workspace, size_t bytes);
 
@@ -224,9 +226,10 @@ FH_API fh_status fh_context_filter_stats(const fh_context *ctx, fh_filter_stats 
 /* ---------------------------------------------------------------------------------------------
  * Kernels in use. Debian's BLIS 0.9.0 does not recognise recent AMD CPUs and falls back to slow
  * generic kernels. Before BLIS initialises, the library selects the best kernel set the CPU supports
- * (skx on AVX-512 CPUs) unless the user set BLIS_ARCH_TYPE. fusedhead's own row kernels and its bf16 GEMM path
- * are chosen once per process from the CPU, unless the environment forces them:
+ * (skx on AVX-512 CPUs) unless the user set BLIS_ARCH_TYPE. fusedhead's own row kernels and its fp32 and bf16 GEMM
+ * paths are chosen once per process from the CPU, unless the environment forces them:
  *   FH_ROW_KERNELS=portable|avx2|avx512   the row kernels (exp, fold, gradient, rounding, ...)
+ *   FH_FP32_GEMM=blis|onednn              fp32 GEMMs through BLIS sgemm or oneDNN's f32 matmul
  *   FH_BF16_GEMM=native|convert           bf16 GEMMs through oneDNN's bf16 matmul, or widened to f32 for BLIS
  * A forced choice this CPU or build lacks (or an unknown name) is refused: the calls that need it return
  * FH_ERR_KERNELS_UNAVAILABLE with `refusal` as their message; nothing else changes.
@@ -239,7 +242,10 @@ typedef struct fh_kernel_info {
     const char *bf16_gemm;   /* the bf16 path and what runs it, e.g. "native (oneDNN 2.6.3 brg:avx512_core_bf16)",
                                 "convert (bf16 widened to f32, BLIS sgemm; oneDNN 2.6.3 unavailable)" */
     const char *bf16_path;   /* "native", "convert", or "refused" (FH_BF16_GEMM forces what is missing) */
-    const char *refusal;     /* NULL, or why FH_ROW_KERNELS or FH_BF16_GEMM cannot be honoured */
+    const char *refusal;     /* NULL, or why FH_ROW_KERNELS, FH_BF16_GEMM or FH_FP32_GEMM cannot be honoured */
+    const char *fp32_gemm;   /* the fp32 path and what runs it, e.g. "onednn (oneDNN 2.6.3: brg:avx512_core)",
+                                "blis (BLIS sgemm; oneDNN 2.6.3: gemm:jit)" */
+    const char *fp32_path;   /* "blis", "onednn", or "refused" (FH_FP32_GEMM forces what is missing) */
 } fh_kernel_info;
 
 FH_API fh_status fh_kernel_query(fh_kernel_info *info);

@@ -54,8 +54,8 @@ static int skip_for_kernels(const char *program)
     fh_kernel_info info;
     if (fh_kernel_query(&info) != FH_OK)
         return 0;
-    printf("%s: row kernels %s, bf16 GEMMs %s, BLIS %s\n", program, info.elementwise, info.bf16_gemm,
-           info.kernel_set);
+    printf("%s: row kernels %s, bf16 GEMMs %s, fp32 GEMMs %s, BLIS %s\n", program, info.elementwise, info.bf16_gemm,
+           info.fp32_gemm, info.kernel_set);
     if (!info.refusal || getenv("FH_TEST_EXPECT_REFUSAL"))
         return 0;
     printf("%s: skipped: %s\n", program, info.refusal);

@@ -60,17 +60,21 @@ class KernelInfo(NamedTuple):
     bf16_gemm: str  # the bf16 path and what runs it, e.g. "native (oneDNN 2.6.3 brg:avx512_core_bf16)" or
     #                 "convert (bf16 widened to f32, BLIS sgemm; oneDNN 2.6.3 unavailable)"
     bf16_path: str  # "native", "convert", or "refused" (FH_BF16_GEMM forces one this CPU or build lacks)
-    refusal: Optional[str]  # why FH_ROW_KERNELS or FH_BF16_GEMM cannot be honoured, or None
+    refusal: Optional[str]  # why FH_ROW_KERNELS, FH_BF16_GEMM or FH_FP32_GEMM cannot be honoured, or None
+    fp32_gemm: str  # the fp32 path and what runs it, e.g. "onednn (oneDNN 2.6.3: brg:avx512_core)" or
+    # "blis (BLIS sgemm; oneDNN 2.6.3: gemm:jit)"
+    fp32_path: str  # "blis", "onednn", or "refused" (FH_FP32_GEMM forces one this build lacks)
 
 
 def kernel_info() -> KernelInfo:
-    """What fh_kernel_query reports: the BLIS kernel set in use, fusedhead's element-wise kernels and the bf16
-    GEMM provider."""
+    """What fh_kernel_query reports: the BLIS kernel set in use, fusedhead's element-wise kernels and the fp32 and
+    bf16 GEMM providers."""
     info = _lib.fh_kernel_info()
     check_status(load_library().fh_kernel_query(ctypes.byref(info)), "fh_kernel_query")
     return KernelInfo((info.kernel_set or b"").decode(), bool(info.selected_by_library), bool(info.user_override),
                     (info.elementwise or b"").decode(), (info.bf16_gemm or b"").decode(),
-                    (info.bf16_path or b"").decode(), info.refusal.decode() if info.refusal else None)
+                    (info.bf16_path or b"").decode(), info.refusal.decode() if info.refusal else None,
+                    (info.fp32_gemm or b"").decode(), (info.fp32_path or b"").decode())
 
 
 def bf16_available() -> bool:

@@ -189,6 +189,8 @@ class fh_kernel_info(ctypes.Structure):
         ("bf16_gemm", ctypes.c_char_p),
         ("bf16_path", ctypes.c_char_p),
         ("refusal", ctypes.c_char_p),
+        ("fp32_gemm", ctypes.c_char_p),
+        ("fp32_path", ctypes.c_char_p),
     ]
 
 

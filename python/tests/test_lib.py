@@ -129,10 +129,12 @@ def test_kernel_info():
     assert info.elementwise in ("avx512", "avx2", "portable")
     assert isinstance(info.selected_by_library, bool) and isinstance(info.user_override, bool)
     assert info.bf16_path in ("native", "convert", "refused") and info.bf16_gemm.startswith(info.bf16_path + " (")
+    assert info.fp32_path in ("blis", "onednn", "refused") and info.fp32_gemm.startswith(info.fp32_path + " (")
     assert fusedhead.bf16_available() == (info.refusal is None)
 
 
-@pytest.mark.parametrize("variable, value", [("FH_ROW_KERNELS", "sse9"), ("FH_BF16_GEMM", "fast")])
+@pytest.mark.parametrize("variable, value", [("FH_ROW_KERNELS", "sse9"), ("FH_BF16_GEMM", "fast"),
+                                             ("FH_FP32_GEMM", "mkl")])
 def test_refused_kernels(variable, value):
     """A forced kernel choice that cannot run is reported, bf16_available() says so, and a call raises
     KernelsUnavailableError naming the variable."""

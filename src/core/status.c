@@ -38,8 +38,9 @@ FH_API const char *fh_status_string(fh_status status)
     case FH_ERR_INVALID_PARAM: return "unknown parameter";
     case FH_ERR_INVALID_PARAM_VALUE: return "parameter value out of bounds";
     case FH_ERR_KERNELS_UNAVAILABLE:
-        return "FH_ROW_KERNELS or FH_BF16_GEMM names a kernel set or bf16 GEMM path that is unknown or missing here";
-    case FH_ERR_GEMM_FAILED: return "the bf16 GEMM provider refused a product or failed while running it";
+        return "FH_ROW_KERNELS, FH_BF16_GEMM or FH_FP32_GEMM names a kernel set or GEMM path that is unknown or missing "
+               "here";
+    case FH_ERR_GEMM_FAILED: return "a GEMM provider refused a product or failed while running it";
     case FH_ERR_MPI: return "an MPI call failed";
     case FH_ERR_MPI_LAYOUT: return "communicators, vocabulary shards or token counts are inconsistent across ranks";
     case FH_ERR_MPI_MISMATCH: return "ranks made the call with different configurations";

@@ -1,7 +1,8 @@
 /* The GEMM layer: C (+)= A B on strided views. The engine calls only fh_gemm_prepare and fh_gemm; which
- * library multiplies is decided in gemm.c, in one place, from the views' element types and the bf16 path chosen
- * for this process (fh_gemm_bf16_path), so that the engine and the heads never learn which one ran: BLIS sgemm for
- * fp32; for bf16 either oneDNN's matmul (native) or BLIS sgemm on panels widened to f32 (convert). */
+ * library multiplies is decided in gemm.c, in one place, from the views' element types and the paths chosen for
+ * this process (fh_gemm_fp32_path, fh_gemm_bf16_path), so that the engine and the heads never learn which one ran:
+ * for fp32 BLIS sgemm or oneDNN's matmul; for bf16 either oneDNN's matmul (native) or BLIS sgemm on panels widened
+ * to f32 (convert). */
 #ifndef FH_GEMM_H
 #define FH_GEMM_H
 
@@ -41,6 +42,14 @@ typedef struct fh_gemm_scratch {
 #define FH_GEMM_SCRATCH_MIN_FLOATS 48
 int64_t fh_gemm_scratch_floats(int64_t tile_elements);
 
+/* How this process multiplies fp32: chosen once, by FH_FP32_GEMM=blis|onednn when set, else BLIS sgemm, which
+ * oneDNN's f32 matmul does not beat on any CPU measured (gemm.c: the measurements). */
+typedef enum fh_fp32_path { FH_FP32_BLIS, FH_FP32_ONEDNN } fh_fp32_path;
+fh_fp32_path fh_gemm_fp32_path(void);
+
+/* NULL, or why fp32 products are refused: FH_FP32_GEMM names no path, or one this build or CPU lacks. */
+const char *fh_gemm_fp32_refusal(void);
+
 /* How this process multiplies bf16: chosen once, by FH_BF16_GEMM=native|convert when set, else native where
  * oneDNN's bf16 matmul beats BLIS sgemm (AMX; AVX512-BF16 on AMD) and convert elsewhere (gemm.c: the measurements). */
 typedef enum fh_bf16_path { FH_BF16_NATIVE, FH_BF16_CONVERT } fh_bf16_path;
@@ -65,6 +74,10 @@ fh_status fh_gemm(fh_gemm_cache *cache, const fh_gemm_scratch *scratch, int64_t 
                   int threads);
 
 void fh_gemm_cache_destroy(fh_gemm_cache *cache);
+
+/* The fp32 path in use and what runs it, e.g. "onednn (oneDNN 2.6.3: brg:avx512_core)" or "blis (BLIS sgemm;
+ * oneDNN 2.6.3: gemm:jit)"; "refused (...)" and the reason when FH_FP32_GEMM is refused. */
+const char *fh_gemm_fp32_provider(void);
 
 /* The bf16 path in use and what runs it, e.g. "native: oneDNN 2.6.3 brg:avx512_core_bf16" or "convert: bf16
  * widened to f32, BLIS sgemm (oneDNN 2.6.3 unavailable)"; "refused: " and the reason when FH_BF16_GEMM is refused. */

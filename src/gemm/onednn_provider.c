@@ -249,20 +249,17 @@ fh_status fh_onednn_gemm(fh_gemm_cache *cache, int64_t m, int64_t n, int64_t k, 
 
 static pthread_once_t description_once = PTHREAD_ONCE_INIT;
 static char version[32];
-static char implementation[64] = "unavailable";
+static char implementations[2][64] = {"unavailable", "unavailable"}; /* by fh_elem_type */
 
-/* Builds a small bf16 matmul to ask oneDNN which implementation this CPU gets. */
-static void describe(void)
+/* Builds a small matmul of type's operands to ask oneDNN which implementation this CPU gets. */
+static void query(dnnl_engine_t engine, fh_elem_type type)
 {
-    const dnnl_version_t *v = dnnl_version();
-    snprintf(version, sizeof version, "oneDNN %d.%d.%d", v->major, v->minor, v->patch);
     const char *found = NULL;
-    dnnl_engine_t engine = NULL;
     dnnl_primitive_desc_t pd = NULL;
     dnnl_memory_desc_t md[3];
     const dnnl_dims_t dims = {64, 64}, strides = {64, 1};
-    const dnnl_data_type_t types[3] = {dnnl_bf16, dnnl_bf16, dnnl_f32};
-    int ok = dnnl_engine_create(&engine, dnnl_cpu, 0) == dnnl_success;
+    const dnnl_data_type_t types[3] = {dnnl_type(type), dnnl_type(type), dnnl_f32};
+    int ok = 1;
     for (int o = 0; ok && o < 3; o++)
         ok = dnnl_memory_desc_init_by_strides(&md[o], 2, dims, types[o], strides) == dnnl_success;
     dnnl_matmul_desc_t desc;
@@ -270,11 +267,21 @@ static void describe(void)
          dnnl_primitive_desc_create(&pd, &desc, NULL, engine, NULL) == dnnl_success &&
          dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, &found) == dnnl_success;
     if (ok && found)
-        snprintf(implementation, sizeof implementation, "%s", found);
+        snprintf(implementations[type], sizeof implementations[type], "%s", found);
     if (pd)
         dnnl_primitive_desc_destroy(pd);
-    if (engine)
-        dnnl_engine_destroy(engine);
+}
+
+static void describe(void)
+{
+    const dnnl_version_t *v = dnnl_version();
+    snprintf(version, sizeof version, "oneDNN %d.%d.%d", v->major, v->minor, v->patch);
+    dnnl_engine_t engine = NULL;
+    if (dnnl_engine_create(&engine, dnnl_cpu, 0) != dnnl_success)
+        return;
+    query(engine, FH_ELEM_F32);
+    query(engine, FH_ELEM_BF16);
+    dnnl_engine_destroy(engine);
 }
 
 const char *fh_onednn_version(void)
@@ -283,8 +290,8 @@ const char *fh_onednn_version(void)
     return version;
 }
 
-const char *fh_onednn_implementation(void)
+const char *fh_onednn_implementation(fh_elem_type type)
 {
     pthread_once(&description_once, describe);
-    return implementation;
+    return implementations[type];
 }

@@ -1,4 +1,5 @@
-/* oneDNN matmul as the bf16 provider: bf16 x bf16 -> f32 products on strided views, primitives cached. */
+/* oneDNN matmul as a GEMM provider: f32 x f32 and bf16 x bf16 products (f32 or bf16 results) on strided views,
+ * primitives cached. */
 #ifndef FH_ONEDNN_PROVIDER_H
 #define FH_ONEDNN_PROVIDER_H
 
@@ -17,9 +18,9 @@ fh_status fh_onednn_prepare(fh_gemm_cache *cache, int64_t m, int64_t n, int64_t 
 fh_status fh_onednn_gemm(fh_gemm_cache *cache, int64_t m, int64_t n, int64_t k, const fh_gemm_input *a,
                          const fh_gemm_input *b, int accumulate, const fh_gemm_output *c, int threads);
 
-/* "oneDNN <version>", and the implementation oneDNN picks for a bf16 matmul on this CPU (e.g.
+/* "oneDNN <version>", and the implementation oneDNN picks for a matmul of this element type on this CPU (e.g.
  * "brg:avx512_core_bf16", "gemm:jit", or "unavailable"); found once. */
 const char *fh_onednn_version(void);
-const char *fh_onednn_implementation(void);
+const char *fh_onednn_implementation(fh_elem_type type);
 
 #endif

@@ -14,6 +14,12 @@ FH_API fh_status fh_kernel_query(fh_kernel_info *info)
     info->bf16_path = fh_gemm_bf16_refusal()                      ? "refused"
                       : fh_gemm_bf16_path() == FH_BF16_NATIVE ? "native"
                                                               : "convert";
-    info->refusal = fh_row_kernels_refusal() ? fh_row_kernels_refusal() : fh_gemm_bf16_refusal();
+    info->fp32_gemm = fh_gemm_fp32_provider();
+    info->fp32_path = fh_gemm_fp32_refusal()                      ? "refused"
+                      : fh_gemm_fp32_path() == FH_FP32_ONEDNN ? "onednn"
+                                                              : "blis";
+    info->refusal = fh_row_kernels_refusal() ? fh_row_kernels_refusal()
+                    : fh_gemm_bf16_refusal() ? fh_gemm_bf16_refusal()
+                                             : fh_gemm_fp32_refusal();
     return FH_OK;
 }

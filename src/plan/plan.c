@@ -475,7 +475,7 @@ static fh_workspace carve(const fh_plan *plan, void *base, int64_t n)
 fh_status fh_workspace_acquire(fh_context *ctx, int64_t n, const fh_plan *plans, int count, fh_workspace *ws)
 {
     size_t bytes = 0;
-    const char *refused = fh_row_kernels_refusal();
+    const char *refused = fh_row_kernels_refusal() ? fh_row_kernels_refusal() : fh_gemm_fp32_refusal();
     for (int k = 0; k < count; k++) {
         bytes = plans[k].bytes > bytes ? plans[k].bytes : bytes;
         if (!refused && plans[k].bf16_gemms)
@@ -514,7 +514,8 @@ fh_status fh_gemm_failure(fh_context *ctx, fh_status status)
 {
     if (status == FH_OK)
         return FH_OK;
-    return fh_fail(ctx, status, "the bf16 GEMM provider (%s) %s", fh_gemm_bf16_provider(),
+    return fh_fail(ctx, status, "the GEMM providers (fp32: %s; bf16: %s) %s", fh_gemm_fp32_provider(),
+                   fh_gemm_bf16_provider(),
                    status == FH_ERR_OUT_OF_MEMORY ? "could not allocate a primitive or its memory"
                    : status == FH_ERR_GEMM_FAILED ? "refused a product's shapes or strides, or failed while running it"
                                                   : "does not multiply these dtypes");

@@ -135,8 +135,8 @@ typedef struct fh_workspace {
 
 /* One workspace for the passes of a call (plans[0..count)), as large as the largest: ws[k] is it carved
  * for plans[k]. The slots sit at the same offset in every plan, so they carry values from one pass to the
- * next. FH_ERR_KERNELS_UNAVAILABLE, before anything is computed, when FH_ROW_KERNELS, or for bf16 GEMMs
- * FH_BF16_GEMM, forces what this CPU or build lacks. */
+ * next. FH_ERR_KERNELS_UNAVAILABLE, before anything is computed, when FH_ROW_KERNELS or FH_FP32_GEMM, or for bf16
+ * GEMMs FH_BF16_GEMM, forces what this CPU or build lacks. */
 fh_status fh_workspace_acquire(fh_context *ctx, int64_t n, const fh_plan *plans, int count, fh_workspace *ws);
 
 /* A streaming call's plan and workspace: one pass (call), or both (plans[0] and ws[0] forward, plans[1]
