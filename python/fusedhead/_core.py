@@ -79,7 +79,8 @@ def kernel_info() -> KernelInfo:
 
 def bf16_available() -> bool:
     """Whether bf16 calls run here: true on every CPU (oneDNN's bf16 matmul, or bf16 widened to f32 for BLIS),
-    false only when FH_ROW_KERNELS or FH_BF16_GEMM forces kernels this CPU or build lacks (kernel_info().refusal)."""
+    false only when FH_ROW_KERNELS, FH_BF16_GEMM or FH_FP32_GEMM forces kernels this CPU or build lacks, or names none
+    (kernel_info().refusal)."""
     return kernel_info().refusal is None
 
 
