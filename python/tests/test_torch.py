@@ -3,6 +3,7 @@ float64 (tolerances justified in conftest.py; gradcheck does not apply to an fp3
 from __future__ import annotations
 
 import threading
+import zlib
 
 import pytest
 
@@ -87,10 +88,15 @@ def compare(arrays, opts, upstream=None, requires=(True, True, True), context=No
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_torch(case, reduction):
     data, opts = split(CASES[case])
-    arrays = make_data(seed=hash(case) % 1000, **data)
+    # A seed fixed by the case's name: hash() of a str changes with every process (PYTHONHASHSEED), so the data did,
+    # and with it whether the fp32 loss met the 1e-6 bound against float64 (dft-none: 6 seeds in 1000 at 1.1e-6 to
+    # 1.4e-6, with BLIS's and oneDNN's fp32 GEMMs alike).
+    seed = zlib.crc32(case.encode()) % 1000
+    arrays = make_data(seed=seed, **data)
     n = arrays[0].shape[0]
     # 'none': a random per-token upstream gradient; 'mean'/'sum': a non-unit scalar (backward scales)
-    upstream = torch.randn(n, dtype=torch.float64) if reduction == "none" else torch.tensor(1.7, dtype=torch.float64)
+    upstream = (torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+                if reduction == "none" else torch.tensor(1.7, dtype=torch.float64))
     compare(arrays, dict(opts, reduction=reduction), upstream)
 
 
