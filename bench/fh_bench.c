@@ -7,8 +7,9 @@
  * divided by the ceiling: the best GFLOP/s of a 2048^3 GEMM in the run's dtype (for fp32 the faster of BLIS sgemm
  * and oneDNN's f32 matmul, whichever the library uses; for bf16 the library's path) on the same threads, timed in
  * each case's child right after the case (not before: the GEMM libraries' first use and their packing buffers belong
- * to the case's first call and peak memory), and the best of those over the run: a shared machine's speed drifts
- * over minutes, so a ceiling measured once could be caught slow, and would read efficiencies above 1.
+ * to the case's first call and peak memory), as many times as the case (at least 2, at most 10), and the best of
+ * those over the run: a shared machine's speed drifts over minutes, so a ceiling measured once could be caught slow,
+ * and would read efficiencies above 1; the best over the run's cases needs no more repetitions per case.
  *
  * --distribution says what the CE cases (and distillation's student) compute on: uniform random data (the default:
  * a near-uniform softmax), a synthetic peaked softmax of a chosen mean entropy, or a batch saved from a trained model
@@ -216,8 +217,9 @@ static double gemm_best_ms(const shape *s, void *const sg[3])
         providers[count++] = BENCH_ONEDNN_F32;
 #endif
     }
+    const int reps = s->reps < 2 ? 2 : s->reps < CEILING_REPS ? s->reps : CEILING_REPS;
     double best = INFINITY;
-    for (int k = 0; k < CEILING_REPS; k++)
+    for (int k = 0; k < reps; k++)
         for (int p = 0; p < count; p++) {
             const double t = now_ms();
             if (gemm_2048(s, providers[p], sg) == 0)
