@@ -77,6 +77,11 @@ FH_MPI_API fh_status fh_mpi_layout_create(MPI_Comm vocab_comm, MPI_Comm data_com
 FH_MPI_API fh_status fh_mpi_layout_create_grid(MPI_Comm comm, int vocab_ranks, int64_t local_vocab,
                                                fh_mpi_layout **layout);
 
+/* fh_mpi_layout_create with the communicators' Fortran handles (MPI_Comm_c2f; mpi4py's Comm.py2f()): an integer
+ * whatever the MPI's C handle type, so that callers without MPI's C header (Python's ctypes) can pass them. */
+FH_MPI_API fh_status fh_mpi_layout_create_fortran(MPI_Fint vocab_comm, MPI_Fint data_comm, int64_t local_vocab,
+                                                  fh_mpi_layout **layout);
+
 /* Frees the layout and its communicators (collective: MPI_Comm_free). NULL is accepted. */
 FH_MPI_API fh_status fh_mpi_layout_destroy(fh_mpi_layout *layout);
 

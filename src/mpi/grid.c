@@ -158,6 +158,16 @@ FH_MPI_API fh_status fh_mpi_layout_create_grid(MPI_Comm comm, int vocab_ranks, i
     return st;
 }
 
+FH_MPI_API fh_status fh_mpi_layout_create_fortran(MPI_Fint vocab_comm, MPI_Fint data_comm, int64_t local_vocab,
+                                                  fh_mpi_layout **layout)
+{
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    if (!initialized)
+        return FH_ERR_MPI;
+    return fh_mpi_layout_create(MPI_Comm_f2c(vocab_comm), MPI_Comm_f2c(data_comm), local_vocab, layout);
+}
+
 FH_MPI_API fh_status fh_mpi_layout_destroy(fh_mpi_layout *layout)
 {
     free_layout(layout);

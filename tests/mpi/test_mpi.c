@@ -171,10 +171,14 @@ static fh_mpi_layout *make_layout(const config *c, int64_t v, int64_t *off, int6
 {
     share(v, c->pv, c->vr, 2, off, vl);
     fh_mpi_layout *L = NULL;
-    /* Alternate between the two constructors: MPI_COMM_NULL stands for a missing kind. */
-    const fh_status st = fh_mpi_layout_create(c->pv > 1 ? c->vocab : MPI_COMM_NULL, c->pd > 1 ? c->data : MPI_COMM_NULL,
-                                              *vl, &L);
-    check_status("fh_mpi_layout_create", st, NULL);
+    /* Alternate between the C and the Fortran handles' constructors (every rank makes the same calls, so they
+     * alternate alike): MPI_COMM_NULL stands for a missing kind. */
+    static int made = 0;
+    const MPI_Comm vocab = c->pv > 1 ? c->vocab : MPI_COMM_NULL, data = c->pd > 1 ? c->data : MPI_COMM_NULL;
+    const int fortran = made++ % 2;
+    const fh_status st = fortran ? fh_mpi_layout_create_fortran(MPI_Comm_c2f(vocab), MPI_Comm_c2f(data), *vl, &L)
+                                 : fh_mpi_layout_create(vocab, data, *vl, &L);
+    check_status(fortran ? "fh_mpi_layout_create_fortran" : "fh_mpi_layout_create", st, NULL);
     if (st != FH_OK)
         MPI_Abort(MPI_COMM_WORLD, 4);
     fh_mpi_layout_info info;
