@@ -9,7 +9,7 @@ Every failing library call raises a FusedheadError subclass chosen by the status
       WisdomIOError (+ OSError)              status 23: a wisdom file cannot be read or written
       KernelsUnavailableError                status 32: FH_ROW_KERNELS / FH_BF16_GEMM force what this CPU lacks
       GemmFailedError                        status 40: the bf16 GEMM provider refused a product or failed
-      MPIError, MPILayoutError, MPIMismatchError  statuses 60, 61, 62 (the MPI module, not bound in Python)
+      MPIError, MPILayoutError, MPIMismatchError  statuses 60, 61, 62 (the MPI module: fusedhead.mpi)
 
 Argument problems caught in Python before the library is called (wrong dtype, device, shape or layout)
 raise plain TypeError / ValueError that say what was expected.

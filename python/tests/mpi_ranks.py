@@ -1,0 +1,210 @@
+"""One rank of python/tests/test_mpi.py (run under mpirun): fusedhead.mpi against the single-process call.
+
+Every rank builds the whole problem from one seed, computes it single-process with fusedhead.torch, then its own part
+through a fusedhead.mpi.Context on each grid that the world size allows (vocab-parallel, data-parallel, 2 x 2), in
+fp32 and bf16: cross-entropy (the train step, and 'none' through the split forward and backward), per-token log-probs
+and entropy, GRPO and KTO (train steps). The losses, metrics, this rank's per-token outputs, its rows of hidden's
+gradient and its shard of the weight's and bias's must equal the single process's within the C MPI suite's bounds
+(tests/mpi/test_mpi.c): 1e-6 relative for losses (the per-token statistics are combined in double, only the summation
+order differs), 1e-5 normwise for per-token values and fp32 gradients, 4e-3 more for each of bf16 inputs and bf16
+gradients (a bf16 input rounds dU to bf16 once per path, the paths' sums differ in order; a bf16 gradient is rounded
+once after the ranks' fp32 sum, the single process's after its own). Also: options that differ across the ranks raise
+MPIMismatchError on every rank, and a head without an MPI entry point raises NotImplementedError. Prints one line per
+rank and exits 1 on any failure.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Callable, Dict, List, Tuple
+
+import torch
+from mpi4py import MPI
+
+import fusedhead
+import fusedhead.errors
+import fusedhead.mpi
+import fusedhead.torch as ft
+
+LOSS_TOL, VALUE_TOL, BF16_TOL = 1e-6, 1e-5, 4e-3
+N_PER_DATA_RANK, B_PER_DATA_RANK, T, H, V = 24, 3, 8, 16, 103
+
+world = MPI.COMM_WORLD
+rank, size = world.Get_rank(), world.Get_size()
+failures: List[str] = []
+checks = 0
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.detach().double(), want.detach().double()
+    return float((got - want).norm() / max(float(want.norm()), 1e-30))
+
+
+def check(what: str, got, want, tol: float) -> None:
+    global checks
+    checks += 1
+    got_t, want_t = torch.as_tensor(got), torch.as_tensor(want)
+    err = rel(got_t, want_t)
+    if not err <= tol:
+        failures.append(f"{what}: relative error {err:.3g} > {tol:g}")
+
+
+def shard(count: int, parts: int, r: int) -> Tuple[int, int]:
+    base, extra = divmod(count, parts)
+    return r * base + min(r, extra), base + (r < extra)
+
+
+def leaves(*tensors: torch.Tensor) -> List[torch.Tensor]:
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+Run = Callable[[List[torch.Tensor], dict], Tuple[torch.Tensor, Dict[str, torch.Tensor]]]
+
+
+def compare(name: str, run: Run, inputs: Dict[str, torch.Tensor], rows: str, pv: int, pd: int, vr: int, dr: int,
+            dtype: torch.dtype, context: fusedhead.Context) -> None:
+    """run(leaves [hidden, weight, bias], token inputs) -> (loss, per-token outputs): single process on the whole
+    problem, then this rank's part (its tokens' rows of `rows`-split inputs, its vocabulary shard) on context."""
+    x, w, b = (inputs[k].to(dtype) for k in ("hidden", "weight", "bias"))
+    whole = leaves(x, w, b)
+    loss, outputs = run(whole, {k: v for k, v in inputs.items() if k not in ("hidden", "weight", "bias")})
+    loss.backward()
+    lo, count = shard(V, pv, vr)
+    units = x.shape[0]  # tokens (CE, log-probs) or sequences (GRPO, KTO): the data ranks split the first dimension
+    first, mine = dr * units // pd, units // pd
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t[first:first + mine]
+
+    part = leaves(local(x), w[lo:lo + count], b[lo:lo + count])
+    token_inputs = {k: (local(v) if v.dim() > 0 and v.shape[0] == units else v) for k, v in inputs.items()
+                    if k not in ("hidden", "weight", "bias")}
+    got_loss, got_outputs = run(part, dict(token_inputs, context=context))
+    got_loss.backward()
+    bf16 = dtype == torch.bfloat16
+    grad_tol = VALUE_TOL + (2 * BF16_TOL if bf16 else 0.0)
+    value_tol = VALUE_TOL + (BF16_TOL if bf16 else 0.0)
+    label = f"{name} {str(dtype)[6:]} grid {pv}x{pd} rank {rank}"
+    if rows != "tokens" or pd == 1:  # the per-token heads' scalar is this rank's tokens' sum (their outputs are checked)
+        check(f"{label} loss", got_loss.float(), loss.float(), LOSS_TOL if not bf16 else value_tol)
+    for key, want in outputs.items():
+        want = local(want) if want.dim() > 0 and want.shape[0] == units else want
+        check(f"{label} {key}", got_outputs[key].float(), want.float(), value_tol)
+    check(f"{label} dhidden", part[0].grad, local(whole[0].grad), grad_tol)
+    check(f"{label} dweight", part[1].grad, whole[1].grad[lo:lo + count], grad_tol)
+    check(f"{label} dbias", part[2].grad, whole[2].grad[lo:lo + count], grad_tol)
+
+
+def ce_mean(p, a):
+    return ft.fused_linear_cross_entropy(p[0], p[1], a["targets"], bias=p[2], label_smoothing=0.1,
+                                         context=a.get("context")), {}
+
+
+def ce_none(p, a):
+    per_token = ft.fused_linear_cross_entropy(p[0], p[1], a["targets"], bias=p[2], reduction="none",
+                                              context=a.get("context"))
+    return (per_token * a["upstream"]).sum(), {"per_token_loss": per_token}
+
+
+def logprobs(p, a):
+    logp, entropy = ft.fused_linear_logprobs(p[0], p[1], a["targets"], temperature=0.9, return_entropy=True,
+                                             bias=p[2], context=a.get("context"))
+    return (logp * a["upstream"] + 0.1 * entropy).sum(), {"logp": logp, "entropy": entropy}
+
+
+def grpo(p, a):
+    loss, metrics = ft.fused_linear_grpo_loss(p[0], p[1], a["ids"], a["mask"], a["advantages"], bias=p[2],
+                                              old_per_token_logps=a["old"], ref_per_token_logps=a["ref"],
+                                              loss_type="dapo", beta=0.04, context=a.get("context"))
+    return loss, {k: torch.as_tensor(v) for k, v in metrics.items()}
+
+
+def kto(p, a):
+    out = ft.fused_linear_kto_loss(p[0], p[1], a["ids"], a["mask"], a["labels"], ref_logps=a["ref_logps"],
+                                   kl=0.05, bias=p[2], context=a.get("context"))
+    return out[0], {"logps": out[2], "rewards": out[3], **{k: torch.as_tensor(v) for k, v in out[1].items()}}
+
+
+def inputs_for(kind: str, pd: int, g: torch.Generator) -> Dict[str, torch.Tensor]:
+    weight = {"weight": torch.randn(V, H, generator=g) * 0.4, "bias": torch.randn(V, generator=g) * 0.1}
+    if kind in ("ce", "tokens"):
+        n = N_PER_DATA_RANK * pd
+        targets = torch.randint(0, V, (n,), generator=g)
+        targets[::5] = -100
+        return dict(weight, hidden=torch.randn(n, H, generator=g), targets=targets,
+                    upstream=torch.randn(n, generator=g))
+    b = B_PER_DATA_RANK * pd
+    mask = (torch.rand(b, T, generator=g) > 0.2).float()
+    seq = dict(weight, hidden=torch.randn(b, T, H, generator=g), ids=torch.randint(0, V, (b, T), generator=g),
+               mask=mask)
+    if kind == "grpo":
+        return dict(seq, advantages=torch.randn(b, generator=g), old=-3.0 - torch.rand(b, T, generator=g),
+                    ref=-3.0 - torch.rand(b, T, generator=g))
+    return dict(seq, labels=torch.arange(b) % 2 == 0, ref_logps=-30.0 - torch.rand(b, generator=g))
+
+
+HEADS = (("ce mean", ce_mean, "ce"), ("ce none", ce_none, "tokens"), ("logprobs", logprobs, "tokens"),
+         ("grpo", grpo, "grpo"), ("kto", kto, "kto"))
+
+
+def grids() -> List[Tuple[int, int]]:
+    out = [(size, 1), (1, size)]
+    if size == 4:
+        out.append((2, 2))
+    return out
+
+
+def main() -> int:
+    dtypes = [torch.float32] + ([torch.bfloat16] if fusedhead.bf16_available() else [])
+    for pv, pd in grids():
+        vr, dr = rank % pv, rank // pv
+        vocab_comm = world.Split(dr, rank)  # consecutive ranks share the tokens, as fh_mpi_layout_create_grid
+        data_comm = world.Split(vr, rank)
+        lo, count = shard(V, pv, vr)
+        with fusedhead.mpi.Layout(count, vocab_comm=vocab_comm if pv > 1 else None,
+                                  data_comm=data_comm if pd > 1 else None) as layout:
+            info = layout.info
+            check(f"layout {pv}x{pd} rank {rank}", torch.tensor([info.vocab_offset, info.total_vocab]),
+                  torch.tensor([lo, V]), 0.0)
+            context = fusedhead.mpi.Context(layout, threads=1)
+            for dtype in dtypes:
+                for name, run, kind in HEADS:
+                    g = torch.Generator().manual_seed(7)
+                    compare(name, run, inputs_for(kind, pd, g), kind, pv, pd, vr, dr, dtype, context)
+            mismatch_and_refusal(context, count, pv, pd)
+            context.close()
+        vocab_comm.Free()
+        data_comm.Free()
+    print(f"rank {rank}/{size}: {checks} checks, {len(failures)} failures", flush=True)
+    for f in failures[:20]:
+        print(f"rank {rank}: FAILED {f}", flush=True)
+    return 1 if world.allreduce(len(failures)) else 0
+
+
+def mismatch_and_refusal(context: fusedhead.Context, count: int, pv: int, pd: int) -> None:
+    """Rank 0 asks for other label smoothing than the others: MPIMismatchError on every rank, naming the option;
+    the preference head has no MPI entry point: NotImplementedError."""
+    global checks
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(4, H, generator=g), torch.randn(count, H, generator=g)
+    targets = torch.zeros(4, dtype=torch.int64)
+    try:
+        ft.fused_linear_cross_entropy(x, w, targets, label_smoothing=0.1 if rank == 0 else 0.2, context=context)
+        failures.append(f"grid {pv}x{pd}: options differing across ranks did not raise")
+    except fusedhead.errors.MPIMismatchError as e:
+        checks += 1
+        if "label_smoothing" not in str(e):
+            failures.append(f"grid {pv}x{pd}: the mismatch error does not name the option: {e}")
+    try:
+        ft.fused_linear_preference_loss(torch.randn(2, 3, H), w, torch.zeros(2, 3, dtype=torch.int64),
+                                        torch.ones(2, 3), context=context)
+        failures.append("the preference head ran on an MPI context")
+    except NotImplementedError as e:
+        checks += 1
+        if "fh_preference_forward" not in str(e):
+            failures.append(f"NotImplementedError does not name the function: {e}")
+    except TypeError as e:  # a front end whose arguments differ: report it, do not hide it
+        failures.append(f"the preference call's arguments: {e}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""fusedhead.mpi (mpi4py communicators over libfusedhead_mpi) under mpirun with 2 and 4 ranks: every grid those allow
+(vocab-parallel, data-parallel, 2 x 2), fp32 and bf16, cross-entropy, log-probs, GRPO and KTO against the single
+process (python/tests/mpi_ranks.py: what is compared and the bounds), a mismatch of options across ranks, and a head
+without an MPI entry point. Skipped, saying why, without mpirun, mpi4py or libfusedhead_mpi."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mpi4py", reason="mpi4py is not installed (python/requirements-test.txt pins it)")
+torch = pytest.importorskip("torch")
+
+import fusedhead.mpi  # noqa: E402
+
+RANKS = Path(__file__).with_name("mpi_ranks.py")
+
+
+def _mpirun() -> str:
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("mpirun is not on PATH (Debian: openmpi-bin)")
+    try:
+        fusedhead.mpi.load_mpi_library()
+    except fusedhead.LibraryNotFoundError as e:
+        pytest.skip(f"no libfusedhead_mpi: {e}")
+    return mpirun
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_heads_across_ranks_equal_the_single_process(ranks: int):
+    mpirun = _mpirun()
+    version = subprocess.run([mpirun, "--version"], capture_output=True, text=True).stdout
+    # Open MPI: more ranks than cores needs --oversubscribe, and root needs the two variables (CI runs as root)
+    flags = ["--oversubscribe"] if "Open MPI" in version or "OpenRTE" in version else []
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_btl_vader_single_copy_mechanism="none",
+               FUSEDHEAD_LIBRARY=fusedhead.library_path(), FUSEDHEAD_MPI_LIBRARY=fusedhead.mpi._mpi_library_path(),
+               PYTHONPATH=os.pathsep.join([str(Path(fusedhead.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([mpirun, "-np", str(ranks), *flags, sys.executable, str(RANKS)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    summary = [line for line in run.stdout.splitlines() if "checks" in line or "FAILED" in line]
+    assert run.returncode == 0, "\n".join(summary) + "\n" + run.stderr[-4000:]
+    assert len([line for line in summary if " 0 failures" in line]) == ranks, run.stdout
