@@ -7,6 +7,7 @@ library through a `Context`, turning a non-zero status into a FusedheadError.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import enum
 import itertools
@@ -15,7 +16,7 @@ import os
 import threading
 import warnings
 import weakref
-from typing import NamedTuple, Optional, Sequence, Tuple, Type, TypeVar, Union
+from typing import ContextManager, NamedTuple, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 from . import _lib
 from ._lib import Dtype, FilterTail, Layout, Param, Reduction, Status, c_double_p, c_float_p, c_int64_p, fh_filter_stats, load_library
@@ -197,6 +198,11 @@ class Context:
             status = fn(self._require_open(), *args)
             if status != 0:
                 check_status(status, function, None if pure else self)
+
+    def collective(self, function: str) -> ContextManager[None]:
+        """Around the checks that precede a call of `function`: nothing on a single-process context
+        (fusedhead.mpi.Context: its ranks' calls are collective)."""
+        return contextlib.nullcontext()
 
     @property
     def message(self) -> str:

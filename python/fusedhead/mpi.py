@@ -29,11 +29,12 @@ than one thread. libfusedhead_mpi is looked for beside the loaded libfusedhead, 
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 from . import _core, _lib
 from ._core import check_status
@@ -183,6 +184,7 @@ class Context(_core.Context):
     def __init__(self, layout: Layout, **settings):
         super().__init__(**settings)
         self.layout = layout
+        self._calls = 0  # the heads' calls made, for collective()
 
     def call(self, function: str, *args, pure: bool = False) -> None:
         if function.startswith("fh_context_"):  # the context's own settings and state: not a head's call
@@ -190,9 +192,33 @@ class Context(_core.Context):
             return
         fn = _mpi_function(function)
         with self._lock:
+            self._calls += 1
             status = fn(self._require_open(), self.layout.handle(), *args)
             if status != 0:
                 check_status(status, "fh_mpi_" + function[len("fh_"):], self)
+
+    @contextlib.contextmanager
+    def collective(self, function: str) -> Iterator[None]:
+        """A check that fails on this rank before it calls fh_mpi_<function> (a bad argument, caught in Python)
+        would leave the other ranks waiting in that call's collectives: the rank then makes the call with no
+        arguments, which joins their agreement and fails on every rank (the others learn that a rank failed), and
+        raises its own error."""
+        made = self._calls
+        try:
+            yield
+        except BaseException:
+            if self._calls == made:
+                self._join_failed(function)
+            raise
+
+    def _join_failed(self, function: str) -> None:
+        try:
+            fn = _mpi_function(function)
+        except NotImplementedError:
+            return  # no MPI call to join: the other ranks raise the same
+        with self._lock:
+            self._calls += 1
+            fn(self._require_open(), self.layout.handle(), *([None] * (len(fn.argtypes) - 2)))
 
     def __repr__(self) -> str:
         return f"fusedhead.mpi.Context(key={self.key}, {self.layout!r})"

@@ -154,6 +154,7 @@ def grids() -> List[Tuple[int, int]]:
 
 
 def main() -> int:
+    global checks
     dtypes = [torch.float32] + ([torch.bfloat16] if fusedhead.bf16_available() else [])
     for pv, pd in grids():
         vr, dr = rank % pv, rank // pv
@@ -172,6 +173,13 @@ def main() -> int:
                     compare(name, run, inputs_for(kind, pd, g), kind, pv, pd, vr, dr, dtype, context)
             mismatch_and_refusal(context, count, pv, pd)
             context.close()
+        if pd > 1:  # data ranks holding different shards: MPILayoutError on every rank
+            try:
+                fusedhead.mpi.Layout(count + (rank == 0), vocab_comm=vocab_comm if pv > 1 else None,
+                                     data_comm=data_comm).close()
+                failures.append(f"grid {pv}x{pd}: data ranks with different shards made a layout")
+            except fusedhead.errors.MPILayoutError:
+                checks += 1
         vocab_comm.Free()
         data_comm.Free()
     print(f"rank {rank}/{size}: {checks} checks, {len(failures)} failures", flush=True)
@@ -181,8 +189,10 @@ def main() -> int:
 
 
 def mismatch_and_refusal(context: fusedhead.Context, count: int, pv: int, pd: int) -> None:
-    """Rank 0 asks for other label smoothing than the others: MPIMismatchError on every rank, naming the option;
-    the preference head has no MPI entry point: NotImplementedError."""
+    """Rank 0 asks for other label smoothing than the others: MPIMismatchError on every rank, naming the option; the
+    last rank's targets are of the wrong dtype: it raises TypeError, the others an error saying that a rank failed (not
+    a hang), in a train step and in a split forward; the preference head has no MPI entry point:
+    NotImplementedError."""
     global checks
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(4, H, generator=g), torch.randn(count, H, generator=g)
@@ -194,6 +204,23 @@ def mismatch_and_refusal(context: fusedhead.Context, count: int, pv: int, pd: in
         checks += 1
         if "label_smoothing" not in str(e):
             failures.append(f"grid {pv}x{pd}: the mismatch error does not name the option: {e}")
+    bad = rank == size - 1  # its targets are int32: the front end raises before the library is called
+    wrong = targets.to(torch.int32) if bad else targets
+    calls = (("the train step", lambda: ft.fused_linear_cross_entropy(x, w.requires_grad_(), wrong, context=context)),
+             ("the split forward", lambda: ft.fused_linear_logprobs(x, w, wrong, context=context)))
+    for what, call in calls:
+        try:
+            call()
+            failures.append(f"grid {pv}x{pd}: {what} with one rank's bad targets did not raise")
+        except TypeError as e:  # the bad rank's own error, as without MPI
+            checks += 1
+            if not bad:
+                failures.append(f"grid {pv}x{pd}: {what}: a good rank raised the bad rank's error: {e}")
+        except fusedhead.FusedheadError as e:  # the others: told that a rank failed
+            checks += 1
+            if bad or "rank" not in str(e):
+                failures.append(f"grid {pv}x{pd}: {what}: {type(e).__name__}: {e}")
+    w.requires_grad_(False)
     try:
         ft.fused_linear_preference_loss(torch.randn(2, 3, H), w, torch.zeros(2, 3, dtype=torch.int64),
                                         torch.ones(2, 3), context=context)

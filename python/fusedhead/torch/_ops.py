@@ -20,6 +20,7 @@ an op as an empty tensor and from the front ends as None.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -82,6 +83,13 @@ def _needs_grad(t) -> bool:
 
 def context_key(context: Optional[Context]) -> int:
     return 0 if context is None else context.key
+
+
+def collective(context: Optional[Context], function: str):
+    """Where a call of the library's `function` may fail before it is made (the arguments' checks): a context whose
+    calls are collective (fusedhead.mpi.Context) then still joins the other ranks' call, so that they return an error
+    instead of waiting for this rank forever. A plain context: nothing to do."""
+    return context.collective(function) if context is not None else contextlib.nullcontext()
 
 
 def refuse_double_backward() -> None:
@@ -159,15 +167,17 @@ class TrainStep:
     context) -> (outputs, (dx, dw, db)); outputs[0] is the differentiable loss, the rest are not
     differentiable. grad_args names the arguments that get dx, dw, db."""
 
-    def __init__(self, name: str, args: Args, outputs: int, run: Callable,
+    def __init__(self, name: str, args: Args, outputs: int, run: Callable, entry: str,
                  grad_args: Tuple[str, str, str] = ("hidden", "weight", "bias")):
-        self.name, self.args, self.outputs, self.run = name, tuple(args), outputs, run
+        self.name, self.args, self.outputs, self.run, self.entry = name, tuple(args), outputs, run, entry
         self.names = [n for _, n in args]
         self.grad_positions = [self.names.index(a) for a in grad_args]
         self.op = self._register() if TORCH_OPS else None
 
     def _run(self, values: Sequence, need: Sequence[bool], context: Optional[Context]):
-        return self.run(dict(zip(self.names, values)), tuple(need), context)
+        function = f"{self.entry}_forward_backward" if any(need) else f"{self.entry}_forward"
+        with collective(context, function):
+            return self.run(dict(zip(self.names, values)), tuple(need), context)
 
     def __call__(self, context: Optional[Context] = None, **values) -> tuple:
         vals = _values(self.args, values)
@@ -231,9 +241,9 @@ class SplitStep:
     (hidden, weight, bias), context) -> (dx, dw, db)."""
 
     def __init__(self, name: str, args: Args, outputs: int, differentiable: Sequence[int], saved: Sequence[int],
-                 forward: Callable, backward: Callable,
+                 forward: Callable, backward: Callable, entry: str,
                  grad_args: Tuple[str, str, str] = ("hidden", "weight", "bias")):
-        self.name, self.args, self.outputs = name, tuple(args), outputs
+        self.name, self.args, self.outputs, self.entry = name, tuple(args), outputs, entry
         self.differentiable, self.saved = tuple(differentiable), tuple(saved)
         self.forward, self.backward = forward, backward
         self.names = [n for _, n in args]
@@ -242,11 +252,13 @@ class SplitStep:
         self.ops = self._register() if TORCH_OPS else None
 
     def _forward(self, vals: Sequence, context: Optional[Context]) -> tuple:
-        return tuple(self.forward(dict(zip(self.names, vals)), context))
+        with collective(context, f"{self.entry}_forward"):
+            return tuple(self.forward(dict(zip(self.names, vals)), context))
 
     def _backward(self, vals: Sequence, saved: Sequence, upstream: Sequence, need: Sequence[bool],
                   context: Optional[Context]) -> Grads:
-        return self.backward(dict(zip(self.names, vals)), tuple(saved), tuple(upstream), tuple(need), context)
+        with collective(context, f"{self.entry}_backward"):
+            return self.backward(dict(zip(self.names, vals)), tuple(saved), tuple(upstream), tuple(need), context)
 
     def __call__(self, context: Optional[Context] = None, **values) -> tuple:
         vals = _values(self.args, values)

@@ -101,9 +101,9 @@ def _backward_none(a: dict, saved, upstream, need, context: Optional[Context]):
     return dx, dw, db
 
 
-_CE_TRAIN = TrainStep("cross_entropy", _ARGS, 4, _train)
+_CE_TRAIN = TrainStep("cross_entropy", _ARGS, 4, _train, "fh_ce")
 _CE_NONE = SplitStep("cross_entropy_none", _ARGS, 5, differentiable=(0,), saved=(2,), forward=_forward_none,
-                     backward=_backward_none)
+                     backward=_backward_none, entry="fh_ce")
 
 
 class CrossEntropyOutput(NamedTuple):

@@ -129,18 +129,18 @@ def _backward_none(make: Callable) -> Callable:
 class _Head:
     """A distillation head's two ops: the train step ('mean'/'sum') and the per-token pair ('none')."""
 
-    def __init__(self, name: str, args, make: Callable, grad_args):
-        self.train = TrainStep(name, args, 3, _train(make), grad_args)
+    def __init__(self, name: str, args, make: Callable, grad_args, entry: str):
+        self.train = TrainStep(name, args, 3, _train(make), entry, grad_args)
         self.none = SplitStep(f"{name}_none", args, 3, differentiable=(0,), saved=(), forward=_forward_none(make),
-                              backward=_backward_none(make), grad_args=grad_args)
+                              backward=_backward_none(make), entry=entry, grad_args=grad_args)
 
     def call(self, context: Optional[Context], **values):
         step = self.none if values["reduction"] in ("none", Reduction.NONE) else self.train
         return step(context, **values)
 
 
-_DISTILL = _Head("distill", _ARGS, _Distill, ("student_input", "student_weight", "student_bias"))
-_DISTILL_TOPK = _Head("distill_topk", _TOPK_ARGS, _DistillTopk, ("input", "weight", "bias"))
+_DISTILL = _Head("distill", _ARGS, _Distill, ("student_input", "student_weight", "student_bias"), "fh_distill")
+_DISTILL_TOPK = _Head("distill_topk", _TOPK_ARGS, _DistillTopk, ("input", "weight", "bias"), "fh_distill_topk")
 
 
 def _distill_option_dict(divergence, beta, temperature, weight_soft_loss, weight_hard_loss, ignore_index,

@@ -72,7 +72,7 @@ def _run(a: dict, need, context: Optional[Context]):
     return (scalar(loss, g.lin.dtype), *metrics_tensors(m, GRPO_METRIC_KEYS), logp.view(g.bt)), grads
 
 
-_GRPO_STEP = TrainStep("grpo", _ARGS, 4, _run)
+_GRPO_STEP = TrainStep("grpo", _ARGS, 4, _run, "fh_grpo")
 
 
 def _grpo_loss(hidden, weight, completion_ids, completion_mask, advantages, bias, old, ref, sampling, options: dict,

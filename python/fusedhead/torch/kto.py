@@ -78,7 +78,7 @@ def _run(a: dict, need, context: Optional[Context]):
     return (scalar(loss, k.lin.dtype), *metrics_tensors(m, KTO_METRIC_KEYS), logps, rewards), grads
 
 
-_KTO_STEP = TrainStep("kto", _ARGS, 5, _run)
+_KTO_STEP = TrainStep("kto", _ARGS, 5, _run, "fh_kto")
 
 
 class KTOLossOutput(NamedTuple):

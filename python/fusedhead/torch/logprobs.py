@@ -54,7 +54,7 @@ def _backward(a: dict, saved, upstream, need, context: Optional[Context]):
 
 
 _LOGPROBS = SplitStep("logprobs", _ARGS, 3, differentiable=(0, 1, 2), saved=(1, 2), forward=_forward,
-                      backward=_backward)
+                      backward=_backward, entry="fh_logprob")
 
 
 def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,

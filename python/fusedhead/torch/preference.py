@@ -76,7 +76,7 @@ def _run(a: dict, need, context: Optional[Context]):
     return (scalar(loss, p.lin.dtype), *metrics_tensors(m, PREFERENCE_METRIC_KEYS), logps, rewards), grads
 
 
-_PREFERENCE = TrainStep("preference", _ARGS, 5, _run)
+_PREFERENCE = TrainStep("preference", _ARGS, 5, _run, "fh_preference")
 
 
 class PreferenceLossOutput(NamedTuple):
