@@ -304,6 +304,13 @@ _context_keys = itertools.count(1)  # 0: the calling thread's default context
 _contexts_by_key: "weakref.WeakValueDictionary[int, Context]" = weakref.WeakValueDictionary()
 
 
+def collective(context: Optional[Context], function: str) -> ContextManager[None]:
+    """Around the checks that precede a call of the library's `function`: a context whose calls are collective
+    (fusedhead.mpi.Context) makes the call anyway when they fail, so that the other ranks return an error instead of
+    waiting for this one forever. No context (the thread's default) or a plain one: nothing to do."""
+    return context.collective(function) if context is not None else contextlib.nullcontext()
+
+
 def context_by_key(key: int) -> "Context":
     """The Context whose `key` this is (0: this thread's default context); ValueError once it was freed."""
     if key == 0:

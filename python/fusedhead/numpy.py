@@ -32,14 +32,16 @@ ignored); preference_loss, a mean over pairs, needs at least one pair and one to
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
-from typing import Iterable, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple, TypeVar, Union
 
 import numpy as np
 
 from ._core import (CEProblem, Context, DistillProblem, DistillTopkProblem, GRPOProblem, KTOProblem, LinearHead,
                     LogprobProblem, PreferenceProblem, kto_metrics_dict, kto_options,
-                    View, default_context, distill_options, grpo_metrics_dict, grpo_options, pairs_shape, parse_reduction,
+                    View, collective, default_context, distill_options, grpo_metrics_dict, grpo_options, pairs_shape, parse_reduction,
                     prefixed_errors, preference_metrics_dict, preference_options, status_string, distill_topk_options)
 from ._lib import Dtype, Reduction, Status
 from .errors import error_for
@@ -306,6 +308,25 @@ class CrossEntropyResult:
         return Gradients(self.dhidden, self.dweight, self.dbias)
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _joined(entry: Callable[[Dict[str, Any]], str]) -> Callable[[F], F]:
+    """A public function that calls the library's entry(its arguments by name) once: on a collective context
+    (fusedhead.mpi.Context) a failure of its checks still joins the other ranks' call (_core.collective)."""
+    def wrap(fn: F) -> F:
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            with collective(bound.arguments["context"], entry(bound.arguments)):
+                return fn(*args, **kwargs)
+        return call  # type: ignore[return-value]
+    return wrap
+
+
 def _run_forward(p: _Prepared, ctx: Optional[Context], grad=None, grad_struct=None,
                  return_entropy: bool = False) -> CrossEntropyResult:
     ptl, logp, lse, am = (p.tokens(np.float32), p.tokens(np.float32), p.tokens(np.float32), p.tokens(np.int64))
@@ -330,6 +351,7 @@ def _run_forward(p: _Prepared, ctx: Optional[Context], grad=None, grad_struct=No
 # ---------------------------------------------------------------------------------------------------------
 # Public API (mirrors fh_ce_forward, fh_ce_backward, fh_ce_forward_backward)
 # ---------------------------------------------------------------------------------------------------------
+@_joined(lambda a: "fh_ce_forward")
 def forward(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, bias: Optional[np.ndarray] = None, *,
             layout: str = "vh", ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
             class_weights: Optional[np.ndarray] = None, softcap: float = 0.0, z_loss: float = 0.0,
@@ -341,6 +363,7 @@ def forward(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, bias: O
     return _run_forward(p, context, return_entropy=return_entropy)
 
 
+@_joined(lambda a: "fh_ce_backward")
 def backward(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, bias: Optional[np.ndarray] = None, *,
              lse: np.ndarray, grad_output=None, layout: str = "vh", ignore_index: int = -100,
              reduction: str = "mean", label_smoothing: float = 0.0, class_weights: Optional[np.ndarray] = None,
@@ -373,6 +396,7 @@ def backward(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, bias: 
     return p.shaped_grads(bufs, dhidden)
 
 
+@_joined(lambda a: "fh_ce_forward_backward")
 def forward_backward(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray,
                      bias: Optional[np.ndarray] = None, *, grad_output=None, layout: str = "vh",
                      ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
@@ -450,6 +474,8 @@ class LogprobsResult:
     dbias: Optional[np.ndarray] = None
 
 
+@_joined(lambda a: "fh_logprob_forward_backward" if any(a[g] is not None for g in ("g_logp", "g_entropy", "g_lse"))
+         else "fh_logprob_forward")
 def logprobs(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, bias: Optional[np.ndarray] = None, *,
              temperature: float = 1.0, softcap: Optional[float] = None, logit_scale: Optional[float] = None,
              ignore_index: int = -100, g_logp: Optional[np.ndarray] = None, g_entropy: Optional[np.ndarray] = None,
@@ -569,6 +595,7 @@ class GRPOResult:
     dbias: Optional[np.ndarray] = None
 
 
+@_joined(lambda a: "fh_grpo_forward_backward" if a["return_grads"] else "fh_grpo_forward")
 def grpo_loss(hidden: np.ndarray, weight: np.ndarray, completion_ids: np.ndarray, completion_mask: np.ndarray,
               advantages: np.ndarray, bias: Optional[np.ndarray] = None,
               old_per_token_logps: Optional[np.ndarray] = None, ref_per_token_logps: Optional[np.ndarray] = None,
@@ -716,6 +743,7 @@ def _sequence_vector(a, name: str, dtype, b: int, hint: str = "") -> Optional[np
     return a
 
 
+@_joined(lambda a: "fh_kto_forward_backward" if a["return_grads"] else "fh_kto_forward")
 def kto_loss(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, mask: np.ndarray, labels: np.ndarray,
              bias: Optional[np.ndarray] = None, ref_logps: Optional[np.ndarray] = None,
              ref_per_token_logps: Optional[np.ndarray] = None, kl: Optional[float] = None,

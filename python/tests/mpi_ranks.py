@@ -23,6 +23,7 @@ from mpi4py import MPI
 import fusedhead
 import fusedhead.errors
 import fusedhead.mpi
+import fusedhead.numpy
 import fusedhead.torch as ft
 
 LOSS_TOL, VALUE_TOL, BF16_TOL = 1e-6, 1e-5, 4e-3
@@ -191,7 +192,7 @@ def main() -> int:
 def mismatch_and_refusal(context: fusedhead.Context, count: int, pv: int, pd: int) -> None:
     """Rank 0 asks for other label smoothing than the others: MPIMismatchError on every rank, naming the option; the
     last rank's targets are of the wrong dtype: it raises TypeError, the others an error saying that a rank failed (not
-    a hang), in a train step and in a split forward; the preference head has no MPI entry point:
+    a hang), in a train step, a split forward and NumPy's train step; the preference head has no MPI entry point:
     NotImplementedError."""
     global checks
     g = torch.Generator().manual_seed(3)
@@ -207,19 +208,22 @@ def mismatch_and_refusal(context: fusedhead.Context, count: int, pv: int, pd: in
     bad = rank == size - 1  # its targets are int32: the front end raises before the library is called
     wrong = targets.to(torch.int32) if bad else targets
     calls = (("the train step", lambda: ft.fused_linear_cross_entropy(x, w.requires_grad_(), wrong, context=context)),
-             ("the split forward", lambda: ft.fused_linear_logprobs(x, w, wrong, context=context)))
+             ("the split forward", lambda: ft.fused_linear_logprobs(x, w, wrong, context=context)),
+             ("NumPy's train step", lambda: fusedhead.numpy.forward_backward(x.numpy(), w.detach().numpy(),
+                                                                              wrong.numpy(), context=context)))
     for what, call in calls:
         try:
             call()
             failures.append(f"grid {pv}x{pd}: {what} with one rank's bad targets did not raise")
-        except TypeError as e:  # the bad rank's own error, as without MPI
-            checks += 1
-            if not bad:
-                failures.append(f"grid {pv}x{pd}: {what}: a good rank raised the bad rank's error: {e}")
         except fusedhead.FusedheadError as e:  # the others: told that a rank failed
             checks += 1
             if bad or "rank" not in str(e):
                 failures.append(f"grid {pv}x{pd}: {what}: {type(e).__name__}: {e}")
+        except (TypeError, ValueError) as e:  # the bad rank's own error, as without MPI (after: the library's
+            # errors are ValueErrors too)
+            checks += 1
+            if not bad:
+                failures.append(f"grid {pv}x{pd}: {what}: a good rank raised the bad rank's error: {e}")
     w.requires_grad_(False)
     try:
         ft.fused_linear_preference_loss(torch.randn(2, 3, H), w, torch.zeros(2, 3, dtype=torch.int64),

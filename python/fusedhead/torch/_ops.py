@@ -20,14 +20,13 @@ an op as an empty tensor and from the front ends as None.
 """
 from __future__ import annotations
 
-import contextlib
 import enum
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from .._core import Context, context_by_key, default_context, int64
+from .._core import Context, collective, context_by_key, default_context, int64
 from ._tensors import DweightPool, TorchLinear, compiling, dweight_pool, is_fake
 
 # torch.library.custom_op and register_autograd arrived in torch 2.4
@@ -83,13 +82,6 @@ def _needs_grad(t) -> bool:
 
 def context_key(context: Optional[Context]) -> int:
     return 0 if context is None else context.key
-
-
-def collective(context: Optional[Context], function: str):
-    """Where a call of the library's `function` may fail before it is made (the arguments' checks): a context whose
-    calls are collective (fusedhead.mpi.Context) then still joins the other ranks' call, so that they return an error
-    instead of waiting for this rank forever. A plain context: nothing to do."""
-    return context.collective(function) if context is not None else contextlib.nullcontext()
 
 
 def refuse_double_backward() -> None:
