@@ -29,7 +29,7 @@ torch = pytest.importorskip("torch")
 
 # Run inside the throwaway environment: a train step, checked against torch in float64 there, and what was loaded.
 TRAIN_STEP = """
-import ctypes, json, pathlib
+import json, pathlib
 import torch
 import torch.nn.functional as F
 import fusedhead
@@ -47,8 +47,10 @@ ref = F.cross_entropy(F.linear(x64, w64), y)
 ref.backward()
 rel = lambda a, b: float((a.double() - b).norm() / b.norm())
 mpi = pathlib.Path(fusedhead.__file__).parent / "libfusedhead_mpi.so"
-if mpi.exists():
-    ctypes.CDLL(str(mpi))  # its dependencies resolve as installed
+if mpi.exists():  # fusedhead.mpi finds it beside the package's libfusedhead; its dependencies resolve as installed
+    import fusedhead.mpi
+    fusedhead.mpi.load_mpi_library()
+    assert pathlib.Path(fusedhead.mpi._mpi_library_path()).resolve() == mpi.resolve()
 print(json.dumps({"loss_error": abs(loss.item() - ref.item()) / abs(ref.item()),
                   "dx_error": rel(x.grad, x64.grad), "dw_error": rel(w.grad, w64.grad),
                   "package": fusedhead.__file__, "library": fusedhead.library_path(),
