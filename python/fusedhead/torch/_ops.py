@@ -45,6 +45,12 @@ def _argument(kind: str, name: str, value):
     if kind == "Tensor":
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+        if _is_dtensor(value):
+            raise TypeError(f"{name}: a DTensor (placements {list(value.placements)}): fusedhead.torch computes one "
+                            f"process's head on whole tensors, and would take a shard for the whole; a head sharded "
+                            f"across processes runs through fusedhead.mpi (mpi4py communicators, docs/mpi.md), "
+                            f"torch.distributed groups are not supported yet; for the whole tensor pass "
+                            f"{name}.full_tensor()")
         return value
     if kind == "float":
         if isinstance(value, str):
@@ -70,6 +76,11 @@ def _argument(kind: str, name: str, value):
             raise TypeError(f"{name}: expected a sequence of numbers, got {value!r}")
         return [_argument("float", name, v) for v in value]
     raise ValueError(f"{name}: unknown schema type {kind!r}")
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """A torch.distributed DTensor (torch >= 2.4), known without importing torch.distributed."""
+    return any(c.__name__ == "DTensor" and c.__module__.startswith("torch.distributed") for c in type(t).__mro__)
 
 
 def _values(args: Args, values: Dict[str, object]) -> List[object]:
