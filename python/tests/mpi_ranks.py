@@ -164,9 +164,8 @@ def main() -> int:
         lo, count = shard(V, pv, vr)
         with fusedhead.mpi.Layout(count, vocab_comm=vocab_comm if pv > 1 else None,
                                   data_comm=data_comm if pd > 1 else None) as layout:
-            info = layout.info
-            check(f"layout {pv}x{pd} rank {rank}", torch.tensor([info.vocab_offset, info.total_vocab]),
-                  torch.tensor([lo, V]), 0.0)
+            check(f"layout {pv}x{pd} rank {rank}", torch.tensor(layout.info),  # every field of the ctypes mirror
+                  torch.tensor([vr, pv, dr, pd, lo, count, V]), 0.0)
             context = fusedhead.mpi.Context(layout, threads=1)
             for dtype in dtypes:
                 for name, run, kind in HEADS:
