@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -49,6 +50,7 @@ from typing import Callable, Optional
 import torch
 
 from .torch import causal_lm_loss
+from .torch._tensors import compiling
 
 __all__ = ["patch", "unpatch", "is_patched", "RoutingWarning", "NotRoutedError", "SUPPORTED_MODELS"]
 
@@ -112,6 +114,10 @@ SUPPORTED_MODELS = tuple(sorted(_FAMILIES))
 _LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
 # The 3 probe values (exact in bf16) the head returns in place of logits.
 _PROBE = (-3.0, 0.5, 2.0)
+# What a compiled model's probe check says (a traced check's message cannot be formatted at run time).
+_UNKNOWN_TRANSFORM = ("fusedhead.transformers: the model transformed its logits in a way fusedhead does not know (its "
+                      "probe did not come out as the family's transform makes it); unpatch the model "
+                      "(fusedhead.transformers.unpatch)")
 
 
 def _transformers_kwarg_names() -> frozenset:
@@ -126,9 +132,11 @@ class _State:
     """One patched model's routing state: the family, strictness, reasons already warned, and the current call's
     captured hidden states."""
 
-    def __init__(self, family: str, strict: bool, original_forward, had_forward: bool):
+    def __init__(self, family: str, strict: bool, original_forward, had_forward: bool, labels_position: Optional[int]):
         self.family, self.strict = family, strict
         self.original_forward, self.had_forward = original_forward, had_forward
+        self.labels_position = labels_position  # labels' index among the forward's positional parameters
+        self.known_kwargs = _transformers_kwarg_names() | frozenset(_LOSS_KWARGS)  # what the loss may be passed
         self.warned: set = set()
         self.reset()
 
@@ -276,112 +284,132 @@ def patch(model, strict: bool = False):
         return model
     had_forward = "forward" in inner.__dict__
     original = inner.forward
-    state = _State(family, strict, original, had_forward)
-    unknown_ok = _transformers_kwarg_names() | frozenset(_LOSS_KWARGS)
-
-    def head_forward(linear_forward, hidden, *args, **kwargs):
-        """lm_head during a fused call: keep the hidden states, return the probe (or the logits, when this call
-        cannot go through fusedhead)."""
-        state.head_calls += 1
-        linear = state.linear
-        if state.head_calls > 1 or args or kwargs:
-            raise RuntimeError(f"fusedhead.transformers: {type(inner).__name__} called lm_head twice or with extra "
-                               "arguments in one forward; unpatch the model (fusedhead.transformers.unpatch)")
-        dtype, why = _call_reason(hidden, linear)
-        if why:
-            _refuse(state, type(inner).__name__, why)
-            state.stock = True
-            return linear_forward(hidden)
-        state.hidden, state.dtype = hidden, dtype
-        return torch.tensor(_PROBE, dtype=dtype, device=hidden.device).view(1, 1, len(_PROBE))
-
-    def loss_function(logits=None, labels=None, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
-                      shift_labels=None, **kwargs):
-        state.loss_calls += 1
-        from transformers.loss.loss_utils import ForCausalLMLoss
-        if state.stock or state.hidden is None or state.loss_calls > 1:
-            if state.hidden is not None:  # the probe reached a second loss call: nothing sane to return
-                raise RuntimeError(f"fusedhead.transformers: {type(inner).__name__} called its loss function "
-                                   "twice in one forward; unpatch the model (fusedhead.transformers.unpatch)")
-            if not state.stock:
-                _refuse(state, type(inner).__name__, "lm_head was not called before the loss (was it replaced?)")
-            return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels,
-                                   **kwargs)
-        spec = _FAMILIES[state.family](inner)
-        probe = torch.tensor(_PROBE, dtype=torch.float64)
-        want = spec.apply(probe.to(state.dtype)).double()
-        got = logits.detach().double().reshape(-1) if torch.is_tensor(logits) else None
-        tol = 1e-2 if state.dtype == torch.bfloat16 else 1e-5
-        if got is None or got.shape != want.shape or not torch.allclose(got, want, rtol=tol, atol=tol):
-            raise RuntimeError(
-                f"fusedhead.transformers: {type(inner).__name__} transformed its logits in a way fusedhead does not "
-                f"know (a probe {list(_PROBE)} came out as {None if got is None else got.tolist()}, expected "
-                f"{want.tolist()} from {spec}); unpatch the model (fusedhead.transformers.unpatch)")
-        unknown = sorted(set(kwargs) - unknown_ok)
-        if unknown:
-            _refuse(state, type(inner).__name__,
-                    f"option(s) {', '.join(unknown)} reach ForCausalLMLoss, which ignores them (fusedhead would too)")
-        linear = state.linear
-        weight, bias = linear.weight, linear.bias
-        hidden = state.hidden
-        if state.dtype == torch.bfloat16:
-            hidden, weight = hidden.to(torch.bfloat16), weight.to(torch.bfloat16)
-            bias = None if bias is None else bias.to(torch.bfloat16)
-        if vocab_size is not None and vocab_size != weight.shape[0]:
-            raise RuntimeError(f"fusedhead.transformers: vocab_size {vocab_size} != lm_head's {weight.shape[0]}")
-        with _autocast_off():
-            return causal_lm_loss(hidden, weight, labels, num_items_in_batch=num_items_in_batch,
-                                  ignore_index=ignore_index, shift_labels=shift_labels,
-                                  final_logit_softcapping=spec.softcap, logit_scale=spec.logit_scale, bias=bias)
-
-    labels_position = _labels_position(original)
-
-    @functools.wraps(original)
-    def forward(*args, **kwargs):
-        skip_logits = kwargs.pop("skip_logits", None)
-        labels = kwargs.get("labels")
-        if labels is None and labels_position is not None and len(args) > labels_position:
-            labels = args[labels_position]
-        fused = (inner.training and labels is not None) if skip_logits is None else bool(skip_logits)
-        if not fused:
-            return original(*args, **kwargs)
-        if labels is None:
-            raise ValueError("fusedhead.transformers: skip_logits=True needs labels")
-        reason = _static_reason(inner, state.family)
-        if reason:
-            _refuse(state, type(inner).__name__, reason)
-            return original(*args, **kwargs)
-        head = inner.lm_head
-        state.reset()
-        state.linear, _ = _head_linear(head)
-        previous_loss = inner.__dict__.get("_loss_function")
-        head_had_forward = "forward" in head.__dict__
-        head.forward = functools.partial(head_forward, head.forward)
-        inner._loss_function = loss_function
-        try:
-            out = original(*args, **kwargs)
-        finally:
-            if head_had_forward:
-                head.forward = head.forward.args[0]
-            else:
-                del head.forward
-            if previous_loss is not None:  # a user-set ForCausalLMLoss (_static_reason refuses any other)
-                inner._loss_function = previous_loss
-            else:
-                del inner._loss_function
-            fused_call = not state.stock and state.hidden is not None
-            state.reset()
-        if not fused_call:
-            return out
-        return _without_logits(out)
-
-    inner.forward = forward
-    inner._fusedhead_state = state
+    inner._fusedhead_state = _State(family, strict, original, had_forward, _labels_position(original))
+    # A method bound to this instance, and its state an attribute of it: copy.deepcopy of the patched model (a reference
+    # model, an EMA copy) rebinds both to the copy, whose forward then runs the copy's own weights.
+    inner.forward = types.MethodType(_patched_forward(original), inner)
     return model
 
 
+def _patched_forward(original):
+    """A function for patch to bind to the model: _fused_forward under the original forward's name, docstring and
+    signature (with self first, which binding drops), which transformers' Trainer reads to keep its input columns."""
+    def forward(self, *args, **kwargs):
+        return _fused_forward(self, *args, **kwargs)
+
+    forward.__name__, forward.__qualname__, forward.__doc__ = "forward", "forward", original.__doc__
+    signature = inspect.signature(original)
+    self_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    forward.__signature__ = signature.replace(parameters=[self_parameter, *signature.parameters.values()])
+    return forward
+
+
+def _head_forward(inner, state: _State, linear_forward, hidden, *args, **kwargs):
+    """lm_head during a fused call: keep the hidden states, return the probe (or the logits, when this call
+    cannot go through fusedhead)."""
+    state.head_calls += 1
+    linear = state.linear
+    if state.head_calls > 1 or args or kwargs:
+        raise RuntimeError(f"fusedhead.transformers: {type(inner).__name__} called lm_head twice or with extra "
+                           "arguments in one forward; unpatch the model (fusedhead.transformers.unpatch)")
+    dtype, why = _call_reason(hidden, linear)
+    if why:
+        _refuse(state, type(inner).__name__, why)
+        state.stock = True
+        return linear_forward(hidden)
+    state.hidden, state.dtype = hidden, dtype
+    return torch.tensor(_PROBE, dtype=dtype, device=hidden.device).view(1, 1, len(_PROBE))
+
+
+def _loss_function(inner, state: _State, logits=None, labels=None, vocab_size=None, num_items_in_batch=None,
+                   ignore_index=-100, shift_labels=None, **kwargs):
+    state.loss_calls += 1
+    from transformers.loss.loss_utils import ForCausalLMLoss
+    if state.stock or state.hidden is None or state.loss_calls > 1:
+        if state.hidden is not None:  # the probe reached a second loss call: nothing sane to return
+            raise RuntimeError(f"fusedhead.transformers: {type(inner).__name__} called its loss function "
+                               "twice in one forward; unpatch the model (fusedhead.transformers.unpatch)")
+        if not state.stock:
+            _refuse(state, type(inner).__name__, "lm_head was not called before the loss (was it replaced?)")
+        return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels,
+                               **kwargs)
+    spec = _FAMILIES[state.family](inner)
+    probe = torch.tensor(_PROBE, dtype=torch.float64)
+    want = spec.apply(probe.to(state.dtype)).double()
+    got = logits.detach().double().reshape(-1) if torch.is_tensor(logits) else None
+    tol = 1e-2 if state.dtype == torch.bfloat16 else 1e-5
+    if compiling() and got is not None and got.shape == want.shape:  # checked when the graph runs, not traced
+        torch._assert_async(torch.isclose(got, want, rtol=tol, atol=tol).all(), _UNKNOWN_TRANSFORM)
+    elif got is None or got.shape != want.shape or not torch.allclose(got, want, rtol=tol, atol=tol):
+        raise RuntimeError(
+            f"fusedhead.transformers: {type(inner).__name__} transformed its logits in a way fusedhead does not "
+            f"know (a probe {list(_PROBE)} came out as {None if got is None else got.tolist()}, expected "
+            f"{want.tolist()} from {spec}); unpatch the model (fusedhead.transformers.unpatch)")
+    unknown = sorted(set(kwargs) - state.known_kwargs)
+    if unknown:
+        _refuse(state, type(inner).__name__,
+                f"option(s) {', '.join(unknown)} reach ForCausalLMLoss, which ignores them (fusedhead would too)")
+    linear = state.linear
+    weight, bias = linear.weight, linear.bias
+    hidden = state.hidden
+    if state.dtype == torch.bfloat16:
+        hidden, weight = hidden.to(torch.bfloat16), weight.to(torch.bfloat16)
+        bias = None if bias is None else bias.to(torch.bfloat16)
+    if vocab_size is not None and vocab_size != weight.shape[0]:
+        raise RuntimeError(f"fusedhead.transformers: vocab_size {vocab_size} != lm_head's {weight.shape[0]}")
+    with _autocast_off():
+        return causal_lm_loss(hidden, weight, labels, num_items_in_batch=num_items_in_batch,
+                              ignore_index=ignore_index, shift_labels=shift_labels,
+                              final_logit_softcapping=spec.softcap, logit_scale=spec.logit_scale, bias=bias)
+
+
+def _fused_forward(inner, *args, **kwargs):
+    """The patched model's forward (bound to it as a method, see patch)."""
+    state = inner._fusedhead_state
+    original = state.original_forward
+    skip_logits = kwargs.pop("skip_logits", None)
+    labels = kwargs.get("labels")
+    if labels is None and state.labels_position is not None and len(args) > state.labels_position:
+        labels = args[state.labels_position]
+    fused = (inner.training and labels is not None) if skip_logits is None else bool(skip_logits)
+    if not fused:
+        return original(*args, **kwargs)
+    if labels is None:
+        raise ValueError("fusedhead.transformers: skip_logits=True needs labels")
+    reason = _static_reason(inner, state.family)
+    if reason:
+        _refuse(state, type(inner).__name__, reason)
+        return original(*args, **kwargs)
+    head = inner.lm_head
+    state.reset()
+    state.linear, _ = _head_linear(head)
+    previous_loss = inner.__dict__.get("_loss_function")
+    head_had_forward = "forward" in head.__dict__
+    head.forward = functools.partial(_head_forward, inner, state, head.forward)
+    inner._loss_function = functools.partial(_loss_function, inner, state)
+    try:
+        out = original(*args, **kwargs)
+    finally:
+        if head_had_forward:
+            head.forward = head.forward.args[2]  # the head's own forward, after inner and state
+        else:
+            del head.forward
+        if previous_loss is not None:  # a user-set ForCausalLMLoss (_static_reason refuses any other)
+            inner._loss_function = previous_loss
+        else:
+            del inner._loss_function
+        fused_call = not state.stock and state.hidden is not None
+        state.reset()
+    if not fused_call:
+        return out
+    return _without_logits(out)
+
+
 class _autocast_off:
-    """CPU autocast off inside the fused loss (its inputs are already in the dtype autocast would use)."""
+    """CPU autocast off inside the fused loss (its inputs are already in the dtype autocast would use). A class of its
+    own rather than torch.autocast itself: torch.compile does not trace this __enter__ and breaks its graph here,
+    where with torch.autocast it traced on into forward's swapping of lm_head.forward and failed on the swap's undo
+    (torch 2.13, transformers 5.24.0; python/tests/test_transformers.py compiles a patched model)."""
 
     def __enter__(self):
         self._ctx = torch.autocast("cpu", enabled=False)

@@ -380,3 +380,55 @@ def test_peft_wrappers_on_the_head():
         fhtr.patch(lora_head)
     with pytest.raises(fhtr.NotRoutedError, match="LoRA"):
         fhtr.patch(lora_head, strict=True)
+
+
+def test_compiled_patched_model():
+    """torch.compile of a patched model (Granite: a logit transform): the loss and gradients of the eager patched model
+    within the fp32 bounds (Inductor fuses the body's operations, so its rounding differs a little); and the probe's
+    check runs compiled too: a transform that is not the table's raises when the compiled graph runs."""
+    def step(model, call):
+        out = call(input_ids=ids, labels=labels)
+        out.loss.backward()
+        return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    model = fhtr.patch(build("granite"), strict=True)
+    twin = copy.deepcopy(model)
+    ids, labels = batch()
+    eager_out, eager_grads = step(twin, twin)
+    torch._dynamo.reset()
+    out, grads = step(model, torch.compile(model))
+    assert out.logits is None and sorted(grads) == sorted(eager_grads)
+    assert abs(out.loss.item() - eager_out.loss.item()) <= LOSS_RTOL_F32 * abs(eager_out.loss.item())
+    for name in eager_grads:
+        assert normwise(grads[name].numpy(), eager_grads[name].numpy()) <= GRAD_RTOL_F32, name
+
+    wrong = fhtr.patch(build("granite"), strict=True)
+    fhtr._FAMILIES["GraniteForCausalLM"], saved = fhtr._plain, fhtr._FAMILIES["GraniteForCausalLM"]
+    try:
+        torch._dynamo.reset()
+        with pytest.raises(RuntimeError, match="transformed its logits"):
+            torch.compile(wrong)(input_ids=ids, labels=labels)
+    finally:
+        fhtr._FAMILIES["GraniteForCausalLM"] = saved
+        torch._dynamo.reset()
+
+
+def test_deepcopy_of_a_patched_model_runs_its_own_weights():
+    """copy.deepcopy of a patched model (TRL's reference model, an EMA copy) is patched on its own: its forward runs
+    the copy's weights (its gradients reach the copy's parameters, none the original's), equal to the stock loss on
+    those weights; the patched forward keeps the model's signature (the Trainer reads it to keep its input columns)."""
+    import inspect
+    model = fhtr.patch(build("llama"), strict=True)
+    assert "input_ids" in inspect.signature(model.forward).parameters
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.lm_head.weight.mul_(2.0)
+    ids, labels = batch()
+    out = twin(input_ids=ids, labels=labels)
+    out.loss.backward()
+    assert out.logits is None and twin.lm_head.weight.grad is not None
+    assert all(p.grad is None for p in model.parameters())
+    stock = fhtr.unpatch(copy.deepcopy(twin))
+    assert not fhtr.is_patched(stock) and fhtr.is_patched(twin)
+    want = stock(input_ids=ids, labels=labels).loss.item()
+    assert abs(out.loss.item() - want) <= LOSS_RTOL_F32 * abs(want)

@@ -45,7 +45,7 @@ def _argument(kind: str, name: str, value):
     if kind == "Tensor":
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
-        if _is_dtensor(value):
+        if not compiling() and _is_dtensor(value):  # compiled, DTensor's own dispatch refuses the op
             raise TypeError(f"{name}: a DTensor (placements {list(value.placements)}): fusedhead.torch computes one "
                             f"process's head on whole tensors, and would take a shard for the whole; a head sharded "
                             f"across processes runs through fusedhead.mpi (mpi4py communicators, docs/mpi.md), "
