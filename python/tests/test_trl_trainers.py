@@ -1,8 +1,8 @@
 """TRL's trainers end to end (TRL 1.16.0, python/requirements-test.txt), stock and with fusedhead on the same model,
-data and seed: DPOTrainer and KTOTrainer through fusedhead.trl.patch() (their losses are built from TRL's per-token
-function), GRPOTrainer with generation through patch() and through fuse_loss() (the whole loss on
-fused_linear_grpo_loss), GKDTrainer with a teacher through fuse_loss() (fused_linear_distillation_loss). SFTTrainer
-is in test_trl.py.
+data and seed: DPOTrainer, KTOTrainer and RLOOTrainer (with generation) through fusedhead.trl.patch() (their losses
+are built from TRL's per-token function), GRPOTrainer with generation through patch() and through fuse_loss() (the
+whole loss on fused_linear_grpo_loss), DistillationTrainer (on-policy generation) and GKDTrainer with a teacher
+through fuse_loss() (fused_linear_distillation_loss). SFTTrainer is in test_trl.py.
 
 Each run: a Llama from a small config (random init, fp32: bf16=False, where TRL's default is bf16 autocast), 2
 optimizer steps, CPU. Step 0's logged loss, gradient norm and metrics agree with stock within 1e-5 relative
@@ -140,6 +140,16 @@ def make_trainer(kind, base, out, teacher=None, **overrides):
                                   max_completion_length=5, temperature=1.0, **dict(COMMON, **overrides))
             return trl.GRPOTrainer(model=policy, reward_funcs=reward_len_parity, args=args,
                                    train_dataset=prompt_data(), processing_class=tok)
+        if kind == "rloo":
+            args = trl.RLOOConfig(output_dir=out, **{**COMMON, "per_device_train_batch_size": 4, "num_generations": 2,
+                                                     "max_completion_length": 5, **overrides})
+            return trl.RLOOTrainer(model=policy, reward_funcs=reward_len_parity, args=args,
+                                   train_dataset=prompt_data(), processing_class=tok)
+        if kind == "distill":
+            args = trl.DistillationConfig(output_dir=out, per_device_train_batch_size=4, max_completion_length=5,
+                                          **dict(COMMON, **overrides))
+            return trl.DistillationTrainer(model=policy, teacher_model=copy.deepcopy(teacher), args=args,
+                                           train_dataset=prompt_data(), processing_class=tok)
         if kind == "gkd":
             from trl.experimental.gkd import GKDConfig, GKDTrainer
             args = GKDConfig(output_dir=out, per_device_train_batch_size=4, lmbda=0.0, beta=0.5,
@@ -209,6 +219,31 @@ def test_grpo_trainer_with_generation_matches_stock(route, options):
         assert "kl" in keys
 
 
+@pytest.mark.parametrize("options", [{}, dict(per_device_train_batch_size=2, steps_per_generation=2,
+                                              learning_rate=2e-5)])
+def test_rloo_trainer_with_generation_patched_matches_stock(options):
+    """RLOOTrainer (trl/trainer/rloo_trainer.py at 1.16.0) through patch(): its loss is built from the per-token
+    log-probs (policy, and old and reference ones at generation). On-policy with whole groups in a batch the
+    leave-one-out advantages sum to 0 and so does the loss: the gradient norm and the entropy carry the comparison.
+    With steps_per_generation=2 and batches of 2 the generated batch is shuffled and split into two steps, so groups
+    are split (a loss that is not 0) and step 1 trains on completions sampled before step 0's update: an off-policy
+    ratio (a learning rate of 2e-5 keeps it inside TRL's clip range, 1 +- 0.2, where the gradient is not 0)."""
+    base = model()
+    keys = compare(run("rloo", base, None, **options), run("rloo", base, "patch", **options))
+    assert {"grad_norm", "reward", "entropy", "kl", "clip_ratio/region_mean"} <= set(keys)
+
+
+@pytest.mark.parametrize("options", [{}, dict(beta=0.5, temperature=0.7, gradient_accumulation_steps=2)])
+def test_distillation_trainer_fused_matches_stock(options):
+    """DistillationTrainer (trl/trainer/distillation_trainer.py at 1.16.0) with on-policy generation from the student
+    and a teacher of another size, through fuse_loss(): TRL's default beta 1 (reverse KL), and the generalized JSD
+    at beta 0.5 with temperature 0.7 and two accumulation steps (num_items_in_batch spans the generated batch)."""
+    base, teacher = model(seed=0), model(seed=1, layers=3, hidden=96)
+    keys = compare(run("distill", base, None, teacher=teacher, **options),
+                   run("distill", base, "fuse_loss", teacher=teacher, **options))
+    assert {"grad_norm", "entropy", "completions/mean_length"} <= set(keys)
+
+
 def test_gkd_trainer_fused_matches_stock():
     base, teacher = model(seed=0), model(seed=1, layers=3, hidden=96)
     compare(run("gkd", base, None, teacher=teacher), run("gkd", base, "fuse_loss", teacher=teacher))
@@ -220,6 +255,14 @@ def test_fuse_loss_refuses_loudly():
         trainer = make_trainer("dpo", base, d)
         with pytest.raises(TypeError, match="patch"):
             fhtrl.fuse_loss(trainer)
+        # RLOO's ratio exponentiates each sequence's summed log-ratio (GRPO's head: per token, or GSPO's mean);
+        # subclasses with their own loss: fuse_loss looks at the class only, so uninitialised instances suffice
+        from trl.experimental.gmpo import GMPOTrainer
+        from trl.experimental.server_distillation import ServerDistillationTrainer
+        for cls, what in ((trl.RLOOTrainer, "no whole-loss"), (GMPOTrainer, "overrides GRPOTrainer's _compute_loss"),
+                          (ServerDistillationTrainer, "overrides DistillationTrainer's compute_loss")):
+            with pytest.raises(TypeError, match=what):
+                fhtrl.fuse_loss(cls.__new__(cls))
         trainer = make_trainer("grpo", base, d, max_steps=1, use_adaptive_entropy=True)
         fhtrl.fuse_loss(trainer, strict=True)
         with pytest.raises(fhtrl.NotRoutedError, match="use_adaptive_entropy"):
