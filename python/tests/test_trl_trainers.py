@@ -1,8 +1,8 @@
 """TRL's trainers end to end (TRL 1.16.0, python/requirements-test.txt), stock and with fusedhead on the same model,
-data and seed: DPOTrainer, KTOTrainer and RLOOTrainer (with generation) through fusedhead.trl.patch() (their losses
-are built from TRL's per-token function), GRPOTrainer with generation through patch() and through fuse_loss() (the
-whole loss on fused_linear_grpo_loss), DistillationTrainer (on-policy generation) and GKDTrainer with a teacher
-through fuse_loss() (fused_linear_distillation_loss). SFTTrainer is in test_trl.py.
+data and seed: SFTTrainer (nll, dft, completion-only, packed), DPOTrainer, KTOTrainer and RLOOTrainer (with
+generation) through fusedhead.trl.patch() (their losses are built from TRL's per-token function), GRPOTrainer with
+generation through patch() and through fuse_loss() (the whole loss on fused_linear_grpo_loss), DistillationTrainer
+(on-policy generation) and GKDTrainer with a teacher through fuse_loss() (fused_linear_distillation_loss).
 
 Each run: a Llama from a small config (random init, fp32: bf16=False, where TRL's default is bf16 autocast), 2
 optimizer steps, CPU. Step 0's logged loss, gradient norm and metrics agree with stock within 1e-5 relative
@@ -55,6 +55,14 @@ def model(seed=0, layers=2, hidden=64):
 def words(g, lo, hi):
     n = int(torch.randint(lo, hi + 1, (1,), generator=g))
     return " ".join(f"t{i}" for i in torch.randint(3, V, (n,), generator=g).tolist())
+
+
+def sft_data(rows=8):
+    """Tokenized rows of 10 to 17 tokens whose first 4 (the prompt) are masked out of the loss."""
+    g = torch.Generator().manual_seed(10)
+    ids = [torch.randint(3, V, (10 + i,), generator=g).tolist() for i in range(rows)]
+    mask = [[0] * 4 + [1] * (len(r) - 4) for r in ids]
+    return datasets.Dataset.from_dict({"input_ids": ids, "completion_mask": mask})
 
 
 def preference_data(rows=8):
@@ -125,6 +133,10 @@ def make_trainer(kind, base, out, teacher=None, **overrides):
     policy.config._name_or_path = f"{out}/base"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # TRLExperimentalWarning (GKD), deprecations of TrainingArguments' names
+        if kind == "sft":
+            args = trl.SFTConfig(output_dir=out, **{**COMMON, "per_device_train_batch_size": 4,
+                                                    "completion_only_loss": True, "max_length": None, **overrides})
+            return trl.SFTTrainer(model=policy, args=args, train_dataset=sft_data(), processing_class=tok)
         if kind == "dpo":
             args = trl.DPOConfig(output_dir=out, per_device_train_batch_size=4, beta=0.1,
                                  **dict(COMMON, **overrides))
@@ -184,6 +196,17 @@ def compare(stock, fused, keys=None):
     a, b = stock[1]["loss"], fused[1]["loss"]
     assert abs(a - b) <= 1e-4 * max(abs(a), 1e-2), ("step 1 loss", a, b)
     return keys
+
+
+@pytest.mark.parametrize("options", [dict(loss_type="nll"), dict(loss_type="dft"),
+                                     dict(loss_type="nll", packing=True, max_length=32)])
+def test_sft_trainer_patched_matches_stock(options):
+    """SFTTrainer, completion-only loss (a masked prompt). Unpacked: padded batches. packing=True (TRL 1.16.0's
+    default strategy, bfd, turns padding_free on: each batch is one row of several sequences with their
+    position_ids, which transformers' attention masks per sequence, the same in both runs)."""
+    base = model()
+    keys = compare(run("sft", base, None, **options), run("sft", base, "patch", **options))
+    assert {"grad_norm", "entropy", "mean_token_accuracy"} <= set(keys)
 
 
 @pytest.mark.parametrize("loss_type", [["sigmoid"], ["sigmoid", "bco_pair", "sft"]])
