@@ -185,10 +185,15 @@ def run(kind, base, route, teacher=None, **overrides):
     return [h for h in trainer.state.log_history if "loss" in h]
 
 
+def logged_keys(step):
+    """The logged values of a step compared with stock: all but the step counters, timings and spreads."""
+    return sorted(k for k in step if k not in ("epoch", "step", "learning_rate", "num_tokens")
+                  and not k.startswith("profiling") and "time" not in k and "/std" not in k)
+
+
 def compare(stock, fused, keys=None):
     assert len(stock) == len(fused) == STEPS
-    keys = keys or sorted(k for k in stock[0] if k not in ("epoch", "step", "learning_rate", "num_tokens")
-                          and not k.startswith("profiling") and "time" not in k and "/std" not in k)
+    keys = keys or logged_keys(stock[0])
     assert set(keys) <= set(fused[0]), sorted(set(keys) - set(fused[0]))
     for k in keys:
         a, b = stock[0][k], fused[0][k]
@@ -198,8 +203,12 @@ def compare(stock, fused, keys=None):
     return keys
 
 
-@pytest.mark.parametrize("options", [dict(loss_type="nll"), dict(loss_type="dft"),
-                                     dict(loss_type="nll", packing=True, max_length=32)])
+SFT_PACKED = dict(loss_type="nll", packing=True, max_length=32)
+# RLOO with groups split over two steps, the second off-policy (test_rloo_trainer_with_generation_patched_matches_stock)
+RLOO_SPLIT = dict(per_device_train_batch_size=2, steps_per_generation=2, learning_rate=2e-5)
+
+
+@pytest.mark.parametrize("options", [dict(loss_type="nll"), dict(loss_type="dft"), SFT_PACKED])
 def test_sft_trainer_patched_matches_stock(options):
     """SFTTrainer, completion-only loss (a masked prompt). Unpacked: padded batches. packing=True (TRL 1.16.0's
     default strategy, bfd, turns padding_free on: each batch is one row of several sequences with their
@@ -242,8 +251,7 @@ def test_grpo_trainer_with_generation_matches_stock(route, options):
         assert "kl" in keys
 
 
-@pytest.mark.parametrize("options", [{}, dict(per_device_train_batch_size=2, steps_per_generation=2,
-                                              learning_rate=2e-5)])
+@pytest.mark.parametrize("options", [{}, RLOO_SPLIT])
 def test_rloo_trainer_with_generation_patched_matches_stock(options):
     """RLOOTrainer (trl/trainer/rloo_trainer.py at 1.16.0) through patch(): its loss is built from the per-token
     log-probs (policy, and old and reference ones at generation). On-policy with whole groups in a batch the
