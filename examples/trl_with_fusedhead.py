@@ -57,7 +57,7 @@ def main():
         runs = [T.run(kind, base, r, teacher=teacher, max_steps=a.steps, bf16=a.bf16, **options)
                 for r in (None, None, route)]
         stock, again, fused = runs
-        name = f"{kind} via {route}() {options or ''}"
+        name = f"{kind} {route}() " + " ".join(f"{k}={v}" for k, v in options.items())
         print(f"\n{name}")
         print(f"{'step':>4} {'stock loss':>14} {'stock drift':>12} {'fusedhead':>12} {'grad norm diff':>15}")
         for i in range(a.steps):
@@ -70,12 +70,15 @@ def main():
         print(f"step 0, {len(keys)} logged values: largest difference {worst} {diff[worst]:.2e} (relative, or "
               f"absolute below 1)")
         identical = all(s[k] == t[k] for s, t in zip(stock, again) for k in T.logged_keys(s))
-        summary.append((name, max(rel(s["loss"], f["loss"]) for s, f in zip(stock, fused)),
-                        max(rel(s["grad_norm"], f["grad_norm"]) for s, f in zip(stock, fused)), worst, diff[worst],
-                        identical))
-    print(f"\n{'case':<80} {'loss':>9} {'grad norm':>9}  step-0 metric{'':>24} stock runs")
-    for name, loss, grad, worst, d, identical in summary:
-        print(f"{name:<80} {loss:>9.2e} {grad:>9.2e}  {worst:<28} {d:>8.2e} "
+        pairs = list(zip(stock, fused))
+        summary.append((name, max(rel(s["loss"], f["loss"]) for s, f in pairs),
+                        max(abs(s["loss"] - f["loss"]) for s, f in pairs),
+                        max(rel(s["grad_norm"], f["grad_norm"]) for s, f in pairs), worst, diff[worst], identical))
+    print(f"\nlargest over the steps: loss difference relative and absolute (a loss near 0 from terms that cancel, "
+          f"as RLOO's and GRPO's, has a large relative one), grad norm relative; step 0's largest metric difference")
+    print(f"{'case':<64} {'loss rel':>9} {'loss abs':>9} {'grad norm':>9}  {'step-0 metric':<28} {'':>8} stock runs")
+    for name, loss, loss_abs, grad, worst, d, identical in summary:
+        print(f"{name:<64} {loss:>9.2e} {loss_abs:>9.2e} {grad:>9.2e}  {worst:<28} {d:>8.2e} "
               f"{'identical' if identical else 'differ'}")
 
 
