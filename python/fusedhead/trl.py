@@ -253,21 +253,22 @@ def _grpo_compute_loss(self, model, inputs, return_outputs=False, num_items_in_b
     return loss
 
 
-def _student_and_teacher(model, teacher, input_ids, attention_mask):
+def _student_and_teacher(model, teacher, input_ids, attention_mask, autocast):
     """The student's and the teacher's (hidden [B, L, H], weight, bias), or the reason they cannot go to fusedhead's
-    distillation head. Trainer.training_step already runs compute_loss under the accelerator's autocast."""
+    distillation head; each backbone runs under a fresh autocast() context (compute_loss itself runs under none:
+    accelerate puts the autocast of mixed precision on the prepared models' forward)."""
     reason = _head_reason(model) or _head_reason(teacher)
     if reason is None and model.get_output_embeddings().weight.shape[0] != \
             teacher.get_output_embeddings().weight.shape[0]:
         reason = "the student's and the teacher's lm_head have different vocabulary sizes"
     if reason is not None:
         return None, reason
-    student, reason = _hidden_and_head(model, input_ids, attention_mask, contextlib.nullcontext())
+    student, reason = _hidden_and_head(model, input_ids, attention_mask, autocast())
     if reason is not None:
         return None, reason
     teacher.eval()
     with torch.no_grad():
-        teacher_out, reason = _hidden_and_head(teacher, input_ids, attention_mask, contextlib.nullcontext())
+        teacher_out, reason = _hidden_and_head(teacher, input_ids, attention_mask, autocast())
     return (student, teacher_out), reason
 
 
@@ -278,8 +279,9 @@ def _gkd_compute_loss(self, model, inputs, return_outputs=False, num_items_in_ba
     original = type(self).compute_loss
     heads, reason = None, "return_outputs (the student's logits)" if return_outputs else None
     if reason is None:
+        # TRL calls both prepared models, whose forward runs under the accelerator's autocast (bf16=True)
         heads, reason = _student_and_teacher(model, self.teacher_model, inputs["input_ids"],
-                                             inputs["attention_mask"])
+                                             inputs["attention_mask"], self.accelerator.autocast)
     if reason is not None:
         _refuse(f"GKD loss: {reason}", "; TRL's own compute_loss computes it")
         return original(self, model, inputs, return_outputs, num_items_in_batch)
@@ -316,10 +318,12 @@ def _distillation_compute_loss(self, model, inputs, return_outputs=False, num_it
     elif any(k in inputs for k in _DISTILLATION_MULTIMODAL):
         reason = "multimodal inputs"
     if reason is None:
+        # TRL calls the unwrapped backbones (_get_last_hidden_state), outside the autocast accelerate puts on the
+        # prepared models' forward: in fp32 under bf16=True on the CPU, and so does this
         heads, reason = _student_and_teacher(
             model, self.accelerator.unwrap_model(self.teacher_model),
             torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
-            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1))
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1), contextlib.nullcontext)
     if reason is not None:
         _refuse(f"distillation loss: {reason}", "; TRL's own compute_loss computes it")
         return original(self, model, inputs, return_outputs, num_items_in_batch)
