@@ -212,7 +212,7 @@ RLOO_SPLIT = dict(per_device_train_batch_size=2, steps_per_generation=2, learnin
 def test_sft_trainer_patched_matches_stock(options):
     """SFTTrainer, completion-only loss (a masked prompt). Unpacked: padded batches. packing=True (TRL 1.16.0's
     default strategy, bfd, turns padding_free on: each batch is one row of several sequences with their
-    position_ids, which transformers' attention masks per sequence, the same in both runs)."""
+    position_ids; the attention transformers builds from them is the same in both runs)."""
     base = model()
     keys = compare(run("sft", base, None, **options), run("sft", base, "patch", **options))
     assert {"grad_norm", "entropy", "mean_token_accuracy"} <= set(keys)
