@@ -11,7 +11,8 @@ the labels, the temperature, the model's `final_logit_softcapping` and logit sca
 `trl.trainer.utils._ChunkedLogProbFunction.apply(hidden [N, H], weight, bias, targets [N], temperature, chunk_size,
 softcap, logit_scale, outputs)` (trl/kernels/chunked_logprob.py), which returns (log_probs, entropy,
 log_sum_sq_probs, mean_logits, is_top1) per token. The trainers' losses are built from those (SFT's nll and dft
-losses from log_probs; GRPO's from log_probs and entropy). patch() replaces that name with fusedhead:
+losses from log_probs; GRPO's and RLOO's from log_probs and entropy). DistillationTrainer and GKDTrainer do not use
+it: fuse_loss() below gives them fusedhead's distillation head. patch() replaces that name with fusedhead:
   - log_probs and entropy: fusedhead.torch.fused_linear_logprobs (differentiable, the entropy's gradient included);
   - is_top1 (SFT's and DPO's mean_token_accuracy; no gradient): the argmax of fusedhead's cross-entropy forward
     (lowest index of the largest transformed logit, TRL's tie rule), an extra forward pass (2 N H V flops);
@@ -252,30 +253,39 @@ def _grpo_compute_loss(self, model, inputs, return_outputs=False, num_items_in_b
     return loss
 
 
+def _student_and_teacher(model, teacher, input_ids, attention_mask, autocast):
+    """The student's and the teacher's (hidden [B, L, H], weight, bias), or the reason they cannot go to fusedhead's
+    distillation head; each backbone runs under a fresh autocast() context (compute_loss itself runs under none:
+    accelerate puts the autocast of mixed precision on the prepared models' forward)."""
+    reason = _head_reason(model) or _head_reason(teacher)
+    if reason is None and model.get_output_embeddings().weight.shape[0] != \
+            teacher.get_output_embeddings().weight.shape[0]:
+        reason = "the student's and the teacher's lm_head have different vocabulary sizes"
+    if reason is not None:
+        return None, reason
+    student, reason = _hidden_and_head(model, input_ids, attention_mask, autocast())
+    if reason is not None:
+        return None, reason
+    teacher.eval()
+    with torch.no_grad():
+        teacher_out, reason = _hidden_and_head(teacher, input_ids, attention_mask, autocast())
+    return (student, teacher_out), reason
+
+
 def _gkd_compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
     """GKDTrainer.compute_loss (TRL 1.16.0, trl/experimental/gkd/gkd_trainer.py: generalized_jsd_loss of the shifted
     student and teacher logits, beta=self.beta, temperature 1, labels -100 ignored, summed over num_items_in_batch
     or averaged over the labelled tokens) through fusedhead.torch.fused_linear_distillation_loss."""
     original = type(self).compute_loss
-    teacher = self.teacher_model
-    reason = "return_outputs (the student's logits)" if return_outputs else None
-    reason = reason or _head_reason(model) or _head_reason(teacher)
-    if reason is None and model.get_output_embeddings().weight.shape[0] != \
-            teacher.get_output_embeddings().weight.shape[0]:
-        reason = "the student's and the teacher's lm_head have different vocabulary sizes"
+    heads, reason = None, "return_outputs (the student's logits)" if return_outputs else None
     if reason is None:
-        # Trainer.training_step already runs compute_loss under the accelerator's autocast
-        student, reason = _hidden_and_head(model, inputs["input_ids"], inputs["attention_mask"],
-                                           contextlib.nullcontext())
-    if reason is None:
-        teacher.eval()
-        with torch.no_grad():
-            teacher_out, reason = _hidden_and_head(teacher, inputs["input_ids"], inputs["attention_mask"],
-                                                   contextlib.nullcontext())
+        # TRL calls both prepared models, whose forward runs under the accelerator's autocast (bf16=True)
+        heads, reason = _student_and_teacher(model, self.teacher_model, inputs["input_ids"],
+                                             inputs["attention_mask"], self.accelerator.autocast)
     if reason is not None:
         _refuse(f"GKD loss: {reason}", "; TRL's own compute_loss computes it")
         return original(self, model, inputs, return_outputs, num_items_in_batch)
-    (hs, ws, bs), (ht, wt, bt) = student, teacher_out
+    (hs, ws, bs), (ht, wt, bt) = heads
     labels = inputs["labels"][:, 1:]
     with _autocast_off():
         loss = fused_linear_distillation_loss(
@@ -286,28 +296,104 @@ def _gkd_compute_loss(self, model, inputs, return_outputs=False, num_items_in_ba
     return loss
 
 
+_DISTILLATION_MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
+                            "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
+
+def _distillation_compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    """DistillationTrainer.compute_loss (TRL 1.16.0, trl/trainer/distillation_trainer.py: _compute_loss and
+    _chunked_divergence_loss) through fusedhead.torch.fused_linear_distillation_loss: the generalized JSD (beta
+    self.beta: 0 forward KL, 1 reverse KL) between the student's and the teacher's tempered (self.temperature)
+    distributions at the completion positions, over completion_mask times tool_mask; in training summed over the
+    generated batch's num_items_in_batch (per process), otherwise averaged over the valid positions. The logged
+    entropy (the student's mean tempered entropy over those positions, no gradient) comes from
+    fusedhead.torch.fused_linear_logprobs, a second forward pass over the student's head."""
+    original = type(self).compute_loss
+    heads, reason = None, None
+    if self.accelerator.num_processes != 1:
+        reason = f"{self.accelerator.num_processes} processes (TRL runs this loss inside the DDP/FSDP wrapper's " \
+                 f"forward, which the fused loss does not)"
+    elif self.teacher_model is None:
+        reason = "no teacher_model (a subclass supplies the teacher another way)"
+    elif any(k in inputs for k in _DISTILLATION_MULTIMODAL):
+        reason = "multimodal inputs"
+    if reason is None:
+        # TRL calls the unwrapped backbones (_get_last_hidden_state), outside the autocast accelerate puts on the
+        # prepared models' forward: in fp32 under bf16=True on the CPU, and so does this
+        heads, reason = _student_and_teacher(
+            model, self.accelerator.unwrap_model(self.teacher_model),
+            torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1), contextlib.nullcontext)
+    if reason is not None:
+        _refuse(f"distillation loss: {reason}", "; TRL's own compute_loss computes it")
+        return original(self, model, inputs, return_outputs, num_items_in_batch)
+    (hs, ws, bs), (ht, wt, bt) = heads
+    nib = None
+    if self.model.training and inputs.get("num_items_in_batch") is not None:
+        nib = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+    mask = inputs["completion_mask"]
+    if "tool_mask" in inputs:
+        mask = mask * inputs["tool_mask"]
+    completion_ids = inputs["completion_ids"]
+    c = completion_ids.size(1)
+    targets = completion_ids.masked_fill(mask == 0, -100)   # the head's ignore_index: TRL's masked positions
+    hs, ht = hs[:, -c - 1:-1], ht[:, -c - 1:-1]            # position t predicts completion token t
+    with _autocast_off():
+        loss = fused_linear_distillation_loss(
+            hs, ws, ht, wt, targets, student_bias=bs, teacher_bias=bt, divergence="jsd", beta=self.beta,
+            temperature=self.temperature, reduction="mean" if nib is None else "sum")
+        with torch.no_grad():
+            _, entropy = fused_linear_logprobs(hs.detach(), ws.detach(), targets, self.temperature,
+                                               return_entropy=True, bias=None if bs is None else bs.detach())
+    if nib is not None:
+        loss = loss / nib
+    mode = "train" if self.model.training else "eval"
+    n_valid = self.accelerator.gather_for_metrics((mask != 0).sum()).sum()
+    entropy_sum = self.accelerator.gather_for_metrics(entropy.sum()).sum()
+    self._metrics[mode]["entropy"].append((entropy_sum / n_valid).item() if n_valid > 0 else 0.0)
+    return (loss, None) if return_outputs else loss
+
+
+def _fused_compute_loss(trainer):
+    """The fused compute_loss for the trainer's class, or raises TypeError: a trainer with no whole-loss head, or a
+    subclass that overrides the loss methods the fused one mirrors (e.g. trl.experimental's GMPOTrainer, a
+    GRPOTrainer with its own _compute_loss; ServerDistillationTrainer, a DistillationTrainer with its own
+    compute_loss)."""
+    from trl.trainer.distillation_trainer import DistillationTrainer
+    from trl.trainer.grpo_trainer import GRPOTrainer
+    mirrored = [(GRPOTrainer, ("compute_loss", "_compute_loss"), _grpo_compute_loss),
+                (DistillationTrainer, ("compute_loss", "_compute_loss"), _distillation_compute_loss)]
+    try:
+        from trl.experimental.gkd import GKDTrainer
+        mirrored.append((GKDTrainer, ("compute_loss",), _gkd_compute_loss))
+    except ImportError:  # pragma: no cover
+        pass
+    cls = type(trainer)
+    for base, names, fused in mirrored:
+        if isinstance(trainer, base):
+            own = [n for n in names if getattr(cls, n) is not getattr(base, n)]
+            if own:
+                raise TypeError(f"fusedhead.trl.fuse_loss: {cls.__name__} overrides {base.__name__}'s "
+                                f"{', '.join(own)}, whose loss fusedhead's head would replace; its per-token "
+                                f"log-probs go through fusedhead.trl.patch()")
+            return fused
+    raise TypeError(f"fusedhead.trl.fuse_loss: {cls.__name__} has no whole-loss fusedhead head (GRPOTrainer, "
+                    f"DistillationTrainer, GKDTrainer); its per-token log-probs go through fusedhead.trl.patch()")
+
+
 def fuse_loss(trainer, strict: bool = False):
     """Give a TRL trainer instance fusedhead's head for its whole loss, where TRL's loss is one fusedhead head
     (tested with TRL 1.16.0):
-      - GRPOTrainer (and RLOO-free subclasses): compute_loss -> fusedhead.torch.fused_linear_grpo_loss on the
-        backbone's hidden states of the completion and lm_head's weight: the per-token log-probs, entropies and the
-        whole clipped objective, KL, entropy bonus, masks and metrics in one pass (TRL's _compute_loss otherwise).
-      - GKDTrainer: compute_loss -> fusedhead.torch.fused_linear_distillation_loss (generalized JSD between the
-        student's and the teacher's heads; neither's [N, V] logits).
-    Other trainers (SFT, DPO, KTO): their losses are built from TRL's per-token function, which patch() routes.
-    A call fusedhead cannot take (see the reasons in _grpo_reason / _head_reason) goes to TRL's own compute_loss
+      - GRPOTrainer: compute_loss -> fusedhead.torch.fused_linear_grpo_loss on the backbone's hidden states of the
+        completion and lm_head's weight: the per-token log-probs, entropies and the whole clipped objective, KL,
+        entropy bonus, masks and metrics in one pass (TRL's _compute_loss otherwise).
+      - DistillationTrainer and GKDTrainer: compute_loss -> fusedhead.torch.fused_linear_distillation_loss
+        (generalized JSD between the student's and the teacher's heads; neither's [N, V] logits).
+    Other trainers (SFT, DPO, KTO, RLOO) and subclasses that override those losses: TypeError; SFT's, DPO's, KTO's
+    and RLOO's losses are built from TRL's per-token function, which patch() routes. A call fusedhead cannot take
+    (see the reasons in _grpo_reason, _distillation_compute_loss and _head_reason) goes to TRL's own compute_loss
     with a RoutingWarning (strict=True: NotRoutedError). Returns the trainer (changed in place)."""
-    from trl.trainer.grpo_trainer import GRPOTrainer
+    fused = _fused_compute_loss(trainer)
     _state["strict"] = strict
-    if isinstance(trainer, GRPOTrainer):
-        trainer.compute_loss = types.MethodType(_grpo_compute_loss, trainer)
-        return trainer
-    try:
-        from trl.experimental.gkd import GKDTrainer
-    except ImportError:  # pragma: no cover
-        GKDTrainer = ()
-    if GKDTrainer and isinstance(trainer, GKDTrainer):
-        trainer.compute_loss = types.MethodType(_gkd_compute_loss, trainer)
-        return trainer
-    raise TypeError(f"fusedhead.trl.fuse_loss: {type(trainer).__name__} has no whole-loss fusedhead head "
-                    f"(GRPOTrainer, GKDTrainer); its per-token log-probs go through fusedhead.trl.patch()")
+    trainer.compute_loss = types.MethodType(fused, trainer)
+    return trainer

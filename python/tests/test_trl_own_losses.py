@@ -23,6 +23,8 @@ What runs on TRL's side, on the same fp32 hidden states and lm_head weight as fu
         _compute_loss), loss types kto and apo_zero_unpaired, desirable / undesirable weights.
       GKD: GKDTrainer.generalized_jsd_loss (static), every beta regime, temperature, reductions and
         num_items_in_batch.
+      DistillationTrainer: trl/trainer/distillation_trainer.py's _chunked_divergence_loss (module level), every beta
+        regime, temperature, num_items_in_batch, biases, a completion mask, and its entropy sum.
 Found here (and fixed): fusedhead's GRPO head was written to TRL at f2cd5771, and TRL 1.16.0 changed two reductions
 since: luspo with a token axis (each sequence's masked sum averaged over B, not a mean over every B*T position), and
 the entropy bonus of dapo / cispo / vespo, which 1.16.0 divides by the active token count, not num_items_in_batch.
@@ -416,4 +418,48 @@ def test_gkd_generalized_jsd_matches_trl(beta, temperature, reduction, num_items
         assert abs(got.item() - want.item()) <= LOSS_RTOL_F32 * max(abs(want.item()), 1.0), (got.item(), want.item())
         got.backward()
     for a, w in ((hs2, hs1), (ws2, ws1), (bs2, bs1)):
+        assert normwise(a.grad.numpy(), w.grad.numpy()) <= GRAD_RTOL_F32
+
+
+# --- DistillationTrainer: trl/trainer/distillation_trainer.py _chunked_divergence_loss ----------------------------
+
+@pytest.mark.parametrize("beta,temperature,num_items,bias", [(1.0, 1.0, None, False), (0.0, 1.0, None, True),
+                                                             (0.5, 0.7, None, True), (0.3, 1.5, 23.0, False)])
+def test_distillation_trainer_loss_matches_trl(beta, temperature, num_items, bias):
+    """What fusedhead.trl.fuse_loss computes for DistillationTrainer (the head on the completion positions, TRL's
+    mask as ignore_index targets, the entropy metric from fused_linear_logprobs) against TRL's own
+    _chunked_divergence_loss on the same hidden states: the loss, the student's gradients and the entropy sum."""
+    from trl.trainer.distillation_trainer import _chunked_divergence_loss
+    g = torch.Generator().manual_seed(int(beta * 10) + int(temperature * 7))
+    b, t, h, ht_, v = 3, 7, 24, 40, 601
+    hs, ws = torch.randn(b, t, h, generator=g), torch.randn(v, h, generator=g) * (3.0 / math.sqrt(h))
+    bs = torch.randn(v, generator=g) * 0.3 if bias else None
+    ht = torch.randn(b, t, ht_, generator=g)
+    wt = torch.randn(v, ht_, generator=g) * (3.0 / math.sqrt(ht_))
+    bt = torch.randn(v, generator=g) * 0.3 if bias else None
+    ids = torch.randint(0, v, (b, t), generator=g)
+    mask = torch.ones(b, t, dtype=torch.int64)
+    mask[1, 4:] = 0                                 # a completion that ended early (right padding)
+    nib = None if num_items is None else torch.tensor(num_items)
+
+    trl_leaves, fh_leaves = _leaves(hs, ws, bs), _leaves(hs, ws, bs)
+    hs1, ws1, bs1 = (trl_leaves + [None])[:3]
+    want, want_entropy, want_n = _chunked_divergence_loss(hs1, ht, ws1, wt, mask, beta, num_items_in_batch=nib,
+                                                          student_lm_head_bias=bs1, teacher_lm_head_bias=bt,
+                                                          temperature=temperature)
+    want.backward()
+    hs2, ws2, bs2 = (fh_leaves + [None])[:3]
+    targets = ids.masked_fill(mask == 0, -100)
+    got = fht.fused_linear_distillation_loss(hs2, ws2, ht, wt, targets, student_bias=bs2, teacher_bias=bt,
+                                             divergence="jsd", beta=beta, temperature=temperature,
+                                             reduction="mean" if nib is None else "sum")
+    if nib is not None:
+        got = got / nib
+    got.backward()
+    with torch.no_grad():
+        _, entropy = fht.fused_linear_logprobs(hs, ws, targets, temperature, return_entropy=True, bias=bs)
+    assert abs(got.item() - want.item()) <= LOSS_RTOL_F32 * max(abs(want.item()), 1.0), (got.item(), want.item())
+    assert abs(entropy.sum().item() - want_entropy.item()) <= LOSS_RTOL_F32 * abs(want_entropy.item())
+    assert int(want_n) == int((mask != 0).sum())
+    for a, w in zip(fh_leaves, trl_leaves):
         assert normwise(a.grad.numpy(), w.grad.numpy()) <= GRAD_RTOL_F32

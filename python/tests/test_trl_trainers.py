@@ -1,8 +1,8 @@
 """TRL's trainers end to end (TRL 1.16.0, python/requirements-test.txt), stock and with fusedhead on the same model,
-data and seed: DPOTrainer and KTOTrainer through fusedhead.trl.patch() (their losses are built from TRL's per-token
-function), GRPOTrainer with generation through patch() and through fuse_loss() (the whole loss on
-fused_linear_grpo_loss), GKDTrainer with a teacher through fuse_loss() (fused_linear_distillation_loss). SFTTrainer
-is in test_trl.py.
+data and seed: SFTTrainer (nll, dft, completion-only, packed), DPOTrainer, KTOTrainer and RLOOTrainer (with
+generation) through fusedhead.trl.patch() (their losses are built from TRL's per-token function), GRPOTrainer with
+generation through patch() and through fuse_loss() (the whole loss on fused_linear_grpo_loss), DistillationTrainer
+(on-policy generation) and GKDTrainer with a teacher through fuse_loss() (fused_linear_distillation_loss).
 
 Each run: a Llama from a small config (random init, fp32: bf16=False, where TRL's default is bf16 autocast), 2
 optimizer steps, CPU. Step 0's logged loss, gradient norm and metrics agree with stock within 1e-5 relative
@@ -55,6 +55,14 @@ def model(seed=0, layers=2, hidden=64):
 def words(g, lo, hi):
     n = int(torch.randint(lo, hi + 1, (1,), generator=g))
     return " ".join(f"t{i}" for i in torch.randint(3, V, (n,), generator=g).tolist())
+
+
+def sft_data(rows=8):
+    """Tokenized rows of 10 to 17 tokens whose first 4 (the prompt) are masked out of the loss."""
+    g = torch.Generator().manual_seed(10)
+    ids = [torch.randint(3, V, (10 + i,), generator=g).tolist() for i in range(rows)]
+    mask = [[0] * 4 + [1] * (len(r) - 4) for r in ids]
+    return datasets.Dataset.from_dict({"input_ids": ids, "completion_mask": mask})
 
 
 def preference_data(rows=8):
@@ -125,6 +133,10 @@ def make_trainer(kind, base, out, teacher=None, **overrides):
     policy.config._name_or_path = f"{out}/base"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # TRLExperimentalWarning (GKD), deprecations of TrainingArguments' names
+        if kind == "sft":
+            args = trl.SFTConfig(output_dir=out, **{**COMMON, "per_device_train_batch_size": 4,
+                                                    "completion_only_loss": True, "max_length": None, **overrides})
+            return trl.SFTTrainer(model=policy, args=args, train_dataset=sft_data(), processing_class=tok)
         if kind == "dpo":
             args = trl.DPOConfig(output_dir=out, per_device_train_batch_size=4, beta=0.1,
                                  **dict(COMMON, **overrides))
@@ -140,6 +152,16 @@ def make_trainer(kind, base, out, teacher=None, **overrides):
                                   max_completion_length=5, temperature=1.0, **dict(COMMON, **overrides))
             return trl.GRPOTrainer(model=policy, reward_funcs=reward_len_parity, args=args,
                                    train_dataset=prompt_data(), processing_class=tok)
+        if kind == "rloo":
+            args = trl.RLOOConfig(output_dir=out, **{**COMMON, "per_device_train_batch_size": 4, "num_generations": 2,
+                                                     "max_completion_length": 5, **overrides})
+            return trl.RLOOTrainer(model=policy, reward_funcs=reward_len_parity, args=args,
+                                   train_dataset=prompt_data(), processing_class=tok)
+        if kind == "distill":
+            args = trl.DistillationConfig(output_dir=out, per_device_train_batch_size=4, max_completion_length=5,
+                                          **dict(COMMON, **overrides))
+            return trl.DistillationTrainer(model=policy, teacher_model=copy.deepcopy(teacher), args=args,
+                                           train_dataset=prompt_data(), processing_class=tok)
         if kind == "gkd":
             from trl.experimental.gkd import GKDConfig, GKDTrainer
             args = GKDConfig(output_dir=out, per_device_train_batch_size=4, lmbda=0.0, beta=0.5,
@@ -163,10 +185,15 @@ def run(kind, base, route, teacher=None, **overrides):
     return [h for h in trainer.state.log_history if "loss" in h]
 
 
+def logged_keys(step):
+    """The logged values of a step compared with stock: all but the step counters, timings and spreads."""
+    return sorted(k for k in step if k not in ("epoch", "step", "learning_rate", "num_tokens")
+                  and not k.startswith("profiling") and "time" not in k and "/std" not in k)
+
+
 def compare(stock, fused, keys=None):
     assert len(stock) == len(fused) == STEPS
-    keys = keys or sorted(k for k in stock[0] if k not in ("epoch", "step", "learning_rate", "num_tokens")
-                          and not k.startswith("profiling") and "time" not in k and "/std" not in k)
+    keys = keys or logged_keys(stock[0])
     assert set(keys) <= set(fused[0]), sorted(set(keys) - set(fused[0]))
     for k in keys:
         a, b = stock[0][k], fused[0][k]
@@ -174,6 +201,21 @@ def compare(stock, fused, keys=None):
     a, b = stock[1]["loss"], fused[1]["loss"]
     assert abs(a - b) <= 1e-4 * max(abs(a), 1e-2), ("step 1 loss", a, b)
     return keys
+
+
+SFT_PACKED = dict(loss_type="nll", packing=True, max_length=32)
+# RLOO with groups split over two steps, the second off-policy (test_rloo_trainer_with_generation_patched_matches_stock)
+RLOO_SPLIT = dict(per_device_train_batch_size=2, steps_per_generation=2, learning_rate=2e-5)
+
+
+@pytest.mark.parametrize("options", [dict(loss_type="nll"), dict(loss_type="dft"), SFT_PACKED])
+def test_sft_trainer_patched_matches_stock(options):
+    """SFTTrainer, completion-only loss (a masked prompt). Unpacked: padded batches. packing=True (TRL 1.16.0's
+    default strategy, bfd, turns padding_free on: each batch is one row of several sequences with their
+    position_ids; the attention transformers builds from them is the same in both runs)."""
+    base = model()
+    keys = compare(run("sft", base, None, **options), run("sft", base, "patch", **options))
+    assert {"grad_norm", "entropy", "mean_token_accuracy"} <= set(keys)
 
 
 @pytest.mark.parametrize("loss_type", [["sigmoid"], ["sigmoid", "bco_pair", "sft"]])
@@ -209,6 +251,30 @@ def test_grpo_trainer_with_generation_matches_stock(route, options):
         assert "kl" in keys
 
 
+@pytest.mark.parametrize("options", [{}, RLOO_SPLIT])
+def test_rloo_trainer_with_generation_patched_matches_stock(options):
+    """RLOOTrainer (trl/trainer/rloo_trainer.py at 1.16.0) through patch(): its loss is built from the per-token
+    log-probs (policy, and old and reference ones at generation). On-policy with whole groups in a batch the
+    leave-one-out advantages sum to 0 and so does the loss: the gradient norm and the entropy carry the comparison.
+    With steps_per_generation=2 and batches of 2 the generated batch is shuffled and split into two steps, so groups
+    are split (a loss that is not 0) and step 1 trains on completions sampled before step 0's update: an off-policy
+    ratio (a learning rate of 2e-5 keeps it inside TRL's clip range, 1 +- 0.2, where the gradient is not 0)."""
+    base = model()
+    keys = compare(run("rloo", base, None, **options), run("rloo", base, "patch", **options))
+    assert {"grad_norm", "reward", "entropy", "kl", "clip_ratio/region_mean"} <= set(keys)
+
+
+@pytest.mark.parametrize("options", [{}, dict(beta=0.5, temperature=0.7, gradient_accumulation_steps=2)])
+def test_distillation_trainer_fused_matches_stock(options):
+    """DistillationTrainer (trl/trainer/distillation_trainer.py at 1.16.0) with on-policy generation from the student
+    and a teacher of another size, through fuse_loss(): TRL's default beta 1 (reverse KL), and the generalized JSD
+    at beta 0.5 with temperature 0.7 and two accumulation steps (num_items_in_batch spans the generated batch)."""
+    base, teacher = model(seed=0), model(seed=1, layers=3, hidden=96)
+    keys = compare(run("distill", base, None, teacher=teacher, **options),
+                   run("distill", base, "fuse_loss", teacher=teacher, **options))
+    assert {"grad_norm", "entropy", "completions/mean_length"} <= set(keys)
+
+
 def test_gkd_trainer_fused_matches_stock():
     base, teacher = model(seed=0), model(seed=1, layers=3, hidden=96)
     compare(run("gkd", base, None, teacher=teacher), run("gkd", base, "fuse_loss", teacher=teacher))
@@ -220,6 +286,14 @@ def test_fuse_loss_refuses_loudly():
         trainer = make_trainer("dpo", base, d)
         with pytest.raises(TypeError, match="patch"):
             fhtrl.fuse_loss(trainer)
+        # RLOO's ratio exponentiates each sequence's summed log-ratio (GRPO's head: per token, or GSPO's mean);
+        # subclasses with their own loss: fuse_loss looks at the class only, so uninitialised instances suffice
+        from trl.experimental.gmpo import GMPOTrainer
+        from trl.experimental.server_distillation import ServerDistillationTrainer
+        for cls, what in ((trl.RLOOTrainer, "no whole-loss"), (GMPOTrainer, "overrides GRPOTrainer's _compute_loss"),
+                          (ServerDistillationTrainer, "overrides DistillationTrainer's compute_loss")):
+            with pytest.raises(TypeError, match=what):
+                fhtrl.fuse_loss(cls.__new__(cls))
         trainer = make_trainer("grpo", base, d, max_steps=1, use_adaptive_entropy=True)
         fhtrl.fuse_loss(trainer, strict=True)
         with pytest.raises(fhtrl.NotRoutedError, match="use_adaptive_entropy"):
