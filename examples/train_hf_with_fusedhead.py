@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import copy
 import json
 import os
 import re
@@ -28,13 +27,40 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
 
-FAMILIES = ("llama", "qwen3", "gemma2", "cohere", "granite", "phi", "gpt2")
+HEADS = 4
 
 
-def parse_args():
+def _common(a: argparse.Namespace) -> dict[str, Any]:
+    return dict(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=2 * a.hidden, num_hidden_layers=a.layers,
+                num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=a.seq)
+
+
+# family -> its config from (the transformers module, the arguments): one per class of docs/transformers.md's table.
+# head_dim is given where the class's default is not hidden / heads; dropout is off.
+FAMILIES: dict[str, Callable[[ModuleType, argparse.Namespace], Any]] = {
+    "llama": lambda tr, a: tr.LlamaConfig(**_common(a)),
+    "mistral": lambda tr, a: tr.MistralConfig(**_common(a)),
+    "qwen2": lambda tr, a: tr.Qwen2Config(**_common(a)),
+    "qwen3": lambda tr, a: tr.Qwen3Config(**_common(a), head_dim=a.hidden // HEADS),
+    "gemma": lambda tr, a: tr.GemmaConfig(**_common(a), head_dim=a.hidden // HEADS),           # tied, no softcap
+    "gemma2": lambda tr, a: tr.Gemma2Config(**_common(a), head_dim=a.hidden // HEADS),         # tied, softcap 30
+    # text-only Gemma3ForCausalLM, tied; Gemma3TextConfig's final_logit_softcapping defaults to None (off) and the
+    # model applies it when set: Gemma 2's 30 here, so that a softcapped head is trained
+    "gemma3": lambda tr, a: tr.Gemma3TextConfig(**_common(a), head_dim=a.hidden // HEADS, final_logit_softcapping=30.0),
+    "cohere": lambda tr, a: tr.CohereConfig(**_common(a)),                                     # logit_scale 0.0625
+    "granite": lambda tr, a: tr.GraniteConfig(**_common(a), logits_scaling=4.0),
+    "phi": lambda tr, a: tr.PhiConfig(**_common(a), resid_pdrop=0.0, embd_pdrop=0.0),          # lm_head with a bias
+    "gpt2": lambda tr, a: tr.GPT2Config(vocab_size=a.vocab, n_embd=a.hidden, n_layer=a.layers, n_head=HEADS,
+                                        n_positions=a.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),  # tied
+}
+
+
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", choices=FAMILIES, default="llama")
+    p.add_argument("--family", choices=(*FAMILIES, "all"), default="llama", help="all: every family in turn")
     p.add_argument("--steps", type=int, default=30, help="optimizer steps")
     p.add_argument("--batch", type=int, default=8, help="sequences per micro-batch")
     p.add_argument("--grad-accum", type=int, default=2, help="micro-batches per optimizer step")
@@ -47,32 +73,12 @@ def parse_args():
     p.add_argument("--bf16", action="store_true", help="the Trainer's bf16=True (CPU autocast to bfloat16)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch's and fusedhead's threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, help="write each pair's summary and per-step values to this file")
     p.add_argument("--worker", choices=("stock", "fused"), help=argparse.SUPPRESS)
     return p.parse_args()
 
 
-def make_config(args):
-    import transformers as tr
-    common = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                  num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=args.seq)
-    if args.family == "llama":
-        return tr.LlamaConfig(**common)
-    if args.family == "qwen3":
-        return tr.Qwen3Config(**common, head_dim=args.hidden // 4)
-    if args.family == "gemma2":
-        return tr.Gemma2Config(**common, head_dim=args.hidden // 4)       # final_logit_softcapping 30, tied
-    if args.family == "cohere":
-        return tr.CohereConfig(**common)                                    # logit_scale 0.0625
-    if args.family == "granite":
-        return tr.GraniteConfig(**common, logits_scaling=4.0)
-    if args.family == "phi":
-        return tr.PhiConfig(**common, resid_pdrop=0.0, embd_pdrop=0.0)      # lm_head with a bias
-    return tr.GPT2Config(vocab_size=args.vocab, n_embd=args.hidden, n_layer=args.layers, n_head=4,
-                         n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)   # tied
-
-
-def corpus_files():
+def corpus_files() -> list[Path]:
     roots = sorted(Path("/usr/lib").glob("python3*")) + [Path(sysconfig.get_paths()["stdlib"])]
     for root in roots:
         files = sorted(root.glob("*.py"))
@@ -81,7 +87,7 @@ def corpus_files():
     sys.exit("train_hf_with_fusedhead: no Python standard library sources found for the text")
 
 
-def make_sequences(args):
+def make_sequences(args: argparse.Namespace) -> Any:
     """[S, seq] int64 token ids from the standard library's sources (enough for the run, a few more)."""
     import torch
     need = args.steps * args.batch * args.grad_accum * args.seq
@@ -97,14 +103,14 @@ def make_sequences(args):
     return ids.view(-1, args.seq)
 
 
-def rss_kib(field):
+def rss_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])
     return 0
 
 
-def worker(args):
+def worker(args: argparse.Namespace) -> None:
     """One run; prints a JSON line: losses, grad norms, step times, peak RSS growth."""
     import torch
     import transformers as tr
@@ -128,7 +134,7 @@ def worker(args):
             return {"input_ids": seqs[i], "labels": labels}
 
     torch.manual_seed(args.seed)
-    model = tr.AutoModelForCausalLM.from_config(make_config(args))
+    model = tr.AutoModelForCausalLM.from_config(FAMILIES[args.family](tr, args))
     if args.worker == "fused":
         fhtr.patch(model, strict=True)
 
@@ -156,35 +162,57 @@ def worker(args):
                       "times": times, "peak_growth_mib": (peak - before) / 1024}))
 
 
-def main():
-    args = parse_args()
-    if args.worker:
-        worker(args)
-        return
+def rel(ref: float, x: float) -> float:
+    return abs(x - ref) / abs(ref)
+
+
+def run_pair(args: argparse.Namespace, family: str) -> dict[str, Any]:
+    """The stock and the fused run of one family, each in a subprocess; prints the per-step table, returns both
+    runs' values and their summary."""
     import torch
     import transformers
-    results = {}
+    runs = {}
     for kind in ("stock", "fused"):
-        cmd = [sys.executable, __file__, "--worker", kind] + sys.argv[1:]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True)
-        results[kind] = json.loads(out.stdout.strip().splitlines()[-1])
-    s, f = results["stock"], results["fused"]
-    print(f"{args.family}: {args.layers} layers, hidden {args.hidden}, vocabulary {args.vocab}; {args.steps} steps of "
+        # the last --family wins: the worker trains this family whatever the command line's --family was
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--family", family, "--worker", kind]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(f"train_hf_with_fusedhead: the {kind} run of {family} failed:\n{done.stderr[-4000:]}")
+        runs[kind] = json.loads(done.stdout.strip().splitlines()[-1])
+    s, f = runs["stock"], runs["fused"]
+    dtype = "bf16" if args.bf16 else "fp32"
+    print(f"{family}: {args.layers} layers, hidden {args.hidden}, vocabulary {args.vocab}; {args.steps} steps of "
           f"{args.grad_accum} x {args.batch} sequences x {args.seq} tokens; "
           f"{'bf16 autocast' if args.bf16 else 'fp32'}; "
           f"{args.threads} threads; torch {torch.__version__}, transformers {transformers.__version__}")
     print(f"{'step':>4} {'loss stock':>12} {'loss fused':>12} {'rel diff':>9} {'gnorm stock':>12} "
           f"{'gnorm fused':>12} {'rel diff':>9} {'ms stock':>9} {'ms fused':>9}")
-    rel = lambda a, b: abs(a - b) / abs(a)  # noqa: E731
     for i, (ls, lf, gs, gf) in enumerate(zip(s["loss"], f["loss"], s["grad_norm"], f["grad_norm"])):
         print(f"{i:4d} {ls:12.7f} {lf:12.7f} {rel(ls, lf):9.2e} {gs:12.7f} {gf:12.7f} {rel(gs, gf):9.2e} "
               f"{1e3 * s['times'][i]:9.1f} {1e3 * f['times'][i]:9.1f}")
-    worst = max(rel(a, b) for a, b in zip(s["loss"], f["loss"]))
-    print(f"max loss rel diff {worst:.2e}; step-0 grad norm rel diff {rel(s['grad_norm'][0], f['grad_norm'][0]):.2e}")
-    print(f"peak RSS growth during training: stock {s['peak_growth_mib']:.0f} MiB, "
-          f"fused {f['peak_growth_mib']:.0f} MiB")
-    med = {k: 1e3 * statistics.median(r["times"][1:]) for k, r in results.items()}
-    print(f"median time per step (steps 1..): stock {med['stock']:.0f} ms, fused {med['fused']:.0f} ms")
+    return {"family": family, "dtype": dtype,
+            "max_loss_rel_diff": max(rel(a, b) for a, b in zip(s["loss"], f["loss"])),
+            "grad_norm_rel_diff_step0": rel(s["grad_norm"][0], f["grad_norm"][0]),
+            "peak_growth_mib": {k: r["peak_growth_mib"] for k, r in runs.items()},
+            "median_ms_per_step": {k: 1e3 * statistics.median(r["times"][1:]) for k, r in runs.items()},
+            "runs": runs}
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        worker(args)
+        return
+    pairs = [run_pair(args, family) for family in (FAMILIES if args.family == "all" else [args.family])]
+    print(f"\n{'family':<8} {'dtype':<5} {'max loss rel':>12} {'gnorm0 rel':>10} {'peak MiB stock/fused':>20} "
+          f"{'ms/step stock/fused':>19}   (steps 1.. median)")
+    for p in pairs:
+        peak, ms = p["peak_growth_mib"], p["median_ms_per_step"]
+        print(f"{p['family']:<8} {p['dtype']:<5} {p['max_loss_rel_diff']:12.2e} {p['grad_norm_rel_diff_step0']:10.2e} "
+              f"{peak['stock']:>10.0f} / {peak['fused']:<7.0f} {ms['stock']:>9.0f} / {ms['fused']:<7.0f}")
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "pairs": pairs},
+                                        indent=1))
 
 
 if __name__ == "__main__":
