@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from .torch import fused_linear_distillation_loss, fused_linear_grpo_loss, fused_linear_logprobs
-from .transformers import NotRoutedError, RoutingWarning, _autocast_dtype, _autocast_off
+from .transformers import NotRoutedError, RoutingWarning, _autocast_dtype, _autocast_off, _unwrap_peft
 
 __all__ = ["patch", "unpatch", "is_patched", "fuse_loss", "RoutingWarning", "NotRoutedError"]
 
@@ -169,8 +169,9 @@ def _hidden_and_head(model, input_ids, attention_mask, autocast_ctx):
     """The backbone's last hidden states [B, L, H] and lm_head's weight and bias, in one dtype (bf16 under CPU
     autocast to bf16, as TRL's head computes in the autocast dtype)."""
     head = model.get_output_embeddings()
+    backbone = _unwrap_peft(model).base_model  # a PEFT model's base_model is its adapter wrapper, not the backbone
     with autocast_ctx:
-        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         hidden = hidden.last_hidden_state
         dtype = _autocast_dtype("cpu") or head.weight.dtype
     w, b = head.weight, head.bias

@@ -23,6 +23,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers", reason="python/requirements-test.txt installs transformers")
 trl = pytest.importorskip("trl", reason="trl not importable (python/requirements-test.txt installs it)")
 datasets = pytest.importorskip("datasets")
+peft = pytest.importorskip("peft", reason="python/requirements-test.txt installs peft")
 
 import fusedhead.trl as fhtrl  # noqa: E402
 from conftest import LOSS_RTOL_F32  # noqa: E402
@@ -148,10 +149,11 @@ def make_trainer(kind, base, out, teacher=None, **overrides):
             return trl.KTOTrainer(model=policy, args=args, train_dataset=kto_data(),
                                   processing_class=tok)
         if kind == "grpo":
+            peft_config = overrides.pop("peft_config", None)
             args = trl.GRPOConfig(output_dir=out, per_device_train_batch_size=4, num_generations=2,
                                   max_completion_length=5, temperature=1.0, **dict(COMMON, **overrides))
             return trl.GRPOTrainer(model=policy, reward_funcs=reward_len_parity, args=args,
-                                   train_dataset=prompt_data(), processing_class=tok)
+                                   train_dataset=prompt_data(), processing_class=tok, peft_config=peft_config)
         if kind == "rloo":
             args = trl.RLOOConfig(output_dir=out, **{**COMMON, "per_device_train_batch_size": 4, "num_generations": 2,
                                                      "max_completion_length": 5, **overrides})
@@ -177,6 +179,7 @@ def run(kind, base, route, teacher=None, **overrides):
     with tempfile.TemporaryDirectory() as d:
         if route == "patch":
             fhtrl.patch(strict=True)
+        torch.manual_seed(0)  # the same PEFT adapters' initialisation in every run
         trainer = make_trainer(kind, base, d, teacher, **overrides)
         if route == "fuse_loss":
             fhtrl.fuse_loss(trainer, strict=True)
@@ -231,19 +234,24 @@ def test_kto_trainer_patched_matches_stock():
     assert {"kl", "rewards/chosen", "logps/rejected", "logits/chosen", "entropy"} <= set(keys)
 
 
+# LoRA on the attention projections (not the head): fuse_loss takes the backbone inside PEFT's wrappers
+LORA_ON_ATTENTION = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+
 @pytest.mark.parametrize("route,options", [("patch", {}), ("fuse_loss", {}),
                                            ("fuse_loss", dict(loss_type="grpo", beta=0.05, entropy_coef=0.01,
                                                               num_iterations=2, epsilon=0.05)),
                                            ("fuse_loss", dict(loss_type="dapo", entropy_coef=0.05,
                                                               gradient_accumulation_steps=2)),
-                                           ("fuse_loss", dict(loss_type="luspo", entropy_coef=0.02))])
+                                           ("fuse_loss", dict(loss_type="luspo", entropy_coef=0.02)),
+                                           ("fuse_loss", dict(peft_config=LORA_ON_ATTENTION))])
 def test_grpo_trainer_with_generation_matches_stock(route, options):
     """Generation (sampling, 5 new tokens) from the same weights and seed: the same completions at step 0.
     num_iterations=2: step 1 reuses step 0's completions with the updated policy, so old_per_token_logps (computed
     through TRL's per-token function) differ from the current ones and the clipped objective is off-policy.
     dapo with 2 accumulation steps: num_items_in_batch spans both micro-batches while TRL 1.16.0 divides the entropy
     bonus by each micro-batch's token count and the steps. luspo at the token level (TRL's default): each sequence's
-    masked sum, with ragged completions."""
+    masked sum, with ragged completions. LoRA on the attention: the adapters' gradients through the fused loss."""
     base = model()
     keys = compare(run("grpo", base, None, **options), run("grpo", base, route, **options))
     assert {"reward", "entropy", "clip_ratio/region_mean", "completions/mean_length"} <= set(keys)
