@@ -33,7 +33,6 @@ ignored); preference_loss, a mean over pairs, needs at least one pair and one to
 from __future__ import annotations
 
 import functools
-import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple, TypeVar, Union
 
@@ -312,16 +311,16 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _joined(entry: Callable[[Dict[str, Any]], str]) -> Callable[[F], F]:
-    """A public function that calls the library's entry(its arguments by name) once: on a collective context
-    (fusedhead.mpi.Context) a failure of its checks still joins the other ranks' call (_core.collective)."""
+    """A public function that calls the library's entry(its keyword arguments) once: on a collective context
+    (fusedhead.mpi.Context) a failure of its checks still joins the other ranks' call (_core.collective). context and
+    what entry reads are keyword-only arguments, absent when left at their defaults."""
     def wrap(fn: F) -> F:
-        signature = inspect.signature(fn)
-
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            with collective(bound.arguments["context"], entry(bound.arguments)):
+            context = kwargs.get("context")
+            if context is None:
+                return fn(*args, **kwargs)
+            with collective(context, entry(kwargs)):
                 return fn(*args, **kwargs)
         return call  # type: ignore[return-value]
     return wrap
@@ -474,7 +473,7 @@ class LogprobsResult:
     dbias: Optional[np.ndarray] = None
 
 
-@_joined(lambda a: "fh_logprob_forward_backward" if any(a[g] is not None for g in ("g_logp", "g_entropy", "g_lse"))
+@_joined(lambda a: "fh_logprob_forward_backward" if any(a.get(g) is not None for g in ("g_logp", "g_entropy", "g_lse"))
          else "fh_logprob_forward")
 def logprobs(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, bias: Optional[np.ndarray] = None, *,
              temperature: float = 1.0, softcap: Optional[float] = None, logit_scale: Optional[float] = None,
@@ -595,7 +594,7 @@ class GRPOResult:
     dbias: Optional[np.ndarray] = None
 
 
-@_joined(lambda a: "fh_grpo_forward_backward" if a["return_grads"] else "fh_grpo_forward")
+@_joined(lambda a: "fh_grpo_forward_backward" if a.get("return_grads") else "fh_grpo_forward")
 def grpo_loss(hidden: np.ndarray, weight: np.ndarray, completion_ids: np.ndarray, completion_mask: np.ndarray,
               advantages: np.ndarray, bias: Optional[np.ndarray] = None,
               old_per_token_logps: Optional[np.ndarray] = None, ref_per_token_logps: Optional[np.ndarray] = None,
@@ -743,7 +742,7 @@ def _sequence_vector(a, name: str, dtype, b: int, hint: str = "") -> Optional[np
     return a
 
 
-@_joined(lambda a: "fh_kto_forward_backward" if a["return_grads"] else "fh_kto_forward")
+@_joined(lambda a: "fh_kto_forward_backward" if a.get("return_grads") else "fh_kto_forward")
 def kto_loss(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, mask: np.ndarray, labels: np.ndarray,
              bias: Optional[np.ndarray] = None, ref_logps: Optional[np.ndarray] = None,
              ref_per_token_logps: Optional[np.ndarray] = None, kl: Optional[float] = None,
