@@ -102,10 +102,11 @@ typedef enum fh_mpi_param {
 } fh_mpi_param;
 
 typedef enum fh_mpi_stats_collective {
-    FH_MPI_STATS_PACKED = 0,       /* default: one MPI_Allreduce with a commutative user op on packed records
-                                      (lse, max, target logit, weighted sum, sum p z, argmax, target weight) */
-    FH_MPI_STATS_MAX_THEN_SUM = 1  /* MPI_MAX (MPI_MAXLOC with argmax) of lse, then MPI_SUM of the rescaled
-                                      sums: two all-reduces of built-in ops */
+    FH_MPI_STATS_PACKED = 0,       /* default: one all-gather of packed records (lse, max, target logit, weighted
+                                      sum, sum p z, argmax, target weight), merged on every rank in rank order */
+    FH_MPI_STATS_MAX_THEN_SUM = 1  /* all-reduces of built-in ops: the maxima of lse (and of the largest logits,
+                                      then the lowest index among the ranks holding it, with argmax), then the sums
+                                      of the rescaled statistics */
 } fh_mpi_stats_collective;
 
 typedef enum fh_mpi_reduction {

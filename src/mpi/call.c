@@ -92,7 +92,7 @@ fh_status fhm_call_scratch(fhm_call *c, const int64_t *ids, size_t head_bytes)
     const int64_t n = c->lin->n;
     const size_t local_bytes = round_up_64((size_t)n * sizeof(int64_t)), head = round_up_64(head_bytes);
     char *scratch = NULL;
-    st = fhm_scratch(c->L, c->ctx, local_bytes + head + fhm_combine_bytes(n), (void **)&scratch);
+    st = fhm_scratch(c->L, c->ctx, local_bytes + head + fhm_combine_bytes(c->L, n), (void **)&scratch);
     if (st != FH_OK)
         return st;
     c->engine_ids = ids;
@@ -121,7 +121,7 @@ static void show(const fhm_config *k, int i, uint64_t bits, char *text, size_t s
 
 /* "name: A on one rank, B on another" for the first value of the scope (vocab_only or not) whose encodings differ
  * across the ranks, into message; 0 when every one agrees. hi and not_lo: the maxima of every value's bits and of
- * their complements (~ of the minimum), as unsigned integers: no arithmetic on the encodings, so every bit pattern
+ * their complements (~ of the minimum), the bits read as int64: no arithmetic on the encodings, so every bit pattern
  * (-0.0, a NaN's payload, INT64_MIN) is its own value. */
 static int disagreement(const fhm_config *k, const uint64_t *hi, const uint64_t *not_lo, int vocab_only,
                         char *message, size_t size)
@@ -142,23 +142,22 @@ static int disagreement(const fhm_config *k, const uint64_t *hi, const uint64_t 
 /* fhm_call_agree without the cleanup. */
 static fh_status agree(fh_mpi_layout *L, fh_context *ctx, fh_status st, int64_t n, const fhm_config *config)
 {
-    /* Over vocab, as unsigned maxima: the worst status, n and ~n, every configuration value's bits and their
-     * complements (min = ~max(~bits)); then the verdict and the ranges over data. On a grid this reaches every rank;
-     * every rank reduces the same FHM_CONFIG_MAX values (a failed rank's may be partial: they are compared only when
-     * every rank succeeded). The vocab_only values (shapes of the tokens a vocab communicator shares) are compared
-     * over vocab only. */
+    /* Over vocab, as maxima of the bits read as int64: the worst status, n and ~n, every configuration value's bits
+     * and their complements (~max(~bits) is the minimum: the two differ unless every rank has the same bits); then the
+     * verdict and the ranges over data. On a grid this reaches every rank; every rank reduces the same FHM_CONFIG_MAX
+     * values (a failed rank's may be partial: they are compared only when every rank succeeded). The vocab_only values
+     * (shapes of the tokens a vocab group shares) are compared over vocab only. */
     enum { K = FHM_CONFIG_MAX };
-    uint64_t mine[3 + 2 * K] = {(uint64_t)st, (uint64_t)n, ~(uint64_t)n}, worst[3 + 2 * K];
+    uint64_t worst[3 + 2 * K] = {(uint64_t)st, (uint64_t)n, ~(uint64_t)n};
     for (int i = 0; i < K; i++) {
-        mine[3 + i] = i < config->count ? config->bits[i] : 0;
-        mine[3 + K + i] = ~mine[3 + i];
+        worst[3 + i] = i < config->count ? config->bits[i] : 0;
+        worst[3 + K + i] = ~worst[3 + i];
     }
-    memcpy(worst, mine, sizeof worst);
-    int err = MPI_SUCCESS;
-    if (L->vocab_ranks > 1)
-        err = MPI_Allreduce(mine, worst, 3 + 2 * K, MPI_UINT64_T, MPI_MAX, L->vocab);
-    if (err != MPI_SUCCESS)
-        return fhm_mpi_error(ctx, err, "MPI_Allreduce (agreement)");
+    int err = 0;
+    if (L->vocab.size > 1)
+        err = L->vocab.allreduce(L->vocab.handle, worst, 3 + 2 * K, FH_GROUP_INT64, FH_GROUP_MAX);
+    if (err != 0)
+        return fhm_group_error(ctx, &L->vocab, err, "the all-reduce of the agreement");
     char vocab_what[200];
     uint64_t verdict = worst[0];
     if (verdict == FH_OK && worst[1] != ~worst[2])
@@ -168,10 +167,10 @@ static fh_status agree(fh_mpi_layout *L, fh_context *ctx, fh_status st, int64_t 
     uint64_t overall[1 + 2 * K];
     overall[0] = verdict;
     memcpy(overall + 1, worst + 3, 2 * K * sizeof(uint64_t));
-    if (L->data_ranks > 1)
-        err = MPI_Allreduce(MPI_IN_PLACE, overall, 1 + 2 * K, MPI_UINT64_T, MPI_MAX, L->data);
-    if (err != MPI_SUCCESS)
-        return fhm_mpi_error(ctx, err, "MPI_Allreduce (agreement)");
+    if (L->data.size > 1)
+        err = L->data.allreduce(L->data.handle, overall, 1 + 2 * K, FH_GROUP_INT64, FH_GROUP_MAX);
+    if (err != 0)
+        return fhm_group_error(ctx, &L->data, err, "the all-reduce of the agreement");
     if (st != FH_OK)
         return st;
     if (verdict == FH_ERR_MPI_LAYOUT && worst[0] == FH_OK)
@@ -223,17 +222,20 @@ static fh_status agree_rows(fhm_call *c, fh_status st, int64_t *rows)
     fh_mpi_layout *L = c->L;
     /* Over vocab: the smallest height (0 from a failed rank); then over data, whether every rank of the
      * grid has one. */
-    int64_t mine = st == FH_OK ? *rows : 0, lowest = mine;
-    int err = MPI_SUCCESS;
-    if (L->vocab_ranks > 1)
-        err = MPI_Allreduce(&mine, &lowest, 1, MPI_INT64_T, MPI_MIN, L->vocab);
-    int64_t able = lowest > 0, all = able;
-    if (err == MPI_SUCCESS && L->data_ranks > 1)
-        err = MPI_Allreduce(&able, &all, 1, MPI_INT64_T, MPI_MIN, L->data);
-    *rows = err == MPI_SUCCESS && all ? lowest : 0;
+    int64_t lowest = st == FH_OK ? *rows : 0;
+    const fh_group *failed = &L->vocab;
+    int err = 0;
+    if (L->vocab.size > 1)
+        err = L->vocab.allreduce(L->vocab.handle, &lowest, 1, FH_GROUP_INT64, FH_GROUP_MIN);
+    int64_t all = lowest > 0;
+    if (err == 0 && L->data.size > 1) {
+        failed = &L->data;
+        err = L->data.allreduce(L->data.handle, &all, 1, FH_GROUP_INT64, FH_GROUP_MIN);
+    }
+    *rows = err == 0 && all ? lowest : 0;
     if (st != FH_OK)
         return st;
-    return err == MPI_SUCCESS ? FH_OK : fhm_mpi_error(c->ctx, err, "MPI_Allreduce (row blocks)");
+    return err == 0 ? FH_OK : fhm_group_error(c->ctx, failed, err, "the all-reduce of the row blocks");
 }
 
 fh_status fhm_call_schedule(fhm_call *c, fh_status st, int row_blocks, fh_plan plans[2], fh_workspace ws[2],

@@ -88,7 +88,7 @@ static fh_status norms(ce_call *c, int data)
     if (!data)
         return FH_OK;
     double sums[2] = {c->h.nm.count, c->h.nm.weight_sum};
-    const fh_status st = fhm_sum(c->call.ctx, L->data, L->data_ranks, sums, 2);
+    const fh_status st = fhm_sum(c->call.ctx, &L->data, sums, 2);
     c->h.nm.count = sums[0];
     c->h.nm.weight_sum = sums[1];
     return st;
@@ -100,7 +100,7 @@ static fh_status global_norms(ce_call *c, int data)
 {
     fh_status st = FH_OK;
     if (sharded_weights(c))
-        st = fhm_sum(c->call.ctx, c->call.L->vocab, c->call.L->vocab_ranks, c->weights, (int)(c->call.lin->n + 1));
+        st = fhm_sum(c->call.ctx, &c->call.L->vocab, c->weights, (int)(c->call.lin->n + 1));
     return st == FH_OK ? norms(c, data) : st;
 }
 
@@ -133,7 +133,7 @@ static fh_status forward(ce_call *c, const fh_plan *plan, const fh_workspace *ws
     fh_ce_write_token_outputs(&c->h, stats, write_tokens ? out : &reduced_only, totals + 2);
     totals[0] = c->h.nm.count;
     totals[1] = c->h.nm.weight_sum;
-    st = fhm_sum(call->ctx, call->L->data, call->L->data_ranks, totals, 2 + FH_CE_TOTALS);
+    st = fhm_sum(call->ctx, &call->L->data, totals, 2 + FH_CE_TOTALS);
     c->h.nm.count = totals[0];
     c->h.nm.weight_sum = totals[1];
     if (st == FH_OK)
@@ -206,7 +206,7 @@ FH_MPI_API fh_status fh_mpi_ce_backward(fh_context *ctx, fh_mpi_layout *layout, 
     /* DFT's target logits: each from the shard that holds the target (the others' are 0), summed. */
     double *z_target = st == FH_OK ? fh_ce_target_logits_in(&ws, options, &pass) : NULL;
     if (z_target)
-        st = fhm_sum(ctx, layout->vocab, layout->vocab_ranks, z_target, (int)lin->n);
+        st = fhm_sum(ctx, &layout->vocab, z_target, (int)lin->n);
     if (st == FH_OK) {
         const fh_coef_arrays coefs = fh_ce_coefs_in(&ws, &c.h, lse, z_target);
         pass.coefs = &coefs;
@@ -249,7 +249,7 @@ static fh_status row_block_step(ce_call *c, const fh_plan *plan, const fh_worksp
     if (st == FH_OK) {
         double totals[FH_CE_TOTALS];
         fh_ce_write_token_outputs(&c->h, stats, out, totals);
-        st = fhm_sum(call->ctx, call->L->data, call->L->data_ranks, totals, FH_CE_TOTALS);
+        st = fhm_sum(call->ctx, &call->L->data, totals, FH_CE_TOTALS);
         if (st == FH_OK)
             fh_ce_write_loss(&c->h, totals, out);
     }

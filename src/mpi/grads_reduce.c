@@ -213,31 +213,45 @@ static void write_rows(float *dst, int64_t stride, float beta, const float *src,
             dst[i * stride + k] = beta != 0.0f ? dst[i * stride + k] + src[i * cols + k] : src[i * cols + k];
 }
 
+/* The float sum of buffer[0..count) over the group, in place (nothing to do with one rank). */
+static int sum_floats(const fh_group *group, float *buffer, int64_t count)
+{
+    return group->size == 1 ? 0 : group->allreduce(group->handle, buffer, count, FH_GROUP_FLOAT, FH_GROUP_SUM);
+}
+
+/* The reduce-scatter counts of total elements over the group's ranks (fhm_split's blocks of units of `unit`
+ * elements), or NULL (out of memory). */
+static int64_t *scatter_counts(const fh_group *group, int64_t units, int64_t unit)
+{
+    int64_t *counts = malloc(sizeof(int64_t) * (size_t)group->size);
+    for (int r = 0; counts && r < group->size; r++) {
+        int64_t first, size;
+        fhm_split(units, group->size, r, &first, &size);
+        counts[r] = size * unit;
+    }
+    return counts;
+}
+
 static fh_status reduce_dx(fh_mpi_layout *L, fh_context *ctx, fhm_grads *g)
 {
     const fh_linear_grads *u = &g->user;
     const int64_t h = g->hidden;
-    int err = MPI_SUCCESS;
+    int err = 0;
     if (g->dx_mode == FH_MPI_ALLREDUCE) {
-        err = fhm_allreduce_sum(g->engine.dx, g->n * h, MPI_FLOAT, L->vocab);
-        if (err == MPI_SUCCESS && g->engine.dx != u->dx)
+        err = sum_floats(&L->vocab, g->engine.dx, g->n * h);
+        if (err == 0 && g->engine.dx != u->dx)
             write_rows(u->dx, u->dx_row_stride, u->dx_beta, g->dx_tmp, g->n, h);
     } else if (g->dx_mode == FH_MPI_REDUCE_SCATTER) {
-        int *counts = malloc(sizeof(int) * (size_t)L->vocab_ranks);
+        int64_t *counts = scatter_counts(&L->vocab, g->n, h);
         if (!counts)
             return fh_fail(ctx, FH_ERR_OUT_OF_MEMORY, "could not allocate reduce-scatter counts");
-        for (int r = 0; r < L->vocab_ranks; r++) {
-            int64_t first, rows;
-            fhm_split(g->n, L->vocab_ranks, r, &first, &rows);
-            counts[r] = (int)(rows * h);
-        }
         float *recv = g->dx_recv ? g->dx_recv : u->dx;
-        err = MPI_Reduce_scatter(g->dx_tmp, g->dx_rows > 0 ? recv : g->dx_tmp, counts, MPI_FLOAT, MPI_SUM, L->vocab);
+        err = L->vocab.reduce_scatter(L->vocab.handle, g->dx_tmp, g->dx_rows > 0 ? recv : g->dx_tmp, counts);
         free(counts);
-        if (err == MPI_SUCCESS && g->dx_recv)
+        if (err == 0 && g->dx_recv)
             write_rows(u->dx, u->dx_row_stride, u->dx_beta, g->dx_recv, g->dx_rows, h);
     }
-    return err == MPI_SUCCESS ? FH_OK : fhm_mpi_error(ctx, err, "dx reduction");
+    return err == 0 ? FH_OK : fhm_group_error(ctx, &L->vocab, err, "the dx reduction");
 }
 
 static fh_status reduce_dweight(fh_mpi_layout *L, fh_context *ctx, fhm_grads *g)
@@ -245,46 +259,41 @@ static fh_status reduce_dweight(fh_mpi_layout *L, fh_context *ctx, fhm_grads *g)
     const fh_linear_grads *u = &g->user;
     float *const dweight = u->dweight, *const dbias = u->dbias;
     const int64_t elements = g->hidden * g->vocab;
-    int err = MPI_SUCCESS;
+    int err = 0;
     if (dweight && g->dw_mode == FH_MPI_ALLREDUCE) {
         if (g->dw_dense) {
-            err = fhm_allreduce_sum(dweight, elements, MPI_FLOAT, L->data);
+            err = sum_floats(&L->data, dweight, elements);
         } else {
             pack_view(u, g, g->dw_pack);
-            err = fhm_allreduce_sum(g->dw_pack, elements, MPI_FLOAT, L->data);
-            for (int64_t k = 0; err == MPI_SUCCESS && k < g->hidden; k++)
+            err = sum_floats(&L->data, g->dw_pack, elements);
+            for (int64_t k = 0; err == 0 && k < g->hidden; k++)
                 for (int64_t j = 0; j < g->vocab; j++)
                     dweight[k * g->w_stride_hidden + j * g->w_stride_vocab] = g->dw_pack[k * g->vocab + j];
         }
-        if (err == MPI_SUCCESS && g->dw_saved)
+        if (err == 0 && g->dw_saved)
             for (int64_t k = 0; k < g->hidden; k++)
                 for (int64_t j = 0; j < g->vocab; j++)
                     dweight[k * g->w_stride_hidden + j * g->w_stride_vocab] += g->dw_saved[k * g->vocab + j];
     } else if (dweight && g->dw_mode == FH_MPI_REDUCE_SCATTER) {
-        int *counts = malloc(sizeof(int) * (size_t)L->data_ranks);
+        int64_t *counts = scatter_counts(&L->data, elements, 1);
         if (!counts)
             return fh_fail(ctx, FH_ERR_OUT_OF_MEMORY, "could not allocate reduce-scatter counts");
-        for (int r = 0; r < L->data_ranks; r++) {
-            int64_t first, count;
-            fhm_split(elements, L->data_ranks, r, &first, &count);
-            counts[r] = (int)count;
-        }
         /* In place: the part arrives at the start of the block; move it to its own place. */
-        err = MPI_Reduce_scatter(MPI_IN_PLACE, dweight, counts, MPI_FLOAT, MPI_SUM, L->data);
+        err = L->data.reduce_scatter(L->data.handle, dweight, dweight, counts);
         free(counts);
-        if (err == MPI_SUCCESS && g->dw_first > 0)
+        if (err == 0 && g->dw_first > 0)
             memmove(dweight + g->dw_first, dweight, (size_t)g->dw_count * sizeof(float));
-        if (err == MPI_SUCCESS && g->dw_saved)
+        if (err == 0 && g->dw_saved)
             for (int64_t t = 0; t < g->dw_count; t++)
                 dweight[g->dw_first + t] += g->dw_saved[t];
     }
-    if (err == MPI_SUCCESS && dbias && g->dw_mode != FH_MPI_NO_REDUCTION) {
-        err = fhm_allreduce_sum(dbias, g->vocab, MPI_FLOAT, L->data);
-        if (err == MPI_SUCCESS && g->db_saved)
+    if (err == 0 && dbias && g->dw_mode != FH_MPI_NO_REDUCTION) {
+        err = sum_floats(&L->data, dbias, g->vocab);
+        if (err == 0 && g->db_saved)
             for (int64_t j = 0; j < g->vocab; j++)
                 dbias[j] += g->db_saved[j];
     }
-    return err == MPI_SUCCESS ? FH_OK : fhm_mpi_error(ctx, err, "dweight reduction");
+    return err == 0 ? FH_OK : fhm_group_error(ctx, &L->data, err, "the dweight reduction");
 }
 
 fh_status fhm_grads_finish(fh_mpi_layout *L, fh_context *ctx, fhm_grads *g)

@@ -20,16 +20,66 @@ static void free_layout(fh_mpi_layout *L)
 {
     if (!L)
         return;
-    if (L->vocab != MPI_COMM_NULL)
-        MPI_Comm_free(&L->vocab);
-    if (L->data != MPI_COMM_NULL)
-        MPI_Comm_free(&L->data);
-    if (L->record != MPI_DATATYPE_NULL)
-        MPI_Type_free(&L->record);
-    if (L->merge != MPI_OP_NULL)
-        MPI_Op_free(&L->merge);
+    if (L->vocab_comm != MPI_COMM_NULL)
+        MPI_Comm_free(&L->vocab_comm);
+    if (L->data_comm != MPI_COMM_NULL)
+        MPI_Comm_free(&L->data_comm);
     free(L->scratch);
     free(L);
+}
+
+/* The layout's checks, collective over both groups, with the same status on every rank: over vocab, [layout NULL,
+ * out of memory, a size < 1] (a rank with a NULL layout joins too, so that every rank fails), the sum of the sizes
+ * and this rank's offset (the lower ranks' sizes, from every rank's size gathered); over data, the same shard
+ * everywhere ([offset, size, total, vocab ranks] as maxima of the values and of their complements, read as int64),
+ * the vocab group's verdict, and every rank's vocab group the same size; then the data verdict back over vocab. L,
+ * when not NULL, gets the offset and total. */
+static fh_status agree_on_layout(const fh_group *vocab, const fh_group *data, int null_layout, int no_memory,
+                                 int64_t local_vocab, fh_mpi_layout *L)
+{
+    int64_t worst[3] = {null_layout, no_memory, local_vocab < 1};
+    int err = vocab->allreduce(vocab->handle, worst, 3, FH_GROUP_INT64, FH_GROUP_MAX);
+    const int64_t size = local_vocab > 0 ? local_vocab : 0;
+    int64_t *sizes = err == 0 ? malloc(sizeof(int64_t) * (size_t)vocab->size) : NULL;
+    int64_t total = 0, offset = 0, gathered = sizes != NULL;
+    /* Every rank gathers, or none (when a rank could not allocate the buffer: every rank then fails) */
+    if (err == 0)
+        err = vocab->allreduce(vocab->handle, &gathered, 1, FH_GROUP_INT64, FH_GROUP_MIN);
+    if (err == 0 && gathered) {
+        err = vocab->allgather(vocab->handle, &size, sizes, (int64_t)sizeof size);
+        for (int r = 0; err == 0 && r < vocab->size; r++) {
+            total += sizes[r];
+            offset += r < vocab->rank ? sizes[r] : 0;
+        }
+    }
+    free(sizes);
+    fh_status st = err != 0                ? FH_ERR_MPI
+                   : worst[0]              ? FH_ERR_NULL_POINTER
+                   : worst[1] || !gathered ? FH_ERR_OUT_OF_MEMORY
+                   : worst[2]              ? FH_ERR_INVALID_SIZE
+                                           : FH_OK;
+    enum { S = 5 };
+    int64_t shard[2 * S] = {offset, size, total, vocab->size, st};
+    for (int k = 0; k < S; k++)
+        shard[S + k] = ~shard[k];
+    if (err == 0)
+        err = data->allreduce(data->handle, shard, 2 * S, FH_GROUP_INT64, FH_GROUP_MAX);
+    if (err != 0)
+        st = FH_ERR_MPI;
+    else if (shard[4] != FH_OK)
+        st = (fh_status)shard[4]; /* the worst status of any vocab group */
+    else
+        for (int k = 0; k < 4; k++)
+            if (shard[k] != ~shard[S + k])
+                st = FH_ERR_MPI_LAYOUT;
+    int64_t overall = st;
+    if (err == 0)
+        err = vocab->allreduce(vocab->handle, &overall, 1, FH_GROUP_INT64, FH_GROUP_MAX);
+    if (err == 0 && overall == FH_OK && L) {
+        L->vocab_offset = offset;
+        L->total_vocab = total;
+    }
+    return err != 0 ? FH_ERR_MPI : (fh_status)overall;
 }
 
 FH_MPI_API fh_status fh_mpi_layout_create(MPI_Comm vocab_comm, MPI_Comm data_comm, int64_t local_vocab,
@@ -41,87 +91,38 @@ FH_MPI_API fh_status fh_mpi_layout_create(MPI_Comm vocab_comm, MPI_Comm data_com
     if (!initialized || finalized)
         return FH_ERR_MPI;
     fh_mpi_layout *L = calloc(1, sizeof *L);
-    int err = MPI_SUCCESS;
-    if (L) {
-        L->vocab = L->data = MPI_COMM_NULL;
-        L->record = MPI_DATATYPE_NULL;
-        L->merge = MPI_OP_NULL;
-    }
     /* Every rank makes the same collective calls whatever fails locally, and learns the outcome from
-     * reduced values, so that all of them return the same status. */
-    MPI_Comm vocab = MPI_COMM_NULL, data = MPI_COMM_NULL;
-    err = duplicate(vocab_comm, &vocab);
+     * reduced values, so that all of them return the same status. The communicators are duplicated into the
+     * layout (or stack variables, when the allocation failed) and the checks run over their groups. */
+    MPI_Comm spare[2] = {MPI_COMM_NULL, MPI_COMM_NULL};
+    MPI_Comm *vocab = L ? &L->vocab_comm : &spare[0], *data = L ? &L->data_comm : &spare[1];
+    *vocab = *data = MPI_COMM_NULL;
+    int err = duplicate(vocab_comm, vocab);
     if (err == MPI_SUCCESS)
-        err = duplicate(data_comm, &data);
+        err = duplicate(data_comm, data);
     if (err != MPI_SUCCESS) {
-        if (vocab != MPI_COMM_NULL)
-            MPI_Comm_free(&vocab);
+        if (*vocab != MPI_COMM_NULL)
+            MPI_Comm_free(vocab);
         free(L);
         return FH_ERR_MPI;
     }
-    int vr, vn, dr, dn;
-    MPI_Comm_rank(vocab, &vr);
-    MPI_Comm_size(vocab, &vn);
-    MPI_Comm_rank(data, &dr);
-    MPI_Comm_size(data, &dn);
-    /* Over vocab: [layout NULL, out of memory, a size < 1] max (a NULL layout joins too, so that every rank
-     * fails), sum of sizes, and the exclusive prefix sum. */
-    int64_t mine[3] = {layout == NULL, L == NULL, local_vocab < 1}, worst[3];
-    int64_t total = 0, offset = 0, size = local_vocab > 0 ? local_vocab : 0;
-    err = MPI_Allreduce(mine, worst, 3, MPI_INT64_T, MPI_MAX, vocab);
-    if (err == MPI_SUCCESS)
-        err = MPI_Allreduce(&size, &total, 1, MPI_INT64_T, MPI_SUM, vocab);
-    if (err == MPI_SUCCESS)
-        err = MPI_Exscan(&size, &offset, 1, MPI_INT64_T, MPI_SUM, vocab);
-    if (vr == 0)
-        offset = 0; /* MPI_Exscan leaves rank 0's result undefined */
-    fh_status st = err != MPI_SUCCESS ? FH_ERR_MPI
-                   : worst[0]         ? FH_ERR_NULL_POINTER
-                   : worst[1]         ? FH_ERR_OUT_OF_MEMORY
-                   : worst[2]         ? FH_ERR_INVALID_SIZE
-                                      : FH_OK;
-    /* Over data: the same shard everywhere ([offset, size, total, vocab ranks] min and max, as unsigned maxima of
-     * the values and of their complements), the vocab communicator's verdict, and every rank's vocab communicator
-     * the same size. */
-    enum { S = 5 };
-    uint64_t shard[2 * S] = {(uint64_t)offset, (uint64_t)size, (uint64_t)total, (uint64_t)vn, (uint64_t)st}, hi[2 * S];
-    for (int k = 0; k < S; k++)
-        shard[S + k] = ~shard[k];
-    if (err == MPI_SUCCESS)
-        err = MPI_Allreduce(shard, hi, 2 * S, MPI_UINT64_T, MPI_MAX, data);
-    if (err != MPI_SUCCESS)
-        st = FH_ERR_MPI;
-    else if (hi[4] != FH_OK)
-        st = (fh_status)hi[4]; /* the worst status of any vocab communicator */
-    else
-        for (int k = 0; k < 4; k++)
-            if (hi[k] != ~hi[S + k])
-                st = FH_ERR_MPI_LAYOUT;
-    /* The data verdict back over vocab, so that every rank of the grid agrees. */
-    int64_t verdict = st, overall = st;
-    if (err == MPI_SUCCESS)
-        err = MPI_Allreduce(&verdict, &overall, 1, MPI_INT64_T, MPI_MAX, vocab);
-    st = err != MPI_SUCCESS ? FH_ERR_MPI : (fh_status)overall;
+    fh_group vg, dg;
+    fhm_group_over(vocab, &vg);
+    fhm_group_over(data, &dg);
+    const fh_status st = agree_on_layout(&vg, &dg, layout == NULL, L == NULL, local_vocab, L);
     if (st == FH_OK) {
-        L->vocab = vocab;
-        L->data = data;
-        L->vocab_rank = vr;
-        L->vocab_ranks = vn;
-        L->data_rank = dr;
-        L->data_ranks = dn;
-        L->vocab_offset = offset;
+        L->vocab = vg;
+        L->data = dg;
+        L->vocab_rank = vg.rank;
+        L->vocab_ranks = vg.size;
+        L->data_rank = dg.rank;
+        L->data_ranks = dg.size;
         L->local_vocab = local_vocab;
-        L->total_vocab = total;
-        fhm_register_merge(L, &err);
-        if (err != MPI_SUCCESS) {
-            free_layout(L);
-            return FH_ERR_MPI;
-        }
         *layout = L;
         return FH_OK;
     }
-    MPI_Comm_free(&vocab);
-    MPI_Comm_free(&data);
+    MPI_Comm_free(vocab);
+    MPI_Comm_free(data);
     free(L);
     return st;
 }

@@ -84,7 +84,7 @@ static fh_status forward_pass(grpo_call *c, const fh_plan *plan, const fh_worksp
 static fh_status sum_totals(grpo_call *c, fh_grpo_head *h)
 {
     double totals[2] = {h->mask_sum, h->batch_total};
-    const fh_status st = fhm_sum(c->call.ctx, c->call.L->data, c->call.L->data_ranks, totals, 2);
+    const fh_status st = fhm_sum(c->call.ctx, &c->call.L->data, totals, 2);
     h->mask_sum = totals[0];
     h->mask_total = fmax(totals[0], 1.0);
     h->batch_total = totals[1];
@@ -95,7 +95,7 @@ static fh_status sum_totals(grpo_call *c, fh_grpo_head *h)
 static fh_status sum_over_data(void *self, double *values, int n)
 {
     const grpo_call *c = self;
-    return fhm_sum(c->call.ctx, c->call.L->data, c->call.L->data_ranks, values, n);
+    return fhm_sum(c->call.ctx, &c->call.L->data, values, n);
 }
 
 /* Per-sequence values, the whole batch's totals and its entropy threshold. */
@@ -119,10 +119,10 @@ static fh_status run_head(grpo_call *c, const fh_grpo_head *h, const fh_workspac
                           &p);
     if (!finish)
         return FH_OK;
-    fh_status st = fhm_sum(c->call.ctx, c->call.L->data, c->call.L->data_ranks, (double *)&p.sum,
+    fh_status st = fhm_sum(c->call.ctx, &c->call.L->data, (double *)&p.sum,
                            (int)(sizeof p.sum / sizeof(double)));
     if (st == FH_OK)
-        st = fhm_max(c->call.ctx, c->call.L->data, c->call.L->data_ranks, (double *)&p.max,
+        st = fhm_max(c->call.ctx, &c->call.L->data, (double *)&p.max,
                      (int)(sizeof p.max / sizeof(double)));
     if (st == FH_OK)
         fh_grpo_head_finish(h, &p, hout);

@@ -74,7 +74,7 @@ static fh_status head_in(kto_call *c, const fh_workspace *ws, fh_kto_head *h)
     *h = fh_kto_head_in(ws, c->bt, c->o, c->call.L->total_vocab);
     double sums[2];
     fh_kto_head_sums(h, sums);
-    const fh_status st = fhm_sum(c->call.ctx, c->call.L->data, c->call.L->data_ranks, sums, 2);
+    const fh_status st = fhm_sum(c->call.ctx, &c->call.L->data, sums, 2);
     fh_kto_head_set_totals(h, sums);
     return st;
 }
@@ -85,7 +85,7 @@ static fh_status finish_head(kto_call *c, const fh_kto_head *h, fh_kto_outputs *
     fh_kto_partials p;
     fh_kto_head_partials(h, c->metrics, &p, out);
     const fh_status st =
-        fhm_sum(c->call.ctx, c->call.L->data, c->call.L->data_ranks, (double *)&p, (int)(sizeof p / sizeof(double)));
+        fhm_sum(c->call.ctx, &c->call.L->data, (double *)&p, (int)(sizeof p / sizeof(double)));
     if (st == FH_OK)
         fh_kto_head_finish(h, &p, out);
     return st;

@@ -9,33 +9,33 @@
 #include "fusedhead_mpi.h"
 
 #include "engine/engine.h"
+#include "group.h"
 
 #define FH_MPI_PARAM_COUNT 3
 
 /* The public fh_mpi_layout: a grid of vocab x data communicators and this rank's vocabulary shard. */
 struct fh_mpi_layout {
-    MPI_Comm vocab, data;           /* our duplicates (MPI_COMM_SELF duplicates when absent) */
+    MPI_Comm vocab_comm, data_comm; /* our duplicates (MPI_COMM_SELF duplicates when absent) */
+    fh_group vocab, data;           /* the collectives over them (group.h); every file but comm.c and grid.c uses these */
     int vocab_rank, vocab_ranks, data_rank, data_ranks;
     int64_t vocab_offset, local_vocab, total_vocab;
     int params[FH_MPI_PARAM_COUNT]; /* indexed by fh_mpi_param */
-    MPI_Datatype record;            /* FHM_RECORD doubles: one token's packed statistics */
-    MPI_Op merge;                   /* commutative merge of two records */
     void *scratch;                  /* per-call scratch, grown on demand */
     size_t scratch_bytes;
 };
 
 /* ---- comm.c ---------------------------------------------------------------------------------- */
 
-/* FH_ERR_MPI with MPI's error string, for a failed MPI call (err != MPI_SUCCESS). */
-fh_status fhm_mpi_error(fh_context *ctx, int err, const char *what);
+/* The group of the ranks of *comm (group.h), its collectives MPI's; comm must outlive it. */
+void fhm_group_over(MPI_Comm *comm, fh_group *group);
 
-/* In-place MPI_SUM all-reduce of count elements (chunked past INT_MAX). */
-int fhm_allreduce_sum(void *buf, int64_t count, MPI_Datatype type, MPI_Comm comm);
+/* FH_ERR_MPI with the group's description of code, for a failed collective (code != 0). */
+fh_status fhm_group_error(fh_context *ctx, const fh_group *group, int code, const char *what);
 
-/* Sums n doubles over a communicator in place (nothing to do with one rank). */
-fh_status fhm_sum(fh_context *ctx, MPI_Comm comm, int ranks, double *values, int n);
-/* The same with MPI_MAX (element-wise maxima). */
-fh_status fhm_max(fh_context *ctx, MPI_Comm comm, int ranks, double *values, int n);
+/* Sums n doubles over a group in place (nothing to do with one rank). */
+fh_status fhm_sum(fh_context *ctx, const fh_group *group, double *values, int64_t n);
+/* The same with element-wise maxima. */
+fh_status fhm_max(fh_context *ctx, const fh_group *group, double *values, int64_t n);
 
 /* Part r of count items split in parts contiguous blocks whose sizes differ by at most one. */
 void fhm_split(int64_t count, int parts, int r, int64_t *first, int64_t *size);
@@ -45,16 +45,13 @@ void fhm_split(int64_t count, int parts, int r, int64_t *first, int64_t *size);
 /* Fields of a packed statistics record. */
 enum { FHM_LSE, FHM_MAX, FHM_Z_TARGET, FHM_SUM_WZ, FHM_SUM_PZ, FHM_ARGMAX, FHM_TARGET_WEIGHT, FHM_RECORD };
 
-/* Creates L->record and L->merge, the packed collective's datatype and operation; *err is MPI's status. */
-void fhm_register_merge(fh_mpi_layout *L, int *err);
-
 /* Combines per-token statistics over the vocab communicator (nothing to do with one rank). In: this
  * shard's stats as fh_engine_forward (or the row-block pass, to its block hook) leaves them (argmax a
  * shard index; sum_exp still the shard's sum of exps), extra optional: extra[0..n) values to sum (a
  * target's class weight on the rank that holds it) and extra[n] one more summed scalar. Out: the whole
  * vocabulary's lse, z_target, sum_weighted_z, sum_pz, argmax (global index), and the sums in extra.
- * records: scratch of fhm_combine_bytes(n). */
-size_t fhm_combine_bytes(int64_t n);
+ * records: scratch of fhm_combine_bytes(L, n). */
+size_t fhm_combine_bytes(const fh_mpi_layout *L, int64_t n);
 fh_status fhm_combine_stats(fh_mpi_layout *L, fh_context *ctx, int64_t n, const fh_token_stats *stats,
                             double *extra, void *records);
 
@@ -142,7 +139,7 @@ typedef struct fhm_call {
     const int64_t *engine_ids; /* shard-local with vocab parallelism (fhm_call_shard_ids), else the caller's */
     int64_t *local;            /* [n] scratch for the shard-local ids */
     void *head_scratch;        /* the head's share of the scratch */
-    void *records;             /* fhm_combine_bytes(n) of scratch */
+    void *records;             /* fhm_combine_bytes(L, n) of scratch */
     fhm_grads g;               /* the gradients' reductions (backward calls) */
     fhm_config config;         /* filled before fhm_call_agree */
     fhm_pass_fn pass;          /* the head's pass, and its call */

@@ -1,8 +1,8 @@
-/* Per-token statistics across the vocab communicator: a packed record merged by our own MPI_Op, or
- * MPI_MAXLOC then MPI_SUM (FH_MPI_PARAM_STATS_COLLECTIVE). */
+/* Per-token statistics across the vocab group: every rank's packed records gathered and merged here, in rank order
+ * (every rank computes the same bits), or maxima then sums (FH_MPI_PARAM_STATS_COLLECTIVE). */
 #include "mpi_internal.h"
 
-#include <limits.h>
+#include <stdint.h>
 #include <math.h>
 #include <string.h>
 
@@ -39,34 +39,11 @@ static void merge_record(const double *a, double *b)
     b[FHM_TARGET_WEIGHT] += a[FHM_TARGET_WEIGHT];
 }
 
-static void merge_records(void *in, void *inout, int *count, MPI_Datatype *type)
-{
-    (void)type;
-    const double *a = in;
-    double *b = inout;
-    for (int k = 0; k < *count; k++)
-        merge_record(a + (size_t)k * FHM_RECORD, b + (size_t)k * FHM_RECORD);
-}
-
-void fhm_register_merge(fh_mpi_layout *L, int *err)
-{
-    *err = MPI_Type_contiguous(FHM_RECORD, MPI_DOUBLE, &L->record);
-    if (*err == MPI_SUCCESS)
-        *err = MPI_Type_commit(&L->record);
-    if (*err == MPI_SUCCESS)
-        *err = MPI_Op_create(merge_records, 1, &L->merge);
-}
-
-typedef struct double_int {
-    double value;
-    int index;
-} double_int;
-
-size_t fhm_combine_bytes(int64_t n)
+size_t fhm_combine_bytes(const fh_mpi_layout *L, int64_t n)
 {
     const size_t m = (size_t)n + 1;
-    const size_t packed = m * FHM_RECORD * sizeof(double);
-    const size_t two_step = 2 * m * sizeof(double_int) + 5 * m * sizeof(double);
+    const size_t packed = ((size_t)L->vocab_ranks + 1) * m * FHM_RECORD * sizeof(double);
+    const size_t two_step = 2 * m * sizeof(double) + 2 * m * sizeof(int64_t) + 5 * m * sizeof(double);
     return packed > two_step ? packed : two_step;
 }
 
@@ -117,40 +94,49 @@ static void unpack(int64_t n, const double *r, const fh_token_stats *s, double *
 static fh_status combine_packed(fh_mpi_layout *L, fh_context *ctx, int64_t n, const fh_token_stats *s, double *extra,
                                 double *records)
 {
-    pack(L, n, s, extra, records);
-    const int err = MPI_Allreduce(MPI_IN_PLACE, records, (int)(n + 1), L->record, L->merge, L->vocab);
-    if (err != MPI_SUCCESS)
-        return fhm_mpi_error(ctx, err, "MPI_Allreduce (statistics)");
-    unpack(n, records, s, extra);
+    const int64_t m = n + 1;
+    double *mine = records, *all = records + m * FHM_RECORD;
+    pack(L, n, s, extra, mine);
+    const fh_group *g = &L->vocab;
+    const int err = g->allgather(g->handle, mine, all, m * FHM_RECORD * (int64_t)sizeof(double));
+    if (err != 0)
+        return fhm_group_error(ctx, g, err, "the all-gather of statistics");
+    for (int r = 1; r < g->size; r++)
+        for (int64_t i = 0; i < m; i++)
+            merge_record(all + (r * m + i) * FHM_RECORD, all + i * FHM_RECORD);
+    unpack(n, all, s, extra);
     return FH_OK;
 }
 
-/* MPI_MAXLOC of (lse, 0) and (max, argmax), then MPI_SUM of (exp(lse_r - lse_max), sum_pz_r exp(..),
- * z_target, sum_weighted_z, extra). */
+/* Maxima of lse and of the shards' largest logits; with argmax, the lowest global index among the ranks whose largest
+ * logit is the maximum (a minimum over indices, INT64_MAX elsewhere); then sums of (exp(lse_r - lse_max),
+ * sum_pz_r exp(..), z_target, sum_weighted_z, extra). */
 static fh_status combine_two_step(fh_mpi_layout *L, fh_context *ctx, int64_t n, const fh_token_stats *s,
                                   double *extra, void *scratch)
 {
+    const fh_group *g = &L->vocab;
     const int64_t m = n + 1;
-    double_int *top = scratch;
-    double *sums = (double *)(top + 2 * m);
+    double *top = scratch;              /* [2m]: lse's maxima, then the largest logits' */
+    int64_t *index = (int64_t *)(top + 2 * m); /* [m] */
+    double *sums = (double *)(index + m);      /* [5m] */
     const int with_argmax = s->argmax != NULL;
     for (int64_t i = 0; i < n; i++) {
-        top[i].value = s->lse[i];
-        top[i].index = 0;
-        if (with_argmax) {
-            top[m + i].value = shard_max(s->lse[i], s->sum_exp[i]);
-            top[m + i].index = (int)(s->argmax[i] + L->vocab_offset);
-        }
+        top[i] = s->lse[i];
+        top[m + i] = with_argmax ? shard_max(s->lse[i], s->sum_exp[i]) : -INFINITY;
     }
-    const double_int neutral = {-INFINITY, 0};
-    top[n] = neutral; /* the extra record */
-    top[m + n] = neutral;
-    int err = MPI_Allreduce(MPI_IN_PLACE, top, (int)(with_argmax ? 2 * m : m), MPI_DOUBLE_INT, MPI_MAXLOC, L->vocab);
-    if (err != MPI_SUCCESS)
-        return fhm_mpi_error(ctx, err, "MPI_Allreduce (statistics, max)");
+    top[n] = top[m + n] = -INFINITY; /* the extra record */
+    int err = g->allreduce(g->handle, top, with_argmax ? 2 * m : m, FH_GROUP_DOUBLE, FH_GROUP_MAX);
+    if (err == 0 && with_argmax) {
+        for (int64_t i = 0; i < n; i++)
+            index[i] = shard_max(s->lse[i], s->sum_exp[i]) == top[m + i] ? s->argmax[i] + L->vocab_offset : INT64_MAX;
+        index[n] = INT64_MAX;
+        err = g->allreduce(g->handle, index, m, FH_GROUP_INT64, FH_GROUP_MIN);
+    }
+    if (err != 0)
+        return fhm_group_error(ctx, g, err, "the all-reduce of statistics (maxima)");
     for (int64_t i = 0; i < m; i++) {
         double *r = sums + 5 * i;
-        const double top_lse = top[i].value;
+        const double top_lse = top[i];
         const double scale = i == n || !isfinite(top_lse) ? (isnan(top_lse) ? NAN : 0.0) : exp(s->lse[i] - top_lse);
         r[0] = i < n ? scale : 0.0;
         r[1] = i < n && s->sum_pz ? s->sum_pz[i] * scale : 0.0;
@@ -158,11 +144,11 @@ static fh_status combine_two_step(fh_mpi_layout *L, fh_context *ctx, int64_t n, 
         r[3] = i < n && s->sum_weighted_z ? s->sum_weighted_z[i] : 0.0;
         r[4] = extra ? extra[i] : 0.0;
     }
-    err = MPI_Allreduce(MPI_IN_PLACE, sums, (int)(5 * m), MPI_DOUBLE, MPI_SUM, L->vocab);
-    if (err != MPI_SUCCESS)
-        return fhm_mpi_error(ctx, err, "MPI_Allreduce (statistics, sums)");
+    err = g->allreduce(g->handle, sums, 5 * m, FH_GROUP_DOUBLE, FH_GROUP_SUM);
+    if (err != 0)
+        return fhm_group_error(ctx, g, err, "the all-reduce of statistics (sums)");
     for (int64_t i = 0; i < n; i++) {
-        const double *r = sums + 5 * i, top_lse = top[i].value;
+        const double *r = sums + 5 * i, top_lse = top[i];
         s->lse[i] = isinf(top_lse) ? (top_lse < 0.0 ? -INFINITY : NAN) : top_lse + log(r[0]);
         s->z_target[i] = r[2];
         if (s->sum_pz)
@@ -170,7 +156,7 @@ static fh_status combine_two_step(fh_mpi_layout *L, fh_context *ctx, int64_t n, 
         if (s->sum_weighted_z)
             s->sum_weighted_z[i] = r[3];
         if (with_argmax)
-            s->argmax[i] = top[m + i].index;
+            s->argmax[i] = index[i];
         if (extra)
             extra[i] = r[4];
     }
@@ -184,8 +170,7 @@ fh_status fhm_combine_stats(fh_mpi_layout *L, fh_context *ctx, int64_t n, const 
 {
     if (L->vocab_ranks == 1)
         return FH_OK;
-    /* MPI_DOUBLE_INT carries an int index: the packed op covers vocabularies beyond INT_MAX. */
-    if (L->params[FH_MPI_PARAM_STATS_COLLECTIVE] == FH_MPI_STATS_MAX_THEN_SUM && L->total_vocab <= INT_MAX)
+    if (L->params[FH_MPI_PARAM_STATS_COLLECTIVE] == FH_MPI_STATS_MAX_THEN_SUM)
         return combine_two_step(L, ctx, n, stats, extra, records);
     return combine_packed(L, ctx, n, stats, extra, records);
 }
