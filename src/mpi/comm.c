@@ -1,27 +1,33 @@
-/* The group interface (group.h) over an MPI communicator, and what every file of the module uses on a group: errors,
- * sums, maxima, splits. */
-#include "mpi_internal.h"
-
-#include "core/context.h"
+/* The MPI module: fusedhead_parallel.h's collectives (fh_collectives) over MPI communicators, and the layouts made
+ * of them (include/fusedhead_mpi.h). The heads themselves are libfusedhead's. */
+#include "fusedhead_mpi.h"
 
 #include <limits.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 
+/* A group's handle is its communicator's Fortran handle (an integer) stored in the pointer: no allocation, so
+ * nothing can fail between the duplication of the communicators and the layout's agreement. */
+static void *handle_of(MPI_Comm comm)
+{
+    return (void *)(intptr_t)MPI_Comm_c2f(comm);
+}
+
 static MPI_Comm comm_of(void *handle)
 {
-    return *(const MPI_Comm *)handle;
+    return MPI_Comm_f2c((MPI_Fint)(intptr_t)handle);
 }
 
-static MPI_Datatype mpi_type(fh_group_type type)
+static MPI_Datatype mpi_type(fh_collective_type type)
 {
-    return type == FH_GROUP_FLOAT ? MPI_FLOAT : type == FH_GROUP_DOUBLE ? MPI_DOUBLE : MPI_INT64_T;
+    return type == FH_COLLECTIVE_FLOAT ? MPI_FLOAT : type == FH_COLLECTIVE_DOUBLE ? MPI_DOUBLE : MPI_INT64_T;
 }
 
-static int mpi_allreduce(void *handle, void *buffer, int64_t count, fh_group_type type, fh_group_op op)
+static int mpi_allreduce(void *handle, void *buffer, int64_t count, fh_collective_type type, fh_collective_op op)
 {
-    const MPI_Op mpi_op = op == FH_GROUP_SUM ? MPI_SUM : op == FH_GROUP_MAX ? MPI_MAX : MPI_MIN;
-    const size_t size = type == FH_GROUP_FLOAT ? sizeof(float) : sizeof(double); /* int64_t: 8 too */
+    const MPI_Op mpi_op = op == FH_COLLECTIVE_SUM ? MPI_SUM : op == FH_COLLECTIVE_MAX ? MPI_MAX : MPI_MIN;
+    const size_t size = type == FH_COLLECTIVE_FLOAT ? sizeof(float) : sizeof(double); /* int64_t: 8 too */
     const int64_t chunk = (int64_t)1 << 30; /* MPI's counts are ints */
     for (int64_t done = 0; done < count; done += chunk) {
         const int64_t now = count - done < chunk ? count - done : chunk;
@@ -73,43 +79,95 @@ static void mpi_describe(void *handle, int code, char *text, size_t size)
     snprintf(text, size, "%s", mpi_text);
 }
 
-void fhm_group_over(MPI_Comm *comm, fh_group *group)
+static void mpi_release(void *handle)
 {
-    group->handle = comm;
-    MPI_Comm_rank(*comm, &group->rank);
-    MPI_Comm_size(*comm, &group->size);
-    group->allreduce = mpi_allreduce;
-    group->allgather = mpi_allgather;
-    group->reduce_scatter = mpi_reduce_scatter;
-    group->describe = mpi_describe;
+    MPI_Comm comm = comm_of(handle);
+    MPI_Comm_free(&comm);
 }
 
-fh_status fhm_group_error(fh_context *ctx, const fh_group *group, int code, const char *what)
+/* A duplicate of comm (MPI_COMM_SELF's when comm is MPI_COMM_NULL) that returns errors. */
+static int duplicate(MPI_Comm comm, MPI_Comm *dup)
 {
-    char text[MPI_MAX_ERROR_STRING] = "";
-    group->describe(group->handle, code, text, sizeof text);
-    return fh_fail(ctx, FH_ERR_MPI, "%s failed: %s", what, text);
+    int err = MPI_Comm_dup(comm == MPI_COMM_NULL ? MPI_COMM_SELF : comm, dup);
+    if (err == MPI_SUCCESS)
+        err = MPI_Comm_set_errhandler(*dup, MPI_ERRORS_RETURN);
+    return err;
 }
 
-void fhm_split(int64_t count, int parts, int r, int64_t *first, int64_t *size)
+static fh_collectives collectives_over(MPI_Comm comm)
 {
-    const int64_t base = count / parts, extra = count % parts;
-    *first = r * base + (r < extra ? r : extra);
-    *size = base + (r < extra);
+    fh_collectives group = {handle_of(comm), 0, 1, mpi_allreduce, mpi_allgather, mpi_reduce_scatter, mpi_describe,
+                            mpi_release};
+    MPI_Comm_rank(comm, &group.rank);
+    MPI_Comm_size(comm, &group.size);
+    return group;
 }
 
-fh_status fhm_sum(fh_context *ctx, const fh_group *group, double *values, int64_t n)
+FH_MPI_API fh_status fh_mpi_layout_create(MPI_Comm vocab_comm, MPI_Comm data_comm, int64_t local_vocab,
+                                          fh_mpi_layout **layout)
 {
-    if (group->size == 1)
-        return FH_OK;
-    const int err = group->allreduce(group->handle, values, n, FH_GROUP_DOUBLE, FH_GROUP_SUM);
-    return err == 0 ? FH_OK : fhm_group_error(ctx, group, err, "the all-reduce of sums");
+    int initialized = 0, finalized = 0;
+    MPI_Initialized(&initialized);
+    MPI_Finalized(&finalized);
+    if (!initialized || finalized)
+        return FH_ERR_MPI;
+    /* The layout owns duplicates of the communicators (the caller's may be freed afterwards). */
+    MPI_Comm vocab = MPI_COMM_NULL, data = MPI_COMM_NULL;
+    int err = duplicate(vocab_comm, &vocab);
+    if (err == MPI_SUCCESS)
+        err = duplicate(data_comm, &data);
+    fh_status st = FH_ERR_MPI;
+    if (err == MPI_SUCCESS) {
+        const fh_collectives vg = collectives_over(vocab), dg = collectives_over(data);
+        st = fh_parallel_layout_create(&vg, &dg, local_vocab, layout);
+    }
+    if (st != FH_OK) {
+        if (vocab != MPI_COMM_NULL)
+            MPI_Comm_free(&vocab);
+        if (data != MPI_COMM_NULL)
+            MPI_Comm_free(&data);
+    }
+    return st;
 }
 
-fh_status fhm_max(fh_context *ctx, const fh_group *group, double *values, int64_t n)
+FH_MPI_API fh_status fh_mpi_layout_create_grid(MPI_Comm comm, int vocab_ranks, int64_t local_vocab,
+                                               fh_mpi_layout **layout)
 {
-    if (group->size == 1)
-        return FH_OK;
-    const int err = group->allreduce(group->handle, values, n, FH_GROUP_DOUBLE, FH_GROUP_MAX);
-    return err == 0 ? FH_OK : fhm_group_error(ctx, group, err, "the all-reduce of maxima");
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    if (!initialized || comm == MPI_COMM_NULL)
+        return FH_ERR_MPI;
+    int rank, size;
+    MPI_Comm_rank(comm, &rank);
+    MPI_Comm_size(comm, &size);
+    /* Agreed before the splits, which every rank must make alike: a NULL layout and vocab_ranks (valid, and the
+     * same on every rank: unsigned maxima of its bits and of their complements). */
+    const uint64_t ranks_bits = (uint64_t)(int64_t)vocab_ranks;
+    uint64_t args[4] = {layout == NULL, vocab_ranks < 1 || size % vocab_ranks != 0, ranks_bits, ~ranks_bits};
+    if (MPI_Allreduce(MPI_IN_PLACE, args, 4, MPI_UINT64_T, MPI_MAX, comm) != MPI_SUCCESS)
+        return FH_ERR_MPI;
+    if (args[0])
+        return FH_ERR_NULL_POINTER;
+    if (args[1] || args[2] != ~args[3])
+        return FH_ERR_MPI_LAYOUT;
+    MPI_Comm vocab = MPI_COMM_NULL, data = MPI_COMM_NULL;
+    int err = MPI_Comm_split(comm, rank / vocab_ranks, rank, &vocab);
+    if (err == MPI_SUCCESS)
+        err = MPI_Comm_split(comm, rank % vocab_ranks, rank, &data);
+    fh_status st = err == MPI_SUCCESS ? fh_mpi_layout_create(vocab, data, local_vocab, layout) : FH_ERR_MPI;
+    if (vocab != MPI_COMM_NULL)
+        MPI_Comm_free(&vocab);
+    if (data != MPI_COMM_NULL)
+        MPI_Comm_free(&data);
+    return st;
+}
+
+FH_MPI_API fh_status fh_mpi_layout_create_fortran(MPI_Fint vocab_comm, MPI_Fint data_comm, int64_t local_vocab,
+                                                  fh_mpi_layout **layout)
+{
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    if (!initialized)
+        return FH_ERR_MPI;
+    return fh_mpi_layout_create(MPI_Comm_f2c(vocab_comm), MPI_Comm_f2c(data_comm), local_vocab, layout);
 }

@@ -1,6 +1,6 @@
 /* Per-token statistics across the vocab group: every rank's packed records gathered and merged here, in rank order
- * (every rank computes the same bits), or maxima then sums (FH_MPI_PARAM_STATS_COLLECTIVE). */
-#include "mpi_internal.h"
+ * (every rank computes the same bits), or maxima then sums (FH_PARALLEL_PARAM_STATS_COLLECTIVE). */
+#include "parallel_internal.h"
 
 #include <stdint.h>
 #include <math.h>
@@ -10,7 +10,7 @@
  * terms, max, lowest index on ties), so the result does not depend on which rank's record is which. */
 static void merge_record(const double *a, double *b)
 {
-    const double la = a[FHM_LSE], lb = b[FHM_LSE];
+    const double la = a[FHP_LSE], lb = b[FHP_LSE];
     double lse, wa, wb;
     if (isnan(la) || isnan(lb)) {
         lse = wa = wb = NAN;
@@ -28,21 +28,21 @@ static void merge_record(const double *a, double *b)
             wb = eb / s;
         }
     }
-    b[FHM_SUM_PZ] = a[FHM_SUM_PZ] * wa + b[FHM_SUM_PZ] * wb;
-    b[FHM_LSE] = lse;
-    if (a[FHM_MAX] > b[FHM_MAX] || (a[FHM_MAX] == b[FHM_MAX] && a[FHM_ARGMAX] < b[FHM_ARGMAX])) {
-        b[FHM_MAX] = a[FHM_MAX];
-        b[FHM_ARGMAX] = a[FHM_ARGMAX];
+    b[FHP_SUM_PZ] = a[FHP_SUM_PZ] * wa + b[FHP_SUM_PZ] * wb;
+    b[FHP_LSE] = lse;
+    if (a[FHP_MAX] > b[FHP_MAX] || (a[FHP_MAX] == b[FHP_MAX] && a[FHP_ARGMAX] < b[FHP_ARGMAX])) {
+        b[FHP_MAX] = a[FHP_MAX];
+        b[FHP_ARGMAX] = a[FHP_ARGMAX];
     }
-    b[FHM_Z_TARGET] += a[FHM_Z_TARGET];
-    b[FHM_SUM_WZ] += a[FHM_SUM_WZ];
-    b[FHM_TARGET_WEIGHT] += a[FHM_TARGET_WEIGHT];
+    b[FHP_Z_TARGET] += a[FHP_Z_TARGET];
+    b[FHP_SUM_WZ] += a[FHP_SUM_WZ];
+    b[FHP_TARGET_WEIGHT] += a[FHP_TARGET_WEIGHT];
 }
 
-size_t fhm_combine_bytes(const fh_mpi_layout *L, int64_t n)
+size_t fhp_combine_bytes(const fh_parallel_layout *L, int64_t n)
 {
     const size_t m = (size_t)n + 1;
-    const size_t packed = ((size_t)L->vocab_ranks + 1) * m * FHM_RECORD * sizeof(double);
+    const size_t packed = ((size_t)L->vocab_ranks + 1) * m * FHP_RECORD * sizeof(double);
     const size_t two_step = 2 * m * sizeof(double) + 2 * m * sizeof(int64_t) + 5 * m * sizeof(double);
     return packed > two_step ? packed : two_step;
 }
@@ -57,53 +57,53 @@ static double shard_max(double lse, double sum_exp)
     return (double)(float)(lse - log(sum_exp));
 }
 
-static void pack(const fh_mpi_layout *L, int64_t n, const fh_token_stats *s, const double *extra, double *r)
+static void pack(const fh_parallel_layout *L, int64_t n, const fh_token_stats *s, const double *extra, double *r)
 {
-    for (int64_t i = 0; i < n; i++, r += FHM_RECORD) {
-        r[FHM_LSE] = s->lse[i];
-        r[FHM_MAX] = s->argmax ? shard_max(s->lse[i], s->sum_exp[i]) : 0.0;
-        r[FHM_Z_TARGET] = s->z_target[i];
-        r[FHM_SUM_WZ] = s->sum_weighted_z ? s->sum_weighted_z[i] : 0.0;
-        r[FHM_SUM_PZ] = s->sum_pz ? s->sum_pz[i] : 0.0;
-        r[FHM_ARGMAX] = s->argmax ? (double)(s->argmax[i] + L->vocab_offset) : 0.0;
-        r[FHM_TARGET_WEIGHT] = extra ? extra[i] : 0.0;
+    for (int64_t i = 0; i < n; i++, r += FHP_RECORD) {
+        r[FHP_LSE] = s->lse[i];
+        r[FHP_MAX] = s->argmax ? shard_max(s->lse[i], s->sum_exp[i]) : 0.0;
+        r[FHP_Z_TARGET] = s->z_target[i];
+        r[FHP_SUM_WZ] = s->sum_weighted_z ? s->sum_weighted_z[i] : 0.0;
+        r[FHP_SUM_PZ] = s->sum_pz ? s->sum_pz[i] : 0.0;
+        r[FHP_ARGMAX] = s->argmax ? (double)(s->argmax[i] + L->vocab_offset) : 0.0;
+        r[FHP_TARGET_WEIGHT] = extra ? extra[i] : 0.0;
     }
     /* One more record carries extra[n]; its other fields are neutral. */
-    const double tail[FHM_RECORD] = {0.0, -INFINITY, 0.0, 0.0, 0.0, 0.0, extra ? extra[n] : 0.0};
+    const double tail[FHP_RECORD] = {0.0, -INFINITY, 0.0, 0.0, 0.0, 0.0, extra ? extra[n] : 0.0};
     memcpy(r, tail, sizeof tail);
 }
 
 static void unpack(int64_t n, const double *r, const fh_token_stats *s, double *extra)
 {
-    for (int64_t i = 0; i < n; i++, r += FHM_RECORD) {
-        s->lse[i] = r[FHM_LSE];
-        s->z_target[i] = r[FHM_Z_TARGET];
+    for (int64_t i = 0; i < n; i++, r += FHP_RECORD) {
+        s->lse[i] = r[FHP_LSE];
+        s->z_target[i] = r[FHP_Z_TARGET];
         if (s->sum_weighted_z)
-            s->sum_weighted_z[i] = r[FHM_SUM_WZ];
+            s->sum_weighted_z[i] = r[FHP_SUM_WZ];
         if (s->sum_pz)
-            s->sum_pz[i] = r[FHM_SUM_PZ];
+            s->sum_pz[i] = r[FHP_SUM_PZ];
         if (s->argmax)
-            s->argmax[i] = (int64_t)r[FHM_ARGMAX];
+            s->argmax[i] = (int64_t)r[FHP_ARGMAX];
         if (extra)
-            extra[i] = r[FHM_TARGET_WEIGHT];
+            extra[i] = r[FHP_TARGET_WEIGHT];
     }
     if (extra)
-        extra[n] = r[FHM_TARGET_WEIGHT];
+        extra[n] = r[FHP_TARGET_WEIGHT];
 }
 
-static fh_status combine_packed(fh_mpi_layout *L, fh_context *ctx, int64_t n, const fh_token_stats *s, double *extra,
-                                double *records)
+static fh_status combine_packed(fh_parallel_layout *L, fh_context *ctx, int64_t n, const fh_token_stats *s,
+                                double *extra, double *records)
 {
     const int64_t m = n + 1;
-    double *mine = records, *all = records + m * FHM_RECORD;
+    double *mine = records, *all = records + m * FHP_RECORD;
     pack(L, n, s, extra, mine);
-    const fh_group *g = &L->vocab;
-    const int err = g->allgather(g->handle, mine, all, m * FHM_RECORD * (int64_t)sizeof(double));
+    const fh_collectives *g = &L->vocab;
+    const int err = g->allgather(g->handle, mine, all, m * FHP_RECORD * (int64_t)sizeof(double));
     if (err != 0)
-        return fhm_group_error(ctx, g, err, "the all-gather of statistics");
+        return fhp_group_error(ctx, g, err, "the all-gather of statistics");
     for (int r = 1; r < g->size; r++)
         for (int64_t i = 0; i < m; i++)
-            merge_record(all + (r * m + i) * FHM_RECORD, all + i * FHM_RECORD);
+            merge_record(all + (r * m + i) * FHP_RECORD, all + i * FHP_RECORD);
     unpack(n, all, s, extra);
     return FH_OK;
 }
@@ -111,10 +111,10 @@ static fh_status combine_packed(fh_mpi_layout *L, fh_context *ctx, int64_t n, co
 /* Maxima of lse and of the shards' largest logits; with argmax, the lowest global index among the ranks whose largest
  * logit is the maximum (a minimum over indices, INT64_MAX elsewhere); then sums of (exp(lse_r - lse_max),
  * sum_pz_r exp(..), z_target, sum_weighted_z, extra). */
-static fh_status combine_two_step(fh_mpi_layout *L, fh_context *ctx, int64_t n, const fh_token_stats *s,
+static fh_status combine_two_step(fh_parallel_layout *L, fh_context *ctx, int64_t n, const fh_token_stats *s,
                                   double *extra, void *scratch)
 {
-    const fh_group *g = &L->vocab;
+    const fh_collectives *g = &L->vocab;
     const int64_t m = n + 1;
     double *top = scratch;              /* [2m]: lse's maxima, then the largest logits' */
     int64_t *index = (int64_t *)(top + 2 * m); /* [m] */
@@ -125,15 +125,15 @@ static fh_status combine_two_step(fh_mpi_layout *L, fh_context *ctx, int64_t n, 
         top[m + i] = with_argmax ? shard_max(s->lse[i], s->sum_exp[i]) : -INFINITY;
     }
     top[n] = top[m + n] = -INFINITY; /* the extra record */
-    int err = g->allreduce(g->handle, top, with_argmax ? 2 * m : m, FH_GROUP_DOUBLE, FH_GROUP_MAX);
+    int err = g->allreduce(g->handle, top, with_argmax ? 2 * m : m, FH_COLLECTIVE_DOUBLE, FH_COLLECTIVE_MAX);
     if (err == 0 && with_argmax) {
         for (int64_t i = 0; i < n; i++)
             index[i] = shard_max(s->lse[i], s->sum_exp[i]) == top[m + i] ? s->argmax[i] + L->vocab_offset : INT64_MAX;
         index[n] = INT64_MAX;
-        err = g->allreduce(g->handle, index, m, FH_GROUP_INT64, FH_GROUP_MIN);
+        err = g->allreduce(g->handle, index, m, FH_COLLECTIVE_INT64, FH_COLLECTIVE_MIN);
     }
     if (err != 0)
-        return fhm_group_error(ctx, g, err, "the all-reduce of statistics (maxima)");
+        return fhp_group_error(ctx, g, err, "the all-reduce of statistics (maxima)");
     for (int64_t i = 0; i < m; i++) {
         double *r = sums + 5 * i;
         const double top_lse = top[i];
@@ -144,9 +144,9 @@ static fh_status combine_two_step(fh_mpi_layout *L, fh_context *ctx, int64_t n, 
         r[3] = i < n && s->sum_weighted_z ? s->sum_weighted_z[i] : 0.0;
         r[4] = extra ? extra[i] : 0.0;
     }
-    err = g->allreduce(g->handle, sums, 5 * m, FH_GROUP_DOUBLE, FH_GROUP_SUM);
+    err = g->allreduce(g->handle, sums, 5 * m, FH_COLLECTIVE_DOUBLE, FH_COLLECTIVE_SUM);
     if (err != 0)
-        return fhm_group_error(ctx, g, err, "the all-reduce of statistics (sums)");
+        return fhp_group_error(ctx, g, err, "the all-reduce of statistics (sums)");
     for (int64_t i = 0; i < n; i++) {
         const double *r = sums + 5 * i, top_lse = top[i];
         s->lse[i] = isinf(top_lse) ? (top_lse < 0.0 ? -INFINITY : NAN) : top_lse + log(r[0]);
@@ -165,12 +165,12 @@ static fh_status combine_two_step(fh_mpi_layout *L, fh_context *ctx, int64_t n, 
     return FH_OK;
 }
 
-fh_status fhm_combine_stats(fh_mpi_layout *L, fh_context *ctx, int64_t n, const fh_token_stats *stats, double *extra,
-                            void *records)
+fh_status fhp_combine_stats(fh_parallel_layout *L, fh_context *ctx, int64_t n, const fh_token_stats *stats,
+                            double *extra, void *records)
 {
     if (L->vocab_ranks == 1)
         return FH_OK;
-    if (L->params[FH_MPI_PARAM_STATS_COLLECTIVE] == FH_MPI_STATS_MAX_THEN_SUM)
+    if (L->params[FH_PARALLEL_PARAM_STATS_COLLECTIVE] == FH_PARALLEL_STATS_MAX_THEN_SUM)
         return combine_two_step(L, ctx, n, stats, extra, records);
     return combine_packed(L, ctx, n, stats, extra, records);
 }
