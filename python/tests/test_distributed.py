@@ -19,8 +19,9 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("this torch has no torch.distributed with gloo", allow_module_level=True)
-if not hasattr(dist, "ProcessGroup") or not hasattr(torch, "frombuffer"):
-    pytest.skip(f"torch {torch.__version__} is older than fusedhead.distributed needs (torch.frombuffer)",
+if int(torch.__version__.split(".")[0]) < 2:
+    pytest.skip(f"torch {torch.__version__}: its torchrun fails before starting a rank under this Python "
+                "(torch.distributed.elastic: 'NoneType' object has no attribute 'get'); torch 2 runs these tests",
                 allow_module_level=True)
 
 import fusedhead  # noqa: E402
@@ -32,7 +33,7 @@ EXAMPLE = Path(__file__).parents[2] / "examples" / "distributed" / "train_lm_tor
 def _torchrun(ranks: int, *script: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", FUSEDHEAD_LIBRARY=fusedhead.library_path(),
                PYTHONPATH=os.pathsep.join([str(Path(fusedhead.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
                            *script], env=env, capture_output=True, text=True, timeout=300)  # 10-20 s; a hang fails
 
 

@@ -46,11 +46,11 @@ def _argument(kind: str, name: str, value):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
         if not compiling() and _is_dtensor(value):  # compiled, DTensor's own dispatch refuses the op
-            raise TypeError(f"{name}: a DTensor (placements {list(value.placements)}): fusedhead.torch computes one "
-                            f"process's head on whole tensors, and would take a shard for the whole; a head sharded "
-                            f"across processes runs through fusedhead.mpi (mpi4py communicators, docs/mpi.md), "
-                            f"torch.distributed groups are not supported yet; for the whole tensor pass "
-                            f"{name}.full_tensor()")
+            raise TypeError(f"{name}: a DTensor (placements {list(value.placements)}): fusedhead.torch takes plain "
+                            f"tensors, and would take a shard for the whole; for a head sharded on the vocabulary "
+                            f"across ranks that hold the same tokens, pass {name}.to_local() with a "
+                            f"fusedhead.distributed.Context on a layout over the mesh's process group (docs/mpi.md); "
+                            f"for the whole tensor pass {name}.full_tensor()")
         return value
     if kind == "float":
         if isinstance(value, str):
