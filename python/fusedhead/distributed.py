@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from . import _core, _lib, parallel
 from ._core import check_status
@@ -121,4 +121,24 @@ class Layout(parallel.Layout):
             raise error_for(status, _core.status_string(status), why, "fh_parallel_layout_create")
         check_status(status, "fh_parallel_layout_create")
         super().__init__(handle)
+        self._vocab_group = vocab_group
+
+    def vocab_shard(self, name: str, tensor: Any) -> Optional[Any]:
+        """A weight or bias DTensor sharded on the vocabulary (Shard(0) on a 1-D mesh) over this layout's vocab group:
+        its local shard, which must have the layout's local_vocab rows (ValueError otherwise); None for any other
+        DTensor, which the front end refuses. The ranks of the vocab group hold the same tokens: tensor parallelism's
+        sharded lm_head, not FSDP2's (whose ranks hold different tokens; pass weight.full_tensor() there)."""
+        import torch.distributed as dist
+        placements = tuple(getattr(tensor, "placements", ()))
+        if name not in ("weight", "bias") or self._vocab_group is None or len(placements) != 1 \
+                or not placements[0].is_shard(0) or tensor.device_mesh.ndim != 1:
+            return None
+        ranks = dist.get_process_group_ranks
+        if ranks(tensor.device_mesh.get_group()) != ranks(self._vocab_group):
+            return None
+        local = tensor.to_local()
+        if local.shape[0] != self.info.local_vocab:
+            raise ValueError(f"{name}: this rank's shard of the DTensor has {local.shape[0]} rows, the layout's "
+                             f"local_vocab is {self.info.local_vocab}")
+        return local
 

@@ -106,6 +106,11 @@ class Layout:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def vocab_shard(self, name: str, tensor: Any) -> Optional[Any]:
+        """The local shard of a DTensor argument that this layout takes as its vocabulary shard, else None (the front
+        end then refuses it). Only fusedhead.distributed's layouts know the process groups a DTensor lives on."""
+        return None
+
     def handle(self) -> ctypes.c_void_p:
         if self._handle is None:
             raise ValueError(f"the {self._what} is closed")
@@ -152,6 +157,11 @@ class Context(_core.Context):
             status = fn(self._require_open(), self.layout.handle(), *args)
             if status != 0:
                 check_status(status, "fh_parallel_" + function[len("fh_"):], self)
+
+    def vocab_shard(self, name: str, tensor: Any) -> Optional[Any]:
+        """fusedhead.torch's question about a DTensor argument: its local shard when the layout takes it as this
+        rank's vocabulary shard (Layout.vocab_shard), else None."""
+        return self.layout.vocab_shard(name, tensor)
 
     @contextlib.contextmanager
     def collective(self, function: str) -> Iterator[None]:

@@ -228,10 +228,45 @@ def main() -> int:
             except fusedhead.errors.MPILayoutError:
                 checks += 1
         engine.free()
+    if engine.name == "torch":
+        dtensor_weight()
     print(f"rank {rank}/{size}: {checks} checks, {len(failures)} failures", flush=True)
     for f in failures[:20]:
         print(f"rank {rank}: FAILED {f}", flush=True)
     return 1 if engine.failures_anywhere(len(failures)) else 0
+
+
+def dtensor_weight() -> None:
+    """torch.distributed only, vocab-parallel over every rank: a weight DTensor sharded on the vocabulary (Shard(0) on
+    a 1-D mesh) with a context on a layout over the mesh's group is taken as the rank's shard: the loss and hidden's
+    gradient are the whole vocabulary's, the DTensor's gradient its shard's; a replicated DTensor is refused."""
+    global checks
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (size,))
+    g = torch.Generator().manual_seed(11)
+    x, w = torch.randn(N_PER_DATA_RANK, H, generator=g), torch.randn(V, H, generator=g)
+    targets = torch.randint(0, V, (N_PER_DATA_RANK,), generator=g)
+    sharded = distribute_tensor(w.clone(), mesh, [Shard(0)]).requires_grad_()
+    with engine.module.Layout(sharded.to_local().shape[0], vocab_group=mesh.get_group()) as layout:
+        context = engine.module.Context(layout, threads=1)
+        xs, xf, wf = x.clone().requires_grad_(), x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = ft.fused_linear_cross_entropy(xs, sharded, targets, label_smoothing=0.1, context=context)
+        loss.backward()
+        want = ft.fused_linear_cross_entropy(xf, wf, targets, label_smoothing=0.1)
+        want.backward()
+        lo, count = layout.info.vocab_offset, layout.info.local_vocab
+        check(f"DTensor weight rank {rank} loss", loss.detach(), want.detach(), LOSS_TOL)
+        check(f"DTensor weight rank {rank} dx", xs.grad, xf.grad, VALUE_TOL)
+        check(f"DTensor weight rank {rank} dweight", sharded.grad.to_local(), wf.grad[lo:lo + count], VALUE_TOL)
+        try:
+            ft.fused_linear_cross_entropy(x, distribute_tensor(w, mesh, [Replicate()]), targets, context=context)
+            failures.append("a replicated DTensor weight was taken")
+        except TypeError as e:
+            checks += 1
+            if "Shard(0)" not in str(e):
+                failures.append(f"the replicated DTensor's refusal does not say what is taken: {e}")
+        context.close()
 
 
 def mismatch_and_refusal(context: fusedhead.Context, count: int, pv: int, pd: int) -> None:
