@@ -7,7 +7,7 @@
  * divided by the ceiling: the best GFLOP/s of a 2048^3 GEMM in the run's dtype (for fp32 the faster of BLIS sgemm
  * and oneDNN's f32 matmul, whichever the library uses; for bf16 the library's path) on the same threads, timed in
  * each case's child right after the case (not before: the GEMM libraries' first use and their packing buffers belong
- * to the case's first call and peak memory), as many times as the case (at least 2, at most 10), and the best of
+ * to the case's first call and peak memory), as many times as the case (at most 10), and the best of
  * those over the run: a shared machine's speed drifts over minutes, so a ceiling measured once could be caught slow,
  * and would read efficiencies above 1; the best over the run's cases needs no more repetitions per case.
  *
@@ -217,7 +217,7 @@ static double gemm_best_ms(const shape *s, void *const sg[3])
         providers[count++] = BENCH_ONEDNN_F32;
 #endif
     }
-    const int reps = s->reps < 2 ? 2 : s->reps < CEILING_REPS ? s->reps : CEILING_REPS;
+    const int reps = s->reps < CEILING_REPS ? s->reps : CEILING_REPS;
     double best = INFINITY;
     for (int k = 0; k < reps; k++)
         for (int p = 0; p < count; p++) {

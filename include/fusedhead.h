@@ -32,7 +32,7 @@ extern "C" {
 #endif
 
 /* ---------------------------------------------------------------------------------------------
- * Status codes, of every module (the MPI one's included). Values are stable; they are grouped by tens, one
+ * Status codes, of every module (the parallel one's included). Values are stable; they are grouped by tens, one
  * decade per kind of failure (renumbered once in 0.1.0, README "Conventions").
  * ------------------------------------------------------------------------------------------- */
 typedef enum fh_status {
@@ -89,9 +89,11 @@ typedef enum fh_status {
     FH_ERR_TEACHER_MISMATCH = 52,       /* the teacher's n or V differs from the student's */
     FH_ERR_INVALID_LOGIT_SCALE = 53,    /* logit_scale not a positive normal fp32 value, or softcap / logit_scale
                                            or logit_scale / temperature outside fp32's normal range */
-    /* 60..69: the MPI module (fusedhead_mpi.h) */
-    FH_ERR_MPI = 60,                  /* an MPI call failed (the message has MPI's error string) */
-    FH_ERR_MPI_LAYOUT = 61,           /* communicators, shards or token counts are inconsistent across ranks */
+    /* 60..69: the parallel heads (fusedhead_parallel.h, and over MPI fusedhead_mpi.h); the names are MPI's, the
+       statuses any collectives' */
+    FH_ERR_MPI = 60,                  /* a collective (MPI's or the caller's) failed (the message has its description:
+                                         MPI's error string, the Python exception) */
+    FH_ERR_MPI_LAYOUT = 61,           /* groups, shards or token counts are inconsistent across ranks */
     FH_ERR_MPI_MISMATCH = 62          /* ranks made one call with different configurations (the message names what
                                          differs: an option, a gradient asked for on some ranks only, a reduction) */
 } fh_status;

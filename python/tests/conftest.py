@@ -121,7 +121,8 @@ def subprocess_env(**extra):
 # front end: ctest runs the MPI kernels per variant) give the same
 # results on every kernel variant: scripts/test runs them in one variant and sets FH_KERNEL_TESTS_ONLY=1 in the others.
 GLUE_MODULES = {"test_lib", "test_compile", "test_torch_grad_buffers", "test_example_train", "test_transformers",
-                "test_trl", "test_trl_own_losses", "test_trl_trainers", "test_bench_peers", "test_mpi", "test_dtensor"}
+                "test_trl", "test_trl_own_losses", "test_trl_trainers", "test_bench_peers", "test_mpi", "test_dtensor",
+                "test_distributed"}
 
 
 def pytest_collection_modifyitems(config, items):

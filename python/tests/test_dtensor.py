@@ -1,6 +1,7 @@
-"""A DTensor (torch.distributed's sharded tensor) given to fusedhead.torch is refused with a TypeError that names the
-argument, its placements and what to do, never taken as a whole tensor (its local shard would be the whole head).
-One process: a gloo group of one rank on an in-memory store."""
+"""A DTensor (torch.distributed's sharded tensor) given to fusedhead.torch without a fusedhead.distributed context
+that takes it as its vocabulary shard is refused with a TypeError that names the argument, its placements and what
+to do, never taken as a whole tensor (its local shard would be the whole head). One process: a gloo group of one rank
+on an in-memory store. (Taken as a shard: python/tests/parallel_ranks.py under torchrun.)"""
 from __future__ import annotations
 
 import pytest
@@ -27,7 +28,8 @@ def test_dtensor_weight_is_refused(mesh, placement: str):
     place = tensor_api.Shard(0) if placement == "shard" else tensor_api.Replicate()
     weight = tensor_api.distribute_tensor(torch.randn(10, 4), mesh, [place])
     x, targets = torch.randn(3, 4), torch.tensor([1, 2, 3])
-    with pytest.raises(TypeError, match=r"weight: a DTensor \(placements .*fusedhead\.mpi.*weight\.full_tensor\(\)"):
+    with pytest.raises(TypeError, match=r"weight: a DTensor \(placements .*Shard\(0\).*fusedhead\.distributed"
+                                        r".*weight\.full_tensor\(\)"):
         ft.fused_linear_cross_entropy(x, weight, targets)
     with pytest.raises(TypeError, match=r"hidden: a DTensor"):
         ft.fused_linear_logprobs(tensor_api.distribute_tensor(x, mesh, [place]), weight.full_tensor(), targets)

@@ -41,8 +41,8 @@ FH_API const char *fh_status_string(fh_status status)
         return "FH_ROW_KERNELS, FH_BF16_GEMM or FH_FP32_GEMM names a kernel set or GEMM path that is unknown or missing "
                "here";
     case FH_ERR_GEMM_FAILED: return "a GEMM provider refused a product or failed while running it";
-    case FH_ERR_MPI: return "an MPI call failed";
-    case FH_ERR_MPI_LAYOUT: return "communicators, vocabulary shards or token counts are inconsistent across ranks";
+    case FH_ERR_MPI: return "a collective (MPI's or the caller's) failed";
+    case FH_ERR_MPI_LAYOUT: return "groups of ranks, vocabulary shards or token counts are inconsistent across ranks";
     case FH_ERR_MPI_MISMATCH: return "ranks made the call with different configurations";
     }
     return "unknown status";

@@ -9,7 +9,7 @@
  * too. KTO guards its labels,
  * both kinds of reference log-probs and of KL input (per token and one value for even shapes, per sequence for odd
  * ones).
- * Each call runs in a forked child; a fault fails the test with the call and shape.
+ * Calls run in forked children, a batch each (test_guarded_buffers); a fault fails the test with the call and shape.
  *
  * ctest runs this suite on the default BLIS kernel set and, as hardening_guard_pages_haswell, with
  * BLIS_ARCH_TYPE=3 (BLIS 0.9's haswell set, the one AMD Zen and Intel AVX2 CPUs get). Debian's BLIS 0.9.0
@@ -294,6 +294,41 @@ static int streams(hu_call call)
     return hu_call_is_distill(call) || hu_call_is_distill_topk(call);
 }
 
+/* Cases run in forked children, BATCH at a time (a child compiles oneDNN's primitives once for its batch, not once
+ * per call: on the oneDNN variants, most of the suite's time), each child writing the index of the case it starts
+ * into shared memory: a fault names its case, and the next child resumes after it. */
+enum { BATCH = 128 };
+
+typedef struct batch {
+    const guard_case *cases;
+    size_t first, end;
+    volatile size_t *current; /* shared with the parent */
+} batch;
+
+static int run_batch(void *arg)
+{
+    const batch *b = arg;
+    for (size_t k = b->first; k < b->end; k++) {
+        *b->current = k;
+        const int code = guarded_call((void *)&b->cases[k]);
+        if (code != 0)
+            return code;
+    }
+    return 0;
+}
+
+static void describe_case(const guard_case *c, char *text, size_t size)
+{
+    const int distill = hu_call_is_distill(c->call);
+    snprintf(text, size, "%s %s, layout %s, n=%lld hidden=%lld vocab=%lld, tiles %lld x %lld%s, guard %s%s%s%s",
+             c->grad_dtype == FH_DTYPE_BF16 ? "bf16 (bf16 gradients)" : c->dtype == FH_DTYPE_BF16 ? "bf16" : "fp32",
+             hu_call_name(c->call), c->layout == FH_LAYOUT_VH ? "VH" : "HV", (long long)c->n, (long long)c->hidden,
+             (long long)c->vocab, (long long)c->tile_rows, (long long)c->tile_vocab,
+             c->streaming ? " (streaming budget)" : "", c->tail ? "after the last byte" : "before the first byte",
+             distill ? ", teacher " : "", distill ? (c->teacher_layout == FH_LAYOUT_VH ? "VH" : "HV") : "",
+             distill ? (c->teacher_dtype == FH_DTYPE_BF16 ? " bf16" : " fp32") : "");
+}
+
 static void test_guarded_buffers(void)
 {
     const char *arch = getenv("BLIS_ARCH_TYPE");
@@ -306,9 +341,17 @@ static void test_guarded_buffers(void)
                                         {16, 8, 64}, {3, 1, 1},   {5, 2, 300}, {9, 15, 1},  {31, 129, 40}};
     /* The last entry (both distillations only): the streaming budget, default tiles. */
     static const int64_t tiles[][2] = {{0, 0}, {4, 16}, {3, 7}, {0, 0}};
-    int faults = 0;
     /* fp32; bf16 inputs with fp32 gradients; bf16 inputs and gradients. */
     const int dtypes = 3;
+    const size_t most = (size_t)dtypes * HU_CALL_COUNT * 2 * 2 * TU_COUNT(shapes) * TU_COUNT(tiles) * 2;
+    guard_case *cases = malloc(sizeof *cases * most);
+    volatile size_t *current = mmap(NULL, sizeof *current, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    TU_CHECK(cases && current != MAP_FAILED, "the cases' memory");
+    if (!cases || current == MAP_FAILED) {
+        free(cases);
+        return;
+    }
+    size_t count = 0;
     for (int dtype = 0; dtype < dtypes; dtype++)
         for (int call = 0; call < HU_CALL_COUNT; call++)
             for (int layout = 0; layout < 2; layout++)
@@ -325,20 +368,29 @@ static void test_guarded_buffers(void)
                                                   tiles[t][0], tiles[t][1], tail, xw,
                                                   dtype == 2 ? FH_DTYPE_BF16 : FH_DTYPE_F32, (fh_layout)teacher_layout,
                                                   other, t == 3, (int)(s % 2)};
-                            const int code = hu_run_isolated(guarded_call, (void *)&c);
-                            if (code != 0 && faults++ < 40)
-                                TU_CHECK(0, "%s %s, layout %s, n=%lld hidden=%lld vocab=%lld, tiles %lld x %lld%s, guard %s"
-                                         "%s%s%s: %s %d",
-                                         dtype == 2 ? "bf16 (bf16 gradients)" : dtype ? "bf16" : "fp32", hu_call_name((hu_call)call), layout ? "VH" : "HV", (long long)c.n,
-                                         (long long)c.hidden, (long long)c.vocab, (long long)c.tile_rows,
-                                         (long long)c.tile_vocab, c.streaming ? " (streaming budget)" : "",
-                                         tail ? "after the last byte" : "before the first byte",
-                                         hu_call_is_distill(c.call) ? ", teacher " : "",
-                                         hu_call_is_distill(c.call) ? (teacher_layout ? "VH" : "HV") : "",
-                                         hu_call_is_distill(c.call) ? (other == FH_DTYPE_BF16 ? " bf16" : " fp32") : "",
-                                         code >= 1000 ? "killed by signal" : "exit code", code >= 1000 ? code - 1000 : code);
+                            cases[count++] = c;
                         }
+    int faults = 0;
+    for (size_t first = 0; first < count;) {
+        const batch b = {cases, first, first + BATCH < count ? first + BATCH : count, current};
+        *current = first;
+        const int code = hu_run_isolated(run_batch, (void *)&b);
+        if (code == 0) {
+            first = b.end;
+            continue;
+        }
+        const size_t failed = *current;
+        char what[256];
+        describe_case(&cases[failed], what, sizeof what);
+        if (faults++ < 40)
+            TU_CHECK(0, "%s: %s %d", what, code >= 1000 ? "killed by signal" : "exit code",
+                     code >= 1000 ? code - 1000 : code);
+        first = failed + 1;
+    }
     TU_CHECK(faults == 0, "%d guarded calls failed (first 40 listed)", faults);
+    TU_CHECK(count > 5000, "%zu guarded calls", count);
+    munmap((void *)current, sizeof *current);
+    free(cases);
     fh_kernel_info info;
     if (fh_kernel_query(&info) == FH_OK)
         printf("\n    BLIS kernel set: %s", info.kernel_set);

@@ -1253,29 +1253,29 @@ static void error_cases(const config *cfg)
 
 /* ---- one rank's bad argument, before any collective ------------------------------------------------ */
 
-/* Every head entry point (the FH_MPI_HEAD_CALL lines of tests/mpi/entry_points.def) with one bad argument on the last
- * rank only: a NULL context, lin, options or data (targets, batch), or a hidden size of 0. Every rank returns an
- * error and writes nothing; none may hang, which a watchdog (alarm) turns into a failed run within seconds rather than
+/* Every head entry point (the FH_PARALLEL_HEAD_CALL lines of tests/mpi/parallel_entry_points.def) with one bad
+ * argument on the last rank only: a NULL context, lin, options or data (targets, batch), or a hidden size of 0. Every
+ * rank returns an error and writes nothing; none may hang, which a watchdog (alarm) turns into a failed run within seconds rather than
  * ctest's timeout. The calls dispatch in a switch with no default, and -Wswitch is an error here: a listed entry point
  * without its case does not compile. The layout's own calls: layout_failure_cases. */
 #pragma GCC diagnostic error "-Wswitch"
-#define FH_MPI_LAYOUT_CALL(name)
-#define FH_MPI_HEAD_CALL(name) E_##name,
+#define FH_PARALLEL_LAYOUT_CALL(name)
+#define FH_PARALLEL_HEAD_CALL(name) E_##name,
 typedef enum head_call {
-#include "entry_points.def"
+#include "parallel_entry_points.def"
 } head_call;
-#undef FH_MPI_HEAD_CALL
-#define FH_MPI_HEAD_CALL(name) +1
+#undef FH_PARALLEL_HEAD_CALL
+#define FH_PARALLEL_HEAD_CALL(name) +1
 enum { E_COUNT = 0
-#include "entry_points.def"
+#include "parallel_entry_points.def"
 };
-#undef FH_MPI_HEAD_CALL
-#define FH_MPI_HEAD_CALL(name) #name,
+#undef FH_PARALLEL_HEAD_CALL
+#define FH_PARALLEL_HEAD_CALL(name) #name,
 static const char *const head_call_names[E_COUNT] = {
-#include "entry_points.def"
+#include "parallel_entry_points.def"
 };
-#undef FH_MPI_LAYOUT_CALL
-#undef FH_MPI_HEAD_CALL
+#undef FH_PARALLEL_LAYOUT_CALL
+#undef FH_PARALLEL_HEAD_CALL
 enum { BAD_CONTEXT, BAD_LIN, BAD_OPTIONS, BAD_DATA, BAD_HIDDEN, BAD_COUNT };
 #define WATCHDOG_SECONDS 60
 
@@ -1347,19 +1347,19 @@ static void early_failure_case(const config *cfg, head_call entry, int bad)
     alarm(WATCHDOG_SECONDS);
     fh_status st = FH_OK;
     switch (entry) {
-    case E_fh_mpi_ce_forward: st = fh_mpi_ce_forward(c, L, l, t, cop, &ce_out); break;
-    case E_fh_mpi_ce_backward: st = fh_mpi_ce_backward(c, L, l, t, cop, saved[1], &one, &g); break;
-    case E_fh_mpi_ce_forward_backward: st = fh_mpi_ce_forward_backward(c, L, l, t, cop, &one, &ce_out, &g); break;
-    case E_fh_mpi_logprob_forward: st = fh_mpi_logprob_forward(c, L, l, t, lop, &lp_out); break;
-    case E_fh_mpi_logprob_backward:
+    case E_fh_parallel_ce_forward: st = fh_mpi_ce_forward(c, L, l, t, cop, &ce_out); break;
+    case E_fh_parallel_ce_backward: st = fh_mpi_ce_backward(c, L, l, t, cop, saved[1], &one, &g); break;
+    case E_fh_parallel_ce_forward_backward: st = fh_mpi_ce_forward_backward(c, L, l, t, cop, &one, &ce_out, &g); break;
+    case E_fh_parallel_logprob_forward: st = fh_mpi_logprob_forward(c, L, l, t, lop, &lp_out); break;
+    case E_fh_parallel_logprob_backward:
         st = fh_mpi_logprob_backward(c, L, l, t, lop, saved[1], NULL, upstream, NULL, NULL, &g);
         break;
-    case E_fh_mpi_logprob_forward_backward: st = fh_mpi_logprob_forward_backward(c, L, l, t, lop, upstream, NULL, NULL, &lp_out, &g); break;
-    case E_fh_mpi_grpo_forward: st = fh_mpi_grpo_forward(c, L, l, gbp, gop, &grpo_out); break;
-    case E_fh_mpi_grpo_backward: st = fh_mpi_grpo_backward(c, L, l, gbp, gop, saved[0], saved[1], NULL, &one, &g); break;
-    case E_fh_mpi_grpo_forward_backward: st = fh_mpi_grpo_forward_backward(c, L, l, gbp, gop, &one, &grpo_out, &g); break;
-    case E_fh_mpi_kto_forward: st = fh_mpi_kto_forward(c, L, l, kbp, kop, &kto_out); break;
-    case E_fh_mpi_kto_forward_backward: st = fh_mpi_kto_forward_backward(c, L, l, kbp, kop, &one, &kto_out, &g); break;
+    case E_fh_parallel_logprob_forward_backward: st = fh_mpi_logprob_forward_backward(c, L, l, t, lop, upstream, NULL, NULL, &lp_out, &g); break;
+    case E_fh_parallel_grpo_forward: st = fh_mpi_grpo_forward(c, L, l, gbp, gop, &grpo_out); break;
+    case E_fh_parallel_grpo_backward: st = fh_mpi_grpo_backward(c, L, l, gbp, gop, saved[0], saved[1], NULL, &one, &g); break;
+    case E_fh_parallel_grpo_forward_backward: st = fh_mpi_grpo_forward_backward(c, L, l, gbp, gop, &one, &grpo_out, &g); break;
+    case E_fh_parallel_kto_forward: st = fh_mpi_kto_forward(c, L, l, kbp, kop, &kto_out); break;
+    case E_fh_parallel_kto_forward_backward: st = fh_mpi_kto_forward_backward(c, L, l, kbp, kop, &one, &kto_out, &g); break;
     }
     alarm(0);
     checks++;

@@ -46,11 +46,11 @@ def _argument(kind: str, name: str, value):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
         if not compiling() and _is_dtensor(value):  # compiled, DTensor's own dispatch refuses the op
-            raise TypeError(f"{name}: a DTensor (placements {list(value.placements)}): fusedhead.torch computes one "
-                            f"process's head on whole tensors, and would take a shard for the whole; a head sharded "
-                            f"across processes runs through fusedhead.mpi (mpi4py communicators, docs/mpi.md), "
-                            f"torch.distributed groups are not supported yet; for the whole tensor pass "
-                            f"{name}.full_tensor()")
+            raise TypeError(f"{name}: a DTensor (placements {list(value.placements)}): fusedhead.torch takes plain "
+                            f"tensors, and would take a shard for the whole. A weight or bias sharded on the "
+                            f"vocabulary (Shard(0) on a 1-D mesh) across ranks that hold the same tokens is taken as "
+                            f"its shard with a fusedhead.distributed.Context whose layout's vocab_group is the mesh's "
+                            f"process group (docs/mpi.md); for the whole tensor pass {name}.full_tensor()")
         return value
     if kind == "float":
         if isinstance(value, str):
@@ -83,8 +83,19 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return any(c.__name__ == "DTensor" and c.__module__.startswith("torch.distributed") for c in type(t).__mro__)
 
 
-def _values(args: Args, values: Dict[str, object]) -> List[object]:
-    return [_argument(kind, name, values[name]) for kind, name in args]
+def _values(args: Args, values: Dict[str, object], context: Optional[Context]) -> List[object]:
+    return [_argument(kind, name, _vocab_shard(name, values[name], context)) for kind, name in args]
+
+
+def _vocab_shard(name: str, value, context: Optional[Context]):
+    """value, or its local shard when it is a DTensor that the context's layout takes as this rank's vocabulary
+    shard (fusedhead.distributed: a weight or bias sharded on the vocabulary over the layout's vocab group); its
+    gradient then comes back to the DTensor through to_local's own."""
+    if context is None or compiling() or not isinstance(value, torch.Tensor) or not _is_dtensor(value):
+        return value
+    shard = getattr(context, "vocab_shard", None)
+    local = shard(name, value) if shard is not None else None
+    return value if local is None else local
 
 
 def _needs_grad(t) -> bool:
@@ -183,7 +194,7 @@ class TrainStep:
             return self.run(dict(zip(self.names, values)), tuple(need), context)
 
     def __call__(self, context: Optional[Context] = None, **values) -> tuple:
-        vals = _values(self.args, values)
+        vals = _values(self.args, values, context)
         need = tuple(_needs_grad(vals[p]) for p in self.grad_positions)
         if self.op is not None:
             return tuple(self.op(*vals, context_key(context), *need))[:self.outputs]
@@ -264,7 +275,7 @@ class SplitStep:
             return self.backward(dict(zip(self.names, vals)), tuple(saved), tuple(upstream), tuple(need), context)
 
     def __call__(self, context: Optional[Context] = None, **values) -> tuple:
-        vals = _values(self.args, values)
+        vals = _values(self.args, values, context)
         if self.ops is not None:
             return tuple(self.ops[0](*vals, context_key(context)))
         if any(_needs_grad(vals[p]) for p in self.grad_positions):

@@ -1,14 +1,14 @@
 /* Cross-entropy across the layout: the engine on this rank's shard, the statistics combined over the
- * vocab communicator, the head (ce_head.h) with whole-vocabulary and whole-batch normalisers, then the
+ * vocab group, the head (ce_head.h) with whole-vocabulary and whole-batch normalisers, then the
  * gradient reductions. */
-#include "mpi_internal.h"
+#include "parallel_internal.h"
 
 #include "heads/ce_head.h"
 #include "core/context.h"
 
 /* One call's state. */
 typedef struct ce_call {
-    fhm_call call;
+    fhp_call call;
     const int64_t *targets;
     const fh_ce_options *o;
     double *weights; /* [n + 1]: targets' class weights, then the class-weight total */
@@ -28,26 +28,26 @@ static fh_engine_pass shard_pass(const void *head, const fh_plan *plan, const fh
 }
 
 /* Local checks common to every call, then the per-call scratch. */
-static fh_status begin(ce_call *c, int entry, fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin,
+static fh_status begin(ce_call *c, int entry, fh_parallel_layout *L, fh_context *ctx, const fh_linear *lin,
                        const int64_t *targets, const fh_ce_options *o, const float *grad_output)
 {
     c->targets = targets;
     c->o = o;
-    fh_status st = fhm_call_start(&c->call, L, ctx, lin, entry, shard_pass, c);
+    fh_status st = fhp_call_start(&c->call, L, ctx, lin, entry, shard_pass, c);
     if (st == FH_OK && o) {
-        fhm_call_config(&c->call, "the reduction", o->reduction);
-        fhm_call_config(&c->call, "ignore_index", o->ignore_index);
-        fhm_call_config_real(&c->call, "label_smoothing", o->label_smoothing);
-        fhm_call_config(&c->call, "class weights given", o->class_weights != NULL);
-        fhm_call_config_real(&c->call, "softcap", o->softcap);
-        fhm_call_config_real(&c->call, "z_loss", o->z_loss);
-        fhm_call_config_real(&c->call, "logit_scale", o->logit_scale);
-        fhm_call_config(&c->call, "token_scaling", o->token_scaling != 0);
+        fhp_call_config(&c->call, "the reduction", o->reduction);
+        fhp_call_config(&c->call, "ignore_index", o->ignore_index);
+        fhp_call_config_real(&c->call, "label_smoothing", o->label_smoothing);
+        fhp_call_config(&c->call, "class weights given", o->class_weights != NULL);
+        fhp_call_config_real(&c->call, "softcap", o->softcap);
+        fhp_call_config_real(&c->call, "z_loss", o->z_loss);
+        fhp_call_config_real(&c->call, "logit_scale", o->logit_scale);
+        fhp_call_config(&c->call, "token_scaling", o->token_scaling != 0);
     }
     if (st == FH_OK)
         st = fh_ce_check_call(ctx, lin, targets, o, L->total_vocab);
     if (st == FH_OK)
-        st = fhm_call_scratch(&c->call, targets, (size_t)(lin->n + 1) * sizeof(double));
+        st = fhp_call_scratch(&c->call, targets, (size_t)(lin->n + 1) * sizeof(double));
     if (st != FH_OK)
         return st;
     c->weights = c->call.head_scratch;
@@ -63,7 +63,7 @@ static fh_status begin(ce_call *c, int entry, fh_mpi_layout *L, fh_context *ctx,
 static void shard_inputs(ce_call *c)
 {
     const int64_t n = c->call.lin->n;
-    fhm_call_shard_ids(&c->call, c->targets, &c->o->ignore_index);
+    fhp_call_shard_ids(&c->call, c->targets, &c->o->ignore_index);
     if (!sharded_weights(c))
         return;
     double total = 0.0;
@@ -75,11 +75,11 @@ static void shard_inputs(ce_call *c)
 }
 
 /* Norms of the whole layout once c->weights holds whole-vocabulary sums: the class-weight total over
- * the vocabulary; count and target-weight sum over the data communicator when `data` is set (else left
+ * the vocabulary; count and target-weight sum over the data group when `data` is set (else left
  * for the caller to sum with the loss totals). */
 static fh_status norms(ce_call *c, int data)
 {
-    const fh_mpi_layout *L = c->call.L;
+    const fh_parallel_layout *L = c->call.L;
     c->h.nm = fh_ce_local_norms(&c->h);
     if (sharded_weights(c))
         c->h.nm.class_weight_total = c->weights[c->call.lin->n];
@@ -88,7 +88,7 @@ static fh_status norms(ce_call *c, int data)
     if (!data)
         return FH_OK;
     double sums[2] = {c->h.nm.count, c->h.nm.weight_sum};
-    const fh_status st = fhm_sum(c->call.ctx, L->data, L->data_ranks, sums, 2);
+    const fh_status st = fhp_sum(c->call.ctx, &L->data, sums, 2);
     c->h.nm.count = sums[0];
     c->h.nm.weight_sum = sums[1];
     return st;
@@ -100,7 +100,7 @@ static fh_status global_norms(ce_call *c, int data)
 {
     fh_status st = FH_OK;
     if (sharded_weights(c))
-        st = fhm_sum(c->call.ctx, c->call.L->vocab, c->call.L->vocab_ranks, c->weights, (int)(c->call.lin->n + 1));
+        st = fhp_sum(c->call.ctx, &c->call.L->vocab, c->weights, (int)(c->call.lin->n + 1));
     return st == FH_OK ? norms(c, data) : st;
 }
 
@@ -108,7 +108,7 @@ static fh_status global_norms(ce_call *c, int data)
  * statistics collective reduces it only when asked for. */
 static fh_status check_outputs(ce_call *c, const fh_ce_outputs *out)
 {
-    fhm_call_config(&c->call, "argmax or correct asked for", out && (out->argmax || out->correct));
+    fhp_call_config(&c->call, "argmax or correct asked for", out && (out->argmax || out->correct));
     return fh_ce_check_outputs(c->call.ctx, c->o, out);
 }
 
@@ -117,23 +117,23 @@ static fh_status check_outputs(ce_call *c, const fh_ce_outputs *out)
 static fh_status forward(ce_call *c, const fh_plan *plan, const fh_workspace *ws, const fh_token_stats *stats,
                          fh_ce_outputs *out, int write_tokens)
 {
-    const fhm_call *call = &c->call;
+    const fhp_call *call = &c->call;
     fh_engine_pass pass = shard_pass(c, plan, ws);
     pass.stats = stats;
-    (void)fh_engine_forward(&pass); /* prepared (fhm_call_prepare): cannot fail */
-    fh_status st = fhm_combine_stats(call->L, call->ctx, call->lin->n, stats, sharded_weights(c) ? c->weights : NULL,
+    (void)fh_engine_forward(&pass); /* prepared (fhp_call_prepare): cannot fail */
+    fh_status st = fhp_combine_stats(call->L, call->ctx, call->lin->n, stats, sharded_weights(c) ? c->weights : NULL,
                                      call->records);
     if (st == FH_OK)
         st = norms(c, 0);
     if (st != FH_OK)
         return st;
-    /* The norms, then the head's totals, summed over the data communicator in one call. */
+    /* The norms, then the head's totals, summed over the data group in one call. */
     double totals[2 + FH_CE_TOTALS];
     fh_ce_outputs reduced_only = {out->loss, out->z_loss, NULL, NULL, NULL, NULL, NULL, out->correct};
     fh_ce_write_token_outputs(&c->h, stats, write_tokens ? out : &reduced_only, totals + 2);
     totals[0] = c->h.nm.count;
     totals[1] = c->h.nm.weight_sum;
-    st = fhm_sum(call->ctx, call->L->data, call->L->data_ranks, totals, 2 + FH_CE_TOTALS);
+    st = fhp_sum(call->ctx, &call->L->data, totals, 2 + FH_CE_TOTALS);
     c->h.nm.count = totals[0];
     c->h.nm.weight_sum = totals[1];
     if (st == FH_OK)
@@ -141,20 +141,20 @@ static fh_status forward(ce_call *c, const fh_plan *plan, const fh_workspace *ws
     return st;
 }
 
-FH_MPI_API fh_status fh_mpi_ce_forward(fh_context *ctx, fh_mpi_layout *layout, const fh_linear *lin,
-                                       const int64_t *targets, const fh_ce_options *options, fh_ce_outputs *out)
+FH_API fh_status fh_parallel_ce_forward(fh_context *ctx, fh_parallel_layout *layout, const fh_linear *lin,
+                                        const int64_t *targets, const fh_ce_options *options, fh_ce_outputs *out)
 {
     ce_call c;
     fh_plan plan;
     fh_workspace ws;
-    fh_status st = begin(&c, FHM_CE_FORWARD, layout, ctx, lin, targets, options, NULL);
+    fh_status st = begin(&c, FHP_CE_FORWARD, layout, ctx, lin, targets, options, NULL);
     if (st == FH_OK)
         st = check_outputs(&c, out);
     if (st == FH_OK)
         st = fh_ce_check_apart(ctx, lin, targets, options, NULL, NULL, out, NULL);
     if (st == FH_OK)
         st = fh_prepare_pass(ctx, lin, FH_CALL_FORWARD, &plan, &ws);
-    st = fhm_call_agree(&c.call, fhm_call_prepare(&c.call, st, &plan, &ws, 1, NULL));
+    st = fhp_call_agree(&c.call, fhp_call_prepare(&c.call, st, &plan, &ws, 1, NULL));
     if (st != FH_OK)
         return st;
     shard_inputs(&c);
@@ -163,40 +163,40 @@ FH_MPI_API fh_status fh_mpi_ce_forward(fh_context *ctx, fh_mpi_layout *layout, c
 }
 
 /* The backward's checks; lse and out (either may be NULL) join the overlap check, which leaves dx out: with
- * reduce-scatter this rank's dx holds only its block of rows (fhm_grads_begin checks it). */
+ * reduce-scatter this rank's dx holds only its block of rows (fhp_grads_begin checks it). */
 static fh_status check_backward(ce_call *c, const float *lse, const float *grad_output, const fh_ce_outputs *out,
                                 const fh_linear_grads *grads)
 {
-    fhm_call *call = &c->call;
+    fhp_call *call = &c->call;
     if (!grads)
         return fh_fail(call->ctx, FH_ERR_NULL_POINTER, "the fh_linear_grads description is NULL");
-    fhm_call_config_grads(call, grads);
-    /* dx is checked by fhm_grads_begin, for the rows it holds (a block with reduce-scatter). */
+    fhp_call_config_grads(call, grads);
+    /* dx is checked by fhp_grads_begin, for the rows it holds (a block with reduce-scatter). */
     fh_linear_grads without_dx = *grads;
     without_dx.dx = NULL;
     fh_status st = fh_ce_check_backward_inputs(call->ctx, call->lin, c->o, grad_output, &without_dx);
     if (st == FH_OK)
         st = fh_ce_check_apart(call->ctx, call->lin, c->targets, c->o, lse, grad_output, out, &without_dx);
     if (st == FH_OK)
-        st = fhm_grads_begin(call->L, call->ctx, call->lin, grads, &call->g);
+        st = fhp_grads_begin(call->L, call->ctx, call->lin, grads, &call->g);
     return st;
 }
 
-FH_MPI_API fh_status fh_mpi_ce_backward(fh_context *ctx, fh_mpi_layout *layout, const fh_linear *lin,
-                                        const int64_t *targets, const fh_ce_options *options, const float *lse,
-                                        const float *grad_output, fh_linear_grads *grads)
+FH_API fh_status fh_parallel_ce_backward(fh_context *ctx, fh_parallel_layout *layout, const fh_linear *lin,
+                                         const int64_t *targets, const fh_ce_options *options, const float *lse,
+                                         const float *grad_output, fh_linear_grads *grads)
 {
     ce_call c;
     fh_plan plan;
     fh_workspace ws;
-    fh_status st = begin(&c, FHM_CE_BACKWARD, layout, ctx, lin, targets, options, grad_output);
+    fh_status st = begin(&c, FHP_CE_BACKWARD, layout, ctx, lin, targets, options, grad_output);
     if (st == FH_OK && !lse)
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "lse is NULL");
     if (st == FH_OK)
         st = check_backward(&c, lse, grad_output, NULL, grads);
     if (st == FH_OK)
         st = fh_prepare_pass(ctx, lin, FH_CALL_BACKWARD, &plan, &ws);
-    st = fhm_call_agree(&c.call, fhm_call_prepare(&c.call, st, &plan, &ws, 1, &c.call.g.engine));
+    st = fhp_call_agree(&c.call, fhp_call_prepare(&c.call, st, &plan, &ws, 1, &c.call.g.engine));
     if (st != FH_OK)
         return st;
     shard_inputs(&c);
@@ -206,13 +206,13 @@ FH_MPI_API fh_status fh_mpi_ce_backward(fh_context *ctx, fh_mpi_layout *layout, 
     /* DFT's target logits: each from the shard that holds the target (the others' are 0), summed. */
     double *z_target = st == FH_OK ? fh_ce_target_logits_in(&ws, options, &pass) : NULL;
     if (z_target)
-        st = fhm_sum(ctx, layout->vocab, layout->vocab_ranks, z_target, (int)lin->n);
+        st = fhp_sum(ctx, &layout->vocab, z_target, (int)lin->n);
     if (st == FH_OK) {
         const fh_coef_arrays coefs = fh_ce_coefs_in(&ws, &c.h, lse, z_target);
         pass.coefs = &coefs;
-        (void)fh_engine_backward(&pass); /* prepared (fhm_call_prepare): cannot fail */
+        (void)fh_engine_backward(&pass); /* prepared (fhp_call_prepare): cannot fail */
     }
-    return fhm_call_finish(&c.call, st);
+    return fhp_call_finish(&c.call, st);
 }
 
 /* fh_coef_source of the row-block train step (self: const ce_call *). */
@@ -228,15 +228,15 @@ static fh_status combine_block(const void *self, int64_t first_row, int64_t rows
 {
     const ce_call *c = self;
     (void)first_row;
-    return fhm_call_combine_block(&c->call, rows, stats);
+    return fhp_call_combine_block(&c->call, rows, stats);
 }
 
-/* Per row block: the shard's logits and statistics, combined across the vocab communicator (one
+/* Per row block: the shard's logits and statistics, combined across the vocab group (one
  * all-reduce of the block's rows), then dU and both gradient GEMMs on the shard. */
 static fh_status row_block_step(ce_call *c, const fh_plan *plan, const fh_workspace *ws,
                                 const fh_token_stats *stats, fh_ce_outputs *out)
 {
-    const fhm_call *call = &c->call;
+    const fhp_call *call = &c->call;
     fh_status st = global_norms(c, 1);
     if (st == FH_OK) {
         const fh_coef_source source = {row_coefs, call->L->vocab_ranks > 1 ? combine_block : NULL, c};
@@ -249,35 +249,35 @@ static fh_status row_block_step(ce_call *c, const fh_plan *plan, const fh_worksp
     if (st == FH_OK) {
         double totals[FH_CE_TOTALS];
         fh_ce_write_token_outputs(&c->h, stats, out, totals);
-        st = fhm_sum(call->ctx, call->L->data, call->L->data_ranks, totals, FH_CE_TOTALS);
+        st = fhp_sum(call->ctx, &call->L->data, totals, FH_CE_TOTALS);
         if (st == FH_OK)
             fh_ce_write_loss(&c->h, totals, out);
     }
     return st;
 }
 
-FH_MPI_API fh_status fh_mpi_ce_forward_backward(fh_context *ctx, fh_mpi_layout *layout, const fh_linear *lin,
-                                                const int64_t *targets, const fh_ce_options *options,
-                                                const float *grad_output, fh_ce_outputs *out,
-                                                fh_linear_grads *grads)
+FH_API fh_status fh_parallel_ce_forward_backward(fh_context *ctx, fh_parallel_layout *layout, const fh_linear *lin,
+                                                 const int64_t *targets, const fh_ce_options *options,
+                                                 const float *grad_output, fh_ce_outputs *out,
+                                                 fh_linear_grads *grads)
 {
     ce_call c;
     fh_plan plans[2];
     fh_workspace ws[2];
     int row_blocks = 0;
-    fh_status st = begin(&c, FHM_CE_TRAIN_STEP, layout, ctx, lin, targets, options, grad_output);
+    fh_status st = begin(&c, FHP_CE_TRAIN_STEP, layout, ctx, lin, targets, options, grad_output);
     if (st == FH_OK)
         st = check_outputs(&c, out);
     if (st == FH_OK)
         st = check_backward(&c, NULL, grad_output, out, grads);
-    /* Planned with the gradients the engine writes (fhm_grads_begin: staging buffers, beta 0 before a reduction),
+    /* Planned with the gradients the engine writes (fhp_grads_begin: staging buffers, beta 0 before a reduction),
      * whose memory the plan may use. */
     if (st == FH_OK)
         st = fh_plan_train_step(ctx, lin, &c.call.g.engine, &plans[0], &row_blocks, ctx);
-    /* Row blocks only where every rank can, at one height per vocab communicator (uneven shards plan
+    /* Row blocks only where every rank can, at one height per vocab group (uneven shards plan
      * different ones); else every rank streams. */
     int64_t rows;
-    st = fhm_call_schedule(&c.call, st, row_blocks, plans, ws, &rows);
+    st = fhp_call_schedule(&c.call, st, row_blocks, plans, ws, &rows);
     if (st != FH_OK)
         return st;
     shard_inputs(&c);
@@ -293,8 +293,8 @@ FH_MPI_API fh_status fh_mpi_ce_forward_backward(fh_context *ctx, fh_mpi_layout *
             fh_engine_pass pass = shard_pass(&c, &plans[1], &ws[1]);
             pass.coefs = &coefs;
             pass.grads = &c.call.g.engine;
-            (void)fh_engine_backward(&pass); /* prepared (fhm_call_prepare): cannot fail */
+            (void)fh_engine_backward(&pass); /* prepared (fhp_call_prepare): cannot fail */
         }
     }
-    return fhm_call_finish(&c.call, st);
+    return fhp_call_finish(&c.call, st);
 }

@@ -1,8 +1,8 @@
 /* Log-probs across the layout: the engine on this rank's shard, lse / target logit / sum p z combined over the
- * vocab communicator, then the per-token values (logprob_head.h) and the gradient reductions. Every value is per
- * token, so the data communicator only reduces the gradients. The single call runs in row blocks, one statistics
+ * vocab group, then the per-token values (logprob_head.h) and the gradient reductions. Every value is per
+ * token, so the data group only reduces the gradients. The single call runs in row blocks, one statistics
  * all-reduce per block, when every rank of the grid can; else it streams. */
-#include "mpi_internal.h"
+#include "parallel_internal.h"
 
 #include "core/context.h"
 #include "heads/logprob_head.h"
@@ -10,7 +10,7 @@
 #include <string.h>
 
 typedef struct logprob_call {
-    fhm_call call;
+    fhp_call call;
     const int64_t *targets;
     fh_logprob_rows rows;
     fh_transform tf;
@@ -26,24 +26,24 @@ static fh_engine_pass shard_pass(const void *head, const fh_plan *plan, const fh
     return fh_logprob_pass(plan, ws, c->call.lin, c->call.engine_ids, c->tf);
 }
 
-static fh_status begin(logprob_call *c, int entry, fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin,
+static fh_status begin(logprob_call *c, int entry, fh_parallel_layout *L, fh_context *ctx, const fh_linear *lin,
                        const int64_t *targets, const fh_logprob_options *o)
 {
     memset(c, 0, sizeof *c);
     c->targets = targets;
-    fh_status st = fhm_call_start(&c->call, L, ctx, lin, entry, shard_pass, c);
+    fh_status st = fhp_call_start(&c->call, L, ctx, lin, entry, shard_pass, c);
     if (st == FH_OK && o) {
-        fhm_call_config(&c->call, "ignore_index", o->ignore_index);
-        fhm_call_config_real(&c->call, "temperature", o->temperature);
-        fhm_call_config_real(&c->call, "softcap", o->softcap);
-        fhm_call_config_real(&c->call, "logit_scale", o->logit_scale);
+        fhp_call_config(&c->call, "ignore_index", o->ignore_index);
+        fhp_call_config_real(&c->call, "temperature", o->temperature);
+        fhp_call_config_real(&c->call, "softcap", o->softcap);
+        fhp_call_config_real(&c->call, "logit_scale", o->logit_scale);
     }
     if (st == FH_OK)
         st = fh_logprob_check_call(ctx, lin, targets, o, L->total_vocab, &c->tf);
     if (st == FH_OK) {
         const fh_logprob_rows rows = {targets, o->ignore_index};
         c->rows = rows;
-        st = fhm_call_scratch(&c->call, targets, 0);
+        st = fhp_call_scratch(&c->call, targets, 0);
     }
     return st;
 }
@@ -51,12 +51,12 @@ static fh_status begin(logprob_call *c, int entry, fh_mpi_layout *L, fh_context 
 /* Streaming forward on the shard; leaves the whole vocabulary's lse, sum_pz, logp and entropy in ws. */
 static fh_status forward_pass(logprob_call *c, const fh_plan *plan, const fh_workspace *ws)
 {
-    const fhm_call *call = &c->call;
+    const fhp_call *call = &c->call;
     const fh_token_stats stats = fh_logprob_stats_in(ws, c->entropy);
     fh_engine_pass pass = shard_pass(c, plan, ws);
     pass.stats = &stats;
-    (void)fh_engine_forward(&pass); /* prepared (fhm_call_prepare): cannot fail */
-    const fh_status st = fhm_combine_stats(call->L, call->ctx, call->lin->n, &stats, NULL, call->records);
+    (void)fh_engine_forward(&pass); /* prepared (fhp_call_prepare): cannot fail */
+    const fh_status st = fhp_combine_stats(call->L, call->ctx, call->lin->n, &stats, NULL, call->records);
     if (st == FH_OK)
         fh_logprob_token_values(ws, c->targets, 0, call->lin->n, call->L->total_vocab, c->entropy);
     return st;
@@ -69,17 +69,17 @@ static void backward_pass(logprob_call *c, const fh_plan *plan, const fh_workspa
     fh_engine_pass pass = shard_pass(c, plan, ws);
     pass.coefs = &coefs;
     pass.grads = &c->call.g.engine;
-    (void)fh_engine_backward(&pass); /* prepared (fhm_call_prepare): cannot fail */
+    (void)fh_engine_backward(&pass); /* prepared (fhp_call_prepare): cannot fail */
 }
 
-FH_MPI_API fh_status fh_mpi_logprob_forward(fh_context *ctx, fh_mpi_layout *layout, const fh_linear *lin,
-                                            const int64_t *targets, const fh_logprob_options *options,
-                                            fh_logprob_outputs *out)
+FH_API fh_status fh_parallel_logprob_forward(fh_context *ctx, fh_parallel_layout *layout, const fh_linear *lin,
+                                             const int64_t *targets, const fh_logprob_options *options,
+                                             fh_logprob_outputs *out)
 {
     logprob_call c;
     fh_plan plan;
     fh_workspace ws;
-    fh_status st = begin(&c, FHM_LOGPROB_FORWARD, layout, ctx, lin, targets, options);
+    fh_status st = begin(&c, FHP_LOGPROB_FORWARD, layout, ctx, lin, targets, options);
     if (st == FH_OK && !out)
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
     if (st == FH_OK)
@@ -87,12 +87,12 @@ FH_MPI_API fh_status fh_mpi_logprob_forward(fh_context *ctx, fh_mpi_layout *layo
     if (st == FH_OK)
         st = fh_prepare_pass(ctx, lin, FH_CALL_FORWARD, &plan, &ws);
     if (c.call.L)
-        fhm_call_config(&c.call, "entropy output", out && out->entropy);
-    st = fhm_call_agree(&c.call, fhm_call_prepare(&c.call, st, &plan, &ws, 1, c.gradients ? &c.call.g.engine : NULL));
+        fhp_call_config(&c.call, "entropy output", out && out->entropy);
+    st = fhp_call_agree(&c.call, fhp_call_prepare(&c.call, st, &plan, &ws, 1, c.gradients ? &c.call.g.engine : NULL));
     if (st != FH_OK)
         return st;
     c.entropy = out->entropy != NULL;
-    fhm_call_shard_ids(&c.call, targets, &options->ignore_index);
+    fhp_call_shard_ids(&c.call, targets, &options->ignore_index);
     st = forward_pass(&c, &plan, &ws);
     if (st == FH_OK)
         fh_logprob_write_outputs(&ws, lin->n, c.rows, out->logp, out->entropy, out->lse);
@@ -104,30 +104,30 @@ FH_MPI_API fh_status fh_mpi_logprob_forward(fh_context *ctx, fh_mpi_layout *layo
 static fh_status check_grads(logprob_call *c, const float *lse, const float *entropy, const fh_logprob_outputs *out,
                              const fh_linear_grads *grads)
 {
-    fhm_call *call = &c->call;
+    fhp_call *call = &c->call;
     c->gradients = 1;
-    fhm_call_config_grads(call, grads);
-    fhm_call_config(call, "g_logp given", c->g.logp != NULL);
-    fhm_call_config(call, "g_entropy given", c->g.entropy != NULL);
-    fhm_call_config(call, "g_lse given", c->g.lse != NULL);
+    fhp_call_config_grads(call, grads);
+    fhp_call_config(call, "g_logp given", c->g.logp != NULL);
+    fhp_call_config(call, "g_entropy given", c->g.entropy != NULL);
+    fhp_call_config(call, "g_lse given", c->g.lse != NULL);
     fh_linear_grads without_dx = grads ? *grads : (fh_linear_grads){0};
     without_dx.dx = NULL;
     fh_status st = fh_logprob_check_backward(call->ctx, call->lin, c->targets, lse, entropy, &c->g, out, 1,
                                              grads ? &without_dx : NULL);
     if (st == FH_OK)
-        st = fhm_grads_begin(call->L, call->ctx, call->lin, grads, &call->g);
+        st = fhp_grads_begin(call->L, call->ctx, call->lin, grads, &call->g);
     return st;
 }
 
-FH_MPI_API fh_status fh_mpi_logprob_backward(fh_context *ctx, fh_mpi_layout *layout, const fh_linear *lin,
-                                             const int64_t *targets, const fh_logprob_options *options,
-                                             const float *lse, const float *entropy, const float *g_logp,
-                                             const float *g_entropy, const float *g_lse, fh_linear_grads *grads)
+FH_API fh_status fh_parallel_logprob_backward(fh_context *ctx, fh_parallel_layout *layout, const fh_linear *lin,
+                                              const int64_t *targets, const fh_logprob_options *options,
+                                              const float *lse, const float *entropy, const float *g_logp,
+                                              const float *g_entropy, const float *g_lse, fh_linear_grads *grads)
 {
     logprob_call c;
     fh_plan plan;
     fh_workspace ws;
-    fh_status st = begin(&c, FHM_LOGPROB_BACKWARD, layout, ctx, lin, targets, options);
+    fh_status st = begin(&c, FHP_LOGPROB_BACKWARD, layout, ctx, lin, targets, options);
     const fh_logprob_grads g = {g_logp, g_entropy, g_lse};
     c.g = g;
     if (st == FH_OK && (!lse || (g_entropy && !entropy)))
@@ -136,13 +136,13 @@ FH_MPI_API fh_status fh_mpi_logprob_backward(fh_context *ctx, fh_mpi_layout *lay
         st = check_grads(&c, lse, entropy, NULL, grads);
     if (st == FH_OK)
         st = fh_prepare_pass(ctx, lin, FH_CALL_BACKWARD, &plan, &ws);
-    st = fhm_call_agree(&c.call, fhm_call_prepare(&c.call, st, &plan, &ws, 1, c.gradients ? &c.call.g.engine : NULL));
+    st = fhp_call_agree(&c.call, fhp_call_prepare(&c.call, st, &plan, &ws, 1, c.gradients ? &c.call.g.engine : NULL));
     if (st != FH_OK)
         return st;
-    fhm_call_shard_ids(&c.call, targets, &options->ignore_index);
+    fhp_call_shard_ids(&c.call, targets, &options->ignore_index);
     fh_logprob_load_saved(&ws, lin->n, NULL, lse, entropy);
     backward_pass(&c, &plan, &ws);
-    return fhm_call_finish(&c.call, FH_OK);
+    return fhp_call_finish(&c.call, FH_OK);
 }
 
 /* The row-block pass's rows and hook (self: const logprob_call *). */
@@ -157,19 +157,19 @@ static fh_status combine_block(const void *self, int64_t first_row, int64_t rows
 {
     const logprob_call *c = self;
     (void)first_row;
-    return fhm_call_combine_block(&c->call, rows, stats);
+    return fhp_call_combine_block(&c->call, rows, stats);
 }
 
-FH_MPI_API fh_status fh_mpi_logprob_forward_backward(fh_context *ctx, fh_mpi_layout *layout, const fh_linear *lin,
-                                                     const int64_t *targets, const fh_logprob_options *options,
-                                                     const float *g_logp, const float *g_entropy,
-                                                     const float *g_lse, fh_logprob_outputs *out,
-                                                     fh_linear_grads *grads)
+FH_API fh_status fh_parallel_logprob_forward_backward(fh_context *ctx, fh_parallel_layout *layout, const fh_linear *lin,
+                                                      const int64_t *targets, const fh_logprob_options *options,
+                                                      const float *g_logp, const float *g_entropy,
+                                                      const float *g_lse, fh_logprob_outputs *out,
+                                                      fh_linear_grads *grads)
 {
     logprob_call c;
     fh_plan plans[2];
     fh_workspace ws[2];
-    fh_status st = begin(&c, FHM_LOGPROB_TRAIN_STEP, layout, ctx, lin, targets, options);
+    fh_status st = begin(&c, FHP_LOGPROB_TRAIN_STEP, layout, ctx, lin, targets, options);
     const fh_logprob_grads g = {g_logp, g_entropy, g_lse};
     c.g = g;
     if (st == FH_OK && !out)
@@ -177,17 +177,17 @@ FH_MPI_API fh_status fh_mpi_logprob_forward_backward(fh_context *ctx, fh_mpi_lay
     if (st == FH_OK)
         st = check_grads(&c, NULL, NULL, out, grads);
     if (c.call.L)
-        fhm_call_config(&c.call, "entropy output", out && out->entropy);
+        fhp_call_config(&c.call, "entropy output", out && out->entropy);
     int row_blocks = 0;
-    /* Planned with the gradients the engine writes (see fh_mpi_ce_forward_backward). */
+    /* Planned with the gradients the engine writes (see fh_parallel_ce_forward_backward). */
     if (st == FH_OK)
         st = fh_plan_train_step(ctx, lin, &c.call.g.engine, &plans[0], &row_blocks, ctx);
     int64_t rows;
-    st = fhm_call_schedule(&c.call, st, row_blocks, plans, ws, &rows);
+    st = fhp_call_schedule(&c.call, st, row_blocks, plans, ws, &rows);
     if (st != FH_OK)
         return st;
     c.entropy = out->entropy || g_entropy;
-    fhm_call_shard_ids(&c.call, targets, &options->ignore_index);
+    fhp_call_shard_ids(&c.call, targets, &options->ignore_index);
     if (rows > 0) {
         const fh_coef_source source = {row_coefficients, layout->vocab_ranks > 1 ? combine_block : NULL, &c};
         const fh_token_stats stats = fh_logprob_stats_in(&ws[0], c.entropy);
@@ -205,5 +205,5 @@ FH_MPI_API fh_status fh_mpi_logprob_forward_backward(fh_context *ctx, fh_mpi_lay
     }
     if (st == FH_OK)
         fh_logprob_write_outputs(&ws[0], lin->n, c.rows, out->logp, out->entropy, out->lse);
-    return fhm_call_finish(&c.call, st);
+    return fhp_call_finish(&c.call, st);
 }

@@ -1,7 +1,9 @@
-"""One rank of python/tests/test_mpi.py (run under mpirun): fusedhead.mpi against the single-process call.
+"""One rank of python/tests/test_mpi.py (`parallel_ranks.py mpi` under mpirun: fusedhead.mpi over mpi4py) and of
+python/tests/test_distributed.py (`parallel_ranks.py torch` under torchrun: fusedhead.distributed over
+torch.distributed's gloo), against the single-process call.
 
 Every rank builds the whole problem from one seed, computes it single-process with fusedhead.torch, then its own part
-through a fusedhead.mpi.Context on each grid that the world size allows (vocab-parallel, data-parallel, 2 x 2), in
+through a parallel Context on each grid that the world size allows (vocab-parallel, data-parallel, 2 x 2), in
 fp32 and bf16: cross-entropy (the train step, and 'none' through the split forward and backward), per-token log-probs
 and entropy, GRPO and KTO (train steps). The losses, metrics, this rank's per-token outputs, its rows of hidden's
 gradient and its shard of the weight's and bias's must equal the single process's within the C MPI suite's bounds
@@ -9,8 +11,9 @@ gradient and its shard of the weight's and bias's must equal the single process'
 order differs), 1e-5 normwise for per-token values and fp32 gradients, 4e-3 more for each of bf16 inputs and bf16
 gradients (a bf16 input rounds dU to bf16 once per path, the paths' sums differ in order; a bf16 gradient is rounded
 once after the ranks' fp32 sum, the single process's after its own). Also: options that differ across the ranks raise
-MPIMismatchError on every rank, and a head without an MPI entry point raises NotImplementedError. Prints one line per
-rank and exits 1 on any failure.
+MPIMismatchError on every rank, one rank's bad argument raises on every rank (not a hang), data ranks holding
+different shards raise MPILayoutError, and a head without a parallel entry point raises NotImplementedError. Prints
+one line per rank and exits 1 on any failure.
 """
 from __future__ import annotations
 
@@ -18,19 +21,66 @@ import sys
 from typing import Callable, Dict, List, Tuple
 
 import torch
-from mpi4py import MPI
 
 import fusedhead
 import fusedhead.errors
-import fusedhead.mpi
 import fusedhead.numpy
+import fusedhead.parallel
 import fusedhead.torch as ft
 
 LOSS_TOL, VALUE_TOL, BF16_TOL = 1e-6, 1e-5, 4e-3
 N_PER_DATA_RANK, B_PER_DATA_RANK, T, H, V = 24, 3, 8, 16, 103
 
-world = MPI.COMM_WORLD
-rank, size = world.Get_rank(), world.Get_size()
+
+class Engine:
+    """The ranks' collectives: mpi4py's communicators or torch.distributed's process groups, split into the grid's
+    groups as fh_mpi_layout_create_grid does (consecutive ranks share the tokens)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        if name == "mpi":
+            from mpi4py import MPI
+            import fusedhead.mpi
+            self.world, self.module = MPI.COMM_WORLD, fusedhead.mpi
+            self.rank, self.size = self.world.Get_rank(), self.world.Get_size()
+        else:
+            import torch.distributed as dist
+            import fusedhead.distributed
+            dist.init_process_group("gloo")
+            self.dist, self.module = dist, fusedhead.distributed
+            self.rank, self.size = dist.get_rank(), dist.get_world_size()
+
+    def groups(self, pv: int, pd: int) -> Tuple[object, object]:
+        """This rank's vocab and data groups of the pv x pd grid (None where that kind has one rank)."""
+        vr, dr = self.rank % pv, self.rank // pv
+        if self.name == "mpi":
+            vocab, data = self.world.Split(dr, self.rank), self.world.Split(vr, self.rank)
+            self._made = [vocab, data]
+        else:  # every rank makes every group, in the same order
+            vocab = [self.dist.new_group([d * pv + v for v in range(pv)]) for d in range(pd)][dr]
+            data = [self.dist.new_group([d * pv + v for d in range(pd)]) for v in range(pv)][vr]
+        return (vocab if pv > 1 else None), (data if pd > 1 else None)
+
+    def layout(self, count: int, groups: Tuple[object, object]) -> fusedhead.parallel.Layout:
+        if self.name == "mpi":
+            return self.module.Layout(count, vocab_comm=groups[0], data_comm=groups[1])
+        return self.module.Layout(count, vocab_group=groups[0], data_group=groups[1])
+
+    def free(self) -> None:
+        if self.name == "mpi":
+            for comm in self._made:
+                comm.Free()
+
+    def failures_anywhere(self, count: int) -> int:
+        if self.name == "mpi":
+            return self.world.allreduce(count)
+        total = torch.tensor([count])
+        self.dist.all_reduce(total)
+        return int(total)
+
+
+engine = Engine(sys.argv[1] if len(sys.argv) > 1 else "mpi")
+rank, size = engine.rank, engine.size
 failures: List[str] = []
 checks = 0
 
@@ -159,14 +209,12 @@ def main() -> int:
     dtypes = [torch.float32] + ([torch.bfloat16] if fusedhead.bf16_available() else [])
     for pv, pd in grids():
         vr, dr = rank % pv, rank // pv
-        vocab_comm = world.Split(dr, rank)  # consecutive ranks share the tokens, as fh_mpi_layout_create_grid
-        data_comm = world.Split(vr, rank)
+        groups = engine.groups(pv, pd)
         lo, count = shard(V, pv, vr)
-        with fusedhead.mpi.Layout(count, vocab_comm=vocab_comm if pv > 1 else None,
-                                  data_comm=data_comm if pd > 1 else None) as layout:
+        with engine.layout(count, groups) as layout:
             check(f"layout {pv}x{pd} rank {rank}", torch.tensor(layout.info),  # every field of the ctypes mirror
                   torch.tensor([vr, pv, dr, pd, lo, count, V]), 0.0)
-            context = fusedhead.mpi.Context(layout, threads=1)
+            context = engine.module.Context(layout, threads=1)
             for dtype in dtypes:
                 for name, run, kind in HEADS:
                     g = torch.Generator().manual_seed(7)
@@ -175,23 +223,56 @@ def main() -> int:
             context.close()
         if pd > 1:  # data ranks holding different shards: MPILayoutError on every rank
             try:
-                fusedhead.mpi.Layout(count + (rank == 0), vocab_comm=vocab_comm if pv > 1 else None,
-                                     data_comm=data_comm).close()
+                engine.layout(count + (rank == 0), groups).close()
                 failures.append(f"grid {pv}x{pd}: data ranks with different shards made a layout")
             except fusedhead.errors.MPILayoutError:
                 checks += 1
-        vocab_comm.Free()
-        data_comm.Free()
+        engine.free()
+    if engine.name == "torch":
+        dtensor_weight()
     print(f"rank {rank}/{size}: {checks} checks, {len(failures)} failures", flush=True)
     for f in failures[:20]:
         print(f"rank {rank}: FAILED {f}", flush=True)
-    return 1 if world.allreduce(len(failures)) else 0
+    return 1 if engine.failures_anywhere(len(failures)) else 0
+
+
+def dtensor_weight() -> None:
+    """torch.distributed only, vocab-parallel over every rank: a weight DTensor sharded on the vocabulary (Shard(0) on
+    a 1-D mesh) with a context on a layout over the mesh's group is taken as the rank's shard: the loss and hidden's
+    gradient are the whole vocabulary's, the DTensor's gradient its shard's; a replicated DTensor is refused."""
+    global checks
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (size,))
+    g = torch.Generator().manual_seed(11)
+    x, w = torch.randn(N_PER_DATA_RANK, H, generator=g), torch.randn(V, H, generator=g)
+    targets = torch.randint(0, V, (N_PER_DATA_RANK,), generator=g)
+    sharded = distribute_tensor(w.clone(), mesh, [Shard(0)]).requires_grad_()
+    with engine.module.Layout(sharded.to_local().shape[0], vocab_group=mesh.get_group()) as layout:
+        context = engine.module.Context(layout, threads=1)
+        xs, xf, wf = x.clone().requires_grad_(), x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = ft.fused_linear_cross_entropy(xs, sharded, targets, label_smoothing=0.1, context=context)
+        loss.backward()
+        want = ft.fused_linear_cross_entropy(xf, wf, targets, label_smoothing=0.1)
+        want.backward()
+        lo, count = layout.info.vocab_offset, layout.info.local_vocab
+        check(f"DTensor weight rank {rank} loss", loss.detach(), want.detach(), LOSS_TOL)
+        check(f"DTensor weight rank {rank} dx", xs.grad, xf.grad, VALUE_TOL)
+        check(f"DTensor weight rank {rank} dweight", sharded.grad.to_local(), wf.grad[lo:lo + count], VALUE_TOL)
+        try:
+            ft.fused_linear_cross_entropy(x, distribute_tensor(w, mesh, [Replicate()]), targets, context=context)
+            failures.append("a replicated DTensor weight was taken")
+        except TypeError as e:
+            checks += 1
+            if "Shard(0)" not in str(e):
+                failures.append(f"the replicated DTensor's refusal does not say what is taken: {e}")
+        context.close()
 
 
 def mismatch_and_refusal(context: fusedhead.Context, count: int, pv: int, pd: int) -> None:
     """Rank 0 asks for other label smoothing than the others: MPIMismatchError on every rank, naming the option; the
     last rank's targets are of the wrong dtype: it raises TypeError, the others an error saying that a rank failed (not
-    a hang), in a train step, a split forward and NumPy's train step; the preference head has no MPI entry point:
+    a hang), in a train step, a split forward and NumPy's train step; the preference head has no parallel entry point:
     NotImplementedError."""
     global checks
     g = torch.Generator().manual_seed(3)
@@ -227,7 +308,7 @@ def mismatch_and_refusal(context: fusedhead.Context, count: int, pv: int, pd: in
     try:
         ft.fused_linear_preference_loss(torch.randn(2, 3, H), w, torch.zeros(2, 3, dtype=torch.int64),
                                         torch.ones(2, 3), context=context)
-        failures.append("the preference head ran on an MPI context")
+        failures.append("the preference head ran on a parallel context")
     except NotImplementedError as e:
         checks += 1
         if "fh_preference_forward" not in str(e):

@@ -1,6 +1,6 @@
-/* Gradient reductions: dx over the vocab communicator, dweight and dbias over the data communicator, each
- * all-reduced or reduce-scattered (fh_mpi_reduction). */
-#include "mpi_internal.h"
+/* Gradient reductions: dx over the vocab group, dweight and dbias over the data group, each
+ * all-reduced or reduce-scattered (fh_parallel_reduction). */
+#include "parallel_internal.h"
 
 #include "core/context.h"
 #include "core/linear.h"
@@ -16,7 +16,7 @@ static int dense(int64_t hidden, int64_t vocab, int64_t sh, int64_t sv)
     return (sv == 1 && (sh == vocab || hidden == 1)) || (sh == 1 && (sv == hidden || vocab == 1));
 }
 
-static void pack_view(const fh_linear_grads *u, const fhm_grads *g, float *packed)
+static void pack_view(const fh_linear_grads *u, const fhp_grads *g, float *packed)
 {
     const float *dweight = u->dweight;
     for (int64_t k = 0; k < g->hidden; k++)
@@ -24,7 +24,7 @@ static void pack_view(const fh_linear_grads *u, const fhm_grads *g, float *packe
             packed[k * g->vocab + j] = dweight[k * g->w_stride_hidden + j * g->w_stride_vocab];
 }
 
-void fhm_grads_free(fhm_grads *g)
+void fhp_grads_free(fhp_grads *g)
 {
     free(g->dx_tmp);
     free(g->dx_recv);
@@ -51,24 +51,24 @@ static float *allocate(fh_context *ctx, int64_t count, fh_status *st)
 
 /* Points g->user's bf16 gradients that a reduction sums at fp32 staging buffers (beta 0). FH_OK or
  * FH_ERR_OUT_OF_MEMORY (reported). */
-static fh_status stage_bf16(fh_context *ctx, const fh_linear *lin, fhm_grads *g)
+static fh_status stage_bf16(fh_context *ctx, const fh_linear *lin, fhp_grads *g)
 {
     fh_linear_grads *u = &g->user;
     fh_status st = FH_OK;
     g->target = *u;
-    if (u->dx && u->dx_dtype == FH_DTYPE_BF16 && g->dx_mode != FH_MPI_NO_REDUCTION) {
+    if (u->dx && u->dx_dtype == FH_DTYPE_BF16 && g->dx_mode != FH_PARALLEL_NO_REDUCTION) {
         u->dx = g->stage[0] = allocate(ctx, g->dx_rows * lin->hidden, &st);
         u->dx_row_stride = lin->hidden;
         u->dx_beta = 0.0f;
         u->dx_dtype = FH_DTYPE_F32;
     }
-    if (u->dweight && u->dweight_dtype == FH_DTYPE_BF16 && g->dw_mode != FH_MPI_NO_REDUCTION) {
+    if (u->dweight && u->dweight_dtype == FH_DTYPE_BF16 && g->dw_mode != FH_PARALLEL_NO_REDUCTION) {
         const int64_t extent = (lin->hidden - 1) * lin->w_stride_hidden + (lin->vocab - 1) * lin->w_stride_vocab + 1;
         u->dweight = g->stage[1] = allocate(ctx, extent, &st);
         u->dweight_beta = 0.0f;
         u->dweight_dtype = FH_DTYPE_F32;
     }
-    if (u->dbias && u->dbias_dtype == FH_DTYPE_BF16 && g->dw_mode != FH_MPI_NO_REDUCTION) {
+    if (u->dbias && u->dbias_dtype == FH_DTYPE_BF16 && g->dw_mode != FH_PARALLEL_NO_REDUCTION) {
         u->dbias = g->stage[2] = allocate(ctx, lin->vocab, &st);
         u->dbias_beta = 0.0f;
         u->dbias_dtype = FH_DTYPE_F32;
@@ -78,13 +78,13 @@ static fh_status stage_bf16(fh_context *ctx, const fh_linear *lin, fhm_grads *g)
 
 /* The staged sums rounded into the caller's bf16 gradients: dx's rows, dweight's elements (the reduce-scattered
  * part only), dbias. */
-static void unstage_bf16(const fhm_grads *g)
+static void unstage_bf16(const fhp_grads *g)
 {
     const fh_linear_grads *t = &g->target;
     for (int64_t i = 0; g->stage[0] && i < g->dx_rows; i++)
         fh_row_add_to_bf16(g->stage[0] + i * g->hidden, g->hidden, t->dx_beta != 0.0f,
                            (uint16_t *)t->dx + i * t->dx_row_stride);
-    if (g->stage[1] && g->dw_mode == FH_MPI_REDUCE_SCATTER)
+    if (g->stage[1] && g->dw_mode == FH_PARALLEL_REDUCE_SCATTER)
         fh_row_add_to_bf16(g->stage[1] + g->dw_first, g->dw_count, t->dweight_beta != 0.0f,
                            (uint16_t *)t->dweight + g->dw_first);
     else if (g->stage[1])
@@ -97,8 +97,8 @@ static void unstage_bf16(const fhm_grads *g)
         fh_row_add_to_bf16(g->stage[2], g->vocab, t->dbias_beta != 0.0f, t->dbias);
 }
 
-fh_status fhm_grads_begin(const fh_mpi_layout *L, fh_context *ctx, const fh_linear *lin,
-                          const fh_linear_grads *given, fhm_grads *g)
+fh_status fhp_grads_begin(const fh_parallel_layout *L, fh_context *ctx, const fh_linear *lin,
+                          const fh_linear_grads *given, fhp_grads *g)
 {
     memset(g, 0, sizeof *g);
     if (!given)
@@ -111,9 +111,9 @@ fh_status fhm_grads_begin(const fh_mpi_layout *L, fh_context *ctx, const fh_line
     g->w_stride_hidden = lin->w_stride_hidden;
     g->w_stride_vocab = lin->w_stride_vocab;
     /* A gradient not asked for is not reduced (every rank leaves it out: the agreement step checks that). */
-    g->dx_mode = L->vocab_ranks > 1 && user->dx ? L->params[FH_MPI_PARAM_DX_REDUCTION] : FH_MPI_NO_REDUCTION;
-    g->dw_mode = L->data_ranks > 1 && (user->dweight || user->dbias) ? L->params[FH_MPI_PARAM_DWEIGHT_REDUCTION]
-                                                                     : FH_MPI_NO_REDUCTION;
+    g->dx_mode = L->vocab_ranks > 1 && user->dx ? L->params[FH_PARALLEL_PARAM_DX_REDUCTION] : FH_PARALLEL_NO_REDUCTION;
+    g->dw_mode = L->data_ranks > 1 && (user->dweight || user->dbias) ? L->params[FH_PARALLEL_PARAM_DWEIGHT_REDUCTION]
+                                                                     : FH_PARALLEL_NO_REDUCTION;
     /* The core checks (betas, bias), with dx checked for the rows it will hold. */
     fh_linear_grads without_dx = *user;
     without_dx.dx = NULL;
@@ -122,8 +122,8 @@ fh_status fhm_grads_begin(const fh_mpi_layout *L, fh_context *ctx, const fh_line
         return st;
     g->dx_first = 0;
     g->dx_rows = lin->n;
-    if (user->dx && g->dx_mode == FH_MPI_REDUCE_SCATTER)
-        fh_mpi_dx_rows(L, lin->n, &g->dx_first, &g->dx_rows);
+    if (user->dx && g->dx_mode == FH_PARALLEL_REDUCE_SCATTER)
+        fh_parallel_dx_rows(L, lin->n, &g->dx_first, &g->dx_rows);
     if (user->dx && g->dx_rows > 0) {
         fh_linear rows = *lin;
         rows.n = g->dx_rows;
@@ -140,19 +140,19 @@ fh_status fhm_grads_begin(const fh_mpi_layout *L, fh_context *ctx, const fh_line
     }
     st = stage_bf16(ctx, lin, g);
     if (st != FH_OK) {
-        fhm_grads_free(g);
+        fhp_grads_free(g);
         return st;
     }
     g->engine = *user;
     const int64_t nh = lin->n * lin->hidden; /* fh_check_linear checked the product */
-    if (user->dx && g->dx_mode == FH_MPI_REDUCE_SCATTER && (g->dx_rows + 1) * lin->hidden >= INT_MAX)
-        return fh_fail(ctx, FH_ERR_SIZE_OVERFLOW, "dx blocks exceed MPI's int counts");
-    /* dx over the vocab communicator. */
-    if (user->dx && g->dx_mode == FH_MPI_ALLREDUCE &&
+    if (user->dx && g->dx_mode == FH_PARALLEL_REDUCE_SCATTER && (g->dx_rows + 1) * lin->hidden >= INT_MAX)
+        return fh_fail(ctx, FH_ERR_SIZE_OVERFLOW, "dx blocks exceed the collectives' int counts");
+    /* dx over the vocab group. */
+    if (user->dx && g->dx_mode == FH_PARALLEL_ALLREDUCE &&
         !(user->dx_beta == 0.0f && user->dx_row_stride == lin->hidden)) {
         g->dx_tmp = allocate(ctx, nh, &st);
         g->engine.dx = g->dx_tmp;
-    } else if (user->dx && g->dx_mode == FH_MPI_REDUCE_SCATTER) {
+    } else if (user->dx && g->dx_mode == FH_PARALLEL_REDUCE_SCATTER) {
         g->dx_tmp = allocate(ctx, nh, &st);
         g->engine.dx = g->dx_tmp;
         if (!(user->dx_beta == 0.0f && user->dx_row_stride == lin->hidden))
@@ -162,25 +162,26 @@ fh_status fhm_grads_begin(const fh_mpi_layout *L, fh_context *ctx, const fh_line
         g->engine.dx_row_stride = lin->hidden;
         g->engine.dx_beta = 0.0f;
     }
-    /* dweight and dbias over the data communicator. */
+    /* dweight and dbias over the data group. */
     const int64_t elements = lin->hidden * lin->vocab;
     g->dw_dense = dense(lin->hidden, lin->vocab, lin->w_stride_hidden, lin->w_stride_vocab);
-    if (user->dweight && g->dw_mode != FH_MPI_NO_REDUCTION) {
+    if (user->dweight && g->dw_mode != FH_PARALLEL_NO_REDUCTION) {
         g->engine.dweight_beta = 0.0f;
-        if (g->dw_mode == FH_MPI_REDUCE_SCATTER) {
+        if (g->dw_mode == FH_PARALLEL_REDUCE_SCATTER) {
             if (!g->dw_dense)
                 st = fh_fail(ctx, FH_ERR_INVALID_STRIDE,
                              "reduce-scattered dweight needs a dense shard (weight strides %lld, %lld for %lld x %lld)",
                              (long long)lin->w_stride_hidden, (long long)lin->w_stride_vocab, (long long)lin->hidden,
                              (long long)lin->vocab);
             else if (elements >= INT_MAX)
-                st = fh_fail(ctx, FH_ERR_SIZE_OVERFLOW, "reduce-scattered dweight exceeds MPI's int counts");
+                st = fh_fail(ctx, FH_ERR_SIZE_OVERFLOW, "reduce-scattered dweight exceeds the collectives' int counts");
             if (st == FH_OK)
-                fh_mpi_dweight_part(L, lin->hidden, &g->dw_first, &g->dw_count);
+                fh_parallel_dweight_part(L, lin->hidden, &g->dw_first, &g->dw_count);
             if (user->dweight_beta != 0.0f && st == FH_OK) {
                 g->dw_saved = allocate(ctx, g->dw_count, &st);
                 if (st == FH_OK) /* the part in storage order: the block starts at the pointer */
-                    memcpy(g->dw_saved, (const float *)user->dweight + g->dw_first, (size_t)g->dw_count * sizeof(float));
+                    memcpy(g->dw_saved, (const float *)user->dweight + g->dw_first,
+                           (size_t)g->dw_count * sizeof(float));
             }
         } else {
             if (!g->dw_dense)
@@ -192,7 +193,7 @@ fh_status fhm_grads_begin(const fh_mpi_layout *L, fh_context *ctx, const fh_line
             }
         }
     }
-    if (user->dbias && g->dw_mode != FH_MPI_NO_REDUCTION) {
+    if (user->dbias && g->dw_mode != FH_PARALLEL_NO_REDUCTION) {
         g->engine.dbias_beta = 0.0f;
         if (user->dbias_beta != 0.0f) {
             g->db_saved = allocate(ctx, lin->vocab, &st);
@@ -201,7 +202,7 @@ fh_status fhm_grads_begin(const fh_mpi_layout *L, fh_context *ctx, const fh_line
         }
     }
     if (st != FH_OK)
-        fhm_grads_free(g);
+        fhp_grads_free(g);
     return st;
 }
 
@@ -213,86 +214,96 @@ static void write_rows(float *dst, int64_t stride, float beta, const float *src,
             dst[i * stride + k] = beta != 0.0f ? dst[i * stride + k] + src[i * cols + k] : src[i * cols + k];
 }
 
-static fh_status reduce_dx(fh_mpi_layout *L, fh_context *ctx, fhm_grads *g)
+/* The float sum of buffer[0..count) over the group, in place (nothing to do with one rank). */
+static int sum_floats(const fh_collectives *group, float *buffer, int64_t count)
+{
+    return group->size == 1 ? 0
+                            : group->allreduce(group->handle, buffer, count, FH_COLLECTIVE_FLOAT, FH_COLLECTIVE_SUM);
+}
+
+/* The reduce-scatter counts of total elements over the group's ranks (fhp_split's blocks of units of `unit`
+ * elements), or NULL (out of memory). */
+static int64_t *scatter_counts(const fh_collectives *group, int64_t units, int64_t unit)
+{
+    int64_t *counts = malloc(sizeof(int64_t) * (size_t)group->size);
+    for (int r = 0; counts && r < group->size; r++) {
+        int64_t first, size;
+        fhp_split(units, group->size, r, &first, &size);
+        counts[r] = size * unit;
+    }
+    return counts;
+}
+
+static fh_status reduce_dx(fh_parallel_layout *L, fh_context *ctx, fhp_grads *g)
 {
     const fh_linear_grads *u = &g->user;
     const int64_t h = g->hidden;
-    int err = MPI_SUCCESS;
-    if (g->dx_mode == FH_MPI_ALLREDUCE) {
-        err = fhm_allreduce_sum(g->engine.dx, g->n * h, MPI_FLOAT, L->vocab);
-        if (err == MPI_SUCCESS && g->engine.dx != u->dx)
+    int err = 0;
+    if (g->dx_mode == FH_PARALLEL_ALLREDUCE) {
+        err = sum_floats(&L->vocab, g->engine.dx, g->n * h);
+        if (err == 0 && g->engine.dx != u->dx)
             write_rows(u->dx, u->dx_row_stride, u->dx_beta, g->dx_tmp, g->n, h);
-    } else if (g->dx_mode == FH_MPI_REDUCE_SCATTER) {
-        int *counts = malloc(sizeof(int) * (size_t)L->vocab_ranks);
+    } else if (g->dx_mode == FH_PARALLEL_REDUCE_SCATTER) {
+        int64_t *counts = scatter_counts(&L->vocab, g->n, h);
         if (!counts)
             return fh_fail(ctx, FH_ERR_OUT_OF_MEMORY, "could not allocate reduce-scatter counts");
-        for (int r = 0; r < L->vocab_ranks; r++) {
-            int64_t first, rows;
-            fhm_split(g->n, L->vocab_ranks, r, &first, &rows);
-            counts[r] = (int)(rows * h);
-        }
         float *recv = g->dx_recv ? g->dx_recv : u->dx;
-        err = MPI_Reduce_scatter(g->dx_tmp, g->dx_rows > 0 ? recv : g->dx_tmp, counts, MPI_FLOAT, MPI_SUM, L->vocab);
+        err = fhp_reduce_scatter(&L->vocab, g->dx_tmp, g->dx_rows > 0 ? recv : g->dx_tmp, counts);
         free(counts);
-        if (err == MPI_SUCCESS && g->dx_recv)
+        if (err == 0 && g->dx_recv)
             write_rows(u->dx, u->dx_row_stride, u->dx_beta, g->dx_recv, g->dx_rows, h);
     }
-    return err == MPI_SUCCESS ? FH_OK : fhm_mpi_error(ctx, err, "dx reduction");
+    return err == 0 ? FH_OK : fhp_group_error(ctx, &L->vocab, err, "the dx reduction");
 }
 
-static fh_status reduce_dweight(fh_mpi_layout *L, fh_context *ctx, fhm_grads *g)
+static fh_status reduce_dweight(fh_parallel_layout *L, fh_context *ctx, fhp_grads *g)
 {
     const fh_linear_grads *u = &g->user;
     float *const dweight = u->dweight, *const dbias = u->dbias;
     const int64_t elements = g->hidden * g->vocab;
-    int err = MPI_SUCCESS;
-    if (dweight && g->dw_mode == FH_MPI_ALLREDUCE) {
+    int err = 0;
+    if (dweight && g->dw_mode == FH_PARALLEL_ALLREDUCE) {
         if (g->dw_dense) {
-            err = fhm_allreduce_sum(dweight, elements, MPI_FLOAT, L->data);
+            err = sum_floats(&L->data, dweight, elements);
         } else {
             pack_view(u, g, g->dw_pack);
-            err = fhm_allreduce_sum(g->dw_pack, elements, MPI_FLOAT, L->data);
-            for (int64_t k = 0; err == MPI_SUCCESS && k < g->hidden; k++)
+            err = sum_floats(&L->data, g->dw_pack, elements);
+            for (int64_t k = 0; err == 0 && k < g->hidden; k++)
                 for (int64_t j = 0; j < g->vocab; j++)
                     dweight[k * g->w_stride_hidden + j * g->w_stride_vocab] = g->dw_pack[k * g->vocab + j];
         }
-        if (err == MPI_SUCCESS && g->dw_saved)
+        if (err == 0 && g->dw_saved)
             for (int64_t k = 0; k < g->hidden; k++)
                 for (int64_t j = 0; j < g->vocab; j++)
                     dweight[k * g->w_stride_hidden + j * g->w_stride_vocab] += g->dw_saved[k * g->vocab + j];
-    } else if (dweight && g->dw_mode == FH_MPI_REDUCE_SCATTER) {
-        int *counts = malloc(sizeof(int) * (size_t)L->data_ranks);
+    } else if (dweight && g->dw_mode == FH_PARALLEL_REDUCE_SCATTER) {
+        int64_t *counts = scatter_counts(&L->data, elements, 1);
         if (!counts)
             return fh_fail(ctx, FH_ERR_OUT_OF_MEMORY, "could not allocate reduce-scatter counts");
-        for (int r = 0; r < L->data_ranks; r++) {
-            int64_t first, count;
-            fhm_split(elements, L->data_ranks, r, &first, &count);
-            counts[r] = (int)count;
-        }
         /* In place: the part arrives at the start of the block; move it to its own place. */
-        err = MPI_Reduce_scatter(MPI_IN_PLACE, dweight, counts, MPI_FLOAT, MPI_SUM, L->data);
+        err = fhp_reduce_scatter(&L->data, dweight, dweight, counts);
         free(counts);
-        if (err == MPI_SUCCESS && g->dw_first > 0)
+        if (err == 0 && g->dw_first > 0)
             memmove(dweight + g->dw_first, dweight, (size_t)g->dw_count * sizeof(float));
-        if (err == MPI_SUCCESS && g->dw_saved)
+        if (err == 0 && g->dw_saved)
             for (int64_t t = 0; t < g->dw_count; t++)
                 dweight[g->dw_first + t] += g->dw_saved[t];
     }
-    if (err == MPI_SUCCESS && dbias && g->dw_mode != FH_MPI_NO_REDUCTION) {
-        err = fhm_allreduce_sum(dbias, g->vocab, MPI_FLOAT, L->data);
-        if (err == MPI_SUCCESS && g->db_saved)
+    if (err == 0 && dbias && g->dw_mode != FH_PARALLEL_NO_REDUCTION) {
+        err = sum_floats(&L->data, dbias, g->vocab);
+        if (err == 0 && g->db_saved)
             for (int64_t j = 0; j < g->vocab; j++)
                 dbias[j] += g->db_saved[j];
     }
-    return err == MPI_SUCCESS ? FH_OK : fhm_mpi_error(ctx, err, "dweight reduction");
+    return err == 0 ? FH_OK : fhp_group_error(ctx, &L->data, err, "the dweight reduction");
 }
 
-fh_status fhm_grads_finish(fh_mpi_layout *L, fh_context *ctx, fhm_grads *g)
+fh_status fhp_grads_finish(fh_parallel_layout *L, fh_context *ctx, fhp_grads *g)
 {
     fh_status st = reduce_dx(L, ctx, g);
     const fh_status st2 = reduce_dweight(L, ctx, g);
     if (st == FH_OK && st2 == FH_OK)
         unstage_bf16(g);
-    fhm_grads_free(g);
+    fhp_grads_free(g);
     return st != FH_OK ? st : st2;
 }
