@@ -61,11 +61,11 @@ def test_heads_across_ranks_equal_the_single_process(ranks: int):
 
 @pytest.mark.parametrize("parallel", ["data", "vocab"])
 def test_example_trains_as_one_process(parallel: str):
-    """examples/mpi/train_lm_mpi4py.py, 5 steps on 2 ranks: each step's loss within 1e-5 relative of one process
+    """examples/distributed/train_lm_mpi4py.py, 5 steps on 2 ranks: each step's loss within 1e-5 relative of one process
     training the same model on the same batches (the heads' own bound is 1e-6 per call; five Adam steps on weights
     whose gradients differ in their last bits let the losses drift a little further: 20 steps measured 8e-8)."""
     pytest.importorskip("transformers", reason="the example builds a transformers model")
-    example = Path(__file__).parents[2] / "examples" / "mpi" / "train_lm_mpi4py.py"
+    example = Path(__file__).parents[2] / "examples" / "distributed" / "train_lm_mpi4py.py"
     run = _mpi_run(2, str(example), "--parallel", parallel, "--steps", "5")
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     worst = re.search(r"largest relative loss difference (\S+)", run.stdout)
