@@ -1,9 +1,9 @@
-"""fusedhead.mpi (mpi4py communicators, layouts from libfusedhead_mpi) under mpirun with 2 ranks: vocab-parallel and
-data-parallel, fp32 and bf16, cross-entropy, log-probs, GRPO and KTO against the single process
-(python/tests/parallel_ranks.py: what is compared and the bounds), a mismatch of options across ranks, one rank's bad
-argument (an error on every rank, not a hang: the run's timeout fails the test), and a head without a parallel entry
-point (python/tests/test_distributed.py: the same over torch.distributed). Skipped, saying why, without mpirun,
-mpi4py or libfusedhead_mpi."""
+"""fusedhead.mpi (mpi4py communicators, layouts from libfusedhead_mpi) under mpirun with 2 and 4 ranks: every grid
+those allow (vocab-parallel, data-parallel, 2 x 2), fp32 and bf16, cross-entropy, log-probs, GRPO and KTO against the
+single process (python/tests/parallel_ranks.py: what is compared and the bounds), a mismatch of options across ranks,
+one rank's bad argument (an error on every rank, not a hang: the run's timeout fails the test), and a head without a
+parallel entry point (python/tests/test_distributed.py: the same over torch.distributed). Skipped, saying why,
+without mpirun, mpi4py or libfusedhead_mpi."""
 from __future__ import annotations
 
 import os
@@ -47,10 +47,7 @@ def _mpi_run(ranks: int, *script: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)  # a run takes 10-30 s; a hang fails
 
 
-# 2 ranks: the layouts over mpi4py's communicators (every grid 2 ranks allow) under the Python front ends; 4 ranks and
-# the 2 x 2 grid run the same script over torch.distributed (test_distributed.py) and the C MPI suite (ctest mpi_np4)
-# over MPI: the heads are the same code whichever engine moves their bytes.
-@pytest.mark.parametrize("ranks", [2])
+@pytest.mark.parametrize("ranks", [2, 4])
 def test_heads_across_ranks_equal_the_single_process(ranks: int):
     run = _mpi_run(ranks, str(RANKS), "mpi")
     # mpirun forwards the ranks' output as it comes: their lines may run together
