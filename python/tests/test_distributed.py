@@ -7,7 +7,6 @@ training example under DDP, FSDP2 and vocab parallelism against one process. Ski
 torch.distributed's gloo."""
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -25,14 +24,14 @@ if int(torch.__version__.split(".")[0]) < 2:
                 allow_module_level=True)
 
 import fusedhead  # noqa: E402
+from conftest import subprocess_env  # noqa: E402
 
 RANKS = Path(__file__).with_name("parallel_ranks.py")
 EXAMPLE = Path(__file__).parents[2] / "examples" / "distributed" / "train_lm_torchrun.py"
 
 
 def _torchrun(ranks: int, *script: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", FUSEDHEAD_LIBRARY=fusedhead.library_path(),
-               PYTHONPATH=os.pathsep.join([str(Path(fusedhead.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    env = subprocess_env(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", FUSEDHEAD_LIBRARY=fusedhead.library_path())
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
                            *script], env=env, capture_output=True, text=True, timeout=300)  # 10-20 s; a hang fails
 

@@ -6,7 +6,6 @@ parallel entry point (python/tests/test_distributed.py: the same over torch.dist
 without mpirun, mpi4py or libfusedhead_mpi."""
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -19,6 +18,7 @@ pytest.importorskip("mpi4py", reason="mpi4py is not installed (python/requiremen
 torch = pytest.importorskip("torch")
 
 import fusedhead.mpi  # noqa: E402
+from conftest import subprocess_env  # noqa: E402
 
 RANKS = Path(__file__).with_name("parallel_ranks.py")
 
@@ -39,10 +39,10 @@ def _mpi_run(ranks: int, *script: str) -> subprocess.CompletedProcess:
     version = subprocess.run([mpirun, "--version"], capture_output=True, text=True).stdout
     # Open MPI: more ranks than cores needs --oversubscribe, and root needs the two variables (CI runs as root)
     flags = ["--oversubscribe"] if "Open MPI" in version or "OpenRTE" in version else []
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_btl_vader_single_copy_mechanism="none", HF_HUB_OFFLINE="1",
-               FUSEDHEAD_LIBRARY=fusedhead.library_path(), FUSEDHEAD_MPI_LIBRARY=fusedhead.mpi._mpi_library_path(),
-               PYTHONPATH=os.pathsep.join([str(Path(fusedhead.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    env = subprocess_env(OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                         OMPI_MCA_btl_vader_single_copy_mechanism="none", HF_HUB_OFFLINE="1",
+                         FUSEDHEAD_LIBRARY=fusedhead.library_path(),
+                         FUSEDHEAD_MPI_LIBRARY=fusedhead.mpi._mpi_library_path())
     return subprocess.run([mpirun, "-np", str(ranks), *flags, sys.executable, *script], env=env,
                           capture_output=True, text=True, timeout=300)  # a run takes 10-30 s; a hang fails
 
