@@ -429,6 +429,22 @@ FH_API fh_status fh_logprob_backward(fh_context *ctx, const fh_linear *lin, cons
                                      const float *g_logp, const float *g_entropy, const float *g_lse,
                                      fh_linear_grads *grads);
 
+/* The same pair keeping the logits between the calls: fh_logprob_forward_keep writes, besides the outputs, the rows'
+ * logits x W (before bias, scale, cap and temperature) into logits [N, V] (row-major fp32, N V 4 bytes of the
+ * caller's; 0 in the rows whose target is ignore_index), and fh_logprob_backward_kept reads them
+ * there instead of recomputing them: the backward makes two GEMMs of N H V instead of three, the pair 3 instead of 4
+ * (what a materialized step makes), for N V 4 bytes held from the forward to the backward, outside the memory
+ * budget (fusedhead.torch keeps them when they take at most half of it). Arguments and results otherwise as
+ * fh_logprob_forward and fh_logprob_backward; logits NULL is FH_ERR_NULL_POINTER, and the kept logits may overlap
+ * no other argument (FH_ERR_OVERLAPPING_BUFFERS). The backward's result is the recomputing one's up to the fp32
+ * rounding of logits computed on other tiles. */
+FH_API fh_status fh_logprob_forward_keep(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
+                                         const fh_logprob_options *options, fh_logprob_outputs *out, float *logits);
+FH_API fh_status fh_logprob_backward_kept(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
+                                          const fh_logprob_options *options, const float *logits, const float *lse,
+                                          const float *entropy, const float *g_logp, const float *g_entropy,
+                                          const float *g_lse, fh_linear_grads *grads);
+
 /* Forward and backward in one call, for callers who know the upstream gradients up front: row blocks (6 N H V
  * flops) as fh_ce_forward_backward, streaming when the budget cannot hold a block; the same results either way. */
 FH_API fh_status fh_logprob_forward_backward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,

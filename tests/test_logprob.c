@@ -4,6 +4,7 @@
  * fp32 and bf16 (bf16 gradients, fp32 dU); and the call contract. */
 #include "bf16.h"
 #include "logprob_case.h"
+#include "rng.h"
 #include "test_util.h"
 
 #include <math.h>
@@ -377,6 +378,19 @@ static void test_contract(void)
     TU_CHECK(fh_logprob_forward_backward(ctx, &lin, targets, &o, g, NULL, NULL, &out, &overlapping) ==
                  FH_ERR_OVERLAPPING_BUFFERS,
              "dx over g_logp");
+    float kept[N * V];
+    tu_fill_canary(out_logp, sizeof out_logp);
+    TU_CHECK(fh_logprob_forward_keep(ctx, &lin, targets, &o, &out, NULL) == FH_ERR_NULL_POINTER &&
+                 fh_logprob_backward_kept(ctx, &lin, targets, &o, NULL, lse, NULL, g, NULL, NULL, &grads) ==
+                     FH_ERR_NULL_POINTER,
+             "kept logits NULL");
+    fh_logprob_outputs over_kept = {kept + 3, NULL, NULL};
+    fh_linear_grads dx_over_kept = {.dx = kept + 5, .dx_row_stride = H};
+    TU_CHECK(fh_logprob_forward_keep(ctx, &lin, targets, &o, &over_kept, kept) == FH_ERR_OVERLAPPING_BUFFERS &&
+                 fh_logprob_backward_kept(ctx, &lin, targets, &o, kept, lse, NULL, g, NULL, NULL, &dx_over_kept) ==
+                     FH_ERR_OVERLAPPING_BUFFERS,
+             "an output over the kept logits");
+    TU_CHECK(fh_logprob_forward_keep(NULL, &lin, targets, &o, &out, kept) == FH_ERR_NULL_POINTER, "no context");
     size_t bytes = 0;
     TU_CHECK(fh_logprob_workspace_size(ctx, &lin, &bytes) == FH_OK && bytes > 0, "workspace size");
     /* No gradient asked for at all: the single call is the forward and writes zeros nowhere. */
@@ -388,6 +402,98 @@ static void test_contract(void)
     fh_context_destroy(ctx);
 }
 
+/* The pair that keeps the logits (fh_logprob_forward_keep, fh_logprob_backward_kept) against the reference, at the
+ * same tolerances as the recomputing pair: fp32 and bf16, both layouts, the entropy gradient, a temperature, softcap
+ * and scale, ignored rows compacted away (the default budget) and run as they are (a caller's workspace: nothing is
+ * compacted), edge tiles, and the streaming forward on small tiles. */
+static void test_kept_logits(void)
+{
+    for (int dtype = 0; dtype <= 1; dtype++)
+        for (int layout = 0; layout <= 1; layout++)
+            for (int variant = 0; variant < 3; variant++) {
+                logprob_case_spec s;
+                logprob_case_spec_default(&s);
+                s.keep_logits = 1;
+                s.dtype = (fh_dtype)dtype;
+                s.layout = (fh_layout)layout;
+                s.seed = 60 + (uint64_t)(dtype * 6 + layout * 3 + variant);
+                if (variant == 1) {
+                    s.options.temperature = 0.7;
+                    s.options.softcap = 5.0;
+                    s.options.logit_scale = 0.5;
+                    s.g_entropy = 0;
+                }
+                if (variant == 2) {
+                    s.tile_rows = 13;
+                    s.tile_vocab = 127;
+                    s.ignore_frac = 0.0;
+                }
+                check(&s, "kept logits");
+            }
+}
+
+/* What the forward keeps: x W of every counted row (fp32, to the GEMM's rounding: 1e-5 of the row's largest |x_k
+ * w_kj| sum, ~1.5e-6 seen), 0 in ignored rows, and the same rows whether or not the ignored ones were compacted
+ * away (a caller's workspace runs every row). */
+static void test_kept_logits_content(void)
+{
+    enum { N = 40, H = 24, V = 700 };
+    uint64_t rng = 5;
+    float *x = tu_alloc(N * H, sizeof(float)), *w = tu_alloc((size_t)V * H, sizeof(float));
+    for (size_t e = 0; e < N * H; e++)
+        x[e] = (float)(2.0 * ref_uniform(&rng) - 1.0);
+    for (size_t e = 0; e < (size_t)V * H; e++)
+        w[e] = (float)(2.0 * ref_uniform(&rng) - 1.0);
+    int64_t targets[N];
+    for (int i = 0; i < N; i++)
+        targets[i] = i % 4 == 1 ? -100 : (int64_t)(i * 37 % V);
+    fh_linear lin;
+    fh_linear_init(&lin, N, H, V, x, w, FH_LAYOUT_VH, NULL);
+    fh_logprob_options o;
+    fh_logprob_options_init(&o);
+    float logp[N], *kept[2];
+    fh_logprob_outputs out = {logp, NULL, NULL};
+    void *workspace = NULL;
+    for (int callers = 0; callers <= 1; callers++) {
+        fh_context *ctx = tu_context(2, 0, 0, 0);
+        size_t bytes = 0;
+        if (callers) {
+            TU_CHECK(fh_logprob_workspace_size(ctx, &lin, &bytes) == FH_OK, "workspace size");
+            workspace = tu_alloc(bytes, 1);
+            TU_CHECK(fh_context_set_workspace(ctx, workspace, bytes) == FH_OK, "caller's workspace");
+        }
+        kept[callers] = tu_alloc((size_t)N * V, sizeof(float));
+        for (size_t e = 0; e < (size_t)N * V; e++)
+            kept[callers][e] = NAN;
+        TU_CHECK(fh_logprob_forward_keep(ctx, &lin, targets, &o, &out, kept[callers]) == FH_OK, "forward_keep");
+        fh_context_destroy(ctx);
+        free(workspace);
+        double worst = 0.0;
+        int zeros = 1;
+        for (int i = 0; i < N; i++)
+            for (int j = 0; j < V; j++) {
+                double u = 0.0, scale = 0.0;
+                for (int k = 0; k < H; k++) {
+                    u += (double)x[i * H + k] * (double)w[(size_t)j * H + k];
+                    scale += fabs((double)x[i * H + k] * (double)w[(size_t)j * H + k]);
+                }
+                const float got = kept[callers][(size_t)i * V + j];
+                if (targets[i] == -100)
+                    zeros &= got == 0.0f;
+                else
+                    worst = fmax(worst, isfinite(got) ? fabs(got - u) / scale : INFINITY);
+            }
+        TU_CHECK(worst <= 1e-5 && zeros, "kept logits (%s): worst error %.2e of the row's scale, ignored rows 0: %d",
+                 callers ? "every row run" : "ignored rows compacted", worst, zeros);
+    }
+    TU_CHECK(memcmp(kept[0], kept[1], (size_t)N * V * sizeof(float)) == 0,
+             "kept logits: the same with and without compaction");
+    free(kept[0]);
+    free(kept[1]);
+    free(x);
+    free(w);
+}
+
 static const tu_test tests[] = {
     {"temperatures, entropy gradient, layouts, calls, fp32 and bf16", test_temperatures_gradients_layouts},
     {"softcap, logit_scale and ignored tokens", test_transforms_and_ignored},
@@ -395,6 +501,8 @@ static const tu_test tests[] = {
     {"counted rows: per-row results bit for bit", test_counted_rows_bit_for_bit},
     {"ignored rows at temperature 0.05, logits to +-160: finite gradients in every schedule",
      test_ignored_rows_cold_temperature},
+    {"kept logits: the pair that keeps them, against the reference", test_kept_logits},
+    {"kept logits: x W of counted rows, 0 in ignored ones, with and without compaction", test_kept_logits_content},
     {"call contract", test_contract},
 };
 const tu_suite suite_logprob = {tests, TU_COUNT(tests)};

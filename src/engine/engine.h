@@ -95,6 +95,12 @@ typedef struct fh_engine_pass {
     const fh_pair_kernels *pair;  /* or NULL; with a pair the plan is a pair plan (fh_plan_pair_*), stats, coefs
                                      and source are unused, the passes walk both heads' tiles, and
                                      fh_engine_forward runs every pass of the pair's kernels */
+    /* Kept logits (no pair): rows of lin->vocab floats, x W before bias and transform, row kept_rows[i] (NULL: i)
+     * for lin's row i. fh_engine_forward stores each tile's there (keep); fh_engine_backward reads its tiles from
+     * there (kept) instead of recomputing them, one GEMM of three fewer. */
+    float *keep;
+    const float *kept;
+    const int64_t *kept_rows;
 } fh_engine_pass;
 
 /* Every pass makes its GEMMs ready first (fh_gemm_prepare), so that it fails, if it does (FH_ERR_OUT_OF_MEMORY or

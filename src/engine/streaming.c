@@ -8,6 +8,7 @@
 #include "filter/filter.h"
 
 #include <math.h>
+#include <string.h>
 
 /* The f32 accumulators of a streaming pass rounded into bf16 gradients: dweight's tile (v0, vb) after its
  * last row tile, dx after the last vocabulary tile. */
@@ -92,6 +93,24 @@ static void fold_tile(const fh_pass *p, int pass, float *tile, int64_t i0, int64
     }
 }
 
+/* Where lin's row i is in kept logits (fh_engine_pass's keep and kept). */
+static float *kept_row(const fh_pass *p, const float *kept, int64_t i)
+{
+    const int64_t row = p->in.kept_rows ? p->in.kept_rows[i] : i;
+    return (float *)kept + (size_t)row * (size_t)p->in.lin->vocab;
+}
+
+/* A tile's rows i0 .. i0 + nb - 1, columns v0 .. v0 + vb - 1: into the kept logits (to_kept), or from them. */
+static void exchange_kept(const fh_pass *p, const float *kept, float *tile, int64_t i0, int64_t nb, int64_t v0,
+                          int64_t vb, int to_kept)
+{
+#pragma omp parallel for num_threads(p->in.plan->threads) schedule(static)
+    for (int64_t r = 0; r < nb; r++) {
+        float *const at = kept_row(p, kept, i0 + r) + v0;
+        memcpy(to_kept ? at : tile + r * vb, to_kept ? tile + r * vb : at, (size_t)vb * sizeof(float));
+    }
+}
+
 /* Before the first tile: every row's running statistics at their start (a pair's head sets its own). */
 static void begin_statistics(const fh_pass *p)
 {
@@ -147,6 +166,8 @@ static fh_status forward(const fh_pass *p)
                 const fh_status gemm = fh_pass_logits(p, 0, p->ws.tile, i0, nb, v0, vb);
                 if (gemm != FH_OK)
                     return gemm;
+                if (p->in.keep && pass == 0)
+                    exchange_kept(p, p->in.keep, p->ws.tile, i0, nb, v0, vb, 1);
                 fold_tile(p, pass, p->ws.tile, i0, nb, v0, vb);
             }
         }
@@ -186,7 +207,11 @@ static fh_status backward(const fh_pass *p)
         for (int64_t i0 = 0; i0 < n; i0 += p->in.plan->tile_rows) {
             const int64_t nb = min64(p->in.plan->tile_rows, n - i0);
             float *tile = p->ws.tile;
-            fh_status st = fh_pass_logits(p, 0, tile, i0, nb, v0, vb);
+            fh_status st = FH_OK;
+            if (p->in.kept)
+                exchange_kept(p, p->in.kept, tile, i0, nb, v0, vb, 0);
+            else
+                st = fh_pass_logits(p, 0, tile, i0, nb, v0, vb);
             if (st != FH_OK)
                 return st;
 #pragma omp parallel for num_threads(threads) schedule(static)

@@ -7,6 +7,7 @@
 #include "core/linear.h"
 
 #include <math.h>
+#include <string.h>
 
 FH_API fh_status fh_logprob_options_init(fh_logprob_options *options)
 {
@@ -101,7 +102,8 @@ fh_status fh_logprob_check_call(fh_context *ctx, const fh_linear *lin, const int
 
 fh_status fh_logprob_check_backward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
                                     const float *saved_lse, const float *saved_entropy, const fh_logprob_grads *g,
-                                    const fh_logprob_outputs *out, int gradients, const fh_linear_grads *grads)
+                                    const fh_logprob_outputs *out, int gradients, const fh_linear_grads *grads,
+                                    const float *keep, const float *kept)
 {
     const float *const arrays[3] = {g->logp, g->entropy, g->lse};
     static const char *const names[3] = {"g_logp", "g_entropy", "g_lse"};
@@ -116,16 +118,22 @@ fh_status fh_logprob_check_backward(fh_context *ctx, const fh_linear *lin, const
             return st;
     }
     const size_t n = (size_t)lin->n, floats = n * sizeof(float);
+    size_t logits_bytes = 0;
+    if ((keep || kept) && __builtin_mul_overflow(n * sizeof(float), (size_t)lin->vocab, &logits_bytes))
+        return fh_fail(ctx, FH_ERR_SIZE_OVERFLOW, "the kept logits, N x V = %lld x %lld floats, overflow a size",
+                       (long long)lin->n, (long long)lin->vocab);
     const fh_buffer inputs[] = {{"targets", targets, n * sizeof(int64_t)},
                                 {"the saved lse", saved_lse, floats},
                                 {"the saved entropy", saved_entropy, floats},
                                 {"g_logp", g->logp, floats},
                                 {"g_entropy", g->entropy, floats},
-                                {"g_lse", g->lse, floats}};
+                                {"g_lse", g->lse, floats},
+                                {"the kept logits", kept, logits_bytes}};
     const fh_buffer outputs[] = {{"logp", out ? out->logp : NULL, floats},
                                  {"entropy", out ? out->entropy : NULL, floats},
-                                 {"lse", out ? out->lse : NULL, floats}};
-    return fh_check_apart(ctx, lin, grads, outputs, 3, inputs, 6);
+                                 {"lse", out ? out->lse : NULL, floats},
+                                 {"the kept logits", keep, logits_bytes}};
+    return fh_check_apart(ctx, lin, grads, outputs, 4, inputs, 7);
 }
 
 void fh_logprob_coefficients(const fh_logprob_grads *g, fh_logprob_rows rows, int64_t i, fh_coef *k)
@@ -176,6 +184,9 @@ typedef struct logprob_call {
     fh_logprob_grads g;         /* backward, train step */
     fh_logprob_outputs out;     /* forward, train step */
     const fh_linear_grads *grads;
+    float *keep;                /* forward: the logits kept for a backward (fh_engine_pass's keep), or NULL */
+    const float *kept;          /* backward: the logits a forward kept, or NULL */
+    const int64_t *kept_rows;   /* the kept row of each of lin's rows (the counted rows'), or NULL: the same */
 } logprob_call;
 
 /* Streams the forward; leaves lse, sum_pz, logp and entropy (double) in the workspace. */
@@ -184,6 +195,8 @@ static fh_status forward_pass(const fh_plan *plan, const fh_workspace *ws, const
     const fh_token_stats stats = fh_logprob_stats_in(ws, entropy);
     fh_engine_pass pass = fh_logprob_pass(plan, ws, c->lin, c->targets, c->tf);
     pass.stats = &stats;
+    pass.keep = c->keep;
+    pass.kept_rows = c->kept_rows;
     const fh_status st = fh_engine_forward(&pass);
     if (st == FH_OK)
         fh_logprob_token_values(ws, c->targets, 0, c->lin->n, c->lin->vocab, entropy);
@@ -204,6 +217,8 @@ static fh_status run_backward(const void *self, const fh_plan *plan, const fh_wo
     const logprob_call *c = self;
     fh_engine_pass pass = fh_logprob_pass(plan, ws, c->lin, c->targets, c->tf);
     pass.grads = c->grads;
+    pass.kept = c->kept;
+    pass.kept_rows = c->kept_rows;
     const fh_status st = fh_engine_prepare(&pass);
     if (st != FH_OK)
         return st;
@@ -270,8 +285,9 @@ static fh_status run_on(fh_context *ctx, const void *self, const fh_counted_rows
 {
     (void)extra;
     const logprob_call *c = self;
-    const logprob_call counted = {c->kind, &rows->lin, targets, c->tf, {NULL, 0}, a[0], a[1], {a[2], a[3], a[4]},
-                                  {a[5], a[6], a[7]}, c->grads ? &rows->grads : NULL};
+    const logprob_call counted = {c->kind,          &rows->lin, targets, c->tf, {NULL, 0}, a[0], a[1],
+                                  {a[2], a[3], a[4]}, {a[5], a[6], a[7]}, c->grads ? &rows->grads : NULL,
+                                  c->keep,          c->kept,    rows->rows};
     return run(ctx, &counted);
 }
 
@@ -286,8 +302,9 @@ static fh_status run_counted(fh_context *ctx, const logprob_call *c)
     return fh_counted_rows_run(ctx, &call);
 }
 
-FH_API fh_status fh_logprob_forward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
-                                    const fh_logprob_options *options, fh_logprob_outputs *out)
+/* fh_logprob_forward and fh_logprob_forward_keep; keep (or NULL) gets the logits. */
+static fh_status logprob_forward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
+                                 const fh_logprob_options *options, fh_logprob_outputs *out, float *keep)
 {
     fh_transform tf;
     fh_status st = fh_logprob_check_call(ctx, lin, targets, options, 0, &tf);
@@ -295,11 +312,52 @@ FH_API fh_status fh_logprob_forward(fh_context *ctx, const fh_linear *lin, const
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
     const fh_logprob_grads none = {NULL, NULL, NULL};
     if (st == FH_OK)
-        st = fh_logprob_check_backward(ctx, lin, targets, NULL, NULL, &none, out, 0, NULL);
+        st = fh_logprob_check_backward(ctx, lin, targets, NULL, NULL, &none, out, 0, NULL, keep, NULL);
     if (st != FH_OK)
         return st;
-    const logprob_call c = {FH_CALL_FORWARD, lin, targets, tf, {targets, options->ignore_index}, NULL, NULL, none,
-                            *out, NULL};
+    const logprob_call c = {FH_CALL_FORWARD, lin,  targets, tf,   {targets, options->ignore_index}, NULL, NULL, none,
+                            *out,            NULL, keep,    NULL, NULL};
+    st = run_counted(ctx, &c);
+    /* Ignored rows kept as 0: a backward that runs on every row (it may compact the rows where this forward did not,
+     * or not where it did) reads finite logits there, whose gradient coefficients are 0. */
+    for (int64_t i = 0; st == FH_OK && keep && i < lin->n; i++)
+        if (targets[i] == options->ignore_index)
+            memset(keep + (size_t)i * (size_t)lin->vocab, 0, (size_t)lin->vocab * sizeof(float));
+    return st;
+}
+
+FH_API fh_status fh_logprob_forward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
+                                    const fh_logprob_options *options, fh_logprob_outputs *out)
+{
+    return logprob_forward(ctx, lin, targets, options, out, NULL);
+}
+
+FH_API fh_status fh_logprob_forward_keep(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
+                                         const fh_logprob_options *options, fh_logprob_outputs *out, float *logits)
+{
+    if (ctx && !logits)
+        return fh_fail(ctx, FH_ERR_NULL_POINTER, "logits is NULL");
+    return logprob_forward(ctx, lin, targets, options, out, logits);
+}
+
+/* fh_logprob_backward and fh_logprob_backward_kept; kept (or NULL) has the logits. */
+static fh_status logprob_backward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
+                                  const fh_logprob_options *options, const float *kept, const float *lse,
+                                  const float *entropy, const float *g_logp, const float *g_entropy,
+                                  const float *g_lse, fh_linear_grads *grads)
+{
+    fh_transform tf;
+    fh_status st = fh_logprob_check_call(ctx, lin, targets, options, 0, &tf);
+    if (st == FH_OK && (!lse || (g_entropy && !entropy)))
+        st = fh_fail(ctx, FH_ERR_NULL_POINTER, "%s is NULL", !lse ? "lse" : "entropy (g_entropy is given)");
+    const fh_logprob_grads g = {g_logp, g_entropy, g_lse};
+    if (st == FH_OK)
+        st = fh_logprob_check_backward(ctx, lin, targets, lse, entropy, &g, NULL, 1, grads, NULL, kept);
+    if (st != FH_OK)
+        return st;
+    const logprob_call c = {FH_CALL_BACKWARD, lin,  targets, tf,   {targets, options->ignore_index},
+                            lse,              g_entropy ? entropy : NULL, g, {NULL, NULL, NULL},
+                            grads,            NULL, kept,    NULL};
     return run_counted(ctx, &c);
 }
 
@@ -308,18 +366,17 @@ FH_API fh_status fh_logprob_backward(fh_context *ctx, const fh_linear *lin, cons
                                      const float *g_logp, const float *g_entropy, const float *g_lse,
                                      fh_linear_grads *grads)
 {
-    fh_transform tf;
-    fh_status st = fh_logprob_check_call(ctx, lin, targets, options, 0, &tf);
-    if (st == FH_OK && (!lse || (g_entropy && !entropy)))
-        st = fh_fail(ctx, FH_ERR_NULL_POINTER, "%s is NULL", !lse ? "lse" : "entropy (g_entropy is given)");
-    const fh_logprob_grads g = {g_logp, g_entropy, g_lse};
-    if (st == FH_OK)
-        st = fh_logprob_check_backward(ctx, lin, targets, lse, entropy, &g, NULL, 1, grads);
-    if (st != FH_OK)
-        return st;
-    const logprob_call c = {FH_CALL_BACKWARD, lin, targets, tf, {targets, options->ignore_index}, lse,
-                            g_entropy ? entropy : NULL, g, {NULL, NULL, NULL}, grads};
-    return run_counted(ctx, &c);
+    return logprob_backward(ctx, lin, targets, options, NULL, lse, entropy, g_logp, g_entropy, g_lse, grads);
+}
+
+FH_API fh_status fh_logprob_backward_kept(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
+                                          const fh_logprob_options *options, const float *logits, const float *lse,
+                                          const float *entropy, const float *g_logp, const float *g_entropy,
+                                          const float *g_lse, fh_linear_grads *grads)
+{
+    if (ctx && !logits)
+        return fh_fail(ctx, FH_ERR_NULL_POINTER, "logits is NULL");
+    return logprob_backward(ctx, lin, targets, options, logits, lse, entropy, g_logp, g_entropy, g_lse, grads);
 }
 
 FH_API fh_status fh_logprob_forward_backward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
@@ -333,10 +390,10 @@ FH_API fh_status fh_logprob_forward_backward(fh_context *ctx, const fh_linear *l
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
     const fh_logprob_grads g = {g_logp, g_entropy, g_lse};
     if (st == FH_OK)
-        st = fh_logprob_check_backward(ctx, lin, targets, NULL, NULL, &g, out, 1, grads);
+        st = fh_logprob_check_backward(ctx, lin, targets, NULL, NULL, &g, out, 1, grads, NULL, NULL);
     if (st != FH_OK)
         return st;
     const logprob_call c = {FH_CALL_TRAIN_STEP, lin, targets, tf, {targets, options->ignore_index}, NULL, NULL, g, *out,
-                            grads};
+                            grads, NULL, NULL, NULL};
     return run_counted(ctx, &c);
 }

@@ -59,11 +59,12 @@ typedef struct fh_logprob_grads {
 } fh_logprob_grads;
 
 /* The upstream gradients finite and, for a call with gradients, grads valid (NULL refused); then no output (out's
- * arrays, grads; either may be NULL) overlaps an input (targets, the saved lse and entropy, g's arrays, x, weight,
- * bias), another output or the caller's workspace. */
+ * arrays, grads, the logits to keep; any may be NULL) overlaps an input (targets, the saved lse and entropy, g's
+ * arrays, the kept logits, x, weight, bias), another output or the caller's workspace. */
 fh_status fh_logprob_check_backward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
                                     const float *saved_lse, const float *saved_entropy, const fh_logprob_grads *g,
-                                    const fh_logprob_outputs *out, int gradients, const fh_linear_grads *grads);
+                                    const fh_logprob_outputs *out, int gradients, const fh_linear_grads *grads,
+                                    const float *keep, const float *kept);
 
 /* Row i's engine coefficients from its upstream gradients (0 for an ignored row):
  * dZ_j = g_logp ([j = y] - p_j) - g_H p_j (z_j - sum_pz) + g_lse p_j: a = g_lse - g_logp, b = g_logp, e = -g_H. */

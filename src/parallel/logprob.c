@@ -83,7 +83,7 @@ FH_API fh_status fh_parallel_logprob_forward(fh_context *ctx, fh_parallel_layout
     if (st == FH_OK && !out)
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
     if (st == FH_OK)
-        st = fh_logprob_check_backward(ctx, lin, targets, NULL, NULL, &c.g, out, 0, NULL);
+        st = fh_logprob_check_backward(ctx, lin, targets, NULL, NULL, &c.g, out, 0, NULL, NULL, NULL);
     if (st == FH_OK)
         st = fh_prepare_pass(ctx, lin, FH_CALL_FORWARD, &plan, &ws);
     if (c.call.L)
@@ -113,7 +113,7 @@ static fh_status check_grads(logprob_call *c, const float *lse, const float *ent
     fh_linear_grads without_dx = grads ? *grads : (fh_linear_grads){0};
     without_dx.dx = NULL;
     fh_status st = fh_logprob_check_backward(call->ctx, call->lin, c->targets, lse, entropy, &c->g, out, 1,
-                                             grads ? &without_dx : NULL);
+                                             grads ? &without_dx : NULL, NULL, NULL);
     if (st == FH_OK)
         st = fhp_grads_begin(call->L, call->ctx, call->lin, grads, &call->g);
     return st;

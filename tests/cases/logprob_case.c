@@ -103,6 +103,16 @@ static fh_status run_fused(const logprob_case_spec *s, const logprob_case *in, f
     if (s->train_step) {
         st = fh_logprob_forward_backward(ctx, &lin, in->targets, &s->options, in->g[0], in->g[1], in->g[2], &out,
                                          &io.grads);
+    } else if (s->keep_logits) {
+        /* NaN everywhere first: the backward reads finite logits only if the forward wrote every row. */
+        float *kept = xcalloc(n * v, sizeof(float));
+        for (size_t e = 0; e < n * v; e++)
+            kept[e] = NAN;
+        st = fh_logprob_forward_keep(ctx, &lin, in->targets, &s->options, &out, kept);
+        if (st == FH_OK)
+            st = fh_logprob_backward_kept(ctx, &lin, in->targets, &s->options, kept, out.lse, out.entropy, in->g[0],
+                                          in->g[1], in->g[2], &io.grads);
+        free(kept);
     } else {
         st = fh_logprob_forward(ctx, &lin, in->targets, &s->options, &out);
         if (st == FH_OK)

@@ -13,6 +13,7 @@ typedef struct logprob_case_spec {
     fh_logprob_options options;
     int g_entropy, g_lse; /* give those upstream gradients (g_logp always) */
     int train_step;       /* 1: fh_logprob_forward_backward; 0: forward, then backward */
+    int keep_logits;      /* forward then backward through fh_logprob_forward_keep and fh_logprob_backward_kept */
     int threads;
     int64_t tile_rows, tile_vocab, budget;
     uint64_t seed;

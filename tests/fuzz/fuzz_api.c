@@ -604,10 +604,10 @@ static void fuzz_setup_call(setup_call call, reader *r)
 
 enum { IN_X, IN_W, IN_BIAS, IN_CW, IN_TARGETS, IN_GRAD, IN_LSE, IN_LOGP, IN_ENTROPY, IN_MASK, IN_ADV, IN_OLD, IN_REF,
        IN_SAMP, IN_TEACHER_X, IN_TEACHER_W, IN_TEACHER_BIAS, IN_LABELS, IN_KL, IN_KL_LOGRATIOS, IN_TOPK_IDS,
-       IN_TOPK_LOGPROBS, IN_COUNT };
+       IN_TOPK_LOGPROBS, IN_LOGITS, IN_COUNT };
 enum { OUT_LOSS, OUT_ZLOSS, OUT_METRICS, OUT_PTL, OUT_LOGP, OUT_LSE, OUT_ENTROPY, OUT_ARGMAX, OUT_DX, OUT_DW, OUT_DB,
        OUT_PREFERENCE_METRICS, OUT_SEQUENCE_LOGPS, OUT_REWARDS, OUT_SOFT_LOSS, OUT_HARD_LOSS, OUT_CORRECT,
-       OUT_KTO_METRICS, OUT_COUNT };
+       OUT_KTO_METRICS, OUT_LOGITS, OUT_COUNT };
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -633,10 +633,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     const int topk = call == CALL_fh_distill_topk_forward || call == CALL_fh_distill_topk_forward_backward ||
                      call == CALL_fh_distill_topk_workspace_size;
     const int logprob = call == CALL_fh_logprob_forward || call == CALL_fh_logprob_backward ||
+                        call == CALL_fh_logprob_forward_keep || call == CALL_fh_logprob_backward_kept ||
                         call == CALL_fh_logprob_forward_backward;
     const int query = call_is_query[call];
     const int has_grads = call == CALL_fh_ce_backward || call == CALL_fh_ce_forward_backward ||
                           call == CALL_fh_logprob_backward || call == CALL_fh_logprob_forward_backward ||
+                          call == CALL_fh_logprob_backward_kept ||
                           call == CALL_fh_grpo_backward || call == CALL_fh_grpo_forward_backward ||
                           call == CALL_fh_preference_forward_backward || call == CALL_fh_kto_forward_backward ||
                           call == CALL_fh_distill_forward_backward || call == CALL_fh_distill_topk_forward_backward;
@@ -867,6 +869,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         logp_in[i] = u8(&r) % 8 == 0 ? pick_float(&r) : -3.0f;
         entropy_in[i] = u8(&r) % 8 == 0 ? pick_float(&r) : 2.0f;
     }
+    /* The log-probs' kept logits (N x V): absent now and then (NULL refused). */
+    float *logits_in = u8(&r) % 16 ? alloc_exact(&in[IN_LOGITS], un * uv * sizeof(float)) : NULL;
+    for (size_t e = 0; logits_in && e < un * uv; e++)
+        logits_in[e] = (float)(u8(&r) % 16) - 8.0f;
 
     /* GRPO options and batch. */
     fh_grpo_options go;
@@ -1086,6 +1092,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     float *lse = (want & 32) ? alloc_exact(&out[OUT_LSE], un * sizeof(float)) : NULL;
     float *entropy = (want & 64) ? alloc_exact(&out[OUT_ENTROPY], un * sizeof(float)) : NULL;
     int64_t *argmax = (want & 128) ? alloc_exact(&out[OUT_ARGMAX], un * sizeof(int64_t)) : NULL;
+    float *logits = (want & 2) ? alloc_exact(&out[OUT_LOGITS], un * uv * sizeof(float)) : NULL;
     int64_t *correct = (want & 64) ? alloc_exact(&out[OUT_CORRECT], sizeof(int64_t)) : NULL;
     fh_preference_metrics *pref_metrics =
         (want & 4) ? alloc_exact(&out[OUT_PREFERENCE_METRICS], sizeof(fh_preference_metrics)) : NULL;
@@ -1184,6 +1191,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     case CALL_fh_logprob_backward:
         st = fh_logprob_backward(ctx, &lin, targets, &lo, lse_in, entropy_in, grad, grads_want & 1 ? grad : NULL,
                                  grads_want & 2 ? grad : NULL, null_struct ? NULL : &g);
+        break;
+    case CALL_fh_logprob_forward_keep:
+        st = fh_logprob_forward_keep(ctx, &lin, targets, &lo, null_struct ? NULL : &lp_out, logits);
+        break;
+    case CALL_fh_logprob_backward_kept:
+        st = fh_logprob_backward_kept(ctx, &lin, targets, &lo, logits_in, lse_in, entropy_in, grad,
+                                      grads_want & 1 ? grad : NULL, grads_want & 2 ? grad : NULL,
+                                      null_struct ? NULL : &g);
         break;
     case CALL_fh_logprob_forward_backward:
         st = fh_logprob_forward_backward(ctx, &lin, targets, &lo, grad, grads_want & 1 ? grad : NULL,
@@ -1288,7 +1303,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     static const char *in_names[IN_COUNT] = {"x", "weight", "bias", "class_weights", "targets", "grad_output", "lse",
                                              "logp", "entropy", "mask", "advantages", "old", "ref", "sampling",
                                              "teacher x", "teacher weight", "teacher bias", "labels", "kl",
-                                             "kl_logratios", "top-k ids", "top-k log-probs"};
+                                             "kl_logratios", "top-k ids", "top-k log-probs",
+                                             "kept logits"};
     for (int k = 0; k < IN_COUNT; k++)
         check_input(&in[k], in_names[k]);
 

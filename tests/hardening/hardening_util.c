@@ -27,7 +27,8 @@ const char *hu_call_name(hu_call call)
 int hu_call_on_sequences(hu_call call)
 {
     return call != HU_fh_ce_forward && call != HU_fh_ce_backward && call != HU_fh_ce_forward_backward &&
-           call != HU_fh_logprob_forward && call != HU_fh_logprob_backward && call != HU_fh_logprob_forward_backward;
+           call != HU_fh_logprob_forward && call != HU_fh_logprob_backward && call != HU_fh_logprob_forward_keep &&
+           call != HU_fh_logprob_backward_kept && call != HU_fh_logprob_forward_backward;
 }
 
 int hu_call_is_preference(hu_call call)
@@ -53,6 +54,7 @@ int hu_call_is_distill_topk(hu_call call)
 int hu_call_has_grads(hu_call call)
 {
     return call == HU_fh_ce_backward || call == HU_fh_ce_forward_backward || call == HU_fh_logprob_backward ||
+           call == HU_fh_logprob_backward_kept ||
            call == HU_fh_logprob_forward_backward || call == HU_fh_grpo_backward ||
            call == HU_fh_grpo_forward_backward || call == HU_fh_preference_forward_backward ||
            call == HU_fh_kto_forward_backward || call == HU_fh_distill_forward_backward ||
@@ -77,6 +79,7 @@ void hu_outputs_alloc(hu_outputs *o, int64_t n, int64_t hidden, int64_t vocab, i
     o->dx = tu_alloc(un * uh, sizeof(float));
     o->dweight = tu_alloc(uh * uv, sizeof(float));
     o->dbias = has_bias ? tu_alloc(uv, sizeof(float)) : NULL;
+    o->logits = tu_alloc(un * uv, sizeof(float));
 }
 
 void hu_outputs_free(hu_outputs *o)
@@ -91,6 +94,7 @@ void hu_outputs_free(hu_outputs *o)
     free(o->dx);
     free(o->dweight);
     free(o->dbias);
+    free(o->logits);
     memset(o, 0, sizeof *o);
 }
 
@@ -122,6 +126,7 @@ static size_t parts_of(const hu_outputs *o, part *p)
         {"dx", m->dx, n * h * sizeof(float)},
         {"dweight", m->dweight, h * v * sizeof(float)},
         {"dbias", m->dbias, m->dbias ? v * sizeof(float) : 0},
+        {"kept logits", m->logits, n * v * sizeof(float)},
     };
     memcpy(p, all, sizeof all);
     return TU_COUNT(all);
@@ -384,12 +389,15 @@ int64_t hu_distill_streaming_budget(const fh_linear *student, const fh_linear *t
 
 void hu_saved_from(hu_saved *s, const hu_outputs *forward, int64_t n)
 {
+    const size_t logits = (size_t)n * (size_t)forward->vocab;
     s->lse = tu_alloc((size_t)n, sizeof(float));
     s->logp = tu_alloc((size_t)n, sizeof(float));
     s->entropy = tu_alloc((size_t)n, sizeof(float));
+    s->logits = tu_alloc(logits, sizeof(float));
     memcpy(s->lse, forward->lse, (size_t)n * sizeof(float));
     memcpy(s->logp, forward->logp, (size_t)n * sizeof(float));
     memcpy(s->entropy, forward->entropy, (size_t)n * sizeof(float));
+    memcpy(s->logits, forward->logits, logits * sizeof(float));
 }
 
 void hu_saved_free(hu_saved *s)
@@ -397,6 +405,7 @@ void hu_saved_free(hu_saved *s)
     free(s->lse);
     free(s->logp);
     free(s->entropy);
+    free(s->logits);
     memset(s, 0, sizeof *s);
 }
 
@@ -417,6 +426,9 @@ static fh_status run_on_tokens(fh_context *ctx, hu_call call, const cp_problem *
     case HU_fh_logprob_forward: return fh_logprob_forward(ctx, &lin, p_ce->targets, &lo, &lout);
     case HU_fh_logprob_backward:
         return fh_logprob_backward(ctx, &lin, p_ce->targets, &lo, saved->lse, NULL, up, NULL, up, g);
+    case HU_fh_logprob_forward_keep: return fh_logprob_forward_keep(ctx, &lin, p_ce->targets, &lo, &lout, o->logits);
+    case HU_fh_logprob_backward_kept:
+        return fh_logprob_backward_kept(ctx, &lin, p_ce->targets, &lo, saved->logits, saved->lse, NULL, up, NULL, up, g);
     case HU_fh_logprob_forward_backward:
         return fh_logprob_forward_backward(ctx, &lin, p_ce->targets, &lo, up, up, up, &lout, g);
     case HU_fh_ce_forward: return fh_ce_forward(ctx, &lin, p_ce->targets, &p_ce->options, &out);
@@ -507,6 +519,8 @@ fh_status hu_run(fh_context *ctx, hu_call call, const cp_problem *p_ce, const hu
     case HU_fh_ce_forward_backward:
     case HU_fh_logprob_forward:
     case HU_fh_logprob_backward:
+    case HU_fh_logprob_forward_keep:
+    case HU_fh_logprob_backward_kept:
     case HU_fh_logprob_forward_backward: return run_on_tokens(ctx, call, p_ce, saved, o, &g);
     case HU_fh_grpo_forward:
     case HU_fh_grpo_backward:

@@ -53,6 +53,7 @@ typedef struct hu_outputs {
     float *sequence_logps, *rewards; /* n each (a preference batch has 2B <= n sequences, a KTO batch B <= n) */
     int64_t *argmax;
     float *dx, *dweight, *dbias;
+    float *logits; /* [n, vocab]: the log-probs' kept logits */
 } hu_outputs;
 
 void hu_outputs_alloc(hu_outputs *o, int64_t n, int64_t hidden, int64_t vocab, int has_bias);
@@ -134,9 +135,10 @@ void hu_topk_teacher(const hu_grpo_problem *p, fh_topk_teacher *teacher);
  * up to 2^30 suffices. */
 int64_t hu_distill_streaming_budget(const fh_linear *student, const fh_linear *teacher, int threads);
 
-/* Saved forward state that the backward calls read (lse, logp, entropy): from a successful forward. */
+/* Saved forward state that the backward calls read (lse, logp, entropy, the kept logits): from a successful forward
+ * (its logits output, [n, vocab], as written or as allocated). */
 typedef struct hu_saved {
-    float *lse, *logp, *entropy;
+    float *lse, *logp, *entropy, *logits;
 } hu_saved;
 void hu_saved_from(hu_saved *s, const hu_outputs *forward, int64_t n);
 void hu_saved_free(hu_saved *s);

@@ -81,7 +81,7 @@ typedef struct guard_case {
 
 enum { G_X, G_W, G_B, G_CW, G_T, G_GRAD, G_LSE, G_LOGP, G_ENT, G_MASK, G_ADV, G_OLD, G_REF, G_SAMP,
        G_PTL, G_OLOGP, G_OLSE, G_OENT, G_ARGMAX, G_DX, G_DW, G_DB, G_SEQ_LOGPS, G_REWARDS, G_TX, G_TW, G_TB,
-       G_LABELS, G_REF_SEQ, G_KL, G_KL_RATIOS, G_TOPK_IDS, G_TOPK_LOGPROBS, G_COUNT };
+       G_LABELS, G_REF_SEQ, G_KL, G_KL_RATIOS, G_TOPK_IDS, G_TOPK_LOGPROBS, G_LOGITS, G_COUNT };
 
 static float *fill(float *p, size_t count, uint64_t *rng, double scale, double offset)
 {
@@ -151,6 +151,8 @@ static int guarded_call(void *arg)
     float *kl_ratios = fill(guard_alloc(&g[G_KL_RATIOS], (size_t)kto_batch * 4, c->tail), (size_t)kto_batch, &rng, 0.5, 0.1);
     int64_t *topk_ids = guard_alloc(&g[G_TOPK_IDS], un * HU_TOPK_K * 8, c->tail);
     float *topk_logprobs = guard_alloc(&g[G_TOPK_LOGPROBS], un * HU_TOPK_K * 4, c->tail);
+    /* The log-probs' kept logits: written by the forward that keeps them, read by the backward from them. */
+    float *logits = fill(guard_alloc(&g[G_LOGITS], un * uv * 4, c->tail), un * uv, &rng, 2.0, 0.0);
     for (int k = 0; k < G_COUNT; k++)
         if (!g[k].p)
             return 2;
@@ -263,6 +265,10 @@ static int guarded_call(void *arg)
     case HU_fh_ce_forward_backward: st = fh_ce_forward_backward(ctx, &lin, t, &o, grad, &ce_out, &grads); break;
     case HU_fh_logprob_forward: st = fh_logprob_forward(ctx, &lin, t, &lo, &logprob_out); break;
     case HU_fh_logprob_backward: st = fh_logprob_backward(ctx, &lin, t, &lo, lse, ent, grad, grad, grad, &grads); break;
+    case HU_fh_logprob_forward_keep: st = fh_logprob_forward_keep(ctx, &lin, t, &lo, &logprob_out, logits); break;
+    case HU_fh_logprob_backward_kept:
+        st = fh_logprob_backward_kept(ctx, &lin, t, &lo, logits, lse, ent, grad, grad, grad, &grads);
+        break;
     case HU_fh_logprob_forward_backward:
         st = fh_logprob_forward_backward(ctx, &lin, t, &lo, grad, grad, grad, &logprob_out, &grads);
         break;

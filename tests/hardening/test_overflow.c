@@ -29,7 +29,7 @@ enum { TINY = 64 };
 
 /* Tiny inputs and outputs shared by the children (each child has its own copy). */
 static float tiny_x[TINY], tiny_w[TINY], tiny_b[TINY], tiny_mask[TINY], tiny_adv[TINY], tiny_logps[TINY];
-static float tiny_grad[TINY], tiny_lse[TINY];
+static float tiny_grad[TINY], tiny_lse[TINY], tiny_logits[TINY];
 static int64_t tiny_targets[TINY];
 static uint8_t tiny_labels[TINY];
 
@@ -169,6 +169,11 @@ static int child(void *arg)
     case HU_fh_logprob_backward:
         st = fh_logprob_backward(ctx, &lin, tiny_targets, &lo, tiny_lse, NULL, tiny_grad, NULL, tiny_grad, &g);
         break;
+    case HU_fh_logprob_forward_keep: st = fh_logprob_forward_keep(ctx, &lin, tiny_targets, &lo, &lp_out, o.logits); break;
+    case HU_fh_logprob_backward_kept:
+        st = fh_logprob_backward_kept(ctx, &lin, tiny_targets, &lo, tiny_logits, tiny_lse, NULL, tiny_grad, NULL,
+                                      tiny_grad, &g);
+        break;
     case HU_fh_logprob_forward_backward:
         st = fh_logprob_forward_backward(ctx, &lin, tiny_targets, &lo, tiny_grad, tiny_grad, NULL, &lp_out, &g);
         break;
@@ -229,6 +234,7 @@ static void test_overflowing_shapes(void)
             for (int query = 0; query <= 1; query++) {
                 /* Workspace queries take no batch and no gradients; one query per kind of call. */
                 if (query && (grpo_only || c->grads_only || call == HU_fh_ce_backward || call == HU_fh_logprob_backward ||
+                              call == HU_fh_logprob_forward_keep || call == HU_fh_logprob_backward_kept ||
                               call == HU_fh_logprob_forward_backward || call == HU_fh_grpo_backward ||
                               call == HU_fh_grpo_forward_backward || call == HU_fh_preference_forward_backward ||
                               call == HU_fh_kto_forward_backward || call == HU_fh_distill_forward_backward ||
