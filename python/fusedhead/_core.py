@@ -204,6 +204,13 @@ class Context:
         (fusedhead.mpi.Context: its ranks' calls are collective)."""
         return contextlib.nullcontext()
 
+    def keeps_logits(self, n: int, vocab: int) -> bool:
+        """Whether a split log-prob call on this context keeps its N x V float32 logits from the forward to the backward
+        (fh_logprob_forward_keep: the backward then makes two GEMMs instead of three): when they take at most half of
+        the memory budget, which bounds the workspace a call allocates; they are held beside it, as outputs are."""
+        budget = self.memory_budget or _lib.DEFAULT_MEMORY_BUDGET
+        return _lib.has_symbol("fh_logprob_forward_keep") and 0 < n * vocab * 4 <= budget // 2
+
     @property
     def message(self) -> str:
         """fh_context_message: the last error's description ("" after a success)."""
@@ -633,15 +640,27 @@ class LogprobProblem:
         self.options = _lib.fh_logprob_options(int64("ignore_index", ignore_index), float(temperature),
                                                float(softcap or 0.0), 1.0 if logit_scale is None else float(logit_scale))
 
-    def forward(self, ctx: Context, *, logp=None, entropy=None, lse=None) -> None:
+    def forward(self, ctx: Context, *, logp=None, entropy=None, lse=None, logits: Optional[int] = None) -> None:
+        """fh_logprob_forward; with logits (the address of [N, V] float32), fh_logprob_forward_keep."""
         out = _lib.fh_logprob_outputs(_fp(logp), _fp(entropy), _fp(lse))
-        ctx.call("fh_logprob_forward", ctypes.byref(self.head.c), self.targets, ctypes.byref(self.options),
-                 ctypes.byref(out))
+        if logits is None:
+            ctx.call("fh_logprob_forward", ctypes.byref(self.head.c), self.targets, ctypes.byref(self.options),
+                     ctypes.byref(out))
+        else:
+            ctx.call("fh_logprob_forward_keep", ctypes.byref(self.head.c), self.targets, ctypes.byref(self.options),
+                     ctypes.byref(out), _fp(logits))
 
     def backward(self, ctx: Context, lse: int, entropy: Optional[int], g_logp: Optional[int],
-                 g_entropy: Optional[int], g_lse: Optional[int], grads: _lib.fh_linear_grads) -> None:
-        ctx.call("fh_logprob_backward", ctypes.byref(self.head.c), self.targets, ctypes.byref(self.options),
-                 _fp(lse), _fp(entropy), _fp(g_logp), _fp(g_entropy), _fp(g_lse), ctypes.byref(grads))
+                 g_entropy: Optional[int], g_lse: Optional[int], grads: _lib.fh_linear_grads, *,
+                 logits: Optional[int] = None) -> None:
+        """fh_logprob_backward; with the logits a forward kept, fh_logprob_backward_kept."""
+        if logits is None:
+            ctx.call("fh_logprob_backward", ctypes.byref(self.head.c), self.targets, ctypes.byref(self.options),
+                     _fp(lse), _fp(entropy), _fp(g_logp), _fp(g_entropy), _fp(g_lse), ctypes.byref(grads))
+        else:
+            ctx.call("fh_logprob_backward_kept", ctypes.byref(self.head.c), self.targets, ctypes.byref(self.options),
+                     _fp(logits), _fp(lse), _fp(entropy), _fp(g_logp), _fp(g_entropy), _fp(g_lse),
+                     ctypes.byref(grads))
 
     def forward_backward(self, ctx: Context, g_logp: Optional[int], g_entropy: Optional[int], g_lse: Optional[int],
                          grads: _lib.fh_linear_grads, *, logp=None, entropy=None, lse=None) -> None:

@@ -164,6 +164,7 @@ class DPOSemantics(enum.IntEnum):  # fh_preference_dpo_semantics: which TRL DPOT
 
 PREFERENCE_MAX_LOSS_TYPES = 16
 DISTILL_TOPK_MAX_K = 1024  # FH_DISTILL_TOPK_MAX_K: the teacher's entries per token
+DEFAULT_MEMORY_BUDGET = 512 << 20  # FH_DEFAULT_MEMORY_BUDGET: a call's workspace cap when the context's is 0
 
 
 class KTOLossType(enum.IntEnum):
@@ -540,6 +541,10 @@ _OPTIONAL = {
                                  _P(fh_logprob_outputs)]),
     "fh_logprob_backward": (_st, [_ctx_p, _P(fh_linear), c_int64_p, _P(fh_logprob_options), c_float_p,
                                   c_float_p, c_float_p, c_float_p, c_float_p, _P(fh_linear_grads)]),
+    "fh_logprob_forward_keep": (_st, [_ctx_p, _P(fh_linear), c_int64_p, _P(fh_logprob_options),
+                                      _P(fh_logprob_outputs), c_float_p]),
+    "fh_logprob_backward_kept": (_st, [_ctx_p, _P(fh_linear), c_int64_p, _P(fh_logprob_options), c_float_p,
+                                       c_float_p, c_float_p, c_float_p, c_float_p, c_float_p, _P(fh_linear_grads)]),
     "fh_logprob_forward_backward": (_st, [_ctx_p, _P(fh_linear), c_int64_p, _P(fh_logprob_options), c_float_p,
                                           c_float_p, c_float_p, _P(fh_logprob_outputs), _P(fh_linear_grads)]),
     "fh_logprob_workspace_size": (_st, [_ctx_p, _P(fh_linear), _P(ctypes.c_size_t)]),

@@ -158,6 +158,10 @@ class Context(_core.Context):
             if status != 0:
                 check_status(status, "fh_parallel_" + function[len("fh_"):], self)
 
+    def keeps_logits(self, n: int, vocab: int) -> bool:
+        """Never: the parallel heads have no log-prob pair that keeps the logits (each backward recomputes them)."""
+        return False
+
     def vocab_shard(self, name: str, tensor: Any) -> Optional[Any]:
         """fusedhead.torch's question about a DTensor argument: its local shard when the layout takes it as this
         rank's vocabulary shard (Layout.vocab_shard), else None."""

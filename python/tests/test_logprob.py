@@ -8,6 +8,7 @@ GEMMs read dU rounded to bf16, so gradients get 1e-2 (docs/bf16.md: ~4e-3 normwi
 import pytest
 import torch
 
+from fusedhead import Context
 from fusedhead.torch import fused_linear_logprobs
 
 torch.manual_seed(0)
@@ -43,10 +44,18 @@ def rel(a, b):
     return float((a.double() - b).norm() / max(float(b.norm()), 1e-30))
 
 
+@pytest.fixture(params=["kept", "recomputed"])
+def logits_path(request, monkeypatch):
+    """Both backward paths: the logits kept from the forward (the default at these sizes) and recomputed."""
+    if request.param == "recomputed":
+        monkeypatch.setattr(Context, "keeps_logits", lambda self, n, vocab: False)
+    return request.param
+
+
 @pytest.mark.parametrize("temperature", [0.3, 1.0, 2.5])
 @pytest.mark.parametrize("with_entropy", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matches_float64_autograd(temperature, with_entropy, dtype):
+def test_matches_float64_autograd(temperature, with_entropy, dtype, logits_path):
     h, w, b, targets = inputs(dtype=dtype)
     adv = torch.randn(3, 1, dtype=torch.float64)
     coef = torch.randn(3, 11, dtype=torch.float64)
@@ -76,7 +85,7 @@ def test_matches_float64_autograd(temperature, with_entropy, dtype):
 
 
 @pytest.mark.parametrize("softcap, logit_scale", [(5.0, None), (None, 0.5), (5.0, 2.0)])
-def test_softcap_and_logit_scale(softcap, logit_scale):
+def test_softcap_and_logit_scale(softcap, logit_scale, logits_path):
     h, w, b, targets = inputs(bias=False)
     hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
     ref_logp, ref_entropy, _ = reference(hr, wr, None, targets, 0.8, softcap, logit_scale)
@@ -102,6 +111,43 @@ def test_only_logp_used_and_no_grad():
         logp = fused_linear_logprobs(hf, wf, targets)
     assert not logp.requires_grad
     assert float((logp.double() - reference(h, w, None, targets, 1.0, None, None)[0]).abs().max()) <= 1e-5
+
+
+def _calls_made(monkeypatch) -> list:
+    """The names of the library functions every Context calls from now on."""
+    made = []
+    original = Context.call
+
+    def spy(self, function, *args, **kwargs):
+        made.append(function)
+        return original(self, function, *args, **kwargs)
+
+    monkeypatch.setattr(Context, "call", spy)
+    return made
+
+
+def test_logits_kept_only_for_a_backward_within_half_the_budget(monkeypatch):
+    """The forward keeps the [N, V] logits for the backward (fh_logprob_forward_keep, fh_logprob_backward_kept) when
+    a gradient will be taken and they take at most half of the memory budget; under no_grad, or on a context whose
+    budget is smaller, the plain pair: the backward recomputes them. Each path's gradient matches the reference."""
+    h, w, b, targets = inputs(bias=False)  # N V 4 = 33 x 301 x 4 = 39732 bytes
+    hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+    reference(hr, wr, None, targets, 1.0, None, None)[0].sum().backward()
+    made = _calls_made(monkeypatch)
+    for budget, kept in ((None, True), (79464, True), (79463, False)):
+        made.clear()
+        context = Context(memory_budget=budget)
+        hf, wf = h.float().requires_grad_(), w.float().requires_grad_()
+        fused_linear_logprobs(hf, wf, targets, context=context).sum().backward()
+        assert rel(hf.grad, hr.grad) <= 1e-4 and rel(wf.grad, wr.grad) <= 1e-4
+        expected = ["fh_logprob_forward_keep", "fh_logprob_backward_kept"] if kept else \
+            ["fh_logprob_forward", "fh_logprob_backward"]
+        assert [f for f in made if f.startswith("fh_logprob")] == expected, (budget, made)
+        made.clear()
+        with torch.no_grad():
+            fused_linear_logprobs(hf, wf, targets, context=context)
+        assert [f for f in made if f.startswith("fh_logprob")] == ["fh_logprob_forward"]
+        context.close()
 
 
 def test_flat_inputs_and_layout_hv():

@@ -12,7 +12,7 @@ from ._tensors import INT64_HINT, TorchLinear, check_tensor, contiguous_vector, 
 
 _ARGS = (("Tensor", "hidden"), ("Tensor", "weight"), ("Tensor", "targets"), ("Tensor?", "bias"),
          ("int", "ignore_index"), ("float", "temperature"), ("float?", "softcap"), ("float?", "logit_scale"),
-         ("str", "layout"), ("bool", "want_entropy"))
+         ("str", "layout"), ("bool", "want_entropy"), ("bool", "keep_logits"))
 
 
 class _Logprobs:
@@ -31,29 +31,36 @@ class _Logprobs:
 
 
 def _forward(a: dict, context: Optional[Context]):
-    """(logp, entropy, lse), float32 of the targets' shape; the entropy is computed only when asked for (0 else)."""
+    """(logp, entropy, lse), float32 of the targets' shape (the entropy computed only when asked for, 0 else), and the
+    logits [N, V] float32 that the backward reads instead of recomputing them when keep_logits is asked for and the
+    context keeps them (Context.keeps_logits), else an empty tensor."""
     lp = _Logprobs(a)
+    ctx = context or default_context()
+    keep = a["keep_logits"] and ctx.keeps_logits(lp.lin.n, lp.lin.vocab)
     logp, entropy, lse = (torch.zeros(lp.lin.n, dtype=torch.float32) for _ in range(3))
+    logits = torch.empty((lp.lin.n, lp.lin.vocab) if keep else (0,), dtype=torch.float32)
     if lp.lin.computes:
-        lp.problem.forward(context or default_context(), logp=logp.data_ptr(),
-                           entropy=entropy.data_ptr() if a["want_entropy"] else None, lse=lse.data_ptr())
-    return tuple(t.view(lp.token_shape) for t in (logp, entropy, lse))
+        lp.problem.forward(ctx, logp=logp.data_ptr(), entropy=entropy.data_ptr() if a["want_entropy"] else None,
+                           lse=lse.data_ptr(), logits=logits.data_ptr() if keep else None)
+    return (*(t.view(lp.token_shape) for t in (logp, entropy, lse)), logits)
 
 
 def _backward(a: dict, saved, upstream, need, context: Optional[Context]):
-    """fh_logprob_backward with the upstream gradients of the outputs used (None: unused, the library's NULL)."""
+    """fh_logprob_backward (fh_logprob_backward_kept on the logits the forward kept) with the upstream gradients of
+    the outputs used (None: unused, the library's NULL)."""
     lp = _Logprobs(a)
-    entropy, lse = saved
+    entropy, lse, logits = saved
     dx, dw, db = lp.lin.alloc_grads(*need)
     if lp.lin.computes and any(need):
         g = [None if t is None else contiguous_vector(t.reshape(lp.lin.n).to(torch.float32)) for t in upstream]
         lp.problem.backward(context or default_context(), lse.data_ptr(),
                             entropy.data_ptr() if g[1] is not None else None,
-                            *(None if t is None else t.data_ptr() for t in g), lp.lin.grads_struct(dx, dw, db))
+                            *(None if t is None else t.data_ptr() for t in g), lp.lin.grads_struct(dx, dw, db),
+                            logits=logits.data_ptr() if logits.numel() else None)
     return dx, dw, db
 
 
-_LOGPROBS = SplitStep("logprobs", _ARGS, 3, differentiable=(0, 1, 2), saved=(1, 2), forward=_forward,
+_LOGPROBS = SplitStep("logprobs", _ARGS, 4, differentiable=(0, 1, 2), saved=(1, 2, 3), forward=_forward,
                       backward=_backward, entry="fh_logprob")
 
 
@@ -75,10 +82,17 @@ def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: t
         loss.backward()
 
     A non-finite upstream gradient raises InvalidGradOutputError (the library refuses it) instead of propagating.
+    When a gradient will be taken and the [N, V] float32 logits take at most half of the context's memory budget
+    (512 MiB by default), they are kept from the forward to the backward, which then reads them instead of
+    recomputing them (three GEMMs of N H V for the pair instead of four); a smaller memory_budget recomputes.
     """
-    logp, entropy, lse = _LOGPROBS(context, hidden=hidden, weight=weight, targets=targets, bias=bias,
-                                   ignore_index=ignore_index, temperature=temperature, softcap=softcap,
-                                   logit_scale=logit_scale, layout=layout, want_entropy=return_entropy)
+    # Keep the logits for the backward only when there will be one.
+    keep = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                           for t in (hidden, weight, bias))
+    logp, entropy, lse, _ = _LOGPROBS(context, hidden=hidden, weight=weight, targets=targets, bias=bias,
+                                      ignore_index=ignore_index, temperature=temperature, softcap=softcap,
+                                      logit_scale=logit_scale, layout=layout, want_entropy=return_entropy,
+                                      keep_logits=keep)
     if not (return_entropy or return_lse):
         return logp
     return (logp, entropy, lse) if return_entropy and return_lse else (logp, entropy) if return_entropy else (logp, lse)
