@@ -60,6 +60,7 @@ typedef struct shape {
     fh_dtype dtype; /* of x and weight (the ceiling's and the materialized baseline's GEMMs follow it) */
     fh_dtype grad_dtype; /* of the fused cases' dx and dweight: x's unless --grad-dtype says */
     int fp32_du;         /* FH_PARAM_FP32_DU */
+    int batch_invariant; /* FH_PARAM_BATCH_INVARIANT */
     head_kind head;      /* --loss: ce, grpo (n = batch * seq tokens, TRL defaults, on-policy) or a preference loss
                             (n = 2 batch seq: batch pairs, TRL defaults, reference-free) */
     fh_preference_loss preference;
@@ -548,6 +549,7 @@ static result measure_in_child(bench_case c, const shape *s)
     fh_context_set(ctx, FH_PARAM_THREADS, s->threads);
     fh_context_set(ctx, FH_PARAM_MEMORY_BUDGET, s->budget);
     fh_context_set(ctx, FH_PARAM_FP32_DU, s->fp32_du);
+    fh_context_set(ctx, FH_PARAM_BATCH_INVARIANT, s->batch_invariant);
     if (fh_context_set(ctx, FH_PARAM_TILE_ROWS, s->tile_rows) != FH_OK)
         return r;
     if (c == CASE_FILTERED && (fh_context_set_real(ctx, FH_PARAM_GRAD_FILTER_EPS, s->filter_eps) != FH_OK ||
@@ -849,12 +851,12 @@ static void print_report(format f, const shape *s, const result *res, const fh_k
     if (s->head == HEAD_GRPO)
         snprintf(distill, sizeof distill, ", grpo %s (top_entropy_quantile %g%s)", grpo_loss_names[s->grpo.loss_type],
                  s->grpo.top_entropy_quantile, s->grpo_trl_options ? ", sampler IS, off-policy mask, KL" : "");
-    fprintf(out, "fh_bench: N=%lld H=%lld V=%lld%s, %s (gradients %s%s), layout %s, %d threads, budget %s, BLIS kernel "
+    fprintf(out, "fh_bench: N=%lld H=%lld V=%lld%s, %s (gradients %s%s%s), layout %s, %d threads, budget %s, BLIS kernel "
                  "set %s, row kernels %s, fp32 GEMMs %s, bf16 GEMMs %s, best of %d; inputs %s%s%s (%s data): mean softmax entropy %.3f nats, p < "
                  "2^-12 %.4f, p < 2^-28 %.4f (%lld rows sampled)%s\n\n",
             (long long)s->n, (long long)s->hidden, (long long)s->vocab, distill, dtype_name(s->dtype),
             dtype_name(s->grad_dtype),
-            s->fp32_du ? ", fp32 dU" : "", layout_name(s->layout),
+            s->fp32_du ? ", fp32 dU" : "", s->batch_invariant ? ", batch-invariant" : "", layout_name(s->layout),
             s->threads, s->budget ? "set" : "default", kernels->kernel_set, kernels->elementwise, kernels->fp32_gemm,
             kernels->bf16_gemm,
             s->reps,
@@ -1012,7 +1014,7 @@ static int parse_number(const char *v, double lo, double hi, double *x)
 static void usage(void)
 {
     fprintf(stderr, "usage: fh_bench [--n N] [--hidden H] [--vocab V] [--threads T] [--budget BYTES] [--reps K]\n"
-                    "                [--layout hv|vh] [--dtype f32|bf16] [--grad-dtype f32|bf16] [--fp32-du]\n"
+                    "                [--layout hv|vh] [--dtype f32|bf16] [--grad-dtype f32|bf16] [--fp32-du] [--batch-invariant]\n"
                     "                [--json | --csv] [--sweep n|vocab --out DIR] [--grad-filter-eps EPS]\n"
                     "                [--grad-filter-tail estimate|drop] [--tile-rows R]\n"
                     "                [--ignore-frac F [--ignore-pattern runs|scattered]]   (CE: F of the rows ignored,\n"
@@ -1053,6 +1055,8 @@ int main(int argc, char **argv)
             f = FORMAT_JSON;
         else if (strcmp(a, "--fp32-du") == 0)
             s.fp32_du = 1;
+        else if (strcmp(a, "--batch-invariant") == 0)
+            s.batch_invariant = 1;
         else if (strcmp(a, "--csv") == 0)
             f = FORMAT_CSV;
         else if (strcmp(a, "--grpo-trl-options") == 0)

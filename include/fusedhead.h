@@ -133,8 +133,13 @@ typedef enum fh_param {
                                    spin: on 2 cores 3 threads ran 4x slower, 16 threads 28x); 0 (default): clamp */
     FH_PARAM_GRAD_FILTER_TAIL = 7, /* an fh_filter_tail: what gradient filtering does with the terms it skips;
                                       0 = FH_FILTER_TAIL_ESTIMATE (default) */
-    FH_PARAM_GRAD_FILTER_EPS = 8   /* real-valued (fh_context_set_real): gradient filtering's threshold, in [0, 1);
+    FH_PARAM_GRAD_FILTER_EPS = 8,  /* real-valued (fh_context_set_real): gradient filtering's threshold, in [0, 1);
                                       0 (default) = off */
+    FH_PARAM_BATCH_INVARIANT = 9   /* 1: every per-row result (a token's loss, log-prob, entropy, lse, its dx row) is
+                                      bit for bit the same whatever the other rows of the call and however many
+                                      there are: tiles and schedules independent of N (docs/correctness.md, "Batch
+                                      invariance"); a budget that cannot hold them at any N is
+                                      FH_ERR_BUDGET_TOO_SMALL. 0 (default): chosen per N for speed */
 } fh_param;
 
 FH_API fh_status fh_context_create(fh_context **ctx);

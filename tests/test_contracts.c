@@ -383,7 +383,8 @@ static void test_workspace_size_with_grads(void)
 static void test_params(void)
 {
     const fh_param params[] = {FH_PARAM_THREADS, FH_PARAM_TILE_ROWS, FH_PARAM_TILE_VOCAB, FH_PARAM_MEMORY_BUDGET,
-                               FH_PARAM_CHECK_FINITE, FH_PARAM_FP32_DU, FH_PARAM_OVERSUBSCRIBE, FH_PARAM_GRAD_FILTER_TAIL};
+                               FH_PARAM_CHECK_FINITE, FH_PARAM_FP32_DU, FH_PARAM_OVERSUBSCRIBE, FH_PARAM_GRAD_FILTER_TAIL,
+                               FH_PARAM_BATCH_INVARIANT};
     fh_context *ctx = NULL;
     TU_CHECK(fh_context_create(&ctx) == FH_OK, "create");
     for (size_t k = 0; k < TU_COUNT(params); k++) {
@@ -412,7 +413,7 @@ static void test_params(void)
         TU_CHECK(fh_context_set(ctx, params[k], lo) == FH_OK, "param %d: set min", (int)params[k]);
         TU_CHECK(fh_context_set(ctx, params[k], 0) == FH_OK, "param %d: set 0", (int)params[k]);
     }
-    const fh_param unknown[] = {(fh_param)9, (fh_param)-1, (fh_param)1000};
+    const fh_param unknown[] = {(fh_param)(FH_PARAM_BATCH_INVARIANT + 1), (fh_param)-1, (fh_param)1000}; /* past the last */
     for (size_t k = 0; k < TU_COUNT(unknown); k++) {
         int64_t lo = 5, hi = 6, value = 7;
         TU_CHECK(fh_context_set(ctx, unknown[k], 0) == FH_ERR_INVALID_PARAM, "set unknown %d", (int)unknown[k]);

@@ -216,7 +216,7 @@ static void test_params(void)
              "the message says eps is real-valued and names fh_context_set_real");
     TU_CHECK(fh_context_get(ctx, eps_param, &ivalue) == FH_ERR_INVALID_PARAM && ivalue == 77, "fh_context_get on eps");
     TU_CHECK(fh_param_bounds(eps_param, &ilo, &ihi) == FH_ERR_INVALID_PARAM, "fh_param_bounds on eps");
-    const fh_param integers[] = {tail_param, FH_PARAM_THREADS, FH_PARAM_OVERSUBSCRIBE};
+    const fh_param integers[] = {tail_param, FH_PARAM_THREADS, FH_PARAM_OVERSUBSCRIBE, FH_PARAM_BATCH_INVARIANT};
     for (size_t k = 0; k < sizeof integers / sizeof integers[0]; k++) {
         TU_CHECK(fh_context_set_real(ctx, integers[k], 0.0) == FH_ERR_INVALID_PARAM, "set_real on %d",
                  (int)integers[k]);
@@ -227,7 +227,7 @@ static void test_params(void)
         TU_CHECK(fh_param_real_bounds(integers[k], &lo, &hi) == FH_ERR_INVALID_PARAM, "real bounds of %d",
                  (int)integers[k]);
     }
-    const fh_param unknown[] = {(fh_param)9, (fh_param)-1, (fh_param)1000};
+    const fh_param unknown[] = {(fh_param)(FH_PARAM_BATCH_INVARIANT + 1), (fh_param)-1, (fh_param)1000}; /* past the last */
     for (size_t k = 0; k < sizeof unknown / sizeof unknown[0]; k++)
         TU_CHECK(fh_context_set_real(ctx, unknown[k], 0.0) == FH_ERR_INVALID_PARAM &&
                      fh_context_get_real(ctx, unknown[k], &dvalue) == FH_ERR_INVALID_PARAM &&

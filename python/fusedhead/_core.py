@@ -113,7 +113,9 @@ class Context:
     softmax terms are below eps times their row's scale in every row of a block, as Cut Cross-Entropy does;
     `filter_stats()` tells what it skipped), grad_filter_tail ("estimate", the default: the skipped softmax terms
     are replaced by a rank-one estimate that keeps each row's skipped total; "drop": left out, as Cut
-    Cross-Entropy does).
+    Cross-Entropy does), batch_invariant (True: every per-token result, a token's loss, log-prob, entropy, its
+    hidden-state gradient, is bit for bit the same whatever batch it is computed in: tiles and GEMMs chosen
+    independently of the number of tokens, at some cost in speed; docs/correctness.md, "Batch invariance").
     Calls on one context are serialised by a lock (the library forbids concurrent calls on one context);
     use one context per thread for parallel calls. `default_context()` gives each thread its own.
     """
@@ -121,7 +123,8 @@ class Context:
     def __init__(self, *, threads: Optional[int] = None, tile_rows: Optional[int] = None,
                  tile_vocab: Optional[int] = None, memory_budget: Optional[int] = None,
                  check_finite: Optional[bool] = None, fp32_du: Optional[bool] = None,
-                 oversubscribe: Optional[bool] = None, grad_filter_eps: Optional[float] = None, grad_filter_tail: Optional[str] = None):
+                 oversubscribe: Optional[bool] = None, grad_filter_eps: Optional[float] = None,
+                 grad_filter_tail: Optional[str] = None, batch_invariant: Optional[bool] = None):
         self._lib = load_library()
         self._lock = threading.RLock()
         self._workspace = None
@@ -139,7 +142,8 @@ class Context:
         settings = dict(threads=threads, tile_rows=tile_rows, tile_vocab=tile_vocab, memory_budget=memory_budget,
                         check_finite=None if check_finite is None else int(bool(check_finite)),
                         fp32_du=None if fp32_du is None else int(bool(fp32_du)),
-                        oversubscribe=None if oversubscribe is None else int(bool(oversubscribe)))
+                        oversubscribe=None if oversubscribe is None else int(bool(oversubscribe)),
+                        batch_invariant=None if batch_invariant is None else int(bool(batch_invariant)))
         try:
             for name, value in settings.items():
                 if value is not None:
@@ -253,6 +257,8 @@ class Context:
     fp32_du = property(lambda self: bool(self.get(Param.FP32_DU)), lambda self, v: self.set(Param.FP32_DU, int(bool(v))))
     oversubscribe = property(lambda self: bool(self.get(Param.OVERSUBSCRIBE)),
                              lambda self, v: self.set(Param.OVERSUBSCRIBE, int(bool(v))))
+    batch_invariant = property(lambda self: bool(self.get(Param.BATCH_INVARIANT)),
+                               lambda self, v: self.set(Param.BATCH_INVARIANT, int(bool(v))))
 
     @property
     def threads_in_use(self) -> int:
@@ -328,7 +334,7 @@ def context_by_key(key: int) -> "Context":
     return ctx
 
 _SETTING_NAMES = ("threads", "tile_rows", "tile_vocab", "memory_budget", "check_finite", "fp32_du", "oversubscribe",
-                  "grad_filter_eps", "grad_filter_tail")
+                  "grad_filter_eps", "grad_filter_tail", "batch_invariant")
 _default_settings: dict = {}
 _default_generation = 0
 

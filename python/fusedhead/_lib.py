@@ -86,6 +86,7 @@ class Param(enum.IntEnum):
     OVERSUBSCRIBE = 6
     GRAD_FILTER_TAIL = 7  # a FilterTail
     GRAD_FILTER_EPS = 8  # real-valued: fh_context_set_real / fh_context_get_real / fh_param_real_bounds
+    BATCH_INVARIANT = 9
 
 
 class Layout(enum.IntEnum):

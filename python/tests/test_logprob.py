@@ -177,3 +177,37 @@ def test_numpy_forward_and_gradients():
                       g_lse=g[2].float().numpy())
     for got, want in ((r.dhidden, hr.grad), (r.dweight, wr.grad), (r.dbias, br.grad)):
         assert rel(torch.from_numpy(got), want) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_rows(dtype, monkeypatch):
+    """Context(batch_invariant=True): the same 100 tokens (with the same upstream gradients) inside batches of 100, 1000
+    and 4096, among other tokens, some ignored, get bit-for-bit the same log-probs, entropies and hidden-state
+    gradients, also where the batch's size switches the backward between the kept logits (100 and 1000 tokens: within
+    half of the 32 MiB budget) and recomputed ones (4096)."""
+    H, V, shared = 48, 3001, 100
+    gen = torch.Generator().manual_seed(3)
+    w = (torch.randn(V, H, generator=gen) * 0.3).to(dtype)
+    rows = torch.randn(shared, H, generator=gen).to(dtype)
+    row_targets = torch.randint(0, V, (shared,), generator=gen)
+    row_targets[::9] = -100
+    row_g = torch.randn(2, shared, generator=gen)
+    made = _calls_made(monkeypatch)
+    context = Context(batch_invariant=True, memory_budget=32 << 20)
+    results = []
+    for n, at in ((100, 0), (1000, 450), (4096, 2900)):
+        h = torch.randn(n, H, generator=gen).to(dtype)
+        targets = torch.randint(0, V, (n,), generator=gen)
+        targets[torch.rand(n, generator=gen) < 0.15] = -100
+        g = torch.randn(2, n, generator=gen)
+        piece = slice(at, at + shared)
+        h[piece], targets[piece], g[:, piece] = rows, row_targets, row_g
+        h.requires_grad_()
+        logp, entropy = fused_linear_logprobs(h, w, targets, temperature=0.9, return_entropy=True, context=context)
+        (logp * g[0] + entropy * g[1]).sum().backward()
+        results.append((logp[piece].detach(), entropy[piece].detach(), h.grad[piece]))
+    context.close()
+    assert "fh_logprob_backward_kept" in made and "fh_logprob_backward" in made
+    for n, result in zip((1000, 4096), results[1:]):
+        for name, got, first in zip(("logp", "entropy", "dx"), result, results[0]):
+            assert torch.equal(got, first), f"{name}: the 100 rows differ between batches of 100 and {n}"

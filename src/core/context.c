@@ -28,6 +28,7 @@ static const struct param_spec {
     [FH_PARAM_GRAD_FILTER_TAIL] = {"grad_filter_tail", 0, FH_FILTER_TAIL_ESTIMATE, FH_FILTER_TAIL_DROP, 0, 0},
     /* [0, 1) as inclusive bounds: the largest double below 1 is the max. */
     [FH_PARAM_GRAD_FILTER_EPS] = {"grad_filter_eps", 1, 0, 0, 0.0, 0x1.fffffffffffffp-1},
+    [FH_PARAM_BATCH_INVARIANT] = {"batch_invariant", 0, 0, 1, 0, 0},
 };
 
 /* NULL for an unknown parameter or one of the other kind. */

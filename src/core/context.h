@@ -6,7 +6,7 @@
 
 #define FH_MESSAGE_CAPACITY 256
 #define FH_WISDOM_CAPACITY 256
-#define FH_PARAM_COUNT 9
+#define FH_PARAM_COUNT 10
 
 struct fh_context {
     int64_t params[FH_PARAM_COUNT]; /* indexed by fh_param; 0 = default. The filter's two live in grad_filter_* */

@@ -9,9 +9,11 @@
 fh_status fh_pass_multiply(const fh_pass *p, int prepare, int64_t m, int64_t n, int64_t k,
                           const fh_gemm_input *a, const fh_gemm_input *b, int accumulate, const fh_gemm_output *c)
 {
+    const fh_gemm_order order = p->in.plan->gemm_order;
     if (prepare)
-        return fh_gemm_prepare(p->ws.gemm_cache, &p->ws.scratch, m, n, k, a, b, accumulate, c, p->in.plan->threads);
-    return fh_gemm(*p->ws.gemm_cache, &p->ws.scratch, m, n, k, a, b, accumulate, c, p->in.plan->threads);
+        return fh_gemm_prepare(p->ws.gemm_cache, &p->ws.scratch, order, m, n, k, a, b, accumulate, c,
+                               p->in.plan->threads);
+    return fh_gemm(*p->ws.gemm_cache, &p->ws.scratch, order, m, n, k, a, b, accumulate, c, p->in.plan->threads);
 }
 
 /* tile[nb x vb] = X[i0:i0+nb, :] W[:, v0:v0+vb] of lin (the pass's own, or its pair's companion); the transform

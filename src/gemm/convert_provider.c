@@ -15,7 +15,7 @@
 #include <string.h>
 
 #define MC_MAX 2048
-#define KC_MAX 2048
+#define KC_MAX FH_GEMM_K_PANEL
 #define NC_MAX 512
 /* Below this many multiply-adds a panel's product, and below this many elements a widening, runs on one thread:
  * a second one costs more to wake than it saves (thin tiles under small budgets make many tiny panels). */
@@ -111,27 +111,30 @@ static void sgemm_panels(int64_t m, int64_t n, int64_t k, const panel *a, const 
                   m * n * k < PARALLEL_MACS ? 1 : threads);
 }
 
-/* Panel extents that fit floats: the largest extent halved until A's, B's and (staged) C's panels fit. */
-static void choose_panels(int64_t m, int64_t n, int64_t k, int staged, int64_t floats, int64_t *mc, int64_t *nc,
-                          int64_t *kc)
+/* Panel extents that fit floats: the largest extent halved until A's, B's and (staged) C's panels fit; for
+ * FH_GEMM_ROW_INVARIANT the larger of mc and nc, never kc (at 1 x 1 they fit its scratch). */
+static void choose_panels(fh_gemm_order order, int64_t m, int64_t n, int64_t k, int staged, int64_t floats,
+                          int64_t *mc, int64_t *nc, int64_t *kc)
 {
+    const int fixed_k = order == FH_GEMM_ROW_INVARIANT;
     *mc = min64(m, MC_MAX);
     *nc = min64(n, NC_MAX);
     *kc = min64(k, KC_MAX);
     while (*mc * *kc + *kc * *nc + (staged ? *mc * *nc : 0) > floats) {
-        int64_t *largest = *mc >= *nc && *mc >= *kc ? mc : *nc >= *kc ? nc : kc;
+        int64_t *largest = *mc >= *nc && (fixed_k || *mc >= *kc) ? mc : fixed_k || *nc >= *kc ? nc : kc;
         *largest = (*largest + 1) / 2;
     }
 }
 
-fh_status fh_convert_gemm(const fh_gemm_scratch *scratch, int64_t m, int64_t n, int64_t k, const fh_gemm_input *a,
-                          const fh_gemm_input *b, int accumulate, const fh_gemm_output *c, int threads)
+fh_status fh_convert_gemm(const fh_gemm_scratch *scratch, fh_gemm_order order, int64_t m, int64_t n, int64_t k,
+                          const fh_gemm_input *a, const fh_gemm_input *b, int accumulate, const fh_gemm_output *c,
+                          int threads)
 {
-    if (!scratch || !scratch->data || scratch->floats < FH_GEMM_SCRATCH_MIN_FLOATS)
+    if (!scratch || !scratch->data || scratch->floats < fh_gemm_scratch_floats(0, order))
         return FH_ERR_GEMM_FAILED;
     const int staged = c->type == FH_ELEM_BF16;
     int64_t mc, nc, kc;
-    choose_panels(m, n, k, staged, scratch->floats, &mc, &nc, &kc);
+    choose_panels(order, m, n, k, staged, scratch->floats, &mc, &nc, &kc);
     float *const a_data = scratch->data, *const b_data = a_data + mc * kc, *const c_data = b_data + kc * nc;
     for (int64_t i0 = 0; i0 < m; i0 += mc) {
         const int64_t mb = min64(mc, m - i0);

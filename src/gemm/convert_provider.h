@@ -6,9 +6,10 @@
 #include "gemm.h"
 
 /* C (+)= A B for bf16 A and B (an f32 C is written by sgemm directly; a bf16 C goes through an f32 panel, its old
- * value added in f32 when accumulating, rounded once). FH_ERR_GEMM_FAILED when the scratch is below
- * FH_GEMM_SCRATCH_MIN_FLOATS. */
-fh_status fh_convert_gemm(const fh_gemm_scratch *scratch, int64_t m, int64_t n, int64_t k, const fh_gemm_input *a,
-                          const fh_gemm_input *b, int accumulate, const fh_gemm_output *c, int threads);
+ * value added in f32 when accumulating, rounded once), its panels as order asks (gemm.h). FH_ERR_GEMM_FAILED when
+ * the scratch is below fh_gemm_scratch_floats(0, order). */
+fh_status fh_convert_gemm(const fh_gemm_scratch *scratch, fh_gemm_order order, int64_t m, int64_t n, int64_t k,
+                          const fh_gemm_input *a, const fh_gemm_input *b, int accumulate, const fh_gemm_output *c,
+                          int threads);
 
 #endif

@@ -17,10 +17,12 @@
  * staged C), never more than the tile whose products they serve, never less than the minimum. */
 #define SCRATCH_FLOATS ((int64_t)6 << 20)
 
-int64_t fh_gemm_scratch_floats(int64_t tile_elements)
+int64_t fh_gemm_scratch_floats(int64_t tile_elements, fh_gemm_order order)
 {
     const int64_t floats = tile_elements < SCRATCH_FLOATS ? tile_elements : SCRATCH_FLOATS;
-    return floats > FH_GEMM_SCRATCH_MIN_FLOATS ? floats : FH_GEMM_SCRATCH_MIN_FLOATS;
+    const int64_t least =
+        order == FH_GEMM_ROW_INVARIANT ? FH_GEMM_INVARIANT_SCRATCH_MIN_FLOATS : FH_GEMM_SCRATCH_MIN_FLOATS;
+    return floats > least ? floats : least;
 }
 
 /* ---- The paths, chosen once ----
@@ -192,26 +194,29 @@ static int both(const fh_gemm_input *a, const fh_gemm_input *b, fh_elem_type typ
 /* Which provider multiplies these operands into c. */
 typedef enum provider { BLIS, CONVERT, ONEDNN, NONE } provider;
 
-static provider provider_of(const fh_gemm_input *a, const fh_gemm_input *b, const fh_gemm_output *c)
+static provider provider_of(fh_gemm_order order, const fh_gemm_input *a, const fh_gemm_input *b,
+                            const fh_gemm_output *c)
 {
+    const int fastest = order == FH_GEMM_FASTEST;
     if (both(a, b, FH_ELEM_F32))
-        return c->type != FH_ELEM_F32 || fh_gemm_fp32_refusal()    ? NONE
-               : fh_gemm_fp32_path() == FH_FP32_ONEDNN ? ONEDNN
-                                                       : BLIS;
+        return c->type != FH_ELEM_F32 || fh_gemm_fp32_refusal()               ? NONE
+               : fastest && fh_gemm_fp32_path() == FH_FP32_ONEDNN ? ONEDNN
+                                                                  : BLIS;
     if (!both(a, b, FH_ELEM_BF16) || fh_gemm_bf16_refusal())
         return NONE;
-    return fh_gemm_bf16_path() == FH_BF16_NATIVE ? ONEDNN : CONVERT;
+    return fastest && fh_gemm_bf16_path() == FH_BF16_NATIVE ? ONEDNN : CONVERT;
 }
 
-fh_status fh_gemm_prepare(fh_gemm_cache **cache, const fh_gemm_scratch *scratch, int64_t m, int64_t n, int64_t k,
-                          const fh_gemm_input *a, const fh_gemm_input *b, int accumulate, const fh_gemm_output *c,
-                          int threads)
+fh_status fh_gemm_prepare(fh_gemm_cache **cache, const fh_gemm_scratch *scratch, fh_gemm_order order, int64_t m,
+                          int64_t n, int64_t k, const fh_gemm_input *a, const fh_gemm_input *b, int accumulate,
+                          const fh_gemm_output *c, int threads)
 {
-    switch (provider_of(a, b, c)) {
+    switch (provider_of(order, a, b, c)) {
     case BLIS:
         return FH_OK;
     case CONVERT:
-        return scratch && scratch->data && scratch->floats >= FH_GEMM_SCRATCH_MIN_FLOATS ? FH_OK : FH_ERR_GEMM_FAILED;
+        return scratch && scratch->data && scratch->floats >= fh_gemm_scratch_floats(0, order) ? FH_OK
+                                                                                              : FH_ERR_GEMM_FAILED;
     case ONEDNN: {
 #ifdef FH_HAVE_ONEDNN
         const fh_status st = *cache ? FH_OK : fh_onednn_cache_create(cache);
@@ -227,17 +232,17 @@ fh_status fh_gemm_prepare(fh_gemm_cache **cache, const fh_gemm_scratch *scratch,
     return FH_ERR_INVALID_DTYPE;
 }
 
-fh_status fh_gemm(fh_gemm_cache *cache, const fh_gemm_scratch *scratch, int64_t m, int64_t n, int64_t k,
-                  const fh_gemm_input *a, const fh_gemm_input *b, int accumulate, const fh_gemm_output *c,
+fh_status fh_gemm(fh_gemm_cache *cache, const fh_gemm_scratch *scratch, fh_gemm_order order, int64_t m, int64_t n,
+                  int64_t k, const fh_gemm_input *a, const fh_gemm_input *b, int accumulate, const fh_gemm_output *c,
                   int threads)
 {
-    switch (provider_of(a, b, c)) {
+    switch (provider_of(order, a, b, c)) {
     case BLIS:
         fh_blis_sgemm(m, n, k, a->data, a->row_stride, a->col_stride, b->data, b->row_stride, b->col_stride,
                       accumulate ? 1.0f : 0.0f, c->data, c->row_stride, c->col_stride, threads);
         return FH_OK;
     case CONVERT:
-        return fh_convert_gemm(scratch, m, n, k, a, b, accumulate, c, threads);
+        return fh_convert_gemm(scratch, order, m, n, k, a, b, accumulate, c, threads);
     case ONEDNN:
 #ifdef FH_HAVE_ONEDNN
         return cache ? fh_onednn_gemm(cache, m, n, k, a, b, accumulate, c, threads) : FH_ERR_GEMM_FAILED;

@@ -30,17 +30,27 @@ typedef struct fh_gemm_output {
 /* What the providers keep between calls (oneDNN's primitives); owned by a context, created on first need. */
 typedef struct fh_gemm_cache fh_gemm_cache;
 
+/* How a product may be computed. FH_GEMM_ROW_INVARIANT: each element of C summed in an order that depends on k only,
+ * not on m or n (a row's products the same whatever rows share them): BLIS sgemm (its small-matrix path off), bf16
+ * on the convert path with a k panel of min(k, FH_GEMM_K_PANEL) whatever the scratch, m and n. oneDNN's matmul may
+ * split a product's k terms across threads by its shape (seen with its bf16 gemm:jit on 2 threads: a row's dx
+ * changed with the block's height), so it is not used then. */
+typedef enum fh_gemm_order { FH_GEMM_FASTEST, FH_GEMM_ROW_INVARIANT } fh_gemm_order;
+
 /* The convert path's f32 panels, in the caller's workspace (the plan counts them in the memory budget). A
- * plan with bf16 GEMMs on the convert path reserves fh_gemm_scratch_floats(its tile): as much as the logits tile,
- * up to the panels' full size (24 MiB), so that each operand element is widened once; at least 3 panels of 4 x 4,
- * so that a budget that holds a thin tile still holds them. */
+ * plan with bf16 GEMMs on the convert path reserves fh_gemm_scratch_floats(its tile, its order): as much as the
+ * logits tile, up to the panels' full size (24 MiB), so that each operand element is widened once; at least 3 panels
+ * of 4 x 4 (so that a budget that holds a thin tile still holds them), and for FH_GEMM_ROW_INVARIANT one row of A's
+ * and one column of B's full k panel and a staged C element (the panels' other sides shrink to fit, not k). */
 typedef struct fh_gemm_scratch {
     float *data;
     int64_t floats;
 } fh_gemm_scratch;
 
+#define FH_GEMM_K_PANEL 2048
 #define FH_GEMM_SCRATCH_MIN_FLOATS 48
-int64_t fh_gemm_scratch_floats(int64_t tile_elements);
+#define FH_GEMM_INVARIANT_SCRATCH_MIN_FLOATS (2 * FH_GEMM_K_PANEL + 1)
+int64_t fh_gemm_scratch_floats(int64_t tile_elements, fh_gemm_order order);
 
 /* How this process multiplies fp32: chosen once, by FH_FP32_GEMM=blis|onednn when set, else BLIS sgemm, which
  * oneDNN's f32 matmul does not beat on any CPU measured (gemm.c: the measurements). */
@@ -62,15 +72,15 @@ const char *fh_gemm_bf16_refusal(void);
  * pointers do not matter), creating *cache when a provider needs one; so that a pass can fail before it
  * writes any output. FH_ERR_OUT_OF_MEMORY, FH_ERR_GEMM_FAILED when the provider refuses them otherwise, or
  * FH_ERR_INVALID_DTYPE when no provider multiplies these types. */
-fh_status fh_gemm_prepare(fh_gemm_cache **cache, const fh_gemm_scratch *scratch, int64_t m, int64_t n, int64_t k,
-                          const fh_gemm_input *a, const fh_gemm_input *b, int accumulate, const fh_gemm_output *c,
-                          int threads);
+fh_status fh_gemm_prepare(fh_gemm_cache **cache, const fh_gemm_scratch *scratch, fh_gemm_order order, int64_t m,
+                          int64_t n, int64_t k, const fh_gemm_input *a, const fh_gemm_input *b, int accumulate,
+                          const fh_gemm_output *c, int threads);
 
 /* C = A B (accumulate 0: C is not read) or C += A B (accumulate 1), with A m x k, B k x n and C m x n,
  * on threads threads. After fh_gemm_prepare with the same arguments it fails only if the provider fails
  * inside (FH_ERR_OUT_OF_MEMORY, FH_ERR_GEMM_FAILED). */
-fh_status fh_gemm(fh_gemm_cache *cache, const fh_gemm_scratch *scratch, int64_t m, int64_t n, int64_t k,
-                  const fh_gemm_input *a, const fh_gemm_input *b, int accumulate, const fh_gemm_output *c,
+fh_status fh_gemm(fh_gemm_cache *cache, const fh_gemm_scratch *scratch, fh_gemm_order order, int64_t m, int64_t n,
+                  int64_t k, const fh_gemm_input *a, const fh_gemm_input *b, int accumulate, const fh_gemm_output *c,
                   int threads);
 
 void fh_gemm_cache_destroy(fh_gemm_cache *cache);

@@ -13,6 +13,14 @@
 #define DEFAULT_TILE_VOCAB_FORWARD 8192
 #define DEFAULT_TILE_VOCAB_BACKWARD 2048
 #define MIN_TILE_VOCAB 16
+/* Batch-invariant mode (FH_PARAM_BATCH_INVARIANT) looks wisdom up as for a call of this many rows, whatever the call's
+ * (and with the thread count of large calls): its tiles then depend on H, V, the call and the dtype only. */
+#define INVARIANT_WISDOM_ROWS 1024
+
+static int batch_invariant(const fh_context *ctx)
+{
+    return ctx->params[FH_PARAM_BATCH_INVARIANT] != 0;
+}
 
 static size_t align_up(size_t x)
 {
@@ -79,7 +87,8 @@ static void buffer_table(const fh_plan *plan, int64_t n, fh_buffer_size table[FH
 /* Places the buffer table's rows in the workspace; returns 0, or -1 if a size overflows. */
 static int place_buffers(fh_plan *plan, int64_t n)
 {
-    plan->scratch_floats = plan->convert_panels ? fh_gemm_scratch_floats(plan->tile_rows * plan->tile_vocab) : 0;
+    plan->scratch_floats =
+        plan->convert_panels ? fh_gemm_scratch_floats(plan->tile_rows * plan->tile_vocab, plan->gemm_order) : 0;
     fh_buffer_size table[FH_BUFFERS];
     buffer_table(plan, n, table);
     size_t at = 0;
@@ -124,7 +133,9 @@ static void set_schedule(const fh_context *ctx, const fh_linear *lin, int gradie
 {
     plan->companion = companion == COMPANION_F32 || companion == COMPANION_BF16;
     plan->bf16_gemms = lin->x_dtype == FH_DTYPE_BF16 || companion == COMPANION_BF16;
-    plan->convert_panels = plan->bf16_gemms && fh_gemm_bf16_path() == FH_BF16_CONVERT;
+    plan->gemm_order = batch_invariant(ctx) ? FH_GEMM_ROW_INVARIANT : FH_GEMM_FASTEST;
+    plan->convert_panels =
+        plan->bf16_gemms && (fh_gemm_bf16_path() == FH_BF16_CONVERT || plan->gemm_order == FH_GEMM_ROW_INVARIANT);
     const int bf16 = lin->x_dtype == FH_DTYPE_BF16 && gradients;
     plan->hidden = lin->hidden;
     plan->gradients = gradients;
@@ -146,7 +157,11 @@ static void set_schedule(const fh_context *ctx, const fh_linear *lin, int gradie
 static void preferred_tiles(const fh_context *ctx, const fh_linear *lin, int threads, fh_call call, int64_t *rows,
                             int64_t *cols)
 {
-    const fh_tile_config *w = fh_wisdom_lookup(ctx, threads, lin->n, lin->hidden, lin->vocab, call, lin->x_dtype);
+    int large_call_threads = threads;
+    const int invariant = batch_invariant(ctx) && fh_context_threads(ctx, &large_call_threads) == FH_OK;
+    const fh_tile_config *w = fh_wisdom_lookup(ctx, invariant ? large_call_threads : threads,
+                                               invariant ? INVARIANT_WISDOM_ROWS : lin->n, lin->hidden, lin->vocab,
+                                               call, lin->x_dtype);
     const int64_t rows_param = ctx->params[FH_PARAM_TILE_ROWS], cols_param = ctx->params[FH_PARAM_TILE_VOCAB];
     *rows = rows_param > 0 ? rows_param : w ? w->tile_rows : 0;
     *cols = cols_param > 0 ? cols_param : w ? w->tile_vocab : 0;
@@ -168,11 +183,17 @@ static fh_status plan_make(const fh_context *ctx, const fh_linear *lin, fh_call 
             return fh_fail(messages, FH_ERR_SIZE_OVERFLOW, "workspace size for n = %lld overflows", (long long)n);
         if ((int64_t)plan->bytes <= budget)
             return FH_OK;
-        /* Shrink the vocabulary side first: rows keep the GEMMs' reuse of the weight tile. */
-        if (plan->tile_vocab > MIN_TILE_VOCAB)
+        /* Shrink the vocabulary side first: rows keep the GEMMs' reuse of the weight tile. Batch-invariant mode
+         * keeps the vocabulary tile (a row's sums run over its tiles) and shrinks the rows only. */
+        if (plan->tile_vocab > MIN_TILE_VOCAB && !batch_invariant(ctx))
             plan->tile_vocab = plan->tile_vocab / 2 > MIN_TILE_VOCAB ? plan->tile_vocab / 2 : MIN_TILE_VOCAB;
         else if (plan->tile_rows > 1)
             plan->tile_rows /= 2;
+        else if (batch_invariant(ctx))
+            return fh_fail(messages, FH_ERR_BUDGET_TOO_SMALL,
+                           "memory budget of %lld bytes cannot hold %zu bytes (n = %lld, one row of the %lld-column "
+                           "vocabulary tile that batch-invariant mode keeps at every n)",
+                           (long long)budget, plan->bytes, (long long)n, (long long)plan->tile_vocab);
         else
             return fh_fail(messages, FH_ERR_BUDGET_TOO_SMALL,
                            "memory budget of %lld bytes cannot hold %zu bytes (n = %lld, smallest tile)",
@@ -316,8 +337,10 @@ static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, const fh
     const int64_t row_bytes = (plan->companion ? 2 : 1) * vocab * (int64_t)sizeof(float) + filter_row_bytes;
     const int64_t rows = min64(cap, 1 + (budget - (int64_t)plan->bytes) / row_bytes);
     /* Blocks thinner than MIN_ROW_BLOCK (a pair's PAIR_ROW_BLOCK) lose to streaming (the H x V dweight is re-read
-     * per block), unless the caller asked for them. */
-    const int64_t min_rows = rows_param > 0 ? 1 : min64(n, plan->companion ? PAIR_ROW_BLOCK : MIN_ROW_BLOCK);
+     * per block), unless the caller asked for them, or for batch invariance (row blocks at every n). */
+    const int64_t min_rows = rows_param > 0 || batch_invariant(ctx)
+                                 ? 1
+                                 : min64(n, plan->companion ? PAIR_ROW_BLOCK : MIN_ROW_BLOCK);
     if (rows < min_rows || balanced_blocks(plan, n, rows) != 0)
         return -1;
     while ((int64_t)plan->bytes > budget && plan->tile_rows > min_rows) {
@@ -330,12 +353,25 @@ static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, const fh
     return 0;
 }
 
+static fh_status invariant_blocks_too_big(const fh_context *ctx, const fh_linear *lin, fh_context *messages)
+{
+    return fh_fail(messages, FH_ERR_BUDGET_TOO_SMALL,
+                   "memory budget of %lld bytes cannot hold the train step's row blocks (n = %lld, V = %lld), which "
+                   "batch-invariant mode runs at every n (streaming would sum each row in another order)",
+                   (long long)fh_budget_bytes(ctx), (long long)lin->n, (long long)lin->vocab);
+}
+
 static fh_status plan_train_step(const fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
                                  int64_t group_rows, int companion, fh_plan *plan, int *row_blocks,
                                  fh_context *messages)
 {
     *row_blocks = make_row_blocks(ctx, lin, grads, group_rows, companion, plan) == 0;
-    return *row_blocks ? FH_OK : plan_make(ctx, lin, FH_CALL_BACKWARD, companion, plan, messages);
+    if (*row_blocks)
+        return FH_OK;
+    /* fp32 dU streams at every n; anything else streams only when no row block fits, which depends on n. */
+    if (batch_invariant(ctx) && !plan->fp32_du)
+        return invariant_blocks_too_big(ctx, lin, messages);
+    return plan_make(ctx, lin, FH_CALL_BACKWARD, companion, plan, messages);
 }
 
 fh_status fh_plan_train_step(const fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
@@ -385,6 +421,8 @@ fh_status fh_plan_train_step_groups(fh_context *ctx, const fh_linear *lin, const
     const int64_t groups = lin->n / group_rows, fit = plan->tile_rows / group_rows;
     if (fit < 1) { /* not one group per block: the streaming plan, as when no block fits (its buffers, none in dweight) */
         *row_blocks = 0;
+        if (batch_invariant(ctx))
+            return invariant_blocks_too_big(ctx, lin, ctx);
         return plan_make(ctx, lin, FH_CALL_BACKWARD, NO_COMPANION, plan, ctx);
     }
     const int64_t blocks = (groups + fit - 1) / fit;

@@ -65,6 +65,9 @@ typedef struct fh_plan {
      * bf16_gemms: lin's or a companion's are bf16. */
     int bf16_gemms, convert_panels;
     int64_t scratch_floats;
+    /* FH_GEMM_ROW_INVARIANT in batch-invariant mode (FH_PARAM_BATCH_INVARIANT), which then puts bf16 GEMMs on the
+     * convert path whatever fh_gemm_bf16_path says; else FH_GEMM_FASTEST. */
+    fh_gemm_order gemm_order;
     int companion;        /* a pair plan (fh_plan_pair_*): a second tile for the companion head's logits */
     unsigned char used[FH_BUFFERS]; /* the buffer table's rows that this plan uses */
     size_t offset[FH_BUFFERS];      /* and where they start */
