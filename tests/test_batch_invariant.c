@@ -21,9 +21,9 @@ static const int64_t first_row[BATCHES] = {0, 450, 2900}; /* where the 100 rows 
 typedef enum { SPLIT, KEPT, TRAIN_STEP, CALLS } call_kind;
 static const char *const call_names[CALLS] = {"forward then backward", "the pair keeping the logits", "train step"};
 
-/* One batch: x (fp32, and its bf16 bits), targets, upstream gradients. */
+/* One batch: x (fp32, and its bf16 bits), targets, upstream gradients; the 100 rows from row `at`. */
 typedef struct batch {
-    int64_t n;
+    int64_t n, at;
     float *x, *g_logp, *g_entropy;
     uint16_t *x_bf16;
     int64_t *targets;
@@ -35,11 +35,21 @@ typedef struct rows_out {
     float dx[ROWS * H];
 } rows_out;
 
+/* The bf16 bits of count floats (the floats left as they are, for the fp32 runs). */
+static uint16_t *bf16_bits(const float *f, size_t count)
+{
+    uint16_t *bits = tu_alloc(count, sizeof(uint16_t));
+    for (size_t e = 0; e < count; e++)
+        bits[e] = bf16_from_float(f[e]);
+    return bits;
+}
+
 /* Row i of a batch: one of the 100 shared rows at its place, else a row of its own (seeded by batch and row). */
 static void make_batch(int b, batch *out)
 {
     const int64_t n = batch_rows[b];
     out->n = n;
+    out->at = first_row[b];
     out->x = tu_alloc((size_t)(n * H), sizeof(float));
     out->g_logp = tu_alloc((size_t)n, sizeof(float));
     out->g_entropy = tu_alloc((size_t)n, sizeof(float));
@@ -53,9 +63,7 @@ static void make_batch(int b, batch *out)
         out->g_logp[i] = (float)(2.0 * ref_uniform(&rng) - 1.0);
         out->g_entropy[i] = (float)(2.0 * ref_uniform(&rng) - 1.0);
     }
-    out->x_bf16 = tu_alloc((size_t)(n * H), sizeof(uint16_t));
-    for (int64_t e = 0; e < n * H; e++)
-        out->x_bf16[e] = bf16_from_float(out->x[e]);
+    out->x_bf16 = bf16_bits(out->x, (size_t)(n * H));
 }
 
 static void free_batch(batch *b)
@@ -108,11 +116,10 @@ static fh_status run(fh_context *ctx, call_kind kind, const batch *b, const void
                               : fh_logprob_backward(ctx, &lin, b->targets, &o, lo.lse, lo.entropy, b->g_logp,
                                                     b->g_entropy, NULL, &g);
     }
-    const int64_t b0 = n == 100 ? 0 : n == 1000 ? first_row[1] : first_row[2];
-    memcpy(out->logp, lo.logp + b0, sizeof out->logp);
-    memcpy(out->entropy, lo.entropy + b0, sizeof out->entropy);
-    memcpy(out->lse, lo.lse + b0, sizeof out->lse);
-    memcpy(out->dx, dx + b0 * H, sizeof out->dx);
+    memcpy(out->logp, lo.logp + b->at, sizeof out->logp);
+    memcpy(out->entropy, lo.entropy + b->at, sizeof out->entropy);
+    memcpy(out->lse, lo.lse + b->at, sizeof out->lse);
+    memcpy(out->dx, dx + b->at * H, sizeof out->dx);
     free(values);
     free(dx);
     free(dw);
@@ -169,9 +176,7 @@ static void test_rows_bit_for_bit_in_any_batch(void)
     float *w = tu_alloc((size_t)(V * H), sizeof(float));
     uint64_t rng = 77;
     tu_fill_uniform(w, (size_t)(V * H), &rng, -0.5, 0.5);
-    uint16_t *w_bf16 = tu_alloc((size_t)(V * H), sizeof(uint16_t));
-    for (size_t e = 0; e < (size_t)(V * H); e++)
-        w_bf16[e] = bf16_from_float(w[e]);
+    uint16_t *w_bf16 = bf16_bits(w, (size_t)(V * H));
     rows_out *out = tu_alloc(BATCHES, sizeof(rows_out));
     for (int bf16 = 0; bf16 <= 1; bf16++)
         for (int kind = 0; kind < CALLS; kind++) {
@@ -195,9 +200,11 @@ static void test_blocks_that_do_not_fit(void)
 {
     batch big;
     make_batch(2, &big);
-    uint16_t *w_bf16 = tu_alloc((size_t)(V * H), sizeof(uint16_t));
+    float *w = tu_alloc((size_t)(V * H), sizeof(float));
     for (size_t e = 0; e < (size_t)(V * H); e++)
-        w_bf16[e] = bf16_from_float((float)(e % 13) * 0.01f);
+        w[e] = (float)(e % 13) * 0.01f;
+    uint16_t *w_bf16 = bf16_bits(w, (size_t)(V * H));
+    free(w);
     rows_out out;
     for (int invariant = 0; invariant <= 1; invariant++) {
         fh_context *ctx = tu_context(2, 0, 0, BUDGET);

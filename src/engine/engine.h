@@ -97,7 +97,7 @@ typedef struct fh_engine_pass {
                                      fh_engine_forward runs every pass of the pair's kernels */
     /* Kept logits (no pair): rows of lin->vocab floats, x W before bias and transform, row kept_rows[i] (NULL: i)
      * for lin's row i. fh_engine_forward stores each tile's there (keep); fh_engine_backward reads its tiles from
-     * there (kept) instead of recomputing them, one GEMM of three fewer. */
+     * there (kept) instead of recomputing them: two GEMMs instead of three. */
     float *keep;
     const float *kept;
     const int64_t *kept_rows;
