@@ -34,8 +34,11 @@
 /* CASE_FILTERED: the train step with gradient filtering (--grad-filter-eps), beside the exact one; its flop basis
  * stays the dense 6NHV, so that its GFLOP/s and efficiency read as speed against the same work. Its process then
  * also times the two alternately (result.paired_*), so that a slow spell of the machine hits both alike. */
+/* CASE_SUPPORT_*: the log-prob head over a support of --support K ids per token (fh_logprob_support_*), beside the
+ * full-vocabulary cases; their flop basis is the 6 N K H of the dot products, forward and backward. */
 typedef enum bench_case {
-    CASE_SGEMM, CASE_FORWARD, CASE_SPLIT, CASE_TRAIN, CASE_FILTERED, CASE_MATERIALIZED, CASE_COUNT
+    CASE_SGEMM, CASE_FORWARD, CASE_SPLIT, CASE_TRAIN, CASE_FILTERED, CASE_MATERIALIZED, CASE_SUPPORT_SPLIT,
+    CASE_SUPPORT_TRAIN, CASE_COUNT
 } bench_case;
 
 static const char *case_names[CASE_COUNT] = {"sgemm_2048", "fused_forward", "fused_split", "fused_train_step",
@@ -49,7 +52,9 @@ enum { CEILING_REPS = 10 };
  * near-uniform softmax), so that its softmax is well away from uniform. */
 static const float teacher_logit_std = 3.0f;
 
-typedef enum head_kind { HEAD_CE, HEAD_GRPO, HEAD_PREFERENCE, HEAD_DISTILL, HEAD_KTO, HEAD_DISTILL_TOPK } head_kind;
+typedef enum head_kind {
+    HEAD_CE, HEAD_GRPO, HEAD_PREFERENCE, HEAD_DISTILL, HEAD_KTO, HEAD_DISTILL_TOPK, HEAD_LOGPROB
+} head_kind;
 
 typedef struct shape {
     int64_t n, hidden, vocab;
@@ -83,6 +88,7 @@ typedef struct shape {
     int grpo_trl_options;
     int64_t topk_k;            /* distill_topk: the teacher's entries per token (--k, default 20) */
     int topk_no_tail;          /* distill_topk: --no-tail (TRL's loss_add_tail False) */
+    int64_t support_k;         /* logprob: --support K, each token's support (0: the full-vocabulary cases only) */
 } shape;
 
 /* The period of --ignore-pattern runs: a sequence of this many tokens whose first part is its prompt. */
@@ -119,6 +125,11 @@ static const char *divergence_names[] = {"forward_kl", "reverse_kl", "jsd"};
 static const char *distill_topk_case_names[CASE_COUNT] = {NULL, "distill_topk_forward", NULL,
                                                           "distill_topk_train_step", NULL, NULL};
 
+/* The log-prob head's cases: log-probs, entropies and lse with their gradients (upstream 1 and 0.01) over the whole
+ * vocabulary (forward, forward + backward, the single call) and, with --support K, over each token's K ids. */
+static const char *logprob_case_names[CASE_COUNT] = {NULL, "logprob_forward", "logprob_split", "logprob_train_step",
+                                                     NULL, NULL, "support_split", "support_train_step"};
+
 static const char *case_name(bench_case c, const shape *s)
 {
     if (c == CASE_SGEMM)
@@ -129,6 +140,7 @@ static const char *case_name(bench_case c, const shape *s)
     case HEAD_DISTILL: return distill_case_names[c];
     case HEAD_KTO: return kto_case_names[c];
     case HEAD_DISTILL_TOPK: return distill_topk_case_names[c];
+    case HEAD_LOGPROB: return logprob_case_names[c];
     default: return case_names[c];
     }
 }
@@ -144,6 +156,8 @@ static int distill_passes(const shape *s)
 /* What a case's GFLOP/s and efficiency count (flops_of); distillation adds the teacher's logits GEMMs. */
 static const char *case_basis(bench_case c, const shape *s)
 {
+    if (c == CASE_SUPPORT_SPLIT || c == CASE_SUPPORT_TRAIN)
+        return "6NKH";
     if (s->head != HEAD_DISTILL || c == CASE_SGEMM)
         return ce_case_basis[c];
     if (c == CASE_FORWARD)
@@ -153,7 +167,8 @@ static const char *case_basis(bench_case c, const shape *s)
 
 static int case_runs(bench_case c, const shape *s)
 {
-    return case_name(c, s) != NULL && (c != CASE_FILTERED || s->filter_eps > 0.0);
+    return case_name(c, s) != NULL && (c != CASE_FILTERED || s->filter_eps > 0.0) &&
+           (c < CASE_SUPPORT_SPLIT || s->support_k > 0);
 }
 
 typedef struct result {
@@ -241,6 +256,8 @@ typedef struct head_inputs {
     float *ref_logps;         /* kto: per-sequence reference log-probs */
     int64_t *topk_ids;        /* distill_topk: the teacher's [N, k] ids and log-probs */
     float *topk_logprobs;
+    int64_t *support_ids;     /* logprob with --support K: [N, K] padded, each token's target first */
+    float *g_logp, *g_entropy; /* logprob: the upstream gradients, 1 and 0.01 */
 } head_inputs;
 
 /* The CE targets with --ignore-frac's rows set to ignore_index (-100). */
@@ -272,10 +289,34 @@ static int topk_teacher_make(const shape *s, head_inputs *g)
     return 0;
 }
 
-static int head_inputs_make(const shape *s, head_inputs *g)
+/* The log-prob head's inputs: its outputs, upstream gradients and (--support K) the support: each token's target
+ * and K - 1 ids spread over the vocabulary (V / K apart, or consecutive when K^2 >= V), all distinct, as scattered
+ * as a sampler's kept set can be. */
+static int logprob_inputs_make(const shape *s, const int64_t *targets, head_inputs *g)
+{
+    const int64_t k = s->support_k, step = k * k < s->vocab ? s->vocab / k : 1;
+    g->logp = malloc((size_t)s->n * sizeof(float));
+    g->entropy = malloc((size_t)s->n * sizeof(float));
+    g->g_logp = bench_filled((size_t)s->n, 0.0f, 31);
+    g->g_entropy = bench_filled((size_t)s->n, 0.0f, 32);
+    g->support_ids = k ? malloc((size_t)(s->n * k) * sizeof(int64_t)) : NULL;
+    if (!g->logp || !g->entropy || !g->g_logp || !g->g_entropy || (k && !g->support_ids))
+        return -1;
+    for (int64_t i = 0; i < s->n; i++) {
+        g->g_logp[i] = 1.0f;
+        g->g_entropy[i] = 0.01f;
+        for (int64_t e = 0; e < k; e++)
+            g->support_ids[i * k + e] = (targets[i] + e * step) % s->vocab;
+    }
+    return 0;
+}
+
+static int head_inputs_make(const shape *s, const int64_t *targets, head_inputs *g)
 {
     if (s->head == HEAD_DISTILL_TOPK)
         return topk_teacher_make(s, g);
+    if (s->head == HEAD_LOGPROB)
+        return logprob_inputs_make(s, targets, g);
     if (s->head == HEAD_DISTILL) {
         if (bench_inputs_make_teacher(s->n, s->teacher_hidden, s->vocab, teacher_logit_std, &g->teacher) != 0)
             return -1;
@@ -361,7 +402,7 @@ static int run_grpo(bench_case c, const shape *s, const fh_linear *lin, const be
 {
     const fh_grpo_options o = s->grpo;
     const fh_grpo_batch batch = {s->batch, s->seq, in->targets, g->mask, g->advantages, NULL, g->ref_logp,
-                                 g->sampling_logp};
+                                 g->sampling_logp, NULL};
     fh_grpo_outputs out = {.loss = loss, .per_token_logp = g->logp, .entropy = g->entropy, .lse = in->lse};
     const float grad_one = 1.0f;
     switch (c) {
@@ -417,6 +458,45 @@ static int run_distill_topk(bench_case c, const shape *s, const fh_linear *stude
                : -1;
 }
 
+/* One log-prob call of the case, over the vocabulary or the support; its loss the sum of the log-probs. */
+static int run_logprob(bench_case c, const shape *s, const fh_linear *lin, const bench_inputs *in,
+                       const head_inputs *g, fh_context *ctx, fh_linear_grads *grads, double *loss)
+{
+    fh_logprob_options o;
+    fh_logprob_options_init(&o);
+    const fh_support support = {g->support_ids, NULL, s->support_k};
+    fh_logprob_outputs out = {g->logp, g->entropy, in->lse};
+    fh_status st;
+    switch (c) {
+    case CASE_FORWARD: st = fh_logprob_forward(ctx, lin, in->targets, &o, &out); break;
+    case CASE_SPLIT:
+        st = fh_logprob_forward(ctx, lin, in->targets, &o, &out);
+        if (st == FH_OK)
+            st = fh_logprob_backward(ctx, lin, in->targets, &o, in->lse, g->entropy, g->g_logp, g->g_entropy, NULL,
+                                     grads);
+        break;
+    case CASE_TRAIN:
+        st = fh_logprob_forward_backward(ctx, lin, in->targets, &o, g->g_logp, g->g_entropy, NULL, &out, grads);
+        break;
+    case CASE_SUPPORT_SPLIT:
+        st = fh_logprob_support_forward(ctx, lin, in->targets, &support, &o, &out);
+        if (st == FH_OK)
+            st = fh_logprob_support_backward(ctx, lin, in->targets, &support, &o, in->lse, g->entropy, g->g_logp,
+                                             g->g_entropy, NULL, grads);
+        break;
+    case CASE_SUPPORT_TRAIN:
+        st = fh_logprob_support_forward_backward(ctx, lin, in->targets, &support, &o, g->g_logp, g->g_entropy, NULL,
+                                                 &out, grads);
+        break;
+    default: return -1;
+    }
+    double sum = 0.0;
+    for (int64_t i = 0; i < s->n; i++)
+        sum += g->logp[i];
+    *loss = sum;
+    return st == FH_OK ? 0 : -1;
+}
+
 /* One call of the case, its loss in *loss (NaN for the sgemm); returns 0 or -1. */
 static int run_once(bench_case c, const shape *s, const bench_inputs *in, const head_inputs *heads, fh_context *ctx,
                     const materialized_buffers *mb, void *const gemm_buffers[3], double *loss)
@@ -441,6 +521,8 @@ static int run_once(bench_case c, const shape *s, const bench_inputs *in, const 
         return run_kto(c, s, &lin, in, heads, ctx, &g, loss);
     if (s->head == HEAD_DISTILL_TOPK && c != CASE_SGEMM)
         return run_distill_topk(c, s, &lin, in, heads, ctx, &g, loss);
+    if (s->head == HEAD_LOGPROB && c != CASE_SGEMM)
+        return run_logprob(c, s, &lin, in, heads, ctx, &g, loss);
     const int64_t *targets = heads->ignored_targets ? heads->ignored_targets : in->targets;
     switch (c) {
     case CASE_SGEMM: {
@@ -470,6 +552,8 @@ static int run_once(bench_case c, const shape *s, const bench_inputs *in, const 
 static double flops_of(bench_case c, const shape *s)
 {
     const double nhv = (double)s->n * s->hidden * s->vocab;
+    if (c == CASE_SUPPORT_SPLIT || c == CASE_SUPPORT_TRAIN)
+        return 6.0 * (double)s->n * (double)s->support_k * (double)s->hidden;
     if (s->head == HEAD_DISTILL && c != CASE_SGEMM) {
         const double both = (double)s->n * (double)(s->hidden + s->teacher_hidden) * s->vocab;
         return c == CASE_FORWARD ? 2.0 * distill_passes(s) * both : 2.0 * both + 4.0 * nhv;
@@ -533,14 +617,14 @@ static result measure_in_child(bench_case c, const shape *s)
     fh_context *ctx = NULL;
     void *sg[3] = {NULL, NULL, NULL};
     materialized_buffers mb = {0, NULL, NULL, NULL};
-    head_inputs heads = {NULL, NULL, NULL, NULL, NULL, NULL, {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL}, NULL, NULL, NULL,
-                         NULL, NULL};
+    head_inputs heads;
+    memset(&heads, 0, sizeof heads);
     const int bf16 = s->dtype == FH_DTYPE_BF16;
     char why[512];
     if (bench_inputs_make_from(&s->dist, s->layout, s->n, s->hidden, s->vocab, &in, why, sizeof why) != 0 ||
         fh_context_create(&ctx) != FH_OK)
         return r;
-    if (s->head != HEAD_CE && head_inputs_make(s, &heads) != 0)
+    if (s->head != HEAD_CE && head_inputs_make(s, in.targets, &heads) != 0)
         return r;
     if (s->head == HEAD_CE && s->ignore_frac > 0.0 && !(heads.ignored_targets = ignored_targets(s, in.targets)))
         return r;
@@ -582,6 +666,11 @@ static result measure_in_child(bench_case c, const shape *s)
     }
     else if (s->head == HEAD_DISTILL_TOPK && c != CASE_SGEMM)
         fh_distill_topk_workspace_size(ctx, &lin, &ws);
+    else if (c == CASE_SUPPORT_SPLIT || c == CASE_SUPPORT_TRAIN) {
+        const fh_support support = {heads.support_ids, NULL, s->support_k};
+        fh_logprob_support_workspace_size(ctx, &lin, &support, &ws);
+    } else if (s->head == HEAD_LOGPROB && c != CASE_SGEMM)
+        fh_logprob_workspace_size(ctx, &lin, &ws);
     else if (c == CASE_FORWARD || c == CASE_SPLIT)
         fh_ce_workspace_size(ctx, &lin, &o, &ws);
     else if (c == CASE_TRAIN || c == CASE_FILTERED)
@@ -799,6 +888,8 @@ static void print_report(format f, const shape *s, const result *res, const fh_k
             fprintf(out, "\n  \"grpo_loss_type\": \"%s\", \"top_entropy_quantile\": %.9g, \"grpo_trl_options\": %s,",
                     grpo_loss_names[s->grpo.loss_type], s->grpo.top_entropy_quantile,
                     s->grpo_trl_options ? "true" : "false");
+        if (s->head == HEAD_LOGPROB)
+            fprintf(out, "\n  \"support_k\": %lld,", (long long)s->support_k);
         if (s->head == HEAD_DISTILL_TOPK)
             fprintf(out, "\n  \"topk_k\": %lld, \"add_tail\": %s,", (long long)s->topk_k,
                     s->topk_no_tail ? "false" : "true");
@@ -848,6 +939,9 @@ static void print_report(format f, const shape *s, const result *res, const fh_k
     if (s->head == HEAD_DISTILL_TOPK)
         snprintf(distill, sizeof distill, ", distill_topk k %lld%s", (long long)s->topk_k,
                  s->topk_no_tail ? " without the tail" : " with the tail");
+    if (s->head == HEAD_LOGPROB)
+        snprintf(distill, sizeof distill, ", logprob (g_logp 1, g_entropy 0.01)%s%.0lld%s",
+                 s->support_k ? ", support of " : "", (long long)s->support_k, s->support_k ? " ids per token" : "");
     if (s->head == HEAD_GRPO)
         snprintf(distill, sizeof distill, ", grpo %s (top_entropy_quantile %g%s)", grpo_loss_names[s->grpo.loss_type],
                  s->grpo.top_entropy_quantile, s->grpo_trl_options ? ", sampler IS, off-policy mask, KL" : "");
@@ -887,6 +981,12 @@ static void print_report(format f, const shape *s, const result *res, const fh_k
         fprintf(out, "\n%s and %s alternating in one process, best of %d each: %.1f and %.1f ms, %.2fx\n",
                 case_name(CASE_TRAIN, s), case_name(CASE_FILTERED, s), s->reps, filtered->paired_exact_ms,
                 filtered->paired_filtered_ms, filtered->paired_exact_ms / filtered->paired_filtered_ms);
+    for (int c = CASE_SUPPORT_SPLIT; c <= CASE_SUPPORT_TRAIN; c++) {
+        const bench_case full = c == CASE_SUPPORT_SPLIT ? CASE_SPLIT : CASE_TRAIN;
+        if (case_runs((bench_case)c, s) && res[c].ok && res[full].ok)
+            fprintf(out, "%s%s / %s: %.4f\n", c == CASE_SUPPORT_SPLIT ? "\n" : "", case_name((bench_case)c, s),
+                    case_name(full, s), res[c].best_ms / res[full].best_ms);
+    }
     const result *train = &res[CASE_TRAIN];
     if (case_runs(CASE_TRAIN, s) && train->ok && s->head == HEAD_CE && s->ignore_frac > 0.0)
         fprintf(out, "\n%s with %.0f%% of the rows ignored (%s) and with every row counted, alternating in one process, "
@@ -964,10 +1064,11 @@ static int sweep(const char *what, const char *dir, const shape *base, const cha
     return 0;
 }
 
-/* --loss ce|grpo|dpo|orpo|simpo|cpo|distill|kto|distill_topk */
+/* --loss ce|grpo|dpo|orpo|simpo|cpo|distill|kto|distill_topk|logprob */
 static int parse_loss(const char *v, shape *s)
 {
     s->head = strcmp(v, "ce") == 0             ? HEAD_CE
+              : strcmp(v, "logprob") == 0      ? HEAD_LOGPROB
               : strcmp(v, "grpo") == 0         ? HEAD_GRPO
               : strcmp(v, "distill") == 0      ? HEAD_DISTILL
               : strcmp(v, "kto") == 0          ? HEAD_KTO
@@ -1036,7 +1137,11 @@ static void usage(void)
                     "                (defaults: HT = H, jsd, B 0.5, T 1, W 0; the teacher's hidden size HT)\n"
                     "       fh_bench --loss distill_topk [--k K] [--no-tail] [--n N] [--hidden H] [--vocab V]\n"
                     "                [the options above but --sweep and --grad-filter-eps]   (the teacher's top-K ids and\n"
-                    "                log-probs, K 20, with the tail unless --no-tail)\n");
+                    "                log-probs, K 20, with the tail unless --no-tail)\n"
+                    "       fh_bench --loss logprob [--support K] [--n N] [--hidden H] [--vocab V]\n"
+                    "                [the options above but --sweep and --grad-filter-eps]   (log-probs, entropies\n"
+                    "                and lse with their gradients over the vocabulary; with --support K also over\n"
+                    "                each token's K ids, its target among them, and the ratios of the two)\n");
 }
 
 int main(int argc, char **argv)
@@ -1097,6 +1202,12 @@ int main(int argc, char **argv)
                 return 2;
             }
             s.filter_tail = strcmp(v, "drop") == 0 ? FH_FILTER_TAIL_DROP : FH_FILTER_TAIL_ESTIMATE;
+        }
+        else if (strcmp(a, "--support") == 0) {
+            if ((s.support_k = atoll(argv[++i])) < 1) {
+                usage();
+                return 2;
+            }
         }
         else if (strcmp(a, "--k") == 0) {
             topk_given = 1;
@@ -1187,6 +1298,14 @@ int main(int argc, char **argv)
     }
     if (topk_given && s.head != HEAD_DISTILL_TOPK) {
         fprintf(stderr, "fh_bench: --k and --no-tail apply to --loss distill_topk only\n");
+        return 2;
+    }
+    if (s.support_k && (s.head != HEAD_LOGPROB || s.support_k > s.vocab)) {
+        fprintf(stderr, "fh_bench: --support K applies to --loss logprob, with K at most V\n");
+        return 2;
+    }
+    if (s.head == HEAD_LOGPROB && (sweep_what || s.filter_eps > 0.0)) {
+        usage();
         return 2;
     }
     s.topk_k = s.topk_k ? s.topk_k : 20;
@@ -1283,6 +1402,13 @@ int main(int argc, char **argv)
                     res[c].loss, reference == CASE_FORWARD ? "forward's" : "materialized", expected);
             failed = 1;
         }
+    if (case_runs(CASE_SUPPORT_TRAIN, &s) && res[CASE_SUPPORT_SPLIT].ok && res[CASE_SUPPORT_TRAIN].ok &&
+        !(fabs(res[CASE_SUPPORT_TRAIN].loss - res[CASE_SUPPORT_SPLIT].loss) <=
+          1e-5 * fabs(res[CASE_SUPPORT_SPLIT].loss))) {
+        fprintf(stderr, "fh_bench: support_train_step's log-probs %.9g differ from support_split's %.9g\n",
+                res[CASE_SUPPORT_TRAIN].loss, res[CASE_SUPPORT_SPLIT].loss);
+        failed = 1;
+    }
     if (f == FORMAT_CSV)
         fputs(csv_header, stdout);
     print_report(f, &s, res, &kernels, stdout);

@@ -89,6 +89,9 @@ typedef enum fh_status {
     FH_ERR_TEACHER_MISMATCH = 52,       /* the teacher's n or V differs from the student's */
     FH_ERR_INVALID_LOGIT_SCALE = 53,    /* logit_scale not a positive normal fp32 value, or softcap / logit_scale
                                            or logit_scale / temperature outside fp32's normal range */
+    FH_ERR_INVALID_SUPPORT = 54,        /* a support (fh_support): offsets not from 0 and non-decreasing, an id outside
+                                           [0, V) (padded: other than -1), an id twice in a row, or a counted row's
+                                           target not in its row's support */
     /* 60..69: the parallel heads (fusedhead_parallel.h, and over MPI fusedhead_mpi.h); the names are MPI's, the
        statuses any collectives' */
     FH_ERR_MPI = 60,                  /* a collective (MPI's or the caller's) failed (the message has its description:
@@ -461,6 +464,54 @@ FH_API fh_status fh_logprob_forward_backward(fh_context *ctx, const fh_linear *l
 FH_API fh_status fh_logprob_workspace_size(const fh_context *ctx, const fh_linear *lin, size_t *bytes);
 
 /* ---------------------------------------------------------------------------------------------
+ * Log-probs over a support: each token's log-prob, entropy and log-sum-exp over a set S_i of vocabulary ids given
+ * per token (a sampler's kept set: top-k / top-p, vLLM's return_sampling_mask) instead of the whole vocabulary,
+ * with their gradients. With s as in fh_logprob (the same options):
+ *
+ *   lse_S,i = log sum_{j in S_i} exp(s_ij),  p_ij = exp(s_ij - lse_S,i) on S_i (0 elsewhere)
+ *   logp_i  = s_{i, y_i} - lse_S,i,          H_i = lse_S,i - sum_{j in S_i} p_ij s_ij
+ *   backward: dL/ds_ij as fh_logprob's for j in S_i, 0 for every other column
+ *
+ * The target of a counted row must be in its row's support (the sampled token is in the sampler's kept set); a row
+ * whose target is ignore_index gets 0 and no gradient, and its support is only checked for validity. No logits tile
+ * exists: each id's logit is one dot product of the token's row of x with that weight column (summed in fp32 like a
+ * GEMM's, then biased and transformed by the row kernels, as fh_logprob's tiles), so a call costs 2 H per entry
+ * forward, 4 H per entry backward and the reads of those weight columns: with |S| = 64 at N = 4096, H = 2048,
+ * V = 151643, 1.4 to 1.6% of the full head's time (docs/performance.md). The weight's columns are contiguous in FH_LAYOUT_VH; in
+ * FH_LAYOUT_HV each of a column's elements is on its own cache line, so the reads cost about 16x more there.
+ * A dweight with beta 0 is written whole (zeros outside every support), so a call's floor is one write of V H.
+ * The full-vocabulary lse, when a caller wants both (TRL's importance ratio against a full-vocabulary old
+ * log-prob), is fh_logprob_forward's on the same rows.
+ * Per-row results depend on that row's entries only, in their order: batch-invariant in every mode.
+ * ------------------------------------------------------------------------------------------- */
+typedef struct fh_support {
+    const int64_t *ids;     /* CSR: row i's ids are ids[offsets[i] .. offsets[i + 1]); padded: ids[i k .. i k + k),
+                               entries -1 being padding */
+    const int64_t *offsets; /* CSR: [N + 1], offsets[0] = 0, non-decreasing; NULL: padded */
+    int64_t k;              /* padded: entries per row, >= 1; CSR: unread */
+} fh_support;
+
+/* Outputs as fh_logprob_forward's (lse is lse_S, which fh_logprob_support_backward needs). */
+FH_API fh_status fh_logprob_support_forward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
+                                            const fh_support *support, const fh_logprob_options *options,
+                                            fh_logprob_outputs *out);
+/* From what the forward wrote: lse, and entropy when g_entropy is given (else it may be NULL); upstream gradients as
+ * fh_logprob_backward's. */
+FH_API fh_status fh_logprob_support_backward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
+                                             const fh_support *support, const fh_logprob_options *options,
+                                             const float *lse, const float *entropy, const float *g_logp,
+                                             const float *g_entropy, const float *g_lse, fh_linear_grads *grads);
+/* Both in one call (the logits of the support computed once). */
+FH_API fh_status fh_logprob_support_forward_backward(fh_context *ctx, const fh_linear *lin, const int64_t *targets,
+                                                     const fh_support *support, const fh_logprob_options *options,
+                                                     const float *g_logp, const float *g_entropy, const float *g_lse,
+                                                     fh_logprob_outputs *out, fh_linear_grads *grads);
+/* Workspace bytes the three calls need for this support (pure; its offsets are checked as a call checks them, its
+ * ids are not read): FH_ERR_BUDGET_TOO_SMALL when they pass the memory budget, as the calls then fail. */
+FH_API fh_status fh_logprob_support_workspace_size(const fh_context *ctx, const fh_linear *lin,
+                                                   const fh_support *support, size_t *bytes);
+
+/* ---------------------------------------------------------------------------------------------
  * GRPO family: TRL GRPOTrainer._compute_loss (trl/trainer/grpo_trainer.py and grpo_config.py of TRL 1.16.0; written
  * to commit f2cd57710ae345ea6428ae95363267fcf38a3dc8, whose luspo reduction and entropy-bonus normaliser 1.16.0
  * changed) for one micro-batch on one process, every option that changes the loss or its gradient. docs/losses.md
@@ -560,6 +611,11 @@ typedef struct fh_grpo_batch {
     const float *old_per_token_logps;   /* [B, T] or NULL (on-policy) */
     const float *ref_per_token_logps;   /* [B, T]; required when beta != 0 */
     const float *sampling_per_token_logps; /* [B, T] the sampler's (vLLM's) log-probs, or NULL */
+    const fh_support *support;          /* NULL: the policy's log-probs over the vocabulary; else over each token's
+                                           support (the sampler's kept set, "Log-probs over a support"): logp_i and
+                                           H_i over S_i, every completion id at a non-zero mask in its support, and
+                                           the masked tokens' per-token outputs 0; its workspace is
+                                           fh_logprob_support_workspace_size's. No parallel form */
 } fh_grpo_batch;
 
 typedef struct fh_grpo_metrics {        /* TRL's logged metrics; NaN where TRL logs nothing */

@@ -1,7 +1,8 @@
 /* ref_logprob_fdcheck: checks ref_logprob's gradients against central finite differences of its objective
  * L = sum_i g_logp_i logp_i + g_entropy_i H_i + g_lse_i lse_i (ref_logprob.h), over temperatures 0.3, 1 and 2.5,
  * softcap off and 2, logit_scale 1 and 0.7, and the entropy and lse gradients each on and off, with two ignored
- * tokens. Prints one line per case, exits non-zero on any failure.
+ * tokens; and each case again over a support (ref_logprob_support: about half the columns of each row, its target
+ * among them). Prints one line per case, exits non-zero on any failure.
  *
  * Tolerance. For each gradient entry g (analytic) and f (finite difference) the error is
  * |f - g| / max(|f|, |g|, 1e-2 S), S the largest |g| of the case; every case must stay <= 1e-6. L is a smooth sum of
@@ -22,15 +23,16 @@ static const double STEP = 1e-6, TOLERANCE = 1e-6;
 
 /* The largest scaled error over the entries of one parameter array p (analytic gradient grad). */
 static double check_array(ref_linear *lin, double *p, const double *grad, size_t count, const int64_t *targets,
-                          const ref_logprob_options *o, const ref_logprob_grads *g, double scale)
+                          const unsigned char *support, const ref_logprob_options *o, const ref_logprob_grads *g,
+                          double scale)
 {
     double worst = 0.0;
     for (size_t k = 0; k < count; k++) {
         const double keep = p[k];
         p[k] = keep + STEP;
-        const double up = ref_logprob_objective(lin, targets, o, g);
+        const double up = ref_logprob_support_objective(lin, targets, support, o, g);
         p[k] = keep - STEP;
-        const double down = ref_logprob_objective(lin, targets, o, g);
+        const double down = ref_logprob_support_objective(lin, targets, support, o, g);
         p[k] = keep;
         const double f = (up - down) / (2.0 * STEP);
         const double err = fabs(f - grad[k]) / fmax(fmax(fabs(f), fabs(grad[k])), 1e-2 * scale);
@@ -61,29 +63,35 @@ int main(void)
         g_lse[i] = fd_uniform(-1.0, 1.0);
     }
     targets[1] = targets[4] = -100;
+    unsigned char half[N * V];
+    for (int i = 0; i < N; i++)
+        for (int j = 0; j < V; j++)
+            half[i * V + j] = j == targets[i] || fd_uniform(0.0, 1.0) < 0.5;
     ref_linear lin = {N, HID, V, x, w, b};
     static const double temperatures[] = {0.3, 1.0, 2.5}, softcaps[] = {0.0, 2.0}, scales[] = {1.0, 0.7};
     for (int ti = 0; ti < 3; ti++)
         for (int ci = 0; ci < 2; ci++)
             for (int si = 0; si < 2; si++)
-                for (int with = 0; with < 4; with++) {
+                for (int with = 0; with < 8; with++) {
+                    const unsigned char *support = with & 4 ? half : NULL;
                     const ref_logprob_options o = {-100, temperatures[ti], softcaps[ci], scales[si]};
                     const ref_logprob_grads g = {g_logp, with & 1 ? g_entropy : NULL, with & 2 ? g_lse : NULL};
                     double dx[N * HID], dw[HID * V], db[V];
-                    if (ref_logprob(&lin, targets, &o, NULL, NULL, NULL, &g, dx, dw, db) != 0)
+                    if (ref_logprob_support(&lin, targets, support, &o, NULL, NULL, NULL, &g, dx, dw, db) != 0)
                         return 2;
                     int ignored_rows_clean = 1;
                     for (int k = 0; k < HID; k++)
                         ignored_rows_clean &= dx[1 * HID + k] == 0.0 && dx[4 * HID + k] == 0.0;
                     const double scale = largest(db, V, largest(dw, HID * V, largest(dx, N * HID, 0.0)));
-                    double err = check_array(&lin, x, dx, N * HID, targets, &o, &g, scale);
-                    err = fmax(err, check_array(&lin, w, dw, HID * V, targets, &o, &g, scale));
-                    err = fmax(err, check_array(&lin, b, db, V, targets, &o, &g, scale));
+                    double err = check_array(&lin, x, dx, N * HID, targets, support, &o, &g, scale);
+                    err = fmax(err, check_array(&lin, w, dw, HID * V, targets, support, &o, &g, scale));
+                    err = fmax(err, check_array(&lin, b, db, V, targets, support, &o, &g, scale));
                     const int ok = err <= TOLERANCE && ignored_rows_clean;
                     fd_failures += !ok;
-                    printf("%s temperature %.1f softcap %.0f logit_scale %.1f g_entropy %s g_lse %s: error %.2e%s\n",
+                    printf("%s temperature %.1f softcap %.0f logit_scale %.1f g_entropy %s g_lse %s%s: error %.2e%s\n",
                            ok ? "ok  " : "FAIL", o.temperature, o.softcap, o.logit_scale, with & 1 ? "on " : "off",
-                           with & 2 ? "on " : "off", err, ignored_rows_clean ? "" : " (an ignored row has dx)");
+                           with & 2 ? "on " : "off", support ? " over a support" : "", err,
+                           ignored_rows_clean ? "" : " (an ignored row has dx)");
                 }
     return fd_failures != 0;
 }

@@ -3,32 +3,13 @@
  * backward and the single call (row blocks, and the streaming fallback under a small budget), edge tiles, beta 1,
  * fp32 and bf16 (bf16 gradients, fp32 dU); and the call contract. */
 #include "bf16.h"
-#include "logprob_case.h"
+#include "logprob_harness.h"
 #include "rng.h"
 #include "test_util.h"
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-
-static void check(const logprob_case_spec *s, const char *what)
-{
-    logprob_case c;
-    logprob_diff d;
-    const fh_status st = logprob_case_run(s, &c, &d);
-    logprob_case_free(&c);
-    TU_CHECK(st == FH_OK, "%s: status %d (%s)", what, (int)st, fh_status_string(st));
-    if (st != FH_OK)
-        return;
-    TU_CHECK(logprob_diff_pass(&d),
-             "%s (T %g, softcap %g, scale %g, %s, %s, g_entropy %d, g_lse %d, dtype %d): logp %.2e entropy %.2e "
-             "lse %.2e (tol %.1e), dx %.2e dW %.2e db %.2e (tol %.1e / %.1e), ignored rows clean %d",
-             what, s->options.temperature, s->options.softcap, s->options.logit_scale,
-             s->layout == FH_LAYOUT_HV ? "hv" : "vh", s->train_step ? "train step" : "forward+backward", s->g_entropy,
-             s->g_lse, (int)s->dtype, d.logp_max_abs, d.entropy_max_abs, d.lse_max_abs, d.value_tol,
-             d.dhidden_norm_rel, d.dweight_norm_rel, d.dbias_norm_rel, d.grad_tol, d.dbias_tol,
-             d.ignored_outputs_zero);
-}
 
 /* Every temperature x entropy gradient x layout x call style, fp32 and bf16. */
 static void test_temperatures_gradients_layouts(void)
@@ -48,7 +29,7 @@ static void test_temperatures_gradients_layouts(void)
                         s.train_step = step;
                         s.dtype = (fh_dtype)dtype;
                         s.seed = 10 + t * 8 + (size_t)(entropy * 4 + layout * 2 + step);
-                        check(&s, "temperature, entropy gradient, layout, call");
+                        lp_check_spec(&s, "temperature, entropy gradient, layout, call");
                     }
 }
 
@@ -65,7 +46,7 @@ static void test_transforms_and_ignored(void)
             s.options.temperature = 0.7;
             s.train_step = step;
             s.seed = 40 + k;
-            check(&s, "softcap and logit_scale");
+            lp_check_spec(&s, "softcap and logit_scale");
         }
     static const double fractions[] = {0.0, 1.0};
     for (size_t k = 0; k < TU_COUNT(fractions); k++) {
@@ -73,13 +54,13 @@ static void test_transforms_and_ignored(void)
         logprob_case_spec_default(&s);
         s.ignore_frac = fractions[k];
         s.train_step = (int)k;
-        check(&s, fractions[k] > 0.0 ? "every token ignored" : "no token ignored");
+        lp_check_spec(&s, fractions[k] > 0.0 ? "every token ignored" : "no token ignored");
     }
     logprob_case_spec s;
     logprob_case_spec_default(&s);
     s.options.ignore_index = 0; /* an ignore_index inside [0, V): those rows still get zeros */
     s.ignore_frac = 0.3;
-    check(&s, "ignore_index 0");
+    lp_check_spec(&s, "ignore_index 0");
 }
 
 /* Edge tiles, several row blocks, the streaming fallback, beta 1, one thread; bf16 gradients and fp32 dU. */
@@ -91,27 +72,27 @@ static void test_schedules(void)
         s.dtype = (fh_dtype)dtype;
         s.tile_rows = 13;
         s.tile_vocab = 127;
-        check(&s, "streaming, edge tiles");
+        lp_check_spec(&s, "streaming, edge tiles");
         s.train_step = 1;
         s.tile_vocab = 0;
-        check(&s, "train step, eight row blocks");
+        lp_check_spec(&s, "train step, eight row blocks");
         s.tile_rows = 0;
         s.budget = 200000;
-        check(&s, "train step, streaming fallback under a small budget");
+        lp_check_spec(&s, "train step, streaming fallback under a small budget");
         s.budget = 0;
         s.grad_beta = 1.0f;
         s.threads = 1;
-        check(&s, "train step, beta 1, one thread");
+        lp_check_spec(&s, "train step, beta 1, one thread");
     }
     for (int step = 0; step <= 1; step++) {
         logprob_case_spec s;
         logprob_case_spec_default(&s);
         s.dtype = s.grad_dtype = FH_DTYPE_BF16;
         s.train_step = step;
-        check(&s, "bf16 gradients");
+        lp_check_spec(&s, "bf16 gradients");
         s.grad_dtype = FH_DTYPE_F32;
         s.fp32_du = 1;
-        check(&s, "bf16 inputs, fp32 dU");
+        lp_check_spec(&s, "bf16 inputs, fp32 dU");
     }
 }
 
@@ -428,7 +409,7 @@ static void test_kept_logits(void)
                     s.tile_vocab = 127;
                     s.ignore_frac = 0.0;
                 }
-                check(&s, "kept logits");
+                lp_check_spec(&s, "kept logits");
             }
 }
 

@@ -268,6 +268,22 @@ static void test_one_rank_layout(void)
                  tu_norm_rel_f(dw, p.dw, V * H) <= 1e-5,
              "one rank: loss %.9g vs %.9g, dx %.2e, dweight %.2e", loss, p.loss, tu_norm_rel_f(dx, p.dx, N * H),
              tu_norm_rel_f(dw, p.dw, V * H));
+    /* GRPO over a support has no parallel form: refused, never run as if the shard's support were the whole. */
+    int64_t ids[N];
+    float mask[N], adv = 1.0f;
+    for (int i = 0; i < N; i++) {
+        ids[i] = p.targets[i] < 0 ? 0 : p.targets[i];
+        mask[i] = 1.0f;
+    }
+    const fh_support support = {ids, NULL, 1};
+    const fh_grpo_batch batch = {1, N, ids, mask, &adv, NULL, NULL, NULL, &support};
+    fh_grpo_options o;
+    fh_grpo_options_init(&o);
+    fh_grpo_outputs grpo_out = {.loss = &loss};
+    const char *message = "";
+    TU_CHECK(fh_parallel_grpo_forward(ctx, L, &lin, &batch, &o, &grpo_out) == FH_ERR_INVALID_SUPPORT &&
+                 fh_context_message(ctx, &message) == FH_OK && strstr(message, "no vocabulary- or data-parallel form"),
+             "GRPO over a support on a layout: refused (%s)", message);
     fh_context_destroy(ctx);
     fh_parallel_layout_destroy(L);
 }

@@ -35,6 +35,8 @@ FH_API const char *fh_status_string(fh_status status)
     case FH_ERR_TEACHER_MISMATCH: return "the teacher's tokens or vocabulary differ from the student's";
     case FH_ERR_INVALID_LOGIT_SCALE:
         return "logit_scale is not a positive normal fp32 value, or softcap or temperature put it out of range";
+    case FH_ERR_INVALID_SUPPORT:
+        return "a support's offsets or ids are malformed, or a counted token's target is not in its support";
     case FH_ERR_INVALID_PARAM: return "unknown parameter";
     case FH_ERR_INVALID_PARAM_VALUE: return "parameter value out of bounds";
     case FH_ERR_KERNELS_UNAVAILABLE:

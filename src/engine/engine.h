@@ -164,4 +164,28 @@ typedef struct fh_head_calls {
 fh_status fh_engine_run_call(fh_context *ctx, fh_call kind, const fh_head_calls *calls, const fh_linear *lin,
                              const fh_linear_grads *grads, const void *self);
 
+/* ---- A head over a few columns per row (columns.c): no tile, one dot product per entry ---- */
+
+/* Row i's entries are e in [begin[i], begin[i + 1]), entry e naming the vocabulary column ids[e] in [0, V). */
+typedef struct fh_row_columns {
+    const int64_t *begin; /* [n + 1], begin[0] = 0 */
+    const int64_t *ids;   /* [begin[n]] */
+} fh_row_columns;
+
+/* The floats of scratch the two functions below take (8-byte aligned) for this many entries on threads. */
+size_t fh_engine_column_scratch_floats(const fh_linear *lin, int64_t entries, int threads);
+
+/* z[e] = transform(x_i . W[:, ids[e]] + bias[ids[e]]) for every entry e of every row i: the dot product summed in fp32
+ * as a GEMM's, then biased and transformed by the row kernels as a tile's logits are. */
+void fh_engine_column_logits(const fh_linear *lin, const fh_row_columns *c, fh_transform tf, int threads,
+                             float *scratch, float *z);
+
+/* The gradients from du (the loss's gradient with respect to each entry's x W + bias): dx row i = sum over its
+ * entries of du[e] W[:, ids[e]] (every row written: rows without entries 0 or, with beta 1, unchanged); dweight's
+ * column j = sum over the entries naming j of du[e] x[row of e], dbias[j] their du's sum; betas and dtypes as
+ * fh_linear_grads says, each value rounded once. A dweight or dbias of beta 0 is written whole (0 where no entry names
+ * a column). */
+void fh_engine_column_gradients(const fh_linear *lin, const fh_row_columns *c, const float *du,
+                                const fh_linear_grads *grads, int threads, float *scratch);
+
 #endif

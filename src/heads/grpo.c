@@ -6,6 +6,7 @@
 #include "core/linear.h"
 
 #include <math.h>
+#include <string.h>
 
 FH_API fh_status fh_grpo_options_init(fh_grpo_options *options)
 {
@@ -254,6 +255,55 @@ static fh_status backward_pass(const fh_plan *plan, const fh_workspace *ws, cons
     return fh_engine_backward(&pass);
 }
 
+/* The call's outputs (out may be NULL), for the overlap checks. */
+enum { GRPO_OUTPUTS = 6 };
+static void output_buffers(const fh_linear *lin, const fh_grpo_outputs *out, fh_buffer outputs[GRPO_OUTPUTS])
+{
+    const size_t floats = (size_t)lin->n * sizeof(float);
+    const fh_buffer list[GRPO_OUTPUTS] = {{"loss", out ? out->loss : NULL, sizeof(double)},
+                                          {"metrics", out ? out->metrics : NULL, sizeof(fh_grpo_metrics)},
+                                          {"per_token_logp", out ? out->per_token_logp : NULL, floats},
+                                          {"per_token_loss", out ? out->per_token_loss : NULL, floats},
+                                          {"entropy", out ? out->entropy : NULL, floats},
+                                          {"lse", out ? out->lse : NULL, floats}};
+    memcpy(outputs, list, sizeof list);
+}
+
+/* ---- over a support (fh_grpo_batch.support): the policy's log-probs and entropies over each token's support, TRL's
+ * policy math unchanged --------------------------------------------------------------------------- */
+
+/* One call over the support after the call's checks: a forward (grads NULL, out given), a backward from the saved
+ * values (saved_logp given) or the single call. */
+static fh_status support_call(fh_context *ctx, const fh_linear *lin, const fh_grpo_batch *bt, const fh_grpo_options *o,
+                              const float *saved_logp, const float *saved_lse, const float *saved_entropy, double grad,
+                              fh_grpo_outputs *out, const fh_linear_grads *grads)
+{
+    fh_buffer outputs[GRPO_OUTPUTS];
+    output_buffers(lin, out, outputs);
+    const fh_support_rows rows = {bt->completion_ids, 0, bt->completion_mask};
+    fh_support_pass p;
+    const fh_transform tf = fh_engine_transform_of(o->temperature, 0.0, 1.0);
+    const fh_status st = fh_support_pass_begin(ctx, lin, rows, bt->support, tf, grads, outputs, GRPO_OUTPUTS, &p);
+    if (st != FH_OK)
+        return st;
+    if (saved_logp)
+        fh_logprob_load_saved(&p.ws, lin->n, saved_logp, saved_lse, saved_entropy);
+    else
+        fh_support_pass_values(&p, 1);
+    const fh_grpo_head_outputs forward_only = {out ? out->loss : NULL, out ? out->metrics : NULL,
+                                               out ? out->per_token_loss : NULL, NULL, NULL};
+    const fh_grpo_head_outputs hout = grads ? fh_grpo_backward_outputs(&p.ws, out) : forward_only;
+    run_head(&p.ws, bt, o, lin->vocab, grad, &hout);
+    if (grads) {
+        const fh_coef_arrays coefs = fh_grpo_coefs_in(&p.ws, lin->n);
+        fh_support_pass_gradients(&p, &coefs, grads);
+    }
+    /* Written after the head has read old_per_token_logps, which per_token_logp may replace. */
+    if (out)
+        fh_grpo_write_outputs(&p.ws, lin->n, out);
+    return FH_OK;
+}
+
 fh_status fh_grpo_check_apart(fh_context *ctx, const fh_linear *lin, const fh_grpo_batch *bt,
                               const float *saved_logp, const float *saved_lse, const float *saved_entropy,
                               const float *grad_output, const fh_grpo_outputs *out, const fh_linear_grads *grads)
@@ -270,13 +320,9 @@ fh_status fh_grpo_check_apart(fh_context *ctx, const fh_linear *lin, const fh_gr
                                 {"the saved lse", saved_lse, floats},
                                 {"the saved entropy", saved_entropy, floats},
                                 {"grad_output", grad_output, sizeof(float)}};
-    const fh_buffer outputs[] = {{"loss", out ? out->loss : NULL, sizeof(double)},
-                                 {"metrics", out ? out->metrics : NULL, sizeof(fh_grpo_metrics)},
-                                 {"per_token_logp", out ? out->per_token_logp : NULL, floats},
-                                 {"per_token_loss", out ? out->per_token_loss : NULL, floats},
-                                 {"entropy", out ? out->entropy : NULL, floats},
-                                 {"lse", out ? out->lse : NULL, floats}};
-    return fh_check_apart(ctx, lin, grads, outputs, 6, inputs, 10);
+    fh_buffer outputs[GRPO_OUTPUTS];
+    output_buffers(lin, out, outputs);
+    return fh_check_apart(ctx, lin, grads, outputs, GRPO_OUTPUTS, inputs, 10);
 }
 
 fh_status fh_grpo_check_saved(fh_context *ctx, const fh_grpo_options *o, const float *per_token_logp,
@@ -308,6 +354,8 @@ FH_API fh_status fh_grpo_forward(fh_context *ctx, const fh_linear *lin, const fh
         st = fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
     if (st == FH_OK)
         st = fh_grpo_check_apart(ctx, lin, batch, NULL, NULL, NULL, NULL, out, NULL);
+    if (st == FH_OK && batch->support)
+        return support_call(ctx, lin, batch, options, NULL, NULL, NULL, 1.0, out, NULL);
     fh_plan plan;
     fh_workspace ws;
     if (st == FH_OK)
@@ -336,6 +384,8 @@ FH_API fh_status fh_grpo_backward(fh_context *ctx, const fh_linear *lin, const f
         st = fh_check_grads(ctx, lin, grads);
     if (st == FH_OK)
         st = fh_grpo_check_apart(ctx, lin, batch, per_token_logp, lse, entropy, grad_output, NULL, grads);
+    if (st == FH_OK && batch->support)
+        return support_call(ctx, lin, batch, options, per_token_logp, lse, entropy, grad_output[0], NULL, grads);
     fh_plan plan;
     fh_workspace ws;
     if (st == FH_OK)
@@ -461,6 +511,8 @@ FH_API fh_status fh_grpo_forward_backward(fh_context *ctx, const fh_linear *lin,
         st = fh_grpo_check_apart(ctx, lin, batch, NULL, NULL, NULL, grad_output, out, grads);
     if (st != FH_OK)
         return st;
+    if (batch->support)
+        return support_call(ctx, lin, batch, options, NULL, NULL, NULL, grad_output[0], out, grads);
     const grpo_step step = {lin, batch, options, grad_output[0], out};
     /* The entropy threshold needs every token's entropy before any coefficient: the streaming passes. */
     const fh_train_step_head head = {.group_rows = batch->seq,

@@ -5,6 +5,7 @@
 #ifndef FH_LOGPROB_HEAD_H
 #define FH_LOGPROB_HEAD_H
 
+#include "core/linear.h"
 #include "engine/engine.h"
 
 /* Workspace slots. The forward's statistics and the per-token values, then (backward) the coefficients: some slots
@@ -72,5 +73,45 @@ void fh_logprob_coefficients(const fh_logprob_grads *g, fh_logprob_rows rows, in
 /* Every row's, into the workspace's coefficient slots (lse and sum_pz already there). */
 fh_coef_arrays fh_logprob_coefs_in(const fh_workspace *ws, int64_t n, const fh_logprob_grads *g,
                                    fh_logprob_rows rows);
+
+/* ---- Log-probs over a support (logprob_support.c): a head's per-token values from its rows' supports ---- */
+
+/* The rows that count: a mask's non-zero ones (GRPO's completion mask), else those whose target is not ignore_index.
+ * Each counted row's target must be in its support. */
+typedef struct fh_support_rows {
+    const int64_t *targets;
+    int64_t ignore_index;
+    const float *mask; /* or NULL */
+} fh_support_rows;
+
+/* A call's support, compacted (the counted rows' entries), its entries' logits, and per-token slots laid out as a
+ * plan workspace's (ws.slot only: the log-prob and GRPO heads' slot functions work on it). */
+typedef struct fh_support_pass {
+    const fh_linear *lin;
+    fh_support_rows rows;
+    fh_transform tf;
+    int threads;
+    int64_t *begin, *ids; /* fh_row_columns of the counted rows (the others have none) */
+    int64_t *target;      /* [n] each counted row's target entry, relative to its row; -1 for the others */
+    float *z;             /* the entries' transformed logits, then their dU */
+    unsigned char *seen;  /* [V] the duplicate check's marks */
+    fh_workspace ws;
+    float *scratch;       /* the engine's (fh_engine_column_scratch_floats) */
+} fh_support_pass;
+
+/* Checks the support (offsets, ids, duplicates, each counted row's target) and that it overlaps none of outputs,
+ * grads' gradients or the caller's workspace; acquires the workspace (within the budget) and computes every entry's
+ * logit. outputs: the head's, for the overlap check. */
+fh_status fh_support_pass_begin(fh_context *ctx, const fh_linear *lin, fh_support_rows rows, const fh_support *support,
+                                fh_transform tf, const fh_linear_grads *grads, const fh_buffer *outputs,
+                                int output_count, fh_support_pass *p);
+/* lse, sum_pz, logp and (with entropy) the entropy over each counted row's support into the LSE, SUM_PZ, LOGP and
+ * ENTROPY slots (0 for the other rows). */
+void fh_support_pass_values(const fh_support_pass *p, int entropy);
+/* The gradients from each counted row's coefficients (coefs' arrays, as the engine's backward takes them). */
+void fh_support_pass_gradients(fh_support_pass *p, const fh_coef_arrays *coefs, const fh_linear_grads *grads);
+/* Workspace bytes of a pass over this support (pure; FH_ERR_BUDGET_TOO_SMALL past the budget). */
+fh_status fh_support_workspace_size(const fh_context *ctx, const fh_linear *lin, const fh_support *support,
+                                    size_t *bytes);
 
 #endif

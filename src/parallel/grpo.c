@@ -61,6 +61,10 @@ static fh_status begin(grpo_call *c, int entry, fh_parallel_layout *L, fh_contex
     }
     if (st == FH_OK)
         st = fh_grpo_check_call(ctx, lin, bt, o, L->total_vocab);
+    if (st == FH_OK && bt->support)
+        st = fh_fail(ctx, FH_ERR_INVALID_SUPPORT, "fh_grpo_batch.support: the log-probs over a support have no "
+                                                  "vocabulary- or data-parallel form (give it to fh_grpo_* on one "
+                                                  "process)");
     if (st == FH_OK)
         st = fhp_call_scratch(&c->call, bt->completion_ids, 0);
     return st;

@@ -5,6 +5,12 @@
 
 #include "fusedhead.h"
 
+typedef enum logprob_support_kind {
+    LOGPROB_FULL_VOCAB,
+    LOGPROB_SUPPORT_CSR,
+    LOGPROB_SUPPORT_PADDED
+} logprob_support_kind;
+
 typedef struct logprob_case_spec {
     int64_t n, hidden, vocab;
     fh_layout layout;
@@ -21,6 +27,9 @@ typedef struct logprob_case_spec {
     float grad_beta;
     fh_dtype dtype, grad_dtype;
     int fp32_du;
+    logprob_support_kind support; /* through fh_logprob_support_* over a random support per row */
+    int64_t support_size;         /* a counted row's ids, its target among them: CSR 1 .. support_size per row,
+                                     padded support_size entries of which up to a third -1; V: every id */
 } logprob_case_spec;
 
 /* n=97 H=67 V=3001, vh layout with bias, 20% ignored, temperature 1, both extra gradients, forward + backward. */
@@ -43,6 +52,8 @@ typedef struct logprob_case {
     float *x, *weight, *bias, *g[3];
     uint16_t *x_bf16, *weight_bf16;
     int64_t *targets;
+    int64_t *support_ids, *support_offsets; /* support cases: the library's form */
+    unsigned char *support_mask;            /* [n, V], the reference's */
     float *values, *grads[3];
     double *ref_values, *ref_grads[3];
 } logprob_case;
@@ -51,6 +62,8 @@ typedef struct logprob_case {
  * the inputs are set). */
 fh_status logprob_case_run(const logprob_case_spec *spec, logprob_case *c, logprob_diff *d);
 int logprob_diff_pass(const logprob_diff *d);
+/* The spec and every difference against its tolerance, for a failure's message. */
+void logprob_diff_describe(const logprob_case_spec *s, const logprob_diff *d, char *buffer, size_t size);
 void logprob_case_free(logprob_case *c);
 
 #endif

@@ -604,7 +604,7 @@ static void fuzz_setup_call(setup_call call, reader *r)
 
 enum { IN_X, IN_W, IN_BIAS, IN_CW, IN_TARGETS, IN_GRAD, IN_LSE, IN_LOGP, IN_ENTROPY, IN_MASK, IN_ADV, IN_OLD, IN_REF,
        IN_SAMP, IN_TEACHER_X, IN_TEACHER_W, IN_TEACHER_BIAS, IN_LABELS, IN_KL, IN_KL_LOGRATIOS, IN_TOPK_IDS,
-       IN_TOPK_LOGPROBS, IN_LOGITS, IN_COUNT };
+       IN_TOPK_LOGPROBS, IN_LOGITS, IN_SUPPORT_IDS, IN_SUPPORT_OFFSETS, IN_COUNT };
 enum { OUT_LOSS, OUT_ZLOSS, OUT_METRICS, OUT_PTL, OUT_LOGP, OUT_LSE, OUT_ENTROPY, OUT_ARGMAX, OUT_DX, OUT_DW, OUT_DB,
        OUT_PREFERENCE_METRICS, OUT_SEQUENCE_LOGPS, OUT_REWARDS, OUT_SOFT_LOSS, OUT_HARD_LOSS, OUT_CORRECT,
        OUT_KTO_METRICS, OUT_LOGITS, OUT_COUNT };
@@ -635,10 +635,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     const int logprob = call == CALL_fh_logprob_forward || call == CALL_fh_logprob_backward ||
                         call == CALL_fh_logprob_forward_keep || call == CALL_fh_logprob_backward_kept ||
                         call == CALL_fh_logprob_forward_backward;
+    const int support = call == CALL_fh_logprob_support_forward || call == CALL_fh_logprob_support_backward ||
+                        call == CALL_fh_logprob_support_forward_backward ||
+                        call == CALL_fh_logprob_support_workspace_size;
     const int query = call_is_query[call];
     const int has_grads = call == CALL_fh_ce_backward || call == CALL_fh_ce_forward_backward ||
                           call == CALL_fh_logprob_backward || call == CALL_fh_logprob_forward_backward ||
-                          call == CALL_fh_logprob_backward_kept ||
+                          call == CALL_fh_logprob_backward_kept || call == CALL_fh_logprob_support_backward ||
+                          call == CALL_fh_logprob_support_forward_backward ||
                           call == CALL_fh_grpo_backward || call == CALL_fh_grpo_forward_backward ||
                           call == CALL_fh_preference_forward_backward || call == CALL_fh_kto_forward_backward ||
                           call == CALL_fh_distill_forward_backward || call == CALL_fh_distill_topk_forward_backward;
@@ -941,8 +945,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             samp[i] = u8(&r) % 8 == 0 ? pick_float(&r) : -3.0f + (float)(u8(&r) % 16) / 16.0f;
     }
     /* The batch's arrays are [batch, seq]; when batch * seq differs from n the library must say so before
-     * reading them, so n-sized arrays are enough. */
-    const fh_grpo_batch gb = {batch, seq, targets, mask, adv, old, ref, samp};
+     * reading them, so n-sized arrays are enough. One GRPO batch in four is over a support: each token's target
+     * alone (padded, k 1: -1 is padding, ignore_index and V are refused unless masked). */
+    const fh_support grpo_support = {targets, NULL, 1};
+    const int grpo_over_support = grpo && u8(&r) % 4 == 0;
+    const fh_grpo_batch gb = {batch, seq, targets, mask, adv, old, ref, samp, grpo_over_support ? &grpo_support : NULL};
 
     /* Preference options and batch: batch sequences as batch / 2 pairs (an odd batch cannot match n), the
      * reference none, per sequence (adv's ub >= batch values) or per token, sometimes both. */
@@ -1047,6 +1054,45 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         topk_teacher.logprobs = topk_pointer == 3 ? NULL : logprobs;
     }
 
+    /* A support for the support calls: padded [n, k] or CSR with k (padded) or up to k (CSR) ids per row, k mostly
+     * 1..8, now and then 0 or negative (padded: refused); each row's first id its target when that is in range (so
+     * that most calls run), the others drawn, now and then -1, V or a repeat; now and then the support or its ids
+     * NULL, or CSR offsets not from 0 or decreasing. A query gets a padded support (it reads no ids). Exact sizes
+     * for a small student, tiny ones otherwise (the calls must refuse it for its shape before reading them). */
+    int64_t support_k = 1;
+    int support_pointer = 0, support_csr = 0, support_offsets_bad = 0; /* pointer 1: support NULL, 2: ids NULL */
+    fh_support support_arg = {NULL, NULL, 0};
+    if (support) {
+        const uint8_t sb = u8(&r);
+        support_k = sb % 8 == 0 ? -(int64_t)(u8(&r) % 3) : 1 + (sb >> 3) % 8;
+        support_pointer = query ? 0 : sb >> 6 == 3 && u8(&r) % 4 == 0 ? 1 + u8(&r) % 2 : 0;
+        support_csr = !query && (sb >> 6) % 2 == 1 && support_k >= 1;
+        const size_t rows = small ? (size_t)n : 4, k = support_k >= 1 ? (size_t)support_k : 1;
+        int64_t *ids = alloc_exact(&in[IN_SUPPORT_IDS], rows * k * sizeof(int64_t));
+        int64_t *offsets = support_csr ? alloc_exact(&in[IN_SUPPORT_OFFSETS], (rows + 1) * sizeof(int64_t)) : NULL;
+        size_t e = 0;
+        for (size_t i = 0; i < rows; i++) {
+            const size_t count = support_csr ? u8(&r) % (k + 1) : k;
+            for (size_t c = 0; c < count; c++, e++) {
+                const uint8_t m = u8(&r);
+                ids[e] = c == 0 && small && targets[i] >= 0 && targets[i] < vocab && m % 8 ? targets[i]
+                         : m % 32 == 31 ? (m & 32 ? vocab : -1)
+                         : m % 32 == 30 && c > 0 ? ids[e - 1]
+                                                 : (int64_t)(u8(&r) % (uint64_t)(small ? vocab : 4));
+            }
+            if (offsets)
+                offsets[i + 1] = (int64_t)e;
+        }
+        if (offsets) {
+            offsets[0] = 0;
+            const uint8_t m = u8(&r);
+            support_offsets_bad = m % 16 == 15;
+            if (support_offsets_bad)
+                offsets[m % 2 ? 0 : rows / 2 + 1] = -1 - (int64_t)(m >> 4);
+        }
+        support_arg = (fh_support){support_pointer == 2 ? NULL : ids, offsets, support_csr ? 0 : support_k};
+    }
+
     /* Distillation options (read for distillation and top-k distillation calls only): every field valid or not; the
      * targets drawn above (with the cross-entropy ignore_index, mostly the same here), or NULL. Top-k's options are
      * the shared fields and add_tail (0, 1, or neither). */
@@ -1131,6 +1177,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                        : kto                ? fh_kto_workspace_size(ctx, &lin, &needed)
                        : grpo               ? fh_grpo_workspace_size(ctx, &lin, &needed)
                        : logprob            ? fh_logprob_workspace_size(ctx, &lin, &needed)
+                       : support            ? fh_logprob_support_workspace_size(ctx, &lin, &support_arg, &needed)
                        : call == CALL_fh_ce_forward_backward
                            ? fh_ce_forward_backward_workspace_size_with_grads(ctx, &lin, &ce, &g, &needed)
                                               : fh_ce_workspace_size(ctx, &lin, &ce, &needed);
@@ -1172,6 +1219,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     fh_logprob_outputs lp_out = {logp, entropy, lse};
     const int null_struct = u8(&r) % 64 == 0;
     const fh_topk_teacher *topk_arg = topk_pointer == 1 ? NULL : &topk_teacher;
+    const fh_support *support_arg_ptr = support_pointer == 1 ? NULL : &support_arg;
     switch (call) {
     case CALL_fh_ce_forward: st = fh_ce_forward(ctx, &lin, targets, &ce, null_struct ? NULL : &ce_out); break;
     case CALL_fh_ce_backward:
@@ -1205,6 +1253,22 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                                          grads_want & 2 ? grad : NULL, &lp_out, null_struct ? NULL : &g);
         break;
     case CALL_fh_logprob_workspace_size: st = fh_logprob_workspace_size(ctx, &lin, &bytes); break;
+    case CALL_fh_logprob_support_forward:
+        st = fh_logprob_support_forward(ctx, &lin, targets, support_arg_ptr, &lo, null_struct ? NULL : &lp_out);
+        break;
+    case CALL_fh_logprob_support_backward:
+        st = fh_logprob_support_backward(ctx, &lin, targets, support_arg_ptr, &lo, lse_in, entropy_in, grad,
+                                         grads_want & 1 ? grad : NULL, grads_want & 2 ? grad : NULL,
+                                         null_struct ? NULL : &g);
+        break;
+    case CALL_fh_logprob_support_forward_backward:
+        st = fh_logprob_support_forward_backward(ctx, &lin, targets, support_arg_ptr, &lo, grad,
+                                                 grads_want & 1 ? grad : NULL, grads_want & 2 ? grad : NULL, &lp_out,
+                                                 null_struct ? NULL : &g);
+        break;
+    case CALL_fh_logprob_support_workspace_size:
+        st = fh_logprob_support_workspace_size(ctx, &lin, &support_arg, &bytes);
+        break;
     case CALL_fh_grpo_forward: st = fh_grpo_forward(ctx, &lin, null_struct ? NULL : &gb, &go, &grpo_out); break;
     case CALL_fh_grpo_backward:
         st = fh_grpo_backward(ctx, &lin, &gb, &go, logp_in, lse_in, entropy_in, grad, null_struct ? NULL : &g);
@@ -1260,6 +1324,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (topk && !query && (topk_pointer || topk_k_bad) && lin.x && lin.weight)
         CHECK(st != FH_OK, "call %d accepted a top-k teacher it must reject (k=%lld, pointer %d)", call,
               (long long)topk_k, topk_pointer);
+    if (support && !query && (support_pointer || support_k < 1 || support_offsets_bad) && lin.x && lin.weight)
+        CHECK(st != FH_OK, "call %d accepted a support it must reject (k=%lld, pointer %d, CSR %d, offsets bad %d)",
+              call, (long long)support_k, support_pointer, support_csr, support_offsets_bad);
     if (distill && (t_pointer || t_lin_bad || t_dtype_bad || (t_mismatch && !query)))
         CHECK(st != FH_OK, "call %d accepted a teacher it must reject (n=%lld h=%lld v=%lld strides %lld %lld %lld "
               "dtypes %d %d pointer %d; student n=%lld v=%lld)", call, (long long)tn, (long long)th, (long long)tv,

@@ -51,10 +51,17 @@ int hu_call_is_distill_topk(hu_call call)
     return call == HU_fh_distill_topk_forward || call == HU_fh_distill_topk_forward_backward;
 }
 
+int hu_call_is_support(hu_call call)
+{
+    return call == HU_fh_logprob_support_forward || call == HU_fh_logprob_support_backward ||
+           call == HU_fh_logprob_support_forward_backward;
+}
+
 int hu_call_has_grads(hu_call call)
 {
     return call == HU_fh_ce_backward || call == HU_fh_ce_forward_backward || call == HU_fh_logprob_backward ||
-           call == HU_fh_logprob_backward_kept ||
+           call == HU_fh_logprob_backward_kept || call == HU_fh_logprob_support_backward ||
+           call == HU_fh_logprob_support_forward_backward ||
            call == HU_fh_logprob_forward_backward || call == HU_fh_grpo_backward ||
            call == HU_fh_grpo_forward_backward || call == HU_fh_preference_forward_backward ||
            call == HU_fh_kto_forward_backward || call == HU_fh_distill_forward_backward ||
@@ -232,6 +239,8 @@ void hu_grpo_problem_init(hu_grpo_problem *p, int64_t batch, int64_t seq, int64_
             p->topk_logprobs[i * HU_TOPK_K + e] = pad ? -INFINITY : (float)(-1.0 - 0.4 * (double)e);
         }
     }
+    p->support_ids = tu_alloc((size_t)(n * HU_SUPPORT_K), sizeof(int64_t));
+    hu_support_fill(p->support_ids, p->ids, n, vocab);
     fh_distill_topk_options_init(&p->distill_topk);
     p->distill_topk.temperature = 0.7;
     p->distill_topk.weight_hard_loss = 0.3;
@@ -276,6 +285,7 @@ void hu_grpo_problem_free(hu_grpo_problem *p)
     free(p->distill_grad);
     free(p->topk_ids);
     free(p->topk_logprobs);
+    free(p->support_ids);
     free(p->kto_labels);
     free(p->kto_ref_logps);
     free(p->kto_kl_logratios);
@@ -296,7 +306,7 @@ void hu_grpo_linear(const hu_grpo_problem *p, fh_linear *lin)
 void hu_grpo_batch(const hu_grpo_problem *p, fh_grpo_batch *batch)
 {
     const fh_grpo_batch b = {p->batch,      p->seq,        p->ids,        p->mask,
-                             p->advantages, p->old_logps, p->ref_logps, p->sampling_logps};
+                             p->advantages, p->old_logps, p->ref_logps, p->sampling_logps, NULL};
     *batch = b;
 }
 
@@ -343,6 +353,21 @@ void hu_distill_use_bf16(hu_grpo_problem *p, int student, int teacher)
         p->teacher_weight_bf16 = bf16_round_in_place(p->teacher_weight, (size_t)p->teacher_hidden * v);
         TU_CHECK(p->teacher_x_bf16 && p->teacher_weight_bf16, "bf16 copies: out of memory");
     }
+}
+
+void hu_support_fill(int64_t *ids, const int64_t *targets, int64_t n, int64_t vocab)
+{
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t y = targets[i] >= 0 && targets[i] < vocab ? targets[i] : 0;
+        for (int64_t e = 0; e < HU_SUPPORT_K; e++)
+            ids[i * HU_SUPPORT_K + e] = (i % 3 == 2 && e >= HU_SUPPORT_K - 2) || e >= vocab ? -1 : (y + e) % vocab;
+    }
+}
+
+void hu_support(const hu_grpo_problem *p, fh_support *support)
+{
+    const fh_support s = {p->support_ids, NULL, HU_SUPPORT_K};
+    *support = s;
 }
 
 void hu_topk_teacher(const hu_grpo_problem *p, fh_topk_teacher *teacher)
@@ -464,6 +489,25 @@ static fh_status run_distill_topk(fh_context *ctx, hu_call call, const hu_grpo_p
     return fh_distill_topk_forward_backward(ctx, &lin, &teacher, targets, &p->distill_topk, p->distill_grad, &out, g);
 }
 
+static fh_status run_support(fh_context *ctx, hu_call call, const hu_grpo_problem *p, const hu_saved *saved,
+                             hu_outputs *o, fh_linear_grads *g)
+{
+    fh_linear lin;
+    hu_grpo_linear(p, &lin);
+    fh_support support;
+    hu_support(p, &support);
+    fh_logprob_options lo;
+    fh_logprob_options_init(&lo);
+    lo.temperature = 0.9;
+    fh_logprob_outputs out = {o->logp, o->entropy, o->lse};
+    const float *up = p->distill_grad;
+    if (call == HU_fh_logprob_support_forward)
+        return fh_logprob_support_forward(ctx, &lin, p->ids, &support, &lo, &out);
+    if (call == HU_fh_logprob_support_backward)
+        return fh_logprob_support_backward(ctx, &lin, p->ids, &support, &lo, saved->lse, saved->entropy, up, up, up, g);
+    return fh_logprob_support_forward_backward(ctx, &lin, p->ids, &support, &lo, up, up, up, &out, g);
+}
+
 static fh_status run_preference(fh_context *ctx, hu_call call, const hu_grpo_problem *p, hu_outputs *o,
                                 fh_linear_grads *g)
 {
@@ -531,6 +575,9 @@ fh_status hu_run(fh_context *ctx, hu_call call, const cp_problem *p_ce, const hu
     case HU_fh_distill_forward_backward: return run_distill(ctx, call, p_grpo, o, &g);
     case HU_fh_distill_topk_forward:
     case HU_fh_distill_topk_forward_backward: return run_distill_topk(ctx, call, p_grpo, o, &g);
+    case HU_fh_logprob_support_forward:
+    case HU_fh_logprob_support_backward:
+    case HU_fh_logprob_support_forward_backward: return run_support(ctx, call, p_grpo, saved, o, &g);
     case HU_fh_kto_forward:
     case HU_fh_kto_forward_backward: return run_kto(ctx, call, p_grpo, o, &g);
     }

@@ -37,6 +37,8 @@ int hu_call_is_preference(hu_call call);
 int hu_call_is_kto(hu_call call);
 int hu_call_is_distill(hu_call call);
 int hu_call_is_distill_topk(hu_call call);
+/* Log-probs over a support: on a hu_grpo_problem's n tokens, its ids as targets, over its support. */
+int hu_call_is_support(hu_call call);
 /* The calls with gradients (backward or train step). */
 int hu_call_has_grads(hu_call call);
 
@@ -105,8 +107,11 @@ typedef struct hu_grpo_problem {
     int64_t *topk_ids;    /* [n, HU_TOPK_K] */
     float *topk_logprobs; /* [n, HU_TOPK_K] */
     fh_distill_topk_options distill_topk;
+    /* Log-probs over a support: HU_SUPPORT_K entries per token, padded: its id (when counted), then distinct others,
+     * the last two of tokens 2, 5, 8, ... -1 (hu_support_fill). */
+    int64_t *support_ids; /* [n, HU_SUPPORT_K] */
 } hu_grpo_problem;
-enum { HU_TOPK_K = 7 };
+enum { HU_TOPK_K = 7, HU_SUPPORT_K = 6 };
 
 /* Random inputs (logits of standard deviation ~3, masks with a padded tail, advantages of both signs, old
  * and reference log-probs within +-0.4 of log(1/V), sampler log-probs within +-0.1 of the old ones), TRL default
@@ -126,6 +131,11 @@ void hu_distill_linears(const hu_grpo_problem *p, fh_linear *student, fh_linear 
 /* Rounds the student's and/or the teacher's x and weight to bf16 in place; the distillation calls then read
  * their bf16 bits. */
 void hu_distill_use_bf16(hu_grpo_problem *p, int student, int teacher);
+/* ids [n, HU_SUPPORT_K], a padded support of the n targets (in [0, vocab) or ignored): entry e of row i (target y, 0
+ * when ignored) (y + e) mod vocab, -1 for e >= vocab and for the last two of rows 2, 5, 8, ... */
+void hu_support_fill(int64_t *ids, const int64_t *targets, int64_t n, int64_t vocab);
+/* The support calls' support (the problem's). */
+void hu_support(const hu_grpo_problem *p, fh_support *support);
 /* The top-k distillation calls' teacher. */
 void hu_topk_teacher(const hu_grpo_problem *p, fh_topk_teacher *teacher);
 /* A memory budget under which the distillation calls (teacher given) or the top-k distillation calls (teacher NULL)
@@ -135,7 +145,8 @@ void hu_topk_teacher(const hu_grpo_problem *p, fh_topk_teacher *teacher);
  * up to 2^30 suffices. */
 int64_t hu_distill_streaming_budget(const fh_linear *student, const fh_linear *teacher, int threads);
 
-/* Saved forward state that the backward calls read (lse, logp, entropy, the kept logits): from a successful forward
+/* Saved forward state that the backward calls read (lse, logp, entropy, the kept logits; the support backward takes
+ * any lse, as its result is a function of its inputs whatever they are): from a successful forward
  * (its logits output, [n, vocab], as written or as allocated). */
 typedef struct hu_saved {
     float *lse, *logp, *entropy, *logits;

@@ -483,6 +483,11 @@ static void test_caller_workspace_never_allocates(void)
         } else if (hu_call_is_distill_topk(c)) {
             hu_grpo_linear(&p.grpo, &lin);
             st = fh_distill_topk_workspace_size(ctx, &lin, &bytes);
+        } else if (hu_call_is_support(c)) {
+            hu_grpo_linear(&p.grpo, &lin);
+            fh_support support;
+            hu_support(&p.grpo, &support);
+            st = fh_logprob_support_workspace_size(ctx, &lin, &support, &bytes);
         } else if (grpo) {
             hu_grpo_linear(&p.grpo, &lin);
             st = hu_call_is_preference(c) ? fh_preference_workspace_size(ctx, &lin, &bytes)

@@ -81,7 +81,7 @@ typedef struct guard_case {
 
 enum { G_X, G_W, G_B, G_CW, G_T, G_GRAD, G_LSE, G_LOGP, G_ENT, G_MASK, G_ADV, G_OLD, G_REF, G_SAMP,
        G_PTL, G_OLOGP, G_OLSE, G_OENT, G_ARGMAX, G_DX, G_DW, G_DB, G_SEQ_LOGPS, G_REWARDS, G_TX, G_TW, G_TB,
-       G_LABELS, G_REF_SEQ, G_KL, G_KL_RATIOS, G_TOPK_IDS, G_TOPK_LOGPROBS, G_LOGITS, G_COUNT };
+       G_LABELS, G_REF_SEQ, G_KL, G_KL_RATIOS, G_TOPK_IDS, G_TOPK_LOGPROBS, G_LOGITS, G_SUPPORT_IDS, G_COUNT };
 
 static float *fill(float *p, size_t count, uint64_t *rng, double scale, double offset)
 {
@@ -150,6 +150,7 @@ static int guarded_call(void *arg)
     float *kl = fill(guard_alloc(&g[G_KL], 4, c->tail), 1, &rng, 0.2, 0.2);
     float *kl_ratios = fill(guard_alloc(&g[G_KL_RATIOS], (size_t)kto_batch * 4, c->tail), (size_t)kto_batch, &rng, 0.5, 0.1);
     int64_t *topk_ids = guard_alloc(&g[G_TOPK_IDS], un * HU_TOPK_K * 8, c->tail);
+    int64_t *support_ids = guard_alloc(&g[G_SUPPORT_IDS], un * HU_SUPPORT_K * 8, c->tail);
     float *topk_logprobs = guard_alloc(&g[G_TOPK_LOGPROBS], un * HU_TOPK_K * 4, c->tail);
     /* The log-probs' kept logits: written by the forward that keeps them, read by the backward from them. */
     float *logits = fill(guard_alloc(&g[G_LOGITS], un * uv * 4, c->tail), un * uv, &rng, 2.0, 0.0);
@@ -202,7 +203,7 @@ static int guarded_call(void *arg)
     go.beta = 0.04;
     go.entropy_coef = 0.01;
     go.off_policy_mask_threshold = 0.0; /* reads the sampler's log-probs, as the importance-sampling correction does */
-    const fh_grpo_batch batch = {1, n, t, mask, adv, old, ref, samp};
+    const fh_grpo_batch batch = {1, n, t, mask, adv, old, ref, samp, NULL};
     fh_preference_options po;
     fh_preference_options_init(&po);
     po.loss_type_count = 2; /* TRL's current DPO with its NLL term (sft), as rpo_alpha was */
@@ -257,6 +258,8 @@ static int guarded_call(void *arg)
     for (int64_t i = 0; i < n && hu_call_on_sequences(c->call); i++)
         if (t[i] < 0)
             mask[i] = 0.0f;
+    hu_support_fill(support_ids, t, n, v);
+    const fh_support support = {support_ids, NULL, HU_SUPPORT_K};
     fh_status st = FH_ERR_NULL_POINTER; /* set by the switch below, which has every head call */
 #pragma GCC diagnostic error "-Wswitch" /* every head call guarded: a listed one without a case does not compile */
     switch (c->call) {
@@ -271,6 +274,15 @@ static int guarded_call(void *arg)
         break;
     case HU_fh_logprob_forward_backward:
         st = fh_logprob_forward_backward(ctx, &lin, t, &lo, grad, grad, grad, &logprob_out, &grads);
+        break;
+    case HU_fh_logprob_support_forward:
+        st = fh_logprob_support_forward(ctx, &lin, t, &support, &lo, &logprob_out);
+        break;
+    case HU_fh_logprob_support_backward:
+        st = fh_logprob_support_backward(ctx, &lin, t, &support, &lo, lse, ent, grad, grad, grad, &grads);
+        break;
+    case HU_fh_logprob_support_forward_backward:
+        st = fh_logprob_support_forward_backward(ctx, &lin, t, &support, &lo, grad, grad, grad, &logprob_out, &grads);
         break;
     case HU_fh_grpo_forward: st = fh_grpo_forward(ctx, &lin, &batch, &go, &grpo_out); break;
     case HU_fh_grpo_backward: st = fh_grpo_backward(ctx, &lin, &batch, &go, logp, lse, ent, grad, &grads); break;

@@ -124,7 +124,7 @@ static int child(void *arg)
     fh_grpo_options go;
     fh_grpo_options_init(&go);
     const fh_grpo_batch batch = {c->batch ? c->batch : 1, c->batch ? c->seq : c->n, tiny_targets, tiny_mask,
-                                 tiny_adv, tiny_logps, tiny_logps, tiny_logps};
+                                 tiny_adv, tiny_logps, tiny_logps, tiny_logps, NULL};
     fh_ce_outputs ce_out = {&o.loss, &o.z_loss, o.per_token_loss, o.logp, o.lse, o.argmax, NULL, NULL};
     fh_grpo_outputs grpo_out = {&o.loss, &o.metrics, o.logp, o.per_token_loss, o.entropy, o.lse};
     /* A preference batch: the same sequences as one pair when no batch is given. */
@@ -145,6 +145,8 @@ static int child(void *arg)
     fh_distill_outputs distill_out = {&o.loss, &o.soft_loss, &o.hard_loss, o.per_token_loss};
     /* Top-k distillation: one entry per token, in the tiny buffers (the student is checked first). */
     const fh_topk_teacher topk = {1, tiny_targets, tiny_logps};
+    /* Log-probs over a support: one padded entry per token, the tiny targets (the linear is checked first). */
+    const fh_support support = {tiny_targets, NULL, 1};
     fh_distill_topk_options topt;
     fh_distill_topk_options_init(&topt);
     size_t bytes = 0xA5A5A5A5u;
@@ -152,6 +154,7 @@ static int child(void *arg)
     if (a->query) {
         st = hu_call_is_distill(a->call)      ? fh_distill_workspace_size(ctx, &lin, &lin, &bytes)
              : hu_call_is_distill_topk(a->call) ? fh_distill_topk_workspace_size(ctx, &lin, &bytes)
+             : hu_call_is_support(a->call)    ? fh_logprob_support_workspace_size(ctx, &lin, &support, &bytes)
              : hu_call_is_preference(a->call) ? fh_preference_workspace_size(ctx, &lin, &bytes)
              : hu_call_is_kto(a->call)        ? fh_kto_workspace_size(ctx, &lin, &bytes)
              : hu_call_on_sequences(a->call) ? fh_grpo_workspace_size(ctx, &lin, &bytes)
@@ -176,6 +179,17 @@ static int child(void *arg)
         break;
     case HU_fh_logprob_forward_backward:
         st = fh_logprob_forward_backward(ctx, &lin, tiny_targets, &lo, tiny_grad, tiny_grad, NULL, &lp_out, &g);
+        break;
+    case HU_fh_logprob_support_forward:
+        st = fh_logprob_support_forward(ctx, &lin, tiny_targets, &support, &lo, &lp_out);
+        break;
+    case HU_fh_logprob_support_backward:
+        st = fh_logprob_support_backward(ctx, &lin, tiny_targets, &support, &lo, tiny_lse, NULL, tiny_grad, NULL,
+                                         tiny_grad, &g);
+        break;
+    case HU_fh_logprob_support_forward_backward:
+        st = fh_logprob_support_forward_backward(ctx, &lin, tiny_targets, &support, &lo, tiny_grad, NULL, NULL,
+                                                 &lp_out, &g);
         break;
     case HU_fh_grpo_forward: st = fh_grpo_forward(ctx, &lin, &batch, &go, &grpo_out); break;
     case HU_fh_grpo_backward:
@@ -223,9 +237,10 @@ static void test_overflowing_shapes(void)
         const shape_case *c = &cases[k];
         const int grpo_only = c->batch != 0;
         for (int call = 0; call < HU_CALL_COUNT; call++) {
-            /* A batch of sequences: GRPO, preference and KTO calls (neither distillation takes one). */
+            /* A batch of sequences: GRPO, preference and KTO calls (neither distillation nor the support calls take
+             * one). */
             const int batched = hu_call_on_sequences((hu_call)call) && !hu_call_is_distill((hu_call)call) &&
-                                !hu_call_is_distill_topk((hu_call)call);
+                                !hu_call_is_distill_topk((hu_call)call) && !hu_call_is_support((hu_call)call);
             if (grpo_only && !batched)
                 continue;
             const int has_grads = hu_call_has_grads((hu_call)call);
@@ -235,7 +250,8 @@ static void test_overflowing_shapes(void)
                 /* Workspace queries take no batch and no gradients; one query per kind of call. */
                 if (query && (grpo_only || c->grads_only || call == HU_fh_ce_backward || call == HU_fh_logprob_backward ||
                               call == HU_fh_logprob_forward_keep || call == HU_fh_logprob_backward_kept ||
-                              call == HU_fh_logprob_forward_backward || call == HU_fh_grpo_backward ||
+                              call == HU_fh_logprob_forward_backward || call == HU_fh_logprob_support_backward ||
+                              call == HU_fh_logprob_support_forward_backward || call == HU_fh_grpo_backward ||
                               call == HU_fh_grpo_forward_backward || call == HU_fh_preference_forward_backward ||
                               call == HU_fh_kto_forward_backward || call == HU_fh_distill_forward_backward ||
                               call == HU_fh_distill_topk_forward_backward))

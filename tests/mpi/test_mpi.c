@@ -765,7 +765,7 @@ static void run_grpo(const config *cfg, const grpo_case *c, fh_dtype dtype)
     /* Old and reference log-probs near the current ones, so that ratios straddle the clip bounds. */
     {
         float *logp0 = alloc((size_t)n, 4);
-        const fh_grpo_batch b0 = {B, T, ids, mask, adv, NULL, NULL, NULL};
+        const fh_grpo_batch b0 = {B, T, ids, mask, adv, NULL, NULL, NULL, NULL};
         fh_grpo_outputs o0 = {NULL, NULL, logp0, NULL, NULL, NULL};
         fh_grpo_options plain = o;
         plain.beta = 0.0;
@@ -778,7 +778,8 @@ static void run_grpo(const config *cfg, const grpo_case *c, fh_dtype dtype)
         free(logp0);
     }
     float *const sampling = c->is_mode >= 0 || !isnan(c->off_policy) ? samp : NULL;
-    const fh_grpo_batch batch = {B, T, ids, mask, adv, c->old ? old : NULL, c->beta != 0.0 ? refl : NULL, sampling};
+    const fh_grpo_batch batch = {B,        T, ids, mask, adv, c->old ? old : NULL, c->beta != 0.0 ? refl : NULL,
+                                 sampling, NULL};
     const float grad = 0.8f;
     double ref_loss;
     fh_grpo_metrics ref_m;
@@ -802,7 +803,7 @@ static void run_grpo(const config *cfg, const grpo_case *c, fh_dtype dtype)
                               adv + b0,
                               c->old ? old + n0 : NULL,
                               c->beta != 0.0 ? refl + n0 : NULL,
-                              sampling ? sampling + n0 : NULL};
+                              sampling ? sampling + n0 : NULL, NULL};
     double loss = NAN;
     fh_grpo_metrics m;
     float *logp = alloc((size_t)nr, 4), *ptl = alloc((size_t)nr, 4), *ent = alloc((size_t)nr, 4),
@@ -1330,7 +1331,7 @@ static void early_failure_case(const config *cfg, head_call entry, int bad)
     go.beta = 0.0;
     fh_kto_options ko;
     fh_kto_options_init(&ko);
-    const fh_grpo_batch gb = {B, T, targets, mask, adv, NULL, NULL, NULL};
+    const fh_grpo_batch gb = {B, T, targets, mask, adv, NULL, NULL, NULL, NULL};
     const fh_kto_batch kb = {B, T, targets, mask, labels, ref, NULL, &kl, NULL};
     const fh_ce_options *const cop = no_options ? NULL : &co;
     const fh_logprob_options *const lop = no_options ? NULL : &lo;
@@ -1491,7 +1492,7 @@ static void mismatch_case(const config *cfg, int diff)
             const uint64_t bits = odd ? 0x7ff8000000000001u : 0x7ff8000000000000u;
             memcpy(&o.delta, &bits, sizeof o.delta);
         }
-        const fh_grpo_batch batch = {B, T, ids, mask, adv, NULL, refl, NULL};
+        const fh_grpo_batch batch = {B, T, ids, mask, adv, NULL, refl, NULL, NULL};
         fh_grpo_outputs out = {&loss, NULL, NULL, NULL, NULL, NULL};
         st = fh_mpi_grpo_forward_backward(ctx, L, &lin, &batch, &o, &grad_output, &out, &g);
         free(ids);
