@@ -633,11 +633,13 @@ class CEProblem:
 # Log-probs
 # ---------------------------------------------------------------------------------------------------------
 class LogprobProblem:
-    """A linear head, targets [N] and log-prob options: the arguments every fh_logprob_* call shares. Outputs and
-    upstream gradients are addresses of [N] float32 vectors (or None)."""
+    """A linear head, targets [N] and log-prob options: the arguments every fh_logprob_* call shares; with a support
+    (Support), those of fh_logprob_support_*. Outputs and upstream gradients are addresses of [N] float32 vectors (or
+    None)."""
 
     def __init__(self, head: LinearHead, targets: View, *, ignore_index: int = -100, temperature: float = 1.0,
-                 softcap: Optional[float] = None, logit_scale: Optional[float] = None):
+                 softcap: Optional[float] = None, logit_scale: Optional[float] = None,
+                 support: Optional["Support"] = None):
         self.head = head
         if tuple(targets.shape) != (head.n,) or not vector_view_ok(targets.shape, targets.strides):
             raise ValueError(f"targets: expected a contiguous [N] = [{head.n}] int64 vector, got shape "
@@ -645,34 +647,65 @@ class LogprobProblem:
         self.targets = _ip(targets.ptr)
         self.options = _lib.fh_logprob_options(int64("ignore_index", ignore_index), float(temperature),
                                                float(softcap or 0.0), 1.0 if logit_scale is None else float(logit_scale))
+        self.support = support
+
+    def _entry(self, name: str) -> str:
+        return name.replace("fh_logprob_", "fh_logprob_support_") if self.support is not None else name
+
+    def _head_args(self) -> tuple:
+        support = (ctypes.byref(self.support.c),) if self.support is not None else ()
+        return (ctypes.byref(self.head.c), self.targets, *support, ctypes.byref(self.options))
 
     def forward(self, ctx: Context, *, logp=None, entropy=None, lse=None, logits: Optional[int] = None) -> None:
         """fh_logprob_forward; with logits (the address of [N, V] float32), fh_logprob_forward_keep."""
         out = _lib.fh_logprob_outputs(_fp(logp), _fp(entropy), _fp(lse))
         if logits is None:
-            ctx.call("fh_logprob_forward", ctypes.byref(self.head.c), self.targets, ctypes.byref(self.options),
-                     ctypes.byref(out))
+            ctx.call(self._entry("fh_logprob_forward"), *self._head_args(), ctypes.byref(out))
         else:
-            ctx.call("fh_logprob_forward_keep", ctypes.byref(self.head.c), self.targets, ctypes.byref(self.options),
-                     ctypes.byref(out), _fp(logits))
+            ctx.call("fh_logprob_forward_keep", *self._head_args(), ctypes.byref(out), _fp(logits))
 
     def backward(self, ctx: Context, lse: int, entropy: Optional[int], g_logp: Optional[int],
                  g_entropy: Optional[int], g_lse: Optional[int], grads: _lib.fh_linear_grads, *,
                  logits: Optional[int] = None) -> None:
         """fh_logprob_backward; with the logits a forward kept, fh_logprob_backward_kept."""
         if logits is None:
-            ctx.call("fh_logprob_backward", ctypes.byref(self.head.c), self.targets, ctypes.byref(self.options),
-                     _fp(lse), _fp(entropy), _fp(g_logp), _fp(g_entropy), _fp(g_lse), ctypes.byref(grads))
+            ctx.call(self._entry("fh_logprob_backward"), *self._head_args(), _fp(lse), _fp(entropy), _fp(g_logp),
+                     _fp(g_entropy), _fp(g_lse), ctypes.byref(grads))
         else:
-            ctx.call("fh_logprob_backward_kept", ctypes.byref(self.head.c), self.targets, ctypes.byref(self.options),
-                     _fp(logits), _fp(lse), _fp(entropy), _fp(g_logp), _fp(g_entropy), _fp(g_lse),
-                     ctypes.byref(grads))
+            ctx.call("fh_logprob_backward_kept", *self._head_args(), _fp(logits), _fp(lse), _fp(entropy),
+                     _fp(g_logp), _fp(g_entropy), _fp(g_lse), ctypes.byref(grads))
 
     def forward_backward(self, ctx: Context, g_logp: Optional[int], g_entropy: Optional[int], g_lse: Optional[int],
                          grads: _lib.fh_linear_grads, *, logp=None, entropy=None, lse=None) -> None:
         out = _lib.fh_logprob_outputs(_fp(logp), _fp(entropy), _fp(lse))
-        ctx.call("fh_logprob_forward_backward", ctypes.byref(self.head.c), self.targets, ctypes.byref(self.options),
-                 _fp(g_logp), _fp(g_entropy), _fp(g_lse), ctypes.byref(out), ctypes.byref(grads))
+        ctx.call(self._entry("fh_logprob_forward_backward"), *self._head_args(), _fp(g_logp), _fp(g_entropy),
+                 _fp(g_lse), ctypes.byref(out), ctypes.byref(grads))
+
+
+class Support:
+    """A support per token (fh_support): CSR, ids [E] with offsets [N + 1], or padded, ids [N, k] with -1 as
+    padding (offsets None). Views of int64 memory that owners (the arrays or tensors behind them) keep alive as long
+    as the support is."""
+
+    def __init__(self, n: int, ids: View, offsets: Optional[View], owners: tuple = ()):
+        self.owners = owners
+        if offsets is None:
+            padded = len(ids.shape) == 2 and ids.shape[0] == n
+            if not padded or normalize_strides(ids.shape, ids.strides) != (ids.shape[1], 1):
+                raise ValueError(f"support_ids: expected a contiguous [N, k] = [{n}, k] int64 matrix (padded with -1) "
+                                 f"when no support_offsets are given, got shape {_shape(ids.shape)} strides "
+                                 f"{ids.strides}")
+            if ids.shape[1] < 1:
+                raise ValueError("support_ids: a padded support has at least one entry per token (k >= 1), got k = 0")
+            self.c = _lib.fh_support(_ip(ids.ptr), None, int(ids.shape[1]))
+            return
+        if tuple(offsets.shape) != (n + 1,) or not vector_view_ok(offsets.shape, offsets.strides):
+            raise ValueError(f"support_offsets: expected a contiguous [N + 1] = [{n + 1}] int64 vector, got shape "
+                             f"{_shape(offsets.shape)} strides {offsets.strides}")
+        if len(ids.shape) != 1 or not vector_view_ok(ids.shape, ids.strides):
+            raise ValueError(f"support_ids: expected a contiguous 1-D int64 vector of ids with support_offsets (CSR), "
+                             f"got shape {_shape(ids.shape)} strides {ids.strides}")
+        self.c = _lib.fh_support(_ip(ids.ptr), _ip(offsets.ptr), 0)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -873,7 +906,7 @@ class GRPOProblem(_BatchProblem):
     def __init__(self, head: LinearHead, batch: int, seq: int, completion_ids: View, completion_mask: View,
                  advantages: View, old_per_token_logps: Optional[View] = None,
                  ref_per_token_logps: Optional[View] = None, options: Optional[_lib.fh_grpo_options] = None,
-                 sampling_per_token_logps: Optional[View] = None):
+                 sampling_per_token_logps: Optional[View] = None, support: Optional["Support"] = None):
         b, t = int(batch), int(seq)
         if b * t != head.n:
             raise ValueError(f"hidden: expected B*T = {b}*{t} = {b * t} rows, got {head.n}")
@@ -885,8 +918,9 @@ class GRPOProblem(_BatchProblem):
         samp = _vector_ptr(sampling_per_token_logps, "sampling_per_token_logps", n, f"{bt} float32 array")
         adv = _vector_ptr(advantages, "advantages", b, f"[B] = [{b}] float32 vector")
         self.batch, self.seq = b, t
+        self.support = support  # the fh_support the batch points to lives as long as the problem
         super().__init__(head, _lib.fh_grpo_batch(b, t, _ip(ids), _fp(mask), _fp(adv), _fp(old), _fp(ref),
-                                                   _fp(samp)),
+                                                   _fp(samp), None if support is None else ctypes.pointer(support.c)),
                          options if options is not None else grpo_options())
 
     def backward(self, ctx: Context, per_token_logp: int, lse: int, entropy: Optional[int], grad_output: int,

@@ -71,6 +71,7 @@ class Status(enum.IntEnum):
     ERR_INVALID_DISTILL_OPTION = 51
     ERR_TEACHER_MISMATCH = 52
     ERR_INVALID_LOGIT_SCALE = 53
+    ERR_INVALID_SUPPORT = 54
     ERR_MPI = 60
     ERR_MPI_LAYOUT = 61
     ERR_MPI_MISMATCH = 62
@@ -271,6 +272,10 @@ class fh_logprob_outputs(ctypes.Structure):
     _fields_ = [("logp", c_float_p), ("entropy", c_float_p), ("lse", c_float_p)]
 
 
+class fh_support(ctypes.Structure):
+    _fields_ = [("ids", c_int64_p), ("offsets", c_int64_p), ("k", ctypes.c_int64)]
+
+
 # GRPO (fh_grpo_*)
 class fh_grpo_options(ctypes.Structure):
     _fields_ = [
@@ -310,6 +315,7 @@ class fh_grpo_batch(ctypes.Structure):
         ("old_per_token_logps", c_float_p),
         ("ref_per_token_logps", c_float_p),
         ("sampling_per_token_logps", c_float_p),
+        ("support", ctypes.POINTER(fh_support)),
     ]
 
 
@@ -494,7 +500,7 @@ class fh_distill_topk_options(ctypes.Structure):
 
 
 STRUCTS = (fh_kernel_info, fh_linear, fh_linear_grads, fh_ce_options, fh_ce_outputs, fh_logprob_options,
-           fh_logprob_outputs, fh_grpo_options,
+           fh_logprob_outputs, fh_support, fh_grpo_options,
            fh_grpo_batch, fh_grpo_metrics, fh_grpo_outputs, fh_preference_options, fh_preference_batch,
            fh_preference_metrics, fh_preference_outputs, fh_distill_options, fh_distill_outputs, fh_topk_teacher,
            fh_distill_topk_options)
@@ -549,6 +555,15 @@ _OPTIONAL = {
     "fh_logprob_forward_backward": (_st, [_ctx_p, _P(fh_linear), c_int64_p, _P(fh_logprob_options), c_float_p,
                                           c_float_p, c_float_p, _P(fh_logprob_outputs), _P(fh_linear_grads)]),
     "fh_logprob_workspace_size": (_st, [_ctx_p, _P(fh_linear), _P(ctypes.c_size_t)]),
+    "fh_logprob_support_forward": (_st, [_ctx_p, _P(fh_linear), c_int64_p, _P(fh_support), _P(fh_logprob_options),
+                                         _P(fh_logprob_outputs)]),
+    "fh_logprob_support_backward": (_st, [_ctx_p, _P(fh_linear), c_int64_p, _P(fh_support),
+                                          _P(fh_logprob_options), c_float_p, c_float_p, c_float_p, c_float_p,
+                                          c_float_p, _P(fh_linear_grads)]),
+    "fh_logprob_support_forward_backward": (_st, [_ctx_p, _P(fh_linear), c_int64_p, _P(fh_support),
+                                                  _P(fh_logprob_options), c_float_p, c_float_p, c_float_p,
+                                                  _P(fh_logprob_outputs), _P(fh_linear_grads)]),
+    "fh_logprob_support_workspace_size": (_st, [_ctx_p, _P(fh_linear), _P(fh_support), _P(ctypes.c_size_t)]),
     "fh_grpo_options_init": (_st, [_P(fh_grpo_options)]),
     "fh_grpo_forward": (_st, [_ctx_p, _P(fh_linear), _P(fh_grpo_batch), _P(fh_grpo_options),
                               _P(fh_grpo_outputs)]),

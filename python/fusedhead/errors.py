@@ -3,8 +3,8 @@
 Every failing library call raises a FusedheadError subclass chosen by the status code:
 
     FusedheadError (RuntimeError)            .status, .status_name, .status_string, .message, .function
-      FusedheadValueError (+ ValueError)     statuses 1..19, 24, 25, 30, 31, 50..53: bad shapes, strides, targets,
-        TargetOutOfRangeError, ...           options, wisdom entries (one class per status)
+      FusedheadValueError (+ ValueError)     statuses 1..19, 24, 25, 30, 31, 50..54: bad shapes, strides, targets,
+        TargetOutOfRangeError, ...           options, supports, wisdom entries (one class per status)
       FusedheadMemoryError (+ MemoryError)   statuses 20..22: workspace and memory
       WisdomIOError (+ OSError)              status 23: a wisdom file cannot be read or written
       KernelsUnavailableError                status 32: FH_ROW_KERNELS / FH_BF16_GEMM force what this CPU lacks
@@ -71,6 +71,7 @@ class InvalidPreferenceOptionError(FusedheadValueError): pass
 class InvalidDistillOptionError(FusedheadValueError): pass
 class TeacherMismatchError(FusedheadValueError): pass
 class InvalidLogitScaleError(FusedheadValueError): pass
+class InvalidSupportError(FusedheadValueError): pass
 class WorkspaceTooSmallError(FusedheadMemoryError): pass
 class OutOfMemoryError(FusedheadMemoryError): pass
 class BudgetTooSmallError(FusedheadMemoryError): pass
@@ -117,6 +118,7 @@ ERROR_CLASSES: Dict[int, Type[FusedheadError]] = {
     Status.ERR_INVALID_DISTILL_OPTION: InvalidDistillOptionError,
     Status.ERR_TEACHER_MISMATCH: TeacherMismatchError,
     Status.ERR_INVALID_LOGIT_SCALE: InvalidLogitScaleError,
+    Status.ERR_INVALID_SUPPORT: InvalidSupportError,
     Status.ERR_INVALID_PARAM: InvalidParamError,
     Status.ERR_INVALID_PARAM_VALUE: InvalidParamValueError,
     Status.ERR_KERNELS_UNAVAILABLE: KernelsUnavailableError,

@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Tuple, TypeVar, Unio
 import numpy as np
 
 from ._core import (CEProblem, Context, DistillProblem, DistillTopkProblem, GRPOProblem, KTOProblem, LinearHead,
-                    LogprobProblem, PreferenceProblem, kto_metrics_dict, kto_options,
+                    LogprobProblem, PreferenceProblem, Support, kto_metrics_dict, kto_options,
                     View, collective, default_context, distill_options, grpo_metrics_dict, grpo_options, pairs_shape, parse_reduction,
                     prefixed_errors, preference_metrics_dict, preference_options, status_string, distill_topk_options)
 from ._lib import Dtype, Reduction, Status
@@ -473,17 +473,46 @@ class LogprobsResult:
     dbias: Optional[np.ndarray] = None
 
 
-@_joined(lambda a: "fh_logprob_forward_backward" if any(a.get(g) is not None for g in ("g_logp", "g_entropy", "g_lse"))
-         else "fh_logprob_forward")
+def _logprob_entry(a: Dict[str, Any]) -> str:
+    support = "support_" if a.get("support_ids") is not None else ""
+    step = any(a.get(g) is not None for g in ("g_logp", "g_entropy", "g_lse"))
+    return f"fh_logprob_{support}forward" + ("_backward" if step else "")
+
+
+def _support(support_ids: Optional[np.ndarray], support_offsets: Optional[np.ndarray], token_shape: Tuple[int, ...],
+             n: int) -> Optional[Support]:
+    """support_ids padded (the tokens' shape + [k], -1 padding) or CSR (1-D, with support_offsets [N + 1]); None
+    without support_ids."""
+    if support_ids is None:
+        if support_offsets is not None:
+            raise ValueError("support_offsets without support_ids: a CSR support is support_ids with support_offsets")
+        return None
+    ids = _check_array(support_ids, "support_ids", np.int64)
+    if support_offsets is None:
+        if ids.ndim < 1 or ids.shape[:-1] not in (token_shape, (n,)):
+            raise ValueError(f"support_ids: expected the tokens' shape {list(token_shape)} + [k] (padded with -1) "
+                             f"or, with support_offsets, a 1-D CSR list of ids; got {list(ids.shape)}")
+        padded = np.ascontiguousarray(ids.reshape(n, ids.shape[-1]))
+        return Support(n, _view(padded, "support_ids"), None, (padded,))
+    offsets = np.ascontiguousarray(_check_array(support_offsets, "support_offsets", np.int64))
+    flat = np.ascontiguousarray(ids) if ids.size > 0 else np.zeros(1, dtype=np.int64)
+    return Support(n, _view(flat, "support_ids"), _view(offsets, "support_offsets"), (flat, offsets))
+
+
+@_joined(_logprob_entry)
 def logprobs(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, bias: Optional[np.ndarray] = None, *,
              temperature: float = 1.0, softcap: Optional[float] = None, logit_scale: Optional[float] = None,
              ignore_index: int = -100, g_logp: Optional[np.ndarray] = None, g_entropy: Optional[np.ndarray] = None,
              g_lse: Optional[np.ndarray] = None, layout: str = "vh", context: Optional[Context] = None,
-             dtype: str = "fp32", grad_dtype: Optional[str] = None) -> LogprobsResult:
+             dtype: str = "fp32", grad_dtype: Optional[str] = None, support_ids: Optional[np.ndarray] = None,
+             support_offsets: Optional[np.ndarray] = None) -> LogprobsResult:
     """Per-token log-probs, entropies and log-sum-exps of s = softcap(logit_scale (hidden W^T + bias)) / temperature
     without the logits (fh_logprob_forward); with any of g_logp, g_entropy, g_lse (float32, the targets' shape),
-    also the gradients of every input in one call (fh_logprob_forward_backward)."""
+    also the gradients of every input in one call (fh_logprob_forward_backward). With support_ids (int64; padded,
+    the targets' shape + [k] with -1 padding, or CSR with support_offsets [N + 1]), each over its token's support
+    instead of the vocabulary (fh_logprob_support_*; fusedhead.torch.fused_linear_logprobs says more)."""
     p = _Prepared(hidden, weight, targets, bias, layout, ignore_index, "mean", 0.0, None, 0.0, 0.0, dtype, grad_dtype)
+    support = _support(support_ids, support_offsets, p.token_shape, p.n)
     upstream = [None if g is None else _flatten_vector(_check_array(g, name, np.float32), name, p.token_shape, p.n,
                                                         "one value per token")
                 for g, name in ((g_logp, "g_logp"), (g_entropy, "g_entropy"), (g_lse, "g_lse"))]
@@ -497,7 +526,7 @@ def logprobs(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, bias: 
             p.zero_grads(bufs, False)
     else:
         problem = LogprobProblem(p.head, _view(p.targets, "targets"), ignore_index=ignore_index,
-                                 temperature=temperature, softcap=softcap, logit_scale=logit_scale)
+                                 temperature=temperature, softcap=softcap, logit_scale=logit_scale, support=support)
         ctx = context or default_context()
         outs = dict(logp=values[0].ctypes.data, entropy=values[1].ctypes.data, lse=values[2].ctypes.data)
         if bufs is None:
@@ -601,6 +630,7 @@ def grpo_loss(hidden: np.ndarray, weight: np.ndarray, completion_ids: np.ndarray
               sampling_per_token_logps: Optional[np.ndarray] = None, *, layout: str = "vh",
               return_grads: Union[bool, Iterable[str]] = False, grad_output: float = 1.0,
               context: Optional[Context] = None, dtype: str = "fp32", grad_dtype: Optional[str] = None,
+              support_ids: Optional[np.ndarray] = None, support_offsets: Optional[np.ndarray] = None,
               **options) -> GRPOResult:
     """TRL's GRPO loss (GRPOTrainer._compute_loss of TRL 1.16.0) from hidden [B, T, H] float32
     (position t predicts completion_ids[b, t], int64 [B, T]), completion_mask float32 [B, T], advantages float32
@@ -616,7 +646,8 @@ def grpo_loss(hidden: np.ndarray, weight: np.ndarray, completion_ids: np.ndarray
     vllm_importance_sampling_mode ("sequence_mask"; token_truncate, token_mask, sequence_truncate),
     vllm_importance_sampling_clip_min / _clip_max (None: no bound; _cap: TRL's deprecated alias of clip_max),
     vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg. return_grads: False, True (all) or names among
-    "hidden", "weight", "bias".
+    "hidden", "weight", "bias". support_ids / support_offsets: the policy's log-probs over each token's support, as
+    fusedhead.torch.fused_linear_grpo_loss takes them.
     """
     opt = grpo_options(**options)
     arrays = _BatchHead(hidden, weight, bias, dtype, grad_dtype, return_grads)
@@ -633,6 +664,7 @@ def grpo_loss(hidden: np.ndarray, weight: np.ndarray, completion_ids: np.ndarray
     adv = _check_array(advantages, "advantages", np.float32, _FP32_HINT)
     if adv.shape != (b,):
         raise ValueError(f"advantages: expected shape [B] = [{b}], got {list(adv.shape)}")
+    support = _support(support_ids, support_offsets, (b, t), b * t)
     outs = {k: np.zeros((b, t), np.float32) for k in ("per_token_logp", "per_token_loss", "entropy", "lse")}
     grads = dict(dhidden=arrays.dx, dweight=arrays.dw, dbias=arrays.db)
     if b * t == 0:
@@ -642,7 +674,8 @@ def grpo_loss(hidden: np.ndarray, weight: np.ndarray, completion_ids: np.ndarray
     opt_view = lambda a, name: None if a is None else _view(a, name)  # noqa: E731
     problem = GRPOProblem(arrays.linear(layout), b, t, _view(ids, "completion_ids"), _view(mask, "completion_mask"),
                           _view(adv, "advantages"), opt_view(old, "old_per_token_logps"),
-                          opt_view(ref, "ref_per_token_logps"), opt, opt_view(samp, "sampling_per_token_logps"))
+                          opt_view(ref, "ref_per_token_logps"), opt, opt_view(samp, "sampling_per_token_logps"),
+                          support)
     loss, m = arrays.run(problem, grad_output, context, outs)
     return GRPOResult(loss, grpo_metrics_dict(m), **outs, **grads)
 

@@ -58,6 +58,15 @@ def _logprobs(h, w, d):
     return -(logp * d["advantages"][:, None] * d["mask"]).sum() / d["mask"].sum() + 0.01 * entropy.mean()
 
 
+def _logprobs_support(h, w, d):
+    # padded: each token's target and the next four ids, the last one padding in the second sequence
+    support = torch.stack([(d["ids"] + k) % V for k in range(5)], -1)
+    support[1, :, -1] = -1
+    logp, entropy = fht.fused_linear_logprobs(h, w, d["ids"], temperature=0.9, return_entropy=True,
+                                              support_ids=support)
+    return -(logp * d["advantages"][:, None] * d["mask"]).sum() / d["mask"].sum() + 0.01 * entropy.mean()
+
+
 def _grpo(h, w, d):
     return fht.fused_linear_grpo_loss(h, w, d["ids"], d["mask"], d["advantages"], old_per_token_logps=d["old"],
                                       ref_per_token_logps=d["ref"], beta=0.04, loss_type="dapo",
@@ -98,7 +107,8 @@ def _distill_topk_none(h, w, d):
 
 
 HEADS: Dict[str, Callable] = dict(cross_entropy=_ce, cross_entropy_none=_ce_none, causal_lm=_causal_lm,
-                                  logprobs=_logprobs, grpo=_grpo, dpo=_dpo, kto=_kto, distill=_distill,
+                                  logprobs=_logprobs, logprobs_support=_logprobs_support, grpo=_grpo, dpo=_dpo,
+                                  kto=_kto, distill=_distill,
                                   distill_none=_distill_none, distill_topk=_distill_topk,
                                   distill_topk_none=_distill_topk_none)
 
@@ -256,7 +266,8 @@ def test_opcheck_every_op(dtype, monkeypatch):
                              for a in args)
         torch.library.opcheck(op, opcheck_args)
     expected = {n for n in ("cross_entropy", "cross_entropy_none", "cross_entropy_none_backward",
-                                             "logprobs", "logprobs_backward", "grpo", "preference", "kto", "distill",
+                                             "logprobs", "logprobs_backward", "logprobs_support",
+                                             "logprobs_support_backward", "grpo", "preference", "kto", "distill",
                                              "distill_none", "distill_none_backward", "distill_topk",
                                              "distill_topk_none", "distill_topk_none_backward")}
     assert expected <= checked, expected - checked

@@ -123,19 +123,22 @@ def well_conditioned(d, details, opts, h=None, W=None):
         assert details["off_policy_margin"] > THRESHOLD_MARGIN, "a sequence's gap sits on the off-policy threshold"
 
 
-def run_both(d, upstream=1.0, context=None, **opts):
-    """(library loss, metrics, logp, grads), (reference loss, metrics, logp, grads); grads of upstream*loss."""
+def run_both(d, upstream=1.0, context=None, support=None, **opts):
+    """(library loss, metrics, logp, grads), (reference loss, metrics, logp, grads); grads of upstream*loss.
+    support: None, or (support_ids, support_offsets, bool mask [B, T, V]) for the head and the reference."""
     ids = torch.tensor(d["ids"])
     h = _t32(d["h"]).requires_grad_()
     Wl = d["W"] if d["layout"] == "vh" else np.ascontiguousarray(d["W"].T)
     W = _t32(Wl).requires_grad_()
     b = None if d["b"] is None else _t32(d["b"]).requires_grad_()
+    ids_s, offsets_s, inside = support if support is not None else (None, None, None)
     loss, metrics, logp = fht.fused_linear_grpo_loss(h, W, ids, _t32(d["mask"]), _t32(d["A"]), b, _t32(d["old"]),
                                                      _t32(d["ref"]), _t32(d["samp"]), layout=d["layout"],
-                                                     return_per_token_logps=True, context=context, **opts)
+                                                     return_per_token_logps=True, context=context,
+                                                     support_ids=ids_s, support_offsets=offsets_s, **opts)
     (loss * upstream).backward()
     lib_grads = [h.grad, W.grad if d["layout"] == "vh" else W.grad.t(), None if b is None else b.grad]
-    rloss, rmetrics, rlogp, ref_grads, details = reference_of(d, upstream, **opts)
+    rloss, rmetrics, rlogp, ref_grads, details = reference_of(d, upstream, support=inside, **opts)
     well_conditioned(d, details, opts)
     return (loss, metrics, logp, lib_grads), (rloss, rmetrics, rlogp, ref_grads, details["loss_scale"])
 
@@ -365,6 +368,75 @@ def test_luspo(level, beta, entropy_coef):
     lib, ref = run_both(d, loss_type="luspo", importance_sampling_level=level, temperature=0.7, beta=beta,
                         entropy_coef=entropy_coef, epsilon_high=0.28)
     check(lib, ref, d["mask"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Over a support: TRL's loss on log-probs renormalised over each token's support (TRL #7269)
+# ---------------------------------------------------------------------------------------------------------
+def _grpo_support(d, k, csr, seed):
+    """Each token's id and k - 1 other distinct ids (masked tokens too, so that the float64 reference stays finite),
+    the last entry of every third token -1: (support_ids, support_offsets or None, bool [B, T, V])."""
+    g = torch.Generator().manual_seed(seed)
+    B, T = d["ids"].shape
+    V = d["W"].shape[0]
+    rows, inside = [], torch.zeros(B * T, V, dtype=torch.bool)
+    for i, y in enumerate(d["ids"].reshape(-1).tolist()):
+        others = torch.randperm(V, generator=g)
+        row = torch.cat([torch.tensor([y]), others[others != y][: k - 1]])
+        if i % 3 == 2:
+            row[-1] = -1
+        row = row[torch.randperm(k, generator=g)]
+        inside[i, row[row >= 0]] = True
+        rows.append(row)
+    padded = torch.stack(rows).reshape(B, T, k)
+    if not csr:
+        return padded, None, inside.reshape(B, T, V)
+    kept = [r[r >= 0] for r in rows]
+    offsets = torch.zeros(len(kept) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(torch.tensor([len(r) for r in kept]), 0)
+    return torch.cat(kept), offsets, inside.reshape(B, T, V)
+
+
+@pytest.mark.parametrize("csr", [False, True], ids=["padded", "csr"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", [t for t in LOSS_TYPES if t != "vespo"])
+def test_support_matches_trl_renormalised(loss_type, level, csr):
+    """vespo is left out: TRL's VESPO weight sums the log-ratios over padding positions too, where a support is
+    undefined (a sampler keeps no set for padding) and the head's masked log-probs are 0."""
+    d = make_grpo(seed=91 + LOSS_TYPES.index(loss_type), B=5, bias=True, ref=True, sampling=True)
+    support = _grpo_support(d, 24, csr, seed=LOSS_TYPES.index(loss_type))
+    lib, ref = run_both(d, loss_type=loss_type, importance_sampling_level=level, temperature=0.7, beta=0.04,
+                        entropy_coef=0.01, support=support)
+    check(lib, ref, d["mask"])
+    masked = d["mask"] == 0
+    assert bool((lib[2][torch.tensor(masked)] == 0).all()), "masked tokens' per-token log-probs are 0"
+
+
+def test_support_numpy_equals_torch():
+    d = make_grpo(seed=95, B=4, ref=True)
+    ids, offsets, _ = _grpo_support(d, 12, True, seed=5)
+    f = lambda a: None if a is None else np.asarray(a, dtype=np.float32)  # noqa: E731
+    r = fhnp.grpo_loss(f(d["h"]), f(d["W"]), d["ids"], f(d["mask"]), f(d["A"]), None, f(d["old"]), f(d["ref"]),
+                       beta=0.04, return_grads=True, support_ids=ids.numpy(), support_offsets=offsets.numpy())
+    h, W = _t32(d["h"]).requires_grad_(), _t32(d["W"]).requires_grad_()
+    loss, _ = fht.fused_linear_grpo_loss(h, W, torch.tensor(d["ids"]), _t32(d["mask"]), _t32(d["A"]), None,
+                                         _t32(d["old"]), _t32(d["ref"]), beta=0.04, support_ids=ids,
+                                         support_offsets=offsets)
+    loss.backward()
+    assert r.loss == pytest.approx(loss.item(), rel=1e-6)
+    assert normwise(r.dhidden, h.grad.numpy()) <= 1e-6 and normwise(r.dweight, W.grad.numpy()) <= 1e-6
+
+
+def test_support_refusals():
+    d = make_grpo(seed=97, B=3)
+    ids, _, _ = _grpo_support(d, 8, False, seed=3)
+    unmasked = int(np.argwhere(d["mask"].reshape(-1) > 0)[0][0])
+    flat = ids.reshape(-1, 8).clone()
+    flat[unmasked] = (int(d["ids"].reshape(-1)[unmasked]) + 1 + torch.arange(8)) % d["W"].shape[0]
+    with pytest.raises(fusedhead.errors.InvalidSupportError, match=f"row {unmasked}: its target"):
+        fht.fused_linear_grpo_loss(*_inputs32(d), support_ids=flat.reshape(ids.shape))
+    with pytest.raises(ValueError, match="support_offsets without support_ids"):
+        fht.fused_linear_grpo_loss(*_inputs32(d), support_offsets=torch.zeros(22, dtype=torch.int64))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -134,7 +134,7 @@ def trl_grpo_loss(h, W, b, ids, mask, A, old=None, ref=None, sampling=None, *, l
                   off_policy_mask_threshold=None, use_bias_correction_kl=False,
                   vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="sequence_mask",
                   vllm_importance_sampling_clip_min=None, vllm_importance_sampling_clip_max=3.0, vespo_k_pos=2.0,
-                  vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, return_details=False):
+                  vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, return_details=False, support=None):
     """(loss, metrics dict with TRL's keys, per-token logp detached) of one GRPO micro-batch.
 
     h [B, T, H], W [V, H], b [V] or None: float64 (leaves with requires_grad for the gradients); ids int64 [B, T];
@@ -142,6 +142,9 @@ def trl_grpo_loss(h, W, b, ids, mask, A, old=None, ref=None, sampling=None, *, l
     GRPOConfig names and defaults. return_details: also a dict of intermediate values (the entropy threshold, the
     off-policy mask, the least distance of a negative-advantage sequence's mean gap from its threshold, and
     loss_scale: the loss's reduction applied to the absolute per-token losses, plus the entropy term's size).
+    support: None, or bool [B, T, V], each token's support (the sampler's kept set): the logits outside it set to
+    -inf before the log-softmax, TRL #7269's renormalised log-probs (and the entropy over the support), the rest of
+    the loss unchanged.
     """
     eps_high = epsilon_low if epsilon_high is None else epsilon_high
     Bn, Tn = ids.shape
@@ -150,9 +153,16 @@ def trl_grpo_loss(h, W, b, ids, mask, A, old=None, ref=None, sampling=None, *, l
 
     # _get_per_token_logps_and_entropies: logits over the temperature, log-prob of the completion token, entropy
     logits = F.linear(h, W, b) / temperature
+    if support is not None:
+        logits = logits.masked_fill(~support, float("-inf"))
     logsm = F.log_softmax(logits, dim=-1)
     logp = logsm.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-    entropies = -(logsm.exp() * logsm).sum(-1)
+    if support is not None:  # 0 log 0 outside the support, not 0 * -inf (nor its NaN gradient)
+        zero = torch.zeros((), dtype=logsm.dtype)
+        inside = torch.where(support, logsm, zero)
+        entropies = -(torch.where(support, inside.exp(), zero) * inside).sum(-1)
+    else:
+        entropies = -(logsm.exp() * logsm).sum(-1)
     old = logp.detach() if old is None else old
 
     # _generate_and_score_completions: the vLLM importance-sampling ratio (detached inputs) and its metrics

@@ -9,7 +9,7 @@ from .._core import (GRPO_METRIC_KEYS, GRPO_OPTION_DEFAULTS, Context, GRPOProble
                      parse_layout)
 from ._ops import TrainStep, train_step
 from ._tensors import (INT64_HINT, TorchLinear, address, bt_tensor, check_inputs, fp32_operand, fp32_vector,
-                       mask_tensor, metrics_dict, metrics_tensors, opt_view, scalar, view)
+                       mask_tensor, metrics_dict, metrics_tensors, opt_view, scalar, support_of, view)
 
 # TRL's GRPOConfig names, their schema types, and TRL's aliases (epsilon, vllm_importance_sampling_cap)
 _OPTION_TYPES = dict(
@@ -24,7 +24,8 @@ assert set(_OPTION_TYPES) == set(GRPO_OPTION_DEFAULTS) | {"epsilon", "vllm_impor
 _ARGS = (("Tensor", "hidden"), ("Tensor", "weight"), ("Tensor", "completion_ids"), ("Tensor", "completion_mask"),
          ("Tensor", "advantages"), ("Tensor?", "bias"), ("Tensor?", "old_per_token_logps"),
          ("Tensor?", "ref_per_token_logps"), ("Tensor?", "sampling_per_token_logps"),
-         ("Tensor?", "num_items_tensor"), ("str", "layout")) + tuple((t, n) for n, t in _OPTION_TYPES.items())
+         ("Tensor?", "num_items_tensor"), ("Tensor?", "support_ids"), ("Tensor?", "support_offsets"),
+         ("str", "layout")) + tuple((t, n) for n, t in _OPTION_TYPES.items())
 
 
 class _GRPO:
@@ -55,12 +56,17 @@ class _GRPO:
         if a["num_items_tensor"] is not None and not self.lin.fake:
             options["num_items_in_batch"] = float(a["num_items_tensor"])
         self.options = grpo_options(**options)
+        if a["support_offsets"] is not None and a["support_ids"] is None:
+            raise ValueError("support_offsets without support_ids: a CSR support is support_ids with support_offsets")
+        support = None
+        if a["support_ids"] is not None:
+            support = support_of(a["support_ids"], a["support_offsets"], self.bt, n)
         self.problem = None
         if n > 0:  # N = 0: nothing to compute (the library is not called)
             self.problem = GRPOProblem(self.lin.head, b, t, view(self.completion_ids), view(self.completion_mask),
                                        view(self.advantages), opt_view(self.logps["old_per_token_logps"]),
                                        opt_view(self.logps["ref_per_token_logps"]), self.options,
-                                       opt_view(self.logps["sampling_per_token_logps"]))
+                                       opt_view(self.logps["sampling_per_token_logps"]), support)
 
 
 def _run(a: dict, need, context: Optional[Context]):
@@ -76,7 +82,7 @@ _GRPO_STEP = TrainStep("grpo", _ARGS, 4, _run, "fh_grpo")
 
 
 def _grpo_loss(hidden, weight, completion_ids, completion_mask, advantages, bias, old, ref, sampling, options: dict,
-               layout, return_per_token_logps, context):
+               layout, return_per_token_logps, context, support_ids=None, support_offsets=None):
     values = dict(dict.fromkeys(_OPTION_TYPES), **options)
     if isinstance(values["num_items_in_batch"], torch.Tensor):  # TRL's: read by the op, not by the trace
         values["num_items_tensor"], values["num_items_in_batch"] = values["num_items_in_batch"], None
@@ -85,7 +91,8 @@ def _grpo_loss(hidden, weight, completion_ids, completion_mask, advantages, bias
     loss, metrics, present, logp = _GRPO_STEP(context, hidden=hidden, weight=weight, completion_ids=completion_ids,
                                      completion_mask=completion_mask, advantages=advantages, bias=bias,
                                      old_per_token_logps=old, ref_per_token_logps=ref,
-                                     sampling_per_token_logps=sampling, layout=layout, **values)
+                                     sampling_per_token_logps=sampling, support_ids=support_ids,
+                                     support_offsets=support_offsets, layout=layout, **values)
     metrics = metrics_dict(GRPO_METRIC_KEYS, metrics, present)
     return (loss, metrics, logp) if return_per_token_logps else (loss, metrics)
 
@@ -109,7 +116,8 @@ def fused_linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completio
                            vllm_importance_sampling_cap: Optional[float] = None, vespo_k_pos: float = 2.0,
                            vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
                            layout: str = "vh", return_per_token_logps: bool = False,
-                           context: Optional[Context] = None):
+                           context: Optional[Context] = None, support_ids: Optional[torch.Tensor] = None,
+                           support_offsets: Optional[torch.Tensor] = None):
     """TRL GRPOTrainer._compute_loss (TRL 1.16.0) from hidden [B, T, H] (position t predicts
     completion_ids[b, t]) and the lm_head weight, without the [B*T, V] logits.
 
@@ -130,7 +138,10 @@ def fused_linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completio
       alias of clip_max (FutureWarning).
     Inputs: old_per_token_logps None: on-policy (old = logp detached); sampling_per_token_logps: the sampler's
     per-token log-probs [B, T] or None (then no importance-sampling correction, and the off-policy mask compares
-    with old).
+    with old). support_ids (with support_offsets for CSR; as fused_linear_logprobs takes them): the policy's
+    log-probs and entropies over each token's support (the sampler's kept set) instead of the vocabulary, so that
+    they share the normalisation of vLLM's processed log-probs in the importance ratio (TRL #6789, #7269); every
+    completion id at a non-zero mask must be in its support, and masked tokens' per-token log-probs are 0.
     Returns (loss, metrics) where metrics has TRL's keys, only those TRL logs for these options: "kl", "entropy",
     "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
     "clip_ratio/high_max", "cispo_clip_ratio", "vespo/phi_seq_mean", "policy_loss" and "entropy_coef" (with an
@@ -153,7 +164,8 @@ def fused_linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completio
         vllm_importance_sampling_cap=vllm_importance_sampling_cap, vespo_k_pos=vespo_k_pos,
         vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg)
     return _grpo_loss(hidden, weight, completion_ids, completion_mask, advantages, bias, old_per_token_logps,
-                      ref_per_token_logps, sampling_per_token_logps, options, layout, return_per_token_logps, context)
+                      ref_per_token_logps, sampling_per_token_logps, options, layout, return_per_token_logps, context,
+                      support_ids, support_offsets)
 
 
 class FusedLinearGRPOLoss(torch.nn.Module):
@@ -201,13 +213,14 @@ class FusedLinearGRPOLoss(torch.nn.Module):
                 completion_mask: torch.Tensor, advantages: torch.Tensor, bias: Optional[torch.Tensor] = None,
                 old_per_token_logps: Optional[torch.Tensor] = None,
                 ref_per_token_logps: Optional[torch.Tensor] = None, num_items_in_batch=None,
-                sampling_per_token_logps: Optional[torch.Tensor] = None):
+                sampling_per_token_logps: Optional[torch.Tensor] = None, support_ids: Optional[torch.Tensor] = None,
+                support_offsets: Optional[torch.Tensor] = None):
         opts = dict(self.options)
         if num_items_in_batch is not None:
             opts["num_items_in_batch"] = num_items_in_batch
         return _grpo_loss(hidden, weight, completion_ids, completion_mask, advantages, bias, old_per_token_logps,
                           ref_per_token_logps, sampling_per_token_logps, opts, self.layout,
-                          self.return_per_token_logps, self.context)
+                          self.return_per_token_logps, self.context, support_ids, support_offsets)
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.options.items()) + f", layout={self.layout!r}"
