@@ -8,6 +8,7 @@
  *   - gradient beta 1 accumulates, beta 0 overwrites NaN; every token ignored: loss 0 and exact zero gradients;
  *   - bf16 student and teacher with fp32 and bf16 gradients, and mixed dtypes (an fp32 head with a bf16 one);
  *   - jsd near its maximum (nearly disjoint p and q), where a naive fp32 gradient cancels (see that test);
+ *   - a frozen lm_head shared by student and teacher (EAGLE-1/2's draft head): no dweight, left untouched;
  *   - the workspace query: a caller workspace of exactly that size works, one byte less fails;
  *   - the API contracts: each bad argument's status, a message, untouched outputs and inputs; gradient filtering
  *     has no effect on this head.
@@ -95,6 +96,9 @@ typedef struct dspec {
     int threads;
     int caller_workspace;     /* 1: both calls run in a caller workspace of exactly fh_distill_workspace_size bytes */
     double logit_scale;       /* both heads' logits' standard deviation (ce_fill_linear) */
+    int shared_weight;        /* 1: the teacher is the student's own lm_head (EAGLE-1/2's frozen head: its weight,
+                                 bias and layout on the teacher's hidden states, ht = hs) and the step asks for no
+                                 dweight, which must stay untouched */
     uint64_t seed;
 } dspec;
 
@@ -292,6 +296,8 @@ static fh_status run_fused(dcase *c)
             fill_prior(c, c->step.dx, c->step.dweight, c->step.dbias);
         ce_grads_io io;
         ce_grads_io_begin(&io, s->grad_dtype, n, h, v, s->grad_beta, c->step.dx, c->step.dweight, c->step.dbias);
+        if (s->shared_weight)
+            io.grads.dweight = NULL; /* frozen */
         out = (fh_distill_outputs){&c->step.loss, &c->step.soft, &c->step.hard, c->step.per_token};
         st = fh_distill_forward_backward(ctx, &c->s.lin, &c->t.lin, targets, &s->o, c->grad_output, &out,
                                          &io.grads);
@@ -330,6 +336,14 @@ static void make_inputs(const dspec *s, dcase *c)
     head_make(&c->s, &rng, s->n, s->hs, s->vocab, s->s_layout, s->s_bias, s->s_pad, s->dtype, s->logit_scale);
     const fh_dtype t_dtype = s->mixed ? (s->dtype == FH_DTYPE_BF16 ? FH_DTYPE_F32 : FH_DTYPE_BF16) : s->dtype;
     head_make(&c->t, &rng, s->n, s->ht, s->vocab, s->t_layout, s->t_bias, s->t_pad, t_dtype, s->logit_scale);
+    if (s->shared_weight) {
+        c->t.lin.weight = c->s.lin.weight;
+        c->t.lin.w_stride_hidden = c->s.lin.w_stride_hidden;
+        c->t.lin.w_stride_vocab = c->s.lin.w_stride_vocab;
+        c->t.lin.bias = c->s.lin.bias;
+        c->t.ref.weight = c->s.rw;
+        c->t.ref.bias = c->s.rb;
+    }
     c->targets = tu_alloc((size_t)s->n, sizeof(int64_t));
     for (int64_t i = 0; i < s->n; i++) {
         c->targets[i] = (int64_t)(ref_uniform(&rng) * (double)s->vocab);
@@ -401,6 +415,11 @@ static void measure(const dcase *c, ddiff *d)
     const double scale = s->grad_beta != 0.0f ? 2.0 : 1.0;
     d->dx = grad_err(c->step.dx, c->ref_dx, n * h, scale);
     d->dweight = grad_err(c->step.dweight, c->ref_dweight, h * v, scale);
+    if (s->shared_weight) { /* frozen: the NaN the buffer started with, untouched */
+        d->dweight = 0.0;
+        for (size_t i = 0; i < h * v; i++)
+            d->dweight = isnan(c->step.dweight[i]) ? d->dweight : INFINITY;
+    }
     if (c->step.dbias)
         d->dbias = grad_err(c->step.dbias, c->ref_dbias, v, scale);
     for (size_t i = 0; s->grad_beta == 0.0f && s->targets && i < n; i++) {
@@ -578,6 +597,35 @@ static void test_layouts_and_shapes(void)
                 check_case(&s, "layouts");
             }
     print_worst("layouts");
+}
+
+/* Self-distillation through one frozen lm_head (EAGLE-1/2's draft head: the draft's hidden states and the target's
+ * through the target's own weight; SpecForge trains no lm_head then): the teacher's weight and bias are the student's
+ * memory, no dweight is asked for (it stays untouched) and the loss, per-token losses, dx and dbias match the
+ * reference with the teacher's weight equal to the student's. Every divergence, both layouts, all schedules, fp32 and
+ * bf16. */
+static void test_frozen_shared_weight(void)
+{
+    int k = 0;
+    for (size_t dv = 0; dv < TU_COUNT(divergences); dv++)
+        for (int layout = 0; layout < 2; layout++)
+            for (int sched = 0; sched < 3; sched++, k++) {
+                dspec s;
+                spec_default(&s);
+                s.seed = 900 + (uint64_t)k;
+                s.shared_weight = 1;
+                s.ht = s.hs;
+                s.s_layout = s.t_layout = (fh_layout)layout;
+                s.s_bias = k % 2;
+                s.o.divergence = divergences[dv].divergence;
+                s.o.beta = divergences[dv].beta;
+                s.o.temperature = 0.7;
+                s.o.weight_hard_loss = k % 3 == 0 ? 0.4 : 0.0;
+                s.sched = (schedule)sched;
+                s.dtype = k % 4 == 3 ? FH_DTYPE_BF16 : FH_DTYPE_F32;
+                check_case(&s, "frozen shared weight");
+            }
+    print_worst("frozen shared weight");
 }
 
 /* Gradient beta 1 adds onto what the buffers hold: they start at the reference gradient G (rounded to the gradient
@@ -1308,6 +1356,7 @@ static const tu_test tests[] = {
     {"every divergence, temperature, hard weight, reduction vs reference, both schedules", test_reference_matrix},
     {"layouts, strided x, biases, teacher hidden, all schedules", test_layouts_and_shapes},
     {"gradient beta 1 accumulates", test_accumulation},
+    {"a frozen lm_head shared by student and teacher (EAGLE-1/2), no dweight", test_frozen_shared_weight},
     {"every token ignored: loss 0, exact zero gradients", test_all_ignored},
     {"jsd near its maximum: gradient error at the terms' fp32 rounding", test_jsd_near_saturation},
     {"bf16 student and teacher, fp32 and bf16 gradients", test_bf16},
