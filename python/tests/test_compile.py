@@ -67,6 +67,11 @@ def _logprobs_support(h, w, d):
     return -(logp * d["advantages"][:, None] * d["mask"]).sum() / d["mask"].sum() + 0.01 * entropy.mean()
 
 
+def _eagle3(h, w, d):
+    # the draft vocabulary the target's whole one (its semantics: test_draft_heads.py)
+    return fht.fused_linear_eagle3_loss(h, w, d["teacher_hidden"], d["teacher_weight"], torch.arange(V), d["mask"])
+
+
 def _grpo(h, w, d):
     return fht.fused_linear_grpo_loss(h, w, d["ids"], d["mask"], d["advantages"], old_per_token_logps=d["old"],
                                       ref_per_token_logps=d["ref"], beta=0.04, loss_type="dapo",
@@ -108,7 +113,7 @@ def _distill_topk_none(h, w, d):
 
 HEADS: Dict[str, Callable] = dict(cross_entropy=_ce, cross_entropy_none=_ce_none, causal_lm=_causal_lm,
                                   logprobs=_logprobs, logprobs_support=_logprobs_support, grpo=_grpo, dpo=_dpo,
-                                  kto=_kto, distill=_distill,
+                                  kto=_kto, distill=_distill, eagle3=_eagle3,
                                   distill_none=_distill_none, distill_topk=_distill_topk,
                                   distill_topk_none=_distill_topk_none)
 
@@ -234,7 +239,7 @@ def _record_ops(monkeypatch) -> list:
             return out
         return call
 
-    for module in (fht.cross_entropy, fht.logprobs, fht.grpo, fht.preference, fht.kto, fht.distill):
+    for module in (fht.cross_entropy, fht.logprobs, fht.grpo, fht.preference, fht.kto, fht.distill, fht.draft_heads):
         for value in vars(module).values():
             steps = [value.train, value.none] if isinstance(value, fht.distill._Head) else [value]
             for step in steps:
@@ -269,7 +274,7 @@ def test_opcheck_every_op(dtype, monkeypatch):
                                              "logprobs", "logprobs_backward", "logprobs_support",
                                              "logprobs_support_backward", "grpo", "preference", "kto", "distill",
                                              "distill_none", "distill_none_backward", "distill_topk",
-                                             "distill_topk_none", "distill_topk_none_backward")}
+                                             "distill_topk_none", "distill_topk_none_backward", "eagle3")}
     assert expected <= checked, expected - checked
 
 

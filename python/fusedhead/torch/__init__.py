@@ -86,6 +86,8 @@ and dtype may differ). The teacher is detached: it never gets a gradient. 'mean'
 backward fh_distill_forward_backward with the per-token upstream gradient (the logits computed twice).
 fused_linear_distillation_topk_loss: the same towards a teacher given per
 token as its top-k ids and log-probs (a vLLM server's answer; TRL's server distillation), no teacher head.
+fused_linear_eagle3_loss: SpecForge's EAGLE-3 draft-head loss, a draft lm_head over a subset of the target's
+vocabulary towards the frozen target head renormalised over it.
 
 Log-probs: fused_linear_logprobs gives per-token log p(target) (and the entropy and
 log-sum-exp) of softmax(softcap(logit_scale (x W + b)) / temperature), differentiable, so that any loss on [N]
@@ -96,6 +98,7 @@ gradients of the outputs used (8 N H V flops in all). Outputs are float32 whatev
 from .cross_entropy import CrossEntropyOutput, FusedLinearCrossEntropy, causal_lm_loss, fused_linear_cross_entropy
 from .distill import (FusedLinearDistillationLoss, FusedLinearJSDLoss, fused_linear_distillation_loss,
                       fused_linear_distillation_topk_loss)
+from .draft_heads import fused_linear_eagle3_loss
 from .grpo import FusedLinearGRPOLoss, fused_linear_grpo_loss
 from .kto import FusedLinearKTOLoss, KTOLossOutput, fused_linear_kto_loss
 from .logprobs import fused_linear_logprobs
@@ -107,4 +110,4 @@ __all__ = ["fused_linear_cross_entropy", "FusedLinearCrossEntropy", "CrossEntrop
            "fused_linear_preference_loss", "PreferenceLossOutput", "FusedLinearDPOLoss", "FusedLinearORPOLoss",
            "FusedLinearSimPOLoss", "FusedLinearCPOLoss", "fused_linear_kto_loss", "FusedLinearKTOLoss",
            "KTOLossOutput", "fused_linear_distillation_loss", "FusedLinearDistillationLoss", "FusedLinearJSDLoss",
-           "fused_linear_distillation_topk_loss"]
+           "fused_linear_distillation_topk_loss", "fused_linear_eagle3_loss"]
