@@ -10,7 +10,7 @@ set(FH_GRADCHECKS_EVERY_VARIANT
     vh_mean hv_sum_train_step dft_hv_train_step_row_blocks vh_train_step_streaming_fallback
     grpo_dapo_token grpo_row_blocks_grpo_sequence grpo_filtered_cispo grpo_trl_luspo_sequence_row_blocks
     grpo_trl_vespo_token_streaming
-    logprob_t0.3_hv logprob_t2.5_bf16_step logprob_streaming_fallback
+    logprob_t0.3_hv logprob_t2.5_bf16_step logprob_streaming_fallback logprob_support_padded_step
     preference_dpo_sigmoid preference_streaming_orpo_sigmoid preference_trl_aot preference_trl_mixed_row_blocks
     bf16_vh_train_step bf16_grads_hv_split bf16_hidden_one_vh_split bf16_fp32_du_vh_train_step bf16_grpo_sapo_sequence
     bf16_preference_dpo_sigmoid
@@ -81,6 +81,13 @@ foreach(temperature 0.3 1 2.5)
                     --dtype bf16 --grad-dtype bf16 --train-step --softcap 30 --head-logit-scale 0.5)
 endforeach()
 fh_gradcheck_test(logprob_streaming_fallback ${FH_GRADCHECK_LOGPROB} --train-step --budget 600000)
+# Over a support (fh_logprob_support_*): CSR and padded, 64 ids and every id, both layouts, both calls, fp32 and bf16.
+fh_gradcheck_test(logprob_support_csr_hv ${FH_GRADCHECK_LOGPROB} --support csr --support-size 64 --layout hv
+                  --temperature 0.7)
+fh_gradcheck_test(logprob_support_padded_step ${FH_GRADCHECK_LOGPROB} --support padded --support-size 64 --layout vh
+                  --train-step --softcap 30 --head-logit-scale 0.5)
+fh_gradcheck_test(logprob_support_every_id_bf16 ${FH_GRADCHECK_LOGPROB} --support csr --support-size 5003
+                  --dtype bf16 --grad-dtype bf16 --train-step)
 
 # Gradient filtering against the reference filtered as the call's tiles are (ref/ref_filter.c), at the unfiltered
 # tolerances: peaked logits (typical size 10), thin row tiles and eps 0.2 skip about 40% to 80% of the gradient

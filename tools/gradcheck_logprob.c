@@ -1,6 +1,7 @@
 /* fh_gradcheck --loss logprob: the fused log-prob head against the double-precision reference (ref/ref_logprob.h):
- * logp, entropy and lse, and the gradients of sum g_logp logp + g_entropy H + g_lse lse for random upstream gradients;
- * the tolerances, printed with the results, are justified in tests/cases/logprob_case.c. */
+ * logp, entropy and lse, and the gradients of sum g_logp logp + g_entropy H + g_lse lse for random upstream gradients,
+ * over the vocabulary or (--support) over a random support per token (fh_logprob_support_*); the tolerances, printed
+ * with the results, are justified in tests/cases/logprob_case.c. */
 #include "gradcheck_common.h"
 #include "gradcheck_logprob.h"
 
@@ -18,7 +19,10 @@ static void usage(void)
             "       [--head-logit-scale M] [--no-entropy-grad] [--no-lse-grad] [--ignore-frac F] [--layout hv|vh]\n"
             "       [--bias] [--threads T] [--seed S] [--train-step] [--budget BYTES] [--tile-rows R] [--tile-vocab C]\n"
             "       [--dtype f32|bf16] [--grad-dtype f32|bf16] [--fp32-du] [--logit-scale S] [--dump DIR]\n"
-            "  --head-logit-scale: the head's logit_scale option; --logit-scale: the inputs' typical |logit|\n");
+            "       [--support csr|padded --support-size K]\n"
+            "  --head-logit-scale: the head's logit_scale option; --logit-scale: the inputs' typical |logit|\n"
+            "  --support: over a support per token (CSR: 1..K ids, padded: K entries with up to a third -1; K = V: every\n"
+            "  id), each counted token's target among them\n");
 }
 
 /* The log-prob case, as gradcheck_main runs it. */
@@ -46,6 +50,10 @@ static int logprob_option(void *spec, const char *a, const char *v)
         s->options.softcap = atof(v);
     else if (strcmp(a, "--head-logit-scale") == 0)
         s->options.logit_scale = atof(v);
+    else if (strcmp(a, "--support") == 0 && (strcmp(v, "csr") == 0 || strcmp(v, "padded") == 0))
+        s->support = strcmp(v, "csr") == 0 ? LOGPROB_SUPPORT_CSR : LOGPROB_SUPPORT_PADDED;
+    else if (strcmp(a, "--support-size") == 0)
+        s->support_size = atoll(v);
     else
         return 0;
     return 2;
@@ -63,7 +71,9 @@ static int parse(void *check, int argc, char **argv, const char **dump)
                                       .budget = &s->budget};
     if (gradcheck_parse(argc, argv, &shared, logprob_option, s) != 0)
         return -1;
-    return s->n > 0 && s->hidden > 0 && s->vocab > 0 ? 0 : -1;
+    const int support_ok = s->support == LOGPROB_FULL_VOCAB ? s->support_size == 0
+                                                            : s->support_size >= 1 && s->support_size <= s->vocab;
+    return s->n > 0 && s->hidden > 0 && s->vocab > 0 && support_ok ? 0 : -1;
 }
 
 static int run(void *check)
