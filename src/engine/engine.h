@@ -1,6 +1,7 @@
 /* The engine: streams vocabulary tiles of Z = transform(X W + bias) through the GEMM layer and either folds them into
  * per-token statistics (forward) or turns them into dU (the gradient with respect to X W + bias) from per-token
- * coefficients and accumulates the gradient GEMMs (backward). Heads never touch tiles; the engine knows no loss. */
+ * coefficients and accumulates the gradient GEMMs (backward); for a head over a few columns per row (a support), one
+ * dot product per entry instead of tiles (columns.c). Heads never touch tiles; the engine knows no loss. */
 #ifndef FH_ENGINE_H
 #define FH_ENGINE_H
 
