@@ -228,6 +228,11 @@ static void test_contract(void)
     TU_CHECK(fh_logprob_support_backward(ctx, &c.lin, c.targets, &c.csr, &c.o, c.lse, NULL, c.logp, c.logp, NULL,
                                          &grads) == FH_ERR_NULL_POINTER,
              "backward with g_entropy but no entropy");
+    TU_CHECK(fh_logprob_support_backward(ctx, &c.lin, c.targets, &c.csr, &c.o, c.lse, NULL, c.logp, NULL, NULL,
+                                         NULL) == FH_ERR_NULL_POINTER &&
+                 fh_logprob_support_forward_backward(ctx, &c.lin, c.targets, &c.csr, &c.o, c.logp, NULL, NULL, &out,
+                                                     NULL) == FH_ERR_NULL_POINTER,
+             "backward and the single call without gradients: refused, as fh_logprob_*'s (not run as a forward)");
     fh_context_destroy(ctx);
 }
 

@@ -226,7 +226,8 @@ typedef struct support_call {
     const float *lse, *entropy; /* backward: what the forward saved, or NULL */
     fh_logprob_grads g;
     fh_logprob_outputs out;
-    const fh_linear_grads *grads; /* NULL: a forward */
+    int gradients;                /* a backward or the single call: grads required */
+    const fh_linear_grads *grads;
 } support_call;
 
 static fh_status run(fh_context *ctx, const support_call *c)
@@ -235,7 +236,7 @@ static fh_status run(fh_context *ctx, const support_call *c)
     fh_transform tf;
     fh_status st = fh_logprob_check_call(ctx, lin, c->targets, c->options, 0, &tf);
     if (st == FH_OK)
-        st = fh_logprob_check_backward(ctx, lin, c->targets, c->lse, c->entropy, &c->g, &c->out, c->grads != NULL,
+        st = fh_logprob_check_backward(ctx, lin, c->targets, c->lse, c->entropy, &c->g, &c->out, c->gradients,
                                        c->grads, NULL, NULL);
     if (st != FH_OK)
         return st;
@@ -253,7 +254,7 @@ static fh_status run(fh_context *ctx, const support_call *c)
     else
         fh_support_pass_values(&p, c->out.entropy != NULL || c->g.entropy != NULL);
     fh_logprob_write_outputs(&p.ws, lin->n, rows, c->out.logp, c->out.entropy, c->out.lse);
-    if (!c->grads)
+    if (!c->gradients)
         return FH_OK;
     const fh_coef_arrays coefs = fh_logprob_coefs_in(&p.ws, lin->n, &c->g, rows);
     fh_support_pass_gradients(&p, &coefs, c->grads);
@@ -279,8 +280,9 @@ FH_API fh_status fh_logprob_support_backward(fh_context *ctx, const fh_linear *l
 {
     if (ctx && (!lse || (g_entropy && !entropy)))
         return fh_fail(ctx, FH_ERR_NULL_POINTER, "%s is NULL", !lse ? "lse" : "entropy (g_entropy is given)");
-    const support_call c = {.lin = lin, .targets = targets, .support = support, .options = options, .lse = lse,
-                            .entropy = g_entropy ? entropy : NULL, .g = {g_logp, g_entropy, g_lse}, .grads = grads};
+    const support_call c = {.lin = lin,  .targets = targets, .support = support, .options = options, .lse = lse,
+                            .entropy = g_entropy ? entropy : NULL, .g = {g_logp, g_entropy, g_lse}, .gradients = 1,
+                            .grads = grads};
     return run(ctx, &c);
 }
 
@@ -292,7 +294,7 @@ FH_API fh_status fh_logprob_support_forward_backward(fh_context *ctx, const fh_l
     if (ctx && !out)
         return fh_fail(ctx, FH_ERR_NULL_POINTER, "outputs are NULL");
     support_call c = {.lin = lin, .targets = targets, .support = support, .options = options,
-                      .g = {g_logp, g_entropy, g_lse}, .grads = grads};
+                      .g = {g_logp, g_entropy, g_lse}, .gradients = 1, .grads = grads};
     if (out)
         c.out = *out;
     return run(ctx, &c);

@@ -946,9 +946,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     /* The batch's arrays are [batch, seq]; when batch * seq differs from n the library must say so before
      * reading them, so n-sized arrays are enough. One GRPO batch in four is over a support: each token's target
-     * alone (padded, k 1: -1 is padding, ignore_index and V are refused unless masked). */
+     * alone (padded, k 1: -1 is padding, ignore_index and V are refused unless masked); its workspace is the
+     * support's (fh_logprob_support_workspace_size), which the caller-workspace query below asks for. */
     const fh_support grpo_support = {targets, NULL, 1};
-    const int grpo_over_support = grpo && u8(&r) % 4 == 0;
+    const int grpo_call = call == CALL_fh_grpo_forward || call == CALL_fh_grpo_backward ||
+                          call == CALL_fh_grpo_forward_backward;
+    const int grpo_over_support = grpo_call && u8(&r) % 4 == 0;
     const fh_grpo_batch gb = {batch, seq, targets, mask, adv, old, ref, samp, grpo_over_support ? &grpo_support : NULL};
 
     /* Preference options and batch: batch sequences as batch / 2 pairs (an odd batch cannot match n), the
@@ -1175,6 +1178,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                        : topk               ? fh_distill_topk_workspace_size(ctx, &lin, &needed)
                        : preference         ? fh_preference_workspace_size(ctx, &lin, &needed)
                        : kto                ? fh_kto_workspace_size(ctx, &lin, &needed)
+                       : grpo_over_support  ? fh_logprob_support_workspace_size(ctx, &lin, &grpo_support, &needed)
                        : grpo               ? fh_grpo_workspace_size(ctx, &lin, &needed)
                        : logprob            ? fh_logprob_workspace_size(ctx, &lin, &needed)
                        : support            ? fh_logprob_support_workspace_size(ctx, &lin, &support_arg, &needed)
