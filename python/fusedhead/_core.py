@@ -682,6 +682,14 @@ class LogprobProblem:
                  _fp(g_lse), ctypes.byref(out), ctypes.byref(grads))
 
 
+def padded_support_width(shape, token_shape, n: int) -> int:
+    """k of a padded support_ids of the tokens' shape + [k] (or [N, k]); ValueError saying what was expected."""
+    if len(shape) < 1 or tuple(shape[:-1]) not in (tuple(token_shape), (n,)):
+        raise ValueError(f"support_ids: expected the tokens' shape {list(token_shape)} + [k] (padded with -1) or, with "
+                         f"support_offsets, a 1-D CSR list of ids; got {list(shape)}")
+    return int(shape[-1])
+
+
 class Support:
     """A support per token (fh_support): CSR, ids [E] with offsets [N + 1], or padded, ids [N, k] with -1 as
     padding (offsets None). Views of int64 memory that owners (the arrays or tensors behind them) keep alive as long

@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Tuple, TypeVar, Unio
 import numpy as np
 
 from ._core import (CEProblem, Context, DistillProblem, DistillTopkProblem, GRPOProblem, KTOProblem, LinearHead,
-                    LogprobProblem, PreferenceProblem, Support, kto_metrics_dict, kto_options,
+                    LogprobProblem, PreferenceProblem, Support, padded_support_width, kto_metrics_dict, kto_options,
                     View, collective, default_context, distill_options, grpo_metrics_dict, grpo_options, pairs_shape, parse_reduction,
                     prefixed_errors, preference_metrics_dict, preference_options, status_string, distill_topk_options)
 from ._lib import Dtype, Reduction, Status
@@ -489,10 +489,7 @@ def _support(support_ids: Optional[np.ndarray], support_offsets: Optional[np.nda
         return None
     ids = _check_array(support_ids, "support_ids", np.int64)
     if support_offsets is None:
-        if ids.ndim < 1 or ids.shape[:-1] not in (token_shape, (n,)):
-            raise ValueError(f"support_ids: expected the tokens' shape {list(token_shape)} + [k] (padded with -1) "
-                             f"or, with support_offsets, a 1-D CSR list of ids; got {list(ids.shape)}")
-        padded = np.ascontiguousarray(ids.reshape(n, ids.shape[-1]))
+        padded = np.ascontiguousarray(ids.reshape(n, padded_support_width(ids.shape, token_shape, n)))
         return Support(n, _view(padded, "support_ids"), None, (padded,))
     offsets = np.ascontiguousarray(_check_array(support_offsets, "support_offsets", np.int64))
     flat = np.ascontiguousarray(ids) if ids.size > 0 else np.zeros(1, dtype=np.int64)

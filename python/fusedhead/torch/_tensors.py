@@ -15,8 +15,8 @@ from typing import Dict, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .._core import (View, LinearHead, Support, check_sizes, matrix_view_ok, parse_layout, rows_view_ok,
-                     vector_view_ok)
+from .._core import (View, LinearHead, Support, check_sizes, matrix_view_ok, padded_support_width, parse_layout,
+                     rows_view_ok, vector_view_ok)
 from .._lib import Dtype, Layout
 
 _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
@@ -236,17 +236,10 @@ def support_of(ids, offsets, token_shape: Tuple[int, ...], n: int) -> Support:
     (1-D, with support_offsets [N + 1]), holding the tensors its views point into."""
     check_tensor(ids, "support_ids", torch.int64, INT64_HINT)
     if offsets is None:
-        if ids.dim() < 1 or tuple(ids.shape[:-1]) not in (token_shape, (n,)):
-            raise ValueError(f"support_ids: expected the tokens' shape {list(token_shape)} + [k] (padded with -1) or, "
-                             f"with support_offsets, a 1-D CSR list of ids; got {list(ids.shape)}")
-        padded = ids.reshape(n, ids.shape[-1]).contiguous()
-        if n == 0:  # no call is made; the view needs a row
-            padded = torch.zeros(1, max(ids.shape[-1], 1), dtype=torch.int64)
-        return Support(max(n, 1), view(padded), None, (padded,))
+        k = padded_support_width(ids.shape, token_shape, n)
+        padded = ids.reshape(n, k).contiguous() if n > 0 else torch.zeros(1, max(k, 1), dtype=torch.int64)
+        return Support(max(n, 1), view(padded), None, (padded,))  # n = 0: no call is made; the view needs a row
     check_tensor(offsets, "support_offsets", torch.int64, INT64_HINT)
-    if ids.dim() != 1 or offsets.dim() != 1:
-        raise ValueError(f"support_ids and support_offsets: expected 1-D CSR ids and offsets [N + 1] = [{n + 1}], got "
-                         f"{list(ids.shape)} and {list(offsets.shape)}")
     # an empty list still has an address for the library (its offsets say no row reads it)
     flat = ids.contiguous() if ids.numel() > 0 else torch.zeros(1, dtype=torch.int64)
     offsets = offsets.contiguous()
