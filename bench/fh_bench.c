@@ -146,11 +146,12 @@ static const char *case_name(bench_case c, const shape *s)
 }
 
 /* Distillation's forward passes over both heads' tiles: jsd's mixture needs both log-sum-exps first, so it streams
- * them twice (beta 0 and 1 are the KLs: one pass); the train step's row blocks hold them, one GEMM each. */
+ * them twice (beta 0 and 1 are the KLs, and top-k supports keep what they need in one: one pass); the train step's
+ * row blocks hold them, one GEMM each. */
 static int distill_passes(const shape *s)
 {
     const fh_distill_options *o = &s->distill;
-    return o->divergence == FH_DIVERGENCE_JSD && o->beta > 0.0 && o->beta < 1.0 ? 2 : 1;
+    return o->divergence == FH_DIVERGENCE_JSD && o->beta > 0.0 && o->beta < 1.0 && o->top_k == 0 ? 2 : 1;
 }
 
 /* What a case's GFLOP/s and efficiency count (flops_of); distillation adds the teacher's logits GEMMs. */
@@ -165,10 +166,12 @@ static const char *case_basis(bench_case c, const shape *s)
     return "2N(Hs+Ht)V+4NHsV";
 }
 
+/* The materialized distillation is over the whole vocabulary: not run beside top-k supports. */
 static int case_runs(bench_case c, const shape *s)
 {
     return case_name(c, s) != NULL && (c != CASE_FILTERED || s->filter_eps > 0.0) &&
-           (c < CASE_SUPPORT_SPLIT || s->support_k > 0);
+           (c < CASE_SUPPORT_SPLIT || s->support_k > 0) &&
+           !(c == CASE_MATERIALIZED && s->head == HEAD_DISTILL && s->distill.top_k > 0);
 }
 
 typedef struct result {
@@ -662,7 +665,7 @@ static result measure_in_child(bench_case c, const shape *s)
     else if (s->head == HEAD_DISTILL) {
         linear_of(s, &heads.teacher, s->teacher_hidden, &teacher);
         if (c == CASE_FORWARD || c == CASE_TRAIN)
-            fh_distill_workspace_size(ctx, &lin, &teacher, &ws);
+            fh_distill_workspace_size(ctx, &lin, &teacher, &s->distill, &ws);
     }
     else if (s->head == HEAD_DISTILL_TOPK && c != CASE_SGEMM)
         fh_distill_topk_workspace_size(ctx, &lin, &ws);
@@ -930,9 +933,11 @@ static void print_report(format f, const shape *s, const result *res, const fh_k
     /* Distillation's options and teacher, and the teacher's softmax (empty for the other heads). */
     char distill[160] = "", teacher[80] = "";
     if (s->head == HEAD_DISTILL) {
-        snprintf(distill, sizeof distill, ", distill %s (beta %g, temperature %g, weight_hard_loss %g), teacher H=%lld",
+        snprintf(distill, sizeof distill,
+                 ", distill %s (beta %g, temperature %g, weight_hard_loss %g, top_k %lld%s), teacher H=%lld",
                  divergence_names[s->distill.divergence], s->distill.beta, s->distill.temperature,
-                 s->distill.weight_hard_loss, (long long)s->teacher_hidden);
+                 s->distill.weight_hard_loss, (long long)s->distill.top_k,
+                 s->distill.top_k && s->distill.add_tail ? " with the tail" : "", (long long)s->teacher_hidden);
         snprintf(teacher, sizeof teacher, "; the teacher's mean softmax entropy %.3f nats",
                  s->teacher_stats.mean_entropy);
     }
@@ -1134,7 +1139,8 @@ static void usage(void)
                     "       fh_bench --loss distill [--n N] [--hidden H] [--teacher-hidden HT] [--vocab V]\n"
                     "                [--divergence forward_kl|reverse_kl|jsd] [--beta B] [--temperature T]\n"
                     "                [--weight-hard-loss W] [the options above but --sweep and --grad-filter-eps]\n"
-                    "                (defaults: HT = H, jsd, B 0.5, T 1, W 0; the teacher's hidden size HT)\n"
+                    "                [--k K] [--no-tail]   (defaults: HT = H, jsd, B 0.5, T 1, W 0; the teacher's\n"
+                    "                hidden size HT; --k: the divergence over each token's top-K support)\n"
                     "       fh_bench --loss distill_topk [--k K] [--no-tail] [--n N] [--hidden H] [--vocab V]\n"
                     "                [the options above but --sweep and --grad-filter-eps]   (the teacher's top-K ids and\n"
                     "                log-probs, K 20, with the tail unless --no-tail)\n"
@@ -1151,7 +1157,7 @@ int main(int argc, char **argv)
     format f = FORMAT_TABLE;
     int grad_dtype = -1;
     const char *sweep_what = NULL, *out_dir = ".";
-    int n_given = 0, hidden_vocab_given = 0, distill_given = 0, grpo_given = 0, topk_given = 0;
+    int n_given = 0, hidden_vocab_given = 0, distill_given = 0, grpo_given = 0, topk_given = 0, k_given = 0;
     fh_distill_options_init(&s.distill);
     fh_grpo_options_init(&s.grpo);
     for (int i = 1; i < argc; i++) {
@@ -1210,7 +1216,7 @@ int main(int argc, char **argv)
             }
         }
         else if (strcmp(a, "--k") == 0) {
-            topk_given = 1;
+            topk_given = k_given = 1;
             if ((s.topk_k = atoll(argv[++i])) < 1 || s.topk_k > FH_DISTILL_TOPK_MAX_K) {
                 usage();
                 return 2;
@@ -1296,9 +1302,13 @@ int main(int argc, char **argv)
                         "to --loss distill only\n");
         return 2;
     }
-    if (topk_given && s.head != HEAD_DISTILL_TOPK) {
-        fprintf(stderr, "fh_bench: --k and --no-tail apply to --loss distill_topk only\n");
+    if (topk_given && s.head != HEAD_DISTILL_TOPK && s.head != HEAD_DISTILL) {
+        fprintf(stderr, "fh_bench: --k and --no-tail apply to --loss distill_topk and distill only\n");
         return 2;
+    }
+    if (s.head == HEAD_DISTILL) { /* a teacher head's top-k supports (TRL's iw_opd top_k and add_tail) */
+        s.distill.top_k = k_given ? s.topk_k : 0;
+        s.distill.add_tail = !s.topk_no_tail;
     }
     if (s.support_k && (s.head != HEAD_LOGPROB || s.support_k > s.vocab)) {
         fprintf(stderr, "fh_bench: --support K applies to --loss logprob, with K at most V\n");

@@ -84,8 +84,9 @@ typedef enum fh_status {
                                               label_smoothing, simpo_gamma, rpo_alpha, cpo_alpha or discopop_tau out
                                               of range, a loss_type the loss does not have, use_weighting; KTO's
                                               loss_type, beta, weights, labels, KL inputs or reference missing */
-    FH_ERR_INVALID_DISTILL_OPTION = 51, /* divergence unknown, beta outside [0, 1], or a loss weight negative
-                                           or not finite; top-k: add_tail, the teacher's k or a NaN or +inf log-prob */
+    FH_ERR_INVALID_DISTILL_OPTION = 51, /* divergence unknown, beta outside [0, 1], a loss weight negative or
+                                           not finite, top_k or add_tail out of range; top-k teacher: add_tail, its k
+                                           or a NaN or +inf log-prob */
     FH_ERR_TEACHER_MISMATCH = 52,       /* the teacher's n or V differs from the student's */
     FH_ERR_INVALID_LOGIT_SCALE = 53,    /* logit_scale not a positive normal fp32 value, or softcap / logit_scale
                                            or logit_scale / temperature outside fp32's normal range */
@@ -820,7 +821,21 @@ FH_API fh_status fh_preference_workspace_size(const fh_context *ctx, const fh_li
  *   mean: loss = sum_i l_i / count;  sum: sum_i l_i;  none: per_token_loss_i = l_i (0 for ignored tokens).
  * No temperature^2 factor (neither TRL nor Liger applies one). If every token is ignored the loss is 0 and
  * every gradient is 0.
+ *
+ * Top-k (0 < top_k < V): TRL's generalized_jsd_loss(top_k, add_tail) (IWOPDTrainer in
+ * trl/experimental/iw_opd/iw_opd_trainer.py, TRL 1.16.0). D_i is the divergence over a support S_i per token: the
+ * teacher's top_k largest t for forward_kl (and jsd at beta 0), the student's top_k largest s for reverse_kl (jsd at
+ * beta 1), their union for jsd. With log p and log q over the whole vocabulary:
+ *   without the tail: xs_j = log p_j - logsumexp_S(log p), xt_j = log q_j - logsumexp_S(log q), j in S;
+ *   with the tail:    xs_j = log p_j, xt_j = log q_j on S, and one more entry on each side,
+ *                     tail = log(1 - exp(min(logsumexp_S(.), -1e-7)));
+ *   D_i = the divergence above with p = exp(xs), q = exp(xt) over those entries.
+ * The selection reads the fp32 tempered logits (ties to the lower id) and carries no gradient. top_k >= V is the
+ * whole vocabulary (no tail), as TRL. The row work is O(V log top_k); the GEMMs are the full head's.
  * ------------------------------------------------------------------------------------------- */
+/* The largest k of the top-k heads (fh_distill_options.top_k, fh_topk_teacher.k). */
+#define FH_DISTILL_TOPK_MAX_K 1024
+
 typedef enum fh_divergence {
     FH_DIVERGENCE_FORWARD_KL = 0,
     FH_DIVERGENCE_REVERSE_KL = 1,
@@ -835,6 +850,8 @@ typedef struct fh_distill_options { /* defaults from fh_distill_options_init (Li
     double weight_hard_loss;        /* 0.0; >= 0 (needs targets) */
     int64_t ignore_index;           /* -100 */
     fh_reduction reduction;         /* mean */
+    int64_t top_k;                  /* 0 (or >= V): the whole vocabulary; else at most FH_DISTILL_TOPK_MAX_K */
+    int add_tail;                   /* 1 (TRL's add_tail); 0 or 1, read when 0 < top_k < V */
 } fh_distill_options;
 
 FH_API fh_status fh_distill_options_init(fh_distill_options *options);
@@ -863,9 +880,11 @@ FH_API fh_status fh_distill_forward_backward(fh_context *ctx, const fh_linear *s
                                              const float *grad_output, fh_distill_outputs *out,
                                              fh_linear_grads *grads);
 
-/* Workspace bytes the distillation calls need (pure). */
+/* Workspace bytes the distillation calls need with these options (pure; top-k keeps n x 2 x top_k entries of
+ * the supports besides the tiles). */
 FH_API fh_status fh_distill_workspace_size(const fh_context *ctx, const fh_linear *student,
-                                           const fh_linear *teacher, size_t *bytes);
+                                           const fh_linear *teacher, const fh_distill_options *options,
+                                           size_t *bytes);
 
 /* ---------------------------------------------------------------------------------------------
  * Top-k teacher distillation: the teacher given per token as k token ids and log-probs (what a vLLM server
@@ -886,7 +905,6 @@ FH_API fh_status fh_distill_workspace_size(const fh_context *ctx, const fh_linea
  * TRL defines JSD and reverse KL on a server's teacher only on the support {teacher's top-1, sampled token},
  * which needs the teacher's log-prob of the target: not provided here.
  * ------------------------------------------------------------------------------------------- */
-#define FH_DISTILL_TOPK_MAX_K 1024
 /* Refusals besides the distillation head's: a k outside [1, FH_DISTILL_TOPK_MAX_K], a log-prob NaN or +inf, or
  * add_tail not 0 or 1 (FH_ERR_INVALID_DISTILL_OPTION); a valid entry's id outside [0, V)
  * (FH_ERR_TARGET_OUT_OF_RANGE). */

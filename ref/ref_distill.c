@@ -23,6 +23,8 @@ void ref_distill_options_default(ref_distill_options *o)
     o->weight_hard_loss = 0.0;
     o->ignore_index = -100;
     o->reduction = 0;
+    o->top_k = 0;
+    o->add_tail = 1;
 }
 
 static int options_valid(const ref_distill_options *o)
@@ -30,7 +32,8 @@ static int options_valid(const ref_distill_options *o)
     return o && o->divergence >= REF_DIVERGENCE_FORWARD_KL && o->divergence <= REF_DIVERGENCE_JSD &&
            o->beta >= 0.0 && o->beta <= 1.0 && o->temperature > 0.0 && isfinite(o->temperature) &&
            o->weight_soft_loss >= 0.0 && isfinite(o->weight_soft_loss) && o->weight_hard_loss >= 0.0 &&
-           isfinite(o->weight_hard_loss) && o->reduction >= 0 && o->reduction <= 2;
+           isfinite(o->weight_hard_loss) && o->reduction >= 0 && o->reduction <= 2 && o->top_k >= 0 &&
+           (o->add_tail == 0 || o->add_tail == 1);
 }
 
 /* TRL's special cases: jsd at beta 0 is forward KL, at beta 1 reverse KL. */
@@ -101,6 +104,99 @@ static double row_divergence(const double *lp, const double *lq, int64_t v, ref_
     return d;
 }
 
+/* The k largest of a[0 .. v) into ids, largest first, ties to the lower index (insertion, O(v k)). */
+static void top_ids(const double *a, int64_t v, int64_t k, int64_t *ids)
+{
+    int64_t m = 0;
+    for (int64_t j = 0; j < v; j++) {
+        if (m == k && !(a[j] > a[ids[k - 1]]))
+            continue;
+        int64_t at = m < k ? m++ : k - 1;
+        for (; at > 0 && a[j] > a[ids[at - 1]]; at--)
+            ids[at] = ids[at - 1];
+        ids[at] = j;
+    }
+}
+
+/* One entry's divergence term f(xs, xt) and G = df/dxs. */
+static double entry_term(ref_divergence div, double beta, double xs, double xt, double *g)
+{
+    const double p = exp(xs), q = exp(xt);
+    if (div == REF_DIVERGENCE_FORWARD_KL) {
+        *g = -q;
+        return plog(q, xt, xs);
+    }
+    if (div == REF_DIVERGENCE_REVERSE_KL) {
+        *g = p * (xs - xt) + p;
+        return plog(p, xs, xt);
+    }
+    const double lm = log(beta * q + (1.0 - beta) * p);
+    *g = (1.0 - beta) * plog(p, xs, lm);
+    return beta * plog(q, xt, lm) + (1.0 - beta) * plog(p, xs, lm);
+}
+
+static double lse_at(const double *a, const int64_t *ids, int64_t m)
+{
+    double max = -INFINITY, sum = 0.0;
+    for (int64_t e = 0; e < m; e++)
+        max = fmax(max, a[ids[e]]);
+    for (int64_t e = 0; e < m; e++)
+        sum += exp(a[ids[e]] - max);
+    return max + log(sum);
+}
+
+/* One row's D over its top-k support (ref_distill.h) from the log-softmaxes lp, lq, and dD/ds into g if non-NULL.
+ * ids: [2 k] scratch, in: [v] zeroed scratch (left zeroed). The gradient, with pi = softmax over S of lp:
+ *   G_e = df/dxs_e;  renormalised: dD/dlp_e = G_e - pi_e sum G;  tail: dD/dlp_e = G_e + G_tail c pi_e,
+ *   c = d tail / d logsumexp_S(lp) = -exp(L) / (1 - exp(L)) unless the clamp holds L (then 0);
+ *   dD/ds_j = dD/dlp_j [j in S] - p_j sum_e dD/dlp_e. */
+static double row_topk_divergence(const double *lp, const double *lq, int64_t v, ref_divergence div, double beta,
+                                  int64_t k, int add_tail, int64_t *ids, unsigned char *in, double *g)
+{
+    static const double clamp = -1e-7; /* TRL's _add_tail_bucket */
+    int64_t m = 0;
+    for (int side = 0; side < 2; side++) { /* the teacher's top-k, then the student's */
+        if ((side == 0 && div == REF_DIVERGENCE_REVERSE_KL) || (side == 1 && div == REF_DIVERGENCE_FORWARD_KL))
+            continue;
+        int64_t *top = ids + m;
+        top_ids(side == 0 ? lq : lp, v, k, top);
+        for (int64_t e = 0; e < k; e++)
+            if (!in[top[e]]) {
+                in[top[e]] = 1;
+                ids[m++] = top[e];
+            }
+    }
+    const double l_p = lse_at(lp, ids, m), l_q = lse_at(lq, ids, m);
+    const double shift_p = add_tail ? 0.0 : l_p, shift_q = add_tail ? 0.0 : l_q;
+    double d = 0.0, sum_g = 0.0, g_tail = 0.0, c = 0.0;
+    for (int64_t e = 0; e < m; e++) {
+        double ge;
+        d += entry_term(div, beta, lp[ids[e]] - shift_p, lq[ids[e]] - shift_q, &ge);
+        sum_g += ge;
+    }
+    if (add_tail) {
+        d += entry_term(div, beta, log(-expm1(fmin(l_p, clamp))), log(-expm1(fmin(l_q, clamp))), &g_tail);
+        c = l_p <= clamp ? -exp(l_p) / -expm1(l_p) : 0.0;
+    }
+    if (g) {
+        for (int64_t j = 0; j < v; j++)
+            g[j] = 0.0;
+        double sum_dlp = 0.0;
+        for (int64_t e = 0; e < m; e++) {
+            double ge;
+            (void)entry_term(div, beta, lp[ids[e]] - shift_p, lq[ids[e]] - shift_q, &ge);
+            const double pi = exp(lp[ids[e]] - l_p);
+            g[ids[e]] = add_tail ? ge + g_tail * c * pi : ge - pi * sum_g;
+            sum_dlp += g[ids[e]];
+        }
+        for (int64_t j = 0; j < v; j++)
+            g[j] -= exp(lp[j]) * sum_dlp;
+    }
+    for (int64_t e = 0; e < m; e++)
+        in[ids[e]] = 0;
+    return d;
+}
+
 int ref_distill_head(int64_t n, int64_t vocab, const double *u_s, const double *u_t, const int64_t *targets,
                      const ref_distill_options *o, const double *grad_output, ref_distill_result *r, double *du_s)
 {
@@ -116,9 +212,14 @@ int ref_distill_head(int64_t n, int64_t vocab, const double *u_s, const double *
         count++;
     }
     const int64_t v = vocab;
+    const int64_t top_k = o->top_k > 0 && o->top_k < v ? o->top_k : 0;
     double *scratch = malloc(sizeof(double) * (size_t)(4 * v));
-    if (!scratch)
+    int64_t *ids = top_k ? malloc(sizeof(int64_t) * (size_t)(2 * top_k)) : NULL;
+    unsigned char *in = top_k ? calloc((size_t)v, 1) : NULL;
+    if (!scratch || (top_k && (!ids || !in))) {
+        free(scratch), free(ids), free(in);
         return -1;
+    }
     double *scaled = scratch, *lp = scratch + v, *lq = scratch + 2 * v, *lm = scratch + 3 * v;
     const ref_divergence div = effective_divergence(o);
     const double ws = o->weight_soft_loss, wh = o->weight_hard_loss, temp = o->temperature;
@@ -137,7 +238,8 @@ int ref_distill_head(int64_t n, int64_t vocab, const double *u_s, const double *
         }
         log_softmax(us, v, temp, scaled, lp);
         log_softmax(u_t + i * v, v, temp, scaled, lq);
-        const double d = row_divergence(lp, lq, v, div, o->beta, lm, g);
+        const double d = top_k ? row_topk_divergence(lp, lq, v, div, o->beta, top_k, o->add_tail, ids, in, g)
+                               : row_divergence(lp, lq, v, div, o->beta, lm, g);
         const double lse = ref_linear_row_lse(us, v); /* untempered, for the hard part */
         const double ce = targets ? lse - us[targets[i]] : 0.0;
         /* Weights of 0 drop their term outright, so an infinite D or ce does not turn into NaN. */
@@ -161,7 +263,7 @@ int ref_distill_head(int64_t n, int64_t vocab, const double *u_s, const double *
         r->soft_loss = soft * scale;
         r->hard_loss = hard * scale;
     }
-    free(scratch);
+    free(scratch), free(ids), free(in);
     return 0;
 }
 

@@ -17,7 +17,15 @@
  *         ignore_index, or every token when targets is NULL (allowed only with weight_hard_loss == 0)
  *   mean: sum_i l_i / count (0 when nothing counts);  sum: sum_i l_i;  none: per-token l_i, 0 for ignored ones.
  * No temperature^2 factor. The teacher is a constant: only the student gets gradients. A probability that is 0
- * (underflow, or a -inf logit) contributes 0 to every sum (0 log 0 = 0). */
+ * (underflow, or a -inf logit) contributes 0 to every sum (0 log 0 = 0).
+ *
+ * Top-k (0 < top_k < vocab; TRL 1.16.0's IWOPDTrainer.generalized_jsd_loss, trl/experimental/iw_opd/iw_opd_trainer.py):
+ * D_i over the support S_i = the teacher's top_k of t (forward_kl, jsd at beta 0), the student's top_k of s
+ * (reverse_kl, jsd at beta 1), or the union of both (jsd), ties to the lower id; with lp = log p, lq = log q:
+ *   add_tail 0: xs = lp - logsumexp_S(lp), xt = lq - logsumexp_S(lq) over S;
+ *   add_tail 1: xs = lp, xt = lq over S, plus one entry each, log(1 - exp(min(logsumexp_S(.), -1e-7)));
+ *   D_i = the divergence above over those entries with p = exp(xs), q = exp(xt) (jsd: m = beta q + (1 - beta) p).
+ * The support is a constant (no gradient through the selection). */
 #ifndef FH_REF_DISTILL_H
 #define FH_REF_DISTILL_H
 
@@ -39,6 +47,8 @@ typedef struct ref_distill_options {
     double weight_hard_loss;   /* 0.0; >= 0, needs targets when non-zero */
     int64_t ignore_index;      /* -100 */
     int reduction;             /* mean: 0 mean, 1 sum, 2 none (as fh_reduction) */
+    int64_t top_k;             /* 0: the whole vocabulary; >= vocab likewise */
+    int add_tail;              /* 1; read when 0 < top_k < vocab */
 } ref_distill_options;
 
 /* Sets the defaults (listed above: Liger's and TRL's). */

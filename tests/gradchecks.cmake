@@ -17,7 +17,7 @@ set(FH_GRADCHECKS_EVERY_VARIANT
     distill_jsd_row_blocks distill_reverse_kl_streaming distill_jsd_tiny_temperature
     distill_bf16_grads_forward_kl_streaming
     kto_row_blocks_kto_logratios bf16_grads_kto_streaming_apo_zero_unpaired
-    distill_topk_tail_streaming distill_topk_bf16_row_blocks)
+    distill_topk_tail_streaming distill_topk_bf16_row_blocks distill_topk_jsd_tail_row_blocks)
 # Each gradcheck runs on one CPU (its process pinned to it, so the library runs one thread): the double reference,
 # most of a gradcheck's time, is single-threaded, so scripts/test runs the label "one_cpu" two at a time on 2 cores.
 # The library's threads are tested by the CUnit suites (1 and 2 threads), which run one at a time.
@@ -266,6 +266,12 @@ fh_gradcheck_test(distill_jsd_beta0_row_blocks ${FH_DISTILL_CASE} --divergence j
 fh_gradcheck_test(distill_jsd_beta1_streaming ${FH_DISTILL_CASE} --divergence jsd --beta 1 ${FH_DISTILL_STREAMING} ${FH_DISTILL_HARD}
                  --reduction sum)
 fh_gradcheck_test(distill_jsd_temperature2_no_targets ${FH_DISTILL_CASE} --divergence jsd --temperature 2 --no-targets --bias)
+# Over top-k supports (TRL's iw_opd top_k / add_tail): jsd's union of both top-64s with the tail in row blocks,
+# reverse KL's student top-20 renormalised streaming (the budget adds the selections' 64 x 20 x 16 bytes).
+fh_gradcheck_test(distill_topk_jsd_tail_row_blocks ${FH_DISTILL_CASE} --divergence jsd --beta 0.3 --top-k 64
+                 --temperature 0.7 ${FH_DISTILL_HARD} --bias)
+fh_gradcheck_test(distill_topk_reverse_kl_streaming ${FH_DISTILL_CASE} --divergence reverse_kl --top-k 20 --no-tail
+                 --tile-rows 16 --tile-vocab 128 --budget 60480 --layout vh --reduction none)
 # Temperature 1e-9: logits / T ~ 1e9, both softmaxes one-hot, jsd ln 2 where the argmaxes differ and a gradient of 0.
 # The AVX-512 kernels fused inv_t z - lse into one rounding while the lse rounded inv_t z first: log p of the
 # largest entry came out up to half an ulp of 1e9 above 0 (p = e^32), and the loss NaN.

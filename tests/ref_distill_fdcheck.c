@@ -1,7 +1,10 @@
 /* ref_distill_fdcheck: checks ref_distill_linear's student gradients against central finite differences of its
  * loss, and values worked out by hand, over divergence {forward_kl, reverse_kl, jsd beta 0.5, jsd beta 0.3, jsd
  * beta 0, jsd beta 1} x temperature {1, 0.7, 2} x {soft only without targets, soft only with ignored targets,
- * soft 0.6 + hard 0.4} x reduction {mean, sum, none}. Prints one line per case, exits non-zero on any failure.
+ * soft 0.6 + hard 0.4} x reduction {mean, sum, none}; then top-k (TRL's iw_opd generalized_jsd_loss): every
+ * divergence x top_k {1, 3, 5} x tail or not x temperature {1, 0.7}, the targets' mode and the reduction rotating
+ * (top_k 1 without the tail is exactly 0 for the KLs, as TRL's: checked as such). Prints one line per case, exits
+ * non-zero on any failure.
  *
  *   gcc -std=c11 -Wall -Wextra -O2 -Iref ref/ref_linear.c ref/ref_distill.c tests/ref_distill_fdcheck.c -lm \
  *       -o ref_distill_fdcheck
@@ -12,7 +15,7 @@
  * differentiate 1.3 loss.
  *
  * The teacher is a constant (the head gets no teacher gradient, so there is nothing to check there); the cases
- * only check that the loss does move with the teacher's weights, i.e. the teacher is live in every case.
+ * only check that the loss moves with the teacher (token 0's hidden state): the teacher is live in every case.
  *
  * Tolerance. As in ref_preference_fdcheck.c: for each gradient entry g (analytic) and f (finite difference) the
  * error is |f - g| / max(|f|, |g|, 1e-2 S), S the largest |g| over dx, dW and dbias of the case (0.015 - 3.9
@@ -130,8 +133,11 @@ static void fd_case(int index, const ref_distill_options *o, int mode)
         printf("FAIL: forward-backward returned an error\n");
         exit(2);
     }
-    fd_expect(isfinite(r.loss) && r.soft_loss > 0.0 && (p.tg ? r.hard_loss > 0.0 : r.hard_loss == 0.0),
-           "the loss is not finite, or a part is not positive");
+    /* A jsd union of one column (both top-1s the same) is 0 without the tail. */
+    const int may_vanish = o->top_k == 1 && !o->add_tail;
+    fd_expect(isfinite(r.loss) && (r.soft_loss > 0.0 || (may_vanish && r.soft_loss == 0.0)) &&
+                  (p.tg ? r.hard_loss > 0.0 : r.hard_loss == 0.0),
+              "the loss is not finite, or a part is not positive");
     /* The parts and the per-token losses add up to the loss. */
     double sum = 0.0;
     int counted = 0;
@@ -148,11 +154,12 @@ static void fd_case(int index, const ref_distill_options *o, int mode)
         for (int k = 0; k < HS; k++)
             ignored_zero &= p.tg[i] != IGNORE || (dx[i * HS + k] == 0.0 && per[i] == 0.0);
     fd_expect(ignored_zero, "an ignored token has a loss or a dx");
-    /* The teacher is live: its weights move the loss. */
+    /* The teacher is live: its hidden states move the loss. */
     const double base = objective(&p, o);
-    p.wt[3] += 1e-3;
-    fd_expect(fabs(objective(&p, o) - base) > 1e-9, "the loss does not depend on the teacher");
-    p.wt[3] -= 1e-3;
+    p.xt[0] += 1e-3;
+    fd_expect(fabs(objective(&p, o) - base) > 1e-9 || (may_vanish && r.soft_loss == 0.0),
+              "the loss does not depend on the teacher");
+    p.xt[0] -= 1e-3;
 
     const double scale = fmax(fd_max_abs(dx, N * HS), fmax(fd_max_abs(dw, HS * V), fd_max_abs(db, V)));
     const double floor = 1e-2 * scale;
@@ -162,9 +169,10 @@ static void fd_case(int index, const ref_distill_options *o, int mode)
     const double worst = fmax(ex, fmax(ew, eb));
     if (worst > worst_case_error)
         worst_case_error = worst;
-    printf("%3d %s b=%-3g T=%-3g %-9s %-4s  loss=%8.4f |g|max=%.2e  rel dx=%.1e dW=%.1e db=%.1e  %s\n", index,
-           div_name[o->divergence], o->beta, o->temperature, mode_name[mode], red_name[o->reduction], r.loss, scale,
-           ex, ew, eb, worst <= TOLERANCE ? "ok" : "FAIL");
+    printf("%3d %s b=%-3g T=%-3g k=%lld%s %-9s %-4s  loss=%8.4f |g|max=%.2e  rel dx=%.1e dW=%.1e db=%.1e  %s\n",
+           index, div_name[o->divergence], o->beta, o->temperature, (long long)o->top_k,
+           o->top_k && o->add_tail ? "+tail" : "", mode_name[mode], red_name[o->reduction], r.loss, scale, ex, ew, eb,
+           worst <= TOLERANCE ? "ok" : "FAIL");
     if (!(worst <= TOLERANCE))
         fd_failures++;
 }
@@ -365,6 +373,28 @@ static void hand_checks(void)
                fd_close_to(g4[0], -2.0 * (0.25 * (log(0.8) - k) - 0.4 * 0.5), 1e-15) && g4[2] == 0.0,
            "hand: none");
 
+    /* Top-1 forward KL with the tail. Student (0, 0, 0): p = 1/3 each; teacher (log 2, 0, 0): q = (1/2, 1/4, 1/4);
+     * the support is {0}: xs = (log 1/3, log 2/3), xt = (log 1/2, log 1/2), D = 1/2 log(3/2) + 1/2 log(3/4); by
+     * hand through p_0 and 1 - p_0, dD/ds = (-1/6, 1/12, 1/12). Top-k of V or more is the whole vocabulary. */
+    {
+        const double s3[3] = {0.0, 0.0, 0.0}, t3[3] = {log(2.0), 0.0, 0.0};
+        double g3[3], gv[3];
+        ref_distill_options_default(&o);
+        o.divergence = REF_DIVERGENCE_FORWARD_KL;
+        o.top_k = 1;
+        ref_distill_head(1, 3, s3, t3, NULL, &o, &one, &r, g3);
+        fd_expect(fd_close_to(r.loss, 0.5 * log(1.5) + 0.5 * log(0.75), 1e-15) &&
+                      fd_close_to(g3[0], -1.0 / 6.0, 1e-15) && fd_close_to(g3[1], 1.0 / 12.0, 1e-15) &&
+                      fd_close_to(g3[2], 1.0 / 12.0, 1e-15),
+                  "hand: top-1 forward KL with the tail");
+        o.top_k = 0;
+        ref_distill_head(1, 3, s3, t3, NULL, &o, &one, &r, gv);
+        const double full = r.loss;
+        o.top_k = 3;
+        ref_distill_head(1, 3, s3, t3, NULL, &o, &one, &r, g3);
+        fd_expect(r.loss == full && !memcmp(g3, gv, sizeof g3), "hand: top_k = V is not the whole vocabulary");
+    }
+
     /* Invalid arguments. */
     ref_distill_options_default(&o);
     r.per_token_loss = NULL;
@@ -423,6 +453,43 @@ int main(void)
                     o.beta = divs[d].beta;
                     o.temperature = temperatures[k];
                     o.reduction = red;
+                    if (mode == 2) {
+                        o.weight_soft_loss = 0.6;
+                        o.weight_hard_loss = 0.4;
+                    }
+                    fd_case(index++, &o, mode);
+                }
+    /* Top-k: the KLs at top_k 1 without the tail are exactly 0 (one renormalised entry on each side); the rest
+     * against finite differences. */
+    static const int64_t ks[] = {1, 3, 5};
+    for (size_t d = 0; d < sizeof divs / sizeof divs[0]; d++)
+        for (size_t k = 0; k < sizeof ks / sizeof ks[0]; k++)
+            for (int tail = 0; tail < 2; tail++)
+                for (int temp = 0; temp < 2; temp++) {
+                    ref_distill_options o;
+                    ref_distill_options_default(&o);
+                    o.divergence = divs[d].div;
+                    o.beta = divs[d].beta;
+                    o.temperature = temp ? 0.7 : 1.0;
+                    o.top_k = ks[k];
+                    o.add_tail = tail;
+                    o.reduction = index % 3;
+                    const int mode = (index / 3) % 3;
+                    const int kl = o.divergence != REF_DIVERGENCE_JSD || o.beta == 0.0 || o.beta == 1.0;
+                    if (ks[k] == 1 && !tail && kl) {
+                        problem p;
+                        make_problem(&p, 0x70C1ull + (uint64_t)index);
+                        ref_linear s, t;
+                        linears(&p, &s, &t);
+                        double dx[N * HS];
+                        ref_distill_result r = {1.0, 1.0, 1.0, NULL};
+                        o.weight_hard_loss = 0.0;
+                        fd_expect(ref_distill_linear(&s, &t, NULL, &o, grad_of(&p, &o), &r, dx, NULL, NULL) == 0 &&
+                                      r.loss == 0.0 && fd_max_abs(dx, N * HS) == 0.0,
+                                  "top-1 without the tail: a KL is not exactly 0");
+                        index++;
+                        continue;
+                    }
                     if (mode == 2) {
                         o.weight_soft_loss = 0.6;
                         o.weight_hard_loss = 0.4;

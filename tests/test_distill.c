@@ -74,10 +74,6 @@ enum { STREAM_ROWS = 8, STREAM_VOCAB = 64, SPLIT_ROWS = 7 };
  * pair (2 x 8 x 64 x 4 = 4 KiB, plus n x 80 bytes of per-row state) can, at the V used with it (1031 fp32, 2053
  * bf16, whose streaming path also keeps f32 accumulators of dx and a dweight tile). run_case checks through the
  * workspace query that the call's plan fits that budget, i.e. that it does not hold two V-wide rows. */
-static int64_t stream_budget(int64_t vocab)
-{
-    return 8 * vocab - 1;
-}
 
 typedef struct dspec {
     int64_t n, hs, ht, vocab;
@@ -101,6 +97,22 @@ typedef struct dspec {
                                  dweight, which must stay untouched */
     uint64_t seed;
 } dspec;
+
+/* The bytes of the top-k selections (0 < top_k < V), which every schedule holds for all n rows: top_k 16-byte
+ * entries per row for each head whose top-k is kept (both for jsd's union). */
+static int64_t selection_bytes(const dspec *s)
+{
+    const fh_distill_options *o = &s->o;
+    if (o->top_k <= 0 || o->top_k >= s->vocab)
+        return 0;
+    const int jsd = o->divergence == FH_DIVERGENCE_JSD && o->beta > 0.0 && o->beta < 1.0;
+    return s->n * (jsd ? 2 : 1) * o->top_k * 16;
+}
+
+static int64_t stream_budget(const dspec *s)
+{
+    return 8 * s->vocab - 1 + selection_bytes(s);
+}
 
 static void spec_default(dspec *s)
 {
@@ -130,9 +142,11 @@ static void describe(const dspec *s, char *buf, size_t size)
     static const char *const reductions[] = {"mean", "sum", "none"};
     static const char *const schedules[] = {"row blocks", "row blocks split", "streaming"};
     snprintf(buf, size,
-             "%s beta=%g T=%g ws=%g wh=%g %s targets=%d | n=%lld Hs=%lld Ht=%lld V=%lld %s/%s bias=%d/%d pad=%lld/%lld "
+             "%s beta=%g top_k=%lld tail=%d T=%g ws=%g wh=%g %s targets=%d | n=%lld Hs=%lld Ht=%lld V=%lld %s/%s "
+             "bias=%d/%d pad=%lld/%lld "
              "%s%s grads %s | %s threads=%d g=%g%s beta_g=%g seed=%llu",
-             divergence_name(&s->o), s->o.beta, s->o.temperature, s->o.weight_soft_loss, s->o.weight_hard_loss,
+             divergence_name(&s->o), s->o.beta, (long long)s->o.top_k, s->o.add_tail, s->o.temperature,
+             s->o.weight_soft_loss, s->o.weight_hard_loss,
              reductions[s->o.reduction], s->targets, (long long)s->n, (long long)s->hs, (long long)s->ht,
              (long long)s->vocab, s->s_layout == FH_LAYOUT_HV ? "hv" : "vh", s->t_layout == FH_LAYOUT_HV ? "hv" : "vh",
              s->s_bias, s->t_bias, (long long)s->s_pad, (long long)s->t_pad,
@@ -232,7 +246,7 @@ typedef struct ddiff {
 static ref_distill_options ref_options(const fh_distill_options *o)
 {
     const ref_distill_options r = {(ref_divergence)o->divergence, o->beta, o->temperature, o->weight_soft_loss,
-                                   o->weight_hard_loss, o->ignore_index, (int)o->reduction};
+                                   o->weight_hard_loss, o->ignore_index, (int)o->reduction, o->top_k, o->add_tail};
     return r;
 }
 
@@ -242,7 +256,7 @@ static fh_context *case_context(const dspec *s)
     case ROW_BLOCKS_SPLIT:
         return tu_context(s->threads, SPLIT_ROWS, 0, 0);
     case STREAMING:
-        return tu_context(s->threads, STREAM_ROWS, STREAM_VOCAB, stream_budget(s->vocab));
+        return tu_context(s->threads, STREAM_ROWS, STREAM_VOCAB, stream_budget(s));
     default:
         return tu_context(s->threads, 0, 0, 0);
     }
@@ -276,7 +290,7 @@ static fh_status run_fused(dcase *c)
     void *workspace = NULL;
     if (s->caller_workspace) {
         size_t bytes = 0;
-        const fh_status q = fh_distill_workspace_size(ctx, &c->s.lin, &c->t.lin, &bytes);
+        const fh_status q = fh_distill_workspace_size(ctx, &c->s.lin, &c->t.lin, &c->spec.o, &bytes);
         workspace = q == FH_OK ? tu_alloc(bytes, 1) : NULL;
         if (q != FH_OK || fh_context_set_workspace(ctx, workspace, bytes) != FH_OK) {
             fh_context_destroy(ctx);
@@ -397,9 +411,9 @@ static int check_schedule(const dcase *c)
         return 1;
     fh_context *ctx = case_context(s);
     size_t bytes = 0;
-    const fh_status st = fh_distill_workspace_size(ctx, &c->s.lin, &c->t.lin, &bytes);
+    const fh_status st = fh_distill_workspace_size(ctx, &c->s.lin, &c->t.lin, &c->spec.o, &bytes);
     fh_context_destroy(ctx);
-    return st == FH_OK && bytes <= (size_t)stream_budget(s->vocab) && bytes < (size_t)(8 * s->vocab);
+    return st == FH_OK && bytes <= (size_t)stream_budget(s) && bytes < (size_t)(8 * s->vocab + selection_bytes(s));
 }
 
 static void measure(const dcase *c, ddiff *d)
@@ -530,11 +544,35 @@ static const struct {
     {FH_DIVERGENCE_JSD, 0.3},        {FH_DIVERGENCE_JSD, 0.0},        {FH_DIVERGENCE_JSD, 1.0},
 };
 
+/* A matrix's case k: divergences[dv], temperature 0.7 (cold) or 1, the hard loss beside the soft one (hard) or not,
+ * the reduction, and along k the rotating inputs: layouts of both heads, biases of both, strided x rows, targets NULL
+ * on half of the soft-only cases (the others ignore a fifth of the tokens), grad_output 1 / -0.7 for mean and sum and
+ * a varied vector for none, several row blocks (FH_PARAM_TILE_ROWS 7) on half of the row-block cases. */
+static void matrix_spec(dspec *s, uint64_t seed, size_t dv, int cold, int hard, fh_reduction reduction, int k,
+                        int streaming)
+{
+    spec_default(s);
+    s->seed = seed;
+    s->o.divergence = divergences[dv].divergence;
+    s->o.beta = divergences[dv].beta;
+    s->o.temperature = cold ? 0.7 : 1.0;
+    s->o.weight_soft_loss = hard ? 0.6 : 1.0;
+    s->o.weight_hard_loss = hard ? 0.4 : 0.0;
+    s->o.reduction = reduction;
+    s->targets = hard || (k / 2) % 2;
+    s->varied_grad = reduction == FH_REDUCTION_NONE;
+    s->grad_value = k % 3 == 1 ? -0.7f : 1.0f;
+    s->sched = streaming ? STREAMING : (k / 2) % 2 ? ROW_BLOCKS_SPLIT : ROW_BLOCKS;
+    s->s_layout = (k / 2) % 2 ? FH_LAYOUT_HV : FH_LAYOUT_VH;
+    s->t_layout = (k / 4) % 2 ? FH_LAYOUT_HV : FH_LAYOUT_VH;
+    s->s_bias = (k / 3) % 2;
+    s->t_bias = (k / 5) % 2;
+    s->s_pad = k % 4 == 0 ? 3 : 0;
+    s->t_pad = k % 6 == 0 ? 5 : 0;
+}
+
 /* Every divergence x temperature 1 / 0.7 x (weight_soft 1, weight_hard 0) / (0.6, 0.4) x mean / sum / none x row
- * blocks / streaming: 144 cases. Along the index k the other inputs rotate: layouts of both heads, biases of both,
- * strided x rows, targets NULL on half of the soft-only cases (the others ignore a fifth of the tokens), grad_output
- * 1 / -0.7 for mean and sum and a varied vector for none, several row blocks (FH_PARAM_TILE_ROWS 7) on half of the
- * row-block cases, two threads on two (one per schedule). */
+ * blocks / streaming: 144 cases, the other inputs rotating (matrix_spec), two threads on two (one per schedule). */
 static void test_reference_matrix(void)
 {
     int k = 0;
@@ -544,24 +582,7 @@ static void test_reference_matrix(void)
                 for (int red = 0; red < 3; red++)
                     for (int streaming = 0; streaming < 2; streaming++, k++) {
                         dspec s;
-                        spec_default(&s);
-                        s.seed = 100 + (uint64_t)k;
-                        s.o.divergence = divergences[dv].divergence;
-                        s.o.beta = divergences[dv].beta;
-                        s.o.temperature = temp ? 0.7 : 1.0;
-                        s.o.weight_soft_loss = hard ? 0.6 : 1.0;
-                        s.o.weight_hard_loss = hard ? 0.4 : 0.0;
-                        s.o.reduction = (fh_reduction)red;
-                        s.targets = hard || (k / 2) % 2;
-                        s.varied_grad = red == FH_REDUCTION_NONE;
-                        s.grad_value = k % 3 == 1 ? -0.7f : 1.0f;
-                        s.sched = streaming ? STREAMING : (k / 2) % 2 ? ROW_BLOCKS_SPLIT : ROW_BLOCKS;
-                        s.s_layout = (k / 2) % 2 ? FH_LAYOUT_HV : FH_LAYOUT_VH;
-                        s.t_layout = (k / 4) % 2 ? FH_LAYOUT_HV : FH_LAYOUT_VH;
-                        s.s_bias = (k / 3) % 2;
-                        s.t_bias = (k / 5) % 2;
-                        s.s_pad = k % 4 == 0 ? 3 : 0;
-                        s.t_pad = k % 6 == 0 ? 5 : 0;
+                        matrix_spec(&s, 100 + (uint64_t)k, dv, temp, hard, (fh_reduction)red, k, streaming);
                         if (k == 5 || k == 100)
                             s.threads = 2;
                         check_case(&s, "reference matrix");
@@ -759,6 +780,18 @@ static void test_jsd_near_saturation(void)
         fprintf(stderr, "\n[distill jsd near saturation] gradient error %.2e\n", worst);
 }
 
+/* A bf16 case of divergences[dv] (V = 2053), with bf16 gradients when gd. */
+static void bf16_spec(dspec *s, uint64_t seed, size_t dv, int gd)
+{
+    spec_default(s);
+    s->seed = seed;
+    s->vocab = 2053;
+    s->dtype = FH_DTYPE_BF16;
+    s->grad_dtype = gd ? FH_DTYPE_BF16 : FH_DTYPE_F32;
+    s->o.divergence = divergences[dv].divergence;
+    s->o.beta = divergences[dv].beta;
+}
+
 /* bf16 student and teacher (raw bf16 bits; the reference on the bf16-valued inputs), fp32 and bf16 gradients, every
  * divergence, row blocks (default budget) and streaming, temperature 0.7 and the hard loss on alternate cases, the
  * tolerances of the header comment. V = 2053 (= 32 x 64 + 5) so that the streaming budget below 8 V also holds
@@ -769,14 +802,8 @@ static void test_bf16(void)
     for (size_t dv = 0; dv < TU_COUNT(divergences); dv++)
         for (int gd = 0; gd < 2; gd++)
             for (int streaming = 0; streaming < 2; streaming++, k++) {
-        dspec s;
-                spec_default(&s);
-                s.seed = 500 + (uint64_t)k;
-                s.vocab = 2053;
-                s.dtype = FH_DTYPE_BF16;
-                s.grad_dtype = gd ? FH_DTYPE_BF16 : FH_DTYPE_F32;
-                s.o.divergence = divergences[dv].divergence;
-                s.o.beta = divergences[dv].beta;
+                dspec s;
+                bf16_spec(&s, 500 + (uint64_t)k, dv, gd);
                 const int hard = gd ^ streaming ^ (int)(dv & 1);
                 s.o.temperature = streaming ^ (int)((dv >> 1) & 1) ? 0.7 : 1.0;
                 s.o.weight_soft_loss = hard ? 0.6 : 1.0;
@@ -824,6 +851,72 @@ static void test_bf16(void)
             check_case(&s, "mixed dtypes");
         }
     print_worst("bf16");
+}
+
+/* Top-k (TRL 1.16.0's IWOPDTrainer.generalized_jsd_loss with top_k and add_tail): every divergence x top_k 1, 20,
+ * 256 x with and without the tail x row blocks / streaming, at V = 1031 (256 a quarter of it; jsd's union up to
+ * half), the other inputs rotating as in the reference matrix (temperature, hard loss, reduction, layouts, biases,
+ * ignored tokens, two threads); then bf16 (V = 2053) with fp32 and bf16 gradients. The tolerances are the head's
+ * own: the selection reads the fp32 logits as the reference reads double ones (a tie within the GEMM's rounding at
+ * the k-th place would choose another column; these draws have none), and the divergence over the support is formed
+ * in double from those fp32 logits, so the loss keeps the full head's bound and dU its fp32 rounding. */
+static void test_topk(void)
+{
+    static const int64_t ks[] = {1, 20, 256};
+    int k = 0;
+    for (size_t dv = 0; dv < TU_COUNT(divergences); dv++)
+        for (size_t ki = 0; ki < TU_COUNT(ks); ki++)
+            for (int tail = 0; tail < 2; tail++)
+                for (int streaming = 0; streaming < 2; streaming++, k++) {
+                    dspec s;
+                    matrix_spec(&s, 1000 + (uint64_t)k, dv, k % 3 == 1, k % 4 == 2, (fh_reduction)(k % 3), k,
+                                streaming);
+                    s.o.top_k = ks[ki];
+                    s.o.add_tail = tail;
+                    if (k % 17 == 5)
+                        s.threads = 2;
+                    check_case(&s, "top-k");
+                }
+    k = 0;
+    for (size_t dv = 0; dv < TU_COUNT(divergences); dv++)
+        for (int gd = 0; gd < 2; gd++, k++) {
+            dspec s;
+            bf16_spec(&s, 1100 + (uint64_t)k, dv, gd);
+            s.o.top_k = 20;
+            s.o.add_tail = k % 2;
+            s.o.temperature = k % 3 == 0 ? 0.7 : 1.0;
+            s.s_bias = 1;
+            s.sched = k % 4 < 2 ? ROW_BLOCKS : STREAMING;
+            check_case(&s, "top-k bf16");
+        }
+    print_worst("top-k");
+}
+
+/* top_k of V or more is the whole vocabulary (TRL's `student_logits.size(-1) > top_k` test): the same bits as
+ * top_k 0, every divergence, with the tail asked for (it is not added). */
+static void test_topk_whole_vocabulary(void)
+{
+    for (size_t dv = 0; dv < TU_COUNT(divergences); dv++) {
+        dspec s;
+        spec_default(&s);
+        s.seed = 1200 + (uint64_t)dv;
+        s.o.divergence = divergences[dv].divergence;
+        s.o.beta = divergences[dv].beta;
+        dcase whole, wide;
+        if (!run_case(&s, "top_k 0", &whole))
+            continue;
+        s.o.top_k = s.vocab;
+        if (run_case(&s, "top_k V", &wide)) {
+            const size_t n = (size_t)s.n, h = (size_t)s.hs, v = (size_t)s.vocab;
+            TU_CHECK(whole.step.loss == wide.step.loss &&
+                         !memcmp(whole.step.per_token, wide.step.per_token, n * sizeof(float)) &&
+                         !memcmp(whole.step.dx, wide.step.dx, n * h * sizeof(float)) &&
+                         !memcmp(whole.step.dweight, wide.step.dweight, h * v * sizeof(float)),
+                     "%s: top_k = V is not the whole vocabulary bit for bit", divergence_name(&s.o));
+            case_free(&wide);
+        }
+        case_free(&whole);
+    }
 }
 
 /* ================================================================================================
@@ -1160,7 +1253,7 @@ static fh_status size_query(void *fixture_, int which, size_t *bytes)
 {
     const fixture *f = fixture_;
     (void)which; /* one query for both calls */
-    return fh_distill_workspace_size(f->call_ctx, f->call_student, f->call_teacher, bytes);
+    return fh_distill_workspace_size(f->call_ctx, f->call_student, f->call_teacher, &f->options, bytes);
 }
 
 /* The step in the exact-size workspace against the reference. */
@@ -1202,10 +1295,10 @@ static void test_workspace(void)
         make_inputs(&s, &c);
         fh_context *ctx = case_context(&s);
         size_t bytes = 0;
-        TU_CHECK(fh_distill_workspace_size(ctx, &c.s.lin, &c.t.lin, &bytes) == FH_OK &&
-                     bytes <= (size_t)stream_budget(s.vocab),
+        TU_CHECK(fh_distill_workspace_size(ctx, &c.s.lin, &c.t.lin, &s.o, &bytes) == FH_OK &&
+                     bytes <= (size_t)stream_budget(&s),
                  "streaming %s: query %zu bytes, budget %lld", bf16 ? "bf16" : "fp32", bytes,
-                 (long long)stream_budget(s.vocab));
+                 (long long)stream_budget(&s));
         unsigned char *block = tu_alloc(bytes, 1);
         fh_context_set_workspace(ctx, block, bytes - 1);
         const size_t nh = (size_t)(s.n * s.hs);
@@ -1317,7 +1410,7 @@ static void test_ignored_rows_cold_temperature(void)
         void *workspace = NULL;
         size_t bytes = 0;
         if (run == 1) {
-            TU_CHECK(fh_distill_workspace_size(ctx, &student, &teacher, &bytes) == FH_OK, "workspace size");
+            TU_CHECK(fh_distill_workspace_size(ctx, &student, &teacher, &o, &bytes) == FH_OK, "workspace size");
             workspace = tu_alloc(bytes, 1);
             TU_CHECK(fh_context_set_workspace(ctx, workspace, bytes) == FH_OK, "caller's workspace");
         }
@@ -1360,6 +1453,8 @@ static const tu_test tests[] = {
     {"every token ignored: loss 0, exact zero gradients", test_all_ignored},
     {"jsd near its maximum: gradient error at the terms' fp32 rounding", test_jsd_near_saturation},
     {"bf16 student and teacher, fp32 and bf16 gradients", test_bf16},
+    {"top-k supports (TRL's iw_opd): every divergence, k 1 / 20 / 256, tail or not, fp32 and bf16", test_topk},
+    {"top_k of V is the whole vocabulary", test_topk_whole_vocabulary},
     {"each bad argument: own status, untouched outputs, message", test_bad_arguments},
     {"valid calls write their outputs; boundaries; message reset", test_valid_calls},
     {"caller workspace: exact size, size - 1; size query", test_workspace},

@@ -48,8 +48,9 @@ static void usage(void)
             "       [--vocab V] [--layout hv|vh] [--teacher-layout hv|vh] [--bias] [--teacher-bias]\n"
             "       [--ignore-frac F] [--no-targets] [--reduction mean|sum|none] [--grad-output g] [--threads T]\n"
             "       [--seed S] [--tile-rows R] [--tile-vocab C] [--budget BYTES] [--dtype f32|bf16]\n"
-            "       [--grad-dtype f32|bf16] [--fp32-du] [--logit-scale S] [--dump DIR]\n"
+            "       [--grad-dtype f32|bf16] [--fp32-du] [--logit-scale S] [--top-k K] [--no-tail] [--dump DIR]\n"
             "  defaults: jsd, beta 0.5, temperature 1, weights 1 and 0, n 64, H 67, Ht = H, V 5003, hv, mean;\n"
+            "  --top-k K: the divergence over each token's top-k support (TRL's iw_opd), the tail unless --no-tail;\n"
             "  --dtype bf16 makes both heads bf16\n");
 }
 
@@ -79,6 +80,10 @@ static int distill_option(void *spec, const char *a, const char *v)
         s->no_targets = 1;
         return 1;
     }
+    if (strcmp(a, "--no-tail") == 0) {
+        s->options.add_tail = 0;
+        return 1;
+    }
     if (!v)
         return 0;
     if (strcmp(a, "--loss") == 0)
@@ -100,6 +105,8 @@ static int distill_option(void *spec, const char *a, const char *v)
         s->options.weight_hard_loss = atof(v);
     else if (strcmp(a, "--teacher-hidden") == 0)
         s->teacher_hidden = atoll(v);
+    else if (strcmp(a, "--top-k") == 0)
+        s->options.top_k = atoll(v);
     else
         return 0;
     return 2;
@@ -278,17 +285,23 @@ static int report(const void *check)
         fmax(token_diff(fwd->per_token, ref->per_token, n), token_diff(step->per_token, ref->per_token, n));
     const double e_dx = norm_rel(gr->dx, ref->dx, n * h), e_dw = norm_rel(gr->dweight, ref->dweight, h * v);
     const double e_db = gr->dbias ? norm_rel(gr->dbias, ref->dbias, v) : 0.0;
-    /* A row block holds both heads' V-wide fp32 rows, and with bf16 inputs every row's bf16 dU: a budget below that
-     * cannot hold one, so the step streams (as it always does with fp32 dU). */
-    const double row_block_floor = 8.0 * (double)v + (bf16 ? 2.0 * (double)n * (double)v : 0.0);
+    /* A row block holds both heads' V-wide fp32 rows, and with bf16 inputs every row's bf16 dU, beside the top-k
+     * selections (n rows of k 16-byte entries per kept head): a budget below that cannot hold one, so the step streams
+     * (as it always does with fp32 dU). */
+    const fh_distill_options *o = &s->options;
+    const int both = o->divergence == FH_DIVERGENCE_JSD && o->beta > 0.0 && o->beta < 1.0;
+    const double selections =
+        o->top_k > 0 && o->top_k < (int64_t)v ? (both ? 2.0 : 1.0) * 16.0 * (double)n * (double)o->top_k : 0.0;
+    const double row_block_floor = 8.0 * (double)v + (bf16 ? 2.0 * (double)n * (double)v : 0.0) + selections;
     const int streaming = (bf16 && s->fp32_du) || (s->budget > 0 && (double)s->budget < row_block_floor);
     const int pass = e_fwd <= DISTILL_LOSS_TOL && e_step <= DISTILL_LOSS_TOL && e_tok <= DISTILL_TOKEN_TOL &&
                      e_dx <= grad_tol && e_dw <= grad_tol && e_db <= dbias_tol;
-    const fh_distill_options *o = &s->options;
-    printf("{\n  \"divergence\": \"%s\",\n  \"beta\": %g,\n  \"temperature\": %g,\n  \"weight_soft_loss\": %g,\n"
+    printf("{\n  \"divergence\": \"%s\",\n  \"beta\": %g,\n  \"top_k\": %lld,\n  \"add_tail\": %d,\n"
+           "  \"temperature\": %g,\n  \"weight_soft_loss\": %g,\n"
            "  \"weight_hard_loss\": %g,\n  \"reduction\": \"%s\",\n  \"dtype\": \"%s\",\n  \"grad_dtype\": \"%s\",\n"
            "  \"workspace_bytes\": %zu,\n  \"streaming\": %s,\n",
-           divergences[o->divergence], o->beta, o->temperature, o->weight_soft_loss, o->weight_hard_loss,
+           divergences[o->divergence], o->beta, (long long)o->top_k, o->add_tail, o->temperature,
+           o->weight_soft_loss, o->weight_hard_loss,
            reductions[o->reduction], bf16 ? "bf16" : "f32", s->grad_dtype == FH_DTYPE_BF16 ? "bf16" : "f32",
            k->workspace,
            streaming ? "true" : "false");
@@ -346,7 +359,7 @@ static int run(void *check)
         ce_grads_io_finish(&io);
     }
     if (st == FH_OK)
-        st = fh_distill_workspace_size(ctx, &k->student.lin, &k->teacher.lin, &k->workspace);
+        st = fh_distill_workspace_size(ctx, &k->student.lin, &k->teacher.lin, &s->options, &k->workspace);
     if (st != FH_OK) {
         const char *message = "";
         if (ctx)
@@ -358,7 +371,7 @@ static int run(void *check)
     /* The reference, in the student's layout for the comparison. */
     const ref_distill_options ro = {(ref_divergence)s->options.divergence, s->options.beta, s->options.temperature,
                                     s->options.weight_soft_loss, s->options.weight_hard_loss, s->options.ignore_index,
-                                    (int)s->options.reduction};
+                                    (int)s->options.reduction, s->options.top_k, s->options.add_tail};
     reference *ref = &k->ref;
     ref->per_token = gradcheck_calloc(n, sizeof(double));
     ref->dx = gradcheck_calloc(n * h, sizeof(double));

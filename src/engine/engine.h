@@ -134,6 +134,7 @@ fh_status fh_engine_row_blocks(const fh_engine_pass *p);
 typedef struct fh_train_step_head {
     int64_t group_rows;         /* rows a row block keeps together (a sequence, a preference pair); 1: any */
     const fh_linear *companion; /* the second head of a pair (fh_pair_kernels), or NULL */
+    size_t head_row_bytes;      /* with a companion: the head's own per-row state (fh_plan_pair_train_step) */
     int forward_plan;           /* the streaming fallback runs its forward on a plan of its own (fh_plan_streaming)
                                    rather than on the backward's */
     int streaming_only;         /* the streaming passes whatever the budget (coefficients that need every row's

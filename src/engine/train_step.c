@@ -9,8 +9,8 @@ fh_status fh_engine_train_step(fh_context *ctx, const fh_linear *lin, const fh_l
     fh_workspace ws[2];
     int row_blocks = 0;
     fh_status st = head->streaming_only ? FH_OK
-                   : head->companion ? fh_plan_pair_train_step(ctx, lin, head->companion, grads, &plans[0], &row_blocks,
-                                                             ctx)
+                   : head->companion ? fh_plan_pair_train_step(ctx, lin, head->companion, head->head_row_bytes, grads,
+                                                             &plans[0], &row_blocks, ctx)
                    : head->group_rows > 1
                        ? fh_plan_train_step_groups(ctx, lin, grads, head->group_rows, &plans[0], &row_blocks)
                        : fh_plan_train_step(ctx, lin, grads, &plans[0], &row_blocks, ctx);

@@ -3,9 +3,11 @@
  * companion, and this file's kernels fold and differentiate both rows of each tile. Per row they keep online
  * log-sum-exps of the tempered student (s) and teacher (t) logits, of the untempered student logits (u) when
  * the cross-entropy needs them apart, and the KLs' cross term; the JSD's mixture log m = log(beta q + (1 - beta) p)
- * needs both log-sum-exps first, so it folds in a second pass. */
+ * needs both log-sum-exps first, so it folds in a second pass. With top_k (topk_support.h) the one pass keeps the
+ * rows' top-k selections instead of the cross term, and each row's divergence over its support follows in finish. */
 #include "counted_rows.h"
 #include "distill_shared.h"
+#include "topk_support.h"
 #include "engine/engine.h"
 #include "core/linear.h"
 
@@ -33,7 +35,7 @@ FH_API fh_status fh_distill_options_init(fh_distill_options *options)
 {
     if (!options)
         return FH_ERR_NULL_POINTER;
-    const fh_distill_options defaults = {FH_DIVERGENCE_JSD, 0.5, 1.0, 1.0, 0.0, -100, FH_REDUCTION_MEAN};
+    const fh_distill_options defaults = {FH_DIVERGENCE_JSD, 0.5, 1.0, 1.0, 0.0, -100, FH_REDUCTION_MEAN, 0, 1};
     *options = defaults;
     return FH_OK;
 }
@@ -48,6 +50,7 @@ typedef struct distill_head {
                                 not s's */
     double log_beta, log_1m_beta; /* jsd: log(beta) and log(1 - beta) */
     double *const *slot;
+    fh_topk_rows topk;       /* top_k < V: the rows' selections (topk.k 0: the whole vocabulary) */
 } distill_head;
 
 static int counted(const distill_head *h, int64_t i)
@@ -60,6 +63,43 @@ static fh_distill_terms terms_of(const void *options)
     const fh_distill_options *o = options;
     const fh_distill_terms t = {o->temperature, o->weight_soft_loss, o->weight_hard_loss, o->ignore_index, o->reduction};
     return t;
+}
+
+/* jsd at beta 0 and 1 is the forward and the reverse KL (TRL's special cases). */
+static fh_divergence effective_divergence(const fh_distill_options *o)
+{
+    if (o->divergence == FH_DIVERGENCE_JSD && o->beta == 0.0)
+        return FH_DIVERGENCE_FORWARD_KL;
+    if (o->divergence == FH_DIVERGENCE_JSD && o->beta == 1.0)
+        return FH_DIVERGENCE_REVERSE_KL;
+    return o->divergence;
+}
+
+/* top_k: 0 or at least V (the whole vocabulary), or a support of at most FH_DISTILL_TOPK_MAX_K columns. */
+static int top_k_valid(const fh_distill_options *o, int64_t vocab)
+{
+    return o->top_k >= 0 && (o->top_k <= FH_DISTILL_TOPK_MAX_K || o->top_k >= vocab);
+}
+
+/* A support narrower than the vocabulary (TRL: top_k >= V is the whole vocabulary). */
+static int topk_of(const fh_distill_options *o, int64_t vocab)
+{
+    return o->top_k > 0 && o->top_k < vocab;
+}
+
+/* Whose top-k the support takes: the teacher's (forward KL), the student's (reverse KL), both (jsd). */
+static fh_topk_select select_of(const distill_head *h)
+{
+    return h->divergence == FH_DIVERGENCE_FORWARD_KL   ? FH_TOPK_TEACHER
+           : h->divergence == FH_DIVERGENCE_REVERSE_KL ? FH_TOPK_STUDENT
+                                                       : FH_TOPK_UNION;
+}
+
+static size_t head_row_bytes(const fh_distill_options *o, const fh_linear *student)
+{
+    if (!topk_of(o, student->vocab))
+        return 0;
+    return fh_topk_row_bytes(o->top_k, effective_divergence(o) == FH_DIVERGENCE_JSD ? 2 : 1);
 }
 
 static int64_t target_in(const distill_head *h, int64_t i, int64_t first_column, int64_t count)
@@ -92,12 +132,14 @@ static void fold_statistics(const distill_head *h, int64_t i, const float *z, co
     float max_z, max_cz;
     fh_row_pair_max(z, cz, count, &max_z, &max_cz);
     const fh_divergence d = h->divergence;
-    double *cross = &slot[SLOT_CROSS_THEN_D][i];
+    double *cross = h->topk.k ? NULL : &slot[SLOT_CROSS_THEN_D][i];
     /* inv_t > 0: the largest of inv_t z is inv_t times the largest z */
     fold_lse(&slot[SLOT_S_MAX_THEN_LSE][i], &slot[SLOT_S_SUM][i], d == FH_DIVERGENCE_REVERSE_KL ? cross : NULL,
              it * max_z, z, cz, count, it);
     fold_lse(&slot[SLOT_T_MAX_THEN_LSE][i], &slot[SLOT_T_SUM_THEN_JSD_K_SP][i], d == FH_DIVERGENCE_FORWARD_KL ? cross : NULL,
              it * max_cz, cz, z, count, it);
+    if (h->topk.k)
+        fh_topk_rows_fold(&h->topk, i, z, cz, count, first_column);
     if (h->separate_u)
         fold_lse(&slot[SLOT_U_MAX_THEN_LSE][i], &slot[SLOT_U_SUM][i], NULL, max_z, z, NULL, count, 1.0f);
     const int64_t t = target_in(h, i, first_column, count);
@@ -160,7 +202,9 @@ static void finish(const void *self, int pass, int64_t i)
     slot[SLOT_S_MAX_THEN_LSE][i] = lse_s;
     slot[SLOT_T_MAX_THEN_LSE][i] = lse_t;
     double *d = &slot[SLOT_CROSS_THEN_D][i];
-    if (h->divergence == FH_DIVERGENCE_FORWARD_KL) /* sum q (t - s) - lse_t + lse_s */
+    if (h->topk.k) /* D over the row's support, and the gradient's dense coefficient in SLOT_JSD_K */
+        *d = fh_topk_rows_finish(&h->topk, i, lse_s, lse_t, &slot[SLOT_JSD_K][i]);
+    else if (h->divergence == FH_DIVERGENCE_FORWARD_KL) /* sum q (t - s) - lse_t + lse_s */
         *d = *d / slot[SLOT_T_SUM_THEN_JSD_K_SP][i] - lse_t + lse_s;
     else if (h->divergence == FH_DIVERGENCE_REVERSE_KL)
         *d = *d / slot[SLOT_S_SUM][i] - lse_s + lse_t;
@@ -183,7 +227,19 @@ static void gradient(const void *self, int64_t i, float *z, const float *cz, int
         return;
     }
     const fh_pair_row r = row_of(h, i);
-    fh_row_pair_gradient(z, cz, count, &r);
+    if (h->topk.k) {
+        /* a p (the tail's dense part) and the cross-entropy's softmax, then the support's terms */
+        const double a = h->slot[SLOT_JSD_K][i];
+        const fh_softmax_pair sp = {h->inv_t, r.lse_s, (float)((double)r.g_soft * a * h->inv_t), r.lse_u,
+                                    h->hard ? r.g_hard : 0.0f};
+        if (sp.a != 0.0f || sp.b != 0.0f)
+            fh_row_softmax_pair(z, count, &sp);
+        else
+            memset(z, 0, (size_t)count * sizeof(float));
+        fh_topk_rows_scatter(&h->topk, i, r.g_soft * h->inv_t, z, count, first_column);
+    } else {
+        fh_row_pair_gradient(z, cz, count, &r);
+    }
     const int64_t t = target_in(h, i, first_column, count);
     if (h->hard && t >= 0)
         z[t] -= r.g_hard;
@@ -199,6 +255,12 @@ static fh_status check_options(fh_context *ctx, const fh_linear *student, const 
                        "divergence = %d is not forward_kl (0), reverse_kl (1) or jsd (2)", (int)o->divergence);
     if (!(o->beta >= 0.0 && o->beta <= 1.0))
         return fh_fail(ctx, FH_ERR_INVALID_DISTILL_OPTION, "beta = %g is outside [0, 1]", o->beta);
+    if (!top_k_valid(o, student->vocab))
+        return fh_fail(ctx, FH_ERR_INVALID_DISTILL_OPTION,
+                       "top_k = %lld is neither in [0, %d] nor >= V = %lld (0 and >= V: the whole vocabulary)",
+                       (long long)o->top_k, FH_DISTILL_TOPK_MAX_K, (long long)student->vocab);
+    if (o->add_tail != 0 && o->add_tail != 1)
+        return fh_fail(ctx, FH_ERR_INVALID_DISTILL_OPTION, "add_tail = %d is not 0 or 1", o->add_tail);
     const fh_distill_terms t = terms_of(o);
     return fh_distill_check_terms(ctx, student, targets, &t);
 }
@@ -255,12 +317,8 @@ static int teacher_buffers(const fh_distill_call *c, fh_buffer *b)
 static distill_head head_of(const fh_workspace *ws, const fh_linear *student, const int64_t *targets,
                             const fh_distill_options *o, const float *grad_output)
 {
-    distill_head h = {o, targets, o->divergence, (float)(1.0 / o->temperature),
-                      o->weight_hard_loss != 0.0, 0, 0.0, 0.0, ws->slot};
-    if (h.divergence == FH_DIVERGENCE_JSD && o->beta == 0.0)
-        h.divergence = FH_DIVERGENCE_FORWARD_KL;
-    else if (h.divergence == FH_DIVERGENCE_JSD && o->beta == 1.0)
-        h.divergence = FH_DIVERGENCE_REVERSE_KL;
+    distill_head h = {o, targets, effective_divergence(o), (float)(1.0 / o->temperature),
+                      o->weight_hard_loss != 0.0, 0, 0.0, 0.0, ws->slot, {0}};
     h.separate_u = targets && h.inv_t != 1.0f;
     h.log_beta = log(o->beta);
     h.log_1m_beta = log1p(-o->beta);
@@ -270,6 +328,9 @@ static distill_head head_of(const fh_workspace *ws, const fh_linear *student, co
         ws->slot[SLOT_S_MAX_THEN_LSE][i] = ws->slot[SLOT_T_MAX_THEN_LSE][i] = ws->slot[SLOT_U_MAX_THEN_LSE][i] =
             -INFINITY;
     }
+    if (topk_of(o, student->vocab))
+        h.topk = fh_topk_rows_begin(ws->head_rows, student->n, o->top_k, select_of(&h), (int)o->add_tail, o->beta,
+                                    h.inv_t);
     const fh_distill_terms t = terms_of(o);
     if (grad_output)
         fh_distill_coefficients(student->n, targets, &t, grad_output, ws->slot[SLOT_COEF]);
@@ -285,7 +346,8 @@ static void write_outputs(const distill_head *h, int64_t n, fh_distill_outputs *
 
 static fh_pair_kernels kernels_of(const distill_head *h, const fh_linear *teacher)
 {
-    const fh_pair_kernels k = {teacher, h->divergence == FH_DIVERGENCE_JSD ? 2 : 1, fold, finish, gradient, h};
+    const int passes = h->divergence == FH_DIVERGENCE_JSD && !h->topk.k ? 2 : 1;
+    const fh_pair_kernels k = {teacher, passes, fold, finish, gradient, h};
     return k;
 }
 
@@ -293,7 +355,8 @@ static fh_status forward(fh_context *ctx, const fh_distill_call *c)
 {
     fh_plan plans[2];
     fh_workspace ws;
-    fh_status st = fh_plan_pair_streaming(ctx, c->student, c->teacher, plans, ctx);
+    fh_status st = fh_plan_pair_streaming(ctx, c->student, c->teacher, head_row_bytes(c->options, c->student),
+                                          plans, ctx);
     if (st == FH_OK)
         st = fh_workspace_acquire(ctx, c->student->n, plans, 1, &ws);
     if (st != FH_OK)
@@ -334,7 +397,11 @@ static fh_status run(fh_context *ctx, const fh_distill_call *c)
 {
     if (!c->grads)
         return forward(ctx, c);
-    const fh_train_step_head head = {.group_rows = 1, .companion = c->teacher, .run = step_run, .self = c};
+    const fh_train_step_head head = {.group_rows = 1,
+                                     .companion = c->teacher,
+                                     .head_row_bytes = head_row_bytes(c->options, c->student),
+                                     .run = step_run,
+                                     .self = c};
     return fh_engine_train_step(ctx, c->student, c->grads, &head);
 }
 
@@ -373,14 +440,18 @@ FH_API fh_status fh_distill_forward_backward(fh_context *ctx, const fh_linear *s
 }
 
 FH_API fh_status fh_distill_workspace_size(const fh_context *ctx, const fh_linear *student,
-                                           const fh_linear *teacher, size_t *bytes)
+                                           const fh_linear *teacher, const fh_distill_options *options,
+                                           size_t *bytes)
 {
-    if (!ctx || !bytes || !teacher)
+    if (!ctx || !bytes || !teacher || !options)
         return FH_ERR_NULL_POINTER;
     fh_status st = fh_check_linear(NULL, student);
     if (st == FH_OK)
         st = fh_check_linear(NULL, teacher);
     if (st == FH_OK)
         st = check_pair_shapes(NULL, student, teacher);
-    return st == FH_OK ? fh_plan_pair_query_bytes(ctx, student, teacher, bytes) : st;
+    if (st == FH_OK && !top_k_valid(options, student->vocab))
+        st = FH_ERR_INVALID_DISTILL_OPTION;
+    return st == FH_OK ? fh_plan_pair_query_bytes(ctx, student, teacher, head_row_bytes(options, student), bytes)
+                       : st;
 }

@@ -331,7 +331,7 @@ static fh_status forward(fh_context *ctx, const fh_distill_call *c)
 {
     fh_plan plans[2];
     fh_workspace ws;
-    fh_status st = fh_plan_pair_streaming(ctx, c->student, NULL, plans, ctx);
+    fh_status st = fh_plan_pair_streaming(ctx, c->student, NULL, 0, plans, ctx);
     if (st == FH_OK)
         st = fh_workspace_acquire(ctx, c->student->n, plans, 1, &ws);
     if (st != FH_OK)
@@ -352,7 +352,7 @@ static fh_status train_step(fh_context *ctx, const fh_distill_call *c)
     fh_plan plan;
     fh_workspace ws;
     int row_blocks = 0;
-    fh_status st = fh_plan_pair_train_step(ctx, c->student, NULL, c->grads, &plan, &row_blocks, ctx);
+    fh_status st = fh_plan_pair_train_step(ctx, c->student, NULL, 0, c->grads, &plan, &row_blocks, ctx);
     if (st == FH_OK)
         st = fh_workspace_acquire(ctx, c->student->n, &plan, 1, &ws);
     if (st != FH_OK)
@@ -420,5 +420,5 @@ FH_API fh_status fh_distill_topk_workspace_size(const fh_context *ctx, const fh_
     if (!ctx || !bytes)
         return FH_ERR_NULL_POINTER;
     const fh_status st = fh_check_linear(NULL, student);
-    return st == FH_OK ? fh_plan_pair_query_bytes(ctx, student, NULL, bytes) : st;
+    return st == FH_OK ? fh_plan_pair_query_bytes(ctx, student, NULL, 0, bytes) : st;
 }

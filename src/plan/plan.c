@@ -77,6 +77,7 @@ static void buffer_table(const fh_plan *plan, int64_t n, fh_buffer_size table[FH
         [FH_BUFFER_W32] = {plan->fp32_du, hidden, cols, sizeof(float)},
         [FH_BUFFER_DX_BLOCK] = {dx_block, rows, hidden, sizeof(float)},
         [FH_BUFFER_SCRATCH] = {plan->scratch_floats > 0, 1, plan->scratch_floats, sizeof(float)},
+        [FH_BUFFER_HEAD_ROWS] = {plan->head_row_bytes > 0, n, (int64_t)plan->head_row_bytes, 1},
     };
     for (int b = 0; b < FH_BUFFER_FILTER; b++)
         table[b] = engine[b];
@@ -123,14 +124,29 @@ static int dense_vh(const fh_linear *lin)
  * for a head that runs its own pair kernels over lin's tile alone (no filtering, as with a companion). */
 enum { NO_COMPANION, COMPANION_F32, COMPANION_BF16, OWN_KERNELS };
 
-static int companion_of(const fh_linear *companion)
+/* What a plan holds for its head besides lin's buffers: the companion (above), and the bytes per row of the head's
+ * own per-row state (fh_plan.head_row_bytes). */
+typedef struct plan_head {
+    int companion;
+    size_t row_bytes;
+} plan_head;
+
+static const plan_head NO_HEAD = {NO_COMPANION, 0};
+
+static plan_head pair_head(const fh_linear *companion, size_t head_row_bytes)
 {
-    return !companion ? OWN_KERNELS : companion->x_dtype == FH_DTYPE_BF16 ? COMPANION_BF16 : COMPANION_F32;
+    const int kind = !companion                              ? OWN_KERNELS
+                     : companion->x_dtype == FH_DTYPE_BF16 ? COMPANION_BF16
+                                                           : COMPANION_F32;
+    const plan_head h = {kind, head_row_bytes};
+    return h;
 }
 
-static void set_schedule(const fh_context *ctx, const fh_linear *lin, int gradients, int row_blocks, int companion,
+static void set_schedule(const fh_context *ctx, const fh_linear *lin, int gradients, int row_blocks, plan_head head,
                          fh_plan *plan)
 {
+    const int companion = head.companion;
+    plan->head_row_bytes = head.row_bytes;
     plan->companion = companion == COMPANION_F32 || companion == COMPANION_BF16;
     plan->bf16_gemms = lin->x_dtype == FH_DTYPE_BF16 || companion == COMPANION_BF16;
     plan->gemm_order = batch_invariant(ctx) ? FH_GEMM_ROW_INVARIANT : FH_GEMM_FASTEST;
@@ -167,13 +183,13 @@ static void preferred_tiles(const fh_context *ctx, const fh_linear *lin, int thr
     *cols = cols_param > 0 ? cols_param : w ? w->tile_vocab : 0;
 }
 
-static fh_status plan_make(const fh_context *ctx, const fh_linear *lin, fh_call call, int companion, fh_plan *plan,
+static fh_status plan_make(const fh_context *ctx, const fh_linear *lin, fh_call call, plan_head head, fh_plan *plan,
                            fh_context *messages)
 {
     const int64_t n = lin->n, vocab = lin->vocab, budget = fh_budget_bytes(ctx);
     int64_t rows, cols;
     plan->threads = fh_threads(ctx, lin);
-    set_schedule(ctx, lin, call != FH_CALL_FORWARD, 0, companion, plan);
+    set_schedule(ctx, lin, call != FH_CALL_FORWARD, 0, head, plan);
     preferred_tiles(ctx, lin, plan->threads, call, &rows, &cols);
     plan->tile_rows = min64(n, rows > 0 ? rows : DEFAULT_TILE_ROWS);
     const int64_t default_cols = call == FH_CALL_FORWARD ? DEFAULT_TILE_VOCAB_FORWARD : DEFAULT_TILE_VOCAB_BACKWARD;
@@ -204,19 +220,19 @@ static fh_status plan_make(const fh_context *ctx, const fh_linear *lin, fh_call 
 fh_status fh_plan_make(const fh_context *ctx, const fh_linear *lin, fh_call call, fh_plan *plan,
                        fh_context *messages)
 {
-    return plan_make(ctx, lin, call, 0, plan, messages);
+    return plan_make(ctx, lin, call, NO_HEAD, plan, messages);
 }
 
-static fh_status plan_streaming(const fh_context *ctx, const fh_linear *lin, int companion, fh_plan plans[2],
+static fh_status plan_streaming(const fh_context *ctx, const fh_linear *lin, plan_head head, fh_plan plans[2],
                                 fh_context *messages)
 {
-    const fh_status st = plan_make(ctx, lin, FH_CALL_FORWARD, companion, &plans[0], messages);
-    return st == FH_OK ? plan_make(ctx, lin, FH_CALL_BACKWARD, companion, &plans[1], messages) : st;
+    const fh_status st = plan_make(ctx, lin, FH_CALL_FORWARD, head, &plans[0], messages);
+    return st == FH_OK ? plan_make(ctx, lin, FH_CALL_BACKWARD, head, &plans[1], messages) : st;
 }
 
 fh_status fh_plan_streaming(const fh_context *ctx, const fh_linear *lin, fh_plan plans[2], fh_context *messages)
 {
-    return plan_streaming(ctx, lin, 0, plans, messages);
+    return plan_streaming(ctx, lin, NO_HEAD, plans, messages);
 }
 
 /* ---- bf16 row blocks in dweight's memory (fh_plan) ----
@@ -309,12 +325,12 @@ static int balanced_blocks(fh_plan *plan, int64_t n, int64_t rows)
  * logits block or dU chunks (place_in_dweight), the blocks take their full height if what stays in the workspace
  * fits the budget; else the budget sets the height, as without. */
 static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
-                           int64_t group_rows, int companion, fh_plan *plan)
+                           int64_t group_rows, plan_head head, fh_plan *plan)
 {
     const int64_t n = lin->n, vocab = lin->vocab, budget = fh_budget_bytes(ctx);
     int64_t rows_param, unused;
     plan->threads = fh_threads(ctx, lin);
-    set_schedule(ctx, lin, 1, 1, companion, plan);
+    set_schedule(ctx, lin, 1, 1, head, plan);
     if (plan->fp32_du)
         return -1;
     preferred_tiles(ctx, lin, plan->threads, FH_CALL_TRAIN_STEP, &rows_param, &unused);
@@ -362,34 +378,35 @@ static fh_status invariant_blocks_too_big(const fh_context *ctx, const fh_linear
 }
 
 static fh_status plan_train_step(const fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
-                                 int64_t group_rows, int companion, fh_plan *plan, int *row_blocks,
+                                 int64_t group_rows, plan_head head, fh_plan *plan, int *row_blocks,
                                  fh_context *messages)
 {
-    *row_blocks = make_row_blocks(ctx, lin, grads, group_rows, companion, plan) == 0;
+    *row_blocks = make_row_blocks(ctx, lin, grads, group_rows, head, plan) == 0;
     if (*row_blocks)
         return FH_OK;
     /* fp32 dU streams at every n; anything else streams only when no row block fits, which depends on n. */
     if (batch_invariant(ctx) && !plan->fp32_du)
         return invariant_blocks_too_big(ctx, lin, messages);
-    return plan_make(ctx, lin, FH_CALL_BACKWARD, companion, plan, messages);
+    return plan_make(ctx, lin, FH_CALL_BACKWARD, head, plan, messages);
 }
 
 fh_status fh_plan_train_step(const fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
                              fh_plan *plan, int *row_blocks, fh_context *messages)
 {
-    return plan_train_step(ctx, lin, grads, 1, 0, plan, row_blocks, messages);
+    return plan_train_step(ctx, lin, grads, 1, NO_HEAD, plan, row_blocks, messages);
 }
 
 fh_status fh_plan_pair_streaming(const fh_context *ctx, const fh_linear *lin, const fh_linear *companion,
-                                 fh_plan plans[2], fh_context *messages)
+                                 size_t head_row_bytes, fh_plan plans[2], fh_context *messages)
 {
-    return plan_streaming(ctx, lin, companion_of(companion), plans, messages);
+    return plan_streaming(ctx, lin, pair_head(companion, head_row_bytes), plans, messages);
 }
 
 fh_status fh_plan_pair_train_step(const fh_context *ctx, const fh_linear *lin, const fh_linear *companion,
-                                  const fh_linear_grads *grads, fh_plan *plan, int *row_blocks, fh_context *messages)
+                                  size_t head_row_bytes, const fh_linear_grads *grads, fh_plan *plan, int *row_blocks,
+                                  fh_context *messages)
 {
-    return plan_train_step(ctx, lin, grads, 1, companion_of(companion), plan, row_blocks, messages);
+    return plan_train_step(ctx, lin, grads, 1, pair_head(companion, head_row_bytes), plan, row_blocks, messages);
 }
 
 /* Lowers a row-block plan being made to blocks of `rows` rows (<= its own); its workspace only shrinks. */
@@ -403,7 +420,7 @@ fh_status fh_plan_train_step_rows(const fh_context *ctx, const fh_linear *lin, c
                                   int64_t rows, fh_plan *plan, fh_context *messages)
 {
     plan->threads = fh_threads(ctx, lin);
-    set_schedule(ctx, lin, 1, 1, NO_COMPANION, plan);
+    set_schedule(ctx, lin, 1, 1, NO_HEAD, plan);
     plan->tile_vocab = lin->vocab;
     plan->tile_rows = rows;
     if (place_buffers(plan, lin->n) != 0)
@@ -415,7 +432,7 @@ fh_status fh_plan_train_step_rows(const fh_context *ctx, const fh_linear *lin, c
 fh_status fh_plan_train_step_groups(fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
                                     int64_t group_rows, fh_plan *plan, int *row_blocks)
 {
-    const fh_status st = plan_train_step(ctx, lin, grads, group_rows, 0, plan, row_blocks, ctx);
+    const fh_status st = plan_train_step(ctx, lin, grads, group_rows, NO_HEAD, plan, row_blocks, ctx);
     if (st != FH_OK || !*row_blocks)
         return st;
     const int64_t groups = lin->n / group_rows, fit = plan->tile_rows / group_rows;
@@ -423,7 +440,7 @@ fh_status fh_plan_train_step_groups(fh_context *ctx, const fh_linear *lin, const
         *row_blocks = 0;
         if (batch_invariant(ctx))
             return invariant_blocks_too_big(ctx, lin, ctx);
-        return plan_make(ctx, lin, FH_CALL_BACKWARD, NO_COMPANION, plan, ctx);
+        return plan_make(ctx, lin, FH_CALL_BACKWARD, NO_HEAD, plan, ctx);
     }
     const int64_t blocks = (groups + fit - 1) / fit;
     lower_rows(plan, lin->n, (groups + blocks - 1) / blocks * group_rows);
@@ -433,7 +450,7 @@ fh_status fh_plan_train_step_groups(fh_context *ctx, const fh_linear *lin, const
 /* Bytes of the streaming passes (group_rows 0), else of the train step with groups of group_rows rows, for the
  * gradients grads (what their dweight holds not counted) or, NULL, any. */
 static fh_status query_bytes(const fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
-                             int64_t group_rows, int companion, size_t *bytes)
+                             int64_t group_rows, plan_head head, size_t *bytes)
 {
     fh_status st = fh_check_linear(NULL, lin);
     if (st == FH_OK && grads)
@@ -443,10 +460,10 @@ static fh_status query_bytes(const fh_context *ctx, const fh_linear *lin, const 
     fh_plan plans[2];
     int row_blocks;
     if (group_rows > 0) {
-        st = plan_train_step(ctx, lin, grads, group_rows, companion, &plans[0], &row_blocks, NULL);
+        st = plan_train_step(ctx, lin, grads, group_rows, head, &plans[0], &row_blocks, NULL);
         plans[1] = plans[0];
     } else {
-        st = plan_streaming(ctx, lin, companion, plans, NULL);
+        st = plan_streaming(ctx, lin, head, plans, NULL);
     }
     if (st == FH_OK)
         *bytes = plans[0].bytes > plans[1].bytes ? plans[0].bytes : plans[1].bytes;
@@ -456,16 +473,17 @@ static fh_status query_bytes(const fh_context *ctx, const fh_linear *lin, const 
 fh_status fh_plan_query_bytes(const fh_context *ctx, const fh_linear *lin, int train_step,
                               const fh_linear_grads *grads, size_t *bytes)
 {
-    return query_bytes(ctx, lin, grads, train_step ? 1 : 0, 0, bytes);
+    return query_bytes(ctx, lin, grads, train_step ? 1 : 0, NO_HEAD, bytes);
 }
 
 fh_status fh_plan_pair_query_bytes(const fh_context *ctx, const fh_linear *lin, const fh_linear *companion,
-                                   size_t *bytes)
+                                   size_t head_row_bytes, size_t *bytes)
 {
     size_t streaming, train_step;
-    fh_status st = query_bytes(ctx, lin, NULL, 0, companion_of(companion), &streaming);
+    const plan_head head = pair_head(companion, head_row_bytes);
+    fh_status st = query_bytes(ctx, lin, NULL, 0, head, &streaming);
     if (st == FH_OK)
-        st = query_bytes(ctx, lin, NULL, 1, companion_of(companion), &train_step);
+        st = query_bytes(ctx, lin, NULL, 1, head, &train_step);
     if (st == FH_OK)
         *bytes = streaming > train_step ? streaming : train_step;
     return st;
@@ -475,9 +493,9 @@ fh_status fh_plan_query_every_bytes(const fh_context *ctx, const fh_linear *lin,
 {
     /* Groups of any height up to n: the bf16 blocks then stop only at the budget, the most any group asks. */
     size_t streaming, grouped;
-    fh_status st = query_bytes(ctx, lin, NULL, 0, 0, &streaming);
+    fh_status st = query_bytes(ctx, lin, NULL, 0, NO_HEAD, &streaming);
     if (st == FH_OK)
-        st = query_bytes(ctx, lin, NULL, lin->n, 0, &grouped);
+        st = query_bytes(ctx, lin, NULL, lin->n, NO_HEAD, &grouped);
     if (st == FH_OK)
         *bytes = streaming > grouped ? streaming : grouped;
     return st;
@@ -506,6 +524,7 @@ static fh_workspace carve(const fh_plan *plan, void *base, int64_t n)
     ws.gemm_cache = NULL;
     ws.scratch.data = (float *)at[FH_BUFFER_SCRATCH];
     ws.scratch.floats = plan->scratch_floats;
+    ws.head_rows = at[FH_BUFFER_HEAD_ROWS];
     ws.filter_stats = NULL;
     return ws;
 }

@@ -28,6 +28,7 @@ enum {
     FH_BUFFER_W32,            /*   and weight columns (H x tile_vocab) in f32 */
     FH_BUFFER_DX_BLOCK,       /* bf16 row blocks summing a bf16 dx over several GEMMs: tile_rows x H floats */
     FH_BUFFER_SCRATCH,        /* the convert path's panels (scratch_floats) */
+    FH_BUFFER_HEAD_ROWS,      /* n rows of head_row_bytes: a head's own per-row state beyond the slots */
     FH_BUFFER_FILTER,         /* the first of filtering's FH_FILTER_BUFFERS */
     FH_BUFFERS = FH_BUFFER_FILTER + FH_FILTER_BUFFERS
 };
@@ -69,6 +70,7 @@ typedef struct fh_plan {
      * convert path whatever fh_gemm_bf16_path says; else FH_GEMM_FASTEST. */
     fh_gemm_order gemm_order;
     int companion;        /* a pair plan (fh_plan_pair_*): a second tile for the companion head's logits */
+    size_t head_row_bytes; /* a pair plan's head keeps this many bytes of its own per row (head_rows), or 0 */
     unsigned char used[FH_BUFFERS]; /* the buffer table's rows that this plan uses */
     size_t offset[FH_BUFFERS];      /* and where they start */
     size_t bytes;         /* total, including slack to align any caller pointer */
@@ -98,14 +100,17 @@ fh_status fh_plan_train_step_groups(fh_context *ctx, const fh_linear *lin, const
 /* Plans for a pass with a companion head (fh_pair_kernels): the companion's tile beside lin's, no gradient
  * filtering, and train-step row blocks of at most 224 rows unless FH_PARAM_TILE_ROWS says otherwise (two
  * tiles of logits per row). As fh_plan_streaming and fh_plan_train_step otherwise. companion NULL: a head's own
- * pair kernels over lin's tile alone, no filtering, lin's tile and row blocks as fh_plan_train_step's. */
+ * pair kernels over lin's tile alone, no filtering, lin's tile and row blocks as fh_plan_train_step's.
+ * head_row_bytes > 0 reserves that many bytes per row for the head's own state (fh_workspace.head_rows, all n
+ * rows whatever the schedule: a streaming row's state lives from its first tile to its last). */
 fh_status fh_plan_pair_streaming(const fh_context *ctx, const fh_linear *lin, const fh_linear *companion,
-                                 fh_plan plans[2], fh_context *messages);
+                                 size_t head_row_bytes, fh_plan plans[2], fh_context *messages);
 fh_status fh_plan_pair_train_step(const fh_context *ctx, const fh_linear *lin, const fh_linear *companion,
-                                  const fh_linear_grads *grads, fh_plan *plan, int *row_blocks, fh_context *messages);
+                                  size_t head_row_bytes, const fh_linear_grads *grads, fh_plan *plan, int *row_blocks,
+                                  fh_context *messages);
 /* Workspace bytes of every call of a head with a companion (the larger of the two above; pure). */
 fh_status fh_plan_pair_query_bytes(const fh_context *ctx, const fh_linear *lin, const fh_linear *companion,
-                                   size_t *bytes);
+                                   size_t head_row_bytes, size_t *bytes);
 
 /* The train step's row-block plan with blocks of exactly `rows` rows: a height agreed with other ranks, no taller
  * than this rank's own fh_plan_train_step or fh_plan_train_step_groups plan, so that it fits the budget as that did. */
@@ -134,6 +139,7 @@ typedef struct fh_workspace {
     fh_filter_stats *filter_stats;           /* the context's, reset by fh_workspace_acquire */
     fh_gemm_cache **gemm_cache;  /* the context's, for the GEMM providers that keep state */
     fh_gemm_scratch scratch;     /* the convert path's panels (fh_plan.scratch_floats), {NULL, 0} otherwise */
+    void *head_rows;             /* n x fh_plan.head_row_bytes (16-byte aligned), or NULL */
 } fh_workspace;
 
 /* One workspace for the passes of a call (plans[0..count)), as large as the largest: ws[k] is it carved

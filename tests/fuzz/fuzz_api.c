@@ -1097,8 +1097,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
 
     /* Distillation options (read for distillation and top-k distillation calls only): every field valid or not; the
-     * targets drawn above (with the cross-entropy ignore_index, mostly the same here), or NULL. Top-k's options are
-     * the shared fields and add_tail (0, 1, or neither). */
+     * targets drawn above (with the cross-entropy ignore_index, mostly the same here), or NULL; the head's top_k and
+     * add_tail on half the calls. Top-k's options are the shared fields and add_tail (0, 1, or neither). */
     fh_distill_options dopt;
     fh_distill_options_init(&dopt);
     const int64_t *dtargets = targets;
@@ -1117,6 +1117,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         dopt.reduction = (fh_reduction)(dm >> 4 == 15 ? 7 : (dm >> 4) % 3);
         if (u8(&r) % 8 == 7)
             dtargets = NULL;
+        /* top_k: the whole vocabulary (0, or at least V), supports up to FH_DISTILL_TOPK_MAX_K, or out of range */
+        static const int64_t dks[] = {0, 1, 3, 64, FH_DISTILL_TOPK_MAX_K, FH_DISTILL_TOPK_MAX_K + 1, -1, INT64_MAX};
+        const uint8_t dk = u8(&r);
+        dopt.top_k = dk % 2 ? dks[(dk >> 1) % 8] : 0;
+        dopt.add_tail = dk >> 4 == 15 ? 2 : (dk >> 4) % 2;
     }
     fh_distill_topk_options topt;
     fh_distill_topk_options_init(&topt);
@@ -1174,7 +1179,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     size_t ws_bytes = 0;
     fh_status query_status = FH_ERR_INVALID_SIZE;
     if (!query && small) {
-        query_status = distill              ? fh_distill_workspace_size(ctx, &lin, teacher, &needed)
+        query_status = distill              ? fh_distill_workspace_size(ctx, &lin, teacher, &dopt, &needed)
                        : topk               ? fh_distill_topk_workspace_size(ctx, &lin, &needed)
                        : preference         ? fh_preference_workspace_size(ctx, &lin, &needed)
                        : kto                ? fh_kto_workspace_size(ctx, &lin, &needed)
@@ -1295,7 +1300,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         st = fh_distill_forward_backward(ctx, &lin, teacher, dtargets, &dopt, grad, &distill_out,
                                          null_struct ? NULL : &g);
         break;
-    case CALL_fh_distill_workspace_size: st = fh_distill_workspace_size(ctx, &lin, teacher, &bytes); break;
+    case CALL_fh_distill_workspace_size: st = fh_distill_workspace_size(ctx, &lin, teacher, &dopt, &bytes); break;
     case CALL_fh_distill_topk_forward:
         st = fh_distill_topk_forward(ctx, &lin, topk_arg, dtargets, &topt, null_struct ? NULL : &distill_out);
         break;

@@ -379,7 +379,9 @@ void hu_topk_teacher(const hu_grpo_problem *p, fh_topk_teacher *teacher)
 /* The distillation query with a teacher, top-k's without. */
 static fh_status distill_query(const fh_context *ctx, const fh_linear *student, const fh_linear *teacher, size_t *bytes)
 {
-    return teacher ? fh_distill_workspace_size(ctx, student, teacher, bytes)
+    fh_distill_options o;
+    fh_distill_options_init(&o);
+    return teacher ? fh_distill_workspace_size(ctx, student, teacher, &o, bytes)
                    : fh_distill_topk_workspace_size(ctx, student, bytes);
 }
 

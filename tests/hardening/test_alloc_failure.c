@@ -479,7 +479,7 @@ static void test_caller_workspace_never_allocates(void)
         if (hu_call_is_distill(c)) {
             fh_linear teacher;
             hu_distill_linears(&p.grpo, &lin, &teacher);
-            st = fh_distill_workspace_size(ctx, &lin, &teacher, &bytes);
+            st = fh_distill_workspace_size(ctx, &lin, &teacher, &p.grpo.distill, &bytes);
         } else if (hu_call_is_distill_topk(c)) {
             hu_grpo_linear(&p.grpo, &lin);
             st = fh_distill_topk_workspace_size(ctx, &lin, &bytes);
@@ -538,7 +538,7 @@ static void test_caller_workspace_never_allocates(void)
                 const int64_t budget = schedule ? hu_distill_streaming_budget(&student, teacher, 2) : 0;
                 fh_context *ctx = tu_context(2, 0, 0, budget);
                 size_t bytes = 0;
-                fh_status st = teacher ? fh_distill_workspace_size(ctx, &student, teacher, &bytes)
+                fh_status st = teacher ? fh_distill_workspace_size(ctx, &student, teacher, &g->distill, &bytes)
                                        : fh_distill_topk_workspace_size(ctx, &student, &bytes);
                 TU_CHECK(st == FH_OK, "%s workspace query: %d", hu_call_name(call), (int)st);
                 void *ws = malloc(bytes);

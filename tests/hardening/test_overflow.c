@@ -152,7 +152,7 @@ static int child(void *arg)
     size_t bytes = 0xA5A5A5A5u;
     fh_status st = FH_ERR_NULL_POINTER; /* set by the switch below, which has every head call */
     if (a->query) {
-        st = hu_call_is_distill(a->call)      ? fh_distill_workspace_size(ctx, &lin, &lin, &bytes)
+        st = hu_call_is_distill(a->call)      ? fh_distill_workspace_size(ctx, &lin, &lin, &dopt, &bytes)
              : hu_call_is_distill_topk(a->call) ? fh_distill_topk_workspace_size(ctx, &lin, &bytes)
              : hu_call_is_support(a->call)    ? fh_logprob_support_workspace_size(ctx, &lin, &support, &bytes)
              : hu_call_is_preference(a->call) ? fh_preference_workspace_size(ctx, &lin, &bytes)
@@ -308,14 +308,18 @@ static int query_sweep(void *unused)
                             fh_linear_init(&lin, n, h, v, tiny_x, tiny_w, (fh_layout)layout, NULL);
                             for (int kind = 0; kind < 4; kind++) {
                                 size_t bytes = 0;
-                                /* kind 3: distillation, the teacher of the student's shape in the other layout */
+                                /* kind 3: distillation, the teacher of the student's shape in the other layout,
+                                 * over top-1024 supports in the [H, V] layout (n rows of 2 x 1024 selections) */
                                 fh_linear teacher;
                                 fh_linear_init(&teacher, n, h, v, tiny_x, tiny_w, (fh_layout)!layout, NULL);
-                                const fh_status st = kind == 0 ? fh_ce_workspace_size(ctx, &lin, &ce, &bytes)
-                                                     : kind == 1
-                                                         ? fh_ce_forward_backward_workspace_size(ctx, &lin, &ce, &bytes)
-                                                     : kind == 2 ? fh_grpo_workspace_size(ctx, &lin, &bytes)
-                                                                 : fh_distill_workspace_size(ctx, &lin, &teacher, &bytes);
+                                fh_distill_options dopt;
+                                fh_distill_options_init(&dopt);
+                                dopt.top_k = layout == FH_LAYOUT_HV ? FH_DISTILL_TOPK_MAX_K : 0;
+                                const fh_status st =
+                                    kind == 0   ? fh_ce_workspace_size(ctx, &lin, &ce, &bytes)
+                                    : kind == 1 ? fh_ce_forward_backward_workspace_size(ctx, &lin, &ce, &bytes)
+                                    : kind == 2 ? fh_grpo_workspace_size(ctx, &lin, &bytes)
+                                                : fh_distill_workspace_size(ctx, &lin, &teacher, &dopt, &bytes);
                                 const int ok = overflow ? st == FH_ERR_SIZE_OVERFLOW
                                                         : (st == FH_OK && bytes <= (size_t)budget) ||
                                                               st == FH_ERR_BUDGET_TOO_SMALL ||
@@ -434,7 +438,9 @@ static int teacher_child(void *arg)
     int code;
     if (a->which == 2) {
         size_t bytes = 0xA5A5A5A5u;
-        const fh_status st = fh_distill_workspace_size(ctx, &student, t, &bytes);
+        fh_distill_options dopt;
+        fh_distill_options_init(&dopt);
+        const fh_status st = fh_distill_workspace_size(ctx, &student, t, &dopt, &bytes);
         code = CODE_STATUS + (int)st + (st != FH_OK && bytes != 0xA5A5A5A5u ? CODE_WRITTEN : 0);
     } else {
         hu_outputs o;
