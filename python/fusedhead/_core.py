@@ -953,6 +953,13 @@ PREFERENCE_METRIC_KEYS = (("rewards_chosen", "rewards/chosen"), ("rewards_reject
                           ("mean_token_accuracy", "mean_token_accuracy"))
 
 
+def _flag(value, name: str) -> int:
+    """A bool (or 0 / 1) as a C int."""
+    if not isinstance(value, (bool, int)) or value not in (0, 1):
+        raise TypeError(f"{name}: expected a bool, got {value!r}")
+    return int(value)
+
+
 def _real(value, name: str) -> float:
     try:
         return float(value)
@@ -1107,10 +1114,11 @@ def prefixed_errors(prefix: str, make, *args):
 
 
 def distill_options(*, divergence="jsd", beta=0.5, temperature=1.0, weight_soft_loss=1.0, weight_hard_loss=0.0,
-                    ignore_index=-100, reduction="mean") -> _lib.fh_distill_options:
+                    ignore_index=-100, reduction="mean", top_k=0, add_tail=True) -> _lib.fh_distill_options:
     """fh_distill_options from TRL/Liger-named keyword arguments (divergence "forward_kl", "reverse_kl" or "jsd";
-    beta: jsd's mixture weight, 0 is forward_kl and 1 reverse_kl). The library validates the values
-    (InvalidDistillOptionError, InvalidTemperatureError)."""
+    beta: jsd's mixture weight, 0 is forward_kl and 1 reverse_kl; top_k and add_tail: TRL's generalized_jsd_loss's,
+    top_k 0 the whole vocabulary). The library validates the values (InvalidDistillOptionError,
+    InvalidTemperatureError)."""
     opt = _lib.fh_distill_options()
     check_status(load_library().fh_distill_options_init(ctypes.byref(opt)), "fh_distill_options_init")
     opt.divergence = int(parse_choice(divergence, _lib.Divergence, "divergence"))
@@ -1120,6 +1128,8 @@ def distill_options(*, divergence="jsd", beta=0.5, temperature=1.0, weight_soft_
     opt.weight_hard_loss = _real(weight_hard_loss, "weight_hard_loss")
     opt.ignore_index = int64("ignore_index", ignore_index)  # int, NumPy and 0-d torch integers
     opt.reduction = int(parse_reduction(reduction))
+    opt.top_k = int64("top_k", top_k)
+    opt.add_tail = _flag(add_tail, "add_tail")
     return opt
 
 
@@ -1176,7 +1186,7 @@ class DistillProblem:
     def workspace_size(self, ctx: Context) -> int:
         size = ctypes.c_size_t()
         ctx.call("fh_distill_workspace_size", ctypes.byref(self.head.c), ctypes.byref(self.teacher.c),
-                 ctypes.byref(size), pure=True)
+                 ctypes.byref(self.options), ctypes.byref(size), pure=True)
         return size.value
 
 
@@ -1189,9 +1199,7 @@ def distill_topk_options(*, add_tail=True, temperature=1.0, weight_soft_loss=1.0
     loss_add_tail). The library validates the values (InvalidDistillOptionError, InvalidTemperatureError)."""
     opt = _lib.fh_distill_topk_options()
     check_status(load_library().fh_distill_topk_options_init(ctypes.byref(opt)), "fh_distill_topk_options_init")
-    if not isinstance(add_tail, (bool, int)) or add_tail not in (0, 1):
-        raise TypeError(f"add_tail: expected a bool, got {add_tail!r}")
-    opt.add_tail = int(add_tail)
+    opt.add_tail = _flag(add_tail, "add_tail")
     opt.temperature = _real(temperature, "temperature")
     opt.weight_soft_loss = _real(weight_soft_loss, "weight_soft_loss")
     opt.weight_hard_loss = _real(weight_hard_loss, "weight_hard_loss")

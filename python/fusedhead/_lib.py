@@ -467,6 +467,8 @@ class fh_distill_options(ctypes.Structure):
         ("weight_hard_loss", ctypes.c_double),
         ("ignore_index", ctypes.c_int64),
         ("reduction", ctypes.c_int),  # fh_reduction
+        ("top_k", ctypes.c_int64),
+        ("add_tail", ctypes.c_int),
     ]
 
 
@@ -584,7 +586,8 @@ _OPTIONAL = {
                                  _P(fh_distill_outputs)]),
     "fh_distill_forward_backward": (_st, [_ctx_p, _P(fh_linear), _P(fh_linear), c_int64_p, _P(fh_distill_options),
                                           c_float_p, _P(fh_distill_outputs), _P(fh_linear_grads)]),
-    "fh_distill_workspace_size": (_st, [_ctx_p, _P(fh_linear), _P(fh_linear), _P(ctypes.c_size_t)]),
+    "fh_distill_workspace_size": (_st, [_ctx_p, _P(fh_linear), _P(fh_linear), _P(fh_distill_options),
+                                        _P(ctypes.c_size_t)]),
     "fh_kto_options_init": (_st, [_P(fh_kto_options)]),
     "fh_kto_forward": (_st, [_ctx_p, _P(fh_linear), _P(fh_kto_batch), _P(fh_kto_options), _P(fh_kto_outputs)]),
     "fh_kto_forward_backward": (_st, [_ctx_p, _P(fh_linear), _P(fh_kto_batch), _P(fh_kto_options), c_float_p,

@@ -846,8 +846,8 @@ def distill_loss(student_hidden: np.ndarray, student_weight: np.ndarray, teacher
                  student_bias: Optional[np.ndarray] = None, teacher_bias: Optional[np.ndarray] = None, *,
                  divergence: str = "jsd", beta: float = 0.5, temperature: float = 1.0,
                  weight_soft_loss: float = 1.0, weight_hard_loss: float = 0.0, ignore_index: int = -100,
-                 reduction: str = "mean", student_layout: str = "vh", teacher_layout: str = "vh",
-                 return_grads: Union[bool, Iterable[str]] = False, grad_output=None,
+                 reduction: str = "mean", top_k: int = 0, add_tail: bool = True, student_layout: str = "vh",
+                 teacher_layout: str = "vh", return_grads: Union[bool, Iterable[str]] = False, grad_output=None,
                  context: Optional[Context] = None, dtype: str = "fp32", teacher_dtype: Optional[str] = None,
                  grad_dtype: Optional[str] = None) -> DistillResult:
     """Distillation loss of a student head towards a teacher head over the same vocabulary, without either's
@@ -855,7 +855,9 @@ def distill_loss(student_hidden: np.ndarray, student_weight: np.ndarray, teacher
     over temperature, divergence "forward_kl" KL(q || p), "reverse_kl" KL(p || q) or "jsd" (beta q + (1 - beta) p
     mixture; beta 0 is forward_kl, 1 reverse_kl, as TRL's generalized_jsd_loss), plus weight_hard_loss times the
     cross-entropy of the student's untempered logits at targets; tokens whose target is ignore_index are left out,
-    'mean' divides by the tokens counted. No temperature^2 factor (TRL and Liger apply none).
+    'mean' divides by the tokens counted. No temperature^2 factor (TRL and Liger apply none). top_k > 0 (< V):
+    the divergence over each token's top-k support with add_tail, as TRL's generalized_jsd_loss(top_k, add_tail)
+    (fusedhead.torch.fused_linear_distillation_loss says which support each divergence takes).
 
     student_hidden [..., H_s], teacher_hidden [..., H_t] with the same number of tokens N; weights [V, H] (layout
     "vh") or [H, V] ("hv") each, the same V; biases float32 [V]; targets int64 shaped like the student's leading
@@ -867,7 +869,7 @@ def distill_loss(student_hidden: np.ndarray, student_weight: np.ndarray, teacher
     """
     opt = distill_options(divergence=divergence, beta=beta, temperature=temperature,
                           weight_soft_loss=weight_soft_loss, weight_hard_loss=weight_hard_loss,
-                          ignore_index=ignore_index, reduction=reduction)
+                          ignore_index=ignore_index, reduction=reduction, top_k=top_k, add_tail=add_tail)
     red = Reduction(opt.reduction)
     if not return_grads and (grad_output is not None or grad_dtype is not None):
         raise ValueError("grad_output and grad_dtype are only used with return_grads")

@@ -90,7 +90,8 @@ def _kto(h, w, d):
 
 def _distill(h, w, d):
     th, tw = (d[k].to(h.dtype) for k in ("teacher_hidden", "teacher_weight"))
-    return fht.fused_linear_distillation_loss(h, w, th, tw, d["targets"], weight_hard_loss=0.5, temperature=2.0)
+    return fht.fused_linear_distillation_loss(h, w, th, tw, d["targets"], weight_hard_loss=0.5, temperature=2.0,
+                                              top_k=8)
 
 
 def _distill_none(h, w, d):

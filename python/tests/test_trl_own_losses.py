@@ -23,6 +23,8 @@ What runs on TRL's side, on the same fp32 hidden states and lm_head weight as fu
         _compute_loss), loss types kto and apo_zero_unpaired, desirable / undesirable weights.
       GKD: GKDTrainer.generalized_jsd_loss (static), every beta regime, temperature, reductions and
         num_items_in_batch.
+      IWOPD: IWOPDTrainer.generalized_jsd_loss (static) over top-k supports: every beta regime x top_k 1, 20, 256 x
+        with and without the tail bucket.
       DistillationTrainer: trl/trainer/distillation_trainer.py's _chunked_divergence_loss (module level), every beta
         regime, temperature, num_items_in_batch, biases, a completion mask, and its entropy sum.
 Found here (and fixed): fusedhead's GRPO head was written to TRL at f2cd5771, and TRL 1.16.0 changed two reductions
@@ -417,6 +419,44 @@ def test_gkd_generalized_jsd_matches_trl(beta, temperature, reduction, num_items
     else:
         assert abs(got.item() - want.item()) <= LOSS_RTOL_F32 * max(abs(want.item()), 1.0), (got.item(), want.item())
         got.backward()
+    for a, w in ((hs2, hs1), (ws2, ws1), (bs2, bs1)):
+        assert normwise(a.grad.numpy(), w.grad.numpy()) <= GRAD_RTOL_F32
+
+
+# --- IWOPD: IWOPDTrainer.generalized_jsd_loss over top-k supports -------------------------------------------------
+
+@pytest.mark.parametrize("beta", [0.0, 1.0, 0.5, 0.3])
+@pytest.mark.parametrize("top_k,add_tail,temperature", [(1, True, 1.0), (1, False, 0.7), (20, True, 0.7),
+                                                        (20, False, 1.0), (256, True, 1.0), (256, False, 1.5)])
+def test_iw_opd_topk_jsd_matches_trl(beta, top_k, add_tail, temperature):
+    """trl/experimental/iw_opd/iw_opd_trainer.py's IWOPDTrainer.generalized_jsd_loss (static) with top_k and add_tail:
+    the teacher's top-k for forward KL (beta 0), the student's for reverse KL (beta 1), their union for the JSD, the
+    tail bucket or the renormalisation. TRL runs on float64 logits of the same fp32 values (its selection then sees no
+    fp32 rounding; fusedhead selects on its fp32 logits: a tie within that rounding at the k-th place would differ,
+    and these draws have none); batchmean over the labels' counted tokens."""
+    with warnings.catch_warnings():  # TRLExperimentalWarning
+        warnings.simplefilter("ignore")
+        from trl.experimental.iw_opd.iw_opd_trainer import IWOPDTrainer
+    g = torch.Generator().manual_seed(top_k * 13 + int(beta * 10) + int(add_tail))
+    b, t, h, ht, v = 3, 9, 24, 40, 601
+    hs, ws = torch.randn(b, t, h, generator=g), torch.randn(v, h, generator=g) * (3.0 / math.sqrt(h))
+    bs = torch.randn(v, generator=g) * 0.3
+    xt, wt = torch.randn(b, t, ht, generator=g), torch.randn(v, ht, generator=g) * (3.0 / math.sqrt(ht))
+    labels = torch.randint(0, v, (b, t), generator=g)
+    labels[0, :3] = -100          # a masked prompt
+    labels[2, 6:] = -100          # padding
+
+    hs1, ws1, bs1 = (a.double().requires_grad_() for a in (hs, ws, bs))
+    want = IWOPDTrainer.generalized_jsd_loss(F.linear(hs1, ws1, bs1), F.linear(xt.double(), wt.double()),
+                                             labels=labels, beta=beta, temperature=temperature, top_k=top_k,
+                                             add_tail=add_tail)
+    want.backward()
+
+    hs2, ws2, bs2 = _leaves(hs, ws, bs)
+    got = fht.fused_linear_distillation_loss(hs2, ws2, xt, wt, labels, student_bias=bs2, divergence="jsd",
+                                             beta=beta, temperature=temperature, top_k=top_k, add_tail=add_tail)
+    assert abs(got.item() - want.item()) <= LOSS_RTOL_F32 * max(abs(want.item()), 1.0), (got.item(), want.item())
+    got.backward()
     for a, w in ((hs2, hs1), (ws2, ws1), (bs2, bs1)):
         assert normwise(a.grad.numpy(), w.grad.numpy()) <= GRAD_RTOL_F32
 

@@ -18,7 +18,7 @@ _OPTIONS = (("int", "ignore_index"), ("str", "reduction"), ("float", "temperatur
 _ARGS = (("Tensor", "student_input"), ("Tensor", "student_weight"), ("Tensor", "teacher_input"),
          ("Tensor", "teacher_weight"), ("Tensor?", "targets"), ("Tensor?", "student_bias"),
          ("Tensor?", "teacher_bias"), ("str", "student_layout"), ("str", "teacher_layout"), ("str", "divergence"),
-         ("float", "beta")) + _OPTIONS
+         ("float", "beta"), ("int", "top_k"), ("bool", "add_tail")) + _OPTIONS
 _TOPK_ARGS = (("Tensor", "input"), ("Tensor", "weight"), ("Tensor", "teacher_ids"), ("Tensor", "teacher_logprobs"),
               ("Tensor?", "targets"), ("Tensor?", "bias"), ("str", "layout"), ("bool", "add_tail")) + _OPTIONS
 
@@ -33,7 +33,8 @@ class _Distill:
     targets (int64, the student hidden's leading shape or [N]; None: every token counts) and the options."""
 
     def __init__(self, a: dict):
-        self.options = distill_options(**_option_dict(a, ("divergence", "beta") + tuple(n for _, n in _OPTIONS)))
+        self.options = distill_options(**_option_dict(a, ("divergence", "beta", "top_k", "add_tail") +
+                                                      tuple(n for _, n in _OPTIONS)))
         self.lin = prefixed_errors("student", TorchLinear, a["student_input"], a["student_weight"],
                                    a["student_bias"], a["student_layout"])
         self.teacher = prefixed_errors("teacher", TorchLinear, a["teacher_input"], a["teacher_weight"],
@@ -144,9 +145,10 @@ _DISTILL_TOPK = _Head("distill_topk", _TOPK_ARGS, _DistillTopk, ("input", "weigh
 
 
 def _distill_option_dict(divergence, beta, temperature, weight_soft_loss, weight_hard_loss, ignore_index,
-                         reduction) -> dict:
+                         reduction, top_k=0, add_tail=True) -> dict:
     options = dict(divergence=divergence, beta=beta, temperature=temperature, weight_soft_loss=weight_soft_loss,
-                   weight_hard_loss=weight_hard_loss, ignore_index=ignore_index, reduction=reduction)
+                   weight_hard_loss=weight_hard_loss, ignore_index=ignore_index, reduction=reduction, top_k=top_k,
+                   add_tail=add_tail)
     distill_options(**options)  # bad names, choices and types fail here; values in the library
     return options
 
@@ -158,8 +160,9 @@ def fused_linear_distillation_loss(student_input: torch.Tensor, student_weight: 
                                    teacher_bias: Optional[torch.Tensor] = None, divergence: str = "jsd",
                                    beta: float = 0.5, temperature: float = 1.0, weight_soft_loss: float = 1.0,
                                    weight_hard_loss: float = 0.0, ignore_index: int = -100, reduction: str = "mean",
-                                   student_layout: str = "vh", teacher_layout: str = "vh",
-                                   return_soft_hard_loss: bool = False, context: Optional[Context] = None):
+                                   top_k: int = 0, add_tail: bool = True, student_layout: str = "vh",
+                                   teacher_layout: str = "vh", return_soft_hard_loss: bool = False,
+                                   context: Optional[Context] = None):
     """Distillation of a student lm_head towards a teacher's over the same vocabulary, without either's [N, V]
     logits (TRL's GKD generalized_jsd_loss, Liger's fused linear JSD / distillation losses; include/fusedhead.h,
     "Distillation", has the formulas).
@@ -170,6 +173,12 @@ def fused_linear_distillation_loss(student_input: torch.Tensor, student_weight: 
     define them). Per token l = weight_soft_loss D + weight_hard_loss CE(student's untempered logits, target),
     over the tokens whose target is not ignore_index; 'mean' divides by their count (0 when there is none, with
     zero gradients), 'sum' adds them, 'none' returns them per token (0 where ignored). No temperature^2 factor.
+
+    top_k > 0 (and < V): the divergence over each token's support, as TRL's generalized_jsd_loss(top_k, add_tail)
+    (IWOPDTrainer, trl/experimental/iw_opd, TRL 1.16.0): the teacher's top_k for forward_kl, the student's for
+    reverse_kl, their union for jsd; both distributions renormalised over it, or with add_tail their log-probs
+    there plus one entry for the mass outside it. The selection reads the fp32 tempered logits, ties to the lower
+    id (TRL selects on the logits in their own dtype). top_k 0 or >= V is the whole vocabulary.
 
     student_input [..., H_s] and teacher_input [..., H_t] hold the same N tokens; weights [V, H] (layout "vh",
     nn.Linear.weight) or [H, V] ("hv"), each its own layout; biases [V]. targets int64 with the student input's
@@ -186,9 +195,9 @@ def fused_linear_distillation_loss(student_input: torch.Tensor, student_weight: 
         context, student_input=student_input, student_weight=student_weight,
         teacher_input=detach(teacher_input), teacher_weight=detach(teacher_weight), targets=targets,
         student_bias=student_bias, teacher_bias=detach(teacher_bias), student_layout=student_layout,
-        teacher_layout=teacher_layout, divergence=divergence, beta=beta, temperature=temperature,
-        weight_soft_loss=weight_soft_loss, weight_hard_loss=weight_hard_loss, ignore_index=ignore_index,
-        reduction=reduction)
+        teacher_layout=teacher_layout, divergence=divergence, beta=beta, top_k=top_k, add_tail=add_tail,
+        temperature=temperature, weight_soft_loss=weight_soft_loss, weight_hard_loss=weight_hard_loss,
+        ignore_index=ignore_index, reduction=reduction)
     return (loss, soft, hard) if return_soft_hard_loss else loss
 
 
@@ -202,13 +211,13 @@ class FusedLinearDistillationLoss(torch.nn.Module):
 
     def __init__(self, divergence: str = "jsd", beta: float = 0.5, temperature: float = 1.0,
                  weight_soft_loss: float = 1.0, weight_hard_loss: float = 0.0, ignore_index: int = -100,
-                 reduction: str = "mean", student_layout: str = "vh", teacher_layout: str = "vh",
-                 return_soft_hard_loss: bool = False, context: Optional[Context] = None):
+                 reduction: str = "mean", top_k: int = 0, add_tail: bool = True, student_layout: str = "vh",
+                 teacher_layout: str = "vh", return_soft_hard_loss: bool = False, context: Optional[Context] = None):
         super().__init__()
         parse_layout(student_layout)
         parse_layout(teacher_layout)
         self.options = _distill_option_dict(divergence, beta, temperature, weight_soft_loss, weight_hard_loss,
-                                            ignore_index, reduction)
+                                            ignore_index, reduction, top_k, add_tail)
         self.student_layout, self.teacher_layout = student_layout, teacher_layout
         self.return_soft_hard_loss, self.context = return_soft_hard_loss, context
 
