@@ -856,10 +856,11 @@ static void test_bf16(void)
 /* Top-k (TRL 1.16.0's IWOPDTrainer.generalized_jsd_loss with top_k and add_tail): every divergence x top_k 1, 20,
  * 256 x with and without the tail x row blocks / streaming, at V = 1031 (256 a quarter of it; jsd's union up to
  * half), the other inputs rotating as in the reference matrix (temperature, hard loss, reduction, layouts, biases,
- * ignored tokens, two threads); then bf16 (V = 2053) with fp32 and bf16 gradients. The tolerances are the head's
- * own: the selection reads the fp32 logits as the reference reads double ones (a tie within the GEMM's rounding at
- * the k-th place would choose another column; these draws have none), and the divergence over the support is formed
- * in double from those fp32 logits, so the loss keeps the full head's bound and dU its fp32 rounding. */
+ * ignored tokens, two threads, a caller's workspace of the queried size); then bf16 (V = 2053) with fp32 and bf16
+ * gradients. The tolerances are the head's own: the selection reads the fp32 logits as the reference reads double
+ * ones (a tie within the GEMM's rounding at the k-th place would choose another column; these draws have none), and
+ * the divergence over the support is formed in double from those fp32 logits, so the loss keeps the full head's
+ * bound and dU its fp32 rounding. */
 static void test_topk(void)
 {
     static const int64_t ks[] = {1, 20, 256};
@@ -873,6 +874,7 @@ static void test_topk(void)
                                 streaming);
                     s.o.top_k = ks[ki];
                     s.o.add_tail = tail;
+                    s.caller_workspace = k % 5 == 3;
                     if (k % 17 == 5)
                         s.threads = 2;
                     check_case(&s, "top-k");
