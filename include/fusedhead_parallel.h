@@ -193,6 +193,33 @@ FH_API fh_status fh_parallel_logprob_forward_backward(fh_context *ctx, fh_parall
                                                       fh_linear_grads *grads);
 
 /* ---------------------------------------------------------------------------------------------
+ * Log-probs over a support: fh_logprob_support_* of fusedhead.h across the layout. The support is the whole
+ * vocabulary's (global ids), the same on every rank of a vocab group (which holds the same tokens); each rank
+ * computes the entries in its shard, and the shards' statistics are combined per token as the full head's are, so a
+ * support may fall in any shards (a row's entries may all be in one). Every output and upstream gradient is per token;
+ * dweight and dbias are this rank's shard's (only its support columns non-zero). No tile, no GEMM: each call is one
+ * statistics exchange over the vocab group (none for the backward), then the gradient reductions.
+ * ------------------------------------------------------------------------------------------- */
+FH_API fh_status fh_parallel_logprob_support_forward(fh_context *ctx, fh_parallel_layout *layout,
+                                                     const fh_linear *lin, const int64_t *targets,
+                                                     const fh_support *support, const fh_logprob_options *options,
+                                                     fh_logprob_outputs *out);
+
+FH_API fh_status fh_parallel_logprob_support_backward(fh_context *ctx, fh_parallel_layout *layout,
+                                                      const fh_linear *lin, const int64_t *targets,
+                                                      const fh_support *support, const fh_logprob_options *options,
+                                                      const float *lse, const float *entropy, const float *g_logp,
+                                                      const float *g_entropy, const float *g_lse,
+                                                      fh_linear_grads *grads);
+
+FH_API fh_status fh_parallel_logprob_support_forward_backward(fh_context *ctx, fh_parallel_layout *layout,
+                                                              const fh_linear *lin, const int64_t *targets,
+                                                              const fh_support *support,
+                                                              const fh_logprob_options *options, const float *g_logp,
+                                                              const float *g_entropy, const float *g_lse,
+                                                              fh_logprob_outputs *out, fh_linear_grads *grads);
+
+/* ---------------------------------------------------------------------------------------------
  * GRPO: fh_grpo_* of fusedhead.h across the layout. With data parallelism each rank holds whole
  * sequences (its fh_grpo_batch); the loss is that of the concatenated batch: B is the sum of the ranks'
  * B, the mask count (bnpo, the entropy and KL means, dapo/cispo's default num_items_in_batch) is summed,

@@ -174,6 +174,33 @@ static void split(int64_t count, int parts, int r, int64_t *first, int64_t *size
 
 enum { VOCAB_PARALLEL, DATA_PARALLEL };
 
+/* Rank m's tokens (data-parallel) or vocabulary shard (vocab-parallel) of the N x V problem, and its layout over the
+ * team (NULL when the creation fails: *status says why). */
+static fh_parallel_layout *rank_layout(member *m, int kind, int64_t *row0, int64_t *rows, int64_t *col0, int64_t *cols,
+                                       fh_status *status)
+{
+    const int vocab = kind == VOCAB_PARALLEL;
+    *row0 = 0, *rows = N, *col0 = 0, *cols = V;
+    if (vocab)
+        split(V, m->t->size, m->rank, col0, cols);
+    else
+        split(N, m->t->size, m->rank, row0, rows);
+    const fh_collectives group = collectives_of(m);
+    fh_parallel_layout *L = NULL;
+    *status = fh_parallel_layout_create(vocab ? &group : NULL, vocab ? NULL : &group, *cols, &L);
+    return *status == FH_OK ? L : NULL;
+}
+
+/* A rank's call done: a failure's message kept, the context and layout destroyed. */
+static void rank_end(fh_context *ctx, fh_parallel_layout *L, fh_status status, char *message, size_t size)
+{
+    const char *msg = NULL;
+    if (status != FH_OK && fh_context_message(ctx, &msg) == FH_OK && msg)
+        snprintf(message, size, "%s", msg);
+    fh_context_destroy(ctx);
+    fh_parallel_layout_destroy(L);
+}
+
 typedef struct rank_job {
     member m;
     const problem *p;
@@ -190,15 +217,8 @@ static void *run_rank(void *arg)
     rank_job *j = arg;
     const problem *p = j->p;
     const int vocab = j->kind == VOCAB_PARALLEL;
-    j->row0 = 0, j->rows = N, j->col0 = 0, j->cols = V;
-    if (vocab)
-        split(V, j->m.t->size, j->m.rank, &j->col0, &j->cols);
-    else
-        split(N, j->m.t->size, j->m.rank, &j->row0, &j->rows);
-    const fh_collectives group = collectives_of(&j->m);
-    fh_parallel_layout *L = NULL;
-    j->create_status = fh_parallel_layout_create(vocab ? &group : NULL, vocab ? NULL : &group, j->cols, &L);
-    if (j->create_status != FH_OK)
+    fh_parallel_layout *L = rank_layout(&j->m, j->kind, &j->row0, &j->rows, &j->col0, &j->cols, &j->create_status);
+    if (!L)
         return NULL;
     fh_parallel_layout_set(L, vocab ? FH_PARALLEL_PARAM_DX_REDUCTION : FH_PARALLEL_PARAM_DWEIGHT_REDUCTION,
                            j->reduction);
@@ -214,32 +234,38 @@ static void *run_rank(void *arg)
         g.dx = j->dx + first * H;
     }
     j->status = fh_parallel_ce_forward_backward(ctx, L, &lin, p->targets + j->row0, &p->options, &one, &out, &g);
-    const char *msg = NULL;
-    if (j->status != FH_OK && fh_context_message(ctx, &msg) == FH_OK && msg)
-        snprintf(j->message, sizeof j->message, "%s", msg);
-    fh_context_destroy(ctx);
-    fh_parallel_layout_destroy(L);
+    rank_end(ctx, L, j->status, j->message, sizeof j->message);
     return NULL;
 }
 
-/* Runs ranks threads; jobs[r] gets rank r's results. */
-static void run_team(rank_job *jobs, int ranks, const problem *p, int kind, int reduction, int fail_at)
+/* Runs fn on ranks threads of one team, rank r's on the job at jobs + r * job_size (a struct whose first field is its
+ * member, the rest filled by the caller). */
+static void run_threads(int ranks, int fail_at, void *(*fn)(void *), void *jobs, size_t job_size)
 {
     team t = {.size = ranks, .fail_at = fail_at};
     pthread_barrier_init(&t.barrier, NULL, (unsigned)ranks);
     pthread_t threads[MAX_RANKS];
     for (int r = 0; r < ranks; r++) {
-        memset(&jobs[r], 0, sizeof jobs[r]);
-        jobs[r].m.t = &t;
-        jobs[r].m.rank = r;
-        jobs[r].p = p;
-        jobs[r].kind = kind;
-        jobs[r].reduction = reduction;
-        pthread_create(&threads[r], NULL, run_rank, &jobs[r]);
+        member *m = (member *)((char *)jobs + (size_t)r * job_size);
+        m->t = &t;
+        m->rank = r;
+        pthread_create(&threads[r], NULL, fn, m);
     }
     for (int r = 0; r < ranks; r++)
         pthread_join(threads[r], NULL);
     pthread_barrier_destroy(&t.barrier);
+}
+
+/* Runs ranks threads; jobs[r] gets rank r's results. */
+static void run_team(rank_job *jobs, int ranks, const problem *p, int kind, int reduction, int fail_at)
+{
+    for (int r = 0; r < ranks; r++) {
+        memset(&jobs[r], 0, sizeof jobs[r]);
+        jobs[r].p = p;
+        jobs[r].kind = kind;
+        jobs[r].reduction = reduction;
+    }
+    run_threads(ranks, fail_at, run_rank, jobs, sizeof jobs[0]);
 }
 
 /* ---- tests --------------------------------------------------------------------------------------------------- */
@@ -391,11 +417,141 @@ static void test_refused_groups_and_failed_collectives(void)
     }
 }
 
+/* ---- log-probs over a support across ranks ----------------------------------------------------------------- */
+
+enum { SUPPORT_K = 9 };
+
+/* Padded supports of SUPPORT_K ids per token spread over the whole vocabulary (so that every shard of 2 or 3 holds
+ * some of most rows' entries, and a few rows have none in a shard), each with its target, padding in every fifth row;
+ * upstream gradients on logp, the entropy and lse; the single process's outputs and gradients. */
+typedef struct support_problem {
+    float x[N * H], w[V * H];
+    int64_t targets[N], ids[N * SUPPORT_K];
+    float g_logp[N], g_entropy[N], g_lse[N];
+    float logp[N], entropy[N], lse[N];
+    float dx[N * H], dw[V * H];
+} support_problem;
+
+static void make_support_problem(support_problem *p, uint64_t seed)
+{
+    uint64_t rng = seed;
+    tu_fill_uniform(p->x, N * H, &rng, -1.0, 1.0);
+    tu_fill_uniform(p->w, V * H, &rng, -1.0, 1.0);
+    tu_fill_uniform(p->g_logp, N, &rng, -1.0, 1.0);
+    tu_fill_uniform(p->g_entropy, N, &rng, -0.1, 0.1);
+    tu_fill_uniform(p->g_lse, N, &rng, -0.5, 0.5);
+    for (int i = 0; i < N; i++) {
+        const int64_t base = (int64_t)((i * 131 + 17) % V);
+        p->targets[i] = i % 7 == 3 ? -100 : base;
+        for (int e = 0; e < SUPPORT_K; e++) /* 37 e mod V: distinct for e < SUPPORT_K */
+            p->ids[i * SUPPORT_K + e] = i % 5 == 0 && e >= SUPPORT_K - 2 ? -1 : (base + 37 * e) % V;
+    }
+    fh_linear lin;
+    fh_linear_init(&lin, N, H, V, p->x, p->w, FH_LAYOUT_VH, NULL);
+    fh_context *ctx = tu_context(1, 0, 0, 0);
+    fh_logprob_options o;
+    fh_logprob_options_init(&o);
+    o.temperature = 0.8;
+    const fh_support support = {p->ids, NULL, SUPPORT_K};
+    fh_logprob_outputs out = {p->logp, p->entropy, p->lse};
+    fh_linear_grads g = {.dx = p->dx, .dx_row_stride = H, .dweight = p->dw};
+    TU_CHECK(fh_logprob_support_forward_backward(ctx, &lin, p->targets, &support, &o, p->g_logp, p->g_entropy,
+                                                 p->g_lse, &out, &g) == FH_OK,
+             "the single-process support step");
+    fh_context_destroy(ctx);
+}
+
+typedef struct support_job {
+    member m;
+    const support_problem *p;
+    int kind, split; /* split: the forward, then the backward on its saved lse and entropy */
+    fh_status create_status, status;
+    char message[256];
+    float logp[N], entropy[N], lse[N];
+    float dx[N * H], dw[V * H];
+    int64_t row0, rows, col0, cols;
+} support_job;
+
+static void *run_support_rank(void *arg)
+{
+    support_job *j = arg;
+    const support_problem *p = j->p;
+    fh_parallel_layout *L = rank_layout(&j->m, j->kind, &j->row0, &j->rows, &j->col0, &j->cols, &j->create_status);
+    if (!L)
+        return NULL;
+    fh_linear lin;
+    fh_linear_init(&lin, j->rows, H, j->cols, p->x + j->row0 * H, p->w + j->col0 * H, FH_LAYOUT_VH, NULL);
+    fh_context *ctx = tu_context(1, 0, 0, 0);
+    fh_logprob_options o;
+    fh_logprob_options_init(&o);
+    o.temperature = 0.8;
+    const int64_t r0 = j->row0;
+    const fh_support support = {p->ids + r0 * SUPPORT_K, NULL, SUPPORT_K};
+    fh_logprob_outputs out = {j->logp + r0, j->entropy + r0, j->lse + r0};
+    fh_linear_grads g = {.dx = j->dx + r0 * H, .dx_row_stride = H, .dweight = j->dw};
+    const int64_t *targets = p->targets + r0;
+    if (j->split) {
+        j->status = fh_parallel_logprob_support_forward(ctx, L, &lin, targets, &support, &o, &out);
+        if (j->status == FH_OK)
+            j->status = fh_parallel_logprob_support_backward(ctx, L, &lin, targets, &support, &o, out.lse,
+                                                             out.entropy, p->g_logp + r0, p->g_entropy + r0,
+                                                             p->g_lse + r0, &g);
+    } else {
+        j->status = fh_parallel_logprob_support_forward_backward(ctx, L, &lin, targets, &support, &o, p->g_logp + r0,
+                                                                 p->g_entropy + r0, p->g_lse + r0, &out, &g);
+    }
+    rank_end(ctx, L, j->status, j->message, sizeof j->message);
+    return NULL;
+}
+
+/* Vocab- and data-parallel teams of 2 and 3 threads, the single call and the forward then the backward: every rank's
+ * per-token outputs (its tokens) within 1e-6 of the single process's (relative to 1 + |value|: statistics combined in
+ * double), dx (vocab: every rank's all-reduced rows) and the dweight shard (data: all-reduced) within 1e-5 normwise. */
+static void test_support_threads(void)
+{
+    static support_problem p;
+    make_support_problem(&p, 15);
+    static support_job jobs[MAX_RANKS];
+    for (int kind = VOCAB_PARALLEL; kind <= DATA_PARALLEL; kind++)
+        for (int ranks = 2; ranks <= 3; ranks++)
+            for (int split_calls = 0; split_calls < 2; split_calls++) {
+                for (int r = 0; r < ranks; r++) {
+                    memset(&jobs[r], 0, sizeof jobs[r]);
+                    jobs[r].p = &p;
+                    jobs[r].kind = kind;
+                    jobs[r].split = split_calls;
+                }
+                run_threads(ranks, 0, run_support_rank, jobs, sizeof jobs[0]);
+                for (int r = 0; r < ranks; r++) {
+                    const support_job *j = &jobs[r];
+                    TU_CHECK(j->create_status == FH_OK && j->status == FH_OK,
+                             "support, %s, %d ranks, rank %d: %d / %d (%s)", kind == VOCAB_PARALLEL ? "vocab" : "data",
+                             ranks, r, (int)j->create_status, (int)j->status, j->message);
+                    if (j->status != FH_OK)
+                        continue;
+                    double worst = 0.0;
+                    for (int64_t i = j->row0; i < j->row0 + j->rows; i++) {
+                        const float got[3] = {j->logp[i], j->entropy[i], j->lse[i]};
+                        const float want[3] = {p.logp[i], p.entropy[i], p.lse[i]};
+                        for (int k = 0; k < 3; k++)
+                            worst = fmax(worst, fabs((double)got[k] - want[k]) / (1.0 + fabs((double)want[k])));
+                    }
+                    const double ddx = tu_norm_rel_f(j->dx + j->row0 * H, p.dx + j->row0 * H, (size_t)(j->rows * H));
+                    const double ddw = tu_norm_rel_f(j->dw, p.dw + j->col0 * H, (size_t)(j->cols * H));
+                    TU_CHECK(worst <= 1e-6 && ddx <= 1e-5 && ddw <= 1e-5,
+                             "support, %s, %d ranks%s, rank %d: per-token %.2e, dx %.2e, dweight %.2e",
+                             kind == VOCAB_PARALLEL ? "vocab" : "data", ranks, split_calls ? ", split" : "", r, worst,
+                             ddx, ddw);
+                }
+            }
+}
+
 static const tu_test tests[] = {
     {"a layout of one-rank groups gives the single process's step", test_one_rank_layout},
     {"vocab-parallel threads: loss, dx and the dweight shard, dx all-reduced or reduce-scattered",
      test_vocab_parallel_threads},
     {"data-parallel threads: loss, their dx rows, dweight all-reduced or reduce-scattered", test_data_parallel_threads},
     {"groups refused, collectives failing at creation and inside a pass", test_refused_groups_and_failed_collectives},
+    {"log-probs over a support: vocab- and data-parallel threads, single call and split", test_support_threads},
 };
 const tu_suite suite_parallel = {tests, TU_COUNT(tests)};

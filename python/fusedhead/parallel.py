@@ -2,8 +2,8 @@
 (torch.distributed process groups) and fusedhead.mpi (mpi4py communicators) make.
 
 A `Context` made on a layout runs every call of the torch and NumPy front ends through the layout's parallel entry
-point (fh_ce_forward becomes fh_parallel_ce_forward on the same arguments): cross-entropy, per-token log-probs, GRPO
-and KTO (forward, backward and the single-call train step). Each call is collective: every rank of the layout's grid
+point (fh_ce_forward becomes fh_parallel_ce_forward on the same arguments): cross-entropy, per-token log-probs (over
+the vocabulary or over a support), GRPO and KTO (forward, backward and the single-call train step). Each call is collective: every rank of the layout's grid
 makes it, with the same options. What a rank passes and gets, as include/fusedhead_parallel.h says:
   - vocab-parallel (the vocab group): the ranks hold the same tokens and each its contiguous shard of the weight's
     vocabulary, in rank order (`Layout.info.vocab_offset`); targets are global vocabulary ids; class_weights the
@@ -131,7 +131,8 @@ def parallel_function(function: str) -> Any:
     fn = getattr(cdll, name, None) if prototype is not None else None
     if fn is None:
         raise NotImplementedError(f"fusedhead: {function} has no parallel version (include/fusedhead_parallel.h has "
-                                  "the cross-entropy, log-prob, GRPO and KTO calls): it cannot run across ranks")
+                                  "the cross-entropy, log-prob (also over a support), GRPO and KTO calls): it cannot "
+                                  "run across ranks")
     if fn.argtypes is None:
         restype, argtypes = prototype
         fn.restype, fn.argtypes = restype, [argtypes[0], ctypes.c_void_p, *argtypes[1:]]

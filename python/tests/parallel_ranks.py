@@ -5,7 +5,7 @@ torch.distributed's gloo), against the single-process call.
 Every rank builds the whole problem from one seed, computes it single-process with fusedhead.torch, then its own part
 through a parallel Context on each grid that the world size allows (vocab-parallel, data-parallel, 2 x 2), in
 fp32 and bf16: cross-entropy (the train step, and 'none' through the split forward and backward), per-token log-probs
-and entropy, GRPO and KTO (train steps). The losses, metrics, this rank's per-token outputs, its rows of hidden's
+and entropy (over the vocabulary, and over a support of ids spread across the shards), GRPO and KTO (train steps). The losses, metrics, this rank's per-token outputs, its rows of hidden's
 gradient and its shard of the weight's and bias's must equal the single process's within the C MPI suite's bounds
 (tests/mpi/test_mpi.c): 1e-6 relative for losses (the per-token statistics are combined in double, only the summation
 order differs), 1e-5 normwise for per-token values and fp32 gradients, 4e-3 more for each of bf16 inputs and bf16
@@ -135,7 +135,7 @@ def compare(name: str, run: Run, inputs: Dict[str, torch.Tensor], rows: str, pv:
     grad_tol = VALUE_TOL + (2 * BF16_TOL if bf16 else 0.0)
     value_tol = VALUE_TOL + (BF16_TOL if bf16 else 0.0)
     label = f"{name} {str(dtype)[6:]} grid {pv}x{pd} rank {rank}"
-    if rows != "tokens" or pd == 1:  # the per-token heads' scalar is this rank's tokens' sum (their outputs are checked)
+    if rows not in ("tokens", "support") or pd == 1:  # per-token heads: this rank's tokens' sum (outputs are checked)
         check(f"{label} loss", got_loss.float(), loss.float(), LOSS_TOL if not bf16 else value_tol)
     for key, want in outputs.items():
         want = local(want) if want.dim() > 0 and want.shape[0] == units else want
@@ -162,6 +162,12 @@ def logprobs(p, a):
     return (logp * a["upstream"] + 0.1 * entropy).sum(), {"logp": logp, "entropy": entropy}
 
 
+def logprobs_support(p, a):
+    logp, entropy = ft.fused_linear_logprobs(p[0], p[1], a["targets"], temperature=0.9, return_entropy=True,
+                                             bias=p[2], support_ids=a["support"], context=a.get("context"))
+    return (logp * a["upstream"] + 0.1 * entropy).sum(), {"logp": logp, "entropy": entropy}
+
+
 def grpo(p, a):
     loss, metrics = ft.fused_linear_grpo_loss(p[0], p[1], a["ids"], a["mask"], a["advantages"], bias=p[2],
                                               old_per_token_logps=a["old"], ref_per_token_logps=a["ref"],
@@ -177,12 +183,17 @@ def kto(p, a):
 
 def inputs_for(kind: str, pd: int, g: torch.Generator) -> Dict[str, torch.Tensor]:
     weight = {"weight": torch.randn(V, H, generator=g) * 0.4, "bias": torch.randn(V, generator=g) * 0.1}
-    if kind in ("ce", "tokens"):
+    if kind in ("ce", "tokens", "support"):
         n = N_PER_DATA_RANK * pd
         targets = torch.randint(0, V, (n,), generator=g)
         targets[::5] = -100
-        return dict(weight, hidden=torch.randn(n, H, generator=g), targets=targets,
-                    upstream=torch.randn(n, generator=g))
+        tokens = dict(weight, hidden=torch.randn(n, H, generator=g), targets=targets,
+                      upstream=torch.randn(n, generator=g))
+        if kind == "support":  # each token's target and 7 more ids over the whole vocabulary, -1 padding in some
+            base = torch.where(targets >= 0, targets, 0)
+            tokens["support"] = (base[:, None] + 13 * torch.arange(8)) % V
+            tokens["support"][::3, -2:] = -1
+        return tokens
     b = B_PER_DATA_RANK * pd
     mask = (torch.rand(b, T, generator=g) > 0.2).float()
     seq = dict(weight, hidden=torch.randn(b, T, H, generator=g), ids=torch.randint(0, V, (b, T), generator=g),
@@ -194,6 +205,7 @@ def inputs_for(kind: str, pd: int, g: torch.Generator) -> Dict[str, torch.Tensor
 
 
 HEADS = (("ce mean", ce_mean, "ce"), ("ce none", ce_none, "tokens"), ("logprobs", logprobs, "tokens"),
+         ("logprobs over a support", logprobs_support, "support"),
          ("grpo", grpo, "grpo"), ("kto", kto, "kto"))
 
 

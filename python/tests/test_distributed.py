@@ -61,7 +61,7 @@ def test_one_process_layout_and_a_failing_collective(monkeypatch):
     """In this process, a gloo group of one rank: a layout over it runs the single-process step; a collective that
     raises (torch.distributed.all_reduce replaced by one that does) fails the call with MPIError naming the exception
     rather than letting it cross the C frames; arguments that are not process groups are refused with TypeError; a
-    call with no parallel form (log-probs over a support) is refused with NotImplementedError."""
+    call with no parallel form (distillation) is refused with NotImplementedError naming it."""
     import fusedhead.distributed
     import fusedhead.errors
     import fusedhead.torch as ft
@@ -75,10 +75,13 @@ def test_one_process_layout_and_a_failing_collective(monkeypatch):
             context = fusedhead.distributed.Context(layout, threads=1)
             loss = ft.fused_linear_cross_entropy(x, w, targets, context=context)
             assert torch.allclose(loss, ft.fused_linear_cross_entropy(x, w, targets), rtol=1e-6, atol=0)
-            # log-probs over a support have no parallel form: refused, not run on one shard as if it were the whole
             support = torch.stack([targets, (targets + 1) % 30], -1)
-            with pytest.raises(NotImplementedError, match="fh_logprob_support_forward has no parallel version"):
-                ft.fused_linear_logprobs(x, w, targets, support_ids=support, context=context)
+            got = ft.fused_linear_logprobs(x, w, targets, support_ids=support, context=context)
+            assert torch.allclose(got, ft.fused_linear_logprobs(x, w, targets, support_ids=support), rtol=1e-6,
+                                  atol=1e-7)
+            # distillation has no parallel form: refused, not run on one shard as if it were the whole
+            with pytest.raises(NotImplementedError, match=r"fh_distill_forward(_backward)? has no parallel version"):
+                ft.fused_linear_distillation_loss(x, w, x, w, context=context)
             context.close()
         with pytest.raises(TypeError, match="vocab_group: expected a torch.distributed ProcessGroup"):
             fusedhead.distributed.Layout(30, vocab_group="world")

@@ -91,8 +91,9 @@ typedef struct fh_support_pass {
     fh_support_rows rows;
     fh_transform tf;
     int threads;
-    int64_t *begin, *ids; /* fh_row_columns of the counted rows (the others have none) */
-    int64_t *target;      /* [n] each counted row's target entry, relative to its row; -1 for the others */
+    int64_t *begin, *ids; /* fh_row_columns of the counted rows (the others have none) in lin's columns */
+    int64_t *target;      /* [n] each counted row's target entry, relative to its row; -1 for the others (and, on a
+                             vocabulary shard, where the target is another shard's) */
     float *z;             /* the entries' transformed logits, then their dU */
     unsigned char *seen;  /* [V] the duplicate check's marks */
     fh_workspace ws;
@@ -105,8 +106,21 @@ typedef struct fh_support_pass {
 fh_status fh_support_pass_begin(fh_context *ctx, const fh_linear *lin, fh_support_rows rows, const fh_support *support,
                                 fh_transform tf, const fh_linear_grads *grads, const fh_buffer *outputs,
                                 int output_count, fh_support_pass *p);
-/* lse, sum_pz, logp and (with entropy) the entropy over each counted row's support into the LSE, SUM_PZ, LOGP and
- * ENTROPY slots (0 for the other rows). */
+/* The same on a vocabulary shard: lin holds columns first_column .. first_column + lin->vocab - 1 of total_vocab; the
+ * support's ids are the whole vocabulary's (checked against it, the targets too), and only the entries in the shard
+ * are kept, as lin's columns. */
+fh_status fh_support_pass_begin_shard(fh_context *ctx, const fh_linear *lin, fh_support_rows rows,
+                                      const fh_support *support, int64_t first_column, int64_t total_vocab,
+                                      fh_transform tf, const fh_linear_grads *grads, const fh_buffer *outputs,
+                                      int output_count, fh_support_pass *p);
+/* Each counted row's statistics over its entries, as the engine's forward leaves a shard's (lse: -inf without an
+ * entry; z_target 0 where the target is not among them; sum_pz with entropy; sum_exp) in the workspace's slots
+ * (fh_logprob_stats_in); returned for combining across shards. */
+fh_token_stats fh_support_pass_fold(const fh_support_pass *p, int entropy);
+/* From the final statistics: lse, sum_pz, logp and (with entropy) the entropy of each counted row into the LSE,
+ * SUM_PZ, LOGP and ENTROPY slots (0 for the other rows). */
+void fh_support_pass_finish_values(const fh_support_pass *p, int entropy);
+/* Both, on the whole vocabulary. */
 void fh_support_pass_values(const fh_support_pass *p, int entropy);
 /* The gradients from each counted row's coefficients (coefs' arrays, as the engine's backward takes them). */
 void fh_support_pass_gradients(fh_support_pass *p, const fh_coef_arrays *coefs, const fh_linear_grads *grads);

@@ -58,16 +58,17 @@ static fh_status check_support_shape(fh_context *ctx, const fh_linear *lin, cons
 }
 
 /* The workspace: the compacted rows (begin [n + 1], ids, each row's target entry [n]), the entries' logits, the
- * duplicate check's marks [V], the per-token slots (FH_WORKSPACE_SLOTS x n doubles) and the engine's scratch. */
-static size_t workspace_bytes(const fh_context *ctx, const fh_linear *lin, int64_t entries)
+ * duplicate check's marks [the whole vocabulary], the per-token slots (FH_WORKSPACE_SLOTS x n doubles) and the
+ * engine's scratch. */
+static size_t workspace_bytes(const fh_context *ctx, const fh_linear *lin, int64_t entries, int64_t total_vocab)
 {
     const size_t n = (size_t)lin->n, e = (size_t)entries;
     const size_t scratch = fh_engine_column_scratch_floats(lin, entries, support_threads(ctx, lin, entries));
-    return (n + 1) * 8 + e * 8 + n * 8 + round8(e * 4) + round8((size_t)lin->vocab) + FH_WORKSPACE_SLOTS * n * 8 +
+    return (n + 1) * 8 + e * 8 + n * 8 + round8(e * 4) + round8((size_t)total_vocab) + FH_WORKSPACE_SLOTS * n * 8 +
            scratch * 4;
 }
 
-static void carve(void *base, const fh_linear *lin, int64_t entries, fh_support_pass *p)
+static void carve(void *base, const fh_linear *lin, int64_t entries, int64_t total_vocab, fh_support_pass *p)
 {
     const size_t n = (size_t)lin->n, e = (size_t)entries;
     char *at = base;
@@ -80,7 +81,7 @@ static void carve(void *base, const fh_linear *lin, int64_t entries, fh_support_
     p->z = (float *)at;
     at += round8(e * 4);
     p->seen = (unsigned char *)at;
-    at += round8((size_t)lin->vocab);
+    at += round8((size_t)total_vocab);
     memset(&p->ws, 0, sizeof p->ws);
     for (int k = 0; k < FH_WORKSPACE_SLOTS; k++, at += n * 8)
         p->ws.slot[k] = (double *)at;
@@ -92,27 +93,30 @@ static int counted(const fh_support_rows *rows, int64_t i)
     return rows->mask ? rows->mask[i] != 0.0f : rows->targets[i] != rows->ignore_index;
 }
 
-/* Compacts the support into p (the counted rows' ids, padding dropped) while checking every row's ids: in [0, V)
- * (padded: or -1), none twice, a counted row's target among them. */
-static fh_status compact(fh_context *ctx, const fh_support *s, fh_support_pass *p)
+/* Compacts the support into p (the counted rows' ids in lin's columns, padding dropped, as lin's column indices)
+ * while checking every row's ids: in [0, total_vocab) (padded: or -1), none twice, a counted row's target among
+ * them (in whichever shard). */
+static fh_status compact(fh_context *ctx, const fh_support *s, int64_t first_column, int64_t total_vocab,
+                         fh_support_pass *p)
 {
     const fh_linear *lin = p->lin;
-    memset(p->seen, 0, (size_t)lin->vocab);
+    memset(p->seen, 0, (size_t)total_vocab);
     int64_t kept = 0;
     for (int64_t i = 0; i < lin->n; i++) {
         const int64_t first = s->offsets ? s->offsets[i] : i * s->k, end = s->offsets ? s->offsets[i + 1] : first + s->k;
         const int row_counts = counted(&p->rows, i);
         p->begin[i] = kept;
         p->target[i] = -1;
+        int target_found = 0;
         fh_status st = FH_OK;
         int64_t e = first;
         for (; e < end; e++) {
             const int64_t id = s->ids[e];
             if (!s->offsets && id == -1)
                 continue;
-            if (id < 0 || id >= lin->vocab) {
+            if (id < 0 || id >= total_vocab) {
                 st = fh_fail(ctx, FH_ERR_INVALID_SUPPORT, "support->ids[%lld] = %lld (row %lld) is outside [0, %lld)%s",
-                             (long long)e, (long long)id, (long long)i, (long long)lin->vocab,
+                             (long long)e, (long long)id, (long long)i, (long long)total_vocab,
                              s->offsets ? "" : " and is not -1 (padding)");
                 break;
             }
@@ -123,16 +127,18 @@ static fh_status compact(fh_context *ctx, const fh_support *s, fh_support_pass *
                 break;
             }
             p->seen[id] = 1;
-            if (row_counts) {
+            const int64_t column = id - first_column;
+            target_found |= row_counts && id == p->rows.targets[i];
+            if (row_counts && column >= 0 && column < lin->vocab) {
                 if (id == p->rows.targets[i])
                     p->target[i] = kept - p->begin[i];
-                p->ids[kept++] = id;
+                p->ids[kept++] = column;
             }
         }
         for (int64_t f = first; f < e; f++)
             if (s->ids[f] >= 0)
                 p->seen[s->ids[f]] = 0;
-        if (st == FH_OK && row_counts && p->target[i] < 0)
+        if (st == FH_OK && row_counts && !target_found)
             st = fh_fail(ctx, FH_ERR_INVALID_SUPPORT,
                          "row %lld: its target %lld is not in its support (%lld ids); the sampled token is in the "
                          "sampler's kept set",
@@ -148,9 +154,17 @@ fh_status fh_support_pass_begin(fh_context *ctx, const fh_linear *lin, fh_suppor
                                 fh_transform tf, const fh_linear_grads *grads, const fh_buffer *outputs,
                                 int output_count, fh_support_pass *p)
 {
+    return fh_support_pass_begin_shard(ctx, lin, rows, support, 0, lin->vocab, tf, grads, outputs, output_count, p);
+}
+
+fh_status fh_support_pass_begin_shard(fh_context *ctx, const fh_linear *lin, fh_support_rows rows,
+                                      const fh_support *support, int64_t first_column, int64_t total_vocab,
+                                      fh_transform tf, const fh_linear_grads *grads, const fh_buffer *outputs,
+                                      int output_count, fh_support_pass *p)
+{
     int64_t entries = 0;
     fh_status st = check_support_shape(ctx, lin, support, &entries);
-    const size_t bytes = st == FH_OK ? workspace_bytes(ctx, lin, entries) : 0;
+    const size_t bytes = st == FH_OK ? workspace_bytes(ctx, lin, entries, total_vocab) : 0;
     if (st == FH_OK && (int64_t)bytes > fh_budget_bytes(ctx))
         st = fh_fail(ctx, FH_ERR_BUDGET_TOO_SMALL,
                      "a support of %lld entries over %lld tokens needs %zu bytes of workspace; the memory budget is "
@@ -169,8 +183,8 @@ fh_status fh_support_pass_begin(fh_context *ctx, const fh_linear *lin, fh_suppor
     p->lin = lin;
     p->rows = rows;
     p->tf = tf;
-    carve(base, lin, entries, p);
-    st = compact(ctx, support, p);
+    carve(base, lin, entries, total_vocab, p);
+    st = compact(ctx, support, first_column, total_vocab, p);
     if (st != FH_OK)
         return st;
     p->threads = support_threads(ctx, lin, p->begin[lin->n]);
@@ -179,25 +193,47 @@ fh_status fh_support_pass_begin(fh_context *ctx, const fh_linear *lin, fh_suppor
     return FH_OK;
 }
 
-void fh_support_pass_values(const fh_support_pass *p, int entropy)
+fh_token_stats fh_support_pass_fold(const fh_support_pass *p, int entropy)
 {
-    double *const *slot = p->ws.slot;
+    const fh_token_stats s = fh_logprob_stats_in(&p->ws, 1);
     for (int64_t i = 0; i < p->lin->n; i++) {
         const int64_t e0 = p->begin[i], count = p->begin[i + 1] - e0;
-        double lse = 0.0, sum_pz = 0.0, logp = 0.0;
-        if (p->target[i] >= 0) {
+        double lse = 0.0, sum_pz = 0.0, z_target = 0.0, sum_exp = 1.0;
+        if (counted(&p->rows, i)) {
             fh_fold_state st = fh_fold_state_initial();
             const fh_fold_request request = {NULL, 0, entropy, 0, NULL};
             fh_row_fold(p->z + e0, count, 0, p->target[i], &request, &st);
-            lse = st.max + log(st.sum_exp);
-            sum_pz = entropy ? st.sum_z_exp / st.sum_exp : lse;
-            logp = st.z_target - lse;
+            sum_exp = st.sum_exp;
+            lse = count > 0 ? st.max + log(st.sum_exp) : -INFINITY; /* no entry in this shard */
+            sum_pz = count > 0 && entropy ? st.sum_z_exp / st.sum_exp : 0.0;
+            z_target = p->target[i] >= 0 ? st.z_target : 0.0;
         }
-        slot[FH_LOGPROB_SLOT_LSE][i] = lse;
-        slot[FH_LOGPROB_SLOT_SUM_PZ][i] = sum_pz;
-        slot[FH_LOGPROB_SLOT_LOGP][i] = logp;
-        slot[FH_LOGPROB_SLOT_ENTROPY][i] = lse - sum_pz;
+        s.lse[i] = lse;
+        s.sum_pz[i] = sum_pz;
+        s.z_target[i] = z_target;
+        s.sum_exp[i] = sum_exp;
     }
+    return s;
+}
+
+void fh_support_pass_finish_values(const fh_support_pass *p, int entropy)
+{
+    double *const *slot = p->ws.slot;
+    const fh_token_stats s = fh_logprob_stats_in(&p->ws, 1);
+    for (int64_t i = 0; i < p->lin->n; i++) {
+        const int row_counts = counted(&p->rows, i);
+        const double lse = row_counts ? s.lse[i] : 0.0;
+        s.sum_pz[i] = row_counts && entropy ? s.sum_pz[i] : lse;
+        slot[FH_LOGPROB_SLOT_LSE][i] = lse;
+        slot[FH_LOGPROB_SLOT_LOGP][i] = row_counts ? s.z_target[i] - lse : 0.0;
+        slot[FH_LOGPROB_SLOT_ENTROPY][i] = lse - s.sum_pz[i];
+    }
+}
+
+void fh_support_pass_values(const fh_support_pass *p, int entropy)
+{
+    (void)fh_support_pass_fold(p, entropy);
+    fh_support_pass_finish_values(p, entropy);
 }
 
 void fh_support_pass_gradients(fh_support_pass *p, const fh_coef_arrays *coefs, const fh_linear_grads *grads)
@@ -205,7 +241,7 @@ void fh_support_pass_gradients(fh_support_pass *p, const fh_coef_arrays *coefs, 
     /* dU of every entry in place of its logit: the full head's row gradient on the row's entries (dU stays f32: no
      * GEMM takes it). */
     for (int64_t i = 0; i < p->lin->n; i++) {
-        if (p->target[i] < 0)
+        if (!counted(&p->rows, i))
             continue;
         const fh_coef k = {coefs->lse[i], coefs->a[i], coefs->b[i], coefs->c[i], coefs->e ? coefs->e[i] : 0.0,
                            coefs->sum_pz ? coefs->sum_pz[i] : 0.0, 0.0};
@@ -309,7 +345,7 @@ fh_status fh_support_workspace_size(const fh_context *ctx, const fh_linear *lin,
     int64_t entries = 0;
     if (st == FH_OK)
         st = check_support_shape(NULL, lin, support, &entries);
-    const size_t needed = st == FH_OK ? workspace_bytes(ctx, lin, entries) : 0;
+    const size_t needed = st == FH_OK ? workspace_bytes(ctx, lin, entries, lin->vocab) : 0;
     if (st == FH_OK && (int64_t)needed > fh_budget_bytes(ctx))
         st = FH_ERR_BUDGET_TOO_SMALL;
     if (st == FH_OK)

@@ -26,18 +26,22 @@ static fh_engine_pass shard_pass(const void *head, const fh_plan *plan, const fh
     return fh_logprob_pass(plan, ws, c->call.lin, c->call.engine_ids, c->tf);
 }
 
+void fhp_call_config_logprob(fhp_call *c, const fh_logprob_options *o)
+{
+    fhp_call_config(c, "ignore_index", o->ignore_index);
+    fhp_call_config_real(c, "temperature", o->temperature);
+    fhp_call_config_real(c, "softcap", o->softcap);
+    fhp_call_config_real(c, "logit_scale", o->logit_scale);
+}
+
 static fh_status begin(logprob_call *c, int entry, fh_parallel_layout *L, fh_context *ctx, const fh_linear *lin,
                        const int64_t *targets, const fh_logprob_options *o)
 {
     memset(c, 0, sizeof *c);
     c->targets = targets;
     fh_status st = fhp_call_start(&c->call, L, ctx, lin, entry, shard_pass, c);
-    if (st == FH_OK && o) {
-        fhp_call_config(&c->call, "ignore_index", o->ignore_index);
-        fhp_call_config_real(&c->call, "temperature", o->temperature);
-        fhp_call_config_real(&c->call, "softcap", o->softcap);
-        fhp_call_config_real(&c->call, "logit_scale", o->logit_scale);
-    }
+    if (st == FH_OK && o)
+        fhp_call_config_logprob(&c->call, o);
     if (st == FH_OK)
         st = fh_logprob_check_call(ctx, lin, targets, o, L->total_vocab, &c->tf);
     if (st == FH_OK) {

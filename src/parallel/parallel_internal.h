@@ -2,8 +2,8 @@
  * do all the math; this layer only moves their inputs and outputs between ranks, through the caller's collectives.
  * Files, bottom to top: collectives.c (errors, sums, maxima, splits over a group), stats_reduce.c (per-token
  * statistics across the vocab group), layout.c (the fh_parallel_layout object: groups, shard, parameters, scratch),
- * grads_reduce.c (gradient reductions), call.c (what every entry point shares), ce.c, logprob.c, grpo.c and kto.c
- * (the entry points). */
+ * grads_reduce.c (gradient reductions), call.c (what every entry point shares), ce.c, logprob.c, logprob_support.c,
+ * grpo.c and kto.c (the entry points). */
 #ifndef FH_PARALLEL_INTERNAL_H
 #define FH_PARALLEL_INTERNAL_H
 
@@ -127,7 +127,10 @@ enum {
     FHP_LOGPROB_BACKWARD,
     FHP_LOGPROB_TRAIN_STEP,
     FHP_KTO_FORWARD,
-    FHP_KTO_TRAIN_STEP
+    FHP_KTO_TRAIN_STEP,
+    FHP_LOGPROB_SUPPORT_FORWARD,
+    FHP_LOGPROB_SUPPORT_BACKWARD,
+    FHP_LOGPROB_SUPPORT_TRAIN_STEP
 };
 
 /* The head's engine pass over plan and ws, on the call's lin and engine ids, without gradients (head: the head's
@@ -156,6 +159,8 @@ void fhp_call_config_float(fhp_call *c, const char *name, float value);
 void fhp_call_config_vocab(fhp_call *c, const char *name, int64_t value);
 /* Which gradients the call asks for, and their dtypes. */
 void fhp_call_config_grads(fhp_call *c, const fh_linear_grads *grads);
+/* The log-prob options the ranks must share (logprob.c; the support's calls too). */
+void fhp_call_config_logprob(fhp_call *c, const fh_logprob_options *o);
 
 /* FH_ERR_NULL_POINTER when ctx or L is NULL, else FH_OK. With a NULL ctx (and a layout) the call still joins the
  * agreement, so that every rank returns an error; with a NULL L no collective runs (it names the groups). `entry`

@@ -1340,6 +1340,13 @@ static void early_failure_case(const config *cfg, head_call entry, int bad)
     const int64_t *const t = no_data ? NULL : targets;
     const fh_grpo_batch *const gbp = no_data ? NULL : &gb;
     const fh_kto_batch *const kbp = no_data ? NULL : &kb;
+    int64_t support_ids[N * 2]; /* each token's target and one more id (padded form, k = 2) */
+    for (int64_t i = 0; i < N; i++) {
+        support_ids[2 * i] = targets[i];
+        support_ids[2 * i + 1] = (targets[i] + 1) % v;
+    }
+    const fh_support support = {support_ids, NULL, 2};
+    const fh_support *const sp = no_data ? NULL : &support;
     fh_ce_outputs ce_out = {&loss, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     fh_logprob_outputs lp_out = {values, values + N, values + 2 * N};
     fh_grpo_outputs grpo_out = {&loss, NULL, NULL, NULL, NULL, NULL};
@@ -1356,6 +1363,15 @@ static void early_failure_case(const config *cfg, head_call entry, int bad)
         st = fh_mpi_logprob_backward(c, L, l, t, lop, saved[1], NULL, upstream, NULL, NULL, &g);
         break;
     case E_fh_parallel_logprob_forward_backward: st = fh_mpi_logprob_forward_backward(c, L, l, t, lop, upstream, NULL, NULL, &lp_out, &g); break;
+    case E_fh_parallel_logprob_support_forward:
+        st = fh_mpi_logprob_support_forward(c, L, l, t, sp, lop, &lp_out);
+        break;
+    case E_fh_parallel_logprob_support_backward:
+        st = fh_mpi_logprob_support_backward(c, L, l, t, sp, lop, saved[1], NULL, upstream, NULL, NULL, &g);
+        break;
+    case E_fh_parallel_logprob_support_forward_backward:
+        st = fh_mpi_logprob_support_forward_backward(c, L, l, t, sp, lop, upstream, NULL, NULL, &lp_out, &g);
+        break;
     case E_fh_parallel_grpo_forward: st = fh_mpi_grpo_forward(c, L, l, gbp, gop, &grpo_out); break;
     case E_fh_parallel_grpo_backward: st = fh_mpi_grpo_backward(c, L, l, gbp, gop, saved[0], saved[1], NULL, &one, &g); break;
     case E_fh_parallel_grpo_forward_backward: st = fh_mpi_grpo_forward_backward(c, L, l, gbp, gop, &one, &grpo_out, &g); break;
