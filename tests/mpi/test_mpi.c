@@ -926,14 +926,18 @@ typedef struct logprob_case {
     fh_layout layout;
     int64_t ignore_index;
     int cold; /* biases to +-150: at temperature 0.05, ignored rows' logits far past exp's range from lse 0 */
+    int support; /* over a padded support of SUPPORT_K ids per token spread over every shard (fh_mpi_logprob_support_*) */
 } logprob_case;
 
-/* fh_mpi_logprob_* on this rank's tokens and shard against fh_logprob_forward_backward on the whole problem. */
+enum { SUPPORT_K = 6 };
+
+/* fh_mpi_logprob_* (or fh_mpi_logprob_support_*) on this rank's tokens and shard against the single-process call on the
+ * whole problem. */
 static void run_logprob(const config *cfg, const logprob_case *c, fh_dtype dtype)
 {
-    snprintf(case_name, sizeof case_name, "%s / logprob T=%g softcap=%g g_entropy=%d split=%d ignore=%lld%s%s",
-             cfg->name, c->temperature, c->softcap, c->g_entropy, c->split, (long long)c->ignore_index,
-             dtype == FH_DTYPE_BF16 ? " bf16" : "", c->cold ? " logits to +-160" : "");
+    snprintf(case_name, sizeof case_name, "%s / logprob%s T=%g softcap=%g g_entropy=%d split=%d ignore=%lld%s%s",
+             cfg->name, c->support ? " over a support" : "", c->temperature, c->softcap, c->g_entropy, c->split,
+             (long long)c->ignore_index, dtype == FH_DTYPE_BF16 ? " bf16" : "", c->cold ? " logits to +-160" : "");
     const int64_t n = 45, h = 16, v = 211;
     problem p;
     make_problem(&p, n, h, v, c->layout, 3000 + (uint64_t)(c->temperature * 10), dtype);
@@ -951,6 +955,14 @@ static void run_logprob(const config *cfg, const logprob_case *c, fh_dtype dtype
             g[k][i] = (float)uniform(43 + (uint64_t)k, (uint64_t)i);
     }
     const float *g_entropy = c->g_entropy ? g[1] : NULL;
+    /* Each token's target (or 0 where ignored) and 5 more ids 37 apart, the last two padding in every fourth row. */
+    int64_t *support_ids = alloc((size_t)(n * SUPPORT_K), 8);
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t e = 0; e < SUPPORT_K; e++) {
+            const int64_t base = targets[i] == c->ignore_index ? 0 : targets[i];
+            support_ids[i * SUPPORT_K + e] = i % 4 == 0 && e >= SUPPORT_K - 2 ? -1 : (base + 37 * e) % v;
+        }
+    const fh_support support = {support_ids, NULL, SUPPORT_K};
     fh_logprob_options o;
     fh_logprob_options_init(&o);
     o.temperature = c->temperature;
@@ -963,7 +975,10 @@ static void run_logprob(const config *cfg, const logprob_case *c, fh_dtype dtype
     fh_logprob_outputs rout = {ref_values, ref_values + n, ref_values + 2 * n};
     fh_linear_grads rg = {.dx = ref.dx, .dx_row_stride = h, .dweight = ref.dw, .dbias = c->bias ? ref.db : NULL};
     check_status("reference fh_logprob_forward_backward",
-                 fh_logprob_forward_backward(ctx, &full, targets, &o, g[0], g_entropy, g[2], &rout, &rg), ctx);
+                 c->support ? fh_logprob_support_forward_backward(ctx, &full, targets, &support, &o, g[0], g_entropy,
+                                                                  g[2], &rout, &rg)
+                            : fh_logprob_forward_backward(ctx, &full, targets, &o, g[0], g_entropy, g[2], &rout, &rg),
+                 ctx);
 
     int64_t off, vl, n0, nr;
     fh_mpi_layout *L = make_layout(cfg, v, &off, &vl);
@@ -978,7 +993,20 @@ static void run_logprob(const config *cfg, const logprob_case *c, fh_dtype dtype
                           .dbias = c->bias ? mine.db + off : NULL};
     fh_logprob_outputs out = {values, values + nr, values + 2 * nr};
     const float *lg_entropy = g_entropy ? g_entropy + n0 : NULL;
-    if (c->split) {
+    const fh_support rows_support = {support_ids + n0 * SUPPORT_K, NULL, SUPPORT_K};
+    if (c->support && c->split) {
+        check_status("fh_mpi_logprob_support_forward",
+                     fh_mpi_logprob_support_forward(ctx, L, &lin, targets + n0, &rows_support, &o, &out), ctx);
+        check_status("fh_mpi_logprob_support_backward",
+                     fh_mpi_logprob_support_backward(ctx, L, &lin, targets + n0, &rows_support, &o, out.lse,
+                                                     out.entropy, g[0] + n0, lg_entropy, g[2] + n0, &lg),
+                     ctx);
+    } else if (c->support) {
+        check_status("fh_mpi_logprob_support_forward_backward",
+                     fh_mpi_logprob_support_forward_backward(ctx, L, &lin, targets + n0, &rows_support, &o, g[0] + n0,
+                                                             lg_entropy, g[2] + n0, &out, &lg),
+                     ctx);
+    } else if (c->split) {
         check_status("fh_mpi_logprob_forward", fh_mpi_logprob_forward(ctx, L, &lin, targets + n0, &o, &out), ctx);
         check_status("fh_mpi_logprob_backward",
                      fh_mpi_logprob_backward(ctx, L, &lin, targets + n0, &o, out.lse, out.entropy, g[0] + n0,
@@ -1017,6 +1045,7 @@ static void run_logprob(const config *cfg, const logprob_case *c, fh_dtype dtype
     free(ref.dw);
     free(ref.db);
     free(targets);
+    free(support_ids);
     for (int k = 0; k < 3; k++)
         free(g[k]);
     free_problem(&p);
@@ -1026,14 +1055,16 @@ static void logprob_cases(const config *cfg)
 {
     static const double temperatures[] = {0.3, 1.0, 2.5};
     for (int k = 0; k < 6; k++) {
-        const logprob_case c = {temperatures[k % 3], k == 4 ? 5.0 : 0.0, k % 2, k / 3, k % 3 != 1,
-                                k % 2 ? FH_LAYOUT_HV : FH_LAYOUT_VH, k == 5 ? 0 : -100, 0};
-        run_logprob(cfg, &c, FH_DTYPE_F32);
-        if (have_bf16() && k % 3 == 0)
-            run_logprob(cfg, &c, FH_DTYPE_BF16);
+        for (int support = 0; support < 2; support++) {
+            const logprob_case c = {temperatures[k % 3], k == 4 ? 5.0 : 0.0, k % 2, k / 3, k % 3 != 1,
+                                    k % 2 ? FH_LAYOUT_HV : FH_LAYOUT_VH, k == 5 ? 0 : -100, 0, support};
+            run_logprob(cfg, &c, FH_DTYPE_F32);
+            if (have_bf16() && k % 3 == support)
+                run_logprob(cfg, &c, FH_DTYPE_BF16);
+        }
     }
     /* The split backward computes every row: ignored ones must not form p from the placeholder lse 0. */
-    const logprob_case cold = {0.05, 0.0, 1, 1, 1, FH_LAYOUT_VH, -100, 1};
+    const logprob_case cold = {0.05, 0.0, 1, 1, 1, FH_LAYOUT_VH, -100, 1, 0};
     run_logprob(cfg, &cold, FH_DTYPE_F32);
 }
 
