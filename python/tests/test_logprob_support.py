@@ -119,6 +119,24 @@ def test_softcap_scale_and_layout_hv():
     assert rel(hf.grad, hr.grad) <= 1e-4 and rel(wf.grad.t(), wr.grad) <= 1e-4
 
 
+def test_layouts_give_the_same_bits():
+    """The [H, V] layout sweeps the weight's rows (src/engine/columns.c) where the [V, H] layout reads columns, each
+    logit keeping the same sixteen partial sums: the log-probs, entropies and lse are the same bits in both layouts,
+    H = 100 leaving a partial block of hidden indices, bf16 too."""
+    g = torch.Generator().manual_seed(5)
+    n, hidden, v, k = 40, 100, 3001, 9
+    h, w = torch.randn(n, hidden, generator=g), torch.randn(v, hidden, generator=g) * 0.2
+    targets = torch.randint(0, v, (n,), generator=g)
+    support = torch.stack([(targets + 37 * e) % v for e in range(k)], -1)
+    for dtype in (torch.float32, torch.bfloat16):
+        hd, wd = h.to(dtype), w.to(dtype)
+        vh = fused_linear_logprobs(hd, wd, targets, return_entropy=True, return_lse=True, support_ids=support)
+        hv = fused_linear_logprobs(hd, wd.t().contiguous(), targets, return_entropy=True, return_lse=True,
+                                   layout="hv", support_ids=support)
+        for a, b in zip(vh, hv):
+            assert torch.equal(a, b), (dtype, float((a.double() - b.double()).abs().max()))
+
+
 def test_renormalised_full_log_probs():
     """TRL #7269's correction, log p(y) - log sum_{j in S} p(j) with the full-vocabulary log-probs, is the support's
     log-prob: fused, both ways."""
