@@ -8,9 +8,9 @@
     loss = fusedhead.torch.fused_linear_cross_entropy(hidden, w_shard, targets, context=context)
     loss.backward()
 
-A `Context` made on a layout runs the torch and NumPy front ends' cross-entropy, log-prob, GRPO and KTO calls across
-the layout's ranks (fusedhead.parallel says what each rank passes and gets); a head without a parallel entry point
-raises NotImplementedError. libfusedhead_mpi only makes the layout: its collectives are MPI's, over duplicates of
+A `Context` made on a layout runs the torch and NumPy front ends' cross-entropy, log-prob (also over a support), GRPO
+and KTO calls across the layout's ranks (fusedhead.parallel says what each rank passes and gets); a head without a
+parallel entry point raises NotImplementedError. libfusedhead_mpi only makes the layout: its collectives are MPI's, over duplicates of
 the communicators; the heads are libfusedhead's (include/fusedhead_parallel.h).
 
 MPI must be initialised (importing mpi4py.MPI does it) with MPI_THREAD_FUNNELED or more when the context runs more
