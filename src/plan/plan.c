@@ -303,10 +303,12 @@ static int place_in_dweight(fh_plan *plan, const fh_linear *lin, const fh_linear
  * 256 but hold more f32 logits, 128 rows ran 8 - 10% slower (fh_bench --dtype bf16 at N=1024 H=1024 V=32768
  * and N=512 H=1536 V=151643, 2 threads). */
 #define BF16_ROW_BLOCK 256
-/* A pair's block holds two V-wide rows of fp32 logits per row, so its height is capped to keep the workspace a
- * small part of the materialized logits (2 N V floats): at N = 1024, H_s = 1024, H_t = 2048, V = 32768 (fh_bench
- * --loss distill, fp32, 2 threads) blocks of 256, 205, 171 and 128 rows took 2185, 2216, 2513 and 2491 ms; 224
- * makes that 5 blocks of 205 rows, 0.21 of the materialized computation's peak memory at the speed of 256. */
+/* A pair's block holds two V-wide rows of fp32 logits per row. Its height was capped at 224 rows to keep the workspace
+ * a small part of the materialized logits (2 N V floats), but each block re-reads and re-writes the H x V dweight in
+ * a GEMM of only its rows: at N = 1024, H = 1024, V = 32768 (jsd, fp32, 2 threads, AMD Zen 4, 2026-11-29) blocks of
+ * 224, 256, 512 and 1024 rows took 2036, 1945, 1748 and 1641 ms, and the 224-row step lost to Liger's materialized
+ * JSD (0.95x). So a pair takes as many rows as the budget holds, as cross-entropy does (256 MiB of logits here, still
+ * under half of Liger's peak), and streams only below PAIR_ROW_BLOCK rows. */
 #define PAIR_ROW_BLOCK 224
 
 /* Sets the plan to balanced blocks of at most rows rows; -1 if a size overflows. */
@@ -319,7 +321,7 @@ static int balanced_blocks(fh_plan *plan, int64_t n, int64_t rows)
 
 /* Row-block plan for the single-call train step: tile_vocab = vocab and as many rows as the budget
  * holds, balanced across blocks. Returns 0 when at least min(n, MIN_ROW_BLOCK) rows fit (a companion's plan:
- * PAIR_ROW_BLOCK, also its cap), else -1 (the caller streams instead). fp32 dU with bf16 inputs always streams
+ * PAIR_ROW_BLOCK), else -1 (the caller streams instead). fp32 dU with bf16 inputs always streams
  * (its f32 copy of the weight would be H x V). bf16 blocks stop at BF16_ROW_BLOCK rows, or at group_rows when a
  * group (a sequence, a pair) is taller, so that it still runs in row blocks. When grads' dweight can hold the
  * logits block or dU chunks (place_in_dweight), the blocks take their full height if what stays in the workspace
@@ -337,7 +339,6 @@ static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, const fh
     plan->tile_vocab = vocab;
     /* An explicit FH_PARAM_TILE_ROWS (or measured wisdom) is honoured. */
     const int64_t cap = min64(n, rows_param > 0 ? rows_param
-                                 : plan->companion ? PAIR_ROW_BLOCK
                                  : plan->bf16_du ? (group_rows > BF16_ROW_BLOCK ? group_rows : BF16_ROW_BLOCK)
                                                  : n);
     if (balanced_blocks(plan, n, cap) == 0 && place_in_dweight(plan, lin, grads) && (int64_t)plan->bytes <= budget)

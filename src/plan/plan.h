@@ -98,8 +98,8 @@ fh_status fh_plan_train_step_groups(fh_context *ctx, const fh_linear *lin, const
                                     int64_t group_rows, fh_plan *plan, int *row_blocks);
 
 /* Plans for a pass with a companion head (fh_pair_kernels): the companion's tile beside lin's, no gradient
- * filtering, and train-step row blocks of at most 224 rows unless FH_PARAM_TILE_ROWS says otherwise (two
- * tiles of logits per row). As fh_plan_streaming and fh_plan_train_step otherwise. companion NULL: a head's own
+ * filtering, and train-step row blocks of two rows of logits per row, as many as the budget holds, streaming below
+ * 224 rows (plan.c's PAIR_ROW_BLOCK). As fh_plan_streaming and fh_plan_train_step otherwise. companion NULL: a head's own
  * pair kernels over lin's tile alone, no filtering, lin's tile and row blocks as fh_plan_train_step's.
  * head_row_bytes > 0 reserves that many bytes per row for the head's own state (fh_workspace.head_rows, all n
  * rows whatever the schedule: a streaming row's state lives from its first tile to its last). */
