@@ -12,8 +12,6 @@
 
 typedef struct support_call {
     fhp_call call;
-    const int64_t *targets;
-    const fh_support *support;
     fh_logprob_rows rows;
     fh_transform tf;
     fh_logprob_grads g;
@@ -29,8 +27,6 @@ static fh_status start(support_call *c, int entry, fh_parallel_layout *L, fh_con
                        const float *saved_lse, const float *saved_entropy, const fh_logprob_outputs *out,
                        const fh_linear_grads *grads)
 {
-    c->targets = targets;
-    c->support = support;
     fh_status st = fhp_call_start(&c->call, L, ctx, lin, entry, NULL, c);
     if (st == FH_OK && o)
         fhp_call_config_logprob(&c->call, o);
