@@ -425,7 +425,9 @@ void fh_engine_column_gradients(const fh_linear *lin, const fh_row_columns *c, c
                                 const fh_linear_grads *grads, int threads, float *scratch)
 {
     const int64_t entries = c->begin[lin->n];
-    const by_column b = sort_by_column(lin, c, shared_space(lin, scratch, threads));
+    /* the entries by column: for the [H, V] sweeps and for dweight's columns (a [V, H] dx alone reads rows) */
+    const int by_columns = swept(lin) || grads->dweight || grads->dbias;
+    const by_column b = by_columns ? sort_by_column(lin, c, shared_space(lin, scratch, threads)) : (by_column){0};
     if (grads->dx && swept(lin))
         swept_dx(lin, c, &b, du, grads, threads, scratch);
     else if (grads->dx)

@@ -16,6 +16,9 @@
 /* TRL's _add_tail_bucket clamps logsumexp(top-k) to at most -1e-7, so that 1 - exp(.) stays positive. */
 static const double TAIL_CLAMP = -1e-7;
 
+/* An empty place: worse than any column, and past every id when the heap is sorted by id. */
+static const fh_topk_entry EMPTY = {-INFINITY, -INFINITY, INT64_MAX};
+
 static int heaps_of(fh_topk_select select)
 {
     return select == FH_TOPK_UNION ? 2 : 1;
@@ -41,10 +44,9 @@ fh_topk_rows fh_topk_rows_begin(void *head_rows, int64_t n, int64_t k, fh_topk_s
                                 double beta, float inv_t)
 {
     const fh_topk_rows r = {head_rows, k, select, add_tail, beta, inv_t};
-    const fh_topk_entry empty = {-INFINITY, -INFINITY, INT64_MAX};
     const size_t entries = (size_t)n * (size_t)heaps_of(select) * (size_t)k;
     for (size_t e = 0; e < entries; e++)
-        r.entries[e] = empty;
+        r.entries[e] = EMPTY;
     return r;
 }
 
@@ -136,9 +138,8 @@ static void make_support(const fh_topk_rows *r, int64_t i)
         if (!(at < r->k && teacher[at].id == student[e].id))
             student[kept++] = student[e];
     }
-    const fh_topk_entry empty = {-INFINITY, -INFINITY, INT64_MAX};
     for (int64_t e = kept; e < r->k; e++)
-        student[e] = empty;
+        student[e] = EMPTY;
 }
 
 /* a (la - lb), 0 when a is 0 (an underflowed probability adds nothing, as TRL's nan_to_num). */
@@ -166,7 +167,7 @@ static double divergence_term(const fh_topk_rows *r, double xs, double xt, doubl
     }
 }
 
-/* Calls each entry of row i's support. */
+/* Visits each entry e of row i's support. */
 #define FOR_SUPPORT(r, i, e)                                                                                          \
     for (int h_ = 0; h_ < heaps_of((r)->select); h_++)                                                               \
         for (fh_topk_entry *e = heap((r), (i), h_), *end_ = e + (r)->k; e < end_ && e->id != INT64_MAX; e++)
@@ -187,12 +188,11 @@ double fh_topk_rows_finish(const fh_topk_rows *r, int64_t i, double lse_s, doubl
     }
     const double l_p = max_p + log(sum_p), l_q = max_q + log(sum_q);
     const double shift_p = r->add_tail ? 0.0 : l_p, shift_q = r->add_tail ? 0.0 : l_q;
-    /* D and each entry's G (kept in t, no longer needed) */
+    /* D and the sum of the entries' G */
     double d = 0.0, sum_g = 0.0;
     FOR_SUPPORT(r, i, e) {
         double g;
         d += divergence_term(r, e->s - lse_s - shift_p, e->t - lse_t - shift_q, &g);
-        e->t = (float)g;
         sum_g += g;
     }
     double g_tail = 0.0, c = 0.0;
@@ -201,10 +201,12 @@ double fh_topk_rows_finish(const fh_topk_rows *r, int64_t i, double lse_s, doubl
         d += divergence_term(r, tail_p, tail_q, &g_tail);
         c = l_p <= TAIL_CLAMP ? -exp(l_p) / -expm1(l_p) : 0.0;
     }
-    /* dD/dlp per entry (into s), and the dense coefficient -sum of them */
+    /* dD/dlp per entry (into s, its logit no longer needed; G formed again), and the dense coefficient -sum of them */
     double sum_dlp = 0.0;
     FOR_SUPPORT(r, i, e) {
-        const double pi = exp(e->s - lse_s - l_p), g = e->t;
+        double g;
+        (void)divergence_term(r, e->s - lse_s - shift_p, e->t - lse_t - shift_q, &g);
+        const double pi = exp(e->s - lse_s - l_p);
         const double dlp = r->add_tail ? g + g_tail * c * pi : g - pi * sum_g;
         e->s = (float)dlp;
         sum_dlp += dlp;
