@@ -39,7 +39,8 @@ typedef enum fh_status {
     FH_OK = 0,
     /* 1..9: shapes, pointers and strides */
     FH_ERR_NULL_POINTER = 1,          /* a required pointer is NULL */
-    FH_ERR_INVALID_SIZE = 2,          /* N, H or V is zero or negative */
+    FH_ERR_INVALID_SIZE = 2,          /* N, H or V is zero or negative; a batch's sequences do not make its n rows
+                                         (B x T, or cu_seqlens) */
     FH_ERR_INVALID_STRIDE = 3,        /* a stride is < 1, or makes elements of a matrix overlap */
     FH_ERR_SIZE_OVERFLOW = 4,         /* a size or offset product does not fit in 64 bits */
     FH_ERR_TARGET_OUT_OF_RANGE = 5,   /* a target is outside [0, V) and is not ignore_index */
@@ -518,7 +519,8 @@ FH_API fh_status fh_logprob_support_workspace_size(const fh_context *ctx, const 
  * changed) for one micro-batch on one process, every option that changes the loss or its gradient. docs/losses.md
  * has the derivation; TRL's quirks are kept and marked [TRL].
  *
- *   z      = (x W + bias) / temperature                  token i = b*T + t predicts completion_ids[i]
+ *   z      = (x W + bias) / temperature                  token i = b*T + t predicts completion_ids[i] (packed:
+ *                                                         i = cu_seqlens[b] + t)
  *   logp_i = log_softmax(z_i)[completion_ids_i],  H_i = lse_i - sum_j p_ij z_ij (entropy);  m_i = mask
  *   old    = old_per_token_logps, or logp detached when NULL (on-policy: ratio 1, gradient still flows)
  *   log-ratio: token level  logp_i - old_i;
@@ -553,6 +555,12 @@ FH_API fh_status fh_logprob_support_workspace_size(const fh_context *ctx, const 
  * the division by gradient-accumulation steps and the MoE auxiliary loss. TRL divides the grpo, bnpo, dr_grpo, sapo
  * and luspo losses and every entropy bonus by the accumulation steps (scale grad_output); dapo, cispo and vespo
  * carry them in num_items_in_batch instead, so their bonus alone needs them: pass entropy_coef / steps.
+ *
+ * Packed sequences (cu_seqlens; GRPO, preference and KTO): the sequences lie end to end, sequence b at rows
+ * cu_seqlens[b] ..; per-token arrays are [n] and every per-sequence quantity is over the sequence's rows. The
+ * results are the [B, T] call's on the same sequences with mask 0 in the padding: per-token outputs and dx rows bit
+ * for bit, the loss and metrics up to summation order, dweight and dbias up to the GEMMs' blocking (the row
+ * blocks hold whole sequences of their own lengths). Padding costs nothing; masked rows inside a sequence still do.
  * ------------------------------------------------------------------------------------------- */
 typedef enum fh_grpo_loss_type {
     FH_GRPO_LOSS_GRPO = 0,
@@ -617,6 +625,12 @@ typedef struct fh_grpo_batch {
                                            H_i over S_i, every completion id at a non-zero mask in its support, and
                                            the masked tokens' per-token outputs 0; its workspace is
                                            fh_logprob_support_workspace_size's. No parallel form */
+    const int64_t *cu_seqlens;          /* NULL: the rows are [B, T]. Else packed sequences: [B + 1] offsets,
+                                           0 = cu_seqlens[0] < ... < cu_seqlens[B] = n, sequence b is rows
+                                           cu_seqlens[b] .. cu_seqlens[b + 1] - 1, seq must be 0 and every [B, T]
+                                           array (inputs and outputs) is [n]; dr_grpo needs max_completion_length.
+                                           Results equal the [B, T] call's on the same sequences ("Packed
+                                           sequences" above). No parallel form, no support */
 } fh_grpo_batch;
 
 typedef struct fh_grpo_metrics {        /* TRL's logged metrics; NaN where TRL logs nothing */
@@ -767,6 +781,9 @@ typedef struct fh_preference_batch {
     const float *ref_per_token_logps;  /* dpo: [2B, T] reference token log-probs, aggregated here; or NULL
                                           (at most one of the two; neither: reference log-probs
                                           0, v0.28's reference_free) */
+    const int64_t *cu_seqlens;         /* NULL: the rows are [2B, T]. Else packed: [2B + 1] offsets of the chosen
+                                          sequences then the rejected ones (TRL's concatenation), as
+                                          fh_grpo_batch's; seq must be 0 and every [2B, T] array is [n] */
 } fh_preference_batch;
 
 typedef struct fh_preference_metrics { /* TRL's logged metrics (means over pairs); NaN where TRL logs nothing */
@@ -984,6 +1001,8 @@ typedef struct fh_kto_batch {
     const float *kl;                   /* kto: one value, the KL term as TRL uses it (finite, >= 0); or NULL */
     const float *kl_logratios;         /* kto: [B] KL log-ratios (finite); or NULL (exactly one of kl and
                                           kl_logratios for kto; neither for apo_zero_unpaired) */
+    const int64_t *cu_seqlens;         /* NULL: the rows are [B, T]. Else packed: [B + 1] offsets, as
+                                          fh_grpo_batch's; seq must be 0 and every [B, T] array is [n] */
 } fh_kto_batch;
 
 typedef struct fh_kto_metrics { /* TRL's logged metrics (KTOTrainer without Liger); NaN where TRL logs nothing */

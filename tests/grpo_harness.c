@@ -213,7 +213,7 @@ void gp_set_ref(gp_problem *p, double temperature)
 fh_grpo_batch gp_batch(const gp_problem *p, const fh_grpo_options *o)
 {
     const fh_grpo_batch b = {p->batch, p->seq, p->ids, p->mask, p->adv, p->old, o->beta != 0.0 ? p->ref : NULL,
-                             p->samp, NULL};
+                             p->samp, NULL, NULL};
     return b;
 }
 

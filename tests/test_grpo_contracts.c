@@ -86,7 +86,7 @@ static void fixture_init(void *fixture_)
     f->in.adv[1] = -0.75f;
     f->in.grad_output[0] = 1.0f;
     fh_linear_init(&f->lin, N, H, V, f->in.x, f->in.weight, FH_LAYOUT_HV, f->in.bias);
-    const fh_grpo_batch batch = {B, T, f->in.ids, f->in.mask, f->in.adv, f->in.old, f->in.ref, f->in.samp, NULL};
+    const fh_grpo_batch batch = {B, T, f->in.ids, f->in.mask, f->in.adv, f->in.old, f->in.ref, f->in.samp, NULL, NULL};
     f->batch = batch;
     fh_grpo_options_init(&f->options);
     f->options.beta = 0.04;

@@ -100,7 +100,7 @@ static void test_grpo_per_token_logp_over_old(void)
         double loss[2];
         memcpy(shared, old, sizeof shared);
         for (int in_place = 0; in_place < 2; in_place++) {
-            const fh_grpo_batch batch = {B, T, ids, mask, adv, in_place ? shared : old, NULL, NULL, NULL};
+            const fh_grpo_batch batch = {B, T, ids, mask, adv, in_place ? shared : old, NULL, NULL, NULL, NULL};
             fh_grpo_outputs out = {&loss[in_place], NULL, in_place ? shared : logp, NULL, NULL, NULL};
             fh_linear_grads g = {.dx = dx[in_place], .dx_row_stride = H, .dweight = dw[in_place]};
             const fh_status st = fh_grpo_forward_backward(ctx, &lin, &batch, &o, &grad, &out, &g);

@@ -250,7 +250,7 @@ static void fixture_init(void *fixture_)
     f->in.kl[0] = 0.3f;
     f->in.grad_output[0] = 1.0f;
     fh_linear_init(&f->lin, N, H, V, f->in.x, f->in.weight, FH_LAYOUT_HV, f->in.bias);
-    const fh_kto_batch batch = {B, T, f->in.targets, f->in.mask, f->in.labels, f->in.ref_logps, NULL, f->in.kl, NULL};
+    const fh_kto_batch batch = {B, T, f->in.targets, f->in.mask, f->in.labels, f->in.ref_logps, NULL, f->in.kl, NULL, NULL};
     f->batch = batch;
     fh_kto_options_init(&f->options);
     f->options.desirable_weight = 1.2;

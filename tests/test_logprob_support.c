@@ -274,7 +274,7 @@ static void test_grpo_over_a_support(void)
     static float logp[3][GN], lse[GN], entropy[GN], dx[3][GN * H], dw[3][GV * H];
     for (int k = 0; k < 3; k++) {
         /* 0: the plain head's single call; 1: over every id, the single call; 2: over every id, forward + backward */
-        const fh_grpo_batch batch = {B, T, ids, mask, adv, old, ref, NULL, k == 0 ? NULL : &all};
+        const fh_grpo_batch batch = {B, T, ids, mask, adv, old, ref, NULL, k == 0 ? NULL : &all, NULL};
         fh_grpo_outputs out = {&loss[k], NULL, logp[k], NULL, entropy, lse};
         fh_linear_grads g = {.dx = dx[k], .dx_row_stride = H, .dweight = dw[k]};
         fh_status st = k < 2 ? fh_grpo_forward_backward(ctx, &lin, &batch, &o, &one, &out, &g)
@@ -303,7 +303,7 @@ static void test_grpo_over_a_support(void)
     for (int i = 0; i < GN; i++)
         own[i] = ids[i];
     const fh_support single = {own, NULL, 1};
-    const fh_grpo_batch batch = {B, T, ids, mask, adv, old, ref, NULL, &single};
+    const fh_grpo_batch batch = {B, T, ids, mask, adv, old, ref, NULL, &single, NULL};
     fh_grpo_outputs out = {&loss[0], NULL, NULL, NULL, NULL, NULL};
     own[5] = (ids[5] + 1) % GV;
     const char *message = "";

@@ -198,7 +198,7 @@ static void test_grpo_single_token(void)
                     advantage = sign ? -0.7f : 0.8f;
                     old_logp = -6.0f + 0.3f * (float)sign;
                     ref_logp = -5.5f;
-                    const fh_grpo_batch batch = {1, 1, &id, &mask, &advantage, &old_logp, &ref_logp, NULL, NULL};
+                    const fh_grpo_batch batch = {1, 1, &id, &mask, &advantage, &old_logp, &ref_logp, NULL, NULL, NULL};
                     fh_linear lin;
                     fh_linear_init(&lin, 1, 1, V, &x, w, FH_LAYOUT_HV, NULL);
                     double loss = 0.0;

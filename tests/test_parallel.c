@@ -302,7 +302,7 @@ static void test_one_rank_layout(void)
         mask[i] = 1.0f;
     }
     const fh_support support = {ids, NULL, 1};
-    const fh_grpo_batch batch = {1, N, ids, mask, &adv, NULL, NULL, NULL, &support};
+    const fh_grpo_batch batch = {1, N, ids, mask, &adv, NULL, NULL, NULL, &support, NULL};
     fh_grpo_options o;
     fh_grpo_options_init(&o);
     fh_grpo_outputs grpo_out = {.loss = &loss};

@@ -430,7 +430,7 @@ static void fixture_init(void *fixture_)
     f->in.targets[N - 1] = -100;
     f->in.grad_output[0] = 1.0f;
     fh_linear_init(&f->lin, N, H, V, f->in.x, f->in.weight, FH_LAYOUT_HV, f->in.bias);
-    const fh_preference_batch batch = {B, T, f->in.targets, f->in.mask, f->in.ref_logps, NULL};
+    const fh_preference_batch batch = {B, T, f->in.targets, f->in.mask, f->in.ref_logps, NULL, NULL};
     f->batch = batch;
     fh_preference_options_init(&f->options);
     f->options.dpo_semantics = FH_PREFERENCE_TRL_0_28;
@@ -1044,7 +1044,7 @@ static void test_aot_sort_order(void)
     }
     fh_linear lin;
     fh_linear_init(&lin, ROWS, 1, 2, x, w, FH_LAYOUT_HV, NULL);
-    const fh_preference_batch batch = {PAIRS, 1, targets, mask, ref, NULL};
+    const fh_preference_batch batch = {PAIRS, 1, targets, mask, ref, NULL, NULL};
     const ref_preference_problem problem = {PAIRS, 1, 1, 2, xd, wd, NULL, targets, maskd, refd, NULL};
     for (int unpaired = 0; unpaired <= 1; unpaired++) {
         const char *name = unpaired ? "aot_unpaired" : "aot";

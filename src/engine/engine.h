@@ -46,16 +46,39 @@ typedef struct fh_coef_arrays {
     const double *sum_pz;
 } fh_coef_arrays;
 
+/* Rows that a train step's row block keeps together (a sequence, a preference pair): group g is rows
+ * first(g) .. first(g + 1) - 1, where first(g) = starts[g] (packed sequences of their own lengths), or g * rows when
+ * starts is NULL. Paired: 2 count groups, and group g goes with group count + g (a pair's chosen and rejected
+ * sequences), so a block holds the same groups of both halves, as two segments. */
+typedef struct fh_row_groups {
+    int64_t count;         /* groups (pairs when paired) */
+    int64_t rows;          /* each group's rows when starts is NULL */
+    const int64_t *starts; /* [count + 1], or [2 count + 1] when paired: non-decreasing, starts[0] = 0, the last n */
+    int paired;
+} fh_row_groups;
+
+static inline int64_t fh_group_first(const fh_row_groups *g, int64_t group)
+{
+    return g->starts ? g->starts[group] : group * g->rows;
+}
+
+/* The groups a row block holds (fh_coef_source.block): groups first_group .. end_group - 1 (of each half when
+ * paired), whose rows (the first half's) are first_row .. first_row + rows - 1; without groups, 0 and 0. */
+typedef struct fh_row_block {
+    int64_t first_row, rows;
+    int64_t first_group, end_group;
+} fh_row_block;
+
 /* Supplies a row's backward coefficients once its statistics are final (single-call train step). row is
  * called concurrently for different rows: it may only write row i's results. block, optional, is called
- * once per row block (rows first_row .. first_row + rows - 1), on the calling thread, after every row of the
- * block is folded and before any row's coefficients: stats views the block's rows (arrays start at its first
- * row) as fh_engine_forward leaves them (lse, sum_pz final over lin's columns, sum_exp the sum of exps), and
- * block may replace them, e.g. with statistics combined across vocabulary shards, or compute what the rows'
- * coefficients need from the whole block (a sequence's mean); a status other than FH_OK stops the pass. */
+ * once per row block, on the calling thread, after every row of the block is folded and before any row's
+ * coefficients: stats views the block's rows (arrays start at its first row) as fh_engine_forward leaves them
+ * (lse, sum_pz final over lin's columns, sum_exp the sum of exps), and block may replace them, e.g. with
+ * statistics combined across vocabulary shards, or compute what the rows' coefficients need from the whole block
+ * (a sequence's mean); a status other than FH_OK stops the pass. */
 typedef struct fh_coef_source {
     void (*row)(const void *self, int64_t i, const fh_final_stats *stats, fh_coef *coef);
-    fh_status (*block)(const void *self, int64_t first_row, int64_t rows, const fh_token_stats *stats);
+    fh_status (*block)(const void *self, const fh_row_block *block, const fh_token_stats *stats);
     const void *self;
 } fh_coef_source;
 
@@ -90,9 +113,7 @@ typedef struct fh_engine_pass {
     const fh_coef_arrays *coefs;  /* backward */
     const fh_coef_source *source; /* row blocks */
     const fh_linear_grads *grads; /* backward, row blocks */
-    int64_t paired_rows;          /* row blocks: 0, or half of n: rows i and paired_rows + i belong together
-                                     (a preference pair's chosen and rejected tokens), and every block holds
-                                     the same rows of both halves */
+    const fh_row_groups *groups;  /* row blocks: NULL, or the groups each block holds whole */
     const fh_pair_kernels *pair;  /* or NULL; with a pair the plan is a pair plan (fh_plan_pair_*), stats, coefs
                                      and source are unused, the passes walk both heads' tiles, and
                                      fh_engine_forward runs every pass of the pair's kernels */
@@ -121,9 +142,8 @@ fh_status fh_engine_backward(const fh_engine_pass *p);
  * Uses plan (threads), lin, tf and targets. */
 void fh_engine_target_logits(const fh_engine_pass *p, double *z_target);
 
-/* Single-call train step over row blocks of plan->tile_rows x V (a row-block plan of fh_plan_train_step;
- * with paired_rows, two segments of tile_rows / 2 rows, one in each half, and the block hook is called with
- * the first half's segment):
+/* Single-call train step over row blocks of at most plan->tile_rows x V (a row-block plan of fh_plan_train_step;
+ * with groups, as many whole groups as a block holds, each group fitting one; paired, a segment in each half):
  * fills p->stats like fh_engine_forward and accumulates p->grads like fh_engine_backward, with the
  * coefficients from p->source. Returns FH_OK, or the first failure of p->source->block: the pass stops at
  * that block (earlier blocks' dx and dweight are written, dbias is not; a dweight whose memory the plan uses for
@@ -133,6 +153,7 @@ fh_status fh_engine_row_blocks(const fh_engine_pass *p);
 /* A head's part of the single-call train step (fh_engine_train_step). */
 typedef struct fh_train_step_head {
     int64_t group_rows;         /* rows a row block keeps together (a sequence, a preference pair); 1: any */
+    const fh_row_groups *groups; /* or groups of their own lengths (packed sequences): group_rows is then unread */
     const fh_linear *companion; /* the second head of a pair (fh_pair_kernels), or NULL */
     size_t head_row_bytes;      /* with a companion: the head's own per-row state (fh_plan_pair_train_step) */
     int forward_plan;           /* the streaming fallback runs its forward on a plan of its own (fh_plan_streaming)

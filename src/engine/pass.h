@@ -82,21 +82,28 @@ static inline fh_gemm_output f32_output(float *data, int64_t row_stride, int64_t
     return v;
 }
 
-/* Row blocks of paired rows are two segments, one in each half of the rows: their height and the rows they walk.
- * Every other pass has one segment over all n rows. */
-static inline int64_t block_segments(const fh_pass *p)
+/* A row block as the passes walk it (row_blocks.c): one segment of rows, or two (paired groups: one in each half);
+ * segment s is rows first[s] .. first[s] + rows[s] - 1, from tile row tile_row[s]. */
+typedef struct fh_block {
+    int segments;
+    int64_t first[2], rows[2], tile_row[2];
+    int64_t first_group, end_group; /* with groups; else 0 */
+    int64_t next;                   /* where the next block starts: a row, or with groups a group */
+} fh_block;
+
+/* The pass's first row block into b (start 1), or the one after b; 0 when there is none. Blocks of plan->tile_rows
+ * rows (the last one shorter), or with groups as many whole groups as fit tile_rows (at least one). */
+int fh_block_next(const fh_pass *p, fh_block *b, int start);
+
+static inline int64_t fh_block_rows(const fh_block *b)
 {
-    return p->in.paired_rows ? 2 : 1;
+    return b->rows[0] + (b->segments > 1 ? b->rows[1] : 0);
 }
 
-static inline int64_t block_segment_rows(const fh_pass *p)
+/* The segment of the block's tile row r. */
+static inline int fh_block_segment(const fh_block *b, int64_t r)
 {
-    return p->in.plan->tile_rows / block_segments(p);
-}
-
-static inline int64_t block_span(const fh_pass *p)
-{
-    return p->in.paired_rows ? p->in.paired_rows : p->in.lin->n;
+    return b->segments > 1 && r >= b->tile_row[1];
 }
 
 /* ---- sinks.c ---- */
@@ -202,6 +209,6 @@ fh_status fh_pass_prepare(const fh_pass *p);
 void fh_pass_row_gradient(const fh_pass *p, float *row, int64_t tile_row, int segment, int64_t vb, int64_t target,
                           const float *weights, const fh_coef *k);
 fh_status fh_pass_gradients(const fh_pass *p, int segment, int64_t tile_row, int64_t i0, int64_t nb, int64_t v0,
-                            int64_t vb);
+                            int64_t vb, int dweight_holds);
 
 #endif

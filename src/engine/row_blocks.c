@@ -30,6 +30,46 @@ static fh_final_stats fold_row(const fh_pass *p, const fh_fold_request *request,
     return result;
 }
 
+/* Rows of groups g0 .. g1 - 1 in one half (half 1: the paired groups). */
+static int64_t group_span(const fh_row_groups *g, int half, int64_t g0, int64_t g1)
+{
+    const int64_t base = half ? g->count : 0;
+    return fh_group_first(g, base + g1) - fh_group_first(g, base + g0);
+}
+
+int fh_block_next(const fh_pass *p, fh_block *b, int start)
+{
+    const fh_row_groups *g = p->in.groups;
+    const int64_t height = p->in.plan->tile_rows, at = start ? 0 : b->next;
+    if (!g) {
+        const int64_t n = p->in.lin->n;
+        if (at >= n)
+            return 0;
+        *b = (fh_block){.segments = 1, .first = {at, 0}, .rows = {min64(height, n - at), 0}, .next = at + height};
+        return 1;
+    }
+    if (at >= g->count)
+        return 0;
+    /* As many whole groups as fit (the plan made room for the tallest); the first one always. */
+    const int halves = g->paired ? 2 : 1;
+    int64_t end = at + 1;
+    for (;;) {
+        int64_t rows = 0;
+        for (int h = 0; h < halves; h++)
+            rows += group_span(g, h, at, end + 1);
+        if (end >= g->count || rows > height)
+            break;
+        end++;
+    }
+    *b = (fh_block){.segments = halves, .first_group = at, .end_group = end, .next = end};
+    for (int h = 0; h < halves; h++) {
+        b->first[h] = fh_group_first(g, (h ? g->count : 0) + at);
+        b->rows[h] = group_span(g, h, at, end);
+        b->tile_row[h] = h ? b->rows[0] : 0;
+    }
+    return 1;
+}
+
 /* Row i's statistics as the block hook left them. */
 static fh_final_stats stored_stats(const fh_token_stats *s, int64_t i)
 {
@@ -86,13 +126,20 @@ static fh_token_stats stats_from(const fh_token_stats *s, int64_t i0)
     return view;
 }
 
+/* The block's tile row r: its row of lin, and the segment's first row. */
+static int64_t block_row(const fh_block *b, int64_t r, int *segment, int64_t *first)
+{
+    *segment = fh_block_segment(b, r);
+    *first = b->first[*segment];
+    return r - b->tile_row[*segment];
+}
+
 static fh_status row_blocks(const fh_pass *p)
 {
     const fh_linear *lin = p->in.lin;
     const fh_linear_grads *grads = p->in.grads;
     const fh_token_stats *stats = p->in.stats;
     const int64_t n = lin->n, vocab = lin->vocab;
-    const int64_t segments = block_segments(p), height = block_segment_rows(p), span = block_span(p);
     const int threads = p->in.plan->threads;
     /* Each row is folded in one tile; its exps replace it when the gradient needs z no more (fh_coef.p_scale) and
      * no block hook can change its log-sum-exp (a vocabulary-parallel one makes it global). */
@@ -109,52 +156,70 @@ static fh_status row_blocks(const fh_pass *p)
             column[j] = 0.0;
     if (p->filter)
         fh_filter_begin(p);
-    for (int64_t i0 = 0; i0 < span; i0 += height) {
-        /* Segment s holds rows s * span + i0 .. + nb - 1, from tile row s * nb. */
-        const int64_t nb = min64(height, span - i0), rows = segments * nb;
-        for (int64_t s = 0; s < segments && st == FH_OK; s++)
-            st = fh_pass_logits(p, 0, tile + s * nb * vocab, s * span + i0, nb, 0, vocab);
+    int dweight_holds = 0; /* whether a block's GEMMs wrote dweight yet (a paired walk's first may be its second half) */
+    fh_block b;
+    for (int more = fh_block_next(p, &b, 1); more; more = fh_block_next(p, &b, 0)) {
+        const int64_t rows = fh_block_rows(&b);
+        for (int s = 0; s < b.segments && st == FH_OK; s++)
+            if (b.rows[s] > 0)
+                st = fh_pass_logits(p, 0, tile + b.tile_row[s] * vocab, b.first[s], b.rows[s], 0, vocab);
         if (st != FH_OK)
             return st;
         if (p->in.pair) {
             /* Every pass over both rows, then the gradient, while they are hot in cache. */
 #pragma omp parallel for num_threads(threads) schedule(static)
-            for (int64_t r = 0; r < rows; r++)
-                pair_row_block(p, tile + r * vocab, i0, r);
+            for (int64_t r = 0; r < rows; r++) {
+                int segment;
+                int64_t first;
+                const int64_t k = block_row(&b, r, &segment, &first);
+                pair_row_block(p, tile + r * vocab, first, k);
+            }
         } else if (!p->in.source->block) {
             /* Fold, then the gradient while the row is still hot in cache. */
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t r = 0; r < rows; r++) {
-                const int64_t first = r / nb * span + i0;
+                int segment;
+                int64_t first;
+                const int64_t k = block_row(&b, r, &segment, &first);
                 fh_fold_request ahead = request;
                 ahead.next = r + 1 < rows ? tile + (r + 1) * vocab : NULL;
-                const fh_final_stats result = fold_row(p, &ahead, tile + r * vocab, first + r % nb);
-                gradient_row(p, tile + r * vocab, r, (int)(r / nb), first, r % nb, &result, request.store_exps);
+                const fh_final_stats result = fold_row(p, &ahead, tile + r * vocab, first + k);
+                gradient_row(p, tile + r * vocab, r, segment, first, k, &result, request.store_exps);
             }
         } else {
             /* The hook needs the whole block's statistics before any row's coefficients. */
 #pragma omp parallel for num_threads(threads) schedule(static)
-            for (int64_t r = 0; r < rows; r++)
-                fold_row(p, &request, tile + r * vocab, r / nb * span + i0 + r % nb);
-            const fh_token_stats block = stats_from(stats, i0);
-            st = p->in.source->block(p->in.source->self, i0, nb, &block);
+            for (int64_t r = 0; r < rows; r++) {
+                int segment;
+                int64_t first;
+                const int64_t k = block_row(&b, r, &segment, &first);
+                fold_row(p, &request, tile + r * vocab, first + k);
+            }
+            const fh_token_stats view = stats_from(stats, b.first[0]);
+            const fh_row_block hook = {b.first[0], b.rows[0], b.first_group, b.end_group};
+            st = p->in.source->block(p->in.source->self, &hook, &view);
             if (st != FH_OK)
                 return st;
 #pragma omp parallel for num_threads(threads) schedule(static)
             for (int64_t r = 0; r < rows; r++) {
-                const int64_t first = r / nb * span + i0;
-                const fh_final_stats result = stored_stats(stats, first + r % nb);
-                gradient_row(p, tile + r * vocab, r, (int)(r / nb), first, r % nb, &result, request.store_exps);
+                int segment;
+                int64_t first;
+                const int64_t k = block_row(&b, r, &segment, &first);
+                const fh_final_stats result = stored_stats(stats, first + k);
+                gradient_row(p, tile + r * vocab, r, segment, first, k, &result, request.store_exps);
             }
         }
         if (grads->dbias)
             fh_add_column_sums(tile, rows, vocab, column, threads);
-        for (int64_t s = 0; s < segments && st == FH_OK; s++) {
+        for (int s = 0; s < b.segments && st == FH_OK; s++) {
+            if (b.rows[s] == 0)
+                continue;
             if (p->filter)
-                fh_filter_block_begin(p, s * span + i0, nb);
-            st = fh_pass_gradients(p, (int)s, s * nb, s * span + i0, nb, 0, vocab);
+                fh_filter_block_begin(p, b.first[s], b.rows[s]);
+            st = fh_pass_gradients(p, s, b.tile_row[s], b.first[s], b.rows[s], 0, vocab, dweight_holds);
+            dweight_holds = 1;
             if (st == FH_OK)
-                block_dx_end(p, s * span + i0, nb);
+                block_dx_end(p, b.first[s], b.rows[s]);
         }
         if (st != FH_OK)
             return st;

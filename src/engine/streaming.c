@@ -231,7 +231,7 @@ static fh_status backward(const fh_pass *p)
             }
             if (grads->dbias)
                 fh_add_column_sums(tile, nb, vb, column, threads);
-            st = fh_pass_gradients(p, 0, 0, i0, nb, v0, vb);
+            st = fh_pass_gradients(p, 0, 0, i0, nb, v0, vb, i0 > 0);
             if (st != FH_OK)
                 return st;
         }

@@ -2,6 +2,19 @@
  * (engine.h). */
 #include "engine.h"
 
+/* The rows of the tallest group (a pair's two groups together). */
+static int64_t tallest_group(const fh_row_groups *g)
+{
+    int64_t tallest = 0;
+    for (int64_t k = 0; k < g->count; k++) {
+        int64_t rows = fh_group_first(g, k + 1) - fh_group_first(g, k);
+        if (g->paired)
+            rows += fh_group_first(g, g->count + k + 1) - fh_group_first(g, g->count + k);
+        tallest = rows > tallest ? rows : tallest;
+    }
+    return tallest;
+}
+
 fh_status fh_engine_train_step(fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
                                const fh_train_step_head *head)
 {
@@ -11,8 +24,10 @@ fh_status fh_engine_train_step(fh_context *ctx, const fh_linear *lin, const fh_l
     fh_status st = head->streaming_only ? FH_OK
                    : head->companion ? fh_plan_pair_train_step(ctx, lin, head->companion, head->head_row_bytes, grads,
                                                              &plans[0], &row_blocks, ctx)
+                   : head->groups ? fh_plan_train_step_groups(ctx, lin, grads, tallest_group(head->groups), 0, &plans[0],
+                                                              &row_blocks)
                    : head->group_rows > 1
-                       ? fh_plan_train_step_groups(ctx, lin, grads, head->group_rows, &plans[0], &row_blocks)
+                       ? fh_plan_train_step_groups(ctx, lin, grads, head->group_rows, 1, &plans[0], &row_blocks)
                        : fh_plan_train_step(ctx, lin, grads, &plans[0], &row_blocks, ctx);
     if (st != FH_OK)
         return st;

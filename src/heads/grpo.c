@@ -2,6 +2,7 @@
  * passes around the head's math (grpo_head.c): streaming forward, backward from saved values, and the single-call
  * step in row blocks of whole sequences. */
 #include "grpo_head.h"
+#include "sequences.h"
 
 #include "core/linear.h"
 
@@ -120,11 +121,14 @@ static fh_status check_batch(fh_context *ctx, const fh_linear *lin, const fh_grp
         return fh_fail(ctx, FH_ERR_INVALID_GRPO_OPTION,
                        "vespo takes the importance-sampling ratio per token: vllm_importance_sampling_mode must be "
                        "token_truncate or token_mask (TRL)");
-    int64_t n;
-    if (bt->batch < 1 || bt->seq < 1 || __builtin_mul_overflow(bt->batch, bt->seq, &n) || n != lin->n)
-        return fh_fail(ctx, FH_ERR_INVALID_SIZE, "batch = %lld x seq = %lld must be >= 1 and equal n = %lld",
-                       (long long)bt->batch, (long long)bt->seq, (long long)lin->n);
-    for (int64_t i = 0; i < n; i++) {
+    const fh_status st = fh_check_sequence_rows(ctx, lin, "batch", bt->batch, 1, bt->seq, bt->cu_seqlens);
+    if (st != FH_OK)
+        return st;
+    if (bt->cu_seqlens && o->loss_type == FH_GRPO_LOSS_DR_GRPO && o->max_completion_length <= 0)
+        return fh_fail(ctx, FH_ERR_INVALID_GRPO_OPTION,
+                       "dr_grpo over packed sequences needs max_completion_length > 0 (its default, the padded "
+                       "length T, does not exist in a packed batch)");
+    for (int64_t i = 0; i < lin->n; i++) {
         const float m = bt->completion_mask[i];
         if (!(m >= 0.0f && isfinite(m)))
             return fh_fail(ctx, FH_ERR_INVALID_MASK, "completion_mask[%lld] = %g must be finite and >= 0",
@@ -313,6 +317,7 @@ fh_status fh_grpo_check_apart(fh_context *ctx, const fh_linear *lin, const fh_gr
     const fh_buffer inputs[] = {{"completion_ids", bt->completion_ids, n * sizeof(int64_t)},
                                 {"completion_mask", bt->completion_mask, floats},
                                 {"advantages", bt->advantages, (size_t)bt->batch * sizeof(float)},
+                                {"cu_seqlens", bt->cu_seqlens, ((size_t)bt->batch + 1) * sizeof(int64_t)},
                                 {"old_per_token_logps", in_place ? NULL : bt->old_per_token_logps, floats},
                                 {"ref_per_token_logps", bt->ref_per_token_logps, floats},
                                 {"sampling_per_token_logps", bt->sampling_per_token_logps, floats},
@@ -322,7 +327,7 @@ fh_status fh_grpo_check_apart(fh_context *ctx, const fh_linear *lin, const fh_gr
                                 {"grad_output", grad_output, sizeof(float)}};
     fh_buffer outputs[GRPO_OUTPUTS];
     output_buffers(lin, out, outputs);
-    return fh_check_apart(ctx, lin, grads, outputs, GRPO_OUTPUTS, inputs, 10);
+    return fh_check_apart(ctx, lin, grads, outputs, GRPO_OUTPUTS, inputs, 11);
 }
 
 fh_status fh_grpo_check_saved(fh_context *ctx, const fh_grpo_options *o, const float *per_token_logp,
@@ -402,12 +407,12 @@ FH_API fh_status fh_grpo_backward(fh_context *ctx, const fh_linear *lin, const f
 /* ---- the single-call step in row blocks of whole sequences -------------------------------------- */
 
 void fh_grpo_block_coefficients(fh_grpo_head *h, const fh_workspace *ws, int64_t vocab, double grad,
-                                int64_t first_row, int64_t rows)
+                                const fh_row_block *block)
 {
     const fh_grpo_batch *bt = h->bt;
     double *const *slot = ws->slot;
-    const int64_t b0 = first_row / bt->seq, b1 = (first_row + rows) / bt->seq;
-    fh_logprob_token_values(ws, bt->completion_ids, first_row, first_row + rows, vocab, 1);
+    const int64_t b0 = block->first_group, b1 = block->end_group;
+    fh_logprob_token_values(ws, bt->completion_ids, block->first_row, block->first_row + block->rows, vocab, 1);
     fh_grpo_head_log_ratios(h, slot[FH_LOGPROB_SLOT_LOGP], b0, b1);
     const fh_grpo_head_outputs coefs = {NULL, NULL, NULL, slot[FH_LOGPROB_SLOT_G_LOGP_AS_B],
                                         slot[FH_LOGPROB_SLOT_G_ENTROPY_THEN_E]};
@@ -432,11 +437,11 @@ typedef struct sequence_blocks {
     double grad;
 } sequence_blocks;
 
-static fh_status block_coefficients(const void *self, int64_t first_row, int64_t rows, const fh_token_stats *stats)
+static fh_status block_coefficients(const void *self, const fh_row_block *block, const fh_token_stats *stats)
 {
     const sequence_blocks *s = self;
     (void)stats; /* the same arrays as the workspace's slots */
-    fh_grpo_block_coefficients(s->h, s->ws, s->vocab, s->grad, first_row, rows);
+    fh_grpo_block_coefficients(s->h, s->ws, s->vocab, s->grad, block);
     return FH_OK;
 }
 
@@ -457,10 +462,12 @@ static fh_status sequence_block_step(const fh_plan *plan, const fh_workspace *ws
     const sequence_blocks self = {&h, ws, lin->vocab, grad};
     const fh_coef_source source = {row_coefficients, block_coefficients, &self};
     const fh_token_stats stats = fh_logprob_stats_in(ws, 1);
+    const fh_row_groups groups = fh_sequence_groups(bt->batch, bt->seq, bt->cu_seqlens, 0);
     fh_engine_pass pass = fh_grpo_pass(plan, ws, lin, bt->completion_ids, o);
     pass.stats = &stats;
     pass.source = &source;
     pass.grads = grads;
+    pass.groups = &groups;
     const fh_status st = fh_engine_row_blocks(&pass);
     if (st != FH_OK)
         return st;
@@ -515,7 +522,9 @@ FH_API fh_status fh_grpo_forward_backward(fh_context *ctx, const fh_linear *lin,
         return support_call(ctx, lin, batch, options, NULL, NULL, NULL, grad_output[0], out, grads);
     const grpo_step step = {lin, batch, options, grad_output[0], out};
     /* The entropy threshold needs every token's entropy before any coefficient: the streaming passes. */
+    const fh_row_groups groups = fh_sequence_groups(batch->batch, batch->seq, batch->cu_seqlens, 0);
     const fh_train_step_head head = {.group_rows = batch->seq,
+                                     .groups = batch->cu_seqlens ? &groups : NULL,
                                      .forward_plan = 1,
                                      .streaming_only = options->top_entropy_quantile < 1.0,
                                      .run = grpo_step_run,

@@ -2,6 +2,7 @@
  * coefficients, partial sums and their loss and metrics, and the top-entropy threshold. Scalar math on [B, T]
  * vectors in double; the engine does every tile (grpo.c, src/mpi/grpo_mpi.c). */
 #include "grpo_head.h"
+#include "sequences.h"
 
 #include <math.h>
 #include <string.h>
@@ -106,6 +107,12 @@ static double bounded_is_ratio(const fh_grpo_options *o, double ratio)
 
 /* ---- per-sequence values ------------------------------------------------------------------- */
 
+/* Sequence b's first row (b = B: n). */
+static int64_t first_row(const fh_grpo_batch *bt, int64_t b)
+{
+    return fh_sequence_first(bt->cu_seqlens, bt->seq, b);
+}
+
 static double old_logp(const fh_grpo_head *h, int64_t i, const double *logp)
 {
     return h->bt->old_per_token_logps ? (double)h->bt->old_per_token_logps[i] : logp[i];
@@ -130,12 +137,11 @@ static sequence_values sequence_values_of(const fh_grpo_head *h, int64_t b, cons
 {
     const fh_grpo_batch *bt = h->bt;
     const fh_grpo_options *o = h->o;
-    const int64_t first = b * bt->seq;
     const int correction = fh_grpo_is_correction(bt, o);
     const double a = bt->advantages[b];
     sequence_values v = {0.0, 1.0, 1.0, 0.0};
     double sampling_gap = 0.0, is_gap = 0.0, vespo_log_ratio = 0.0;
-    for (int64_t i = first; i < first + bt->seq; i++) {
+    for (int64_t i = first_row(bt, b); i < first_row(bt, b + 1); i++) {
         const double m = bt->completion_mask[i], old = old_logp(h, i, logp);
         v.length += m;
         const double samp = bt->sampling_per_token_logps ? (double)bt->sampling_per_token_logps[i] : old;
@@ -170,8 +176,8 @@ void fh_grpo_head_count(fh_grpo_head *h)
     double total = 0.0;
     for (int64_t b = 0; b < bt->batch; b++) {
         double count = 0.0;
-        for (int64_t t = 0; t < bt->seq; t++)
-            count += bt->completion_mask[b * bt->seq + t];
+        for (int64_t i = first_row(bt, b); i < first_row(bt, b + 1); i++)
+            count += bt->completion_mask[i];
         total += count;
         h->seq_count[b] = fmax(count, 1.0);
     }
@@ -186,10 +192,8 @@ void fh_grpo_head_log_ratios(fh_grpo_head *h, const double *logp, int64_t b0, in
     const fh_grpo_batch *bt = h->bt;
     for (int64_t b = b0; b < b1; b++) {
         double acc = 0.0;
-        for (int64_t t = 0; t < bt->seq; t++) {
-            const int64_t i = b * bt->seq + t;
+        for (int64_t i = first_row(bt, b); i < first_row(bt, b + 1); i++)
             acc += (logp[i] - old_logp(h, i, logp)) * bt->completion_mask[i];
-        }
         h->seq_log_ratio[b] = acc / h->seq_count[b];
     }
 }
@@ -232,7 +236,7 @@ static fh_status sum_over_ranks(const fh_grpo_reducer *r, double *values, int n)
 fh_status fh_grpo_head_entropy_threshold(fh_grpo_head *h, const double *entropy, const fh_grpo_reducer *reducer)
 {
     const fh_grpo_batch *bt = h->bt;
-    const int64_t n = bt->batch * bt->seq;
+    const int64_t n = first_row(bt, bt->batch);
     if (!(h->o->top_entropy_quantile < 1.0))
         return FH_OK;
     double count = 0.0;
@@ -374,8 +378,7 @@ void fh_grpo_head_evaluate(const fh_grpo_head *h, int64_t b0, int64_t b1, const 
         p.sum.phi += sv.phi;
         if (correction && !token_is)
             count_is_ratio(&p, sv.is_ratio);
-        for (int64_t t = 0; t < bt->seq; t++) {
-            const int64_t i = b * bt->seq + t;
+        for (int64_t i = first_row(bt, b); i < first_row(bt, b + 1); i++) {
             const double m = bt->completion_mask[i];
             const double log_ratio = sequence_level ? h->seq_log_ratio[b] : logp[i] - old_logp(h, i, logp);
             const token_policy pol = policy(o, log_ratio, logp[i], a, sv.phi);
@@ -422,7 +425,7 @@ void fh_grpo_head_evaluate(const fh_grpo_head *h, int64_t b0, int64_t b1, const 
                     count_is_ratio(&p, is_ratio);
             }
             /* Clip flags on coef_1 after the delta clamp (TRL): token means, or one flag per sequence. */
-            if (!sequence_level || t == 0) {
+            if (!sequence_level || i == first_row(bt, b)) {
                 const double w = sequence_level ? 1.0 : m;
                 const double c1 = delta_on(o) && pol.ratio > o->delta ? o->delta : pol.ratio;
                 const int low = c1 < lo && a < 0.0, high = c1 > hi && a > 0.0;
@@ -435,10 +438,8 @@ void fh_grpo_head_evaluate(const fh_grpo_head *h, int64_t b0, int64_t b1, const 
         count_clips(&p, seq_low, seq_high, sv.length, sequence_level);
         p.sum.loss += seq_loss * weight;
         if (out->g_logp && seq_slope != 0.0)
-            for (int64_t t = 0; t < bt->seq; t++) {
-                const int64_t i = b * bt->seq + t;
+            for (int64_t i = first_row(bt, b); i < first_row(bt, b + 1); i++)
                 out->g_logp[i] += grad * seq_slope * bt->completion_mask[i] / h->seq_count[b];
-            }
     }
     if (!entropy)
         p.sum.entropy = p.sum.bonus_entropy = NAN;

@@ -111,12 +111,12 @@ void fh_grpo_head_evaluate(const fh_grpo_head *h, int64_t b0, int64_t b1, const 
 /* Loss and metrics from (whole-batch) partial sums. */
 void fh_grpo_head_finish(const fh_grpo_head *h, const fh_grpo_partials *p, const fh_grpo_head_outputs *out);
 /* The single-call step in row blocks of whole sequences (fh_plan_train_step_groups).
- * fh_grpo_block_coefficients, once a block's rows (first_row .. first_row + rows - 1, whole sequences) have
+ * fh_grpo_block_coefficients, once a block's rows (whole sequences) have
  * their final statistics in the workspace's slots: their logp and entropy (ids outside [0, vocab) get logp 0),
  * their sequences' GSPO log-ratios, and their g_logp and g_entropy (h's whole-batch totals already counted).
  * fh_grpo_row_coefficients: row i's engine coefficients from those. */
 void fh_grpo_block_coefficients(fh_grpo_head *h, const fh_workspace *ws, int64_t vocab, double grad,
-                                int64_t first_row, int64_t rows);
+                                const fh_row_block *block);
 void fh_grpo_row_coefficients(const fh_workspace *ws, int64_t i, fh_coef *k);
 /* Head outputs of a backward pass: g_logp and g_entropy into the workspace, the rest to forward_out. */
 fh_grpo_head_outputs fh_grpo_backward_outputs(const fh_workspace *ws, fh_grpo_outputs *forward_out);

@@ -73,10 +73,10 @@ static fh_status check_batch(fh_context *ctx, const fh_linear *lin, const fh_kto
                        "kto needs exactly one of ref_logps and ref_per_token_logps (%s given; TRL's KTO has no "
                        "reference-free mode)",
                        bt->ref_logps ? "both" : "neither");
-    int64_t n;
-    if (bt->batch < 1 || bt->seq < 1 || __builtin_mul_overflow(bt->batch, bt->seq, &n) || n != lin->n)
-        return fh_fail(ctx, FH_ERR_INVALID_SIZE, "batch = %lld x seq = %lld must be >= 1 and equal n = %lld",
-                       (long long)bt->batch, (long long)bt->seq, (long long)lin->n);
+    const int64_t n = lin->n;
+    const fh_status st = fh_check_sequence_rows(ctx, lin, "batch", bt->batch, 1, bt->seq, bt->cu_seqlens);
+    if (st != FH_OK)
+        return st;
     for (int64_t s = 0; s < bt->batch; s++)
         if (bt->labels[s] > 1)
             return fh_fail(ctx, FH_ERR_INVALID_PREFERENCE_OPTION, "labels[%lld] = %d must be 0 (undesirable) or 1",
@@ -104,13 +104,14 @@ fh_status fh_kto_check_apart(fh_context *ctx, const fh_linear *lin, const fh_kto
                                 {"ref_per_token_logps", bt->ref_per_token_logps, n * sizeof(float)},
                                 {"kl", bt->kl, sizeof(float)},
                                 {"kl_logratios", bt->kl_logratios, B * sizeof(float)},
+                                {"cu_seqlens", bt->cu_seqlens, (B + 1) * sizeof(int64_t)},
                                 {"grad_output", grad_output, sizeof(float)}};
     const fh_buffer outputs[] = {{"loss", out->loss, sizeof(double)},
                                  {"metrics", out->metrics, sizeof(fh_kto_metrics)},
                                  {"sequence_logps", out->sequence_logps, B * sizeof(float)},
                                  {"rewards", out->rewards, B * sizeof(float)},
                                  {"per_token_logp", out->per_token_logp, n * sizeof(float)}};
-    return fh_check_apart(ctx, lin, grads, outputs, 5, inputs, 8);
+    return fh_check_apart(ctx, lin, grads, outputs, 5, inputs, 9);
 }
 
 fh_status fh_kto_check_call(fh_context *ctx, const fh_linear *lin, const fh_kto_batch *bt, const fh_kto_options *o,
@@ -154,14 +155,19 @@ void fh_kto_head_set_totals(fh_kto_head *h, const double sums[2])
     h->kl = h->bt->kl ? (double)h->bt->kl[0] : h->bt->kl_logratios ? fmax(sums[0] / sums[1], 0.0) : 0.0;
 }
 
+/* Sequence s's first row (s = B: n). */
+static int64_t row_of(const fh_kto_batch *bt, int64_t s)
+{
+    return fh_sequence_first(bt->cu_seqlens, bt->seq, s);
+}
+
 /* r_s = l_s - ref_s of sequence s from its tokens' logp (in the LOGP slot); l_s into the SEQ_LOGP slot. */
 static double log_ratio(const fh_kto_head *h, int64_t s)
 {
     const fh_kto_batch *bt = h->bt;
     const double *logp = h->ws->slot[FH_LOGPROB_SLOT_LOGP];
     double l = 0.0, ref = 0.0;
-    for (int64_t t = 0; t < bt->seq; t++) {
-        const int64_t i = s * bt->seq + t;
+    for (int64_t i = row_of(bt, s); i < row_of(bt, s + 1); i++) {
         l += bt->mask[i] * logp[i];
         if (bt->ref_per_token_logps)
             ref += bt->mask[i] * (double)bt->ref_per_token_logps[i];
@@ -189,15 +195,14 @@ static double sequence_loss(const fh_kto_head *h, int64_t s, double r, double *s
 void fh_kto_sequence_coefficients(const fh_kto_head *h, int64_t s0, int64_t s1, double grad)
 {
     const fh_kto_batch *bt = h->bt;
-    const int64_t T = bt->seq;
     double *g_logp = h->ws->slot[FH_LOGPROB_SLOT_G_LOGP_AS_B];
-    fh_logprob_token_values(h->ws, bt->targets, s0 * T, s1 * T, h->vocab, 0);
+    fh_logprob_token_values(h->ws, bt->targets, row_of(bt, s0), row_of(bt, s1), h->vocab, 0);
     for (int64_t s = s0; s < s1; s++) {
         double slope;
         (void)sequence_loss(h, s, log_ratio(h, s), &slope);
         const double d = grad * slope / h->batch_total;
-        for (int64_t t = 0; t < T; t++)
-            g_logp[s * T + t] = d * bt->mask[s * T + t];
+        for (int64_t i = row_of(bt, s); i < row_of(bt, s + 1); i++)
+            g_logp[i] = d * bt->mask[i];
     }
 }
 
@@ -226,7 +231,7 @@ fh_coef_arrays fh_kto_coefs_in(const fh_workspace *ws, int64_t n)
 void fh_kto_head_partials(const fh_kto_head *h, int metrics, fh_kto_partials *p, fh_kto_outputs *out)
 {
     const fh_kto_batch *bt = h->bt;
-    const int64_t B = bt->batch, T = bt->seq;
+    const int64_t B = bt->batch, n = row_of(bt, B);
     double *const *slot = h->ws->slot;
     memset(p, 0, sizeof *p);
     for (int64_t s = 0; s < B; s++) {
@@ -244,15 +249,16 @@ void fh_kto_head_partials(const fh_kto_head *h, int metrics, fh_kto_partials *p,
     }
     /* KTOTrainer._compute_loss: logits/<half> = (sum over the half's tokens with m != 0 of mean_j z) / sum of the
      * half's m; entropy = sum m H / sum m. */
-    for (int64_t i = 0; metrics && i < B * T; i++) {
-        const double m = bt->mask[i];
-        const int half = bt->labels[i / T] ? 0 : 1;
-        p->mask_sum[half] += m;
-        p->entropy_sum += m * slot[FH_LOGPROB_SLOT_ENTROPY][i];
-        if (m != 0.0)
-            p->z_sum[half] += slot[FH_KTO_SLOT_SUM_Z][i] / (double)h->vocab;
-    }
-    for (int64_t i = 0; i < B * T && out->per_token_logp; i++)
+    for (int64_t s = 0; metrics && s < B; s++)
+        for (int64_t i = row_of(bt, s); i < row_of(bt, s + 1); i++) {
+            const double m = bt->mask[i];
+            const int half = bt->labels[s] ? 0 : 1;
+            p->mask_sum[half] += m;
+            p->entropy_sum += m * slot[FH_LOGPROB_SLOT_ENTROPY][i];
+            if (m != 0.0)
+                p->z_sum[half] += slot[FH_KTO_SLOT_SUM_Z][i] / (double)h->vocab;
+        }
+    for (int64_t i = 0; i < n && out->per_token_logp; i++)
         out->per_token_logp[i] = (float)slot[FH_LOGPROB_SLOT_LOGP][i];
 }
 
@@ -371,8 +377,7 @@ static void finish(const void *state)
 
 static fh_sequence_head sequence_head(kto_call *c)
 {
-    const fh_sequence_head hd = {.seq = c->batch->seq,
-                                 .group_rows = c->batch->seq,
+    const fh_sequence_head hd = {.groups = fh_sequence_groups(c->batch->batch, c->batch->seq, c->batch->cu_seqlens, 0),
                                  .state = c,
                                  .begin = begin,
                                  .pass = pass_of,

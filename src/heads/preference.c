@@ -1,6 +1,7 @@
 /* Preference head (DPO, ORPO, SimPO, CPO; TRL semantics, formulas in fusedhead.h): option and batch checks,
  * token log-probs -> sequence log-probs -> per-pair losses, metrics and backward coefficients. The batch is
- * chosen sequences then rejected ones, so pair b's two sequences are rows b T .. and (B + b) T ..: the
+ * chosen sequences then rejected ones, so pair b's two sequences are rows b T .. and (B + b) T .. (packed: at
+ * cu_seqlens[b] and cu_seqlens[B + b]): the
  * single-call step runs the engine's paired row blocks, which hold both, unless a loss type sorts over every pair
  * (aot), which streams. Scalar math on [2B, T] vectors; TRL's current DPO loss types are dpo_loss_types.c's. */
 #include "dpo_loss_types.h"
@@ -54,6 +55,12 @@ static const char *type_name(fh_preference_loss_type type)
                                         "nca_pair", "bco_pair", "sppo_hard",    "aot",      "aot_unpaired",
                                         "apo_zero", "apo_down", "discopop",     "sft",      "sigmoid_norm"};
     return names[type];
+}
+
+/* Sequence s's first row (s = 2B: n). */
+static int64_t row_of(const fh_preference_batch *bt, int64_t s)
+{
+    return fh_sequence_first(bt->cu_seqlens, bt->seq, s);
 }
 
 /* dpo at TRL's current semantics (fusedhead.h); the other losses, and dpo at v0.28, keep their formulas. */
@@ -170,12 +177,11 @@ static fh_status check_batch(fh_context *ctx, const fh_linear *lin, const fh_pre
     if ((bt->ref_logps || bt->ref_per_token_logps) && o->loss != FH_PREFERENCE_DPO)
         return fh_fail(ctx, FH_ERR_INVALID_PREFERENCE_OPTION, "%s takes no reference log-probs (only dpo does)",
                        loss_name(o->loss));
-    int64_t sequences, n;
-    if (bt->pairs < 1 || bt->seq < 1 || __builtin_mul_overflow(bt->pairs, 2, &sequences) ||
-        __builtin_mul_overflow(sequences, bt->seq, &n) || n != lin->n)
-        return fh_fail(ctx, FH_ERR_INVALID_SIZE, "2 x pairs = %lld x seq = %lld must be >= 1 and equal n = %lld",
-                       (long long)bt->pairs, (long long)bt->seq, (long long)lin->n);
-    for (int64_t i = 0; i < n; i++) {
+    const fh_status st = fh_check_sequence_rows(ctx, lin, "2 x pairs", bt->pairs, 2, bt->seq, bt->cu_seqlens);
+    if (st != FH_OK)
+        return st;
+    const int64_t sequences = 2 * bt->pairs;
+    for (int64_t i = 0; i < lin->n; i++) {
         const float m = bt->mask[i];
         if (!(m >= 0.0f && isfinite(m)))
             return fh_fail(ctx, FH_ERR_INVALID_MASK, "mask[%lld] = %g must be finite and >= 0", (long long)i, (double)m);
@@ -187,8 +193,8 @@ static fh_status check_batch(fh_context *ctx, const fh_linear *lin, const fh_pre
      * sum-over-count-clamped-to-1 the other losses use would make p = 1 and the odds infinite. */
     for (int64_t s = 0; o->loss == FH_PREFERENCE_ORPO && s < sequences; s++) {
         double count = 0.0;
-        for (int64_t t = 0; t < bt->seq; t++)
-            count += bt->mask[s * bt->seq + t];
+        for (int64_t i = row_of(bt, s); i < row_of(bt, s + 1); i++)
+            count += bt->mask[i];
         if (count == 0.0)
             return fh_fail(ctx, FH_ERR_INVALID_MASK,
                            "orpo: sequence %lld (the %s half of pair %lld) has no unmasked token, so its odds are "
@@ -207,13 +213,14 @@ static fh_status check_apart(fh_context *ctx, const fh_linear *lin, const fh_pre
                                 {"mask", bt->mask, n * sizeof(float)},
                                 {"ref_logps", bt->ref_logps, sequences * sizeof(float)},
                                 {"ref_per_token_logps", bt->ref_per_token_logps, n * sizeof(float)},
+                                {"cu_seqlens", bt->cu_seqlens, (sequences + 1) * sizeof(int64_t)},
                                 {"grad_output", grad_output, sizeof(float)}};
     const fh_buffer outputs[] = {{"loss", out->loss, sizeof(double)},
                                  {"metrics", out->metrics, sizeof(fh_preference_metrics)},
                                  {"sequence_logps", out->sequence_logps, sequences * sizeof(float)},
                                  {"rewards", out->rewards, sequences * sizeof(float)},
                                  {"per_token_logp", out->per_token_logp, n * sizeof(float)}};
-    return fh_check_apart(ctx, lin, grads, outputs, 5, inputs, 5);
+    return fh_check_apart(ctx, lin, grads, outputs, 5, inputs, 6);
 }
 
 static fh_status check_call(fh_context *ctx, const fh_linear *lin, const fh_preference_batch *bt,
@@ -319,8 +326,8 @@ typedef struct head {
 static double sequence_count(const head *h, int64_t s)
 {
     double count = 0.0;
-    for (int64_t t = 0; t < h->bt->seq; t++)
-        count += h->bt->mask[s * h->bt->seq + t];
+    for (int64_t i = row_of(h->bt, s); i < row_of(h->bt, s + 1); i++)
+        count += h->bt->mask[i];
     return fmax(count, 1.0);
 }
 
@@ -338,8 +345,7 @@ static void sequence_logp(const head *h, int64_t s)
     double *const *slot = h->slot;
     const double scale = averaged(h->o) ? 1.0 / sequence_count(h, s) : 1.0;
     double l = 0.0, ref = 0.0;
-    for (int64_t t = 0; t < bt->seq; t++) {
-        const int64_t i = s * bt->seq + t;
+    for (int64_t i = row_of(bt, s); i < row_of(bt, s + 1); i++) {
         l += bt->mask[i] * token_logp(h, i);
         if (bt->ref_per_token_logps)
             ref += bt->mask[i] * (double)bt->ref_per_token_logps[i];
@@ -385,7 +391,7 @@ static void pair_coefficients(const head *h, int64_t b0, int64_t b1, double grad
 /* g_logp of row i = grad d loss / d logp_i: its sequence's share, and on the chosen half the NLL's. */
 static double token_gradient(const head *h, int64_t i)
 {
-    const int64_t s = i / h->bt->seq;
+    const int64_t s = fh_sequence_of_row(h->bt->cu_seqlens, h->bt->seq, 2 * h->bt->pairs, i);
     return h->bt->mask[i] * (h->slot[SLOT_SEQ_D][s] - (s < h->bt->pairs ? h->nll_coef : 0.0));
 }
 
@@ -393,14 +399,14 @@ static double token_gradient(const head *h, int64_t i)
 static void take_totals(head *h)
 {
     const fh_preference_batch *bt = h->bt;
-    const int64_t B = bt->pairs, T = bt->seq;
+    const int64_t rejected = row_of(bt, bt->pairs), n = row_of(bt, 2 * bt->pairs);
     double *const *slot = h->slot;
     const int64_t *argmax = (const int64_t *)slot[SLOT_ARGMAX_THEN_C];
     /* Logits means: DPOTrainer's are masked, CPOTrainer's and ORPOTrainer's over every token of the half. */
     const int masked_logits = h->o->loss == FH_PREFERENCE_DPO, token_metrics = h->metrics && current(h->o);
     token_totals t = {0};
-    for (int64_t i = 0; i < 2 * B * T; i++) {
-        const int half = i >= B * T;
+    for (int64_t i = 0; i < n; i++) {
+        const int half = i >= rejected;
         const double m = bt->mask[i], w = masked_logits ? m : 1.0;
         if (!half)
             t.nll -= m * token_logp(h, i);
@@ -421,7 +427,7 @@ static void head_finish(const head *h, fh_preference_outputs *out)
 {
     const fh_preference_batch *bt = h->bt;
     const fh_preference_options *o = h->o;
-    const int64_t B = bt->pairs, T = bt->seq;
+    const int64_t B = bt->pairs, n = row_of(bt, 2 * B);
     double *const *slot = h->slot;
     double loss = sorted_terms(h, 0.0, 0), rc = 0.0, rr = 0.0, acc = 0.0, lc = 0.0, lr = 0.0, odds = 0.0,
            odds_ratio = 0.0;
@@ -469,7 +475,7 @@ static void head_finish(const head *h, fh_preference_outputs *out)
     }
     for (int64_t s = 0; s < 2 * B && out->sequence_logps; s++)
         out->sequence_logps[s] = (float)slot[SLOT_SEQ_LOGP][s];
-    for (int64_t i = 0; i < 2 * B * T && out->per_token_logp; i++)
+    for (int64_t i = 0; i < n && out->per_token_logp; i++)
         out->per_token_logp[i] = (float)token_logp(h, i);
 }
 
@@ -496,9 +502,8 @@ static void begin(void *state, const fh_workspace *ws, double grad)
     preference_call *c = state;
     const fh_preference_batch *bt = c->batch;
     head h = {.bt = bt, .o = c->options, .slot = ws->slot, .vocab = c->lin->vocab, .metrics = c->out->metrics != NULL};
-    for (int64_t s = 0; s < bt->pairs; s++)
-        for (int64_t t = 0; t < bt->seq; t++)
-            h.chosen_mask += bt->mask[s * bt->seq + t];
+    for (int64_t i = 0; i < row_of(bt, bt->pairs); i++)
+        h.chosen_mask += bt->mask[i];
     h.nll_coef = grad * nll_weight(c->options) / fmax(h.chosen_mask, 1.0);
     c->h = h;
 }
@@ -584,9 +589,7 @@ static fh_sequence_head sequence_head(preference_call *c)
     /* aot and aot_unpaired sort every pair's values before any coefficient: the streaming passes. */
     const int sorts =
         current(o) && (fh_dpo_lists(o, FH_PREFERENCE_AOT) || fh_dpo_lists(o, FH_PREFERENCE_AOT_UNPAIRED));
-    const fh_sequence_head hd = {.seq = c->batch->seq,
-                                 .group_rows = 2 * c->batch->seq,
-                                 .paired_rows = c->lin->n / 2,
+    const fh_sequence_head hd = {.groups = fh_sequence_groups(c->batch->pairs, c->batch->seq, c->batch->cu_seqlens, 1),
                                  .streaming_only = sorts,
                                  .state = c,
                                  .begin = begin,

@@ -7,10 +7,28 @@
 
 #include "engine/engine.h"
 
+/* Where a batch's sequences lie among the rows: sequence s is rows fh_sequence_first(s) .. fh_sequence_first(s + 1)
+ * - 1, seq apart ([S, T]), or packed at cu_seqlens ([S + 1] offsets). */
+static inline int64_t fh_sequence_first(const int64_t *cu_seqlens, int64_t seq, int64_t s)
+{
+    return cu_seqlens ? cu_seqlens[s] : s * seq;
+}
+
+/* The sequence of row i (of `sequences`). */
+int64_t fh_sequence_of_row(const int64_t *cu_seqlens, int64_t seq, int64_t sequences, int64_t i);
+
+/* That the batch's count x per_count sequences (count_name: "batch", "2 x pairs") make lin's n rows: count >= 1,
+ * and sequences x seq (seq >= 1), or with cu_seqlens, seq 0 and offsets from 0 that increase (every sequence has a
+ * row) and end at n (FH_ERR_INVALID_SIZE). */
+fh_status fh_check_sequence_rows(fh_context *ctx, const fh_linear *lin, const char *count_name, int64_t count,
+                                 int64_t per_count, int64_t seq, const int64_t *cu_seqlens);
+
+/* The train step's row groups: each sequence (paired: pair s is sequences s and pairs + s), groups of seq rows or
+ * at cu_seqlens. */
+fh_row_groups fh_sequence_groups(int64_t groups, int64_t seq, const int64_t *cu_seqlens, int paired);
+
 typedef struct fh_sequence_head {
-    int64_t seq;         /* T, the rows of a sequence */
-    int64_t group_rows;  /* rows a row block keeps together: a sequence, or a pair's two */
-    int64_t paired_rows; /* the row blocks' paired_rows (0: none) */
+    fh_row_groups groups; /* what a row block keeps together: sequences, or pairs of them */
     int streaming_only;  /* the train step streams (coefficients that need every sequence's values first) */
     void *state;         /* the head's own; its hooks take it */
     /* The state over the workspace the forward's statistics go to; grad: the upstream gradient (0: forward). */
@@ -21,7 +39,7 @@ typedef struct fh_sequence_head {
     fh_token_stats (*stats)(const void *state);
     /* Once the streaming forward's statistics are final: every sequence's values. */
     void (*after_forward)(void *state);
-    /* Row blocks: the coefficients of sequences s0 .. s1 - 1 once their rows' statistics are final, then row i's;
+    /* Row blocks: the coefficients of groups g0 .. g1 - 1 once their rows' statistics are final, then row i's;
      * after the last block, what the outputs need of every row. */
     void (*sequences)(void *state, int64_t s0, int64_t s1, double grad);
     void (*row)(const void *state, int64_t i, fh_coef *k);

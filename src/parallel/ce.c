@@ -224,11 +224,10 @@ static void row_coefs(const void *self, int64_t i, const fh_final_stats *stats, 
 
 /* The block's shard statistics become the whole vocabulary's. The targets' class weights were summed
  * before the pass (the norms need them), so no extra values ride along. */
-static fh_status combine_block(const void *self, int64_t first_row, int64_t rows, const fh_token_stats *stats)
+static fh_status combine_block(const void *self, const fh_row_block *block, const fh_token_stats *stats)
 {
     const ce_call *c = self;
-    (void)first_row;
-    return fhp_call_combine_block(&c->call, rows, stats);
+    return fhp_call_combine_block(&c->call, block->rows, stats);
 }
 
 /* Per row block: the shard's logits and statistics, combined across the vocab group (one

@@ -6,6 +6,7 @@
 
 #include "core/context.h"
 #include "heads/grpo_head.h"
+#include "heads/sequences.h"
 
 #include <math.h>
 
@@ -65,6 +66,9 @@ static fh_status begin(grpo_call *c, int entry, fh_parallel_layout *L, fh_contex
         st = fh_fail(ctx, FH_ERR_INVALID_SUPPORT, "fh_grpo_batch.support: the log-probs over a support have no "
                                                   "vocabulary- or data-parallel form (give it to fh_grpo_* on one "
                                                   "process)");
+    if (st == FH_OK && bt->cu_seqlens)
+        st = fh_fail(ctx, FH_ERR_INVALID_SIZE, "fh_grpo_batch.cu_seqlens: packed sequences have no vocabulary- or "
+                                               "data-parallel form (pass [B, T] rows, or call fh_grpo_* on one process)");
     if (st == FH_OK)
         st = fhp_call_scratch(&c->call, bt->completion_ids, 0);
     return st;
@@ -163,13 +167,13 @@ typedef struct sequence_blocks {
 
 /* A block's shard statistics become the whole vocabulary's (one all-reduce over the vocab group), then
  * its coefficients. */
-static fh_status block_coefficients(const void *self, int64_t first_row, int64_t rows, const fh_token_stats *stats)
+static fh_status block_coefficients(const void *self, const fh_row_block *block, const fh_token_stats *stats)
 {
     const sequence_blocks *s = self;
     const fhp_call *call = &s->c->call;
-    const fh_status st = fhp_call_combine_block(call, rows, stats);
+    const fh_status st = fhp_call_combine_block(call, block->rows, stats);
     if (st == FH_OK)
-        fh_grpo_block_coefficients(s->h, s->ws, call->L->total_vocab, s->grad, first_row, rows);
+        fh_grpo_block_coefficients(s->h, s->ws, call->L->total_vocab, s->grad, block);
     return st;
 }
 
@@ -191,10 +195,12 @@ static fh_status row_block_step(grpo_call *c, const fh_plan *plan, const fh_work
         const sequence_blocks self = {c, &h, ws, grad};
         const fh_coef_source source = {row_coefficients, block_coefficients, &self};
         const fh_token_stats stats = fh_logprob_stats_in(ws, 1);
+        const fh_row_groups groups = fh_sequence_groups(c->bt->batch, c->bt->seq, NULL, 0);
         fh_engine_pass pass = shard_pass(c, plan, ws);
         pass.stats = &stats;
         pass.source = &source;
         pass.grads = &call->g.engine;
+        pass.groups = &groups;
         st = fh_engine_row_blocks(&pass);
     }
     const fh_grpo_head_outputs hout = {out->loss, out->metrics, out->per_token_loss, NULL, NULL};
@@ -295,7 +301,7 @@ FH_API fh_status fh_parallel_grpo_forward_backward(fh_context *ctx, fh_parallel_
     int row_blocks = 0;
     /* Planned with the gradients the engine writes (see fh_parallel_ce_forward_backward). */
     if (st == FH_OK)
-        st = fh_plan_train_step_groups(ctx, lin, &c.call.g.engine, batch->seq, &plans[0], &row_blocks);
+        st = fh_plan_train_step_groups(ctx, lin, &c.call.g.engine, batch->seq, 1, &plans[0], &row_blocks);
     /* Row blocks only where every rank can, at one height per vocab group (a multiple of seq on every
      * rank, so their minimum is one too); else every rank streams. */
     int64_t rows;

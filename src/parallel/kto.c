@@ -7,6 +7,7 @@
 
 #include "core/context.h"
 #include "heads/grpo_head.h"
+#include "heads/sequences.h"
 #include "heads/kto_head.h"
 
 typedef struct kto_call {
@@ -49,6 +50,9 @@ static fh_status begin(kto_call *c, int entry, fh_parallel_layout *L, fh_context
         fhp_call_config(call, "metrics asked for", c->metrics);
     if (st == FH_OK)
         st = fh_kto_check_call(ctx, lin, bt, o, out, L->total_vocab);
+    if (st == FH_OK && bt->cu_seqlens)
+        st = fh_fail(ctx, FH_ERR_INVALID_SIZE, "fh_kto_batch.cu_seqlens: packed sequences have no vocabulary- or "
+                                               "data-parallel form (pass [B, T] rows, or call fh_kto_* on one process)");
     if (st == FH_OK)
         st = fhp_call_scratch(&c->call, bt->targets, 0);
     return st;
@@ -122,14 +126,13 @@ typedef struct sequence_blocks {
 
 /* A block's shard statistics become the whole vocabulary's (one all-reduce over the vocab group), then its
  * sequences' coefficients. */
-static fh_status block_coefficients(const void *self, int64_t first_row, int64_t rows, const fh_token_stats *stats)
+static fh_status block_coefficients(const void *self, const fh_row_block *block, const fh_token_stats *stats)
 {
     const sequence_blocks *s = self;
     const fhp_call *call = &s->c->call;
-    const fh_status st = fhp_call_combine_block(call, rows, stats);
-    const int64_t T = s->h->bt->seq;
+    const fh_status st = fhp_call_combine_block(call, block->rows, stats);
     if (st == FH_OK)
-        fh_kto_sequence_coefficients(s->h, first_row / T, (first_row + rows) / T, s->grad);
+        fh_kto_sequence_coefficients(s->h, block->first_group, block->end_group, s->grad);
     return st;
 }
 
@@ -150,10 +153,12 @@ static fh_status row_block_step(kto_call *c, const fh_plan *plan, const fh_works
         const sequence_blocks self = {c, &h, grad};
         const fh_coef_source source = {row_coefficients, block_coefficients, &self};
         const fh_token_stats stats = fh_kto_stats_in(ws, c->metrics);
+        const fh_row_groups groups = fh_sequence_groups(c->bt->batch, c->bt->seq, NULL, 0);
         fh_engine_pass pass = shard_pass(c, plan, ws);
         pass.stats = &stats;
         pass.source = &source;
         pass.grads = &call->g.engine;
+        pass.groups = &groups;
         st = fh_engine_row_blocks(&pass);
     }
     if (st == FH_OK && c->metrics) /* the entropies (the block hook made logp) */
@@ -211,7 +216,7 @@ FH_API fh_status fh_parallel_kto_forward_backward(fh_context *ctx, fh_parallel_l
     int row_blocks = 0;
     /* Planned with the gradients the engine writes (see fh_parallel_ce_forward_backward). */
     if (st == FH_OK)
-        st = fh_plan_train_step_groups(ctx, lin, &c.call.g.engine, batch->seq, &plans[0], &row_blocks);
+        st = fh_plan_train_step_groups(ctx, lin, &c.call.g.engine, batch->seq, 1, &plans[0], &row_blocks);
     int64_t rows;
     st = fhp_call_schedule(&c.call, st, row_blocks, plans, ws, &rows);
     if (st != FH_OK)

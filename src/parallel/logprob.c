@@ -157,11 +157,10 @@ static void row_coefficients(const void *self, int64_t i, const fh_final_stats *
     fh_logprob_coefficients(&c->g, c->rows, i, k);
 }
 
-static fh_status combine_block(const void *self, int64_t first_row, int64_t rows, const fh_token_stats *stats)
+static fh_status combine_block(const void *self, const fh_row_block *block, const fh_token_stats *stats)
 {
     const logprob_call *c = self;
-    (void)first_row;
-    return fhp_call_combine_block(&c->call, rows, stats);
+    return fhp_call_combine_block(&c->call, block->rows, stats);
 }
 
 FH_API fh_status fh_parallel_logprob_forward_backward(fh_context *ctx, fh_parallel_layout *layout, const fh_linear *lin,

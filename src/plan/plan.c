@@ -312,10 +312,12 @@ static int place_in_dweight(fh_plan *plan, const fh_linear *lin, const fh_linear
 #define PAIR_ROW_BLOCK 224
 
 /* Sets the plan to balanced blocks of at most rows rows; -1 if a size overflows. */
-static int balanced_blocks(fh_plan *plan, int64_t n, int64_t rows)
+/* Blocks of at most `rows` rows, balanced, but never below group_rows (when rows holds it): groups of their own
+ * heights (packed sequences) do not split evenly, and the tallest must fit a block. */
+static int balanced_blocks(fh_plan *plan, int64_t n, int64_t rows, int64_t group_rows)
 {
-    const int64_t blocks = (n + rows - 1) / rows;
-    plan->tile_rows = (n + blocks - 1) / blocks;
+    const int64_t blocks = (n + rows - 1) / rows, balanced = (n + blocks - 1) / blocks;
+    plan->tile_rows = balanced < group_rows && group_rows <= rows ? group_rows : balanced;
     return place_buffers(plan, n);
 }
 
@@ -341,7 +343,7 @@ static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, const fh
     const int64_t cap = min64(n, rows_param > 0 ? rows_param
                                  : plan->bf16_du ? (group_rows > BF16_ROW_BLOCK ? group_rows : BF16_ROW_BLOCK)
                                                  : n);
-    if (balanced_blocks(plan, n, cap) == 0 && place_in_dweight(plan, lin, grads) && (int64_t)plan->bytes <= budget)
+    if (balanced_blocks(plan, n, cap, group_rows) == 0 && place_in_dweight(plan, lin, grads) && (int64_t)plan->bytes <= budget)
         return 0;
     nothing_in_dweight(plan);
     plan->tile_rows = 1;
@@ -358,7 +360,7 @@ static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, const fh
     const int64_t min_rows = rows_param > 0 || batch_invariant(ctx)
                                  ? 1
                                  : min64(n, plan->companion ? PAIR_ROW_BLOCK : MIN_ROW_BLOCK);
-    if (rows < min_rows || balanced_blocks(plan, n, rows) != 0)
+    if (rows < min_rows || balanced_blocks(plan, n, rows, group_rows) != 0)
         return -1;
     while ((int64_t)plan->bytes > budget && plan->tile_rows > min_rows) {
         plan->tile_rows--;
@@ -431,7 +433,7 @@ fh_status fh_plan_train_step_rows(const fh_context *ctx, const fh_linear *lin, c
 }
 
 fh_status fh_plan_train_step_groups(fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
-                                    int64_t group_rows, fh_plan *plan, int *row_blocks)
+                                    int64_t group_rows, int uniform, fh_plan *plan, int *row_blocks)
 {
     const fh_status st = plan_train_step(ctx, lin, grads, group_rows, NO_HEAD, plan, row_blocks, ctx);
     if (st != FH_OK || !*row_blocks)
@@ -443,8 +445,10 @@ fh_status fh_plan_train_step_groups(fh_context *ctx, const fh_linear *lin, const
             return invariant_blocks_too_big(ctx, lin, ctx);
         return plan_make(ctx, lin, FH_CALL_BACKWARD, NO_HEAD, plan, ctx);
     }
-    const int64_t blocks = (groups + fit - 1) / fit;
-    lower_rows(plan, lin->n, (groups + blocks - 1) / blocks * group_rows);
+    if (uniform) {
+        const int64_t blocks = (groups + fit - 1) / fit;
+        lower_rows(plan, lin->n, (groups + blocks - 1) / blocks * group_rows);
+    }
     return FH_OK;
 }
 

@@ -92,10 +92,11 @@ fh_status fh_plan_streaming(const fh_context *ctx, const fh_linear *lin, fh_plan
 fh_status fh_plan_train_step(const fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
                              fh_plan *plan, int *row_blocks, fh_context *messages);
 
-/* The train step's plan with row blocks of whole groups of group_rows rows (a sequence, a preference pair),
- * balanced across blocks; *row_blocks = 0 (stream) when not one group fits. */
+/* The train step's plan with row blocks of whole groups (a sequence, a preference pair): uniform, of group_rows rows
+ * each and balanced across blocks; else of their own heights, group_rows the tallest, in blocks of up to tile_rows.
+ * *row_blocks = 0 (stream) when not one group fits. */
 fh_status fh_plan_train_step_groups(fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
-                                    int64_t group_rows, fh_plan *plan, int *row_blocks);
+                                    int64_t group_rows, int uniform, fh_plan *plan, int *row_blocks);
 
 /* Plans for a pass with a companion head (fh_pair_kernels): the companion's tile beside lin's, no gradient
  * filtering, and train-step row blocks of two rows of logits per row, as many as the budget holds, streaming below

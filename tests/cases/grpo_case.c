@@ -157,7 +157,7 @@ static fh_status run_fused(const grpo_case_spec *s, grpo_case *c)
                                    c->weight_bf16, c->bias);
     const fh_grpo_batch batch = {s->batch,     s->seq,       c->ids,
                                  c->mask,      c->advantages, c->old_logps,
-                                 s->options.beta != 0.0 ? c->ref_logps : NULL, c->sampling_logps, NULL};
+                                 s->options.beta != 0.0 ? c->ref_logps : NULL, c->sampling_logps, NULL, NULL};
     c->logp = zalloc(n, sizeof(float));
     c->per_token_loss = zalloc(n, sizeof(float));
     c->entropy = zalloc(n, sizeof(float));
@@ -340,7 +340,7 @@ static void measure(const grpo_case_spec *s, const grpo_case *c, grpo_metrics_di
     const size_t n = (size_t)(s->batch * s->seq), h = (size_t)s->hidden, v = (size_t)s->vocab;
     memset(d, 0, sizeof *d);
     const fh_grpo_batch batch = {s->batch,     s->seq,        c->ids,       c->mask,
-                                 c->advantages, c->old_logps, c->ref_logps, c->sampling_logps, NULL};
+                                 c->advantages, c->old_logps, c->ref_logps, c->sampling_logps, NULL, NULL};
     const grpo_slack slack = grpo_slack_of(&s->options, &batch, c->logp, c->ref_logp, &c->ref_detail);
     d->grad_norm_rel_tol =
         ce_grad_tolerance(GRPO_GRAD_NORM_REL_TOL, s->dtype == FH_DTYPE_BF16 && !s->fp32_du, s->grad_dtype) +

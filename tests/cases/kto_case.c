@@ -73,7 +73,7 @@ static int64_t case_n(const kto_case_spec *s)
 fh_kto_batch kto_case_batch(const kto_case *c)
 {
     const fh_kto_batch b = {c->spec.batch,       c->spec.seq,          c->targets, c->mask, c->labels,
-                            c->ref_logps,        c->ref_per_token_logps, c->kl,    c->kl_logratios};
+                            c->ref_logps,        c->ref_per_token_logps, c->kl,    c->kl_logratios, NULL};
     return b;
 }
 

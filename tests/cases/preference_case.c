@@ -286,7 +286,7 @@ static fh_status fused_step(const preference_case *c, fh_context *ctx, float gra
 {
     const preference_case_spec *s = &c->spec;
     const fh_linear lin = case_linear(c);
-    const fh_preference_batch batch = {s->pairs, s->seq, c->targets, c->mask, c->ref_logps, c->ref_per_token_logps};
+    const fh_preference_batch batch = {s->pairs, s->seq, c->targets, c->mask, c->ref_logps, c->ref_per_token_logps, NULL};
     ce_grads_io io;
     ce_grads_io_begin(&io, s->grad_dtype, (size_t)case_n(s), (size_t)s->hidden, (size_t)s->vocab, grad_beta, dx,
                       dweight, dbias);
@@ -322,7 +322,7 @@ static fh_status run_fused(const preference_case_spec *s, preference_case *c)
     if (!ctx)
         return FH_ERR_OUT_OF_MEMORY;
     const fh_linear lin = case_linear(c);
-    const fh_preference_batch batch = {s->pairs, s->seq, c->targets, c->mask, c->ref_logps, c->ref_per_token_logps};
+    const fh_preference_batch batch = {s->pairs, s->seq, c->targets, c->mask, c->ref_logps, c->ref_per_token_logps, NULL};
     fh_preference_outputs out = outputs_of(s, &c->forward);
     fh_status st = fh_preference_forward(ctx, &lin, &batch, &s->options, &out);
     if (st == FH_OK) {

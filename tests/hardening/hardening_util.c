@@ -306,7 +306,7 @@ void hu_grpo_linear(const hu_grpo_problem *p, fh_linear *lin)
 void hu_grpo_batch(const hu_grpo_problem *p, fh_grpo_batch *batch)
 {
     const fh_grpo_batch b = {p->batch,      p->seq,        p->ids,        p->mask,
-                             p->advantages, p->old_logps, p->ref_logps, p->sampling_logps, NULL};
+                             p->advantages, p->old_logps, p->ref_logps, p->sampling_logps, NULL, NULL};
     *batch = b;
 }
 
@@ -321,7 +321,7 @@ void hu_kto_batch(const hu_grpo_problem *p, fh_kto_batch *batch)
                             p->kto_ref_per_sequence ? p->kto_ref_logps : NULL,
                             p->kto_ref_per_sequence ? NULL : p->ref_logps,
                             kl && !p->kto_kl_per_sequence ? &p->kto_kl : NULL,
-                            kl && p->kto_kl_per_sequence ? p->kto_kl_logratios : NULL};
+                            kl && p->kto_kl_per_sequence ? p->kto_kl_logratios : NULL, NULL};
     *batch = b;
 }
 
@@ -516,7 +516,7 @@ static fh_status run_preference(fh_context *ctx, hu_call call, const hu_grpo_pro
     TU_CHECK(p->batch % 2 == 0, "a preference call needs an even batch, got %lld", (long long)p->batch);
     fh_linear lin;
     hu_grpo_linear(p, &lin);
-    const fh_preference_batch pairs = {p->batch / 2, p->seq, p->ids, p->mask, NULL, p->ref_logps};
+    const fh_preference_batch pairs = {p->batch / 2, p->seq, p->ids, p->mask, NULL, p->ref_logps, NULL};
     fh_preference_outputs out = {&o->loss, &o->preference_metrics, o->sequence_logps, o->rewards, o->logp};
     if (call == HU_fh_preference_forward)
         return fh_preference_forward(ctx, &lin, &pairs, &p->preference, &out);

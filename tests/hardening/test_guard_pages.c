@@ -203,13 +203,13 @@ static int guarded_call(void *arg)
     go.beta = 0.04;
     go.entropy_coef = 0.01;
     go.off_policy_mask_threshold = 0.0; /* reads the sampler's log-probs, as the importance-sampling correction does */
-    const fh_grpo_batch batch = {1, n, t, mask, adv, old, ref, samp, NULL};
+    const fh_grpo_batch batch = {1, n, t, mask, adv, old, ref, samp, NULL, NULL};
     fh_preference_options po;
     fh_preference_options_init(&po);
     po.loss_type_count = 2; /* TRL's current DPO with its NLL term (sft), as rpo_alpha was */
     po.loss_types[0] = FH_PREFERENCE_SIGMOID, po.loss_weights[0] = 1.0;
     po.loss_types[1] = FH_PREFERENCE_SFT, po.loss_weights[1] = 0.5;
-    const fh_preference_batch pairs = {1, n / 2, t, mask, NULL, ref};
+    const fh_preference_batch pairs = {1, n / 2, t, mask, NULL, ref, NULL};
     fh_preference_metrics pref_metrics;
     fh_preference_outputs pref_out = {&loss, &pref_metrics, seq_logps, rewards, ologp};
     fh_kto_options ko;
@@ -224,7 +224,7 @@ static int guarded_call(void *arg)
                               kto_per_sequence ? ref_seq : NULL,
                               kto_per_sequence ? NULL : ref,
                               kto_per_sequence ? NULL : kl,
-                              kto_per_sequence ? kl_ratios : NULL};
+                              kto_per_sequence ? kl_ratios : NULL, NULL};
     fh_kto_metrics kto_metrics;
     fh_kto_outputs kto_out = {&loss, &kto_metrics, seq_logps, rewards, ologp};
     /* Distillation: jsd with the hard loss; reduction 'none' (every grad_output read) with the guard before the

@@ -124,18 +124,18 @@ static int child(void *arg)
     fh_grpo_options go;
     fh_grpo_options_init(&go);
     const fh_grpo_batch batch = {c->batch ? c->batch : 1, c->batch ? c->seq : c->n, tiny_targets, tiny_mask,
-                                 tiny_adv, tiny_logps, tiny_logps, tiny_logps, NULL};
+                                 tiny_adv, tiny_logps, tiny_logps, tiny_logps, NULL, NULL};
     fh_ce_outputs ce_out = {&o.loss, &o.z_loss, o.per_token_loss, o.logp, o.lse, o.argmax, NULL, NULL};
     fh_grpo_outputs grpo_out = {&o.loss, &o.metrics, o.logp, o.per_token_loss, o.entropy, o.lse};
     /* A preference batch: the same sequences as one pair when no batch is given. */
     const fh_preference_batch pairs = {c->batch ? c->batch : 1, c->batch ? c->seq : c->n / 2, tiny_targets, tiny_mask,
-                                       NULL, NULL};
+                                       NULL, NULL, NULL};
     fh_preference_options po;
     fh_preference_options_init(&po);
     fh_preference_outputs pref_out = {&o.loss, &o.preference_metrics, o.sequence_logps, o.rewards, o.logp};
     /* A KTO batch: GRPO's sequences, undesirable, the reference per sequence and the KL value 0. */
     const fh_kto_batch kto_batch = {c->batch ? c->batch : 1, c->batch ? c->seq : c->n, tiny_targets, tiny_mask,
-                                    tiny_labels, tiny_logps, NULL, tiny_logps, NULL};
+                                    tiny_labels, tiny_logps, NULL, tiny_logps, NULL, NULL};
     fh_kto_options ko;
     fh_kto_options_init(&ko);
     fh_kto_outputs kto_out = {&o.loss, &o.kto_metrics, o.sequence_logps, o.rewards, o.logp};

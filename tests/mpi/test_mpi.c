@@ -765,7 +765,7 @@ static void run_grpo(const config *cfg, const grpo_case *c, fh_dtype dtype)
     /* Old and reference log-probs near the current ones, so that ratios straddle the clip bounds. */
     {
         float *logp0 = alloc((size_t)n, 4);
-        const fh_grpo_batch b0 = {B, T, ids, mask, adv, NULL, NULL, NULL, NULL};
+        const fh_grpo_batch b0 = {B, T, ids, mask, adv, NULL, NULL, NULL, NULL, NULL};
         fh_grpo_outputs o0 = {NULL, NULL, logp0, NULL, NULL, NULL};
         fh_grpo_options plain = o;
         plain.beta = 0.0;
@@ -779,7 +779,7 @@ static void run_grpo(const config *cfg, const grpo_case *c, fh_dtype dtype)
     }
     float *const sampling = c->is_mode >= 0 || !isnan(c->off_policy) ? samp : NULL;
     const fh_grpo_batch batch = {B,        T, ids, mask, adv, c->old ? old : NULL, c->beta != 0.0 ? refl : NULL,
-                                 sampling, NULL};
+                                 sampling, NULL, NULL};
     const float grad = 0.8f;
     double ref_loss;
     fh_grpo_metrics ref_m;
@@ -803,7 +803,7 @@ static void run_grpo(const config *cfg, const grpo_case *c, fh_dtype dtype)
                               adv + b0,
                               c->old ? old + n0 : NULL,
                               c->beta != 0.0 ? refl + n0 : NULL,
-                              sampling ? sampling + n0 : NULL, NULL};
+                              sampling ? sampling + n0 : NULL, NULL, NULL};
     double loss = NAN;
     fh_grpo_metrics m;
     float *logp = alloc((size_t)nr, 4), *ptl = alloc((size_t)nr, 4), *ent = alloc((size_t)nr, 4),
@@ -1116,7 +1116,7 @@ static void run_kto(const config *cfg, const kto_case *c)
     fh_context *ctx = make_context(c->small_tiles);
     const fh_linear full = shard_linear(&p, 0, n, 0, v, c->bias);
     const fh_kto_batch batch = {B, T, ids, mask, labels, c->token_ref ? NULL : ref, c->token_ref ? ref_tok : NULL,
-                                kto && !c->kl_logratios ? &kl : NULL, kto && c->kl_logratios ? klr : NULL};
+                                kto && !c->kl_logratios ? &kl : NULL, kto && c->kl_logratios ? klr : NULL, NULL};
     double ref_loss;
     fh_kto_metrics ref_m;
     float *r_logp = alloc((size_t)n, 4), *r_seq = alloc((size_t)B, 4), *r_rew = alloc((size_t)B, 4);
@@ -1154,7 +1154,7 @@ static void run_kto(const config *cfg, const kto_case *c)
                              c->token_ref ? NULL : ref + b0,
                              c->token_ref ? ref_tokl : NULL,
                              batch.kl,
-                             batch.kl_logratios ? klr + b0 : NULL};
+                             batch.kl_logratios ? klr + b0 : NULL, NULL};
     grads mine = {alloc((size_t)(nl * h), 4), alloc((size_t)(h * v), 4), alloc((size_t)v, 4)};
     prefill(mine.dx, nl * h, 0, 0);
     prefill(mine.dw, h * v, 0, 0);
@@ -1362,8 +1362,8 @@ static void early_failure_case(const config *cfg, head_call entry, int bad)
     go.beta = 0.0;
     fh_kto_options ko;
     fh_kto_options_init(&ko);
-    const fh_grpo_batch gb = {B, T, targets, mask, adv, NULL, NULL, NULL, NULL};
-    const fh_kto_batch kb = {B, T, targets, mask, labels, ref, NULL, &kl, NULL};
+    const fh_grpo_batch gb = {B, T, targets, mask, adv, NULL, NULL, NULL, NULL, NULL};
+    const fh_kto_batch kb = {B, T, targets, mask, labels, ref, NULL, &kl, NULL, NULL};
     const fh_ce_options *const cop = no_options ? NULL : &co;
     const fh_logprob_options *const lop = no_options ? NULL : &lo;
     const fh_grpo_options *const gop = no_options ? NULL : &go;
@@ -1539,7 +1539,7 @@ static void mismatch_case(const config *cfg, int diff)
             const uint64_t bits = odd ? 0x7ff8000000000001u : 0x7ff8000000000000u;
             memcpy(&o.delta, &bits, sizeof o.delta);
         }
-        const fh_grpo_batch batch = {B, T, ids, mask, adv, NULL, refl, NULL, NULL};
+        const fh_grpo_batch batch = {B, T, ids, mask, adv, NULL, refl, NULL, NULL, NULL};
         fh_grpo_outputs out = {&loss, NULL, NULL, NULL, NULL, NULL};
         st = fh_mpi_grpo_forward_backward(ctx, L, &lin, &batch, &o, &grad_output, &out, &g);
         free(ids);

@@ -9,7 +9,6 @@ static fh_status filtered_dweight_after_blocks(const fh_pass *p)
 {
     const fh_linear *lin = p->in.lin;
     const int64_t n = lin->n, h = lin->hidden, vocab = lin->vocab;
-    const int64_t segments = block_segments(p), height = block_segment_rows(p), span = block_span(p);
     double *v = p->ws.filter.vectors;
     int any_c = 0;
     for (int64_t k = 0; k < h; k++)
@@ -33,11 +32,15 @@ static fh_status filtered_dweight_after_blocks(const fh_pass *p)
         const int64_t *columns = p->ws.filter.kept_columns + c0;
         const int64_t count = min64(FH_FILTER_CHUNK, kept - c0), width = fh_filter_gathered_width(p, count);
         int accumulate = 0;
-        for (int64_t i0 = 0; i0 < span && st == FH_OK; i0 += height)
-            for (int64_t s = 0; s < segments && st == FH_OK; s++, accumulate = 1) {
-                const int64_t first = s * span + i0, nb = min64(height, span - i0);
+        fh_block b;
+        for (int more = fh_block_next(p, &b, 1); more && st == FH_OK; more = fh_block_next(p, &b, 0))
+            for (int s = 0; s < b.segments && st == FH_OK; s++) {
+                const int64_t first = b.first[s], nb = b.rows[s];
+                if (nb == 0)
+                    continue;
                 const fh_gemm_input du = fh_filter_gather_du(p, p->ws.du + first * vocab, vocab, nb, columns, count, width);
                 st = fh_filter_gathered_dweight(p, 0, first, nb, width, &du, accumulate);
+                accumulate = 1;
             }
         if (st == FH_OK)
             fh_filter_store_gathered_dweight(p, columns, count, width);
