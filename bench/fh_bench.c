@@ -89,6 +89,10 @@ typedef struct shape {
     int64_t topk_k;            /* distill_topk: the teacher's entries per token (--k, default 20) */
     int topk_no_tail;          /* distill_topk: --no-tail (TRL's loss_add_tail False) */
     int64_t support_k;         /* logprob: --support K, each token's support (0: the full-vocabulary cases only) */
+    double padding_frac;       /* --packed P (grpo, preference, kto): sequences of lengths 1 .. T about T (1 - P), so
+                                  that a share P of the [B, T] rows is padding; the train step is also measured on the
+                                  packed rows (cu_seqlens) against the padded ones */
+    double padding_frac_measured; /* the share of padding those lengths give */
 } shape;
 
 /* The period of --ignore-pattern runs: a sequence of this many tokens whose first part is its prompt. */
@@ -182,6 +186,8 @@ typedef struct result {
     double paired_exact_ms, paired_filtered_ms; /* CASE_FILTERED: best of the alternating calls; else NaN */
     double paired_counted_ms, paired_ignored_ms; /* CASE_TRAIN with --ignore-frac: every row counted and the ignored
                                                    rows, best of the alternating calls; else NaN */
+    double paired_padded_ms, paired_packed_ms;   /* CASE_TRAIN with --packed: the padded [B, T] rows and the packed
+                                                   ones, best of the alternating calls; else NaN */
 } result;
 
 static double now_ms(void)
@@ -261,7 +267,61 @@ typedef struct head_inputs {
     float *topk_logprobs;
     int64_t *support_ids;     /* logprob with --support K: [N, K] padded, each token's target first */
     float *g_logp, *g_entropy; /* logprob: the upstream gradients, 1 and 0.01 */
+    /* --packed: the sequences' offsets, each packed row's padded row, and the per-row inputs over the packed rows */
+    int64_t *cu_seqlens, *padded_row, packed_n;
+    void *packed_x;
+    int64_t *packed_targets;
+    float *packed_mask, *packed_ref_logp, *packed_sampling_logp;
+    int use_packed; /* run_once calls the packed form */
 } head_inputs;
+
+/* Sequence b's length with --packed: T - floor(2 P (T - 1) u) for u in [0, 1) a fixed hash of b (Knuth's
+ * multiplicative constant), so lengths spread over T (1 - 2P) .. T, about T (1 - P) on average. */
+static int64_t sequence_length(const shape *s, int64_t b)
+{
+    const double u = (double)((uint32_t)(b * 2654435761u) >> 8) / 16777216.0;
+    return s->seq - (int64_t)(2.0 * s->padding_frac * (double)(s->seq - 1) * u);
+}
+
+/* --packed's rows: the sequences end to end (their padding left out), as copies of the padded inputs. */
+static int packed_inputs_make(const shape *s, const bench_inputs *in, head_inputs *g)
+{
+    const int64_t sequences = s->n / s->seq, h = s->hidden;
+    const int bf16 = s->dtype == FH_DTYPE_BF16;
+    const size_t x_elem = bf16 ? sizeof(uint16_t) : sizeof(float);
+    g->cu_seqlens = malloc((size_t)(sequences + 1) * sizeof(int64_t));
+    g->padded_row = malloc((size_t)s->n * sizeof(int64_t));
+    if (!g->cu_seqlens || !g->padded_row)
+        return -1;
+    g->cu_seqlens[0] = 0;
+    for (int64_t b = 0; b < sequences; b++) {
+        const int64_t length = sequence_length(s, b);
+        for (int64_t t = 0; t < length; t++)
+            g->padded_row[g->cu_seqlens[b] + t] = b * s->seq + t;
+        g->cu_seqlens[b + 1] = g->cu_seqlens[b] + length;
+    }
+    const int64_t n = g->packed_n = g->cu_seqlens[sequences];
+    g->packed_x = malloc((size_t)(n * h) * x_elem);
+    g->packed_targets = malloc((size_t)n * sizeof(int64_t));
+    g->packed_mask = malloc((size_t)n * sizeof(float));
+    g->packed_ref_logp = g->ref_logp ? malloc((size_t)n * sizeof(float)) : NULL;
+    g->packed_sampling_logp = g->sampling_logp ? malloc((size_t)n * sizeof(float)) : NULL;
+    if (!g->packed_x || !g->packed_targets || !g->packed_mask || (g->ref_logp && !g->packed_ref_logp) ||
+        (g->sampling_logp && !g->packed_sampling_logp))
+        return -1;
+    const char *x = bf16 ? (const char *)in->x_bf16 : (const char *)in->x;
+    for (int64_t k = 0; k < n; k++) {
+        const int64_t i = g->padded_row[k];
+        memcpy((char *)g->packed_x + (size_t)(k * h) * x_elem, x + (size_t)(i * h) * x_elem, (size_t)h * x_elem);
+        g->packed_targets[k] = in->targets[i];
+        g->packed_mask[k] = g->mask[i];
+        if (g->ref_logp)
+            g->packed_ref_logp[k] = g->ref_logp[i];
+        if (g->sampling_logp)
+            g->packed_sampling_logp[k] = g->sampling_logp[i];
+    }
+    return 0;
+}
 
 /* The CE targets with --ignore-frac's rows set to ignore_index (-100). */
 static int64_t *ignored_targets(const shape *s, const int64_t *targets)
@@ -331,8 +391,8 @@ static int head_inputs_make(const shape *s, const int64_t *targets, head_inputs 
     g->advantages = malloc((size_t)s->n / s->seq * sizeof(float));
     if (!g->mask || !g->logp || !g->entropy || !g->advantages)
         return -1;
-    for (int64_t i = 0; i < s->n; i++)
-        g->mask[i] = i % s->seq < s->seq - s->seq / 8 ? 1.0f : 0.0f; /* the last eighth of each sequence is padding */
+    for (int64_t i = 0; i < s->n; i++) /* the last eighth of each sequence is padding, or --packed's share */
+        g->mask[i] = i % s->seq < (s->padding_frac > 0.0 ? sequence_length(s, i / s->seq) : s->seq - s->seq / 8);
     for (int64_t b = 0; b < s->n / s->seq; b++)
         g->advantages[b] = b % 2 ? -1.0f : 1.0f;
     if (s->head == HEAD_KTO) {
@@ -370,6 +430,20 @@ static void linear_of(const shape *s, const bench_inputs *in, int64_t hidden, fh
     lin->x_dtype = lin->weight_dtype = s->dtype;
 }
 
+/* With --packed's packed form chosen (use_packed): the linear over the packed rows, and the per-row inputs. */
+static void packed_form(const shape *s, const head_inputs *g, fh_linear *lin, const int64_t **targets,
+                        const float **mask, const float **ref_logp, const float **sampling_logp)
+{
+    if (!g->use_packed)
+        return;
+    fh_linear_init(lin, g->packed_n, s->hidden, s->vocab, g->packed_x, lin->weight, s->layout, NULL);
+    lin->x_dtype = lin->weight_dtype = s->dtype;
+    *targets = g->packed_targets;
+    *mask = g->packed_mask;
+    *ref_logp = g->packed_ref_logp;
+    *sampling_logp = g->packed_sampling_logp;
+}
+
 /* One preference-loss call of the case (TRL's defaults for the loss, reference-free). */
 static int run_preference(bench_case c, const shape *s, const fh_linear *lin, const bench_inputs *in,
                           const head_inputs *g, fh_context *ctx, fh_linear_grads *grads, double *loss)
@@ -377,12 +451,17 @@ static int run_preference(bench_case c, const shape *s, const fh_linear *lin, co
     fh_preference_options o;
     fh_preference_options_init(&o);
     o.loss = s->preference;
-    const fh_preference_batch batch = {s->batch, s->seq, in->targets, g->mask, NULL, NULL};
+    fh_linear l = *lin;
+    const int64_t *targets = in->targets;
+    const float *mask = g->mask, *unused_ref, *unused_sampling;
+    packed_form(s, g, &l, &targets, &mask, &unused_ref, &unused_sampling);
+    const fh_preference_batch batch = {s->batch, g->use_packed ? 0 : s->seq, targets, mask, NULL, NULL,
+                                       g->use_packed ? g->cu_seqlens : NULL};
     fh_preference_outputs out = {.loss = loss};
     const float grad_one = 1.0f;
     if (c == CASE_FORWARD)
-        return fh_preference_forward(ctx, lin, &batch, &o, &out) == FH_OK ? 0 : -1;
-    return fh_preference_forward_backward(ctx, lin, &batch, &o, &grad_one, &out, grads) == FH_OK ? 0 : -1;
+        return fh_preference_forward(ctx, &l, &batch, &o, &out) == FH_OK ? 0 : -1;
+    return fh_preference_forward_backward(ctx, &l, &batch, &o, &grad_one, &out, grads) == FH_OK ? 0 : -1;
 }
 
 /* One KTO call of the case (TRL's defaults, loss_type kto, a per-sequence reference, a KL value). */
@@ -392,11 +471,16 @@ static int run_kto(bench_case c, const shape *s, const fh_linear *lin, const ben
     fh_kto_options o;
     fh_kto_options_init(&o);
     const float kl = 0.1f, grad_one = 1.0f;
-    const fh_kto_batch batch = {s->batch, s->seq, in->targets, g->mask, g->labels, g->ref_logps, NULL, &kl, NULL};
+    fh_linear l = *lin;
+    const int64_t *targets = in->targets;
+    const float *mask = g->mask, *unused_ref, *unused_sampling;
+    packed_form(s, g, &l, &targets, &mask, &unused_ref, &unused_sampling);
+    const fh_kto_batch batch = {s->batch, g->use_packed ? 0 : s->seq, targets, mask, g->labels, g->ref_logps, NULL,
+                                &kl, NULL, g->use_packed ? g->cu_seqlens : NULL};
     fh_kto_outputs out = {.loss = loss};
     if (c == CASE_FORWARD)
-        return fh_kto_forward(ctx, lin, &batch, &o, &out) == FH_OK ? 0 : -1;
-    return fh_kto_forward_backward(ctx, lin, &batch, &o, &grad_one, &out, grads) == FH_OK ? 0 : -1;
+        return fh_kto_forward(ctx, &l, &batch, &o, &out) == FH_OK ? 0 : -1;
+    return fh_kto_forward_backward(ctx, &l, &batch, &o, &grad_one, &out, grads) == FH_OK ? 0 : -1;
 }
 
 /* One GRPO call of the case. */
@@ -404,17 +488,21 @@ static int run_grpo(bench_case c, const shape *s, const fh_linear *lin, const be
                     fh_context *ctx, fh_linear_grads *grads, double *loss)
 {
     const fh_grpo_options o = s->grpo;
-    const fh_grpo_batch batch = {s->batch, s->seq, in->targets, g->mask, g->advantages, NULL, g->ref_logp,
-                                 g->sampling_logp, NULL};
+    fh_linear l = *lin;
+    const int64_t *targets = in->targets;
+    const float *mask = g->mask, *ref_logp = g->ref_logp, *sampling_logp = g->sampling_logp;
+    packed_form(s, g, &l, &targets, &mask, &ref_logp, &sampling_logp);
+    const fh_grpo_batch batch = {s->batch, g->use_packed ? 0 : s->seq, targets, mask, g->advantages, NULL, ref_logp,
+                                 sampling_logp, NULL, g->use_packed ? g->cu_seqlens : NULL};
     fh_grpo_outputs out = {.loss = loss, .per_token_logp = g->logp, .entropy = g->entropy, .lse = in->lse};
     const float grad_one = 1.0f;
     switch (c) {
-    case CASE_FORWARD: return fh_grpo_forward(ctx, lin, &batch, &o, &out) == FH_OK ? 0 : -1;
+    case CASE_FORWARD: return fh_grpo_forward(ctx, &l, &batch, &o, &out) == FH_OK ? 0 : -1;
     case CASE_SPLIT:
-        if (fh_grpo_forward(ctx, lin, &batch, &o, &out) != FH_OK)
+        if (fh_grpo_forward(ctx, &l, &batch, &o, &out) != FH_OK)
             return -1;
-        return fh_grpo_backward(ctx, lin, &batch, &o, g->logp, in->lse, g->entropy, &grad_one, grads) == FH_OK ? 0 : -1;
-    case CASE_TRAIN: return fh_grpo_forward_backward(ctx, lin, &batch, &o, &grad_one, &out, grads) == FH_OK ? 0 : -1;
+        return fh_grpo_backward(ctx, &l, &batch, &o, g->logp, in->lse, g->entropy, &grad_one, grads) == FH_OK ? 0 : -1;
+    case CASE_TRAIN: return fh_grpo_forward_backward(ctx, &l, &batch, &o, &grad_one, &out, grads) == FH_OK ? 0 : -1;
     default: return -1;
     }
 }
@@ -613,9 +701,31 @@ static int paired_ignored(const shape *s, const bench_inputs *in, head_inputs *h
     return failed ? -1 : 0;
 }
 
+/* The train step on the padded [B, T] rows and on the packed ones, alternately, after a round that warms both up:
+ * best of s->reps each. */
+static int paired_packed(const shape *s, const bench_inputs *in, head_inputs *heads, fh_context *ctx,
+                         void *const gemm_buffers[3], result *r)
+{
+    double best[2] = {INFINITY, INFINITY}, loss;
+    int failed = 0;
+    for (int k = 0; k <= s->reps && !failed; k++)
+        for (int packed = 0; packed < 2 && !failed; packed++) {
+            heads->use_packed = packed;
+            const double t = now_ms();
+            failed = run_once(CASE_TRAIN, s, in, heads, ctx, NULL, gemm_buffers, &loss) != 0;
+            const double ms = now_ms() - t;
+            if (k > 0 && ms < best[packed])
+                best[packed] = ms;
+        }
+    heads->use_packed = 0;
+    r->paired_padded_ms = best[0];
+    r->paired_packed_ms = best[1];
+    return failed ? -1 : 0;
+}
+
 static result measure_in_child(bench_case c, const shape *s)
 {
-    result r = {0, flops_of(c, s), INFINITY, 0.0, 0.0, NAN, 0.0, 0, 0, NAN, NAN, NAN, NAN};
+    result r = {0, flops_of(c, s), INFINITY, 0.0, 0.0, NAN, 0.0, 0, 0, NAN, NAN, NAN, NAN, NAN, NAN};
     bench_inputs in;
     fh_context *ctx = NULL;
     void *sg[3] = {NULL, NULL, NULL};
@@ -632,6 +742,8 @@ static result measure_in_child(bench_case c, const shape *s)
     if (s->head == HEAD_CE && s->ignore_frac > 0.0 && !(heads.ignored_targets = ignored_targets(s, in.targets)))
         return r;
     if (bf16 && bench_inputs_add_bf16(s->n, s->hidden, s->vocab, &in) != 0)
+        return r;
+    if (s->padding_frac > 0.0 && c == CASE_TRAIN && packed_inputs_make(s, &in, &heads) != 0)
         return r;
     fh_context_set(ctx, FH_PARAM_THREADS, s->threads);
     fh_context_set(ctx, FH_PARAM_MEMORY_BUDGET, s->budget);
@@ -705,6 +817,8 @@ static result measure_in_child(bench_case c, const shape *s)
     if (c == CASE_FILTERED && paired_steps(s, &in, &heads, ctx, sg, &r) != 0)
         return r;
     if (c == CASE_TRAIN && heads.ignored_targets && paired_ignored(s, &in, &heads, ctx, sg, &r) != 0)
+        return r;
+    if (c == CASE_TRAIN && heads.cu_seqlens && paired_packed(s, &in, &heads, ctx, sg, &r) != 0)
         return r;
     r.ok = 1;
     return r;
@@ -810,7 +924,7 @@ static void measure_case(const void *arg, void *out)
 
 static result run_case(bench_case c, const shape *s)
 {
-    result r = {0, 0, 0, 0, 0, NAN, 0.0, 0, 0, NAN, NAN, NAN, NAN};
+    result r = {0, 0, 0, 0, 0, NAN, 0.0, 0, 0, NAN, NAN, NAN, NAN, NAN, NAN};
     const case_request q = {c, s};
     if (in_child(measure_case, &q, &r, sizeof r) != 0)
         r.ok = 0;
@@ -874,19 +988,20 @@ static const char *dtype_name(fh_dtype dtype)
 
 static void print_report(format f, const shape *s, const result *res, const fh_kernel_info *kernels, FILE *out)
 {
-    char num[32], pe[32], pf[32], pc[32], pi[32], label[32];
+    char num[32], pe[32], pf[32], pc[32], pi[32], pd[32], pk[32], label[32];
     const char *data = s->dist.kind == BENCH_REPLAY ? "real" : "synthetic";
     if (f == FORMAT_JSON) {
         fprintf(out, "{\n  \"n\": %lld, \"hidden\": %lld, \"vocab\": %lld, \"layout\": \"%s\", \"threads\": %d, "
                      "\"budget_bytes\": %lld,\n  \"blis_kernel_set\": \"%s\", \"row_kernels\": \"%s\", \"sgemm_gflops\": %.1f, "
                      "\"dtype\": \"%s\", \"fp32_path\": \"%s\", \"fp32_gemm\": \"%s\", \"bf16_path\": \"%s\", \"bf16_gemm\": \"%s\",\n  \"distribution\": \"%s\", \"data\": \"%s\", "
                      "\"softmax_sample_rows\": %lld, \"mean_entropy\": %.6g, \"frac_p_below_2m12\": %.6g, "
-                     "\"frac_p_below_2m28\": %.6g, \"ignore_frac\": %.6g, \"ignore_pattern\": \"%s\",",
+                     "\"frac_p_below_2m28\": %.6g, \"ignore_frac\": %.6g, \"ignore_pattern\": \"%s\", "
+                     "\"padding_frac\": %.6g,",
                 (long long)s->n, (long long)s->hidden, (long long)s->vocab, layout_name(s->layout), s->threads,
                 (long long)s->budget, kernels->kernel_set, kernels->elementwise, gflops(&res[CASE_SGEMM]),
                 dtype_name(s->dtype), kernels->fp32_path, kernels->fp32_gemm, kernels->bf16_path, kernels->bf16_gemm, distribution_label(&s->dist, label), data, (long long)s->stats.rows,
                 s->stats.mean_entropy, s->stats.below_2m12, s->stats.below_2m28, s->ignore_frac,
-                s->ignore_scattered ? "scattered" : "runs");
+                s->ignore_scattered ? "scattered" : "runs", s->padding_frac);
         if (s->head == HEAD_GRPO)
             fprintf(out, "\n  \"grpo_loss_type\": \"%s\", \"top_entropy_quantile\": %.9g, \"grpo_trl_options\": %s,",
                     grpo_loss_names[s->grpo.loss_type], s->grpo.top_entropy_quantile,
@@ -912,13 +1027,14 @@ static void print_report(format f, const shape *s, const result *res, const fh_k
                     "\"gflops\": %.1f, \"efficiency\": %.3f, \"first_call_ms\": %.3f, \"workspace_bytes\": %lld, "
                     "\"peak_rss_growth_bytes\": %lld, \"ceiling_gflops\": %.1f, \"loss\": %s, \"skipped_fraction\": %.4f, "
                     "\"paired_exact_ms\": %s, \"paired_filtered_ms\": %s, \"paired_counted_ms\": %s, "
-                    "\"paired_ignored_ms\": %s}",
+                    "\"paired_ignored_ms\": %s, \"paired_padded_ms\": %s, \"paired_packed_ms\": %s}",
                     separator, case_name((bench_case)c, s), res[c].ok ? "true" : "false", case_basis((bench_case)c, s),
                     res[c].flops, res[c].best_ms, gflops(&res[c]), efficiency(&res[c]), res[c].first_ms,
                     (long long)res[c].workspace_bytes, (long long)res[c].peak_growth_bytes, res[c].ceiling_gflops,
                     json_number(res[c].loss, num), res[c].skipped_fraction, json_number(res[c].paired_exact_ms, pe),
                     json_number(res[c].paired_filtered_ms, pf), json_number(res[c].paired_counted_ms, pc),
-                    json_number(res[c].paired_ignored_ms, pi));
+                    json_number(res[c].paired_ignored_ms, pi), json_number(res[c].paired_padded_ms, pd),
+                    json_number(res[c].paired_packed_ms, pk));
             separator = ",\n";
         }
         fprintf(out, "\n  ]\n}\n");
@@ -999,6 +1115,11 @@ static void print_report(format f, const shape *s, const result *res, const fh_k
                 case_name(CASE_TRAIN, s), 100.0 * s->ignore_frac,
                 s->ignore_scattered ? "scattered" : "prompt-like runs", s->reps, train->paired_ignored_ms,
                 train->paired_counted_ms, train->paired_ignored_ms / train->paired_counted_ms);
+    if (case_runs(CASE_TRAIN, s) && train->ok && s->padding_frac > 0.0)
+        fprintf(out, "\n%s on the packed rows (cu_seqlens) and on the padded [B, T] rows (%.1f%% of them padding), "
+                     "alternating in one process, best of %d each: %.1f and %.1f ms, ratio %.3f\n",
+                case_name(CASE_TRAIN, s), 100.0 * s->padding_frac_measured, s->reps, train->paired_packed_ms,
+                train->paired_padded_ms, train->paired_packed_ms / train->paired_padded_ms);
 }
 
 static const char csv_header[] =
@@ -1133,6 +1254,8 @@ static void usage(void)
                     "                [--top-entropy-quantile Q] [--grpo-trl-options]   (TRL's defaults, dapo; with\n"
                     "                --grpo-trl-options: sampler log-probs with sequence_mask importance sampling, the\n"
                     "                off-policy mask at 0.5, beta 0.04 with the bias-corrected KL, entropy_coef 0.01)\n"
+                    "                [--packed P]   (grpo, dpo, orpo, simpo, cpo, kto: sequence lengths 1 .. T about\n"
+                    "                T (1 - P), the rest padding; the train step also measured on the packed rows)\n"
                     "       fh_bench --loss dpo|orpo|simpo|cpo --batch PAIRS --seq T [as for grpo]\n"
                     "       fh_bench --loss kto --batch B --seq T [as for grpo]   (TRL's defaults, a per-sequence\n"
                     "                reference, the KL term 0.1)\n"
@@ -1209,7 +1332,12 @@ int main(int argc, char **argv)
             }
             s.filter_tail = strcmp(v, "drop") == 0 ? FH_FILTER_TAIL_DROP : FH_FILTER_TAIL_ESTIMATE;
         }
-        else if (strcmp(a, "--support") == 0) {
+        else if (strcmp(a, "--packed") == 0) {
+            if (parse_number(argv[++i], 0.0, 1.0, &s.padding_frac) != 0 || !(s.padding_frac > 0.0 && s.padding_frac < 1.0)) {
+                usage();
+                return 2;
+            }
+        } else if (strcmp(a, "--support") == 0) {
             if ((s.support_k = atoll(argv[++i])) < 1) {
                 usage();
                 return 2;
@@ -1345,6 +1473,16 @@ int main(int argc, char **argv)
             return 2;
         }
         s.n = (s.head == HEAD_PREFERENCE ? 2 : 1) * s.batch * s.seq;
+        int64_t rows = 0;
+        for (int64_t b = 0; s.padding_frac > 0.0 && b < s.n / s.seq; b++)
+            rows += sequence_length(&s, b);
+        s.padding_frac_measured = s.padding_frac > 0.0 ? 1.0 - (double)rows / (double)s.n : 0.0;
+        /* dr_grpo's constant over packed rows is max_completion_length: T, as the padded call's default */
+        if (s.padding_frac > 0.0 && s.grpo.max_completion_length <= 0)
+            s.grpo.max_completion_length = s.seq;
+    } else if (s.padding_frac > 0.0) {
+        fprintf(stderr, "fh_bench: --packed applies to --loss grpo, dpo, orpo, simpo, cpo and kto only\n");
+        return 2;
     }
     if (s.n < 1 || s.hidden < 1 || s.teacher_hidden < 1 || s.vocab < 1 || s.threads < 1 || s.reps < 1 ||
         (sweep_what && strcmp(sweep_what, "n") && strcmp(sweep_what, "vocab"))) {
