@@ -740,6 +740,19 @@ def _vector_ptr(v: Optional[View], name: str, length: int, expected: str) -> Opt
     return v.ptr
 
 
+def _sequence_rows(head: LinearHead, sequences: int, seq: int, cu_seqlens: Optional[View], dims: str,
+                   what: str) -> Tuple[Optional[int], str]:
+    """The address of cu_seqlens (None: [S, T] rows, S x T of them) and the per-token arrays' dims for messages. Packed
+    (cu_seqlens, [S + 1] int64 offsets), seq must be 0 and the arrays are [N]; the library checks the offsets."""
+    if cu_seqlens is None:
+        if sequences * seq != head.n:
+            raise ValueError(f"hidden: expected {dims[1:-1].replace(', ', '*')} = {sequences}*{seq} = {sequences * seq} "
+                             f"rows{what}, got {head.n}")
+        return None, f"{dims} = [{sequences}, {seq}]"
+    ptr = _vector_ptr(cu_seqlens, "cu_seqlens", sequences + 1, f"[{sequences + 1}] int64 vector (the sequences' offsets)")
+    return ptr, f"[N] = [{head.n}] (packed rows)"
+
+
 def _metrics_dict(keys, values) -> dict:
     """TRL's metric names -> values (a metrics struct, or numbers in its field order), NaN entries omitted (TRL
     logs nothing there)."""
@@ -907,18 +920,19 @@ def grpo_metrics_dict(values) -> dict:
 class GRPOProblem(_BatchProblem):
     """A linear head over B*T tokens and a GRPO micro-batch: the arguments every fh_grpo_* call shares.
     Token vectors (completion_ids int64, completion_mask, old/ref/sampling logps float32) are contiguous [B*T] views,
-    advantages a contiguous [B] view. forward / forward_backward take the fh_grpo_outputs arrays by name
+    advantages a contiguous [B] view; or packed sequences: cu_seqlens an int64 [B + 1] view of their offsets, seq 0,
+    the token vectors [N]. forward / forward_backward take the fh_grpo_outputs arrays by name
     (per_token_logp, per_token_loss, entropy, lse: float32 [B*T] addresses)."""
     _prefix, _metrics_struct, _outputs_struct = "fh_grpo", _lib.fh_grpo_metrics, _lib.fh_grpo_outputs
 
     def __init__(self, head: LinearHead, batch: int, seq: int, completion_ids: View, completion_mask: View,
                  advantages: View, old_per_token_logps: Optional[View] = None,
                  ref_per_token_logps: Optional[View] = None, options: Optional[_lib.fh_grpo_options] = None,
-                 sampling_per_token_logps: Optional[View] = None, support: Optional["Support"] = None):
+                 sampling_per_token_logps: Optional[View] = None, support: Optional["Support"] = None,
+                 cu_seqlens: Optional[View] = None):
         b, t = int(batch), int(seq)
-        if b * t != head.n:
-            raise ValueError(f"hidden: expected B*T = {b}*{t} = {b * t} rows, got {head.n}")
-        n, bt = head.n, f"[B, T] = [{b}, {t}]"
+        cu, bt = _sequence_rows(head, b, t, cu_seqlens, "[B, T]", "")
+        n = head.n
         ids = _vector_ptr(completion_ids, "completion_ids", n, f"{bt} int64 array")
         mask = _vector_ptr(completion_mask, "completion_mask", n, f"{bt} float32 array")
         old = _vector_ptr(old_per_token_logps, "old_per_token_logps", n, f"{bt} float32 array")
@@ -928,7 +942,8 @@ class GRPOProblem(_BatchProblem):
         self.batch, self.seq = b, t
         self.support = support  # the fh_support the batch points to lives as long as the problem
         super().__init__(head, _lib.fh_grpo_batch(b, t, _ip(ids), _fp(mask), _fp(adv), _fp(old), _fp(ref),
-                                                   _fp(samp), None if support is None else ctypes.pointer(support.c)),
+                                                   _fp(samp), None if support is None else ctypes.pointer(support.c),
+                                                   _ip(cu)),
                          options if options is not None else grpo_options())
 
     def backward(self, ctx: Context, per_token_logp: int, lse: int, entropy: Optional[int], grad_output: int,
@@ -1020,25 +1035,24 @@ class PreferenceProblem(_BatchProblem):
     """A linear head over 2B*T tokens, the chosen sequences first and then the rejected ones (pair b: sequences b
     and B + b), and a preference micro-batch: the arguments every fh_preference_* call shares. targets (int64) and
     mask (float32) are contiguous [2B*T] views; dpo's reference log-probs either ref_logps, a contiguous [2B]
-    view (aggregated as the loss aggregates), or ref_per_token_logps [2B*T]. forward / forward_backward take the
+    view (aggregated as the loss aggregates), or ref_per_token_logps [2B*T]; or packed sequences: cu_seqlens an int64
+    [2B + 1] view of their offsets (chosen, then rejected), seq 0, the token vectors [N]. forward / forward_backward take the
     fh_preference_outputs arrays by name (sequence_logps, rewards: float32 [2B]; per_token_logp [2B*T])."""
     _prefix, _metrics_struct, _outputs_struct = ("fh_preference", _lib.fh_preference_metrics,
                                                  _lib.fh_preference_outputs)
 
     def __init__(self, head: LinearHead, pairs: int, seq: int, targets: View, mask: View,
                  ref_logps: Optional[View] = None, ref_per_token_logps: Optional[View] = None,
-                 options: Optional[_lib.fh_preference_options] = None):
+                 options: Optional[_lib.fh_preference_options] = None, cu_seqlens: Optional[View] = None):
         b, t = int(pairs), int(seq)
-        if 2 * b * t != head.n:
-            raise ValueError(f"hidden: expected 2B*T = 2*{b}*{t} = {2 * b * t} rows (chosen sequences, then "
-                             f"rejected), got {head.n}")
-        n, bt = head.n, f"[2B, T] = [{2 * b}, {t}]"
+        cu, bt = _sequence_rows(head, 2 * b, t, cu_seqlens, "[2B, T]", " (chosen sequences, then rejected)")
+        n = head.n
         ids = _vector_ptr(targets, "targets", n, f"{bt} int64 array")
         m = _vector_ptr(mask, "mask", n, f"{bt} float32 array")
         ref = _vector_ptr(ref_logps, "ref_logps", 2 * b, f"[2B] = [{2 * b}] float32 vector")
         ref_tok = _vector_ptr(ref_per_token_logps, "ref_per_token_logps", n, f"{bt} float32 array")
         self.pairs, self.seq = b, t
-        super().__init__(head, _lib.fh_preference_batch(b, t, _ip(ids), _fp(m), _fp(ref), _fp(ref_tok)),
+        super().__init__(head, _lib.fh_preference_batch(b, t, _ip(ids), _fp(m), _fp(ref), _fp(ref_tok), _ip(cu)),
                          options if options is not None else preference_options())
 
 
@@ -1072,18 +1086,18 @@ class KTOProblem(_BatchProblem):
     """A linear head over B*T tokens and a KTO micro-batch: the arguments every fh_kto_* call shares. targets
     (int64) and mask (float32) are contiguous [B*T] views, labels a contiguous [B] uint8 view (1: desirable); the
     reference either ref_logps [B] or ref_per_token_logps [B*T]; kto's KL term either kl (one float32) or
-    kl_logratios [B]. forward / forward_backward take the fh_kto_outputs arrays by name (sequence_logps, rewards:
+    kl_logratios [B]; or packed sequences: cu_seqlens an int64 [B + 1] view of their offsets, seq 0, the token vectors
+    [N]. forward / forward_backward take the fh_kto_outputs arrays by name (sequence_logps, rewards:
     float32 [B]; per_token_logp [B*T])."""
     _prefix, _metrics_struct, _outputs_struct = "fh_kto", _lib.fh_kto_metrics, _lib.fh_kto_outputs
 
     def __init__(self, head: LinearHead, batch: int, seq: int, targets: View, mask: View, labels: View,
                  ref_logps: Optional[View] = None, ref_per_token_logps: Optional[View] = None,
                  kl: Optional[View] = None, kl_logratios: Optional[View] = None,
-                 options: Optional[_lib.fh_kto_options] = None):
+                 options: Optional[_lib.fh_kto_options] = None, cu_seqlens: Optional[View] = None):
         b, t = int(batch), int(seq)
-        if b * t != head.n:
-            raise ValueError(f"hidden: expected B*T = {b}*{t} = {b * t} rows, got {head.n}")
-        n, bt = head.n, f"[B, T] = [{b}, {t}]"
+        cu, bt = _sequence_rows(head, b, t, cu_seqlens, "[B, T]", "")
+        n = head.n
         ids = _vector_ptr(targets, "targets", n, f"{bt} int64 array")
         m = _vector_ptr(mask, "mask", n, f"{bt} float32 array")
         lab = _vector_ptr(labels, "labels", b, f"[B] = [{b}] uint8 vector")
@@ -1094,7 +1108,7 @@ class KTOProblem(_BatchProblem):
         self.batch, self.seq = b, t
         labels_p = ctypes.cast(lab, ctypes.POINTER(ctypes.c_uint8)) if lab else None
         super().__init__(head, _lib.fh_kto_batch(b, t, _ip(ids), _fp(m), labels_p, _fp(ref), _fp(ref_tok),
-                                                 _fp(kl_ptr), _fp(klr)),
+                                                 _fp(kl_ptr), _fp(klr), _ip(cu)),
                          options if options is not None else kto_options())
 
 

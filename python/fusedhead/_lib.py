@@ -316,6 +316,7 @@ class fh_grpo_batch(ctypes.Structure):
         ("ref_per_token_logps", c_float_p),
         ("sampling_per_token_logps", c_float_p),
         ("support", ctypes.POINTER(fh_support)),
+        ("cu_seqlens", c_int64_p),
     ]
 
 
@@ -378,6 +379,7 @@ class fh_preference_batch(ctypes.Structure):
         ("mask", c_float_p),
         ("ref_logps", c_float_p),
         ("ref_per_token_logps", c_float_p),
+        ("cu_seqlens", c_int64_p),
     ]
 
 
@@ -430,6 +432,7 @@ class fh_kto_batch(ctypes.Structure):
         ("ref_per_token_logps", c_float_p),
         ("kl", c_float_p),
         ("kl_logratios", c_float_p),
+        ("cu_seqlens", c_int64_p),
     ]
 
 

@@ -555,14 +555,31 @@ def _wanted(return_grads: Union[bool, Iterable[str]], bias) -> Tuple[str, ...]:
     return want
 
 
-def _token_array(a, name: str, dtype, shape: Tuple[int, int], dims: str, hint: str = ""):
+def _token_array(a, name: str, dtype, shape: Tuple[int, ...], dims: str, hint: str = ""):
     """A C-contiguous array of the batch's token shape, flattened without a copy (None stays None)."""
     if a is None:
         return None
     a = _check_array(a, name, dtype, hint)
     if a.shape != shape:
         raise ValueError(f"{name}: expected shape {dims} = {list(shape)}, got {list(a.shape)}")
-    return _flatten_vector(a, name, shape, shape[0] * shape[1], dims)
+    return _flatten_vector(a, name, shape, int(np.prod(shape)), dims)
+
+
+def _packed_rows(hidden: np.ndarray, cu_seqlens, sequences: str) -> Tuple[np.ndarray, Tuple[int, ...], int, str]:
+    """Packed sequences: hidden [N, H] or [1, N, H] (a padding-free batch) and cu_seqlens, int32 or int64 [S + 1]
+    offsets -> (the offsets as a contiguous int64 array, the per-token shape: hidden's leading dimensions, S, that
+    shape's name). The library checks the offsets (0 first, increasing, N last)."""
+    cu = np.asarray(cu_seqlens)
+    if cu.dtype not in (np.int32, np.int64):
+        raise TypeError(f"cu_seqlens: expected an int32 or int64 array, got {cu.dtype}")
+    if cu.ndim != 1 or cu.shape[0] < 2:
+        raise ValueError(f"cu_seqlens: expected [{sequences} + 1] offsets of at least one sequence, got shape "
+                         f"{list(cu.shape)}")
+    if not (hidden.ndim == 2 or (hidden.ndim == 3 and hidden.shape[0] == 1)):
+        raise ValueError(f"hidden: with cu_seqlens expected the packed rows [N, H] or [1, N, H], got shape "
+                         f"{list(hidden.shape)}")
+    return (np.ascontiguousarray(cu, dtype=np.int64), tuple(int(d) for d in hidden.shape[:-1]), int(cu.shape[0]) - 1,
+            "[N] (packed rows)")
 
 
 class _BatchHead:
@@ -628,7 +645,7 @@ def grpo_loss(hidden: np.ndarray, weight: np.ndarray, completion_ids: np.ndarray
               return_grads: Union[bool, Iterable[str]] = False, grad_output: float = 1.0,
               context: Optional[Context] = None, dtype: str = "fp32", grad_dtype: Optional[str] = None,
               support_ids: Optional[np.ndarray] = None, support_offsets: Optional[np.ndarray] = None,
-              **options) -> GRPOResult:
+              cu_seqlens: Optional[np.ndarray] = None, **options) -> GRPOResult:
     """TRL's GRPO loss (GRPOTrainer._compute_loss of TRL 1.16.0) from hidden [B, T, H] float32
     (position t predicts completion_ids[b, t], int64 [B, T]), completion_mask float32 [B, T], advantages float32
     [B], optional old / ref / sampling (the sampler's, vLLM's) per-token log-probs float32 [B, T], without the
@@ -644,27 +661,34 @@ def grpo_loss(hidden: np.ndarray, weight: np.ndarray, completion_ids: np.ndarray
     vllm_importance_sampling_clip_min / _clip_max (None: no bound; _cap: TRL's deprecated alias of clip_max),
     vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg. return_grads: False, True (all) or names among
     "hidden", "weight", "bias". support_ids / support_offsets: the policy's log-probs over each token's support, as
+    fusedhead.torch.fused_linear_grpo_loss takes them. cu_seqlens (int32 or int64 [B + 1]): packed sequences,
+    hidden [N, H] or [1, N, H] and the per-token arrays (and outputs) of hidden's leading shape, as
     fusedhead.torch.fused_linear_grpo_loss takes them.
     """
     opt = grpo_options(**options)
     arrays = _BatchHead(hidden, weight, bias, dtype, grad_dtype, return_grads)
-    if arrays.hidden.ndim != 3:
-        raise ValueError(f"hidden: expected [B, T, H], got shape {list(arrays.hidden.shape)}")
-    b, t = int(arrays.hidden.shape[0]), int(arrays.hidden.shape[1])
-    ids = _token_array(completion_ids, "completion_ids", np.int64, (b, t), "[B, T]", " (use .astype(np.int64))")
-    mask = _token_array(completion_mask, "completion_mask", np.float32, (b, t), "[B, T]",
-                        " (use .astype(np.float32))")
-    old = _token_array(old_per_token_logps, "old_per_token_logps", np.float32, (b, t), "[B, T]", _FP32_HINT)
-    ref = _token_array(ref_per_token_logps, "ref_per_token_logps", np.float32, (b, t), "[B, T]", _FP32_HINT)
-    samp = _token_array(sampling_per_token_logps, "sampling_per_token_logps", np.float32, (b, t), "[B, T]",
-                        _FP32_HINT)
+    cu = None
+    if cu_seqlens is None:
+        if arrays.hidden.ndim != 3:
+            raise ValueError(f"hidden: expected [B, T, H], got shape {list(arrays.hidden.shape)}")
+        b, t = int(arrays.hidden.shape[0]), int(arrays.hidden.shape[1])
+        shape, dims = (b, t), "[B, T]"
+    else:
+        cu, shape, b, dims = _packed_rows(arrays.hidden, cu_seqlens, "B")
+        t = 0
+    n = int(np.prod(shape))
+    ids = _token_array(completion_ids, "completion_ids", np.int64, shape, dims, " (use .astype(np.int64))")
+    mask = _token_array(completion_mask, "completion_mask", np.float32, shape, dims, " (use .astype(np.float32))")
+    old = _token_array(old_per_token_logps, "old_per_token_logps", np.float32, shape, dims, _FP32_HINT)
+    ref = _token_array(ref_per_token_logps, "ref_per_token_logps", np.float32, shape, dims, _FP32_HINT)
+    samp = _token_array(sampling_per_token_logps, "sampling_per_token_logps", np.float32, shape, dims, _FP32_HINT)
     adv = _check_array(advantages, "advantages", np.float32, _FP32_HINT)
     if adv.shape != (b,):
         raise ValueError(f"advantages: expected shape [B] = [{b}], got {list(adv.shape)}")
-    support = _support(support_ids, support_offsets, (b, t), b * t)
-    outs = {k: np.zeros((b, t), np.float32) for k in ("per_token_logp", "per_token_loss", "entropy", "lse")}
+    support = _support(support_ids, support_offsets, shape, n)
+    outs = {k: np.zeros(shape, np.float32) for k in ("per_token_logp", "per_token_loss", "entropy", "lse")}
     grads = dict(dhidden=arrays.dx, dweight=arrays.dw, dbias=arrays.db)
-    if b * t == 0:
+    if n == 0:
         if arrays.dw is not None:
             arrays.dw[...] = 0
         return GRPOResult(0.0, {}, **outs, **grads)
@@ -672,7 +696,7 @@ def grpo_loss(hidden: np.ndarray, weight: np.ndarray, completion_ids: np.ndarray
     problem = GRPOProblem(arrays.linear(layout), b, t, _view(ids, "completion_ids"), _view(mask, "completion_mask"),
                           _view(adv, "advantages"), opt_view(old, "old_per_token_logps"),
                           opt_view(ref, "ref_per_token_logps"), opt, opt_view(samp, "sampling_per_token_logps"),
-                          support)
+                          support, opt_view(cu, "cu_seqlens"))
     loss, m = arrays.run(problem, grad_output, context, outs)
     return GRPOResult(loss, grpo_metrics_dict(m), **outs, **grads)
 
@@ -702,7 +726,7 @@ def preference_loss(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray,
                     ref_per_token_logps: Optional[np.ndarray] = None, *, layout: str = "vh",
                     return_grads: Union[bool, Iterable[str]] = False, grad_output: float = 1.0,
                     context: Optional[Context] = None, dtype: str = "fp32", grad_dtype: Optional[str] = None,
-                    **options) -> PreferenceResult:
+                    cu_seqlens: Optional[np.ndarray] = None, **options) -> PreferenceResult:
     """TRL's DPO, ORPO, SimPO or CPO loss from hidden [2B, T, H] or [2B*T, H] float32 (the chosen sequences, then
     the rejected ones: pair b is sequences b and B + b; position t predicts targets[s, t], int64 [2B, T]) and the
     loss mask float32 [2B, T], without the logits. dpo's reference log-probs: ref_logps float32 [2B] (aggregated
@@ -715,29 +739,40 @@ def preference_loss(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray,
     v0.28 only), cpo_alpha, discopop_tau, use_weighting (refused); dpo_semantics "current" (TRL >= v0.29.0, the
     default) or "trl_0_28" (include/fusedhead.h has the formulas; fusedhead.torch.fused_linear_preference_loss the
     loss types).
-    return_grads: False, True (all) or names among "hidden", "weight", "bias".
+    return_grads: False, True (all) or names among "hidden", "weight", "bias". cu_seqlens (int32 or int64
+    [2B + 1]): packed sequences, the chosen ones then the rejected ones, hidden [N, H] or [1, N, H] and the per-token
+    arrays (and per_token_logp) of hidden's leading shape.
     """
     opt = preference_options(**options)
     arrays = _BatchHead(hidden, weight, bias, dtype, grad_dtype, return_grads)
     tg = _check_array(targets, "targets", np.int64, " (use .astype(np.int64))")
-    rows, t = pairs_shape(tg.shape)
-    x = arrays.hidden
-    if x.shape[:-1] not in ((rows, t), (rows * t,)):
-        raise ValueError(f"hidden: expected [2B, T, H] = [{rows}, {t}, H] or [2B*T, H] = [{rows * t}, H] "
-                         f"(targets are [2B, T] = {list(tg.shape)}), got shape {list(x.shape)}")
-    ids = _token_array(tg, "targets", np.int64, (rows, t), "[2B, T]")
-    m = _token_array(mask, "mask", np.float32, (rows, t), "[2B, T]", " (use .astype(np.float32))")
-    ref_tok = _token_array(ref_per_token_logps, "ref_per_token_logps", np.float32, (rows, t), "[2B, T]", _FP32_HINT)
+    x, cu = arrays.hidden, None
+    if cu_seqlens is None:
+        rows, t = pairs_shape(tg.shape)
+        if x.shape[:-1] not in ((rows, t), (rows * t,)):
+            raise ValueError(f"hidden: expected [2B, T, H] = [{rows}, {t}, H] or [2B*T, H] = [{rows * t}, H] "
+                             f"(targets are [2B, T] = {list(tg.shape)}), got shape {list(x.shape)}")
+        shape, dims = (rows, t), "[2B, T]"
+    else:
+        cu, shape, rows, dims = _packed_rows(x, cu_seqlens, "2B")
+        t = 0
+        if rows % 2:
+            raise ValueError(f"cu_seqlens: expected [2B + 1] offsets, the chosen sequences then the rejected ones (an "
+                             f"even count), got {rows} sequences")
+    ids = _token_array(tg, "targets", np.int64, shape, dims)
+    m = _token_array(mask, "mask", np.float32, shape, dims, " (use .astype(np.float32))")
+    ref_tok = _token_array(ref_per_token_logps, "ref_per_token_logps", np.float32, shape, dims, _FP32_HINT)
     ref = None
     if ref_logps is not None:
         ref = _check_array(ref_logps, "ref_logps", np.float32, _FP32_HINT)
         if ref.shape != (rows,):
             raise ValueError(f"ref_logps: expected shape [2B] = [{rows}], got {list(ref.shape)}")
     outs = dict(sequence_logps=np.zeros(rows, np.float32), rewards=np.zeros(rows, np.float32),
-                per_token_logp=np.zeros((rows, t), np.float32))
+                per_token_logp=np.zeros(shape, np.float32))
     problem = PreferenceProblem(arrays.linear(layout), rows // 2, t, _view(ids, "targets"), _view(m, "mask"),
                                 None if ref is None else _view(ref, "ref_logps"),
-                                None if ref_tok is None else _view(ref_tok, "ref_per_token_logps"), opt)
+                                None if ref_tok is None else _view(ref_tok, "ref_per_token_logps"), opt,
+                                None if cu is None else _view(cu, "cu_seqlens"))
     loss, metrics = arrays.run(problem, grad_output, context, outs)
     return PreferenceResult(loss, preference_metrics_dict(metrics), **outs, dhidden=arrays.dx, dweight=arrays.dw,
                             dbias=arrays.db)
@@ -779,7 +814,7 @@ def kto_loss(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, mask: 
              kl_logratios: Optional[np.ndarray] = None, *, layout: str = "vh",
              return_grads: Union[bool, Iterable[str]] = False, grad_output: float = 1.0,
              context: Optional[Context] = None, dtype: str = "fp32", grad_dtype: Optional[str] = None,
-             **options) -> KTOResult:
+             cu_seqlens: Optional[np.ndarray] = None, **options) -> KTOResult:
     """TRL's KTO loss (KTOTrainer._compute_loss at huggingface/trl f2cd5771) from hidden [B, T, H] or [B*T, H]
     float32 (position t predicts targets[b, t], int64 [B, T]), the completion mask float32 [B, T] and labels [B]
     (bool or uint8, 1 / True: desirable), without the logits. The reference: ref_logps float32 [B] or
@@ -791,32 +826,39 @@ def kto_loss(hidden: np.ndarray, weight: np.ndarray, targets: np.ndarray, mask: 
 
     options: TRL KTOConfig's names: loss_type ("kto", "apo_zero_unpaired"), beta, desirable_weight,
     undesirable_weight (include/fusedhead.h has the formulas). return_grads: False, True (all) or names among
-    "hidden", "weight", "bias".
+    "hidden", "weight", "bias". cu_seqlens (int32 or int64 [B + 1]): packed sequences, hidden [N, H] or [1, N, H]
+    and the per-token arrays (and per_token_logp) of hidden's leading shape.
     """
     opt = kto_options(**options)
     arrays = _BatchHead(hidden, weight, bias, dtype, grad_dtype, return_grads)
     tg = _check_array(targets, "targets", np.int64, " (use .astype(np.int64))")
-    if tg.ndim != 2 or 0 in tg.shape:
-        raise ValueError(f"targets: expected [B, T] with B, T >= 1, got shape {list(tg.shape)}")
-    b, t = int(tg.shape[0]), int(tg.shape[1])
-    if arrays.hidden.shape[:-1] not in ((b, t), (b * t,)):
-        raise ValueError(f"hidden: expected [B, T, H] = [{b}, {t}, H] or [B*T, H] = [{b * t}, H] (targets are "
-                         f"[B, T] = {[b, t]}), got shape {list(arrays.hidden.shape)}")
-    ids = _token_array(tg, "targets", np.int64, (b, t), "[B, T]")
-    m = _token_array(mask, "mask", np.float32, (b, t), "[B, T]", " (use .astype(np.float32))")
+    cu = None
+    if cu_seqlens is None:
+        if tg.ndim != 2 or 0 in tg.shape:
+            raise ValueError(f"targets: expected [B, T] with B, T >= 1, got shape {list(tg.shape)}")
+        b, t = int(tg.shape[0]), int(tg.shape[1])
+        if arrays.hidden.shape[:-1] not in ((b, t), (b * t,)):
+            raise ValueError(f"hidden: expected [B, T, H] = [{b}, {t}, H] or [B*T, H] = [{b * t}, H] (targets are "
+                             f"[B, T] = {[b, t]}), got shape {list(arrays.hidden.shape)}")
+        shape, dims = (b, t), "[B, T]"
+    else:
+        cu, shape, b, dims = _packed_rows(arrays.hidden, cu_seqlens, "B")
+        t = 0
+    ids = _token_array(tg, "targets", np.int64, shape, dims)
+    m = _token_array(mask, "mask", np.float32, shape, dims, " (use .astype(np.float32))")
     if isinstance(labels, np.ndarray) and labels.dtype == np.bool_:
         labels = labels.view(np.uint8)  # the same bytes: False 0, True 1
     lab = _sequence_vector(labels, "labels", np.uint8, b, " (bool or uint8)")
     ref = _sequence_vector(ref_logps, "ref_logps", np.float32, b, _FP32_HINT)
-    ref_tok = _token_array(ref_per_token_logps, "ref_per_token_logps", np.float32, (b, t), "[B, T]", _FP32_HINT)
+    ref_tok = _token_array(ref_per_token_logps, "ref_per_token_logps", np.float32, shape, dims, _FP32_HINT)
     klr = _sequence_vector(kl_logratios, "kl_logratios", np.float32, b, _FP32_HINT)
     kl_value = None if kl is None else np.array([kl], np.float32)
     outs = dict(sequence_logps=np.zeros(b, np.float32), rewards=np.zeros(b, np.float32),
-                per_token_logp=np.zeros((b, t), np.float32))
+                per_token_logp=np.zeros(shape, np.float32))
     opt_view = lambda a, name: None if a is None else _view(a, name)  # noqa: E731
     problem = KTOProblem(arrays.linear(layout), b, t, _view(ids, "targets"), _view(m, "mask"), _view(lab, "labels"),
                          opt_view(ref, "ref_logps"), opt_view(ref_tok, "ref_per_token_logps"),
-                         opt_view(kl_value, "kl"), opt_view(klr, "kl_logratios"), opt)
+                         opt_view(kl_value, "kl"), opt_view(klr, "kl_logratios"), opt, opt_view(cu, "cu_seqlens"))
     loss, metrics = arrays.run(problem, grad_output, context, outs)
     return KTOResult(loss, kto_metrics_dict(metrics), **outs, dhidden=arrays.dx, dweight=arrays.dw, dbias=arrays.db)
 

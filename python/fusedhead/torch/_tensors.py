@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -253,7 +253,40 @@ def token_vector(t: torch.Tensor, name: str, token_shape: Tuple[int, ...], n: in
     return contiguous_vector(t.reshape(n))
 
 
-def bt_tensor(t, name: str, dtype: torch.dtype, bt: Tuple[int, int], n: int, hint: str = "",
+class SequenceRows(NamedTuple):
+    """Where a sequence head's rows lie: [S, T] (cu_seqlens None), or packed end to end at cu_seqlens."""
+    cu_seqlens: Optional[torch.Tensor]  # contiguous int64 [S + 1], or None
+    token_shape: Tuple[int, ...]        # the per-token tensors' shape: hidden's leading dimensions
+    sequences: int                      # S
+    seq: int                            # T, or 0 when packed
+    dims: str                           # the per-token shape's name in messages
+
+
+def sequence_rows(hidden: torch.Tensor, cu_seqlens: Optional[torch.Tensor], sequences: str) -> SequenceRows:
+    """hidden [S, T, H] (sequences: "B", "2B"), or packed sequences: cu_seqlens, int32 or int64 [S + 1] offsets (as
+    flash-attention's cu_seqlens), with hidden [N, H] or [1, N, H] (a padding-free batch) and every per-token tensor
+    of hidden's leading shape. The library checks the offsets (0 first, increasing, N last)."""
+    if cu_seqlens is None:
+        if hidden.dim() != 3:
+            raise ValueError(f"hidden: expected [{sequences}, T, H] (or the packed rows [N, H] with cu_seqlens), got "
+                             f"shape {list(hidden.shape)}")
+        return SequenceRows(None, (int(hidden.shape[0]), int(hidden.shape[1])), int(hidden.shape[0]),
+                            int(hidden.shape[1]), f"[{sequences}, T]")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens: expected an int32 or int64 tensor, got "
+                        f"{cu_seqlens.dtype if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens: expected [{sequences} + 1] offsets of at least one sequence, got shape "
+                         f"{list(cu_seqlens.shape)}")
+    if not (hidden.dim() == 2 or (hidden.dim() == 3 and hidden.shape[0] == 1)):
+        raise ValueError(f"hidden: with cu_seqlens expected the packed rows [N, H] or [1, N, H], got shape "
+                         f"{list(hidden.shape)}")
+    check_tensor(cu_seqlens, "cu_seqlens", cu_seqlens.dtype)
+    cu = cu_seqlens.detach().to(torch.int64).contiguous()
+    return SequenceRows(cu, tuple(int(d) for d in hidden.shape[:-1]), int(cu.shape[0]) - 1, 0, "[N] (packed rows)")
+
+
+def bt_tensor(t, name: str, dtype: torch.dtype, bt: Tuple[int, ...], n: int, hint: str = "",
               dims: str = "[B, T]", source: str = "hidden's leading dimensions") -> torch.Tensor:
     """A token tensor of the batch's shape bt, as a contiguous [n] vector (detached)."""
     check_tensor(t, name, dtype, hint)
@@ -262,7 +295,7 @@ def bt_tensor(t, name: str, dtype: torch.dtype, bt: Tuple[int, int], n: int, hin
     return contiguous_vector(t.detach().reshape(n))
 
 
-def mask_tensor(mask, name: str, bt: Tuple[int, int], n: int, **dims) -> torch.Tensor:
+def mask_tensor(mask, name: str, bt: Tuple[int, ...], n: int, **dims) -> torch.Tensor:
     """A [B, T] mask of any real dtype (bool, integer, floating), as the float32 vector the library takes."""
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(mask).__name__}")

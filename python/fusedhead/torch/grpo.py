@@ -9,7 +9,7 @@ from .._core import (GRPO_METRIC_KEYS, GRPO_OPTION_DEFAULTS, Context, GRPOProble
                      parse_layout)
 from ._ops import TrainStep, train_step
 from ._tensors import (INT64_HINT, TorchLinear, address, bt_tensor, check_inputs, fp32_operand, fp32_vector,
-                       mask_tensor, metrics_dict, metrics_tensors, opt_view, scalar, support_of, view)
+                       mask_tensor, metrics_dict, metrics_tensors, opt_view, scalar, sequence_rows, support_of, view)
 
 # TRL's GRPOConfig names, their schema types, and TRL's aliases (epsilon, vllm_importance_sampling_cap)
 _OPTION_TYPES = dict(
@@ -25,33 +25,33 @@ _ARGS = (("Tensor", "hidden"), ("Tensor", "weight"), ("Tensor", "completion_ids"
          ("Tensor", "advantages"), ("Tensor?", "bias"), ("Tensor?", "old_per_token_logps"),
          ("Tensor?", "ref_per_token_logps"), ("Tensor?", "sampling_per_token_logps"),
          ("Tensor?", "num_items_tensor"), ("Tensor?", "support_ids"), ("Tensor?", "support_offsets"),
-         ("str", "layout")) + tuple((t, n) for n, t in _OPTION_TYPES.items())
+         ("Tensor?", "cu_seqlens"), ("str", "layout")) + tuple((t, n) for n, t in _OPTION_TYPES.items())
 
 
 class _GRPO:
-    """Everything one GRPO call needs, checked and in library form. hidden [B, T, H]; completion_ids int64
-    [B, T]; completion_mask [B, T] (bool, integer or floating: converted to float32); advantages float32 [B];
-    old / ref / sampling per-token log-probs float32 [B, T] or None (advantages and the log-probs may be bfloat16
-    with bfloat16 inputs: converted); num_items_in_batch as a tensor (TRL's) is read here, at run time."""
+    """Everything one GRPO call needs, checked and in library form. hidden [B, T, H], or packed [N, H] / [1, N, H]
+    with cu_seqlens [B + 1]; completion_ids int64 [B, T]; completion_mask [B, T] (bool, integer or floating:
+    converted to float32); advantages float32 [B]; old / ref / sampling per-token log-probs float32 [B, T] or None
+    (advantages and the log-probs may be bfloat16 with bfloat16 inputs: converted); the per-token tensors of
+    hidden's leading shape when packed; num_items_in_batch as a tensor (TRL's) is read here, at run time."""
 
     def __init__(self, a: dict):
         hidden = a["hidden"]
         dtype = check_inputs(hidden, a["weight"])
-        if hidden.dim() != 3:
-            raise ValueError(f"hidden: expected [B, T, H] (the hidden states of the completion tokens), got shape "
-                             f"{list(hidden.shape)}")
+        rows = sequence_rows(hidden, a["cu_seqlens"], "B")
         self.lin = TorchLinear(hidden, a["weight"], a["bias"], a["layout"])
-        b, t = int(hidden.shape[0]), int(hidden.shape[1])
-        self.bt, n = (b, t), b * t
-        self.completion_ids = bt_tensor(a["completion_ids"], "completion_ids", torch.int64, self.bt, n, INT64_HINT)
-        self.completion_mask = mask_tensor(a["completion_mask"], "completion_mask", self.bt, n)
+        b, t, dims = rows.sequences, rows.seq, dict(dims=rows.dims)
+        self.bt, n, self.cu_seqlens = rows.token_shape, self.lin.n, rows.cu_seqlens
+        self.completion_ids = bt_tensor(a["completion_ids"], "completion_ids", torch.int64, self.bt, n, INT64_HINT,
+                                        **dims)
+        self.completion_mask = mask_tensor(a["completion_mask"], "completion_mask", self.bt, n, **dims)
         self.advantages = fp32_vector(a["advantages"], "advantages", dtype, b, "[B]")
         # held for the call: a bf16 input's float32 copy lives as long as this object
         self.logps = {}
         for name in ("old_per_token_logps", "ref_per_token_logps", "sampling_per_token_logps"):
             v = a[name]
             self.logps[name] = None if v is None else bt_tensor(fp32_operand(v, name, dtype), name, torch.float32,
-                                                                self.bt, n)
+                                                                self.bt, n, **dims)
         options = {name: a[name] for name in _OPTION_TYPES}
         if a["num_items_tensor"] is not None and not self.lin.fake:
             options["num_items_in_batch"] = float(a["num_items_tensor"])
@@ -66,7 +66,8 @@ class _GRPO:
             self.problem = GRPOProblem(self.lin.head, b, t, view(self.completion_ids), view(self.completion_mask),
                                        view(self.advantages), opt_view(self.logps["old_per_token_logps"]),
                                        opt_view(self.logps["ref_per_token_logps"]), self.options,
-                                       opt_view(self.logps["sampling_per_token_logps"]), support)
+                                       opt_view(self.logps["sampling_per_token_logps"]), support,
+                                       opt_view(self.cu_seqlens))
 
 
 def _run(a: dict, need, context: Optional[Context]):
@@ -82,7 +83,7 @@ _GRPO_STEP = TrainStep("grpo", _ARGS, 4, _run, "fh_grpo")
 
 
 def _grpo_loss(hidden, weight, completion_ids, completion_mask, advantages, bias, old, ref, sampling, options: dict,
-               layout, return_per_token_logps, context, support_ids=None, support_offsets=None):
+               layout, return_per_token_logps, context, support_ids=None, support_offsets=None, cu_seqlens=None):
     values = dict(dict.fromkeys(_OPTION_TYPES), **options)
     if isinstance(values["num_items_in_batch"], torch.Tensor):  # TRL's: read by the op, not by the trace
         values["num_items_tensor"], values["num_items_in_batch"] = values["num_items_in_batch"], None
@@ -92,7 +93,8 @@ def _grpo_loss(hidden, weight, completion_ids, completion_mask, advantages, bias
                                      completion_mask=completion_mask, advantages=advantages, bias=bias,
                                      old_per_token_logps=old, ref_per_token_logps=ref,
                                      sampling_per_token_logps=sampling, support_ids=support_ids,
-                                     support_offsets=support_offsets, layout=layout, **values)
+                                     support_offsets=support_offsets, cu_seqlens=cu_seqlens, layout=layout,
+                                     **values)
     metrics = metrics_dict(GRPO_METRIC_KEYS, metrics, present)
     return (loss, metrics, logp) if return_per_token_logps else (loss, metrics)
 
@@ -117,7 +119,7 @@ def fused_linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completio
                            vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
                            layout: str = "vh", return_per_token_logps: bool = False,
                            context: Optional[Context] = None, support_ids: Optional[torch.Tensor] = None,
-                           support_offsets: Optional[torch.Tensor] = None):
+                           support_offsets: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None):
     """TRL GRPOTrainer._compute_loss (TRL 1.16.0) from hidden [B, T, H] (position t predicts
     completion_ids[b, t]) and the lm_head weight, without the [B*T, V] logits.
 
@@ -142,6 +144,10 @@ def fused_linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completio
     log-probs and entropies over each token's support (the sampler's kept set) instead of the vocabulary, so that
     they share the normalisation of vLLM's processed log-probs in the importance ratio (TRL #6789, #7269); every
     completion id at a non-zero mask must be in its support, and masked tokens' per-token log-probs are 0.
+    cu_seqlens (int32 or int64 [B + 1], flash-attention's offsets): packed sequences, hidden [N, H] or [1, N, H] (a
+    padding-free batch) and every per-token tensor of hidden's leading shape, sequence b at rows
+    cu_seqlens[b] .. cu_seqlens[b + 1] - 1; the results equal the [B, T] call's on the same sequences padded, and the
+    padding costs nothing (dr_grpo needs max_completion_length then).
     Returns (loss, metrics) where metrics has TRL's keys, only those TRL logs for these options: "kl", "entropy",
     "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
     "clip_ratio/high_max", "cispo_clip_ratio", "vespo/phi_seq_mean", "policy_loss" and "entropy_coef" (with an
@@ -165,7 +171,7 @@ def fused_linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completio
         vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg)
     return _grpo_loss(hidden, weight, completion_ids, completion_mask, advantages, bias, old_per_token_logps,
                       ref_per_token_logps, sampling_per_token_logps, options, layout, return_per_token_logps, context,
-                      support_ids, support_offsets)
+                      support_ids, support_offsets, cu_seqlens)
 
 
 class FusedLinearGRPOLoss(torch.nn.Module):
@@ -214,13 +220,13 @@ class FusedLinearGRPOLoss(torch.nn.Module):
                 old_per_token_logps: Optional[torch.Tensor] = None,
                 ref_per_token_logps: Optional[torch.Tensor] = None, num_items_in_batch=None,
                 sampling_per_token_logps: Optional[torch.Tensor] = None, support_ids: Optional[torch.Tensor] = None,
-                support_offsets: Optional[torch.Tensor] = None):
+                support_offsets: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None):
         opts = dict(self.options)
         if num_items_in_batch is not None:
             opts["num_items_in_batch"] = num_items_in_batch
         return _grpo_loss(hidden, weight, completion_ids, completion_mask, advantages, bias, old_per_token_logps,
                           ref_per_token_logps, sampling_per_token_logps, opts, self.layout,
-                          self.return_per_token_logps, self.context, support_ids, support_offsets)
+                          self.return_per_token_logps, self.context, support_ids, support_offsets, cu_seqlens)
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.options.items()) + f", layout={self.layout!r}"

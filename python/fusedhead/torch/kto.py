@@ -10,11 +10,11 @@ from .._core import KTO_METRIC_KEYS, Context, KTOProblem, kto_options, parse_lay
 from ._ops import TrainStep, train_step
 from ._tensors import (INT64_HINT, TorchLinear, address, bt_tensor, check_inputs, check_tensor, contiguous_vector,
                        fp32_operand, fp32_vector, is_fake, mask_tensor, metrics_dict, metrics_tensors, opt_view, scalar,
-                       view)
+                       sequence_rows, view)
 
 _ARGS = (("Tensor", "hidden"), ("Tensor", "weight"), ("Tensor", "targets"), ("Tensor", "mask"), ("Tensor", "labels"),
          ("Tensor?", "bias"), ("Tensor?", "ref_logps"), ("Tensor?", "ref_per_token_logps"), ("Tensor?", "kl_tensor"),
-         ("Tensor?", "kl_logratios"), ("str", "layout"), ("float?", "kl"), ("str", "loss_type"), ("float", "beta"),
+         ("Tensor?", "kl_logratios"), ("Tensor?", "cu_seqlens"), ("str", "layout"), ("float?", "kl"), ("str", "loss_type"), ("float", "beta"),
          ("float", "desirable_weight"), ("float", "undesirable_weight"))
 
 
@@ -22,22 +22,30 @@ class _KTO:
     """Everything one KTO call needs, checked and in library form. targets int64 [B, T]; hidden [B, T, H] or
     [B*T, H]; mask [B, T] (bool, integer or floating: converted to float32); labels [B] (bool or integer 0 / 1:
     converted to uint8); the reference ref_logps [B] or ref_per_token_logps [B, T]; kto's KL term kl (a number) or
-    kl_tensor (one element) or kl_logratios [B]; float32 values (bfloat16 too with bfloat16 inputs: converted)."""
+    kl_tensor (one element) or kl_logratios [B]; float32 values (bfloat16 too with bfloat16 inputs: converted).
+    Packed: cu_seqlens [B + 1], hidden [N, H] or [1, N, H] and the per-token tensors of hidden's leading shape."""
 
     def __init__(self, a: dict):
         hidden, targets, labels = a["hidden"], a["targets"], a["labels"]
         dtype = check_inputs(hidden, a["weight"])
         check_tensor(targets, "targets", torch.int64, INT64_HINT)
-        if targets.dim() != 2 or 0 in targets.shape:
-            raise ValueError(f"targets: expected [B, T] with B, T >= 1, got shape {list(targets.shape)}")
-        b, t = int(targets.shape[0]), int(targets.shape[1])
-        if tuple(hidden.shape[:-1]) not in ((b, t), (b * t,)):
-            raise ValueError(f"hidden: expected [B, T, H] = [{b}, {t}, H] or [B*T, H] = [{b * t}, H] (targets are "
-                             f"[B, T] = {[b, t]}), got shape {list(hidden.shape)}")
+        self.cu_seqlens = None
+        if a["cu_seqlens"] is None:
+            if targets.dim() != 2 or 0 in targets.shape:
+                raise ValueError(f"targets: expected [B, T] with B, T >= 1, got shape {list(targets.shape)}")
+            b, t = int(targets.shape[0]), int(targets.shape[1])
+            if tuple(hidden.shape[:-1]) not in ((b, t), (b * t,)):
+                raise ValueError(f"hidden: expected [B, T, H] = [{b}, {t}, H] or [B*T, H] = [{b * t}, H] (targets "
+                                 f"are [B, T] = {[b, t]}), got shape {list(hidden.shape)}")
+            bt, dims = (b, t), dict(dims="[B, T]", source="the targets' shape")
+        else:
+            packed = sequence_rows(hidden, a["cu_seqlens"], "B")
+            b, t, bt, self.cu_seqlens, dims = packed.sequences, 0, packed.token_shape, packed.cu_seqlens, dict(
+                dims=packed.dims)
         self.lin = TorchLinear(hidden, a["weight"], a["bias"], a["layout"])
-        self.batch, n, dims = b, b * t, dict(dims="[B, T]", source="the targets' shape")
-        self.targets = bt_tensor(targets, "targets", torch.int64, (b, t), n, **dims)
-        self.mask = mask_tensor(a["mask"], "mask", (b, t), n, **dims)
+        self.batch, n = b, self.lin.n
+        self.targets = bt_tensor(targets, "targets", torch.int64, bt, n, **dims)
+        self.mask = mask_tensor(a["mask"], "mask", bt, n, **dims)
         if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.is_complex():
             raise TypeError(f"labels: expected a bool or integer torch.Tensor, got "
                             f"{getattr(labels, 'dtype', type(labels).__name__)}")
@@ -51,7 +59,7 @@ class _KTO:
         self.ref_logps = None if ref_logps is None else fp32_vector(ref_logps, "ref_logps", dtype, b, "[B]")
         self.ref_per_token_logps = None if ref_per_token_logps is None else bt_tensor(
             fp32_operand(ref_per_token_logps, "ref_per_token_logps", dtype), "ref_per_token_logps", torch.float32,
-            (b, t), n, **dims)
+            bt, n, **dims)
         kl, kl_tensor = a["kl"], a["kl_tensor"]
         self.kl = (kl_tensor.reshape(1).to(torch.float32).contiguous() if kl_tensor is not None else
                    None if kl is None else torch.tensor([kl], dtype=torch.float32))
@@ -63,7 +71,8 @@ class _KTO:
                                   opt_view(self.kl), opt_view(self.kl_logratios),
                                   kto_options(loss_type=a["loss_type"], beta=a["beta"],
                                               desirable_weight=a["desirable_weight"],
-                                              undesirable_weight=a["undesirable_weight"]))
+                                              undesirable_weight=a["undesirable_weight"]),
+                                  opt_view(self.cu_seqlens))
 
 
 def _run(a: dict, need, context: Optional[Context]):
@@ -97,7 +106,8 @@ def fused_linear_kto_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: t
                           ref_logps: Optional[torch.Tensor] = None,
                           ref_per_token_logps: Optional[torch.Tensor] = None, kl=None,
                           kl_logratios: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
-                          layout: str = "vh", context: Optional[Context] = None) -> KTOLossOutput:
+                          layout: str = "vh", context: Optional[Context] = None,
+                          cu_seqlens: Optional[torch.Tensor] = None) -> KTOLossOutput:
     """TRL's KTO loss (KTOTrainer, loss_type "kto" or "apo_zero_unpaired") from the hidden states of B sequences
     and the lm_head weight, without the [B*T, V] logits.
 
@@ -107,7 +117,9 @@ def fused_linear_kto_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     one. kto's KL term (TRL computes it from mismatched completions, without gradient): kl, the value as TRL uses
     it (already clamped at 0), or kl_logratios [B], each sequence's KL completion log-prob under the policy minus
     the reference's (e.g. from fused_linear_logprobs under torch.no_grad()), of which the head takes
-    max(mean, 0); apo_zero_unpaired takes neither. include/fusedhead.h has the formulas. Returns (loss, metrics,
+    max(mean, 0); apo_zero_unpaired takes neither. cu_seqlens (int32 or int64 [B + 1]): packed sequences, hidden
+    [N, H] or [1, N, H] and targets, mask and ref_per_token_logps of hidden's leading shape; the results equal the
+    padded [B, T] call's. include/fusedhead.h has the formulas. Returns (loss, metrics,
     logps, rewards), a KTOLossOutput: metrics with TRL's keys "kl", "rewards/chosen", "rewards/rejected",
     "rewards/margins", "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "entropy" (those
     TRL logs for the batch).
@@ -120,7 +132,7 @@ def fused_linear_kto_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     value, metrics, present, logps, rewards = _KTO_STEP(
         context, hidden=hidden, weight=weight, targets=targets, mask=mask, labels=labels, bias=bias,
         ref_logps=ref_logps, ref_per_token_logps=ref_per_token_logps, kl_tensor=kl_tensor,
-        kl_logratios=kl_logratios, layout=layout, kl=kl, loss_type=loss_type, beta=beta,
+        kl_logratios=kl_logratios, cu_seqlens=cu_seqlens, layout=layout, kl=kl, loss_type=loss_type, beta=beta,
         desirable_weight=desirable_weight, undesirable_weight=undesirable_weight)
     return KTOLossOutput(value, metrics_dict(KTO_METRIC_KEYS, metrics, present), logps, rewards)
 
@@ -145,10 +157,11 @@ class FusedLinearKTOLoss(torch.nn.Module):
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
                 labels: torch.Tensor, bias: Optional[torch.Tensor] = None, ref_logps: Optional[torch.Tensor] = None,
                 ref_per_token_logps: Optional[torch.Tensor] = None, kl=None,
-                kl_logratios: Optional[torch.Tensor] = None) -> KTOLossOutput:
+                kl_logratios: Optional[torch.Tensor] = None,
+                cu_seqlens: Optional[torch.Tensor] = None) -> KTOLossOutput:
         return fused_linear_kto_loss(hidden, weight, targets, mask, labels, bias=bias, ref_logps=ref_logps,
                                      ref_per_token_logps=ref_per_token_logps, kl=kl, kl_logratios=kl_logratios,
-                                     layout=self.layout, context=self.context, **self.options)
+                                     layout=self.layout, context=self.context, cu_seqlens=cu_seqlens, **self.options)
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.options.items()) + f", layout={self.layout!r}"

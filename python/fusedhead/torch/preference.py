@@ -11,13 +11,15 @@ from .._core import (PREFERENCE_METRIC_KEYS, Context, PreferenceProblem, pairs_s
                      preference_options)
 from ._ops import TrainStep, train_step
 from ._tensors import (INT64_HINT, TorchLinear, address, bt_tensor, check_inputs, check_tensor, fp32_operand,
-                       fp32_vector, mask_tensor, metrics_dict, metrics_tensors, opt_view, scalar, view)
+                       fp32_vector, mask_tensor, metrics_dict, metrics_tensors, opt_view, scalar, sequence_rows,
+                       view)
 
 _OPTION_TYPES = dict(loss="str", loss_type="str", beta="float", label_smoothing="float", simpo_gamma="float",
                      rpo_alpha="float?", cpo_alpha="float", loss_weights="float[]?", dpo_semantics="str",
                      discopop_tau="float", use_weighting="bool")
 _ARGS = (("Tensor", "hidden"), ("Tensor", "weight"), ("Tensor", "targets"), ("Tensor", "mask"), ("Tensor?", "bias"),
-         ("Tensor?", "ref_logps"), ("Tensor?", "ref_per_token_logps"), ("str", "layout")) + tuple(
+         ("Tensor?", "ref_logps"), ("Tensor?", "ref_per_token_logps"), ("Tensor?", "cu_seqlens"),
+         ("str", "layout")) + tuple(
     (t, n) for n, t in _OPTION_TYPES.items())
 
 
@@ -37,19 +39,29 @@ class _Preference:
     """Everything one preference call needs, checked and in library form. targets int64 [2B, T], the chosen
     sequences then the rejected ones; hidden [2B, T, H] or [2B*T, H]; mask [2B, T] (bool, integer or floating:
     converted to float32); dpo's reference log-probs ref_logps [2B] or ref_per_token_logps [2B, T], float32
-    (bfloat16 too with bfloat16 inputs: converted)."""
+    (bfloat16 too with bfloat16 inputs: converted). Packed: cu_seqlens [2B + 1], hidden [N, H] or [1, N, H] and the
+    per-token tensors of hidden's leading shape."""
 
     def __init__(self, a: dict):
         hidden, targets = a["hidden"], a["targets"]
         dtype = check_inputs(hidden, a["weight"])
         check_tensor(targets, "targets", torch.int64, INT64_HINT)
-        rows, t = pairs_shape(tuple(targets.shape))
-        if tuple(hidden.shape[:-1]) not in ((rows, t), (rows * t,)):
-            raise ValueError(f"hidden: expected [2B, T, H] = [{rows}, {t}, H] or [2B*T, H] = [{rows * t}, H] "
-                             f"(targets are [2B, T] = {[rows, t]}), got shape {list(hidden.shape)}")
+        self.cu_seqlens, t = None, 0
+        if a["cu_seqlens"] is None:
+            rows, t = pairs_shape(tuple(targets.shape))
+            if tuple(hidden.shape[:-1]) not in ((rows, t), (rows * t,)):
+                raise ValueError(f"hidden: expected [2B, T, H] = [{rows}, {t}, H] or [2B*T, H] = [{rows * t}, H] "
+                                 f"(targets are [2B, T] = {[rows, t]}), got shape {list(hidden.shape)}")
+            self.bt, dims = (rows, t), dict(dims="[2B, T]", source="the targets' shape")
+        else:
+            packed = sequence_rows(hidden, a["cu_seqlens"], "2B")
+            rows = packed.sequences
+            if rows % 2:
+                raise ValueError(f"cu_seqlens: expected [2B + 1] offsets, the chosen sequences then the rejected "
+                                 f"ones (an even count), got {rows} sequences")
+            self.bt, self.cu_seqlens, dims = packed.token_shape, packed.cu_seqlens, dict(dims=packed.dims)
         self.lin = TorchLinear(hidden, a["weight"], a["bias"], a["layout"])
-        self.pairs, self.bt = rows // 2, (rows, t)
-        n, dims = rows * t, dict(dims="[2B, T]", source="the targets' shape")
+        self.pairs, n = rows // 2, self.lin.n
         self.targets = bt_tensor(targets, "targets", torch.int64, self.bt, n, **dims)
         self.mask = mask_tensor(a["mask"], "mask", self.bt, n, **dims)
         ref_logps, ref_per_token_logps = a["ref_logps"], a["ref_per_token_logps"]
@@ -61,7 +73,7 @@ class _Preference:
         options["loss_type"] = [] if options["loss_type"] == "" else options["loss_type"].split(",")
         self.problem = PreferenceProblem(self.lin.head, self.pairs, t, view(self.targets), view(self.mask),
                                          opt_view(self.ref_logps), opt_view(self.ref_per_token_logps),
-                                         preference_options(**options))
+                                         preference_options(**options), opt_view(self.cu_seqlens))
 
 
 def _run(a: dict, need, context: Optional[Context]):
@@ -99,7 +111,8 @@ def fused_linear_preference_loss(hidden: torch.Tensor, weight: torch.Tensor, tar
                                  ref_logps: Optional[torch.Tensor] = None,
                                  ref_per_token_logps: Optional[torch.Tensor] = None,
                                  bias: Optional[torch.Tensor] = None, layout: str = "vh",
-                                 context: Optional[Context] = None) -> PreferenceLossOutput:
+                                 context: Optional[Context] = None,
+                                 cu_seqlens: Optional[torch.Tensor] = None) -> PreferenceLossOutput:
     """TRL's DPO (DPOTrainer), ORPO (ORPOTrainer), SimPO or CPO (CPOTrainer) loss from the hidden states of a
     batch of 2B sequences, the chosen ones then the rejected ones (pair b: sequences b and B + b, Liger's layout),
     and the lm_head weight, without the [2B*T, V] logits.
@@ -113,6 +126,9 @@ def fused_linear_preference_loss(hidden: torch.Tensor, weight: torch.Tensor, tar
     "sigmoid", "hinge", "ipo", "robust" and rpo_alpha); cpo and simpo take "sigmoid", "hinge", "ipo" as CPOTrainer
     does. dpo's reference log-probs: ref_logps [2B] (the reference model's sequence log-probs, aggregated as the
     loss aggregates: sums, or at v0.28 averages for ipo) or ref_per_token_logps [2B, T], at most one; neither: 0.
+    cu_seqlens (int32 or int64 [2B + 1]): packed sequences, the chosen ones then the rejected ones, hidden [N, H] or
+    [1, N, H] and targets, mask and ref_per_token_logps of hidden's leading shape; the results equal the padded
+    [2B, T] call's (ORPO's and CPO's logits means aside: TRL takes them over every padded position).
     include/fusedhead.h has the formulas. Returns (loss, metrics, logps, rewards), a PreferenceLossOutput: metrics
     with TRL's keys "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
     "logps/rejected", "logits/chosen", "logits/rejected", "nll_loss", "log_odds_ratio", "log_odds_chosen",
@@ -123,7 +139,7 @@ def fused_linear_preference_loss(hidden: torch.Tensor, weight: torch.Tensor, tar
                    dpo_semantics=dpo_semantics, discopop_tau=discopop_tau, use_weighting=use_weighting)
     value, metrics, present, logps, rewards = _PREFERENCE(
         context, hidden=hidden, weight=weight, targets=targets, mask=mask, bias=bias, ref_logps=ref_logps,
-        ref_per_token_logps=ref_per_token_logps, layout=layout, **_option_values(options))
+        ref_per_token_logps=ref_per_token_logps, cu_seqlens=cu_seqlens, layout=layout, **_option_values(options))
     return PreferenceLossOutput(value, metrics_dict(PREFERENCE_METRIC_KEYS, metrics, present), logps, rewards)
 
 
@@ -140,8 +156,8 @@ class _FusedLinearPreferenceLoss(torch.nn.Module):
         self.options, self.layout, self.context = options, layout, context
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
-                bias: Optional[torch.Tensor] = None) -> PreferenceLossOutput:
-        return self._compute(hidden, weight, targets, mask, bias)
+                bias: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None) -> PreferenceLossOutput:
+        return self._compute(hidden, weight, targets, mask, bias, cu_seqlens=cu_seqlens)
 
     def _compute(self, hidden, weight, targets, mask, bias, **references) -> PreferenceLossOutput:
         return fused_linear_preference_loss(hidden, weight, targets, mask, loss=self._loss, bias=bias,
@@ -169,9 +185,10 @@ class FusedLinearDPOLoss(_FusedLinearPreferenceLoss):
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
                 bias: Optional[torch.Tensor] = None, ref_logps: Optional[torch.Tensor] = None,
-                ref_per_token_logps: Optional[torch.Tensor] = None) -> PreferenceLossOutput:
+                ref_per_token_logps: Optional[torch.Tensor] = None,
+                cu_seqlens: Optional[torch.Tensor] = None) -> PreferenceLossOutput:
         return self._compute(hidden, weight, targets, mask, bias, ref_logps=ref_logps,
-                             ref_per_token_logps=ref_per_token_logps)
+                             ref_per_token_logps=ref_per_token_logps, cu_seqlens=cu_seqlens)
 
 
 class FusedLinearORPOLoss(_FusedLinearPreferenceLoss):
