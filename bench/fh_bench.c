@@ -275,12 +275,14 @@ typedef struct head_inputs {
     int use_packed; /* run_once calls the packed form */
 } head_inputs;
 
-/* Sequence b's length with --packed: T - floor(2 P (T - 1) u) for u in [0, 1) a fixed hash of b (Knuth's
- * multiplicative constant), so lengths spread over T (1 - 2P) .. T, about T (1 - P) on average. */
+/* Sequence b's length with --packed: T - round(2 P (T - 1) u_b), the u_b the S midpoints (k + 1/2) / S in an order
+ * that a prime multiplier scatters over the batch: lengths spread evenly over T - 2P (T - 1) .. T, whose mean leaves
+ * P (T - 1) / T of the rows padding. */
 static int64_t sequence_length(const shape *s, int64_t b)
 {
-    const double u = (double)((uint32_t)(b * 2654435761u) >> 8) / 16777216.0;
-    return s->seq - (int64_t)(2.0 * s->padding_frac * (double)(s->seq - 1) * u);
+    const int64_t sequences = s->n / s->seq;
+    const double u = ((double)(((uint64_t)b * 2654435761u) % (uint64_t)sequences) + 0.5) / (double)sequences;
+    return s->seq - (int64_t)llround(2.0 * s->padding_frac * (double)(s->seq - 1) * u);
 }
 
 /* --packed's rows: the sequences end to end (their padding left out), as copies of the padded inputs. */
