@@ -630,7 +630,8 @@ typedef struct fh_grpo_batch {
                                            cu_seqlens[b] .. cu_seqlens[b + 1] - 1, seq must be 0 and every [B, T]
                                            array (inputs and outputs) is [n]; dr_grpo needs max_completion_length.
                                            Results equal the [B, T] call's on the same sequences ("Packed
-                                           sequences" above). No parallel form, no support */
+                                           sequences" above); a support applies as to [B, T] rows. No
+                                           parallel form */
 } fh_grpo_batch;
 
 typedef struct fh_grpo_metrics {        /* TRL's logged metrics; NaN where TRL logs nothing */

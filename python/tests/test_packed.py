@@ -114,6 +114,26 @@ def test_grpo_packed_equals_padded(options, leading_one):
     _check_gradients(d, padded, packed)
 
 
+def test_grpo_packed_over_a_support():
+    """GRPO's log-probs over each token's support (padded [.., k] ids), packed: the padded call's."""
+    d = _batch(6, 7)
+    first = np.where(d["ids"] >= 0, d["ids"], 0)  # each token's id in its support, then 3 others, then padding
+    support = np.stack([(first + 7 * j) % V for j in range(4)] + [np.full_like(first, -1)], axis=-1)
+
+    def call(h, w, packed, context):
+        ids = torch.tensor(_packed(d, "ids") if packed else d["ids"])
+        s = torch.tensor(support.reshape(-1, 5)[d["rows"]] if packed else support)
+        return fht.fused_linear_grpo_loss(
+            h, w, ids, _token(d, "mask", packed), torch.tensor(d["per_sequence"]), loss_type="grpo",
+            return_per_token_logps=True, support_ids=s, context=context,
+            cu_seqlens=torch.tensor(d["cu"]) if packed else None)
+
+    padded, packed = _torch_pair(d, call)
+    assert packed[0][0].item() == padded[0][0].item() and packed[0][1] == padded[0][1]
+    _check_rows(d, padded[0][2].numpy(), packed[0][2].numpy(), "per-token log-probs over the support")
+    _check_gradients(d, padded, packed)
+
+
 @pytest.mark.parametrize("loss", ["dpo", "orpo", "simpo"])
 def test_preference_packed_equals_padded(loss):
     d = _batch(8, 2)

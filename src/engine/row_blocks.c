@@ -53,11 +53,11 @@ int fh_block_next(const fh_pass *p, fh_block *b, int start)
     /* As many whole groups as fit (the plan made room for the tallest); the first one always. */
     const int halves = g->paired ? 2 : 1;
     int64_t end = at + 1;
-    for (;;) {
+    while (end < g->count) {
         int64_t rows = 0;
         for (int h = 0; h < halves; h++)
             rows += group_span(g, h, at, end + 1);
-        if (end >= g->count || rows > height)
+        if (rows > height)
             break;
         end++;
     }

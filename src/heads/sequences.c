@@ -17,6 +17,9 @@ fh_status fh_check_sequence_rows(fh_context *ctx, const fh_linear *lin, const ch
         return fh_fail(ctx, FH_ERR_INVALID_SIZE,
                        "seq = %lld must be 0 with cu_seqlens: packed sequences have the lengths cu_seqlens gives",
                        (long long)seq);
+    if (sequences > lin->n) /* before reading the offsets: S + 1 of them, and each sequence needs a row */
+        return fh_fail(ctx, FH_ERR_INVALID_SIZE, "%lld packed sequences (%s = %lld) cannot each have a row in n = %lld",
+                       (long long)sequences, count_name, (long long)count, (long long)lin->n);
     if (cu_seqlens[0] != 0)
         return fh_fail(ctx, FH_ERR_INVALID_SIZE, "cu_seqlens[0] = %lld must be 0", (long long)cu_seqlens[0]);
     for (int64_t s = 1; s <= sequences; s++)

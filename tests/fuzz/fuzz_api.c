@@ -604,7 +604,7 @@ static void fuzz_setup_call(setup_call call, reader *r)
 
 enum { IN_X, IN_W, IN_BIAS, IN_CW, IN_TARGETS, IN_GRAD, IN_LSE, IN_LOGP, IN_ENTROPY, IN_MASK, IN_ADV, IN_OLD, IN_REF,
        IN_SAMP, IN_TEACHER_X, IN_TEACHER_W, IN_TEACHER_BIAS, IN_LABELS, IN_KL, IN_KL_LOGRATIOS, IN_TOPK_IDS,
-       IN_TOPK_LOGPROBS, IN_LOGITS, IN_SUPPORT_IDS, IN_SUPPORT_OFFSETS, IN_COUNT };
+       IN_TOPK_LOGPROBS, IN_LOGITS, IN_SUPPORT_IDS, IN_SUPPORT_OFFSETS, IN_CU_SEQLENS, IN_COUNT };
 enum { OUT_LOSS, OUT_ZLOSS, OUT_METRICS, OUT_PTL, OUT_LOGP, OUT_LSE, OUT_ENTROPY, OUT_ARGMAX, OUT_DX, OUT_DW, OUT_DB,
        OUT_PREFERENCE_METRICS, OUT_SEQUENCE_LOGPS, OUT_REWARDS, OUT_SOFT_LOSS, OUT_HARD_LOSS, OUT_CORRECT,
        OUT_KTO_METRICS, OUT_LOGITS, OUT_COUNT };
@@ -952,7 +952,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     const int grpo_call = call == CALL_fh_grpo_forward || call == CALL_fh_grpo_backward ||
                           call == CALL_fh_grpo_forward_backward;
     const int grpo_over_support = grpo_call && u8(&r) % 4 == 0;
-    const fh_grpo_batch gb = {batch, seq, targets, mask, adv, old, ref, samp, grpo_over_support ? &grpo_support : NULL};
+    fh_grpo_batch gb = {batch, seq, targets, mask, adv, old, ref, samp, grpo_over_support ? &grpo_support : NULL, NULL};
 
     /* Preference options and batch: batch sequences as batch / 2 pairs (an odd batch cannot match n), the
      * reference none, per sequence (adv's ub >= batch values) or per token, sometimes both. */
@@ -979,8 +979,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     po.cpo_alpha = pick_double(&r, alphas, 6);
     const uint8_t ref_mode = u8(&r) % 4;
     const int64_t pairs = batch / 2 ? batch / 2 : batch;
-    const fh_preference_batch pb = {pairs, seq, targets, mask, ref_mode & 1 ? adv : NULL,
-                                    ref_mode & 2 ? ref : NULL};
+    fh_preference_batch pb = {pairs, seq, targets, mask, ref_mode & 1 ? adv : NULL, ref_mode & 2 ? ref : NULL, NULL};
 
     /* KTO options and batch (read for KTO calls only): every option valid or not; batch sequences with labels
      * mostly 0 or 1; the reference as the preference batch's (none, per sequence, per token or both); the KL term
@@ -1011,12 +1010,35 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         for (size_t b = 0; kl_logratios && b < ub; b++)
             kl_logratios[b] = u8(&r) % 8 == 0 ? pick_float(&r) : (float)((int)(u8(&r) % 16) - 4) / 16.0f;
         const fh_kto_batch k = {batch, seq, targets, mask, labels, ref_mode & 1 ? adv : NULL, ref_mode & 2 ? ref : NULL,
-                                kl, kl_logratios};
+                                kl, kl_logratios, NULL};
         kb = k;
         if (getenv("FH_FUZZ_DEBUG"))
             fprintf(stderr, "kto (input bytes %zu..%zu) loss_type %d beta %g weights %g %g reference mode %d kl mode %d\n",
                     kto_first_byte, r.at, (int)ko.loss_type, ko.beta, ko.desirable_weight, ko.undesirable_weight,
                     ref_mode, kl_mode % 4);
+    }
+
+    /* One GRPO, preference or KTO batch in four is packed: cu_seqlens, S + 1 offsets of its S sequences (a pair's
+     * two for preference), evenly spread from 0 to n, one entry in four then off by one or out of range (not from 0,
+     * not increasing, not ending at n); seq 0, or in one packed batch in eight the [B, T] one (refused). Exact-size
+     * offsets when S fits n, else 4 of them: the library refuses more sequences than rows before reading them. */
+    if (u8(&r) % 4 == 0) {
+        const int64_t sequences = call == CALL_fh_preference_forward || call == CALL_fh_preference_forward_backward
+                                      ? 2 * pairs : batch;
+        const int fits = small && sequences >= 1 && sequences <= n;
+        const size_t entries = fits ? (size_t)sequences + 1 : 4;
+        int64_t *cu = alloc_exact(&in[IN_CU_SEQLENS], entries * sizeof(int64_t));
+        for (size_t k = 0; k < entries; k++)
+            cu[k] = fits ? (int64_t)k * n / sequences : (int64_t)k;
+        if (u8(&r) % 4 == 0) {
+            static const int64_t offs[] = {-1, 1, INT64_MIN, INT64_MAX};
+            const size_t k = u8(&r) % entries;
+            const int64_t off = offs[u8(&r) % 4];
+            cu[k] = off == INT64_MIN || off == INT64_MAX ? off : cu[k] + off;
+        }
+        const int64_t packed_seq = u8(&r) % 8 == 0 ? seq : 0;
+        gb.cu_seqlens = pb.cu_seqlens = kb.cu_seqlens = cu;
+        gb.seq = pb.seq = kb.seq = packed_seq;
     }
 
     /* The distillation teacher's buffers (late in the input: a short input then runs out in the teacher's values,
@@ -1380,7 +1402,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                                              "logp", "entropy", "mask", "advantages", "old", "ref", "sampling",
                                              "teacher x", "teacher weight", "teacher bias", "labels", "kl",
                                              "kl_logratios", "top-k ids", "top-k log-probs",
-                                             "kept logits"};
+                                             "kept logits", "support ids", "support offsets", "cu_seqlens"};
     for (int k = 0; k < IN_COUNT; k++)
         check_input(&in[k], in_names[k]);
 
