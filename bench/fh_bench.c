@@ -1335,7 +1335,8 @@ int main(int argc, char **argv)
             s.filter_tail = strcmp(v, "drop") == 0 ? FH_FILTER_TAIL_DROP : FH_FILTER_TAIL_ESTIMATE;
         }
         else if (strcmp(a, "--packed") == 0) {
-            if (parse_number(argv[++i], 0.0, 1.0, &s.padding_frac) != 0 || !(s.padding_frac > 0.0 && s.padding_frac < 1.0)) {
+            if (parse_number(argv[++i], 0.0, 1.0, &s.padding_frac) != 0 ||
+                !(s.padding_frac > 0.0 && s.padding_frac < 1.0)) {
                 usage();
                 return 2;
             }

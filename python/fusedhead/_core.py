@@ -746,10 +746,12 @@ def _sequence_rows(head: LinearHead, sequences: int, seq: int, cu_seqlens: Optio
     (cu_seqlens, [S + 1] int64 offsets), seq must be 0 and the arrays are [N]; the library checks the offsets."""
     if cu_seqlens is None:
         if sequences * seq != head.n:
-            raise ValueError(f"hidden: expected {dims[1:-1].replace(', ', '*')} = {sequences}*{seq} = {sequences * seq} "
-                             f"rows{what}, got {head.n}")
+            product = dims[1:-1].replace(", ", "*")
+            raise ValueError(f"hidden: expected {product} = {sequences}*{seq} = {sequences * seq} rows{what}, got "
+                             f"{head.n}")
         return None, f"{dims} = [{sequences}, {seq}]"
-    ptr = _vector_ptr(cu_seqlens, "cu_seqlens", sequences + 1, f"[{sequences + 1}] int64 vector (the sequences' offsets)")
+    ptr = _vector_ptr(cu_seqlens, "cu_seqlens", sequences + 1,
+                      f"[{sequences + 1}] int64 vector (the sequences' offsets)")
     return ptr, f"[N] = [{head.n}] (packed rows)"
 
 
@@ -1036,8 +1038,8 @@ class PreferenceProblem(_BatchProblem):
     and B + b), and a preference micro-batch: the arguments every fh_preference_* call shares. targets (int64) and
     mask (float32) are contiguous [2B*T] views; dpo's reference log-probs either ref_logps, a contiguous [2B]
     view (aggregated as the loss aggregates), or ref_per_token_logps [2B*T]; or packed sequences: cu_seqlens an int64
-    [2B + 1] view of their offsets (chosen, then rejected), seq 0, the token vectors [N]. forward / forward_backward take the
-    fh_preference_outputs arrays by name (sequence_logps, rewards: float32 [2B]; per_token_logp [2B*T])."""
+    [2B + 1] view of their offsets (chosen, then rejected), seq 0, the token vectors [N]. forward / forward_backward
+    take the fh_preference_outputs arrays by name (sequence_logps, rewards: float32 [2B]; per_token_logp [2B*T])."""
     _prefix, _metrics_struct, _outputs_struct = ("fh_preference", _lib.fh_preference_metrics,
                                                  _lib.fh_preference_outputs)
 

@@ -156,7 +156,7 @@ static fh_status row_blocks(const fh_pass *p)
             column[j] = 0.0;
     if (p->filter)
         fh_filter_begin(p);
-    int dweight_holds = 0; /* whether a block's GEMMs wrote dweight yet (a paired walk's first may be its second half) */
+    int dweight_holds = 0; /* whether a block's GEMMs wrote dweight yet (a first segment may hold no row) */
     fh_block b;
     for (int more = fh_block_next(p, &b, 1); more; more = fh_block_next(p, &b, 0)) {
         const int64_t rows = fh_block_rows(&b);

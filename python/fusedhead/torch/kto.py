@@ -14,8 +14,8 @@ from ._tensors import (INT64_HINT, TorchLinear, address, bt_tensor, check_inputs
 
 _ARGS = (("Tensor", "hidden"), ("Tensor", "weight"), ("Tensor", "targets"), ("Tensor", "mask"), ("Tensor", "labels"),
          ("Tensor?", "bias"), ("Tensor?", "ref_logps"), ("Tensor?", "ref_per_token_logps"), ("Tensor?", "kl_tensor"),
-         ("Tensor?", "kl_logratios"), ("Tensor?", "cu_seqlens"), ("str", "layout"), ("float?", "kl"), ("str", "loss_type"), ("float", "beta"),
-         ("float", "desirable_weight"), ("float", "undesirable_weight"))
+         ("Tensor?", "kl_logratios"), ("Tensor?", "cu_seqlens"), ("str", "layout"), ("float?", "kl"),
+         ("str", "loss_type"), ("float", "beta"), ("float", "desirable_weight"), ("float", "undesirable_weight"))
 
 
 class _KTO:
