@@ -310,6 +310,23 @@ static void test_one_rank_layout(void)
     TU_CHECK(fh_parallel_grpo_forward(ctx, L, &lin, &batch, &o, &grpo_out) == FH_ERR_INVALID_SUPPORT &&
                  fh_context_message(ctx, &message) == FH_OK && strstr(message, "no vocabulary- or data-parallel form"),
              "GRPO over a support on a layout: refused (%s)", message);
+    /* Nor have packed sequences: GRPO's and KTO's refused, loss untouched. */
+    const int64_t cu[2] = {0, N};
+    const fh_grpo_batch packed = {1, 0, ids, mask, &adv, NULL, NULL, NULL, NULL, cu};
+    loss = 12345.0;
+    TU_CHECK(fh_parallel_grpo_forward(ctx, L, &lin, &packed, &o, &grpo_out) == FH_ERR_INVALID_SIZE && loss == 12345.0 &&
+                 fh_context_message(ctx, &message) == FH_OK && strstr(message, "packed sequences have no"),
+             "packed GRPO on a layout: refused (%s)", message);
+    const uint8_t label = 1;
+    const fh_kto_batch kto_packed = {1, 0, ids, mask, &label, &adv, NULL, NULL, NULL, cu};
+    fh_kto_options ko;
+    fh_kto_options_init(&ko);
+    ko.loss_type = FH_KTO_LOSS_APO_ZERO_UNPAIRED;
+    fh_kto_outputs kto_out = {.loss = &loss};
+    TU_CHECK(fh_parallel_kto_forward(ctx, L, &lin, &kto_packed, &ko, &kto_out) == FH_ERR_INVALID_SIZE &&
+                 loss == 12345.0 && fh_context_message(ctx, &message) == FH_OK &&
+                 strstr(message, "packed sequences have no"),
+             "packed KTO on a layout: refused (%s)", message);
     fh_context_destroy(ctx);
     fh_parallel_layout_destroy(L);
 }
