@@ -273,6 +273,30 @@ static void test_scratch_in_dweight(void)
     cp_check_spec(&s, "bf16 train step, dU chunks in an fp32 dweight, H < N < 2 H");
 }
 
+/* When every row's bf16 dU does not fit the budget, the train step's row blocks add their dweight GEMMs into an f32
+ * accumulator (bf16 dweight; an fp32 one directly), rounded once after the last block, instead of streaming. N = 200,
+ * H = 48, V = 3001 under a 1 MiB budget: every row's dU (1.2 MB) does not fit; the accumulator (0.6 MB) and blocks of
+ * about 24 rows (18 KB a row: logits and dU) do, so the step runs nine blocks. Both layouts, bf16 and fp32 gradients,
+ * beta 0 and 1, against the reference (the tolerances of tests/cases/ce_case.c for the gradients' dtype). */
+static void test_blocks_with_a_dweight_accumulator(void)
+{
+    ce_case_spec s = bf16_spec(FH_LAYOUT_VH, 1);
+    s.n = 200;
+    s.hidden = 48;
+    s.vocab = 3001;
+    s.bias = 1;
+    s.tile_rows = 40;
+    s.budget = 1 << 20;
+    for (int grad_dtype = 0; grad_dtype < 2; grad_dtype++)
+        for (int layout = 0; layout < 2; layout++)
+            for (int beta = 0; beta < 2; beta++) {
+                s.layout = (fh_layout)layout;
+                s.grad_dtype = (fh_dtype)grad_dtype;
+                s.grad_beta = (float)beta;
+                cp_check_spec(&s, "bf16 train step, row blocks with a dweight accumulator");
+            }
+}
+
 /* The caller's workspace such a train step needs shrinks by what dweight holds, and the query that sees the
  * gradients says by how much: at N = 40, H = 160, V = 20000 ([V, H] with bf16 or fp32 gradients, [H, V]) and at
  * N = 240 in 80-row blocks with an fp32 dweight, beta 0, it answers at least the logits block (3.1 and 6.1 MiB)
@@ -531,6 +555,7 @@ static const tu_test tests[] = {
     {"bf16 gradients are the fp32 ones rounded once", test_bf16_gradients_are_rounded_fp32},
     {"the queried workspace serves bf16 gradients", test_queried_workspace_serves_bf16_gradients},
     {"logits block and dU chunks in dweight's memory", test_scratch_in_dweight},
+    {"row blocks with a dweight accumulator when every row's dU does not fit", test_blocks_with_a_dweight_accumulator},
     {"a smaller workspace with scratch in dweight, and the query that sees it", test_workspace_without_scratch},
     {"dtype contract", test_dtype_contract},
     {"wisdom entries per dtype", test_wisdom_dtype},

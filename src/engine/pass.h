@@ -162,7 +162,9 @@ static inline void fh_store(void *out, fh_dtype dtype, int64_t step, const float
 int64_t fh_du_chunk(const fh_pass *p, int64_t vb);
 uint16_t *fh_du_chunk_at(const fh_pass *p, int64_t c);
 fh_gemm_input fh_du_view(const fh_pass *p, int64_t tile_row, int64_t i0, int64_t vb, int64_t j0);
-void fh_round_du_row(const fh_pass *p, const float *row, int64_t i0, int64_t r, int64_t vb);
+void fh_round_du_row(const fh_pass *p, const float *row, int64_t tile_row, int64_t i0, int64_t r, int64_t vb);
+/* dw_acc (dweight's columns v0 .. v0 + vb - 1, f32) rounded once into the bf16 dweight, as beta says (streaming.c). */
+void fh_round_dweight_accumulator(const fh_pass *p, int64_t v0, int64_t vb);
 float *fh_dx_row_f32(const fh_pass *p, int64_t i, int64_t i0);
 
 /* Where they add into dweight (k, tile column jt), unless dweight_after_blocks: dw_acc for a streamed bf16

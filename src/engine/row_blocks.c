@@ -88,7 +88,7 @@ static void gradient_row(const fh_pass *p, float *row, int64_t tile_row, int seg
     fh_coef k = {stats->lse, 0.0, 0.0, 0.0, 0.0, stats->sum_pz, exps ? 1.0 / p->in.stats->sum_exp[i] : 0.0};
     p->in.source->row(p->in.source->self, i, stats, &k);
     fh_pass_row_gradient(p, row, tile_row, segment, vocab, t, p->in.class_weights, &k);
-    fh_round_du_row(p, row, i0, r, vocab);
+    fh_round_du_row(p, row, tile_row, i0, r, vocab);
 }
 
 static void block_dx_end(const fh_pass *p, int64_t i0, int64_t nb)
@@ -99,8 +99,9 @@ static void block_dx_end(const fh_pass *p, int64_t i0, int64_t nb)
                         grads->dx_row_stride, nb, p->in.lin->hidden, grads->dx_beta != 0.0f, p->in.plan->threads);
 }
 
-/* Row r of the block at i0 with a pair: both rows made ready, every forward pass of the kernels, then its dU. */
-static void pair_row_block(const fh_pass *p, float *row, int64_t i0, int64_t r)
+/* Row r of the segment at i0 (tile row tile_row) with a pair: both rows made ready, every forward pass of the
+ * kernels, then its dU. */
+static void pair_row_block(const fh_pass *p, float *row, int64_t tile_row, int64_t i0, int64_t r)
 {
     const fh_pair_kernels *k = p->in.pair;
     const int64_t i = i0 + r, vocab = p->in.lin->vocab;
@@ -111,7 +112,7 @@ static void pair_row_block(const fh_pass *p, float *row, int64_t i0, int64_t r)
         k->finish(k->self, pass, i);
     }
     k->gradient(k->self, i, row, crow, vocab, 0);
-    fh_round_du_row(p, row, i0, r, vocab);
+    fh_round_du_row(p, row, tile_row, i0, r, vocab);
 }
 
 /* The statistics of rows [i0, n) as arrays starting at row i0. */
@@ -172,7 +173,7 @@ static fh_status row_blocks(const fh_pass *p)
                 int segment;
                 int64_t first;
                 const int64_t k = block_row(&b, r, &segment, &first);
-                pair_row_block(p, tile + r * vocab, first, k);
+                pair_row_block(p, tile + r * vocab, r, first, k);
             }
         } else if (!p->in.source->block) {
             /* Fold, then the gradient while the row is still hot in cache. */
@@ -229,6 +230,8 @@ static fh_status row_blocks(const fh_pass *p)
     else if (grads->dweight && p->sinks.dweight == FH_DWEIGHT_AFTER_BLOCKS) {
         p->ws.filter_stats->gradient_flops += 2.0 * (double)n * (double)lin->hidden * (double)vocab;
         st = fh_pass_dweight_by_chunks(p, 0);
+    } else if (grads->dweight && p->sinks.dweight == FH_DWEIGHT_ACCUMULATOR) {
+        fh_round_dweight_accumulator(p, 0, vocab); /* dw_block_acc: every block added in f32 */
     }
     if (st != FH_OK)
         return st;

@@ -16,9 +16,9 @@ void fh_pass_begin(fh_pass *p, const fh_engine_pass *in)
     p->sinks.dx = bf16_dx && !plan->row_blocks ? FH_DX_ACCUMULATOR
                   : bf16_dx && p->ws.dx_block  ? FH_DX_BLOCK
                                                : FH_DX_DIRECT;
-    p->sinks.dweight = plan->row_blocks && plan->bf16_du ? FH_DWEIGHT_AFTER_BLOCKS
-                       : bf16_dweight && !plan->row_blocks ? FH_DWEIGHT_ACCUMULATOR
-                                                           : FH_DWEIGHT_DIRECT;
+    p->sinks.dweight = plan->row_blocks && plan->bf16_du && !plan->dw_block_acc ? FH_DWEIGHT_AFTER_BLOCKS
+                       : bf16_dweight && (!plan->row_blocks || plan->dw_block_acc) ? FH_DWEIGHT_ACCUMULATOR
+                                                                                    : FH_DWEIGHT_DIRECT;
     p->sinks.by_vocab = in->lin->w_stride_vocab <= in->lin->w_stride_hidden;
     p->sinks.dw_overwrites = p->sinks.dweight == FH_DWEIGHT_ACCUMULATOR || (grads && grads->dweight_beta == 0.0f);
 }
@@ -47,20 +47,21 @@ fh_gemm_input fh_du_view(const fh_pass *p, int64_t tile_row, int64_t i0, int64_t
 {
     if (!p->in.plan->bf16_du)
         return view(p->ws.tile, FH_ELEM_F32, tile_row * vb + j0, vb, 1);
-    if (!p->in.plan->row_blocks)
+    if (!p->in.plan->row_blocks || p->in.plan->dw_block_acc)
         return view(p->ws.du, FH_ELEM_BF16, tile_row * vb + j0, vb, 1);
     const int64_t t = p->in.plan->du_chunk, c = j0 / t, width = min64(t, vb - c * t);
     return view(fh_du_chunk_at(p, c), FH_ELEM_BF16, i0 * width + j0 - c * t, width, 1);
 }
 
-/* With bf16_du, row r (of the rows at i0) of the tile's dU rounded into its place in the du buffer or its
- * chunks, inside the row loop while it is hot. */
-void fh_round_du_row(const fh_pass *p, const float *row, int64_t i0, int64_t r, int64_t vb)
+/* With bf16_du, row r (of the rows at i0; tile row tile_row) of the tile's dU rounded into its place, inside the row
+ * loop while it is hot: the du buffer's tile row (streaming, and row blocks with dw_block_acc), or every row's
+ * chunks (row blocks). */
+void fh_round_du_row(const fh_pass *p, const float *row, int64_t tile_row, int64_t i0, int64_t r, int64_t vb)
 {
     if (!p->in.plan->bf16_du)
         return;
-    if (!p->in.plan->row_blocks) {
-        fh_row_to_bf16(row, vb, p->ws.du + r * vb);
+    if (!p->in.plan->row_blocks || p->in.plan->dw_block_acc) {
+        fh_row_to_bf16(row, vb, p->ws.du + tile_row * vb);
         return;
     }
     const int64_t t = p->in.plan->du_chunk;

@@ -29,7 +29,7 @@ static void round_dweight_run(const void *self, const fh_run *run)
              grads->dweight_beta != 0.0f);
 }
 
-static void finish_dweight_tile(const fh_pass *p, int64_t v0, int64_t vb)
+void fh_round_dweight_accumulator(const fh_pass *p, int64_t v0, int64_t vb)
 {
     const dweight_tile tile = {p, v0, vb};
     fh_walk(p->in.plan->threads, p->in.lin->hidden, p->sinks.by_vocab, 0, vb, NULL, round_dweight_run, &tile);
@@ -227,7 +227,7 @@ static fh_status backward(const fh_pass *p)
                     fh_row_transform(row, vb, bias, &p->in.tf);
                     fh_pass_row_gradient(p, row, r, 0, vb, t, weights, &k);
                 }
-                fh_round_du_row(p, row, i0, r, vb);
+                fh_round_du_row(p, row, r, i0, r, vb);
             }
             if (grads->dbias)
                 fh_add_column_sums(tile, nb, vb, column, threads);
@@ -238,7 +238,7 @@ static fh_status backward(const fh_pass *p)
         if (p->filter)
             fh_filter_tile_end(p, v0, vb);
         if (grads->dweight && p->sinks.dweight == FH_DWEIGHT_ACCUMULATOR)
-            finish_dweight_tile(p, v0, vb);
+            fh_round_dweight_accumulator(p, v0, vb);
         if (grads->dbias)
             fh_write_bias_gradient(grads, column, v0, vb);
     }

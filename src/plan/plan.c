@@ -69,10 +69,10 @@ static void buffer_table(const fh_plan *plan, int64_t n, fh_buffer_size table[FH
         [FH_BUFFER_TILE] = {!plan->tile_in_dweight, rows, cols, sizeof(float)},
         [FH_BUFFER_COMPANION_TILE] = {plan->companion, rows, cols, sizeof(float)},
         [FH_BUFFER_COLUMN] = {1, 1, cols, sizeof(double)},
-        [FH_BUFFER_DU] = {plan->bf16_du, plan->row_blocks ? n : rows, cols - du_columns_in_dweight(plan),
-                          sizeof(uint16_t)},
+        [FH_BUFFER_DU] = {plan->bf16_du, plan->row_blocks && !plan->dw_block_acc ? n : rows,
+                          cols - du_columns_in_dweight(plan), sizeof(uint16_t)},
         [FH_BUFFER_DX_ACC] = {plan->accumulators, n, hidden, sizeof(float)},
-        [FH_BUFFER_DW_ACC] = {plan->accumulators, hidden, cols, sizeof(float)},
+        [FH_BUFFER_DW_ACC] = {plan->accumulators || plan->dw_block_acc, hidden, cols, sizeof(float)},
         [FH_BUFFER_X32] = {plan->fp32_du, rows, hidden, sizeof(float)},
         [FH_BUFFER_W32] = {plan->fp32_du, hidden, cols, sizeof(float)},
         [FH_BUFFER_DX_BLOCK] = {dx_block, rows, hidden, sizeof(float)},
@@ -159,6 +159,7 @@ static void set_schedule(const fh_context *ctx, const fh_linear *lin, int gradie
     plan->fp32_du = bf16 && ctx->params[FH_PARAM_FP32_DU] != 0;
     plan->bf16_du = bf16 && !plan->fp32_du;
     plan->accumulators = bf16 && !row_blocks;
+    plan->dw_block_acc = 0;
     plan->filter_eps = gradients && companion == NO_COMPANION ? ctx->grad_filter_eps : 0.0;
     plan->tail_estimate = plan->filter_eps > 0.0 && ctx->grad_filter_tail == FH_FILTER_TAIL_ESTIMATE;
     /* Chunks only where dweight may hold them (see place_in_dweight): in the [H, V] layout oneDNN writes a chunk's
@@ -268,7 +269,7 @@ static int place_in_dweight(fh_plan *plan, const fh_linear *lin, const fh_linear
 {
     const int64_t n = lin->n, vocab = lin->vocab, hidden = lin->hidden;
     if (!grads || !grads->dweight || grads->dweight_beta != 0.0f || !plan->row_blocks || !plan->bf16_du ||
-        plan->filter_eps > 0.0)
+        plan->dw_block_acc || plan->filter_eps > 0.0)
         return 0;
     const int vh = dense_vh(lin);
     if (!vh && !(lin->w_stride_vocab == 1 && lin->w_stride_hidden == vocab))
@@ -347,14 +348,25 @@ static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, const fh
         return 0;
     nothing_in_dweight(plan);
     plan->tile_rows = 1;
-    if (place_buffers(plan, n) != 0 || (int64_t)plan->bytes > budget)
-        return -1;
-    /* Each further row costs vocab floats of logits and filtering's share; the buffers' alignment is absorbed by the
-     * final check below. */
+    int64_t rows_cap = cap;
+    if (place_buffers(plan, n) != 0 || (int64_t)plan->bytes > budget) {
+        /* Every row's bf16 dU does not fit: blocks that add their dweight into an f32 accumulator instead (no
+         * companion, no filtering), as tall as the budget holds; else stream. */
+        if (!plan->bf16_du || plan->companion || plan->filter_eps > 0.0)
+            return -1;
+        plan->dw_block_acc = 1;
+        plan->du_chunk = vocab;
+        rows_cap = min64(n, rows_param > 0 ? rows_param : n);
+        if (place_buffers(plan, n) != 0 || (int64_t)plan->bytes > budget)
+            return -1;
+    }
+    /* Each further row costs vocab floats of logits (and with dw_block_acc its bf16 dU) and filtering's share; the
+     * buffers' alignment is absorbed by the final check below. */
     const fh_filter_shape shape = filter_shape(plan);
     const int64_t filter_row_bytes = fh_filter_row_bytes(&shape);
-    const int64_t row_bytes = (plan->companion ? 2 : 1) * vocab * (int64_t)sizeof(float) + filter_row_bytes;
-    const int64_t rows = min64(cap, 1 + (budget - (int64_t)plan->bytes) / row_bytes);
+    const int64_t row_bytes = (plan->companion ? 2 : 1) * vocab * (int64_t)sizeof(float) +
+                              (plan->dw_block_acc ? vocab * (int64_t)sizeof(uint16_t) : 0) + filter_row_bytes;
+    const int64_t rows = min64(rows_cap, 1 + (budget - (int64_t)plan->bytes) / row_bytes);
     /* Blocks thinner than MIN_ROW_BLOCK (a pair's PAIR_ROW_BLOCK) lose to streaming (the H x V dweight is re-read
      * per block), unless the caller asked for them, or for batch invariance (row blocks at every n). */
     const int64_t min_rows = rows_param > 0 || batch_invariant(ctx)

@@ -41,12 +41,17 @@ typedef struct fh_plan {
     int gradients;        /* the pass writes gradients (backward, train step) */
     int row_blocks;       /* the train step's row blocks (tile_vocab = vocab) */
     /* bf16 inputs. bf16_du: dU rounded to bf16 into its own buffer (du), tile_rows x tile_vocab when
-     * streaming, all n rows in row blocks (so that dweight is one GEMM over every row, rounded once);
+     * streaming, all n rows in row blocks (so that dweight is one GEMM over every row, rounded once; one block's
+     * rows with dw_block_acc);
      * fp32_du (FH_PARAM_FP32_DU): dU stays f32 and the gradient GEMMs take f32 copies of the x rows (x32) and
      * weight columns (w32) of the tile. Streaming with bf16 inputs reserves the f32 accumulators of bf16
      * gradients (dx_acc n x H, dw_acc H x tile_vocab), whatever the call's gradient dtypes, so that the size
      * queries, which do not see them, hold for every call. */
     int bf16_du, fp32_du, accumulators;
+    /* bf16 row blocks when every row's dU does not fit the budget: each block's dweight GEMM adds into dw_acc
+     * (H x vocab f32, for a bf16 dweight; an fp32 one takes it directly), rounded once after the last block, and du
+     * holds one block's rows (du_chunk = vocab) */
+    int dw_block_acc;
     /* bf16 row blocks keep every row's dU in chunks of du_chunk columns (the last may be narrower), each n x width
      * row-major: dx is a GEMM per chunk (through dx_block, in f32, for a bf16 dx) and dweight, after the last block,
      * a GEMM per chunk, written in vocabulary order. One chunk (du_chunk = vocab) unless the weight is dense [V, H]
