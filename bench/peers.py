@@ -30,6 +30,8 @@ when N is smaller, and every token counts: no padding, so that each case does th
                              ChunkedLogProbFunction over 32768-wide vocabulary tiles, -sum(log p) / N
     fusedhead                fusedhead.torch.fused_linear_cross_entropy
     fusedhead_compile        torch.compile(fullgraph=True) of a function calling it
+    fusedhead[memory_budget=M MiB]  fusedhead with its context's memory_budget at --memory-budget M (every head;
+                             run only when that option is given): the smaller workspace it trades time for
   logprobs  per-token log p(y) and entropy of softmax(h W^T), then -(sum log p + 0.01 sum entropy) / N
             (gradients through both, as GRPO's entropy bonus takes them)
     torch_eager              F.linear, log_softmax in fp32, gather and entropy on the [N, V] logits
@@ -90,12 +92,12 @@ HEADS = ("ce", "logprobs", "grpo", "dpo", "kto", "distill")
 DEFAULT_DTYPES = {"ce": ("fp32", "bf16")}  # every other head: fp32
 PEERS = {
     "ce": ("torch_eager", "torch_lce[auto]", "torch_lce[chunk]", "torch_compile", "liger_flce", "trl_nll",
-           "fusedhead", "fusedhead_compile"),
-    "logprobs": ("torch_eager", "torch_compile", "trl_logprob_entropy", "fusedhead"),
-    "grpo": ("liger_grpo", "trl_grpo", "fusedhead"),
-    "dpo": ("liger_dpo", "fusedhead"),
-    "kto": ("liger_kto", "fusedhead"),
-    "distill": ("liger_jsd", "fusedhead"),
+           "fusedhead", "fusedhead[budget]", "fusedhead_compile"),
+    "logprobs": ("torch_eager", "torch_compile", "trl_logprob_entropy", "fusedhead", "fusedhead[budget]"),
+    "grpo": ("liger_grpo", "trl_grpo", "fusedhead", "fusedhead[budget]"),
+    "dpo": ("liger_dpo", "fusedhead", "fusedhead[budget]"),
+    "kto": ("liger_kto", "fusedhead", "fusedhead[budget]"),
+    "distill": ("liger_jsd", "fusedhead", "fusedhead[budget]"),
 }
 ENTROPY_COEF = 0.01  # the logprobs head's loss: -(sum log p + ENTROPY_COEF sum entropy) / N
 TESTS_DIR = os.path.join(harness.PYTHON_DIR, "tests")
@@ -110,8 +112,12 @@ class PeerUnavailable(Exception):
         self.status = status
 
 
-def case_label(peer: str, chunk: int) -> str:
-    return f"torch_lce[batch_chunk_size={chunk}]" if peer == "torch_lce[chunk]" else peer
+def case_label(peer: str, args: argparse.Namespace) -> str:
+    if peer == "torch_lce[chunk]":
+        return f"torch_lce[batch_chunk_size={args.chunk}]"
+    if peer == "fusedhead[budget]":
+        return f"fusedhead[memory_budget={args.memory_budget} MiB]"
+    return peer
 
 
 def pip_hint(package: str) -> str:
@@ -404,11 +410,15 @@ def run_case(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    result: Dict[str, Any] = {"case": case_label(args.case, args.chunk), "status": "ok"}
+    result: Dict[str, Any] = {"case": case_label(args.case, args), "status": "ok"}
+    budget = args.case == "fusedhead[budget]"
     try:
         d = make_data(args)
         d.leaves = [d.hidden, d.weight]
-        step, note = CASES[(args.head, args.case)](args, d)
+        step, note = CASES[(args.head, "fusedhead" if budget else args.case)](args, d)
+        if budget:  # after the case's set-up step, which sets the default context's threads
+            import fusedhead
+            fusedhead.set_default_context_settings(memory_budget=args.memory_budget << 20)
         result.update(harness.measure(step, args.reps, zero_grads(d)))
         result.update(note=note() if callable(note) else note, threads=torch.get_num_threads(), **d.report)
     except PeerUnavailable as e:
@@ -426,16 +436,19 @@ def run_case(args: argparse.Namespace) -> None:
 def run_block(args: argparse.Namespace, shape: Tuple[int, int, int], dtype: str, head: str,
               env: Dict[str, str]) -> Dict[str, Any]:
     n, h, v = shape
-    peers = [p for p in PEERS[head] if not args.peers or p in args.peers or case_label(p, args.chunk) in args.peers]
+    peers = [p for p in PEERS[head] if (args.memory_budget is not None or p != "fusedhead[budget]") and
+             (not args.peers or p in args.peers or case_label(p, args) in args.peers)]
     rows: Dict[str, Dict[str, Any]] = {}
     for rnd in range(args.rounds):
         for peer in (peers if rnd % 2 == 0 else list(reversed(peers))):
-            label = case_label(peer, args.chunk)
+            label = case_label(peer, args)
             if label in rows and rows[label]["status"] != "ok":
                 continue  # a peer that cannot run does not get better in the next round
             cmd = [sys.executable, os.path.abspath(__file__), "--case", peer, "--head", head, f"--n={n}",
                    f"--hidden={h}", f"--vocab={v}", f"--dtype={dtype}", f"--threads={args.threads}",
                    f"--reps={args.reps}", f"--chunk={args.chunk}", f"--seq-len={args.seq_len}"]
+            if args.memory_budget is not None:
+                cmd.append(f"--memory-budget={args.memory_budget}")
             result, error = harness.run_case_process(
                 cmd, dict(os.environ) if peer.startswith("fusedhead") else env, args.case_timeout)
             if result is None:
@@ -450,7 +463,7 @@ def run_block(args: argparse.Namespace, shape: Tuple[int, int, int], dtype: str,
             else:
                 old["best_ms"] = min(old["best_ms"], result["best_ms"])
                 old["peak_rss_growth_bytes"] = max(old["peak_rss_growth_bytes"], result["peak_rss_growth_bytes"])
-    cases = [rows[case_label(p, args.chunk)] for p in peers]
+    cases = [rows[case_label(p, args)] for p in peers]
     block: Dict[str, Any] = {"head": head, "dtype": dtype, "n": n, "hidden": h, "vocab": v, "threads": args.threads,
                              "reps": args.reps, "rounds": args.rounds, "cases": cases}
     if head in ("grpo", "dpo", "kto"):
@@ -577,6 +590,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2,
                    help="processes per case, alternating with the other cases of the head (default 2)")
     p.add_argument("--chunk", type=int, default=256, help="torch_lce's batch chunk in rows (default 256)")
+    p.add_argument("--memory-budget", type=int, metavar="MIB",
+                   help="also run fusedhead with its context's memory_budget at MIB MiB: fusedhead[memory_budget=...]")
     p.add_argument("--seq-len", type=int, default=256,
                    help="tokens per sequence of the grpo, dpo and kto heads (default 256; fewer when N is smaller)")
     p.add_argument("--case-timeout", type=float, help="seconds before a case process is stopped and reported failed")

@@ -298,7 +298,13 @@ static int place_in_dweight(fh_plan *plan, const fh_linear *lin, const fh_linear
     return plan->tile_in_dweight || plan->du_chunks_in_dweight > 0;
 }
 
-#define MIN_ROW_BLOCK 256
+/* Below this many rows a block streams instead: each block re-reads (fp32: and re-writes) the H x V weight gradient
+ * and repacks the weight, so thin blocks lose to streaming's 8 NHV. Measured against streaming, best of 2 in one
+ * process (fp32 CE train step, 2 threads, AMD Zen 4, 2026-11-29), as times of one block of every row: 128-row blocks
+ * 1.38 / streaming 1.35 at N=1024 H=1024 V=32768, 1.25 / 1.34 at N=512 H=1536 V=151643, 1.11 / 1.40 at N=256
+ * H=2304 V=262144; 64-row blocks 1.84 and 1.62; bf16 at N=1024 H=1024 V=32768 128-row blocks 1.06 / streaming 1.45.
+ * (It was 256 rows, set on 2026-11-22 against an engine whose thin blocks ran at 0.57 of sgemm.) */
+#define MIN_ROW_BLOCK 128
 /* bf16 row blocks keep every row's bf16 dU (the dweight GEMM runs once, over all rows), so a block's height
  * only sets how often the weight is re-read by the logits and dx GEMMs: 512 and 1024 rows ran no faster than
  * 256 but hold more f32 logits, 128 rows ran 8 - 10% slower (fh_bench --dtype bf16 at N=1024 H=1024 V=32768
