@@ -274,27 +274,35 @@ static void test_scratch_in_dweight(void)
 }
 
 /* When every row's bf16 dU does not fit the budget, the train step's row blocks add their dweight GEMMs into an f32
- * accumulator (bf16 dweight; an fp32 one directly), rounded once after the last block, instead of streaming. N = 200,
- * H = 48, V = 3001 under a 1 MiB budget: every row's dU (1.2 MB) does not fit; the accumulator (0.6 MB) and blocks of
- * about 24 rows (18 KB a row: logits and dU) do, so the step runs nine blocks. Both layouts, bf16 and fp32 gradients,
- * beta 0 and 1, against the reference (the tolerances of tests/cases/ce_case.c for the gradients' dtype). */
+ * accumulator (bf16 dweight; an fp32 one directly), one GEMM per span of blocks whose dU the du buffer holds, rounded
+ * once after the last span, instead of streaming. N = 200, H = 48, V = 3001, every row's dU (1.2 MB) beyond the
+ * budget: under 1 MiB the accumulator (0.6 MB) and blocks of about 24 rows (18 KB a row: logits and dU) fit, nine
+ * blocks, each its own span; under 1.4 MiB 20-row blocks in spans of several (the du buffer's rest of the budget) and
+ * a shorter last span. Both layouts, bf16 and fp32 gradients, beta 0 and 1, against the reference (the tolerances of
+ * tests/cases/ce_case.c for the gradients' dtype). */
 static void test_blocks_with_a_dweight_accumulator(void)
 {
+    static const struct {
+        int64_t tile_rows, budget;
+        const char *what;
+    } runs[] = {{40, 1 << 20, "bf16 train step, row blocks with a dweight accumulator, a span each"},
+                {8, 1150 << 10, "bf16 train step, row blocks with a dweight accumulator, spans of several"}};
     ce_case_spec s = bf16_spec(FH_LAYOUT_VH, 1);
     s.n = 200;
     s.hidden = 48;
     s.vocab = 3001;
     s.bias = 1;
-    s.tile_rows = 40;
-    s.budget = 1 << 20;
-    for (int grad_dtype = 0; grad_dtype < 2; grad_dtype++)
-        for (int layout = 0; layout < 2; layout++)
-            for (int beta = 0; beta < 2; beta++) {
-                s.layout = (fh_layout)layout;
-                s.grad_dtype = (fh_dtype)grad_dtype;
-                s.grad_beta = (float)beta;
-                cp_check_spec(&s, "bf16 train step, row blocks with a dweight accumulator");
-            }
+    for (size_t run = 0; run < TU_COUNT(runs); run++)
+        for (int grad_dtype = 0; grad_dtype < 2; grad_dtype++)
+            for (int layout = 0; layout < 2; layout++)
+                for (int beta = 0; beta < 2; beta++) {
+                    s.tile_rows = runs[run].tile_rows;
+                    s.budget = runs[run].budget;
+                    s.layout = (fh_layout)layout;
+                    s.grad_dtype = (fh_dtype)grad_dtype;
+                    s.grad_beta = (float)beta;
+                    cp_check_spec(&s, runs[run].what);
+                }
 }
 
 /* The caller's workspace such a train step needs shrinks by what dweight holds, and the query that sees the

@@ -4,6 +4,44 @@
 
 #include "filter/filter.h"
 
+/* Whether each tile's or block's gradient GEMMs include dweight's (not after bf16 row blocks, nor over spans of them). */
+static int block_dweight(const fh_pass *p)
+{
+    return p->sinks.dweight != FH_DWEIGHT_AFTER_BLOCKS && !p->in.plan->dw_block_acc;
+}
+
+/* dw_block_acc: the dweight GEMM over `rows` rows (a span, or a paired block's segment), made ready unless the last
+ * one had as many rows. */
+static fh_status prepare_span(const fh_pass *p, int64_t rows, int64_t *last)
+{
+    fh_status st = FH_OK;
+    for (int accumulate = 0; rows > 0 && rows != *last && accumulate < 2 && st == FH_OK; accumulate++)
+        st = fh_pass_add_dweight(p, 1, 0, 0, rows, 0, p->in.lin->vocab, 0, p->in.lin->vocab, accumulate);
+    *last = rows > 0 ? rows : *last;
+    return st;
+}
+
+/* dw_block_acc: every span's and paired segment's dweight GEMM, walked as row_blocks walks them. */
+static fh_status prepare_spans(const fh_pass *p)
+{
+    fh_status st = FH_OK;
+    int64_t span = 0, last = -1;
+    fh_block b;
+    int more = fh_block_next(p, &b, 1);
+    for (;;) {
+        if (!more || fh_span_ends_before(p, &b, span)) {
+            st = prepare_span(p, span, &last);
+            span = 0;
+        }
+        if (!more || st != FH_OK)
+            return st;
+        for (int s = 0; b.segments > 1 && s < b.segments && st == FH_OK; s++)
+            st = prepare_span(p, b.rows[s], &last);
+        span += b.segments == 1 ? fh_block_rows(&b) : 0;
+        more = fh_block_next(p, &b, 0);
+    }
+}
+
 /* The GEMMs of row segments of `height` rows: full tiles and the edge ones; gradients first written and then
  * accumulated. */
 static fh_status prepare_height(const fh_pass *p, int64_t height)
@@ -25,7 +63,7 @@ static fh_status prepare_height(const fh_pass *p, int64_t height)
                 const int64_t len = min64(t, widths[w] - firsts[k]);
                 if (st == FH_OK && grads->dx)
                     st = fh_pass_add_dx(p, 1, 0, 0, height, 0, widths[w], firsts[k], len, accumulate);
-                if (st == FH_OK && grads->dweight && p->sinks.dweight != FH_DWEIGHT_AFTER_BLOCKS)
+                if (st == FH_OK && grads->dweight && block_dweight(p))
                     st = fh_pass_add_dweight(p, 1, 0, 0, height, 0, widths[w], firsts[k], len, accumulate);
             }
     }
@@ -47,6 +85,8 @@ fh_status fh_pass_prepare(const fh_pass *p)
             }
     if (st == FH_OK && grads && grads->dweight && p->sinks.dweight == FH_DWEIGHT_AFTER_BLOCKS)
         st = fh_pass_dweight_by_chunks(p, 1);
+    if (st == FH_OK && grads && grads->dweight && p->in.plan->dw_block_acc)
+        st = prepare_spans(p);
     return st;
 }
 
@@ -77,7 +117,7 @@ fh_status fh_pass_gradients(const fh_pass *p, int segment, int64_t tile_row, int
     if (p->filter)
         return fh_filter_gradients(p, segment, tile_row, i0, nb, v0, vb);
     const fh_linear_grads *grads = p->in.grads;
-    const int gemms = (grads->dx != NULL) + (grads->dweight && p->sinks.dweight != FH_DWEIGHT_AFTER_BLOCKS);
+    const int gemms = (grads->dx != NULL) + (grads->dweight && block_dweight(p));
     p->ws.filter_stats->gradient_flops += 2.0 * (double)nb * (double)p->in.lin->hidden * (double)vb * gemms;
     fh_status st = FH_OK;
     if (p->in.plan->fp32_du)
@@ -85,7 +125,7 @@ fh_status fh_pass_gradients(const fh_pass *p, int segment, int64_t tile_row, int
     const int64_t t = fh_du_chunk(p, vb);
     for (int64_t j0 = 0; grads->dx && j0 < vb && st == FH_OK; j0 += t)
         st = fh_pass_add_dx(p, 0, tile_row, i0, nb, v0, vb, j0, min64(t, vb - j0), v0 > 0 || j0 > 0);
-    if (st == FH_OK && grads->dweight && p->sinks.dweight != FH_DWEIGHT_AFTER_BLOCKS)
+    if (st == FH_OK && grads->dweight && block_dweight(p))
         st = fh_pass_add_dweight(p, 0, tile_row, i0, nb, v0, vb, 0, vb, dweight_holds);
     return st;
 }

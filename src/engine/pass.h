@@ -94,6 +94,9 @@ typedef struct fh_block {
 /* The pass's first row block into b (start 1), or the one after b; 0 when there is none. Blocks of plan->tile_rows
  * rows (the last one shorter), or with groups as many whole groups as fit tile_rows (at least one). */
 int fh_block_next(const fh_pass *p, fh_block *b, int start);
+/* dw_block_acc: whether block b starts a new span of dU after span_rows rows (a paired block stands alone, each
+ * segment its own span; else a span stops at plan->du_rows). */
+int fh_span_ends_before(const fh_pass *p, const fh_block *b, int64_t span_rows);
 
 static inline int64_t fh_block_rows(const fh_block *b)
 {

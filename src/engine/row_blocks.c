@@ -1,7 +1,8 @@
 /* The single-call train step in row blocks of tile_rows x V: each block's logits are computed once, folded, turned
  * into dU while hot in cache and multiplied out. In bf16 row blocks dx is summed per block over the dU chunks (in f32,
  * dx_block, when it is bf16) and dweight is one GEMM per chunk after the last block, over the bf16 dU of every row,
- * written directly. */
+ * written directly; where every row's dU does not fit (dw_block_acc), one GEMM per span of blocks into the f32
+ * accumulator. */
 #include "pass.h"
 
 #include "filter/filter.h"
@@ -115,6 +116,23 @@ static void pair_row_block(const fh_pass *p, float *row, int64_t tile_row, int64
     fh_round_du_row(p, row, tile_row, i0, r, vocab);
 }
 
+int fh_span_ends_before(const fh_pass *p, const fh_block *b, int64_t span_rows)
+{
+    return b->segments > 1 || span_rows + fh_block_rows(b) > p->in.plan->du_rows;
+}
+
+/* dw_block_acc: the dweight GEMM over rows first .. first + rows - 1, whose dU the du buffer holds from row du_row. */
+static fh_status add_span_dweight(const fh_pass *p, int64_t du_row, int64_t first, int64_t rows, int *dweight_holds)
+{
+    if (rows == 0)
+        return FH_OK;
+    const int64_t vocab = p->in.lin->vocab;
+    p->ws.filter_stats->gradient_flops += 2.0 * (double)rows * (double)p->in.lin->hidden * (double)vocab;
+    const fh_status st = fh_pass_add_dweight(p, 0, du_row, first, rows, 0, vocab, 0, vocab, *dweight_holds);
+    *dweight_holds = 1;
+    return st;
+}
+
 /* The statistics of rows [i0, n) as arrays starting at row i0. */
 static fh_token_stats stats_from(const fh_token_stats *s, int64_t i0)
 {
@@ -135,7 +153,7 @@ static int64_t block_row(const fh_block *b, int64_t r, int *segment, int64_t *fi
     return r - b->tile_row[*segment];
 }
 
-static fh_status row_blocks(const fh_pass *p)
+static fh_status row_blocks(fh_pass *p)
 {
     const fh_linear *lin = p->in.lin;
     const fh_linear_grads *grads = p->in.grads;
@@ -158,9 +176,23 @@ static fh_status row_blocks(const fh_pass *p)
     if (p->filter)
         fh_filter_begin(p);
     int dweight_holds = 0; /* whether a block's GEMMs wrote dweight yet (a first segment may hold no row) */
+    const int spans = grads->dweight && p->in.plan->dw_block_acc;
+    uint16_t *const du = p->ws.du; /* spans: each block's dU at its place in the span */
+    int64_t span_first = 0, span_rows = 0;
     fh_block b;
     for (int more = fh_block_next(p, &b, 1); more; more = fh_block_next(p, &b, 0)) {
         const int64_t rows = fh_block_rows(&b);
+        if (spans && fh_span_ends_before(p, &b, span_rows)) {
+            p->ws.du = du;
+            st = add_span_dweight(p, 0, span_first, span_rows, &dweight_holds);
+            if (st != FH_OK)
+                return st;
+            span_rows = 0;
+        }
+        if (spans) {
+            span_first = span_rows ? span_first : b.first[0];
+            p->ws.du = du + span_rows * vocab;
+        }
         for (int s = 0; s < b.segments && st == FH_OK; s++)
             if (b.rows[s] > 0)
                 st = fh_pass_logits(p, 0, tile + b.tile_row[s] * vocab, b.first[s], b.rows[s], 0, vocab);
@@ -218,13 +250,24 @@ static fh_status row_blocks(const fh_pass *p)
             if (p->filter)
                 fh_filter_block_begin(p, b.first[s], b.rows[s]);
             st = fh_pass_gradients(p, s, b.tile_row[s], b.first[s], b.rows[s], 0, vocab, dweight_holds);
-            dweight_holds = 1;
+            if (!spans)
+                dweight_holds = 1;
             if (st == FH_OK)
                 block_dx_end(p, b.first[s], b.rows[s]);
+            /* A paired block's segments are two runs of rows: each its own span. */
+            if (st == FH_OK && spans && b.segments > 1)
+                st = add_span_dweight(p, b.tile_row[s], b.first[s], b.rows[s], &dweight_holds);
         }
         if (st != FH_OK)
             return st;
+        span_rows += spans && b.segments == 1 ? rows : 0;
     }
+    if (spans) {
+        p->ws.du = du;
+        st = add_span_dweight(p, 0, span_first, span_rows, &dweight_holds);
+    }
+    if (st != FH_OK)
+        return st;
     if (p->filter)
         st = fh_filter_blocks_end(p);
     else if (grads->dweight && p->sinks.dweight == FH_DWEIGHT_AFTER_BLOCKS) {

@@ -32,6 +32,11 @@ static int64_t min64(int64_t a, int64_t b)
     return a < b ? a : b;
 }
 
+static int64_t max64(int64_t a, int64_t b)
+{
+    return a > b ? a : b;
+}
+
 /* *bytes of a buffer (0 when unused); 0, or -1 on overflow. */
 static int buffer_bytes(const fh_buffer_size *b, size_t *bytes)
 {
@@ -69,7 +74,7 @@ static void buffer_table(const fh_plan *plan, int64_t n, fh_buffer_size table[FH
         [FH_BUFFER_TILE] = {!plan->tile_in_dweight, rows, cols, sizeof(float)},
         [FH_BUFFER_COMPANION_TILE] = {plan->companion, rows, cols, sizeof(float)},
         [FH_BUFFER_COLUMN] = {1, 1, cols, sizeof(double)},
-        [FH_BUFFER_DU] = {plan->bf16_du, plan->row_blocks && !plan->dw_block_acc ? n : rows,
+        [FH_BUFFER_DU] = {plan->bf16_du, plan->dw_block_acc ? max64(rows, plan->du_rows) : plan->row_blocks ? n : rows,
                           cols - du_columns_in_dweight(plan), sizeof(uint16_t)},
         [FH_BUFFER_DX_ACC] = {plan->accumulators, n, hidden, sizeof(float)},
         [FH_BUFFER_DW_ACC] = {plan->accumulators || plan->dw_block_acc, hidden, cols, sizeof(float)},
@@ -160,6 +165,7 @@ static void set_schedule(const fh_context *ctx, const fh_linear *lin, int gradie
     plan->bf16_du = bf16 && !plan->fp32_du;
     plan->accumulators = bf16 && !row_blocks;
     plan->dw_block_acc = 0;
+    plan->du_rows = 0;
     plan->filter_eps = gradients && companion == NO_COMPANION ? ctx->grad_filter_eps : 0.0;
     plan->tail_estimate = plan->filter_eps > 0.0 && ctx->grad_filter_tail == FH_FILTER_TAIL_ESTIMATE;
     /* Chunks only where dweight may hold them (see place_in_dweight): in the [H, V] layout oneDNN writes a chunk's
@@ -317,6 +323,14 @@ static int place_in_dweight(fh_plan *plan, const fh_linear *lin, const fh_linear
  * JSD (0.95x). So a pair takes as many rows as the budget holds, as cross-entropy does (256 MiB of logits here, still
  * under half of Liger's peak), and streams only below PAIR_ROW_BLOCK rows. */
 #define PAIR_ROW_BLOCK 224
+/* Where every row's bf16 dU does not fit (dw_block_acc), rows without groups still run BF16_ROW_BLOCK-row blocks, and
+ * the du buffer keeps the dU of several for one dweight GEMM into the f32 accumulator per span: taller blocks ran
+ * their logits and dx GEMMs slower (N=8192 H=1024 V=32768, 2 threads, AMD Zen 4, 2026-11-29: five 1639-row blocks
+ * 1391 and 1449 ms against 1321 and 1340 for 256-row ones), and each span reads and writes the H x V accumulator.
+ * Spans stop at BF16_SPAN_ROWS rows: there, the CE step took 4432 ms with spans of 2048 rows, 4417 / 4429 / 4441 with
+ * 1024 / 4096 / 5376 (as many as the budget held), and 4572 in the five tall blocks; in a second run spans of 512 and
+ * 256 rows ran 5% and 8% slower than 1024. 2048 keeps the accumulator's passes few where memory is slower. */
+#define BF16_SPAN_ROWS 2048
 
 /* Sets the plan to balanced blocks of at most rows rows; -1 if a size overflows. */
 /* Blocks of at most `rows` rows, balanced, but never below group_rows (when rows holds it): groups of their own
@@ -362,7 +376,8 @@ static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, const fh
             return -1;
         plan->dw_block_acc = 1;
         plan->du_chunk = vocab;
-        rows_cap = min64(n, rows_param > 0 ? rows_param : n);
+        if (group_rows > 1)
+            rows_cap = min64(n, rows_param > 0 ? rows_param : n);
         if (place_buffers(plan, n) != 0 || (int64_t)plan->bytes > budget)
             return -1;
     }
@@ -386,6 +401,15 @@ static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, const fh
     }
     if ((int64_t)plan->bytes > budget)
         return -1;
+    if (plan->dw_block_acc && group_rows == 1) {
+        /* Spans of whole blocks, as many as the rest of the budget holds. */
+        const int64_t more = (budget - (int64_t)plan->bytes) / (vocab * (int64_t)sizeof(uint16_t));
+        const int64_t span = min64(min64(n, BF16_SPAN_ROWS), plan->tile_rows + more);
+        plan->du_rows = max64(1, span / plan->tile_rows) * plan->tile_rows;
+        /* The buffers' alignment may take a block's worth back; du_rows = tile_rows fit above. */
+        while ((place_buffers(plan, n) != 0 || (int64_t)plan->bytes > budget) && plan->du_rows > plan->tile_rows)
+            plan->du_rows -= plan->tile_rows;
+    }
     (void)place_in_dweight(plan, lin, grads);
     return 0;
 }

@@ -48,10 +48,13 @@ typedef struct fh_plan {
      * gradients (dx_acc n x H, dw_acc H x tile_vocab), whatever the call's gradient dtypes, so that the size
      * queries, which do not see them, hold for every call. */
     int bf16_du, fp32_du, accumulators;
-    /* bf16 row blocks when every row's dU does not fit the budget: each block's dweight GEMM adds into dw_acc
-     * (H x vocab f32, for a bf16 dweight; an fp32 one takes it directly), rounded once after the last block, and du
-     * holds one block's rows (du_chunk = vocab) */
+    /* bf16 row blocks when every row's dU does not fit the budget: dweight GEMMs add into dw_acc (H x vocab f32,
+     * for a bf16 dweight; an fp32 one takes them directly), rounded once after the last block. du holds du_rows rows
+     * (du_chunk = vocab): the dU of a span of consecutive one-segment blocks, whose dweight is one GEMM over the span
+     * (rows without groups: BF16_ROW_BLOCK-row blocks, spans as tall as the budget holds, up to BF16_SPAN_ROWS), or
+     * of one block (rows in groups: blocks as tall as the budget holds; a paired block's segments one GEMM each). */
     int dw_block_acc;
+    int64_t du_rows;
     /* bf16 row blocks keep every row's dU in chunks of du_chunk columns (the last may be narrower), each n x width
      * row-major: dx is a GEMM per chunk (through dx_block, in f32, for a bf16 dx) and dweight, after the last block,
      * a GEMM per chunk, written in vocabulary order. One chunk (du_chunk = vocab) unless the weight is dense [V, H]
