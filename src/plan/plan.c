@@ -332,9 +332,9 @@ static int place_in_dweight(fh_plan *plan, const fh_linear *lin, const fh_linear
  * 256 rows ran 5% and 8% slower than 1024. 2048 keeps the accumulator's passes few where memory is slower. */
 #define BF16_SPAN_ROWS 2048
 
-/* Sets the plan to balanced blocks of at most rows rows; -1 if a size overflows. */
-/* Blocks of at most `rows` rows, balanced, but never below group_rows (when rows holds it): groups of their own
- * heights (packed sequences) do not split evenly, and the tallest must fit a block. */
+/* Sets the plan to blocks of at most `rows` rows, balanced, but never below group_rows (when rows holds it): groups of
+ * their own heights (packed sequences) do not split evenly, and the tallest must fit a block. -1 if a size
+ * overflows. */
 static int balanced_blocks(fh_plan *plan, int64_t n, int64_t rows, int64_t group_rows)
 {
     const int64_t blocks = (n + rows - 1) / rows, balanced = (n + blocks - 1) / blocks;
@@ -371,7 +371,8 @@ static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, const fh
     int64_t rows_cap = cap;
     if (place_buffers(plan, n) != 0 || (int64_t)plan->bytes > budget) {
         /* Every row's bf16 dU does not fit: blocks that add their dweight into an f32 accumulator instead (no
-         * companion, no filtering), as tall as the budget holds; else stream. */
+         * companion, no filtering): rows in groups as tall as the budget holds, other rows in cap-row blocks whose
+         * dU spans several (below); else stream. */
         if (!plan->bf16_du || plan->companion || plan->filter_eps > 0.0)
             return -1;
         plan->dw_block_acc = 1;
