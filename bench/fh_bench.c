@@ -790,8 +790,12 @@ static result measure_in_child(bench_case c, const shape *s)
         fh_logprob_workspace_size(ctx, &lin, &ws);
     else if (c == CASE_FORWARD || c == CASE_SPLIT)
         fh_ce_workspace_size(ctx, &lin, &o, &ws);
-    else if (c == CASE_TRAIN || c == CASE_FILTERED)
-        fh_ce_forward_backward_workspace_size(ctx, &lin, &o, &ws);
+    else if (c == CASE_TRAIN || c == CASE_FILTERED) {
+        /* What the call takes: the query that sees the gradients leaves out what their dweight holds. */
+        const fh_linear_grads g = {.dx = in.dx, .dx_row_stride = s->hidden, .dweight = in.dw,
+                                   .dx_dtype = s->grad_dtype, .dweight_dtype = s->grad_dtype};
+        fh_ce_forward_backward_workspace_size_with_grads(ctx, &lin, &o, &g, &ws);
+    }
     r.workspace_bytes = (int64_t)ws;
     const int64_t base = proc_status_bytes("VmRSS:");
     if (reset_peak_rss() != 0)

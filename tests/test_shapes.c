@@ -207,6 +207,91 @@ static void test_strided_views(void)
     }
 }
 
+/* fp32 row blocks keep every row's f32 dU in chunks, and with them the logits block, in the memory of a dense [V, H]
+ * dweight with beta 0 (written only after the last block) where that leaves the workspace smaller: at N < H. At
+ * N = 40, H = 160, V = 20000 (three chunks of at most 8192 columns) the block and the first two chunks fit, the last
+ * stays in the workspace; at N = 240 > H nothing fits and the blocks write dweight themselves. Against the reference
+ * (ce_metrics_pass): one row block and three, a 1 MiB budget (which cannot hold the 3.2 MB block), beta 1 (nothing
+ * moves) and [H, V] (nothing moves). */
+static void test_fp32_scratch_in_dweight(void)
+{
+    ce_case_spec s;
+    ce_case_spec_default(&s);
+    s.hidden = 160;
+    s.vocab = 20000;
+    s.bias = 1;
+    s.label_smoothing = 0.1;
+    s.train_step = 1;
+    s.seed = 23;
+    for (int layout = 0; layout < 2; layout++)
+        for (int beta = 0; beta < 2; beta++)
+            for (int run = 0; run < 4; run++) {
+                static const int64_t n[4] = {40, 40, 40, 240}, rows[4] = {0, 16, 0, 0}, budget[4] = {0, 0, 1 << 20, 0};
+                s.n = n[run];
+                s.tile_rows = rows[run];
+                s.budget = budget[run];
+                s.layout = (fh_layout)layout;
+                s.grad_beta = (float)beta;
+                cp_check_spec(&s, layout == FH_LAYOUT_VH && !beta && n[run] < s.hidden
+                                      ? "fp32 train step, logits block and dU chunks in dweight"
+                                      : "fp32 train step, nothing in dweight");
+            }
+}
+
+/* The query that sees such a call's gradients answers what stays in the workspace: at N = 40 ([V, H], beta 0) the
+ * 3.2 MB logits block less than the query that does not, but for the last dU chunk (40 x 3616 floats, 0.58 MB), and a
+ * workspace of exactly its answer serves the call; with beta 1, [H, V], or at N = 240, nothing moves and both
+ * queries agree. */
+static void test_fp32_workspace_without_scratch(void)
+{
+    enum { MAX_N = 240, H = 160, V = 20000 };
+    float *x = calloc((size_t)MAX_N * H, sizeof(float)), *w = calloc((size_t)V * H, sizeof(float));
+    float *dx = calloc((size_t)MAX_N * H, sizeof(float)), *dw = calloc((size_t)V * H, sizeof(float));
+    int64_t targets[MAX_N];
+    TU_CHECK(x && w && dx && dw, "allocations");
+    for (int64_t i = 0; x && i < MAX_N * H; i++)
+        x[i] = (float)((i % 7) - 3) * 0.1f;
+    for (int64_t i = 0; w && i < (int64_t)V * H; i++)
+        w[i] = (float)((i % 11) - 5) * 0.05f;
+    for (int64_t i = 0; i < MAX_N; i++)
+        targets[i] = (i * 997) % V;
+    fh_ce_options o;
+    fh_ce_options_init(&o);
+    for (int run = 0; run < 8 && x && w && dx && dw; run++) {
+        const int64_t n = run & 4 ? MAX_N : 40;
+        const fh_layout layout = run & 2 ? FH_LAYOUT_HV : FH_LAYOUT_VH;
+        const int beta = run & 1, moves = n < H && layout == FH_LAYOUT_VH && !beta;
+        fh_linear lin;
+        fh_linear_init(&lin, n, H, V, x, w, layout, NULL);
+        fh_linear_grads g = {.dx = dx, .dx_row_stride = H, .dweight = dw, .dweight_beta = (float)beta};
+        fh_context *ctx = tu_context(1, 0, 0, 0);
+        size_t any = 0, these = 0;
+        TU_CHECK(fh_ce_forward_backward_workspace_size(ctx, &lin, &o, &any) == FH_OK &&
+                     fh_ce_forward_backward_workspace_size_with_grads(ctx, &lin, &o, &g, &these) == FH_OK,
+                 "N = %lld, run %d: queries", (long long)n, run);
+        const size_t block = (size_t)n * V * sizeof(float), last_chunk = (size_t)n * (V - 2 * 8192) * sizeof(float);
+        if (moves)
+            TU_CHECK(these + block <= any + last_chunk + 64, "N = %lld: %zu bytes with the gradients, %zu without, a "
+                     "block of %zu, a last chunk of %zu", (long long)n, these, any, block, last_chunk);
+        else
+            TU_CHECK(these == any, "N = %lld, run %d: queries %zu and %zu", (long long)n, run, these, any);
+        void *ws = malloc(these);
+        TU_CHECK(ws && fh_context_set_workspace(ctx, ws, these) == FH_OK, "set a workspace of %zu bytes", these);
+        double loss = 0.0;
+        fh_ce_outputs out = {.loss = &loss};
+        const float one = 1.0f;
+        const fh_status st = fh_ce_forward_backward(ctx, &lin, targets, &o, &one, &out, &g);
+        TU_CHECK(st == FH_OK, "N = %lld, run %d, in a workspace of %zu bytes: status %d", (long long)n, run, these,
+                 (int)st);
+        fh_context_destroy(ctx);
+        free(ws);
+    }
+    free(x);
+    free(w);
+    free(dx);
+    free(dw);
+}
+
 static const tu_test tests[] = {
     {"tile edges, [H,V] weight, 1 thread", test_edges_hv_1thread},
     {"tile edges, [V,H] weight, 1 thread", test_edges_vh_1thread},
@@ -215,5 +300,7 @@ static const tu_test tests[] = {
     {"tile configurations and default tiles", test_tile_configurations},
     {"memory budget shrinks tiles", test_memory_budget_shrinks_tiles},
     {"strided views", test_strided_views},
+    {"fp32 train step, logits block and dU chunks in dweight's memory", test_fp32_scratch_in_dweight},
+    {"fp32 train step, the workspace without them", test_fp32_workspace_without_scratch},
 };
 const tu_suite suite_shapes = {tests, TU_COUNT(tests)};

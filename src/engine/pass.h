@@ -21,8 +21,8 @@ typedef enum fh_dweight_sink {
     FH_DWEIGHT_DIRECT,       /* dweight itself */
     FH_DWEIGHT_ACCUMULATOR,  /* a streamed bf16 dweight: the f32 dw_acc of a vocabulary tile, rounded after its last
                                 row tile */
-    FH_DWEIGHT_AFTER_BLOCKS  /* bf16 row blocks keep every row's dU: dweight is one GEMM per dU chunk over every row
-                                after the last block */
+    FH_DWEIGHT_AFTER_BLOCKS  /* row blocks keep every row's dU (bf16_du, f32_du_chunks): dweight is one GEMM per dU
+                                chunk over every row after the last block */
 } fh_dweight_sink;
 
 typedef struct fh_sinks {
@@ -163,7 +163,6 @@ static inline void fh_store(void *out, fh_dtype dtype, int64_t step, const float
 }
 
 int64_t fh_du_chunk(const fh_pass *p, int64_t vb);
-uint16_t *fh_du_chunk_at(const fh_pass *p, int64_t c);
 fh_gemm_input fh_du_view(const fh_pass *p, int64_t tile_row, int64_t i0, int64_t vb, int64_t j0);
 void fh_round_du_row(const fh_pass *p, const float *row, int64_t tile_row, int64_t i0, int64_t r, int64_t vb);
 /* dw_acc (dweight's columns v0 .. v0 + vb - 1, f32) rounded once into the bf16 dweight, as beta says (streaming.c). */

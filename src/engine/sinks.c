@@ -2,6 +2,8 @@
  * takes from that: the dU chunks of bf16 row blocks, a dx row or dweight element in f32. */
 #include "pass.h"
 
+#include <string.h>
+
 void fh_pass_begin(fh_pass *p, const fh_engine_pass *in)
 {
     const fh_plan *plan = in->plan;
@@ -16,7 +18,8 @@ void fh_pass_begin(fh_pass *p, const fh_engine_pass *in)
     p->sinks.dx = bf16_dx && !plan->row_blocks ? FH_DX_ACCUMULATOR
                   : bf16_dx && p->ws.dx_block  ? FH_DX_BLOCK
                                                : FH_DX_DIRECT;
-    p->sinks.dweight = plan->row_blocks && plan->bf16_du && !plan->dw_block_acc ? FH_DWEIGHT_AFTER_BLOCKS
+    p->sinks.dweight = plan->row_blocks && (plan->bf16_du || plan->f32_du_chunks) && !plan->dw_block_acc
+                           ? FH_DWEIGHT_AFTER_BLOCKS
                        : bf16_dweight && (!plan->row_blocks || plan->dw_block_acc) ? FH_DWEIGHT_ACCUMULATOR
                                                                                     : FH_DWEIGHT_DIRECT;
     p->sinks.by_vocab = in->lin->w_stride_vocab <= in->lin->w_stride_hidden;
@@ -29,45 +32,53 @@ int64_t fh_du_chunk(const fh_pass *p, int64_t vb)
     return p->in.plan->row_blocks ? p->in.plan->du_chunk : vb;
 }
 
-/* Every row's bf16 dU in row blocks, chunk c (columns c T .. c T + width - 1 of every row, n x width): the first
- * du_chunks_in_dweight chunks in dweight's memory, the others in the du buffer. */
-uint16_t *fh_du_chunk_at(const fh_pass *p, int64_t c)
+/* Every row's dU in row blocks that keep it (bf16_du, f32_du_chunks), chunk c (columns c T .. c T + width - 1 of
+ * every row, n x width): the first du_chunks_in_dweight chunks in dweight's memory, the others in the du buffer. */
+static char *du_chunk_at(const fh_pass *p, int64_t c)
 {
     const fh_plan *plan = p->in.plan;
     const int64_t n = p->in.lin->n, t = plan->du_chunk;
+    const size_t size = plan->f32_du_chunks ? sizeof(float) : sizeof(uint16_t);
     if (c < plan->du_chunks_in_dweight)
-        return (uint16_t *)p->in.grads->dweight + plan->du_at_element + n * c * t;
-    return p->ws.du + n * (c - plan->du_chunks_in_dweight) * t;
+        return (char *)p->in.grads->dweight + plan->du_at_byte + (size_t)(n * c * t) * size;
+    return (char *)p->ws.du + (size_t)(n * (c - plan->du_chunks_in_dweight) * t) * size;
 }
 
 /* The dU rows of a tile (rows i0.. of the call, from row tile_row of the tile), from column j0 within one chunk, as
  * the gradient GEMMs read them: the f32 tile itself, or (bf16_du) the rows rounded into the du buffer (one tile
- * when streaming), or in row blocks the chunk that holds them. */
+ * when streaming), or in row blocks that keep every row's dU the chunk that holds them. */
 fh_gemm_input fh_du_view(const fh_pass *p, int64_t tile_row, int64_t i0, int64_t vb, int64_t j0)
 {
-    if (!p->in.plan->bf16_du)
+    const fh_plan *plan = p->in.plan;
+    if (!plan->bf16_du && !plan->f32_du_chunks)
         return view(p->ws.tile, FH_ELEM_F32, tile_row * vb + j0, vb, 1);
-    if (!p->in.plan->row_blocks || p->in.plan->dw_block_acc)
+    if (!plan->row_blocks || plan->dw_block_acc)
         return view(p->ws.du, FH_ELEM_BF16, tile_row * vb + j0, vb, 1);
-    const int64_t t = p->in.plan->du_chunk, c = j0 / t, width = min64(t, vb - c * t);
-    return view(fh_du_chunk_at(p, c), FH_ELEM_BF16, i0 * width + j0 - c * t, width, 1);
+    const int64_t t = plan->du_chunk, c = j0 / t, width = min64(t, vb - c * t);
+    return view(du_chunk_at(p, c), plan->f32_du_chunks ? FH_ELEM_F32 : FH_ELEM_BF16, i0 * width + j0 - c * t, width,
+                1);
 }
 
 /* With bf16_du, row r (of the rows at i0; tile row tile_row) of the tile's dU rounded into its place, inside the row
  * loop while it is hot: the du buffer's tile row (streaming, and row blocks with dw_block_acc), or every row's
- * chunks (row blocks). */
+ * chunks (row blocks); with f32_du_chunks copied into every row's chunks. */
 void fh_round_du_row(const fh_pass *p, const float *row, int64_t tile_row, int64_t i0, int64_t r, int64_t vb)
 {
-    if (!p->in.plan->bf16_du)
+    const fh_plan *plan = p->in.plan;
+    if (!plan->bf16_du && !plan->f32_du_chunks)
         return;
-    if (!p->in.plan->row_blocks || p->in.plan->dw_block_acc) {
+    if (!plan->row_blocks || plan->dw_block_acc) {
         fh_row_to_bf16(row, vb, p->ws.du + tile_row * vb);
         return;
     }
-    const int64_t t = p->in.plan->du_chunk;
+    const int64_t t = plan->du_chunk;
     for (int64_t c = 0; c * t < vb; c++) {
         const int64_t width = min64(t, vb - c * t);
-        fh_row_to_bf16(row + c * t, width, fh_du_chunk_at(p, c) + (i0 + r) * width);
+        char *to = du_chunk_at(p, c);
+        if (plan->f32_du_chunks)
+            memcpy((float *)to + (i0 + r) * width, row + c * t, (size_t)width * sizeof(float));
+        else
+            fh_row_to_bf16(row + c * t, width, (uint16_t *)to + (i0 + r) * width);
     }
 }
 

@@ -55,6 +55,12 @@ static int64_t du_columns_in_dweight(const fh_plan *plan)
     return min64(plan->tile_vocab, plan->du_chunks_in_dweight * plan->du_chunk);
 }
 
+/* Bytes of one dU element in the du buffer and dweight's memory. */
+static size_t du_bytes(const fh_plan *plan)
+{
+    return plan->f32_du_chunks ? sizeof(float) : sizeof(uint16_t);
+}
+
 static fh_filter_shape filter_shape(const fh_plan *plan)
 {
     const fh_filter_shape shape = {plan->filter_eps > 0.0, plan->tail_estimate, plan->bf16_du,  plan->row_blocks,
@@ -74,8 +80,9 @@ static void buffer_table(const fh_plan *plan, int64_t n, fh_buffer_size table[FH
         [FH_BUFFER_TILE] = {!plan->tile_in_dweight, rows, cols, sizeof(float)},
         [FH_BUFFER_COMPANION_TILE] = {plan->companion, rows, cols, sizeof(float)},
         [FH_BUFFER_COLUMN] = {1, 1, cols, sizeof(double)},
-        [FH_BUFFER_DU] = {plan->bf16_du, plan->dw_block_acc ? max64(rows, plan->du_rows) : plan->row_blocks ? n : rows,
-                          cols - du_columns_in_dweight(plan), sizeof(uint16_t)},
+        [FH_BUFFER_DU] = {plan->bf16_du || plan->f32_du_chunks,
+                          plan->dw_block_acc ? max64(rows, plan->du_rows) : plan->row_blocks ? n : rows,
+                          cols - du_columns_in_dweight(plan), du_bytes(plan)},
         [FH_BUFFER_DX_ACC] = {plan->accumulators, n, hidden, sizeof(float)},
         [FH_BUFFER_DW_ACC] = {plan->accumulators || plan->dw_block_acc, hidden, cols, sizeof(float)},
         [FH_BUFFER_X32] = {plan->fp32_du, rows, hidden, sizeof(float)},
@@ -113,7 +120,7 @@ static int place_buffers(fh_plan *plan, int64_t n)
 static void nothing_in_dweight(fh_plan *plan)
 {
     plan->du_chunks_in_dweight = 0;
-    plan->du_at_element = 0;
+    plan->du_at_byte = 0;
     plan->tile_in_dweight = 0;
     plan->tile_at_byte = 0;
 }
@@ -166,6 +173,7 @@ static void set_schedule(const fh_context *ctx, const fh_linear *lin, int gradie
     plan->accumulators = bf16 && !row_blocks;
     plan->dw_block_acc = 0;
     plan->du_rows = 0;
+    plan->f32_du_chunks = 0;
     plan->filter_eps = gradients && companion == NO_COMPANION ? ctx->grad_filter_eps : 0.0;
     plan->tail_estimate = plan->filter_eps > 0.0 && ctx->grad_filter_tail == FH_FILTER_TAIL_ESTIMATE;
     /* Chunks only where dweight may hold them (see place_in_dweight): in the [H, V] layout oneDNN writes a chunk's
@@ -242,25 +250,26 @@ fh_status fh_plan_streaming(const fh_context *ctx, const fh_linear *lin, fh_plan
     return plan_streaming(ctx, lin, NO_HEAD, plans, messages);
 }
 
-/* ---- bf16 row blocks in dweight's memory (fh_plan) ----
+/* ---- row blocks that keep every row's dU, in dweight's memory (fh_plan) ----
  * A dense dweight (bf16, or fp32) with beta 0 is written only by the chunk GEMMs after the last block, in vocabulary
  * order. Until then its memory can hold the logits block (dead by then), and in the [V, H] layout dU chunks packed
  * at its end: chunk c's GEMM writes dweight rows up to the chunk's last column, which must stay below chunk c's own
- * place. Counted in bf16 elements, with u = 1 (bf16 dweight) or 2 (fp32), chunk c packed from `start` sits at
- * start + n c T, so it fits when that is at least (c T + width_c) H u: true for the leading chunks when H u > n,
- * never for the last one (width_c H u > n width_c); the chunks that do not fit stay in the workspace. */
+ * place. In bytes, with w bytes per dweight element and d per dU element (bf16 or f32), chunk c packed from `start`
+ * sits at start + n c T d, so it fits when that is at least (c T + width_c) H w: true for the leading chunks when
+ * H w > n d, never for the last one; the chunks that do not fit stay in the workspace. */
 
-/* How many leading dU chunks fit packed at the end of a [V, H] dweight of u bf16 elements per element, above its
- * first `reserved` bf16 elements; their first element in *start. */
-static int64_t chunks_fitting(const fh_plan *plan, int64_t n, int64_t vocab, int64_t hidden, int64_t u,
+/* How many leading dU chunks fit packed at the end of a [V, H] dweight of w bytes per element, above its first
+ * `reserved` bytes; their first byte in *start. */
+static int64_t chunks_fitting(const fh_plan *plan, int64_t n, int64_t vocab, int64_t hidden, int64_t w,
                               int64_t reserved, int64_t *start)
 {
-    const int64_t t = plan->du_chunk, chunks = (vocab + t - 1) / t, elements = vocab * hidden * u;
+    const int64_t t = plan->du_chunk, chunks = (vocab + t - 1) / t, bytes = vocab * hidden * w;
+    const int64_t d = (int64_t)du_bytes(plan);
     for (int64_t m = chunks; m > 0; m--) {
-        const int64_t at = elements - n * min64(vocab, m * t);
+        const int64_t at = bytes - n * min64(vocab, m * t) * d;
         int fits = at >= reserved;
         for (int64_t c = 0; c < m && fits; c++)
-            fits = at + n * c * t >= (c * t + min64(t, vocab - c * t)) * hidden * u;
+            fits = at + n * c * t * d >= (c * t + min64(t, vocab - c * t)) * hidden * w;
         if (fits) {
             *start = at;
             return m;
@@ -274,32 +283,31 @@ static int64_t chunks_fitting(const fh_plan *plan, int64_t n, int64_t vocab, int
 static int place_in_dweight(fh_plan *plan, const fh_linear *lin, const fh_linear_grads *grads)
 {
     const int64_t n = lin->n, vocab = lin->vocab, hidden = lin->hidden;
-    if (!grads || !grads->dweight || grads->dweight_beta != 0.0f || !plan->row_blocks || !plan->bf16_du ||
-        plan->dw_block_acc || plan->filter_eps > 0.0)
+    if (!grads || !grads->dweight || grads->dweight_beta != 0.0f || !plan->row_blocks ||
+        !(plan->bf16_du || plan->f32_du_chunks) || plan->dw_block_acc || plan->filter_eps > 0.0)
         return 0;
     const int vh = dense_vh(lin);
     if (!vh && !(lin->w_stride_vocab == 1 && lin->w_stride_hidden == vocab))
         return 0;
-    const int64_t u = grads->dweight_dtype == FH_DTYPE_BF16 ? 1 : 2;
-    if (hidden > INT64_MAX / (int64_t)sizeof(uint16_t) / u / vocab) /* no such dweight in memory */
+    const int64_t w = grads->dweight_dtype == FH_DTYPE_BF16 ? (int64_t)sizeof(uint16_t) : (int64_t)sizeof(float);
+    if (hidden > INT64_MAX / w / vocab) /* no such dweight in memory */
         return 0;
-    const size_t dweight_bytes = (size_t)(vocab * hidden * u) * sizeof(uint16_t);
+    const size_t dweight_bytes = (size_t)(vocab * hidden * w);
     const size_t tile_at = (ALIGN - (uintptr_t)grads->dweight % ALIGN) % ALIGN;
     const size_t tile_bytes = (size_t)(plan->tile_rows * vocab) * sizeof(float);
     const int tile_fits = tile_at + tile_bytes <= dweight_bytes;
     int64_t start[2] = {0, 0}, chunks[2] = {0, 0};
     size_t saved[2] = {0, 0};
     for (int tile = 0; tile <= tile_fits; tile++) {
-        const int64_t reserved = tile ? (int64_t)((tile_at + tile_bytes + 1) / sizeof(uint16_t)) : 0;
-        chunks[tile] = vh ? chunks_fitting(plan, n, vocab, hidden, u, reserved, &start[tile]) : 0;
-        saved[tile] = (tile ? tile_bytes : 0) +
-                      (size_t)(n * min64(vocab, chunks[tile] * plan->du_chunk)) * sizeof(uint16_t);
+        const int64_t reserved = tile ? (int64_t)(tile_at + tile_bytes) : 0;
+        chunks[tile] = vh ? chunks_fitting(plan, n, vocab, hidden, w, reserved, &start[tile]) : 0;
+        saved[tile] = (tile ? tile_bytes : 0) + (size_t)(n * min64(vocab, chunks[tile] * plan->du_chunk)) * du_bytes(plan);
     }
     const int best = saved[1] > saved[0];
     plan->tile_in_dweight = best;
     plan->tile_at_byte = best ? tile_at : 0;
     plan->du_chunks_in_dweight = chunks[best];
-    plan->du_at_element = start[best];
+    plan->du_at_byte = (size_t)start[best];
     (void)place_buffers(plan, n); /* smaller than a size that did not overflow */
     return plan->tile_in_dweight || plan->du_chunks_in_dweight > 0;
 }
@@ -342,6 +350,22 @@ static int balanced_blocks(fh_plan *plan, int64_t n, int64_t rows, int64_t group
     return place_buffers(plan, n);
 }
 
+/* fp32 blocks of the plan's height keep every row's f32 dU in chunks (f32_du_chunks) instead of writing dweight
+ * themselves, when dweight's memory then holds enough (the logits block, leading chunks: place_in_dweight) that the
+ * workspace is smaller; at N < H the N x V logits leave it. The plan stays as it was otherwise. Returns 1 when kept. */
+static int keep_f32_du(const fh_context *ctx, fh_plan *plan, const fh_linear *lin, const fh_linear_grads *grads)
+{
+    if (plan->bf16_gemms || plan->companion || plan->filter_eps > 0.0 || batch_invariant(ctx) || !dense_vh(lin))
+        return 0;
+    const fh_plan own = *plan;
+    plan->f32_du_chunks = 1;
+    plan->du_chunk = min64(lin->vocab, FH_DU_CHUNK);
+    if (place_buffers(plan, lin->n) == 0 && place_in_dweight(plan, lin, grads) && plan->bytes < own.bytes)
+        return 1;
+    *plan = own;
+    return 0;
+}
+
 /* Row-block plan for the single-call train step: tile_vocab = vocab and as many rows as the budget
  * holds, balanced across blocks. Returns 0 when at least min(n, MIN_ROW_BLOCK) rows fit (a companion's plan:
  * PAIR_ROW_BLOCK), else -1 (the caller streams instead). fp32 dU with bf16 inputs always streams
@@ -364,9 +388,12 @@ static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, const fh
     const int64_t cap = min64(n, rows_param > 0 ? rows_param
                                  : plan->bf16_du ? (group_rows > BF16_ROW_BLOCK ? group_rows : BF16_ROW_BLOCK)
                                                  : n);
-    if (balanced_blocks(plan, n, cap, group_rows) == 0 && place_in_dweight(plan, lin, grads) && (int64_t)plan->bytes <= budget)
+    if (balanced_blocks(plan, n, cap, group_rows) == 0 &&
+        (place_in_dweight(plan, lin, grads) || keep_f32_du(ctx, plan, lin, grads)) && (int64_t)plan->bytes <= budget)
         return 0;
     nothing_in_dweight(plan);
+    plan->f32_du_chunks = 0;
+    plan->du_chunk = plan->bf16_du ? plan->du_chunk : vocab;
     plan->tile_rows = 1;
     int64_t rows_cap = cap;
     if (place_buffers(plan, n) != 0 || (int64_t)plan->bytes > budget) {
@@ -411,7 +438,8 @@ static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, const fh
         while ((place_buffers(plan, n) != 0 || (int64_t)plan->bytes > budget) && plan->du_rows > plan->tile_rows)
             plan->du_rows -= plan->tile_rows;
     }
-    (void)place_in_dweight(plan, lin, grads);
+    if (!place_in_dweight(plan, lin, grads))
+        (void)keep_f32_du(ctx, plan, lin, grads);
     return 0;
 }
 
@@ -471,7 +499,8 @@ fh_status fh_plan_train_step_rows(const fh_context *ctx, const fh_linear *lin, c
     plan->tile_rows = rows;
     if (place_buffers(plan, lin->n) != 0)
         return fh_fail(messages, FH_ERR_SIZE_OVERFLOW, "workspace size for n = %lld overflows", (long long)lin->n);
-    (void)place_in_dweight(plan, lin, grads);
+    if (!place_in_dweight(plan, lin, grads))
+        (void)keep_f32_du(ctx, plan, lin, grads);
     return FH_OK;
 }
 

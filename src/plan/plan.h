@@ -60,11 +60,16 @@ typedef struct fh_plan {
      * a GEMM per chunk, written in vocabulary order. One chunk (du_chunk = vocab) unless the weight is dense [V, H]
      * and filtering is off. When dweight is a dense output (bf16 or fp32) overwritten (beta 0), its memory is free
      * until those GEMMs (plan.c): the logits block may sit at its start (tile_in_dweight, tile_at_byte in) and,
-     * with the [V, H] layout, the first du_chunks_in_dweight chunks packed at its end (from element du_at_element), where chunk c is read
+     * with the [V, H] layout, the first du_chunks_in_dweight chunks packed at its end (from byte du_at_byte), where chunk c is read
      * before the GEMMs of chunks 0..c write over it; the other chunks stay in the workspace's du. */
-    int64_t du_chunk, du_chunks_in_dweight, du_at_element;
+    int64_t du_chunk, du_chunks_in_dweight;
+    size_t du_at_byte;
     int tile_in_dweight;
     size_t tile_at_byte;
+    /* fp32 row blocks that keep every row's f32 dU in chunks as bf16_du keeps its bf16 one (du then holds floats),
+     * dweight after the last block: only where dweight's memory holds the logits block or chunks and the workspace
+     * is then smaller than that of blocks writing dweight themselves (at N < H, by the N x V logits). */
+    int f32_du_chunks;
     /* Gradient filtering (FH_PARAM_GRAD_FILTER_EPS): filter_eps > 0 in gradient passes; tail_estimate:
      * FH_FILTER_TAIL_ESTIMATE. Its buffers: filter_buffers.h. */
     double filter_eps;
