@@ -238,6 +238,17 @@ static void test_fp32_scratch_in_dweight(void)
             }
 }
 
+/* A small fp32 problem of fixed values: x (n x h), the weight (h x v elements) and targets. */
+static void fill_fp32_problem(float *x, float *w, int64_t *targets, int64_t n, int64_t h, int64_t v)
+{
+    for (int64_t i = 0; i < n * h; i++)
+        x[i] = (float)((i % 7) - 3) * 0.1f;
+    for (int64_t i = 0; i < v * h; i++)
+        w[i] = (float)((i % 11) - 5) * 0.05f;
+    for (int64_t i = 0; i < n; i++)
+        targets[i] = (i * 997) % v;
+}
+
 /* The query that sees such a call's gradients answers what stays in the workspace: at N = 40 ([V, H], beta 0) the
  * 3.2 MB logits block less than the query that does not, but for the last dU chunk (40 x 3616 floats, 0.58 MB), and a
  * workspace of exactly its answer serves the call; with beta 1, [H, V], or at N = 240, nothing moves and both
@@ -249,12 +260,8 @@ static void test_fp32_workspace_without_scratch(void)
     float *dx = calloc((size_t)MAX_N * H, sizeof(float)), *dw = calloc((size_t)V * H, sizeof(float));
     int64_t targets[MAX_N];
     TU_CHECK(x && w && dx && dw, "allocations");
-    for (int64_t i = 0; x && i < MAX_N * H; i++)
-        x[i] = (float)((i % 7) - 3) * 0.1f;
-    for (int64_t i = 0; w && i < (int64_t)V * H; i++)
-        w[i] = (float)((i % 11) - 5) * 0.05f;
-    for (int64_t i = 0; i < MAX_N; i++)
-        targets[i] = (i * 997) % V;
+    if (x && w)
+        fill_fp32_problem(x, w, targets, MAX_N, H, V);
     fh_ce_options o;
     fh_ce_options_init(&o);
     for (int run = 0; run < 8 && x && w && dx && dw; run++) {
@@ -292,6 +299,55 @@ static void test_fp32_workspace_without_scratch(void)
     free(dw);
 }
 
+/* A caller's dweight need not be aligned: at N = 64, H = 112, V = 32768 the logits block (8 MiB) and three of the
+ * four dU chunks (2 MiB each) fill dweight (14 MiB) exactly, so with dweight 16 bytes past a 64-byte boundary the
+ * block sits at its first byte, not its first aligned one (which would leave room for two chunks): the workspace
+ * holds one chunk, as with an aligned dweight, and the call's loss and gradients equal, bit for bit, those of the
+ * same call with the aligned one. */
+static void test_fp32_scratch_in_unaligned_dweight(void)
+{
+    enum { N = 64, H = 112, V = 32768 };
+    const size_t dw_bytes = sizeof(float) * V * H;
+    float *x = malloc(sizeof(float) * N * H), *w = malloc(dw_bytes);
+    float *dx[2] = {malloc(sizeof(float) * N * H), malloc(sizeof(float) * N * H)};
+    char *unaligned = aligned_alloc(64, dw_bytes + 64);
+    float *dw[2] = {aligned_alloc(64, dw_bytes), unaligned ? (float *)(unaligned + 16) : NULL};
+    int64_t targets[N];
+    const int ready = x && w && dx[0] && dx[1] && dw[0] && dw[1];
+    TU_CHECK(ready, "allocations");
+    if (ready)
+        fill_fp32_problem(x, w, targets, N, H, V);
+    fh_ce_options o;
+    fh_ce_options_init(&o);
+    double loss[2] = {0.0, 0.0};
+    for (int k = 0; k < 2 && ready; k++) {
+        fh_linear lin;
+        fh_linear_init(&lin, N, H, V, x, w, FH_LAYOUT_VH, NULL);
+        fh_linear_grads g = {.dx = dx[k], .dx_row_stride = H, .dweight = dw[k]};
+        fh_context *ctx = tu_context(1, 0, 0, 0);
+        size_t these = 0;
+        TU_CHECK(fh_ce_forward_backward_workspace_size_with_grads(ctx, &lin, &o, &g, &these) == FH_OK, "query");
+        /* One 2 MiB chunk beside 0.3 MiB of per-row and per-column state (two chunks: 4.3 MiB). */
+        TU_CHECK(these < ((size_t)3 << 20), "%s dweight: %zu bytes stay in the workspace", k ? "unaligned" : "aligned",
+                 these);
+        fh_ce_outputs out = {.loss = &loss[k]};
+        const float one = 1.0f;
+        TU_CHECK(fh_ce_forward_backward(ctx, &lin, targets, &o, &one, &out, &g) == FH_OK, "call %d", k);
+        fh_context_destroy(ctx);
+    }
+    const int same_dx = ready && memcmp(dx[0], dx[1], sizeof(float) * N * H) == 0;
+    const int same_dw = ready && memcmp(dw[0], dw[1], dw_bytes) == 0;
+    TU_CHECK(ready && loss[0] == loss[1] && same_dx && same_dw,
+             "aligned and unaligned dweight: loss %.17g and %.17g, dx equal %d, dweight equal %d", loss[0], loss[1],
+             same_dx, same_dw);
+    free(x);
+    free(w);
+    free(dx[0]);
+    free(dx[1]);
+    free(dw[0]);
+    free(unaligned);
+}
+
 static const tu_test tests[] = {
     {"tile edges, [H,V] weight, 1 thread", test_edges_hv_1thread},
     {"tile edges, [V,H] weight, 1 thread", test_edges_vh_1thread},
@@ -302,5 +358,6 @@ static const tu_test tests[] = {
     {"strided views", test_strided_views},
     {"fp32 train step, logits block and dU chunks in dweight's memory", test_fp32_scratch_in_dweight},
     {"fp32 train step, the workspace without them", test_fp32_workspace_without_scratch},
+    {"fp32 train step, logits block and dU chunks in an unaligned dweight", test_fp32_scratch_in_unaligned_dweight},
 };
 const tu_suite suite_shapes = {tests, TU_COUNT(tests)};
