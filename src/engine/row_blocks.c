@@ -2,7 +2,8 @@
  * into dU while hot in cache and multiplied out. In bf16 row blocks dx is summed per block over the dU chunks (in f32,
  * dx_block, when it is bf16) and dweight is one GEMM per chunk after the last block, over the bf16 dU of every row,
  * written directly; where every row's dU does not fit (dw_block_acc), one GEMM per span of blocks into the f32
- * accumulator. */
+ * accumulator. fp32 row blocks that keep every row's f32 dU in chunks (f32_du_chunks, at N < H) write dweight the
+ * same way after the last block; other fp32 blocks add their own dweight GEMM. */
 #include "pass.h"
 
 #include "filter/filter.h"

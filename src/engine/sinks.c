@@ -1,5 +1,5 @@
 /* Where a pass's gradients live, resolved once when the pass begins (fh_pass_begin), and the addresses every loop
- * takes from that: the dU chunks of bf16 row blocks, a dx row or dweight element in f32. */
+ * takes from that: the dU chunks of row blocks that keep every row's dU, a dx row or dweight element in f32. */
 #include "pass.h"
 
 #include <string.h>

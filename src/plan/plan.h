@@ -100,8 +100,8 @@ fh_status fh_plan_streaming(const fh_context *ctx, const fh_linear *lin, fh_plan
 /* The single-call train step's plan: row blocks of tile_vocab = vocab and as many rows as the budget holds
  * (*row_blocks = 1), else the streaming backward's tiles, in which the fallback runs both passes. In bf16 row
  * blocks, what fits of the logits block and the dU chunks moves into the memory of grads' dweight when it is a
- * dense output with beta 0 and filtering is off (see fh_plan); the workspace only shrinks. The size queries
- * (grads NULL) keep everything in the workspace. */
+ * dense output with beta 0 and filtering is off (see fh_plan), and in fp32 ones at N < H (f32_du_chunks); the
+ * workspace only shrinks. The size queries (grads NULL) keep everything in the workspace. */
 fh_status fh_plan_train_step(const fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
                              fh_plan *plan, int *row_blocks, fh_context *messages);
 
