@@ -64,10 +64,12 @@
 typedef enum schedule {
     ROW_BLOCKS,       /* the default budget and tiles: one row block of every row */
     ROW_BLOCKS_SPLIT, /* FH_PARAM_TILE_ROWS 7 at the default budget: several row blocks */
-    STREAMING         /* tiles of STREAM_ROWS x STREAM_VOCAB under a budget below 8 V bytes (stream_budget) */
+    STREAMING,        /* tiles of STREAM_ROWS x STREAM_VOCAB under a budget below 8 V bytes (stream_budget) */
+    ROW_BLOCKS_ACC    /* bf16: 7-row blocks under a budget of ACC_BUDGET_V x V bytes (acc_bytes), below every row's
+                         bf16 dU: each span of blocks adds its dweight into an f32 accumulator */
 } schedule;
 
-enum { STREAM_ROWS = 8, STREAM_VOCAB = 64, SPLIT_ROWS = 7 };
+enum { STREAM_ROWS = 8, STREAM_VOCAB = 64, SPLIT_ROWS = 7, ACC_BUDGET_V = 180 };
 
 /* Streaming is forced by FH_PARAM_MEMORY_BUDGET = 8 V - 1 bytes: a row block of even one row holds the student's
  * and the teacher's V-wide fp32 logits rows (8 V bytes), so it cannot fit, while a STREAM_ROWS x STREAM_VOCAB tile
@@ -140,7 +142,7 @@ static const char *divergence_name(const fh_distill_options *o)
 static void describe(const dspec *s, char *buf, size_t size)
 {
     static const char *const reductions[] = {"mean", "sum", "none"};
-    static const char *const schedules[] = {"row blocks", "row blocks split", "streaming"};
+    static const char *const schedules[] = {"row blocks", "row blocks split", "streaming", "row blocks, dweight accumulator"};
     snprintf(buf, size,
              "%s beta=%g top_k=%lld tail=%d T=%g ws=%g wh=%g %s targets=%d | n=%lld Hs=%lld Ht=%lld V=%lld %s/%s "
              "bias=%d/%d pad=%lld/%lld "
@@ -257,6 +259,8 @@ static fh_context *case_context(const dspec *s)
         return tu_context(s->threads, SPLIT_ROWS, 0, 0);
     case STREAMING:
         return tu_context(s->threads, STREAM_ROWS, STREAM_VOCAB, stream_budget(s));
+    case ROW_BLOCKS_ACC:
+        return tu_context(s->threads, SPLIT_ROWS, 0, ACC_BUDGET_V * s->vocab);
     default:
         return tu_context(s->threads, 0, 0, 0);
     }
@@ -818,6 +822,21 @@ static void test_bf16(void)
                 s.sched = streaming ? STREAMING : ROW_BLOCKS;
                 check_case(&s, "bf16");
             }
+    /* Every row's bf16 dU beyond the budget: at N = 120 (96 counted), H = 16, V = 2053, 7-row blocks (both heads'
+     * fp32 logits and the bf16 dU, 10 V bytes a row) in spans whose dweight adds into the f32 accumulator (4 H V),
+     * 134 V and more of a 180 V budget that the 248 V of every row's dU beside a block exceed; each divergence, fp32
+     * and bf16 gradients, against the reference at the tolerances of the header comment. */
+    for (size_t dv = 0; dv < TU_COUNT(divergences); dv++)
+        for (int gd = 0; gd < 2; gd++) {
+            dspec s;
+            bf16_spec(&s, 540 + 2 * (uint64_t)dv + (uint64_t)gd, dv, gd);
+            s.n = 120;
+            s.hs = 16;
+            s.s_bias = 1;
+            s.o.weight_hard_loss = gd ? 0.4 : 0.0;
+            s.sched = ROW_BLOCKS_ACC;
+            check_case(&s, "bf16, dweight accumulator");
+        }
     /* beta 1 onto bf16 gradients, in both schedules. */
     for (int streaming = 0; streaming < 2; streaming++) {
         dspec s;

@@ -407,9 +407,9 @@ static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, const fh
     int64_t rows_cap = cap;
     if (place_buffers(plan, n) != 0 || (int64_t)plan->bytes > budget) {
         /* Every row's bf16 dU does not fit: blocks that add their dweight into an f32 accumulator instead (no
-         * companion, no filtering): rows in groups as tall as the budget holds, other rows in cap-row blocks whose
+         * filtering): rows in groups as tall as the budget holds, other rows (a pair's too) in cap-row blocks whose
          * dU spans several (below); else stream. */
-        if (!plan->bf16_du || plan->companion || plan->filter_eps > 0.0)
+        if (!plan->bf16_du || plan->filter_eps > 0.0)
             return -1;
         plan->dw_block_acc = 1;
         plan->du_chunk = vocab;
