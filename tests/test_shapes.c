@@ -209,15 +209,15 @@ static void test_strided_views(void)
 
 /* fp32 row blocks keep every row's f32 dU in chunks, and with them the logits block, in the memory of a dense [V, H]
  * dweight with beta 0 (written only after the last block) where that leaves the workspace smaller: at N < H. At
- * N = 40, H = 160, V = 20000 (three chunks of at most 8192 columns) the block and the first two chunks fit, the last
- * stays in the workspace; at N = 240 > H nothing fits and the blocks write dweight themselves. Against the reference
- * (ce_metrics_pass): one row block and three, a 1 MiB budget (which cannot hold the 3.2 MB block), beta 1 (nothing
- * moves) and [H, V] (nothing moves). */
+ * N = 8, H = 32, V = 20000 (three chunks of at most 8192 columns) the block and the first two chunks fit, the last
+ * stays in the workspace; at N = 48 > H nothing fits and the blocks write dweight themselves. Against the reference
+ * (ce_metrics_pass): one row block and three, a 512 KiB budget (which cannot hold the 640 KB block beside the 160 KB
+ * of column sums), beta 1 (nothing moves) and [H, V] (nothing moves). Small, for qemu's sake (scripts/test-aarch64). */
 static void test_fp32_scratch_in_dweight(void)
 {
     ce_case_spec s;
     ce_case_spec_default(&s);
-    s.hidden = 160;
+    s.hidden = 32;
     s.vocab = 20000;
     s.bias = 1;
     s.label_smoothing = 0.1;
@@ -226,7 +226,7 @@ static void test_fp32_scratch_in_dweight(void)
     for (int layout = 0; layout < 2; layout++)
         for (int beta = 0; beta < 2; beta++)
             for (int run = 0; run < 4; run++) {
-                static const int64_t n[4] = {40, 40, 40, 240}, rows[4] = {0, 16, 0, 0}, budget[4] = {0, 0, 1 << 20, 0};
+                static const int64_t n[4] = {8, 8, 8, 48}, rows[4] = {0, 3, 0, 0}, budget[4] = {0, 0, 512 << 10, 0};
                 s.n = n[run];
                 s.tile_rows = rows[run];
                 s.budget = budget[run];
@@ -249,13 +249,13 @@ static void fill_fp32_problem(float *x, float *w, int64_t *targets, int64_t n, i
         targets[i] = (i * 997) % v;
 }
 
-/* The query that sees such a call's gradients answers what stays in the workspace: at N = 40 ([V, H], beta 0) the
- * 3.2 MB logits block less than the query that does not, but for the last dU chunk (40 x 3616 floats, 0.58 MB), and a
- * workspace of exactly its answer serves the call; with beta 1, [H, V], or at N = 240, nothing moves and both
+/* The query that sees such a call's gradients answers what stays in the workspace: at N = 8 ([V, H], beta 0) the
+ * 640 KB logits block less than the query that does not, but for the last dU chunk (8 x 3616 floats, 116 KB), and a
+ * workspace of exactly its answer serves the call; with beta 1, [H, V], or at N = 48, nothing moves and both
  * queries agree. */
 static void test_fp32_workspace_without_scratch(void)
 {
-    enum { MAX_N = 240, H = 160, V = 20000 };
+    enum { MAX_N = 48, H = 32, V = 20000 };
     float *x = calloc((size_t)MAX_N * H, sizeof(float)), *w = calloc((size_t)V * H, sizeof(float));
     float *dx = calloc((size_t)MAX_N * H, sizeof(float)), *dw = calloc((size_t)V * H, sizeof(float));
     int64_t targets[MAX_N];
@@ -265,7 +265,7 @@ static void test_fp32_workspace_without_scratch(void)
     fh_ce_options o;
     fh_ce_options_init(&o);
     for (int run = 0; run < 8 && x && w && dx && dw; run++) {
-        const int64_t n = run & 4 ? MAX_N : 40;
+        const int64_t n = run & 4 ? MAX_N : 8;
         const fh_layout layout = run & 2 ? FH_LAYOUT_HV : FH_LAYOUT_VH;
         const int beta = run & 1, moves = n < H && layout == FH_LAYOUT_VH && !beta;
         fh_linear lin;
@@ -299,14 +299,14 @@ static void test_fp32_workspace_without_scratch(void)
     free(dw);
 }
 
-/* A caller's dweight need not be aligned: at N = 64, H = 112, V = 32768 the logits block (8 MiB) and three of the
- * four dU chunks (2 MiB each) fill dweight (14 MiB) exactly, so with dweight 16 bytes past a 64-byte boundary the
+/* A caller's dweight need not be aligned: at N = 8, H = 14, V = 32768 the logits block (1 MiB) and three of the
+ * four dU chunks (256 KiB each) fill dweight (1.75 MiB) exactly, so with dweight 16 bytes past a 64-byte boundary the
  * block sits at its first byte, not its first aligned one (which would leave room for two chunks): the workspace
  * holds one chunk, as with an aligned dweight, and the call's loss and gradients equal, bit for bit, those of the
  * same call with the aligned one. */
 static void test_fp32_scratch_in_unaligned_dweight(void)
 {
-    enum { N = 64, H = 112, V = 32768 };
+    enum { N = 8, H = 14, V = 32768 };
     const size_t dw_bytes = sizeof(float) * V * H;
     float *x = malloc(sizeof(float) * N * H), *w = malloc(dw_bytes);
     float *dx[2] = {malloc(sizeof(float) * N * H), malloc(sizeof(float) * N * H)};
@@ -327,9 +327,9 @@ static void test_fp32_scratch_in_unaligned_dweight(void)
         fh_context *ctx = tu_context(1, 0, 0, 0);
         size_t these = 0;
         TU_CHECK(fh_ce_forward_backward_workspace_size_with_grads(ctx, &lin, &o, &g, &these) == FH_OK, "query");
-        /* One 2 MiB chunk beside 0.3 MiB of per-row and per-column state (two chunks: 4.3 MiB). */
-        TU_CHECK(these < ((size_t)3 << 20), "%s dweight: %zu bytes stay in the workspace", k ? "unaligned" : "aligned",
-                 these);
+        /* One 256 KiB chunk beside 256 KiB of column sums and per-row state (two chunks: 768 KiB). */
+        TU_CHECK(these < ((size_t)640 << 10), "%s dweight: %zu bytes stay in the workspace",
+                 k ? "unaligned" : "aligned", these);
         fh_ce_outputs out = {.loss = &loss[k]};
         const float one = 1.0f;
         TU_CHECK(fh_ce_forward_backward(ctx, &lin, targets, &o, &one, &out, &g) == FH_OK, "call %d", k);
