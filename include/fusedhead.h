@@ -395,7 +395,7 @@ FH_API fh_status fh_ce_workspace_size(const fh_context *ctx, const fh_linear *li
 FH_API fh_status fh_ce_forward_backward_workspace_size(const fh_context *ctx, const fh_linear *lin,
                                                        const fh_ce_options *options, size_t *bytes);
 /* The same for a call with exactly these gradients (pointers included: with bf16 inputs, and with fp32 ones at
- * N < H, a dense [V, H] dweight that the call overwrites holds the row blocks' logits and dU until it is written,
+ * N <= H, a dense [V, H] dweight that the call overwrites holds the row blocks' logits and dU until it is written,
  * and where it starts decides what fits): at most the size above, often far less (docs/bf16.md,
  * docs/performance.md). The gradients are checked as the call checks them. */
 FH_API fh_status fh_ce_forward_backward_workspace_size_with_grads(const fh_context *ctx, const fh_linear *lin,

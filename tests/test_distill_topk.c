@@ -579,27 +579,55 @@ static void test_contracts(void)
  * the ignored rows away: no ignored row's gradient is formed from a statistic it does not have (issue 41). dx bit for
  * bit (a row's dx depends on its own logits only), dweight and dbias to fp32 summation order (1e-6 normwise, as the
  * counted-rows comparisons). */
+/* A student of rows x hid x cols (x in +-1, the weight in +-0.5, a bias in +-bias_range) and a teacher's TEACHER_K
+ * entries per row, spread over the vocabulary, for the schedule comparisons below; targets are the caller's. */
+enum { TEACHER_K = 4 };
+typedef struct student_case {
+    float *x, *w, *b, *logprobs;
+    int64_t *targets, *ids;
+    fh_linear lin; /* [V, H], with the bias */
+    fh_topk_teacher teacher;
+} student_case;
+
+static void student_case_make(student_case *c, int64_t rows, int64_t hid, int64_t cols, double bias_range,
+                              uint64_t seed)
+{
+    uint64_t rng = seed;
+    c->x = tu_alloc((size_t)(rows * hid), sizeof(float));
+    c->w = tu_alloc((size_t)(hid * cols), sizeof(float));
+    c->b = tu_alloc((size_t)cols, sizeof(float));
+    c->logprobs = tu_alloc((size_t)(rows * TEACHER_K), sizeof(float));
+    c->targets = tu_alloc((size_t)rows, sizeof(int64_t));
+    c->ids = tu_alloc((size_t)(rows * TEACHER_K), sizeof(int64_t));
+    tu_fill_uniform(c->x, (size_t)(rows * hid), &rng, -1.0, 1.0);
+    tu_fill_uniform(c->w, (size_t)(hid * cols), &rng, -0.5, 0.5);
+    tu_fill_uniform(c->b, (size_t)cols, &rng, -bias_range, bias_range);
+    for (int64_t i = 0; i < rows; i++)
+        for (int k = 0; k < TEACHER_K; k++) {
+            c->ids[i * TEACHER_K + k] = (i * 7919 + k * 5003) % cols;
+            c->logprobs[i * TEACHER_K + k] = -0.5f - (float)k;
+        }
+    fh_linear_init(&c->lin, rows, hid, cols, c->x, c->w, FH_LAYOUT_VH, c->b);
+    c->teacher = (fh_topk_teacher){TEACHER_K, c->ids, c->logprobs};
+}
+
+static void student_case_free(student_case *c)
+{
+    free(c->x);
+    free(c->w);
+    free(c->b);
+    free(c->logprobs);
+    free(c->targets);
+    free(c->ids);
+}
+
 static void test_ignored_rows_cold_temperature(void)
 {
-    enum { ROWS = 48, HID = 16, COLS = 300, K = 4 };
-    uint64_t rng = 4144;
-    float *x = tu_alloc(ROWS * HID, sizeof(float)), *w = tu_alloc(HID * COLS, sizeof(float));
-    float *b = tu_alloc(COLS, sizeof(float));
-    tu_fill_uniform(x, ROWS * HID, &rng, -1.0, 1.0);
-    tu_fill_uniform(w, HID * COLS, &rng, -0.5, 0.5);
-    tu_fill_uniform(b, COLS, &rng, -150.0, 150.0);
-    int64_t targets[ROWS], ids[ROWS * K];
-    float logprobs[ROWS * K];
-    for (int64_t i = 0; i < ROWS; i++) {
-        targets[i] = i % 3 == 0 ? -100 : (i * 31) % COLS;
-        for (int k = 0; k < K; k++) {
-            ids[i * K + k] = (i * 7 + k * 53) % COLS;
-            logprobs[i * K + k] = -0.5f - (float)k;
-        }
-    }
-    fh_linear student;
-    fh_linear_init(&student, ROWS, HID, COLS, x, w, FH_LAYOUT_VH, b);
-    const fh_topk_teacher teacher = {K, ids, logprobs};
+    enum { ROWS = 48, HID = 16, COLS = 300 };
+    student_case c;
+    student_case_make(&c, ROWS, HID, COLS, 150.0, 4144);
+    for (int64_t i = 0; i < ROWS; i++)
+        c.targets[i] = i % 3 == 0 ? -100 : (i * 31) % COLS;
     fh_distill_topk_options o;
     fh_distill_topk_options_init(&o);
     o.temperature = 0.05;
@@ -615,7 +643,7 @@ static void test_ignored_rows_cold_temperature(void)
         void *workspace = NULL;
         size_t bytes = 0;
         if (run == 1) {
-            TU_CHECK(fh_distill_topk_workspace_size(ctx, &student, &bytes) == FH_OK, "workspace size");
+            TU_CHECK(fh_distill_topk_workspace_size(ctx, &c.lin, &bytes) == FH_OK, "workspace size");
             workspace = tu_alloc(bytes, 1);
             TU_CHECK(fh_context_set_workspace(ctx, workspace, bytes) == FH_OK, "caller's workspace");
         }
@@ -625,7 +653,7 @@ static void test_ignored_rows_cold_temperature(void)
         fh_distill_outputs out = {.loss = &loss};
         fh_linear_grads gr = {.dx = grads[run][0], .dx_row_stride = HID, .dweight = grads[run][1],
                               .dbias = grads[run][2]};
-        const fh_status st = fh_distill_topk_forward_backward(ctx, &student, &teacher, targets, &o, &one, &out, &gr);
+        const fh_status st = fh_distill_topk_forward_backward(ctx, &c.lin, &c.teacher, c.targets, &o, &one, &out, &gr);
         TU_CHECK(st == FH_OK, "%s: status %d", names[run], (int)st);
         for (int j = 0; j < 3; j++)
             TU_CHECK(tu_all_finite_f(grads[run][j], counts[j]), "%s: gradient %d finite", names[run], j);
@@ -643,9 +671,53 @@ static void test_ignored_rows_cold_temperature(void)
     for (int run = 0; run < 3; run++)
         for (int j = 0; j < 3; j++)
             free(grads[run][j]);
-    free(x);
-    free(w);
-    free(b);
+    student_case_free(&c);
+}
+
+/* At N <= H with a vocabulary of several dU chunks, an fp32 train step computes its logits into the chunks, in the
+ * memory of a dense [V, H] dweight it overwrites, and runs the head's own pair kernels on each row loaded into a row
+ * of its own (plan.c, keep_f32_du): N = 8, H = 32, V = 20000, temperature 0.7, a hard loss, a bias. The same call
+ * adding onto a zeroed dweight (beta 1, so nothing moves into it) gives the same loss bit for bit (the rows are
+ * folded by the same kernels) and the same gradients to fp32 summation order (dx sums over the chunks one GEMM each,
+ * the weight gradient's GEMMs group the rows differently: 1e-6 normwise, as the counted-rows comparisons). */
+static void test_chunks_in_dweight(void)
+{
+    enum { ROWS = 8, HID = 32, COLS = 20000 };
+    student_case c;
+    student_case_make(&c, ROWS, HID, COLS, 2.0, 4150);
+    for (int64_t i = 0; i < ROWS; i++)
+        c.targets[i] = (i * 4999) % COLS;
+    fh_distill_topk_options o;
+    fh_distill_topk_options_init(&o);
+    o.temperature = 0.7;
+    o.weight_hard_loss = 0.5;
+    const size_t counts[3] = {ROWS * HID, HID * COLS, COLS};
+    const float one = 1.0f;
+    float *grads[2][3];
+    double loss[2] = {0.0, 0.0};
+    for (int run = 0; run < 2; run++) {
+        for (int j = 0; j < 3; j++) {
+            grads[run][j] = tu_alloc(counts[j], sizeof(float));
+            for (size_t e = 0; e < counts[j]; e++)
+                grads[run][j][e] = 0.0f;
+        }
+        fh_context *ctx = tu_context(2, 0, 0, 0);
+        fh_distill_outputs out = {.loss = &loss[run]};
+        fh_linear_grads gr = {.dx = grads[run][0], .dx_row_stride = HID, .dweight = grads[run][1],
+                              .dweight_beta = (float)run, .dbias = grads[run][2]};
+        TU_CHECK(fh_distill_topk_forward_backward(ctx, &c.lin, &c.teacher, c.targets, &o, &one, &out, &gr) == FH_OK,
+                 "dweight beta %d: status", run);
+        fh_context_destroy(ctx);
+    }
+    TU_CHECK(loss[0] == loss[1], "loss %.17g and %.17g", loss[0], loss[1]);
+    for (int j = 0; j < 3; j++) {
+        const double d = tu_norm_rel_f(grads[0][j], grads[1][j], counts[j]);
+        TU_CHECK(d <= 1e-6, "gradient %d %.2e normwise from the call with beta 1", j, d);
+    }
+    for (int run = 0; run < 2; run++)
+        for (int j = 0; j < 3; j++)
+            free(grads[run][j]);
+    student_case_free(&c);
 }
 
 static const tu_test tests[] = {
@@ -657,6 +729,7 @@ static const tu_test tests[] = {
     {"every token ignored: loss 0, gradients 0", test_all_ignored},
     {"workspace: the query's size works (ignored entries unread), one byte less fails", test_workspace_query},
     {"contracts: status, message, untouched outputs", test_contracts},
+    {"fp32 train step, logits computed into dU chunks in dweight's memory", test_chunks_in_dweight},
     {"ignored rows at temperature 0.05, logits to +-160: finite gradients in every schedule",
      test_ignored_rows_cold_temperature},
 };

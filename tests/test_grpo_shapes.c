@@ -78,8 +78,33 @@ static void test_tile_configurations(void)
     gp_print_worst("grpo_shapes (tiles)");
 }
 
+/* fp32 row blocks at N <= H compute their logits into dU chunks in a dense [V, H] dweight's memory (beta 0) and work
+ * on each row in a row of their own (plan.c, keep_f32_du): B = 2, T = 4, H = 32, V = 20000 (three chunks, two in
+ * dweight), where GRPO's block hook needs every row folded before any coefficient, so each folded row goes back
+ * into the chunks (temperature 1.3 and a bias make that row differ from the GEMM's logits). Both levels, every loss
+ * type, each with beta 0 at one level and beta 1 (nothing moves) at the other; against the reference (gp_check). */
+static void test_chunks_in_dweight(void)
+{
+    for (int k = 0; k < 2 * GP_LOSS_TYPES; k++) {
+        fh_grpo_options o;
+        gp_options(&o, gp_all_losses[k % GP_LOSS_TYPES], gp_all_levels[k / GP_LOSS_TYPES]);
+        o.temperature = 1.3;
+        o.entropy_coef = 0.05;
+        o.beta = 0.04;
+        gp_problem p;
+        gp_init(&p, 2, 4, 32, 20000, FH_LAYOUT_VH, 1, 7000 + (uint64_t)k);
+        gp_set_ref(&p, o.temperature);
+        gp_set_old(&p, &o);
+        const gp_config c = {.threads = 2, .train_step = 1, .grad_beta = (float)((k + k / GP_LOSS_TYPES) & 1)};
+        gp_check(&p, &o, &c, "dU chunks in dweight");
+        gp_free(&p);
+    }
+    gp_print_worst("grpo_shapes (dU chunks in dweight)");
+}
+
 static const tu_test tests[] = {
     {"tile edges with temperature, entropy_coef, normalisers", test_tile_edges},
     {"tile configurations and hidden sizes", test_tile_configurations},
+    {"fp32 train step, logits computed into dU chunks in dweight's memory", test_chunks_in_dweight},
 };
 const tu_suite suite_grpo_shapes = {tests, TU_COUNT(tests)};

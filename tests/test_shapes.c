@@ -207,13 +207,14 @@ static void test_strided_views(void)
     }
 }
 
-/* fp32 row blocks keep every row's f32 dU in chunks, and with them the logits block, in the memory of a dense [V, H]
- * dweight with beta 0 (written only after the last block) where that leaves the workspace smaller: at N < H. At
- * N = 8, H = 32, V = 20000 (three chunks of at most 8192 columns) the block and the first two chunks fit, the last
- * stays in the workspace; at N = 48 > H nothing fits and the blocks write dweight themselves. Against the reference
- * (ce_metrics_pass): one row block and three, a 512 KiB budget (which cannot hold the 640 KB block beside the 160 KB
- * of column sums), beta 1 (nothing moves) and [H, V] (nothing moves). Small, for qemu's sake (scripts/test-aarch64). */
-static void test_fp32_scratch_in_dweight(void)
+/* fp32 row blocks keep every row's f32 dU in chunks, their logits computed straight into them, in the memory of a
+ * dense [V, H] dweight with beta 0 (written only after the last block) where that leaves the workspace smaller: at
+ * N <= H. At N = 8, H = 32, V = 20000 (three chunks of at most 8192 columns) the first two chunks fit, the last stays
+ * in the workspace; at N = 48 > H nothing fits and the blocks write dweight themselves. Against the reference
+ * (ce_metrics_pass; the class weights, bias and label smoothing exercise the loaded rows' columns): one row block and
+ * three, a 512 KiB budget (which cannot hold the 640 KB block beside the 160 KB of column sums), beta 1 (nothing
+ * moves) and [H, V] (nothing moves). Small, for qemu's sake (scripts/test-aarch64). */
+static void test_fp32_chunks_in_dweight(void)
 {
     ce_case_spec s;
     ce_case_spec_default(&s);
@@ -233,12 +234,12 @@ static void test_fp32_scratch_in_dweight(void)
                 s.layout = (fh_layout)layout;
                 s.grad_beta = (float)beta;
                 cp_check_spec(&s, layout == FH_LAYOUT_VH && !beta && n[run] < s.hidden
-                                      ? "fp32 train step, logits block and dU chunks in dweight"
+                                      ? "fp32 train step, dU chunks in dweight"
                                       : "fp32 train step, nothing in dweight");
             }
 }
 
-/* A small fp32 problem of fixed values: x (n x h), the weight (h x v elements) and targets. */
+/* Small fixed values: x (n x h floats), the weight (h x v) and targets. */
 static void fill_fp32_problem(float *x, float *w, int64_t *targets, int64_t n, int64_t h, int64_t v)
 {
     for (int64_t i = 0; i < n * h; i++)
@@ -249,13 +250,14 @@ static void fill_fp32_problem(float *x, float *w, int64_t *targets, int64_t n, i
         targets[i] = (i * 997) % v;
 }
 
-/* The query that sees such a call's gradients answers what stays in the workspace: at N = 8 ([V, H], beta 0) the
- * 640 KB logits block less than the query that does not, but for the last dU chunk (8 x 3616 floats, 116 KB), and a
- * workspace of exactly its answer serves the call; with beta 1, [H, V], or at N = 48, nothing moves and both
- * queries agree. */
+/* The query that sees such a call's gradients answers what stays in the workspace, and a workspace of exactly that
+ * serves the call. H = 16, V = 32768: four chunks of 8192 columns. At N = 8 and at N = H = 16 all but the last chunk
+ * fit in dweight, so the answer is the other query's (which holds the N x V logits block) less the block, plus one
+ * chunk and the tile's one V-wide row (one thread); at N = 32 > H only one chunk would fit (three would stay, more
+ * than half the block), and with beta 1 or [H, V] nothing moves: both queries agree. */
 static void test_fp32_workspace_without_scratch(void)
 {
-    enum { MAX_N = 48, H = 32, V = 20000 };
+    enum { MAX_N = 32, H = 16, V = 32768 };
     float *x = calloc((size_t)MAX_N * H, sizeof(float)), *w = calloc((size_t)V * H, sizeof(float));
     float *dx = calloc((size_t)MAX_N * H, sizeof(float)), *dw = calloc((size_t)V * H, sizeof(float));
     int64_t targets[MAX_N];
@@ -264,10 +266,11 @@ static void test_fp32_workspace_without_scratch(void)
         fill_fp32_problem(x, w, targets, MAX_N, H, V);
     fh_ce_options o;
     fh_ce_options_init(&o);
-    for (int run = 0; run < 8 && x && w && dx && dw; run++) {
-        const int64_t n = run & 4 ? MAX_N : 8;
+    for (int run = 0; run < 12 && x && w && dx && dw; run++) {
+        static const int64_t ns[3] = {8, H, MAX_N};
+        const int64_t n = ns[run / 4];
         const fh_layout layout = run & 2 ? FH_LAYOUT_HV : FH_LAYOUT_VH;
-        const int beta = run & 1, moves = n < H && layout == FH_LAYOUT_VH && !beta;
+        const int beta = run & 1, moves = n <= H && layout == FH_LAYOUT_VH && !beta;
         fh_linear lin;
         fh_linear_init(&lin, n, H, V, x, w, layout, NULL);
         fh_linear_grads g = {.dx = dx, .dx_row_stride = H, .dweight = dw, .dweight_beta = (float)beta};
@@ -276,10 +279,12 @@ static void test_fp32_workspace_without_scratch(void)
         TU_CHECK(fh_ce_forward_backward_workspace_size(ctx, &lin, &o, &any) == FH_OK &&
                      fh_ce_forward_backward_workspace_size_with_grads(ctx, &lin, &o, &g, &these) == FH_OK,
                  "N = %lld, run %d: queries", (long long)n, run);
-        const size_t block = (size_t)n * V * sizeof(float), last_chunk = (size_t)n * (V - 2 * 8192) * sizeof(float);
+        const size_t block = (size_t)n * V * sizeof(float), chunk = (size_t)n * 8192 * sizeof(float);
+        const size_t row = (size_t)V * sizeof(float);
         if (moves)
-            TU_CHECK(these + block <= any + last_chunk + 64, "N = %lld: %zu bytes with the gradients, %zu without, a "
-                     "block of %zu, a last chunk of %zu", (long long)n, these, any, block, last_chunk);
+            TU_CHECK(these + block <= any + chunk + row + 64 && these + block + 64 >= any + chunk + row,
+                     "N = %lld: %zu bytes with the gradients, %zu without, a block of %zu, a chunk of %zu",
+                     (long long)n, these, any, block, chunk);
         else
             TU_CHECK(these == any, "N = %lld, run %d: queries %zu and %zu", (long long)n, run, these, any);
         void *ws = malloc(these);
@@ -299,53 +304,80 @@ static void test_fp32_workspace_without_scratch(void)
     free(dw);
 }
 
-/* A caller's dweight need not be aligned: at N = 8, H = 14, V = 32768 the logits block (1 MiB) and three of the
- * four dU chunks (256 KiB each) fill dweight (1.75 MiB) exactly, so with dweight 16 bytes past a 64-byte boundary the
- * block sits at its first byte, not its first aligned one (which would leave room for two chunks): the workspace
- * holds one chunk, as with an aligned dweight, and the call's loss and gradients equal, bit for bit, those of the
- * same call with the aligned one. */
-static void test_fp32_scratch_in_unaligned_dweight(void)
+/* f's leading 16 bits: a bf16 value near it. */
+static uint16_t bf16_bits(float f)
 {
-    enum { N = 8, H = 14, V = 32768 };
-    const size_t dw_bytes = sizeof(float) * V * H;
-    float *x = malloc(sizeof(float) * N * H), *w = malloc(dw_bytes);
-    float *dx[2] = {malloc(sizeof(float) * N * H), malloc(sizeof(float) * N * H)};
-    char *unaligned = aligned_alloc(64, dw_bytes + 64);
-    float *dw[2] = {aligned_alloc(64, dw_bytes), unaligned ? (float *)(unaligned + 16) : NULL};
-    int64_t targets[N];
-    const int ready = x && w && dx[0] && dx[1] && dw[0] && dw[1];
-    TU_CHECK(ready, "allocations");
-    if (ready)
-        fill_fp32_problem(x, w, targets, N, H, V);
-    fh_ce_options o;
-    fh_ce_options_init(&o);
-    double loss[2] = {0.0, 0.0};
-    for (int k = 0; k < 2 && ready; k++) {
-        fh_linear lin;
-        fh_linear_init(&lin, N, H, V, x, w, FH_LAYOUT_VH, NULL);
-        fh_linear_grads g = {.dx = dx[k], .dx_row_stride = H, .dweight = dw[k]};
-        fh_context *ctx = tu_context(1, 0, 0, 0);
-        size_t these = 0;
-        TU_CHECK(fh_ce_forward_backward_workspace_size_with_grads(ctx, &lin, &o, &g, &these) == FH_OK, "query");
-        /* One 256 KiB chunk beside 256 KiB of column sums and per-row state (two chunks: 768 KiB). */
-        TU_CHECK(these < ((size_t)640 << 10), "%s dweight: %zu bytes stay in the workspace",
-                 k ? "unaligned" : "aligned", these);
-        fh_ce_outputs out = {.loss = &loss[k]};
-        const float one = 1.0f;
-        TU_CHECK(fh_ce_forward_backward(ctx, &lin, targets, &o, &one, &out, &g) == FH_OK, "call %d", k);
-        fh_context_destroy(ctx);
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return (uint16_t)(bits >> 16);
+}
+
+/* A caller's dweight need not be aligned (torch's sits 16 bytes past a 64-byte boundary). fp32 (N = 8, H = 14,
+ * V = 32768): the dU chunks are placed by bytes from dweight's first, three of four fit. bf16 (N = 8, H = 22,
+ * V = 32768): the f32 logits block (1 MiB) and three of the four bf16 chunks (128 KiB each) fill dweight (1.375 MiB)
+ * exactly, so with the unaligned dweight the block sits at its first byte, not its first aligned one (which would
+ * leave room for two chunks). Either way the workspace is the aligned call's, and the loss and gradients equal that
+ * call's bit for bit. */
+static void test_scratch_in_unaligned_dweight(void)
+{
+    enum { N = 8, V = 32768 };
+    for (int bf16 = 0; bf16 < 2; bf16++) {
+        const int64_t H = bf16 ? 22 : 14;
+        const size_t elem = bf16 ? sizeof(uint16_t) : sizeof(float), dw_bytes = elem * V * (size_t)H;
+        float *x = malloc(sizeof(float) * N * H), *w = malloc(sizeof(float) * V * H);
+        void *dx[2] = {malloc(elem * N * H), malloc(elem * N * H)};
+        char *unaligned = aligned_alloc(64, dw_bytes + 64);
+        void *dw[2] = {aligned_alloc(64, dw_bytes), unaligned ? unaligned + 16 : NULL};
+        int64_t targets[N];
+        const int ready = x && w && dx[0] && dx[1] && dw[0] && dw[1];
+        TU_CHECK(ready, "allocations");
+        if (ready) {
+            fill_fp32_problem(x, w, targets, N, H, V);
+            if (bf16) { /* the bf16 bits of the same values, in the first half of each array */
+                for (int64_t i = 0; i < N * H; i++)
+                    ((uint16_t *)x)[i] = bf16_bits(x[i]);
+                for (int64_t i = 0; i < V * H; i++)
+                    ((uint16_t *)w)[i] = bf16_bits(w[i]);
+            }
+        }
+        fh_ce_options o;
+        fh_ce_options_init(&o);
+        double loss[2] = {0.0, 0.0};
+        size_t these[2] = {0, 0}, any = 0;
+        const size_t block = sizeof(float) * N * V;
+        for (int k = 0; k < 2 && ready; k++) {
+            fh_linear lin;
+            fh_linear_init(&lin, N, H, V, x, w, FH_LAYOUT_VH, NULL);
+            const fh_dtype dtype = bf16 ? FH_DTYPE_BF16 : FH_DTYPE_F32;
+            lin.x_dtype = lin.weight_dtype = dtype;
+            fh_linear_grads g = {.dx = dx[k], .dx_row_stride = H, .dweight = dw[k], .dx_dtype = dtype,
+                                 .dweight_dtype = dtype};
+            fh_context *ctx = tu_context(1, 0, 0, 0);
+            TU_CHECK(fh_ce_forward_backward_workspace_size_with_grads(ctx, &lin, &o, &g, &these[k]) == FH_OK &&
+                         fh_ce_forward_backward_workspace_size(ctx, &lin, &o, &any) == FH_OK,
+                     "queries");
+            fh_ce_outputs out = {.loss = &loss[k]};
+            const float one = 1.0f;
+            TU_CHECK(fh_ce_forward_backward(ctx, &lin, targets, &o, &one, &out, &g) == FH_OK, "call %d", k);
+            fh_context_destroy(ctx);
+        }
+        TU_CHECK(these[0] == these[1], "%s: the workspace holds %zu bytes with an aligned dweight, %zu with an "
+                 "unaligned one", bf16 ? "bf16" : "fp32", these[0], these[1]);
+        /* What moved: the logits block (bf16) or most of it (fp32: all but one chunk and the tile's row). */
+        TU_CHECK(these[0] + block / 2 <= any, "%s: %zu bytes stay in the workspace, %zu without the gradients",
+                 bf16 ? "bf16" : "fp32", these[0], any);
+        const int same_dx = ready && memcmp(dx[0], dx[1], elem * N * H) == 0;
+        const int same_dw = ready && memcmp(dw[0], dw[1], dw_bytes) == 0;
+        TU_CHECK(ready && loss[0] == loss[1] && same_dx && same_dw,
+                 "%s, aligned and unaligned dweight: loss %.17g and %.17g, dx equal %d, dweight equal %d",
+                 bf16 ? "bf16" : "fp32", loss[0], loss[1], same_dx, same_dw);
+        free(x);
+        free(w);
+        free(dx[0]);
+        free(dx[1]);
+        free(dw[0]);
+        free(unaligned);
     }
-    const int same_dx = ready && memcmp(dx[0], dx[1], sizeof(float) * N * H) == 0;
-    const int same_dw = ready && memcmp(dw[0], dw[1], dw_bytes) == 0;
-    TU_CHECK(ready && loss[0] == loss[1] && same_dx && same_dw,
-             "aligned and unaligned dweight: loss %.17g and %.17g, dx equal %d, dweight equal %d", loss[0], loss[1],
-             same_dx, same_dw);
-    free(x);
-    free(w);
-    free(dx[0]);
-    free(dx[1]);
-    free(dw[0]);
-    free(unaligned);
 }
 
 static const tu_test tests[] = {
@@ -356,8 +388,8 @@ static const tu_test tests[] = {
     {"tile configurations and default tiles", test_tile_configurations},
     {"memory budget shrinks tiles", test_memory_budget_shrinks_tiles},
     {"strided views", test_strided_views},
-    {"fp32 train step, logits block and dU chunks in dweight's memory", test_fp32_scratch_in_dweight},
+    {"fp32 train step, logits computed into dU chunks in dweight's memory", test_fp32_chunks_in_dweight},
     {"fp32 train step, the workspace without them", test_fp32_workspace_without_scratch},
-    {"fp32 train step, logits block and dU chunks in an unaligned dweight", test_fp32_scratch_in_unaligned_dweight},
+    {"logits block and dU chunks in an unaligned dweight, fp32 and bf16", test_scratch_in_unaligned_dweight},
 };
 const tu_suite suite_shapes = {tests, TU_COUNT(tests)};

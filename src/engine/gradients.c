@@ -54,18 +54,22 @@ static fh_status prepare_height(const fh_pass *p, int64_t height)
     if (grads && p->filter)
         st = fh_filter_prepare(p, height);
     for (int w = 0; w < 2; w++) {
-        st = st == FH_OK ? fh_pass_logits(p, 1, p->ws.tile, 0, height, 0, widths[w]) : st;
+        /* f32_du_chunks computes the logits per dU chunk. */
+        const int chunk_logits = p->in.plan->f32_du_chunks;
+        st = st == FH_OK && !chunk_logits ? fh_pass_logits(p, 1, p->ws.tile, 0, height, 0, widths[w]) : st;
         /* The tile's first dU chunk and its last, maybe narrower, one. Filtering runs these too where it keeps
          * every column (all_kept_gemms). */
         const int64_t t = fh_du_chunk(p, widths[w]), firsts[2] = {0, (widths[w] - 1) / t * t};
-        for (int k = 0; k < 2; k++)
+        for (int k = 0; k < 2; k++) {
+            const int64_t len = min64(t, widths[w] - firsts[k]);
+            st = st == FH_OK && chunk_logits ? fh_pass_logits(p, 1, p->ws.tile, 0, height, 0, len) : st;
             for (int accumulate = 0; grads && accumulate < 2; accumulate++) {
-                const int64_t len = min64(t, widths[w] - firsts[k]);
                 if (st == FH_OK && grads->dx)
                     st = fh_pass_add_dx(p, 1, 0, 0, height, 0, widths[w], firsts[k], len, accumulate);
                 if (st == FH_OK && grads->dweight && block_dweight(p))
                     st = fh_pass_add_dweight(p, 1, 0, 0, height, 0, widths[w], firsts[k], len, accumulate);
             }
+        }
     }
     return st;
 }

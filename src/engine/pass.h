@@ -165,6 +165,11 @@ static inline void fh_store(void *out, fh_dtype dtype, int64_t step, const float
 int64_t fh_du_chunk(const fh_pass *p, int64_t vb);
 fh_gemm_input fh_du_view(const fh_pass *p, int64_t tile_row, int64_t i0, int64_t vb, int64_t j0);
 void fh_round_du_row(const fh_pass *p, const float *row, int64_t tile_row, int64_t i0, int64_t r, int64_t vb);
+/* f32_du_chunks, whose blocks compute their logits straight into the chunks: chunk c's row i (its rows follow at the
+ * chunk's width), and row i of every chunk loaded into a V-wide row or stored from it. */
+float *fh_du_chunk_rows(const fh_pass *p, int64_t c, int64_t i);
+void fh_chunk_row_load(const fh_pass *p, int64_t i, float *row);
+void fh_chunk_row_store(const fh_pass *p, int64_t i, const float *row);
 /* dw_acc (dweight's columns v0 .. v0 + vb - 1, f32) rounded once into the bf16 dweight, as beta says (streaming.c). */
 void fh_round_dweight_accumulator(const fh_pass *p, int64_t v0, int64_t vb);
 float *fh_dx_row_f32(const fh_pass *p, int64_t i, int64_t i0);

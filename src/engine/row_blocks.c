@@ -2,13 +2,15 @@
  * into dU while hot in cache and multiplied out. In bf16 row blocks dx is summed per block over the dU chunks (in f32,
  * dx_block, when it is bf16) and dweight is one GEMM per chunk after the last block, over the bf16 dU of every row,
  * written directly; where every row's dU does not fit (dw_block_acc), one GEMM per span of blocks into the f32
- * accumulator. fp32 row blocks that keep every row's f32 dU in chunks (f32_du_chunks, at N < H) write dweight the
- * same way after the last block; other fp32 blocks add their own dweight GEMM. */
+ * accumulator. fp32 row blocks that keep every row's f32 dU in chunks (f32_du_chunks, at N <= H) compute their
+ * logits into those chunks, work on each row in a row of the tile and write dweight the same way after the last
+ * block; other fp32 blocks add their own dweight GEMM. */
 #include "pass.h"
 
 #include "filter/filter.h"
 
 #include <math.h>
+#include <omp.h>
 
 /* Transforms row i of the block in place, folds it over lin's columns and stores its final statistics. */
 static fh_final_stats fold_row(const fh_pass *p, const fh_fold_request *request, float *row, int64_t i)
@@ -154,6 +156,46 @@ static int64_t block_row(const fh_block *b, int64_t r, int *segment, int64_t *fi
     return r - b->tile_row[*segment];
 }
 
+/* The logits of the segment's rows first .. first + rows - 1, at tile row tile_row; with f32_du_chunks straight into
+ * every row's dU chunks, a GEMM per chunk. */
+static fh_status segment_logits(const fh_pass *p, float *tile, int64_t tile_row, int64_t first, int64_t rows)
+{
+    const int64_t vocab = p->in.lin->vocab, t = p->in.plan->du_chunk;
+    if (!p->in.plan->f32_du_chunks)
+        return fh_pass_logits(p, 0, tile + tile_row * vocab, first, rows, 0, vocab);
+    fh_status st = FH_OK;
+    for (int64_t j0 = 0; j0 < vocab && st == FH_OK; j0 += t)
+        st = fh_pass_logits(p, 0, fh_du_chunk_rows(p, j0 / t, first), first, rows, j0, min64(t, vocab - j0));
+    return st;
+}
+
+/* The block's tile row r (row i of the call) where the row loops work on it: in the tile, or with f32_du_chunks
+ * loaded from the chunks into the calling thread's row of the tile (fh_round_du_row stores it back). */
+static float *working_row(const fh_pass *p, float *tile, int64_t r, int64_t i)
+{
+    const int64_t vocab = p->in.lin->vocab;
+    if (!p->in.plan->f32_du_chunks)
+        return tile + r * vocab;
+    float *row = tile + (int64_t)omp_get_thread_num() * vocab;
+    fh_chunk_row_load(p, i, row);
+    return row;
+}
+
+/* The bias gradient's column sums of the block's dU. */
+static void add_block_column_sums(const fh_pass *p, const float *tile, const fh_block *b, double *column)
+{
+    const int64_t vocab = p->in.lin->vocab, t = p->in.plan->du_chunk;
+    const int threads = p->in.plan->threads;
+    if (!p->in.plan->f32_du_chunks) {
+        fh_add_column_sums(tile, fh_block_rows(b), vocab, column, threads);
+        return;
+    }
+    for (int s = 0; s < b->segments; s++)
+        for (int64_t j0 = 0; j0 < vocab; j0 += t)
+            fh_add_column_sums(fh_du_chunk_rows(p, j0 / t, b->first[s]), b->rows[s], min64(t, vocab - j0),
+                               column + j0, threads);
+}
+
 static fh_status row_blocks(fh_pass *p)
 {
     const fh_linear *lin = p->in.lin;
@@ -196,7 +238,7 @@ static fh_status row_blocks(fh_pass *p)
         }
         for (int s = 0; s < b.segments && st == FH_OK; s++)
             if (b.rows[s] > 0)
-                st = fh_pass_logits(p, 0, tile + b.tile_row[s] * vocab, b.first[s], b.rows[s], 0, vocab);
+                st = segment_logits(p, tile, b.tile_row[s], b.first[s], b.rows[s]);
         if (st != FH_OK)
             return st;
         if (p->in.pair) {
@@ -206,7 +248,7 @@ static fh_status row_blocks(fh_pass *p)
                 int segment;
                 int64_t first;
                 const int64_t k = block_row(&b, r, &segment, &first);
-                pair_row_block(p, tile + r * vocab, r, first, k);
+                pair_row_block(p, working_row(p, tile, r, first + k), r, first, k);
             }
         } else if (!p->in.source->block) {
             /* Fold, then the gradient while the row is still hot in cache. */
@@ -215,10 +257,11 @@ static fh_status row_blocks(fh_pass *p)
                 int segment;
                 int64_t first;
                 const int64_t k = block_row(&b, r, &segment, &first);
+                float *row = working_row(p, tile, r, first + k);
                 fh_fold_request ahead = request;
-                ahead.next = r + 1 < rows ? tile + (r + 1) * vocab : NULL;
-                const fh_final_stats result = fold_row(p, &ahead, tile + r * vocab, first + k);
-                gradient_row(p, tile + r * vocab, r, segment, first, k, &result, request.store_exps);
+                ahead.next = r + 1 < rows && !p->in.plan->f32_du_chunks ? tile + (r + 1) * vocab : NULL;
+                const fh_final_stats result = fold_row(p, &ahead, row, first + k);
+                gradient_row(p, row, r, segment, first, k, &result, request.store_exps);
             }
         } else {
             /* The hook needs the whole block's statistics before any row's coefficients. */
@@ -227,7 +270,10 @@ static fh_status row_blocks(fh_pass *p)
                 int segment;
                 int64_t first;
                 const int64_t k = block_row(&b, r, &segment, &first);
-                fold_row(p, &request, tile + r * vocab, first + k);
+                float *row = working_row(p, tile, r, first + k);
+                fold_row(p, &request, row, first + k);
+                if (p->in.plan->f32_du_chunks) /* the transformed logits, for the gradient loop below */
+                    fh_chunk_row_store(p, first + k, row);
             }
             const fh_token_stats view = stats_from(stats, b.first[0]);
             const fh_row_block hook = {b.first[0], b.rows[0], b.first_group, b.end_group};
@@ -240,11 +286,12 @@ static fh_status row_blocks(fh_pass *p)
                 int64_t first;
                 const int64_t k = block_row(&b, r, &segment, &first);
                 const fh_final_stats result = stored_stats(stats, first + k);
-                gradient_row(p, tile + r * vocab, r, segment, first, k, &result, request.store_exps);
+                gradient_row(p, working_row(p, tile, r, first + k), r, segment, first, k, &result,
+                             request.store_exps);
             }
         }
         if (grads->dbias)
-            fh_add_column_sums(tile, rows, vocab, column, threads);
+            add_block_column_sums(p, tile, &b, column);
         for (int s = 0; s < b.segments && st == FH_OK; s++) {
             if (b.rows[s] == 0)
                 continue;

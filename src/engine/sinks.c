@@ -44,6 +44,26 @@ static char *du_chunk_at(const fh_pass *p, int64_t c)
     return (char *)p->ws.du + (size_t)(n * (c - plan->du_chunks_in_dweight) * t) * size;
 }
 
+float *fh_du_chunk_rows(const fh_pass *p, int64_t c, int64_t i)
+{
+    const int64_t width = min64(p->in.plan->du_chunk, p->in.lin->vocab - c * p->in.plan->du_chunk);
+    return (float *)du_chunk_at(p, c) + i * width;
+}
+
+void fh_chunk_row_load(const fh_pass *p, int64_t i, float *row)
+{
+    const int64_t vocab = p->in.lin->vocab, t = p->in.plan->du_chunk;
+    for (int64_t c = 0; c * t < vocab; c++)
+        memcpy(row + c * t, fh_du_chunk_rows(p, c, i), (size_t)min64(t, vocab - c * t) * sizeof(float));
+}
+
+void fh_chunk_row_store(const fh_pass *p, int64_t i, const float *row)
+{
+    const int64_t vocab = p->in.lin->vocab, t = p->in.plan->du_chunk;
+    for (int64_t c = 0; c * t < vocab; c++)
+        memcpy(fh_du_chunk_rows(p, c, i), row + c * t, (size_t)min64(t, vocab - c * t) * sizeof(float));
+}
+
 /* The dU rows of a tile (rows i0.. of the call, from row tile_row of the tile), from column j0 within one chunk, as
  * the gradient GEMMs read them: the f32 tile itself, or (bf16_du) the rows rounded into the du buffer (one tile
  * when streaming), or in row blocks that keep every row's dU the chunk that holds them. */
@@ -61,7 +81,7 @@ fh_gemm_input fh_du_view(const fh_pass *p, int64_t tile_row, int64_t i0, int64_t
 
 /* With bf16_du, row r (of the rows at i0; tile row tile_row) of the tile's dU rounded into its place, inside the row
  * loop while it is hot: the du buffer's tile row (streaming, and row blocks with dw_block_acc), or every row's
- * chunks (row blocks); with f32_du_chunks copied into every row's chunks. */
+ * chunks (row blocks); with f32_du_chunks stored back into the chunks it was loaded from. */
 void fh_round_du_row(const fh_pass *p, const float *row, int64_t tile_row, int64_t i0, int64_t r, int64_t vb)
 {
     const fh_plan *plan = p->in.plan;
@@ -71,14 +91,14 @@ void fh_round_du_row(const fh_pass *p, const float *row, int64_t tile_row, int64
         fh_row_to_bf16(row, vb, p->ws.du + tile_row * vb);
         return;
     }
+    if (plan->f32_du_chunks) {
+        fh_chunk_row_store(p, i0 + r, row);
+        return;
+    }
     const int64_t t = plan->du_chunk;
     for (int64_t c = 0; c * t < vb; c++) {
         const int64_t width = min64(t, vb - c * t);
-        char *to = du_chunk_at(p, c);
-        if (plan->f32_du_chunks)
-            memcpy((float *)to + (i0 + r) * width, row + c * t, (size_t)width * sizeof(float));
-        else
-            fh_row_to_bf16(row + c * t, width, (uint16_t *)to + (i0 + r) * width);
+        fh_row_to_bf16(row + c * t, width, (uint16_t *)du_chunk_at(p, c) + (i0 + r) * width);
     }
 }
 

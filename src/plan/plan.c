@@ -77,7 +77,7 @@ static void buffer_table(const fh_plan *plan, int64_t n, fh_buffer_size table[FH
         plan->row_blocks && plan->bf16_du && (plan->filter_eps > 0.0 || plan->du_chunk < plan->tile_vocab);
     const fh_buffer_size engine[FH_BUFFER_FILTER] = {
         [FH_BUFFER_SLOTS] = {1, n, FH_WORKSPACE_SLOTS, sizeof(double)},
-        [FH_BUFFER_TILE] = {!plan->tile_in_dweight, rows, cols, sizeof(float)},
+        [FH_BUFFER_TILE] = {!plan->tile_in_dweight, plan->f32_du_chunks ? plan->threads : rows, cols, sizeof(float)},
         [FH_BUFFER_COMPANION_TILE] = {plan->companion, rows, cols, sizeof(float)},
         [FH_BUFFER_COLUMN] = {1, 1, cols, sizeof(double)},
         [FH_BUFFER_DU] = {plan->bf16_du || plan->f32_du_chunks,
@@ -252,11 +252,12 @@ fh_status fh_plan_streaming(const fh_context *ctx, const fh_linear *lin, fh_plan
 
 /* ---- row blocks that keep every row's dU, in dweight's memory (fh_plan) ----
  * A dense dweight (bf16, or fp32) with beta 0 is written only by the chunk GEMMs after the last block, in vocabulary
- * order. Until then its memory can hold the logits block (dead by then), and in the [V, H] layout dU chunks packed
- * at its end: chunk c's GEMM writes dweight rows up to the chunk's last column, which must stay below chunk c's own
- * place. In bytes, with w bytes per dweight element and d per dU element (bf16 or f32), chunk c packed from `start`
- * sits at start + n c T d, so it fits when that is at least (c T + width_c) H w: true for the leading chunks when
- * H w > n d, never for the last one; the chunks that do not fit stay in the workspace. */
+ * order. Until then its memory can hold a bf16 plan's logits block (dead by then; fp32 plans compute their logits
+ * into the chunks), and in the [V, H] layout dU chunks packed at its end: chunk c's GEMM writes dweight rows up to the
+ * chunk's last column, which must stay below chunk c's own place. In bytes, with w bytes per dweight element and d
+ * per dU element (bf16 or f32), chunk c packed from `start` sits at start + n c T d, so it fits when that is at least
+ * (c T + width_c) H w: true for the leading chunks when H w >= n d, never for the last one; the chunks that do not fit
+ * stay in the workspace. */
 
 /* How many leading dU chunks fit packed at the end of a [V, H] dweight of w bytes per element, above its first
  * `reserved` bytes; their first byte in *start. */
@@ -301,7 +302,8 @@ static int place_in_dweight(fh_plan *plan, const fh_linear *lin, const fh_linear
     size_t saved[3] = {0, 0, 0};
     int best = 0;
     for (int p = 0; p < 3; p++) {
-        if ((p == 2 && aligned == 0) || (p > 0 && tile_at[p] + tile_bytes > dweight_bytes))
+        /* f32_du_chunks has no logits block: its logits go straight into the chunks. */
+        if ((p == 2 && aligned == 0) || (p > 0 && (plan->f32_du_chunks || tile_at[p] + tile_bytes > dweight_bytes)))
             continue;
         const int64_t reserved = p > 0 ? (int64_t)(tile_at[p] + tile_bytes) : 0;
         chunks[p] = vh ? chunks_fitting(plan, n, vocab, hidden, w, reserved, &start[p]) : 0;
@@ -354,13 +356,14 @@ static int balanced_blocks(fh_plan *plan, int64_t n, int64_t rows, int64_t group
     return place_buffers(plan, n);
 }
 
-/* fp32 row blocks keep every row's f32 dU in chunks (f32_du_chunks) instead of writing dweight themselves, when
- * dweight's memory then holds enough (the logits block, leading chunks: place_in_dweight) that the workspace shrinks
- * by at least half their logits block: at N < H the N x V logits leave it. Not at a lower height, where dweight
- * would hold more at N = H: at N=1024 H=1024 V=32768 (fp32 CE, 2 threads, AMD Zen 4, 2026-11-29) two 512-row blocks
- * this way took 64 MiB less and 1099 - 1106 ms against 1043 - 1050 for one block writing dweight (a second packing of
- * the weight for two GEMMs, the dU copies), below 0.90 of sgemm. The plan stays as it was otherwise. Returns 1 when
- * kept. */
+/* fp32 row blocks keep every row's f32 dU in chunks (f32_du_chunks), their logits computed straight into them, instead
+ * of writing dweight themselves, when the chunks that fit in dweight's memory (place_in_dweight) shrink the workspace
+ * by at least half their logits block: at N <= H, where all but the last chunk or so fit. At N=1024 H=1024 V=32768
+ * (fp32 CE, 2 threads, AMD Zen 4, 2026-11-29) the workspace fell from 128.3 to 32.6 MiB (one chunk stays) for 1 - 2%
+ * of the step (1062 - 1064 ms against 1049 - 1051, fh_bench --layout vh; the row loops load and store each row); at
+ * N=512 H=1536 V=151643 as fast as the logits block in dweight's memory that it replaced. Not at a lower height: two
+ * 512-row blocks at N=1024 pack the weight twice for the logits and dx GEMMs (5% slower, measured on the same day
+ * when these blocks kept their logits in a block). The plan stays as it was otherwise. Returns 1 when kept. */
 static int keep_f32_du(const fh_context *ctx, fh_plan *plan, const fh_linear *lin, const fh_linear_grads *grads)
 {
     if (plan->bf16_gemms || plan->companion || plan->filter_eps > 0.0 || batch_invariant(ctx) || !dense_vh(lin))
@@ -379,9 +382,9 @@ static int keep_f32_du(const fh_context *ctx, fh_plan *plan, const fh_linear *li
  * holds, balanced across blocks. Returns 0 when at least min(n, MIN_ROW_BLOCK) rows fit (a companion's plan:
  * PAIR_ROW_BLOCK), else -1 (the caller streams instead). fp32 dU with bf16 inputs always streams
  * (its f32 copy of the weight would be H x V). bf16 blocks stop at BF16_ROW_BLOCK rows, or at group_rows when a
- * group (a sequence, a pair) is taller, so that it still runs in row blocks. When grads' dweight can hold the
- * logits block or dU chunks (place_in_dweight), the blocks take their full height if what stays in the workspace
- * fits the budget; else the budget sets the height, as without. */
+ * group (a sequence, a pair) is taller, so that it still runs in row blocks. When grads' dweight can hold the logits block or dU chunks (place_in_dweight, keep_f32_du), the
+ * blocks take their full height if what stays in the workspace fits the budget; else the budget sets the height, as
+ * without. */
 static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
                            int64_t group_rows, plan_head head, fh_plan *plan)
 {

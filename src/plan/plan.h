@@ -59,7 +59,7 @@ typedef struct fh_plan {
      * row-major: dx is a GEMM per chunk (through dx_block, in f32, for a bf16 dx) and dweight, after the last block,
      * a GEMM per chunk, written in vocabulary order. One chunk (du_chunk = vocab) unless the weight is dense [V, H]
      * and filtering is off. When dweight is a dense output (bf16 or fp32) overwritten (beta 0), its memory is free
-     * until those GEMMs (plan.c): the logits block may sit at its start (tile_in_dweight, tile_at_byte in) and,
+     * until those GEMMs (plan.c): a bf16 plan's logits block may sit at its start (tile_in_dweight, tile_at_byte in) and,
      * with the [V, H] layout, the first du_chunks_in_dweight chunks packed at its end (from byte du_at_byte), where chunk c is read
      * before the GEMMs of chunks 0..c write over it; the other chunks stay in the workspace's du. */
     int64_t du_chunk, du_chunks_in_dweight;
@@ -67,8 +67,10 @@ typedef struct fh_plan {
     int tile_in_dweight;
     size_t tile_at_byte;
     /* fp32 row blocks that keep every row's f32 dU in chunks as bf16_du keeps its bf16 one (du then holds floats),
-     * dweight after the last block: only where dweight's memory holds the logits block or chunks and the workspace
-     * is then smaller than that of blocks writing dweight themselves (at N < H, by the N x V logits). */
+     * dweight after the last block. Their logits are computed straight into the chunks (a GEMM per chunk), so there
+     * is no logits block: the tile holds one V-wide row per thread, into which the row loops load a row from the
+     * chunks and from which its dU goes back. Only where the chunks that fit in dweight's memory leave the
+     * workspace at least half a block smaller than blocks writing dweight themselves (at N <= H). */
     int f32_du_chunks;
     /* Gradient filtering (FH_PARAM_GRAD_FILTER_EPS): filter_eps > 0 in gradient passes; tail_estimate:
      * FH_FILTER_TAIL_ESTIMATE. Its buffers: filter_buffers.h. */
@@ -100,7 +102,7 @@ fh_status fh_plan_streaming(const fh_context *ctx, const fh_linear *lin, fh_plan
 /* The single-call train step's plan: row blocks of tile_vocab = vocab and as many rows as the budget holds
  * (*row_blocks = 1), else the streaming backward's tiles, in which the fallback runs both passes. In bf16 row
  * blocks, what fits of the logits block and the dU chunks moves into the memory of grads' dweight when it is a
- * dense output with beta 0 and filtering is off (see fh_plan), and in fp32 ones at N < H (f32_du_chunks); the
+ * dense output with beta 0 and filtering is off (see fh_plan), and in fp32 ones at N <= H (f32_du_chunks); the
  * workspace only shrinks. The size queries (grads NULL) keep everything in the workspace. */
 fh_status fh_plan_train_step(const fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
                              fh_plan *plan, int *row_blocks, fh_context *messages);
