@@ -325,6 +325,13 @@ static int place_in_dweight(fh_plan *plan, const fh_linear *lin, const fh_linear
  * H=2304 V=262144; 64-row blocks 1.84 and 1.62; bf16 at N=1024 H=1024 V=32768 128-row blocks 1.06 / streaming 1.45.
  * (It was 256 rows, set on 2026-11-22 against an engine whose thin blocks ran at 0.57 of sgemm.) */
 #define MIN_ROW_BLOCK 128
+/* fp32 row blocks that write dweight themselves stop at this many rows (or at a taller group), a pair's excepted
+ * (PAIR_ROW_BLOCK): taller ones save only the per-block re-read and re-write of dweight and repacking of the weight,
+ * while their logits grow past the weight gradient's size. At N=8192 H=1024 V=32768 (fp32 CE, 2 threads, AMD Zen 4,
+ * 2026-11-29; one process, heights alternating, best of 2) eight 1024-row blocks took 8520 - 8662 ms against 8228 -
+ * 8393 for the three 2731-row ones that 512 MiB holds (3%), with 128 MiB of logits instead of 341: the step's peak
+ * (294 MiB) is then below torch's own chunked F.linear_cross_entropy's (335) and it stays the fastest (bench/peers.py). */
+#define FP32_ROW_BLOCK 1024
 /* bf16 row blocks keep every row's bf16 dU (the dweight GEMM runs once, over all rows), so a block's height
  * only sets how often the weight is re-read by the logits and dx GEMMs: 512 and 1024 rows ran no faster than
  * 256 but hold more f32 logits, 128 rows ran 8 - 10% slower (fh_bench --dtype bf16 at N=1024 H=1024 V=32768
@@ -381,8 +388,9 @@ static int keep_f32_du(const fh_context *ctx, fh_plan *plan, const fh_linear *li
 /* Row-block plan for the single-call train step: tile_vocab = vocab and as many rows as the budget
  * holds, balanced across blocks. Returns 0 when at least min(n, MIN_ROW_BLOCK) rows fit (a companion's plan:
  * PAIR_ROW_BLOCK), else -1 (the caller streams instead). fp32 dU with bf16 inputs always streams
- * (its f32 copy of the weight would be H x V). bf16 blocks stop at BF16_ROW_BLOCK rows, or at group_rows when a
- * group (a sequence, a pair) is taller, so that it still runs in row blocks. When grads' dweight can hold the logits block or dU chunks (place_in_dweight, keep_f32_du), the
+ * (its f32 copy of the weight would be H x V). bf16 blocks stop at BF16_ROW_BLOCK rows and fp32 ones writing
+ * dweight at FP32_ROW_BLOCK, or at group_rows when a group (a sequence, a pair) is taller, so that it still runs in
+ * row blocks. When grads' dweight can hold the logits block or dU chunks (place_in_dweight, keep_f32_du), the
  * blocks take their full height if what stays in the workspace fits the budget; else the budget sets the height, as
  * without. */
 static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, const fh_linear_grads *grads,
@@ -408,6 +416,8 @@ static int make_row_blocks(const fh_context *ctx, const fh_linear *lin, const fh
     plan->du_chunk = plan->bf16_du ? plan->du_chunk : vocab;
     plan->tile_rows = 1;
     int64_t rows_cap = cap;
+    if (!plan->bf16_du && !plan->companion && rows_param <= 0) /* fp32 blocks writing dweight themselves */
+        rows_cap = min64(rows_cap, max64(FP32_ROW_BLOCK, group_rows));
     if (place_buffers(plan, n) != 0 || (int64_t)plan->bytes > budget) {
         /* Every row's bf16 dU does not fit: blocks that add their dweight into an f32 accumulator instead (no
          * filtering): rows in groups as tall as the budget holds, other rows (a pair's too) in cap-row blocks whose
