@@ -1,0 +1,14 @@
+set terminal pngcairo size 900,700 font ",10"
+set output "peers_512x1536x151643_memory.png"
+set title "fusedhead and peers: N=512 H=1536 V=151643, 2 threads (memory; gaps: peer not run)" noenhanced
+set style fill solid 0.8 border -1
+set boxwidth 0.7
+set xtics rotate by -60 noenhanced
+set bmargin 14
+set rmargin 12
+set ylabel "peak RSS growth, MiB"
+set grid ytics
+set yrange [0:*]
+set datafile missing "nan"
+set key off
+plot "peers_512x1536x151643.dat" using 0:3:($4 > 0 ? 0xd62728 : 0x1f77b4):xtic(1) with boxes lc rgb variable
